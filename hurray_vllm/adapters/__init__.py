@@ -1,0 +1,1 @@
+"""Engine adapters. Each imports the core and its own engine, never another adapter."""

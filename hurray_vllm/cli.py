@@ -1,0 +1,255 @@
+"""The ``hurray-vllm`` command line: inspect, validate, convert, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import dtypes
+from .api import detect_format, file_kv, iter_nodes, open_records
+from .descriptor import LAYOUT_BLOCK_PAGED, LAYOUT_COMPOSITE, TensorDescriptor
+from .errors import HurrayFormatError
+from .hrryfile import write_file
+from .paged import _widen
+from .records import Node, Record
+from .stream import write_records
+from .validate import validate
+
+EPILOG = """\
+examples:
+  hurray-vllm inspect snapshot.hrry            one line per descriptor
+  hurray-vllm inspect snapshot.hrrs --json     the same as JSON
+  hurray-vllm validate snapshot.hrry           exit 0 if valid, 1 if not
+  hurray-vllm validate other.hrry --permissive waive what the spec lets readers waive
+  hurray-vllm convert snapshot.hrrs out.hrry   stream -> file (or file -> stream)
+  hurray-vllm demo                             the format round trip on the spec's example
+"""
+
+
+def _layout_name(tag: int) -> str:
+    return {0x01: "row_major", 0x0A: "block_paged", 0x0B: "composite"}.get(tag, f"0x{tag:02X}")
+
+
+def _type_name(tag: int) -> str:
+    try:
+        return dtypes.from_tag(tag).name
+    except HurrayFormatError:
+        return f"0x{tag:02X}"
+
+
+def _describe(rec: Record, seq_lens: list[int] | None, depth: int) -> dict[str, Any]:
+    d: TensorDescriptor = rec.descriptor
+    row: dict[str, Any] = {
+        "name": rec.name or None,
+        "depth": depth,
+        "layout": _layout_name(d.layout_tag),
+        "dtype": _type_name(d.type_tag),
+        "shape": list(d.shape),
+        "bytes": d.data_bytes,
+    }
+    bp = d.block_paged
+    if bp is not None:
+        row.update(
+            layer=bp.layer_index,
+            role=bp.kv_role,
+            page_size=bp.page_size,
+            num_pages=bp.num_pages,
+            num_seqs=bp.num_seqs,
+            index_type=bp.index_type,
+            seq_lens=seq_lens,
+        )
+        if len(rec.buffers) >= 2 and rec.buffers[1].numel() % bp.index_bytes == 0:
+            table = _widen(rec.buffers[1], torch.uint64 if bp.index_type_tag == 1 else torch.uint32)
+            if table.numel():
+                _, counts = torch.unique(table, return_counts=True)
+                row.update(referenced_pages=int(counts.numel()), shared_pages=int((counts > 1).sum()))
+            else:
+                row.update(referenced_pages=0, shared_pages=0)
+        if d.quantization is not None:
+            row["quantization"] = type(d.quantization).__name__
+    comp = d.composite
+    if comp is not None:
+        row.update(rule=comp.rule, members=comp.member_count)
+    return row
+
+
+def _rows(nodes: Iterator[Node]) -> Iterator[dict[str, Any]]:
+    def walk(node: Node, depth: int, seq_lens: list[int] | None) -> Iterator[dict[str, Any]]:
+        yield _describe(node.record, seq_lens, depth)
+        lens = None
+        ms = node.members
+        if len(ms) >= 3 and ms[2].record.descriptor.type_tag == 0x16 and ms[2].record.buffers:
+            lens = ms[2].record.buffers[0].view(torch.int64).tolist()
+        for i, m in enumerate(ms):
+            yield from walk(m, depth + 1, lens if i < 2 else None)
+
+    for n in nodes:
+        yield from walk(n, 0, None)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    fmt = detect_format(args.path)
+    rows = list(_rows(iter_nodes(args.path, permissive=True)))
+    if args.json:
+        print(json.dumps({"path": str(args.path), "format": fmt, "kv": _jsonable(file_kv(args.path)), "tensors": rows}, indent=2))
+        return 0
+    print(f"{args.path}: Hurray {'file' if fmt == 'hrry' else 'stream'}, {len(rows)} descriptors")
+    header = f"{'name':<22} {'layout':<11} {'dtype':<11} {'shape':<18} {'layer':>5} {'role':<5} {'page':>5} {'pages':>6} {'seqs':>5} {'ref':>6} {'shared':>6} {'bytes':>10}"
+    print(header)
+    for r in rows:
+        name = ("  " * r["depth"] + (r["name"] or "-"))[:22]
+        if r["layout"] == "block_paged":
+            print(
+                f"{name:<22} {r['layout']:<11} {r['dtype']:<11} {str(r['shape']):<18} {str(r['layer']):>5} "
+                f"{r['role']:<5} {r['page_size']:>5} {r['num_pages']:>6} {r['num_seqs']:>5} "
+                f"{r.get('referenced_pages', '?'):>6} {r.get('shared_pages', '?'):>6} {_fmt_bytes(r['bytes']):>10}"
+            )
+            if r["seq_lens"] is not None and not args.quiet:
+                lens = r["seq_lens"]
+                shown = ", ".join(map(str, lens[:8])) + (", ..." if len(lens) > 8 else "")
+                print(f"{'':<24}seq_lens [{shown}]")
+        elif r["layout"] == "composite":
+            print(f"{name:<22} {r['layout']:<11} {r['rule']} of {r['members']}")
+        else:
+            print(f"{name:<22} {r['layout']:<11} {r['dtype']:<11} {str(r['shape']):<18} {'':>5} {'':<5} {'':>5} {'':>6} {'':>5} {'':>6} {'':>6} {_fmt_bytes(r['bytes']):>10}")
+    return 0
+
+
+def _jsonable(kv: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.hex() if isinstance(v, bytes) else v) for k, v in kv.items()}
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    checked = validate(args.path, permissive=args.permissive)
+    blocking = set(id(v) for v in checked.errors)
+    for v in checked.violations:
+        tag = "error" if id(v) in blocking else "waived"
+        print(f"{tag}: {v.invariant}: {v.message}")
+    if checked.ok:
+        if not args.quiet:
+            print(f"{args.path}: valid" + (" (permissive)" if args.permissive else ""))
+        return 0
+    return 1
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    src_fmt = detect_format(args.input)
+    out = Path(args.output)
+    out_fmt = args.to or {".hrry": "hrry", ".hrrs": "stream"}.get(out.suffix.lower())
+    if out_fmt is None:
+        out_fmt = "stream" if src_fmt == "hrry" else "hrry"
+    records = _named(open_records(args.input, permissive=args.permissive))
+    if out_fmt == "hrry":
+        size = write_file(records, out, kv=file_kv(args.input) or None)
+    else:
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                size = write_records(records, f)
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    if not args.quiet:
+        print(f"{args.input} ({src_fmt}) -> {out} ({out_fmt}), {_fmt_bytes(size)}")
+    return 0
+
+
+def _named(records: Iterator[Record]) -> Iterator[Record]:
+    """Give stream records file names: the layout's own where it is known, else tensor.N."""
+    used: set[str] = set()
+    for i, rec in enumerate(records):
+        name = rec.name or _default_name(rec.descriptor, i)
+        while name in used:
+            name = f"{name}.{i}"
+        used.add(name)
+        yield Record(name, rec.descriptor, rec.buffers)
+
+
+def _default_name(d: TensorDescriptor, i: int) -> str:
+    bp = d.block_paged
+    if bp is not None and bp.layer_index is not None:
+        return f"layers.{bp.layer_index}.{bp.kv_role}"
+    return f"tensor.{i}"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_format_demo
+
+    return run_format_demo(Path(args.workdir) if args.workdir else None, quiet=args.quiet)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hurray-vllm",
+        description="Move LLM KV caches between inference engines as Hurray block-paged tensors.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"hurray-vllm {__import__('hurray_vllm').__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("inspect", help="list the descriptors of a Hurray file or stream",
+                       description="One line per descriptor: layer, role, dtype, shape, page_size, num_pages, "
+                       "num_seqs, seq_lens when known, referenced and shared pages, bytes. "
+                       "Example: hurray-vllm inspect snapshot.hrry --json")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("-q", "--quiet", action="store_true", help="omit per-sequence details")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("validate", help="check a Hurray file or stream against the spec (exit 0 valid, 1 invalid)",
+                       description="Prints one line per violation, naming the invariant. "
+                       "Example: hurray-vllm validate snapshot.hrry --permissive")
+    s.add_argument("path")
+    s.add_argument("--permissive", action="store_true", help="waive what the spec lets permissive readers waive")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_validate)
+
+    s = sub.add_parser("convert", help="convert between a Hurray stream (.hrrs) and file (.hrry)",
+                       description="Descriptors are carried over unchanged, including ones that are not part of "
+                       "a hurray-vllm snapshot. Example: hurray-vllm convert snapshot.hrrs snapshot.hrry")
+    s.add_argument("input")
+    s.add_argument("output")
+    s.add_argument("--to", choices=["hrry", "stream"], help="output format (default: from the suffix)")
+    s.add_argument("--permissive", action="store_true", help="carry over descriptors with waivable violations")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("demo", help="run the main job end to end on built-in data",
+                       description="Example: hurray-vllm demo --workdir /tmp/hv")
+    s.add_argument("--workdir", help="keep the files it writes here (default: a temporary directory)")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except HurrayFormatError as exc:
+        print(f"hurray-vllm: invalid input: {exc}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as exc:
+        print(f"hurray-vllm: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The Hurray streaming format: each descriptor followed by its buffers.
+
+There is no framing beyond the descriptors themselves (``interchange.md``):
+a reader learns each buffer's size from the descriptor it just read, which is
+why every descriptor is validated *before* its buffers are read or any
+memory is reserved for them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
+
+import torch
+
+from .descriptor import encode_descriptor, decode_descriptor, peek_descriptor_length
+from .errors import HurrayFormatError
+from .records import Record
+from .validation import raise_if, validate_descriptor
+
+__all__ = ["write_records", "read_records", "tensor_bytes", "read_into"]
+
+#: Below this a buffer of a non-seekable stream is allocated whole; above it,
+#: memory grows with the bytes actually received, so a lying descriptor on a
+#: socket cannot make the reader reserve more than twice what arrived.
+_GROW_FROM = 64 << 20
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` as a memoryview over its own memory (no copy on CPU)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def write_records(records: Iterable[Record], f: BinaryIO) -> int:
+    """Write ``records`` to ``f`` as a Hurray stream; returns the bytes written."""
+    total = 0
+    for rec in records:
+        raw = encode_descriptor(rec.descriptor)
+        f.write(raw)
+        total += len(raw)
+        for t in rec.buffers:
+            mv = tensor_bytes(t)
+            f.write(mv)
+            total += mv.nbytes
+    return total
+
+
+def _remaining(f: BinaryIO) -> int | None:
+    """Bytes left in ``f`` when it is a regular seekable file, else ``None``."""
+    try:
+        if not f.seekable():
+            return None
+        if isinstance(f, io.BytesIO):
+            return len(f.getbuffer()) - f.tell()
+        return os.fstat(f.fileno()).st_size - f.tell()
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def read_into(f: BinaryIO, mv: memoryview, what: str) -> None:
+    """Fill ``mv`` from ``f`` exactly; a short read is a truncation error."""
+    got = 0
+    n = mv.nbytes
+    readinto = getattr(f, "readinto", None)
+    while got < n:
+        if readinto is not None:
+            k = readinto(mv[got:])
+        else:
+            chunk = f.read(n - got)
+            k = len(chunk) if chunk else 0
+            mv[got : got + k] = chunk
+        if not k:
+            raise HurrayFormatError(what, f"stream ends after {got} of {n} bytes")
+        got += k
+
+
+def _read_buffer(f: BinaryIO, size: int, remaining: int | None, what: str) -> torch.Tensor:
+    if remaining is not None and size > remaining:
+        raise HurrayFormatError(what, f"declares {size} bytes but only {remaining} remain in the input")
+    if remaining is not None or size <= _GROW_FROM:
+        out = torch.empty(size, dtype=torch.uint8)
+        if size:
+            read_into(f, memoryview(out.numpy()), what)
+        return out
+    buf = torch.empty(_GROW_FROM, dtype=torch.uint8)
+    filled = 0
+    while filled < size:
+        if filled == buf.numel():
+            bigger = torch.empty(min(size, 2 * buf.numel()), dtype=torch.uint8)
+            bigger[:filled].copy_(buf)
+            buf = bigger
+        end = buf.numel()
+        read_into(f, memoryview(buf.numpy())[filled:end], what)
+        filled = end
+    return buf
+
+
+def _read_upto(f: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes, fewer only at end of input (raw sockets return short reads)."""
+    parts = []
+    got = 0
+    while got < n:
+        chunk = f.read(n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
+    """Yield each record of the stream ``f``; buffers come back as uint8 tensors.
+
+    Every descriptor is validated before its buffers are read. A stream that
+    ends between records ends cleanly; one that ends inside a record raises
+    :class:`HurrayFormatError`.
+    """
+    index = 0
+    while True:
+        head = _read_upto(f, 10)
+        if not head:
+            return
+        if len(head) < 10:
+            raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index} header")
+        length = peek_descriptor_length(head)
+        rest = _read_upto(f, length - 10)
+        if len(rest) != length - 10:
+            raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index}")
+        desc = decode_descriptor(head + rest)
+        raise_if(validate_descriptor(desc, permissive=permissive), f"descriptor {index}")
+        remaining = _remaining(f)
+        buffers = []
+        for i, b in enumerate(desc.buffers):
+            buffers.append(_read_buffer(f, b.byte_size, remaining, f"descriptor {index} buffer {i}"))
+            if remaining is not None:
+                remaining -= b.byte_size
+        yield Record("", desc, buffers)
+        index += 1
