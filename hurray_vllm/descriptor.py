@@ -479,6 +479,11 @@ def _skip_tiled(c: _Cursor, rank: int, depth: int) -> None:
         _skip_tiled(c, rank, depth + 1)
 
 
+def _explicit_flags(flags: int, zero_point_index: int) -> int | None:
+    """``None`` when the flags are what the zero-point index implies (the canonical form)."""
+    return None if flags == (1 if zero_point_index == NO_BUFFER else 0) else flags
+
+
 def decode_quantization(data: bytes) -> Quantization:
     """Decode a quantization payload; unknown schemes come back raw."""
     if len(data) < 4:
@@ -496,7 +501,7 @@ def decode_quantization(data: bytes) -> Quantization:
                 zero_point_buffer_index=None if zi == NO_BUFFER else zi,
                 scale_type_tag=st,
                 scheme_version=ver,
-                flags=flags,
+                flags=_explicit_flags(flags, zi),
                 reserved=data[17:20],
             )
         if scheme == 0x03 and len(data) >= 24:
@@ -508,7 +513,7 @@ def decode_quantization(data: bytes) -> Quantization:
                 zero_point_buffer_index=None if zi == NO_BUFFER else zi,
                 scale_type_tag=st,
                 scheme_version=ver,
-                flags=flags,
+                flags=_explicit_flags(flags, zi),
                 reserved=data[21:24],
             )
     except struct.error as exc:  # pragma: no cover - lengths are checked above

@@ -49,6 +49,7 @@ _TYPES = (
     ElementType("uint64", 0x17, 64, torch.uint64),
     ElementType("bool", 0x20, 1, None),
     ElementType("complex64", 0x50, 64, torch.complex64),
+    ElementType("complex128", 0x51, 128, torch.complex128),
     ElementType("int4", 0x48, 4, None),
     ElementType("uint4", 0x49, 4, None),
     ElementType("int2", 0x4A, 2, None),

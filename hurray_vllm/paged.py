@@ -287,7 +287,8 @@ class BlockPagedTensor:
                 layer_index=self.layer_index,
                 index_type_tag=index_tag,
             ),
-            buffers=tuple(BufferHandle(s, alignment, dev) for s in sizes),
+            # An empty buffer has nothing to align; the reference writer declares 1 (buffer-protocol.md).
+            buffers=tuple(BufferHandle(s, alignment if s else 1, dev) for s in sizes),
             quantization=self.quantization,
         )
 

@@ -94,7 +94,7 @@ def dense_record(name: str, tensor: torch.Tensor, alignment: int = 64) -> Record
         type_tag=et.tag,
         shape=tuple(int(s) for s in t.shape),
         layout_tag=LAYOUT_ROW_MAJOR,
-        buffers=(BufferHandle(t.numel() * t.element_size(), alignment, 0),),
+        buffers=(BufferHandle(t.numel() * t.element_size(), alignment if t.numel() else 1, 0),),
     )
     return Record(name, desc, [t])
 
@@ -289,6 +289,13 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
             "layout_tag",
             f"{node.record.name or 'a tensor'} (layout 0x{node.record.descriptor.layout_tag:02X}) is not part of a KV "
             "snapshot; use hurray-vllm inspect to look at arbitrary Hurray data",
+        )
+    if meta is None and not layers:
+        raise HurrayFormatError("snapshot", "the input holds no KV snapshot (no block-paged tensors)")
+    if meta is not None and meta.get("num_layers") != len(layers):
+        raise HurrayFormatError(
+            "snapshot.num_layers",
+            f"the header announces {meta.get('num_layers')} layers but the input holds {len(layers)} (truncated?)",
         )
     if sorted(layers) != list(range(len(layers))):
         raise HurrayFormatError("layer_index", f"layers {sorted(layers)} are not 0..{len(layers) - 1}")

@@ -93,8 +93,10 @@ def _common(d: TensorDescriptor, out: list[Violation]) -> None:
     if not ext_range and not dtypes.is_known_tag(d.type_tag) and d.layout_tag != LAYOUT_COMPOSITE:
         out.append(Violation("type_tag", f"unknown element type tag 0x{d.type_tag:02X}"))
     for i, b in enumerate(d.buffers):
-        if b.alignment < 64 or b.alignment & (b.alignment - 1):
-            out.append(Violation("buffers.alignment", f"buffer {i} alignment {b.alignment} is not a power of two >= 64"))
+        if b.alignment == 0 or b.alignment & (b.alignment - 1) or (b.byte_size and b.alignment < 64):
+            out.append(
+                Violation("buffers.alignment", f"buffer {i} alignment {b.alignment} is not a power of two >= 64")
+            )
         if b.reserved:
             out.append(Violation("buffers.reserved", f"buffer {i} reserved byte is 0x{b.reserved:02X}, must be 0"))
     if d.buffers:
@@ -200,6 +202,10 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
                     "quantization.block_size",
                     f"per-block-affine block_size {q.block_size} must equal page_size {bp.page_size}",
                 )
+            )
+        if q.block_size < 2 or q.block_size & (q.block_size - 1):
+            out.append(
+                Violation("quantization.block_size", f"block_size {q.block_size} must be a power of two >= 2")
             )
         if q.scale_type_tag not in (0x01, 0x02, 0x03):
             out.append(Violation("quantization.scale_type", f"scale type 0x{q.scale_type_tag:02X} not allowed"))

@@ -1,0 +1,112 @@
+"""Hypothesis strategies: random but valid block-paged tensors and snapshots."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+@st.composite
+def batches(draw: st.DrawFn, max_seqs: int = 5, max_pages: int = 12) -> tuple[int, list[int], list[int], list[int], int]:
+    """(page_size, seq_lens, block_table, seq_ptr, num_pages) with random aliasing."""
+    page_size = draw(st.sampled_from([1, 2, 4, 16, 32]))
+    num_seqs = draw(st.integers(0, max_seqs))
+    seq_lens = [draw(st.integers(0, page_size * 4)) for _ in range(num_seqs)]
+    num_pages = draw(st.integers(1, max_pages))
+    table: list[int] = []
+    ptr = [0]
+    prev: list[int] = []
+    for n in seq_lens:
+        pages = -(-n // page_size)
+        # Reuse a prefix of the previous sequence's pages (shared prefix), then fresh ids.
+        share = draw(st.integers(0, min(pages, len(prev)))) if prev else 0
+        own = prev[:share] + [draw(st.integers(0, num_pages - 1)) for _ in range(pages - share)]
+        table.extend(own)
+        ptr.append(len(table))
+        prev = own
+    return page_size, seq_lens, table, ptr, num_pages
+
+
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 4).to(dtype)
+    return torch.randint(-100, 100, shape, generator=gen).to(dtype)
+
+
+@st.composite
+def paged_tensors(draw: st.DrawFn, dtype: torch.dtype | None = None, role: str = "key", layer: int | None = 0) -> BlockPagedTensor:
+    page_size, lens, table, ptr, num_pages = draw(batches())
+    heads = draw(st.integers(1, 3))
+    dim = draw(st.sampled_from([1, 4, 8]))
+    dt = dtype or draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    pool = _pool((num_pages, page_size, heads, dim), dt, gen)
+    return BlockPagedTensor(
+        pool,
+        torch.tensor(table, dtype=torch.int64),
+        torch.tensor(ptr, dtype=torch.int64),
+        torch.tensor(lens, dtype=torch.int64),
+        role,
+        layer,
+        draw(st.sampled_from(["uint32", "uint64"])),
+    )
+
+
+@st.composite
+def snapshots(draw: st.DrawFn) -> KVSnapshot:
+    page_size, lens, table, ptr, num_pages = draw(batches())
+    heads = draw(st.integers(1, 3))
+    dim = draw(st.sampled_from([4, 8]))
+    dt = draw(st.sampled_from(DTYPES[:5]))
+    layers = draw(st.integers(1, 3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    bt, sp, sl = (torch.tensor(x, dtype=torch.int64) for x in (table, ptr, lens))
+    keys = tuple(
+        BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, "key", i) for i in range(layers)
+    )
+    values = tuple(
+        BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, "value", i)
+        for i in range(layers)
+    )
+    extra = draw(st.integers(0, 1))
+    token_ids = tuple(tuple(draw(st.lists(st.integers(0, 50000), min_size=n + extra, max_size=n + extra))) for n in lens)
+    fp8 = dt in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return KVSnapshot(
+        keys=keys,
+        values=values,
+        token_ids=token_ids,
+        fingerprint=ModelFingerprint("LlamaForCausalLM", layers, heads, dim, str(dt).removeprefix("torch.")),
+        kv_scales=tuple((0.5 + i, 0.25 + i) for i in range(layers)) if fp8 else None,
+        source=SnapshotSource("test", "interchange", page_size),
+        request_ids=tuple(f"req-{i}" for i in range(len(lens))),
+    )
+
+
+def same_snapshot(a: KVSnapshot, b: KVSnapshot) -> bool:
+    """Equal in everything a reader may rely on (pages are compared by their valid tokens)."""
+    if a.num_layers != b.num_layers or a.token_ids != b.token_ids or a.fingerprint != b.fingerprint:
+        return False
+    if a.kv_scales != b.kv_scales or a.source != b.source or a.request_ids != b.request_ids:
+        return False
+    for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
+        if not same_tensor(x, y):
+            return False
+    return True
+
+
+def same_tensor(x: BlockPagedTensor, y: BlockPagedTensor) -> bool:
+    return (
+        x.kv_role == y.kv_role
+        and x.layer_index == y.layer_index
+        and x.index_type == y.index_type
+        and x.dtype == y.dtype
+        and torch.equal(x.block_table, y.block_table)
+        and torch.equal(x.seq_ptr, y.seq_ptr)
+        and (x.seq_lens is None) == (y.seq_lens is None)
+        and (x.seq_lens is None or torch.equal(x.seq_lens, y.seq_lens))  # type: ignore[arg-type]
+        and torch.equal(x.page_pool.view(torch.uint8), y.page_pool.view(torch.uint8))
+    )
