@@ -11,8 +11,8 @@ from .descriptor import TensorDescriptor, decode_descriptor, encode_descriptor
 from .errors import HurrayFormatError, Violation
 from .paged import BlockPagedTensor, SharingStats
 from .snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from .validation import Checked
 from .validate import validate
+from .validation import Checked
 
 __version__ = "0.1.0"
 

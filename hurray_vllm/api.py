@@ -19,8 +19,8 @@ from .stream import read_records, write_records
 
 __all__ = ["save", "load", "write_stream", "read_stream", "detect_format", "open_records", "Format"]
 
-Format = Literal["hrry", "stream", "safetensors"]
-_SUFFIXES: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
+Format = Literal["hrry", "stream"]
+_SUFFIXES: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream"}
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -31,11 +31,6 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return "hrry"
     if head[:4] == b"HRRY":
         return "stream"
-    if len(head) >= 8 and int.from_bytes(head, "little") < (100 << 20):
-        with open(path, "rb") as f:
-            f.seek(8)
-            if f.read(1) == b"{":
-                return "safetensors"
     raise HurrayFormatError("magic", f"{path}: neither a Hurray file (HRRYFILE) nor a Hurray stream (HRRY)")
 
 
@@ -45,7 +40,7 @@ def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> For
     suffix = Path(path).suffix.lower()
     if suffix not in _SUFFIXES:
         raise HurrayFormatError(
-            "path", f"cannot tell the format of {os.fspath(path)!r}: use .hrry, .hrrs or .safetensors, or pass format="
+            "path", f"cannot tell the format of {os.fspath(path)!r}: use .hrry or .hrrs, or pass format="
         )
     return _SUFFIXES[suffix]
 
@@ -59,11 +54,7 @@ def save(snapshot: KVSnapshot, path: str | os.PathLike[str], *, format: Format |
     fmt = _format_for_writing(path, format)
     if fmt == "hrry":
         return write_file(snapshot_records(snapshot), path, kv={"hurray_vllm.format_version": 1})
-    if fmt == "stream":
-        return _atomic_stream(snapshot_records(snapshot), path)
-    from .safetensors_io import save_safetensors
-
-    return save_safetensors(snapshot, path)
+    return _atomic_stream(snapshot_records(snapshot), path)
 
 
 def _atomic_stream(records: Iterator[Record], path: str | os.PathLike[str]) -> int:
@@ -87,24 +78,18 @@ def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap
     if fmt == "hrry":
         with HrryFile(path, mmap=mmap) as hf:
             yield from hf.records(permissive=permissive)
-    elif fmt == "stream":
+    else:
         with open(path, "rb") as f:
             yield from read_records(f, permissive=permissive)
-    else:
-        raise HurrayFormatError("format", f"{path} is a safetensors file; use hurray_vllm.load for it")
 
 
 def load(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> KVSnapshot:
-    """Read a :class:`KVSnapshot` from a ``.hrry`` file, stream or safetensors file.
+    """Read a :class:`KVSnapshot` from a ``.hrry`` file or a Hurray stream.
 
     The format is recognised by its magic bytes. ``mmap=True`` maps a
     ``.hrry`` file's page pools instead of reading them. Raises
     :class:`HurrayFormatError` for anything malformed.
     """
-    if detect_format(path) == "safetensors":
-        from .safetensors_io import load_safetensors
-
-        return load_safetensors(path, permissive=permissive)
     return assemble_snapshot(
         group_records(open_records(path, permissive=permissive, mmap=mmap), permissive=permissive),
         permissive=permissive,
@@ -122,7 +107,9 @@ def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
 
 def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
     """Read one :class:`KVSnapshot` from the binary file object ``f`` (to its end)."""
-    return assemble_snapshot(group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive)
+    return assemble_snapshot(
+        group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive
+    )
 
 
 def iter_nodes(path: str | os.PathLike[str], *, permissive: bool = False) -> Iterator[Node]:

@@ -14,7 +14,7 @@ import torch
 
 from . import dtypes
 from .api import detect_format, file_kv, iter_nodes, open_records
-from .descriptor import LAYOUT_BLOCK_PAGED, LAYOUT_COMPOSITE, TensorDescriptor
+from .descriptor import TensorDescriptor
 from .errors import HurrayFormatError
 from .hrryfile import write_file
 from .paged import _widen
@@ -102,31 +102,55 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+_COLUMNS = [
+    ("name", "<22"),
+    ("layout", "<11"),
+    ("dtype", "<11"),
+    ("shape", "<18"),
+    ("layer", ">5"),
+    ("role", "<5"),
+    ("page", ">5"),
+    ("pages", ">6"),
+    ("seqs", ">5"),
+    ("ref", ">6"),
+    ("shared", ">6"),
+    ("bytes", ">10"),
+]
+
+
+def _line(columns: list[tuple[str, str]], cells: dict[str, Any]) -> str:
+    def cell(v: Any) -> str:
+        return "" if v is None else str(v)
+
+    return " ".join(f"{cell(cells.get(name)):{spec}}" for name, spec in columns)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     fmt = detect_format(args.path)
     rows = list(_rows(iter_nodes(args.path, permissive=True)))
     if args.json:
-        print(json.dumps({"path": str(args.path), "format": fmt, "kv": _jsonable(file_kv(args.path)), "tensors": rows}, indent=2))
+        print(
+            json.dumps(
+                {"path": str(args.path), "format": fmt, "kv": _jsonable(file_kv(args.path)), "tensors": rows}, indent=2
+            )
+        )
         return 0
     print(f"{args.path}: Hurray {'file' if fmt == 'hrry' else 'stream'}, {len(rows)} descriptors")
-    header = f"{'name':<22} {'layout':<11} {'dtype':<11} {'shape':<18} {'layer':>5} {'role':<5} {'page':>5} {'pages':>6} {'seqs':>5} {'ref':>6} {'shared':>6} {'bytes':>10}"
-    print(header)
+    print(_line(_COLUMNS, {c: c for c, _ in _COLUMNS}))
     for r in rows:
-        name = ("  " * r["depth"] + (r["name"] or "-"))[:22]
+        cells = dict(r, name=("  " * r["depth"] + (r["name"] or "-"))[:22], bytes=_fmt_bytes(r["bytes"]))
         if r["layout"] == "block_paged":
-            print(
-                f"{name:<22} {r['layout']:<11} {r['dtype']:<11} {str(r['shape']):<18} {str(r['layer']):>5} "
-                f"{r['role']:<5} {r['page_size']:>5} {r['num_pages']:>6} {r['num_seqs']:>5} "
-                f"{r.get('referenced_pages', '?'):>6} {r.get('shared_pages', '?'):>6} {_fmt_bytes(r['bytes']):>10}"
-            )
+            cells.update(ref=r.get("referenced_pages", "?"), shared=r.get("shared_pages", "?"), page=r["page_size"])
+            cells.update(pages=r["num_pages"], seqs=r["num_seqs"])
+            print(_line(_COLUMNS, cells))
             if r["seq_lens"] is not None and not args.quiet:
                 lens = r["seq_lens"]
                 shown = ", ".join(map(str, lens[:8])) + (", ..." if len(lens) > 8 else "")
                 print(f"{'':<24}seq_lens [{shown}]")
         elif r["layout"] == "composite":
-            print(f"{name:<22} {r['layout']:<11} {r['rule']} of {r['members']}")
+            print(f"{cells['name']:<22} {r['layout']:<11} {r['rule']} of {r['members']}")
         else:
-            print(f"{name:<22} {r['layout']:<11} {r['dtype']:<11} {str(r['shape']):<18} {'':>5} {'':<5} {'':>5} {'':>6} {'':>5} {'':>6} {'':>6} {_fmt_bytes(r['bytes']):>10}")
+            print(_line(_COLUMNS, cells))
     return 0
 
 
@@ -204,26 +228,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hurray-vllm {__import__('hurray_vllm').__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("inspect", help="list the descriptors of a Hurray file or stream",
-                       description="One line per descriptor: layer, role, dtype, shape, page_size, num_pages, "
-                       "num_seqs, seq_lens when known, referenced and shared pages, bytes. "
-                       "Example: hurray-vllm inspect snapshot.hrry --json")
+    s = sub.add_parser(
+        "inspect",
+        help="list the descriptors of a Hurray file or stream",
+        description="One line per descriptor: layer, role, dtype, shape, page_size, num_pages, "
+        "num_seqs, seq_lens when known, referenced and shared pages, bytes. "
+        "Example: hurray-vllm inspect snapshot.hrry --json",
+    )
     s.add_argument("path")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("-q", "--quiet", action="store_true", help="omit per-sequence details")
     s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("validate", help="check a Hurray file or stream against the spec (exit 0 valid, 1 invalid)",
-                       description="Prints one line per violation, naming the invariant. "
-                       "Example: hurray-vllm validate snapshot.hrry --permissive")
+    s = sub.add_parser(
+        "validate",
+        help="check a Hurray file or stream against the spec (exit 0 valid, 1 invalid)",
+        description="Prints one line per violation, naming the invariant. "
+        "Example: hurray-vllm validate snapshot.hrry --permissive",
+    )
     s.add_argument("path")
     s.add_argument("--permissive", action="store_true", help="waive what the spec lets permissive readers waive")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_validate)
 
-    s = sub.add_parser("convert", help="convert between a Hurray stream (.hrrs) and file (.hrry)",
-                       description="Descriptors are carried over unchanged, including ones that are not part of "
-                       "a hurray-vllm snapshot. Example: hurray-vllm convert snapshot.hrrs snapshot.hrry")
+    s = sub.add_parser(
+        "convert",
+        help="convert between a Hurray stream (.hrrs) and file (.hrry)",
+        description="Descriptors are carried over unchanged, including ones that are not part of "
+        "a hurray-vllm snapshot. Example: hurray-vllm convert snapshot.hrrs snapshot.hrry",
+    )
     s.add_argument("input")
     s.add_argument("output")
     s.add_argument("--to", choices=["hrry", "stream"], help="output format (default: from the suffix)")
@@ -231,8 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_convert)
 
-    s = sub.add_parser("demo", help="run the main job end to end on built-in data",
-                       description="Example: hurray-vllm demo --workdir /tmp/hv")
+    s = sub.add_parser(
+        "demo",
+        help="run the main job end to end on built-in data",
+        description="Example: hurray-vllm demo --workdir /tmp/hv",
+    )
     s.add_argument("--workdir", help="keep the files it writes here (default: a temporary directory)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_demo)

@@ -76,7 +76,9 @@ def run_format_demo(workdir: Path | None = None, *, quiet: bool = False) -> int:
             sizes[suffix] = save(snap, path)
             back = load(path)
             dt = time.perf_counter() - t0
-            checks.append((f"{suffix} round trip is exact ({sizes[suffix]} bytes, {dt * 1e3:.1f} ms)", _same(snap, back)))
+            checks.append(
+                (f"{suffix} round trip is exact ({sizes[suffix]} bytes, {dt * 1e3:.1f} ms)", _same(snap, back))
+            )
             checks.append((f"{suffix} validates", validate(path).ok))
         stats = snap.sharing()
         if not quiet:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field, replace
-from typing import Union
 
 from .errors import HurrayFormatError
 
@@ -147,7 +146,7 @@ class RawLayoutFields:
     data: bytes = b""
 
 
-LayoutFields = Union[BlockPagedFields, CompositeFields, RawLayoutFields]
+LayoutFields = BlockPagedFields | CompositeFields | RawLayoutFields
 
 
 @dataclass(frozen=True)
@@ -212,7 +211,7 @@ class RawQuantization:
         return self.data[0] if self.data else 0
 
 
-Quantization = Union[PerTensorAffine, PerChannelAffine, PerBlockAffine, RawQuantization]
+Quantization = PerTensorAffine | PerChannelAffine | PerBlockAffine | RawQuantization
 
 
 @dataclass(frozen=True)
@@ -378,7 +377,7 @@ def encode_descriptor(d: TensorDescriptor) -> bytes:
 
 
 class _Cursor:
-    __slots__ = ("buf", "pos", "end")
+    __slots__ = ("buf", "end", "pos")
 
     def __init__(self, buf: bytes | memoryview, start: int, end: int) -> None:
         self.buf = buf

@@ -40,9 +40,7 @@ class HurrayFormatError(ValueError):
 
     def __init__(self, field: str, message: str, violations: Sequence[Violation] | None = None) -> None:
         self.field = field
-        self.violations: tuple[Violation, ...] = (
-            tuple(violations) if violations else (Violation(field, message),)
-        )
+        self.violations: tuple[Violation, ...] = tuple(violations) if violations else (Violation(field, message),)
         super().__init__(f"{field}: {message}")
 
     @classmethod

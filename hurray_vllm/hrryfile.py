@@ -26,7 +26,7 @@ from .crc32c import crc32c
 from .descriptor import LAYOUT_COMPOSITE, decode_descriptor, encode_descriptor
 from .errors import HurrayFormatError
 from .records import Record
-from .stream import read_into, tensor_bytes
+from .stream import byte_view, read_into, tensor_bytes
 from .validation import raise_if, validate_descriptor
 
 __all__ = ["FILE_MAGIC", "write_file", "HrryFile", "IndexEntry"]
@@ -259,7 +259,9 @@ def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, 
     index_off = out.pos
     out.write(index_bytes)
     out.write(
-        struct.pack("<QQQII", index_off, len(index_bytes), kv_off, kv_len, crc32c(index_bytes)) + bytes(4) + TRAILER_MAGIC
+        struct.pack("<QQQII", index_off, len(index_bytes), kv_off, kv_len, crc32c(index_bytes))
+        + bytes(4)
+        + TRAILER_MAGIC
     )
     return out.pos
 
@@ -407,13 +409,16 @@ class HrryFile:
             if off + n > self.size - TRAILER_LEN:
                 raise HurrayFormatError(what, f"{n} bytes at {off} run past the end of the file")
             if self._map is not None:
-                buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=off) if n else
-                               torch.empty(0, dtype=torch.uint8))
+                buffers.append(
+                    torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=off)
+                    if n
+                    else torch.empty(0, dtype=torch.uint8)
+                )
             else:
                 t = torch.empty(n, dtype=torch.uint8)
                 if n:
                     self._f.seek(off)
-                    read_into(self._f, memoryview(t.numpy()), what)
+                    read_into(self._f, byte_view(t), what)
                 buffers.append(t)
         return Record(entry.name, desc, buffers)
 

@@ -217,7 +217,9 @@ class BlockPagedTensor:
         q = self.quantization
         if isinstance(q, PerBlockAffine) and qbufs:
             qbufs = tuple(self._slot_gather(b, plan.keep) for b in qbufs)
-        return replace(self, page_pool=pool, block_table=plan.block_table.to(self.block_table.device), quant_buffers=qbufs)
+        return replace(
+            self, page_pool=pool, block_table=plan.block_table.to(self.block_table.device), quant_buffers=qbufs
+        )
 
     def _slot_gather(self, buf: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         per_page = buf.numel() // max(1, self.num_pages)

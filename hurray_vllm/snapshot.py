@@ -117,7 +117,9 @@ class KVSnapshot:
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values):
-            raise HurrayFormatError("snapshot.layers", f"{len(self.keys)} key layers but {len(self.values)} value layers")
+            raise HurrayFormatError(
+                "snapshot.layers", f"{len(self.keys)} key layers but {len(self.values)} value layers"
+            )
 
     # ── access ─────────────────────────────────────────────────────────────
 
@@ -213,11 +215,15 @@ class KVSnapshot:
                 for s, (ids, n) in enumerate(zip(self.token_ids, k0.seq_lens.tolist())):
                     if len(ids) < n:
                         found.append(
-                            Violation("snapshot.token_ids", f"sequence {s} has {n} tokens of KV but {len(ids)} token ids")
+                            Violation(
+                                "snapshot.token_ids", f"sequence {s} has {n} tokens of KV but {len(ids)} token ids"
+                            )
                         )
                         break
         if self.kv_scales is not None and len(self.kv_scales) != self.num_layers:
-            found.append(Violation("snapshot.kv_scales", f"{len(self.kv_scales)} scale pairs for {self.num_layers} layers"))
+            found.append(
+                Violation("snapshot.kv_scales", f"{len(self.kv_scales)} scale pairs for {self.num_layers} layers")
+            )
         if self.fingerprint is not None and self.keys and self.fingerprint.num_layers != self.num_layers:
             found.append(
                 Violation(

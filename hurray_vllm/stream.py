@@ -15,12 +15,12 @@ from typing import BinaryIO
 
 import torch
 
-from .descriptor import encode_descriptor, decode_descriptor, peek_descriptor_length
+from .descriptor import decode_descriptor, encode_descriptor, peek_descriptor_length
 from .errors import HurrayFormatError
 from .records import Record
 from .validation import raise_if, validate_descriptor
 
-__all__ = ["write_records", "read_records", "tensor_bytes", "read_into"]
+__all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view"]
 
 #: Below this a buffer of a non-seekable stream is allocated whole; above it,
 #: memory grows with the bytes actually received, so a lying descriptor on a
@@ -39,7 +39,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return byte_view(flat)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous uint8 CPU tensor's own memory."""
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray exports the buffer protocol
 
 
 def write_records(records: Iterable[Record], f: BinaryIO) -> int:
@@ -91,7 +96,7 @@ def _read_buffer(f: BinaryIO, size: int, remaining: int | None, what: str) -> to
     if remaining is not None or size <= _GROW_FROM:
         out = torch.empty(size, dtype=torch.uint8)
         if size:
-            read_into(f, memoryview(out.numpy()), what)
+            read_into(f, byte_view(out), what)
         return out
     buf = torch.empty(_GROW_FROM, dtype=torch.uint8)
     filled = 0
@@ -101,7 +106,7 @@ def _read_buffer(f: BinaryIO, size: int, remaining: int | None, what: str) -> to
             bigger[:filled].copy_(buf)
             buf = bigger
         end = buf.numel()
-        read_into(f, memoryview(buf.numpy())[filled:end], what)
+        read_into(f, byte_view(buf)[filled:end], what)
         filled = end
     return buf
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
 
 import torch
 
@@ -17,7 +16,7 @@ from .validation import Checked, validate_descriptor
 
 __all__ = ["validate"]
 
-Validatable = Union[KVSnapshot, BlockPagedTensor, TensorDescriptor, bytes, bytearray, str, os.PathLike]
+Validatable = KVSnapshot | BlockPagedTensor | TensorDescriptor | bytes | bytearray | str | os.PathLike[str]
 
 
 def validate(obj: Validatable, *, permissive: bool = False) -> Checked:

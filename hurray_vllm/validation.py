@@ -195,7 +195,9 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
     else:
         assert isinstance(q, PerBlockAffine)
         if q.axis != 0:
-            out.append(Violation("quantization.axis", f"per-block-affine on a block-paged tensor needs axis 0, got {q.axis}"))
+            out.append(
+                Violation("quantization.axis", f"per-block-affine on a block-paged tensor needs axis 0, got {q.axis}")
+            )
         if q.block_size != bp.page_size:
             out.append(
                 Violation(
@@ -204,9 +206,7 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
                 )
             )
         if q.block_size < 2 or q.block_size & (q.block_size - 1):
-            out.append(
-                Violation("quantization.block_size", f"block_size {q.block_size} must be a power of two >= 2")
-            )
+            out.append(Violation("quantization.block_size", f"block_size {q.block_size} must be a power of two >= 2"))
         if q.scale_type_tag not in (0x01, 0x02, 0x03):
             out.append(Violation("quantization.scale_type", f"scale type 0x{q.scale_type_tag:02X} not allowed"))
             return

@@ -24,7 +24,9 @@ def ref_quant(hurray: ModuleType, q: object) -> Any:
         st = {1: hurray.float16, 2: hurray.bfloat16, 3: hurray.float32}[q.scale_type_tag]
         if q.zero_point_buffer_index is None:
             return hurray.PerBlockAffine.symmetric(q.axis, q.block_size, q.scale_buffer_index, st)
-        return hurray.PerBlockAffine.asymmetric(q.axis, q.block_size, q.scale_buffer_index, q.zero_point_buffer_index, st)
+        return hurray.PerBlockAffine.asymmetric(
+            q.axis, q.block_size, q.scale_buffer_index, q.zero_point_buffer_index, st
+        )
     if isinstance(q, PerChannelAffine):
         if q.zero_point_buffer_index is None:
             return hurray.PerChannelAffine.symmetric(axis=q.axis, scale_buffer_index=q.scale_buffer_index)

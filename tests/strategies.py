@@ -11,7 +11,9 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, tor
 
 
 @st.composite
-def batches(draw: st.DrawFn, max_seqs: int = 5, max_pages: int = 12) -> tuple[int, list[int], list[int], list[int], int]:
+def batches(
+    draw: st.DrawFn, max_seqs: int = 5, max_pages: int = 12
+) -> tuple[int, list[int], list[int], list[int], int]:
     """(page_size, seq_lens, block_table, seq_ptr, num_pages) with random aliasing."""
     page_size = draw(st.sampled_from([1, 2, 4, 16, 32]))
     num_seqs = draw(st.integers(0, max_seqs))
@@ -38,7 +40,9 @@ def _pool(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> t
 
 
 @st.composite
-def paged_tensors(draw: st.DrawFn, dtype: torch.dtype | None = None, role: str = "key", layer: int | None = 0) -> BlockPagedTensor:
+def paged_tensors(
+    draw: st.DrawFn, dtype: torch.dtype | None = None, role: str = "key", layer: int | None = 0
+) -> BlockPagedTensor:
     page_size, lens, table, ptr, num_pages = draw(batches())
     heads = draw(st.integers(1, 3))
     dim = draw(st.sampled_from([1, 4, 8]))
@@ -66,14 +70,17 @@ def snapshots(draw: st.DrawFn) -> KVSnapshot:
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     bt, sp, sl = (torch.tensor(x, dtype=torch.int64) for x in (table, ptr, lens))
     keys = tuple(
-        BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, "key", i) for i in range(layers)
+        BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, "key", i)
+        for i in range(layers)
     )
     values = tuple(
         BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, "value", i)
         for i in range(layers)
     )
     extra = draw(st.integers(0, 1))
-    token_ids = tuple(tuple(draw(st.lists(st.integers(0, 50000), min_size=n + extra, max_size=n + extra))) for n in lens)
+    token_ids = tuple(
+        tuple(draw(st.lists(st.integers(0, 50000), min_size=n + extra, max_size=n + extra))) for n in lens
+    )
     fp8 = dt in (torch.float8_e4m3fn, torch.float8_e5m2)
     return KVSnapshot(
         keys=keys,

@@ -12,7 +12,13 @@ from pyhurray_bridge import to_reference
 from strategies import paged_tensors
 
 from hurray_vllm import BlockPagedTensor, HurrayFormatError, decode_descriptor, encode_descriptor
-from hurray_vllm.descriptor import PerBlockAffine, PerChannelAffine, PerTensorAffine, decode_quantization, encode_quantization
+from hurray_vllm.descriptor import (
+    PerBlockAffine,
+    PerChannelAffine,
+    PerTensorAffine,
+    decode_quantization,
+    encode_quantization,
+)
 
 # The spec's example (layer 3, key, page_size 4, 5 pages, 2 x 8 float16, seqs 6 and 3 sharing page 0).
 SPEC_EXAMPLE_HEX = (

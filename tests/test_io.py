@@ -91,7 +91,10 @@ def test_we_read_reference_composite_files_and_streams(hurray, tmp_path: Path) -
     for i, (k, v) in enumerate(snap.layers()):
         lens = hurray.Tensor(np.array(snap.seq_lens, dtype=np.int64).tobytes(), hurray.int64, [len(snap.seq_lens)])
         groups[f"layers.{i}"] = hurray.Composite(
-            "group", shape=list(k.shape), dtype=hurray.float16, members=[to_reference(hurray, k), to_reference(hurray, v), lens]
+            "group",
+            shape=list(k.shape),
+            dtype=hurray.float16,
+            members=[to_reference(hurray, k), to_reference(hurray, v), lens],
         )
     hurray.save(str(tmp_path / "ref.hrry"), groups, kv={"producer": "pyhurray"})
     with hurray.StreamWriter(str(tmp_path / "ref.hrrs")) as w:
@@ -108,7 +111,9 @@ def test_we_read_reference_composite_files_and_streams(hurray, tmp_path: Path) -
 
 
 @given(snapshots())
-def test_we_read_reference_bare_descriptors(hurray, tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot) -> None:
+def test_we_read_reference_bare_descriptors(
+    hurray, tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot
+) -> None:
     d = tmp_path_factory.mktemp("bare")
     tensors = {}
     with hurray.StreamWriter(str(d / "bare.hrrs")) as w:
@@ -237,7 +242,7 @@ def test_file_claiming_more_than_it_holds(tmp_path: Path) -> None:
     at = raw.index(hv.encode_descriptor(spec_example_snapshot(num_layers=1)[0, "key"].descriptor()))
     patched = raw[:at] + huge + raw[at + len(huge) :]
     (tmp_path / "huge.hrry").write_bytes(patched)
-    with pytest.raises(hv.HurrayFormatError, match="data_length|past the end"):
+    with pytest.raises(hv.HurrayFormatError, match=r"data_length|past the end"):
         hv.load(tmp_path / "huge.hrry")
 
 
