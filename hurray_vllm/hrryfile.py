@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .crc32c import crc32c
-from .descriptor import LAYOUT_COMPOSITE, decode_descriptor, encode_descriptor
+from .descriptor import LAYOUT_COMPOSITE, decode_descriptor, encode_descriptor, peek_descriptor_length
 from .errors import HurrayFormatError
 from .records import Record
 from .stream import byte_view, read_into, tensor_bytes
@@ -387,9 +387,13 @@ class HrryFile:
     def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:
         """The record of ``entry``; its descriptor is validated before any buffer."""
         raw = self._read_at(entry.descriptor_offset, entry.descriptor_length, f"{entry.name}.descriptor")
+        own = peek_descriptor_length(raw)
+        if own != entry.descriptor_length:
+            raise HurrayFormatError(
+                "file.index.descriptor_length",
+                f"{entry.name}: the index says {entry.descriptor_length} bytes, the descriptor {own}",
+            )
         desc = decode_descriptor(raw)
-        if len(raw) != entry.descriptor_length:
-            raise HurrayFormatError("file.index.descriptor_length", f"{entry.name}: index and descriptor disagree")
         raise_if(validate_descriptor(desc, permissive=permissive), entry.name)
         spans = []
         pos = entry.data_offset

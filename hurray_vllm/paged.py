@@ -102,6 +102,8 @@ class BlockPagedTensor:
     index_type: str = "uint32"
     quantization: Quantization | None = None
     quant_buffers: tuple[torch.Tensor, ...] = ()
+    #: ``shape[0]`` as read from a descriptor that carried no sequence lengths.
+    num_tokens: int | None = None
 
     # ── shape ──────────────────────────────────────────────────────────────
 
@@ -137,6 +139,8 @@ class BlockPagedTensor:
         """
         if self.seq_lens is not None:
             return int(self.seq_lens.sum())
+        if self.num_tokens is not None:
+            return self.num_tokens
         return int(self.block_table.numel()) * self.page_size
 
     @property
@@ -204,7 +208,7 @@ class BlockPagedTensor:
         parts = [self.block_table[int(self.seq_ptr[s]) : int(self.seq_ptr[s + 1])] for s in seqs]
         table = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         lens = self.seq_lens[idx] if self.seq_lens is not None else None
-        return replace(self, block_table=table, seq_ptr=seq_ptr, seq_lens=lens)
+        return replace(self, block_table=table, seq_ptr=seq_ptr, seq_lens=lens, num_tokens=None)
 
     def compact(self, plan: CompactionPlan | None = None) -> BlockPagedTensor:
         """Keep only referenced pages, renumbered; aliasing is preserved.
@@ -231,6 +235,8 @@ class BlockPagedTensor:
         if self.block_table.numel() == 0:
             return valid
         counts = self.seq_ptr[1:] - self.seq_ptr[:-1]
+        if bool((counts < 0).any()) or int(self.seq_ptr[-1]) != self.block_table.numel():
+            raise HurrayFormatError("seq_ptr", "seq_ptr is not a non-decreasing index into the block table")
         seq_of = torch.repeat_interleave(torch.arange(self.num_seqs, device=counts.device), counts)
         k = torch.arange(self.block_table.numel(), device=counts.device) - self.seq_ptr[:-1][seq_of]
         if self.seq_lens is None:
@@ -360,6 +366,7 @@ class BlockPagedTensor:
             index_type=INDEX_TYPES.get(bp.index_type_tag, "uint32"),
             quantization=desc.quantization,
             quant_buffers=tuple(buffers[3:]),
+            num_tokens=None if seq_lens is not None else int(desc.shape[0]),
         )
 
 

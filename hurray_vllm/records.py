@@ -137,8 +137,9 @@ def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
     for i, (k, v) in enumerate(snap.layers()):
         scaled = snap.kv_scales is not None
         yield group_head(f"layers.{i}", 4 if scaled else 3, k.shape, k.dtype)
-        yield Record(f"layers.{i}.key", k.descriptor(), k.wire_buffers())
-        yield Record(f"layers.{i}.value", v.descriptor(), v.wire_buffers())
+        # The bytes land on the host whatever device the pools live on.
+        yield Record(f"layers.{i}.key", k.descriptor(device_tag=0), k.wire_buffers())
+        yield Record(f"layers.{i}.value", v.descriptor(device_tag=0), v.wire_buffers())
         lens = k.seq_lens if k.seq_lens is not None else torch.empty(0, dtype=torch.int64)
         yield dense_record(f"layers.{i}.seq_lens", lens.to(torch.int64))
         if snap.kv_scales is not None:

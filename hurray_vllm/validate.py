@@ -41,7 +41,7 @@ def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
         try:
             return validate_descriptor(decode_descriptor(obj), permissive=permissive)
         except HurrayFormatError as exc:
-            return Checked(exc.violations, permissive)
+            return Checked((), permissive, exc.violations)
     if isinstance(obj, (str, Path, os.PathLike)):
         return _validate_path(obj, permissive)
     raise TypeError(f"cannot validate a {type(obj).__name__}")
@@ -87,11 +87,12 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
     from .api import iter_nodes
 
     out: list[Violation] = []
+    unreadable: tuple[Violation, ...] = ()
     try:
         for node in iter_nodes(path, permissive=True):
             _walk(node, permissive, out)
     except HurrayFormatError as exc:
-        out.extend(exc.violations)
+        unreadable = exc.violations
     except OSError as exc:
-        out.append(Violation("file", str(exc)))
-    return Checked(tuple(out), permissive)
+        unreadable = (Violation("file", str(exc)),)
+    return Checked(tuple(out), permissive, unreadable)

@@ -9,8 +9,8 @@ in permissive mode"): reserved bytes, unknown roles and tags, seq_ptr
 ordering, a shard section, quantization placement.
 
 Page ids are bounds-checked in both modes whenever the block table is at
-hand: a permissive reader may *carry* an out-of-range id, but nothing in
-hurray-vllm ever dereferences one.
+hand (``block_table.page_id`` is structural): only the record-level tools
+(``inspect``, ``convert``) carry such a table along, without reading through it.
 """
 
 from __future__ import annotations
@@ -60,16 +60,21 @@ _STRUCTURAL = frozenset(
 
 @dataclass(frozen=True)
 class Checked:
-    """Result of validation: every violation found, and whether it blocks."""
+    """Result of validation: every violation found, and whether it blocks.
+
+    ``unreadable`` holds what stopped parsing altogether (bad magic,
+    truncation, a corrupt index); it blocks in every mode.
+    """
 
     violations: tuple[Violation, ...]
     permissive: bool
+    unreadable: tuple[Violation, ...] = ()
 
     @property
     def errors(self) -> tuple[Violation, ...]:
         if not self.permissive:
-            return self.violations
-        return tuple(v for v in self.violations if v.invariant in _STRUCTURAL)
+            return self.violations + self.unreadable
+        return tuple(v for v in self.violations if v.invariant in _STRUCTURAL) + self.unreadable
 
     @property
     def ok(self) -> bool:
@@ -99,6 +104,10 @@ def _common(d: TensorDescriptor, out: list[Violation]) -> None:
             )
         if b.reserved:
             out.append(Violation("buffers.reserved", f"buffer {i} reserved byte is 0x{b.reserved:02X}, must be 0"))
+        if b.sync_mode > 0x02:
+            out.append(Violation("buffers.sync_mode", f"buffer {i} sync_mode 0x{b.sync_mode:02X} is not 0, 1 or 2"))
+        if b.memory_class > 0x03:
+            out.append(Violation("buffers.memory_class", f"buffer {i} memory_class 0x{b.memory_class:02X} is reserved"))
     if d.buffers:
         if len({b.device_tag for b in d.buffers}) > 1:
             out.append(Violation("buffers.device_tag", "all buffers of one descriptor must share one device_tag"))

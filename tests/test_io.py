@@ -128,6 +128,7 @@ def test_we_read_reference_bare_descriptors(
         assert back.num_layers == snap.num_layers
         for i in range(snap.num_layers):
             assert back[i, "key"].seq_lens is None  # nothing on the wire carries them
+            assert back[i, "key"].shape == snap[i, "key"].shape
             assert torch.equal(back[i, "value"].block_table, snap[i, "value"].block_table)
             assert torch.equal(back[i, "key"].page_pool.view(torch.uint8), snap[i, "key"].page_pool.view(torch.uint8))
 
@@ -298,3 +299,25 @@ def test_unseekable_write_is_zero_copy() -> None:
     pool = snap[0, "key"].page_pool
     views = [b for b in seen if isinstance(b, memoryview) and b.nbytes == pool.numel() * 2]
     assert views and any(np.shares_memory(np.asarray(v), pool.view(torch.uint8).numpy()) for v in views)
+
+
+def test_index_must_agree_with_descriptor_length(tmp_path: Path) -> None:
+    hv.save(spec_example_snapshot(num_layers=1), tmp_path / "s.hrry")
+    raw = bytearray((tmp_path / "s.hrry").read_bytes())
+    index_off, index_len = struct.unpack_from("<QQ", raw, len(raw) - 40)
+    # First entry: u16 name length, name, u64 descriptor_offset, u32 descriptor_length.
+    (n,) = struct.unpack_from("<H", raw, index_off + 8)
+    at = index_off + 8 + 2 + n + 8
+    struct.pack_into("<I", raw, at, struct.unpack_from("<I", raw, at)[0] + 3)
+    crc = hv.crc32c.crc32c(bytes(raw[index_off : index_off + index_len]))
+    struct.pack_into("<I", raw, len(raw) - 12, crc)
+    (tmp_path / "lie.hrry").write_bytes(bytes(raw))
+    with pytest.raises(hv.HurrayFormatError, match="descriptor_length"):
+        hv.load(tmp_path / "lie.hrry")
+
+
+def test_unreadable_input_is_invalid_even_when_permissive(tmp_path: Path) -> None:
+    (tmp_path / "junk").write_bytes(b"HRRYFILE" + bytes(20))
+    for p in (tmp_path / "junk", tmp_path / "missing"):
+        assert not hv.validate(p, permissive=True).ok
+    assert not hv.validate(b"garbage", permissive=True).ok
