@@ -58,6 +58,11 @@ _STRUCTURAL = frozenset(
 )
 
 
+# Valid storage types per scheme (quantization/*.md § Valid Storage Types).
+_BLOCK_STORAGE = frozenset({0x10, 0x11, 0x48, 0x49, 0x4A, 0x4B})
+_AFFINE_STORAGE = _BLOCK_STORAGE | {0x12, 0x13, 0x14, 0x15}
+
+
 @dataclass(frozen=True)
 class Checked:
     """Result of validation: every violation found, and whether it blocks.
@@ -165,6 +170,15 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
         return
     if q.scheme_version > 1:
         out.append(Violation("quantization.scheme_version", f"version {q.scheme_version} is newer than 1"))
+    allowed = _BLOCK_STORAGE if isinstance(q, PerBlockAffine) else _AFFINE_STORAGE
+    if d.type_tag not in allowed:
+        out.append(
+            Violation(
+                "quantization.storage_type",
+                f"type tag 0x{d.type_tag:02X} is not an integer storage type this scheme admits "
+                "(fp8 caches travel unquantized with their scales beside them; see docs/format.md)",
+            )
+        )
     if isinstance(q, PerTensorAffine):
         if not math.isfinite(q.scale) or q.scale == 0:
             out.append(Violation("quantization.scale", f"per-tensor scale must be finite and non-zero, got {q.scale}"))
@@ -222,9 +236,9 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
         entries = bp.num_pages * bp.page_size
         scale_bytes = 4 if q.scale_type_tag == 0x03 else 2
     want = entries * scale_bytes
+    zp_want = entries * 4  # zero points are int32 whatever the storage type
     if q.zero_point_buffer_index == q.scale_buffer_index:
-        zp_bytes = entries * max(1, dtypes.from_tag(d.type_tag).bits // 8) if dtypes.is_known_tag(d.type_tag) else 0
-        if d.buffers[q.scale_buffer_index].byte_size != want + zp_bytes:
+        if d.buffers[q.scale_buffer_index].byte_size != want + zp_want:
             out.append(Violation("quantization.scales.byte_size", "shared scale/zero-point buffer has the wrong size"))
         return
     if d.buffers[q.scale_buffer_index].byte_size != want:
@@ -235,10 +249,12 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
                 f"{entries} entries of {scale_bytes} bytes need {want}",
             )
         )
-    if q.zero_point_buffer_index is not None and dtypes.is_known_tag(d.type_tag):
-        zp_want = entries * max(1, dtypes.from_tag(d.type_tag).bits // 8)
-        if d.buffers[q.zero_point_buffer_index].byte_size != zp_want:
-            out.append(Violation("quantization.zero_points.byte_size", f"zero-point buffer must hold {zp_want} bytes"))
+    if q.zero_point_buffer_index is not None and d.buffers[q.zero_point_buffer_index].byte_size != zp_want:
+        out.append(
+            Violation(
+                "quantization.zero_points.byte_size", f"zero-point buffer must hold {entries} int32 = {zp_want} bytes"
+            )
+        )
     expected_count = 3 + len(set(indices))
     if len(d.buffers) != expected_count:
         out.append(Violation("buffer_count", f"expected {expected_count} buffers, found {len(d.buffers)}"))

@@ -57,10 +57,10 @@ def _quantized(t: BlockPagedTensor, scheme: str, asym: bool) -> BlockPagedTensor
         return replace(t, page_pool=pool, quantization=PerTensorAffine(0.125, 3 if asym else 0))
     if scheme == "block":
         q = PerBlockAffine(0, t.page_size, 3, 4 if asym else None)
-        bufs = (torch.rand(slots), *((torch.randint(-5, 5, (slots,), dtype=torch.int8),) if asym else ()))
+        bufs = (torch.rand(slots), *((torch.randint(-5, 5, (slots,), dtype=torch.int32),) if asym else ()))
     else:
         q = PerChannelAffine(2, 3, 4 if asym else None)
-        bufs = (torch.rand(t.head_dim), *((torch.randint(-5, 5, (t.head_dim,), dtype=torch.int8),) if asym else ()))
+        bufs = (torch.rand(t.head_dim), *((torch.randint(-5, 5, (t.head_dim,), dtype=torch.int32),) if asym else ()))
     return replace(t, page_pool=pool, quantization=q, quant_buffers=tuple(b.view(torch.uint8) for b in bufs))
 
 

@@ -137,13 +137,21 @@ def _quant(q: object, extra: list[int]) -> TensorDescriptor:
         (PerBlockAffine(0, 4, 2), [80], "quantization.buffer_index"),
         (PerTensorAffine(0.0), [], "quantization.scale"),
         (RawQuantization(b"\x70\x01\x00\x00"), [], "quantization.scheme_tag"),
+        (PerBlockAffine(0, 4, 3, 4), [80, 20], "quantization.zero_points.byte_size"),
     ],
 )
 def test_quantization_rules(q: object, extra: list[int], invariant: str) -> None:
     assert invariant in names(_quant(q, extra))
 
 
+def test_quantization_storage_type() -> None:
+    fp8 = replace(_quant(PerTensorAffine(0.5), []), type_tag=0x40)
+    assert "quantization.storage_type" in names(fp8)
+    assert "quantization.storage_type" in names(replace(_quant(PerBlockAffine(0, 4, 3), [80]), type_tag=0x12))
+
+
 def test_quantization_valid_cases() -> None:
+    assert hv.validate(_quant(PerBlockAffine(0, 4, 3, 4), [80, 80])).ok  # int32 zero point per slot
     assert hv.validate(_quant(PerBlockAffine(0, 4, 3), [80])).ok  # 5 pages x 4 slots x f32
     assert hv.validate(_quant(PerChannelAffine(2, 3), [32])).ok  # 8 channels x f32
     assert hv.validate(_quant(PerTensorAffine(0.5), [])).ok
