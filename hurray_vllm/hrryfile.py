@@ -39,6 +39,7 @@ FLAG_HAS_KV = 1 << 0
 FLAG_SORTED_INDEX = 1 << 1
 FLAG_HAS_CRC = 1 << 2
 DEFAULT_ALIGNMENT = 4096
+_MMAP_MIN = 1 << 20
 _KV_STR, _KV_I64, _KV_U64, _KV_F64, _KV_BOOL, _KV_BYTES, _KV_ARRAY = range(1, 8)
 
 
@@ -199,6 +200,10 @@ def write_file(
             size = _write(records, raw, kv, alignment)
             raw.flush()
             os.fsync(raw.fileno())
+        # mkstemp creates 0600; give the file the mode open() would have.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -412,12 +417,11 @@ class HrryFile:
             what = f"{entry.name} buffer {i}"
             if off + n > self.size - TRAILER_LEN:
                 raise HurrayFormatError(what, f"{n} bytes at {off} run past the end of the file")
-            if self._map is not None:
-                buffers.append(
-                    torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=off)
-                    if n
-                    else torch.empty(0, dtype=torch.uint8)
-                )
+            # Small buffers (block tables, seq_ptr, metadata) are read outright:
+            # through the map each would be a separate page fault on a cold file,
+            # taken before the first pool byte is wanted.
+            if self._map is not None and n >= _MMAP_MIN:
+                buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=off))
             else:
                 t = torch.empty(n, dtype=torch.uint8)
                 if n:

@@ -110,11 +110,11 @@ def group_head(name: str, member_count: int, shape: Sequence[int], dtype: torch.
     return Record(name, desc, [])
 
 
-def _meta_json(snap: KVSnapshot) -> dict[str, Any]:
+def _meta_json(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "num_layers": snap.num_layers,
+        "num_layers": num_layers,
         "num_seqs": snap.num_seqs,
         "fingerprint": snap.fingerprint.to_json() if snap.fingerprint else None,
         "source": snap.source.to_json() if snap.source else None,
@@ -123,9 +123,14 @@ def _meta_json(snap: KVSnapshot) -> dict[str, Any]:
     }
 
 
-def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
-    """The records of ``snap``, layer after layer (lazy: nothing is copied ahead)."""
-    meta = json.dumps(_meta_json(snap), sort_keys=True).encode()
+def header_records(snap: KVSnapshot, *, num_layers: int | None = None) -> Iterator[Record]:
+    """The ``snapshot`` header group: metadata JSON, token ids and their offsets.
+
+    ``num_layers`` lets a streaming writer announce the layers it is about to
+    gather (``snap`` then carries no layers yet).
+    """
+    count = snap.num_layers if num_layers is None else num_layers
+    meta = json.dumps(_meta_json(snap, count), sort_keys=True).encode()
     flat = [t for ids in snap.token_ids for t in ids]
     ptr = [0]
     for ids in snap.token_ids:
@@ -134,16 +139,27 @@ def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
     yield dense_record("snapshot.meta", torch.frombuffer(bytearray(meta), dtype=torch.uint8))
     yield dense_record("snapshot.token_ids", torch.tensor(flat, dtype=torch.int64))
     yield dense_record("snapshot.token_ptr", torch.tensor(ptr, dtype=torch.int64))
+
+
+def layer_records(
+    i: int, k: BlockPagedTensor, v: BlockPagedTensor, kv_scales: tuple[float, float] | None = None
+) -> Iterator[Record]:
+    """The ``layers.{i}`` group of one layer."""
+    yield group_head(f"layers.{i}", 4 if kv_scales is not None else 3, k.shape, k.dtype)
+    # The bytes land on the host whatever device the pools live on.
+    yield Record(f"layers.{i}.key", k.descriptor(device_tag=0), k.wire_buffers())
+    yield Record(f"layers.{i}.value", v.descriptor(device_tag=0), v.wire_buffers())
+    lens = k.seq_lens if k.seq_lens is not None else torch.empty(0, dtype=torch.int64)
+    yield dense_record(f"layers.{i}.seq_lens", lens.to(torch.int64).cpu())
+    if kv_scales is not None:
+        yield dense_record(f"layers.{i}.kv_scales", torch.tensor(kv_scales, dtype=torch.float32))
+
+
+def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
+    """The records of ``snap``, layer after layer (lazy: nothing is copied ahead)."""
+    yield from header_records(snap)
     for i, (k, v) in enumerate(snap.layers()):
-        scaled = snap.kv_scales is not None
-        yield group_head(f"layers.{i}", 4 if scaled else 3, k.shape, k.dtype)
-        # The bytes land on the host whatever device the pools live on.
-        yield Record(f"layers.{i}.key", k.descriptor(device_tag=0), k.wire_buffers())
-        yield Record(f"layers.{i}.value", v.descriptor(device_tag=0), v.wire_buffers())
-        lens = k.seq_lens if k.seq_lens is not None else torch.empty(0, dtype=torch.int64)
-        yield dense_record(f"layers.{i}.seq_lens", lens.to(torch.int64))
-        if snap.kv_scales is not None:
-            yield dense_record(f"layers.{i}.kv_scales", torch.tensor(snap.kv_scales[i], dtype=torch.float32))
+        yield from layer_records(i, k, v, snap.kv_scales[i] if snap.kv_scales is not None else None)
 
 
 def group_records(records: Iterable[Record], *, permissive: bool = False) -> Iterator[Node]:
@@ -321,7 +337,7 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         request_ids=tuple(meta["request_ids"]) if meta and meta.get("request_ids") is not None else None,
         extra=dict(meta.get("extra") or {}) if meta else {},
     )
-    raise_if(snap.validate(permissive=permissive), "snapshot")
+    raise_if(snap.validate(permissive=permissive, tensors=False), "snapshot")
     return snap
 
 

@@ -10,28 +10,37 @@ Compares, on the same page-pool bytes:
 * pyhurray  ``hurray.Tensor(bytes(pool), ...)`` per layer and role written
             with ``hurray.StreamWriter`` / read with ``hurray.StreamReader``.
 
-Every write ends with ``fsync`` (ours does it itself; raw and pyhurray get it
-added), every read result is kept alive until the timer stops and touched
-once per 4 KiB page (the mmap variant instead sums every byte and has a raw
-counterpart that does the same). Before each "cold" read the page cache is
-dropped (needs root); "warm" reads repeat the read with the file cached.
-Peak extra memory of our write and read is measured in a fresh subprocess
+Every write goes to a fresh file and ends with ``fsync`` (ours does it
+itself; raw and pyhurray get it added). Every read result is kept alive
+until the timer stops and touched once per 4 KiB page (the mmap variant
+instead sums every byte and has a raw counterpart that does the same).
+Before each write and each "cold" read the page cache is dropped (needs
+root; otherwise the JSON says so); "warm" reads repeat the read with the
+file cached. Contenders alternate within each repetition, in a seeded
+random order; medians are reported. Every write creates a new file (old
+ones are deleted between repetitions, then ``sync`` and ``--settle``). The
+script re-runs itself with glibc's mmap threshold pinned
+(``MALLOC_MMAP_THRESHOLD_``, see ``_pin_malloc``) unless
+``--default-malloc``. Peak extra memory is measured in a fresh subprocess
 per operation from the kernel's RSS high-water mark (``VmHWM``, reset via
-``/proc/self/clear_refs``).
+``/proc/self/clear_refs``); a read's own result (the payload) is not
+counted as extra.
 
 Prints one JSON object to stdout; progress goes to stderr.
 
-    .venv/bin/python scripts/bench_codec.py [--size-mib 256] [--repeat 3]
+    .venv/bin/python scripts/bench_codec.py [--size-mib 256] [--repeat 9]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
 import platform
+import random
 import re
 import resource
 import statistics
@@ -90,7 +99,8 @@ def build_snapshot(size_mib: int, seed: int = 0) -> KVSnapshot:
     block_table = perm[torch.tensor(table)]
     seq_ptr = torch.tensor(ptr, dtype=torch.int64)
     seq_lens = torch.tensor(lens, dtype=torch.int64)
-    keys, values = [], []
+    keys: list[BlockPagedTensor] = []
+    values: list[BlockPagedTensor] = []
     for layer in range(LAYERS):
         for role, out in (("key", keys), ("value", values)):
             pool = torch.randn(num_pages, PAGE_SIZE, HEADS, HEAD_DIM, dtype=torch.bfloat16, generator=g)
@@ -160,14 +170,14 @@ def fsync_path(path: Path) -> None:
 def raw_write(snap: KVSnapshot, path: Path) -> None:
     with open(path, "wb") as f:
         for p in pools(snap):
-            f.write(memoryview(u8(p).numpy()))
+            f.write(u8(p).numpy().data)
         f.flush()
         os.fsync(f.fileno())
 
 
 def raw_read(path: Path, n: int) -> torch.Tensor:
     buf = torch.empty(n, dtype=torch.uint8)  # fresh every time, like ours
-    mv = memoryview(buf.numpy())
+    mv = buf.numpy().data
     got = 0
     with open(path, "rb", buffering=0) as f:
         while got < n:
@@ -305,8 +315,10 @@ def mem_child(op: str, path: Path, size_mib: int, n: int) -> dict[str, Any]:
     base = _status_kib("VmRSS") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     keep: Any = None
     if op == "write_hrry" or op == "write_hrrs":
+        assert snap is not None
         hurray_vllm.save(snap, path)
     elif op == "write_pyhurray":
+        assert snap is not None
         pyhurray_write(snap, path)
     elif op == "read_hrry" or op == "read_hrrs":
         keep = ours_read(path)
@@ -347,6 +359,27 @@ def timed(fn: Callable[[], Any]) -> float:
     return dt
 
 
+def shuffled(d: dict[str, Any], seed: int) -> list[tuple[str, Any]]:
+    items = list(d.items())
+    random.Random(seed).shuffle(items)
+    return items
+
+
+def filesystem(path: str) -> str:
+    """``fstype options`` of the mount holding ``path`` (from /proc/mounts)."""
+    best, desc = "", "unknown"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _dev, mnt, fstype, opts, *_ = line.split()
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, desc = mnt, f"{fstype} {opts} (mounted on {mnt})"
+    except OSError:
+        pass
+    return desc
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -358,12 +391,40 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+_MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+def _pin_malloc() -> None:
+    """Re-run this script with glibc's mmap threshold fixed (128 KiB).
+
+    By default glibc raises the threshold after a large block is freed, so
+    a later 16 MiB buffer may be served from already-faulted heap memory
+    while a 256 MiB one never is: a read would then be 2-4x faster or not
+    depending on what the previous contender allocated. A fixed threshold
+    makes every contender read into freshly mapped memory, as a fresh
+    process would. An explicit setting in the environment is respected.
+    """
+    if _MALLOC_ENV in os.environ:
+        return
+    env = dict(os.environ, **{_MALLOC_ENV: str(128 << 10)})
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+
+
 def main() -> int:
+    if "--default-malloc" not in sys.argv:
+        _pin_malloc()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=int, default=256, help="page-pool payload in MiB (default 256)")
-    ap.add_argument("--repeat", type=int, default=3, help="repetitions per operation; the median is reported (default 3)")
+    ap.add_argument("--repeat", type=int, default=9, help="repetitions per operation, median reported (default 9)")
     ap.add_argument("--dir", default="/tmp", help="where the temporary directory is made (default /tmp)")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds to wait after deleting old files (default 1)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's adaptive mmap threshold (buffers may then reuse already-faulted heap memory)",
+    )
     ap.add_argument("--_mem-child", dest="mem_child", help=argparse.SUPPRESS)
     ap.add_argument("--_path", dest="path", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -378,7 +439,7 @@ def main() -> int:
     n = payload_bytes(snap)
     log(f"  {snap!r}, payload {n} bytes")
 
-    writes: dict[str, Callable[[Path], None]] = {
+    writes: dict[str, Callable[[Path], Any]] = {
         "raw": lambda p: raw_write(snap, p),
         "hrry": lambda p: hurray_vllm.save(snap, p),
         "hrrs": lambda p: hurray_vllm.save(snap, p),
@@ -396,7 +457,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_codec.", dir=args.dir) as tmp_s:
         tmp = Path(tmp_s)
-        paths = {k: tmp / f"kv{s}" for k, s in suffix.items()}
+        paths = {k: tmp / f"kv.warmup{s}" for k, s in suffix.items()}
         # Warm-up (imports, first-call costs), not timed.
         for k, w in writes.items():
             w(paths[k])
@@ -414,15 +475,23 @@ def main() -> int:
         t_warm: dict[str, list[float]] = {k: [] for k in reads}
         for rep in range(args.repeat):
             log(f"repetition {rep + 1}/{args.repeat}")
-            # Contenders alternate inside a repetition, so drift hits all alike.
-            for k, w in writes.items():
-                paths[k].unlink(missing_ok=True)
-                os.sync()
-                t_write[k].append(timed(lambda: w(paths[k])))
-            for k, (src, r) in reads.items():
+            # Contenders alternate inside a repetition, so drift hits all alike,
+            # in a fresh random order each time, so none always follows another.
+            # Every write makes a new file; old ones are deleted only between
+            # repetitions (the file system discards freed blocks, which would
+            # otherwise land in the next fsync).
+            old, paths = paths, {k: tmp / f"kv.{rep}{s}" for k, s in suffix.items()}
+            for k, w in shuffled(writes, rep):
+                drop_caches()  # syncs too: every write starts from the same clean state
+                t_write[k].append(timed(functools.partial(w, paths[k])))
+            for k, (src, r) in shuffled(reads, rep):
                 drop_caches()
-                t_cold[k].append(timed(lambda: r(paths[src])))
-                t_warm[k].append(timed(lambda: r(paths[src])))
+                t_cold[k].append(timed(functools.partial(r, paths[src])))
+                t_warm[k].append(timed(functools.partial(r, paths[src])))
+            for p in old.values():
+                p.unlink(missing_ok=True)
+            os.sync()
+            time.sleep(args.settle)
             log(
                 "  write "
                 + " ".join(f"{k}={v[-1]:.3f}" for k, v in t_write.items())
@@ -455,16 +524,13 @@ def main() -> int:
     gbs = lambda d: {k: round(n / v / 1e9, 3) for k, v in d.items()}  # noqa: E731
     r3 = lambda x: round(x, 3)  # noqa: E731
 
-    def read_ratios(sec: dict[str, float]) -> dict[str, float]:
-        return {
-            "hrry": r3(sec["hrry"] / sec["raw"]),
-            "hrrs": r3(sec["hrrs"] / sec["raw"]),
-            "hrry_mmap_touch_all": r3(sec["hrry_mmap_touch_all"] / sec["raw_touch_all"]),
-        }
-
     write_vs_raw = {k: r3(sec_w[k] / sec_w["raw"]) for k in ("hrry", "hrrs")}
-    read_vs_raw = read_ratios(sec_c)
-    read_vs_raw_warm = read_ratios(sec_h)
+    read_vs_raw = {k: r3(sec_c[k] / sec_c["raw"]) for k in ("hrry", "hrrs")}
+    read_vs_raw_warm = {k: r3(sec_h[k] / sec_h["raw"]) for k in ("hrry", "hrrs")}
+    mmap_vs_raw = {
+        "cold": r3(sec_c["hrry_mmap_touch_all"] / sec_c["raw_touch_all"]),
+        "warm": r3(sec_h["hrry_mmap_touch_all"] / sec_h["raw_touch_all"]),
+    }
     py_w = {k: r3(sec_w["pyhurray"] / sec_w[k]) for k in ("hrry", "hrrs")}
     py_r = {k: r3(sec_c["pyhurray"] / sec_c[k]) for k in ("hrry", "hrrs")}
     py_r_warm = {k: r3(sec_h["pyhurray"] / sec_h[k]) for k in ("hrry", "hrrs")}
@@ -473,6 +539,8 @@ def main() -> int:
     goals = {
         "write_le_1.15x_raw": all(v <= 1.15 for v in write_vs_raw.values()),
         "read_le_1.15x_raw": all(v <= 1.15 for v in read_vs_raw.values()),
+        "read_warm_le_1.15x_raw": all(v <= 1.15 for v in read_vs_raw_warm.values()),
+        "mmap_read_touch_all_le_1.15x_raw_touch_all": mmap_vs_raw["cold"] <= 1.15,
         "write_ge_2x_faster_than_pyhurray": all(v >= 2 for v in py_w.values()),
         "read_ge_2x_faster_than_pyhurray": all(v >= 2 for v in py_r.values()),
         "peak_extra_le_5pct": bool(memory) and all(v <= 0.05 for v in (*mem_w.values(), *mem_r.values())),
@@ -487,6 +555,7 @@ def main() -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
+            "malloc_mmap_threshold": os.environ.get(_MALLOC_ENV),
         },
         "config": {
             "layers": LAYERS,
@@ -500,6 +569,8 @@ def main() -> int:
             "shared_prefix_pages": snap.sharing().shared_pages,
             "repeat": args.repeat,
             "dir": args.dir,
+            "filesystem": filesystem(args.dir),
+            "settle_s": args.settle,
         },
         "payload_bytes": n,
         "file_bytes": sizes,
@@ -515,15 +586,16 @@ def main() -> int:
         "write_vs_raw": write_vs_raw,
         "read_vs_raw": read_vs_raw,
         "read_vs_raw_warm": read_vs_raw_warm,
+        "mmap_touch_all_vs_raw_touch_all": mmap_vs_raw,
         "pyhurray_write_vs_ours": py_w,
         "pyhurray_read_vs_ours": py_r,
         "pyhurray_read_vs_ours_warm": py_r_warm,
         "peak_extra_write_fraction": mem_w,
         "peak_extra_read_fraction": mem_r,
         "peak_extra_bytes": {k: v["extra_bytes"] for k, v in memory.items()},
-        "peak_extra_pyhurray_fraction": {
-            k: memory[f"{k}_pyhurray"]["extra_fraction"] for k in ("write", "read")
-        } if memory else {},
+        "peak_extra_pyhurray_fraction": {k: memory[f"{k}_pyhurray"]["extra_fraction"] for k in ("write", "read")}
+        if memory
+        else {},
         "goals_met": goals,
         "all_seconds": {"write": t_write, "read_cold": t_cold, "read_warm": t_warm},
         "wall_seconds": round(time.perf_counter() - t_start, 1),
