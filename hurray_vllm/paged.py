@@ -22,7 +22,7 @@ from .descriptor import (
 from .errors import HurrayFormatError
 from .validation import Checked, raise_if, validate_descriptor
 
-__all__ = ["BlockPagedTensor", "SharingStats", "CompactionPlan", "plan_compaction"]
+__all__ = ["BlockPagedTensor", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
 
 _DEVICE_TAGS = {"cpu": 0x00, "cuda": 0x01}
 
@@ -252,10 +252,8 @@ class BlockPagedTensor:
         A page shared by a long and a short sequence keeps what the long one
         uses: the rule is per physical page, over all its references.
         """
-        valid = self.valid_slots().to(self.page_pool.device)
-        mask = torch.arange(self.page_size, device=valid.device)[None, :] >= valid[:, None]
         pool = self.page_pool.clone()
-        pool.view(torch.uint8).view(self.num_pages, self.page_size, -1)[mask] = 0
+        zero_slots_(pool, self.valid_slots())
         return replace(self, page_pool=pool)
 
     def sharing(self) -> SharingStats:
@@ -368,6 +366,15 @@ class BlockPagedTensor:
             quant_buffers=tuple(buffers[3:]),
             num_tokens=None if seq_lens is not None else int(desc.shape[0]),
         )
+
+
+def zero_slots_(pool: torch.Tensor, valid: torch.Tensor) -> None:
+    """Zero, in place, slots ``>= valid[p]`` of every page ``p`` of ``pool`` ``[P, S, H, D]``."""
+    num_pages, page_size = int(pool.shape[0]), int(pool.shape[1])
+    valid = valid.to(pool.device)
+    mask = torch.arange(page_size, device=pool.device)[None, :] >= valid[:, None]
+    if bool(mask.any()):
+        pool.view(torch.uint8).view(num_pages, page_size, -1)[mask] = 0
 
 
 def _widen(raw: torch.Tensor, wire: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,188 @@
+"""Export paged KV caches to block-paged snapshots, layer by layer.
+
+This module knows nothing of a running engine: it takes the per-layer cache
+tensors, their :class:`~hurray_vllm.adapters.vllm.layouts.KVLayout`, and
+what each sequence holds (its block ids and computed token count). The
+in-process entry point (:func:`hurray_vllm.adapters.vllm.snapshot`) and the
+KV connector both go through :func:`export_layers`.
+
+Only pages referenced by the exported sequences leave the cache: one
+compaction plan (first-reference order, aliasing kept) is computed once
+and applied to every layer and role. Slots past each sequence's length are
+zeroed in the copy, so nothing of other requests leaks out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import BinaryIO
+
+import torch
+
+from ...errors import HurrayFormatError
+from ...paged import BlockPagedTensor, plan_compaction, zero_slots_
+from ...records import header_records, layer_records
+from ...snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ...stream import write_records
+from .layouts import KVLayout, as_storage_dtype
+
+__all__ = ["SequenceState", "BatchPlan", "plan_batch", "export_layers", "export_snapshot", "export_stream"]
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """What a sequence holds in the engine's cache.
+
+    Attributes:
+        request_id: the caller's name for the sequence.
+        block_ids: the engine's block table for it (may hold blocks
+            allocated ahead; only the ones covering ``num_computed`` are read).
+        num_computed: tokens whose K/V are in the cache.
+        token_ids: prompt and generated token ids (``>= num_computed``).
+    """
+
+    request_id: str
+    block_ids: Sequence[int]
+    num_computed: int
+    token_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The block structure every layer of an export shares."""
+
+    keep: torch.Tensor  # engine block ids to copy, int64 [num_pages]
+    block_table: torch.Tensor  # snapshot page ids, int64
+    seq_ptr: torch.Tensor
+    seq_lens: torch.Tensor
+    valid: torch.Tensor  # per snapshot page, slots some sequence uses
+    block_size: int
+
+
+def plan_batch(seqs: Sequence[SequenceState], block_size: int, *, reserved_blocks: Sequence[int] = (0,)) -> BatchPlan:
+    """Compaction plan for ``seqs`` over an engine cache of ``block_size`` blocks.
+
+    ``reserved_blocks`` (vLLM's null block 0) may never hold a computed token.
+    """
+    tables: list[int] = []
+    ptr = [0]
+    lens = []
+    for s in seqs:
+        if s.num_computed < 0 or s.num_computed > len(s.token_ids):
+            raise HurrayFormatError(
+                "num_computed", f"{s.request_id}: {s.num_computed} computed tokens but {len(s.token_ids)} token ids"
+            )
+        need = -(-s.num_computed // block_size)
+        if need > len(s.block_ids):
+            raise HurrayFormatError(
+                "block_ids",
+                f"{s.request_id}: {s.num_computed} tokens need {need} blocks, the engine lists {len(s.block_ids)}",
+            )
+        own = [int(b) for b in s.block_ids[:need]]
+        bad = set(own) & set(reserved_blocks)
+        if bad:
+            raise HurrayFormatError("block_ids", f"{s.request_id}: reserved block {sorted(bad)} in its computed range")
+        tables.extend(own)
+        ptr.append(len(tables))
+        lens.append(s.num_computed)
+    table = torch.tensor(tables, dtype=torch.int64)
+    plan = plan_compaction(table, int(table.max()) + 1 if table.numel() else 0)
+    seq_ptr = torch.tensor(ptr, dtype=torch.int64)
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    # Valid slots per snapshot page, over every sequence that references it.
+    probe = BlockPagedTensor(
+        torch.empty(int(plan.keep.numel()), block_size, 0, 0),
+        plan.block_table,
+        seq_ptr,
+        seq_lens,
+    )
+    return BatchPlan(plan.keep, plan.block_table, seq_ptr, seq_lens, probe.valid_slots(), block_size)
+
+
+def export_layers(
+    caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]],
+    layout: KVLayout,
+    plan: BatchPlan,
+    *,
+    storage_dtype: torch.dtype | None = None,
+    zero_unused: bool = True,
+) -> Iterator[tuple[BlockPagedTensor, BlockPagedTensor]]:
+    """Yield each layer's (key, value) block-paged tensors, one layer at a time.
+
+    Peak extra memory is one layer's compacted pages: nothing is gathered
+    before the caller asks for the layer.
+    """
+    for i, cache in enumerate(caches):
+        if storage_dtype is not None:
+            cache = (
+                tuple(as_storage_dtype(c, storage_dtype) for c in cache)
+                if isinstance(cache, tuple)
+                else as_storage_dtype(cache, storage_dtype)
+            )
+        k_pool, v_pool = layout.gather(cache, plan.keep)
+        if zero_unused:
+            zero_slots_(k_pool, plan.valid)
+            zero_slots_(v_pool, plan.valid)
+        yield (
+            BlockPagedTensor(k_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "key", i),
+            BlockPagedTensor(v_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "value", i),
+        )
+
+
+def _snapshot_shell(
+    seqs: Sequence[SequenceState],
+    fingerprint: ModelFingerprint | None,
+    source: SnapshotSource | None,
+    kv_scales: Sequence[tuple[float, float]] | None,
+) -> KVSnapshot:
+    return KVSnapshot(
+        keys=(),
+        values=(),
+        token_ids=tuple(tuple(int(t) for t in s.token_ids) for s in seqs),
+        fingerprint=fingerprint,
+        kv_scales=tuple(kv_scales) if kv_scales is not None else None,
+        source=source,
+        request_ids=tuple(s.request_id for s in seqs),
+    )
+
+
+def export_snapshot(
+    caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]],
+    layout: KVLayout,
+    seqs: Sequence[SequenceState],
+    *,
+    block_size: int,
+    storage_dtype: torch.dtype | None = None,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
+    fingerprint: ModelFingerprint | None = None,
+    source: SnapshotSource | None = None,
+) -> KVSnapshot:
+    """An in-memory :class:`KVSnapshot` of ``seqs`` (see :func:`export_stream` to bound memory)."""
+    plan = plan_batch(seqs, block_size)
+    layers = list(export_layers(caches, layout, plan, storage_dtype=storage_dtype))
+    shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
+    return replace(shell, keys=tuple(k for k, _ in layers), values=tuple(v for _, v in layers))
+
+
+def export_stream(
+    f: BinaryIO,
+    caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]],
+    layout: KVLayout,
+    seqs: Sequence[SequenceState],
+    *,
+    block_size: int,
+    storage_dtype: torch.dtype | None = None,
+    kv_scales: Sequence[tuple[float, float]] | None = None,
+    fingerprint: ModelFingerprint | None = None,
+    source: SnapshotSource | None = None,
+) -> int:
+    """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time."""
+    plan = plan_batch(seqs, block_size)
+    shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
+    # The header announces the layer count before any layer is gathered.
+    total = write_records(header_records(shell, num_layers=len(caches)), f)
+    for i, (k, v) in enumerate(export_layers(caches, layout, plan, storage_dtype=storage_dtype)):
+        total += write_records(layer_records(i, k, v, kv_scales[i] if kv_scales is not None else None), f)
+        del k, v  # release this layer's pages before gathering the next
+    return total

@@ -1,0 +1,263 @@
+"""vLLM's KV cache layouts, read back into the interchange layout.
+
+Every layout answers one question: given the cache tensor(s) of one layer
+and a list of block ids, return the keys and the values of those blocks as
+``[n, block_size, num_kv_heads, head_dim]`` contiguous tensors (the Hurray
+interchange layout). Each layout first builds a *strided view* of the cache
+whose logical order is already ``[blocks, tokens, heads, dim]`` and then
+gathers the requested blocks with one ``index_select``: one copy of exactly
+the referenced pages, never of the whole pool.
+
+Nothing here imports vLLM: the layouts are described from vLLM's source
+(cited per class) and tested against vLLM's own helpers and cache-write op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from ...errors import HurrayFormatError
+
+__all__ = [
+    "KVLayout",
+    "LogicalBHNC",
+    "CpuPacked",
+    "FlashAttnLegacy",
+    "FlashInferLegacy",
+    "PagedAttentionLegacy",
+    "KV_CACHE_LAYOUT_ORDERS",
+    "layer_view_from_buffer",
+    "as_storage_dtype",
+]
+
+
+class KVLayout(Protocol):
+    """What the exporter needs from a cache layout."""
+
+    @property
+    def name(self) -> str: ...
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` (int64), each ``[n, block_size, H, D]`` contiguous."""
+        ...
+
+
+def _ids(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return block_ids.to(device=cache.device, dtype=torch.int64)
+
+
+def as_storage_dtype(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret a cache's elements (e.g. uint8 fp8 storage as ``float8_e4m3fn``)."""
+    if cache.dtype == dtype:
+        return cache
+    if cache.element_size() != torch.empty(0, dtype=dtype).element_size():
+        raise HurrayFormatError("dtype", f"cannot view {cache.dtype} cache storage as {dtype}")
+    return cache.view(dtype)
+
+
+# ── vLLM 0.32: one [B, H, N, C] view per layer, C = [K | V] per token ────────
+
+#: ``vllm/v1/kv_cache_layout.py`` ``KVCacheLayout``: the physical order of the
+#: logical axes ``[L, B, H, N, C]`` (stride permutation, outermost first).
+KV_CACHE_LAYOUT_ORDERS: dict[str, tuple[int, int, int, int, int]] = {
+    "LBHNC": (0, 1, 2, 3, 4),  # HND
+    "LBNHC": (0, 1, 3, 2, 4),  # NHD, the GPU default
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),  # cross-layer
+    "BLNHC": (1, 0, 3, 2, 4),  # cross-layer
+    "BHLNC": (1, 2, 0, 3, 4),  # cross-layer
+}
+
+
+def layer_view_from_buffer(
+    raw: torch.Tensor,
+    layout: str,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Per-layer ``[B, H, N, 2*D]`` views of a flat cache buffer in ``layout``.
+
+    Mirrors ``vllm/v1/kv_cache_interface.py`` ``compute_layout_strides`` and
+    ``create_kv_cache_views`` for dense (unpadded) pages: strides are laid
+    out innermost-first in the layout's physical order, then each layer's
+    view is a strided window over the same buffer.
+    """
+    try:
+        order = KV_CACHE_LAYOUT_ORDERS[layout]
+    except KeyError:
+        raise HurrayFormatError("layout", f"unknown vLLM KV cache layout {layout!r}") from None
+    elem = torch.empty(0, dtype=dtype).element_size()
+    shape = (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim * elem)
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    if raw.numel() * raw.element_size() < step:
+        raise HurrayFormatError("cache", f"buffer of {raw.numel()} bytes is smaller than the {step} the layout needs")
+    flat = raw.view(torch.int8) if raw.dtype != torch.int8 else raw
+    view5 = torch.as_strided(flat, size=shape, stride=strides, storage_offset=flat.storage_offset())
+    return [view5[i].view(dtype) for i in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class LogicalBHNC:
+    """vLLM 0.32's per-layer logical view ``[num_blocks, H, block_size, 2*D]``, any stride order.
+
+    The six ``KVCacheLayout`` orders (LBNHC/NHD, LBHNC/HND and the
+    cross-layer BLHNC, BLNHC, BHLNC, LHBNC) differ only in strides; the
+    logical view (``vllm/v1/kv_cache_interface.py`` ``create_kv_cache_views``)
+    always puts the key in ``C[:D]`` and the value in ``C[D:]`` of each token,
+    as FlashAttention/Triton/FlashInfer backends read it.
+    """
+
+    head_dim: int
+    name: str = "vllm-logical-BHNC"
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(cache, torch.Tensor)
+        d = self.head_dim
+        if cache.dim() != 4 or cache.shape[-1] != 2 * d:
+            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        ids = _ids(block_ids, cache)
+        k = cache[..., :d].transpose(1, 2).index_select(0, ids)
+        v = cache[..., d:].transpose(1, 2).index_select(0, ids)
+        return k, v
+
+
+@dataclass(frozen=True)
+class CpuPacked:
+    """The CPU backend's cache ``[num_blocks, H, block_size, 2*D]``, packed per ISA.
+
+    ``vllm/v1/attention/backends/cpu_attn.py`` (``do_kv_cache_update``)
+    re-views each layer as ``[B, H, 2*N, D]`` and splits it into a key half
+    and a value half (``chunk(2, dim=2)``): rows ``[0, N)`` of each
+    (block, head) hold keys, rows ``[N, 2N)`` values, each an ``N*D``
+    region whose element order the ISA's cache-write op
+    (``cpu_attn_reshape_and_cache``) decides; ``_get_attn_isa`` picks the ISA.
+
+    * ``vec`` / ``vec16``: keys transposed, ``[D, N]``; values row-major
+      ``[N, D]``.
+    * ``amx``: with ``P`` elements per pair (2 for 16- and 8-bit types, 1 for
+      float32), keys ``[N/16][D/P][16 tokens][P dims]`` and values
+      ``[D/16][N/P][16 dims][P tokens]``: the tile shapes of the AMX
+      dot-product instructions.
+
+    Derived from the op's output on index-coded inputs (``docs/vllm-layouts.md``)
+    and checked against it for every ISA in the tests.
+    """
+
+    isa: str
+    head_dim: int
+    name: str = "vllm-cpu"
+
+    _ISAS: ClassVar[tuple[str, ...]] = ("vec", "vec16", "amx")
+
+    def __post_init__(self) -> None:
+        if self.isa not in self._ISAS:
+            raise HurrayFormatError("isa", f"CPU cache packing for ISA {self.isa!r} is not known (have {self._ISAS})")
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(cache, torch.Tensor)
+        b, h, n, c = cache.shape
+        d = self.head_dim
+        if c != 2 * d:
+            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        planes = cache.reshape(b, h, 2, n * d)
+        kp, vp = planes[:, :, 0], planes[:, :, 1]
+        ids = _ids(block_ids, cache)
+        if self.isa in ("vec", "vec16"):
+            k = kp.unflatten(-1, (d, n)).permute(0, 3, 1, 2)
+            v = vp.unflatten(-1, (n, d)).permute(0, 2, 1, 3)
+            return k.index_select(0, ids), v.index_select(0, ids)
+        p = 1 if cache.element_size() == 4 else 2
+        if n % 16 or d % 16 or n % p or d % p:
+            raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
+        k = kp.unflatten(-1, (n // 16, d // p, 16, p)).permute(0, 2, 4, 1, 3, 5)
+        v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
+        m = ids.numel()
+        return k.index_select(0, ids).reshape(m, n, h, d), v.index_select(0, ids).reshape(m, n, h, d)
+
+
+@dataclass(frozen=True)
+class FlashAttnLegacy:
+    """Older vLLM FlashAttention caches: ``[2, num_blocks, block_size, H, D]``.
+
+    ``vllm/v1/attention/backends/flash_attn.py`` ``get_kv_cache_shape`` (up
+    to 0.11); the HND stride order stores ``[2, B, H, N, D]`` physically but
+    presents the same logical shape, so any strides work here.
+    """
+
+    name: str = "flash-attn-legacy"
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(cache, torch.Tensor)
+        if cache.dim() != 5 or cache.shape[0] != 2:
+            raise HurrayFormatError("cache", f"expected [2, B, N, H, D], got {list(cache.shape)}")
+        ids = _ids(block_ids, cache)
+        return cache[0].index_select(0, ids), cache[1].index_select(0, ids)
+
+
+@dataclass(frozen=True)
+class FlashInferLegacy:
+    """Older vLLM FlashInfer caches: ``[num_blocks, 2, block_size, H, D]`` (NHD or HND strides).
+
+    ``vllm/v1/attention/backends/flashinfer.py`` ``get_kv_cache_shape``.
+    """
+
+    name: str = "flashinfer-legacy"
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(cache, torch.Tensor)
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise HurrayFormatError("cache", f"expected [B, 2, N, H, D], got {list(cache.shape)}")
+        ids = _ids(block_ids, cache)
+        return cache[:, 0].index_select(0, ids), cache[:, 1].index_select(0, ids)
+
+
+@dataclass(frozen=True)
+class PagedAttentionLegacy:
+    """paged_attention_v1/v2 caches: key ``[B, H, D/x, N, x]``, value ``[B, H, D, N]``.
+
+    ``vllm/attention/ops/paged_attn.py`` ``PagedAttention.split_kv_cache``
+    (vLLM <= 0.10): ``x = 16 // element_size`` elements of a key row are
+    kept together so one 16-byte load fetches them.
+    """
+
+    name: str = "paged-attention-legacy"
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(cache, tuple) or len(cache) != 2:
+            raise HurrayFormatError("cache", "paged-attention caches come as a (key_cache, value_cache) pair")
+        kc, vc = cache
+        if kc.dim() != 5 or vc.dim() != 4:
+            raise HurrayFormatError(
+                "cache", f"expected key [B,H,D/x,N,x] and value [B,H,D,N], got {list(kc.shape)}, {list(vc.shape)}"
+            )
+        x = 16 // kc.element_size()
+        if kc.shape[-1] != x:
+            raise HurrayFormatError("cache", f"key cache's last dim is {kc.shape[-1]}, expected x = {x}")
+        ids = _ids(block_ids, kc)
+        k = kc.permute(0, 3, 1, 2, 4).index_select(0, ids).flatten(-2)
+        v = vc.permute(0, 3, 1, 2).index_select(0, ids)
+        return k, v

@@ -1,0 +1,84 @@
+"""The CPU backend's packed cache, written by vLLM's own op, read back for every ISA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import require
+
+from hurray_vllm.adapters.vllm import CpuPacked
+
+H = 2
+# (isa, dtype, head_dim, block_size): what vLLM's _get_attn_isa can pick, and fp32 for the AMX pair size 1.
+CASES = [
+    ("vec", torch.bfloat16, 64, 32),
+    ("vec", torch.float16, 32, 64),
+    ("vec", torch.float32, 128, 32),
+    ("vec16", torch.bfloat16, 80, 32),
+    ("vec16", torch.float32, 112, 32),
+    ("amx", torch.bfloat16, 64, 32),
+    ("amx", torch.bfloat16, 128, 128),
+    ("amx", torch.float16, 32, 64),
+    ("amx", torch.float32, 64, 32),
+]
+
+
+def _write(isa: str, dtype: torch.dtype, d: int, n: int, kv_cache_dtype: str = "auto", scale: float = 1.0):  # type: ignore[no-untyped-def]
+    ops = require("vllm._custom_ops")
+    blocks = 6
+    storage = torch.uint8 if kv_cache_dtype != "auto" else dtype
+    cache = torch.zeros(blocks, H, n, 2 * d, dtype=storage)
+    # Tokens land in blocks 4, 1 and 5 (5 partly filled), as a block table would place them.
+    slots = torch.cat([torch.arange(4 * n, 5 * n), torch.arange(n, 2 * n), torch.arange(5 * n, 5 * n + n // 2 + 3)])
+    g = torch.Generator().manual_seed(n + d)
+    key = torch.randn(slots.numel(), H, d, generator=g).to(dtype)
+    value = torch.randn(slots.numel(), H, d, generator=g).to(dtype)
+    kv = cache.view(blocks, H, 2 * n, d)
+    kc, vc = kv.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(
+        key, value, kc, vc, slots, isa, k_scale=scale, v_scale=scale, kv_cache_dtype=kv_cache_dtype
+    )
+    return cache, slots, key, value
+
+
+def _expected(slots: torch.Tensor, x: torch.Tensor, n: int, ids: list[int]) -> list[torch.Tensor]:
+    """Per requested block, the rows written there (in slot order)."""
+    out = []
+    for b in ids:
+        sel = (slots // n) == b
+        out.append(x[sel][torch.argsort(slots[sel] % n)])
+    return out
+
+
+@pytest.mark.parametrize(("isa", "dtype", "d", "n"), CASES)
+def test_cpu_packing(isa: str, dtype: torch.dtype, d: int, n: int) -> None:
+    cache, slots, key, value = _write(isa, dtype, d, n)
+    ids = [4, 1, 5]
+    k, v = CpuPacked(isa, d).gather(cache, torch.tensor(ids))
+    assert k.shape == (3, n, H, d) and k.is_contiguous()
+    for j, (ke, ve) in enumerate(zip(_expected(slots, key, n, ids), _expected(slots, value, n, ids))):
+        assert torch.equal(k[j, : ke.shape[0]], ke), f"{isa} keys of block {ids[j]}"
+        assert torch.equal(v[j, : ve.shape[0]], ve), f"{isa} values of block {ids[j]}"
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "fp8"), [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]
+)
+def test_cpu_packing_fp8(isa: str, kv_cache_dtype: str, fp8: torch.dtype) -> None:
+    scale = 0.25
+    cache, slots, key, _value = _write(isa, torch.bfloat16, 64, 32, kv_cache_dtype, scale)
+    ids = [4, 1, 5]
+    k, _v = CpuPacked(isa, 64).gather(cache.view(fp8), torch.tensor(ids))
+    assert k.dtype == fp8
+    for j, ke in enumerate(_expected(slots, key, 32, ids)):
+        got = k[j, : ke.shape[0]].float() * scale
+        # Stored as fp8(x / scale), rounded toward zero: within one fp8 step of the input.
+        assert ((got - ke.float()).abs() <= 0.26 * ke.float().abs() + 1e-2).all()
+
+
+def test_unknown_isa_is_refused() -> None:
+    import hurray_vllm as hv
+
+    with pytest.raises(hv.HurrayFormatError, match="neon"):
+        CpuPacked("neon", 64)

@@ -1,0 +1,88 @@
+"""Every vLLM cache layout read back into the interchange layout (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import require
+
+from hurray_vllm.adapters.vllm import (
+    FlashAttnLegacy,
+    FlashInferLegacy,
+    LogicalBHNC,
+    PagedAttentionLegacy,
+    layer_view_from_buffer,
+)
+from hurray_vllm.adapters.vllm.layouts import KV_CACHE_LAYOUT_ORDERS
+
+B, H, N, D = 6, 2, 16, 8
+
+
+def reference(seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interchange-layout K and V, [B, N, H, D], with distinct values."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, N, H, D, generator=g).to(dtype), torch.randn(B, N, H, D, generator=g).to(dtype))
+
+
+IDS = torch.tensor([4, 1, 5])
+
+
+@pytest.mark.parametrize("layout", sorted(KV_CACHE_LAYOUT_ORDERS))
+def test_vllm_032_layouts_match_vllm_strides(layout: str) -> None:
+    vllm_iface = require("vllm.v1.kv_cache_interface")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layers = 3
+    spec = vllm_iface.FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    raw = torch.zeros(layers * B * H * N * 2 * D * 2, dtype=torch.int8)
+    views = layer_view_from_buffer(
+        raw, layout, num_layers=layers, num_blocks=B, num_kv_heads=H, block_size=N, head_dim=D, dtype=torch.bfloat16
+    )
+    # The byte strides vLLM computes for [L, B, H, N, C], with C in bytes.
+    want = vllm_iface.compute_layout_strides(spec, B, layers, KVCacheLayout[layout])
+    byte_view = torch.as_strided(raw, (layers, B, H, N, 4 * D), want)
+    for layer in range(layers):
+        k, v = reference(layer)
+        views[layer][..., :D] = k.transpose(1, 2)
+        views[layer][..., D:] = v.transpose(1, 2)
+        got_k, got_v = LogicalBHNC(D).gather(views[layer], IDS)
+        assert torch.equal(got_k, k[IDS]) and torch.equal(got_v, v[IDS])
+        assert got_k.is_contiguous() and got_k.shape == (3, N, H, D)
+        # vLLM's strides address the very same bytes.
+        ours = views[layer].view(torch.int8)
+        assert torch.equal(ours, byte_view[layer])
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_flash_attn_legacy(hnd: bool) -> None:
+    k, v = reference(7)
+    if hnd:  # physically [2, B, H, N, D], logically [2, B, N, H, D]
+        cache = torch.stack([k, v]).permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    else:
+        cache = torch.stack([k, v])
+    got_k, got_v = FlashAttnLegacy().gather(cache, IDS)
+    assert torch.equal(got_k, k[IDS]) and torch.equal(got_v, v[IDS])
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_flashinfer_legacy(hnd: bool) -> None:
+    k, v = reference(8)
+    cache = torch.stack([k, v], dim=1)
+    if hnd:
+        cache = cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    got_k, got_v = FlashInferLegacy().gather(cache, IDS)
+    assert torch.equal(got_k, k[IDS]) and torch.equal(got_v, v[IDS])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_paged_attention_v1_v2(dtype: torch.dtype) -> None:
+    d = 32  # fp8 packs x = 16 elements per 16-byte load
+    g = torch.Generator().manual_seed(9)
+    k, v = (torch.randn(B, N, H, d, generator=g).to(dtype) for _ in range(2))
+    x = 16 // k.element_size()
+    # key_cache[b, h, d // x, n, d % x] = K[b, n, h, d]; value_cache[b, h, d, n] = V[b, n, h, d]
+    key_cache = k.reshape(B, N, H, d // x, x).permute(0, 2, 3, 1, 4).contiguous()
+    value_cache = v.permute(0, 2, 3, 1).contiguous()
+    got_k, got_v = PagedAttentionLegacy().gather((key_cache, value_cache), IDS)
+    assert torch.equal(got_k.view(torch.uint8), k[IDS].view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), v[IDS].view(torch.uint8))
