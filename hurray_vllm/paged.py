@@ -370,6 +370,8 @@ class BlockPagedTensor:
 
 def zero_slots_(pool: torch.Tensor, valid: torch.Tensor) -> None:
     """Zero, in place, slots ``>= valid[p]`` of every page ``p`` of ``pool`` ``[P, S, H, D]``."""
+    if pool.numel() == 0:
+        return
     num_pages, page_size = int(pool.shape[0]), int(pool.shape[1])
     valid = valid.to(pool.device)
     mask = torch.arange(page_size, device=pool.device)[None, :] >= valid[:, None]
