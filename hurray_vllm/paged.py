@@ -178,7 +178,9 @@ class BlockPagedTensor:
         """Sequence ``seq`` as a contiguous ``[seq_len, num_heads, head_dim]`` tensor."""
         n = self.seq_len(seq)
         pages = self.pages_of(seq)
-        return self.page_pool.index_select(0, pages).reshape(-1, self.num_heads, self.head_dim)[:n]
+        return self.page_pool.index_select(0, pages.to(self.page_pool.device)).reshape(
+            -1, self.num_heads, self.head_dim
+        )[:n]
 
     def seq_len(self, seq: int) -> int:
         self._check_seq(seq)

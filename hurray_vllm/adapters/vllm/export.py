@@ -27,7 +27,15 @@ from ...snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from ...stream import write_records
 from .layouts import KVLayout, as_storage_dtype
 
-__all__ = ["SequenceState", "BatchPlan", "plan_batch", "export_layers", "export_snapshot", "export_stream"]
+__all__ = [
+    "SequenceState",
+    "BatchPlan",
+    "plan_batch",
+    "export_layers",
+    "export_snapshot",
+    "export_stream",
+    "to_host_overlapped",
+]
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,60 @@ def export_stream(
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
     # The header announces the layer count before any layer is gathered.
     total = write_records(header_records(shell, num_layers=len(caches)), f)
-    for i, (k, v) in enumerate(export_layers(caches, layout, plan, storage_dtype=storage_dtype)):
+    layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype)
+    for i, (k, v) in enumerate(to_host_overlapped(layers)):
         total += write_records(layer_records(i, k, v, kv_scales[i] if kv_scales is not None else None), f)
         del k, v  # release this layer's pages before gathering the next
     return total
+
+
+def to_host_overlapped(
+    layers: Iterator[tuple[BlockPagedTensor, BlockPagedTensor]],
+) -> Iterator[tuple[BlockPagedTensor, BlockPagedTensor]]:
+    """Layers with their pools in host memory; CUDA pools arrive through pinned buffers.
+
+    While the caller writes layer ``i``, layer ``i+1`` is gathered on the
+    device and copied into the other of two pinned buffers with a
+    non-blocking transfer: device-to-host copies overlap the writes. CPU
+    layers pass through untouched.
+    """
+    pending: tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event] | None = None
+    buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+    for i, (k, v) in enumerate(layers):
+        if k.page_pool.device.type != "cuda":
+            if pending is not None:
+                pending[1].synchronize()
+                yield pending[0]
+                pending = None
+            yield k, v
+            continue
+        slot = buffers[i % 2]
+        if slot is None or slot[0].shape != k.page_pool.shape or slot[0].dtype != k.page_pool.dtype:
+            slot = (
+                torch.empty(k.page_pool.shape, dtype=k.page_pool.dtype, pin_memory=True),
+                torch.empty(v.page_pool.shape, dtype=v.page_pool.dtype, pin_memory=True),
+            )
+            buffers[i % 2] = slot
+        slot[0].copy_(k.page_pool, non_blocking=True)
+        slot[1].copy_(v.page_pool, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        host = tuple(
+            replace(
+                t,
+                page_pool=buf,
+                block_table=t.block_table.cpu(),
+                seq_ptr=t.seq_ptr.cpu(),
+                seq_lens=t.seq_lens.cpu() if t.seq_lens is not None else None,
+            )
+            for t, buf in ((k, slot[0]), (v, slot[1]))
+        )
+        if pending is not None:
+            pending[1].synchronize()
+            yield pending[0]
+        # The generator resumes only after the caller is done with the layer
+        # it was handed, so the buffer pair used two layers ago is free again.
+        pending = ((host[0], host[1]), done)
+    if pending is not None:
+        pending[1].synchronize()
+        yield pending[0]
