@@ -6,6 +6,7 @@ in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 from __future__ import annotations
 
+from .cache import EngineCache, describe_worker_cache, write_blocks
 from .export import SequenceState, export_layers, export_snapshot, export_stream, plan_batch
 from .layouts import (
     CpuPacked,
@@ -19,6 +20,9 @@ from .layouts import (
 
 __all__ = [
     "CpuPacked",
+    "EngineCache",
+    "describe_worker_cache",
+    "write_blocks",
     "FlashAttnLegacy",
     "FlashInferLegacy",
     "KVLayout",

@@ -11,36 +11,17 @@ process). For engines in other processes or servers, use the KV connector.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
-from ... import dtypes
 from ...errors import HurrayFormatError
-from ...snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ...snapshot import KVSnapshot, SnapshotSource
+from .cache import EngineCache, attention_layers, describe_worker_cache
 from .export import SequenceState, export_snapshot, export_stream
-from .layouts import CpuPacked, KVLayout, LogicalBHNC
 
-__all__ = ["snapshot", "snapshot_stream", "EngineCache", "engine_cache", "request_states"]
-
-_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-@dataclass(frozen=True)
-class EngineCache:
-    """The worker-side facts an export needs: caches, their layout and dtype."""
-
-    caches: list[torch.Tensor]
-    layout: KVLayout
-    layout_name: str
-    storage_dtype: torch.dtype
-    kv_scales: list[tuple[float, float]] | None
-    fingerprint: ModelFingerprint
-    block_size: int
-    engine: str
+__all__ = ["snapshot", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
 
 
 def _core(llm: Any) -> Any:
@@ -54,76 +35,27 @@ def _core(llm: Any) -> Any:
         ) from None
 
 
-def _weights_digest(model: torch.nn.Module) -> str:
-    """A cheap digest of the weights: name, shape, dtype and the first 64 KiB of each tensor."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, p in sorted(model.state_dict().items()):
-        t = p.detach()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        flat = t.reshape(-1)[: max(1, 65536 // max(1, t.element_size()))].contiguous().cpu()
-        if flat.numel():
-            h.update(flat.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+def layer_caches(vllm_config: Any) -> tuple[list[str], list[torch.Tensor]]:
+    """Attention layer names and their cache tensors, in model order."""
+    names, caches = [], []
+    for name, m in attention_layers(vllm_config).items():
+        kv = m.kv_cache[0] if isinstance(m.kv_cache, (list, tuple)) else m.kv_cache
+        names.append(name)
+        caches.append(kv)
+    return names, caches
 
 
-def _worker_facts(worker: Any) -> dict[str, Any]:
+def _describe(worker: Any) -> EngineCache:
     """Runs on the worker (in-process: same objects, no copies)."""
-    runner = worker.model_runner
-    ctx = worker.vllm_config.compilation_config.static_forward_context
-    layers = [m for m in ctx.values() if hasattr(m, "kv_cache") and hasattr(m, "impl")]
-    return {
-        "caches": list(runner.kv_caches),
-        "backend": type(layers[0].impl).__name__ if layers else "",
-        "isa": [getattr(m, "isa", None) for m in layers],
-        "kv_cache_dtype": [getattr(m, "kv_cache_dtype", "auto") for m in layers],
-        "scales": [
-            (float(getattr(m, "_k_scale_float", 1.0)), float(getattr(m, "_v_scale_float", 1.0))) for m in layers
-        ],
-        "digest": _weights_digest(runner.model),
-    }
+    names, caches = layer_caches(worker.vllm_config)
+    return describe_worker_cache(worker.vllm_config, caches, names, worker.model_runner.model)
 
 
 def engine_cache(llm: Any) -> EngineCache:
     """Describe the KV cache of an in-process ``vllm.LLM``."""
-    core = _core(llm)
-    cfg = core.vllm_config
-    facts = llm.collective_rpc(_worker_facts)[0]
-    hf = cfg.model_config.hf_config
-    head_dim = cfg.model_config.get_head_size()
-    num_kv_heads = cfg.model_config.get_total_num_kv_heads()
-    cache_dtype = cfg.cache_config.cache_dtype
-    model_dtype = cfg.model_config.dtype
-    storage = _FP8.get(cache_dtype, model_dtype)
-    if cache_dtype not in _FP8 and cache_dtype != "auto":
-        raise HurrayFormatError("kv_cache_dtype", f"kv_cache_dtype {cache_dtype!r} is not supported for export")
-    if facts["backend"].startswith("CPU"):
-        isas = set(facts["isa"])
-        if len(isas) != 1:
-            raise HurrayFormatError("isa", f"layers use different CPU ISAs {sorted(map(str, isas))}")
-        isa = isas.pop()
-        layout: KVLayout = CpuPacked(isa, head_dim)
-        layout_name = f"vllm-cpu-{isa}"
-    else:
-        layout = LogicalBHNC(head_dim)
-        layout_name = f"vllm-{cfg.cache_config.kv_cache_layout or 'NHD'}"
-    version = getattr(__import__("vllm"), "__version__", "?")
-    return EngineCache(
-        caches=facts["caches"],
-        layout=layout,
-        layout_name=layout_name,
-        storage_dtype=storage,
-        kv_scales=facts["scales"] if cache_dtype in _FP8 else None,
-        fingerprint=ModelFingerprint(
-            architecture=(hf.architectures or [type(hf).__name__])[0],
-            num_layers=len(facts["caches"]),
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtypes.from_torch(storage).name,
-            weights_digest=facts["digest"],
-        ),
-        block_size=cfg.cache_config.block_size,
-        engine=f"vllm {version}",
-    )
+    _core(llm)
+    ec: EngineCache = llm.collective_rpc(_describe)[0]
+    return ec
 
 
 def _internal_id(llm: Any, core: Any, request_id: str) -> str:

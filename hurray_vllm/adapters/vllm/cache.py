@@ -1,0 +1,189 @@
+"""A vLLM worker's KV cache: what it is (layout, dtype, scales, model) and how to write it.
+
+Runs on the worker side: inside ``collective_rpc`` for :func:`snapshot`, and
+in the connector's worker role. Reading goes through
+:mod:`~hurray_vllm.adapters.vllm.layouts`; writing goes through the engine's
+own cache-write op where vLLM has one for the layout (the CPU backend's
+``cpu_attn_reshape_and_cache``), so packing and fp8 quantization come out
+exactly as the engine's own forward pass would produce them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import dtypes
+from ...errors import HurrayFormatError
+from ...snapshot import ModelFingerprint
+from .layouts import CpuPacked, KVLayout, LogicalBHNC
+
+__all__ = ["EngineCache", "describe_worker_cache", "attention_layers", "write_blocks", "FP8_DTYPES"]
+
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class EngineCache:
+    """The worker-side facts an export or import needs.
+
+    Attributes:
+        caches: per layer, the cache tensor as the attention backend holds it.
+        layer_names: the attention layers' names, in ``caches`` order.
+        layout: how to read (and write) ``caches``.
+        layout_name: ``"vllm-cpu-amx"``, ``"vllm-LBNHC"``...
+        storage_dtype: the dtype of the stored elements (float8 for fp8 caches).
+        model_dtype: the dtype keys and values are computed in.
+        kv_cache_dtype: vLLM's ``cache_dtype`` string (``"auto"``, ``"fp8"``...).
+        kv_scales: per layer ``(k_scale, v_scale)`` for fp8 caches, else ``None``.
+        fingerprint: the model the cache belongs to.
+        block_size: tokens per block.
+        engine: ``"vllm <version>"``.
+    """
+
+    caches: list[torch.Tensor]
+    layer_names: list[str]
+    layout: KVLayout
+    layout_name: str
+    storage_dtype: torch.dtype
+    model_dtype: torch.dtype
+    kv_cache_dtype: str
+    kv_scales: list[tuple[float, float]] | None
+    fingerprint: ModelFingerprint
+    block_size: int
+    engine: str
+    isa: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.caches)
+
+
+def attention_layers(vllm_config: Any) -> dict[str, Any]:
+    """Attention modules that own a KV cache, by layer name, in model order."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return {name: m for name, m in ctx.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """A cheap digest of the weights: name, shape, dtype and the first 64 KiB of each tensor."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in sorted(model.state_dict().items()):
+        t = p.detach()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        flat = t.reshape(-1)[: max(1, 65536 // max(1, t.element_size()))].contiguous().cpu()
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def describe_worker_cache(
+    vllm_config: Any,
+    caches: Sequence[torch.Tensor],
+    layer_names: Sequence[str],
+    model: torch.nn.Module | None = None,
+) -> EngineCache:
+    """Describe the cache of the worker that owns ``caches`` (one per attention layer)."""
+    layers = attention_layers(vllm_config)
+    mods = [layers[n] for n in layer_names if n in layers]
+    if len(mods) != len(caches):
+        raise HurrayFormatError("layers", f"{len(caches)} caches but {len(mods)} attention layers found")
+    mc = vllm_config.model_config
+    head_dim = mc.get_head_size()
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in FP8_DTYPES and cache_dtype != "auto":
+        raise HurrayFormatError("kv_cache_dtype", f"kv_cache_dtype {cache_dtype!r} is not supported")
+    model_dtype = mc.dtype
+    storage = FP8_DTYPES.get(cache_dtype, model_dtype)
+    backend = type(mods[0].impl).__name__ if mods else ""
+    isa = None
+    if backend.startswith("CPU"):
+        isas = {getattr(m, "isa", None) for m in mods}
+        if len(isas) != 1:
+            raise HurrayFormatError("isa", f"layers use different CPU ISAs {sorted(map(str, isas))}")
+        isa = str(isas.pop())
+        layout: KVLayout = CpuPacked(isa, head_dim)
+        layout_name = f"vllm-cpu-{isa}"
+    else:
+        layout = LogicalBHNC(head_dim)
+        layout_name = f"vllm-{vllm_config.cache_config.kv_cache_layout or 'LBNHC'}"
+    scales = [(float(getattr(m, "_k_scale_float", 1.0)), float(getattr(m, "_v_scale_float", 1.0))) for m in mods]
+    hf = mc.hf_config
+    import vllm
+
+    return EngineCache(
+        caches=list(caches),
+        layer_names=list(layer_names),
+        layout=layout,
+        layout_name=layout_name,
+        storage_dtype=storage,
+        model_dtype=model_dtype,
+        kv_cache_dtype=cache_dtype,
+        kv_scales=scales if cache_dtype in FP8_DTYPES else None,
+        fingerprint=ModelFingerprint(
+            architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
+            num_layers=len(caches),
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_dim=head_dim,
+            dtype=dtypes.from_torch(storage).name,
+            weights_digest=_weights_digest(model) if model is not None else None,
+        ),
+        block_size=vllm_config.cache_config.block_size,
+        engine=f"vllm {getattr(vllm, '__version__', '?')}",
+        isa=isa,
+    )
+
+
+def write_blocks(
+    ec: EngineCache,
+    layer: int,
+    block_ids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Write whole blocks of one layer into the engine's cache.
+
+    Args:
+        ec: the worker's cache description.
+        layer: index into ``ec.caches``.
+        block_ids: int64 ``[n]``, the engine blocks to fill.
+        keys, values: ``[n, block_size, num_kv_heads, head_dim]`` in the
+            model's dtype (real values: an fp8 cache quantizes them with its
+            own scales, as the engine does).
+    """
+    cache = ec.caches[layer]
+    n, bs, h, d = keys.shape
+    if bs != ec.block_size:
+        raise HurrayFormatError("block_size", f"blocks of {bs} tokens for an engine with blocks of {ec.block_size}")
+    if isinstance(ec.layout, CpuPacked):
+        from vllm import _custom_ops as ops
+
+        slots = (block_ids.to(torch.int64)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)
+        kv = cache.view(cache.shape[0], h, 2 * bs, d)
+        key_cache, value_cache = kv.chunk(2, dim=2)
+        k_scale, v_scale = ec.kv_scales[layer] if ec.kv_scales is not None else (1.0, 1.0)
+        ops.cpu_attn_reshape_and_cache(
+            keys.reshape(n * bs, h, d).to(ec.model_dtype).contiguous(),
+            values.reshape(n * bs, h, d).to(ec.model_dtype).contiguous(),
+            key_cache,
+            value_cache,
+            slots,
+            ec.layout.isa,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            kv_cache_dtype=ec.kv_cache_dtype,
+        )
+        return
+    # Token-major layouts: scatter through the same strided view the reader uses.
+    view = cache if cache.dtype == ec.storage_dtype else cache.view(ec.storage_dtype)
+    ids = block_ids.to(device=cache.device, dtype=torch.int64)
+    if ec.kv_scales is not None:
+        k_scale, v_scale = ec.kv_scales[layer]
+        keys = (keys.float() / k_scale).to(ec.storage_dtype)
+        values = (values.float() / v_scale).to(ec.storage_dtype)
+    view[..., :d].transpose(1, 2).index_copy_(0, ids, keys.to(view.dtype).to(cache.device))
+    view[..., d:].transpose(1, 2).index_copy_(0, ids, values.to(view.dtype).to(cache.device))
