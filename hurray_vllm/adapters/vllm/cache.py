@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,15 @@ from ...errors import HurrayFormatError
 from ...snapshot import ModelFingerprint
 from .layouts import CpuPacked, KVLayout, LogicalBHNC
 
-__all__ = ["EngineCache", "describe_worker_cache", "attention_layers", "write_blocks", "FP8_DTYPES"]
+__all__ = [
+    "EngineCache",
+    "describe_worker_cache",
+    "attention_layers",
+    "write_blocks",
+    "weights_digest",
+    "fingerprint_of",
+    "FP8_DTYPES",
+]
 
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -69,23 +78,51 @@ def attention_layers(vllm_config: Any) -> dict[str, Any]:
     return {name: m for name, m in ctx.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
 
 
-def _weights_digest(model: torch.nn.Module) -> str:
-    """A cheap digest of the weights: name, shape, dtype and the first 64 KiB of each tensor."""
+def weights_digest(vllm_config: Any) -> str | None:
+    """A digest of the model's weight files (names, sizes, first and last 64 KiB of each).
+
+    Computed from the checkpoint on disk so that the scheduler side, which has
+    no model, and the worker side agree. ``None`` when the model is not a
+    local directory.
+    """
+    root = Path(str(vllm_config.model_config.model))
+    if not root.is_dir():
+        return None
     h = hashlib.blake2b(digest_size=16)
-    for name, p in sorted(model.state_dict().items()):
-        t = p.detach()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        flat = t.reshape(-1)[: max(1, 65536 // max(1, t.element_size()))].contiguous().cpu()
-        if flat.numel():
-            h.update(flat.view(torch.uint8).numpy().tobytes())
+    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json")
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}\x00".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(65536))
+            if size > 65536:
+                fh.seek(max(65536, size - 65536))
+                h.update(fh.read(65536))
     return h.hexdigest()
+
+
+def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None) -> ModelFingerprint:
+    """The model fingerprint from the engine config alone (the scheduler side has no caches)."""
+    mc = vllm_config.model_config
+    hf = mc.hf_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    storage = FP8_DTYPES.get(cache_dtype, mc.dtype)
+    if num_layers is None:
+        num_layers = mc.get_num_layers(vllm_config.parallel_config)
+    return ModelFingerprint(
+        architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
+        num_layers=num_layers,
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_dim=mc.get_head_size(),
+        dtype=dtypes.from_torch(storage).name,
+        weights_digest=weights_digest(vllm_config),
+    )
 
 
 def describe_worker_cache(
     vllm_config: Any,
     caches: Sequence[torch.Tensor],
     layer_names: Sequence[str],
-    model: torch.nn.Module | None = None,
 ) -> EngineCache:
     """Describe the cache of the worker that owns ``caches`` (one per attention layer)."""
     layers = attention_layers(vllm_config)
@@ -112,7 +149,6 @@ def describe_worker_cache(
         layout = LogicalBHNC(head_dim)
         layout_name = f"vllm-{vllm_config.cache_config.kv_cache_layout or 'LBNHC'}"
     scales = [(float(getattr(m, "_k_scale_float", 1.0)), float(getattr(m, "_v_scale_float", 1.0))) for m in mods]
-    hf = mc.hf_config
     import vllm
 
     return EngineCache(
@@ -124,14 +160,7 @@ def describe_worker_cache(
         model_dtype=model_dtype,
         kv_cache_dtype=cache_dtype,
         kv_scales=scales if cache_dtype in FP8_DTYPES else None,
-        fingerprint=ModelFingerprint(
-            architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
-            num_layers=len(caches),
-            num_kv_heads=mc.get_total_num_kv_heads(),
-            head_dim=head_dim,
-            dtype=dtypes.from_torch(storage).name,
-            weights_digest=_weights_digest(model) if model is not None else None,
-        ),
+        fingerprint=fingerprint_of(vllm_config, num_layers=len(caches)),
         block_size=vllm_config.cache_config.block_size,
         engine=f"vllm {getattr(vllm, '__version__', '?')}",
         isa=isa,

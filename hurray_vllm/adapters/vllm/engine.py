@@ -48,7 +48,7 @@ def layer_caches(vllm_config: Any) -> tuple[list[str], list[torch.Tensor]]:
 def _describe(worker: Any) -> EngineCache:
     """Runs on the worker (in-process: same objects, no copies)."""
     names, caches = layer_caches(worker.vllm_config)
-    return describe_worker_cache(worker.vllm_config, caches, names, worker.model_runner.model)
+    return describe_worker_cache(worker.vllm_config, caches, names)
 
 
 def engine_cache(llm: Any) -> EngineCache:

@@ -1,0 +1,109 @@
+"""A content-addressed store of KV chunks, shared by producers and consumers.
+
+A *chunk* is a fixed number of tokens (``chunk_tokens``, a multiple of
+every engine's block size that uses the store) of one sequence, saved as a
+one-sequence :class:`KVSnapshot` in a ``.hrry`` file. Its key chains the
+hashes of all chunks before it, so a key names a whole prefix: a consumer
+finds the longest stored prefix of a prompt by walking keys until one is
+missing, and a producer never writes a prefix that is already there.
+
+Keys live in a namespace derived from the model fingerprint, so a snapshot
+of another model is never even looked at. Writes are atomic (temp file +
+rename): a reader sees a whole chunk or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .api import load, save
+from .errors import HurrayFormatError
+from .snapshot import KVSnapshot, ModelFingerprint
+
+__all__ = ["chunk_keys", "namespace_of", "DirectoryStore", "chunk_digest", "verify_chunk"]
+
+DIGEST_KEY = "hurray_vllm.chunk_digest"
+
+
+def namespace_of(fp: ModelFingerprint) -> str:
+    """A short, stable name for everything one model's caches may share."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in (fp.architecture, fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.dtype, fp.weights_digest or ""):
+        h.update(f"{part}\x00".encode())
+    return h.hexdigest()
+
+
+def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: str) -> list[str]:
+    """Keys of the whole chunks of ``token_ids``; key ``i`` covers tokens ``[0, (i+1)*chunk_tokens)``."""
+    keys = []
+    prev = namespace.encode()
+    for i in range(len(token_ids) // chunk_tokens):
+        chunk = token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(torch.tensor(list(chunk), dtype=torch.int64).numpy().tobytes())
+        prev = h.digest()
+        keys.append(h.hexdigest())
+    return keys
+
+
+def chunk_digest(snap: KVSnapshot) -> str:
+    """A digest of every page pool's bytes: catches corruption the container cannot see."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (*snap.keys, *snap.values):
+        h.update(t.page_pool.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def verify_chunk(snap: KVSnapshot, fp: ModelFingerprint, tokens: Sequence[int]) -> None:
+    """Raise :class:`HurrayFormatError` unless ``snap`` is this model's KV of exactly ``tokens``."""
+    if snap.fingerprint is None:
+        raise HurrayFormatError("snapshot.fingerprint", "chunk carries no model fingerprint")
+    diffs = snap.fingerprint.mismatches(fp)
+    if diffs:
+        raise HurrayFormatError("snapshot.fingerprint", "chunk is from another model: " + "; ".join(diffs))
+    if snap.num_seqs != 1 or snap.seq_lens != [len(tokens)]:
+        raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
+    if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
+        raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
+    want = snap.extra.get(DIGEST_KEY)
+    if want is None or want != chunk_digest(snap):
+        raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
+
+
+@dataclass(frozen=True)
+class DirectoryStore:
+    """Chunks as ``ROOT/<namespace>/<key>.hrry`` files."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    def path(self, namespace: str, key: str) -> Path:
+        return self.root / namespace / f"{key}.hrry"
+
+    def has(self, namespace: str, key: str) -> bool:
+        return self.path(namespace, key).is_file()
+
+    def put(self, namespace: str, key: str, snap: KVSnapshot) -> bool:
+        """Store ``snap`` under ``key`` unless it is there already; True if written."""
+        target = self.path(namespace, key)
+        if target.is_file():
+            return False
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save(snap, target)
+        return True
+
+    def get(self, namespace: str, key: str) -> KVSnapshot:
+        """The chunk under ``key``; raises :class:`HurrayFormatError` if missing or malformed."""
+        path = self.path(namespace, key)
+        try:
+            return load(path)
+        except FileNotFoundError:
+            raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
