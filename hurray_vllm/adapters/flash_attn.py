@@ -1,0 +1,930 @@
+"""flash-attn importer: a snapshot's layer as the paged cache ``flash_attn_with_kvcache`` reads.
+
+Three builds of the kernel read the same ``[num_blocks, page_size, nheads_k,
+head_dim]`` pools and int32 ``[batch, max_num_blocks_per_seq]`` block table,
+with different limits (``FLAVORS``; the table is in ``docs/importers-flash-attn.md``):
+
+* ``"fa2"``: ``flash_attn.flash_attn_with_kvcache`` (FlashAttention-2): page
+  size a multiple of 256, float16/bfloat16, head_dim <= 256.
+* ``"fa3"``: ``flash_attn_interface.flash_attn_with_kvcache(page_table=...)``
+  (FlashAttention-3): any page size, float16/bfloat16 or float8_e4m3fn with
+  float32 ``[batch, nheads_k]`` descales, head_dim <= 256 and a multiple of 8
+  (16 for fp8).
+* ``"vllm"``: vLLM's fork (``vllm.vllm_flash_attn``, its FA2 kernel): page
+  size a multiple of 16, float16/bfloat16, head_dim <= 256.
+
+:func:`plan_flash_attn` computes the block structure once per snapshot
+(repaging with :func:`hurray_vllm.repage.plan_repage` when the page size
+differs, room for appended tokens); :func:`to_flash_attn` applies it to one
+layer, :func:`to_flash_attn_all` to every layer. :func:`check_flash_attn_args`
+checks a call against the kernel's contract before anything reaches CUDA,
+and :func:`flash_attn_with_kvcache` checks and calls the installed kernel.
+No kernel package is imported at module level.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+
+from ..attention import append_kv_
+from ..errors import HurrayFormatError
+from ..paged import BlockPagedTensor
+from ..repage import RepagePlan, plan_repage, repage
+from ..snapshot import KVSnapshot
+
+__all__ = [
+    "FLAVORS",
+    "FlashAttnCache",
+    "FlashAttnPlan",
+    "FlashAttnUnavailableError",
+    "Flavor",
+    "FlavorLimits",
+    "check_flash_attn_args",
+    "flash_attn_with_kvcache",
+    "plan_flash_attn",
+    "to_flash_attn",
+    "to_flash_attn_all",
+]
+
+Flavor = Literal["fa2", "fa3", "vllm"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HALF = (torch.float16, torch.bfloat16)
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class FlavorLimits:
+    """What one build of ``flash_attn_with_kvcache`` accepts for a paged cache.
+
+    Attributes:
+        name: ``"fa2"``, ``"fa3"`` or ``"vllm"``.
+        kernel: the Python entry point, for messages.
+        page_multiple: ``page_block_size`` must be a multiple of this.
+        dtypes: accepted dtypes of ``q`` (and so of the caches).
+        max_head_dim: the largest head dimension.
+        head_dim_multiple: required divisor of ``head_dim`` for 16-bit inputs
+            (1: any; FlashAttention-2 pads odd sizes itself).
+        fp8_head_dim_multiple: the same for float8 inputs.
+        descales: whether the kernel takes ``q/k/v_descale`` (fp8 only).
+    """
+
+    name: str
+    kernel: str
+    page_multiple: int
+    dtypes: tuple[torch.dtype, ...]
+    max_head_dim: int
+    head_dim_multiple: int
+    fp8_head_dim_multiple: int
+    descales: bool
+
+
+FLAVORS: dict[str, FlavorLimits] = {
+    # csrc/flash_attn/flash_api.cpp mha_fwd_kvcache (v2.8): "Paged KV cache block size must be divisible by 256".
+    "fa2": FlavorLimits("fa2", "flash_attn.flash_attn_with_kvcache", 256, _HALF, 256, 1, 1, False),
+    # hopper/flash_api.cpp mha_fwd: any page size; "head_size should be a multiple of 8" (16 for e4m3).
+    "fa3": FlavorLimits(
+        "fa3",
+        "flash_attn_interface.flash_attn_with_kvcache",
+        1,
+        (*_HALF, torch.float8_e4m3fn),
+        256,
+        8,
+        16,
+        True,
+    ),
+    # vllm-project/flash-attention csrc: "Paged KV cache block size must be divisible by 16".
+    "vllm": FlavorLimits("vllm", "vllm.vllm_flash_attn", 16, _HALF, 256, 1, 1, False),
+}
+
+
+class FlashAttnUnavailableError(RuntimeError):
+    """No flash-attn kernel can run this call here (no CUDA, or the package is missing)."""
+
+
+def _limits(flavor: str) -> FlavorLimits:
+    try:
+        return FLAVORS[flavor]
+    except KeyError:
+        raise HurrayFormatError("flavor", f"unknown flavor {flavor!r}; use one of {sorted(FLAVORS)}") from None
+
+
+# ── the imported cache ──────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True, eq=False)
+class FlashAttnCache:
+    """One layer's paged KV cache, ready for ``flash_attn_with_kvcache``.
+
+    Attributes:
+        k_cache: ``[num_blocks, page_size, nheads_k, head_dim]``, contiguous,
+            float16/bfloat16 (float8_e4m3fn for an fa3 passthrough). flash-attn
+            writes appended keys into it in place.
+        v_cache: ``[num_blocks, page_size, nheads_k, head_dim]``, like ``k_cache``.
+        block_table: int32 ``[batch, max_num_blocks_per_seq]``, contiguous.
+            Entries past the pages a sequence covers are 0, always a valid
+            page (see :func:`plan_flash_attn`).
+        cache_seqlens: int32 ``[batch]``, tokens in the cache per sequence.
+        k_descale: float32 ``[batch, nheads_k]`` for float8 caches (fa3):
+            stored key times descale is the real key; ``None`` otherwise.
+        v_descale: float32 ``[batch, nheads_k]``, likewise for values.
+        flavor: the kernel build the cache was shaped for.
+        layer: the snapshot layer it came from.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
+    flavor: Flavor = "fa2"
+    layer: int | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k_cache.shape[0])
+
+    @property
+    def page_size(self) -> int:
+        return int(self.k_cache.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k_cache.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.k_cache.shape[3])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.block_table.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per sequence the block table can address (``max_num_blocks_per_seq * page_size``)."""
+        return int(self.block_table.shape[1]) * self.page_size
+
+    def advance(self, n: int) -> FlashAttnCache:
+        """The same cache with ``n`` more tokens per sequence (after appending ``k``/``v`` of ``n`` tokens)."""
+        return replace(self, cache_seqlens=self.cache_seqlens + n)
+
+    def kwargs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments for the flavor's ``flash_attn_with_kvcache`` (block/page table name, descales)."""
+        table = "page_table" if self.flavor == "fa3" else "block_table"
+        out = {"cache_seqlens": self.cache_seqlens, table: self.block_table}
+        if self.k_descale is not None and self.v_descale is not None:
+            out.update(k_descale=self.k_descale, v_descale=self.v_descale)
+        return out
+
+
+@dataclass(frozen=True)
+class FlashAttnPlan:
+    """The block structure of an imported batch, shared by every layer and role.
+
+    Attributes:
+        flavor: the kernel build the plan was checked against.
+        page_size: the target page size.
+        src_page_size: the snapshot's page size.
+        reserve: tokens of room left after every sequence for appends.
+        repage: the slot gather from the snapshot's pages, or ``None`` when
+            the page sizes already agree (the pool is then used as is).
+        base_pages: pages of the (repaged) pool; they keep their ids.
+        extra_pages: int64 ``[num_extra]``: the pages appended after them,
+            each the pool page it copies (a shared tail page made private so
+            an append cannot clobber another sequence) or -1 for a zero page.
+        block_table: int32 ``[batch, max_num_blocks_per_seq]``, contiguous,
+            padded with 0.
+        cache_seqlens: int32 ``[batch]``.
+    """
+
+    flavor: Flavor
+    page_size: int
+    src_page_size: int
+    reserve: int
+    repage: RepagePlan | None
+    base_pages: int
+    extra_pages: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.base_pages + int(self.extra_pages.numel())
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.cache_seqlens.numel())
+
+
+def plan_flash_attn(
+    snapshot: KVSnapshot, *, page_size: int = 256, flavor: Flavor = "fa2", reserve: int = 0
+) -> FlashAttnPlan:
+    """Plan importing ``snapshot`` as flash-attn paged caches (once for all layers).
+
+    Parameters
+    ----------
+    snapshot : KVSnapshot
+        At least one layer, one sequence, and known ``seq_lens``.
+    page_size : int
+        Target ``page_block_size``; must suit ``flavor`` (fa2: multiple of
+        256, vllm: multiple of 16, fa3: any positive size).
+    flavor : {"fa2", "fa3", "vllm"}
+        The kernel build.
+    reserve : int
+        Tokens of room to leave after every sequence, for ``k``/``v`` appends.
+        A sequence whose partly filled last page is shared (prefix sharing,
+        or two identical sequences) gets a private copy of it so that appends
+        of one sequence never land in another's pages.
+
+    Returns
+    -------
+    FlashAttnPlan
+
+    Notes
+    -----
+    The block table is padded with page 0 (the plan makes sure a page 0
+    exists). flash-attn only dereferences entries that cover
+    ``cache_seqlens + seqlen_new``, but a valid id keeps any speculative read
+    in bounds, and 0 needs no per-row value (a row with no page has no "last
+    page" to repeat). This is also what vLLM does with its null block 0.
+    """
+    lim = _limits(flavor)
+    _check_page_size(page_size, lim, "page_size")
+    if reserve < 0:
+        raise HurrayFormatError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
+    if not snapshot.keys:
+        raise HurrayFormatError("snapshot", "the snapshot has no layers; nothing to import")
+    k0 = snapshot.keys[0]
+    if k0.seq_lens is None:
+        raise HurrayFormatError(
+            "seq_lens", "the snapshot does not carry sequence lengths; flash-attn needs cache_seqlens"
+        )
+    if k0.num_seqs == 0:
+        raise HurrayFormatError("snapshot", "the snapshot has no sequences; flash-attn needs batch >= 1")
+    if k0.page_size == page_size:
+        rp = None
+        table, ptr, lens, base = k0.block_table, k0.seq_ptr, k0.seq_lens, k0.num_pages
+    else:
+        rp = plan_repage(k0.block_table, k0.seq_ptr, k0.seq_lens, k0.page_size, page_size)
+        table, ptr, lens, base = rp.block_table, rp.seq_ptr, rp.seq_lens, rp.num_pages
+    extra, bt = _block_structure(table, ptr, lens, base, page_size, reserve)
+    num_blocks = base + int(extra.numel())
+    longest = int(lens.max()) + reserve
+    if num_blocks > _INT32_MAX or longest > _INT32_MAX:
+        raise HurrayFormatError(
+            "snapshot", f"{num_blocks} pages / {longest} tokens do not fit flash-attn's int32 indices"
+        )
+    return FlashAttnPlan(
+        flavor=flavor,
+        page_size=page_size,
+        src_page_size=k0.page_size,
+        reserve=reserve,
+        repage=rp,
+        base_pages=base,
+        extra_pages=extra,
+        block_table=bt.to(torch.int32).contiguous(),
+        cache_seqlens=lens.to(torch.int32).contiguous(),
+    )
+
+
+def _block_structure(
+    table: torch.Tensor, ptr: torch.Tensor, lens: torch.Tensor, base: int, page: int, reserve: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(extra_pages, int64 ``[batch, width]`` table) for CSR ``table``/``ptr`` over ``base`` pages."""
+    dev = table.device
+    ptr, lens = ptr.to(dev), lens.to(dev)
+    batch = int(lens.numel())
+    have = ptr[1:] - ptr[:-1]
+    use = (lens + page - 1) // page
+    short = (have < use).nonzero()
+    if short.numel():
+        s = int(short[0, 0])
+        raise HurrayFormatError(
+            "block_table",
+            f"sequence {s} has {int(have[s])} pages for {int(lens[s])} tokens of {page}; the snapshot is inconsistent",
+        )
+    need = (lens + reserve + page - 1) // page
+    width = max(1, int(need.max()))
+    cols = torch.arange(width, device=dev)[None, :]
+    in_use = cols < use[:, None]
+    bt = torch.zeros(batch, width, dtype=torch.int64, device=dev)
+    bt[in_use] = table[(ptr[:-1, None] + cols)[in_use]]
+    used = bt[in_use]
+    if bool(((used < 0) | (used >= base)).any()):
+        raise HurrayFormatError(
+            "block_table", f"the snapshot's block table names pages outside its {base}-page pool; validate() it"
+        )
+    extra = [torch.empty(0, dtype=torch.int64, device=dev)]
+    if reserve > 0:
+        # Copy-on-write: the first appended token lands in the last page when it is
+        # partly filled; if any other covered entry references that page, give the
+        # sequence its own copy.
+        refs = torch.bincount(used, minlength=max(base, 1))
+        tail_col = lens // page
+        rows = torch.arange(batch, device=dev)
+        tail = bt[rows, tail_col.clamp(max=width - 1)]
+        cow = ((lens % page) != 0) & (refs[tail] > 1)
+        # When every reference to a page is such a tail (identical sequences), the
+        # first of them may keep the original: the others no longer read it.
+        tails = torch.bincount(tail[cow], minlength=refs.numel())
+        first = torch.full_like(refs, batch)
+        first.scatter_reduce_(0, tail[cow], rows[cow], reduce="amin")
+        cow &= ~((tails[tail] == refs[tail]) & (first[tail] == rows))
+        cow_rows = cow.nonzero().reshape(-1)
+        bt[cow_rows, tail_col[cow_rows]] = base + torch.arange(cow_rows.numel(), device=dev)
+        extra.append(tail[cow_rows])
+        fresh = ~in_use & (cols < need[:, None])
+        n_fresh = int(fresh.sum())
+        bt[fresh] = base + cow_rows.numel() + torch.arange(n_fresh, device=dev)
+        extra.append(torch.full((n_fresh,), -1, dtype=torch.int64, device=dev))
+    out = torch.cat(extra)
+    if base + out.numel() == 0:
+        # Every sequence is empty: one zero page keeps the padding id 0 valid.
+        out = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    return out, bt
+
+
+# ── import ──────────────────────────────────────────────────────────────────
+
+
+def to_flash_attn(
+    snapshot: KVSnapshot,
+    layer: int,
+    *,
+    page_size: int | None = None,
+    flavor: Flavor | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    plan: FlashAttnPlan | None = None,
+    reserve: int | None = None,
+) -> FlashAttnCache:
+    """Layer ``layer`` of ``snapshot`` as a flash-attn paged cache.
+
+    Parameters
+    ----------
+    snapshot : KVSnapshot
+        The batch; its pools may be on any device.
+    layer : int
+        ``0 <= layer < snapshot.num_layers``.
+    page_size : int, optional
+        Target page size, 256 by default (valid for every flavor). The
+        snapshot is repaged when its page size differs.
+    flavor : {"fa2", "fa3", "vllm"}, optional
+        The kernel build, ``"fa2"`` by default.
+    device : torch.device or str, optional
+        Where the result goes; moved once, at the end. Repaging runs on the
+        snapshot's device, so a CUDA snapshot never visits the host.
+    dtype : torch.dtype, optional
+        Cache dtype. ``None`` keeps float16/bfloat16 pools, keeps
+        float8_e4m3fn pools for fa3 (with descales), and dequantizes any
+        other float8 pool (``stored.float() * scale``, the snapshot's
+        ``kv_scales``, 1 when absent) to bfloat16. float32 pools need an
+        explicit ``torch.bfloat16`` or ``torch.float16``.
+    plan : FlashAttnPlan, optional
+        From :func:`plan_flash_attn` for this snapshot, to share the block
+        structure across layers; ``page_size``, ``flavor`` and ``reserve``
+        then default to the plan's and must agree with it.
+    reserve : int, optional
+        Tokens of room per sequence for appends (0 by default); see
+        :func:`plan_flash_attn`.
+
+    Returns
+    -------
+    FlashAttnCache
+        With ``reserve=0`` and nothing to repage, convert or move, the caches
+        are the snapshot's own pools (no copy); otherwise fresh tensors.
+    """
+    plan = _resolve_plan(snapshot, plan, page_size, flavor, reserve)
+    if not 0 <= layer < snapshot.num_layers:
+        raise HurrayFormatError("layer", f"layer {layer} is outside the snapshot's {snapshot.num_layers} layers")
+    lim = FLAVORS[plan.flavor]
+    kt, vt = snapshot.keys[layer], snapshot.values[layer]
+    out_dtype, passthrough = _target_dtype(kt, lim, dtype)
+    _check_head_dim(kt.head_dim, lim, out_dtype, "head_dim")
+    k_scale, v_scale = snapshot.kv_scales[layer] if snapshot.kv_scales is not None else (1.0, 1.0)
+    k_cache = _convert(_layer_pool(kt, plan), out_dtype, passthrough, k_scale)
+    v_cache = _convert(_layer_pool(vt, plan), out_dtype, passthrough, v_scale)
+    dev = torch.device(device) if device is not None else k_cache.device
+    k_descale = v_descale = None
+    if passthrough and kt.dtype in _FP8:
+        shape = (plan.batch_size, kt.num_heads)
+        k_descale = torch.full(shape, float(k_scale), dtype=torch.float32, device=dev)
+        v_descale = torch.full(shape, float(v_scale), dtype=torch.float32, device=dev)
+    return FlashAttnCache(
+        k_cache=k_cache.to(dev),
+        v_cache=v_cache.to(dev),
+        block_table=plan.block_table.to(dev),
+        cache_seqlens=plan.cache_seqlens.to(dev),
+        k_descale=k_descale,
+        v_descale=v_descale,
+        flavor=plan.flavor,
+        layer=layer,
+    )
+
+
+def to_flash_attn_all(
+    snapshot: KVSnapshot,
+    *,
+    page_size: int = 256,
+    flavor: Flavor = "fa2",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    reserve: int = 0,
+) -> tuple[FlashAttnCache, ...]:
+    """Every layer of ``snapshot`` (see :func:`to_flash_attn`), planned once.
+
+    The layers share one ``block_table`` and one ``cache_seqlens`` tensor.
+    """
+    plan = plan_flash_attn(snapshot, page_size=page_size, flavor=flavor, reserve=reserve)
+    dev = torch.device(device) if device is not None else None
+    if dev is not None:
+        plan = replace(plan, block_table=plan.block_table.to(dev), cache_seqlens=plan.cache_seqlens.to(dev))
+    return tuple(to_flash_attn(snapshot, i, plan=plan, device=dev, dtype=dtype) for i in range(snapshot.num_layers))
+
+
+def _resolve_plan(
+    snapshot: KVSnapshot,
+    plan: FlashAttnPlan | None,
+    page_size: int | None,
+    flavor: Flavor | None,
+    reserve: int | None,
+) -> FlashAttnPlan:
+    if plan is None:
+        return plan_flash_attn(
+            snapshot,
+            page_size=256 if page_size is None else page_size,
+            flavor="fa2" if flavor is None else flavor,
+            reserve=0 if reserve is None else reserve,
+        )
+    asked = {"page_size": page_size, "flavor": flavor, "reserve": reserve}
+    for name, value in asked.items():
+        if value is not None and value != getattr(plan, name):
+            raise HurrayFormatError(
+                "plan", f"the plan has {name}={getattr(plan, name)!r} but {value!r} was asked; drop one of them"
+            )
+    k0 = snapshot.keys[0] if snapshot.keys else None
+    if (
+        k0 is None
+        or k0.page_size != plan.src_page_size
+        or k0.num_seqs != plan.batch_size
+        or (plan.repage is None and k0.num_pages != plan.base_pages)
+    ):
+        raise HurrayFormatError("plan", "the plan was made for another snapshot; call plan_flash_attn on this one")
+    return plan
+
+
+def _target_dtype(t: BlockPagedTensor, lim: FlavorLimits, dtype: torch.dtype | None) -> tuple[torch.dtype, bool]:
+    """(cache dtype, whether the stored values pass through unchanged)."""
+    if t.quantization is not None:
+        raise HurrayFormatError(
+            "quantization",
+            f"layer {t.layer_index} uses Hurray {type(t.quantization).__name__} quantization, which flash-attn "
+            "cannot read; dequantize the snapshot first",
+        )
+    src = t.dtype
+    if src not in (*_HALF, *_FP8, torch.float32):
+        raise HurrayFormatError("dtype", f"a {src} KV pool cannot be imported into flash-attn (float types only)")
+    if dtype is None:
+        if src in lim.dtypes:
+            return src, True
+        if src in _FP8:
+            return torch.bfloat16, False
+        raise HurrayFormatError(
+            "dtype", f"{lim.kernel} does not take {src} caches; pass dtype=torch.bfloat16 or torch.float16"
+        )
+    if dtype not in lim.dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in lim.dtypes)
+        raise HurrayFormatError("dtype", f"{lim.kernel} takes {names}, not {dtype}")
+    if dtype in _FP8 and src != dtype:
+        raise HurrayFormatError(
+            "dtype", f"cannot quantize a {src} pool to {dtype} here; import fp8 pools only as stored"
+        )
+    return dtype, src == dtype
+
+
+def _layer_pool(t: BlockPagedTensor, plan: FlashAttnPlan) -> torch.Tensor:
+    pool = repage(t, plan.page_size, plan.repage).page_pool if plan.repage is not None else t.page_pool
+    if not plan.extra_pages.numel():
+        # With room reserved, appends write into the pool: never into the snapshot's own.
+        return pool.clone() if plan.reserve and plan.repage is None else pool
+    src = plan.extra_pages.to(pool.device)
+    fresh = torch.zeros((int(src.numel()), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    copied = src >= 0
+    fresh[copied] = pool[src[copied]]
+    return torch.cat([pool, fresh])
+
+
+def _convert(pool: torch.Tensor, dtype: torch.dtype, passthrough: bool, scale: float) -> torch.Tensor:
+    if passthrough:
+        return pool
+    if pool.dtype in _FP8:
+        return (pool.float() * float(scale)).to(dtype)
+    return pool.to(dtype)
+
+
+def _check_page_size(page: int, lim: FlavorLimits, field: str) -> None:
+    if page <= 0 or page % lim.page_multiple:
+        raise HurrayFormatError(
+            field,
+            f"{lim.kernel} needs a paged KV block size divisible by {lim.page_multiple}, got {page}; "
+            f"import with page_size={max(lim.page_multiple, 256)}",
+        )
+
+
+def _check_head_dim(head_dim: int, lim: FlavorLimits, dtype: torch.dtype, field: str) -> None:
+    if head_dim > lim.max_head_dim:
+        raise HurrayFormatError(field, f"{lim.kernel} supports head_dim at most {lim.max_head_dim}, got {head_dim}")
+    multiple = lim.fp8_head_dim_multiple if dtype in _FP8 else lim.head_dim_multiple
+    if head_dim % multiple:
+        raise HurrayFormatError(
+            field, f"{lim.kernel} needs head_dim a multiple of {multiple} for {dtype}, got {head_dim}"
+        )
+
+
+# ── the kernel's contract ───────────────────────────────────────────────────
+
+
+def check_flash_attn_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    *,
+    flavor: Flavor = "fa2",
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> None:
+    """Check a paged ``flash_attn_with_kvcache`` call against the kernel's contract.
+
+    Mirrors the C++ checks of ``mha_fwd_kvcache`` (FlashAttention-2 and vLLM's
+    fork) and ``mha_fwd`` (FlashAttention-3), plus the ones the kernels leave
+    to the caller and get wrong silently: block table entries in range, no
+    two sequences appending into one page. Reads ``cache_seqlens`` and
+    ``block_table`` (one device sync, like flash-attn's own capacity check).
+    Tensors may be on any device, as long as it is the same one.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[batch, seqlen_q, nheads, head_dim]``, ``batch >= 1``, last dim
+        contiguous; float16/bfloat16 (fa3 also float8_e4m3fn).
+    k_cache : torch.Tensor
+        ``[num_blocks, page_block_size, nheads_k, head_dim]`` in ``q``'s
+        dtype, last dim contiguous; ``page_block_size`` a multiple of 256
+        (fa2) or 16 (vllm); ``nheads % nheads_k == 0``; ``head_dim <= 256``
+        (fa3: a multiple of 8, 16 for fp8).
+    v_cache : torch.Tensor
+        Same shape and dtype as ``k_cache``.
+    cache_seqlens : torch.Tensor
+        int32 ``[batch]``, contiguous, values >= 0.
+    block_table : torch.Tensor
+        int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous. Every
+        entry covering ``cache_seqlens[b] + seqlen_new`` tokens is a page id
+        ``< num_blocks``; the rest is padding and is not checked.
+    flavor : {"fa2", "fa3", "vllm"}
+    k, v : torch.Tensor, optional
+        ``[batch, seqlen_new, nheads_k, head_dim]`` in ``q``'s dtype, last dim
+        contiguous, both or neither. The pages they are written to must not
+        be read by another sequence.
+    cache_batch_idx, cache_leftpad : torch.Tensor, optional
+        Refused: FlashAttention-2 rejects them with a paged cache, and the
+        importer and the reference do not model them for the other builds.
+    q_descale, k_descale, v_descale : torch.Tensor, optional
+        float32 ``[batch, nheads_k]``; fa3 with float8 inputs only.
+
+    Raises
+    ------
+    HurrayFormatError
+        Naming the first offending argument (its ``field``).
+    """
+    lim = _limits(flavor)
+    # Devices first: every later check may read the tensors.
+    named = {
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "cache_seqlens": cache_seqlens,
+        "block_table": block_table,
+        "k": k,
+        "v": v,
+        "cache_batch_idx": cache_batch_idx,
+        "cache_leftpad": cache_leftpad,
+        "q_descale": q_descale,
+        "k_descale": k_descale,
+        "v_descale": v_descale,
+    }
+    for name, t in named.items():
+        if t is not None and t.device != q.device:
+            raise HurrayFormatError(name, f"{name} is on {t.device} but q is on {q.device}; move it there")
+
+    if q.dim() != 4:
+        raise HurrayFormatError("q", f"q must be [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
+    if q.dtype not in lim.dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in lim.dtypes)
+        raise HurrayFormatError("q", f"{lim.kernel} supports {names}, not {q.dtype}")
+    batch, seqlen_q, nheads, head_dim = (int(x) for x in q.shape)
+    if batch <= 0:
+        raise HurrayFormatError("q", "batch size must be positive")
+    if q.stride(-1) != 1:
+        raise HurrayFormatError("q", "q must have a contiguous last dimension")
+
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise HurrayFormatError(
+                name, f"{name} must be [num_blocks, page_block_size, nheads_k, head_dim], got shape {list(c.shape)}"
+            )
+        if c.dtype != q.dtype:
+            raise HurrayFormatError(name, f"{name} is {c.dtype} but q is {q.dtype}; caches must be in q's dtype")
+        if c.stride(-1) != 1:
+            raise HurrayFormatError(name, f"{name} must have a contiguous last dimension")
+    if v_cache.shape != k_cache.shape:
+        raise HurrayFormatError(
+            "v_cache", f"v_cache has shape {list(v_cache.shape)} but k_cache has {list(k_cache.shape)}"
+        )
+    num_blocks, page, nheads_k, head_dim_k = (int(x) for x in k_cache.shape)
+    if head_dim_k != head_dim:
+        raise HurrayFormatError("k_cache", f"k_cache has head_dim {head_dim_k} but q has {head_dim}")
+    _check_page_size(page, lim, "k_cache")
+    _check_head_dim(head_dim, lim, q.dtype, "q")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise HurrayFormatError(
+            "q", f"the number of heads in key/value ({nheads_k}) must divide the number of heads in q ({nheads})"
+        )
+
+    if cache_batch_idx is not None:
+        raise HurrayFormatError(
+            "cache_batch_idx", "a paged KV cache does not support cache_batch_idx; reorder block_table rows instead"
+        )
+    if cache_leftpad is not None:
+        raise HurrayFormatError(
+            "cache_leftpad", "a paged KV cache does not support cache_leftpad; start every sequence at position 0"
+        )
+
+    if block_table is None:
+        raise HurrayFormatError("block_table", "a paged KV cache needs block_table (page_table for fa3)")
+    if block_table.dtype != torch.int32:
+        raise HurrayFormatError("block_table", f"block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise HurrayFormatError(
+            "block_table",
+            f"block_table must be [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}",
+        )
+    if block_table.stride(-1) != 1:
+        raise HurrayFormatError("block_table", "block_table must have a contiguous last dimension")
+    width = int(block_table.shape[1])
+
+    if cache_seqlens is None:
+        raise HurrayFormatError("cache_seqlens", "a paged KV cache needs cache_seqlens (int32 [batch])")
+    if cache_seqlens.dtype != torch.int32:
+        raise HurrayFormatError(
+            "cache_seqlens", f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}"
+        )
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise HurrayFormatError(
+            "cache_seqlens", f"cache_seqlens must have shape [batch={batch}], got {list(cache_seqlens.shape)}"
+        )
+    if not cache_seqlens.is_contiguous():
+        raise HurrayFormatError("cache_seqlens", "cache_seqlens must be contiguous")
+
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        missing = "v" if v is None else "k"
+        raise HurrayFormatError(missing, "new keys and values go together: pass both k and v, or neither")
+    if k is not None and v is not None:
+        expect = [batch, int(k.shape[1]) if k.dim() == 4 else -1, nheads_k, head_dim]
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype:
+                raise HurrayFormatError(name, f"{name} is {t.dtype} but q is {q.dtype}; it must have q's dtype")
+            if list(t.shape) != expect:
+                raise HurrayFormatError(
+                    name,
+                    f"{name} must be [batch, seqlen_new, nheads_k, head_dim] = {expect}, got {list(t.shape)}",
+                )
+            if t.stride(-1) != 1:
+                raise HurrayFormatError(name, f"{name} must have a contiguous last dimension")
+        seqlen_new = int(k.shape[1])
+        if seqlen_q > width * page:
+            raise HurrayFormatError(
+                "q",
+                f"with k/v given, seqlen_q ({seqlen_q}) must be <= the cache's seqlen "
+                f"(max_num_blocks_per_seq * page_block_size = {width * page})",
+            )
+
+    if lim.descales:
+        for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+            if d is None:
+                continue
+            if q.dtype not in _FP8:
+                raise HurrayFormatError(
+                    name, f"{name} only applies to float8 inputs; the kernel would ignore it for {q.dtype}"
+                )
+            if d.dtype != torch.float32 or tuple(d.shape) != (batch, nheads_k):
+                raise HurrayFormatError(
+                    name, f"{name} must be float32 [batch={batch}, nheads_k={nheads_k}], got {d.dtype} {list(d.shape)}"
+                )
+    else:
+        for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+            if d is not None:
+                raise HurrayFormatError(name, f"{lim.kernel} takes no {name}; dequantize fp8 caches on import")
+
+    # Contents: the kernels index block_table by position without bounds checks.
+    lens = cache_seqlens.to(torch.int64)
+    if bool((lens < 0).any()):
+        raise HurrayFormatError("cache_seqlens", "cache_seqlens must be >= 0")
+    total = lens + seqlen_new
+    longest = int(total.max())
+    if longest > width * page:
+        plus = " + seqlen_new" if seqlen_new else ""
+        raise HurrayFormatError(
+            "cache_seqlens",
+            f"max(cache_seqlens){plus} (= {longest}) exceeds what block_table addresses "
+            f"(max_num_blocks_per_seq * page_block_size = {width * page}); add columns to block_table "
+            "(import with reserve=) or the kernel reads out of bounds",
+        )
+    table = block_table.to(torch.int64)
+    cols = torch.arange(width, device=table.device)[None, :]
+    covered = cols * page < total[:, None]
+    bad = covered & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise HurrayFormatError(
+            "block_table",
+            f"block_table[{b}, {j}] = {int(table[b, j])} covers tokens of sequence {b} but is not a page of the "
+            f"{num_blocks}-page cache",
+        )
+    if seqlen_new:
+        # An append into a page another sequence reads corrupts it (and races with its own append).
+        written = covered & (cols >= (lens // page)[:, None])
+        refs = torch.bincount(table[covered], minlength=num_blocks)
+        clash = written & (refs[table.clamp(0, max(num_blocks - 1, 0))] > 1)
+        if bool(clash.any()):
+            b, j = (int(x) for x in clash.nonzero()[0])
+            raise HurrayFormatError(
+                "block_table",
+                f"the new tokens of sequence {b} go to page {int(table[b, j])}, which another block_table entry "
+                "also references; import with reserve= to give every sequence private tail pages",
+            )
+
+
+# ── calling the kernel ──────────────────────────────────────────────────────
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    cache: FlashAttnCache,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    q_descale: torch.Tensor | None = None,
+    **kw: Any,
+) -> torch.Tensor:
+    """Check the contract, then run the installed flash-attn kernel of ``cache.flavor``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[batch, seqlen_q, nheads, head_dim]`` on CUDA, in the caches' dtype
+        (for an fp8 fa3 cache: float8_e4m3fn, with ``q_descale``).
+    cache : FlashAttnCache
+        From :func:`to_flash_attn`, on ``q``'s device.
+    k, v : torch.Tensor, optional
+        ``[batch, seqlen_new, nheads_k, head_dim]`` new tokens, written into
+        ``cache``'s pools in place (use ``cache.advance(seqlen_new)`` next).
+    softmax_scale : float, optional
+        ``1 / sqrt(head_dim)`` by default.
+    causal : bool
+        Bottom-right causal mask. ``True`` by default (flash-attn's is ``False``).
+    q_descale : torch.Tensor, optional
+        float32 ``[batch, nheads_k]``, fa3 fp8 only.
+    **kw
+        Passed to the kernel unchanged (``window_size``, ``softcap``, ``num_splits``...).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[batch, seqlen_q, nheads, head_dim]`` (bfloat16 for fp8 inputs).
+
+    Raises
+    ------
+    HurrayFormatError
+        When the arguments break the kernel's contract.
+    FlashAttnUnavailableError
+        When the tensors are not on CUDA or the flavor's package is missing;
+        :func:`hurray_vllm.attention.paged_attention` computes the same on any device.
+    """
+    check_flash_attn_args(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.cache_seqlens,
+        cache.block_table,
+        flavor=cache.flavor,
+        k=k,
+        v=v,
+        q_descale=q_descale,
+        k_descale=cache.k_descale,
+        v_descale=cache.v_descale,
+    )
+    if q.device.type != "cuda":
+        raise FlashAttnUnavailableError(
+            f"flash-attn runs on CUDA only and q is on {q.device}; "
+            "hurray_vllm.attention.paged_attention(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, "
+            "cache.block_table, ...) is the reference that runs anywhere"
+        )
+    common: dict[str, Any] = {"softmax_scale": softmax_scale, "causal": causal, **kw}
+    if cache.flavor == "fa2":
+        fa2 = _import("fa2", "flash_attn")
+        return fa2.flash_attn_with_kvcache(
+            q,
+            cache.k_cache,
+            cache.v_cache,
+            k=k,
+            v=v,
+            cache_seqlens=cache.cache_seqlens,
+            block_table=cache.block_table,
+            **common,
+        )
+    if cache.flavor == "fa3":
+        fa3 = _import("fa3", "flash_attn_interface", "flash_attn_3.flash_attn_interface")
+        out = fa3.flash_attn_with_kvcache(
+            q,
+            cache.k_cache,
+            cache.v_cache,
+            k=k,
+            v=v,
+            cache_seqlens=cache.cache_seqlens,
+            page_table=cache.block_table,
+            q_descale=q_descale,
+            k_descale=cache.k_descale,
+            v_descale=cache.v_descale,
+            **common,
+        )
+        # Some FA3 releases return (out, softmax_lse) even when it was not asked for.
+        return out[0] if isinstance(out, tuple) and not kw.get("return_softmax_lse") else out
+    return _run_vllm(q, cache, k, v, common)
+
+
+def _run_vllm(
+    q: torch.Tensor, cache: FlashAttnCache, k: torch.Tensor | None, v: torch.Tensor | None, common: dict[str, Any]
+) -> torch.Tensor:
+    mod = _import("vllm", "vllm.vllm_flash_attn", "vllm_flash_attn")
+    with_kvcache: Callable[..., torch.Tensor] | None = getattr(mod, "flash_attn_with_kvcache", None)
+    if with_kvcache is not None:
+        return with_kvcache(
+            q,
+            cache.k_cache,
+            cache.v_cache,
+            k=k,
+            v=v,
+            cache_seqlens=cache.cache_seqlens,
+            block_table=cache.block_table,
+            **common,
+        )
+    # Newer forks keep only the varlen entry point: append first, then attend
+    # with per-sequence key counts (seqused_k), which is the same computation.
+    seqlens = cache.cache_seqlens
+    if k is not None and v is not None:
+        append_kv_(cache.k_cache, cache.v_cache, cache.block_table, seqlens, k, v)
+        seqlens = seqlens + int(k.shape[1])
+    batch, seqlen_q, nheads, head_dim = q.shape
+    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    out = mod.flash_attn_varlen_func(
+        q.reshape(batch * seqlen_q, nheads, head_dim),
+        cache.k_cache,
+        cache.v_cache,
+        max_seqlen_q=seqlen_q,
+        cu_seqlens_q=cu_q,
+        max_seqlen_k=int(seqlens.max()),
+        seqused_k=seqlens.to(torch.int32),
+        block_table=cache.block_table,
+        **common,
+    )
+    return out.reshape(batch, seqlen_q, nheads, head_dim)
+
+
+def _import(flavor: str, *modules: str) -> ModuleType:
+    errors = []
+    for name in modules:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise FlashAttnUnavailableError(
+        f"no {flavor} kernel is installed ({'; '.join(errors)}); install it on a CUDA machine, or use "
+        "hurray_vllm.attention.paged_attention as the CPU reference"
+    )
