@@ -29,7 +29,11 @@ examples:
   hurray-vllm validate snapshot.hrry           exit 0 if valid, 1 if not
   hurray-vllm validate other.hrry --permissive waive what the spec lets readers waive
   hurray-vllm convert snapshot.hrrs out.hrry   stream -> file (or file -> stream)
-  hurray-vllm demo                             the format round trip on the spec's example
+  hurray-vllm demo                             the main job end to end on built-in data
+  hurray-vllm migrate --from http://a:8000 --to http://b:8000 --prompt-ids 1,2,3 --after 16 --max-tokens 64
+                                               move a decoding request between two vLLM servers
+  hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray
+                                               accept KV chunks streamed by HurrayConnector
 """
 
 
@@ -216,6 +220,51 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_format_demo
 
     return run_format_demo(Path(args.workdir) if args.workdir else None, quiet=args.quiet)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from .adapters.vllm.migrate import migrate
+
+    if args.prompt_file:
+        prompt = [int(t) for t in Path(args.prompt_file).read_text().replace(",", " ").split()]
+    else:
+        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    result = migrate(args.source, args.destination, prompt, after=args.after, max_tokens=args.max_tokens,
+                     model=args.model)  # fmt: skip
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "tokens": result.tokens,
+                    "source_tokens": result.source_tokens,
+                    "destination_tokens": result.destination_tokens,
+                    "destination_cached_tokens": result.destination_cached_tokens,
+                }
+            )
+        )
+    else:
+        moved = f"{len(result.source_tokens)} tokens on {args.source}, {len(result.destination_tokens)} on "
+        print(f"{moved}{args.destination} ({result.destination_cached_tokens} prompt tokens loaded, not recomputed)")
+        print(" ".join(map(str, result.tokens)))
+    return 0
+
+
+def cmd_receive(args: argparse.Namespace) -> int:
+    import time
+
+    from .store import DirectoryStore
+    from .transport import Receiver
+
+    host, _, port = args.listen.rpartition(":")
+    receiver = Receiver(host or "127.0.0.1", int(port), DirectoryStore(args.dir)).start()
+    if not args.quiet:
+        print(f"receiving KV chunks on {receiver.address[0]}:{receiver.address[1]} into {args.dir}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        receiver.stop()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

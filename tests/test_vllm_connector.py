@@ -37,13 +37,21 @@ PROMPTS = {
 }
 
 
-def run_engine(tmp: Path, name: str, block_size: int, extra: dict[str, Any] | None) -> dict[str, Any]:
+def run_engine(
+    tmp: Path,
+    name: str,
+    block_size: int,
+    extra: dict[str, Any] | None,
+    prompts: dict[str, list[int]] | None = None,
+    max_tokens: int = 8,
+) -> dict[str, Any]:
+    """Run one engine (in a subprocess) over ``prompts``; its outputs, vLLM counters and connector stats."""
     cfg = {
         "model": str(tmp / "model"),
         "block_size": block_size,
         "extra": extra,
-        "prompts": PROMPTS,
-        "max_tokens": 8,
+        "prompts": prompts if prompts is not None else PROMPTS,
+        "max_tokens": max_tokens,
     }
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     proc = subprocess.run(

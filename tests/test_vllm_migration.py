@@ -1,0 +1,100 @@
+"""Two vLLM OpenAI servers on 127.0.0.1: a completion migrated over TCP mid-decode equals an unmoved run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import require
+from test_vllm_connector import run_engine
+from tiny_models import build_tiny_llama
+
+from hurray_vllm.adapters.vllm.migrate import migrate
+
+pytestmark = [pytest.mark.vllm]
+PROMPT = [(i * 53 + 7) % 500 + 1 for i in range(200)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _server(tmp: Path, name: str, port: int, block_size: int, extra: dict[str, object]) -> subprocess.Popen[bytes]:
+    kv = {
+        "kv_connector": "HurrayConnector",
+        "kv_connector_module_path": "hurray_vllm.adapters.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tmp / "model"), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+        "--max-model-len", "1024", "--block-size", str(block_size), "--no-enable-prefix-caching",
+        "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
+        "--kv-transfer-config", json.dumps(kv),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    log = open(tmp / f"{name}.log", "wb")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    pytest.fail(f"server at {url} did not start:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path, Path]]:
+    require("vllm")
+    require("transformers")
+    tmp = tmp_path_factory.mktemp("migration")
+    build_tiny_llama(tmp / "model")
+    pa, pb, recv = _free_port(), _free_port(), _free_port()
+    b = _server(tmp, "b", pb, 64, {"hurray_path": str(tmp / "b"), "hurray_listen": f"127.0.0.1:{recv}",
+                                   "hurray_chunk_tokens": 64})  # fmt: skip
+    a = _server(tmp, "a", pa, 32, {"hurray_path": str(tmp / "a"), "hurray_url": f"tcp://127.0.0.1:{recv}",
+                                   "hurray_chunk_tokens": 64})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 480
+        _wait(f"http://127.0.0.1:{pa}", a, tmp / "a.log", deadline)
+        _wait(f"http://127.0.0.1:{pb}", b, tmp / "b.log", deadline)
+        yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}", tmp, tmp / "b"
+    finally:
+        for p in (a, b):
+            p.terminate()
+        for p in (a, b):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_migrated_completion_equals_unmoved_run(servers) -> None:  # type: ignore[no-untyped-def]
+    src, dst, tmp, b_store = servers
+    assert not b_store.exists() or not any(b_store.rglob("*.hrry"))  # nothing arrived yet
+    moved = migrate(src, dst, PROMPT, after=9, max_tokens=24)
+    # The unmoved reference: a plain engine without connector, same model and prompt.
+    plain = run_engine(tmp, "plain", 32, None, prompts={"m": PROMPT}, max_tokens=24)
+    assert moved.tokens == plain["outputs"]["m"]
+    # The destination got the chunks over TCP and did not recompute them: 209 tokens -> 3 chunks of 64.
+    assert len(list(b_store.rglob("*.hrry"))) >= 3
+    assert moved.destination_cached_tokens == 192
+    assert len(moved.tokens) == 24
