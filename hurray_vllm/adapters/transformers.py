@@ -1,0 +1,678 @@
+"""Hugging Face transformers adapter: snapshots to ``DynamicCache`` and back.
+
+Both directions speak transformers' cache layout, one tensor per layer and
+role of shape ``[batch, num_kv_heads, seq_len, head_dim]`` with post-RoPE
+keys, which is also what vLLM writes into its pages; no transposition of the
+head dimension or re-rotation is needed, only paging.
+
+* :func:`to_dynamic_cache` builds a ``transformers.DynamicCache`` holding one
+  sequence of a :class:`~hurray_vllm.KVSnapshot` (fp8 pools dequantized).
+* :func:`continue_generation` greedily continues a sequence from its
+  snapshot KV with a transformers model, without recomputing the prefix.
+* :func:`from_transformers` pages a transformers cache (a batch, padded or
+  not) into a snapshot that any importer (vLLM included) can read.
+
+Only this module imports ``transformers``, and only when a function needs it.
+Tested with transformers 5.x (``DynamicCache.layers[i].keys``,
+``Cache.update(k, v, layer_idx)``); legacy tuple caches are accepted as input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import dtypes
+from ..descriptor import PerTensorAffine
+from ..errors import HurrayFormatError
+from ..paged import BlockPagedTensor, zero_slots_
+from ..snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ..validation import raise_if
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+__all__ = [
+    "ConfigGeometry",
+    "check_compatible",
+    "config_geometry",
+    "continue_generation",
+    "fingerprint_from_config",
+    "from_transformers",
+    "next_token_logits",
+    "sequence_kv",
+    "to_dynamic_cache",
+]
+
+#: ``SnapshotSource.layout`` of snapshots made by :func:`from_transformers`.
+SOURCE_LAYOUT = "transformers-BHTD"
+
+
+# ── model geometry ─────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class ConfigGeometry:
+    """The KV geometry a transformers config implies.
+
+    Attributes:
+        architecture: ``config.architectures[0]`` (``"LlamaForCausalLM"``), or
+            ``None`` when the config does not name one (a model built from a
+            config object rather than loaded from a checkpoint).
+        num_layers: ``num_hidden_layers``.
+        num_kv_heads: ``num_key_value_heads`` (``num_attention_heads`` when
+            the config has no GQA field).
+        head_dim: ``head_dim``, or ``hidden_size // num_attention_heads``.
+    """
+
+    architecture: str | None
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def config_geometry(model_config: Any) -> ConfigGeometry:
+    """Read :class:`ConfigGeometry` from a transformers ``PretrainedConfig``.
+
+    Composite (multimodal) configs are read through their decoder text
+    config. Raises :class:`HurrayFormatError` (field ``model_config``) when
+    the config lacks the attention geometry.
+    """
+    cfg = model_config
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        try:
+            cfg = get_text(decoder=True)
+        except TypeError:
+            cfg = get_text()
+    archs = getattr(model_config, "architectures", None) or getattr(cfg, "architectures", None)
+    try:
+        layers = int(cfg.num_hidden_layers)
+        heads = int(cfg.num_attention_heads)
+        kv_heads = getattr(cfg, "num_key_value_heads", None)
+        head_dim = getattr(cfg, "head_dim", None)
+        if head_dim is None:
+            head_dim = int(cfg.hidden_size) // heads
+        return ConfigGeometry(
+            architecture=str(archs[0]) if archs else None,
+            num_layers=layers,
+            num_kv_heads=int(kv_heads) if kv_heads is not None else heads,
+            head_dim=int(head_dim),
+        )
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise HurrayFormatError(
+            "model_config", f"{type(model_config).__name__} does not describe an attention model's KV: {exc}"
+        ) from None
+
+
+def fingerprint_from_config(
+    model_config: Any, *, dtype: torch.dtype | str, weights_digest: str | None = None
+) -> ModelFingerprint:
+    """A :class:`~hurray_vllm.ModelFingerprint` for a transformers model.
+
+    ``dtype`` is the cache storage dtype (a torch dtype or a Hurray element
+    type name such as ``"bfloat16"``). The architecture falls back to the
+    config's ``model_type`` when it names no ``architectures``. Note that
+    vLLM's ``weights_digest`` hashes vLLM's own (fused) parameters, so a
+    digest computed from a transformers model never equals it; leave it
+    ``None`` unless both sides hash the same way.
+    """
+    geo = config_geometry(model_config)
+    name = dtypes.from_torch(dtype).name if isinstance(dtype, torch.dtype) else dtypes.element_type(dtype).name
+    return ModelFingerprint(
+        architecture=geo.architecture or str(getattr(model_config, "model_type", "unknown")),
+        num_layers=geo.num_layers,
+        num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_dim,
+        dtype=name,
+        weights_digest=weights_digest,
+    )
+
+
+def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: str | None = None) -> None:
+    """Refuse a snapshot whose KV cannot belong to the model ``model_config`` describes.
+
+    Compares the number of layers, KV heads and the head size, both of the
+    snapshot's fingerprint (when it has one) and of its actual page pools,
+    and the fingerprint's architecture against ``architecture`` (default:
+    the config's ``architectures[0]``; skipped when neither names one). The
+    cache dtype is not compared: an fp8 snapshot is dequantized for a bf16
+    model. Raises :class:`HurrayFormatError` with field ``fingerprint``
+    listing every difference.
+    """
+    geo = config_geometry(model_config)
+    arch = architecture or geo.architecture
+    problems: list[str] = []
+    fp = snapshot.fingerprint
+    if fp is not None and arch is not None and fp.architecture != arch:
+        problems.append(f"architecture: snapshot has {fp.architecture!r}, model is {arch!r}")
+    # The fingerprint says what the exporter meant, the pools what the snapshot holds: check both.
+    claims: list[tuple[int, int, int]] = []
+    if fp is not None:
+        claims.append((fp.num_layers, fp.num_kv_heads, fp.head_dim))
+    if snapshot.keys:
+        claims.append((snapshot.num_layers, snapshot.keys[0].num_heads, snapshot.keys[0].head_dim))
+    want = (geo.num_layers, geo.num_kv_heads, geo.head_dim)
+    for claim in claims:
+        for name, h, w in zip(("num_layers", "num_kv_heads", "head_dim"), claim, want):
+            msg = f"{name}: snapshot has {h}, model has {w}"
+            if h != w and msg not in problems:
+                problems.append(msg)
+    if problems:
+        raise HurrayFormatError("fingerprint", "the snapshot does not fit this model: " + "; ".join(problems))
+
+
+# ── snapshot → transformers ────────────────────────────────────────────────
+
+
+def _dequantize(t: BlockPagedTensor, dense: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    q = t.quantization
+    if q is None and scale is None:
+        return dense.to(dtype)
+    x = dense.to(torch.float32)
+    if isinstance(q, PerTensorAffine):
+        x = (x - q.zero_point) * q.scale
+    elif q is not None:
+        raise HurrayFormatError(
+            "quantization", f"layer {t.layer_index} {t.kv_role}: {type(q).__name__} caches cannot be dequantized here"
+        )
+    if scale is not None:
+        x = x * scale
+    return x.to(dtype)
+
+
+def _default_dtype(snapshot: KVSnapshot, model_config: Any) -> torch.dtype:
+    pool = snapshot.keys[0].dtype
+    quantized = snapshot.kv_scales is not None or snapshot.keys[0].quantization is not None
+    if pool.is_floating_point and pool.itemsize > 1 and not quantized:
+        return pool
+    want = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(want, str):
+        want = getattr(torch, want, None)
+    return want if isinstance(want, torch.dtype) and want.is_floating_point else torch.float32
+
+
+def sequence_kv(
+    snapshot: KVSnapshot,
+    seq: int,
+    layer: int,
+    *,
+    dtype: torch.dtype | None = None,
+    length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``seq``'s keys and values of ``layer``, dense and dequantized.
+
+    Returns two ``[num_kv_heads, n, head_dim]`` tensors (``n`` =
+    ``length`` or the sequence's length) of ``dtype`` (default: the pool's
+    dtype, float32 for fp8 or otherwise quantized pools), on the pools'
+    device. fp8 pools are scaled by ``snapshot.kv_scales[layer]``.
+    """
+    k_t, v_t = snapshot.keys[layer], snapshot.values[layer]
+    n = k_t.seq_len(seq)
+    if length is not None:
+        if not 0 <= length <= n:
+            raise HurrayFormatError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
+        n = length
+    dtype = dtype or _default_dtype(snapshot, None)
+    scales = snapshot.kv_scales[layer] if snapshot.kv_scales is not None else (None, None)
+    out = []
+    for t, scale in ((k_t, scales[0]), (v_t, scales[1])):
+        dense = t.to_dense(seq)[:n]  # [n, H, D]
+        out.append(_dequantize(t, dense, scale, dtype).transpose(0, 1).contiguous())
+    return out[0], out[1]
+
+
+def to_dynamic_cache(
+    snapshot: KVSnapshot,
+    seq: int,
+    *,
+    model_config: Any = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    length: int | None = None,
+    architecture: str | None = None,
+) -> DynamicCache:
+    """A ``transformers.DynamicCache`` holding sequence ``seq`` of ``snapshot``.
+
+    Every layer holds keys and values of shape ``[1, num_kv_heads, n,
+    head_dim]`` (``n`` = ``length``, default ``snapshot.seq_lens[seq]``):
+    post-RoPE keys for positions ``0..n-1``, exactly what a transformers
+    forward pass over ``snapshot.token_ids[seq][:n]`` would have cached.
+    fp8 pools are dequantized with ``snapshot.kv_scales``.
+
+    Args:
+        snapshot: any snapshot (from vLLM, a file, :func:`from_transformers`).
+        seq: the sequence's index in the snapshot (``IndexError`` if out of range).
+        model_config: the target model's ``PretrainedConfig``. When given, the
+            snapshot is checked against it (:func:`check_compatible`) and the
+            cache is built with ``DynamicCache(config=...)``, so sliding-window
+            layers keep only their window.
+        dtype: the cache dtype; default the pool dtype, or for fp8 pools the
+            config's dtype (float32 without a config). It must match the
+            model's activations dtype.
+        device: where the cache tensors go (default: the pools' device).
+        length: cache only the first ``length`` tokens.
+        architecture: the model class name to compare with the fingerprint
+            when the config names no ``architectures``.
+
+    Raises:
+        HurrayFormatError: the snapshot does not fit ``model_config``, has no
+            sequence lengths, or uses a quantization this adapter cannot undo.
+    """
+    from transformers import DynamicCache
+
+    if model_config is not None:
+        check_compatible(snapshot, model_config, architecture=architecture)
+    if not snapshot.keys:
+        raise HurrayFormatError("snapshot.layers", "the snapshot holds no layers")
+    if not 0 <= seq < snapshot.num_seqs:
+        raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
+    dtype = dtype or _default_dtype(snapshot, model_config)
+    cache = _new_dynamic_cache(DynamicCache, model_config)
+    for i in range(snapshot.num_layers):
+        k, v = sequence_kv(snapshot, seq, i, dtype=dtype, length=length)
+        k, v = k.unsqueeze(0), v.unsqueeze(0)
+        if device is not None:
+            k, v = k.to(device), v.to(device)
+        cache.update(k, v, i)
+    return cache
+
+
+def _new_dynamic_cache(cls: Any, model_config: Any) -> Any:
+    if model_config is None:
+        return cls()
+    try:
+        return cls(config=model_config)
+    except TypeError:  # transformers < 4.56 takes no config
+        return cls()
+
+
+def _device_and_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def _architecture(model: Any) -> str | None:
+    archs = getattr(model.config, "architectures", None)
+    return None if archs else type(model).__name__
+
+
+def _greedy(model: Any, snapshot: KVSnapshot, seq: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Check, load the cache, and return an endless iterator of (greedy token, float32 ``[vocab]`` logits)."""
+    if not snapshot.token_ids:
+        raise HurrayFormatError("snapshot.token_ids", "the snapshot carries no token ids to continue from")
+    if not 0 <= seq < snapshot.num_seqs:
+        raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
+    ids = list(snapshot.token_ids[seq])
+    n = snapshot.seq_lens[seq]
+    if len(ids) < n:
+        raise HurrayFormatError("snapshot.token_ids", f"sequence {seq} has {n} tokens of KV but {len(ids)} token ids")
+    if not ids:
+        raise HurrayFormatError("snapshot.token_ids", f"sequence {seq} is empty: there is nothing to continue")
+    # The model needs the logits after the last token. When every token has KV
+    # (no sampled token pending), recompute the last one from the others' KV.
+    start = n if len(ids) > n else n - 1
+    device, dtype = _device_and_dtype(model)
+    cache = to_dynamic_cache(
+        snapshot,
+        seq,
+        model_config=model.config,
+        dtype=dtype,
+        device=device,
+        length=start,
+        architecture=_architecture(model),
+    )
+
+    def steps() -> Iterator[tuple[int, torch.Tensor]]:
+        feed, pos, past = ids[start:], start, cache
+        while True:
+            input_ids = torch.tensor([feed], dtype=torch.long, device=device)
+            position_ids = torch.arange(pos, pos + len(feed), device=device).unsqueeze(0)
+            # no_grad around the call only: a suspended generator must not leave grad mode off for its caller.
+            with torch.no_grad():
+                out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            token = int(logits.argmax())
+            yield token, logits
+            pos += len(feed)
+            feed = [token]
+
+    return steps()
+
+
+def next_token_logits(model: Any, snapshot: KVSnapshot, seq: int) -> torch.Tensor:
+    """float32 ``[vocab]`` logits for the token after ``snapshot.token_ids[seq]``.
+
+    Computed by ``model`` (a transformers causal LM) from the snapshot's KV
+    plus the pending tokens, as :func:`continue_generation` does for its
+    first step.
+    """
+    return next(_greedy(model, snapshot, seq))[1]
+
+
+def continue_generation(
+    model: Any,
+    snapshot: KVSnapshot,
+    seq: int,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> list[int]:
+    """Greedily continue sequence ``seq`` of ``snapshot`` with ``model``.
+
+    The snapshot's KV (``seq_lens[seq]`` tokens) is loaded with
+    :func:`to_dynamic_cache` (checked against ``model.config``, converted
+    to the model's dtype and device); the tokens that have none yet
+    (``token_ids[seq][seq_lens[seq]:]``, typically the last sampled one)
+    are fed at their positions, then the model decodes greedily (argmax,
+    one token per forward).
+
+    Args:
+        model: a transformers causal LM (``LlamaForCausalLM``...), in eval mode.
+        snapshot: the snapshot holding the sequence.
+        seq: the sequence's index.
+        max_new_tokens: how many tokens to generate (``>= 0``).
+        eos_token_id: stop after generating this token (or any of these);
+            default: never stop early (vLLM's ``ignore_eos``).
+
+    Returns:
+        The generated token ids, those that follow ``token_ids[seq]``.
+
+    Raises:
+        HurrayFormatError: the snapshot does not fit the model or has no token ids.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
+    stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    steps = _greedy(model, snapshot, seq)  # checks the snapshot against the model even for 0 tokens
+    out: list[int] = []
+    if max_new_tokens == 0:
+        return out
+    for token, _ in steps:
+        out.append(token)
+        if len(out) >= max_new_tokens or token in stop:
+            break
+    return out
+
+
+# ── transformers → snapshot ────────────────────────────────────────────────
+
+
+def _cache_layers(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values)``, each ``[batch, kv_heads, T, head_dim]``."""
+    layers = getattr(past_key_values, "layers", None)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if layers is not None:  # transformers >= 4.56 Cache
+        for i, layer in enumerate(layers):
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4:
+                raise HurrayFormatError(
+                    "past_key_values", f"layer {i} ({type(layer).__name__}) holds no [batch, heads, T, dim] KV"
+                )
+            seen = getattr(layer, "cumulative_length", None)
+            if isinstance(seen, torch.Tensor):
+                seen = int(seen.max()) if seen.numel() else 0
+            if isinstance(seen, int) and seen != k.shape[2]:
+                raise HurrayFormatError(
+                    "past_key_values",
+                    f"layer {i} is a sliding-window layer that keeps only the last tokens' KV; "
+                    "a snapshot needs every token's KV",
+                )
+            out.append((k, v))
+    elif isinstance(past_key_values, (list, tuple)):  # legacy ((k, v), ...) per layer
+        for i, entry in enumerate(past_key_values):
+            if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+                raise HurrayFormatError("past_key_values", f"layer {i} is not a (keys, values) pair")
+            k, v = entry[0], entry[1]
+            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+                raise HurrayFormatError("past_key_values", f"layer {i} does not hold tensors")
+            out.append((k, v))
+    else:
+        raise HurrayFormatError(
+            "past_key_values", f"expected a transformers Cache or ((keys, values), ...), got {type(past_key_values)}"
+        )
+    if not out:
+        raise HurrayFormatError("past_key_values", "the cache holds no layers (was it used in a forward pass?)")
+    shape = tuple(out[0][0].shape)
+    for i, (k, v) in enumerate(out):
+        if k.dim() != 4 or tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise HurrayFormatError(
+                "past_key_values",
+                f"layer {i} holds keys {tuple(k.shape)} and values {tuple(v.shape)}; "
+                f"every layer must hold [batch, kv_heads, T, head_dim] = {shape} for both",
+            )
+        if k.dtype != out[0][0].dtype or v.dtype != k.dtype:
+            raise HurrayFormatError("past_key_values", f"layer {i} mixes dtypes {k.dtype} and {v.dtype}")
+    return out
+
+
+def _token_positions(
+    batch: int, total: int, seq_lens: Sequence[int] | torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """Per sequence, the cache slots (int64 indices into ``T``) that hold its tokens, in order."""
+    if seq_lens is not None and attention_mask is not None:
+        raise HurrayFormatError("seq_lens", "pass seq_lens (right padding) or attention_mask (any padding), not both")
+    if attention_mask is not None:
+        mask = torch.as_tensor(attention_mask)
+        if mask.dim() != 2 or tuple(mask.shape) != (batch, total):
+            raise HurrayFormatError(
+                "attention_mask",
+                f"expected [batch, T] = [{batch}, {total}] (the cached tokens), got {list(mask.shape)}",
+            )
+        return [torch.nonzero(mask[b].cpu() != 0).reshape(-1) for b in range(batch)]
+    if seq_lens is None:
+        return [torch.arange(total) for _ in range(batch)]
+    lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    if len(lens) != batch:
+        raise HurrayFormatError("seq_lens", f"{len(lens)} lengths for a batch of {batch}")
+    for b, n in enumerate(lens):
+        if not 0 <= n <= total:
+            raise HurrayFormatError("seq_lens", f"sequence {b} has length {n}, the cache holds {total} tokens")
+    return [torch.arange(n) for n in lens]
+
+
+def _token_lists(
+    token_ids: Sequence[Sequence[int]] | torch.Tensor, positions: list[torch.Tensor], total: int
+) -> list[tuple[int, ...]]:
+    batch = len(positions)
+    if isinstance(token_ids, torch.Tensor):
+        ids = token_ids.reshape(1, -1) if token_ids.dim() == 1 else token_ids
+        if ids.dim() != 2 or ids.shape[0] != batch:
+            raise HurrayFormatError("token_ids", f"expected [batch={batch}, tokens], got {list(token_ids.shape)}")
+        rows = ids.cpu().tolist()
+        if ids.shape[1] == total:  # a padded batch as fed to the model: keep each sequence's own tokens
+            rows = [[rows[b][j] for j in positions[b].tolist()] for b in range(batch)]
+    else:
+        rows = [list(r) for r in token_ids]
+        if len(rows) != batch:
+            raise HurrayFormatError("token_ids", f"{len(rows)} token lists for a batch of {batch}")
+    out = []
+    for b, row in enumerate(rows):
+        n = int(positions[b].numel())
+        if len(row) < n:
+            raise HurrayFormatError("token_ids", f"sequence {b} has {n} tokens of KV but {len(row)} token ids")
+        out.append(tuple(int(t) for t in row))
+    return out
+
+
+def from_transformers(
+    past_key_values: Any,
+    token_ids: Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    page_size: int = 16,
+    fingerprint: ModelFingerprint | None = None,
+    model_config: Any = None,
+    dtype: torch.dtype | None = None,
+    seq_lens: Sequence[int] | torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    request_ids: Sequence[str] | None = None,
+    share_pages: bool = True,
+) -> KVSnapshot:
+    """Page a transformers cache into a :class:`~hurray_vllm.KVSnapshot`.
+
+    Args:
+        past_key_values: a ``transformers.Cache`` (``DynamicCache``: per layer
+            ``.keys``/``.values``) or a legacy ``((keys, values), ...)`` tuple;
+            each tensor ``[batch, kv_heads, T, head_dim]``, post-RoPE keys,
+            any float dtype. Sliding-window layers (which drop old tokens)
+            are refused.
+        token_ids: per sequence, its token ids without padding: those with KV,
+            optionally followed by the sampled tokens that have none yet (a
+            continuation feeds them). A ``[batch, T]`` tensor of the padded
+            model input is accepted too: its padding is dropped by
+            ``seq_lens`` / ``attention_mask``.
+        page_size: tokens per page.
+        fingerprint: the model's fingerprint (see :func:`fingerprint_from_config`);
+            checked against the cache's geometry and dtype.
+        model_config: alternatively, the model's ``PretrainedConfig``; the
+            fingerprint is then derived from it.
+        dtype: the pools' storage dtype (default: the cache's). fp8 is refused
+            (it would need scales).
+        seq_lens: for a right-padded batch, each sequence's token count
+            (``<= T``); its KV is ``[..., :seq_lens[b], :]``.
+        attention_mask: for a padded batch (left or right), ``[batch, T]``
+            nonzero on real tokens. The KV must have been computed at
+            positions ``0..n-1`` of each sequence (as ``generate`` does
+            with ``position_ids`` derived from the mask).
+        request_ids: names for the sequences.
+        share_pages: let sequences reference one page when their token
+            prefixes up to its end are equal and its KV is bit-identical in
+            every layer and role (full pages only).
+
+    Returns:
+        A snapshot with per-sequence ``seq_lens``, zeroed slots past every
+        sequence's end, the cache's device, a ``SnapshotSource`` of engine
+        ``"transformers <version>"``.
+
+    Raises:
+        HurrayFormatError: inconsistent shapes, lengths, token ids, or a
+            fingerprint that does not match the cache.
+    """
+    if page_size < 1:
+        raise HurrayFormatError("page_size", f"page_size must be positive, not {page_size}")
+    layers = _cache_layers(past_key_values)
+    batch, heads, total, head_dim = (int(x) for x in layers[0][0].shape)
+    storage = dtype or layers[0][0].dtype
+    if not storage.is_floating_point or storage.itemsize == 1:
+        raise HurrayFormatError(
+            "dtype", f"{storage} cannot store a transformers cache here (fp8 would need scales; use bf16/fp16/fp32)"
+        )
+    dtypes.from_torch(storage)  # a Hurray element type exists for it
+    positions = _token_positions(batch, total, seq_lens, attention_mask)
+    ids = _token_lists(token_ids, positions, total)
+    lens = [int(p.numel()) for p in positions]
+    if request_ids is not None and len(request_ids) != batch:
+        raise HurrayFormatError("request_ids", f"{len(request_ids)} request ids for a batch of {batch}")
+
+    if fingerprint is None and model_config is not None:
+        fingerprint = fingerprint_from_config(model_config, dtype=storage)
+    if fingerprint is not None:
+        have = (len(layers), heads, head_dim, dtypes.from_torch(storage).name)
+        want = (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.head_dim, fingerprint.dtype)
+        bad = [
+            f"{name}: fingerprint says {w!r}, cache has {h!r}"
+            for name, h, w in zip(("num_layers", "num_kv_heads", "head_dim", "dtype"), have, want)
+            if h != w
+        ]
+        if bad:
+            raise HurrayFormatError("fingerprint", "the fingerprint does not describe this cache: " + "; ".join(bad))
+
+    device = layers[0][0].device
+    # Lay out pages sequence after sequence; a full page may be shared when it is bit-identical.
+    src_seq: list[int] = []  # per physical page: the sequence and first slot it is copied from
+    src_start: list[int] = []
+    table: list[int] = []
+    seq_ptr = [0]
+    known: dict[tuple[int, int], list[int]] = {}  # (page index, prefix hash) -> candidate physical pages
+    for b in range(batch):
+        prefix_hash = 0
+        for j in range(-(-lens[b] // page_size)):
+            lo, hi = j * page_size, min((j + 1) * page_size, lens[b])
+            phys = None
+            if share_pages and hi - lo == page_size:
+                prefix_hash = hash((prefix_hash, ids[b][lo:hi]))
+                for cand in known.get((j, prefix_hash), []):
+                    if _same_page(layers, positions, src_seq[cand], b, lo, hi):
+                        phys = cand
+                        break
+                if phys is None:
+                    known.setdefault((j, prefix_hash), []).append(len(src_seq))
+            if phys is None:
+                phys = len(src_seq)
+                src_seq.append(b)
+                src_start.append(lo)
+            table.append(phys)
+        seq_ptr.append(len(table))
+
+    # One gather index for every layer: slot (page p, offset o) <- (src_seq[p], positions[...][start + o]).
+    num_pages = len(src_seq)
+    flat_b = torch.zeros(num_pages * page_size, dtype=torch.int64)
+    flat_t = torch.zeros(num_pages * page_size, dtype=torch.int64)
+    valid = torch.zeros(num_pages, dtype=torch.int64)
+    for p, (b, lo) in enumerate(zip(src_seq, src_start)):
+        hi = min(lo + page_size, lens[b])
+        flat_b[p * page_size : p * page_size + hi - lo] = b
+        flat_t[p * page_size : p * page_size + hi - lo] = positions[b][lo:hi]
+        valid[p] = hi - lo
+    flat_b, flat_t = flat_b.to(device), flat_t.to(device)
+
+    t_table = torch.tensor(table, dtype=torch.int64)
+    t_ptr = torch.tensor(seq_ptr, dtype=torch.int64)
+    t_lens = torch.tensor(lens, dtype=torch.int64)
+    index_type = "uint32" if num_pages < 2**32 else "uint64"
+    keys: list[BlockPagedTensor] = []
+    values: list[BlockPagedTensor] = []
+    for i, (k, v) in enumerate(layers):
+        for src, role, dest in ((k, "key", keys), (v, "value", values)):
+            # [B, H, T, D] -> [B, T, H, D], then one gather of every slot.
+            pool = src.detach().transpose(1, 2)[flat_b, flat_t].to(storage)
+            pool = pool.reshape(num_pages, page_size, heads, head_dim).contiguous()
+            zero_slots_(pool, valid)
+            dest.append(
+                BlockPagedTensor(
+                    page_pool=pool,
+                    block_table=t_table,
+                    seq_ptr=t_ptr,
+                    seq_lens=t_lens,
+                    kv_role=role,
+                    layer_index=i,
+                    index_type=index_type,
+                )
+            )
+    snap = KVSnapshot(
+        keys=tuple(keys),
+        values=tuple(values),
+        token_ids=tuple(ids),
+        fingerprint=fingerprint,
+        source=SnapshotSource(engine=_engine_name(), layout=SOURCE_LAYOUT, page_size=page_size),
+        request_ids=tuple(request_ids) if request_ids is not None else None,
+    )
+    raise_if(snap.validate(), "from_transformers")
+    return snap
+
+
+def _same_page(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], positions: list[torch.Tensor], a: int, b: int, lo: int, hi: int
+) -> bool:
+    """Whether slots ``lo:hi`` of sequences ``a`` and ``b`` hold bit-identical KV in every layer and role."""
+    pa, pb = positions[a][lo:hi], positions[b][lo:hi]
+    for k, v in layers:
+        for t in (k, v):
+            x = t[a].index_select(1, pa.to(t.device)).contiguous().view(torch.uint8)
+            y = t[b].index_select(1, pb.to(t.device)).contiguous().view(torch.uint8)
+            if not torch.equal(x, y):
+                return False
+    return True
+
+
+def _engine_name() -> str:
+    try:
+        import transformers
+
+        return f"transformers {transformers.__version__}"
+    except ImportError:  # a cache built without transformers (legacy tuples)
+        return "transformers"

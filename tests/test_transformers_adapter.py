@@ -1,0 +1,376 @@
+"""The transformers adapter: vLLM snapshots continue in transformers, and transformers caches page into snapshots.
+
+Ground truth is greedy decoding: a continuation from moved KV must produce the
+very tokens an uninterrupted run produces (vLLM's own, or transformers').
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hurray_vllm as hv
+from hurray_vllm.adapters import transformers as tfa
+
+# The vLLM export tests' session fixtures: the tiny model, the engine runs, the bf16 HF model.
+
+RIDS = ("a", "b", "c")
+PROMPT = [(i * 37 + 11) % 500 + 1 for i in range(45)]
+
+
+def greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation of ``ids`` (full recompute, no snapshot)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+def prefill(model: Any, ids: list[int]) -> tuple[Any, int]:
+    """One forward over ``ids``: its cache and the greedy next token."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    return out.past_key_values, int(out.logits[0, -1].argmax())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def hf_model_f32(tiny_model: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+# ── vLLM → transformers ────────────────────────────────────────────────────
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["bf16-32", "bf16-64"])
+def test_vllm_snapshot_continues_in_transformers(engine_runs, hf_model, name: str) -> None:  # type: ignore[no-untyped-def]
+    out, result = engine_runs[name]
+    snap = hv.load(out / "snap.hrry")
+    for s, rid in enumerate(RIDS):
+        prompt, vllm_tokens = result["prompts"][rid], result["outputs"][rid]
+        assert len(vllm_tokens) == 12
+        # Mid-decode: prompt + 2 sampled tokens, the last of which has no KV yet.
+        assert list(snap.token_ids[s]) == prompt + vllm_tokens[:2]
+        assert snap.seq_lens[s] == len(prompt) + 1
+        got = tfa.continue_generation(hf_model, snap, s, 10)
+        assert got == vllm_tokens[2:], f"{name} {rid}: transformers from vLLM's KV diverged from vLLM"
+        # generate() given the cache computes only the pending token and goes on the same way.
+        cache = tfa.to_dynamic_cache(snap, s, model_config=hf_model.config)
+        with torch.no_grad():
+            gen = hf_model.generate(
+                torch.tensor([snap.token_ids[s]]),
+                past_key_values=cache,
+                max_new_tokens=10,
+                min_new_tokens=10,
+                do_sample=False,
+            )
+        assert gen[0, len(snap.token_ids[s]) :].tolist() == vllm_tokens[2:]
+        # transformers recomputing everything agrees too: the two engines compute the same model.
+        assert greedy(hf_model, prompt, 12) == vllm_tokens, f"{name} {rid}: engines disagree without any move"
+
+
+@pytest.mark.vllm
+def test_vllm_snapshot_cache_layout(engine_runs, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """The DynamicCache holds [1, kv_heads, seq_len, head_dim], post-RoPE, close to transformers' own KV."""
+    out, _ = engine_runs["bf16-32"]
+    snap = hv.load(out / "snap.hrry")
+    for s in range(snap.num_seqs):
+        n = snap.seq_lens[s]
+        cache = tfa.to_dynamic_cache(snap, s, model_config=hf_model.config)
+        ref, _ = prefill(hf_model, list(snap.token_ids[s][:n]))
+        assert len(cache.layers) == snap.num_layers == len(ref.layers)
+        for mine, theirs in zip(cache.layers, ref.layers):
+            assert mine.keys.shape == theirs.keys.shape == (1, 2, n, 32)
+            assert mine.keys.dtype == torch.bfloat16
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                assert ((a.float() - b.float()).abs() <= 2e-2 * (1 + b.float().abs())).all()
+
+
+def fake_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` through vLLM's CPU fp8 cache: ``e4m3(x / scale)`` rounded toward zero, times ``scale``."""
+    xf = x.float() / scale
+    q = xf.to(torch.float8_e4m3fn)  # nearest
+    raw = q.view(torch.uint8).clone()
+    rounded_up = (q.float().abs() > xf.abs()) & ((raw & 0x7F) != 0)
+    raw[rounded_up] -= 1  # one step toward zero: e4m3 magnitudes are monotonic in their bits
+    return (raw.view(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def store_new_tokens_as_fp8(cache: Any, kv_scales: Any) -> None:
+    """Make every layer of ``cache`` store the K/V it is given as vLLM's fp8 cache does.
+
+    vLLM writes each new token's K/V in fp8 and attends over the dequantized
+    values, the new token's own included.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class Fp8DynamicLayer(DynamicLayer):
+        scales = (1.0, 1.0)
+
+        def update(self, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return super().update(fake_fp8(k, self.scales[0]), fake_fp8(v, self.scales[1]), *args, **kwargs)
+
+    for layer, scales in zip(cache.layers, kv_scales):
+        assert type(layer) is DynamicLayer
+        layer.__class__ = Fp8DynamicLayer
+        layer.scales = scales
+
+
+@pytest.mark.vllm
+def test_vllm_fp8_snapshot_continues_in_transformers(engine_runs, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """fp8 pools are dequantized exactly; the continuation matches vLLM as far as precision lets it.
+
+    ``continue_generation`` keeps the tokens it generates in bf16, while vLLM
+    stores them in fp8 too, so the two may part after a few steps (request
+    "c" does at its 6th new token, where transformers' top two candidates,
+    428 and vLLM's 32, are one bf16 ulp apart, 0.004; "a" and "b" match
+    all 10). Checked
+    here: the dequantization bit for bit, the first step's logits against a
+    bf16 recompute and vLLM's next token, and, with a cache that stores new
+    tokens as vLLM's fp8 cache does, exactly vLLM's tokens.
+    """
+    out, result = engine_runs["fp8-32"]
+    snap = hv.load(out / "snap.hrry")
+    assert snap.kv_scales is not None
+    for s, rid in enumerate(RIDS):
+        vllm_tokens = result["outputs"][rid]
+        ids = list(snap.token_ids[s])
+        n = snap.seq_lens[s]
+        # Dequantization: stored * scale, then the model's dtype.
+        cache = tfa.to_dynamic_cache(snap, s, model_config=hf_model.config)
+        for i, layer in enumerate(cache.layers):
+            ks, vs = snap.kv_scales[i]
+            want_k = (snap[i, "key"].to_dense(s).float() * ks).to(torch.bfloat16).transpose(0, 1)
+            want_v = (snap[i, "value"].to_dense(s).float() * vs).to(torch.bfloat16).transpose(0, 1)
+            assert torch.equal(bits(layer.keys[0]), bits(want_k)) and torch.equal(bits(layer.values[0]), bits(want_v))
+        # First step: close to transformers' bf16 recompute of the same tokens (fp8 rounding only).
+        logits = tfa.next_token_logits(hf_model, snap, s)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        assert (logits - ref).abs().max() <= 0.1, f"{rid}: fp8 logits off by {(logits - ref).abs().max():.3f}"
+        assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.99
+        got = tfa.continue_generation(hf_model, snap, s, 10)
+        assert got[0] == vllm_tokens[2]
+        # With new tokens stored as vLLM stores them, every token is vLLM's.
+        cache = tfa.to_dynamic_cache(snap, s, model_config=hf_model.config)
+        store_new_tokens_as_fp8(cache, snap.kv_scales)
+        emulated, feed, pos = [], ids[n:], n
+        with torch.no_grad():
+            for _ in range(10):
+                o = hf_model(
+                    input_ids=torch.tensor([feed]),
+                    position_ids=torch.arange(pos, pos + len(feed))[None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                emulated.append(int(o.logits[0, -1].argmax()))
+                pos, feed = pos + len(feed), emulated[-1:]
+        assert emulated == vllm_tokens[2:], f"{rid}: fp8-emulating continuation diverged from vLLM"
+
+
+@pytest.mark.vllm
+def test_vllm_snapshot_survives_save_and_load(engine_runs, hf_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out, result = engine_runs["bf16-32"]
+    snap = hv.load(out / "snap.hrry")
+    for suffix in (".hrry", ".hrrs"):
+        hv.save(snap, tmp_path / f"again{suffix}")
+        again = hv.load(tmp_path / f"again{suffix}")
+        for s, rid in enumerate(RIDS):
+            a, b = tfa.to_dynamic_cache(snap, s), tfa.to_dynamic_cache(again, s)
+            for x, y in zip(a.layers, b.layers):
+                assert torch.equal(bits(x.keys), bits(y.keys)) and torch.equal(bits(x.values), bits(y.values))
+            assert tfa.continue_generation(hf_model, again, s, 10) == result["outputs"][rid][2:]
+
+
+# ── transformers → snapshot → transformers ─────────────────────────────────
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16, 64])
+def test_round_trip_continues_like_an_uninterrupted_run(hf_model, page_size: int) -> None:  # type: ignore[no-untyped-def]
+    expected = greedy(hf_model, PROMPT, 12)
+    pkv, first = prefill(hf_model, PROMPT)
+    assert first == expected[0]
+    snap = hf_to_snapshot(hf_model, pkv, [[*PROMPT, first]], page_size)
+    assert snap.page_size == page_size and snap.seq_lens == [len(PROMPT)]
+    assert snap.keys[0].num_pages == -(-len(PROMPT) // page_size)
+    assert snap.fingerprint == hv.ModelFingerprint("LlamaForCausalLM", 2, 2, 32, "bfloat16")
+    assert snap.source is not None and snap.source.engine.startswith("transformers")
+    # The cache comes back bit for bit.
+    cache = tfa.to_dynamic_cache(snap, 0, model_config=hf_model.config)
+    for mine, theirs in zip(cache.layers, pkv.layers):
+        assert torch.equal(bits(mine.keys), bits(theirs.keys)) and torch.equal(bits(mine.values), bits(theirs.values))
+    assert tfa.continue_generation(hf_model, snap, 0, 11) == expected[1:]
+
+
+def hf_to_snapshot(model: Any, pkv: Any, token_ids: Any, page_size: int, **kw: Any) -> hv.KVSnapshot:
+    snap = tfa.from_transformers(pkv, token_ids, page_size=page_size, model_config=model.config, **kw)
+    assert snap.validate().ok, snap.validate().violations
+    # Slots past every sequence's end are zero.
+    for t in (*snap.keys, *snap.values):
+        raw = t.page_pool.view(torch.uint8).reshape(t.num_pages, t.page_size, -1)
+        for p, used in enumerate(t.valid_slots().tolist()):
+            assert not raw[p, used:].any()
+    return snap
+
+
+def test_round_trip_through_files(hf_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    expected = greedy(hf_model, PROMPT, 8)
+    pkv, first = prefill(hf_model, PROMPT)
+    snap = hf_to_snapshot(hf_model, pkv, [[*PROMPT, first]], 16, request_ids=["r0"])
+    for suffix in (".hrry", ".hrrs"):
+        hv.save(snap, tmp_path / f"s{suffix}")
+        again = hv.load(tmp_path / f"s{suffix}")
+        assert again.fingerprint == snap.fingerprint and again.source == snap.source
+        assert again.request_ids == ("r0",) and again.token_ids == snap.token_ids
+        assert tfa.continue_generation(hf_model, again, 0, 7) == expected[1:]
+
+
+def test_every_token_with_kv_recomputes_the_last(hf_model) -> None:  # type: ignore[no-untyped-def]
+    """Without a pending sampled token, the last token is fed again from the others' KV."""
+    pkv, _ = prefill(hf_model, PROMPT)
+    snap = tfa.from_transformers(pkv, [PROMPT], model_config=hf_model.config)
+    assert tfa.continue_generation(hf_model, snap, 0, 6) == greedy(hf_model, PROMPT, 6)
+
+
+def test_eos_stops_generation(hf_model) -> None:  # type: ignore[no-untyped-def]
+    expected = greedy(hf_model, PROMPT, 6)
+    pkv, _ = prefill(hf_model, PROMPT)
+    snap = tfa.from_transformers(pkv, [PROMPT], model_config=hf_model.config)
+    assert tfa.continue_generation(hf_model, snap, 0, 6, eos_token_id=expected[2]) == expected[:3]
+    assert tfa.continue_generation(hf_model, snap, 0, 0) == []
+    # The first step's logits, and grad mode left as it was.
+    assert int(tfa.next_token_logits(hf_model, snap, 0).argmax()) == expected[0]
+    assert torch.is_grad_enabled()
+
+
+LENS = [45, 30, 12]
+
+
+def padded_batch(pad_left: bool) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    seqs = [PROMPT[:n] if i != 2 else [17, 42, 99, 256, 8, *PROMPT[:7]] for i, n in enumerate(LENS)]
+    width = max(LENS)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, row in enumerate(seqs):
+        sl = slice(width - len(row), width) if pad_left else slice(0, len(row))
+        ids[b, sl], mask[b, sl] = torch.tensor(row), 1
+    return ids, mask, seqs
+
+
+@pytest.mark.parametrize("pad_left", [False, True], ids=["right-seq_lens", "left-attention_mask"])
+def test_padded_batch(hf_model_f32, pad_left: bool) -> None:  # type: ignore[no-untyped-def]
+    """A padded batch pages into per-sequence KV; each sequence continues like its own run (fp32)."""
+    model = hf_model_f32
+    ids, mask, seqs = padded_batch(pad_left)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # positions 0..n-1 per sequence, as generate() does
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+    pkv = out.past_key_values
+    kw: dict[str, Any] = {"attention_mask": mask} if pad_left else {"seq_lens": LENS}
+    # token_ids as the padded model input: the padding is dropped.
+    snap = hf_to_snapshot(model, pkv, ids, 8, **kw)
+    assert snap.seq_lens == LENS and [list(t) for t in snap.token_ids] == seqs
+    for b, row in enumerate(seqs):
+        slots = torch.nonzero(mask[b]).reshape(-1)
+        for i, layer in enumerate(pkv.layers):
+            want = layer.keys[b].index_select(1, slots).transpose(0, 1)
+            assert torch.equal(snap[i, "key"].to_dense(b), want)
+        assert tfa.continue_generation(model, snap, b, 6) == greedy(model, row, 6), f"sequence {b}"
+
+
+def test_identical_pages_are_shared() -> None:
+    """Full pages with equal token prefixes and bit-identical KV are stored once."""
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
+    ids = [list(range(40)), list(range(40)), list(range(20)) + [7] * 20]
+    for t in (k, v):
+        t[1, :, :36] = t[0, :, :36]  # two shared pages of 16, then a differing token
+        t[2, :, :20] = t[0, :, :20]  # one page
+    k[1, 0, 17] += 1  # ...except that page 1 of sequence 1 differs in one key: not shared
+    legacy = [(k, v), (k * 2, v * 2)]
+    snap = tfa.from_transformers(legacy, ids, page_size=16)
+    assert snap.keys[0].pages_of(0).tolist() == [0, 1, 2]
+    assert snap.keys[0].pages_of(1).tolist() == [0, 3, 4]
+    assert snap.keys[0].pages_of(2).tolist() == [0, 5, 6]
+    assert snap.sharing().shared_pages == 1
+    for s in range(3):
+        assert torch.equal(snap[1, "value"].to_dense(s), (v[s] * 2).transpose(0, 1))
+    unshared = tfa.from_transformers(legacy, ids, page_size=16, share_pages=False)
+    assert unshared.keys[0].num_pages == 9 and unshared.sharing().shared_pages == 0
+
+
+# ── refusals ───────────────────────────────────────────────────────────────
+
+
+def small_snapshot(model: Any) -> hv.KVSnapshot:
+    pkv, first = prefill(model, PROMPT[:20])
+    return tfa.from_transformers(pkv, [[*PROMPT[:20], first]], model_config=model.config)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"num_hidden_layers": 3}, "num_layers"),
+        ({"num_key_value_heads": 4}, "num_kv_heads"),
+        ({"head_dim": 16}, "head_dim"),
+        ({"architectures": ["MistralForCausalLM"]}, "architecture"),
+    ],
+)
+def test_fingerprint_mismatch_is_refused(hf_model, change: dict[str, Any], field: str) -> None:  # type: ignore[no-untyped-def]
+    snap = small_snapshot(hf_model)
+    cfg = hf_model.config.__class__.from_dict({**hf_model.config.to_dict(), **change})
+    with pytest.raises(hv.HurrayFormatError, match=rf"does not fit this model: .*{field}") as exc:
+        tfa.to_dynamic_cache(snap, 0, model_config=cfg)
+    assert exc.value.field == "fingerprint"
+
+
+def test_fingerprint_of_another_model_is_refused_by_continue_generation(hf_model) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    snap = small_snapshot(hf_model)
+    assert snap.fingerprint is not None
+    other = replace(snap, fingerprint=replace(snap.fingerprint, architecture="Qwen2ForCausalLM", num_layers=4))
+    with pytest.raises(hv.HurrayFormatError, match=r"architecture: snapshot has 'Qwen2ForCausalLM'.*num_layers"):
+        tfa.continue_generation(hf_model, other, 0, 3)
+    # Without a fingerprint the pools' own geometry is still checked.
+    bare = replace(snap, fingerprint=None, keys=snap.keys[:1], values=snap.values[:1])
+    with pytest.raises(hv.HurrayFormatError, match="num_layers: snapshot has 1, model has 2"):
+        tfa.continue_generation(hf_model, bare, 0, 3)
+
+
+def test_from_transformers_refusals(hf_model) -> None:  # type: ignore[no-untyped-def]
+    pkv, first = prefill(hf_model, PROMPT[:20])
+    ids = [[*PROMPT[:20], first]]
+    wrong = hv.ModelFingerprint("LlamaForCausalLM", 2, 2, 32, "float16")
+    with pytest.raises(hv.HurrayFormatError, match="dtype: fingerprint says 'float16', cache has 'bfloat16'"):
+        tfa.from_transformers(pkv, ids, fingerprint=wrong)
+    with pytest.raises(hv.HurrayFormatError, match="19 token ids"):
+        tfa.from_transformers(pkv, [PROMPT[:19]])
+    with pytest.raises(hv.HurrayFormatError, match="not both"):
+        tfa.from_transformers(pkv, ids, seq_lens=[20], attention_mask=torch.ones(1, 20))
+    with pytest.raises(hv.HurrayFormatError, match="length 21"):
+        tfa.from_transformers(pkv, ids, seq_lens=[21])
+    with pytest.raises(hv.HurrayFormatError, match="fp8 would need scales"):
+        tfa.from_transformers(pkv, ids, dtype=torch.float8_e4m3fn)
+    with pytest.raises(hv.HurrayFormatError, match="expected a transformers Cache"):
+        tfa.from_transformers(object(), ids)
+
+
+def test_sliding_window_layers_that_dropped_tokens_are_refused(hf_model) -> None:  # type: ignore[no-untyped-def]
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    pkv, first = prefill(hf_model, PROMPT[:20])
+    sliding = DynamicCache()
+    sliding.layers = [DynamicSlidingWindowLayer(sliding_window=8) for _ in pkv.layers]
+    for i, layer in enumerate(pkv.layers):
+        sliding.update(layer.keys, layer.values, i)
+    with pytest.raises(hv.HurrayFormatError, match="sliding-window"):
+        tfa.from_transformers(sliding, [[*PROMPT[:20], first]])
