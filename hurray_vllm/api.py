@@ -19,8 +19,8 @@ from .stream import read_records, write_records
 
 __all__ = ["save", "load", "write_stream", "read_stream", "detect_format", "open_records", "Format"]
 
-Format = Literal["hrry", "stream"]
-_SUFFIXES: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream"}
+Format = Literal["hrry", "stream", "safetensors"]
+_SUFFIXES: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -31,7 +31,14 @@ def detect_format(path: str | os.PathLike[str]) -> Format:
         return "hrry"
     if head[:4] == b"HRRY":
         return "stream"
-    raise HurrayFormatError("magic", f"{path}: neither a Hurray file (HRRYFILE) nor a Hurray stream (HRRY)")
+    if len(head) == 8 and int.from_bytes(head, "little") < (100 << 20):
+        with open(path, "rb") as f:
+            f.seek(8)
+            if f.read(1) == b"{":
+                return "safetensors"
+    raise HurrayFormatError(
+        "magic", f"{path}: neither a Hurray file (HRRYFILE), a Hurray stream (HRRY) nor a safetensors file"
+    )
 
 
 def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> Format:
@@ -40,7 +47,7 @@ def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> For
     suffix = Path(path).suffix.lower()
     if suffix not in _SUFFIXES:
         raise HurrayFormatError(
-            "path", f"cannot tell the format of {os.fspath(path)!r}: use .hrry or .hrrs, or pass format="
+            "path", f"cannot tell the format of {os.fspath(path)!r}: use .hrry, .hrrs or .safetensors, or pass format="
         )
     return _SUFFIXES[suffix]
 
@@ -48,12 +55,17 @@ def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> For
 def save(snapshot: KVSnapshot, path: str | os.PathLike[str], *, format: Format | None = None) -> int:
     """Write ``snapshot`` to ``path`` (format from the suffix); returns bytes written.
 
-    ``.hrry`` is the random-access file, ``.hrrs`` the stream format. Files
+    ``.hrry`` is the random-access file, ``.hrrs`` the stream format,
+    ``.safetensors`` a safetensors file any safetensors reader opens. Files
     land atomically: nothing appears at ``path`` until the write completed.
     """
     fmt = _format_for_writing(path, format)
     if fmt == "hrry":
         return write_file(snapshot_records(snapshot), path, kv={"hurray_vllm.format_version": 1})
+    if fmt == "safetensors":
+        from .safetensors_io import save_safetensors
+
+        return save_safetensors(snapshot, path)
     return _atomic_stream(snapshot_records(snapshot), path)
 
 
@@ -78,18 +90,26 @@ def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap
     if fmt == "hrry":
         with HrryFile(path, mmap=mmap) as hf:
             yield from hf.records(permissive=permissive)
+    elif fmt == "safetensors":
+        from .safetensors_io import load_safetensors
+
+        yield from snapshot_records(load_safetensors(path, permissive=permissive))
     else:
         with open(path, "rb") as f:
             yield from read_records(f, permissive=permissive)
 
 
 def load(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> KVSnapshot:
-    """Read a :class:`KVSnapshot` from a ``.hrry`` file or a Hurray stream.
+    """Read a :class:`KVSnapshot` from a ``.hrry`` file, a Hurray stream or a ``.safetensors`` file.
 
     The format is recognised by its magic bytes. ``mmap=True`` maps a
     ``.hrry`` file's page pools instead of reading them. Raises
     :class:`HurrayFormatError` for anything malformed.
     """
+    if detect_format(path) == "safetensors":
+        from .safetensors_io import load_safetensors
+
+        return load_safetensors(path, permissive=permissive)
     return assemble_snapshot(
         group_records(open_records(path, permissive=permissive, mmap=mmap), permissive=permissive),
         permissive=permissive,

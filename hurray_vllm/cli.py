@@ -18,6 +18,7 @@ from .descriptor import TensorDescriptor
 from .errors import HurrayFormatError
 from .hrryfile import write_file
 from .paged import _widen
+from .progress import progress
 from .records import Node, Record
 from .stream import write_records
 from .validate import validate
@@ -175,24 +176,40 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1
 
 
+_SUFFIX_FORMATS = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     src_fmt = detect_format(args.input)
     out = Path(args.output)
-    out_fmt = args.to or {".hrry": "hrry", ".hrrs": "stream"}.get(out.suffix.lower())
+    out_fmt = args.to or _SUFFIX_FORMATS.get(out.suffix.lower())
     if out_fmt is None:
         out_fmt = "stream" if src_fmt == "hrry" else "hrry"
-    records = _named(open_records(args.input, permissive=args.permissive))
-    if out_fmt == "hrry":
-        size = write_file(records, out, kv=file_kv(args.input) or None)
+    if args.page_size or "safetensors" in (src_fmt, out_fmt):
+        # Snapshot-level: repaging and safetensors need whole snapshots.
+        from .api import load, save
+        from .repage import repage_snapshot
+
+        snap = load(args.input, permissive=args.permissive)
+        if args.page_size:
+            snap = repage_snapshot(snap, args.page_size)
+        size = save(snap, out, format=out_fmt)  # type: ignore[arg-type]
     else:
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                size = write_records(records, f)
-            os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        # Record-level: any Hurray descriptors, carried over unchanged.
+        records = progress(
+            _named(open_records(args.input, permissive=args.permissive)), desc="convert", quiet=args.quiet
+        )
+        if out_fmt == "hrry":
+            size = write_file(records, out, kv=file_kv(args.input) or None)
+        else:
+            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    size = write_records(records, f)
+                os.replace(tmp, out)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
     if not args.quiet:
         print(f"{args.input} ({src_fmt}) -> {out} ({out_fmt}), {_fmt_bytes(size)}")
     return 0
@@ -308,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("input")
     s.add_argument("output")
-    s.add_argument("--to", choices=["hrry", "stream"], help="output format (default: from the suffix)")
+    s.add_argument("--to", choices=["hrry", "stream", "safetensors"], help="output format (default: from the suffix)")
+    s.add_argument("--page-size", type=int, help="repage to pages of this many tokens on the way")
     s.add_argument("--permissive", action="store_true", help="carry over descriptors with waivable violations")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_convert)
