@@ -234,9 +234,12 @@ def _default_name(d: TensorDescriptor, i: int) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_format_demo
+    from .demo import run_format_demo, run_vllm_demo
 
-    return run_format_demo(Path(args.workdir) if args.workdir else None, quiet=args.quiet)
+    workdir = Path(args.workdir) if args.workdir else None
+    if args.format_only:
+        return run_format_demo(workdir, quiet=args.quiet)
+    return run_vllm_demo(workdir, quiet=args.quiet)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -319,9 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "convert",
-        help="convert between a Hurray stream (.hrrs) and file (.hrry)",
-        description="Descriptors are carried over unchanged, including ones that are not part of "
-        "a hurray-vllm snapshot. Example: hurray-vllm convert snapshot.hrrs snapshot.hrry",
+        help="convert between .hrry files, .hrrs streams and .safetensors (optionally repaging)",
+        description="Between .hrry and .hrrs, descriptors are carried over unchanged, including ones that "
+        "are not part of a hurray-vllm snapshot; .safetensors and --page-size work on whole snapshots. "
+        "Example: hurray-vllm convert snapshot.hrrs snapshot.safetensors --page-size 256",
     )
     s.add_argument("input")
     s.add_argument("output")
@@ -332,11 +336,44 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser(
+        "migrate",
+        help="move a decoding request from one vLLM server to another",
+        description="Both servers run HurrayConnector; the source pushes KV chunks to the destination's "
+        "receiver (hurray_url / hurray_listen). Example: hurray-vllm migrate --from http://a:8000 "
+        "--to http://b:8000 --prompt-ids 1,2,3 --after 16 --max-tokens 64",
+    )
+    s.add_argument("--from", dest="source", required=True, help="source server base URL")
+    s.add_argument("--to", dest="destination", required=True, help="destination server base URL")
+    group = s.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    group.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
+    s.add_argument("--after", type=int, required=True, help="tokens to generate on the source before moving")
+    s.add_argument("--max-tokens", type=int, required=True, help="tokens to generate in total")
+    s.add_argument("--model", help="served model name (default: the server's first)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_migrate)
+
+    s = sub.add_parser(
+        "receive",
+        help="accept KV chunks streamed over TCP into a chunk store",
+        description="Example: hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray",
+    )
+    s.add_argument("--listen", required=True, help="HOST:PORT")
+    s.add_argument("--dir", required=True, help="chunk store directory (a HurrayConnector's hurray_path)")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_receive)
+
+    s = sub.add_parser(
         "demo",
         help="run the main job end to end on built-in data",
-        description="Example: hurray-vllm demo --workdir /tmp/hv",
+        description="Builds a tiny model, runs vLLM on the CPU with requests sharing a prefix, snapshots them "
+        "mid-decode, writes .hrry/.hrrs/.safetensors, and continues them in a second vLLM engine, in "
+        "flash-attn's layout (reference attention) and in transformers. Example: hurray-vllm demo --workdir /tmp/hv",
     )
     s.add_argument("--workdir", help="keep the files it writes here (default: a temporary directory)")
+    s.add_argument(
+        "--format-only", action="store_true", help="only the format round trip on the spec's example (no vLLM)"
+    )
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_demo)
     return p

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,15 @@ from .api import load, save
 from .errors import HurrayFormatError
 from .snapshot import KVSnapshot, ModelFingerprint
 
-__all__ = ["chunk_keys", "namespace_of", "DirectoryStore", "chunk_digest", "verify_chunk"]
+__all__ = [
+    "chunk_keys",
+    "namespace_of",
+    "DirectoryStore",
+    "chunk_digest",
+    "verify_chunk",
+    "store_snapshot",
+    "chunks_of",
+]
 
 DIGEST_KEY = "hurray_vllm.chunk_digest"
 
@@ -107,3 +115,56 @@ class DirectoryStore:
             return load(path)
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
+
+
+def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot]]:
+    """Every whole chunk of every sequence of ``snap``, keyed as a connector would key it.
+
+    ``chunk_tokens`` must be a multiple of the snapshot's page size. Only
+    tokens with KV count; a sequence's last partial chunk is left out.
+    """
+    if snap.fingerprint is None:
+        raise HurrayFormatError(
+            "snapshot.fingerprint", "chunks are namespaced by model: the snapshot needs a fingerprint"
+        )
+    if not snap.keys:
+        return []
+    ps = snap.page_size
+    if chunk_tokens % ps:
+        raise HurrayFormatError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
+    ns = namespace_of(snap.fingerprint)
+    per = chunk_tokens // ps
+    out = []
+    lens = snap.seq_lens
+    for s in range(snap.num_seqs):
+        tokens = list(snap.token_ids[s][: lens[s]])
+        pages = snap.keys[0].pages_of(s)
+        for c, key in enumerate(chunk_keys(tokens, chunk_tokens, ns)):
+            table = pages[c * per : (c + 1) * per]
+            ptr = torch.tensor([0, per])
+            n = torch.tensor([chunk_tokens])
+            keys = tuple(replace(k, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for k in snap.keys)
+            values = tuple(replace(v, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for v in snap.values)
+            chunk = replace(
+                snap,
+                keys=keys,
+                values=values,
+                token_ids=(tuple(tokens[c * chunk_tokens : (c + 1) * chunk_tokens]),),
+                request_ids=(snap.request_ids[s],) if snap.request_ids else None,
+            ).compact()
+            out.append((key, replace(chunk, extra={**chunk.extra, DIGEST_KEY: chunk_digest(chunk)})))
+    return out
+
+
+def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int) -> int:
+    """Put ``snap``'s whole chunks into ``store`` for engines running HurrayConnector; returns chunks written.
+
+    This is how a snapshot is imported into another vLLM engine: the
+    engine's connector finds the chunks by prefix when the sequences arrive.
+    """
+    assert snap.fingerprint is not None or not snap.keys
+    written = 0
+    for key, chunk in chunks_of(snap, chunk_tokens):
+        assert chunk.fingerprint is not None
+        written += store.put(namespace_of(chunk.fingerprint), key, chunk)
+    return written

@@ -27,7 +27,7 @@ def test_help_lists_every_command_with_examples() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hurray_vllm.cli", "--help"], capture_output=True, text=True, check=True
     )
-    for cmd in ("inspect", "validate", "convert", "demo"):
+    for cmd in ("inspect", "validate", "convert", "migrate", "receive", "demo"):
         assert cmd in out.stdout
         assert f"hurray-vllm {cmd}" in out.stdout
 
@@ -89,5 +89,5 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path: Path) -> None:
 
 
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--workdir", str(tmp_path)]) == 0
+    assert main(["demo", "--format-only", "--workdir", str(tmp_path)]) == 0
     assert "FAILED" not in capsys.readouterr().out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -17,7 +19,8 @@ from conftest import require
 from test_vllm_connector import run_engine
 from tiny_models import build_tiny_llama
 
-from hurray_vllm.adapters.vllm.migrate import migrate
+from hurray_vllm.adapters.vllm.migrate import MigrationResult
+from hurray_vllm.cli import main
 
 pytestmark = [pytest.mark.vllm]
 PROMPT = [(i * 53 + 7) % 500 + 1 for i in range(200)]
@@ -90,7 +93,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
 def test_migrated_completion_equals_unmoved_run(servers) -> None:  # type: ignore[no-untyped-def]
     src, dst, tmp, b_store = servers
     assert not b_store.exists() or not any(b_store.rglob("*.hrry"))  # nothing arrived yet
-    moved = migrate(src, dst, PROMPT, after=9, max_tokens=24)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["migrate", "--from", src, "--to", dst, "--prompt-ids", ",".join(map(str, PROMPT)),
+                   "--after", "9", "--max-tokens", "24", "--json"])  # fmt: skip
+    assert rc == 0
+    moved = MigrationResult(**{k: v for k, v in json.loads(buf.getvalue()).items() if k != "tokens"})
     # The unmoved reference: a plain engine without connector, same model and prompt.
     plain = run_engine(tmp, "plain", 32, None, prompts={"m": PROMPT}, max_tokens=24)
     assert moved.tokens == plain["outputs"]["m"]

@@ -19,6 +19,9 @@ Extra config:
   of the block size of every engine sharing the store; engines with
   different block sizes share chunks (a loaded chunk is repaged).
 
+``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
+loads, ``kv_both`` does both.
+
 What it does:
 
 * **Save** (producer): whenever a request's computed tokens complete a
@@ -56,7 +59,7 @@ from ...errors import HurrayFormatError
 from ...repage import repage_snapshot
 from ...snapshot import KVSnapshot, SnapshotSource
 from ...store import DIGEST_KEY, DirectoryStore, chunk_digest, chunk_keys, namespace_of, verify_chunk
-from ...transport import Receiver, send_chunks
+from ...transport import Receiver, parse_url, send_chunks
 from .cache import EngineCache, attention_layers, describe_worker_cache, fingerprint_of, write_blocks
 from .export import SequenceState, export_snapshot
 
@@ -141,6 +144,16 @@ class HurrayConnector(KVConnectorBase_V1):
             raise HurrayFormatError(
                 "hurray_chunk_tokens", f"{self._chunk} is not a multiple of the engine's block size {self._block_size}"
             )
+        if self._url:
+            parse_url(self._url)  # a typo surfaces at start, not at the first save
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise HurrayFormatError("kv_cache_groups", "HurrayConnector supports models with one KV cache group")
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise HurrayFormatError("tensor_parallel_size", "HurrayConnector does not handle tensor parallelism yet")
+        # kv_producer only saves, kv_consumer only loads, kv_both does both.
+        self._loads = cfg.kv_role in ("kv_consumer", "kv_both")
+        self._saves = cfg.kv_role in ("kv_producer", "kv_both")
         self._fingerprint = fingerprint_of(vllm_config)
         self._ns = namespace_of(self._fingerprint)
         self.stats = ConnectorStats()
@@ -149,6 +162,7 @@ class HurrayConnector(KVConnectorBase_V1):
         # Worker side.
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
+        self._pushed: set[str] = set()
         listen = cfg.get_from_extra_config("hurray_listen", None)
         if listen and role == KVConnectorRole.SCHEDULER and listen not in _RECEIVERS:
             host, _, port = str(listen).rpartition(":")
@@ -183,6 +197,8 @@ class HurrayConnector(KVConnectorBase_V1):
         compute) and verifies each stored chunk (model, tokens, digest);
         stops at the first missing or refused one. Blocks on file reads.
         """
+        if not self._loads:
+            return 0, False
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self._chunk * self._chunk
         keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
@@ -223,13 +239,7 @@ class HurrayConnector(KVConnectorBase_V1):
             state.block_ids = list(new.block_ids[0])
             start = new.num_computed_tokens
             if state.load is not None:
-                # Loaded tokens were counted as computed by the scheduler.
-                first = (start - len(state.load.keys) * self._chunk) // self._block_size
-                nblocks = len(state.load.keys) * self._chunk // self._block_size
-                state.load.block_ids = state.block_ids[first : first + nblocks]
-                meta.loads.append(state.load)
-                state.chunks_done = start // self._chunk
-                state.load = None
+                self._attach_load(meta, state, start)
             self._plan_saves(meta, new.req_id, state, start + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -242,19 +252,35 @@ class HurrayConnector(KVConnectorBase_V1):
                     state.block_ids = list(new_ids[0])
                 else:
                     state.block_ids.extend(new_ids[0])
+            if state.load is not None:
+                # A preempted request resumed with a load planned when it was rescheduled.
+                self._attach_load(meta, state, cached.num_computed_tokens[i])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_saves(meta, req_id, state, done)
         return meta
 
+    def _attach_load(self, meta: HurrayConnectorMetadata, state: _Request, computed: int) -> None:
+        """Hand the planned load to the worker, with the engine blocks it fills."""
+        load = state.load
+        assert load is not None
+        # The scheduler already counts the loaded tokens as computed.
+        first = (computed - len(load.keys) * self._chunk) // self._block_size
+        nblocks = len(load.keys) * self._chunk // self._block_size
+        load.block_ids = state.block_ids[first : first + nblocks]
+        meta.loads.append(load)
+        state.chunks_done = computed // self._chunk
+        state.load = None
+
     def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         full = computed // self._chunk
-        if full <= state.chunks_done:
+        if full <= state.chunks_done or not self._saves:
             return
         tokens = list(state.request.all_token_ids)
         keys = chunk_keys(tokens[: full * self._chunk], self._chunk, self._ns)
         per = self._chunk // self._block_size
         for c in range(state.chunks_done, full):
-            if self._store.has(self._ns, keys[c]):
+            # With a destination, chunks already stored still go to the worker, to be pushed.
+            if self._store.has(self._ns, keys[c]) and not self._url:
                 self.stats.chunks_skipped += 1
                 continue
             meta.saves.append(
@@ -310,9 +336,8 @@ class HurrayConnector(KVConnectorBase_V1):
                 continue
             ids = torch.tensor(task.block_ids, dtype=torch.int64)
             for layer in range(ec.num_layers):
-                ks = [c[layer, "key"].to_dense(0) for c in chunks]
-                vs = [c[layer, "value"].to_dense(0) for c in chunks]
-                k, v = self._dequantized(chunks, layer, torch.cat(ks), torch.cat(vs))
+                kv = [self._dense(c, layer) for c in chunks]
+                k, v = torch.cat([x for x, _ in kv]), torch.cat([y for _, y in kv])
                 shape = (len(task.block_ids), ec.block_size, k.shape[1], k.shape[2])
                 write_blocks(ec, layer, ids, k.reshape(shape), v.reshape(shape))
             self.stats.chunks_loaded += len(chunks)
@@ -329,13 +354,12 @@ class HurrayConnector(KVConnectorBase_V1):
         return snap
 
     @staticmethod
-    def _dequantized(
-        chunks: list[KVSnapshot], layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        scales = chunks[0].kv_scales
-        if scales is None:
+    def _dense(chunk: KVSnapshot, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's real-valued K and V of ``layer`` (fp8 chunks dequantized with their own scales)."""
+        k, v = chunk[layer, "key"].to_dense(0), chunk[layer, "value"].to_dense(0)
+        if chunk.kv_scales is None:
             return k, v
-        ks, vs = scales[layer]
+        ks, vs = chunk.kv_scales[layer]
         return k.float() * ks, v.float() * vs
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -352,8 +376,9 @@ class HurrayConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Worker side, after the forward pass: export this step's completed chunks.
 
-        Blocks until every chunk is in the store (and, with ``hurray_url``,
-        acknowledged by the receiver).
+        Blocks until every chunk is in the store and, with ``hurray_url``,
+        until the receiver acknowledged it or the push failed (logged; the
+        destination then recomputes what it lacks).
         """
         meta = self._get_connector_metadata()
         assert isinstance(meta, HurrayConnectorMetadata)
@@ -364,6 +389,11 @@ class HurrayConnector(KVConnectorBase_V1):
         for task in meta.saves:
             if self._store.has(self._ns, task.key):
                 self.stats.chunks_skipped += 1
+                if self._url and task.key not in self._pushed:
+                    try:
+                        pushed.append((self._ns, task.key, self._store.get(self._ns, task.key)))
+                    except HurrayFormatError as exc:
+                        log.warning("hurray: not pushing unreadable chunk %s: %s", task.key, exc)
                 continue
             snap = export_snapshot(
                 ec.caches,
@@ -383,7 +413,9 @@ class HurrayConnector(KVConnectorBase_V1):
         if self._url and pushed:
             try:
                 send_chunks(self._url, pushed)
-            except OSError as exc:
+                self._pushed.update(key for _, key, _ in pushed)
+            except (OSError, HurrayFormatError) as exc:
+                # The destination recomputes what it lacks; this engine's step goes on.
                 log.warning("hurray: could not push %d chunks to %s: %s", len(pushed), self._url, exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,0 +1,69 @@
+"""The chunk store and the TCP transport (no engine needed)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import hurray_vllm as hv
+from hurray_vllm.demo import spec_example_snapshot
+from hurray_vllm.store import DirectoryStore, chunk_keys, chunks_of, namespace_of, store_snapshot, verify_chunk
+from hurray_vllm.transport import Receiver, send_chunks
+
+
+def test_keys_chain_over_the_prefix() -> None:
+    a = chunk_keys(list(range(20)), 8, "ns")
+    b = chunk_keys([*range(8), 99, *range(9, 20)], 8, "ns")
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    assert chunk_keys(list(range(20)), 8, "other")[0] != a[0]
+
+
+def test_chunks_verify_and_store_once(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    chunks = chunks_of(snap, 4)
+    assert len(chunks) == 1  # sequence 0 has one whole chunk of 4 tokens, sequence 1 none
+    key, chunk = chunks[0]
+    assert chunk.fingerprint is not None
+    verify_chunk(chunk, snap.fingerprint, list(snap.token_ids[0][:4]))  # type: ignore[arg-type]
+    assert torch.equal(chunk[2, "value"].to_dense(0), snap[2, "value"].to_dense(0)[:4])
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, snap, 4) == 1
+    assert store_snapshot(store, snap, 4) == 0  # already there
+    ns = namespace_of(chunk.fingerprint)
+    assert store.has(ns, key)
+    with pytest.raises(hv.HurrayFormatError, match="another model"):
+        verify_chunk(chunk, replace(chunk.fingerprint, head_dim=16), list(snap.token_ids[0][:4]))
+    with pytest.raises(hv.HurrayFormatError, match="other tokens"):
+        verify_chunk(chunk, chunk.fingerprint, [0, 0, 0, 0])
+    bad = replace(chunk, extra={"hurray_vllm.chunk_digest": "00"})
+    with pytest.raises(hv.HurrayFormatError, match="digest"):
+        verify_chunk(bad, chunk.fingerprint, list(snap.token_ids[0][:4]))
+
+
+def test_tcp_transport_stores_valid_chunks_only(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    ns = namespace_of(chunk.fingerprint)
+    receiver = Receiver("127.0.0.1", 0, DirectoryStore(tmp_path)).start()
+    url = f"tcp://127.0.0.1:{receiver.address[1]}"
+    try:
+        send_chunks(url, [(ns, key, chunk)])
+        assert DirectoryStore(tmp_path).has(ns, key)
+        with pytest.raises(hv.HurrayFormatError, match="refused"):
+            send_chunks(url, [(ns, "ab" * 8, replace(chunk, extra={"hurray_vllm.chunk_digest": "00"}))])
+        assert not DirectoryStore(tmp_path).has(ns, "ab" * 8)
+        with pytest.raises(hv.HurrayFormatError, match="refused"):
+            send_chunks(url, [("../../etc", key, chunk)])
+        # A sender that dies mid-chunk leaves nothing behind.
+        with socket.create_connection(("127.0.0.1", receiver.address[1])) as s:
+            s.sendall(b"HVC1" + (2).to_bytes(2, "little") + b"ab" + (2).to_bytes(2, "little") + b"cd")
+            s.sendall((10_000).to_bytes(8, "little") + b"HRRY" + bytes(100))
+        assert not DirectoryStore(tmp_path).has("ab", "cd")
+        assert receiver.received == 1 and receiver.refused >= 2
+    finally:
+        receiver.stop()
