@@ -52,21 +52,35 @@ def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> For
     return _SUFFIXES[suffix]
 
 
-def save(snapshot: KVSnapshot, path: str | os.PathLike[str], *, format: Format | None = None) -> int:
+def save(
+    snapshot: KVSnapshot, path: str | os.PathLike[str], *, format: Format | None = None, progress: bool = False
+) -> int:
     """Write ``snapshot`` to ``path`` (format from the suffix); returns bytes written.
 
     ``.hrry`` is the random-access file, ``.hrrs`` the stream format,
     ``.safetensors`` a safetensors file any safetensors reader opens. Files
     land atomically: nothing appears at ``path`` until the write completed.
+    ``progress=True`` shows a progress bar on a terminal.
     """
     fmt = _format_for_writing(path, format)
     if fmt == "hrry":
-        return write_file(snapshot_records(snapshot), path, kv={"hurray_vllm.format_version": 1})
+        return write_file(
+            _shown(snapshot_records(snapshot), "save", progress), path, kv={"hurray_vllm.format_version": 1}
+        )
     if fmt == "safetensors":
         from .safetensors_io import save_safetensors
 
         return save_safetensors(snapshot, path)
-    return _atomic_stream(snapshot_records(snapshot), path)
+    return _atomic_stream(_shown(snapshot_records(snapshot), "save", progress), path)
+
+
+def _shown(records: Iterator[Record], desc: str, enabled: bool) -> Iterator[Record]:
+    """``records`` with a progress bar when asked for (and stderr is a terminal)."""
+    if not enabled:
+        return records
+    from .progress import progress
+
+    return progress(records, desc=desc)
 
 
 def _atomic_stream(records: Iterator[Record], path: str | os.PathLike[str]) -> int:
@@ -99,11 +113,14 @@ def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap
             yield from read_records(f, permissive=permissive)
 
 
-def load(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> KVSnapshot:
+def load(
+    path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False, progress: bool = False
+) -> KVSnapshot:
     """Read a :class:`KVSnapshot` from a ``.hrry`` file, a Hurray stream or a ``.safetensors`` file.
 
     The format is recognised by its magic bytes. ``mmap=True`` maps a
-    ``.hrry`` file's page pools instead of reading them. Raises
+    ``.hrry`` file's page pools instead of reading them; ``progress=True``
+    shows a progress bar on a terminal. Raises
     :class:`HurrayFormatError` for anything malformed.
     """
     if detect_format(path) == "safetensors":
@@ -111,7 +128,9 @@ def load(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool =
 
         return load_safetensors(path, permissive=permissive)
     return assemble_snapshot(
-        group_records(open_records(path, permissive=permissive, mmap=mmap), permissive=permissive),
+        group_records(
+            _shown(open_records(path, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
+        ),
         permissive=permissive,
     )
 

@@ -122,8 +122,11 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
     )
 
 
-def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO) -> int:
-    """Like :func:`snapshot`, written to ``f`` layer by layer (memory: one layer's pages)."""
+def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progress: bool = False) -> int:
+    """Like :func:`snapshot`, written to ``f`` layer by layer (memory: one layer's pages).
+
+    ``progress=True`` shows a per-layer progress bar on a terminal.
+    """
     ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)
     return export_stream(
@@ -136,4 +139,5 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO) -> int:
         kv_scales=ec.kv_scales,
         fingerprint=ec.fingerprint,
         source=SnapshotSource(ec.engine, ec.layout_name, ec.block_size),
+        show_progress=progress,
     )

@@ -184,13 +184,21 @@ def export_stream(
     kv_scales: Sequence[tuple[float, float]] | None = None,
     fingerprint: ModelFingerprint | None = None,
     source: SnapshotSource | None = None,
+    show_progress: bool = False,
 ) -> int:
-    """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time."""
+    """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
+
+    ``show_progress=True`` shows a per-layer progress bar on a terminal.
+    """
     plan = plan_batch(seqs, block_size)
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
     # The header announces the layer count before any layer is gathered.
     total = write_records(header_records(shell, num_layers=len(caches)), f)
     layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype)
+    if show_progress:
+        from ...progress import progress
+
+        layers = progress(layers, desc="export", total=len(caches))
     for i, (k, v) in enumerate(to_host_overlapped(layers)):
         total += write_records(layer_records(i, k, v, kv_scales[i] if kv_scales is not None else None), f)
         del k, v  # release this layer's pages before gathering the next
