@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH) $(VLLM)
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-	$(BIN)/pip install --quiet -e '.[test,dev,transformers,safetensors,progress]'
+	$(BIN)/pip install --quiet -e '.[test,dev,transformers,safetensors,progress,nixl]'
 	touch $(STAMP)
 
 demo: install
@@ -44,6 +44,10 @@ test-gpu: install
 
 bench: install
 	$(BIN)/python scripts/bench_codec.py
+	$(BIN)/python scripts/bench_export.py
+	$(BIN)/python scripts/bench_import.py
+	$(BIN)/python scripts/bench_connector.py
+	$(BIN)/python scripts/bench_transport.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

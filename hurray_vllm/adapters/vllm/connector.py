@@ -11,10 +11,13 @@ Extra config:
 
 * ``hurray_path`` (required): directory of the chunk store (see
   :mod:`hurray_vllm.store`). Producers write there, consumers read there.
-* ``hurray_url``: ``tcp://HOST:PORT`` of another server's receiver; every
-  chunk saved here is also streamed there (server-to-server migration).
+* ``hurray_url``: ``tcp://HOST:PORT`` (or ``nixl://HOST:PORT``) of another
+  server's receiver; every chunk saved here is also sent there
+  (server-to-server migration).
 * ``hurray_listen``: ``HOST:PORT`` to run a receiver on; chunks it receives
-  land, validated, in ``hurray_path``.
+  land, validated, in ``hurray_path``. ``hurray_listen_transport``: ``"tcp"``
+  (default) or ``"nixl"`` (page pools arrive as NIXL writes; needs
+  ``hurray-vllm[nixl]``).
 * ``hurray_chunk_tokens`` (default 256): tokens per chunk. Must be a multiple
   of the block size of every engine sharing the store; engines with
   different block sizes share chunks (a loaded chunk is repaged).
@@ -80,7 +83,7 @@ log = logging.getLogger("hurray_vllm.connector")
 _VERIFIED: dict[str, KVSnapshot] = {}
 _VERIFIED_LOCK = threading.Lock()
 _VERIFIED_MAX = 64
-_RECEIVERS: dict[str, Receiver] = {}
+_RECEIVERS: dict[str, Any] = {}  # transport.Receiver or transport_nixl.NixlReceiver
 
 
 @dataclass
@@ -144,7 +147,12 @@ class HurrayConnector(KVConnectorBase_V1):
             raise HurrayFormatError(
                 "hurray_chunk_tokens", f"{self._chunk} is not a multiple of the engine's block size {self._block_size}"
             )
-        if self._url:
+        if self._url and str(self._url).startswith("nixl://"):
+            from ...transport_nixl import load_nixl, parse_nixl_url
+
+            parse_nixl_url(self._url)
+            load_nixl()  # a missing NIXL surfaces at start, not at the first save
+        elif self._url:
             parse_url(self._url)  # a typo surfaces at start, not at the first save
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
@@ -166,7 +174,12 @@ class HurrayConnector(KVConnectorBase_V1):
         listen = cfg.get_from_extra_config("hurray_listen", None)
         if listen and role == KVConnectorRole.SCHEDULER and listen not in _RECEIVERS:
             host, _, port = str(listen).rpartition(":")
-            _RECEIVERS[listen] = Receiver(host or "127.0.0.1", int(port), self._store).start()
+            if cfg.get_from_extra_config("hurray_listen_transport", "tcp") == "nixl":
+                from ...transport_nixl import NixlReceiver
+
+                _RECEIVERS[listen] = NixlReceiver(host or "127.0.0.1", int(port), self._store).start()
+            else:
+                _RECEIVERS[listen] = Receiver(host or "127.0.0.1", int(port), self._store).start()
             log.info("hurray: receiving chunks on %s into %s", listen, path)
 
     # ── scheduler side ─────────────────────────────────────────────────────
@@ -412,7 +425,12 @@ class HurrayConnector(KVConnectorBase_V1):
             pushed.append((self._ns, task.key, snap))
         if self._url and pushed:
             try:
-                send_chunks(self._url, pushed)
+                if str(self._url).startswith("nixl://"):
+                    from ...transport_nixl import send_chunks_nixl
+
+                    send_chunks_nixl(self._url, pushed)
+                else:
+                    send_chunks(self._url, pushed)
                 self._pushed.update(key for _, key, _ in pushed)
             except (OSError, HurrayFormatError) as exc:
                 # The destination recomputes what it lacks; this engine's step goes on.
