@@ -186,10 +186,14 @@ def write_file(
     *,
     kv: dict[str, Any] | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
+    fsync: bool = True,
 ) -> int:
     """Write ``records`` to a ``.hrry`` file at ``path``; returns its size.
 
     The file appears at ``path`` only once complete (temp file + rename).
+    ``fsync=False`` skips forcing the data to disk before the rename: for
+    caches whose readers verify a checksum anyway, where durability across
+    a power loss is not worth a disk flush per file.
     """
     if alignment < 4096 or alignment > (2 << 20) or alignment & (alignment - 1):
         raise HurrayFormatError("data_buffer_alignment", f"{alignment} is not a power of two in [4096, 2 MiB]")
@@ -199,7 +203,8 @@ def write_file(
         with os.fdopen(fd, "wb") as raw:
             size = _write(records, raw, kv, alignment)
             raw.flush()
-            os.fsync(raw.fileno())
+            if fsync:
+                os.fsync(raw.fileno())
         # mkstemp creates 0600; give the file the mode open() would have.
         umask = os.umask(0)
         os.umask(umask)
