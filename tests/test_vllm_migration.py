@@ -64,16 +64,21 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, deadline: float) -
     pytest.fail(f"server at {url} did not start:\n{log.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path, Path]]:
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str, Path, Path]]:
     require("vllm")
     require("transformers")
-    tmp = tmp_path_factory.mktemp("migration")
+    transport = request.param
+    if transport == "nixl":
+        require("nixl_cu12")
+    tmp = tmp_path_factory.mktemp(f"migration-{transport}")
     build_tiny_llama(tmp / "model")
     pa, pb, recv = _free_port(), _free_port(), _free_port()
     b = _server(tmp, "b", pb, 64, {"hurray_path": str(tmp / "b"), "hurray_listen": f"127.0.0.1:{recv}",
-                                   "hurray_chunk_tokens": 64})  # fmt: skip
-    a = _server(tmp, "a", pa, 32, {"hurray_path": str(tmp / "a"), "hurray_url": f"tcp://127.0.0.1:{recv}",
+                                   "hurray_listen_transport": transport, "hurray_chunk_tokens": 64})  # fmt: skip
+    a = _server(tmp, "a", pa, 32, {"hurray_path": str(tmp / "a"), "hurray_url": f"{transport}://127.0.0.1:{recv}",
                                    "hurray_chunk_tokens": 64})  # fmt: skip
     try:
         deadline = time.monotonic() + 480
