@@ -376,9 +376,16 @@ def zero_slots_(pool: torch.Tensor, valid: torch.Tensor) -> None:
         return
     num_pages, page_size = int(pool.shape[0]), int(pool.shape[1])
     valid = valid.to(pool.device)
-    mask = torch.arange(page_size, device=pool.device)[None, :] >= valid[:, None]
-    if bool(mask.any()):
-        pool.view(torch.uint8).view(num_pages, page_size, -1)[mask] = 0
+    rows = pool.view(torch.uint8).view(num_pages, -1)
+    # Pages nobody uses go in one op; the few partial ones (about one per
+    # sequence) one slice each. A mask over every byte of the pool cost more
+    # than the whole gather.
+    empty = (valid <= 0).nonzero().reshape(-1)
+    if empty.numel():
+        rows.index_fill_(0, empty, 0)
+    partial = ((valid > 0) & (valid < page_size)).nonzero().reshape(-1)
+    for p, v in zip(partial.tolist(), valid[partial].tolist()):
+        pool[p, v:].zero_()
 
 
 def _widen(raw: torch.Tensor, wire: torch.dtype) -> torch.Tensor:

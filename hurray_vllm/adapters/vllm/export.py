@@ -136,6 +136,8 @@ def export_layers(
             BlockPagedTensor(k_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "key", i),
             BlockPagedTensor(v_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "value", i),
         )
+        # Drop this layer before the next is gathered: peak memory stays one layer.
+        del k_pool, v_pool, cache
 
 
 def _snapshot_shell(
@@ -199,9 +201,12 @@ def export_stream(
         from ...progress import progress
 
         layers = progress(layers, desc="export", total=len(caches))
-    for i, (k, v) in enumerate(to_host_overlapped(layers)):
+    # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
+    i = 0
+    for k, v in to_host_overlapped(layers):
         total += write_records(layer_records(i, k, v, kv_scales[i] if kv_scales is not None else None), f)
         del k, v  # release this layer's pages before gathering the next
+        i += 1
     return total
 
 
@@ -217,13 +222,16 @@ def to_host_overlapped(
     """
     pending: tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event] | None = None
     buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
-    for i, (k, v) in enumerate(layers):
+    i = -1
+    for k, v in layers:
+        i += 1
         if k.page_pool.device.type != "cuda":
             if pending is not None:
                 pending[1].synchronize()
                 yield pending[0]
                 pending = None
             yield k, v
+            del k, v  # the caller is done with this layer: do not hold it while the next is gathered
             continue
         slot = buffers[i % 2]
         if slot is None or slot[0].shape != k.page_pool.shape or slot[0].dtype != k.page_pool.dtype:

@@ -187,10 +187,14 @@ class CpuPacked:
         p = 1 if cache.element_size() == 4 else 2
         if n % 16 or d % 16 or n % p or d % p:
             raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
-        k = kp.unflatten(-1, (n // 16, d // p, 16, p)).permute(0, 2, 4, 1, 3, 5)
-        v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
         m = ids.numel()
-        return k.index_select(0, ids).reshape(m, n, h, d), v.index_select(0, ids).reshape(m, n, h, d)
+        # A key's P adjacent dims move as one wider integer: a 2-element
+        # innermost loop would make the gather several times slower.
+        wide = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p * cache.element_size()]
+        k = kp.view(wide).unflatten(-1, (n // 16, d // p, 16)).permute(0, 2, 4, 1, 3)
+        keys = k.index_select(0, ids).view(cache.dtype).reshape(m, n, h, d)
+        v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
+        return keys, v.index_select(0, ids).reshape(m, n, h, d)
 
 
 @dataclass(frozen=True)
