@@ -123,6 +123,26 @@ def _meta_json(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
     }
 
 
+def flatten_tokens(token_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence token ids as CSR: int64 ``token_ids [T]`` and ``token_ptr [S+1]``."""
+    flat = [t for ids in token_ids for t in ids]
+    ptr = [0]
+    for ids in token_ids:
+        ptr.append(ptr[-1] + len(ids))
+    return torch.tensor(flat, dtype=torch.int64), torch.tensor(ptr, dtype=torch.int64)
+
+
+def split_tokens(ids: torch.Tensor, ptr: torch.Tensor) -> list[tuple[int, ...]]:
+    """The inverse of :func:`flatten_tokens`, refusing offsets that do not partition ``ids``."""
+    if ptr.dim() != 1 or ptr.numel() < 1 or int(ptr[0]) != 0 or int(ptr[-1]) != ids.numel():
+        raise HurrayFormatError("snapshot.token_ptr", "token_ptr must run from 0 to len(token_ids)")
+    if ptr.numel() > 1 and bool((ptr[1:] < ptr[:-1]).any()):
+        raise HurrayFormatError("snapshot.token_ptr", "token_ptr must be non-decreasing")
+    flat = ids.tolist()
+    bounds = ptr.tolist()
+    return [tuple(flat[bounds[s] : bounds[s + 1]]) for s in range(len(bounds) - 1)]
+
+
 def header_records(snap: KVSnapshot, *, num_layers: int | None = None) -> Iterator[Record]:
     """The ``snapshot`` header group: metadata JSON, token ids and their offsets.
 
@@ -131,14 +151,11 @@ def header_records(snap: KVSnapshot, *, num_layers: int | None = None) -> Iterat
     """
     count = snap.num_layers if num_layers is None else num_layers
     meta = json.dumps(_meta_json(snap, count), sort_keys=True).encode()
-    flat = [t for ids in snap.token_ids for t in ids]
-    ptr = [0]
-    for ids in snap.token_ids:
-        ptr.append(ptr[-1] + len(ids))
+    flat, ptr = flatten_tokens(snap.token_ids)
     yield group_head("snapshot", 3, [len(meta)], torch.uint8)
     yield dense_record("snapshot.meta", torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-    yield dense_record("snapshot.token_ids", torch.tensor(flat, dtype=torch.int64))
-    yield dense_record("snapshot.token_ptr", torch.tensor(ptr, dtype=torch.int64))
+    yield dense_record("snapshot.token_ids", flat)
+    yield dense_record("snapshot.token_ptr", ptr)
 
 
 def layer_records(
@@ -239,14 +256,7 @@ def _parse_meta(node: Node) -> tuple[dict[str, Any], list[tuple[int, ...]]]:
         )
     ids = _dense(node.members[1], torch.int64, "snapshot.token_ids")
     ptr = _dense(node.members[2], torch.int64, "snapshot.token_ptr")
-    if ptr.dim() != 1 or ptr.numel() < 1 or int(ptr[0]) != 0 or int(ptr[-1]) != ids.numel():
-        raise HurrayFormatError("snapshot.token_ptr", "token_ptr must run from 0 to len(token_ids)")
-    if ptr.numel() > 1 and bool((ptr[1:] < ptr[:-1]).any()):
-        raise HurrayFormatError("snapshot.token_ptr", "token_ptr must be non-decreasing")
-    flat = ids.tolist()
-    bounds = ptr.tolist()
-    tokens = [tuple(flat[bounds[s] : bounds[s + 1]]) for s in range(len(bounds) - 1)]
-    return meta, tokens
+    return meta, split_tokens(ids, ptr)
 
 
 def _bp(node: Node, seq_lens: torch.Tensor | None, permissive: bool) -> BlockPagedTensor:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import torch
 from .descriptor import decode_descriptor, encode_descriptor
 from .errors import HurrayFormatError
 from .paged import BlockPagedTensor
-from .records import FORMAT_NAME, FORMAT_VERSION, _meta_json
+from .records import FORMAT_NAME, FORMAT_VERSION, _meta_json, flatten_tokens, split_tokens
 from .snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from .validation import raise_if
 
@@ -69,12 +68,7 @@ def save_safetensors(snap: KVSnapshot, path: str | os.PathLike[str]) -> int:
             descriptors[name] = encode_descriptor(t.descriptor(device_tag=0)).hex()
         if snap.kv_scales is not None:
             tensors[f"layers.{i}.kv_scales"] = torch.tensor(snap.kv_scales[i], dtype=torch.float32)
-    flat = [t for ids in snap.token_ids for t in ids]
-    ptr = [0]
-    for ids in snap.token_ids:
-        ptr.append(ptr[-1] + len(ids))
-    tensors["token_ids"] = torch.tensor(flat, dtype=torch.int64)
-    tensors["token_ptr"] = torch.tensor(ptr, dtype=torch.int64)
+    tensors["token_ids"], tensors["token_ptr"] = flatten_tokens(snap.token_ids)
     metadata = {
         "format": FORMAT_NAME,
         "version": str(FORMAT_VERSION),
@@ -142,10 +136,7 @@ def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) 
     ids, ptr = tensors.get("token_ids"), tensors.get("token_ptr")
     token_ids: tuple[tuple[int, ...], ...] = ()
     if ids is not None and ptr is not None:
-        flat, bounds = ids.tolist(), ptr.tolist()
-        if not bounds or bounds[0] != 0 or bounds[-1] != len(flat) or any(a > b for a, b in pairwise(bounds)):
-            raise HurrayFormatError("token_ptr", "token_ptr must run from 0 to len(token_ids), non-decreasing")
-        token_ids = tuple(tuple(flat[bounds[s] : bounds[s + 1]]) for s in range(len(bounds) - 1))
+        token_ids = tuple(split_tokens(ids, ptr))
     if scales and len(scales) != num_layers:
         raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
     snap = KVSnapshot(
