@@ -20,7 +20,8 @@ CUDA tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,7 +30,7 @@ from .errors import HurrayFormatError
 from .paged import BlockPagedTensor
 from .snapshot import KVSnapshot
 
-__all__ = ["RepagePlan", "plan_repage", "repage", "repage_snapshot"]
+__all__ = ["RepagePlan", "check_out_pool", "plan_repage", "repage", "repage_into", "repage_snapshot"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,14 @@ class RepagePlan:
             flat source slot (``page * src_page_size + offset``), or -1 for
             a slot no sequence uses (left zero).
         block_table, seq_ptr, seq_lens: the new block structure (int64).
+        run: slots copied as one row by the gather (``gcd`` of the page
+            sizes for a plan from :func:`plan_repage`; 1 otherwise).
+        tails: ``(page, first_unused_slot)`` for every new page that is only
+            partly used. A page's used slots always come first (a page holds
+            consecutive tokens of one sequence), so zeroing these ranges
+            zeroes every ``-1`` slot; kept on the host so that applying the
+            plan needs no device sync. ``None`` (a plan built by hand):
+            unknown, the unused slots are found from ``src_slots``.
     """
 
     page_size: int
@@ -49,6 +58,22 @@ class RepagePlan:
     block_table: torch.Tensor
     seq_ptr: torch.Tensor
     seq_lens: torch.Tensor
+    tails: tuple[tuple[int, int], ...] | None = None
+    run: int = 1
+    _rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The gather index: for every run of ``run`` new slots, the source run it copies.
+
+        Runs of ``gcd(src_page_size, page_size)`` slots start at token
+        positions that are multiples of the run length, so each lies inside
+        one source page and is copied as one row; a run with no used slot
+        reads run 0. Unused slots are zeroed afterwards (see ``tails``).
+        """
+        if self._rows is not None:
+            return self._rows
+        return (self.src_slots.view(-1, self.run)[:, 0] // self.run).clamp(min=0)
 
     @property
     def num_pages(self) -> int:
@@ -92,29 +117,48 @@ def plan_repage(
     order = torch.argsort(first)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=dev)
+    src_slots = uniq[order]
+    used = (src_slots >= 0).sum(1)
+    partial = (used < page_size).nonzero().reshape(-1)
+    run = math.gcd(src_page_size, page_size)
     return RepagePlan(
         page_size=page_size,
-        src_slots=uniq[order].reshape(-1),
+        src_slots=src_slots.reshape(-1),
         block_table=rank[inverse],
         seq_ptr=new_ptr,
         seq_lens=seq_lens.clone(),
+        tails=tuple(zip(partial.tolist(), used[partial].tolist(), strict=True)),
+        run=run,
+        _rows=(src_slots.reshape(-1, run)[:, 0] // run).clamp(min=0),
     )
 
 
-def _gather_slots(src: torch.Tensor, src_slots: torch.Tensor, per_slot: int) -> torch.Tensor:
-    """New flat storage: ``per_slot`` elements per slot gathered from ``src``; unused slots zero.
+def _gather_slots(src: torch.Tensor, plan: RepagePlan, per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat storage ``[num_slots, per_slot]`` holding ``plan``'s slots of ``src``; unused slots zero.
 
-    One ``index_select`` writes every output byte once (boolean-mask
-    indexing would write them three times through a slow per-element path);
-    the few unused slots are then zeroed in one ``index_fill_`` over the
-    widest integer view of a row, which also works for float8 rows.
+    One ``index_select`` of whole runs (``plan.run`` slots, up to a source
+    page, per row) writes every output byte once; the unused slots, always
+    the end of a partly used page, are then zeroed as one slice per such
+    page (``plan.tails``). A plan without ``tails`` falls back to one
+    ``index_fill_`` over the unused slots through the widest integer view of
+    a row, which also works for float8 rows. With ``out`` (contiguous, same
+    dtype and device as ``src``) the rows land there instead of in new
+    memory.
     """
-    flat = src.reshape(-1, per_slot)
-    idx = src_slots.to(src.device)
-    if flat.shape[0] == 0:
-        return torch.zeros(idx.numel(), per_slot, dtype=src.dtype, device=src.device)
-    out = flat.index_select(0, idx.clamp(min=0))
-    unused = (idx < 0).nonzero().reshape(-1)
+    idx = plan.src_slots
+    if out is None:
+        out = torch.empty(idx.numel(), per_slot, dtype=src.dtype, device=src.device)
+    if src.numel() == 0 or idx.numel() == 0:
+        return out.zero_()
+    run = plan.run if plan.tails is not None else 1
+    rows = plan.rows if run == plan.run else idx.clamp(min=0)
+    torch.index_select(src.reshape(-1, run * per_slot), 0, rows.to(src.device), out=out.view(-1, run * per_slot))
+    if plan.tails is not None:
+        pages = out.view(-1, plan.page_size, per_slot)
+        for page, first in plan.tails:
+            pages[page, first:].zero_()
+        return out
+    unused = (idx.to(src.device) < 0).nonzero().reshape(-1)
     if unused.numel():
         row_bytes = per_slot * out.element_size()
         wide = torch.int64 if row_bytes % 8 == 0 else torch.int32 if row_bytes % 4 == 0 else torch.uint8
@@ -122,25 +166,71 @@ def _gather_slots(src: torch.Tensor, src_slots: torch.Tensor, per_slot: int) -> 
     return out
 
 
-def repage(t: BlockPagedTensor, page_size: int, plan: RepagePlan | None = None) -> BlockPagedTensor:
+def check_out_pool(out: torch.Tensor, pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, field: str) -> None:
+    """Refuse an ``out=`` pool that cannot take ``pages`` pages of ``page_shape`` and ``dtype``."""
+    if not isinstance(out, torch.Tensor):
+        raise HurrayFormatError(field, f"must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape[1:]) != page_shape or out.dim() != len(page_shape) + 1:
+        raise HurrayFormatError(
+            field, f"must have shape [num_pages, {', '.join(map(str, page_shape))}], got {list(out.shape)}"
+        )
+    if out.shape[0] < pages:
+        raise HurrayFormatError(field, f"has {out.shape[0]} pages, the import needs {pages}; allocate a larger pool")
+    if out.dtype != dtype:
+        raise HurrayFormatError(field, f"is {out.dtype}, the import produces {dtype}; pass dtype= or another pool")
+
+
+def repage_into(t: BlockPagedTensor, plan: RepagePlan | None, out: torch.Tensor) -> None:
+    """Write ``t``'s pool, repaged by ``plan`` (``None``: as it is), into ``out``.
+
+    ``out`` is any ``[plan.num_pages, page_size, num_heads, head_dim]`` view
+    of ``t``'s dtype (for example the first pages of an engine's cache, or a
+    strided HND or combined-K/V view). A contiguous ``out`` on the pool's
+    device is gathered into directly; any other goes through one temporary.
+    """
+    per_slot = t.num_heads * t.head_dim
+    pool = t.page_pool
+    if plan is None:
+        out.copy_(pool)
+        return
+    direct = out.is_contiguous() and out.device == pool.device and out.dtype == pool.dtype
+    if direct:
+        _gather_slots(pool, plan, per_slot, out.view(-1, per_slot))
+    else:
+        out.copy_(_gather_slots(pool, plan, per_slot).view(out.shape))
+
+
+def repage(
+    t: BlockPagedTensor, page_size: int, plan: RepagePlan | None = None, *, out: torch.Tensor | None = None
+) -> BlockPagedTensor:
     """``t`` over pages of ``page_size`` tokens (see the module docstring).
 
     Per-page-slot quantization parameters (per-block-affine) move with their
     slots; per-tensor and per-channel parameters are unchanged.
+
+    ``out``, when given, is a preallocated ``[>= num_pages, page_size,
+    num_heads, head_dim]`` pool of ``t``'s dtype (contiguous pages): the
+    repaged pages are written into its first ``plan.num_pages`` pages, which
+    the result's ``page_pool`` views, and the rest of ``out`` is left
+    untouched. Importing into memory that is already mapped (an engine's
+    cache, a pool reused across imports) avoids faulting in a new pool.
     """
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
     plan = plan or plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
-    per_slot = t.num_heads * t.head_dim
-    pool = _gather_slots(t.page_pool.reshape(-1, per_slot), plan.src_slots, per_slot)
-    pool = pool.view(plan.num_pages, page_size, t.num_heads, t.head_dim)
+    page_shape = (page_size, t.num_heads, t.head_dim)
+    if out is not None:
+        check_out_pool(out, plan.num_pages, page_shape, t.dtype, "out")
+        pool = out[: plan.num_pages]
+        repage_into(t, plan, pool)
+    else:
+        per_slot = t.num_heads * t.head_dim
+        pool = _gather_slots(t.page_pool, plan, per_slot)
+        pool = pool.view(plan.num_pages, *page_shape)
     q, qbufs = t.quantization, t.quant_buffers
     if isinstance(q, PerBlockAffine) and qbufs:
         slots_in = t.num_pages * t.page_size
-        qbufs = tuple(
-            _gather_slots(b.reshape(slots_in, -1), plan.src_slots, b.numel() // max(1, slots_in)).reshape(-1)
-            for b in qbufs
-        )
+        qbufs = tuple(_gather_slots(b, plan, b.numel() // max(1, slots_in)).reshape(-1) for b in qbufs)
         q = replace(q, block_size=page_size)
     return replace(
         t,

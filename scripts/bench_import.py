@@ -14,6 +14,11 @@ in shuffled order. On it, in one run, this compares:
 * flashinfer        ``plan_flashinfer_repage(snap, 256)`` then
                     ``to_flashinfer(snap, i, page_size=256, plan=plan)`` for
                     every layer (NHD, ``(k, v)`` tuples);
+* fa2_into          the same with ``out=``: every layer imported into a
+                    preallocated, already-faulted ``(k_cache, v_cache)``
+                    pair (an engine's cache, or pools reused across
+                    imports), the plan computed inside the timing;
+* flashinfer_into   the same for FlashInfer;
 * copy              ``dst.copy_(src)``: a preallocated, already-faulted
                     destination of exactly the bytes the repaged pools hold,
                     from a contiguous source of that size (the goal's
@@ -130,6 +135,29 @@ def pool_bytes(tensors: Any) -> int:
 def flashinfer_all(snap: KVSnapshot, page_size: int) -> list[Any]:
     plan = plan_flashinfer_repage(snap, page_size)
     return [to_flashinfer(snap, i, page_size=page_size, plan=plan) for i in range(snap.num_layers)]
+
+
+def preallocated_pools(snap: KVSnapshot, page_size: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """One faulted-in ``(k, v)`` pool pair per layer, large enough for the import; and its pages."""
+    blocks = plan_flash_attn(snap, page_size=page_size, flavor="fa2").num_blocks
+    k0 = snap.keys[0]
+    shape = (blocks, page_size, k0.num_heads, k0.head_dim)
+    pools = []
+    for _ in range(snap.num_layers):
+        pair = (torch.empty(shape, dtype=k0.dtype), torch.empty(shape, dtype=k0.dtype))
+        for t in pair:
+            t.view(torch.uint8).fill_(0)
+        pools.append(pair)
+    return pools, blocks
+
+
+def flash_attn_into(snap: KVSnapshot, page_size: int, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    return to_flash_attn_all(snap, page_size=page_size, flavor="fa2", out=pools)
+
+
+def flashinfer_into(snap: KVSnapshot, page_size: int, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+    plan = plan_flashinfer_repage(snap, page_size)
+    return [to_flashinfer(snap, i, page_size=page_size, plan=plan, out=pools[i]) for i in range(snap.num_layers)]
 
 
 def breakdown_once(snap: KVSnapshot, page_size: int) -> dict[str, float]:
@@ -255,6 +283,15 @@ def main() -> int:
     log("checking the imports (untimed) ...")
     out = check_once(snap, tps)
     rep_bytes = out["bytes"]
+    pools_fa, _ = preallocated_pools(snap, tps)
+    pools_fi, _ = preallocated_pools(snap, tps)
+    ref = to_flash_attn_all(snap, page_size=tps, flavor="fa2")
+    for r, a, b in zip(ref, flash_attn_into(snap, tps, pools_fa), flashinfer_into(snap, tps, pools_fi), strict=True):
+        for x, y, z in ((r.k_cache, a.k_cache, b.k_cache), (r.v_cache, a.v_cache, b.v_cache)):
+            n = x.shape[0]
+            assert torch.equal(x.view(torch.uint8), y[:n].view(torch.uint8)), "fa2 out= import differs"
+            assert torch.equal(x.view(torch.uint8), z[:n].view(torch.uint8)), "flashinfer out= import differs"
+    del ref
     log(f"  repaged: {out['pages']} pages of {tps}, {rep_bytes / 2**20:.1f} MiB")
 
     elem = DTYPES[args.dtype]
@@ -270,6 +307,8 @@ def main() -> int:
         "repage": lambda: repage_snapshot(snap, tps),
         "fa2": lambda: to_flash_attn_all(snap, page_size=tps, flavor="fa2"),
         "flashinfer": lambda: flashinfer_all(snap, tps),
+        "fa2_into": lambda: flash_attn_into(snap, tps, pools_fa),
+        "flashinfer_into": lambda: flashinfer_into(snap, tps, pools_fi),
         "copy": lambda: dst_r.copy_(src_r),
         "copy_fresh": lambda: torch.empty_like(src_r).copy_(src_r),
         "copy_source": lambda: dst_s.copy_(src_s),
@@ -291,7 +330,7 @@ def main() -> int:
         log(f"repetition {rep + 1}/{args.repeat}: " + " ".join(f"{k}={times[k][-1]:.3f}" for k in runs))
 
     sec = {k: med(v) for k, v in times.items()}
-    imports = ("repage", "fa2", "flashinfer")
+    imports = ("repage", "fa2", "flashinfer", "fa2_into", "flashinfer_into")
     ratios: dict[str, float] = {}
     for name in imports:
         ratios[f"{name}_vs_copy"] = round(sec[name] / sec["copy"], 2)

@@ -534,3 +534,53 @@ def test_paged_attention_rejects_pages_outside_the_cache() -> None:
     with pytest.raises(hv.HurrayFormatError) as err:
         paged_attention(q, bad.k_cache, bad.v_cache, bad.cache_seqlens, bad.block_table)
     assert err.value.field == "block_table"
+
+
+@settings(max_examples=40)
+@given(
+    flavor=st.sampled_from(FLAVOR_NAMES),
+    reserve=st.sampled_from([0, 3]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float8_e4m3fn]),
+    spare=st.integers(0, 2),
+    data=st.data(),
+)
+def test_import_into_preallocated_caches_equals_a_fresh_import(
+    flavor: Flavor, reserve: int, dtype: torch.dtype, spare: int, data: st.DataObject
+) -> None:
+    snap = make_snapshot([40, 17, 33], [0, 2, 1], 16, dtype=dtype, layers=2, seed=data.draw(st.integers(0, 99)))
+    page = data.draw(st.sampled_from(TARGETS[flavor]))
+    plan = plan_flash_attn(snap, page_size=page, flavor=flavor, reserve=reserve)
+    fresh = to_flash_attn_all(snap, page_size=page, flavor=flavor, reserve=reserve)
+    shape = (plan.num_blocks + spare, page, 2, 16)
+    pools = []
+    for f in fresh:
+        pair = (torch.empty(shape, dtype=f.k_cache.dtype), torch.empty(shape, dtype=f.k_cache.dtype))
+        for p in pair:
+            p.view(torch.uint8).fill_(0x5A)
+        pools.append(pair)
+    into = to_flash_attn_all(snap, page_size=page, flavor=flavor, reserve=reserve, out=pools)
+    for f, i, pair in zip(fresh, into, pools, strict=True):
+        assert i.k_cache is pair[0] and i.v_cache is pair[1]
+        for a, b in ((f.k_cache, i.k_cache), (f.v_cache, i.v_cache)):
+            assert torch.equal(a.view(torch.uint8), b[: plan.num_blocks].view(torch.uint8))
+            assert bool((b[plan.num_blocks :].view(torch.uint8) == 0x5A).all())
+        assert torch.equal(f.block_table, i.block_table)
+        assert (f.k_descale is None) == (i.k_descale is None)
+
+
+def test_import_into_refuses_caches_that_do_not_fit() -> None:
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=1)
+    plan = plan_flash_attn(snap, page_size=256)
+    good = torch.empty(plan.num_blocks, 256, 2, 16, dtype=torch.bfloat16)
+    cases = {
+        "out": ("not a pair", (good,)),
+        "out[0]": ("too few pages", (good[:0], good.clone())),
+        "out[1]": ("dtype", (good, good.half())),
+    }
+    for field, (why, out) in cases.items():
+        with pytest.raises(hv.HurrayFormatError) as err:
+            to_flash_attn(snap, 0, plan=plan, out=out)  # type: ignore[arg-type]
+        assert err.value.field == field, why
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn_all(snap, out=[])
+    assert err.value.field == "out"

@@ -586,3 +586,62 @@ def test_plan_helpers() -> None:
     assert cache.page_size == 2
     args = cache.decode_plan_args(4)
     assert args[3:] == (4, 2, 8, 2)
+
+
+@settings(max_examples=30)
+@given(
+    snap=snapshots(),
+    kv_layout=st.sampled_from(LAYOUTS),
+    combined=st.booleans(),
+    page_size=st.sampled_from([None, 1, 3, 16]),
+    dtype=st.sampled_from([None, torch.float32]),
+    spare=st.integers(0, 2),
+)
+def test_import_into_a_preallocated_cache_equals_a_fresh_import(
+    snap: KVSnapshot, kv_layout: str, combined: bool, page_size: int | None, dtype: torch.dtype | None, spare: int
+) -> None:
+    plan = plan_flashinfer_repage(snap, page_size) if page_size else None
+    for layer in range(snap.num_layers):
+        fresh = to_flashinfer(snap, layer, kv_layout=kv_layout, combined=combined, plan=plan, dtype=dtype)
+        pools = [t for t in ((fresh.paged_kv_cache,) if combined else fresh.paged_kv_cache)]  # type: ignore[union-attr]
+        out = []
+        for t in pools:
+            o = torch.empty((t.shape[0] + spare, *t.shape[1:]), dtype=t.dtype)
+            o.view(torch.uint8).fill_(0x5A)
+            out.append(o)
+        into = to_flashinfer(
+            snap,
+            layer,
+            kv_layout=kv_layout,
+            combined=combined,
+            plan=plan,
+            dtype=dtype,
+            out=out[0] if combined else (out[0], out[1]),
+        )
+        got = (into.paged_kv_cache,) if combined else into.paged_kv_cache
+        for t, o, g in zip(pools, out, got, strict=True):  # type: ignore[arg-type]
+            assert g is o
+            n = t.shape[0]
+            assert torch.equal(o[:n].view(torch.uint8), t.contiguous().view(torch.uint8))
+            assert bool((o[n:].view(torch.uint8) == 0x5A).all())
+        assert torch.equal(into.paged_kv_indices, fresh.paged_kv_indices)
+        assert torch.equal(into.paged_kv_indptr, fresh.paged_kv_indptr)
+        assert torch.equal(into.paged_kv_last_page_len, fresh.paged_kv_last_page_len)
+        assert (into.k_scale, into.v_scale) == (fresh.k_scale, fresh.v_scale)
+
+
+def test_import_into_refuses_a_cache_that_does_not_fit() -> None:
+    snap = make_snapshot([12, 9, 5], page_size=4)
+    fresh = to_flashinfer(snap, 0)
+    k = fresh.k_cache
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"out": k}, "out"),  # one tensor without combined
+        ({"out": (k, k.float())}, "out[1]"),
+        ({"out": (k[:1], k)}, "out[0]"),
+        ({"out": (k, k), "kv_layout": "HND"}, "out[0]"),
+        ({"out": (k, k), "combined": True}, "out"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(HurrayFormatError) as err:
+            to_flashinfer(snap, 0, **kwargs)
+        assert err.value.field == field, kwargs

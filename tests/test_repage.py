@@ -116,3 +116,42 @@ def test_per_slot_scales_move_with_their_slots() -> None:
     dst = [int(r.block_table[k // 8]) * 8 + k % 8 for k in range(10)]
     assert [float(new_scales[d]) for d in dst] == [float(s) for s in src]
     assert r.validate().ok
+
+
+def _filled(shape: tuple[int, ...], dtype: torch.dtype, byte: int = 0x5A) -> torch.Tensor:
+    """A pool of ``shape`` whose every byte is ``byte`` (a sentinel that works for every dtype)."""
+    out = torch.empty(shape, dtype=dtype)
+    out.view(torch.uint8).fill_(byte)
+    return out
+
+
+@given(paged_tensors(), TARGETS, st.integers(0, 3))
+def test_repage_into_a_preallocated_pool_equals_a_fresh_one(t: hv.BlockPagedTensor, size: int, spare: int) -> None:
+    fresh = repage(t, size)
+    out = _filled((fresh.num_pages + spare, size, t.num_heads, t.head_dim), t.dtype)
+    into = repage(t, size, out=out)
+    assert fresh.num_pages == 0 or into.page_pool.data_ptr() == out.data_ptr()
+    assert torch.equal(into.page_pool.view(torch.uint8), fresh.page_pool.view(torch.uint8))
+    assert torch.equal(into.block_table, fresh.block_table)
+    # Pages past the import are not touched.
+    assert bool((out[fresh.num_pages :].view(torch.uint8) == 0x5A).all())
+
+
+def test_repage_refuses_an_out_pool_that_does_not_fit() -> None:
+    t = hv.BlockPagedTensor(
+        torch.randn(3, 4, 2, 8, dtype=torch.bfloat16),
+        torch.tensor([0, 1, 2]),
+        torch.tensor([0, 3]),
+        torch.tensor([10]),
+        "key",
+        0,
+    )
+    cases = {
+        "too few pages": torch.empty(1, 8, 2, 8, dtype=torch.bfloat16),
+        "page shape": torch.empty(4, 8, 2, 4, dtype=torch.bfloat16),
+        "dtype": torch.empty(4, 8, 2, 8, dtype=torch.float16),
+    }
+    for why, out in cases.items():
+        with pytest.raises(hv.HurrayFormatError) as err:
+            repage(t, 8, out=out)
+        assert err.value.field == "out", why

@@ -25,7 +25,7 @@ No kernel package is imported at module level.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, Literal
@@ -35,7 +35,7 @@ import torch
 from ..attention import append_kv_
 from ..errors import HurrayFormatError
 from ..paged import BlockPagedTensor
-from ..repage import RepagePlan, plan_repage, repage
+from ..repage import RepagePlan, check_out_pool, plan_repage, repage, repage_into
 from ..snapshot import KVSnapshot
 
 __all__ = [
@@ -365,6 +365,7 @@ def to_flash_attn(
     dtype: torch.dtype | None = None,
     plan: FlashAttnPlan | None = None,
     reserve: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> FlashAttnCache:
     """Layer ``layer`` of ``snapshot`` as a flash-attn paged cache.
 
@@ -395,12 +396,22 @@ def to_flash_attn(
     reserve : int, optional
         Tokens of room per sequence for appends (0 by default); see
         :func:`plan_flash_attn`.
+    out : (k_cache, v_cache), optional
+        Preallocated caches to import into, each
+        ``[num_blocks, page_size, nheads_k, head_dim]`` with ``num_blocks >=
+        plan.num_blocks``, in the cache dtype (see ``dtype``), contiguous, on
+        ``device`` when that is given. Pages ``0 .. plan.num_blocks - 1`` are
+        overwritten, the rest is left as it is, and the returned cache holds
+        these very tensors. Reusing one pair across imports (or an engine's
+        own cache) saves faulting in new memory, which on a CPU costs about
+        twice the copy itself.
 
     Returns
     -------
     FlashAttnCache
-        With ``reserve=0`` and nothing to repage, convert or move, the caches
-        are the snapshot's own pools (no copy); otherwise fresh tensors.
+        With ``out``, its tensors. Otherwise, with ``reserve=0`` and nothing to
+        repage, convert or move, the caches are the snapshot's own pools (no
+        copy); else fresh tensors.
     """
     plan = _resolve_plan(snapshot, plan, page_size, flavor, reserve)
     if not 0 <= layer < snapshot.num_layers:
@@ -410,8 +421,16 @@ def to_flash_attn(
     out_dtype, passthrough = _target_dtype(kt, lim, dtype)
     _check_head_dim(kt.head_dim, lim, out_dtype, "head_dim")
     k_scale, v_scale = snapshot.kv_scales[layer] if snapshot.kv_scales is not None else (1.0, 1.0)
-    k_cache = _convert(_layer_pool(kt, plan), out_dtype, passthrough, k_scale)
-    v_cache = _convert(_layer_pool(vt, plan), out_dtype, passthrough, v_scale)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors")
+        if device is not None and any(o.device != torch.device(device) for o in out):
+            raise HurrayFormatError("out", f"is on {out[0].device}/{out[1].device}, device= asks for {device}")
+        k_cache = _layer_into(kt, plan, out_dtype, passthrough, k_scale, out[0], "out[0]")
+        v_cache = _layer_into(vt, plan, out_dtype, passthrough, v_scale, out[1], "out[1]")
+    else:
+        k_cache = _convert(_layer_pool(kt, plan), out_dtype, passthrough, k_scale)
+        v_cache = _convert(_layer_pool(vt, plan), out_dtype, passthrough, v_scale)
     dev = torch.device(device) if device is not None else k_cache.device
     k_descale = v_descale = None
     if passthrough and kt.dtype in _FP8:
@@ -438,16 +457,24 @@ def to_flash_attn_all(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     reserve: int = 0,
+    out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[FlashAttnCache, ...]:
     """Every layer of ``snapshot`` (see :func:`to_flash_attn`), planned once.
 
     The layers share one ``block_table`` and one ``cache_seqlens`` tensor.
+    ``out``, when given, holds one preallocated ``(k_cache, v_cache)`` pair
+    per layer (see :func:`to_flash_attn`).
     """
+    if out is not None and len(out) != snapshot.num_layers:
+        raise HurrayFormatError("out", f"has {len(out)} cache pairs for {snapshot.num_layers} layers")
     plan = plan_flash_attn(snapshot, page_size=page_size, flavor=flavor, reserve=reserve)
     dev = torch.device(device) if device is not None else None
     if dev is not None:
         plan = replace(plan, block_table=plan.block_table.to(dev), cache_seqlens=plan.cache_seqlens.to(dev))
-    return tuple(to_flash_attn(snapshot, i, plan=plan, device=dev, dtype=dtype) for i in range(snapshot.num_layers))
+    return tuple(
+        to_flash_attn(snapshot, i, plan=plan, device=dev, dtype=dtype, out=None if out is None else out[i])
+        for i in range(snapshot.num_layers)
+    )
 
 
 def _resolve_plan(
@@ -520,6 +547,34 @@ def _layer_pool(t: BlockPagedTensor, plan: FlashAttnPlan) -> torch.Tensor:
     copied = src >= 0
     fresh[copied] = pool[src[copied]]
     return torch.cat([pool, fresh])
+
+
+def _layer_into(
+    t: BlockPagedTensor,
+    plan: FlashAttnPlan,
+    dtype: torch.dtype,
+    passthrough: bool,
+    scale: float,
+    dst: torch.Tensor,
+    field: str,
+) -> torch.Tensor:
+    """Write the layer's pages (repaged, converted, with the plan's extra pages) into ``dst``."""
+    check_out_pool(dst, plan.num_blocks, (plan.page_size, t.num_heads, t.head_dim), dtype, field)
+    base = dst[: plan.base_pages]
+    if passthrough:
+        repage_into(t, plan.repage, base)
+    else:
+        pool = repage(t, plan.page_size, plan.repage).page_pool if plan.repage is not None else t.page_pool
+        base.copy_(_convert(pool, dtype, False, scale))
+    if plan.extra_pages.numel():
+        src = plan.extra_pages.to(dst.device)
+        copied = (src >= 0).nonzero().reshape(-1)
+        # Through bytes: index_copy_ has no float8 kernels.
+        tail = dst[plan.base_pages : plan.num_blocks].view(torch.uint8)
+        tail.zero_()
+        if copied.numel():
+            tail.index_copy_(0, copied, dst.view(torch.uint8).index_select(0, src[copied]))
+    return dst
 
 
 def _convert(pool: torch.Tensor, dtype: torch.dtype, passthrough: bool, scale: float) -> torch.Tensor:

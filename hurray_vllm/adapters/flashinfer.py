@@ -33,7 +33,7 @@ import torch
 
 from ..errors import HurrayFormatError
 from ..paged import BlockPagedTensor
-from ..repage import RepagePlan, plan_repage, repage
+from ..repage import RepagePlan, check_out_pool, plan_repage, repage, repage_into
 from ..snapshot import KVSnapshot
 
 __all__ = [
@@ -274,6 +274,7 @@ def to_flashinfer(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     plan: RepagePlan | None = None,
+    out: PagedKVCache | None = None,
 ) -> FlashInferCache:
     """Layer ``layer`` of ``snapshot`` as FlashInfer paged-KV arguments.
 
@@ -304,10 +305,20 @@ def to_flashinfer(
             calibrated scales this library does not choose.
         plan: a :class:`RepagePlan` for this snapshot's block structure (from
             :func:`plan_flashinfer_repage`), reused across layers.
+        out: a preallocated cache to import into, shaped like the result's
+            ``paged_kv_cache`` (a ``(k_cache, v_cache)`` tuple, or one
+            ``[num_pages, 2, ...]`` tensor when ``combined``) in
+            ``kv_layout``, with at least as many pages as the import needs,
+            the result's dtype, and the device the result goes to. Its first
+            pages are overwritten, the rest is left as it is, and the result
+            holds ``out`` itself. A pool reused across imports (or an
+            engine's own) saves faulting in new memory, about twice the cost
+            of the copy itself on a CPU.
 
     Returns:
-        A :class:`FlashInferCache`. Without repaging, conversion or layout
-        change the pages are the snapshot's own tensors (no copy).
+        A :class:`FlashInferCache`. With ``out``, its pages are ``out``.
+        Otherwise, without repaging, conversion or layout change, the pages
+        are the snapshot's own tensors (no copy).
 
     Raises:
         HurrayFormatError: an argument or the snapshot does not fit.
@@ -320,31 +331,38 @@ def to_flashinfer(
     lens = _check_source(k, v)
     scales = _layer_scales(snapshot, layer)
 
-    if plan is not None:
-        if page_size is not None and plan.page_size != page_size:
-            raise HurrayFormatError("plan", f"the plan repages to {plan.page_size}, page_size is {page_size}")
-        _check_plan(plan, k, lens)
-        k, v = repage(k, plan.page_size, plan), repage(v, plan.page_size, plan)
-    elif page_size is not None and page_size != k.page_size:
+    if plan is None and page_size is not None and page_size != k.page_size:
         if page_size <= 0:
             raise HurrayFormatError("page_size", f"must be positive, got {page_size}")
         plan = plan_repage(k.block_table, k.seq_ptr, lens, k.page_size, page_size)
-        k, v = repage(k, page_size, plan), repage(v, page_size, plan)
-
-    if k.num_pages > _INT32_MAX or k.block_table.numel() > _INT32_MAX:
+    elif plan is not None:
+        if page_size is not None and plan.page_size != page_size:
+            raise HurrayFormatError("plan", f"the plan repages to {plan.page_size}, page_size is {page_size}")
+        _check_plan(plan, k, lens)
+    num_pages = plan.num_pages if plan is not None else k.num_pages
+    table = plan.block_table if plan is not None else k.block_table
+    ptr = plan.seq_ptr if plan is not None else k.seq_ptr
+    ps = plan.page_size if plan is not None else k.page_size
+    if num_pages > _INT32_MAX or table.numel() > _INT32_MAX:
         raise HurrayFormatError("paged_kv_indices", "page ids and counts must fit FlashInfer's int32 indices")
 
-    kp, k_scale = _convert(k.page_pool, scales[0], dtype)
-    vp, v_scale = _convert(v.page_pool, scales[1], dtype)
-    cache = _arrange(kp, vp, kv_layout, combined)
+    if out is not None:
+        cache: PagedKVCache = out
+        k_scale, v_scale = _import_into(k, v, plan, scales, dtype, out, kv_layout, combined, num_pages, device)
+    else:
+        if plan is not None:
+            k, v = repage(k, plan.page_size, plan), repage(v, plan.page_size, plan)
+        kp, k_scale = _convert(k.page_pool, scales[0], dtype)
+        vp, v_scale = _convert(v.page_pool, scales[1], dtype)
+        cache = _arrange(kp, vp, kv_layout, combined)
 
-    ps = k.page_size
     last = torch.where(lens > 0, (lens - 1) % ps + 1, torch.zeros_like(lens))
-    indptr = k.seq_ptr.to(torch.int32)
-    indices = k.block_table.to(torch.int32)
+    indptr = ptr.to(torch.int32)
+    indices = table.to(torch.int32)
     last_page_len = last.to(torch.int32)
     if device is not None:
-        cache = _move(cache, device)
+        if out is None:
+            cache = _move(cache, device)
         indptr, indices, last_page_len = (t.to(device) for t in (indptr, indices, last_page_len))
     return FlashInferCache(
         paged_kv_cache=cache,
@@ -448,6 +466,59 @@ def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tup
     if not dtype.is_floating_point:
         raise HurrayFormatError("dtype", f"FlashInfer pages hold floating-point values, not {dtype}")
     return pool.to(dtype), None
+
+
+def _target_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The page dtype :func:`_convert` produces for ``src`` pages and the asked ``dtype``."""
+    if dtype is not None:
+        return dtype
+    return torch.float32 if src in _FP8 else src
+
+
+def _import_into(
+    k: BlockPagedTensor,
+    v: BlockPagedTensor,
+    plan: RepagePlan | None,
+    scales: tuple[float, float],
+    dtype: torch.dtype | None,
+    out: PagedKVCache,
+    kv_layout: str,
+    combined: bool,
+    num_pages: int,
+    device: torch.device | str | None,
+) -> tuple[float | None, float | None]:
+    """Write the layer's (repaged, converted) pages into ``out``; the scales FlashInfer must still apply."""
+    target = _target_dtype(k.dtype, dtype)
+    heads, dim = k.num_heads, k.head_dim
+    ps = plan.page_size if plan is not None else k.page_size
+    page = (ps, heads, dim) if kv_layout == "NHD" else (heads, ps, dim)
+    if combined:
+        if not isinstance(out, torch.Tensor):
+            raise HurrayFormatError("out", "combined=True takes one [num_pages, 2, ...] tensor")
+        check_out_pool(out, num_pages, (2, *page), target, "out")
+        dsts = [out[:num_pages, 0], out[:num_pages, 1]]
+    else:
+        if isinstance(out, torch.Tensor) or len(out) != 2:
+            raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors (or pass combined=True)")
+        for i, o in enumerate(out):
+            check_out_pool(o, num_pages, page, target, f"out[{i}]")
+        dsts = [out[0][:num_pages], out[1][:num_pages]]
+    where = {o.device for o in (out if isinstance(out, tuple | list) else (out,))}
+    if device is not None and where != {torch.device(device)}:
+        raise HurrayFormatError("out", f"is on {', '.join(map(str, where))}, device= asks for {device}")
+    if kv_layout == "HND":
+        dsts = [d.transpose(1, 2) for d in dsts]  # NHD views of the HND pages
+    result: list[float | None] = []
+    for t, scale, dst in ((k, scales[0], dsts[0]), (v, scales[1], dsts[1])):
+        if target == t.dtype:
+            repage_into(t, plan, dst)
+            result.append(scale if t.dtype in _FP8 else None)
+        else:
+            pool = repage(t, plan.page_size, plan).page_pool if plan is not None else t.page_pool
+            converted, left = _convert(pool, scale, target)
+            dst.copy_(converted)
+            result.append(left)
+    return result[0], result[1]
 
 
 def _arrange(k: torch.Tensor, v: torch.Tensor, kv_layout: str, combined: bool) -> PagedKVCache:
