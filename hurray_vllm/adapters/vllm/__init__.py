@@ -7,7 +7,7 @@ in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 from __future__ import annotations
 
 from .cache import EngineCache, describe_worker_cache, write_blocks
-from .export import SequenceState, export_layers, export_snapshot, export_stream, plan_batch
+from .export import GatherBuffers, SequenceState, export_layers, export_snapshot, export_stream, plan_batch
 from .layouts import (
     CpuPacked,
     FlashAttnLegacy,
@@ -25,6 +25,7 @@ __all__ = [
     "write_blocks",
     "FlashAttnLegacy",
     "FlashInferLegacy",
+    "GatherBuffers",
     "KVLayout",
     "LogicalBHNC",
     "PagedAttentionLegacy",

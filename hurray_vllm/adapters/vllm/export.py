@@ -14,6 +14,7 @@ zeroed in the copy, so nothing of other requests leaks out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import BinaryIO
@@ -21,13 +22,14 @@ from typing import BinaryIO
 import torch
 
 from ...errors import HurrayFormatError
-from ...paged import BlockPagedTensor, plan_compaction, zero_slots_
+from ...paged import BlockPagedTensor, plan_compaction
 from ...records import header_records, layer_records
 from ...snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from ...stream import write_records
 from .layouts import KVLayout, as_storage_dtype
 
 __all__ = [
+    "GatherBuffers",
     "SequenceState",
     "BatchPlan",
     "plan_batch",
@@ -66,6 +68,9 @@ class BatchPlan:
     seq_lens: torch.Tensor
     valid: torch.Tensor  # per snapshot page, slots some sequence uses
     block_size: int
+    # (page, first slot no sequence uses) for every page with unused slots, on the host:
+    # zeroing them needs no per-layer scan of `valid` (or device sync).
+    tails: tuple[tuple[int, int], ...] = ()
 
 
 def plan_batch(seqs: Sequence[SequenceState], block_size: int, *, reserved_blocks: Sequence[int] = (0,)) -> BatchPlan:
@@ -105,7 +110,48 @@ def plan_batch(seqs: Sequence[SequenceState], block_size: int, *, reserved_block
         seq_ptr,
         seq_lens,
     )
-    return BatchPlan(plan.keep, plan.block_table, seq_ptr, seq_lens, probe.valid_slots(), block_size)
+    valid = probe.valid_slots()
+    part = (valid < block_size).nonzero().reshape(-1)
+    tails = tuple(zip(part.tolist(), valid[part].clamp(min=0).tolist(), strict=True))
+    return BatchPlan(plan.keep, plan.block_table, seq_ptr, seq_lens, valid, block_size, tails)
+
+
+class GatherBuffers:
+    """One reusable (key, value) pair of page pools that layers are gathered into.
+
+    A streaming export writes each layer out before it gathers the next, so
+    all layers can share two buffers: peak extra memory is then exactly one
+    layer's pages, and no layer after the first faults in new memory (on a
+    CPU that costs about twice the copy). Keep one object across exports (a
+    connector saving request after request) to reuse the memory of the
+    first layer too. The buffers grow to the largest layer seen, never
+    shrink, and are not safe to share between threads.
+    """
+
+    def __init__(self) -> None:
+        self._raw: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (both buffers)."""
+        return 0 if self._raw is None else 2 * int(self._raw[0].numel())
+
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two contiguous ``shape`` tensors of ``dtype`` on ``device``, overwriting what the last call returned."""
+        need = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        raw = self._raw
+        if raw is None or raw[0].numel() < need or raw[0].device != device:
+            self._raw = raw = (
+                torch.empty(need, dtype=torch.uint8, device=device),
+                torch.empty(need, dtype=torch.uint8, device=device),
+            )
+        return raw[0][:need].view(dtype).view(shape), raw[1][:need].view(dtype).view(shape)
+
+    def release(self) -> None:
+        """Drop the buffers (they are allocated again when next needed)."""
+        self._raw = None
 
 
 def export_layers(
@@ -115,11 +161,15 @@ def export_layers(
     *,
     storage_dtype: torch.dtype | None = None,
     zero_unused: bool = True,
+    buffers: GatherBuffers | None = None,
 ) -> Iterator[tuple[BlockPagedTensor, BlockPagedTensor]]:
     """Yield each layer's (key, value) block-paged tensors, one layer at a time.
 
     Peak extra memory is one layer's compacted pages: nothing is gathered
-    before the caller asks for the layer.
+    before the caller asks for the layer. With ``buffers`` every layer is
+    gathered into the same two tensors, so a yielded layer's pools are only
+    valid until the caller asks for the next layer (fine for writing a
+    stream, wrong for collecting the layers).
     """
     for i, cache in enumerate(caches):
         if storage_dtype is not None:
@@ -128,10 +178,17 @@ def export_layers(
                 if isinstance(cache, tuple)
                 else as_storage_dtype(cache, storage_dtype)
             )
-        k_pool, v_pool = layout.gather(cache, plan.keep)
+        out = None
+        if buffers is not None:
+            first = cache[0] if isinstance(cache, tuple) else cache
+            shape = (int(plan.keep.numel()), *layout.page_shape(cache))
+            out = buffers.take(shape, first.dtype, first.device)
+        k_pool, v_pool = layout.gather(cache, plan.keep, out)
+        del out
         if zero_unused:
-            zero_slots_(k_pool, plan.valid)
-            zero_slots_(v_pool, plan.valid)
+            for page, start in plan.tails:
+                k_pool[page, start:].zero_()
+                v_pool[page, start:].zero_()
         yield (
             BlockPagedTensor(k_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "key", i),
             BlockPagedTensor(v_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "value", i),
@@ -149,7 +206,7 @@ def _snapshot_shell(
     return KVSnapshot(
         keys=(),
         values=(),
-        token_ids=tuple(tuple(int(t) for t in s.token_ids) for s in seqs),
+        token_ids=tuple(tuple(map(int, s.token_ids)) for s in seqs),
         fingerprint=fingerprint,
         kv_scales=tuple(kv_scales) if kv_scales is not None else None,
         source=source,
@@ -187,16 +244,22 @@ def export_stream(
     fingerprint: ModelFingerprint | None = None,
     source: SnapshotSource | None = None,
     show_progress: bool = False,
+    buffers: GatherBuffers | None = None,
 ) -> int:
     """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
 
-    ``show_progress=True`` shows a per-layer progress bar on a terminal.
+    Every layer is gathered into the same two buffers (``buffers``, or a
+    pair allocated for this call): extra memory is one layer's compacted
+    pages. Pass a :class:`GatherBuffers` kept across calls to reuse that
+    memory from one export to the next. ``show_progress=True`` shows a
+    per-layer progress bar on a terminal.
     """
     plan = plan_batch(seqs, block_size)
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
     # The header announces the layer count before any layer is gathered.
     total = write_records(header_records(shell, num_layers=len(caches)), f)
-    layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype)
+    buffers = buffers if buffers is not None else GatherBuffers()
+    layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=buffers)
     if show_progress:
         from ...progress import progress
 

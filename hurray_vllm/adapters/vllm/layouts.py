@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from ... import native
 from ...errors import HurrayFormatError
 
 __all__ = [
@@ -34,21 +35,51 @@ __all__ = [
 ]
 
 
+#: Optional destination of a gather: (keys, values), each ``[n, block_size, H, D]`` contiguous.
+Out = tuple[torch.Tensor, torch.Tensor] | None
+
+
 class KVLayout(Protocol):
     """What the exporter needs from a cache layout."""
 
     @property
     def name(self) -> str: ...
 
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        """``(block_size, H, D)`` of one gathered page of ``cache``."""
+        ...
+
     def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``block_ids`` (int64), each ``[n, block_size, H, D]`` contiguous."""
+        """Keys and values of ``block_ids`` (int64), each ``[n, block_size, H, D]`` contiguous.
+
+        With ``out`` (two contiguous tensors of that shape and the cache's
+        dtype and device) the pages are written there and ``out`` is returned.
+        """
         ...
 
 
 def _ids(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return block_ids.to(device=cache.device, dtype=torch.int64)
+
+
+def _select(view: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``view.index_select(0, ids)``, into ``out`` (viewed as the result's shape) when given."""
+    if out is None:
+        return view.index_select(0, ids)
+    torch.index_select(view, 0, ids, out=out.view(ids.numel(), *view.shape[1:]))
+    return out
+
+
+def _check_out(out: Out, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if out is None:
+        return
+    for t in out:
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise HurrayFormatError(
+                "out", f"gather buffers must be contiguous {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}"
+            )
 
 
 def as_storage_dtype(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,16 +155,22 @@ class LogicalBHNC:
     head_dim: int
     name: str = "vllm-logical-BHNC"
 
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        assert isinstance(cache, torch.Tensor)
+        return int(cache.shape[2]), int(cache.shape[1]), self.head_dim
+
     def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(cache, torch.Tensor)
         d = self.head_dim
         if cache.dim() != 4 or cache.shape[-1] != 2 * d:
             raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
         ids = _ids(block_ids, cache)
-        k = cache[..., :d].transpose(1, 2).index_select(0, ids)
-        v = cache[..., d:].transpose(1, 2).index_select(0, ids)
+        _, h, n, _ = cache.shape
+        _check_out(out, (ids.numel(), n, h, d), cache.dtype)
+        k = _select(cache[..., :d].transpose(1, 2), ids, out and out[0])
+        v = _select(cache[..., d:].transpose(1, 2), ids, out and out[1])
         return k, v
 
 
@@ -165,36 +202,87 @@ class CpuPacked:
 
     _ISAS: ClassVar[tuple[str, ...]] = ("vec", "vec16", "amx")
 
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        assert isinstance(cache, torch.Tensor)
+        return int(cache.shape[2]), int(cache.shape[1]), self.head_dim
+
     def __post_init__(self) -> None:
         if self.isa not in self._ISAS:
             raise HurrayFormatError("isa", f"CPU cache packing for ISA {self.isa!r} is not known (have {self._ISAS})")
 
     def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(cache, torch.Tensor)
         b, h, n, c = cache.shape
         d = self.head_dim
         if c != 2 * d:
             raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        ids = _ids(block_ids, cache)
+        m = ids.numel()
+        _check_out(out, (m, n, h, d), cache.dtype)
+        if out is None:
+            out = (
+                torch.empty((m, n, h, d), dtype=cache.dtype, device=cache.device),
+                torch.empty((m, n, h, d), dtype=cache.dtype, device=cache.device),
+            )
+        p = 1 if cache.element_size() == 4 else 2
+        if self.isa == "amx" and (n % 16 or d % 16 or n % p or d % p):
+            raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
+        if self._gather_native(cache, ids, out):
+            return out
         planes = cache.reshape(b, h, 2, n * d)
         kp, vp = planes[:, :, 0], planes[:, :, 1]
-        ids = _ids(block_ids, cache)
         if self.isa in ("vec", "vec16"):
             k = kp.unflatten(-1, (d, n)).permute(0, 3, 1, 2)
             v = vp.unflatten(-1, (n, d)).permute(0, 2, 1, 3)
-            return k.index_select(0, ids), v.index_select(0, ids)
-        p = 1 if cache.element_size() == 4 else 2
-        if n % 16 or d % 16 or n % p or d % p:
-            raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
-        m = ids.numel()
+            return _select(k, ids, out[0]), _select(v, ids, out[1])
         # A key's P adjacent dims move as one wider integer: a 2-element
         # innermost loop would make the gather several times slower.
         wide = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p * cache.element_size()]
         k = kp.view(wide).unflatten(-1, (n // 16, d // p, 16)).permute(0, 2, 4, 1, 3)
-        keys = k.index_select(0, ids).view(cache.dtype).reshape(m, n, h, d)
+        _select(k, ids, out[0].view(wide))
         v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
-        return keys, v.index_select(0, ids).reshape(m, n, h, d)
+        _select(v, ids, out[1])
+        return out
+
+    def _gather_native(self, cache: torch.Tensor, ids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """The same gather through the C kernels of :mod:`hurray_vllm.native`; False where they do not apply.
+
+        They need a CPU cache whose (block, head) planes are contiguous and
+        1-, 2- or 4-byte elements; the results are byte-identical to the
+        torch path's. The vec/vec16 values are already row-major and go
+        through ``index_select`` at memory speed.
+        """
+        es = cache.element_size()
+        b, h, n, c = cache.shape
+        if cache.device.type != "cpu" or es not in (1, 2, 4) or cache.stride(3) != 1 or cache.stride(2) != c:
+            return False
+        lib = native.library()
+        if lib is None:
+            return False
+        m = ids.numel()
+        if m == 0:
+            return True
+        blocks = ids.contiguous()
+        if int(blocks.min()) < 0 or int(blocks.max()) >= b:
+            raise HurrayFormatError("block_ids", f"block ids must lie in [0, {b}) for this cache")
+        d = self.head_dim
+        base_k = cache.data_ptr()
+        base_v = base_k + n * d * es  # the value plane follows the key plane in every (block, head)
+        geometry = (cache.stride(0), cache.stride(1), h, n, d)
+        bp, dk, dv = blocks.data_ptr(), out[0].data_ptr(), out[1].data_ptr()
+        vec = self.isa in ("vec", "vec16")
+        fk = native.kernel(lib, f"hurray_{'vec' if vec else 'amx'}_keys_{es}")
+        fv = None if vec else native.kernel(lib, f"hurray_amx_values_{es}")
+
+        fk(base_k, bp, 0, m, *geometry, dk)
+        if fv is not None:
+            fv(base_v, bp, 0, m, *geometry, dv)
+        if vec:
+            planes = cache.reshape(b, h, 2, n * d)
+            _select(planes[:, :, 1].unflatten(-1, (n, d)).permute(0, 2, 1, 3), ids, out[1])
+        return True
 
 
 @dataclass(frozen=True)
@@ -208,14 +296,20 @@ class FlashAttnLegacy:
 
     name: str = "flash-attn-legacy"
 
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        assert isinstance(cache, torch.Tensor)
+        n, h, d = cache.shape[2:]
+        return int(n), int(h), int(d)
+
     def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(cache, torch.Tensor)
         if cache.dim() != 5 or cache.shape[0] != 2:
             raise HurrayFormatError("cache", f"expected [2, B, N, H, D], got {list(cache.shape)}")
         ids = _ids(block_ids, cache)
-        return cache[0].index_select(0, ids), cache[1].index_select(0, ids)
+        _check_out(out, (ids.numel(), *cache.shape[2:]), cache.dtype)
+        return _select(cache[0], ids, out and out[0]), _select(cache[1], ids, out and out[1])
 
 
 @dataclass(frozen=True)
@@ -227,14 +321,20 @@ class FlashInferLegacy:
 
     name: str = "flashinfer-legacy"
 
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        assert isinstance(cache, torch.Tensor)
+        n, h, d = cache.shape[2:]
+        return int(n), int(h), int(d)
+
     def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(cache, torch.Tensor)
         if cache.dim() != 5 or cache.shape[1] != 2:
             raise HurrayFormatError("cache", f"expected [B, 2, N, H, D], got {list(cache.shape)}")
         ids = _ids(block_ids, cache)
-        return cache[:, 0].index_select(0, ids), cache[:, 1].index_select(0, ids)
+        _check_out(out, (ids.numel(), *cache.shape[2:]), cache.dtype)
+        return _select(cache[:, 0], ids, out and out[0]), _select(cache[:, 1], ids, out and out[1])
 
 
 @dataclass(frozen=True)
@@ -248,8 +348,13 @@ class PagedAttentionLegacy:
 
     name: str = "paged-attention-legacy"
 
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        assert isinstance(cache, tuple)
+        _, h, dx, n, x = cache[0].shape
+        return int(n), int(h), int(dx * x)
+
     def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(cache, tuple) or len(cache) != 2:
             raise HurrayFormatError("cache", "paged-attention caches come as a (key_cache, value_cache) pair")
@@ -262,6 +367,8 @@ class PagedAttentionLegacy:
         if kc.shape[-1] != x:
             raise HurrayFormatError("cache", f"key cache's last dim is {kc.shape[-1]}, expected x = {x}")
         ids = _ids(block_ids, kc)
-        k = kc.permute(0, 3, 1, 2, 4).index_select(0, ids).flatten(-2)
-        v = vc.permute(0, 3, 1, 2).index_select(0, ids)
+        _, h, dx, n, _ = kc.shape
+        _check_out(out, (ids.numel(), n, h, dx * x), kc.dtype)
+        k = _select(kc.permute(0, 3, 1, 2, 4), ids, out and out[0]).reshape(ids.numel(), n, h, dx * x)
+        v = _select(vc.permute(0, 3, 1, 2), ids, out and out[1])
         return k, v

@@ -1,0 +1,127 @@
+"""Optional native kernels for the copies torch's strided loops make slow.
+
+The CPU backend's packed KV cache planes (``CpuPacked``) need transposing
+copies whose contiguous runs are 4 to 32 bytes; torch runs them through
+short inner loops at a third of memory speed. ``cpu_packed.c`` holds plain C
+loops for them: no Python or torch headers, built with the system C
+compiler (``$CC`` or ``cc``) the first time they are needed, cached under
+``$HURRAY_VLLM_CACHE_DIR`` (default ``~/.cache/hurray-vllm``) by a hash of
+the source, and loaded with :mod:`ctypes` (which releases the GIL during a
+call). Built with ``-fopenmp`` where the compiler can, the kernels split
+their work with OpenMP; loaded after torch, the library binds to the libgomp
+torch already loaded (same soname), so it shares torch's thread pool and
+``torch.set_num_threads``. Python threads would compete with that pool's
+spinning workers instead: on 2 cores that halved the speed.
+
+Everything has a pure-torch fallback with byte-identical results: when no
+compiler is found, the build fails, or ``HURRAY_VLLM_NATIVE=0`` is set,
+:func:`library` returns ``None`` and :func:`unavailable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["cache_dir", "kernel", "library", "unavailable_reason"]
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+_SOURCES = ("cpu_packed.c", "cpu_packed_body.h", "cpu_packed_sse2.h")
+_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing")
+_OPENMP = ("-fopenmp",)  # tried first; without it the kernels run on the calling thread
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (``$HURRAY_VLLM_CACHE_DIR`` or ``~/.cache/hurray-vllm``)."""
+    env = os.environ.get("HURRAY_VLLM_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hurray-vllm"
+
+
+def _build(target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        for extra in (_OPENMP, ()):
+            cmd = [cc, *_FLAGS, *extra, "-o", tmp, str(_HERE / "cpu_packed.c")]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+            if done.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def library() -> ctypes.CDLL | None:
+    """The native kernels, built on first use; ``None`` when they cannot be had (see :func:`unavailable_reason`)."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[return-value]
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib: ctypes.CDLL | None = None
+        reason: str | None = None
+        if os.environ.get("HURRAY_VLLM_NATIVE", "1") == "0":
+            reason = "disabled by HURRAY_VLLM_NATIVE=0"
+        else:
+            digest = hashlib.sha256()
+            for name in _SOURCES:
+                digest.update((_HERE / name).read_bytes())
+            digest.update(" ".join(_FLAGS).encode())
+            digest.update(platform.machine().encode())
+            target = cache_dir() / f"cpu_packed-{digest.hexdigest()[:16]}.so"
+            try:
+                if not target.exists():
+                    _build(target)
+                import torch  # noqa: F401  (load torch's libgomp first, so the kernels share it)
+
+                lib = ctypes.CDLL(str(target))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                reason = f"native kernels unavailable, using torch copies: {exc}"
+                log.info(reason)
+        _state["lib"], _state["reason"] = lib, reason
+        return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` returned ``None`` (``None`` when it did not, or was not asked yet)."""
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_void_p]
+
+
+def kernel(lib: ctypes.CDLL, name: str) -> Callable[..., None]:
+    """``lib``'s function ``name`` with the kernels' signature declared.
+
+    Every kernel takes ``(base, blocks, i0, i1, sb, sh, H, N, D, dst)``:
+    pointers to the cache and to int64 block ids, the block range, the
+    block and head strides in elements, the page shape, and the output.
+    """
+    fn = getattr(lib, name)
+    if fn.argtypes is None:
+        fn.argtypes = _ARGTYPES
+        fn.restype = None
+    return fn

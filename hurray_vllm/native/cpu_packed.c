@@ -1,0 +1,67 @@
+/*
+ * Transposing copies out of vLLM's CPU-backend KV cache planes into the
+ * Hurray interchange layout [pages, block_size, heads, head_dim].
+ *
+ * torch's strided copy runs these layouts through 2- to 16-element inner
+ * loops (the packed tiles are 4 to 32 bytes wide), three to four times
+ * slower than a plain copy of the same bytes. These loops read each source
+ * plane front to back and write whole destination rows, which keeps the
+ * copy near memory speed. The layouts are described in
+ * hurray_vllm/adapters/vllm/layouts.py (CpuPacked) and docs/vllm-layouts.md.
+ *
+ * Every function copies blocks i0 <= i < i1 of `blocks`, all heads:
+ *   source plane of (block b, head h): base + b * sb + h * sh   (elements)
+ *   destination element (i, n, h, d):  dst[((i * N + n) * H + h) * D + d]
+ * Built with -fopenmp where the compiler can, the (block, head) planes are
+ * split across OpenMP threads: loaded into a process that runs torch, the
+ * library binds to the libgomp torch already loaded (same soname), so it
+ * uses torch's thread pool and thread count instead of competing with it.
+ * Plain C, no Python or torch headers: built with the system compiler on
+ * first use (hurray_vllm/native/__init__.py) and loaded through ctypes.
+ */
+#include <stdint.h>
+
+#if defined(_OPENMP)
+#define PARALLEL_FOR _Pragma("omp parallel for schedule(static) if (i1 - i0 > 1)")
+#else
+#define PARALLEL_FOR
+#endif
+
+/* P, the AMX pair width: 2 elements for 8- and 16-bit types, 1 for 32-bit ones. */
+#define T uint8_t
+#define SUF 1
+#define P 2
+#include "cpu_packed_body.h"
+#undef T
+#undef SUF
+#undef P
+
+/* 16-bit: the portable loops as *_2_generic; with SSE2 (every x86-64) the *_2 entry points are the
+ * vectorised versions below, otherwise the portable loops under that name. */
+#define T uint16_t
+#define SUF 2_generic
+#define P 2
+#include "cpu_packed_body.h"
+#undef T
+#undef SUF
+#undef P
+
+#if defined(__SSE2__)
+#include "cpu_packed_sse2.h"
+#else
+#define T uint16_t
+#define SUF 2
+#define P 2
+#include "cpu_packed_body.h"
+#undef T
+#undef SUF
+#undef P
+#endif
+
+#define T uint32_t
+#define SUF 4
+#define P 1
+#include "cpu_packed_body.h"
+#undef T
+#undef SUF
+#undef P

@@ -1,0 +1,116 @@
+"""The optional C kernels for the CPU-packed layouts: byte-identical to the torch path, and optional."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from hurray_vllm import native
+from hurray_vllm.adapters.vllm import CpuPacked
+
+
+@pytest.fixture
+def torch_only(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Run with the native kernels switched off, then restore whatever was loaded."""
+    saved = dict(native._state)
+    monkeypatch.setenv("HURRAY_VLLM_NATIVE", "0")
+    native._state.clear()
+    yield
+    native._state.clear()
+    native._state.update(saved)
+
+
+def _lib() -> ctypes.CDLL:
+    lib = native.library()
+    if lib is None and os.environ.get("CI") == "true":
+        pytest.fail(f"native kernels must build in CI: {native.unavailable_reason()}")
+    if lib is None:
+        pytest.skip(f"no native kernels here: {native.unavailable_reason()}")
+    return lib
+
+
+def _cache(dtype: torch.dtype, b: int, h: int, n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-(2**15), 2**15, (b, h, n, 2 * d * dtype.itemsize // 2), generator=g, dtype=torch.int16)
+    return raw.view(torch.uint8).view(dtype).view(b, h, n, 2 * d)
+
+
+CASES = [
+    (isa, dtype, n, d)
+    for isa in ("vec", "vec16", "amx")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+    for n, d in ((32, 64), (128, 128), (32, 80))
+    if not (isa == "amx" and d % 16)
+]
+
+
+@pytest.mark.parametrize(("isa", "dtype", "n", "d"), CASES)
+def test_native_gather_equals_the_torch_gather(isa: str, dtype: torch.dtype, n: int, d: int, torch_only) -> None:  # type: ignore[no-untyped-def]
+    cache = _cache(dtype, 9, 3, n, d, seed=n + d)
+    ids = torch.tensor([7, 0, 3, 3, 8])
+    want = CpuPacked(isa, d).gather(cache, ids)  # torch path (native switched off by the fixture)
+    native._state.clear()
+    os.environ["HURRAY_VLLM_NATIVE"] = "1"
+    _lib()
+    layout = CpuPacked(isa, d)
+    out = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+    assert layout._gather_native(cache, ids, out)
+    for a, b in zip(want, out, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # A strided cache (a view of a larger buffer, as vLLM's per-layer views are) reads the same.
+    big = torch.cat([cache, cache], dim=1)[:, :3]
+    assert layout._gather_native(big, ids, out)
+    assert torch.equal(want[0].view(torch.uint8), out[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["vec_keys", "amx_keys", "amx_values"])
+def test_sse2_kernels_equal_the_portable_loops(kind: str) -> None:
+    lib = _lib()
+    if not hasattr(lib, f"hurray_{kind}_2_generic"):
+        pytest.skip("built without the 16-bit specialisations")
+    b, h, n, d = 6, 4, 64, 128
+    cache = _cache(torch.bfloat16, b, h, n, d, seed=1)
+    ids = torch.tensor([5, 1, 2])
+    base = cache.data_ptr() + (n * d * 2 if kind == "amx_values" else 0)
+    outs = []
+    for name in (f"hurray_{kind}_2", f"hurray_{kind}_2_generic"):
+        out = torch.zeros(3, n, h, d, dtype=torch.bfloat16)
+        native.kernel(lib, name)(base, ids.data_ptr(), 0, 3, cache.stride(0), cache.stride(1), h, n, d, out.data_ptr())
+        outs.append(out.view(torch.int16))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_block_ids_outside_the_cache_are_refused() -> None:
+    _lib()
+    cache = _cache(torch.bfloat16, 4, 2, 32, 64, seed=2)
+    out = (torch.empty(1, 32, 2, 64, dtype=torch.bfloat16), torch.empty(1, 32, 2, 64, dtype=torch.bfloat16))
+    from hurray_vllm import HurrayFormatError
+
+    with pytest.raises(HurrayFormatError) as err:
+        CpuPacked("amx", 64).gather(cache, torch.tensor([4]), out)
+    assert err.value.field == "block_ids"
+
+
+def test_switched_off_says_why(torch_only) -> None:  # type: ignore[no-untyped-def]
+    assert native.library() is None
+    assert "HURRAY_VLLM_NATIVE=0" in (native.unavailable_reason() or "")
+    cache = _cache(torch.bfloat16, 4, 2, 32, 64, seed=3)
+    k, _ = CpuPacked("amx", 64).gather(cache, torch.tensor([1, 2]))  # the torch path still works
+    assert k.shape == (2, 32, 2, 64)
+
+
+def test_a_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+        monkeypatch.setenv("HURRAY_VLLM_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        assert native.library() is None
+        assert "no-such-cc" in (native.unavailable_reason() or "")
+        assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+    finally:
+        native._state.clear()
+        native._state.update(saved)
