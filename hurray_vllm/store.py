@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,7 +59,7 @@ def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: str) -> l
     for i in range(len(token_ids) // chunk_tokens):
         chunk = token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(torch.tensor(list(chunk), dtype=torch.int64).numpy().tobytes())
+        h.update(array("q", chunk).tobytes())  # int64, native order: the bytes torch.int64 would give
         prev = h.digest()
         keys.append(h.hexdigest())
     return keys

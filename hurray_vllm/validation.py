@@ -320,6 +320,63 @@ def _block_paged(d: TensorDescriptor, out: list[Violation]) -> None:
     _quant_sizes(d, out)
 
 
+_SMALL = 4096  # index entries below which validate_index_buffers works on Python lists
+
+
+def _index_lists(
+    d: TensorDescriptor, table: list[int], ptr: list[int], lens: list[int] | None, out: list[Violation]
+) -> None:
+    """:func:`validate_index_buffers` on lists, with the same violations and messages."""
+    bp = d.block_paged
+    assert bp is not None
+    if ptr and ptr[0] != 0:
+        out.append(Violation("seq_ptr.first", f"seq_ptr[0] must be 0, found {ptr[0]}"))
+    for s in range(len(ptr) - 1):
+        if ptr[s + 1] < ptr[s]:
+            out.append(
+                Violation("seq_ptr.non_decreasing", f"seq_ptr decreases at sequence {s}: {ptr[s]} > {ptr[s + 1]}")
+            )
+            break
+    if ptr[-1] != len(table):
+        out.append(
+            Violation("seq_ptr.last", f"seq_ptr[num_seqs] = {ptr[-1]} but the block table has {len(table)} entries")
+        )
+    for k, page in enumerate(table):
+        if page < 0 or page >= bp.num_pages:
+            out.append(
+                Violation(
+                    "block_table.page_id", f"block_table[{k}] = {page} is outside the pool of {bp.num_pages} pages"
+                )
+            )
+            break
+    if lens is None:
+        return
+    if len(lens) != bp.num_seqs:
+        out.append(Violation("seq_lens.count", f"{len(lens)} sequence lengths for {bp.num_seqs} sequences"))
+        return
+    if bp.num_seqs == 0:
+        if d.rank and d.shape[0] != 0:
+            out.append(Violation("seq_lens.total", f"an empty batch has 0 tokens, shape[0] = {d.shape[0]}"))
+        return
+    if any(n < 0 for n in lens):
+        out.append(Violation("seq_lens.pages", "sequence lengths must be non-negative"))
+        return
+    if bp.page_size:
+        for s, n in enumerate(lens):
+            need, have = (n + bp.page_size - 1) // bp.page_size, ptr[s + 1] - ptr[s]
+            if need != have:
+                out.append(
+                    Violation(
+                        "seq_lens.pages",
+                        f"sequence {s} has {n} tokens (needs {need} pages of {bp.page_size}) "
+                        f"but seq_ptr gives it {have}",
+                    )
+                )
+                break
+    if d.rank and sum(lens) != d.shape[0]:
+        out.append(Violation("seq_lens.total", f"sequence lengths sum to {sum(lens)}, shape[0] is {d.shape[0]}"))
+
+
 def validate_index_buffers(
     d: TensorDescriptor,
     block_table: torch.Tensor,
@@ -332,6 +389,12 @@ def validate_index_buffers(
     assert bp is not None
     if seq_ptr.numel() != bp.num_seqs + 1:
         return  # already reported as seq_ptr.byte_size
+    small = block_table.numel() + seq_ptr.numel() + (seq_lens.numel() if seq_lens is not None else 0) <= _SMALL
+    if small and all(t.device.type == "cpu" for t in (block_table, seq_ptr) if t is not None):
+        # A chunk or a small batch: the same checks on Python ints are several
+        # times faster than a dozen tiny torch ops (loading a chunk runs 16 of these).
+        _index_lists(d, block_table.tolist(), seq_ptr.tolist(), None if seq_lens is None else seq_lens.tolist(), out)
+        return
     if seq_ptr.numel() and int(seq_ptr[0]) != 0:
         out.append(Violation("seq_ptr.first", f"seq_ptr[0] must be 0, found {int(seq_ptr[0])}"))
     if seq_ptr.numel() > 1 and bool((seq_ptr[1:] < seq_ptr[:-1]).any()):

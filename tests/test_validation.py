@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import hurray_vllm as hv
 from hurray_vllm.demo import spec_example_snapshot
@@ -205,3 +207,23 @@ def test_snapshot_consistency() -> None:
     assert "snapshot.token_ids" in names(bad)
     swapped = replace(snap, keys=snap.values, values=snap.keys)
     assert "kv_role" in names(swapped)
+
+
+@given(
+    table=st.lists(st.integers(-2, 6), max_size=8),
+    ptr=st.lists(st.integers(-1, 9), min_size=1, max_size=5),
+    lens=st.none() | st.lists(st.integers(-3, 40), max_size=5),
+)
+def test_small_index_buffers_take_a_list_path_with_the_same_verdicts(
+    table: list[int], ptr: list[int], lens: list[int] | None
+) -> None:
+    import hurray_vllm.validation as v
+
+    t = _index_case(table, ptr, lens)
+    fast = [(x.invariant, x.message) for x in hv.validate(t).violations]
+    saved, v._SMALL = v._SMALL, -1  # every tensor through the torch path
+    try:
+        slow = [(x.invariant, x.message) for x in hv.validate(t).violations]
+    finally:
+        v._SMALL = saved
+    assert fast == slow
