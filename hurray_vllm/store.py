@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from . import native
 from .api import load
 from .errors import HurrayFormatError
 from .hrryfile import write_file
@@ -36,6 +37,7 @@ __all__ = [
     "namespace_of",
     "DirectoryStore",
     "chunk_digest",
+    "digest_matches",
     "verify_chunk",
     "store_snapshot",
     "chunks_of",
@@ -66,33 +68,71 @@ def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: str) -> l
 
 
 class ChunkDigest:
-    """Incremental chunk checksum: CRC-32 (zlib) over the page pools, in snapshot order.
+    """Incremental chunk checksum over the page pools, in snapshot order.
+
+    Two algorithms, named in the digest string (``"<algorithm>:<8 hex>"``):
+
+    * ``crc32c`` (CRC-32C, Castagnoli): computed by the native kernels
+      (:mod:`hurray_vllm.native`, the SSE4.2 ``crc32`` instruction where the
+      CPU has it), about 3.5x faster than zlib here. The default wherever
+      the native kernels load.
+    * ``crc32`` (zlib's CRC-32): the fallback writers use without them.
 
     It guards against damaged transfers and files, not against an adversary
     (run transports on a trusted network), and runs several times faster
     than a cryptographic hash, which would dominate the cost of moving a
-    chunk. zlib releases the GIL, so a receiver can checksum pools that
+    chunk. Both release the GIL, so a receiver can checksum pools that
     landed while others are still arriving.
     """
 
-    def __init__(self) -> None:
+    ALGORITHMS = ("crc32c", "crc32")
+
+    def __init__(self, algorithm: str | None = None) -> None:
+        if algorithm is None:
+            algorithm = "crc32c" if native.library() is not None else "crc32"
+        if algorithm not in self.ALGORITHMS:
+            raise HurrayFormatError("snapshot.digest", f"unknown chunk digest algorithm {algorithm!r}")
+        if algorithm == "crc32c" and native.library() is None:
+            raise HurrayFormatError(
+                "snapshot.digest",
+                f"the chunk is checksummed with CRC-32C, which needs the native kernels: {native.unavailable_reason()}",
+            )
+        self.algorithm = algorithm
         self._crc = 0
 
+    @classmethod
+    def like(cls, digest: object) -> ChunkDigest:
+        """A digest of the algorithm ``digest`` (a stored digest string) names, to check it."""
+        if not isinstance(digest, str) or ":" not in digest:
+            raise HurrayFormatError("snapshot.digest", "chunk carries no digest")
+        return cls(digest.partition(":")[0])
+
     def update(self, data: bytes | memoryview) -> None:
-        self._crc = zlib.crc32(data, self._crc)
+        if self.algorithm == "crc32c":
+            crc = native.crc32c(data, self._crc)
+            assert crc is not None  # checked in __init__
+            self._crc = crc
+        else:
+            self._crc = zlib.crc32(data, self._crc)
 
     def hexdigest(self) -> str:
-        return f"crc32:{self._crc:08x}"
+        return f"{self.algorithm}:{self._crc:08x}"
 
 
-def chunk_digest(snap: KVSnapshot) -> str:
+def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:
     """The :class:`ChunkDigest` of every page pool of ``snap``: catches corruption the container cannot see."""
-    d = ChunkDigest()
+    d = ChunkDigest(algorithm)
     for t in (*snap.keys, *snap.values):
         pool = t.page_pool.contiguous()
         if pool.numel():
-            d.update(byte_view(pool.view(torch.uint8).reshape(-1)))
+            d.update(byte_view(pool.reshape(-1).view(torch.uint8)))
     return d.hexdigest()
+
+
+def digest_matches(snap: KVSnapshot) -> bool:
+    """Whether ``snap``'s stored digest matches its pools (raises if the algorithm cannot run here)."""
+    want = snap.extra.get(DIGEST_KEY)
+    return want == chunk_digest(snap, ChunkDigest.like(want).algorithm)
 
 
 def verify_chunk(snap: KVSnapshot, fp: ModelFingerprint, tokens: Sequence[int]) -> None:
@@ -106,8 +146,7 @@ def verify_chunk(snap: KVSnapshot, fp: ModelFingerprint, tokens: Sequence[int]) 
         raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
     if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
         raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
-    want = snap.extra.get(DIGEST_KEY)
-    if want is None or want != chunk_digest(snap):
+    if not digest_matches(snap):
         raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
 
 

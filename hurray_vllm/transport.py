@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 from .api import read_stream, write_stream
 from .errors import HurrayFormatError
 from .snapshot import KVSnapshot
-from .store import DIGEST_KEY, DirectoryStore, chunk_digest
+from .store import DirectoryStore, digest_matches
 
 __all__ = ["Receiver", "send_chunks", "parse_url"]
 
@@ -151,7 +151,7 @@ class Receiver:
                     if length > MAX_CHUNK_BYTES:
                         raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
                     snap = read_stream(io.BufferedReader(body))
-                    if snap.extra.get(DIGEST_KEY) != chunk_digest(snap):
+                    if not digest_matches(snap):
                         raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
                     self.store.put(ns, key, snap)
                     self.received += 1

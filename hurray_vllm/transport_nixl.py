@@ -749,8 +749,8 @@ class _Hasher:
     while pools that already landed are checksummed.
     """
 
-    def __init__(self) -> None:
-        self._h = ChunkDigest()
+    def __init__(self, algorithm: str | None = None) -> None:
+        self._h = ChunkDigest(algorithm)
         self._q: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="hurray-nixl-digest", daemon=True)
@@ -915,8 +915,7 @@ class NixlReceiver:
             ]
             snap = assemble_snapshot(group_records(records))
             want = snap.extra.get(DIGEST_KEY)
-            if not isinstance(want, str):
-                raise HurrayFormatError("snapshot.digest", "chunk carries no digest")
+            algorithm = ChunkDigest.like(want).algorithm  # refuses a missing or unknown digest before any transfer
             where = {v.data_ptr(): i for i, v in enumerate(views)}
             plan = [
                 (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
@@ -938,7 +937,7 @@ class NixlReceiver:
                 + _U32.pack(len(views))
                 + b"".join(_U64.pack(v.data_ptr()) for v in views)
             )
-            digest = self._await(conn, q, plan, len(views))
+            digest = self._await(conn, q, plan, len(views), algorithm)
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
@@ -970,11 +969,16 @@ class NixlReceiver:
                 (self.arena.give if landed else self.arena.quarantine)(slab)
 
     def _await(
-        self, conn: socket.socket, q: queue.SimpleQueue[int], plan: list[tuple[memoryview, int | None]], n: int
+        self,
+        conn: socket.socket,
+        q: queue.SimpleQueue[int],
+        plan: list[tuple[memoryview, int | None]],
+        n: int,
+        algorithm: str,
     ) -> str:
         """Wait for every page pool and the sender's GO, hashing pools in digest order as they land."""
         deadline = time.monotonic() + self.timeout
-        hasher = _Hasher()
+        hasher = _Hasher(algorithm)
         try:
             return self._await_hashing(conn, q, plan, n, deadline, hasher)
         finally:

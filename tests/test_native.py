@@ -114,3 +114,29 @@ def test_a_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path
     finally:
         native._state.clear()
         native._state.update(saved)
+
+
+def test_crc32c_equals_the_reference_implementation() -> None:
+    _lib()
+    from hurray_vllm.crc32c import crc32c
+
+    data = bytes(range(256)) * 41 + b"tail"
+    assert native.crc32c(data) == crc32c(data)
+    assert native.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+    assert native.crc32c(data[500:], native.crc32c(data[:500]) or 0) == crc32c(data)
+    assert native.crc32c(memoryview(bytearray(data))) == crc32c(data)  # writable buffers too
+    assert native.crc32c(b"", 7) == 7
+
+
+def test_chunk_digests_name_their_algorithm(torch_only) -> None:  # type: ignore[no-untyped-def]
+    from hurray_vllm import HurrayFormatError
+    from hurray_vllm.store import ChunkDigest
+
+    d = ChunkDigest()  # native switched off: zlib's CRC-32
+    d.update(b"123456789")
+    assert d.hexdigest() == "crc32:cbf43926"
+    with pytest.raises(HurrayFormatError) as err:
+        ChunkDigest.like("crc32c:e3069283")  # cannot be checked without the native kernels: refused, not trusted
+    assert err.value.field == "snapshot.digest" and "native" in str(err.value)
+    with pytest.raises(HurrayFormatError):
+        ChunkDigest.like("sha1:00")

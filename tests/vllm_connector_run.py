@@ -56,7 +56,9 @@ def main() -> None:
     def worker_stats(worker):  # type: ignore[no-untyped-def]
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        return vars(get_kv_transfer_group().stats)
+        conn = get_kv_transfer_group()
+        assert conn.flush(timeout=60), "background saves did not finish"
+        return vars(conn.stats)
 
     if kv is not None:
         result["worker_stats"] = llm.collective_rpc(worker_stats)[0]

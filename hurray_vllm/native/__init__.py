@@ -32,12 +32,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["cache_dir", "kernel", "library", "unavailable_reason"]
+__all__ = ["cache_dir", "crc32c", "kernel", "library", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = ("cpu_packed.c", "cpu_packed_body.h", "cpu_packed_sse2.h")
+_SOURCES = ("cpu_packed.c", "cpu_packed_body.h", "cpu_packed_sse2.h", "crc32c.h")
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-fno-strict-aliasing")
 _OPENMP = ("-fopenmp",)  # tried first; without it the kernels run on the calling thread
 _lock = threading.Lock()
@@ -125,3 +125,30 @@ def kernel(lib: ctypes.CDLL, name: str) -> Callable[..., None]:
         fn.argtypes = _ARGTYPES
         fn.restype = None
     return fn
+
+
+def crc32c(data: memoryview | bytes | bytearray, crc: int = 0) -> int | None:
+    """CRC-32C of ``data`` continuing from ``crc`` (as :func:`hurray_vllm.crc32c.crc32c`), or ``None``.
+
+    ``None`` when the native kernels are unavailable. Releases the GIL while
+    it runs (ctypes), so other threads go on.
+    """
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.hurray_crc32c
+    if fn.argtypes is None:
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    n = mv.nbytes
+    if n == 0:
+        return crc
+    if mv.readonly:
+        # ctypes cannot take the address of a read-only buffer; numpy can, without a copy.
+        import numpy as np
+
+        addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+    else:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    return int(fn(crc, addr, n))

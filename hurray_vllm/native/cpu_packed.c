@@ -65,3 +65,6 @@
 #undef T
 #undef SUF
 #undef P
+
+/* The chunk checksum (hurray_vllm.store.ChunkDigest). */
+#include "crc32c.h"

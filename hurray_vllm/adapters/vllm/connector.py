@@ -21,6 +21,14 @@ Extra config:
 * ``hurray_chunk_tokens`` (default 256): tokens per chunk. Must be a multiple
   of the block size of every engine sharing the store; engines with
   different block sizes share chunks (a loaded chunk is repaged).
+* ``hurray_save_async`` (default ``true``): the step only copies the saved
+  blocks out of the cache; a background thread unpacks, checksums and
+  writes them (see :meth:`HurrayConnector.wait_for_save`). A chunk becomes
+  visible in the store when its file is complete. ``false`` writes inside
+  the step. With ``hurray_url`` saves are always synchronous, so that a
+  migrated request finds its chunks on the destination.
+* ``hurray_save_queue_mib`` (default 1024): copied-out blocks waiting for
+  the background writer; a step that would exceed it waits for the writer.
 
 ``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
 loads, ``kv_both`` does both.
@@ -28,8 +36,10 @@ loads, ``kv_both`` does both.
 What it does:
 
 * **Save** (producer): whenever a request's computed tokens complete a
-  chunk (prompt or generated tokens), the worker exports that chunk after
-  the forward pass (:meth:`wait_for_save`) unless the store has it.
+  chunk (prompt or generated tokens), the worker copies that chunk's blocks
+  out of the cache after the forward pass (:meth:`wait_for_save`) unless
+  the store has it, and a background thread writes it (:meth:`flush` waits
+  for that).
 * **Load** (consumer): for a new request, the scheduler finds the longest
   stored prefix (:meth:`get_num_new_matched_tokens`), checking the chunks'
   model, tokens and data digest before it claims any token; the worker
@@ -46,8 +56,12 @@ discovered only on the worker is reported through
 
 from __future__ import annotations
 
+import atexit
 import logging
+import queue
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +78,7 @@ from ...snapshot import KVSnapshot, SnapshotSource
 from ...store import DIGEST_KEY, DirectoryStore, chunk_digest, chunk_keys, namespace_of, verify_chunk
 from ...transport import Receiver, parse_url, send_chunks
 from .cache import EngineCache, attention_layers, describe_worker_cache, fingerprint_of, write_blocks
-from .export import SequenceState, export_snapshot
+from .export import GatherBuffers, SequenceState, export_snapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,6 +144,107 @@ class _Request:
     load: LoadTask | None = None
 
 
+class _Writer:
+    """One background thread running submitted jobs in order, with a bound on the bytes they hold.
+
+    Jobs never raise into the thread (they log); :meth:`flush` waits until
+    every job submitted so far has finished.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._held = 0
+        self._max = max_bytes
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None], nbytes: int) -> None:
+        """Queue ``job``; blocks first while the queued jobs hold more than the bound."""
+        with self._cond:
+            while self._held and self._held + nbytes > self._max:
+                self._cond.wait()
+            self._pending += 1
+            self._held += nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hurray-save", daemon=True)
+                self._thread.start()
+        self._jobs.put((job, nbytes))
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, nbytes = item
+            try:
+                job()
+            except Exception:  # a failed save only costs a recomputation later
+                log.exception("hurray: background save failed")
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._held -= nbytes
+                    self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has run; False if ``timeout`` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+
+#: Writers of live connectors, drained at interpreter exit so that no chunk is lost half-way.
+_WRITERS: weakref.WeakSet[_Writer] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_writers() -> None:
+    for w in list(_WRITERS):
+        w.flush(timeout=60.0)
+
+
+class _Staging:
+    """Recycled copies of whole engine blocks (one tensor per layer) for the background writer.
+
+    Copying blocks into memory that is already mapped runs at memory speed;
+    into fresh memory it costs about three times as much on a CPU, which
+    would make the step's share of a save as slow as writing the chunk.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self._free: list[list[torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def copy(self, caches: list[torch.Tensor], ids: torch.Tensor) -> list[torch.Tensor]:
+        """Blocks ``ids`` of every layer, as ``[len(ids), ...]`` tensors (views of recycled buffers)."""
+        n = int(ids.numel())
+        bufs = None
+        with self._lock:
+            for i, cand in enumerate(self._free):
+                if cand[0].shape[0] >= n and all(
+                    b.shape[1:] == c.shape[1:] and b.dtype == c.dtype and b.device == c.device
+                    for b, c in zip(cand, caches, strict=True)
+                ):
+                    bufs = self._free.pop(i)
+                    break
+        if bufs is None:
+            bufs = [torch.empty((n, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in caches]
+        out = []
+        for b, c in zip(bufs, caches, strict=True):
+            torch.index_select(c, 0, ids.to(c.device), out=b[:n])
+            out.append(b[:n])
+        return out
+
+    def recycle(self, views: list[torch.Tensor]) -> None:
+        """Give back what :meth:`copy` returned; the largest few buffers are kept."""
+        bufs = [v if v._base is None else v._base for v in views]
+        with self._lock:
+            self._free.append(bufs)
+            self._free.sort(key=lambda b: -b[0].shape[0])
+            del self._free[self._keep :]
+
+
 class HurrayConnector(KVConnectorBase_V1):
     """vLLM KV connector storing KV as Hurray block-paged chunks (see the module docstring)."""
 
@@ -171,6 +286,15 @@ class HurrayConnector(KVConnectorBase_V1):
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
         self._pushed: set[str] = set()
+        self._async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
+        if self._url:
+            self._async = False  # a migrated request must find its chunks on the destination
+        queue_mib = int(cfg.get_from_extra_config("hurray_save_queue_mib", 1024))
+        self._writer = _Writer(queue_mib << 20)
+        _WRITERS.add(self._writer)
+        self._staging = _Staging()
+        self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
+        self._chunk_buffers: list[GatherBuffers] = []  # the writer's, reused chunk after chunk
         listen = cfg.get_from_extra_config("hurray_listen", None)
         if listen and role == KVConnectorRole.SCHEDULER and listen not in _RECEIVERS:
             host, _, port = str(listen).rpartition(":")
@@ -348,11 +472,12 @@ class HurrayConnector(KVConnectorBase_V1):
                 self._load_errors.update(task.block_ids)
                 continue
             ids = torch.tensor(task.block_ids, dtype=torch.int64)
+            per = self._chunk // ec.block_size
             for layer in range(ec.num_layers):
-                kv = [self._dense(c, layer) for c in chunks]
-                k, v = torch.cat([x for x, _ in kv]), torch.cat([y for _, y in kv])
-                shape = (len(task.block_ids), ec.block_size, k.shape[1], k.shape[2])
-                write_blocks(ec, layer, ids, k.reshape(shape), v.reshape(shape))
+                # Chunk by chunk, straight from each chunk's pages: no dense copy, no concatenation.
+                for c, chunk in enumerate(chunks):
+                    k, v = self._pages(chunk, layer)
+                    write_blocks(ec, layer, ids[c * per : (c + 1) * per], k, v)
             self.stats.chunks_loaded += len(chunks)
             self.stats.tokens_loaded += len(chunks) * self._chunk
 
@@ -367,13 +492,25 @@ class HurrayConnector(KVConnectorBase_V1):
         return snap
 
     @staticmethod
-    def _dense(chunk: KVSnapshot, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk's real-valued K and V of ``layer`` (fp8 chunks dequantized with their own scales)."""
-        k, v = chunk[layer, "key"].to_dense(0), chunk[layer, "value"].to_dense(0)
+    def _pages(chunk: KVSnapshot, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's K and V of ``layer`` as ``[pages, page_size, H, D]`` in token order, real-valued.
+
+        A chunk holds one sequence, so its pool already is in token order
+        when its block table is ``0, 1, ...`` (what the exporter writes);
+        fp8 chunks are dequantized with their own scales.
+        """
+        out = []
+        for role in ("key", "value"):
+            t = chunk[layer, role]
+            pages = t.pages_of(0)
+            pool = t.page_pool
+            if pages.numel() != pool.shape[0] or not torch.equal(pages, torch.arange(pages.numel())):
+                pool = pool.index_select(0, pages.to(pool.device))
+            out.append(pool)
         if chunk.kv_scales is None:
-            return k, v
+            return out[0], out[1]
         ks, vs = chunk.kv_scales[layer]
-        return k.float() * ks, v.float() * vs
+        return out[0].float() * ks, out[1].float() * vs
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker side, per layer: nothing to wait for, :meth:`start_load_kv` is synchronous."""
@@ -387,17 +524,25 @@ class HurrayConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        """Worker side, after the forward pass: export this step's completed chunks.
+        """Worker side, after the forward pass: save this step's completed chunks.
 
-        Blocks until every chunk is in the store and, with ``hurray_url``,
-        until the receiver acknowledged it or the push failed (logged; the
-        destination then recomputes what it lacks).
+        Asynchronous by default (``hurray_save_async``): copies the chunks'
+        blocks out of the cache (one ``index_select`` per layer into recycled
+        buffers) and returns; a background thread unpacks the copies into
+        block-paged chunks, checksums and writes them. Blocks only when the
+        copies waiting for that thread would exceed ``hurray_save_queue_mib``.
+        Synchronous otherwise, and always with ``hurray_url``: then returns
+        once every chunk is in the store and the receiver acknowledged it or
+        the push failed (logged; the destination recomputes what it lacks).
         """
         meta = self._get_connector_metadata()
         assert isinstance(meta, HurrayConnectorMetadata)
         if not meta.saves:
             return
         ec = self._engine_cache()
+        if self._async:
+            self._save_async(ec, meta.saves)
+            return
         pushed = []
         for task in meta.saves:
             if self._store.has(self._ns, task.key):
@@ -408,20 +553,8 @@ class HurrayConnector(KVConnectorBase_V1):
                     except HurrayFormatError as exc:
                         log.warning("hurray: not pushing unreadable chunk %s: %s", task.key, exc)
                 continue
-            snap = export_snapshot(
-                ec.caches,
-                ec.layout,
-                [SequenceState(task.request_id, task.block_ids, len(task.tokens), task.tokens)],
-                block_size=ec.block_size,
-                storage_dtype=ec.storage_dtype,
-                kv_scales=ec.kv_scales,
-                fingerprint=ec.fingerprint,
-                source=SnapshotSource(ec.engine, ec.layout_name, ec.block_size),
-            )
-            snap = replace(snap, extra={DIGEST_KEY: chunk_digest(snap)})
-            if self._store.put(self._ns, task.key, snap):
-                self.stats.chunks_saved += 1
-                self.stats.bytes_saved += snap.nbytes
+            snap = self._export_chunk(ec, ec.caches, task, task.block_ids)
+            self._put(task.key, snap)
             pushed.append((self._ns, task.key, snap))
         if self._url and pushed:
             try:
@@ -435,6 +568,75 @@ class HurrayConnector(KVConnectorBase_V1):
             except (OSError, HurrayFormatError) as exc:
                 # The destination recomputes what it lacks; this engine's step goes on.
                 log.warning("hurray: could not push %d chunks to %s: %s", len(pushed), self._url, exc)
+
+    def _save_async(self, ec: EngineCache, saves: list[SaveTask]) -> None:
+        todo: list[SaveTask] = []
+        for task in saves:
+            if task.key in self._inflight or self._store.has(self._ns, task.key):
+                self.stats.chunks_skipped += 1
+                continue
+            self._inflight.add(task.key)
+            todo.append(task)
+        if not todo:
+            return
+        ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
+        staged = self._staging.copy(ec.caches, ids)
+        nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
+
+        def write() -> None:
+            try:
+                start = 0
+                for task in todo:
+                    local = list(range(start, start + len(task.block_ids)))
+                    start += len(task.block_ids)
+                    try:
+                        # Exported into the writer's own reused buffers: no fresh memory per chunk.
+                        self._put(task.key, self._export_chunk(ec, staged, task, local, reuse=True))
+                    except (HurrayFormatError, OSError) as exc:
+                        log.warning("hurray: could not save chunk %s: %s", task.key, exc)
+            finally:
+                self._staging.recycle(staged)
+                self._inflight.difference_update(t.key for t in todo)
+
+        self._writer.submit(write, nbytes)
+
+    def _export_chunk(
+        self, ec: EngineCache, caches: list[torch.Tensor], task: SaveTask, block_ids: list[int], reuse: bool = False
+    ) -> KVSnapshot:
+        if reuse and len(self._chunk_buffers) != len(caches):
+            self._chunk_buffers = [GatherBuffers() for _ in caches]
+        snap = export_snapshot(
+            caches,
+            ec.layout,
+            [SequenceState(task.request_id, block_ids, len(task.tokens), task.tokens)],
+            block_size=ec.block_size,
+            storage_dtype=ec.storage_dtype,
+            kv_scales=ec.kv_scales,
+            fingerprint=ec.fingerprint,
+            source=SnapshotSource(ec.engine, ec.layout_name, ec.block_size),
+            reserved_blocks=() if caches is not ec.caches else (0,),
+            buffers=self._chunk_buffers if reuse else None,
+        )
+        return replace(snap, extra={DIGEST_KEY: chunk_digest(snap)})
+
+    def _put(self, key: str, snap: KVSnapshot) -> None:
+        if self._store.put(self._ns, key, snap):
+            self.stats.chunks_saved += 1
+            self.stats.bytes_saved += snap.nbytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Worker side, any time: wait until every chunk saved so far is in the store.
+
+        Returns False if ``timeout`` seconds passed first. Called at shutdown
+        and at interpreter exit; tests and benchmarks call it before looking
+        at the store.
+        """
+        return self._writer.flush(timeout)
+
+    def shutdown(self) -> None:
+        """Worker side, when the worker shuts down: finish the background saves (up to a minute)."""
+        if not self._writer.flush(timeout=60.0):
+            log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker side, after a step: blocks whose load failed (vLLM applies kv_load_failure_policy)."""

@@ -161,16 +161,20 @@ def export_layers(
     *,
     storage_dtype: torch.dtype | None = None,
     zero_unused: bool = True,
-    buffers: GatherBuffers | None = None,
+    buffers: GatherBuffers | Sequence[GatherBuffers] | None = None,
 ) -> Iterator[tuple[BlockPagedTensor, BlockPagedTensor]]:
     """Yield each layer's (key, value) block-paged tensors, one layer at a time.
 
     Peak extra memory is one layer's compacted pages: nothing is gathered
-    before the caller asks for the layer. With ``buffers`` every layer is
-    gathered into the same two tensors, so a yielded layer's pools are only
-    valid until the caller asks for the next layer (fine for writing a
-    stream, wrong for collecting the layers).
+    before the caller asks for the layer. With one :class:`GatherBuffers`
+    every layer is gathered into the same two tensors, so a yielded layer's
+    pools are only valid until the caller asks for the next layer (fine for
+    writing a stream, wrong for collecting the layers). With one per layer,
+    the layers stay valid together until the buffers are used again (a
+    writer exporting chunk after chunk without allocating).
     """
+    if buffers is not None and not isinstance(buffers, GatherBuffers) and len(buffers) != len(caches):
+        raise HurrayFormatError("buffers", f"{len(buffers)} gather buffers for {len(caches)} layers")
     for i, cache in enumerate(caches):
         if storage_dtype is not None:
             cache = (
@@ -182,7 +186,8 @@ def export_layers(
         if buffers is not None:
             first = cache[0] if isinstance(cache, tuple) else cache
             shape = (int(plan.keep.numel()), *layout.page_shape(cache))
-            out = buffers.take(shape, first.dtype, first.device)
+            mine = buffers if isinstance(buffers, GatherBuffers) else buffers[i]
+            out = mine.take(shape, first.dtype, first.device)
         k_pool, v_pool = layout.gather(cache, plan.keep, out)
         del out
         if zero_unused:
@@ -224,10 +229,19 @@ def export_snapshot(
     kv_scales: Sequence[tuple[float, float]] | None = None,
     fingerprint: ModelFingerprint | None = None,
     source: SnapshotSource | None = None,
+    reserved_blocks: Sequence[int] = (0,),
+    buffers: Sequence[GatherBuffers] | None = None,
 ) -> KVSnapshot:
-    """An in-memory :class:`KVSnapshot` of ``seqs`` (see :func:`export_stream` to bound memory)."""
-    plan = plan_batch(seqs, block_size)
-    layers = list(export_layers(caches, layout, plan, storage_dtype=storage_dtype))
+    """An in-memory :class:`KVSnapshot` of ``seqs`` (see :func:`export_stream` to bound memory).
+
+    ``reserved_blocks`` (vLLM's null block 0 by default) may hold no computed
+    token; pass ``()`` for caches that are copies of selected blocks.
+    ``buffers``, one :class:`GatherBuffers` per layer, makes the snapshot's
+    pools views of those buffers (valid until they are used again) instead
+    of new memory.
+    """
+    plan = plan_batch(seqs, block_size, reserved_blocks=reserved_blocks)
+    layers = list(export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=buffers))
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
     return replace(shell, keys=tuple(k for k, _ in layers), values=tuple(v for _, v in layers))
 
