@@ -186,7 +186,7 @@ def main() -> None:
         return wrapper
 
     tcp.read_stream = timed(tcp.read_stream, "receive_s")
-    tcp.chunk_digest = timed(tcp.chunk_digest, "digest_s")
+    tcp.digest_matches = timed(tcp.digest_matches, "digest_s")
 
     tcp_store, nixl_store = NullStore(), NullStore()
     tcp_rx = tcp.Receiver("127.0.0.1", 0, tcp_store).start()  # type: ignore[arg-type]
