@@ -300,20 +300,28 @@ class BlockPagedTensor:
             quantization=self.quantization,
         )
 
-    def wire_buffers(self) -> list[torch.Tensor]:
+    def wire_buffers(self, index_cache: dict[tuple[int, int, str], torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The buffers in descriptor order, as contiguous tensors whose bytes go on the wire.
 
         The page pool is returned as is (no copy when it is contiguous);
         the int64 index tensors are narrowed to the wire index type.
+        ``index_cache`` (a dict the caller keeps while the tensors live)
+        narrows each index tensor once when many layers share it, as an
+        export's layers do.
         """
         index_dtype = torch.uint64 if self.index_type == "uint64" else torch.int32
         pool = self.page_pool if self.page_pool.is_contiguous() else self.page_pool.contiguous()
-        return [
-            pool,
-            self.block_table.to(index_dtype).contiguous(),
-            self.seq_ptr.to(index_dtype).contiguous(),
-            *(b.contiguous() for b in self.quant_buffers),
-        ]
+
+        def narrow(t: torch.Tensor) -> torch.Tensor:
+            if index_cache is None:
+                return t.to(index_dtype).contiguous()
+            key = (id(t), t._version, self.index_type)
+            got = index_cache.get(key)
+            if got is None:
+                got = index_cache[key] = t.to(index_dtype).contiguous()
+            return got
+
+        return [pool, narrow(self.block_table), narrow(self.seq_ptr), *(b.contiguous() for b in self.quant_buffers)]
 
     def validate(self, *, permissive: bool = False) -> Checked:
         """Every rule this tensor breaks (see :func:`hurray_vllm.validate`)."""

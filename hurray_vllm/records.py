@@ -168,13 +168,17 @@ def header_records(snap: KVSnapshot, *, num_layers: int | None = None) -> Iterat
 
 
 def layer_records(
-    i: int, k: BlockPagedTensor, v: BlockPagedTensor, kv_scales: tuple[float, float] | None = None
+    i: int,
+    k: BlockPagedTensor,
+    v: BlockPagedTensor,
+    kv_scales: tuple[float, float] | None = None,
+    index_cache: dict[tuple[int, int, str], torch.Tensor] | None = None,
 ) -> Iterator[Record]:
-    """The ``layers.{i}`` group of one layer."""
+    """The ``layers.{i}`` group of one layer (``index_cache``: see :meth:`BlockPagedTensor.wire_buffers`)."""
     yield group_head(f"layers.{i}", 4 if kv_scales is not None else 3, k.shape, k.dtype)
     # The bytes land on the host whatever device the pools live on.
-    yield Record(f"layers.{i}.key", k.descriptor(device_tag=0), k.wire_buffers())
-    yield Record(f"layers.{i}.value", v.descriptor(device_tag=0), v.wire_buffers())
+    yield Record(f"layers.{i}.key", k.descriptor(device_tag=0), k.wire_buffers(index_cache))
+    yield Record(f"layers.{i}.value", v.descriptor(device_tag=0), v.wire_buffers(index_cache))
     lens = k.seq_lens if k.seq_lens is not None else torch.empty(0, dtype=torch.int64)
     yield dense_record(f"layers.{i}.seq_lens", lens.to(torch.int64).cpu())
     if kv_scales is not None:
@@ -184,8 +188,9 @@ def layer_records(
 def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
     """The records of ``snap``, layer after layer (lazy: nothing is copied ahead)."""
     yield from header_records(snap)
+    cache: dict[tuple[int, int, str], torch.Tensor] = {}  # layers often share their index tensors
     for i, (k, v) in enumerate(snap.layers()):
-        yield from layer_records(i, k, v, snap.kv_scales[i] if snap.kv_scales is not None else None)
+        yield from layer_records(i, k, v, snap.kv_scales[i] if snap.kv_scales is not None else None, cache)
 
 
 def group_records(records: Iterable[Record], *, permissive: bool = False) -> Iterator[Node]:
