@@ -366,6 +366,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-piece timing")
     ap.add_argument("--default-malloc", action="store_true", help="keep glibc's adaptive mmap threshold")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the pool on the GPU, export_stream (device gather, pinned double-buffered copies) "
+        "against a plain pinned device-to-host copy of the same bytes (goal >= 0.8 of its bandwidth)",
+    )
     ap.add_argument("--_mem-child", dest="mem_child", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -386,6 +393,97 @@ def config_of(args: argparse.Namespace) -> Config:
     )
 
 
+CUDA_GOAL = 0.8  # export_stream bandwidth / plain pinned device-to-host copy bandwidth
+
+
+def _cuda_layout(args: argparse.Namespace, cfg: Config, name: str) -> dict[str, Any]:
+    sync = torch.cuda.synchronize
+    raw, _ = build_caches(cfg, name)
+    raw = raw.cuda()
+    caches = layer_view_from_buffer(
+        raw,
+        LAYOUTS[name][0],
+        num_layers=cfg.layers,
+        num_blocks=cfg.num_blocks(name),
+        num_kv_heads=cfg.kv_heads,
+        block_size=cfg.block_size(name),
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype,
+    )
+    seqs = make_seqs(cfg, name)
+    bs = cfg.block_size(name)
+    layout = make_layout(name, cfg)
+    plan = plan_batch(seqs, bs)
+    exported = int(plan.keep.numel()) * bs * cfg.token_bytes * cfg.layers
+    src = torch.empty(exported, dtype=torch.uint8, device="cuda").fill_(1)
+    pinned = torch.empty(exported, dtype=torch.uint8, pin_memory=True)
+    kept = GatherBuffers()
+
+    def stream() -> None:
+        with open(os.devnull, "wb") as f:
+            export_stream(f, caches, layout, seqs, block_size=bs, buffers=kept)
+        sync()
+
+    def d2h() -> None:
+        pinned.copy_(src, non_blocking=True)
+        sync()
+
+    def gather_only() -> None:
+        for c in caches:
+            layout.gather(c, plan.keep)
+        sync()
+
+    runs = {"export_stream": stream, "d2h_pinned": d2h, "device_gather": gather_only}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():
+        fn()  # warm-up
+    for rep in range(args.repeat):
+        items = list(runs.items())
+        random.Random(rep).shuffle(items)
+        for key, fn in items:
+            sync()
+            t = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t)
+    sec = {k: statistics.median(v) for k, v in times.items()}
+    ratio = sec["d2h_pinned"] / sec["export_stream"]
+    log(f"{name}: export {sec['export_stream'] * 1e3:.1f} ms, pinned D2H {sec['d2h_pinned'] * 1e3:.1f} ms")
+    return {
+        "exported_bytes": exported,
+        "seconds": {k: round(v, 5) for k, v in sec.items()},
+        "gb_per_s": {k: round(exported / v / 1e9, 2) for k, v in sec.items()},
+        "export_bandwidth_vs_pinned_d2h": round(ratio, 3),
+        "goal": CUDA_GOAL,
+        "goal_met": ratio >= CUDA_GOAL,
+        "all_seconds": {k: [round(x, 5) for x in v] for k, v in times.items()},
+    }
+
+
+def main_cuda(args: argparse.Namespace, cfg: Config) -> int:
+    """The exporter on a CUDA pool: export_stream to /dev/null against a pinned D2H copy of the same bytes."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA device; none is visible to torch here")
+    names = [n for n in args.layouts.split(",") if n] if args.layouts != "cpu-amx,cpu-vec,nhd" else ["nhd"]
+    for name in names:
+        if name not in LAYOUTS:
+            raise SystemExit(f"unknown layout {name!r} (have {', '.join(LAYOUTS)})")
+    out_layouts = {name: _cuda_layout(args, cfg, name) for name in names}
+    print(
+        json.dumps(
+            {
+                "benchmark": "export-cuda",
+                "date": datetime.date.today().isoformat(),
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "git": git_state(),
+                "layouts": out_layouts,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
 def main() -> int:
     if "--default-malloc" not in sys.argv:
         _pin_malloc()
@@ -397,6 +495,8 @@ def main() -> int:
     if args.mem_child:
         print(json.dumps(mem_child(cfg, args.mem_child)))
         return 0
+    if args.device == "cuda":
+        return main_cuda(args, cfg)
     names = [n for n in args.layouts.split(",") if n]
     for n in names:
         if n not in LAYOUTS:
