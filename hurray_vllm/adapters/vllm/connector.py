@@ -216,8 +216,8 @@ class _Staging:
         self._lock = threading.Lock()
         self._keep = keep
 
-    def copy(self, caches: list[torch.Tensor], ids: torch.Tensor) -> list[torch.Tensor]:
-        """Blocks ``ids`` of every layer, as ``[len(ids), ...]`` tensors (views of recycled buffers)."""
+    def copy(self, caches: list[torch.Tensor], ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Blocks ``ids`` of every layer: ``(views [len(ids), ...], the buffers to recycle)``."""
         n = int(ids.numel())
         bufs = None
         with self._lock:
@@ -230,15 +230,14 @@ class _Staging:
                     break
         if bufs is None:
             bufs = [torch.empty((n, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in caches]
-        out = []
+        views = []
         for b, c in zip(bufs, caches, strict=True):
             torch.index_select(c, 0, ids.to(c.device), out=b[:n])
-            out.append(b[:n])
-        return out
+            views.append(b[:n])
+        return views, bufs
 
-    def recycle(self, views: list[torch.Tensor]) -> None:
-        """Give back what :meth:`copy` returned; the largest few buffers are kept."""
-        bufs = [v if v._base is None else v._base for v in views]
+    def recycle(self, bufs: list[torch.Tensor]) -> None:
+        """Give back the buffers :meth:`copy` returned; the largest few are kept."""
         with self._lock:
             self._free.append(bufs)
             self._free.sort(key=lambda b: -b[0].shape[0])
@@ -580,7 +579,7 @@ class HurrayConnector(KVConnectorBase_V1):
         if not todo:
             return
         ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
-        staged = self._staging.copy(ec.caches, ids)
+        staged, buffers = self._staging.copy(ec.caches, ids)
         nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
 
         def write() -> None:
@@ -595,7 +594,7 @@ class HurrayConnector(KVConnectorBase_V1):
                     except (HurrayFormatError, OSError) as exc:
                         log.warning("hurray: could not save chunk %s: %s", task.key, exc)
             finally:
-                self._staging.recycle(staged)
+                self._staging.recycle(buffers)
                 self._inflight.difference_update(t.key for t in todo)
 
         self._writer.submit(write, nbytes)
