@@ -1,12 +1,14 @@
 """CRC-32C (Castagnoli), as the ``.hrry`` index checksum requires.
 
-Only the index is checksummed (kilobytes), so a table-driven pure-Python
-loop is fast enough and keeps the core free of compiled dependencies.
+Only the index is checksummed (kilobytes). The native kernels
+(:mod:`hurray_vllm.native`) compute it when they are loaded; otherwise a
+table-driven pure-Python loop does, which keeps the core free of compiled
+dependencies.
 """
 
 from __future__ import annotations
 
-__all__ = ["crc32c"]
+__all__ = ["crc32c", "crc32c_python"]
 
 
 def _table() -> list[int]:
@@ -25,6 +27,17 @@ _TABLE = _table()
 
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """CRC-32C of ``data``, continuing from ``crc``."""
+    from . import native  # late: native imports nothing of ours, but keep this module's import free
+
+    if native.library() is not None:
+        fast = native.crc32c(data, crc)
+        if fast is not None:
+            return fast
+    return crc32c_python(data, crc)
+
+
+def crc32c_python(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """The pure-Python CRC-32C (the reference the native one is tested against)."""
     c = crc ^ 0xFFFFFFFF
     table = _TABLE
     for b in bytes(data):
