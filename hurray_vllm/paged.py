@@ -300,7 +300,7 @@ class BlockPagedTensor:
             quantization=self.quantization,
         )
 
-    def wire_buffers(self, index_cache: dict[tuple[int, int, str], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def wire_buffers(self, index_cache: dict[tuple[int, str], torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The buffers in descriptor order, as contiguous tensors whose bytes go on the wire.
 
         The page pool is returned as is (no copy when it is contiguous);
@@ -315,7 +315,9 @@ class BlockPagedTensor:
         def narrow(t: torch.Tensor) -> torch.Tensor:
             if index_cache is None:
                 return t.to(index_dtype).contiguous()
-            key = (id(t), t._version, self.index_type)
+            # The cache lives for one write of tensors the caller holds, so an id is a stable key.
+            # (No _version in it: tensors made under torch.inference_mode, as vLLM's are, have none.)
+            key = (id(t), self.index_type)
             got = index_cache.get(key)
             if got is None:
                 got = index_cache[key] = t.to(index_dtype).contiguous()

@@ -156,3 +156,16 @@ def test_stream_export_through_shared_buffers_equals_the_in_memory_export() -> N
         for x, y in zip((*want.keys, *want.values), (*got.keys, *got.values), strict=True):
             assert torch.equal(x.page_pool, y.page_pool) and torch.equal(x.block_table, y.block_table)
     assert bufs.nbytes == 2 * want.keys[0].page_pool.numel() * 2
+
+
+def test_export_of_inference_mode_tensors_writes_a_stream() -> None:
+    # vLLM's workers run under torch.inference_mode: their tensors have no version counter.
+    with torch.inference_mode():
+        caches = [torch.randn(8, H, N, 2 * D).to(torch.bfloat16) for _ in range(2)]
+        seqs = [SequenceState("a", [3, 5], 20, list(range(20)))]
+        snap = export_snapshot(caches, LogicalBHNC(D), seqs, block_size=N)
+        f = io.BytesIO()
+        hv.write_stream(snap, f)
+        export_stream(io.BytesIO(), caches, LogicalBHNC(D), seqs, block_size=N)
+    back = hv.read_stream(io.BytesIO(f.getvalue()))
+    assert torch.equal(back[1, "value"].page_pool, snap[1, "value"].page_pool)

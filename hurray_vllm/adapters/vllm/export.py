@@ -280,7 +280,7 @@ def export_stream(
         layers = progress(layers, desc="export", total=len(caches))
     # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
     i = 0
-    narrowed: dict[tuple[int, int, str], torch.Tensor] = {}  # every layer shares the plan's index tensors
+    narrowed: dict[tuple[int, str], torch.Tensor] = {}  # every layer shares the plan's index tensors
     for k, v in to_host_overlapped(layers):
         total += write_records(layer_records(i, k, v, kv_scales[i] if kv_scales is not None else None, narrowed), f)
         del k, v  # release this layer's pages before gathering the next
