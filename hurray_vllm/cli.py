@@ -276,9 +276,17 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from .transport import Receiver
 
     host, _, port = args.listen.rpartition(":")
-    receiver = Receiver(host or "127.0.0.1", int(port), DirectoryStore(args.dir)).start()
+    store = DirectoryStore(args.dir)
+    receiver: Any
+    if args.transport == "nixl":
+        from .transport_nixl import NixlReceiver
+
+        receiver = NixlReceiver(host or "127.0.0.1", int(port), store).start()
+    else:
+        receiver = Receiver(host or "127.0.0.1", int(port), store).start()
     if not args.quiet:
-        print(f"receiving KV chunks on {receiver.address[0]}:{receiver.address[1]} into {args.dir}", flush=True)
+        where = f"{receiver.address[0]}:{receiver.address[1]}"
+        print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -355,10 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "receive",
-        help="accept KV chunks streamed over TCP into a chunk store",
-        description="Example: hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray",
+        help="accept KV chunks sent over TCP or NIXL into a chunk store",
+        description="Example: hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray [--transport nixl]",
     )
     s.add_argument("--listen", required=True, help="HOST:PORT")
+    s.add_argument(
+        "--transport",
+        choices=("tcp", "nixl"),
+        default="tcp",
+        help="tcp (senders use tcp://HOST:PORT) or nixl (nixl://HOST:PORT; needs hurray-vllm[nixl])",
+    )
     s.add_argument("--dir", required=True, help="chunk store directory (a HurrayConnector's hurray_path)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_receive)

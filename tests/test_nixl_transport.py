@@ -277,3 +277,40 @@ def test_without_nixl_the_error_says_how_to_install(monkeypatch: pytest.MonkeyPa
         tn.NixlReceiver("127.0.0.1", 0, DirectoryStore("unused"))
     with pytest.raises(hv.HurrayFormatError, match="nixl://HOST:PORT"):
         tn.send_chunks_nixl("tcp://127.0.0.1:9", [])
+
+
+def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapshot]], tmp_path: Path) -> None:
+    require("nixl_cu12")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tmp_path / "store"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hurray_vllm.cli",
+            "receive",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--dir",
+            str(store),
+            "--transport",
+            "nixl",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "receiving KV chunks (nixl)" in line, line
+        ns, key, chunk = chunks[0]
+        tn.send_chunks_nixl(f"nixl://127.0.0.1:{port}", [(ns, key, chunk)], timeout=30)
+        got = DirectoryStore(store).get(ns, key)
+        assert torch.equal(got[0, "key"].page_pool, chunk[0, "key"].page_pool)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
