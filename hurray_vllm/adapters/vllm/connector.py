@@ -62,6 +62,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...errors import HurrayFormatError
 from ...repage import repage_snapshot
 from ...snapshot import KVSnapshot, SnapshotSource
-from ...store import DIGEST_KEY, DirectoryStore, chunk_digest, chunk_keys, namespace_of, verify_chunk
+from ...store import (
+    DIGEST_KEY,
+    DIGEST_MISMATCH,
+    DirectoryStore,
+    chunk_digest,
+    chunk_keys,
+    digest_matches,
+    namespace_of,
+    verify_chunk,
+)
 from ...transport import Receiver, parse_url, send_chunks
 from .cache import EngineCache, attention_layers, describe_worker_cache, fingerprint_of, write_blocks
 from .export import GatherBuffers, SequenceState, export_snapshot
@@ -98,6 +108,15 @@ _VERIFIED: dict[str, KVSnapshot] = {}
 _VERIFIED_LOCK = threading.Lock()
 _VERIFIED_MAX = 64
 _RECEIVERS: dict[str, Any] = {}  # transport.Receiver or transport_nixl.NixlReceiver
+_DIGEST_POOL: list[ThreadPoolExecutor] = []
+
+
+def _digest_pool() -> ThreadPoolExecutor:
+    """One helper thread for chunk checksums (they release the GIL), made on first use."""
+    with _VERIFIED_LOCK:
+        if not _DIGEST_POOL:
+            _DIGEST_POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hurray-digest"))
+        return _DIGEST_POOL[0]
 
 
 @dataclass
@@ -307,31 +326,18 @@ class HurrayConnector(KVConnectorBase_V1):
 
     # ── scheduler side ─────────────────────────────────────────────────────
 
-    def _verified(self, key: str, tokens: list[int]) -> KVSnapshot | None:
-        with _VERIFIED_LOCK:
-            snap = _VERIFIED.get(key)
-        if snap is not None:
-            return snap
-        try:
-            snap = self._store.get(self._ns, key)
-            verify_chunk(snap, self._fingerprint, tokens)
-        except (HurrayFormatError, OSError) as exc:
-            self.stats.chunks_refused += 1
-            log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, exc)
-            return None
-        with _VERIFIED_LOCK:
-            # Bounded: a worker in another process never collects these.
-            while len(_VERIFIED) >= _VERIFIED_MAX:
-                _VERIFIED.pop(next(iter(_VERIFIED)))
-            _VERIFIED[key] = snap
-        return snap
+    def _refuse(self, key: str, why: object) -> None:
+        self.stats.chunks_refused += 1
+        log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler side, when a request is scheduled: tokens loadable beyond ``num_computed_tokens``.
 
         Walks the chunk keys of the prompt (leaving at least one token to
         compute) and verifies each stored chunk (model, tokens, digest);
-        stops at the first missing or refused one. Blocks on file reads.
+        stops at the first missing or refused one. Blocks on file reads and
+        checksums; a chunk's checksum runs on a helper thread while the next
+        chunk file is parsed.
         """
         if not self._loads:
             return 0, False
@@ -340,14 +346,40 @@ class HurrayConnector(KVConnectorBase_V1):
         keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
         state = self._reqs.setdefault(request.request_id, _Request(request))
         first = num_computed_tokens // self._chunk
-        hit = first
-        chunk_tokens = []
+        found: list[tuple[int, list[int], KVSnapshot, Future[bool] | None]] = []
         for i in range(first, len(keys)):
             if not self._store.has(self._ns, keys[i]):
                 break
             toks = tokens[i * self._chunk : (i + 1) * self._chunk]
-            if self._verified(keys[i], toks) is None:
+            with _VERIFIED_LOCK:
+                cached = _VERIFIED.get(keys[i])
+            if cached is not None:
+                found.append((i, toks, cached, None))
+                continue
+            try:
+                snap = self._store.get(self._ns, keys[i])
+                verify_chunk(snap, self._fingerprint, toks, digest=False)
+            except (HurrayFormatError, OSError) as exc:
+                self._refuse(keys[i], exc)
                 break
+            found.append((i, toks, snap, _digest_pool().submit(digest_matches, snap)))
+        hit = first
+        chunk_tokens = []
+        for i, toks, snap, check in found:
+            if check is not None:
+                try:
+                    ok = check.result()
+                except (HurrayFormatError, OSError) as exc:
+                    self._refuse(keys[i], exc)
+                    break
+                if not ok:
+                    self._refuse(keys[i], DIGEST_MISMATCH)
+                    break
+                with _VERIFIED_LOCK:
+                    # Bounded: a worker in another process never collects these.
+                    while len(_VERIFIED) >= _VERIFIED_MAX:
+                        _VERIFIED.pop(next(iter(_VERIFIED)))
+                    _VERIFIED[keys[i]] = snap
             chunk_tokens.append(toks)
             hit = i + 1
         matched = hit * self._chunk - num_computed_tokens
