@@ -140,3 +140,26 @@ def test_chunk_digests_name_their_algorithm(torch_only) -> None:  # type: ignore
     assert err.value.field == "snapshot.digest" and "native" in str(err.value)
     with pytest.raises(HurrayFormatError):
         ChunkDigest.like("sha1:00")
+
+
+def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _lib()
+    locked = tmp_path / "read-only-home"
+    real_build = native._build
+
+    def build(target):  # type: ignore[no-untyped-def]
+        if locked in target.parents:
+            raise PermissionError(13, "Permission denied", str(target.parent))
+        real_build(target)
+
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+        monkeypatch.setenv("HURRAY_VLLM_CACHE_DIR", str(locked))
+        monkeypatch.setattr(native, "_build", build)
+        monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+        assert native.library() is not None, native.unavailable_reason()
+        assert list((tmp_path / "tmp").rglob("cpu_packed-*.so"))
+    finally:
+        native._state.clear()
+        native._state.update(saved)

@@ -91,10 +91,17 @@ def library() -> ctypes.CDLL | None:
                 digest.update((_HERE / name).read_bytes())
             digest.update(" ".join(_FLAGS).encode())
             digest.update(platform.machine().encode())
-            target = cache_dir() / f"cpu_packed-{digest.hexdigest()[:16]}.so"
+            name = f"cpu_packed-{digest.hexdigest()[:16]}.so"
+            target = cache_dir() / name
             try:
                 if not target.exists():
-                    _build(target)
+                    try:
+                        _build(target)
+                    except PermissionError:
+                        # A read-only home (containers): build into a per-user temporary directory instead.
+                        target = Path(tempfile.gettempdir()) / f"hurray-vllm-{os.getuid()}" / name
+                        if not target.exists():
+                            _build(target)
                 import torch  # noqa: F401  (load torch's libgomp first, so the kernels share it)
 
                 lib = ctypes.CDLL(str(target))
