@@ -207,11 +207,15 @@ def _snapshot_shell(
     fingerprint: ModelFingerprint | None,
     source: SnapshotSource | None,
     kv_scales: Sequence[tuple[float, float]] | None,
+    *,
+    transient: bool = False,
 ) -> KVSnapshot:
+    # A transient shell only feeds header_records, which packs the ids straight into
+    # an int64 array: copying every id into a tuple of ints first would be wasted.
     return KVSnapshot(
         keys=(),
         values=(),
-        token_ids=tuple(tuple(map(int, s.token_ids)) for s in seqs),
+        token_ids=tuple(s.token_ids if transient else tuple(map(int, s.token_ids)) for s in seqs),  # type: ignore[misc]
         fingerprint=fingerprint,
         kv_scales=tuple(kv_scales) if kv_scales is not None else None,
         source=source,
@@ -269,7 +273,7 @@ def export_stream(
     per-layer progress bar on a terminal.
     """
     plan = plan_batch(seqs, block_size)
-    shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
+    shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True)
     # The header announces the layer count before any layer is gathered.
     total = write_records(header_records(shell, num_layers=len(caches)), f)
     buffers = buffers if buffers is not None else GatherBuffers()
