@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import random
-import re
 import resource
 import statistics
 import subprocess
@@ -54,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _bench import MALLOC_ENV, cpu_name, log, pin_malloc, reset_hwm, status_kib
 
 import hurray_vllm
 from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource
@@ -64,10 +64,6 @@ HEADS = 8
 HEAD_DIM = 128
 NUM_SEQS = 4
 PAGE_STRIDE = 4096  # "touch" = read one byte per 4 KiB page
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ── the snapshot ───────────────────────────────────────────────────────────
@@ -271,21 +267,6 @@ def drop_caches() -> bool:
 # ── memory (child processes) ───────────────────────────────────────────────
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    return int(m.group(1)) if m else -1
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _warm_up(tmp: Path) -> None:
     """One tiny round trip, so first-call allocations are not counted."""
     from hurray_vllm.demo import spec_example_snapshot
@@ -311,8 +292,8 @@ def mem_child(op: str, path: Path, size_mib: int, n: int) -> dict[str, Any]:
     snap = build_snapshot(size_mib) if op.startswith("write") else None
     _warm_up(path.parent)
     gc.collect()
-    hwm_reset = _reset_hwm()
-    base = _status_kib("VmRSS") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    hwm_reset = reset_hwm()
+    base = status_kib("VmRSS") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     keep: Any = None
     if op == "write_hrry" or op == "write_hrrs":
         assert snap is not None
@@ -328,8 +309,8 @@ def mem_child(op: str, path: Path, size_mib: int, n: int) -> dict[str, Any]:
         keep = pyhurray_read(path)
     else:
         raise SystemExit(f"unknown op {op}")
-    peak = _status_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    after = _status_kib("VmRSS")
+    peak = status_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = status_kib("VmRSS")
     del keep
     return {"op": op, "base_kib": base, "peak_kib": peak, "after_kib": after, "hwm_reset": hwm_reset}
 
@@ -380,40 +361,9 @@ def filesystem(path: str) -> str:
     return desc
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-_MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
-
-
-def _pin_malloc() -> None:
-    """Re-run this script with glibc's mmap threshold fixed (128 KiB).
-
-    By default glibc raises the threshold after a large block is freed, so
-    a later 16 MiB buffer may be served from already-faulted heap memory
-    while a 256 MiB one never is: a read would then be 2-4x faster or not
-    depending on what the previous contender allocated. A fixed threshold
-    makes every contender read into freshly mapped memory, as a fresh
-    process would. An explicit setting in the environment is respected.
-    """
-    if _MALLOC_ENV in os.environ:
-        return
-    env = dict(os.environ, **{_MALLOC_ENV: str(128 << 10)})
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
-
-
 def main() -> int:
     if "--default-malloc" not in sys.argv:
-        _pin_malloc()
+        pin_malloc(__file__)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=int, default=256, help="page-pool payload in MiB (default 256)")
     ap.add_argument("--repeat", type=int, default=9, help="repetitions per operation, median reported (default 9)")
@@ -555,7 +505,7 @@ def main() -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
-            "malloc_mmap_threshold": os.environ.get(_MALLOC_ENV),
+            "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
         },
         "config": {
             "layers": LAYERS,

@@ -65,6 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _bench import log
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -73,10 +75,6 @@ KV_HEADS = 8
 HEAD_DIM = 128
 BLOCK_SIZE = 128
 KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # K and V, bf16: 32 KiB
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ── model and prompts ──────────────────────────────────────────────────────

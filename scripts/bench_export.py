@@ -51,7 +51,6 @@ import json
 import os
 import platform
 import random
-import re
 import resource
 import statistics
 import subprocess
@@ -64,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _bench import MALLOC_ENV, cpu_name, git_state, log, pin_malloc, reset_hwm, status_kib
 
 from hurray_vllm.adapters.vllm.export import (
     GatherBuffers,
@@ -86,10 +86,6 @@ LAYOUTS: dict[str, tuple[str, float]] = {
     "nhd": ("LBNHC", 1.5),  # token-major NHD, vLLM 0.32's GPU default
 }
 MEMORY_GOAL = 1.10  # peak extra <= one layer's compacted pages + 10 %
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -252,21 +248,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float]:
 # ── memory (child processes) ───────────────────────────────────────────────
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    return int(m.group(1)) if m else -1
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def mem_child(cfg: Config, layout_name: str) -> dict[str, Any]:
     """Peak RSS of one ``export_stream`` to /dev/null above the RSS after building the pool, in KiB."""
     _raw, caches = build_caches(cfg, layout_name)
@@ -277,11 +258,11 @@ def mem_child(cfg: Config, layout_name: str) -> dict[str, Any]:
     with open(os.devnull, "wb") as f:
         export_stream(f, caches, layout, tiny, block_size=bs)
     gc.collect()
-    hwm_reset = _reset_hwm()
-    base = _status_kib("VmRSS") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    hwm_reset = reset_hwm()
+    base = status_kib("VmRSS") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open(os.devnull, "wb") as f:
         written = export_stream(f, caches, layout, seqs, block_size=bs)
-    peak = _status_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"base_kib": base, "peak_kib": peak, "hwm_reset": hwm_reset, "stream_bytes": written}
 
 
@@ -306,43 +287,6 @@ def measure_memory(argv: list[str], layout: str, layer_pages: int) -> dict[str, 
 
 
 # ── driver ─────────────────────────────────────────────────────────────────
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def git_state() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
-        return rev.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-    except OSError:
-        return "unknown"
-
-
-_MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
-
-
-def _pin_malloc() -> None:
-    """Re-run this script with glibc's mmap threshold fixed at 128 KiB (see ``bench_codec.py``).
-
-    Every buffer the exporter allocates then comes from freshly mapped
-    memory, as in a fresh process, whatever an earlier contender freed.
-    """
-    if _MALLOC_ENV in os.environ:
-        return
-    env = dict(os.environ, **{_MALLOC_ENV: str(128 << 10)})
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -486,7 +430,7 @@ def main_cuda(args: argparse.Namespace, cfg: Config) -> int:
 
 def main() -> int:
     if "--default-malloc" not in sys.argv:
-        _pin_malloc()
+        pin_malloc(__file__)
     argv = sys.argv[1:]
     args = parse_args(argv)
     if args.threads:
@@ -678,7 +622,7 @@ def main() -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
-            "malloc_mmap_threshold": os.environ.get(_MALLOC_ENV),
+            "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
             "loadavg_start": [round(x, 2) for x in load_start],
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
             "loadavg_1min_per_repetition": rep_load,

@@ -55,14 +55,13 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from _bench import MALLOC_ENV, cpu_name, git_state, log, pin_malloc
 
 from hurray_vllm import BlockPagedTensor, KVSnapshot
 from hurray_vllm.adapters.flash_attn import plan_flash_attn, to_flash_attn_all
@@ -72,10 +71,6 @@ from hurray_vllm.repage import plan_repage, repage, repage_snapshot
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 GOAL = 1.5  # import time / copy_ of the repaged bytes
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ── the snapshot ───────────────────────────────────────────────────────────
@@ -211,39 +206,6 @@ def check_once(snap: KVSnapshot, page_size: int) -> dict[str, int]:
 # ── driver ─────────────────────────────────────────────────────────────────
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def git_state() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
-        return rev.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-    except OSError:
-        return "unknown"
-
-
-_MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
-
-
-def _pin_malloc() -> None:
-    """Re-run this script with glibc's mmap threshold fixed at 128 KiB (see ``bench_codec.py``)."""
-    if _MALLOC_ENV in os.environ:
-        return
-    env = dict(os.environ, **{_MALLOC_ENV: str(128 << 10)})
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv-mib", type=int, default=128, help="at least this many MiB of distinct source KV (128)")
@@ -265,7 +227,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main() -> int:
     if "--default-malloc" not in sys.argv:
-        _pin_malloc()
+        pin_malloc(__file__)
     args = parse_args(sys.argv[1:])
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -354,7 +316,7 @@ def main() -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
-            "malloc_mmap_threshold": os.environ.get(_MALLOC_ENV),
+            "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
             "loadavg_start": [round(x, 2) for x in load_start],
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         },
