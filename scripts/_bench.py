@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["MALLOC_ENV", "cpu_name", "git_state", "log", "pin_malloc", "reset_hwm", "status_kib"]
+__all__ = ["MALLOC_ENV", "cpu_name", "git_state", "log", "machine", "pin_malloc", "reset_hwm", "status_kib"]
 
 #: glibc's mmap threshold, pinned by :func:`pin_malloc`.
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -33,6 +33,22 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def machine(**extra: object) -> dict[str, object]:
+    """The JSON ``machine`` entry every benchmark reports, plus ``extra`` (load averages...)."""
+    import torch  # late: this module is also imported where torch is not needed
+
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu_name(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
+        **extra,
+    }
 
 
 def git_state() -> str:

@@ -39,7 +39,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import random
 import resource
 import statistics
@@ -53,7 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _bench import MALLOC_ENV, cpu_name, log, pin_malloc, reset_hwm, status_kib
+from _bench import log, machine, pin_malloc, reset_hwm, status_kib
 
 import hurray_vllm
 from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource
@@ -498,15 +497,7 @@ def main() -> int:
     out = {
         "benchmark": "codec",
         "date": datetime.date.today().isoformat(),
-        "machine": {
-            "cores": os.cpu_count(),
-            "cpu": cpu_name(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
-        },
+        "machine": machine(),
         "config": {
             "layers": LAYERS,
             "dtype": "bfloat16",

@@ -49,7 +49,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import random
 import resource
 import statistics
@@ -63,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _bench import MALLOC_ENV, cpu_name, git_state, log, pin_malloc, reset_hwm, status_kib
+from _bench import git_state, log, machine, pin_malloc, reset_hwm, status_kib
 
 from hurray_vllm.adapters.vllm.export import (
     GatherBuffers,
@@ -615,18 +614,11 @@ def main() -> int:
     out = {
         "benchmark": "export",
         "date": datetime.date.today().isoformat(),
-        "machine": {
-            "cores": os.cpu_count(),
-            "cpu": cpu_name(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
-            "loadavg_start": [round(x, 2) for x in load_start],
-            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-            "loadavg_1min_per_repetition": rep_load,
-        },
+        "machine": machine(
+            loadavg_start=[round(x, 2) for x in load_start],
+            loadavg_end=[round(x, 2) for x in os.getloadavg()],
+            loadavg_1min_per_repetition=rep_load,
+        ),
         "git": git_state(),
         "config": {
             "pool_mib": cfg.pool_mib,

@@ -52,7 +52,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -61,7 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _bench import MALLOC_ENV, cpu_name, git_state, log, pin_malloc
+from _bench import git_state, log, machine, pin_malloc
 
 from hurray_vllm import BlockPagedTensor, KVSnapshot
 from hurray_vllm.adapters.flash_attn import plan_flash_attn, to_flash_attn_all
@@ -309,17 +308,9 @@ def main() -> int:
     result = {
         "benchmark": "import",
         "date": datetime.date.today().isoformat(),
-        "machine": {
-            "cores": os.cpu_count(),
-            "cpu": cpu_name(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
-            "loadavg_start": [round(x, 2) for x in load_start],
-            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(
+            loadavg_start=[round(x, 2) for x in load_start], loadavg_end=[round(x, 2) for x in os.getloadavg()]
+        ),
         "git": git_state(),
         "config": {
             "layers": args.layers,
