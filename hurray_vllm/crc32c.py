@@ -27,13 +27,10 @@ _TABLE = _table()
 
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """CRC-32C of ``data``, continuing from ``crc``."""
-    from . import native  # late: native imports nothing of ours, but keep this module's import free
+    from . import native  # late: keep importing this module free of the native build
 
-    if native.library() is not None:
-        fast = native.crc32c(data, crc)
-        if fast is not None:
-            return fast
-    return crc32c_python(data, crc)
+    fast = native.crc32c(data, crc)  # None without the native kernels
+    return fast if fast is not None else crc32c_python(data, crc)
 
 
 def crc32c_python(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
