@@ -166,6 +166,15 @@ def _gather_slots(src: torch.Tensor, plan: RepagePlan, per_slot: int, out: torch
     return out
 
 
+def on_device(t: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether ``t`` lives on ``device``; ``"cuda"`` without an index means the current CUDA device,
+    where torch would allocate (``torch.device("cuda") != torch.device("cuda:0")`` otherwise)."""
+    want = torch.device(device)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    return t.device == want
+
+
 def check_out_pool(out: torch.Tensor, pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, field: str) -> None:
     """Refuse an ``out=`` pool that cannot take ``pages`` pages of ``page_shape`` and ``dtype``."""
     if not isinstance(out, torch.Tensor):

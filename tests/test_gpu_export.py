@@ -8,7 +8,17 @@ import pytest
 import torch
 
 import hurray_vllm as hv
-from hurray_vllm.adapters.vllm import CpuPacked, LogicalBHNC, SequenceState, export_snapshot, export_stream
+from hurray_vllm.adapters.vllm import (
+    CpuPacked,
+    GatherBuffers,
+    LogicalBHNC,
+    SequenceState,
+    export_layers,
+    export_snapshot,
+    export_stream,
+    plan_batch,
+)
+from hurray_vllm.adapters.vllm.export import to_host_overlapped
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,9 +26,9 @@ pytestmark = [
 ]
 
 
-def _caches(device: str) -> list[torch.Tensor]:
+def _caches(device: str, layers: int = 3) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(64, 4, 16, 2 * 64, generator=g).to(torch.bfloat16).to(device) for _ in range(3)]
+    return [torch.randn(64, 4, 16, 2 * 64, generator=g).to(torch.bfloat16).to(device) for _ in range(layers)]
 
 
 SEQS = [
@@ -45,3 +55,34 @@ def test_cuda_stream_export_goes_through_pinned_buffers() -> None:
     assert got.getvalue() == want.getvalue()
     got.seek(0)
     assert hv.read_stream(got).num_layers == 3
+
+
+MORE = [*SEQS, SequenceState("c", [7, 8, 10, 11, 12, 13], 90, list(range(90)))]
+
+
+@pytest.mark.parametrize("layout", [LogicalBHNC(64), CpuPacked("vec", 64)])
+def test_cuda_stream_export_with_kept_buffers(layout) -> None:  # type: ignore[no-untyped-def]
+    """An odd layer count through the two alternating device buffer pairs, kept across exports that grow."""
+    cpu, gpu = _caches("cpu", 7), _caches("cuda", 7)
+    kept = GatherBuffers()
+    for seqs in (SEQS, MORE, SEQS):
+        want, got = io.BytesIO(), io.BytesIO()
+        export_stream(want, cpu, layout, seqs, block_size=16)
+        export_stream(got, gpu, layout, seqs, block_size=16, buffers=kept)
+        assert got.getvalue() == want.getvalue()
+    assert kept.nbytes > 0 and kept.twin().nbytes > 0
+
+
+def test_host_layers_from_fresh_device_pools() -> None:
+    """Pools allocated per layer (no gather buffers): each arrives pinned and equal to the CPU export."""
+    layout = LogicalBHNC(64)
+    want = export_snapshot(_caches("cpu", 5), layout, MORE, block_size=16)
+    plan = plan_batch(MORE, 16)
+    got = []
+    for k, v in to_host_overlapped(export_layers(_caches("cuda", 5), layout, plan)):
+        assert k.page_pool.is_pinned() and not k.block_table.is_cuda
+        got.append((k.page_pool.clone(), v.page_pool.clone()))  # valid only until the next layer
+    assert len(got) == 5
+    for i, (k, v) in enumerate(got):
+        assert torch.equal(k, want.keys[i].page_pool)
+        assert torch.equal(v, want.values[i].page_pool)

@@ -35,7 +35,7 @@ import torch
 from ..attention import append_kv_
 from ..errors import HurrayFormatError
 from ..paged import BlockPagedTensor
-from ..repage import RepagePlan, check_out_pool, plan_repage, repage, repage_into
+from ..repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
 from ..snapshot import KVSnapshot
 
 __all__ = [
@@ -424,7 +424,7 @@ def to_flash_attn(
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors")
-        if device is not None and any(o.device != torch.device(device) for o in out):
+        if device is not None and not all(on_device(o, device) for o in out):
             raise HurrayFormatError("out", f"is on {out[0].device}/{out[1].device}, device= asks for {device}")
         k_cache = _layer_into(kt, plan, out_dtype, passthrough, k_scale, out[0], "out[0]")
         v_cache = _layer_into(vt, plan, out_dtype, passthrough, v_scale, out[1], "out[1]")

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import HurrayFormatError
 from ..paged import BlockPagedTensor
-from ..repage import RepagePlan, check_out_pool, plan_repage, repage, repage_into
+from ..repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
 from ..snapshot import KVSnapshot
 
 __all__ = [
@@ -503,9 +503,10 @@ def _import_into(
         for i, o in enumerate(out):
             check_out_pool(o, num_pages, page, target, f"out[{i}]")
         dsts = [out[0][:num_pages], out[1][:num_pages]]
-    where = {o.device for o in (out if isinstance(out, tuple | list) else (out,))}
-    if device is not None and where != {torch.device(device)}:
-        raise HurrayFormatError("out", f"is on {', '.join(map(str, where))}, device= asks for {device}")
+    pools = out if isinstance(out, tuple | list) else (out,)
+    if device is not None and not all(on_device(o, device) for o in pools):
+        where = sorted({str(o.device) for o in pools})
+        raise HurrayFormatError("out", f"is on {', '.join(where)}, device= asks for {device}")
     if kv_layout == "HND":
         dsts = [d.transpose(1, 2) for d in dsts]  # NHD views of the HND pages
     result: list[float | None] = []

@@ -15,6 +15,7 @@ zeroed in the copy, so nothing of other requests leaks out.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import BinaryIO
@@ -77,43 +78,87 @@ def plan_batch(seqs: Sequence[SequenceState], block_size: int, *, reserved_block
     """Compaction plan for ``seqs`` over an engine cache of ``block_size`` blocks.
 
     ``reserved_blocks`` (vLLM's null block 0) may never hold a computed token.
+    Runs before the first layer is gathered, on every export, so the ids go
+    into an array (a C loop) and the rest is a handful of tensor ops over them,
+    with no per-id Python code.
     """
-    tables: list[int] = []
-    ptr = [0]
-    lens = []
+    table = array("q")
+    ptr = array("q", [0])
+    lens = array("q")
+    partial: list[tuple[int, int]] = []  # (table position, used slots) of each partly used last page
     for s in seqs:
-        if s.num_computed < 0 or s.num_computed > len(s.token_ids):
+        n = s.num_computed
+        if n < 0 or n > len(s.token_ids):
             raise HurrayFormatError(
-                "num_computed", f"{s.request_id}: {s.num_computed} computed tokens but {len(s.token_ids)} token ids"
+                "num_computed", f"{s.request_id}: {n} computed tokens but {len(s.token_ids)} token ids"
             )
-        need = -(-s.num_computed // block_size)
+        need = -(-n // block_size)
         if need > len(s.block_ids):
             raise HurrayFormatError(
-                "block_ids",
-                f"{s.request_id}: {s.num_computed} tokens need {need} blocks, the engine lists {len(s.block_ids)}",
+                "block_ids", f"{s.request_id}: {n} tokens need {need} blocks, the engine lists {len(s.block_ids)}"
             )
-        own = [int(b) for b in s.block_ids[:need]]
-        bad = set(own) & set(reserved_blocks)
-        if bad:
-            raise HurrayFormatError("block_ids", f"{s.request_id}: reserved block {sorted(bad)} in its computed range")
-        tables.extend(own)
-        ptr.append(len(tables))
-        lens.append(s.num_computed)
-    table = torch.tensor(tables, dtype=torch.int64)
-    plan = plan_compaction(table, int(table.max()) + 1 if table.numel() else 0)
-    seq_ptr = torch.tensor(ptr, dtype=torch.int64)
-    seq_lens = torch.tensor(lens, dtype=torch.int64)
-    # Valid slots per snapshot page, over every sequence that references it.
-    probe = BlockPagedTensor(
-        torch.empty(int(plan.keep.numel()), block_size, 0, 0),
-        plan.block_table,
-        seq_ptr,
-        seq_lens,
-    )
-    valid = probe.valid_slots()
-    part = (valid < block_size).nonzero().reshape(-1)
-    tails = tuple(zip(part.tolist(), valid[part].clamp(min=0).tolist(), strict=True))
-    return BatchPlan(plan.keep, plan.block_table, seq_ptr, seq_lens, valid, block_size, tails)
+        try:
+            table.extend(s.block_ids[:need])
+        except (TypeError, OverflowError) as exc:
+            raise HurrayFormatError("block_ids", f"{s.request_id}: block ids must be integers ({exc})") from None
+        used = n - (need - 1) * block_size
+        if need and used < block_size:
+            partial.append((len(table) - 1, used))
+        ptr.append(len(table))
+        lens.append(n)
+    if not table:
+        empty = torch.empty(0, dtype=torch.int64)
+        return BatchPlan(empty, empty, _int64(ptr), _int64(lens), empty, block_size)
+    t = _int64(table)
+    lo, hi = (int(x) for x in torch.aminmax(t))
+    if lo < 0:
+        raise HurrayFormatError("block_ids", f"negative block id {lo}")
+    for r in reserved_blocks:
+        if lo <= r <= hi and bool((t == r).any()):
+            who = next(s.request_id for i, s in enumerate(seqs) if r in table[ptr[i] : ptr[i + 1]])
+            raise HurrayFormatError("block_ids", f"{who}: reserved block [{r}] in its computed range")
+    keep, block_table = _compact(t, hi)
+    valid = torch.full((keep.numel(),), block_size, dtype=torch.int64)
+    tails: dict[int, int] = {}
+    if partial:
+        # Only a sequence's last page can be partly used; a page another reference
+        # uses in full (a longer sequence sharing it) has no unused tail.
+        pages = block_table[torch.tensor([pos for pos, _ in partial], dtype=torch.int64)]
+        refs = torch.bincount(block_table, minlength=keep.numel())
+        partial_refs = torch.bincount(pages, minlength=keep.numel())
+        only_partial = (refs[pages] == partial_refs[pages]).tolist()
+        for page, (_, used), only in zip(pages.tolist(), partial, only_partial, strict=True):
+            if only:
+                tails[page] = max(used, tails.get(page, 0))
+        for page, used in tails.items():
+            valid[page] = used
+    return BatchPlan(keep, block_table, _int64(ptr), _int64(lens), valid, block_size, tuple(sorted(tails.items())))
+
+
+def _compact(table: torch.Tensor, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages in first-reference order, renumbered table) of a non-empty int64 ``table`` with ids <= ``hi``.
+
+    First-reference order keeps a sequence's pages adjacent in the new pool (an
+    identity-like, cache-friendly gather in the common unshared case). Through a
+    lookup table over the ids when they are dense, as an engine's block ids are;
+    sorting otherwise, so a stray huge id cannot size an allocation.
+    """
+    n = table.numel()
+    if hi >= 4 * n + (1 << 16):
+        plan = plan_compaction(table, hi + 1)
+        return plan.keep, plan.block_table
+    first = torch.full((hi + 1,), n, dtype=torch.int64)
+    first.scatter_reduce_(0, table, torch.arange(n), reduce="amin")
+    used = (first < n).nonzero().reshape(-1)
+    keep = used[torch.argsort(first[used])]
+    rank = first  # reused as the id -> new page lookup table
+    rank[keep] = torch.arange(keep.numel())
+    return keep, rank[table]
+
+
+def _int64(a: array[int]) -> torch.Tensor:
+    # A copy: the tensor then owns its memory rather than pinning the array's buffer.
+    return torch.frombuffer(a, dtype=torch.int64).clone() if a else torch.empty(0, dtype=torch.int64)
 
 
 class GatherBuffers:
@@ -130,11 +175,20 @@ class GatherBuffers:
 
     def __init__(self) -> None:
         self._raw: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._twin: GatherBuffers | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (both buffers)."""
-        return 0 if self._raw is None else 2 * int(self._raw[0].numel())
+        """Bytes held (both buffers, and the twin's)."""
+        own = 0 if self._raw is None else 2 * int(self._raw[0].numel())
+        return own + (self._twin.nbytes if self._twin is not None else 0)
+
+    def twin(self) -> GatherBuffers:
+        """A second pair kept with this one: device exports alternate layers between the two,
+        so one layer is gathered while the previous is still being copied to the host."""
+        if self._twin is None:
+            self._twin = GatherBuffers()
+        return self._twin
 
     def take(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -150,8 +204,13 @@ class GatherBuffers:
         return raw[0][:need].view(dtype).view(shape), raw[1][:need].view(dtype).view(shape)
 
     def release(self) -> None:
-        """Drop the buffers (they are allocated again when next needed)."""
+        """Drop the buffers and the twin's (they are allocated again when next needed)."""
         self._raw = None
+        self._twin = None
+
+
+def _first(cache: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return cache[0] if isinstance(cache, tuple) else cache
 
 
 def export_layers(
@@ -175,6 +234,9 @@ def export_layers(
     """
     if buffers is not None and not isinstance(buffers, GatherBuffers) and len(buffers) != len(caches):
         raise HurrayFormatError("buffers", f"{len(buffers)} gather buffers for {len(caches)} layers")
+    # The ids go to each cache device once per export: a host-to-device copy per layer
+    # would synchronise the stream, stalling the previous layer's device-to-host copy.
+    keep_on: dict[torch.device, torch.Tensor] = {}
     for i, cache in enumerate(caches):
         if storage_dtype is not None:
             cache = (
@@ -182,13 +244,17 @@ def export_layers(
                 if isinstance(cache, tuple)
                 else as_storage_dtype(cache, storage_dtype)
             )
+        first = _first(cache)
         out = None
         if buffers is not None:
-            first = cache[0] if isinstance(cache, tuple) else cache
             shape = (int(plan.keep.numel()), *layout.page_shape(cache))
             mine = buffers if isinstance(buffers, GatherBuffers) else buffers[i]
             out = mine.take(shape, first.dtype, first.device)
-        k_pool, v_pool = layout.gather(cache, plan.keep, out)
+        keep = keep_on.get(first.device)
+        if keep is None:
+            keep = keep_on[first.device] = plan.keep.to(first.device)
+        del first
+        k_pool, v_pool = layout.gather(cache, keep, out)
         del out
         if zero_unused:
             for page, start in plan.tails:
@@ -273,19 +339,25 @@ def export_stream(
     per-layer progress bar on a terminal.
     """
     plan = plan_batch(seqs, block_size)
-    shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True)
-    # The header announces the layer count before any layer is gathered.
-    total = write_records(header_records(shell, num_layers=len(caches)), f)
     buffers = buffers if buffers is not None else GatherBuffers()
-    layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=buffers)
+    on_cuda = bool(caches) and _first(caches[0]).device.type == "cuda"
+    # On a device, layers alternate between two buffer pairs so that one is gathered while
+    # the previous is still being copied out; on the host one pair serves every layer.
+    per_layer = [buffers.twin() if i % 2 else buffers for i in range(len(caches))] if on_cuda else buffers
+    layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=per_layer)
     if show_progress:
         from ...progress import progress
 
         layers = progress(layers, desc="export", total=len(caches))
+    # Made before the header is written: a device export's first layer is already on its way.
+    host = to_host_overlapped(layers, device_slots=2 if on_cuda else 1)
+    shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True)
+    # The header announces the layer count before any layer is written.
+    total = write_records(header_records(shell, num_layers=len(caches)), f)
     # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
     i = 0
     narrowed: dict[tuple[int, str], torch.Tensor] = {}  # every layer shares the plan's index tensors
-    for k, v in to_host_overlapped(layers):
+    for k, v in host:
         total += write_records(layer_records(i, k, v, kv_scales[i] if kv_scales is not None else None, narrowed), f)
         del k, v  # release this layer's pages before gathering the next
         i += 1
@@ -293,40 +365,108 @@ def export_stream(
 
 
 def to_host_overlapped(
-    layers: Iterator[tuple[BlockPagedTensor, BlockPagedTensor]],
+    layers: Iterator[tuple[BlockPagedTensor, BlockPagedTensor]], *, device_slots: int = 1
 ) -> Iterator[tuple[BlockPagedTensor, BlockPagedTensor]]:
     """Layers with their pools in host memory; CUDA pools arrive through pinned buffers.
 
-    While the caller writes layer ``i``, layer ``i+1`` is gathered on the
-    device and copied into the other of two pinned buffers with a
-    non-blocking transfer: device-to-host copies overlap the writes. CPU
-    layers pass through untouched.
+    CPU layers pass through untouched, one at a time. For CUDA layers, see
+    :class:`HostLayers`; ``device_slots`` says how many device buffers the
+    layers' pools rotate through (1: every layer reuses the same memory, as
+    with one :class:`GatherBuffers`).
     """
-    pending: tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event] | None = None
-    buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
-    i = -1
-    for k, v in layers:
-        i += 1
+    return HostLayers(layers, device_slots=device_slots)
+
+
+class HostLayers:
+    """Iterator over layers with host pools, staging CUDA layers ahead of the caller.
+
+    Each CUDA layer is copied on a side stream into one of two pinned host
+    buffers, with non-blocking transfers: while the caller writes layer
+    ``i``, layer ``i+1`` is copied to the host, and layer ``i+2`` may
+    already be gathered on the device when the pools rotate through two
+    device buffers (``device_slots=2``). The first layer is staged as soon
+    as the object is made, so work the caller does before iterating (a
+    stream header) overlaps its transfer. A yielded layer's host pools are
+    valid until the caller asks for the next layer.
+    """
+
+    def __init__(self, layers: Iterator[tuple[BlockPagedTensor, BlockPagedTensor]], *, device_slots: int = 1) -> None:
+        if device_slots not in (1, 2):
+            raise ValueError(f"device_slots must be 1 or 2, not {device_slots}")
+        self._layers = iter(layers)
+        self._slots = device_slots
+        self._pinned: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+        self._copier: torch.cuda.Stream | None = None
+        # (host layer, its copy's event; None for a CPU layer), oldest first: at most two.
+        self._staged: list[tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event | None]] = []
+        self._copied = 0
+        self._done = False
+        self._pull()
+
+    def __iter__(self) -> HostLayers:
+        return self
+
+    def __next__(self) -> tuple[BlockPagedTensor, BlockPagedTensor]:
+        if not self._staged:
+            self._pull()
+        if not self._staged:
+            raise StopIteration
+        if self._staged[0][1] is not None and len(self._staged) == 1:
+            # Queue the next layer's gather and copy before waiting on this one.
+            self._pull()
+        layer, copied = self._staged.pop(0)
+        if copied is not None:
+            copied.synchronize()
+        return layer
+
+    def _pull(self) -> None:
+        if self._done:
+            return
+        try:
+            k, v = next(self._layers)
+        except StopIteration:
+            self._done = True
+            return
         if k.page_pool.device.type != "cuda":
-            if pending is not None:
-                pending[1].synchronize()
-                yield pending[0]
-                pending = None
-            yield k, v
-            del k, v  # the caller is done with this layer: do not hold it while the next is gathered
-            continue
-        slot = buffers[i % 2]
+            # A CPU layer is handed over as is; the next is pulled only when the
+            # caller is done with it (it may share this layer's buffers).
+            self._staged.append(((k, v), None))
+            return
+        self._staged.append(self._stage(k, v))
+
+    def _stage(
+        self, k: BlockPagedTensor, v: BlockPagedTensor
+    ) -> tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event]:
+        compute = torch.cuda.current_stream(k.page_pool.device)
+        if self._copier is None:
+            self._copier = torch.cuda.Stream(k.page_pool.device)
+        i = self._copied
+        self._copied += 1
+        slot = self._pinned[i % 2]
         if slot is None or slot[0].shape != k.page_pool.shape or slot[0].dtype != k.page_pool.dtype:
+            # The caller is done with the layer that used this pair two layers ago.
             slot = (
                 torch.empty(k.page_pool.shape, dtype=k.page_pool.dtype, pin_memory=True),
                 torch.empty(v.page_pool.shape, dtype=v.page_pool.dtype, pin_memory=True),
             )
-            buffers[i % 2] = slot
-        slot[0].copy_(k.page_pool, non_blocking=True)
-        slot[1].copy_(v.page_pool, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        host = tuple(
+            self._pinned[i % 2] = slot
+        self._copier.wait_stream(compute)  # the gather (and tail zeroing) of this layer
+        with torch.cuda.stream(self._copier):
+            slot[0].copy_(k.page_pool, non_blocking=True)
+            slot[1].copy_(v.page_pool, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        # The allocator must not hand these pools out again before the copy has read them.
+        k.page_pool.record_stream(self._copier)
+        v.page_pool.record_stream(self._copier)
+        if self._slots == 1:
+            # The next gather overwrites these device buffers: after this copy.
+            compute.wait_event(event)
+        elif self._staged and self._staged[-1][1] is not None:
+            # Two device buffers: the gather after next reuses the previous layer's
+            # (a previous layer already handed over was waited for then).
+            compute.wait_event(self._staged[-1][1])
+        hk, hv = (
             replace(
                 t,
                 page_pool=buf,
@@ -336,12 +476,4 @@ def to_host_overlapped(
             )
             for t, buf in ((k, slot[0]), (v, slot[1]))
         )
-        if pending is not None:
-            pending[1].synchronize()
-            yield pending[0]
-        # The generator resumes only after the caller is done with the layer
-        # it was handed, so the buffer pair used two layers ago is free again.
-        pending = ((host[0], host[1]), done)
-    if pending is not None:
-        pending[1].synchronize()
-        yield pending[0]
+        return (hk, hv), event

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA device, in one run: the gpu-marked tests and
+# the CUDA export benchmark. Meant for a borrowed GPU machine that has torch
+# with CUDA but no .venv (it runs the checkout in place through PYTHONPATH).
+#   scripts/gpu_checks.sh [OUTDIR]      (logs and JSON land in OUTDIR, default ./gpu-out)
+set -uo pipefail
+out=${1:-gpu-out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HURRAY_VLLM_CACHE_DIR=${HURRAY_VLLM_CACHE_DIR:-/tmp/hurray-vllm-cache}
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+    nproc
+} 2>&1 | tee "$out/machine.txt"
+rc=0
+timeout 240 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_*.py tests/test_reference_attention_sdpa.py 2>&1 | tee "$out/gpu_tests.log" || rc=1
+for spec in "default:--layouts nhd,cpu-vec" "large:--layouts nhd --pool-mib 4096 --export-mib 1024 --layers 32"; do
+    name=${spec%%:*}
+    # shellcheck disable=SC2086  # the options are meant to split
+    timeout 180 "$py" scripts/bench_export.py --device cuda --repeat 9 ${spec#*:} \
+        >"$out/bench_export_cuda_$name.json" 2>"$out/bench_export_cuda_$name.err" || rc=1
+    grep -h '"export_bandwidth_vs_pinned_d2h"\|"gb_per_s"' -A3 "$out/bench_export_cuda_$name.json" | head -20
+done
+exit $rc
