@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hurray_vllm import BlockPagedTensor, HurrayFormatError
 from hurray_vllm.adapters.vllm import SequenceState, plan_batch
+from hurray_vllm.adapters.vllm.export import _zero_tails
 from hurray_vllm.paged import plan_compaction
 
 
@@ -72,3 +73,19 @@ def test_plan_batch_with_sparse_huge_ids_allocates_nothing_by_id() -> None:
     assert plan.keep.tolist() == [2**40, 7, 2**40 + 1]
     assert plan.block_table.tolist() == [0, 1, 2, 1]
     assert plan.tails == ((2, 8),)
+
+
+@given(batches())
+def test_zeroing_tails_by_index_equals_per_page(batch: tuple[list[SequenceState], int]) -> None:
+    """The device path (one index_fill_ per pool) zeroes exactly what the per-page memsets zero."""
+    seqs, bs = batch
+    plan = plan_batch(seqs, bs)
+    pools = [torch.randn(plan.keep.numel(), bs, 2, 3) for _ in range(2)]
+    a = [p.clone() for p in pools]
+    b = [p.clone() for p in pools]
+    _zero_tails(plan, *a, {}, by_index=False)
+    _zero_tails(plan, *b, {}, by_index=True)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    for page, start in plan.tails:
+        assert not a[0][page, start:].any() and a[0][page, :start].all()

@@ -237,6 +237,7 @@ def export_layers(
     # The ids go to each cache device once per export: a host-to-device copy per layer
     # would synchronise the stream, stalling the previous layer's device-to-host copy.
     keep_on: dict[torch.device, torch.Tensor] = {}
+    tail_rows: dict[torch.device, torch.Tensor] = {}
     for i, cache in enumerate(caches):
         if storage_dtype is not None:
             cache = (
@@ -257,15 +258,45 @@ def export_layers(
         k_pool, v_pool = layout.gather(cache, keep, out)
         del out
         if zero_unused:
-            for page, start in plan.tails:
-                k_pool[page, start:].zero_()
-                v_pool[page, start:].zero_()
+            _zero_tails(plan, k_pool, v_pool, tail_rows)
         yield (
             BlockPagedTensor(k_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "key", i),
             BlockPagedTensor(v_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "value", i),
         )
         # Drop this layer before the next is gathered: peak memory stays one layer.
         del k_pool, v_pool, cache
+
+
+def _zero_tails(
+    plan: BatchPlan,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: dict[torch.device, torch.Tensor],
+    by_index: bool | None = None,
+) -> None:
+    """Zero the slots no sequence uses in both (contiguous) pools.
+
+    On the host each partly used page is one memset. On a device that would be
+    two kernel launches per page and layer, which costs more CPU time than the
+    device-to-host copy of the layer takes: there (``by_index``, the default
+    off the CPU), every unused slot's row goes in one index, built once per
+    export and device and kept in ``rows``, and one fill per pool.
+    """
+    if not plan.tails:
+        return
+    dev = k_pool.device
+    if not (by_index if by_index is not None else dev.type != "cpu"):
+        for page, start in plan.tails:
+            k_pool[page, start:].zero_()
+            v_pool[page, start:].zero_()
+        return
+    idx = rows.get(dev)
+    if idx is None:
+        bs = plan.block_size
+        flat = [page * bs + slot for page, start in plan.tails for slot in range(start, bs)]
+        idx = rows[dev] = torch.tensor(flat, dtype=torch.int64).to(dev)
+    for pool in (k_pool, v_pool):
+        pool.view(pool.shape[0] * pool.shape[1], math.prod(pool.shape[2:])).index_fill_(0, idx, 0)
 
 
 def _snapshot_shell(
