@@ -194,7 +194,7 @@ class GatherBuffers:
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Two contiguous ``shape`` tensors of ``dtype`` on ``device``, overwriting what the last call returned."""
-        need = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        need = math.prod(shape) * dtype.itemsize
         raw = self._raw
         if raw is None or raw[0].numel() < need or raw[0].device != device:
             self._raw = raw = (
@@ -497,13 +497,19 @@ class HostLayers:
             # Two device buffers: the gather after next reuses the previous layer's
             # (a previous layer already handed over was waited for then).
             compute.wait_event(self._staged[-1][1])
+        # Built directly: dataclasses.replace costs more than the copy launches (no-op .cpu() on host tensors).
         hk, hv = (
-            replace(
-                t,
+            BlockPagedTensor(
                 page_pool=buf,
                 block_table=t.block_table.cpu(),
                 seq_ptr=t.seq_ptr.cpu(),
                 seq_lens=t.seq_lens.cpu() if t.seq_lens is not None else None,
+                kv_role=t.kv_role,
+                layer_index=t.layer_index,
+                index_type=t.index_type,
+                quantization=t.quantization,
+                quant_buffers=tuple(b.cpu() for b in t.quant_buffers),
+                num_tokens=t.num_tokens,
             )
             for t, buf in ((k, slot[0]), (v, slot[1]))
         )
