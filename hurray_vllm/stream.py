@@ -11,13 +11,15 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import BinaryIO
 
 import torch
 
-from .descriptor import decode_descriptor, encode_descriptor, peek_descriptor_length
+from .descriptor import BlockPagedFields, TensorDescriptor, decode_descriptor, encode_descriptor, peek_descriptor_length
 from .errors import HurrayFormatError
-from .records import Record
+from .paged import BlockPagedTensor
+from .records import Record, dense_record, layer_records
 from .validation import raise_if, validate_descriptor
 
 __all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view"]
@@ -152,3 +154,93 @@ def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
                 remaining -= b.byte_size
         yield Record("", desc, buffers)
         index += 1
+
+
+class LayerWriter:
+    """Writes ``layers.{i}`` groups whose layers share one block structure, encoding it once.
+
+    A streaming export's layers differ only in their pools and layer index:
+    the group head, the index buffers and the ``seq_lens`` record are the
+    same bytes every time. This writer encodes them for the first layer and
+    reuses them while the next layers hold the same index tensors, pool
+    shape and dtype; only the two block-paged descriptors (they carry the
+    layer index) are encoded per layer. The bytes are exactly those of
+    ``write_records(layer_records(...))``. It keeps references to the index
+    tensors it encoded, so their ids stay valid while it lives.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._held: tuple[object, ...] = ()
+        self._head = b""
+        self._descs: tuple[tuple[TensorDescriptor, BlockPagedFields], ...] = ()
+        self._index: tuple[list[memoryview], list[memoryview]] = ([], [])
+        self._lens = b""
+        self._index_cache: dict[tuple[int, str], torch.Tensor] = {}
+
+    def write(
+        self,
+        f: BinaryIO,
+        i: int,
+        k: BlockPagedTensor,
+        v: BlockPagedTensor,
+        kv_scales: tuple[float, float] | None = None,
+    ) -> int:
+        """Write layer ``i``'s group to ``f``; returns the bytes written."""
+        if k.quant_buffers or v.quant_buffers or k.quantization is not None or v.quantization is not None:
+            return write_records(layer_records(i, k, v, kv_scales, self._index_cache), f)
+        key = (
+            *(id(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
+            tuple(k.page_pool.shape),
+            tuple(v.page_pool.shape),
+            k.dtype,
+            v.dtype,
+            k.index_type,
+            v.index_type,
+            k.kv_role,
+            v.kv_role,
+            kv_scales is None,
+        )
+        if key != self._key:
+            self._encode_fixed(i, k, v, kv_scales, key)
+        total = 0
+        f.write(self._head)
+        total += len(self._head)
+        for t, (desc, fields), index in zip((k, v), self._descs, self._index, strict=True):
+            raw = encode_descriptor(replace(desc, layout=replace(fields, layer_index=t.layer_index)))
+            f.write(raw)
+            pool = tensor_bytes(t.page_pool)
+            f.write(pool)
+            total += len(raw) + pool.nbytes
+            for mv in index:
+                f.write(mv)
+                total += mv.nbytes
+        f.write(self._lens)
+        total += len(self._lens)
+        if kv_scales is not None:
+            scales = torch.tensor(kv_scales, dtype=torch.float32)
+            total += write_records([dense_record(f"layers.{i}.kv_scales", scales)], f)
+        return total
+
+    def _encode_fixed(
+        self,
+        i: int,
+        k: BlockPagedTensor,
+        v: BlockPagedTensor,
+        kv_scales: tuple[float, float] | None,
+        key: tuple[object, ...],
+    ) -> None:
+        head, krec, vrec, lens, *_ = layer_records(i, k, v, kv_scales, self._index_cache)
+        self._head = encode_descriptor(head.descriptor)
+        descs = []
+        for rec in (krec, vrec):
+            fields = rec.descriptor.layout
+            if not isinstance(fields, BlockPagedFields):  # layer_records makes block-paged ones
+                raise TypeError(f"{rec.name} is not block-paged")
+            descs.append((rec.descriptor, fields))
+        self._descs = tuple(descs)
+        self._index = ([tensor_bytes(b) for b in krec.buffers[1:]], [tensor_bytes(b) for b in vrec.buffers[1:]])
+        self._lens = encode_descriptor(lens.descriptor) + bytes(tensor_bytes(lens.buffers[0]))
+        self._held = (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens, *krec.buffers[1:])
+        self._held += tuple(vrec.buffers[1:])
+        self._key = key

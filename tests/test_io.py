@@ -321,3 +321,20 @@ def test_unreadable_input_is_invalid_even_when_permissive(tmp_path: Path) -> Non
     for p in (tmp_path / "junk", tmp_path / "missing"):
         assert not hv.validate(p, permissive=True).ok
     assert not hv.validate(b"garbage", permissive=True).ok
+
+
+@given(snapshots(), snapshots())
+def test_layer_writer_writes_the_generic_records_bytes(a: hv.KVSnapshot, b: hv.KVSnapshot) -> None:
+    """One LayerWriter over two snapshots' layers (its fixed part re-encoded when the structure changes)."""
+    from hurray_vllm.records import layer_records
+    from hurray_vllm.stream import LayerWriter, write_records
+
+    writer = LayerWriter()
+    want, got = io.BytesIO(), io.BytesIO()
+    for snap in (a, b, a):
+        for i in range(snap.num_layers):
+            k, v = snap.keys[i], snap.values[i]
+            scales = snap.kv_scales[i] if snap.kv_scales is not None else None
+            n = writer.write(got, i, k, v, scales)
+            assert n == write_records(layer_records(i, k, v, scales), want)
+    assert got.getvalue() == want.getvalue()

@@ -24,9 +24,9 @@ import torch
 
 from ...errors import HurrayFormatError
 from ...paged import BlockPagedTensor, plan_compaction
-from ...records import header_records, layer_records
+from ...records import header_records
 from ...snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from ...stream import write_records
+from ...stream import LayerWriter, write_records
 from .layouts import KVLayout, as_storage_dtype
 
 __all__ = [
@@ -387,9 +387,9 @@ def export_stream(
     total = write_records(header_records(shell, num_layers=len(caches)), f)
     # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
     i = 0
-    narrowed: dict[tuple[int, str], torch.Tensor] = {}  # every layer shares the plan's index tensors
+    writer = LayerWriter()  # every layer shares the plan's index tensors: encoded once
     for k, v in host:
-        total += write_records(layer_records(i, k, v, kv_scales[i] if kv_scales is not None else None, narrowed), f)
+        total += writer.write(f, i, k, v, kv_scales[i] if kv_scales is not None else None)
         del k, v  # release this layer's pages before gathering the next
         i += 1
     return total
@@ -428,6 +428,7 @@ class HostLayers:
         self._slots = device_slots
         self._pinned: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
         self._copier: torch.cuda.Stream | None = None
+        self._compute: torch.cuda.Stream | None = None
         # (host layer, its copy's event; None for a CPU layer), oldest first: at most two.
         self._staged: list[tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event | None]] = []
         self._copied = 0
@@ -468,9 +469,11 @@ class HostLayers:
     def _stage(
         self, k: BlockPagedTensor, v: BlockPagedTensor
     ) -> tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event]:
-        compute = torch.cuda.current_stream(k.page_pool.device)
-        if self._copier is None:
+        if self._copier is None or self._compute is None:
+            # Looked up once: torch.cuda.current_stream costs more than a copy launch.
+            self._compute = torch.cuda.current_stream(k.page_pool.device)
             self._copier = torch.cuda.Stream(k.page_pool.device)
+        compute = self._compute
         i = self._copied
         self._copied += 1
         slot = self._pinned[i % 2]
