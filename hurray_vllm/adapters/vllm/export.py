@@ -469,10 +469,11 @@ class HostLayers:
     def _stage(
         self, k: BlockPagedTensor, v: BlockPagedTensor
     ) -> tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event]:
-        if self._copier is None or self._compute is None:
-            # Looked up once: torch.cuda.current_stream costs more than a copy launch.
-            self._compute = torch.cuda.current_stream(k.page_pool.device)
-            self._copier = torch.cuda.Stream(k.page_pool.device)
+        dev = k.page_pool.device
+        if self._copier is None or self._compute is None or self._copier.device != dev:
+            # Looked up once per device: torch.cuda.current_stream costs more than a copy launch.
+            self._compute = torch.cuda.current_stream(dev)
+            self._copier = torch.cuda.Stream(dev)
         compute = self._compute
         i = self._copied
         self._copied += 1
