@@ -339,6 +339,18 @@ def _encode_layout(d: TensorDescriptor) -> bytes:
     return lay.data
 
 
+def layer_index_offset(d: TensorDescriptor) -> int:
+    """Where the uint32 layer index of block-paged ``d`` lies in ``encode_descriptor(d)``.
+
+    Lets a writer encode one layer's descriptor and patch the index for the
+    next layers instead of encoding each (it follows the shape and byte
+    offset, inside the layout fields as :func:`_encode_layout` packs them).
+    """
+    if not isinstance(d.layout, BlockPagedFields):
+        raise HurrayFormatError("layout_tag", "only block-paged descriptors carry a layer index")
+    return FIXED_HEADER_LEN + 8 * len(d.shape) + 8 + struct.calcsize("<IQIIB")
+
+
 def encode_descriptor(d: TensorDescriptor) -> bytes:
     """Encode ``d`` to its wire bytes, byte-identical to the reference writer."""
     if len(d.buffers) > 255:

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from typing import BinaryIO
 
 import torch
 
-from .descriptor import BlockPagedFields, TensorDescriptor, decode_descriptor, encode_descriptor, peek_descriptor_length
+from .descriptor import (
+    LAYER_INDEX_NONE,
+    decode_descriptor,
+    encode_descriptor,
+    layer_index_offset,
+    peek_descriptor_length,
+)
 from .errors import HurrayFormatError
 from .paged import BlockPagedTensor
 from .records import Record, dense_record, layer_records
@@ -163,8 +169,8 @@ class LayerWriter:
     the group head, the index buffers and the ``seq_lens`` record are the
     same bytes every time. This writer encodes them for the first layer and
     reuses them while the next layers hold the same index tensors, pool
-    shape and dtype; only the two block-paged descriptors (they carry the
-    layer index) are encoded per layer. The bytes are exactly those of
+    shape and dtype; the two block-paged descriptors are encoded once too,
+    and each layer patches its layer index into them. The bytes are exactly those of
     ``write_records(layer_records(...))``. It keeps references to the index
     tensors it encoded, so their ids stay valid while it lives.
     """
@@ -173,7 +179,7 @@ class LayerWriter:
         self._key: tuple[object, ...] | None = None
         self._held: tuple[object, ...] = ()
         self._head = b""
-        self._descs: tuple[tuple[TensorDescriptor, BlockPagedFields], ...] = ()
+        self._descs: tuple[tuple[bytearray, int], ...] = ()
         self._index: tuple[list[memoryview], list[memoryview]] = ([], [])
         self._lens = b""
         self._index_cache: dict[tuple[int, str], torch.Tensor] = {}
@@ -206,8 +212,8 @@ class LayerWriter:
         total = 0
         f.write(self._head)
         total += len(self._head)
-        for t, (desc, fields), index in zip((k, v), self._descs, self._index, strict=True):
-            raw = encode_descriptor(replace(desc, layout=replace(fields, layer_index=t.layer_index)))
+        for t, (raw, at), index in zip((k, v), self._descs, self._index, strict=True):
+            struct.pack_into("<I", raw, at, LAYER_INDEX_NONE if t.layer_index is None else t.layer_index)
             f.write(raw)
             pool = tensor_bytes(t.page_pool)
             f.write(pool)
@@ -232,13 +238,10 @@ class LayerWriter:
     ) -> None:
         head, krec, vrec, lens, *_ = layer_records(i, k, v, kv_scales, self._index_cache)
         self._head = encode_descriptor(head.descriptor)
-        descs = []
-        for rec in (krec, vrec):
-            fields = rec.descriptor.layout
-            if not isinstance(fields, BlockPagedFields):  # layer_records makes block-paged ones
-                raise TypeError(f"{rec.name} is not block-paged")
-            descs.append((rec.descriptor, fields))
-        self._descs = tuple(descs)
+        # Encoded once; each layer patches its index in (the only field that differs).
+        self._descs = tuple(
+            (bytearray(encode_descriptor(r.descriptor)), layer_index_offset(r.descriptor)) for r in (krec, vrec)
+        )
         self._index = ([tensor_bytes(b) for b in krec.buffers[1:]], [tensor_bytes(b) for b in vrec.buffers[1:]])
         self._lens = encode_descriptor(lens.descriptor) + bytes(tensor_bytes(lens.buffers[0]))
         self._held = (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens, *krec.buffers[1:])

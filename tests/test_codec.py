@@ -146,3 +146,15 @@ def test_mutated_descriptors_raise_only_format_errors(data: st.DataObject) -> No
     from hurray_vllm import validate
 
     validate(d)  # must not raise
+
+
+@given(paged_tensors(), st.one_of(st.none(), st.integers(0, 2**32 - 2)))
+def test_patching_the_layer_index_equals_encoding_it(t: BlockPagedTensor, layer: int | None) -> None:
+    import struct
+
+    from hurray_vllm.descriptor import LAYER_INDEX_NONE, layer_index_offset
+
+    d = t.descriptor()
+    raw = bytearray(encode_descriptor(d))
+    struct.pack_into("<I", raw, layer_index_offset(d), LAYER_INDEX_NONE if layer is None else layer)
+    assert bytes(raw) == encode_descriptor(replace(t, layer_index=layer).descriptor())
