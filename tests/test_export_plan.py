@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hurray_vllm import BlockPagedTensor, HurrayFormatError
 from hurray_vllm.adapters.vllm import SequenceState, plan_batch
-from hurray_vllm.adapters.vllm.export import _zero_tails
+from hurray_vllm.adapters.vllm.export import GatherBuffers, _kv_pair, _zero_tails
 from hurray_vllm.paged import plan_compaction
 
 
@@ -80,12 +80,19 @@ def test_zeroing_tails_by_index_equals_per_page(batch: tuple[list[SequenceState]
     """The device path (one index_fill_ per pool) zeroes exactly what the per-page memsets zero."""
     seqs, bs = batch
     plan = plan_batch(seqs, bs)
-    pools = [torch.randn(plan.keep.numel(), bs, 2, 3) for _ in range(2)]
+    pools = [torch.randn(plan.keep.numel(), bs, 2, 32) for _ in range(2)]
     a = [p.clone() for p in pools]
     b = [p.clone() for p in pools]
+    # Adjacent pools (GatherBuffers lays K and V out so when the size allows): one fill for both.
+    c = GatherBuffers().take(tuple(pools[0].shape), pools[0].dtype, pools[0].device)
+    assert _kv_pair(*c) is not None  # 256-byte slots: V starts right after K
+    for dst, src in zip(c, pools, strict=True):
+        dst.copy_(src)
     _zero_tails(plan, *a, {}, by_index=False)
     _zero_tails(plan, *b, {}, by_index=True)
-    for x, y in zip(a, b, strict=True):
+    _zero_tails(plan, *c, {}, by_index=True)
+    for x, y, z in zip(a, b, c, strict=True):
         assert torch.equal(x, y)
+        assert torch.equal(x, z)
     for page, start in plan.tails:
         assert not a[0][page, start:].any() and a[0][page, :start].all()

@@ -26,9 +26,9 @@ pytestmark = [
 ]
 
 
-def _caches(device: str, layers: int = 3) -> list[torch.Tensor]:
+def _caches(device: str, layers: int = 3, head_dim: int = 64) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(64, 4, 16, 2 * 64, generator=g).to(torch.bfloat16).to(device) for _ in range(layers)]
+    return [torch.randn(64, 4, 16, 2 * head_dim, generator=g).to(torch.bfloat16).to(device) for _ in range(layers)]
 
 
 SEQS = [
@@ -60,10 +60,14 @@ def test_cuda_stream_export_goes_through_pinned_buffers() -> None:
 MORE = [*SEQS, SequenceState("c", [7, 8, 10, 11, 12, 13], 90, list(range(90)))]
 
 
-@pytest.mark.parametrize("layout", [LogicalBHNC(64), CpuPacked("vec", 64)])
-def test_cuda_stream_export_with_kept_buffers(layout) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("layout", "head_dim"),
+    # 8 KiB pages: K and V adjacent (one fill, one copy); 5 * 2-byte heads: V padded to 256 bytes.
+    [(LogicalBHNC(64), 64), (CpuPacked("vec", 64), 64), (LogicalBHNC(5), 5)],
+)
+def test_cuda_stream_export_with_kept_buffers(layout, head_dim: int) -> None:  # type: ignore[no-untyped-def]
     """An odd layer count through the two alternating device buffer pairs, kept across exports that grow."""
-    cpu, gpu = _caches("cpu", 7), _caches("cuda", 7)
+    cpu, gpu = _caches("cpu", 7, head_dim), _caches("cuda", 7, head_dim)
     kept = GatherBuffers()
     for seqs in (SEQS, MORE, SEQS):
         want, got = io.BytesIO(), io.BytesIO()

@@ -174,13 +174,15 @@ class GatherBuffers:
     """
 
     def __init__(self) -> None:
-        self._raw: tuple[torch.Tensor, torch.Tensor] | None = None
+        # One allocation: K then V, adjacent when the pool size allows, so that a device
+        # export zeroes and copies both roles with one launch each (see _kv_pair).
+        self._raw: torch.Tensor | None = None
         self._twin: GatherBuffers | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes held (both buffers, and the twin's)."""
-        own = 0 if self._raw is None else 2 * int(self._raw[0].numel())
+        own = 0 if self._raw is None else int(self._raw.numel())
         return own + (self._twin.nbytes if self._twin is not None else 0)
 
     def twin(self) -> GatherBuffers:
@@ -195,18 +197,31 @@ class GatherBuffers:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Two contiguous ``shape`` tensors of ``dtype`` on ``device``, overwriting what the last call returned."""
         need = math.prod(shape) * dtype.itemsize
+        at = need if need % 256 == 0 else -(-need // 256) * 256  # V's start, aligned for any kernel
         raw = self._raw
-        if raw is None or raw[0].numel() < need or raw[0].device != device:
-            self._raw = raw = (
-                torch.empty(need, dtype=torch.uint8, device=device),
-                torch.empty(need, dtype=torch.uint8, device=device),
-            )
-        return raw[0][:need].view(dtype).view(shape), raw[1][:need].view(dtype).view(shape)
+        if raw is None or raw.numel() < at + need or raw.device != device:
+            self._raw = raw = torch.empty(at + need, dtype=torch.uint8, device=device)
+        return raw[:need].view(dtype).view(shape), raw[at : at + need].view(dtype).view(shape)
 
     def release(self) -> None:
         """Drop the buffers and the twin's (they are allocated again when next needed)."""
         self._raw = None
         self._twin = None
+
+
+def _kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``[2, *k.shape]`` over both pools when V directly follows K in memory (as
+    :class:`GatherBuffers` lays them out), so one launch zeroes or copies both; else None."""
+    if (
+        k.shape != v.shape
+        or k.dtype != v.dtype
+        or k.device != v.device
+        or not (k.is_contiguous() and v.is_contiguous())
+        or v.data_ptr() != k.data_ptr() + k.numel() * k.element_size()
+        or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+    ):
+        return None
+    return k.as_strided((2, *k.shape), (k.numel(), *k.stride()), k.storage_offset())
 
 
 def _first(cache: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -237,7 +252,7 @@ def export_layers(
     # The ids go to each cache device once per export: a host-to-device copy per layer
     # would synchronise the stream, stalling the previous layer's device-to-host copy.
     keep_on: dict[torch.device, torch.Tensor] = {}
-    tail_rows: dict[torch.device, torch.Tensor] = {}
+    tail_rows: dict[tuple[torch.device, bool], torch.Tensor] = {}
     for i, cache in enumerate(caches):
         if storage_dtype is not None:
             cache = (
@@ -271,7 +286,7 @@ def _zero_tails(
     plan: BatchPlan,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    rows: dict[torch.device, torch.Tensor],
+    rows: dict[tuple[torch.device, bool], torch.Tensor],
     by_index: bool | None = None,
 ) -> None:
     """Zero the slots no sequence uses in both (contiguous) pools.
@@ -280,7 +295,8 @@ def _zero_tails(
     two kernel launches per page and layer, which costs more CPU time than the
     device-to-host copy of the layer takes: there (``by_index``, the default
     off the CPU), every unused slot's row goes in one index, built once per
-    export and device and kept in ``rows``, and one fill per pool.
+    export and device and kept in ``rows``, and one fill covers both pools
+    when they are adjacent (one per pool otherwise).
     """
     if not plan.tails:
         return
@@ -290,13 +306,20 @@ def _zero_tails(
             k_pool[page, start:].zero_()
             v_pool[page, start:].zero_()
         return
-    idx = rows.get(dev)
+    slots = k_pool.shape[0] * k_pool.shape[1]
+    both = _kv_pair(k_pool, v_pool)
+    idx = rows.get((dev, both is not None))
     if idx is None:
         bs = plan.block_size
         flat = [page * bs + slot for page, start in plan.tails for slot in range(start, bs)]
-        idx = rows[dev] = torch.tensor(flat, dtype=torch.int64).to(dev)
+        if both is not None:
+            flat += [slots + r for r in flat]  # the same rows of the value half
+        idx = rows[dev, both is not None] = torch.tensor(flat, dtype=torch.int64).to(dev)
+    if both is not None:
+        both.view(2 * slots, math.prod(k_pool.shape[2:])).index_fill_(0, idx, 0)
+        return
     for pool in (k_pool, v_pool):
-        pool.view(pool.shape[0] * pool.shape[1], math.prod(pool.shape[2:])).index_fill_(0, idx, 0)
+        pool.view(slots, math.prod(pool.shape[2:])).index_fill_(0, idx, 0)
 
 
 def _snapshot_shell(
@@ -426,7 +449,8 @@ class HostLayers:
             raise ValueError(f"device_slots must be 1 or 2, not {device_slots}")
         self._layers = iter(layers)
         self._slots = device_slots
-        self._pinned: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+        # Per slot: host K and V pools, and the [2, ...] tensor holding both when they share a shape.
+        self._pinned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = [None, None]
         self._copier: torch.cuda.Stream | None = None
         self._compute: torch.cuda.Stream | None = None
         # (host layer, its copy's event; None for a CPU layer), oldest first: at most two.
@@ -477,23 +501,34 @@ class HostLayers:
         compute = self._compute
         i = self._copied
         self._copied += 1
+        kp, vp = k.page_pool, v.page_pool
         slot = self._pinned[i % 2]
-        if slot is None or slot[0].shape != k.page_pool.shape or slot[0].dtype != k.page_pool.dtype:
-            # The caller is done with the layer that used this pair two layers ago.
-            slot = (
-                torch.empty(k.page_pool.shape, dtype=k.page_pool.dtype, pin_memory=True),
-                torch.empty(v.page_pool.shape, dtype=v.page_pool.dtype, pin_memory=True),
-            )
+        if slot is None or any(h.shape != d.shape or h.dtype != d.dtype for h, d in ((slot[0], kp), (slot[1], vp))):
+            # The caller is done with the layer that used this slot two layers ago.
+            if kp.shape == vp.shape and kp.dtype == vp.dtype:
+                pair = torch.empty((2, *kp.shape), dtype=kp.dtype, pin_memory=True)
+                slot = (pair[0], pair[1], pair)
+            else:
+                slot = (
+                    torch.empty(kp.shape, dtype=kp.dtype, pin_memory=True),
+                    torch.empty(vp.shape, dtype=vp.dtype, pin_memory=True),
+                    None,
+                )
             self._pinned[i % 2] = slot
+        both = _kv_pair(kp, vp) if slot[2] is not None else None
         self._copier.wait_stream(compute)  # the gather (and tail zeroing) of this layer
         with torch.cuda.stream(self._copier):
-            slot[0].copy_(k.page_pool, non_blocking=True)
-            slot[1].copy_(v.page_pool, non_blocking=True)
+            if both is not None and slot[2] is not None:
+                slot[2].copy_(both, non_blocking=True)  # adjacent pools: one transfer
+            else:
+                slot[0].copy_(kp, non_blocking=True)
+                slot[1].copy_(vp, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         # The allocator must not hand these pools out again before the copy has read them.
-        k.page_pool.record_stream(self._copier)
-        v.page_pool.record_stream(self._copier)
+        kp.record_stream(self._copier)
+        if both is None:
+            vp.record_stream(self._copier)
         if self._slots == 1:
             # The next gather overwrites these device buffers: after this copy.
             compute.wait_event(event)
