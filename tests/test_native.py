@@ -163,3 +163,59 @@ def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(monkeypatch: pyte
     finally:
         native._state.clear()
         native._state.update(saved)
+
+
+@pytest.mark.parametrize(("isa", "dtype", "n", "d"), CASES)
+def test_scatter_inverts_gather_natively_and_in_torch(isa: str, dtype: torch.dtype, n: int, d: int, torch_only) -> None:  # type: ignore[no-untyped-def]
+    """scatter writes exactly the blocks it is given (a strided cache too), and gather reads them back."""
+    src = _cache(dtype, 9, 3, n, d, seed=n + d)
+    ids = torch.tensor([7, 0, 3, 8])
+    layout = CpuPacked(isa, d)
+    k, v = layout.gather(src, ids)
+    caches = []
+    for use_native in (False, True):
+        if use_native:
+            native._state.clear()
+            os.environ["HURRAY_VLLM_NATIVE"] = "1"
+            _lib()
+        # Every (block, head) plane contiguous but the cache a view of a larger buffer, as vLLM's are.
+        big = _cache(dtype, 9, 6, n, d, seed=1)
+        cache = big[:, 1:4]
+        before = big.clone()
+        layout.scatter(cache, ids, k, v)
+        got = layout.gather(cache, ids)
+        assert torch.equal(got[0].view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(got[1].view(torch.uint8), v.view(torch.uint8))
+        untouched = torch.ones(9, 6, dtype=torch.bool)
+        untouched[ids, 1:4] = False
+        assert torch.equal(big[untouched].view(torch.uint8), before[untouched].view(torch.uint8))
+        caches.append(cache.clone())
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+
+
+def test_scatter_refuses_bad_pages() -> None:
+    from hurray_vllm import HurrayFormatError
+
+    layout = CpuPacked("vec", 8)
+    cache = torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)
+    k = torch.zeros(1, 16, 2, 8, dtype=torch.bfloat16)
+    for ids, keys, field in ((torch.tensor([1]), k.float(), "keys"), (torch.tensor([4]), k, "block_ids")):
+        with pytest.raises(HurrayFormatError) as info:
+            layout.scatter(cache, ids, keys, k)
+        assert info.value.field == field
+
+
+@pytest.mark.parametrize("kind", ["vec_keys_put", "amx_keys_put", "amx_values_put"])
+def test_sse2_put_kernels_equal_the_portable_loops(kind: str) -> None:
+    lib = _lib()
+    b, h, n, d = 6, 4, 64, 128
+    pages = _cache(torch.bfloat16, 3, n, h, d // 2, seed=2).reshape(3, n, h, d)
+    ids = torch.tensor([5, 1, 2])
+    caches = []
+    for name in (f"hurray_{kind}_2", f"hurray_{kind}_2_generic"):
+        cache = torch.zeros(b, h, n, 2 * d, dtype=torch.bfloat16)
+        base = cache.data_ptr() + (n * d * 2 if kind == "amx_values_put" else 0)
+        fn = native.kernel(lib, name)
+        fn(base, ids.data_ptr(), 0, 3, cache.stride(0), cache.stride(1), h, n, d, pages.data_ptr())
+        caches.append(cache.view(torch.int16))
+    assert torch.equal(caches[0], caches[1])

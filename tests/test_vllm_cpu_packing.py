@@ -61,6 +61,19 @@ def test_cpu_packing(isa: str, dtype: torch.dtype, d: int, n: int) -> None:
         assert torch.equal(v[j, : ve.shape[0]], ve), f"{isa} values of block {ids[j]}"
 
 
+@pytest.mark.parametrize(("isa", "dtype", "d", "n"), CASES)
+def test_scatter_packs_what_the_op_packs(isa: str, dtype: torch.dtype, d: int, n: int) -> None:
+    """CpuPacked.scatter (native kernels here) writes the bytes cpu_attn_reshape_and_cache writes."""
+    cache, slots, key, value = _write(isa, dtype, d, n)
+    full = [4, 1]  # the blocks the op filled completely
+    pages = [torch.stack(_expected(slots, x, n, full)) for x in (key, value)]
+    ours = torch.zeros_like(cache)
+    CpuPacked(isa, d).scatter(ours, torch.tensor(full), *pages)
+    assert torch.equal(ours[full].view(torch.uint8), cache[full].view(torch.uint8))
+    rest = [b for b in range(cache.shape[0]) if b not in full]
+    assert not ours[rest].view(torch.uint8).any()
+
+
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "fp8"), [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]

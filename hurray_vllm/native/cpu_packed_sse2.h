@@ -109,5 +109,115 @@ void hurray_amx_values_2(const uint16_t *base, const int64_t *blocks, int64_t i0
     }
 }
 
+/* The inverses, into the cache (the same transposes, run the other way). */
+
+void hurray_vec_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
+                           int64_t H, int64_t N, int64_t D, const uint16_t *src) {
+    if (N % 8 || D % 8) {
+        hurray_vec_keys_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
+        return;
+    }
+    const int64_t r = H * D;
+    PARALLEL_FOR
+    for (int64_t ih = i0 * H; ih < i1 * H; ih++) {
+        {
+            const int64_t i = ih / H, h = ih % H;
+            uint16_t *plane = base + blocks[i] * sb + h * sh;
+            const uint16_t *in = src + (i * N * H + h) * D;
+            for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                for (int64_t n0 = 0; n0 < N; n0 += 8) {
+                    const uint16_t *s = in + n0 * r + d0;
+                    __m128i a0 = LD(s), a1 = LD(s + r), a2 = LD(s + 2 * r), a3 = LD(s + 3 * r);
+                    __m128i a4 = LD(s + 4 * r), a5 = LD(s + 5 * r), a6 = LD(s + 6 * r), a7 = LD(s + 7 * r);
+                    __m128i t0 = _mm_unpacklo_epi16(a0, a1), t1 = _mm_unpackhi_epi16(a0, a1);
+                    __m128i t2 = _mm_unpacklo_epi16(a2, a3), t3 = _mm_unpackhi_epi16(a2, a3);
+                    __m128i t4 = _mm_unpacklo_epi16(a4, a5), t5 = _mm_unpackhi_epi16(a4, a5);
+                    __m128i t6 = _mm_unpacklo_epi16(a6, a7), t7 = _mm_unpackhi_epi16(a6, a7);
+                    __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+                    __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+                    __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+                    __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+                    uint16_t *o = plane + d0 * N + n0;
+                    ST(o, _mm_unpacklo_epi64(u0, u4));
+                    ST(o + N, _mm_unpackhi_epi64(u0, u4));
+                    ST(o + 2 * N, _mm_unpacklo_epi64(u1, u5));
+                    ST(o + 3 * N, _mm_unpackhi_epi64(u1, u5));
+                    ST(o + 4 * N, _mm_unpacklo_epi64(u2, u6));
+                    ST(o + 5 * N, _mm_unpackhi_epi64(u2, u6));
+                    ST(o + 6 * N, _mm_unpacklo_epi64(u3, u7));
+                    ST(o + 7 * N, _mm_unpackhi_epi64(u3, u7));
+                }
+            }
+        }
+    }
+}
+
+void hurray_amx_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
+                           int64_t H, int64_t N, int64_t D, const uint16_t *src) {
+    if (D % 8) {
+        hurray_amx_keys_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
+        return;
+    }
+    const int64_t r = H * D;
+    PARALLEL_FOR
+    for (int64_t ih = i0 * H; ih < i1 * H; ih++) {
+        {
+            const int64_t i = ih / H, h = ih % H;
+            uint32_t *plane = (uint32_t *)(base + blocks[i] * sb + h * sh);
+            const uint16_t *in = src + (i * N * H + h) * D;
+            for (int64_t nh = 0; nh < N / 16; nh++) {
+                uint32_t *blk = plane + nh * (D / 2) * 16;
+                for (int64_t nl = 0; nl < 16; nl += 4) {
+                    const uint16_t *row = in + (nh * 16 + nl) * r;
+                    for (int64_t dp = 0; dp < D / 2; dp += 4) {
+                        /* 4 tokens x 4 dim pairs (words), transposed into 4 dim pairs x 4 tokens. */
+                        __m128i v0 = LD(row + 2 * dp), v1 = LD(row + r + 2 * dp);
+                        __m128i v2 = LD(row + 2 * r + 2 * dp), v3 = LD(row + 3 * r + 2 * dp);
+                        __m128i t0 = _mm_unpacklo_epi32(v0, v1), t1 = _mm_unpackhi_epi32(v0, v1);
+                        __m128i t2 = _mm_unpacklo_epi32(v2, v3), t3 = _mm_unpackhi_epi32(v2, v3);
+                        uint32_t *o = blk + dp * 16 + nl;
+                        ST(o, _mm_unpacklo_epi64(t0, t2));
+                        ST(o + 16, _mm_unpackhi_epi64(t0, t2));
+                        ST(o + 32, _mm_unpacklo_epi64(t1, t3));
+                        ST(o + 48, _mm_unpackhi_epi64(t1, t3));
+                    }
+                }
+            }
+        }
+    }
+}
+
+void hurray_amx_values_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
+                             int64_t H, int64_t N, int64_t D, const uint16_t *src) {
+    const int64_t r = H * D;
+    PARALLEL_FOR
+    for (int64_t ih = i0 * H; ih < i1 * H; ih++) {
+        {
+            const int64_t i = ih / H, h = ih % H;
+            uint16_t *plane = base + blocks[i] * sb + h * sh;
+            const uint16_t *in = src + (i * N * H + h) * D;
+            for (int64_t nh = 0; nh < N / 2; nh++) {
+                const uint16_t *r0 = in + 2 * nh * r;
+                for (int64_t dh = 0; dh < D / 16; dh++) {
+                    uint16_t *tile = plane + (dh * (N / 2) + nh) * 32;
+                    /* Two tokens' 16 dims interleaved: [d0t0 d0t1 d1t0 d1t1 ...]. */
+                    __m128i a = LD(r0 + dh * 16), b = LD(r0 + r + dh * 16);
+                    __m128i c = LD(r0 + dh * 16 + 8), e = LD(r0 + r + dh * 16 + 8);
+                    ST(tile, _mm_unpacklo_epi16(a, b));
+                    ST(tile + 8, _mm_unpackhi_epi16(a, b));
+                    ST(tile + 16, _mm_unpacklo_epi16(c, e));
+                    ST(tile + 24, _mm_unpackhi_epi16(c, e));
+                }
+            }
+        }
+    }
+}
+
+/* Row-major values need no shuffles: the portable loop is already a row copy. */
+void hurray_rows_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
+                       int64_t H, int64_t N, int64_t D, const uint16_t *src) {
+    hurray_rows_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
+}
+
 #undef LD
 #undef ST

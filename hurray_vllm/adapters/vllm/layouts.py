@@ -246,6 +246,75 @@ class CpuPacked:
         _select(v, ids, out[1])
         return out
 
+    def scatter(self, cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write whole blocks into ``cache``: the inverse of :meth:`gather`.
+
+        ``keys`` and ``values`` are ``[n, block_size, H, head_dim]`` in the
+        cache's dtype; ``block_ids`` (int64 ``[n]``) must be distinct. For an
+        unquantized cache this packs exactly what vLLM's
+        ``cpu_attn_reshape_and_cache`` (``csrc/cpu/cpu_attn.cpp``) would
+        write for those tokens (tested against it), at memory speed through
+        the native kernels; fp8 caches need the op's quantization instead.
+        """
+        b, h, n, c = cache.shape
+        d = self.head_dim
+        if c != 2 * d:
+            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        ids = _ids(block_ids, cache)
+        m = ids.numel()
+        for name, t in (("keys", keys), ("values", values)):
+            if tuple(t.shape) != (m, n, h, d) or t.dtype != cache.dtype:
+                raise HurrayFormatError(
+                    name, f"must be {cache.dtype} [{m}, {n}, {h}, {d}], got {t.dtype} {list(t.shape)}"
+                )
+        p = 1 if cache.element_size() == 4 else 2
+        if self.isa == "amx" and (n % 16 or d % 16 or n % p or d % p):
+            raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
+        if m == 0:
+            return
+        if int(ids.min()) < 0 or int(ids.max()) >= b:
+            raise HurrayFormatError("block_ids", f"block ids must lie in [0, {b}) for this cache")
+        keys, values = keys.contiguous(), values.contiguous()
+        if self._scatter_native(cache, ids, keys, values):
+            return
+        # Bits are moved, not values: as integers of the same width (index_copy_ has no float8 kernels).
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[cache.element_size()]
+        keys, values = keys.view(bits), values.view(bits)
+        try:
+            planes = cache.view(bits).view(b, h, 2, n * d)  # never reshape: a copy would take the writes
+        except RuntimeError:
+            raise HurrayFormatError("cache", "each (block, head) plane must be contiguous to be written") from None
+        kp, vp = planes[:, :, 0], planes[:, :, 1]
+        if self.isa in ("vec", "vec16"):
+            kp.unflatten(-1, (d, n)).permute(0, 3, 1, 2).index_copy_(0, ids, keys)
+            vp.unflatten(-1, (n, d)).permute(0, 2, 1, 3).index_copy_(0, ids, values)
+            return
+        wide = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p * cache.element_size()]
+        k = kp.view(wide).unflatten(-1, (n // 16, d // p, 16)).permute(0, 2, 4, 1, 3)
+        k.index_copy_(0, ids, keys.view(wide).view(m, *k.shape[1:]))
+        v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
+        v.index_copy_(0, ids, values.view(m, *v.shape[1:]))
+
+    def _scatter_native(self, cache: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        es = cache.element_size()
+        _, h, n, c = cache.shape
+        if cache.device.type != "cpu" or es not in (1, 2, 4) or cache.stride(3) != 1 or cache.stride(2) != c:
+            return False
+        lib = native.library()
+        if lib is None:
+            return False
+        d = self.head_dim
+        blocks = ids.contiguous()
+        base_k = cache.data_ptr()
+        base_v = base_k + n * d * es
+        geometry = (cache.stride(0), cache.stride(1), h, n, d)
+        vec = self.isa in ("vec", "vec16")
+        fk = native.kernel(lib, f"hurray_{'vec' if vec else 'amx'}_keys_put_{es}")
+        fv = native.kernel(lib, f"hurray_{'rows' if vec else 'amx_values'}_put_{es}")
+        fk(base_k, blocks.data_ptr(), 0, blocks.numel(), *geometry, keys.data_ptr())
+        fv(base_v, blocks.data_ptr(), 0, blocks.numel(), *geometry, values.data_ptr())
+        return True
+
     def _gather_native(self, cache: torch.Tensor, ids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """The same gather through the C kernels of :mod:`hurray_vllm.native`; False where they do not apply.
 
