@@ -23,11 +23,11 @@ from typing import Any, BinaryIO
 import torch
 
 from .crc32c import crc32c
-from .descriptor import LAYOUT_COMPOSITE, decode_descriptor, encode_descriptor, peek_descriptor_length
+from .descriptor import LAYOUT_COMPOSITE, encode_descriptor, peek_descriptor_length
 from .errors import HurrayFormatError
 from .records import Record
 from .stream import byte_view, read_into, tensor_bytes
-from .validation import raise_if, validate_descriptor
+from .validation import decode_checked
 
 __all__ = ["FILE_MAGIC", "write_file", "HrryFile", "IndexEntry"]
 
@@ -403,8 +403,7 @@ class HrryFile:
                 "file.index.descriptor_length",
                 f"{entry.name}: the index says {entry.descriptor_length} bytes, the descriptor {own}",
             )
-        desc = decode_descriptor(raw)
-        raise_if(validate_descriptor(desc, permissive=permissive), entry.name)
+        desc = decode_checked(raw, entry.name, permissive=permissive)
         spans = []
         pos = entry.data_offset
         for i, b in enumerate(desc.buffers):

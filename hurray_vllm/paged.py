@@ -20,7 +20,7 @@ from .descriptor import (
     TensorDescriptor,
 )
 from .errors import HurrayFormatError
-from .validation import Checked, raise_if, validate_descriptor, validate_index_buffers
+from .validation import Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
 
 __all__ = ["BlockPagedTensor", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
 
@@ -349,7 +349,7 @@ class BlockPagedTensor:
         Views the page pool in place (no copy); widens the index buffers to
         int64. Raises :class:`HurrayFormatError` for any blocking violation.
         """
-        checked = validate_descriptor(desc, permissive=permissive)
+        checked = check_own(desc, permissive=permissive)
         raise_if(checked, "block-paged descriptor")
         bp = desc.block_paged
         if bp is None:

@@ -18,7 +18,6 @@ import torch
 
 from .descriptor import (
     LAYER_INDEX_NONE,
-    decode_descriptor,
     encode_descriptor,
     layer_index_offset,
     peek_descriptor_length,
@@ -26,7 +25,7 @@ from .descriptor import (
 from .errors import HurrayFormatError
 from .paged import BlockPagedTensor
 from .records import Record, dense_record, layer_records
-from .validation import raise_if, validate_descriptor
+from .validation import decode_checked
 
 __all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view"]
 
@@ -150,8 +149,7 @@ def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
         rest = _read_upto(f, length - 10)
         if len(rest) != length - 10:
             raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index}")
-        desc = decode_descriptor(head + rest)
-        raise_if(validate_descriptor(desc, permissive=permissive), f"descriptor {index}")
+        desc = decode_checked(head + rest, f"descriptor {index}", permissive=permissive)
         remaining = _remaining(f)
         buffers = []
         for i, b in enumerate(desc.buffers):

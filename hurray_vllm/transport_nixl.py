@@ -55,7 +55,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from .descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor, decode_descriptor, encode_descriptor
+from .descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor, encode_descriptor
 from .descriptor import peek_descriptor_length as _peek_len
 from .errors import HurrayFormatError
 from .records import Record, assemble_snapshot, group_records, snapshot_records
@@ -63,7 +63,7 @@ from .snapshot import KVSnapshot
 from .store import DIGEST_KEY, ChunkDigest
 from .stream import tensor_bytes
 from .transport import _NAME, MAX_CHUNK_BYTES, _recv_exact
-from .validation import raise_if, validate_descriptor
+from .validation import decode_checked
 
 __all__ = [
     "NixlReceiver",
@@ -292,8 +292,7 @@ def _parse_offer(body: bytearray, max_remote_bytes: int) -> _Offer:
         raw = c.take(length, f"descriptor {i}")
         if len(raw) < 10 or _peek_len(raw) != length:
             raise HurrayFormatError("descriptor_length", f"descriptor {i}: framed length {length} does not match")
-        desc = decode_descriptor(raw)
-        raise_if(validate_descriptor(desc), f"descriptor {i}")
+        desc = decode_checked(raw, f"descriptor {i}")
         bufs: list[torch.Tensor | int] = []
         for j, b in enumerate(desc.buffers):
             mode = c.u8(f"descriptor {i} buffer {j} mode")

@@ -15,6 +15,7 @@ hand (``block_table.page_id`` is structural): only the record-level tools
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -30,10 +31,11 @@ from .descriptor import (
     PerTensorAffine,
     RawQuantization,
     TensorDescriptor,
+    decode_descriptor,
 )
 from .errors import HurrayFormatError, Violation
 
-__all__ = ["Checked", "validate_descriptor", "validate_index_buffers", "raise_if"]
+__all__ = ["Checked", "validate_descriptor", "validate_index_buffers", "raise_if", "check_own", "decode_checked"]
 
 _STRUCTURAL = frozenset(
     {
@@ -90,6 +92,35 @@ def raise_if(checked: Checked, context: str = "") -> None:
     """Raise :class:`HurrayFormatError` if ``checked`` has blocking violations."""
     if checked.errors:
         raise HurrayFormatError.from_violations(checked.errors, context)
+
+
+# Readers meet the same descriptor bytes again and again: layer i of every chunk file a
+# connector loads, every layer of a stream but for its index. Decoding them and checking a
+# descriptor's own rules are pure functions of those bytes, so both are remembered (a few
+# hundred bytes per entry, bounded); the buffers are still checked every time.
+@functools.lru_cache(maxsize=1024)
+def _decoded(raw: bytes) -> TensorDescriptor:
+    return decode_descriptor(raw)
+
+
+@functools.lru_cache(maxsize=1024)
+def _own_rules(d: TensorDescriptor, permissive: bool) -> Checked:
+    return validate_descriptor(d, permissive=permissive)
+
+
+def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
+    """``validate_descriptor(d)`` without buffers, remembered for descriptors seen before."""
+    try:
+        return _own_rules(d, permissive)
+    except TypeError:  # a field that cannot be hashed: check it afresh
+        return validate_descriptor(d, permissive=permissive)
+
+
+def decode_checked(raw: bytes | bytearray | memoryview, context: str, *, permissive: bool = False) -> TensorDescriptor:
+    """Decode ``raw`` and raise :class:`HurrayFormatError` (naming ``context``) if it breaks a blocking rule."""
+    d = _decoded(bytes(raw))
+    raise_if(check_own(d, permissive=permissive), context)
+    return d
 
 
 def _common(d: TensorDescriptor, out: list[Violation]) -> None:
