@@ -126,6 +126,13 @@ def test_crc32c_equals_the_reference_implementation() -> None:
     assert native.crc32c(data[500:], native.crc32c(data[:500]) or 0) == crc32c(data)
     assert native.crc32c(memoryview(bytearray(data))) == crc32c(data)  # writable buffers too
     assert native.crc32c(b"", 7) == 7
+    # Long inputs run in interleaved lanes of 4 KiB, three per block: every boundary around them.
+    import random
+
+    big = random.Random(5).randbytes(3 * 4096 * 3 + 77)
+    for n in (3 * 4096 - 1, 3 * 4096, 3 * 4096 + 1, 2 * 3 * 4096 + 8, len(big)):
+        assert native.crc32c(big[:n]) == crc32c(big[:n]), n
+    assert native.crc32c(big[12345:], native.crc32c(big[:12345]) or 0) == crc32c(big)
 
 
 def test_chunk_digests_name_their_algorithm(torch_only) -> None:  # type: ignore[no-untyped-def]
