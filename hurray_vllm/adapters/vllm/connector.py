@@ -533,10 +533,13 @@ class HurrayConnector(KVConnectorBase_V1):
         out = []
         for role in ("key", "value"):
             t = chunk[layer, role]
-            pages = t.pages_of(0)
             pool = t.page_pool
-            if pages.numel() != pool.shape[0] or not torch.equal(pages, torch.arange(pages.numel())):
-                pool = pool.index_select(0, pages.to(pool.device))
+            # A chunk's tables hold a handful of ids: compared as lists, not with tensor ops
+            # (this runs for every layer, role and chunk of a load).
+            ptr = t.seq_ptr.tolist()
+            table = t.block_table.tolist()[ptr[0] : ptr[1]]
+            if table != list(range(pool.shape[0])):
+                pool = pool.index_select(0, torch.tensor(table, dtype=torch.int64, device=pool.device))
             out.append(pool)
         if chunk.kv_scales is None:
             return out[0], out[1]
