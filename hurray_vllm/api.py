@@ -98,13 +98,11 @@ def _atomic_stream(records: Iterator[Record], path: str | os.PathLike[str]) -> i
     return n
 
 
-def open_records(
-    path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False, populate: bool = False
-) -> Iterator[Record]:
-    """Every record of a Hurray file or stream at ``path``, in write order (``populate``: see :func:`load`)."""
+def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> Iterator[Record]:
+    """Every record of a Hurray file or stream at ``path``, in write order."""
     fmt = detect_format(path)
     if fmt == "hrry":
-        with HrryFile(path, mmap=mmap, populate=populate) as hf:
+        with HrryFile(path, mmap=mmap) as hf:
             yield from hf.records(permissive=permissive)
     elif fmt == "safetensors":
         from .safetensors_io import load_safetensors
@@ -116,21 +114,14 @@ def open_records(
 
 
 def load(
-    path: str | os.PathLike[str],
-    *,
-    permissive: bool = False,
-    mmap: bool = False,
-    populate: bool = False,
-    progress: bool = False,
+    path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False, progress: bool = False
 ) -> KVSnapshot:
     """Read a :class:`KVSnapshot` from a ``.hrry`` file, a Hurray stream or a ``.safetensors`` file.
 
     The format is recognised by its magic bytes. ``mmap=True`` maps a
-    ``.hrry`` file's page pools instead of reading them, and with
-    ``populate=True`` maps the whole file in at once (worth it when every
-    byte will be read, as a checksum does; not for taking one layer of a
-    large file); ``progress=True`` shows a progress bar on a terminal.
-    Raises :class:`HurrayFormatError` for anything malformed.
+    ``.hrry`` file's page pools instead of reading them; ``progress=True``
+    shows a progress bar on a terminal. Raises
+    :class:`HurrayFormatError` for anything malformed.
     """
     if detect_format(path) == "safetensors":
         from .safetensors_io import load_safetensors
@@ -138,8 +129,7 @@ def load(
         return load_safetensors(path, permissive=permissive)
     return assemble_snapshot(
         group_records(
-            _shown(open_records(path, permissive=permissive, mmap=mmap, populate=populate), "load", progress),
-            permissive=permissive,
+            _shown(open_records(path, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
         ),
         permissive=permissive,
     )

@@ -279,32 +279,14 @@ def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, 
 # ── reading ─────────────────────────────────────────────────────────────────
 
 
-#: Linux 5.14+: fault a range in now (absent from Python's mmap constants before 3.12 or so).
-_MADV_POPULATE_READ = getattr(_mmap, "MADV_POPULATE_READ", 22)
-
-
-def _populate(m: _mmap.mmap) -> None:
-    for advice in (_MADV_POPULATE_READ, getattr(_mmap, "MADV_WILLNEED", None)):
-        if advice is None or not hasattr(m, "madvise"):
-            return
-        try:
-            m.madvise(advice)
-            return
-        except (OSError, ValueError):  # an older kernel, or another OS: the next best, or nothing
-            continue
-
-
 class HrryFile:
     """An open ``.hrry`` file: its index, KV metadata, and records on demand.
 
     With ``mmap=True`` buffers are zero-copy views of a private (copy on
     write) mapping; otherwise each buffer is read into a fresh tensor.
-    ``populate=True`` (with ``mmap``) maps the whole file in at once, for
-    readers that touch every byte (a checksum): one ``madvise`` instead of a
-    page fault per 4 KiB, which cost more than the checksum itself.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False, populate: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False) -> None:
         self.path = Path(path)
         self._f = open(self.path, "rb")
         try:
@@ -313,8 +295,6 @@ class HrryFile:
             self._map: _mmap.mmap | None = None
             if mmap and self.size:
                 self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)
-                if populate:
-                    _populate(self._map)
         except BaseException:
             self._f.close()
             raise

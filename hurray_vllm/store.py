@@ -185,7 +185,7 @@ class DirectoryStore:
         """The chunk under ``key``; raises :class:`HurrayFormatError` if missing or malformed."""
         path = self.path(namespace, key)
         try:
-            return load(path, mmap=True, populate=True)  # every byte is checksummed
+            return load(path, mmap=True)
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 

@@ -338,25 +338,3 @@ def test_layer_writer_writes_the_generic_records_bytes(a: hv.KVSnapshot, b: hv.K
             n = writer.write(got, i, k, v, scales)
             assert n == write_records(layer_records(i, k, v, scales), want)
     assert got.getvalue() == want.getvalue()
-
-
-def test_populated_maps_read_the_same(tmp_path: Path) -> None:
-    """populate=True (one madvise for the whole map) changes nothing but the faulting."""
-    from hurray_vllm.hrryfile import _populate
-
-    snap = spec_example_snapshot()
-    path = tmp_path / "a.hrry"
-    hv.save(snap, path)
-    assert same_snapshot(hv.load(path, mmap=True, populate=True), hv.load(path))
-
-    class Refusing:
-        def __init__(self) -> None:
-            self.asked: list[int] = []
-
-        def madvise(self, advice: int) -> None:
-            self.asked.append(advice)
-            raise OSError(22, "Invalid argument")  # a kernel without MADV_POPULATE_READ
-
-    m = Refusing()
-    _populate(m)  # type: ignore[arg-type]
-    assert len(m.asked) == 2  # populate, then willneed; neither is fatal
