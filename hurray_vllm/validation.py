@@ -108,8 +108,17 @@ def _own_rules(d: TensorDescriptor, permissive: bool) -> Checked:
     return validate_descriptor(d, permissive=permissive)
 
 
+#: The verdicts decode_checked reached, by the identity of the descriptor it returned: hashing
+#: a descriptor (every field, recursively) costs more than looking it up. Each entry holds its
+#: descriptor, so an id cannot be reused while the entry lives; cleared when it grows.
+_BY_ID: dict[tuple[int, bool], tuple[TensorDescriptor, Checked]] = {}
+
+
 def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
     """``validate_descriptor(d)`` without buffers, remembered for descriptors seen before."""
+    hit = _BY_ID.get((id(d), permissive))
+    if hit is not None and hit[0] is d:
+        return hit[1]
     try:
         return _own_rules(d, permissive)
     except TypeError:  # a field that cannot be hashed: check it afresh
@@ -119,7 +128,11 @@ def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
 def decode_checked(raw: bytes | bytearray | memoryview, context: str, *, permissive: bool = False) -> TensorDescriptor:
     """Decode ``raw`` and raise :class:`HurrayFormatError` (naming ``context``) if it breaks a blocking rule."""
     d = _decoded(bytes(raw))
-    raise_if(check_own(d, permissive=permissive), context)
+    checked = check_own(d, permissive=permissive)
+    if len(_BY_ID) >= 4096:
+        _BY_ID.clear()
+    _BY_ID[id(d), permissive] = (d, checked)
+    raise_if(checked, context)
     return d
 
 
