@@ -5,6 +5,40 @@
 #define LD(p) _mm_loadu_si128((const __m128i *)(p))
 #define ST(p, x) _mm_storeu_si128((__m128i *)(p), (x))
 
+/* An 8x8 block of 16-bit elements: row k of the input (at s + k * ss) becomes column k of the
+ * output (rows at o + k * os). Both directions of the vec keys use it. */
+static inline void tr8x8_16(const uint16_t *s, int64_t ss, uint16_t *o, int64_t os) {
+    __m128i a0 = LD(s), a1 = LD(s + ss), a2 = LD(s + 2 * ss), a3 = LD(s + 3 * ss);
+    __m128i a4 = LD(s + 4 * ss), a5 = LD(s + 5 * ss), a6 = LD(s + 6 * ss), a7 = LD(s + 7 * ss);
+    __m128i t0 = _mm_unpacklo_epi16(a0, a1), t1 = _mm_unpackhi_epi16(a0, a1);
+    __m128i t2 = _mm_unpacklo_epi16(a2, a3), t3 = _mm_unpackhi_epi16(a2, a3);
+    __m128i t4 = _mm_unpacklo_epi16(a4, a5), t5 = _mm_unpackhi_epi16(a4, a5);
+    __m128i t6 = _mm_unpacklo_epi16(a6, a7), t7 = _mm_unpackhi_epi16(a6, a7);
+    __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+    __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+    __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+    __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+    ST(o, _mm_unpacklo_epi64(u0, u4));
+    ST(o + os, _mm_unpackhi_epi64(u0, u4));
+    ST(o + 2 * os, _mm_unpacklo_epi64(u1, u5));
+    ST(o + 3 * os, _mm_unpackhi_epi64(u1, u5));
+    ST(o + 4 * os, _mm_unpacklo_epi64(u2, u6));
+    ST(o + 5 * os, _mm_unpackhi_epi64(u2, u6));
+    ST(o + 6 * os, _mm_unpacklo_epi64(u3, u7));
+    ST(o + 7 * os, _mm_unpackhi_epi64(u3, u7));
+}
+
+/* A 4x4 block of 32-bit words (an AMX key's dim pairs), likewise: both directions of the AMX keys. */
+static inline void tr4x4_32(const uint32_t *s, int64_t ss, uint32_t *o, int64_t os) {
+    __m128i v0 = LD(s), v1 = LD(s + ss), v2 = LD(s + 2 * ss), v3 = LD(s + 3 * ss);
+    __m128i t0 = _mm_unpacklo_epi32(v0, v1), t1 = _mm_unpackhi_epi32(v0, v1);
+    __m128i t2 = _mm_unpacklo_epi32(v2, v3), t3 = _mm_unpackhi_epi32(v2, v3);
+    ST(o, _mm_unpacklo_epi64(t0, t2));
+    ST(o + os, _mm_unpackhi_epi64(t0, t2));
+    ST(o + 2 * os, _mm_unpacklo_epi64(t1, t3));
+    ST(o + 3 * os, _mm_unpackhi_epi64(t1, t3));
+}
+
 /* vec / vec16 keys, plane [D][N]: 8x8 transposes of 16-bit elements. */
 void hurray_vec_keys_2(const uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
                        int64_t H, int64_t N, int64_t D, uint16_t *dst) {
@@ -21,26 +55,7 @@ void hurray_vec_keys_2(const uint16_t *base, const int64_t *blocks, int64_t i0, 
             uint16_t *out = dst + (i * N * H + h) * D;
             for (int64_t n0 = 0; n0 < N; n0 += 8) {
                 for (int64_t d0 = 0; d0 < D; d0 += 8) {
-                    const uint16_t *s = plane + d0 * N + n0;
-                    __m128i a0 = LD(s), a1 = LD(s + N), a2 = LD(s + 2 * N), a3 = LD(s + 3 * N);
-                    __m128i a4 = LD(s + 4 * N), a5 = LD(s + 5 * N), a6 = LD(s + 6 * N), a7 = LD(s + 7 * N);
-                    __m128i t0 = _mm_unpacklo_epi16(a0, a1), t1 = _mm_unpackhi_epi16(a0, a1);
-                    __m128i t2 = _mm_unpacklo_epi16(a2, a3), t3 = _mm_unpackhi_epi16(a2, a3);
-                    __m128i t4 = _mm_unpacklo_epi16(a4, a5), t5 = _mm_unpackhi_epi16(a4, a5);
-                    __m128i t6 = _mm_unpacklo_epi16(a6, a7), t7 = _mm_unpackhi_epi16(a6, a7);
-                    __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
-                    __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
-                    __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
-                    __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
-                    uint16_t *o = out + n0 * r + d0;
-                    ST(o, _mm_unpacklo_epi64(u0, u4));
-                    ST(o + r, _mm_unpackhi_epi64(u0, u4));
-                    ST(o + 2 * r, _mm_unpacklo_epi64(u1, u5));
-                    ST(o + 3 * r, _mm_unpackhi_epi64(u1, u5));
-                    ST(o + 4 * r, _mm_unpacklo_epi64(u2, u6));
-                    ST(o + 5 * r, _mm_unpackhi_epi64(u2, u6));
-                    ST(o + 6 * r, _mm_unpacklo_epi64(u3, u7));
-                    ST(o + 7 * r, _mm_unpackhi_epi64(u3, u7));
+                    tr8x8_16(plane + d0 * N + n0, N, out + n0 * r + d0, r);
                 }
             }
         }
@@ -66,14 +81,7 @@ void hurray_amx_keys_2(const uint16_t *base, const int64_t *blocks, int64_t i0, 
                 for (int64_t nl = 0; nl < 16; nl += 4) {
                     uint16_t *row = out + (nh * 16 + nl) * r;
                     for (int64_t dp = 0; dp < D / 2; dp += 4) {
-                        const uint32_t *s = blk + dp * 16 + nl;
-                        __m128i v0 = LD(s), v1 = LD(s + 16), v2 = LD(s + 32), v3 = LD(s + 48);
-                        __m128i t0 = _mm_unpacklo_epi32(v0, v1), t1 = _mm_unpackhi_epi32(v0, v1);
-                        __m128i t2 = _mm_unpacklo_epi32(v2, v3), t3 = _mm_unpackhi_epi32(v2, v3);
-                        ST(row + 2 * dp, _mm_unpacklo_epi64(t0, t2));
-                        ST(row + r + 2 * dp, _mm_unpackhi_epi64(t0, t2));
-                        ST(row + 2 * r + 2 * dp, _mm_unpacklo_epi64(t1, t3));
-                        ST(row + 3 * r + 2 * dp, _mm_unpackhi_epi64(t1, t3));
+                        tr4x4_32(blk + dp * 16 + nl, 16, (uint32_t *)(row + 2 * dp), r / 2);
                     }
                 }
             }
@@ -126,26 +134,7 @@ void hurray_vec_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, in
             const uint16_t *in = src + (i * N * H + h) * D;
             for (int64_t d0 = 0; d0 < D; d0 += 8) {
                 for (int64_t n0 = 0; n0 < N; n0 += 8) {
-                    const uint16_t *s = in + n0 * r + d0;
-                    __m128i a0 = LD(s), a1 = LD(s + r), a2 = LD(s + 2 * r), a3 = LD(s + 3 * r);
-                    __m128i a4 = LD(s + 4 * r), a5 = LD(s + 5 * r), a6 = LD(s + 6 * r), a7 = LD(s + 7 * r);
-                    __m128i t0 = _mm_unpacklo_epi16(a0, a1), t1 = _mm_unpackhi_epi16(a0, a1);
-                    __m128i t2 = _mm_unpacklo_epi16(a2, a3), t3 = _mm_unpackhi_epi16(a2, a3);
-                    __m128i t4 = _mm_unpacklo_epi16(a4, a5), t5 = _mm_unpackhi_epi16(a4, a5);
-                    __m128i t6 = _mm_unpacklo_epi16(a6, a7), t7 = _mm_unpackhi_epi16(a6, a7);
-                    __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
-                    __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
-                    __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
-                    __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
-                    uint16_t *o = plane + d0 * N + n0;
-                    ST(o, _mm_unpacklo_epi64(u0, u4));
-                    ST(o + N, _mm_unpackhi_epi64(u0, u4));
-                    ST(o + 2 * N, _mm_unpacklo_epi64(u1, u5));
-                    ST(o + 3 * N, _mm_unpackhi_epi64(u1, u5));
-                    ST(o + 4 * N, _mm_unpacklo_epi64(u2, u6));
-                    ST(o + 5 * N, _mm_unpackhi_epi64(u2, u6));
-                    ST(o + 6 * N, _mm_unpacklo_epi64(u3, u7));
-                    ST(o + 7 * N, _mm_unpackhi_epi64(u3, u7));
+                    tr8x8_16(in + n0 * r + d0, r, plane + d0 * N + n0, N);
                 }
             }
         }
@@ -171,15 +160,7 @@ void hurray_amx_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, in
                     const uint16_t *row = in + (nh * 16 + nl) * r;
                     for (int64_t dp = 0; dp < D / 2; dp += 4) {
                         /* 4 tokens x 4 dim pairs (words), transposed into 4 dim pairs x 4 tokens. */
-                        __m128i v0 = LD(row + 2 * dp), v1 = LD(row + r + 2 * dp);
-                        __m128i v2 = LD(row + 2 * r + 2 * dp), v3 = LD(row + 3 * r + 2 * dp);
-                        __m128i t0 = _mm_unpacklo_epi32(v0, v1), t1 = _mm_unpackhi_epi32(v0, v1);
-                        __m128i t2 = _mm_unpacklo_epi32(v2, v3), t3 = _mm_unpackhi_epi32(v2, v3);
-                        uint32_t *o = blk + dp * 16 + nl;
-                        ST(o, _mm_unpacklo_epi64(t0, t2));
-                        ST(o + 16, _mm_unpackhi_epi64(t0, t2));
-                        ST(o + 32, _mm_unpacklo_epi64(t1, t3));
-                        ST(o + 48, _mm_unpackhi_epi64(t1, t3));
+                        tr4x4_32((const uint32_t *)(row + 2 * dp), r / 2, blk + dp * 16 + nl, 16);
                     }
                 }
             }

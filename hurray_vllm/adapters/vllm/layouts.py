@@ -14,6 +14,7 @@ Nothing here imports vLLM: the layouts are described from vLLM's source
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -295,19 +296,30 @@ class CpuPacked:
         v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
         v.index_copy_(0, ids, values.view(m, *v.shape[1:]))
 
-    def _scatter_native(self, cache: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    def _native(self, cache: torch.Tensor) -> tuple[ctypes.CDLL, int, int, tuple[int, ...]] | None:
+        """(library, key plane base, value plane base, geometry) when the C kernels apply, else None.
+
+        They need a CPU cache whose (block, head) planes are contiguous and
+        1-, 2- or 4-byte elements; the value plane follows the key plane in
+        every (block, head).
+        """
         es = cache.element_size()
         _, h, n, c = cache.shape
         if cache.device.type != "cpu" or es not in (1, 2, 4) or cache.stride(3) != 1 or cache.stride(2) != c:
-            return False
+            return None
         lib = native.library()
         if lib is None:
+            return None
+        base = cache.data_ptr()
+        return lib, base, base + n * self.head_dim * es, (cache.stride(0), cache.stride(1), h, n, self.head_dim)
+
+    def _scatter_native(self, cache: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        got = self._native(cache)
+        if got is None:
             return False
-        d = self.head_dim
+        lib, base_k, base_v, geometry = got
+        es = cache.element_size()
         blocks = ids.contiguous()
-        base_k = cache.data_ptr()
-        base_v = base_k + n * d * es
-        geometry = (cache.stride(0), cache.stride(1), h, n, d)
         vec = self.isa in ("vec", "vec16")
         fk = native.kernel(lib, f"hurray_{'vec' if vec else 'amx'}_keys_put_{es}")
         fv = native.kernel(lib, f"hurray_{'rows' if vec else 'amx_values'}_put_{es}")
@@ -318,28 +330,22 @@ class CpuPacked:
     def _gather_native(self, cache: torch.Tensor, ids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """The same gather through the C kernels of :mod:`hurray_vllm.native`; False where they do not apply.
 
-        They need a CPU cache whose (block, head) planes are contiguous and
-        1-, 2- or 4-byte elements; the results are byte-identical to the
-        torch path's. The vec/vec16 values are already row-major and go
-        through ``index_select`` at memory speed.
+        The results are byte-identical to the torch path's. The vec/vec16
+        values are already row-major and go through ``index_select`` at
+        memory speed.
         """
-        es = cache.element_size()
-        b, h, n, c = cache.shape
-        if cache.device.type != "cpu" or es not in (1, 2, 4) or cache.stride(3) != 1 or cache.stride(2) != c:
+        got = self._native(cache)
+        if got is None:
             return False
-        lib = native.library()
-        if lib is None:
-            return False
+        lib, base_k, base_v, geometry = got
+        b, h, n, _ = cache.shape
+        d, es = self.head_dim, cache.element_size()
         m = ids.numel()
         if m == 0:
             return True
         blocks = ids.contiguous()
         if int(blocks.min()) < 0 or int(blocks.max()) >= b:
             raise HurrayFormatError("block_ids", f"block ids must lie in [0, {b}) for this cache")
-        d = self.head_dim
-        base_k = cache.data_ptr()
-        base_v = base_k + n * d * es  # the value plane follows the key plane in every (block, head)
-        geometry = (cache.stride(0), cache.stride(1), h, n, d)
         bp, dk, dv = blocks.data_ptr(), out[0].data_ptr(), out[1].data_ptr()
         vec = self.isa in ("vec", "vec16")
         fk = native.kernel(lib, f"hurray_{'vec' if vec else 'amx'}_keys_{es}")
