@@ -19,7 +19,7 @@ from .descriptor import (
     Quantization,
     TensorDescriptor,
 )
-from .errors import HurrayFormatError
+from .errors import HurrayFormatError, Violation
 from .validation import Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
 
 __all__ = ["BlockPagedTensor", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
@@ -343,11 +343,16 @@ class BlockPagedTensor:
         *,
         seq_lens: torch.Tensor | None = None,
         permissive: bool = False,
+        index_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]] | None = None,
     ) -> BlockPagedTensor:
         """Rebuild from a decoded descriptor and its raw uint8 buffers.
 
         Views the page pool in place (no copy); widens the index buffers to
         int64. Raises :class:`HurrayFormatError` for any blocking violation.
+        ``index_cache`` (a dict kept while reading one snapshot) widens and
+        checks each distinct set of index buffers once: a snapshot's layers
+        carry the same block table, and then share one int64 copy of it, as
+        an export's layers do.
         """
         checked = check_own(desc, permissive=permissive)
         raise_if(checked, "block-paged descriptor")
@@ -360,13 +365,36 @@ class BlockPagedTensor:
         _, heads, dim = desc.shape
         pool = buffers[0].view(dtype).view(bp.num_pages, bp.page_size, heads, dim)
         wide = torch.uint64 if bp.index_type_tag == 1 else torch.uint32
-        table = _widen(buffers[1], wide)
-        seq_ptr = _widen(buffers[2], wide)
-        # The descriptor's own rules were checked above: add only the index-buffer rules
-        # (the same verdict as validate_descriptor with the buffers, one pass cheaper).
         found = list(checked.violations)
-        if not any(v.invariant.endswith("byte_size") or v.invariant == "buffer_count" for v in found):
-            validate_index_buffers(desc, table, seq_ptr, seq_lens, found)
+        sizes_ok = not any(v.invariant.endswith("byte_size") or v.invariant == "buffer_count" for v in found)
+        # Everything the index-buffer rules read: the geometry and the three buffers' bytes.
+        key: tuple[object, ...] | None = None
+        if index_cache is not None and sizes_ok and all(b.device.type == "cpu" for b in buffers[1:3]):
+            key = (
+                desc.shape,
+                bp.page_size,
+                bp.num_pages,
+                bp.num_seqs,
+                bp.index_type_tag,
+                buffers[1].numpy().tobytes(),
+                buffers[2].numpy().tobytes(),
+                None if seq_lens is None else seq_lens.numpy().tobytes(),
+            )
+        hit = index_cache.get(key) if index_cache is not None and key is not None else None
+        if hit is not None:
+            table, seq_ptr, index_found = hit
+        else:
+            table = _widen(buffers[1], wide)
+            seq_ptr = _widen(buffers[2], wide)
+            # The descriptor's own rules were checked above: add only the index-buffer rules
+            # (the same verdict as validate_descriptor with the buffers, one pass cheaper).
+            more: list[Violation] = []
+            if sizes_ok:
+                validate_index_buffers(desc, table, seq_ptr, seq_lens, more)
+            index_found = tuple(more)
+            if index_cache is not None and key is not None:
+                index_cache[key] = (table, seq_ptr, index_found)
+        found.extend(index_found)
         raise_if(Checked(tuple(found), permissive), f"block-paged layer {bp.layer_index} {bp.kv_role}")
         return cls(
             page_pool=pool,

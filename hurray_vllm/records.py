@@ -39,7 +39,7 @@ from .descriptor import (
     CompositeFields,
     TensorDescriptor,
 )
-from .errors import HurrayFormatError
+from .errors import HurrayFormatError, Violation
 from .paged import BlockPagedTensor
 from .snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from .validation import raise_if, validate_descriptor
@@ -268,11 +268,18 @@ def _parse_meta(node: Node) -> tuple[dict[str, Any], list[tuple[int, ...]]]:
     return meta, split_tokens(ids, ptr)
 
 
-def _bp(node: Node, seq_lens: torch.Tensor | None, permissive: bool) -> BlockPagedTensor:
+def _bp(
+    node: Node,
+    seq_lens: torch.Tensor | None,
+    permissive: bool,
+    index_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]],
+) -> BlockPagedTensor:
     rec = node.record
     if node.is_composite or rec.descriptor.layout_tag != LAYOUT_BLOCK_PAGED:
         raise HurrayFormatError("layout_tag", f"{rec.name or 'tensor'}: expected a block-paged descriptor")
-    return BlockPagedTensor.from_wire(rec.descriptor, rec.buffers, seq_lens=seq_lens, permissive=permissive)
+    return BlockPagedTensor.from_wire(
+        rec.descriptor, rec.buffers, seq_lens=seq_lens, permissive=permissive, index_cache=index_cache
+    )
 
 
 def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVSnapshot:
@@ -286,6 +293,8 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
     token_ids: list[tuple[int, ...]] = []
     layers: dict[int, dict[str, BlockPagedTensor]] = {}
     scales: dict[int, tuple[float, float]] = {}
+    # The layers' index buffers are widened and checked once per distinct content.
+    index_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]] = {}
     order = 0
     for node in nodes:
         if _is_snapshot_header(node):
@@ -295,8 +304,8 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
             continue
         if _is_layer_group(node):
             lens = _dense(node.members[2], torch.int64, "seq_lens")
-            key = _bp(node.members[0], lens if lens.numel() or _no_seqs(node) else None, permissive)
-            value = _bp(node.members[1], key.seq_lens, permissive)
+            key = _bp(node.members[0], lens if lens.numel() or _no_seqs(node) else None, permissive, index_cache)
+            value = _bp(node.members[1], key.seq_lens, permissive, index_cache)
             if key.kv_role != "key" or value.kv_role != "value":
                 raise HurrayFormatError("kv_role", f"layer group holds {key.kv_role}/{value.kv_role}, not key/value")
             idx = key.layer_index if key.layer_index is not None else order
@@ -311,7 +320,7 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
             order += 1
             continue
         if not node.is_composite and node.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED:
-            t = _bp(node, None, permissive)
+            t = _bp(node, None, permissive, index_cache)
             idx = t.layer_index if t.layer_index is not None else order // 2
             slot = layers.setdefault(idx, {})
             if t.kv_role in slot:

@@ -338,3 +338,32 @@ def test_layer_writer_writes_the_generic_records_bytes(a: hv.KVSnapshot, b: hv.K
             n = writer.write(got, i, k, v, scales)
             assert n == write_records(layer_records(i, k, v, scales), want)
     assert got.getvalue() == want.getvalue()
+
+
+def test_layers_share_index_tensors_but_each_is_checked() -> None:
+    """Reading widens equal index buffers once (the layers share them); a bad one is still refused."""
+    from dataclasses import replace as dc_replace
+
+    from hurray_vllm.records import header_records, layer_records
+    from hurray_vllm.stream import write_records
+
+    snap = spec_example_snapshot()
+    buf = io.BytesIO()
+    hv.write_stream(snap, buf)
+    buf.seek(0)
+    back = hv.read_stream(buf)
+    assert back.num_layers == 4
+    assert back[0, "key"].block_table is back[3, "value"].block_table
+    # Layer 1 points past its pool: the shared result of layer 0 must not hide it.
+    bad = io.BytesIO()
+    write_records(header_records(snap), bad)
+    for i in range(snap.num_layers):
+        k, v = snap.keys[i], snap.values[i]
+        if i == snap.num_layers - 1:
+            table = k.block_table.clone()
+            table[0] = k.num_pages + 3
+            k, v = dc_replace(k, block_table=table), dc_replace(v, block_table=table)
+        write_records(layer_records(i, k, v), bad)
+    bad.seek(0)
+    with pytest.raises(hv.HurrayFormatError, match="block_table"):
+        hv.read_stream(bad)
