@@ -289,10 +289,10 @@ class HrryFile:
     def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False) -> None:
         self.path = Path(path)
         self._f = open(self.path, "rb")
+        self._map: _mmap.mmap | None = None
         try:
             self.size = os.fstat(self._f.fileno()).st_size
             self._parse()
-            self._map: _mmap.mmap | None = None
             if mmap and self.size:
                 self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)
         except BaseException:
@@ -311,6 +311,10 @@ class HrryFile:
     def _read_at(self, off: int, n: int, what: str) -> bytes:
         if off < 0 or n < 0 or off + n > self.size:
             raise HurrayFormatError(what, f"{n} bytes at offset {off} lie outside the {self.size}-byte file")
+        if self._map is not None:
+            # From the map: a seek and a read are two system calls, each of which lets
+            # another thread take the GIL; inside an engine that cost ~50 us per read.
+            return self._map[off : off + n]
         self._f.seek(off)
         data = self._f.read(n)
         if len(data) != n:
@@ -421,11 +425,12 @@ class HrryFile:
             what = f"{entry.name} buffer {i}"
             if off + n > self.size - TRAILER_LEN:
                 raise HurrayFormatError(what, f"{n} bytes at {off} run past the end of the file")
-            # Small buffers (block tables, seq_ptr, metadata) are read outright:
-            # through the map each would be a separate page fault on a cold file,
-            # taken before the first pool byte is wanted.
+            # Pools are views of the map. Small buffers (block tables, seq_ptr, metadata)
+            # are copied out of it, so they do not pin the map or share its pages.
             if self._map is not None and n >= _MMAP_MIN:
                 buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=off))
+            elif self._map is not None and n:
+                buffers.append(torch.frombuffer(bytearray(self._map[off : off + n]), dtype=torch.uint8))
             else:
                 t = torch.empty(n, dtype=torch.uint8)
                 if n:
