@@ -82,8 +82,15 @@ def make_snapshot(
     layers: int = 2,
     kv_scales: tuple[tuple[float, float], ...] | None = None,
     seed: int = 0,
+    spare_pages: int = 0,
+    shuffle: bool = False,
+    scale: float = 2.0,
 ) -> KVSnapshot:
-    """Sequence 0 owns fresh pages from 0; a later sequence with a full first page shares page 0 (a prefix)."""
+    """Sequence 0 owns fresh pages from 0; a later sequence with a full first page shares page 0 (a prefix).
+
+    ``spare_pages`` adds pages no sequence references; ``shuffle`` permutes the page ids;
+    the values are ``scale`` times standard normal.
+    """
     table: list[int] = []
     ptr = [0]
     next_page = 0
@@ -96,12 +103,15 @@ def make_snapshot(
                 table.append(next_page)
                 next_page += 1
         ptr.append(len(table))
-    num_pages = max(next_page, 1)
+    num_pages = max(next_page, 1) + spare_pages
     gen = torch.Generator().manual_seed(seed)
     bt, sp, sl = (torch.tensor(x, dtype=torch.int64) for x in (table, ptr, lens))
+    if shuffle:
+        perm = torch.randperm(num_pages, generator=gen)
+        bt = perm[bt] if table else bt
 
     def pool() -> torch.Tensor:
-        return (torch.randn(num_pages, page_size, heads, dim, generator=gen) * 2).to(dtype)
+        return (torch.randn(num_pages, page_size, heads, dim, generator=gen) * scale).to(dtype)
 
     return KVSnapshot(
         keys=tuple(BlockPagedTensor(pool(), bt, sp, sl, "key", i) for i in range(layers)),

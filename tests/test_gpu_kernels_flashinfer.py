@@ -13,8 +13,9 @@ from types import ModuleType
 
 import pytest
 import torch
+from test_flashinfer_import import make_snapshot
 
-from hurray_vllm import BlockPagedTensor, KVSnapshot
+from hurray_vllm import KVSnapshot
 from hurray_vllm.adapters.flashinfer import FlashInferCache, plan_flashinfer_repage, reference_decode, to_flashinfer
 
 pytestmark = [pytest.mark.gpu]
@@ -44,36 +45,19 @@ def snapshot(
     heads: int = 4,
     dim: int = 128,
     dtype: torch.dtype = torch.float16,
-    layers: int = 2,
     kv_scales: tuple[tuple[float, float], ...] | None = None,
-    seed: int = 0,
 ) -> KVSnapshot:
-    """A batch whose later sequences share sequence 0's first page (a prefix), pages shuffled."""
-    table: list[int] = []
-    ptr = [0]
-    next_page = 0
-    share = bool(lens) and lens[0] >= page_size
-    for s, n in enumerate(lens):
-        for j in range(-(-n // page_size)):
-            if s and j == 0 and share and n >= page_size:
-                table.append(0)
-            else:
-                table.append(next_page)
-                next_page += 1
-        ptr.append(len(table))
-    num_pages = max(next_page, 1) + 3  # a few pages no sequence references
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(num_pages, generator=gen)
-    bt = perm[torch.tensor(table, dtype=torch.int64)] if table else torch.empty(0, dtype=torch.int64)
-    sp, sl = torch.tensor(ptr, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
-
-    def pool() -> torch.Tensor:
-        return torch.randn(num_pages, page_size, heads, dim, generator=gen).to(dtype)
-
-    return KVSnapshot(
-        keys=tuple(BlockPagedTensor(pool(), bt, sp, sl, "key", i) for i in range(layers)),
-        values=tuple(BlockPagedTensor(pool(), bt, sp, sl, "value", i) for i in range(layers)),
+    """A batch whose later sequences share sequence 0's first page (a prefix), pages shuffled, spare pages."""
+    return make_snapshot(
+        lens,
+        page_size=page_size,
+        heads=heads,
+        dim=dim,
+        dtype=dtype,
         kv_scales=kv_scales,
+        spare_pages=3,
+        shuffle=True,
+        scale=1.0,
     )
 
 
