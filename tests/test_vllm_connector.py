@@ -49,13 +49,20 @@ def run_engine(
     cfg = {
         "model": str(tmp / "model"),
         "block_size": block_size,
-        "extra": extra,
+        "connector": extra,
         "prompts": prompts if prompts is not None else PROMPTS,
         "max_tokens": max_tokens,
+        "stats": True,
     }
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     proc = subprocess.run(
-        [sys.executable, str(HERE / "vllm_connector_run.py"), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
+        [
+            sys.executable,
+            "-m",
+            "hurray_vllm.adapters.vllm._generate",
+            str(tmp / f"{name}.json"),
+            str(tmp / f"{name}.out"),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,10 +1,12 @@
-"""Run one offline vLLM engine over token-id prompts, in its own process (used by the demo).
+"""Run one offline vLLM engine over token-id prompts, in its own process (the demo and the tests use it).
 
 Usage: python -m hurray_vllm.adapters.vllm._generate CONFIG_JSON RESULT_JSON
 
-CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": {id: n},
-         "connector": {extra config} | null}
-RESULT: {"outputs": {id: [token ids]}, "cached": {id: num_cached_tokens}}
+CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | {id: n},
+         "connector": {HurrayConnector extra config} | null, "policy": kv_load_failure_policy
+         (default "recompute"), "stats": true to report the connector's statistics}
+RESULT: {"outputs": {id: [token ids]}, "cached": {id: num_cached_tokens},
+         "scheduler_stats"/"worker_stats": {...} (with "stats", after background saves finished)}
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 
 def main() -> None:
@@ -29,7 +32,7 @@ def main() -> None:
             kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
             kv_role="kv_both",
             kv_connector_extra_config=cfg["connector"],
-            kv_load_failure_policy="recompute",
+            kv_load_failure_policy=cfg.get("policy", "recompute"),
         )
     llm = LLM(
         model=cfg["model"],
@@ -43,16 +46,41 @@ def main() -> None:
         seed=0,
     )
     ids = list(cfg["prompts"])
+    budget = cfg["max_tokens"]
     params = [
-        SamplingParams(detokenize=False, temperature=0, max_tokens=cfg["max_tokens"][i], ignore_eos=True) for i in ids
+        SamplingParams(
+            detokenize=False,
+            temperature=0,
+            max_tokens=budget[i] if isinstance(budget, dict) else budget,
+            ignore_eos=True,
+        )
+        for i in ids
     ]
     outs = llm.generate([TokensPrompt(prompt_token_ids=cfg["prompts"][i]) for i in ids], params, use_tqdm=False)
-    result = {
+    result: dict[str, Any] = {
         "outputs": {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs)},
         "cached": {i: o.num_cached_tokens for i, o in zip(ids, outs)},
     }
+    if cfg.get("stats") and kv is not None:
+        # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0); not part of vLLM's typed API.
+        client: Any = llm.llm_engine.engine_core
+        core = client.engine_core
+        conn = getattr(core.scheduler, "connector", None)
+        if conn is not None:
+            result["scheduler_stats"] = vars(conn.stats)
+        result["worker_stats"] = llm.collective_rpc(_worker_stats)[0]
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
+
+
+def _worker_stats(worker: Any) -> dict[str, Any]:
+    """Runs on the worker: its connector's statistics once its background saves are written."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    conn: Any = get_kv_transfer_group()  # HurrayConnector: flush() and stats are its own
+    if not conn.flush(timeout=60):
+        raise RuntimeError("background saves did not finish within 60 s")
+    return dict(vars(conn.stats))
 
 
 if __name__ == "__main__":
