@@ -215,10 +215,7 @@ class CpuPacked:
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(cache, torch.Tensor)
-        b, h, n, c = cache.shape
-        d = self.head_dim
-        if c != 2 * d:
-            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        b, h, n, d, p = self._geometry(cache)
         ids = _ids(block_ids, cache)
         m = ids.numel()
         _check_out(out, (m, n, h, d), cache.dtype)
@@ -227,23 +224,10 @@ class CpuPacked:
                 torch.empty((m, n, h, d), dtype=cache.dtype, device=cache.device),
                 torch.empty((m, n, h, d), dtype=cache.dtype, device=cache.device),
             )
-        p = 1 if cache.element_size() == 4 else 2
-        if self.isa == "amx" and (n % 16 or d % 16 or n % p or d % p):
-            raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
         if self._gather_native(cache, ids, out):
             return out
-        planes = cache.reshape(b, h, 2, n * d)
-        kp, vp = planes[:, :, 0], planes[:, :, 1]
-        if self.isa in ("vec", "vec16"):
-            k = kp.unflatten(-1, (d, n)).permute(0, 3, 1, 2)
-            v = vp.unflatten(-1, (n, d)).permute(0, 2, 1, 3)
-            return _select(k, ids, out[0]), _select(v, ids, out[1])
-        # A key's P adjacent dims move as one wider integer: a 2-element
-        # innermost loop would make the gather several times slower.
-        wide = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p * cache.element_size()]
-        k = kp.view(wide).unflatten(-1, (n // 16, d // p, 16)).permute(0, 2, 4, 1, 3)
-        _select(k, ids, out[0].view(wide))
-        v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
+        k, v, wide = self._views(cache.reshape(b, h, 2, n * d), n, d, p)
+        _select(k, ids, out[0] if wide is None else out[0].view(wide))
         _select(v, ids, out[1])
         return out
 
@@ -257,10 +241,7 @@ class CpuPacked:
         write for those tokens (tested against it), at memory speed through
         the native kernels; fp8 caches need the op's quantization instead.
         """
-        b, h, n, c = cache.shape
-        d = self.head_dim
-        if c != 2 * d:
-            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        b, h, n, d, p = self._geometry(cache)
         ids = _ids(block_ids, cache)
         m = ids.numel()
         for name, t in (("keys", keys), ("values", values)):
@@ -268,9 +249,6 @@ class CpuPacked:
                 raise HurrayFormatError(
                     name, f"must be {cache.dtype} [{m}, {n}, {h}, {d}], got {t.dtype} {list(t.shape)}"
                 )
-        p = 1 if cache.element_size() == 4 else 2
-        if self.isa == "amx" and (n % 16 or d % 16 or n % p or d % p):
-            raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
         if m == 0:
             return
         if int(ids.min()) < 0 or int(ids.max()) >= b:
@@ -280,21 +258,42 @@ class CpuPacked:
             return
         # Bits are moved, not values: as integers of the same width (index_copy_ has no float8 kernels).
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[cache.element_size()]
-        keys, values = keys.view(bits), values.view(bits)
         try:
             planes = cache.view(bits).view(b, h, 2, n * d)  # never reshape: a copy would take the writes
         except RuntimeError:
             raise HurrayFormatError("cache", "each (block, head) plane must be contiguous to be written") from None
+        k, v, wide = self._views(planes, n, d, p)
+        k.index_copy_(0, ids, keys.view(bits if wide is None else wide).view(m, *k.shape[1:]))
+        v.index_copy_(0, ids, values.view(bits).view(m, *v.shape[1:]))
+
+    def _geometry(self, cache: torch.Tensor) -> tuple[int, int, int, int, int]:
+        """``(B, H, N, head_dim, P)`` of ``cache``, refusing shapes the packing cannot hold."""
+        b, h, n, c = cache.shape
+        d = self.head_dim
+        if c != 2 * d:
+            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        p = 1 if cache.element_size() == 4 else 2
+        if self.isa == "amx" and (n % 16 or d % 16 or n % p or d % p):
+            raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
+        return b, h, n, d, p
+
+    def _views(
+        self, planes: torch.Tensor, n: int, d: int, p: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
+        """The key and value planes of ``planes`` (``[B, H, 2, N*D]``) as strided views, block first,
+        whose other dims run in the interchange order: what gather reads and scatter writes.
+
+        AMX keys come as integers ``P`` elements wide (the third value; ``None`` otherwise): a
+        key's ``P`` adjacent dims move as one, where a 2-element innermost loop would make the
+        copy several times slower.
+        """
         kp, vp = planes[:, :, 0], planes[:, :, 1]
         if self.isa in ("vec", "vec16"):
-            kp.unflatten(-1, (d, n)).permute(0, 3, 1, 2).index_copy_(0, ids, keys)
-            vp.unflatten(-1, (n, d)).permute(0, 2, 1, 3).index_copy_(0, ids, values)
-            return
-        wide = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p * cache.element_size()]
+            return kp.unflatten(-1, (d, n)).permute(0, 3, 1, 2), vp.unflatten(-1, (n, d)).permute(0, 2, 1, 3), None
+        wide = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p * planes.element_size()]
         k = kp.view(wide).unflatten(-1, (n // 16, d // p, 16)).permute(0, 2, 4, 1, 3)
-        k.index_copy_(0, ids, keys.view(wide).view(m, *k.shape[1:]))
         v = vp.unflatten(-1, (d // 16, n // p, 16, p)).permute(0, 3, 5, 1, 2, 4)
-        v.index_copy_(0, ids, values.view(m, *v.shape[1:]))
+        return k, v, wide
 
     def _native(self, cache: torch.Tensor) -> tuple[ctypes.CDLL, int, int, tuple[int, ...]] | None:
         """(library, key plane base, value plane base, geometry) when the C kernels apply, else None.
