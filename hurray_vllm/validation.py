@@ -99,36 +99,28 @@ def raise_if(checked: Checked, context: str = "") -> None:
 # descriptor's own rules are pure functions of those bytes, so both are remembered (a few
 # hundred bytes per entry, bounded); the buffers are still checked every time.
 @functools.lru_cache(maxsize=1024)
-def _decoded(raw: bytes) -> TensorDescriptor:
-    return decode_descriptor(raw)
+def _decode_and_check(raw: bytes, permissive: bool) -> tuple[TensorDescriptor, Checked]:
+    d = decode_descriptor(raw)
+    return d, validate_descriptor(d, permissive=permissive)
 
 
-@functools.lru_cache(maxsize=1024)
-def _own_rules(d: TensorDescriptor, permissive: bool) -> Checked:
-    return validate_descriptor(d, permissive=permissive)
-
-
-#: The verdicts decode_checked reached, by the identity of the descriptor it returned: hashing
-#: a descriptor (every field, recursively) costs more than looking it up. Each entry holds its
+#: The verdicts decode_checked reached, by the identity of the descriptor it returned, so
+#: that check_own on that object (from_wire does it) costs a lookup. Each entry holds its
 #: descriptor, so an id cannot be reused while the entry lives; cleared when it grows.
 _BY_ID: dict[tuple[int, bool], tuple[TensorDescriptor, Checked]] = {}
 
 
 def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
-    """``validate_descriptor(d)`` without buffers, remembered for descriptors seen before."""
+    """``validate_descriptor(d)`` without buffers; free for a descriptor :func:`decode_checked` returned."""
     hit = _BY_ID.get((id(d), permissive))
     if hit is not None and hit[0] is d:
         return hit[1]
-    try:
-        return _own_rules(d, permissive)
-    except TypeError:  # a field that cannot be hashed: check it afresh
-        return validate_descriptor(d, permissive=permissive)
+    return validate_descriptor(d, permissive=permissive)
 
 
 def decode_checked(raw: bytes | bytearray | memoryview, context: str, *, permissive: bool = False) -> TensorDescriptor:
     """Decode ``raw`` and raise :class:`HurrayFormatError` (naming ``context``) if it breaks a blocking rule."""
-    d = _decoded(bytes(raw))
-    checked = check_own(d, permissive=permissive)
+    d, checked = _decode_and_check(bytes(raw), permissive)
     if len(_BY_ID) >= 4096:
         _BY_ID.clear()
     _BY_ID[id(d), permissive] = (d, checked)
