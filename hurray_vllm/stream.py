@@ -180,7 +180,6 @@ class LayerWriter:
         self._descs: tuple[tuple[bytearray, int], ...] = ()
         self._index: tuple[list[memoryview], list[memoryview]] = ([], [])
         self._lens = b""
-        self._index_cache: dict[tuple[int, str], torch.Tensor] = {}
 
     def write(
         self,
@@ -192,7 +191,8 @@ class LayerWriter:
     ) -> int:
         """Write layer ``i``'s group to ``f``; returns the bytes written."""
         if k.quant_buffers or v.quant_buffers or k.quantization is not None or v.quantization is not None:
-            return write_records(layer_records(i, k, v, kv_scales, self._index_cache), f)
+            # Per call: an id-keyed cache is only sound while its tensors live, and nothing holds these.
+            return write_records(layer_records(i, k, v, kv_scales, {}), f)
         key = (
             *(id(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
             tuple(k.page_pool.shape),
@@ -234,7 +234,8 @@ class LayerWriter:
         kv_scales: tuple[float, float] | None,
         key: tuple[object, ...],
     ) -> None:
-        head, krec, vrec, lens, *_ = layer_records(i, k, v, kv_scales, self._index_cache)
+        # A fresh narrowing cache: ids from an earlier structure may belong to new tensors by now.
+        head, krec, vrec, lens, *_ = layer_records(i, k, v, kv_scales, {})
         self._head = encode_descriptor(head.descriptor)
         # Encoded once; each layer patches its index in (the only field that differs).
         self._descs = tuple(
