@@ -100,7 +100,10 @@ def _atomic_stream(records: Iterator[Record], path: str | os.PathLike[str]) -> i
 
 def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> Iterator[Record]:
     """Every record of a Hurray file or stream at ``path``, in write order."""
-    fmt = detect_format(path)
+    return _records(path, detect_format(path), permissive=permissive, mmap=mmap)
+
+
+def _records(path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mmap: bool) -> Iterator[Record]:
     if fmt == "hrry":
         with HrryFile(path, mmap=mmap) as hf:
             yield from hf.records(permissive=permissive)
@@ -123,13 +126,14 @@ def load(
     shows a progress bar on a terminal. Raises
     :class:`HurrayFormatError` for anything malformed.
     """
-    if detect_format(path) == "safetensors":
+    fmt = detect_format(path)
+    if fmt == "safetensors":
         from .safetensors_io import load_safetensors
 
         return load_safetensors(path, permissive=permissive)
     return assemble_snapshot(
         group_records(
-            _shown(open_records(path, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
+            _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
         ),
         permissive=permissive,
     )

@@ -11,6 +11,7 @@ size against the file's real length before allocating or mapping anything.
 
 from __future__ import annotations
 
+import functools
 import mmap as _mmap
 import os
 import struct
@@ -279,6 +280,46 @@ def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, 
 # ── reading ─────────────────────────────────────────────────────────────────
 
 
+@functools.lru_cache(maxsize=256)
+def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> tuple[IndexEntry, ...]:
+    """The checked rows of an index (remembered: files of one shape share their index bytes)."""
+    if len(index) < 8:
+        raise HurrayFormatError("file.index", "index shorter than its count")
+    (count,) = struct.unpack_from("<Q", index, 0)
+    if count > (len(index) - 8) // 35:
+        raise HurrayFormatError("file.index", f"{count} entries cannot fit in {len(index)} index bytes")
+    pos = 8
+    entries = []
+    names: set[str] = set()
+    for i in range(count):
+        if pos + 2 > len(index):
+            raise HurrayFormatError("file.index", f"index truncated at entry {i}")
+        (n,) = struct.unpack_from("<H", index, pos)
+        if n == 0 or pos + 2 + n + 32 > len(index):
+            raise HurrayFormatError("file.index", f"entry {i} name empty or truncated")
+        try:
+            name = index[pos + 2 : pos + 2 + n].decode("utf-8")
+        except UnicodeDecodeError:
+            raise HurrayFormatError("file.index", f"entry {i} name is not UTF-8") from None
+        if name in names:
+            raise HurrayFormatError("file.index", f"duplicate tensor name {name!r}")
+        names.add(name)
+        d_off, d_len, data_off, data_len, eflags = struct.unpack_from("<QIQQI", index, pos + 2 + n)
+        pos += 2 + n + 32
+        if eflags:
+            raise HurrayFormatError("file.index.flags", f"entry {name!r} has reserved flags 0x{eflags:08X}")
+        if d_off < first or d_off + d_len > index_off or d_off % 8:
+            raise HurrayFormatError("file.index.descriptor_offset", f"entry {name!r} descriptor is out of place")
+        if data_off + data_len > index_off or (data_len and data_off % alignment):
+            raise HurrayFormatError("file.index.data_offset", f"entry {name!r} data is out of place")
+        entries.append(IndexEntry(name, d_off, d_len, data_off, data_len))
+    if pos != len(index):
+        raise HurrayFormatError("file.index", f"{len(index) - pos} stray bytes after the last entry")
+    # Composite membership is positional in descriptor-offset order.
+    entries.sort(key=lambda e: e.descriptor_offset)
+    return tuple(entries)
+
+
 class HrryFile:
     """An open ``.hrry`` file: its index, KV metadata, and records on demand.
 
@@ -362,81 +403,50 @@ class HrryFile:
         self.entries = self._parse_index(index, index_off)
 
     def _parse_index(self, index: bytes, index_off: int) -> list[IndexEntry]:
-        if len(index) < 8:
-            raise HurrayFormatError("file.index", "index shorter than its count")
-        (count,) = struct.unpack_from("<Q", index, 0)
-        if count > (len(index) - 8) // 35:
-            raise HurrayFormatError("file.index", f"{count} entries cannot fit in {len(index)} index bytes")
-        pos = 8
-        entries = []
-        names: set[str] = set()
-        for i in range(count):
-            if pos + 2 > len(index):
-                raise HurrayFormatError("file.index", f"index truncated at entry {i}")
-            (n,) = struct.unpack_from("<H", index, pos)
-            if n == 0 or pos + 2 + n + 32 > len(index):
-                raise HurrayFormatError("file.index", f"entry {i} name empty or truncated")
-            try:
-                name = index[pos + 2 : pos + 2 + n].decode("utf-8")
-            except UnicodeDecodeError:
-                raise HurrayFormatError("file.index", f"entry {i} name is not UTF-8") from None
-            if name in names:
-                raise HurrayFormatError("file.index", f"duplicate tensor name {name!r}")
-            names.add(name)
-            d_off, d_len, data_off, data_len, eflags = struct.unpack_from("<QIQQI", index, pos + 2 + n)
-            pos += 2 + n + 32
-            if eflags:
-                raise HurrayFormatError("file.index.flags", f"entry {name!r} has reserved flags 0x{eflags:08X}")
-            if d_off < self.first_descriptor_offset or d_off + d_len > index_off or d_off % 8:
-                raise HurrayFormatError("file.index.descriptor_offset", f"entry {name!r} descriptor is out of place")
-            if data_off + data_len > index_off or (data_len and data_off % self.alignment):
-                raise HurrayFormatError("file.index.data_offset", f"entry {name!r} data is out of place")
-            entries.append(IndexEntry(name, d_off, d_len, data_off, data_len))
-        if pos != len(index):
-            raise HurrayFormatError("file.index", f"{len(index) - pos} stray bytes after the last entry")
-        # Composite membership is positional in descriptor-offset order.
-        entries.sort(key=lambda e: e.descriptor_offset)
-        return entries
+        return list(_index_entries(index, index_off, self.first_descriptor_offset, self.alignment))
 
     def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:
         """The record of ``entry``; its descriptor is validated before any buffer."""
-        raw = self._read_at(entry.descriptor_offset, entry.descriptor_length, f"{entry.name}.descriptor")
+        # Error names are built only when raising: this runs for every record of every file.
+        off, n = entry.descriptor_offset, entry.descriptor_length
+        if off + n > self.size:
+            raise HurrayFormatError(f"{entry.name}.descriptor", f"{n} bytes at offset {off} lie outside the file")
+        raw = self._map[off : off + n] if self._map is not None else self._read_at(off, n, entry.name)
         own = peek_descriptor_length(raw)
-        if own != entry.descriptor_length:
+        if own != n:
             raise HurrayFormatError(
-                "file.index.descriptor_length",
-                f"{entry.name}: the index says {entry.descriptor_length} bytes, the descriptor {own}",
+                "file.index.descriptor_length", f"{entry.name}: the index says {n} bytes, the descriptor {own}"
             )
         desc = decode_checked(raw, entry.name, permissive=permissive)
-        spans = []
+        buffers = []
         pos = entry.data_offset
+        end = self.size - TRAILER_LEN
         for i, b in enumerate(desc.buffers):
             if i:
                 pos += _pad(pos, self.alignment)
-            spans.append((pos, b.byte_size))
-            pos += b.byte_size
+            size = b.byte_size
+            if pos + size > end:
+                raise HurrayFormatError(
+                    f"{entry.name} buffer {i}", f"{size} bytes at {pos} run past the end of the file"
+                )
+            # Pools are views of the map. Small buffers (block tables, seq_ptr, metadata)
+            # are copied out of it, so they do not pin the map or share its pages.
+            if self._map is not None and size >= _MMAP_MIN:
+                buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=pos))
+            elif self._map is not None and size:
+                buffers.append(torch.frombuffer(bytearray(self._map[pos : pos + size]), dtype=torch.uint8))
+            else:
+                t = torch.empty(size, dtype=torch.uint8)
+                if size:
+                    self._f.seek(pos)
+                    read_into(self._f, byte_view(t), f"{entry.name} buffer {i}")
+                buffers.append(t)
+            pos += size
         if desc.buffers and pos - entry.data_offset != entry.data_length:
             raise HurrayFormatError(
                 "file.index.data_length",
                 f"{entry.name}: buffers need {pos - entry.data_offset} bytes, the index says {entry.data_length}",
             )
-        buffers = []
-        for i, (off, n) in enumerate(spans):
-            what = f"{entry.name} buffer {i}"
-            if off + n > self.size - TRAILER_LEN:
-                raise HurrayFormatError(what, f"{n} bytes at {off} run past the end of the file")
-            # Pools are views of the map. Small buffers (block tables, seq_ptr, metadata)
-            # are copied out of it, so they do not pin the map or share its pages.
-            if self._map is not None and n >= _MMAP_MIN:
-                buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=off))
-            elif self._map is not None and n:
-                buffers.append(torch.frombuffer(bytearray(self._map[off : off + n]), dtype=torch.uint8))
-            else:
-                t = torch.empty(n, dtype=torch.uint8)
-                if n:
-                    self._f.seek(off)
-                    read_into(self._f, byte_view(t), what)
-                buffers.append(t)
         return Record(entry.name, desc, buffers)
 
     def records(self, *, permissive: bool = False) -> Iterator[Record]:

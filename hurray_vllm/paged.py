@@ -365,37 +365,42 @@ class BlockPagedTensor:
         _, heads, dim = desc.shape
         pool = buffers[0].view(dtype).view(bp.num_pages, bp.page_size, heads, dim)
         wide = torch.uint64 if bp.index_type_tag == 1 else torch.uint32
-        found = list(checked.violations)
-        sizes_ok = not any(v.invariant.endswith("byte_size") or v.invariant == "buffer_count" for v in found)
+        found = checked.violations
+        sizes_ok = not found or not any(
+            v.invariant.endswith("byte_size") or v.invariant == "buffer_count" for v in found
+        )
         # Everything the index-buffer rules read: the geometry and the three buffers' bytes.
         key: tuple[object, ...] | None = None
-        if index_cache is not None and sizes_ok and all(b.device.type == "cpu" for b in buffers[1:3]):
+        table_raw, ptr_raw = buffers[1], buffers[2]
+        if index_cache is not None and sizes_ok and table_raw.is_cpu and ptr_raw.is_cpu:
             key = (
                 desc.shape,
                 bp.page_size,
                 bp.num_pages,
                 bp.num_seqs,
                 bp.index_type_tag,
-                buffers[1].numpy().tobytes(),
-                buffers[2].numpy().tobytes(),
+                table_raw.numpy().tobytes(),
+                ptr_raw.numpy().tobytes(),
                 None if seq_lens is None else seq_lens.numpy().tobytes(),
             )
-        hit = index_cache.get(key) if index_cache is not None and key is not None else None
+            hit = index_cache.get(key)
+        else:
+            hit = None
         if hit is not None:
             table, seq_ptr, index_found = hit
         else:
-            table = _widen(buffers[1], wide)
-            seq_ptr = _widen(buffers[2], wide)
+            table = _widen(table_raw, wide)
+            seq_ptr = _widen(ptr_raw, wide)
             # The descriptor's own rules were checked above: add only the index-buffer rules
             # (the same verdict as validate_descriptor with the buffers, one pass cheaper).
             more: list[Violation] = []
             if sizes_ok:
                 validate_index_buffers(desc, table, seq_ptr, seq_lens, more)
             index_found = tuple(more)
-            if index_cache is not None and key is not None:
+            if key is not None and index_cache is not None:
                 index_cache[key] = (table, seq_ptr, index_found)
-        found.extend(index_found)
-        raise_if(Checked(tuple(found), permissive), f"block-paged layer {bp.layer_index} {bp.kv_role}")
+        if found or index_found:
+            raise_if(Checked(found + index_found, permissive), f"block-paged layer {bp.layer_index} {bp.kv_role}")
         return cls(
             page_pool=pool,
             block_table=table,

@@ -42,7 +42,7 @@ from .descriptor import (
 from .errors import HurrayFormatError, Violation
 from .paged import BlockPagedTensor
 from .snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from .validation import raise_if, validate_descriptor
+from .validation import check_own, raise_if
 
 __all__ = [
     "Record",
@@ -224,7 +224,7 @@ def _dense(node: Node, dtype: torch.dtype, what: str) -> torch.Tensor:
         raise HurrayFormatError(what, "expected a single-buffer row-major tensor")
     if d.type_tag != dtypes.from_torch(dtype).tag:
         raise HurrayFormatError(what, f"expected {dtype}, found type tag 0x{d.type_tag:02X}")
-    raise_if(validate_descriptor(d), what)
+    raise_if(check_own(d), what)
     raw = node.record.buffers[0]
     n = 1
     for s in d.shape:

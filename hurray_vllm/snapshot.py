@@ -201,15 +201,15 @@ class KVSnapshot:
             if k.kv_role != "key" or v.kv_role != "value":
                 found.append(Violation("kv_role", f"layer {i} holds roles {k.kv_role}/{v.kv_role}"))
             if not (
-                torch.equal(k.block_table, v.block_table)
-                and torch.equal(k.seq_ptr, v.seq_ptr)
+                (k.block_table is v.block_table or torch.equal(k.block_table, v.block_table))
+                and (k.seq_ptr is v.seq_ptr or torch.equal(k.seq_ptr, v.seq_ptr))
                 and k.page_pool.shape == v.page_pool.shape
             ):
                 found.append(Violation("snapshot.structure", f"layer {i} key and value differ in block structure"))
         if self.keys:
             k0 = self.keys[0]
             for i, k in enumerate(self.keys[1:], 1):
-                if k.num_seqs != k0.num_seqs or not torch.equal(k.seq_ptr, k0.seq_ptr):
+                if k.num_seqs != k0.num_seqs or not (k.seq_ptr is k0.seq_ptr or torch.equal(k.seq_ptr, k0.seq_ptr)):
                     found.append(Violation("snapshot.structure", f"layer {i} has another batch than layer 0"))
             if self.token_ids and len(self.token_ids) != k0.num_seqs:
                 found.append(
