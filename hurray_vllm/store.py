@@ -170,6 +170,22 @@ class DirectoryStore:
     def has(self, namespace: str, key: str) -> bool:
         return self.path(namespace, key).is_file()
 
+    def identity(self, namespace: str, key: str) -> tuple[int, ...] | None:
+        """What tells this chunk's file from any other: device, inode, size, modification and change times.
+
+        ``None`` if the chunk is not stored. Chunk files are never rewritten
+        in place (a write is a new file renamed over the name), so an equal
+        identity means the same bytes. The kernel updates the change time on
+        every write, but with a granularity of a few milliseconds: a file
+        rewritten in place by another program within that time of being
+        looked at, to the same size, keeps its identity.
+        """
+        try:
+            st = os.stat(self.path(namespace, key))
+        except OSError:  # missing, or unreadable: either way not loadable
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
     def put(self, namespace: str, key: str, snap: KVSnapshot) -> bool:
         """Store ``snap`` under ``key`` unless it is there already; True if written."""
         target = self.path(namespace, key)

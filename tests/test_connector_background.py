@@ -1,4 +1,4 @@
-"""The connector's background save machinery on its own (no engine): the writer thread and the block copies."""
+"""The connector's machinery on its own (no engine): the writer thread, the block copies, the verified chunks."""
 
 from __future__ import annotations
 
@@ -77,3 +77,20 @@ def test_staging_copies_blocks_and_recycles_buffers(conn: ModuleType) -> None:
     assert torch.equal(again[1], caches[1][[2]])
     bigger, bufs3 = staging.copy(caches, torch.tensor([0, 1, 2, 3]))  # larger: new buffers
     assert bufs3[0].shape[0] == 4 and torch.equal(bigger[2], caches[2][:4])
+
+
+def test_verified_chunks_are_kept_while_their_file_is_the_same(conn: ModuleType) -> None:
+    from hurray_vllm.demo import spec_example_snapshot
+
+    snap = spec_example_snapshot()
+    cache = conn._VerifiedChunks(2)
+    cache.put("a", (1, 2, 3, 4, 5), snap)
+    assert cache.get("a", (1, 2, 3, 4, 5)) is snap
+    assert cache.get("a", (1, 2, 3, 4, 6)) is None  # the file changed since it was verified
+    assert cache.get("b", (1, 2, 3, 4, 5)) is None
+    cache.put("b", (7,), snap)
+    cache.get("a", (1, 2, 3, 4, 5))  # "a" is now the most recently used
+    cache.put("c", (8,), snap)
+    assert cache.get("b", (7,)) is None and cache.get("a", (1, 2, 3, 4, 5)) is snap
+    cache.clear()
+    assert cache.get("a", (1, 2, 3, 4, 5)) is None

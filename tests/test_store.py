@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,6 +43,31 @@ def test_chunks_verify_and_store_once(tmp_path: Path) -> None:
     bad = replace(chunk, extra={"hurray_vllm.chunk_digest": "00"})
     with pytest.raises(hv.HurrayFormatError, match="digest"):
         verify_chunk(bad, chunk.fingerprint, list(snap.token_ids[0][:4]))
+
+
+def test_identity_tells_a_rewritten_chunk_file_from_the_one_seen(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    store = DirectoryStore(tmp_path)
+    store_snapshot(store, snap, 4)
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    ns = namespace_of(chunk.fingerprint)
+    assert store.identity(ns, "0" * 32) is None
+    seen = store.identity(ns, key)
+    assert seen is not None and seen[2] == store.path(ns, key).stat().st_size
+    store.get(ns, key)
+    assert store.identity(ns, key) == seen  # reading changes nothing
+    path = store.path(ns, key)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 1
+    time.sleep(0.05)  # file times tick in steps of a few milliseconds (see DirectoryStore.identity)
+    with open(path, "r+b") as f:  # in place, same size: only the times tell
+        f.write(bytes(raw))
+    assert store.identity(ns, key) != seen
+    replaced = store.identity(ns, key)
+    path.unlink()
+    hv.save(chunk, path)  # a new file under the same name
+    assert store.identity(ns, key) not in (seen, replaced)
 
 
 def test_tcp_transport_stores_valid_chunks_only(tmp_path: Path) -> None:

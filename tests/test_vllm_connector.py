@@ -124,6 +124,8 @@ def test_consumer_continues_identically_without_recomputing(runs) -> None:  # ty
             assert r["outputs"][rid] == runs["plain"]["outputs"][rid], f"{name} {rid}"
         # vLLM's own counter: 3 chunks of 64 of the 200-token prompt came from the store.
         assert r["cached"]["p"] == 192 and r["cached"]["q"] == 192
+        # "q" shares 2 chunks with "p": verified once, for "p", then taken from memory.
+        assert r["scheduler_stats"]["chunks_remembered"] >= 2, name
     assert runs["consumer64"]["worker_stats"]["chunks_loaded"] >= 6
 
 

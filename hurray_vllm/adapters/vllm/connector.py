@@ -29,6 +29,12 @@ Extra config:
   migrated request finds its chunks on the destination.
 * ``hurray_save_queue_mib`` (default 1024): copied-out blocks waiting for
   the background writer; a step that would exceed it waits for the writer.
+* ``hurray_verified_chunks`` (default 256): chunks this process verified
+  and keeps, by key, so that loading them again (the next turn of a
+  conversation, a shared system prompt) neither parses nor checksums their
+  files again while the files are unchanged (same inode, size and times).
+  At least 64: the chunks the scheduler verifies pass through it to the
+  worker of the same process.
 
 ``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
 loads, ``kv_both`` does both.
@@ -61,6 +67,7 @@ import logging
 import queue
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -98,22 +105,67 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["HurrayConnector", "HurrayConnectorMetadata", "ConnectorStats"]
+__all__ = ["HurrayConnector", "HurrayConnectorMetadata", "ConnectorStats", "forget_verified_chunks"]
 
 log = logging.getLogger("hurray_vllm.connector")
 
-#: Chunks the scheduler verified, handed to a worker in the same process so it
-#: does not read them twice (the scheduler and a uniprocess worker share it).
-_VERIFIED: dict[str, KVSnapshot] = {}
-_VERIFIED_LOCK = threading.Lock()
-_VERIFIED_MAX = 64
+
+class _VerifiedChunks:
+    """Chunks this process verified (model, tokens, checksum), by key, with their file's identity.
+
+    The scheduler hands them to a worker in the same process, which then
+    does not read them again; and a later load of the same prefix (the
+    next turn of a conversation, a shared system prompt) skips parsing and
+    checksumming their files again as long as each file is still the one
+    that was verified (:meth:`DirectoryStore.identity`). Least recently
+    used first out. An entry costs little memory (its page pools are views
+    of the file's mapping, which the kernel may drop and re-read), but it
+    keeps the file's mapping, so a deleted chunk's disk space is freed only
+    when its entry goes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, tuple[tuple[int, ...], KVSnapshot]] = OrderedDict()
+
+    def get(self, key: str, identity: tuple[int, ...]) -> KVSnapshot | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is None or hit[0] != identity:
+                return None
+            self._items.move_to_end(key)
+            return hit[1]
+
+    def put(self, key: str, identity: tuple[int, ...], snap: KVSnapshot) -> None:
+        with self._lock:
+            self._items[key] = (identity, snap)
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+#: Shared by the scheduler and a uniprocess worker (see _VerifiedChunks).
+_VERIFIED = _VerifiedChunks(256)
+
+
+def forget_verified_chunks() -> None:
+    """Drop every chunk this process remembers as verified: the next loads read and check their files."""
+    _VERIFIED.clear()
+
+
+_POOL_LOCK = threading.Lock()
 _RECEIVERS: dict[str, Any] = {}  # transport.Receiver or transport_nixl.NixlReceiver
 _DIGEST_POOL: list[ThreadPoolExecutor] = []
 
 
 def _digest_pool() -> ThreadPoolExecutor:
     """One helper thread for chunk checksums (they release the GIL), made on first use."""
-    with _VERIFIED_LOCK:
+    with _POOL_LOCK:
         if not _DIGEST_POOL:
             _DIGEST_POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hurray-digest"))
         return _DIGEST_POOL[0]
@@ -125,6 +177,7 @@ class LoadTask:
     keys: list[str]
     tokens: list[list[int]]  # per chunk
     block_ids: list[int]  # engine blocks to fill, chunk after chunk
+    identities: list[tuple[int, ...]] = field(default_factory=list)  # of the chunk files the scheduler verified
 
 
 @dataclass
@@ -153,6 +206,7 @@ class ConnectorStats:
     tokens_loaded: int = 0
     chunks_refused: int = 0
     bytes_saved: int = 0
+    chunks_remembered: int = 0  # loads served by chunks verified earlier in this process (files not read again)
 
 
 @dataclass
@@ -307,6 +361,7 @@ class HurrayConnector(KVConnectorBase_V1):
         self._async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
         if self._url:
             self._async = False  # a migrated request must find its chunks on the destination
+        _VERIFIED.capacity = max(64, int(cfg.get_from_extra_config("hurray_verified_chunks", _VERIFIED.capacity)))
         queue_mib = int(cfg.get_from_extra_config("hurray_save_queue_mib", 1024))
         self._writer = _Writer(queue_mib << 20)
         _WRITERS.add(self._writer)
@@ -346,26 +401,29 @@ class HurrayConnector(KVConnectorBase_V1):
         keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
         state = self._reqs.setdefault(request.request_id, _Request(request))
         first = num_computed_tokens // self._chunk
-        found: list[tuple[int, list[int], KVSnapshot, Future[bool] | None]] = []
+        found: list[tuple[int, tuple[int, ...], KVSnapshot, Future[bool] | None]] = []
         for i in range(first, len(keys)):
-            if not self._store.has(self._ns, keys[i]):
+            ident = self._store.identity(self._ns, keys[i])
+            if ident is None:
                 break
             toks = tokens[i * self._chunk : (i + 1) * self._chunk]
-            with _VERIFIED_LOCK:
-                cached = _VERIFIED.get(keys[i])
-            if cached is not None:
-                found.append((i, toks, cached, None))
-                continue
+            snap = _VERIFIED.get(keys[i], ident)
+            check: Future[bool] | None = None
+            if snap is not None:
+                self.stats.chunks_remembered += 1
             try:
-                snap = self._store.get(self._ns, keys[i])
+                if snap is None:
+                    snap = self._store.get(self._ns, keys[i])
+                    check = _digest_pool().submit(digest_matches, snap)
+                # Also for a remembered chunk: its key promises these tokens, the check costs little.
                 verify_chunk(snap, self._fingerprint, toks, digest=False)
             except (HurrayFormatError, OSError) as exc:
                 self._refuse(keys[i], exc)
                 break
-            found.append((i, toks, snap, _digest_pool().submit(digest_matches, snap)))
+            found.append((i, ident, snap, check))
         hit = first
-        chunk_tokens = []
-        for i, toks, snap, check in found:
+        idents = []
+        for i, ident, snap, check in found:
             if check is not None:
                 try:
                     ok = check.result()
@@ -375,26 +433,20 @@ class HurrayConnector(KVConnectorBase_V1):
                 if not ok:
                     self._refuse(keys[i], DIGEST_MISMATCH)
                     break
-                with _VERIFIED_LOCK:
-                    # Bounded: a worker in another process never collects these.
-                    while len(_VERIFIED) >= _VERIFIED_MAX:
-                        _VERIFIED.pop(next(iter(_VERIFIED)))
-                    _VERIFIED[keys[i]] = snap
-            chunk_tokens.append(toks)
+                _VERIFIED.put(keys[i], ident, snap)
+            idents.append(ident)
             hit = i + 1
         matched = hit * self._chunk - num_computed_tokens
         if matched <= 0 or num_computed_tokens % self._chunk:
             return 0, False
-        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [])
+        chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
+        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], idents)
         return matched, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Scheduler side, after vLLM allocated blocks: keep the load only if tokens were granted."""
         state = self._reqs.get(request.request_id)
-        if state is not None and num_external_tokens == 0 and state.load is not None:
-            with _VERIFIED_LOCK:
-                for key in state.load.keys:
-                    _VERIFIED.pop(key, None)
+        if state is not None and num_external_tokens == 0:
             state.load = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -497,7 +549,7 @@ class HurrayConnector(KVConnectorBase_V1):
         ec = self._engine_cache(forward_context)
         for task in meta.loads:
             try:
-                chunks = [self._chunk_for_load(key, toks) for key, toks in zip(task.keys, task.tokens)]
+                chunks = [self._chunk_for_load(task, c) for c in range(len(task.keys))]
             except (HurrayFormatError, OSError) as exc:
                 log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
                 self._load_errors.update(task.block_ids)
@@ -512,12 +564,16 @@ class HurrayConnector(KVConnectorBase_V1):
             self.stats.chunks_loaded += len(chunks)
             self.stats.tokens_loaded += len(chunks) * self._chunk
 
-    def _chunk_for_load(self, key: str, tokens: list[int]) -> KVSnapshot:
-        with _VERIFIED_LOCK:
-            snap = _VERIFIED.pop(key, None)
+    def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
+        key = task.keys[c]
+        # In the scheduler's process this is the chunk it verified; a worker process reads its own.
+        snap = _VERIFIED.get(key, task.identities[c]) if c < len(task.identities) else None
         if snap is None:
+            ident = self._store.identity(self._ns, key)
             snap = self._store.get(self._ns, key)
-            verify_chunk(snap, self._fingerprint, tokens)
+            verify_chunk(snap, self._fingerprint, task.tokens[c])
+            if ident is not None:
+                _VERIFIED.put(key, ident, snap)
         if snap.page_size != self._block_size:
             snap = repage_snapshot(snap, self._block_size)
         return snap
