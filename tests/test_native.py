@@ -135,6 +135,25 @@ def test_crc32c_equals_the_reference_implementation() -> None:
     assert native.crc32c(big[12345:], native.crc32c(big[:12345]) or 0) == crc32c(big)
 
 
+def test_crc32c_of_tensors_is_the_crc_of_their_bytes_in_order() -> None:
+    _lib()
+    from hurray_vllm.crc32c import crc32c_python as crc32c
+
+    g = torch.Generator().manual_seed(3)
+    parts = [
+        torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g),
+        torch.empty(0, dtype=torch.bfloat16),
+        torch.randn(3, 7, 64, generator=g).to(torch.bfloat16),
+        torch.randn(13000, generator=g),
+    ]
+    whole = b"".join(p.view(torch.uint8).numpy().tobytes() if p.numel() else b"" for p in parts)
+    assert native.crc32c_tensors(parts) == crc32c(whole)
+    assert native.crc32c_tensors(parts[2:], native.crc32c_tensors(parts[:2]) or 0) == crc32c(whole)
+    assert native.crc32c_tensors([], 9) == 9
+    with pytest.raises(ValueError, match="contiguous"):
+        native.crc32c_tensors([parts[2].transpose(0, 1)])
+
+
 def test_chunk_digests_name_their_algorithm(torch_only) -> None:  # type: ignore[no-untyped-def]
     from hurray_vllm import HurrayFormatError
     from hurray_vllm.store import ChunkDigest

@@ -29,8 +29,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["cache_dir", "crc32c", "kernel", "library", "unavailable_reason"]
 
@@ -115,6 +119,29 @@ def library() -> ctypes.CDLL | None:
 def unavailable_reason() -> str | None:
     """Why :func:`library` returned ``None`` (``None`` when it did not, or was not asked yet)."""
     return _state.get("reason")  # type: ignore[return-value]
+
+
+def crc32c_tensors(tensors: Sequence[torch.Tensor], crc: int = 0) -> int | None:
+    """CRC-32C of the bytes of contiguous CPU ``tensors``, one after another, in one native call.
+
+    ``None`` when the native kernels are unavailable. Releases the GIL once
+    for all of them: a helper thread checksumming a chunk's page pools
+    otherwise waits for the GIL after every pool while another thread
+    (the engine's) holds it.
+    """
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.hurray_crc32c_segments
+    if fn.argtypes is None:
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("crc32c_tensors needs contiguous CPU tensors")
+    addrs = (ctypes.c_uint64 * len(tensors))(*(t.data_ptr() for t in tensors))
+    lens = (ctypes.c_uint64 * len(tensors))(*(t.numel() * t.element_size() for t in tensors))
+    return int(fn(crc, addrs, lens, len(tensors)))
 
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_void_p]

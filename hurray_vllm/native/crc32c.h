@@ -120,3 +120,11 @@ int hurray_crc32c_hw(void) {
     return 0;
 #endif
 }
+
+/* CRC-32C of n memory segments one after another (as one message), continuing from crc.
+ * One call for a whole chunk's page pools: a caller on a helper thread gives up and takes
+ * back the GIL once, not once per pool while another thread holds it. */
+uint32_t hurray_crc32c_segments(uint32_t crc, const uint64_t *addrs, const uint64_t *lens, size_t n) {
+    for (size_t i = 0; i < n; i++) crc = hurray_crc32c(crc, (const uint8_t *)(uintptr_t)addrs[i], (size_t)lens[i]);
+    return crc;
+}
