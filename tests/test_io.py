@@ -29,11 +29,11 @@ def test_stream_round_trip(snap: hv.KVSnapshot) -> None:
     assert same_snapshot(snap, hv.read_stream(buf))
 
 
-@given(snapshots(), st.booleans())
-def test_file_round_trip(tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot, mmap: bool) -> None:
+@given(snapshots(), st.sampled_from([{}, {"mmap": True}, {"mmap": True, "readahead": True}]))
+def test_file_round_trip(tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot, how: dict[str, bool]) -> None:
     path = tmp_path_factory.mktemp("rt") / "snap.hrry"
     hv.save(snap, path)
-    back = hv.load(path, mmap=mmap)
+    back = hv.load(path, **how)
     assert same_snapshot(snap, back)
     assert hv.validate(path).ok
 
