@@ -103,11 +103,9 @@ def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap
     return _records(path, detect_format(path), permissive=permissive, mmap=mmap)
 
 
-def _records(
-    path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mmap: bool, readahead: bool = False
-) -> Iterator[Record]:
+def _records(path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mmap: bool) -> Iterator[Record]:
     if fmt == "hrry":
-        with HrryFile(path, mmap=mmap, readahead=readahead) as hf:
+        with HrryFile(path, mmap=mmap) as hf:
             yield from hf.records(permissive=permissive)
     elif fmt == "safetensors":
         from .safetensors_io import load_safetensors
@@ -119,19 +117,12 @@ def _records(
 
 
 def load(
-    path: str | os.PathLike[str],
-    *,
-    permissive: bool = False,
-    mmap: bool = False,
-    readahead: bool = False,
-    progress: bool = False,
+    path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False, progress: bool = False
 ) -> KVSnapshot:
     """Read a :class:`KVSnapshot` from a ``.hrry`` file, a Hurray stream or a ``.safetensors`` file.
 
     The format is recognised by its magic bytes. ``mmap=True`` maps a
-    ``.hrry`` file's page pools instead of reading them; with it,
-    ``readahead=True`` has the kernel start reading the whole file at once
-    (for a file you will read whole); ``progress=True``
+    ``.hrry`` file's page pools instead of reading them; ``progress=True``
     shows a progress bar on a terminal. Raises
     :class:`HurrayFormatError` for anything malformed.
     """
@@ -140,9 +131,11 @@ def load(
         from .safetensors_io import load_safetensors
 
         return load_safetensors(path, permissive=permissive)
-    records = _records(path, fmt, permissive=permissive, mmap=mmap, readahead=readahead)
     return assemble_snapshot(
-        group_records(_shown(records, "load", progress), permissive=permissive), permissive=permissive
+        group_records(
+            _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
+        ),
+        permissive=permissive,
     )
 
 

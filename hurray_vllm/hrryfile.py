@@ -325,24 +325,17 @@ class HrryFile:
 
     With ``mmap=True`` buffers are zero-copy views of a private (copy on
     write) mapping; otherwise each buffer is read into a fresh tensor.
-    ``readahead=True`` (with ``mmap``) asks the kernel to start reading the
-    whole file into the page cache at once (``MADV_WILLNEED``), for files
-    that will be read whole: their pages arrive while the index is parsed
-    instead of one fault at a time when the pools are first touched.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False, readahead: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False) -> None:
         self.path = Path(path)
         self._f = open(self.path, "rb")
         self._map: _mmap.mmap | None = None
         try:
             self.size = os.fstat(self._f.fileno()).st_size
-            if mmap and self.size:
-                # Mapped first, so that the header, trailer and index come from the map too.
-                self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)
-                if readahead and hasattr(_mmap, "MADV_WILLNEED"):
-                    self._map.madvise(_mmap.MADV_WILLNEED)
             self._parse()
+            if mmap and self.size:
+                self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)
         except BaseException:
             self._f.close()
             raise

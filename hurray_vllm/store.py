@@ -215,8 +215,7 @@ class DirectoryStore:
         """The chunk under ``key``; raises :class:`HurrayFormatError` if missing or malformed."""
         path = self.path(namespace, key)
         try:
-            # Every byte of a chunk is read (checksum, then the blocks): start reading it all now.
-            return load(path, mmap=True, readahead=True)
+            return load(path, mmap=True)
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 
