@@ -200,6 +200,24 @@ class DirectoryStore:
             return None
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
+    def quarantine(self, namespace: str, key: str, identity: tuple[int, ...]) -> Path | None:
+        """Move a damaged chunk file aside (to ``<key>.hrry.bad``) so that the next producer writes it again.
+
+        Only if the file is still the one that was found damaged
+        (``identity``, from :meth:`identity`): a good file renamed over it
+        in the meantime stays. Returns the new path, or ``None`` if nothing
+        was moved. A later ``.bad`` of the same key replaces an earlier one.
+        """
+        path = self.path(namespace, key)
+        if self.identity(namespace, key) != identity:
+            return None
+        bad = path.with_name(path.name + ".bad")
+        try:
+            os.replace(path, bad)
+        except OSError:
+            return None
+        return bad
+
     def put(self, namespace: str, key: str, snap: KVSnapshot) -> bool:
         """Store ``snap`` under ``key`` unless it is there already; True if written."""
         target = self.path(namespace, key)

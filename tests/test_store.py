@@ -70,6 +70,28 @@ def test_identity_tells_a_rewritten_chunk_file_from_the_one_seen(tmp_path: Path)
     assert store.identity(ns, key) not in (seen, replaced)
 
 
+def test_quarantine_moves_only_the_file_that_was_found_damaged(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    store = DirectoryStore(tmp_path)
+    store_snapshot(store, snap, 4)
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    ns = namespace_of(chunk.fingerprint)
+    seen = store.identity(ns, key)
+    assert seen is not None
+    path = store.path(ns, key)
+    path.unlink()
+    hv.save(chunk, path)  # replaced since it was looked at: stays
+    assert store.quarantine(ns, key, seen) is None and path.exists()
+    now = store.identity(ns, key)
+    assert now is not None
+    moved = store.quarantine(ns, key, now)
+    assert moved == path.with_name(path.name + ".bad") and moved.exists()
+    assert not store.has(ns, key) and store.identity(ns, key) is None
+    assert store.quarantine(ns, key, now) is None  # nothing left to move
+    assert store.put(ns, key, chunk)  # the next producer writes it again
+
+
 def test_tcp_transport_stores_valid_chunks_only(tmp_path: Path) -> None:
     snap = spec_example_snapshot()
     ((key, chunk),) = chunks_of(snap, 4)

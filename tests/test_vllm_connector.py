@@ -114,6 +114,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     _break_store(store)
     out["consumer"] = run_engine(tmp, "consumer", 32, {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK})
     out["consumer64"] = run_engine(tmp, "consumer64", 64, {"hurray_path": str(clean), "hurray_chunk_tokens": CHUNK})
+    out["store"] = store  # type: ignore[assignment]
     return out
 
 
@@ -147,3 +148,18 @@ def test_bad_chunks_fall_back_to_recomputation(runs) -> None:  # type: ignore[no
     assert r["scheduler_stats"]["chunks_refused"] == 4
     log = r["log"]
     assert "digest" in log and "another model" in log and "trailer" in log
+    # Damaged files were moved aside and written again by this engine's own saves;
+    # the other models' chunks were left alone.
+    assert r["scheduler_stats"]["chunks_quarantined"] == 2
+    from hurray_vllm.store import verify_chunk
+
+    store = runs["store"]
+    (ns,) = [p.name for p in store.iterdir()]
+    fp = hv.load(_store_files(store, PROMPTS["p"], ns)[0]).fingerprint
+    for name in ("corrupt", "truncated", "wrong_model", "wrong_layers"):
+        first = _store_files(store, PROMPTS[name], ns)[0]
+        bad = first.with_name(first.name + ".bad")
+        assert bad.exists() == (name in ("corrupt", "truncated")), name
+        assert first.exists(), name
+        if bad.exists():
+            verify_chunk(hv.load(first), fp, PROMPTS[name][:CHUNK])  # rewritten whole

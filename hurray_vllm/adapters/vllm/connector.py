@@ -207,6 +207,7 @@ class ConnectorStats:
     chunks_refused: int = 0
     bytes_saved: int = 0
     chunks_remembered: int = 0  # loads served by chunks verified earlier in this process (files not read again)
+    chunks_quarantined: int = 0  # damaged chunk files moved aside (<key>.hrry.bad), so that they are written again
 
 
 @dataclass
@@ -381,9 +382,20 @@ class HurrayConnector(KVConnectorBase_V1):
 
     # ── scheduler side ─────────────────────────────────────────────────────
 
-    def _refuse(self, key: str, why: object) -> None:
+    def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:
+        """Count and log a refused chunk; ``damaged`` (its file's identity) moves a damaged file aside.
+
+        A damaged file (unreadable, wrong checksum, tokens other than its key
+        promises) would otherwise be refused by every later request with
+        that prefix, and no producer would replace it: the key exists.
+        """
         self.stats.chunks_refused += 1
-        log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
+        moved = self._store.quarantine(self._ns, key, damaged) if damaged is not None else None
+        if moved is not None:
+            self.stats.chunks_quarantined += 1
+            log.warning("hurray: refusing chunk %s (%s); moved it to %s; recomputing instead", key, why, moved)
+        else:
+            log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Scheduler side, when a request is scheduled: tokens loadable beyond ``num_computed_tokens``.
@@ -417,7 +429,11 @@ class HurrayConnector(KVConnectorBase_V1):
                     check = _digest_pool().submit(digest_matches, snap)
                 # Also for a remembered chunk: its key promises these tokens, the check costs little.
                 verify_chunk(snap, self._fingerprint, toks, digest=False)
-            except (HurrayFormatError, OSError) as exc:
+            except HurrayFormatError as exc:
+                # Another model's chunk is left alone; anything else in it is damage.
+                self._refuse(keys[i], exc, None if exc.field == "snapshot.fingerprint" else ident)
+                break
+            except OSError as exc:
                 self._refuse(keys[i], exc)
                 break
             found.append((i, ident, snap, check))
@@ -431,7 +447,7 @@ class HurrayConnector(KVConnectorBase_V1):
                     self._refuse(keys[i], exc)
                     break
                 if not ok:
-                    self._refuse(keys[i], DIGEST_MISMATCH)
+                    self._refuse(keys[i], DIGEST_MISMATCH, ident)
                     break
                 _VERIFIED.put(keys[i], ident, snap)
             idents.append(ident)
