@@ -78,17 +78,50 @@ def attention_layers(vllm_config: Any) -> dict[str, Any]:
     return {name: m for name, m in ctx.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
 
 
-def weights_digest(vllm_config: Any) -> str | None:
+def model_dir(vllm_config: Any) -> Path | None:
+    """The directory holding the model's checkpoint, or ``None`` if it is not on this machine.
+
+    A local path as given; a hub id (``org/name``) as the snapshot of the
+    revision in the Hugging Face cache (``load_config.download_dir`` or the
+    default cache), looked up without network access.
+    """
+    mc = vllm_config.model_config
+    root = Path(str(mc.model))
+    if root.is_dir():
+        return root
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    load_config = getattr(vllm_config, "load_config", None)
+    try:
+        found = try_to_load_from_cache(
+            str(mc.model),
+            "config.json",
+            cache_dir=getattr(load_config, "download_dir", None),
+            revision=getattr(mc, "revision", None),
+        )
+    except Exception:  # an id the hub library refuses (a path that does not exist, say)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def weights_digest(vllm_config: Any) -> str:
     """A digest of the model's weight files (names, sizes, first and last 64 KiB of each).
 
-    Computed from the checkpoint on disk so that the scheduler side, which has
-    no model, and the worker side agree. ``None`` when the model is not a
-    local directory.
+    Computed from the checkpoint on disk, so that the scheduler side, which
+    has no model, and the worker side agree, and so that two engines
+    loading the same files (from a path or from the hub cache) agree. When
+    the checkpoint is not on this machine, a digest of the model id and
+    revision instead: two models never share one, even with the same
+    geometry, but the same weights under another name do not either.
     """
-    root = Path(str(vllm_config.model_config.model))
-    if not root.is_dir():
-        return None
+    root = model_dir(vllm_config)
     h = hashlib.blake2b(digest_size=16)
+    if root is None:
+        mc = vllm_config.model_config
+        h.update(f"model-id:{mc.model}@{getattr(mc, 'revision', None) or 'main'}".encode())
+        return h.hexdigest()
     files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json")
     for f in files:
         size = f.stat().st_size

@@ -1,0 +1,52 @@
+"""The model's weights digest (part of the fingerprint and the store namespace), without an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from hurray_vllm.adapters.vllm.cache import model_dir, weights_digest
+
+
+def _config(model: str, download_dir: Path | None = None, revision: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=revision),
+        load_config=SimpleNamespace(download_dir=str(download_dir) if download_dir else None),
+    )
+
+
+def _checkpoint(d: Path, weights: bytes) -> None:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (d / "model.safetensors").write_bytes(weights)
+
+
+def _hub_cache(cache: Path, repo: str, commit: str, weights: bytes) -> None:
+    """The layout huggingface_hub leaves behind: models--org--name/{refs/main, snapshots/<commit>/}."""
+    base = cache / f"models--{repo.replace('/', '--')}"
+    _checkpoint(base / "snapshots" / commit, weights)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_id_is_digested_from_its_cached_snapshot_like_a_local_copy(tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "local", b"w" * 200_000)
+    _hub_cache(tmp_path / "hub", "org/tiny", "a" * 40, b"w" * 200_000)
+    local = weights_digest(_config(str(tmp_path / "local")))
+    hub = _config("org/tiny", tmp_path / "hub")
+    assert model_dir(hub) == tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
+    assert weights_digest(hub) == local  # the same files, wherever they were loaded from
+
+
+def test_other_weights_or_unknown_models_get_other_digests(tmp_path: Path) -> None:
+    _hub_cache(tmp_path / "hub", "org/tiny", "a" * 40, b"w" * 200_000)
+    _hub_cache(tmp_path / "hub", "org/tuned", "b" * 40, b"v" * 200_000)
+    tiny = weights_digest(_config("org/tiny", tmp_path / "hub"))
+    tuned = weights_digest(_config("org/tuned", tmp_path / "hub"))
+    assert tiny != tuned
+    # Not on this machine: named by id and revision, never shared with another model.
+    ids = [("org/x", None), ("org/y", None), ("org/x", "v2")]
+    absent = [weights_digest(_config(m, tmp_path / "hub", r)) for m, r in ids]
+    assert model_dir(_config("org/x", tmp_path / "hub")) is None
+    assert len({*absent, tiny, tuned}) == 5
+    assert weights_digest(_config("org/x", tmp_path / "hub")) == absent[0]  # stable
