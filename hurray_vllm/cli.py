@@ -35,6 +35,8 @@ examples:
                                                move a decoding request between two vLLM servers
   hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray
                                                accept KV chunks streamed by HurrayConnector
+  hurray-vllm prune /var/cache/hurray --max-size 200G
+                                               delete least recently used chunks beyond 200 GiB
 """
 
 
@@ -295,6 +297,36 @@ def cmd_receive(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """``"500M"``, ``"20G"``, ``"1.5T"`` or plain bytes (binary units: M = MiB)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500M, 20G)") from None
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .store import DirectoryStore
+
+    if not Path(args.dir).is_dir():
+        raise FileNotFoundError(2, "No such directory", args.dir)
+    report = DirectoryStore(args.dir).prune(args.max_size, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(vars(report)))
+    elif not args.quiet:
+        verb = "would delete" if report.dry_run else "deleted"
+        print(
+            f"{verb} {report.chunks_removed} chunks, {report.bad_removed} damaged and {report.temp_removed} "
+            f"stale temporary files ({report.bytes_removed / 2**20:.1f} MiB); "
+            f"{report.chunks_kept} chunks ({report.bytes_kept / 2**20:.1f} MiB) remain"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hurray-vllm",
@@ -376,6 +408,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dir", required=True, help="chunk store directory (a HurrayConnector's hurray_path)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_receive)
+
+    s = sub.add_parser(
+        "prune",
+        help="shrink a chunk store: delete its least recently used chunks",
+        description="Deletes least recently used chunk files until the store holds at most --max-size, plus "
+        "damaged files moved aside (*.hrry.bad) and temporary files older than an hour. Safe while engines "
+        "use the store. Example: hurray-vllm prune /var/cache/hurray --max-size 200G --dry-run",
+    )
+    s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
+    s.add_argument("--max-size", type=_size, required=True, help="bytes to keep at most: 500M, 20G, 1.5T, ...")
+    s.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_prune)
 
     s = sub.add_parser(
         "demo",

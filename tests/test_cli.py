@@ -27,7 +27,7 @@ def test_help_lists_every_command_with_examples() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hurray_vllm.cli", "--help"], capture_output=True, text=True, check=True
     )
-    for cmd in ("inspect", "validate", "convert", "migrate", "receive", "demo"):
+    for cmd in ("inspect", "validate", "convert", "migrate", "receive", "prune", "demo"):
         assert cmd in out.stdout
         assert f"hurray-vllm {cmd}" in out.stdout
 
@@ -91,3 +91,21 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path: Path) -> None:
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--format-only", "--workdir", str(tmp_path)]) == 0
     assert "FAILED" not in capsys.readouterr().out
+
+
+def test_prune_shrinks_a_store_to_the_size_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hurray_vllm.store import DirectoryStore, store_snapshot
+
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, spec_example_snapshot(), 4) == 1
+    (chunk,) = tmp_path.glob("*/*.hrry")
+    size = chunk.stat().st_size
+    assert main(["prune", str(tmp_path), "--max-size", "1G", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks_removed"] == 0
+    assert main(["prune", str(tmp_path), "--max-size", str(size - 1), "--dry-run"]) == 0
+    assert "would delete 1 chunks" in capsys.readouterr().out and chunk.exists()
+    assert main(["prune", str(tmp_path), "--max-size", "0"]) == 0
+    assert "deleted 1 chunks" in capsys.readouterr().out and not chunk.exists()
+    with pytest.raises(SystemExit):
+        main(["prune", str(tmp_path), "--max-size", "lots"])
+    assert main(["prune", str(tmp_path / "nowhere"), "--max-size", "1G"]) == 2

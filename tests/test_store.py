@@ -92,6 +92,37 @@ def test_quarantine_moves_only_the_file_that_was_found_damaged(tmp_path: Path) -
     assert store.put(ns, key, chunk)  # the next producer writes it again
 
 
+def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) -> None:
+    import os
+
+    store = DirectoryStore(tmp_path)
+    snap = spec_example_snapshot()
+    ((_, chunk),) = chunks_of(snap, 4)
+    names = [f"{i:032x}" for i in range(4)]
+    for name in names:
+        store.put("ns", name, chunk)
+    size = store.path("ns", names[0]).stat().st_size
+    now = time.time()
+    for i, name in enumerate(names):  # used long ago (0) ... recently (3)
+        os.utime(store.path("ns", name), (now - 1000 + 100 * i, now - 2000))
+    (tmp_path / "ns" / f"{names[0]}.hrry.bad").write_bytes(b"x" * 10)
+    (tmp_path / "ns" / ".old.hrry.1.tmp").write_bytes(b"x" * 10)
+    os.utime(tmp_path / "ns" / ".old.hrry.1.tmp", (now - 7200, now - 7200))
+    (tmp_path / "ns" / ".new.hrry.2.tmp").write_bytes(b"x" * 10)  # a writer may still be busy with it
+
+    dry = store.prune(2 * size, dry_run=True)
+    assert (dry.chunks_removed, dry.bad_removed, dry.temp_removed) == (2, 1, 1)
+    assert all(store.has("ns", n) for n in names)
+    report = store.prune(2 * size)
+    assert (report.chunks_removed, report.chunks_kept, report.bytes_kept) == (2, 2, 2 * size)
+    assert report.bytes_removed == 2 * size + 20
+    assert [store.has("ns", n) for n in names] == [False, False, True, True]
+    assert sorted(p.name for p in (tmp_path / "ns").iterdir() if not p.name.endswith(".hrry")) == [".new.hrry.2.tmp"]
+    assert store.prune(0).chunks_kept == 0
+    with pytest.raises(hv.HurrayFormatError, match="max_bytes"):
+        store.prune(-1)
+
+
 def test_tcp_transport_stores_valid_chunks_only(tmp_path: Path) -> None:
     snap = spec_example_snapshot()
     ((key, chunk),) = chunks_of(snap, 4)
