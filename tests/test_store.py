@@ -45,13 +45,18 @@ def test_chunks_verify_and_store_once(tmp_path: Path) -> None:
         verify_chunk(bad, chunk.fingerprint, list(snap.token_ids[0][:4]))
 
 
-def test_identity_tells_a_rewritten_chunk_file_from_the_one_seen(tmp_path: Path) -> None:
+def _one_chunk_store(root: Path) -> tuple[DirectoryStore, str, str, hv.KVSnapshot]:
+    """A store holding the one whole chunk of the spec's example: (store, namespace, key, chunk)."""
     snap = spec_example_snapshot()
-    store = DirectoryStore(tmp_path)
+    store = DirectoryStore(root)
     store_snapshot(store, snap, 4)
     ((key, chunk),) = chunks_of(snap, 4)
     assert chunk.fingerprint is not None
-    ns = namespace_of(chunk.fingerprint)
+    return store, namespace_of(chunk.fingerprint), key, chunk
+
+
+def test_identity_tells_a_rewritten_chunk_file_from_the_one_seen(tmp_path: Path) -> None:
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
     assert store.identity(ns, "0" * 32) is None
     seen = store.identity(ns, key)
     assert seen is not None and seen[2] == store.path(ns, key).stat().st_size
@@ -71,12 +76,7 @@ def test_identity_tells_a_rewritten_chunk_file_from_the_one_seen(tmp_path: Path)
 
 
 def test_quarantine_moves_only_the_file_that_was_found_damaged(tmp_path: Path) -> None:
-    snap = spec_example_snapshot()
-    store = DirectoryStore(tmp_path)
-    store_snapshot(store, snap, 4)
-    ((key, chunk),) = chunks_of(snap, 4)
-    assert chunk.fingerprint is not None
-    ns = namespace_of(chunk.fingerprint)
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
     seen = store.identity(ns, key)
     assert seen is not None
     path = store.path(ns, key)
