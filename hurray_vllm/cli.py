@@ -168,7 +168,8 @@ def _jsonable(kv: dict[str, Any]) -> dict[str, Any]:
 def cmd_validate(args: argparse.Namespace) -> int:
     checked = validate(args.path, permissive=args.permissive)
     blocking = set(id(v) for v in checked.errors)
-    for v in checked.violations:
+    # What stopped parsing (a truncated file, a bad magic) is always an error; print it too.
+    for v in (*checked.violations, *checked.unreadable):
         tag = "error" if id(v) in blocking else "waived"
         print(f"{tag}: {v.invariant}: {v.message}")
     if checked.ok:

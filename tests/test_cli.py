@@ -88,6 +88,14 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     assert "invalid input" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_validate_names_what_stopped_parsing(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = (files / "s.hrry").read_bytes()
+    (files / "cut.hrry").write_bytes(raw[: len(raw) // 2])
+    assert main(["validate", str(files / "cut.hrry")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("error: ") and "trailer" in out
+
+
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--format-only", "--workdir", str(tmp_path)]) == 0
     assert "FAILED" not in capsys.readouterr().out

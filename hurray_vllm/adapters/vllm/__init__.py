@@ -1,4 +1,4 @@
-"""vLLM adapter: export live requests' KV caches (and, later, import and migrate).
+"""vLLM adapter: export live requests' KV caches; import and migrate them through the KV connector.
 
 Tensor-level layouts and the exporter need no vLLM; :func:`snapshot` needs an
 in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
