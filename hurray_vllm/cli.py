@@ -273,6 +273,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
+    import signal
     import time
 
     from .store import DirectoryStore
@@ -290,9 +291,15 @@ def cmd_receive(args: argparse.Namespace) -> int:
     if not args.quiet:
         where = f"{receiver.address[0]}:{receiver.address[1]}"
         print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)  # kill stops it as cleanly as Ctrl-C
     try:
         while True:
-            time.sleep(3600)
+            # Short sleeps: a signal the kernel hands to one of NIXL's or UCX's threads
+            # does not interrupt this one, which would then only notice it on waking.
+            time.sleep(1.0)
     except KeyboardInterrupt:
         receiver.stop()
     return 0

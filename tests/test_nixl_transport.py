@@ -313,4 +313,11 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
         assert torch.equal(got[0, "key"].page_pool, chunk[0, "key"].page_pool)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        # communicate, not wait: the pipe must be drained, or a receiver with more to log
+        # than the pipe holds blocks in write and never exits.
+        try:
+            rest, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest, _ = proc.communicate()
+            pytest.fail(f"the receiver did not stop on SIGINT; its output:\n{rest[-4000:]}")
