@@ -291,6 +291,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     if not args.quiet:
         where = f"{receiver.address[0]}:{receiver.address[1]}"
         print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
+
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 

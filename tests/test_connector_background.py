@@ -94,3 +94,14 @@ def test_verified_chunks_are_kept_while_their_file_is_the_same(conn: ModuleType)
     assert cache.get("b", (7,)) is None and cache.get("a", (1, 2, 3, 4, 5)) is snap
     cache.clear()
     assert cache.get("a", (1, 2, 3, 4, 5)) is None
+
+
+def test_verified_chunks_stay_within_the_open_file_limit(conn: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    assert conn._verified_capacity(256) == 128  # each kept chunk keeps a file descriptor
+    assert conn._verified_capacity(100) == 100
+    assert conn._verified_capacity(8) == 64  # the scheduler-to-worker handoff needs these
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert conn._verified_capacity(1000) == 1000

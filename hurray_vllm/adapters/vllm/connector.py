@@ -33,8 +33,10 @@ Extra config:
   and keeps, by key, so that loading them again (the next turn of a
   conversation, a shared system prompt) neither parses nor checksums their
   files again while the files are unchanged (same inode, size and times).
-  At least 64: the chunks the scheduler verifies pass through it to the
-  worker of the same process.
+  At least 64 (the chunks the scheduler verifies pass through it to the
+  worker of the same process) and at most an eighth of the process's
+  open-file limit: each kept chunk keeps its file open (Python's mmap
+  holds a descriptor while the mapping lives).
 
 ``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
 loads, ``kv_both`` does both.
@@ -151,6 +153,23 @@ class _VerifiedChunks:
 
 #: Shared by the scheduler and a uniprocess worker (see _VerifiedChunks).
 _VERIFIED = _VerifiedChunks(256)
+
+
+def _verified_capacity(wanted: int) -> int:
+    """``wanted``, at least 64 (the handoff to the worker) and at most an eighth of the open-file limit.
+
+    Each kept chunk keeps its file open: Python's mmap holds a descriptor
+    for as long as the mapping lives.
+    """
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no limit known: keep what was asked
+        soft = -1
+    if soft > 0:
+        wanted = min(wanted, soft // 8)
+    return max(64, wanted)
 
 
 def forget_verified_chunks() -> None:
@@ -362,7 +381,7 @@ class HurrayConnector(KVConnectorBase_V1):
         self._async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
         if self._url:
             self._async = False  # a migrated request must find its chunks on the destination
-        _VERIFIED.capacity = max(64, int(cfg.get_from_extra_config("hurray_verified_chunks", _VERIFIED.capacity)))
+        _VERIFIED.capacity = _verified_capacity(int(cfg.get_from_extra_config("hurray_verified_chunks", 256)))
         queue_mib = int(cfg.get_from_extra_config("hurray_save_queue_mib", 1024))
         self._writer = _Writer(queue_mib << 20)
         _WRITERS.add(self._writer)
