@@ -318,6 +318,8 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
         try:
             rest, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the receive command dumps its threads' stacks
+            time.sleep(2)
             proc.kill()
             rest, _ = proc.communicate()
-            pytest.fail(f"the receiver did not stop on SIGINT; its output:\n{rest[-4000:]}")
+            pytest.fail(f"the receiver did not stop on SIGINT; its output:\n{rest[-8000:]}")
