@@ -296,7 +296,9 @@ def cmd_receive(args: argparse.Namespace) -> int:
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)  # kill stops it as cleanly as Ctrl-C
+    # kill stops it as cleanly as Ctrl-C. (SIGINT keeps the disposition it was started with:
+    # a job a shell started in the background ignores it, and Python then leaves it ignored.)
+    signal.signal(signal.SIGTERM, _terminate)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack, on stderr
     try:
         while True:
@@ -305,13 +307,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
             time.sleep(1.0)
     except KeyboardInterrupt:
         receiver.stop()
-    # Out without the interpreter's teardown: destroying a NIXL agent closes its UCX
-    # endpoints, which can wait for peers that are not progressing (a sender without a
-    # progress thread), and a stopped receiver has nothing left to flush: every chunk
-    # was stored by rename or not at all.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0
 
 
 def _size(text: str) -> int:

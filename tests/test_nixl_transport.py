@@ -312,9 +312,10 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
         got = DirectoryStore(store).get(ns, key)
         assert torch.equal(got[0, "key"].page_pool, chunk[0, "key"].page_pool)
     finally:
-        proc.send_signal(signal.SIGINT)
-        # communicate, not wait: the pipe must be drained, or a receiver with more to log
-        # than the pipe holds blocks in write and never exits.
+        # SIGTERM, not SIGINT: a test run started in the background by a shell inherits an
+        # ignored SIGINT, and so does this receiver. communicate, not wait: the pipe must be
+        # drained, or a receiver with more to log than it holds blocks in write.
+        proc.send_signal(signal.SIGTERM)
         try:
             rest, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -322,4 +323,4 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
             time.sleep(2)
             proc.kill()
             rest, _ = proc.communicate()
-            pytest.fail(f"the receiver did not stop on SIGINT; its output:\n{rest[-8000:]}")
+            pytest.fail(f"the receiver did not stop on SIGTERM; its output:\n{rest[-8000:]}")
