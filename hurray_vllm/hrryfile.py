@@ -41,6 +41,7 @@ FLAG_SORTED_INDEX = 1 << 1
 FLAG_HAS_CRC = 1 << 2
 DEFAULT_ALIGNMENT = 4096
 _MMAP_MIN = 64 << 10
+_MEMO_INDEX_BYTES = 64 << 10
 _KV_STR, _KV_I64, _KV_U64, _KV_F64, _KV_BOOL, _KV_BYTES, _KV_ARRAY = range(1, 8)
 
 
@@ -403,7 +404,10 @@ class HrryFile:
         self.entries = self._parse_index(index, index_off)
 
     def _parse_index(self, index: bytes, index_off: int) -> list[IndexEntry]:
-        return list(_index_entries(index, index_off, self.first_descriptor_offset, self.alignment))
+        args = (index, index_off, self.first_descriptor_offset, self.alignment)
+        # Only small indexes are remembered (a chunk file's is ~2 KiB): the memo keeps its keys' bytes.
+        parse = _index_entries if len(index) <= _MEMO_INDEX_BYTES else _index_entries.__wrapped__
+        return list(parse(*args))
 
     def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:
         """The record of ``entry``; its descriptor is validated before any buffer."""
