@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import time
 import zlib
 from array import array
@@ -136,13 +137,7 @@ class ChunkDigest:
 def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:
     """The :class:`ChunkDigest` of every page pool of ``snap``: catches corruption the container cannot see."""
     d = ChunkDigest(algorithm)
-    pools = [t.page_pool.contiguous() for t in (*snap.keys, *snap.values)]
-    if all(p.is_cpu for p in pools):
-        d.update_tensors(pools)
-    else:
-        for pool in pools:
-            if pool.numel():
-                d.update(byte_view(pool.reshape(-1).view(torch.uint8).cpu()))
+    d.update_tensors([t.page_pool.contiguous().cpu() for t in (*snap.keys, *snap.values)])
     return d.hexdigest()
 
 
@@ -207,14 +202,15 @@ class DirectoryStore:
         return self.root / namespace / f"{key}.hrry"
 
     def has(self, namespace: str, key: str) -> bool:
-        return self.path(namespace, key).is_file()
+        return self.identity(namespace, key) is not None
 
     def identity(self, namespace: str, key: str) -> tuple[int, ...] | None:
         """What tells this chunk's file from any other: device, inode, size, modification and change times.
 
-        ``None`` if the chunk is not stored. Chunk files are never rewritten
-        in place (a write is a new file renamed over the name), so an equal
-        identity means the same bytes. The kernel updates the change time on
+        ``None`` if the chunk is not stored (no regular file under its
+        name). Chunk files are never rewritten in place (a write is a new
+        file renamed over the name), so an equal identity means the same
+        bytes. The kernel updates the change time on
         every write, but with a granularity of a few milliseconds: a file
         rewritten in place by another program within that time of being
         looked at, to the same size, keeps its identity.
@@ -222,6 +218,8 @@ class DirectoryStore:
         try:
             st = os.stat(self.path(namespace, key))
         except OSError:  # missing, or unreadable: either way not loadable
+            return None
+        if not stat.S_ISREG(st.st_mode):
             return None
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
