@@ -350,9 +350,10 @@ class HrryFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _read_at(self, off: int, n: int, what: str) -> bytes:
+    def _read_at(self, off: int, n: int, what: str, suffix: str = "") -> bytes:
+        # The field is ``what + suffix``, joined only when raising: this runs for every record.
         if off < 0 or n < 0 or off + n > self.size:
-            raise HurrayFormatError(what, f"{n} bytes at offset {off} lie outside the {self.size}-byte file")
+            raise HurrayFormatError(what + suffix, f"{n} bytes at offset {off} lie outside the {self.size}-byte file")
         if self._map is not None:
             # From the map: a seek and a read are two system calls, each of which lets
             # another thread take the GIL; inside an engine that cost ~50 us per read.
@@ -360,7 +361,7 @@ class HrryFile:
         self._f.seek(off)
         data = self._f.read(n)
         if len(data) != n:
-            raise HurrayFormatError(what, "file shrank while reading")
+            raise HurrayFormatError(what + suffix, "file shrank while reading")
         return data
 
     def _parse(self) -> None:
@@ -412,10 +413,8 @@ class HrryFile:
     def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:
         """The record of ``entry``; its descriptor is validated before any buffer."""
         # Error names are built only when raising: this runs for every record of every file.
-        off, n = entry.descriptor_offset, entry.descriptor_length
-        if off + n > self.size:
-            raise HurrayFormatError(f"{entry.name}.descriptor", f"{n} bytes at offset {off} lie outside the file")
-        raw = self._map[off : off + n] if self._map is not None else self._read_at(off, n, entry.name)
+        n = entry.descriptor_length
+        raw = self._read_at(entry.descriptor_offset, n, entry.name, ".descriptor")
         own = peek_descriptor_length(raw)
         if own != n:
             raise HurrayFormatError(
