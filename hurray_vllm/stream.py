@@ -160,6 +160,33 @@ def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
         index += 1
 
 
+def layer_structure_key(
+    k: BlockPagedTensor, v: BlockPagedTensor, kv_scales: tuple[float, float] | None
+) -> tuple[object, ...] | None:
+    """What a layer's group encodes besides its pools, layer index and kv scales.
+
+    Two layers with the same key encode to the same group head, index buffers
+    and ``seq_lens`` record, and to block-paged descriptors that differ only
+    in their layer index. The key holds tensor ids: it compares equal only
+    while the caller keeps those tensors alive. None for quantized pools,
+    whose buffers are per layer.
+    """
+    if k.quant_buffers or v.quant_buffers or k.quantization is not None or v.quantization is not None:
+        return None
+    return (
+        *(id(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
+        tuple(k.page_pool.shape),
+        tuple(v.page_pool.shape),
+        k.dtype,
+        v.dtype,
+        k.index_type,
+        v.index_type,
+        k.kv_role,
+        v.kv_role,
+        kv_scales is None,
+    )
+
+
 class LayerWriter:
     """Writes ``layers.{i}`` groups whose layers share one block structure, encoding it once.
 
@@ -190,21 +217,10 @@ class LayerWriter:
         kv_scales: tuple[float, float] | None = None,
     ) -> int:
         """Write layer ``i``'s group to ``f``; returns the bytes written."""
-        if k.quant_buffers or v.quant_buffers or k.quantization is not None or v.quantization is not None:
+        key = layer_structure_key(k, v, kv_scales)
+        if key is None:
             # Per call: an id-keyed cache is only sound while its tensors live, and nothing holds these.
             return write_records(layer_records(i, k, v, kv_scales, {}), f)
-        key = (
-            *(id(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
-            tuple(k.page_pool.shape),
-            tuple(v.page_pool.shape),
-            k.dtype,
-            v.dtype,
-            k.index_type,
-            v.index_type,
-            k.kv_role,
-            v.kv_role,
-            kv_scales is None,
-        )
         if key != self._key:
             self._encode_fixed(i, k, v, kv_scales, key)
         total = 0

@@ -12,10 +12,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import require
+from hypothesis import given
+from strategies import snapshots
 
 import hurray_vllm as hv
 from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource
@@ -324,3 +327,62 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
             proc.kill()
             rest, _ = proc.communicate()
             pytest.fail(f"the receiver did not stop on SIGTERM; its output:\n{rest[-8000:]}")
+
+
+@given(snapshots())
+def test_a_snapshot_offer_encodes_shared_layers_once_to_the_same_bytes(snap: KVSnapshot) -> None:
+    """The sender's offer (layer structure encoded once, layer index patched) equals the generic record encoding."""
+    ns, key = "ab" * 8, "cd" * 16
+    want_parts, want_pools, want_order = tn._encode_offer(ns, key, snapshot_records(snap))
+    got_parts, got_pools, got_order = tn._encode_snapshot_offer(ns, key, snap)
+    assert b"".join(bytes(p) for p in got_parts) == b"".join(bytes(p) for p in want_parts)
+    assert [p.data_ptr() for p in got_pools] == [p.data_ptr() for p in want_pools]
+    assert got_order == want_order
+
+
+def test_lanes_share_pools_by_bytes_in_posting_order() -> None:
+    mib = 1 << 20
+    assert tn._lane_shares([0, 2, 1, 3], [4 * mib] * 4, 2) == [[0, 1], [2, 3]]
+    # Unequal pools: each goes to the lane with the fewest bytes so far.
+    assert tn._lane_shares([0, 1, 2, 3], [8 * mib, 2 * mib, 2 * mib, 2 * mib], 2) == [[0], [1, 2, 3]]
+    # Small chunks use fewer lanes (at least 1 MiB each), never more lanes than pools.
+    assert tn._lane_shares([0, 1, 2], [1000, 1000, 1000], 4) == [[0, 1, 2]]
+    assert tn._lane_shares([0], [64 * mib], 4) == [[0]]
+    assert tn._lane_shares([], [], 2) == [[]]
+
+
+def test_a_chunk_split_across_lanes_arrives_whole_and_a_failing_lane_aborts_it(
+    receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns, key, chunk = chunks[1]
+    monkeypatch.setattr(tn, "_MIN_LANE_BYTES", 1)  # this chunk is small: use every lane anyway
+    posted: dict[int, int] = {}
+    post = tn.NixlSender._post
+    fail: set[int] = set()
+
+    def counting_post(self: tn.NixlSender, agent: object, local: object, remote: object, i: int, notif: bytes) -> Any:
+        if i in fail:
+            raise tn.NixlError(f"injected failure of page pool {i}")
+        posted[i] = id(agent)
+        return post(self, agent, local, remote, i, notif)
+
+    monkeypatch.setattr(tn.NixlSender, "_post", counting_post)
+    sender = tn.NixlSender(lanes=3)
+    try:
+        (stats,) = sender.send(url_of(receiver), [(ns, key, chunk)], timeout=20)
+        assert stats.transfers == 2 * chunk.num_layers == len(posted)
+        assert len(set(posted.values())) == 3  # every lane's agent wrote its share
+        store = receiver.store
+        assert isinstance(store, DirectoryStore)
+        assert pool_bytes(store.get(ns, key)) == pool_bytes(chunk)
+        # One lane fails mid-chunk: the sender reports it, the others stop, nothing is stored.
+        fail.add(max(posted))
+        with pytest.raises(tn.NixlError, match="injected"):
+            sender.send(url_of(receiver), [(ns, "ab" * 8, chunk)], timeout=20)
+        assert wait_for(lambda: receiver.refused == 1)
+        assert not store.has(ns, "ab" * 8)
+        fail.clear()
+        sender.send(url_of(receiver), [(ns, "ab" * 8, chunk)], timeout=20)
+        assert pool_bytes(store.get(ns, "ab" * 8)) == pool_bytes(chunk)
+    finally:
+        sender.close()
