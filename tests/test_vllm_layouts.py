@@ -21,6 +21,7 @@ from hurray_vllm.adapters.vllm import (
     export_snapshot,
     export_stream,
     layer_view_from_buffer,
+    release_export_workspace,
 )
 from hurray_vllm.adapters.vllm.layouts import KV_CACHE_LAYOUT_ORDERS
 
@@ -169,3 +170,39 @@ def test_export_of_inference_mode_tensors_writes_a_stream() -> None:
         export_stream(io.BytesIO(), caches, LogicalBHNC(D), seqs, block_size=N)
     back = hv.read_stream(io.BytesIO(f.getvalue()))
     assert torch.equal(back[1, "value"].page_pool, snap[1, "value"].page_pool)
+
+
+def test_host_exports_without_buffers_borrow_the_last_exports_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hurray_vllm.adapters.vllm import export as ex
+
+    g = torch.Generator().manual_seed(4)
+    caches = [torch.randn(8, H, N, 2 * D, generator=g).to(torch.bfloat16) for _ in range(3)]
+    seqs = [SequenceState("a", [3, 5, 2], 40, list(range(41)))]
+    want = io.BytesIO()
+    export_stream(want, caches, LogicalBHNC(D), seqs, block_size=N, buffers=GatherBuffers())
+    release_export_workspace()
+    seen: list[int] = []
+    take = GatherBuffers.take
+
+    def spy(self: GatherBuffers, *args: object, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        out = take(self, *args, **kw)  # type: ignore[arg-type]
+        seen.append(out[0].untyped_storage().data_ptr())
+        return out
+
+    monkeypatch.setattr(GatherBuffers, "take", spy)
+    for _ in range(2):
+        f = io.BytesIO()
+        export_stream(f, caches, LogicalBHNC(D), seqs, block_size=N)
+        assert f.getvalue() == want.getvalue()
+    assert len(set(seen)) == 1  # the second export gathered into the first one's memory
+    layer_bytes = 2 * 3 * N * H * D * 2
+    assert release_export_workspace() == layer_bytes and release_export_workspace() == 0
+    # Nothing is kept beyond the cap (0: every export allocates its own).
+    monkeypatch.setattr(ex, "EXPORT_WORKSPACE_MAX_BYTES", 0)
+    export_stream(io.BytesIO(), caches, LogicalBHNC(D), seqs, block_size=N)
+    assert release_export_workspace() == 0
+    # Exports that overlap in time never share buffers.
+    monkeypatch.setattr(ex, "EXPORT_WORKSPACE_MAX_BYTES", 1 << 30)
+    with ex._workspace(None, False) as a, ex._workspace(None, False) as b:
+        assert a is not b
+    assert release_export_workspace() == 0  # neither had allocated anything

@@ -7,7 +7,15 @@ in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 from __future__ import annotations
 
 from .cache import EngineCache, describe_worker_cache, write_blocks
-from .export import GatherBuffers, SequenceState, export_layers, export_snapshot, export_stream, plan_batch
+from .export import (
+    GatherBuffers,
+    SequenceState,
+    export_layers,
+    export_snapshot,
+    export_stream,
+    plan_batch,
+    release_export_workspace,
+)
 from .layouts import (
     CpuPacked,
     FlashAttnLegacy,
@@ -35,6 +43,7 @@ __all__ = [
     "export_stream",
     "layer_view_from_buffer",
     "plan_batch",
+    "release_export_workspace",
     "snapshot",
     "snapshot_stream",
 ]

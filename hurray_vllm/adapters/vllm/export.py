@@ -15,8 +15,11 @@ zeroed in the copy, so nothing of other requests leaks out.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from array import array
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import BinaryIO
 
@@ -209,6 +212,52 @@ class GatherBuffers:
         self._twin = None
 
 
+#: Most bytes of gather buffers that host exports keep between calls (``HURRAY_EXPORT_WORKSPACE_MIB``,
+#: default 256; 0 keeps none). See :func:`release_export_workspace`.
+EXPORT_WORKSPACE_MAX_BYTES = int(os.environ.get("HURRAY_EXPORT_WORKSPACE_MIB", "256")) << 20
+_spare: list[GatherBuffers] = []
+_spare_lock = threading.Lock()
+
+
+@contextmanager
+def _workspace(buffers: GatherBuffers | None, on_cuda: bool) -> Iterator[GatherBuffers]:
+    """``buffers``, or gather buffers lent by the process for one export.
+
+    A host export gathers into fresh memory otherwise, and faulting it in
+    costs about twice the copy on the first layer (``docs/benchmarks.md``).
+    So the buffers of a finished export are kept, like the CUDA caching
+    allocator keeps freed blocks, up to ``EXPORT_WORKSPACE_MAX_BYTES`` in all,
+    and lent to the next export; concurrent exports each get their own.
+    Device exports allocate per call: the CUDA allocator already caches.
+    """
+    if buffers is not None:
+        yield buffers
+        return
+    if on_cuda:
+        yield GatherBuffers()
+        return
+    with _spare_lock:
+        ws = _spare.pop() if _spare else GatherBuffers()
+    try:
+        yield ws
+    finally:
+        with _spare_lock:
+            if ws.nbytes + sum(s.nbytes for s in _spare) <= EXPORT_WORKSPACE_MAX_BYTES:
+                _spare.append(ws)
+
+
+def release_export_workspace() -> int:
+    """Free the gather buffers host exports keep between calls; returns the bytes released.
+
+    They are allocated again by the next export. Exports that pass their own
+    :class:`GatherBuffers` never use them.
+    """
+    with _spare_lock:
+        freed = sum(s.nbytes for s in _spare)
+        _spare.clear()
+    return freed
+
+
 def _kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """``[2, *k.shape]`` over both pools when V directly follows K in memory (as
     :class:`GatherBuffers` lays them out), so one launch zeroes or copies both; else None."""
@@ -386,36 +435,38 @@ def export_stream(
 ) -> int:
     """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
 
-    Every layer is gathered into the same two buffers (``buffers``, or a
-    pair allocated for this call): extra memory is one layer's compacted
-    pages. Pass a :class:`GatherBuffers` kept across calls to reuse that
-    memory from one export to the next. ``show_progress=True`` shows a
-    per-layer progress bar on a terminal.
+    Every layer is gathered into the same two buffers: extra memory is one
+    layer's compacted pages. ``buffers``: a :class:`GatherBuffers` the caller
+    keeps across calls; without it a host export borrows the buffers the
+    last export left (up to ``EXPORT_WORKSPACE_MAX_BYTES``, see
+    :func:`release_export_workspace`), so only the first export of a process
+    faults in new memory. ``show_progress=True`` shows a per-layer progress
+    bar on a terminal.
     """
     plan = plan_batch(seqs, block_size)
-    buffers = buffers if buffers is not None else GatherBuffers()
     on_cuda = bool(caches) and _first(caches[0]).device.type == "cuda"
-    # On a device, layers alternate between two buffer pairs so that one is gathered while
-    # the previous is still being copied out; on the host one pair serves every layer.
-    per_layer = [buffers.twin() if i % 2 else buffers for i in range(len(caches))] if on_cuda else buffers
-    layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=per_layer)
-    if show_progress:
-        from ...progress import progress
+    with _workspace(buffers, on_cuda) as buffers:
+        # On a device, layers alternate between two buffer pairs so that one is gathered while
+        # the previous is still being copied out; on the host one pair serves every layer.
+        per_layer = [buffers.twin() if i % 2 else buffers for i in range(len(caches))] if on_cuda else buffers
+        layers = export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=per_layer)
+        if show_progress:
+            from ...progress import progress
 
-        layers = progress(layers, desc="export", total=len(caches))
-    # Made before the header is written: a device export's first layer is already on its way.
-    host = to_host_overlapped(layers, device_slots=2 if on_cuda else 1)
-    shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True)
-    # The header announces the layer count before any layer is written.
-    total = write_records(header_records(shell, num_layers=len(caches)), f)
-    # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
-    i = 0
-    writer = LayerWriter()  # every layer shares the plan's index tensors: encoded once
-    for k, v in host:
-        total += writer.write(f, i, k, v, kv_scales[i] if kv_scales is not None else None)
-        del k, v  # release this layer's pages before gathering the next
-        i += 1
-    return total
+            layers = progress(layers, desc="export", total=len(caches))
+        # Made before the header is written: a device export's first layer is already on its way.
+        host = to_host_overlapped(layers, device_slots=2 if on_cuda else 1)
+        shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True)
+        # The header announces the layer count before any layer is written.
+        total = write_records(header_records(shell, num_layers=len(caches)), f)
+        # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
+        i = 0
+        writer = LayerWriter()  # every layer shares the plan's index tensors: encoded once
+        for k, v in host:
+            total += writer.write(f, i, k, v, kv_scales[i] if kv_scales is not None else None)
+            del k, v  # release this layer's pages before gathering the next
+            i += 1
+        return total
 
 
 def to_host_overlapped(
