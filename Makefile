@@ -48,6 +48,7 @@ bench: install
 	$(BIN)/python scripts/bench_import.py
 	$(BIN)/python scripts/bench_connector.py
 	$(BIN)/python scripts/bench_transport.py
+	$(BIN)/python scripts/bench_nixl_floor.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
