@@ -172,7 +172,9 @@ def test_export_of_inference_mode_tensors_writes_a_stream() -> None:
     assert torch.equal(back[1, "value"].page_pool, snap[1, "value"].page_pool)
 
 
-def test_host_exports_without_buffers_borrow_the_last_exports_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_exports_without_buffers_borrow_the_last_exports_workspace(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from hurray_vllm.adapters.vllm import export as ex
 
     g = torch.Generator().manual_seed(4)
@@ -198,11 +200,15 @@ def test_host_exports_without_buffers_borrow_the_last_exports_workspace(monkeypa
     layer_bytes = 2 * 3 * N * H * D * 2
     assert release_export_workspace() == layer_bytes and release_export_workspace() == 0
     # Nothing is kept beyond the cap (0: every export allocates its own).
-    monkeypatch.setattr(ex, "EXPORT_WORKSPACE_MAX_BYTES", 0)
+    monkeypatch.setenv(ex.WORKSPACE_ENV, "0")
     export_stream(io.BytesIO(), caches, LogicalBHNC(D), seqs, block_size=N)
     assert release_export_workspace() == 0
+    # A value that is no number is reported, and the default applies.
+    monkeypatch.setenv(ex.WORKSPACE_ENV, "nonsense")
+    export_stream(io.BytesIO(), caches, LogicalBHNC(D), seqs, block_size=N)
+    assert ex.WORKSPACE_ENV in caplog.text
+    assert release_export_workspace() == layer_bytes
     # Exports that overlap in time never share buffers.
-    monkeypatch.setattr(ex, "EXPORT_WORKSPACE_MAX_BYTES", 1 << 30)
     with ex._workspace(None, False) as a, ex._workspace(None, False) as b:
         assert a is not b
     assert release_export_workspace() == 0  # neither had allocated anything

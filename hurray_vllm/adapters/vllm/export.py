@@ -14,6 +14,7 @@ zeroed in the copy, so nothing of other requests leaks out.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -41,7 +42,10 @@ __all__ = [
     "export_snapshot",
     "export_stream",
     "to_host_overlapped",
+    "release_export_workspace",
 ]
+
+log = logging.getLogger("hurray_vllm.export")
 
 
 @dataclass(frozen=True)
@@ -212,11 +216,24 @@ class GatherBuffers:
         self._twin = None
 
 
-#: Most bytes of gather buffers that host exports keep between calls (``HURRAY_EXPORT_WORKSPACE_MIB``,
-#: default 256; 0 keeps none). See :func:`release_export_workspace`.
-EXPORT_WORKSPACE_MAX_BYTES = int(os.environ.get("HURRAY_EXPORT_WORKSPACE_MIB", "256")) << 20
+#: Most MiB of gather buffers that host exports keep between calls, unless the environment
+#: variable :data:`WORKSPACE_ENV` says otherwise (0 keeps none). See :func:`release_export_workspace`.
+EXPORT_WORKSPACE_MIB = 256
+WORKSPACE_ENV = "HURRAY_VLLM_EXPORT_WORKSPACE_MIB"
 _spare: list[GatherBuffers] = []
 _spare_lock = threading.Lock()
+
+
+def _workspace_cap() -> int:
+    """The workspace limit in bytes (read per export: a bad value is reported, not fatal at import)."""
+    raw = os.environ.get(WORKSPACE_ENV)
+    if raw is None:
+        return EXPORT_WORKSPACE_MIB << 20
+    try:
+        return max(0, int(raw)) << 20
+    except ValueError:
+        log.warning("hurray: %s=%r is not a whole number of MiB; using %d", WORKSPACE_ENV, raw, EXPORT_WORKSPACE_MIB)
+        return EXPORT_WORKSPACE_MIB << 20
 
 
 @contextmanager
@@ -226,7 +243,8 @@ def _workspace(buffers: GatherBuffers | None, on_cuda: bool) -> Iterator[GatherB
     A host export gathers into fresh memory otherwise, and faulting it in
     costs about twice the copy on the first layer (``docs/benchmarks.md``).
     So the buffers of a finished export are kept, like the CUDA caching
-    allocator keeps freed blocks, up to ``EXPORT_WORKSPACE_MAX_BYTES`` in all,
+    allocator keeps freed blocks, up to ``HURRAY_VLLM_EXPORT_WORKSPACE_MIB``
+    (default 256) in all,
     and lent to the next export; concurrent exports each get their own.
     Device exports allocate per call: the CUDA allocator already caches.
     """
@@ -242,7 +260,7 @@ def _workspace(buffers: GatherBuffers | None, on_cuda: bool) -> Iterator[GatherB
         yield ws
     finally:
         with _spare_lock:
-            if ws.nbytes + sum(s.nbytes for s in _spare) <= EXPORT_WORKSPACE_MAX_BYTES:
+            if ws.nbytes + sum(s.nbytes for s in _spare) <= _workspace_cap():
                 _spare.append(ws)
 
 
@@ -438,7 +456,7 @@ def export_stream(
     Every layer is gathered into the same two buffers: extra memory is one
     layer's compacted pages. ``buffers``: a :class:`GatherBuffers` the caller
     keeps across calls; without it a host export borrows the buffers the
-    last export left (up to ``EXPORT_WORKSPACE_MAX_BYTES``, see
+    last export left (up to ``HURRAY_VLLM_EXPORT_WORKSPACE_MIB``, see
     :func:`release_export_workspace`), so only the first export of a process
     faults in new memory. ``show_progress=True`` shows a per-layer progress
     bar on a terminal.
