@@ -355,10 +355,12 @@ class HurrayConnector(KVConnectorBase_V1):
                 "hurray_chunk_tokens", f"{self._chunk} is not a multiple of the engine's block size {self._block_size}"
             )
         if self._url and str(self._url).startswith("nixl://"):
-            from ...transport_nixl import load_nixl, parse_nixl_url
+            from ...transport_nixl import default_sender, load_nixl, parse_nixl_url
 
             parse_nixl_url(self._url)
             load_nixl()  # a missing NIXL surfaces at start, not at the first save
+            if role == KVConnectorRole.WORKER and cfg.kv_role in ("kv_producer", "kv_both"):
+                default_sender()  # UCX starts here (~0.4 s), not inside the first step that pushes
         elif self._url:
             parse_url(self._url)  # a typo surfaces at start, not at the first save
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
