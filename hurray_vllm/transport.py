@@ -19,7 +19,7 @@ import re
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from urllib.parse import urlparse
 
 from .api import read_stream, write_stream
@@ -54,8 +54,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def send_chunks(url: str, chunks: Sequence[tuple[str, str, KVSnapshot]], *, timeout: float = 60.0) -> None:
+def send_chunks(url: str, chunks: Iterable[tuple[str, str, KVSnapshot]], *, timeout: float = 60.0) -> None:
     """Stream ``(namespace, key, snapshot)`` chunks to the receiver at ``url``; wait for each answer.
+
+    ``chunks`` is consumed lazily: a chunk is asked for only after the
+    receiver acknowledged the previous one.
 
     Raises :class:`HurrayFormatError` when the receiver refuses a chunk and
     ``OSError`` when it cannot be reached.

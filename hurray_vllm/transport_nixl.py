@@ -517,6 +517,22 @@ class NixlSender:
                 regs = self._register([(t.data_ptr(), n)])
                 self._pinned.append((t.data_ptr(), t.data_ptr() + n, regs, t))
 
+    def unregister(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Deregister tensors given to :meth:`register` (those not registered are ignored).
+
+        For buffers that are about to be replaced: a registration keeps its
+        tensor alive until it is undone here or by :meth:`close`.
+        """
+        gone = {t.data_ptr() for t in tensors}
+        with self._lock:
+            keep = []
+            for entry in self._pinned:
+                if entry[0] in gone:
+                    self._deregister(entry[2])
+                else:
+                    keep.append(entry)
+            self._pinned = keep
+
     def _covered(self, ptr: int, n: int) -> bool:
         return any(a <= ptr and ptr + n <= b for a, b, _, _ in self._pinned)
 
@@ -577,11 +593,14 @@ class NixlSender:
     # ── sending ──
 
     def send(
-        self, url: str, chunks: Sequence[tuple[str, str, KVSnapshot]], *, timeout: float = 60.0
+        self, url: str, chunks: Iterable[tuple[str, str, KVSnapshot]], *, timeout: float = 60.0
     ) -> list[TransferStats]:
         """Push ``(namespace, key, snapshot)`` chunks to the receiver at ``nixl://HOST:PORT``.
 
-        Returns when every chunk is stored on the other side. Raises
+        Returns when every chunk is stored on the other side. ``chunks`` is
+        consumed lazily: a chunk is asked for only once the previous one is
+        stored there, so a generator may export every chunk into the same
+        (registered) buffers. Raises
         :class:`HurrayFormatError` when the receiver refuses a chunk,
         ``OSError`` (:class:`NixlError`, ``TimeoutError``, ``ConnectionError``)
         when it cannot be reached or the transfer fails.
@@ -795,8 +814,10 @@ def default_sender() -> NixlSender:
         return _default
 
 
-def send_chunks_nixl(url: str, chunks: Sequence[tuple[str, str, KVSnapshot]], *, timeout: float = 60.0) -> None:
+def send_chunks_nixl(url: str, chunks: Iterable[tuple[str, str, KVSnapshot]], *, timeout: float = 60.0) -> None:
     """:func:`hurray_vllm.transport.send_chunks` over NIXL: ``url`` is ``nixl://HOST:PORT``.
+
+    ``chunks`` is consumed lazily, one chunk after the previous one is stored.
 
     Raises :class:`HurrayFormatError` when the receiver refuses a chunk,
     ``OSError`` when it cannot be reached or a transfer fails or times out,

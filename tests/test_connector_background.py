@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -105,3 +105,68 @@ def test_verified_chunks_stay_within_the_open_file_limit(conn: ModuleType, monke
     assert conn._verified_capacity(8) == 64  # the scheduler-to-worker handoff needs these
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert conn._verified_capacity(1000) == 1000
+
+
+def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Saving with a nixl:// url: chunks go one by one through the same buffers, registered with NIXL once."""
+    from hurray_vllm import KVSnapshot, ModelFingerprint
+    from hurray_vllm.adapters.vllm import GatherBuffers
+    from hurray_vllm.paged import BlockPagedTensor
+    from hurray_vllm.store import DirectoryStore
+    from hurray_vllm.transport_nixl import NixlError
+
+    calls: list[tuple[str, list[int]]] = []
+
+    class Sender:
+        def register(self, ts: list[torch.Tensor]) -> None:
+            calls.append(("register", [t.data_ptr() for t in ts]))
+
+        def unregister(self, ts: list[torch.Tensor]) -> None:
+            calls.append(("unregister", [t.data_ptr() for t in ts]))
+
+    monkeypatch.setattr("hurray_vllm.transport_nixl.default_sender", lambda: Sender())
+    c = object.__new__(conn.HurrayConnector)
+    c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", conn.ConnectorStats()
+    c._pushed, c._chunk_buffers, c._registered = set(), [], []
+
+    def export(ec, caches, task, block_ids, reuse=False):  # type: ignore[no-untyped-def]
+        assert reuse
+        if not c._chunk_buffers:
+            c._chunk_buffers = [GatherBuffers()]
+        k, v = c._chunk_buffers[0].take((len(block_ids), 4, 1, 8), torch.bfloat16, torch.device("cpu"))
+        k.fill_(float(len(calls))), v.fill_(1.0)
+        n = 4 * len(block_ids)
+        idx = (torch.arange(len(block_ids)), torch.tensor([0, len(block_ids)]), torch.tensor([n]))
+        return KVSnapshot(
+            (BlockPagedTensor(k, *idx, "key", 0),),
+            (BlockPagedTensor(v, *idx, "value", 0),),
+            token_ids=(tuple(task.tokens),),
+            fingerprint=ModelFingerprint("T", 1, 1, 8, "bfloat16"),
+        )
+
+    c._export_chunk = export
+    tasks = [conn.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2]) for i in range(3)]
+    tasks.append(conn.SaveTask("r", "ff" * 8, list(range(12)), [1, 2, 3]))  # larger: the buffers grow
+    seen = []
+    ec = SimpleNamespace(caches=None)
+    for _ns, key, chunk in c._saved(ec, iter(tasks), push=True):
+        seen.append((key, chunk.keys[0].page_pool.data_ptr()))
+        assert key not in c._pushed  # marked only once the receiver has it, i.e. when the next is asked for
+    assert [k for k, _ in seen] == [t.key for t in tasks] and c._pushed == {t.key for t in tasks}
+    assert len({p for _, p in seen[:3]}) == 1  # one memory for the same-sized chunks
+    assert [kind for kind, _ in calls] == ["register", "unregister", "register"]
+    assert calls[1][1] == calls[0][1] and calls[2][1] != calls[0][1]
+    assert all(c._store.has(c._ns, t.key) for t in tasks)
+
+    # A push that fails part-way: the chunks after it are still saved here, and not marked as pushed.
+    def failing_send(url, chunks):  # type: ignore[no-untyped-def]
+        next(iter(chunks))
+        raise NixlError("peer gone")
+
+    monkeypatch.setattr("hurray_vllm.transport_nixl.send_chunks_nixl", failing_send)
+    more = [conn.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [4, 5]) for i in range(10, 13)]
+    meta = conn.HurrayConnectorMetadata(saves=more)
+    c._get_connector_metadata = lambda: meta
+    c._async, c._engine_cache = False, lambda: ec
+    c.wait_for_save()
+    assert all(c._store.has(c._ns, t.key) for t in more) and not c._pushed & {t.key for t in more}

@@ -386,3 +386,19 @@ def test_a_chunk_split_across_lanes_arrives_whole_and_a_failing_lane_aborts_it(
         assert pool_bytes(store.get(ns, "ab" * 8)) == pool_bytes(chunk)
     finally:
         sender.close()
+
+
+def test_registered_pools_can_be_unregistered_for_replacement() -> None:
+    require("nixl_cu12")
+    sender = tn.NixlSender(lanes=2)
+    try:
+        a, b = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
+        sender.register([a, b])
+        assert sender._covered(a.data_ptr(), a.numel()) and sender._covered(b.data_ptr(), b.numel())
+        sender.unregister([a, torch.zeros(8)])  # one registered, one never was
+        assert not sender._covered(a.data_ptr(), a.numel()) and sender._covered(b.data_ptr(), b.numel())
+        with pytest.raises(hv.HurrayFormatError, match="contiguous"):
+            sender.register([a[::2]])
+    finally:
+        sender.close()
+    assert not sender._pinned

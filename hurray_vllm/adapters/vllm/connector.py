@@ -70,7 +70,7 @@ import queue
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -390,6 +390,7 @@ class HurrayConnector(KVConnectorBase_V1):
         self._staging = _Staging()
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
         self._chunk_buffers: list[GatherBuffers] = []  # the writer's, reused chunk after chunk
+        self._registered: list[torch.Tensor] = []  # their memory, registered with the NIXL sender
         listen = cfg.get_from_extra_config("hurray_listen", None)
         if listen and role == KVConnectorRole.SCHEDULER and listen not in _RECEIVERS:
             host, _, port = str(listen).rpartition(":")
@@ -670,31 +671,69 @@ class HurrayConnector(KVConnectorBase_V1):
         if self._async:
             self._save_async(ec, meta.saves)
             return
-        pushed = []
-        for task in meta.saves:
+        tasks = iter(meta.saves)
+        if not self._url:
+            for _ in self._saved(ec, tasks, push=False):
+                pass
+            return
+        # Chunk by chunk: each is exported into the same reused buffers (registered once with
+        # NIXL), stored, and sent before the next is exported; the transports ask for the
+        # next chunk only once the receiver acknowledged the previous one.
+        chunks = self._saved(ec, tasks, push=True)
+        try:
+            if str(self._url).startswith("nixl://"):
+                from ...transport_nixl import send_chunks_nixl
+
+                send_chunks_nixl(self._url, chunks)
+            else:
+                send_chunks(self._url, chunks)
+        except (OSError, HurrayFormatError) as exc:
+            # The destination recomputes what it lacks; this engine's step goes on, and the
+            # chunks not sent yet are still saved here.
+            log.warning("hurray: could not push chunks to %s: %s", self._url, exc)
+            for _ in self._saved(ec, tasks, push=False):
+                pass
+
+    def _saved(self, ec: EngineCache, tasks: Iterator[SaveTask], push: bool) -> Iterator[tuple[str, str, KVSnapshot]]:
+        """Save each task's chunk; yield ``(namespace, key, chunk)`` for those to push.
+
+        Exported chunks share the writer's reused buffers: a yielded chunk is
+        valid until the next one is asked for.
+        """
+        for task in tasks:
             if self._store.has(self._ns, task.key):
                 self.stats.chunks_skipped += 1
-                if self._url and task.key not in self._pushed:
+                if push and task.key not in self._pushed:
                     try:
-                        pushed.append((self._ns, task.key, self._store.get(self._ns, task.key)))
+                        chunk = self._store.get(self._ns, task.key)
                     except HurrayFormatError as exc:
                         log.warning("hurray: not pushing unreadable chunk %s: %s", task.key, exc)
+                        continue
+                    yield self._ns, task.key, chunk
+                    self._pushed.add(task.key)
                 continue
-            snap = self._export_chunk(ec, ec.caches, task, task.block_ids)
+            snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True)
             self._put(task.key, snap)
-            pushed.append((self._ns, task.key, snap))
-        if self._url and pushed:
-            try:
+            if push:
                 if str(self._url).startswith("nixl://"):
-                    from ...transport_nixl import send_chunks_nixl
+                    self._register_chunk_buffers()
+                yield self._ns, task.key, snap
+                self._pushed.add(task.key)
 
-                    send_chunks_nixl(self._url, pushed)
-                else:
-                    send_chunks(self._url, pushed)
-                self._pushed.update(key for _, key, _ in pushed)
-            except (OSError, HurrayFormatError) as exc:
-                # The destination recomputes what it lacks; this engine's step goes on.
-                log.warning("hurray: could not push %d chunks to %s: %s", len(pushed), self._url, exc)
+    def _register_chunk_buffers(self) -> None:
+        """NIXL: register the reused chunk buffers with the sender once (again only when they grow)."""
+        from ...transport_nixl import default_sender
+
+        memory = [m for b in self._chunk_buffers for m in b.memory]
+        if [m.data_ptr() for m in memory] == [m.data_ptr() for m in self._registered]:
+            return
+        sender = default_sender()
+        if self._registered:
+            sender.unregister(self._registered)
+            self._registered = []
+        sender.register(memory)
+        self._registered = memory
+        log.info("hurray: registered %.1f MiB of chunk buffers with NIXL", sum(m.numel() for m in memory) / 2**20)
 
     def _save_async(self, ec: EngineCache, saves: list[SaveTask]) -> None:
         todo: list[SaveTask] = []

@@ -192,6 +192,15 @@ class GatherBuffers:
         own = 0 if self._raw is None else int(self._raw.numel())
         return own + (self._twin.nbytes if self._twin is not None else 0)
 
+    @property
+    def memory(self) -> tuple[torch.Tensor, ...]:
+        """The allocations behind the buffers (and the twin's): what to register with a transport.
+
+        They change only when the buffers grow or are released.
+        """
+        own = () if self._raw is None else (self._raw,)
+        return own + (self._twin.memory if self._twin is not None else ())
+
     def twin(self) -> GatherBuffers:
         """A second pair kept with this one: device exports alternate layers between the two,
         so one layer is gathered while the previous is still being copied to the host."""
