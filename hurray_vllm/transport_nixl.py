@@ -721,7 +721,8 @@ class NixlSender:
             ranges = [(s.data_ptr(), s.numel()) for s in sources]
             todo = [r for r in dict.fromkeys(ranges) if not self._covered(*r)]
             regs = self._register(todo) if todo else None
-            shares = _lane_shares(order, [n for _, n in ranges], len(self._agents))
+            # At most max_inflight lanes: each has at least one WRITE in flight.
+            shares = _lane_shares(order, [n for _, n in ranges], min(len(self._agents), self.max_inflight))
             lanes = [_Lane(agent, share) for agent, share in zip(self._agents, shares)]
             inflight = max(1, self.max_inflight // len(lanes))
             stop = threading.Event()
