@@ -743,10 +743,15 @@ class NixlSender:
                     if len(lanes) > 1:
                         if self._threads is None:
                             self._threads = ThreadPoolExecutor(len(self._agents) - 1, "hurray-nixl-lane")
-                        futures = [
-                            self._threads.submit(self._drive, lane, xfer_id, inflight, deadline, stop, None)
-                            for lane in lanes[1:]
-                        ]
+
+                        def drive(lane: _Lane) -> None:
+                            try:
+                                self._drive(lane, xfer_id, inflight, deadline, stop, None)
+                            except BaseException:
+                                stop.set()  # the other lanes stop at their next poll
+                                raise
+
+                        futures = [self._threads.submit(drive, lane) for lane in lanes[1:]]
                     self._drive(lanes[0], xfer_id, inflight, deadline, stop, sock)
                     while futures:
                         for f in [f for f in futures if f.done()]:
