@@ -785,9 +785,9 @@ class NixlSender:
                     self._deregister(regs)
 
 
-def _watch_receiver(sock: socket.socket, wait: float) -> None:
+def _watch_receiver(sock: socket.socket, timeout: float) -> None:
     """During a transfer the receiver speaks only to give up: raise if it did."""
-    r, _, _ = select.select([sock], [], [], wait)
+    r, _, _ = select.select([sock], [], [], timeout)
     if not r:
         return
     head = sock.recv(1)
