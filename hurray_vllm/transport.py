@@ -20,6 +20,7 @@ import socket
 import struct
 import threading
 from collections.abc import Iterable
+from typing import BinaryIO, cast
 from urllib.parse import urlparse
 
 from .api import read_stream, write_stream
@@ -58,24 +59,38 @@ def send_chunks(url: str, chunks: Iterable[tuple[str, str, KVSnapshot]], *, time
     """Stream ``(namespace, key, snapshot)`` chunks to the receiver at ``url``; wait for each answer.
 
     ``chunks`` is consumed lazily: a chunk is asked for only after the
-    receiver acknowledged the previous one.
+    receiver acknowledged the previous one. Page pools go from their tensors
+    to the socket without an intermediate copy.
 
     Raises :class:`HurrayFormatError` when the receiver refuses a chunk and
     ``OSError`` when it cannot be reached.
     """
     host, port = parse_url(url)
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+    with socket.create_connection((host, port), timeout=timeout) as sock, sock.makefile("wb") as out:
         for ns, key, snap in chunks:
-            body = io.BytesIO()
-            write_stream(snap, body)
-            data = body.getbuffer()
+            # The frame announces the stream's length: a first pass counts it without copying
+            # anything (serialising into memory first took ~170 ms for 256 MiB).
+            size = write_stream(snap, cast(BinaryIO, _Counter()))
             header = MAGIC + struct.pack("<H", len(ns)) + ns.encode() + struct.pack("<H", len(key)) + key.encode()
-            sock.sendall(header + struct.pack("<Q", data.nbytes))
-            sock.sendall(data)
+            out.write(header + struct.pack("<Q", size))
+            written = write_stream(snap, out)
+            out.flush()
+            if written != size:  # the receiver would misread every later frame
+                raise HurrayFormatError("transport", f"chunk {key} changed while it was sent")
             answer = _recv_exact(sock, 2)
             if answer != b"OK":
                 (n,) = struct.unpack("<H", _recv_exact(sock, 2))
                 raise HurrayFormatError("transport", f"receiver refused chunk {key}: {_recv_exact(sock, n).decode()}")
+
+
+class _Counter(io.RawIOBase):
+    """A sink that only counts what is written to it."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        return memoryview(b).nbytes
 
 
 class _Limited(io.RawIOBase):
