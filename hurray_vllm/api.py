@@ -13,9 +13,9 @@ from typing import Any, BinaryIO, Literal
 
 from .errors import HurrayFormatError
 from .hrryfile import FILE_MAGIC, HrryFile, write_file
-from .records import Node, Record, assemble_snapshot, group_records, snapshot_records
+from .records import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records
 from .snapshot import KVSnapshot
-from .stream import read_records, write_records
+from .stream import LayerWriter, read_records, write_records
 
 __all__ = ["save", "load", "write_stream", "read_stream", "detect_format", "open_records", "Format"]
 
@@ -143,9 +143,15 @@ def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
     """Write ``snapshot`` to the binary file object ``f`` as a Hurray stream.
 
     Page pools go from tensor memory straight to ``f.write`` (no copy).
-    Returns the number of bytes written.
+    Returns the number of bytes written. Layers that share their block
+    structure are encoded once (:class:`~hurray_vllm.stream.LayerWriter`,
+    the same bytes as every record encoded on its own).
     """
-    return write_records(snapshot_records(snapshot), f)
+    total = write_records(header_records(snapshot), f)
+    writer = LayerWriter()
+    for i, (k, v) in enumerate(snapshot.layers()):
+        total += writer.write(f, i, k, v, snapshot.kv_scales[i] if snapshot.kv_scales is not None else None)
+    return total
 
 
 def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:

@@ -367,3 +367,12 @@ def test_layers_share_index_tensors_but_each_is_checked() -> None:
     bad.seek(0)
     with pytest.raises(hv.HurrayFormatError, match="block_table"):
         hv.read_stream(bad)
+
+
+@given(snapshots())
+def test_write_stream_writes_the_generic_records_bytes(snap: hv.KVSnapshot) -> None:
+    from hurray_vllm.stream import write_records
+
+    want, got = io.BytesIO(), io.BytesIO()
+    n = hv.write_stream(snap, got)
+    assert n == write_records(hv.records.snapshot_records(snap), want) and got.getvalue() == want.getvalue()
