@@ -127,7 +127,7 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, tmp_path,
     monkeypatch.setattr("hurray_vllm.transport_nixl.default_sender", lambda: Sender())
     c = object.__new__(conn.HurrayConnector)
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", conn.ConnectorStats()
-    c._pushed, c._chunk_buffers, c._registered = set(), [], []
+    c._pushed, c._chunk_buffers, c._registered, c._nixl = set(), [], [], True
 
     def export(ec, caches, task, block_ids, reuse=False):  # type: ignore[no-untyped-def]
         assert reuse

@@ -348,13 +348,14 @@ class HurrayConnector(KVConnectorBase_V1):
             raise HurrayFormatError("hurray_path", "HurrayConnector needs kv_connector_extra_config.hurray_path")
         self._store = DirectoryStore(path)
         self._url = cfg.get_from_extra_config("hurray_url", None)
+        self._nixl = bool(self._url) and str(self._url).startswith("nixl://")
         self._block_size = vllm_config.cache_config.block_size
         self._chunk = int(cfg.get_from_extra_config("hurray_chunk_tokens", 256))
         if self._chunk % self._block_size:
             raise HurrayFormatError(
                 "hurray_chunk_tokens", f"{self._chunk} is not a multiple of the engine's block size {self._block_size}"
             )
-        if self._url and str(self._url).startswith("nixl://"):
+        if self._nixl:
             from ...transport_nixl import default_sender, load_nixl, parse_nixl_url
 
             parse_nixl_url(self._url)
@@ -681,7 +682,7 @@ class HurrayConnector(KVConnectorBase_V1):
         # next chunk only once the receiver acknowledged the previous one.
         chunks = self._saved(ec, tasks, push=True)
         try:
-            if str(self._url).startswith("nixl://"):
+            if self._nixl:
                 from ...transport_nixl import send_chunks_nixl
 
                 send_chunks_nixl(self._url, chunks)
@@ -715,7 +716,7 @@ class HurrayConnector(KVConnectorBase_V1):
             snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True)
             self._put(task.key, snap)
             if push:
-                if str(self._url).startswith("nixl://"):
+                if self._nixl:
                     self._register_chunk_buffers()
                 yield self._ns, task.key, snap
                 self._pushed.add(task.key)
