@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from servers import root_cause
 from tiny_models import build_tiny_llama
 
 settings.register_profile(
@@ -55,24 +56,66 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
-@pytest.fixture(scope="session")
-def engine_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """One engine per configuration, each in its own process, run once per session."""
-    require("vllm")
-    runs = {}
-    for name, (block_size, kv_dtype) in CONFIGS.items():
-        out = tmp_path_factory.mktemp(f"engine-{name}")
+class EngineRuns(dict[str, tuple[Path, dict[str, Any]]]):
+    """Engine runs by configuration name, each run (in its own process) the first time it is asked for.
+
+    A configuration this CPU cannot run (vLLM refuses fp8 KV caches without
+    AVX-512 or AMX) skips the tests that ask for it, with vLLM's reason: that
+    is the hardware, like a missing GPU, not a missing package.
+    """
+
+    def __init__(self, model: Path, tmp: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.model, self.tmp = model, tmp
+        self.failed: dict[str, str] = {}
+
+    def __missing__(self, name: str) -> tuple[Path, dict[str, Any]]:
+        if name in self.failed:
+            pytest.fail(self.failed[name])
+        block_size, kv_dtype = CONFIGS[name]
+        out = self.tmp.mktemp(f"engine-{name}")
         proc = subprocess.run(
-            [sys.executable, str(HERE / "vllm_engine_run.py"), str(tiny_model), str(out), str(block_size), kv_dtype],
+            [sys.executable, str(HERE / "vllm_engine_run.py"), str(self.model), str(out), str(block_size), kv_dtype],
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=900,
             env={**os.environ, "PYTHONPATH": str(HERE.parent)},
         )
         if proc.returncode:
-            pytest.fail(f"vLLM engine {name} failed:\n{proc.stderr[-4000:]}")
-        runs[name] = (out, json.loads((out / "result.json").read_text()))
-    return runs
+            self.failed[name] = f"vLLM engine {name} failed:\n{root_cause(proc.stderr)}"
+            pytest.fail(self.failed[name])
+        result = json.loads((out / "result.json").read_text())
+        if "unsupported" in result:
+            pytest.skip(f"needs a CPU vLLM runs {name} on: {result['unsupported']}")
+        ISAS_SEEN[name] = result["isa"]
+        self[name] = (out, result)
+        return self[name]
+
+
+#: Configuration name -> the CPU attention ISA vLLM chose for it, reported at the end of the run.
+ISAS_SEEN: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineRuns:
+    """Engine runs per configuration (:data:`CONFIGS`), each started once per session when first used."""
+    require("vllm")
+    return EngineRuns(tiny_model, tmp_path_factory)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say which CPU attention ISA vLLM ran, and which near-ties the margin rule accepted."""
+    from margins import NEAR_TIES
+
+    if ISAS_SEEN:
+        import torch
+
+        runs = ", ".join(f"{name}: {isa}" for name, isa in sorted(ISAS_SEEN.items()))
+        terminalreporter.write_line(f"vLLM CPU attention ISA ({torch.backends.cpu.get_cpu_capability()} CPU): {runs}")
+    if NEAR_TIES:
+        terminalreporter.section("near-ties accepted by the margin rule (tests/margins.py)")
+        for line in NEAR_TIES:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

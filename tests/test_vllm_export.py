@@ -29,6 +29,8 @@ def test_export_equals_transformers(engine_runs, hf_model, name: str) -> None:  
     assert snap.fingerprint is not None and snap.fingerprint.architecture == "LlamaForCausalLM"
     assert snap.fingerprint.num_kv_heads == 2 and snap.fingerprint.head_dim == 32
     assert snap.page_size == result["block_size"]
+    # The exporter read the packing vLLM chose for this CPU (it differs between CPUs: AMX or not).
+    assert snap.source is not None and snap.source.layout == f"vllm-cpu-{result['isa']}", snap.source
     prompts = result["prompts"]
     for s, rid in enumerate(("a", "b", "c")):
         ids = list(snap.token_ids[s])

@@ -30,12 +30,21 @@ def prompts() -> dict[str, list[int]]:
 
 def main() -> None:
     model, out, block_size, kv_dtype = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     import hurray_vllm as hv
     from hurray_vllm.adapters.vllm import snapshot, snapshot_stream
 
+    result: dict = {"block_size": block_size, "kv_cache_dtype": kv_dtype, "prompts": prompts()}
+    try:  # vLLM's own choice, made again at engine start (head_dim 32: tests/tiny_models.py)
+        result["isa"] = _get_attn_isa(torch.bfloat16, block_size, 32, kv_dtype)
+    except NotImplementedError as exc:  # e.g. fp8 caches on a CPU without AVX-512 or AMX
+        result["unsupported"] = f"{exc} (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+        (out / "result.json").write_text(json.dumps(result))
+        return
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -54,12 +63,11 @@ def main() -> None:
     llm.collective_rpc(fill)
     eng = llm.llm_engine
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=12, ignore_eos=True)
-    ps = prompts()
+    ps = result["prompts"]
     for rid, ids in ps.items():
         eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
     eng.step()  # prefill
     eng.step()  # one decode step: snapshot mid-decode
-    result: dict = {"block_size": block_size, "kv_cache_dtype": kv_dtype, "prompts": ps}
     snap = snapshot(llm, ["a", "b", "c"])
     hv.save(snap, out / "snap.hrry")
     with open(out / "snap.hrrs", "wb") as f:

@@ -1,0 +1,62 @@
+"""The one rule for tests that compare greedy tokens across two arithmetics.
+
+Where both sides run the same arithmetic (vLLM to vLLM on one machine, a
+transformers cache and its round trip through a snapshot), tests compare
+tokens exactly. Where they do not (vLLM's CPU kernels against transformers,
+vLLM's fp8 cache against its emulation in PyTorch), an exact comparison fails
+on CPUs where two candidates are nearly tied and the engines' roundings pick
+different ones: it depends on the instruction set (AVX2, AVX-512, avx512_bf16,
+AMX), not on the KV. Those tests go through :func:`assert_agrees`:
+
+* one side's tokens are teacher-forced through the other, so one near-tie does
+  not derail the rest of the comparison;
+* each token must be the other side's argmax or within
+  ``hurray_vllm.agreement.DEFAULT_ULPS`` (4) bf16 ulps of its top logit, at
+  that logit's magnitude. Why 4: the two engines' logits for the tiny test
+  models differ by at most 2 ulps (measured against vLLM's own logprobs), and
+  a gap between two logits carries both errors.
+
+Each relaxed comparison has a companion test that feeds it wrong KV (a page
+shifted by one, keys and values swapped, a wrong fp8 scale) and shows that
+the rule refuses it. Near-ties the rule accepted are listed at the end of the
+test run, with the first one of each comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hurray_vllm.agreement import DEFAULT_ULPS, Agreement, greedy_agreement
+
+__all__ = ["NEAR_TIES", "agreement", "assert_agrees"]
+
+#: "what: first near-tie" for every comparison that needed the margin (printed by conftest).
+NEAR_TIES: list[str] = []
+
+
+def agreement(logits: torch.Tensor, tokens: Sequence[int], *, dtype: torch.dtype = torch.bfloat16) -> Agreement:
+    """The margin rule's verdict on ``tokens`` against teacher-forced ``logits`` (``[len(tokens), vocab]``)."""
+    return greedy_agreement(logits, tokens, dtype=dtype, ulps=DEFAULT_ULPS)
+
+
+def assert_agrees(
+    logits: torch.Tensor, tokens: Sequence[int], what: str, *, dtype: torch.dtype = torch.bfloat16, isa: Any = None
+) -> Agreement:
+    """Assert the margin rule holds; remember the first near-tie it needed.
+
+    Args:
+        logits: ``[len(tokens), vocab]`` teacher-forced logits of one side.
+        tokens: the other side's greedy tokens.
+        what: names the comparison in messages ("bf16-32 a: transformers from vLLM's KV").
+        dtype: the model's compute dtype (sets the ulp).
+        isa: vLLM's CPU attention ISA, when one side is vLLM: named in messages.
+    """
+    report = agreement(logits, tokens, dtype=dtype)
+    where = f"{what} (vLLM ISA {isa})" if isa else what
+    assert report.ok, f"{where}: the engines disagree beyond the margin: {report.describe()}"
+    if report.first_near_tie is not None:
+        NEAR_TIES.append(f"{where}: {report.first_near_tie}")
+    return report

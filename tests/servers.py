@@ -1,0 +1,170 @@
+"""Processes that tests start: vLLM OpenAI servers and engine runs, started robustly, failures explained.
+
+* A server's port is picked free and then bound by the server, which another
+  process can take in between on a busy machine. :func:`start_servers`
+  retries with fresh ports when a server dies of "address already in use".
+* When a process fails, :func:`root_cause` shows the lines of its log where the
+  first error begins, not only the tail (vLLM's tail is its shutdown noise).
+* Servers are stopped by their own pid: SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+__all__ = ["Server", "ServerSpec", "free_port", "root_cause", "start_servers", "stop_servers"]
+
+#: How long a vLLM server may take to answer /v1/models (a tiny model starts in ~25 s alone,
+#: several times that on a busy 2-core machine).
+START_DEADLINE_S = 600.0
+_IN_USE = re.compile(r"address already in use|EADDRINUSE|Errno 98", re.IGNORECASE)
+_FIRST_ERROR = re.compile(r"Traceback \(most recent call last\)|\b\w*(Error|Exception)\b|\bERROR\b")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (see :func:`start_servers` for the race this leaves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def root_cause(log: str, *, before: int = 3, lines: int = 60, tail: int = 25) -> str:
+    """The part of a process's log that says why it failed.
+
+    From a few lines before the first traceback or error line, ``lines`` lines
+    on, then the last ``tail`` lines if they are further down.
+    """
+    rows = log.splitlines()
+    first = next((i for i, row in enumerate(rows) if _FIRST_ERROR.search(row)), None)
+    if first is None:
+        return "\n".join(rows[-(lines + tail) :])
+    start = max(0, first - before)
+    head = rows[start : start + lines]
+    rest = rows[start + lines :]
+    out = ([f"[... {start} earlier lines ...]"] if start else []) + head
+    if rest:
+        skipped = max(0, len(rest) - tail)
+        out += ([f"[... {skipped} lines ...]"] if skipped else []) + rest[-tail:]
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server to start: its name (for its log), command line and HTTP port."""
+
+    name: str
+    cmd: Sequence[str]
+    port: int
+    env: dict[str, str] | None = None
+
+
+@dataclass
+class Server:
+    """A started server: stop it with :func:`stop_servers`."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def _spawn(spec: ServerSpec, logdir: Path, attempt: int) -> Server:
+    log = logdir / f"{spec.name}.{attempt}.log"
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            list(spec.cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=spec.env or os.environ
+        )
+    return Server(spec.name, proc, spec.port, log)
+
+
+def stop_servers(servers: Sequence[Server], grace_s: float = 30.0) -> None:
+    """SIGTERM every server (by its pid), wait up to ``grace_s``, SIGKILL what is left."""
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.terminate()
+    for s in servers:
+        try:
+            s.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait(timeout=grace_s)
+
+
+def _ready(server: Server) -> bool:
+    try:
+        with urllib.request.urlopen(f"{server.url}/v1/models", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def start_servers(
+    make_specs: Callable[[Callable[[], int]], Sequence[ServerSpec]],
+    logdir: Path,
+    *,
+    deadline_s: float = START_DEADLINE_S,
+    attempts: int = 3,
+) -> list[Server]:
+    """Start servers together and wait until each answers ``/v1/models``.
+
+    Args:
+        make_specs: builds the servers' specs given a function that picks a
+            free port; called again with fresh ports on a retry, so every port
+            a command line names (HTTP, receivers) must come from it.
+        logdir: where each server's output goes (``NAME.ATTEMPT.log``).
+        deadline_s: how long all of them together may take to start.
+        attempts: how many times to start over when one dies of "address in use".
+
+    Returns:
+        The running servers, in the order of their specs.
+    """
+    logdir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(attempts):
+        servers = [_spawn(spec, logdir, attempt) for spec in make_specs(free_port)]
+        deadline = time.monotonic() + deadline_s
+        pending = list(servers)
+        try:
+            while pending and time.monotonic() < deadline:
+                for s in list(pending):
+                    if s.proc.poll() is not None:
+                        text = s.log_text()
+                        if _IN_USE.search(text) and attempt + 1 < attempts:
+                            raise _PortTaken(s.name)
+                        why = root_cause(text)
+                        pytest.fail(f"server {s.name} exited ({s.proc.returncode}) during start-up:\n{why}")
+                    elif _ready(s):
+                        pending.remove(s)
+                if pending:
+                    time.sleep(1)
+            if pending:
+                s = pending[0]
+                pytest.fail(f"server {s.name} did not answer within {deadline_s:.0f} s:\n{root_cause(s.log_text())}")
+            return servers
+        except _PortTaken:
+            stop_servers(servers)
+            continue
+        except BaseException:
+            stop_servers(servers)
+            raise
+    raise AssertionError("unreachable: the last attempt fails instead of retrying")
+
+
+class _PortTaken(Exception):
+    """A server lost its port to another process between picking and binding: start over."""
