@@ -211,15 +211,22 @@ def run_vllm_demo(workdir: Path | None = None, *, quiet: bool = False) -> int:
         say("5/6 continuing in transformers from the vLLM KV")
         from transformers import LlamaForCausalLM
 
-        from .adapters.transformers import continue_generation
+        from .adapters.transformers import check_continuation
 
         hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
         done = [len(snap.token_ids[s]) - len(prompts[rid]) for s, rid in enumerate(prompts)]
-        hf_ok = all(
-            continue_generation(hf, snap, s, DEMO_TOKENS - done[s]) == outputs[rid][done[s] :]
-            for s, rid in enumerate(prompts)
+        # vLLM's kernels and transformers round differently: each of vLLM's tokens must be
+        # transformers' argmax or within a few bf16 ulps of it (hurray_vllm.agreement).
+        reports = [check_continuation(hf, snap, s, outputs[rid][done[s] :]) for s, rid in enumerate(prompts)]
+        agreed = sum(r.exact for r in reports)
+        ties = sum(len(r.near_ties) for r in reports)
+        steps = sum(r.steps for r in reports)
+        checks.append(
+            (
+                f"transformers continues with vLLM's tokens ({agreed}/{steps} its argmax, {ties} near-ties)",
+                all(r.ok for r in reports),
+            )
         )
-        checks.append(("transformers continues with vLLM's tokens", hf_ok))
 
         say("6/6 importing into a second vLLM engine (HurrayConnector) and continuing")
         from .store import DirectoryStore, store_snapshot

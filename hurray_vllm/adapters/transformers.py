@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import dtypes
+from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 from ..descriptor import PerTensorAffine
 from ..errors import HurrayFormatError
 from ..paged import BlockPagedTensor, zero_slots_
@@ -38,12 +39,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ConfigGeometry",
     "check_compatible",
+    "check_continuation",
     "config_geometry",
     "continue_generation",
     "fingerprint_from_config",
     "from_transformers",
     "next_token_logits",
     "sequence_kv",
+    "teacher_forced_logits",
     "to_dynamic_cache",
 ]
 
@@ -300,8 +303,12 @@ def _architecture(model: Any) -> str | None:
     return None if archs else type(model).__name__
 
 
-def _greedy(model: Any, snapshot: KVSnapshot, seq: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Check, load the cache, and return an endless iterator of (greedy token, float32 ``[vocab]`` logits)."""
+def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int], int, torch.device]:
+    """Check the snapshot against ``model`` and load sequence ``seq``'s KV.
+
+    Returns the cache, the tokens to feed first (those without KV), the
+    position of the first of them, and the model's device.
+    """
     if not snapshot.token_ids:
         raise HurrayFormatError("snapshot.token_ids", "the snapshot carries no token ids to continue from")
     if not 0 <= seq < snapshot.num_seqs:
@@ -325,9 +332,15 @@ def _greedy(model: Any, snapshot: KVSnapshot, seq: int) -> Iterator[tuple[int, t
         length=start,
         architecture=_architecture(model),
     )
+    return cache, ids[start:], start, device
+
+
+def _greedy(model: Any, snapshot: KVSnapshot, seq: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Check, load the cache, and return an endless iterator of (greedy token, float32 ``[vocab]`` logits)."""
+    cache, first, start, device = _resume(model, snapshot, seq)
 
     def steps() -> Iterator[tuple[int, torch.Tensor]]:
-        feed, pos, past = ids[start:], start, cache
+        feed, pos, past = first, start, cache
         while True:
             input_ids = torch.tensor([feed], dtype=torch.long, device=device)
             position_ids = torch.arange(pos, pos + len(feed), device=device).unsqueeze(0)
@@ -352,6 +365,75 @@ def next_token_logits(model: Any, snapshot: KVSnapshot, seq: int) -> torch.Tenso
     first step.
     """
     return next(_greedy(model, snapshot, seq))[1]
+
+
+def teacher_forced_logits(model: Any, snapshot: KVSnapshot, seq: int, tokens: Sequence[int]) -> torch.Tensor:
+    """``model``'s logits at each of ``tokens``, fed after sequence ``seq`` of ``snapshot`` (teacher forcing).
+
+    The snapshot's KV is loaded as :func:`continue_generation` loads it; the
+    pending tokens and ``tokens[:-1]`` are then fed in one forward, so row
+    ``i`` holds the logits for the position of ``tokens[i]`` given
+    ``tokens[:i]``, whatever the model itself would have picked before it.
+    That is what :func:`hurray_vllm.agreement.greedy_agreement` compares
+    another engine's greedy tokens against.
+
+    Args:
+        model: a transformers causal LM, in eval mode.
+        snapshot: the snapshot holding the sequence.
+        seq: the sequence's index.
+        tokens: the continuation to score, those that follow ``token_ids[seq]``.
+
+    Returns:
+        float32 ``[len(tokens), vocab]``.
+
+    Raises:
+        HurrayFormatError: the snapshot does not fit the model or has no token ids.
+
+    Example:
+        >>> from hurray_vllm.agreement import greedy_agreement
+        >>> logits = teacher_forced_logits(model, snap, 0, vllm_tokens)  # doctest: +SKIP
+        >>> greedy_agreement(logits, vllm_tokens).ok  # doctest: +SKIP
+        True
+    """
+    cache, first, start, device = _resume(model, snapshot, seq)  # checks the snapshot even for no tokens
+    if not tokens:
+        return torch.empty(0, int(getattr(model.config, "vocab_size", 0)))
+    feed = [*first, *(int(t) for t in tokens[:-1])]
+    input_ids = torch.tensor([feed], dtype=torch.long, device=device)
+    position_ids = torch.arange(start, start + len(feed), device=device).unsqueeze(0)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    return out.logits[0, len(first) - 1 :].float()
+
+
+def check_continuation(
+    model: Any, snapshot: KVSnapshot, seq: int, tokens: Sequence[int], *, ulps: int = DEFAULT_ULPS
+) -> Agreement:
+    """Does ``model``, resumed from the snapshot, agree with another engine's greedy ``tokens``?
+
+    The margin-aware rule of :mod:`hurray_vllm.agreement` over
+    :func:`teacher_forced_logits`, with the margin in ulps of the model's
+    dtype. Use it where the two engines compute with different arithmetic;
+    where they compute the same, compare :func:`continue_generation`'s
+    tokens exactly.
+
+    Args:
+        model: a transformers causal LM, in eval mode.
+        snapshot: the snapshot holding the sequence (taken from the other engine).
+        seq: the sequence's index.
+        tokens: the other engine's greedy tokens after ``token_ids[seq]``.
+        ulps: the margin (see :func:`hurray_vllm.agreement.logit_margin`).
+
+    Returns:
+        An :class:`~hurray_vllm.agreement.Agreement`; ``ok`` is the verdict.
+
+    Example:
+        >>> report = check_continuation(model, snap, 0, vllm_tokens)  # doctest: +SKIP
+        >>> report.ok, report.describe()  # doctest: +SKIP
+        (True, '10/10 tokens are the argmax')
+    """
+    logits = teacher_forced_logits(model, snapshot, seq, tokens)
+    return greedy_agreement(logits, tokens, dtype=_device_and_dtype(model)[1], ulps=ulps)
 
 
 def continue_generation(
