@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import require
+from servers import root_cause
 
 pytestmark = [pytest.mark.vllm]
 
@@ -22,7 +23,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         timeout=900,
         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + root_cause(proc.stderr)
     assert "FAILED" not in proc.stdout
     for name in ("snapshot.hrry", "snapshot.hrrs", "snapshot.safetensors"):
         assert (tmp_path / name).is_file()

@@ -284,9 +284,6 @@ def test_without_nixl_the_error_says_how_to_install(monkeypatch: pytest.MonkeyPa
 
 def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapshot]], tmp_path: Path) -> None:
     require("nixl_cu12")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     store = tmp_path / "store"
     proc = subprocess.Popen(
         [
@@ -295,7 +292,7 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
             "hurray_vllm.cli",
             "receive",
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",  # the receiver binds a free port and prints it: no race for one
             "--dir",
             str(store),
             "--transport",
@@ -310,6 +307,7 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert "receiving KV chunks (nixl)" in line, line
+        port = int(line.split(" on ")[1].split()[0].rsplit(":", 1)[1])
         ns, key, chunk = chunks[0]
         tn.send_chunks_nixl(f"nixl://127.0.0.1:{port}", [(ns, key, chunk)], timeout=30)
         got = DirectoryStore(store).get(ns, key)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import require
+from servers import root_cause
 from tiny_models import build_tiny_llama
 
 import hurray_vllm as hv
@@ -69,7 +70,7 @@ def run_engine(
         env={**os.environ, "PYTHONPATH": str(HERE.parent)},
     )
     if proc.returncode:
-        pytest.fail(f"engine {name} failed:\n{proc.stderr[-4000:]}")
+        pytest.fail(f"engine {name} failed:\n{root_cause(proc.stderr)}")
     result: dict[str, Any] = json.loads((tmp / f"{name}.out").read_text())
     result["log"] = proc.stderr
     return result

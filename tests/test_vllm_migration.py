@@ -6,16 +6,13 @@ import contextlib
 import io
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import require
+from servers import ServerSpec, start_servers, stop_servers
 from test_vllm_connector import run_engine
 from tiny_models import build_tiny_llama
 
@@ -26,13 +23,7 @@ pytestmark = [pytest.mark.vllm]
 PROMPT = [(i * 53 + 7) % 500 + 1 for i in range(200)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _server(tmp: Path, name: str, port: int, block_size: int, extra: dict[str, object]) -> subprocess.Popen[bytes]:
+def _server(tmp: Path, name: str, port: int, block_size: int, extra: dict[str, object]) -> ServerSpec:
     kv = {
         "kv_connector": "HurrayConnector",
         "kv_connector_module_path": "hurray_vllm.adapters.vllm.connector",
@@ -48,20 +39,7 @@ def _server(tmp: Path, name: str, port: int, block_size: int, extra: dict[str, o
         "--kv-transfer-config", json.dumps(kv),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    log = open(tmp / f"{name}.log", "wb")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    pytest.fail(f"server at {url} did not start:\n{log.read_text()[-4000:]}")
+    return ServerSpec(name, cmd, port, env)
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
@@ -75,24 +53,20 @@ def servers(
         require("nixl_cu12")
     tmp = tmp_path_factory.mktemp(f"migration-{transport}")
     build_tiny_llama(tmp / "model")
-    pa, pb, recv = _free_port(), _free_port(), _free_port()
-    b = _server(tmp, "b", pb, 64, {"hurray_path": str(tmp / "b"), "hurray_listen": f"127.0.0.1:{recv}",
-                                   "hurray_listen_transport": transport, "hurray_chunk_tokens": 64})  # fmt: skip
-    a = _server(tmp, "a", pa, 32, {"hurray_path": str(tmp / "a"), "hurray_url": f"{transport}://127.0.0.1:{recv}",
-                                   "hurray_chunk_tokens": 64})  # fmt: skip
+
+    def specs(port: Callable[[], int]) -> list[ServerSpec]:
+        recv = port()
+        b_extra = {"hurray_path": str(tmp / "b"), "hurray_listen": f"127.0.0.1:{recv}",
+                   "hurray_listen_transport": transport, "hurray_chunk_tokens": 64}  # fmt: skip
+        a_extra = {"hurray_path": str(tmp / "a"), "hurray_url": f"{transport}://127.0.0.1:{recv}",
+                   "hurray_chunk_tokens": 64}  # fmt: skip
+        return [_server(tmp, "a", port(), 32, a_extra), _server(tmp, "b", port(), 64, b_extra)]
+
+    a, b = start_servers(specs, tmp / "logs")
     try:
-        deadline = time.monotonic() + 480
-        _wait(f"http://127.0.0.1:{pa}", a, tmp / "a.log", deadline)
-        _wait(f"http://127.0.0.1:{pb}", b, tmp / "b.log", deadline)
-        yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}", tmp, tmp / "b"
+        yield a.url, b.url, tmp, tmp / "b"
     finally:
-        for p in (a, b):
-            p.terminate()
-        for p in (a, b):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_servers([a, b])
 
 
 def test_migrated_completion_equals_unmoved_run(servers) -> None:  # type: ignore[no-untyped-def]
