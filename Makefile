@@ -31,6 +31,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check hurray_vllm tests scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: install lint
 	$(BIN)/python -m pytest -q

@@ -1,24 +1,29 @@
 """hurray-vllm: move LLM KV caches between inference engines as Hurray block-paged tensors.
 
-The core (this package) imports no inference engine; adapters for vLLM,
-flash-attn, FlashInfer and transformers live in :mod:`hurray_vllm.adapters`.
+The package is layered (docs/architecture.md; ``make lint`` checks it):
+:mod:`.wire` (bytes <-> descriptors) < :mod:`.kv` (BlockPagedTensor,
+KVSnapshot, repaging) < :mod:`.containers` (.hrrs, .hrry, .safetensors,
+save/load) < :mod:`.chunks` (the chunk store) < :mod:`.transport` (TCP,
+NIXL) < :mod:`.adapters` (one per engine) < :mod:`.app` (command line,
+demo). Only :mod:`.app` imports adapters; this top level imports no engine.
 """
 
 from __future__ import annotations
 
-from .api import detect_format, load, read_stream, save, write_stream
-from .descriptor import TensorDescriptor, decode_descriptor, encode_descriptor
-from .errors import HurrayFormatError, Violation
-from .paged import BlockPagedTensor, SharingStats
-from .snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from .validate import validate
-from .validation import Checked
+from .containers.check import validate
+from .containers.io import detect_format, load, read_stream, save, write_stream
+from .errors import HurrayArgumentError, HurrayFormatError, Violation
+from .kv.paged import BlockPagedTensor, SharingStats
+from .kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from .wire.descriptor import TensorDescriptor, decode_descriptor, encode_descriptor
+from .wire.rules import Checked
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockPagedTensor",
     "Checked",
+    "HurrayArgumentError",
     "HurrayFormatError",
     "KVSnapshot",
     "ModelFingerprint",

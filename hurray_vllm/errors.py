@@ -1,11 +1,21 @@
-"""The one exception type hurray-vllm raises for bad input."""
+"""The two exception types hurray-vllm raises: bad data, and misuse by the caller.
+
+* :class:`HurrayFormatError`: the *data* is wrong (a descriptor, stream, file,
+  chunk or snapshot that is malformed, truncated, inconsistent, unsupported or
+  does not fit the model). A consumer may refuse or quarantine such data.
+* :class:`HurrayArgumentError`: the *caller* is wrong (a kernel argument, a
+  configuration value, an option out of range). Nothing about the data is
+  implied: never quarantine a chunk because of one.
+
+Both are ``ValueError`` subclasses with a ``.field`` naming what is wrong.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["HurrayFormatError", "Violation"]
+__all__ = ["HurrayArgumentError", "HurrayFormatError", "Violation"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +59,27 @@ class HurrayFormatError(ValueError):
         more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
         prefix = f"{context}: " if context else ""
         return cls(first.invariant, f"{prefix}{first.message}{more}", violations)
+
+
+class HurrayArgumentError(ValueError):
+    """A caller passed something hurray-vllm cannot use: fix the call, not the data.
+
+    Raised for kernel arguments that do not fit (shapes, dtypes, devices, page
+    sizes a kernel refuses), configuration values (``kv_connector_extra_config``,
+    command-line options) and options out of range. Data errors are
+    :class:`HurrayFormatError`.
+
+    Attributes:
+        field: the argument or option the error is about (``"page_size"``,
+            ``"hurray_chunk_tokens"``, ``"block_table"``).
+
+    Example:
+        >>> raise HurrayArgumentError("page_size", "must be positive, not 0")  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ...
+        hurray_vllm.errors.HurrayArgumentError: page_size: must be positive, not 0
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")

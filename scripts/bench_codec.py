@@ -268,7 +268,7 @@ def drop_caches() -> bool:
 
 def _warm_up(tmp: Path) -> None:
     """One tiny round trip, so first-call allocations are not counted."""
-    from hurray_vllm.demo import spec_example_snapshot
+    from hurray_vllm.app.demo import spec_example_snapshot
 
     small = spec_example_snapshot()
     for suffix in (".hrry", ".hrrs"):

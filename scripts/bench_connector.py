@@ -192,7 +192,7 @@ TOP = (
 def instrument(connector: str) -> None:
     if connector == "hurray":
         import hurray_vllm.adapters.vllm.connector as hc
-        import hurray_vllm.store as st
+        import hurray_vllm.chunks.store as st
 
         cls = hc.HurrayConnector
         _wrap(cls, "get_num_new_matched_tokens", "sched.get_num_new_matched_tokens")

@@ -78,9 +78,9 @@ from hurray_vllm.adapters.vllm.export import (
     release_export_workspace,
 )
 from hurray_vllm.adapters.vllm.layouts import CpuPacked, KVLayout, LogicalBHNC, layer_view_from_buffer
-from hurray_vllm.paged import BlockPagedTensor
-from hurray_vllm.records import header_records, layer_records
-from hurray_vllm.stream import write_records
+from hurray_vllm.containers.schema import header_records, layer_records
+from hurray_vllm.containers.stream import write_records
+from hurray_vllm.kv.paged import BlockPagedTensor
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: layout name -> (vLLM KVCacheLayout order of the flat buffer, goal for export / copy)

@@ -65,8 +65,8 @@ from _bench import git_state, log, machine, pin_malloc
 from hurray_vllm import BlockPagedTensor, KVSnapshot
 from hurray_vllm.adapters.flash_attn import plan_flash_attn, to_flash_attn_all
 from hurray_vllm.adapters.flashinfer import plan_flashinfer_repage, to_flashinfer
-from hurray_vllm.paged import zero_slots_
-from hurray_vllm.repage import plan_repage, repage, repage_snapshot
+from hurray_vllm.kv.paged import zero_slots_
+from hurray_vllm.kv.repage import plan_repage, repage, repage_snapshot
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 GOAL = 1.5  # import time / copy_ of the repaged bytes

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hurray_vllm import native
-from hurray_vllm.transport_nixl import _make_agent
+from hurray_vllm.transport.nixl import _make_agent
 
 POOLS = 64
 POLL_S = 0.0005

@@ -2,8 +2,8 @@
 
     python scripts/bench_transport.py [--mib 256] [--repeat 3] [--out bench.json]
 
-This process hosts the receivers (``hurray_vllm.transport.Receiver`` and
-``hurray_vllm.transport_nixl.NixlReceiver``) with a store that keeps nothing;
+This process hosts the receivers (``hurray_vllm.transport.tcp.Receiver`` and
+``hurray_vllm.transport.nixl.NixlReceiver``) with a store that keeps nothing;
 a sender subprocess builds the same chunk (32 layers, bf16, random bytes, its
 chunk digest) and, round after round, copies its page pools in process
 (``copy_`` into preallocated pools), pushes it over TCP, over NIXL with UCX's
@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource  # noqa: E402
-from hurray_vllm import transport as tcp  # noqa: E402
-from hurray_vllm.store import chunk_digest, chunks_of, namespace_of  # noqa: E402
+from hurray_vllm.chunks.store import chunk_digest, chunks_of, namespace_of  # noqa: E402
+from hurray_vllm.transport.tcp import tcp  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 16
 
@@ -101,7 +101,7 @@ def summary(times: list[float], nbytes: int) -> dict[str, float]:
 
 
 def sender(args: argparse.Namespace) -> None:
-    from hurray_vllm.transport_nixl import NixlSender
+    from hurray_vllm.transport.nixl import NixlSender
 
     t = time.perf_counter()
     ns, key, chunk = build_chunk(args.mib)
@@ -170,7 +170,7 @@ def main() -> None:
         sender(args)
         return
 
-    from hurray_vllm.transport_nixl import NixlReceiver
+    from hurray_vllm.transport.nixl import NixlReceiver
 
     # Time the TCP receiver's phases: reading + validating the stream, then the digest.
     phases: dict[str, list[float]] = {"receive_s": [], "digest_s": []}

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from hurray_vllm import BlockPagedTensor, dtypes
-from hurray_vllm.descriptor import PerBlockAffine, PerChannelAffine, PerTensorAffine
+from hurray_vllm import BlockPagedTensor
+from hurray_vllm.wire import dtypes
+from hurray_vllm.wire.descriptor import PerBlockAffine, PerChannelAffine, PerTensorAffine
 
 
 def ref_dtype(hurray: ModuleType, dtype: torch.dtype) -> Any:

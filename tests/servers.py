@@ -10,19 +10,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-__all__ = ["Server", "ServerSpec", "free_port", "root_cause", "start_servers", "stop_servers"]
+__all__ = ["ROOT", "Server", "ServerSpec", "free_port", "root_cause", "run_engine", "start_servers", "stop_servers"]
+
+#: The repository's root (what child processes get as PYTHONPATH).
+ROOT = Path(__file__).resolve().parent.parent
 
 #: How long a vLLM server may take to answer /v1/models (a tiny model starts in ~25 s alone,
 #: several times that on a busy 2-core machine).
@@ -168,3 +174,49 @@ def start_servers(
 
 class _PortTaken(Exception):
     """A server lost its port to another process between picking and binding: start over."""
+
+
+def run_engine(
+    tmp: Path,
+    name: str,
+    block_size: int,
+    extra: dict[str, Any] | None,
+    prompts: dict[str, list[int]],
+    max_tokens: int | dict[str, int] = 8,
+) -> dict[str, Any]:
+    """Run one offline vLLM engine over ``prompts`` in a subprocess (``tmp / "model"``, greedy).
+
+    Args:
+        tmp: holds the model (``model/``) and gets ``NAME.json`` / ``NAME.out``.
+        name: names the run's files.
+        block_size: the engine's block size.
+        extra: ``kv_connector_extra_config`` of a ``HurrayConnector``, or None for no connector.
+        prompts: request id -> prompt token ids.
+        max_tokens: tokens to generate (per request id, or for all).
+
+    Returns:
+        The run's outputs, vLLM counters and connector statistics, plus its ``log``.
+    """
+    cfg = {
+        "model": str(tmp / "model"),
+        "block_size": block_size,
+        "connector": extra,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "stats": True,
+    }
+    (tmp / f"{name}.json").write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate"]
+    run = [*cmd, str(tmp / f"{name}.json"), str(tmp / f"{name}.out")]
+    proc = subprocess.run(
+        run,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if proc.returncode:
+        pytest.fail(f"engine {name} failed:\n{root_cause(proc.stderr)}")
+    result: dict[str, Any] = json.loads((tmp / f"{name}.out").read_text())
+    result["log"] = proc.stderr
+    return result

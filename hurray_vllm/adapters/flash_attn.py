@@ -14,7 +14,7 @@ with different limits (``FLAVORS``; the table is in ``docs/importers-flash-attn.
   size a multiple of 16, float16/bfloat16, head_dim <= 256.
 
 :func:`plan_flash_attn` computes the block structure once per snapshot
-(repaging with :func:`hurray_vllm.repage.plan_repage` when the page size
+(repaging with :func:`hurray_vllm.kv.repage.plan_repage` when the page size
 differs, room for appended tokens); :func:`to_flash_attn` applies it to one
 layer, :func:`to_flash_attn_all` to every layer. :func:`check_flash_attn_args`
 checks a call against the kernel's contract before anything reaches CUDA,
@@ -32,11 +32,11 @@ from typing import Any, Literal
 
 import torch
 
-from ..attention import append_kv_
 from ..errors import HurrayFormatError
-from ..paged import BlockPagedTensor
-from ..repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
-from ..snapshot import KVSnapshot
+from ..kv.paged import BlockPagedTensor
+from ..kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
+from ..kv.snapshot import KVSnapshot
+from .reference import append_kv_
 
 __all__ = [
     "FLAVORS",
@@ -880,7 +880,7 @@ def flash_attn_with_kvcache(
         When the arguments break the kernel's contract.
     FlashAttnUnavailableError
         When the tensors are not on CUDA or the flavor's package is missing;
-        :func:`hurray_vllm.attention.paged_attention` computes the same on any device.
+        :func:`hurray_vllm.adapters.reference.paged_attention` computes the same on any device.
     """
     check_flash_attn_args(
         q,
@@ -898,7 +898,7 @@ def flash_attn_with_kvcache(
     if q.device.type != "cuda":
         raise FlashAttnUnavailableError(
             f"flash-attn runs on CUDA only and q is on {q.device}; "
-            "hurray_vllm.attention.paged_attention(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, "
+            "hurray_vllm.adapters.reference.paged_attention(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, "
             "cache.block_table, ...) is the reference that runs anywhere"
         )
     common: dict[str, Any] = {"softmax_scale": softmax_scale, "causal": causal, **kw}
@@ -981,5 +981,5 @@ def _import(flavor: str, *modules: str) -> ModuleType:
             errors.append(f"{name}: {exc}")
     raise FlashAttnUnavailableError(
         f"no {flavor} kernel is installed ({'; '.join(errors)}); install it on a CUDA machine, or use "
-        "hurray_vllm.attention.paged_attention as the CPU reference"
+        "hurray_vllm.adapters.reference.paged_attention as the CPU reference"
     )

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HurrayFormatError
-from ..paged import BlockPagedTensor
-from ..repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
-from ..snapshot import KVSnapshot
+from ..kv.paged import BlockPagedTensor
+from ..kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
+from ..kv.snapshot import KVSnapshot
 
 __all__ = [
     "FlashInferCache",

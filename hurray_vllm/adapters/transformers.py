@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import dtypes
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
-from ..descriptor import PerTensorAffine
 from ..errors import HurrayFormatError
-from ..paged import BlockPagedTensor, zero_slots_
-from ..snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from ..validation import raise_if
+from ..kv.paged import BlockPagedTensor, zero_slots_
+from ..kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ..wire import dtypes
+from ..wire.descriptor import PerTensorAffine
+from ..wire.rules import raise_if
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

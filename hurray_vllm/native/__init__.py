@@ -162,7 +162,7 @@ def kernel(lib: ctypes.CDLL, name: str) -> Callable[..., None]:
 
 
 def crc32c(data: memoryview | bytes | bytearray, crc: int = 0) -> int | None:
-    """CRC-32C of ``data`` continuing from ``crc`` (as :func:`hurray_vllm.crc32c.crc32c`), or ``None``.
+    """CRC-32C of ``data`` continuing from ``crc`` (as :func:`hurray_vllm.wire.crc32c.crc32c`), or ``None``.
 
     ``None`` when the native kernels are unavailable. Releases the GIL while
     it runs (ctypes), so other threads go on.

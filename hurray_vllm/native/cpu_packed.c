@@ -66,5 +66,5 @@
 #undef SUF
 #undef P
 
-/* The chunk checksum (hurray_vllm.store.ChunkDigest). */
+/* The chunk checksum (hurray_vllm.chunks.store.ChunkDigest). */
 #include "crc32c.h"

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ... import dtypes
 from ...errors import HurrayFormatError
-from ...snapshot import ModelFingerprint
+from ...kv.snapshot import ModelFingerprint
+from ...wire import dtypes
 from .layouts import CpuPacked, KVLayout, LogicalBHNC
 
 __all__ = [

@@ -10,7 +10,7 @@ Enable it with::
 Extra config:
 
 * ``hurray_path`` (required): directory of the chunk store (see
-  :mod:`hurray_vllm.store`). Producers write there, consumers read there.
+  :mod:`hurray_vllm.chunks.store`). Producers write there, consumers read there.
 * ``hurray_url``: ``tcp://HOST:PORT`` (or ``nixl://HOST:PORT``) of another
   server's receiver; every chunk saved here is also sent there
   (server-to-server migration).
@@ -82,10 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ...errors import HurrayFormatError
-from ...repage import repage_snapshot
-from ...snapshot import KVSnapshot, SnapshotSource
-from ...store import (
+from ...chunks.store import (
     DIGEST_KEY,
     DIGEST_MISMATCH,
     DirectoryStore,
@@ -95,7 +92,10 @@ from ...store import (
     namespace_of,
     verify_chunk,
 )
-from ...transport import Receiver, parse_url, send_chunks
+from ...errors import HurrayFormatError
+from ...kv.repage import repage_snapshot
+from ...kv.snapshot import KVSnapshot, SnapshotSource
+from ...transport.tcp import Receiver, parse_url, send_chunks
 from .cache import EngineCache, attention_layers, describe_worker_cache, fingerprint_of, write_blocks
 from .export import GatherBuffers, SequenceState, export_snapshot
 
@@ -356,7 +356,7 @@ class HurrayConnector(KVConnectorBase_V1):
                 "hurray_chunk_tokens", f"{self._chunk} is not a multiple of the engine's block size {self._block_size}"
             )
         if self._nixl:
-            from ...transport_nixl import default_sender, load_nixl, parse_nixl_url
+            from ...transport.nixl import default_sender, load_nixl, parse_nixl_url
 
             parse_nixl_url(self._url)
             load_nixl()  # a missing NIXL surfaces at start, not at the first save
@@ -396,7 +396,7 @@ class HurrayConnector(KVConnectorBase_V1):
         if listen and role == KVConnectorRole.SCHEDULER and listen not in _RECEIVERS:
             host, _, port = str(listen).rpartition(":")
             if cfg.get_from_extra_config("hurray_listen_transport", "tcp") == "nixl":
-                from ...transport_nixl import NixlReceiver
+                from ...transport.nixl import NixlReceiver
 
                 _RECEIVERS[listen] = NixlReceiver(host or "127.0.0.1", int(port), self._store).start()
             else:
@@ -683,7 +683,7 @@ class HurrayConnector(KVConnectorBase_V1):
         chunks = self._saved(ec, tasks, push=True)
         try:
             if self._nixl:
-                from ...transport_nixl import send_chunks_nixl
+                from ...transport.nixl import send_chunks_nixl
 
                 send_chunks_nixl(self._url, chunks)
             else:
@@ -723,7 +723,7 @@ class HurrayConnector(KVConnectorBase_V1):
 
     def _register_chunk_buffers(self) -> None:
         """NIXL: register the reused chunk buffers with the sender once (again only when they grow)."""
-        from ...transport_nixl import default_sender
+        from ...transport.nixl import default_sender
 
         memory = [m for b in self._chunk_buffers for m in b.memory]
         if [m.data_ptr() for m in memory] == [m.data_ptr() for m in self._registered]:

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ...errors import HurrayFormatError
-from ...snapshot import KVSnapshot, SnapshotSource
+from ...kv.snapshot import KVSnapshot, SnapshotSource
 from .cache import EngineCache, attention_layers, describe_worker_cache
 from .export import SequenceState, export_snapshot, export_stream
 

@@ -26,11 +26,11 @@ from typing import BinaryIO
 
 import torch
 
+from ...containers.schema import header_records
+from ...containers.stream import LayerWriter, write_records
 from ...errors import HurrayFormatError
-from ...paged import BlockPagedTensor, plan_compaction
-from ...records import header_records
-from ...snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from ...stream import LayerWriter, write_records
+from ...kv.paged import BlockPagedTensor, plan_compaction
+from ...kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from .layouts import KVLayout, as_storage_dtype
 
 __all__ = [

@@ -1,0 +1,314 @@
+"""Reference attention over paged KV caches, in plain PyTorch.
+
+:func:`paged_attention` computes what flash-attn's ``flash_attn_with_kvcache``
+computes for a paged cache (FlashAttention-2 and -3 share the semantics): it
+is the oracle the CPU tests compare the importers against, and a fallback
+that runs anywhere PyTorch runs (slowly: it materialises the scores).
+:func:`dense_attention` is the same mathematics over one sequence's plain,
+contiguous keys and values, the ground truth the paged path is checked
+against.
+
+Semantics shared with flash-attn:
+
+* grouped-query attention: query head ``h`` reads KV head
+  ``h // (nheads // nheads_k)``;
+* the causal mask is aligned to the bottom right: query ``i`` of
+  ``seqlen_q`` attends keys ``j <= i + seqlen_k - seqlen_q``; a query row
+  that sees no key at all returns zeros;
+* new keys and values passed as ``k``/``v`` are first written into the cache
+  *in place* at positions ``cache_seqlens[b] ...``, then attended;
+* float8 inputs are scaled by per-(sequence, KV head) descale factors, as in
+  FlashAttention-3, and then give a bfloat16 output.
+
+All arithmetic is float32 whatever the storage dtype, so the reference is
+more accurate than any kernel it checks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import HurrayFormatError
+
+__all__ = ["append_kv_", "dense_attention", "paged_attention"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    *,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of one sequence over its dense keys and values.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[seqlen_q, nheads, head_dim]``, any floating dtype, any strides.
+    k : torch.Tensor
+        ``[seqlen_k, nheads_k, head_dim]``, any floating dtype;
+        ``nheads % nheads_k == 0``.
+    v : torch.Tensor
+        ``[seqlen_k, nheads_k, head_dim]``, same shape as ``k``.
+    causal : bool
+        Apply the bottom-right aligned causal mask (query ``i`` attends keys
+        ``j <= i + seqlen_k - seqlen_q``).
+    softmax_scale : float, optional
+        Scale of ``q @ k^T`` before the softmax; ``1 / sqrt(head_dim)`` by default.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[seqlen_q, nheads, head_dim]`` in ``q``'s dtype (bfloat16 when ``q``
+        is float8), computed in float32. Rows that see no key are zero.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise HurrayFormatError(
+            "q", f"dense_attention takes [T, H, D] tensors, got q{list(q.shape)} k{list(k.shape)} v{list(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise HurrayFormatError("v", f"v has shape {list(v.shape)} but k has {list(k.shape)}; they must match")
+    _check_heads(q.shape[1], q.shape[2], k.shape[1], k.shape[2])
+    seqlen_k = torch.tensor([k.shape[0]], dtype=torch.int64, device=q.device)
+    out = _attend(
+        q.float().unsqueeze(0),
+        k.float().unsqueeze(0).to(q.device),
+        v.float().unsqueeze(0).to(q.device),
+        seqlen_k,
+        causal=causal,
+        scale=_scale(softmax_scale, q.shape[-1]),
+    )
+    return out.squeeze(0).to(_out_dtype(q.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention over a paged KV cache, with ``flash_attn_with_kvcache`` semantics.
+
+    Vectorised over the batch: the covered pages of every sequence are
+    gathered at once into a ``[batch, max_seqlen_k, nheads_k, head_dim]``
+    float32 buffer, so memory grows with ``batch * max_seqlen_k``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[batch, seqlen_q, nheads, head_dim]``, float16, bfloat16, float32 or
+        float8 (then scaled by ``q_descale``).
+    k_cache : torch.Tensor
+        ``[num_blocks, page_block_size, nheads_k, head_dim]``, any floating
+        dtype (float8 is scaled by ``k_descale``); ``nheads % nheads_k == 0``.
+        Modified in place when ``k`` is given.
+    v_cache : torch.Tensor
+        ``[num_blocks, page_block_size, nheads_k, head_dim]``, same shape and
+        dtype as ``k_cache``. Modified in place when ``v`` is given.
+    cache_seqlens : torch.Tensor
+        ``[batch]``, integer (flash-attn requires int32): tokens already in
+        the cache per sequence, before ``k``/``v`` are appended.
+    block_table : torch.Tensor
+        ``[batch, max_num_blocks_per_seq]``, integer (flash-attn requires
+        int32): row ``b`` lists the physical pages of sequence ``b`` in
+        logical order. Only the entries that cover
+        ``cache_seqlens[b] + seqlen_new`` tokens are read; the rest is padding.
+    k : torch.Tensor, optional
+        ``[batch, seqlen_new, nheads_k, head_dim]`` in ``k_cache``'s dtype:
+        new keys, written at positions ``cache_seqlens[b] ..`` of sequence
+        ``b`` before attending (the cache must have room for them).
+    v : torch.Tensor, optional
+        ``[batch, seqlen_new, nheads_k, head_dim]``, with ``k``.
+    softmax_scale : float, optional
+        Scale of ``q @ k^T``; ``1 / sqrt(head_dim)`` by default.
+    causal : bool
+        Bottom-right aligned causal mask over ``seqlen_k = cache_seqlens[b] +
+        seqlen_new``. (flash-attn's own default is ``False``; this one's is
+        ``True`` because decoding and chunked prefill need it.)
+    q_descale, k_descale, v_descale : torch.Tensor, optional
+        ``[batch, nheads_k]`` float32: the stored value times its descale is
+        the real value (FlashAttention-3's fp8 convention; ``q_descale`` is
+        per KV head too). ``None`` means 1.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[batch, seqlen_q, nheads, head_dim]`` in ``q``'s dtype (bfloat16 when
+        ``q`` is float8). Rows that see no key are zero.
+    """
+    if q.dim() != 4:
+        raise HurrayFormatError("q", f"expected [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise HurrayFormatError(
+            "k_cache",
+            f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
+            "[num_blocks, page_block_size, nheads_k, head_dim]",
+        )
+    batch, _, nheads, head_dim = q.shape
+    num_blocks, page, nheads_k, _ = k_cache.shape
+    _check_heads(nheads, head_dim, nheads_k, k_cache.shape[3])
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise HurrayFormatError(
+            "block_table", f"expected [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}"
+        )
+    if cache_seqlens.shape != (batch,):
+        raise HurrayFormatError("cache_seqlens", f"expected [batch={batch}], got shape {list(cache_seqlens.shape)}")
+    dev = q.device
+    lens = cache_seqlens.to(dev, torch.int64)
+    table = block_table.to(dev, torch.int64)
+    if bool((lens < 0).any()):
+        raise HurrayFormatError("cache_seqlens", "sequence lengths must be >= 0")
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise HurrayFormatError("v" if v is None else "k", "pass both k and v to append new tokens, or neither")
+    if k is not None and v is not None:
+        append_kv_(k_cache, v_cache, table, lens, k, v)
+        seqlen_new = int(k.shape[1])
+    total = lens + seqlen_new
+    max_len = int(total.max()) if batch else 0
+    npages = -(-max_len // page)
+    if npages > table.shape[1]:
+        raise HurrayFormatError(
+            "cache_seqlens",
+            f"a sequence needs {npages} pages of {page} but block_table has {table.shape[1]} columns; "
+            "widen block_table or shorten cache_seqlens",
+        )
+    # Read only covered entries: the rest of a row is padding and may hold anything.
+    covered = torch.arange(npages, device=dev)[None, :] * page < total[:, None]
+    ids = torch.where(covered, table[:, :npages], torch.zeros_like(table[:, :npages]))
+    bad = covered & ((ids < 0) | (ids >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise HurrayFormatError(
+            "block_table",
+            f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the {num_blocks}-block cache",
+        )
+    kf = _gather(k_cache, ids, k_descale, batch)
+    vf = _gather(v_cache, ids, v_descale, batch)
+    qf = q.float()
+    if q_descale is not None:
+        group = nheads // nheads_k
+        qf = qf * q_descale.to(dev, torch.float32).repeat_interleave(group, dim=1)[:, None, :, None]
+    out = _attend(qf, kf, vf, total, causal=causal, scale=_scale(softmax_scale, head_dim))
+    return out.to(_out_dtype(q.dtype))
+
+
+def append_kv_(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write new tokens into a paged cache in place, as ``flash_attn_with_kvcache`` does.
+
+    Parameters
+    ----------
+    k_cache, v_cache : torch.Tensor
+        ``[num_blocks, page_block_size, nheads_k, head_dim]``, written in place.
+    block_table : torch.Tensor
+        ``[batch, max_num_blocks_per_seq]``, integer.
+    cache_seqlens : torch.Tensor
+        ``[batch]``, integer: token ``t`` of ``k[b]`` goes to position
+        ``cache_seqlens[b] + t`` of sequence ``b``. Not updated.
+    k, v : torch.Tensor
+        ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype.
+
+    A page written by two sequences ends with either's token, as in the
+    kernel; :func:`hurray_vllm.adapters.flash_attn.check_flash_attn_args`
+    refuses such batches.
+    """
+    batch, seqlen_new = int(k.shape[0]), int(k.shape[1])
+    expect = (batch, seqlen_new, *k_cache.shape[2:])
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if tuple(new.shape) != expect:
+            raise HurrayFormatError(
+                name, f"expected [batch, seqlen_new, nheads_k, head_dim] = {list(expect)}, got {list(new.shape)}"
+            )
+        if new.dtype != cache.dtype:
+            raise HurrayFormatError(name, f"{name} is {new.dtype} but the cache is {cache.dtype}; convert it first")
+    if seqlen_new == 0 or batch == 0:
+        return
+    page = int(k_cache.shape[1])
+    dev = k_cache.device
+    table = block_table.to(dev, torch.int64)
+    pos = cache_seqlens.to(dev, torch.int64)[:, None] + torch.arange(seqlen_new, device=dev)[None, :]
+    col = pos // page
+    if int(col.max()) >= table.shape[1]:
+        raise HurrayFormatError(
+            "cache_seqlens",
+            f"appending {seqlen_new} tokens needs {int(col.max()) + 1} pages per sequence but block_table has "
+            f"{table.shape[1]} columns; import with room for them (reserve=)",
+        )
+    pages = table.gather(1, col).reshape(-1)
+    if bool(((pages < 0) | (pages >= k_cache.shape[0])).any()):
+        raise HurrayFormatError("block_table", "a page the new tokens go to is not a page of the cache")
+    offs = (pos % page).reshape(-1)
+    k_cache[pages, offs] = k.reshape(-1, *k.shape[2:]).to(dev)
+    v_cache[pages, offs] = v.reshape(-1, *v.shape[2:]).to(dev)
+
+
+def _gather(cache: torch.Tensor, ids: torch.Tensor, descale: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """``[batch, npages * page, nheads_k, head_dim]`` float32 from the pages ``ids`` ``[batch, npages]``."""
+    # Gather on the cache's device: only the covered pages travel, not the pool.
+    pages = cache[ids.to(cache.device)].to(ids.device).float()
+    out = pages.reshape(batch, -1, *cache.shape[2:])
+    if descale is not None:
+        out = out * descale.to(ids.device, torch.float32)[:, None, :, None]
+    return out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen_k: torch.Tensor, *, causal: bool, scale: float
+) -> torch.Tensor:
+    """float32 attention: q ``[B, Sq, H, D]``, k/v ``[B, L, Hk, D]``, ``seqlen_k[b] <= L`` keys valid."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    length, nheads_k = k.shape[1], k.shape[2]
+    qg = q.reshape(batch, seqlen_q, nheads_k, nheads // nheads_k, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
+    dev = q.device
+    j = torch.arange(length, device=dev)
+    mask = (j[None, :] < seqlen_k[:, None])[:, None, :]  # [B, 1, L]
+    if causal:
+        last = torch.arange(seqlen_q, device=dev)[None, :] + (seqlen_k - seqlen_q)[:, None]  # [B, Sq]
+        mask = mask & (j[None, None, :] <= last[:, :, None])
+    mask = mask[:, None, None]  # [B, 1, 1, Sq or 1, L]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    # A row with no visible key is all -inf: softmax gives NaN there, flash-attn gives 0.
+    probs = torch.where(mask, probs, torch.zeros((), device=dev))
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    return out.reshape(batch, seqlen_q, nheads, head_dim)
+
+
+def _check_heads(nheads: int, head_dim: int, nheads_k: int, head_dim_k: int) -> None:
+    if nheads_k == 0 or nheads % nheads_k:
+        raise HurrayFormatError(
+            "q", f"nheads ({nheads}) must be a multiple of the KV heads ({nheads_k}) for grouped-query attention"
+        )
+    if head_dim != head_dim_k:
+        raise HurrayFormatError("k_cache", f"head_dim of the keys ({head_dim_k}) differs from q's ({head_dim})")
+
+
+def _scale(softmax_scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    # FlashAttention-3 returns bf16 for fp8 inputs; a float8 output would lose the result.
+    return torch.bfloat16 if dtype in _FP8 else dtype

@@ -1,0 +1,468 @@
+"""The ``hurray-vllm`` command line: inspect, validate, convert, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..containers.check import validate
+from ..containers.hrryfile import write_file
+from ..containers.io import detect_format, file_kv, iter_nodes, open_records
+from ..containers.schema import Node, Record
+from ..containers.stream import write_records
+from ..errors import HurrayFormatError
+from ..kv.paged import _widen
+from ..progress import progress
+from ..wire import dtypes
+from ..wire.descriptor import TensorDescriptor
+
+EPILOG = """\
+examples:
+  hurray-vllm inspect snapshot.hrry            one line per descriptor
+  hurray-vllm inspect snapshot.hrrs --json     the same as JSON
+  hurray-vllm validate snapshot.hrry           exit 0 if valid, 1 if not
+  hurray-vllm validate other.hrry --permissive waive what the spec lets readers waive
+  hurray-vllm convert snapshot.hrrs out.hrry   stream -> file (or file -> stream)
+  hurray-vllm demo                             the main job end to end on built-in data
+  hurray-vllm migrate --from http://a:8000 --to http://b:8000 --prompt-ids 1,2,3 --after 16 --max-tokens 64
+                                               move a decoding request between two vLLM servers
+  hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray
+                                               accept KV chunks streamed by HurrayConnector
+  hurray-vllm prune /var/cache/hurray --max-size 200G
+                                               delete least recently used chunks beyond 200 GiB
+"""
+
+
+def _layout_name(tag: int) -> str:
+    return {0x01: "row_major", 0x0A: "block_paged", 0x0B: "composite"}.get(tag, f"0x{tag:02X}")
+
+
+def _type_name(tag: int) -> str:
+    try:
+        return dtypes.from_tag(tag).name
+    except HurrayFormatError:
+        return f"0x{tag:02X}"
+
+
+def _describe(rec: Record, seq_lens: list[int] | None, depth: int) -> dict[str, Any]:
+    d: TensorDescriptor = rec.descriptor
+    row: dict[str, Any] = {
+        "name": rec.name or None,
+        "depth": depth,
+        "layout": _layout_name(d.layout_tag),
+        "dtype": _type_name(d.type_tag),
+        "shape": list(d.shape),
+        "bytes": d.data_bytes,
+    }
+    bp = d.block_paged
+    if bp is not None:
+        row.update(
+            layer=bp.layer_index,
+            role=bp.kv_role,
+            page_size=bp.page_size,
+            num_pages=bp.num_pages,
+            num_seqs=bp.num_seqs,
+            index_type=bp.index_type,
+            seq_lens=seq_lens,
+        )
+        if len(rec.buffers) >= 2 and rec.buffers[1].numel() % bp.index_bytes == 0:
+            table = _widen(rec.buffers[1], torch.uint64 if bp.index_type_tag == 1 else torch.uint32)
+            if table.numel():
+                _, counts = torch.unique(table, return_counts=True)
+                row.update(referenced_pages=int(counts.numel()), shared_pages=int((counts > 1).sum()))
+            else:
+                row.update(referenced_pages=0, shared_pages=0)
+        if d.quantization is not None:
+            row["quantization"] = type(d.quantization).__name__
+    comp = d.composite
+    if comp is not None:
+        row.update(rule=comp.rule, members=comp.member_count)
+    return row
+
+
+def _rows(nodes: Iterator[Node]) -> Iterator[dict[str, Any]]:
+    def walk(node: Node, depth: int, seq_lens: list[int] | None) -> Iterator[dict[str, Any]]:
+        yield _describe(node.record, seq_lens, depth)
+        lens = None
+        ms = node.members
+        if len(ms) >= 3 and ms[2].record.descriptor.type_tag == 0x16 and ms[2].record.buffers:
+            lens = ms[2].record.buffers[0].view(torch.int64).tolist()
+        for i, m in enumerate(ms):
+            yield from walk(m, depth + 1, lens if i < 2 else None)
+
+    for n in nodes:
+        yield from walk(n, 0, None)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+_COLUMNS = [
+    ("name", "<22"),
+    ("layout", "<11"),
+    ("dtype", "<11"),
+    ("shape", "<18"),
+    ("layer", ">5"),
+    ("role", "<5"),
+    ("page", ">5"),
+    ("pages", ">6"),
+    ("seqs", ">5"),
+    ("ref", ">6"),
+    ("shared", ">6"),
+    ("bytes", ">10"),
+]
+
+
+def _line(columns: list[tuple[str, str]], cells: dict[str, Any]) -> str:
+    def cell(v: Any) -> str:
+        return "" if v is None else str(v)
+
+    return " ".join(f"{cell(cells.get(name)):{spec}}" for name, spec in columns)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    fmt = detect_format(args.path)
+    rows = list(_rows(iter_nodes(args.path, permissive=True)))
+    if args.json:
+        print(
+            json.dumps(
+                {"path": str(args.path), "format": fmt, "kv": _jsonable(file_kv(args.path)), "tensors": rows}, indent=2
+            )
+        )
+        return 0
+    print(f"{args.path}: Hurray {'file' if fmt == 'hrry' else 'stream'}, {len(rows)} descriptors")
+    print(_line(_COLUMNS, {c: c for c, _ in _COLUMNS}))
+    for r in rows:
+        cells = dict(r, name=("  " * r["depth"] + (r["name"] or "-"))[:22], bytes=_fmt_bytes(r["bytes"]))
+        if r["layout"] == "block_paged":
+            cells.update(ref=r.get("referenced_pages", "?"), shared=r.get("shared_pages", "?"), page=r["page_size"])
+            cells.update(pages=r["num_pages"], seqs=r["num_seqs"])
+            print(_line(_COLUMNS, cells))
+            if r["seq_lens"] is not None and not args.quiet:
+                lens = r["seq_lens"]
+                shown = ", ".join(map(str, lens[:8])) + (", ..." if len(lens) > 8 else "")
+                print(f"{'':<24}seq_lens [{shown}]")
+        elif r["layout"] == "composite":
+            print(f"{cells['name']:<22} {r['layout']:<11} {r['rule']} of {r['members']}")
+        else:
+            print(_line(_COLUMNS, cells))
+    return 0
+
+
+def _jsonable(kv: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.hex() if isinstance(v, bytes) else v) for k, v in kv.items()}
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    checked = validate(args.path, permissive=args.permissive)
+    blocking = set(id(v) for v in checked.errors)
+    # What stopped parsing (a truncated file, a bad magic) is always an error; print it too.
+    for v in (*checked.violations, *checked.unreadable):
+        tag = "error" if id(v) in blocking else "waived"
+        print(f"{tag}: {v.invariant}: {v.message}")
+    if checked.ok:
+        if not args.quiet:
+            print(f"{args.path}: valid" + (" (permissive)" if args.permissive else ""))
+        return 0
+    return 1
+
+
+_SUFFIX_FORMATS = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    src_fmt = detect_format(args.input)
+    out = Path(args.output)
+    out_fmt = args.to or _SUFFIX_FORMATS.get(out.suffix.lower())
+    if out_fmt is None:
+        out_fmt = "stream" if src_fmt == "hrry" else "hrry"
+    if args.page_size or "safetensors" in (src_fmt, out_fmt):
+        # Snapshot-level: repaging and safetensors need whole snapshots.
+        from ..containers.io import load, save
+        from ..kv.repage import repage_snapshot
+
+        snap = load(args.input, permissive=args.permissive)
+        if args.page_size:
+            snap = repage_snapshot(snap, args.page_size)
+        size = save(snap, out, format=out_fmt)  # type: ignore[arg-type]
+    else:
+        # Record-level: any Hurray descriptors, carried over unchanged.
+        records = progress(
+            _named(open_records(args.input, permissive=args.permissive)), desc="convert", quiet=args.quiet
+        )
+        if out_fmt == "hrry":
+            size = write_file(records, out, kv=file_kv(args.input) or None)
+        else:
+            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    size = write_records(records, f)
+                os.replace(tmp, out)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+    if not args.quiet:
+        print(f"{args.input} ({src_fmt}) -> {out} ({out_fmt}), {_fmt_bytes(size)}")
+    return 0
+
+
+def _named(records: Iterator[Record]) -> Iterator[Record]:
+    """Give stream records file names: the layout's own where it is known, else tensor.N."""
+    used: set[str] = set()
+    for i, rec in enumerate(records):
+        name = rec.name or _default_name(rec.descriptor, i)
+        while name in used:
+            name = f"{name}.{i}"
+        used.add(name)
+        yield Record(name, rec.descriptor, rec.buffers)
+
+
+def _default_name(d: TensorDescriptor, i: int) -> str:
+    bp = d.block_paged
+    if bp is not None and bp.layer_index is not None:
+        return f"layers.{bp.layer_index}.{bp.kv_role}"
+    return f"tensor.{i}"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_format_demo, run_vllm_demo
+
+    workdir = Path(args.workdir) if args.workdir else None
+    if args.format_only:
+        return run_format_demo(workdir, quiet=args.quiet)
+    return run_vllm_demo(workdir, quiet=args.quiet)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from ..adapters.vllm.migrate import migrate
+
+    if args.prompt_file:
+        prompt = [int(t) for t in Path(args.prompt_file).read_text().replace(",", " ").split()]
+    else:
+        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    result = migrate(args.source, args.destination, prompt, after=args.after, max_tokens=args.max_tokens,
+                     model=args.model)  # fmt: skip
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "tokens": result.tokens,
+                    "source_tokens": result.source_tokens,
+                    "destination_tokens": result.destination_tokens,
+                    "destination_cached_tokens": result.destination_cached_tokens,
+                }
+            )
+        )
+    else:
+        moved = f"{len(result.source_tokens)} tokens on {args.source}, {len(result.destination_tokens)} on "
+        print(f"{moved}{args.destination} ({result.destination_cached_tokens} prompt tokens loaded, not recomputed)")
+        print(" ".join(map(str, result.tokens)))
+    return 0
+
+
+def cmd_receive(args: argparse.Namespace) -> int:
+    import faulthandler
+    import signal
+    import time
+
+    from ..chunks.store import DirectoryStore
+    from ..transport.tcp import Receiver
+
+    host, _, port = args.listen.rpartition(":")
+    store = DirectoryStore(args.dir)
+    receiver: Any
+    if args.transport == "nixl":
+        from ..transport.nixl import NixlReceiver
+
+        receiver = NixlReceiver(host or "127.0.0.1", int(port), store).start()
+    else:
+        receiver = Receiver(host or "127.0.0.1", int(port), store).start()
+    if not args.quiet:
+        where = f"{receiver.address[0]}:{receiver.address[1]}"
+        print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # kill stops it as cleanly as Ctrl-C. (SIGINT keeps the disposition it was started with:
+    # a job a shell started in the background ignores it, and Python then leaves it ignored.)
+    signal.signal(signal.SIGTERM, _terminate)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack, on stderr
+    try:
+        while True:
+            # Short sleeps: a signal the kernel hands to one of NIXL's or UCX's threads
+            # does not interrupt this one, which would then only notice it on waking.
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        receiver.stop()
+    return 0
+
+
+def _size(text: str) -> int:
+    """``"500M"``, ``"20G"``, ``"1.5T"`` or plain bytes (binary units: M = MiB)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500M, 20G)") from None
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from ..chunks.store import DirectoryStore
+
+    if not Path(args.dir).is_dir():
+        raise FileNotFoundError(2, "No such directory", args.dir)
+    report = DirectoryStore(args.dir).prune(args.max_size, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(vars(report)))
+    elif not args.quiet:
+        verb = "would delete" if report.dry_run else "deleted"
+        print(
+            f"{verb} {report.chunks_removed} chunks, {report.bad_removed} damaged and {report.temp_removed} "
+            f"stale temporary files ({report.bytes_removed / 2**20:.1f} MiB); "
+            f"{report.chunks_kept} chunks ({report.bytes_kept / 2**20:.1f} MiB) remain"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hurray-vllm",
+        description="Move LLM KV caches between inference engines as Hurray block-paged tensors.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"hurray-vllm {__import__('hurray_vllm').__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser(
+        "inspect",
+        help="list the descriptors of a Hurray file or stream",
+        description="One line per descriptor: layer, role, dtype, shape, page_size, num_pages, "
+        "num_seqs, seq_lens when known, referenced and shared pages, bytes. "
+        "Example: hurray-vllm inspect snapshot.hrry --json",
+    )
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("-q", "--quiet", action="store_true", help="omit per-sequence details")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser(
+        "validate",
+        help="check a Hurray file or stream against the spec (exit 0 valid, 1 invalid)",
+        description="Prints one line per violation, naming the invariant. "
+        "Example: hurray-vllm validate snapshot.hrry --permissive",
+    )
+    s.add_argument("path")
+    s.add_argument("--permissive", action="store_true", help="waive what the spec lets permissive readers waive")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_validate)
+
+    s = sub.add_parser(
+        "convert",
+        help="convert between .hrry files, .hrrs streams and .safetensors (optionally repaging)",
+        description="Between .hrry and .hrrs, descriptors are carried over unchanged, including ones that "
+        "are not part of a hurray-vllm snapshot; .safetensors and --page-size work on whole snapshots. "
+        "Example: hurray-vllm convert snapshot.hrrs snapshot.safetensors --page-size 256",
+    )
+    s.add_argument("input")
+    s.add_argument("output")
+    s.add_argument("--to", choices=["hrry", "stream", "safetensors"], help="output format (default: from the suffix)")
+    s.add_argument("--page-size", type=int, help="repage to pages of this many tokens on the way")
+    s.add_argument("--permissive", action="store_true", help="carry over descriptors with waivable violations")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser(
+        "migrate",
+        help="move a decoding request from one vLLM server to another",
+        description="Both servers run HurrayConnector; the source pushes KV chunks to the destination's "
+        "receiver (hurray_url / hurray_listen). Example: hurray-vllm migrate --from http://a:8000 "
+        "--to http://b:8000 --prompt-ids 1,2,3 --after 16 --max-tokens 64",
+    )
+    s.add_argument("--from", dest="source", required=True, help="source server base URL")
+    s.add_argument("--to", dest="destination", required=True, help="destination server base URL")
+    group = s.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    group.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
+    s.add_argument("--after", type=int, required=True, help="tokens to generate on the source before moving")
+    s.add_argument("--max-tokens", type=int, required=True, help="tokens to generate in total")
+    s.add_argument("--model", help="served model name (default: the server's first)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_migrate)
+
+    s = sub.add_parser(
+        "receive",
+        help="accept KV chunks sent over TCP or NIXL into a chunk store",
+        description="Example: hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray [--transport nixl]",
+    )
+    s.add_argument("--listen", required=True, help="HOST:PORT")
+    s.add_argument(
+        "--transport",
+        choices=("tcp", "nixl"),
+        default="tcp",
+        help="tcp (senders use tcp://HOST:PORT) or nixl (nixl://HOST:PORT; needs hurray-vllm[nixl])",
+    )
+    s.add_argument("--dir", required=True, help="chunk store directory (a HurrayConnector's hurray_path)")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_receive)
+
+    s = sub.add_parser(
+        "prune",
+        help="shrink a chunk store: delete its least recently used chunks",
+        description="Deletes least recently used chunk files until the store holds at most --max-size, plus "
+        "damaged files moved aside (*.hrry.bad) and temporary files older than an hour. Safe while engines "
+        "use the store. Example: hurray-vllm prune /var/cache/hurray --max-size 200G --dry-run",
+    )
+    s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
+    s.add_argument("--max-size", type=_size, required=True, help="bytes to keep at most: 500M, 20G, 1.5T, ...")
+    s.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_prune)
+
+    s = sub.add_parser(
+        "demo",
+        help="run the main job end to end on built-in data",
+        description="Builds a tiny model, runs vLLM on the CPU with requests sharing a prefix, snapshots them "
+        "mid-decode, writes .hrry/.hrrs/.safetensors, and continues them in a second vLLM engine, in "
+        "flash-attn's layout (reference attention) and in transformers. Example: hurray-vllm demo --workdir /tmp/hv",
+    )
+    s.add_argument("--workdir", help="keep the files it writes here (default: a temporary directory)")
+    s.add_argument(
+        "--format-only", action="store_true", help="only the format round trip on the spec's example (no vLLM)"
+    )
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except HurrayFormatError as exc:
+        print(f"hurray-vllm: invalid input: {exc}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as exc:
+        print(f"hurray-vllm: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""``hurray_vllm.containers.check``: check anything Hurray against the specification."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import HurrayFormatError, Violation
+from ..kv.paged import BlockPagedTensor, _widen
+from ..kv.snapshot import KVSnapshot
+from ..wire.descriptor import LAYOUT_BLOCK_PAGED, LAYOUT_ROW_MAJOR, TensorDescriptor, decode_descriptor
+from ..wire.rules import Checked, validate_descriptor
+from .schema import Node, Record
+
+__all__ = ["validate"]
+
+Validatable = KVSnapshot | BlockPagedTensor | TensorDescriptor | bytes | bytearray | str | os.PathLike[str]
+
+
+def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
+    """Every violation of the Hurray rules in ``obj``, each named by its invariant.
+
+    ``obj`` may be a :class:`KVSnapshot`, a :class:`BlockPagedTensor`, a
+    decoded :class:`TensorDescriptor`, encoded descriptor bytes, or the path
+    of a ``.hrry`` file or stream. Strict by default; with
+    ``permissive=True`` only violations that make the data unreadable count
+    as errors (``Checked.errors``), the rest stay listed in
+    ``Checked.violations``.
+
+    Nothing is raised for invalid input: look at ``result.ok``.
+    """
+    if isinstance(obj, KVSnapshot):
+        return obj.validate(permissive=permissive)
+    if isinstance(obj, BlockPagedTensor):
+        return obj.validate(permissive=permissive)
+    if isinstance(obj, TensorDescriptor):
+        return validate_descriptor(obj, permissive=permissive)
+    if isinstance(obj, (bytes, bytearray)):
+        try:
+            return validate_descriptor(decode_descriptor(obj), permissive=permissive)
+        except HurrayFormatError as exc:
+            return Checked((), permissive, exc.violations)
+    if isinstance(obj, (str, Path, os.PathLike)):
+        return _validate_path(obj, permissive)
+    raise TypeError(f"cannot validate a {type(obj).__name__}")
+
+
+def _record_violations(rec: Record, seq_lens: torch.Tensor | None, permissive: bool) -> list[Violation]:
+    d = rec.descriptor
+    bt = sp = None
+    if d.layout_tag == LAYOUT_BLOCK_PAGED and d.block_paged and len(rec.buffers) >= 3:
+        wide = torch.uint64 if d.block_paged.index_type_tag == 1 else torch.uint32
+        ib = d.block_paged.index_bytes
+        if rec.buffers[1].numel() % ib == 0 and rec.buffers[2].numel() % ib == 0:
+            try:
+                bt, sp = _widen(rec.buffers[1], wide), _widen(rec.buffers[2], wide)
+            except HurrayFormatError as exc:
+                return list(exc.violations)
+    checked = validate_descriptor(d, block_table=bt, seq_ptr=sp, seq_lens=seq_lens, permissive=permissive)
+    name = rec.name or "tensor"
+    return [Violation(v.invariant, f"{name}: {v.message}") for v in checked.violations]
+
+
+def _walk(node: Node, permissive: bool, out: list[Violation]) -> None:
+    members = node.members
+    seq_lens = None
+    if (
+        node.is_composite
+        and len(members) >= 3
+        and all(m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED for m in members[:2])
+        and members[2].record.descriptor.layout_tag == LAYOUT_ROW_MAJOR
+        and members[2].record.descriptor.type_tag == 0x16
+        and members[2].record.buffers
+    ):
+        seq_lens = members[2].record.buffers[0].view(torch.int64)
+    out.extend(_record_violations(node.record, None, permissive))
+    for i, m in enumerate(members):
+        if m.is_composite:
+            _walk(m, permissive, out)
+        else:
+            out.extend(_record_violations(m.record, seq_lens if i < 2 else None, permissive))
+
+
+def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
+    from .io import iter_nodes
+
+    out: list[Violation] = []
+    unreadable: tuple[Violation, ...] = ()
+    try:
+        for node in iter_nodes(path, permissive=True):
+            _walk(node, permissive, out)
+    except HurrayFormatError as exc:
+        unreadable = exc.violations
+    except OSError as exc:
+        unreadable = (Violation("file", str(exc)),)
+    return Checked(tuple(out), permissive, unreadable)

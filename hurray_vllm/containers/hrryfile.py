@@ -1,0 +1,457 @@
+"""The ``.hrry`` random-access file container (``file-format.md``).
+
+Layout: 64-byte header, then per tensor a descriptor (8-byte aligned) and
+its buffers (each ``data_buffer_alignment``-aligned), then an optional KV
+metadata section, the index (names, offsets, CRC-32C) and a 40-byte trailer.
+
+Writes are single-pass and land atomically (a temporary file renamed over the
+target), so a reader never sees half a file. Reads check every offset and
+size against the file's real length before allocating or mapping anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap as _mmap
+import os
+import struct
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from ..errors import HurrayFormatError
+from ..wire.crc32c import crc32c
+from ..wire.descriptor import LAYOUT_COMPOSITE, encode_descriptor, peek_descriptor_length
+from ..wire.rules import decode_checked
+from .schema import Record
+from .stream import byte_view, read_into, tensor_bytes
+
+__all__ = ["FILE_MAGIC", "write_file", "HrryFile", "IndexEntry"]
+
+FILE_MAGIC = b"HRRYFILE"
+TRAILER_MAGIC = b"HRRY"
+HEADER_LEN = 64
+TRAILER_LEN = 40
+FLAG_HAS_KV = 1 << 0
+FLAG_SORTED_INDEX = 1 << 1
+FLAG_HAS_CRC = 1 << 2
+DEFAULT_ALIGNMENT = 4096
+_MMAP_MIN = 64 << 10
+_MEMO_INDEX_BYTES = 64 << 10
+_KV_STR, _KV_I64, _KV_U64, _KV_F64, _KV_BOOL, _KV_BYTES, _KV_ARRAY = range(1, 8)
+
+
+def _pad(n: int, align: int) -> int:
+    return (-n) % align
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One index row: where a named tensor's descriptor and data lie."""
+
+    name: str
+    descriptor_offset: int
+    descriptor_length: int
+    data_offset: int
+    data_length: int
+    flags: int = 0
+
+
+# ── KV metadata ─────────────────────────────────────────────────────────────
+
+
+def _kv_value(v: Any) -> bytes:
+    if isinstance(v, bool):
+        return struct.pack("<BB", _KV_BOOL, int(v))
+    if isinstance(v, int):
+        return struct.pack("<Bq", _KV_I64, v) if v < 2**63 else struct.pack("<BQ", _KV_U64, v)
+    if isinstance(v, float):
+        return struct.pack("<Bd", _KV_F64, v)
+    if isinstance(v, str):
+        b = v.encode()
+        return struct.pack("<BI", _KV_STR, len(b)) + b
+    if isinstance(v, (bytes, bytearray)):
+        return struct.pack("<BI", _KV_BYTES, len(v)) + bytes(v)
+    if isinstance(v, list):
+        items = [_kv_value(x) for x in v]
+        tags = {i[0] for i in items}
+        if len(tags) > 1:
+            raise HurrayFormatError("kv", "a KV array must hold one value type")
+        tag = tags.pop() if tags else _KV_I64
+        return struct.pack("<BBI", _KV_ARRAY, tag, len(items)) + b"".join(i[1:] for i in items)
+    raise HurrayFormatError("kv", f"unsupported KV value type {type(v).__name__}")
+
+
+def encode_kv(kv: dict[str, Any]) -> bytes:
+    parts = [struct.pack("<I", len(kv))]
+    for k, v in kv.items():
+        kb = k.encode()
+        if not 1 <= len(kb) <= 0xFFFF:
+            raise HurrayFormatError("kv.key", f"KV key {k!r} must be 1..65535 bytes")
+        parts.append(struct.pack("<H", len(kb)) + kb + _kv_value(v))
+    return b"".join(parts)
+
+
+def _kv_scalar(tag: int, buf: bytes, pos: int) -> tuple[Any, int]:
+    def need(n: int) -> None:
+        if pos + n > len(buf):
+            raise HurrayFormatError("kv", "KV section truncated")
+
+    if tag == _KV_STR or tag == _KV_BYTES:
+        need(4)
+        (n,) = struct.unpack_from("<I", buf, pos)
+        need(4 + n)
+        raw = buf[pos + 4 : pos + 4 + n]
+        if tag == _KV_BYTES:
+            return raw, pos + 4 + n
+        try:
+            return raw.decode("utf-8"), pos + 4 + n
+        except UnicodeDecodeError:
+            raise HurrayFormatError("kv", "KV string is not UTF-8") from None
+    if tag in (_KV_I64, _KV_U64, _KV_F64):
+        need(8)
+        fmt = {_KV_I64: "<q", _KV_U64: "<Q", _KV_F64: "<d"}[tag]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + 8
+    if tag == _KV_BOOL:
+        need(1)
+        if buf[pos] > 1:
+            raise HurrayFormatError("kv", f"bool value 0x{buf[pos]:02X} is neither 0 nor 1")
+        return bool(buf[pos]), pos + 1
+    raise HurrayFormatError("kv", f"KV value tag 0x{tag:02X} is reserved or unsupported")
+
+
+def decode_kv(buf: bytes) -> dict[str, Any]:
+    if len(buf) < 4:
+        raise HurrayFormatError("kv", "KV section shorter than its count")
+    (count,) = struct.unpack_from("<I", buf, 0)
+    pos = 4
+    out: dict[str, Any] = {}
+    for _ in range(count):
+        if pos + 2 > len(buf):
+            raise HurrayFormatError("kv", "KV section truncated")
+        (klen,) = struct.unpack_from("<H", buf, pos)
+        if klen == 0 or pos + 2 + klen + 1 > len(buf):
+            raise HurrayFormatError("kv", "KV key empty or truncated")
+        try:
+            key = buf[pos + 2 : pos + 2 + klen].decode("utf-8")
+        except UnicodeDecodeError:
+            raise HurrayFormatError("kv", "KV key is not UTF-8") from None
+        if key in out:
+            raise HurrayFormatError("kv", f"duplicate KV key {key!r}")
+        pos += 2 + klen
+        tag = buf[pos]
+        pos += 1
+        if tag == _KV_ARRAY:
+            if pos + 5 > len(buf):
+                raise HurrayFormatError("kv", "KV array truncated")
+            etag, n = struct.unpack_from("<BI", buf, pos)
+            pos += 5
+            if not 1 <= etag <= 6:
+                raise HurrayFormatError("kv", f"KV array element tag 0x{etag:02X} invalid")
+            if n > len(buf) - pos:
+                raise HurrayFormatError("kv", "KV array longer than its section")
+            items = []
+            for _ in range(n):
+                v, pos = _kv_scalar(etag, buf, pos)
+                items.append(v)
+            out[key] = items
+        else:
+            out[key], pos = _kv_scalar(tag, buf, pos)
+    return out
+
+
+# ── writing ─────────────────────────────────────────────────────────────────
+
+
+class _Counter:
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.pos += memoryview(data).nbytes
+
+    def pad_to(self, align: int) -> None:
+        n = _pad(self.pos, align)
+        if n:
+            self.write(bytes(n))
+
+
+def write_file(
+    records: Iterable[Record],
+    path: str | os.PathLike[str],
+    *,
+    kv: dict[str, Any] | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+    fsync: bool = True,
+) -> int:
+    """Write ``records`` to a ``.hrry`` file at ``path``; returns its size.
+
+    The file appears at ``path`` only once complete (temp file + rename).
+    ``fsync=False`` skips forcing the data to disk before the rename: for
+    caches whose readers verify a checksum anyway, where durability across
+    a power loss is not worth a disk flush per file.
+    """
+    if alignment < 4096 or alignment > (2 << 20) or alignment & (alignment - 1):
+        raise HurrayFormatError("data_buffer_alignment", f"{alignment} is not a power of two in [4096, 2 MiB]")
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            size = _write(records, raw, kv, alignment)
+            raw.flush()
+            if fsync:
+                os.fsync(raw.fileno())
+        # mkstemp creates 0600; give the file the mode open() would have.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return size
+
+
+def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, alignment: int) -> int:
+    out = _Counter(raw)
+    flags = FLAG_HAS_CRC | (FLAG_HAS_KV if kv else 0)
+    out.write(
+        b"HRRYFILE"
+        + struct.pack("<BBHIIQQ", 1, 0, 0, flags, alignment, HEADER_LEN, 0xFFFFFFFFFFFFFFFF)[:28]
+        + bytes(28)
+    )
+    entries: list[IndexEntry] = []
+    seen: set[str] = set()
+    for rec in records:
+        if not rec.name:
+            raise HurrayFormatError("name", "every tensor in a .hrry file needs a name")
+        if rec.name in seen:
+            raise HurrayFormatError("name", f"duplicate tensor name {rec.name!r}")
+        seen.add(rec.name)
+        out.pad_to(8)
+        desc_off = out.pos
+        raw_desc = encode_descriptor(rec.descriptor)
+        out.write(raw_desc)
+        # A composite head has no buffers: the spec forbids aligning after it.
+        if rec.descriptor.layout_tag == LAYOUT_COMPOSITE and not rec.descriptor.buffers:
+            entries.append(IndexEntry(rec.name, desc_off, len(raw_desc), out.pos, 0))
+            continue
+        out.pad_to(alignment)
+        data_off = out.pos
+        for i, t in enumerate(rec.buffers):
+            if i:
+                out.pad_to(alignment)
+            out.write(tensor_bytes(t))
+        entries.append(IndexEntry(rec.name, desc_off, len(raw_desc), data_off, out.pos - data_off))
+    kv_off = kv_len = 0
+    if kv:
+        out.pad_to(8)
+        kv_bytes = encode_kv(kv)
+        kv_off, kv_len = out.pos, len(kv_bytes)
+        out.write(kv_bytes)
+    out.pad_to(8)
+    index = [struct.pack("<Q", len(entries))]
+    for e in entries:
+        nb = e.name.encode()
+        index.append(
+            struct.pack("<H", len(nb))
+            + nb
+            + struct.pack("<QIQQI", e.descriptor_offset, e.descriptor_length, e.data_offset, e.data_length, 0)
+        )
+    index_bytes = b"".join(index)
+    index_off = out.pos
+    out.write(index_bytes)
+    out.write(
+        struct.pack("<QQQII", index_off, len(index_bytes), kv_off, kv_len, crc32c(index_bytes))
+        + bytes(4)
+        + TRAILER_MAGIC
+    )
+    return out.pos
+
+
+# ── reading ─────────────────────────────────────────────────────────────────
+
+
+@functools.lru_cache(maxsize=256)
+def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> tuple[IndexEntry, ...]:
+    """The checked rows of an index (remembered: files of one shape share their index bytes)."""
+    if len(index) < 8:
+        raise HurrayFormatError("file.index", "index shorter than its count")
+    (count,) = struct.unpack_from("<Q", index, 0)
+    if count > (len(index) - 8) // 35:
+        raise HurrayFormatError("file.index", f"{count} entries cannot fit in {len(index)} index bytes")
+    pos = 8
+    entries = []
+    names: set[str] = set()
+    for i in range(count):
+        if pos + 2 > len(index):
+            raise HurrayFormatError("file.index", f"index truncated at entry {i}")
+        (n,) = struct.unpack_from("<H", index, pos)
+        if n == 0 or pos + 2 + n + 32 > len(index):
+            raise HurrayFormatError("file.index", f"entry {i} name empty or truncated")
+        try:
+            name = index[pos + 2 : pos + 2 + n].decode("utf-8")
+        except UnicodeDecodeError:
+            raise HurrayFormatError("file.index", f"entry {i} name is not UTF-8") from None
+        if name in names:
+            raise HurrayFormatError("file.index", f"duplicate tensor name {name!r}")
+        names.add(name)
+        d_off, d_len, data_off, data_len, eflags = struct.unpack_from("<QIQQI", index, pos + 2 + n)
+        pos += 2 + n + 32
+        if eflags:
+            raise HurrayFormatError("file.index.flags", f"entry {name!r} has reserved flags 0x{eflags:08X}")
+        if d_off < first or d_off + d_len > index_off or d_off % 8:
+            raise HurrayFormatError("file.index.descriptor_offset", f"entry {name!r} descriptor is out of place")
+        if data_off + data_len > index_off or (data_len and data_off % alignment):
+            raise HurrayFormatError("file.index.data_offset", f"entry {name!r} data is out of place")
+        entries.append(IndexEntry(name, d_off, d_len, data_off, data_len))
+    if pos != len(index):
+        raise HurrayFormatError("file.index", f"{len(index) - pos} stray bytes after the last entry")
+    # Composite membership is positional in descriptor-offset order.
+    entries.sort(key=lambda e: e.descriptor_offset)
+    return tuple(entries)
+
+
+class HrryFile:
+    """An open ``.hrry`` file: its index, KV metadata, and records on demand.
+
+    With ``mmap=True`` buffers are zero-copy views of a private (copy on
+    write) mapping; otherwise each buffer is read into a fresh tensor.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "rb")
+        self._map: _mmap.mmap | None = None
+        try:
+            self.size = os.fstat(self._f.fileno()).st_size
+            self._parse()
+            if mmap and self.size:
+                self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> HrryFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_at(self, off: int, n: int, what: str, suffix: str = "") -> bytes:
+        # The field is ``what + suffix``, joined only when raising: this runs for every record.
+        if off < 0 or n < 0 or off + n > self.size:
+            raise HurrayFormatError(what + suffix, f"{n} bytes at offset {off} lie outside the {self.size}-byte file")
+        if self._map is not None:
+            # From the map: a seek and a read are two system calls, each of which lets
+            # another thread take the GIL; inside an engine that cost ~50 us per read.
+            return self._map[off : off + n]
+        self._f.seek(off)
+        data = self._f.read(n)
+        if len(data) != n:
+            raise HurrayFormatError(what + suffix, "file shrank while reading")
+        return data
+
+    def _parse(self) -> None:
+        if self.size < HEADER_LEN + TRAILER_LEN:
+            raise HurrayFormatError("file", f"{self.size} bytes is too short for a Hurray file")
+        header = self._read_at(0, HEADER_LEN, "file.header")
+        if header[:8] != FILE_MAGIC:
+            raise HurrayFormatError("file.magic", f"expected b'HRRYFILE', found {header[:8]!r}")
+        major, _minor, res, flags, align, first = struct.unpack_from("<BBHIIQ", header, 8)
+        if major > 1:
+            raise HurrayFormatError("file.container_version_major", f"version {major} is newer than 1")
+        if res or any(header[36:]):
+            raise HurrayFormatError("file.header.reserved", "reserved header bytes must be zero")
+        if flags & ~0x7:
+            raise HurrayFormatError("file.flags", f"reserved file flag bits set: 0x{flags:08X}")
+        if align < 4096 or align > (2 << 20) or align & (align - 1):
+            raise HurrayFormatError("file.data_buffer_alignment", f"{align} is not a power of two in [4096, 2 MiB]")
+        if first < HEADER_LEN or first % 8:
+            raise HurrayFormatError("file.first_descriptor_offset", f"{first} must be >= 64 and 8-byte aligned")
+        self.flags, self.alignment, self.first_descriptor_offset = flags, align, first
+        trailer = self._read_at(self.size - TRAILER_LEN, TRAILER_LEN, "file.trailer")
+        if trailer[36:40] != TRAILER_MAGIC:
+            raise HurrayFormatError("file.trailer_magic", "trailer magic is not b'HRRY' (truncated file?)")
+        index_off, index_len, kv_off, kv_len, crc = struct.unpack_from("<QQQII", trailer)
+        if any(trailer[32:36]):
+            raise HurrayFormatError("file.trailer.reserved", "reserved trailer bytes must be zero")
+        body_end = self.size - TRAILER_LEN
+        if index_off < first or index_off + index_len > body_end:
+            raise HurrayFormatError("file.index_offset", f"index [{index_off}, +{index_len}) is outside the file body")
+        index = self._read_at(index_off, index_len, "file.index")
+        if flags & FLAG_HAS_CRC:
+            if crc32c(index) != crc:
+                raise HurrayFormatError("file.index_crc32c", "index CRC-32C mismatch: the file is corrupt")
+        elif crc:
+            raise HurrayFormatError("file.index_crc32c", "CRC present but HAS_INDEX_CRC32C is not set")
+        self.kv: dict[str, Any] = {}
+        if kv_off or kv_len:
+            if kv_off < first or kv_off + kv_len > body_end:
+                raise HurrayFormatError("file.kv_offset", "KV section lies outside the file body")
+            self.kv = decode_kv(self._read_at(kv_off, kv_len, "file.kv"))
+        self.entries = self._parse_index(index, index_off)
+
+    def _parse_index(self, index: bytes, index_off: int) -> list[IndexEntry]:
+        args = (index, index_off, self.first_descriptor_offset, self.alignment)
+        # Only small indexes are remembered (a chunk file's is ~2 KiB): the memo keeps its keys' bytes.
+        parse = _index_entries if len(index) <= _MEMO_INDEX_BYTES else _index_entries.__wrapped__
+        return list(parse(*args))
+
+    def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:
+        """The record of ``entry``; its descriptor is validated before any buffer."""
+        # Error names are built only when raising: this runs for every record of every file.
+        n = entry.descriptor_length
+        raw = self._read_at(entry.descriptor_offset, n, entry.name, ".descriptor")
+        own = peek_descriptor_length(raw)
+        if own != n:
+            raise HurrayFormatError(
+                "file.index.descriptor_length", f"{entry.name}: the index says {n} bytes, the descriptor {own}"
+            )
+        desc = decode_checked(raw, entry.name, permissive=permissive)
+        buffers = []
+        pos = entry.data_offset
+        end = self.size - TRAILER_LEN
+        for i, b in enumerate(desc.buffers):
+            if i:
+                pos += _pad(pos, self.alignment)
+            size = b.byte_size
+            if pos + size > end:
+                raise HurrayFormatError(
+                    f"{entry.name} buffer {i}", f"{size} bytes at {pos} run past the end of the file"
+                )
+            # Pools are views of the map. Small buffers (block tables, seq_ptr, metadata)
+            # are copied out of it, so they do not pin the map or share its pages.
+            if self._map is not None and size >= _MMAP_MIN:
+                buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=pos))
+            elif self._map is not None and size:
+                buffers.append(torch.frombuffer(bytearray(self._map[pos : pos + size]), dtype=torch.uint8))
+            else:
+                t = torch.empty(size, dtype=torch.uint8)
+                if size:
+                    self._f.seek(pos)
+                    read_into(self._f, byte_view(t), f"{entry.name} buffer {i}")
+                buffers.append(t)
+            pos += size
+        if desc.buffers and pos - entry.data_offset != entry.data_length:
+            raise HurrayFormatError(
+                "file.index.data_length",
+                f"{entry.name}: buffers need {pos - entry.data_offset} bytes, the index says {entry.data_length}",
+            )
+        return Record(entry.name, desc, buffers)
+
+    def records(self, *, permissive: bool = False) -> Iterator[Record]:
+        for e in self.entries:
+            yield self.read(e, permissive=permissive)

@@ -1,0 +1,173 @@
+"""The public entry points: save, load, write_stream, read_stream.
+
+Modelled on safetensors: plain data in and out, one exception type
+(:class:`HurrayFormatError`) for bad input.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+from ..errors import HurrayFormatError
+from ..kv.snapshot import KVSnapshot
+from .hrryfile import FILE_MAGIC, HrryFile, write_file
+from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records
+from .stream import LayerWriter, read_records, write_records
+
+__all__ = ["save", "load", "write_stream", "read_stream", "detect_format", "open_records", "Format"]
+
+Format = Literal["hrry", "stream", "safetensors"]
+_SUFFIXES: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
+
+
+def detect_format(path: str | os.PathLike[str]) -> Format:
+    """``"hrry"`` or ``"stream"`` by the file's magic bytes, not its name."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head == FILE_MAGIC:
+        return "hrry"
+    if head[:4] == b"HRRY":
+        return "stream"
+    if len(head) == 8 and int.from_bytes(head, "little") < (100 << 20):
+        with open(path, "rb") as f:
+            f.seek(8)
+            if f.read(1) == b"{":
+                return "safetensors"
+    raise HurrayFormatError(
+        "magic", f"{path}: neither a Hurray file (HRRYFILE), a Hurray stream (HRRY) nor a safetensors file"
+    )
+
+
+def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> Format:
+    if fmt is not None:
+        return fmt
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise HurrayFormatError(
+            "path", f"cannot tell the format of {os.fspath(path)!r}: use .hrry, .hrrs or .safetensors, or pass format="
+        )
+    return _SUFFIXES[suffix]
+
+
+def save(
+    snapshot: KVSnapshot, path: str | os.PathLike[str], *, format: Format | None = None, progress: bool = False
+) -> int:
+    """Write ``snapshot`` to ``path`` (format from the suffix); returns bytes written.
+
+    ``.hrry`` is the random-access file, ``.hrrs`` the stream format,
+    ``.safetensors`` a safetensors file any safetensors reader opens. Files
+    land atomically: nothing appears at ``path`` until the write completed.
+    ``progress=True`` shows a progress bar on a terminal.
+    """
+    fmt = _format_for_writing(path, format)
+    if fmt == "hrry":
+        return write_file(
+            _shown(snapshot_records(snapshot), "save", progress), path, kv={"hurray_vllm.format_version": 1}
+        )
+    if fmt == "safetensors":
+        from .safetensors import save_safetensors
+
+        return save_safetensors(snapshot, path)
+    return _atomic_stream(_shown(snapshot_records(snapshot), "save", progress), path)
+
+
+def _shown(records: Iterator[Record], desc: str, enabled: bool) -> Iterator[Record]:
+    """``records`` with a progress bar when asked for (and stderr is a terminal)."""
+    if not enabled:
+        return records
+    from ..progress import progress
+
+    return progress(records, desc=desc)
+
+
+def _atomic_stream(records: Iterator[Record], path: str | os.PathLike[str]) -> int:
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            n = write_records(records, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n
+
+
+def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> Iterator[Record]:
+    """Every record of a Hurray file or stream at ``path``, in write order."""
+    return _records(path, detect_format(path), permissive=permissive, mmap=mmap)
+
+
+def _records(path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mmap: bool) -> Iterator[Record]:
+    if fmt == "hrry":
+        with HrryFile(path, mmap=mmap) as hf:
+            yield from hf.records(permissive=permissive)
+    elif fmt == "safetensors":
+        from .safetensors import load_safetensors
+
+        yield from snapshot_records(load_safetensors(path, permissive=permissive))
+    else:
+        with open(path, "rb") as f:
+            yield from read_records(f, permissive=permissive)
+
+
+def load(
+    path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False, progress: bool = False
+) -> KVSnapshot:
+    """Read a :class:`KVSnapshot` from a ``.hrry`` file, a Hurray stream or a ``.safetensors`` file.
+
+    The format is recognised by its magic bytes. ``mmap=True`` maps a
+    ``.hrry`` file's page pools instead of reading them; ``progress=True``
+    shows a progress bar on a terminal. Raises
+    :class:`HurrayFormatError` for anything malformed.
+    """
+    fmt = detect_format(path)
+    if fmt == "safetensors":
+        from .safetensors import load_safetensors
+
+        return load_safetensors(path, permissive=permissive)
+    return assemble_snapshot(
+        group_records(
+            _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
+        ),
+        permissive=permissive,
+    )
+
+
+def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
+    """Write ``snapshot`` to the binary file object ``f`` as a Hurray stream.
+
+    Page pools go from tensor memory straight to ``f.write`` (no copy).
+    Returns the number of bytes written. Layers that share their block
+    structure are encoded once (:class:`~hurray_vllm.containers.stream.LayerWriter`,
+    the same bytes as every record encoded on its own).
+    """
+    total = write_records(header_records(snapshot), f)
+    writer = LayerWriter()
+    for i, (k, v) in enumerate(snapshot.layers()):
+        total += writer.write(f, i, k, v, snapshot.kv_scales[i] if snapshot.kv_scales is not None else None)
+    return total
+
+
+def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
+    """Read one :class:`KVSnapshot` from the binary file object ``f`` (to its end)."""
+    return assemble_snapshot(
+        group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive
+    )
+
+
+def iter_nodes(path: str | os.PathLike[str], *, permissive: bool = False) -> Iterator[Node]:
+    return group_records(open_records(path, permissive=permissive), permissive=permissive)
+
+
+def file_kv(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The KV metadata of a ``.hrry`` file (empty for streams)."""
+    if detect_format(path) != "hrry":
+        return {}
+    with HrryFile(path) as hf:
+        return dict(hf.kv)

@@ -1,0 +1,264 @@
+"""The Hurray streaming format: each descriptor followed by its buffers.
+
+There is no framing beyond the descriptors themselves (``interchange.md``):
+a reader learns each buffer's size from the descriptor it just read, which is
+why every descriptor is validated *before* its buffers are read or any
+memory is reserved for them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
+
+import torch
+
+from ..errors import HurrayFormatError
+from ..kv.paged import BlockPagedTensor
+from ..wire.descriptor import (
+    LAYER_INDEX_NONE,
+    encode_descriptor,
+    layer_index_offset,
+    peek_descriptor_length,
+)
+from ..wire.rules import decode_checked
+from .schema import Record, dense_record, layer_records
+
+__all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view"]
+
+#: Below this a buffer of a non-seekable stream is allocated whole; above it,
+#: memory grows with the bytes actually received, so a lying descriptor on a
+#: socket cannot make the reader reserve more than twice what arrived.
+_GROW_FROM = 64 << 20
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` as a memoryview over its own memory (no copy on CPU)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return byte_view(flat)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous uint8 CPU tensor's own memory."""
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+
+
+def write_records(records: Iterable[Record], f: BinaryIO) -> int:
+    """Write ``records`` to ``f`` as a Hurray stream; returns the bytes written."""
+    total = 0
+    for rec in records:
+        raw = encode_descriptor(rec.descriptor)
+        f.write(raw)
+        total += len(raw)
+        for t in rec.buffers:
+            mv = tensor_bytes(t)
+            f.write(mv)
+            total += mv.nbytes
+    return total
+
+
+def _remaining(f: BinaryIO) -> int | None:
+    """Bytes left in ``f`` when it is a regular seekable file, else ``None``."""
+    try:
+        if not f.seekable():
+            return None
+        if isinstance(f, io.BytesIO):
+            return len(f.getbuffer()) - f.tell()
+        return os.fstat(f.fileno()).st_size - f.tell()
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def read_into(f: BinaryIO, mv: memoryview, what: str) -> None:
+    """Fill ``mv`` from ``f`` exactly; a short read is a truncation error."""
+    got = 0
+    n = mv.nbytes
+    readinto = getattr(f, "readinto", None)
+    while got < n:
+        if readinto is not None:
+            k = readinto(mv[got:])
+        else:
+            chunk = f.read(n - got)
+            k = len(chunk) if chunk else 0
+            mv[got : got + k] = chunk
+        if not k:
+            raise HurrayFormatError(what, f"stream ends after {got} of {n} bytes")
+        got += k
+
+
+def _read_buffer(f: BinaryIO, size: int, remaining: int | None, what: str) -> torch.Tensor:
+    if remaining is not None and size > remaining:
+        raise HurrayFormatError(what, f"declares {size} bytes but only {remaining} remain in the input")
+    if remaining is not None or size <= _GROW_FROM:
+        out = torch.empty(size, dtype=torch.uint8)
+        if size:
+            read_into(f, byte_view(out), what)
+        return out
+    buf = torch.empty(_GROW_FROM, dtype=torch.uint8)
+    filled = 0
+    while filled < size:
+        if filled == buf.numel():
+            bigger = torch.empty(min(size, 2 * buf.numel()), dtype=torch.uint8)
+            bigger[:filled].copy_(buf)
+            buf = bigger
+        end = buf.numel()
+        read_into(f, byte_view(buf)[filled:end], what)
+        filled = end
+    return buf
+
+
+def _read_upto(f: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes, fewer only at end of input (raw sockets return short reads)."""
+    parts = []
+    got = 0
+    while got < n:
+        chunk = f.read(n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
+    """Yield each record of the stream ``f``; buffers come back as uint8 tensors.
+
+    Every descriptor is validated before its buffers are read. A stream that
+    ends between records ends cleanly; one that ends inside a record raises
+    :class:`HurrayFormatError`.
+    """
+    index = 0
+    while True:
+        head = _read_upto(f, 10)
+        if not head:
+            return
+        if len(head) < 10:
+            raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index} header")
+        length = peek_descriptor_length(head)
+        rest = _read_upto(f, length - 10)
+        if len(rest) != length - 10:
+            raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index}")
+        desc = decode_checked(head + rest, f"descriptor {index}", permissive=permissive)
+        remaining = _remaining(f)
+        buffers = []
+        for i, b in enumerate(desc.buffers):
+            buffers.append(_read_buffer(f, b.byte_size, remaining, f"descriptor {index} buffer {i}"))
+            if remaining is not None:
+                remaining -= b.byte_size
+        yield Record("", desc, buffers)
+        index += 1
+
+
+def layer_structure_key(
+    k: BlockPagedTensor, v: BlockPagedTensor, kv_scales: tuple[float, float] | None
+) -> tuple[object, ...] | None:
+    """What a layer's group encodes besides its pools, layer index and kv scales.
+
+    Two layers with the same key encode to the same group head, index buffers
+    and ``seq_lens`` record, and to block-paged descriptors that differ only
+    in their layer index. The key holds tensor ids: it compares equal only
+    while the caller keeps those tensors alive. None for quantized pools,
+    whose buffers are per layer.
+    """
+    if k.quant_buffers or v.quant_buffers or k.quantization is not None or v.quantization is not None:
+        return None
+    return (
+        *(id(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
+        tuple(k.page_pool.shape),
+        tuple(v.page_pool.shape),
+        k.dtype,
+        v.dtype,
+        k.index_type,
+        v.index_type,
+        k.kv_role,
+        v.kv_role,
+        kv_scales is None,
+    )
+
+
+class LayerWriter:
+    """Writes ``layers.{i}`` groups whose layers share one block structure, encoding it once.
+
+    A streaming export's layers differ only in their pools and layer index:
+    the group head, the index buffers and the ``seq_lens`` record are the
+    same bytes every time. This writer encodes them for the first layer and
+    reuses them while the next layers hold the same index tensors, pool
+    shape and dtype; the two block-paged descriptors are encoded once too,
+    and each layer patches its layer index into them. The bytes are exactly those of
+    ``write_records(layer_records(...))``. It keeps references to the index
+    tensors it encoded, so their ids stay valid while it lives.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._held: tuple[object, ...] = ()
+        self._head = b""
+        self._descs: tuple[tuple[bytearray, int], ...] = ()
+        self._index: tuple[list[memoryview], list[memoryview]] = ([], [])
+        self._lens = b""
+
+    def write(
+        self,
+        f: BinaryIO,
+        i: int,
+        k: BlockPagedTensor,
+        v: BlockPagedTensor,
+        kv_scales: tuple[float, float] | None = None,
+    ) -> int:
+        """Write layer ``i``'s group to ``f``; returns the bytes written."""
+        key = layer_structure_key(k, v, kv_scales)
+        if key is None:
+            # Per call: an id-keyed cache is only sound while its tensors live, and nothing holds these.
+            return write_records(layer_records(i, k, v, kv_scales, {}), f)
+        if key != self._key:
+            self._encode_fixed(i, k, v, kv_scales, key)
+        total = 0
+        f.write(self._head)
+        total += len(self._head)
+        for t, (raw, at), index in zip((k, v), self._descs, self._index, strict=True):
+            struct.pack_into("<I", raw, at, LAYER_INDEX_NONE if t.layer_index is None else t.layer_index)
+            f.write(raw)
+            pool = tensor_bytes(t.page_pool)
+            f.write(pool)
+            total += len(raw) + pool.nbytes
+            for mv in index:
+                f.write(mv)
+                total += mv.nbytes
+        f.write(self._lens)
+        total += len(self._lens)
+        if kv_scales is not None:
+            scales = torch.tensor(kv_scales, dtype=torch.float32)
+            total += write_records([dense_record(f"layers.{i}.kv_scales", scales)], f)
+        return total
+
+    def _encode_fixed(
+        self,
+        i: int,
+        k: BlockPagedTensor,
+        v: BlockPagedTensor,
+        kv_scales: tuple[float, float] | None,
+        key: tuple[object, ...],
+    ) -> None:
+        # A fresh narrowing cache: ids from an earlier structure may belong to new tensors by now.
+        head, krec, vrec, lens, *_ = layer_records(i, k, v, kv_scales, {})
+        self._head = encode_descriptor(head.descriptor)
+        # Encoded once; each layer patches its index in (the only field that differs).
+        self._descs = tuple(
+            (bytearray(encode_descriptor(r.descriptor)), layer_index_offset(r.descriptor)) for r in (krec, vrec)
+        )
+        self._index = ([tensor_bytes(b) for b in krec.buffers[1:]], [tensor_bytes(b) for b in vrec.buffers[1:]])
+        self._lens = encode_descriptor(lens.descriptor) + bytes(tensor_bytes(lens.buffers[0]))
+        self._held = (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens, *krec.buffers[1:])
+        self._held += tuple(vrec.buffers[1:])
+        self._key = key

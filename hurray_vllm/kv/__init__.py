@@ -1,0 +1,4 @@
+"""The in-memory KV model: :class:`~.paged.BlockPagedTensor`, :class:`~.snapshot.KVSnapshot`, repaging.
+
+Imports only :mod:`hurray_vllm.wire` (and :mod:`hurray_vllm.errors`).
+"""

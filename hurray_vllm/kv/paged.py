@@ -1,0 +1,444 @@
+"""``BlockPagedTensor``: one block-paged descriptor's worth of KV, as torch tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import HurrayFormatError, Violation
+from ..wire import dtypes
+from ..wire.descriptor import (
+    INDEX_TYPE_TAGS,
+    INDEX_TYPES,
+    KV_ROLE_TAGS,
+    LAYOUT_BLOCK_PAGED,
+    BlockPagedFields,
+    BufferHandle,
+    PerBlockAffine,
+    Quantization,
+    TensorDescriptor,
+)
+from ..wire.rules import Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
+
+__all__ = ["BlockPagedTensor", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
+
+_DEVICE_TAGS = {"cpu": 0x00, "cuda": 0x01}
+
+
+@dataclass(frozen=True)
+class SharingStats:
+    """How much prefix sharing a block table expresses."""
+
+    logical_pages: int
+    distinct_pages: int
+    shared_pages: int
+    page_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes a copy without sharing would add (one page per logical page)."""
+        return (self.logical_pages - self.distinct_pages) * self.page_bytes
+
+
+@dataclass(frozen=True)
+class CompactionPlan:
+    """Which pool pages a block table references, and their new ids.
+
+    ``keep`` lists the old page ids in order of first reference (int64);
+    ``block_table`` is the renumbered table. One plan serves every layer and
+    both roles of a snapshot, since they share one block structure.
+    """
+
+    keep: torch.Tensor
+    block_table: torch.Tensor
+
+
+def plan_compaction(block_table: torch.Tensor, num_pages: int) -> CompactionPlan:
+    """Plan a compaction of ``block_table`` (int64, ids < ``num_pages``)."""
+    if block_table.numel() == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=block_table.device)
+        return CompactionPlan(empty, empty)
+    # First-reference order keeps a sequence's pages adjacent in the new pool,
+    # which makes the common unshared case an identity-like, cache-friendly gather.
+    uniq, inverse = torch.unique(block_table, return_inverse=True)
+    first = torch.full((uniq.numel(),), block_table.numel(), dtype=torch.int64, device=block_table.device)
+    pos = torch.arange(block_table.numel(), device=block_table.device)
+    first.scatter_reduce_(0, inverse, pos, reduce="amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return CompactionPlan(keep=uniq[order], block_table=rank[inverse])
+
+
+@dataclass(frozen=True, eq=False)
+class BlockPagedTensor:
+    """A batch of sequences' keys or values for one layer, block-paged.
+
+    Attributes:
+        page_pool: ``[num_pages, page_size, num_heads, head_dim]``, any dtype
+            Hurray can name (bf16, fp16, fp32, float8_e4m3fn, float8_e5m2...),
+            contiguous.
+        block_table: int64 ``[total_logical_pages]``, the physical page id of
+            every logical page, sequence after sequence.
+        seq_ptr: int64 ``[num_seqs + 1]``; sequence ``s`` owns
+            ``block_table[seq_ptr[s]:seq_ptr[s+1]]``.
+        seq_lens: int64 ``[num_seqs]`` tokens per sequence, or ``None`` when a
+            plain descriptor did not say (the wire format has no such field).
+        kv_role: ``"key"``, ``"value"`` or ``"fused"``.
+        layer_index: the transformer layer, or ``None``.
+        index_type: ``"uint32"`` or ``"uint64"``: the block table's wire type.
+        quantization: the quantization section, if any.
+        quant_buffers: buffers 3.. as raw uint8 tensors (scales, zero points).
+    """
+
+    page_pool: torch.Tensor
+    block_table: torch.Tensor
+    seq_ptr: torch.Tensor
+    seq_lens: torch.Tensor | None = None
+    kv_role: str = "key"
+    layer_index: int | None = None
+    index_type: str = "uint32"
+    quantization: Quantization | None = None
+    quant_buffers: tuple[torch.Tensor, ...] = ()
+    #: ``shape[0]`` as read from a descriptor that carried no sequence lengths.
+    num_tokens: int | None = None
+
+    # ── shape ──────────────────────────────────────────────────────────────
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.page_pool.shape[0])
+
+    @property
+    def page_size(self) -> int:
+        return int(self.page_pool.shape[1])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.page_pool.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.page_pool.shape[3])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_ptr.numel()) - 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.page_pool.dtype
+
+    @property
+    def total_tokens(self) -> int:
+        """``shape[0]`` on the wire: the sum of the sequence lengths.
+
+        Without known lengths every logical page is counted as full.
+        """
+        if self.seq_lens is not None:
+            return int(self.seq_lens.sum())
+        if self.num_tokens is not None:
+            return self.num_tokens
+        return int(self.block_table.numel()) * self.page_size
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The logical shape ``[total_tokens, num_heads, head_dim]``."""
+        return (self.total_tokens, self.num_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.num_heads * self.head_dim * self.page_pool.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all buffers on the wire."""
+        return sum(b.byte_size for b in self.descriptor().buffers)
+
+    def pages_of(self, seq: int) -> torch.Tensor:
+        """Physical page ids of sequence ``seq``, in logical order."""
+        self._check_seq(seq)
+        return self.block_table[int(self.seq_ptr[seq]) : int(self.seq_ptr[seq + 1])]
+
+    # ── element access ─────────────────────────────────────────────────────
+
+    def lookup(self, seq: int, token: int, head: int, dim: int) -> torch.Tensor:
+        """One element, by the spec's Element Lookup formula (0-d tensor)."""
+        self._check_seq(seq)
+        if self.seq_lens is not None and not 0 <= token < int(self.seq_lens[seq]):
+            raise IndexError(f"token {token} is outside sequence {seq} of {int(self.seq_lens[seq])} tokens")
+        page_in_seq, offset = divmod(token, self.page_size)
+        phys = int(self.block_table[int(self.seq_ptr[seq]) + page_in_seq])
+        flat = ((phys * self.page_size + offset) * self.num_heads + head) * self.head_dim + dim
+        return self.page_pool.reshape(-1)[flat]
+
+    def to_dense(self, seq: int) -> torch.Tensor:
+        """Sequence ``seq`` as a contiguous ``[seq_len, num_heads, head_dim]`` tensor."""
+        n = self.seq_len(seq)
+        pages = self.pages_of(seq)
+        return self.page_pool.index_select(0, pages.to(self.page_pool.device)).reshape(
+            -1, self.num_heads, self.head_dim
+        )[:n]
+
+    def seq_len(self, seq: int) -> int:
+        self._check_seq(seq)
+        if self.seq_lens is None:
+            raise HurrayFormatError(
+                "seq_lens",
+                "this tensor does not know its sequence lengths (a plain block-paged descriptor "
+                "carries none); pass seq_lens= when building it, or write snapshots with hurray-vllm",
+            )
+        return int(self.seq_lens[seq])
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.num_seqs:
+            raise IndexError(f"sequence {seq} is outside the batch of {self.num_seqs}")
+
+    # ── batch operations ───────────────────────────────────────────────────
+
+    def select(self, seqs: Sequence[int]) -> BlockPagedTensor:
+        """A sub-batch of ``seqs`` (in that order) over the same page pool."""
+        for s in seqs:
+            self._check_seq(s)
+        idx = torch.as_tensor(list(seqs), dtype=torch.int64)
+        counts = (self.seq_ptr[1:] - self.seq_ptr[:-1])[idx] if idx.numel() else idx
+        seq_ptr = torch.zeros(idx.numel() + 1, dtype=torch.int64)
+        if idx.numel():
+            torch.cumsum(counts, 0, out=seq_ptr[1:])
+        parts = [self.block_table[int(self.seq_ptr[s]) : int(self.seq_ptr[s + 1])] for s in seqs]
+        table = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        lens = self.seq_lens[idx] if self.seq_lens is not None else None
+        return replace(self, block_table=table, seq_ptr=seq_ptr, seq_lens=lens, num_tokens=None)
+
+    def compact(self, plan: CompactionPlan | None = None) -> BlockPagedTensor:
+        """Keep only referenced pages, renumbered; aliasing is preserved.
+
+        Per-page-slot quantization parameters move with their pages.
+        """
+        plan = plan or plan_compaction(self.block_table, self.num_pages)
+        pool = self.page_pool.index_select(0, plan.keep.to(self.page_pool.device))
+        qbufs = self.quant_buffers
+        q = self.quantization
+        if isinstance(q, PerBlockAffine) and qbufs:
+            qbufs = tuple(self._slot_gather(b, plan.keep) for b in qbufs)
+        return replace(
+            self, page_pool=pool, block_table=plan.block_table.to(self.block_table.device), quant_buffers=qbufs
+        )
+
+    def _slot_gather(self, buf: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        per_page = buf.numel() // max(1, self.num_pages)
+        return buf.view(self.num_pages, per_page).index_select(0, keep.to(buf.device)).reshape(-1)
+
+    def valid_slots(self) -> torch.Tensor:
+        """int64 ``[num_pages]``: how many leading slots of each page some sequence uses."""
+        valid = torch.zeros(self.num_pages, dtype=torch.int64, device=self.block_table.device)
+        if self.block_table.numel() == 0:
+            return valid
+        counts = self.seq_ptr[1:] - self.seq_ptr[:-1]
+        if bool((counts < 0).any()) or int(self.seq_ptr[-1]) != self.block_table.numel():
+            raise HurrayFormatError("seq_ptr", "seq_ptr is not a non-decreasing index into the block table")
+        seq_of = torch.repeat_interleave(torch.arange(self.num_seqs, device=counts.device), counts)
+        k = torch.arange(self.block_table.numel(), device=counts.device) - self.seq_ptr[:-1][seq_of]
+        if self.seq_lens is None:
+            used = torch.full_like(k, self.page_size)
+        else:
+            used = (self.seq_lens[seq_of] - k * self.page_size).clamp(0, self.page_size)
+        valid.scatter_reduce_(0, self.block_table, used, reduce="amax")
+        return valid
+
+    def zero_unused_slots(self) -> BlockPagedTensor:
+        """A copy whose slots past every referencing sequence's length are zero.
+
+        A page shared by a long and a short sequence keeps what the long one
+        uses: the rule is per physical page, over all its references.
+        """
+        pool = self.page_pool.clone()
+        zero_slots_(pool, self.valid_slots())
+        return replace(self, page_pool=pool)
+
+    def sharing(self) -> SharingStats:
+        """Logical vs distinct physical pages, and pages referenced more than once."""
+        n = int(self.block_table.numel())
+        if n == 0:
+            return SharingStats(0, 0, 0, self.page_bytes)
+        _, counts = torch.unique(self.block_table, return_counts=True)
+        return SharingStats(n, int(counts.numel()), int((counts > 1).sum()), self.page_bytes)
+
+    # ── wire form ──────────────────────────────────────────────────────────
+
+    def descriptor(self, *, device_tag: int | None = None, alignment: int = 64) -> TensorDescriptor:
+        """The block-paged descriptor for this tensor (buffers 0-2, then 3..)."""
+        et = dtypes.from_torch(self.page_pool.dtype)
+        ib = 8 if self.index_type == "uint64" else 4
+        dev = device_tag if device_tag is not None else _DEVICE_TAGS.get(self.page_pool.device.type, 0xF0)
+        sizes = [
+            et.nbytes(self.page_pool.numel()),
+            int(self.block_table.numel()) * ib,
+            int(self.seq_ptr.numel()) * ib,
+        ] + [int(b.numel()) * b.element_size() for b in self.quant_buffers]
+        try:
+            role = KV_ROLE_TAGS[self.kv_role]
+            index_tag = INDEX_TYPE_TAGS[self.index_type]
+        except KeyError as exc:
+            raise HurrayFormatError("kv_role", f"unknown kv_role or index type {exc}") from None
+        return TensorDescriptor(
+            type_tag=et.tag,
+            shape=self.shape,
+            layout_tag=LAYOUT_BLOCK_PAGED,
+            layout=BlockPagedFields(
+                page_size=self.page_size,
+                num_pages=self.num_pages,
+                num_seqs=self.num_seqs,
+                kv_role_tag=role,
+                layer_index=self.layer_index,
+                index_type_tag=index_tag,
+            ),
+            # An empty buffer has nothing to align; the reference writer declares 1 (buffer-protocol.md).
+            buffers=tuple(BufferHandle(s, alignment if s else 1, dev) for s in sizes),
+            quantization=self.quantization,
+        )
+
+    def wire_buffers(self, index_cache: dict[tuple[int, str], torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The buffers in descriptor order, as contiguous tensors whose bytes go on the wire.
+
+        The page pool is returned as is (no copy when it is contiguous);
+        the int64 index tensors are narrowed to the wire index type.
+        ``index_cache`` (a dict the caller keeps while the tensors live)
+        narrows each index tensor once when many layers share it, as an
+        export's layers do.
+        """
+        index_dtype = torch.uint64 if self.index_type == "uint64" else torch.int32
+        pool = self.page_pool if self.page_pool.is_contiguous() else self.page_pool.contiguous()
+
+        def narrow(t: torch.Tensor) -> torch.Tensor:
+            if index_cache is None:
+                return t.to(index_dtype).contiguous()
+            # The cache lives for one write of tensors the caller holds, so an id is a stable key.
+            # (No _version in it: tensors made under torch.inference_mode, as vLLM's are, have none.)
+            key = (id(t), self.index_type)
+            got = index_cache.get(key)
+            if got is None:
+                got = index_cache[key] = t.to(index_dtype).contiguous()
+            return got
+
+        return [pool, narrow(self.block_table), narrow(self.seq_ptr), *(b.contiguous() for b in self.quant_buffers)]
+
+    def validate(self, *, permissive: bool = False) -> Checked:
+        """Every rule this tensor breaks (see :func:`hurray_vllm.containers.check`)."""
+        return validate_descriptor(
+            self.descriptor(),
+            block_table=self.block_table,
+            seq_ptr=self.seq_ptr,
+            seq_lens=self.seq_lens,
+            permissive=permissive,
+        )
+
+    @classmethod
+    def from_wire(
+        cls,
+        desc: TensorDescriptor,
+        buffers: Sequence[torch.Tensor],
+        *,
+        seq_lens: torch.Tensor | None = None,
+        permissive: bool = False,
+        index_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]] | None = None,
+    ) -> BlockPagedTensor:
+        """Rebuild from a decoded descriptor and its raw uint8 buffers.
+
+        Views the page pool in place (no copy); widens the index buffers to
+        int64. Raises :class:`HurrayFormatError` for any blocking violation.
+        ``index_cache`` (a dict kept while reading one snapshot) widens and
+        checks each distinct set of index buffers once: a snapshot's layers
+        carry the same block table, and then share one int64 copy of it, as
+        an export's layers do.
+        """
+        checked = check_own(desc, permissive=permissive)
+        raise_if(checked, "block-paged descriptor")
+        bp = desc.block_paged
+        if bp is None:
+            raise HurrayFormatError("layout_tag", f"expected block-paged (0x0A), got 0x{desc.layout_tag:02X}")
+        if len(buffers) != len(desc.buffers):
+            raise HurrayFormatError("buffer_count", f"{len(buffers)} buffers given for {len(desc.buffers)} declared")
+        dtype = dtypes.torch_dtype(desc.type_tag)
+        _, heads, dim = desc.shape
+        pool = buffers[0].view(dtype).view(bp.num_pages, bp.page_size, heads, dim)
+        wide = torch.uint64 if bp.index_type_tag == 1 else torch.uint32
+        found = checked.violations
+        sizes_ok = not found or not any(
+            v.invariant.endswith("byte_size") or v.invariant == "buffer_count" for v in found
+        )
+        # Everything the index-buffer rules read: the geometry and the three buffers' bytes.
+        key: tuple[object, ...] | None = None
+        table_raw, ptr_raw = buffers[1], buffers[2]
+        if index_cache is not None and sizes_ok and table_raw.is_cpu and ptr_raw.is_cpu:
+            key = (
+                desc.shape,
+                bp.page_size,
+                bp.num_pages,
+                bp.num_seqs,
+                bp.index_type_tag,
+                table_raw.numpy().tobytes(),
+                ptr_raw.numpy().tobytes(),
+                None if seq_lens is None else seq_lens.numpy().tobytes(),
+            )
+            hit = index_cache.get(key)
+        else:
+            hit = None
+        if hit is not None:
+            table, seq_ptr, index_found = hit
+        else:
+            table = _widen(table_raw, wide)
+            seq_ptr = _widen(ptr_raw, wide)
+            # The descriptor's own rules were checked above: add only the index-buffer rules
+            # (the same verdict as validate_descriptor with the buffers, one pass cheaper).
+            more: list[Violation] = []
+            if sizes_ok:
+                validate_index_buffers(desc, table, seq_ptr, seq_lens, more)
+            index_found = tuple(more)
+            if key is not None and index_cache is not None:
+                index_cache[key] = (table, seq_ptr, index_found)
+        if found or index_found:
+            raise_if(Checked(found + index_found, permissive), f"block-paged layer {bp.layer_index} {bp.kv_role}")
+        return cls(
+            page_pool=pool,
+            block_table=table,
+            seq_ptr=seq_ptr,
+            seq_lens=seq_lens,
+            kv_role=bp.kv_role,
+            layer_index=bp.layer_index,
+            index_type=INDEX_TYPES.get(bp.index_type_tag, "uint32"),
+            quantization=desc.quantization,
+            quant_buffers=tuple(buffers[3:]),
+            num_tokens=None if seq_lens is not None else int(desc.shape[0]),
+        )
+
+
+def zero_slots_(pool: torch.Tensor, valid: torch.Tensor) -> None:
+    """Zero, in place, slots ``>= valid[p]`` of every page ``p`` of ``pool`` ``[P, S, H, D]``."""
+    if pool.numel() == 0:
+        return
+    num_pages, page_size = int(pool.shape[0]), int(pool.shape[1])
+    valid = valid.to(pool.device)
+    rows = pool.view(torch.uint8).view(num_pages, -1)
+    # Pages nobody uses go in one op; the few partial ones (about one per
+    # sequence) one slice each. A mask over every byte of the pool cost more
+    # than the whole gather.
+    empty = (valid <= 0).nonzero().reshape(-1)
+    if empty.numel():
+        rows.index_fill_(0, empty, 0)
+    partial = ((valid > 0) & (valid < page_size)).nonzero().reshape(-1)
+    for p, v in zip(partial.tolist(), valid[partial].tolist()):
+        pool[p, v:].zero_()
+
+
+def _widen(raw: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    if raw.numel() == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if wire == torch.uint32:
+        return raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = raw.view(torch.int64).clone()
+    if bool((out < 0).any()):  # >= 2**63 as uint64
+        raise HurrayFormatError("block_table", "uint64 index above 2**63 - 1")
+    return out

@@ -1,0 +1,268 @@
+"""Repaging: the same sequences over pages of another size.
+
+Engines disagree on page sizes (vLLM's CPU backend uses 128, its GPU
+backends 16, FlashAttention-2's paged kernel wants multiples of 256), so
+importers repage. The plan is computed once per batch and applied to every
+layer and role:
+
+* every sequence keeps its tokens, in order;
+* a target page is identified by the source *slots* it holds (source page
+  id and offset, for each of its ``page_size`` positions). Two sequences'
+  target pages that hold exactly the same slots become one physical page,
+  so a shared prefix stays shared wherever it covers whole target pages;
+* slots past a sequence's end are zero;
+* no target page is created that no token needs.
+
+Everything is vectorised torch on the tensors' own device: one gather per
+layer and role, no per-token Python loop, no trip through host memory for
+CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..errors import HurrayFormatError
+from ..wire.descriptor import PerBlockAffine
+from .paged import BlockPagedTensor
+from .snapshot import KVSnapshot
+
+__all__ = ["RepagePlan", "check_out_pool", "plan_repage", "repage", "repage_into", "repage_snapshot"]
+
+
+@dataclass(frozen=True)
+class RepagePlan:
+    """Where each slot of the new pool comes from.
+
+    Attributes:
+        page_size: the target page size.
+        src_slots: int64 ``[num_pages * page_size]``: for each new slot the
+            flat source slot (``page * src_page_size + offset``), or -1 for
+            a slot no sequence uses (left zero).
+        block_table, seq_ptr, seq_lens: the new block structure (int64).
+        run: slots copied as one row by the gather (``gcd`` of the page
+            sizes for a plan from :func:`plan_repage`; 1 otherwise).
+        tails: ``(page, first_unused_slot)`` for every new page that is only
+            partly used. A page's used slots always come first (a page holds
+            consecutive tokens of one sequence), so zeroing these ranges
+            zeroes every ``-1`` slot; kept on the host so that applying the
+            plan needs no device sync. ``None`` (a plan built by hand):
+            unknown, the unused slots are found from ``src_slots``.
+    """
+
+    page_size: int
+    src_slots: torch.Tensor
+    block_table: torch.Tensor
+    seq_ptr: torch.Tensor
+    seq_lens: torch.Tensor
+    tails: tuple[tuple[int, int], ...] | None = None
+    run: int = 1
+    _rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The gather index: for every run of ``run`` new slots, the source run it copies.
+
+        Runs of ``gcd(src_page_size, page_size)`` slots start at token
+        positions that are multiples of the run length, so each lies inside
+        one source page and is copied as one row; a run with no used slot
+        reads run 0. Unused slots are zeroed afterwards (see ``tails``).
+        """
+        if self._rows is not None:
+            return self._rows
+        return (self.src_slots.view(-1, self.run)[:, 0] // self.run).clamp(min=0)
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.src_slots.numel()) // self.page_size
+
+
+def plan_repage(
+    block_table: torch.Tensor,
+    seq_ptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    src_page_size: int,
+    page_size: int,
+) -> RepagePlan:
+    """Plan moving a batch from pages of ``src_page_size`` to pages of ``page_size``."""
+    if page_size <= 0:
+        raise HurrayFormatError("page_size", f"target page size must be positive, got {page_size}")
+    dev = block_table.device
+    seq_lens = seq_lens.to(dev)
+    seq_ptr = seq_ptr.to(dev)
+    num_seqs = int(seq_lens.numel())
+    need = (seq_lens + page_size - 1) // page_size  # target pages per sequence
+    new_ptr = torch.zeros(num_seqs + 1, dtype=torch.int64, device=dev)
+    if num_seqs:
+        torch.cumsum(need, 0, out=new_ptr[1:])
+    total = int(new_ptr[-1])
+    if total == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return RepagePlan(page_size, empty, empty, new_ptr, seq_lens.clone())
+    # For every target logical page (s, j) and position r: token t = j*T + r of s.
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=dev), need)
+    j = torch.arange(total, device=dev) - new_ptr[:-1][seq_of]
+    t = j[:, None] * page_size + torch.arange(page_size, device=dev)[None, :]
+    valid = t < seq_lens[seq_of][:, None]
+    t = torch.where(valid, t, torch.zeros_like(t))
+    src_page = block_table[seq_ptr[:-1][seq_of][:, None] + t // src_page_size]
+    slots = torch.where(valid, src_page * src_page_size + t % src_page_size, torch.full_like(t, -1))
+    # Target pages holding the same slots are one page; keep first-use order.
+    uniq, inverse = torch.unique(slots, dim=0, return_inverse=True)
+    first = torch.full((uniq.shape[0],), total, dtype=torch.int64, device=dev)
+    first.scatter_reduce_(0, inverse, torch.arange(total, device=dev), reduce="amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=dev)
+    src_slots = uniq[order]
+    used = (src_slots >= 0).sum(1)
+    partial = (used < page_size).nonzero().reshape(-1)
+    run = math.gcd(src_page_size, page_size)
+    return RepagePlan(
+        page_size=page_size,
+        src_slots=src_slots.reshape(-1),
+        block_table=rank[inverse],
+        seq_ptr=new_ptr,
+        seq_lens=seq_lens.clone(),
+        tails=tuple(zip(partial.tolist(), used[partial].tolist(), strict=True)),
+        run=run,
+        _rows=(src_slots.reshape(-1, run)[:, 0] // run).clamp(min=0),
+    )
+
+
+def _gather_slots(src: torch.Tensor, plan: RepagePlan, per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat storage ``[num_slots, per_slot]`` holding ``plan``'s slots of ``src``; unused slots zero.
+
+    One ``index_select`` of whole runs (``plan.run`` slots, up to a source
+    page, per row) writes every output byte once; the unused slots, always
+    the end of a partly used page, are then zeroed as one slice per such
+    page (``plan.tails``). A plan without ``tails`` falls back to one
+    ``index_fill_`` over the unused slots through the widest integer view of
+    a row, which also works for float8 rows. With ``out`` (contiguous, same
+    dtype and device as ``src``) the rows land there instead of in new
+    memory.
+    """
+    idx = plan.src_slots
+    if out is None:
+        out = torch.empty(idx.numel(), per_slot, dtype=src.dtype, device=src.device)
+    if src.numel() == 0 or idx.numel() == 0:
+        return out.zero_()
+    run = plan.run if plan.tails is not None else 1
+    rows = plan.rows if run == plan.run else idx.clamp(min=0)
+    torch.index_select(src.reshape(-1, run * per_slot), 0, rows.to(src.device), out=out.view(-1, run * per_slot))
+    if plan.tails is not None:
+        pages = out.view(-1, plan.page_size, per_slot)
+        for page, first in plan.tails:
+            pages[page, first:].zero_()
+        return out
+    unused = (idx.to(src.device) < 0).nonzero().reshape(-1)
+    if unused.numel():
+        row_bytes = per_slot * out.element_size()
+        wide = torch.int64 if row_bytes % 8 == 0 else torch.int32 if row_bytes % 4 == 0 else torch.uint8
+        out.view(wide).index_fill_(0, unused, 0)
+    return out
+
+
+def on_device(t: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether ``t`` lives on ``device``; ``"cuda"`` without an index means the current CUDA device,
+    where torch would allocate (``torch.device("cuda") != torch.device("cuda:0")`` otherwise)."""
+    want = torch.device(device)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    return t.device == want
+
+
+def check_out_pool(out: torch.Tensor, pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, field: str) -> None:
+    """Refuse an ``out=`` pool that cannot take ``pages`` pages of ``page_shape`` and ``dtype``."""
+    if not isinstance(out, torch.Tensor):
+        raise HurrayFormatError(field, f"must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape[1:]) != page_shape or out.dim() != len(page_shape) + 1:
+        raise HurrayFormatError(
+            field, f"must have shape [num_pages, {', '.join(map(str, page_shape))}], got {list(out.shape)}"
+        )
+    if out.shape[0] < pages:
+        raise HurrayFormatError(field, f"has {out.shape[0]} pages, the import needs {pages}; allocate a larger pool")
+    if out.dtype != dtype:
+        raise HurrayFormatError(field, f"is {out.dtype}, the import produces {dtype}; pass dtype= or another pool")
+
+
+def repage_into(t: BlockPagedTensor, plan: RepagePlan | None, out: torch.Tensor) -> None:
+    """Write ``t``'s pool, repaged by ``plan`` (``None``: as it is), into ``out``.
+
+    ``out`` is any ``[plan.num_pages, page_size, num_heads, head_dim]`` view
+    of ``t``'s dtype (for example the first pages of an engine's cache, or a
+    strided HND or combined-K/V view). A contiguous ``out`` on the pool's
+    device is gathered into directly; any other goes through one temporary.
+    """
+    per_slot = t.num_heads * t.head_dim
+    pool = t.page_pool
+    if plan is None:
+        out.copy_(pool)
+        return
+    direct = out.is_contiguous() and out.device == pool.device and out.dtype == pool.dtype
+    if direct:
+        _gather_slots(pool, plan, per_slot, out.view(-1, per_slot))
+    else:
+        out.copy_(_gather_slots(pool, plan, per_slot).view(out.shape))
+
+
+def repage(
+    t: BlockPagedTensor, page_size: int, plan: RepagePlan | None = None, *, out: torch.Tensor | None = None
+) -> BlockPagedTensor:
+    """``t`` over pages of ``page_size`` tokens (see the module docstring).
+
+    Per-page-slot quantization parameters (per-block-affine) move with their
+    slots; per-tensor and per-channel parameters are unchanged.
+
+    ``out``, when given, is a preallocated ``[>= num_pages, page_size,
+    num_heads, head_dim]`` pool of ``t``'s dtype (contiguous pages): the
+    repaged pages are written into its first ``plan.num_pages`` pages, which
+    the result's ``page_pool`` views, and the rest of ``out`` is left
+    untouched. Importing into memory that is already mapped (an engine's
+    cache, a pool reused across imports) avoids faulting in a new pool.
+    """
+    if t.seq_lens is None:
+        raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
+    plan = plan or plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
+    page_shape = (page_size, t.num_heads, t.head_dim)
+    if out is not None:
+        check_out_pool(out, plan.num_pages, page_shape, t.dtype, "out")
+        pool = out[: plan.num_pages]
+        repage_into(t, plan, pool)
+    else:
+        per_slot = t.num_heads * t.head_dim
+        pool = _gather_slots(t.page_pool, plan, per_slot)
+        pool = pool.view(plan.num_pages, *page_shape)
+    q, qbufs = t.quantization, t.quant_buffers
+    if isinstance(q, PerBlockAffine) and qbufs:
+        slots_in = t.num_pages * t.page_size
+        qbufs = tuple(_gather_slots(b, plan, b.numel() // max(1, slots_in)).reshape(-1) for b in qbufs)
+        q = replace(q, block_size=page_size)
+    return replace(
+        t,
+        page_pool=pool,
+        block_table=plan.block_table.to(t.block_table.device),
+        seq_ptr=plan.seq_ptr.to(t.seq_ptr.device),
+        seq_lens=plan.seq_lens.to(t.seq_lens.device),
+        quantization=q,
+        quant_buffers=qbufs,
+        num_tokens=None,
+    )
+
+
+def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
+    """Every layer and role of ``snap`` repaged with one shared plan."""
+    if not snap.keys or snap.page_size == page_size:
+        return snap
+    k0 = snap.keys[0]
+    if k0.seq_lens is None:
+        raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this snapshot does not carry")
+    plan = plan_repage(k0.block_table, k0.seq_ptr, k0.seq_lens, k0.page_size, page_size)
+    return replace(
+        snap,
+        keys=tuple(repage(k, page_size, plan) for k in snap.keys),
+        values=tuple(repage(v, page_size, plan) for v in snap.values),
+    )

@@ -1,0 +1,247 @@
+"""``KVSnapshot``: one batch of sequences across a whole model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..errors import HurrayFormatError, Violation
+from ..wire.rules import Checked
+from .paged import BlockPagedTensor, SharingStats, plan_compaction
+
+__all__ = ["ModelFingerprint", "SnapshotSource", "KVSnapshot"]
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What an importer compares before it trusts a snapshot's KV.
+
+    ``dtype`` is the cache *storage* dtype name (``"bfloat16"``,
+    ``"float8_e4m3"``...). ``weights_digest`` tells apart two models with the
+    same geometry (a hash the exporter computes from the weights), when known.
+    """
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    weights_digest: str | None = None
+
+    def mismatches(self, other: ModelFingerprint) -> list[str]:
+        """Human-readable differences from ``other`` (empty when compatible).
+
+        A digest only counts when both sides have one.
+        """
+        out = []
+        for name in ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                out.append(f"{name}: snapshot has {a!r}, target has {b!r}")
+        if self.weights_digest and other.weights_digest and self.weights_digest != other.weights_digest:
+            out.append("weights_digest: the snapshot was computed by different weights")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ModelFingerprint:
+        try:
+            return cls(
+                architecture=str(d["architecture"]),
+                num_layers=int(d["num_layers"]),
+                num_kv_heads=int(d["num_kv_heads"]),
+                head_dim=int(d["head_dim"]),
+                dtype=str(d["dtype"]),
+                weights_digest=d.get("weights_digest"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HurrayFormatError("snapshot.fingerprint", f"malformed fingerprint: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SnapshotSource:
+    """Where a snapshot came from: engine, its cache layout, its block size."""
+
+    engine: str
+    layout: str
+    page_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SnapshotSource:
+        try:
+            return cls(engine=str(d["engine"]), layout=str(d["layout"]), page_size=int(d["page_size"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HurrayFormatError("snapshot.source", f"malformed source: {exc}") from None
+
+
+_ROLES = ("key", "value")
+
+
+@dataclass(frozen=True, eq=False)
+class KVSnapshot:
+    """Keys and values of a batch of sequences, for every layer.
+
+    ``keys[i]`` and ``values[i]`` are layer ``i``'s block-paged tensors; all
+    layers and both roles share one block structure (same block table,
+    seq_ptr and seq_lens), which is what lets an importer plan repaging once.
+
+    Attributes:
+        keys, values: one :class:`BlockPagedTensor` per layer.
+        token_ids: per sequence, the token ids whose KV the snapshot holds,
+            optionally followed by tokens sampled but not yet computed (a
+            continuation needs the last sampled token; ``seq_lens`` says
+            how many have KV).
+        fingerprint: the model the KV belongs to, when known.
+        kv_scales: per layer ``(k_scale, v_scale)`` of an fp8 cache
+            (``value = stored * scale``); ``None`` for unscaled caches.
+        source: the producing engine, layout and page size.
+        request_ids: the engine's ids of the sequences, when known.
+    """
+
+    keys: tuple[BlockPagedTensor, ...]
+    values: tuple[BlockPagedTensor, ...]
+    token_ids: tuple[tuple[int, ...], ...] = ()
+    fingerprint: ModelFingerprint | None = None
+    kv_scales: tuple[tuple[float, float], ...] | None = None
+    source: SnapshotSource | None = None
+    request_ids: tuple[str, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.values):
+            raise HurrayFormatError(
+                "snapshot.layers", f"{len(self.keys)} key layers but {len(self.values)} value layers"
+            )
+
+    # ── access ─────────────────────────────────────────────────────────────
+
+    def __getitem__(self, item: tuple[int, str]) -> BlockPagedTensor:
+        layer, role = item
+        if role not in _ROLES:
+            raise KeyError(f"role must be 'key' or 'value', not {role!r}")
+        layers = self.keys if role == "key" else self.values
+        return layers[layer]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.keys[0].num_seqs if self.keys else len(self.token_ids)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens with KV, per sequence."""
+        if not self.keys:
+            return [len(t) for t in self.token_ids]
+        lens = self.keys[0].seq_lens
+        if lens is None:
+            raise HurrayFormatError("seq_lens", "this snapshot does not carry sequence lengths")
+        return [int(x) for x in lens]
+
+    @property
+    def page_size(self) -> int:
+        return self.keys[0].page_size if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.keys, *self.values))
+
+    def layers(self) -> list[tuple[BlockPagedTensor, BlockPagedTensor]]:
+        return list(zip(self.keys, self.values))
+
+    def sharing(self) -> SharingStats:
+        return self.keys[0].sharing() if self.keys else SharingStats(0, 0, 0, 0)
+
+    # ── batch operations ───────────────────────────────────────────────────
+
+    def select(self, seqs: Sequence[int]) -> KVSnapshot:
+        """A snapshot of the sequences ``seqs`` only, compacted."""
+        keys = tuple(k.select(seqs) for k in self.keys)
+        values = tuple(v.select(seqs) for v in self.values)
+        ids = tuple(self.token_ids[s] for s in seqs) if self.token_ids else ()
+        rids = tuple(self.request_ids[s] for s in seqs) if self.request_ids else None
+        return replace(self, keys=keys, values=values, token_ids=ids, request_ids=rids).compact()
+
+    def compact(self) -> KVSnapshot:
+        """Drop pages no sequence references; one plan for every layer and role."""
+        if not self.keys:
+            return self
+        plan = plan_compaction(self.keys[0].block_table, self.keys[0].num_pages)
+        return replace(
+            self,
+            keys=tuple(k.compact(plan) for k in self.keys),
+            values=tuple(v.compact(plan) for v in self.values),
+        )
+
+    # ── checks ─────────────────────────────────────────────────────────────
+
+    def validate(self, *, permissive: bool = False, tensors: bool = True) -> Checked:
+        """Every rule broken by any layer, plus the snapshot's own consistency.
+
+        ``tensors=False`` skips the per-tensor rules (a reader that built the
+        tensors with :meth:`BlockPagedTensor.from_wire` has checked them).
+        """
+        found: list[Violation] = []
+        for i, (k, v) in enumerate(self.layers()):
+            for t in (k, v) if tensors else ():
+                found.extend(
+                    Violation(x.invariant, f"layer {i} {t.kv_role}: {x.message}")
+                    for x in t.validate(permissive=permissive).violations
+                )
+            if k.kv_role != "key" or v.kv_role != "value":
+                found.append(Violation("kv_role", f"layer {i} holds roles {k.kv_role}/{v.kv_role}"))
+            if not (
+                (k.block_table is v.block_table or torch.equal(k.block_table, v.block_table))
+                and (k.seq_ptr is v.seq_ptr or torch.equal(k.seq_ptr, v.seq_ptr))
+                and k.page_pool.shape == v.page_pool.shape
+            ):
+                found.append(Violation("snapshot.structure", f"layer {i} key and value differ in block structure"))
+        if self.keys:
+            k0 = self.keys[0]
+            for i, k in enumerate(self.keys[1:], 1):
+                if k.num_seqs != k0.num_seqs or not (k.seq_ptr is k0.seq_ptr or torch.equal(k.seq_ptr, k0.seq_ptr)):
+                    found.append(Violation("snapshot.structure", f"layer {i} has another batch than layer 0"))
+            if self.token_ids and len(self.token_ids) != k0.num_seqs:
+                found.append(
+                    Violation("snapshot.token_ids", f"{len(self.token_ids)} token lists for {k0.num_seqs} sequences")
+                )
+            elif self.token_ids and k0.seq_lens is not None:
+                for s, (ids, n) in enumerate(zip(self.token_ids, k0.seq_lens.tolist())):
+                    if len(ids) < n:
+                        found.append(
+                            Violation(
+                                "snapshot.token_ids", f"sequence {s} has {n} tokens of KV but {len(ids)} token ids"
+                            )
+                        )
+                        break
+        if self.kv_scales is not None and len(self.kv_scales) != self.num_layers:
+            found.append(
+                Violation("snapshot.kv_scales", f"{len(self.kv_scales)} scale pairs for {self.num_layers} layers")
+            )
+        if self.fingerprint is not None and self.keys and self.fingerprint.num_layers != self.num_layers:
+            found.append(
+                Violation(
+                    "snapshot.fingerprint",
+                    f"fingerprint says {self.fingerprint.num_layers} layers, snapshot has {self.num_layers}",
+                )
+            )
+        return Checked(tuple(found), permissive)
+
+    def __repr__(self) -> str:
+        if not self.keys:
+            return f"KVSnapshot(num_layers=0, num_seqs={len(self.token_ids)})"
+        k = self.keys[0]
+        return (
+            f"KVSnapshot(num_layers={self.num_layers}, num_seqs={k.num_seqs}, page_size={k.page_size}, "
+            f"num_pages={k.num_pages}, heads={k.num_heads}, head_dim={k.head_dim}, dtype={k.dtype})"
+        )

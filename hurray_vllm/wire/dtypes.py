@@ -1,0 +1,103 @@
+"""Hurray element type tags and their torch counterparts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import HurrayFormatError
+
+__all__ = ["ElementType", "element_type", "from_torch", "from_tag", "torch_dtype"]
+
+
+@dataclass(frozen=True)
+class ElementType:
+    """A Hurray element type (``element-types.md``).
+
+    ``bits`` is the storage width of one element; sub-byte types pack
+    ``8 // bits`` elements per byte.
+    """
+
+    name: str
+    tag: int
+    bits: int
+    torch: torch.dtype | None
+
+    def nbytes(self, count: int) -> int:
+        """Bytes needed to store ``count`` elements of this type."""
+        if self.bits >= 8:
+            return count * (self.bits // 8)
+        if self.bits == 6:  # float6: 4 elements in 3 bytes
+            return (count * 6 + 7) // 8
+        per_byte = 8 // self.bits
+        return (count + per_byte - 1) // per_byte
+
+
+_TYPES = (
+    ElementType("float16", 0x01, 16, torch.float16),
+    ElementType("bfloat16", 0x02, 16, torch.bfloat16),
+    ElementType("float32", 0x03, 32, torch.float32),
+    ElementType("float64", 0x04, 64, torch.float64),
+    ElementType("int8", 0x10, 8, torch.int8),
+    ElementType("uint8", 0x11, 8, torch.uint8),
+    ElementType("int16", 0x12, 16, torch.int16),
+    ElementType("uint16", 0x13, 16, torch.uint16),
+    ElementType("int32", 0x14, 32, torch.int32),
+    ElementType("uint32", 0x15, 32, torch.uint32),
+    ElementType("int64", 0x16, 64, torch.int64),
+    ElementType("uint64", 0x17, 64, torch.uint64),
+    ElementType("bool", 0x20, 1, None),
+    ElementType("complex64", 0x50, 64, torch.complex64),
+    ElementType("complex128", 0x51, 128, torch.complex128),
+    ElementType("int4", 0x48, 4, None),
+    ElementType("uint4", 0x49, 4, None),
+    ElementType("int2", 0x4A, 2, None),
+    ElementType("uint2", 0x4B, 2, None),
+    ElementType("float8_e4m3", 0x40, 8, torch.float8_e4m3fn),
+    ElementType("float8_e5m2", 0x41, 8, torch.float8_e5m2),
+    ElementType("float8_e8m0", 0x42, 8, getattr(torch, "float8_e8m0fnu", None)),
+    ElementType("float4_e2m1", 0x43, 4, None),
+    ElementType("float6_e2m3", 0x44, 6, None),
+    ElementType("float6_e3m2", 0x45, 6, None),
+    ElementType("float128", 0x46, 128, None),
+)
+_BY_TAG = {t.tag: t for t in _TYPES}
+_BY_NAME = {t.name: t for t in _TYPES}
+_BY_TORCH = {t.torch: t for t in _TYPES if t.torch is not None}
+
+
+def from_tag(tag: int) -> ElementType:
+    """The element type for a wire ``type_tag``; unknown tags raise."""
+    try:
+        return _BY_TAG[tag]
+    except KeyError:
+        raise HurrayFormatError("type_tag", f"unknown element type tag 0x{tag:02X}") from None
+
+
+def is_known_tag(tag: int) -> bool:
+    return tag in _BY_TAG
+
+
+def element_type(name: str) -> ElementType:
+    """The element type called ``name`` (``"bfloat16"``, ``"float8_e4m3"``...)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise HurrayFormatError("type_tag", f"unknown element type name {name!r}") from None
+
+
+def from_torch(dtype: torch.dtype) -> ElementType:
+    """The Hurray element type that stores ``dtype`` bit for bit."""
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise HurrayFormatError("type_tag", f"torch dtype {dtype} has no Hurray element type") from None
+
+
+def torch_dtype(tag: int) -> torch.dtype:
+    """The torch dtype for a wire ``type_tag``; raises for types torch cannot hold."""
+    et = from_tag(tag)
+    if et.torch is None:
+        raise HurrayFormatError("type_tag", f"element type {et.name} has no torch dtype")
+    return et.torch

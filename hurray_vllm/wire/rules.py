@@ -1,0 +1,509 @@
+"""Every rule of the block-paged layout (and the descriptor rules around it).
+
+Rules come in two strengths. *Structural* rules protect the reader itself
+(a page pool whose byte size does not match its shape cannot be viewed as a
+tensor), so they hold in every mode. The others are the spec's MUSTs and
+SHOULDs that a permissive reader may waive (``block-paged.md`` § Storage
+Invariants: "...MUST reject descriptors that violate them, unless operating
+in permissive mode"): reserved bytes, unknown roles and tags, seq_ptr
+ordering, a shard section, quantization placement.
+
+Page ids are bounds-checked in both modes whenever the block table is at
+hand (``block_table.page_id`` is structural): only the record-level tools
+(``inspect``, ``convert``) carry such a table along, without reading through it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import HurrayFormatError, Violation
+from . import dtypes
+from .descriptor import (
+    KV_ROLES,
+    LAYOUT_BLOCK_PAGED,
+    LAYOUT_COMPOSITE,
+    PerBlockAffine,
+    PerChannelAffine,
+    PerTensorAffine,
+    RawQuantization,
+    TensorDescriptor,
+    decode_descriptor,
+)
+
+__all__ = ["Checked", "validate_descriptor", "validate_index_buffers", "raise_if", "check_own", "decode_checked"]
+
+_STRUCTURAL = frozenset(
+    {
+        "rank",
+        "page_size",
+        "buffer_count",
+        "page_pool.byte_size",
+        "block_table.byte_size",
+        "seq_ptr.byte_size",
+        "quantization.buffer_index",
+        "quantization.scales.byte_size",
+        "quantization.zero_points.byte_size",
+        "block_table.page_id",
+        "seq_ptr.last",
+        "seq_lens.count",
+        "seq_lens.pages",
+        "seq_lens.total",
+        "shape.total_tokens",
+        "type_tag",
+        "composite.buffer_count",
+    }
+)
+
+
+# Valid storage types per scheme (quantization/*.md § Valid Storage Types).
+_BLOCK_STORAGE = frozenset({0x10, 0x11, 0x48, 0x49, 0x4A, 0x4B})
+_AFFINE_STORAGE = _BLOCK_STORAGE | {0x12, 0x13, 0x14, 0x15}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """Result of validation: every violation found, and whether it blocks.
+
+    ``unreadable`` holds what stopped parsing altogether (bad magic,
+    truncation, a corrupt index); it blocks in every mode.
+    """
+
+    violations: tuple[Violation, ...]
+    permissive: bool
+    unreadable: tuple[Violation, ...] = ()
+
+    @property
+    def errors(self) -> tuple[Violation, ...]:
+        if not self.permissive:
+            return self.violations + self.unreadable
+        return tuple(v for v in self.violations if v.invariant in _STRUCTURAL) + self.unreadable
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def raise_if(checked: Checked, context: str = "") -> None:
+    """Raise :class:`HurrayFormatError` if ``checked`` has blocking violations."""
+    if checked.errors:
+        raise HurrayFormatError.from_violations(checked.errors, context)
+
+
+# Readers meet the same descriptor bytes again and again: layer i of every chunk file a
+# connector loads, every layer of a stream but for its index. Decoding them and checking a
+# descriptor's own rules are pure functions of those bytes, so both are remembered (a few
+# hundred bytes per entry, bounded); the buffers are still checked every time.
+@functools.lru_cache(maxsize=1024)
+def _decode_and_check(raw: bytes, permissive: bool) -> tuple[TensorDescriptor, Checked]:
+    d = decode_descriptor(raw)
+    return d, validate_descriptor(d, permissive=permissive)
+
+
+#: The verdicts decode_checked reached, by the identity of the descriptor it returned, so
+#: that check_own on that object (from_wire does it) costs a lookup. Each entry holds its
+#: descriptor, so an id cannot be reused while the entry lives; cleared when it grows.
+_BY_ID: dict[tuple[int, bool], tuple[TensorDescriptor, Checked]] = {}
+
+
+def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
+    """``validate_descriptor(d)`` without buffers; free for a descriptor :func:`decode_checked` returned."""
+    hit = _BY_ID.get((id(d), permissive))
+    if hit is not None and hit[0] is d:
+        return hit[1]
+    return validate_descriptor(d, permissive=permissive)
+
+
+def decode_checked(raw: bytes | bytearray | memoryview, context: str, *, permissive: bool = False) -> TensorDescriptor:
+    """Decode ``raw`` and raise :class:`HurrayFormatError` (naming ``context``) if it breaks a blocking rule."""
+    d, checked = _decode_and_check(bytes(raw), permissive)
+    if len(_BY_ID) >= 4096:
+        _BY_ID.clear()
+    _BY_ID[id(d), permissive] = (d, checked)
+    raise_if(checked, context)
+    return d
+
+
+def _common(d: TensorDescriptor, out: list[Violation]) -> None:
+    if d.reserved_flags:
+        out.append(Violation("flags.reserved", f"reserved flag bits set: 0x{d.reserved_flags:08X}"))
+    ext_range = 0xF0 <= d.type_tag <= 0xFE
+    if ext_range != (d.extension_type is not None):
+        out.append(
+            Violation("flags.extension_type", "HAS_EXTENSION_TYPE must be set exactly when type_tag is 0xF0-0xFE")
+        )
+    if not ext_range and not dtypes.is_known_tag(d.type_tag) and d.layout_tag != LAYOUT_COMPOSITE:
+        out.append(Violation("type_tag", f"unknown element type tag 0x{d.type_tag:02X}"))
+    for i, b in enumerate(d.buffers):
+        if b.alignment == 0 or b.alignment & (b.alignment - 1) or (b.byte_size and b.alignment < 64):
+            out.append(
+                Violation("buffers.alignment", f"buffer {i} alignment {b.alignment} is not a power of two >= 64")
+            )
+        if b.reserved:
+            out.append(Violation("buffers.reserved", f"buffer {i} reserved byte is 0x{b.reserved:02X}, must be 0"))
+        if b.sync_mode > 0x02:
+            out.append(Violation("buffers.sync_mode", f"buffer {i} sync_mode 0x{b.sync_mode:02X} is not 0, 1 or 2"))
+        if b.memory_class > 0x03:
+            out.append(Violation("buffers.memory_class", f"buffer {i} memory_class 0x{b.memory_class:02X} is reserved"))
+    if d.buffers:
+        if len({b.device_tag for b in d.buffers}) > 1:
+            out.append(Violation("buffers.device_tag", "all buffers of one descriptor must share one device_tag"))
+        if len({b.memory_class for b in d.buffers}) > 1:
+            out.append(Violation("buffers.memory_class", "all buffers of one descriptor must share one memory_class"))
+    if d.composite_member is not None and d.layout_tag != LAYOUT_COMPOSITE:
+        role = d.composite_member[0]
+        if role > 1 or any(d.composite_member[1:]):
+            out.append(Violation("composite_member", "member_role must be 0 or 1 with zero reserved bytes"))
+    if d.statistics is not None:
+        mask = int.from_bytes(d.statistics[:4], "little")
+        if mask >> 6:
+            out.append(Violation("statistics.computed_mask", f"reserved bits set in 0x{mask:08X}"))
+
+
+def _composite(d: TensorDescriptor, out: list[Violation]) -> None:
+    c = d.composite
+    assert c is not None
+    if d.buffers:
+        out.append(Violation("composite.buffer_count", f"a composite head owns no buffers, found {len(d.buffers)}"))
+    if d.byte_offset:
+        out.append(Violation("byte_offset", "a composite head's byte_offset must be 0"))
+    if c.rule_tag not in (1, 2, 3):
+        out.append(Violation("composite.rule", f"unknown composition_rule 0x{c.rule_tag:02X}"))
+    elif c.rule_tag == 2 and c.combine_op not in (1, 2):
+        out.append(Violation("composite.combine_op", f"overlay needs combine_op 1 or 2, found {c.combine_op}"))
+    elif c.rule_tag != 2 and c.combine_op:
+        out.append(Violation("composite.combine_op", f"combine_op must be 0 for {c.rule}, found {c.combine_op}"))
+    if any(c.reserved):
+        out.append(Violation("composite.reserved", "reserved bytes must be zero"))
+    if c.member_count == 0xFFFFFFFF:
+        out.append(Violation("composite.member_count", "open composites (0xFFFFFFFF) are reserved"))
+    if c.rule_tag == 2 and c.member_count == 0:
+        out.append(Violation("composite.member_count", "an overlay needs at least its base member"))
+    if d.quantization is not None:
+        out.append(Violation("composite.quantization", "a composite head holds no data and cannot be quantized"))
+    if d.composite_member is not None:
+        out.append(Violation("composite.member_section", "a composite head must not carry a Composite Member section"))
+
+
+def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
+    bp = d.block_paged
+    assert bp is not None
+    q = d.quantization
+    if q is None:
+        if len(d.buffers) != 3 and len(d.buffers) >= 3:
+            out.append(Violation("buffer_count", f"unquantized block-paged tensor has {len(d.buffers)} buffers, not 3"))
+        return
+    if isinstance(q, RawQuantization):
+        tag = q.scheme_tag
+        if tag in (0x00, 0xFF) or 0x60 <= tag <= 0xEF:
+            out.append(Violation("quantization.scheme_tag", f"scheme tag 0x{tag:02X} is reserved or invalid"))
+        else:
+            out.append(Violation("quantization.scheme_tag", f"unsupported quantization scheme 0x{tag:02X}"))
+        return
+    if q.scheme_version > 1:
+        out.append(Violation("quantization.scheme_version", f"version {q.scheme_version} is newer than 1"))
+    allowed = _BLOCK_STORAGE if isinstance(q, PerBlockAffine) else _AFFINE_STORAGE
+    if d.type_tag not in allowed:
+        out.append(
+            Violation(
+                "quantization.storage_type",
+                f"type tag 0x{d.type_tag:02X} is not an integer storage type this scheme admits "
+                "(fp8 caches travel unquantized with their scales beside them; see docs/format.md)",
+            )
+        )
+    if isinstance(q, PerTensorAffine):
+        if not math.isfinite(q.scale) or q.scale == 0:
+            out.append(Violation("quantization.scale", f"per-tensor scale must be finite and non-zero, got {q.scale}"))
+        if q.flags or any(q.reserved):
+            out.append(Violation("quantization.reserved", "per-tensor flags and reserved bytes must be zero"))
+        if len(d.buffers) != 3:
+            out.append(Violation("buffer_count", "per-tensor quantization keeps its parameters inline: 3 buffers"))
+        return
+    if q.flags is not None and q.flags & ~1:
+        out.append(Violation("quantization.flags", f"reserved scheme flag bits set: 0x{q.flags:04X}"))
+    if any(q.reserved):
+        out.append(Violation("quantization.reserved", "reserved bytes must be zero"))
+    if q.flags is not None and bool(q.flags & 1) != q.symmetric:
+        out.append(
+            Violation("quantization.flags", "SYMMETRIC must be set exactly when zero_point_buffer_index is 0xFFFFFFFF")
+        )
+    indices = [q.scale_buffer_index] + ([] if q.zero_point_buffer_index is None else [q.zero_point_buffer_index])
+    for idx in indices:
+        if idx < 3 or idx >= len(d.buffers):
+            out.append(
+                Violation(
+                    "quantization.buffer_index",
+                    f"parameter buffer index {idx} must name one of buffers 3..{len(d.buffers) - 1}",
+                )
+            )
+            return
+    if isinstance(q, PerChannelAffine):
+        if q.axis == 0:
+            out.append(Violation("quantization.axis", "per-channel quantization must not use the paged axis 0"))
+        if q.axis >= d.rank:
+            out.append(Violation("quantization.axis", f"axis {q.axis} >= rank {d.rank}"))
+            return
+        if q.scale_type_tag != 0x03:
+            out.append(Violation("quantization.scale_type", "per-channel scales must be float32 (0x03)"))
+        entries = d.shape[q.axis]
+        scale_bytes = 4
+    else:
+        assert isinstance(q, PerBlockAffine)
+        if q.axis != 0:
+            out.append(
+                Violation("quantization.axis", f"per-block-affine on a block-paged tensor needs axis 0, got {q.axis}")
+            )
+        if q.block_size != bp.page_size:
+            out.append(
+                Violation(
+                    "quantization.block_size",
+                    f"per-block-affine block_size {q.block_size} must equal page_size {bp.page_size}",
+                )
+            )
+        if q.block_size < 2 or q.block_size & (q.block_size - 1):
+            out.append(Violation("quantization.block_size", f"block_size {q.block_size} must be a power of two >= 2"))
+        if q.scale_type_tag not in (0x01, 0x02, 0x03):
+            out.append(Violation("quantization.scale_type", f"scale type 0x{q.scale_type_tag:02X} not allowed"))
+            return
+        entries = bp.num_pages * bp.page_size
+        scale_bytes = 4 if q.scale_type_tag == 0x03 else 2
+    want = entries * scale_bytes
+    zp_want = entries * 4  # zero points are int32 whatever the storage type
+    if q.zero_point_buffer_index == q.scale_buffer_index:
+        if d.buffers[q.scale_buffer_index].byte_size != want + zp_want:
+            out.append(Violation("quantization.scales.byte_size", "shared scale/zero-point buffer has the wrong size"))
+        return
+    if d.buffers[q.scale_buffer_index].byte_size != want:
+        out.append(
+            Violation(
+                "quantization.scales.byte_size",
+                f"scales buffer holds {d.buffers[q.scale_buffer_index].byte_size} bytes; "
+                f"{entries} entries of {scale_bytes} bytes need {want}",
+            )
+        )
+    if q.zero_point_buffer_index is not None and d.buffers[q.zero_point_buffer_index].byte_size != zp_want:
+        out.append(
+            Violation(
+                "quantization.zero_points.byte_size", f"zero-point buffer must hold {entries} int32 = {zp_want} bytes"
+            )
+        )
+    expected_count = 3 + len(set(indices))
+    if len(d.buffers) != expected_count:
+        out.append(Violation("buffer_count", f"expected {expected_count} buffers, found {len(d.buffers)}"))
+
+
+def _block_paged(d: TensorDescriptor, out: list[Violation]) -> None:
+    bp = d.block_paged
+    assert bp is not None
+    if d.rank != 3:
+        out.append(Violation("rank", f"a block-paged tensor has rank 3 [tokens, heads, head_dim], found {d.rank}"))
+    if bp.paged_axis != 0:
+        out.append(Violation("paged_axis", f"paged_axis must be 0, found {bp.paged_axis}"))
+    if bp.page_size == 0:
+        out.append(Violation("page_size", "page_size must be positive"))
+    if d.byte_offset != 0:
+        out.append(Violation("byte_offset", f"block-paged byte_offset must be 0, found {d.byte_offset}"))
+    if any(bp.reserved):
+        out.append(Violation("block_paged.reserved", f"reserved bytes must be zero, found {bp.reserved.hex()}"))
+    if d.shard is not None:
+        out.append(Violation("shard", "a block-paged tensor must not carry a shard section"))
+    if bp.kv_role_tag not in KV_ROLES:
+        out.append(Violation("kv_role", f"unknown kv_role 0x{bp.kv_role_tag:02X}"))
+    if bp.index_type_tag not in (0, 1):
+        out.append(Violation("block_table_index_type", f"unknown index type 0x{bp.index_type_tag:02X}"))
+    if bp.index_type_tag == 0 and bp.num_pages > 0xFFFFFFFF:
+        out.append(
+            Violation("block_table_index_type", f"uint32 page ids cannot address {bp.num_pages} pages; use uint64")
+        )
+    if len(d.buffers) < 3:
+        out.append(Violation("buffer_count", f"block-paged needs at least 3 buffers, found {len(d.buffers)}"))
+        return
+    if d.rank == 3 and dtypes.is_known_tag(d.type_tag):
+        et = dtypes.from_tag(d.type_tag)
+        want = et.nbytes(bp.num_pages * bp.page_size * d.shape[1] * d.shape[2])
+        if d.buffers[0].byte_size != want:
+            out.append(
+                Violation(
+                    "page_pool.byte_size",
+                    f"page_pool holds {d.buffers[0].byte_size} bytes; num_pages*page_size*heads*head_dim "
+                    f"= {bp.num_pages}*{bp.page_size}*{d.shape[1]}*{d.shape[2]} {et.name} needs {want}",
+                )
+            )
+    ib = bp.index_bytes
+    if d.buffers[1].byte_size % ib:
+        out.append(Violation("block_table.byte_size", f"{d.buffers[1].byte_size} bytes is not a multiple of {ib}"))
+    if d.buffers[2].byte_size != (bp.num_seqs + 1) * ib:
+        out.append(
+            Violation(
+                "seq_ptr.byte_size",
+                f"seq_ptr holds {d.buffers[2].byte_size} bytes; num_seqs+1 = {bp.num_seqs + 1} entries need "
+                f"{(bp.num_seqs + 1) * ib}",
+            )
+        )
+    if d.rank == 3 and bp.page_size and d.buffers[1].byte_size % ib == 0:
+        logical = d.buffers[1].byte_size // ib
+        if d.shape[0] > logical * bp.page_size:
+            out.append(
+                Violation(
+                    "shape.total_tokens",
+                    f"shape[0] = {d.shape[0]} tokens do not fit in {logical} logical pages of {bp.page_size}",
+                )
+            )
+    _quant_sizes(d, out)
+
+
+_SMALL = 4096  # index entries below which validate_index_buffers works on Python lists
+
+
+def _index_lists(
+    d: TensorDescriptor, table: list[int], ptr: list[int], lens: list[int] | None, out: list[Violation]
+) -> None:
+    """:func:`validate_index_buffers` on lists, with the same violations and messages."""
+    bp = d.block_paged
+    assert bp is not None
+    if ptr and ptr[0] != 0:
+        out.append(Violation("seq_ptr.first", f"seq_ptr[0] must be 0, found {ptr[0]}"))
+    for s in range(len(ptr) - 1):
+        if ptr[s + 1] < ptr[s]:
+            out.append(
+                Violation("seq_ptr.non_decreasing", f"seq_ptr decreases at sequence {s}: {ptr[s]} > {ptr[s + 1]}")
+            )
+            break
+    if ptr[-1] != len(table):
+        out.append(
+            Violation("seq_ptr.last", f"seq_ptr[num_seqs] = {ptr[-1]} but the block table has {len(table)} entries")
+        )
+    for k, page in enumerate(table):
+        if page < 0 or page >= bp.num_pages:
+            out.append(
+                Violation(
+                    "block_table.page_id", f"block_table[{k}] = {page} is outside the pool of {bp.num_pages} pages"
+                )
+            )
+            break
+    if lens is None:
+        return
+    if len(lens) != bp.num_seqs:
+        out.append(Violation("seq_lens.count", f"{len(lens)} sequence lengths for {bp.num_seqs} sequences"))
+        return
+    if bp.num_seqs == 0:
+        if d.rank and d.shape[0] != 0:
+            out.append(Violation("seq_lens.total", f"an empty batch has 0 tokens, shape[0] = {d.shape[0]}"))
+        return
+    if any(n < 0 for n in lens):
+        out.append(Violation("seq_lens.pages", "sequence lengths must be non-negative"))
+        return
+    if bp.page_size:
+        for s, n in enumerate(lens):
+            need, have = (n + bp.page_size - 1) // bp.page_size, ptr[s + 1] - ptr[s]
+            if need != have:
+                out.append(
+                    Violation(
+                        "seq_lens.pages",
+                        f"sequence {s} has {n} tokens (needs {need} pages of {bp.page_size}) "
+                        f"but seq_ptr gives it {have}",
+                    )
+                )
+                break
+    if d.rank and sum(lens) != d.shape[0]:
+        out.append(Violation("seq_lens.total", f"sequence lengths sum to {sum(lens)}, shape[0] is {d.shape[0]}"))
+
+
+def validate_index_buffers(
+    d: TensorDescriptor,
+    block_table: torch.Tensor,
+    seq_ptr: torch.Tensor,
+    seq_lens: torch.Tensor | None,
+    out: list[Violation],
+) -> None:
+    """Storage invariants (1)-(3) on the index buffers, and seq_lens against them."""
+    bp = d.block_paged
+    assert bp is not None
+    if seq_ptr.numel() != bp.num_seqs + 1:
+        return  # already reported as seq_ptr.byte_size
+    small = block_table.numel() + seq_ptr.numel() + (seq_lens.numel() if seq_lens is not None else 0) <= _SMALL
+    if small and all(t.device.type == "cpu" for t in (block_table, seq_ptr) if t is not None):
+        # A chunk or a small batch: the same checks on Python ints are several
+        # times faster than a dozen tiny torch ops (loading a chunk runs 16 of these).
+        _index_lists(d, block_table.tolist(), seq_ptr.tolist(), None if seq_lens is None else seq_lens.tolist(), out)
+        return
+    if seq_ptr.numel() and int(seq_ptr[0]) != 0:
+        out.append(Violation("seq_ptr.first", f"seq_ptr[0] must be 0, found {int(seq_ptr[0])}"))
+    if seq_ptr.numel() > 1 and bool((seq_ptr[1:] < seq_ptr[:-1]).any()):
+        s = int(torch.nonzero(seq_ptr[1:] < seq_ptr[:-1])[0, 0])
+        out.append(
+            Violation(
+                "seq_ptr.non_decreasing",
+                f"seq_ptr decreases at sequence {s}: {int(seq_ptr[s])} > {int(seq_ptr[s + 1])}",
+            )
+        )
+    if int(seq_ptr[-1]) != block_table.numel():
+        out.append(
+            Violation(
+                "seq_ptr.last",
+                f"seq_ptr[num_seqs] = {int(seq_ptr[-1])} but the block table has {block_table.numel()} entries",
+            )
+        )
+    if block_table.numel():
+        bad = (block_table < 0) | (block_table >= bp.num_pages)
+        if bool(bad.any()):
+            k = int(torch.nonzero(bad)[0, 0])
+            out.append(
+                Violation(
+                    "block_table.page_id",
+                    f"block_table[{k}] = {int(block_table[k])} is outside the pool of {bp.num_pages} pages",
+                )
+            )
+    if seq_lens is None:
+        return
+    if seq_lens.numel() != bp.num_seqs:
+        out.append(Violation("seq_lens.count", f"{seq_lens.numel()} sequence lengths for {bp.num_seqs} sequences"))
+        return
+    if bp.num_seqs == 0:
+        if d.rank and d.shape[0] != 0:
+            out.append(Violation("seq_lens.total", f"an empty batch has 0 tokens, shape[0] = {d.shape[0]}"))
+        return
+    if bool((seq_lens < 0).any()):
+        out.append(Violation("seq_lens.pages", "sequence lengths must be non-negative"))
+        return
+    if bp.page_size:
+        need = (seq_lens + bp.page_size - 1) // bp.page_size
+        have = seq_ptr[1:] - seq_ptr[:-1]
+        if not torch.equal(need, have):
+            s = int(torch.nonzero(need != have)[0, 0])
+            out.append(
+                Violation(
+                    "seq_lens.pages",
+                    f"sequence {s} has {int(seq_lens[s])} tokens (needs {int(need[s])} pages of "
+                    f"{bp.page_size}) but seq_ptr gives it {int(have[s])}",
+                )
+            )
+    if d.rank and int(seq_lens.sum()) != d.shape[0]:
+        out.append(
+            Violation("seq_lens.total", f"sequence lengths sum to {int(seq_lens.sum())}, shape[0] is {d.shape[0]}")
+        )
+
+
+def validate_descriptor(
+    d: TensorDescriptor,
+    *,
+    block_table: torch.Tensor | None = None,
+    seq_ptr: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    permissive: bool = False,
+) -> Checked:
+    """Check ``d`` (and, when given, its index buffers and sequence lengths)."""
+    out: list[Violation] = []
+    _common(d, out)
+    if d.layout_tag == LAYOUT_COMPOSITE:
+        _composite(d, out)
+    elif d.layout_tag == LAYOUT_BLOCK_PAGED:
+        _block_paged(d, out)
+        sizes_ok = not any(v.invariant.endswith("byte_size") or v.invariant == "buffer_count" for v in out)
+        if block_table is not None and seq_ptr is not None and sizes_ok:
+            validate_index_buffers(d, block_table, seq_ptr, seq_lens, out)
+    return Checked(tuple(out), permissive)

@@ -1,0 +1,539 @@
+"""flash-attn importer: attention over imported, repaged pages equals attention over the original K/V.
+
+Everything here runs on the CPU: :func:`hurray_vllm.adapters.reference.paged_attention`
+stands in for the kernel (``tests/test_gpu_kernels_flash_attn.py`` checks the
+kernels against it on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from synthetic import FP8, make_snapshot
+
+import hurray_vllm as hv
+from hurray_vllm.adapters.flash_attn import (
+    FLAVORS,
+    FlashAttnCache,
+    FlashAttnUnavailableError,
+    Flavor,
+    check_flash_attn_args,
+    flash_attn_with_kvcache,
+    plan_flash_attn,
+    to_flash_attn,
+    to_flash_attn_all,
+)
+from hurray_vllm.adapters.reference import dense_attention, paged_attention
+
+FLAVOR_NAMES: list[Flavor] = ["fa2", "fa3", "vllm"]
+
+#: Page sizes each flavor accepts, to draw targets from (the source's own size is added when it fits).
+TARGETS = {"fa2": [256, 512], "fa3": [7, 48, 100, 256], "vllm": [16, 48, 256]}
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[list[int], list[int], int]:
+    """(seq_lens, shared leading pages with the previous sequence, source page size)."""
+    page = draw(st.sampled_from([16, 32, 48, 128, 256]))
+    n = draw(st.integers(1, 4))
+    lens: list[int] = []
+    shares: list[int] = []
+    for i in range(n):
+        if i and draw(st.booleans()) and draw(st.booleans()):
+            # An exact duplicate: its partly filled last page is shared too.
+            lens.append(lens[-1])
+            shares.append(10**6)
+            continue
+        lens.append(draw(st.integers(0, min(3 * page, 600))))
+        shares.append(draw(st.integers(0, 3)))
+    return lens, shares, page
+
+
+def reference_values(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What the cache holds for original values ``x``, as the float32 the kernel computes with."""
+    if x.dtype in FP8:
+        real = x.float() * scale
+        return real if cache_dtype in FP8 else real.to(cache_dtype).float()
+    return x.to(cache_dtype).float()
+
+
+# ── attention over imported caches equals dense attention over the source ──
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.data())
+def test_imported_attention_matches_dense(batch: tuple[list[int], list[int], int], data: st.DataObject) -> None:
+    lens, shares, src_page = batch
+    flavor: Flavor = data.draw(st.sampled_from(FLAVOR_NAMES))
+    targets = TARGETS[flavor] + ([src_page] if src_page % FLAVORS[flavor].page_multiple == 0 else [])
+    page = data.draw(st.sampled_from(targets))
+    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16, *FP8]))
+    # fa3 takes e4m3 as stored, with head_dim a multiple of 16.
+    dim = 16 if (flavor == "fa3" and dtype == torch.float8_e4m3fn) else data.draw(st.sampled_from([8, 16]))
+    heads_k = data.draw(st.integers(1, 2))
+    n_new = data.draw(st.integers(0, 5))
+    seqlen_q = data.draw(st.sampled_from([1, 2, 4]))
+    reserve = n_new + data.draw(st.integers(0, 2))
+    snap = make_snapshot(
+        lens, shares, src_page, heads=heads_k, dim=dim, dtype=dtype, seed=data.draw(st.integers(0, 999))
+    )
+
+    caches = to_flash_attn_all(snap, page_size=page, flavor=flavor, reserve=reserve)
+    layer = data.draw(st.integers(0, snap.num_layers - 1))
+    cache = caches[layer]
+    assert all(c.block_table is caches[0].block_table for c in caches)
+    passthrough = flavor == "fa3" and dtype == torch.float8_e4m3fn
+    cdtype = dtype if passthrough or dtype not in FP8 else torch.bfloat16
+    assert cache.k_cache.dtype == cdtype and cache.page_size == page
+    assert cache.block_table.dtype == torch.int32 and cache.block_table.is_contiguous()
+    assert cache.cache_seqlens.dtype == torch.int32 and cache.cache_seqlens.tolist() == lens
+    assert cache.capacity >= max(lens) + reserve
+    assert (cache.k_descale is not None) == passthrough
+
+    gen = torch.Generator().manual_seed(7)
+    batch_size, heads = len(lens), 2 * heads_k
+    q = torch.randn((batch_size, seqlen_q, heads, dim), generator=gen).to(cdtype)
+    k_new = torch.randn((batch_size, n_new, heads_k, dim), generator=gen).to(cdtype) if n_new else None
+    v_new = torch.randn((batch_size, n_new, heads_k, dim), generator=gen).to(cdtype) if n_new else None
+    q_descale = torch.rand((batch_size, heads_k), generator=gen) + 0.5 if passthrough else None
+    check_flash_attn_args(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.cache_seqlens,
+        cache.block_table,
+        flavor=flavor,
+        k=k_new,
+        v=v_new,
+        q_descale=q_descale,
+        k_descale=cache.k_descale,
+        v_descale=cache.v_descale,
+    )
+    out = paged_attention(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cache.cache_seqlens,
+        cache.block_table,
+        k=k_new,
+        v=v_new,
+        q_descale=q_descale,
+        k_descale=cache.k_descale,
+        v_descale=cache.v_descale,
+    )
+    assert out.dtype == (torch.bfloat16 if passthrough else cdtype)
+
+    k_scale, v_scale = snap.kv_scales[layer] if snap.kv_scales else (1.0, 1.0)
+    for b in range(batch_size):
+        keys = reference_values(snap.keys[layer].to_dense(b), k_scale, cdtype)
+        values = reference_values(snap.values[layer].to_dense(b), v_scale, cdtype)
+        if k_new is not None and v_new is not None:
+            keys = torch.cat([keys, k_new[b].float() * (k_scale if passthrough else 1.0)])
+            values = torch.cat([values, v_new[b].float() * (v_scale if passthrough else 1.0)])
+        qb = q[b].float()
+        if q_descale is not None:
+            qb = qb * q_descale[b].repeat_interleave(heads // heads_k)[None, :, None]
+        want = dense_attention(qb, keys, values, True)
+        torch.testing.assert_close(out[b].float(), want, atol=2e-2, rtol=2e-2)
+
+    # The appended tokens are in the cache, and no sequence's append landed in another's pages.
+    after = cache.advance(n_new)
+    again = paged_attention(
+        q,
+        after.k_cache,
+        after.v_cache,
+        after.cache_seqlens,
+        after.block_table,
+        q_descale=q_descale,
+        k_descale=after.k_descale,
+        v_descale=after.v_descale,
+    )
+    torch.testing.assert_close(again.float(), out.float(), atol=1e-3, rtol=1e-3)
+
+
+# ── the importer's structure ─────────────────────────────────────────────────
+
+
+def shared_tail_snapshot() -> hv.KVSnapshot:
+    """Two sequences of 6 tokens over pages of 4, both reading pages [0, 1]: page 1 is a shared, partial tail."""
+    return make_snapshot([6, 6, 9], [0, 10, 1], 4, heads=1, dim=8, layers=1, seed=3)
+
+
+def test_padding_is_page_zero_and_every_id_is_valid() -> None:
+    snap = make_snapshot([3, 700, 0, 300], [0, 1, 0, 0], 16, layers=1)
+    cache = to_flash_attn(snap, 0)
+    table = cache.block_table
+    assert table.shape == (4, 3)
+    assert int(table.min()) >= 0 and int(table.max()) < cache.num_blocks
+    assert table[0, 1:].tolist() == [0, 0] and table[2].tolist() == [0, 0, 0]
+
+
+def test_all_empty_sequences_still_have_a_page() -> None:
+    snap = make_snapshot([0, 0], [0, 0], 16, layers=1, spare_pages=0)
+    cache = to_flash_attn(snap, 0, flavor="vllm", page_size=16)
+    assert cache.num_blocks == 1 and cache.block_table.tolist() == [[0], [0]]
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    check_flash_attn_args(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table, flavor="vllm")
+    out = paged_attention(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+    assert not out.any()
+
+
+def test_reserve_gives_shared_tails_private_pages() -> None:
+    snap = shared_tail_snapshot()
+    shared = to_flash_attn(snap, 0, page_size=4, flavor="fa3")
+    assert shared.block_table[0, :2].tolist() == shared.block_table[1, :2].tolist()
+    cache = to_flash_attn(snap, 0, page_size=4, flavor="fa3", reserve=3)
+    rows = cache.block_table.tolist()
+    assert rows[0][0] == rows[1][0]  # the full page stays shared
+    assert len({rows[0][1], rows[1][1], rows[2][1]}) == 3  # the partial tail is not
+    before = snap.keys[0].page_pool.clone()
+    q = torch.randn(3, 1, 2, 8, dtype=torch.bfloat16)
+    k = torch.randn(3, 3, 1, 8, dtype=torch.bfloat16)
+    args = (q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+    check_flash_attn_args(*args, flavor="fa3", k=k, v=k)
+    paged_attention(*args, k=k, v=k)
+    assert torch.equal(snap.keys[0].page_pool, before), "appends must not write into the snapshot"
+
+
+def test_plan_is_reused_and_checked() -> None:
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=3)
+    plan = plan_flash_attn(snap, page_size=48, flavor="fa3", reserve=2)
+    caches = [to_flash_attn(snap, i, plan=plan) for i in range(snap.num_layers)]
+    assert all(c.page_size == 48 and c.flavor == "fa3" for c in caches)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn(snap, 0, plan=plan, page_size=256)
+    assert err.value.field == "plan"
+    other = make_snapshot([40], [0], 32, layers=1)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn(other, 0, plan=plan)
+    assert err.value.field == "plan"
+
+
+def test_same_page_size_and_dtype_is_zero_copy_unless_room_is_reserved() -> None:
+    snap = make_snapshot([40, 17], [0, 0], 48, layers=1)
+    cache = to_flash_attn(snap, 0, page_size=48, flavor="fa3")
+    assert cache.k_cache.data_ptr() == snap.keys[0].page_pool.data_ptr()
+    # Both tails have room for 2 more tokens: no page is added, but the pool is still copied.
+    roomy = to_flash_attn(snap, 0, page_size=48, flavor="fa3", reserve=2)
+    assert roomy.num_blocks == cache.num_blocks
+    assert roomy.k_cache.data_ptr() != snap.keys[0].page_pool.data_ptr()
+
+
+def test_importer_rejects_page_ids_outside_the_pool() -> None:
+    snap = make_snapshot([40, 17], [0, 0], 16, layers=1)
+    broken = replace(snap.keys[0], block_table=snap.keys[0].block_table + 100)
+    bad = hv.KVSnapshot(keys=(broken,), values=(replace(snap.values[0], block_table=broken.block_table),))
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn(bad, 0, page_size=16, flavor="vllm")
+    assert err.value.field == "block_table"
+
+
+def test_fp8_dequantized_for_fa2_and_passed_through_for_fa3() -> None:
+    snap = make_snapshot([300, 20], [0, 0], 256, dtype=torch.float8_e4m3fn, layers=2)
+    k_scale, v_scale = snap.kv_scales[1]  # type: ignore[index]
+    fa2 = to_flash_attn(snap, 1)
+    assert fa2.k_cache.dtype == torch.bfloat16 and fa2.k_descale is None
+    assert torch.equal(fa2.k_cache, (snap.keys[1].page_pool.float() * k_scale).to(torch.bfloat16))
+    half = to_flash_attn(snap, 1, dtype=torch.float16)
+    assert torch.equal(half.v_cache, (snap.values[1].page_pool.float() * v_scale).to(torch.float16))
+    fa3 = to_flash_attn(snap, 1, flavor="fa3")
+    assert fa3.k_cache.dtype == torch.float8_e4m3fn
+    assert fa3.k_descale is not None and fa3.v_descale is not None
+    assert fa3.k_descale.dtype == torch.float32 and fa3.k_descale.shape == (2, 2)
+    assert torch.all(fa3.k_descale == k_scale) and torch.all(fa3.v_descale == v_scale)
+    assert set(fa3.kwargs()) == {"cache_seqlens", "page_table", "k_descale", "v_descale"}
+    e5m2 = make_snapshot([30], [0], 16, dtype=torch.float8_e5m2, layers=1)
+    assert to_flash_attn(e5m2, 0, flavor="fa3").k_cache.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "dtype", "field"),
+    [
+        ({"flavor": "fa2", "page_size": 128}, torch.bfloat16, "page_size"),
+        ({"flavor": "vllm", "page_size": 24}, torch.bfloat16, "page_size"),
+        ({"flavor": "fa3", "page_size": 0}, torch.bfloat16, "page_size"),
+        ({"flavor": "fa4"}, torch.bfloat16, "flavor"),
+        ({}, torch.float32, "dtype"),
+        ({}, torch.int8, "dtype"),
+        ({"dtype": torch.float8_e4m3fn}, torch.bfloat16, "dtype"),
+        ({"flavor": "fa3", "dtype": torch.float8_e4m3fn}, torch.bfloat16, "dtype"),
+        ({"reserve": -1}, torch.bfloat16, "reserve"),
+    ],
+)
+def test_importer_rejects(kwargs: dict[str, object], dtype: torch.dtype, field: str) -> None:
+    snap = make_snapshot([20, 5], [0, 0], 16, dtype=dtype, layers=1)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn(snap, 0, **kwargs)  # type: ignore[arg-type]
+    assert err.value.field == field
+
+
+def test_importer_rejects_bad_layer_and_head_dim() -> None:
+    snap = make_snapshot([20], [0], 16, layers=1)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn(snap, 1)
+    assert err.value.field == "layer"
+    wide = make_snapshot([20], [0], 16, dim=264, layers=1)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn(wide, 0)
+    assert err.value.field == "head_dim"
+    odd = make_snapshot([20], [0], 16, dim=12, layers=1)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn(odd, 0, flavor="fa3")
+    assert err.value.field == "head_dim"
+    assert to_flash_attn(odd, 0, flavor="fa2").head_dim == 12  # FA2 pads odd head sizes itself
+
+
+# ── the contract checker ─────────────────────────────────────────────────────
+
+
+def valid_call(flavor: str = "fa2", dtype: torch.dtype = torch.bfloat16) -> dict[str, object]:
+    """A call check_flash_attn_args accepts: batch 2, 4 query heads over 2 KV heads, head_dim 16, 2 appends."""
+    page = 256 if flavor == "fa2" else 16
+    snap = make_snapshot([20, 300], [0, 0], 16, dtype=dtype, layers=1)
+    cache = to_flash_attn(snap, 0, page_size=page, flavor=flavor, reserve=2)  # type: ignore[arg-type]
+    cdtype = cache.k_cache.dtype
+    return {
+        "q": torch.randn(2, 2, 4, 16).to(cdtype),
+        "k_cache": cache.k_cache,
+        "v_cache": cache.v_cache,
+        "cache_seqlens": cache.cache_seqlens,
+        "block_table": cache.block_table,
+        "flavor": flavor,
+        "k": torch.randn(2, 2, 2, 16).to(cdtype),
+        "v": torch.randn(2, 2, 2, 16).to(cdtype),
+        "k_descale": cache.k_descale,
+        "v_descale": cache.v_descale,
+    }
+
+
+def strided_last(t: torch.Tensor) -> torch.Tensor:
+    wide = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype)
+    view = wide[..., ::2]
+    view.copy_(t)
+    return view
+
+
+def on_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def shared_write(c: dict[str, object]) -> None:
+    """Both sequences read sequence 1's pages, so both append into its partly filled last page."""
+    table = c["block_table"]
+    assert isinstance(table, torch.Tensor)
+    c["block_table"] = table[1].expand(2, -1).contiguous()
+    c["cache_seqlens"] = torch.tensor([300, 300], dtype=torch.int32)
+
+
+def narrow_head_dim(c: dict[str, object], dim: int) -> None:
+    for name in ("q", "k_cache", "v_cache", "k", "v"):
+        c[name] = c[name][..., :dim].contiguous()  # type: ignore[index]
+
+
+def _both_caches(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[str, object]], None]:
+    def mutate(c: dict[str, object]) -> None:
+        c["k_cache"] = fn(c["k_cache"])  # type: ignore[arg-type]
+        c["v_cache"] = fn(c["v_cache"])  # type: ignore[arg-type]
+
+    return mutate
+
+
+def _set(name: str, fn: Callable[[torch.Tensor], object]) -> Callable[[dict[str, object]], None]:
+    def mutate(c: dict[str, object]) -> None:
+        c[name] = fn(c[name])  # type: ignore[arg-type]
+
+    return mutate
+
+
+def _put(name: str, value: Callable[[], object]) -> Callable[[dict[str, object]], None]:
+    def mutate(c: dict[str, object]) -> None:
+        c[name] = value()
+
+    return mutate
+
+
+INVALID: list[tuple[str, str, Callable[[dict[str, object]], None], str]] = [
+    ("unknown flavor", "fa2", _put("flavor", lambda: "fa1"), "flavor"),
+    ("q rank", "fa2", _set("q", lambda t: t[0]), "q"),
+    ("q dtype", "fa2", _set("q", lambda t: t.float()), "q"),
+    ("q fp8 on fa2", "fa2", _set("q", lambda t: t.to(torch.float8_e4m3fn)), "q"),
+    ("e5m2 on fa3", "fa3", _set("q", lambda t: t.to(torch.float8_e5m2)), "q"),
+    ("empty batch", "fa2", _set("q", lambda t: t[:0]), "q"),
+    ("q strided", "fa2", _set("q", strided_last), "q"),
+    ("cache dtype", "fa2", _set("k_cache", lambda t: t.half()), "k_cache"),
+    ("cache rank", "fa2", _set("k_cache", lambda t: t.flatten(0, 1)), "k_cache"),
+    ("cache strided", "fa2", _set("v_cache", strided_last), "v_cache"),
+    ("k/v cache shapes", "fa2", _set("v_cache", lambda t: t[:-1]), "v_cache"),
+    ("head_dim mismatch", "fa2", _set("q", lambda t: t[..., :8].contiguous()), "k_cache"),
+    ("fa2 page 128", "fa2", _both_caches(lambda t: t[:, :128]), "k_cache"),
+    ("vllm page 8", "vllm", _both_caches(lambda t: t[:, :8]), "k_cache"),
+    ("heads not a multiple", "fa2", _set("q", lambda t: t[:, :, :3].contiguous()), "q"),
+    ("cache device", "fa2", _set("k_cache", on_meta), "k_cache"),
+    ("cache_batch_idx", "fa2", _put("cache_batch_idx", lambda: torch.arange(2, dtype=torch.int32)), "cache_batch_idx"),
+    ("cache_leftpad", "fa3", _put("cache_leftpad", lambda: torch.zeros(2, dtype=torch.int32)), "cache_leftpad"),
+    ("no block_table", "fa2", _put("block_table", lambda: None), "block_table"),
+    ("block_table int64", "fa2", _set("block_table", lambda t: t.long()), "block_table"),
+    ("block_table rows", "fa2", _set("block_table", lambda t: t[:1]), "block_table"),
+    ("block_table strided", "fa2", _set("block_table", strided_last), "block_table"),
+    ("page id too large", "fa2", _set("block_table", lambda t: t + 1000), "block_table"),
+    ("page id negative", "fa2", _set("block_table", lambda t: t - 1000), "block_table"),
+    ("append into a shared page", "vllm", shared_write, "block_table"),
+    ("no cache_seqlens", "fa2", _put("cache_seqlens", lambda: None), "cache_seqlens"),
+    ("cache_seqlens int64", "fa2", _set("cache_seqlens", lambda t: t.long()), "cache_seqlens"),
+    ("cache_seqlens shape", "fa2", _set("cache_seqlens", lambda t: t[None]), "cache_seqlens"),
+    ("cache_seqlens negative", "fa2", _set("cache_seqlens", lambda t: t - 1000), "cache_seqlens"),
+    ("over capacity", "fa2", _set("cache_seqlens", lambda t: t + 255), "cache_seqlens"),
+    ("k without v", "fa2", _put("v", lambda: None), "v"),
+    ("k dtype", "fa2", _set("k", lambda t: t.half()), "k"),
+    ("k heads", "fa2", _set("k", lambda t: t[:, :, :1].contiguous()), "k"),
+    ("v length", "fa2", _set("v", lambda t: t[:, :1]), "v"),
+    ("descale on fa2", "fa2", _put("k_descale", lambda: torch.ones(2, 2)), "k_descale"),
+    ("descale on 16-bit fa3", "fa3", _put("v_descale", lambda: torch.ones(2, 2)), "v_descale"),
+]
+
+INVALID_FP8: list[tuple[str, Callable[[dict[str, object]], None], str]] = [
+    ("descale shape", _set("k_descale", lambda t: t[:, :1]), "k_descale"),
+    ("descale dtype", _set("v_descale", lambda t: t.double()), "v_descale"),
+    ("fp8 head_dim 8", lambda c: narrow_head_dim(c, 8), "q"),
+]
+
+
+@pytest.mark.parametrize(("case", "flavor", "mutate", "field"), INVALID, ids=[c[0] for c in INVALID])
+def test_checker_rejects(case: str, flavor: str, mutate: Callable[[dict[str, object]], None], field: str) -> None:
+    call = valid_call(flavor)
+    check_flash_attn_args(**call)  # type: ignore[arg-type]
+    mutate(call)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        check_flash_attn_args(**call)  # type: ignore[arg-type]
+    assert err.value.field == field, (case, err.value)
+
+
+@pytest.mark.parametrize(("case", "mutate", "field"), INVALID_FP8, ids=[c[0] for c in INVALID_FP8])
+def test_checker_rejects_fp8(case: str, mutate: Callable[[dict[str, object]], None], field: str) -> None:
+    call = valid_call("fa3", torch.float8_e4m3fn)
+    call["q_descale"] = torch.ones(2, 2)
+    check_flash_attn_args(**call)  # type: ignore[arg-type]
+    mutate(call)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        check_flash_attn_args(**call)  # type: ignore[arg-type]
+    assert err.value.field == field, (case, err.value)
+
+
+def test_checker_ignores_padding_past_the_covered_pages() -> None:
+    call = valid_call("vllm")
+    table = call["block_table"]
+    assert isinstance(table, torch.Tensor)
+    padded = torch.full((2, table.shape[1] + 3), -7, dtype=torch.int32)
+    padded[:, : table.shape[1]] = table
+    padded[0, 2:] = 10**6  # sequence 0 covers 22 tokens: 2 pages of 16
+    call["block_table"] = padded
+    check_flash_attn_args(**call)  # type: ignore[arg-type]
+
+
+def test_checker_fa2_needs_seqlen_q_within_the_cache_with_appends() -> None:
+    call = valid_call("fa2")
+    call["q"] = torch.randn(2, 600, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        check_flash_attn_args(**call)  # type: ignore[arg-type]
+    assert err.value.field == "q"
+
+
+def test_wrapper_checks_then_points_to_the_reference_on_cpu() -> None:
+    snap = make_snapshot([20, 5], [0, 0], 16, layers=1)
+    cache = to_flash_attn(snap, 0)
+    with pytest.raises(hv.HurrayFormatError):
+        flash_attn_with_kvcache(torch.randn(2, 1, 4, 16), cache)  # float32 q
+    with pytest.raises(FlashAttnUnavailableError, match="paged_attention"):
+        flash_attn_with_kvcache(torch.randn(2, 1, 4, 16, dtype=torch.bfloat16), cache)
+    assert isinstance(cache.advance(2), FlashAttnCache)
+    assert cache.advance(2).cache_seqlens.tolist() == [22, 7]
+
+
+# ── the reference itself ─────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k"), [(1, 9), (3, 9), (9, 9)])
+def test_dense_attention_matches_sdpa_with_gqa(seqlen_q: int, seqlen_k: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn((seqlen_q, 6, 8), generator=gen)
+    k = torch.randn((seqlen_k, 2, 8), generator=gen)
+    v = torch.randn((seqlen_k, 2, 8), generator=gen)
+    mask = torch.arange(seqlen_k)[None, :] <= torch.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(dense_attention(q, k, v, True), want)
+
+
+def test_rows_that_see_no_key_are_zero() -> None:
+    q = torch.randn(5, 2, 8)
+    k = torch.randn(2, 1, 8)
+    out = dense_attention(q, k, k, True)
+    assert not out[:3].any() and out[3:].abs().sum() > 0
+    assert dense_attention(q, k[:0], k[:0], False).abs().sum() == 0
+
+
+def test_paged_attention_rejects_pages_outside_the_cache() -> None:
+    snap = make_snapshot([20, 5], [0, 0], 16, layers=1)
+    cache = to_flash_attn(snap, 0, page_size=16, flavor="vllm")
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    bad = replace(cache, block_table=cache.block_table.clone().fill_(99))
+    with pytest.raises(hv.HurrayFormatError) as err:
+        paged_attention(q, bad.k_cache, bad.v_cache, bad.cache_seqlens, bad.block_table)
+    assert err.value.field == "block_table"
+
+
+@settings(max_examples=40)
+@given(
+    flavor=st.sampled_from(FLAVOR_NAMES),
+    reserve=st.sampled_from([0, 3]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float8_e4m3fn]),
+    spare=st.integers(0, 2),
+    data=st.data(),
+)
+def test_import_into_preallocated_caches_equals_a_fresh_import(
+    flavor: Flavor, reserve: int, dtype: torch.dtype, spare: int, data: st.DataObject
+) -> None:
+    snap = make_snapshot([40, 17, 33], [0, 2, 1], 16, dtype=dtype, layers=2, seed=data.draw(st.integers(0, 99)))
+    page = data.draw(st.sampled_from(TARGETS[flavor]))
+    plan = plan_flash_attn(snap, page_size=page, flavor=flavor, reserve=reserve)
+    fresh = to_flash_attn_all(snap, page_size=page, flavor=flavor, reserve=reserve)
+    shape = (plan.num_blocks + spare, page, 2, 16)
+    pools = []
+    for f in fresh:
+        pair = (torch.empty(shape, dtype=f.k_cache.dtype), torch.empty(shape, dtype=f.k_cache.dtype))
+        for p in pair:
+            p.view(torch.uint8).fill_(0x5A)
+        pools.append(pair)
+    into = to_flash_attn_all(snap, page_size=page, flavor=flavor, reserve=reserve, out=pools)
+    for f, i, pair in zip(fresh, into, pools, strict=True):
+        assert i.k_cache is pair[0] and i.v_cache is pair[1]
+        for a, b in ((f.k_cache, i.k_cache), (f.v_cache, i.v_cache)):
+            assert torch.equal(a.view(torch.uint8), b[: plan.num_blocks].view(torch.uint8))
+            assert bool((b[plan.num_blocks :].view(torch.uint8) == 0x5A).all())
+        assert torch.equal(f.block_table, i.block_table)
+        assert (f.k_descale is None) == (i.k_descale is None)
+
+
+def test_import_into_refuses_caches_that_do_not_fit() -> None:
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=1)
+    plan = plan_flash_attn(snap, page_size=256)
+    good = torch.empty(plan.num_blocks, 256, 2, 16, dtype=torch.bfloat16)
+    cases = {
+        "out": ("not a pair", (good,)),
+        "out[0]": ("too few pages", (good[:0], good.clone())),
+        "out[1]": ("dtype", (good, good.half())),
+    }
+    for field, (why, out) in cases.items():
+        with pytest.raises(hv.HurrayFormatError) as err:
+            to_flash_attn(snap, 0, plan=plan, out=out)  # type: ignore[arg-type]
+        assert err.value.field == field, why
+    with pytest.raises(hv.HurrayFormatError) as err:
+        to_flash_attn_all(snap, out=[])
+    assert err.value.field == "out"

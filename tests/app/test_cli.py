@@ -1,0 +1,119 @@
+"""The hurray-vllm command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pyhurray_bridge import to_reference
+
+import hurray_vllm as hv
+from hurray_vllm.app.cli import main
+from hurray_vllm.app.demo import spec_example_snapshot
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> Path:
+    snap = spec_example_snapshot(num_layers=2)
+    hv.save(snap, tmp_path / "s.hrry")
+    hv.save(snap, tmp_path / "s.hrrs")
+    return tmp_path
+
+
+def test_help_lists_every_command_with_examples() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hurray_vllm.app.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    for cmd in ("inspect", "validate", "convert", "migrate", "receive", "prune", "demo"):
+        assert cmd in out.stdout
+        assert f"hurray-vllm {cmd}" in out.stdout
+
+
+def test_inspect_table_and_json(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(files / "s.hrry")]) == 0
+    table = capsys.readouterr().out
+    assert "layers.1.value" in table and "seq_lens [6, 3]" in table
+    assert main(["inspect", "--json", str(files / "s.hrrs")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    bp = [t for t in doc["tensors"] if t["layout"] == "block_paged"]
+    assert len(bp) == 4
+    want = {"layer": 0, "role": "key", "page_size": 4, "num_pages": 5, "num_seqs": 2}
+    assert {k: bp[0][k] for k in want} == want
+    assert bp[0]["seq_lens"] == [6, 3] and bp[0]["referenced_pages"] == 2 and bp[0]["shared_pages"] == 1
+
+
+def test_validate_exit_codes(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(files / "s.hrry")]) == 0
+    raw = bytearray((files / "s.hrrs").read_bytes())
+    at = raw.index(hv.encode_descriptor(spec_example_snapshot(num_layers=2)[0, "key"].descriptor()))
+    raw[at + 20 + 24 + 8 + 26] = 1  # a reserved byte of the block-paged fields
+    (files / "bad.hrrs").write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["validate", str(files / "bad.hrrs")]) == 1
+    assert "block_paged.reserved" in capsys.readouterr().out
+    assert main(["validate", "--permissive", str(files / "bad.hrrs")]) == 0
+
+
+def test_convert_both_ways(files: Path) -> None:
+    assert main(["convert", "-q", str(files / "s.hrrs"), str(files / "c.hrry")]) == 0
+    assert main(["convert", "-q", str(files / "c.hrry"), str(files / "c.hrrs")]) == 0
+    assert (files / "c.hrrs").read_bytes() == (files / "s.hrrs").read_bytes()
+    assert hv.validate(files / "c.hrry").ok
+
+
+def test_tools_work_on_foreign_single_descriptors(hurray, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    k = spec_example_snapshot()[3, "key"]
+    with hurray.StreamWriter(str(tmp_path / "one.hrrs")) as w:
+        w.write(to_reference(hurray, k))
+    assert main(["inspect", str(tmp_path / "one.hrrs")]) == 0
+    assert "block_paged" in capsys.readouterr().out
+    assert main(["validate", str(tmp_path / "one.hrrs")]) == 0
+    assert main(["convert", "-q", str(tmp_path / "one.hrrs"), str(tmp_path / "one.hrry")]) == 0
+    assert set(hurray.load(str(tmp_path / "one.hrry"))) == {"layers.3.key"}
+    assert main(["convert", "-q", str(tmp_path / "one.hrry"), str(tmp_path / "back.hrrs")]) == 0
+    assert (tmp_path / "back.hrrs").read_bytes() == (tmp_path / "one.hrrs").read_bytes()
+
+
+def test_bad_input_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "junk.hrry").write_bytes(b"not hurray at all")
+    out = subprocess.run(
+        [sys.executable, "-m", "hurray_vllm.app.cli", "inspect", str(tmp_path / "junk.hrry")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1
+    assert "invalid input" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_validate_names_what_stopped_parsing(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = (files / "s.hrry").read_bytes()
+    (files / "cut.hrry").write_bytes(raw[: len(raw) // 2])
+    assert main(["validate", str(files / "cut.hrry")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("error: ") and "trailer" in out
+
+
+def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--format-only", "--workdir", str(tmp_path)]) == 0
+    assert "FAILED" not in capsys.readouterr().out
+
+
+def test_prune_shrinks_a_store_to_the_size_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, spec_example_snapshot(), 4) == 1
+    (chunk,) = tmp_path.glob("*/*.hrry")
+    size = chunk.stat().st_size
+    assert main(["prune", str(tmp_path), "--max-size", "1G", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chunks_removed"] == 0
+    assert main(["prune", str(tmp_path), "--max-size", str(size - 1), "--dry-run"]) == 0
+    assert "would delete 1 chunks" in capsys.readouterr().out and chunk.exists()
+    assert main(["prune", str(tmp_path), "--max-size", "0"]) == 0
+    assert "deleted 1 chunks" in capsys.readouterr().out and not chunk.exists()
+    with pytest.raises(SystemExit):
+        main(["prune", str(tmp_path), "--max-size", "lots"])
+    assert main(["prune", str(tmp_path / "nowhere"), "--max-size", "1G"]) == 2

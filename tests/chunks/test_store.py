@@ -1,0 +1,153 @@
+"""The chunk store and the TCP transport (no engine needed)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks.store import DirectoryStore, chunk_keys, chunks_of, namespace_of, store_snapshot, verify_chunk
+from hurray_vllm.transport.tcp import Receiver, send_chunks
+
+
+def test_keys_chain_over_the_prefix() -> None:
+    a = chunk_keys(list(range(20)), 8, "ns")
+    b = chunk_keys([*range(8), 99, *range(9, 20)], 8, "ns")
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    assert chunk_keys(list(range(20)), 8, "other")[0] != a[0]
+
+
+def test_chunks_verify_and_store_once(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    chunks = chunks_of(snap, 4)
+    assert len(chunks) == 1  # sequence 0 has one whole chunk of 4 tokens, sequence 1 none
+    key, chunk = chunks[0]
+    assert chunk.fingerprint is not None
+    verify_chunk(chunk, snap.fingerprint, list(snap.token_ids[0][:4]))  # type: ignore[arg-type]
+    assert torch.equal(chunk[2, "value"].to_dense(0), snap[2, "value"].to_dense(0)[:4])
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, snap, 4) == 1
+    assert store_snapshot(store, snap, 4) == 0  # already there
+    ns = namespace_of(chunk.fingerprint)
+    assert store.has(ns, key)
+    with pytest.raises(hv.HurrayFormatError, match="another model"):
+        verify_chunk(chunk, replace(chunk.fingerprint, head_dim=16), list(snap.token_ids[0][:4]))
+    with pytest.raises(hv.HurrayFormatError, match="other tokens"):
+        verify_chunk(chunk, chunk.fingerprint, [0, 0, 0, 0])
+    bad = replace(chunk, extra={"hurray_vllm.chunk_digest": "00"})
+    with pytest.raises(hv.HurrayFormatError, match="digest"):
+        verify_chunk(bad, chunk.fingerprint, list(snap.token_ids[0][:4]))
+
+
+def _one_chunk_store(root: Path) -> tuple[DirectoryStore, str, str, hv.KVSnapshot]:
+    """A store holding the one whole chunk of the spec's example: (store, namespace, key, chunk)."""
+    snap = spec_example_snapshot()
+    store = DirectoryStore(root)
+    store_snapshot(store, snap, 4)
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    return store, namespace_of(chunk.fingerprint), key, chunk
+
+
+def test_identity_tells_a_rewritten_chunk_file_from_the_one_seen(tmp_path: Path) -> None:
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
+    assert store.identity(ns, "0" * 32) is None
+    seen = store.identity(ns, key)
+    assert seen is not None and seen[2] == store.path(ns, key).stat().st_size
+    store.get(ns, key)
+    assert store.identity(ns, key) == seen  # reading changes nothing
+    path = store.path(ns, key)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 1
+    time.sleep(0.05)  # file times tick in steps of a few milliseconds (see DirectoryStore.identity)
+    with open(path, "r+b") as f:  # in place, same size: only the times tell
+        f.write(bytes(raw))
+    assert store.identity(ns, key) != seen
+    replaced = store.identity(ns, key)
+    path.unlink()
+    hv.save(chunk, path)  # a new file under the same name
+    assert store.identity(ns, key) not in (seen, replaced)
+
+
+def test_quarantine_moves_only_the_file_that_was_found_damaged(tmp_path: Path) -> None:
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
+    seen = store.identity(ns, key)
+    assert seen is not None
+    path = store.path(ns, key)
+    path.unlink()
+    hv.save(chunk, path)  # replaced since it was looked at: stays
+    assert store.quarantine(ns, key, seen) is None and path.exists()
+    now = store.identity(ns, key)
+    assert now is not None
+    moved = store.quarantine(ns, key, now)
+    assert moved == path.with_name(path.name + ".bad") and moved.exists()
+    assert not store.has(ns, key) and store.identity(ns, key) is None
+    assert store.quarantine(ns, key, now) is None  # nothing left to move
+    assert store.put(ns, key, chunk)  # the next producer writes it again
+
+
+def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) -> None:
+    import os
+
+    store = DirectoryStore(tmp_path)
+    snap = spec_example_snapshot()
+    ((_, chunk),) = chunks_of(snap, 4)
+    names = [f"{i:032x}" for i in range(4)]
+    for name in names:
+        store.put("ns", name, chunk)
+    size = store.path("ns", names[0]).stat().st_size
+    now = time.time()
+    for i, name in enumerate(names):  # used long ago (0) ... recently (3)
+        os.utime(store.path("ns", name), (now - 1000 + 100 * i, now - 2000))
+    (tmp_path / "ns" / f"{names[0]}.hrry.bad").write_bytes(b"x" * 10)
+    (tmp_path / "ns" / ".old.hrry.1.tmp").write_bytes(b"x" * 10)
+    os.utime(tmp_path / "ns" / ".old.hrry.1.tmp", (now - 7200, now - 7200))
+    (tmp_path / "ns" / ".new.hrry.2.tmp").write_bytes(b"x" * 10)  # a writer may still be busy with it
+
+    dry = store.prune(2 * size, dry_run=True)
+    assert (dry.chunks_removed, dry.bad_removed, dry.temp_removed) == (2, 1, 1)
+    assert all(store.has("ns", n) for n in names)
+    report = store.prune(2 * size)
+    assert (report.chunks_removed, report.chunks_kept, report.bytes_kept) == (2, 2, 2 * size)
+    assert report.bytes_removed == 2 * size + 20
+    assert [store.has("ns", n) for n in names] == [False, False, True, True]
+    assert sorted(p.name for p in (tmp_path / "ns").iterdir() if not p.name.endswith(".hrry")) == [".new.hrry.2.tmp"]
+    assert store.prune(0).chunks_kept == 0
+    with pytest.raises(hv.HurrayFormatError, match="max_bytes"):
+        store.prune(-1)
+
+
+def test_tcp_transport_stores_valid_chunks_only(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    ns = namespace_of(chunk.fingerprint)
+    receiver = Receiver("127.0.0.1", 0, DirectoryStore(tmp_path)).start()
+    url = f"tcp://127.0.0.1:{receiver.address[1]}"
+    try:
+        send_chunks(url, [(ns, key, chunk)])
+        assert DirectoryStore(tmp_path).has(ns, key)
+        # Several chunks on one connection, each framed by its counted length.
+        send_chunks(url, ((ns, f"{i:02x}" * 4, chunk) for i in range(3)))
+        for i in range(3):
+            got = DirectoryStore(tmp_path).get(ns, f"{i:02x}" * 4)
+            assert torch.equal(got.keys[0].page_pool, chunk.keys[0].page_pool) and got.token_ids == chunk.token_ids
+        with pytest.raises(hv.HurrayFormatError, match="refused"):
+            send_chunks(url, [(ns, "ab" * 8, replace(chunk, extra={"hurray_vllm.chunk_digest": "00"}))])
+        assert not DirectoryStore(tmp_path).has(ns, "ab" * 8)
+        with pytest.raises(hv.HurrayFormatError, match="refused"):
+            send_chunks(url, [("../../etc", key, chunk)])
+        # A sender that dies mid-chunk leaves nothing behind.
+        with socket.create_connection(("127.0.0.1", receiver.address[1])) as s:
+            s.sendall(b"HVC1" + (2).to_bytes(2, "little") + b"ab" + (2).to_bytes(2, "little") + b"cd")
+            s.sendall((10_000).to_bytes(8, "little") + b"HRRY" + bytes(100))
+        assert not DirectoryStore(tmp_path).has("ab", "cd")
+        assert receiver.received == 4 and receiver.refused >= 2
+    finally:
+        receiver.stop()

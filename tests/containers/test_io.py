@@ -1,0 +1,380 @@
+"""Streams and .hrry files: round trips, the reference implementation both ways, bad input."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pyhurray_bridge import to_reference
+from strategies import same_snapshot, same_tensor, snapshots
+
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.containers import hrryfile, schema, stream
+from hurray_vllm.containers.hrryfile import HrryFile
+from hurray_vllm.wire.crc32c import crc32c
+
+
+@given(snapshots())
+def test_stream_round_trip(snap: hv.KVSnapshot) -> None:
+    buf = io.BytesIO()
+    n = hv.write_stream(snap, buf)
+    assert n == len(buf.getvalue())
+    buf.seek(0)
+    assert same_snapshot(snap, hv.read_stream(buf))
+
+
+@given(snapshots(), st.booleans())
+def test_file_round_trip(tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot, mmap: bool) -> None:
+    path = tmp_path_factory.mktemp("rt") / "snap.hrry"
+    hv.save(snap, path)
+    back = hv.load(path, mmap=mmap)
+    assert same_snapshot(snap, back)
+    assert hv.validate(path).ok
+
+
+def test_format_is_detected_by_magic(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    hv.save(snap, tmp_path / "a.hrry")
+    hv.save(snap, tmp_path / "b.hrrs")
+    os.rename(tmp_path / "a.hrry", tmp_path / "a.bin")
+    os.rename(tmp_path / "b.hrrs", tmp_path / "b.bin")
+    assert hv.detect_format(tmp_path / "a.bin") == "hrry"
+    assert hv.detect_format(tmp_path / "b.bin") == "stream"
+    assert same_snapshot(hv.load(tmp_path / "a.bin"), hv.load(tmp_path / "b.bin"))
+
+
+def test_unknown_suffix_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(hv.HurrayFormatError, match="path"):
+        hv.save(spec_example_snapshot(), tmp_path / "x.bin")
+
+
+# ── the reference implementation reads what we write ────────────────────────
+
+
+def _pool_of(ref_tensor) -> np.ndarray:  # type: ignore[no-untyped-def]
+    return np.asarray(ref_tensor.buffer(0))
+
+
+@given(snapshots())
+def test_reference_reads_our_files(hurray, tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot) -> None:
+    d = tmp_path_factory.mktemp("ref")
+    hv.save(snap, d / "s.hrry")
+    hv.save(snap, d / "s.hrrs")
+    from_file = hurray.load(str(d / "s.hrry"))
+    from_stream = list(hurray.StreamReader(str(d / "s.hrrs")))
+    assert set(from_file) == {"snapshot", *(f"layers.{i}" for i in range(snap.num_layers))}
+    assert len(from_stream) == 1 + snap.num_layers
+    for i, (k, v) in enumerate(snap.layers()):
+        for group in (from_file[f"layers.{i}"], from_stream[1 + i]):
+            members = group.members
+            assert [m.layout.kv_role for m in members[:2]] == ["key", "value"]
+            for ours, ref in zip((k, v), members[:2]):
+                for j, buf in enumerate(ours.wire_buffers()):
+                    assert np.asarray(ref.buffer(j)).tobytes() == bytes(buf.view(torch.uint8).reshape(-1).numpy())
+            lens = np.frombuffer(np.asarray(members[2].buffer(0)).tobytes(), dtype=np.int64)
+            assert lens.tolist() == snap.seq_lens
+    assert hurray.load_kv(str(d / "s.hrry")) == {"hurray_vllm.format_version": 1}
+
+
+# ── we read what the reference implementation writes ────────────────────────
+
+
+def test_we_read_reference_composite_files_and_streams(hurray, tmp_path: Path) -> None:
+    snap = spec_example_snapshot(num_layers=2)
+    groups = {}
+    for i, (k, v) in enumerate(snap.layers()):
+        lens = hurray.Tensor(np.array(snap.seq_lens, dtype=np.int64).tobytes(), hurray.int64, [len(snap.seq_lens)])
+        groups[f"layers.{i}"] = hurray.Composite(
+            "group",
+            shape=list(k.shape),
+            dtype=hurray.float16,
+            members=[to_reference(hurray, k), to_reference(hurray, v), lens],
+        )
+    hurray.save(str(tmp_path / "ref.hrry"), groups, kv={"producer": "pyhurray"})
+    with hurray.StreamWriter(str(tmp_path / "ref.hrrs")) as w:
+        for g in groups.values():
+            w.write_composite(g)
+    for name in ("ref.hrry", "ref.hrrs"):
+        back = hv.load(tmp_path / name)
+        assert back.num_layers == 2 and back.fingerprint is None
+        for i in range(2):
+            assert same_tensor(back[i, "key"], snap[i, "key"])
+            assert same_tensor(back[i, "value"], snap[i, "value"])
+        assert hv.validate(tmp_path / name).ok
+    assert HrryFile(tmp_path / "ref.hrry").kv == {"producer": "pyhurray"}
+
+
+@given(snapshots())
+def test_we_read_reference_bare_descriptors(
+    hurray, tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot
+) -> None:
+    d = tmp_path_factory.mktemp("bare")
+    tensors = {}
+    with hurray.StreamWriter(str(d / "bare.hrrs")) as w:
+        for i, (k, v) in enumerate(snap.layers()):
+            for t in (k, v):
+                ref = to_reference(hurray, t)
+                w.write(ref)
+                tensors[f"l{i}.{t.kv_role}"] = ref
+    hurray.save(str(d / "bare.hrry"), tensors)
+    for name in ("bare.hrrs", "bare.hrry"):
+        back = hv.load(d / name)
+        assert back.num_layers == snap.num_layers
+        for i in range(snap.num_layers):
+            assert back[i, "key"].seq_lens is None  # nothing on the wire carries them
+            assert back[i, "key"].shape == snap[i, "key"].shape
+            assert torch.equal(back[i, "value"].block_table, snap[i, "value"].block_table)
+            assert torch.equal(back[i, "key"].page_pool.view(torch.uint8), snap[i, "key"].page_pool.view(torch.uint8))
+
+
+def test_single_bare_descriptor_without_layer(hurray, tmp_path: Path) -> None:
+    k = spec_example_snapshot()[3, "key"]
+    with hurray.StreamWriter(str(tmp_path / "one.hrrs")) as w:
+        w.write(to_reference(hurray, k))
+    assert hv.validate(tmp_path / "one.hrrs").ok
+    with pytest.raises(hv.HurrayFormatError, match="layer"):
+        hv.load(tmp_path / "one.hrrs")  # one key, no value: not a snapshot
+
+
+# ── bad input ───────────────────────────────────────────────────────────────
+
+
+def _stream_bytes() -> bytes:
+    buf = io.BytesIO()
+    hv.write_stream(spec_example_snapshot(num_layers=2), buf)
+    return buf.getvalue()
+
+
+def test_truncated_stream_at_every_byte() -> None:
+    data = _stream_bytes()
+    # Every cut inside a record; cuts at record boundaries give a shorter valid
+    # stream that is then refused as an incomplete snapshot.
+    for cut in range(0, len(data), 7):
+        with pytest.raises(hv.HurrayFormatError):
+            hv.read_stream(io.BytesIO(data[:cut]))
+
+
+@given(st.data())
+def test_mutated_streams_raise_only_format_errors(data: st.DataObject) -> None:
+    raw = bytearray(_stream_bytes())
+    for _ in range(data.draw(st.integers(1, 6))):
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        raw[pos] = data.draw(st.integers(0, 255))
+    try:
+        hv.read_stream(io.BytesIO(bytes(raw)))
+    except hv.HurrayFormatError:
+        pass
+
+
+@given(st.data())
+def test_mutated_files_raise_only_format_errors(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    d = tmp_path_factory.mktemp("mut")
+    hv.save(spec_example_snapshot(num_layers=1), d / "s.hrry")
+    raw = bytearray((d / "s.hrry").read_bytes())
+    # Aim at the parts with structure: header, descriptors, index and trailer.
+    interesting = [*range(0, 700), *range(len(raw) - 900, len(raw))]
+    for _ in range(data.draw(st.integers(1, 6))):
+        pos = data.draw(st.sampled_from(interesting))
+        raw[pos] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.sampled_from([len(raw), len(raw), data.draw(st.integers(0, len(raw)))]))
+    (d / "m.hrry").write_bytes(bytes(raw[:cut]))
+    try:
+        hv.load(d / "m.hrry")
+    except hv.HurrayFormatError:
+        pass
+    hv.validate(d / "m.hrry")  # reports, never raises
+
+
+def _huge_descriptor() -> bytes:
+    """A valid descriptor whose pool is 2**32-1 pages of 4 x 2 x 8 fp16 (0.5 TiB), declared consistently."""
+    k = spec_example_snapshot()[0, "key"]
+    raw = bytearray(hv.encode_descriptor(k.descriptor()))
+    pages = 2**32 - 1
+    struct.pack_into("<Q", raw, 20 + 24 + 8 + 4, pages)
+    struct.pack_into("<Q", raw, 20 + 24 + 8 + 32 + 1, pages * 4 * 2 * 8 * 2)
+    assert hv.validate(bytes(raw)).ok
+    return bytes(raw)
+
+
+def test_tiny_stream_claiming_a_huge_pool() -> None:
+    raw = _huge_descriptor()
+    data = raw + bytes(100 - len(raw) % 100)
+    with pytest.raises(hv.HurrayFormatError, match="remain"):
+        list(stream.read_records(io.BytesIO(data)))
+
+
+class _Pipe(io.RawIOBase):
+    """A non-seekable source, like a socket."""
+
+    def __init__(self, data: bytes) -> None:
+        self._src = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+        chunk = self._src.read(min(len(b), 4096))
+        b[: len(chunk)] = chunk
+        return len(chunk)
+
+
+def test_non_seekable_lying_stream_allocates_by_arrival() -> None:
+    raw = _huge_descriptor()
+    with pytest.raises(hv.HurrayFormatError, match="stream ends"):
+        list(stream.read_records(_Pipe(raw + bytes(1000))))
+    # And a valid stream reads fine through the same non-seekable path.
+    assert same_snapshot(hv.read_stream(_Pipe(_stream_bytes())), spec_example_snapshot(num_layers=2))
+
+
+def test_file_claiming_more_than_it_holds(tmp_path: Path) -> None:
+    hv.save(spec_example_snapshot(num_layers=1), tmp_path / "s.hrry")
+    raw = (tmp_path / "s.hrry").read_bytes()
+    (tmp_path / "short.hrry").write_bytes(raw[:100])
+    with pytest.raises(hv.HurrayFormatError, match="too short"):
+        hv.load(tmp_path / "short.hrry")
+    # The first block-paged descriptor, rewritten in place to declare a 0.5 TiB pool.
+    huge = _huge_descriptor()
+    at = raw.index(hv.encode_descriptor(spec_example_snapshot(num_layers=1)[0, "key"].descriptor()))
+    patched = raw[:at] + huge + raw[at + len(huge) :]
+    (tmp_path / "huge.hrry").write_bytes(patched)
+    with pytest.raises(hv.HurrayFormatError, match=r"data_length|past the end"):
+        hv.load(tmp_path / "huge.hrry")
+
+
+def test_index_crc_mismatch(tmp_path: Path) -> None:
+    hv.save(spec_example_snapshot(num_layers=1), tmp_path / "s.hrry")
+    raw = bytearray((tmp_path / "s.hrry").read_bytes())
+    index_off = struct.unpack_from("<Q", raw, len(raw) - 40)[0]
+    raw[index_off + 12] ^= 0xFF  # inside the first entry's name
+    (tmp_path / "c.hrry").write_bytes(bytes(raw))
+    with pytest.raises(hv.HurrayFormatError, match="crc32c"):
+        hv.load(tmp_path / "c.hrry")
+
+
+def test_torn_composite(tmp_path: Path) -> None:
+    data = _stream_bytes()
+    recs = list(stream.read_records(io.BytesIO(data)))
+    buf = io.BytesIO()
+    stream.write_records(recs[:-1], buf)  # drop the last member of the last layer group
+    with pytest.raises(hv.HurrayFormatError, match="torn composite"):
+        hv.read_stream(io.BytesIO(buf.getvalue()))
+
+
+def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    target = tmp_path / "s.hrry"
+
+    class Boom(Exception):
+        pass
+
+    def records():  # type: ignore[no-untyped-def]
+        yield from schema.snapshot_records(snap)
+        raise Boom
+
+    with pytest.raises(Boom):
+        hrryfile.write_file(records(), target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unseekable_write_is_zero_copy() -> None:
+    """Page pools reach write() as views of tensor memory, never as bytes copies."""
+    snap = spec_example_snapshot(num_layers=1)
+    seen = []
+
+    class Sink(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:  # type: ignore[no-untyped-def]
+            seen.append(b)
+            return len(b)
+
+    hv.write_stream(snap, Sink())
+    pool = snap[0, "key"].page_pool
+    views = [b for b in seen if isinstance(b, memoryview) and b.nbytes == pool.numel() * 2]
+    assert views and any(np.shares_memory(np.asarray(v), pool.view(torch.uint8).numpy()) for v in views)
+
+
+def test_index_must_agree_with_descriptor_length(tmp_path: Path) -> None:
+    hv.save(spec_example_snapshot(num_layers=1), tmp_path / "s.hrry")
+    raw = bytearray((tmp_path / "s.hrry").read_bytes())
+    index_off, index_len = struct.unpack_from("<QQ", raw, len(raw) - 40)
+    # First entry: u16 name length, name, u64 descriptor_offset, u32 descriptor_length.
+    (n,) = struct.unpack_from("<H", raw, index_off + 8)
+    at = index_off + 8 + 2 + n + 8
+    struct.pack_into("<I", raw, at, struct.unpack_from("<I", raw, at)[0] + 3)
+    crc = crc32c(bytes(raw[index_off : index_off + index_len]))
+    struct.pack_into("<I", raw, len(raw) - 12, crc)
+    (tmp_path / "lie.hrry").write_bytes(bytes(raw))
+    with pytest.raises(hv.HurrayFormatError, match="descriptor_length"):
+        hv.load(tmp_path / "lie.hrry")
+
+
+def test_unreadable_input_is_invalid_even_when_permissive(tmp_path: Path) -> None:
+    (tmp_path / "junk").write_bytes(b"HRRYFILE" + bytes(20))
+    for p in (tmp_path / "junk", tmp_path / "missing"):
+        assert not hv.validate(p, permissive=True).ok
+    assert not hv.validate(b"garbage", permissive=True).ok
+
+
+@given(snapshots(), snapshots())
+def test_layer_writer_writes_the_generic_records_bytes(a: hv.KVSnapshot, b: hv.KVSnapshot) -> None:
+    """One LayerWriter over two snapshots' layers (its fixed part re-encoded when the structure changes)."""
+    from hurray_vllm.containers.schema import layer_records
+    from hurray_vllm.containers.stream import LayerWriter, write_records
+
+    writer = LayerWriter()
+    want, got = io.BytesIO(), io.BytesIO()
+    for snap in (a, b, a):
+        for i in range(snap.num_layers):
+            k, v = snap.keys[i], snap.values[i]
+            scales = snap.kv_scales[i] if snap.kv_scales is not None else None
+            n = writer.write(got, i, k, v, scales)
+            assert n == write_records(layer_records(i, k, v, scales), want)
+    assert got.getvalue() == want.getvalue()
+
+
+def test_layers_share_index_tensors_but_each_is_checked() -> None:
+    """Reading widens equal index buffers once (the layers share them); a bad one is still refused."""
+    from dataclasses import replace as dc_replace
+
+    from hurray_vllm.containers.schema import header_records, layer_records
+    from hurray_vllm.containers.stream import write_records
+
+    snap = spec_example_snapshot()
+    buf = io.BytesIO()
+    hv.write_stream(snap, buf)
+    buf.seek(0)
+    back = hv.read_stream(buf)
+    assert back.num_layers == 4
+    assert back[0, "key"].block_table is back[3, "value"].block_table
+    # Layer 1 points past its pool: the shared result of layer 0 must not hide it.
+    bad = io.BytesIO()
+    write_records(header_records(snap), bad)
+    for i in range(snap.num_layers):
+        k, v = snap.keys[i], snap.values[i]
+        if i == snap.num_layers - 1:
+            table = k.block_table.clone()
+            table[0] = k.num_pages + 3
+            k, v = dc_replace(k, block_table=table), dc_replace(v, block_table=table)
+        write_records(layer_records(i, k, v), bad)
+    bad.seek(0)
+    with pytest.raises(hv.HurrayFormatError, match="block_table"):
+        hv.read_stream(bad)
+
+
+@given(snapshots())
+def test_write_stream_writes_the_generic_records_bytes(snap: hv.KVSnapshot) -> None:
+    from hurray_vllm.containers.stream import write_records
+
+    want, got = io.BytesIO(), io.BytesIO()
+    n = hv.write_stream(snap, got)
+    assert n == write_records(schema.snapshot_records(snap), want) and got.getvalue() == want.getvalue()

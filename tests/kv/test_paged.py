@@ -1,0 +1,101 @@
+"""BlockPagedTensor operations, as properties over random batches with shared prefixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import paged_tensors, snapshots
+
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+
+
+def dense_all(t: hv.BlockPagedTensor) -> list[torch.Tensor]:
+    return [t.to_dense(s).view(torch.uint8) for s in range(t.num_seqs)]
+
+
+@given(paged_tensors(dtype=torch.float32))
+def test_lookup_follows_the_spec_formula(t: hv.BlockPagedTensor) -> None:
+    for s in range(t.num_seqs):
+        dense = t.to_dense(s)
+        assert dense.shape == (int(t.seq_lens[s]), t.num_heads, t.head_dim)  # type: ignore[index]
+        for tok in {0, dense.shape[0] // 2, dense.shape[0] - 1} if dense.shape[0] else set():
+            page = int(t.block_table[int(t.seq_ptr[s]) + tok // t.page_size])
+            assert torch.equal(t.lookup(s, tok, 0, 0), t.page_pool[page, tok % t.page_size, 0, 0])
+            assert torch.equal(dense[tok, 0, 0], t.lookup(s, tok, 0, 0))
+
+
+@given(paged_tensors())
+def test_compact_keeps_tokens_and_aliasing(t: hv.BlockPagedTensor) -> None:
+    c = t.compact()
+    assert all(torch.equal(a, b) for a, b in zip(dense_all(t), dense_all(c)))
+    assert c.num_pages == int(torch.unique(t.block_table).numel())
+    assert c.sharing().shared_pages == t.sharing().shared_pages
+    # Aliasing preserved: equal ids before <=> equal ids after.
+    same_before = t.block_table[:, None] == t.block_table[None, :]
+    same_after = c.block_table[:, None] == c.block_table[None, :]
+    assert torch.equal(same_before, same_after)
+    assert c.validate().ok
+
+
+@given(paged_tensors(), st.data())
+def test_select_is_a_sub_batch(t: hv.BlockPagedTensor, data: st.DataObject) -> None:
+    if t.num_seqs == 0:
+        return
+    seqs = data.draw(st.lists(st.integers(0, t.num_seqs - 1), max_size=4))
+    sub = t.select(seqs)
+    assert sub.num_seqs == len(seqs)
+    for i, s in enumerate(seqs):
+        assert torch.equal(sub.to_dense(i).view(torch.uint8), t.to_dense(s).view(torch.uint8))
+    assert sub.validate().ok
+
+
+@given(paged_tensors())
+def test_zero_unused_slots(t: hv.BlockPagedTensor) -> None:
+    z = t.zero_unused_slots()
+    assert all(torch.equal(a, b) for a, b in zip(dense_all(t), dense_all(z)))
+    valid = z.valid_slots()
+    raw = z.page_pool.view(torch.uint8).reshape(z.num_pages, z.page_size, -1)
+    for p in range(z.num_pages):
+        assert not raw[p, int(valid[p]) :].any()
+
+
+def test_shared_page_keeps_what_the_longer_sequence_uses() -> None:
+    t = spec_example_snapshot()[0, "key"]
+    # Page 0 is full for sequence 0 (6 tokens) and 3/4 used by sequence 1: nothing of it is zeroed.
+    assert t.valid_slots().tolist() == [4, 2, 0, 0, 0]
+
+
+def test_sharing_stats() -> None:
+    s = spec_example_snapshot().sharing()
+    assert (s.logical_pages, s.distinct_pages, s.shared_pages) == (3, 2, 1)
+    assert s.saved_bytes == 4 * 2 * 8 * 2
+
+
+@given(snapshots())
+def test_snapshot_select_compacts(snap: hv.KVSnapshot) -> None:
+    if snap.num_seqs == 0:
+        return
+    sub = snap.select([snap.num_seqs - 1])
+    assert sub.num_seqs == 1
+    assert sub.token_ids == (snap.token_ids[-1],)
+    assert sub[0, "value"].num_pages == int(torch.unique(sub[0, "value"].block_table).numel())
+    assert torch.equal(
+        sub[0, "key"].to_dense(0).view(torch.uint8), snap[0, "key"].to_dense(snap.num_seqs - 1).view(torch.uint8)
+    )
+
+
+def test_errors_name_the_problem() -> None:
+    t = spec_example_snapshot()[0, "key"]
+    with pytest.raises(IndexError):
+        t.to_dense(2)
+    with pytest.raises(IndexError):
+        t.lookup(1, 3, 0, 0)  # sequence 1 has 3 tokens
+    from dataclasses import replace
+
+    with pytest.raises(hv.HurrayFormatError, match="seq_lens"):
+        replace(t, seq_lens=None).to_dense(0)
+    with pytest.raises(KeyError):
+        spec_example_snapshot()[0, "both"]

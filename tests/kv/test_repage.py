@@ -1,0 +1,157 @@
+"""Repaging properties: tokens kept, page-aligned sharing kept, nothing wasted, tails zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import paged_tensors, snapshots
+
+import hurray_vllm as hv
+from hurray_vllm.kv.repage import repage, repage_snapshot
+
+TARGETS = st.sampled_from([1, 2, 3, 4, 5, 8, 16, 24, 32, 128, 256])
+
+
+def shared_tokens(t: hv.BlockPagedTensor, a: int, b: int) -> int:
+    """Tokens at the start of a and b that sit in the very same source slots."""
+    pa, pb = t.pages_of(a).tolist(), t.pages_of(b).tolist()
+    m = 0
+    while m < min(len(pa), len(pb)) and pa[m] == pb[m]:
+        m += 1
+    return min(m * t.page_size, int(t.seq_lens[a]), int(t.seq_lens[b]))  # type: ignore[index]
+
+
+@given(paged_tensors(), TARGETS)
+def test_repage_properties(t: hv.BlockPagedTensor, size: int) -> None:
+    r = repage(t, size)
+    assert r.page_size == size
+    assert r.validate().ok, r.validate().violations
+    lens = t.seq_lens.tolist()  # type: ignore[union-attr]
+    # Tokens preserved.
+    for s in range(t.num_seqs):
+        assert torch.equal(r.to_dense(s).view(torch.uint8), t.to_dense(s).view(torch.uint8))
+    # Distinct pages never exceed what the tokens need.
+    assert r.num_pages <= sum(-(-n // size) for n in lens)
+    # Sharing preserved where the shared prefix covers whole target pages.
+    for a in range(t.num_seqs):
+        for b in range(a + 1, t.num_seqs):
+            whole = shared_tokens(t, a, b) // size
+            assert r.pages_of(a)[:whole].tolist() == r.pages_of(b)[:whole].tolist()
+    # Slots no sequence uses are zero.
+    valid = r.valid_slots()
+    raw = r.page_pool.view(torch.uint8).reshape(r.num_pages, size, r.page_bytes // size)
+    for p in range(r.num_pages):
+        assert not raw[p, int(valid[p]) :].any()
+
+
+@given(paged_tensors(), TARGETS, TARGETS)
+def test_repage_round_trip(t: hv.BlockPagedTensor, a: int, b: int) -> None:
+    back = repage(repage(t, a), b)
+    for s in range(t.num_seqs):
+        assert torch.equal(back.to_dense(s).view(torch.uint8), t.to_dense(s).view(torch.uint8))
+
+
+@given(snapshots(), TARGETS)
+def test_snapshot_repage_shares_one_plan(snap: hv.KVSnapshot, size: int) -> None:
+    r = repage_snapshot(snap, size)
+    for i in range(snap.num_layers):
+        assert torch.equal(r[i, "key"].block_table, r[i, "value"].block_table)
+        for s in range(snap.num_seqs):
+            assert torch.equal(
+                r[i, "value"].to_dense(s).view(torch.uint8), snap[i, "value"].to_dense(s).view(torch.uint8)
+            )
+    assert r.validate().ok
+
+
+def test_vllm_cpu_to_fa2_and_back_keeps_prefix_sharing() -> None:
+    """128-token pages (vLLM CPU) -> 256 (FA2) -> 16 (vLLM GPU), two sequences sharing 512 tokens."""
+    page, heads, dim = 128, 2, 8
+    lens = [700, 600]
+    table = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 6])
+    ptr = torch.tensor([0, 6, 11])
+    pool = torch.randn(7, page, heads, dim).to(torch.bfloat16)
+    t = hv.BlockPagedTensor(pool, table, ptr, torch.tensor(lens)).zero_unused_slots()
+    fa2 = repage(t, 256)
+    assert fa2.pages_of(0)[:2].tolist() == fa2.pages_of(1)[:2].tolist()  # 512 shared tokens = 2 pages of 256
+    assert fa2.num_pages == 3 + 3 - 2
+    small = repage(fa2, 16)
+    assert small.sharing().shared_pages == 512 // 16
+    for s in range(2):
+        assert torch.equal(small.to_dense(s), t.to_dense(s))
+
+
+def test_repage_needs_lengths() -> None:
+    from dataclasses import replace
+
+    t = hv.BlockPagedTensor(torch.zeros(1, 4, 1, 1), torch.tensor([0]), torch.tensor([0, 1]), None)
+    with pytest.raises(hv.HurrayFormatError, match="seq_lens"):
+        repage(t, 2)
+    with pytest.raises(hv.HurrayFormatError, match="page_size"):
+        repage(replace(t, seq_lens=torch.tensor([3])), 0)
+
+
+def test_per_slot_scales_move_with_their_slots() -> None:
+    from dataclasses import replace
+
+    from hurray_vllm.wire.descriptor import PerBlockAffine
+
+    pool = torch.randint(-100, 100, (3, 4, 1, 2), dtype=torch.int8)
+    scales = torch.arange(12, dtype=torch.float32)  # slot p*4+i has scale p*4+i
+    t = hv.BlockPagedTensor(
+        pool,
+        torch.tensor([2, 0, 1]),
+        torch.tensor([0, 3]),
+        torch.tensor([10]),
+        quantization=PerBlockAffine(0, 4, 3),
+        quant_buffers=(scales.view(torch.uint8),),
+    )
+    assert t.validate().ok
+    r = repage(t, 8)
+    assert r.quantization == replace(t.quantization, block_size=8)  # type: ignore[arg-type]
+    new_scales = r.quant_buffers[0].view(torch.float32)
+    # Token k of the sequence: source slot table[k // 4] * 4 + k % 4.
+    src = [int(t.block_table[k // 4]) * 4 + k % 4 for k in range(10)]
+    dst = [int(r.block_table[k // 8]) * 8 + k % 8 for k in range(10)]
+    assert [float(new_scales[d]) for d in dst] == [float(s) for s in src]
+    assert r.validate().ok
+
+
+def _filled(shape: tuple[int, ...], dtype: torch.dtype, byte: int = 0x5A) -> torch.Tensor:
+    """A pool of ``shape`` whose every byte is ``byte`` (a sentinel that works for every dtype)."""
+    out = torch.empty(shape, dtype=dtype)
+    out.view(torch.uint8).fill_(byte)
+    return out
+
+
+@given(paged_tensors(), TARGETS, st.integers(0, 3))
+def test_repage_into_a_preallocated_pool_equals_a_fresh_one(t: hv.BlockPagedTensor, size: int, spare: int) -> None:
+    fresh = repage(t, size)
+    out = _filled((fresh.num_pages + spare, size, t.num_heads, t.head_dim), t.dtype)
+    into = repage(t, size, out=out)
+    assert fresh.num_pages == 0 or into.page_pool.data_ptr() == out.data_ptr()
+    assert torch.equal(into.page_pool.view(torch.uint8), fresh.page_pool.view(torch.uint8))
+    assert torch.equal(into.block_table, fresh.block_table)
+    # Pages past the import are not touched.
+    assert bool((out[fresh.num_pages :].view(torch.uint8) == 0x5A).all())
+
+
+def test_repage_refuses_an_out_pool_that_does_not_fit() -> None:
+    t = hv.BlockPagedTensor(
+        torch.randn(3, 4, 2, 8, dtype=torch.bfloat16),
+        torch.tensor([0, 1, 2]),
+        torch.tensor([0, 3]),
+        torch.tensor([10]),
+        "key",
+        0,
+    )
+    cases = {
+        "too few pages": torch.empty(1, 8, 2, 8, dtype=torch.bfloat16),
+        "page shape": torch.empty(4, 8, 2, 4, dtype=torch.bfloat16),
+        "dtype": torch.empty(4, 8, 2, 8, dtype=torch.float16),
+    }
+    for why, out in cases.items():
+        with pytest.raises(hv.HurrayFormatError) as err:
+            repage(t, 8, out=out)
+        assert err.value.field == "out", why

@@ -1,0 +1,247 @@
+"""The optional C kernels for the CPU-packed layouts: byte-identical to the torch path, and optional."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from hurray_vllm import native
+from hurray_vllm.adapters.vllm import CpuPacked
+
+
+@pytest.fixture
+def torch_only(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Run with the native kernels switched off, then restore whatever was loaded."""
+    saved = dict(native._state)
+    monkeypatch.setenv("HURRAY_VLLM_NATIVE", "0")
+    native._state.clear()
+    yield
+    native._state.clear()
+    native._state.update(saved)
+
+
+def _lib() -> ctypes.CDLL:
+    lib = native.library()
+    if lib is None and os.environ.get("CI") == "true":
+        pytest.fail(f"native kernels must build in CI: {native.unavailable_reason()}")
+    if lib is None:
+        pytest.skip(f"no native kernels here: {native.unavailable_reason()}")
+    return lib
+
+
+def _cache(dtype: torch.dtype, b: int, h: int, n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-(2**15), 2**15, (b, h, n, 2 * d * dtype.itemsize // 2), generator=g, dtype=torch.int16)
+    return raw.view(torch.uint8).view(dtype).view(b, h, n, 2 * d)
+
+
+CASES = [
+    (isa, dtype, n, d)
+    for isa in ("vec", "vec16", "amx")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+    for n, d in ((32, 64), (128, 128), (32, 80))
+    if not (isa == "amx" and d % 16)
+]
+
+
+@pytest.mark.parametrize(("isa", "dtype", "n", "d"), CASES)
+def test_native_gather_equals_the_torch_gather(isa: str, dtype: torch.dtype, n: int, d: int, torch_only) -> None:  # type: ignore[no-untyped-def]
+    cache = _cache(dtype, 9, 3, n, d, seed=n + d)
+    ids = torch.tensor([7, 0, 3, 3, 8])
+    want = CpuPacked(isa, d).gather(cache, ids)  # torch path (native switched off by the fixture)
+    native._state.clear()
+    os.environ["HURRAY_VLLM_NATIVE"] = "1"
+    _lib()
+    layout = CpuPacked(isa, d)
+    out = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+    assert layout._gather_native(cache, ids, out)
+    for a, b in zip(want, out, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # A strided cache (a view of a larger buffer, as vLLM's per-layer views are) reads the same.
+    big = torch.cat([cache, cache], dim=1)[:, :3]
+    assert layout._gather_native(big, ids, out)
+    assert torch.equal(want[0].view(torch.uint8), out[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["vec_keys", "amx_keys", "amx_values"])
+def test_sse2_kernels_equal_the_portable_loops(kind: str) -> None:
+    lib = _lib()
+    if not hasattr(lib, f"hurray_{kind}_2_generic"):
+        pytest.skip("built without the 16-bit specialisations")
+    b, h, n, d = 6, 4, 64, 128
+    cache = _cache(torch.bfloat16, b, h, n, d, seed=1)
+    ids = torch.tensor([5, 1, 2])
+    base = cache.data_ptr() + (n * d * 2 if kind == "amx_values" else 0)
+    outs = []
+    for name in (f"hurray_{kind}_2", f"hurray_{kind}_2_generic"):
+        out = torch.zeros(3, n, h, d, dtype=torch.bfloat16)
+        native.kernel(lib, name)(base, ids.data_ptr(), 0, 3, cache.stride(0), cache.stride(1), h, n, d, out.data_ptr())
+        outs.append(out.view(torch.int16))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_block_ids_outside_the_cache_are_refused() -> None:
+    _lib()
+    cache = _cache(torch.bfloat16, 4, 2, 32, 64, seed=2)
+    out = (torch.empty(1, 32, 2, 64, dtype=torch.bfloat16), torch.empty(1, 32, 2, 64, dtype=torch.bfloat16))
+    from hurray_vllm import HurrayFormatError
+
+    with pytest.raises(HurrayFormatError) as err:
+        CpuPacked("amx", 64).gather(cache, torch.tensor([4]), out)
+    assert err.value.field == "block_ids"
+
+
+def test_switched_off_says_why(torch_only) -> None:  # type: ignore[no-untyped-def]
+    assert native.library() is None
+    assert "HURRAY_VLLM_NATIVE=0" in (native.unavailable_reason() or "")
+    cache = _cache(torch.bfloat16, 4, 2, 32, 64, seed=3)
+    k, _ = CpuPacked("amx", 64).gather(cache, torch.tensor([1, 2]))  # the torch path still works
+    assert k.shape == (2, 32, 2, 64)
+
+
+def test_a_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+        monkeypatch.setenv("HURRAY_VLLM_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+        assert native.library() is None
+        assert "no-such-cc" in (native.unavailable_reason() or "")
+        assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+
+
+def test_crc32c_equals_the_reference_implementation() -> None:
+    _lib()
+    from hurray_vllm.wire.crc32c import crc32c_python as crc32c
+
+    data = bytes(range(256)) * 41 + b"tail"
+    assert native.crc32c(data) == crc32c(data)
+    assert native.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+    assert native.crc32c(data[500:], native.crc32c(data[:500]) or 0) == crc32c(data)
+    assert native.crc32c(memoryview(bytearray(data))) == crc32c(data)  # writable buffers too
+    assert native.crc32c(b"", 7) == 7
+    # Long inputs run in interleaved lanes of 4 KiB, three per block: every boundary around them.
+    import random
+
+    big = random.Random(5).randbytes(3 * 4096 * 3 + 77)
+    for n in (3 * 4096 - 1, 3 * 4096, 3 * 4096 + 1, 2 * 3 * 4096 + 8, len(big)):
+        assert native.crc32c(big[:n]) == crc32c(big[:n]), n
+    assert native.crc32c(big[12345:], native.crc32c(big[:12345]) or 0) == crc32c(big)
+
+
+def test_crc32c_of_tensors_is_the_crc_of_their_bytes_in_order() -> None:
+    _lib()
+    from hurray_vllm.wire.crc32c import crc32c_python as crc32c
+
+    g = torch.Generator().manual_seed(3)
+    parts = [
+        torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g),
+        torch.empty(0, dtype=torch.bfloat16),
+        torch.randn(3, 7, 64, generator=g).to(torch.bfloat16),
+        torch.randn(13000, generator=g),
+    ]
+    whole = b"".join(p.view(torch.uint8).numpy().tobytes() if p.numel() else b"" for p in parts)
+    assert native.crc32c_tensors(parts) == crc32c(whole)
+    assert native.crc32c_tensors(parts[2:], native.crc32c_tensors(parts[:2]) or 0) == crc32c(whole)
+    assert native.crc32c_tensors([], 9) == 9
+    with pytest.raises(ValueError, match="contiguous"):
+        native.crc32c_tensors([parts[2].transpose(0, 1)])
+
+
+def test_chunk_digests_name_their_algorithm(torch_only) -> None:  # type: ignore[no-untyped-def]
+    from hurray_vllm import HurrayFormatError
+    from hurray_vllm.chunks.store import ChunkDigest
+
+    d = ChunkDigest()  # native switched off: zlib's CRC-32
+    d.update(b"123456789")
+    assert d.hexdigest() == "crc32:cbf43926"
+    with pytest.raises(HurrayFormatError) as err:
+        ChunkDigest.like("crc32c:e3069283")  # cannot be checked without the native kernels: refused, not trusted
+    assert err.value.field == "snapshot.digest" and "native" in str(err.value)
+    with pytest.raises(HurrayFormatError):
+        ChunkDigest.like("sha1:00")
+
+
+def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _lib()
+    locked = tmp_path / "read-only-home"
+    real_build = native._build
+
+    def build(target):  # type: ignore[no-untyped-def]
+        if locked in target.parents:
+            raise PermissionError(13, "Permission denied", str(target.parent))
+        real_build(target)
+
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+        monkeypatch.setenv("HURRAY_VLLM_CACHE_DIR", str(locked))
+        monkeypatch.setattr(native, "_build", build)
+        monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+        assert native.library() is not None, native.unavailable_reason()
+        assert list((tmp_path / "tmp").rglob("cpu_packed-*.so"))
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+
+
+@pytest.mark.parametrize(("isa", "dtype", "n", "d"), CASES)
+def test_scatter_inverts_gather_natively_and_in_torch(isa: str, dtype: torch.dtype, n: int, d: int, torch_only) -> None:  # type: ignore[no-untyped-def]
+    """scatter writes exactly the blocks it is given (a strided cache too), and gather reads them back."""
+    src = _cache(dtype, 9, 3, n, d, seed=n + d)
+    ids = torch.tensor([7, 0, 3, 8])
+    layout = CpuPacked(isa, d)
+    k, v = layout.gather(src, ids)
+    caches = []
+    for use_native in (False, True):
+        if use_native:
+            native._state.clear()
+            os.environ["HURRAY_VLLM_NATIVE"] = "1"
+            _lib()
+        # Every (block, head) plane contiguous but the cache a view of a larger buffer, as vLLM's are.
+        big = _cache(dtype, 9, 6, n, d, seed=1)
+        cache = big[:, 1:4]
+        before = big.clone()
+        layout.scatter(cache, ids, k, v)
+        got = layout.gather(cache, ids)
+        assert torch.equal(got[0].view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(got[1].view(torch.uint8), v.view(torch.uint8))
+        untouched = torch.ones(9, 6, dtype=torch.bool)
+        untouched[ids, 1:4] = False
+        assert torch.equal(big[untouched].view(torch.uint8), before[untouched].view(torch.uint8))
+        caches.append(cache.clone())
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+
+
+def test_scatter_refuses_bad_pages() -> None:
+    from hurray_vllm import HurrayFormatError
+
+    layout = CpuPacked("vec", 8)
+    cache = torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)
+    k = torch.zeros(1, 16, 2, 8, dtype=torch.bfloat16)
+    for ids, keys, field in ((torch.tensor([1]), k.float(), "keys"), (torch.tensor([4]), k, "block_ids")):
+        with pytest.raises(HurrayFormatError) as info:
+            layout.scatter(cache, ids, keys, k)
+        assert info.value.field == field
+
+
+@pytest.mark.parametrize("kind", ["vec_keys_put", "amx_keys_put", "amx_values_put"])
+def test_sse2_put_kernels_equal_the_portable_loops(kind: str) -> None:
+    lib = _lib()
+    b, h, n, d = 6, 4, 64, 128
+    pages = _cache(torch.bfloat16, 3, n, h, d // 2, seed=2).reshape(3, n, h, d)
+    ids = torch.tensor([5, 1, 2])
+    caches = []
+    for name in (f"hurray_{kind}_2", f"hurray_{kind}_2_generic"):
+        cache = torch.zeros(b, h, n, 2 * d, dtype=torch.bfloat16)
+        base = cache.data_ptr() + (n * d * 2 if kind == "amx_values_put" else 0)
+        fn = native.kernel(lib, name)
+        fn(base, ids.data_ptr(), 0, 3, cache.stride(0), cache.stride(1), h, n, d, pages.data_ptr())
+        caches.append(cache.view(torch.int16))
+    assert torch.equal(caches[0], caches[1])

@@ -1,0 +1,108 @@
+"""Synthetic snapshots shared by the importer tests (no engine needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import hurray_vllm as hv
+from hurray_vllm import BlockPagedTensor, KVSnapshot
+
+__all__ = ["FP8", "make_flashinfer_snapshot", "make_snapshot"]
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def make_snapshot(
+    lens: Sequence[int],
+    shares: Sequence[int],
+    page_size: int,
+    *,
+    heads: int = 2,
+    dim: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    layers: int = 2,
+    spare_pages: int = 2,
+    seed: int = 0,
+) -> hv.KVSnapshot:
+    """A snapshot whose sequence ``s`` reuses the first ``shares[s]`` pages of sequence ``s - 1``.
+
+    Fresh page ids are a random permutation of the pool (plus ``spare_pages``
+    pages nobody references); fp8 snapshots get per-layer ``kv_scales``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    per_seq: list[list[int]] = []
+    fresh_needed = 0
+    for i, n in enumerate(lens):
+        pages = -(-n // page_size)
+        share = min(shares[i], pages, len(per_seq[-1])) if i else 0
+        per_seq.append([-1] * share + [-2] * (pages - share))
+        fresh_needed += pages - share
+    num_pages = fresh_needed + spare_pages
+    ids = iter(torch.randperm(max(num_pages, 1), generator=gen).tolist())
+    table: list[int] = []
+    ptr = [0]
+    prev: list[int] = []
+    for own in per_seq:
+        row = [prev[j] if x == -1 else next(ids) for j, x in enumerate(own)]
+        table.extend(row)
+        ptr.append(len(table))
+        prev = row
+    bt, sp, sl = (torch.tensor(x, dtype=torch.int64) for x in (table, ptr, list(lens)))
+
+    def pool() -> torch.Tensor:
+        return (torch.randn((num_pages, page_size, heads, dim), generator=gen) * 2).to(dtype)
+
+    keys = tuple(hv.BlockPagedTensor(pool(), bt, sp, sl, "key", i) for i in range(layers))
+    values = tuple(hv.BlockPagedTensor(pool(), bt, sp, sl, "value", i) for i in range(layers))
+    scales = tuple((0.5 + 0.25 * i, 0.75 + 0.5 * i) for i in range(layers)) if dtype in FP8 else None
+    return hv.KVSnapshot(keys=keys, values=values, kv_scales=scales)
+
+
+def make_flashinfer_snapshot(
+    lens: list[int],
+    *,
+    page_size: int = 4,
+    heads: int = 2,
+    dim: int = 8,
+    dtype: torch.dtype = torch.float16,
+    layers: int = 2,
+    kv_scales: tuple[tuple[float, float], ...] | None = None,
+    seed: int = 0,
+    spare_pages: int = 0,
+    shuffle: bool = False,
+    scale: float = 2.0,
+) -> KVSnapshot:
+    """Sequence 0 owns fresh pages from 0; a later sequence with a full first page shares page 0 (a prefix).
+
+    ``spare_pages`` adds pages no sequence references; ``shuffle`` permutes the page ids;
+    the values are ``scale`` times standard normal.
+    """
+    table: list[int] = []
+    ptr = [0]
+    next_page = 0
+    share = bool(lens) and lens[0] >= page_size
+    for s, n in enumerate(lens):
+        for j in range(-(-n // page_size)):
+            if s and j == 0 and share and n >= page_size:
+                table.append(0)
+            else:
+                table.append(next_page)
+                next_page += 1
+        ptr.append(len(table))
+    num_pages = max(next_page, 1) + spare_pages
+    gen = torch.Generator().manual_seed(seed)
+    bt, sp, sl = (torch.tensor(x, dtype=torch.int64) for x in (table, ptr, lens))
+    if shuffle:
+        perm = torch.randperm(num_pages, generator=gen)
+        bt = perm[bt] if table else bt
+
+    def pool() -> torch.Tensor:
+        return (torch.randn(num_pages, page_size, heads, dim, generator=gen) * scale).to(dtype)
+
+    return KVSnapshot(
+        keys=tuple(BlockPagedTensor(pool(), bt, sp, sl, "key", i) for i in range(layers)),
+        values=tuple(BlockPagedTensor(pool(), bt, sp, sl, "value", i) for i in range(layers)),
+        kv_scales=kv_scales,
+    )

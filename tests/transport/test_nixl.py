@@ -1,0 +1,401 @@
+"""The NIXL transport: KV chunks between two processes on 127.0.0.1 (CPU, UCX), and its failure modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import require
+from hypothesis import given
+from servers import ROOT
+from strategies import snapshots
+
+import hurray_vllm as hv
+from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource
+from hurray_vllm.chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, chunks_of, namespace_of
+from hurray_vllm.containers.schema import snapshot_records
+from hurray_vllm.transport import nixl as tn
+
+#: The sender process: loads a chunk and pushes it; ``die`` kills itself right after posting the first WRITE.
+SENDER = """
+import os, signal, sys
+import hurray_vllm as hv
+from hurray_vllm.transport import nixl as tn
+mode, url, ns, key, path = sys.argv[1:6]
+if mode == "die":
+    post = tn.NixlSender._post
+    def post_then_die(self, *args):
+        handle = post(self, *args)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return handle
+    tn.NixlSender._post = post_then_die
+tn.send_chunks_nixl(url, [(ns, key, hv.load(path))], timeout=30)
+print("sent")
+"""
+
+
+def multilayer_snapshot(layers: int = 6, tokens: int = 128, page_size: int = 16, seed: int = 0) -> KVSnapshot:
+    """Two sequences sharing their first pages, bf16, every layer and role with its own values."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, dim = 4, 64
+    pages = tokens // page_size
+    table = torch.tensor([*range(pages), *range(pages // 2), *range(pages, pages + pages // 2)])
+    seq_ptr = torch.tensor([0, pages, 2 * pages])
+    seq_lens = torch.tensor([tokens, tokens])
+    ids = tuple(range(1000, 1000 + tokens))
+    other = ids[: tokens // 2] + tuple(range(5000, 5000 + tokens // 2))
+
+    def pool() -> torch.Tensor:
+        return torch.randn(pages + pages // 2, page_size, heads, dim, generator=gen).to(torch.bfloat16)
+
+    keys = tuple(BlockPagedTensor(pool(), table, seq_ptr, seq_lens, "key", i) for i in range(layers))
+    values = tuple(BlockPagedTensor(pool(), table, seq_ptr, seq_lens, "value", i) for i in range(layers))
+    return KVSnapshot(
+        keys,
+        values,
+        token_ids=(ids, other),
+        fingerprint=ModelFingerprint("TestLlama", layers, heads, dim, "bfloat16"),
+        source=SnapshotSource("test", "nhd", page_size),
+    )
+
+
+def pool_bytes(snap: KVSnapshot) -> list[bytes]:
+    return [bytes(t.page_pool.contiguous().view(torch.uint8).reshape(-1).numpy()) for t in (*snap.keys, *snap.values)]
+
+
+@pytest.fixture(scope="module")
+def chunks() -> list[tuple[str, str, KVSnapshot]]:
+    snap = multilayer_snapshot()
+    assert snap.fingerprint is not None
+    ns = namespace_of(snap.fingerprint)
+    return [(ns, key, chunk) for key, chunk in chunks_of(snap, 64)]
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[tn.NixlReceiver]:
+    require("nixl_cu12")
+    r = tn.NixlReceiver("127.0.0.1", 0, DirectoryStore(tmp_path / "store"), timeout=15).start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def url_of(r: tn.NixlReceiver) -> str:
+    return f"nixl://127.0.0.1:{r.address[1]}"
+
+
+def run_sender(mode: str, r: tn.NixlReceiver, ns: str, key: str, chunk: KVSnapshot, tmp: Path) -> subprocess.Popen[str]:
+    path = tmp / f"{key}.hrry"
+    hv.save(chunk, path)
+    return subprocess.Popen(
+        [sys.executable, "-c", SENDER, mode, url_of(r), ns, key, str(path)],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(cond, seconds: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+def test_two_processes_move_a_multilayer_chunk_byte_for_byte(
+    receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]], tmp_path: Path
+) -> None:
+    ns, key, chunk = chunks[1]  # the chunk behind a shared prefix: pages renumbered by compaction
+    assert chunk.num_layers == 6 and chunk.keys[0].num_pages > 1
+    proc = run_sender("send", receiver, ns, key, chunk, tmp_path)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-3000:]
+    assert "sent" in out
+    got = receiver.store.get(ns, key)  # type: ignore[attr-defined]
+    assert pool_bytes(got) == pool_bytes(chunk)
+    assert got.token_ids == chunk.token_ids and got.fingerprint == chunk.fingerprint
+    assert got.extra[DIGEST_KEY] == chunk_digest(got) == chunk.extra[DIGEST_KEY]
+    for a, b in zip((*got.keys, *got.values), (*chunk.keys, *chunk.values)):
+        assert torch.equal(a.block_table, b.block_table) and torch.equal(a.seq_lens, b.seq_lens)  # type: ignore[arg-type]
+    assert receiver.received == 1 and receiver.refused == 0
+
+
+def test_corrupt_chunks_are_refused_and_not_stored(
+    receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]]
+) -> None:
+    ns, key, chunk = chunks[0]
+    store = receiver.store
+    assert isinstance(store, DirectoryStore)
+    wrong_digest = replace(chunk, extra={**chunk.extra, DIGEST_KEY: "00" * 16})
+    with pytest.raises(hv.HurrayFormatError, match=r"refused.*digest"):
+        tn.send_chunks_nixl(url_of(receiver), [(ns, "ab" * 8, wrong_digest)], timeout=20)
+    # The descriptor's digest is right, but the bytes that travel are not the ones it describes.
+    flipped = chunk.values[3].page_pool.clone()
+    flipped.view(torch.uint8).reshape(-1)[12345] ^= 0x40
+    tampered = replace(
+        chunk, values=tuple(replace(v, page_pool=flipped) if v.layer_index == 3 else v for v in chunk.values)
+    )
+    with pytest.raises(hv.HurrayFormatError, match=r"refused.*digest"):
+        tn.send_chunks_nixl(url_of(receiver), [(ns, "cd" * 8, tampered)], timeout=20)
+    with pytest.raises(hv.HurrayFormatError, match=r"refused.*lowercase hex"):
+        tn.send_chunks_nixl(url_of(receiver), [("../../etc", key, chunk)], timeout=20)
+    assert not store.has(ns, "ab" * 8) and not store.has(ns, "cd" * 8)
+    assert receiver.refused == 3 and receiver.received == 0
+    # The same connection and the same receive buffers go on serving valid chunks.
+    tn.send_chunks_nixl(url_of(receiver), [(ns, key, chunk), (ns, "ef" * 8, chunk)], timeout=20)
+    assert store.has(ns, key) and store.has(ns, "ef" * 8)
+    assert pool_bytes(store.get(ns, key)) == pool_bytes(chunk)
+    assert receiver.arena.registrations == 1  # registered once, reused by every chunk
+
+
+def test_sender_killed_mid_transfer_leaves_nothing_and_the_receiver_keeps_serving(
+    receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]], tmp_path: Path
+) -> None:
+    ns, key, chunk = chunks[0]
+    store = receiver.store
+    assert isinstance(store, DirectoryStore)
+    proc = run_sender("die", receiver, ns, key, chunk, tmp_path)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    assert wait_for(lambda: receiver.refused == 1), "the receiver did not notice the dead sender"
+    assert "disconnected mid-transfer" in (receiver.last_error or "")
+    assert not store.has(ns, key) and not (store.root / ns).exists()
+    # The receiver still serves, and a later transfer of the same chunk succeeds.
+    tn.send_chunks_nixl(url_of(receiver), [(ns, key, chunk)], timeout=20)
+    assert pool_bytes(store.get(ns, key)) == pool_bytes(chunk)
+    assert receiver.received == 1
+
+
+def test_concurrent_senders_and_pinned_page_pools(
+    receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]]
+) -> None:
+    (ns, key0, chunk0), (_, key1, chunk1) = chunks[:2]
+    pinned = tn.NixlSender()
+    try:
+        pinned.register([t.page_pool for t in (*chunk1.keys, *chunk1.values)])  # an engine's KV cache, say
+        errors: list[BaseException] = []
+
+        def push(sender: tn.NixlSender, key: str, chunk: KVSnapshot) -> None:
+            try:
+                for i in range(3):
+                    sender.send(url_of(receiver), [(ns, f"{key[:-1]}{i}", chunk)], timeout=30)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=push, args=(tn.default_sender(), key0, chunk0)),
+            threading.Thread(target=push, args=(pinned, key1, chunk1)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        store = receiver.store
+        assert isinstance(store, DirectoryStore)
+        for key, chunk in ((key0, chunk0), (key1, chunk1)):
+            for i in range(3):
+                assert pool_bytes(store.get(ns, f"{key[:-1]}{i}")) == pool_bytes(chunk)
+        assert receiver.received == 6 and receiver.refused == 0
+    finally:
+        pinned.close()
+
+
+def test_absurd_sizes_and_stalled_senders_are_bounded(
+    tmp_path: Path, chunks: list[tuple[str, str, KVSnapshot]]
+) -> None:
+    require("nixl_cu12")
+    ns, key, chunk = chunks[0]
+    store = DirectoryStore(tmp_path / "store")
+    with tn.NixlReceiver("127.0.0.1", 0, store, timeout=1.0) as r:
+        addr = ("127.0.0.1", r.address[1])
+        # A descriptor that announces a 16 TiB page pool is refused before anything is allocated.
+        records = list(snapshot_records(chunk))
+        i = next(n for n, rec in enumerate(records) if rec.descriptor.block_paged is not None)
+        d = records[i].descriptor
+        assert d.block_paged is not None
+        pages = 1 << 31
+        size = pages * chunk.keys[0].page_bytes
+        huge = replace(
+            d,
+            layout=replace(d.block_paged, num_pages=pages),
+            buffers=(replace(d.buffers[0], byte_size=size), *d.buffers[1:]),
+        )
+        records[i] = replace(records[i], descriptor=huge)
+        with socket.create_connection(addr, timeout=10) as s:
+            send_offer(s, ns, key, records)
+            assert s.recv(2) == b"ER"
+            assert b"exceeds the limit" in read_message(s)
+        assert r.arena.total == 0
+        # A sender that takes the buffers and never writes: the receiver gives up after its timeout.
+        with socket.create_connection(addr, timeout=10) as s:
+            send_offer(s, ns, key, list(snapshot_records(chunk)))
+            assert s.recv(2) == b"RD"
+            assert wait_for(lambda: r.refused == 2, 10)
+            assert "timed out" in (r.last_error or "")
+        assert not store.has(ns, key)
+        # Still serving.
+        tn.send_chunks_nixl(f"nixl://127.0.0.1:{r.address[1]}", [(ns, key, chunk)], timeout=20)
+        assert store.has(ns, key) and r.received == 1
+
+
+def send_offer(s: socket.socket, ns: str, key: str, records: list) -> None:  # type: ignore[type-arg]
+    parts, _, _ = tn._encode_offer(ns, key, records)
+    body = b"".join(bytes(p) for p in parts)
+    s.sendall(tn.MAGIC + len(body).to_bytes(8, "little") + body)
+
+
+def read_message(s: socket.socket) -> bytes:
+    n = int.from_bytes(s.recv(2), "little")
+    out = b""
+    while len(out) < n:
+        out += s.recv(n - len(out))
+    return out
+
+
+def test_without_nixl_the_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tn, "_nixl", None)
+    monkeypatch.setattr(tn, "_default", None)
+    for name in tn._MODULES:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules makes the import fail
+    with pytest.raises(ImportError, match=r"pip install 'hurray-vllm\[nixl\]'"):
+        tn.send_chunks_nixl("nixl://127.0.0.1:9", [])
+    with pytest.raises(tn.NixlUnavailableError):
+        tn.NixlReceiver("127.0.0.1", 0, DirectoryStore("unused"))
+    with pytest.raises(hv.HurrayFormatError, match="nixl://HOST:PORT"):
+        tn.send_chunks_nixl("tcp://127.0.0.1:9", [])
+
+
+def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapshot]], tmp_path: Path) -> None:
+    require("nixl_cu12")
+    store = tmp_path / "store"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hurray_vllm.app.cli",
+            "receive",
+            "--listen",
+            "127.0.0.1:0",  # the receiver binds a free port and prints it: no race for one
+            "--dir",
+            str(store),
+            "--transport",
+            "nixl",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "receiving KV chunks (nixl)" in line, line
+        port = int(line.split(" on ")[1].split()[0].rsplit(":", 1)[1])
+        ns, key, chunk = chunks[0]
+        tn.send_chunks_nixl(f"nixl://127.0.0.1:{port}", [(ns, key, chunk)], timeout=30)
+        got = DirectoryStore(store).get(ns, key)
+        assert torch.equal(got[0, "key"].page_pool, chunk[0, "key"].page_pool)
+    finally:
+        # SIGTERM, not SIGINT: a test run started in the background by a shell inherits an
+        # ignored SIGINT, and so does this receiver. communicate, not wait: the pipe must be
+        # drained, or a receiver with more to log than it holds blocks in write.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the receive command dumps its threads' stacks
+            time.sleep(2)
+            proc.kill()
+            rest, _ = proc.communicate()
+            pytest.fail(f"the receiver did not stop on SIGTERM; its output:\n{rest[-8000:]}")
+
+
+@given(snapshots())
+def test_a_snapshot_offer_encodes_shared_layers_once_to_the_same_bytes(snap: KVSnapshot) -> None:
+    """The sender's offer (layer structure encoded once, layer index patched) equals the generic record encoding."""
+    ns, key = "ab" * 8, "cd" * 16
+    want_parts, want_pools, want_order = tn._encode_offer(ns, key, snapshot_records(snap))
+    got_parts, got_pools, got_order = tn._encode_snapshot_offer(ns, key, snap)
+    assert b"".join(bytes(p) for p in got_parts) == b"".join(bytes(p) for p in want_parts)
+    assert [p.data_ptr() for p in got_pools] == [p.data_ptr() for p in want_pools]
+    assert got_order == want_order
+
+
+def test_lanes_share_pools_by_bytes_in_posting_order() -> None:
+    mib = 1 << 20
+    assert tn._lane_shares([0, 2, 1, 3], [4 * mib] * 4, 2) == [[0, 1], [2, 3]]
+    # Unequal pools: each goes to the lane with the fewest bytes so far.
+    assert tn._lane_shares([0, 1, 2, 3], [8 * mib, 2 * mib, 2 * mib, 2 * mib], 2) == [[0], [1, 2, 3]]
+    # Small chunks use fewer lanes (at least 1 MiB each), never more lanes than pools.
+    assert tn._lane_shares([0, 1, 2], [1000, 1000, 1000], 4) == [[0, 1, 2]]
+    assert tn._lane_shares([0], [64 * mib], 4) == [[0]]
+    assert tn._lane_shares([], [], 2) == [[]]
+
+
+def test_a_chunk_split_across_lanes_arrives_whole_and_a_failing_lane_aborts_it(
+    receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns, key, chunk = chunks[1]
+    monkeypatch.setattr(tn, "_MIN_LANE_BYTES", 1)  # this chunk is small: use every lane anyway
+    posted: dict[int, int] = {}
+    post = tn.NixlSender._post
+    fail: set[int] = set()
+
+    def counting_post(self: tn.NixlSender, agent: object, local: object, remote: object, i: int, notif: bytes) -> Any:
+        if i in fail:
+            raise tn.NixlError(f"injected failure of page pool {i}")
+        posted[i] = id(agent)
+        return post(self, agent, local, remote, i, notif)
+
+    monkeypatch.setattr(tn.NixlSender, "_post", counting_post)
+    sender = tn.NixlSender(lanes=3)
+    try:
+        (stats,) = sender.send(url_of(receiver), [(ns, key, chunk)], timeout=20)
+        assert stats.transfers == 2 * chunk.num_layers == len(posted)
+        assert len(set(posted.values())) == 3  # every lane's agent wrote its share
+        store = receiver.store
+        assert isinstance(store, DirectoryStore)
+        assert pool_bytes(store.get(ns, key)) == pool_bytes(chunk)
+        # One lane fails mid-chunk: the sender reports it, the others stop, nothing is stored.
+        fail.add(max(posted))
+        with pytest.raises(tn.NixlError, match="injected"):
+            sender.send(url_of(receiver), [(ns, "ab" * 8, chunk)], timeout=20)
+        assert wait_for(lambda: receiver.refused == 1)
+        assert not store.has(ns, "ab" * 8)
+        fail.clear()
+        sender.send(url_of(receiver), [(ns, "ab" * 8, chunk)], timeout=20)
+        assert pool_bytes(store.get(ns, "ab" * 8)) == pool_bytes(chunk)
+    finally:
+        sender.close()
+
+
+def test_registered_pools_can_be_unregistered_for_replacement() -> None:
+    require("nixl_cu12")
+    sender = tn.NixlSender(lanes=2)
+    try:
+        a, b = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
+        sender.register([a, b])
+        assert sender._covered(a.data_ptr(), a.numel()) and sender._covered(b.data_ptr(), b.numel())
+        sender.unregister([a, torch.zeros(8)])  # one registered, one never was
+        assert not sender._covered(a.data_ptr(), a.numel()) and sender._covered(b.data_ptr(), b.numel())
+        with pytest.raises(hv.HurrayFormatError, match="contiguous"):
+            sender.register([a[::2]])
+    finally:
+        sender.close()
+    assert not sender._pinned
