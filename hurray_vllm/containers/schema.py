@@ -167,7 +167,7 @@ def layer_records(
     k: BlockPagedTensor,
     v: BlockPagedTensor,
     kv_scales: tuple[float, float] | None = None,
-    index_cache: dict[tuple[int, str], torch.Tensor] | None = None,
+    index_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Iterator[Record]:
     """The ``layers.{i}`` group of one layer (``index_cache``: see :meth:`BlockPagedTensor.wire_buffers`)."""
     yield group_head(f"layers.{i}", 4 if kv_scales is not None else 3, k.shape, k.dtype)
@@ -183,7 +183,7 @@ def layer_records(
 def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
     """The records of ``snap``, layer after layer (lazy: nothing is copied ahead)."""
     yield from header_records(snap)
-    cache: dict[tuple[int, str], torch.Tensor] = {}  # layers often share their index tensors
+    cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # layers often share index tensors
     for i, (k, v) in enumerate(snap.layers()):
         yield from layer_records(i, k, v, snap.kv_scales[i] if snap.kv_scales is not None else None, cache)
 

@@ -160,6 +160,21 @@ def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
         index += 1
 
 
+class Same:
+    """An object compared by identity (tensors compare elementwise), kept alive by whoever holds this."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def layer_structure_key(
     k: BlockPagedTensor, v: BlockPagedTensor, kv_scales: tuple[float, float] | None
 ) -> tuple[object, ...] | None:
@@ -167,14 +182,15 @@ def layer_structure_key(
 
     Two layers with the same key encode to the same group head, index buffers
     and ``seq_lens`` record, and to block-paged descriptors that differ only
-    in their layer index. The key holds tensor ids: it compares equal only
-    while the caller keeps those tensors alive. None for quantized pools,
-    whose buffers are per layer.
+    in their layer index. The index tensors enter the key by identity
+    (:class:`Same`), and the key keeps them alive, so it can never compare
+    equal to the key of other tensors that reuse their ids. None for
+    quantized pools, whose buffers are per layer.
     """
     if k.quant_buffers or v.quant_buffers or k.quantization is not None or v.quantization is not None:
         return None
     return (
-        *(id(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
+        *(Same(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
         tuple(k.page_pool.shape),
         tuple(v.page_pool.shape),
         k.dtype,

@@ -300,7 +300,9 @@ class BlockPagedTensor:
             quantization=self.quantization,
         )
 
-    def wire_buffers(self, index_cache: dict[tuple[int, str], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def wire_buffers(
+        self, index_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> list[torch.Tensor]:
         """The buffers in descriptor order, as contiguous tensors whose bytes go on the wire.
 
         The page pool is returned as is (no copy when it is contiguous);
@@ -315,13 +317,15 @@ class BlockPagedTensor:
         def narrow(t: torch.Tensor) -> torch.Tensor:
             if index_cache is None:
                 return t.to(index_dtype).contiguous()
-            # The cache lives for one write of tensors the caller holds, so an id is a stable key.
-            # (No _version in it: tensors made under torch.inference_mode, as vLLM's are, have none.)
+            # Keyed by identity; each entry keeps its source tensor alive, so its id cannot be
+            # reused by another tensor while the entry exists, however long the caller keeps the
+            # dict. (No _version in the key: tensors made under torch.inference_mode, as vLLM's
+            # are, have none.)
             key = (id(t), self.index_type)
             got = index_cache.get(key)
-            if got is None:
-                got = index_cache[key] = t.to(index_dtype).contiguous()
-            return got
+            if got is None or got[0] is not t:
+                got = index_cache[key] = (t, t.to(index_dtype).contiguous())
+            return got[1]
 
         return [pool, narrow(self.block_table), narrow(self.seq_ptr), *(b.contiguous() for b in self.quant_buffers)]
 

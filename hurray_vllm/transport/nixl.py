@@ -265,7 +265,7 @@ class _OfferWriter:
         into the two block-paged descriptors, as :class:`stream.LayerWriter`
         does for streams: the bytes are those of ``add`` over ``layer_records``.
         """
-        index_cache: dict[tuple[int, str], torch.Tensor] = {}
+        index_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         shared: tuple[object, ...] | None = None
         template: list[Any] = []
         patches: list[tuple[int, int]] = []  # (part index in the template, layer index offset) for key, value

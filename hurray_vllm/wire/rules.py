@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -105,15 +106,30 @@ def _decode_and_check(raw: bytes, permissive: bool) -> tuple[TensorDescriptor, C
 
 
 #: The verdicts decode_checked reached, by the identity of the descriptor it returned, so
-#: that check_own on that object (from_wire does it) costs a lookup. Each entry holds its
-#: descriptor, so an id cannot be reused while the entry lives; cleared when it grows.
-_BY_ID: dict[tuple[int, bool], tuple[TensorDescriptor, Checked]] = {}
+#: that check_own on that object (from_wire does it) costs a lookup. An entry holds a weak
+#: reference whose callback removes it when the descriptor dies, so a reused id can never
+#: find another descriptor's verdict, whatever the callers keep alive.
+_VERDICTS: dict[tuple[int, bool], tuple[weakref.ref[TensorDescriptor], Checked]] = {}
+_MAX_VERDICTS = 4096
+
+
+def _remember(d: TensorDescriptor, permissive: bool, checked: Checked) -> None:
+    key = (id(d), permissive)
+
+    def forget(ref: weakref.ref[TensorDescriptor]) -> None:
+        entry = _VERDICTS.get(key)
+        if entry is not None and entry[0] is ref:
+            del _VERDICTS[key]
+
+    if len(_VERDICTS) >= _MAX_VERDICTS:  # bounded even while callers keep many descriptors alive
+        _VERDICTS.clear()
+    _VERDICTS[key] = (weakref.ref(d, forget), checked)
 
 
 def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
     """``validate_descriptor(d)`` without buffers; free for a descriptor :func:`decode_checked` returned."""
-    hit = _BY_ID.get((id(d), permissive))
-    if hit is not None and hit[0] is d:
+    hit = _VERDICTS.get((id(d), permissive))
+    if hit is not None and hit[0]() is d:
         return hit[1]
     return validate_descriptor(d, permissive=permissive)
 
@@ -121,9 +137,7 @@ def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
 def decode_checked(raw: bytes | bytearray | memoryview, context: str, *, permissive: bool = False) -> TensorDescriptor:
     """Decode ``raw`` and raise :class:`HurrayFormatError` (naming ``context``) if it breaks a blocking rule."""
     d, checked = _decode_and_check(bytes(raw), permissive)
-    if len(_BY_ID) >= 4096:
-        _BY_ID.clear()
-    _BY_ID[id(d), permissive] = (d, checked)
+    _remember(d, permissive, checked)
     raise_if(checked, context)
     return d
 
