@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource  # noqa: E402
 from hurray_vllm.chunks.store import chunk_digest, chunks_of, namespace_of  # noqa: E402
-from hurray_vllm.transport.tcp import tcp  # noqa: E402
+from hurray_vllm.transport import tcp  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 16
 
