@@ -192,6 +192,8 @@ TOP = (
 def instrument(connector: str) -> None:
     if connector == "hurray":
         import hurray_vllm.adapters.vllm.connector as hc
+        import hurray_vllm.adapters.vllm.connector.scheduler as hs
+        import hurray_vllm.adapters.vllm.connector.worker as hw
         import hurray_vllm.chunks.store as st
 
         cls = hc.HurrayConnector
@@ -199,15 +201,17 @@ def instrument(connector: str) -> None:
         _wrap(cls, "build_connector_meta", "sched.build_connector_meta")
         _wrap(cls, "wait_for_save", "save.wait_for_save")
         _wrap(cls, "start_load_kv", "load.start_load_kv")
-        _wrap(hc, "export_snapshot", "save.export_snapshot")
-        _wrap(hc, "chunk_digest", "save.chunk_digest")
+        # The worker and scheduler parts call these by their own module's names.
+        _wrap(hw, "export_snapshot", "save.export_snapshot")
+        _wrap(hw, "chunk_digest", "save.chunk_digest")
         _wrap(st.DirectoryStore, "put", "save.store_put")
         _wrap(st, "write_file", "save.store_put.write_file")
         _wrap(os, "fsync", "save.store_put.write_file.fsync")
         _wrap(st.DirectoryStore, "get", "load.store_get")
-        _wrap(hc, "verify_chunk", "load.verify_chunk")
+        _wrap(hw, "verify_chunk", "load.verify_chunk")
+        _wrap(hs, "verify_chunk", "load.verify_chunk")
         _wrap(st, "chunk_digest", "load.verify_chunk.chunk_digest")
-        _wrap(hc, "write_blocks", "load.write_blocks")
+        _wrap(hw, "write_blocks", "load.write_blocks")
     elif connector == "example":
         import safetensors.torch
         from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as ec

@@ -1,4 +1,5 @@
-"""The connector's machinery on its own (no engine): the writer thread, the block copies, the verified chunks."""
+"""The connector's machinery on its own (no engine): the writer thread, the block copies, the verified chunks,
+its configuration, and which errors move a chunk file aside."""
 
 from __future__ import annotations
 
@@ -14,9 +15,17 @@ from conftest import require
 @pytest.fixture(scope="module")
 def conn() -> ModuleType:
     require("vllm")
-    import hurray_vllm.adapters.vllm.connector as c
+    import hurray_vllm.adapters.vllm.connector.worker as c
 
     return c
+
+
+@pytest.fixture(scope="module")
+def meta() -> ModuleType:
+    require("vllm")
+    import hurray_vllm.adapters.vllm.connector.metadata as m
+
+    return m
 
 
 def test_writer_runs_jobs_in_order_and_flush_waits(conn: ModuleType) -> None:
@@ -79,11 +88,11 @@ def test_staging_copies_blocks_and_recycles_buffers(conn: ModuleType) -> None:
     assert bufs3[0].shape[0] == 4 and torch.equal(bigger[2], caches[2][:4])
 
 
-def test_verified_chunks_are_kept_while_their_file_is_the_same(conn: ModuleType) -> None:
+def test_verified_chunks_are_kept_while_their_file_is_the_same(meta: ModuleType) -> None:
     from hurray_vllm.app.demo import spec_example_snapshot
 
     snap = spec_example_snapshot()
-    cache = conn._VerifiedChunks(2)
+    cache = meta.VerifiedChunks(2)
     cache.put("a", (1, 2, 3, 4, 5), snap)
     assert cache.get("a", (1, 2, 3, 4, 5)) is snap
     assert cache.get("a", (1, 2, 3, 4, 6)) is None  # the file changed since it was verified
@@ -96,18 +105,21 @@ def test_verified_chunks_are_kept_while_their_file_is_the_same(conn: ModuleType)
     assert cache.get("a", (1, 2, 3, 4, 5)) is None
 
 
-def test_verified_chunks_stay_within_the_open_file_limit(conn: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verified_chunks_stay_within_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import verified_capacity
+
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
-    assert conn._verified_capacity(256) == 128  # each kept chunk keeps a file descriptor
-    assert conn._verified_capacity(100) == 100
-    assert conn._verified_capacity(8) == 64  # the scheduler-to-worker handoff needs these
+    assert verified_capacity(256) == 128  # each kept chunk keeps a file descriptor
+    assert verified_capacity(100) == 100
+    assert verified_capacity(8) == 64  # the scheduler-to-worker handoff needs these
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    assert conn._verified_capacity(1000) == 1000
+    assert verified_capacity(1000) == 1000
 
 
-def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Saving with a nixl:// url: chunks go one by one through the same buffers, registered with NIXL once."""
     from hurray_vllm import KVSnapshot, ModelFingerprint
     from hurray_vllm.adapters.vllm import GatherBuffers
@@ -125,8 +137,8 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, tmp_path,
             calls.append(("unregister", [t.data_ptr() for t in ts]))
 
     monkeypatch.setattr("hurray_vllm.transport.nixl.default_sender", lambda: Sender())
-    c = object.__new__(conn.HurrayConnector)
-    c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", conn.ConnectorStats()
+    c = object.__new__(conn.HurrayWorker)
+    c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
     c._pushed, c._chunk_buffers, c._registered, c._nixl = set(), [], [], True
 
     def export(ec, caches, task, block_ids, reuse=False):  # type: ignore[no-untyped-def]
@@ -145,8 +157,8 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, tmp_path,
         )
 
     c._export_chunk = export
-    tasks = [conn.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2]) for i in range(3)]
-    tasks.append(conn.SaveTask("r", "ff" * 8, list(range(12)), [1, 2, 3]))  # larger: the buffers grow
+    tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2]) for i in range(3)]
+    tasks.append(meta.SaveTask("r", "ff" * 8, list(range(12)), [1, 2, 3]))  # larger: the buffers grow
     seen = []
     ec = SimpleNamespace(caches=None)
     for _ns, key, chunk in c._saved(ec, iter(tasks), push=True):
@@ -164,9 +176,134 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, tmp_path,
         raise NixlError("peer gone")
 
     monkeypatch.setattr("hurray_vllm.transport.nixl.send_chunks_nixl", failing_send)
-    more = [conn.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [4, 5]) for i in range(10, 13)]
-    meta = conn.HurrayConnectorMetadata(saves=more)
-    c._get_connector_metadata = lambda: meta
+    more = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [4, 5]) for i in range(10, 13)]
+    step = meta.HurrayConnectorMetadata(saves=more)
     c._async, c._engine_cache = False, lambda: ec
-    c.wait_for_save()
+    c.wait_for_save(step)
     assert all(c._store.has(c._ns, t.key) for t in more) and not c._pushed & {t.key for t in more}
+
+
+def _vllm_config(extra: dict[str, object], block_size: int = 16, tp: int = 1, role: str = "kv_both") -> SimpleNamespace:
+    """Just what HurrayConfig.from_vllm reads of a VllmConfig."""
+    require("vllm")
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(kv_connector="HurrayConnector", kv_role=role, kv_connector_extra_config=extra)
+    return SimpleNamespace(
+        kv_transfer_config=kv,
+        cache_config=SimpleNamespace(block_size=block_size),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "tp", "field"),
+    [
+        ({}, 1, "hurray_path"),
+        ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": 24}, 1, "hurray_chunk_tokens"),
+        ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": "many"}, 1, "hurray_chunk_tokens"),
+        ({"hurray_path": "/tmp/x", "hurray_url": "udp://h:1"}, 1, "hurray_url"),
+        ({"hurray_path": "/tmp/x", "hurray_verified_chunks": "lots"}, 1, "hurray_verified_chunks"),
+        ({"hurray_path": "/tmp/x"}, 2, "tensor_parallel_size"),
+    ],
+)
+def test_bad_configuration_is_an_argument_error_naming_the_key(extra: dict[str, object], tp: int, field: str) -> None:
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
+
+    with pytest.raises(HurrayArgumentError) as info:
+        HurrayConfig.from_vllm(_vllm_config(extra, tp=tp), None)  # type: ignore[arg-type]
+    assert info.value.field == field and isinstance(info.value, ValueError)
+    assert not isinstance(info.value, HurrayFormatError)
+
+
+def test_configuration_is_read_once_into_a_frozen_value() -> None:
+    require("vllm")
+    import dataclasses
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+
+    cfg = HurrayConfig.from_vllm(
+        _vllm_config(
+            {"hurray_path": "/tmp/x", "hurray_chunk_tokens": 32, "hurray_url": "tcp://h:1"}, role="kv_producer"
+        ),
+        None,  # type: ignore[arg-type]
+    )
+    assert (cfg.chunk_tokens, cfg.url, cfg.saves, cfg.loads) == (32, "tcp://h:1", True, False)
+    assert cfg.save_async is False  # with a destination, saves are synchronous
+    assert cfg.save_queue_bytes == 1024 << 20 and cfg.verified_chunks >= 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.chunk_tokens = 64  # type: ignore[misc]
+
+
+def _scheduler_with_one_chunk(tmp_path, chunk: int = 16):  # type: ignore[no-untyped-def]
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.store import DirectoryStore, chunk_keys
+
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": chunk}), None)  # type: ignore[arg-type]
+    snap = spec_example_snapshot()
+    store, ns = DirectoryStore(tmp_path), "cd" * 8
+    tokens = list(range(chunk + 1))
+    key = chunk_keys(tokens[:chunk], chunk, ns)[0]
+    assert store.put(ns, key, snap)
+    sched = HurrayScheduler(cfg, store, snap.fingerprint, ns)  # type: ignore[arg-type]
+    return sched, store, ns, key, SimpleNamespace(request_id="r", all_token_ids=tokens)
+
+
+def test_only_data_errors_move_a_chunk_aside(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A caller error or any other exception while checking a chunk says nothing about its file."""
+    require("vllm")
+    import hurray_vllm.adapters.vllm.connector.scheduler as sm
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+    from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
+
+    forget_verified_chunks()
+    sched, store, ns, key, req = _scheduler_with_one_chunk(tmp_path)
+
+    for exc in (HurrayArgumentError("page_size", "a kernel refused it"), RuntimeError("a bug")):
+
+        def fail(*a, exc=exc, **k):  # type: ignore[no-untyped-def]
+            raise exc
+
+        monkeypatch.setattr(sm, "verify_chunk", fail)
+        with pytest.raises(type(exc)):
+            sched.get_num_new_matched_tokens(req, 0)
+        assert store.has(ns, key) and sched.stats.chunks_quarantined == 0
+
+    def other_model(*a, **k):  # type: ignore[no-untyped-def]
+        raise HurrayFormatError("snapshot.fingerprint", "another model")
+
+    monkeypatch.setattr(sm, "verify_chunk", other_model)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert store.has(ns, key) and sched.stats.chunks_refused == 1 and sched.stats.chunks_quarantined == 0
+
+    def damaged(*a, **k):  # type: ignore[no-untyped-def]
+        raise HurrayFormatError("snapshot.tokens", "not the tokens its key promises")
+
+    monkeypatch.setattr(sm, "verify_chunk", damaged)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not store.has(ns, key) and sched.stats.chunks_quarantined == 1
+
+
+def test_is_damage_is_about_data_only() -> None:
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.scheduler import is_damage
+    from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
+
+    assert is_damage(HurrayFormatError("file.trailer_magic", "truncated"))
+    assert not is_damage(HurrayFormatError("snapshot.fingerprint", "another model"))
+    assert not is_damage(HurrayArgumentError("hurray_chunk_tokens", "bad"))
+    assert not is_damage(OSError("gone")) and not is_damage(ValueError("other"))
+
+
+def test_building_a_part_changes_nothing_process_wide(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """hurray_verified_chunks bounds the shared handoff cache on each put; it does not reset its capacity."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.metadata import VERIFIED
+
+    before = VERIFIED.capacity
+    _scheduler_with_one_chunk(tmp_path)
+    assert VERIFIED.capacity == before

@@ -1,0 +1,258 @@
+"""``HurrayConnector``: a vLLM KV connector that saves and loads Hurray chunks.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "HurrayConnector",
+      "kv_connector_module_path": "hurray_vllm.adapters.vllm.connector",
+      "kv_role": "kv_both",
+      "kv_connector_extra_config": {"hurray_path": "/var/cache/hurray"}}'
+
+Extra config:
+
+* ``hurray_path`` (required): directory of the chunk store (see
+  :mod:`hurray_vllm.chunks.store`). Producers write there, consumers read there.
+* ``hurray_url``: ``tcp://HOST:PORT`` (or ``nixl://HOST:PORT``) of another
+  server's receiver; every chunk saved here is also sent there
+  (server-to-server migration).
+* ``hurray_listen``: ``HOST:PORT`` to run a receiver on; chunks it receives
+  land, validated, in ``hurray_path``. ``hurray_listen_transport``: ``"tcp"``
+  (default) or ``"nixl"`` (page pools arrive as NIXL writes; needs
+  ``hurray-vllm[nixl]``).
+* ``hurray_chunk_tokens`` (default 256): tokens per chunk. Must be a multiple
+  of the block size of every engine sharing the store; engines with
+  different block sizes share chunks (a loaded chunk is repaged).
+* ``hurray_save_async`` (default ``true``): the step only copies the saved
+  blocks out of the cache; a background thread unpacks, checksums and
+  writes them (see :meth:`HurrayConnector.wait_for_save`). A chunk becomes
+  visible in the store when its file is complete. ``false`` writes inside
+  the step. With ``hurray_url`` saves are always synchronous, so that a
+  migrated request finds its chunks on the destination.
+* ``hurray_save_queue_mib`` (default 1024): copied-out blocks waiting for
+  the background writer; a step that would exceed it waits for the writer.
+* ``hurray_verified_chunks`` (default 256): chunks this process verified
+  and keeps, by key, so that loading them again (the next turn of a
+  conversation, a shared system prompt) neither parses nor checksums their
+  files again while the files are unchanged (same inode, size and times).
+  At least 64 (the chunks the scheduler verifies pass through it to the
+  worker of the same process) and at most an eighth of the process's
+  open-file limit: each kept chunk keeps its file open (Python's mmap
+  holds a descriptor while the mapping lives).
+
+Layout (as vLLM's own NIXL connector): :class:`HurrayConnector` is a thin
+facade. vLLM builds one per role; the scheduler role's holds a
+:class:`~.scheduler.HurrayScheduler`, the worker role's a
+:class:`~.worker.HurrayWorker`, and each base-class method delegates to the
+part of its role. :mod:`.config` reads the ``hurray_*`` keys (bad ones raise
+:class:`~hurray_vllm.errors.HurrayArgumentError` naming the key);
+:mod:`.metadata` is what the scheduler hands the worker.
+
+``kv_role`` is honoured: ``kv_producer`` only saves, ``kv_consumer`` only
+loads, ``kv_both`` does both.
+
+What it does:
+
+* **Save** (producer): whenever a request's computed tokens complete a
+  chunk (prompt or generated tokens), the worker copies that chunk's blocks
+  out of the cache after the forward pass (:meth:`wait_for_save`) unless
+  the store has it, and a background thread writes it (:meth:`flush` waits
+  for that).
+* **Load** (consumer): for a new request, the scheduler finds the longest
+  stored prefix (:meth:`get_num_new_matched_tokens`), checking the chunks'
+  model, tokens and data digest before it claims any token; the worker
+  then writes those chunks into the blocks vLLM allocated, through the
+  engine's own cache-write op (:meth:`start_load_kv`), all validated before
+  the first block is touched.
+
+A chunk of another model, a truncated file or a corrupt transfer is
+refused with one log line and the request is computed normally; a failure
+discovered only on the worker is reported through
+:meth:`get_block_ids_with_load_errors`, where vLLM's
+``kv_load_failure_policy`` decides (``"recompute"`` recomputes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ....chunks.store import DirectoryStore, chunk_digest, namespace_of, verify_chunk
+from ..cache import fingerprint_of, write_blocks
+from ..export import export_snapshot
+from .config import HurrayConfig
+from .metadata import ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, forget_verified_chunks
+from .scheduler import HurrayScheduler
+from .worker import HurrayWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = [
+    "ConnectorStats",
+    "HurrayConfig",
+    "HurrayConnector",
+    "HurrayConnectorMetadata",
+    "HurrayScheduler",
+    "HurrayWorker",
+    "LoadTask",
+    "SaveTask",
+    "forget_verified_chunks",
+]
+
+# Names ``scripts/bench_connector.py`` looks up here (it used to wrap them in the single module).
+# Wrapping them here no longer reaches the parts: wrap them in ``.worker`` / ``.scheduler``.
+_BENCH_NAMES = (chunk_digest, export_snapshot, verify_chunk, write_blocks)
+
+
+class HurrayConnector(KVConnectorBase_V1):
+    """vLLM KV connector storing KV as Hurray block-paged chunks (see the package docstring).
+
+    A facade: the constructor builds the part of ``role`` and every method
+    below delegates to it. Scheduler-side methods run in the engine core's
+    scheduling loop (their time is every request's latency); worker-side
+    methods run in the model runner around each forward pass.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = HurrayConfig.from_vllm(vllm_config, kv_cache_config)
+        self._config = config
+        if config.nixl:
+            from ....transport.nixl import load_nixl
+
+            load_nixl()  # a missing NIXL surfaces at start, not at the first save
+        store = DirectoryStore(config.path)
+        fingerprint = fingerprint_of(vllm_config)
+        ns = namespace_of(fingerprint)
+        self._scheduler: HurrayScheduler | None = None
+        self._worker: HurrayWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = HurrayScheduler(config, store, fingerprint, ns)
+            self._scheduler.start_receiver()
+        else:
+            if config.nixl and config.saves:
+                from ....transport.nixl import default_sender
+
+                default_sender()  # UCX starts here (~0.4 s), not inside the first step that pushes
+            self._worker = HurrayWorker(config, store, fingerprint, ns, vllm_config)
+
+    @property
+    def stats(self) -> ConnectorStats:
+        """This role's counters (scheduler: refused, remembered, quarantined, skipped; worker: the rest)."""
+        part = self._scheduler if self._scheduler is not None else self._worker
+        assert part is not None
+        return part.stats
+
+    def _sched(self) -> HurrayScheduler:
+        assert self._scheduler is not None, "a scheduler-side method called on a worker-role HurrayConnector"
+        return self._scheduler
+
+    def _work(self) -> HurrayWorker:
+        assert self._worker is not None, "a worker-side method called on a scheduler-role HurrayConnector"
+        return self._worker
+
+    def _meta(self) -> HurrayConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HurrayConnectorMetadata)
+        return meta
+
+    # ── scheduler side ─────────────────────────────────────────────────────
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler side, when a request is scheduled: tokens loadable beyond ``num_computed_tokens``.
+
+        Walks the chunk keys of the prompt (leaving at least one token to
+        compute) and verifies each stored chunk (model, tokens, digest);
+        stops at the first missing or refused one. A chunk whose data is
+        damaged (a :class:`~hurray_vllm.errors.HurrayFormatError` other than
+        another model's fingerprint) is moved aside; nothing else moves a
+        file. Blocks on file reads and checksums; a chunk's checksum runs on
+        a helper thread while the next chunk file is parsed. Never loads
+        asynchronously (the second value is always ``False``).
+        """
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Scheduler side, after vLLM allocated blocks: keep the load only if tokens were granted. Never blocks."""
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Scheduler side, once per step: the loads and saves the worker performs in this step.
+
+        Blocks only on ``stat`` calls (is a chunk to save already stored?).
+        """
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler side, once per finished request: forget it; blocks are freed at once. Never blocks."""
+        return self._sched().request_finished(request, block_ids)
+
+    # ── worker side ────────────────────────────────────────────────────────
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker side, once at start: remember the caches and how they are laid out. Never blocks."""
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Worker side, before the forward pass: write this step's loads into their blocks.
+
+        Synchronous: returns when every block is written; blocks on reading
+        the chunks a worker in another process did not get from the
+        scheduler. Every chunk is read and verified before the first block is
+        touched; a request whose chunks fail leaves its blocks unwritten and
+        reports them as load errors.
+        """
+        self._work().start_load_kv(self._meta(), forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker side, per layer: nothing to wait for, :meth:`start_load_kv` is synchronous."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Worker side, per layer during the forward pass: nothing.
+
+        Chunks are exported whole, all layers at once, in :meth:`wait_for_save`.
+        """
+        return
+
+    def wait_for_save(self) -> None:
+        """Worker side, after the forward pass: save this step's completed chunks.
+
+        Asynchronous by default (``hurray_save_async``): copies the chunks'
+        blocks out of the cache (one ``index_select`` per layer into recycled
+        buffers) and returns; a background thread unpacks the copies into
+        block-paged chunks, checksums and writes them. Blocks only when the
+        copies waiting for that thread would exceed ``hurray_save_queue_mib``.
+        Synchronous otherwise, and always with ``hurray_url``: then returns
+        once every chunk is in the store and the receiver acknowledged it or
+        the push failed (logged; the destination recomputes what it lacks).
+        """
+        self._work().wait_for_save(self._meta())
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Worker side, any time: wait until every chunk saved so far is in the store.
+
+        Returns False if ``timeout`` seconds passed first. Called at shutdown
+        and at interpreter exit; tests and benchmarks call it before looking
+        at the store. The scheduler side saves nothing: True at once.
+        """
+        return self._worker.flush(timeout) if self._worker is not None else True
+
+    def shutdown(self) -> None:
+        """Either side, when vLLM shuts down: the worker finishes its background saves (up to a minute)."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker side, after a step: blocks whose load failed (vLLM applies kv_load_failure_policy). Never blocks."""
+        return self._work().get_block_ids_with_load_errors()

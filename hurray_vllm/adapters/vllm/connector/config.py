@@ -1,0 +1,119 @@
+"""``kv_connector_extra_config`` (the ``hurray_*`` keys) parsed and checked once, into :class:`HurrayConfig`.
+
+Bad configuration is the operator's mistake, not the data's: every error
+here is a :class:`~hurray_vllm.errors.HurrayArgumentError` whose ``.field``
+names the key (``"hurray_path"``, ``"hurray_chunk_tokens"``, ...). It
+surfaces when the engine starts, never inside a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ....errors import HurrayArgumentError, HurrayFormatError
+from ....transport.tcp import parse_url
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["HurrayConfig", "verified_capacity"]
+
+
+def verified_capacity(wanted: int) -> int:
+    """``wanted``, at least 64 (the handoff to the worker) and at most an eighth of the open-file limit.
+
+    Each kept chunk keeps its file open: Python's mmap holds a descriptor
+    for as long as the mapping lives.
+    """
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no limit known: keep what was asked
+        soft = -1
+    if soft > 0:
+        wanted = min(wanted, soft // 8)
+    return max(64, wanted)
+
+
+def _int(extra: Any, key: str, default: int) -> int:
+    value = extra.get_from_extra_config(key, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise HurrayArgumentError(key, f"expected an integer, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class HurrayConfig:
+    """The connector's settings, as read from ``kv_transfer_config`` (see the package docstring)."""
+
+    path: str
+    chunk_tokens: int
+    block_size: int
+    url: str | None
+    nixl: bool  # hurray_url is nixl://
+    loads: bool  # kv_consumer or kv_both
+    saves: bool  # kv_producer or kv_both
+    save_async: bool  # hurray_save_async, and no hurray_url
+    save_queue_bytes: int
+    verified_chunks: int  # already bounded by verified_capacity()
+    listen: str | None
+    listen_transport: str
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
+        """Read and check the configuration; :class:`HurrayArgumentError` names the bad key."""
+        cfg = vllm_config.kv_transfer_config
+        if cfg is None:
+            raise HurrayArgumentError("kv_transfer_config", "HurrayConnector needs a kv_transfer_config")
+        path = cfg.get_from_extra_config("hurray_path", None)
+        if not path:
+            raise HurrayArgumentError("hurray_path", "HurrayConnector needs kv_connector_extra_config.hurray_path")
+        block_size = vllm_config.cache_config.block_size
+        chunk = _int(cfg, "hurray_chunk_tokens", 256)
+        if chunk <= 0 or chunk % block_size:
+            raise HurrayArgumentError(
+                "hurray_chunk_tokens", f"{chunk} is not a multiple of the engine's block size {block_size}"
+            )
+        url = cfg.get_from_extra_config("hurray_url", None) or None
+        nixl = bool(url) and str(url).startswith("nixl://")
+        try:
+            if nixl:
+                from ....transport.nixl import parse_nixl_url
+
+                parse_nixl_url(str(url))
+            elif url:
+                parse_url(str(url))  # a typo surfaces at start, not at the first save
+        except HurrayFormatError as exc:
+            raise HurrayArgumentError("hurray_url", str(exc)) from exc
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise HurrayArgumentError("kv_cache_groups", "HurrayConnector supports models with one KV cache group")
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise HurrayArgumentError("tensor_parallel_size", "HurrayConnector does not handle tensor parallelism yet")
+        save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
+        if url:
+            save_async = False  # a migrated request must find its chunks on the destination
+        listen = cfg.get_from_extra_config("hurray_listen", None) or None
+        transport = str(cfg.get_from_extra_config("hurray_listen_transport", "tcp"))
+        if listen is not None:
+            port = str(listen).rpartition(":")[2]
+            if not port.isdigit():
+                raise HurrayArgumentError("hurray_listen", f"expected HOST:PORT, got {listen!r}")
+        return cls(
+            path=str(path),
+            chunk_tokens=chunk,
+            block_size=block_size,
+            url=str(url) if url else None,
+            nixl=nixl,
+            loads=cfg.kv_role in ("kv_consumer", "kv_both"),
+            saves=cfg.kv_role in ("kv_producer", "kv_both"),
+            save_async=save_async,
+            save_queue_bytes=_int(cfg, "hurray_save_queue_mib", 1024) << 20,
+            verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
+            listen=str(listen) if listen else None,
+            listen_transport=transport,
+        )

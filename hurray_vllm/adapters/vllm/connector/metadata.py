@@ -1,0 +1,122 @@
+"""What the scheduler part hands the worker part: each step's metadata, and the chunks it verified.
+
+* :class:`HurrayConnectorMetadata` travels with every step (vLLM pickles it
+  to a worker in another process): the loads and saves to perform.
+* :data:`VERIFIED` is the in-process side channel: chunks the scheduler
+  verified, which a worker in the same process reuses instead of reading
+  their files again (see :class:`VerifiedChunks`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ....kv.snapshot import KVSnapshot
+
+__all__ = [
+    "VERIFIED",
+    "ConnectorStats",
+    "HurrayConnectorMetadata",
+    "LoadTask",
+    "SaveTask",
+    "VerifiedChunks",
+    "forget_verified_chunks",
+]
+
+
+@dataclass
+class LoadTask:
+    request_id: str
+    keys: list[str]
+    tokens: list[list[int]]  # per chunk
+    block_ids: list[int]  # engine blocks to fill, chunk after chunk
+    identities: list[tuple[int, ...]] = field(default_factory=list)  # of the chunk files the scheduler verified
+
+
+@dataclass
+class SaveTask:
+    request_id: str
+    key: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class HurrayConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the worker to do in one step."""
+
+    loads: list[LoadTask] = field(default_factory=list)
+    saves: list[SaveTask] = field(default_factory=list)
+
+
+@dataclass
+class ConnectorStats:
+    """Counters a test or an operator can read (``connector.stats``)."""
+
+    chunks_saved: int = 0
+    chunks_skipped: int = 0
+    chunks_loaded: int = 0
+    tokens_loaded: int = 0
+    chunks_refused: int = 0
+    bytes_saved: int = 0
+    chunks_remembered: int = 0  # loads served by chunks verified earlier in this process (files not read again)
+    chunks_quarantined: int = 0  # damaged chunk files moved aside (<key>.hrry.bad), so that they are written again
+
+
+class VerifiedChunks:
+    """Chunks this process verified (model, tokens, checksum), by key, with their file's identity.
+
+    The scheduler hands them to a worker in the same process, which then
+    does not read them again; and a later load of the same prefix (the
+    next turn of a conversation, a shared system prompt) skips parsing and
+    checksumming their files again as long as each file is still the one
+    that was verified (:meth:`DirectoryStore.identity`). Least recently
+    used first out. An entry costs little memory (its page pools are views
+    of the file's mapping, which the kernel may drop and re-read), but it
+    keeps the file's mapping, so a deleted chunk's disk space is freed only
+    when its entry goes.
+
+    ``capacity`` is only the default bound: each connector part passes its
+    own (``hurray_verified_chunks``) to :meth:`put`, so that building a
+    connector changes nothing process-wide.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, tuple[tuple[int, ...], KVSnapshot]] = OrderedDict()
+
+    def get(self, key: str, identity: tuple[int, ...]) -> KVSnapshot | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is None or hit[0] != identity:
+                return None
+            self._items.move_to_end(key)
+            return hit[1]
+
+    def put(self, key: str, identity: tuple[int, ...], snap: KVSnapshot, capacity: int | None = None) -> None:
+        """Keep ``snap``; then drop the least recently used beyond ``capacity`` (default: :attr:`capacity`)."""
+        keep = self.capacity if capacity is None else capacity
+        with self._lock:
+            self._items[key] = (identity, snap)
+            self._items.move_to_end(key)
+            while len(self._items) > keep:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+#: Shared by the scheduler part and a worker part in the same process: the handoff of verified
+#: chunks (see VerifiedChunks). Its bound is the one each part passes to ``put``.
+VERIFIED = VerifiedChunks(256)
+
+
+def forget_verified_chunks() -> None:
+    """Drop every chunk this process remembers as verified: the next loads read and check their files."""
+    VERIFIED.clear()

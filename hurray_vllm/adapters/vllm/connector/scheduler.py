@@ -1,0 +1,241 @@
+"""The scheduler part of :class:`~hurray_vllm.adapters.vllm.connector.HurrayConnector`.
+
+Runs in the engine core's process, inside vLLM's scheduling loop: it finds
+stored prefixes for new requests, plans each step's loads and saves
+(:class:`~.metadata.HurrayConnectorMetadata`) and runs the ``hurray_listen``
+receiver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ....chunks.store import DIGEST_MISMATCH, DirectoryStore, chunk_keys, digest_matches, verify_chunk
+from ....errors import HurrayArgumentError, HurrayFormatError
+from ....kv.snapshot import KVSnapshot, ModelFingerprint
+from ....transport.tcp import Receiver
+from .config import HurrayConfig
+from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["HurrayScheduler", "is_damage"]
+
+log = logging.getLogger("hurray_vllm.connector")
+
+_POOL_LOCK = threading.Lock()
+_RECEIVERS: dict[str, Any] = {}  # transport.Receiver or transport_nixl.NixlReceiver, by hurray_listen
+_DIGEST_POOL: list[ThreadPoolExecutor] = []
+
+
+def _digest_pool() -> ThreadPoolExecutor:
+    """One helper thread for chunk checksums (they release the GIL), made on first use."""
+    with _POOL_LOCK:
+        if not _DIGEST_POOL:
+            _DIGEST_POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hurray-digest"))
+        return _DIGEST_POOL[0]
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
+
+    Only a data error (:class:`HurrayFormatError`) is, and not a fingerprint
+    mismatch (another model's chunk is fine, just not ours). A caller error
+    (:class:`HurrayArgumentError`), an ``OSError`` or any other exception says
+    nothing about the file: a good chunk must never be quarantined for one.
+    """
+    return (
+        isinstance(exc, HurrayFormatError)
+        and not isinstance(exc, HurrayArgumentError)
+        and exc.field != "snapshot.fingerprint"
+    )
+
+
+@dataclass
+class _Request:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    chunks_done: int = 0  # chunks known to be in the store (saved or loaded)
+    load: LoadTask | None = None
+
+
+class HurrayScheduler:
+    """Scheduler-side state and methods (see the facade's docstrings for who calls what, when)."""
+
+    def __init__(self, config: HurrayConfig, store: DirectoryStore, fingerprint: ModelFingerprint, ns: str) -> None:
+        self._config = config
+        self._store = store
+        self._fingerprint = fingerprint
+        self._ns = ns
+        self._chunk = config.chunk_tokens
+        self._block_size = config.block_size
+        self._loads = config.loads
+        self._saves = config.saves
+        self._url = config.url
+        self.stats = ConnectorStats()
+        self._reqs: dict[str, _Request] = {}
+        # The process-wide handoff cache is bounded by this part's own setting on each put.
+        self._verified_cap = config.verified_chunks
+
+    def start_receiver(self) -> None:
+        """Start the ``hurray_listen`` receiver once per process (it outlives any one connector)."""
+        listen = self._config.listen
+        if not listen or listen in _RECEIVERS:
+            return
+        host, _, port = listen.rpartition(":")
+        if self._config.listen_transport == "nixl":
+            from ....transport.nixl import NixlReceiver
+
+            _RECEIVERS[listen] = NixlReceiver(host or "127.0.0.1", int(port), self._store).start()
+        else:
+            _RECEIVERS[listen] = Receiver(host or "127.0.0.1", int(port), self._store).start()
+        log.info("hurray: receiving chunks on %s into %s", listen, self._config.path)
+
+    def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:
+        """Count and log a refused chunk; ``damaged`` (its file's identity) moves a damaged file aside.
+
+        A damaged file (unreadable, wrong checksum, tokens other than its key
+        promises) would otherwise be refused by every later request with
+        that prefix, and no producer would replace it: the key exists.
+        """
+        self.stats.chunks_refused += 1
+        moved = self._store.quarantine(self._ns, key, damaged) if damaged is not None else None
+        if moved is not None:
+            self.stats.chunks_quarantined += 1
+            log.warning("hurray: refusing chunk %s (%s); moved it to %s; recomputing instead", key, why, moved)
+        else:
+            log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._loads:
+            return 0, False
+        tokens = list(request.all_token_ids)
+        usable = (len(tokens) - 1) // self._chunk * self._chunk
+        keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
+        state = self._reqs.setdefault(request.request_id, _Request(request))
+        first = num_computed_tokens // self._chunk
+        found: list[tuple[int, tuple[int, ...], KVSnapshot, Future[bool] | None]] = []
+        for i in range(first, len(keys)):
+            ident = self._store.identity(self._ns, keys[i])
+            if ident is None:
+                break
+            toks = tokens[i * self._chunk : (i + 1) * self._chunk]
+            snap = VERIFIED.get(keys[i], ident)
+            check: Future[bool] | None = None
+            if snap is not None:
+                self.stats.chunks_remembered += 1
+            try:
+                if snap is None:
+                    snap = self._store.get(self._ns, keys[i])
+                    check = _digest_pool().submit(digest_matches, snap)
+                # Also for a remembered chunk: its key promises these tokens, the check costs little.
+                verify_chunk(snap, self._fingerprint, toks, digest=False)
+            except HurrayFormatError as exc:
+                # Another model's chunk is left alone; anything else in it is damage.
+                self._refuse(keys[i], exc, ident if is_damage(exc) else None)
+                break
+            except OSError as exc:
+                self._refuse(keys[i], exc)
+                break
+            found.append((i, ident, snap, check))
+        hit = first
+        idents = []
+        for i, ident, snap, check in found:
+            if check is not None:
+                try:
+                    ok = check.result()
+                except (HurrayFormatError, OSError) as exc:
+                    self._refuse(keys[i], exc)
+                    break
+                if not ok:
+                    self._refuse(keys[i], DIGEST_MISMATCH, ident)
+                    break
+                VERIFIED.put(keys[i], ident, snap, self._verified_cap)
+            idents.append(ident)
+            hit = i + 1
+        matched = hit * self._chunk - num_computed_tokens
+        if matched <= 0 or num_computed_tokens % self._chunk:
+            return 0, False
+        chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
+        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], idents)
+        return matched, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is not None and num_external_tokens == 0:
+            state.load = None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HurrayConnectorMetadata:
+        meta = HurrayConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            start = new.num_computed_tokens
+            if state.load is not None:
+                self._attach_load(meta, state, start)
+            self._plan_saves(meta, new.req_id, state, start + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    state.block_ids = list(new_ids[0])
+                else:
+                    state.block_ids.extend(new_ids[0])
+            if state.load is not None:
+                # A preempted request resumed with a load planned when it was rescheduled.
+                self._attach_load(meta, state, cached.num_computed_tokens[i])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            self._plan_saves(meta, req_id, state, done)
+        return meta
+
+    def _attach_load(self, meta: HurrayConnectorMetadata, state: _Request, computed: int) -> None:
+        """Hand the planned load to the worker, with the engine blocks it fills."""
+        load = state.load
+        assert load is not None
+        # The scheduler already counts the loaded tokens as computed.
+        first = (computed - len(load.keys) * self._chunk) // self._block_size
+        nblocks = len(load.keys) * self._chunk // self._block_size
+        load.block_ids = state.block_ids[first : first + nblocks]
+        meta.loads.append(load)
+        state.chunks_done = computed // self._chunk
+        state.load = None
+
+    def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
+        full = computed // self._chunk
+        if full <= state.chunks_done or not self._saves:
+            return
+        tokens = list(state.request.all_token_ids)
+        keys = chunk_keys(tokens[: full * self._chunk], self._chunk, self._ns)
+        per = self._chunk // self._block_size
+        for c in range(state.chunks_done, full):
+            # With a destination, chunks already stored still go to the worker, to be pushed.
+            if self._store.has(self._ns, keys[c]) and not self._url:
+                self.stats.chunks_skipped += 1
+                continue
+            meta.saves.append(
+                SaveTask(
+                    req_id,
+                    keys[c],
+                    tokens[c * self._chunk : (c + 1) * self._chunk],
+                    state.block_ids[c * per : (c + 1) * per],
+                )
+            )
+        state.chunks_done = full
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        state = self._reqs.pop(request.request_id, None)
+        saved = state.chunks_done * self._chunk if state else 0
+        return False, {"hurray_saved_tokens": saved} if saved else None

@@ -1,0 +1,407 @@
+"""The worker part of :class:`~hurray_vllm.adapters.vllm.connector.HurrayConnector`.
+
+Runs in each model-runner process (the engine core's own, or a separate
+worker process): it writes the step's loads into the engine's blocks
+before the forward pass and saves completed chunks after it, through a
+background writer by default.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, verify_chunk
+from ....errors import HurrayFormatError
+from ....kv.repage import repage_snapshot
+from ....kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ....transport.tcp import send_chunks
+from ..cache import EngineCache, attention_layers, describe_worker_cache, write_blocks
+from ..export import GatherBuffers, SequenceState, export_snapshot
+from .config import HurrayConfig
+from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+
+__all__ = ["HurrayWorker"]
+
+log = logging.getLogger("hurray_vllm.connector")
+
+
+class _Writer:
+    """One background thread running submitted jobs in order, with a bound on the bytes they hold.
+
+    Jobs never raise into the thread (they log); :meth:`flush` waits until
+    every job submitted so far has finished.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._held = 0
+        self._max = max_bytes
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None], nbytes: int) -> None:
+        """Queue ``job``; blocks first while the queued jobs hold more than the bound."""
+        with self._cond:
+            while self._held and self._held + nbytes > self._max:
+                self._cond.wait()
+            self._pending += 1
+            self._held += nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hurray-save", daemon=True)
+                self._thread.start()
+        self._jobs.put((job, nbytes))
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, nbytes = item
+            try:
+                job()
+            except Exception:  # a failed save only costs a recomputation later
+                log.exception("hurray: background save failed")
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._held -= nbytes
+                    self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has run; False if ``timeout`` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+
+#: Writers of live connectors, drained at interpreter exit so that no chunk is lost half-way.
+_WRITERS: weakref.WeakSet[_Writer] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_writers() -> None:
+    for w in list(_WRITERS):
+        w.flush(timeout=60.0)
+
+
+class _Staging:
+    """Recycled copies of whole engine blocks (one tensor per layer) for the background writer.
+
+    Copying blocks into memory that is already mapped runs at memory speed;
+    into fresh memory it costs about three times as much on a CPU, which
+    would make the step's share of a save as slow as writing the chunk.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self._free: list[list[torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def copy(self, caches: list[torch.Tensor], ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Blocks ``ids`` of every layer: ``(views [len(ids), ...], the buffers to recycle)``."""
+        n = int(ids.numel())
+        bufs = None
+        with self._lock:
+            for i, cand in enumerate(self._free):
+                if cand[0].shape[0] >= n and all(
+                    b.shape[1:] == c.shape[1:] and b.dtype == c.dtype and b.device == c.device
+                    for b, c in zip(cand, caches, strict=True)
+                ):
+                    bufs = self._free.pop(i)
+                    break
+        if bufs is None:
+            bufs = [torch.empty((n, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in caches]
+        views = []
+        for b, c in zip(bufs, caches, strict=True):
+            torch.index_select(c, 0, ids.to(c.device), out=b[:n])
+            views.append(b[:n])
+        return views, bufs
+
+    def recycle(self, bufs: list[torch.Tensor]) -> None:
+        """Give back the buffers :meth:`copy` returned; the largest few are kept."""
+        with self._lock:
+            self._free.append(bufs)
+            self._free.sort(key=lambda b: -b[0].shape[0])
+            del self._free[self._keep :]
+
+
+class HurrayWorker:
+    """Worker-side state and methods (see the facade's docstrings for who calls what, when)."""
+
+    def __init__(
+        self,
+        config: HurrayConfig,
+        store: DirectoryStore,
+        fingerprint: ModelFingerprint,
+        ns: str,
+        vllm_config: VllmConfig | None = None,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._store = store
+        self._fingerprint = fingerprint
+        self._ns = ns
+        self._chunk = config.chunk_tokens
+        self._block_size = config.block_size
+        self._url = config.url
+        self._nixl = config.nixl
+        self._async = config.save_async
+        # The process-wide handoff cache is bounded by this part's own setting on each put.
+        self._verified_cap = config.verified_chunks
+        self.stats = ConnectorStats()
+        self._ec: EngineCache | None = None
+        self._load_errors: set[int] = set()
+        self._pushed: set[str] = set()
+        self._writer = _Writer(config.save_queue_bytes)
+        _WRITERS.add(self._writer)
+        self._staging = _Staging()
+        self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
+        self._chunk_buffers: list[GatherBuffers] = []  # the writer's, reused chunk after chunk
+        self._registered: list[torch.Tensor] = []  # their memory, registered with the NIXL sender
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Remember the caches and how they are laid out."""
+        layers = attention_layers(self._vllm_config)
+        names = [n for n in layers if n in kv_caches]
+        self._ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names)
+
+    def _engine_cache(self, forward_context: ForwardContext | None = None) -> EngineCache:
+        if self._ec is None:
+            layers = attention_layers(self._vllm_config)
+            names = list(layers)
+            caches = [m.kv_cache[0] if isinstance(m.kv_cache, (list, tuple)) else m.kv_cache for m in layers.values()]
+            self._ec = describe_worker_cache(self._vllm_config, caches, names)
+        return self._ec
+
+    def start_load_kv(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None = None) -> None:
+        """Write this step's loads into their blocks.
+
+        Synchronous: returns when every block is written. Every chunk is
+        read and verified before the first block is touched; a request whose
+        chunks fail leaves its blocks unwritten and reports them as load errors.
+        """
+        if not meta.loads:
+            return
+        ec = self._engine_cache(forward_context)
+        for task in meta.loads:
+            try:
+                chunks = [self._chunk_for_load(task, c) for c in range(len(task.keys))]
+            except (HurrayFormatError, OSError) as exc:
+                log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
+                self._load_errors.update(task.block_ids)
+                continue
+            ids = torch.tensor(task.block_ids, dtype=torch.int64)
+            per = self._chunk // ec.block_size
+            for layer in range(ec.num_layers):
+                # Chunk by chunk, straight from each chunk's pages: no dense copy, no concatenation.
+                for c, chunk in enumerate(chunks):
+                    k, v = self._pages(chunk, layer)
+                    write_blocks(ec, layer, ids[c * per : (c + 1) * per], k, v)
+            self.stats.chunks_loaded += len(chunks)
+            self.stats.tokens_loaded += len(chunks) * self._chunk
+
+    def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
+        key = task.keys[c]
+        # In the scheduler's process this is the chunk it verified; a worker process reads its own.
+        snap = VERIFIED.get(key, task.identities[c]) if c < len(task.identities) else None
+        if snap is None:
+            ident = self._store.identity(self._ns, key)
+            snap = self._store.get(self._ns, key)
+            verify_chunk(snap, self._fingerprint, task.tokens[c])
+            if ident is not None:
+                VERIFIED.put(key, ident, snap, self._verified_cap)
+        if snap.page_size != self._block_size:
+            snap = repage_snapshot(snap, self._block_size)
+        return snap
+
+    @staticmethod
+    def _pages(chunk: KVSnapshot, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's K and V of ``layer`` as ``[pages, page_size, H, D]`` in token order, real-valued.
+
+        A chunk holds one sequence, so its pool already is in token order
+        when its block table is ``0, 1, ...`` (what the exporter writes);
+        fp8 chunks are dequantized with their own scales.
+        """
+        out = []
+        for role in ("key", "value"):
+            t = chunk[layer, role]
+            pool = t.page_pool
+            # A chunk's tables hold a handful of ids: compared as lists, not with tensor ops
+            # (this runs for every layer, role and chunk of a load).
+            ptr = t.seq_ptr.tolist()
+            table = t.block_table.tolist()[ptr[0] : ptr[1]]
+            if table != list(range(pool.shape[0])):
+                pool = pool.index_select(0, torch.tensor(table, dtype=torch.int64, device=pool.device))
+            out.append(pool)
+        if chunk.kv_scales is None:
+            return out[0], out[1]
+        ks, vs = chunk.kv_scales[layer]
+        return out[0].float() * ks, out[1].float() * vs
+
+    def wait_for_save(self, meta: HurrayConnectorMetadata) -> None:
+        """Save this step's completed chunks.
+
+        Asynchronous by default (``hurray_save_async``): copies the chunks'
+        blocks out of the cache (one ``index_select`` per layer into recycled
+        buffers) and returns; a background thread unpacks the copies into
+        block-paged chunks, checksums and writes them. Blocks only when the
+        copies waiting for that thread would exceed ``hurray_save_queue_mib``.
+        Synchronous otherwise, and always with ``hurray_url``: then returns
+        once every chunk is in the store and the receiver acknowledged it or
+        the push failed (logged; the destination recomputes what it lacks).
+        """
+        if not meta.saves:
+            return
+        ec = self._engine_cache()
+        if self._async:
+            self._save_async(ec, meta.saves)
+            return
+        tasks = iter(meta.saves)
+        if not self._url:
+            for _ in self._saved(ec, tasks, push=False):
+                pass
+            return
+        # Chunk by chunk: each is exported into the same reused buffers (registered once with
+        # NIXL), stored, and sent before the next is exported; the transports ask for the
+        # next chunk only once the receiver acknowledged the previous one.
+        chunks = self._saved(ec, tasks, push=True)
+        try:
+            if self._nixl:
+                from ....transport.nixl import send_chunks_nixl
+
+                send_chunks_nixl(self._url, chunks)
+            else:
+                send_chunks(self._url, chunks)
+        except (OSError, HurrayFormatError) as exc:
+            # The destination recomputes what it lacks; this engine's step goes on, and the
+            # chunks not sent yet are still saved here.
+            log.warning("hurray: could not push chunks to %s: %s", self._url, exc)
+            for _ in self._saved(ec, tasks, push=False):
+                pass
+
+    def _saved(self, ec: EngineCache, tasks: Iterator[SaveTask], push: bool) -> Iterator[tuple[str, str, KVSnapshot]]:
+        """Save each task's chunk; yield ``(namespace, key, chunk)`` for those to push.
+
+        Exported chunks share the writer's reused buffers: a yielded chunk is
+        valid until the next one is asked for.
+        """
+        for task in tasks:
+            if self._store.has(self._ns, task.key):
+                self.stats.chunks_skipped += 1
+                if push and task.key not in self._pushed:
+                    try:
+                        chunk = self._store.get(self._ns, task.key)
+                    except HurrayFormatError as exc:
+                        log.warning("hurray: not pushing unreadable chunk %s: %s", task.key, exc)
+                        continue
+                    yield self._ns, task.key, chunk
+                    self._pushed.add(task.key)
+                continue
+            snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True)
+            self._put(task.key, snap)
+            if push:
+                if self._nixl:
+                    self._register_chunk_buffers()
+                yield self._ns, task.key, snap
+                self._pushed.add(task.key)
+
+    def _register_chunk_buffers(self) -> None:
+        """NIXL: register the reused chunk buffers with the sender once (again only when they grow)."""
+        from ....transport.nixl import default_sender
+
+        memory = [m for b in self._chunk_buffers for m in b.memory]
+        if [m.data_ptr() for m in memory] == [m.data_ptr() for m in self._registered]:
+            return
+        sender = default_sender()
+        if self._registered:
+            sender.unregister(self._registered)
+            self._registered = []
+        sender.register(memory)
+        self._registered = memory
+        log.info("hurray: registered %.1f MiB of chunk buffers with NIXL", sum(m.numel() for m in memory) / 2**20)
+
+    def _save_async(self, ec: EngineCache, saves: list[SaveTask]) -> None:
+        todo: list[SaveTask] = []
+        for task in saves:
+            if task.key in self._inflight or self._store.has(self._ns, task.key):
+                self.stats.chunks_skipped += 1
+                continue
+            self._inflight.add(task.key)
+            todo.append(task)
+        if not todo:
+            return
+        ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
+        staged, buffers = self._staging.copy(ec.caches, ids)
+        nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
+
+        def write() -> None:
+            try:
+                start = 0
+                for task in todo:
+                    local = list(range(start, start + len(task.block_ids)))
+                    start += len(task.block_ids)
+                    try:
+                        # Exported into the writer's own reused buffers: no fresh memory per chunk.
+                        self._put(task.key, self._export_chunk(ec, staged, task, local, reuse=True))
+                    except (HurrayFormatError, OSError) as exc:
+                        log.warning("hurray: could not save chunk %s: %s", task.key, exc)
+            finally:
+                self._staging.recycle(buffers)
+                self._inflight.difference_update(t.key for t in todo)
+
+        self._writer.submit(write, nbytes)
+
+    def _export_chunk(
+        self, ec: EngineCache, caches: list[torch.Tensor], task: SaveTask, block_ids: list[int], reuse: bool = False
+    ) -> KVSnapshot:
+        if reuse and len(self._chunk_buffers) != len(caches):
+            self._chunk_buffers = [GatherBuffers() for _ in caches]
+        snap = export_snapshot(
+            caches,
+            ec.layout,
+            [SequenceState(task.request_id, block_ids, len(task.tokens), task.tokens)],
+            block_size=ec.block_size,
+            storage_dtype=ec.storage_dtype,
+            kv_scales=ec.kv_scales,
+            fingerprint=ec.fingerprint,
+            source=SnapshotSource(ec.engine, ec.layout_name, ec.block_size),
+            reserved_blocks=() if caches is not ec.caches else (0,),
+            buffers=self._chunk_buffers if reuse else None,
+        )
+        return replace(snap, extra={DIGEST_KEY: chunk_digest(snap)})
+
+    def _put(self, key: str, snap: KVSnapshot) -> None:
+        if self._store.put(self._ns, key, snap):
+            self.stats.chunks_saved += 1
+            self.stats.bytes_saved += snap.nbytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every chunk saved so far is in the store.
+
+        Returns False if ``timeout`` seconds passed first. Called at shutdown
+        and at interpreter exit; tests and benchmarks call it before looking
+        at the store.
+        """
+        return self._writer.flush(timeout)
+
+    def shutdown(self) -> None:
+        """Finish the background saves (up to a minute)."""
+        if not self._writer.flush(timeout=60.0):
+            log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed (vLLM applies kv_load_failure_policy)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
