@@ -11,7 +11,7 @@ in shuffled order. On it, in one run, this compares:
                     layer and role);
 * fa2               ``to_flash_attn_all(snap, page_size=256, flavor="fa2")``
                     (the whole FlashAttention-2 import of every layer);
-* flashinfer        ``plan_flashinfer_repage(snap, 256)`` then
+* flashinfer        ``plan_flashinfer(snap, 256)`` then
                     ``to_flashinfer(snap, i, page_size=256, plan=plan)`` for
                     every layer (NHD, ``(k, v)`` tuples);
 * fa2_into          the same with ``out=``: every layer imported into a
@@ -64,7 +64,7 @@ from _bench import git_state, log, machine, pin_malloc
 
 from hurray_vllm import BlockPagedTensor, KVSnapshot
 from hurray_vllm.adapters.flash_attn import plan_flash_attn, to_flash_attn_all
-from hurray_vllm.adapters.flashinfer import plan_flashinfer_repage, to_flashinfer
+from hurray_vllm.adapters.flashinfer import plan_flashinfer, to_flashinfer
 from hurray_vllm.kv.paged import zero_slots_
 from hurray_vllm.kv.repage import plan_repage, repage, repage_snapshot
 
@@ -127,7 +127,7 @@ def pool_bytes(tensors: Any) -> int:
 
 
 def flashinfer_all(snap: KVSnapshot, page_size: int) -> list[Any]:
-    plan = plan_flashinfer_repage(snap, page_size)
+    plan = plan_flashinfer(snap, page_size)
     return [to_flashinfer(snap, i, page_size=page_size, plan=plan) for i in range(snap.num_layers)]
 
 
@@ -150,7 +150,7 @@ def flash_attn_into(snap: KVSnapshot, page_size: int, pools: list[tuple[torch.Te
 
 
 def flashinfer_into(snap: KVSnapshot, page_size: int, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
-    plan = plan_flashinfer_repage(snap, page_size)
+    plan = plan_flashinfer(snap, page_size)
     return [to_flashinfer(snap, i, page_size=page_size, plan=plan, out=pools[i]) for i in range(snap.num_layers)]
 
 

@@ -32,10 +32,13 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.paged import BlockPagedTensor
 from ..kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
 from ..kv.snapshot import KVSnapshot
+from ._common import FP8_DTYPES as _FP8
+from ._common import INT32_MAX as _INT32_MAX
+from ._common import check_layer, dequantize
 from .reference import append_kv_
 
 __all__ = [
@@ -54,9 +57,7 @@ __all__ = [
 
 Flavor = Literal["fa2", "fa3", "vllm"]
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HALF = (torch.float16, torch.bfloat16)
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def _limits(flavor: str) -> FlavorLimits:
     try:
         return FLAVORS[flavor]
     except KeyError:
-        raise HurrayFormatError("flavor", f"unknown flavor {flavor!r}; use one of {sorted(FLAVORS)}") from None
+        raise HurrayArgumentError("flavor", f"unknown flavor {flavor!r}; use one of {sorted(FLAVORS)}") from None
 
 
 # ── the imported cache ──────────────────────────────────────────────────────
@@ -259,7 +260,7 @@ def plan_flash_attn(
     lim = _limits(flavor)
     _check_page_size(page_size, lim, "page_size")
     if reserve < 0:
-        raise HurrayFormatError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
+        raise HurrayArgumentError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot", "the snapshot has no layers; nothing to import")
     k0 = snapshot.keys[0]
@@ -412,10 +413,20 @@ def to_flash_attn(
         With ``out``, its tensors. Otherwise, with ``reserve=0`` and nothing to
         repage, convert or move, the caches are the snapshot's own pools (no
         copy); else fresh tensors.
+
+    Examples
+    --------
+    Import layer 0 with room for 16 decoded tokens, then check the call::
+
+        plan = plan_flash_attn(snap, page_size=256, flavor="fa2", reserve=16)
+        cache = to_flash_attn(snap, 0, plan=plan, device="cuda")
+        # cache.k_cache: [num_blocks, 256, nheads_k, head_dim], bfloat16/float16
+        # cache.block_table: int32 [batch, max_num_blocks_per_seq]
+        check_flash_attn_args(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+        out = flash_attn_with_kvcache(q, cache)  # q: [batch, seqlen_q, nheads, head_dim]
     """
     plan = _resolve_plan(snapshot, plan, page_size, flavor, reserve)
-    if not 0 <= layer < snapshot.num_layers:
-        raise HurrayFormatError("layer", f"layer {layer} is outside the snapshot's {snapshot.num_layers} layers")
+    check_layer(snapshot, layer)
     lim = FLAVORS[plan.flavor]
     kt, vt = snapshot.keys[layer], snapshot.values[layer]
     out_dtype, passthrough = _target_dtype(kt, lim, dtype)
@@ -581,27 +592,32 @@ def _convert(pool: torch.Tensor, dtype: torch.dtype, passthrough: bool, scale: f
     if passthrough:
         return pool
     if pool.dtype in _FP8:
-        return (pool.float() * float(scale)).to(dtype)
+        return dequantize(pool, scale).to(dtype)
     return pool.to(dtype)
 
 
 def _check_page_size(page: int, lim: FlavorLimits, field: str) -> None:
     if page <= 0 or page % lim.page_multiple:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             field,
             f"{lim.kernel} needs a paged KV block size divisible by {lim.page_multiple}, got {page}; "
             f"import with page_size={max(lim.page_multiple, 256)}",
         )
 
 
-def _check_head_dim(head_dim: int, lim: FlavorLimits, dtype: torch.dtype, field: str) -> None:
+def _check_head_dim(
+    head_dim: int,
+    lim: FlavorLimits,
+    dtype: torch.dtype,
+    field: str,
+    error: type[HurrayFormatError] | type[HurrayArgumentError] = HurrayFormatError,
+) -> None:
+    # A snapshot's head_dim that the kernel refuses is a data error; q's is the caller's.
     if head_dim > lim.max_head_dim:
-        raise HurrayFormatError(field, f"{lim.kernel} supports head_dim at most {lim.max_head_dim}, got {head_dim}")
+        raise error(field, f"{lim.kernel} supports head_dim at most {lim.max_head_dim}, got {head_dim}")
     multiple = lim.fp8_head_dim_multiple if dtype in _FP8 else lim.head_dim_multiple
     if head_dim % multiple:
-        raise HurrayFormatError(
-            field, f"{lim.kernel} needs head_dim a multiple of {multiple} for {dtype}, got {head_dim}"
-        )
+        raise error(field, f"{lim.kernel} needs head_dim a multiple of {multiple} for {dtype}, got {head_dim}")
 
 
 # ── the kernel's contract ───────────────────────────────────────────────────
@@ -663,7 +679,7 @@ def check_flash_attn_args(
 
     Raises
     ------
-    HurrayFormatError
+    HurrayArgumentError
         Naming the first offending argument (its ``field``).
     """
     lim = _limits(flavor)
@@ -683,96 +699,96 @@ def check_flash_attn_args(
     }
     for name, t in named.items():
         if t is not None and t.device != q.device:
-            raise HurrayFormatError(name, f"{name} is on {t.device} but q is on {q.device}; move it there")
+            raise HurrayArgumentError(name, f"{name} is on {t.device} but q is on {q.device}; move it there")
 
     if q.dim() != 4:
-        raise HurrayFormatError("q", f"q must be [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
+        raise HurrayArgumentError("q", f"q must be [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
     if q.dtype not in lim.dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in lim.dtypes)
-        raise HurrayFormatError("q", f"{lim.kernel} supports {names}, not {q.dtype}")
+        raise HurrayArgumentError("q", f"{lim.kernel} supports {names}, not {q.dtype}")
     batch, seqlen_q, nheads, head_dim = (int(x) for x in q.shape)
     if batch <= 0:
-        raise HurrayFormatError("q", "batch size must be positive")
+        raise HurrayArgumentError("q", "batch size must be positive")
     if q.stride(-1) != 1:
-        raise HurrayFormatError("q", "q must have a contiguous last dimension")
+        raise HurrayArgumentError("q", "q must have a contiguous last dimension")
 
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4:
-            raise HurrayFormatError(
+            raise HurrayArgumentError(
                 name, f"{name} must be [num_blocks, page_block_size, nheads_k, head_dim], got shape {list(c.shape)}"
             )
         if c.dtype != q.dtype:
-            raise HurrayFormatError(name, f"{name} is {c.dtype} but q is {q.dtype}; caches must be in q's dtype")
+            raise HurrayArgumentError(name, f"{name} is {c.dtype} but q is {q.dtype}; caches must be in q's dtype")
         if c.stride(-1) != 1:
-            raise HurrayFormatError(name, f"{name} must have a contiguous last dimension")
+            raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
     if v_cache.shape != k_cache.shape:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "v_cache", f"v_cache has shape {list(v_cache.shape)} but k_cache has {list(k_cache.shape)}"
         )
     num_blocks, page, nheads_k, head_dim_k = (int(x) for x in k_cache.shape)
     if head_dim_k != head_dim:
-        raise HurrayFormatError("k_cache", f"k_cache has head_dim {head_dim_k} but q has {head_dim}")
+        raise HurrayArgumentError("k_cache", f"k_cache has head_dim {head_dim_k} but q has {head_dim}")
     _check_page_size(page, lim, "k_cache")
-    _check_head_dim(head_dim, lim, q.dtype, "q")
+    _check_head_dim(head_dim, lim, q.dtype, "q", HurrayArgumentError)
     if nheads_k == 0 or nheads % nheads_k:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "q", f"the number of heads in key/value ({nheads_k}) must divide the number of heads in q ({nheads})"
         )
 
     if cache_batch_idx is not None:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "cache_batch_idx", "a paged KV cache does not support cache_batch_idx; reorder block_table rows instead"
         )
     if cache_leftpad is not None:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "cache_leftpad", "a paged KV cache does not support cache_leftpad; start every sequence at position 0"
         )
 
     if block_table is None:
-        raise HurrayFormatError("block_table", "a paged KV cache needs block_table (page_table for fa3)")
+        raise HurrayArgumentError("block_table", "a paged KV cache needs block_table (page_table for fa3)")
     if block_table.dtype != torch.int32:
-        raise HurrayFormatError("block_table", f"block_table must have dtype torch.int32, got {block_table.dtype}")
+        raise HurrayArgumentError("block_table", f"block_table must have dtype torch.int32, got {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "block_table",
             f"block_table must be [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}",
         )
     if block_table.stride(-1) != 1:
-        raise HurrayFormatError("block_table", "block_table must have a contiguous last dimension")
+        raise HurrayArgumentError("block_table", "block_table must have a contiguous last dimension")
     width = int(block_table.shape[1])
 
     if cache_seqlens is None:
-        raise HurrayFormatError("cache_seqlens", "a paged KV cache needs cache_seqlens (int32 [batch])")
+        raise HurrayArgumentError("cache_seqlens", "a paged KV cache needs cache_seqlens (int32 [batch])")
     if cache_seqlens.dtype != torch.int32:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "cache_seqlens", f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}"
         )
     if tuple(cache_seqlens.shape) != (batch,):
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "cache_seqlens", f"cache_seqlens must have shape [batch={batch}], got {list(cache_seqlens.shape)}"
         )
     if not cache_seqlens.is_contiguous():
-        raise HurrayFormatError("cache_seqlens", "cache_seqlens must be contiguous")
+        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be contiguous")
 
     seqlen_new = 0
     if (k is None) != (v is None):
         missing = "v" if v is None else "k"
-        raise HurrayFormatError(missing, "new keys and values go together: pass both k and v, or neither")
+        raise HurrayArgumentError(missing, "new keys and values go together: pass both k and v, or neither")
     if k is not None and v is not None:
         expect = [batch, int(k.shape[1]) if k.dim() == 4 else -1, nheads_k, head_dim]
         for name, t in (("k", k), ("v", v)):
             if t.dtype != q.dtype:
-                raise HurrayFormatError(name, f"{name} is {t.dtype} but q is {q.dtype}; it must have q's dtype")
+                raise HurrayArgumentError(name, f"{name} is {t.dtype} but q is {q.dtype}; it must have q's dtype")
             if list(t.shape) != expect:
-                raise HurrayFormatError(
+                raise HurrayArgumentError(
                     name,
                     f"{name} must be [batch, seqlen_new, nheads_k, head_dim] = {expect}, got {list(t.shape)}",
                 )
             if t.stride(-1) != 1:
-                raise HurrayFormatError(name, f"{name} must have a contiguous last dimension")
+                raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
         seqlen_new = int(k.shape[1])
         if seqlen_q > width * page:
-            raise HurrayFormatError(
+            raise HurrayArgumentError(
                 "q",
                 f"with k/v given, seqlen_q ({seqlen_q}) must be <= the cache's seqlen "
                 f"(max_num_blocks_per_seq * page_block_size = {width * page})",
@@ -783,27 +799,27 @@ def check_flash_attn_args(
             if d is None:
                 continue
             if q.dtype not in _FP8:
-                raise HurrayFormatError(
+                raise HurrayArgumentError(
                     name, f"{name} only applies to float8 inputs; the kernel would ignore it for {q.dtype}"
                 )
             if d.dtype != torch.float32 or tuple(d.shape) != (batch, nheads_k):
-                raise HurrayFormatError(
+                raise HurrayArgumentError(
                     name, f"{name} must be float32 [batch={batch}, nheads_k={nheads_k}], got {d.dtype} {list(d.shape)}"
                 )
     else:
         for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
             if d is not None:
-                raise HurrayFormatError(name, f"{lim.kernel} takes no {name}; dequantize fp8 caches on import")
+                raise HurrayArgumentError(name, f"{lim.kernel} takes no {name}; dequantize fp8 caches on import")
 
     # Contents: the kernels index block_table by position without bounds checks.
     lens = cache_seqlens.to(torch.int64)
     if bool((lens < 0).any()):
-        raise HurrayFormatError("cache_seqlens", "cache_seqlens must be >= 0")
+        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be >= 0")
     total = lens + seqlen_new
     longest = int(total.max())
     if longest > width * page:
         plus = " + seqlen_new" if seqlen_new else ""
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "cache_seqlens",
             f"max(cache_seqlens){plus} (= {longest}) exceeds what block_table addresses "
             f"(max_num_blocks_per_seq * page_block_size = {width * page}); add columns to block_table "
@@ -815,7 +831,7 @@ def check_flash_attn_args(
     bad = covered & ((table < 0) | (table >= num_blocks))
     if bool(bad.any()):
         b, j = (int(x) for x in bad.nonzero()[0])
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "block_table",
             f"block_table[{b}, {j}] = {int(table[b, j])} covers tokens of sequence {b} but is not a page of the "
             f"{num_blocks}-page cache",
@@ -827,7 +843,7 @@ def check_flash_attn_args(
         clash = written & (refs[table.clamp(0, max(num_blocks - 1, 0))] > 1)
         if bool(clash.any()):
             b, j = (int(x) for x in clash.nonzero()[0])
-            raise HurrayFormatError(
+            raise HurrayArgumentError(
                 "block_table",
                 f"the new tokens of sequence {b} go to page {int(table[b, j])}, which another block_table entry "
                 "also references; import with reserve= to give every sequence private tail pages",
@@ -876,7 +892,7 @@ def flash_attn_with_kvcache(
 
     Raises
     ------
-    HurrayFormatError
+    HurrayArgumentError
         When the arguments break the kernel's contract.
     FlashAttnUnavailableError
         When the tensors are not on CUDA or the flavor's package is missing;

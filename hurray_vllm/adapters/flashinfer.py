@@ -27,31 +27,36 @@ decode returns zeros for it (the attention state starts at ``o = 0``).
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.paged import BlockPagedTensor
 from ..kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
 from ..kv.snapshot import KVSnapshot
+from ._common import FP8_DTYPES as _FP8
+from ._common import INT32_MAX as _INT32_MAX
+from ._common import check_layer, dequantize
 
 __all__ = [
     "FlashInferCache",
     "check_flashinfer_args",
+    "plan_flashinfer",
     "plan_flashinfer_repage",
     "reference_decode",
     "to_flashinfer",
+    "to_flashinfer_all",
 ]
 
 PagedKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 _LAYOUTS = ("NHD", "HND")
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: KV dtypes FlashInfer's paged kernels are compiled for
 #: (``DISPATCH_DLPACK_DTYPE_TO_CTYPE_FP16_FP8`` in ``csrc/tvm_ffi_utils.h``).
 _KERNEL_KV_DTYPES = (torch.float16, torch.bfloat16, *_FP8)
-_INT32_MAX = 2**31 - 1
 
 
 # ── the imported cache ───────────────────────────────────────────────────────
@@ -201,7 +206,7 @@ class FlashInferCache:
         """
         if q_dtype is None:
             if self.dtype in _FP8:
-                raise HurrayFormatError(
+                raise HurrayArgumentError(
                     "q_data_type", f"a {self.dtype} cache needs the query dtype (float16 or bfloat16)"
                 )
             q_dtype = self.dtype
@@ -248,12 +253,13 @@ def _unpack(cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
 # ── importing ────────────────────────────────────────────────────────────────
 
 
-def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
+def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     """The repaging plan every layer of ``snapshot`` shares, for ``page_size``.
 
     Returns ``None`` when the snapshot already has pages of ``page_size``
     (nothing to repage). Pass the result to :func:`to_flashinfer` as
-    ``plan=`` for each layer so the plan is computed once per batch.
+    ``plan=`` for each layer so the plan is computed once per batch
+    (:func:`to_flashinfer_all` does).
     """
     if not snapshot.keys:
         raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
@@ -262,6 +268,66 @@ def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> RepagePlan |
         return None
     lens = _require_lens(k0)
     return plan_repage(k0.block_table, k0.seq_ptr, lens, k0.page_size, page_size)
+
+
+def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
+    """Deprecated name of :func:`plan_flashinfer` (same arguments, same result)."""
+    warnings.warn(
+        "plan_flashinfer_repage is deprecated; use plan_flashinfer",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return plan_flashinfer(snapshot, page_size)
+
+
+def to_flashinfer_all(
+    snapshot: KVSnapshot,
+    *,
+    page_size: int | None = None,
+    kv_layout: str = "NHD",
+    combined: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    out: Sequence[PagedKVCache] | None = None,
+) -> tuple[FlashInferCache, ...]:
+    """Every layer of ``snapshot`` (see :func:`to_flashinfer`), repaging planned once.
+
+    Args:
+        snapshot: as for :func:`to_flashinfer`, with at least one layer.
+        page_size, kv_layout, combined, device, dtype: as for
+            :func:`to_flashinfer`, the same for every layer.
+        out: one preallocated cache per layer (see :func:`to_flashinfer`).
+
+    Returns:
+        One :class:`FlashInferCache` per layer, in layer order, all built
+        from one :func:`plan_flashinfer` plan.
+
+    Raises:
+        HurrayArgumentError: ``kv_layout`` or ``page_size`` out of range.
+        HurrayFormatError: the snapshot does not fit, or ``out`` does not
+            hold one cache per layer.
+    """
+    if out is not None and len(out) != snapshot.num_layers:
+        raise HurrayFormatError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
+    if not snapshot.keys:
+        raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
+    if page_size is not None and page_size <= 0:
+        raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+    plan = plan_flashinfer(snapshot, page_size) if page_size is not None else None
+    return tuple(
+        to_flashinfer(
+            snapshot,
+            i,
+            page_size=page_size if plan is None else None,
+            kv_layout=kv_layout,
+            combined=combined,
+            device=device,
+            dtype=dtype,
+            plan=plan,
+            out=None if out is None else out[i],
+        )
+        for i in range(snapshot.num_layers)
+    )
 
 
 def to_flashinfer(
@@ -304,7 +370,7 @@ def to_flashinfer(
             float8 sources). Quantizing to float8 is refused: it needs
             calibrated scales this library does not choose.
         plan: a :class:`RepagePlan` for this snapshot's block structure (from
-            :func:`plan_flashinfer_repage`), reused across layers.
+            :func:`plan_flashinfer`), reused across layers.
         out: a preallocated cache to import into, shaped like the result's
             ``paged_kv_cache`` (a ``(k_cache, v_cache)`` tuple, or one
             ``[num_pages, 2, ...]`` tensor when ``combined``) in
@@ -321,19 +387,31 @@ def to_flashinfer(
         are the snapshot's own tensors (no copy).
 
     Raises:
-        HurrayFormatError: an argument or the snapshot does not fit.
+        HurrayArgumentError: ``kv_layout`` or ``page_size`` is out of range.
+        HurrayFormatError: the snapshot (or ``plan``, ``out``, ``dtype`` for
+            its pools) does not fit.
+
+    Example:
+        One layer, repaged to 16-token pages in the HND layout, then the
+        float32 reference decode (``q``: ``[batch_size, num_qo_heads, head_dim]``)::
+
+            plan = plan_flashinfer(snap, 16)
+            cache = to_flashinfer(snap, 0, page_size=16, kv_layout="HND", dtype=torch.float16, plan=plan)
+            # cache.k_cache: [num_pages, num_kv_heads, 16, head_dim], float16
+            # cache.paged_kv_indptr: int32 [batch_size + 1]
+            cache.check(q)
+            out = reference_decode(q, cache)  # [batch_size, num_qo_heads, head_dim]
     """
     if kv_layout not in _LAYOUTS:
-        raise HurrayFormatError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")
-    if not 0 <= layer < snapshot.num_layers:
-        raise HurrayFormatError("layer", f"layer {layer} is outside the snapshot's {snapshot.num_layers} layers")
+        raise HurrayArgumentError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")
+    check_layer(snapshot, layer)
     k, v = snapshot.keys[layer], snapshot.values[layer]
     lens = _check_source(k, v)
     scales = _layer_scales(snapshot, layer)
 
     if plan is None and page_size is not None and page_size != k.page_size:
         if page_size <= 0:
-            raise HurrayFormatError("page_size", f"must be positive, got {page_size}")
+            raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
         plan = plan_repage(k.block_table, k.seq_ptr, lens, k.page_size, page_size)
     elif plan is not None:
         if page_size is not None and plan.page_size != page_size:
@@ -454,7 +532,7 @@ def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tup
             raise HurrayFormatError(
                 "dtype", f"cannot re-encode {pool.dtype} pages as {dtype}; keep {pool.dtype} or dequantize"
             )
-        real = pool.float() * scale
+        real = dequantize(pool, scale)
         return (real if dtype is None else real.to(dtype)), None
     if dtype is None or dtype == pool.dtype:
         return pool, None
@@ -599,10 +677,10 @@ def check_flashinfer_args(
             (what :func:`reference_decode` computes with).
 
     Raises:
-        HurrayFormatError: the first broken rule; ``field`` names the argument.
+        HurrayArgumentError: the first broken rule; ``field`` names the argument.
     """
     if kv_layout not in _LAYOUTS:
-        raise HurrayFormatError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")
+        raise HurrayArgumentError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")
     k_cache, _ = _check_cache(paged_kv_cache)
     if kv_layout == "NHD":
         num_pages, cache_page_size, cache_heads, cache_dim = k_cache.shape
@@ -614,19 +692,19 @@ def check_flashinfer_args(
         ("head_dim", head_dim, cache_dim),
     ):
         if given is not None and given != actual:
-            raise HurrayFormatError(
+            raise HurrayArgumentError(
                 name, f"{name}={given} but the {kv_layout} cache {list(k_cache.shape)} has {actual}"
             )
     if cache_page_size <= 0 or cache_heads <= 0 or cache_dim <= 0:
-        raise HurrayFormatError("paged_kv_cache", f"empty page, head or head_dim axis in {list(k_cache.shape)}")
+        raise HurrayArgumentError("paged_kv_cache", f"empty page, head or head_dim axis in {list(k_cache.shape)}")
 
     kv_dtype = k_cache.dtype
     if kv_data_type is not None and kv_data_type != kv_dtype:
-        raise HurrayFormatError("kv_data_type", f"kv_data_type={kv_data_type} but the cache is {kv_dtype}")
+        raise HurrayArgumentError("kv_data_type", f"kv_data_type={kv_data_type} but the cache is {kv_dtype}")
     if not kv_dtype.is_floating_point:
-        raise HurrayFormatError("paged_kv_cache", f"cache dtype {kv_dtype} is not floating point")
+        raise HurrayArgumentError("paged_kv_cache", f"cache dtype {kv_dtype} is not floating point")
     if strict_dtypes and kv_dtype not in _KERNEL_KV_DTYPES:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "paged_kv_cache",
             f"FlashInfer has no paged kernels for {kv_dtype} caches (float16, bfloat16, float8_e4m3fn, float8_e5m2)",
         )
@@ -635,34 +713,34 @@ def check_flashinfer_args(
     indices = _index_array("paged_kv_indices", paged_kv_indices)
     last = _index_array("paged_kv_last_page_len", paged_kv_last_page_len)
     if indptr.numel() < 1:
-        raise HurrayFormatError("paged_kv_indptr", "needs batch_size + 1 >= 1 entries")
+        raise HurrayArgumentError("paged_kv_indptr", "needs batch_size + 1 >= 1 entries")
     batch = indptr.numel() - 1
     _check_indptr("paged_kv_indptr", indptr)
     if int(indptr[-1]) != indices.numel():
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "paged_kv_indptr", f"ends at {int(indptr[-1])} but paged_kv_indices has {indices.numel()} entries"
         )
     if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < num_pages):
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "paged_kv_indices",
             f"page ids span [{int(indices.min())}, {int(indices.max())}], the cache has {num_pages} pages",
         )
     if last.numel() != batch:
-        raise HurrayFormatError("paged_kv_last_page_len", f"{last.numel()} entries for a batch of {batch}")
+        raise HurrayArgumentError("paged_kv_last_page_len", f"{last.numel()} entries for a batch of {batch}")
     pages = (indptr[1:] - indptr[:-1]).to(last.device)
     has = pages > 0
     bad = (has & ((last < 1) | (last > cache_page_size))) | (~has & (last != 0))
     if bool(bad.any()):
         b = int(torch.nonzero(bad)[0, 0])
         rule = f"1..{cache_page_size}" if bool(has[b]) else "0 (the request has no pages)"
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "paged_kv_last_page_len", f"request {b} has last_page_len {int(last[b])}, must be {rule}"
         )
 
     if qo_indptr is not None:
         qo = _index_array("qo_indptr", qo_indptr)
         if qo.numel() != batch + 1:
-            raise HurrayFormatError("qo_indptr", f"{qo.numel()} entries, the batch needs {batch + 1}")
+            raise HurrayArgumentError("qo_indptr", f"{qo.numel()} entries, the batch needs {batch + 1}")
         _check_indptr("qo_indptr", qo)
     if q is None:
         if num_qo_heads is not None:
@@ -671,77 +749,77 @@ def check_flashinfer_args(
             _check_q_dtype("q_data_type", q_data_type, kv_dtype, strict_dtypes)
         return
     if q.dim() != 3:
-        raise HurrayFormatError("q", f"must be [tokens, num_qo_heads, head_dim], got {list(q.shape)}")
+        raise HurrayArgumentError("q", f"must be [tokens, num_qo_heads, head_dim], got {list(q.shape)}")
     rows = batch if qo_indptr is None else int(qo_indptr[-1])
     if q.shape[0] != rows or q.shape[2] != cache_dim:
         want = "batch_size" if qo_indptr is None else "qo_indptr[-1]"
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "q", f"shape {list(q.shape)}, expected [{rows} ({want}), num_qo_heads, {cache_dim} (head_dim)]"
         )
     if num_qo_heads is not None and q.shape[1] != num_qo_heads:
-        raise HurrayFormatError("num_qo_heads", f"num_qo_heads={num_qo_heads} but q has {q.shape[1]} heads")
+        raise HurrayArgumentError("num_qo_heads", f"num_qo_heads={num_qo_heads} but q has {q.shape[1]} heads")
     _check_group(int(q.shape[1]), cache_heads)
     if q.device != k_cache.device:
-        raise HurrayFormatError("q", f"q is on {q.device}, the cache on {k_cache.device}")
+        raise HurrayArgumentError("q", f"q is on {q.device}, the cache on {k_cache.device}")
     if q_data_type is not None and q_data_type != q.dtype:
-        raise HurrayFormatError("q_data_type", f"q_data_type={q_data_type} but q is {q.dtype}")
+        raise HurrayArgumentError("q_data_type", f"q_data_type={q_data_type} but q is {q.dtype}")
     _check_q_dtype("q", q.dtype, kv_dtype, strict_dtypes)
 
 
 def _check_cache(cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(cache, torch.Tensor):
         if cache.dim() != 5 or cache.shape[1] != 2:
-            raise HurrayFormatError(
+            raise HurrayArgumentError(
                 "paged_kv_cache", f"a single cache tensor must be [num_pages, 2, ...] (5-D), got {list(cache.shape)}"
             )
         k, v = cache[:, 0], cache[:, 1]
     elif isinstance(cache, tuple) and len(cache) == 2 and all(isinstance(t, torch.Tensor) for t in cache):
         k, v = cache
         if k.dim() != 4:
-            raise HurrayFormatError("paged_kv_cache", f"k_cache must be 4-D, got {list(k.shape)}")
+            raise HurrayArgumentError("paged_kv_cache", f"k_cache must be 4-D, got {list(k.shape)}")
         if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-            raise HurrayFormatError(
+            raise HurrayArgumentError(
                 "paged_kv_cache",
                 f"k_cache {list(k.shape)} {k.dtype} {k.device} and v_cache {list(v.shape)} {v.dtype} {v.device} differ",
             )
     else:
-        raise HurrayFormatError("paged_kv_cache", "must be a tensor or a (k_cache, v_cache) tuple of tensors")
+        raise HurrayArgumentError("paged_kv_cache", "must be a tensor or a (k_cache, v_cache) tuple of tensors")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise HurrayFormatError("paged_kv_cache", "head_dim must be the contiguous (stride 1) dimension")
+        raise HurrayArgumentError("paged_kv_cache", "head_dim must be the contiguous (stride 1) dimension")
     return k, v
 
 
 def _index_array(name: str, t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
         got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise HurrayFormatError(name, f"must be an int32 tensor, got {got}")
+        raise HurrayArgumentError(name, f"must be an int32 tensor, got {got}")
     if t.dim() != 1:
-        raise HurrayFormatError(name, f"must be 1-D, got shape {list(t.shape)}")
+        raise HurrayArgumentError(name, f"must be 1-D, got shape {list(t.shape)}")
     return t
 
 
 def _check_indptr(name: str, indptr: torch.Tensor) -> None:
     if int(indptr[0]) != 0:
-        raise HurrayFormatError(name, f"must start at 0, starts at {int(indptr[0])}")
+        raise HurrayArgumentError(name, f"must start at 0, starts at {int(indptr[0])}")
     if indptr.numel() > 1 and bool((indptr[1:] < indptr[:-1]).any()):
-        raise HurrayFormatError(name, "must be non-decreasing")
+        raise HurrayArgumentError(name, "must be non-decreasing")
 
 
 def _check_group(num_qo_heads: int, num_kv_heads: int) -> None:
     if num_qo_heads <= 0 or num_qo_heads % num_kv_heads:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "num_qo_heads", f"{num_qo_heads} query heads is not a positive multiple of {num_kv_heads} KV heads"
         )
 
 
 def _check_q_dtype(field: str, q_dtype: torch.dtype, kv_dtype: torch.dtype, strict: bool) -> None:
     if not q_dtype.is_floating_point:
-        raise HurrayFormatError(field, f"query dtype {q_dtype} is not floating point")
+        raise HurrayArgumentError(field, f"query dtype {q_dtype} is not floating point")
     if not strict:
         return
     allowed = (torch.float16, torch.bfloat16, kv_dtype) if kv_dtype in _FP8 else (kv_dtype,)
     if q_dtype not in allowed:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             field, f"query dtype {q_dtype} with a {kv_dtype} cache; FlashInfer expects {' or '.join(map(str, allowed))}"
         )
 

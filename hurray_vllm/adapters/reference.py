@@ -30,11 +30,10 @@ import math
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError
+from ._common import FP8_DTYPES as _FP8
 
 __all__ = ["append_kv_", "dense_attention", "paged_attention"]
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dense_attention(
@@ -69,11 +68,11 @@ def dense_attention(
         is float8), computed in float32. Rows that see no key are zero.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "q", f"dense_attention takes [T, H, D] tensors, got q{list(q.shape)} k{list(k.shape)} v{list(v.shape)}"
         )
     if k.shape != v.shape:
-        raise HurrayFormatError("v", f"v has shape {list(v.shape)} but k has {list(k.shape)}; they must match")
+        raise HurrayArgumentError("v", f"v has shape {list(v.shape)} but k has {list(k.shape)}; they must match")
     _check_heads(q.shape[1], q.shape[2], k.shape[1], k.shape[2])
     seqlen_k = torch.tensor([k.shape[0]], dtype=torch.int64, device=q.device)
     out = _attend(
@@ -152,9 +151,9 @@ def paged_attention(
         ``q`` is float8). Rows that see no key are zero.
     """
     if q.dim() != 4:
-        raise HurrayFormatError("q", f"expected [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
+        raise HurrayArgumentError("q", f"expected [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "k_cache",
             f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
             "[num_blocks, page_block_size, nheads_k, head_dim]",
@@ -163,19 +162,19 @@ def paged_attention(
     num_blocks, page, nheads_k, _ = k_cache.shape
     _check_heads(nheads, head_dim, nheads_k, k_cache.shape[3])
     if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "block_table", f"expected [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}"
         )
     if cache_seqlens.shape != (batch,):
-        raise HurrayFormatError("cache_seqlens", f"expected [batch={batch}], got shape {list(cache_seqlens.shape)}")
+        raise HurrayArgumentError("cache_seqlens", f"expected [batch={batch}], got shape {list(cache_seqlens.shape)}")
     dev = q.device
     lens = cache_seqlens.to(dev, torch.int64)
     table = block_table.to(dev, torch.int64)
     if bool((lens < 0).any()):
-        raise HurrayFormatError("cache_seqlens", "sequence lengths must be >= 0")
+        raise HurrayArgumentError("cache_seqlens", "sequence lengths must be >= 0")
     seqlen_new = 0
     if (k is None) != (v is None):
-        raise HurrayFormatError("v" if v is None else "k", "pass both k and v to append new tokens, or neither")
+        raise HurrayArgumentError("v" if v is None else "k", "pass both k and v to append new tokens, or neither")
     if k is not None and v is not None:
         append_kv_(k_cache, v_cache, table, lens, k, v)
         seqlen_new = int(k.shape[1])
@@ -183,7 +182,7 @@ def paged_attention(
     max_len = int(total.max()) if batch else 0
     npages = -(-max_len // page)
     if npages > table.shape[1]:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "cache_seqlens",
             f"a sequence needs {npages} pages of {page} but block_table has {table.shape[1]} columns; "
             "widen block_table or shorten cache_seqlens",
@@ -194,7 +193,7 @@ def paged_attention(
     bad = covered & ((ids < 0) | (ids >= num_blocks))
     if bool(bad.any()):
         b, j = (int(x) for x in bad.nonzero()[0])
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "block_table",
             f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the {num_blocks}-block cache",
         )
@@ -238,11 +237,11 @@ def append_kv_(
     expect = (batch, seqlen_new, *k_cache.shape[2:])
     for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if tuple(new.shape) != expect:
-            raise HurrayFormatError(
+            raise HurrayArgumentError(
                 name, f"expected [batch, seqlen_new, nheads_k, head_dim] = {list(expect)}, got {list(new.shape)}"
             )
         if new.dtype != cache.dtype:
-            raise HurrayFormatError(name, f"{name} is {new.dtype} but the cache is {cache.dtype}; convert it first")
+            raise HurrayArgumentError(name, f"{name} is {new.dtype} but the cache is {cache.dtype}; convert it first")
     if seqlen_new == 0 or batch == 0:
         return
     page = int(k_cache.shape[1])
@@ -251,14 +250,14 @@ def append_kv_(
     pos = cache_seqlens.to(dev, torch.int64)[:, None] + torch.arange(seqlen_new, device=dev)[None, :]
     col = pos // page
     if int(col.max()) >= table.shape[1]:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "cache_seqlens",
             f"appending {seqlen_new} tokens needs {int(col.max()) + 1} pages per sequence but block_table has "
             f"{table.shape[1]} columns; import with room for them (reserve=)",
         )
     pages = table.gather(1, col).reshape(-1)
     if bool(((pages < 0) | (pages >= k_cache.shape[0])).any()):
-        raise HurrayFormatError("block_table", "a page the new tokens go to is not a page of the cache")
+        raise HurrayArgumentError("block_table", "a page the new tokens go to is not a page of the cache")
     offs = (pos % page).reshape(-1)
     k_cache[pages, offs] = k.reshape(-1, *k.shape[2:]).to(dev)
     v_cache[pages, offs] = v.reshape(-1, *v.shape[2:]).to(dev)
@@ -298,11 +297,11 @@ def _attend(
 
 def _check_heads(nheads: int, head_dim: int, nheads_k: int, head_dim_k: int) -> None:
     if nheads_k == 0 or nheads % nheads_k:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "q", f"nheads ({nheads}) must be a multiple of the KV heads ({nheads_k}) for grouped-query attention"
         )
     if head_dim != head_dim_k:
-        raise HurrayFormatError("k_cache", f"head_dim of the keys ({head_dim_k}) differs from q's ({head_dim})")
+        raise HurrayArgumentError("k_cache", f"head_dim of the keys ({head_dim_k}) differs from q's ({head_dim})")
 
 
 def _scale(softmax_scale: float | None, head_dim: int) -> float:

@@ -19,13 +19,15 @@ from hypothesis import strategies as st
 from strategies import snapshots
 from synthetic import make_flashinfer_snapshot as make_snapshot
 
-from hurray_vllm import HurrayFormatError, KVSnapshot
+from hurray_vllm import HurrayArgumentError, HurrayFormatError, KVSnapshot
 from hurray_vllm.adapters.flashinfer import (
     FlashInferCache,
     check_flashinfer_args,
+    plan_flashinfer,
     plan_flashinfer_repage,
     reference_decode,
     to_flashinfer,
+    to_flashinfer_all,
 )
 from hurray_vllm.kv.repage import plan_repage
 
@@ -86,7 +88,7 @@ def rebuild(cache: FlashInferCache, seq: int) -> tuple[torch.Tensor, torch.Tenso
 def test_rebuilt_sequences_equal_to_dense(
     snap: KVSnapshot, kv_layout: str, combined: bool, page_size: int | None
 ) -> None:
-    plan = plan_flashinfer_repage(snap, page_size) if page_size else None
+    plan = plan_flashinfer(snap, page_size) if page_size else None
     for layer in range(snap.num_layers):
         cache = to_flashinfer(snap, layer, page_size=page_size, kv_layout=kv_layout, combined=combined, plan=plan)
         cache.check(strict_dtypes=False)
@@ -109,7 +111,7 @@ def test_rebuilt_sequences_equal_to_dense(
 @settings(max_examples=20)
 @given(snap=snapshots(), page_size=st.sampled_from([2, 5]))
 def test_shared_plan_equals_per_layer_plan(snap: KVSnapshot, page_size: int) -> None:
-    plan = plan_flashinfer_repage(snap, page_size)
+    plan = plan_flashinfer(snap, page_size)
     for layer in range(snap.num_layers):
         a = to_flashinfer(snap, layer, page_size=page_size, plan=plan)
         b = to_flashinfer(snap, layer, page_size=page_size)
@@ -239,7 +241,7 @@ def test_fp8_passthrough_reports_the_scales(fp8: torch.dtype) -> None:
     assert cache.dtype == fp8 and (cache.k_scale, cache.v_scale) == (2.0, 3.0)
     assert cache.run_kwargs() == {"k_scale": 2.0, "v_scale": 3.0}
     assert cache.plan_dtypes(torch.bfloat16) == {"q_data_type": torch.bfloat16, "kv_data_type": fp8}
-    with pytest.raises(HurrayFormatError) as exc:
+    with pytest.raises(HurrayArgumentError) as exc:
         cache.plan_dtypes()
     assert exc.value.field == "q_data_type"
     k, _ = rebuild(cache, 0)
@@ -281,12 +283,13 @@ def test_importer_rejects_bad_arguments() -> None:
         ("layer", lambda: to_flashinfer(snap, 2)),
         ("layer", lambda: to_flashinfer(snap, -1)),
         ("page_size", lambda: to_flashinfer(snap, 0, page_size=0)),
-        ("plan", lambda: to_flashinfer(snap, 0, page_size=8, plan=plan_flashinfer_repage(snap, 2))),
-        ("plan", lambda: to_flashinfer(snap, 0, plan=plan_flashinfer_repage(make_snapshot([7, 4]), 2))),
-        ("plan", lambda: to_flashinfer(snap, 0, plan=plan_flashinfer_repage(make_snapshot([7]), 2))),
+        ("plan", lambda: to_flashinfer(snap, 0, page_size=8, plan=plan_flashinfer(snap, 2))),
+        ("plan", lambda: to_flashinfer(snap, 0, plan=plan_flashinfer(make_snapshot([7, 4]), 2))),
+        ("plan", lambda: to_flashinfer(snap, 0, plan=plan_flashinfer(make_snapshot([7]), 2))),
     ]
     for field, call in cases:
-        with pytest.raises(HurrayFormatError) as exc:
+        expected = HurrayArgumentError if field in {"kv_layout", "page_size"} else HurrayFormatError
+        with pytest.raises(expected) as exc:
             call()
         assert exc.value.field == field, (field, exc.value)
 
@@ -318,7 +321,7 @@ def test_importer_rejects_snapshots_flashinfer_cannot_describe() -> None:
         to_flashinfer(both_bad, 0)
     assert exc.value.field == "block_table"
     with pytest.raises(HurrayFormatError) as exc:
-        plan_flashinfer_repage(replace(snap, keys=(), values=()), 2)
+        plan_flashinfer(replace(snap, keys=(), values=()), 2)
     assert exc.value.field == "snapshot.layers"
 
 
@@ -448,7 +451,7 @@ def test_checker_rejects(field: str, what: str, change: Callable[[Args], None]) 
     cache, q = _good()
     a = _args(cache, q)
     change(a)
-    with pytest.raises(HurrayFormatError) as exc:
+    with pytest.raises(HurrayArgumentError) as exc:
         _call(a)
     assert exc.value.field == field, f"{what}: {exc.value}"
 
@@ -463,13 +466,13 @@ def test_checker_relaxed_dtypes_accept_float32() -> None:
     )
     q = torch.randn(4, 4, 8)
     f32.check(q, strict_dtypes=False)
-    with pytest.raises(HurrayFormatError):
+    with pytest.raises(HurrayArgumentError):
         f32.check(q)
 
 
 def test_checker_rejects_unplanned_q_and_kv_combinations() -> None:
     cache, _ = _good()
-    with pytest.raises(HurrayFormatError) as exc:
+    with pytest.raises(HurrayArgumentError) as exc:
         check_flashinfer_args(
             cache.paged_kv_indptr,
             cache.paged_kv_indices,
@@ -478,7 +481,7 @@ def test_checker_rejects_unplanned_q_and_kv_combinations() -> None:
             num_qo_heads=0,
         )
     assert exc.value.field == "num_qo_heads"
-    with pytest.raises(HurrayFormatError) as exc:
+    with pytest.raises(HurrayArgumentError) as exc:
         check_flashinfer_args(
             cache.paged_kv_indptr,
             cache.paged_kv_indices,
@@ -530,16 +533,16 @@ def test_checker_accepts_what_the_importer_produces(
 
 def test_reference_decode_checks_its_inputs() -> None:
     cache, q = _good()
-    with pytest.raises(HurrayFormatError):
+    with pytest.raises(HurrayArgumentError):
         reference_decode(q[:2], cache)
-    with pytest.raises(HurrayFormatError):
+    with pytest.raises(HurrayArgumentError):
         reference_decode(torch.zeros(4, 3, 8), cache)
 
 
 def test_plan_helpers() -> None:
     snap = make_snapshot([7, 3])
-    assert plan_flashinfer_repage(snap, snap.page_size) is None
-    plan = plan_flashinfer_repage(snap, 2)
+    assert plan_flashinfer(snap, snap.page_size) is None
+    plan = plan_flashinfer(snap, 2)
     assert plan is not None and plan.page_size == 2
     k = snap.keys[0]
     assert k.seq_lens is not None
@@ -549,6 +552,54 @@ def test_plan_helpers() -> None:
     assert cache.page_size == 2
     args = cache.decode_plan_args(4)
     assert args[3:] == (4, 2, 8, 2)
+
+
+def test_plan_flashinfer_repage_is_a_deprecated_alias() -> None:
+    snap = make_snapshot([7, 3])
+    with pytest.warns(DeprecationWarning, match="plan_flashinfer"):
+        old = plan_flashinfer_repage(snap, 2)
+    new = plan_flashinfer(snap, 2)
+    assert old is not None and new is not None
+    assert torch.equal(old.src_slots, new.src_slots) and torch.equal(old.block_table, new.block_table)
+
+
+@pytest.mark.parametrize("page_size", [None, 2, 3])
+def test_to_flashinfer_all_equals_per_layer_imports(page_size: int | None) -> None:
+    snap = make_snapshot([7, 3, 0, 4], page_size=4)
+    caches = to_flashinfer_all(snap, page_size=page_size, kv_layout="HND")
+    assert len(caches) == snap.num_layers
+    for i, cache in enumerate(caches):
+        one = to_flashinfer(snap, i, page_size=page_size, kv_layout="HND")
+        assert cache.layer == i and cache.kv_layout == "HND"
+        assert torch.equal(cache.k_cache, one.k_cache) and torch.equal(cache.v_cache, one.v_cache)
+        assert torch.equal(cache.paged_kv_indptr, one.paged_kv_indptr)
+        assert torch.equal(cache.paged_kv_indices, one.paged_kv_indices)
+        assert torch.equal(cache.paged_kv_last_page_len, one.paged_kv_last_page_len)
+
+
+def test_to_flashinfer_all_into_preallocated_pools() -> None:
+    snap = make_snapshot([7, 3], page_size=4)
+    first = to_flashinfer_all(snap, page_size=2)
+    pools = [(torch.zeros_like(c.k_cache), torch.zeros_like(c.v_cache)) for c in first]
+    caches = to_flashinfer_all(snap, page_size=2, out=pools)
+    for cache, pool, ref in zip(caches, pools, first, strict=True):
+        assert cache.k_cache is pool[0] and torch.equal(cache.k_cache, ref.k_cache)
+
+
+def test_to_flashinfer_all_rejects() -> None:
+    snap = make_snapshot([7, 3])
+    with pytest.raises(HurrayArgumentError) as arg:
+        to_flashinfer_all(snap, page_size=0)
+    assert arg.value.field == "page_size"
+    with pytest.raises(HurrayArgumentError) as arg:
+        to_flashinfer_all(snap, kv_layout="NDH")
+    assert arg.value.field == "kv_layout"
+    with pytest.raises(HurrayFormatError) as fmt:
+        to_flashinfer_all(snap, out=[])
+    assert fmt.value.field == "out"
+    with pytest.raises(HurrayFormatError) as fmt:
+        to_flashinfer_all(replace(snap, keys=(), values=()))
+    assert fmt.value.field == "snapshot.layers"
 
 
 @settings(max_examples=30)
@@ -563,7 +614,7 @@ def test_plan_helpers() -> None:
 def test_import_into_a_preallocated_cache_equals_a_fresh_import(
     snap: KVSnapshot, kv_layout: str, combined: bool, page_size: int | None, dtype: torch.dtype | None, spare: int
 ) -> None:
-    plan = plan_flashinfer_repage(snap, page_size) if page_size else None
+    plan = plan_flashinfer(snap, page_size) if page_size else None
     for layer in range(snap.num_layers):
         fresh = to_flashinfer(snap, layer, kv_layout=kv_layout, combined=combined, plan=plan, dtype=dtype)
         pools = [t for t in ((fresh.paged_kv_cache,) if combined else fresh.paged_kv_cache)]  # type: ignore[union-attr]

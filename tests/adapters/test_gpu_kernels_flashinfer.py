@@ -16,7 +16,7 @@ import torch
 from synthetic import make_flashinfer_snapshot as make_snapshot
 
 from hurray_vllm import KVSnapshot
-from hurray_vllm.adapters.flashinfer import FlashInferCache, plan_flashinfer_repage, reference_decode, to_flashinfer
+from hurray_vllm.adapters.flashinfer import FlashInferCache, plan_flashinfer, reference_decode, to_flashinfer
 
 pytestmark = [pytest.mark.gpu]
 
@@ -95,7 +95,7 @@ def test_batch_decode_equals_reference(
     page_size: int | None,
 ) -> None:
     snap = snapshot(LENS, dtype=dtype)
-    plan = plan_flashinfer_repage(snap, page_size) if page_size else None
+    plan = plan_flashinfer(snap, page_size) if page_size else None
     q = torch.randn(len(LENS), 16, 128, dtype=dtype, device="cuda")  # GQA: 4 query heads per KV head
     for layer in range(snap.num_layers):
         cache = to_flashinfer(
