@@ -17,7 +17,7 @@ from ..containers.hrryfile import write_file
 from ..containers.io import detect_format, file_kv, iter_nodes, open_records
 from ..containers.schema import Node, Record
 from ..containers.stream import write_records
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.paged import _widen
 from ..progress import progress
 from ..wire import dtypes
@@ -459,6 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HurrayFormatError as exc:
         print(f"hurray-vllm: invalid input: {exc}", file=sys.stderr)
         return 1
+    except HurrayArgumentError as exc:  # an option the library refused: the call, not the data
+        print(f"hurray-vllm: {exc}", file=sys.stderr)
+        return 2
     except FileNotFoundError as exc:
         print(f"hurray-vllm: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return 2

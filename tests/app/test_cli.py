@@ -117,3 +117,18 @@ def test_prune_shrinks_a_store_to_the_size_given(tmp_path: Path, capsys: pytest.
     with pytest.raises(SystemExit):
         main(["prune", str(tmp_path), "--max-size", "lots"])
     assert main(["prune", str(tmp_path / "nowhere"), "--max-size", "1G"]) == 2
+
+
+def test_a_refused_option_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from hurray_vllm.app import cli
+    from hurray_vllm.errors import HurrayArgumentError
+
+    def refuse(args: object) -> int:
+        raise HurrayArgumentError("page_size", "flash-attn 2 needs a multiple of 256, not 100")
+
+    monkeypatch.setattr(cli, "cmd_inspect", refuse)
+    assert cli.main(["inspect", str(tmp_path / "x.hrry")]) == 2
+    err = capsys.readouterr().err
+    assert err == "hurray-vllm: page_size: flash-attn 2 needs a multiple of 256, not 100\n"
