@@ -251,17 +251,7 @@ class HurrayWorker:
         return out[0].float() * ks, out[1].float() * vs
 
     def wait_for_save(self, meta: HurrayConnectorMetadata) -> None:
-        """Save this step's completed chunks.
-
-        Asynchronous by default (``hurray_save_async``): copies the chunks'
-        blocks out of the cache (one ``index_select`` per layer into recycled
-        buffers) and returns; a background thread unpacks the copies into
-        block-paged chunks, checksums and writes them. Blocks only when the
-        copies waiting for that thread would exceed ``hurray_save_queue_mib``.
-        Synchronous otherwise, and always with ``hurray_url``: then returns
-        once every chunk is in the store and the receiver acknowledged it or
-        the push failed (logged; the destination recomputes what it lacks).
-        """
+        """Save this step's completed chunks (what it blocks on: :meth:`HurrayConnector.wait_for_save`)."""
         if not meta.saves:
             return
         ec = self._engine_cache()
