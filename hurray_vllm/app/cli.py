@@ -14,7 +14,7 @@ import torch
 
 from ..containers.check import validate
 from ..containers.hrryfile import write_file
-from ..containers.io import detect_format, file_kv, iter_nodes, open_records
+from ..containers.io import SUFFIX_FORMATS, detect_format, file_kv, iter_nodes, open_records
 from ..containers.schema import Node, Record
 from ..containers.stream import write_records
 from ..errors import HurrayArgumentError, HurrayFormatError
@@ -179,13 +179,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1
 
 
-_SUFFIX_FORMATS = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
     src_fmt = detect_format(args.input)
     out = Path(args.output)
-    out_fmt = args.to or _SUFFIX_FORMATS.get(out.suffix.lower())
+    out_fmt = args.to or SUFFIX_FORMATS.get(out.suffix.lower())
     if out_fmt is None:
         out_fmt = "stream" if src_fmt == "hrry" else "hrry"
     if args.page_size or "safetensors" in (src_fmt, out_fmt):
@@ -196,7 +193,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         snap = load(args.input, permissive=args.permissive)
         if args.page_size:
             snap = repage_snapshot(snap, args.page_size)
-        size = save(snap, out, format=out_fmt)  # type: ignore[arg-type]
+        size = save(snap, out, format=out_fmt)
     else:
         # Record-level: any Hurray descriptors, carried over unchanged.
         records = progress(

@@ -17,10 +17,11 @@ from .hrryfile import FILE_MAGIC, HrryFile, write_file
 from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records
 from .stream import LayerWriter, read_records, write_records
 
-__all__ = ["save", "load", "write_stream", "read_stream", "detect_format", "open_records", "Format"]
+__all__ = ["SUFFIX_FORMATS", "save", "load", "write_stream", "read_stream", "detect_format", "open_records", "Format"]
 
 Format = Literal["hrry", "stream", "safetensors"]
-_SUFFIXES: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
+#: The format each file suffix is written in (``save``, and ``hurray-vllm convert``'s output).
+SUFFIX_FORMATS: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -45,11 +46,11 @@ def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> For
     if fmt is not None:
         return fmt
     suffix = Path(path).suffix.lower()
-    if suffix not in _SUFFIXES:
+    if suffix not in SUFFIX_FORMATS:
         raise HurrayFormatError(
             "path", f"cannot tell the format of {os.fspath(path)!r}: use .hrry, .hrrs or .safetensors, or pass format="
         )
-    return _SUFFIXES[suffix]
+    return SUFFIX_FORMATS[suffix]
 
 
 def save(
