@@ -51,12 +51,13 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
 
-from ..chunks.store import DIGEST_KEY, ChunkDigest
+from ..chunks.digest import DIGEST_KEY, ChunkDigest
+from ..chunks.store import ChunkStore
 from ..containers.schema import Record, assemble_snapshot, dense_record, group_records, header_records, layer_records
 from ..containers.stream import layer_structure_key, tensor_bytes
 from ..errors import HurrayFormatError
@@ -124,16 +125,6 @@ class NixlError(OSError):
     An ``OSError``, like a refused connection: callers that survive an
     unreachable TCP receiver survive this too.
     """
-
-
-class ChunkStore(Protocol):
-    """What a receiver stores into (:class:`~hurray_vllm.chunks.store.DirectoryStore` is one).
-
-    ``put`` must not keep references to the snapshot's page pools after it
-    returns: they are views of the receiver's reusable buffers.
-    """
-
-    def put(self, namespace: str, key: str, snap: KVSnapshot) -> bool: ...
 
 
 _nixl: ModuleType | None = None

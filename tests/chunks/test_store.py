@@ -119,7 +119,7 @@ def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) 
     assert [store.has("ns", n) for n in names] == [False, False, True, True]
     assert sorted(p.name for p in (tmp_path / "ns").iterdir() if not p.name.endswith(".hrry")) == [".new.hrry.2.tmp"]
     assert store.prune(0).chunks_kept == 0
-    with pytest.raises(hv.HurrayFormatError, match="max_bytes"):
+    with pytest.raises(hv.HurrayArgumentError, match="max_bytes"):
         store.prune(-1)
 
 

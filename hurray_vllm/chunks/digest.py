@@ -1,0 +1,113 @@
+"""Chunk integrity: the checksum a chunk carries, and the checks a consumer runs before using it."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+from .. import native
+from ..containers.stream import byte_view
+from ..errors import HurrayFormatError
+from ..kv.snapshot import KVSnapshot, ModelFingerprint
+
+__all__ = ["DIGEST_KEY", "DIGEST_MISMATCH", "ChunkDigest", "chunk_digest", "digest_matches", "verify_chunk"]
+
+DIGEST_KEY = "hurray_vllm.chunk_digest"
+DIGEST_MISMATCH = "chunk data does not match its digest (corrupt transfer?)"
+
+
+class ChunkDigest:
+    """Incremental chunk checksum over the page pools, in snapshot order.
+
+    Two algorithms, named in the digest string (``"<algorithm>:<8 hex>"``):
+
+    * ``crc32c`` (CRC-32C, Castagnoli): computed by the native kernels
+      (:mod:`hurray_vllm.native`, the SSE4.2 ``crc32`` instruction where the
+      CPU has it), about 3.5x faster than zlib here. The default wherever
+      the native kernels load.
+    * ``crc32`` (zlib's CRC-32): the fallback writers use without them.
+
+    It guards against damaged transfers and files, not against an adversary
+    (run transports on a trusted network), and runs several times faster
+    than a cryptographic hash, which would dominate the cost of moving a
+    chunk. Both release the GIL, so a receiver can checksum pools that
+    landed while others are still arriving.
+    """
+
+    ALGORITHMS = ("crc32c", "crc32")
+
+    def __init__(self, algorithm: str | None = None) -> None:
+        if algorithm is None:
+            algorithm = "crc32c" if native.library() is not None else "crc32"
+        if algorithm not in self.ALGORITHMS:
+            raise HurrayFormatError("snapshot.digest", f"unknown chunk digest algorithm {algorithm!r}")
+        if algorithm == "crc32c" and native.library() is None:
+            raise HurrayFormatError(
+                "snapshot.digest",
+                f"the chunk is checksummed with CRC-32C, which needs the native kernels: {native.unavailable_reason()}",
+            )
+        self.algorithm = algorithm
+        self._crc = 0
+
+    @classmethod
+    def like(cls, digest: object) -> ChunkDigest:
+        """A digest of the algorithm ``digest`` (a stored digest string) names, to check it."""
+        if not isinstance(digest, str) or ":" not in digest:
+            raise HurrayFormatError("snapshot.digest", "chunk carries no digest")
+        return cls(digest.partition(":")[0])
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self.algorithm == "crc32c":
+            crc = native.crc32c(data, self._crc)
+            assert crc is not None  # checked in __init__
+            self._crc = crc
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def update_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Add the bytes of contiguous CPU ``tensors``, in order; one native call for CRC-32C."""
+        if self.algorithm == "crc32c":
+            crc = native.crc32c_tensors(tensors, self._crc)
+            assert crc is not None  # checked in __init__
+            self._crc = crc
+            return
+        for t in tensors:
+            if t.numel():
+                self.update(byte_view(t.reshape(-1).view(torch.uint8)))
+
+    def hexdigest(self) -> str:
+        return f"{self.algorithm}:{self._crc:08x}"
+
+
+def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:
+    """The :class:`ChunkDigest` of every page pool of ``snap``: catches corruption the container cannot see."""
+    d = ChunkDigest(algorithm)
+    d.update_tensors([t.page_pool.contiguous().cpu() for t in (*snap.keys, *snap.values)])
+    return d.hexdigest()
+
+
+def digest_matches(snap: KVSnapshot) -> bool:
+    """Whether ``snap``'s stored digest matches its pools (raises if the algorithm cannot run here)."""
+    want = snap.extra.get(DIGEST_KEY)
+    return want == chunk_digest(snap, ChunkDigest.like(want).algorithm)
+
+
+def verify_chunk(snap: KVSnapshot, fp: ModelFingerprint, tokens: Sequence[int], *, digest: bool = True) -> None:
+    """Raise :class:`HurrayFormatError` unless ``snap`` is this model's KV of exactly ``tokens``.
+
+    ``digest=False`` leaves out the data checksum (the caller runs
+    :func:`digest_matches` itself, e.g. on another thread).
+    """
+    if snap.fingerprint is None:
+        raise HurrayFormatError("snapshot.fingerprint", "chunk carries no model fingerprint")
+    diffs = snap.fingerprint.mismatches(fp)
+    if diffs:
+        raise HurrayFormatError("snapshot.fingerprint", "chunk is from another model: " + "; ".join(diffs))
+    if snap.num_seqs != 1 or snap.seq_lens != [len(tokens)]:
+        raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
+    if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
+        raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
+    if digest and not digest_matches(snap):
+        raise HurrayFormatError("snapshot.digest", DIGEST_MISMATCH)

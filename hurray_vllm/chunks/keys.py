@@ -1,0 +1,81 @@
+"""Chunk keys: which prefix of which model a chunk holds, as a name.
+
+A chunk's key chains the hashes of all chunks before it, so a key names a
+whole prefix. Keys live in a namespace derived from the model fingerprint,
+so a chunk of another model is never even looked at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from ..errors import HurrayFormatError
+from ..kv.snapshot import KVSnapshot, ModelFingerprint
+from .digest import DIGEST_KEY, chunk_digest
+
+__all__ = ["namespace_of", "chunk_keys", "chunks_of"]
+
+
+def namespace_of(fp: ModelFingerprint) -> str:
+    """A short, stable name for everything one model's caches may share."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in (fp.architecture, fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.dtype, fp.weights_digest or ""):
+        h.update(f"{part}\x00".encode())
+    return h.hexdigest()
+
+
+def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: str) -> list[str]:
+    """Keys of the whole chunks of ``token_ids``; key ``i`` covers tokens ``[0, (i+1)*chunk_tokens)``."""
+    keys = []
+    prev = namespace.encode()
+    for i in range(len(token_ids) // chunk_tokens):
+        chunk = token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(array("q", chunk).tobytes())  # int64, native order: the bytes torch.int64 would give
+        prev = h.digest()
+        keys.append(h.hexdigest())
+    return keys
+
+
+def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot]]:
+    """Every whole chunk of every sequence of ``snap``, keyed as a connector would key it.
+
+    ``chunk_tokens`` must be a multiple of the snapshot's page size. Only
+    tokens with KV count; a sequence's last partial chunk is left out.
+    """
+    if snap.fingerprint is None:
+        raise HurrayFormatError(
+            "snapshot.fingerprint", "chunks are namespaced by model: the snapshot needs a fingerprint"
+        )
+    if not snap.keys:
+        return []
+    ps = snap.page_size
+    if chunk_tokens % ps:
+        raise HurrayFormatError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
+    ns = namespace_of(snap.fingerprint)
+    per = chunk_tokens // ps
+    out = []
+    lens = snap.seq_lens
+    for s in range(snap.num_seqs):
+        tokens = list(snap.token_ids[s][: lens[s]])
+        pages = snap.keys[0].pages_of(s)
+        for c, key in enumerate(chunk_keys(tokens, chunk_tokens, ns)):
+            table = pages[c * per : (c + 1) * per]
+            ptr = torch.tensor([0, per])
+            n = torch.tensor([chunk_tokens])
+            keys = tuple(replace(k, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for k in snap.keys)
+            values = tuple(replace(v, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for v in snap.values)
+            chunk = replace(
+                snap,
+                keys=keys,
+                values=values,
+                token_ids=(tuple(tokens[c * chunk_tokens : (c + 1) * chunk_tokens]),),
+                request_ids=(snap.request_ids[s],) if snap.request_ids else None,
+            ).compact()
+            out.append((key, replace(chunk, extra={**chunk.extra, DIGEST_KEY: chunk_digest(chunk)})))
+    return out

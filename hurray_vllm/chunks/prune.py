@@ -1,0 +1,91 @@
+"""Store cleanup: least recently used chunks, damaged files and stale temporary files."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import HurrayArgumentError
+
+if TYPE_CHECKING:
+    from .store import DirectoryStore
+
+__all__ = ["PruneReport", "prune"]
+
+
+@dataclass
+class PruneReport:
+    """What :meth:`DirectoryStore.prune` deleted (or would delete, with ``dry_run``)."""
+
+    dry_run: bool
+    bytes_kept: int
+    chunks_kept: int
+    chunks_removed: int = 0
+    bad_removed: int = 0
+    temp_removed: int = 0
+    bytes_removed: int = 0
+
+    def add(self, kind: str, size: int) -> None:
+        if kind == "chunk":
+            self.chunks_removed += 1
+            self.chunks_kept -= 1
+        elif kind == "bad":
+            self.bad_removed += 1
+        else:
+            self.temp_removed += 1
+        self.bytes_removed += size
+
+
+def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0, dry_run: bool = False) -> PruneReport:
+    """Delete the least recently used chunks until the store holds at most ``max_bytes``.
+
+    Also deletes damaged files moved aside (``*.hrry.bad``) and temporary
+    files older than ``stale_temp_s`` seconds (left by writers that died
+    mid-write). "Used" is the later of a file's access and modification
+    times: with Linux's default ``relatime`` mount option the access time
+    moves at most once a day, with ``noatime`` never, and pruning is then
+    oldest-written first. A prefix's later chunks are never used more
+    recently than its earlier ones (a load walks the chunks in order and
+    stops at the first missing one), so its tail goes first. Safe while
+    engines use the store: a chunk deleted under an engine that mapped it
+    stays readable for that engine, and later lookups miss it.
+    ``dry_run`` only reports. Bytes are file sizes.
+    """
+    if max_bytes < 0:
+        raise HurrayArgumentError("max_bytes", f"must be >= 0, got {max_bytes}")
+    now = time.time()
+    chunks: list[tuple[float, int, Path]] = []
+    doomed: list[tuple[str, int, Path]] = []
+    for ns in sorted(p for p in store.root.iterdir() if p.is_dir()) if store.root.is_dir() else []:
+        for entry in os.scandir(ns):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            name = entry.name
+            if name.endswith(".hrry.bad"):
+                doomed.append(("bad", st.st_size, Path(entry.path)))
+            elif name.startswith(".") and name.endswith(".tmp"):
+                if now - st.st_mtime > stale_temp_s:
+                    doomed.append(("temp", st.st_size, Path(entry.path)))
+            elif name.endswith(".hrry") and entry.is_file(follow_symlinks=False):
+                chunks.append((max(st.st_atime, st.st_mtime), st.st_size, Path(entry.path)))
+    chunks.sort()
+    total = sum(size for _, size, _ in chunks)
+    for _, size, path in chunks:
+        if total <= max_bytes:
+            break
+        doomed.append(("chunk", size, path))
+        total -= size
+    report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=len(chunks))
+    for kind, size, path in doomed:
+        if not dry_run:
+            try:
+                path.unlink()
+            except FileNotFoundError:  # another pruner was first: gone all the same
+                pass
+        report.add(kind, size)
+    return report
