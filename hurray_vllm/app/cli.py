@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -13,12 +12,9 @@ from typing import Any
 import torch
 
 from ..containers.check import validate
-from ..containers.hrryfile import write_file
-from ..containers.io import SUFFIX_FORMATS, detect_format, file_kv, iter_nodes, open_records
-from ..containers.schema import Node, Record
-from ..containers.stream import write_records
+from ..containers.io import SUFFIX_FORMATS, detect_format, file_kv, iter_nodes, open_records, save_records
+from ..containers.schema import Node, Record, index_tables
 from ..errors import HurrayArgumentError, HurrayFormatError
-from ..kv.paged import _widen
 from ..progress import progress
 from ..wire import dtypes
 from ..wire.descriptor import TensorDescriptor
@@ -72,8 +68,9 @@ def _describe(rec: Record, seq_lens: list[int] | None, depth: int) -> dict[str, 
             index_type=bp.index_type,
             seq_lens=seq_lens,
         )
-        if len(rec.buffers) >= 2 and rec.buffers[1].numel() % bp.index_bytes == 0:
-            table = _widen(rec.buffers[1], torch.uint64 if bp.index_type_tag == 1 else torch.uint32)
+        tables = index_tables(rec)
+        if tables is not None:
+            table = tables[0]
             if table.numel():
                 _, counts = torch.unique(table, return_counts=True)
                 row.update(referenced_pages=int(counts.numel()), shared_pages=int((counts > 1).sum()))
@@ -90,11 +87,9 @@ def _describe(rec: Record, seq_lens: list[int] | None, depth: int) -> dict[str, 
 def _rows(nodes: Iterator[Node]) -> Iterator[dict[str, Any]]:
     def walk(node: Node, depth: int, seq_lens: list[int] | None) -> Iterator[dict[str, Any]]:
         yield _describe(node.record, seq_lens, depth)
-        lens = None
-        ms = node.members
-        if len(ms) >= 3 and ms[2].record.descriptor.type_tag == 0x16 and ms[2].record.buffers:
-            lens = ms[2].record.buffers[0].view(torch.int64).tolist()
-        for i, m in enumerate(ms):
+        pair_lens = node.pair_seq_lens()
+        lens = pair_lens.tolist() if pair_lens is not None else None
+        for i, m in enumerate(node.members):
             yield from walk(m, depth + 1, lens if i < 2 else None)
 
     for n in nodes:
@@ -199,17 +194,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         records = progress(
             _named(open_records(args.input, permissive=args.permissive)), desc="convert", quiet=args.quiet
         )
-        if out_fmt == "hrry":
-            size = write_file(records, out, kv=file_kv(args.input) or None)
-        else:
-            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    size = write_records(records, f)
-                os.replace(tmp, out)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+        size = save_records(records, out, format=out_fmt, kv=file_kv(args.input) or None)
     if not args.quiet:
         print(f"{args.input} ({src_fmt}) -> {out} ({out_fmt}), {_fmt_bytes(size)}")
     return 0

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from ..errors import HurrayFormatError, Violation
-from ..kv.paged import BlockPagedTensor, _widen
+from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot
-from ..wire.descriptor import LAYOUT_BLOCK_PAGED, LAYOUT_ROW_MAJOR, TensorDescriptor, decode_descriptor
+from ..wire.descriptor import TensorDescriptor, decode_descriptor
 from ..wire.rules import Checked, validate_descriptor
-from .schema import Node, Record
+from .schema import Node, Record, index_tables
 
 __all__ = ["validate"]
 
@@ -48,35 +48,20 @@ def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
 
 
 def _record_violations(rec: Record, seq_lens: torch.Tensor | None, permissive: bool) -> list[Violation]:
-    d = rec.descriptor
-    bt = sp = None
-    if d.layout_tag == LAYOUT_BLOCK_PAGED and d.block_paged and len(rec.buffers) >= 3:
-        wide = torch.uint64 if d.block_paged.index_type_tag == 1 else torch.uint32
-        ib = d.block_paged.index_bytes
-        if rec.buffers[1].numel() % ib == 0 and rec.buffers[2].numel() % ib == 0:
-            try:
-                bt, sp = _widen(rec.buffers[1], wide), _widen(rec.buffers[2], wide)
-            except HurrayFormatError as exc:
-                return list(exc.violations)
-    checked = validate_descriptor(d, block_table=bt, seq_ptr=sp, seq_lens=seq_lens, permissive=permissive)
+    try:
+        tables = index_tables(rec)
+    except HurrayFormatError as exc:
+        return list(exc.violations)
+    bt, sp = tables if tables is not None else (None, None)
+    checked = validate_descriptor(rec.descriptor, block_table=bt, seq_ptr=sp, seq_lens=seq_lens, permissive=permissive)
     name = rec.name or "tensor"
     return [Violation(v.invariant, f"{name}: {v.message}") for v in checked.violations]
 
 
 def _walk(node: Node, permissive: bool, out: list[Violation]) -> None:
-    members = node.members
-    seq_lens = None
-    if (
-        node.is_composite
-        and len(members) >= 3
-        and all(m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED for m in members[:2])
-        and members[2].record.descriptor.layout_tag == LAYOUT_ROW_MAJOR
-        and members[2].record.descriptor.type_tag == 0x16
-        and members[2].record.buffers
-    ):
-        seq_lens = members[2].record.buffers[0].view(torch.int64)
+    seq_lens = node.pair_seq_lens()
     out.extend(_record_violations(node.record, None, permissive))
-    for i, m in enumerate(members):
+    for i, m in enumerate(node.members):
         if m.is_composite:
             _walk(m, permissive, out)
         else:

@@ -15,7 +15,6 @@ import functools
 import mmap as _mmap
 import os
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from ..errors import HurrayFormatError
 from ..wire.crc32c import crc32c
 from ..wire.descriptor import LAYOUT_COMPOSITE, encode_descriptor, peek_descriptor_length
 from ..wire.rules import decode_checked
+from .atomic import atomic_file
 from .schema import Record
 from .stream import byte_view, read_into, tensor_bytes
 
@@ -199,25 +199,8 @@ def write_file(
     """
     if alignment < 4096 or alignment > (2 << 20) or alignment & (alignment - 1):
         raise HurrayFormatError("data_buffer_alignment", f"{alignment} is not a power of two in [4096, 2 MiB]")
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            size = _write(records, raw, kv, alignment)
-            raw.flush()
-            if fsync:
-                os.fsync(raw.fileno())
-        # mkstemp creates 0600; give the file the mode open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_file(path, fsync=fsync) as raw:
+        size = _write(records, raw, kv, alignment)
     return size
 
 

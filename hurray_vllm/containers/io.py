@@ -7,21 +7,36 @@ Modelled on safetensors: plain data in and out, one exception type
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
+from .atomic import atomic_file
 from .hrryfile import FILE_MAGIC, HrryFile, write_file
 from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records
 from .stream import LayerWriter, read_records, write_records
 
-__all__ = ["SUFFIX_FORMATS", "save", "load", "write_stream", "read_stream", "detect_format", "open_records", "Format"]
+__all__ = [
+    "SUFFIX_FORMATS",
+    "Format",
+    "save",
+    "load",
+    "save_records",
+    "open_records",
+    "iter_nodes",
+    "file_kv",
+    "write_stream",
+    "read_stream",
+    "detect_format",
+]
 
 Format = Literal["hrry", "stream", "safetensors"]
 #: The format each file suffix is written in (``save``, and ``hurray-vllm convert``'s output).
 SUFFIX_FORMATS: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
+#: The key-value metadata every ``.hrry`` file :func:`save` writes carries.
+_FILE_KV = {"hurray_vllm.format_version": 1}
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
@@ -47,7 +62,7 @@ def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> For
         return fmt
     suffix = Path(path).suffix.lower()
     if suffix not in SUFFIX_FORMATS:
-        raise HurrayFormatError(
+        raise HurrayArgumentError(
             "path", f"cannot tell the format of {os.fspath(path)!r}: use .hrry, .hrrs or .safetensors, or pass format="
         )
     return SUFFIX_FORMATS[suffix]
@@ -65,14 +80,12 @@ def save(
     """
     fmt = _format_for_writing(path, format)
     if fmt == "hrry":
-        return write_file(
-            _shown(snapshot_records(snapshot), "save", progress), path, kv={"hurray_vllm.format_version": 1}
-        )
+        return save_records(_shown(snapshot_records(snapshot), "save", progress), path, format=fmt, kv=_FILE_KV)
     if fmt == "safetensors":
         from .safetensors import save_safetensors
 
         return save_safetensors(snapshot, path)
-    return _atomic_stream(_shown(snapshot_records(snapshot), "save", progress), path)
+    return save_records(_shown(snapshot_records(snapshot), "save", progress), path, format=fmt)
 
 
 def _shown(records: Iterator[Record], desc: str, enabled: bool) -> Iterator[Record]:
@@ -84,19 +97,35 @@ def _shown(records: Iterator[Record], desc: str, enabled: bool) -> Iterator[Reco
     return progress(records, desc=desc)
 
 
-def _atomic_stream(records: Iterator[Record], path: str | os.PathLike[str]) -> int:
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            n = write_records(records, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return n
+def save_records(
+    records: Iterable[Record],
+    path: str | os.PathLike[str],
+    *,
+    format: Format | None = None,
+    kv: dict[str, Any] | None = None,
+) -> int:
+    """Write raw records (any Hurray descriptors, not only a snapshot's) to a ``.hrry`` or ``.hrrs`` file.
+
+    What :func:`save` does below the snapshot schema, and what
+    ``hurray-vllm convert`` uses to carry records over unchanged. The file
+    lands atomically (:mod:`~hurray_vllm.containers.atomic`).
+
+    Args:
+        records: The records, in file order.
+        path: The file to write; its suffix picks the format unless ``format`` is given.
+        format: ``"hrry"`` or ``"stream"``.
+        kv: ``.hrry`` only: the file's key-value metadata.
+
+    Returns:
+        The number of bytes written.
+    """
+    fmt = _format_for_writing(path, format)
+    if fmt == "hrry":
+        return write_file(records, path, kv=kv)
+    if fmt != "stream":
+        raise HurrayArgumentError("format", f"raw records go to .hrry or .hrrs files, not {fmt}")
+    with atomic_file(path) as f:
+        return write_records(records, f)
 
 
 def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> Iterator[Record]:
@@ -163,6 +192,7 @@ def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
 
 
 def iter_nodes(path: str | os.PathLike[str], *, permissive: bool = False) -> Iterator[Node]:
+    """The records of the file at ``path`` grouped into trees: a composite head with its members."""
     return group_records(open_records(path, permissive=permissive), permissive=permissive)
 
 

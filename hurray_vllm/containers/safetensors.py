@@ -31,7 +31,8 @@ from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from ..wire.descriptor import decode_descriptor, encode_descriptor
 from ..wire.rules import raise_if
-from .schema import FORMAT_NAME, FORMAT_VERSION, _meta_json, flatten_tokens, split_tokens
+from .atomic import atomic_path
+from .schema import FORMAT_NAME, FORMAT_VERSION, flatten_tokens, snapshot_metadata, split_tokens
 
 __all__ = ["save_safetensors", "load_safetensors"]
 
@@ -72,18 +73,12 @@ def save_safetensors(snap: KVSnapshot, path: str | os.PathLike[str]) -> int:
     metadata = {
         "format": FORMAT_NAME,
         "version": str(FORMAT_VERSION),
-        "snapshot": json.dumps(_meta_json(snap, snap.num_layers), sort_keys=True),
+        "snapshot": json.dumps(snapshot_metadata(snap, snap.num_layers), sort_keys=True),
         "descriptors": json.dumps(descriptors, sort_keys=True),
     }
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_path(path) as tmp:
         st.save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return target.stat().st_size
+    return Path(path).stat().st_size
 
 
 def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) -> KVSnapshot:

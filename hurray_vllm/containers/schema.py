@@ -42,6 +42,7 @@ from ..wire.descriptor import (
     CompositeFields,
     TensorDescriptor,
 )
+from ..wire.dtypes import widen_index
 from ..wire.rules import check_own, raise_if
 
 __all__ = [
@@ -53,6 +54,8 @@ __all__ = [
     "group_records",
     "assemble_snapshot",
     "dense_record",
+    "index_tables",
+    "snapshot_metadata",
     "group_head",
 ]
 
@@ -84,7 +87,50 @@ class Node:
 
     @property
     def is_composite(self) -> bool:
+        """Whether the record is a composite head (0x0B) whose members follow it."""
         return self.record.descriptor.layout_tag == LAYOUT_COMPOSITE
+
+    def pair_seq_lens(self) -> torch.Tensor | None:
+        """A K/V pair's per-sequence token counts: int64 ``[num_seqs]``, or ``None``.
+
+        A layer's pair is a composite of two block-paged members (K, V)
+        and a row-major int64 third member holding the sequences' lengths
+        (what :func:`layer_records` writes). ``None`` for any other node.
+        """
+        ms = self.members
+        if not (self.is_composite and len(ms) >= 3):
+            return None
+        lens = ms[2].record
+        if (
+            all(m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED for m in ms[:2])
+            and lens.descriptor.layout_tag == LAYOUT_ROW_MAJOR
+            and lens.descriptor.type_tag == _INT64_TAG
+            and lens.buffers
+            and lens.buffers[0].numel() % 8 == 0
+        ):
+            return lens.buffers[0].view(torch.int64)
+        return None
+
+
+def index_tables(rec: Record) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A block-paged record's block table and sequence pointers as int64 ``[n]`` tensors.
+
+    ``None`` when the record is not block-paged, lacks the buffers, or their
+    sizes are not whole indices (the descriptor checks report that).
+    Raises :class:`HurrayFormatError` for a uint64 index no int64 holds.
+    """
+    d = rec.descriptor
+    bp = d.block_paged
+    if d.layout_tag != LAYOUT_BLOCK_PAGED or bp is None or len(rec.buffers) < 3:
+        return None
+    ib = bp.index_bytes
+    if rec.buffers[1].numel() % ib or rec.buffers[2].numel() % ib:
+        return None
+    wide = torch.uint64 if bp.index_type_tag == 1 else torch.uint32
+    return widen_index(rec.buffers[1], wide), widen_index(rec.buffers[2], wide)
+
+
+_INT64_TAG = dtypes.from_torch(torch.int64).tag
 
 
 def dense_record(name: str, tensor: torch.Tensor, alignment: int = 64) -> Record:
@@ -111,7 +157,8 @@ def group_head(name: str, member_count: int, shape: Sequence[int], dtype: torch.
     return Record(name, desc, [])
 
 
-def _meta_json(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
+def snapshot_metadata(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
+    """The snapshot header's JSON object (``hurray_vllm.snapshot`` metadata) for ``num_layers`` layers."""
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -154,7 +201,7 @@ def header_records(snap: KVSnapshot, *, num_layers: int | None = None) -> Iterat
     gather (``snap`` then carries no layers yet).
     """
     count = snap.num_layers if num_layers is None else num_layers
-    meta = json.dumps(_meta_json(snap, count), sort_keys=True).encode()
+    meta = json.dumps(snapshot_metadata(snap, count), sort_keys=True).encode()
     flat, ptr = flatten_tokens(snap.token_ids)
     yield group_head("snapshot", 3, [len(meta)], torch.uint8)
     yield dense_record("snapshot.meta", torch.frombuffer(bytearray(meta), dtype=torch.uint8))

@@ -20,6 +20,7 @@ from ..wire.descriptor import (
     Quantization,
     TensorDescriptor,
 )
+from ..wire.dtypes import widen_index
 from ..wire.rules import Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
 
 __all__ = ["BlockPagedTensor", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
@@ -393,8 +394,8 @@ class BlockPagedTensor:
         if hit is not None:
             table, seq_ptr, index_found = hit
         else:
-            table = _widen(table_raw, wide)
-            seq_ptr = _widen(ptr_raw, wide)
+            table = widen_index(table_raw, wide)
+            seq_ptr = widen_index(ptr_raw, wide)
             # The descriptor's own rules were checked above: add only the index-buffer rules
             # (the same verdict as validate_descriptor with the buffers, one pass cheaper).
             more: list[Violation] = []
@@ -435,14 +436,3 @@ def zero_slots_(pool: torch.Tensor, valid: torch.Tensor) -> None:
     partial = ((valid > 0) & (valid < page_size)).nonzero().reshape(-1)
     for p, v in zip(partial.tolist(), valid[partial].tolist()):
         pool[p, v:].zero_()
-
-
-def _widen(raw: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    if raw.numel() == 0:
-        return torch.empty(0, dtype=torch.int64)
-    if wire == torch.uint32:
-        return raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    out = raw.view(torch.int64).clone()
-    if bool((out < 0).any()):  # >= 2**63 as uint64
-        raise HurrayFormatError("block_table", "uint64 index above 2**63 - 1")
-    return out

@@ -8,7 +8,7 @@ import torch
 
 from ..errors import HurrayFormatError
 
-__all__ = ["ElementType", "element_type", "from_torch", "from_tag", "torch_dtype"]
+__all__ = ["ElementType", "element_type", "from_torch", "from_tag", "torch_dtype", "widen_index"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,24 @@ def torch_dtype(tag: int) -> torch.dtype:
     if et.torch is None:
         raise HurrayFormatError("type_tag", f"element type {et.name} has no torch dtype")
     return et.torch
+
+
+def widen_index(raw: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """An index buffer's bytes as int64 values.
+
+    Args:
+        raw: uint8 ``[n * width]``, the buffer as stored (little-endian).
+        wire: ``torch.uint32`` or ``torch.uint64``, the descriptor's index type.
+
+    Returns:
+        int64 ``[n]``. uint32 values are zero-extended; a uint64 value
+        above ``2**63 - 1`` (no int64 holds it) raises :class:`HurrayFormatError`.
+    """
+    if raw.numel() == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if wire == torch.uint32:
+        return raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = raw.view(torch.int64).clone()
+    if bool((out < 0).any()):  # >= 2**63 as uint64
+        raise HurrayFormatError("block_table", "uint64 index above 2**63 - 1")
+    return out

@@ -52,7 +52,7 @@ def test_format_is_detected_by_magic(tmp_path: Path) -> None:
 
 
 def test_unknown_suffix_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(hv.HurrayFormatError, match="path"):
+    with pytest.raises(hv.HurrayArgumentError, match="path"):
         hv.save(spec_example_snapshot(), tmp_path / "x.bin")
 
 

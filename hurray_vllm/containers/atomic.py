@@ -1,0 +1,116 @@
+"""Files that appear whole or not at all: one temp-file-and-rename helper for every writer.
+
+Every container writer (``save`` in each format, ``hurray-vllm convert``,
+the chunk store) goes through :func:`atomic_path`, so they agree on what a
+reader can see and on the file's permissions:
+
+* the data goes to a uniquely named temporary file (``.<name>.<random>.tmp``)
+  in the target's directory, then is renamed over the target: a reader sees
+  the old file, or the new one complete, never a part;
+* the file gets the mode ``open()`` would give it (``0666`` less the umask),
+  not ``mkstemp``'s ``0600``: the target may be shared with other users'
+  engines, and the umask is the operator's way to say otherwise;
+* ``fsync=True`` (the default) flushes the data, then the directory entry,
+  so the file survives a power loss once the call returns; the chunk store
+  passes ``False`` because every reader verifies a checksum and recomputes
+  a torn chunk;
+* on any error, the temporary file is removed and the target is untouched.
+
+``hurray-vllm prune`` deletes temporary files older than an hour, left by
+writers that died mid-write: they match ``.*.tmp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["atomic_path", "atomic_file"]
+
+
+def _umask() -> int:
+    # os.umask is the only way to read it; set it back at once.
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a directory that cannot be opened (some platforms): the data is synced already
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[Path]:
+    """A temporary path to write; renamed to ``path`` when the block ends without an error.
+
+    For writers that take a file name (safetensors' ``save_file``). The
+    temporary file exists (empty) when the block starts.
+
+    Args:
+        path: The file to create or replace.
+        fsync: Flush the data and the directory entry to disk before returning.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> with atomic_path(d / "x.bin") as tmp:
+        ...     _ = tmp.write_bytes(b"whole")
+        >>> (d / "x.bin").read_bytes()
+        b'whole'
+    """
+    target = Path(path)
+    directory = target.parent
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A binary file to write; it replaces ``path`` when the block ends without an error.
+
+    Args:
+        path: The file to create or replace.
+        fsync: Flush the data and the directory entry to disk before returning.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> with atomic_file(d / "x.bin") as f:
+        ...     _ = f.write(b"whole")
+        >>> (d / "x.bin").read_bytes()
+        b'whole'
+    """
+    with atomic_path(path, fsync=False) as tmp:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    if fsync:
+        _fsync_dir(Path(path).parent)

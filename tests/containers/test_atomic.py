@@ -1,0 +1,73 @@
+"""Every writer lands files the same way: whole or not at all, with the umask's mode."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks import DirectoryStore, chunks_of
+from hurray_vllm.containers.atomic import atomic_file, atomic_path
+from hurray_vllm.containers.io import open_records, save_records
+
+
+@pytest.fixture
+def umask_027():  # type: ignore[no-untyped-def]
+    old = os.umask(0o027)
+    yield 0o640
+    os.umask(old)
+
+
+@pytest.mark.parametrize("suffix", [".hrry", ".hrrs", ".safetensors"])
+def test_save_gives_every_format_the_umask_mode(tmp_path: Path, suffix: str, umask_027: int) -> None:
+    path = tmp_path / f"snap{suffix}"
+    hv.save(spec_example_snapshot(), path)
+    assert stat.S_IMODE(path.stat().st_mode) == umask_027
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_save_records_and_chunk_store_share_the_rule(tmp_path: Path, umask_027: int) -> None:
+    src = tmp_path / "a.hrry"
+    hv.save(spec_example_snapshot(), src)
+    out = tmp_path / "b.hrrs"
+    save_records(open_records(src), out)
+    assert stat.S_IMODE(out.stat().st_mode) == umask_027
+    snap = hv.load(src)
+    store = DirectoryStore(tmp_path / "store")
+    key, chunk = chunks_of(snap, snap.page_size)[0]
+    assert store.put("ns", key, chunk)
+    assert stat.S_IMODE(store.path("ns", key).stat().st_mode) == umask_027
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "x.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as f:
+            f.write(b"new, half")
+            raise RuntimeError("writer died")
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+
+
+def test_a_failed_save_leaves_nothing(tmp_path: Path) -> None:
+    def records():  # type: ignore[no-untyped-def]
+        yield from open_records(tmp_path / "a.hrry")
+        raise OSError("disk full")
+
+    hv.save(spec_example_snapshot(), tmp_path / "a.hrry")
+    for name in ("b.hrry", "b.hrrs"):
+        with pytest.raises(OSError, match="disk full"):
+            save_records(records(), tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.hrry"]
+
+
+def test_temp_names_are_unique_per_write(tmp_path: Path) -> None:
+    # Two writers of one target in one process (threads) must not share a temp file.
+    with atomic_path(tmp_path / "x") as a, atomic_path(tmp_path / "x") as b:
+        assert a != b
+        assert a.name.startswith(".x.") and a.name.endswith(".tmp")
