@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import HurrayFormatError
-from ...kv.snapshot import ModelFingerprint
+from ...kv.snapshot import ModelFingerprint, SnapshotSource
 from ...wire import dtypes
 from .layouts import CpuPacked, KVLayout, LogicalBHNC
 
@@ -69,7 +69,21 @@ class EngineCache:
 
     @property
     def num_layers(self) -> int:
+        """How many attention layers hold a cache."""
         return len(self.caches)
+
+    def export_options(self) -> dict[str, Any]:
+        """The keyword arguments :func:`~.export.export_snapshot` and ``export_stream`` need for this cache.
+
+        Example: ``export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options())``.
+        """
+        return {
+            "block_size": self.block_size,
+            "storage_dtype": self.storage_dtype,
+            "kv_scales": self.kv_scales,
+            "fingerprint": self.fingerprint,
+            "source": SnapshotSource(self.engine, self.layout_name, self.block_size),
+        }
 
 
 def attention_layers(vllm_config: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ...errors import HurrayFormatError
-from ...kv.snapshot import KVSnapshot, SnapshotSource
+from ...kv.snapshot import KVSnapshot
 from .cache import EngineCache, attention_layers, describe_worker_cache
 from .export import SequenceState, export_snapshot, export_stream
 
@@ -114,11 +114,7 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         ec.caches,
         ec.layout,
         seqs,
-        block_size=ec.block_size,
-        storage_dtype=ec.storage_dtype,
-        kv_scales=ec.kv_scales,
-        fingerprint=ec.fingerprint,
-        source=SnapshotSource(ec.engine, ec.layout_name, ec.block_size),
+        **ec.export_options(),
     )
 
 
@@ -134,10 +130,6 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         ec.caches,
         ec.layout,
         seqs,
-        block_size=ec.block_size,
-        storage_dtype=ec.storage_dtype,
-        kv_scales=ec.kv_scales,
-        fingerprint=ec.fingerprint,
-        source=SnapshotSource(ec.engine, ec.layout_name, ec.block_size),
+        **ec.export_options(),
         show_progress=progress,
     )

@@ -22,7 +22,7 @@ import torch
 from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, verify_chunk
 from ....errors import HurrayFormatError
 from ....kv.repage import repage_snapshot
-from ....kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport.tcp import send_chunks
 from ..cache import EngineCache, attention_layers, describe_worker_cache, write_blocks
 from ..export import GatherBuffers, SequenceState, export_snapshot
@@ -362,11 +362,7 @@ class HurrayWorker:
             caches,
             ec.layout,
             [SequenceState(task.request_id, block_ids, len(task.tokens), task.tokens)],
-            block_size=ec.block_size,
-            storage_dtype=ec.storage_dtype,
-            kv_scales=ec.kv_scales,
-            fingerprint=ec.fingerprint,
-            source=SnapshotSource(ec.engine, ec.layout_name, ec.block_size),
+            **ec.export_options(),
             reserved_blocks=() if caches is not ec.caches else (0,),
             buffers=self._chunk_buffers if reuse else None,
         )
