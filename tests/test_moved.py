@@ -68,3 +68,13 @@ def test_the_old_command_line_module_runs() -> None:
     for args in (["-m", "hurray_vllm.cli", "--help"], ["-m", "hurray_vllm", "--help"]):
         proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 0 and "usage: hurray-vllm" in proc.stdout, proc.stderr
+
+
+def test_exporter_internals_leave_the_package_namespace() -> None:
+    import hurray_vllm.adapters.vllm as hvv
+    from hurray_vllm.adapters.vllm import export
+
+    assert "GatherBuffers" not in hvv.__all__ and "plan_batch" not in hvv.__all__
+    for name in ("GatherBuffers", "plan_batch"):
+        with pytest.warns(DeprecationWarning, match="adapters.vllm.export"):
+            assert getattr(hvv, name) is getattr(export, name)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from .cache import EngineCache, describe_worker_cache, write_blocks
 from .export import (
-    GatherBuffers,
     SequenceState,
     export_layers,
     export_snapshot,
     export_stream,
-    plan_batch,
     release_export_workspace,
 )
 from .layouts import (
@@ -33,7 +31,6 @@ __all__ = [
     "write_blocks",
     "FlashAttnLegacy",
     "FlashInferLegacy",
-    "GatherBuffers",
     "KVLayout",
     "LogicalBHNC",
     "PagedAttentionLegacy",
@@ -42,11 +39,14 @@ __all__ = [
     "export_snapshot",
     "export_stream",
     "layer_view_from_buffer",
-    "plan_batch",
     "release_export_workspace",
     "snapshot",
     "snapshot_stream",
 ]
+
+
+#: Names 0.1 exported here that are the exporter's internals; they stay reachable, with a warning, until 0.3.
+_INTERNAL = ("GatherBuffers", "plan_batch")
 
 
 def __getattr__(name: str) -> object:
@@ -55,4 +55,16 @@ def __getattr__(name: str) -> object:
         from . import engine
 
         return getattr(engine, name)
+    if name in _INTERNAL:
+        import warnings
+
+        from . import export
+
+        warnings.warn(
+            f"hurray_vllm.adapters.vllm.{name} is internal; import it from hurray_vllm.adapters.vllm.export "
+            "(the package-level name goes in 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(export, name)
     raise AttributeError(name)

@@ -360,7 +360,35 @@ class CpuPacked:
 
 
 @dataclass(frozen=True)
-class FlashAttnLegacy:
+class _StackedKV:
+    """Caches that stack K and V on one axis of a 5-D tensor of ``[B, N, H, D]`` pages."""
+
+    name: str
+    #: Where K and V sit: 0 for ``[2, B, N, H, D]``, 1 for ``[B, 2, N, H, D]``.
+    kv_axis: int
+
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        """``(block_size, num_kv_heads, head_dim)`` of ``cache``."""
+        assert isinstance(cache, torch.Tensor)
+        n, h, d = cache.shape[2:]
+        return int(n), int(h), int(d)
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages ``block_ids`` of K and V, each ``[len(block_ids), N, H, D]`` (into ``out`` if given)."""
+        assert isinstance(cache, torch.Tensor)
+        if cache.dim() != 5 or cache.shape[self.kv_axis] != 2:
+            want = "[2, B, N, H, D]" if self.kv_axis == 0 else "[B, 2, N, H, D]"
+            raise HurrayFormatError("cache", f"expected {want}, got {list(cache.shape)}")
+        ids = _ids(block_ids, cache)
+        _check_out(out, (ids.numel(), *cache.shape[2:]), cache.dtype)
+        k, v = cache.select(self.kv_axis, 0), cache.select(self.kv_axis, 1)
+        return _select(k, ids, out and out[0]), _select(v, ids, out and out[1])
+
+
+@dataclass(frozen=True)
+class FlashAttnLegacy(_StackedKV):
     """Older vLLM FlashAttention caches: ``[2, num_blocks, block_size, H, D]``.
 
     ``vllm/v1/attention/backends/flash_attn.py`` ``get_kv_cache_shape`` (up
@@ -369,46 +397,18 @@ class FlashAttnLegacy:
     """
 
     name: str = "flash-attn-legacy"
-
-    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
-        assert isinstance(cache, torch.Tensor)
-        n, h, d = cache.shape[2:]
-        return int(n), int(h), int(d)
-
-    def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert isinstance(cache, torch.Tensor)
-        if cache.dim() != 5 or cache.shape[0] != 2:
-            raise HurrayFormatError("cache", f"expected [2, B, N, H, D], got {list(cache.shape)}")
-        ids = _ids(block_ids, cache)
-        _check_out(out, (ids.numel(), *cache.shape[2:]), cache.dtype)
-        return _select(cache[0], ids, out and out[0]), _select(cache[1], ids, out and out[1])
+    kv_axis: int = 0
 
 
 @dataclass(frozen=True)
-class FlashInferLegacy:
+class FlashInferLegacy(_StackedKV):
     """Older vLLM FlashInfer caches: ``[num_blocks, 2, block_size, H, D]`` (NHD or HND strides).
 
     ``vllm/v1/attention/backends/flashinfer.py`` ``get_kv_cache_shape``.
     """
 
     name: str = "flashinfer-legacy"
-
-    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
-        assert isinstance(cache, torch.Tensor)
-        n, h, d = cache.shape[2:]
-        return int(n), int(h), int(d)
-
-    def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert isinstance(cache, torch.Tensor)
-        if cache.dim() != 5 or cache.shape[1] != 2:
-            raise HurrayFormatError("cache", f"expected [B, 2, N, H, D], got {list(cache.shape)}")
-        ids = _ids(block_ids, cache)
-        _check_out(out, (ids.numel(), *cache.shape[2:]), cache.dtype)
-        return _select(cache[:, 0], ids, out and out[0]), _select(cache[:, 1], ids, out and out[1])
+    kv_axis: int = 1
 
 
 @dataclass(frozen=True)

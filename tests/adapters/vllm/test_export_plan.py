@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hurray_vllm import BlockPagedTensor, HurrayFormatError
-from hurray_vllm.adapters.vllm import SequenceState, plan_batch
-from hurray_vllm.adapters.vllm.export import GatherBuffers, _kv_pair, _zero_tails
+from hurray_vllm.adapters.vllm import SequenceState
+from hurray_vllm.adapters.vllm.export import GatherBuffers, _kv_pair, _zero_tails, plan_batch
 from hurray_vllm.kv.paged import plan_compaction
 
 

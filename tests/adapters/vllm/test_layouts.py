@@ -14,7 +14,6 @@ from hurray_vllm.adapters.vllm import (
     CpuPacked,
     FlashAttnLegacy,
     FlashInferLegacy,
-    GatherBuffers,
     LogicalBHNC,
     PagedAttentionLegacy,
     SequenceState,
@@ -23,6 +22,7 @@ from hurray_vllm.adapters.vllm import (
     layer_view_from_buffer,
     release_export_workspace,
 )
+from hurray_vllm.adapters.vllm.export import GatherBuffers
 from hurray_vllm.adapters.vllm.layouts import KV_CACHE_LAYOUT_ORDERS
 
 B, H, N, D = 6, 2, 16, 8
