@@ -148,21 +148,19 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     """
     geo = config_geometry(model_config)
     arch = architecture or geo.architecture
-    problems: list[str] = []
-    fp = snapshot.fingerprint
-    if fp is not None and arch is not None and fp.architecture != arch:
-        problems.append(f"architecture: snapshot has {fp.architecture!r}, model is {arch!r}")
+    model = ModelFingerprint(arch or "", geo.num_layers, geo.num_kv_heads, geo.head_dim, "")
+    ignore = {"dtype"} if arch else {"dtype", "architecture"}
     # The fingerprint says what the exporter meant, the pools what the snapshot holds: check both.
-    claims: list[tuple[int, int, int]] = []
-    if fp is not None:
-        claims.append((fp.num_layers, fp.num_kv_heads, fp.head_dim))
+    claims: list[ModelFingerprint] = []
+    if snapshot.fingerprint is not None:
+        claims.append(snapshot.fingerprint)
     if snapshot.keys:
-        claims.append((snapshot.num_layers, snapshot.keys[0].num_heads, snapshot.keys[0].head_dim))
-    want = (geo.num_layers, geo.num_kv_heads, geo.head_dim)
+        k = snapshot.keys[0]
+        claims.append(ModelFingerprint(model.architecture, snapshot.num_layers, k.num_heads, k.head_dim, ""))
+    problems: list[str] = []
     for claim in claims:
-        for name, h, w in zip(("num_layers", "num_kv_heads", "head_dim"), claim, want):
-            msg = f"{name}: snapshot has {h}, model has {w}"
-            if h != w and msg not in problems:
+        for msg in claim.mismatches(model, ignore=ignore, labels=("snapshot", "model")):
+            if msg not in problems:
                 problems.append(msg)
     if problems:
         raise HurrayFormatError("fingerprint", "the snapshot does not fit this model: " + "; ".join(problems))
@@ -653,13 +651,10 @@ def from_transformers(
     if fingerprint is None and model_config is not None:
         fingerprint = fingerprint_from_config(model_config, dtype=storage)
     if fingerprint is not None:
-        have = (len(layers), heads, head_dim, dtypes.from_torch(storage).name)
-        want = (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.head_dim, fingerprint.dtype)
-        bad = [
-            f"{name}: fingerprint says {w!r}, cache has {h!r}"
-            for name, h, w in zip(("num_layers", "num_kv_heads", "head_dim", "dtype"), have, want)
-            if h != w
-        ]
+        cache = ModelFingerprint(
+            fingerprint.architecture, len(layers), heads, head_dim, dtypes.from_torch(storage).name
+        )
+        bad = fingerprint.mismatches(cache, ignore={"architecture", "weights_digest"}, labels=("fingerprint", "cache"))
         if bad:
             raise HurrayFormatError("fingerprint", "the fingerprint does not describe this cache: " + "; ".join(bad))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -31,18 +31,41 @@ class ModelFingerprint:
     dtype: str
     weights_digest: str | None = None
 
-    def mismatches(self, other: ModelFingerprint) -> list[str]:
+    def mismatches(
+        self,
+        other: ModelFingerprint,
+        *,
+        ignore: Collection[str] = (),
+        labels: tuple[str, str] = ("snapshot", "target"),
+    ) -> list[str]:
         """Human-readable differences from ``other`` (empty when compatible).
 
         A digest only counts when both sides have one.
+
+        Args:
+            other: The fingerprint to compare with.
+            ignore: Field names not to compare (e.g. ``{"dtype"}`` where an
+                fp8 cache is dequantized for a bf16 model).
+            labels: What to call ``self`` and ``other`` in the messages.
+
+        Example:
+            >>> a = ModelFingerprint("Llama", 2, 4, 64, "bfloat16")
+            >>> a.mismatches(ModelFingerprint("Llama", 2, 8, 64, "bfloat16"))
+            ['num_kv_heads: snapshot has 4, target has 8']
         """
         out = []
+        mine, theirs = labels
         for name in ("architecture", "num_layers", "num_kv_heads", "head_dim", "dtype"):
             a, b = getattr(self, name), getattr(other, name)
-            if a != b:
-                out.append(f"{name}: snapshot has {a!r}, target has {b!r}")
-        if self.weights_digest and other.weights_digest and self.weights_digest != other.weights_digest:
-            out.append("weights_digest: the snapshot was computed by different weights")
+            if a != b and name not in ignore:
+                out.append(f"{name}: {mine} has {a!r}, {theirs} has {b!r}")
+        if (
+            "weights_digest" not in ignore
+            and self.weights_digest
+            and other.weights_digest
+            and self.weights_digest != other.weights_digest
+        ):
+            out.append(f"weights_digest: the {mine} was computed by different weights")
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -459,7 +459,7 @@ def test_from_transformers_refusals(hf_model) -> None:  # type: ignore[no-untype
     pkv, first = prefill(hf_model, PROMPT[:20])
     ids = [[*PROMPT[:20], first]]
     wrong = hv.ModelFingerprint("LlamaForCausalLM", 2, 2, 32, "float16")
-    with pytest.raises(hv.HurrayFormatError, match="dtype: fingerprint says 'float16', cache has 'bfloat16'"):
+    with pytest.raises(hv.HurrayFormatError, match="dtype: fingerprint has 'float16', cache has 'bfloat16'"):
         tfa.from_transformers(pkv, ids, fingerprint=wrong)
     with pytest.raises(hv.HurrayFormatError, match="19 token ids"):
         tfa.from_transformers(pkv, [PROMPT[:19]])
