@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hurray_vllm import native
-from hurray_vllm.transport.nixl import _make_agent
+from hurray_vllm.transport.nixl import make_agent
 
 POOLS = 64
 POLL_S = 0.0005
@@ -50,7 +50,7 @@ def cpu_s() -> float:
 
 
 def receiver(conn: Any, pool_bytes: int, rounds: int) -> None:
-    agent = _make_agent("floor-recv", None)
+    agent = make_agent("floor-recv", None)
     slab = torch.zeros(POOLS * pool_bytes, dtype=torch.uint8)
     agent.register_memory([(slab.data_ptr(), slab.numel(), 0, "")], "DRAM")
     conn.send((agent.name, agent.get_agent_metadata(), slab.data_ptr()))
@@ -100,7 +100,7 @@ def main() -> None:
     name, md, base = here.recv()
     gen = torch.Generator().manual_seed(0)
     pools = [torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8, generator=gen) for _ in range(POOLS)]
-    agents = [_make_agent(f"floor-send{i}", None) for i in range(2)]
+    agents = [make_agent(f"floor-send{i}", None) for i in range(2)]
     for a in agents:
         a.add_remote_agent(md)
         a.register_memory([(p.data_ptr(), pool_bytes, 0, "") for p in pools], "DRAM")

@@ -16,6 +16,7 @@ from ..containers.io import SUFFIX_FORMATS, detect_format, file_kv, iter_nodes, 
 from ..containers.schema import Node, Record, index_tables
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..progress import progress
+from ..transport import CHANNELS
 from ..wire import dtypes
 from ..wire.descriptor import TensorDescriptor
 
@@ -260,17 +261,10 @@ def cmd_receive(args: argparse.Namespace) -> int:
     import time
 
     from ..chunks.store import DirectoryStore
-    from ..transport.tcp import Receiver
+    from ..transport import receiver_for
 
     host, _, port = args.listen.rpartition(":")
-    store = DirectoryStore(args.dir)
-    receiver: Any
-    if args.transport == "nixl":
-        from ..transport.nixl import NixlReceiver
-
-        receiver = NixlReceiver(host or "127.0.0.1", int(port), store).start()
-    else:
-        receiver = Receiver(host or "127.0.0.1", int(port), store).start()
+    receiver = receiver_for(args.transport, host or "127.0.0.1", int(port), DirectoryStore(args.dir)).start()
     if not args.quiet:
         where = f"{receiver.address[0]}:{receiver.address[1]}"
         print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
@@ -396,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", required=True, help="HOST:PORT")
     s.add_argument(
         "--transport",
-        choices=("tcp", "nixl"),
+        choices=CHANNELS,
         default="tcp",
         help="tcp (senders use tcp://HOST:PORT) or nixl (nixl://HOST:PORT; needs hurray-vllm[nixl])",
     )

@@ -1,4 +1,4 @@
-"""Server-to-server transport: KV chunks streamed over TCP as Hurray streams.
+"""The TCP channel: KV chunks streamed over one TCP connection as Hurray streams.
 
 One connection carries any number of chunks; each is framed as::
 
@@ -15,55 +15,57 @@ from __future__ import annotations
 
 import io
 import logging
-import re
 import socket
-import struct
-import threading
 from collections.abc import Iterable
 from typing import BinaryIO, cast
 from urllib.parse import urlparse
 
-from ..chunks.store import DirectoryStore, digest_matches
+from ..chunks.store import ChunkStore, digest_matches
 from ..containers.io import read_stream, write_stream
 from ..errors import HurrayFormatError
-from ..kv.snapshot import KVSnapshot
+from .base import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    MAX_CHUNK_BYTES,
+    U16,
+    U64,
+    Chunk,
+    ChunkSender,
+    ReceiverBase,
+    check_names,
+    read_answer,
+    recv_exact,
+    send_error,
+)
 
-__all__ = ["Receiver", "send_chunks", "parse_url"]
+__all__ = ["Receiver", "TcpSender", "send_chunks", "parse_url", "MAGIC", "MAX_CHUNK_BYTES"]
 
 log = logging.getLogger("hurray_vllm.transport.tcp")
 MAGIC = b"HVC1"
-_NAME = re.compile(r"^[0-9a-f]{1,64}$")
-#: The largest chunk a receiver accepts (a 256-token chunk of a 70B model is ~80 MiB).
-MAX_CHUNK_BYTES = 4 << 30
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` -> ``(HOST, PORT)``."""
+    """``tcp://HOST:PORT`` -> ``(HOST, PORT)``; :class:`HurrayFormatError` names ``hurray_url`` otherwise."""
     u = urlparse(url)
-    if u.scheme != "tcp" or not u.hostname or not u.port:
+    try:
+        port = u.port
+    except ValueError:  # a port that is not a number, or out of range
+        port = None
+    if u.scheme != "tcp" or not u.hostname or not port:
         raise HurrayFormatError("hurray_url", f"expected tcp://HOST:PORT, got {url!r}")
-    return u.hostname, u.port
+    return u.hostname, port
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(min(n - len(buf), 1 << 20))
-        if not part:
-            raise HurrayFormatError("transport", f"connection closed after {len(buf)} of {n} bytes")
-        buf += part
-    return bytes(buf)
-
-
-def send_chunks(url: str, chunks: Iterable[tuple[str, str, KVSnapshot]], *, timeout: float = 60.0) -> None:
-    """Stream ``(namespace, key, snapshot)`` chunks to the receiver at ``url``; wait for each answer.
+def send_chunks(url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Stream ``(namespace, key, snapshot)`` chunks to the receiver at ``tcp://HOST:PORT``; wait for each answer.
 
     ``chunks`` is consumed lazily: a chunk is asked for only after the
     receiver acknowledged the previous one. Page pools go from their tensors
     to the socket without an intermediate copy.
 
-    Raises :class:`HurrayFormatError` when the receiver refuses a chunk and
-    ``OSError`` when it cannot be reached.
+    Raises:
+        HurrayFormatError: the receiver refused a chunk, or ``url`` is not ``tcp://HOST:PORT``.
+        OSError: the receiver cannot be reached or stopped answering within ``timeout``.
     """
     host, port = parse_url(url)
     with socket.create_connection((host, port), timeout=timeout) as sock, sock.makefile("wb") as out:
@@ -71,16 +73,23 @@ def send_chunks(url: str, chunks: Iterable[tuple[str, str, KVSnapshot]], *, time
             # The frame announces the stream's length: a first pass counts it without copying
             # anything (serialising into memory first took ~170 ms for 256 MiB).
             size = write_stream(snap, cast(BinaryIO, _Counter()))
-            header = MAGIC + struct.pack("<H", len(ns)) + ns.encode() + struct.pack("<H", len(key)) + key.encode()
-            out.write(header + struct.pack("<Q", size))
+            nsb, kb = ns.encode(), key.encode()
+            out.write(MAGIC + U16.pack(len(nsb)) + nsb + U16.pack(len(kb)) + kb + U64.pack(size))
             written = write_stream(snap, out)
             out.flush()
             if written != size:  # the receiver would misread every later frame
                 raise HurrayFormatError("transport", f"chunk {key} changed while it was sent")
-            answer = _recv_exact(sock, 2)
-            if answer != b"OK":
-                (n,) = struct.unpack("<H", _recv_exact(sock, 2))
-                raise HurrayFormatError("transport", f"receiver refused chunk {key}: {_recv_exact(sock, n).decode()}")
+            read_answer(sock, key)
+
+
+class TcpSender(ChunkSender):
+    """:func:`send_chunks` as a :class:`~.base.ChunkSender` (stateless: one connection per :meth:`send`)."""
+
+    scheme = "tcp"
+
+    def send(self, url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """See :func:`send_chunks`."""
+        send_chunks(url, chunks, timeout=timeout)
 
 
 class _Counter(io.RawIOBase):
@@ -116,70 +125,80 @@ class _Limited(io.RawIOBase):
             self.readinto(memoryview(bytearray(min(self._left, 1 << 20))))
 
 
-class Receiver:
+class Receiver(ReceiverBase):
     """Accepts chunks on ``host:port`` and stores the valid ones in ``store``.
 
-    Runs in daemon threads (one per connection); :meth:`stop` closes it.
+    Daemon threads, one per connection; :meth:`stop` closes it (see
+    :class:`~.base.ReceiverBase` for the arguments). A frame's body is read
+    straight into the stream reader, which validates it as any input; a
+    chunk whose digest does not match is refused.
+
+    Args:
+        host: The address to listen on.
+        port: The port; 0 picks a free one (see ``address``).
+        store: Where accepted chunks go.
+        timeout: How long one frame may take to arrive, in seconds.
+        idle_timeout: How long a connection may stay silent between chunks.
+        max_chunk_bytes: The largest stream accepted for one chunk.
     """
 
-    def __init__(self, host: str, port: int, store: DirectoryStore) -> None:
-        self.store = store
-        self._sock = socket.create_server((host, port), reuse_port=False)
-        self.address = self._sock.getsockname()[:2]
-        self._stop = threading.Event()
-        self.received = 0
-        self.refused = 0
+    transport = "tcp"
 
-    def start(self) -> Receiver:
-        threading.Thread(target=self._accept, name="hurray-receiver", daemon=True).start()
-        return self
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        store: ChunkStore,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
+    ) -> None:
+        super().__init__(host, port, store, timeout=timeout, idle_timeout=idle_timeout)
+        self.max_chunk_bytes = max_chunk_bytes
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
+    def serve(self, conn: socket.socket) -> None:
+        """Read frames until the sender closes; answer each chunk ``OK`` or ``ER``."""
+        while not self.stopping:
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(120)
-            while True:
-                try:
-                    head = conn.recv(4)
-                    if not head:
-                        return
-                    if head != MAGIC:
-                        raise HurrayFormatError("transport", "bad frame magic")
-                    ns = _recv_exact(conn, struct.unpack("<H", _recv_exact(conn, 2))[0]).decode()
-                    key = _recv_exact(conn, struct.unpack("<H", _recv_exact(conn, 2))[0]).decode()
-                    (length,) = struct.unpack("<Q", _recv_exact(conn, 8))
-                except (HurrayFormatError, OSError, UnicodeDecodeError) as exc:
-                    log.warning("hurray receiver: dropping connection: %s", exc)
+                if not self.next_frame(conn, MAGIC):
                     return
-                body = _Limited(conn, length)
-                try:
-                    if not (_NAME.match(ns) and _NAME.match(key)):
-                        raise HurrayFormatError("transport", "namespace and key must be lowercase hex")
-                    if length > MAX_CHUNK_BYTES:
-                        raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
-                    snap = read_stream(io.BufferedReader(body))
-                    if not digest_matches(snap):
-                        raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
-                    self.store.put(ns, key, snap)
-                    self.received += 1
-                    conn.sendall(b"OK")
-                except (HurrayFormatError, OSError) as exc:
-                    self.refused += 1
-                    log.warning("hurray receiver: refused chunk %s: %s", key, exc)
-                    try:
-                        body.drain()
-                        msg = str(exc).encode()[:1000]
-                        conn.sendall(b"ER" + struct.pack("<H", len(msg)) + msg)
-                    except (HurrayFormatError, OSError):
-                        return
+                ns = recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0]).decode()
+                key = recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0]).decode()
+                (length,) = U64.unpack(recv_exact(conn, 8))
+            except (HurrayFormatError, OSError, UnicodeDecodeError) as exc:
+                log.warning("hurray receiver: dropping connection: %s", exc)
+                return
+            if not self._chunk(conn, ns, key, length):
+                return
+
+    def _chunk(self, conn: socket.socket, ns: str, key: str, length: int) -> bool:
+        """Receive, check and store one chunk's stream; False when the connection must be closed."""
+        body = _Limited(conn, length)
+        try:
+            check_names(ns, key)
+            if length > self.max_chunk_bytes:
+                raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
+            snap = read_stream(io.BufferedReader(body))
+            if not digest_matches(snap):
+                raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
+            self.store.put(ns, key, snap)
+        except (HurrayFormatError, OSError) as exc:
+            self.count(False, str(exc))
+            log.warning("hurray receiver: refused chunk %s: %s", key, exc)
+            try:
+                # The rest of a refused frame is skipped so the next one can be read; a frame
+                # longer than the limit is not worth reading: the connection closes instead.
+                if length > self.max_chunk_bytes:
+                    send_error(conn, exc)
+                    return False
+                body.drain()
+            except (HurrayFormatError, OSError):
+                return False
+            return send_error(conn, exc)
+        self.count(True)
+        try:
+            conn.sendall(b"OK")
+        except OSError:
+            return False
+        return True

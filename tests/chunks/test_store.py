@@ -1,8 +1,7 @@
-"""The chunk store and the TCP transport (no engine needed)."""
+"""The chunk store: keys, integrity, atomic puts, quarantine and pruning (no engine needed)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +12,6 @@ import torch
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks.store import DirectoryStore, chunk_keys, chunks_of, namespace_of, store_snapshot, verify_chunk
-from hurray_vllm.transport.tcp import Receiver, send_chunks
 
 
 def test_keys_chain_over_the_prefix() -> None:
@@ -121,33 +119,3 @@ def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) 
     assert store.prune(0).chunks_kept == 0
     with pytest.raises(hv.HurrayArgumentError, match="max_bytes"):
         store.prune(-1)
-
-
-def test_tcp_transport_stores_valid_chunks_only(tmp_path: Path) -> None:
-    snap = spec_example_snapshot()
-    ((key, chunk),) = chunks_of(snap, 4)
-    assert chunk.fingerprint is not None
-    ns = namespace_of(chunk.fingerprint)
-    receiver = Receiver("127.0.0.1", 0, DirectoryStore(tmp_path)).start()
-    url = f"tcp://127.0.0.1:{receiver.address[1]}"
-    try:
-        send_chunks(url, [(ns, key, chunk)])
-        assert DirectoryStore(tmp_path).has(ns, key)
-        # Several chunks on one connection, each framed by its counted length.
-        send_chunks(url, ((ns, f"{i:02x}" * 4, chunk) for i in range(3)))
-        for i in range(3):
-            got = DirectoryStore(tmp_path).get(ns, f"{i:02x}" * 4)
-            assert torch.equal(got.keys[0].page_pool, chunk.keys[0].page_pool) and got.token_ids == chunk.token_ids
-        with pytest.raises(hv.HurrayFormatError, match="refused"):
-            send_chunks(url, [(ns, "ab" * 8, replace(chunk, extra={"hurray_vllm.chunk_digest": "00"}))])
-        assert not DirectoryStore(tmp_path).has(ns, "ab" * 8)
-        with pytest.raises(hv.HurrayFormatError, match="refused"):
-            send_chunks(url, [("../../etc", key, chunk)])
-        # A sender that dies mid-chunk leaves nothing behind.
-        with socket.create_connection(("127.0.0.1", receiver.address[1])) as s:
-            s.sendall(b"HVC1" + (2).to_bytes(2, "little") + b"ab" + (2).to_bytes(2, "little") + b"cd")
-            s.sendall((10_000).to_bytes(8, "little") + b"HRRY" + bytes(100))
-        assert not DirectoryStore(tmp_path).has("ab", "cd")
-        assert receiver.received == 4 and receiver.refused >= 2
-    finally:
-        receiver.stop()

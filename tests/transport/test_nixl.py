@@ -26,6 +26,9 @@ from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, Snapshot
 from hurray_vllm.chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, chunks_of, namespace_of
 from hurray_vllm.containers.schema import snapshot_records
 from hurray_vllm.transport import nixl as tn
+from hurray_vllm.transport.nixl import agent as tn_agent
+from hurray_vllm.transport.nixl import offer as tn_offer
+from hurray_vllm.transport.nixl import sender as tn_sender
 
 #: The sender process: loads a chunk and pushes it; ``die`` kills itself right after posting the first WRITE.
 SENDER = """
@@ -255,7 +258,7 @@ def test_absurd_sizes_and_stalled_senders_are_bounded(
 
 
 def send_offer(s: socket.socket, ns: str, key: str, records: list) -> None:  # type: ignore[type-arg]
-    parts, _, _ = tn._encode_offer(ns, key, records)
+    parts, _, _ = tn_offer.encode_offer(ns, key, records)
     body = b"".join(bytes(p) for p in parts)
     s.sendall(tn.MAGIC + len(body).to_bytes(8, "little") + body)
 
@@ -269,9 +272,9 @@ def read_message(s: socket.socket) -> bytes:
 
 
 def test_without_nixl_the_error_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tn, "_nixl", None)
-    monkeypatch.setattr(tn, "_default", None)
-    for name in tn._MODULES:
+    monkeypatch.setattr(tn_agent, "_nixl", None)
+    monkeypatch.setattr(tn_sender, "_default", None)
+    for name in tn_agent._MODULES:
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules makes the import fail
     with pytest.raises(ImportError, match=r"pip install 'hurray-vllm\[nixl\]'"):
         tn.send_chunks_nixl("nixl://127.0.0.1:9", [])
@@ -330,8 +333,8 @@ def test_the_receive_command_accepts_nixl(chunks: list[tuple[str, str, KVSnapsho
 def test_a_snapshot_offer_encodes_shared_layers_once_to_the_same_bytes(snap: KVSnapshot) -> None:
     """The sender's offer (layer structure encoded once, layer index patched) equals the generic record encoding."""
     ns, key = "ab" * 8, "cd" * 16
-    want_parts, want_pools, want_order = tn._encode_offer(ns, key, snapshot_records(snap))
-    got_parts, got_pools, got_order = tn._encode_snapshot_offer(ns, key, snap)
+    want_parts, want_pools, want_order = tn_offer.encode_offer(ns, key, snapshot_records(snap))
+    got_parts, got_pools, got_order = tn_offer.encode_snapshot_offer(ns, key, snap)
     assert b"".join(bytes(p) for p in got_parts) == b"".join(bytes(p) for p in want_parts)
     assert [p.data_ptr() for p in got_pools] == [p.data_ptr() for p in want_pools]
     assert got_order == want_order
@@ -339,20 +342,20 @@ def test_a_snapshot_offer_encodes_shared_layers_once_to_the_same_bytes(snap: KVS
 
 def test_lanes_share_pools_by_bytes_in_posting_order() -> None:
     mib = 1 << 20
-    assert tn._lane_shares([0, 2, 1, 3], [4 * mib] * 4, 2) == [[0, 1], [2, 3]]
+    assert tn_sender._lane_shares([0, 2, 1, 3], [4 * mib] * 4, 2) == [[0, 1], [2, 3]]
     # Unequal pools: each goes to the lane with the fewest bytes so far.
-    assert tn._lane_shares([0, 1, 2, 3], [8 * mib, 2 * mib, 2 * mib, 2 * mib], 2) == [[0], [1, 2, 3]]
+    assert tn_sender._lane_shares([0, 1, 2, 3], [8 * mib, 2 * mib, 2 * mib, 2 * mib], 2) == [[0], [1, 2, 3]]
     # Small chunks use fewer lanes (at least 1 MiB each), never more lanes than pools.
-    assert tn._lane_shares([0, 1, 2], [1000, 1000, 1000], 4) == [[0, 1, 2]]
-    assert tn._lane_shares([0], [64 * mib], 4) == [[0]]
-    assert tn._lane_shares([], [], 2) == [[]]
+    assert tn_sender._lane_shares([0, 1, 2], [1000, 1000, 1000], 4) == [[0, 1, 2]]
+    assert tn_sender._lane_shares([0], [64 * mib], 4) == [[0]]
+    assert tn_sender._lane_shares([], [], 2) == [[]]
 
 
 def test_a_chunk_split_across_lanes_arrives_whole_and_a_failing_lane_aborts_it(
     receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ns, key, chunk = chunks[1]
-    monkeypatch.setattr(tn, "_MIN_LANE_BYTES", 1)  # this chunk is small: use every lane anyway
+    monkeypatch.setattr(tn_sender, "_MIN_LANE_BYTES", 1)  # this chunk is small: use every lane anyway
     posted: dict[int, int] = {}
     post = tn.NixlSender._post
     fail: set[int] = set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -122,24 +123,33 @@ def test_verified_chunks_stay_within_the_open_file_limit(monkeypatch: pytest.Mon
 def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Saving with a nixl:// url: chunks go one by one through the same buffers, registered with NIXL once."""
     from hurray_vllm import KVSnapshot, ModelFingerprint
-    from hurray_vllm.adapters.vllm import GatherBuffers
+    from hurray_vllm.adapters.vllm.export import GatherBuffers
     from hurray_vllm.chunks.store import DirectoryStore
     from hurray_vllm.kv.paged import BlockPagedTensor
+    from hurray_vllm.transport.base import Chunk, ChunkSender
     from hurray_vllm.transport.nixl import NixlError
 
     calls: list[tuple[str, list[int]]] = []
 
-    class Sender:
-        def register(self, ts: list[torch.Tensor]) -> None:
+    class Sender(ChunkSender):
+        scheme = "nixl"
+        fail = False
+
+        def register(self, ts: Sequence[torch.Tensor]) -> None:
             calls.append(("register", [t.data_ptr() for t in ts]))
 
-        def unregister(self, ts: list[torch.Tensor]) -> None:
+        def unregister(self, ts: Sequence[torch.Tensor]) -> None:
             calls.append(("unregister", [t.data_ptr() for t in ts]))
 
-    monkeypatch.setattr("hurray_vllm.transport.nixl.default_sender", lambda: Sender())
+        def send(self, url: str, chunks: Iterable[Chunk], *, timeout: float = 60.0) -> None:
+            for _ in chunks:
+                if self.fail:  # a push that fails part-way, after the first chunk
+                    raise NixlError("peer gone")
+
+    sender = Sender()
     c = object.__new__(conn.HurrayWorker)
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
-    c._pushed, c._chunk_buffers, c._registered, c._nixl = set(), [], [], True
+    c._pushed, c._chunk_buffers, c._registered, c._sender = set(), [], [], sender
 
     def export(ec, caches, task, block_ids, reuse=False):  # type: ignore[no-untyped-def]
         assert reuse
@@ -171,11 +181,7 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
     assert all(c._store.has(c._ns, t.key) for t in tasks)
 
     # A push that fails part-way: the chunks after it are still saved here, and not marked as pushed.
-    def failing_send(url, chunks):  # type: ignore[no-untyped-def]
-        next(iter(chunks))
-        raise NixlError("peer gone")
-
-    monkeypatch.setattr("hurray_vllm.transport.nixl.send_chunks_nixl", failing_send)
+    sender.fail = True
     more = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [4, 5]) for i in range(10, 13)]
     step = meta.HurrayConnectorMetadata(saves=more)
     c._async, c._engine_cache = False, lambda: ec
@@ -203,6 +209,8 @@ def _vllm_config(extra: dict[str, object], block_size: int = 16, tp: int = 1, ro
         ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": 24}, 1, "hurray_chunk_tokens"),
         ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": "many"}, 1, "hurray_chunk_tokens"),
         ({"hurray_path": "/tmp/x", "hurray_url": "udp://h:1"}, 1, "hurray_url"),
+        ({"hurray_path": "/tmp/x", "hurray_url": "tcp://h:port"}, 1, "hurray_url"),
+        ({"hurray_path": "/x", "hurray_listen": ":9", "hurray_listen_transport": "ucx"}, 1, "hurray_listen_transport"),
         ({"hurray_path": "/tmp/x", "hurray_verified_chunks": "lots"}, 1, "hurray_verified_chunks"),
         ({"hurray_path": "/tmp/x"}, 2, "tensor_parallel_size"),
     ],
@@ -231,6 +239,7 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
         None,  # type: ignore[arg-type]
     )
     assert (cfg.chunk_tokens, cfg.url, cfg.saves, cfg.loads) == (32, "tcp://h:1", True, False)
+    assert cfg.url_channel == "tcp"
     assert cfg.save_async is False  # with a destination, saves are synchronous
     assert cfg.save_queue_bytes == 1024 << 20 and cfg.verified_chunks >= 64
     with pytest.raises(dataclasses.FrozenInstanceError):

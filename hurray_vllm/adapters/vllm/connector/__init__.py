@@ -82,6 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ....chunks.store import DirectoryStore, chunk_digest, namespace_of, verify_chunk
+from ....transport import require_channel
 from ..cache import fingerprint_of, write_blocks
 from ..export import export_snapshot
 from .config import HurrayConfig
@@ -127,10 +128,8 @@ class HurrayConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = HurrayConfig.from_vllm(vllm_config, kv_cache_config)
         self._config = config
-        if config.nixl:
-            from ....transport.nixl import load_nixl
-
-            load_nixl()  # a missing NIXL surfaces at start, not at the first save
+        if config.url_channel:
+            require_channel(config.url_channel)  # a missing NIXL surfaces at start, not at the first save
         store = DirectoryStore(config.path)
         fingerprint = fingerprint_of(vllm_config)
         ns = namespace_of(fingerprint)
@@ -140,10 +139,6 @@ class HurrayConnector(KVConnectorBase_V1):
             self._scheduler = HurrayScheduler(config, store, fingerprint, ns)
             self._scheduler.start_receiver()
         else:
-            if config.nixl and config.saves:
-                from ....transport.nixl import default_sender
-
-                default_sender()  # UCX starts here (~0.4 s), not inside the first step that pushes
             self._worker = HurrayWorker(config, store, fingerprint, ns, vllm_config)
 
     @property

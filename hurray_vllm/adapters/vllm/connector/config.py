@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ....errors import HurrayArgumentError, HurrayFormatError
-from ....transport.tcp import parse_url
+from ....transport import CHANNELS, channel_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,7 +54,7 @@ class HurrayConfig:
     chunk_tokens: int
     block_size: int
     url: str | None
-    nixl: bool  # hurray_url is nixl://
+    url_channel: str | None  # the transport hurray_url names ("tcp", "nixl")
     loads: bool  # kv_consumer or kv_both
     saves: bool  # kv_producer or kv_both
     save_async: bool  # hurray_save_async, and no hurray_url
@@ -79,14 +79,8 @@ class HurrayConfig:
                 "hurray_chunk_tokens", f"{chunk} is not a multiple of the engine's block size {block_size}"
             )
         url = cfg.get_from_extra_config("hurray_url", None) or None
-        nixl = bool(url) and str(url).startswith("nixl://")
         try:
-            if nixl:
-                from ....transport.nixl import parse_nixl_url
-
-                parse_nixl_url(str(url))
-            elif url:
-                parse_url(str(url))  # a typo surfaces at start, not at the first save
+            url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
         except HurrayFormatError as exc:
             raise HurrayArgumentError("hurray_url", str(exc)) from exc
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -99,6 +93,10 @@ class HurrayConfig:
             save_async = False  # a migrated request must find its chunks on the destination
         listen = cfg.get_from_extra_config("hurray_listen", None) or None
         transport = str(cfg.get_from_extra_config("hurray_listen_transport", "tcp"))
+        if transport not in CHANNELS:
+            raise HurrayArgumentError(
+                "hurray_listen_transport", f"expected one of {', '.join(CHANNELS)}, got {transport!r}"
+            )
         if listen is not None:
             port = str(listen).rpartition(":")[2]
             if not port.isdigit():
@@ -108,7 +106,7 @@ class HurrayConfig:
             chunk_tokens=chunk,
             block_size=block_size,
             url=str(url) if url else None,
-            nixl=nixl,
+            url_channel=url_channel,
             loads=cfg.kv_role in ("kv_consumer", "kv_both"),
             saves=cfg.kv_role in ("kv_producer", "kv_both"),
             save_async=save_async,

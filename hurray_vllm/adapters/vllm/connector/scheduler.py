@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ....chunks.store import DIGEST_MISMATCH, DirectoryStore, chunk_keys, digest_matches, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
-from ....transport.tcp import Receiver
+from ....transport import ReceiverBase, receiver_for
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
 
@@ -31,7 +31,7 @@ __all__ = ["HurrayScheduler", "is_damage"]
 log = logging.getLogger("hurray_vllm.connector")
 
 _POOL_LOCK = threading.Lock()
-_RECEIVERS: dict[str, Any] = {}  # transport.Receiver or transport_nixl.NixlReceiver, by hurray_listen
+_RECEIVERS: dict[str, ReceiverBase] = {}  # by hurray_listen
 _DIGEST_POOL: list[ThreadPoolExecutor] = []
 
 
@@ -90,12 +90,8 @@ class HurrayScheduler:
         if not listen or listen in _RECEIVERS:
             return
         host, _, port = listen.rpartition(":")
-        if self._config.listen_transport == "nixl":
-            from ....transport.nixl import NixlReceiver
-
-            _RECEIVERS[listen] = NixlReceiver(host or "127.0.0.1", int(port), self._store).start()
-        else:
-            _RECEIVERS[listen] = Receiver(host or "127.0.0.1", int(port), self._store).start()
+        channel = self._config.listen_transport
+        _RECEIVERS[listen] = receiver_for(channel, host or "127.0.0.1", int(port), self._store).start()
         log.info("hurray: receiving chunks on %s into %s", listen, self._config.path)
 
     def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:

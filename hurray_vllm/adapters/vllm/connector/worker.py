@@ -23,7 +23,7 @@ from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, verify_ch
 from ....errors import HurrayFormatError
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
-from ....transport.tcp import send_chunks
+from ....transport import ChunkSender, sender_for
 from ..cache import EngineCache, attention_layers, describe_worker_cache, write_blocks
 from ..export import GatherBuffers, SequenceState, export_snapshot
 from .config import HurrayConfig
@@ -156,7 +156,8 @@ class HurrayWorker:
         self._chunk = config.chunk_tokens
         self._block_size = config.block_size
         self._url = config.url
-        self._nixl = config.nixl
+        # Made here: the NIXL sender starts UCX (~0.4 s), which must not happen inside a step.
+        self._sender: ChunkSender | None = sender_for(config.url) if config.url and config.saves else None
         self._async = config.save_async
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
@@ -169,7 +170,7 @@ class HurrayWorker:
         self._staging = _Staging()
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
         self._chunk_buffers: list[GatherBuffers] = []  # the writer's, reused chunk after chunk
-        self._registered: list[torch.Tensor] = []  # their memory, registered with the NIXL sender
+        self._registered: list[torch.Tensor] = []  # their memory, registered with the sender
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember the caches and how they are laid out."""
@@ -259,21 +260,16 @@ class HurrayWorker:
             self._save_async(ec, meta.saves)
             return
         tasks = iter(meta.saves)
-        if not self._url:
+        if self._sender is None or self._url is None:
             for _ in self._saved(ec, tasks, push=False):
                 pass
             return
         # Chunk by chunk: each is exported into the same reused buffers (registered once with
-        # NIXL), stored, and sent before the next is exported; the transports ask for the
+        # the sender), stored, and sent before the next is exported; the senders ask for the
         # next chunk only once the receiver acknowledged the previous one.
         chunks = self._saved(ec, tasks, push=True)
         try:
-            if self._nixl:
-                from ....transport.nixl import send_chunks_nixl
-
-                send_chunks_nixl(self._url, chunks)
-            else:
-                send_chunks(self._url, chunks)
+            self._sender.send(self._url, chunks)
         except (OSError, HurrayFormatError) as exc:
             # The destination recomputes what it lacks; this engine's step goes on, and the
             # chunks not sent yet are still saved here.
@@ -302,25 +298,23 @@ class HurrayWorker:
             snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True)
             self._put(task.key, snap)
             if push:
-                if self._nixl:
-                    self._register_chunk_buffers()
+                self._register_chunk_buffers()
                 yield self._ns, task.key, snap
                 self._pushed.add(task.key)
 
     def _register_chunk_buffers(self) -> None:
-        """NIXL: register the reused chunk buffers with the sender once (again only when they grow)."""
-        from ....transport.nixl import default_sender
-
+        """Register the reused chunk buffers with the sender once (again only when they grow; TCP ignores it)."""
         memory = [m for b in self._chunk_buffers for m in b.memory]
-        if [m.data_ptr() for m in memory] == [m.data_ptr() for m in self._registered]:
+        sender = self._sender
+        if sender is None or [m.data_ptr() for m in memory] == [m.data_ptr() for m in self._registered]:
             return
-        sender = default_sender()
         if self._registered:
             sender.unregister(self._registered)
             self._registered = []
         sender.register(memory)
         self._registered = memory
-        log.info("hurray: registered %.1f MiB of chunk buffers with NIXL", sum(m.numel() for m in memory) / 2**20)
+        mib = sum(m.numel() for m in memory) / 2**20
+        log.info("hurray: %.1f MiB of chunk buffers registered with the %s sender", mib, sender.scheme)
 
     def _save_async(self, ec: EngineCache, saves: list[SaveTask]) -> None:
         todo: list[SaveTask] = []

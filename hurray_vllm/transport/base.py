@@ -1,0 +1,278 @@
+"""What every chunk channel shares: the sender interface, the receiver's server loop and the framing helpers.
+
+A *channel* moves ``(namespace, key, KVSnapshot)`` chunks from one process
+into another's :class:`~hurray_vllm.chunks.store.ChunkStore`. Each channel
+is one module (:mod:`.tcp`, :mod:`.nixl`) with a :class:`ChunkSender` and a
+:class:`ReceiverBase` subclass; :mod:`hurray_vllm.transport` picks one by
+URL scheme.
+
+What the channels agree on:
+
+* every frame starts with a 4-byte magic (``b"HVC1"``, ``b"HVN1"``);
+* namespaces and keys are 1-64 lowercase hex digits (:func:`check_names`);
+* a chunk is answered with ``b"OK"`` once it is validated and stored, or
+  ``b"ER"`` + u16 length + UTF-8 message when it was refused
+  (:func:`send_error`, :func:`read_answer`);
+* nothing is stored unless every byte arrived and matched the chunk digest.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import re
+import socket
+import struct
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..chunks.store import ChunkStore
+from ..errors import HurrayFormatError
+from ..kv.snapshot import KVSnapshot
+
+__all__ = [
+    "ChunkSender",
+    "ReceiverBase",
+    "Chunk",
+    "CHUNK_NAME",
+    "MAX_CHUNK_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "recv_exact",
+    "check_names",
+    "send_error",
+    "read_message",
+    "read_answer",
+]
+
+log = logging.getLogger("hurray_vllm.transport")
+
+#: ``(namespace, key, snapshot)``: what a channel moves.
+Chunk = tuple[str, str, KVSnapshot]
+#: Namespaces and keys: what :mod:`hurray_vllm.chunks.keys` makes, nothing that could name another path.
+CHUNK_NAME = re.compile(r"^[0-9a-f]{1,64}$")
+#: The largest chunk a receiver accepts (a 256-token chunk of a 70B model is ~80 MiB).
+MAX_CHUNK_BYTES = 4 << 30
+#: How long one step of a chunk (a frame, a transfer, the answer) may take.
+DEFAULT_TIMEOUT_S = 60.0
+#: How long a receiver keeps an open connection that sends nothing between chunks.
+DEFAULT_IDLE_TIMEOUT_S = 120.0
+_MAX_MESSAGE = 1000
+
+U16, U32, U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``sock``; :class:`HurrayFormatError` when the peer closes first."""
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(min(n - len(buf), 1 << 20))
+        if not part:
+            raise HurrayFormatError("transport", f"connection closed after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
+
+
+def check_names(ns: str, key: str) -> None:
+    """Refuse a namespace or key that is not 1-64 lowercase hex digits (it becomes a file name)."""
+    if not (CHUNK_NAME.match(ns) and CHUNK_NAME.match(key)):
+        raise HurrayFormatError("transport", "namespace and key must be 1-64 lowercase hex digits")
+
+
+def send_error(conn: socket.socket, exc: BaseException) -> bool:
+    """Answer ``b"ER"`` + the (truncated) message of ``exc``; False when the peer is gone."""
+    msg = (str(exc) or type(exc).__name__).encode()[:_MAX_MESSAGE]
+    try:
+        conn.sendall(b"ER" + U16.pack(len(msg)) + msg)
+        return True
+    except OSError:
+        return False
+
+
+def read_message(sock: socket.socket) -> str:
+    """The message after an ``b"ER"`` (or a placeholder when the peer does not send one)."""
+    try:
+        (n,) = U16.unpack(recv_exact(sock, 2))
+        return recv_exact(sock, n).decode(errors="replace")
+    except (HurrayFormatError, OSError):
+        return "(no reason given)"
+
+
+def read_answer(sock: socket.socket, key: str) -> None:
+    """Wait for the answer to chunk ``key``: return on ``b"OK"``, raise :class:`HurrayFormatError` otherwise."""
+    answer = recv_exact(sock, 2)
+    if answer == b"OK":
+        return
+    if answer == b"ER":
+        raise HurrayFormatError("transport", f"receiver refused chunk {key}: {read_message(sock)}")
+    raise HurrayFormatError("transport", f"unexpected answer {answer!r} from the receiver for chunk {key}")
+
+
+class ChunkSender(abc.ABC):
+    """Pushes chunks to receivers of one channel.
+
+    Who calls it: the connector's worker after it saved a step's chunks, the
+    CLI, benchmarks. :meth:`send` blocks until every chunk is stored on the
+    other side (or refused); the connector calls it from the model runner's
+    thread, between forward passes.
+    """
+
+    #: The URL scheme this channel answers to (``tcp``, ``nixl``).
+    scheme: ClassVar[str]
+
+    def register(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """Hint that ``tensors`` will be sent again and again (reused export buffers).
+
+        A channel that copies through the kernel ignores it; NIXL registers
+        them once instead of per chunk.
+        """
+
+    def unregister(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """Undo :meth:`register` for buffers about to be replaced (unknown tensors are ignored)."""
+
+    @abc.abstractmethod
+    def send(self, url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+        """Push ``chunks`` to the receiver at ``url``; return once each is stored there.
+
+        ``chunks`` is consumed lazily: a chunk is asked for only after the
+        receiver acknowledged the previous one, so a generator may export
+        every chunk into the same buffers.
+
+        Raises:
+            HurrayFormatError: the receiver refused a chunk (the message says why).
+            OSError: the receiver cannot be reached, or a transfer failed or timed out.
+        """
+
+
+class ReceiverBase(abc.ABC):
+    """A server on ``host:port`` that stores the valid chunks it receives in ``store``.
+
+    Runs in daemon threads: one accepts, one serves each connection.
+    Subclasses implement :meth:`serve`. The counters (``received``,
+    ``refused``, ``last_error``) are updated under a lock by :meth:`count`.
+
+    Args:
+        host: The address to listen on (``"127.0.0.1"``, ``"0.0.0.0"``).
+        port: The port; 0 picks a free one (see ``address``).
+        store: Where accepted chunks go (``put`` is called from the connection threads).
+        timeout: How long one step of a chunk may take, in seconds.
+        idle_timeout: How long a connection may stay silent between chunks.
+
+    Example:
+        >>> from hurray_vllm.chunks.store import DirectoryStore
+        >>> from hurray_vllm.transport.tcp import Receiver
+        >>> with Receiver("127.0.0.1", 0, DirectoryStore("/tmp/hv-doc-store")) as r:
+        ...     url = f"tcp://127.0.0.1:{r.address[1]}"
+    """
+
+    #: The channel's name in logs and in ``hurray-vllm receive --transport``.
+    transport: ClassVar[str]
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        store: ChunkStore,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+    ) -> None:
+        if timeout <= 0 or idle_timeout <= 0:
+            raise ValueError(f"timeouts must be positive, got timeout={timeout}, idle_timeout={idle_timeout}")
+        self.store = store
+        self.timeout = timeout
+        self.idle_timeout = idle_timeout
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._mu = threading.Lock()
+        self.received = 0
+        self.refused = 0
+        self.last_error: str | None = None
+
+    def start(self) -> ReceiverBase:
+        """Start accepting connections (on a daemon thread); returns ``self``."""
+        threading.Thread(target=self._accept, name=f"hurray-{self.transport}-receiver", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting and close open connections (their chunks abort; nothing partial is stored)."""
+        self._stop.set()
+        self._sock.close()
+        with self._mu:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self) -> ReceiverBase:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (long waits check it)."""
+        return self._stop.is_set()
+
+    def count(self, ok: bool, err: str | None = None) -> None:
+        """Count one chunk as stored (``ok``) or refused with ``err``."""
+        with self._mu:
+            if ok:
+                self.received += 1
+            else:
+                self.refused += 1
+                self.last_error = err
+
+    def next_frame(self, conn: socket.socket, magic: bytes) -> bool:
+        """Wait (up to ``idle_timeout``) for the next frame's magic; False when the peer closed cleanly.
+
+        Afterwards the connection's timeout is ``timeout``: the rest of the
+        frame must follow promptly.
+        """
+        conn.settimeout(self.idle_timeout)
+        head = conn.recv(len(magic))
+        if not head:
+            return False
+        conn.settimeout(self.timeout)
+        if len(head) < len(magic):
+            head += recv_exact(conn, len(magic) - len(head))
+        if head != magic:
+            raise HurrayFormatError("transport", "bad frame magic")
+        return True
+
+    @abc.abstractmethod
+    def serve(self, conn: socket.socket) -> None:
+        """Serve one connection until it closes (on its own thread; the socket is closed afterwards)."""
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
+            ).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        with self._mu:
+            self._conns.add(conn)
+        try:
+            with conn:
+                try:
+                    self.serve(conn)
+                except Exception as exc:  # a bug or an unforeseen library error: refuse, never die silently
+                    self.count(False, f"{type(exc).__name__}: {exc}")
+                    log.exception("hurray %s receiver: connection failed, nothing stored", self.transport)
+                    send_error(conn, exc)
+        finally:
+            with self._mu:
+                self._conns.discard(conn)

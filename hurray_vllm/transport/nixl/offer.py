@@ -1,0 +1,259 @@
+"""The side channel's offer: a chunk's descriptors and inline buffers, its page pools only announced.
+
+An offer's body (after ``b"HVN1"`` u64 length)::
+
+    u16 len + namespace  u16 len + key  u32 record count
+    per record: u32 len + descriptor, then per buffer
+                b"\\x00" + the buffer's bytes  (inline: token ids, block tables, metadata)
+             or b"\\x01"                      (remote: a page pool, WRITten by NIXL)
+
+The receiver decodes it with :func:`parse_offer`, which checks every size
+before allocating anything, and assembles the snapshot from it exactly as
+it would from a stream.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from ...containers.schema import Record, dense_record, header_records, layer_records
+from ...containers.stream import layer_structure_key, tensor_bytes
+from ...errors import HurrayFormatError
+from ...kv.snapshot import KVSnapshot
+from ...wire.descriptor import (
+    LAYER_INDEX_NONE,
+    LAYOUT_BLOCK_PAGED,
+    TensorDescriptor,
+    encode_descriptor,
+    layer_index_offset,
+)
+from ...wire.descriptor import peek_descriptor_length as _peek_len
+from ...wire.rules import decode_checked
+from ..base import U16, U32, check_names
+
+__all__ = [
+    "MAGIC",
+    "MAX_OFFER_BYTES",
+    "MAX_RECORDS",
+    "NOTIF_PREFIX",
+    "Offer",
+    "encode_offer",
+    "encode_snapshot_offer",
+    "parse_offer",
+    "parse_nixl_url",
+    "notif_tag",
+    "host_bytes",
+]
+
+MAGIC = b"HVN1"
+_INLINE, _REMOTE = 0, 1
+_INLINE_BYTE, _REMOTE_BYTE = bytes([_INLINE]), bytes([_REMOTE])
+#: Descriptors and inline buffers (token ids, block tables, metadata) of one chunk.
+MAX_OFFER_BYTES = 64 << 20
+MAX_RECORDS = 1 << 16
+#: Every NIXL notification of this module starts so (``hvn1:<xfer id hex>:<pool index>``).
+NOTIF_PREFIX = b"hvn1:"
+
+
+def parse_nixl_url(url: str) -> tuple[str, int]:
+    """``nixl://HOST:PORT`` (the receiver's side channel) -> ``(HOST, PORT)``."""
+    u = urlparse(url)
+    try:
+        port = u.port
+    except ValueError:  # a port that is not a number, or out of range
+        port = None
+    if u.scheme != "nixl" or not u.hostname or not port:
+        raise HurrayFormatError("hurray_url", f"expected nixl://HOST:PORT, got {url!r}")
+    return u.hostname, port
+
+
+def notif_tag(xfer_id: int, index: int) -> bytes:
+    return NOTIF_PREFIX + b"%x:%d" % (xfer_id, index)
+
+
+def host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s bytes in host memory (a copy only for device or strided tensors)."""
+    if t.device.type != "cpu":
+        t = t.cpu()  # NIXL can read VRAM too, but only tested on the host: stage it
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _OfferWriter:
+    """The parts of an offer's body, record after record (see the protocol in the module docstring)."""
+
+    def __init__(self, ns: str, key: str) -> None:
+        nsb, kb = ns.encode(), key.encode()
+        self.parts: list[Any] = [U16.pack(len(nsb)), nsb, U16.pack(len(kb)), kb, b""]
+        self.remote: list[torch.Tensor] = []
+        self._rank: list[tuple[int, int]] = []
+        self._count = 0
+
+    def add(self, rec: Record) -> None:
+        raw = encode_descriptor(rec.descriptor)
+        self.parts += [U32.pack(len(raw)), raw]
+        self._count += 1
+        bp = rec.descriptor.block_paged
+        for j, t in enumerate(rec.buffers):
+            if bp is not None and j == 0 and t.numel() > 0:
+                self.parts.append(_REMOTE_BYTE)
+                self._announce(bp.kv_role, t)
+            else:
+                self.parts += [_INLINE_BYTE, tensor_bytes(t)]
+
+    def _announce(self, role: str, pool: torch.Tensor) -> None:
+        self._rank.append((0 if role == "key" else 1, len(self.remote)))
+        self.remote.append(host_bytes(pool))
+
+    def add_layers(self, snap: KVSnapshot) -> None:
+        """Every layer's group; layers that share their block structure (a chunk's do) are encoded once.
+
+        A later layer reuses the first one's parts and patches its layer index
+        into the two block-paged descriptors, as :class:`stream.LayerWriter`
+        does for streams: the bytes are those of ``add`` over ``layer_records``.
+        """
+        index_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        shared: tuple[object, ...] | None = None
+        template: list[Any] = []
+        patches: list[tuple[int, int]] = []  # (part index in the template, layer index offset) for key, value
+        for i, (k, v) in enumerate(snap.layers()):
+            scales = snap.kv_scales[i] if snap.kv_scales is not None else None
+            structure = layer_structure_key(k, v, scales)
+            if structure is not None and structure == shared and all(t.page_pool.numel() for t in (k, v)):
+                at = len(self.parts)
+                self.parts += template
+                for (pos, off), t in zip(patches, (k, v), strict=True):
+                    raw = bytearray(template[pos])
+                    struct.pack_into("<I", raw, off, LAYER_INDEX_NONE if t.layer_index is None else t.layer_index)
+                    self.parts[at + pos] = raw
+                    self._announce(t.kv_role, t.page_pool)
+                self._count += 4
+                if scales is not None:
+                    self.add(dense_record(f"layers.{i}.kv_scales", torch.tensor(scales, dtype=torch.float32)))
+                continue
+            head, krec, vrec, lens, *rest = layer_records(i, k, v, scales, index_cache)
+            at = len(self.parts)
+            self.add(head)
+            patches = []
+            for rec in (krec, vrec):
+                patches.append((len(self.parts) + 1 - at, layer_index_offset(rec.descriptor)))
+                self.add(rec)
+            self.add(lens)
+            template = self.parts[at:]
+            shared = structure
+            for rec in rest:
+                self.add(rec)
+
+    def finish(self) -> tuple[list[Any], list[torch.Tensor], list[int]]:
+        """(message parts, page pools to WRITE, the order to post them in: keys before values)."""
+        self.parts[4] = U32.pack(self._count)
+        return self.parts, self.remote, [i for _, i in sorted(self._rank)]
+
+
+def encode_offer(ns: str, key: str, records: Iterable[Record]) -> tuple[list[Any], list[torch.Tensor], list[int]]:
+    """(message parts, page pools to WRITE, the order to post them in) for any records."""
+    w = _OfferWriter(ns, key)
+    for rec in records:
+        w.add(rec)
+    return w.finish()
+
+
+def encode_snapshot_offer(ns: str, key: str, snap: KVSnapshot) -> tuple[list[Any], list[torch.Tensor], list[int]]:
+    """``encode_offer(ns, key, snapshot_records(snap))``, encoding a shared layer structure once."""
+    w = _OfferWriter(ns, key)
+    for rec in header_records(snap):
+        w.add(rec)
+    w.add_layers(snap)
+    return w.finish()
+
+
+class _Cursor:
+    def __init__(self, buf: bytearray) -> None:
+        self.buf, self.pos = memoryview(buf), 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise HurrayFormatError("transport.offer", f"offer ends inside {what}")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self, what: str) -> int:
+        return int(self.take(1, what)[0])
+
+    def u16(self, what: str) -> int:
+        return int(U16.unpack(self.take(2, what))[0])
+
+    def u32(self, what: str) -> int:
+        return int(U32.unpack(self.take(4, what))[0])
+
+
+@dataclass
+class Offer:
+    ns: str
+    key: str
+    descriptors: list[TensorDescriptor]
+    #: per record, per buffer: an inline uint8 tensor or the index of a remote buffer
+    buffers: list[list[torch.Tensor | int]]
+    remote_sizes: list[int]
+
+
+def parse_offer(body: bytearray, max_remote_bytes: int) -> Offer:
+    """Decode and validate an offer; every size is checked before anything is allocated."""
+    c = _Cursor(body)
+    try:
+        ns = bytes(c.take(c.u16("namespace"), "namespace")).decode()
+        key = bytes(c.take(c.u16("key"), "key")).decode()
+    except UnicodeDecodeError:
+        raise HurrayFormatError("transport", "namespace and key must be 1-64 lowercase hex digits") from None
+    check_names(ns, key)
+    n = c.u32("record count")
+    if not 0 < n <= MAX_RECORDS:
+        raise HurrayFormatError("transport.offer", f"{n} records is not a plausible chunk")
+    descs: list[TensorDescriptor] = []
+    buffers: list[list[torch.Tensor | int]] = []
+    remote_sizes: list[int] = []
+    remote_total = 0
+    for i in range(n):
+        length = c.u32(f"descriptor {i} length")
+        raw = c.take(length, f"descriptor {i}")
+        if len(raw) < 10 or _peek_len(raw) != length:
+            raise HurrayFormatError("descriptor_length", f"descriptor {i}: framed length {length} does not match")
+        desc = decode_checked(raw, f"descriptor {i}")
+        bufs: list[torch.Tensor | int] = []
+        for j, b in enumerate(desc.buffers):
+            mode = c.u8(f"descriptor {i} buffer {j} mode")
+            if mode == _INLINE:
+                raw_buf = c.take(b.byte_size, f"descriptor {i} buffer {j}")
+                t = torch.empty(b.byte_size, dtype=torch.uint8)
+                if b.byte_size:
+                    t.numpy()[:] = memoryview(raw_buf)
+                bufs.append(t)
+            elif mode == _REMOTE:
+                # Only page pools travel by NIXL: everything the validation reads is inline.
+                if desc.layout_tag != LAYOUT_BLOCK_PAGED or j != 0 or b.byte_size == 0:
+                    raise HurrayFormatError("transport.offer", f"descriptor {i} buffer {j} cannot be sent by NIXL")
+                remote_total += b.byte_size
+                if remote_total > max_remote_bytes:
+                    raise HurrayFormatError(
+                        "transport", f"chunk of more than {remote_total} bytes exceeds the limit of {max_remote_bytes}"
+                    )
+                bufs.append(len(remote_sizes))
+                remote_sizes.append(b.byte_size)
+            else:
+                raise HurrayFormatError("transport.offer", f"descriptor {i} buffer {j}: unknown mode {mode}")
+        descs.append(desc)
+        buffers.append(bufs)
+    if c.pos != len(body):
+        raise HurrayFormatError("transport.offer", f"{len(body) - c.pos} stray bytes after the last record")
+    return Offer(ns, key, descs, buffers, remote_sizes)
+
+
+# ── sender ─────────────────────────────────────────────────────────────────────

@@ -1,0 +1,444 @@
+"""The NIXL receiver: an arena of registered buffers the senders WRITE into, checked before anything is stored."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...chunks.digest import DIGEST_KEY, ChunkDigest
+from ...chunks.store import ChunkStore
+from ...containers.schema import Record, assemble_snapshot, group_records
+from ...containers.stream import tensor_bytes
+from ...errors import HurrayFormatError
+from ..base import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    MAX_CHUNK_BYTES,
+    U16,
+    U32,
+    U64,
+    ReceiverBase,
+    recv_exact,
+    send_error,
+)
+from .agent import NixlError, make_agent
+from .offer import MAGIC, MAX_OFFER_BYTES, NOTIF_PREFIX, parse_offer
+
+__all__ = ["NixlReceiver", "DEFAULT_ARENA_BYTES"]
+
+log = logging.getLogger("hurray_vllm.transport.nixl")
+
+#: How often the receiver polls notifications while a chunk is in flight (see ``sender._SEND_POLL_S``).
+_RECV_POLL_S = 0.0005
+#: Registered receive memory, all chunks in flight together (quarantined buffers count).
+DEFAULT_ARENA_BYTES = 8 << 30
+_ALIGN = 4096
+_MIN_SLAB = 16 << 20
+
+
+@dataclass(eq=False)
+class _Slab:
+    mem: torch.Tensor
+    reg: Any
+
+    @property
+    def size(self) -> int:
+        return int(self.mem.numel())
+
+
+def _slab_size(need: int) -> int:
+    """Room for ``need`` bytes, rounded up to 1/8 of its power of two (reused by similar chunks)."""
+    need = max(need, _MIN_SLAB)
+    step = max(1 << 20, 1 << (need.bit_length() - 4))
+    return -(-need // step) * step
+
+
+class _Arena:
+    """Registered host memory for incoming page pools, reused from chunk to chunk.
+
+    Grows by slabs (each registered once with NIXL); a chunk takes one slab
+    at least as large as its pools. Never holds more than ``max_bytes``:
+    free slabs are dropped to make room, and a chunk that cannot fit is refused.
+    """
+
+    def __init__(self, agent: Any, max_bytes: int, quarantine_s: float) -> None:
+        self._agent = agent
+        self.max_bytes = max_bytes
+        self.quarantine_s = quarantine_s
+        self._free: list[_Slab] = []
+        self._quarantined: list[tuple[float, _Slab]] = []
+        self._mu = threading.Lock()
+        self.total = 0
+        self.registrations = 0
+
+    def take(self, sizes: list[int]) -> tuple[_Slab, list[torch.Tensor]]:
+        offsets, need = [], 0
+        for s in sizes:
+            offsets.append(need)
+            need += -(-s // _ALIGN) * _ALIGN
+        with self._mu:
+            now = time.monotonic()
+            self._free += [s for t, s in self._quarantined if t <= now]
+            self._quarantined = [(t, s) for t, s in self._quarantined if t > now]
+            fits = sorted((s for s in self._free if s.size >= need), key=lambda s: s.size)
+            if fits:
+                slab = fits[0]
+                self._free.remove(slab)
+            else:
+                size = min(_slab_size(need), max(need, self.max_bytes - self.total))
+                for old in sorted(self._free, key=lambda s: s.size):
+                    if self.total + size <= self.max_bytes:
+                        break
+                    self._drop(old)
+                if self.total + size > self.max_bytes:
+                    raise HurrayFormatError(
+                        "transport",
+                        f"receiver buffers are full ({self.total} of {self.max_bytes} bytes in use); try again later",
+                    )
+                slab = self._new(size)
+        return slab, [slab.mem[o : o + s] for o, s in zip(offsets, sizes)]
+
+    def _new(self, size: int) -> _Slab:
+        mem = torch.empty(size, dtype=torch.uint8)
+        try:
+            reg = self._agent.register_memory([(mem.data_ptr(), size, 0, "")], "DRAM")
+        except Exception as exc:
+            raise NixlError(f"NIXL could not register {size} bytes of receive buffers: {exc}") from exc
+        self.total += size
+        self.registrations += 1
+        return _Slab(mem, reg)
+
+    def _drop(self, slab: _Slab) -> None:
+        self._free.remove(slab)
+        try:
+            self._agent.deregister_memory(slab.reg)
+        except Exception as exc:
+            log.debug("hurray nixl: deregistering a free slab failed: %s", exc)
+        self.total -= slab.size
+
+    def give(self, slab: _Slab) -> None:
+        with self._mu:
+            self._free.append(slab)
+
+    def quarantine(self, slab: _Slab) -> None:
+        """An aborted chunk's slab: a straggling write may still land, so keep it out of use for a while."""
+        with self._mu:
+            self._quarantined.append((time.monotonic() + self.quarantine_s, slab))
+
+
+class _Notifs:
+    """Routes NIXL notifications ``hvn1:<xfer id>:<index>`` to the chunk waiting for them."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._mu = threading.Lock()
+        self._queues: dict[int, queue.SimpleQueue[int]] = {}
+
+    def expect(self, xfer_id: int) -> queue.SimpleQueue[int]:
+        q: queue.SimpleQueue[int] = queue.SimpleQueue()
+        with self._mu:
+            self._queues[xfer_id] = q
+        return q
+
+    def forget(self, xfer_id: int) -> None:
+        with self._mu:
+            self._queues.pop(xfer_id, None)
+
+    def poll(self) -> None:
+        with self._mu:  # one poller at a time: get_new_notifs hands each notification out once
+            try:
+                new = self._agent.get_new_notifs()
+            except Exception as exc:
+                log.warning("hurray nixl: reading notifications failed: %s", exc)
+                return
+            for msgs in new.values():
+                for m in msgs:
+                    if not m.startswith(NOTIF_PREFIX):
+                        continue
+                    xid_s, _, idx_s = bytes(m[len(NOTIF_PREFIX) :]).partition(b":")
+                    try:
+                        xid, idx = int(xid_s, 16), int(idx_s)
+                    except ValueError:
+                        continue
+                    q = self._queues.get(xid)
+                    if q is not None:  # notifications of aborted chunks are dropped
+                        q.put(idx)
+
+
+class _Hasher:
+    """The chunk digest (:class:`hurray_vllm.chunks.store.ChunkDigest`) on its own thread.
+
+    zlib releases the GIL, so the receiving thread keeps UCX progressing
+    while pools that already landed are checksummed.
+    """
+
+    def __init__(self, algorithm: str | None = None) -> None:
+        self._h = ChunkDigest(algorithm)
+        self._q: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._cancelled = False
+        self._thread = threading.Thread(target=self._run, name="hurray-nixl-digest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (mv := self._q.get()) is not None:
+            if not self._cancelled:
+                self._h.update(mv)
+
+    def add(self, mv: memoryview) -> None:
+        self._q.put(mv)
+
+    def result(self, timeout: float) -> str | None:
+        self._q.put(None)
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self._h.hexdigest()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._q.put(None)
+
+
+class _Aborted(Exception):
+    """The chunk cannot complete: the connection is closed, its buffers quarantined."""
+
+
+class NixlReceiver(ReceiverBase):
+    """Accepts chunks over NIXL (side channel on ``host:port``) and stores the valid ones in ``store``.
+
+    Like :class:`hurray_vllm.transport.tcp.Receiver`: daemon threads, one per
+    side-channel connection; :meth:`stop` closes it. Incoming page pools
+    land in a registered arena of at most ``max_arena_bytes``.
+
+    Args:
+        host: The side channel's address.
+        port: Its port; 0 picks a free one (see ``address``).
+        store: Where accepted chunks go.
+        timeout: Bounds every step of a chunk (offer, transfer, commit), in seconds.
+        idle_timeout: How long a connection may wait between chunks.
+        max_chunk_bytes: The largest page pools one chunk may announce, all together.
+        max_arena_bytes: Registered receive memory for all chunks in flight.
+        backend_params: UCX backend parameters handed to NIXL.
+        progress_thread: Use NIXL's progress thread (it spins: one core busy).
+
+    Raises:
+        NixlUnavailableError: NIXL is not installed.
+        NixlError: NIXL could not start an agent.
+    """
+
+    transport = "nixl"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        store: ChunkStore,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        max_arena_bytes: int = DEFAULT_ARENA_BYTES,
+        backend_params: dict[str, str] | None = None,
+        progress_thread: bool = False,
+    ) -> None:
+        # The agent first: without NIXL nothing listens.
+        self._agent = make_agent("recv", backend_params, progress_thread)
+        super().__init__(host, port, store, timeout=timeout, idle_timeout=idle_timeout)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.name = str(self._agent.name)
+        self.arena = _Arena(self._agent, max_arena_bytes, quarantine_s=max(2 * timeout, 5.0))
+        self._notifs = _Notifs(self._agent)
+
+    def start(self) -> NixlReceiver:
+        """Start accepting side-channel connections; returns ``self``."""
+        super().start()
+        return self
+
+    def __enter__(self) -> NixlReceiver:
+        return self.start()
+
+    def serve(self, conn: socket.socket) -> None:
+        """Read offers until the sender closes; see the protocol in :mod:`hurray_vllm.transport.nixl`."""
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while not self.stopping:
+            try:
+                if not self.next_frame(conn, MAGIC):
+                    return
+                body = self._read_offer(conn)
+            except (HurrayFormatError, OSError) as exc:
+                log.warning("hurray nixl receiver: dropping connection: %s", exc)
+                if isinstance(exc, HurrayFormatError):
+                    self.count(False, str(exc))
+                    send_error(conn, exc)
+                return
+            if not self._chunk(conn, body):
+                return
+
+    @staticmethod
+    def _read_offer(conn: socket.socket) -> bytearray:
+        """The offer's body, its length bounded before anything is allocated."""
+        (length,) = U64.unpack(recv_exact(conn, 8))
+        if length > MAX_OFFER_BYTES:
+            raise HurrayFormatError("transport", f"an offer of {length} bytes exceeds the limit")
+        body = bytearray(length)
+        view = memoryview(body)
+        got = 0
+        while got < length:
+            k = conn.recv_into(view[got:], min(length - got, 1 << 20))
+            if not k:
+                raise HurrayFormatError("transport", "sender disconnected in the middle of an offer")
+            got += k
+        return body
+
+    def _chunk(self, conn: socket.socket, body: bytearray) -> bool:
+        """Handle one offer to its end; False when the connection must be closed."""
+        key = "?"
+        slab: _Slab | None = None
+        xfer_id = secrets.randbits(63) + 1
+        landed = True
+        try:
+            offer = parse_offer(body, self.max_chunk_bytes)
+            key = offer.key
+            views: list[torch.Tensor] = []
+            if offer.remote_sizes:
+                slab, views = self.arena.take(offer.remote_sizes)
+            records = [
+                Record("", d, [views[b] if isinstance(b, int) else b for b in bufs])
+                for d, bufs in zip(offer.descriptors, offer.buffers)
+            ]
+            snap = assemble_snapshot(group_records(records))
+            want = snap.extra.get(DIGEST_KEY)
+            algorithm = ChunkDigest.like(want).algorithm  # refuses a missing or unknown digest before any transfer
+            where = {v.data_ptr(): i for i, v in enumerate(views)}
+            plan = [
+                (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
+                for t in (*snap.keys, *snap.values)
+            ]
+            if sorted(i for _, i in plan if i is not None) != list(range(len(views))):
+                raise HurrayFormatError("transport.offer", "the announced page pools are not the snapshot's")
+            q = self._notifs.expect(xfer_id)
+            name = self.name.encode()
+            md = self._agent.get_agent_metadata() if views else b""
+            landed = False
+            conn.sendall(
+                b"RD"
+                + U64.pack(xfer_id)
+                + U16.pack(len(name))
+                + name
+                + U32.pack(len(md))
+                + md
+                + U32.pack(len(views))
+                + b"".join(U64.pack(v.data_ptr()) for v in views)
+            )
+            digest = self._await(conn, q, plan, len(views), algorithm)
+            landed = True
+            if digest != want:
+                raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
+            self.store.put(offer.ns, key, snap)
+            del snap, records, views, plan
+            self.count(True)
+            try:
+                conn.sendall(b"OK")
+            except OSError:
+                return False  # stored; the sender will learn nothing more on this connection
+            return True
+        except _Aborted as exc:
+            self.count(False, str(exc))
+            log.warning("hurray nixl receiver: aborted chunk %s, nothing stored: %s", key, exc)
+            send_error(conn, exc)
+            return False
+        except (HurrayFormatError, OSError) as exc:
+            self.count(False, str(exc))
+            log.warning("hurray nixl receiver: refused chunk %s: %s", key, exc)
+            return send_error(conn, exc) and landed
+        except Exception as exc:  # a NIXL call failed in an unforeseen way: drop this connection, keep serving
+            self.count(False, f"{type(exc).__name__}: {exc}")
+            log.exception("hurray nixl receiver: chunk %s failed, nothing stored", key)
+            send_error(conn, exc)
+            return False
+        finally:
+            self._notifs.forget(xfer_id)
+            if slab is not None:
+                (self.arena.give if landed else self.arena.quarantine)(slab)
+
+    def _await(
+        self,
+        conn: socket.socket,
+        q: queue.SimpleQueue[int],
+        plan: list[tuple[memoryview, int | None]],
+        n: int,
+        algorithm: str,
+    ) -> str:
+        """Wait for every page pool and the sender's GO, hashing pools in digest order as they land."""
+        deadline = time.monotonic() + self.timeout
+        hasher = _Hasher(algorithm)
+        try:
+            return self._await_hashing(conn, q, plan, n, deadline, hasher)
+        finally:
+            hasher.cancel()
+
+    def _await_hashing(
+        self,
+        conn: socket.socket,
+        q: queue.SimpleQueue[int],
+        plan: list[tuple[memoryview, int | None]],
+        n: int,
+        deadline: float,
+        hasher: _Hasher,
+    ) -> str:
+        arrived: set[int] = set()
+        nxt = 0
+        go = False
+        pending = b""
+        while True:
+            while nxt < len(plan) and (plan[nxt][1] is None or plan[nxt][1] in arrived):
+                hasher.add(plan[nxt][0])
+                nxt += 1
+            if go and nxt == len(plan):
+                digest = hasher.result(max(0.0, deadline - time.monotonic()))
+                if digest is None:
+                    raise _Aborted(f"timed out after {self.timeout:g} s verifying the chunk digest")
+                return digest
+            if self.stopping:
+                raise _Aborted("the receiver is stopping")
+            if time.monotonic() > deadline:
+                raise _Aborted(f"timed out after {self.timeout:g} s ({len(arrived)} of {n} page pools arrived)")
+            if len(arrived) < n:
+                self._notifs.poll()
+                fresh = False
+                while True:
+                    try:
+                        idx = q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if 0 <= idx < n:
+                        arrived.add(idx)
+                        fresh = True
+                if fresh:
+                    continue
+            try:
+                r, _, _ = select.select([conn], [], [], _RECV_POLL_S if len(arrived) < n else 0.05)
+                data = conn.recv(2 - len(pending)) if r else None
+            except OSError as exc:
+                raise _Aborted(f"side channel failed: {exc}") from None
+            if data is None:
+                continue
+            if not data:
+                raise _Aborted(f"the sender disconnected mid-transfer ({len(arrived)} of {n} page pools arrived)")
+            pending += data
+            if len(pending) < 2:
+                continue
+            if pending == b"GO" and not go:
+                go = True
+            elif pending == b"AB":
+                raise _Aborted("the sender aborted the transfer")
+            else:
+                raise _Aborted(f"unexpected {pending!r} from the sender")
+            pending = b""

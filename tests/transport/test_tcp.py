@@ -1,0 +1,155 @@
+"""The TCP channel and what every receiver shares (:mod:`hurray_vllm.transport.base`), on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import hurray_vllm as hv
+from hurray_vllm import KVSnapshot, transport
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of
+from hurray_vllm.transport.base import ReceiverBase, recv_exact
+from hurray_vllm.transport.tcp import Receiver, TcpSender, parse_url, send_chunks
+
+
+def _chunk() -> tuple[str, str, KVSnapshot]:
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    return namespace_of(chunk.fingerprint), key, chunk
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[Receiver]:
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), timeout=5, idle_timeout=0.5) as r:
+        yield r
+
+
+def _url(r: ReceiverBase) -> str:
+    return f"tcp://127.0.0.1:{r.address[1]}"
+
+
+def test_tcp_transport_stores_valid_chunks_only(tmp_path: Path) -> None:
+    snap = spec_example_snapshot()
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    ns = namespace_of(chunk.fingerprint)
+    receiver = Receiver("127.0.0.1", 0, DirectoryStore(tmp_path)).start()
+    url = f"tcp://127.0.0.1:{receiver.address[1]}"
+    try:
+        send_chunks(url, [(ns, key, chunk)])
+        assert DirectoryStore(tmp_path).has(ns, key)
+        # Several chunks on one connection, each framed by its counted length.
+        send_chunks(url, ((ns, f"{i:02x}" * 4, chunk) for i in range(3)))
+        for i in range(3):
+            got = DirectoryStore(tmp_path).get(ns, f"{i:02x}" * 4)
+            assert torch.equal(got.keys[0].page_pool, chunk.keys[0].page_pool) and got.token_ids == chunk.token_ids
+        with pytest.raises(hv.HurrayFormatError, match="refused"):
+            send_chunks(url, [(ns, "ab" * 8, replace(chunk, extra={"hurray_vllm.chunk_digest": "00"}))])
+        assert not DirectoryStore(tmp_path).has(ns, "ab" * 8)
+        with pytest.raises(hv.HurrayFormatError, match="refused"):
+            send_chunks(url, [("../../etc", key, chunk)])
+        # A sender that dies mid-chunk leaves nothing behind.
+        with socket.create_connection(("127.0.0.1", receiver.address[1])) as s:
+            s.sendall(b"HVC1" + (2).to_bytes(2, "little") + b"ab" + (2).to_bytes(2, "little") + b"cd")
+            s.sendall((10_000).to_bytes(8, "little") + b"HRRY" + bytes(100))
+        assert not DirectoryStore(tmp_path).has("ab", "cd")
+        assert receiver.received == 4 and receiver.refused >= 2
+    finally:
+        receiver.stop()
+
+
+def test_a_store_that_fails_unexpectedly_still_gets_an_answer(tmp_path: Path) -> None:
+    """A bug behind the receiver (here: the store raises) refuses the chunk with ER; the sender never hangs."""
+
+    class Broken(DirectoryStore):
+        def put(self, ns: str, key: str, snap: KVSnapshot) -> None:
+            raise RuntimeError("disk on fire")
+
+    ns, key, chunk = _chunk()
+    with Receiver("127.0.0.1", 0, Broken(tmp_path), timeout=5) as r:
+        with pytest.raises(hv.HurrayFormatError, match="disk on fire"):
+            send_chunks(_url(r), [(ns, key, chunk)], timeout=10)
+        assert (r.received, r.refused) == (0, 1) and r.last_error is not None and "RuntimeError" in r.last_error
+        send_chunks(_url(r), [], timeout=10)  # and it still accepts connections
+
+
+def test_an_idle_connection_is_closed_after_idle_timeout(receiver: Receiver) -> None:
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # closed by the receiver, not by this test's timeout
+        assert time.monotonic() - t0 < 5
+
+
+def test_bad_timeouts_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="timeouts must be positive"):
+        Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), idle_timeout=0)
+
+
+def test_an_oversized_frame_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """A frame announcing more than max_chunk_bytes is answered ER at once and the connection closed."""
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_chunk_bytes=1 << 10) as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as s:
+            s.sendall(b"HVC1" + (2).to_bytes(2, "little") + b"ab" + (2).to_bytes(2, "little") + b"cd")
+            s.sendall((1 << 62).to_bytes(8, "little"))
+            assert recv_exact(s, 2) == b"ER"
+            n = int.from_bytes(recv_exact(s, 2), "little")
+            assert b"exceeds the limit" in recv_exact(s, n)
+            assert s.recv(1) == b""
+        assert r.refused == 1
+
+
+def test_counters_are_exact_under_concurrent_senders(receiver: Receiver) -> None:
+    ns, _, chunk = _chunk()
+    errors: list[BaseException] = []
+
+    def push(i: int) -> None:
+        try:
+            send_chunks(_url(receiver), ((ns, f"{i:02x}{j:02x}" * 4, chunk) for j in range(5)), timeout=30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and receiver.received == 30 and receiver.refused == 0
+
+
+def test_malformed_urls_name_the_field() -> None:
+    for url in ("tcp://h", "tcp://h:port", "tcp://h:99999", "http://h:1", "h:1"):
+        with pytest.raises(hv.HurrayFormatError, match="tcp://HOST:PORT") as info:
+            parse_url(url)
+        assert info.value.field == "hurray_url"
+
+
+def test_channels_are_chosen_by_url_scheme(tmp_path: Path) -> None:
+    assert transport.channel_of("tcp://127.0.0.1:1") == "tcp"
+    assert transport.channel_of("nixl://127.0.0.1:1") == "nixl"  # checked without loading NIXL
+    for url in ("udp://h:1", "nixl://h", "", "127.0.0.1:9000"):
+        with pytest.raises(hv.HurrayFormatError) as info:
+            transport.channel_of(url)
+        assert info.value.field == "hurray_url"
+    assert isinstance(transport.sender_for("tcp://127.0.0.1:1"), TcpSender)
+    with pytest.raises(hv.HurrayArgumentError, match="unknown transport 'udp'"):
+        transport.receiver_for("udp", "127.0.0.1", 0, DirectoryStore(tmp_path))
+    with pytest.raises(hv.HurrayArgumentError):
+        transport.require_channel("udp")
+    transport.require_channel("tcp")
+    r = transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), idle_timeout=3).start()
+    try:
+        assert isinstance(r, Receiver) and r.idle_timeout == 3
+        ns, key, chunk = _chunk()
+        transport.send_chunks(_url(r), [(ns, key, chunk)])
+        got = DirectoryStore(tmp_path).get(ns, key)
+        assert torch.equal(got.keys[0].page_pool, chunk.keys[0].page_pool)
+    finally:
+        r.stop()
