@@ -129,6 +129,7 @@ def _line(columns: list[tuple[str, str]], cells: dict[str, Any]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm inspect``: print the file's descriptors as a table or JSON; returns 0."""
     fmt = detect_format(args.path)
     rows = list(_rows(iter_nodes(args.path, permissive=True)))
     if args.json:
@@ -162,6 +163,7 @@ def _jsonable(kv: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm validate``: print each violation; returns 0 if the file is valid, else 1."""
     checked = validate(args.path, permissive=args.permissive)
     blocking = set(id(v) for v in checked.errors)
     # What stopped parsing (a truncated file, a bad magic) is always an error; print it too.
@@ -176,6 +178,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm convert``: write the input in the output's format; returns 0."""
     src_fmt = detect_format(args.input)
     out = Path(args.output)
     out_fmt = args.to or SUFFIX_FORMATS.get(out.suffix.lower())
@@ -220,15 +223,17 @@ def _default_name(d: TensorDescriptor, i: int) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm demo`` (``--format-only``: the format round trip); returns the demo's exit code."""
     from .demo import run_format_demo, run_vllm_demo
 
     workdir = Path(args.workdir) if args.workdir else None
     if args.format_only:
-        return run_format_demo(workdir, quiet=args.quiet)
-    return run_vllm_demo(workdir, quiet=args.quiet)
+        return run_format_demo(workdir, quiet=args.quiet, keep=args.keep)
+    return run_vllm_demo(workdir, quiet=args.quiet, verbose=args.verbose, keep=args.keep)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm migrate``: decode on the source, finish on the destination, print the tokens; returns 0."""
     from ..adapters.vllm.migrate import migrate
 
     if args.prompt_file:
@@ -256,6 +261,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm receive``: store the KV chunks received until SIGINT/SIGTERM; returns 0."""
     import faulthandler
     import signal
     import time
@@ -299,6 +305,7 @@ def _size(text: str) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm prune``: delete least recently used chunks beyond ``--max-size``; returns 0."""
     from ..chunks.store import DirectoryStore
 
     if not Path(args.dir).is_dir():
@@ -317,6 +324,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hurray-vllm`` argument parser, one subcommand per ``cmd_*`` function."""
     p = argparse.ArgumentParser(
         prog="hurray-vllm",
         description="Move LLM KV caches between inference engines as Hurray block-paged tensors.",
@@ -419,16 +427,19 @@ def build_parser() -> argparse.ArgumentParser:
         "mid-decode, writes .hrry/.hrrs/.safetensors, and continues them in a second vLLM engine, in "
         "flash-attn's layout (reference attention) and in transformers. Example: hurray-vllm demo --workdir /tmp/hv",
     )
-    s.add_argument("--workdir", help="keep the files it writes here (default: a temporary directory)")
+    s.add_argument("--workdir", help="write (and keep) the files here (default: a temporary directory, removed)")
+    s.add_argument("--keep", action="store_true", help="keep the temporary directory and print its path")
     s.add_argument(
         "--format-only", action="store_true", help="only the format round trip on the spec's example (no vLLM)"
     )
+    s.add_argument("-v", "--verbose", action="store_true", help="show vLLM's and torch's logs (default: into demo.log)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_demo)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hurray-vllm`` on ``argv`` (default ``sys.argv[1:]``); returns the exit code (bad input 1, bad call 2)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

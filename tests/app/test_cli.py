@@ -99,6 +99,21 @@ def test_validate_names_what_stopped_parsing(files: Path, capsys: pytest.Capture
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--format-only", "--workdir", str(tmp_path)]) == 0
     assert "FAILED" not in capsys.readouterr().out
+    assert (tmp_path / "spec-example.hrry").is_file()
+
+
+def test_demo_cleans_its_temporary_directory_unless_kept(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import shutil
+
+    for keep in (False, True):
+        assert main(["demo", "--format-only", *(["--keep"] if keep else [])]) == 0
+        out = capsys.readouterr().out
+        found = re.search(r" in (\S*hurray-vllm-demo-\S+)", out)
+        assert found, out
+        where = Path(found.group(1))
+        assert where.exists() == keep and ("removed on exit" in out) != keep
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_prune_shrinks_a_store_to_the_size_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

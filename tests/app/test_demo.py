@@ -25,5 +25,8 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + root_cause(proc.stderr)
     assert "FAILED" not in proc.stdout
+    # The engines' logs went to demo.log, not to the terminal (--verbose shows them).
+    assert "WARNING" not in proc.stdout and "Loading weights" not in proc.stderr, proc.stdout + proc.stderr
+    assert (tmp_path / "demo.log").is_file() and "native kernels:" in proc.stdout
     for name in ("snapshot.hrry", "snapshot.hrrs", "snapshot.safetensors"):
         assert (tmp_path / name).is_file()
