@@ -55,6 +55,7 @@ class HurrayFormatError(ValueError):
 
     @classmethod
     def from_violations(cls, violations: Sequence[Violation], context: str = "") -> HurrayFormatError:
+        """The error for ``violations`` (at least one): named after the first, its message prefixed with ``context``."""
         first = violations[0]
         more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
         prefix = f"{context}: " if context else ""

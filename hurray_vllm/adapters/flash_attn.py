@@ -150,22 +150,27 @@ class FlashAttnCache:
 
     @property
     def num_blocks(self) -> int:
+        """Number of pages in each pool (``k_cache.shape[0]``)."""
         return int(self.k_cache.shape[0])
 
     @property
     def page_size(self) -> int:
+        """Tokens per page (``k_cache.shape[1]``)."""
         return int(self.k_cache.shape[1])
 
     @property
     def num_kv_heads(self) -> int:
+        """Number of KV heads (``nheads_k``)."""
         return int(self.k_cache.shape[2])
 
     @property
     def head_dim(self) -> int:
+        """Head size, the pools' last dimension."""
         return int(self.k_cache.shape[3])
 
     @property
     def batch_size(self) -> int:
+        """Number of sequences in the batch (rows of ``block_table``)."""
         return int(self.block_table.shape[0])
 
     @property
@@ -218,10 +223,12 @@ class FlashAttnPlan:
 
     @property
     def num_blocks(self) -> int:
+        """Pages each imported pool has: the base pages plus the extra ones."""
         return self.base_pages + int(self.extra_pages.numel())
 
     @property
     def batch_size(self) -> int:
+        """Number of sequences in the batch."""
         return int(self.cache_seqlens.numel())
 
 
@@ -230,32 +237,25 @@ def plan_flash_attn(
 ) -> FlashAttnPlan:
     """Plan importing ``snapshot`` as flash-attn paged caches (once for all layers).
 
-    Parameters
-    ----------
-    snapshot : KVSnapshot
-        At least one layer, one sequence, and known ``seq_lens``.
-    page_size : int
-        Target ``page_block_size``; must suit ``flavor`` (fa2: multiple of
-        256, vllm: multiple of 16, fa3: any positive size).
-    flavor : {"fa2", "fa3", "vllm"}
-        The kernel build.
-    reserve : int
-        Tokens of room to leave after every sequence, for ``k``/``v`` appends.
-        A sequence whose partly filled last page is shared (prefix sharing,
-        or two identical sequences) gets a private copy of it so that appends
-        of one sequence never land in another's pages.
+    Args:
+        snapshot: At least one layer, one sequence, and known ``seq_lens``.
+        page_size: Target ``page_block_size``; must suit ``flavor`` (fa2: multiple of
+            256, vllm: multiple of 16, fa3: any positive size).
+        flavor: The kernel build, ``"fa2"``, ``"fa3"`` or ``"vllm"``.
+        reserve: Tokens of room to leave after every sequence, for ``k``/``v`` appends.
+            A sequence whose partly filled last page is shared (prefix sharing,
+            or two identical sequences) gets a private copy of it so that appends
+            of one sequence never land in another's pages.
 
-    Returns
-    -------
-    FlashAttnPlan
+    Returns:
+        The :class:`FlashAttnPlan`.
 
-    Notes
-    -----
-    The block table is padded with page 0 (the plan makes sure a page 0
-    exists). flash-attn only dereferences entries that cover
-    ``cache_seqlens + seqlen_new``, but a valid id keeps any speculative read
-    in bounds, and 0 needs no per-row value (a row with no page has no "last
-    page" to repeat). This is also what vLLM does with its null block 0.
+    Notes:
+        The block table is padded with page 0 (the plan makes sure a page 0
+        exists). flash-attn only dereferences entries that cover
+        ``cache_seqlens + seqlen_new``, but a valid id keeps any speculative read
+        in bounds, and 0 needs no per-row value (a row with no page has no "last
+        page" to repeat). This is also what vLLM does with its null block 0.
     """
     lim = _limits(flavor)
     _check_page_size(page_size, lim, "page_size")
@@ -370,60 +370,47 @@ def to_flash_attn(
 ) -> FlashAttnCache:
     """Layer ``layer`` of ``snapshot`` as a flash-attn paged cache.
 
-    Parameters
-    ----------
-    snapshot : KVSnapshot
-        The batch; its pools may be on any device.
-    layer : int
-        ``0 <= layer < snapshot.num_layers``.
-    page_size : int, optional
-        Target page size, 256 by default (valid for every flavor). The
-        snapshot is repaged when its page size differs.
-    flavor : {"fa2", "fa3", "vllm"}, optional
-        The kernel build, ``"fa2"`` by default.
-    device : torch.device or str, optional
-        Where the result goes; moved once, at the end. Repaging runs on the
-        snapshot's device, so a CUDA snapshot never visits the host.
-    dtype : torch.dtype, optional
-        Cache dtype. ``None`` keeps float16/bfloat16 pools, keeps
-        float8_e4m3fn pools for fa3 (with descales), and dequantizes any
-        other float8 pool (``stored.float() * scale``, the snapshot's
-        ``kv_scales``, 1 when absent) to bfloat16. float32 pools need an
-        explicit ``torch.bfloat16`` or ``torch.float16``.
-    plan : FlashAttnPlan, optional
-        From :func:`plan_flash_attn` for this snapshot, to share the block
-        structure across layers; ``page_size``, ``flavor`` and ``reserve``
-        then default to the plan's and must agree with it.
-    reserve : int, optional
-        Tokens of room per sequence for appends (0 by default); see
-        :func:`plan_flash_attn`.
-    out : (k_cache, v_cache), optional
-        Preallocated caches to import into, each
-        ``[num_blocks, page_size, nheads_k, head_dim]`` with ``num_blocks >=
-        plan.num_blocks``, in the cache dtype (see ``dtype``), contiguous, on
-        ``device`` when that is given. Pages ``0 .. plan.num_blocks - 1`` are
-        overwritten, the rest is left as it is, and the returned cache holds
-        these very tensors. Reusing one pair across imports (or an engine's
-        own cache) saves faulting in new memory, which on a CPU costs about
-        twice the copy itself.
+    Args:
+        snapshot: The batch; its pools may be on any device.
+        layer: ``0 <= layer < snapshot.num_layers``.
+        page_size: Target page size, 256 by default (valid for every flavor). The
+            snapshot is repaged when its page size differs.
+        flavor: The kernel build, ``"fa2"`` (default), ``"fa3"`` or ``"vllm"``.
+        device: Where the result goes; moved once, at the end. Repaging runs on the
+            snapshot's device, so a CUDA snapshot never visits the host.
+        dtype: Cache dtype. ``None`` keeps float16/bfloat16 pools, keeps
+            float8_e4m3fn pools for fa3 (with descales), and dequantizes any
+            other float8 pool (``stored.float() * scale``, the snapshot's
+            ``kv_scales``, 1 when absent) to bfloat16. float32 pools need an
+            explicit ``torch.bfloat16`` or ``torch.float16``.
+        plan: From :func:`plan_flash_attn` for this snapshot, to share the block
+            structure across layers; ``page_size``, ``flavor`` and ``reserve``
+            then default to the plan's and must agree with it.
+        reserve: Tokens of room per sequence for appends (0 by default); see
+            :func:`plan_flash_attn`.
+        out: ``(k_cache, v_cache)``, preallocated caches to import into, each
+            ``[num_blocks, page_size, nheads_k, head_dim]`` with ``num_blocks >=
+            plan.num_blocks``, in the cache dtype (see ``dtype``), contiguous, on
+            ``device`` when that is given. Pages ``0 .. plan.num_blocks - 1`` are
+            overwritten, the rest is left as it is, and the returned cache holds
+            these very tensors. Reusing one pair across imports (or an engine's
+            own cache) saves faulting in new memory, which on a CPU costs about
+            twice the copy itself.
 
-    Returns
-    -------
-    FlashAttnCache
-        With ``out``, its tensors. Otherwise, with ``reserve=0`` and nothing to
-        repage, convert or move, the caches are the snapshot's own pools (no
-        copy); else fresh tensors.
+    Returns:
+        A :class:`FlashAttnCache`. With ``out``, its tensors. Otherwise, with
+        ``reserve=0`` and nothing to repage, convert or move, the caches are the
+        snapshot's own pools (no copy); else fresh tensors.
 
-    Examples
-    --------
-    Import layer 0 with room for 16 decoded tokens, then check the call::
+    Examples:
+        Import layer 0 with room for 16 decoded tokens, then check the call::
 
-        plan = plan_flash_attn(snap, page_size=256, flavor="fa2", reserve=16)
-        cache = to_flash_attn(snap, 0, plan=plan, device="cuda")
-        # cache.k_cache: [num_blocks, 256, nheads_k, head_dim], bfloat16/float16
-        # cache.block_table: int32 [batch, max_num_blocks_per_seq]
-        check_flash_attn_args(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
-        out = flash_attn_with_kvcache(q, cache)  # q: [batch, seqlen_q, nheads, head_dim]
+            plan = plan_flash_attn(snap, page_size=256, flavor="fa2", reserve=16)
+            cache = to_flash_attn(snap, 0, plan=plan, device="cuda")
+            # cache.k_cache: [num_blocks, 256, nheads_k, head_dim], bfloat16/float16
+            # cache.block_table: int32 [batch, max_num_blocks_per_seq]
+            check_flash_attn_args(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+            out = flash_attn_with_kvcache(q, cache)  # q: [batch, seqlen_q, nheads, head_dim]
     """
     plan = _resolve_plan(snapshot, plan, page_size, flavor, reserve)
     check_layer(snapshot, layer)
@@ -648,39 +635,32 @@ def check_flash_attn_args(
     ``block_table`` (one device sync, like flash-attn's own capacity check).
     Tensors may be on any device, as long as it is the same one.
 
-    Parameters
-    ----------
-    q : torch.Tensor
-        ``[batch, seqlen_q, nheads, head_dim]``, ``batch >= 1``, last dim
-        contiguous; float16/bfloat16 (fa3 also float8_e4m3fn).
-    k_cache : torch.Tensor
-        ``[num_blocks, page_block_size, nheads_k, head_dim]`` in ``q``'s
-        dtype, last dim contiguous; ``page_block_size`` a multiple of 256
-        (fa2) or 16 (vllm); ``nheads % nheads_k == 0``; ``head_dim <= 256``
-        (fa3: a multiple of 8, 16 for fp8).
-    v_cache : torch.Tensor
-        Same shape and dtype as ``k_cache``.
-    cache_seqlens : torch.Tensor
-        int32 ``[batch]``, contiguous, values >= 0.
-    block_table : torch.Tensor
-        int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous. Every
-        entry covering ``cache_seqlens[b] + seqlen_new`` tokens is a page id
-        ``< num_blocks``; the rest is padding and is not checked.
-    flavor : {"fa2", "fa3", "vllm"}
-    k, v : torch.Tensor, optional
-        ``[batch, seqlen_new, nheads_k, head_dim]`` in ``q``'s dtype, last dim
-        contiguous, both or neither. The pages they are written to must not
-        be read by another sequence.
-    cache_batch_idx, cache_leftpad : torch.Tensor, optional
-        Refused: FlashAttention-2 rejects them with a paged cache, and the
-        importer and the reference do not model them for the other builds.
-    q_descale, k_descale, v_descale : torch.Tensor, optional
-        float32 ``[batch, nheads_k]``; fa3 with float8 inputs only.
+    Args:
+        q: ``[batch, seqlen_q, nheads, head_dim]``, ``batch >= 1``, last dim
+            contiguous; float16/bfloat16 (fa3 also float8_e4m3fn).
+        k_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]`` in ``q``'s
+            dtype, last dim contiguous; ``page_block_size`` a multiple of 256
+            (fa2) or 16 (vllm); ``nheads % nheads_k == 0``; ``head_dim <= 256``
+            (fa3: a multiple of 8, 16 for fp8).
+        v_cache: Same shape and dtype as ``k_cache``.
+        cache_seqlens: int32 ``[batch]``, contiguous, values >= 0.
+        block_table: int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous. Every
+            entry covering ``cache_seqlens[b] + seqlen_new`` tokens is a page id
+            ``< num_blocks``; the rest is padding and is not checked.
+        flavor: The kernel build, ``"fa2"``, ``"fa3"`` or ``"vllm"``.
+        k: Optional ``[batch, seqlen_new, nheads_k, head_dim]`` in ``q``'s dtype, last dim
+            contiguous, given with ``v`` or not at all. The pages it is written to must not
+            be read by another sequence.
+        v: Like ``k``, for values.
+        cache_batch_idx: Refused: FlashAttention-2 rejects it with a paged cache, and the
+            importer and the reference do not model it for the other builds.
+        cache_leftpad: Refused, like ``cache_batch_idx``.
+        q_descale: Optional float32 ``[batch, nheads_k]``; fa3 with float8 inputs only.
+        k_descale: Like ``q_descale``.
+        v_descale: Like ``q_descale``.
 
-    Raises
-    ------
-    HurrayArgumentError
-        Naming the first offending argument (its ``field``).
+    Raises:
+        HurrayArgumentError: Naming the first offending argument (its ``field``).
     """
     lim = _limits(flavor)
     # Devices first: every later check may read the tensors.
@@ -866,37 +846,25 @@ def flash_attn_with_kvcache(
 ) -> torch.Tensor:
     """Check the contract, then run the installed flash-attn kernel of ``cache.flavor``.
 
-    Parameters
-    ----------
-    q : torch.Tensor
-        ``[batch, seqlen_q, nheads, head_dim]`` on CUDA, in the caches' dtype
-        (for an fp8 fa3 cache: float8_e4m3fn, with ``q_descale``).
-    cache : FlashAttnCache
-        From :func:`to_flash_attn`, on ``q``'s device.
-    k, v : torch.Tensor, optional
-        ``[batch, seqlen_new, nheads_k, head_dim]`` new tokens, written into
-        ``cache``'s pools in place (use ``cache.advance(seqlen_new)`` next).
-    softmax_scale : float, optional
-        ``1 / sqrt(head_dim)`` by default.
-    causal : bool
-        Bottom-right causal mask. ``True`` by default (flash-attn's is ``False``).
-    q_descale : torch.Tensor, optional
-        float32 ``[batch, nheads_k]``, fa3 fp8 only.
-    **kw
-        Passed to the kernel unchanged (``window_size``, ``softcap``, ``num_splits``...).
+    Args:
+        q: ``[batch, seqlen_q, nheads, head_dim]`` on CUDA, in the caches' dtype
+            (for an fp8 fa3 cache: float8_e4m3fn, with ``q_descale``).
+        cache: From :func:`to_flash_attn`, on ``q``'s device.
+        k: Optional ``[batch, seqlen_new, nheads_k, head_dim]`` new tokens, written into
+            ``cache``'s pools in place (use ``cache.advance(seqlen_new)`` next).
+        v: Like ``k``, for values.
+        softmax_scale: ``1 / sqrt(head_dim)`` by default.
+        causal: Bottom-right causal mask. ``True`` by default (flash-attn's is ``False``).
+        q_descale: Optional float32 ``[batch, nheads_k]``, fa3 fp8 only.
+        **kw: Passed to the kernel unchanged (``window_size``, ``softcap``, ``num_splits``...).
 
-    Returns
-    -------
-    torch.Tensor
+    Returns:
         ``[batch, seqlen_q, nheads, head_dim]`` (bfloat16 for fp8 inputs).
 
-    Raises
-    ------
-    HurrayArgumentError
-        When the arguments break the kernel's contract.
-    FlashAttnUnavailableError
-        When the tensors are not on CUDA or the flavor's package is missing;
-        :func:`hurray_vllm.adapters.reference.paged_attention` computes the same on any device.
+    Raises:
+        HurrayArgumentError: When the arguments break the kernel's contract.
+        FlashAttnUnavailableError: When the tensors are not on CUDA or the flavor's package is missing;
+            :func:`hurray_vllm.adapters.reference.paged_attention` computes the same on any device.
     """
     check_flash_attn_args(
         q,

@@ -120,30 +120,37 @@ class FlashInferCache:
 
     @property
     def num_pages(self) -> int:
+        """Number of pages in the pool."""
         return int(self.k_cache.shape[0])
 
     @property
     def page_size(self) -> int:
+        """Tokens per page."""
         return int(self.k_cache.shape[1 if self.kv_layout == "NHD" else 2])
 
     @property
     def num_kv_heads(self) -> int:
+        """Number of KV heads."""
         return int(self.k_cache.shape[2 if self.kv_layout == "NHD" else 1])
 
     @property
     def head_dim(self) -> int:
+        """Head size, the pages' last dimension."""
         return int(self.k_cache.shape[3])
 
     @property
     def batch_size(self) -> int:
+        """Number of requests in the batch."""
         return int(self.paged_kv_last_page_len.numel())
 
     @property
     def dtype(self) -> torch.dtype:
+        """Dtype of the cache pages."""
         return self.k_cache.dtype
 
     @property
     def device(self) -> torch.device:
+        """Device the cache pages are on."""
         return self.k_cache.device
 
     @property
@@ -294,8 +301,14 @@ def to_flashinfer_all(
 
     Args:
         snapshot: as for :func:`to_flashinfer`, with at least one layer.
-        page_size, kv_layout, combined, device, dtype: as for
-            :func:`to_flashinfer`, the same for every layer.
+        page_size: FlashInfer's page size for every layer; ``None`` keeps the
+            snapshot's. When it differs, the repaging is planned once and
+            reused for every layer.
+        kv_layout: ``"NHD"`` or ``"HND"``, as for :func:`to_flashinfer`.
+        combined: one ``[num_pages, 2, ...]`` tensor per layer instead of a
+            ``(k, v)`` tuple, as for :func:`to_flashinfer`.
+        device: where every layer's result goes, as for :func:`to_flashinfer`.
+        dtype: the page dtype of every layer, as for :func:`to_flashinfer`.
         out: one preallocated cache per layer (see :func:`to_flashinfer`).
 
     Returns:
@@ -659,8 +672,12 @@ def check_flashinfer_args(
             page_size, head_dim]`` for ``"HND"``; or one 5-D tensor
             ``[num_pages, 2, ...]``. Last dimension contiguous.
         kv_layout: ``"NHD"`` or ``"HND"``, the wrapper's layout.
-        page_size, num_kv_heads, head_dim: the values given to ``plan``,
-            checked against the cache's shape when given.
+        page_size: the page size given to ``plan``, checked against the
+            cache's shape when given.
+        num_kv_heads: the KV head count given to ``plan``, checked against
+            the cache's shape when given.
+        head_dim: the head size given to ``plan``, checked against the
+            cache's shape when given.
         num_qo_heads: query heads, a positive multiple of the KV heads;
             taken from ``q`` when omitted.
         q: decode: ``[batch_size, num_qo_heads, head_dim]``; prefill (with
@@ -668,8 +685,10 @@ def check_flashinfer_args(
             the cache's device.
         qo_indptr: int32 ``[batch_size + 1]``, ``[0] == 0``, non-decreasing
             (prefill only).
-        q_data_type, kv_data_type: the dtypes given to ``plan``, checked
-            against ``q`` and the cache.
+        q_data_type: the query dtype given to ``plan``, checked against ``q``
+            (without ``q``, against the cache dtype like a query's).
+        kv_data_type: the cache dtype given to ``plan``, checked against the
+            cache.
         strict_dtypes: also require dtypes FlashInfer has kernels for: a
             float16, bfloat16 or float8 cache; a float16/bfloat16 query equal
             to the cache dtype (or, for a float8 cache, float16, bfloat16 or
@@ -853,9 +872,10 @@ def reference_decode(
         cache: the paged KV (checked with ``strict_dtypes=False``).
         sm_scale: logits scale, default ``1 / sqrt(head_dim)``.
         logits_soft_cap: if > 0, logits become ``cap * tanh(logits / cap)``.
-        k_scale, v_scale: default ``cache.k_scale``/``cache.v_scale`` (or
-            1.0): the logits are multiplied by ``k_scale`` and the output by
-            ``v_scale``, as FlashInfer does for float8 caches.
+        k_scale: the logits are multiplied by it, as FlashInfer does for
+            float8 caches; default ``cache.k_scale`` (or 1.0).
+        v_scale: the output is multiplied by it, as FlashInfer does for
+            float8 caches; default ``cache.v_scale`` (or 1.0).
         out_dtype: the output dtype, default ``q.dtype``.
 
     Returns:

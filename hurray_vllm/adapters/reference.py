@@ -46,24 +46,16 @@ def dense_attention(
 ) -> torch.Tensor:
     """Attention of one sequence over its dense keys and values.
 
-    Parameters
-    ----------
-    q : torch.Tensor
-        ``[seqlen_q, nheads, head_dim]``, any floating dtype, any strides.
-    k : torch.Tensor
-        ``[seqlen_k, nheads_k, head_dim]``, any floating dtype;
-        ``nheads % nheads_k == 0``.
-    v : torch.Tensor
-        ``[seqlen_k, nheads_k, head_dim]``, same shape as ``k``.
-    causal : bool
-        Apply the bottom-right aligned causal mask (query ``i`` attends keys
-        ``j <= i + seqlen_k - seqlen_q``).
-    softmax_scale : float, optional
-        Scale of ``q @ k^T`` before the softmax; ``1 / sqrt(head_dim)`` by default.
+    Args:
+        q: ``[seqlen_q, nheads, head_dim]``, any floating dtype, any strides.
+        k: ``[seqlen_k, nheads_k, head_dim]``, any floating dtype;
+            ``nheads % nheads_k == 0``.
+        v: ``[seqlen_k, nheads_k, head_dim]``, same shape as ``k``.
+        causal: Apply the bottom-right aligned causal mask (query ``i`` attends keys
+            ``j <= i + seqlen_k - seqlen_q``).
+        softmax_scale: Scale of ``q @ k^T`` before the softmax; ``1 / sqrt(head_dim)`` by default.
 
-    Returns
-    -------
-    torch.Tensor
+    Returns:
         ``[seqlen_q, nheads, head_dim]`` in ``q``'s dtype (bfloat16 when ``q``
         is float8), computed in float32. Rows that see no key are zero.
     """
@@ -107,46 +99,35 @@ def paged_attention(
     gathered at once into a ``[batch, max_seqlen_k, nheads_k, head_dim]``
     float32 buffer, so memory grows with ``batch * max_seqlen_k``.
 
-    Parameters
-    ----------
-    q : torch.Tensor
-        ``[batch, seqlen_q, nheads, head_dim]``, float16, bfloat16, float32 or
-        float8 (then scaled by ``q_descale``).
-    k_cache : torch.Tensor
-        ``[num_blocks, page_block_size, nheads_k, head_dim]``, any floating
-        dtype (float8 is scaled by ``k_descale``); ``nheads % nheads_k == 0``.
-        Modified in place when ``k`` is given.
-    v_cache : torch.Tensor
-        ``[num_blocks, page_block_size, nheads_k, head_dim]``, same shape and
-        dtype as ``k_cache``. Modified in place when ``v`` is given.
-    cache_seqlens : torch.Tensor
-        ``[batch]``, integer (flash-attn requires int32): tokens already in
-        the cache per sequence, before ``k``/``v`` are appended.
-    block_table : torch.Tensor
-        ``[batch, max_num_blocks_per_seq]``, integer (flash-attn requires
-        int32): row ``b`` lists the physical pages of sequence ``b`` in
-        logical order. Only the entries that cover
-        ``cache_seqlens[b] + seqlen_new`` tokens are read; the rest is padding.
-    k : torch.Tensor, optional
-        ``[batch, seqlen_new, nheads_k, head_dim]`` in ``k_cache``'s dtype:
-        new keys, written at positions ``cache_seqlens[b] ..`` of sequence
-        ``b`` before attending (the cache must have room for them).
-    v : torch.Tensor, optional
-        ``[batch, seqlen_new, nheads_k, head_dim]``, with ``k``.
-    softmax_scale : float, optional
-        Scale of ``q @ k^T``; ``1 / sqrt(head_dim)`` by default.
-    causal : bool
-        Bottom-right aligned causal mask over ``seqlen_k = cache_seqlens[b] +
-        seqlen_new``. (flash-attn's own default is ``False``; this one's is
-        ``True`` because decoding and chunked prefill need it.)
-    q_descale, k_descale, v_descale : torch.Tensor, optional
-        ``[batch, nheads_k]`` float32: the stored value times its descale is
-        the real value (FlashAttention-3's fp8 convention; ``q_descale`` is
-        per KV head too). ``None`` means 1.
+    Args:
+        q: ``[batch, seqlen_q, nheads, head_dim]``, float16, bfloat16, float32 or
+            float8 (then scaled by ``q_descale``).
+        k_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]``, any floating
+            dtype (float8 is scaled by ``k_descale``); ``nheads % nheads_k == 0``.
+            Modified in place when ``k`` is given.
+        v_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]``, same shape and
+            dtype as ``k_cache``. Modified in place when ``v`` is given.
+        cache_seqlens: ``[batch]``, integer (flash-attn requires int32): tokens already in
+            the cache per sequence, before ``k``/``v`` are appended.
+        block_table: ``[batch, max_num_blocks_per_seq]``, integer (flash-attn requires
+            int32): row ``b`` lists the physical pages of sequence ``b`` in
+            logical order. Only the entries that cover
+            ``cache_seqlens[b] + seqlen_new`` tokens are read; the rest is padding.
+        k: Optional ``[batch, seqlen_new, nheads_k, head_dim]`` in ``k_cache``'s dtype:
+            new keys, written at positions ``cache_seqlens[b] ..`` of sequence
+            ``b`` before attending (the cache must have room for them).
+        v: Optional ``[batch, seqlen_new, nheads_k, head_dim]``, with ``k``.
+        softmax_scale: Scale of ``q @ k^T``; ``1 / sqrt(head_dim)`` by default.
+        causal: Bottom-right aligned causal mask over ``seqlen_k = cache_seqlens[b] +
+            seqlen_new``. (flash-attn's own default is ``False``; this one's is
+            ``True`` because decoding and chunked prefill need it.)
+        q_descale: Optional ``[batch, nheads_k]`` float32: the stored value times its descale is
+            the real value (FlashAttention-3's fp8 convention; ``q_descale`` is
+            per KV head too). ``None`` means 1.
+        k_descale: Like ``q_descale``, for ``k_cache``.
+        v_descale: Like ``q_descale``, for ``v_cache``.
 
-    Returns
-    -------
-    torch.Tensor
+    Returns:
         ``[batch, seqlen_q, nheads, head_dim]`` in ``q``'s dtype (bfloat16 when
         ``q`` is float8). Rows that see no key are zero.
     """
@@ -217,21 +198,18 @@ def append_kv_(
 ) -> None:
     """Write new tokens into a paged cache in place, as ``flash_attn_with_kvcache`` does.
 
-    Parameters
-    ----------
-    k_cache, v_cache : torch.Tensor
-        ``[num_blocks, page_block_size, nheads_k, head_dim]``, written in place.
-    block_table : torch.Tensor
-        ``[batch, max_num_blocks_per_seq]``, integer.
-    cache_seqlens : torch.Tensor
-        ``[batch]``, integer: token ``t`` of ``k[b]`` goes to position
-        ``cache_seqlens[b] + t`` of sequence ``b``. Not updated.
-    k, v : torch.Tensor
-        ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype.
-
     A page written by two sequences ends with either's token, as in the
     kernel; :func:`hurray_vllm.adapters.flash_attn.check_flash_attn_args`
     refuses such batches.
+
+    Args:
+        k_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]``, written in place.
+        v_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]``, like ``k_cache``.
+        block_table: ``[batch, max_num_blocks_per_seq]``, integer.
+        cache_seqlens: ``[batch]``, integer: token ``t`` of ``k[b]`` goes to position
+            ``cache_seqlens[b] + t`` of sequence ``b``. Not updated.
+        k: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new keys.
+        v: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new values.
     """
     batch, seqlen_new = int(k.shape[0]), int(k.shape[1])
     expect = (batch, seqlen_new, *k_cache.shape[2:])

@@ -59,6 +59,7 @@ class ChunkDigest:
         return cls(digest.partition(":")[0])
 
     def update(self, data: bytes | memoryview) -> None:
+        """Add ``data``'s bytes."""
         if self.algorithm == "crc32c":
             crc = native.crc32c(data, self._crc)
             assert crc is not None  # checked in __init__
@@ -78,6 +79,7 @@ class ChunkDigest:
                 self.update(byte_view(t.reshape(-1).view(torch.uint8)))
 
     def hexdigest(self) -> str:
+        """The digest so far, as ``"<algorithm>:<8 hex digits>"``."""
         return f"{self.algorithm}:{self._crc:08x}"
 
 

@@ -29,6 +29,7 @@ class PruneReport:
     bytes_removed: int = 0
 
     def add(self, kind: str, size: int) -> None:
+        """Count a deleted file of ``size`` bytes: ``kind`` is ``"chunk"``, ``"bad"`` (moved aside) or else a temp."""
         if kind == "chunk":
             self.chunks_removed += 1
             self.chunks_kept -= 1

@@ -63,9 +63,11 @@ class DirectoryStore:
         object.__setattr__(self, "root", Path(root))
 
     def path(self, namespace: str, key: str) -> Path:
+        """The file that holds (or would hold) chunk ``key`` of ``namespace``."""
         return self.root / namespace / f"{key}.hrry"
 
     def has(self, namespace: str, key: str) -> bool:
+        """Whether chunk ``key`` of ``namespace`` is stored."""
         return self.identity(namespace, key) is not None
 
     def identity(self, namespace: str, key: str) -> tuple[int, ...] | None:

@@ -325,6 +325,7 @@ class HrryFile:
             raise
 
     def close(self) -> None:
+        """Close the file."""
         self._f.close()
 
     def __enter__(self) -> HrryFile:
@@ -436,5 +437,6 @@ class HrryFile:
         return Record(entry.name, desc, buffers)
 
     def records(self, *, permissive: bool = False) -> Iterator[Record]:
+        """Every record of the file, in index order (``permissive`` as for :meth:`read`)."""
         for e in self.entries:
             yield self.read(e, permissive=permissive)

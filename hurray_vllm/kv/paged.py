@@ -110,26 +110,32 @@ class BlockPagedTensor:
 
     @property
     def num_pages(self) -> int:
+        """Number of pages in the pool."""
         return int(self.page_pool.shape[0])
 
     @property
     def page_size(self) -> int:
+        """Tokens per page."""
         return int(self.page_pool.shape[1])
 
     @property
     def num_heads(self) -> int:
+        """Number of KV heads."""
         return int(self.page_pool.shape[2])
 
     @property
     def head_dim(self) -> int:
+        """Head size, the pool's last dimension."""
         return int(self.page_pool.shape[3])
 
     @property
     def num_seqs(self) -> int:
+        """Number of sequences in the batch."""
         return int(self.seq_ptr.numel()) - 1
 
     @property
     def dtype(self) -> torch.dtype:
+        """Dtype of the page pool."""
         return self.page_pool.dtype
 
     @property
@@ -151,6 +157,7 @@ class BlockPagedTensor:
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page of the pool."""
         return self.page_size * self.num_heads * self.head_dim * self.page_pool.element_size()
 
     @property
@@ -184,6 +191,7 @@ class BlockPagedTensor:
         )[:n]
 
     def seq_len(self, seq: int) -> int:
+        """Tokens of sequence ``seq``; raises :class:`HurrayFormatError` when the lengths are not known."""
         self._check_seq(seq)
         if self.seq_lens is None:
             raise HurrayFormatError(

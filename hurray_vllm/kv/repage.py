@@ -77,6 +77,7 @@ class RepagePlan:
 
     @property
     def num_pages(self) -> int:
+        """Number of target pages the plan fills."""
         return int(self.src_slots.numel()) // self.page_size
 
 
@@ -167,8 +168,11 @@ def _gather_slots(src: torch.Tensor, plan: RepagePlan, per_slot: int, out: torch
 
 
 def on_device(t: torch.Tensor, device: torch.device | str) -> bool:
-    """Whether ``t`` lives on ``device``; ``"cuda"`` without an index means the current CUDA device,
-    where torch would allocate (``torch.device("cuda") != torch.device("cuda:0")`` otherwise)."""
+    """Whether ``t`` lives on ``device``.
+
+    ``"cuda"`` without an index means the current CUDA device, where torch would
+    allocate (``torch.device("cuda") != torch.device("cuda:0")`` otherwise).
+    """
     want = torch.device(device)
     if want.type == "cuda" and want.index is None:
         want = torch.device("cuda", torch.cuda.current_device())

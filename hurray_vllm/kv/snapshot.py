@@ -69,10 +69,12 @@ class ModelFingerprint:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        """The fingerprint as a JSON-ready dict of its fields."""
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelFingerprint:
+        """The fingerprint :meth:`to_json` wrote; a missing or mistyped field raises :class:`HurrayFormatError`."""
         try:
             return cls(
                 architecture=str(d["architecture"]),
@@ -95,10 +97,12 @@ class SnapshotSource:
     page_size: int
 
     def to_json(self) -> dict[str, Any]:
+        """The source as a JSON-ready dict of its fields."""
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SnapshotSource:
+        """The source :meth:`to_json` wrote; a missing or mistyped field raises :class:`HurrayFormatError`."""
         try:
             return cls(engine=str(d["engine"]), layout=str(d["layout"]), page_size=int(d["page_size"]))
         except (KeyError, TypeError, ValueError) as exc:
@@ -155,10 +159,12 @@ class KVSnapshot:
 
     @property
     def num_layers(self) -> int:
+        """Number of layers."""
         return len(self.keys)
 
     @property
     def num_seqs(self) -> int:
+        """Number of sequences in the batch."""
         return self.keys[0].num_seqs if self.keys else len(self.token_ids)
 
     @property
@@ -173,16 +179,20 @@ class KVSnapshot:
 
     @property
     def page_size(self) -> int:
+        """Tokens per page (0 for a snapshot without layers)."""
         return self.keys[0].page_size if self.keys else 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all layers' buffers on the wire, keys and values."""
         return sum(t.nbytes for t in (*self.keys, *self.values))
 
     def layers(self) -> list[tuple[BlockPagedTensor, BlockPagedTensor]]:
+        """``(keys, values)`` of every layer, in layer order."""
         return list(zip(self.keys, self.values))
 
     def sharing(self) -> SharingStats:
+        """The block structure's page sharing (:meth:`BlockPagedTensor.sharing`), shared by every layer and role."""
         return self.keys[0].sharing() if self.keys else SharingStats(0, 0, 0, 0)
 
     # ── batch operations ───────────────────────────────────────────────────

@@ -114,14 +114,17 @@ class BlockPagedFields:
 
     @property
     def kv_role(self) -> str:
+        """The KV role's name (``"key"``, ``"value"``...), or the tag in hex when unknown."""
         return KV_ROLES.get(self.kv_role_tag, f"0x{self.kv_role_tag:02X}")
 
     @property
     def index_type(self) -> str:
+        """The block-index type's name (``"uint32"``, ``"uint64"``), or the tag in hex when unknown."""
         return INDEX_TYPES.get(self.index_type_tag, f"0x{self.index_type_tag:02X}")
 
     @property
     def index_bytes(self) -> int:
+        """Bytes per block-table and seq_ptr entry: 8 for uint64, else 4."""
         return 8 if self.index_type_tag == 0x01 else 4
 
 
@@ -136,6 +139,7 @@ class CompositeFields:
 
     @property
     def rule(self) -> str:
+        """The composition rule's name, or the tag in hex when unknown."""
         return COMPOSITION_RULES.get(self.rule_tag, f"0x{self.rule_tag:02X}")
 
 
@@ -174,6 +178,7 @@ class PerChannelAffine:
 
     @property
     def symmetric(self) -> bool:
+        """Whether the scales have no zero points (``value = scale * q``)."""
         return self.zero_point_buffer_index is None
 
 
@@ -197,6 +202,7 @@ class PerBlockAffine:
 
     @property
     def symmetric(self) -> bool:
+        """Whether the scales have no zero points (``value = scale * q``)."""
         return self.zero_point_buffer_index is None
 
 
@@ -208,6 +214,7 @@ class RawQuantization:
 
     @property
     def scheme_tag(self) -> int:
+        """The scheme tag, the payload's first byte (0 when empty)."""
         return self.data[0] if self.data else 0
 
 
@@ -216,6 +223,8 @@ Quantization = PerTensorAffine | PerChannelAffine | PerBlockAffine | RawQuantiza
 
 @dataclass(frozen=True)
 class Shard:
+    """Shard section: the full tensor's shape and this shard's offset in it."""
+
     parent_shape: tuple[int, ...]
     shard_offset: tuple[int, ...]
 
@@ -247,6 +256,7 @@ class TensorDescriptor:
 
     @property
     def flags(self) -> int:
+        """The descriptor's flag bits: one per optional section present, plus :attr:`reserved_flags`."""
         f = self.reserved_flags
         if self.quantization is not None:
             f |= FLAG_HAS_QUANTIZATION
@@ -262,6 +272,7 @@ class TensorDescriptor:
 
     @property
     def rank(self) -> int:
+        """Number of dimensions of the logical shape."""
         return len(self.shape)
 
     @property
@@ -271,13 +282,16 @@ class TensorDescriptor:
 
     @property
     def block_paged(self) -> BlockPagedFields | None:
+        """The block-paged fields, or ``None`` for another layout."""
         return self.layout if isinstance(self.layout, BlockPagedFields) else None
 
     @property
     def composite(self) -> CompositeFields | None:
+        """The composite head's fields, or ``None`` for another layout."""
         return self.layout if isinstance(self.layout, CompositeFields) else None
 
     def with_buffers(self, buffers: tuple[BufferHandle, ...]) -> TensorDescriptor:
+        """The same descriptor with ``buffers`` instead."""
         return replace(self, buffers=buffers)
 
 

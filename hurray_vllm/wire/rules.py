@@ -80,12 +80,14 @@ class Checked:
 
     @property
     def errors(self) -> tuple[Violation, ...]:
+        """The blocking violations: all (permissive: the structural ones only), then :attr:`unreadable`."""
         if not self.permissive:
             return self.violations + self.unreadable
         return tuple(v for v in self.violations if v.invariant in _STRUCTURAL) + self.unreadable
 
     @property
     def ok(self) -> bool:
+        """Whether nothing blocks."""
         return not self.errors
 
 

@@ -227,9 +227,10 @@ def write_blocks(
         ec: the worker's cache description.
         layer: index into ``ec.caches``.
         block_ids: int64 ``[n]``, the engine blocks to fill.
-        keys, values: ``[n, block_size, num_kv_heads, head_dim]`` in the
-            model's dtype (real values: an fp8 cache quantizes them with its
-            own scales, as the engine does).
+        keys: ``[n, block_size, num_kv_heads, head_dim]`` (NHD per block) in
+            the model's dtype (real values: an fp8 cache quantizes them with
+            its own scales, as the engine does).
+        values: ``[n, block_size, num_kv_heads, head_dim]``, like ``keys``.
     """
     cache = ec.caches[layer]
     n, bs, h, d = keys.shape

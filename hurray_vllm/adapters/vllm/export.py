@@ -202,8 +202,11 @@ class GatherBuffers:
         return own + (self._twin.memory if self._twin is not None else ())
 
     def twin(self) -> GatherBuffers:
-        """A second pair kept with this one: device exports alternate layers between the two,
-        so one layer is gathered while the previous is still being copied to the host."""
+        """A second pair kept with this one, made on first use.
+
+        Device exports alternate layers between the two, so one layer is gathered
+        while the previous is still being copied to the host.
+        """
         if self._twin is None:
             self._twin = GatherBuffers()
         return self._twin
@@ -286,8 +289,10 @@ def release_export_workspace() -> int:
 
 
 def _kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """``[2, *k.shape]`` over both pools when V directly follows K in memory (as
-    :class:`GatherBuffers` lays them out), so one launch zeroes or copies both; else None."""
+    """``[2, *k.shape]`` over both pools when V directly follows K in memory; else None.
+
+    :class:`GatherBuffers` lays them out so, and one launch then zeroes or copies both.
+    """
     if (
         k.shape != v.shape
         or k.dtype != v.dtype

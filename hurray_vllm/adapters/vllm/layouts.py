@@ -44,7 +44,9 @@ class KVLayout(Protocol):
     """What the exporter needs from a cache layout."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """Short name of the layout (e.g. ``"vllm-cpu"``)."""
+        ...
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
         """``(block_size, H, D)`` of one gathered page of ``cache``."""
@@ -157,12 +159,14 @@ class LogicalBHNC:
     name: str = "vllm-logical-BHNC"
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        """``(block_size, H, D)`` of one page of the ``[B, H, N, 2*D]`` cache."""
         assert isinstance(cache, torch.Tensor)
         return int(cache.shape[2]), int(cache.shape[1]), self.head_dim
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids``, each ``[n, block_size, H, D]`` contiguous (into ``out`` if given)."""
         assert isinstance(cache, torch.Tensor)
         d = self.head_dim
         if cache.dim() != 4 or cache.shape[-1] != 2 * d:
@@ -204,6 +208,7 @@ class CpuPacked:
     _ISAS: ClassVar[tuple[str, ...]] = ("vec", "vec16", "amx")
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        """``(block_size, H, D)`` of one page of the packed ``[B, H, N, 2*D]`` cache."""
         assert isinstance(cache, torch.Tensor)
         return int(cache.shape[2]), int(cache.shape[1]), self.head_dim
 
@@ -214,6 +219,7 @@ class CpuPacked:
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` unpacked, each ``[n, block_size, H, D]`` (into ``out`` if given)."""
         assert isinstance(cache, torch.Tensor)
         b, h, n, d, p = self._geometry(cache)
         ids = _ids(block_ids, cache)
@@ -280,8 +286,9 @@ class CpuPacked:
     def _views(
         self, planes: torch.Tensor, n: int, d: int, p: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
-        """The key and value planes of ``planes`` (``[B, H, 2, N*D]``) as strided views, block first,
-        whose other dims run in the interchange order: what gather reads and scatter writes.
+        """The key and value planes of ``planes`` (``[B, H, 2, N*D]``) as strided views, block first.
+
+        Their other dims run in the interchange order: what gather reads and scatter writes.
 
         AMX keys come as integers ``P`` elements wide (the third value; ``None`` otherwise): a
         key's ``P`` adjacent dims move as one, where a 2-element innermost loop would make the
@@ -423,6 +430,7 @@ class PagedAttentionLegacy:
     name: str = "paged-attention-legacy"
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        """``(block_size, H, D)`` of one page, from the key cache ``[B, H, D/x, N, x]``."""
         assert isinstance(cache, tuple)
         _, h, dx, n, x = cache[0].shape
         return int(n), int(h), int(dx * x)
@@ -430,6 +438,7 @@ class PagedAttentionLegacy:
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` from the cache pair, each ``[n, block_size, H, D]`` (into ``out``)."""
         if not isinstance(cache, tuple) or len(cache) != 2:
             raise HurrayFormatError("cache", "paged-attention caches come as a (key_cache, value_cache) pair")
         kc, vc = cache

@@ -40,6 +40,7 @@ class MigrationResult:
 
     @property
     def tokens(self) -> list[int]:
+        """All generated tokens: the source's, then the destination's."""
         return self.source_tokens + self.destination_tokens
 
 
@@ -94,10 +95,13 @@ def migrate(
     """Decode ``after`` tokens on ``source``, the remaining ``max_tokens - after`` on ``destination``.
 
     Args:
-        source, destination: base URLs of the two servers (``http://host:port``).
+        source: base URL of the server that decodes first (``http://host:port``).
+        destination: base URL of the server that decodes the rest (``http://host:port``).
         prompt: the prompt's token ids.
         after: tokens generated on the source before the move (>= 1).
         max_tokens: tokens generated in total.
+        model: the model name both servers serve; ``None`` asks each server's
+            ``/v1/models`` for its first.
     """
     if not 1 <= after < max_tokens:
         raise HurrayFormatError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")

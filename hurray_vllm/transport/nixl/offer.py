@@ -4,8 +4,10 @@ An offer's body (after ``b"HVN1"`` u64 length)::
 
     u16 len + namespace  u16 len + key  u32 record count
     per record: u32 len + descriptor, then per buffer
-                b"\\x00" + the buffer's bytes  (inline: token ids, block tables, metadata)
-             or b"\\x01"                      (remote: a page pool, WRITten by NIXL)
+                mode 0 + the buffer's bytes  (inline: token ids, block tables, metadata)
+             or mode 1                      (remote: a page pool, WRITten by NIXL)
+
+(each mode is one byte).
 
 The receiver decodes it with :func:`parse_offer`, which checks every size
 before allocating anything, and assembles the snapshot from it exactly as
@@ -74,6 +76,7 @@ def parse_nixl_url(url: str) -> tuple[str, int]:
 
 
 def notif_tag(xfer_id: int, index: int) -> bytes:
+    """The notification that tells the receiver page pool ``index`` of transfer ``xfer_id`` landed."""
     return NOTIF_PREFIX + b"%x:%d" % (xfer_id, index)
 
 
@@ -197,6 +200,8 @@ class _Cursor:
 
 @dataclass
 class Offer:
+    """A decoded offer: the chunk's descriptors, its inline buffers, the sizes of the pools to come by NIXL."""
+
     ns: str
     key: str
     descriptors: list[TensorDescriptor]

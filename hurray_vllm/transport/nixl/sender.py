@@ -49,6 +49,7 @@ class TransferStats:
 
     @property
     def total_s(self) -> float:
+        """Handshake, transfer and commit together."""
         return self.handshake_s + self.transfer_s + self.commit_s
 
 

@@ -30,6 +30,8 @@ __all__ = [
 
 @dataclass
 class LoadTask:
+    """A request's stored chunks for the worker to load: their keys and tokens, and the engine blocks they fill."""
+
     request_id: str
     keys: list[str]
     tokens: list[list[int]]  # per chunk
@@ -39,6 +41,8 @@ class LoadTask:
 
 @dataclass
 class SaveTask:
+    """One chunk of a request for the worker to save: its key and tokens, and the engine blocks holding its KV."""
+
     request_id: str
     key: str
     tokens: list[int]
@@ -91,6 +95,7 @@ class VerifiedChunks:
         self._items: OrderedDict[str, tuple[tuple[int, ...], KVSnapshot]] = OrderedDict()
 
     def get(self, key: str, identity: tuple[int, ...]) -> KVSnapshot | None:
+        """The snapshot verified for ``key`` if its file still has ``identity`` (then most recently used), else None."""
         with self._lock:
             hit = self._items.get(key)
             if hit is None or hit[0] != identity:
@@ -108,6 +113,7 @@ class VerifiedChunks:
                 self._items.popitem(last=False)
 
     def clear(self) -> None:
+        """Forget every chunk."""
         with self._lock:
             self._items.clear()
 

@@ -110,6 +110,11 @@ class HurrayScheduler:
             log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Called by vLLM's scheduler, via the connector, when it schedules a request: stored tokens to load.
+
+        Verifies the stored chunks past ``num_computed_tokens`` and plans their load; returns
+        ``(tokens, False)`` (loads are synchronous), ``(0, False)`` when nothing can be loaded.
+        """
         if not self._loads:
             return 0, False
         tokens = list(request.all_token_ids)
@@ -164,11 +169,13 @@ class HurrayScheduler:
         return matched, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Called by vLLM's scheduler, via the connector, after block allocation: drops the load if none was granted."""
         state = self._reqs.get(request.request_id)
         if state is not None and num_external_tokens == 0:
             state.load = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HurrayConnectorMetadata:
+        """Called by vLLM's scheduler, via the connector, once per step: the loads and saves the worker performs."""
         meta = HurrayConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -232,6 +239,11 @@ class HurrayScheduler:
         state.chunks_done = full
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called by vLLM's scheduler, via the connector, when a request finishes: forgets it.
+
+        Returns ``(False, params)``: its blocks may be freed at once; ``params`` holds
+        ``hurray_saved_tokens`` (the tokens of its chunks now in the store), or is ``None`` when there are none.
+        """
         state = self._reqs.pop(request.request_id, None)
         saved = state.chunks_done * self._chunk if state else 0
         return False, {"hurray_saved_tokens": saved} if saved else None
