@@ -402,15 +402,26 @@ def to_flash_attn(
         ``reserve=0`` and nothing to repage, convert or move, the caches are the
         snapshot's own pools (no copy); else fresh tensors.
 
-    Examples:
-        Import layer 0 with room for 16 decoded tokens, then check the call::
+    Example:
+        Import layer 0 with room for 16 decoded tokens, check the call as
+        flash-attn would, and attend with the pure-PyTorch reference (on a
+        GPU, ``flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache,
+        cache_seqlens=cache.cache_seqlens, block_table=cache.block_table)``):
 
-            plan = plan_flash_attn(snap, page_size=256, flavor="fa2", reserve=16)
-            cache = to_flash_attn(snap, 0, plan=plan, device="cuda")
-            # cache.k_cache: [num_blocks, 256, nheads_k, head_dim], bfloat16/float16
-            # cache.block_table: int32 [batch, max_num_blocks_per_seq]
-            check_flash_attn_args(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
-            out = flash_attn_with_kvcache(q, cache)  # q: [batch, seqlen_q, nheads, head_dim]
+        >>> import torch
+        >>> from hurray_vllm.adapters.reference import paged_attention
+        >>> from hurray_vllm.app.demo import spec_example_snapshot
+        >>> snap = spec_example_snapshot()  # sequences of 6 and 3 tokens, 2 KV heads of 8, float16
+        >>> plan = plan_flash_attn(snap, page_size=256, flavor="fa2", reserve=16)
+        >>> cache = to_flash_attn(snap, 0, plan=plan)
+        >>> cache.k_cache.shape  # [num_blocks, page_size, nheads_k, head_dim]
+        torch.Size([2, 256, 2, 8])
+        >>> cache.block_table.dtype, cache.cache_seqlens.tolist()  # int32 [batch, max_num_blocks_per_seq]
+        (torch.int32, [6, 3])
+        >>> q = torch.randn(2, 1, 2, 8, dtype=torch.float16)  # [batch, seqlen_q, nheads, head_dim]
+        >>> check_flash_attn_args(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+        >>> paged_attention(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table).shape
+        torch.Size([2, 1, 2, 8])
     """
     plan = _resolve_plan(snapshot, plan, page_size, flavor, reserve)
     check_layer(snapshot, layer)

@@ -405,15 +405,23 @@ def to_flashinfer(
             its pools) does not fit.
 
     Example:
-        One layer, repaged to 16-token pages in the HND layout, then the
-        float32 reference decode (``q``: ``[batch_size, num_qo_heads, head_dim]``)::
+        One layer, repaged to 16-token pages in the HND layout, checked as
+        FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper.plan`` would, then
+        the float32 reference decode:
 
-            plan = plan_flashinfer(snap, 16)
-            cache = to_flashinfer(snap, 0, page_size=16, kv_layout="HND", dtype=torch.float16, plan=plan)
-            # cache.k_cache: [num_pages, num_kv_heads, 16, head_dim], float16
-            # cache.paged_kv_indptr: int32 [batch_size + 1]
-            cache.check(q)
-            out = reference_decode(q, cache)  # [batch_size, num_qo_heads, head_dim]
+        >>> import torch
+        >>> from hurray_vllm.app.demo import spec_example_snapshot
+        >>> snap = spec_example_snapshot()  # sequences of 6 and 3 tokens, 2 KV heads of 8, float16
+        >>> plan = plan_flashinfer(snap, 16)
+        >>> cache = to_flashinfer(snap, 0, page_size=16, kv_layout="HND", dtype=torch.float16, plan=plan)
+        >>> cache.k_cache.shape  # [num_pages, num_kv_heads, page_size, head_dim]
+        torch.Size([2, 2, 16, 8])
+        >>> cache.paged_kv_indptr  # int32 [batch_size + 1]
+        tensor([0, 1, 2], dtype=torch.int32)
+        >>> q = torch.randn(2, 2, 8, dtype=torch.float16)  # [batch_size, num_qo_heads, head_dim]
+        >>> cache.check(q)
+        >>> reference_decode(q, cache).shape
+        torch.Size([2, 2, 8])
     """
     if kv_layout not in _LAYOUTS:
         raise HurrayArgumentError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")

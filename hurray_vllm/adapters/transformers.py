@@ -148,6 +148,10 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     """
     geo = config_geometry(model_config)
     arch = architecture or geo.architecture
+    fp = snapshot.fingerprint
+    if fp is not None and not geo.architecture and fp.architecture == getattr(model_config, "model_type", None):
+        # What fingerprint_from_config writes for a config that names no architectures (one built in code).
+        arch = fp.architecture
     model = ModelFingerprint(arch or "", geo.num_layers, geo.num_kv_heads, geo.head_dim, "")
     ignore = {"dtype"} if arch else {"dtype", "architecture"}
     # The fingerprint says what the exporter meant, the pools what the snapshot holds: check both.
@@ -464,6 +468,26 @@ def continue_generation(
 
     Raises:
         HurrayFormatError: the snapshot does not fit the model or has no token ids.
+
+    Example:
+        A tiny random Llama: prefill in transformers, page the cache, and
+        continue from the snapshot as ``generate`` would have:
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+        ...                   num_key_value_heads=2, intermediate_size=128, vocab_size=100)
+        >>> model = LlamaForCausalLM(cfg).eval()
+        >>> prompt = [1, 5, 9, 12]
+        >>> with torch.no_grad():
+        ...     out = model(torch.tensor([prompt]), use_cache=True)
+        >>> first = int(out.logits[0, -1].argmax())  # sampled, no KV yet: the continuation feeds it
+        >>> snap = from_transformers(out.past_key_values, [prompt + [first]], model_config=cfg)
+        >>> tokens = continue_generation(model, snap, 0, 5)
+        >>> unmoved = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+        >>> [first, *tokens] == unmoved[0, 4:].tolist()
+        True
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")

@@ -30,6 +30,22 @@ def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
     ``Checked.violations``.
 
     Nothing is raised for invalid input: look at ``result.ok``.
+
+    Args:
+        obj: What to check.
+        permissive: Count only violations that make the data unreadable as errors.
+
+    Returns:
+        A :class:`Checked`: ``ok``, ``errors`` and every ``violations`` entry (invariant and message).
+
+    Example:
+        >>> import hurray_vllm as hv
+        >>> from hurray_vllm.app.demo import spec_example_snapshot
+        >>> _ = hv.save(spec_example_snapshot(), "kv.hrry")
+        >>> hv.validate("kv.hrry").ok
+        True
+        >>> hv.validate(b"not a descriptor").ok
+        False
     """
     if isinstance(obj, KVSnapshot):
         return obj.validate(permissive=permissive)

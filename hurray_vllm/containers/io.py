@@ -76,7 +76,28 @@ def save(
     ``.hrry`` is the random-access file, ``.hrrs`` the stream format,
     ``.safetensors`` a safetensors file any safetensors reader opens. Files
     land atomically: nothing appears at ``path`` until the write completed.
-    ``progress=True`` shows a progress bar on a terminal.
+
+    Args:
+        snapshot: What to write (its pools may be on any device; they are copied to the host).
+        path: The file; its suffix picks the format unless ``format`` is given.
+        format: ``"hrry"``, ``"stream"`` or ``"safetensors"``.
+        progress: Show a progress bar on a terminal.
+
+    Returns:
+        The number of bytes written.
+
+    Raises:
+        HurrayArgumentError: an unknown suffix or format.
+        OSError: the file cannot be written (nothing is left at ``path``).
+
+    Example:
+        >>> import hurray_vllm as hv
+        >>> from hurray_vllm.app.demo import spec_example_snapshot
+        >>> snap = spec_example_snapshot()  # the spec's example: 4 layers, sequences of 6 and 3 tokens
+        >>> hv.save(snap, "kv.hrrs")
+        7565
+        >>> hv.load("kv.hrrs").seq_lens
+        [6, 3]
     """
     fmt = _format_for_writing(path, format)
     if fmt == "hrry":
@@ -151,10 +172,32 @@ def load(
 ) -> KVSnapshot:
     """Read a :class:`KVSnapshot` from a ``.hrry`` file, a Hurray stream or a ``.safetensors`` file.
 
-    The format is recognised by its magic bytes. ``mmap=True`` maps a
-    ``.hrry`` file's page pools instead of reading them; ``progress=True``
-    shows a progress bar on a terminal. Raises
-    :class:`HurrayFormatError` for anything malformed.
+    The format is recognised by its magic bytes, not the suffix. Every
+    descriptor and buffer is checked against the spec before it is used.
+
+    Args:
+        path: The file.
+        permissive: Accept what the spec allows but this library would not write
+            (only violations that make the data unreadable are refused).
+        mmap: Map a ``.hrry`` file's page pools instead of reading them.
+        progress: Show a progress bar on a terminal.
+
+    Returns:
+        The snapshot, its page pools on the host.
+
+    Raises:
+        HurrayFormatError: anything malformed; ``.field`` names what, ``.violations`` lists the rules broken.
+        OSError: the file cannot be read.
+
+    Example:
+        >>> import hurray_vllm as hv
+        >>> from hurray_vllm.app.demo import spec_example_snapshot
+        >>> _ = hv.save(spec_example_snapshot(), "kv.hrry")
+        >>> snap = hv.load("kv.hrry")
+        >>> snap.num_layers, snap[3, "key"].page_pool.shape  # [num_pages, page_size, num_heads, head_dim]
+        (4, torch.Size([5, 4, 2, 8]))
+        >>> hv.load("kv.hrry", mmap=True).token_ids == snap.token_ids
+        True
     """
     fmt = detect_format(path)
     if fmt == "safetensors":

@@ -53,7 +53,7 @@ log = logging.getLogger("hurray_vllm.transport")
 #: ``(namespace, key, snapshot)``: what a channel moves.
 Chunk = tuple[str, str, KVSnapshot]
 #: Namespaces and keys: what :mod:`hurray_vllm.chunks.keys` makes, nothing that could name another path.
-CHUNK_NAME = re.compile(r"^[0-9a-f]{1,64}$")
+CHUNK_NAME = re.compile(r"[0-9a-f]{1,64}")
 #: The largest chunk a receiver accepts (a 256-token chunk of a 70B model is ~80 MiB).
 MAX_CHUNK_BYTES = 4 << 30
 #: How long one step of a chunk (a frame, a transfer, the answer) may take.
@@ -78,7 +78,8 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def check_names(ns: str, key: str) -> None:
     """Refuse a namespace or key that is not 1-64 lowercase hex digits (it becomes a file name)."""
-    if not (CHUNK_NAME.match(ns) and CHUNK_NAME.match(key)):
+    # fullmatch: "^...$" with match() accepts a trailing newline, which would end up in a file name.
+    if not (CHUNK_NAME.fullmatch(ns) and CHUNK_NAME.fullmatch(key)):
         raise HurrayFormatError("transport", "namespace and key must be 1-64 lowercase hex digits")
 
 

@@ -153,3 +153,29 @@ def test_channels_are_chosen_by_url_scheme(tmp_path: Path) -> None:
         assert torch.equal(got.keys[0].page_pool, chunk.keys[0].page_pool)
     finally:
         r.stop()
+
+
+def test_frame_fields_split_across_segments_are_read_whole(receiver: Receiver) -> None:
+    """The magic and every length may arrive a byte at a time; names ending in a newline are refused."""
+    ns, key, chunk = _chunk()
+    import io
+
+    from hurray_vllm.containers.io import write_stream
+
+    buf = io.BytesIO()
+    write_stream(chunk, buf)
+    body = buf.getvalue()
+    frame = b"HVC1" + len(ns).to_bytes(2, "little") + ns.encode() + len(key).to_bytes(2, "little") + key.encode()
+    frame += len(body).to_bytes(8, "little")
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(len(frame)):
+            s.sendall(frame[i : i + 1])
+            time.sleep(0.001)
+        s.sendall(body)
+        assert recv_exact(s, 2) == b"OK"
+        bad = "ab\n"
+        s.sendall(b"HVC1" + (3).to_bytes(2, "little") + bad.encode() + len(key).to_bytes(2, "little") + key.encode())
+        s.sendall(len(body).to_bytes(8, "little") + body)
+        assert recv_exact(s, 2) == b"ER"
+    assert DirectoryStore(receiver.store.root).has(ns, key)  # type: ignore[attr-defined]

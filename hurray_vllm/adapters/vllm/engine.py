@@ -105,8 +105,24 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         the last sampled token has no KV yet), the model fingerprint, and
         the fp8 scales of an fp8 cache.
 
-    Call it between ``llm.llm_engine.step()`` calls. Raises
-    :class:`HurrayFormatError` for an unknown or finished request.
+    Call it between ``llm.llm_engine.step()`` calls.
+
+    Raises:
+        HurrayFormatError: an unknown or finished request.
+
+    Example:
+        Snapshot two requests mid-decode and save them (needs a model; the
+        demo and ``tests/adapters/vllm/test_export.py`` run this):
+
+        >>> import os, vllm, hurray_vllm as hv  # doctest: +SKIP
+        >>> os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # doctest: +SKIP
+        >>> llm = vllm.LLM(model="/models/llama", enforce_eager=True)  # doctest: +SKIP
+        >>> sp = vllm.SamplingParams(max_tokens=64)  # doctest: +SKIP
+        >>> for rid, ids in {"a": [1, 2, 3], "b": [1, 2, 4]}.items():  # doctest: +SKIP
+        ...     llm.llm_engine.add_request(rid, vllm.inputs.TokensPrompt(prompt_token_ids=ids), sp)
+        >>> for _ in range(8):  # doctest: +SKIP
+        ...     _ = llm.llm_engine.step()
+        >>> hv.save(snapshot(llm, ["a", "b"]), "kv.hrry")  # doctest: +SKIP
     """
     ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)

@@ -48,7 +48,26 @@ def _int(extra: Any, key: str, default: int) -> int:
 
 @dataclass(frozen=True)
 class HurrayConfig:
-    """The connector's settings, as read from ``kv_transfer_config`` (see the package docstring)."""
+    """The connector's settings, as read from ``kv_transfer_config`` (see the package docstring).
+
+    Example:
+        What ``vllm serve ... --kv-transfer-config '{...}'`` passes, read and checked:
+
+        >>> from types import SimpleNamespace
+        >>> from vllm.config import KVTransferConfig
+        >>> kv = KVTransferConfig(
+        ...     kv_connector="HurrayConnector",
+        ...     kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
+        ...     kv_role="kv_both",
+        ...     kv_connector_extra_config={"hurray_path": "/var/cache/hurray", "hurray_chunk_tokens": 256,
+        ...                                "hurray_url": "tcp://10.0.0.2:9000"},
+        ... )
+        >>> engine = SimpleNamespace(kv_transfer_config=kv, cache_config=SimpleNamespace(block_size=16),
+        ...                          parallel_config=SimpleNamespace(tensor_parallel_size=1))
+        >>> cfg = HurrayConfig.from_vllm(engine, None)
+        >>> cfg.chunk_tokens, cfg.url_channel, cfg.save_async  # with a destination, saves are synchronous
+        (256, 'tcp', False)
+    """
 
     path: str
     chunk_tokens: int
