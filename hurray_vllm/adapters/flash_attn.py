@@ -674,24 +674,38 @@ def check_flash_attn_args(
         HurrayArgumentError: Naming the first offending argument (its ``field``).
     """
     lim = _limits(flavor)
-    # Devices first: every later check may read the tensors.
-    named = {
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "cache_seqlens": cache_seqlens,
-        "block_table": block_table,
-        "k": k,
-        "v": v,
-        "cache_batch_idx": cache_batch_idx,
-        "cache_leftpad": cache_leftpad,
-        "q_descale": q_descale,
-        "k_descale": k_descale,
-        "v_descale": v_descale,
-    }
+    _check_devices(
+        q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        k=k,
+        v=v,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+    )
+    batch, seqlen_q, nheads, head_dim = _check_q(q, lim)
+    num_blocks, page, nheads_k = _check_caches(q, k_cache, v_cache, lim, nheads, head_dim)
+    _refuse_unmodelled(cache_batch_idx, cache_leftpad)
+    table, lens, width = _check_index_tensors(block_table, cache_seqlens, batch)
+    seqlen_new = _check_new_kv(q, k, v, [batch, -1, nheads_k, head_dim], seqlen_q, width * page)
+    _check_descales(q.dtype, lim, (batch, nheads_k), q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    _check_table_contents(table, lens, seqlen_new, num_blocks, page)
+
+
+def _check_devices(q: torch.Tensor, **named: torch.Tensor | None) -> None:
+    """Every tensor on ``q``'s device (first: every later check may read the tensors)."""
     for name, t in named.items():
         if t is not None and t.device != q.device:
             raise HurrayArgumentError(name, f"{name} is on {t.device} but q is on {q.device}; move it there")
 
+
+def _check_q(q: torch.Tensor, lim: FlavorLimits) -> tuple[int, int, int, int]:
+    """``q``'s rank, dtype, batch and layout; returns ``(batch, seqlen_q, nheads, head_dim)``."""
     if q.dim() != 4:
         raise HurrayArgumentError("q", f"q must be [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
     if q.dtype not in lim.dtypes:
@@ -702,7 +716,13 @@ def check_flash_attn_args(
         raise HurrayArgumentError("q", "batch size must be positive")
     if q.stride(-1) != 1:
         raise HurrayArgumentError("q", "q must have a contiguous last dimension")
+    return batch, seqlen_q, nheads, head_dim
 
+
+def _check_caches(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lim: FlavorLimits, nheads: int, head_dim: int
+) -> tuple[int, int, int]:
+    """The page pools' shapes, dtypes and layout against ``q``; returns ``(num_blocks, page_size, nheads_k)``."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4:
             raise HurrayArgumentError(
@@ -725,7 +745,11 @@ def check_flash_attn_args(
         raise HurrayArgumentError(
             "q", f"the number of heads in key/value ({nheads_k}) must divide the number of heads in q ({nheads})"
         )
+    return num_blocks, page, nheads_k
 
+
+def _refuse_unmodelled(cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None) -> None:
+    """Arguments a paged cache does not take (FlashAttention-2 rejects them; nothing here models them)."""
     if cache_batch_idx is not None:
         raise HurrayArgumentError(
             "cache_batch_idx", "a paged KV cache does not support cache_batch_idx; reorder block_table rows instead"
@@ -735,6 +759,11 @@ def check_flash_attn_args(
             "cache_leftpad", "a paged KV cache does not support cache_leftpad; start every sequence at position 0"
         )
 
+
+def _check_index_tensors(
+    block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None, batch: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``block_table`` and ``cache_seqlens``: present, int32, shaped by ``batch``; returns them and the width."""
     if block_table is None:
         raise HurrayArgumentError("block_table", "a paged KV cache needs block_table (page_table for fa3)")
     if block_table.dtype != torch.int32:
@@ -746,7 +775,6 @@ def check_flash_attn_args(
         )
     if block_table.stride(-1) != 1:
         raise HurrayArgumentError("block_table", "block_table must have a contiguous last dimension")
-    width = int(block_table.shape[1])
 
     if cache_seqlens is None:
         raise HurrayArgumentError("cache_seqlens", "a paged KV cache needs cache_seqlens (int32 [batch])")
@@ -760,13 +788,24 @@ def check_flash_attn_args(
         )
     if not cache_seqlens.is_contiguous():
         raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be contiguous")
+    return block_table, cache_seqlens, int(block_table.shape[1])
 
+
+def _check_new_kv(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    expect: list[int],
+    seqlen_q: int,
+    capacity: int,
+) -> int:
+    """Appended keys and values (both or neither) shaped ``expect`` (``-1``: any length); returns ``seqlen_new``."""
     seqlen_new = 0
     if (k is None) != (v is None):
         missing = "v" if v is None else "k"
         raise HurrayArgumentError(missing, "new keys and values go together: pass both k and v, or neither")
     if k is not None and v is not None:
-        expect = [batch, int(k.shape[1]) if k.dim() == 4 else -1, nheads_k, head_dim]
+        expect = [expect[0], int(k.shape[1]) if k.dim() == 4 else -1, *expect[2:]]
         for name, t in (("k", k), ("v", v)):
             if t.dtype != q.dtype:
                 raise HurrayArgumentError(name, f"{name} is {t.dtype} but q is {q.dtype}; it must have q's dtype")
@@ -778,30 +817,42 @@ def check_flash_attn_args(
             if t.stride(-1) != 1:
                 raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
         seqlen_new = int(k.shape[1])
-        if seqlen_q > width * page:
+        if seqlen_q > capacity:
             raise HurrayArgumentError(
                 "q",
                 f"with k/v given, seqlen_q ({seqlen_q}) must be <= the cache's seqlen "
-                f"(max_num_blocks_per_seq * page_block_size = {width * page})",
+                f"(max_num_blocks_per_seq * page_block_size = {capacity})",
             )
+    return seqlen_new
 
+
+def _check_descales(
+    dtype: torch.dtype, lim: FlavorLimits, shape: tuple[int, int], **descales: torch.Tensor | None
+) -> None:
+    """fp8 descale factors: float32 ``shape`` (``[batch, nheads_k]``), only where the build takes them."""
     if lim.descales:
-        for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        for name, d in descales.items():
             if d is None:
                 continue
-            if q.dtype not in _FP8:
+            if dtype not in _FP8:
                 raise HurrayArgumentError(
-                    name, f"{name} only applies to float8 inputs; the kernel would ignore it for {q.dtype}"
+                    name, f"{name} only applies to float8 inputs; the kernel would ignore it for {dtype}"
                 )
-            if d.dtype != torch.float32 or tuple(d.shape) != (batch, nheads_k):
+            if d.dtype != torch.float32 or tuple(d.shape) != shape:
                 raise HurrayArgumentError(
-                    name, f"{name} must be float32 [batch={batch}, nheads_k={nheads_k}], got {d.dtype} {list(d.shape)}"
+                    name, f"{name} must be float32 [batch, nheads_k] = {list(shape)}, got {d.dtype} {list(d.shape)}"
                 )
     else:
-        for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        for name, d in descales.items():
             if d is not None:
                 raise HurrayArgumentError(name, f"{lim.kernel} takes no {name}; dequantize fp8 caches on import")
 
+
+def _check_table_contents(
+    block_table: torch.Tensor, cache_seqlens: torch.Tensor, seqlen_new: int, num_blocks: int, page: int
+) -> None:
+    """What the kernels index without bounds checks: every covered entry a page, no shared page appended to."""
+    width = int(block_table.shape[1])
     # Contents: the kernels index block_table by position without bounds checks.
     lens = cache_seqlens.to(torch.int64)
     if bool((lens < 0).any()):
