@@ -1,0 +1,282 @@
+"""The kernel's argument contract, checked before anything reaches CUDA (``check_flash_attn_args``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import HurrayArgumentError
+from .._common import FP8_DTYPES as _FP8
+from .flavors import Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
+
+__all__ = ["check_flash_attn_args"]
+
+
+def check_flash_attn_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    *,
+    flavor: Flavor = "fa2",
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> None:
+    """Check a paged ``flash_attn_with_kvcache`` call against the kernel's contract.
+
+    Mirrors the C++ checks of ``mha_fwd_kvcache`` (FlashAttention-2 and vLLM's
+    fork) and ``mha_fwd`` (FlashAttention-3), plus the ones the kernels leave
+    to the caller and get wrong silently: block table entries in range, no
+    two sequences appending into one page. Reads ``cache_seqlens`` and
+    ``block_table`` (one device sync, like flash-attn's own capacity check).
+    Tensors may be on any device, as long as it is the same one.
+
+    Args:
+        q: ``[batch, seqlen_q, nheads, head_dim]``, ``batch >= 1``, last dim
+            contiguous; float16/bfloat16 (fa3 also float8_e4m3fn).
+        k_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]`` in ``q``'s
+            dtype, last dim contiguous; ``page_block_size`` a multiple of 256
+            (fa2) or 16 (vllm); ``nheads % nheads_k == 0``; ``head_dim <= 256``
+            (fa3: a multiple of 8, 16 for fp8).
+        v_cache: Same shape and dtype as ``k_cache``.
+        cache_seqlens: int32 ``[batch]``, contiguous, values >= 0.
+        block_table: int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous. Every
+            entry covering ``cache_seqlens[b] + seqlen_new`` tokens is a page id
+            ``< num_blocks``; the rest is padding and is not checked.
+        flavor: The kernel build, ``"fa2"``, ``"fa3"`` or ``"vllm"``.
+        k: Optional ``[batch, seqlen_new, nheads_k, head_dim]`` in ``q``'s dtype, last dim
+            contiguous, given with ``v`` or not at all. The pages it is written to must not
+            be read by another sequence.
+        v: Like ``k``, for values.
+        cache_batch_idx: Refused: FlashAttention-2 rejects it with a paged cache, and the
+            importer and the reference do not model it for the other builds.
+        cache_leftpad: Refused, like ``cache_batch_idx``.
+        q_descale: Optional float32 ``[batch, nheads_k]``; fa3 with float8 inputs only.
+        k_descale: Like ``q_descale``.
+        v_descale: Like ``q_descale``.
+
+    Raises:
+        HurrayArgumentError: Naming the first offending argument (its ``field``).
+    """
+    lim = flavor_limits(flavor)
+    _check_devices(
+        q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        k=k,
+        v=v,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        q_descale=q_descale,
+        k_descale=k_descale,
+        v_descale=v_descale,
+    )
+    batch, seqlen_q, nheads, head_dim = _check_q(q, lim)
+    num_blocks, page, nheads_k = _check_caches(q, k_cache, v_cache, lim, nheads, head_dim)
+    _refuse_unmodelled(cache_batch_idx, cache_leftpad)
+    table, lens, width = _check_index_tensors(block_table, cache_seqlens, batch)
+    seqlen_new = _check_new_kv(q, k, v, [batch, -1, nheads_k, head_dim], seqlen_q, width * page)
+    _check_descales(q.dtype, lim, (batch, nheads_k), q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    _check_table_contents(table, lens, seqlen_new, num_blocks, page)
+
+
+def _check_devices(q: torch.Tensor, **named: torch.Tensor | None) -> None:
+    """Every tensor on ``q``'s device (first: every later check may read the tensors)."""
+    for name, t in named.items():
+        if t is not None and t.device != q.device:
+            raise HurrayArgumentError(name, f"{name} is on {t.device} but q is on {q.device}; move it there")
+
+
+def _check_q(q: torch.Tensor, lim: FlavorLimits) -> tuple[int, int, int, int]:
+    """``q``'s rank, dtype, batch and layout; returns ``(batch, seqlen_q, nheads, head_dim)``."""
+    if q.dim() != 4:
+        raise HurrayArgumentError("q", f"q must be [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
+    if q.dtype not in lim.dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in lim.dtypes)
+        raise HurrayArgumentError("q", f"{lim.kernel} supports {names}, not {q.dtype}")
+    batch, seqlen_q, nheads, head_dim = (int(x) for x in q.shape)
+    if batch <= 0:
+        raise HurrayArgumentError("q", "batch size must be positive")
+    if q.stride(-1) != 1:
+        raise HurrayArgumentError("q", "q must have a contiguous last dimension")
+    return batch, seqlen_q, nheads, head_dim
+
+
+def _check_caches(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lim: FlavorLimits, nheads: int, head_dim: int
+) -> tuple[int, int, int]:
+    """The page pools' shapes, dtypes and layout against ``q``; returns ``(num_blocks, page_size, nheads_k)``."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4:
+            raise HurrayArgumentError(
+                name, f"{name} must be [num_blocks, page_block_size, nheads_k, head_dim], got shape {list(c.shape)}"
+            )
+        if c.dtype != q.dtype:
+            raise HurrayArgumentError(name, f"{name} is {c.dtype} but q is {q.dtype}; caches must be in q's dtype")
+        if c.stride(-1) != 1:
+            raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
+    if v_cache.shape != k_cache.shape:
+        raise HurrayArgumentError(
+            "v_cache", f"v_cache has shape {list(v_cache.shape)} but k_cache has {list(k_cache.shape)}"
+        )
+    num_blocks, page, nheads_k, head_dim_k = (int(x) for x in k_cache.shape)
+    if head_dim_k != head_dim:
+        raise HurrayArgumentError("k_cache", f"k_cache has head_dim {head_dim_k} but q has {head_dim}")
+    check_page_size(page, lim, "k_cache")
+    check_head_dim(head_dim, lim, q.dtype, "q", HurrayArgumentError)
+    if nheads_k == 0 or nheads % nheads_k:
+        raise HurrayArgumentError(
+            "q", f"the number of heads in key/value ({nheads_k}) must divide the number of heads in q ({nheads})"
+        )
+    return num_blocks, page, nheads_k
+
+
+def _refuse_unmodelled(cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None) -> None:
+    """Arguments a paged cache does not take (FlashAttention-2 rejects them; nothing here models them)."""
+    if cache_batch_idx is not None:
+        raise HurrayArgumentError(
+            "cache_batch_idx", "a paged KV cache does not support cache_batch_idx; reorder block_table rows instead"
+        )
+    if cache_leftpad is not None:
+        raise HurrayArgumentError(
+            "cache_leftpad", "a paged KV cache does not support cache_leftpad; start every sequence at position 0"
+        )
+
+
+def _check_index_tensors(
+    block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None, batch: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``block_table`` and ``cache_seqlens``: present, int32, shaped by ``batch``; returns them and the width."""
+    if block_table is None:
+        raise HurrayArgumentError("block_table", "a paged KV cache needs block_table (page_table for fa3)")
+    if block_table.dtype != torch.int32:
+        raise HurrayArgumentError("block_table", f"block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise HurrayArgumentError(
+            "block_table",
+            f"block_table must be [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}",
+        )
+    if block_table.stride(-1) != 1:
+        raise HurrayArgumentError("block_table", "block_table must have a contiguous last dimension")
+
+    if cache_seqlens is None:
+        raise HurrayArgumentError("cache_seqlens", "a paged KV cache needs cache_seqlens (int32 [batch])")
+    if cache_seqlens.dtype != torch.int32:
+        raise HurrayArgumentError(
+            "cache_seqlens", f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}"
+        )
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise HurrayArgumentError(
+            "cache_seqlens", f"cache_seqlens must have shape [batch={batch}], got {list(cache_seqlens.shape)}"
+        )
+    if not cache_seqlens.is_contiguous():
+        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be contiguous")
+    return block_table, cache_seqlens, int(block_table.shape[1])
+
+
+def _check_new_kv(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    expect: list[int],
+    seqlen_q: int,
+    capacity: int,
+) -> int:
+    """Appended keys and values (both or neither) shaped ``expect`` (``-1``: any length); returns ``seqlen_new``."""
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        missing = "v" if v is None else "k"
+        raise HurrayArgumentError(missing, "new keys and values go together: pass both k and v, or neither")
+    if k is not None and v is not None:
+        expect = [expect[0], int(k.shape[1]) if k.dim() == 4 else -1, *expect[2:]]
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype:
+                raise HurrayArgumentError(name, f"{name} is {t.dtype} but q is {q.dtype}; it must have q's dtype")
+            if list(t.shape) != expect:
+                raise HurrayArgumentError(
+                    name,
+                    f"{name} must be [batch, seqlen_new, nheads_k, head_dim] = {expect}, got {list(t.shape)}",
+                )
+            if t.stride(-1) != 1:
+                raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
+        seqlen_new = int(k.shape[1])
+        if seqlen_q > capacity:
+            raise HurrayArgumentError(
+                "q",
+                f"with k/v given, seqlen_q ({seqlen_q}) must be <= the cache's seqlen "
+                f"(max_num_blocks_per_seq * page_block_size = {capacity})",
+            )
+    return seqlen_new
+
+
+def _check_descales(
+    dtype: torch.dtype, lim: FlavorLimits, shape: tuple[int, int], **descales: torch.Tensor | None
+) -> None:
+    """fp8 descale factors: float32 ``shape`` (``[batch, nheads_k]``), only where the build takes them."""
+    if lim.descales:
+        for name, d in descales.items():
+            if d is None:
+                continue
+            if dtype not in _FP8:
+                raise HurrayArgumentError(
+                    name, f"{name} only applies to float8 inputs; the kernel would ignore it for {dtype}"
+                )
+            if d.dtype != torch.float32 or tuple(d.shape) != shape:
+                raise HurrayArgumentError(
+                    name, f"{name} must be float32 [batch, nheads_k] = {list(shape)}, got {d.dtype} {list(d.shape)}"
+                )
+    else:
+        for name, d in descales.items():
+            if d is not None:
+                raise HurrayArgumentError(name, f"{lim.kernel} takes no {name}; dequantize fp8 caches on import")
+
+
+def _check_table_contents(
+    block_table: torch.Tensor, cache_seqlens: torch.Tensor, seqlen_new: int, num_blocks: int, page: int
+) -> None:
+    """What the kernels index without bounds checks: every covered entry a page, no shared page appended to."""
+    width = int(block_table.shape[1])
+    # Contents: the kernels index block_table by position without bounds checks.
+    lens = cache_seqlens.to(torch.int64)
+    if bool((lens < 0).any()):
+        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be >= 0")
+    total = lens + seqlen_new
+    longest = int(total.max())
+    if longest > width * page:
+        plus = " + seqlen_new" if seqlen_new else ""
+        raise HurrayArgumentError(
+            "cache_seqlens",
+            f"max(cache_seqlens){plus} (= {longest}) exceeds what block_table addresses "
+            f"(max_num_blocks_per_seq * page_block_size = {width * page}); add columns to block_table "
+            "(import with reserve=) or the kernel reads out of bounds",
+        )
+    table = block_table.to(torch.int64)
+    cols = torch.arange(width, device=table.device)[None, :]
+    covered = cols * page < total[:, None]
+    bad = covered & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise HurrayArgumentError(
+            "block_table",
+            f"block_table[{b}, {j}] = {int(table[b, j])} covers tokens of sequence {b} but is not a page of the "
+            f"{num_blocks}-page cache",
+        )
+    if seqlen_new:
+        # An append into a page another sequence reads corrupts it (and races with its own append).
+        written = covered & (cols >= (lens // page)[:, None])
+        refs = torch.bincount(table[covered], minlength=num_blocks)
+        clash = written & (refs[table.clamp(0, max(num_blocks - 1, 0))] > 1)
+        if bool(clash.any()):
+            b, j = (int(x) for x in clash.nonzero()[0])
+            raise HurrayArgumentError(
+                "block_table",
+                f"the new tokens of sequence {b} go to page {int(table[b, j])}, which another block_table entry "
+                "also references; import with reserve= to give every sequence private tail pages",
+            )
