@@ -35,8 +35,9 @@ MODULES = _modules_with_examples()
 
 
 def test_the_documented_entry_points_have_examples() -> None:
-    documented = ["containers.io", "containers.check", "adapters.transformers", "adapters.flash_attn.importer"]
-    documented += ["adapters.flashinfer", "adapters.vllm.engine", "adapters.vllm.connector.config", "transport"]
+    documented = ["containers.io", "containers.check", "adapters.transformers", "transport"]
+    documented += ["adapters.flash_attn.importer", "adapters.flashinfer.importer"]
+    documented += ["adapters.vllm.engine", "adapters.vllm.connector.config"]
     for name in documented:
         assert f"hurray_vllm.{name}" in MODULES, name
 

@@ -1,0 +1,399 @@
+"""Planning and importing: a snapshot's layers narrowed, repaged, converted and laid out for FlashInfer."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from ...errors import HurrayArgumentError, HurrayFormatError
+from ...kv.paged import BlockPagedTensor
+from ...kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
+from ...kv.snapshot import KVSnapshot
+from .._common import FP8_DTYPES as _FP8
+from .._common import INT32_MAX as _INT32_MAX
+from .._common import check_layer, dequantize
+from .cache import LAYOUTS, FlashInferCache, PagedKVCache
+
+__all__ = ["plan_flashinfer", "plan_flashinfer_repage", "to_flashinfer", "to_flashinfer_all"]
+
+
+def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
+    """The repaging plan every layer of ``snapshot`` shares, for ``page_size``.
+
+    Returns ``None`` when the snapshot already has pages of ``page_size``
+    (nothing to repage). Pass the result to :func:`to_flashinfer` as
+    ``plan=`` for each layer so the plan is computed once per batch
+    (:func:`to_flashinfer_all` does).
+    """
+    if not snapshot.keys:
+        raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
+    k0 = snapshot.keys[0]
+    if k0.page_size == page_size:
+        return None
+    lens = _require_lens(k0)
+    return plan_repage(k0.block_table, k0.seq_ptr, lens, k0.page_size, page_size)
+
+
+def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
+    """Deprecated name of :func:`plan_flashinfer` (same arguments, same result)."""
+    warnings.warn(
+        "plan_flashinfer_repage is deprecated; use plan_flashinfer",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return plan_flashinfer(snapshot, page_size)
+
+
+def to_flashinfer_all(
+    snapshot: KVSnapshot,
+    *,
+    page_size: int | None = None,
+    kv_layout: str = "NHD",
+    combined: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    out: Sequence[PagedKVCache] | None = None,
+) -> tuple[FlashInferCache, ...]:
+    """Every layer of ``snapshot`` (see :func:`to_flashinfer`), repaging planned once.
+
+    Args:
+        snapshot: as for :func:`to_flashinfer`, with at least one layer.
+        page_size: FlashInfer's page size for every layer; ``None`` keeps the
+            snapshot's. When it differs, the repaging is planned once and
+            reused for every layer.
+        kv_layout: ``"NHD"`` or ``"HND"``, as for :func:`to_flashinfer`.
+        combined: one ``[num_pages, 2, ...]`` tensor per layer instead of a
+            ``(k, v)`` tuple, as for :func:`to_flashinfer`.
+        device: where every layer's result goes, as for :func:`to_flashinfer`.
+        dtype: the page dtype of every layer, as for :func:`to_flashinfer`.
+        out: one preallocated cache per layer (see :func:`to_flashinfer`).
+
+    Returns:
+        One :class:`FlashInferCache` per layer, in layer order, all built
+        from one :func:`plan_flashinfer` plan.
+
+    Raises:
+        HurrayArgumentError: ``kv_layout`` or ``page_size`` out of range.
+        HurrayFormatError: the snapshot does not fit, or ``out`` does not
+            hold one cache per layer.
+    """
+    if out is not None and len(out) != snapshot.num_layers:
+        raise HurrayFormatError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
+    if not snapshot.keys:
+        raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
+    if page_size is not None and page_size <= 0:
+        raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+    plan = plan_flashinfer(snapshot, page_size) if page_size is not None else None
+    return tuple(
+        to_flashinfer(
+            snapshot,
+            i,
+            page_size=page_size if plan is None else None,
+            kv_layout=kv_layout,
+            combined=combined,
+            device=device,
+            dtype=dtype,
+            plan=plan,
+            out=None if out is None else out[i],
+        )
+        for i in range(snapshot.num_layers)
+    )
+
+
+def to_flashinfer(
+    snapshot: KVSnapshot,
+    layer: int,
+    *,
+    page_size: int | None = None,
+    kv_layout: str = "NHD",
+    combined: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    plan: RepagePlan | None = None,
+    out: PagedKVCache | None = None,
+) -> FlashInferCache:
+    """Layer ``layer`` of ``snapshot`` as FlashInfer paged-KV arguments.
+
+    Args:
+        snapshot: a batch with sequence lengths; key and value of ``layer``
+            must share one block structure. Its page pools
+            (``[num_pages, page_size, num_kv_heads, head_dim]``, contiguous)
+            are float16, bfloat16, float32 or float8 (``kv_scales`` give the
+            scales, ``None`` meaning 1.0); affine-quantized pools are refused.
+        layer: ``0 <= layer < snapshot.num_layers``.
+        page_size: FlashInfer's page size; when it differs from the
+            snapshot's, the batch is repaged (shared prefixes stay shared
+            wherever they cover whole pages). ``None`` keeps the snapshot's
+            (or takes ``plan``'s).
+        kv_layout: ``"NHD"`` (pages ``[num_pages, page_size, H, D]``) or
+            ``"HND"`` (``[num_pages, H, page_size, D]``); the wrapper must be
+            constructed with the same.
+        combined: one ``[num_pages, 2, ...]`` tensor instead of a
+            ``(k, v)`` tuple.
+        device: where the result goes, moved last (every intermediate
+            stays on the snapshot's device). ``None`` keeps it there.
+        dtype: the page dtype. ``None`` keeps the source dtype, except that
+            float8 pages are dequantized to float32. A float8 ``dtype``
+            equal to the source's passes the pages through unchanged and
+            reports the scales in ``k_scale``/``v_scale``; any other
+            ``dtype`` gets real values (``stored.float() * scale`` for
+            float8 sources). Quantizing to float8 is refused: it needs
+            calibrated scales this library does not choose.
+        plan: a :class:`RepagePlan` for this snapshot's block structure (from
+            :func:`plan_flashinfer`), reused across layers.
+        out: a preallocated cache to import into, shaped like the result's
+            ``paged_kv_cache`` (a ``(k_cache, v_cache)`` tuple, or one
+            ``[num_pages, 2, ...]`` tensor when ``combined``) in
+            ``kv_layout``, with at least as many pages as the import needs,
+            the result's dtype, and the device the result goes to. Its first
+            pages are overwritten, the rest is left as it is, and the result
+            holds ``out`` itself. A pool reused across imports (or an
+            engine's own) saves faulting in new memory, about twice the cost
+            of the copy itself on a CPU.
+
+    Returns:
+        A :class:`FlashInferCache`. With ``out``, its pages are ``out``.
+        Otherwise, without repaging, conversion or layout change, the pages
+        are the snapshot's own tensors (no copy).
+
+    Raises:
+        HurrayArgumentError: ``kv_layout`` or ``page_size`` is out of range.
+        HurrayFormatError: the snapshot (or ``plan``, ``out``, ``dtype`` for
+            its pools) does not fit.
+
+    Example:
+        One layer, repaged to 16-token pages in the HND layout, checked as
+        FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper.plan`` would, then
+        the float32 reference decode:
+
+        >>> import torch
+        >>> from hurray_vllm.adapters.flashinfer import plan_flashinfer, reference_decode, to_flashinfer
+        >>> from hurray_vllm.app.demo import spec_example_snapshot
+        >>> snap = spec_example_snapshot()  # sequences of 6 and 3 tokens, 2 KV heads of 8, float16
+        >>> plan = plan_flashinfer(snap, 16)
+        >>> cache = to_flashinfer(snap, 0, page_size=16, kv_layout="HND", dtype=torch.float16, plan=plan)
+        >>> cache.k_cache.shape  # [num_pages, num_kv_heads, page_size, head_dim]
+        torch.Size([2, 2, 16, 8])
+        >>> cache.paged_kv_indptr  # int32 [batch_size + 1]
+        tensor([0, 1, 2], dtype=torch.int32)
+        >>> q = torch.randn(2, 2, 8, dtype=torch.float16)  # [batch_size, num_qo_heads, head_dim]
+        >>> cache.check(q)
+        >>> reference_decode(q, cache).shape
+        torch.Size([2, 2, 8])
+    """
+    if kv_layout not in LAYOUTS:
+        raise HurrayArgumentError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")
+    check_layer(snapshot, layer)
+    k, v = snapshot.keys[layer], snapshot.values[layer]
+    lens = _check_source(k, v)
+    scales = _layer_scales(snapshot, layer)
+
+    if plan is None and page_size is not None and page_size != k.page_size:
+        if page_size <= 0:
+            raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+        plan = plan_repage(k.block_table, k.seq_ptr, lens, k.page_size, page_size)
+    elif plan is not None:
+        if page_size is not None and plan.page_size != page_size:
+            raise HurrayFormatError("plan", f"the plan repages to {plan.page_size}, page_size is {page_size}")
+        _check_plan(plan, k, lens)
+    num_pages = plan.num_pages if plan is not None else k.num_pages
+    table = plan.block_table if plan is not None else k.block_table
+    ptr = plan.seq_ptr if plan is not None else k.seq_ptr
+    ps = plan.page_size if plan is not None else k.page_size
+    if num_pages > _INT32_MAX or table.numel() > _INT32_MAX:
+        raise HurrayFormatError("paged_kv_indices", "page ids and counts must fit FlashInfer's int32 indices")
+
+    if out is not None:
+        cache: PagedKVCache = out
+        k_scale, v_scale = _import_into(k, v, plan, scales, dtype, out, kv_layout, combined, num_pages, device)
+    else:
+        if plan is not None:
+            k, v = repage(k, plan.page_size, plan), repage(v, plan.page_size, plan)
+        kp, k_scale = _convert(k.page_pool, scales[0], dtype)
+        vp, v_scale = _convert(v.page_pool, scales[1], dtype)
+        cache = _arrange(kp, vp, kv_layout, combined)
+
+    last = torch.where(lens > 0, (lens - 1) % ps + 1, torch.zeros_like(lens))
+    indptr = ptr.to(torch.int32)
+    indices = table.to(torch.int32)
+    last_page_len = last.to(torch.int32)
+    if device is not None:
+        if out is None:
+            cache = _move(cache, device)
+        indptr, indices, last_page_len = (t.to(device) for t in (indptr, indices, last_page_len))
+    return FlashInferCache(
+        paged_kv_cache=cache,
+        paged_kv_indptr=indptr,
+        paged_kv_indices=indices,
+        paged_kv_last_page_len=last_page_len,
+        kv_layout=kv_layout,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        layer=layer,
+    )
+
+
+def _require_lens(t: BlockPagedTensor) -> torch.Tensor:
+    if t.seq_lens is None:
+        raise HurrayFormatError(
+            "seq_lens", "FlashInfer needs each sequence's length (last_page_len), which this snapshot does not carry"
+        )
+    return t.seq_lens.to(device=t.block_table.device, dtype=torch.int64)
+
+
+def _check_source(k: BlockPagedTensor, v: BlockPagedTensor) -> torch.Tensor:
+    """The layer's sequence lengths, after the checks the import relies on."""
+    lens = _require_lens(k)
+    if k.quantization is not None or v.quantization is not None:
+        raise HurrayFormatError(
+            "quantization", "affine-quantized page pools are not supported; dequantize the snapshot first"
+        )
+    if k.page_pool.shape != v.page_pool.shape or k.dtype != v.dtype:
+        raise HurrayFormatError(
+            "snapshot.structure",
+            f"key pool {list(k.page_pool.shape)} {k.dtype} and value pool {list(v.page_pool.shape)} {v.dtype} differ",
+        )
+    if not (torch.equal(k.block_table, v.block_table) and torch.equal(k.seq_ptr, v.seq_ptr)):
+        raise HurrayFormatError("snapshot.structure", "key and value have different block tables")
+    if not (k.dtype.is_floating_point and k.dtype.itemsize <= 4):
+        raise HurrayFormatError("dtype", f"FlashInfer pages hold floating-point values, not {k.dtype}")
+    # The CSR arrays are used as they are, so they must describe exactly the
+    # pages each sequence needs: an extra page would count as page_size tokens.
+    counts = k.seq_ptr[1:] - k.seq_ptr[:-1]
+    if k.seq_ptr.numel() == 0 or int(k.seq_ptr[0]) != 0 or int(k.seq_ptr[-1]) != k.block_table.numel():
+        raise HurrayFormatError("seq_ptr", "seq_ptr must start at 0 and end at the block table's length")
+    if lens.numel() != counts.numel() or bool((lens < 0).any()):
+        raise HurrayFormatError(
+            "seq_lens", f"{lens.numel()} non-negative lengths needed for {counts.numel()} sequences"
+        )
+    need = (lens + k.page_size - 1) // k.page_size
+    if not torch.equal(need, counts):
+        s = int(torch.nonzero(need != counts)[0, 0])
+        raise HurrayFormatError(
+            "seq_lens.pages",
+            f"sequence {s} has {int(lens[s])} tokens (needs {int(need[s])} pages of {k.page_size}) "
+            f"but owns {int(counts[s])}",
+        )
+    if k.block_table.numel() and not (0 <= int(k.block_table.min()) and int(k.block_table.max()) < k.num_pages):
+        raise HurrayFormatError("block_table", f"page ids must lie in [0, {k.num_pages})")
+    return lens
+
+
+def _layer_scales(snapshot: KVSnapshot, layer: int) -> tuple[float, float]:
+    if snapshot.kv_scales is None:
+        # The snapshot's contract: no scales means an unscaled cache.
+        return 1.0, 1.0
+    if len(snapshot.kv_scales) != snapshot.num_layers:
+        raise HurrayFormatError(
+            "snapshot.kv_scales", f"{len(snapshot.kv_scales)} scale pairs for {snapshot.num_layers} layers"
+        )
+    ks, vs = snapshot.kv_scales[layer]
+    return float(ks), float(vs)
+
+
+def _check_plan(plan: RepagePlan, k: BlockPagedTensor, lens: torch.Tensor) -> None:
+    # A plan for another batch would gather the wrong slots without any error;
+    # these checks are cheap and catch a plan reused across snapshots.
+    if plan.page_size <= 0 or plan.seq_ptr.numel() != k.seq_ptr.numel():
+        raise HurrayFormatError("plan", f"the plan is for {plan.seq_ptr.numel() - 1} sequences, not {k.num_seqs}")
+    if not torch.equal(plan.seq_lens.to(lens.device), lens):
+        raise HurrayFormatError("plan", "the plan was made for other sequence lengths")
+    if plan.src_slots.numel() and int(plan.src_slots.max()) >= k.num_pages * k.page_size:
+        raise HurrayFormatError("plan", "the plan reads slots past this snapshot's page pool")
+
+
+def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tuple[torch.Tensor, float | None]:
+    """``pool`` in ``dtype``, and the scale FlashInfer must still apply (float8 pass-through)."""
+    if pool.dtype in _FP8:
+        if dtype == pool.dtype:
+            return pool, scale
+        if dtype in _FP8:
+            raise HurrayFormatError(
+                "dtype", f"cannot re-encode {pool.dtype} pages as {dtype}; keep {pool.dtype} or dequantize"
+            )
+        real = dequantize(pool, scale)
+        return (real if dtype is None else real.to(dtype)), None
+    if dtype is None or dtype == pool.dtype:
+        return pool, None
+    if dtype in _FP8:
+        raise HurrayFormatError(
+            "dtype",
+            f"quantizing {pool.dtype} pages to {dtype} needs calibrated scales; hurray-vllm does not choose them",
+        )
+    if not dtype.is_floating_point:
+        raise HurrayFormatError("dtype", f"FlashInfer pages hold floating-point values, not {dtype}")
+    return pool.to(dtype), None
+
+
+def _target_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The page dtype :func:`_convert` produces for ``src`` pages and the asked ``dtype``."""
+    if dtype is not None:
+        return dtype
+    return torch.float32 if src in _FP8 else src
+
+
+def _import_into(
+    k: BlockPagedTensor,
+    v: BlockPagedTensor,
+    plan: RepagePlan | None,
+    scales: tuple[float, float],
+    dtype: torch.dtype | None,
+    out: PagedKVCache,
+    kv_layout: str,
+    combined: bool,
+    num_pages: int,
+    device: torch.device | str | None,
+) -> tuple[float | None, float | None]:
+    """Write the layer's (repaged, converted) pages into ``out``; the scales FlashInfer must still apply."""
+    target = _target_dtype(k.dtype, dtype)
+    heads, dim = k.num_heads, k.head_dim
+    ps = plan.page_size if plan is not None else k.page_size
+    page = (ps, heads, dim) if kv_layout == "NHD" else (heads, ps, dim)
+    if combined:
+        if not isinstance(out, torch.Tensor):
+            raise HurrayFormatError("out", "combined=True takes one [num_pages, 2, ...] tensor")
+        check_out_pool(out, num_pages, (2, *page), target, "out")
+        dsts = [out[:num_pages, 0], out[:num_pages, 1]]
+    else:
+        if isinstance(out, torch.Tensor) or len(out) != 2:
+            raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors (or pass combined=True)")
+        for i, o in enumerate(out):
+            check_out_pool(o, num_pages, page, target, f"out[{i}]")
+        dsts = [out[0][:num_pages], out[1][:num_pages]]
+    pools = out if isinstance(out, tuple | list) else (out,)
+    if device is not None and not all(on_device(o, device) for o in pools):
+        where = sorted({str(o.device) for o in pools})
+        raise HurrayFormatError("out", f"is on {', '.join(where)}, device= asks for {device}")
+    if kv_layout == "HND":
+        dsts = [d.transpose(1, 2) for d in dsts]  # NHD views of the HND pages
+    result: list[float | None] = []
+    for t, scale, dst in ((k, scales[0], dsts[0]), (v, scales[1], dsts[1])):
+        if target == t.dtype:
+            repage_into(t, plan, dst)
+            result.append(scale if t.dtype in _FP8 else None)
+        else:
+            pool = repage(t, plan.page_size, plan).page_pool if plan is not None else t.page_pool
+            converted, left = _convert(pool, scale, target)
+            dst.copy_(converted)
+            result.append(left)
+    return result[0], result[1]
+
+
+def _arrange(k: torch.Tensor, v: torch.Tensor, kv_layout: str, combined: bool) -> PagedKVCache:
+    if kv_layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if combined:
+        return torch.stack((k, v), dim=1)  # one copy, contiguous
+    if kv_layout == "HND":
+        # FlashInfer derives strides from the tensor, but a dense HND pool is
+        # what "HND" promises callers that index or copy the pages themselves.
+        k, v = k.contiguous(), v.contiguous()
+    return k, v
+
+
+def _move(cache: PagedKVCache, device: torch.device | str) -> PagedKVCache:
+    if isinstance(cache, torch.Tensor):
+        return cache.to(device)
+    return cache[0].to(device), cache[1].to(device)
