@@ -20,6 +20,8 @@ from ..transport import CHANNELS
 from ..wire import dtypes
 from ..wire.descriptor import TensorDescriptor
 
+__all__ = ["main", "build_parser"]
+
 EPILOG = """\
 examples:
   hurray-vllm inspect snapshot.hrry            one line per descriptor

@@ -27,6 +27,8 @@ from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from ..wire.descriptor import encode_descriptor
 
+__all__ = ["run_format_demo", "run_vllm_demo", "spec_example_snapshot", "demo_prompts"]
+
 
 def spec_example_snapshot(num_layers: int = 4) -> KVSnapshot:
     """The spec's example geometry for every layer, with index-coded values."""

@@ -7,3 +7,5 @@
 * :mod:`.io`: ``save`` / ``load`` / ``detect_format`` over all of them;
 * :mod:`.check`: ``validate`` a file or stream without loading it.
 """
+
+__all__: list[str] = []  # the modules are the API: import from them

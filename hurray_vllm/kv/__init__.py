@@ -2,3 +2,5 @@
 
 Imports only :mod:`hurray_vllm.wire` (and :mod:`hurray_vllm.errors`).
 """
+
+__all__: list[str] = []  # the modules are the API: import from them

@@ -8,3 +8,5 @@
 Imports nothing of hurray-vllm above it (only :mod:`hurray_vllm.errors` and
 :mod:`hurray_vllm.native`).
 """
+
+__all__: list[str] = []  # the modules are the API: import from them

@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Any
 
+__all__ = ["main"]
+
 
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
