@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import HurrayFormatError, Violation
-from ..kv.paged import BlockPagedTensor
+from ..errors import HurrayFormatError
+from ..kv.paged import BlockPagedTensor, IndexCache
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
 from ..wire import dtypes
 from ..wire.descriptor import (
@@ -319,7 +319,7 @@ def _bp(
     node: Node,
     seq_lens: torch.Tensor | None,
     permissive: bool,
-    index_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]],
+    index_cache: IndexCache,
 ) -> BlockPagedTensor:
     rec = node.record
     if node.is_composite or rec.descriptor.layout_tag != LAYOUT_BLOCK_PAGED:
@@ -341,7 +341,7 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
     layers: dict[int, dict[str, BlockPagedTensor]] = {}
     scales: dict[int, tuple[float, float]] = {}
     # The layers' index buffers are widened and checked once per distinct content.
-    index_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]] = {}
+    index_cache = IndexCache()
     order = 0
     for node in nodes:
         if _is_snapshot_header(node):

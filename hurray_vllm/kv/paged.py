@@ -23,9 +23,33 @@ from ..wire.descriptor import (
 from ..wire.dtypes import widen_index
 from ..wire.rules import Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
 
-__all__ = ["BlockPagedTensor", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
+__all__ = ["BlockPagedTensor", "IndexCache", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
 
 _DEVICE_TAGS = {"cpu": 0x00, "cuda": 0x01}
+
+
+class IndexCache:
+    """Index buffers already widened and checked while reading one snapshot, for :meth:`BlockPagedTensor.from_wire`.
+
+    A snapshot's layers usually carry the same block table; with one cache
+    per snapshot read they share one int64 copy of it, and its rules are
+    checked once. Keyed by the bytes the rules read, so a hit is the verdict
+    the check would give. Make one per snapshot and drop it afterwards.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]] = {}
+
+    def get(self, key: tuple[object, ...]) -> tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]] | None:
+        """The widened ``(block_table, seq_ptr)`` and their violations, if these bytes were seen."""
+        return self._entries.get(key)
+
+    def put(self, key: tuple[object, ...], value: tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]) -> None:
+        """Remember what the index buffers with these bytes widened and checked to."""
+        self._entries[key] = value
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(frozen=True)
@@ -356,13 +380,13 @@ class BlockPagedTensor:
         *,
         seq_lens: torch.Tensor | None = None,
         permissive: bool = False,
-        index_cache: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, tuple[Violation, ...]]] | None = None,
+        index_cache: IndexCache | None = None,
     ) -> BlockPagedTensor:
         """Rebuild from a decoded descriptor and its raw uint8 buffers.
 
         Views the page pool in place (no copy); widens the index buffers to
         int64. Raises :class:`HurrayFormatError` for any blocking violation.
-        ``index_cache`` (a dict kept while reading one snapshot) widens and
+        ``index_cache`` (one :class:`IndexCache` per snapshot read) widens and
         checks each distinct set of index buffers once: a snapshot's layers
         carry the same block table, and then share one int64 copy of it, as
         an export's layers do.
@@ -411,7 +435,7 @@ class BlockPagedTensor:
                 validate_index_buffers(desc, table, seq_ptr, seq_lens, more)
             index_found = tuple(more)
             if key is not None and index_cache is not None:
-                index_cache[key] = (table, seq_ptr, index_found)
+                index_cache.put(key, (table, seq_ptr, index_found))
         if found or index_found:
             raise_if(Checked(found + index_found, permissive), f"block-paged layer {bp.layer_index} {bp.kv_role}")
         return cls(
