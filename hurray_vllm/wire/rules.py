@@ -28,6 +28,7 @@ from .descriptor import (
     KV_ROLES,
     LAYOUT_BLOCK_PAGED,
     LAYOUT_COMPOSITE,
+    BlockPagedFields,
     PerBlockAffine,
     PerChannelAffine,
     PerTensorAffine,
@@ -206,6 +207,7 @@ def _composite(d: TensorDescriptor, out: list[Violation]) -> None:
 
 
 def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
+    """The quantization block's rules and the sizes of its parameter buffers."""
     bp = d.block_paged
     assert bp is not None
     q = d.quantization
@@ -232,13 +234,28 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
             )
         )
     if isinstance(q, PerTensorAffine):
-        if not math.isfinite(q.scale) or q.scale == 0:
-            out.append(Violation("quantization.scale", f"per-tensor scale must be finite and non-zero, got {q.scale}"))
-        if q.flags or any(q.reserved):
-            out.append(Violation("quantization.reserved", "per-tensor flags and reserved bytes must be zero"))
-        if len(d.buffers) != 3:
-            out.append(Violation("buffer_count", "per-tensor quantization keeps its parameters inline: 3 buffers"))
+        _per_tensor(d, q, out)
         return
+    indices = _affine_header(d, q, out)
+    if indices is None:
+        return
+    entries = _per_channel_entries(d, q, out) if isinstance(q, PerChannelAffine) else _per_block_entries(bp, q, out)
+    if entries is not None:
+        _param_buffer_sizes(d, q, indices, *entries, out)
+
+
+def _per_tensor(d: TensorDescriptor, q: PerTensorAffine, out: list[Violation]) -> None:
+    """Per-tensor affine: a finite non-zero inline scale, nothing reserved, no parameter buffers."""
+    if not math.isfinite(q.scale) or q.scale == 0:
+        out.append(Violation("quantization.scale", f"per-tensor scale must be finite and non-zero, got {q.scale}"))
+    if q.flags or any(q.reserved):
+        out.append(Violation("quantization.reserved", "per-tensor flags and reserved bytes must be zero"))
+    if len(d.buffers) != 3:
+        out.append(Violation("buffer_count", "per-tensor quantization keeps its parameters inline: 3 buffers"))
+
+
+def _affine_header(d: TensorDescriptor, q: PerChannelAffine | PerBlockAffine, out: list[Violation]) -> list[int] | None:
+    """Flags, reserved bytes and parameter buffer indices; the indices, or None when one names no buffer."""
     if q.flags is not None and q.flags & ~1:
         out.append(Violation("quantization.flags", f"reserved scheme flag bits set: 0x{q.flags:04X}"))
     if any(q.reserved):
@@ -256,37 +273,51 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
                     f"parameter buffer index {idx} must name one of buffers 3..{len(d.buffers) - 1}",
                 )
             )
-            return
-    if isinstance(q, PerChannelAffine):
-        if q.axis == 0:
-            out.append(Violation("quantization.axis", "per-channel quantization must not use the paged axis 0"))
-        if q.axis >= d.rank:
-            out.append(Violation("quantization.axis", f"axis {q.axis} >= rank {d.rank}"))
-            return
-        if q.scale_type_tag != 0x03:
-            out.append(Violation("quantization.scale_type", "per-channel scales must be float32 (0x03)"))
-        entries = d.shape[q.axis]
-        scale_bytes = 4
-    else:
-        assert isinstance(q, PerBlockAffine)
-        if q.axis != 0:
-            out.append(
-                Violation("quantization.axis", f"per-block-affine on a block-paged tensor needs axis 0, got {q.axis}")
+            return None
+    return indices
+
+
+def _per_channel_entries(d: TensorDescriptor, q: PerChannelAffine, out: list[Violation]) -> tuple[int, int] | None:
+    """``(entries, bytes per scale)`` of per-channel parameters, or None when the axis is out of range."""
+    if q.axis == 0:
+        out.append(Violation("quantization.axis", "per-channel quantization must not use the paged axis 0"))
+    if q.axis >= d.rank:
+        out.append(Violation("quantization.axis", f"axis {q.axis} >= rank {d.rank}"))
+        return None
+    if q.scale_type_tag != 0x03:
+        out.append(Violation("quantization.scale_type", "per-channel scales must be float32 (0x03)"))
+    return d.shape[q.axis], 4
+
+
+def _per_block_entries(bp: BlockPagedFields, q: PerBlockAffine, out: list[Violation]) -> tuple[int, int] | None:
+    """``(entries, bytes per scale)`` of per-page parameters, or None for a scale type not allowed."""
+    if q.axis != 0:
+        msg = f"per-block-affine on a block-paged tensor needs axis 0, got {q.axis}"
+        out.append(Violation("quantization.axis", msg))
+    if q.block_size != bp.page_size:
+        out.append(
+            Violation(
+                "quantization.block_size",
+                f"per-block-affine block_size {q.block_size} must equal page_size {bp.page_size}",
             )
-        if q.block_size != bp.page_size:
-            out.append(
-                Violation(
-                    "quantization.block_size",
-                    f"per-block-affine block_size {q.block_size} must equal page_size {bp.page_size}",
-                )
-            )
-        if q.block_size < 2 or q.block_size & (q.block_size - 1):
-            out.append(Violation("quantization.block_size", f"block_size {q.block_size} must be a power of two >= 2"))
-        if q.scale_type_tag not in (0x01, 0x02, 0x03):
-            out.append(Violation("quantization.scale_type", f"scale type 0x{q.scale_type_tag:02X} not allowed"))
-            return
-        entries = bp.num_pages * bp.page_size
-        scale_bytes = 4 if q.scale_type_tag == 0x03 else 2
+        )
+    if q.block_size < 2 or q.block_size & (q.block_size - 1):
+        out.append(Violation("quantization.block_size", f"block_size {q.block_size} must be a power of two >= 2"))
+    if q.scale_type_tag not in (0x01, 0x02, 0x03):
+        out.append(Violation("quantization.scale_type", f"scale type 0x{q.scale_type_tag:02X} not allowed"))
+        return None
+    return bp.num_pages * bp.page_size, 4 if q.scale_type_tag == 0x03 else 2
+
+
+def _param_buffer_sizes(
+    d: TensorDescriptor,
+    q: PerChannelAffine | PerBlockAffine,
+    indices: list[int],
+    entries: int,
+    scale_bytes: int,
+    out: list[Violation],
+) -> None:
+    """The scale and zero-point buffers hold ``entries`` parameters each; the buffer count adds up."""
     want = entries * scale_bytes
     zp_want = entries * 4  # zero points are int32 whatever the storage type
     if q.zero_point_buffer_index == q.scale_buffer_index:
