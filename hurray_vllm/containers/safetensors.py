@@ -28,11 +28,21 @@ import torch
 
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor
-from ..kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from ..wire.descriptor import decode_descriptor, encode_descriptor
-from ..wire.rules import raise_if
+from ..kv.snapshot import KVSnapshot
+from ..wire.descriptor import encode_descriptor
+from ..wire.jsonvalues import Fields, loads_bounded
+from ..wire.rules import decode_checked
 from .atomic import atomic_path
-from .schema import FORMAT_NAME, FORMAT_VERSION, flatten_tokens, snapshot_metadata, split_tokens
+from .schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    build_snapshot,
+    decode_header,
+    flatten_tokens,
+    kv_scale_pair,
+    snapshot_metadata,
+    split_tokens,
+)
 
 __all__ = ["save_safetensors", "load_safetensors"]
 
@@ -89,66 +99,75 @@ def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) 
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-            names = set(f.keys())
     except Exception as exc:  # safetensors raises its own error types for malformed headers
         raise HurrayFormatError("safetensors", f"{path}: not a readable safetensors file ({exc})") from None
     if metadata.get("format") != FORMAT_NAME:
         raise HurrayFormatError("safetensors.metadata", f"{path} is a safetensors file but not a hurray-vllm snapshot")
+    if "snapshot" not in metadata or "descriptors" not in metadata:
+        raise HurrayFormatError(
+            "safetensors.metadata", "malformed snapshot metadata: missing 'snapshot' or 'descriptors'"
+        )
+    header = decode_header(metadata["snapshot"], "safetensors.metadata.snapshot")
+    descriptors = Fields(loads_bounded(metadata["descriptors"], "safetensors.descriptors"), "safetensors.descriptors")
     try:
-        meta = json.loads(metadata["snapshot"])
-        descriptors = json.loads(metadata["descriptors"])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise HurrayFormatError("safetensors.metadata", f"malformed snapshot metadata: {exc}") from None
-    tensors = st.load_file(str(path))
-    num_layers = int(meta.get("num_layers", 0))
-    keys, values = [], []
-    scales = []
-    for i in range(num_layers):
-        pair = []
-        for role in ("key", "value"):
-            name = f"layers.{i}.{role}"
-            need = [f"{name}.page_pool", f"{name}.block_table", f"{name}.seq_ptr"]
-            missing = [n for n in need if n not in names]
-            if missing or name not in descriptors:
-                raise HurrayFormatError(
-                    "safetensors", f"{path}: {name} is incomplete (missing {missing or 'descriptor'})"
-                )
-            desc = decode_descriptor(bytes.fromhex(descriptors[name]))
-            pool = tensors[f"{name}.page_pool"]
-            wire = [
-                pool.contiguous().view(torch.uint8).reshape(-1),
-                _index_bytes(tensors[f"{name}.block_table"], desc.block_paged.index_type if desc.block_paged else ""),
-                _index_bytes(tensors[f"{name}.seq_ptr"], desc.block_paged.index_type if desc.block_paged else ""),
-            ]
-            lens = tensors.get(f"{name}.seq_lens")
-            t = BlockPagedTensor.from_wire(desc, wire, seq_lens=lens, permissive=permissive)
-            pair.append(t)
+        tensors = st.load_file(str(path))
+    except Exception as exc:  # a header that safe_open accepted but whose data is cut or inconsistent
+        raise HurrayFormatError("safetensors", f"{path}: its tensors cannot be read ({exc})") from None
+    keys, values, scales = [], [], []
+    for i in range(header.num_layers):
+        pair = [_layer_tensor(tensors, descriptors, f"layers.{i}.{role}", permissive) for role in ("key", "value")]
         keys.append(pair[0])
         values.append(pair[1])
-        if f"layers.{i}.kv_scales" in names:
-            sc = tensors[f"layers.{i}.kv_scales"]
-            scales.append((float(sc[0]), float(sc[1])))
+        if f"layers.{i}.kv_scales" in tensors:
+            scales.append(kv_scale_pair(tensors[f"layers.{i}.kv_scales"]))
     ids, ptr = tensors.get("token_ids"), tensors.get("token_ptr")
-    token_ids: tuple[tuple[int, ...], ...] = ()
+    token_ids: list[tuple[int, ...]] = []
     if ids is not None and ptr is not None:
-        token_ids = tuple(split_tokens(ids, ptr))
-    if scales and len(scales) != num_layers:
+        token_ids = split_tokens(ids, ptr)
+    if scales and len(scales) != header.num_layers:
         raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
-    snap = KVSnapshot(
-        keys=tuple(keys),
-        values=tuple(values),
-        token_ids=token_ids,
-        fingerprint=ModelFingerprint.from_json(meta["fingerprint"]) if meta.get("fingerprint") else None,
-        kv_scales=tuple(scales) if scales else None,
-        source=SnapshotSource.from_json(meta["source"]) if meta.get("source") else None,
-        request_ids=tuple(meta["request_ids"]) if meta.get("request_ids") is not None else None,
-        extra=dict(meta.get("extra") or {}),
-    )
-    raise_if(snap.validate(permissive=permissive, tensors=False), "snapshot")
-    return snap
+    return build_snapshot(keys, values, token_ids, tuple(scales) or None, header, permissive=permissive)
 
 
-def _index_bytes(t: torch.Tensor, index_type: str) -> torch.Tensor:
-    """An int64 index tensor as the wire bytes of ``index_type`` (what from_wire widens back)."""
-    wire = torch.uint64 if index_type == "uint64" else torch.int32
-    return t.to(torch.int64).to(wire).contiguous().view(torch.uint8).reshape(-1)
+def _layer_tensor(
+    tensors: dict[str, torch.Tensor], descriptors: Fields, name: str, permissive: bool
+) -> BlockPagedTensor:
+    """One layer and role: its descriptor (hex in the metadata) and its tensors, checked as wire input."""
+    need = [f"{name}.page_pool", f"{name}.block_table", f"{name}.seq_ptr"]
+    missing = [n for n in need if n not in tensors]
+    if missing or name not in descriptors.obj:
+        raise HurrayFormatError("safetensors", f"{name} is incomplete (missing {missing or 'descriptor'})")
+    try:
+        raw = bytes.fromhex(descriptors.string(name, max_len=1 << 20))
+    except ValueError:
+        raise HurrayFormatError(f"safetensors.descriptors.{name}", "not a hex string") from None
+    desc = decode_checked(raw, name, permissive=permissive)
+    bp = desc.block_paged
+    if bp is None:
+        raise HurrayFormatError("layout_tag", f"{name}: expected a block-paged descriptor")
+    pool = tensors[f"{name}.page_pool"]
+    wire = [
+        pool.contiguous().view(torch.uint8).reshape(-1),
+        _index_bytes(tensors[f"{name}.block_table"], bp.index_type, f"{name}.block_table"),
+        _index_bytes(tensors[f"{name}.seq_ptr"], bp.index_type, f"{name}.seq_ptr"),
+    ]
+    lens = tensors.get(f"{name}.seq_lens")
+    if lens is not None and (lens.dtype != torch.int64 or lens.dim() != 1):
+        raise HurrayFormatError(f"{name}.seq_lens", f"expected 1-D int64, found {lens.dtype} {list(lens.shape)}")
+    return BlockPagedTensor.from_wire(desc, wire, seq_lens=lens, permissive=permissive)
+
+
+def _index_bytes(t: torch.Tensor, index_type: str, name: str) -> torch.Tensor:
+    """An int64 index tensor as the wire bytes of ``index_type`` (what from_wire widens back).
+
+    Refuses values the wire type cannot hold instead of letting them wrap
+    (a uint32 table entry of 2^32 would become page 0).
+    """
+    if t.dtype != torch.int64 or t.dim() != 1:
+        raise HurrayFormatError(name, f"expected a 1-D int64 tensor, found {t.dtype} of shape {list(t.shape)}")
+    hi = (1 << 63) - 1 if index_type == "uint64" else (1 << 32) - 1
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > hi):
+        raise HurrayFormatError(name, f"entries must lie in [0, {hi}] for {index_type or 'uint32'} indices")
+    if index_type == "uint64":
+        return t.contiguous().view(torch.uint8).reshape(-1)
+    return t.to(torch.int32).contiguous().view(torch.uint8).reshape(-1)  # < 2^32: the same bytes as uint32

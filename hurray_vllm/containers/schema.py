@@ -43,6 +43,7 @@ from ..wire.descriptor import (
     TensorDescriptor,
 )
 from ..wire.dtypes import widen_index
+from ..wire.jsonvalues import Fields, loads_bounded
 from ..wire.rules import check_own, raise_if
 
 __all__ = [
@@ -185,6 +186,11 @@ def flatten_tokens(token_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, to
 
 def split_tokens(ids: torch.Tensor, ptr: torch.Tensor) -> list[tuple[int, ...]]:
     """The inverse of :func:`flatten_tokens`, refusing offsets that do not partition ``ids``."""
+    for name, t in (("snapshot.token_ids", ids), ("snapshot.token_ptr", ptr)):
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise HurrayFormatError(name, f"expected a 1-D int64 tensor, found {t.dtype} of shape {list(t.shape)}")
+    if ids.numel() and int(ids.min()) < 0:
+        raise HurrayFormatError("snapshot.token_ids", f"token id {int(ids.min())} is negative")
     if ptr.dim() != 1 or ptr.numel() < 1 or int(ptr[0]) != 0 or int(ptr[-1]) != ids.numel():
         raise HurrayFormatError("snapshot.token_ptr", "token_ptr must run from 0 to len(token_ids)")
     if ptr.numel() > 1 and bool((ptr[1:] < ptr[:-1]).any()):
@@ -296,23 +302,60 @@ def _is_layer_group(node: Node) -> bool:
     )
 
 
-def _parse_meta(node: Node) -> tuple[dict[str, Any], list[tuple[int, ...]]]:
+@dataclass(frozen=True)
+class SnapshotHeader:
+    """The snapshot metadata every container carries, decoded and type-checked (see :func:`decode_header`)."""
+
+    num_layers: int
+    num_seqs: int | None
+    fingerprint: ModelFingerprint | None
+    source: SnapshotSource | None
+    request_ids: tuple[str, ...] | None
+    extra: dict[str, Any]
+
+
+#: Bounds on what a header may announce (far above any model; a bound on hostile input).
+_MAX_LAYERS = 1 << 16
+_MAX_SEQS = 1 << 24
+
+
+def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta") -> SnapshotHeader:
+    """The snapshot header's JSON (``.hrry``/``.hrrs`` metadata record, safetensors ``snapshot`` key), checked.
+
+    The one decoder of snapshot metadata: every member is type-checked and
+    bounded (:mod:`hurray_vllm.wire.jsonvalues`), so malformed metadata
+    raises :class:`HurrayFormatError` naming the member, never another error.
+    """
+    meta = loads_bounded(raw, field) if isinstance(raw, bytes | str) else raw
+    f = Fields(meta, field)
+    if f.obj.get("format") != FORMAT_NAME:
+        raise HurrayFormatError(field, f"not a {FORMAT_NAME} header")
+    version = f.obj.get("version")
+    if isinstance(version, str) and version.isdigit():  # safetensors metadata values are strings
+        version = int(version)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise HurrayFormatError(
+            f"{field}.version", f"snapshot format version {version!r} is newer than {FORMAT_VERSION} or not a version"
+        )
+    fp, src = f.optional_obj("fingerprint"), f.optional_obj("source")
+    return SnapshotHeader(
+        num_layers=f.integer("num_layers", hi=_MAX_LAYERS),
+        num_seqs=f.integer("num_seqs", hi=_MAX_SEQS, default=None),
+        fingerprint=ModelFingerprint.from_json(fp.obj) if fp is not None else None,
+        source=SnapshotSource.from_json(src.obj) if src is not None else None,
+        request_ids=f.optional_str_list("request_ids", max_items=_MAX_SEQS),
+        extra=f.optional_dict("extra"),
+    )
+
+
+def _parse_meta(node: Node) -> tuple[SnapshotHeader, list[tuple[int, ...]]]:
     raw = _dense(node.members[0], torch.uint8, "snapshot.meta")
     if raw.numel() > _MAX_META_BYTES:
         raise HurrayFormatError("snapshot.meta", f"{raw.numel()} bytes of metadata is implausible")
-    try:
-        meta = json.loads(bytes(raw.numpy()).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HurrayFormatError("snapshot.meta", f"not UTF-8 JSON: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise HurrayFormatError("snapshot.meta", f"not a {FORMAT_NAME} header")
-    if not isinstance(meta.get("version"), int) or meta["version"] > FORMAT_VERSION:
-        raise HurrayFormatError(
-            "snapshot.meta.version", f"snapshot format version {meta.get('version')!r} is newer than {FORMAT_VERSION}"
-        )
+    header = decode_header(bytes(raw.numpy()))
     ids = _dense(node.members[1], torch.int64, "snapshot.token_ids")
     ptr = _dense(node.members[2], torch.int64, "snapshot.token_ptr")
-    return meta, split_tokens(ids, ptr)
+    return header, split_tokens(ids, ptr)
 
 
 def _bp(
@@ -336,7 +379,7 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
     streams of bare block-paged descriptors (paired by ``layer_index`` and
     ``kv_role``; their sequence lengths are then unknown).
     """
-    meta: dict[str, Any] | None = None
+    meta: SnapshotHeader | None = None
     token_ids: list[tuple[int, ...]] = []
     layers: dict[int, dict[str, BlockPagedTensor]] = {}
     scales: dict[int, tuple[float, float]] = {}
@@ -360,10 +403,7 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
                 raise HurrayFormatError("layer_index", f"layer {idx} appears twice")
             layers[idx] = {"key": key, "value": value}
             if len(node.members) == 4:
-                sc = _dense(node.members[3], torch.float32, "kv_scales")
-                if sc.numel() != 2:
-                    raise HurrayFormatError("kv_scales", f"expected (k_scale, v_scale), found {sc.numel()} values")
-                scales[idx] = (float(sc[0]), float(sc[1]))
+                scales[idx] = kv_scale_pair(_dense(node.members[3], torch.float32, "kv_scales"))
             order += 1
             continue
         if not node.is_composite and node.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED:
@@ -384,10 +424,10 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         )
     if meta is None and not layers:
         raise HurrayFormatError("snapshot", "the input holds no KV snapshot (no block-paged tensors)")
-    if meta is not None and meta.get("num_layers") != len(layers):
+    if meta is not None and meta.num_layers != len(layers):
         raise HurrayFormatError(
             "snapshot.num_layers",
-            f"the header announces {meta.get('num_layers')} layers but the input holds {len(layers)} (truncated?)",
+            f"the header announces {meta.num_layers} layers but the input holds {len(layers)} (truncated?)",
         )
     if sorted(layers) != list(range(len(layers))):
         raise HurrayFormatError("layer_index", f"layers {sorted(layers)} are not 0..{len(layers) - 1}")
@@ -402,18 +442,38 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         if len(scales) != len(layers):
             raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
         kv_scales = tuple(scales[i] for i in range(len(layers)))
+    return build_snapshot(keys, values, token_ids, kv_scales, meta, permissive=permissive)
+
+
+def build_snapshot(
+    keys: Sequence[BlockPagedTensor],
+    values: Sequence[BlockPagedTensor],
+    token_ids: Sequence[tuple[int, ...]],
+    kv_scales: tuple[tuple[float, float], ...] | None,
+    header: SnapshotHeader | None,
+    *,
+    permissive: bool = False,
+) -> KVSnapshot:
+    """The snapshot every container reader returns, after the snapshot-level rules (:meth:`KVSnapshot.validate`)."""
     snap = KVSnapshot(
         keys=tuple(keys),
         values=tuple(values),
         token_ids=tuple(token_ids),
-        fingerprint=ModelFingerprint.from_json(meta["fingerprint"]) if meta and meta.get("fingerprint") else None,
+        fingerprint=header.fingerprint if header else None,
         kv_scales=kv_scales,
-        source=SnapshotSource.from_json(meta["source"]) if meta and meta.get("source") else None,
-        request_ids=tuple(meta["request_ids"]) if meta and meta.get("request_ids") is not None else None,
-        extra=dict(meta.get("extra") or {}) if meta else {},
+        source=header.source if header else None,
+        request_ids=header.request_ids if header else None,
+        extra=dict(header.extra) if header else {},
     )
     raise_if(snap.validate(permissive=permissive, tensors=False), "snapshot")
     return snap
+
+
+def kv_scale_pair(sc: torch.Tensor) -> tuple[float, float]:
+    """A layer's ``(k_scale, v_scale)`` from its float32 ``[2]`` record; the values are checked by the snapshot."""
+    if sc.dtype != torch.float32 or tuple(sc.shape) != (2,):
+        raise HurrayFormatError("kv_scales", f"expected float32 (k_scale, v_scale), found {sc.dtype} {list(sc.shape)}")
+    return float(sc[0]), float(sc[1])
 
 
 def _no_seqs(node: Node) -> bool:

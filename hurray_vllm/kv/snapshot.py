@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -9,10 +10,17 @@ from typing import Any
 import torch
 
 from ..errors import HurrayFormatError, Violation
+from ..wire.jsonvalues import Fields
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
 
 __all__ = ["ModelFingerprint", "SnapshotSource", "KVSnapshot"]
+
+
+#: Bounds on what a fingerprint may claim (a sanity bound on hostile metadata, far above any model).
+_MAX_LAYERS = 1 << 16
+_MAX_HEADS = 1 << 16
+_MAX_HEAD_DIM = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -73,19 +81,17 @@ class ModelFingerprint:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ModelFingerprint:
-        """The fingerprint :meth:`to_json` wrote; a missing or mistyped field raises :class:`HurrayFormatError`."""
-        try:
-            return cls(
-                architecture=str(d["architecture"]),
-                num_layers=int(d["num_layers"]),
-                num_kv_heads=int(d["num_kv_heads"]),
-                head_dim=int(d["head_dim"]),
-                dtype=str(d["dtype"]),
-                weights_digest=d.get("weights_digest"),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HurrayFormatError("snapshot.fingerprint", f"malformed fingerprint: {exc}") from None
+    def from_json(cls, d: Any) -> ModelFingerprint:
+        """The fingerprint :meth:`to_json` wrote; a bad field raises :class:`HurrayFormatError` naming it."""
+        f = Fields(d, "snapshot.fingerprint")
+        return cls(
+            architecture=f.string("architecture", max_len=256),
+            num_layers=f.integer("num_layers", hi=_MAX_LAYERS),
+            num_kv_heads=f.integer("num_kv_heads", lo=1, hi=_MAX_HEADS),
+            head_dim=f.integer("head_dim", lo=1, hi=_MAX_HEAD_DIM),
+            dtype=f.string("dtype", max_len=64),
+            weights_digest=f.string("weights_digest", max_len=256, default=None),
+        )
 
 
 @dataclass(frozen=True)
@@ -101,12 +107,14 @@ class SnapshotSource:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> SnapshotSource:
-        """The source :meth:`to_json` wrote; a missing or mistyped field raises :class:`HurrayFormatError`."""
-        try:
-            return cls(engine=str(d["engine"]), layout=str(d["layout"]), page_size=int(d["page_size"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HurrayFormatError("snapshot.source", f"malformed source: {exc}") from None
+    def from_json(cls, d: Any) -> SnapshotSource:
+        """The source :meth:`to_json` wrote; a bad field raises :class:`HurrayFormatError` naming it."""
+        f = Fields(d, "snapshot.source")
+        return cls(
+            engine=f.string("engine", max_len=256),
+            layout=f.string("layout", max_len=256),
+            page_size=f.integer("page_size", lo=1, hi=(1 << 32) - 1),
+        )
 
 
 _ROLES = ("key", "value")
@@ -233,6 +241,10 @@ class KVSnapshot:
                 )
             if k.kv_role != "key" or v.kv_role != "value":
                 found.append(Violation("kv_role", f"layer {i} holds roles {k.kv_role}/{v.kv_role}"))
+            if k.layer_index != v.layer_index:
+                found.append(
+                    Violation("layer_index", f"layer {i}: key says layer {k.layer_index}, value {v.layer_index}")
+                )
             if not (
                 (k.block_table is v.block_table or torch.equal(k.block_table, v.block_table))
                 and (k.seq_ptr is v.seq_ptr or torch.equal(k.seq_ptr, v.seq_ptr))
@@ -260,6 +272,21 @@ class KVSnapshot:
         if self.kv_scales is not None and len(self.kv_scales) != self.num_layers:
             found.append(
                 Violation("snapshot.kv_scales", f"{len(self.kv_scales)} scale pairs for {self.num_layers} layers")
+            )
+        for i, pair in enumerate(self.kv_scales or ()):
+            # A NaN, infinite, zero or negative scale turns every dequantized value into garbage.
+            if len(pair) != 2 or not all(isinstance(x, float | int) and math.isfinite(x) and x > 0 for x in pair):
+                found.append(Violation("snapshot.kv_scales", f"layer {i}: scales {pair} must be finite and positive"))
+                break
+        for s, ids in enumerate(self.token_ids):
+            if ids and not all(type(t) is int and 0 <= t < 1 << 63 for t in ids):
+                found.append(Violation("snapshot.token_ids", f"sequence {s}: token ids must be integers >= 0"))
+                break
+        if self.request_ids is not None and (
+            len(self.request_ids) != self.num_seqs or not all(isinstance(r, str) for r in self.request_ids)
+        ):
+            found.append(
+                Violation("snapshot.request_ids", f"{len(self.request_ids)} request ids for {self.num_seqs} sequences")
             )
         if self.fingerprint is not None and self.keys and self.fingerprint.num_layers != self.num_layers:
             found.append(
