@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Sequence
 
@@ -11,17 +12,35 @@ from .. import native
 from ..containers.stream import byte_view
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint
+from ..wire.descriptor import encode_descriptor
 
-__all__ = ["DIGEST_KEY", "DIGEST_MISMATCH", "ChunkDigest", "chunk_digest", "digest_matches", "verify_chunk"]
+__all__ = [
+    "DIGEST_KEY",
+    "DIGEST_MISMATCH",
+    "DIGEST_VERSION",
+    "ChunkDigest",
+    "chunk_digest",
+    "digest_header",
+    "digest_matches",
+    "verify_chunk",
+]
 
 DIGEST_KEY = "hurray_vllm.chunk_digest"
+#: What the digest covers (named in the digest string); ``v2``: header bytes and pools.
+DIGEST_VERSION = "v2"
+_HEADER_MAGIC = b"hurray-vllm chunk digest v2\0"
 DIGEST_MISMATCH = "chunk data does not match its digest (corrupt transfer?)"
 
 
 class ChunkDigest:
-    """Incremental chunk checksum over the page pools, in snapshot order.
+    """Incremental chunk checksum: the chunk's header bytes (:func:`digest_header`), then its page pools.
 
-    Two algorithms, named in the digest string (``"<algorithm>:<8 hex>"``):
+    The digest string is ``"<algorithm>/v2:<8 hex>"``. ``v2`` covers every
+    byte that decides what KV an importer writes: the descriptors (element
+    type, geometry, layer index, role), the block tables and sequence
+    pointers, the fp8 scales, the token ids and the metadata. A ``v1``
+    digest (hurray-vllm 0.1: the page pools only) is refused: a type tag
+    flipped from bf16 to fp16 passed it. Two algorithms:
 
     * ``crc32c`` (CRC-32C, Castagnoli): computed by the native kernels
       (:mod:`hurray_vllm.native`, the SSE4.2 ``crc32`` instruction where the
@@ -56,7 +75,14 @@ class ChunkDigest:
         """A digest of the algorithm ``digest`` (a stored digest string) names, to check it."""
         if not isinstance(digest, str) or ":" not in digest:
             raise HurrayFormatError("snapshot.digest", "chunk carries no digest")
-        return cls(digest.partition(":")[0])
+        algorithm, _, version = digest.partition(":")[0].partition("/")
+        if version != DIGEST_VERSION:
+            raise HurrayFormatError(
+                "snapshot.digest",
+                f"chunk digest {digest[:40]!r} does not cover the descriptors and metadata (written by an older "
+                "hurray-vllm?); the chunk is refused and recomputed",
+            )
+        return cls(algorithm)
 
     def update(self, data: bytes | memoryview) -> None:
         """Add ``data``'s bytes."""
@@ -80,18 +106,46 @@ class ChunkDigest:
 
     def hexdigest(self) -> str:
         """The digest so far, as ``"<algorithm>:<8 hex digits>"``."""
-        return f"{self.algorithm}:{self._crc:08x}"
+        return f"{self.algorithm}/{DIGEST_VERSION}:{self._crc:08x}"
+
+
+def digest_header(snap: KVSnapshot) -> bytes:
+    """What a chunk digest covers before the page pools, as canonical bytes.
+
+    The metadata (fingerprint, source, request ids, extra minus the digest
+    itself, token ids, sequence lengths, fp8 scales as exact hex floats) as
+    sorted compact JSON, then per tensor (keys, then values) its encoded
+    descriptor and its int64 block table and sequence pointers. A receiver
+    computes it from what the offer or stream carried, before the pools.
+    """
+    meta = {
+        "fingerprint": snap.fingerprint.to_json() if snap.fingerprint else None,
+        "source": snap.source.to_json() if snap.source else None,
+        "request_ids": list(snap.request_ids) if snap.request_ids is not None else None,
+        "extra": {k: v for k, v in snap.extra.items() if k != DIGEST_KEY},
+        "token_ids": [list(ids) for ids in snap.token_ids],
+        "seq_lens": snap.seq_lens if snap.keys else [],
+        "kv_scales": [[float(x).hex() for x in pair] for pair in snap.kv_scales] if snap.kv_scales else None,
+    }
+    parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
+    for t in (*snap.keys, *snap.values):
+        desc = encode_descriptor(t.descriptor(device_tag=0))
+        parts += [len(desc).to_bytes(4, "little"), desc]
+        for idx in (t.block_table, t.seq_ptr):
+            parts.append(idx.to(torch.int64).contiguous().cpu().numpy().tobytes())
+    return b"".join(parts)
 
 
 def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:
-    """The :class:`ChunkDigest` of every page pool of ``snap``: catches corruption the container cannot see."""
+    """The :class:`ChunkDigest` of ``snap``: its header bytes, then every page pool."""
     d = ChunkDigest(algorithm)
+    d.update(digest_header(snap))
     d.update_tensors([t.page_pool.contiguous().cpu() for t in (*snap.keys, *snap.values)])
     return d.hexdigest()
 
 
 def digest_matches(snap: KVSnapshot) -> bool:
-    """Whether ``snap``'s stored digest matches its pools (raises if the algorithm cannot run here)."""
+    """Whether ``snap``'s stored digest matches it (raises if the digest is missing, old or cannot run here)."""
     want = snap.extra.get(DIGEST_KEY)
     return want == chunk_digest(snap, ChunkDigest.like(want).algorithm)
 

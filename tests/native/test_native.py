@@ -160,12 +160,14 @@ def test_chunk_digests_name_their_algorithm(torch_only) -> None:  # type: ignore
 
     d = ChunkDigest()  # native switched off: zlib's CRC-32
     d.update(b"123456789")
-    assert d.hexdigest() == "crc32:cbf43926"
+    assert d.hexdigest() == "crc32/v2:cbf43926"
     with pytest.raises(HurrayFormatError) as err:
-        ChunkDigest.like("crc32c:e3069283")  # cannot be checked without the native kernels: refused, not trusted
+        ChunkDigest.like("crc32c/v2:e3069283")  # cannot be checked without the native kernels: refused, not trusted
     assert err.value.field == "snapshot.digest" and "native" in str(err.value)
     with pytest.raises(HurrayFormatError):
-        ChunkDigest.like("sha1:00")
+        ChunkDigest.like("sha1/v2:00")
+    with pytest.raises(HurrayFormatError, match="does not cover the descriptors"):
+        ChunkDigest.like("crc32:cbf43926")  # 0.1's digest of the pools alone: refused
 
 
 def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]

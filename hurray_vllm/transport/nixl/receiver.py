@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...chunks.digest import DIGEST_KEY, ChunkDigest
+from ...chunks.digest import DIGEST_KEY, ChunkDigest, digest_header
 from ...chunks.store import ChunkStore
 from ...containers.schema import Record, assemble_snapshot, group_records
 from ...containers.stream import tensor_bytes
@@ -337,7 +337,7 @@ class NixlReceiver(ReceiverBase):
                 + U32.pack(len(views))
                 + b"".join(U64.pack(v.data_ptr()) for v in views)
             )
-            digest = self._await(conn, q, plan, len(views), algorithm)
+            digest = self._await(conn, q, plan, len(views), algorithm, digest_header(snap))
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
@@ -375,10 +375,12 @@ class NixlReceiver(ReceiverBase):
         plan: list[tuple[memoryview, int | None]],
         n: int,
         algorithm: str,
+        header: bytes,
     ) -> str:
-        """Wait for every page pool and the sender's GO, hashing pools in digest order as they land."""
+        """Wait for every pool and the sender's GO, hashing ``header``, then the pools in digest order as they land."""
         deadline = time.monotonic() + self.timeout
         hasher = _Hasher(algorithm)
+        hasher.add(memoryview(header))
         try:
             return self._await_hashing(conn, q, plan, n, deadline, hasher)
         finally:

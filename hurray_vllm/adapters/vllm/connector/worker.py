@@ -360,7 +360,7 @@ class HurrayWorker:
             reserved_blocks=() if caches is not ec.caches else (0,),
             buffers=self._chunk_buffers if reuse else None,
         )
-        return replace(snap, extra={DIGEST_KEY: chunk_digest(snap)})
+        return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
 
     def _put(self, key: str, snap: KVSnapshot) -> None:
         if self._store.put(self._ns, key, snap):

@@ -1,0 +1,91 @@
+"""A chunk's digest covers every byte that decides the KV an importer writes, not only the page pools."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks.digest import DIGEST_KEY, digest_matches
+from hurray_vllm.chunks.keys import chunks_of
+from hurray_vllm.kv.snapshot import KVSnapshot
+
+
+def _chunk(scales: bool = False) -> KVSnapshot:
+    snap = spec_example_snapshot()
+    if scales:
+        snap = replace(snap, kv_scales=tuple((0.5, 0.25) for _ in range(snap.num_layers)))
+    ((_, chunk),) = chunks_of(snap, 4)[:1]
+    assert digest_matches(chunk)
+    return chunk
+
+
+def _layers(snap: KVSnapshot, layer: int, role: str, **changes: object) -> KVSnapshot:
+    field = "keys" if role == "key" else "values"
+    ts = list(getattr(snap, field))
+    ts[layer] = replace(ts[layer], **changes)
+    return replace(snap, **{field: tuple(ts)})
+
+
+MUTATIONS = {
+    # The issue's case: the bytes stay, the type tag says fp16 instead of bf16 (here fp16 -> bf16).
+    "element type": lambda c: _layers(c, 1, "key", page_pool=c.keys[1].page_pool.view(torch.bfloat16)),
+    "block table": lambda c: _layers(c, 0, "value", block_table=c.values[0].block_table + 1),
+    "layer index": lambda c: _layers(_layers(c, 2, "key", layer_index=3), 2, "value", layer_index=3),
+    "kv role": lambda c: replace(c, keys=c.values, values=c.keys),
+    "token ids": lambda c: replace(c, token_ids=((99, *c.token_ids[0][1:]),)),
+    "fingerprint": lambda c: replace(c, fingerprint=replace(c.fingerprint, architecture="Other")),  # type: ignore[arg-type]
+    "extra": lambda c: replace(c, extra={**c.extra, "note": "added"}),
+}
+
+
+@pytest.mark.parametrize("what", sorted(MUTATIONS))
+def test_every_mutation_of_what_the_importer_reads_breaks_the_digest(what: str) -> None:
+    chunk = _chunk()
+    assert not digest_matches(MUTATIONS[what](chunk)), what
+
+
+def test_changed_fp8_scales_break_the_digest() -> None:
+    chunk = _chunk(scales=True)
+    assert chunk.kv_scales is not None
+    doubled = tuple((2 * k, v) for k, v in chunk.kv_scales)
+    assert not digest_matches(replace(chunk, kv_scales=doubled))
+
+
+def test_a_pools_only_digest_from_0_1_is_refused() -> None:
+    chunk = _chunk()
+    with pytest.raises(hv.HurrayFormatError, match="does not cover the descriptors") as err:
+        digest_matches(replace(chunk, extra={DIGEST_KEY: "crc32:00000000"}))
+    assert err.value.field == "snapshot.digest"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_flipped_byte_in_a_stored_chunk_is_refused_or_harmless(tmp_path: Path, data: st.DataObject) -> None:
+    """Any one byte of a chunk file flipped: the file is refused, the digest fails, or nothing that matters changed."""
+    chunk = _chunk()
+    path = tmp_path / "c.hrry"
+    hv.save(chunk, path)
+    raw = bytearray(path.read_bytes())
+    pos = data.draw(st.integers(0, len(raw) - 1), label="offset")
+    raw[pos] ^= data.draw(st.integers(1, 255), label="xor")
+    path.write_bytes(bytes(raw))
+    try:
+        back = hv.load(path)
+    except hv.HurrayFormatError:
+        return
+    try:
+        ok = digest_matches(back)
+    except hv.HurrayFormatError:
+        return
+    if ok:  # accepted: then what an importer reads is what was stored
+        assert back.token_ids == chunk.token_ids and back.fingerprint == chunk.fingerprint
+        for a, b in zip((*back.keys, *back.values), (*chunk.keys, *chunk.values)):
+            assert a.page_pool.dtype == b.page_pool.dtype and torch.equal(a.page_pool, b.page_pool)
+            assert torch.equal(a.block_table, b.block_table) and a.layer_index == b.layer_index
