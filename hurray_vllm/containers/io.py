@@ -33,6 +33,33 @@ __all__ = [
 ]
 
 Format = Literal["hrry", "stream", "safetensors"]
+
+#: What a parsing bug on malformed input surfaces as (the readers' own checks raise HurrayFormatError first).
+_PARSE_ERRORS = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    IndexError,
+    KeyError,
+    AttributeError,
+    RecursionError,
+    RuntimeError,
+)
+
+
+def as_format_error(exc: BaseException, what: str) -> HurrayFormatError:
+    """``exc``, raised while reading input, as the one error type bad input gets.
+
+    The readers check what they read and raise :class:`HurrayFormatError`
+    themselves; this is the boundary's guarantee for a case they missed: a
+    ``TypeError`` from deep inside a library must not reach a caller that
+    was promised one error type (nor kill a receiver's thread).
+    """
+    if isinstance(exc, HurrayFormatError) and not isinstance(exc, HurrayArgumentError):
+        return exc
+    return HurrayFormatError("input", f"{what}: malformed input ({type(exc).__name__}: {exc})")
+
+
 #: The format each file suffix is written in (``save``, and ``hurray-vllm convert``'s output).
 SUFFIX_FORMATS: dict[str, Format] = {".hrry": "hrry", ".hrrs": "stream", ".safetensors": "safetensors"}
 #: The key-value metadata every ``.hrry`` file :func:`save` writes carries.
@@ -200,16 +227,21 @@ def load(
         True
     """
     fmt = detect_format(path)
-    if fmt == "safetensors":
-        from .safetensors import load_safetensors
+    try:
+        if fmt == "safetensors":
+            from .safetensors import load_safetensors
 
-        return load_safetensors(path, permissive=permissive)
-    return assemble_snapshot(
-        group_records(
-            _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
-        ),
-        permissive=permissive,
-    )
+            return load_safetensors(path, permissive=permissive)
+        return assemble_snapshot(
+            group_records(
+                _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
+            ),
+            permissive=permissive,
+        )
+    except HurrayFormatError:
+        raise
+    except _PARSE_ERRORS as exc:
+        raise as_format_error(exc, str(path)) from exc
 
 
 def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
@@ -228,10 +260,20 @@ def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
 
 
 def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
-    """Read one :class:`KVSnapshot` from the binary file object ``f`` (to its end)."""
-    return assemble_snapshot(
-        group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive
-    )
+    """Read one :class:`KVSnapshot` from the binary file object ``f`` (to its end).
+
+    Raises:
+        HurrayFormatError: anything malformed, truncated or inconsistent.
+        OSError: ``f`` cannot be read.
+    """
+    try:
+        return assemble_snapshot(
+            group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive
+        )
+    except HurrayFormatError:
+        raise
+    except _PARSE_ERRORS as exc:
+        raise as_format_error(exc, "stream") from exc
 
 
 def iter_nodes(path: str | os.PathLike[str], *, permissive: bool = False) -> Iterator[Node]:

@@ -58,6 +58,16 @@ __all__ = [
     "index_tables",
     "snapshot_metadata",
     "group_head",
+    "SnapshotHeader",
+    "decode_header",
+    "build_snapshot",
+    "is_snapshot_header",
+    "claims_snapshot",
+    "kv_scale_pair",
+    "header_records",
+    "layer_records",
+    "flatten_tokens",
+    "split_tokens",
 ]
 
 FORMAT_NAME = "hurray-vllm.kv_snapshot"
@@ -287,11 +297,22 @@ def _dense(node: Node, dtype: torch.dtype, what: str) -> torch.Tensor:
     return raw.view(dtype).reshape(d.shape)
 
 
-def _is_snapshot_header(node: Node) -> bool:
+def is_snapshot_header(node: Node) -> bool:
+    """Whether ``node`` is hurray-vllm's snapshot header group (metadata, token ids, token pointers)."""
     if not node.is_composite or len(node.members) != 3:
         return False
     first = node.members[0].record.descriptor
     return first.layout_tag == LAYOUT_ROW_MAJOR and first.type_tag == dtypes.from_torch(torch.uint8).tag
+
+
+def claims_snapshot(node: Node) -> bool:
+    """Whether ``node`` is (or says it is) part of a hurray-vllm snapshot: its header, a layer group, their names.
+
+    What decides whether ``validate`` runs the snapshot-level checks: a
+    damaged header that no longer looks like one still claims to be one.
+    """
+    name = node.record.name or ""
+    return is_snapshot_header(node) or _is_layer_group(node) or name == "snapshot" or name.startswith("layers.")
 
 
 def _is_layer_group(node: Node) -> bool:
@@ -331,8 +352,6 @@ def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta
     if f.obj.get("format") != FORMAT_NAME:
         raise HurrayFormatError(field, f"not a {FORMAT_NAME} header")
     version = f.obj.get("version")
-    if isinstance(version, str) and version.isdigit():  # safetensors metadata values are strings
-        version = int(version)
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
         raise HurrayFormatError(
             f"{field}.version", f"snapshot format version {version!r} is newer than {FORMAT_VERSION} or not a version"
@@ -387,7 +406,7 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
     index_cache = IndexCache()
     order = 0
     for node in nodes:
-        if _is_snapshot_header(node):
+        if is_snapshot_header(node):
             if meta is not None:
                 raise HurrayFormatError("snapshot", "two snapshot headers in one input")
             meta, token_ids = _parse_meta(node)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks.digest import DIGEST_KEY, digest_matches
 from hurray_vllm.chunks.keys import chunks_of
 from hurray_vllm.kv.snapshot import KVSnapshot
+
+#: Random damages per run; `make fuzz` raises it (HURRAY_FUZZ_EXAMPLES).
+FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "60"))
 
 
 def _chunk(scales: bool = False) -> KVSnapshot:
@@ -65,7 +69,7 @@ def test_a_pools_only_digest_from_0_1_is_refused() -> None:
     assert err.value.field == "snapshot.digest"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_flipped_byte_in_a_stored_chunk_is_refused_or_harmless(tmp_path: Path, data: st.DataObject) -> None:
     """Any one byte of a chunk file flipped: the file is refused, the digest fails, or nothing that matters changed."""

@@ -139,9 +139,11 @@ def test_single_bare_descriptor_without_layer(hurray, tmp_path: Path) -> None:
     k = spec_example_snapshot()[3, "key"]
     with hurray.StreamWriter(str(tmp_path / "one.hrrs")) as w:
         w.write(to_reference(hurray, k))
+    # Valid Hurray data (validate checks the Hurray rules of data without hurray-vllm's header), but
+    # one key and no value is not a KV snapshot, which load needs.
     assert hv.validate(tmp_path / "one.hrrs").ok
     with pytest.raises(hv.HurrayFormatError, match="layer"):
-        hv.load(tmp_path / "one.hrrs")  # one key, no value: not a snapshot
+        hv.load(tmp_path / "one.hrrs")
 
 
 # ── bad input ───────────────────────────────────────────────────────────────

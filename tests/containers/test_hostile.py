@@ -1,0 +1,238 @@
+"""Hostile input: malformed metadata, tensors and truncations give HurrayFormatError and nothing else.
+
+The only outcomes allowed for a damaged or crafted input: the documented
+error (naming the field), or a clean load of data that did not change; and
+``validate`` never calls ok a snapshot that ``load`` refuses.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.containers.schema import (
+    dense_record,
+    flatten_tokens,
+    group_head,
+    layer_records,
+    snapshot_metadata,
+)
+from hurray_vllm.containers.stream import write_records
+from hurray_vllm.kv.snapshot import KVSnapshot
+
+SNAP = spec_example_snapshot()
+
+#: Random damages per run; `make fuzz` raises it (HURRAY_FUZZ_EXAMPLES).
+FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "150"))
+
+
+def _stream(meta: Any, snap: KVSnapshot = SNAP, *, raw: bytes | None = None) -> bytes:
+    """A stream whose header carries ``meta`` (JSON-encoded) or the ``raw`` bytes given."""
+    body = raw if raw is not None else json.dumps(meta).encode()
+    flat, ptr = flatten_tokens(snap.token_ids)
+    records = [
+        group_head("snapshot", 3, [len(body)], torch.uint8),
+        dense_record("snapshot.meta", torch.frombuffer(bytearray(body), dtype=torch.uint8)),
+        dense_record("snapshot.token_ids", flat),
+        dense_record("snapshot.token_ptr", ptr),
+    ]
+    for i, (k, v) in enumerate(snap.layers()):
+        records += list(layer_records(i, k, v, None, {}))
+    out = io.BytesIO()
+    write_records(records, out)
+    return out.getvalue()
+
+
+def _meta(**changes: Any) -> dict[str, Any]:
+    meta = json.loads(json.dumps(snapshot_metadata(SNAP, SNAP.num_layers)))
+    for path, value in changes.items():
+        node = meta
+        *parents, last = path.split("__")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return meta
+
+
+def test_the_crafted_stream_reads_back_unchanged() -> None:
+    back = hv.read_stream(io.BytesIO(_stream(_meta())))
+    assert back.token_ids == SNAP.token_ids and back.fingerprint == SNAP.fingerprint
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b'{"format": "hurray-vllm.kv_snapshot", "version": 1, "num_layers": 4, "fingerprint": '
+         b'{"architecture": "x", "num_layers": 4, "num_kv_heads": 2, "head_dim": Infinity, "dtype": "float16"}}',
+         "snapshot.meta"),
+        (json.dumps(_meta(request_ids=5)).encode(), "snapshot.meta.request_ids"),
+        (json.dumps(_meta(extra=[1])).encode(), "snapshot.meta.extra"),
+        (json.dumps(_meta(num_layers=0)).replace('"num_layers": 0', '"num_layers": ' + "9" * 5000).encode(),
+         "snapshot.meta"),
+        (b"[" * 100_000 + b"]" * 100_000, "snapshot.meta"),
+        (json.dumps(_meta(fingerprint__head_dim=8.5)).encode(), "snapshot.fingerprint.head_dim"),
+        (json.dumps(_meta(fingerprint__num_layers=True)).encode(), "snapshot.fingerprint.num_layers"),
+        (json.dumps(_meta(source__page_size="4")).encode(), "snapshot.source.page_size"),
+        (json.dumps(_meta(num_layers=-1)).encode(), "snapshot.meta.num_layers"),
+        (json.dumps(_meta(version="1")).encode(), "snapshot.meta.version"),
+        (b"\xff\xfe", "snapshot.meta"),
+    ],
+)  # fmt: skip
+def test_malformed_metadata_is_a_format_error_naming_the_field(raw: bytes, field: str) -> None:
+    data = _stream(None, raw=raw)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        hv.read_stream(io.BytesIO(data))
+    assert err.value.field == field, err.value
+
+
+def test_bad_scales_and_tokens_are_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    for bad in ((float("nan"), 1.0), (0.0, 1.0), (1.0, -2.0), (float("inf"), 1.0)):
+        snap = replace(SNAP, kv_scales=tuple(bad for _ in range(SNAP.num_layers)))
+        assert not snap.validate().ok
+        hv.save(replace(SNAP, kv_scales=tuple((1.0, 1.0) for _ in range(SNAP.num_layers))), tmp_path / "ok.hrry")
+        assert hv.validate(tmp_path / "ok.hrry").ok
+    assert not replace(SNAP, token_ids=((11, 12.5, 13, 14, 15, 16), (1, 2, 3))).validate().ok
+    assert not replace(SNAP, token_ids=((-1, 12, 13, 14, 15, 16), (1, 2, 3))).validate().ok
+    swapped = replace(SNAP, values=(SNAP.values[1], SNAP.values[0], *SNAP.values[2:]))
+    assert "layer_index" in {v.invariant for v in swapped.validate().violations}
+
+
+# ── safetensors ───────────────────────────────────────────────────────────────
+
+
+def _safetensors(tmp_path: Path, edit: Any) -> Path:
+    """A snapshot saved as .safetensors, its tensors and metadata passed through ``edit(tensors, metadata)``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "s.safetensors"
+    hv.save(SNAP, path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors, metadata)
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def _set(key: str, value: Any) -> Any:
+    def edit(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        if key in metadata:
+            metadata[key] = value
+        else:
+            tensors[key] = value
+
+    return edit
+
+
+def _snapshot_meta(**changes: Any) -> Any:
+    def edit(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        meta = json.loads(metadata["snapshot"])
+        meta.update(changes)
+        metadata["snapshot"] = json.dumps(meta)
+
+    return edit
+
+
+def _descriptor(value: str) -> Any:
+    def edit(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+        d = json.loads(metadata["descriptors"])
+        d["layers.0.key"] = value
+        metadata["descriptors"] = json.dumps(d)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _descriptor("zz-not-hex"),
+        _snapshot_meta(num_layers="4"),
+        _snapshot_meta(request_ids=[1, 2]),
+        _set("layers.0.kv_scales", torch.empty(0)),
+        _set("layers.0.key.seq_lens", torch.tensor([[6, 3]])),
+        _set("layers.0.key.block_table", torch.tensor([0, 1 << 32, 0])),
+        _set("token_ids", torch.tensor([11.5] * 9)),
+        _set("token_ptr", torch.tensor([0, 7, 11], dtype=torch.int32)),
+        _set("descriptors", "{"),
+        _set("snapshot", "[]"),
+    ],
+    ids=["bad hex", "num_layers str", "request_ids ints", "empty kv_scales", "2-D seq_lens", "page id 2^32",
+         "float token ids", "int32 token_ptr", "descriptors JSON", "snapshot not an object"],
+)  # fmt: skip
+def test_malformed_safetensors_is_a_format_error(tmp_path: Path, edit: Any) -> None:
+    path = _safetensors(tmp_path, edit)
+    with pytest.raises(hv.HurrayFormatError):
+        hv.load(path)
+    assert not hv.validate(path).ok  # validate runs what load runs: it never raises, and never says ok here
+
+
+# ── validate agrees with load, under random damage ────────────────────────────
+
+
+def test_a_stream_cut_after_its_first_layer_is_not_valid(tmp_path: Path) -> None:
+    full = _stream(_meta())
+    one_layer = KVSnapshot(SNAP.keys[:1], SNAP.values[:1], token_ids=SNAP.token_ids)
+    cut = _stream(_meta(), one_layer)  # the header still announces 4 layers
+    assert len(cut) < len(full)
+    (tmp_path / "cut.hrrs").write_bytes(cut)
+    with pytest.raises(hv.HurrayFormatError, match="announces 4 layers"):
+        hv.load(tmp_path / "cut.hrrs")
+    assert not hv.validate(tmp_path / "cut.hrrs").ok
+
+
+_FILES: dict[str, bytes] = {}
+
+
+def _file(fmt: str, tmp: Path) -> bytes:
+    if fmt not in _FILES:
+        hv.save(SNAP, tmp / f"base{fmt}")
+        _FILES[fmt] = (tmp / f"base{fmt}").read_bytes()
+    return _FILES[fmt]
+
+
+_SIZES = [0, 1, 2**32, 2**60, 2**64 - 1]
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    fmt=st.sampled_from([".hrry", ".hrrs", ".safetensors"]),
+    kind=st.sampled_from(["flip", "truncate", "field"]),
+    data=st.data(),
+)
+def test_random_damage_gives_the_documented_error_or_the_same_data(
+    tmp_path: Path, fmt: str, kind: str, data: st.DataObject
+) -> None:
+    raw = bytearray(_file(fmt, tmp_path))
+    if kind == "flip":
+        for _ in range(data.draw(st.integers(1, 4), label="flips")):
+            raw[data.draw(st.integers(0, len(raw) - 1), label="at")] ^= data.draw(st.integers(1, 255), label="xor")
+    elif kind == "truncate":
+        del raw[data.draw(st.integers(0, len(raw) - 1), label="cut") :]
+    else:  # a size or offset field: any 8 aligned bytes set to a hostile value
+        at = data.draw(st.integers(0, max(0, len(raw) // 8 - 1)), label="word") * 8
+        raw[at : at + 8] = data.draw(st.sampled_from(_SIZES), label="value").to_bytes(8, "little")
+    path = tmp_path / f"damaged{fmt}"
+    path.write_bytes(bytes(raw))
+    try:
+        back = hv.load(path)
+    except hv.HurrayFormatError:
+        loaded = False
+    else:
+        loaded = True
+        assert back.num_layers == SNAP.num_layers
+    checked = hv.validate(path)  # never raises
+    if checked.ok:
+        assert loaded, f"validate said ok where load refused ({kind} {fmt})"
