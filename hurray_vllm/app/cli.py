@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -239,9 +241,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from ..adapters.vllm.migrate import migrate
 
     if args.prompt_file:
-        prompt = [int(t) for t in Path(args.prompt_file).read_text().replace(",", " ").split()]
+        prompt = _token_ids(Path(args.prompt_file).read_text(), "prompt_file")
     else:
-        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        prompt = _token_ids(args.prompt_ids, "prompt_ids")
     result = migrate(args.source, args.destination, prompt, after=args.after, max_tokens=args.max_tokens,
                      model=args.model)  # fmt: skip
     if args.json:
@@ -271,8 +273,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from ..chunks.store import DirectoryStore
     from ..transport import receiver_for
 
-    host, _, port = args.listen.rpartition(":")
-    receiver = receiver_for(args.transport, host or "127.0.0.1", int(port), DirectoryStore(args.dir)).start()
+    host, port = args.listen
+    receiver = receiver_for(args.transport, host, port, DirectoryStore(args.dir)).start()
     if not args.quiet:
         where = f"{receiver.address[0]}:{receiver.address[1]}"
         print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
@@ -296,14 +298,48 @@ def cmd_receive(args: argparse.Namespace) -> int:
 
 def _size(text: str) -> int:
     """``"500M"``, ``"20G"``, ``"1.5T"`` or plain bytes (binary units: M = MiB)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
+        n = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500M, 20G)") from None
+        n = math.nan
+    if not (math.isfinite(n) and 0 <= n < 1 << 63):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 500M, 20G, 1.5T)")
+    return int(n)
+
+
+#: The largest page a conversion repages to: far above any engine's, far below an allocation that cannot succeed.
+_MAX_PAGE_SIZE = 1 << 20
+
+
+def _page_size(text: str) -> int:
+    """A page size in tokens, ``1 .. 2^20``."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= _MAX_PAGE_SIZE:
+        raise argparse.ArgumentTypeError(f"not a page size: {text!r} (a number of tokens, 1 to {_MAX_PAGE_SIZE})")
+    return n
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``:PORT`` listens on 127.0.0.1)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 0-65535, got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def _token_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise HurrayArgumentError(what, "token ids must be integers separated by commas or spaces") from None
+    if not ids or min(ids) < 0:
+        raise HurrayArgumentError(what, "give at least one token id, each >= 0")
+    return ids
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -322,6 +358,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"stale temporary files ({report.bytes_removed / 2**20:.1f} MiB); "
             f"{report.chunks_kept} chunks ({report.bytes_kept / 2**20:.1f} MiB) remain"
         )
+    for skipped in report.skipped:
+        print(f"hurray-vllm: skipped (check its permissions): {skipped}", file=sys.stderr)
     return 0
 
 
@@ -369,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("input")
     s.add_argument("output")
     s.add_argument("--to", choices=["hrry", "stream", "safetensors"], help="output format (default: from the suffix)")
-    s.add_argument("--page-size", type=int, help="repage to pages of this many tokens on the way")
+    s.add_argument("--page-size", type=_page_size, help="repage to pages of this many tokens on the way")
     s.add_argument("--permissive", action="store_true", help="carry over descriptors with waivable violations")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_convert)
@@ -397,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept KV chunks sent over TCP or NIXL into a chunk store",
         description="Example: hurray-vllm receive --listen 0.0.0.0:9000 --dir /var/cache/hurray [--transport nixl]",
     )
-    s.add_argument("--listen", required=True, help="HOST:PORT")
+    s.add_argument("--listen", required=True, type=_host_port, help="HOST:PORT")
     s.add_argument(
         "--transport",
         choices=CHANNELS,
@@ -445,15 +483,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except HurrayFormatError as exc:
-        print(f"hurray-vllm: invalid input: {exc}", file=sys.stderr)
-        return 1
     except HurrayArgumentError as exc:  # an option the library refused: the call, not the data
         print(f"hurray-vllm: {exc}", file=sys.stderr)
         return 2
+    except HurrayFormatError as exc:
+        print(f"hurray-vllm: invalid input: {exc}", file=sys.stderr)
+        return 1
     except FileNotFoundError as exc:
         print(f"hurray-vllm: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a directory, a permission, an unreachable server: say which
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"hurray-vllm: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug: one line, and the traceback on request
+        if os.environ.get("HURRAY_VLLM_DEBUG"):
+            raise
+        print(
+            f"hurray-vllm: internal error: {type(exc).__name__}: {exc} "
+            "(HURRAY_VLLM_DEBUG=1 shows the traceback; please report it)",
+            file=sys.stderr,
+        )
+        return 3
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,8 @@ class PruneReport:
     bad_removed: int = 0
     temp_removed: int = 0
     bytes_removed: int = 0
+    #: Paths that could not be read or deleted (permissions), with the reason: pruning went on without them.
+    skipped: list[str] = field(default_factory=list)
 
     def add(self, kind: str, size: int) -> None:
         """Count a deleted file of ``size`` bytes: ``kind`` is ``"chunk"``, ``"bad"`` (moved aside) or else a temp."""
@@ -38,6 +40,10 @@ class PruneReport:
         else:
             self.temp_removed += 1
         self.bytes_removed += size
+
+
+#: Temporary files younger than this are never deleted: their writer may be alive (a chunk writes in < 1 s).
+MIN_STALE_TEMP_S = 60.0
 
 
 def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0, dry_run: bool = False) -> PruneReport:
@@ -53,18 +59,35 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
     stops at the first missing one), so its tail goes first. Safe while
     engines use the store: a chunk deleted under an engine that mapped it
     stays readable for that engine, and later lookups miss it.
-    ``dry_run`` only reports. Bytes are file sizes.
+    ``dry_run`` only reports. Bytes are file sizes. A namespace or file
+    that cannot be read or deleted (permissions) is listed in
+    ``report.skipped`` and the rest is pruned.
     """
     if max_bytes < 0:
         raise HurrayArgumentError("max_bytes", f"must be >= 0, got {max_bytes}")
+    if not stale_temp_s >= MIN_STALE_TEMP_S:
+        raise HurrayArgumentError(
+            "stale_temp_s",
+            f"must be at least {MIN_STALE_TEMP_S:g} s, got {stale_temp_s}: a younger temporary file may belong to a "
+            "writer that is still writing it",
+        )
     now = time.time()
     chunks: list[tuple[float, int, Path]] = []
     doomed: list[tuple[str, int, Path]] = []
-    for ns in sorted(p for p in store.root.iterdir() if p.is_dir()) if store.root.is_dir() else []:
-        for entry in os.scandir(ns):
+    skipped: list[str] = []
+    for ns in _namespaces(store.root, skipped):
+        try:
+            entries = list(os.scandir(ns))
+        except OSError as exc:  # an unreadable namespace: prune the others
+            skipped.append(f"{ns}: {exc.strerror or exc}")
+            continue
+        for entry in entries:
             try:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
+                continue
+            except OSError as exc:
+                skipped.append(f"{entry.path}: {exc.strerror or exc}")
                 continue
             name = entry.name
             if name.endswith(".hrry.bad"):
@@ -81,12 +104,25 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
             break
         doomed.append(("chunk", size, path))
         total -= size
-    report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=len(chunks))
+    report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=len(chunks), skipped=skipped)
     for kind, size, path in doomed:
         if not dry_run:
             try:
                 path.unlink()
             except FileNotFoundError:  # another pruner was first: gone all the same
                 pass
+            except OSError as exc:
+                report.skipped.append(f"{path}: {exc.strerror or exc}")
+                if kind == "chunk":
+                    report.bytes_kept += size
+                continue
         report.add(kind, size)
     return report
+
+
+def _namespaces(root: Path, skipped: list[str]) -> list[Path]:
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    except OSError as exc:
+        skipped.append(f"{root}: {exc.strerror or exc}")
+        return []

@@ -128,10 +128,15 @@ class DirectoryStore:
         return prune(self, max_bytes, stale_temp_s=stale_temp_s, dry_run=dry_run)
 
     def get(self, namespace: str, key: str) -> KVSnapshot:
-        """The chunk under ``key``; raises :class:`HurrayFormatError` if missing or malformed."""
+        """The chunk under ``key``, read into memory it owns; :class:`HurrayFormatError` if missing or malformed.
+
+        Not mapped: another program truncating a mapped file kills the reader
+        with SIGBUS, even after its digest passed. A read copy is checked and
+        used as it was read, whatever happens to the file afterwards.
+        """
         path = self.path(namespace, key)
         try:
-            return load(path, mmap=True)
+            return load(path, mmap=False)
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 

@@ -147,3 +147,62 @@ def test_a_refused_option_is_one_line_and_exit_2(
     assert cli.main(["inspect", str(tmp_path / "x.hrry")]) == 2
     err = capsys.readouterr().err
     assert err == "hurray-vllm: page_size: flash-attn 2 needs a multiple of 256, not 100\n"
+
+
+# ── bad input: one line and a non-zero exit, never a traceback ───────────────
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prune", "{dir}", "--max-size", "infG"],
+        ["prune", "{dir}", "--max-size", "1e400G"],
+        ["prune", "{dir}", "--max-size", "-5G"],
+        ["convert", "{file}", "{dir}/out.hrrs", "--page-size", "1099511627776"],
+        ["convert", "{file}", "{dir}/out.hrrs", "--page-size", "0"],
+        ["receive", "--listen", "localhost", "--dir", "{dir}"],
+        ["receive", "--listen", "127.0.0.1:99999", "--dir", "{dir}"],
+    ],
+    ids=["size inf", "size 1e400", "size negative", "page 2^40", "page 0", "listen no port", "listen port range"],
+)
+def test_bad_options_are_refused_before_anything_runs(
+    argv: list[str], files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [a.format(dir=files, file=files / "s.hrry") for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+TOKENS = ["--after", "2", "--max-tokens", "4"]
+
+
+def test_bad_files_and_servers_are_one_line(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [
+        ["inspect", str(tmp_path)],  # a directory as input
+        ["validate", str(tmp_path)],
+        ["convert", str(tmp_path), str(tmp_path / "x.hrrs")],
+        ["convert", str(files / "s.hrry"), str(tmp_path)],  # a directory as output
+        ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:9", "--prompt-ids", "1,2,3", *TOKENS],
+        ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:9", "--prompt-ids", "1,x", *TOKENS],
+    ]
+    for argv in cases:
+        code = main(argv)
+        captured = capsys.readouterr()
+        said = (captured.err or captured.out).strip()  # validate reports on stdout, the rest on stderr
+        assert code != 0, argv
+        assert said and "\n" not in said and "Traceback" not in said, (argv, said)
+
+
+def test_files_of_every_format_get_the_same_permissions(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    snap = spec_example_snapshot()
+    modes = set()
+    for suffix in (".hrry", ".hrrs", ".safetensors"):
+        hv.save(snap, tmp_path / f"s{suffix}")
+        modes.add(stat.S_IMODE(os.stat(tmp_path / f"s{suffix}").st_mode))
+    assert len(modes) == 1, modes

@@ -119,3 +119,43 @@ def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) 
     assert store.prune(0).chunks_kept == 0
     with pytest.raises(hv.HurrayArgumentError, match="max_bytes"):
         store.prune(-1)
+
+
+def test_a_chunk_truncated_after_it_was_read_stays_usable(tmp_path: Path) -> None:
+    """The store reads chunks into owned memory: truncating the file (another program) cannot SIGBUS the reader."""
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns = namespace_of(chunk.fingerprint)
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    got = store.get(ns, key)
+    with open(store.path(ns, key), "r+b") as f:
+        f.truncate(64)
+    assert torch.equal(got.keys[0].page_pool, chunk.keys[0].page_pool)  # would be SIGBUS on a mapping
+    with pytest.raises(hv.HurrayFormatError):
+        store.get(ns, key)
+
+
+def test_prune_skips_what_it_cannot_read_and_keeps_live_temp_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+    import os
+
+    prune_module = importlib.import_module("hurray_vllm.chunks.prune")  # the package re-exports the function
+
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, spec_example_snapshot(), 4) == 1
+    (tmp_path / "locked").mkdir()
+    real = os.scandir
+
+    def scandir(path):  # type: ignore[no-untyped-def]
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(prune_module.os, "scandir", scandir)
+    report = store.prune(0)
+    assert report.chunks_removed == 1 and any("locked" in s for s in report.skipped)
+    with pytest.raises(hv.HurrayArgumentError, match="stale_temp_s"):
+        store.prune(0, stale_temp_s=0)
