@@ -27,7 +27,7 @@ from ..wire.crc32c import crc32c
 from ..wire.descriptor import LAYOUT_COMPOSITE, encode_descriptor, peek_descriptor_length
 from ..wire.rules import decode_checked
 from .atomic import atomic_file
-from .schema import Record
+from .schema import MAX_RECORDS, Record
 from .stream import byte_view, read_into, tensor_bytes
 
 __all__ = ["FILE_MAGIC", "write_file", "HrryFile", "IndexEntry"]
@@ -272,6 +272,8 @@ def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> 
     (count,) = struct.unpack_from("<Q", index, 0)
     if count > (len(index) - 8) // 35:
         raise HurrayFormatError("file.index", f"{count} entries cannot fit in {len(index)} index bytes")
+    if count > MAX_RECORDS:
+        raise HurrayFormatError("file.index", f"{count} entries (at most {MAX_RECORDS})")
     pos = 8
     entries = []
     names: set[str] = set()
@@ -296,6 +298,12 @@ def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> 
             raise HurrayFormatError("file.index.descriptor_offset", f"entry {name!r} descriptor is out of place")
         if data_off + data_len > index_off or (data_len and data_off % alignment):
             raise HurrayFormatError("file.index.data_offset", f"entry {name!r} data is out of place")
+        # Data inside the header or over its own descriptor would be read as tensor bytes (the CRC
+        # can be recomputed): it must lie in the body, clear of the descriptor it belongs to.
+        if data_len and (data_off < first or (data_off < d_off + d_len and d_off < data_off + data_len)):
+            raise HurrayFormatError(
+                "file.index.data_offset", f"entry {name!r} data overlaps the file header or its descriptor"
+            )
         entries.append(IndexEntry(name, d_off, d_len, data_off, data_len))
     if pos != len(index):
         raise HurrayFormatError("file.index", f"{len(index) - pos} stray bytes after the last entry")

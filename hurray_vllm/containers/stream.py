@@ -25,7 +25,7 @@ from ..wire.descriptor import (
     peek_descriptor_length,
 )
 from ..wire.rules import decode_checked
-from .schema import Record, dense_record, layer_records
+from .schema import MAX_RECORDS, Record, dense_record, layer_records
 
 __all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view"]
 
@@ -143,6 +143,8 @@ def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
         head = _read_upto(f, 10)
         if not head:
             return
+        if index >= MAX_RECORDS:
+            raise HurrayFormatError("stream", f"more than {MAX_RECORDS} records in one stream")
         if len(head) < 10:
             raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index} header")
         length = peek_descriptor_length(head)

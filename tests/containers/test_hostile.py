@@ -236,3 +236,47 @@ def test_random_damage_gives_the_documented_error_or_the_same_data(
     checked = hv.validate(path)  # never raises
     if checked.ok:
         assert loaded, f"validate said ok where load refused ({kind} {fmt})"
+
+
+# ── crafted structure: offsets into the header, huge groups ───────────────────
+
+
+def test_an_index_entry_pointing_into_the_header_is_refused(tmp_path: Path) -> None:
+    """Data offset 0 with the CRC recomputed: the header would be read as token ids."""
+    import struct
+
+    from hurray_vllm.wire.crc32c import crc32c
+
+    path = tmp_path / "s.hrry"
+    hv.save(SNAP, path)
+    raw = bytearray(path.read_bytes())
+    index_off, index_len, *_ = struct.unpack_from("<QQQII", raw, len(raw) - 40)
+    index = bytearray(raw[index_off : index_off + index_len])
+    pos, patched = 8, False
+    for _ in range(struct.unpack_from("<Q", index, 0)[0]):
+        (n,) = struct.unpack_from("<H", index, pos)
+        name = bytes(index[pos + 2 : pos + 2 + n]).decode()
+        at = pos + 2 + n
+        d_off, d_len, _, data_len, flags = struct.unpack_from("<QIQQI", index, at)
+        if name == "snapshot.token_ids" and data_len:
+            struct.pack_into("<QIQQI", index, at, d_off, d_len, 0, data_len, flags)
+            patched = True
+        pos = at + 32
+    assert patched
+    raw[index_off : index_off + index_len] = index
+    struct.pack_into("<I", raw, len(raw) - 40 + 32 - 4, crc32c(bytes(index)))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(hv.HurrayFormatError, match="header") as err:
+        hv.load(path)
+    assert err.value.field == "file.index.data_offset"
+    assert not hv.validate(path).ok
+
+
+def test_a_group_of_a_million_members_is_refused_before_it_is_read() -> None:
+    from hurray_vllm.containers.schema import MAX_RECORDS
+
+    out = io.BytesIO()
+    write_records([group_head("g", 1_000_000, [0], torch.uint8)], out)
+    out.write(b"\0" * 1000)
+    with pytest.raises(hv.HurrayFormatError, match=f"at most {MAX_RECORDS}"):
+        hv.read_stream(io.BytesIO(out.getvalue()))

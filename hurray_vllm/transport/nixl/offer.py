@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from ...containers.schema import Record, dense_record, header_records, layer_records
+from ...containers.schema import MAX_RECORDS, Record, dense_record, header_records, layer_records
 from ...containers.stream import layer_structure_key, tensor_bytes
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
@@ -58,7 +58,6 @@ _INLINE, _REMOTE = 0, 1
 _INLINE_BYTE, _REMOTE_BYTE = bytes([_INLINE]), bytes([_REMOTE])
 #: Descriptors and inline buffers (token ids, block tables, metadata) of one chunk.
 MAX_OFFER_BYTES = 64 << 20
-MAX_RECORDS = 1 << 16
 #: Every NIXL notification of this module starts so (``hvn1:<xfer id hex>:<pool index>``).
 NOTIF_PREFIX = b"hvn1:"
 
