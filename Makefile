@@ -40,9 +40,9 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not vllm and not slow"
 
 # Longer hostile-input runs than the suite's share (seeded: a failure reproduces).
-FUZZ_EXAMPLES ?= 5000
+FUZZ_EXAMPLES ?= 15000
 fuzz: install
-	HURRAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider \
+	HURRAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider --hypothesis-seed=0 \
 		tests/containers/test_hostile.py tests/chunks/test_integrity.py tests/transport/test_tcp.py
 
 # On a CUDA machine with flash-attn / FlashInfer installed.

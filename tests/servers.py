@@ -183,6 +183,9 @@ def run_engine(
     extra: dict[str, Any] | None,
     prompts: dict[str, list[int]],
     max_tokens: int | dict[str, int] = 8,
+    *,
+    sequential: bool = False,
+    prefix_caching: bool = True,
 ) -> dict[str, Any]:
     """Run one offline vLLM engine over ``prompts`` in a subprocess (``tmp / "model"``, greedy).
 
@@ -193,6 +196,9 @@ def run_engine(
         extra: ``kv_connector_extra_config`` of a ``HurrayConnector``, or None for no connector.
         prompts: request id -> prompt token ids.
         max_tokens: tokens to generate (per request id, or for all).
+        sequential: run the requests one after the other (a later one can hit an earlier one's
+            prefix in vLLM's own prefix cache).
+        prefix_caching: vLLM's prefix cache (on by default, as in vLLM).
 
     Returns:
         The run's outputs, vLLM counters and connector statistics, plus its ``log``.
@@ -204,6 +210,8 @@ def run_engine(
         "prompts": prompts,
         "max_tokens": max_tokens,
         "stats": True,
+        "sequential": sequential,
+        "prefix_caching": prefix_caching,
     }
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate"]

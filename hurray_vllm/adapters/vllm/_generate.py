@@ -44,7 +44,7 @@ def main() -> None:
         block_size=cfg["block_size"],
         max_model_len=1024,
         kv_transfer_config=kv,
-        enable_prefix_caching=False,
+        enable_prefix_caching=cfg.get("prefix_caching", True),  # vLLM's default
         seed=0,
     )
     ids = list(cfg["prompts"])
@@ -58,7 +58,11 @@ def main() -> None:
         )
         for i in ids
     ]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=cfg["prompts"][i]) for i in ids], params, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=cfg["prompts"][i]) for i in ids]
+    if cfg.get("sequential"):  # one request after the other: a later one can hit an earlier one's cached prefix
+        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     result: dict[str, Any] = {
         "outputs": {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs)},
         "cached": {i: o.num_cached_tokens for i, o in zip(ids, outs)},

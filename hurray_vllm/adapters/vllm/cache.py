@@ -24,6 +24,7 @@ from ...wire import dtypes
 from .layouts import CpuPacked, KVLayout, LogicalBHNC
 
 __all__ = [
+    "unsupported_cache",
     "EngineCache",
     "describe_worker_cache",
     "attention_layers",
@@ -84,6 +85,28 @@ class EngineCache:
             "fingerprint": self.fingerprint,
             "source": SnapshotSource(self.engine, self.layout_name, self.block_size),
         }
+
+
+def unsupported_cache(kv_cache_config: Any) -> str | None:
+    """Why hurray-vllm cannot export this engine's KV cache, or None when it can.
+
+    Today: one KV cache group of full key/value attention. MLA latents,
+    sliding-window and linear-attention (Mamba, GDN) groups are named, so
+    that the engine is refused at start with a message instead of failing at
+    the first save.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    if any("MLA" in k for k in kinds):
+        return (
+            "the model caches MLA latents (DeepSeek-style, one fused tensor per layer); hurray-vllm exports "
+            "key/value attention caches only so far"
+        )
+    if len(groups) > 1:
+        return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"
+    if kinds and kinds[0] != "FullAttentionSpec":
+        return f"the model's KV cache is {kinds[0]}; only full key/value attention (FullAttentionSpec) is supported"
+    return None
 
 
 def attention_layers(vllm_config: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
-from .cache import EngineCache, attention_layers, describe_worker_cache
+from .cache import EngineCache, attention_layers, describe_worker_cache, unsupported_cache
 from .export import SequenceState, export_snapshot, export_stream
 
 __all__ = ["snapshot", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
@@ -77,6 +77,9 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
     """Block ids, computed tokens and token ids of live requests (scheduler side)."""
     core = _core(llm)
     sched = core.scheduler
+    why = unsupported_cache(getattr(sched.kv_cache_manager, "kv_cache_config", None))
+    if why is not None:
+        raise HurrayFormatError("kv_cache_groups", f"cannot snapshot this engine: {why}")
     out = []
     for rid in request_ids:
         internal = _internal_id(llm, core, rid)

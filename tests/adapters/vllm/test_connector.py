@@ -40,9 +40,12 @@ def run_engine(
     extra: dict[str, Any] | None,
     prompts: dict[str, list[int]] | None = None,
     max_tokens: int = 8,
+    **options: Any,
 ) -> dict[str, Any]:
     """:func:`servers.run_engine` over this module's prompts unless given others."""
-    return servers.run_engine(tmp, name, block_size, extra, PROMPTS if prompts is None else prompts, max_tokens)
+    return servers.run_engine(
+        tmp, name, block_size, extra, PROMPTS if prompts is None else prompts, max_tokens, **options
+    )
 
 
 def _store_files(store: Path, prompt: list[int], ns: str) -> list[Path]:
@@ -82,10 +85,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     clean = tmp / "clean-store"
     shutil.copytree(store, clean)
     _break_store(store)
-    out["consumer"] = run_engine(tmp, "consumer", 32, {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK})
+    # Prefix caching off in this one run: "q" then asks the connector for the chunks it shares with "p"
+    # (with it on, vLLM serves them itself, and the remembered-chunk path goes untested).
+    out["consumer"] = run_engine(
+        tmp, "consumer", 32, {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}, prefix_caching=False
+    )
     out["consumer64"] = run_engine(tmp, "consumer64", 64, {"hurray_path": str(clean), "hurray_chunk_tokens": CHUNK})
+    # vLLM's prefix cache first holds one 32-token block of "p" (from a short request), so "p" itself
+    # then hits locally in the middle of its first 64-token chunk: the connector loads the rest.
+    out["midchunk"] = servers.run_engine(
+        tmp,
+        "midchunk",
+        32,
+        {"hurray_path": str(clean), "hurray_chunk_tokens": CHUNK},
+        {"short": SHARED[:40] + _prompt(7, 10), "p": SHARED},
+        8,
+        sequential=True,
+    )
     out["store"] = store  # type: ignore[assignment]
     return out
+
+
+def test_a_local_prefix_hit_that_ends_mid_chunk_still_loads_the_rest(runs) -> None:  # type: ignore[no-untyped-def]
+    r = runs["midchunk"]
+    assert r["outputs"]["p"] == runs["plain"]["outputs"]["p"]
+    # 32 tokens from vLLM's own prefix cache, 32 + 128 from the store: vLLM counts both as cached.
+    assert r["cached"]["p"] == 192, r["cached"]
+    assert r["worker_stats"]["tokens_loaded"] == 160, r["worker_stats"]
 
 
 def test_consumer_continues_identically_without_recomputing(runs) -> None:  # type: ignore[no-untyped-def]
@@ -95,8 +121,8 @@ def test_consumer_continues_identically_without_recomputing(runs) -> None:  # ty
             assert r["outputs"][rid] == runs["plain"]["outputs"][rid], f"{name} {rid}"
         # vLLM's own counter: 3 chunks of 64 of the 200-token prompt came from the store.
         assert r["cached"]["p"] == 192 and r["cached"]["q"] == 192
-        # "q" shares 2 chunks with "p": verified once, for "p", then taken from memory.
-        assert r["scheduler_stats"]["chunks_remembered"] >= 2, name
+    # "q" shares 2 chunks with "p": verified once, for "p", then taken from memory.
+    assert runs["consumer"]["scheduler_stats"]["chunks_remembered"] >= 2
     assert runs["consumer64"]["worker_stats"]["chunks_loaded"] >= 6
 
 

@@ -316,3 +316,27 @@ def test_building_a_part_changes_nothing_process_wide(tmp_path) -> None:  # type
     before = VERIFIED.capacity
     _scheduler_with_one_chunk(tmp_path)
     assert VERIFIED.capacity == before
+
+
+@pytest.mark.parametrize(
+    ("specs", "says"),
+    [
+        (["MLAAttentionSpec"], "MLA latents"),
+        (["SlidingWindowSpec", "FullAttentionSpec"], "2 KV cache groups"),
+        (["MambaSpec", "FullAttentionSpec"], "hybrid"),
+        (["SlidingWindowSpec"], "SlidingWindowSpec"),
+    ],
+)
+def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[str], says: str) -> None:
+    """Refused when the engine builds the connector, naming what the model has: never a crash at the first save."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.errors import HurrayArgumentError
+
+    groups = [SimpleNamespace(kv_cache_spec=type(name, (), {})()) for name in specs]
+    kv_cache_config = SimpleNamespace(kv_cache_groups=groups)
+    with pytest.raises(HurrayArgumentError, match=says) as err:
+        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), kv_cache_config)  # type: ignore[arg-type]
+    assert err.value.field == "kv_cache_groups"
+    full = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=type("FullAttentionSpec", (), {})())])
+    HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), full)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ def _server(tmp: Path, name: str, port: int, block_size: int, extra: dict[str, o
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(tmp / "model"), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-        "--max-model-len", "1024", "--block-size", str(block_size), "--no-enable-prefix-caching",
+        "--max-model-len", "1024", "--block-size", str(block_size),  # prefix caching on: the default
         "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
         "--kv-transfer-config", json.dumps(kv),
     ]  # fmt: skip

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....transport import CHANNELS, channel_of
+from ..cache import unsupported_cache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,9 +103,9 @@ class HurrayConfig:
             url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
         except HurrayFormatError as exc:
             raise HurrayArgumentError("hurray_url", str(exc)) from exc
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise HurrayArgumentError("kv_cache_groups", "HurrayConnector supports models with one KV cache group")
+        why = unsupported_cache(kv_cache_config)
+        if why is not None:
+            raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector cannot serve this model: {why}")
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             raise HurrayArgumentError("tensor_parallel_size", "HurrayConnector does not handle tensor parallelism yet")
         save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")

@@ -35,8 +35,11 @@ class LoadTask:
     request_id: str
     keys: list[str]
     tokens: list[list[int]]  # per chunk
-    block_ids: list[int]  # engine blocks to fill, chunk after chunk
+    block_ids: list[int]  # engine blocks to fill, chunk after chunk (the first chunk's skipped blocks excluded)
     identities: list[tuple[int, ...]] = field(default_factory=list)  # of the chunk files the scheduler verified
+    #: Leading blocks of the first chunk the engine already holds (a local prefix-cache hit that ends
+    #: mid-chunk): they are not written, so blocks shared with other requests are never touched.
+    skip_blocks: int = 0
 
 
 @dataclass

@@ -162,10 +162,13 @@ class HurrayScheduler:
             idents.append(ident)
             hit = i + 1
         matched = hit * self._chunk - num_computed_tokens
-        if matched <= 0 or num_computed_tokens % self._chunk:
+        if matched <= 0 or num_computed_tokens % self._block_size:
             return 0, False
+        # A local prefix-cache hit may end inside chunk `first`: its leading blocks are the engine's
+        # (possibly shared with other requests) and are skipped; the rest of the chunk is loaded.
+        skip = (num_computed_tokens - first * self._chunk) // self._block_size
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
-        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], idents)
+        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], idents, skip_blocks=skip)
         return matched, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -209,8 +212,8 @@ class HurrayScheduler:
         load = state.load
         assert load is not None
         # The scheduler already counts the loaded tokens as computed.
-        first = (computed - len(load.keys) * self._chunk) // self._block_size
-        nblocks = len(load.keys) * self._chunk // self._block_size
+        nblocks = len(load.keys) * self._chunk // self._block_size - load.skip_blocks
+        first = computed // self._block_size - nblocks
         load.block_ids = state.block_ids[first : first + nblocks]
         meta.loads.append(load)
         state.chunks_done = computed // self._chunk

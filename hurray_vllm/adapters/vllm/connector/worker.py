@@ -205,13 +205,15 @@ class HurrayWorker:
                 continue
             ids = torch.tensor(task.block_ids, dtype=torch.int64)
             per = self._chunk // ec.block_size
+            skip = task.skip_blocks  # the first chunk's blocks the engine holds already (prefix cache)
             for layer in range(ec.num_layers):
                 # Chunk by chunk, straight from each chunk's pages: no dense copy, no concatenation.
                 for c, chunk in enumerate(chunks):
                     k, v = self._pages(chunk, layer)
-                    write_blocks(ec, layer, ids[c * per : (c + 1) * per], k, v)
+                    lo = 0 if c else skip
+                    write_blocks(ec, layer, ids[c * per - skip + lo : (c + 1) * per - skip], k[lo:], v[lo:])
             self.stats.chunks_loaded += len(chunks)
-            self.stats.tokens_loaded += len(chunks) * self._chunk
+            self.stats.tokens_loaded += len(chunks) * self._chunk - skip * ec.block_size
 
     def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
         key = task.keys[c]
