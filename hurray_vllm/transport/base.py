@@ -44,6 +44,7 @@ __all__ = [
     "recv_exact",
     "check_names",
     "send_error",
+    "finish_with_error",
     "read_message",
     "read_answer",
 ]
@@ -81,6 +82,26 @@ def check_names(ns: str, key: str) -> None:
     # fullmatch: "^...$" with match() accepts a trailing newline, which would end up in a file name.
     if not (CHUNK_NAME.fullmatch(ns) and CHUNK_NAME.fullmatch(key)):
         raise HurrayFormatError("transport", "namespace and key must be 1-64 lowercase hex digits")
+
+
+def finish_with_error(conn: socket.socket, exc: BaseException, *, linger_s: float = 1.0) -> None:
+    """Answer ``ER`` and end the connection so that the answer arrives.
+
+    Closing a socket with unread input makes the kernel send a reset, which
+    may discard the answer before the peer reads it. So: answer, shut the
+    sending side, and read (a bounded amount, for at most ``linger_s``) until
+    the peer closes too.
+    """
+    if not send_error(conn, exc):
+        return
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(linger_s)
+        left = 1 << 20
+        while left > 0 and (data := conn.recv(min(left, 1 << 16))):
+            left -= len(data)
+    except OSError:
+        pass
 
 
 def send_error(conn: socket.socket, exc: BaseException) -> bool:
@@ -273,7 +294,7 @@ class ReceiverBase(abc.ABC):
                 except Exception as exc:  # a bug or an unforeseen library error: refuse, never die silently
                     self.count(False, f"{type(exc).__name__}: {exc}")
                     log.exception("hurray %s receiver: connection failed, nothing stored", self.transport)
-                    send_error(conn, exc)
+                    finish_with_error(conn, exc)
         finally:
             with self._mu:
                 self._conns.discard(conn)

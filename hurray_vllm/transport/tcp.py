@@ -33,6 +33,7 @@ from .base import (
     ChunkSender,
     ReceiverBase,
     check_names,
+    finish_with_error,
     read_answer,
     recv_exact,
     send_error,
@@ -190,7 +191,7 @@ class Receiver(ReceiverBase):
                 # The rest of a refused frame is skipped so the next one can be read; a frame
                 # longer than the limit is not worth reading: the connection closes instead.
                 if length > self.max_chunk_bytes:
-                    send_error(conn, exc)
+                    finish_with_error(conn, exc)
                     return False
                 body.drain()
             except (HurrayFormatError, OSError):

@@ -483,3 +483,24 @@ def test_sliding_window_layers_that_dropped_tokens_are_refused(hf_model) -> None
         sliding.update(layer.keys, layer.values, i)
     with pytest.raises(hv.HurrayFormatError, match="sliding-window"):
         tfa.from_transformers(sliding, [[*PROMPT[:20], first]])
+
+
+def test_a_config_built_in_code_accepts_its_own_snapshot() -> None:
+    """No ``architectures`` in the config: the fingerprint falls back to model_type, and the check accepts it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=100)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    prompt = [1, 5, 9, 12]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    first = int(out.logits[0, -1].argmax())
+    snap = tfa.from_transformers(out.past_key_values, [[*prompt, first]], model_config=cfg)
+    assert snap.fingerprint is not None and snap.fingerprint.architecture == "llama"
+    tokens = tfa.continue_generation(model, snap, 0, 3)
+    assert [first, *tokens] == model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 4:].tolist()
+    other = replace(snap, fingerprint=replace(snap.fingerprint, architecture="mistral"))
+    with pytest.raises(hv.HurrayFormatError, match="architecture"):
+        tfa.continue_generation(model, other, 0, 1)

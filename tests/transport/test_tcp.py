@@ -179,3 +179,12 @@ def test_frame_fields_split_across_segments_are_read_whole(receiver: Receiver) -
         s.sendall(len(body).to_bytes(8, "little") + body)
         assert recv_exact(s, 2) == b"ER"
     assert DirectoryStore(receiver.store.root).has(ns, key)  # type: ignore[attr-defined]
+
+
+def test_a_2_to_the_60_announcement_is_refused_at_the_default_limit(receiver: Receiver) -> None:
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        s.sendall(b"HVC1" + (2).to_bytes(2, "little") + b"ab" + (2).to_bytes(2, "little") + b"cd")
+        s.sendall((1 << 60).to_bytes(8, "little") + b"HRRS")
+        assert recv_exact(s, 2) == b"ER"
+        assert s.recv(int.from_bytes(recv_exact(s, 2), "little")).startswith(b"transport: chunk of")
+        assert s.recv(1) == b""  # closed: not drained

@@ -27,6 +27,7 @@ from ..base import (
     U32,
     U64,
     ReceiverBase,
+    finish_with_error,
     recv_exact,
     send_error,
 )
@@ -276,7 +277,7 @@ class NixlReceiver(ReceiverBase):
                 log.warning("hurray nixl receiver: dropping connection: %s", exc)
                 if isinstance(exc, HurrayFormatError):
                     self.count(False, str(exc))
-                    send_error(conn, exc)
+                    finish_with_error(conn, exc)
                 return
             if not self._chunk(conn, body):
                 return
