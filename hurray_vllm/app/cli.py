@@ -19,6 +19,7 @@ from ..containers.schema import Node, Record, index_tables
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..progress import progress
 from ..transport import CHANNELS
+from ..transport.base import parse_listen
 from ..wire import dtypes
 from ..wire.descriptor import TensorDescriptor
 
@@ -326,10 +327,10 @@ def _page_size(text: str) -> int:
 
 def _host_port(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``:PORT`` listens on 127.0.0.1)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 0-65535, got {text!r}")
-    return host or "127.0.0.1", int(port)
+    try:
+        return parse_listen(text)
+    except HurrayFormatError as exc:
+        raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None
 
 
 def _token_ids(text: str, what: str) -> list[int]:

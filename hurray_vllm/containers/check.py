@@ -108,7 +108,7 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
     except OSError as exc:
         unreadable = (Violation("file", str(exc)),)
     except Exception as exc:  # HurrayFormatError, or a reader's bug on malformed input: a finding, not a crash
-        unreadable = _violations(as_format_error(exc, str(path)))
+        unreadable = as_format_error(exc, str(path)).violations
     checked = Checked(tuple(out), permissive, unreadable)
     if checked.ok and snapshot_like:
         try:
@@ -116,9 +116,5 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
         except OSError as exc:
             return Checked(tuple(out), permissive, (Violation("file", str(exc)),))
         except Exception as exc:
-            return Checked(tuple(out), permissive, _violations(as_format_error(exc, str(path))))
+            return Checked(tuple(out), permissive, as_format_error(exc, str(path)).violations)
     return checked
-
-
-def _violations(exc: HurrayFormatError) -> tuple[Violation, ...]:
-    return exc.violations

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..chunks.store import ChunkStore
 from ..errors import HurrayArgumentError, HurrayFormatError
-from .base import DEFAULT_TIMEOUT_S, Chunk, ChunkSender, ReceiverBase
+from .base import DEFAULT_TIMEOUT_S, Chunk, ChunkSender, ReceiverBase, parse_address
 
 __all__ = [
     "CHANNELS",
@@ -50,14 +50,8 @@ def channel_of(url: str) -> str:
         HurrayFormatError: an unknown scheme or a malformed address (the field is ``hurray_url``).
     """
     scheme = url.partition("://")[0] if "://" in url else ""
-    if scheme == "tcp":
-        from .tcp import parse_url
-
-        parse_url(url)
-    elif scheme == "nixl":
-        from .nixl.offer import parse_nixl_url  # the codec only: NIXL itself is not loaded
-
-        parse_nixl_url(url)
+    if scheme in CHANNELS:
+        parse_address(url, scheme)  # NIXL itself is not loaded to check a nixl:// URL
     else:
         raise HurrayFormatError(
             "hurray_url", f"unknown transport {scheme!r} in {url!r}; expected tcp://HOST:PORT or nixl://HOST:PORT"

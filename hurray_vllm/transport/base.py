@@ -26,6 +26,7 @@ import struct
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
+from urllib.parse import urlparse
 
 import torch
 
@@ -41,6 +42,8 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_IDLE_TIMEOUT_S",
+    "parse_address",
+    "parse_listen",
     "recv_exact",
     "check_names",
     "send_error",
@@ -64,6 +67,26 @@ DEFAULT_IDLE_TIMEOUT_S = 120.0
 _MAX_MESSAGE = 1000
 
 U16, U32, U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
+
+
+def parse_address(url: str, scheme: str) -> tuple[str, int]:
+    """``SCHEME://HOST:PORT`` -> ``(HOST, PORT)``; :class:`HurrayFormatError` names ``hurray_url`` otherwise."""
+    u = urlparse(url)
+    try:
+        port = u.port
+    except ValueError:  # a port that is not a number, or out of range
+        port = None
+    if u.scheme != scheme or not u.hostname or not port:
+        raise HurrayFormatError("hurray_url", f"expected {scheme}://HOST:PORT, got {url!r}")
+    return u.hostname, port
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """A receiver's ``HOST:PORT`` (``:PORT``: 127.0.0.1; port 0 picks a free one); :class:`HurrayFormatError`."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise HurrayFormatError("hurray_listen", f"expected HOST:PORT with a port 0-65535, got {text!r}")
+    return host or "127.0.0.1", int(port)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -182,6 +205,7 @@ class ReceiverBase(abc.ABC):
         store: Where accepted chunks go (``put`` is called from the connection threads).
         timeout: How long one step of a chunk may take, in seconds.
         idle_timeout: How long a connection may stay silent between chunks.
+        max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL).
 
     Example:
         >>> from hurray_vllm.chunks.store import DirectoryStore
@@ -201,12 +225,14 @@ class ReceiverBase(abc.ABC):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
     ) -> None:
         if timeout <= 0 or idle_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got timeout={timeout}, idle_timeout={idle_timeout}")
         self.store = store
         self.timeout = timeout
         self.idle_timeout = idle_timeout
+        self.max_chunk_bytes = max_chunk_bytes
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()

@@ -18,13 +18,11 @@ import logging
 import socket
 from collections.abc import Iterable
 from typing import BinaryIO, cast
-from urllib.parse import urlparse
 
-from ..chunks.store import ChunkStore, digest_matches
+from ..chunks.store import digest_matches
 from ..containers.io import read_stream, write_stream
 from ..errors import HurrayFormatError
 from .base import (
-    DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     MAX_CHUNK_BYTES,
     U16,
@@ -34,6 +32,7 @@ from .base import (
     ReceiverBase,
     check_names,
     finish_with_error,
+    parse_address,
     read_answer,
     recv_exact,
     send_error,
@@ -47,14 +46,7 @@ MAGIC = b"HVC1"
 
 def parse_url(url: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` -> ``(HOST, PORT)``; :class:`HurrayFormatError` names ``hurray_url`` otherwise."""
-    u = urlparse(url)
-    try:
-        port = u.port
-    except ValueError:  # a port that is not a number, or out of range
-        port = None
-    if u.scheme != "tcp" or not u.hostname or not port:
-        raise HurrayFormatError("hurray_url", f"expected tcp://HOST:PORT, got {url!r}")
-    return u.hostname, port
+    return parse_address(url, "tcp")
 
 
 def send_chunks(url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
@@ -144,19 +136,6 @@ class Receiver(ReceiverBase):
     """
 
     transport = "tcp"
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        store: ChunkStore,
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
-        max_chunk_bytes: int = MAX_CHUNK_BYTES,
-    ) -> None:
-        super().__init__(host, port, store, timeout=timeout, idle_timeout=idle_timeout)
-        self.max_chunk_bytes = max_chunk_bytes
 
     def serve(self, conn: socket.socket) -> None:
         """Read frames until the sender closes; answer each chunk ``OK`` or ``ER``."""

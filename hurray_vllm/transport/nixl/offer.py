@@ -20,7 +20,6 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
@@ -37,7 +36,7 @@ from ...wire.descriptor import (
 )
 from ...wire.descriptor import peek_descriptor_length as _peek_len
 from ...wire.rules import decode_checked
-from ..base import U16, U32, check_names
+from ..base import U16, U32, check_names, parse_address
 
 __all__ = [
     "MAGIC",
@@ -64,14 +63,7 @@ NOTIF_PREFIX = b"hvn1:"
 
 def parse_nixl_url(url: str) -> tuple[str, int]:
     """``nixl://HOST:PORT`` (the receiver's side channel) -> ``(HOST, PORT)``."""
-    u = urlparse(url)
-    try:
-        port = u.port
-    except ValueError:  # a port that is not a number, or out of range
-        port = None
-    if u.scheme != "nixl" or not u.hostname or not port:
-        raise HurrayFormatError("hurray_url", f"expected nixl://HOST:PORT, got {url!r}")
-    return u.hostname, port
+    return parse_address(url, "nixl")
 
 
 def notif_tag(xfer_id: int, index: int) -> bytes:

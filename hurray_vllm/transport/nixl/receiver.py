@@ -251,8 +251,7 @@ class NixlReceiver(ReceiverBase):
     ) -> None:
         # The agent first: without NIXL nothing listens.
         self._agent = make_agent("recv", backend_params, progress_thread)
-        super().__init__(host, port, store, timeout=timeout, idle_timeout=idle_timeout)
-        self.max_chunk_bytes = max_chunk_bytes
+        super().__init__(host, port, store, timeout=timeout, idle_timeout=idle_timeout, max_chunk_bytes=max_chunk_bytes)
         self.name = str(self._agent.name)
         self.arena = _Arena(self._agent, max_arena_bytes, quarantine_s=max(2 * timeout, 5.0))
         self._notifs = _Notifs(self._agent)

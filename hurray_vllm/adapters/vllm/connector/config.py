@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....transport import CHANNELS, channel_of
+from ....transport.base import parse_listen
 from ..cache import unsupported_cache
 
 if TYPE_CHECKING:
@@ -118,9 +119,10 @@ class HurrayConfig:
                 "hurray_listen_transport", f"expected one of {', '.join(CHANNELS)}, got {transport!r}"
             )
         if listen is not None:
-            port = str(listen).rpartition(":")[2]
-            if not port.isdigit():
-                raise HurrayArgumentError("hurray_listen", f"expected HOST:PORT, got {listen!r}")
+            try:
+                parse_listen(str(listen))
+            except HurrayFormatError as exc:
+                raise HurrayArgumentError("hurray_listen", str(exc)) from exc
         return cls(
             path=str(path),
             chunk_tokens=chunk,

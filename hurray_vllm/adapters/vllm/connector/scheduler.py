@@ -18,6 +18,7 @@ from ....chunks.store import DIGEST_MISMATCH, DirectoryStore, chunk_keys, digest
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ReceiverBase, receiver_for
+from ....transport.base import parse_listen
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
 
@@ -89,9 +90,8 @@ class HurrayScheduler:
         listen = self._config.listen
         if not listen or listen in _RECEIVERS:
             return
-        host, _, port = listen.rpartition(":")
-        channel = self._config.listen_transport
-        _RECEIVERS[listen] = receiver_for(channel, host or "127.0.0.1", int(port), self._store).start()
+        host, port = parse_listen(listen)  # checked by HurrayConfig
+        _RECEIVERS[listen] = receiver_for(self._config.listen_transport, host, port, self._store).start()
         log.info("hurray: receiving chunks on %s into %s", listen, self._config.path)
 
     def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:
