@@ -232,7 +232,7 @@ def breakdown_once(caches: list[torch.Tensor], layout: KVLayout, seqs, bs: int) 
             k = BlockPagedTensor(kp, plan.block_table, plan.seq_ptr, plan.seq_lens, "key", i)
             v = BlockPagedTensor(vp, plan.block_table, plan.seq_ptr, plan.seq_lens, "value", i)
             t3 = pc()
-            write_records(layer_records(i, k, v), f)
+            write_records(layer_records(i, (k, v)), f)
             t4 = pc()
             del kp, vp, k, v, out
             t["gather"] += t1 - t0

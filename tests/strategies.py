@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource
+from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 
@@ -61,33 +61,39 @@ def paged_tensors(
 
 
 @st.composite
-def snapshots(draw: st.DrawFn) -> KVSnapshot:
+def snapshots(draw: st.DrawFn, latent: bool | None = None) -> KVSnapshot:
+    """Random snapshots; ``latent``: True for MLA latents only, False for keys and values only.
+
+    By default one in four holds MLA latents (one fused ``[.., 1, rank + rope]`` tensor per layer).
+    """
     page_size, lens, table, ptr, num_pages = draw(batches())
-    heads = draw(st.integers(1, 3))
-    dim = draw(st.sampled_from([4, 8]))
+    fused = draw(st.integers(0, 3)) == 0 if latent is None else latent
+    split = LatentSplit(draw(st.sampled_from([4, 8])), 4, "deepseek_v2") if fused else None
+    heads = 1 if split else draw(st.integers(1, 3))
+    dim = split.head_dim if split else draw(st.sampled_from([4, 8]))
     dt = draw(st.sampled_from(DTYPES[:5]))
     layers = draw(st.integers(1, 3))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     bt, sp, sl = (torch.tensor(x, dtype=torch.int64) for x in (table, ptr, lens))
-    keys = tuple(
-        BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, "key", i)
+    roles = ("fused",) if split else ("key", "value")
+    members = [
+        tuple(
+            BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, role, i) for role in roles
+        )
         for i in range(layers)
-    )
-    values = tuple(
-        BlockPagedTensor(_pool((num_pages, page_size, heads, dim), dt, gen), bt, sp, sl, "value", i)
-        for i in range(layers)
-    )
+    ]
     extra = draw(st.integers(0, 1))
     token_ids = tuple(
         tuple(draw(st.lists(st.integers(0, 50000), min_size=n + extra, max_size=n + extra))) for n in lens
     )
     fp8 = dt in (torch.float8_e4m3fn, torch.float8_e5m2)
-    return KVSnapshot(
-        keys=keys,
-        values=values,
+    arch = "DeepseekV2ForCausalLM" if split else "LlamaForCausalLM"
+    return KVSnapshot.from_layers(
+        members,
+        latent=split,
         token_ids=token_ids,
-        fingerprint=ModelFingerprint("LlamaForCausalLM", layers, heads, dim, str(dt).removeprefix("torch.")),
-        kv_scales=tuple((0.5 + i, 0.25 + i) for i in range(layers)) if fp8 else None,
+        fingerprint=ModelFingerprint(arch, layers, heads, dim, str(dt).removeprefix("torch.")),
+        kv_scales=tuple((0.5 + i, (0.5 if split else 0.25) + i) for i in range(layers)) if fp8 else None,
         source=SnapshotSource("test", "interchange", page_size),
         request_ids=tuple(f"req-{i}" for i in range(len(lens))),
     )
@@ -99,7 +105,9 @@ def same_snapshot(a: KVSnapshot, b: KVSnapshot) -> bool:
         return False
     if a.kv_scales != b.kv_scales or a.source != b.source or a.request_ids != b.request_ids:
         return False
-    for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
+    if a.latent != b.latent or a.roles != b.roles:
+        return False
+    for x, y in zip(a.tensors(), b.tensors(), strict=True):
         if not same_tensor(x, y):
             return False
     return True

@@ -21,7 +21,7 @@ from ..progress import progress
 from ..transport import CHANNELS
 from ..transport.base import parse_listen
 from ..wire import dtypes
-from ..wire.descriptor import TensorDescriptor
+from ..wire.descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor
 
 __all__ = ["main", "build_parser"]
 
@@ -95,8 +95,8 @@ def _rows(nodes: Iterator[Node]) -> Iterator[dict[str, Any]]:
         yield _describe(node.record, seq_lens, depth)
         pair_lens = node.pair_seq_lens()
         lens = pair_lens.tolist() if pair_lens is not None else None
-        for i, m in enumerate(node.members):
-            yield from walk(m, depth + 1, lens if i < 2 else None)
+        for m in node.members:
+            yield from walk(m, depth + 1, lens if m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED else None)
 
     for n in nodes:
         yield from walk(n, 0, None)

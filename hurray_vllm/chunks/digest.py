@@ -113,8 +113,9 @@ def digest_header(snap: KVSnapshot) -> bytes:
     """What a chunk digest covers before the page pools, as canonical bytes.
 
     The metadata (fingerprint, source, request ids, extra minus the digest
-    itself, token ids, sequence lengths, fp8 scales as exact hex floats) as
-    sorted compact JSON, then per tensor (keys, then values) its encoded
+    itself, token ids, sequence lengths, fp8 scales as exact hex floats, and
+    an MLA snapshot's latent split) as sorted compact JSON, then per tensor
+    (:meth:`KVSnapshot.tensors` order: layer by layer) its encoded
     descriptor and its int64 block table and sequence pointers. A receiver
     computes it from what the offer or stream carried, before the pools.
     """
@@ -124,11 +125,13 @@ def digest_header(snap: KVSnapshot) -> bytes:
         "request_ids": list(snap.request_ids) if snap.request_ids is not None else None,
         "extra": {k: v for k, v in snap.extra.items() if k != DIGEST_KEY},
         "token_ids": [list(ids) for ids in snap.token_ids],
-        "seq_lens": snap.seq_lens if snap.keys else [],
+        "seq_lens": snap.seq_lens if snap.num_layers else [],
         "kv_scales": [[float(x).hex() for x in pair] for pair in snap.kv_scales] if snap.kv_scales else None,
     }
+    if snap.latent is not None:  # MLA only: key/value chunks keep their digests
+        meta["latent"] = snap.latent.to_json()
     parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
-    for t in (*snap.keys, *snap.values):
+    for t in snap.tensors():
         desc = encode_descriptor(t.descriptor(device_tag=0))
         parts += [len(desc).to_bytes(4, "little"), desc]
         for idx in (t.block_table, t.seq_ptr):
@@ -140,7 +143,7 @@ def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:
     """The :class:`ChunkDigest` of ``snap``: its header bytes, then every page pool."""
     d = ChunkDigest(algorithm)
     d.update(digest_header(snap))
-    d.update_tensors([t.page_pool.contiguous().cpu() for t in (*snap.keys, *snap.values)])
+    d.update_tensors([t.page_pool.contiguous().cpu() for t in snap.tensors()])
     return d.hexdigest()
 
 

@@ -52,7 +52,7 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
         raise HurrayFormatError(
             "snapshot.fingerprint", "chunks are namespaced by model: the snapshot needs a fingerprint"
         )
-    if not snap.keys:
+    if not snap.num_layers:
         return []
     ps = snap.page_size
     if chunk_tokens % ps:
@@ -63,17 +63,17 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
     lens = snap.seq_lens
     for s in range(snap.num_seqs):
         tokens = list(snap.token_ids[s][: lens[s]])
-        pages = snap.keys[0].pages_of(s)
+        pages = snap.tensors()[0].pages_of(s)
         for c, key in enumerate(chunk_keys(tokens, chunk_tokens, ns)):
             table = pages[c * per : (c + 1) * per]
             ptr = torch.tensor([0, per])
             n = torch.tensor([chunk_tokens])
-            keys = tuple(replace(k, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for k in snap.keys)
-            values = tuple(replace(v, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for v in snap.values)
-            chunk = replace(
-                snap,
-                keys=keys,
-                values=values,
+            layers = [
+                tuple(replace(t, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for t in members)
+                for members in snap.layer_members()
+            ]
+            chunk = snap.with_layers(
+                layers,
                 token_ids=(tuple(tokens[c * chunk_tokens : (c + 1) * chunk_tokens]),),
                 request_ids=(snap.request_ids[s],) if snap.request_ids else None,
             ).compact()

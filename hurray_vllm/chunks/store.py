@@ -147,7 +147,7 @@ def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int) -
     This is how a snapshot is imported into another vLLM engine: the
     engine's connector finds the chunks by prefix when the sequences arrive.
     """
-    assert snap.fingerprint is not None or not snap.keys
+    assert snap.fingerprint is not None or not snap.num_layers
     written = 0
     for key, chunk in chunks_of(snap, chunk_tokens):
         assert chunk.fingerprint is not None

@@ -10,7 +10,7 @@ import torch
 from ..errors import HurrayFormatError, Violation
 from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot
-from ..wire.descriptor import TensorDescriptor, decode_descriptor
+from ..wire.descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor, decode_descriptor
 from ..wire.rules import Checked, validate_descriptor
 from .schema import Node, Record, claims_snapshot, index_tables
 
@@ -77,11 +77,12 @@ def _record_violations(rec: Record, seq_lens: torch.Tensor | None, permissive: b
 def _walk(node: Node, permissive: bool, out: list[Violation]) -> None:
     seq_lens = node.pair_seq_lens()
     out.extend(_record_violations(node.record, None, permissive))
-    for i, m in enumerate(node.members):
+    for m in node.members:
         if m.is_composite:
             _walk(m, permissive, out)
         else:
-            out.extend(_record_violations(m.record, seq_lens if i < 2 else None, permissive))
+            paged = m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED
+            out.extend(_record_violations(m.record, seq_lens if paged else None, permissive))
 
 
 def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:

@@ -254,8 +254,8 @@ def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
     """
     total = write_records(header_records(snapshot), f)
     writer = LayerWriter()
-    for i, (k, v) in enumerate(snapshot.layers()):
-        total += writer.write(f, i, k, v, snapshot.kv_scales[i] if snapshot.kv_scales is not None else None)
+    for i, members in enumerate(snapshot.layer_members()):
+        total += writer.write(f, i, members, snapshot.kv_scales[i] if snapshot.kv_scales is not None else None)
     return total
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor
-from ..kv.snapshot import KVSnapshot
+from ..kv.snapshot import FUSED_ROLES, KV_ROLES, KVSnapshot
 from ..wire.descriptor import encode_descriptor
 from ..wire.jsonvalues import Fields, loads_bounded
 from ..wire.rules import decode_checked
@@ -63,8 +63,8 @@ def save_safetensors(snap: KVSnapshot, path: str | os.PathLike[str]) -> int:
     st = _safetensors()
     tensors: dict[str, torch.Tensor] = {}
     descriptors: dict[str, str] = {}
-    for i, (k, v) in enumerate(snap.layers()):
-        for t in (k, v):
+    for i, members in enumerate(snap.layer_members()):
+        for t in members:
             name = f"layers.{i}.{t.kv_role}"
             if t.quantization is not None:
                 raise HurrayFormatError(
@@ -113,11 +113,10 @@ def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) 
         tensors = st.load_file(str(path))
     except Exception as exc:  # a header that safe_open accepted but whose data is cut or inconsistent
         raise HurrayFormatError("safetensors", f"{path}: its tensors cannot be read ({exc})") from None
-    keys, values, scales = [], [], []
+    layers, scales = [], []
+    roles = FUSED_ROLES if header.latent is not None else KV_ROLES
     for i in range(header.num_layers):
-        pair = [_layer_tensor(tensors, descriptors, f"layers.{i}.{role}", permissive) for role in ("key", "value")]
-        keys.append(pair[0])
-        values.append(pair[1])
+        layers.append(tuple(_layer_tensor(tensors, descriptors, f"layers.{i}.{role}", permissive) for role in roles))
         if f"layers.{i}.kv_scales" in tensors:
             scales.append(kv_scale_pair(tensors[f"layers.{i}.kv_scales"]))
     ids, ptr = tensors.get("token_ids"), tensors.get("token_ptr")
@@ -126,7 +125,7 @@ def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) 
         token_ids = split_tokens(ids, ptr)
     if scales and len(scales) != header.num_layers:
         raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
-    return build_snapshot(keys, values, token_ids, tuple(scales) or None, header, permissive=permissive)
+    return build_snapshot(layers, token_ids, tuple(scales) or None, header, permissive=permissive)
 
 
 def _layer_tensor(

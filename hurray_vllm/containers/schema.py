@@ -7,11 +7,14 @@ The same sequence is written to streams and to ``.hrry`` files (see
       snapshot.meta        uint8 [n]     UTF-8 JSON: fingerprint, source, request ids
       snapshot.token_ids   int64 [T]     every sequence's token ids, concatenated
       snapshot.token_ptr   int64 [S+1]   CSR offsets into token_ids
-    layers.{i}             group head, 3 or 4 members
+    layers.{i}             group head, 3 or 4 members (2 or 3 for an MLA latent)
       layers.{i}.key       block-paged (0x0A), kv_role key,   layer_index i
       layers.{i}.value     block-paged (0x0A), kv_role value, layer_index i
+        or
+      layers.{i}.fused     block-paged (0x0A), kv_role fused, layer_index i (MLA latent)
       layers.{i}.seq_lens  int64 [S]     tokens per sequence (not on the wire otherwise)
       layers.{i}.kv_scales float32 [2]   (k_scale, v_scale) of an fp8 cache, if any
+                                         (a fused latent: its one scale, twice)
 
 Only standard Hurray constructs are used, so any reader (pyhurray included)
 sees a valid stream of composites; a reader that skips groups still finds
@@ -31,7 +34,7 @@ import torch
 
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor, IndexCache
-from ..kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ..kv.snapshot import FUSED_ROLES, KV_ROLES, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ..wire import dtypes
 from ..wire.descriptor import (
     COMPOSITION_RULE_TAGS,
@@ -107,19 +110,19 @@ class Node:
         return self.record.descriptor.layout_tag == LAYOUT_COMPOSITE
 
     def pair_seq_lens(self) -> torch.Tensor | None:
-        """A K/V pair's per-sequence token counts: int64 ``[num_seqs]``, or ``None``.
+        """A layer group's per-sequence token counts: int64 ``[num_seqs]``, or ``None``.
 
-        A layer's pair is a composite of two block-paged members (K, V)
-        and a row-major int64 third member holding the sequences' lengths
-        (what :func:`layer_records` writes). ``None`` for any other node.
+        A layer group is a composite of its block-paged members (K and V,
+        or one fused MLA latent) and a row-major int64 member after them
+        holding the sequences' lengths (what :func:`layer_records` writes).
+        ``None`` for any other node.
         """
-        ms = self.members
-        if not (self.is_composite and len(ms) >= 3):
+        n = _layer_member_count(self)
+        if n is None:
             return None
-        lens = ms[2].record
+        lens = self.members[n].record
         if (
-            all(m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED for m in ms[:2])
-            and lens.descriptor.layout_tag == LAYOUT_ROW_MAJOR
+            lens.descriptor.layout_tag == LAYOUT_ROW_MAJOR
             and lens.descriptor.type_tag == _INT64_TAG
             and lens.buffers
             and lens.buffers[0].numel() % 8 == 0
@@ -174,8 +177,14 @@ def group_head(name: str, member_count: int, shape: Sequence[int], dtype: torch.
 
 
 def snapshot_metadata(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
-    """The snapshot header's JSON object (``hurray_vllm.snapshot`` metadata) for ``num_layers`` layers."""
+    """The snapshot header's JSON object (``hurray_vllm.snapshot`` metadata) for ``num_layers`` layers.
+
+    ``latent`` (the MLA split) appears only for snapshots of fused latents,
+    so key/value snapshots encode to the same bytes as before it existed.
+    """
+    extra_fields = {"latent": snap.latent.to_json()} if snap.latent is not None else {}
     return {
+        **extra_fields,
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "num_layers": num_layers,
@@ -232,16 +241,19 @@ def header_records(snap: KVSnapshot, *, num_layers: int | None = None) -> Iterat
 
 def layer_records(
     i: int,
-    k: BlockPagedTensor,
-    v: BlockPagedTensor,
+    members: Sequence[BlockPagedTensor],
     kv_scales: tuple[float, float] | None = None,
     index_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Iterator[Record]:
-    """The ``layers.{i}`` group of one layer (``index_cache``: see :meth:`BlockPagedTensor.wire_buffers`)."""
-    yield group_head(f"layers.{i}", 4 if kv_scales is not None else 3, k.shape, k.dtype)
+    """The ``layers.{i}`` group of one layer: ``members`` is ``(key, value)`` or ``(fused,)``.
+
+    ``index_cache``: see :meth:`BlockPagedTensor.wire_buffers`.
+    """
+    k = members[0]
+    yield group_head(f"layers.{i}", len(members) + (2 if kv_scales is not None else 1), k.shape, k.dtype)
     # The bytes land on the host whatever device the pools live on.
-    yield Record(f"layers.{i}.key", k.descriptor(device_tag=0), k.wire_buffers(index_cache))
-    yield Record(f"layers.{i}.value", v.descriptor(device_tag=0), v.wire_buffers(index_cache))
+    for t in members:
+        yield Record(f"layers.{i}.{t.kv_role}", t.descriptor(device_tag=0), t.wire_buffers(index_cache))
     lens = k.seq_lens if k.seq_lens is not None else torch.empty(0, dtype=torch.int64)
     yield dense_record(f"layers.{i}.seq_lens", lens.to(torch.int64).cpu())
     if kv_scales is not None:
@@ -252,8 +264,8 @@ def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
     """The records of ``snap``, layer after layer (lazy: nothing is copied ahead)."""
     yield from header_records(snap)
     cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # layers often share index tensors
-    for i, (k, v) in enumerate(snap.layers()):
-        yield from layer_records(i, k, v, snap.kv_scales[i] if snap.kv_scales is not None else None, cache)
+    for i, members in enumerate(snap.layer_members()):
+        yield from layer_records(i, members, snap.kv_scales[i] if snap.kv_scales is not None else None, cache)
 
 
 def group_records(records: Iterable[Record], *, permissive: bool = False) -> Iterator[Node]:
@@ -324,12 +336,21 @@ def claims_snapshot(node: Node) -> bool:
     return is_snapshot_header(node) or _is_layer_group(node) or name == "snapshot" or name.startswith("layers.")
 
 
+def _layer_member_count(node: Node) -> int | None:
+    """How many block-paged members lead a layer group (2: K and V, 1: a fused latent); None if not one."""
+    if not node.is_composite:
+        return None
+    tags = [m.record.descriptor.layout_tag for m in node.members]
+    n = 0
+    while n < len(tags) and n < 2 and tags[n] == LAYOUT_BLOCK_PAGED:
+        n += 1
+    if n and n + 1 <= len(tags) <= n + 2 and all(t != LAYOUT_BLOCK_PAGED for t in tags[n:]):
+        return n
+    return None
+
+
 def _is_layer_group(node: Node) -> bool:
-    return (
-        node.is_composite
-        and len(node.members) in (3, 4)
-        and all(m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED for m in node.members[:2])
-    )
+    return _layer_member_count(node) is not None
 
 
 @dataclass(frozen=True)
@@ -342,6 +363,7 @@ class SnapshotHeader:
     source: SnapshotSource | None
     request_ids: tuple[str, ...] | None
     extra: dict[str, Any]
+    latent: LatentSplit | None = None
 
 
 #: Bounds on what a header may announce (far above any model; a bound on hostile input).
@@ -365,8 +387,9 @@ def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta
         raise HurrayFormatError(
             f"{field}.version", f"snapshot format version {version!r} is newer than {FORMAT_VERSION} or not a version"
         )
-    fp, src = f.optional_obj("fingerprint"), f.optional_obj("source")
+    fp, src, lat = f.optional_obj("fingerprint"), f.optional_obj("source"), f.optional_obj("latent")
     return SnapshotHeader(
+        latent=LatentSplit.from_json(lat.obj) if lat is not None else None,
         num_layers=f.integer("num_layers", hi=_MAX_LAYERS),
         num_seqs=f.integer("num_seqs", hi=_MAX_SEQS, default=None),
         fingerprint=ModelFingerprint.from_json(fp.obj) if fp is not None else None,
@@ -420,18 +443,22 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
                 raise HurrayFormatError("snapshot", "two snapshot headers in one input")
             meta, token_ids = _parse_meta(node)
             continue
-        if _is_layer_group(node):
-            lens = _dense(node.members[2], torch.int64, "seq_lens")
-            key = _bp(node.members[0], lens if lens.numel() or _no_seqs(node) else None, permissive, index_cache)
-            value = _bp(node.members[1], key.seq_lens, permissive, index_cache)
-            if key.kv_role != "key" or value.kv_role != "value":
-                raise HurrayFormatError("kv_role", f"layer group holds {key.kv_role}/{value.kv_role}, not key/value")
-            idx = key.layer_index if key.layer_index is not None else order
+        n = _layer_member_count(node)
+        if n is not None:
+            lens = _dense(node.members[n], torch.int64, "seq_lens")
+            first = _bp(node.members[0], lens if lens.numel() or _no_seqs(node) else None, permissive, index_cache)
+            members = [first, *(_bp(m, first.seq_lens, permissive, index_cache) for m in node.members[1:n])]
+            roles = tuple(t.kv_role for t in members)
+            if roles not in (KV_ROLES, FUSED_ROLES):
+                raise HurrayFormatError(
+                    "kv_role", f"layer group holds {'/'.join(roles)}, not key/value or one fused latent"
+                )
+            idx = first.layer_index if first.layer_index is not None else order
             if idx in layers:
                 raise HurrayFormatError("layer_index", f"layer {idx} appears twice")
-            layers[idx] = {"key": key, "value": value}
-            if len(node.members) == 4:
-                scales[idx] = kv_scale_pair(_dense(node.members[3], torch.float32, "kv_scales"))
+            layers[idx] = {t.kv_role: t for t in members}
+            if len(node.members) == n + 2:
+                scales[idx] = kv_scale_pair(_dense(node.members[n + 1], torch.float32, "kv_scales"))
             order += 1
             continue
         if not node.is_composite and node.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED:
@@ -459,33 +486,42 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         )
     if sorted(layers) != list(range(len(layers))):
         raise HurrayFormatError("layer_index", f"layers {sorted(layers)} are not 0..{len(layers) - 1}")
-    keys, values = [], []
+    roles = FUSED_ROLES if layers and set(layers[0]) == {"fused"} else KV_ROLES
+    per_layer = []
     for i in range(len(layers)):
-        if set(layers[i]) != {"key", "value"}:
-            raise HurrayFormatError("kv_role", f"layer {i} has roles {sorted(layers[i])}, needs key and value")
-        keys.append(layers[i]["key"])
-        values.append(layers[i]["value"])
+        if set(layers[i]) != set(roles):
+            raise HurrayFormatError(
+                "kv_role", f"layer {i} has roles {sorted(layers[i])}, layer 0 has {'/'.join(roles)}"
+            )
+        per_layer.append(tuple(layers[i][r] for r in roles))
     kv_scales = None
     if scales:
         if len(scales) != len(layers):
             raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
         kv_scales = tuple(scales[i] for i in range(len(layers)))
-    return build_snapshot(keys, values, token_ids, kv_scales, meta, permissive=permissive)
+    return build_snapshot(per_layer, token_ids, kv_scales, meta, permissive=permissive)
 
 
 def build_snapshot(
-    keys: Sequence[BlockPagedTensor],
-    values: Sequence[BlockPagedTensor],
+    layers: Sequence[Sequence[BlockPagedTensor]],
     token_ids: Sequence[tuple[int, ...]],
     kv_scales: tuple[tuple[float, float], ...] | None,
     header: SnapshotHeader | None,
     *,
     permissive: bool = False,
 ) -> KVSnapshot:
-    """The snapshot every container reader returns, after the snapshot-level rules (:meth:`KVSnapshot.validate`)."""
-    snap = KVSnapshot(
-        keys=tuple(keys),
-        values=tuple(values),
+    """The snapshot every container reader returns, after the snapshot-level rules (:meth:`KVSnapshot.validate`).
+
+    ``layers``: per layer ``(key, value)`` or ``(fused,)`` (see :meth:`KVSnapshot.from_layers`).
+    Fused latents need the header's ``latent`` split.
+    """
+    if layers and all(len(m) == 1 for m in layers) and (header is None or header.latent is None):
+        raise HurrayFormatError(
+            "snapshot.latent", "the layers hold fused MLA latents but the header does not say how they divide"
+        )
+    snap = KVSnapshot.from_layers(
+        layers,
+        latent=header.latent if header and layers and all(len(m) == 1 for m in layers) else None,
         token_ids=tuple(token_ids),
         fingerprint=header.fingerprint if header else None,
         kv_scales=kv_scales,

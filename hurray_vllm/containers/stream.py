@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 import torch
@@ -178,7 +178,7 @@ class Same:
 
 
 def layer_structure_key(
-    k: BlockPagedTensor, v: BlockPagedTensor, kv_scales: tuple[float, float] | None
+    members: Sequence[BlockPagedTensor], kv_scales: tuple[float, float] | None
 ) -> tuple[object, ...] | None:
     """What a layer's group encodes besides its pools, layer index and kv scales.
 
@@ -189,18 +189,11 @@ def layer_structure_key(
     equal to the key of other tensors that reuse their ids. None for
     quantized pools, whose buffers are per layer.
     """
-    if k.quant_buffers or v.quant_buffers or k.quantization is not None or v.quantization is not None:
+    if any(t.quant_buffers or t.quantization is not None for t in members):
         return None
     return (
-        *(Same(t) for t in (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens)),
-        tuple(k.page_pool.shape),
-        tuple(v.page_pool.shape),
-        k.dtype,
-        v.dtype,
-        k.index_type,
-        v.index_type,
-        k.kv_role,
-        v.kv_role,
+        *(Same(x) for t in members for x in (t.block_table, t.seq_ptr, t.seq_lens)),
+        *((tuple(t.page_pool.shape), t.dtype, t.index_type, t.kv_role) for t in members),
         kv_scales is None,
     )
 
@@ -223,28 +216,27 @@ class LayerWriter:
         self._held: tuple[object, ...] = ()
         self._head = b""
         self._descs: tuple[tuple[bytearray, int], ...] = ()
-        self._index: tuple[list[memoryview], list[memoryview]] = ([], [])
+        self._index: tuple[list[memoryview], ...] = ()
         self._lens = b""
 
     def write(
         self,
         f: BinaryIO,
         i: int,
-        k: BlockPagedTensor,
-        v: BlockPagedTensor,
+        members: Sequence[BlockPagedTensor],
         kv_scales: tuple[float, float] | None = None,
     ) -> int:
-        """Write layer ``i``'s group to ``f``; returns the bytes written."""
-        key = layer_structure_key(k, v, kv_scales)
+        """Write layer ``i``'s group (``members``: ``(key, value)`` or ``(fused,)``) to ``f``; returns the bytes."""
+        key = layer_structure_key(members, kv_scales)
         if key is None:
             # Per call: an id-keyed cache is only sound while its tensors live, and nothing holds these.
-            return write_records(layer_records(i, k, v, kv_scales, {}), f)
+            return write_records(layer_records(i, members, kv_scales, {}), f)
         if key != self._key:
-            self._encode_fixed(i, k, v, kv_scales, key)
+            self._encode_fixed(i, members, kv_scales, key)
         total = 0
         f.write(self._head)
         total += len(self._head)
-        for t, (raw, at), index in zip((k, v), self._descs, self._index, strict=True):
+        for t, (raw, at), index in zip(members, self._descs, self._index, strict=True):
             struct.pack_into("<I", raw, at, LAYER_INDEX_NONE if t.layer_index is None else t.layer_index)
             f.write(raw)
             pool = tensor_bytes(t.page_pool)
@@ -263,20 +255,20 @@ class LayerWriter:
     def _encode_fixed(
         self,
         i: int,
-        k: BlockPagedTensor,
-        v: BlockPagedTensor,
+        members: Sequence[BlockPagedTensor],
         kv_scales: tuple[float, float] | None,
         key: tuple[object, ...],
     ) -> None:
         # A fresh narrowing cache: ids from an earlier structure may belong to new tensors by now.
-        head, krec, vrec, lens, *_ = layer_records(i, k, v, kv_scales, {})
+        head, *recs = list(layer_records(i, members, kv_scales, {}))
+        tensors, lens = recs[: len(members)], recs[len(members)]
         self._head = encode_descriptor(head.descriptor)
         # Encoded once; each layer patches its index in (the only field that differs).
         self._descs = tuple(
-            (bytearray(encode_descriptor(r.descriptor)), layer_index_offset(r.descriptor)) for r in (krec, vrec)
+            (bytearray(encode_descriptor(r.descriptor)), layer_index_offset(r.descriptor)) for r in tensors
         )
-        self._index = ([tensor_bytes(b) for b in krec.buffers[1:]], [tensor_bytes(b) for b in vrec.buffers[1:]])
+        self._index = tuple([tensor_bytes(b) for b in r.buffers[1:]] for r in tensors)
         self._lens = encode_descriptor(lens.descriptor) + bytes(tensor_bytes(lens.buffers[0]))
-        self._held = (k.block_table, k.seq_ptr, k.seq_lens, v.block_table, v.seq_ptr, v.seq_lens, *krec.buffers[1:])
-        self._held += tuple(vrec.buffers[1:])
+        self._held = tuple(x for t in members for x in (t.block_table, t.seq_ptr, t.seq_lens))
+        self._held += tuple(b for r in tensors for b in r.buffers[1:])
         self._key = key

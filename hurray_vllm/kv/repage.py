@@ -259,14 +259,10 @@ def repage(
 
 def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
     """Every layer and role of ``snap`` repaged with one shared plan."""
-    if not snap.keys or snap.page_size == page_size:
+    if not snap.num_layers or snap.page_size == page_size:
         return snap
-    k0 = snap.keys[0]
+    k0 = snap.tensors()[0]
     if k0.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this snapshot does not carry")
     plan = plan_repage(k0.block_table, k0.seq_ptr, k0.seq_lens, k0.page_size, page_size)
-    return replace(
-        snap,
-        keys=tuple(repage(k, page_size, plan) for k in snap.keys),
-        values=tuple(repage(v, page_size, plan) for v in snap.values),
-    )
+    return snap.with_layers([tuple(repage(t, page_size, plan) for t in members) for members in snap.layer_members()])

@@ -14,7 +14,7 @@ from ..wire.jsonvalues import Fields
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
 
-__all__ = ["ModelFingerprint", "SnapshotSource", "KVSnapshot"]
+__all__ = ["ModelFingerprint", "SnapshotSource", "LatentSplit", "KVSnapshot", "KV_ROLES", "FUSED_ROLES"]
 
 
 #: Bounds on what a fingerprint may claim (a sanity bound on hostile metadata, far above any model).
@@ -117,19 +117,69 @@ class SnapshotSource:
         )
 
 
-_ROLES = ("key", "value")
+@dataclass(frozen=True)
+class LatentSplit:
+    """How an MLA layer's fused latent divides along ``head_dim``: ``[kv_lora_rank | rope_dim]``.
+
+    DeepSeek-style attention (MLA) caches one vector per token and layer:
+    the normalized compressed KV (``kv_lora_rank`` values, the output of
+    ``kv_a_layernorm``), then the shared key's rotary part (``rope_dim``
+    values, after RoPE). Both vLLM and transformers keep it in this order.
+
+    Attributes:
+        kv_lora_rank: width of the compressed KV (512 for DeepSeek-V2/V3).
+        rope_dim: width of the rotated key part (``qk_rope_head_dim``, 64).
+        family: the model family (``config.model_type``: ``"deepseek_v2"``,
+            ``"deepseek_v3"``...), for importers that must know how the
+            latent is expanded.
+
+    Example:
+        >>> LatentSplit(512, 64, "deepseek_v2").head_dim
+        576
+    """
+
+    kv_lora_rank: int
+    rope_dim: int
+    family: str = ""
+
+    @property
+    def head_dim(self) -> int:
+        """Width of the fused latent: ``kv_lora_rank + rope_dim``."""
+        return self.kv_lora_rank + self.rope_dim
+
+    def to_json(self) -> dict[str, Any]:
+        """The split as a JSON-ready dict of its fields."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> LatentSplit:
+        """The split :meth:`to_json` wrote; a bad field raises :class:`HurrayFormatError` naming it."""
+        f = Fields(d, "snapshot.latent")
+        return cls(
+            kv_lora_rank=f.integer("kv_lora_rank", lo=1, hi=_MAX_HEAD_DIM),
+            rope_dim=f.integer("rope_dim", hi=_MAX_HEAD_DIM),
+            family=f.string("family", max_len=256, default=""),
+        )
+
+
+#: The roles of a key/value layer and of a fused (MLA latent) layer, in the order layers hold them.
+KV_ROLES = ("key", "value")
+FUSED_ROLES = ("fused",)
 
 
 @dataclass(frozen=True, eq=False)
 class KVSnapshot:
-    """Keys and values of a batch of sequences, for every layer.
+    """The KV cache of a batch of sequences, for every layer.
 
-    ``keys[i]`` and ``values[i]`` are layer ``i``'s block-paged tensors; all
-    layers and both roles share one block structure (same block table,
-    seq_ptr and seq_lens), which is what lets an importer plan repaging once.
+    A snapshot holds either keys and values (``keys[i]`` and ``values[i]``
+    are layer ``i``'s block-paged tensors) or, for MLA models, one fused
+    latent per layer (``fused[i]``, kv_role ``"fused"``, ``num_heads == 1``,
+    ``head_dim == latent.head_dim``). All layers and roles share one block
+    structure (same block table, seq_ptr and seq_lens), which is what lets
+    an importer plan repaging once. ``snap[i, role]`` reads any of them.
 
     Attributes:
-        keys, values: one :class:`BlockPagedTensor` per layer.
+        keys, values: one :class:`BlockPagedTensor` per layer (empty for MLA).
         token_ids: per sequence, the token ids whose KV the snapshot holds,
             optionally followed by tokens sampled but not yet computed (a
             continuation needs the last sampled token; ``seq_lens`` says
@@ -139,6 +189,10 @@ class KVSnapshot:
             (``value = stored * scale``); ``None`` for unscaled caches.
         source: the producing engine, layout and page size.
         request_ids: the engine's ids of the sequences, when known.
+        extra: free-form JSON metadata carried along.
+        fused: one MLA latent :class:`BlockPagedTensor` per layer (empty for
+            key/value models).
+        latent: how the fused latent divides (required with ``fused``).
     """
 
     keys: tuple[BlockPagedTensor, ...]
@@ -149,38 +203,85 @@ class KVSnapshot:
     source: SnapshotSource | None = None
     request_ids: tuple[str, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    fused: tuple[BlockPagedTensor, ...] = ()
+    latent: LatentSplit | None = None
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values):
             raise HurrayFormatError(
                 "snapshot.layers", f"{len(self.keys)} key layers but {len(self.values)} value layers"
             )
+        if self.fused and self.keys:
+            raise HurrayFormatError(
+                "snapshot.layers", "a snapshot holds either key/value layers or fused (MLA latent) layers, not both"
+            )
+        if self.fused and self.latent is None:
+            raise HurrayFormatError("snapshot.latent", "fused (MLA latent) layers need a LatentSplit")
+        if self.keys and self.latent is not None:
+            raise HurrayFormatError("snapshot.latent", "key/value layers have no latent split (it is for MLA latents)")
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[Sequence[BlockPagedTensor]], **fields: Any) -> KVSnapshot:
+        """A snapshot of per-layer members: ``(key, value)`` pairs or ``(fused,)`` singles, in layer order.
+
+        ``fields`` are the other attributes (``token_ids``, ``latent``...).
+        What :meth:`layer` returns, fed back: ``KVSnapshot.from_layers(s.layer_members(), ...)``.
+
+        Example:
+            >>> KVSnapshot.from_layers([]).num_layers
+            0
+        """
+        if layers and all(len(m) == 1 for m in layers):
+            return cls(keys=(), values=(), fused=tuple(m[0] for m in layers), **fields)
+        if any(len(m) != 2 for m in layers):
+            raise HurrayFormatError(
+                "snapshot.layers", f"layers hold {sorted({len(m) for m in layers})} tensors each; need 2 (K, V) or 1"
+            )
+        return cls(keys=tuple(m[0] for m in layers), values=tuple(m[1] for m in layers), **fields)
 
     # ── access ─────────────────────────────────────────────────────────────
 
     def __getitem__(self, item: tuple[int, str]) -> BlockPagedTensor:
         layer, role = item
-        if role not in _ROLES:
-            raise KeyError(f"role must be 'key' or 'value', not {role!r}")
-        layers = self.keys if role == "key" else self.values
+        if role not in self.roles:
+            kind = "fused MLA latents" if self.fused else "keys and values"
+            raise KeyError(f"this snapshot holds {kind}: role must be one of {self.roles}, not {role!r}")
+        layers = self.fused if role == "fused" else self.keys if role == "key" else self.values
         return layers[layer]
+
+    @property
+    def is_latent(self) -> bool:
+        """Whether the layers hold fused MLA latents instead of keys and values."""
+        return bool(self.fused)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles each layer holds: ``("key", "value")``, or ``("fused",)`` for MLA latents."""
+        return FUSED_ROLES if self.fused else KV_ROLES
+
+    @property
+    def _lead(self) -> tuple[BlockPagedTensor, ...]:
+        # Layer order, first role of each layer: what the shared block structure is read from.
+        return self.fused or self.keys
 
     @property
     def num_layers(self) -> int:
         """Number of layers."""
-        return len(self.keys)
+        return len(self._lead)
 
     @property
     def num_seqs(self) -> int:
         """Number of sequences in the batch."""
-        return self.keys[0].num_seqs if self.keys else len(self.token_ids)
+        lead = self._lead
+        return lead[0].num_seqs if lead else len(self.token_ids)
 
     @property
     def seq_lens(self) -> list[int]:
         """Tokens with KV, per sequence."""
-        if not self.keys:
+        lead = self._lead
+        if not lead:
             return [len(t) for t in self.token_ids]
-        lens = self.keys[0].seq_lens
+        lens = lead[0].seq_lens
         if lens is None:
             raise HurrayFormatError("seq_lens", "this snapshot does not carry sequence lengths")
         return [int(x) for x in lens]
@@ -188,41 +289,79 @@ class KVSnapshot:
     @property
     def page_size(self) -> int:
         """Tokens per page (0 for a snapshot without layers)."""
-        return self.keys[0].page_size if self.keys else 0
+        lead = self._lead
+        return lead[0].page_size if lead else 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all layers' buffers on the wire, keys and values."""
-        return sum(t.nbytes for t in (*self.keys, *self.values))
+        """Bytes of all layers' buffers on the wire, every role."""
+        return sum(t.nbytes for t in self.tensors())
+
+    def layer(self, i: int) -> tuple[BlockPagedTensor, ...]:
+        """Layer ``i``'s tensors in :attr:`roles` order: ``(key, value)`` or ``(fused,)``."""
+        return (self.fused[i],) if self.fused else (self.keys[i], self.values[i])
+
+    def layer_members(self) -> list[tuple[BlockPagedTensor, ...]]:
+        """:meth:`layer` of every layer, in layer order (what containers write and :meth:`from_layers` takes)."""
+        return [(t,) for t in self.fused] if self.fused else list(zip(self.keys, self.values))
+
+    def tensors(self) -> list[BlockPagedTensor]:
+        """Every block-paged tensor, layer by layer, in :attr:`roles` order within a layer."""
+        return [t for members in self.layer_members() for t in members]
 
     def layers(self) -> list[tuple[BlockPagedTensor, BlockPagedTensor]]:
-        """``(keys, values)`` of every layer, in layer order."""
+        """``(keys, values)`` of every layer, in layer order.
+
+        Raises:
+            HurrayFormatError: (field ``kv_role``) the snapshot holds fused MLA
+                latents; read them with :meth:`layer` or ``snap[i, "fused"]``.
+        """
+        self.require_kv("this operation")
         return list(zip(self.keys, self.values))
+
+    def require_kv(self, what: str) -> None:
+        """Refuse an MLA snapshot where ``what`` needs separate keys and values.
+
+        Raises:
+            HurrayFormatError: (field ``kv_role``) naming ``what`` and the way out.
+        """
+        if self.fused:
+            raise HurrayFormatError(
+                "kv_role",
+                f"{what} needs separate keys and values, but this snapshot holds fused MLA latents "
+                f"({self.latent.family if self.latent else 'MLA'}: kv_lora_rank "
+                f"{self.latent.kv_lora_rank if self.latent else '?'} + rope "
+                f"{self.latent.rope_dim if self.latent else '?'}); import it with an MLA-aware "
+                "importer (vLLM, transformers) or expand it with adapters.transformers.expand_latent",
+            )
 
     def sharing(self) -> SharingStats:
         """The block structure's page sharing (:meth:`BlockPagedTensor.sharing`), shared by every layer and role."""
-        return self.keys[0].sharing() if self.keys else SharingStats(0, 0, 0, 0)
+        lead = self._lead
+        return lead[0].sharing() if lead else SharingStats(0, 0, 0, 0)
+
+    def with_layers(self, layers: Sequence[Sequence[BlockPagedTensor]], **changes: Any) -> KVSnapshot:
+        """This snapshot with other per-layer members (same kinds, see :meth:`from_layers`) and ``changes``."""
+        if self.fused:
+            return replace(self, fused=tuple(m[0] for m in layers), **changes)
+        return replace(self, keys=tuple(m[0] for m in layers), values=tuple(m[1] for m in layers), **changes)
 
     # ── batch operations ───────────────────────────────────────────────────
 
     def select(self, seqs: Sequence[int]) -> KVSnapshot:
         """A snapshot of the sequences ``seqs`` only, compacted."""
-        keys = tuple(k.select(seqs) for k in self.keys)
-        values = tuple(v.select(seqs) for v in self.values)
+        layers = [tuple(t.select(seqs) for t in members) for members in self.layer_members()]
         ids = tuple(self.token_ids[s] for s in seqs) if self.token_ids else ()
         rids = tuple(self.request_ids[s] for s in seqs) if self.request_ids else None
-        return replace(self, keys=keys, values=values, token_ids=ids, request_ids=rids).compact()
+        return self.with_layers(layers, token_ids=ids, request_ids=rids).compact()
 
     def compact(self) -> KVSnapshot:
         """Drop pages no sequence references; one plan for every layer and role."""
-        if not self.keys:
+        lead = self._lead
+        if not lead:
             return self
-        plan = plan_compaction(self.keys[0].block_table, self.keys[0].num_pages)
-        return replace(
-            self,
-            keys=tuple(k.compact(plan) for k in self.keys),
-            values=tuple(v.compact(plan) for v in self.values),
-        )
+        plan = plan_compaction(lead[0].block_table, lead[0].num_pages)
+        return self.with_layers([tuple(t.compact(plan) for t in members) for members in self.layer_members()])
 
     # ── checks ─────────────────────────────────────────────────────────────
 
@@ -233,27 +372,48 @@ class KVSnapshot:
         tensors with :meth:`BlockPagedTensor.from_wire` has checked them).
         """
         found: list[Violation] = []
-        for i, (k, v) in enumerate(self.layers()):
-            for t in (k, v) if tensors else ():
+        roles = self.roles
+        for i, members in enumerate(self.layer_members()):
+            for t in members if tensors else ():
                 found.extend(
                     Violation(x.invariant, f"layer {i} {t.kv_role}: {x.message}")
                     for x in t.validate(permissive=permissive).violations
                 )
-            if k.kv_role != "key" or v.kv_role != "value":
-                found.append(Violation("kv_role", f"layer {i} holds roles {k.kv_role}/{v.kv_role}"))
-            if k.layer_index != v.layer_index:
+            if tuple(t.kv_role for t in members) != roles:
                 found.append(
-                    Violation("layer_index", f"layer {i}: key says layer {k.layer_index}, value {v.layer_index}")
+                    Violation(
+                        "kv_role",
+                        f"layer {i} holds roles {'/'.join(t.kv_role for t in members)}, not {'/'.join(roles)}",
+                    )
                 )
-            if not (
-                (k.block_table is v.block_table or torch.equal(k.block_table, v.block_table))
-                and (k.seq_ptr is v.seq_ptr or torch.equal(k.seq_ptr, v.seq_ptr))
-                and k.page_pool.shape == v.page_pool.shape
+            if len({t.layer_index for t in members}) > 1:
+                found.append(
+                    Violation("layer_index", f"layer {i}: its tensors say layers {[t.layer_index for t in members]}")
+                )
+            first = members[0]
+            if not all(
+                (t.block_table is first.block_table or torch.equal(t.block_table, first.block_table))
+                and (t.seq_ptr is first.seq_ptr or torch.equal(t.seq_ptr, first.seq_ptr))
+                and t.page_pool.shape == first.page_pool.shape
+                for t in members[1:]
             ):
                 found.append(Violation("snapshot.structure", f"layer {i} key and value differ in block structure"))
-        if self.keys:
-            k0 = self.keys[0]
-            for i, k in enumerate(self.keys[1:], 1):
+        if self.fused and self.latent is not None:
+            lat = self.latent
+            for i, t in enumerate(self.fused):
+                if t.page_pool.dim() == 4 and (t.num_heads != 1 or t.head_dim != lat.head_dim):
+                    found.append(
+                        Violation(
+                            "snapshot.latent",
+                            f"layer {i}: a fused latent of {t.num_heads} heads x {t.head_dim}, but the split says "
+                            f"1 x {lat.head_dim} (kv_lora_rank {lat.kv_lora_rank} + rope {lat.rope_dim})",
+                        )
+                    )
+                    break
+        lead = self._lead
+        if lead:
+            k0 = lead[0]
+            for i, k in enumerate(lead[1:], 1):
                 if k.num_seqs != k0.num_seqs or not (k.seq_ptr is k0.seq_ptr or torch.equal(k.seq_ptr, k0.seq_ptr)):
                     found.append(Violation("snapshot.structure", f"layer {i} has another batch than layer 0"))
             if self.token_ids and len(self.token_ids) != k0.num_seqs:
@@ -278,6 +438,9 @@ class KVSnapshot:
             if len(pair) != 2 or not all(isinstance(x, float | int) and math.isfinite(x) and x > 0 for x in pair):
                 found.append(Violation("snapshot.kv_scales", f"layer {i}: scales {pair} must be finite and positive"))
                 break
+        if self.fused and self.kv_scales is not None and any(len(p) == 2 and p[0] != p[1] for p in self.kv_scales):
+            # One latent, one scale: the pair's second entry repeats it (docs/format.md).
+            found.append(Violation("snapshot.kv_scales", "a fused layer's two scale entries must be equal"))
         for s, ids in enumerate(self.token_ids):
             # map/min/max run in C: a 131k-token batch costs ~6 ms, not a per-token Python loop.
             if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < 1 << 63):
@@ -289,7 +452,7 @@ class KVSnapshot:
             found.append(
                 Violation("snapshot.request_ids", f"{len(self.request_ids)} request ids for {self.num_seqs} sequences")
             )
-        if self.fingerprint is not None and self.keys and self.fingerprint.num_layers != self.num_layers:
+        if self.fingerprint is not None and lead and self.fingerprint.num_layers != self.num_layers:
             found.append(
                 Violation(
                     "snapshot.fingerprint",
@@ -299,10 +462,11 @@ class KVSnapshot:
         return Checked(tuple(found), permissive)
 
     def __repr__(self) -> str:
-        if not self.keys:
+        if not self._lead:
             return f"KVSnapshot(num_layers=0, num_seqs={len(self.token_ids)})"
-        k = self.keys[0]
+        k = self._lead[0]
+        latent = f", latent={self.latent.kv_lora_rank}+{self.latent.rope_dim}" if self.latent and self.fused else ""
         return (
             f"KVSnapshot(num_layers={self.num_layers}, num_seqs={k.num_seqs}, page_size={k.page_size}, "
-            f"num_pages={k.num_pages}, heads={k.num_heads}, head_dim={k.head_dim}, dtype={k.dtype})"
+            f"num_pages={k.num_pages}, heads={k.num_heads}, head_dim={k.head_dim}, dtype={k.dtype}{latent})"
         )

@@ -80,7 +80,7 @@ def rebuild(cache: FlashInferCache, seq: int) -> tuple[torch.Tensor, torch.Tenso
 
 @settings(max_examples=20)
 @given(
-    snap=snapshots(),
+    snap=snapshots(latent=False),
     kv_layout=st.sampled_from(LAYOUTS),
     combined=st.booleans(),
     page_size=st.sampled_from([None, 1, 3, 16]),
@@ -109,7 +109,7 @@ def test_rebuilt_sequences_equal_to_dense(
 
 
 @settings(max_examples=20)
-@given(snap=snapshots(), page_size=st.sampled_from([2, 5]))
+@given(snap=snapshots(latent=False), page_size=st.sampled_from([2, 5]))
 def test_shared_plan_equals_per_layer_plan(snap: KVSnapshot, page_size: int) -> None:
     plan = plan_flashinfer(snap, page_size)
     for layer in range(snap.num_layers):
@@ -181,7 +181,7 @@ def test_dtype_and_device_on_request() -> None:
 
 @settings(max_examples=20)
 @given(
-    snap=snapshots(),
+    snap=snapshots(latent=False),
     kv_layout=st.sampled_from(LAYOUTS),
     combined=st.booleans(),
     page_size=st.sampled_from([None, 1, 3, 8]),
@@ -494,7 +494,7 @@ def test_checker_rejects_unplanned_q_and_kv_combinations() -> None:
 
 @settings(max_examples=15)
 @given(
-    snap=snapshots(),
+    snap=snapshots(latent=False),
     kv_layout=st.sampled_from(LAYOUTS),
     combined=st.booleans(),
     page_size=st.sampled_from([None, 2, 16]),
@@ -604,7 +604,7 @@ def test_to_flashinfer_all_rejects() -> None:
 
 @settings(max_examples=30)
 @given(
-    snap=snapshots(),
+    snap=snapshots(latent=False),
     kv_layout=st.sampled_from(LAYOUTS),
     combined=st.booleans(),
     page_size=st.sampled_from([None, 1, 3, 16]),
@@ -659,3 +659,13 @@ def test_import_into_refuses_a_cache_that_does_not_fit() -> None:
         with pytest.raises(HurrayFormatError) as err:
             to_flashinfer(snap, 0, **kwargs)
         assert err.value.field == field, kwargs
+
+
+@given(snap=snapshots(latent=True))
+def test_kv_importers_refuse_mla_latents_naming_the_way_out(snap: KVSnapshot) -> None:
+    """A fused MLA latent has no K/V split: FlashInfer's and flash-attn's K/V caches refuse it by field."""
+    from hurray_vllm.adapters.flash_attn import to_flash_attn
+
+    for importer in (lambda: to_flashinfer_all(snap), lambda: to_flash_attn(snap, 0, page_size=256)):
+        with pytest.raises(HurrayFormatError, match=r"kv_role.*fused MLA latents.*expand_latent"):
+            importer()

@@ -47,7 +47,7 @@ def _stream(meta: Any, snap: KVSnapshot = SNAP, *, raw: bytes | None = None) -> 
         dense_record("snapshot.token_ptr", ptr),
     ]
     for i, (k, v) in enumerate(snap.layers()):
-        records += list(layer_records(i, k, v, None, {}))
+        records += list(layer_records(i, (k, v), None, {}))
     out = io.BytesIO()
     write_records(records, out)
     return out.getvalue()

@@ -45,8 +45,8 @@ def test_the_index_cache_keeps_its_tensors_and_checks_identity() -> None:
 
 def test_structure_keys_hold_their_tensors() -> None:
     a = _tensor([0, 1])
-    key = layer_structure_key(a, a, None)
-    assert key == layer_structure_key(a, a, None)
-    assert key != layer_structure_key(_tensor([0, 1]), _tensor([0, 1]), None)  # equal values, other tensors
+    key = layer_structure_key((a, a), None)
+    assert key == layer_structure_key((a, a), None)
+    assert key != layer_structure_key((_tensor([0, 1]), _tensor([0, 1])), None)  # equal values, other tensors
     assert key is not None and any(isinstance(x, Same) and x.obj is a.block_table for x in key)
     assert Same(a.block_table) != a.block_table

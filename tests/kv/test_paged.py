@@ -81,9 +81,10 @@ def test_snapshot_select_compacts(snap: hv.KVSnapshot) -> None:
     sub = snap.select([snap.num_seqs - 1])
     assert sub.num_seqs == 1
     assert sub.token_ids == (snap.token_ids[-1],)
-    assert sub[0, "value"].num_pages == int(torch.unique(sub[0, "value"].block_table).numel())
+    first, last = snap.roles[0], snap.roles[-1]  # key and value, or the one fused latent
+    assert sub[0, last].num_pages == int(torch.unique(sub[0, last].block_table).numel())
     assert torch.equal(
-        sub[0, "key"].to_dense(0).view(torch.uint8), snap[0, "key"].to_dense(snap.num_seqs - 1).view(torch.uint8)
+        sub[0, first].to_dense(0).view(torch.uint8), snap[0, first].to_dense(snap.num_seqs - 1).view(torch.uint8)
     )
 
 

@@ -161,6 +161,7 @@ def plan_flash_attn(
     check_page_size(page_size, lim, "page_size")
     if reserve < 0:
         raise HurrayArgumentError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
+    snapshot.require_kv("flash_attn_with_kvcache")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot", "the snapshot has no layers; nothing to import")
     k0 = snapshot.keys[0]

@@ -27,6 +27,7 @@ def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     ``plan=`` for each layer so the plan is computed once per batch
     (:func:`to_flashinfer_all` does).
     """
+    snapshot.require_kv("FlashInfer's paged K/V cache")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
     k0 = snapshot.keys[0]
@@ -81,6 +82,7 @@ def to_flashinfer_all(
     """
     if out is not None and len(out) != snapshot.num_layers:
         raise HurrayFormatError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
+    snapshot.require_kv("FlashInfer's paged K/V cache")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
     if page_size is not None and page_size <= 0:

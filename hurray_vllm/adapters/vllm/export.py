@@ -21,7 +21,7 @@ import threading
 from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
@@ -30,8 +30,8 @@ from ...containers.schema import header_records
 from ...containers.stream import LayerWriter, write_records
 from ...errors import HurrayFormatError
 from ...kv.paged import BlockPagedTensor, plan_compaction
-from ...kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
-from .layouts import KVLayout, as_storage_dtype
+from ...kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
+from .layouts import KVLayout, as_storage_dtype, roles_of
 
 __all__ = [
     "GatherBuffers",
@@ -212,15 +212,19 @@ class GatherBuffers:
         return self._twin
 
     def take(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two contiguous ``shape`` tensors of ``dtype`` on ``device``, overwriting what the last call returned."""
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, count: int = 2
+    ) -> tuple[torch.Tensor, ...]:
+        """``count`` (2: K and V; 1: a fused latent) contiguous ``shape`` tensors of ``dtype`` on ``device``.
+
+        They overwrite what the last call returned.
+        """
         need = math.prod(shape) * dtype.itemsize
         at = need if need % 256 == 0 else -(-need // 256) * 256  # V's start, aligned for any kernel
+        total = at * (count - 1) + need
         raw = self._raw
-        if raw is None or raw.numel() < at + need or raw.device != device:
-            self._raw = raw = torch.empty(at + need, dtype=torch.uint8, device=device)
-        return raw[:need].view(dtype).view(shape), raw[at : at + need].view(dtype).view(shape)
+        if raw is None or raw.numel() < total or raw.device != device:
+            self._raw = raw = torch.empty(total, dtype=torch.uint8, device=device)
+        return tuple(raw[j * at : j * at + need].view(dtype).view(shape) for j in range(count))
 
     def release(self) -> None:
         """Drop the buffers and the twin's (they are allocated again when next needed)."""
@@ -305,6 +309,10 @@ def _kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     return k.as_strided((2, *k.shape), (k.numel(), *k.stride()), k.storage_offset())
 
 
+#: One layer as the exporter yields it: ``(key, value)``, or ``(fused,)`` for an MLA latent.
+Layer = tuple[BlockPagedTensor, ...]
+
+
 def _first(cache: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     return cache[0] if isinstance(cache, tuple) else cache
 
@@ -317,8 +325,11 @@ def export_layers(
     storage_dtype: torch.dtype | None = None,
     zero_unused: bool = True,
     buffers: GatherBuffers | Sequence[GatherBuffers] | None = None,
-) -> Iterator[tuple[BlockPagedTensor, BlockPagedTensor]]:
-    """Yield each layer's (key, value) block-paged tensors, one layer at a time.
+) -> Iterator[Layer]:
+    """Yield each layer's block-paged tensors, one layer at a time.
+
+    A layer is ``(key, value)``, or ``(fused,)`` for a layout whose roles
+    are ``("fused",)`` (:class:`~.layouts.MLALatent`).
 
     Peak extra memory is one layer's compacted pages: nothing is gathered
     before the caller asks for the layer. With one :class:`GatherBuffers`
@@ -334,6 +345,7 @@ def export_layers(
     # would synchronise the stream, stalling the previous layer's device-to-host copy.
     keep_on: dict[torch.device, torch.Tensor] = {}
     tail_rows: dict[tuple[torch.device, bool], torch.Tensor] = {}
+    roles = roles_of(layout)
     for i, cache in enumerate(caches):
         if storage_dtype is not None:
             cache = (
@@ -346,31 +358,30 @@ def export_layers(
         if buffers is not None:
             shape = (int(plan.keep.numel()), *layout.page_shape(cache))
             mine = buffers if isinstance(buffers, GatherBuffers) else buffers[i]
-            out = mine.take(shape, first.dtype, first.device)
+            out = mine.take(shape, first.dtype, first.device, len(roles))
         keep = keep_on.get(first.device)
         if keep is None:
             keep = keep_on[first.device] = plan.keep.to(first.device)
         del first
-        k_pool, v_pool = layout.gather(cache, keep, out)
+        pools = layout.gather(cache, keep, out)
         del out
         if zero_unused:
-            _zero_tails(plan, k_pool, v_pool, tail_rows)
-        yield (
-            BlockPagedTensor(k_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "key", i),
-            BlockPagedTensor(v_pool, plan.block_table, plan.seq_ptr, plan.seq_lens, "value", i),
+            _zero_tails(plan, pools, tail_rows)
+        yield tuple(
+            BlockPagedTensor(pool, plan.block_table, plan.seq_ptr, plan.seq_lens, role, i)
+            for pool, role in zip(pools, roles, strict=True)
         )
         # Drop this layer before the next is gathered: peak memory stays one layer.
-        del k_pool, v_pool, cache
+        del pools, cache
 
 
 def _zero_tails(
     plan: BatchPlan,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    pools: Sequence[torch.Tensor],
     rows: dict[tuple[torch.device, bool], torch.Tensor],
     by_index: bool | None = None,
 ) -> None:
-    """Zero the slots no sequence uses in both (contiguous) pools.
+    """Zero the slots no sequence uses in a layer's (contiguous) pools: K and V, or one latent.
 
     On the host each partly used page is one memset. On a device that would be
     two kernel launches per page and layer, which costs more CPU time than the
@@ -381,14 +392,15 @@ def _zero_tails(
     """
     if not plan.tails:
         return
+    k_pool = pools[0]
     dev = k_pool.device
     if not (by_index if by_index is not None else dev.type != "cpu"):
         for page, start in plan.tails:
-            k_pool[page, start:].zero_()
-            v_pool[page, start:].zero_()
+            for pool in pools:
+                pool[page, start:].zero_()
         return
     slots = k_pool.shape[0] * k_pool.shape[1]
-    both = _kv_pair(k_pool, v_pool)
+    both = _kv_pair(k_pool, pools[1]) if len(pools) == 2 else None
     idx = rows.get((dev, both is not None))
     if idx is None:
         bs = plan.block_size
@@ -399,7 +411,7 @@ def _zero_tails(
     if both is not None:
         both.view(2 * slots, math.prod(k_pool.shape[2:])).index_fill_(0, idx, 0)
         return
-    for pool in (k_pool, v_pool):
+    for pool in pools:
         pool.view(slots, math.prod(pool.shape[2:])).index_fill_(0, idx, 0)
 
 
@@ -410,6 +422,7 @@ def _snapshot_shell(
     kv_scales: Sequence[tuple[float, float]] | None,
     *,
     transient: bool = False,
+    latent: LatentSplit | None = None,
 ) -> KVSnapshot:
     # A transient shell only feeds header_records, which packs the ids straight into
     # an int64 array: copying every id into a tuple of ints first would be wasted.
@@ -421,6 +434,7 @@ def _snapshot_shell(
         kv_scales=tuple(kv_scales) if kv_scales is not None else None,
         source=source,
         request_ids=tuple(s.request_id for s in seqs),
+        latent=latent,
     )
 
 
@@ -436,6 +450,7 @@ def export_snapshot(
     source: SnapshotSource | None = None,
     reserved_blocks: Sequence[int] = (0,),
     buffers: Sequence[GatherBuffers] | None = None,
+    latent: LatentSplit | None = None,
 ) -> KVSnapshot:
     """An in-memory :class:`KVSnapshot` of ``seqs`` (see :func:`export_stream` to bound memory).
 
@@ -443,12 +458,21 @@ def export_snapshot(
     token; pass ``()`` for caches that are copies of selected blocks.
     ``buffers``, one :class:`GatherBuffers` per layer, makes the snapshot's
     pools views of those buffers (valid until they are used again) instead
-    of new memory.
+    of new memory. ``latent`` (required for an MLA layout) says how its
+    fused latent divides.
     """
     plan = plan_batch(seqs, block_size, reserved_blocks=reserved_blocks)
     layers = list(export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=buffers))
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
-    return replace(shell, keys=tuple(k for k, _ in layers), values=tuple(v for _, v in layers))
+    return KVSnapshot.from_layers(
+        layers,
+        token_ids=shell.token_ids,
+        fingerprint=shell.fingerprint,
+        kv_scales=shell.kv_scales,
+        source=shell.source,
+        request_ids=shell.request_ids,
+        latent=latent if roles_of(layout) == ("fused",) else None,
+    )
 
 
 def export_stream(
@@ -464,6 +488,7 @@ def export_stream(
     source: SnapshotSource | None = None,
     show_progress: bool = False,
     buffers: GatherBuffers | None = None,
+    latent: LatentSplit | None = None,
 ) -> int:
     """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
 
@@ -488,22 +513,22 @@ def export_stream(
             layers = progress(layers, desc="export", total=len(caches))
         # Made before the header is written: a device export's first layer is already on its way.
         host = to_host_overlapped(layers, device_slots=2 if on_cuda else 1)
-        shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True)
+        if (roles_of(layout) == ("fused",)) != (latent is not None):
+            raise HurrayFormatError("latent", "an MLA cache's export needs its LatentSplit, and only it has one")
+        shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True, latent=latent)
         # The header announces the layer count before any layer is written.
         total = write_records(header_records(shell, num_layers=len(caches)), f)
         # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
         i = 0
         writer = LayerWriter()  # every layer shares the plan's index tensors: encoded once
-        for k, v in host:
-            total += writer.write(f, i, k, v, kv_scales[i] if kv_scales is not None else None)
-            del k, v  # release this layer's pages before gathering the next
+        for members in host:
+            total += writer.write(f, i, members, kv_scales[i] if kv_scales is not None else None)
+            del members  # release this layer's pages before gathering the next
             i += 1
         return total
 
 
-def to_host_overlapped(
-    layers: Iterator[tuple[BlockPagedTensor, BlockPagedTensor]], *, device_slots: int = 1
-) -> Iterator[tuple[BlockPagedTensor, BlockPagedTensor]]:
+def to_host_overlapped(layers: Iterator[Layer], *, device_slots: int = 1) -> Iterator[Layer]:
     """Layers with their pools in host memory; CUDA pools arrive through pinned buffers.
 
     CPU layers pass through untouched, one at a time. For CUDA layers, see
@@ -514,30 +539,34 @@ def to_host_overlapped(
     return HostLayers(layers, device_slots=device_slots)
 
 
+#: One pinned host slot: a host pool per role, and the ``[2, ...]`` tensor holding K and V when they share a shape.
+_Slot = tuple[tuple[torch.Tensor, ...], torch.Tensor | None]
+
+
 class HostLayers:
     """Iterator over layers with host pools, staging CUDA layers ahead of the caller.
 
-    Each CUDA layer is copied on a side stream into one of two pinned host
-    buffers, with non-blocking transfers: while the caller writes layer
-    ``i``, layer ``i+1`` is copied to the host, and layer ``i+2`` may
-    already be gathered on the device when the pools rotate through two
-    device buffers (``device_slots=2``). The first layer is staged as soon
-    as the object is made, so work the caller does before iterating (a
-    stream header) overlaps its transfer. A yielded layer's host pools are
-    valid until the caller asks for the next layer.
+    Each CUDA layer (K and V, or one fused latent) is copied on a side
+    stream into one of two pinned host buffers, with non-blocking
+    transfers: while the caller writes layer ``i``, layer ``i+1`` is copied
+    to the host, and layer ``i+2`` may already be gathered on the device
+    when the pools rotate through two device buffers (``device_slots=2``).
+    The first layer is staged as soon as the object is made, so work the
+    caller does before iterating (a stream header) overlaps its transfer.
+    A yielded layer's host pools are valid until the caller asks for the
+    next layer.
     """
 
-    def __init__(self, layers: Iterator[tuple[BlockPagedTensor, BlockPagedTensor]], *, device_slots: int = 1) -> None:
+    def __init__(self, layers: Iterator[Layer], *, device_slots: int = 1) -> None:
         if device_slots not in (1, 2):
             raise ValueError(f"device_slots must be 1 or 2, not {device_slots}")
         self._layers = iter(layers)
         self._slots = device_slots
-        # Per slot: host K and V pools, and the [2, ...] tensor holding both when they share a shape.
-        self._pinned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = [None, None]
+        self._pinned: list[_Slot | None] = [None, None]
         self._copier: torch.cuda.Stream | None = None
         self._compute: torch.cuda.Stream | None = None
         # (host layer, its copy's event; None for a CPU layer), oldest first: at most two.
-        self._staged: list[tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event | None]] = []
+        self._staged: list[tuple[Layer, torch.cuda.Event | None]] = []
         self._copied = 0
         self._done = False
         self._pull()
@@ -545,7 +574,7 @@ class HostLayers:
     def __iter__(self) -> HostLayers:
         return self
 
-    def __next__(self) -> tuple[BlockPagedTensor, BlockPagedTensor]:
+    def __next__(self) -> Layer:
         if not self._staged:
             self._pull()
         if not self._staged:
@@ -562,21 +591,34 @@ class HostLayers:
         if self._done:
             return
         try:
-            k, v = next(self._layers)
+            members = next(self._layers)
         except StopIteration:
             self._done = True
             return
-        if k.page_pool.device.type != "cuda":
+        if members[0].page_pool.device.type != "cuda":
             # A CPU layer is handed over as is; the next is pulled only when the
             # caller is done with it (it may share this layer's buffers).
-            self._staged.append(((k, v), None))
+            self._staged.append((members, None))
             return
-        self._staged.append(self._stage(k, v))
+        self._staged.append(self._stage(members))
 
-    def _stage(
-        self, k: BlockPagedTensor, v: BlockPagedTensor
-    ) -> tuple[tuple[BlockPagedTensor, BlockPagedTensor], torch.cuda.Event]:
-        dev = k.page_pool.device
+    def _host_slot(self, i: int, pools: Sequence[torch.Tensor]) -> _Slot:
+        """Slot ``i % 2``, reallocated when this layer's pools do not fit it."""
+        slot = self._pinned[i % 2]
+        if slot is not None and len(slot[0]) == len(pools):
+            if all(h.shape == d.shape and h.dtype == d.dtype for h, d in zip(slot[0], pools, strict=True)):
+                return slot
+        # The caller is done with the layer that used this slot two layers ago.
+        if len(pools) == 2 and pools[0].shape == pools[1].shape and pools[0].dtype == pools[1].dtype:
+            pair = torch.empty((2, *pools[0].shape), dtype=pools[0].dtype, pin_memory=True)
+            slot = ((pair[0], pair[1]), pair)
+        else:
+            slot = (tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in pools), None)
+        self._pinned[i % 2] = slot
+        return slot
+
+    def _stage(self, members: Layer) -> tuple[Layer, torch.cuda.Event]:
+        dev = members[0].page_pool.device
         if self._copier is None or self._compute is None or self._copier.device != dev:
             # Looked up once per device: torch.cuda.current_stream costs more than a copy launch.
             self._compute = torch.cuda.current_stream(dev)
@@ -584,34 +626,22 @@ class HostLayers:
         compute = self._compute
         i = self._copied
         self._copied += 1
-        kp, vp = k.page_pool, v.page_pool
-        slot = self._pinned[i % 2]
-        if slot is None or any(h.shape != d.shape or h.dtype != d.dtype for h, d in ((slot[0], kp), (slot[1], vp))):
-            # The caller is done with the layer that used this slot two layers ago.
-            if kp.shape == vp.shape and kp.dtype == vp.dtype:
-                pair = torch.empty((2, *kp.shape), dtype=kp.dtype, pin_memory=True)
-                slot = (pair[0], pair[1], pair)
-            else:
-                slot = (
-                    torch.empty(kp.shape, dtype=kp.dtype, pin_memory=True),
-                    torch.empty(vp.shape, dtype=vp.dtype, pin_memory=True),
-                    None,
-                )
-            self._pinned[i % 2] = slot
-        both = _kv_pair(kp, vp) if slot[2] is not None else None
+        pools = [t.page_pool for t in members]
+        hosts, pair = self._host_slot(i, pools)
+        both = _kv_pair(pools[0], pools[1]) if pair is not None else None
         self._copier.wait_stream(compute)  # the gather (and tail zeroing) of this layer
         with torch.cuda.stream(self._copier):
-            if both is not None and slot[2] is not None:
-                slot[2].copy_(both, non_blocking=True)  # adjacent pools: one transfer
+            if both is not None and pair is not None:
+                pair.copy_(both, non_blocking=True)  # adjacent pools: one transfer
             else:
-                slot[0].copy_(kp, non_blocking=True)
-                slot[1].copy_(vp, non_blocking=True)
+                for h, d in zip(hosts, pools, strict=True):
+                    h.copy_(d, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         # The allocator must not hand these pools out again before the copy has read them.
-        kp.record_stream(self._copier)
-        if both is None:
-            vp.record_stream(self._copier)
+        for j, d in enumerate(pools):
+            if j == 0 or both is None:
+                d.record_stream(self._copier)
         if self._slots == 1:
             # The next gather overwrites these device buffers: after this copy.
             compute.wait_event(event)
@@ -620,7 +650,7 @@ class HostLayers:
             # (a previous layer already handed over was waited for then).
             compute.wait_event(self._staged[-1][1])
         # Built directly: dataclasses.replace costs more than the copy launches (no-op .cpu() on host tensors).
-        hk, hv = (
+        host_layer = tuple(
             BlockPagedTensor(
                 page_pool=buf,
                 block_table=t.block_table.cpu(),
@@ -633,6 +663,6 @@ class HostLayers:
                 quant_buffers=tuple(b.cpu() for b in t.quant_buffers),
                 num_tokens=t.num_tokens,
             )
-            for t, buf in ((k, slot[0]), (v, slot[1]))
+            for t, buf in zip(members, hosts, strict=True)
         )
-        return (hk, hv), event
+        return host_layer, event

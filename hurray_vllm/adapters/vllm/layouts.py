@@ -26,6 +26,7 @@ from ...errors import HurrayFormatError
 __all__ = [
     "KVLayout",
     "LogicalBHNC",
+    "MLALatent",
     "CpuPacked",
     "FlashAttnLegacy",
     "FlashInferLegacy",
@@ -36,12 +37,26 @@ __all__ = [
 ]
 
 
-#: Optional destination of a gather: (keys, values), each ``[n, block_size, H, D]`` contiguous.
-Out = tuple[torch.Tensor, torch.Tensor] | None
+#: Optional destination of a gather: one tensor per role (keys, values; or the fused latent),
+#: each ``[n, block_size, H, D]`` contiguous.
+Out = tuple[torch.Tensor, ...] | None
+
+#: The roles a layout's gather returns, when the layout does not say (``roles``): keys then values.
+KV_PAIR = ("key", "value")
+
+
+def roles_of(layout: object) -> tuple[str, ...]:
+    """The roles ``layout.gather`` returns, in order: ``("key", "value")`` unless it says otherwise."""
+    return tuple(getattr(layout, "roles", KV_PAIR))
 
 
 class KVLayout(Protocol):
-    """What the exporter needs from a cache layout."""
+    """What the exporter needs from a cache layout.
+
+    ``gather`` returns one pool per role: keys and values for attention
+    caches, one fused latent for MLA caches (a layout with ``roles =
+    ("fused",)``, see :func:`roles_of`).
+    """
 
     @property
     def name(self) -> str:
@@ -54,17 +69,23 @@ class KVLayout(Protocol):
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``block_ids`` (int64), each ``[n, block_size, H, D]`` contiguous.
+    ) -> tuple[torch.Tensor, ...]:
+        """Keys and values (or the one fused latent) of ``block_ids`` (int64), each ``[n, block_size, H, D]``.
 
-        With ``out`` (two contiguous tensors of that shape and the cache's
-        dtype and device) the pages are written there and ``out`` is returned.
+        With ``out`` (one contiguous tensor of that shape and the cache's
+        dtype and device per role) the pages are written there and ``out``
+        is returned.
         """
         ...
 
 
 def _ids(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return block_ids.to(device=cache.device, dtype=torch.int64)
+
+
+def _nth(out: Out, j: int) -> torch.Tensor | None:
+    """The destination of role ``j`` of a gather, if the caller gave destinations."""
+    return out[j] if out else None
 
 
 def _select(view: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -165,7 +186,7 @@ class LogicalBHNC:
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """Keys and values of ``block_ids``, each ``[n, block_size, H, D]`` contiguous (into ``out`` if given)."""
         assert isinstance(cache, torch.Tensor)
         d = self.head_dim
@@ -174,9 +195,57 @@ class LogicalBHNC:
         ids = _ids(block_ids, cache)
         _, h, n, _ = cache.shape
         _check_out(out, (ids.numel(), n, h, d), cache.dtype)
-        k = _select(cache[..., :d].transpose(1, 2), ids, out and out[0])
-        v = _select(cache[..., d:].transpose(1, 2), ids, out and out[1])
+        k = _select(cache[..., :d].transpose(1, 2), ids, _nth(out, 0))
+        v = _select(cache[..., d:].transpose(1, 2), ids, _nth(out, 1))
         return k, v
+
+
+@dataclass(frozen=True)
+class MLALatent:
+    """An MLA (DeepSeek-style) latent cache: one vector of ``kv_lora_rank + rope_dim`` per token.
+
+    vLLM keeps one tensor per layer, ``[num_blocks, block_size, C]`` on GPU
+    backends (``MLACommonBackend.get_kv_cache_shape``) and ``[num_blocks, 1,
+    block_size, C]`` on the CPU (``CPU_MLA``, which forces block size 16),
+    token-major in both: each token's ``C`` values are the normalized
+    compressed KV, then the rotated k_pe. One fused page pool
+    ``[n, block_size, 1, C]`` comes out (kv_role ``"fused"``).
+    """
+
+    head_dim: int
+    name: str = "vllm-mla"
+    roles: ClassVar[tuple[str, ...]] = ("fused",)
+
+    def _view(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The cache as ``[B, N, 1, C]`` (a view; the head axis has one entry, so no data moves)."""
+        if not isinstance(cache, torch.Tensor) or cache.shape[-1] != self.head_dim:
+            got = list(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            raise HurrayFormatError("cache", f"expected an MLA latent cache [B, N, {self.head_dim}], got {got}")
+        if cache.dim() == 3:
+            return cache.unsqueeze(2)
+        if cache.dim() == 4 and cache.shape[1] == 1:
+            return cache.transpose(1, 2)
+        raise HurrayFormatError(
+            "cache", f"expected [B, N, {self.head_dim}] or [B, 1, N, {self.head_dim}], got {list(cache.shape)}"
+        )
+
+    def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+        """``(block_size, 1, C)`` of one page."""
+        return int(self._view(cache).shape[1]), 1, self.head_dim
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The latent of ``block_ids``: a 1-tuple ``([n, block_size, 1, C],)`` (into ``out[0]`` if given)."""
+        view = self._view(cache)
+        ids = _ids(block_ids, view)
+        _check_out(out, (ids.numel(), *view.shape[1:]), view.dtype)
+        return (_select(view, ids, _nth(out, 0)),)
+
+    def scatter(self, cache: torch.Tensor, block_ids: torch.Tensor, latent: torch.Tensor) -> None:
+        """Write ``latent`` (``[n, block_size, 1, C]`` in the cache's dtype) into blocks ``block_ids``."""
+        view = self._view(cache)
+        view.index_copy_(0, _ids(block_ids, view), latent.to(device=view.device, dtype=view.dtype))
 
 
 @dataclass(frozen=True)
@@ -218,7 +287,7 @@ class CpuPacked:
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """Keys and values of ``block_ids`` unpacked, each ``[n, block_size, H, D]`` (into ``out`` if given)."""
         assert isinstance(cache, torch.Tensor)
         b, h, n, d, p = self._geometry(cache)
@@ -333,7 +402,7 @@ class CpuPacked:
         fv(base_v, blocks.data_ptr(), 0, blocks.numel(), *geometry, values.data_ptr())
         return True
 
-    def _gather_native(self, cache: torch.Tensor, ids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    def _gather_native(self, cache: torch.Tensor, ids: torch.Tensor, out: tuple[torch.Tensor, ...]) -> bool:
         """The same gather through the C kernels of :mod:`hurray_vllm.native`; False where they do not apply.
 
         The results are byte-identical to the torch path's. The vec/vec16
@@ -382,7 +451,7 @@ class _StackedKV:
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """The pages ``block_ids`` of K and V, each ``[len(block_ids), N, H, D]`` (into ``out`` if given)."""
         assert isinstance(cache, torch.Tensor)
         if cache.dim() != 5 or cache.shape[self.kv_axis] != 2:
@@ -391,7 +460,7 @@ class _StackedKV:
         ids = _ids(block_ids, cache)
         _check_out(out, (ids.numel(), *cache.shape[2:]), cache.dtype)
         k, v = cache.select(self.kv_axis, 0), cache.select(self.kv_axis, 1)
-        return _select(k, ids, out and out[0]), _select(v, ids, out and out[1])
+        return _select(k, ids, _nth(out, 0)), _select(v, ids, _nth(out, 1))
 
 
 @dataclass(frozen=True)
@@ -437,7 +506,7 @@ class PagedAttentionLegacy:
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """Keys and values of ``block_ids`` from the cache pair, each ``[n, block_size, H, D]`` (into ``out``)."""
         if not isinstance(cache, tuple) or len(cache) != 2:
             raise HurrayFormatError("cache", "paged-attention caches come as a (key_cache, value_cache) pair")
@@ -452,6 +521,6 @@ class PagedAttentionLegacy:
         ids = _ids(block_ids, kc)
         _, h, dx, n, _ = kc.shape
         _check_out(out, (ids.numel(), n, h, dx * x), kc.dtype)
-        k = _select(kc.permute(0, 3, 1, 2, 4), ids, out and out[0]).reshape(ids.numel(), n, h, dx * x)
-        v = _select(vc.permute(0, 3, 1, 2), ids, out and out[1])
+        k = _select(kc.permute(0, 3, 1, 2, 4), ids, _nth(out, 0)).reshape(ids.numel(), n, h, dx * x)
+        v = _select(vc.permute(0, 3, 1, 2), ids, _nth(out, 1))
         return k, v

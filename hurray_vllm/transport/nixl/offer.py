@@ -103,40 +103,41 @@ class _OfferWriter:
                 self.parts += [_INLINE_BYTE, tensor_bytes(t)]
 
     def _announce(self, role: str, pool: torch.Tensor) -> None:
-        self._rank.append((0 if role == "key" else 1, len(self.remote)))
+        self._rank.append((1 if role == "value" else 0, len(self.remote)))
         self.remote.append(host_bytes(pool))
 
     def add_layers(self, snap: KVSnapshot) -> None:
         """Every layer's group; layers that share their block structure (a chunk's do) are encoded once.
 
         A later layer reuses the first one's parts and patches its layer index
-        into the two block-paged descriptors, as :class:`stream.LayerWriter`
+        into its block-paged descriptors (K and V, or one fused latent), as :class:`stream.LayerWriter`
         does for streams: the bytes are those of ``add`` over ``layer_records``.
         """
         index_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         shared: tuple[object, ...] | None = None
         template: list[Any] = []
         patches: list[tuple[int, int]] = []  # (part index in the template, layer index offset) for key, value
-        for i, (k, v) in enumerate(snap.layers()):
+        for i, members in enumerate(snap.layer_members()):
             scales = snap.kv_scales[i] if snap.kv_scales is not None else None
-            structure = layer_structure_key(k, v, scales)
-            if structure is not None and structure == shared and all(t.page_pool.numel() for t in (k, v)):
+            structure = layer_structure_key(members, scales)
+            if structure is not None and structure == shared and all(t.page_pool.numel() for t in members):
                 at = len(self.parts)
                 self.parts += template
-                for (pos, off), t in zip(patches, (k, v), strict=True):
+                for (pos, off), t in zip(patches, members, strict=True):
                     raw = bytearray(template[pos])
                     struct.pack_into("<I", raw, off, LAYER_INDEX_NONE if t.layer_index is None else t.layer_index)
                     self.parts[at + pos] = raw
                     self._announce(t.kv_role, t.page_pool)
-                self._count += 4
+                self._count += len(members) + 2  # head, members, seq_lens
                 if scales is not None:
                     self.add(dense_record(f"layers.{i}.kv_scales", torch.tensor(scales, dtype=torch.float32)))
                 continue
-            head, krec, vrec, lens, *rest = layer_records(i, k, v, scales, index_cache)
+            head, *recs = list(layer_records(i, members, scales, index_cache))
+            tensors, lens, rest = recs[: len(members)], recs[len(members)], recs[len(members) + 1 :]
             at = len(self.parts)
             self.add(head)
             patches = []
-            for rec in (krec, vrec):
+            for rec in tensors:
                 patches.append((len(self.parts) + 1 - at, layer_index_offset(rec.descriptor)))
                 self.add(rec)
             self.add(lens)

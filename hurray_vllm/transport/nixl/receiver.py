@@ -319,7 +319,7 @@ class NixlReceiver(ReceiverBase):
             where = {v.data_ptr(): i for i, v in enumerate(views)}
             plan = [
                 (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
-                for t in (*snap.keys, *snap.values)
+                for t in snap.tensors()
             ]
             if sorted(i for _, i in plan if i is not None) != list(range(len(views))):
                 raise HurrayFormatError("transport.offer", "the announced page pools are not the snapshot's")

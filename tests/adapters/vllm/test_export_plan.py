@@ -88,9 +88,9 @@ def test_zeroing_tails_by_index_equals_per_page(batch: tuple[list[SequenceState]
     assert _kv_pair(*c) is not None  # 256-byte slots: V starts right after K
     for dst, src in zip(c, pools, strict=True):
         dst.copy_(src)
-    _zero_tails(plan, *a, {}, by_index=False)
-    _zero_tails(plan, *b, {}, by_index=True)
-    _zero_tails(plan, *c, {}, by_index=True)
+    _zero_tails(plan, a, {}, by_index=False)
+    _zero_tails(plan, b, {}, by_index=True)
+    _zero_tails(plan, c, {}, by_index=True)
     for x, y, z in zip(a, b, c, strict=True):
         assert torch.equal(x, y)
         assert torch.equal(x, z)
