@@ -27,3 +27,43 @@ def build_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2, head_dim: in
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer DeepSeek-V2-style MLA model (dense MLPs) saved in bf16 at ``path``.
+
+    vLLM's CPU MLA backend takes only a latent of 576 (kv_lora_rank 512 + rope
+    64) and blocks of 16 (``../shared/notes/facts.md`` §5). ``initializer_range``
+    0.1: at the default 0.02 the greedy tokens of so small a model repeat one id,
+    which would make token comparisons weak.
+    """
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        q_lora_rank=None,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=2,  # dense layers: vLLM's CPU MoE router asserts on this tiny router
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+    )
+    model = DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path

@@ -11,6 +11,13 @@ head dimension or re-rotation is needed, only paging.
   snapshot KV with a transformers model, without recomputing the prefix.
 * :func:`from_transformers` pages a transformers cache (a batch, padded or
   not) into a snapshot that any importer (vLLM included) can read.
+* MLA models (DeepSeek-V2/V3 and kin): transformers 5.x caches their latent
+  itself, the normalized compressed KV as the layer's "keys"
+  (``[batch, 1, T, kv_lora_rank]``) and the rotated k_pe as its "values"
+  (``[batch, 1, T, rope_dim]``), exactly the two halves of a fused
+  snapshot layer: :func:`to_dynamic_cache` splits the latent, no
+  decompression happens. :func:`expand_latent` decompresses it through the
+  model's own ``kv_b_proj`` into per-head K/V for consumers that want them.
 
 Only this module imports ``transformers``, and only when a function needs it.
 Tested with transformers 5.x (``DynamicCache.layers[i].keys``,
@@ -28,7 +35,7 @@ import torch
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor, zero_slots_
-from ..kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+from ..kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ..wire import dtypes
 from ..wire.descriptor import PerTensorAffine
 from ..wire.rules import raise_if
@@ -42,6 +49,7 @@ __all__ = [
     "check_continuation",
     "config_geometry",
     "continue_generation",
+    "expand_latent",
     "fingerprint_from_config",
     "from_transformers",
     "next_token_logits",
@@ -69,12 +77,16 @@ class ConfigGeometry:
         num_kv_heads: ``num_key_value_heads`` (``num_attention_heads`` when
             the config has no GQA field).
         head_dim: ``head_dim``, or ``hidden_size // num_attention_heads``.
+        latent: for MLA models (a config with ``kv_lora_rank``), how the
+            cached latent divides; ``num_kv_heads`` is then 1 and
+            ``head_dim`` the latent's width, as a fused snapshot holds it.
     """
 
     architecture: str | None
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    latent: LatentSplit | None = None
 
 
 def config_geometry(model_config: Any) -> ConfigGeometry:
@@ -99,6 +111,10 @@ def config_geometry(model_config: Any) -> ConfigGeometry:
         head_dim = getattr(cfg, "head_dim", None)
         if head_dim is None:
             head_dim = int(cfg.hidden_size) // heads
+        rank = getattr(cfg, "kv_lora_rank", None)
+        if rank:  # MLA: one cached latent "head" of kv_lora_rank + rope values per token
+            latent = LatentSplit(int(rank), int(cfg.qk_rope_head_dim), str(getattr(cfg, "model_type", "") or ""))
+            return ConfigGeometry(str(archs[0]) if archs else None, layers, 1, latent.head_dim, latent)
         return ConfigGeometry(
             architecture=str(archs[0]) if archs else None,
             num_layers=layers,
@@ -158,10 +174,17 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     claims: list[ModelFingerprint] = []
     if snapshot.fingerprint is not None:
         claims.append(snapshot.fingerprint)
-    if snapshot.keys:
-        k = snapshot.keys[0]
+    if snapshot.num_layers:
+        k = snapshot.tensors()[0]
         claims.append(ModelFingerprint(model.architecture, snapshot.num_layers, k.num_heads, k.head_dim, ""))
     problems: list[str] = []
+    if (geo.latent is None) != (not snapshot.is_latent) and snapshot.num_layers:
+        what = "fused MLA latents" if snapshot.is_latent else "keys and values"
+        problems.append(
+            f"kv_role: the snapshot holds {what}, the model {'does not' if geo.latent is None else 'is MLA'}"
+        )
+    elif geo.latent is not None and snapshot.latent is not None and snapshot.latent != geo.latent:
+        problems.append(f"latent: snapshot has {snapshot.latent}, model has {geo.latent}")
     for claim in claims:
         for msg in claim.mismatches(model, ignore=ignore, labels=("snapshot", "model")):
             if msg not in problems:
@@ -190,8 +213,9 @@ def _dequantize(t: BlockPagedTensor, dense: torch.Tensor, scale: float | None, d
 
 
 def _default_dtype(snapshot: KVSnapshot, model_config: Any) -> torch.dtype:
-    pool = snapshot.keys[0].dtype
-    quantized = snapshot.kv_scales is not None or snapshot.keys[0].quantization is not None
+    first = snapshot.tensors()[0]
+    pool = first.dtype
+    quantized = snapshot.kv_scales is not None or first.quantization is not None
     if pool.is_floating_point and pool.itemsize > 1 and not quantized:
         return pool
     want = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
@@ -208,13 +232,18 @@ def sequence_kv(
     dtype: torch.dtype | None = None,
     length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence ``seq``'s keys and values of ``layer``, dense and dequantized.
+    """Sequence ``seq``'s keys and values of ``layer``, dense and dequantized, as a transformers cache holds them.
 
     Returns two ``[num_kv_heads, n, head_dim]`` tensors (``n`` =
     ``length`` or the sequence's length) of ``dtype`` (default: the pool's
     dtype, float32 for fp8 or otherwise quantized pools), on the pools'
-    device. fp8 pools are scaled by ``snapshot.kv_scales[layer]``.
+    device. fp8 pools are scaled by ``snapshot.kv_scales[layer]``. For an
+    MLA snapshot, the latent's two parts: the normalized compressed KV
+    ``[1, n, kv_lora_rank]`` and the rotated k_pe ``[1, n, rope_dim]``
+    (what transformers' MLA layers cache as their keys and values).
     """
+    if snapshot.is_latent:
+        return _latent_parts(snapshot, seq, layer, dtype=dtype, length=length)
     k_t, v_t = snapshot.keys[layer], snapshot.values[layer]
     n = k_t.seq_len(seq)
     if length is not None:
@@ -228,6 +257,72 @@ def sequence_kv(
         dense = t.to_dense(seq)[:n]  # [n, H, D]
         out.append(_dequantize(t, dense, scale, dtype).transpose(0, 1).contiguous())
     return out[0], out[1]
+
+
+def _latent_parts(
+    snapshot: KVSnapshot, seq: int, layer: int, *, dtype: torch.dtype | None, length: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t = snapshot.fused[layer]
+    lat = snapshot.latent
+    assert lat is not None  # a fused snapshot always has one (KVSnapshot checks)
+    n = t.seq_len(seq)
+    if length is not None:
+        if not 0 <= length <= n:
+            raise HurrayFormatError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
+        n = length
+    dtype = dtype or _default_dtype(snapshot, None)
+    scale = snapshot.kv_scales[layer][0] if snapshot.kv_scales is not None else None
+    dense = _dequantize(t, t.to_dense(seq)[:n], scale, dtype).transpose(0, 1)  # [1, n, C]
+    return dense[..., : lat.kv_lora_rank].contiguous(), dense[..., lat.kv_lora_rank :].contiguous()
+
+
+def _mla_layers(model: Any) -> list[Any]:
+    """The model's MLA attention modules (those with a ``kv_b_proj``), in layer order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "kv_b_proj", None), torch.nn.Module)]
+
+
+def expand_latent(
+    model: Any, snapshot: KVSnapshot, seq: int, layer: int, *, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head keys and values of an MLA snapshot's layer, decompressed through the model's ``kv_b_proj``.
+
+    For consumers that attend over per-head K/V (flash-attn, FlashInfer's
+    K/V API, an older transformers): the latent ``c`` (``kv_lora_rank``)
+    goes through the layer's ``kv_b_proj`` into ``[num_heads, qk_nope +
+    v_head]`` per token, and each head's key is its nope part followed by
+    the shared rotated k_pe.
+
+    Args:
+        model: the transformers MLA model the snapshot belongs to
+            (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``...).
+        snapshot: a fused (MLA) snapshot.
+        seq: the sequence's index.
+        layer: the layer.
+        length: only the first ``length`` tokens.
+
+    Returns:
+        ``(keys [num_heads, n, qk_nope_head_dim + qk_rope_head_dim],
+        values [num_heads, n, v_head_dim])`` in the model's dtype and device.
+
+    Raises:
+        HurrayFormatError: the snapshot holds keys and values, or the model
+            has no MLA layer ``layer``.
+    """
+    if not snapshot.is_latent:
+        raise HurrayFormatError("kv_role", "expand_latent needs an MLA snapshot (fused latents)")
+    mods = _mla_layers(model)
+    if not 0 <= layer < len(mods):
+        raise HurrayFormatError("model", f"the model has {len(mods)} MLA layers (kv_b_proj), not layer {layer}")
+    attn = mods[layer]
+    device, dtype = _device_and_dtype(model)
+    kv_nope, k_rot = (x.to(device) for x in sequence_kv(snapshot, seq, layer, dtype=dtype, length=length))
+    cfg = model.config
+    nope, v_dim, heads = int(cfg.qk_nope_head_dim), int(cfg.v_head_dim), int(cfg.num_attention_heads)
+    with torch.no_grad():
+        kv = attn.kv_b_proj(kv_nope[0]).view(-1, heads, nope + v_dim).transpose(0, 1)  # [H, n, nope + v]
+    k_nope, values = kv.split([nope, v_dim], dim=-1)
+    keys = torch.cat([k_nope, k_rot.expand(heads, -1, -1)], dim=-1)
+    return keys.contiguous(), values.contiguous()
 
 
 def to_dynamic_cache(
@@ -246,6 +341,9 @@ def to_dynamic_cache(
     head_dim]`` (``n`` = ``length``, default ``snapshot.seq_lens[seq]``):
     post-RoPE keys for positions ``0..n-1``, exactly what a transformers
     forward pass over ``snapshot.token_ids[seq][:n]`` would have cached.
+    For an MLA snapshot, what transformers' MLA layers cache: the
+    normalized compressed KV ``[1, 1, n, kv_lora_rank]`` as keys and the
+    rotated k_pe ``[1, 1, n, rope_dim]`` as values.
     fp8 pools are dequantized with ``snapshot.kv_scales``.
 
     Args:
@@ -271,7 +369,7 @@ def to_dynamic_cache(
 
     if model_config is not None:
         check_compatible(snapshot, model_config, architecture=architecture)
-    if not snapshot.keys:
+    if not snapshot.num_layers:
         raise HurrayFormatError("snapshot.layers", "the snapshot holds no layers")
     if not 0 <= seq < snapshot.num_seqs:
         raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
@@ -506,8 +604,12 @@ def continue_generation(
 # ── transformers → snapshot ────────────────────────────────────────────────
 
 
-def _cache_layers(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(keys, values)``, each ``[batch, kv_heads, T, head_dim]``."""
+def _cache_layers(past_key_values: Any, latent: LatentSplit | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer ``(keys, values)``, each ``[batch, kv_heads, T, head_dim]``.
+
+    With ``latent`` (an MLA model), per layer ``(fused,)``: the cached
+    compressed KV and k_pe joined into ``[batch, 1, T, kv_lora_rank + rope_dim]``.
+    """
     layers = getattr(past_key_values, "layers", None)
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     if layers is not None:  # transformers >= 4.56 Cache
@@ -541,6 +643,8 @@ def _cache_layers(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor
         )
     if not out:
         raise HurrayFormatError("past_key_values", "the cache holds no layers (was it used in a forward pass?)")
+    if latent is not None:
+        return _fuse_latents(out, latent)
     shape = tuple(out[0][0].shape)
     for i, (k, v) in enumerate(out):
         if k.dim() != 4 or tuple(k.shape) != shape or tuple(v.shape) != shape:
@@ -551,6 +655,25 @@ def _cache_layers(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor
             )
         if k.dtype != out[0][0].dtype or v.dtype != k.dtype:
             raise HurrayFormatError("past_key_values", f"layer {i} mixes dtypes {k.dtype} and {v.dtype}")
+    return list(out)
+
+
+def _fuse_latents(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], latent: LatentSplit
+) -> list[tuple[torch.Tensor, ...]]:
+    """An MLA cache's layers as one ``[batch, 1, T, rank + rope]`` latent each (the engine's order)."""
+    first = layers[0][0]
+    out: list[tuple[torch.Tensor, ...]] = []
+    for i, (c, pe) in enumerate(layers):
+        want_c = (first.shape[0], 1, first.shape[2], latent.kv_lora_rank)
+        want_pe = (first.shape[0], 1, first.shape[2], latent.rope_dim)
+        if c.dim() != 4 or tuple(c.shape) != want_c or tuple(pe.shape) != want_pe or pe.dtype != c.dtype:
+            raise HurrayFormatError(
+                "past_key_values",
+                f"layer {i} holds {tuple(c.shape)} and {tuple(pe.shape)}; an MLA cache holds the compressed KV "
+                f"{want_c} and the rotated k_pe {want_pe} of one dtype",
+            )
+        out.append((torch.cat([c, pe], dim=-1),))
     return out
 
 
@@ -658,7 +781,8 @@ def from_transformers(
     """
     if page_size < 1:
         raise HurrayFormatError("page_size", f"page_size must be positive, not {page_size}")
-    layers = _cache_layers(past_key_values)
+    latent = config_geometry(model_config).latent if model_config is not None else None
+    layers = _cache_layers(past_key_values, latent)
     batch, heads, total, head_dim = (int(x) for x in layers[0][0].shape)
     storage = dtype or layers[0][0].dtype
     if not storage.is_floating_point or storage.itemsize == 1:
@@ -725,28 +849,20 @@ def from_transformers(
     t_ptr = torch.tensor(seq_ptr, dtype=torch.int64)
     t_lens = torch.tensor(lens, dtype=torch.int64)
     index_type = "uint32" if num_pages < 2**32 else "uint64"
-    keys: list[BlockPagedTensor] = []
-    values: list[BlockPagedTensor] = []
-    for i, (k, v) in enumerate(layers):
-        for src, role, dest in ((k, "key", keys), (v, "value", values)):
+    roles = ("fused",) if latent is not None else ("key", "value")
+    paged: list[tuple[BlockPagedTensor, ...]] = []
+    for i, members in enumerate(layers):
+        row = []
+        for src, role in zip(members, roles, strict=True):
             # [B, H, T, D] -> [B, T, H, D], then one gather of every slot.
             pool = src.detach().transpose(1, 2)[flat_b, flat_t].to(storage)
             pool = pool.reshape(num_pages, page_size, heads, head_dim).contiguous()
             zero_slots_(pool, valid)
-            dest.append(
-                BlockPagedTensor(
-                    page_pool=pool,
-                    block_table=t_table,
-                    seq_ptr=t_ptr,
-                    seq_lens=t_lens,
-                    kv_role=role,
-                    layer_index=i,
-                    index_type=index_type,
-                )
-            )
-    snap = KVSnapshot(
-        keys=tuple(keys),
-        values=tuple(values),
+            row.append(BlockPagedTensor(pool, t_table, t_ptr, t_lens, role, i, index_type=index_type))
+        paged.append(tuple(row))
+    snap = KVSnapshot.from_layers(
+        paged,
+        latent=latent,
         token_ids=tuple(ids),
         fingerprint=fingerprint,
         source=SnapshotSource(engine=_engine_name(), layout=SOURCE_LAYOUT, page_size=page_size),
@@ -757,12 +873,12 @@ def from_transformers(
 
 
 def _same_page(
-    layers: list[tuple[torch.Tensor, torch.Tensor]], positions: list[torch.Tensor], a: int, b: int, lo: int, hi: int
+    layers: list[tuple[torch.Tensor, ...]], positions: list[torch.Tensor], a: int, b: int, lo: int, hi: int
 ) -> bool:
     """Whether slots ``lo:hi`` of sequences ``a`` and ``b`` hold bit-identical KV in every layer and role."""
     pa, pb = positions[a][lo:hi], positions[b][lo:hi]
-    for k, v in layers:
-        for t in (k, v):
+    for members in layers:
+        for t in members:
             x = t[a].index_select(1, pa.to(t.device)).contiguous().view(torch.uint8)
             y = t[b].index_select(1, pb.to(t.device)).contiguous().view(torch.uint8)
             if not torch.equal(x, y):

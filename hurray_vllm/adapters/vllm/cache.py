@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from ...errors import HurrayFormatError
-from ...kv.snapshot import ModelFingerprint, SnapshotSource
+from ...kv.snapshot import LatentSplit, ModelFingerprint, SnapshotSource
 from ...wire import dtypes
-from .layouts import CpuPacked, KVLayout, LogicalBHNC
+from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
 
 __all__ = [
     "unsupported_cache",
+    "latent_split_of",
     "EngineCache",
     "describe_worker_cache",
     "attention_layers",
@@ -49,10 +50,13 @@ class EngineCache:
         storage_dtype: the dtype of the stored elements (float8 for fp8 caches).
         model_dtype: the dtype keys and values are computed in.
         kv_cache_dtype: vLLM's ``cache_dtype`` string (``"auto"``, ``"fp8"``...).
-        kv_scales: per layer ``(k_scale, v_scale)`` for fp8 caches, else ``None``.
+        kv_scales: per layer ``(k_scale, v_scale)`` for fp8 caches, else ``None``
+            (an MLA latent's one scale, twice).
         fingerprint: the model the cache belongs to.
         block_size: tokens per block.
         engine: ``"vllm <version>"``.
+        isa: the CPU attention backend's packing (``"vec"``, ``"amx"``...), if any.
+        latent: how an MLA model's fused latent divides; ``None`` for K/V caches.
     """
 
     caches: list[torch.Tensor]
@@ -67,6 +71,7 @@ class EngineCache:
     block_size: int
     engine: str
     isa: str | None = None
+    latent: LatentSplit | None = None
 
     @property
     def num_layers(self) -> int:
@@ -84,29 +89,45 @@ class EngineCache:
             "kv_scales": self.kv_scales,
             "fingerprint": self.fingerprint,
             "source": SnapshotSource(self.engine, self.layout_name, self.block_size),
+            "latent": self.latent,
         }
 
 
 def unsupported_cache(kv_cache_config: Any) -> str | None:
     """Why hurray-vllm cannot export this engine's KV cache, or None when it can.
 
-    Today: one KV cache group of full key/value attention. MLA latents,
-    sliding-window and linear-attention (Mamba, GDN) groups are named, so
+    Today: one KV cache group of full key/value attention or of MLA latents.
+    Sliding-window and linear-attention (Mamba, GDN) groups are named, so
     that the engine is refused at start with a message instead of failing at
     the first save.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if any("MLA" in k for k in kinds):
-        return (
-            "the model caches MLA latents (DeepSeek-style, one fused tensor per layer); hurray-vllm exports "
-            "key/value attention caches only so far"
-        )
     if len(groups) > 1:
         return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"
-    if kinds and kinds[0] != "FullAttentionSpec":
-        return f"the model's KV cache is {kinds[0]}; only full key/value attention (FullAttentionSpec) is supported"
+    if kinds and kinds[0] not in _SUPPORTED_SPECS:
+        return (
+            f"the model's KV cache is {kinds[0]}; supported are full key/value attention (FullAttentionSpec) "
+            "and MLA latents (MLAAttentionSpec)"
+        )
     return None
+
+
+#: The KV cache specs (``vllm/v1/kv_cache_interface.py``) whose caches hurray-vllm reads and writes.
+_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def latent_split_of(vllm_config: Any) -> LatentSplit | None:
+    """How the model's MLA latent divides (``kv_lora_rank`` + ``qk_rope_head_dim``); ``None`` for other models."""
+    mc = vllm_config.model_config
+    if not getattr(mc, "use_mla", False):
+        return None
+    hf = getattr(mc, "hf_text_config", None) or mc.hf_config
+    return LatentSplit(
+        kv_lora_rank=int(hf.kv_lora_rank),
+        rope_dim=int(hf.qk_rope_head_dim),
+        family=str(getattr(hf, "model_type", "") or ""),
+    )
 
 
 def attention_layers(vllm_config: Any) -> dict[str, Any]:
@@ -179,11 +200,13 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None) -> ModelF
     storage = FP8_DTYPES.get(cache_dtype, mc.dtype)
     if num_layers is None:
         num_layers = mc.get_num_layers(vllm_config.parallel_config)
+    latent = latent_split_of(vllm_config)
     return ModelFingerprint(
         architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
         num_layers=num_layers,
-        num_kv_heads=mc.get_total_num_kv_heads(),
-        head_dim=mc.get_head_size(),
+        # An MLA latent is one "head" of kv_lora_rank + rope values, whatever the query heads.
+        num_kv_heads=1 if latent else mc.get_total_num_kv_heads(),
+        head_dim=latent.head_dim if latent else mc.get_head_size(),
         dtype=dtypes.from_torch(storage).name,
         weights_digest=weights_digest(vllm_config),
     )
@@ -200,7 +223,8 @@ def describe_worker_cache(
     if len(mods) != len(caches):
         raise HurrayFormatError("layers", f"{len(caches)} caches but {len(mods)} attention layers found")
     mc = vllm_config.model_config
-    head_dim = mc.get_head_size()
+    latent = latent_split_of(vllm_config)
+    head_dim = latent.head_dim if latent else mc.get_head_size()
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in FP8_DTYPES and cache_dtype != "auto":
         raise HurrayFormatError("kv_cache_dtype", f"kv_cache_dtype {cache_dtype!r} is not supported")
@@ -208,17 +232,23 @@ def describe_worker_cache(
     storage = FP8_DTYPES.get(cache_dtype, model_dtype)
     backend = type(mods[0].impl).__name__ if mods else ""
     isa = None
-    if backend.startswith("CPU"):
+    if latent is not None:
+        # Every MLA backend keeps the latent token-major (CPU_MLA included): no ISA packing.
+        layout: KVLayout = MLALatent(head_dim)
+        layout_name = "vllm-cpu-mla" if backend.startswith("CPU") else "vllm-mla"
+    elif backend.startswith("CPU"):
         isas = {getattr(m, "isa", None) for m in mods}
         if len(isas) != 1:
             raise HurrayFormatError("isa", f"layers use different CPU ISAs {sorted(map(str, isas))}")
         isa = str(isas.pop())
-        layout: KVLayout = CpuPacked(isa, head_dim)
+        layout = CpuPacked(isa, head_dim)
         layout_name = f"vllm-cpu-{isa}"
     else:
         layout = LogicalBHNC(head_dim)
         layout_name = f"vllm-{vllm_config.cache_config.kv_cache_layout or 'LBNHC'}"
     scales = [(float(getattr(m, "_k_scale_float", 1.0)), float(getattr(m, "_v_scale_float", 1.0))) for m in mods]
+    if latent is not None:  # one latent, one scale (vLLM's MLA layers quantize with k_scale)
+        scales = [(k, k) for k, _ in scales]
     import vllm
 
     return EngineCache(
@@ -234,31 +264,39 @@ def describe_worker_cache(
         block_size=vllm_config.cache_config.block_size,
         engine=f"vllm {getattr(vllm, '__version__', '?')}",
         isa=isa,
+        latent=latent,
     )
 
 
-def write_blocks(
-    ec: EngineCache,
-    layer: int,
-    block_ids: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
+def write_blocks(ec: EngineCache, layer: int, block_ids: torch.Tensor, *pools: torch.Tensor) -> None:
     """Write whole blocks of one layer into the engine's cache.
 
     Args:
         ec: the worker's cache description.
         layer: index into ``ec.caches``.
         block_ids: int64 ``[n]``, the engine blocks to fill.
-        keys: ``[n, block_size, num_kv_heads, head_dim]`` (NHD per block) in
-            the model's dtype (real values: an fp8 cache quantizes them with
-            its own scales, as the engine does).
-        values: ``[n, block_size, num_kv_heads, head_dim]``, like ``keys``.
+        *pools: keys and values, each ``[n, block_size, num_kv_heads,
+            head_dim]`` (NHD per block); for an MLA cache the one latent
+            ``[n, block_size, 1, kv_lora_rank + rope_dim]``. Real values in
+            the model's dtype: an fp8 cache quantizes them with its own
+            scales, as the engine does.
     """
     cache = ec.caches[layer]
+    want = 1 if isinstance(ec.layout, MLALatent) else 2
+    if len(pools) != want:
+        raise HurrayFormatError("kv_role", f"{len(pools)} pools for a {'latent' if want == 1 else 'K/V'} cache")
+    keys = pools[0]
     n, bs, h, d = keys.shape
     if bs != ec.block_size:
         raise HurrayFormatError("block_size", f"blocks of {bs} tokens for an engine with blocks of {ec.block_size}")
+    if isinstance(ec.layout, MLALatent):
+        view = cache if cache.dtype == ec.storage_dtype else cache.view(ec.storage_dtype)
+        latent = keys
+        if ec.kv_scales is not None:
+            latent = (latent.float() / ec.kv_scales[layer][0]).to(ec.storage_dtype)
+        ec.layout.scatter(view, block_ids, latent.to(view.dtype))
+        return
+    values = pools[1]
     if isinstance(ec.layout, CpuPacked) and ec.kv_scales is None and cache.dtype == ec.model_dtype:
         # Unquantized: pack directly (byte-identical to the op, which runs at a third of
         # copy speed here; tests/test_vllm_cpu_packing.py holds the two together).

@@ -209,9 +209,9 @@ class HurrayWorker:
             for layer in range(ec.num_layers):
                 # Chunk by chunk, straight from each chunk's pages: no dense copy, no concatenation.
                 for c, chunk in enumerate(chunks):
-                    k, v = self._pages(chunk, layer)
+                    pools = self._pages(chunk, layer)
                     lo = 0 if c else skip
-                    write_blocks(ec, layer, ids[c * per - skip + lo : (c + 1) * per - skip], k[lo:], v[lo:])
+                    write_blocks(ec, layer, ids[c * per - skip + lo : (c + 1) * per - skip], *(p[lo:] for p in pools))
             self.stats.chunks_loaded += len(chunks)
             self.stats.tokens_loaded += len(chunks) * self._chunk - skip * ec.block_size
 
@@ -230,16 +230,15 @@ class HurrayWorker:
         return snap
 
     @staticmethod
-    def _pages(chunk: KVSnapshot, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk's K and V of ``layer`` as ``[pages, page_size, H, D]`` in token order, real-valued.
+    def _pages(chunk: KVSnapshot, layer: int) -> tuple[torch.Tensor, ...]:
+        """One chunk's K and V (or MLA latent) of ``layer`` as ``[pages, page_size, H, D]`` in token order.
 
         A chunk holds one sequence, so its pool already is in token order
         when its block table is ``0, 1, ...`` (what the exporter writes);
         fp8 chunks are dequantized with their own scales.
         """
         out = []
-        for role in ("key", "value"):
-            t = chunk[layer, role]
+        for t in chunk.layer(layer):
             pool = t.page_pool
             # A chunk's tables hold a handful of ids: compared as lists, not with tensor ops
             # (this runs for every layer, role and chunk of a load).
@@ -249,9 +248,9 @@ class HurrayWorker:
                 pool = pool.index_select(0, torch.tensor(table, dtype=torch.int64, device=pool.device))
             out.append(pool)
         if chunk.kv_scales is None:
-            return out[0], out[1]
-        ks, vs = chunk.kv_scales[layer]
-        return out[0].float() * ks, out[1].float() * vs
+            return tuple(out)
+        # Real values: the engine's cache write quantizes them again with its own scales.
+        return tuple(pool.float() * scale for pool, scale in zip(out, chunk.kv_scales[layer]))
 
     def wait_for_save(self, meta: HurrayConnectorMetadata) -> None:
         """Save this step's completed chunks (what it blocks on: :meth:`HurrayConnector.wait_for_save`)."""
