@@ -1,10 +1,11 @@
-"""Runs one real vLLM engine (CPU) on a tiny MLA model with HurrayConnector saving, in its own process.
+"""Runs one real vLLM engine (CPU) on a tiny MLA model with HurrayConnector, in its own process.
 
-Usage: python mla_engine_run.py MODEL_DIR OUT_DIR
+Usage: python mla_engine_run.py MODEL_DIR OUT_DIR STORE_DIR (save|load)
 
-Takes a snapshot mid-decode (``snap.hrry``) and lets the connector save every
-whole chunk to ``OUT_DIR/store``; records the greedy outputs and what
-the tests check in ``result.json``.
+``save`` takes a snapshot mid-decode (``OUT_DIR/snap.hrry``) while the
+connector saves every whole chunk to ``STORE_DIR``; ``load`` runs the same
+prompts against a store. Both record the greedy outputs, vLLM's cached-token
+counts and the connector's statistics in ``OUT_DIR/result.json``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -31,19 +33,24 @@ def prompts() -> dict[str, list[int]]:
 
 
 def main() -> None:
-    model, out = sys.argv[1], Path(sys.argv[2])
+    model, out, store, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    from vllm_patches import use_native_cpu_rope
+
+    use_native_cpu_rope()  # vllm-cpu 0.32 rotates MLA's k_pe wrongly otherwise (see vllm_patches)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     import hurray_vllm as hv
     from hurray_vllm.adapters.vllm import snapshot
+    from hurray_vllm.adapters.vllm._generate import _worker_stats
 
     kv = KVTransferConfig(
         kv_connector="HurrayConnector",
         kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"hurray_path": str(out / "store"), "hurray_chunk_tokens": CHUNK},
+        kv_connector_extra_config={"hurray_path": store, "hurray_chunk_tokens": CHUNK},
+        kv_load_failure_policy="recompute",
     )
     llm = LLM(
         model=model,
@@ -55,26 +62,30 @@ def main() -> None:
         kv_transfer_config=kv,
         seed=0,
     )
-    result: dict = {"prompts": prompts(), "block_size": BLOCK, "chunk_tokens": CHUNK}
+    result: dict[str, Any] = {"prompts": prompts(), "block_size": BLOCK, "chunk_tokens": CHUNK}
     eng = llm.llm_engine
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=12, ignore_eos=True)
     for rid, ids in result["prompts"].items():
         eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
-    eng.step()  # prefill
-    eng.step()  # one decode step: snapshot mid-decode
-    hv.save(snapshot(llm, ["a", "b", "c"]), out / "snap.hrry")
     outputs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    steps = 0
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 outputs[o.request_id] = list(o.outputs[0].token_ids)
-    from hurray_vllm.adapters.vllm._generate import _worker_stats
-
+                cached[o.request_id] = o.num_cached_tokens
+        steps += 1
+        if mode == "save" and steps == 2:  # after the prefill and one decode step: mid-decode
+            hv.save(snapshot(llm, ["a", "b", "c"]), out / "snap.hrry")
+    core: Any = eng.engine_core.engine_core  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
     result["worker_stats"] = llm.collective_rpc(_worker_stats)[0]
     cfg = eng.vllm_config
     result["hybrid_manager_off"] = bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)
     result["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
     result["outputs"] = outputs
+    result["cached"] = cached
     (out / "result.json").write_text(json.dumps(result))
 
 

@@ -321,7 +321,7 @@ def test_building_a_part_changes_nothing_process_wide(tmp_path) -> None:  # type
 @pytest.mark.parametrize(
     ("specs", "says"),
     [
-        (["MLAAttentionSpec"], "MLA latents"),
+        (["MLAAttentionSpec", "SlidingWindowSpec"], "2 KV cache groups"),
         (["SlidingWindowSpec", "FullAttentionSpec"], "2 KV cache groups"),
         (["MambaSpec", "FullAttentionSpec"], "hybrid"),
         (["SlidingWindowSpec"], "SlidingWindowSpec"),
@@ -338,5 +338,6 @@ def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[str]
     with pytest.raises(HurrayArgumentError, match=says) as err:
         HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), kv_cache_config)  # type: ignore[arg-type]
     assert err.value.field == "kv_cache_groups"
-    full = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=type("FullAttentionSpec", (), {})())])
-    HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), full)  # type: ignore[arg-type]
+    for ok in ("FullAttentionSpec", "MLAAttentionSpec"):  # key/value attention and MLA latents are served
+        one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=type(ok, (), {})())])
+        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), one)  # type: ignore[arg-type]
