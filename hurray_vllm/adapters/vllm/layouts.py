@@ -245,7 +245,10 @@ class MLALatent:
     def scatter(self, cache: torch.Tensor, block_ids: torch.Tensor, latent: torch.Tensor) -> None:
         """Write ``latent`` (``[n, block_size, 1, C]`` in the cache's dtype) into blocks ``block_ids``."""
         view = self._view(cache)
-        view.index_copy_(0, _ids(block_ids, view), latent.to(device=view.device, dtype=view.dtype))
+        src = latent.to(device=view.device, dtype=view.dtype)
+        if view.element_size() == 1:  # torch has no index_copy_ for float8: copy the bytes
+            view, src = view.view(torch.uint8), src.view(torch.uint8)
+        view.index_copy_(0, _ids(block_ids, view), src)
 
 
 @dataclass(frozen=True)
