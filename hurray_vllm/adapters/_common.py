@@ -11,7 +11,7 @@ import torch
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 
-__all__ = ["FP8_DTYPES", "INT32_MAX", "check_layer", "dequantize"]
+__all__ = ["FP8_DTYPES", "INT32_MAX", "check_layer", "dequantize", "padded_block_table"]
 
 #: The float8 storage dtypes: pools in these hold ``value / scale``.
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -48,3 +48,79 @@ def dequantize(pool: torch.Tensor, scale: float) -> torch.Tensor:
         A new float32 tensor of ``pool``'s shape, on ``pool``'s device.
     """
     return pool.float() * float(scale)
+
+
+def padded_block_table(
+    table: torch.Tensor, ptr: torch.Tensor, lens: torch.Tensor, base: int, page: int, reserve: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flash-attn/FlashMLA style block table for CSR ``table``/``ptr`` over ``base`` pages.
+
+    Args:
+        table: int64 ``[total_pages]``, the pages of every sequence in order.
+        ptr: int64 ``[batch + 1]``, sequence ``b`` owns ``table[ptr[b]:ptr[b+1]]``.
+        lens: int64 ``[batch]``, tokens per sequence.
+        base: pages in the pool the table indexes.
+        page: tokens per page.
+        reserve: tokens of room to leave after every sequence for appends.
+
+    Returns:
+        ``(extra_pages, block_table)``: int64 ``[num_extra]`` pages appended
+        after the pool (each the pool page it copies, a shared partly filled
+        tail made private so appends cannot clobber another sequence, or -1
+        for a zero page), and the int64 ``[batch, width]`` table padded with 0.
+
+    Raises:
+        HurrayFormatError: a sequence has fewer pages than its tokens need, or
+            the table names pages outside the pool.
+    """
+    dev = table.device
+    ptr, lens = ptr.to(dev), lens.to(dev)
+    batch = int(lens.numel())
+    have = ptr[1:] - ptr[:-1]
+    use = (lens + page - 1) // page
+    short = (have < use).nonzero()
+    if short.numel():
+        s = int(short[0, 0])
+        raise HurrayFormatError(
+            "block_table",
+            f"sequence {s} has {int(have[s])} pages for {int(lens[s])} tokens of {page}; the snapshot is inconsistent",
+        )
+    need = (lens + reserve + page - 1) // page
+    width = max(1, int(need.max()))
+    cols = torch.arange(width, device=dev)[None, :]
+    in_use = cols < use[:, None]
+    bt = torch.zeros(batch, width, dtype=torch.int64, device=dev)
+    bt[in_use] = table[(ptr[:-1, None] + cols)[in_use]]
+    used = bt[in_use]
+    if bool(((used < 0) | (used >= base)).any()):
+        raise HurrayFormatError(
+            "block_table", f"the snapshot's block table names pages outside its {base}-page pool; validate() it"
+        )
+    extra = [torch.empty(0, dtype=torch.int64, device=dev)]
+    if reserve > 0:
+        # Copy-on-write: the first appended token lands in the last page when it is
+        # partly filled; if any other covered entry references that page, give the
+        # sequence its own copy.
+        refs = torch.bincount(used, minlength=max(base, 1))
+        tail_col = lens // page
+        rows = torch.arange(batch, device=dev)
+        tail = bt[rows, tail_col.clamp(max=width - 1)]
+        cow = ((lens % page) != 0) & (refs[tail] > 1)
+        # When every reference to a page is such a tail (identical sequences), the
+        # first of them may keep the original: the others no longer read it.
+        tails = torch.bincount(tail[cow], minlength=refs.numel())
+        first = torch.full_like(refs, batch)
+        first.scatter_reduce_(0, tail[cow], rows[cow], reduce="amin")
+        cow &= ~((tails[tail] == refs[tail]) & (first[tail] == rows))
+        cow_rows = cow.nonzero().reshape(-1)
+        bt[cow_rows, tail_col[cow_rows]] = base + torch.arange(cow_rows.numel(), device=dev)
+        extra.append(tail[cow_rows])
+        fresh = ~in_use & (cols < need[:, None])
+        n_fresh = int(fresh.sum())
+        bt[fresh] = base + cow_rows.numel() + torch.arange(n_fresh, device=dev)
+        extra.append(torch.full((n_fresh,), -1, dtype=torch.int64, device=dev))
+    out = torch.cat(extra)
+    if base + out.numel() == 0:
+        # Every sequence is empty: one zero page keeps the padding id 0 valid.
+        out = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    return out, bt

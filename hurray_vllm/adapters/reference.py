@@ -33,7 +33,7 @@ import torch
 from ..errors import HurrayArgumentError
 from ._common import FP8_DTYPES as _FP8
 
-__all__ = ["append_kv_", "dense_attention", "paged_attention"]
+__all__ = ["append_kv_", "dense_attention", "mla_paged_decode", "paged_attention"]
 
 
 def dense_attention(
@@ -289,3 +289,58 @@ def _scale(softmax_scale: float | None, head_dim: int) -> float:
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
     # FlashAttention-3 returns bf16 for fp8 inputs; a float8 output would lose the result.
     return torch.bfloat16 if dtype in _FP8 else dtype
+
+
+def mla_paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    head_dim_v: int,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """MLA decode over a paged latent cache, as FlashMLA and FlashInfer's MLA kernels compute it.
+
+    The absorbed form (DeepSeek-V2 section 2.1.2): every query head attends
+    the one latent "head" with all ``C`` values (compressed KV and rotated
+    k_pe), and takes the first ``head_dim_v`` values (the compressed KV) as
+    its values; the caller applies the absorbed up-projections around it.
+
+    Args:
+        q: ``[batch, seqlen_q, nheads, C]`` (``C = kv_lora_rank + rope_dim``),
+            any floating dtype: the absorbed queries, nope part then rope part.
+        kv_cache: ``[num_blocks, page_block_size, 1, C]``, the latent pool (a
+            fused snapshot layer's layout).
+        block_table: ``[batch, max_num_blocks_per_seq]``, integer: sequence
+            ``b``'s pages in order (entries past its tokens are padding).
+        cache_seqlens: ``[batch]``, integer: tokens per sequence.
+        head_dim_v: how many leading latent values are the values (``kv_lora_rank``).
+        softmax_scale: scale of the scores; ``1 / sqrt(C)`` by default (FlashMLA's
+            default; DeepSeek passes ``1 / sqrt(qk_nope + qk_rope)`` instead).
+
+    Returns:
+        ``[batch, seqlen_q, nheads, head_dim_v]`` float32. Every query row
+        attends all ``cache_seqlens[b]`` tokens (decode: no causal mask among
+        the cache); a sequence with no token gives zeros.
+    """
+    if q.dim() != 4 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or q.shape[-1] != kv_cache.shape[-1]:
+        raise HurrayArgumentError(
+            "kv_cache",
+            f"expected q [B, s, H, C] and a latent cache [N, P, 1, C], got {list(q.shape)}, {list(kv_cache.shape)}",
+        )
+    if not 0 < head_dim_v <= kv_cache.shape[-1]:
+        raise HurrayArgumentError("head_dim_v", f"{head_dim_v} is not within the latent's {kv_cache.shape[-1]} values")
+    batch, _, _, c = q.shape
+    page = kv_cache.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(c)
+    out = torch.zeros((*q.shape[:3], head_dim_v), dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        n = int(cache_seqlens[b])
+        if n == 0:
+            continue
+        pages = block_table[b, : -(-n // page)].to(torch.int64).to(kv_cache.device)
+        lat = kv_cache.index_select(0, pages).reshape(-1, c)[:n].float()  # [n, C]
+        scores = torch.einsum("shc,nc->shn", q[b].float(), lat) * scale
+        out[b] = torch.einsum("shn,nv->shv", scores.softmax(-1), lat[:, :head_dim_v])
+    return out

@@ -13,7 +13,7 @@ from ...kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, rep
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_layer, dequantize
+from .._common import check_layer, dequantize, padded_block_table
 from .flavors import FLAVORS, HALF_DTYPES, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
 
 __all__ = ["FlashAttnCache", "FlashAttnPlan", "plan_flash_attn", "to_flash_attn", "to_flash_attn_all"]
@@ -177,7 +177,7 @@ def plan_flash_attn(
     else:
         rp = plan_repage(k0.block_table, k0.seq_ptr, k0.seq_lens, k0.page_size, page_size)
         table, ptr, lens, base = rp.block_table, rp.seq_ptr, rp.seq_lens, rp.num_pages
-    extra, bt = _block_structure(table, ptr, lens, base, page_size, reserve)
+    extra, bt = padded_block_table(table, ptr, lens, base, page_size, reserve)
     num_blocks = base + int(extra.numel())
     longest = int(lens.max()) + reserve
     if num_blocks > _INT32_MAX or longest > _INT32_MAX:
@@ -195,63 +195,6 @@ def plan_flash_attn(
         block_table=bt.to(torch.int32).contiguous(),
         cache_seqlens=lens.to(torch.int32).contiguous(),
     )
-
-
-def _block_structure(
-    table: torch.Tensor, ptr: torch.Tensor, lens: torch.Tensor, base: int, page: int, reserve: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(extra_pages, int64 ``[batch, width]`` table) for CSR ``table``/``ptr`` over ``base`` pages."""
-    dev = table.device
-    ptr, lens = ptr.to(dev), lens.to(dev)
-    batch = int(lens.numel())
-    have = ptr[1:] - ptr[:-1]
-    use = (lens + page - 1) // page
-    short = (have < use).nonzero()
-    if short.numel():
-        s = int(short[0, 0])
-        raise HurrayFormatError(
-            "block_table",
-            f"sequence {s} has {int(have[s])} pages for {int(lens[s])} tokens of {page}; the snapshot is inconsistent",
-        )
-    need = (lens + reserve + page - 1) // page
-    width = max(1, int(need.max()))
-    cols = torch.arange(width, device=dev)[None, :]
-    in_use = cols < use[:, None]
-    bt = torch.zeros(batch, width, dtype=torch.int64, device=dev)
-    bt[in_use] = table[(ptr[:-1, None] + cols)[in_use]]
-    used = bt[in_use]
-    if bool(((used < 0) | (used >= base)).any()):
-        raise HurrayFormatError(
-            "block_table", f"the snapshot's block table names pages outside its {base}-page pool; validate() it"
-        )
-    extra = [torch.empty(0, dtype=torch.int64, device=dev)]
-    if reserve > 0:
-        # Copy-on-write: the first appended token lands in the last page when it is
-        # partly filled; if any other covered entry references that page, give the
-        # sequence its own copy.
-        refs = torch.bincount(used, minlength=max(base, 1))
-        tail_col = lens // page
-        rows = torch.arange(batch, device=dev)
-        tail = bt[rows, tail_col.clamp(max=width - 1)]
-        cow = ((lens % page) != 0) & (refs[tail] > 1)
-        # When every reference to a page is such a tail (identical sequences), the
-        # first of them may keep the original: the others no longer read it.
-        tails = torch.bincount(tail[cow], minlength=refs.numel())
-        first = torch.full_like(refs, batch)
-        first.scatter_reduce_(0, tail[cow], rows[cow], reduce="amin")
-        cow &= ~((tails[tail] == refs[tail]) & (first[tail] == rows))
-        cow_rows = cow.nonzero().reshape(-1)
-        bt[cow_rows, tail_col[cow_rows]] = base + torch.arange(cow_rows.numel(), device=dev)
-        extra.append(tail[cow_rows])
-        fresh = ~in_use & (cols < need[:, None])
-        n_fresh = int(fresh.sum())
-        bt[fresh] = base + cow_rows.numel() + torch.arange(n_fresh, device=dev)
-        extra.append(torch.full((n_fresh,), -1, dtype=torch.int64, device=dev))
-    out = torch.cat(extra)
-    if base + out.numel() == 0:
-        # Every sequence is empty: one zero page keeps the padding id 0 valid.
-        out = torch.full((1,), -1, dtype=torch.int64, device=dev)
-    return out, bt
 
 
 def to_flash_attn(

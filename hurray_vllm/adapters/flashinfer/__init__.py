@@ -23,9 +23,12 @@ both agree only with ``last_page_len = 0``. An empty sequence is therefore
 imported as ``indptr[s] == indptr[s + 1]`` and ``last_page_len[s] == 0``;
 decode returns zeros for it (the attention state starts at ``o = 0``).
 
+MLA models: :func:`to_flashinfer_mla` gives the ``ckv_cache``/``kpe_cache``
+pools and index arrays of ``flashinfer.mla.BatchMLAPagedAttentionWrapper``.
+
 Modules: :mod:`.cache` (the imported cache), :mod:`.importer` (plan and
 import), :mod:`.contract` (the argument checks), :mod:`.decode` (the reference
-decode).
+decode), :mod:`.mla` (the MLA page pools).
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from .cache import FlashInferCache, PagedKVCache
 from .contract import check_flashinfer_args
 from .decode import reference_decode
 from .importer import plan_flashinfer, plan_flashinfer_repage, to_flashinfer, to_flashinfer_all
+from .mla import FlashInferMLACache, to_flashinfer_mla
 
 __all__ = [
     "FlashInferCache",
+    "FlashInferMLACache",
     "PagedKVCache",
     "check_flashinfer_args",
     "plan_flashinfer",
@@ -44,4 +49,5 @@ __all__ = [
     "reference_decode",
     "to_flashinfer",
     "to_flashinfer_all",
+    "to_flashinfer_mla",
 ]

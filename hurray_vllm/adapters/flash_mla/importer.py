@@ -1,0 +1,117 @@
+"""A fused (MLA) snapshot's layer as FlashMLA's paged latent cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import HurrayArgumentError, HurrayFormatError
+from ...kv.repage import plan_repage, repage
+from ...kv.snapshot import KVSnapshot
+from .._common import FP8_DTYPES, INT32_MAX, check_layer, dequantize, padded_block_table
+from .contract import FLASH_MLA_PAGE
+
+__all__ = ["FlashMLACache", "to_flash_mla"]
+
+
+@dataclass(frozen=True, eq=False)
+class FlashMLACache:
+    """One layer's latent cache, ready for ``flash_mla_with_kvcache``.
+
+    Attributes:
+        k_cache: ``[num_blocks, page_size, 1, kv_lora_rank + rope_dim]``,
+            contiguous: per token the compressed KV, then the rotated k_pe.
+        block_table: int32 ``[batch, max_num_blocks_per_seq]``, contiguous,
+            padded with page 0.
+        cache_seqlens: int32 ``[batch]``.
+        head_dim_v: the value width the kernel is given (``kv_lora_rank``).
+        layer: the snapshot layer it came from.
+    """
+
+    k_cache: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    head_dim_v: int
+    layer: int
+
+
+def to_flash_mla(
+    snapshot: KVSnapshot,
+    layer: int,
+    *,
+    page_size: int = FLASH_MLA_PAGE,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    reserve: int = 0,
+) -> FlashMLACache:
+    """Layer ``layer`` of an MLA snapshot as a FlashMLA paged latent cache.
+
+    Args:
+        snapshot: a fused snapshot (``snapshot.is_latent``) with known ``seq_lens``.
+        layer: the layer to import.
+        page_size: tokens per page; FlashMLA takes 64 (other sizes suit the
+            pure-PyTorch reference and other MLA kernels).
+        dtype: the cache dtype (default: the pool's; fp8 latents are
+            dequantized with the layer's scale into bfloat16 unless asked otherwise).
+        device: where the cache goes (default: the pool's device).
+        reserve: tokens of room to leave after every sequence for appends.
+
+    Returns:
+        A :class:`FlashMLACache`.
+
+    Raises:
+        HurrayFormatError: the snapshot holds keys and values, has no lengths, or
+            does not fit int32 indices.
+        HurrayArgumentError: ``page_size`` or ``reserve`` out of range.
+
+    Example:
+        >>> from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit
+        >>> pool = torch.randn(3, 16, 1, 576).to(torch.bfloat16)
+        >>> t = BlockPagedTensor(pool, torch.tensor([0, 1, 2]), torch.tensor([0, 3]), torch.tensor([40]), "fused", 0)
+        >>> snap = KVSnapshot.from_layers([(t,)], latent=LatentSplit(512, 64, "deepseek_v3"))
+        >>> cache = to_flash_mla(snap, 0)
+        >>> cache.k_cache.shape, cache.block_table.tolist(), cache.cache_seqlens.tolist(), cache.head_dim_v
+        (torch.Size([1, 64, 1, 576]), [[0]], [40], 512)
+    """
+    if not snapshot.is_latent or snapshot.latent is None:
+        raise HurrayFormatError("kv_role", "FlashMLA reads MLA latents; this snapshot holds keys and values")
+    if page_size < 1:
+        raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+    if reserve < 0:
+        raise HurrayArgumentError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
+    check_layer(snapshot, layer)
+    t = snapshot.fused[layer]
+    if t.seq_lens is None:
+        raise HurrayFormatError(
+            "seq_lens", "the snapshot does not carry sequence lengths; FlashMLA needs cache_seqlens"
+        )
+    if t.num_seqs == 0:
+        raise HurrayFormatError("snapshot", "the snapshot has no sequences; FlashMLA needs batch >= 1")
+    if t.page_size != page_size:
+        plan = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
+        t = repage(t, page_size, plan)
+    assert t.seq_lens is not None
+    extra, table = padded_block_table(t.block_table, t.seq_ptr, t.seq_lens, t.num_pages, page_size, reserve)
+    pool = t.page_pool
+    if pool.dtype in FP8_DTYPES:
+        scale = snapshot.kv_scales[layer][0] if snapshot.kv_scales is not None else 1.0
+        pool = dequantize(pool, scale).to(dtype or torch.bfloat16)
+    elif dtype is not None:
+        pool = pool.to(dtype)
+    if extra.numel():
+        pages = [pool]
+        for src in extra.tolist():  # a private copy of a shared tail page, or a fresh zero page
+            pages.append(pool[src : src + 1].clone() if src >= 0 else torch.zeros_like(pool[:1]))
+        pool = torch.cat(pages)
+    longest = int(t.seq_lens.max()) if t.seq_lens.numel() else 0
+    if pool.shape[0] > INT32_MAX or longest + reserve > INT32_MAX:
+        raise HurrayFormatError("snapshot", "the batch does not fit FlashMLA's int32 indices")
+    dev = device if device is not None else pool.device
+    return FlashMLACache(
+        k_cache=pool.contiguous().to(dev),
+        block_table=table.to(torch.int32).contiguous().to(dev),
+        cache_seqlens=t.seq_lens.to(torch.int32).contiguous().to(dev),
+        head_dim_v=snapshot.latent.kv_lora_rank,
+        layer=layer,
+    )

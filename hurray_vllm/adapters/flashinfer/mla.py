@@ -1,0 +1,115 @@
+"""FlashInfer's MLA paged API: an MLA snapshot's layer as ``ckv_cache`` and ``kpe_cache`` page pools.
+
+``flashinfer.mla.BatchMLAPagedAttentionWrapper`` keeps the latent in two
+pools, ``ckv_cache [num_pages, page_size, kv_lora_rank]`` and ``kpe_cache
+[num_pages, page_size, qk_rope_head_dim]``, addressed by CSR page lists
+(``kv_indptr``, ``kv_indices``) and per-request token counts
+(``kv_len_arr``) that ``plan()`` takes; ``run(q_nope, q_pe, ckv_cache,
+kpe_cache)`` then attends them. A fused snapshot layer is exactly the two
+pools side by side along the last axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import HurrayArgumentError, HurrayFormatError
+from ...kv.repage import plan_repage, repage
+from ...kv.snapshot import KVSnapshot
+from .._common import FP8_DTYPES, INT32_MAX, check_layer, dequantize
+
+__all__ = ["FlashInferMLACache", "to_flashinfer_mla"]
+
+
+@dataclass(frozen=True, eq=False)
+class FlashInferMLACache:
+    """One layer's latent, as ``BatchMLAPagedAttentionWrapper.plan``/``run`` take it.
+
+    Attributes:
+        ckv_cache: ``[num_pages, page_size, kv_lora_rank]``, contiguous: the compressed KV.
+        kpe_cache: ``[num_pages, page_size, rope_dim]``, contiguous: the rotated k_pe.
+        kv_indptr: int32 ``[batch + 1]``: request ``b``'s pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+        kv_indices: int32 ``[kv_indptr[-1]]``, page ids in token order.
+        kv_len_arr: int32 ``[batch]``, tokens per request.
+        page_size: tokens per page.
+        layer: the snapshot layer it came from.
+    """
+
+    ckv_cache: torch.Tensor
+    kpe_cache: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_len_arr: torch.Tensor
+    page_size: int
+    layer: int
+
+
+def to_flashinfer_mla(
+    snapshot: KVSnapshot,
+    layer: int,
+    *,
+    page_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> FlashInferMLACache:
+    """Layer ``layer`` of an MLA snapshot as FlashInfer's two MLA page pools and their index arrays.
+
+    Args:
+        snapshot: a fused snapshot (``snapshot.is_latent``) with known ``seq_lens``.
+        layer: the layer to import.
+        page_size: tokens per page (default: the snapshot's; FlashInfer's MLA
+            kernels take any page size, 1 included).
+        dtype: the pools' dtype (default: the snapshot's; fp8 latents are
+            dequantized with the layer's scale into bfloat16 unless asked otherwise).
+        device: where the tensors go (default: the pool's device).
+
+    Returns:
+        A :class:`FlashInferMLACache`; prefix sharing is kept (two requests
+        may list one page).
+
+    Raises:
+        HurrayFormatError: the snapshot holds keys and values or lacks sequence lengths.
+        HurrayArgumentError: ``page_size`` is not positive.
+
+    Example:
+        >>> from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit
+        >>> pool = torch.randn(3, 16, 1, 576).to(torch.bfloat16)
+        >>> t = BlockPagedTensor(pool, torch.tensor([2, 0, 1]), torch.tensor([0, 3]), torch.tensor([40]), "fused", 0)
+        >>> mla = to_flashinfer_mla(KVSnapshot.from_layers([(t,)], latent=LatentSplit(512, 64)), 0)
+        >>> mla.ckv_cache.shape, mla.kpe_cache.shape, mla.kv_indices.tolist(), mla.kv_len_arr.tolist()
+        (torch.Size([3, 16, 512]), torch.Size([3, 16, 64]), [2, 0, 1], [40])
+    """
+    if not snapshot.is_latent or snapshot.latent is None:
+        raise HurrayFormatError(
+            "kv_role", "FlashInfer's MLA API reads MLA latents; this snapshot holds keys and values"
+        )
+    if page_size is not None and page_size < 1:
+        raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+    check_layer(snapshot, layer)
+    t = snapshot.fused[layer]
+    if t.seq_lens is None:
+        raise HurrayFormatError("seq_lens", "the snapshot does not carry sequence lengths; FlashInfer needs kv_len_arr")
+    if page_size is not None and page_size != t.page_size:
+        t = repage(t, page_size, plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size))
+    assert t.seq_lens is not None
+    if t.num_pages > INT32_MAX or (t.seq_lens.numel() and int(t.seq_lens.max()) > INT32_MAX):
+        raise HurrayFormatError("snapshot", "the batch does not fit FlashInfer's int32 indices")
+    pool = t.page_pool[:, :, 0]  # [pages, page_size, C]
+    if pool.dtype in FP8_DTYPES:
+        scale = snapshot.kv_scales[layer][0] if snapshot.kv_scales is not None else 1.0
+        pool = dequantize(pool, scale).to(dtype or torch.bfloat16)
+    elif dtype is not None:
+        pool = pool.to(dtype)
+    dev = device if device is not None else pool.device
+    rank = snapshot.latent.kv_lora_rank
+    return FlashInferMLACache(
+        ckv_cache=pool[..., :rank].contiguous().to(dev),
+        kpe_cache=pool[..., rank:].contiguous().to(dev),
+        kv_indptr=t.seq_ptr.to(torch.int32).contiguous().to(dev),
+        kv_indices=t.block_table.to(torch.int32).contiguous().to(dev),
+        kv_len_arr=t.seq_lens.to(torch.int32).contiguous().to(dev),
+        page_size=t.page_size,
+        layer=layer,
+    )

@@ -1,0 +1,152 @@
+"""MLA latents into FlashMLA's and FlashInfer's MLA paged layouts, checked with the PyTorch reference.
+
+FlashMLA and FlashInfer need CUDA: here the importers' output goes through
+``reference.mla_paged_decode`` (the absorbed MLA decode both kernels compute)
+and through a checker that mirrors FlashMLA's argument checks. The real
+kernels run in ``test_gpu_kernels_mla.py`` where CUDA is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import snapshots
+
+import hurray_vllm as hv
+from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit
+from hurray_vllm.adapters.flash_mla import FlashMLACache, check_flash_mla_args, to_flash_mla
+from hurray_vllm.adapters.flashinfer import to_flashinfer_mla
+from hurray_vllm.adapters.reference import mla_paged_decode
+
+DEEPSEEK = LatentSplit(512, 64, "deepseek_v3")
+
+
+def latent_snapshot(lens: list[int], *, page: int = 16, split: LatentSplit = DEEPSEEK, fp8: bool = False) -> KVSnapshot:
+    """Sequence s > 0 shares sequence 0's first page (a prefix); pages shuffled; one spare page."""
+    gen = torch.Generator().manual_seed(len(lens))
+    per = [-(-n // page) for n in lens]
+    pages = per[0] + sum(max(p - 1, 0) for p in per[1:]) + 1
+    order = torch.randperm(pages, generator=gen).tolist()
+    table, ptr, used = [], [0], 0
+    for s, p in enumerate(per):
+        own = order[used : used + p] if s == 0 else [table[0], *order[used : used + p - 1]][:p]
+        used += p if s == 0 else max(p - 1, 0)
+        table += own
+        ptr.append(len(table))
+    pool = torch.randn((pages, page, 1, split.head_dim), generator=gen)
+    pool = (pool / 2).to(torch.float8_e4m3fn) if fp8 else pool.to(torch.bfloat16)
+    t = BlockPagedTensor(pool, torch.tensor(table), torch.tensor(ptr), torch.tensor(lens), "fused", 0)
+    scales = ((2.0, 2.0),) if fp8 else None
+    return KVSnapshot.from_layers([(t,)], latent=split, kv_scales=scales)
+
+
+def dense_mla(q: torch.Tensor, snap: KVSnapshot, seq: int, head_dim_v: int) -> torch.Tensor:
+    """The absorbed attention of one sequence over its dense latent: the ground truth."""
+    lat = snap[0, "fused"].to_dense(seq)[:, 0].float()
+    if snap.kv_scales is not None:
+        lat = lat * snap.kv_scales[0][0]
+    scores = torch.einsum("shc,nc->shn", q.float(), lat) / math.sqrt(lat.shape[-1])
+    return torch.einsum("shn,nv->shv", scores.softmax(-1), lat[:, :head_dim_v])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("lens", [[130, 70, 1], [64], [200, 200]])
+def test_flash_mla_cache_decodes_like_the_dense_latent(lens: list[int], fp8: bool) -> None:
+    snap = latent_snapshot(lens, fp8=fp8)
+    cache = to_flash_mla(snap, 0)
+    assert cache.k_cache.shape[1:] == (64, 1, 576) and cache.k_cache.dtype == torch.bfloat16
+    assert cache.cache_seqlens.tolist() == lens and cache.head_dim_v == 512
+    q = torch.randn(len(lens), 1, 16, 576).to(torch.bfloat16)
+    check_flash_mla_args(q, cache.k_cache, cache.block_table, cache.cache_seqlens, cache.head_dim_v)
+    out = mla_paged_decode(q, cache.k_cache, cache.block_table, cache.cache_seqlens, head_dim_v=512)
+    for s in range(len(lens)):
+        want = dense_mla(q[s], snap, s, 512)
+        torch.testing.assert_close(out[s], want, rtol=2e-2, atol=2e-2)
+
+
+def test_flash_mla_keeps_prefix_sharing_and_reserves_private_tails() -> None:
+    snap = latent_snapshot([64, 100], page=64)
+    cache = to_flash_mla(snap, 0)
+    assert cache.block_table[0, 0] == cache.block_table[1, 0]  # the shared prefix page stays shared
+    grown = to_flash_mla(snap, 0, reserve=40)
+    assert grown.block_table.shape[1] == 3  # 100 + 40 tokens need 3 pages
+    assert grown.k_cache.shape[0] > cache.k_cache.shape[0]  # fresh pages for the appends
+
+
+def test_flashinfer_mla_pools_split_the_latent() -> None:
+    snap = latent_snapshot([130, 70, 1])
+    mla = to_flashinfer_mla(snap, 0)
+    assert mla.ckv_cache.shape[-1] == 512 and mla.kpe_cache.shape[-1] == 64
+    assert mla.kv_len_arr.tolist() == [130, 70, 1] and mla.kv_indptr.dtype == torch.int32
+    for s in range(3):
+        pages = mla.kv_indices[mla.kv_indptr[s] : mla.kv_indptr[s + 1]].long()
+        n = int(mla.kv_len_arr[s])
+        ckv = mla.ckv_cache[pages].reshape(-1, 512)[:n]
+        kpe = mla.kpe_cache[pages].reshape(-1, 64)[:n]
+        assert torch.equal(torch.cat([ckv, kpe], -1), snap[0, "fused"].to_dense(s)[:, 0])
+    repaged = to_flashinfer_mla(snap, 0, page_size=1)
+    assert repaged.page_size == 1 and int(repaged.kv_indptr[-1]) == 130 + 70 + 1
+    assert repaged.kv_indices.unique().numel() == 130 + 70 - 16  # the shared prefix, once
+
+
+@given(snap=snapshots(latent=True), page=st.sampled_from([1, 3, 64]))
+def test_any_latent_snapshot_imports_token_for_token(snap: KVSnapshot, page: int) -> None:
+    if snap.num_seqs == 0:
+        with pytest.raises(hv.HurrayFormatError, match="no sequences"):
+            to_flash_mla(snap, 0)
+        return
+    for layer in range(snap.num_layers):
+        cache = to_flash_mla(snap, layer, page_size=page)
+        mla = to_flashinfer_mla(snap, layer, page_size=page)
+        t = snap[layer, "fused"]
+        for s in range(snap.num_seqs):
+            n = snap.seq_lens[s]
+            row = cache.block_table[s, : -(-n // page)].long()
+            got = cache.k_cache[row].reshape(-1, t.head_dim)[:n]
+            want = t.to_dense(s)[:, 0]
+            if snap.kv_scales is not None:
+                want = (want.float() * snap.kv_scales[layer][0]).to(got.dtype)
+            assert torch.equal(got, want.to(got.dtype))
+            pages = mla.kv_indices[mla.kv_indptr[s] : mla.kv_indptr[s + 1]].long()
+            fused = torch.cat([mla.ckv_cache[pages], mla.kpe_cache[pages]], -1).reshape(-1, t.head_dim)[:n]
+            assert torch.equal(fused, got)
+
+
+def test_key_value_snapshots_are_refused_by_the_mla_importers() -> None:
+    from synthetic import make_snapshot
+
+    kv = make_snapshot([5], [0], 4)
+    for importer in (to_flash_mla, to_flashinfer_mla):
+        with pytest.raises(hv.HurrayFormatError, match="kv_role"):
+            importer(kv, 0)
+
+
+def _good() -> tuple[torch.Tensor, FlashMLACache]:
+    cache = to_flash_mla(latent_snapshot([100, 30]), 0)
+    return torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16), cache
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("q", lambda q, c: (q.float(), c.k_cache, c.block_table, c.cache_seqlens, 512)),
+        ("k_cache", lambda q, c: (q, c.k_cache.half(), c.block_table, c.cache_seqlens, 512)),
+        ("k_cache", lambda q, c: (q, c.k_cache.reshape(-1, 32, 1, 576), c.block_table, c.cache_seqlens, 512)),
+        ("q", lambda q, c: (q[..., :512], c.k_cache, c.block_table, c.cache_seqlens, 512)),
+        ("head_dim_v", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens, 576)),
+        ("block_table", lambda q, c: (q, c.k_cache, c.block_table.long(), c.cache_seqlens, 512)),
+        ("block_table", lambda q, c: (q, c.k_cache, c.block_table + 100, c.cache_seqlens, 512)),
+        ("block_table", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens + 64, 512)),
+        ("cache_seqlens", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens[:1], 512)),
+        ("q", lambda q, c: (q[:, :, :15], c.k_cache.expand(-1, -1, 2, -1), c.block_table, c.cache_seqlens, 512)),
+    ],
+)
+def test_flash_mla_checker_names_the_argument(field: str, change) -> None:  # type: ignore[no-untyped-def]
+    q, cache = _good()
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        check_flash_mla_args(*change(q, cache))
+    assert err.value.field == field
