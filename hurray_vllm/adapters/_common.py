@@ -11,7 +11,7 @@ import torch
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 
-__all__ = ["FP8_DTYPES", "INT32_MAX", "check_layer", "dequantize", "padded_block_table"]
+__all__ = ["FP8_DTYPES", "INT32_MAX", "check_layer", "check_one_structure", "dequantize", "padded_block_table"]
 
 #: The float8 storage dtypes: pools in these hold ``value / scale``.
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -33,6 +33,23 @@ def check_layer(snapshot: KVSnapshot, layer: int) -> None:
     """
     if not 0 <= layer < snapshot.num_layers:
         raise HurrayFormatError("layer", f"layer {layer} is outside the snapshot's {snapshot.num_layers} layers")
+
+
+def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
+    """Refuse a sliding-window hybrid whose layers hold different pages, where ``what`` plans once for all layers.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.windows``) naming ``what``.
+    """
+    if snapshot.windows is None or not snapshot.num_layers:
+        return
+    first = snapshot.tensors()[0].block_table
+    if any(not torch.equal(t.block_table, first) for t in snapshot.tensors()[1:]):
+        raise HurrayFormatError(
+            "snapshot.windows",
+            f"{what} plans one block table for every layer, but this snapshot's sliding-window layers hold "
+            "fewer pages than its full-attention ones; import it with the transformers adapter or into vLLM",
+        )
 
 
 def dequantize(pool: torch.Tensor, scale: float) -> torch.Tensor:

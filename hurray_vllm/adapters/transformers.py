@@ -185,6 +185,11 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
         )
     elif geo.latent is not None and snapshot.latent is not None and snapshot.latent != geo.latent:
         problems.append(f"latent: snapshot has {snapshot.latent}, model has {geo.latent}")
+    wants = _config_windows(model_config)
+    if snapshot.windows is not None and wants is not None and list(snapshot.windows.sizes) != wants:
+        problems.append(f"windows: snapshot's layers have windows {list(snapshot.windows.sizes)}, the model's {wants}")
+    elif snapshot.windows is not None and wants is None and any(w is not None for w in snapshot.windows.sizes):
+        problems.append("windows: the snapshot's sliding-window layers dropped old tokens the model attends to")
     for claim in claims:
         for msg in claim.mismatches(model, ignore=ignore, labels=("snapshot", "model")):
             if msg not in problems:
@@ -374,6 +379,7 @@ def to_dynamic_cache(
     if not 0 <= seq < snapshot.num_seqs:
         raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
     dtype = dtype or _default_dtype(snapshot, model_config)
+    _check_windows_held(snapshot, seq, snapshot.seq_lens[seq] if length is None else length)
     cache = _new_dynamic_cache(DynamicCache, model_config)
     for i in range(snapshot.num_layers):
         k, v = sequence_kv(snapshot, seq, i, dtype=dtype, length=length)
@@ -382,6 +388,40 @@ def to_dynamic_cache(
             k, v = k.to(device), v.to(device)
         cache.update(k, v, i)
     return cache
+
+
+def _check_windows_held(snapshot: KVSnapshot, seq: int, n: int) -> None:
+    """Refuse to resume at token ``n`` when a sliding-window layer no longer holds the window it needs.
+
+    The token at position ``n`` attends ``n - size + 1 .. n``; a layer that
+    holds its tokens only from ``kv_start`` needs ``kv_start <= n - size + 1``.
+    """
+    win = snapshot.windows
+    if win is None:
+        return
+    for i, (size, row) in enumerate(zip(win.sizes, win.kv_start)):
+        if size is not None and row[seq] > max(0, n - size + 1):
+            raise HurrayFormatError(
+                "snapshot.windows",
+                f"layer {i} holds sequence {seq} from token {row[seq]}, but resuming at token {n} with a window "
+                f"of {size} needs it from {max(0, n - size + 1)}",
+            )
+
+
+def _config_windows(model_config: Any) -> list[int | None] | None:
+    """Per layer, the sliding window a transformers config gives it (``None``: full), or ``None`` if it says nothing."""
+    cfg = model_config
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        try:
+            cfg = get_text(decoder=True)
+        except TypeError:
+            cfg = get_text()
+    types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    if not types or not window:
+        return None
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 def _new_dynamic_cache(cls: Any, model_config: Any) -> Any:

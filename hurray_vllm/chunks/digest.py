@@ -130,6 +130,8 @@ def digest_header(snap: KVSnapshot) -> bytes:
     }
     if snap.latent is not None:  # MLA only: key/value chunks keep their digests
         meta["latent"] = snap.latent.to_json()
+    if snap.windows is not None:  # sliding-window hybrids only, likewise
+        meta["windows"] = snap.windows.to_json()
     parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
     for t in snap.tensors():
         desc = encode_descriptor(t.descriptor(device_tag=0))

@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import HurrayFormatError
-from ..kv.snapshot import KVSnapshot, ModelFingerprint
+from ..kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from .digest import DIGEST_KEY, chunk_digest
 
 __all__ = ["namespace_of", "chunk_keys", "chunks_of"]
@@ -72,8 +72,13 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
                 tuple(replace(t, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for t in members)
                 for members in snap.layer_members()
             ]
+            win = snap.windows
+            if win is not None:  # positions relative to the chunk's first token
+                starts = tuple((min(max(row[s] - c * chunk_tokens, 0), chunk_tokens),) for row in win.kv_start)
+                win = SlidingWindows(win.sizes, starts)
             chunk = snap.with_layers(
                 layers,
+                windows=win,
                 token_ids=(tuple(tokens[c * chunk_tokens : (c + 1) * chunk_tokens]),),
                 request_ids=(snap.request_ids[s],) if snap.request_ids else None,
             ).compact()

@@ -34,7 +34,15 @@ import torch
 
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor, IndexCache
-from ..kv.snapshot import FUSED_ROLES, KV_ROLES, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
+from ..kv.snapshot import (
+    FUSED_ROLES,
+    KV_ROLES,
+    KVSnapshot,
+    LatentSplit,
+    ModelFingerprint,
+    SlidingWindows,
+    SnapshotSource,
+)
 from ..wire import dtypes
 from ..wire.descriptor import (
     COMPOSITION_RULE_TAGS,
@@ -180,9 +188,12 @@ def snapshot_metadata(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
     """The snapshot header's JSON object (``hurray_vllm.snapshot`` metadata) for ``num_layers`` layers.
 
     ``latent`` (the MLA split) appears only for snapshots of fused latents,
-    so key/value snapshots encode to the same bytes as before it existed.
+    and ``windows`` only for sliding-window hybrids, so other snapshots
+    encode to the same bytes as before these existed.
     """
-    extra_fields = {"latent": snap.latent.to_json()} if snap.latent is not None else {}
+    extra_fields: dict[str, Any] = {"latent": snap.latent.to_json()} if snap.latent is not None else {}
+    if snap.windows is not None:
+        extra_fields["windows"] = snap.windows.to_json()
     return {
         **extra_fields,
         "format": FORMAT_NAME,
@@ -364,6 +375,7 @@ class SnapshotHeader:
     request_ids: tuple[str, ...] | None
     extra: dict[str, Any]
     latent: LatentSplit | None = None
+    windows: SlidingWindows | None = None
 
 
 #: Bounds on what a header may announce (far above any model; a bound on hostile input).
@@ -388,7 +400,9 @@ def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta
             f"{field}.version", f"snapshot format version {version!r} is newer than {FORMAT_VERSION} or not a version"
         )
     fp, src, lat = f.optional_obj("fingerprint"), f.optional_obj("source"), f.optional_obj("latent")
+    win = f.optional_obj("windows")
     return SnapshotHeader(
+        windows=SlidingWindows.from_json(win.obj) if win is not None else None,
         latent=LatentSplit.from_json(lat.obj) if lat is not None else None,
         num_layers=f.integer("num_layers", hi=_MAX_LAYERS),
         num_seqs=f.integer("num_seqs", hi=_MAX_SEQS, default=None),
@@ -528,6 +542,7 @@ def build_snapshot(
         source=header.source if header else None,
         request_ids=header.request_ids if header else None,
         extra=dict(header.extra) if header else {},
+        windows=header.windows if header else None,
     )
     raise_if(snap.validate(permissive=permissive, tensors=False), "snapshot")
     return snap

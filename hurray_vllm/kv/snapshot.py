@@ -14,7 +14,15 @@ from ..wire.jsonvalues import Fields
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
 
-__all__ = ["ModelFingerprint", "SnapshotSource", "LatentSplit", "KVSnapshot", "KV_ROLES", "FUSED_ROLES"]
+__all__ = [
+    "ModelFingerprint",
+    "SnapshotSource",
+    "LatentSplit",
+    "SlidingWindows",
+    "KVSnapshot",
+    "KV_ROLES",
+    "FUSED_ROLES",
+]
 
 
 #: Bounds on what a fingerprint may claim (a sanity bound on hostile metadata, far above any model).
@@ -162,6 +170,63 @@ class LatentSplit:
         )
 
 
+@dataclass(frozen=True)
+class SlidingWindows:
+    """Which tokens each layer holds, in a model mixing sliding-window and full attention (Gemma 3, gpt-oss).
+
+    An engine frees a sliding-window layer's pages once they fall out of the
+    window (vLLM nulls them: block id 0). Such a layer's block table still
+    has an entry for every page of every sequence, so all layers share one
+    logical structure, but the entries of pages it no longer holds point to
+    one zeroed page: only the pages inside the window leave the engine.
+
+    Attributes:
+        sizes: per layer, its window in tokens (a token attends itself and the
+            ``size - 1`` before it); ``None`` for full attention.
+        kv_start: per layer, per sequence, the first token position whose KV
+            the layer holds (0 for full-attention layers, at most the
+            sequence's length). The positions before it read as zeros. A
+            snapshot taken from an engine holds each window of the next token
+            (``kv_start <= seq_len - size + 1``); a chunk, a segment of a
+            prefix, may hold less (:func:`~hurray_vllm.chunks.chunks_of`).
+
+    Example:
+        >>> w = SlidingWindows(sizes=(64, None), kv_start=((128,), (0,)))
+        >>> w.held(0, 0, 201), w.held(1, 0, 201)
+        (range(128, 201), range(0, 201))
+    """
+
+    sizes: tuple[int | None, ...]
+    kv_start: tuple[tuple[int, ...], ...]
+
+    def held(self, layer: int, seq: int, seq_len: int) -> range:
+        """The token positions whose KV ``layer`` holds for sequence ``seq`` (of ``seq_len`` tokens)."""
+        return range(self.kv_start[layer][seq], seq_len)
+
+    def to_json(self) -> dict[str, Any]:
+        """The windows as a JSON-ready dict."""
+        return {"sizes": list(self.sizes), "kv_start": [list(x) for x in self.kv_start]}
+
+    @classmethod
+    def from_json(cls, d: Any) -> SlidingWindows:
+        """The windows :meth:`to_json` wrote; a bad member raises :class:`HurrayFormatError` naming it."""
+        f = Fields(d, "snapshot.windows")
+        sizes = f.obj.get("sizes")
+        starts = f.obj.get("kv_start")
+        if not isinstance(sizes, list) or len(sizes) > _MAX_LAYERS:
+            raise HurrayFormatError("snapshot.windows.sizes", "expected a list of window sizes (or null) per layer")
+        if not all(x is None or (type(x) is int and 1 <= x < 1 << 40) for x in sizes):
+            raise HurrayFormatError("snapshot.windows.sizes", "window sizes must be positive integers or null")
+        if not isinstance(starts, list) or len(starts) != len(sizes):
+            raise HurrayFormatError("snapshot.windows.kv_start", "expected one list of start positions per layer")
+        rows = []
+        for row in starts:
+            if not isinstance(row, list) or not all(type(x) is int and 0 <= x < 1 << 62 for x in row):
+                raise HurrayFormatError("snapshot.windows.kv_start", "start positions must be integers >= 0")
+            rows.append(tuple(row))
+        return cls(tuple(sizes), tuple(rows))
+
+
 #: The roles of a key/value layer and of a fused (MLA latent) layer, in the order layers hold them.
 KV_ROLES = ("key", "value")
 FUSED_ROLES = ("fused",)
@@ -193,6 +258,8 @@ class KVSnapshot:
         fused: one MLA latent :class:`BlockPagedTensor` per layer (empty for
             key/value models).
         latent: how the fused latent divides (required with ``fused``).
+        windows: for sliding-window hybrids, which tokens each layer holds
+            (``None``: every layer holds every token).
     """
 
     keys: tuple[BlockPagedTensor, ...]
@@ -205,6 +272,7 @@ class KVSnapshot:
     extra: dict[str, Any] = field(default_factory=dict)
     fused: tuple[BlockPagedTensor, ...] = ()
     latent: LatentSplit | None = None
+    windows: SlidingWindows | None = None
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values):
@@ -353,7 +421,10 @@ class KVSnapshot:
         layers = [tuple(t.select(seqs) for t in members) for members in self.layer_members()]
         ids = tuple(self.token_ids[s] for s in seqs) if self.token_ids else ()
         rids = tuple(self.request_ids[s] for s in seqs) if self.request_ids else None
-        return self.with_layers(layers, token_ids=ids, request_ids=rids).compact()
+        win = self.windows
+        if win is not None:
+            win = SlidingWindows(win.sizes, tuple(tuple(row[s] for s in seqs) for row in win.kv_start))
+        return self.with_layers(layers, token_ids=ids, request_ids=rids, windows=win).compact()
 
     def compact(self) -> KVSnapshot:
         """Drop pages no sequence references; one plan for every layer and role."""
@@ -438,6 +509,7 @@ class KVSnapshot:
             if len(pair) != 2 or not all(isinstance(x, float | int) and math.isfinite(x) and x > 0 for x in pair):
                 found.append(Violation("snapshot.kv_scales", f"layer {i}: scales {pair} must be finite and positive"))
                 break
+        found.extend(self._window_violations())
         if self.fused and self.kv_scales is not None and any(len(p) == 2 and p[0] != p[1] for p in self.kv_scales):
             # One latent, one scale: the pair's second entry repeats it (docs/format.md).
             found.append(Violation("snapshot.kv_scales", "a fused layer's two scale entries must be equal"))
@@ -460,6 +532,33 @@ class KVSnapshot:
                 )
             )
         return Checked(tuple(found), permissive)
+
+    def _window_violations(self) -> list[Violation]:
+        win = self.windows
+        if win is None:
+            return []
+        if len(win.sizes) != self.num_layers or len(win.kv_start) != self.num_layers:
+            return [
+                Violation(
+                    "snapshot.windows", f"windows for {len(win.sizes)} layers, the snapshot has {self.num_layers}"
+                )
+            ]
+        lead = self._lead
+        lens = lead[0].seq_lens.tolist() if lead and lead[0].seq_lens is not None else None
+        for i, (size, row) in enumerate(zip(win.sizes, win.kv_start)):
+            if len(row) != self.num_seqs:
+                return [
+                    Violation(
+                        "snapshot.windows", f"layer {i}: {len(row)} start positions for {self.num_seqs} sequences"
+                    )
+                ]
+            for s, start in enumerate(row):
+                n = lens[s] if lens is not None else None
+                if size is None and start:
+                    return [Violation("snapshot.windows", f"layer {i} is full attention but starts at token {start}")]
+                if n is not None and start > n:
+                    return [Violation("snapshot.windows", f"layer {i} sequence {s}: starts at token {start} of {n}")]
+        return []
 
     def __repr__(self) -> str:
         if not self._lead:

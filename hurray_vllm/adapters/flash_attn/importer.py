@@ -13,7 +13,7 @@ from ...kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, rep
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_layer, dequantize, padded_block_table
+from .._common import check_layer, check_one_structure, dequantize, padded_block_table
 from .flavors import FLAVORS, HALF_DTYPES, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
 
 __all__ = ["FlashAttnCache", "FlashAttnPlan", "plan_flash_attn", "to_flash_attn", "to_flash_attn_all"]
@@ -162,6 +162,7 @@ def plan_flash_attn(
     if reserve < 0:
         raise HurrayArgumentError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
     snapshot.require_kv("flash_attn_with_kvcache")
+    check_one_structure(snapshot, "flash_attn_with_kvcache")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot", "the snapshot has no layers; nothing to import")
     k0 = snapshot.keys[0]

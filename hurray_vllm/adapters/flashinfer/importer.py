@@ -13,7 +13,7 @@ from ...kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, rep
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_layer, dequantize
+from .._common import check_layer, check_one_structure, dequantize
 from .cache import LAYOUTS, FlashInferCache, PagedKVCache
 
 __all__ = ["plan_flashinfer", "plan_flashinfer_repage", "to_flashinfer", "to_flashinfer_all"]
@@ -28,6 +28,7 @@ def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     (:func:`to_flashinfer_all` does).
     """
     snapshot.require_kv("FlashInfer's paged K/V cache")
+    check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
     k0 = snapshot.keys[0]
@@ -83,6 +84,7 @@ def to_flashinfer_all(
     if out is not None and len(out) != snapshot.num_layers:
         raise HurrayFormatError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
     snapshot.require_kv("FlashInfer's paged K/V cache")
+    check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
     if page_size is not None and page_size <= 0:

@@ -25,6 +25,7 @@ from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
 
 __all__ = [
     "unsupported_cache",
+    "cache_groups",
     "latent_split_of",
     "EngineCache",
     "describe_worker_cache",
@@ -93,16 +94,19 @@ class EngineCache:
         }
 
 
-def unsupported_cache(kv_cache_config: Any) -> str | None:
+def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) -> str | None:
     """Why hurray-vllm cannot export this engine's KV cache, or None when it can.
 
-    Today: one KV cache group of full key/value attention or of MLA latents.
-    Sliding-window and linear-attention (Mamba, GDN) groups are named, so
-    that the engine is refused at start with a message instead of failing at
-    the first save.
+    The connector: one KV cache group of full key/value attention or of MLA
+    latents. ``snapshot()`` (``sliding_windows=True``) also takes several
+    groups of full and sliding-window attention (Gemma 3, gpt-oss). Other
+    groups (linear attention: Mamba, GDN) are named, so that the engine is
+    refused at start with a message instead of failing at the first save.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    if sliding_windows and len(groups) > 1 and set(kinds) <= {"FullAttentionSpec", "SlidingWindowSpec"}:
+        return None
     if len(groups) > 1:
         return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"
     if kinds and kinds[0] not in _SUPPORTED_SPECS:
@@ -111,6 +115,14 @@ def unsupported_cache(kv_cache_config: Any) -> str | None:
             "and MLA latents (MLAAttentionSpec)"
         )
     return None
+
+
+def cache_groups(kv_cache_config: Any) -> tuple[dict[str, int], list[int | None]]:
+    """Each attention layer's KV cache group, and each group's sliding window (``None``: full attention)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    of_layer = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    windows = [getattr(group.kv_cache_spec, "sliding_window", None) for group in groups]
+    return of_layer, windows
 
 
 #: The KV cache specs (``vllm/v1/kv_cache_interface.py``) whose caches hurray-vllm reads and writes.

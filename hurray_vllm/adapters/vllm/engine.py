@@ -18,7 +18,7 @@ import torch
 
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
-from .cache import EngineCache, attention_layers, describe_worker_cache, unsupported_cache
+from .cache import EngineCache, attention_layers, cache_groups, describe_worker_cache, unsupported_cache
 from .export import SequenceState, export_snapshot, export_stream
 
 __all__ = ["snapshot", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
@@ -77,7 +77,7 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
     """Block ids, computed tokens and token ids of live requests (scheduler side)."""
     core = _core(llm)
     sched = core.scheduler
-    why = unsupported_cache(getattr(sched.kv_cache_manager, "kv_cache_config", None))
+    why = unsupported_cache(getattr(sched.kv_cache_manager, "kv_cache_config", None), sliding_windows=True)
     if why is not None:
         raise HurrayFormatError("kv_cache_groups", f"cannot snapshot this engine: {why}")
     out = []
@@ -86,13 +86,26 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
         req = sched.requests[internal]
         if req.is_finished():
             raise HurrayFormatError("request_id", f"request {rid!r} has finished; its blocks may be reused")
-        groups = sched.kv_cache_manager.get_block_ids(internal)
-        if len(groups) != 1:
-            raise HurrayFormatError(
-                "kv_cache_groups", f"{len(groups)} KV cache groups (hybrid models) are not supported"
+        groups = tuple(list(g) for g in sched.kv_cache_manager.get_block_ids(internal))
+        out.append(
+            SequenceState(
+                rid,
+                groups[0],
+                int(req.num_computed_tokens),
+                list(req.all_token_ids),
+                group_block_ids=groups if len(groups) > 1 else (),
             )
-        out.append(SequenceState(rid, list(groups[0]), int(req.num_computed_tokens), list(req.all_token_ids)))
+        )
     return out
+
+
+def _group_options(llm: Any, ec: EngineCache) -> dict[str, Any]:
+    """``layer_groups`` and ``group_windows`` for an engine with several KV cache groups (else none)."""
+    config = getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
+    of_layer, windows = cache_groups(config)
+    if len(windows) < 2:
+        return {}
+    return {"layer_groups": [of_layer[name] for name in ec.layer_names], "group_windows": windows}
 
 
 def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
@@ -129,12 +142,7 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
     """
     ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)
-    return export_snapshot(
-        ec.caches,
-        ec.layout,
-        seqs,
-        **ec.export_options(),
-    )
+    return export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec))
 
 
 def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progress: bool = False) -> int:
@@ -150,5 +158,6 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         ec.layout,
         seqs,
         **ec.export_options(),
+        **_group_options(llm, ec),
         show_progress=progress,
     )

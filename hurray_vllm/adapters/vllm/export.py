@@ -21,7 +21,7 @@ import threading
 from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 import torch
@@ -30,7 +30,7 @@ from ...containers.schema import header_records
 from ...containers.stream import LayerWriter, write_records
 from ...errors import HurrayFormatError
 from ...kv.paged import BlockPagedTensor, plan_compaction
-from ...kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
+from ...kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
 from .layouts import KVLayout, as_storage_dtype, roles_of
 
 __all__ = [
@@ -58,12 +58,17 @@ class SequenceState:
             allocated ahead; only the ones covering ``num_computed`` are read).
         num_computed: tokens whose K/V are in the cache.
         token_ids: prompt and generated token ids (``>= num_computed``).
+        group_block_ids: for an engine with several KV cache groups (a
+            sliding-window hybrid), the block table of each group; a
+            sliding-window group's leading blocks may be vLLM's null block 0
+            (freed: out of the window). Empty for one group.
     """
 
     request_id: str
     block_ids: Sequence[int]
     num_computed: int
     token_ids: Sequence[int]
+    group_block_ids: tuple[Sequence[int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,16 +84,29 @@ class BatchPlan:
     # (page, first slot no sequence uses) for every page with unused slots, on the host:
     # zeroing them needs no per-layer scan of `valid` (or device sync).
     tails: tuple[tuple[int, int], ...] = ()
+    # With holes: per sequence, the first token its pages hold (the pages before are one zero page).
+    kv_start: tuple[int, ...] | None = None
 
 
-def plan_batch(seqs: Sequence[SequenceState], block_size: int, *, reserved_blocks: Sequence[int] = (0,)) -> BatchPlan:
+def plan_batch(
+    seqs: Sequence[SequenceState],
+    block_size: int,
+    *,
+    reserved_blocks: Sequence[int] = (0,),
+    holes: bool = False,
+) -> BatchPlan:
     """Compaction plan for ``seqs`` over an engine cache of ``block_size`` blocks.
 
-    ``reserved_blocks`` (vLLM's null block 0) may never hold a computed token.
-    Runs before the first layer is gathered, on every export, so the ids go
-    into an array (a C loop) and the rest is a handful of tensor ops over them,
-    with no per-id Python code.
+    ``reserved_blocks`` (vLLM's null block 0) may never hold a computed token,
+    unless ``holes``: then a sequence's leading null blocks are pages a
+    sliding-window layer has freed, and they all map to one zeroed page
+    (``kv_start`` says where each sequence's held tokens begin). Runs before
+    the first layer is gathered, on every export, so the ids go into an array
+    (a C loop) and the rest is a handful of tensor ops over them, with no
+    per-id Python code.
     """
+    if holes:
+        return _plan_with_holes(seqs, block_size)
     table = array("q")
     ptr = array("q", [0])
     lens = array("q")
@@ -140,6 +158,30 @@ def plan_batch(seqs: Sequence[SequenceState], block_size: int, *, reserved_block
         for page, used in tails.items():
             valid[page] = used
     return BatchPlan(keep, block_table, _int64(ptr), _int64(lens), valid, block_size, tuple(sorted(tails.items())))
+
+
+def _plan_with_holes(seqs: Sequence[SequenceState], block_size: int) -> BatchPlan:
+    """:func:`plan_batch` for a sliding-window group: leading null blocks become one shared zero page."""
+    starts = []
+    for s in seqs:
+        need = -(-s.num_computed // block_size)
+        ids = list(s.block_ids[:need])
+        lead = 0
+        while lead < len(ids) and ids[lead] == 0:
+            lead += 1
+        if 0 in ids[lead:]:
+            raise HurrayFormatError("block_ids", f"{s.request_id}: a null block after held ones (not a sliding window)")
+        starts.append(min(lead * block_size, s.num_computed))
+    if not any(starts):
+        return replace(plan_batch(seqs, block_size), kv_start=tuple(starts))
+    # The null block stands for every freed page: gathered once as a real page, then zeroed whole.
+    plan = plan_batch(seqs, block_size, reserved_blocks=())
+    zero = int((plan.keep == 0).nonzero()[0, 0])
+    tails = dict(plan.tails)
+    tails[zero] = 0
+    valid = plan.valid.clone()
+    valid[zero] = 0
+    return replace(plan, valid=valid, tails=tuple(sorted(tails.items())), kv_start=tuple(starts))
 
 
 def _compact(table: torch.Tensor, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,7 +362,7 @@ def _first(cache: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 def export_layers(
     caches: Sequence[torch.Tensor | tuple[torch.Tensor, ...]],
     layout: KVLayout,
-    plan: BatchPlan,
+    plan: BatchPlan | Sequence[BatchPlan],
     *,
     storage_dtype: torch.dtype | None = None,
     zero_unused: bool = True,
@@ -329,7 +371,9 @@ def export_layers(
     """Yield each layer's block-paged tensors, one layer at a time.
 
     A layer is ``(key, value)``, or ``(fused,)`` for a layout whose roles
-    are ``("fused",)`` (:class:`~.layouts.MLALatent`).
+    are ``("fused",)`` (:class:`~.layouts.MLALatent`). ``plan`` is one plan
+    for every layer, or one per layer (the plan of the layer's KV cache
+    group, in a sliding-window hybrid).
 
     Peak extra memory is one layer's compacted pages: nothing is gathered
     before the caller asks for the layer. With one :class:`GatherBuffers`
@@ -343,10 +387,15 @@ def export_layers(
         raise HurrayFormatError("buffers", f"{len(buffers)} gather buffers for {len(caches)} layers")
     # The ids go to each cache device once per export: a host-to-device copy per layer
     # would synchronise the stream, stalling the previous layer's device-to-host copy.
-    keep_on: dict[torch.device, torch.Tensor] = {}
-    tail_rows: dict[tuple[torch.device, bool], torch.Tensor] = {}
+    plans = [plan] * len(caches) if isinstance(plan, BatchPlan) else list(plan)
+    if len(plans) != len(caches):
+        raise HurrayFormatError("plan", f"{len(plans)} plans for {len(caches)} layers")
+    # Per plan (by identity) and device: the ids and tail rows are made once per export.
+    keep_on: dict[tuple[int, torch.device], torch.Tensor] = {}
+    tail_rows: dict[int, dict[tuple[torch.device, bool], torch.Tensor]] = {}
     roles = roles_of(layout)
     for i, cache in enumerate(caches):
+        plan = plans[i]
         if storage_dtype is not None:
             cache = (
                 tuple(as_storage_dtype(c, storage_dtype) for c in cache)
@@ -359,14 +408,14 @@ def export_layers(
             shape = (int(plan.keep.numel()), *layout.page_shape(cache))
             mine = buffers if isinstance(buffers, GatherBuffers) else buffers[i]
             out = mine.take(shape, first.dtype, first.device, len(roles))
-        keep = keep_on.get(first.device)
+        keep = keep_on.get((id(plan), first.device))
         if keep is None:
-            keep = keep_on[first.device] = plan.keep.to(first.device)
+            keep = keep_on[id(plan), first.device] = plan.keep.to(first.device)
         del first
         pools = layout.gather(cache, keep, out)
         del out
-        if zero_unused:
-            _zero_tails(plan, pools, tail_rows)
+        if zero_unused or plan.kv_start is not None:  # a hole's page holds another request's KV: always zeroed
+            _zero_tails(plan, pools, tail_rows.setdefault(id(plan), {}))
         yield tuple(
             BlockPagedTensor(pool, plan.block_table, plan.seq_ptr, plan.seq_lens, role, i)
             for pool, role in zip(pools, roles, strict=True)
@@ -451,6 +500,8 @@ def export_snapshot(
     reserved_blocks: Sequence[int] = (0,),
     buffers: Sequence[GatherBuffers] | None = None,
     latent: LatentSplit | None = None,
+    layer_groups: Sequence[int] | None = None,
+    group_windows: Sequence[int | None] | None = None,
 ) -> KVSnapshot:
     """An in-memory :class:`KVSnapshot` of ``seqs`` (see :func:`export_stream` to bound memory).
 
@@ -460,12 +511,26 @@ def export_snapshot(
     pools views of those buffers (valid until they are used again) instead
     of new memory. ``latent`` (required for an MLA layout) says how its
     fused latent divides.
+
+    A sliding-window hybrid has several KV cache groups: ``layer_groups``
+    gives each layer's group, ``group_windows`` each group's window (``None``
+    for full attention), and every sequence its ``group_block_ids``. A
+    windowed group's freed (null) blocks become one zero page per layer, and
+    the snapshot's :class:`~hurray_vllm.SlidingWindows` says where each
+    layer's held tokens begin.
     """
-    plan = plan_batch(seqs, block_size, reserved_blocks=reserved_blocks)
+    plan: BatchPlan | list[BatchPlan]
+    windows = None
+    if layer_groups is not None:
+        plans, windows = _group_plans(seqs, block_size, layer_groups, group_windows)
+        plan = plans
+    else:
+        plan = plan_batch(seqs, block_size, reserved_blocks=reserved_blocks)
     layers = list(export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=buffers))
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
     return KVSnapshot.from_layers(
         layers,
+        windows=windows,
         token_ids=shell.token_ids,
         fingerprint=shell.fingerprint,
         kv_scales=shell.kv_scales,
@@ -473,6 +538,30 @@ def export_snapshot(
         request_ids=shell.request_ids,
         latent=latent if roles_of(layout) == ("fused",) else None,
     )
+
+
+def _group_plans(
+    seqs: Sequence[SequenceState],
+    block_size: int,
+    layer_groups: Sequence[int],
+    group_windows: Sequence[int | None] | None,
+) -> tuple[list[BatchPlan], SlidingWindows]:
+    """One plan per KV cache group (layers of a group share it) and the layers' windows."""
+    groups = sorted(set(layer_groups))
+    wins = list(group_windows) if group_windows is not None else [None] * (max(groups, default=-1) + 1)
+    if groups and (groups[0] < 0 or groups[-1] >= len(wins)):
+        raise HurrayFormatError("layer_groups", f"layers name groups {groups}, {len(wins)} groups are known")
+    by_group: dict[int, BatchPlan] = {}
+    for g in groups:
+        per_seq = []
+        for s in seqs:
+            if len(s.group_block_ids) <= g:
+                raise HurrayFormatError("group_block_ids", f"{s.request_id}: no block table for KV cache group {g}")
+            per_seq.append(replace(s, block_ids=s.group_block_ids[g]))
+        by_group[g] = plan_batch(per_seq, block_size, holes=wins[g] is not None)
+    plans = [by_group[g] for g in layer_groups]
+    starts = tuple(p.kv_start if p.kv_start is not None else (0,) * len(seqs) for p in plans)
+    return plans, SlidingWindows(tuple(wins[g] for g in layer_groups), starts)
 
 
 def export_stream(
@@ -489,6 +578,8 @@ def export_stream(
     show_progress: bool = False,
     buffers: GatherBuffers | None = None,
     latent: LatentSplit | None = None,
+    layer_groups: Sequence[int] | None = None,
+    group_windows: Sequence[int | None] | None = None,
 ) -> int:
     """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
 
@@ -498,9 +589,15 @@ def export_stream(
     last export left (up to ``HURRAY_VLLM_EXPORT_WORKSPACE_MIB``, see
     :func:`release_export_workspace`), so only the first export of a process
     faults in new memory. ``show_progress=True`` shows a per-layer progress
-    bar on a terminal.
+    bar on a terminal. ``layer_groups`` and ``group_windows``: as for
+    :func:`export_snapshot`.
     """
-    plan = plan_batch(seqs, block_size)
+    plan: BatchPlan | list[BatchPlan]
+    windows = None
+    if layer_groups is not None:
+        plan, windows = _group_plans(seqs, block_size, layer_groups, group_windows)
+    else:
+        plan = plan_batch(seqs, block_size)
     on_cuda = bool(caches) and _first(caches[0]).device.type == "cuda"
     with _workspace(buffers, on_cuda) as buffers:
         # On a device, layers alternate between two buffer pairs so that one is gathered while
@@ -516,6 +613,8 @@ def export_stream(
         if (roles_of(layout) == ("fused",)) != (latent is not None):
             raise HurrayFormatError("latent", "an MLA cache's export needs its LatentSplit, and only it has one")
         shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True, latent=latent)
+        if windows is not None:
+            shell = replace(shell, windows=windows)
         # The header announces the layer count before any layer is written.
         total = write_records(header_records(shell, num_layers=len(caches)), f)
         # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
