@@ -67,3 +67,32 @@ def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def build_tiny_gemma3(path: Path, *, seed: int = 0, window: int = 64) -> Path:
+    """A 4-layer Gemma-3-style hybrid (3 sliding-window layers of ``window`` tokens, 1 full) in bf16 at ``path``."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        sliding_window=window,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        initializer_range=0.1,
+        # Tied embeddings make so small a model repeat one token whatever the prompt.
+        tie_word_embeddings=False,
+    )
+    model = Gemma3ForCausalLM(cfg).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
