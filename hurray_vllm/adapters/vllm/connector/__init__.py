@@ -79,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ....chunks.store import DirectoryStore, chunk_digest, namespace_of, verify_chunk
@@ -115,13 +116,15 @@ __all__ = [
 _BENCH_NAMES = (chunk_digest, export_snapshot, verify_chunk, write_blocks)
 
 
-class HurrayConnector(KVConnectorBase_V1):
+class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector storing KV as Hurray block-paged chunks (see the package docstring).
 
     A facade: the constructor builds the part of ``role`` and every method
     below delegates to it. Scheduler-side methods run in the engine core's
     scheduling loop (their time is every request's latency); worker-side
-    methods run in the model runner around each forward pass.
+    methods run in the model runner around each forward pass. It supports
+    vLLM's hybrid KV cache manager (``SupportsHMA``): a sliding-window
+    hybrid keeps it on, and chunks carry every group's layers.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -190,7 +193,16 @@ class HurrayConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler side, once per finished request: forget it; blocks are freed at once. Never blocks."""
-        return self._sched().request_finished(request, block_ids)
+        return self._sched().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler side, once per finished request of an engine with several KV cache groups.
+
+        As :meth:`request_finished`: forget it; blocks are freed at once. Never blocks.
+        """
+        return self._sched().request_finished(request)
 
     # ── worker side ────────────────────────────────────────────────────────
 

@@ -8,13 +8,13 @@ surfaces when the engine starts, never inside a step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....transport import CHANNELS, channel_of
 from ....transport.base import parse_listen
-from ..cache import unsupported_cache
+from ..cache import cache_groups, unsupported_cache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,6 +83,15 @@ class HurrayConfig:
     verified_chunks: int  # already bounded by verified_capacity()
     listen: str | None
     listen_transport: str
+    #: Several KV cache groups (a sliding-window hybrid): each attention layer's group and each group's
+    #: window (``None``: full attention). Empty for one group.
+    layer_groups: dict[str, int] = field(default_factory=dict)
+    group_windows: tuple[int | None, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the engine has several KV cache groups (vLLM's hybrid KV cache manager)."""
+        return len(self.group_windows) > 1
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -104,14 +113,26 @@ class HurrayConfig:
             url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
         except HurrayFormatError as exc:
             raise HurrayArgumentError("hurray_url", str(exc)) from exc
-        why = unsupported_cache(kv_cache_config)
+        why = unsupported_cache(kv_cache_config, sliding_windows=True)
         if why is not None:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector cannot serve this model: {why}")
+        layer_groups, windows = cache_groups(kv_cache_config)
+        sizes = (
+            {getattr(g.kv_cache_spec, "block_size", block_size) for g in kv_cache_config.kv_cache_groups}
+            if (kv_cache_config is not None and len(windows) > 1)
+            else {block_size}
+        )
+        if sizes != {block_size}:
+            raise HurrayArgumentError(
+                "kv_cache_groups", f"KV cache groups with block sizes {sorted(sizes)}: chunks need one block size"
+            )
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             raise HurrayArgumentError("tensor_parallel_size", "HurrayConnector does not handle tensor parallelism yet")
         save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
         if url:
             save_async = False  # a migrated request must find its chunks on the destination
+        if len(windows) > 1:
+            save_async = False  # each group has its own blocks: the background copy handles one table
         listen = cfg.get_from_extra_config("hurray_listen", None) or None
         transport = str(cfg.get_from_extra_config("hurray_listen_transport", "tcp"))
         if transport not in CHANNELS:
@@ -136,4 +157,6 @@ class HurrayConfig:
             verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
             listen=str(listen) if listen else None,
             listen_transport=transport,
+            layer_groups=layer_groups if len(windows) > 1 else {},
+            group_windows=tuple(windows) if len(windows) > 1 else (),
         )

@@ -40,6 +40,9 @@ class LoadTask:
     #: Leading blocks of the first chunk the engine already holds (a local prefix-cache hit that ends
     #: mid-chunk): they are not written, so blocks shared with other requests are never touched.
     skip_blocks: int = 0
+    #: Several KV cache groups: the blocks to fill per group, aligned with ``block_ids`` (a sliding-window
+    #: group's entries out of its window are the null block 0: nothing is written there).
+    groups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +53,9 @@ class SaveTask:
     key: str
     tokens: list[int]
     block_ids: list[int]
+    #: Several KV cache groups: each group's blocks of the chunk; a sliding-window group's blocks no
+    #: later resume needs (out of the window of the chunk's end) are 0, so the chunk does not store them.
+    groups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -44,6 +44,23 @@ def _digest_pool() -> ThreadPoolExecutor:
         return _DIGEST_POOL[0]
 
 
+def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int) -> bool:
+    """Whether chunks ``first, first + 1, ...`` hold every sliding-window token a resume at ``resume`` attends.
+
+    Chunk ``i`` covers tokens ``[i * chunk, (i + 1) * chunk)``; a windowed
+    layer must hold those from ``resume - window + 1`` on.
+    """
+    for n, snap in enumerate(chunks):
+        win = snap.windows
+        if win is None:
+            continue
+        base = (first + n) * chunk
+        for size, starts in zip(win.sizes, win.kv_start):
+            if size is not None and base + starts[0] > max(base, resume - size + 1):
+                return False
+    return True
+
+
 def is_damage(exc: BaseException) -> bool:
     """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
 
@@ -62,7 +79,8 @@ def is_damage(exc: BaseException) -> bool:
 @dataclass
 class _Request:
     request: Any
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # group 0's
+    groups: list[list[int]] = field(default_factory=list)  # every group's (several KV cache groups only)
     chunks_done: int = 0  # chunks known to be in the store (saved or loaded)
     load: LoadTask | None = None
 
@@ -84,6 +102,7 @@ class HurrayScheduler:
         self._reqs: dict[str, _Request] = {}
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
+        self._windows = config.group_windows  # () for one KV cache group
 
     def start_receiver(self) -> None:
         """Start the ``hurray_listen`` receiver once per process (it outlives any one connector)."""
@@ -148,6 +167,7 @@ class HurrayScheduler:
             found.append((i, ident, snap, check))
         hit = first
         idents = []
+        snaps: list[KVSnapshot] = []
         for i, ident, snap, check in found:
             if check is not None:
                 try:
@@ -160,7 +180,12 @@ class HurrayScheduler:
                     break
                 VERIFIED.put(keys[i], ident, snap, self._verified_cap)
             idents.append(ident)
+            snaps.append(snap)
             hit = i + 1
+        while hit > first and not _windows_held(snaps[: hit - first], first, hit * self._chunk, self._chunk):
+            # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends: load less.
+            hit -= 1
+            idents.pop()
         matched = hit * self._chunk - num_computed_tokens
         if matched <= 0 or num_computed_tokens % self._block_size:
             return 0, False
@@ -185,6 +210,8 @@ class HurrayScheduler:
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
+            if self._windows:
+                state.groups = [list(g) for g in new.block_ids]
             start = new.num_computed_tokens
             if state.load is not None:
                 self._attach_load(meta, state, start)
@@ -198,8 +225,11 @@ class HurrayScheduler:
             if new_ids is not None:
                 if req_id in cached.resumed_req_ids:
                     state.block_ids = list(new_ids[0])
+                    state.groups = [list(g) for g in new_ids] if self._windows else []
                 else:
                     state.block_ids.extend(new_ids[0])
+                    for mine, more in zip(state.groups, new_ids, strict=False):
+                        mine.extend(more)
             if state.load is not None:
                 # A preempted request resumed with a load planned when it was rescheduled.
                 self._attach_load(meta, state, cached.num_computed_tokens[i])
@@ -215,6 +245,7 @@ class HurrayScheduler:
         nblocks = len(load.keys) * self._chunk // self._block_size - load.skip_blocks
         first = computed // self._block_size - nblocks
         load.block_ids = state.block_ids[first : first + nblocks]
+        load.groups = [g[first : first + nblocks] for g in state.groups]
         meta.loads.append(load)
         state.chunks_done = computed // self._chunk
         state.load = None
@@ -237,11 +268,24 @@ class HurrayScheduler:
                     keys[c],
                     tokens[c * self._chunk : (c + 1) * self._chunk],
                     state.block_ids[c * per : (c + 1) * per],
+                    groups=[self._chunk_blocks(g, w, c, per) for g, w in zip(state.groups, self._windows, strict=True)],
                 )
             )
         state.chunks_done = full
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _chunk_blocks(self, blocks: list[int], window: int | None, c: int, per: int) -> list[int]:
+        """Chunk ``c``'s blocks of one group; for a sliding window, 0 for those no later resume needs.
+
+        A resume at the chunk's end ``E`` attends from ``E - window + 1`` on, a later
+        one from further on: the blocks wholly before that are never read again.
+        """
+        own = blocks[c * per : (c + 1) * per]
+        if window is None:
+            return own
+        first_needed = max(0, (c + 1) * self._chunk - window + 1) // self._block_size
+        return [b if c * per + j >= first_needed else 0 for j, b in enumerate(own)]
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Called by vLLM's scheduler, via the connector, when a request finishes: forgets it.
 
         Returns ``(False, params)``: its blocks may be freed at once; ``params`` holds

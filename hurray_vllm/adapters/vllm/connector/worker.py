@@ -171,6 +171,8 @@ class HurrayWorker:
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
         self._chunk_buffers: list[GatherBuffers] = []  # the writer's, reused chunk after chunk
         self._registered: list[torch.Tensor] = []  # their memory, registered with the sender
+        self._layer_groups = config.layer_groups  # several KV cache groups only: layer name -> group
+        self._windows = config.group_windows
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember the caches and how they are laid out."""
@@ -203,17 +205,54 @@ class HurrayWorker:
                 log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
                 self._load_errors.update(task.block_ids)
                 continue
-            ids = torch.tensor(task.block_ids, dtype=torch.int64)
-            per = self._chunk // ec.block_size
-            skip = task.skip_blocks  # the first chunk's blocks the engine holds already (prefix cache)
-            for layer in range(ec.num_layers):
-                # Chunk by chunk, straight from each chunk's pages: no dense copy, no concatenation.
-                for c, chunk in enumerate(chunks):
-                    pools = self._pages(chunk, layer)
-                    lo = 0 if c else skip
-                    write_blocks(ec, layer, ids[c * per - skip + lo : (c + 1) * per - skip], *(p[lo:] for p in pools))
+            try:
+                writes = self._plan_writes(ec, task, chunks)
+            except HurrayFormatError as exc:
+                log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
+                self._load_errors.update(b for g in (task.groups or [task.block_ids]) for b in g if b)
+                continue
+            for layer, ids, pools in writes:
+                write_blocks(ec, layer, ids, *pools)
             self.stats.chunks_loaded += len(chunks)
-            self.stats.tokens_loaded += len(chunks) * self._chunk - skip * ec.block_size
+            self.stats.tokens_loaded += len(chunks) * self._chunk - task.skip_blocks * ec.block_size
+
+    def _plan_writes(
+        self, ec: EngineCache, task: LoadTask, chunks: list[KVSnapshot]
+    ) -> list[tuple[int, torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """Every ``(layer, engine blocks, pools)`` write of a load, checked before the first block is touched.
+
+        Chunk by chunk, straight from each chunk's pages: no dense copy, no
+        concatenation. With several KV cache groups, each layer fills its
+        group's blocks; a sliding-window group's null blocks (out of the
+        window) get nothing, and a block the engine holds whose page the
+        chunk did not keep refuses the load.
+        """
+        per = self._chunk // ec.block_size
+        skip = task.skip_blocks  # the first chunk's blocks the engine holds already (prefix cache)
+        tables = [torch.tensor(g, dtype=torch.int64) for g in task.groups] or [
+            torch.tensor(task.block_ids, dtype=torch.int64)
+        ]
+        writes = []
+        for layer in range(ec.num_layers):
+            g = self._layer_groups.get(ec.layer_names[layer], 0) if self._layer_groups else 0
+            ids = tables[g]
+            for c, chunk in enumerate(chunks):
+                pools = self._pages(chunk, layer)
+                lo = 0 if c else skip
+                dest = ids[c * per - skip + lo : (c + 1) * per - skip]
+                pools = tuple(p[lo:] for p in pools)
+                if self._windows and self._windows[g] is not None:
+                    start = chunk.windows.kv_start[layer][0] if chunk.windows is not None else 0
+                    held = torch.arange(lo, per) * ec.block_size >= start - ec.block_size + 1
+                    wanted = dest != 0
+                    if bool((wanted & ~held).any()):
+                        raise HurrayFormatError(
+                            "snapshot.windows", f"chunk {task.keys[c]} lacks sliding-window tokens layer {layer} needs"
+                        )
+                    dest, pools = dest[wanted], tuple(p[wanted] for p in pools)
+                if dest.numel():
+                    writes.append((layer, dest, pools))
+        return writes
 
     def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
         key = task.keys[c]
@@ -257,7 +296,7 @@ class HurrayWorker:
         if not meta.saves:
             return
         ec = self._engine_cache()
-        if self._async:
+        if self._async and not self._windows:
             self._save_async(ec, meta.saves)
             return
         tasks = iter(meta.saves)
@@ -353,13 +392,24 @@ class HurrayWorker:
     ) -> KVSnapshot:
         if reuse and len(self._chunk_buffers) != len(caches):
             self._chunk_buffers = [GatherBuffers() for _ in caches]
+        groups: dict[str, object] = {}
+        if task.groups:  # several KV cache groups: each layer's blocks are its group's
+            groups = {
+                "layer_groups": [self._layer_groups[name] for name in ec.layer_names],
+                "group_windows": self._windows,
+            }
         snap = export_snapshot(
             caches,
             ec.layout,
-            [SequenceState(task.request_id, block_ids, len(task.tokens), task.tokens)],
+            [
+                SequenceState(
+                    task.request_id, block_ids, len(task.tokens), task.tokens, group_block_ids=tuple(task.groups)
+                )
+            ],
             **ec.export_options(),
             reserved_blocks=() if caches is not ec.caches else (0,),
             buffers=self._chunk_buffers if reuse else None,
+            **groups,  # type: ignore[arg-type]
         )
         return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
 

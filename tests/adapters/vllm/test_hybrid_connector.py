@@ -1,0 +1,105 @@
+"""HurrayConnector on a sliding-window hybrid (Gemma 3 style) between real vLLM engines, each in its own process.
+
+The connector implements ``SupportsHMA``, so vLLM keeps its hybrid KV cache
+manager: three sliding-window groups (window 64) and one full-attention
+group. Chunks (128 tokens) carry every group; a sliding layer keeps only the
+blocks a resume at the chunk's end or later attends.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import servers
+from conftest import require
+from tiny_models import build_tiny_gemma3
+
+import hurray_vllm as hv
+from hurray_vllm.chunks import chunk_keys
+from hurray_vllm.chunks.digest import chunk_digest
+from hurray_vllm.chunks.store import DIGEST_KEY
+
+pytestmark = [pytest.mark.vllm]
+BLOCK, CHUNK, WINDOW = 32, 128, 64
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(i * 37 + seed * 101 + 11) % 500 + 1 for i in range(n)]
+
+
+SHARED = _prompt(2, 300)  # a prompt whose greedy tokens vary with this tiny model
+PROMPTS = {"p": SHARED, "q": [*SHARED[:200], *_prompt(5, 60)], "short": _prompt(2, 40)}
+
+
+@pytest.fixture(scope="session")
+def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require("transformers")
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("hybrid-connector")
+    build_tiny_gemma3(tmp / "model", window=WINDOW)
+    store = tmp / "store"
+    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
+    runs: dict[str, Any] = {"store": store}
+    runs["plain"] = servers.run_engine(tmp, "plain", BLOCK, None, PROMPTS, 10)
+    runs["producer"] = servers.run_engine(tmp, "producer", BLOCK, extra, PROMPTS, 10)
+    edited = tmp / "edited-store"
+    shutil.copytree(store, edited)
+    runs["edited_key"] = _drop_a_sliding_part(edited)
+    runs["consumer"] = servers.run_engine(tmp, "consumer", BLOCK, extra, PROMPTS, 10)
+    runs["edited"] = servers.run_engine(tmp, "edited", BLOCK, {**extra, "hurray_path": str(edited)}, PROMPTS, 10)
+    return runs
+
+
+def _drop_a_sliding_part(store: Path) -> str:
+    """Rewrite "p"'s second chunk as if layer 0's part had been lost (validly signed: only the window check sees it)."""
+    (ns,) = [p.name for p in store.iterdir()]
+    key = chunk_keys(SHARED[: 2 * CHUNK], CHUNK, ns)[1]
+    path = store / ns / f"{key}.hrry"
+    snap = hv.load(path)
+    assert snap.windows is not None
+    starts = list(snap.windows.kv_start)
+    starts[0] = (CHUNK,)  # layer 0 holds none of its tokens now
+    snap = replace(snap, windows=hv.SlidingWindows(snap.windows.sizes, tuple(starts)))
+    hv.save(replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)}), path)
+    return key
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_with_the_connector(hybrid_runs: dict[str, Any]) -> None:
+    log = hybrid_runs["producer"]["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "does not support it" not in log
+
+
+def test_chunks_carry_every_group_and_sliding_layers_only_their_window(hybrid_runs: dict[str, Any]) -> None:
+    store: Path = hybrid_runs["store"]
+    (ns,) = [p.name for p in store.iterdir()]
+    chunks = [hv.load(p) for p in sorted((store / ns).glob("*.hrry"))]
+    assert len(chunks) == 3  # "p": 2 chunks, "q": its own second chunk ("q" and "p" share the first)
+    for chunk in chunks:
+        assert chunk.num_layers == 4 and chunk.windows is not None
+        assert chunk.windows.sizes == (WINDOW, WINDOW, WINDOW, None)
+        # A resume at the chunk's end attends from 128 - 64 + 1 = 65 on: blocks 0 and 1 are not kept.
+        assert [row[0] for row in chunk.windows.kv_start] == [64, 64, 64, 0]
+        full, sliding = chunk[3, "key"].num_pages, chunk[0, "key"].num_pages
+        assert (full, sliding) == (4, 3)  # 2 held pages and one zero page
+        assert chunk.validate().ok
+
+
+def test_consumer_continues_identically_from_every_group(hybrid_runs: dict[str, Any]) -> None:
+    plain, consumer = hybrid_runs["plain"], hybrid_runs["consumer"]
+    assert consumer["outputs"] == plain["outputs"]
+    # Whole chunks before each prompt's last token, counted by vLLM as cached.
+    assert consumer["cached"]["p"] == 256 and consumer["cached"]["q"] == 256 and consumer["cached"]["short"] == 0
+    assert consumer["worker_stats"]["chunks_loaded"] >= 3
+    assert len(set(plain["outputs"]["p"])) > 3
+
+
+def test_a_chunk_missing_a_groups_part_is_not_loaded(hybrid_runs: dict[str, Any]) -> None:
+    """Its sliding-window part is gone: a resume at its end would lack the window, so only the chunk before loads."""
+    edited, plain = hybrid_runs["edited"], hybrid_runs["plain"]
+    assert edited["cached"]["p"] == CHUNK  # the first chunk only
+    assert edited["outputs"] == plain["outputs"]
