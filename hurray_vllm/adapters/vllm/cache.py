@@ -97,15 +97,16 @@ class EngineCache:
 def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) -> str | None:
     """Why hurray-vllm cannot export this engine's KV cache, or None when it can.
 
-    The connector: one KV cache group of full key/value attention or of MLA
-    latents. ``snapshot()`` (``sliding_windows=True``) also takes several
-    groups of full and sliding-window attention (Gemma 3, gpt-oss). Other
-    groups (linear attention: Mamba, GDN) are named, so that the engine is
-    refused at start with a message instead of failing at the first save.
+    One KV cache group of full key/value attention or of MLA latents; with
+    ``sliding_windows`` (what the connector and ``snapshot()`` pass) also any
+    groups of full and sliding-window attention (Gemma 3, gpt-oss, Mistral's
+    sliding window). Other groups (linear attention: Mamba, GDN) are named,
+    so that the engine is refused at start with a message instead of failing
+    at the first save.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if sliding_windows and len(groups) > 1 and set(kinds) <= {"FullAttentionSpec", "SlidingWindowSpec"}:
+    if sliding_windows and groups and set(kinds) <= {"FullAttentionSpec", "SlidingWindowSpec"}:
         return None
     if len(groups) > 1:
         return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"

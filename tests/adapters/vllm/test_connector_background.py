@@ -322,9 +322,8 @@ def test_building_a_part_changes_nothing_process_wide(tmp_path) -> None:  # type
     ("specs", "says"),
     [
         (["MLAAttentionSpec", "SlidingWindowSpec"], "2 KV cache groups"),
-        (["SlidingWindowSpec", "FullAttentionSpec"], "2 KV cache groups"),
         (["MambaSpec", "FullAttentionSpec"], "hybrid"),
-        (["SlidingWindowSpec"], "SlidingWindowSpec"),
+        (["MambaSpec"], "MambaSpec"),
     ],
 )
 def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[str], says: str) -> None:
@@ -333,11 +332,19 @@ def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[str]
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.errors import HurrayArgumentError
 
-    groups = [SimpleNamespace(kv_cache_spec=type(name, (), {})()) for name in specs]
-    kv_cache_config = SimpleNamespace(kv_cache_groups=groups)
+    def config(kinds: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=type(k, (), {})(), layer_names=[]) for k in kinds]
+        )
+
     with pytest.raises(HurrayArgumentError, match=says) as err:
-        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), kv_cache_config)  # type: ignore[arg-type]
+        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(specs))  # type: ignore[arg-type]
     assert err.value.field == "kv_cache_groups"
-    for ok in ("FullAttentionSpec", "MLAAttentionSpec"):  # key/value attention and MLA latents are served
-        one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=type(ok, (), {})())])
-        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), one)  # type: ignore[arg-type]
+    # Key/value attention, MLA latents, sliding windows and full + sliding-window hybrids are served.
+    for ok in (
+        ["FullAttentionSpec"],
+        ["MLAAttentionSpec"],
+        ["SlidingWindowSpec"],
+        ["SlidingWindowSpec", "FullAttentionSpec"],
+    ):
+        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(ok))  # type: ignore[arg-type]

@@ -83,15 +83,10 @@ class HurrayConfig:
     verified_chunks: int  # already bounded by verified_capacity()
     listen: str | None
     listen_transport: str
-    #: Several KV cache groups (a sliding-window hybrid): each attention layer's group and each group's
-    #: window (``None``: full attention). Empty for one group.
+    #: Several KV cache groups or a sliding window (vLLM's hybrid KV cache manager): each attention
+    #: layer's group and each group's window (``None``: full attention). Empty otherwise.
     layer_groups: dict[str, int] = field(default_factory=dict)
     group_windows: tuple[int | None, ...] = ()
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether the engine has several KV cache groups (vLLM's hybrid KV cache manager)."""
-        return len(self.group_windows) > 1
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -117,11 +112,9 @@ class HurrayConfig:
         if why is not None:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector cannot serve this model: {why}")
         layer_groups, windows = cache_groups(kv_cache_config)
-        sizes = (
-            {getattr(g.kv_cache_spec, "block_size", block_size) for g in kv_cache_config.kv_cache_groups}
-            if (kv_cache_config is not None and len(windows) > 1)
-            else {block_size}
-        )
+        grouped = len(windows) > 1 or any(w is not None for w in windows)
+        specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or []]
+        sizes = {getattr(spec, "block_size", block_size) for spec in specs} | {block_size}
         if sizes != {block_size}:
             raise HurrayArgumentError(
                 "kv_cache_groups", f"KV cache groups with block sizes {sorted(sizes)}: chunks need one block size"
@@ -131,7 +124,7 @@ class HurrayConfig:
         save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
         if url:
             save_async = False  # a migrated request must find its chunks on the destination
-        if len(windows) > 1:
+        if grouped:
             save_async = False  # each group has its own blocks: the background copy handles one table
         listen = cfg.get_from_extra_config("hurray_listen", None) or None
         transport = str(cfg.get_from_extra_config("hurray_listen_transport", "tcp"))
@@ -157,6 +150,6 @@ class HurrayConfig:
             verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
             listen=str(listen) if listen else None,
             listen_transport=transport,
-            layer_groups=layer_groups if len(windows) > 1 else {},
-            group_windows=tuple(windows) if len(windows) > 1 else (),
+            layer_groups=layer_groups if grouped else {},
+            group_windows=tuple(windows) if grouped else (),
         )
