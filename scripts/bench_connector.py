@@ -303,6 +303,7 @@ def engine_main(cfg_path: str, out_path: str) -> None:
                 "hurray_path": str(store),
                 "hurray_chunk_tokens": cfg["chunk_tokens"],
                 "hurray_save_async": not cfg.get("sync_save", False),
+                "hurray_window_chunks": cfg.get("window_chunks", "every"),
             },
         )
     elif connector == "example":
@@ -537,6 +538,11 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
                 "stored_files": shared_du["files"],
             },
             "store_total_du_bytes": cons["du_before_shared"]["du_bytes"],
+            # What the store holds per token of KV it serves: the shared batch's bytes over its tokens.
+            "stored_bytes_per_token": round(
+                shared_du["apparent_bytes"]
+                / max(1, n_shared * args.prompt_tokens - (n_shared - 1) * args.shared_tokens)
+            ),
             "producer_steps_median_s": step_medians(p_runs),
             "producer_steps_median_cpu_s": step_medians(p_runs, "steps_cpu"),
             "producer_calls_median": step_calls(p_runs),
@@ -632,6 +638,9 @@ def main() -> None:
     ap.add_argument(
         "--model", choices=sorted(MODELS), default="llama", help="the model's kind: llama (default), hybrid, mla"
     )
+    ap.add_argument(
+        "--window-chunks", choices=["every", "last"], default="every", help="hurray_window_chunks (hybrid only)"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=2100, help="tokens per prompt (default 2100)")
     ap.add_argument("--shared-tokens", type=int, default=1536, help="shared prefix of the 4-prompt group (1536)")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="hurray_chunk_tokens (default 256)")
@@ -677,6 +686,7 @@ def main() -> None:
             "hook": os.path.abspath(args.hook) if args.hook else None,
             "sync_save": args.sync_save,
             "model_kind": args.model,
+            "window_chunks": args.window_chunks,
         }
         res: dict[str, dict[str, Any]] = {}
         res["baseline"] = run_engine(
@@ -722,6 +732,7 @@ def main() -> None:
                 "block_size": BLOCK_SIZE,
                 "hurray_chunk_tokens": args.chunk_tokens,
                 "hurray_save_async": not args.sync_save,
+                "hurray_window_chunks": args.window_chunks,
                 "prompt_tokens": args.prompt_tokens,
                 "kv_bytes_per_prompt": args.prompt_tokens * KV_BYTES_PER_TOKEN,
                 "timed_prompts": args.prompts,
