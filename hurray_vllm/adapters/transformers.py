@@ -89,6 +89,17 @@ class ConfigGeometry:
     latent: LatentSplit | None = None
 
 
+def _text_config(model_config: Any) -> Any:
+    """The decoder's text config of a composite (multimodal) config; the config itself otherwise."""
+    get_text = getattr(model_config, "get_text_config", None)
+    if not callable(get_text):
+        return model_config
+    try:
+        return get_text(decoder=True)
+    except TypeError:  # older transformers: no decoder argument
+        return get_text()
+
+
 def config_geometry(model_config: Any) -> ConfigGeometry:
     """Read :class:`ConfigGeometry` from a transformers ``PretrainedConfig``.
 
@@ -96,13 +107,7 @@ def config_geometry(model_config: Any) -> ConfigGeometry:
     config. Raises :class:`HurrayFormatError` (field ``model_config``) when
     the config lacks the attention geometry.
     """
-    cfg = model_config
-    get_text = getattr(cfg, "get_text_config", None)
-    if callable(get_text):
-        try:
-            cfg = get_text(decoder=True)
-        except TypeError:
-            cfg = get_text()
+    cfg = _text_config(model_config)
     archs = getattr(model_config, "architectures", None) or getattr(cfg, "architectures", None)
     try:
         layers = int(cfg.num_hidden_layers)
@@ -410,13 +415,7 @@ def _check_windows_held(snapshot: KVSnapshot, seq: int, n: int) -> None:
 
 def _config_windows(model_config: Any) -> list[int | None] | None:
     """Per layer, the sliding window a transformers config gives it (``None``: full), or ``None`` if it says nothing."""
-    cfg = model_config
-    get_text = getattr(cfg, "get_text_config", None)
-    if callable(get_text):
-        try:
-            cfg = get_text(decoder=True)
-        except TypeError:
-            cfg = get_text()
+    cfg = _text_config(model_config)
     types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)
     if not types or not window:
