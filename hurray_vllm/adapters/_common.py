@@ -36,19 +36,24 @@ def check_layer(snapshot: KVSnapshot, layer: int) -> None:
 
 
 def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
-    """Refuse a sliding-window hybrid whose layers hold different pages, where ``what`` plans once for all layers.
+    """Refuse a snapshot whose sliding-window layers dropped tokens, where ``what`` reads every page as KV.
+
+    Such a layer's dropped pages are one zero page (``snapshot.windows``):
+    a kernel handed them without its window would attend zeros, and a
+    planner of one table for all layers would give the full layers the
+    windowed layers' pages. A windowed snapshot that dropped nothing is fine.
 
     Raises:
         HurrayFormatError: (field ``snapshot.windows``) naming ``what``.
     """
-    if snapshot.windows is None or not snapshot.num_layers:
+    win = snapshot.windows
+    if win is None or not snapshot.num_layers:
         return
-    first = snapshot.tensors()[0].block_table
-    if any(not torch.equal(t.block_table, first) for t in snapshot.tensors()[1:]):
+    if any(start for row in win.kv_start for start in row):
         raise HurrayFormatError(
             "snapshot.windows",
-            f"{what} plans one block table for every layer, but this snapshot's sliding-window layers hold "
-            "fewer pages than its full-attention ones; import it with the transformers adapter or into vLLM",
+            f"{what} reads every page as KV, but this snapshot's sliding-window layers hold only their windows "
+            "(the older pages are zeros); import it with the transformers adapter or into vLLM",
         )
 
 

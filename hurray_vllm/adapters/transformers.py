@@ -416,10 +416,12 @@ def _check_windows_held(snapshot: KVSnapshot, seq: int, n: int) -> None:
 def _config_windows(model_config: Any) -> list[int | None] | None:
     """Per layer, the sliding window a transformers config gives it (``None``: full), or ``None`` if it says nothing."""
     cfg = _text_config(model_config)
-    types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)
-    if not types or not window:
+    if not window or getattr(cfg, "use_sliding_window", True) is False:  # Qwen2 records a window it does not use
         return None
+    types = getattr(cfg, "layer_types", None)
+    if not types:  # Mistral-style: every layer slides
+        return [int(window)] * int(getattr(cfg, "num_hidden_layers", 0) or 0)
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 

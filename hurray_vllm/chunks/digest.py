@@ -11,6 +11,7 @@ import torch
 from .. import native
 from ..containers.stream import byte_view
 from ..errors import HurrayFormatError
+from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot, ModelFingerprint
 from ..wire.descriptor import encode_descriptor
 
@@ -23,6 +24,7 @@ __all__ = [
     "digest_header",
     "digest_matches",
     "verify_chunk",
+    "digest_tensors",
 ]
 
 DIGEST_KEY = "hurray_vllm.chunk_digest"
@@ -109,13 +111,23 @@ class ChunkDigest:
         return f"{self.algorithm}/{DIGEST_VERSION}:{self._crc:08x}"
 
 
+def digest_tensors(snap: KVSnapshot) -> list[BlockPagedTensor]:
+    """The tensors a chunk digest covers, in its order: every key, then every value (or every fused latent).
+
+    The order of the first digest version, kept so that stored key/value
+    chunks keep their digests; a receiver checksums the pools in this order
+    as they land (keys before values).
+    """
+    return list(snap.fused) if snap.fused else [*snap.keys, *snap.values]
+
+
 def digest_header(snap: KVSnapshot) -> bytes:
     """What a chunk digest covers before the page pools, as canonical bytes.
 
     The metadata (fingerprint, source, request ids, extra minus the digest
     itself, token ids, sequence lengths, fp8 scales as exact hex floats, and
     an MLA snapshot's latent split) as sorted compact JSON, then per tensor
-    (:meth:`KVSnapshot.tensors` order: layer by layer) its encoded
+    (:func:`digest_tensors` order) its encoded
     descriptor and its int64 block table and sequence pointers. A receiver
     computes it from what the offer or stream carried, before the pools.
     """
@@ -133,7 +145,7 @@ def digest_header(snap: KVSnapshot) -> bytes:
     if snap.windows is not None:  # sliding-window hybrids only, likewise
         meta["windows"] = snap.windows.to_json()
     parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
-    for t in snap.tensors():
+    for t in digest_tensors(snap):
         desc = encode_descriptor(t.descriptor(device_tag=0))
         parts += [len(desc).to_bytes(4, "little"), desc]
         for idx in (t.block_table, t.seq_ptr):
@@ -145,7 +157,7 @@ def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:
     """The :class:`ChunkDigest` of ``snap``: its header bytes, then every page pool."""
     d = ChunkDigest(algorithm)
     d.update(digest_header(snap))
-    d.update_tensors([t.page_pool.contiguous().cpu() for t in snap.tensors()])
+    d.update_tensors([t.page_pool.contiguous().cpu() for t in digest_tensors(snap)])
     return d.hexdigest()
 
 

@@ -63,13 +63,19 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
     lens = snap.seq_lens
     for s in range(snap.num_seqs):
         tokens = list(snap.token_ids[s][: lens[s]])
-        pages = snap.tensors()[0].pages_of(s)
+        # Per block structure (a sliding-window hybrid's layers may hold other pages), computed once.
+        pages: dict[int, torch.Tensor] = {}
+        for t in snap.tensors():
+            pages.setdefault(id(t.block_table), t.pages_of(s))
         for c, key in enumerate(chunk_keys(tokens, chunk_tokens, ns)):
-            table = pages[c * per : (c + 1) * per]
             ptr = torch.tensor([0, per])
             n = torch.tensor([chunk_tokens])
+            tables = {k: v[c * per : (c + 1) * per] for k, v in pages.items()}
             layers = [
-                tuple(replace(t, block_table=table, seq_ptr=ptr, seq_lens=n, num_tokens=None) for t in members)
+                tuple(
+                    replace(t, block_table=tables[id(t.block_table)], seq_ptr=ptr, seq_lens=n, num_tokens=None)
+                    for t in members
+                )
                 for members in snap.layer_members()
             ]
             win = snap.windows

@@ -258,11 +258,26 @@ def repage(
 
 
 def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
-    """Every layer and role of ``snap`` repaged with one shared plan."""
+    """Every layer and role of ``snap`` repaged, with one plan per block structure.
+
+    Most snapshots have one structure for every layer and role, so one plan
+    serves all; a sliding-window hybrid's windowed layers hold other pages
+    (``snap.windows``) and get their own.
+    """
     if not snap.num_layers or snap.page_size == page_size:
         return snap
-    k0 = snap.tensors()[0]
-    if k0.seq_lens is None:
-        raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this snapshot does not carry")
-    plan = plan_repage(k0.block_table, k0.seq_ptr, k0.seq_lens, k0.page_size, page_size)
-    return snap.with_layers([tuple(repage(t, page_size, plan) for t in members) for members in snap.layer_members()])
+    plans: dict[int, RepagePlan] = {}
+
+    def plan_for(t: BlockPagedTensor) -> RepagePlan:
+        if t.seq_lens is None:
+            raise HurrayFormatError(
+                "seq_lens", "repaging needs the sequence lengths, which this snapshot does not carry"
+            )
+        key = id(t.block_table)
+        if key not in plans:
+            plans[key] = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
+        return plans[key]
+
+    return snap.with_layers(
+        [tuple(repage(t, page_size, plan_for(t)) for t in members) for members in snap.layer_members()]
+    )

@@ -427,12 +427,22 @@ class KVSnapshot:
         return self.with_layers(layers, token_ids=ids, request_ids=rids, windows=win).compact()
 
     def compact(self) -> KVSnapshot:
-        """Drop pages no sequence references; one plan for every layer and role."""
-        lead = self._lead
-        if not lead:
+        """Drop pages no sequence references; one plan per block structure (one for most snapshots).
+
+        A sliding-window hybrid's layers may hold different pages (``windows``):
+        each distinct block table gets its own plan, computed once.
+        """
+        if not self._lead:
             return self
-        plan = plan_compaction(lead[0].block_table, lead[0].num_pages)
-        return self.with_layers([tuple(t.compact(plan) for t in members) for members in self.layer_members()])
+        plans: dict[int, Any] = {}
+
+        def plan_for(t: BlockPagedTensor) -> Any:
+            key = id(t.block_table)
+            if key not in plans:
+                plans[key] = plan_compaction(t.block_table, t.num_pages)
+            return plans[key]
+
+        return self.with_layers([tuple(t.compact(plan_for(t)) for t in members) for members in self.layer_members()])
 
     # ── checks ─────────────────────────────────────────────────────────────
 

@@ -93,3 +93,15 @@ def test_a_flipped_byte_in_a_stored_chunk_is_refused_or_harmless(tmp_path: Path,
         for a, b in zip((*back.keys, *back.values), (*chunk.keys, *chunk.values)):
             assert a.page_pool.dtype == b.page_pool.dtype and torch.equal(a.page_pool, b.page_pool)
             assert torch.equal(a.block_table, b.block_table) and a.layer_index == b.layer_index
+
+
+def test_key_value_chunk_digests_are_those_stored_chunks_carry() -> None:
+    """A golden digest: the chunks a store already holds must keep verifying after an upgrade.
+
+    Computed by the release before MLA and sliding-window support: the digest
+    covers every key, then every value (``digest_tensors``), not layer by layer.
+    """
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.digest import chunk_digest
+
+    assert chunk_digest(spec_example_snapshot(num_layers=3)) == "crc32c/v2:9fccaf70"

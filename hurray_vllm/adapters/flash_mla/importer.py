@@ -9,7 +9,7 @@ import torch
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
-from .._common import FP8_DTYPES, INT32_MAX, check_layer, dequantize, padded_block_table
+from .._common import FP8_DTYPES, INT32_MAX, check_layer, check_one_structure, dequantize, padded_block_table
 from .contract import FLASH_MLA_PAGE
 
 __all__ = ["FlashMLACache", "to_flash_mla"]
@@ -81,6 +81,7 @@ def to_flash_mla(
     if reserve < 0:
         raise HurrayArgumentError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
     check_layer(snapshot, layer)
+    check_one_structure(snapshot, "FlashMLA")
     t = snapshot.fused[layer]
     if t.seq_lens is None:
         raise HurrayFormatError(

@@ -189,6 +189,8 @@ def to_flashinfer(
     """
     if kv_layout not in LAYOUTS:
         raise HurrayArgumentError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")
+    snapshot.require_kv("FlashInfer's paged K/V cache")
+    check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     check_layer(snapshot, layer)
     k, v = snapshot.keys[layer], snapshot.values[layer]
     lens = _check_source(k, v)

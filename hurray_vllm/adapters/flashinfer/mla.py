@@ -18,7 +18,7 @@ import torch
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
-from .._common import FP8_DTYPES, INT32_MAX, check_layer, dequantize
+from .._common import FP8_DTYPES, INT32_MAX, check_layer, check_one_structure, dequantize
 
 __all__ = ["FlashInferMLACache", "to_flashinfer_mla"]
 
@@ -88,6 +88,7 @@ def to_flashinfer_mla(
     if page_size is not None and page_size < 1:
         raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
     check_layer(snapshot, layer)
+    check_one_structure(snapshot, "FlashInfer's MLA API")
     t = snapshot.fused[layer]
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "the snapshot does not carry sequence lengths; FlashInfer needs kv_len_arr")

@@ -6,6 +6,7 @@ CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | 
          "connector": {HurrayConnector extra config} | null, "policy": kv_load_failure_policy
          (default "recompute"), "stats": true to report the connector's statistics}
 RESULT: {"outputs": {id: [token ids]}, "cached": {id: num_cached_tokens},
+         "hybrid_kv_cache_manager": whether vLLM kept it on,
          "scheduler_stats"/"worker_stats": {...} (with "stats", after background saves finished)}
 """
 
@@ -66,6 +67,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "outputs": {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs)},
         "cached": {i: o.num_cached_tokens for i, o in zip(ids, outs)},
+        "hybrid_kv_cache_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
     }
     if cfg.get("stats") and kv is not None:
         # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0); not part of vLLM's typed API.

@@ -119,10 +119,20 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) ->
 
 
 def cache_groups(kv_cache_config: Any) -> tuple[dict[str, int], list[int | None]]:
-    """Each attention layer's KV cache group, and each group's sliding window (``None``: full attention)."""
+    """Each attention layer's KV cache group, and each group's sliding window (``None``: full attention).
+
+    Only a ``SlidingWindowSpec`` group slides: with the hybrid KV cache
+    manager off, vLLM keeps sliding-window layers in a ``FullAttentionSpec``
+    group that still records their window but frees nothing.
+    """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     of_layer = {name: g for g, group in enumerate(groups) for name in group.layer_names}
-    windows = [getattr(group.kv_cache_spec, "sliding_window", None) for group in groups]
+    windows = [
+        getattr(group.kv_cache_spec, "sliding_window", None)
+        if type(group.kv_cache_spec).__name__ == "SlidingWindowSpec"
+        else None
+        for group in groups
+    ]
     return of_layer, windows
 
 

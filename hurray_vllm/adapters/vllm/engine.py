@@ -93,7 +93,7 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
                 groups[0],
                 int(req.num_computed_tokens),
                 list(req.all_token_ids),
-                group_block_ids=groups if len(groups) > 1 else (),
+                group_block_ids=groups,
             )
         )
     return out
@@ -103,8 +103,11 @@ def _group_options(llm: Any, ec: EngineCache) -> dict[str, Any]:
     """``layer_groups`` and ``group_windows`` for an engine with several KV cache groups (else none)."""
     config = getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
     of_layer, windows = cache_groups(config)
-    if len(windows) < 2:
+    if len(windows) < 2 and not any(w is not None for w in windows):
         return {}
+    missing = [name for name in ec.layer_names if name not in of_layer]
+    if missing:
+        raise HurrayFormatError("kv_cache_groups", f"layers {missing} are in no KV cache group")
     return {"layer_groups": [of_layer[name] for name in ec.layer_names], "group_windows": windows}
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...chunks.digest import DIGEST_KEY, ChunkDigest, digest_header
+from ...chunks.digest import DIGEST_KEY, ChunkDigest, digest_header, digest_tensors
 from ...chunks.store import ChunkStore
 from ...containers.schema import Record, assemble_snapshot, group_records
 from ...containers.stream import tensor_bytes
@@ -319,7 +319,7 @@ class NixlReceiver(ReceiverBase):
             where = {v.data_ptr(): i for i, v in enumerate(views)}
             plan = [
                 (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
-                for t in snap.tensors()
+                for t in digest_tensors(snap)
             ]
             if sorted(i for _, i in plan if i is not None) != list(range(len(views))):
                 raise HurrayFormatError("transport.offer", "the announced page pools are not the snapshot's")

@@ -392,3 +392,15 @@ def _specs_named(kv: SimpleNamespace) -> SimpleNamespace:
         spec.sliding_window, spec.block_size = g.kv_cache_spec.sliding_window, g.kv_cache_spec.block_size
         g.kv_cache_spec = spec
     return kv
+
+
+def test_a_full_attention_group_that_records_a_window_does_not_slide() -> None:
+    """With the hybrid manager off, vLLM keeps sliding layers in a FullAttentionSpec group that frees nothing."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.cache import cache_groups
+
+    spec = type("FullAttentionSpec", (), {"sliding_window": 64, "block_size": 16})()
+    of_layer, windows = cache_groups(
+        SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["a"])])
+    )
+    assert of_layer == {"a": 0} and windows == [None]

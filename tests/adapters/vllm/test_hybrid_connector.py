@@ -69,6 +69,8 @@ def _drop_a_sliding_part(store: Path) -> str:
 
 
 def test_vllm_keeps_its_hybrid_kv_cache_manager_with_the_connector(hybrid_runs: dict[str, Any]) -> None:
+    assert hybrid_runs["producer"]["hybrid_kv_cache_manager"] is True
+    assert hybrid_runs["consumer"]["hybrid_kv_cache_manager"] is True
     log = hybrid_runs["producer"]["log"]
     assert "Turning off hybrid kv cache manager" not in log
     assert "does not support it" not in log

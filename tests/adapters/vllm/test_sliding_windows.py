@@ -107,3 +107,36 @@ def test_windows_that_do_not_fit_the_snapshot_are_refused() -> None:
         assert not replace(snap, windows=bad).validate().ok
     with pytest.raises(hv.HurrayFormatError, match="windows"):
         hv.SlidingWindows.from_json({"sizes": [0], "kv_start": [[0]]})
+
+
+def test_importers_that_read_every_page_refuse_dropped_windows() -> None:
+    """flash-attn and FlashInfer would attend the zero page as KV (or give full layers the windowed pages)."""
+    from hurray_vllm.adapters.flash_attn import plan_flash_attn
+    from hurray_vllm.adapters.flashinfer import to_flashinfer, to_flashinfer_all
+
+    snap = export_snapshot(
+        _caches(2, 12), LogicalBHNC(DIM), _seqs(), block_size=BLOCK, layer_groups=[0, 1], group_windows=[6, None]
+    )
+    for importer in (
+        lambda: plan_flash_attn(snap, page_size=16, flavor="vllm"),
+        lambda: to_flashinfer_all(snap),
+        lambda: to_flashinfer(snap, 1),
+    ):
+        with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.windows"):
+            importer()
+
+
+def test_repaging_and_compaction_plan_each_block_structure_apart() -> None:
+    """The windowed layers hold other pages than the full ones: one plan each, every token kept."""
+    from hurray_vllm.kv.repage import repage_snapshot
+
+    snap = export_snapshot(
+        _caches(3, 12), LogicalBHNC(DIM), _seqs(), block_size=BLOCK, layer_groups=[0, 1, 0], group_windows=[6, None]
+    )
+    for other in (repage_snapshot(snap, 8), repage_snapshot(snap, 1), snap.select([1]), snap.select([0]).compact()):
+        assert other.validate().ok
+        for layer in range(3):
+            for role in ("key", "value"):
+                for s in range(other.num_seqs):
+                    src = snap.request_ids.index(other.request_ids[s])
+                    assert torch.equal(other[layer, role].to_dense(s), snap[layer, role].to_dense(src))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, verify_chunk
-from ....errors import HurrayFormatError
+from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ChunkSender, sender_for
@@ -138,6 +138,11 @@ class _Staging:
             del self._free[self._keep :]
 
 
+def _task_blocks(task: LoadTask) -> set[int]:
+    """Every engine block a load fills, in every group; never vLLM's null block 0 (nothing is loaded there)."""
+    return {b for g in (task.groups or [task.block_ids]) for b in g if b}
+
+
 class HurrayWorker:
     """Worker-side state and methods (see the facade's docstrings for who calls what, when)."""
 
@@ -175,9 +180,12 @@ class HurrayWorker:
         self._windows = config.group_windows
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Remember the caches and how they are laid out."""
+        """Remember the caches and how they are laid out; refuse layers in no KV cache group (at start)."""
         layers = attention_layers(self._vllm_config)
         names = [n for n in layers if n in kv_caches]
+        missing = [n for n in names if self._layer_groups and n not in self._layer_groups]
+        if missing:
+            raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector: layers {missing} are in no KV cache group")
         self._ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names)
 
     def _engine_cache(self, forward_context: ForwardContext | None = None) -> EngineCache:
@@ -203,13 +211,13 @@ class HurrayWorker:
                 chunks = [self._chunk_for_load(task, c) for c in range(len(task.keys))]
             except (HurrayFormatError, OSError) as exc:
                 log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
-                self._load_errors.update(task.block_ids)
+                self._load_errors.update(_task_blocks(task))
                 continue
             try:
                 writes = self._plan_writes(ec, task, chunks)
             except HurrayFormatError as exc:
                 log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
-                self._load_errors.update(b for g in (task.groups or [task.block_ids]) for b in g if b)
+                self._load_errors.update(_task_blocks(task))
                 continue
             for layer, ids, pools in writes:
                 write_blocks(ec, layer, ids, *pools)
@@ -234,16 +242,25 @@ class HurrayWorker:
         ]
         writes = []
         for layer in range(ec.num_layers):
-            g = self._layer_groups.get(ec.layer_names[layer], 0) if self._layer_groups else 0
+            g = self._layer_groups[ec.layer_names[layer]] if self._layer_groups else 0
             ids = tables[g]
             for c, chunk in enumerate(chunks):
                 pools = self._pages(chunk, layer)
                 lo = 0 if c else skip
                 dest = ids[c * per - skip + lo : (c + 1) * per - skip]
                 pools = tuple(p[lo:] for p in pools)
-                if self._windows and self._windows[g] is not None:
+                window = self._windows[g] if self._windows else None
+                theirs = chunk.windows.sizes[layer] if chunk.windows is not None else None
+                if theirs is not None and theirs != window:
+                    # The chunk's layer dropped tokens this engine's layer attends (another window, or full).
+                    raise HurrayFormatError(
+                        "snapshot.windows",
+                        f"chunk {task.keys[c]}: layer {layer} has a window of {theirs}, here {window}",
+                    )
+                if window is not None:
                     start = chunk.windows.kv_start[layer][0] if chunk.windows is not None else 0
-                    held = torch.arange(lo, per) * ec.block_size >= start - ec.block_size + 1
+                    # Only a page wholly at or after the first held token counts as held.
+                    held = torch.arange(lo, per) * ec.block_size >= start
                     wanted = dest != 0
                     if bool((wanted & ~held).any()):
                         raise HurrayFormatError(
