@@ -129,8 +129,6 @@ class HurrayConfig:
         save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
         if url:
             save_async = False  # a migrated request must find its chunks on the destination
-        if grouped:
-            save_async = False  # each group has its own blocks: the background copy handles one table
         window_chunks = str(cfg.get_from_extra_config("hurray_window_chunks", "every"))
         if window_chunks not in ("every", "last"):
             raise HurrayArgumentError("hurray_window_chunks", f"expected 'every' or 'last', got {window_chunks!r}")

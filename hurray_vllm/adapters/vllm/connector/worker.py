@@ -110,9 +110,12 @@ class _Staging:
         self._lock = threading.Lock()
         self._keep = keep
 
-    def copy(self, caches: list[torch.Tensor], ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Blocks ``ids`` of every layer: ``(views [len(ids), ...], the buffers to recycle)``."""
-        n = int(ids.numel())
+    def copy(
+        self, caches: list[torch.Tensor], ids: torch.Tensor | list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Blocks ``ids`` of every layer (or ``ids[i]`` of layer ``i``): ``(views, the buffers to recycle)``."""
+        per_layer = ids if isinstance(ids, list) else [ids] * len(caches)
+        n = max((int(x.numel()) for x in per_layer), default=0)
         bufs = None
         with self._lock:
             for i, cand in enumerate(self._free):
@@ -125,9 +128,10 @@ class _Staging:
         if bufs is None:
             bufs = [torch.empty((n, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in caches]
         views = []
-        for b, c in zip(bufs, caches, strict=True):
-            torch.index_select(c, 0, ids.to(c.device), out=b[:n])
-            views.append(b[:n])
+        for b, c, x in zip(bufs, caches, per_layer, strict=True):
+            m = int(x.numel())
+            torch.index_select(c, 0, x.to(c.device), out=b[:m])
+            views.append(b[:m])
         return views, bufs
 
     def recycle(self, bufs: list[torch.Tensor]) -> None:
@@ -244,12 +248,11 @@ class HurrayWorker:
         for layer in range(ec.num_layers):
             g = self._layer_groups[ec.layer_names[layer]] if self._layer_groups else 0
             ids = tables[g]
+            window = self._windows[g] if self._windows else None
             for c, chunk in enumerate(chunks):
-                pools = self._pages(chunk, layer)
                 lo = 0 if c else skip
                 dest = ids[c * per - skip + lo : (c + 1) * per - skip]
-                pools = tuple(p[lo:] for p in pools)
-                window = self._windows[g] if self._windows else None
+                rows = list(range(lo, per))  # the chunk's pages these blocks take
                 theirs = chunk.windows.sizes[layer] if chunk.windows is not None else None
                 if theirs is not None and theirs != window:
                     # The chunk's layer dropped tokens this engine's layer attends (another window, or full).
@@ -259,16 +262,16 @@ class HurrayWorker:
                     )
                 if window is not None:
                     start = chunk.windows.kv_start[layer][0] if chunk.windows is not None else 0
+                    wanted = (dest != 0).tolist()  # vLLM's null block: out of the window, nothing to write
                     # Only a page wholly at or after the first held token counts as held.
-                    held = torch.arange(lo, per) * ec.block_size >= start
-                    wanted = dest != 0
-                    if bool((wanted & ~held).any()):
+                    if any(w and r * ec.block_size < start for w, r in zip(wanted, rows, strict=True)):
                         raise HurrayFormatError(
                             "snapshot.windows", f"chunk {task.keys[c]} lacks sliding-window tokens layer {layer} needs"
                         )
-                    dest, pools = dest[wanted], tuple(p[wanted] for p in pools)
+                    rows = [r for w, r in zip(wanted, rows, strict=True) if w]
+                    dest = dest[torch.tensor(wanted, dtype=torch.bool)]
                 if dest.numel():
-                    writes.append((layer, dest, pools))
+                    writes.append((layer, dest, self._pages(chunk, layer, rows)))
         return writes
 
     def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
@@ -286,12 +289,14 @@ class HurrayWorker:
         return snap
 
     @staticmethod
-    def _pages(chunk: KVSnapshot, layer: int) -> tuple[torch.Tensor, ...]:
+    def _pages(chunk: KVSnapshot, layer: int, rows: list[int] | None = None) -> tuple[torch.Tensor, ...]:
         """One chunk's K and V (or MLA latent) of ``layer`` as ``[pages, page_size, H, D]`` in token order.
 
-        A chunk holds one sequence, so its pool already is in token order
-        when its block table is ``0, 1, ...`` (what the exporter writes);
-        fp8 chunks are dequantized with their own scales.
+        ``rows``: only these of the chunk's pages (its logical page indices),
+        so that a sliding-window layer copies only the pages it writes. A
+        chunk holds one sequence, so its pool already is in token order when
+        its block table is ``0, 1, ...`` (what the exporter writes) and every
+        page is asked for; fp8 chunks are dequantized with their own scales.
         """
         out = []
         for t in chunk.layer(layer):
@@ -300,7 +305,11 @@ class HurrayWorker:
             # (this runs for every layer, role and chunk of a load).
             ptr = t.seq_ptr.tolist()
             table = t.block_table.tolist()[ptr[0] : ptr[1]]
-            if table != list(range(pool.shape[0])):
+            if rows is not None:
+                table = [table[r] for r in rows]
+            if table and table == list(range(table[0], table[0] + len(table))):
+                pool = pool[table[0] : table[0] + len(table)]  # a run of pages: a view, no copy
+            else:
                 pool = pool.index_select(0, torch.tensor(table, dtype=torch.int64, device=pool.device))
             out.append(pool)
         if chunk.kv_scales is None:
@@ -313,7 +322,7 @@ class HurrayWorker:
         if not meta.saves:
             return
         ec = self._engine_cache()
-        if self._async and not self._windows:
+        if self._async:
             self._save_async(ec, meta.saves)
             return
         tasks = iter(meta.saves)
@@ -383,7 +392,11 @@ class HurrayWorker:
             todo.append(task)
         if not todo:
             return
-        ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
+        ids: torch.Tensor | list[torch.Tensor]
+        if self._windows:
+            ids, todo = self._stage_groups(ec, todo)
+        else:
+            ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
         staged, buffers = self._staging.copy(ec.caches, ids)
         nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
 
@@ -391,8 +404,11 @@ class HurrayWorker:
             try:
                 start = 0
                 for task in todo:
-                    local = list(range(start, start + len(task.block_ids)))
-                    start += len(task.block_ids)
+                    if task.groups:  # already renumbered into the staged copies
+                        local = list(task.groups[0])
+                    else:
+                        local = list(range(start, start + len(task.block_ids)))
+                        start += len(task.block_ids)
                     try:
                         # Exported into the writer's own reused buffers: no fresh memory per chunk.
                         self._put(task.key, self._export_chunk(ec, staged, task, local, reuse=True))
@@ -403,6 +419,28 @@ class HurrayWorker:
                 self._inflight.difference_update(t.key for t in todo)
 
         self._writer.submit(write, nbytes)
+
+    def _stage_groups(self, ec: EngineCache, todo: list[SaveTask]) -> tuple[list[torch.Tensor], list[SaveTask]]:
+        """Per layer, the blocks of its group to copy out; the tasks renumbered into those copies.
+
+        Each group's copy starts with vLLM's null block 0, so that a sliding
+        group's dropped blocks (0) stay 0 in the copy: the export maps them
+        to its zero page as it would in the engine's cache.
+        """
+        staged_ids: list[list[int]] = []
+        where: list[dict[int, int]] = []
+        for g in range(len(self._windows)):
+            order, pos = [0], {0: 0}
+            for task in todo:
+                for b in task.groups[g]:
+                    if b not in pos:
+                        pos[b] = len(order)
+                        order.append(b)
+            staged_ids.append(order)
+            where.append(pos)
+        tasks = [replace(t, groups=[[where[g][b] for b in t.groups[g]] for g in range(len(where))]) for t in todo]
+        layer_ids = [torch.tensor(staged_ids[self._layer_groups[n]], dtype=torch.int64) for n in ec.layer_names]
+        return layer_ids, tasks
 
     def _export_chunk(
         self, ec: EngineCache, caches: list[torch.Tensor], task: SaveTask, block_ids: list[int], reuse: bool = False
