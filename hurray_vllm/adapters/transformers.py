@@ -255,11 +255,7 @@ def sequence_kv(
     if snapshot.is_latent:
         return _latent_parts(snapshot, seq, layer, dtype=dtype, length=length)
     k_t, v_t = snapshot.keys[layer], snapshot.values[layer]
-    n = k_t.seq_len(seq)
-    if length is not None:
-        if not 0 <= length <= n:
-            raise HurrayFormatError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
-        n = length
+    n = _tokens_asked(k_t, seq, length)
     dtype = dtype or _default_dtype(snapshot, None)
     scales = snapshot.kv_scales[layer] if snapshot.kv_scales is not None else (None, None)
     out = []
@@ -269,17 +265,23 @@ def sequence_kv(
     return out[0], out[1]
 
 
+def _tokens_asked(t: BlockPagedTensor, seq: int, length: int | None) -> int:
+    """``length`` tokens of sequence ``seq`` (default: all it has), refused when it has fewer."""
+    n = t.seq_len(seq)
+    if length is None:
+        return n
+    if not 0 <= length <= n:
+        raise HurrayFormatError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
+    return length
+
+
 def _latent_parts(
     snapshot: KVSnapshot, seq: int, layer: int, *, dtype: torch.dtype | None, length: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     t = snapshot.fused[layer]
     lat = snapshot.latent
     assert lat is not None  # a fused snapshot always has one (KVSnapshot checks)
-    n = t.seq_len(seq)
-    if length is not None:
-        if not 0 <= length <= n:
-            raise HurrayFormatError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
-        n = length
+    n = _tokens_asked(t, seq, length)
     dtype = dtype or _default_dtype(snapshot, None)
     scale = snapshot.kv_scales[layer][0] if snapshot.kv_scales is not None else None
     dense = _dequantize(t, t.to_dense(seq)[:n], scale, dtype).transpose(0, 1)  # [1, n, C]
