@@ -51,6 +51,10 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs["edited_key"] = _drop_a_sliding_part(edited)
     runs["consumer"] = servers.run_engine(tmp, "consumer", BLOCK, extra, PROMPTS, 10)
     runs["edited"] = servers.run_engine(tmp, "edited", BLOCK, {**extra, "hurray_path": str(edited)}, PROMPTS, 10)
+    last = {"hurray_path": str(tmp / "store-last"), "hurray_chunk_tokens": CHUNK, "hurray_window_chunks": "last"}
+    runs["last_store"] = tmp / "store-last"
+    runs["last_producer"] = servers.run_engine(tmp, "last-producer", BLOCK, last, {"p": SHARED}, 10)
+    runs["last_consumer"] = servers.run_engine(tmp, "last-consumer", BLOCK, last, PROMPTS, 10)
     return runs
 
 
@@ -105,3 +109,19 @@ def test_a_chunk_missing_a_groups_part_is_not_loaded(hybrid_runs: dict[str, Any]
     edited, plain = hybrid_runs["edited"], hybrid_runs["plain"]
     assert edited["cached"]["p"] == CHUNK  # the first chunk only
     assert edited["outputs"] == plain["outputs"]
+
+
+def test_the_last_policy_keeps_one_window_and_the_prompt_end_resumable(hybrid_runs: dict[str, Any]) -> None:
+    """``hurray_window_chunks=last``: "p"'s first chunk keeps no sliding block; "p" still resumes at its end.
+
+    "q" shares only "p"'s first chunk, whose sliding part is gone: it loads nothing (recomputes).
+    """
+    store: Path = hybrid_runs["last_store"]
+    (ns,) = [p.name for p in store.iterdir()]
+    first, second = (hv.load(store / ns / f"{k}.hrry") for k in chunk_keys(SHARED[: 2 * CHUNK], CHUNK, ns))
+    assert [row[0] for row in first.windows.kv_start] == [CHUNK, CHUNK, CHUNK, 0]  # resume at 256 needs from 193
+    assert [row[0] for row in second.windows.kv_start] == [64, 64, 64, 0]
+    assert first[0, "key"].num_pages == 1  # the zero page only
+    consumer, plain = hybrid_runs["last_consumer"], hybrid_runs["plain"]
+    assert consumer["cached"]["p"] == 256 and consumer["cached"]["q"] == 0
+    assert consumer["outputs"] == plain["outputs"]
