@@ -409,9 +409,13 @@ class KVSnapshot:
         return lead[0].sharing() if lead else SharingStats(0, 0, 0, 0)
 
     def with_layers(self, layers: Sequence[Sequence[BlockPagedTensor]], **changes: Any) -> KVSnapshot:
-        """This snapshot with other per-layer members (same kinds, see :meth:`from_layers`) and ``changes``."""
-        if self.fused:
-            return replace(self, fused=tuple(m[0] for m in layers), **changes)
+        """This snapshot with other per-layer members (as :meth:`from_layers` takes them) and ``changes``.
+
+        The members say the kind: ``(fused,)`` singles, or ``(key, value)``
+        pairs (also for a snapshot without layers yet, a header's shell).
+        """
+        if self.fused or (layers and len(layers[0]) == 1):
+            return replace(self, keys=(), values=(), fused=tuple(m[0] for m in layers), **changes)
         return replace(self, keys=tuple(m[0] for m in layers), values=tuple(m[1] for m in layers), **changes)
 
     # ── batch operations ───────────────────────────────────────────────────

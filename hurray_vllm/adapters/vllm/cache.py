@@ -26,6 +26,8 @@ from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
 __all__ = [
     "unsupported_cache",
     "cache_groups",
+    "is_grouped",
+    "group_options",
     "latent_split_of",
     "EngineCache",
     "describe_worker_cache",
@@ -134,6 +136,27 @@ def cache_groups(kv_cache_config: Any) -> tuple[dict[str, int], list[int | None]
         for group in groups
     ]
     return of_layer, windows
+
+
+def is_grouped(windows: Sequence[int | None]) -> bool:
+    """Whether layers need their own KV cache group's block tables: several groups, or one that slides."""
+    return len(windows) > 1 or any(w is not None for w in windows)
+
+
+def group_options(
+    of_layer: dict[str, int], windows: Sequence[int | None], layer_names: Sequence[str]
+) -> dict[str, Any]:
+    """``layer_groups`` and ``group_windows`` for ``export_snapshot``/``export_stream`` (none when not grouped).
+
+    Raises:
+        HurrayFormatError: (field ``kv_cache_groups``) a layer is in no group.
+    """
+    if not is_grouped(windows):
+        return {}
+    missing = [name for name in layer_names if name not in of_layer]
+    if missing:
+        raise HurrayFormatError("kv_cache_groups", f"layers {missing} are in no KV cache group")
+    return {"layer_groups": [of_layer[name] for name in layer_names], "group_windows": tuple(windows)}
 
 
 #: The KV cache specs (``vllm/v1/kv_cache_interface.py``) whose caches hurray-vllm reads and writes.

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
-from .cache import EngineCache, attention_layers, cache_groups, describe_worker_cache, unsupported_cache
+from .cache import EngineCache, attention_layers, cache_groups, describe_worker_cache, group_options, unsupported_cache
 from .export import SequenceState, export_snapshot, export_stream
 
 __all__ = ["snapshot", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
@@ -102,13 +102,7 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
 def _group_options(llm: Any, ec: EngineCache) -> dict[str, Any]:
     """``layer_groups`` and ``group_windows`` for an engine with several KV cache groups (else none)."""
     config = getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
-    of_layer, windows = cache_groups(config)
-    if len(windows) < 2 and not any(w is not None for w in windows):
-        return {}
-    missing = [name for name in ec.layer_names if name not in of_layer]
-    if missing:
-        raise HurrayFormatError("kv_cache_groups", f"layers {missing} are in no KV cache group")
-    return {"layer_groups": [of_layer[name] for name in ec.layer_names], "group_windows": windows}
+    return group_options(*cache_groups(config), ec.layer_names)
 
 
 def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:

@@ -528,16 +528,7 @@ def export_snapshot(
         plan = plan_batch(seqs, block_size, reserved_blocks=reserved_blocks)
     layers = list(export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=buffers))
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
-    return KVSnapshot.from_layers(
-        layers,
-        windows=windows,
-        token_ids=shell.token_ids,
-        fingerprint=shell.fingerprint,
-        kv_scales=shell.kv_scales,
-        source=shell.source,
-        request_ids=shell.request_ids,
-        latent=latent if roles_of(layout) == ("fused",) else None,
-    )
+    return shell.with_layers(layers, windows=windows, latent=latent if roles_of(layout) == ("fused",) else None)
 
 
 def _group_plans(

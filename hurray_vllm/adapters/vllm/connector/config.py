@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....transport import CHANNELS, channel_of
 from ....transport.base import parse_listen
-from ..cache import cache_groups, unsupported_cache
+from ..cache import cache_groups, is_grouped, unsupported_cache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -117,7 +117,7 @@ class HurrayConfig:
         if why is not None:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector cannot serve this model: {why}")
         layer_groups, windows = cache_groups(kv_cache_config)
-        grouped = len(windows) > 1 or any(w is not None for w in windows)
+        grouped = is_grouped(windows)
         specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or []]
         sizes = {getattr(spec, "block_size", block_size) for spec in specs} | {block_size}
         if sizes != {block_size}:

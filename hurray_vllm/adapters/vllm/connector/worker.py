@@ -24,7 +24,7 @@ from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ChunkSender, sender_for
-from ..cache import EngineCache, attention_layers, describe_worker_cache, write_blocks
+from ..cache import EngineCache, attention_layers, describe_worker_cache, group_options, write_blocks
 from ..export import GatherBuffers, SequenceState, export_snapshot
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
@@ -447,12 +447,8 @@ class HurrayWorker:
     ) -> KVSnapshot:
         if reuse and len(self._chunk_buffers) != len(caches):
             self._chunk_buffers = [GatherBuffers() for _ in caches]
-        groups: dict[str, object] = {}
-        if task.groups:  # several KV cache groups: each layer's blocks are its group's
-            groups = {
-                "layer_groups": [self._layer_groups[name] for name in ec.layer_names],
-                "group_windows": self._windows,
-            }
+        # Several KV cache groups: each layer's blocks are its group's.
+        groups = group_options(self._layer_groups, self._windows, ec.layer_names) if task.groups else {}
         snap = export_snapshot(
             caches,
             ec.layout,
@@ -464,7 +460,7 @@ class HurrayWorker:
             **ec.export_options(),
             reserved_blocks=() if caches is not ec.caches else (0,),
             buffers=self._chunk_buffers if reuse else None,
-            **groups,  # type: ignore[arg-type]
+            **groups,
         )
         return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
 
