@@ -15,6 +15,7 @@ from .containers.io import detect_format, load, read_stream, save, write_stream
 from .errors import HurrayArgumentError, HurrayFormatError, Violation
 from .kv.paged import BlockPagedTensor, SharingStats
 from .kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
+from .kv.states import RecurrentStates
 from .wire.descriptor import TensorDescriptor, decode_descriptor, encode_descriptor
 from .wire.rules import Checked
 
@@ -28,6 +29,7 @@ __all__ = [
     "KVSnapshot",
     "LatentSplit",
     "SlidingWindows",
+    "RecurrentStates",
     "ModelFingerprint",
     "SharingStats",
     "SnapshotSource",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
+from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit, ModelFingerprint, RecurrentStates, SnapshotSource
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 
@@ -61,10 +61,12 @@ def paged_tensors(
 
 
 @st.composite
-def snapshots(draw: st.DrawFn, latent: bool | None = None) -> KVSnapshot:
+def snapshots(draw: st.DrawFn, latent: bool | None = None, states: bool | None = None) -> KVSnapshot:
     """Random snapshots; ``latent``: True for MLA latents only, False for keys and values only.
 
-    By default one in four holds MLA latents (one fused ``[.., 1, rank + rope]`` tensor per layer).
+    By default one in four holds MLA latents (one fused ``[.., 1, rank + rope]`` tensor per layer),
+    and one in four key/value snapshots the recurrent states of linear-attention layers
+    (``states``: True always, False never).
     """
     page_size, lens, table, ptr, num_pages = draw(batches())
     fused = draw(st.integers(0, 3)) == 0 if latent is None else latent
@@ -88,6 +90,19 @@ def snapshots(draw: st.DrawFn, latent: bool | None = None) -> KVSnapshot:
     )
     fp8 = dt in (torch.float8_e4m3fn, torch.float8_e5m2)
     arch = "DeepseekV2ForCausalLM" if split else "LlamaForCausalLM"
+    with_states = not split and (draw(st.integers(0, 3)) == 0 if states is None else states)
+    recurrent = None
+    if with_states:
+        n_state = draw(st.integers(1, 2))
+        sdt = draw(st.sampled_from([torch.bfloat16, torch.float32]))
+        shapes = ((2, draw(st.sampled_from([4, 8]))), (1, 4, 4))
+        recurrent = RecurrentStates(
+            "gdn_attn",
+            tuple(range(n_state)),
+            ("conv", "ssm"),
+            tuple(lens),
+            tuple(tuple(torch.randn((len(lens), *sh), generator=gen).to(sdt) for sh in shapes) for _ in range(n_state)),
+        )
     return KVSnapshot.from_layers(
         members,
         latent=split,
@@ -96,7 +111,21 @@ def snapshots(draw: st.DrawFn, latent: bool | None = None) -> KVSnapshot:
         kv_scales=tuple((0.5 + i, (0.5 if split else 0.25) + i) for i in range(layers)) if fp8 else None,
         source=SnapshotSource("test", "interchange", page_size),
         request_ids=tuple(f"req-{i}" for i in range(len(lens))),
+        states=recurrent,
     )
+
+
+def same_states(a: RecurrentStates | None, b: RecurrentStates | None) -> bool:
+    """Equal layout and bit-identical tensors (or both absent)."""
+    if a is None or b is None:
+        return a is b
+    if (a.kind, a.layers, a.names, a.positions) != (b.kind, b.layers, b.names, b.positions):
+        return False
+    return all(
+        x.dtype == y.dtype and torch.equal(x, y)
+        for la, lb in zip(a.tensors, b.tensors, strict=True)
+        for x, y in zip(la, lb, strict=True)
+    ) and len(a.tensors) == len(b.tensors)
 
 
 def same_snapshot(a: KVSnapshot, b: KVSnapshot) -> bool:
@@ -105,7 +134,7 @@ def same_snapshot(a: KVSnapshot, b: KVSnapshot) -> bool:
         return False
     if a.kv_scales != b.kv_scales or a.source != b.source or a.request_ids != b.request_ids:
         return False
-    if a.latent != b.latent or a.roles != b.roles:
+    if a.latent != b.latent or a.roles != b.roles or not same_states(a.states, b.states):
         return False
     for x, y in zip(a.tensors(), b.tensors(), strict=True):
         if not same_tensor(x, y):

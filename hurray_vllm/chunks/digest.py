@@ -125,11 +125,12 @@ def digest_header(snap: KVSnapshot) -> bytes:
     """What a chunk digest covers before the page pools, as canonical bytes.
 
     The metadata (fingerprint, source, request ids, extra minus the digest
-    itself, token ids, sequence lengths, fp8 scales as exact hex floats, and
-    an MLA snapshot's latent split) as sorted compact JSON, then per tensor
-    (:func:`digest_tensors` order) its encoded
-    descriptor and its int64 block table and sequence pointers. A receiver
-    computes it from what the offer or stream carried, before the pools.
+    itself, token ids, sequence lengths, fp8 scales as exact hex floats, an
+    MLA snapshot's latent split, a hybrid's windows and state layout) as
+    sorted compact JSON, then per tensor (:func:`digest_tensors` order) its
+    encoded descriptor and its int64 block table and sequence pointers,
+    then the bytes of every recurrent state tensor. A receiver computes it
+    from what the offer or stream carried, before the pools.
     """
     meta = {
         "fingerprint": snap.fingerprint.to_json() if snap.fingerprint else None,
@@ -144,12 +145,17 @@ def digest_header(snap: KVSnapshot) -> bytes:
         meta["latent"] = snap.latent.to_json()
     if snap.windows is not None:  # sliding-window hybrids only, likewise
         meta["windows"] = snap.windows.to_json()
+    if snap.states is not None:  # linear-attention hybrids only, likewise
+        meta["states"] = snap.states.to_json()
     parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
     for t in digest_tensors(snap):
         desc = encode_descriptor(t.descriptor(device_tag=0))
         parts += [len(desc).to_bytes(4, "little"), desc]
         for idx in (t.block_table, t.seq_ptr):
             parts.append(idx.to(torch.int64).contiguous().cpu().numpy().tobytes())
+    # Recurrent states travel inline with the descriptors (a receiver has them before the pools).
+    for layer in snap.states.tensors if snap.states is not None else ():
+        parts += [byte_view(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)).tobytes() for t in layer]
     return b"".join(parts)
 
 

@@ -46,7 +46,10 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
     """Every whole chunk of every sequence of ``snap``, keyed as a connector would key it.
 
     ``chunk_tokens`` must be a multiple of the snapshot's page size. Only
-    tokens with KV count; a sequence's last partial chunk is left out.
+    tokens with KV count; a sequence's last partial chunk is left out. A
+    linear-attention hybrid's states go with the chunk that ends where they
+    were taken (a sequence of a whole number of chunks); the other chunks
+    carry none, and a consumer resumes only at a chunk with states.
     """
     if snap.fingerprint is None:
         raise HurrayFormatError(
@@ -82,9 +85,14 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
             if win is not None:  # positions relative to the chunk's first token
                 starts = tuple((min(max(row[s] - c * chunk_tokens, 0), chunk_tokens),) for row in win.kv_start)
                 win = SlidingWindows(win.sizes, starts)
+            # A recurrent state is valid only where it was taken: it goes with the chunk that ends there.
+            states = snap.states
+            if states is not None:
+                states = states.select([s]) if states.positions[s] == (c + 1) * chunk_tokens else None
             chunk = snap.with_layers(
                 layers,
                 windows=win,
+                states=states,
                 token_ids=(tuple(tokens[c * chunk_tokens : (c + 1) * chunk_tokens]),),
                 request_ids=(snap.request_ids[s],) if snap.request_ids else None,
             ).compact()

@@ -15,7 +15,7 @@ from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 from .atomic import atomic_file
 from .hrryfile import FILE_MAGIC, HrryFile, write_file
-from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records
+from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records, state_records
 from .stream import LayerWriter, read_records, write_records
 
 __all__ = [
@@ -256,7 +256,7 @@ def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
     writer = LayerWriter()
     for i, members in enumerate(snapshot.layer_members()):
         total += writer.write(f, i, members, snapshot.kv_scales[i] if snapshot.kv_scales is not None else None)
-    return total
+    return total + write_records(state_records(snapshot.states), f)
 
 
 def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:

@@ -7,6 +7,7 @@ Tensors, per layer ``i`` and role ``r`` in ``key``/``value``::
     layers.{i}.{r}.seq_ptr       int64 [num_seqs + 1]
     layers.{i}.{r}.seq_lens      int64 [num_seqs]
     layers.{i}.kv_scales         float32 [2]          (fp8 caches only)
+    states.{j}.{name}            [num_seqs, *shape]   (linear-attention hybrids only)
     token_ids                    int64 [total_token_ids]
     token_ptr                    int64 [num_seqs + 1]
 
@@ -29,6 +30,7 @@ import torch
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import FUSED_ROLES, KV_ROLES, KVSnapshot
+from ..wire import dtypes
 from ..wire.descriptor import encode_descriptor
 from ..wire.jsonvalues import Fields, loads_bounded
 from ..wire.rules import decode_checked
@@ -36,6 +38,7 @@ from .atomic import atomic_path
 from .schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    SnapshotHeader,
     build_snapshot,
     decode_header,
     flatten_tokens,
@@ -79,6 +82,10 @@ def save_safetensors(snap: KVSnapshot, path: str | os.PathLike[str]) -> int:
             descriptors[name] = encode_descriptor(t.descriptor(device_tag=0)).hex()
         if snap.kv_scales is not None:
             tensors[f"layers.{i}.kv_scales"] = torch.tensor(snap.kv_scales[i], dtype=torch.float32)
+    if snap.states is not None:
+        for j, layer in enumerate(snap.states.tensors):
+            for name, state in zip(snap.states.names, layer, strict=True):
+                tensors[f"states.{j}.{name}"] = state.detach().cpu().contiguous().clone()
     tensors["token_ids"], tensors["token_ptr"] = flatten_tokens(snap.token_ids)
     metadata = {
         "format": FORMAT_NAME,
@@ -125,7 +132,31 @@ def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) 
         token_ids = split_tokens(ids, ptr)
     if scales and len(scales) != header.num_layers:
         raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
-    return build_snapshot(layers, token_ids, tuple(scales) or None, header, permissive=permissive)
+    return build_snapshot(
+        layers, token_ids, tuple(scales) or None, header, permissive=permissive, states=_states(tensors, header)
+    )
+
+
+def _states(tensors: dict[str, torch.Tensor], header: SnapshotHeader) -> list[list[torch.Tensor]]:
+    """The state tensors the header declares, each of its declared shape and dtype."""
+    layout = header.states
+    if layout is None:
+        return []
+    out = []
+    for j in range(len(layout.layers)):
+        layer = []
+        for name, (shape, dt) in zip(layout.names, layout.declared, strict=True):
+            t = tensors.get(f"states.{j}.{name}")
+            want = dtypes.element_type(dt).torch
+            if t is None or t.dtype != want or tuple(t.shape) != (layout.num_seqs, *shape):
+                found = "missing" if t is None else f"{t.dtype} {list(t.shape)}"
+                raise HurrayFormatError(
+                    f"snapshot.states.{name}",
+                    f"states.{j}.{name} is {found}, the header declares {want} {[layout.num_seqs, *shape]}",
+                )
+            layer.append(t)
+        out.append(layer)
+    return out
 
 
 def _layer_tensor(

@@ -15,6 +15,8 @@ The same sequence is written to streams and to ``.hrry`` files (see
       layers.{i}.seq_lens  int64 [S]     tokens per sequence (not on the wire otherwise)
       layers.{i}.kv_scales float32 [2]   (k_scale, v_scale) of an fp8 cache, if any
                                          (a fused latent: its one scale, twice)
+    states.{j}             group head, one member per state tensor (linear-attention hybrids only)
+      states.{j}.{name}    row-major [S, *shape] in the engine's dtype (e.g. conv, ssm)
 
 Only standard Hurray constructs are used, so any reader (pyhurray included)
 sees a valid stream of composites; a reader that skips groups still finds
@@ -43,6 +45,7 @@ from ..kv.snapshot import (
     SlidingWindows,
     SnapshotSource,
 )
+from ..kv.states import RecurrentStates
 from ..wire import dtypes
 from ..wire.descriptor import (
     COMPOSITION_RULE_TAGS,
@@ -73,11 +76,13 @@ __all__ = [
     "SnapshotHeader",
     "decode_header",
     "build_snapshot",
+    "read_state_layer",
     "is_snapshot_header",
     "claims_snapshot",
     "kv_scale_pair",
     "header_records",
     "layer_records",
+    "state_records",
     "flatten_tokens",
     "split_tokens",
 ]
@@ -194,6 +199,8 @@ def snapshot_metadata(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
     extra_fields: dict[str, Any] = {"latent": snap.latent.to_json()} if snap.latent is not None else {}
     if snap.windows is not None:
         extra_fields["windows"] = snap.windows.to_json()
+    if snap.states is not None:
+        extra_fields["states"] = snap.states.to_json()
     return {
         **extra_fields,
         "format": FORMAT_NAME,
@@ -271,12 +278,23 @@ def layer_records(
         yield dense_record(f"layers.{i}.kv_scales", torch.tensor(kv_scales, dtype=torch.float32))
 
 
+def state_records(states: RecurrentStates | None) -> Iterator[Record]:
+    """The ``states.{j}`` groups of a linear-attention hybrid's state layers (nothing for other snapshots)."""
+    if states is None:
+        return
+    for j, layer in enumerate(states.tensors):
+        yield group_head(f"states.{j}", len(layer), layer[0].shape, layer[0].dtype)
+        for name, t in zip(states.names, layer, strict=True):
+            yield dense_record(f"states.{j}.{name}", t.detach().cpu())
+
+
 def snapshot_records(snap: KVSnapshot) -> Iterator[Record]:
-    """The records of ``snap``, layer after layer (lazy: nothing is copied ahead)."""
+    """The records of ``snap``, layer after layer, then its states (lazy: nothing is copied ahead)."""
     yield from header_records(snap)
     cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # layers often share index tensors
     for i, members in enumerate(snap.layer_members()):
         yield from layer_records(i, members, snap.kv_scales[i] if snap.kv_scales is not None else None, cache)
+    yield from state_records(snap.states)
 
 
 def group_records(records: Iterable[Record], *, permissive: bool = False) -> Iterator[Node]:
@@ -344,7 +362,12 @@ def claims_snapshot(node: Node) -> bool:
     damaged header that no longer looks like one still claims to be one.
     """
     name = node.record.name or ""
-    return is_snapshot_header(node) or _is_layer_group(node) or name == "snapshot" or name.startswith("layers.")
+    return (
+        is_snapshot_header(node)
+        or _is_layer_group(node)
+        or name == "snapshot"
+        or name.startswith(("layers.", "states."))
+    )
 
 
 def _layer_member_count(node: Node) -> int | None:
@@ -376,6 +399,7 @@ class SnapshotHeader:
     extra: dict[str, Any]
     latent: LatentSplit | None = None
     windows: SlidingWindows | None = None
+    states: RecurrentStates | None = None  # the layout only: the tensors follow the layers
 
 
 #: Bounds on what a header may announce (far above any model; a bound on hostile input).
@@ -400,8 +424,9 @@ def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta
             f"{field}.version", f"snapshot format version {version!r} is newer than {FORMAT_VERSION} or not a version"
         )
     fp, src, lat = f.optional_obj("fingerprint"), f.optional_obj("source"), f.optional_obj("latent")
-    win = f.optional_obj("windows")
+    win, states = f.optional_obj("windows"), f.optional_obj("states")
     return SnapshotHeader(
+        states=RecurrentStates.from_json(states.obj) if states is not None else None,
         windows=SlidingWindows.from_json(win.obj) if win is not None else None,
         latent=LatentSplit.from_json(lat.obj) if lat is not None else None,
         num_layers=f.integer("num_layers", hi=_MAX_LAYERS),
@@ -448,6 +473,7 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
     token_ids: list[tuple[int, ...]] = []
     layers: dict[int, dict[str, BlockPagedTensor]] = {}
     scales: dict[int, tuple[float, float]] = {}
+    state_groups: list[Node] = []
     # The layers' index buffers are widened and checked once per distinct content.
     index_cache = IndexCache()
     order = 0
@@ -474,6 +500,9 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
             if len(node.members) == n + 2:
                 scales[idx] = kv_scale_pair(_dense(node.members[n + 1], torch.float32, "kv_scales"))
             order += 1
+            continue
+        if meta is not None and meta.states is not None and _is_state_group(node, meta.states):
+            state_groups.append(node)
             continue
         if not node.is_composite and node.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED:
             t = _bp(node, None, permissive, index_cache)
@@ -513,7 +542,41 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         if len(scales) != len(layers):
             raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
         kv_scales = tuple(scales[i] for i in range(len(layers)))
-    return build_snapshot(per_layer, token_ids, kv_scales, meta, permissive=permissive)
+    states = [[m.record for m in g.members] for g in state_groups]
+    return build_snapshot(
+        per_layer, token_ids, kv_scales, meta, permissive=permissive, states=[read_state_layer(r, meta) for r in states]
+    )
+
+
+def _is_state_group(node: Node, layout: RecurrentStates) -> bool:
+    """A ``states.{j}`` group: a composite of row-major members, one per state the header names."""
+    return (
+        node.is_composite
+        and len(node.members) == len(layout.names)
+        and all(not m.is_composite and m.record.descriptor.layout_tag == LAYOUT_ROW_MAJOR for m in node.members)
+    )
+
+
+def read_state_layer(records: Sequence[Record], header: SnapshotHeader | None) -> list[torch.Tensor]:
+    """One state layer's tensors from its records, each checked against the shape and dtype the header declares.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.states.{name}``) a member of another
+            shape or dtype than declared, or a buffer that does not hold it.
+    """
+    layout = header.states if header is not None else None
+    if layout is None:
+        raise HurrayFormatError("snapshot.states", "state tensors without a header that declares them")
+    out = []
+    for rec, name, (shape, dt) in zip(records, layout.names, layout.declared, strict=True):
+        t = _dense(Node(rec), dtypes.element_type(dt).torch or torch.uint8, f"snapshot.states.{name}")
+        if tuple(t.shape) != (layout.num_seqs, *shape):
+            raise HurrayFormatError(
+                f"snapshot.states.{name}",
+                f"holds {list(t.shape)}, the header declares {[layout.num_seqs, *shape]}",
+            )
+        out.append(t)
+    return out
 
 
 def build_snapshot(
@@ -523,12 +586,23 @@ def build_snapshot(
     header: SnapshotHeader | None,
     *,
     permissive: bool = False,
+    states: Sequence[Sequence[torch.Tensor]] = (),
 ) -> KVSnapshot:
     """The snapshot every container reader returns, after the snapshot-level rules (:meth:`KVSnapshot.validate`).
 
     ``layers``: per layer ``(key, value)`` or ``(fused,)`` (see :meth:`KVSnapshot.from_layers`).
-    Fused latents need the header's ``latent`` split.
+    Fused latents need the header's ``latent`` split. ``states``: per state
+    layer its tensors (:func:`read_state_layer`), exactly as many as the
+    header's ``states`` declares.
     """
+    layout = header.states if header is not None else None
+    if layout is None and states:
+        raise HurrayFormatError("snapshot.states", "state tensors without a header that declares them")
+    if layout is not None and len(states) != len(layout.layers):
+        raise HurrayFormatError(
+            "snapshot.states",
+            f"the header declares {len(layout.layers)} state layers but the input holds {len(states)} (truncated?)",
+        )
     if layers and all(len(m) == 1 for m in layers) and (header is None or header.latent is None):
         raise HurrayFormatError(
             "snapshot.latent", "the layers hold fused MLA latents but the header does not say how they divide"
@@ -543,6 +617,7 @@ def build_snapshot(
         request_ids=header.request_ids if header else None,
         extra=dict(header.extra) if header else {},
         windows=header.windows if header else None,
+        states=layout.with_tensors(states) if layout is not None else None,
     )
     raise_if(snap.validate(permissive=permissive, tensors=False), "snapshot")
     return snap

@@ -13,6 +13,7 @@ from ..errors import HurrayFormatError, Violation
 from ..wire.jsonvalues import Fields
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
+from .states import RecurrentStates
 
 __all__ = [
     "ModelFingerprint",
@@ -260,6 +261,10 @@ class KVSnapshot:
         latent: how the fused latent divides (required with ``fused``).
         windows: for sliding-window hybrids, which tokens each layer holds
             (``None``: every layer holds every token).
+        states: for linear-attention hybrids (Qwen3-Next, Mamba2 hybrids),
+            the state of every linear-attention layer per sequence and the
+            token it was taken at; the layers above are then the model's
+            attention layers only (:meth:`RecurrentStates.attention_layers`).
     """
 
     keys: tuple[BlockPagedTensor, ...]
@@ -273,6 +278,7 @@ class KVSnapshot:
     fused: tuple[BlockPagedTensor, ...] = ()
     latent: LatentSplit | None = None
     windows: SlidingWindows | None = None
+    states: RecurrentStates | None = None
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values):
@@ -362,8 +368,8 @@ class KVSnapshot:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all layers' buffers on the wire, every role."""
-        return sum(t.nbytes for t in self.tensors())
+        """Bytes of all layers' buffers on the wire, every role, and of the recurrent states."""
+        return sum(t.nbytes for t in self.tensors()) + (self.states.nbytes if self.states is not None else 0)
 
     def layer(self, i: int) -> tuple[BlockPagedTensor, ...]:
         """Layer ``i``'s tensors in :attr:`roles` order: ``(key, value)`` or ``(fused,)``."""
@@ -428,7 +434,8 @@ class KVSnapshot:
         win = self.windows
         if win is not None:
             win = SlidingWindows(win.sizes, tuple(tuple(row[s] for s in seqs) for row in win.kv_start))
-        return self.with_layers(layers, token_ids=ids, request_ids=rids, windows=win).compact()
+        states = self.states.select(seqs) if self.states is not None else None
+        return self.with_layers(layers, token_ids=ids, request_ids=rids, windows=win, states=states).compact()
 
     def compact(self) -> KVSnapshot:
         """Drop pages no sequence references; one plan per block structure (one for most snapshots).
@@ -524,6 +531,15 @@ class KVSnapshot:
                 found.append(Violation("snapshot.kv_scales", f"layer {i}: scales {pair} must be finite and positive"))
                 break
         found.extend(self._window_violations())
+        if self.states is not None:
+            found.extend(self.states.violations())
+            if self._lead and self.states.num_seqs != self.num_seqs:
+                found.append(
+                    Violation(
+                        "snapshot.states.positions",
+                        f"states for {self.states.num_seqs} sequences, the snapshot has {self.num_seqs}",
+                    )
+                )
         if self.fused and self.kv_scales is not None and any(len(p) == 2 and p[0] != p[1] for p in self.kv_scales):
             # One latent, one scale: the pair's second entry repeats it (docs/format.md).
             found.append(Violation("snapshot.kv_scales", "a fused layer's two scale entries must be equal"))

@@ -70,8 +70,15 @@ def test_reference_reads_our_files(hurray, tmp_path_factory: pytest.TempPathFact
     hv.save(snap, d / "s.hrrs")
     from_file = hurray.load(str(d / "s.hrry"))
     from_stream = list(hurray.StreamReader(str(d / "s.hrrs")))
-    assert set(from_file) == {"snapshot", *(f"layers.{i}" for i in range(snap.num_layers))}
-    assert len(from_stream) == 1 + snap.num_layers
+    states = snap.states.tensors if snap.states is not None else ()
+    named = {"snapshot", *(f"layers.{i}" for i in range(snap.num_layers)), *(f"states.{j}" for j in range(len(states)))}
+    assert set(from_file) == named
+    assert len(from_stream) == 1 + snap.num_layers + len(states)
+    for j, layer in enumerate(states):  # a linear-attention hybrid's states: plain row-major tensors
+        for group in (from_file[f"states.{j}"], from_stream[1 + snap.num_layers + j]):
+            for ours, ref in zip(layer, group.members, strict=True):
+                assert tuple(ref.shape) == tuple(ours.shape)
+                assert np.asarray(ref.buffer(0)).tobytes() == bytes(ours.contiguous().view(torch.uint8).numpy())
     n = len(snap.roles)  # K and V, or one fused MLA latent
     for i, layer in enumerate(snap.layer_members()):
         for group in (from_file[f"layers.{i}"], from_stream[1 + i]):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...containers.schema import MAX_RECORDS, Record, dense_record, header_records, layer_records
+from ...containers.schema import MAX_RECORDS, Record, dense_record, header_records, layer_records, state_records
 from ...containers.stream import layer_structure_key, tensor_bytes
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
@@ -166,6 +166,8 @@ def encode_snapshot_offer(ns: str, key: str, snap: KVSnapshot) -> tuple[list[Any
     for rec in header_records(snap):
         w.add(rec)
     w.add_layers(snap)
+    for rec in state_records(snap.states):  # small: inline, with the descriptors
+        w.add(rec)
     return w.finish()
 
 

@@ -1,0 +1,141 @@
+"""Recurrent states of linear-attention hybrids: containers, chunks, digests and the refusals (no engine)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from strategies import same_snapshot, same_states, snapshots
+
+import hurray_vllm as hv
+from hurray_vllm.chunks.digest import chunk_digest
+from hurray_vllm.chunks.keys import chunks_of
+from hurray_vllm.containers.schema import decode_header, snapshot_metadata
+
+
+def _hybrid(positions: tuple[int, ...] = (6, 3)) -> hv.KVSnapshot:
+    from hurray_vllm.app.demo import spec_example_snapshot
+
+    snap = spec_example_snapshot(num_layers=2)  # sequences of 6 and 3 tokens, pages of 4
+    gen = torch.Generator().manual_seed(0)
+    tensors = tuple(
+        (torch.randn(2, 3, 16, generator=gen).to(torch.bfloat16), torch.randn(2, 2, 8, 8, generator=gen))
+        for _ in range(3)
+    )
+    states = hv.RecurrentStates("gdn_attn", (0, 1, 2), ("conv", "ssm"), positions, tensors)
+    return replace(snap, states=states, fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 2, 2, 8, "float16"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(snapshots(states=True))
+def test_states_round_trip_through_every_container(
+    tmp_path_factory: pytest.TempPathFactory, snap: hv.KVSnapshot
+) -> None:
+    d = tmp_path_factory.mktemp("states")
+    for ext in ("hrry", "hrrs", "safetensors"):
+        if ext == "safetensors" and any(t.quantization is not None for t in snap.tensors()):
+            continue
+        hv.save(snap, d / f"s.{ext}")
+        back = hv.load(d / f"s.{ext}")
+        assert same_snapshot(back, snap), ext
+        assert hv.validate(d / f"s.{ext}").ok, ext
+
+
+def test_attention_layers_are_the_model_layers_the_states_leave() -> None:
+    states = _hybrid().states
+    assert states is not None
+    assert states.attention_layers(2) == [3, 4]
+    assert replace(states, layers=(1, 3, 4)).attention_layers(2) == [0, 2]
+
+
+def test_select_keeps_each_sequence_its_states() -> None:
+    snap = _hybrid()
+    one = snap.select([1])
+    assert one.states is not None and one.states.positions == (3,)
+    assert torch.equal(one.states.tensors[2][1][0], snap.states.tensors[2][1][1])  # type: ignore[union-attr]
+
+
+def test_a_state_goes_with_the_chunk_that_ends_where_it_was_taken() -> None:
+    """Chunks of 4 tokens: sequence 0 (6 tokens) has one whole chunk, 0..4; sequence 1 (3 tokens) none."""
+    at_four = _hybrid(positions=(4, 3))
+    ((_, chunk),) = chunks_of(at_four, 4)
+    assert chunk.states is not None and chunk.states.positions == (4,)
+    assert torch.equal(chunk.states.tensors[0][0][0], at_four.states.tensors[0][0][0])  # type: ignore[union-attr]
+    ((_, elsewhere),) = chunks_of(_hybrid(positions=(6, 3)), 4)
+    assert elsewhere.states is None  # taken at token 6, which ends no chunk
+
+
+def test_the_chunk_digest_covers_the_states() -> None:
+    snap = _hybrid()
+    base = chunk_digest(snap)
+    states = snap.states
+    assert states is not None
+    changed = [[t.clone() for t in layer] for layer in states.tensors]
+    changed[2][1][1, 0, 0, 0] += 1
+    assert chunk_digest(replace(snap, states=states.with_tensors(changed))) != base
+    assert chunk_digest(replace(snap, states=replace(states, positions=(6, 2)))) != base
+    assert chunk_digest(replace(snap, states=replace(states, kind="mamba2"))) != base
+    assert chunk_digest(replace(snap, states=None)) != base
+
+
+def test_validate_agrees_with_load_on_inconsistent_states(tmp_path: Path) -> None:
+    snap = _hybrid()
+    states = snap.states
+    assert states is not None
+    bad = [
+        ("positions", replace(states, positions=(6,))),  # one position for two sequences
+        ("layer", replace(states, tensors=states.tensors[:2])),  # two tensors for three layers
+        ("shape", states.with_tensors([[states.tensors[0][0][:, :2], states.tensors[0][1]], *states.tensors[1:]])),
+    ]
+    for what, wrong in bad:
+        path = tmp_path / f"{what}.hrry"
+        hv.save(replace(snap, states=wrong), path)
+        with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
+            hv.load(path)
+        assert not hv.validate(path).ok, what
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"names": ["conv", "conv"]}, "snapshot.states.names"),
+        ({"names": ["not a name"]}, "snapshot.states.names"),
+        ({"shapes": [[3, 16]]}, "snapshot.states.shapes"),
+        ({"shapes": [[3, -1], [2, 8, 8]]}, "snapshot.states.shapes"),
+        ({"dtypes": ["bfloat16", "int4"]}, "snapshot.states.dtypes"),
+        ({"layers": [0, 1.5, 2]}, "snapshot.states.layers"),
+        ({"positions": "6"}, "snapshot.states.positions"),
+    ],
+)
+def test_a_hostile_states_header_names_the_field(change: dict[str, object], field: str) -> None:
+    meta = snapshot_metadata(_hybrid(), 2)
+    meta["states"] = {**meta["states"], **change}
+    with pytest.raises(hv.HurrayFormatError) as err:
+        decode_header(json.dumps(meta))
+    assert err.value.field == field
+
+
+def test_a_truncated_input_without_its_states_is_refused(tmp_path: Path) -> None:
+    from hurray_vllm.containers.schema import header_records, layer_records
+    from hurray_vllm.containers.stream import write_records
+
+    snap = _hybrid()
+    path = tmp_path / "cut.hrrs"
+    with open(path, "wb") as f:  # the header announces three state layers; none follows
+        write_records(header_records(snap), f)
+        for i, members in enumerate(snap.layer_members()):
+            write_records(layer_records(i, members), f)
+    with pytest.raises(hv.HurrayFormatError, match="truncated"):
+        hv.load(path)
+
+
+def test_states_survive_select_and_repage() -> None:
+    from hurray_vllm.kv.repage import repage_snapshot
+
+    snap = _hybrid()
+    again = repage_snapshot(snap, 2)
+    assert same_states(again.states, snap.states)
