@@ -96,3 +96,48 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0, window: int = 64) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def build_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
+    """A 4-layer Qwen3-Next-style hybrid (3 gated-delta-net linear-attention layers, 1 full) in bf16 at ``path``.
+
+    vLLM's CPU GDN kernels take only head dims of 128 (``../shared/notes/facts.md``
+    §5). The linear-attention layers have dense MLPs: with MoE there, vLLM's
+    decode and transformers' prefill pick other experts for some tokens (a
+    router near a tie flips on bf16 rounding), and the states after a decode
+    step then differ by a fifth. The full-attention layer keeps its MoE: with
+    ``mlp_only_layers`` covering every layer vLLM finds no Qwen3Next layer.
+    ``initializer_range`` 0.1, as for the MLA model, so that greedy tokens do
+    not repeat one id.
+    """
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+        mlp_only_layers=[0, 1, 2],
+    )
+    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path

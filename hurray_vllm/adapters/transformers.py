@@ -36,6 +36,7 @@ from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor, zero_slots_
 from ..kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
+from ..kv.states import RecurrentStates
 from ..wire import dtypes
 from ..wire.descriptor import PerTensorAffine
 from ..wire.rules import raise_if
@@ -73,7 +74,9 @@ class ConfigGeometry:
         architecture: ``config.architectures[0]`` (``"LlamaForCausalLM"``), or
             ``None`` when the config does not name one (a model built from a
             config object rather than loaded from a checkpoint).
-        num_layers: ``num_hidden_layers``.
+        num_layers: ``num_hidden_layers``; for a linear-attention hybrid
+            (``layer_types`` with ``"linear_attention"``), its attention layers.
+        linear_layers: a linear-attention hybrid's state layers (model indices).
         num_kv_heads: ``num_key_value_heads`` (``num_attention_heads`` when
             the config has no GQA field).
         head_dim: ``head_dim``, or ``hidden_size // num_attention_heads``.
@@ -87,6 +90,11 @@ class ConfigGeometry:
     num_kv_heads: int
     head_dim: int
     latent: LatentSplit | None = None
+    linear_layers: tuple[int, ...] = ()
+
+
+#: ``layer_types`` entries of transformers' linear-attention layers (Qwen3-Next's gated delta net).
+_LINEAR_TYPES = ("linear_attention",)
 
 
 def _text_config(model_config: Any) -> Any:
@@ -120,11 +128,13 @@ def config_geometry(model_config: Any) -> ConfigGeometry:
         if rank:  # MLA: one cached latent "head" of kv_lora_rank + rope values per token
             latent = LatentSplit(int(rank), int(cfg.qk_rope_head_dim), str(getattr(cfg, "model_type", "") or ""))
             return ConfigGeometry(str(archs[0]) if archs else None, layers, 1, latent.head_dim, latent)
+        linear = tuple(i for i, t in enumerate(getattr(cfg, "layer_types", None) or ()) if t in _LINEAR_TYPES)
         return ConfigGeometry(
             architecture=str(archs[0]) if archs else None,
-            num_layers=layers,
+            num_layers=layers - len(linear),
             num_kv_heads=int(kv_heads) if kv_heads is not None else heads,
             head_dim=int(head_dim),
+            linear_layers=linear,
         )
     except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise HurrayFormatError(
@@ -195,6 +205,14 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
         problems.append(f"windows: snapshot's layers have windows {list(snapshot.windows.sizes)}, the model's {wants}")
     elif snapshot.windows is not None and wants is None and any(w is not None for w in snapshot.windows.sizes):
         problems.append("windows: the snapshot's sliding-window layers dropped old tokens the model attends to")
+    held = tuple(snapshot.states.layers) if snapshot.states is not None else ()
+    if held != geo.linear_layers:
+        problems.append(
+            f"states: the snapshot holds linear-attention states of layers {list(held)}, "
+            f"the model's linear-attention layers are {list(geo.linear_layers)}"
+        )
+    elif snapshot.states is not None and snapshot.states.kind not in _STATE_KINDS:
+        problems.append(f"states: {snapshot.states.kind!r} states; this adapter reads {sorted(_STATE_KINDS)}")
     for claim in claims:
         for msg in claim.mismatches(model, ignore=ignore, labels=("snapshot", "model")):
             if msg not in problems:
@@ -388,13 +406,55 @@ def to_dynamic_cache(
     dtype = dtype or _default_dtype(snapshot, model_config)
     _check_windows_held(snapshot, seq, snapshot.seq_lens[seq] if length is None else length)
     cache = _new_dynamic_cache(DynamicCache, model_config)
-    for i in range(snapshot.num_layers):
+    states = snapshot.states
+    # A linear-attention hybrid's attention layers are the model layers its states leave.
+    where = states.attention_layers(snapshot.num_layers) if states is not None else range(snapshot.num_layers)
+    for i, layer in enumerate(where):
         k, v = sequence_kv(snapshot, seq, i, dtype=dtype, length=length)
         k, v = k.unsqueeze(0), v.unsqueeze(0)
         if device is not None:
             k, v = k.to(device), v.to(device)
-        cache.update(k, v, i)
+        cache.update(k, v, layer)
+    if states is not None:
+        _put_states(cache, states, seq, snapshot.seq_lens[seq] if length is None else length, dtype, device)
     return cache
+
+
+#: Linear-attention state kinds this adapter converts (vLLM's ``mamba_type``), see :func:`_put_states`.
+_STATE_KINDS = frozenset({"gdn_attn"})
+
+
+def _put_states(
+    cache: Any, states: RecurrentStates, seq: int, n: int, dtype: torch.dtype, device: torch.device | str | None
+) -> None:
+    """Put sequence ``seq``'s linear-attention states into a transformers cache, resuming at token ``n``.
+
+    A gated delta net's conv state: vLLM keeps the last ``kernel - 1``
+    inputs as ``[kernel - 1, conv_dim]``, transformers the last ``kernel``
+    as ``[conv_dim, kernel]``, whose oldest column its decode step drops
+    before use (so it is left zero). The recurrent state has one layout on
+    both sides, ``[v_heads, k_dim, v_dim]``; transformers keeps it in float32.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.states``) the states were taken
+            at another token than ``n``, or are of a kind not converted here.
+    """
+    if states.positions[seq] != n:
+        raise HurrayFormatError(
+            "snapshot.states",
+            f"sequence {seq}'s linear-attention states were taken after {states.positions[seq]} tokens; "
+            f"they cannot resume at token {n}",
+        )
+    if states.kind not in _STATE_KINDS:
+        raise HurrayFormatError("snapshot.states", f"{states.kind!r} states; this adapter reads {sorted(_STATE_KINDS)}")
+    for layer, (conv, ssm) in zip(states.layers, states.tensors, strict=True):
+        c = conv[seq].transpose(0, 1).to(dtype)  # [conv_dim, kernel - 1]
+        c = torch.cat([torch.zeros_like(c[:, :1]), c], dim=1).unsqueeze(0)
+        r = ssm[seq].to(torch.float32).unsqueeze(0)
+        if device is not None:
+            c, r = c.to(device), r.to(device)
+        cache.update_conv_state(c, layer, conv_kernel_size=c.shape[-1])
+        cache.update_recurrent_state(r, layer)
 
 
 def _check_windows_held(snapshot: KVSnapshot, seq: int, n: int) -> None:
@@ -465,6 +525,12 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
     # The model needs the logits after the last token. When every token has KV
     # (no sampled token pending), recompute the last one from the others' KV.
     start = n if len(ids) > n else n - 1
+    if snapshot.states is not None and start != n:
+        # A recurrent state cannot be rewound by a token.
+        raise HurrayFormatError(
+            "snapshot.token_ids",
+            f"sequence {seq}: a linear-attention snapshot continues from a pending token; every token has KV here",
+        )
     device, dtype = _device_and_dtype(model)
     cache = to_dynamic_cache(
         snapshot,

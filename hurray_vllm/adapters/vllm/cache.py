@@ -22,6 +22,7 @@ from ...errors import HurrayFormatError
 from ...kv.snapshot import LatentSplit, ModelFingerprint, SnapshotSource
 from ...wire import dtypes
 from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
+from .states import StateCache, state_cache
 
 __all__ = [
     "unsupported_cache",
@@ -60,6 +61,7 @@ class EngineCache:
         engine: ``"vllm <version>"``.
         isa: the CPU attention backend's packing (``"vec"``, ``"amx"``...), if any.
         latent: how an MLA model's fused latent divides; ``None`` for K/V caches.
+        states: a linear-attention hybrid's state layers; ``None`` for other models.
     """
 
     caches: list[torch.Tensor]
@@ -75,6 +77,7 @@ class EngineCache:
     engine: str
     isa: str | None = None
     latent: LatentSplit | None = None
+    states: StateCache | None = None
 
     @property
     def num_layers(self) -> int:
@@ -102,14 +105,15 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) ->
     One KV cache group of full key/value attention or of MLA latents; with
     ``sliding_windows`` (what the connector and ``snapshot()`` pass) also any
     groups of full and sliding-window attention (Gemma 3, gpt-oss, Mistral's
-    sliding window). Other groups (linear attention: Mamba, GDN) are named,
-    so that the engine is refused at start with a message instead of failing
-    at the first save.
+    sliding window) and of linear attention (``MambaSpec``: Qwen3-Next's
+    gated delta net, Mamba2 hybrids) without speculative decoding. Anything
+    else is named, so that the engine is refused at start with a message
+    instead of failing at the first save.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if sliding_windows and groups and set(kinds) <= {"FullAttentionSpec", "SlidingWindowSpec"}:
-        return None
+    if sliding_windows and groups and set(kinds) <= {"FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"}:
+        return _unsupported_states(groups)
     if len(groups) > 1:
         return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"
     if kinds and kinds[0] not in _SUPPORTED_SPECS:
@@ -117,6 +121,20 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) ->
             f"the model's KV cache is {kinds[0]}; supported are full key/value attention (FullAttentionSpec) "
             "and MLA latents (MLAAttentionSpec)"
         )
+    return None
+
+
+def _unsupported_states(groups: Sequence[Any]) -> str | None:
+    """Why these linear-attention groups cannot be moved (None when they can)."""
+    for group in groups:
+        spec = group.kv_cache_spec
+        if type(spec).__name__ != "MambaSpec":
+            continue
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode not in ("align", "none"):
+            return f"linear-attention states in mamba_cache_mode {mode!r}; supported are 'align' and 'none'"
+        if getattr(spec, "num_speculative_blocks", 0):
+            return "linear-attention states with speculative decoding (their draft states are not exported)"
     return None
 
 
@@ -245,7 +263,11 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None) -> ModelF
     cache_dtype = vllm_config.cache_config.cache_dtype
     storage = FP8_DTYPES.get(cache_dtype, mc.dtype)
     if num_layers is None:
-        num_layers = mc.get_num_layers(vllm_config.parallel_config)
+        # A linear-attention hybrid's snapshot layers are its attention layers (its states go apart).
+        if getattr(mc, "is_hybrid", False):
+            num_layers = mc.get_num_layers_by_block_type(vllm_config.parallel_config, "attention")
+        else:
+            num_layers = mc.get_num_layers(vllm_config.parallel_config)
     latent = latent_split_of(vllm_config)
     return ModelFingerprint(
         architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
@@ -262,8 +284,13 @@ def describe_worker_cache(
     vllm_config: Any,
     caches: Sequence[torch.Tensor],
     layer_names: Sequence[str],
+    kv_cache_config: Any = None,
 ) -> EngineCache:
-    """Describe the cache of the worker that owns ``caches`` (one per attention layer)."""
+    """Describe the cache of the worker that owns ``caches`` (one per attention layer).
+
+    ``kv_cache_config`` (the engine's KV cache groups) is needed to find a
+    linear-attention hybrid's state layers (:attr:`EngineCache.states`).
+    """
     layers = attention_layers(vllm_config)
     mods = [layers[n] for n in layer_names if n in layers]
     if len(mods) != len(caches):
@@ -311,6 +338,7 @@ def describe_worker_cache(
         engine=f"vllm {getattr(vllm, '__version__', '?')}",
         isa=isa,
         latent=latent,
+        states=state_cache(vllm_config, kv_cache_config) if kv_cache_config is not None else None,
     )
 
 

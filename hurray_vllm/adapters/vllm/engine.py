@@ -18,6 +18,7 @@ import torch
 
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
+from ...kv.states import RecurrentStates
 from .cache import EngineCache, attention_layers, cache_groups, describe_worker_cache, group_options, unsupported_cache
 from .export import SequenceState, export_snapshot, export_stream
 
@@ -48,7 +49,8 @@ def layer_caches(vllm_config: Any) -> tuple[list[str], list[torch.Tensor]]:
 def _describe(worker: Any) -> EngineCache:
     """Runs on the worker (in-process: same objects, no copies)."""
     names, caches = layer_caches(worker.vllm_config)
-    return describe_worker_cache(worker.vllm_config, caches, names)
+    runner = getattr(worker, "model_runner", None)
+    return describe_worker_cache(worker.vllm_config, caches, names, getattr(runner, "kv_cache_config", None))
 
 
 def engine_cache(llm: Any) -> EngineCache:
@@ -139,7 +141,9 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
     """
     ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)
-    return export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec))
+    return export_snapshot(
+        ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec), states=_states(ec, seqs)
+    )
 
 
 def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progress: bool = False) -> int:
@@ -157,4 +161,14 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         **ec.export_options(),
         **_group_options(llm, ec),
         show_progress=progress,
+        states=_states(ec, seqs),
     )
+
+
+def _states(ec: EngineCache, seqs: Sequence[SequenceState]) -> RecurrentStates | None:
+    """A linear-attention hybrid's states of ``seqs``, after their computed tokens (``None`` for other models)."""
+    st = ec.states
+    if st is None:
+        return None
+    blocks = [{g: st.block_of(s.group_block_ids[g], s.num_computed) for g in st.state_group_ids} for s in seqs]
+    return st.gather(blocks, [s.num_computed for s in seqs])

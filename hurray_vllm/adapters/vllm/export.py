@@ -26,11 +26,12 @@ from typing import BinaryIO
 
 import torch
 
-from ...containers.schema import header_records
+from ...containers.schema import header_records, state_records
 from ...containers.stream import LayerWriter, write_records
 from ...errors import HurrayFormatError
 from ...kv.paged import BlockPagedTensor, plan_compaction
 from ...kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
+from ...kv.states import RecurrentStates
 from .layouts import KVLayout, as_storage_dtype, roles_of
 
 __all__ = [
@@ -502,6 +503,7 @@ def export_snapshot(
     latent: LatentSplit | None = None,
     layer_groups: Sequence[int] | None = None,
     group_windows: Sequence[int | None] | None = None,
+    states: RecurrentStates | None = None,
 ) -> KVSnapshot:
     """An in-memory :class:`KVSnapshot` of ``seqs`` (see :func:`export_stream` to bound memory).
 
@@ -517,7 +519,8 @@ def export_snapshot(
     for full attention), and every sequence its ``group_block_ids``. A
     windowed group's freed (null) blocks become one zero page per layer, and
     the snapshot's :class:`~hurray_vllm.SlidingWindows` says where each
-    layer's held tokens begin.
+    layer's held tokens begin. A linear-attention hybrid's ``states`` (read
+    by the caller, e.g. :meth:`~.states.StateCache.gather`) go along as they are.
     """
     plan: BatchPlan | list[BatchPlan]
     windows = None
@@ -528,7 +531,9 @@ def export_snapshot(
         plan = plan_batch(seqs, block_size, reserved_blocks=reserved_blocks)
     layers = list(export_layers(caches, layout, plan, storage_dtype=storage_dtype, buffers=buffers))
     shell = _snapshot_shell(seqs, fingerprint, source, kv_scales)
-    return shell.with_layers(layers, windows=windows, latent=latent if roles_of(layout) == ("fused",) else None)
+    return shell.with_layers(
+        layers, windows=windows, latent=latent if roles_of(layout) == ("fused",) else None, states=states
+    )
 
 
 def _group_plans(
@@ -571,6 +576,7 @@ def export_stream(
     latent: LatentSplit | None = None,
     layer_groups: Sequence[int] | None = None,
     group_windows: Sequence[int | None] | None = None,
+    states: RecurrentStates | None = None,
 ) -> int:
     """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
 
@@ -580,8 +586,8 @@ def export_stream(
     last export left (up to ``HURRAY_VLLM_EXPORT_WORKSPACE_MIB``, see
     :func:`release_export_workspace`), so only the first export of a process
     faults in new memory. ``show_progress=True`` shows a per-layer progress
-    bar on a terminal. ``layer_groups`` and ``group_windows``: as for
-    :func:`export_snapshot`.
+    bar on a terminal. ``layer_groups``, ``group_windows`` and ``states``:
+    as for :func:`export_snapshot` (the states follow the layers).
     """
     plan: BatchPlan | list[BatchPlan]
     windows = None
@@ -604,8 +610,8 @@ def export_stream(
         if (roles_of(layout) == ("fused",)) != (latent is not None):
             raise HurrayFormatError("latent", "an MLA cache's export needs its LatentSplit, and only it has one")
         shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True, latent=latent)
-        if windows is not None:
-            shell = replace(shell, windows=windows)
+        if windows is not None or states is not None:
+            shell = replace(shell, windows=windows, states=states)
         # The header announces the layer count before any layer is written.
         total = write_records(header_records(shell, num_layers=len(caches)), f)
         # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.
@@ -615,7 +621,7 @@ def export_stream(
             total += writer.write(f, i, members, kv_scales[i] if kv_scales is not None else None)
             del members  # release this layer's pages before gathering the next
             i += 1
-        return total
+        return total + write_records(state_records(states), f)
 
 
 def to_host_overlapped(layers: Iterator[Layer], *, device_slots: int = 1) -> Iterator[Layer]:

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -322,30 +323,31 @@ def test_building_a_part_changes_nothing_process_wide(tmp_path) -> None:  # type
     ("specs", "says"),
     [
         (["MLAAttentionSpec", "SlidingWindowSpec"], "2 KV cache groups"),
-        (["MambaSpec", "FullAttentionSpec"], "hybrid"),
-        (["MambaSpec"], "MambaSpec"),
+        (["EncoderOnlyAttentionSpec"], "EncoderOnlyAttentionSpec"),
+        ([("MambaSpec", {"num_speculative_blocks": 1}), "FullAttentionSpec"], "speculative decoding"),
+        ([("MambaSpec", {"mamba_cache_mode": "all"}), "FullAttentionSpec"], "mamba_cache_mode 'all'"),
     ],
 )
-def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[str], says: str) -> None:
+def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[Any], says: str) -> None:
     """Refused when the engine builds the connector, naming what the model has: never a crash at the first save."""
     require("vllm")
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.errors import HurrayArgumentError
 
-    def config(kinds: list[str]) -> SimpleNamespace:
-        return SimpleNamespace(
-            kv_cache_groups=[SimpleNamespace(kv_cache_spec=type(k, (), {})(), layer_names=[]) for k in kinds]
-        )
+    def config(kinds: list[Any]) -> SimpleNamespace:
+        specs = [type(k, (), {})() if isinstance(k, str) else type(k[0], (), k[1])() for k in kinds]
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=[]) for s in specs])
 
     with pytest.raises(HurrayArgumentError, match=says) as err:
         HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(specs))  # type: ignore[arg-type]
     assert err.value.field == "kv_cache_groups"
-    # Key/value attention, MLA latents, sliding windows and full + sliding-window hybrids are served.
+    # Key/value attention, MLA latents, sliding windows and full + sliding-window or linear-attention hybrids.
     for ok in (
         ["FullAttentionSpec"],
         ["MLAAttentionSpec"],
         ["SlidingWindowSpec"],
         ["SlidingWindowSpec", "FullAttentionSpec"],
+        ["MambaSpec", "MambaSpec", "FullAttentionSpec"],  # linear-attention hybrids (Qwen3-Next)
     ):
         HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(ok))  # type: ignore[arg-type]
 
@@ -404,3 +406,73 @@ def test_a_full_attention_group_that_records_a_window_does_not_slide() -> None:
         SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["a"])])
     )
     assert of_layer == {"a": 0} and windows == [None]
+
+
+def _linear_scheduler(tmp_path: Any) -> Any:
+    """A scheduler for a linear-attention hybrid: two state groups (align mode) and a full group, blocks of 32."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    mamba = type("MambaSpec", (), {"block_size": 32, "mamba_cache_mode": "align", "mamba_type": "gdn_attn"})
+    full = type("FullAttentionSpec", (), {"block_size": 32, "sliding_window": None})
+    kv = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["l0"]),
+            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["l1"]),
+            SimpleNamespace(kv_cache_spec=full(), layer_names=["l2"]),
+        ]
+    )
+    vc = _vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 64}, block_size=32)
+    vc.cache_config.mamba_cache_mode = "align"
+    cfg = HurrayConfig.from_vllm(vc, kv)  # type: ignore[arg-type]
+    assert cfg.state_groups == (0, 1) and cfg.state_mode == "align" and cfg.group_windows == (None, None, None)
+    return HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
+
+
+def test_a_chunk_takes_the_states_only_when_the_step_ends_at_its_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Align mode: block (n - 1) // 32 of each state group holds the state after n tokens, if a step ended there."""
+    from hurray_vllm.adapters.vllm.connector.scheduler import _Request
+
+    sched = _linear_scheduler(tmp_path)
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(300)), num_prompt_tokens=300)
+    state = sched._reqs.setdefault("r", _Request(request))
+    # vLLM's table after a step that ran 0..256: only the last block of a state group is real.
+    state.groups = [[0] * 7 + [11], [0] * 7 + [21], list(range(31, 39))]
+    state.block_ids = list(state.groups[0])
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 256)  # type: ignore[arg-type]
+    assert [t.state_blocks for t in meta.saves] == [{}, {}, {}, {0: [11], 1: [21]}]
+    assert meta.saves[-1].state_position == 256
+    # A step that runs past a chunk's end (256..330 past 320) leaves that chunk without states...
+    request.all_token_ids = list(range(400))
+    state.groups = [[*g, 0, 0, 12] for g in state.groups[:2]] + [state.groups[2] + [39, 40, 41]]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 330)  # type: ignore[arg-type]
+    assert [t.state_blocks for t in meta.saves] == [{}]
+    # ...and a (decode) step that ends at one (384) gives it the state of block 383 // 32 = 11.
+    state.groups = [[*g, 13] for g in state.groups[:2]] + [state.groups[2] + [42]]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 384)  # type: ignore[arg-type]
+    assert [t.state_blocks for t in meta.saves] == [{0: [13], 1: [13]}]
+
+
+def test_a_load_resumes_at_the_last_chunk_with_states_and_writes_both_state_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
+    from hurray_vllm.adapters.vllm.connector.scheduler import _Request
+
+    sched = _linear_scheduler(tmp_path)
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(300)), num_prompt_tokens=300)
+    state = sched._reqs.setdefault("r", _Request(request))
+    # 128 tokens loaded (two chunks); vLLM pads the state groups' skipped blocks with the null block.
+    state.groups = [[0, 0, 0, 11, 12], [0, 0, 0, 21, 22], [31, 32, 33, 34, 35]]
+    state.block_ids = list(state.groups[0])
+    state.load = LoadTask("r", ["k0", "k1"], [[], []], [])
+    meta = SimpleNamespace(loads=[])
+    sched._attach_load(meta, state, 128, 20)  # type: ignore[arg-type]
+    (load,) = meta.loads
+    assert load.resume == 128
+    # The state at 128 sits in block 3; the step (128..148) runs in block 4, which vLLM fills from block 3 first.
+    assert load.state_blocks == {0: [11, 12], 1: [21, 22]}
+    assert load.groups[2] == [31, 32, 33, 34]

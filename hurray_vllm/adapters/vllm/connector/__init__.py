@@ -123,8 +123,10 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     below delegates to it. Scheduler-side methods run in the engine core's
     scheduling loop (their time is every request's latency); worker-side
     methods run in the model runner around each forward pass. It supports
-    vLLM's hybrid KV cache manager (``SupportsHMA``): a sliding-window
-    hybrid keeps it on, and chunks carry every group's layers.
+    vLLM's hybrid KV cache manager (``SupportsHMA``): a sliding-window or
+    linear-attention hybrid keeps it on, and chunks carry every group's
+    layers (a linear-attention layer's recurrent state goes with the chunk
+    that ends where it was taken).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -142,7 +144,7 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = HurrayScheduler(config, store, fingerprint, ns)
             self._scheduler.start_receiver()
         else:
-            self._worker = HurrayWorker(config, store, fingerprint, ns, vllm_config)
+            self._worker = HurrayWorker(config, store, fingerprint, ns, vllm_config, kv_cache_config)
 
     @property
     def stats(self) -> ConnectorStats:

@@ -15,6 +15,7 @@ from ....errors import HurrayArgumentError, HurrayFormatError
 from ....transport import CHANNELS, channel_of
 from ....transport.base import parse_listen
 from ..cache import cache_groups, is_grouped, unsupported_cache
+from ..states import state_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +93,10 @@ class HurrayConfig:
     #: prompt's last whole chunk (or later) needs them (migration and prefill/decode; a store of at most
     #: the windows per request, but a shorter shared prefix of a hybrid no longer loads).
     window_chunks: str = "every"
+    #: A linear-attention hybrid: the KV cache groups holding recurrent states (``MambaSpec``), and vLLM's
+    #: ``mamba_cache_mode`` ("align" with prefix caching, else "none"). Empty for other models.
+    state_groups: tuple[int, ...] = ()
+    state_mode: str = ""
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -103,7 +108,8 @@ class HurrayConfig:
         if not path:
             raise HurrayArgumentError("hurray_path", "HurrayConnector needs kv_connector_extra_config.hurray_path")
         block_size = vllm_config.cache_config.block_size
-        chunk = _int(cfg, "hurray_chunk_tokens", 256)
+        # 256 tokens, or the nearest whole number of blocks above (a hybrid's blocks may be larger).
+        chunk = _int(cfg, "hurray_chunk_tokens", -(-256 // block_size) * block_size)
         if chunk <= 0 or chunk % block_size:
             raise HurrayArgumentError(
                 "hurray_chunk_tokens", f"{chunk} is not a multiple of the engine's block size {block_size}"
@@ -118,6 +124,7 @@ class HurrayConfig:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector cannot serve this model: {why}")
         layer_groups, windows = cache_groups(kv_cache_config)
         grouped = is_grouped(windows)
+        states = sorted(set(state_groups(kv_cache_config).values()))
         specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or []]
         sizes = {getattr(spec, "block_size", block_size) for spec in specs} | {block_size}
         if sizes != {block_size}:
@@ -159,4 +166,6 @@ class HurrayConfig:
             layer_groups=layer_groups if grouped else {},
             group_windows=tuple(windows) if grouped else (),
             window_chunks=window_chunks,
+            state_groups=tuple(states),
+            state_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none") if states else "",
         )

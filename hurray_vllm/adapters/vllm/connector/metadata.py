@@ -43,6 +43,10 @@ class LoadTask:
     #: Several KV cache groups: the blocks to fill per group, aligned with ``block_ids`` (a sliding-window
     #: group's entries out of its window are the null block 0: nothing is written there).
     groups: list[list[int]] = field(default_factory=list)
+    #: A linear-attention hybrid: the token the load resumes at (where the last chunk's states were
+    #: taken), and per state group the blocks its state is written into.
+    resume: int = 0
+    state_blocks: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +60,10 @@ class SaveTask:
     #: Several KV cache groups: each group's blocks of the chunk; a sliding-window group's blocks no
     #: later resume needs (out of the window of the chunk's end) are 0, so the chunk does not store them.
     groups: list[list[int]] = field(default_factory=list)
+    #: A linear-attention hybrid whose state at the chunk's end is in the engine this step: per state
+    #: group the block holding it (empty otherwise: the chunk is stored without states), and that end.
+    state_blocks: dict[int, list[int]] = field(default_factory=dict)
+    state_position: int = 0
 
 
 @dataclass

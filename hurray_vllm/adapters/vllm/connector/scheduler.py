@@ -19,6 +19,7 @@ from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ReceiverBase, receiver_for
 from ....transport.base import parse_listen
+from ..states import state_block, step_block
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
 
@@ -59,6 +60,11 @@ def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int)
             if size is not None and base + starts[0] > max(base, resume - size + 1):
                 return False
     return True
+
+
+def _states_at(chunk: KVSnapshot, resume: int) -> bool:
+    """Whether ``chunk`` holds the linear-attention states a resume at token ``resume`` starts from."""
+    return chunk.states is not None and tuple(chunk.states.positions) == (resume,)
 
 
 def is_damage(exc: BaseException) -> bool:
@@ -104,6 +110,8 @@ class HurrayScheduler:
         self._verified_cap = config.verified_chunks
         self._windows = config.group_windows  # () for one KV cache group
         self._last_only = config.window_chunks == "last"
+        self._state_groups = config.state_groups  # () unless linear-attention layers keep states
+        self._state_mode = config.state_mode
 
     def start_receiver(self) -> None:
         """Start the ``hurray_listen`` receiver once per process (it outlives any one connector)."""
@@ -187,6 +195,10 @@ class HurrayScheduler:
             # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends: load less.
             hit -= 1
             idents.pop()
+        while self._state_groups and hit > first and not _states_at(snaps[hit - first - 1], hit * self._chunk):
+            # A linear-attention state is valid only where it was taken: resume at the last chunk holding one.
+            hit -= 1
+            idents.pop()
         matched = hit * self._chunk - num_computed_tokens
         if matched <= 0 or num_computed_tokens % self._block_size:
             return 0, False
@@ -215,7 +227,7 @@ class HurrayScheduler:
                 state.groups = [list(g) for g in new.block_ids]
             start = new.num_computed_tokens
             if state.load is not None:
-                self._attach_load(meta, state, start)
+                self._attach_load(meta, state, start, scheduler_output.num_scheduled_tokens[new.req_id])
             self._plan_saves(meta, new.req_id, state, start + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -233,12 +245,14 @@ class HurrayScheduler:
                         mine.extend(more)
             if state.load is not None:
                 # A preempted request resumed with a load planned when it was rescheduled.
-                self._attach_load(meta, state, cached.num_computed_tokens[i])
+                self._attach_load(
+                    meta, state, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id]
+                )
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_saves(meta, req_id, state, done)
         return meta
 
-    def _attach_load(self, meta: HurrayConnectorMetadata, state: _Request, computed: int) -> None:
+    def _attach_load(self, meta: HurrayConnectorMetadata, state: _Request, computed: int, scheduled: int) -> None:
         """Hand the planned load to the worker, with the engine blocks it fills."""
         load = state.load
         assert load is not None
@@ -247,6 +261,17 @@ class HurrayScheduler:
         first = computed // self._block_size - nblocks
         load.block_ids = state.block_ids[first : first + nblocks]
         load.groups = [g[first : first + nblocks] for g in state.groups]
+        if self._state_groups:
+            # The state block at the resume, and the step's own: the engine copies the first into the
+            # second before the forward pass, ahead of this load (see adapters.vllm.states).
+            load.resume = computed
+            for g in self._state_groups:
+                ids = state.groups[g]
+                found = (
+                    state_block(ids, computed, self._block_size, self._state_mode),
+                    step_block(ids, computed, scheduled, self._block_size, self._state_mode),
+                )
+                load.state_blocks[g] = [b for b in dict.fromkeys(found) if b]
         meta.loads.append(load)
         state.chunks_done = computed // self._chunk
         state.load = None
@@ -275,9 +300,23 @@ class HurrayScheduler:
                         self._chunk_blocks(g, w, c, per, prompt_end)
                         for g, w in zip(state.groups, self._windows, strict=True)
                     ],
+                    **self._state_blocks(state, (c + 1) * self._chunk, computed),
                 )
             )
         state.chunks_done = full
+
+    def _state_blocks(self, state: _Request, end: int, computed: int) -> dict[str, Any]:
+        """A chunk's linear-attention state blocks, when this step ends at the chunk's end (else none).
+
+        Only then does the engine hold the state at that token: a step that
+        runs past it keeps only its own end's state.
+        """
+        if not self._state_groups or end != computed:
+            return {}
+        blocks = {g: state_block(state.groups[g], end, self._block_size, self._state_mode) for g in self._state_groups}
+        if not all(blocks.values()):
+            return {}
+        return {"state_blocks": {g: [b] for g, b in blocks.items()}, "state_position": end}
 
     def _chunk_blocks(self, blocks: list[int], window: int | None, c: int, per: int, resume: int = 0) -> list[int]:
         """Chunk ``c``'s blocks of one group; for a sliding window, 0 for those no kept resume needs.

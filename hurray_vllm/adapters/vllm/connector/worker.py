@@ -23,6 +23,7 @@ from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, verify_ch
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
+from ....kv.states import RecurrentStates
 from ....transport import ChunkSender, sender_for
 from ..cache import EngineCache, attention_layers, describe_worker_cache, group_options, write_blocks
 from ..export import GatherBuffers, SequenceState, export_snapshot
@@ -32,6 +33,7 @@ from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTas
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["HurrayWorker"]
 
@@ -142,9 +144,17 @@ class _Staging:
             del self._free[self._keep :]
 
 
+def _task_states(ec: EngineCache, task: SaveTask) -> RecurrentStates | None:
+    """A copy of the linear-attention states the chunk of ``task`` is stored with (``None``: none this step)."""
+    if ec.states is None or not task.state_blocks:
+        return None
+    return ec.states.gather([{g: ids[0] for g, ids in task.state_blocks.items()}], [task.state_position])
+
+
 def _task_blocks(task: LoadTask) -> set[int]:
     """Every engine block a load fills, in every group; never vLLM's null block 0 (nothing is loaded there)."""
-    return {b for g in (task.groups or [task.block_ids]) for b in g if b}
+    state = {b for ids in task.state_blocks.values() for b in ids if b}
+    return {b for g in (task.groups or [task.block_ids]) for b in g if b} | state
 
 
 class HurrayWorker:
@@ -157,8 +167,10 @@ class HurrayWorker:
         fingerprint: ModelFingerprint,
         ns: str,
         vllm_config: VllmConfig | None = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config  # finds a linear-attention hybrid's state layers
         self._store = store
         self._fingerprint = fingerprint
         self._ns = ns
@@ -190,14 +202,14 @@ class HurrayWorker:
         missing = [n for n in names if self._layer_groups and n not in self._layer_groups]
         if missing:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector: layers {missing} are in no KV cache group")
-        self._ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names)
+        self._ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names, self._kv_cache_config)
 
     def _engine_cache(self, forward_context: ForwardContext | None = None) -> EngineCache:
         if self._ec is None:
             layers = attention_layers(self._vllm_config)
             names = list(layers)
             caches = [m.kv_cache[0] if isinstance(m.kv_cache, (list, tuple)) else m.kv_cache for m in layers.values()]
-            self._ec = describe_worker_cache(self._vllm_config, caches, names)
+            self._ec = describe_worker_cache(self._vllm_config, caches, names, self._kv_cache_config)
         return self._ec
 
     def start_load_kv(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None = None) -> None:
@@ -219,12 +231,15 @@ class HurrayWorker:
                 continue
             try:
                 writes = self._plan_writes(ec, task, chunks)
+                states = self._plan_states(ec, task, chunks)
             except HurrayFormatError as exc:
                 log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
                 self._load_errors.update(_task_blocks(task))
                 continue
             for layer, ids, pools in writes:
                 write_blocks(ec, layer, ids, *pools)
+            if states is not None and ec.states is not None:
+                ec.states.write([task.state_blocks], states)
             self.stats.chunks_loaded += len(chunks)
             self.stats.tokens_loaded += len(chunks) * self._chunk - task.skip_blocks * ec.block_size
 
@@ -273,6 +288,30 @@ class HurrayWorker:
                 if dest.numel():
                     writes.append((layer, dest, self._pages(chunk, layer, rows)))
         return writes
+
+    @staticmethod
+    def _plan_states(ec: EngineCache, task: LoadTask, chunks: list[KVSnapshot]) -> RecurrentStates | None:
+        """The linear-attention states a load writes (the last chunk's), checked before any block is touched.
+
+        Raises:
+            HurrayFormatError: (field ``snapshot.states``) the last chunk holds
+                no states taken at the resume, states of another geometry, or
+                the engine gave a state group no block to hold them.
+        """
+        if ec.states is None:
+            return None
+        states = chunks[-1].states if chunks else None
+        if states is None or tuple(states.positions) != (task.resume,):
+            raise HurrayFormatError(
+                "snapshot.states", f"chunk {task.keys[-1] if task.keys else '?'} holds no states at token {task.resume}"
+            )
+        diffs = ec.states.mismatches(states)
+        if diffs:
+            raise HurrayFormatError("snapshot.states", "states of another model: " + "; ".join(diffs))
+        missing = [g for g in ec.states.state_group_ids if not task.state_blocks.get(g)]
+        if missing:
+            raise HurrayFormatError("snapshot.states", f"no engine block to hold the states of groups {missing}")
+        return states
 
     def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
         key = task.keys[c]
@@ -361,7 +400,7 @@ class HurrayWorker:
                     yield self._ns, task.key, chunk
                     self._pushed.add(task.key)
                 continue
-            snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True)
+            snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True, states=_task_states(ec, task))
             self._put(task.key, snap)
             if push:
                 self._register_chunk_buffers()
@@ -398,12 +437,15 @@ class HurrayWorker:
         else:
             ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
         staged, buffers = self._staging.copy(ec.caches, ids)
+        # States are copied now too: their blocks are reused as the engine runs on.
+        states = [_task_states(ec, t) for t in todo]
         nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
+        nbytes += sum(s.nbytes for s in states if s is not None)
 
         def write() -> None:
             try:
                 start = 0
-                for task in todo:
+                for task, task_states in zip(todo, states, strict=True):
                     if task.groups:  # already renumbered into the staged copies
                         local = list(task.groups[0])
                     else:
@@ -411,7 +453,7 @@ class HurrayWorker:
                         start += len(task.block_ids)
                     try:
                         # Exported into the writer's own reused buffers: no fresh memory per chunk.
-                        self._put(task.key, self._export_chunk(ec, staged, task, local, reuse=True))
+                        self._put(task.key, self._export_chunk(ec, staged, task, local, reuse=True, states=task_states))
                     except (HurrayFormatError, OSError) as exc:
                         log.warning("hurray: could not save chunk %s: %s", task.key, exc)
             finally:
@@ -443,7 +485,13 @@ class HurrayWorker:
         return layer_ids, tasks
 
     def _export_chunk(
-        self, ec: EngineCache, caches: list[torch.Tensor], task: SaveTask, block_ids: list[int], reuse: bool = False
+        self,
+        ec: EngineCache,
+        caches: list[torch.Tensor],
+        task: SaveTask,
+        block_ids: list[int],
+        reuse: bool = False,
+        states: RecurrentStates | None = None,
     ) -> KVSnapshot:
         if reuse and len(self._chunk_buffers) != len(caches):
             self._chunk_buffers = [GatherBuffers() for _ in caches]
@@ -461,6 +509,7 @@ class HurrayWorker:
             reserved_blocks=() if caches is not ec.caches else (0,),
             buffers=self._chunk_buffers if reuse else None,
             **groups,
+            states=states,
         )
         return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
 

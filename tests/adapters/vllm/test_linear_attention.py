@@ -1,0 +1,273 @@
+"""Linear-attention hybrids (Qwen3-Next style, gated delta net) from real vLLM engines, against transformers.
+
+One engine saves (HurrayConnector, prefix caching on: ``mamba_cache_mode
+"align"``) and snapshots after the prefill and one decode step later;
+another loads the chunks; a third loads from a store where one chunk lost
+its states and another's states are damaged; a fourth from a store whose
+states were replaced by zeros (well-formed, re-digested), which shows that
+the token comparison notices wrong states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import servers
+import torch
+from conftest import require
+from margins import agreement, assert_agrees
+from tiny_models import build_tiny_qwen3_next
+
+import hurray_vllm as hv
+from hurray_vllm.adapters import transformers as tfa
+from hurray_vllm.chunks import chunk_keys
+from hurray_vllm.chunks.store import DIGEST_KEY, chunk_digest
+
+pytestmark = [pytest.mark.vllm]
+HERE = Path(__file__).resolve().parents[2]
+#: Bytes of one sequence's states in the tiny model: 3 layers x (conv 3 x 1024 + recurrent 4 x 128 x 128) bf16.
+STATE_BYTES = 3 * (3 * 1024 + 4 * 128 * 128) * 2
+
+
+def _run(tmp: Path, name: str, store: Path, mode: str) -> dict[str, Any]:
+    out = tmp / name
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "linear_engine_run.py"), str(tmp / "model"), str(out), str(store), mode],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
+    )
+    if proc.returncode:
+        pytest.fail(f"linear-attention engine {name} failed:\n{servers.root_cause(proc.stderr)}")
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    result["dir"] = out
+    return result
+
+
+def _chunk_path(store: Path, prompt: list[int], chunk: int, index: int) -> Path:
+    (ns,) = [p.name for p in store.iterdir()]
+    return store / ns / f"{chunk_keys(prompt[: (index + 1) * chunk], chunk, ns)[index]}.hrry"
+
+
+def _rewrite(path: Path, states: Any, *, redigest: bool = True) -> None:
+    """Store the chunk at ``path`` again with other ``states`` (and, unless told otherwise, a matching digest)."""
+    snap = replace(hv.load(path), states=states)
+    if redigest:
+        snap = replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
+    hv.save(snap, path)
+
+
+@pytest.fixture(scope="session")
+def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require("transformers")
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("linear")
+    build_tiny_qwen3_next(tmp / "model")
+    store = tmp / "store"
+    saved = _run(tmp, "save", store, "save")
+    prompts, chunk = saved["prompts"], saved["chunk_tokens"]
+    runs: dict[str, Any] = {"tmp": tmp, "store": store, "save": saved}
+    runs["prefill"] = hv.load(saved["dir"] / "prefill.hrry")
+    runs["snap"] = hv.load(saved["dir"] / "snap.hrry")
+    broken, forged = tmp / "broken-store", tmp / "forged-store"
+    shutil.copytree(store, broken)
+    shutil.copytree(store, forged)
+    # "a" resumes at 768 from chunk 1's states: without them it has no resume (chunk 0 holds none).
+    _rewrite(_chunk_path(broken, prompts["a"], chunk, 1), None)
+    # "d" resumes at 384 from chunk 0's states: one value changed, the digest left as it was.
+    d0 = _chunk_path(broken, prompts["d"], chunk, 0)
+    states = hv.load(d0).states
+    assert states is not None
+    states.tensors[1][1][0, 0, 0, 0] += 1
+    _rewrite(d0, states, redigest=False)
+    runs["d0"] = d0
+    zeros = hv.load(_chunk_path(forged, prompts["a"], chunk, 1)).states
+    assert zeros is not None
+    _rewrite(
+        _chunk_path(forged, prompts["a"], chunk, 1),
+        zeros.with_tensors([[torch.zeros_like(t) for t in layer] for layer in zeros.tensors]),
+    )
+    runs["load"] = _run(tmp, "load", store, "load")
+    runs["broken"] = _run(tmp, "broken", broken, "load")
+    runs["forged"] = _run(tmp, "forged", forged, "load")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3_next(linear: dict[str, Any]) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(linear["tmp"] / "model", dtype=torch.bfloat16).eval()
+
+
+def _hf_states(model: Any, ids: list[int]) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """transformers' cache after a prefill of ``ids``, and its states in vLLM's layout (conv ``[kernel - 1, C]``)."""
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    states = [
+        (cache.layers[j].conv_states[0][0][:, 1:].T.float(), cache.layers[j].recurrent_states[0][0].float())
+        for j in (0, 1, 2)
+    ]
+    return cache, states
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).norm() / ref.norm())
+
+
+#: Relative (Frobenius) error of vLLM's states against transformers': at most 0.09 seen (two arithmetics,
+#: bf16 states); the states one token earlier are off by more than 1.
+STATE_TOLERANCE = 0.2
+
+
+def test_the_engine_keeps_its_hybrid_manager_with_prefix_caching(linear: dict[str, Any]) -> None:
+    saved = linear["save"]
+    assert saved["hybrid_manager_off"] is False
+    assert saved["prefix_caching"] is True and saved["mamba_cache_mode"] == "align"
+    assert saved["block_size"] == saved["chunk_tokens"] == 384
+
+
+def test_chunks_carry_states_only_where_they_were_taken(linear: dict[str, Any]) -> None:
+    store, prompts, chunk = linear["store"], linear["save"]["prompts"], linear["save"]["chunk_tokens"]
+    outputs = linear["save"]["outputs"]
+    expect = {
+        ("a", 0): None,  # inside the first prefill step (0..768): the engine kept no state at 384
+        ("a", 1): 768,
+        ("d", 0): 384,
+        ("d", 1): 768,  # the chunk completed by the 8th decode step, which ended there
+    }
+    for (rid, c), where in expect.items():
+        tokens = prompts[rid] + outputs[rid]
+        snap = hv.load(_chunk_path(store, tokens, chunk, c))
+        if where is None:
+            assert snap.states is None, f"{rid} chunk {c}"
+            continue
+        assert snap.states is not None and snap.states.positions == (where,), f"{rid} chunk {c}"
+        assert snap.states.layers == (0, 1, 2) and snap.states.names == ("conv", "ssm")
+        assert snap.states.kind == "gdn_attn" and snap.states.nbytes == STATE_BYTES
+        assert hv.validate(_chunk_path(store, tokens, chunk, c)).ok
+
+
+def test_snapshot_states_equal_transformers(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
+    """After the prefill and after a decode step: each state within bf16 of transformers', and not of a neighbour's."""
+    for name in ("prefill", "snap"):
+        snap = linear[name]
+        assert snap.states is not None and snap.states.positions == tuple(snap.seq_lens)
+        for s, rid in enumerate(snap.request_ids):
+            n = snap.seq_lens[s]
+            ids = list(snap.token_ids[s][:n])
+            _, want = _hf_states(hf_qwen3_next, ids)
+            _, before = _hf_states(hf_qwen3_next, ids[:-1])
+            for j in range(3):
+                for m, role in enumerate(("conv", "ssm")):
+                    got = snap.states.tensors[j][m][s]
+                    assert _rel(got, want[j][m]) <= STATE_TOLERANCE, f"{name} {rid} layer {j} {role}"
+                    # The companion: the tolerance refuses the state one token earlier.
+                    assert _rel(got, before[j][m]) > 3 * STATE_TOLERANCE, f"{name} {rid} layer {j} {role}"
+
+
+def test_snapshot_attention_kv_equals_transformers(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
+    """The one full-attention layer (model layer 3) is the snapshot's layer 0."""
+    snap = linear["snap"]
+    assert snap.states is not None and snap.states.attention_layers(snap.num_layers) == [3]
+    for s in range(snap.num_seqs):
+        n = snap.seq_lens[s]
+        cache, _ = _hf_states(hf_qwen3_next, list(snap.token_ids[s][:n]))
+        for role, ref in (("key", cache.layers[3].keys), ("value", cache.layers[3].values)):
+            got = snap[0, role].to_dense(s).float()  # [n, H, D]
+            want = ref[0].transpose(0, 1).float()
+            assert _close(got, want), f"seq {s} {role}"
+            assert not _close(got[1:], want[:-1]), f"seq {s} {role}: the neighbour's KV passed"
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Every token's and head's vector within :data:`STATE_TOLERANCE` of transformers' (relative norm).
+
+    The inputs of this layer went through three linear-attention layers with
+    bf16 states on each side: at most 0.08 seen, a neighbour's vector is off
+    by more than 0.9.
+    """
+    return bool(((got - ref).norm(dim=-1) <= STATE_TOLERANCE * ref.norm(dim=-1)).all())
+
+
+def test_transformers_continues_from_the_snapshot(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
+    """transformers resumed from vLLM's KV and states goes on as vLLM did (margin rule: two arithmetics)."""
+    snap, result = linear["snap"], linear["save"]
+    for s, rid in enumerate(snap.request_ids):
+        prompt, tokens = result["prompts"][rid], result["outputs"][rid]
+        done = len(snap.token_ids[s]) - len(prompt)
+        assert list(snap.token_ids[s]) == prompt + tokens[:done]
+        logits = tfa.teacher_forced_logits(hf_qwen3_next, snap, s, tokens[done:])
+        assert_agrees(logits, tokens[done:], f"linear {rid}: transformers from vLLM's KV and states")
+    assert len(set(result["outputs"]["a"])) > 3  # the tiny model's tokens vary: the comparison means something
+
+
+def test_the_margin_rule_refuses_zeroed_states(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
+    """The companion of the relaxed comparison: the same KV with empty states, and it is refused."""
+    snap, result = linear["snap"], linear["save"]
+    states = snap.states
+    assert states is not None
+    wrong = replace(snap, states=states.with_tensors([[torch.zeros_like(t) for t in lay] for lay in states.tensors]))
+    s = snap.request_ids.index("a")
+    done = len(snap.token_ids[s]) - len(result["prompts"]["a"])
+    tokens = result["outputs"]["a"][done:]
+    assert not agreement(tfa.teacher_forced_logits(hf_qwen3_next, wrong, s, tokens), tokens).ok
+
+
+def test_states_resume_only_where_they_were_taken(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
+    snap = linear["snap"]
+    with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
+        tfa.to_dynamic_cache(snap, 0, model_config=hf_qwen3_next.config, length=snap.seq_lens[0] - 1)
+    # Another model's layers (all attention) cannot take them either.
+    with pytest.raises(hv.HurrayFormatError, match="states"):
+        tfa.check_compatible(replace(snap, states=None), hf_qwen3_next.config)
+
+
+def test_another_engine_loads_the_chunks_with_identical_tokens(linear: dict[str, Any]) -> None:
+    saved, loaded = linear["save"], linear["load"]
+    assert loaded["outputs"] == saved["outputs"]
+    assert loaded["cached"]["a"] == 768 and loaded["cached"]["d"] == 384  # resumed at their last states
+    work = loaded["worker_stats"]
+    assert work["chunks_loaded"] == 3 and work["tokens_loaded"] == 768 + 384
+    assert loaded["hybrid_manager_off"] is False
+
+
+def test_a_chunk_without_its_states_or_with_damaged_ones_is_recomputed(linear: dict[str, Any]) -> None:
+    saved, broken = linear["save"], linear["broken"]
+    assert broken["outputs"] == saved["outputs"]
+    assert broken["cached"]["a"] == 0  # chunk 1 lost its states: no chunk of "a" holds a resume
+    assert broken["cached"]["d"] == 0  # chunk 0's states fail the digest
+    sched = broken["scheduler_stats"]
+    assert sched["chunks_refused"] >= 1 and sched["chunks_quarantined"] == 1
+    assert Path(str(linear["d0"]) + ".bad").exists()
+
+
+def test_the_token_comparison_notices_wrong_states(linear: dict[str, Any]) -> None:
+    """Zeroed states in a well-formed chunk load (nothing can tell them from real ones) and change the tokens."""
+    saved, forged = linear["save"], linear["forged"]
+    assert forged["cached"]["a"] == 768
+    assert forged["outputs"]["a"] != saved["outputs"]["a"]
+
+
+def test_files_validate_and_pyhurray_reads_them(linear: dict[str, Any], hurray: Any) -> None:
+    path = linear["save"]["dir"] / "snap.hrry"
+    assert hv.validate(path).ok
+    ref = hurray.load(str(path))
+    assert [tuple(m.shape) for m in ref["states.0"].members] == [(4, 3, 1024), (4, 4, 128, 128)]
+    for ext in ("hrrs", "safetensors"):
+        other = linear["tmp"] / f"snap.{ext}"
+        hv.save(linear["snap"], other)
+        back = hv.load(other)
+        assert back.states is not None
+        for x, y in zip(back.states.tensors, linear["snap"].states.tensors, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(x, y, strict=True))

@@ -1,0 +1,103 @@
+"""Runs one real vLLM engine (CPU) on a tiny linear-attention hybrid (Qwen3-Next style) with HurrayConnector.
+
+Usage: python linear_engine_run.py MODEL_DIR OUT_DIR STORE_DIR (save|load)
+
+``save`` snapshots the requests after their prefill (``OUT_DIR/prefill.hrry``)
+and mid-decode (``OUT_DIR/snap.hrry``) while the connector saves every
+whole chunk to ``STORE_DIR``; ``load`` runs the same prompts against a
+store. Both record the greedy outputs, vLLM's cached-token counts, the
+connector's statistics and the block tables in ``OUT_DIR/result.json``.
+Prefix caching is vLLM's default (on), so its state groups run in
+``mamba_cache_mode="align"`` with blocks of 384 tokens (vLLM sizes them to
+the state's page).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+CHUNK = 384  # one block: every prefill's last whole block boundary holds a state (vLLM stops a step there)
+
+
+def prompts() -> dict[str, list[int]]:
+    a = [(i * 37 + 11) % 500 + 1 for i in range(1000)]
+    d = [(i * 53 + 7) % 500 + 1 for i in range(760)]
+    return {
+        "a": a,  # prefilled in two steps, 0..768 and 768..1000: chunk 1 holds the state at 768, chunk 0 none
+        "b": [*a[:768], 3, 1, 4, 1, 5, 9, 2, 6],  # shares both chunks with "a"
+        "c": [17, 42, 99, 256, 8],  # shorter than a block
+        "d": d,  # prefilled 0..384 and 384..760: chunk 0 holds the state at 384; chunk 1 ends in the decode
+    }
+
+
+def main() -> None:
+    model, out, store, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    import hurray_vllm as hv
+    from hurray_vllm.adapters.vllm import snapshot
+    from hurray_vllm.adapters.vllm._generate import _worker_stats
+
+    kv = KVTransferConfig(
+        kv_connector="HurrayConnector",
+        kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"hurray_path": store, "hurray_chunk_tokens": CHUNK},
+        kv_load_failure_policy="recompute",
+    )
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=2048,
+        kv_transfer_config=kv,
+        seed=0,
+    )
+    result: dict[str, Any] = {"prompts": prompts(), "chunk_tokens": CHUNK}
+    eng = llm.llm_engine
+    core: Any = eng.engine_core.engine_core  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    sp = SamplingParams(detokenize=False, temperature=0, max_tokens=16, ignore_eos=True)
+    for rid, ids in result["prompts"].items():
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
+    outputs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    steps = 0
+    taken = False
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outputs[o.request_id] = list(o.outputs[0].token_ids)
+                cached[o.request_id] = o.num_cached_tokens
+        steps += 1
+        reqs = list(core.scheduler.requests.values())
+        if mode == "save" and not taken and reqs and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
+            # Every prompt computed, no decode step yet: transformers' prefill is the ground truth here.
+            hv.save(snapshot(llm, list(result["prompts"])), out / "prefill.hrry")
+            taken = True
+        elif mode == "save" and taken and "snap" not in result:
+            hv.save(snapshot(llm, list(result["prompts"])), out / "snap.hrry")  # one decode step later
+            result["snap"] = steps
+    result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
+    result["worker_stats"] = llm.collective_rpc(_worker_stats)[0]
+    cfg = eng.vllm_config
+    result["hybrid_manager_off"] = bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)
+    result["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
+    result["mamba_cache_mode"] = str(cfg.cache_config.mamba_cache_mode)
+    result["block_size"] = int(cfg.cache_config.block_size)
+    result["outputs"] = outputs
+    result["cached"] = cached
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
