@@ -97,16 +97,27 @@ MODELS: dict[str, dict[str, Any]] = {
         "kv_bytes_per_token": LAYERS * 576 * 2,  # one 576-value latent per layer, bf16: 9 KiB
         "describe": f"random DeepSeek-V2, {LAYERS} layers, MLA latent 512 + 64, bf16",
     },
+    "linear": {
+        "block_size": None,  # vLLM sizes it to the state's page; the chunk is one block
+        "kv_bytes_per_token": 2 * (LAYERS // 4) * KV_HEADS * HEAD_DIM * 2,  # the 2 full layers' K and V: 8 KiB
+        # Per sequence, each gated-delta-net layer: conv 3 x (2 x 4 x 128 + 8 x 128) and recurrent 8 x 128 x 128.
+        "state_bytes": (LAYERS - LAYERS // 4) * (3 * 2048 + 8 * 128 * 128) * 2,
+        "describe": f"random Qwen3-Next, {LAYERS} layers (6 gated delta net, 2 full), "
+        f"{KV_HEADS} KV heads x {HEAD_DIM}, linear heads 4 (k) / 8 (v) x 128, bf16, prefix caching on",
+    },
 }
 MODEL = "llama"  # set by main() (and engine_main) from --model / the engine config
+#: The connectors compared (ExampleConnector cannot serve a linear-attention hybrid: select_model drops it).
+CONNECTORS: tuple[str, ...] = ("hurray", "example")
 BLOCK_SIZE = MODELS[MODEL]["block_size"]
 KV_BYTES_PER_TOKEN = MODELS[MODEL]["kv_bytes_per_token"]
 
 
 def select_model(name: str) -> None:
     """Make ``name`` the model this process benchmarks (block size and KV bytes per token follow)."""
-    global MODEL, BLOCK_SIZE, KV_BYTES_PER_TOKEN
+    global MODEL, BLOCK_SIZE, KV_BYTES_PER_TOKEN, CONNECTORS
     MODEL, BLOCK_SIZE, KV_BYTES_PER_TOKEN = name, MODELS[name]["block_size"], MODELS[name]["kv_bytes_per_token"]
+    CONNECTORS = ("hurray",) if name == "linear" else ("hurray", "example")
 
 
 # ── model and prompts ──────────────────────────────────────────────────────
@@ -132,6 +143,24 @@ def build_model(path: Path) -> Path:
             layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * (LAYERS // 4),
         )
         model = tr.Gemma3ForCausalLM(cfg)
+    elif MODEL == "linear":
+        cfg = tr.Qwen3NextConfig(
+            **common,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (LAYERS // 4),
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=128,  # the only head dims vLLM's CPU GDN kernels take
+            linear_value_head_dim=128,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            # Dense MLPs in the linear layers (tests/tiny_models.py says why); vLLM needs one MoE layer.
+            mlp_only_layers=[i for i in range(LAYERS) if i % 4 != 3],
+        )
+        model = tr.Qwen3NextForCausalLM(cfg)
     else:
         cfg = tr.DeepseekV2Config(
             **common,
@@ -318,13 +347,15 @@ def engine_main(cfg_path: str, out_path: str) -> None:
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="bfloat16",
-        block_size=BLOCK_SIZE,
+        **({"block_size": BLOCK_SIZE} if BLOCK_SIZE else {}),
         max_model_len=4096,
         # Whole prompts in one step: ExampleConnector saves only at a request's first step.
         max_num_batched_tokens=16384,
         max_num_seqs=8,
         kv_transfer_config=kv,
-        enable_prefix_caching=False,
+        # A linear-attention hybrid keeps states at block boundaries only with prefix caching on
+        # (mamba_cache_mode "align"); forget() resets the local cache so that loads go to the store.
+        enable_prefix_caching=MODEL == "linear",
         seed=0,
     )
     start_s = time.perf_counter() - t0
@@ -363,8 +394,16 @@ def engine_main(cfg_path: str, out_path: str) -> None:
             from hurray_vllm.adapters.vllm.connector import forget_verified_chunks
 
             forget_verified_chunks()
+        if MODEL == "linear":
+            llm.reset_prefix_cache()  # the engine's own cache would serve the prompt instead of the store
 
-    result: dict[str, Any] = {"engine_start_s": start_s, "loadavg_before": os.getloadavg()}
+    cache_cfg = llm.llm_engine.vllm_config.cache_config
+    result: dict[str, Any] = {
+        "engine_start_s": start_s,
+        "loadavg_before": os.getloadavg(),
+        "block_size": int(cache_cfg.block_size),
+        "prefix_caching": bool(cache_cfg.enable_prefix_caching),
+    }
     result["warmup"] = run({"warmup": prompts["warmup"]})
     timed = []
     cold = store is not None and cfg["role"] == "consumer" and cfg["cold"]
@@ -376,6 +415,8 @@ def engine_main(cfg_path: str, out_path: str) -> None:
                 timed.append({"rid": rid, "kind": "cold", **run({rid: p})})
             forget()  # files cached, but read and checked again
             timed.append({"rid": rid, "kind": "warm", **run({rid: p})})
+            if MODEL == "linear":
+                llm.reset_prefix_cache()  # the store's chunks again, not the engine's own blocks
             timed.append({"rid": rid, "kind": "repeat", **run({rid: p})})
         else:
             # Interleaved with a control prompt, in alternating order: the same engine with saving
@@ -479,6 +520,8 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
     shared_chunks = args.shared_tokens // args.chunk_tokens
     expected_chunks = shared_chunks + n_shared * (per_prompt_chunks - shared_chunks)
     chunk_bytes = args.chunk_tokens * KV_BYTES_PER_TOKEN
+    # A linear-attention hybrid's prompts each store one chunk with states (the shared batch: 4).
+    shared_state_bytes = len(prompts["shared"]) * MODELS[MODEL].get("state_bytes", 0)
     out: dict[str, Any] = {
         "baseline": {
             "prefill_s_median": round(base_s, 4),
@@ -490,7 +533,7 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
             "engine_start_s": round(res["baseline"]["engine_start_s"], 1),
         }
     }
-    for conn in ("hurray", "example"):
+    for conn in CONNECTORS:
         prod, cons = res[f"{conn}-producer"], res[f"{conn}-consumer"]
         p_runs = [r for r in prod["timed"] if r["kind"] == "prefill"]
         p_ctrl = [r for r in prod["timed"] if r["kind"] == "control"]
@@ -560,7 +603,9 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
             entry["worker_stats_consumer"] = cons["worker_stats"]
             entry["scheduler_stats_consumer"] = cons["scheduler_stats"]
         out[conn] = entry
-    h, e = out["hurray"], out["example"]
+    h = out["hurray"]
+    # ExampleConnector cannot serve a linear-attention hybrid: its ratios are then None (see the recompute ones).
+    e: dict[str, Any] = collections.defaultdict(lambda: None, out.get("example", {}))
     # Chunks written by the shared batch: all written minus those of the warm-up and timed prompts.
     saved_shared = h["worker_stats_producer"]["chunks_saved"] - (1 + args.prompts) * per_prompt_chunks
 
@@ -593,7 +638,7 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
         "load_hurray_over_baseline_prefill_warm": ratio(h["load_s_median_warm"], base_s),
         "load_example_over_baseline_prefill_warm": ratio(e["load_s_median_warm"], base_s),
         "shared_bytes_hurray_over_example": ratio(
-            h["shared_batch"]["stored_du_bytes"], e["shared_batch"]["stored_du_bytes"]
+            h["shared_batch"]["stored_du_bytes"], (e["shared_batch"] or {}).get("stored_du_bytes")
         ),
         "shared_bytes_hurray_over_prefix_once_kv": ratio(
             h["shared_batch"]["stored_du_bytes"], expected_chunks * chunk_bytes
@@ -626,8 +671,17 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
         "load_time_le_example_cold_wall": le(r["load_hurray_over_example_cold"], 1.0),
         "load_time_le_example_repeat_wall": le(r["load_hurray_over_example_repeat"], 1.0),
         "shared_prefix_stored_once": saved_shared == expected_chunks
-        and h["shared_batch"]["stored_du_bytes"] <= 1.05 * expected_chunks * chunk_bytes,
+        and h["shared_batch"]["stored_du_bytes"] <= 1.05 * expected_chunks * chunk_bytes + shared_state_bytes,
     }
+    if MODEL == "linear":
+        # Against recomputing the prompt (no connector), as ExampleConnector cannot run this model.
+        out["goals"]["load_le_recompute_warm_wall"] = le(r["load_hurray_over_baseline_prefill_warm"], 1.0)
+        # A full-attention model of the same size stores all 8 layers' KV per token; this one 2 of 8, plus
+        # the states of the chunks that hold them (one per prompt: the one ending at its last block boundary).
+        full_model = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
+        bound = full_model * (LAYERS // 4) / LAYERS + MODELS["linear"]["state_bytes"] / args.prompt_tokens
+        out["stored_bytes_bound_per_token"] = round(bound)
+        out["goals"]["stored_bytes_le_attention_share_plus_states"] = h["stored_bytes_per_token"] <= bound
     return out
 
 
@@ -636,7 +690,10 @@ def main() -> None:
     ap.add_argument("--engine", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=int, default=8, help="timed prompts (default 8)")
     ap.add_argument(
-        "--model", choices=sorted(MODELS), default="llama", help="the model's kind: llama (default), hybrid, mla"
+        "--model",
+        choices=sorted(MODELS),
+        default="llama",
+        help="the model's kind: llama (default), hybrid (sliding window), mla, linear (gated delta net)",
     )
     ap.add_argument(
         "--window-chunks", choices=["every", "last"], default="every", help="hurray_window_chunks (hybrid only)"
@@ -667,9 +724,9 @@ def main() -> None:
         engine_main(*args.engine)
         return
     select_model(args.model)
-    if args.chunk_tokens % BLOCK_SIZE or args.shared_tokens % args.chunk_tokens:
+    if BLOCK_SIZE and (args.chunk_tokens % BLOCK_SIZE or args.shared_tokens % args.chunk_tokens):
         ap.error(f"--chunk-tokens must be a multiple of {BLOCK_SIZE} and divide --shared-tokens")
-    if (args.prompt_tokens - 1) % BLOCK_SIZE == 0:
+    if BLOCK_SIZE and (args.prompt_tokens - 1) % BLOCK_SIZE == 0:
         # ExampleConnector saves (n-1)//bs*bs tokens but looks up (n-2)//bs*bs: they differ then.
         ap.error("--prompt-tokens - 1 must not be a multiple of the block size (ExampleConnector would miss)")
     t_all = time.perf_counter()
@@ -692,7 +749,12 @@ def main() -> None:
         res["baseline"] = run_engine(
             work, "baseline", {**common, "connector": None, "role": "producer"}, args.omp_threads
         )
-        for conn in ("hurray", "example"):
+        if not BLOCK_SIZE:
+            # vLLM chose the block size (a linear-attention hybrid's fits the state's page): one block per
+            # chunk, the choice that lets every prompt resume at its last block boundary (docs/connector.md).
+            args.chunk_tokens = common["chunk_tokens"] = res["baseline"]["block_size"]
+            log(f"vLLM's block size is {args.chunk_tokens}: chunks of one block")
+        for conn in CONNECTORS:
             store = work / f"store-{conn}"
             store.mkdir()
             res[f"{conn}-producer"] = run_engine(
@@ -701,7 +763,7 @@ def main() -> None:
                 {**common, "connector": conn, "role": "producer", "store": str(store)},
                 args.omp_threads,
             )
-        for conn in ("hurray", "example"):
+        for conn in CONNECTORS:
             store = work / f"store-{conn}"
             res[f"{conn}-consumer"] = run_engine(
                 work,
@@ -729,7 +791,7 @@ def main() -> None:
             "config": {
                 "model": MODELS[MODEL]["describe"],
                 "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
-                "block_size": BLOCK_SIZE,
+                "block_size": BLOCK_SIZE or res["baseline"]["block_size"],
                 "hurray_chunk_tokens": args.chunk_tokens,
                 "hurray_save_async": not args.sync_save,
                 "hurray_window_chunks": args.window_chunks,

@@ -34,6 +34,9 @@ def prompts() -> dict[str, list[int]]:
         "b": [*a[:768], 3, 1, 4, 1, 5, 9, 2, 6],  # shares both chunks with "a"
         "c": [17, 42, 99, 256, 8],  # shorter than a block
         "d": d,  # prefilled 0..384 and 384..760: chunk 0 holds the state at 384; chunk 1 ends in the decode
+        # Shares chunk 0 with "a" and is prefilled 0..384 in the step "a" runs 0..768: its chunk 0 has the
+        # state "a"'s has not, and is the one stored.
+        "e": [*a[:384], *range(100, 116)],
     }
 
 

@@ -43,9 +43,21 @@ def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
     planner of one table for all layers would give the full layers the
     windowed layers' pages. A windowed snapshot that dropped nothing is fine.
 
+    A linear-attention hybrid is refused too: its layers are the model's
+    attention layers only, and a model whose linear-attention layers need
+    their states (``snapshot.states``) cannot run on the KV alone.
+
     Raises:
-        HurrayFormatError: (field ``snapshot.windows``) naming ``what``.
+        HurrayFormatError: (field ``snapshot.windows`` or ``snapshot.states``) naming ``what``.
     """
+    if snapshot.states is not None:
+        raise HurrayFormatError(
+            "snapshot.states",
+            f"{what} imports attention KV only, but this snapshot's model also has linear-attention layers "
+            f"{list(snapshot.states.layers)} whose states it carries (its KV layers are model layers "
+            f"{snapshot.states.attention_layers(snapshot.num_layers)}); import it with the transformers adapter "
+            "or into vLLM",
+        )
     win = snapshot.windows
     if win is None or not snapshot.num_layers:
         return

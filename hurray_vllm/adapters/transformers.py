@@ -723,6 +723,12 @@ def _cache_layers(past_key_values: Any, latent: LatentSplit | None = None) -> li
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     if layers is not None:  # transformers >= 4.56 Cache
         for i, layer in enumerate(layers):
+            if hasattr(layer, "recurrent_states"):
+                raise HurrayFormatError(
+                    "past_key_values",
+                    f"layer {i} is a linear-attention layer ({type(layer).__name__}); from_transformers pages "
+                    "attention KV only and does not export recurrent states",
+                )
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4:
                 raise HurrayFormatError(

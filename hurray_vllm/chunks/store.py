@@ -14,6 +14,7 @@ rename): a reader sees a whole chunk or none.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from .keys import chunk_keys, chunks_of, namespace_of  # noqa: F401
 from .prune import PruneReport
 
 __all__ = ["ChunkStore", "DirectoryStore", "store_snapshot"]
+
+log = logging.getLogger("hurray_vllm.chunks")
 
 
 class ChunkStore(Protocol):
@@ -107,10 +110,15 @@ class DirectoryStore:
             return None
         return bad
 
-    def put(self, namespace: str, key: str, snap: KVSnapshot) -> bool:
-        """Store ``snap`` under ``key`` unless it is there already; True if written."""
+    def put(self, namespace: str, key: str, snap: KVSnapshot, *, replace: bool = False) -> bool:
+        """Store ``snap`` under ``key`` unless it is there already (or ``replace``); True if written.
+
+        ``replace`` renames the new file over a stored one: a reader holds
+        the old file or the new, whole (its identity changes, so a verified
+        copy of the old one is no longer taken for it).
+        """
         target = self.path(namespace, key)
-        if target.is_file():
+        if target.is_file() and not replace:
             return False
         target.parent.mkdir(parents=True, exist_ok=True)
         # No fsync: every reader verifies the chunk checksum, so a file torn by
@@ -126,6 +134,21 @@ class DirectoryStore:
         from .prune import prune
 
         return prune(self, max_bytes, stale_temp_s=stale_temp_s, dry_run=dry_run)
+
+    def has_states(self, namespace: str, key: str) -> bool:
+        """Whether the stored chunk carries linear-attention states (reads its header only; False if unreadable)."""
+        from ..containers.hrryfile import HrryFile
+        from ..containers.schema import decode_header, group_records, is_snapshot_header
+
+        try:
+            with HrryFile(self.path(namespace, key)) as hf:
+                node = next(group_records(hf.records()), None)
+                if node is None or not is_snapshot_header(node):
+                    return False
+                raw = node.members[0].record.buffers[0]
+                return decode_header(bytes(raw.numpy())).states is not None
+        except (OSError, HurrayFormatError, StopIteration, ValueError):
+            return False
 
     def get(self, namespace: str, key: str) -> KVSnapshot:
         """The chunk under ``key``, read into memory it owns; :class:`HurrayFormatError` if missing or malformed.
@@ -146,10 +169,24 @@ def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int) -
 
     This is how a snapshot is imported into another vLLM engine: the
     engine's connector finds the chunks by prefix when the sequences arrive.
+    A linear-attention hybrid's states go with the chunk ending where they
+    were taken; a sequence whose length is not a whole number of chunks
+    gets chunks no consumer can resume from, which is logged.
     """
     assert snap.fingerprint is not None or not snap.num_layers
     written = 0
+    resumable = 0
     for key, chunk in chunks_of(snap, chunk_tokens):
         assert chunk.fingerprint is not None
         written += store.put(namespace_of(chunk.fingerprint), key, chunk)
+        resumable += chunk.states is not None
+    if snap.states is not None and resumable < snap.num_seqs:
+        log.warning(
+            "hurray: %d of %d sequences have no chunk ending where their linear-attention states were taken "
+            "(lengths %s, chunks of %d tokens): a consumer recomputes them",
+            snap.num_seqs - resumable,
+            snap.num_seqs,
+            list(snap.states.positions),
+            chunk_tokens,
+        )
     return written

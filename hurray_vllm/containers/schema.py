@@ -603,6 +603,12 @@ def build_snapshot(
             "snapshot.states",
             f"the header declares {len(layout.layers)} state layers but the input holds {len(states)} (truncated?)",
         )
+    lead = layers[0][0] if layers and layers[0] else None
+    if layout is not None and lead is not None and layout.num_seqs != lead.num_seqs:
+        # Structural even for a permissive read: a sequence would take another's state.
+        raise HurrayFormatError(
+            "snapshot.states.positions", f"states for {layout.num_seqs} sequences, the layers hold {lead.num_seqs}"
+        )
     if layers and all(len(m) == 1 for m in layers) and (header is None or header.latent is None):
         raise HurrayFormatError(
             "snapshot.latent", "the layers hold fused MLA latents but the header does not say how they divide"

@@ -50,9 +50,18 @@ class RecurrentStates:
             each sequence's KV; a chunk's at the chunk's end, counted from
             the start of the whole prefix.
         tensors: per state layer, per member, ``[num_seqs, *shape]`` in the
-            engine's dtype and layout (vLLM's GDN: conv ``[S, kernel - 1,
-            conv_dim]`` and recurrent ``[S, v_heads, v_dim, k_dim]``, bf16).
-            Empty in a header that carries only the layout.
+            engine's dtype. A gated delta net's (``"gdn_attn"``) are in one
+            layout whatever the engine's memory holds: conv ``[S, kernel - 1,
+            conv_dim]`` (oldest input first) and recurrent ``[S, v_heads,
+            k_dim, v_dim]`` (transformers' order; vLLM's GPU kernels keep
+            ``v_dim, k_dim``, its CPU kernels this one). Empty in a header
+            that carries only the layout.
+        attention: the model indices of the snapshot's attention layers (its
+            ``layers.{i}``), when the exporter knows them; otherwise they are
+            the model layers :attr:`layers` leaves (:meth:`attention_layers`).
+        layout: ``""`` for the layout above; an engine-specific name (such as
+            ``"vllm-cuda-SD"``) for kinds whose memory layout is not
+            normalized, which only the same layout may load.
 
     Example:
         >>> import torch
@@ -69,6 +78,8 @@ class RecurrentStates:
     tensors: tuple[tuple[torch.Tensor, ...], ...] = ()
     #: Per member, its per-sequence shape and dtype name; what a header announces before the tensors.
     declared: tuple[tuple[tuple[int, ...], str], ...] = ()
+    attention: tuple[int, ...] = ()
+    layout: str = ""
 
     @property
     def num_seqs(self) -> int:
@@ -95,7 +106,13 @@ class RecurrentStates:
         return sum(t.numel() * t.element_size() for layer in self.tensors for t in layer)
 
     def attention_layers(self, num_attention_layers: int) -> list[int]:
-        """The model indices of ``num_attention_layers`` attention layers: those no state layer takes, in order."""
+        """The model indices of ``num_attention_layers`` attention layers.
+
+        :attr:`attention` when the exporter recorded it, else the model layers
+        no state layer takes, in order.
+        """
+        if self.attention:
+            return list(self.attention[:num_attention_layers])
         taken = set(self.layers)
         out: list[int] = []
         i = 0
@@ -118,11 +135,43 @@ class RecurrentStates:
         """This layout with its tensors (what a reader builds after the header)."""
         return replace(self, tensors=tuple(tuple(layer) for layer in tensors), declared=())
 
+    def mismatches(self, other: RecurrentStates) -> list[str]:
+        """How ``other``'s layout differs from this one (empty when a consumer of this layout can load it).
+
+        Compares the kind, layer indices, members, per-sequence shapes,
+        dtypes and layout name; not the positions or values.
+        """
+        out = []
+        for name in ("kind", "layers", "names", "layout"):
+            a, b = getattr(other, name), getattr(self, name)
+            if a != b:
+                out.append(f"{name}: {a!r}, here {b!r}")
+        theirs = list(zip(other.shapes, other.dtype_names, strict=False))
+        mine = list(zip(self.shapes, self.dtype_names, strict=False))
+        if not out and theirs != mine:
+            out.append(f"shapes and dtypes: {theirs}, here {mine}")
+        return out
+
     def violations(self) -> list[Violation]:
-        """What is inconsistent: counts, shapes and dtypes across layers and sequences."""
+        """What is inconsistent: counts, shapes and dtypes across layers and sequences.
+
+        The same rules :meth:`from_json` applies to a header, so that what
+        ``validate`` passes in memory also loads from a file.
+        """
         found = []
         if len(set(self.layers)) != len(self.layers) or any(i < 0 for i in self.layers):
             found.append(Violation("snapshot.states.layers", f"layer indices {list(self.layers)} repeat or are < 0"))
+        if set(self.attention) & set(self.layers) or any(i < 0 for i in self.attention):
+            found.append(Violation("snapshot.states.attention_layers", "attention layers overlap state layers"))
+        if not _good_names(self.names):
+            found.append(
+                Violation("snapshot.states.names", f"{list(self.names)}: expected 1 to 16 distinct identifiers")
+            )
+        if any(p < 0 for p in self.positions):
+            found.append(Violation("snapshot.states.positions", "positions must be >= 0"))
+        bad = [d for d in (self.dtype_names if self.tensors or self.declared else ()) if d not in _STATE_DTYPES]
+        if bad:
+            found.append(Violation("snapshot.states.dtypes", f"{bad}: states are one of {sorted(_STATE_DTYPES)}"))
         if len(self.tensors) != len(self.layers):
             found.append(
                 Violation("snapshot.states", f"{len(self.tensors)} state layers for {len(self.layers)} layer indices")
@@ -155,8 +204,11 @@ class RecurrentStates:
         return found
 
     def to_json(self) -> dict[str, Any]:
-        """The layout as a JSON-ready dict (no tensors: containers hold them as records)."""
-        return {
+        """The layout as a JSON-ready dict (no tensors: containers hold them as records).
+
+        ``attention_layers`` and ``layout`` appear only when set.
+        """
+        out: dict[str, Any] = {
             "kind": self.kind,
             "layers": list(self.layers),
             "names": list(self.names),
@@ -164,6 +216,11 @@ class RecurrentStates:
             "shapes": [list(s) for s in self.shapes],
             "dtypes": list(self.dtype_names),
         }
+        if self.attention:
+            out["attention_layers"] = list(self.attention)
+        if self.layout:
+            out["layout"] = self.layout
+        return out
 
     @classmethod
     def from_json(cls, d: Any) -> RecurrentStates:
@@ -172,13 +229,12 @@ class RecurrentStates:
         kind = f.string("kind", max_len=256)
         layers = _int_list(f.obj.get("layers"), "snapshot.states.layers", _MAX_LAYERS, 0, _MAX_LAYERS)
         positions = _int_list(f.obj.get("positions"), "snapshot.states.positions", 1 << 24, 0, 1 << 62)
+        attention = _int_list(
+            f.obj.get("attention_layers", []), "snapshot.states.attention_layers", _MAX_LAYERS, 0, _MAX_LAYERS
+        )
+        layout = f.string("layout", max_len=256, default="")
         names = f.obj.get("names")
-        if (
-            not isinstance(names, list)
-            or not 1 <= len(names) <= _MAX_MEMBERS
-            or not all(isinstance(n, str) and n.isidentifier() and len(n) <= 64 for n in names)
-            or len(set(names)) != len(names)
-        ):
+        if not isinstance(names, list) or not _good_names(names):
             raise HurrayFormatError("snapshot.states.names", "expected 1 to 16 distinct identifier names")
         shapes, dts = f.obj.get("shapes"), f.obj.get("dtypes")
         if not isinstance(shapes, list) or len(shapes) != len(names):
@@ -191,7 +247,16 @@ class RecurrentStates:
             if not isinstance(dt, str) or dt not in _STATE_DTYPES:
                 raise HurrayFormatError("snapshot.states.dtypes", f"{dt!r} is not one of {sorted(_STATE_DTYPES)}")
             declared.append((dims, dt))
-        return cls(kind, layers, tuple(names), positions, (), tuple(declared))
+        return cls(kind, layers, tuple(names), positions, (), tuple(declared), attention, layout or "")
+
+
+def _good_names(names: Sequence[Any]) -> bool:
+    """1 to 16 distinct identifiers of at most 64 characters (they become record names)."""
+    return (
+        1 <= len(names) <= _MAX_MEMBERS
+        and all(isinstance(n, str) and n.isidentifier() and len(n) <= 64 for n in names)
+        and len(set(names)) == len(names)
+    )
 
 
 def _int_list(v: Any, what: str, max_len: int, lo: int, hi: int) -> tuple[int, ...]:

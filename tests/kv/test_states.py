@@ -139,3 +139,48 @@ def test_states_survive_select_and_repage() -> None:
     snap = _hybrid()
     again = repage_snapshot(snap, 2)
     assert same_states(again.states, snap.states)
+
+
+def test_validate_in_memory_applies_the_rules_a_file_is_read_with() -> None:
+    snap = _hybrid()
+    states = snap.states
+    assert states is not None
+    for wrong in (
+        replace(states, names=("conv", "not a name")),
+        states.with_tensors([[t.to(torch.int16) for t in layer] for layer in states.tensors]),
+        replace(states, positions=(6, -1)),
+        replace(states, attention=(0,)),  # overlaps the state layers
+    ):
+        assert not replace(snap, states=wrong).validate().ok
+
+
+def test_a_permissive_read_still_refuses_states_of_another_batch(tmp_path: Path) -> None:
+    snap = _hybrid()
+    one = snap.states.select([0])  # type: ignore[union-attr]
+    path = tmp_path / "s.hrry"
+    hv.save(replace(snap, states=one), path)
+    with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
+        hv.load(path, permissive=True)
+
+
+def test_recorded_attention_layers_and_layout_round_trip(tmp_path: Path) -> None:
+    snap = _hybrid()
+    states = replace(snap.states, layers=(0, 2, 3), attention=(1, 5), layout="vllm-cuda-SD")
+    hv.save(replace(snap, states=states), tmp_path / "s.hrry")
+    back = hv.load(tmp_path / "s.hrry").states
+    assert back is not None and back.attention == (1, 5) and back.layout == "vllm-cuda-SD"
+    assert back.attention_layers(2) == [1, 5]
+    assert states.mismatches(back) == []
+    assert "layout" in states.mismatches(replace(back, layout=""))[0]
+    assert "shapes" in states.mismatches(back.with_tensors([[t[:, :1] for t in lay] for lay in back.tensors]))[0]
+
+
+def test_block_paged_importers_refuse_a_snapshot_with_states() -> None:
+    from hurray_vllm.adapters.flash_attn import to_flash_attn
+    from hurray_vllm.adapters.flashinfer import to_flashinfer
+
+    snap = _hybrid()
+    for importer in (to_flash_attn, to_flashinfer):
+        with pytest.raises(hv.HurrayFormatError, match="linear-attention") as err:
+            importer(snap, 0)
+        assert err.value.field == "snapshot.states"

@@ -126,6 +126,8 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) ->
 
 def _unsupported_states(groups: Sequence[Any]) -> str | None:
     """Why these linear-attention groups cannot be moved (None when they can)."""
+    if all(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in groups):
+        return "the model has no attention layers (a pure state-space model): chunks are keyed by attention KV"
     for group in groups:
         spec = group.kv_cache_spec
         if type(spec).__name__ != "MambaSpec":

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ...errors import HurrayFormatError
 from ...kv.states import RecurrentStates
+from ...wire import dtypes
 
 __all__ = [
     "StateCache",
@@ -37,6 +38,7 @@ __all__ = [
     "state_names",
     "state_block",
     "step_block",
+    "declared_layout",
     "model_layer_index",
 ]
 
@@ -100,73 +102,148 @@ def _kind(kv_cache_config: Any) -> str:
     return ""
 
 
+def _transforms(kind: str, members: int) -> tuple[tuple[str, ...], str]:
+    """How this engine's state memory maps to the format's layout: per member, and the layout's name.
+
+    Per member ``""`` (as is), ``"T"`` (swap the last two dimensions) or
+    ``"V"`` (the memory already is in the format's order; only the declared
+    shape's last two dimensions are swapped: a view). A gated delta net's
+    conv state is ``[kernel - 1, conv_dim]`` in vLLM's default ("SD") conv
+    layout and the transpose under ``VLLM_SSM_CONV_STATE_LAYOUT=DS``. Its
+    recurrent state is declared ``[v_heads, v_dim, k_dim]``, which vLLM's
+    GPU kernels address as such, while its CPU kernels view the same memory
+    as ``[v_heads, k_dim, v_dim]``: transformers' order, the format's. Other
+    kinds keep the engine's memory under a layout name only the same engine
+    kind loads.
+    """
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    from vllm.platforms import current_platform
+
+    conv = get_conv_state_layout()
+    if kind == "gdn_attn" and members == 2:
+        return ("T" if conv == "DS" else "", "V" if current_platform.is_cpu() else "T"), ""
+    return ("",) * members, f"vllm-{current_platform.device_type}-{conv}"
+
+
+def _swap(shape: Sequence[int], how: str) -> tuple[int, ...]:
+    dims = tuple(int(x) for x in shape)
+    return (*dims[:-2], dims[-1], dims[-2]) if how and len(dims) >= 2 else dims
+
+
+def declared_layout(kv_cache_config: Any) -> RecurrentStates | None:
+    """The states a chunk of this engine's model carries, without tensors (``None``: no linear attention).
+
+    Built from the ``MambaSpec`` groups alone, so the scheduler (which has no
+    caches) refuses chunks whose states this engine's workers could not
+    load, before any block is touched.
+    """
+    of_layer = state_groups(kv_cache_config)
+    if not of_layer:
+        return None
+    groups = list(kv_cache_config.kv_cache_groups)
+    spec = groups[next(iter(of_layer.values()))].kv_cache_spec
+    shapes = [tuple(x) for x in getattr(spec, "shapes", ())]
+    names = tuple(of_layer)
+    kind = _kind(kv_cache_config)
+    how, layout = _transforms(kind, len(shapes))
+    state_dtypes = [dtypes.from_torch(d).name for d in getattr(spec, "dtypes", ())]
+    attention = [n for g in groups if type(g.kv_cache_spec).__name__ != "MambaSpec" for n in g.layer_names]
+    return RecurrentStates(
+        kind,
+        tuple(_model_indices(names)),
+        state_names(len(shapes)),
+        (),
+        declared=tuple((_swap(sh, h), d) for sh, h, d in zip(shapes, how, state_dtypes, strict=True)),
+        attention=tuple(sorted(_model_indices(attention))),
+        layout=layout,
+    )
+
+
+def _model_indices(names: Sequence[str]) -> list[int]:
+    """Model layer indices of vLLM module names, or their order when the names carry none."""
+    idx = [model_layer_index(n) for n in names]
+    return [i for i in idx if i is not None] if all(i is not None for i in idx) else list(range(len(names)))
+
+
 @dataclass(frozen=True)
 class StateCache:
     """One worker's linear-attention layers: their state tensors and how to find a request's state.
 
     Attributes:
-        kind: vLLM's ``mamba_type`` (lower case, e.g. ``"gdn_attn"``).
-        names: the members of every layer (``("conv", "ssm")``).
+        spec: the states a chunk carries (:func:`declared_layout`: kind, model
+            layer indices, members, shapes and dtypes in the format's layout).
         layer_names: the layers' module names, in model order.
-        layers: their model layer indices.
         groups: each layer's KV cache group.
         tensors: per layer, per member, ``[num_blocks, *shape]`` as vLLM holds it.
+        transforms: per member, engine memory to the format's layout
+            (:func:`_transforms`).
         block_size: tokens per block of the state groups.
         mode: ``mamba_cache_mode`` (``"align"`` or ``"none"``).
     """
 
-    kind: str
-    names: tuple[str, ...]
+    spec: RecurrentStates
     layer_names: tuple[str, ...]
-    layers: tuple[int, ...]
     groups: tuple[int, ...]
     tensors: tuple[tuple[torch.Tensor, ...], ...]
+    transforms: tuple[str, ...]
     block_size: int
     mode: str
 
     @property
     def state_group_ids(self) -> list[int]:
-        """The KV cache groups holding states, in order (one per layer in vLLM: several share none)."""
+        """The KV cache groups holding states, in order."""
         return sorted(set(self.groups))
 
     def block_of(self, block_ids: Sequence[int], tokens: int) -> int:
         """The block of one group's table holding the state after ``tokens`` computed tokens (0: none)."""
         return state_block(block_ids, tokens, self.block_size, self.mode)
 
+    def _to_format(self, t: torch.Tensor, m: int) -> torch.Tensor:
+        how = self.transforms[m] if m < len(self.transforms) else ""
+        if how == "T":
+            return t.transpose(-1, -2)
+        if how == "V":
+            return t.reshape(_swap(t.shape, how))  # contiguous rows of one block: the same memory
+        return t
+
+    def _to_engine(self, t: torch.Tensor, m: int) -> torch.Tensor:
+        how = self.transforms[m] if m < len(self.transforms) else ""
+        if how == "T":
+            return t.transpose(-1, -2)
+        if how == "V":
+            return t.contiguous().reshape(_swap(t.shape, how))
+        return t
+
     def gather(self, blocks: Sequence[dict[int, int]], positions: Sequence[int]) -> RecurrentStates:
         """The states of sequences whose state sits in ``blocks[s][group]``, taken after ``positions[s]`` tokens.
 
-        Copies (a state block is reused as the engine runs on). A sequence
-        without a state block (none computed yet) gets zeros, the state of
-        an empty prefix.
+        Copies (a state block is reused as the engine runs on), in the
+        format's layout. A sequence with nothing computed yet gets zeros, the
+        state of an empty prefix.
+
+        Raises:
+            HurrayFormatError: (field ``snapshot.states``) a sequence with
+                computed tokens whose state block is missing (vLLM's null block).
         """
+        for s, (b, n) in enumerate(zip(blocks, positions, strict=True)):
+            if n > 0 and not all(b.get(g, 0) for g in self.state_group_ids):
+                raise HurrayFormatError(
+                    "snapshot.states", f"sequence {s}: no state block after {n} tokens (the engine did not keep one)"
+                )
         tensors = []
         for layer, g in zip(self.tensors, self.groups, strict=True):
             ids = torch.tensor([b.get(g, 0) for b in blocks], dtype=torch.int64)
             members = []
-            for t in layer:
-                out = t.index_select(0, ids.to(t.device)).cpu()
-                empty = ids == 0
-                if bool(empty.any()):
-                    out[empty] = 0
+            for m, t in enumerate(layer):
+                out = self._to_format(t.index_select(0, ids.to(t.device)), m).contiguous().cpu()
+                out[ids == 0] = 0
                 members.append(out)
             tensors.append(tuple(members))
-        return RecurrentStates(self.kind, self.layers, self.names, tuple(int(p) for p in positions), tuple(tensors))
+        return replace(self.spec, positions=tuple(int(p) for p in positions)).with_tensors(tensors)
 
     def mismatches(self, states: RecurrentStates) -> list[str]:
         """Why ``states`` cannot be loaded here (empty when they can)."""
-        out = []
-        if states.kind != self.kind:
-            out.append(f"kind: {states.kind!r}, here {self.kind!r}")
-        if tuple(states.layers) != self.layers:
-            out.append(f"layers: {list(states.layers)}, here {list(self.layers)}")
-        if tuple(states.names) != self.names:
-            out.append(f"members: {list(states.names)}, here {list(self.names)}")
-        mine = tuple((tuple(t.shape[1:]), t.dtype) for t in self.tensors[0]) if self.tensors else ()
-        theirs = tuple((tuple(t.shape[1:]), t.dtype) for t in states.tensors[0]) if states.tensors else ()
-        if not out and mine != theirs:
-            out.append(f"shapes: {theirs}, here {mine}")
-        return out
+        return self.spec.mismatches(states)
 
     def write(self, blocks: Sequence[dict[int, list[int]]], states: RecurrentStates) -> None:
         """Write sequence ``s``'s state into the blocks ``blocks[s][group]`` of each layer's group.
@@ -185,8 +262,9 @@ class StateCache:
                 continue
             dest = torch.tensor(ids, dtype=torch.int64)
             pick = torch.tensor(rows, dtype=torch.int64)
-            for t, s in zip(layer, src, strict=True):
-                t.index_copy_(0, dest.to(t.device), s.index_select(0, pick).to(t.device, t.dtype))
+            for m, (t, src_m) in enumerate(zip(layer, src, strict=True)):
+                value = self._to_engine(src_m.index_select(0, pick), m)
+                t.index_copy_(0, dest.to(t.device), value.to(t.device, t.dtype))
 
 
 def state_cache(vllm_config: Any, kv_cache_config: Any) -> StateCache | None:
@@ -196,30 +274,31 @@ def state_cache(vllm_config: Any, kv_cache_config: Any) -> StateCache | None:
         HurrayFormatError: (field ``kv_cache_groups``) a state layer whose
             cache is not a list of tensors, or layers that disagree in shape.
     """
-    of_layer = state_groups(kv_cache_config)
-    if not of_layer:
+    spec = declared_layout(kv_cache_config)
+    if spec is None:
         return None
+    of_layer = state_groups(kv_cache_config)
     ctx = vllm_config.compilation_config.static_forward_context
-    names = [n for n in ctx if n in of_layer]
+    names = [n for n in of_layer if n in ctx]
     tensors = []
     for n in names:
         kv = getattr(ctx[n], "kv_cache", None)
         if not isinstance(kv, (list, tuple)) or not kv or not all(isinstance(t, torch.Tensor) for t in kv):
             raise HurrayFormatError("kv_cache_groups", f"{n}: its state cache is not a list of tensors")
         tensors.append(tuple(kv))
+    if len(tensors) != len(spec.layers):
+        raise HurrayFormatError("kv_cache_groups", f"{len(tensors)} state caches for {len(spec.layers)} state layers")
     if len({tuple((tuple(t.shape[1:]), t.dtype) for t in layer) for layer in tensors}) > 1:
         raise HurrayFormatError("kv_cache_groups", "linear-attention layers hold states of different shapes")
-    idx = [model_layer_index(n) for n in names]
-    layers = tuple(i if i is not None else k for k, i in enumerate(idx))
     groups = list(kv_cache_config.kv_cache_groups)
-    spec = groups[of_layer[names[0]]].kv_cache_spec if names else None
+    group_spec = groups[of_layer[names[0]]].kv_cache_spec
+    how, _ = _transforms(spec.kind, len(spec.names))
     return StateCache(
-        kind=_kind(kv_cache_config),
-        names=state_names(len(tensors[0]) if tensors else 0),
+        spec=spec,
         layer_names=tuple(names),
-        layers=layers,
         groups=tuple(of_layer[n] for n in names),
         tensors=tuple(tensors),
-        block_size=int(getattr(spec, "block_size", vllm_config.cache_config.block_size)),
-        mode=str(getattr(spec, "mamba_cache_mode", vllm_config.cache_config.mamba_cache_mode) or "none"),
+        transforms=how,
+        block_size=int(getattr(group_spec, "block_size", vllm_config.cache_config.block_size)),
+        mode=str(getattr(group_spec, "mamba_cache_mode", "none") or "none"),
     )

@@ -147,8 +147,21 @@ class _OfferWriter:
                 self.add(rec)
 
     def finish(self) -> tuple[list[Any], list[torch.Tensor], list[int]]:
-        """(message parts, page pools to WRITE, the order to post them in: keys before values)."""
+        """(message parts, page pools to WRITE, the order to post them in: keys before values).
+
+        Raises:
+            HurrayFormatError: (field ``transport.offer``) the inline part would
+                exceed what a receiver accepts (:data:`MAX_OFFER_BYTES`).
+        """
         self.parts[4] = U32.pack(self._count)
+        inline = sum(len(p) if isinstance(p, (bytes, bytearray)) else memoryview(p).nbytes for p in self.parts)
+        if inline > MAX_OFFER_BYTES:
+            # Linear-attention states travel inline: a big model's can pass the bound.
+            raise HurrayFormatError(
+                "transport.offer",
+                f"{inline / 2**20:.0f} MiB of descriptors and inline buffers (recurrent states included) exceed "
+                f"the {MAX_OFFER_BYTES >> 20} MiB a NIXL receiver accepts; push this model over tcp://",
+            )
         return self.parts, self.remote, [i for _, i in sorted(self._rank)]
 
 

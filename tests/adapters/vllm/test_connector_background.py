@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -152,7 +153,7 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
     c._pushed, c._chunk_buffers, c._registered, c._sender = set(), [], [], sender
 
-    def export(ec, caches, task, block_ids, reuse=False):  # type: ignore[no-untyped-def]
+    def export(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
         assert reuse
         if not c._chunk_buffers:
             c._chunk_buffers = [GatherBuffers()]
@@ -171,7 +172,7 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
     tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2]) for i in range(3)]
     tasks.append(meta.SaveTask("r", "ff" * 8, list(range(12)), [1, 2, 3]))  # larger: the buffers grow
     seen = []
-    ec = SimpleNamespace(caches=None)
+    ec = SimpleNamespace(caches=None, states=None)
     for _ns, key, chunk in c._saved(ec, iter(tasks), push=True):
         seen.append((key, chunk.keys[0].page_pool.data_ptr()))
         assert key not in c._pushed  # marked only once the receiver has it, i.e. when the next is asked for
@@ -415,19 +416,33 @@ def _linear_scheduler(tmp_path: Any) -> Any:
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
     from hurray_vllm.chunks.store import DirectoryStore
 
-    mamba = type("MambaSpec", (), {"block_size": 32, "mamba_cache_mode": "align", "mamba_type": "gdn_attn"})
+    mamba = type(
+        "MambaSpec",
+        (),
+        {
+            "block_size": 32,
+            "mamba_cache_mode": "align",
+            "mamba_type": "gdn_attn",
+            "shapes": ((3, 16), (2, 4, 8)),
+            "dtypes": (torch.bfloat16, torch.bfloat16),
+        },
+    )
     full = type("FullAttentionSpec", (), {"block_size": 32, "sliding_window": None})
     kv = SimpleNamespace(
         kv_cache_groups=[
-            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["l0"]),
-            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["l1"]),
-            SimpleNamespace(kv_cache_spec=full(), layer_names=["l2"]),
+            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["model.layers.0.linear_attn"]),
+            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["model.layers.1.linear_attn"]),
+            SimpleNamespace(kv_cache_spec=full(), layer_names=["model.layers.2.self_attn.attn"]),
         ]
     )
     vc = _vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 64}, block_size=32)
     vc.cache_config.mamba_cache_mode = "align"
     cfg = HurrayConfig.from_vllm(vc, kv)  # type: ignore[arg-type]
     assert cfg.state_groups == (0, 1) and cfg.state_mode == "align" and cfg.group_windows == (None, None, None)
+    layout = cfg.state_layout
+    assert layout is not None and layout.kind == "gdn_attn" and layout.layers == (0, 1) and layout.attention == (2,)
+    # The format's recurrent state is [v_heads, k_dim, v_dim]: vLLM declares [v_heads, v_dim, k_dim].
+    assert layout.shapes == ((3, 16), (2, 8, 4)) and layout.dtype_names == ("bfloat16", "bfloat16")
     return HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
 
 
@@ -476,3 +491,31 @@ def test_a_load_resumes_at_the_last_chunk_with_states_and_writes_both_state_bloc
     # The state at 128 sits in block 3; the step (128..148) runs in block 4, which vLLM fills from block 3 first.
     assert load.state_blocks == {0: [11, 12], 1: [21, 22]}
     assert load.groups[2] == [31, 32, 33, 34]
+
+
+def test_a_stored_chunk_without_states_is_written_again_by_a_step_that_has_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import hurray_vllm as hv
+    from hurray_vllm.adapters.vllm.connector.scheduler import _Request
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks import chunk_keys
+
+    sched = _linear_scheduler(tmp_path)
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(100)), num_prompt_tokens=100)
+    state = sched._reqs.setdefault("r", _Request(request))
+    state.groups = [[0, 11], [0, 21], [31, 32]]
+    state.block_ids = list(state.groups[0])
+    (key,) = chunk_keys(list(range(64)), 64, sched._ns)
+    sched._store.put(sched._ns, key, spec_example_snapshot(num_layers=1))  # the same key, no states
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 64)  # type: ignore[arg-type]
+    (task,) = meta.saves
+    assert task.replace and task.state_blocks == {0: [11], 1: [21]}
+    # Once stored with states, the chunk is skipped like any other.
+    snap = spec_example_snapshot(num_layers=1)
+    states = hv.RecurrentStates("gdn_attn", (0,), ("conv",), (6, 3), ((torch.zeros(2, 3, 4),),))
+    sched._store.put(sched._ns, key, replace(snap, states=states), replace=True)
+    assert sched._store.has_states(sched._ns, key)
+    state.chunks_done = 0
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 64)  # type: ignore[arg-type]
+    assert meta.saves == []

@@ -141,17 +141,20 @@ def test_chunks_carry_states_only_where_they_were_taken(linear: dict[str, Any]) 
     store, prompts, chunk = linear["store"], linear["save"]["prompts"], linear["save"]["chunk_tokens"]
     outputs = linear["save"]["outputs"]
     expect = {
-        ("a", 0): None,  # inside the first prefill step (0..768): the engine kept no state at 384
+        # "a" completed it inside its first prefill step (0..768), without a state at 384; "e" in a step
+        # ending there, with one: the chunk with states is the one stored.
+        ("a", 0): 384,
         ("a", 1): 768,
         ("d", 0): 384,
         ("d", 1): 768,  # the chunk completed by the 8th decode step, which ended there
+        ("c", 0): None,  # shorter than a chunk: nothing stored
     }
     for (rid, c), where in expect.items():
         tokens = prompts[rid] + outputs[rid]
-        snap = hv.load(_chunk_path(store, tokens, chunk, c))
         if where is None:
-            assert snap.states is None, f"{rid} chunk {c}"
+            assert len(tokens) < chunk
             continue
+        snap = hv.load(_chunk_path(store, tokens, chunk, c))
         assert snap.states is not None and snap.states.positions == (where,), f"{rid} chunk {c}"
         assert snap.states.layers == (0, 1, 2) and snap.states.names == ("conv", "ssm")
         assert snap.states.kind == "gdn_attn" and snap.states.nbytes == STATE_BYTES
@@ -233,19 +236,26 @@ def test_states_resume_only_where_they_were_taken(linear: dict[str, Any], hf_qwe
         tfa.check_compatible(replace(snap, states=None), hf_qwen3_next.config)
 
 
+def test_from_transformers_refuses_a_linear_attention_cache(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
+    cache, _ = _hf_states(hf_qwen3_next, [1, 2, 3])
+    with pytest.raises(hv.HurrayFormatError, match="linear-attention layer"):
+        tfa.from_transformers(cache, [[1, 2, 3]], model_config=hf_qwen3_next.config)
+
+
 def test_another_engine_loads_the_chunks_with_identical_tokens(linear: dict[str, Any]) -> None:
     saved, loaded = linear["save"], linear["load"]
     assert loaded["outputs"] == saved["outputs"]
     assert loaded["cached"]["a"] == 768 and loaded["cached"]["d"] == 384  # resumed at their last states
+    assert loaded["cached"]["e"] == 384  # the chunk it shares with "a", whose states are its own
     work = loaded["worker_stats"]
-    assert work["chunks_loaded"] == 3 and work["tokens_loaded"] == 768 + 384
+    assert work["tokens_loaded"] >= 768 + 384  # "b" and "e" may take the shared chunks from the engine's cache
     assert loaded["hybrid_manager_off"] is False
 
 
 def test_a_chunk_without_its_states_or_with_damaged_ones_is_recomputed(linear: dict[str, Any]) -> None:
     saved, broken = linear["save"], linear["broken"]
     assert broken["outputs"] == saved["outputs"]
-    assert broken["cached"]["a"] == 0  # chunk 1 lost its states: no chunk of "a" holds a resume
+    assert broken["cached"]["a"] == 384  # chunk 1 lost its states: "a" resumes at chunk 0's
     assert broken["cached"]["d"] == 0  # chunk 0's states fail the digest
     sched = broken["scheduler_stats"]
     assert sched["chunks_refused"] >= 1 and sched["chunks_quarantined"] == 1
@@ -263,7 +273,8 @@ def test_files_validate_and_pyhurray_reads_them(linear: dict[str, Any], hurray: 
     path = linear["save"]["dir"] / "snap.hrry"
     assert hv.validate(path).ok
     ref = hurray.load(str(path))
-    assert [tuple(m.shape) for m in ref["states.0"].members] == [(4, 3, 1024), (4, 4, 128, 128)]
+    n = linear["snap"].num_seqs
+    assert [tuple(m.shape) for m in ref["states.0"].members] == [(n, 3, 1024), (n, 4, 128, 128)]
     for ext in ("hrrs", "safetensors"):
         other = linear["tmp"] / f"snap.{ext}"
         hv.save(linear["snap"], other)

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ....errors import HurrayArgumentError, HurrayFormatError
+from ....kv.states import RecurrentStates
 from ....transport import CHANNELS, channel_of
 from ....transport.base import parse_listen
 from ..cache import cache_groups, is_grouped, unsupported_cache
-from ..states import state_groups
+from ..states import declared_layout, state_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,6 +98,8 @@ class HurrayConfig:
     #: ``mamba_cache_mode`` ("align" with prefix caching, else "none"). Empty for other models.
     state_groups: tuple[int, ...] = ()
     state_mode: str = ""
+    #: The states this engine's chunks carry and its workers load (``declared_layout``); None without any.
+    state_layout: RecurrentStates | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -126,6 +129,9 @@ class HurrayConfig:
         grouped = is_grouped(windows)
         states = sorted(set(state_groups(kv_cache_config).values()))
         specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or []]
+        # Without prefix caching a state group holds one block per request, sized to the model length:
+        # its block size says nothing about chunks.
+        specs = [x for x in specs if getattr(x, "mamba_cache_mode", "align") == "align"]
         sizes = {getattr(spec, "block_size", block_size) for spec in specs} | {block_size}
         if sizes != {block_size}:
             raise HurrayArgumentError(
@@ -168,4 +174,5 @@ class HurrayConfig:
             window_chunks=window_chunks,
             state_groups=tuple(states),
             state_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none") if states else "",
+            state_layout=declared_layout(kv_cache_config) if states else None,
         )

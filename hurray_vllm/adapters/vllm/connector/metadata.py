@@ -64,6 +64,8 @@ class SaveTask:
     #: group the block holding it (empty otherwise: the chunk is stored without states), and that end.
     state_blocks: dict[int, list[int]] = field(default_factory=dict)
     state_position: int = 0
+    #: Write even if the key is stored: the stored chunk lacks the states this one carries.
+    replace: bool = False
 
 
 @dataclass

@@ -62,11 +62,6 @@ def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int)
     return True
 
 
-def _states_at(chunk: KVSnapshot, resume: int) -> bool:
-    """Whether ``chunk`` holds the linear-attention states a resume at token ``resume`` starts from."""
-    return chunk.states is not None and tuple(chunk.states.positions) == (resume,)
-
-
 def is_damage(exc: BaseException) -> bool:
     """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
 
@@ -191,12 +186,9 @@ class HurrayScheduler:
             idents.append(ident)
             snaps.append(snap)
             hit = i + 1
-        while hit > first and not _windows_held(snaps[: hit - first], first, hit * self._chunk, self._chunk):
-            # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends: load less.
-            hit -= 1
-            idents.pop()
-        while self._state_groups and hit > first and not _states_at(snaps[hit - first - 1], hit * self._chunk):
-            # A linear-attention state is valid only where it was taken: resume at the last chunk holding one.
+        while hit > first and not self._resumes_at(snaps[: hit - first], first, hit):
+            # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends, or (linear
+            # attention) the last chunk holds no states taken there: load less.
             hit -= 1
             idents.pop()
         matched = hit * self._chunk - num_computed_tokens
@@ -208,6 +200,23 @@ class HurrayScheduler:
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
         state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], idents, skip_blocks=skip)
         return matched, False
+
+    def _resumes_at(self, chunks: list[KVSnapshot], first: int, hit: int) -> bool:
+        """Whether chunks ``first .. hit - 1`` let a request resume at token ``hit * chunk``."""
+        resume = hit * self._chunk
+        if not _windows_held(chunks, first, resume, self._chunk):
+            return False
+        if not self._state_groups:
+            return True
+        states = chunks[-1].states
+        if states is None or tuple(states.positions) != (resume,):
+            return False
+        why = self._config.state_layout.mismatches(states) if self._config.state_layout is not None else []
+        if why:
+            # Another engine's states (layout, dtype): not damage, and no chunk before this one resumes here.
+            self.stats.chunks_refused += 1
+            log.warning("hurray: not loading the states of a chunk at %d: %s; recomputing instead", resume, why)
+        return not why
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Called by vLLM's scheduler, via the connector, after block allocation: drops the load if none was granted."""
@@ -286,8 +295,14 @@ class HurrayScheduler:
         # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
         for c in range(state.chunks_done, full):
+            states = self._state_blocks(state, (c + 1) * self._chunk, computed)
+            # A chunk stored without the states this step holds for it is written again, with them:
+            # else the first writer's step (which ran past the chunk's end) would hide them for good.
+            replace = (
+                bool(states) and self._store.has(self._ns, keys[c]) and not self._store.has_states(self._ns, keys[c])
+            )
             # With a destination, chunks already stored still go to the worker, to be pushed.
-            if self._store.has(self._ns, keys[c]) and not self._url:
+            if self._store.has(self._ns, keys[c]) and not self._url and not replace:
                 self.stats.chunks_skipped += 1
                 continue
             meta.saves.append(
@@ -300,7 +315,8 @@ class HurrayScheduler:
                         self._chunk_blocks(g, w, c, per, prompt_end)
                         for g, w in zip(state.groups, self._windows, strict=True)
                     ],
-                    **self._state_blocks(state, (c + 1) * self._chunk, computed),
+                    replace=replace,
+                    **states,
                 )
             )
         state.chunks_done = full

@@ -144,6 +144,15 @@ class _Staging:
             del self._free[self._keep :]
 
 
+def _states_first(saves: list[SaveTask]) -> list[SaveTask]:
+    """The tasks with linear-attention states first.
+
+    A step may complete one chunk for two requests, one holding its states
+    and one not, and of two writes of a key the first is kept.
+    """
+    return sorted(saves, key=lambda t: not t.state_blocks)
+
+
 def _task_states(ec: EngineCache, task: SaveTask) -> RecurrentStates | None:
     """A copy of the linear-attention states the chunk of ``task`` is stored with (``None``: none this step)."""
     if ec.states is None or not task.state_blocks:
@@ -299,6 +308,8 @@ class HurrayWorker:
                 the engine gave a state group no block to hold them.
         """
         if ec.states is None:
+            if task.state_blocks:
+                raise HurrayFormatError("snapshot.states", "this worker found no linear-attention layers to load into")
             return None
         states = chunks[-1].states if chunks else None
         if states is None or tuple(states.positions) != (task.resume,):
@@ -364,7 +375,7 @@ class HurrayWorker:
         if self._async:
             self._save_async(ec, meta.saves)
             return
-        tasks = iter(meta.saves)
+        tasks = iter(_states_first(meta.saves))
         if self._sender is None or self._url is None:
             for _ in self._saved(ec, tasks, push=False):
                 pass
@@ -389,7 +400,7 @@ class HurrayWorker:
         valid until the next one is asked for.
         """
         for task in tasks:
-            if self._store.has(self._ns, task.key):
+            if self._store.has(self._ns, task.key) and not task.replace:
                 self.stats.chunks_skipped += 1
                 if push and task.key not in self._pushed:
                     try:
@@ -401,7 +412,7 @@ class HurrayWorker:
                     self._pushed.add(task.key)
                 continue
             snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True, states=_task_states(ec, task))
-            self._put(task.key, snap)
+            self._put(task.key, snap, replace=task.replace)
             if push:
                 self._register_chunk_buffers()
                 yield self._ns, task.key, snap
@@ -423,8 +434,15 @@ class HurrayWorker:
 
     def _save_async(self, ec: EngineCache, saves: list[SaveTask]) -> None:
         todo: list[SaveTask] = []
-        for task in saves:
-            if task.key in self._inflight or self._store.has(self._ns, task.key):
+        for task in _states_first(saves):
+            if task.state_blocks:
+                # A chunk with states is written even over the same chunk without them (stored or on its way).
+                if self._store.has(self._ns, task.key) and not task.replace and task.key not in self._inflight:
+                    self.stats.chunks_skipped += 1
+                    continue
+                if task.key in self._inflight:
+                    task = replace(task, replace=True)
+            elif task.key in self._inflight or self._store.has(self._ns, task.key):
                 self.stats.chunks_skipped += 1
                 continue
             self._inflight.add(task.key)
@@ -453,7 +471,11 @@ class HurrayWorker:
                         start += len(task.block_ids)
                     try:
                         # Exported into the writer's own reused buffers: no fresh memory per chunk.
-                        self._put(task.key, self._export_chunk(ec, staged, task, local, reuse=True, states=task_states))
+                        self._put(
+                            task.key,
+                            self._export_chunk(ec, staged, task, local, reuse=True, states=task_states),
+                            replace=task.replace,
+                        )
                     except (HurrayFormatError, OSError) as exc:
                         log.warning("hurray: could not save chunk %s: %s", task.key, exc)
             finally:
@@ -513,8 +535,8 @@ class HurrayWorker:
         )
         return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
 
-    def _put(self, key: str, snap: KVSnapshot) -> None:
-        if self._store.put(self._ns, key, snap):
+    def _put(self, key: str, snap: KVSnapshot, replace: bool = False) -> None:
+        if self._store.put(self._ns, key, snap, replace=replace):
             self.stats.chunks_saved += 1
             self.stats.bytes_saved += snap.nbytes
 
@@ -533,6 +555,18 @@ class HurrayWorker:
             log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed (vLLM applies kv_load_failure_policy)."""
+        """Blocks whose load failed (vLLM applies kv_load_failure_policy).
+
+        vLLM 0.32 cannot map block ids back to requests when a model has
+        several KV cache groups, and stops the engine rather than compute on
+        blocks that were not written: for a hybrid model a failure here (the
+        scheduler verified the chunks, so only I/O in a separate worker
+        process or an inconsistent engine) fails closed.
+        """
         out, self._load_errors = self._load_errors, set()
+        if out and len(self._windows) > 1:
+            log.error(
+                "hurray: a load failed on the worker of a model with several KV cache groups; vLLM stops the engine "
+                "rather than compute on unwritten blocks (docs/connector.md, Limitations)"
+            )
         return out
