@@ -440,6 +440,19 @@ def engine_main(cfg_path: str, out_path: str) -> None:
     if store is not None:
         os.sync()
         result["du_after_shared"] = disk_usage(store)
+    if connector == "hurray" and MODEL == "linear" and store is not None:
+        # What the store holds as recurrent states: vLLM keeps them where its steps end (each prompt's last
+        # block boundary, and a shared prefix's junction), and a chunk carries them only there.
+        import hurray_vllm as hv
+
+        files = sorted(store.rglob("*.hrry"))
+        held = [hv.load(p).states for p in files]
+        result["stored_states"] = {
+            "chunks_with_states": sum(x is not None for x in held),
+            "chunks": len(held),
+            "state_bytes": sum(x.nbytes for x in held if x is not None),
+            "file_bytes": sum(p.stat().st_size for p in files),
+        }
     if connector == "hurray":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -520,8 +533,9 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
     shared_chunks = args.shared_tokens // args.chunk_tokens
     expected_chunks = shared_chunks + n_shared * (per_prompt_chunks - shared_chunks)
     chunk_bytes = args.chunk_tokens * KV_BYTES_PER_TOKEN
-    # A linear-attention hybrid's prompts each store one chunk with states (the shared batch: 4).
-    shared_state_bytes = len(prompts["shared"]) * MODELS[MODEL].get("state_bytes", 0)
+    # A linear-attention hybrid stores states where vLLM's steps end: each prompt's last block boundary and,
+    # for prompts sharing a prefix, where vLLM stops at the junction (it keeps a state there for the others).
+    shared_state_bytes = (len(prompts["shared"]) + 1) * MODELS[MODEL].get("state_bytes", 0)
     out: dict[str, Any] = {
         "baseline": {
             "prefill_s_median": round(base_s, 4),
@@ -677,11 +691,18 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
         # Against recomputing the prompt (no connector), as ExampleConnector cannot run this model.
         out["goals"]["load_le_recompute_warm_wall"] = le(r["load_hurray_over_baseline_prefill_warm"], 1.0)
         # A full-attention model of the same size stores all 8 layers' KV per token; this one 2 of 8, plus
-        # the states of the chunks that hold them (one per prompt: the one ending at its last block boundary).
+        # the states of the chunks that hold them (counted in the store the consumer read: the whole run's).
+        held = res["hurray-consumer"].get("stored_states") or res["hurray-producer"].get("stored_states") or {}
+        out["stored_states"] = held
+        tokens = held.get("chunks", 0) * args.chunk_tokens
         full_model = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
-        bound = full_model * (LAYERS // 4) / LAYERS + MODELS["linear"]["state_bytes"] / args.prompt_tokens
-        out["stored_bytes_bound_per_token"] = round(bound)
-        out["goals"]["stored_bytes_le_attention_share_plus_states"] = h["stored_bytes_per_token"] <= bound
+        kv_share = full_model * (LAYERS // 4) / LAYERS
+        if tokens:
+            bound = tokens * kv_share + held["state_bytes"]
+            out["stored_bytes_bound_all_chunks"] = round(bound)
+            out["stored_bytes_over_bound"] = round(held["file_bytes"] / bound, 3)
+            # Within 1%: each chunk file's header (metadata, token ids, descriptors) comes on top.
+            out["goals"]["stored_bytes_le_attention_share_plus_states"] = held["file_bytes"] <= bound * 1.01
     return out
 
 

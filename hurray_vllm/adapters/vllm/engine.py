@@ -16,7 +16,9 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ...containers.io import write_stream
 from ...errors import HurrayFormatError
+from ...kv.heads import concat_heads, distinct_ranks
 from ...kv.snapshot import KVSnapshot
 from ...kv.states import RecurrentStates
 from .cache import EngineCache, attention_layers, cache_groups, describe_worker_cache, group_options, unsupported_cache
@@ -54,10 +56,40 @@ def _describe(worker: Any) -> EngineCache:
 
 
 def engine_cache(llm: Any) -> EngineCache:
-    """Describe the KV cache of an in-process ``vllm.LLM``."""
+    """Describe the KV cache of an in-process ``vllm.LLM`` (its rank 0's at tensor parallelism > 1)."""
     _core(llm)
     ec: EngineCache = llm.collective_rpc(_describe)[0]
     return ec
+
+
+def _tp(llm: Any) -> int:
+    return int(getattr(llm.llm_engine.vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+
+
+def _export_on_rank(worker: Any, seqs: Sequence[SequenceState]) -> tuple[int, KVSnapshot]:
+    """Runs on every worker: this rank's KV heads of ``seqs`` (copied out of the cache, ready to pickle)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    ec = _describe(worker)
+    if ec.states is not None:
+        raise HurrayFormatError(
+            "tensor_parallel_size", "snapshots of linear-attention hybrids at tensor parallelism > 1 are not supported"
+        )
+    config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
+    groups = group_options(*cache_groups(config), ec.layer_names)
+    snap = export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options(), **groups)
+    return int(get_tensor_model_parallel_rank()), snap
+
+
+def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:
+    """Every rank exports its heads; one snapshot of them all, in model order (replicas and latents once)."""
+    parts = dict(llm.collective_rpc(_export_on_rank, args=(list(seqs),)))
+    first = parts[min(parts)]
+    if first.is_latent:  # an MLA latent is on every rank
+        return first
+    fp = first.fingerprint
+    heads = fp.num_kv_heads if fp is not None else first.tensors()[0].num_heads * len(parts)
+    return concat_heads([parts[r] for r in distinct_ranks(heads, len(parts))])
 
 
 def _internal_id(llm: Any, core: Any, request_id: str) -> str:
@@ -120,7 +152,11 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         the last sampled token has no KV yet), the model fingerprint, and
         the fp8 scales of an fp8 cache.
 
-    Call it between ``llm.llm_engine.step()`` calls.
+    Call it between ``llm.llm_engine.step()`` calls. At tensor parallelism
+    > 1 every rank exports its KV heads and the snapshot joins them in model
+    order: replicated heads (fewer KV heads than ranks) and an MLA latent
+    (on every rank) once. It equals the snapshot of the same requests at
+    TP = 1, within the arithmetic's rounding (``tests/adapters/vllm/test_tp.py``).
 
     Raises:
         HurrayFormatError: an unknown or finished request.
@@ -139,8 +175,14 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         ...     _ = llm.llm_engine.step()
         >>> hv.save(snapshot(llm, ["a", "b"]), "kv.hrry")  # doctest: +SKIP
     """
-    ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)
+    if int(getattr(llm.llm_engine.vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1) > 1:
+        raise HurrayFormatError(
+            "pipeline_parallel_size", "snapshot() does not handle pipeline parallelism (each stage has other layers)"
+        )
+    if _tp(llm) > 1:
+        return _snapshot_tp(llm, seqs)
+    ec = engine_cache(llm)
     return export_snapshot(
         ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec), states=_states(ec, seqs)
     )
@@ -149,8 +191,12 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
 def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progress: bool = False) -> int:
     """Like :func:`snapshot`, written to ``f`` layer by layer (memory: one layer's pages).
 
-    ``progress=True`` shows a per-layer progress bar on a terminal.
+    ``progress=True`` shows a per-layer progress bar on a terminal. At
+    tensor parallelism > 1 the ranks' heads are joined first: memory is then
+    the whole snapshot.
     """
+    if _tp(llm) > 1:
+        return write_stream(snapshot(llm, request_ids), f)
     ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)
     return export_stream(

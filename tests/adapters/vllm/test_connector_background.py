@@ -191,7 +191,9 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
     assert all(c._store.has(c._ns, t.key) for t in more) and not c._pushed & {t.key for t in more}
 
 
-def _vllm_config(extra: dict[str, object], block_size: int = 16, tp: int = 1, role: str = "kv_both") -> SimpleNamespace:
+def _vllm_config(
+    extra: dict[str, object], block_size: int = 16, tp: int = 1, role: str = "kv_both", pp: int = 1
+) -> SimpleNamespace:
     """Just what HurrayConfig.from_vllm reads of a VllmConfig."""
     require("vllm")
     from vllm.config import KVTransferConfig
@@ -200,7 +202,7 @@ def _vllm_config(extra: dict[str, object], block_size: int = 16, tp: int = 1, ro
     return SimpleNamespace(
         kv_transfer_config=kv,
         cache_config=SimpleNamespace(block_size=block_size),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
     )
 
 
@@ -215,6 +217,7 @@ def _vllm_config(extra: dict[str, object], block_size: int = 16, tp: int = 1, ro
         ({"hurray_path": "/x", "hurray_listen": ":9", "hurray_listen_transport": "ucx"}, 1, "hurray_listen_transport"),
         ({"hurray_path": "/tmp/x", "hurray_verified_chunks": "lots"}, 1, "hurray_verified_chunks"),
         ({"hurray_path": "/tmp/x"}, 2, "tensor_parallel_size"),
+        ({"hurray_path": "/tmp/x"}, -2, "pipeline_parallel_size"),  # -2: pipeline parallelism 2
     ],
 )
 def test_bad_configuration_is_an_argument_error_naming_the_key(extra: dict[str, object], tp: int, field: str) -> None:
@@ -223,7 +226,8 @@ def test_bad_configuration_is_an_argument_error_naming_the_key(extra: dict[str, 
     from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
 
     with pytest.raises(HurrayArgumentError) as info:
-        HurrayConfig.from_vllm(_vllm_config(extra, tp=tp), None)  # type: ignore[arg-type]
+        config = _vllm_config(extra, tp=max(tp, 1), pp=-tp if tp < 0 else 1)
+        HurrayConfig.from_vllm(config, None)  # type: ignore[arg-type]
     assert info.value.field == field and isinstance(info.value, ValueError)
     assert not isinstance(info.value, HurrayFormatError)
 

@@ -1,0 +1,104 @@
+"""Snapshots split by KV heads: what each tensor-parallel rank of an engine holds, and joining them.
+
+At tensor parallelism ``tp`` an engine gives each rank ``num_kv_heads / tp``
+of every layer's KV heads (rank ``r`` the ``r``-th run of them, in model
+order). With fewer KV heads than ranks it replicates them instead: each head
+lives on ``tp / num_kv_heads`` consecutive ranks. An MLA latent (one
+"head") is on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from ..errors import HurrayFormatError
+from .snapshot import KVSnapshot
+
+__all__ = ["rank_heads", "distinct_ranks", "concat_heads"]
+
+
+def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
+    """The model's KV heads rank ``rank`` of ``tp`` holds.
+
+    Example:
+        >>> rank_heads(8, 2, 1), rank_heads(2, 4, 3)
+        (range(4, 8), range(1, 2))
+    """
+    if tp < 1 or not 0 <= rank < tp:
+        raise HurrayFormatError("tensor_parallel_size", f"rank {rank} of {tp}")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise HurrayFormatError("num_kv_heads", f"{num_kv_heads} KV heads do not divide among {tp} ranks")
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    if tp % num_kv_heads:
+        raise HurrayFormatError("num_kv_heads", f"{num_kv_heads} KV heads cannot be replicated over {tp} ranks")
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def distinct_ranks(num_kv_heads: int, tp: int) -> list[int]:
+    """One rank per distinct head range, in head order (replicas left out).
+
+    Example:
+        >>> distinct_ranks(8, 4), distinct_ranks(2, 4)
+        ([0, 1, 2, 3], [0, 2])
+    """
+    out, seen = [], set()
+    for r in range(tp):
+        heads = rank_heads(num_kv_heads, tp, r)
+        if heads.start not in seen:
+            seen.add(heads.start)
+            out.append(r)
+    return out
+
+
+def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
+    """One snapshot holding every part's KV heads, in the order given (each part: a run of heads).
+
+    The parts must be the same batch exported from one engine: the same
+    layers, block tables, sequences and token ids, differing only in their
+    heads. The first part's metadata is kept.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.structure``) parts that differ in
+            anything but their heads; (``snapshot.states``) parts with
+            linear-attention states, whose heads this does not join.
+    """
+    if not parts:
+        raise HurrayFormatError("snapshot.structure", "no parts to join")
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if any(p.states is not None for p in parts):
+        raise HurrayFormatError("snapshot.states", "joining linear-attention states split by heads is not supported")
+    for i, p in enumerate(parts[1:], 1):
+        same = (
+            p.num_layers == first.num_layers
+            and p.roles == first.roles
+            and p.token_ids == first.token_ids
+            and p.num_seqs == first.num_seqs
+            and (not p.num_layers or p.seq_lens == first.seq_lens)
+            and p.kv_scales == first.kv_scales
+            and all(
+                torch.equal(a.block_table, b.block_table)
+                and torch.equal(a.seq_ptr, b.seq_ptr)
+                and a.page_pool.shape[:2] == b.page_pool.shape[:2]
+                and a.page_pool.shape[3:] == b.page_pool.shape[3:]
+                and a.page_pool.dtype == b.page_pool.dtype
+                for a, b in zip(p.tensors(), first.tensors(), strict=True)
+            )
+        )
+        if not same:
+            raise HurrayFormatError("snapshot.structure", f"part {i} is another batch or layout than part 0")
+    layers = [
+        tuple(
+            replace(t, page_pool=torch.cat([p.layer(i)[j].page_pool for p in parts], dim=2))
+            for j, t in enumerate(members)
+        )
+        for i, members in enumerate(first.layer_members())
+    ]
+    return first.with_layers(layers)

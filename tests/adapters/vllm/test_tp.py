@@ -1,0 +1,84 @@
+"""Snapshots of real vLLM engines at tensor parallelism 2 (CPU, one core per rank) against TP = 1.
+
+Each rank holds half of the tiny Llama's two KV heads; ``snapshot()`` joins
+them. The same requests at TP = 1 are the reference: layer 0's K/V come from
+the same dot products on both (bit for bit), later layers' inputs went
+through an all-reduce that sums in another order (within bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import servers
+import torch
+from conftest import require
+from tiny_models import build_tiny_llama
+
+import hurray_vllm as hv
+
+pytestmark = [pytest.mark.vllm]
+HERE = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp: Path, tp: int) -> dict[str, Any]:
+    out = tmp / f"tp{tp}"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "tp_engine_run.py"), str(tmp / "model"), str(out), str(tp)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    if proc.returncode:
+        pytest.fail(f"TP={tp} engine failed:\n{servers.root_cause(proc.stderr)}")
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    result["snap"] = hv.load(out / "snap.hrry")
+    result["stream"] = hv.load(out / "snap.hrrs")
+    return result
+
+
+@pytest.fixture(scope="session")
+def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    require("transformers")
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("tp")
+    build_tiny_llama(tmp / "model")
+    return {1: _run(tmp, 1), 2: _run(tmp, 2)}
+
+
+def test_tp2_greedy_tokens_equal_tp1(tp_runs: dict[int, dict[str, Any]]) -> None:
+    assert tp_runs[2]["outputs"] == tp_runs[1]["outputs"]
+
+
+def test_a_tp2_snapshot_holds_every_head_and_equals_tp1(tp_runs: dict[int, dict[str, Any]]) -> None:
+    one, two = tp_runs[1]["snap"], tp_runs[2]["snap"]
+    assert two.fingerprint == one.fingerprint and two.fingerprint.num_kv_heads == 2  # type: ignore[union-attr]
+    assert two.token_ids == one.token_ids and two.seq_lens == one.seq_lens
+    for layer in range(one.num_layers):
+        for role in one.roles:
+            for s in range(one.num_seqs):
+                a, b = one[layer, role].to_dense(s).float(), two[layer, role].to_dense(s).float()
+                assert a.shape == b.shape and a.shape[1] == 2, f"layer {layer} {role} seq {s}"
+                if layer == 0:  # the same dot products on both: bit for bit
+                    assert torch.equal(a, b), f"layer 0 {role} seq {s}"
+                else:  # after an all-reduce summed in another order
+                    assert ((a - b).abs() <= 2e-2 + 2e-2 * a.abs()).all(), f"layer {layer} {role} seq {s}"
+                    # The tolerance still refuses the other head's KV.
+                    assert not ((a.flip(1) - b).abs() <= 2e-2 + 2e-2 * a.abs()).all()
+
+
+def test_the_tp2_stream_equals_the_tp2_snapshot(tp_runs: dict[int, dict[str, Any]]) -> None:
+    snap, stream = tp_runs[2]["snap"], tp_runs[2]["stream"]
+    for x, y in zip(snap.tensors(), stream.tensors(), strict=True):
+        assert torch.equal(x.page_pool.view(torch.uint8), y.page_pool.view(torch.uint8))
