@@ -7,17 +7,13 @@ that fall out of the window. The snapshot holds only the pages still inside.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import servers
 import torch
 from conftest import require
+from engine_script import run_engine_script
 from margins import agreement, assert_agrees
 from tiny_models import build_tiny_gemma3
 
@@ -36,17 +32,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("hybrid")
     build_tiny_gemma3(tmp / "model", window=WINDOW)
     out = tmp / "run"
-    out.mkdir()
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "window_engine_run.py"), str(tmp / "model"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-    )
-    if proc.returncode:
-        pytest.fail(f"hybrid engine failed:\n{servers.root_cause(proc.stderr)}")
-    result = json.loads((out / "result.json").read_text())
+    result = run_engine_script("window_engine_run.py", [str(tmp / "model"), str(out)], out, "hybrid engine")
     return {"tmp": tmp, "dir": out, "result": result, "snap": hv.load(out / "snap.hrry")}
 
 

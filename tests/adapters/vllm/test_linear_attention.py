@@ -10,19 +10,15 @@ the token comparison notices wrong states.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-import servers
 import torch
 from conftest import require
+from engine_script import run_engine_script
 from margins import agreement, assert_agrees
 from tiny_models import build_tiny_qwen3_next
 
@@ -38,20 +34,8 @@ STATE_BYTES = 3 * (3 * 1024 + 4 * 128 * 128) * 2
 
 
 def _run(tmp: Path, name: str, store: Path, mode: str) -> dict[str, Any]:
-    out = tmp / name
-    out.mkdir()
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "linear_engine_run.py"), str(tmp / "model"), str(out), str(store), mode],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])},
-    )
-    if proc.returncode:
-        pytest.fail(f"linear-attention engine {name} failed:\n{servers.root_cause(proc.stderr)}")
-    result: dict[str, Any] = json.loads((out / "result.json").read_text())
-    result["dir"] = out
-    return result
+    args = [str(tmp / "model"), str(tmp / name), str(store), mode]
+    return run_engine_script("linear_engine_run.py", args, tmp / name, f"linear-attention engine {name}")
 
 
 def _chunk_path(store: Path, prompt: list[int], chunk: int, index: int) -> Path:

@@ -8,17 +8,14 @@ through an all-reduce that sums in another order (within bf16).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import servers
 import torch
 from conftest import require
+from engine_script import run_engine_script
 from tiny_models import build_tiny_llama
 
 import hurray_vllm as hv
@@ -29,20 +26,11 @@ HERE = Path(__file__).resolve().parents[2]
 
 def _run(tmp: Path, tp: int) -> dict[str, Any]:
     out = tmp / f"tp{tp}"
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "tp_engine_run.py"), str(tmp / "model"), str(out), str(tp)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
+    # One core per rank (vLLM refuses to bind two ranks' threads otherwise).
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
+    result = run_engine_script(
+        "tp_engine_run.py", [str(tmp / "model"), str(out), str(tp)], out, f"TP={tp} engine", env=env
     )
-    if proc.returncode:
-        pytest.fail(f"TP={tp} engine failed:\n{servers.root_cause(proc.stderr)}")
-    result: dict[str, Any] = json.loads((out / "result.json").read_text())
     result["snap"] = hv.load(out / "snap.hrry")
     result["stream"] = hv.load(out / "snap.hrrs")
     return result
