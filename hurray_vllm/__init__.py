@@ -14,7 +14,7 @@ from .containers.check import validate
 from .containers.io import detect_format, load, read_stream, save, write_stream
 from .errors import HurrayArgumentError, HurrayFormatError, Violation
 from .kv.paged import BlockPagedTensor, SharingStats
-from .kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
+from .kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
 from .kv.states import RecurrentStates
 from .wire.descriptor import TensorDescriptor, decode_descriptor, encode_descriptor
 from .wire.rules import Checked
@@ -30,6 +30,7 @@ __all__ = [
     "LatentSplit",
     "SlidingWindows",
     "RecurrentStates",
+    "HeadRange",
     "ModelFingerprint",
     "SharingStats",
     "SnapshotSource",

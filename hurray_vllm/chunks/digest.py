@@ -147,6 +147,8 @@ def digest_header(snap: KVSnapshot) -> bytes:
         meta["windows"] = snap.windows.to_json()
     if snap.states is not None:  # linear-attention hybrids only, likewise
         meta["states"] = snap.states.to_json()
+    if snap.heads is not None:  # one tensor-parallel rank's slice of the heads only, likewise
+        meta["heads"] = snap.heads.to_json()
     parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
     for t in digest_tensors(snap):
         desc = encode_descriptor(t.descriptor(device_tag=0))

@@ -39,7 +39,31 @@ from .digest import (  # noqa: F401
 from .keys import chunk_keys, chunks_of, namespace_of  # noqa: F401
 from .prune import PruneReport
 
-__all__ = ["ChunkStore", "DirectoryStore", "store_snapshot"]
+__all__ = ["ChunkStore", "DirectoryStore", "store_snapshot", "slice_key", "ChunkPart"]
+
+
+def slice_key(key: str, heads: range | None) -> str:
+    """The name a chunk's slice of KV heads is stored under (``key`` itself for every head).
+
+    A tensor-parallel rank stores its heads ``a .. b - 1`` as ``<key>.h<a>-<b>``:
+    the chunk is complete when slices covering every head are there
+    (:meth:`DirectoryStore.parts`).
+
+    Example:
+        >>> slice_key("ab12", range(2, 4)), slice_key("ab12", None)
+        ('ab12.h2-4', 'ab12')
+    """
+    return key if heads is None else f"{key}.h{heads.start}-{heads.stop}"
+
+
+@dataclass(frozen=True)
+class ChunkPart:
+    """One file of a stored chunk: its name (:func:`slice_key`), the heads it holds, its identity."""
+
+    name: str
+    heads: range
+    identity: tuple[int, ...]
+
 
 log = logging.getLogger("hurray_vllm.chunks")
 
@@ -135,6 +159,24 @@ class DirectoryStore:
 
         return prune(self, max_bytes, stale_temp_s=stale_temp_s, dry_run=dry_run)
 
+    def parts(self, namespace: str, key: str, num_kv_heads: int) -> list[ChunkPart] | None:
+        """The files that together hold every KV head of chunk ``key``, or ``None`` if no such set is stored.
+
+        The whole chunk (one file) if it is there; else the slices of one way
+        of splitting the heads into equal runs (what producers at tensor
+        parallelism 2, 4, 8... write, :func:`hurray_vllm.kv.heads.partitions`).
+        A set with a slice missing (a rank that has not written yet, or never
+        will) is incomplete: it is never loaded.
+        """
+        from ..kv.heads import partitions
+
+        for runs in partitions(max(num_kv_heads, 1)):
+            names = [slice_key(key, None if len(runs) == 1 else r) for r in runs]
+            found = [self.identity(namespace, n) for n in names]
+            if all(found):
+                return [ChunkPart(n, r, i) for n, r, i in zip(names, runs, found, strict=True) if i is not None]
+        return None
+
     def has_states(self, namespace: str, key: str) -> bool:
         """Whether the stored chunk carries linear-attention states (reads its header only; False if unreadable)."""
         from ..containers.hrryfile import HrryFile
@@ -178,7 +220,9 @@ def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int) -
     resumable = 0
     for key, chunk in chunks_of(snap, chunk_tokens):
         assert chunk.fingerprint is not None
-        written += store.put(namespace_of(chunk.fingerprint), key, chunk)
+        # A slice of the heads (one tensor-parallel rank's) is stored as such: alone it is not the chunk.
+        heads = range(chunk.heads.start, chunk.heads.stop) if chunk.heads is not None else None
+        written += store.put(namespace_of(chunk.fingerprint), slice_key(key, heads), chunk)
         resumable += chunk.states is not None
     if snap.states is not None and resumable < snap.num_seqs:
         log.warning(

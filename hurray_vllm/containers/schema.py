@@ -39,6 +39,7 @@ from ..kv.paged import BlockPagedTensor, IndexCache
 from ..kv.snapshot import (
     FUSED_ROLES,
     KV_ROLES,
+    HeadRange,
     KVSnapshot,
     LatentSplit,
     ModelFingerprint,
@@ -201,6 +202,8 @@ def snapshot_metadata(snap: KVSnapshot, num_layers: int) -> dict[str, Any]:
         extra_fields["windows"] = snap.windows.to_json()
     if snap.states is not None:
         extra_fields["states"] = snap.states.to_json()
+    if snap.heads is not None:
+        extra_fields["heads"] = snap.heads.to_json()
     return {
         **extra_fields,
         "format": FORMAT_NAME,
@@ -400,6 +403,7 @@ class SnapshotHeader:
     latent: LatentSplit | None = None
     windows: SlidingWindows | None = None
     states: RecurrentStates | None = None  # the layout only: the tensors follow the layers
+    heads: HeadRange | None = None
 
 
 #: Bounds on what a header may announce (far above any model; a bound on hostile input).
@@ -424,8 +428,9 @@ def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta
             f"{field}.version", f"snapshot format version {version!r} is newer than {FORMAT_VERSION} or not a version"
         )
     fp, src, lat = f.optional_obj("fingerprint"), f.optional_obj("source"), f.optional_obj("latent")
-    win, states = f.optional_obj("windows"), f.optional_obj("states")
+    win, states, heads = f.optional_obj("windows"), f.optional_obj("states"), f.optional_obj("heads")
     return SnapshotHeader(
+        heads=HeadRange.from_json(heads.obj) if heads is not None else None,
         states=RecurrentStates.from_json(states.obj) if states is not None else None,
         windows=SlidingWindows.from_json(win.obj) if win is not None else None,
         latent=LatentSplit.from_json(lat.obj) if lat is not None else None,
@@ -624,6 +629,7 @@ def build_snapshot(
         extra=dict(header.extra) if header else {},
         windows=header.windows if header else None,
         states=layout.with_tensors(states) if layout is not None else None,
+        heads=header.heads if header else None,
     )
     raise_if(snap.validate(permissive=permissive, tensors=False), "snapshot")
     return snap

@@ -9,15 +9,16 @@ lives on ``tp / num_kv_heads`` consecutive ranks. An MLA latent (one
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from ..errors import HurrayFormatError
-from .snapshot import KVSnapshot
+from .snapshot import HeadRange, KVSnapshot
 
-__all__ = ["rank_heads", "distinct_ranks", "concat_heads"]
+__all__ = ["rank_heads", "distinct_ranks", "concat_heads", "select_heads", "partitions"]
 
 
 def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
@@ -94,6 +95,11 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
         )
         if not same:
             raise HurrayFormatError("snapshot.structure", f"part {i} is another batch or layout than part 0")
+    ranges = [p.head_range for p in parts]
+    if any(a.stop != b.start or a.total != b.total for a, b in itertools.pairwise(ranges)):
+        raise HurrayFormatError(
+            "snapshot.heads", f"parts hold heads {[(r.start, r.stop) for r in ranges]}: not one run in order"
+        )
     layers = [
         tuple(
             replace(t, page_pool=torch.cat([p.layer(i)[j].page_pool for p in parts], dim=2))
@@ -101,4 +107,41 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
         )
         for i, members in enumerate(first.layer_members())
     ]
-    return first.with_layers(layers)
+    start, stop, total = ranges[0].start, ranges[-1].stop, ranges[0].total
+    return first.with_layers(layers, heads=None if (start, stop) == (0, total) else HeadRange(start, stop, total))
+
+
+def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
+    """The KV heads ``heads`` of every layer of a whole-heads snapshot (views of its pools), marked as a slice.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.heads``) heads outside the snapshot's, or an MLA latent (one head).
+    """
+    have = snap.head_range
+    if snap.is_latent:
+        raise HurrayFormatError("snapshot.heads", "an MLA latent is one head: it is not split")
+    if heads.start < have.start or heads.stop > have.stop or not len(heads):
+        raise HurrayFormatError(
+            "snapshot.heads", f"heads {heads.start}..{heads.stop} outside {have.start}..{have.stop}"
+        )
+    lo, hi = heads.start - have.start, heads.stop - have.start
+    layers = [tuple(replace(t, page_pool=t.page_pool[:, :, lo:hi]) for t in m) for m in snap.layer_members()]
+    total = have.total
+    return snap.with_layers(layers, heads=None if len(heads) == total else HeadRange(heads.start, heads.stop, total))
+
+
+def partitions(num_kv_heads: int) -> list[list[range]]:
+    """The ways producers may split ``num_kv_heads`` into equal runs (one per distinct rank), whole first.
+
+    Example:
+        >>> [[(r.start, r.stop) for r in p] for p in partitions(4)]
+        [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]]
+    """
+    out = []
+    d = 1
+    while d <= num_kv_heads:
+        if num_kv_heads % d == 0:
+            per = num_kv_heads // d
+            out.append([range(i * per, (i + 1) * per) for i in range(d)])
+        d *= 2
+    return out

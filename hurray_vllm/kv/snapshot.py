@@ -20,6 +20,7 @@ __all__ = [
     "SnapshotSource",
     "LatentSplit",
     "SlidingWindows",
+    "HeadRange",
     "KVSnapshot",
     "KV_ROLES",
     "FUSED_ROLES",
@@ -228,6 +229,42 @@ class SlidingWindows:
         return cls(tuple(sizes), tuple(rows))
 
 
+@dataclass(frozen=True)
+class HeadRange:
+    """The KV heads a snapshot holds when it is a slice of the model's (one tensor-parallel rank's).
+
+    Heads ``start .. stop - 1`` of the model's ``total`` (``fingerprint.num_kv_heads``),
+    in order; each layer's K and V hold ``stop - start`` heads. A snapshot
+    of every head has none (``KVSnapshot.heads is None``).
+
+    Example:
+        >>> HeadRange(2, 4, 8).count
+        2
+    """
+
+    start: int
+    stop: int
+    total: int
+
+    @property
+    def count(self) -> int:
+        """How many heads the slice holds."""
+        return self.stop - self.start
+
+    def to_json(self) -> dict[str, Any]:
+        """The range as a JSON-ready dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> HeadRange:
+        """The range :meth:`to_json` wrote; a bad member raises :class:`HurrayFormatError` naming it."""
+        f = Fields(d, "snapshot.heads")
+        total = f.integer("total", lo=1, hi=_MAX_HEADS)
+        start = f.integer("start", hi=total - 1)
+        stop = f.integer("stop", lo=start + 1, hi=total)
+        return cls(start, stop, total)
+
+
 #: The roles of a key/value layer and of a fused (MLA latent) layer, in the order layers hold them.
 KV_ROLES = ("key", "value")
 FUSED_ROLES = ("fused",)
@@ -265,6 +302,8 @@ class KVSnapshot:
             the state of every linear-attention layer per sequence and the
             token it was taken at; the layers above are then the model's
             attention layers only (:meth:`RecurrentStates.attention_layers`).
+        heads: for a slice of the model's KV heads (a tensor-parallel rank's),
+            which ones (``None``: every head).
     """
 
     keys: tuple[BlockPagedTensor, ...]
@@ -279,6 +318,7 @@ class KVSnapshot:
     latent: LatentSplit | None = None
     windows: SlidingWindows | None = None
     states: RecurrentStates | None = None
+    heads: HeadRange | None = None
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.values):
@@ -337,6 +377,14 @@ class KVSnapshot:
     def _lead(self) -> tuple[BlockPagedTensor, ...]:
         # Layer order, first role of each layer: what the shared block structure is read from.
         return self.fused or self.keys
+
+    @property
+    def head_range(self) -> HeadRange:
+        """The model's KV heads the layers hold: :attr:`heads`, or all of the pools' heads."""
+        if self.heads is not None:
+            return self.heads
+        n = self._lead[0].num_heads if self._lead else 0
+        return HeadRange(0, n, max(n, 1))
 
     @property
     def num_layers(self) -> int:
@@ -531,6 +579,17 @@ class KVSnapshot:
                 found.append(Violation("snapshot.kv_scales", f"layer {i}: scales {pair} must be finite and positive"))
                 break
         found.extend(self._window_violations())
+        if self.heads is not None and lead and any(t.num_heads != self.heads.count for t in self.tensors()):
+            found.append(
+                Violation(
+                    "snapshot.heads",
+                    f"the layers hold {lead[0].num_heads} heads, the slice says {self.heads.count} "
+                    f"({self.heads.start}..{self.heads.stop} of {self.heads.total})",
+                )
+            )
+        fp = self.fingerprint
+        if self.heads is not None and fp is not None and self.heads.total != fp.num_kv_heads:
+            found.append(Violation("snapshot.heads", "the slice's total heads differ from the fingerprint's"))
         if self.states is not None:
             found.extend(self.states.violations())
             if self._lead and self.states.num_seqs != self.num_seqs:

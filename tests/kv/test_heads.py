@@ -8,15 +8,11 @@ import pytest
 import torch
 
 import hurray_vllm as hv
-from hurray_vllm.kv.heads import concat_heads, distinct_ranks, rank_heads
+from hurray_vllm.kv.heads import concat_heads, distinct_ranks, partitions, rank_heads, select_heads
 
 
 def _shard(snap: hv.KVSnapshot, heads: range) -> hv.KVSnapshot:
-    layers = [
-        tuple(replace(t, page_pool=t.page_pool[:, :, heads.start : heads.stop]) for t in m)
-        for m in snap.layer_members()
-    ]
-    return snap.with_layers(layers)
+    return select_heads(snap, heads)
 
 
 def test_ranks_hold_runs_of_heads_or_replicas() -> None:
@@ -45,3 +41,61 @@ def test_parts_of_another_batch_are_refused() -> None:
     b = make_snapshot([5, 3], [0, 1], 4, heads=2, dim=8)
     with pytest.raises(hv.HurrayFormatError, match="another batch"):
         concat_heads([_shard(a, range(0, 1)), _shard(b, range(1, 2))])
+
+
+def test_a_slice_says_which_heads_it_holds_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from synthetic import make_snapshot
+
+    whole = make_snapshot([6, 3], [0, 1], 4, heads=4, dim=8)
+    whole = replace(whole, fingerprint=hv.ModelFingerprint("Llama", 2, 4, 8, "bfloat16"))
+    part = select_heads(whole, range(2, 4))
+    assert part.heads == hv.HeadRange(2, 4, 4) and part.tensors()[0].num_heads == 2
+    assert select_heads(whole, range(0, 4)).heads is None
+    for ext in ("hrry", "hrrs", "safetensors"):
+        hv.save(part, tmp_path / f"p.{ext}")
+        assert hv.load(tmp_path / f"p.{ext}").heads == part.heads
+    assert not replace(part, heads=hv.HeadRange(0, 3, 4)).validate().ok  # 3 heads claimed, 2 held
+    assert not replace(part, heads=hv.HeadRange(0, 2, 8)).validate().ok  # the fingerprint says 4
+    assert partitions(2) == [[range(0, 2)], [range(0, 1), range(1, 2)]]
+
+
+def test_the_digest_covers_the_head_range() -> None:
+    from synthetic import make_snapshot
+
+    from hurray_vllm.chunks.digest import chunk_digest
+
+    part = select_heads(make_snapshot([6, 3], [0, 1], 4, heads=4, dim=8), range(2, 4))
+    assert chunk_digest(part) != chunk_digest(replace(part, heads=hv.HeadRange(0, 2, 4)))
+
+
+def test_a_chunk_is_stored_only_when_files_hold_every_head(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from synthetic import make_snapshot
+
+    from hurray_vllm.chunks.store import DirectoryStore, slice_key
+
+    store = DirectoryStore(tmp_path)
+    whole = make_snapshot([8], [0], 4, heads=4, dim=8)
+    assert store.parts("ns", "k", 4) is None
+    store.put("ns", slice_key("k", range(0, 2)), select_heads(whole, range(0, 2)))
+    assert store.parts("ns", "k", 4) is None  # half the heads: incomplete
+    store.put("ns", slice_key("k", range(2, 4)), select_heads(whole, range(2, 4)))
+    parts = store.parts("ns", "k", 4)
+    assert parts is not None and [(p.name, p.heads) for p in parts] == [
+        ("k.h0-2", range(0, 2)),
+        ("k.h2-4", range(2, 4)),
+    ]
+    store.put("ns", "k", whole)
+    whole_parts = store.parts("ns", "k", 4)
+    assert whole_parts is not None and [p.name for p in whole_parts] == ["k"]  # the whole file first
+
+
+def test_store_snapshot_names_a_slice_as_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from synthetic import make_snapshot
+
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    snap = make_snapshot([8], [0], 4, heads=2, dim=8)
+    snap = replace(snap, fingerprint=hv.ModelFingerprint("Llama", 2, 2, 8, "bfloat16"), token_ids=(tuple(range(8)),))
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, select_heads(snap, range(1, 2)), 4) == 2
+    assert sorted(p.name for p in tmp_path.rglob("*.hrry")) == sorted([p.name for p in tmp_path.rglob("*.h1-2.hrry")])

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...errors import HurrayFormatError
-from ...kv.snapshot import LatentSplit, ModelFingerprint, SnapshotSource
+from ...kv.heads import rank_heads
+from ...kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ...wire import dtypes
 from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
 from .states import StateCache, state_cache
@@ -34,6 +35,8 @@ __all__ = [
     "describe_worker_cache",
     "attention_layers",
     "write_blocks",
+    "rank_head_range",
+    "with_rank_heads",
     "weights_digest",
     "fingerprint_of",
     "FP8_DTYPES",
@@ -342,6 +345,37 @@ def describe_worker_cache(
         latent=latent,
         states=state_cache(vllm_config, kv_cache_config) if kv_cache_config is not None else None,
     )
+
+
+def rank_head_range(vllm_config: Any, rank: int | None = None) -> HeadRange | None:
+    """The model's KV heads this tensor-parallel rank's cache holds (``None`` at TP = 1 or for an MLA latent)."""
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if tp == 1 or latent_split_of(vllm_config) is not None:
+        return None
+    if rank is None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    heads = rank_heads(total, tp, rank)
+    return HeadRange(heads.start, heads.stop, total)
+
+
+def with_rank_heads(snap: KVSnapshot, ec: EngineCache, vllm_config: Any) -> KVSnapshot:
+    """``snap`` (exported from this rank's cache) marked with the heads it holds; as is at TP = 1.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.heads``) the cache holds another
+            number of heads than the rank's share.
+    """
+    heads = rank_head_range(vllm_config)
+    if heads is None:
+        return snap
+    if snap.num_layers and snap.tensors()[0].num_heads != heads.count:
+        raise HurrayFormatError(
+            "snapshot.heads", f"this rank's cache holds {snap.tensors()[0].num_heads} heads, its share is {heads.count}"
+        )
+    return replace(snap, heads=heads)
 
 
 def write_blocks(ec: EngineCache, layer: int, block_ids: torch.Tensor, *pools: torch.Tensor) -> None:

@@ -21,7 +21,15 @@ from ...errors import HurrayFormatError
 from ...kv.heads import concat_heads, distinct_ranks
 from ...kv.snapshot import KVSnapshot
 from ...kv.states import RecurrentStates
-from .cache import EngineCache, attention_layers, cache_groups, describe_worker_cache, group_options, unsupported_cache
+from .cache import (
+    EngineCache,
+    attention_layers,
+    cache_groups,
+    describe_worker_cache,
+    group_options,
+    unsupported_cache,
+    with_rank_heads,
+)
 from .export import SequenceState, export_snapshot, export_stream
 
 __all__ = ["snapshot", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
@@ -78,7 +86,7 @@ def _export_on_rank(worker: Any, seqs: Sequence[SequenceState]) -> tuple[int, KV
     config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
     groups = group_options(*cache_groups(config), ec.layer_names)
     snap = export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options(), **groups)
-    return int(get_tensor_model_parallel_rank()), snap
+    return int(get_tensor_model_parallel_rank()), with_rank_heads(snap, ec, worker.vllm_config)
 
 
 def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:

@@ -152,6 +152,7 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
     c = object.__new__(conn.HurrayWorker)
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
     c._pushed, c._chunk_buffers, c._registered, c._sender = set(), [], [], sender
+    c._saves_here, c._my_heads = True, None  # TP = 1
 
     def export(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
         assert reuse
@@ -216,7 +217,7 @@ def _vllm_config(
         ({"hurray_path": "/tmp/x", "hurray_url": "tcp://h:port"}, 1, "hurray_url"),
         ({"hurray_path": "/x", "hurray_listen": ":9", "hurray_listen_transport": "ucx"}, 1, "hurray_listen_transport"),
         ({"hurray_path": "/tmp/x", "hurray_verified_chunks": "lots"}, 1, "hurray_verified_chunks"),
-        ({"hurray_path": "/tmp/x"}, 2, "tensor_parallel_size"),
+        ({"hurray_path": "/tmp/x", "hurray_url": "tcp://127.0.0.1:9"}, 2, "tensor_parallel_size"),
         ({"hurray_path": "/tmp/x"}, -2, "pipeline_parallel_size"),  # -2: pipeline parallelism 2
     ],
 )

@@ -100,6 +100,8 @@ class HurrayConfig:
     state_mode: str = ""
     #: The states this engine's chunks carry and its workers load (``declared_layout``); None without any.
     state_layout: RecurrentStates | None = None
+    #: ``tensor_parallel_size``: each worker saves and loads its ranks' KV heads (``kv.heads``).
+    tp: int = 1
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -137,8 +139,15 @@ class HurrayConfig:
             raise HurrayArgumentError(
                 "kv_cache_groups", f"KV cache groups with block sizes {sorted(sizes)}: chunks need one block size"
             )
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise HurrayArgumentError("tensor_parallel_size", "HurrayConnector does not handle tensor parallelism yet")
+        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        if tp > 1 and states:
+            raise HurrayArgumentError(
+                "tensor_parallel_size", "HurrayConnector does not split linear-attention states across ranks yet"
+            )
+        if tp > 1 and url:
+            raise HurrayArgumentError(
+                "tensor_parallel_size", "hurray_url pushes from several ranks are not supported yet: share hurray_path"
+            )
         if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
             # Each stage holds other layers: a chunk would be one stage's layers under the whole model's key.
             raise HurrayArgumentError(
@@ -181,4 +190,5 @@ class HurrayConfig:
             state_groups=tuple(states),
             state_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none") if states else "",
             state_layout=declared_layout(kv_cache_config) if states else None,
+            tp=tp,
         )

@@ -36,7 +36,9 @@ class LoadTask:
     keys: list[str]
     tokens: list[list[int]]  # per chunk
     block_ids: list[int]  # engine blocks to fill, chunk after chunk (the first chunk's skipped blocks excluded)
-    identities: list[tuple[int, ...]] = field(default_factory=list)  # of the chunk files the scheduler verified
+    #: Per chunk, the files the scheduler verified: ``(name, first head, end head, file identity)``; one
+    #: file holds every head, or tensor-parallel slices together do (``DirectoryStore.parts``).
+    parts: list[list[tuple[str, int, int, tuple[int, ...]]]] = field(default_factory=list)
     #: Leading blocks of the first chunk the engine already holds (a local prefix-cache hit that ends
     #: mid-chunk): they are not written, so blocks shared with other requests are never touched.
     skip_blocks: int = 0

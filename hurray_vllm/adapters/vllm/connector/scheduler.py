@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ....chunks.store import DIGEST_MISMATCH, DirectoryStore, chunk_keys, digest_matches, verify_chunk
+from ....chunks.store import DIGEST_MISMATCH, ChunkPart, DirectoryStore, chunk_keys, digest_matches, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ReceiverBase, receiver_for
@@ -105,6 +105,8 @@ class HurrayScheduler:
         self._verified_cap = config.verified_chunks
         self._windows = config.group_windows  # () for one KV cache group
         self._last_only = config.window_chunks == "last"
+        # Every KV head of the model: a chunk is complete when its files hold them all.
+        self._heads = fingerprint.num_kv_heads if fingerprint is not None else 1
         self._state_groups = config.state_groups  # () unless linear-attention layers keep states
         self._state_mode = config.state_mode
 
@@ -145,52 +147,43 @@ class HurrayScheduler:
         keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
         state = self._reqs.setdefault(request.request_id, _Request(request))
         first = num_computed_tokens // self._chunk
-        found: list[tuple[int, tuple[int, ...], KVSnapshot, Future[bool] | None]] = []
+        found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[bool] | None]]] = []
         for i in range(first, len(keys)):
-            ident = self._store.identity(self._ns, keys[i])
-            if ident is None:
+            parts = self._store.parts(self._ns, keys[i], self._heads)
+            if parts is None:  # not stored, or a tensor-parallel slice still missing
                 break
             toks = tokens[i * self._chunk : (i + 1) * self._chunk]
-            snap = VERIFIED.get(keys[i], ident)
-            check: Future[bool] | None = None
-            if snap is not None:
-                self.stats.chunks_remembered += 1
+            read: list[KVSnapshot] = []
+            checks: list[Future[bool] | None] = []
             try:
-                if snap is None:
-                    snap = self._store.get(self._ns, keys[i])
-                    check = _digest_pool().submit(digest_matches, snap)
-                # Also for a remembered chunk: its key promises these tokens, the check costs little.
-                verify_chunk(snap, self._fingerprint, toks, digest=False)
+                for part in parts:
+                    snap, check = self._read_part(part, toks)
+                    read.append(snap)
+                    checks.append(check)
             except HurrayFormatError as exc:
                 # Another model's chunk is left alone; anything else in it is damage.
-                self._refuse(keys[i], exc, ident if is_damage(exc) else None)
+                self._refuse(part.name, exc, part.identity if is_damage(exc) else None)
                 break
             except OSError as exc:
-                self._refuse(keys[i], exc)
+                self._refuse(part.name, exc)
                 break
-            found.append((i, ident, snap, check))
+            found.append((i, parts, read, checks))
         hit = first
-        idents = []
+        verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
         snaps: list[KVSnapshot] = []
-        for i, ident, snap, check in found:
-            if check is not None:
-                try:
-                    ok = check.result()
-                except (HurrayFormatError, OSError) as exc:
-                    self._refuse(keys[i], exc)
-                    break
-                if not ok:
-                    self._refuse(keys[i], DIGEST_MISMATCH, ident)
-                    break
-                VERIFIED.put(keys[i], ident, snap, self._verified_cap)
-            idents.append(ident)
-            snaps.append(snap)
+        for i, parts, part_snaps, checks in found:
+            if self._failed_check(parts, checks):
+                break
+            for part, snap in zip(parts, part_snaps, strict=True):
+                VERIFIED.put(part.name, part.identity, snap, self._verified_cap)
+            verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts])
+            snaps.append(part_snaps[0])  # the slices share windows and structure
             hit = i + 1
         while hit > first and not self._resumes_at(snaps[: hit - first], first, hit):
             # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends, or (linear
             # attention) the last chunk holds no states taken there: load less.
             hit -= 1
-            idents.pop()
+            verified.pop()
         matched = hit * self._chunk - num_computed_tokens
         if matched <= 0 or num_computed_tokens % self._block_size:
             return 0, False
@@ -198,8 +191,48 @@ class HurrayScheduler:
         # (possibly shared with other requests) and are skipped; the rest of the chunk is loaded.
         skip = (num_computed_tokens - first * self._chunk) // self._block_size
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
-        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], idents, skip_blocks=skip)
+        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], verified, skip_blocks=skip)
         return matched, False
+
+    def _read_part(self, part: ChunkPart, tokens: list[int]) -> tuple[KVSnapshot, Future[bool] | None]:
+        """One file of a chunk, checked against its key's tokens; its checksum runs on the helper thread.
+
+        A file remembered as verified (same identity) is not read again.
+
+        Raises:
+            HurrayFormatError: the file is unreadable, of another model, for other tokens, or holds
+                other heads than its name says.
+        """
+        snap = VERIFIED.get(part.name, part.identity)
+        check: Future[bool] | None = None
+        if snap is not None:
+            self.stats.chunks_remembered += 1
+        else:
+            snap = self._store.get(self._ns, part.name)
+            check = _digest_pool().submit(digest_matches, snap)
+        # Also for a remembered chunk: its key promises these tokens, the check costs little.
+        verify_chunk(snap, self._fingerprint, tokens, digest=False)
+        held = snap.head_range
+        if not snap.is_latent and (held.start, held.stop) != (part.heads.start, part.heads.stop):
+            raise HurrayFormatError(
+                "snapshot.heads", f"{part.name} holds heads {held.start}..{held.stop}, its name says otherwise"
+            )
+        return snap, check
+
+    def _failed_check(self, parts: list[ChunkPart], checks: list[Future[bool] | None]) -> bool:
+        """Wait for the parts' checksums; refuse (and move aside) the first that fails. True if one did."""
+        for part, check in zip(parts, checks, strict=True):
+            if check is None:
+                continue
+            try:
+                ok = check.result()
+            except (HurrayFormatError, OSError) as exc:
+                self._refuse(part.name, exc)
+                return True
+            if not ok:
+                self._refuse(part.name, DIGEST_MISMATCH, part.identity)
+                return True
+        return False
 
     def _resumes_at(self, chunks: list[KVSnapshot], first: int, hit: int) -> bool:
         """Whether chunks ``first .. hit - 1`` let a request resume at token ``hit * chunk``."""
@@ -302,7 +335,7 @@ class HurrayScheduler:
                 bool(states) and self._store.has(self._ns, keys[c]) and not self._store.has_states(self._ns, keys[c])
             )
             # With a destination, chunks already stored still go to the worker, to be pushed.
-            if self._store.has(self._ns, keys[c]) and not self._url and not replace:
+            if self._stored(keys[c]) and not self._url and not replace:
                 self.stats.chunks_skipped += 1
                 continue
             meta.saves.append(
@@ -320,6 +353,10 @@ class HurrayScheduler:
                 )
             )
         state.chunks_done = full
+
+    def _stored(self, key: str) -> bool:
+        """Whether chunk ``key`` is stored whole (one file, or tensor-parallel slices of every head)."""
+        return self._store.parts(self._ns, key, self._heads) is not None
 
     def _state_blocks(self, state: _Request, end: int, computed: int) -> dict[str, Any]:
         """A chunk's linear-attention state blocks, when this step ends at the chunk's end (else none).

@@ -19,13 +19,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, verify_chunk
+from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
+from ....kv.heads import concat_heads, distinct_ranks, select_heads
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....kv.states import RecurrentStates
 from ....transport import ChunkSender, sender_for
-from ..cache import EngineCache, attention_layers, describe_worker_cache, group_options, write_blocks
+from ..cache import (
+    EngineCache,
+    attention_layers,
+    describe_worker_cache,
+    group_options,
+    rank_head_range,
+    with_rank_heads,
+    write_blocks,
+)
 from ..export import GatherBuffers, SequenceState, export_snapshot
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
@@ -144,6 +153,18 @@ class _Staging:
             del self._free[self._keep :]
 
 
+def _rank_share(vllm_config: VllmConfig, fingerprint: ModelFingerprint) -> tuple[range | None, bool]:
+    """This worker's KV heads and whether it saves them (one rank per distinct head range; rank 0 for MLA)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rank = int(get_tensor_model_parallel_rank())
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    heads = rank_head_range(vllm_config, rank)
+    if heads is None:  # an MLA latent: on every rank, saved once
+        return None, rank == 0
+    return range(heads.start, heads.stop), rank in distinct_ranks(fingerprint.num_kv_heads, tp)
+
+
 def _states_first(saves: list[SaveTask]) -> list[SaveTask]:
     """The tasks with linear-attention states first.
 
@@ -201,6 +222,12 @@ class HurrayWorker:
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
         self._chunk_buffers: list[GatherBuffers] = []  # the writer's, reused chunk after chunk
         self._registered: list[torch.Tensor] = []  # their memory, registered with the sender
+        # At tensor parallelism > 1: this rank's KV heads (which it saves and loads), and whether it
+        # saves at all (a replica of heads another rank holds, or an MLA latent off rank 0, does not).
+        self._my_heads: range | None = None
+        self._saves_here = True
+        if config.tp > 1 and vllm_config is not None:
+            self._my_heads, self._saves_here = _rank_share(vllm_config, fingerprint)
         self._layer_groups = config.layer_groups  # several KV cache groups only: layer name -> group
         self._windows = config.group_windows
 
@@ -325,15 +352,34 @@ class HurrayWorker:
         return states
 
     def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
-        key = task.keys[c]
-        # In the scheduler's process this is the chunk it verified; a worker process reads its own.
-        snap = VERIFIED.get(key, task.identities[c]) if c < len(task.identities) else None
-        if snap is None:
-            ident = self._store.identity(self._ns, key)
-            snap = self._store.get(self._ns, key)
-            verify_chunk(snap, self._fingerprint, task.tokens[c])
-            if ident is not None:
-                VERIFIED.put(key, ident, snap, self._verified_cap)
+        """Chunk ``c`` of a load: this rank's KV heads of it, from the files that hold them, in its block size.
+
+        In the scheduler's process the files are the ones it verified; a
+        worker in another process reads them itself (and checks them again,
+        unless the file is the one the scheduler verified there already).
+        """
+        mine = self._my_heads
+        parts = task.parts[c] if c < len(task.parts) else [(task.keys[c], 0, 0, ())]
+        snaps = []
+        for name, start, stop, ident in parts:
+            if mine is not None and stop > start and (stop <= mine.start or start >= mine.stop):
+                continue  # another rank's heads
+            snap = VERIFIED.get(name, ident)
+            if snap is None:
+                now = self._store.identity(self._ns, name)
+                snap = self._store.get(self._ns, name)
+                verify_chunk(snap, self._fingerprint, task.tokens[c])
+                held = snap.head_range
+                if stop > start and not snap.is_latent and (held.start, held.stop) != (start, stop):
+                    raise HurrayFormatError("snapshot.heads", f"{name} holds other heads than its name says")
+                if now is not None:
+                    VERIFIED.put(name, now, snap, self._verified_cap)
+            snaps.append(snap)
+        if not snaps:
+            raise HurrayFormatError("snapshot.heads", f"chunk {task.keys[c]}: no stored file holds this rank's heads")
+        snap = concat_heads(snaps) if len(snaps) > 1 else snaps[0]
+        if mine is not None and not snap.is_latent:
+            snap = select_heads(snap, mine)
         if snap.page_size != self._block_size:
             snap = repage_snapshot(snap, self._block_size)
         return snap
@@ -368,14 +414,23 @@ class HurrayWorker:
         return tuple(pool.float() * scale for pool, scale in zip(out, chunk.kv_scales[layer]))
 
     def wait_for_save(self, meta: HurrayConnectorMetadata) -> None:
-        """Save this step's completed chunks (what it blocks on: :meth:`HurrayConnector.wait_for_save`)."""
-        if not meta.saves:
+        """Save this step's completed chunks (what it blocks on: :meth:`HurrayConnector.wait_for_save`).
+
+        At tensor parallelism > 1 each rank saves its heads as a slice of the
+        chunk (``<key>.h<a>-<b>``, :func:`~hurray_vllm.chunks.store.slice_key`);
+        a rank whose heads another rank saves already (replicas, an MLA
+        latent off rank 0) saves nothing.
+        """
+        if not meta.saves or not self._saves_here:
             return
+        saves = meta.saves
+        if self._my_heads is not None:
+            saves = [replace(t, key=slice_key(t.key, self._my_heads)) for t in saves]
         ec = self._engine_cache()
         if self._async:
-            self._save_async(ec, meta.saves)
+            self._save_async(ec, saves)
             return
-        tasks = iter(_states_first(meta.saves))
+        tasks = iter(_states_first(saves))
         if self._sender is None or self._url is None:
             for _ in self._saved(ec, tasks, push=False):
                 pass
@@ -533,6 +588,8 @@ class HurrayWorker:
             **groups,
             states=states,
         )
+        if self._vllm_config is not None:
+            snap = with_rank_heads(snap, ec, self._vllm_config)  # a rank's slice says which heads it holds
         return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
 
     def _put(self, key: str, snap: KVSnapshot, replace: bool = False) -> None:

@@ -1,0 +1,80 @@
+"""HurrayConnector between engines of different tensor parallelism (CPU, one core per rank), through a store.
+
+A TP = 2 engine saves each chunk as two slices of one KV head each
+(``<key>.h0-1``, ``<key>.h1-2``); a TP = 1 engine saves whole chunks. Each
+loads the other's: greedy tokens identical to an unmoved TP = 1 run, every
+whole chunk loaded. A slice deleted from the store leaves its chunk
+incomplete: never loaded, recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import require
+from engine_script import run_engine_script
+from tiny_models import build_tiny_llama
+
+from hurray_vllm.chunks import chunk_keys
+
+pytestmark = [pytest.mark.vllm]
+
+
+def _run(tmp: Path, name: str, store: Path, tp: int) -> dict[str, Any]:
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
+    args = [str(tmp / "model"), str(tmp / name), str(store), str(tp)]
+    return run_engine_script("tp_connector_run.py", args, tmp / name, f"TP={tp} engine {name}", env=env)
+
+
+@pytest.fixture(scope="session")
+def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require("transformers")
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("tp-connector")
+    build_tiny_llama(tmp / "model")
+    one, two = tmp / "store-tp1", tmp / "store-tp2"
+    runs: dict[str, Any] = {"tmp": tmp}
+    runs["save1"] = _run(tmp, "save1", one, 1)
+    runs["save2"] = _run(tmp, "save2", two, 2)
+    broken = tmp / "store-broken"
+    shutil.copytree(two, broken)
+    (ns,) = [p.name for p in broken.iterdir() if p.is_dir()]
+    prompt, chunk = runs["save2"]["prompts"]["a"], runs["save2"]["chunk_tokens"]
+    key = chunk_keys(prompt, chunk, ns)[1]
+    (broken / ns / f"{key}.h1-2.hrry").unlink()  # one rank's slice of "a"'s second chunk never arrived
+    runs["load21"] = _run(tmp, "load21", two, 1)
+    runs["load12"] = _run(tmp, "load12", one, 2)
+    runs["load22"] = _run(tmp, "load22", two, 2)
+    runs["broken"] = _run(tmp, "broken", broken, 1)
+    return runs
+
+
+def test_a_tp2_engine_saves_one_slice_per_rank(tp_stores: dict[str, Any]) -> None:
+    files = tp_stores["save2"]["files"]
+    assert files and all(f.endswith((".h0-1.hrry", ".h1-2.hrry")) for f in files)
+    assert {f.removesuffix(".h0-1.hrry") for f in files if ".h0-1" in f} == {
+        f.removesuffix(".h1-2.hrry") for f in files if ".h1-2" in f
+    }
+    assert not any(re.search(r"\.h\d+-\d+\.hrry$", f) for f in tp_stores["save1"]["files"])  # TP = 1: whole
+
+
+@pytest.mark.parametrize("run", ["load21", "load12", "load22"])
+def test_chunks_load_across_tp_degrees_with_identical_tokens(tp_stores: dict[str, Any], run: str) -> None:
+    loaded, unmoved = tp_stores[run], tp_stores["save1"]
+    assert loaded["outputs"] == unmoved["outputs"]
+    # Every whole chunk of the prompt but the last token's: 96 of 100 and 64 of 71 tokens.
+    assert loaded["cached"]["a"] == 96 and loaded["cached"]["b"] == 64
+    assert loaded["scheduler_stats"]["chunks_refused"] == 0
+
+
+def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_stores: dict[str, Any]) -> None:
+    broken = tp_stores["broken"]
+    assert broken["outputs"] == tp_stores["save1"]["outputs"]
+    assert broken["cached"]["a"] == 32  # chunk 0 only: chunk 1 is incomplete, so nothing after it loads
+    # "b" shares those chunks; it may find chunk 1 whole by then ("a" recomputed and saved it: kv_both).
+    assert broken["cached"]["b"] in (32, 64)

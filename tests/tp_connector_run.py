@@ -1,0 +1,74 @@
+"""Runs one real vLLM engine (CPU) with HurrayConnector at a given tensor parallelism, on a chunk store.
+
+Usage: python tp_connector_run.py MODEL_DIR OUT_DIR STORE_DIR TP
+
+``kv_both``: loads what the store holds and saves what it lacks. Records the
+greedy outputs, vLLM's cached-token counts and the connector's statistics
+(the scheduler's; the workers run in processes of their own at TP > 1) in
+``OUT_DIR/result.json``, and the store's files in ``files``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+BLOCK = 32
+CHUNK = 32
+
+
+def prompts() -> dict[str, list[int]]:
+    a = [(i * 37 + 11) % 500 + 1 for i in range(100)]
+    return {
+        "a": a,
+        "b": [*a[:64], 3, 1, 4, 1, 5, 9, 2],  # shares two chunks with "a"
+        "c": [17, 42, 99, 256, 8],  # shorter than a chunk
+    }
+
+
+def main() -> None:
+    model, out, store, tp = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = KVTransferConfig(
+        kv_connector="HurrayConnector",
+        kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
+        kv_role="kv_both",
+        # Synchronous saves: every slice is in the store when the engine stops (a worker process's
+        # background writer would be drained at its exit too, but this keeps the run simple to reason about).
+        kv_connector_extra_config={"hurray_path": store, "hurray_chunk_tokens": CHUNK, "hurray_save_async": False},
+        kv_load_failure_policy="recompute",
+    )
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        block_size=BLOCK,
+        max_model_len=512,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+        kv_transfer_config=kv,
+        seed=0,
+    )
+    result: dict[str, Any] = {"prompts": prompts(), "tp": tp, "chunk_tokens": CHUNK}
+    sp = SamplingParams(detokenize=False, temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in result["prompts"].values()], sp, use_tqdm=False)
+    result["outputs"] = {r: list(o.outputs[0].token_ids) for r, o in zip(result["prompts"], outs, strict=True)}
+    result["cached"] = {r: o.num_cached_tokens for r, o in zip(result["prompts"], outs, strict=True)}
+    core: Any = llm.llm_engine.engine_core.engine_core
+    result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
+    result["files"] = sorted(p.name for p in Path(store).rglob("*.hrry*"))
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":  # the mp executor spawns its workers: they import this module
+    main()
