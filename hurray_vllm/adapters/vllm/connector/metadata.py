@@ -90,6 +90,8 @@ class ConnectorStats:
     bytes_saved: int = 0
     chunks_remembered: int = 0  # loads served by chunks verified earlier in this process (files not read again)
     chunks_quarantined: int = 0  # damaged chunk files moved aside (<key>.hrry.bad), so that they are written again
+    save_s: float = 0.0  # worker: wall time the steps spent saving (with async saves: copying the blocks out)
+    load_s: float = 0.0  # worker: wall time the steps spent loading (reading, checking, writing blocks)
 
 
 class VerifiedChunks:

