@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +73,8 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
             "writer that is still writing it",
         )
     now = time.time()
-    chunks: list[tuple[float, int, Path]] = []
+    files: dict[tuple[Path, str], list[tuple[float, int, Path]]] = {}
+    chunks: list[tuple[float, int, list[tuple[float, int, Path]]]] = []
     doomed: list[tuple[str, int, Path]] = []
     skipped: list[str] = []
     for ns in _namespaces(store.root, skipped):
@@ -96,13 +98,19 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
                 if now - st.st_mtime > stale_temp_s:
                     doomed.append(("temp", st.st_size, Path(entry.path)))
             elif name.endswith(".hrry") and entry.is_file(follow_symlinks=False):
-                chunks.append((max(st.st_atime, st.st_mtime), st.st_size, Path(entry.path)))
-    chunks.sort()
+                files.setdefault((ns, _chunk_of(name)), []).append(
+                    (max(st.st_atime, st.st_mtime), st.st_size, Path(entry.path))
+                )
+    # A tensor-parallel chunk is several files (<key>.h<a>-<b>.hrry): it goes, or stays, whole, by its
+    # most recent use; a lone slice would be kept bytes that can never load.
+    for group in files.values():
+        chunks.append((max(t for t, _, _ in group), sum(size for _, size, _ in group), group))
+    chunks.sort(key=lambda c: (c[0], c[1]))
     total = sum(size for _, size, _ in chunks)
-    for _, size, path in chunks:
+    for _, size, group in chunks:
         if total <= max_bytes:
             break
-        doomed.append(("chunk", size, path))
+        doomed.extend(("chunk", file_size, path) for _, file_size, path in group)
         total -= size
     report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=len(chunks), skipped=skipped)
     for kind, size, path in doomed:
@@ -118,6 +126,14 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
                 continue
         report.add(kind, size)
     return report
+
+
+_SLICE = re.compile(r"\.h\d+-\d+$")
+
+
+def _chunk_of(name: str) -> str:
+    """The chunk a file belongs to: its key, without a tensor-parallel slice's ``.h<a>-<b>``."""
+    return _SLICE.sub("", name.removesuffix(".hrry"))
 
 
 def _namespaces(root: Path, skipped: list[str]) -> list[Path]:

@@ -171,10 +171,15 @@ class DirectoryStore:
         from ..kv.heads import partitions
 
         for runs in partitions(max(num_kv_heads, 1)):
-            names = [slice_key(key, None if len(runs) == 1 else r) for r in runs]
-            found = [self.identity(namespace, n) for n in names]
-            if all(found):
-                return [ChunkPart(n, r, i) for n, r, i in zip(names, runs, found, strict=True) if i is not None]
+            out = []
+            for r in runs:
+                name = slice_key(key, None if len(runs) == 1 else r)
+                ident = self.identity(namespace, name)
+                if ident is None:  # this split is incomplete: no need to look at its other files
+                    break
+                out.append(ChunkPart(name, r, ident))
+            else:
+                return out
         return None
 
     def has_states(self, namespace: str, key: str) -> bool:

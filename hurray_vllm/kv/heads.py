@@ -73,7 +73,8 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
         raise HurrayFormatError("snapshot.structure", "no parts to join")
     first = parts[0]
     if len(parts) == 1:
-        return first
+        h = first.heads
+        return replace(first, heads=None) if h is not None and (h.start, h.stop) == (0, h.total) else first
     if any(p.states is not None for p in parts):
         raise HurrayFormatError("snapshot.states", "joining linear-attention states split by heads is not supported")
     for i, p in enumerate(parts[1:], 1):
@@ -133,15 +134,15 @@ def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
 def partitions(num_kv_heads: int) -> list[list[range]]:
     """The ways producers may split ``num_kv_heads`` into equal runs (one per distinct rank), whole first.
 
+    A producer at TP ``t`` stores ``min(t, num_kv_heads)`` runs: a divisor of ``num_kv_heads``.
+
     Example:
         >>> [[(r.start, r.stop) for r in p] for p in partitions(4)]
         [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]]
     """
     out = []
-    d = 1
-    while d <= num_kv_heads:
+    for d in range(1, num_kv_heads + 1):  # every divisor: 6 heads at TP 3 store 3 slices of 2
         if num_kv_heads % d == 0:
             per = num_kv_heads // d
             out.append([range(i * per, (i + 1) * per) for i in range(d)])
-        d *= 2
     return out

@@ -99,3 +99,51 @@ def test_store_snapshot_names_a_slice_as_one(tmp_path) -> None:  # type: ignore[
     store = DirectoryStore(tmp_path)
     assert store_snapshot(store, select_heads(snap, range(1, 2)), 4) == 2
     assert sorted(p.name for p in tmp_path.rglob("*.hrry")) == sorted([p.name for p in tmp_path.rglob("*.h1-2.hrry")])
+
+
+def test_every_divisor_split_counts_and_mqa_is_never_a_slice(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """6 heads at TP 3 are stored as 3 slices of 2; one KV head (MQA) is whole on every rank."""
+    from synthetic import make_snapshot
+
+    from hurray_vllm.chunks.store import DirectoryStore, slice_key
+
+    assert [len(p) for p in partitions(6)] == [1, 2, 3, 6]
+    store = DirectoryStore(tmp_path)
+    whole = make_snapshot([8], [0], 4, heads=6, dim=8)
+    for r in range(3):
+        heads = rank_heads(6, 3, r)
+        store.put("ns", slice_key("k", heads), select_heads(whole, heads))
+    parts = store.parts("ns", "k", 6)
+    assert parts is not None and len(parts) == 3
+    one = make_snapshot([8], [0], 4, heads=1, dim=8)
+    assert concat_heads([replace(one, heads=hv.HeadRange(0, 1, 1))]).heads is None
+
+
+def test_parallel_layouts_that_split_tokens_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from hurray_vllm.adapters.vllm.cache import unsupported_parallelism
+
+    assert unsupported_parallelism(SimpleNamespace(tensor_parallel_size=2)) is None
+    assert unsupported_parallelism(SimpleNamespace(decode_context_parallel_size=2))[0] == "decode_context_parallel_size"  # type: ignore[index]
+    ext = SimpleNamespace(tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    assert unsupported_parallelism(ext)[0] == "distributed_executor_backend"  # type: ignore[index]
+
+
+def test_prune_takes_a_chunks_slices_together(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from synthetic import make_snapshot
+
+    from hurray_vllm.chunks.store import DirectoryStore, slice_key
+
+    store = DirectoryStore(tmp_path)
+    whole = make_snapshot([8], [0], 4, heads=2, dim=8)
+    for i, key in enumerate(("aa", "bb")):
+        for heads in (range(0, 1), range(1, 2)):
+            path = store.path("ns", slice_key(key, heads))
+            store.put("ns", slice_key(key, heads), select_heads(whole, heads))
+            os.utime(path, (1000 + i, 1000 + i))  # "aa" used first
+    one = sum(p.stat().st_size for p in tmp_path.rglob("bb.*"))
+    store.prune(one)
+    assert sorted(p.name for p in tmp_path.rglob("*.hrry")) == ["bb.h0-1.hrry", "bb.h1-2.hrry"]

@@ -36,6 +36,7 @@ __all__ = [
     "attention_layers",
     "write_blocks",
     "rank_head_range",
+    "unsupported_parallelism",
     "with_rank_heads",
     "weights_digest",
     "fingerprint_of",
@@ -324,6 +325,13 @@ def describe_worker_cache(
     else:
         layout = LogicalBHNC(head_dim)
         layout_name = f"vllm-{vllm_config.cache_config.kv_cache_layout or 'LBNHC'}"
+    for m in mods:
+        for attr in ("_k_scale", "_v_scale"):
+            t = getattr(m, attr, None)
+            if isinstance(t, torch.Tensor) and t.numel() > 1 and cache_dtype in FP8_DTYPES:
+                # One scale per layer and role is what a snapshot carries; per-head scales would be
+                # dequantized with their maximum.
+                raise HurrayFormatError("kv_scales", f"{attr} has {t.numel()} entries (per-head fp8 scales)")
     scales = [(float(getattr(m, "_k_scale_float", 1.0)), float(getattr(m, "_v_scale_float", 1.0))) for m in mods]
     if latent is not None:  # one latent, one scale (vLLM's MLA layers quantize with k_scale)
         scales = [(k, k) for k, _ in scales]
@@ -347,6 +355,23 @@ def describe_worker_cache(
     )
 
 
+def unsupported_parallelism(parallel_config: Any) -> tuple[str, str] | None:
+    """``(field, why)`` for a parallel layout hurray-vllm cannot export or load correctly, else None.
+
+    Context parallelism splits each block's tokens across ranks (a rank's
+    cache holds a share of every block), and an external launcher runs a
+    scheduler per rank, which would see a chunk's slices land at different
+    times and schedule differently.
+    """
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel_config, name, 1) or 1) > 1:
+            return name, "does not handle context parallelism (each rank holds a share of every block's tokens)"
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    if tp > 1 and getattr(parallel_config, "distributed_executor_backend", None) == "external_launcher":
+        return "distributed_executor_backend", "does not handle the external launcher at TP > 1 (a scheduler per rank)"
+    return None
+
+
 def rank_head_range(vllm_config: Any, rank: int | None = None) -> HeadRange | None:
     """The model's KV heads this tensor-parallel rank's cache holds (``None`` at TP = 1 or for an MLA latent)."""
     tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
@@ -358,6 +383,8 @@ def rank_head_range(vllm_config: Any, rank: int | None = None) -> HeadRange | No
         rank = int(get_tensor_model_parallel_rank())
     total = vllm_config.model_config.get_total_num_kv_heads()
     heads = rank_heads(total, tp, rank)
+    if len(heads) == total:  # one KV head (MQA), on every rank: the whole, not a slice
+        return None
     return HeadRange(heads.start, heads.stop, total)
 
 

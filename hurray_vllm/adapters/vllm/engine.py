@@ -28,6 +28,7 @@ from .cache import (
     describe_worker_cache,
     group_options,
     unsupported_cache,
+    unsupported_parallelism,
     with_rank_heads,
 )
 from .export import SequenceState, export_snapshot, export_stream
@@ -184,6 +185,9 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         >>> hv.save(snapshot(llm, ["a", "b"]), "kv.hrry")  # doctest: +SKIP
     """
     seqs = request_states(llm, request_ids)
+    why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
+    if why is not None:
+        raise HurrayFormatError(why[0], f"snapshot() {why[1]}")
     if int(getattr(llm.llm_engine.vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1) > 1:
         raise HurrayFormatError(
             "pipeline_parallel_size", "snapshot() does not handle pipeline parallelism (each stage has other layers)"

@@ -15,7 +15,7 @@ from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.states import RecurrentStates
 from ....transport import CHANNELS, channel_of
 from ....transport.base import parse_listen
-from ..cache import cache_groups, is_grouped, unsupported_cache
+from ..cache import cache_groups, is_grouped, unsupported_cache, unsupported_parallelism
 from ..states import declared_layout, state_groups
 
 if TYPE_CHECKING:
@@ -148,6 +148,9 @@ class HurrayConfig:
             raise HurrayArgumentError(
                 "tensor_parallel_size", "hurray_url pushes from several ranks are not supported yet: share hurray_path"
             )
+        layout = unsupported_parallelism(vllm_config.parallel_config)
+        if layout is not None:
+            raise HurrayArgumentError(layout[0], f"HurrayConnector {layout[1]}")
         if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
             # Each stage holds other layers: a chunk would be one stage's layers under the whole model's key.
             raise HurrayArgumentError(

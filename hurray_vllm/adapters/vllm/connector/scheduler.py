@@ -62,6 +62,22 @@ def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int)
     return True
 
 
+def _fit_together(parts: list[KVSnapshot]) -> bool:
+    """Whether a chunk's slices join into one (same scales, windows and page structure), as workers will join them.
+
+    Slices of two producers (other fp8 scales, another window policy) sharing
+    a store would otherwise pass here one by one and fail in the workers.
+    """
+    first = parts[0]
+    return all(
+        p.kv_scales == first.kv_scales
+        and p.windows == first.windows
+        and p.page_size == first.page_size
+        and [t.page_pool.shape[:2] for t in p.tensors()] == [t.page_pool.shape[:2] for t in first.tensors()]
+        for p in parts[1:]
+    )
+
+
 def is_damage(exc: BaseException) -> bool:
     """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
 
@@ -172,7 +188,7 @@ class HurrayScheduler:
         verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
         snaps: list[KVSnapshot] = []
         for i, parts, part_snaps, checks in found:
-            if self._failed_check(parts, checks):
+            if self._failed_check(parts, checks) or not _fit_together(part_snaps):
                 break
             for part, snap in zip(parts, part_snaps, strict=True):
                 VERIFIED.put(part.name, part.identity, snap, self._verified_cap)
