@@ -188,7 +188,7 @@ def main() -> None:
         save2 = per_chunk(res["save-tp2"]["ranks"], "save_s", "chunks_saved")
         load11 = per_chunk(res["load-11"]["ranks"], "load_s", "chunks_loaded")
         load21 = per_chunk(res["load-21"]["ranks"], "load_s", "chunks_loaded")
-        base = {r: x["tokens"] for x in res["save-tp1"]["timed"] for r in x["tokens"]}
+        base = {r: t for x in res["save-tp1"]["timed"] for r, t in x["tokens"].items()}
         match = sum(
             x["tokens"] == {r: base[r] for r in x["tokens"]} for k in res for x in res[k]["timed"] if k != "save-tp1"
         )
