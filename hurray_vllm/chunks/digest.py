@@ -175,11 +175,19 @@ def digest_matches(snap: KVSnapshot) -> bool:
     return want == chunk_digest(snap, ChunkDigest.like(want).algorithm)
 
 
-def verify_chunk(snap: KVSnapshot, fp: ModelFingerprint, tokens: Sequence[int], *, digest: bool = True) -> None:
+def verify_chunk(
+    snap: KVSnapshot,
+    fp: ModelFingerprint,
+    tokens: Sequence[int],
+    *,
+    digest: bool = True,
+    heads: range | None = None,
+) -> None:
     """Raise :class:`HurrayFormatError` unless ``snap`` is this model's KV of exactly ``tokens``.
 
     ``digest=False`` leaves out the data checksum (the caller runs
-    :func:`digest_matches` itself, e.g. on another thread).
+    :func:`digest_matches` itself, e.g. on another thread). ``heads``: the KV
+    heads the file must hold (a tensor-parallel slice's, as its name says).
     """
     if snap.fingerprint is None:
         raise HurrayFormatError("snapshot.fingerprint", "chunk carries no model fingerprint")
@@ -190,5 +198,10 @@ def verify_chunk(snap: KVSnapshot, fp: ModelFingerprint, tokens: Sequence[int], 
         raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
     if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
         raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
+    held = snap.head_range
+    if heads is not None and not snap.is_latent and (held.start, held.stop) != (heads.start, heads.stop):
+        raise HurrayFormatError(
+            "snapshot.heads", f"chunk holds heads {held.start}..{held.stop}, its name says {heads.start}..{heads.stop}"
+        )
     if digest and not digest_matches(snap):
         raise HurrayFormatError("snapshot.digest", DIGEST_MISMATCH)

@@ -358,7 +358,8 @@ def describe_worker_cache(
 def unsupported_parallelism(parallel_config: Any) -> tuple[str, str] | None:
     """``(field, why)`` for a parallel layout hurray-vllm cannot export or load correctly, else None.
 
-    Context parallelism splits each block's tokens across ranks (a rank's
+    Pipeline parallelism gives each stage other layers. Context parallelism
+    splits each block's tokens across ranks (a rank's
     cache holds a share of every block), and an external launcher runs a
     scheduler per rank, which would see a chunk's slices land at different
     times and schedule differently.
@@ -366,6 +367,9 @@ def unsupported_parallelism(parallel_config: Any) -> tuple[str, str] | None:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(parallel_config, name, 1) or 1) > 1:
             return name, "does not handle context parallelism (each rank holds a share of every block's tokens)"
+    if int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1) > 1:
+        # Each stage holds other layers: a chunk would be one stage's layers under the whole model's key.
+        return "pipeline_parallel_size", "does not handle pipeline parallelism (each stage has other layers)"
     tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
     if tp > 1 and getattr(parallel_config, "distributed_executor_backend", None) == "external_launcher":
         return "distributed_executor_backend", "does not handle the external launcher at TP > 1 (a scheduler per rank)"

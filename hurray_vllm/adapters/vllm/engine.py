@@ -188,10 +188,6 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot() {why[1]}")
-    if int(getattr(llm.llm_engine.vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1) > 1:
-        raise HurrayFormatError(
-            "pipeline_parallel_size", "snapshot() does not handle pipeline parallelism (each stage has other layers)"
-        )
     if _tp(llm) > 1:
         return _snapshot_tp(llm, seqs)
     ec = engine_cache(llm)

@@ -151,12 +151,6 @@ class HurrayConfig:
         layout = unsupported_parallelism(vllm_config.parallel_config)
         if layout is not None:
             raise HurrayArgumentError(layout[0], f"HurrayConnector {layout[1]}")
-        if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
-            # Each stage holds other layers: a chunk would be one stage's layers under the whole model's key.
-            raise HurrayArgumentError(
-                "pipeline_parallel_size",
-                "HurrayConnector does not handle pipeline parallelism (each stage has other layers)",
-            )
         save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
         if url:
             save_async = False  # a migrated request must find its chunks on the destination

@@ -24,7 +24,7 @@ from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.heads import concat_heads, distinct_ranks, select_heads
 from ....kv.repage import repage_snapshot
-from ....kv.snapshot import KVSnapshot, ModelFingerprint
+from ....kv.snapshot import HeadRange, KVSnapshot, ModelFingerprint
 from ....kv.states import RecurrentStates
 from ....transport import ChunkSender, sender_for
 from ..cache import (
@@ -33,7 +33,6 @@ from ..cache import (
     describe_worker_cache,
     group_options,
     rank_head_range,
-    with_rank_heads,
     write_blocks,
 )
 from ..export import GatherBuffers, SequenceState, export_snapshot
@@ -154,16 +153,16 @@ class _Staging:
             del self._free[self._keep :]
 
 
-def _rank_share(vllm_config: VllmConfig, fingerprint: ModelFingerprint) -> tuple[range | None, bool]:
-    """This worker's KV heads and whether it saves them (one rank per distinct head range; rank 0 for MLA)."""
+def _rank_share(vllm_config: VllmConfig, fingerprint: ModelFingerprint) -> tuple[HeadRange | None, bool]:
+    """This worker's KV heads and whether it saves them (one rank per distinct head range; rank 0 otherwise)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     rank = int(get_tensor_model_parallel_rank())
     tp = int(vllm_config.parallel_config.tensor_parallel_size)
     heads = rank_head_range(vllm_config, rank)
-    if heads is None:  # an MLA latent: on every rank, saved once
+    if heads is None:  # an MLA latent or one KV head: on every rank, saved once
         return None, rank == 0
-    return range(heads.start, heads.stop), rank in distinct_ranks(fingerprint.num_kv_heads, tp)
+    return heads, rank in distinct_ranks(fingerprint.num_kv_heads, tp)
 
 
 def _states_first(saves: list[SaveTask]) -> list[SaveTask]:
@@ -225,7 +224,7 @@ class HurrayWorker:
         self._registered: list[torch.Tensor] = []  # their memory, registered with the sender
         # At tensor parallelism > 1: this rank's KV heads (which it saves and loads), and whether it
         # saves at all (a replica of heads another rank holds, or an MLA latent off rank 0, does not).
-        self._my_heads: range | None = None
+        self._my_heads: HeadRange | None = None
         self._saves_here = True
         if config.tp > 1 and vllm_config is not None:
             self._my_heads, self._saves_here = _rank_share(vllm_config, fingerprint)
@@ -376,10 +375,9 @@ class HurrayWorker:
             if snap is None:
                 now = self._store.identity(self._ns, name)
                 snap = self._store.get(self._ns, name)
-                verify_chunk(snap, self._fingerprint, task.tokens[c])
-                held = snap.head_range
-                if stop > start and not snap.is_latent and (held.start, held.stop) != (start, stop):
-                    raise HurrayFormatError("snapshot.heads", f"{name} holds other heads than its name says")
+                verify_chunk(
+                    snap, self._fingerprint, task.tokens[c], heads=range(start, stop) if stop > start else None
+                )
                 if now is not None:
                     VERIFIED.put(name, now, snap, self._verified_cap)
             snaps.append(snap)
@@ -387,7 +385,7 @@ class HurrayWorker:
             raise HurrayFormatError("snapshot.heads", f"chunk {task.keys[c]}: no stored file holds this rank's heads")
         snap = concat_heads(snaps) if len(snaps) > 1 else snaps[0]
         if mine is not None and not snap.is_latent:
-            snap = select_heads(snap, mine)
+            snap = select_heads(snap, range(mine.start, mine.stop))
         if snap.page_size != self._block_size:
             snap = repage_snapshot(snap, self._block_size)
         return snap
@@ -440,7 +438,8 @@ class HurrayWorker:
     def _save(self, meta: HurrayConnectorMetadata) -> None:
         saves = meta.saves
         if self._my_heads is not None:
-            saves = [replace(t, key=slice_key(t.key, self._my_heads)) for t in saves]
+            heads = range(self._my_heads.start, self._my_heads.stop)
+            saves = [replace(t, key=slice_key(t.key, heads)) for t in saves]
         ec = self._engine_cache()
         if self._async:
             self._save_async(ec, saves)
@@ -603,8 +602,8 @@ class HurrayWorker:
             **groups,
             states=states,
         )
-        if self._vllm_config is not None:
-            snap = with_rank_heads(snap, ec, self._vllm_config)  # a rank's slice says which heads it holds
+        if self._my_heads is not None:
+            snap = replace(snap, heads=self._my_heads)  # a rank's slice says which heads it holds
         return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
 
     def _put(self, key: str, snap: KVSnapshot, replace: bool = False) -> None:
