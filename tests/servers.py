@@ -18,14 +18,25 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-__all__ = ["ROOT", "Server", "ServerSpec", "free_port", "root_cause", "run_engine", "start_servers", "stop_servers"]
+__all__ = [
+    "ROOT",
+    "Server",
+    "ServerSpec",
+    "free_port",
+    "receiver_process",
+    "root_cause",
+    "run_engine",
+    "start_servers",
+    "stop_servers",
+]
 
 #: The repository's root (what child processes get as PYTHONPATH).
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,6 +181,42 @@ def start_servers(
             stop_servers(servers)
             raise
     raise AssertionError("unreachable: the last attempt fails instead of retrying")
+
+
+@contextmanager
+def receiver_process(store: Path, log: Path, transport: str = "tcp") -> Iterator[str]:
+    """``hurray-vllm receive`` into ``store`` in a process of its own; yields its URL (``tcp://127.0.0.1:PORT``).
+
+    The receiver binds a free port itself and prints it, so no other process
+    can take it in between. Stopped by its pid on exit (SIGTERM, then SIGKILL);
+    its output is in ``log``.
+    """
+    cmd = [sys.executable, "-m", "hurray_vllm.app.cli", "receive", "--listen", "127.0.0.1:0", "--dir", str(store)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--transport", transport],
+            stdout=subprocess.PIPE,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "receiving KV chunks (tcp) on 127.0.0.1:PORT into DIR"
+        if " on " not in line:
+            proc.wait(timeout=30)
+            pytest.fail(f"hurray-vllm receive did not start ({proc.returncode}):\n{root_cause(log.read_text())}")
+        port = int(line.split(" on ")[1].split()[0].rsplit(":", 1)[1])
+        yield f"{transport}://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 class _PortTaken(Exception):

@@ -1,11 +1,12 @@
 """Runs one real vLLM engine (CPU) with HurrayConnector at a given tensor parallelism, on a chunk store.
 
-Usage: python tp_connector_run.py MODEL_DIR OUT_DIR STORE_DIR TP
+Usage: python tp_connector_run.py MODEL_DIR OUT_DIR STORE_DIR TP [URL]
 
 ``kv_both``: loads what the store holds and saves what it lacks. Records the
 greedy outputs, vLLM's cached-token counts and the connector's statistics
 (the scheduler's; the workers run in processes of their own at TP > 1) in
-``OUT_DIR/result.json``, and the store's files in ``files``.
+``OUT_DIR/result.json``, and the store's files in ``files``. With ``URL``
+(``hurray_url``), every rank also pushes the slices it saves to that receiver.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def prompts() -> dict[str, list[int]]:
 
 def main() -> None:
     model, out, store, tp = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    url = sys.argv[5] if len(sys.argv) > 5 else None
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -44,7 +46,12 @@ def main() -> None:
         kv_role="kv_both",
         # Synchronous saves: every slice is in the store when the engine stops (a worker process's
         # background writer would be drained at its exit too, but this keeps the run simple to reason about).
-        kv_connector_extra_config={"hurray_path": store, "hurray_chunk_tokens": CHUNK, "hurray_save_async": False},
+        kv_connector_extra_config={
+            "hurray_path": store,
+            "hurray_chunk_tokens": CHUNK,
+            "hurray_save_async": False,
+            **({"hurray_url": url} if url else {}),
+        },
         kv_load_failure_policy="recompute",
     )
     llm = LLM(

@@ -24,6 +24,7 @@ __all__ = [
     "digest_header",
     "digest_matches",
     "verify_chunk",
+    "check_heads",
     "digest_tensors",
 ]
 
@@ -198,10 +199,23 @@ def verify_chunk(
         raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
     if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
         raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
-    held = snap.head_range
-    if heads is not None and not snap.is_latent and (held.start, held.stop) != (heads.start, heads.stop):
-        raise HurrayFormatError(
-            "snapshot.heads", f"chunk holds heads {held.start}..{held.stop}, its name says {heads.start}..{heads.stop}"
-        )
+    if heads is not None and not snap.is_latent:
+        check_heads(snap, heads)
     if digest and not digest_matches(snap):
         raise HurrayFormatError("snapshot.digest", DIGEST_MISMATCH)
+
+
+def check_heads(snap: KVSnapshot, heads: range | None) -> None:
+    """Raise :class:`HurrayFormatError` unless ``snap`` holds the KV heads its file name says.
+
+    ``heads``: a tensor-parallel slice's heads (``<key>.h<a>-<b>``,
+    :func:`~hurray_vllm.chunks.keys.split_slice_key`); ``None``: a whole
+    chunk, which must hold every head of the model. A slice stored under a
+    whole chunk's name would otherwise be loaded as the whole chunk.
+    """
+    held = snap.head_range
+    want = (heads.start, heads.stop) if heads is not None else (0, held.total)
+    if (held.start, held.stop) != want:
+        raise HurrayFormatError(
+            "snapshot.heads", f"chunk holds heads {held.start}..{held.stop}, its name says {want[0]}..{want[1]}"
+        )

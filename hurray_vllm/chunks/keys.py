@@ -8,6 +8,7 @@ so a chunk of another model is never even looked at.
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,7 +19,7 @@ from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from .digest import DIGEST_KEY, chunk_digest
 
-__all__ = ["namespace_of", "chunk_keys", "chunks_of"]
+__all__ = ["namespace_of", "chunk_keys", "chunks_of", "slice_key", "split_slice_key"]
 
 
 def namespace_of(fp: ModelFingerprint) -> str:
@@ -98,3 +99,39 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
             ).compact()
             out.append((key, replace(chunk, extra={**chunk.extra, DIGEST_KEY: chunk_digest(chunk)})))
     return out
+
+
+def slice_key(key: str, heads: range | None) -> str:
+    """The name a chunk's slice of KV heads is stored under (``key`` itself for every head).
+
+    A tensor-parallel rank stores its heads ``a .. b - 1`` as ``<key>.h<a>-<b>``:
+    the chunk is complete when slices covering every head are there
+    (:meth:`DirectoryStore.parts`).
+
+    Example:
+        >>> slice_key("ab12", range(2, 4)), slice_key("ab12", None)
+        ('ab12.h2-4', 'ab12')
+    """
+    return key if heads is None else f"{key}.h{heads.start}-{heads.stop}"
+
+
+_SLICE_NAME = re.compile(r"(.+)\.h(\d{1,5})-(\d{1,5})")
+
+
+def split_slice_key(name: str) -> tuple[str, range | None]:
+    """The inverse of :func:`slice_key`: ``(key, heads)``, with ``heads`` ``None`` for a whole chunk's name.
+
+    Only the canonical form counts as a slice (``h2-4``, not ``h02-4`` or
+    ``h4-2``): any other name is returned whole, so that it can never be
+    taken for another file's.
+
+    Example:
+        >>> split_slice_key("ab12.h2-4"), split_slice_key("ab12")
+        (('ab12', range(2, 4)), ('ab12', None))
+    """
+    m = _SLICE_NAME.fullmatch(name)
+    if m is not None:
+        key, heads = m.group(1), range(int(m.group(2)), int(m.group(3)))
+        if heads and slice_key(key, heads) == name:
+            return key, heads
+    return name, None

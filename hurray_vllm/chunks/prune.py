@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HurrayArgumentError
+from .keys import split_slice_key
 
 if TYPE_CHECKING:
     from .store import DirectoryStore
@@ -128,12 +128,9 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
     return report
 
 
-_SLICE = re.compile(r"\.h\d+-\d+$")
-
-
 def _chunk_of(name: str) -> str:
     """The chunk a file belongs to: its key, without a tensor-parallel slice's ``.h<a>-<b>``."""
-    return _SLICE.sub("", name.removesuffix(".hrry"))
+    return split_slice_key(name.removesuffix(".hrry"))[0]
 
 
 def _namespaces(root: Path, skipped: list[str]) -> list[Path]:

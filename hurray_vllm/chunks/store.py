@@ -36,24 +36,10 @@ from .digest import (  # noqa: F401
     digest_matches,
     verify_chunk,
 )
-from .keys import chunk_keys, chunks_of, namespace_of  # noqa: F401
+from .keys import chunk_keys, chunks_of, namespace_of, slice_key, split_slice_key  # noqa: F401
 from .prune import PruneReport
 
-__all__ = ["ChunkStore", "DirectoryStore", "store_snapshot", "slice_key", "ChunkPart"]
-
-
-def slice_key(key: str, heads: range | None) -> str:
-    """The name a chunk's slice of KV heads is stored under (``key`` itself for every head).
-
-    A tensor-parallel rank stores its heads ``a .. b - 1`` as ``<key>.h<a>-<b>``:
-    the chunk is complete when slices covering every head are there
-    (:meth:`DirectoryStore.parts`).
-
-    Example:
-        >>> slice_key("ab12", range(2, 4)), slice_key("ab12", None)
-        ('ab12.h2-4', 'ab12')
-    """
-    return key if heads is None else f"{key}.h{heads.start}-{heads.stop}"
+__all__ = ["ChunkStore", "DirectoryStore", "store_snapshot", "slice_key", "split_slice_key", "ChunkPart"]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ URL scheme.
 What the channels agree on:
 
 * every frame starts with a 4-byte magic (``b"HVC1"``, ``b"HVN1"``);
-* namespaces and keys are 1-64 lowercase hex digits (:func:`check_names`);
+* namespaces and keys are 1-64 lowercase hex digits, and a key may name a
+  tensor-parallel rank's slice of the KV heads, ``<key>.h<a>-<b>``
+  (:func:`check_names`); the slice stored must hold exactly those heads;
 * a chunk is answered with ``b"OK"`` once it is validated and stored, or
   ``b"ER"`` + u16 length + UTF-8 message when it was refused
   (:func:`send_error`, :func:`read_answer`);
@@ -30,7 +32,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from ..chunks.store import ChunkStore
+from ..chunks.digest import check_heads
+from ..chunks.store import ChunkStore, split_slice_key
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 
@@ -100,11 +103,21 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def check_names(ns: str, key: str) -> None:
-    """Refuse a namespace or key that is not 1-64 lowercase hex digits (it becomes a file name)."""
+def check_names(ns: str, key: str) -> range | None:
+    """Refuse a namespace or key that is not a chunk's name (it becomes a file name); the heads a slice's key names.
+
+    A namespace is 1-64 lowercase hex digits; a key too, or a tensor-parallel
+    rank's slice of one, ``<key>.h<a>-<b>`` in the canonical form
+    :func:`~hurray_vllm.chunks.keys.slice_key` writes. Returns the slice's
+    heads (``None`` for a whole chunk).
+    """
+    base, heads = split_slice_key(key)
     # fullmatch: "^...$" with match() accepts a trailing newline, which would end up in a file name.
-    if not (CHUNK_NAME.fullmatch(ns) and CHUNK_NAME.fullmatch(key)):
-        raise HurrayFormatError("transport", "namespace and key must be 1-64 lowercase hex digits")
+    if not (CHUNK_NAME.fullmatch(ns) and CHUNK_NAME.fullmatch(base)):
+        raise HurrayFormatError(
+            "transport", "namespace and key must be 1-64 lowercase hex digits (a key may end in .h<a>-<b>)"
+        )
+    return heads
 
 
 def finish_with_error(conn: socket.socket, exc: BaseException, *, linger_s: float = 1.0) -> None:
@@ -278,6 +291,18 @@ class ReceiverBase(abc.ABC):
             else:
                 self.refused += 1
                 self.last_error = err
+
+    def put(self, ns: str, key: str, snap: KVSnapshot) -> None:
+        """Store a chunk whose bytes matched its digest, once it holds the KV heads its key names.
+
+        Every channel stores through here: a slice under a whole chunk's key
+        (or another slice's) would be loaded for heads it does not hold.
+
+        Raises:
+            HurrayFormatError: the heads differ from the key's (field ``snapshot.heads``).
+        """
+        check_heads(snap, check_names(ns, key))
+        self.store.put(ns, key, snap)
 
     def next_frame(self, conn: socket.socket, magic: bytes) -> bool:
         """Wait (up to ``idle_timeout``) for the next frame's magic; False when the peer closed cleanly.

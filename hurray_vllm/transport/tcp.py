@@ -162,7 +162,7 @@ class Receiver(ReceiverBase):
             snap = read_stream(io.BufferedReader(body))
             if not digest_matches(snap):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
-            self.store.put(ns, key, snap)
+            self.put(ns, key, snap)
         except (HurrayFormatError, OSError) as exc:
             self.count(False, str(exc))
             log.warning("hurray receiver: refused chunk %s: %s", key, exc)

@@ -341,7 +341,7 @@ class NixlReceiver(ReceiverBase):
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
-            self.store.put(offer.ns, key, snap)
+            self.put(offer.ns, key, snap)
             del snap, records, views, plan
             self.count(True)
             try:

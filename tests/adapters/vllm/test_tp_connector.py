@@ -1,10 +1,16 @@
-"""HurrayConnector between engines of different tensor parallelism (CPU, one core per rank), through a store.
+"""HurrayConnector between engines of different tensor parallelism (CPU, one core per rank), through a store and TCP.
 
 A TP = 2 engine saves each chunk as two slices of one KV head each
 (``<key>.h0-1``, ``<key>.h1-2``); a TP = 1 engine saves whole chunks. Each
 loads the other's: greedy tokens identical to an unmoved TP = 1 run, every
 whole chunk loaded. A slice deleted from the store leaves its chunk
 incomplete: never loaded, recomputed.
+
+Both savers also push what they save to a ``hurray-vllm receive`` process
+(``hurray_url``; at TP = 2 each rank pushes its own slices). The pushed store
+holds the very files of the shared one, byte for byte, and the TP 2 -> 1 and
+1 -> 2 loads read the pushed stores: every pair of degrees is covered over
+TCP or through a shared directory, on identical bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 import pytest
 from conftest import require
 from engine_script import run_engine_script
+from servers import receiver_process
 from tiny_models import build_tiny_llama
 
 from hurray_vllm.chunks import chunk_keys
@@ -25,9 +32,9 @@ from hurray_vllm.chunks import chunk_keys
 pytestmark = [pytest.mark.vllm]
 
 
-def _run(tmp: Path, name: str, store: Path, tp: int) -> dict[str, Any]:
+def _run(tmp: Path, name: str, store: Path, tp: int, url: str | None = None) -> dict[str, Any]:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
-    args = [str(tmp / "model"), str(tmp / name), str(store), str(tp)]
+    args = [str(tmp / "model"), str(tmp / name), str(store), str(tp), *([url] if url else [])]
     return run_engine_script("tp_connector_run.py", args, tmp / name, f"TP={tp} engine {name}", env=env)
 
 
@@ -38,17 +45,22 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("tp-connector")
     build_tiny_llama(tmp / "model")
     one, two = tmp / "store-tp1", tmp / "store-tp2"
-    runs: dict[str, Any] = {"tmp": tmp}
-    runs["save1"] = _run(tmp, "save1", one, 1)
-    runs["save2"] = _run(tmp, "save2", two, 2)
+    pushed1, pushed2 = tmp / "pushed-tp1", tmp / "pushed-tp2"
+    runs: dict[str, Any] = {"tmp": tmp, "stores": {"one": one, "two": two, "pushed1": pushed1, "pushed2": pushed2}}
+    with (
+        receiver_process(pushed1, tmp / "receiver1.log") as url1,
+        receiver_process(pushed2, tmp / "receiver2.log") as url2,
+    ):
+        runs["save1"] = _run(tmp, "save1", one, 1, url1)
+        runs["save2"] = _run(tmp, "save2", two, 2, url2)
     broken = tmp / "store-broken"
     shutil.copytree(two, broken)
     (ns,) = [p.name for p in broken.iterdir() if p.is_dir()]
     prompt, chunk = runs["save2"]["prompts"]["a"], runs["save2"]["chunk_tokens"]
     key = chunk_keys(prompt, chunk, ns)[1]
     (broken / ns / f"{key}.h1-2.hrry").unlink()  # one rank's slice of "a"'s second chunk never arrived
-    runs["load21"] = _run(tmp, "load21", two, 1)
-    runs["load12"] = _run(tmp, "load12", one, 2)
+    runs["load21"] = _run(tmp, "load21", pushed2, 1)  # what the TP = 2 ranks pushed over TCP
+    runs["load12"] = _run(tmp, "load12", pushed1, 2)
     runs["load22"] = _run(tmp, "load22", two, 2)
     runs["broken"] = _run(tmp, "broken", broken, 1)
     return runs
@@ -61,6 +73,17 @@ def test_a_tp2_engine_saves_one_slice_per_rank(tp_stores: dict[str, Any]) -> Non
         f.removesuffix(".h1-2.hrry") for f in files if ".h1-2" in f
     }
     assert not any(re.search(r"\.h\d+-\d+\.hrry$", f) for f in tp_stores["save1"]["files"])  # TP = 1: whole
+
+
+@pytest.mark.parametrize(("shared", "pushed"), [("one", "pushed1"), ("two", "pushed2")])
+def test_pushed_chunks_are_the_shared_stores_files_byte_for_byte(
+    tp_stores: dict[str, Any], shared: str, pushed: str
+) -> None:
+    """Every rank's slices (or the TP = 1 engine's chunks) reach the receiver whole and unchanged."""
+    a, b = tp_stores["stores"][shared], tp_stores["stores"][pushed]
+    files = sorted(p.relative_to(a) for p in a.rglob("*.hrry"))
+    assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.hrry"))
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
 @pytest.mark.parametrize("run", ["load21", "load12", "load22"])

@@ -144,10 +144,6 @@ class HurrayConfig:
             raise HurrayArgumentError(
                 "tensor_parallel_size", "HurrayConnector does not split linear-attention states across ranks yet"
             )
-        if tp > 1 and url:
-            raise HurrayArgumentError(
-                "tensor_parallel_size", "hurray_url pushes from several ranks are not supported yet: share hurray_path"
-            )
         layout = unsupported_parallelism(vllm_config.parallel_config)
         if layout is not None:
             raise HurrayArgumentError(layout[0], f"HurrayConnector {layout[1]}")
