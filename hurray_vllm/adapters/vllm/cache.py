@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ...errors import HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.heads import rank_heads
 from ...kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ...wire import dtypes
@@ -87,6 +87,18 @@ class EngineCache:
     def num_layers(self) -> int:
         """How many attention layers hold a cache."""
         return len(self.caches)
+
+    @property
+    def writes_head_slices(self) -> bool:
+        """Whether :func:`write_blocks` can fill a run of a layer's KV heads alone (``heads=``).
+
+        vLLM 0.32's K/V layouts (both ``[B, H, ...]``), except a quantized
+        CPU cache, which only the engine's own cache-write op fills (it takes
+        every head at once). Not an MLA latent: it is one head.
+        """
+        if isinstance(self.layout, CpuPacked):
+            return bool(self.caches) and self.kv_scales is None and self.caches[0].dtype == self.model_dtype
+        return isinstance(self.layout, LogicalBHNC)  # the GPU backends' [B, H, N, 2*D] view
 
     def export_options(self) -> dict[str, Any]:
         """The keyword arguments :func:`~.export.export_snapshot` and ``export_stream`` need for this cache.
@@ -409,7 +421,9 @@ def with_rank_heads(snap: KVSnapshot, ec: EngineCache, vllm_config: Any) -> KVSn
     return replace(snap, heads=heads)
 
 
-def write_blocks(ec: EngineCache, layer: int, block_ids: torch.Tensor, *pools: torch.Tensor) -> None:
+def write_blocks(
+    ec: EngineCache, layer: int, block_ids: torch.Tensor, *pools: torch.Tensor, heads: range | None = None
+) -> None:
     """Write whole blocks of one layer into the engine's cache.
 
     Args:
@@ -421,8 +435,24 @@ def write_blocks(ec: EngineCache, layer: int, block_ids: torch.Tensor, *pools: t
             ``[n, block_size, 1, kv_lora_rank + rope_dim]``. Real values in
             the model's dtype: an fp8 cache quantizes them with its own
             scales, as the engine does.
+        heads: only these of the cache's KV heads (``len(heads)`` in the
+            pools), e.g. one tensor-parallel slice of a chunk, written where
+            it lies without joining the slices first; ``None``: every head.
+            Only where :attr:`EngineCache.writes_head_slices`.
+
+    Raises:
+        HurrayFormatError: pools of the wrong role count or block size.
+        HurrayArgumentError: ``heads`` outside the cache's, or a cache that
+            cannot be written a part of the heads at a time.
     """
     cache = ec.caches[layer]
+    if heads is not None:
+        num = int(cache.shape[1])  # every layout's [B, H, ...] view: heads come second
+        if not ec.writes_head_slices or heads.start < 0 or heads.stop > num or not len(heads):
+            raise HurrayArgumentError(
+                "heads", f"cannot write heads {heads.start}..{heads.stop} of this {ec.layout_name} cache alone"
+            )
+        cache = cache[:, heads.start : heads.stop]
     want = 1 if isinstance(ec.layout, MLALatent) else 2
     if len(pools) != want:
         raise HurrayFormatError("kv_role", f"{len(pools)} pools for a {'latent' if want == 1 else 'K/V'} cache")

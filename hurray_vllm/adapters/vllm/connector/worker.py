@@ -181,6 +181,11 @@ def _task_states(ec: EngineCache, task: SaveTask) -> RecurrentStates | None:
     return ec.states.gather([{g: ids[0] for g, ids in task.state_blocks.items()}], [task.state_position])
 
 
+#: One stored file's share of a load: its KV (this worker's heads of it) and the run of the worker's
+#: cache heads it fills (``None``: every head).
+_Piece = tuple[KVSnapshot, range | None]
+
+
 def _task_blocks(task: LoadTask) -> set[int]:
     """Every engine block a load fills, in every group; never vLLM's null block 0 (nothing is loaded there)."""
     state = {b for ids in task.state_blocks.values() for b in ids if b}
@@ -267,35 +272,36 @@ class HurrayWorker:
         ec = self._engine_cache(forward_context)
         for task in meta.loads:
             try:
-                chunks = [self._chunk_for_load(task, c) for c in range(len(task.keys))]
+                chunks = [self._chunk_for_load(ec, task, c) for c in range(len(task.keys))]
             except (HurrayFormatError, OSError) as exc:
                 log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
                 self._load_errors.update(_task_blocks(task))
                 continue
             try:
                 writes = self._plan_writes(ec, task, chunks)
-                states = self._plan_states(ec, task, chunks)
+                states = self._plan_states(ec, task, [pieces[0][0] for pieces in chunks])
             except HurrayFormatError as exc:
                 log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
                 self._load_errors.update(_task_blocks(task))
                 continue
-            for layer, ids, pools in writes:
-                write_blocks(ec, layer, ids, *pools)
+            for layer, ids, pools, heads in writes:
+                write_blocks(ec, layer, ids, *pools, heads=heads)
             if states is not None and ec.states is not None:
                 ec.states.write([task.state_blocks], states)
             self.stats.chunks_loaded += len(chunks)
             self.stats.tokens_loaded += len(chunks) * self._chunk - task.skip_blocks * ec.block_size
 
     def _plan_writes(
-        self, ec: EngineCache, task: LoadTask, chunks: list[KVSnapshot]
-    ) -> list[tuple[int, torch.Tensor, tuple[torch.Tensor, ...]]]:
-        """Every ``(layer, engine blocks, pools)`` write of a load, checked before the first block is touched.
+        self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]
+    ) -> list[tuple[int, torch.Tensor, tuple[torch.Tensor, ...], range | None]]:
+        """Every ``(layer, engine blocks, pools, heads)`` write of a load, checked before the first block is touched.
 
-        Chunk by chunk, straight from each chunk's pages: no dense copy, no
-        concatenation. With several KV cache groups, each layer fills its
-        group's blocks; a sliding-window group's null blocks (out of the
-        window) get nothing, and a block the engine holds whose page the
-        chunk did not keep refuses the load.
+        Chunk by chunk and piece by piece (a piece: one stored file's share
+        of this worker's heads, see :meth:`_chunk_for_load`), straight from
+        each file's pages: no dense copy, no concatenation. With several KV
+        cache groups, each layer fills its group's blocks; a sliding-window
+        group's null blocks (out of the window) get nothing, and a block the
+        engine holds whose page the chunk did not keep refuses the load.
         """
         per = self._chunk // ec.block_size
         skip = task.skip_blocks  # the first chunk's blocks the engine holds already (prefix cache)
@@ -307,7 +313,7 @@ class HurrayWorker:
             g = self._layer_groups[ec.layer_names[layer]] if self._layer_groups else 0
             ids = tables[g]
             window = self._windows[g] if self._windows else None
-            for c, chunk in enumerate(chunks):
+            for c, chunk, heads in ((c, snap, h) for c, pieces in enumerate(chunks) for snap, h in pieces):
                 lo = 0 if c else skip
                 dest = ids[c * per - skip + lo : (c + 1) * per - skip]
                 rows = list(range(lo, per))  # the chunk's pages these blocks take
@@ -329,7 +335,7 @@ class HurrayWorker:
                     rows = [r for w, r in zip(wanted, rows, strict=True) if w]
                     dest = dest[torch.tensor(wanted, dtype=torch.bool)]
                 if dest.numel():
-                    writes.append((layer, dest, self._pages(chunk, layer, rows)))
+                    writes.append((layer, dest, self._pages(chunk, layer, rows), heads))
         return writes
 
     @staticmethod
@@ -358,12 +364,17 @@ class HurrayWorker:
             raise HurrayFormatError("snapshot.states", f"no engine block to hold the states of groups {missing}")
         return states
 
-    def _chunk_for_load(self, task: LoadTask, c: int) -> KVSnapshot:
-        """Chunk ``c`` of a load: this rank's KV heads of it, from the files that hold them, in its block size.
+    def _chunk_for_load(self, ec: EngineCache, task: LoadTask, c: int) -> list[_Piece]:
+        """Chunk ``c`` of a load as pieces: this rank's KV heads, from the files that hold them, in its block size.
 
-        In the scheduler's process the files are the ones it verified; a
-        worker in another process reads them itself (and checks them again,
-        unless the file is the one the scheduler verified there already).
+        A piece is one stored file's share of this worker's heads and the run
+        of the worker's cache heads it fills (``None``: all of them), so that
+        tensor-parallel slices are written where they lie, not joined into
+        fresh memory first (only a quantized CPU cache, which cannot be
+        written a part of its heads at a time, gets them joined). In the
+        scheduler's process the files are the ones it verified; a worker in
+        another process reads them itself (and checks them again, unless the
+        file is the one the scheduler verified there already).
         """
         mine = self._my_heads
         parts = task.parts[c] if c < len(task.parts) else [(task.keys[c], 0, 0, ())]
@@ -383,12 +394,22 @@ class HurrayWorker:
             snaps.append(snap)
         if not snaps:
             raise HurrayFormatError("snapshot.heads", f"chunk {task.keys[c]}: no stored file holds this rank's heads")
-        snap = concat_heads(snaps) if len(snaps) > 1 else snaps[0]
-        if mine is not None and not snap.is_latent:
-            snap = select_heads(snap, range(mine.start, mine.stop))
-        if snap.page_size != self._block_size:
-            snap = repage_snapshot(snap, self._block_size)
-        return snap
+        if len(snaps) > 1 and not ec.writes_head_slices:
+            snaps = [concat_heads(snaps)]
+        pieces: list[_Piece] = []
+        for snap in snaps:
+            local = None
+            if not snap.is_latent:
+                have = snap.head_range
+                lo, hi = (mine.start, mine.stop) if mine is not None else (0, have.total)
+                a, b = max(have.start, lo), min(have.stop, hi)
+                if (a, b) != (have.start, have.stop):
+                    snap = select_heads(snap, range(a, b))  # views: only this rank's heads are written
+                local = None if (a, b) == (lo, hi) else range(a - lo, b - lo)
+            if snap.page_size != self._block_size:
+                snap = repage_snapshot(snap, self._block_size)
+            pieces.append((snap, local))
+        return pieces
 
     @staticmethod
     def _pages(chunk: KVSnapshot, layer: int, rows: list[int] | None = None) -> tuple[torch.Tensor, ...]:

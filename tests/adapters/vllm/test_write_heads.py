@@ -1,0 +1,69 @@
+"""``write_blocks(..., heads=)``: a tensor-parallel slice of a chunk is written into its own heads of the cache.
+
+Writing each slice where it lies must give the very bytes of writing the
+joined chunk at once, for every layout the connector writes (the CPU
+packings and the GPU backends' logical ``[B, H, N, 2*D]`` view); a cache that
+cannot be written a part of its heads at a time (fp8 on the CPU: only the
+engine's op quantizes) says so, and the worker joins the slices instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hurray_vllm as hv
+from hurray_vllm.adapters.vllm.cache import EngineCache, write_blocks
+from hurray_vllm.adapters.vllm.layouts import CpuPacked, KVLayout, LogicalBHNC
+
+H, D, N, BLOCKS = 4, 16, 32, 6
+
+
+def _engine_cache(layout: KVLayout, *, fp8: bool = False) -> EngineCache:
+    cache = torch.zeros((BLOCKS, H, N, 2 * D), dtype=torch.uint8 if fp8 else torch.bfloat16)
+    return EngineCache(
+        caches=[cache],
+        layer_names=["model.layers.0.self_attn.attn"],
+        layout=layout,
+        layout_name=layout.name,
+        storage_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+        model_dtype=torch.bfloat16,
+        kv_cache_dtype="fp8" if fp8 else "auto",
+        kv_scales=[(0.5, 0.5)] if fp8 else None,
+        fingerprint=hv.ModelFingerprint("LlamaForCausalLM", 1, H, D, "float8_e4m3" if fp8 else "bfloat16"),
+        block_size=N,
+        engine="vllm test",
+    )
+
+
+@pytest.mark.parametrize("layout", [CpuPacked("vec", D), CpuPacked("vec16", D), CpuPacked("amx", D), LogicalBHNC(D)])
+@pytest.mark.parametrize("split", [[range(0, 2), range(2, 4)], [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]])
+def test_slices_written_where_they_lie_equal_the_whole_chunk_written_at_once(
+    layout: KVLayout, split: list[range]
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn((3, N, H, D), generator=gen).to(torch.bfloat16) for _ in range(2))
+    ids = torch.tensor([4, 1, 2])
+    whole, sliced = _engine_cache(layout), _engine_cache(layout)
+    assert sliced.writes_head_slices
+    write_blocks(whole, 0, ids, keys, values)
+    for heads in split:
+        write_blocks(
+            sliced, 0, ids, keys[:, :, heads.start : heads.stop], values[:, :, heads.start : heads.stop], heads=heads
+        )
+    assert torch.equal(whole.caches[0].view(torch.int16), sliced.caches[0].view(torch.int16))
+    assert whole.caches[0].view(torch.int16).any()
+    k, v = layout.gather(sliced.caches[0], ids)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+
+
+def test_heads_outside_the_cache_or_an_fp8_cpu_cache_are_refused() -> None:
+    ec = _engine_cache(CpuPacked("vec", D))
+    part = torch.zeros((1, N, 2, D), dtype=torch.bfloat16)
+    with pytest.raises(hv.HurrayArgumentError, match=r"heads 3\.\.5") as err:
+        write_blocks(ec, 0, torch.tensor([1]), part, part, heads=range(3, 5))
+    assert err.value.field == "heads"
+    fp8 = _engine_cache(CpuPacked("vec", D), fp8=True)
+    assert not fp8.writes_head_slices
+    with pytest.raises(hv.HurrayArgumentError, match="heads 0..2"):
+        write_blocks(fp8, 0, torch.tensor([1]), part, part, heads=range(0, 2))
