@@ -6,11 +6,13 @@ the source with ``hurray_url`` pointing at the destination's receiver
 tokens alike, is streamed to the destination as it is computed. Migration
 is then two completions:
 
-1. the source decodes ``after`` tokens and stops; by the time it answers,
-   its chunks are acknowledged by the destination;
-2. the destination continues from prompt + those tokens, loading the stored
-   prefix instead of recomputing it (only the tail of less than one chunk is
-   recomputed).
+1. the source decodes ``after`` tokens and stops; its answer's
+   ``kv_transfer_params`` say up to which token its chunks are saved (and
+   on their way to the destination: pushes run in the background);
+2. the destination continues from prompt + those tokens with those
+   ``kv_transfer_params``, so that it waits for the chunks still arriving,
+   and loads the stored prefix instead of recomputing it (only the tail of
+   less than one chunk is recomputed).
 
 With greedy sampling the concatenation equals an unmoved run. Only the
 OpenAI-compatible HTTP API is used (``/v1/completions`` with token-id
@@ -105,8 +107,13 @@ def migrate(
     """
     if not 1 <= after < max_tokens:
         raise HurrayFormatError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")
-    first = _tokens(complete(source, prompt, after, model=model), source)
-    answer = complete(destination, [*prompt, *first], max_tokens - after, model=model)
+    head = complete(source, prompt, after, model=model)
+    first = _tokens(head, source)
+    # The source's connector announces the chunks it saved and is still pushing ({"hurray_saved_tokens": N}):
+    # passed on, they make the destination wait for them rather than recompute what is on the wire.
+    params = head.get("kv_transfer_params")
+    extra = {"kv_transfer_params": params} if isinstance(params, dict) else None
+    answer = complete(destination, [*prompt, *first], max_tokens - after, model=model, extra=extra)
     usage = answer.get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return MigrationResult(first, _tokens(answer, destination), cached)

@@ -122,36 +122,48 @@ def test_verified_chunks_stay_within_the_open_file_limit(monkeypatch: pytest.Mon
     assert verified_capacity(1000) == 1000
 
 
-def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Saving with a nixl:// url: chunks go one by one through the same buffers, registered with NIXL once."""
+class _Sender:
+    """A ChunkSender stand-in: records what it is asked to push; ``gate`` holds it before each chunk."""
+
+    scheme = "nixl"
+
+    def __init__(self, calls: list[tuple[str, list[int]]]) -> None:
+        self.calls = calls
+        self.fail = False
+        self.sends = 0
+        self.pushed: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def register(self, ts: Sequence[torch.Tensor]) -> None:
+        self.calls.append(("register", [t.data_ptr() for t in ts]))
+
+    def unregister(self, ts: Sequence[torch.Tensor]) -> None:
+        self.calls.append(("unregister", [t.data_ptr() for t in ts]))
+
+    def send(self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0) -> None:
+        from hurray_vllm.transport.nixl import NixlError
+
+        self.sends += 1
+        for _ns, key, _chunk in chunks:
+            self.gate.wait(30)
+            if self.fail:  # a push that fails part-way, after the first chunk
+                raise NixlError("peer gone")
+            self.pushed.append(key)
+
+
+def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sender) -> Any:
+    """A HurrayWorker without an engine: its exports are stubbed (4 tokens per block, one head of 8)."""
     from hurray_vllm import KVSnapshot, ModelFingerprint
     from hurray_vllm.adapters.vllm.export import GatherBuffers
     from hurray_vllm.chunks.store import DirectoryStore
     from hurray_vllm.kv.paged import BlockPagedTensor
-    from hurray_vllm.transport.base import Chunk, ChunkSender
-    from hurray_vllm.transport.nixl import NixlError
 
-    calls: list[tuple[str, list[int]]] = []
-
-    class Sender(ChunkSender):
-        scheme = "nixl"
-        fail = False
-
-        def register(self, ts: Sequence[torch.Tensor]) -> None:
-            calls.append(("register", [t.data_ptr() for t in ts]))
-
-        def unregister(self, ts: Sequence[torch.Tensor]) -> None:
-            calls.append(("unregister", [t.data_ptr() for t in ts]))
-
-        def send(self, url: str, chunks: Iterable[Chunk], *, timeout: float = 60.0) -> None:
-            for _ in chunks:
-                if self.fail:  # a push that fails part-way, after the first chunk
-                    raise NixlError("peer gone")
-
-    sender = Sender()
     c = object.__new__(conn.HurrayWorker)
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
-    c._pushed, c._chunk_buffers, c._registered, c._sender = set(), [], [], sender
+    c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
+    c._push_paused_until, c._windows, c._inflight = 0.0, (), set()
+    c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
 
     def export(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
@@ -159,7 +171,7 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
         if not c._chunk_buffers:
             c._chunk_buffers = [GatherBuffers()]
         k, v = c._chunk_buffers[0].take((len(block_ids), 4, 1, 8), torch.bfloat16, torch.device("cpu"))
-        k.fill_(float(len(calls))), v.fill_(1.0)
+        k.fill_(float(len(sender.calls))), v.fill_(1.0)
         n = 4 * len(block_ids)
         idx = (torch.arange(len(block_ids)), torch.tensor([0, len(block_ids)]), torch.tensor([n]))
         return KVSnapshot(
@@ -170,14 +182,24 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
         )
 
     c._export_chunk = export
+    ec = SimpleNamespace(caches=[torch.zeros((16, 4))], states=None)
+    c._engine_cache = lambda: ec
+    return c
+
+
+def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: ModuleType, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Saving with a nixl:// url: chunks go one by one through the same buffers, registered with NIXL once."""
+    calls: list[tuple[str, list[int]]] = []
+    sender = _Sender(calls)
+    c = _bare_worker(conn, meta, tmp_path, sender)
     tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2]) for i in range(3)]
     tasks.append(meta.SaveTask("r", "ff" * 8, list(range(12)), [1, 2, 3]))  # larger: the buffers grow
     seen = []
-    ec = SimpleNamespace(caches=None, states=None)
-    for _ns, key, chunk in c._saved(ec, iter(tasks), push=True):
+    ec = c._engine_cache()
+    for _ns, key, chunk in c._stored(ec, ec.caches, iter([(t, t.block_ids, None) for t in tasks]), push=True):
         seen.append((key, chunk.keys[0].page_pool.data_ptr()))
         assert key not in c._pushed  # marked only once the receiver has it, i.e. when the next is asked for
-    assert [k for k, _ in seen] == [t.key for t in tasks] and c._pushed == {t.key for t in tasks}
+    assert [k for k, _ in seen] == [t.key for t in tasks] and list(c._pushed) == [t.key for t in tasks]
     assert len({p for _, p in seen[:3]}) == 1  # one memory for the same-sized chunks
     assert [kind for kind, _ in calls] == ["register", "unregister", "register"]
     assert calls[1][1] == calls[0][1] and calls[2][1] != calls[0][1]
@@ -186,10 +208,40 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
     # A push that fails part-way: the chunks after it are still saved here, and not marked as pushed.
     sender.fail = True
     more = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [4, 5]) for i in range(10, 13)]
-    step = meta.HurrayConnectorMetadata(saves=more)
-    c._async, c._engine_cache = False, lambda: ec
-    c.wait_for_save(step)
-    assert all(c._store.has(c._ns, t.key) for t in more) and not c._pushed & {t.key for t in more}
+    c._async = False
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=more))
+    assert all(c._store.has(c._ns, t.key) for t in more) and not set(c._pushed) & {t.key for t in more}
+    assert c.stats.push_failures == 1 and c.stats.chunks_pushed == 4
+
+
+def test_background_pushes_keep_their_order_and_never_hold_the_step(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """With hurray_url, the step only copies blocks out; the writer stores and pushes, in step order."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    sender.gate.clear()  # the destination does not answer yet
+    steps = [[meta.SaveTask(f"r{r}", f"{r:02x}{i:02x}" * 4, list(range(8)), [2 * i + 1, 2 * i + 2]) for r in range(2)]
+             for i in range(3)]  # fmt: skip
+    t0 = time.monotonic()
+    for tasks in steps:
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))
+    assert time.monotonic() - t0 < 5 and sender.pushed == []  # three steps went on while the push waited
+    # A chunk stored before (a shared prefix) is pushed too, from the store, in its place.
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[steps[0][0]]))
+    sender.gate.set()
+    assert c.flush(timeout=30)
+    assert sender.pushed == [t.key for tasks in steps for t in tasks]  # pushed once, in order
+    assert c.stats.chunks_pushed == 6 and c.stats.chunks_saved == 6
+
+    # A failed push pauses pushing (one timeout for a dead destination, not one per save); saving goes on.
+    sender.fail, sends = True, sender.sends
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "aa" * 8, list(range(8)), [7, 8])]))
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "bb" * 8, list(range(8)), [9, 10])]))
+    assert c.flush(timeout=30)
+    assert c.stats.push_failures == 1 and sender.sends == sends + 1
+    assert c._store.has(c._ns, "aa" * 8) and c._store.has(c._ns, "bb" * 8)
 
 
 def _vllm_config(
@@ -217,7 +269,8 @@ def _vllm_config(
         ({"hurray_path": "/tmp/x", "hurray_url": "tcp://h:port"}, 1, "hurray_url"),
         ({"hurray_path": "/x", "hurray_listen": ":9", "hurray_listen_transport": "ucx"}, 1, "hurray_listen_transport"),
         ({"hurray_path": "/tmp/x", "hurray_verified_chunks": "lots"}, 1, "hurray_verified_chunks"),
-        ({"hurray_path": "/tmp/x", "hurray_url": "tcp://127.0.0.1:9"}, 2, "tensor_parallel_size"),
+        ({"hurray_path": "/tmp/x", "hurray_push_wait_s": "soon"}, 1, "hurray_push_wait_s"),
+        ({"hurray_path": "/tmp/x", "hurray_push_wait_s": -1}, 1, "hurray_push_wait_s"),
         ({"hurray_path": "/tmp/x"}, -2, "pipeline_parallel_size"),  # -2: pipeline parallelism 2
     ],
 )
@@ -247,7 +300,7 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
     )
     assert (cfg.chunk_tokens, cfg.url, cfg.saves, cfg.loads) == (32, "tcp://h:1", True, False)
     assert cfg.url_channel == "tcp"
-    assert cfg.save_async is False  # with a destination, saves are synchronous
+    assert cfg.save_async and cfg.push_wait_s == 5.0  # pushes run on the background writer too
     assert cfg.save_queue_bytes == 1024 << 20 and cfg.verified_chunks >= 64
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_tokens = 64  # type: ignore[misc]
@@ -524,3 +577,48 @@ def test_a_stored_chunk_without_states_is_written_again_by_a_step_that_has_them(
     meta = SimpleNamespace(saves=[])
     sched._plan_saves(meta, "r", state, 64)  # type: ignore[arg-type]
     assert meta.saves == []
+
+
+def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``{"hurray_saved_tokens": N}`` from the source: wait while those chunks arrive, never longer than that."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.store import DirectoryStore, chunk_keys, chunks_of, namespace_of
+
+    forget_verified_chunks()
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, tokens = namespace_of(chunk.fingerprint), [*chunk.token_ids[0], 1]
+    assert chunk_keys(tokens, 4, ns) == [key]
+    extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4, "hurray_push_wait_s": 0.5}
+    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+    store = DirectoryStore(tmp_path)
+    sched = HurrayScheduler(cfg, store, chunk.fingerprint, ns)
+
+    def request(rid: str, toks: list[int], params: object) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, all_token_ids=toks, kv_transfer_params=params)
+
+    moved = request("moved", tokens, {"hurray_saved_tokens": 4})
+    assert sched.get_num_new_matched_tokens(moved, 0) == (None, False)  # announced, not here yet: ask again
+    assert sched.get_num_new_matched_tokens(moved, 0) == (None, False)
+    store.put(ns, key, chunk)  # the push arrives
+    assert sched.get_num_new_matched_tokens(moved, 0) == (4, False)
+    assert (sched.stats.push_waits, sched.stats.push_wait_timeouts) == (1, 0)
+
+    # Chunks that never come (a failed push, a dead source): once none arrived for hurray_push_wait_s, recompute.
+    lost = request("lost", [7] * 8 + [1], {"hurray_saved_tokens": 8})
+    t0 = time.monotonic()
+    while sched.get_num_new_matched_tokens(lost, 0) == (None, False):
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.05)
+    assert time.monotonic() - t0 >= 0.5
+    assert sched.get_num_new_matched_tokens(lost, 0) == (0, False)  # the wait is over for good
+    assert (sched.stats.push_waits, sched.stats.push_wait_timeouts) == (2, 1)
+
+    # Nothing announced (or not a token count): nothing to wait for.
+    for i, params in enumerate([None, {}, {"hurray_saved_tokens": "4"}, {"hurray_saved_tokens": True}, ["x"]]):
+        assert sched.get_num_new_matched_tokens(request(f"plain{i}", [5] * 9, params), 0) == (0, False)
+    assert sched.stats.push_waits == 2

@@ -65,5 +65,5 @@ def test_heads_outside_the_cache_or_an_fp8_cpu_cache_are_refused() -> None:
     assert err.value.field == "heads"
     fp8 = _engine_cache(CpuPacked("vec", D), fp8=True)
     assert not fp8.writes_head_slices
-    with pytest.raises(hv.HurrayArgumentError, match="heads 0..2"):
+    with pytest.raises(hv.HurrayArgumentError, match=r"heads 0\.\.2"):
         write_blocks(fp8, 0, torch.tensor([1]), part, part, heads=range(0, 2))

@@ -12,8 +12,11 @@ Extra config:
 * ``hurray_path`` (required): directory of the chunk store (see
   :mod:`hurray_vllm.chunks.store`). Producers write there, consumers read there.
 * ``hurray_url``: ``tcp://HOST:PORT`` (or ``nixl://HOST:PORT``) of another
-  server's receiver; every chunk saved here is also sent there
-  (server-to-server migration).
+  server's receiver; every chunk saved here is also pushed there
+  (server-to-server migration), by the background writer, in the order the
+  steps saved them. At tensor parallelism > 1 each rank pushes its own
+  slices. A failed push is counted (``push_failures``) and pauses pushing
+  for 10 s; the destination recomputes what it lacks.
 * ``hurray_listen``: ``HOST:PORT`` to run a receiver on; chunks it receives
   land, validated, in ``hurray_path``. ``hurray_listen_transport``: ``"tcp"``
   (default) or ``"nixl"`` (page pools arrive as NIXL writes; needs
@@ -23,10 +26,15 @@ Extra config:
   different block sizes share chunks (a loaded chunk is repaged).
 * ``hurray_save_async`` (default ``true``): the step only copies the saved
   blocks out of the cache; a background thread unpacks, checksums and
-  writes them (see :meth:`HurrayConnector.wait_for_save`). A chunk becomes
-  visible in the store when its file is complete. ``false`` writes inside
-  the step. With ``hurray_url`` saves are always synchronous, so that a
-  migrated request finds its chunks on the destination.
+  writes (and pushes) them (see :meth:`HurrayConnector.wait_for_save`). A
+  chunk becomes visible in the store when its file is complete. ``false``
+  writes and pushes inside the step.
+* ``hurray_push_wait_s`` (default 5): a request whose ``kv_transfer_params``
+  carry ``{"hurray_saved_tokens": N}`` (what a source engine answers; pass it
+  on with the continuation, as :func:`~hurray_vllm.adapters.vllm.migrate.migrate`
+  does) waits for the chunks up to token N to arrive before it is
+  scheduled, as long as each next one arrives within this many seconds;
+  then it loads what came and recomputes the rest.
 * ``hurray_save_queue_mib`` (default 1024): copied-out blocks waiting for
   the background writer; a step that would exceed it waits for the writer.
 * ``hurray_verified_chunks`` (default 256): chunks this process verified
@@ -177,8 +185,11 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         damaged (a :class:`~hurray_vllm.errors.HurrayFormatError` other than
         another model's fingerprint) is moved aside; nothing else moves a
         file. Blocks on file reads and checksums; a chunk's checksum runs on
-        a helper thread while the next chunk file is parsed. Never loads
-        asynchronously (the second value is always ``False``).
+        a helper thread while the next chunk file is parsed. Returns
+        ``(None, False)`` (vLLM asks again next step) while chunks the
+        request's ``kv_transfer_params`` announce are still arriving
+        (``hurray_push_wait_s``). Never loads asynchronously (the second
+        value is always ``False``).
         """
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -240,11 +251,13 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         Asynchronous by default (``hurray_save_async``): copies the chunks'
         blocks out of the cache (one ``index_select`` per layer into recycled
         buffers) and returns; a background thread unpacks the copies into
-        block-paged chunks, checksums and writes them. Blocks only when the
-        copies waiting for that thread would exceed ``hurray_save_queue_mib``.
-        Synchronous otherwise, and always with ``hurray_url``: then returns
-        once every chunk is in the store and the receiver acknowledged it or
-        the push failed (logged; the destination recomputes what it lacks).
+        block-paged chunks, checksums and writes them, and with
+        ``hurray_url`` pushes each to the destination: the step never waits
+        for the network. Blocks only when the copies waiting for that thread
+        would exceed ``hurray_save_queue_mib``. Synchronous otherwise: then
+        returns once every chunk is in the store and, with ``hurray_url``,
+        the receiver acknowledged it or the push failed (logged; the
+        destination recomputes what it lacks).
         """
         self._work().wait_for_save(self._meta())
 

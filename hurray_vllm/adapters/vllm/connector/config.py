@@ -42,6 +42,17 @@ def verified_capacity(wanted: int) -> int:
     return max(64, wanted)
 
 
+def _float(extra: Any, key: str, default: float) -> float:
+    value = extra.get_from_extra_config(key, default)
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise HurrayArgumentError(key, f"expected a number, got {value!r}") from None
+    if out != out:  # NaN
+        raise HurrayArgumentError(key, f"expected a number, got {value!r}")
+    return out
+
+
 def _int(extra: Any, key: str, default: int) -> int:
     value = extra.get_from_extra_config(key, default)
     try:
@@ -69,8 +80,8 @@ class HurrayConfig:
         >>> engine = SimpleNamespace(kv_transfer_config=kv, cache_config=SimpleNamespace(block_size=16),
         ...                          parallel_config=SimpleNamespace(tensor_parallel_size=1))
         >>> cfg = HurrayConfig.from_vllm(engine, None)
-        >>> cfg.chunk_tokens, cfg.url_channel, cfg.save_async  # with a destination, saves are synchronous
-        (256, 'tcp', False)
+        >>> cfg.chunk_tokens, cfg.url_channel, cfg.save_async  # pushes run on the background writer too
+        (256, 'tcp', True)
     """
 
     path: str
@@ -80,8 +91,11 @@ class HurrayConfig:
     url_channel: str | None  # the transport hurray_url names ("tcp", "nixl")
     loads: bool  # kv_consumer or kv_both
     saves: bool  # kv_producer or kv_both
-    save_async: bool  # hurray_save_async, and no hurray_url
+    save_async: bool  # hurray_save_async: saves (and pushes) run on a background writer
     save_queue_bytes: int
+    #: hurray_push_wait_s: how long a request whose kv_transfer_params announce pushed chunks waits for
+    #: the next one to arrive before it recomputes what is missing.
+    push_wait_s: float
     verified_chunks: int  # already bounded by verified_capacity()
     listen: str | None
     listen_transport: str
@@ -148,8 +162,9 @@ class HurrayConfig:
         if layout is not None:
             raise HurrayArgumentError(layout[0], f"HurrayConnector {layout[1]}")
         save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
-        if url:
-            save_async = False  # a migrated request must find its chunks on the destination
+        push_wait_s = _float(cfg, "hurray_push_wait_s", 5.0)
+        if not 0 <= push_wait_s <= 3600:
+            raise HurrayArgumentError("hurray_push_wait_s", f"expected 0 to 3600 seconds, got {push_wait_s}")
         window_chunks = str(cfg.get_from_extra_config("hurray_window_chunks", "every"))
         if window_chunks not in ("every", "last"):
             raise HurrayArgumentError("hurray_window_chunks", f"expected 'every' or 'last', got {window_chunks!r}")
@@ -174,6 +189,7 @@ class HurrayConfig:
             saves=cfg.kv_role in ("kv_producer", "kv_both"),
             save_async=save_async,
             save_queue_bytes=_int(cfg, "hurray_save_queue_mib", 1024) << 20,
+            push_wait_s=push_wait_s,
             verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
             listen=str(listen) if listen else None,
             listen_transport=transport,

@@ -90,6 +90,10 @@ class ConnectorStats:
     bytes_saved: int = 0
     chunks_remembered: int = 0  # loads served by chunks verified earlier in this process (files not read again)
     chunks_quarantined: int = 0  # damaged chunk files moved aside (<key>.hrry.bad), so that they are written again
+    chunks_pushed: int = 0  # worker: chunks the hurray_url receiver acknowledged
+    push_failures: int = 0  # worker: pushes that failed (each pauses pushing for PUSH_BACKOFF_S)
+    push_waits: int = 0  # scheduler: requests held back until the chunks their kv_transfer_params announced arrived
+    push_wait_timeouts: int = 0  # scheduler: ... of which some chunks never came (those tokens were recomputed)
     save_s: float = 0.0  # worker: wall time the steps spent saving (with async saves: copying the blocks out)
     load_s: float = 0.0  # worker: wall time the steps spent loading (reading, checking, writing blocks)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,6 +101,11 @@ class _Request:
     groups: list[list[int]] = field(default_factory=list)  # every group's (several KV cache groups only)
     chunks_done: int = 0  # chunks known to be in the store (saved or loaded)
     load: LoadTask | None = None
+    #: Waiting for pushed chunks (:meth:`HurrayScheduler._awaits_push`): how many had arrived, since when
+    #: (monotonic), and whether the wait is over (all came, or they stopped coming).
+    arrived: int = -1
+    arrived_at: float = 0.0
+    waited: bool = False
 
 
 class HurrayScheduler:
@@ -163,6 +169,8 @@ class HurrayScheduler:
         keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
         state = self._reqs.setdefault(request.request_id, _Request(request))
         first = num_computed_tokens // self._chunk
+        if self._awaits_push(state, keys, first):
+            return None, False  # vLLM asks again at its next step
         found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[bool] | None]]] = []
         for i in range(first, len(keys)):
             parts = self._store.parts(self._ns, keys[i], self._heads)
@@ -209,6 +217,51 @@ class HurrayScheduler:
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
         state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], verified, skip_blocks=skip)
         return matched, False
+
+    def _awaits_push(self, state: _Request, keys: list[str], first: int) -> bool:
+        """Whether to hold a request back a step: chunks its ``kv_transfer_params`` announce are still arriving.
+
+        A source engine's answer carries ``{"hurray_saved_tokens": N}``: its
+        chunks up to token N are saved, and pushed to this engine's receiver
+        in the background. A client that passes those ``kv_transfer_params``
+        on with the continuation (:func:`~hurray_vllm.adapters.vllm.migrate.migrate`,
+        the router, vLLM's P/D proxies) makes this engine wait for them
+        instead of recomputing what is still on the wire. The wait ends when
+        every announced chunk is stored, or when none arrived for
+        ``hurray_push_wait_s`` (a failed push, a dead source): then the
+        request loads what came and recomputes the rest. Costs one ``stat``
+        per announced chunk per step while waiting.
+        """
+        params = getattr(state.request, "kv_transfer_params", None)
+        announced = params.get("hurray_saved_tokens") if isinstance(params, dict) else None
+        if state.waited or not isinstance(announced, int) or isinstance(announced, bool) or announced <= 0:
+            return False
+        want = min(announced // self._chunk, len(keys))
+        have = first
+        while have < want and self._store.parts(self._ns, keys[have], self._heads) is not None:
+            have += 1
+        now = time.monotonic()
+        if have >= want:
+            state.waited = True
+            return False
+        if have > state.arrived:  # the first look, or more arrived: the wait goes on
+            if state.arrived < 0:
+                self.stats.push_waits += 1
+            state.arrived, state.arrived_at = have, now
+            return True
+        if now - state.arrived_at < self._config.push_wait_s:
+            return True
+        state.waited = True
+        self.stats.push_wait_timeouts += 1
+        log.warning(
+            "hurray: request %s: %d of %d announced chunks arrived, none for %.1f s (hurray_push_wait_s); "
+            "recomputing the rest",
+            state.request.request_id,
+            have,
+            want,
+            self._config.push_wait_s,
+        )
+        return False
 
     def _read_part(self, part: ChunkPart, tokens: list[int]) -> tuple[KVSnapshot, Future[bool] | None]:
         """One file of a chunk, checked against its key's tokens; its checksum runs on the helper thread.
@@ -399,7 +452,10 @@ class HurrayScheduler:
         """Called by vLLM's scheduler, via the connector, when a request finishes: forgets it.
 
         Returns ``(False, params)``: its blocks may be freed at once; ``params`` holds
-        ``hurray_saved_tokens`` (the tokens of its chunks now in the store), or is ``None`` when there are none.
+        ``hurray_saved_tokens``, the tokens of its whole chunks saved (in the store, or on their way there and,
+        with ``hurray_url``, to the destination), or is ``None`` when there are none. vLLM puts ``params`` in
+        the answer's ``kv_transfer_params``; passed on with a continuation elsewhere, they make that engine wait
+        for the chunks (:meth:`_awaits_push`).
         """
         state = self._reqs.pop(request.request_id, None)
         saved = state.chunks_done * self._chunk if state else 0

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -181,6 +182,15 @@ def _task_states(ec: EngineCache, task: SaveTask) -> RecurrentStates | None:
     return ec.states.gather([{g: ids[0] for g, ids in task.state_blocks.items()}], [task.state_position])
 
 
+#: A chunk for the writer: its task, the blocks to export it from (``None``: stored already, only to be
+#: pushed), and its linear-attention states.
+_Item = tuple[SaveTask, list[int] | None, RecurrentStates | None]
+#: After a push fails, how long saves go on without pushing: a dead destination costs one timeout,
+#: not one per save.
+PUSH_BACKOFF_S = 10.0
+#: How many pushed keys a worker remembers (not pushing them again from its store).
+_PUSHED_KEYS = 1 << 16
+
 #: One stored file's share of a load: its KV (this worker's heads of it) and the run of the worker's
 #: cache heads it fills (``None``: every head).
 _Piece = tuple[KVSnapshot, range | None]
@@ -220,7 +230,8 @@ class HurrayWorker:
         self.stats = ConnectorStats()
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
-        self._pushed: set[str] = set()
+        self._pushed: OrderedDict[str, None] = OrderedDict()  # keys pushed, the most recent last
+        self._push_paused_until = 0.0  # monotonic time: after a failed push, none is tried until then
         self._writer = _Writer(config.save_queue_bytes)
         _WRITERS.add(self._writer)
         self._staging = _Staging()
@@ -465,48 +476,84 @@ class HurrayWorker:
         if self._async:
             self._save_async(ec, saves)
             return
-        tasks = iter(_states_first(saves))
-        if self._sender is None or self._url is None:
-            for _ in self._saved(ec, tasks, push=False):
-                pass
-            return
-        # Chunk by chunk: each is exported into the same reused buffers (registered once with
-        # the sender), stored, and sent before the next is exported; the senders ask for the
-        # next chunk only once the receiver acknowledged the previous one.
-        chunks = self._saved(ec, tasks, push=True)
-        try:
-            self._sender.send(self._url, chunks)
-        except (OSError, HurrayFormatError) as exc:
-            # The destination recomputes what it lacks; this engine's step goes on, and the
-            # chunks not sent yet are still saved here.
-            log.warning("hurray: could not push chunks to %s: %s", self._url, exc)
-            for _ in self._saved(ec, tasks, push=False):
-                pass
-
-    def _saved(self, ec: EngineCache, tasks: Iterator[SaveTask], push: bool) -> Iterator[tuple[str, str, KVSnapshot]]:
-        """Save each task's chunk; yield ``(namespace, key, chunk)`` for those to push.
-
-        Exported chunks share the writer's reused buffers: a yielded chunk is
-        valid until the next one is asked for.
-        """
-        for task in tasks:
+        items: list[_Item] = []
+        for task in _states_first(saves):
             if self._store.has(self._ns, task.key) and not task.replace:
                 self.stats.chunks_skipped += 1
-                if push and task.key not in self._pushed:
-                    try:
-                        chunk = self._store.get(self._ns, task.key)
-                    except HurrayFormatError as exc:
-                        log.warning("hurray: not pushing unreadable chunk %s: %s", task.key, exc)
-                        continue
-                    yield self._ns, task.key, chunk
-                    self._pushed.add(task.key)
-                continue
-            snap = self._export_chunk(ec, ec.caches, task, task.block_ids, reuse=True, states=_task_states(ec, task))
-            self._put(task.key, snap, replace=task.replace)
+                items.append((task, None, None))  # stored already: pushed if the destination may lack it
+            else:
+                items.append((task, task.block_ids, _task_states(ec, task)))
+        self._deliver(ec, ec.caches, items)
+
+    def _deliver(self, ec: EngineCache, caches: list[torch.Tensor], items: list[_Item]) -> None:
+        """Store each item's chunk, in order; with ``hurray_url``, push each to the destination as it is stored.
+
+        Chunk by chunk: each is exported into the same reused buffers
+        (registered once with the sender), stored, and sent before the next
+        is exported; the senders ask for the next chunk only once the
+        receiver acknowledged the previous one. A push that fails is counted
+        and logged, the rest of the items are still stored here, and no push
+        is tried for :data:`PUSH_BACKOFF_S` (a dead destination must not make
+        every save wait for its timeout); the destination recomputes what it
+        lacks. Runs on the background writer (``hurray_save_async``, the
+        default) or inside the step.
+        """
+        rest = iter(items)
+        if self._sender is None or self._url is None or time.monotonic() < self._push_paused_until:
+            for _ in self._stored(ec, caches, rest, push=False):
+                pass
+            return
+        try:
+            self._sender.send(self._url, self._stored(ec, caches, rest, push=True))
+        except (OSError, HurrayFormatError) as exc:
+            self.stats.push_failures += 1
+            self._push_paused_until = time.monotonic() + PUSH_BACKOFF_S
+            log.warning(
+                "hurray: could not push chunks to %s (%s); not pushing for %.0f s, the destination recomputes them",
+                self._url,
+                exc,
+                PUSH_BACKOFF_S,
+            )
+            for _ in self._stored(ec, caches, rest, push=False):
+                pass
+
+    def _stored(
+        self, ec: EngineCache, caches: list[torch.Tensor], items: Iterator[_Item], push: bool
+    ) -> Iterator[tuple[str, str, KVSnapshot]]:
+        """Store each item's chunk as it is asked for; yield ``(namespace, key, chunk)`` for those to push.
+
+        An item with block ids is exported from those blocks of ``caches``
+        and stored; one without (``None``) is a chunk stored before, read back
+        only to be pushed, unless this worker pushed it already. Exported
+        chunks share the writer's reused buffers: a yielded chunk is valid
+        until the next one is asked for.
+        """
+        for task, block_ids, states in items:
+            if block_ids is None:
+                if not push or task.key in self._pushed:
+                    continue
+                try:
+                    snap = self._store.get(self._ns, task.key)
+                except HurrayFormatError as exc:
+                    log.warning("hurray: not pushing unreadable chunk %s: %s", task.key, exc)
+                    continue
+            else:
+                try:
+                    # Exported into the writer's own reused buffers: no fresh memory per chunk.
+                    snap = self._export_chunk(ec, caches, task, block_ids, reuse=True, states=states)
+                    self._put(task.key, snap, replace=task.replace)
+                except (HurrayFormatError, OSError) as exc:
+                    log.warning("hurray: could not save chunk %s: %s", task.key, exc)
+                    continue
+                if push:
+                    self._register_chunk_buffers()
             if push:
-                self._register_chunk_buffers()
                 yield self._ns, task.key, snap
-                self._pushed.add(task.key)
+                # Resumed only once the receiver acknowledged the chunk.
+                self.stats.chunks_pushed += 1
+                self._pushed[task.key] = None
+                if len(self._pushed) > _PUSHED_KEYS:
+                    self._pushed.popitem(last=False)
 
     def _register_chunk_buffers(self) -> None:
         """Register the reused chunk buffers with the sender once (again only when they grow; TCP ignores it)."""
@@ -523,53 +570,69 @@ class HurrayWorker:
         log.info("hurray: %.1f MiB of chunk buffers registered with the %s sender", mib, sender.scheme)
 
     def _save_async(self, ec: EngineCache, saves: list[SaveTask]) -> None:
+        """Copy the blocks of the chunks to save out of the cache and hand them to the background writer.
+
+        A chunk already stored (or on its way there) is not copied; with
+        ``hurray_url`` a stored one still goes to the writer, which pushes it
+        if this worker has not yet (pushes keep the order of the steps).
+        """
         todo: list[SaveTask] = []
+        order: list[SaveTask | None] = []  # the writer's items in order: a task to export, or None
+        stored: list[SaveTask] = []  # ... whose None is this task, stored already: only pushed
         for task in _states_first(saves):
             if task.state_blocks:
                 # A chunk with states is written even over the same chunk without them (stored or on its way).
                 if self._store.has(self._ns, task.key) and not task.replace and task.key not in self._inflight:
                     self.stats.chunks_skipped += 1
+                    stored.append(task)
+                    order.append(None)
                     continue
                 if task.key in self._inflight:
                     task = replace(task, replace=True)
             elif task.key in self._inflight or self._store.has(self._ns, task.key):
                 self.stats.chunks_skipped += 1
+                if task.key not in self._inflight:
+                    stored.append(task)
+                    order.append(None)
                 continue
             self._inflight.add(task.key)
             todo.append(task)
-        if not todo:
+            order.append(task)
+        if self._sender is None or time.monotonic() < self._push_paused_until:
+            order, stored = [t for t in order if t is not None], []
+        if not order:
             return
         ids: torch.Tensor | list[torch.Tensor]
-        if self._windows:
-            ids, todo = self._stage_groups(ec, todo)
+        staged_tasks = todo
+        if self._windows and todo:
+            ids, staged_tasks = self._stage_groups(ec, todo)
         else:
             ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
-        staged, buffers = self._staging.copy(ec.caches, ids)
+        staged, buffers = self._staging.copy(ec.caches, ids) if todo else ([], None)
         # States are copied now too: their blocks are reused as the engine runs on.
         states = [_task_states(ec, t) for t in todo]
         nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
         nbytes += sum(s.nbytes for s in states if s is not None)
+        items: list[_Item] = []
+        exported, pushed_only, start = iter(zip(staged_tasks, states, strict=True)), iter(stored), 0
+        for entry in order:
+            if entry is None:
+                items.append((next(pushed_only), None, None))
+                continue
+            task, task_states = next(exported)
+            if task.groups:  # already renumbered into the staged copies
+                local = list(task.groups[0])
+            else:
+                local = list(range(start, start + len(task.block_ids)))
+                start += len(task.block_ids)
+            items.append((task, local, task_states))
 
         def write() -> None:
             try:
-                start = 0
-                for task, task_states in zip(todo, states, strict=True):
-                    if task.groups:  # already renumbered into the staged copies
-                        local = list(task.groups[0])
-                    else:
-                        local = list(range(start, start + len(task.block_ids)))
-                        start += len(task.block_ids)
-                    try:
-                        # Exported into the writer's own reused buffers: no fresh memory per chunk.
-                        self._put(
-                            task.key,
-                            self._export_chunk(ec, staged, task, local, reuse=True, states=task_states),
-                            replace=task.replace,
-                        )
-                    except (HurrayFormatError, OSError) as exc:
-                        log.warning("hurray: could not save chunk %s: %s", task.key, exc)
+                self._deliver(ec, staged, items)
             finally:
-                self._staging.recycle(buffers)
+                if buffers is not None:
+                    self._staging.recycle(buffers)
                 self._inflight.difference_update(t.key for t in todo)
 
         self._writer.submit(write, nbytes)
