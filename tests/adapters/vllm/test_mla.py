@@ -1,13 +1,15 @@
 """MLA (DeepSeek-V2-style) latents from real vLLM engines (CPU_MLA), against transformers as ground truth.
 
-One engine saves (HurrayConnector) and snapshots mid-decode; another loads
-the chunks; a third loads from a store with one chunk damaged. vLLM's CPU
-platform turns prefix caching off for MLA models, so these runs have it off
-whatever they ask for.
+One engine saves (HurrayConnector) and snapshots mid-decode; another, at
+tensor parallelism 2 (the latent is replicated on every rank), loads the
+chunks and snapshots at the same point; a third loads from a store with one
+chunk damaged. vLLM's CPU platform turns prefix caching off for MLA models,
+so these runs have it off whatever they ask for.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,10 @@ pytestmark = [pytest.mark.vllm]
 HERE = Path(__file__).resolve().parents[2]
 
 
-def _run(tmp: Path, name: str, store: Path, mode: str) -> dict[str, Any]:
-    args = [str(tmp / "model"), str(tmp / name), str(store), mode]
-    return run_engine_script("mla_engine_run.py", args, tmp / name, f"MLA engine {name}")
+def _run(tmp: Path, name: str, store: Path, mode: str, tp: int = 1) -> dict[str, Any]:
+    args = [str(tmp / "model"), str(tmp / name), str(store), mode, str(tp)]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
+    return run_engine_script("mla_engine_run.py", args, tmp / name, f"MLA engine {name} (TP = {tp})", env=env)
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +44,12 @@ def mla(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     saved = _run(tmp, "save", store, "save")
     runs: dict[str, Any] = {"tmp": tmp, "save": saved, "file": saved["dir"] / "snap.hrry"}
     runs["snap"] = hv.load(runs["file"])
-    broken = tmp / "broken-store"
+    broken, loaded = tmp / "broken-store", tmp / "tp2-store"
     shutil.copytree(store, broken)
-    runs["load"] = _run(tmp, "load", store, "load")
+    shutil.copytree(store, loaded)
+    # Loads every whole chunk on both ranks, and snapshots mid-decode as the first engine did.
+    runs["load"] = _run(tmp, "load", loaded, "save", tp=2)
+    runs["snap2"] = hv.load(runs["load"]["dir"] / "snap.hrry")
     runs["damaged"] = _damage_second_chunk_of(broken, saved["prompts"]["a"], saved["chunk_tokens"])
     runs["broken"] = _run(tmp, "broken", broken, "load")
     return runs
@@ -142,13 +148,30 @@ def test_the_margin_rule_refuses_a_shifted_latent(mla: dict[str, Any], hf_mla: A
     assert not agreement(tfa.teacher_forced_logits(hf_mla, wrong, 0, tokens[2:]), tokens[2:]).ok
 
 
-def test_another_engine_loads_the_latent_chunks(mla: dict[str, Any]) -> None:
+def test_another_engine_at_tp2_loads_the_latent_chunks(mla: dict[str, Any]) -> None:
     saved, load = mla["save"], mla["load"]
     assert saved["worker_stats"]["chunks_saved"] == 3  # "a"'s three chunks; "b" shares two of them
     assert load["outputs"] == saved["outputs"]
     # Every whole chunk before the last prompt token comes from the store, counted by vLLM.
     assert load["cached"] == {"a": 96, "b": 64, "c": 0}
-    assert load["worker_stats"]["chunks_loaded"] == 5
+    # The latent is replicated: each rank writes every chunk whole; only rank 0 would save one.
+    assert [r["chunks_loaded"] for r in load["rank_stats"]] == [5, 5]
+    assert load["rank_stats"][1]["chunks_saved"] == 0
+
+
+def test_a_tp2_snapshot_equals_the_tp1_snapshot(mla: dict[str, Any]) -> None:
+    """One latent per layer, exported once: the loaded tokens bit for bit, the computed ones within bf16."""
+    one, two = mla["snap"], mla["snap2"]
+    assert two.is_latent and two.heads is None and two.fingerprint == one.fingerprint
+    assert two.token_ids == one.token_ids and two.seq_lens == one.seq_lens
+    loaded = mla["load"]["cached"]
+    for layer in range(one.num_layers):
+        for s, rid in enumerate(one.request_ids):
+            a, b = one[layer, "fused"].to_dense(s).float(), two[layer, "fused"].to_dense(s).float()
+            n = loaded[rid]
+            assert torch.equal(a[:n], b[:n]), f"layer {layer} {rid}: loaded latent differs"
+            assert _close(b, a), f"layer {layer} {rid}: max {(b - a).abs().max()}"
+            assert not _close(b[1:], a[:-1]), f"layer {layer} {rid}: a shifted latent passed"
 
 
 def test_a_damaged_latent_chunk_is_refused_and_recomputed(mla: dict[str, Any], hf_mla: Any) -> None:
