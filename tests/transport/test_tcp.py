@@ -190,9 +190,18 @@ def test_a_2_to_the_60_announcement_is_refused_at_the_default_limit(receiver: Re
         assert s.recv(1) == b""  # closed: not drained
 
 
-def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_heads(receiver: Receiver) -> None:
-    """Each TP rank pushes ``<key>.h<a>-<b>``; the receiver stores it only if the slice holds heads a..b."""
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_heads(
+    channel: str, tmp_path: Path
+) -> None:
+    """Each TP rank pushes ``<key>.h<a>-<b>``; every channel's receiver stores it only if the slice holds heads a..b."""
+    from conftest import require
     from synthetic import make_snapshot
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    receiver = transport.receiver_for(channel, "127.0.0.1", 0, DirectoryStore(tmp_path)).start()
+    url = f"{channel}://127.0.0.1:{receiver.address[1]}"
 
     from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest
     from hurray_vllm.chunks.store import slice_key
@@ -207,7 +216,7 @@ def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_hea
     low, high = (signed(select_heads(whole, range(a, b))) for a, b in ((0, 2), (2, 4)))
     ns, key, store = "ab" * 8, "cd" * 8, receiver.store
     assert isinstance(store, DirectoryStore)
-    send_chunks(_url(receiver), [(ns, slice_key(key, range(0, 2)), low), (ns, slice_key(key, range(2, 4)), high)])
+    transport.send_chunks(url, [(ns, slice_key(key, range(0, 2)), low), (ns, slice_key(key, range(2, 4)), high)])
     parts = store.parts(ns, key, 4)
     assert parts is not None and [p.name for p in parts] == [f"{key}.h0-2", f"{key}.h2-4"]
     got = store.get(ns, f"{key}.h2-4")
@@ -215,10 +224,11 @@ def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_hea
     # A slice under another slice's name, or under the whole chunk's, would be loaded for heads it lacks.
     for name in (slice_key("ef" * 8, range(2, 4)), "ef" * 8):
         with pytest.raises(hv.HurrayFormatError, match=r"refused.*heads 0\.\.2"):
-            send_chunks(_url(receiver), [(ns, name, low)])
+            transport.send_chunks(url, [(ns, name, low)])
     # Names that are not canonical slices are refused before anything is read.
     for name in (f"{key}.h02-4", f"{key}.h4-2", f"{key}.h2-4.h0-1", f"{key}.x"):
         with pytest.raises(hv.HurrayFormatError, match=r"refused.*hex digits"):
-            send_chunks(_url(receiver), [(ns, name, high)])
+            transport.send_chunks(url, [(ns, name, high)])
     assert not list(store.root.rglob("ef*"))
     assert receiver.received == 2
+    receiver.stop()
