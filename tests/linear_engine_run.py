@@ -8,8 +8,13 @@ whole chunk to ``STORE_DIR``; ``load`` runs the same prompts against a
 store. Both record the greedy outputs, vLLM's cached-token counts, the
 connector's statistics and the block tables in ``OUT_DIR/result.json``.
 Prefix caching is vLLM's default (on), so its state groups run in
-``mamba_cache_mode="align"`` with blocks of 384 tokens (vLLM sizes them to
-the state's page).
+``mamba_cache_mode="align"`` with blocks vLLM sizes to the state's page: 384
+tokens on an AVX2 machine, 640 with AVX-512. The chunk is one block (the
+connector's default for blocks over 256 tokens), and the prompts are laid
+out in blocks ``B`` once the engine said what ``B`` is, so that every CPU
+runs the same schedule. The token budget takes every prompt's first step at
+once: vLLM then prefills each up to its last block boundary in the first
+step and the rest in the second.
 """
 
 from __future__ import annotations
@@ -23,20 +28,21 @@ from typing import Any
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-CHUNK = 384  # one block: every prefill's last whole block boundary holds a state (vLLM stops a step there)
 
-
-def prompts() -> dict[str, list[int]]:
-    a = [(i * 37 + 11) % 500 + 1 for i in range(1000)]
-    d = [(i * 53 + 7) % 500 + 1 for i in range(760)]
+def prompts(b: int) -> dict[str, list[int]]:
+    """The requests, in blocks of ``b`` tokens (one chunk each); with ``b`` = 384: 1000, 769, 5, 760 and 400 tokens."""
+    a = [(i * 37 + 11) % 500 + 1 for i in range(2 * b + 232)]
+    d = [(i * 53 + 7) % 500 + 1 for i in range(2 * b - 8)]
     return {
-        "a": a,  # prefilled in two steps, 0..768 and 768..1000: chunk 1 holds the state at 768, chunk 0 none
-        "b": [*a[:768], 3, 1, 4, 1, 5, 9, 2, 6],  # shares both chunks with "a"
+        "a": a,  # prefilled in two steps, 0..2b and 2b..: chunk 1 holds the state at 2b, chunk 0 none
+        # Shares both chunks with "a", and resumes at 2b with one token to compute: its first token follows
+        # from the loaded states directly (after a few more tokens, this tiny model's gates have forgotten them).
+        "b": [*a[: 2 * b], 3],
         "c": [17, 42, 99, 256, 8],  # shorter than a block
-        "d": d,  # prefilled 0..384 and 384..760: chunk 0 holds the state at 384; chunk 1 ends in the decode
-        # Shares chunk 0 with "a" and is prefilled 0..384 in the step "a" runs 0..768: its chunk 0 has the
+        "d": d,  # prefilled 0..b and b..2b-8: chunk 0 holds the state at b; chunk 1 ends in the 8th decode step
+        # Shares chunk 0 with "a" and is prefilled 0..b in the step "a" runs 0..2b: its chunk 0 has the
         # state "a"'s has not, and is the one stored.
-        "e": [*a[:384], *range(100, 116)],
+        "e": [*a[:b], *range(100, 116)],
     }
 
 
@@ -54,7 +60,7 @@ def main() -> None:
         kv_connector="HurrayConnector",
         kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"hurray_path": store, "hurray_chunk_tokens": CHUNK},
+        kv_connector_extra_config={"hurray_path": store},  # chunks of one block: the default for blocks > 256
         kv_load_failure_policy="recompute",
     )
     llm = LLM(
@@ -63,12 +69,17 @@ def main() -> None:
         enforce_eager=True,
         dtype="bfloat16",
         max_model_len=2048,
+        max_num_batched_tokens=16384,
         kv_transfer_config=kv,
         seed=0,
     )
-    result: dict[str, Any] = {"prompts": prompts(), "chunk_tokens": CHUNK}
     eng = llm.llm_engine
     core: Any = eng.engine_core.engine_core  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    block = int(eng.vllm_config.cache_config.block_size)
+    chunk = core.scheduler.connector._config.chunk_tokens
+    if chunk != block or block < 256 or 2 * block + 248 > 2048:
+        raise SystemExit(f"this test needs chunks of one block of 256 to 900 tokens; vLLM chose blocks of {block}")
+    result: dict[str, Any] = {"prompts": prompts(block), "chunk_tokens": chunk}
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=16, ignore_eos=True)
     for rid, ids in result["prompts"].items():
         eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)

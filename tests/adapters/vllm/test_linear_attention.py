@@ -29,8 +29,14 @@ from hurray_vllm.chunks.store import DIGEST_KEY, chunk_digest
 
 pytestmark = [pytest.mark.vllm]
 HERE = Path(__file__).resolve().parents[2]
-#: Bytes of one sequence's states in the tiny model: 3 layers x (conv 3 x 1024 + recurrent 4 x 128 x 128) bf16.
-STATE_BYTES = 3 * (3 * 1024 + 4 * 128 * 128) * 2
+
+
+def state_bytes(recurrent_element_size: int) -> int:
+    """Bytes of one sequence's states in the tiny model: 3 layers x (conv 3 x 1024 bf16 + recurrent 4 x 128 x 128).
+
+    vLLM keeps the recurrent state in bf16 on some CPUs (AVX2) and in float32 on others (AVX-512).
+    """
+    return 3 * (3 * 1024 * 2 + 4 * 128 * 128 * recurrent_element_size)
 
 
 def _run(tmp: Path, name: str, store: Path, mode: str) -> dict[str, Any]:
@@ -66,21 +72,25 @@ def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     broken, forged = tmp / "broken-store", tmp / "forged-store"
     shutil.copytree(store, broken)
     shutil.copytree(store, forged)
-    # "a" resumes at 768 from chunk 1's states: without them it has no resume (chunk 0 holds none).
+    # "a" resumes at 2B from chunk 1's states: without them it has no resume (chunk 0 holds none).
     _rewrite(_chunk_path(broken, prompts["a"], chunk, 1), None)
-    # "d" resumes at 384 from chunk 0's states: one value changed, the digest left as it was.
+    # "d" resumes at B from chunk 0's states: one value changed, the digest left as it was.
     d0 = _chunk_path(broken, prompts["d"], chunk, 0)
     states = hv.load(d0).states
     assert states is not None
     states.tensors[1][1][0, 0, 0, 0] += 1
     _rewrite(d0, states, redigest=False)
     runs["d0"] = d0
-    zeros = hv.load(_chunk_path(forged, prompts["a"], chunk, 1)).states
-    assert zeros is not None
-    _rewrite(
-        _chunk_path(forged, prompts["a"], chunk, 1),
-        zeros.with_tensors([[torch.zeros_like(t) for t in layer] for layer in zeros.tensors]),
-    )
+    real = hv.load(_chunk_path(forged, prompts["a"], chunk, 1)).states
+    assert real is not None
+    # Noise of four times the real states' spread: well-formed, plausible in scale, and wrong. (Zeroed states
+    # left this tiny model's greedy tokens as they were on an AVX-512 machine: too weak a forgery to show.)
+    gen = torch.Generator().manual_seed(0)
+    noise = [
+        [(torch.randn(t.shape, generator=gen) * 4 * t.float().std()).to(t.dtype) for t in layer]
+        for layer in real.tensors
+    ]
+    _rewrite(_chunk_path(forged, prompts["a"], chunk, 1), real.with_tensors(noise))
     runs["load"] = _run(tmp, "load", store, "load")
     runs["broken"] = _run(tmp, "broken", broken, "load")
     runs["forged"] = _run(tmp, "forged", forged, "load")
@@ -118,19 +128,20 @@ def test_the_engine_keeps_its_hybrid_manager_with_prefix_caching(linear: dict[st
     saved = linear["save"]
     assert saved["hybrid_manager_off"] is False
     assert saved["prefix_caching"] is True and saved["mamba_cache_mode"] == "align"
-    assert saved["block_size"] == saved["chunk_tokens"] == 384
+    # vLLM sizes the blocks to the states' page: 384 tokens with AVX2, 640 with AVX-512 (one chunk each).
+    assert saved["block_size"] == saved["chunk_tokens"] >= 256
 
 
 def test_chunks_carry_states_only_where_they_were_taken(linear: dict[str, Any]) -> None:
     store, prompts, chunk = linear["store"], linear["save"]["prompts"], linear["save"]["chunk_tokens"]
-    outputs = linear["save"]["outputs"]
+    outputs, b = linear["save"]["outputs"], linear["save"]["chunk_tokens"]
     expect = {
-        # "a" completed it inside its first prefill step (0..768), without a state at 384; "e" in a step
+        # "a" completed it inside its first prefill step (0..2B), without a state at B; "e" in a step
         # ending there, with one: the chunk with states is the one stored.
-        ("a", 0): 384,
-        ("a", 1): 768,
-        ("d", 0): 384,
-        ("d", 1): 768,  # the chunk completed by the 8th decode step, which ended there
+        ("a", 0): b,
+        ("a", 1): 2 * b,
+        ("d", 0): b,
+        ("d", 1): 2 * b,  # the chunk completed by the 8th decode step, which ended there
         ("c", 0): None,  # shorter than a chunk: nothing stored
     }
     for (rid, c), where in expect.items():
@@ -141,7 +152,9 @@ def test_chunks_carry_states_only_where_they_were_taken(linear: dict[str, Any]) 
         snap = hv.load(_chunk_path(store, tokens, chunk, c))
         assert snap.states is not None and snap.states.positions == (where,), f"{rid} chunk {c}"
         assert snap.states.layers == (0, 1, 2) and snap.states.names == ("conv", "ssm")
-        assert snap.states.kind == "gdn_attn" and snap.states.nbytes == STATE_BYTES
+        conv, recurrent = snap.states.tensors[0]
+        assert conv.dtype == torch.bfloat16 and recurrent.dtype in (torch.bfloat16, torch.float32)
+        assert snap.states.kind == "gdn_attn" and snap.states.nbytes == state_bytes(recurrent.element_size())
         assert hv.validate(_chunk_path(store, tokens, chunk, c)).ok
 
 
@@ -177,14 +190,20 @@ def test_snapshot_attention_kv_equals_transformers(linear: dict[str, Any], hf_qw
             assert not _close(got[1:], want[:-1]), f"seq {s} {role}: the neighbour's KV passed"
 
 
-def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Every token's and head's vector within :data:`STATE_TOLERANCE` of transformers' (relative norm).
+#: How far the attention layer's K/V may be from transformers' (relative norm per token and head).
+KV_TOLERANCE = 0.35
 
-    The inputs of this layer went through three linear-attention layers with
-    bf16 states on each side: at most 0.08 seen, a neighbour's vector is off
-    by more than 0.9.
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Every token's and head's vector within :data:`KV_TOLERANCE` of transformers' (relative norm).
+
+    The inputs of this layer went through three linear-attention layers whose
+    recurrent state vLLM keeps in bf16 (AVX2: at most 0.08 seen over 1000
+    tokens) or float32 (AVX-512: at most 0.25 over 1500 tokens, 0.1 at the
+    99th percentile), transformers in bf16. A neighbour's vector is off by
+    more than 0.95 on both: the companion assertion refuses it.
     """
-    return bool(((got - ref).norm(dim=-1) <= STATE_TOLERANCE * ref.norm(dim=-1)).all())
+    return bool(((got - ref).norm(dim=-1) <= KV_TOLERANCE * ref.norm(dim=-1)).all())
 
 
 def test_transformers_continues_from_the_snapshot(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
@@ -228,18 +247,19 @@ def test_from_transformers_refuses_a_linear_attention_cache(linear: dict[str, An
 
 def test_another_engine_loads_the_chunks_with_identical_tokens(linear: dict[str, Any]) -> None:
     saved, loaded = linear["save"], linear["load"]
+    b = saved["chunk_tokens"]
     assert loaded["outputs"] == saved["outputs"]
-    assert loaded["cached"]["a"] == 768 and loaded["cached"]["d"] == 384  # resumed at their last states
-    assert loaded["cached"]["e"] == 384  # the chunk it shares with "a", whose states are its own
+    assert loaded["cached"]["a"] == 2 * b and loaded["cached"]["d"] == b  # resumed at their last states
+    assert loaded["cached"]["e"] == b  # the chunk it shares with "a", whose states are its own
     work = loaded["worker_stats"]
-    assert work["tokens_loaded"] >= 768 + 384  # "b" and "e" may take the shared chunks from the engine's cache
+    assert work["tokens_loaded"] >= 3 * b  # "b" and "e" may take the shared chunks from the engine's cache
     assert loaded["hybrid_manager_off"] is False
 
 
 def test_a_chunk_without_its_states_or_with_damaged_ones_is_recomputed(linear: dict[str, Any]) -> None:
     saved, broken = linear["save"], linear["broken"]
     assert broken["outputs"] == saved["outputs"]
-    assert broken["cached"]["a"] == 384  # chunk 1 lost its states: "a" resumes at chunk 0's
+    assert broken["cached"]["a"] == saved["chunk_tokens"]  # chunk 1 lost its states: "a" resumes at chunk 0's
     assert broken["cached"]["d"] == 0  # chunk 0's states fail the digest
     sched = broken["scheduler_stats"]
     assert sched["chunks_refused"] >= 1 and sched["chunks_quarantined"] == 1
@@ -247,10 +267,12 @@ def test_a_chunk_without_its_states_or_with_damaged_ones_is_recomputed(linear: d
 
 
 def test_the_token_comparison_notices_wrong_states(linear: dict[str, Any]) -> None:
-    """Zeroed states in a well-formed chunk load (nothing can tell them from real ones) and change the tokens."""
+    """Forged states in a well-formed chunk load (nothing can tell them from real ones) and change the tokens."""
     saved, forged = linear["save"], linear["forged"]
-    assert forged["cached"]["a"] == 768
-    assert forged["outputs"]["a"] != saved["outputs"]["a"]
+    assert forged["cached"]["a"] == forged["cached"]["b"] == 2 * saved["chunk_tokens"]
+    # "b" resumes with one prompt token left: its tokens follow from the states. ("a" computes 232 more prompt
+    # tokens first, by which time this tiny model has forgotten them: its tokens may stay as they were.)
+    assert forged["outputs"]["b"] != saved["outputs"]["b"]
 
 
 def test_files_validate_and_pyhurray_reads_them(linear: dict[str, Any], hurray: Any) -> None:
