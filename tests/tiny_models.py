@@ -141,3 +141,25 @@ def build_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+def add_tiny_tokenizer(path: Path, vocab_size: int = 512) -> Path:
+    """Give the model at ``path`` a word-level tokenizer (``w0`` .. ``w{vocab_size - 1}``) and a chat template.
+
+    Enough for vLLM to serve chat completions and text: a word is one token,
+    decoding joins tokens with spaces, and the template is each message's
+    content followed by a space. No special token ends generation (tests use
+    ``ignore_eos`` or ``max_tokens``).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if (path / "tokenizer.json").exists():
+        return path
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    return path

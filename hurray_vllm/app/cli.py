@@ -1,4 +1,4 @@
-"""The ``hurray-vllm`` command line: inspect, validate, convert, demo."""
+"""The ``hurray-vllm`` command line: inspect, validate, convert, migrate, receive, prune, router, demo."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ examples:
                                                accept KV chunks streamed by HurrayConnector
   hurray-vllm prune /var/cache/hurray --max-size 200G
                                                delete least recently used chunks beyond 200 GiB
+  hurray-vllm router --listen 0.0.0.0:9000 --backend http://a:8000 --backend http://b:8000
+                                               one OpenAI endpoint over vLLM servers: routing, migration, failover
 """
 
 
@@ -343,6 +345,45 @@ def _token_ids(text: str, what: str) -> list[int]:
     return ids
 
 
+def _backend_url(text: str) -> str:
+    """A backend's base URL, ``http(s)://HOST[:PORT]`` (kept as given: ``/hurray/*`` names backends by it)."""
+    from urllib.parse import urlparse
+
+    u = urlparse(text)
+    bad = u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or bool(u.query)
+    try:
+        u.port  # noqa: B018 -- raises on a port that is not a number or out of range
+    except ValueError:
+        bad = True
+    if bad:
+        raise argparse.ArgumentTypeError(f"not a server's base URL: {text!r} (e.g. http://10.0.0.5:8000)")
+    return text
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm router`` until SIGINT/SIGTERM; returns 0."""
+    try:
+        from .router import RouterConfig, serve
+    except ImportError as exc:  # FastAPI, uvicorn or httpx missing (all come with vLLM)
+        raise HurrayArgumentError("router", f"{exc}; install them with: pip install 'hurray-vllm[router]'") from None
+
+    if args.chunk_tokens < 1 or args.health_interval <= 0:
+        raise HurrayArgumentError("router", "--chunk-tokens must be >= 1 and --health-interval > 0")
+    overlap = set(args.backend) & set(args.prefill or [])
+    if overlap:
+        raise HurrayArgumentError("prefill", f"{sorted(overlap)} given both as --backend and --prefill")
+    host, port = args.listen
+    config = RouterConfig(
+        backends=tuple(dict.fromkeys(args.backend)),
+        prefill=tuple(dict.fromkeys(args.prefill or [])),
+        chunk_tokens=args.chunk_tokens,
+        health_interval=args.health_interval,
+        stream_timeout=args.stream_timeout,
+    )
+    serve(config, host, port, log_level=args.log_level)
+    return 0
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm prune``: delete least recently used chunks beyond ``--max-size``; returns 0."""
     from ..chunks.store import DirectoryStore
@@ -460,6 +501,44 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_prune)
+
+    s = sub.add_parser(
+        "router",
+        help="one OpenAI endpoint over vLLM servers: KV-aware routing, P/D split, live migration, drain, failover",
+        description="Runs an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics) in front of vLLM OpenAI servers that run HurrayConnector, with /hurray/requests, "
+        "/hurray/migrate, /hurray/drain and /hurray/undrain (docs/router.md). Example: hurray-vllm router "
+        "--listen 0.0.0.0:9000 --backend http://10.0.0.5:8000 --backend http://10.0.0.6:8000",
+    )
+    s.add_argument("--listen", required=True, type=_host_port, help="HOST:PORT to serve on")
+    s.add_argument(
+        "--backend",
+        required=True,
+        action="append",
+        type=_backend_url,
+        help="base URL of a vLLM server that decodes (repeat for each); /hurray/* names it as given",
+    )
+    s.add_argument(
+        "--prefill",
+        action="append",
+        type=_backend_url,
+        help="base URL of a vLLM server that runs prompts only (prefill/decode split; repeat for each)",
+    )
+    s.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=256,
+        help="tokens per prefix key for KV-aware routing: the engines' hurray_chunk_tokens (default 256)",
+    )
+    s.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks (default 2)")
+    s.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a backend may stay silent in a stream before its request moves elsewhere (default 600)",
+    )
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_router)
 
     s = sub.add_parser(
         "demo",

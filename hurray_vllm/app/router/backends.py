@@ -1,0 +1,134 @@
+"""The vLLM servers behind the router: their health, load, drain state, and which one a request goes to.
+
+Routing is KV-aware: the router remembers, per backend, the chunk keys of the
+prompts it sent there (content-addressed, :func:`~hurray_vllm.chunks.keys.chunk_keys`),
+and sends a request where the longest prefix of its prompt went before, since
+that engine holds it in its prefix cache or store; otherwise to the backend
+with the fewest requests in flight. Keys are the router's own (its namespace,
+``--chunk-tokens``): it needs no access to the engines or their stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...chunks.keys import chunk_keys
+
+__all__ = ["Backend", "Backends", "prompt_keys"]
+
+log = logging.getLogger("hurray_vllm.router")
+
+#: The namespace of the router's own prefix keys (they never meet a store's).
+_NS = "726f75746572"
+#: Prefix keys remembered per backend, least recently used out.
+_KEYS_PER_BACKEND = 1 << 17
+
+
+def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
+    """Keys of the whole chunks of a request's prompt, for prefix-affinity routing.
+
+    A token-id prompt is keyed by its tokens, as the connector keys chunks;
+    a text prompt or chat messages by their UTF-8 bytes in runs of
+    ``4 * chunk_tokens`` (about as many tokens): close enough to find the
+    backend that saw the same prefix.
+    """
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return chunk_keys(prompt, chunk_tokens, _NS)
+    if isinstance(prompt, str):
+        raw = prompt.encode()
+    elif "messages" in body:
+        raw = json.dumps(body["messages"], sort_keys=True, separators=(",", ":")).encode()
+    else:
+        return []
+    step, keys, prev = 4 * chunk_tokens, [], b""
+    for i in range(len(raw) // step):
+        prev = hashlib.blake2b(prev + raw[i * step : (i + 1) * step], digest_size=16).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+@dataclass
+class Backend:
+    """One vLLM OpenAI server, by the URL it was given as on the command line."""
+
+    url: str
+    prefill: bool = False  # a --prefill backend: runs prompts only
+    healthy: bool = True
+    draining: bool = False
+    in_flight: int = 0
+    failures: int = 0  # consecutive failed health checks
+    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    @property
+    def base(self) -> str:
+        """The URL without a trailing slash."""
+        return self.url.rstrip("/")
+
+    def remember(self, keys: Sequence[str]) -> None:
+        """Note that the prefixes ``keys`` were sent here."""
+        for k in keys:
+            self.keys[k] = None
+            self.keys.move_to_end(k)
+        while len(self.keys) > _KEYS_PER_BACKEND:
+            self.keys.popitem(last=False)
+
+    def held(self, keys: Sequence[str]) -> int:
+        """How many leading chunks of ``keys`` were sent here."""
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+
+class Backends:
+    """Every backend, and the choices between them."""
+
+    def __init__(self, decode: Sequence[str], prefill: Sequence[str] = ()) -> None:
+        self.all: dict[str, Backend] = {}
+        for url in decode:
+            self.all.setdefault(url, Backend(url))
+        for url in prefill:
+            self.all.setdefault(url, Backend(url, prefill=True))
+
+    def get(self, url: str) -> Backend | None:
+        """The backend given as ``url`` (with or without a trailing slash), if any."""
+        return self.all.get(url) or next((b for b in self.all.values() if b.base == url.rstrip("/")), None)
+
+    def usable(self, *, prefill: bool = False) -> list[Backend]:
+        """The healthy, undrained backends of one kind."""
+        return [b for b in self.all.values() if b.prefill == prefill and b.healthy and not b.draining]
+
+    @property
+    def has_prefill(self) -> bool:
+        """Whether ``--prefill`` backends were given (prefill/decode split)."""
+        return any(b.prefill for b in self.all.values())
+
+    def pick(self, keys: Sequence[str], *, prefill: bool = False, avoid: Backend | None = None) -> Backend | None:
+        """The backend holding the longest prefix of ``keys``, else the least loaded; None if none is usable."""
+        cands = [b for b in self.usable(prefill=prefill) if b is not avoid]
+        if not cands:
+            return None
+        return max(cands, key=lambda b: (b.held(keys), -b.in_flight))
+
+    async def check(self, client: Any, backend: Backend, timeout: float) -> bool:
+        """One health check: ``GET /health`` answers 200."""
+        try:
+            r = await client.get(f"{backend.base}/health", timeout=timeout)
+            return bool(r.status_code == 200)
+        except Exception:  # any failure to answer is unhealthy
+            return False
+
+    def mark_down(self, backend: Backend) -> None:
+        """Take ``backend`` out of routing now (its stream broke); the health checks bring it back."""
+        if backend.healthy:
+            log.warning("router: backend %s failed mid-stream", backend.url)
+        backend.healthy = False

@@ -1,0 +1,448 @@
+"""One client request in flight through the router, over one or more *legs* (upstream requests).
+
+A leg is one streamed request to one backend. A request starts with one
+leg (or, with ``--prefill`` backends, a one-token prefill leg and a decode
+leg) and gets another when it is migrated, drained or its backend fails.
+Every leg after the first is a ``/v1/completions`` continuation from the
+token ids the router has received so far (the prompt's, which every leg
+returns with ``return_token_ids``, plus the generated ones), so the client
+sees one stream whose tokens are neither duplicated nor missing.
+
+The KV follows through the engines' ``HurrayConnector``: a continuation
+announces, in its ``kv_transfer_params``, the tokens whose KV the source
+computed (``hurray_saved_tokens``); the destination waits for those chunks
+(pushed by the source, or written to a shared store) and computes only the
+tail. After a failure nothing is announced: the destination loads whatever
+reached it and recomputes the rest.
+
+One reader task per leg moves upstream events into an unbounded queue; it
+takes a slot of a per-flight semaphore first, and the client's side gives
+the slot back when it sent the event on: a slow client holds back its own
+upstream stream (TCP backpressure to that backend) and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .backends import Backend, prompt_keys
+
+if TYPE_CHECKING:
+    from .server import Router
+
+__all__ = ["Delta", "Flight", "Leg", "RouterError", "UpstreamError"]
+
+log = logging.getLogger("hurray_vllm.router")
+
+#: Upstream events a flight buffers before its reader stops reading (a slow client's backpressure).
+BUFFERED_EVENTS = 64
+#: How many times one request is continued after its backend failed.
+MAX_FAILOVERS = 3
+#: Sampling fields a chat request shares with ``/v1/completions`` (what its continuations carry over).
+_SAMPLING = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "bad_words",
+    "allowed_token_ids", "logit_bias", "priority", "user",
+)  # fmt: skip
+
+
+class RouterError(Exception):
+    """A request the router refuses or cannot serve: an HTTP status and a message for the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class UpstreamError(Exception):
+    """A leg that failed: the backend could not be reached, answered an error, or broke off."""
+
+    def __init__(self, message: str, status: int | None = None, body: Any = None) -> None:
+        super().__init__(message)
+        self.status = status  # the backend's HTTP status when it answered one
+        self.body = body  # ... and its JSON body
+
+
+@dataclass
+class Delta:
+    """What one upstream event adds to the request: text, token ids, and at the end a finish reason."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    logprobs: Any = None
+    usage: dict[str, Any] | None = None  # the leg's usage chunk (no choice)
+
+
+@dataclass
+class Leg:
+    """One upstream request of a flight."""
+
+    backend: str
+    why: str  # "routed", "prefill", "decode", "migrated", "drained", "failover", "resumed"
+    start_token: int  # how many tokens had been generated when it started
+    cached_tokens: int | None = None  # prompt tokens the backend did not compute (its usage, when it finished)
+
+
+@dataclass
+class _Interrupt:
+    """Why a flight's reader was stopped: a migration to ``to`` (answered through ``done``), or a failover."""
+
+    kind: str  # "move" or "failover"
+    to: Backend | None = None
+    why: str = "migrated"
+    done: asyncio.Future[dict[str, Any]] | None = None
+    since: float = 0.0  # when the source's last token arrived (the pause starts there)
+
+
+def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int] | None]:
+    """An upstream SSE event as a :class:`Delta`, and the prompt's token ids where the event carries them."""
+    if "error" in event and not event.get("choices"):
+        err = event["error"]
+        raise UpstreamError(f"backend error: {err.get('message') if isinstance(err, dict) else err}")
+    choices = event.get("choices") or []
+    if not choices:
+        return Delta(usage=event.get("usage")), None
+    c = choices[0]
+    prompt = c.get("prompt_token_ids") or event.get("prompt_token_ids")
+    text = ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+    return (
+        Delta(text, list(c.get("token_ids") or []), c.get("finish_reason"), c.get("stop_reason"), c.get("logprobs")),
+        list(prompt) if prompt else None,
+    )
+
+
+def _movable(kind: str, body: dict[str, Any]) -> str | None:
+    """Why a request cannot change backends mid-stream (``None``: it can)."""
+    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+        return "n > 1 or best_of > 1: several sequences"
+    if kind == "completion":
+        p = body.get("prompt")
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            return "a batch of prompts"
+        if body.get("echo"):
+            return "echo"
+        if body.get("suffix"):
+            return "suffix"
+    elif body.get("logprobs") or body.get("tools") or body.get("response_format"):
+        return "chat logprobs, tools or a response format (a continuation is a plain completion)"
+    return None
+
+
+class Flight:
+    """A client request and its legs (see the module docstring).
+
+    Args:
+        router: the router it runs in (backends, HTTP client, metrics).
+        kind: ``"completion"`` or ``"chat"``.
+        body: the client's JSON body.
+    """
+
+    def __init__(self, router: Router, kind: str, body: dict[str, Any]) -> None:
+        self.router = router
+        self.kind = kind
+        self.body = body
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-hurray-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model: str | None = body.get("model")
+        self.unmovable = _movable(kind, body)
+        self.prompt_ids: list[int] | None = None
+        self.generated: list[int] = []
+        self.legs: list[Leg] = []
+        self.backend: Backend | None = None
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.cached_tokens: int | None = None
+        limit = body.get("max_completion_tokens") if kind == "chat" else None
+        self.max_tokens: int | None = limit if limit is not None else body.get("max_tokens")
+        self._keys = prompt_keys(body, router.config.chunk_tokens)
+        self._interrupt: _Interrupt | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._last_token_at = 0.0
+        self._failovers = 0
+
+    # ── what the server and the control endpoints read ───────────────────────
+
+    def describe(self) -> dict[str, Any]:
+        """The request as ``GET /hurray/requests`` lists it."""
+        return {
+            "id": self.id,
+            "backend": self.backend.url if self.backend else None,
+            "prompt_tokens": len(self.prompt_ids) if self.prompt_ids is not None else None,
+            "generated_tokens": len(self.generated),
+            "movable": self.unmovable is None,
+            "legs": [vars(leg) for leg in self.legs],
+        }
+
+    # ── the legs ────────────────────────────────────────────────────────────
+
+    def _leg_body(self, prefill: bool = False, announce: bool = False) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of the next leg."""
+        body: dict[str, Any]
+        if not self.legs or (self.prompt_ids is None and not self.generated):
+            path = "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+            body = dict(self.body)
+            remaining = self.max_tokens
+        else:
+            assert self.prompt_ids is not None
+            path = "/v1/completions"
+            src = self.body if self.kind == "completion" else {k: self.body[k] for k in _SAMPLING if k in self.body}
+            body = {k: v for k, v in src.items() if k not in ("echo", "suffix", "n", "best_of")}
+            body["prompt"] = self.prompt_ids + self.generated
+            remaining = None if self.max_tokens is None else self.max_tokens - len(self.generated)
+            if body.get("min_tokens"):
+                body["min_tokens"] = max(0, int(body["min_tokens"]) - len(self.generated))
+            if announce:  # the source computed the KV of every token but the last generated one
+                n = len(self.prompt_ids) + len(self.generated) - 1
+                body["kv_transfer_params"] = {"hurray_saved_tokens": n}
+            else:
+                body.pop("kv_transfer_params", None)
+        if prefill:
+            remaining = 1
+            if body.get("min_tokens"):
+                body["min_tokens"] = min(int(body["min_tokens"]), 1)
+        body.pop("max_completion_tokens", None)
+        if remaining is not None:
+            body["max_tokens"] = remaining
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        body["return_token_ids"] = True
+        return path, body
+
+    async def _upstream(self, backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The leg's SSE events, parsed; :class:`UpstreamError` when it cannot start or breaks off."""
+        import httpx
+
+        client: httpx.AsyncClient = self.router.client
+        try:
+            async with client.stream("POST", backend.base + path, json=body) as r:
+                if r.status_code != 200:
+                    raw = await r.aread()
+                    try:
+                        payload = json.loads(raw)
+                    except ValueError:
+                        payload = {"error": {"message": raw.decode(errors="replace")[:2000]}}
+                    raise UpstreamError(f"{backend.url} answered HTTP {r.status_code}", r.status_code, payload)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        yield json.loads(data)
+                    except ValueError:
+                        raise UpstreamError(f"{backend.url} sent a malformed event: {data[:200]!r}") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"{backend.url}: {type(exc).__name__}: {exc}") from exc
+
+    async def _read(
+        self, backend: Backend, path: str, body: dict[str, Any], q: asyncio.Queue[Any], space: asyncio.Semaphore
+    ) -> None:
+        """The leg's reader task: record each event's tokens, then queue it; always ends with a marker."""
+        chat = path.endswith("/chat/completions")
+        try:
+            async for event in self._upstream(backend, path, body):
+                await space.acquire()
+                delta, prompt = _upstream_delta(event, chat)
+                if prompt is not None and self.prompt_ids is None:
+                    self.prompt_ids = prompt
+                if delta.token_ids:
+                    self.generated.extend(delta.token_ids)
+                    self._last_token_at = time.monotonic()
+                q.put_nowait(("delta", delta))
+            q.put_nowait(("end", None))
+        except asyncio.CancelledError:
+            q.put_nowait(("end", None))
+            raise
+        except UpstreamError as exc:
+            q.put_nowait(("error", exc))
+
+    def _start_leg(self, backend: Backend, why: str, q: asyncio.Queue[Any], space: asyncio.Semaphore) -> None:
+        prefill = why == "prefill"
+        path, body = self._leg_body(prefill=prefill, announce=why in ("migrated", "drained", "decode", "resumed"))
+        if self.backend is not None:
+            self.backend.in_flight -= 1
+        self.backend = backend
+        backend.in_flight += 1
+        if not self.legs:
+            self.router.metrics.routed(backend.url)
+            backend.remember(self._keys)
+        self.legs.append(Leg(backend.url, why, len(self.generated)))
+        self._reader = asyncio.create_task(self._read(backend, path, body, q, space), name=f"leg {self.id}")
+
+    # ── control: called from other requests' handlers ───────────────────────
+
+    async def migrate(self, to: Backend, why: str = "migrated", timeout: float = 600.0) -> dict[str, Any]:
+        """Move the request to ``to``; returns once it runs there (its first token), or raises :class:`RouterError`.
+
+        If ``to`` cannot take it, the request goes on where it was (resumed
+        on its source from the tokens so far) and this raises with the reason.
+        """
+        if self.unmovable is not None:
+            raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
+        if self.finished:
+            raise RouterError(409, f"request {self.id} has finished")
+        if self._interrupt is not None:
+            raise RouterError(409, f"request {self.id} is being moved already")
+        if self.backend is to:
+            raise RouterError(409, f"request {self.id} runs on {to.url} already")
+        if self.prompt_ids is None or self._reader is None or not self.legs:
+            raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
+        done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._interrupt = _Interrupt("move", to, why, done)
+        self._reader.cancel()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), timeout)
+        except TimeoutError:
+            raise RouterError(504, f"request {self.id} did not start on {to.url} within {timeout:.0f} s") from None
+
+    def fail_over(self) -> None:
+        """Its backend was found dead (health checks): continue elsewhere now, not at the next read."""
+        if self._interrupt is None and self._reader is not None and not self.finished:
+            self._interrupt = _Interrupt("failover")
+            self._reader.cancel()
+
+    # ── the client's side ───────────────────────────────────────────────────
+
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
+        """Everything the client is sent, leg after leg, ending with a finish reason (or an error).
+
+        Raises:
+            RouterError: no backend can take the request.
+            UpstreamError: the first leg was refused (the client gets the backend's own answer).
+        """
+        backends = self.router.backends
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        space = asyncio.Semaphore(BUFFERED_EVENTS)
+        split = backends.has_prefill and self.unmovable is None
+        first = backends.pick(self._keys, prefill=split) or (backends.pick(self._keys) if split else None)
+        if first is None:
+            raise RouterError(503, "no healthy backend to route to")
+        phase = "prefill" if first.prefill else "routed"
+        self._start_leg(first, phase, q, space)
+        pending: _Interrupt | None = None  # a move whose destination has not answered yet
+        source: Backend | None = None
+        try:
+            while True:
+                kind, item = await q.get()
+                if kind == "delta":
+                    space.release()
+                    delta: Delta = item
+                    if delta.usage is not None:
+                        details = delta.usage.get("prompt_tokens_details") or {}
+                        self.legs[-1].cached_tokens = details.get("cached_tokens")
+                        continue
+                    if pending is not None and delta.token_ids:
+                        self._answer(pending, source)
+                        pending = None
+                    if delta.finish_reason is not None and phase == "prefill" and self._more_to_decode(delta):
+                        delta.finish_reason = None  # the prefill's one token: decoding goes on elsewhere
+                        yield delta
+                        continue
+                    if delta.finish_reason is not None:
+                        self.finish_reason = delta.finish_reason
+                    yield delta
+                    continue
+                # The leg ended: finished, interrupted (a move or a failover), or broken.
+                interrupt, self._interrupt = self._interrupt, None
+                if kind == "end" and phase == "prefill" and interrupt is None and self._decoding_left():
+                    nxt = backends.pick(self._keys)
+                    if nxt is None:
+                        raise RouterError(503, "no healthy decode backend")
+                    phase = "decode"
+                    self._start_leg(nxt, "decode", q, space)
+                    continue
+                if kind == "end" and interrupt is None:
+                    if self.finish_reason is not None:
+                        self.finished = True
+                        self.cached_tokens = self.legs[-1].cached_tokens
+                        return
+                    item = UpstreamError(f"{self.legs[-1].backend} ended the stream without finishing it")
+                    kind = "error"
+                phase = "decode"
+                if interrupt is not None and interrupt.kind == "move":
+                    assert interrupt.to is not None
+                    if self.finish_reason is not None:  # it finished before the move took effect
+                        self._refuse(interrupt, 409, f"request {self.id} has finished")
+                        self.finished = True
+                        return
+                    source, pending, interrupt.since = self.backend, interrupt, self._last_token_at
+                    why = interrupt.why
+                    if kind == "error" and source is not None:  # the source broke as it was left: announce nothing
+                        backends.mark_down(source)
+                        why = "failover"
+                    self._start_leg(interrupt.to, why, q, space)
+                    continue
+                # A failure: the backend died, broke off or refused. Before any token, a refusal of the first
+                # leg is the client's answer (a bad request stays bad elsewhere).
+                exc = item if isinstance(item, UpstreamError) else UpstreamError("backend failed health checks")
+                if pending is not None:
+                    # The destination of a move failed before its first token: answer the move, resume on the source.
+                    self._refuse(pending, 502, f"{pending.to.url if pending.to else '?'} could not take it: {exc}")
+                    pending = None
+                    if source is not None and source.healthy:
+                        self._start_leg(source, "resumed", q, space)
+                        continue
+                if len(self.legs) == 1 and not self.generated and exc.status is not None and exc.status < 500:
+                    raise exc
+                if self.backend is not None:
+                    backends.mark_down(self.backend)
+                self._failovers += 1
+                nxt = backends.pick(self._keys, avoid=self.backend)
+                lost = self.prompt_ids is None and bool(self.generated)  # cannot happen with vLLM: it sends them first
+                if nxt is None or self._failovers > MAX_FAILOVERS or lost:
+                    why = "no other healthy backend" if nxt is None else "too many failures"
+                    raise RouterError(502, f"request {self.id} failed on {self.legs[-1].backend}: {exc} ({why})")
+                log.warning("router: %s failed on %s (%s); continuing on %s", self.id, self.backend, exc, nxt.url)
+                self.router.metrics.failed_over()
+                self._start_leg(nxt, "failover", q, space)
+        finally:
+            self.finished = True
+            if self._reader is not None and not self._reader.done():
+                self._reader.cancel()
+            if self.backend is not None:
+                self.backend.in_flight -= 1
+                self.backend = None
+            if pending is not None:
+                self._refuse(pending, 409, f"request {self.id} ended before it ran on the destination")
+            if self._interrupt is not None and self._interrupt.done is not None:
+                self._refuse(self._interrupt, 409, f"request {self.id} has finished")
+
+    def _more_to_decode(self, delta: Delta) -> bool:
+        """Whether a prefill leg's end is only the leg's own one-token limit."""
+        return delta.finish_reason == "length" and self._decoding_left()
+
+    def _decoding_left(self) -> bool:
+        return self.finish_reason is None and (self.max_tokens is None or len(self.generated) < self.max_tokens)
+
+    def _answer(self, move: _Interrupt, source: Backend | None) -> None:
+        """The destination produced its first token: the move is done."""
+        # The reader stamped the destination's first token before queueing it.
+        pause = self._last_token_at - move.since if move.since else None
+        self.router.metrics.migrated(True, pause)
+        if move.done is not None and not move.done.done():
+            move.done.set_result(
+                {
+                    "id": self.id,
+                    "from": source.url if source else None,
+                    "to": move.to.url if move.to else None,
+                    "generated_tokens": len(self.generated),
+                    "pause_ms": None if pause is None else round(pause * 1e3, 3),
+                }
+            )
+
+    def _refuse(self, move: _Interrupt, status: int, message: str) -> None:
+        self.router.metrics.migrated(False)
+        if move.done is not None and not move.done.done():
+            move.done.set_exception(RouterError(status, message))

@@ -1,0 +1,109 @@
+"""The router's counters, gauges and the migration-pause histogram, written in Prometheus' text format.
+
+Plain Python under one lock: the router updates them from its event loop
+and ``/metrics`` reads them there too, so no client library is needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Histogram", "Metrics", "PAUSE_BUCKETS_S"]
+
+#: Migration pauses (seconds) worth telling apart: a decode step of a small model to a recompute of 16k tokens.
+PAUSE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    """A cumulative histogram as Prometheus keeps one: bucket counts, a sum and a count."""
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * len(self.buckets)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        for i, edge in enumerate(self.buckets):
+            if value <= edge:
+                self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> Iterable[str]:
+        """The histogram's sample lines."""
+        for edge, n in zip(self.buckets, self.counts):
+            yield f'{name}_bucket{{le="{edge}"}} {n}'
+        yield f'{name}_bucket{{le="+Inf"}} {self.count}'
+        yield f"{name}_sum {self.total:.6f}"
+        yield f"{name}_count {self.count}"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    """What ``GET /metrics`` reports.
+
+    Attributes:
+        requests: requests routed, per backend URL (first leg only).
+        migrations: migrations by result (``ok``, ``failed``).
+        failovers: requests continued elsewhere after their backend failed.
+        pauses: the client-visible pause of each migration (the source's last
+            token to the destination's first), in seconds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[str, int] = {}
+        self.migrations: dict[str, int] = {"ok": 0, "failed": 0}
+        self.failovers = 0
+        self.pauses = Histogram(PAUSE_BUCKETS_S)
+
+    def routed(self, backend: str) -> None:
+        """Count a request sent to ``backend``."""
+        with self._lock:
+            self.requests[backend] = self.requests.get(backend, 0) + 1
+
+    def migrated(self, ok: bool, pause_s: float | None = None) -> None:
+        """Count a migration, and its pause when it succeeded."""
+        with self._lock:
+            self.migrations["ok" if ok else "failed"] += 1
+            if ok and pause_s is not None:
+                self.pauses.observe(pause_s)
+
+    def failed_over(self) -> None:
+        """Count a request continued on another backend after its own failed."""
+        with self._lock:
+            self.failovers += 1
+
+    def render(self, in_flight: dict[str, int], healthy: dict[str, bool], draining: dict[str, bool]) -> str:
+        """The Prometheus text exposition (format 0.0.4) of every metric, with the backends' current state."""
+        with self._lock:
+            out = [
+                "# HELP hurray_router_in_flight Requests in flight, per backend.",
+                "# TYPE hurray_router_in_flight gauge",
+                *(f'hurray_router_in_flight{{backend="{_label(b)}"}} {n}' for b, n in in_flight.items()),
+                "# HELP hurray_router_backend_up Whether the backend passes its health checks (1) or not (0).",
+                "# TYPE hurray_router_backend_up gauge",
+                *(f'hurray_router_backend_up{{backend="{_label(b)}"}} {int(ok)}' for b, ok in healthy.items()),
+                "# HELP hurray_router_backend_draining Whether the backend is drained (1): it gets no new requests.",
+                "# TYPE hurray_router_backend_draining gauge",
+                *(f'hurray_router_backend_draining{{backend="{_label(b)}"}} {int(d)}' for b, d in draining.items()),
+                "# HELP hurray_router_requests_total Requests routed, per backend of their first leg.",
+                "# TYPE hurray_router_requests_total counter",
+                *(f'hurray_router_requests_total{{backend="{_label(b)}"}} {n}' for b, n in self.requests.items()),
+                "# HELP hurray_router_migrations_total Live migrations, by result.",
+                "# TYPE hurray_router_migrations_total counter",
+                *(f'hurray_router_migrations_total{{result="{r}"}} {n}' for r, n in self.migrations.items()),
+                "# HELP hurray_router_failovers_total Requests continued on another backend after theirs failed.",
+                "# TYPE hurray_router_failovers_total counter",
+                f"hurray_router_failovers_total {self.failovers}",
+                "# HELP hurray_router_migration_pause_seconds The source's last token to the destination's first.",
+                "# TYPE hurray_router_migration_pause_seconds histogram",
+                *self.pauses.lines("hurray_router_migration_pause_seconds"),
+            ]
+        return "\n".join(out) + "\n"

@@ -1,0 +1,446 @@
+"""The router's HTTP server: OpenAI endpoints in front of vLLM servers, and the ``/hurray/*`` controls.
+
+Built on what vLLM's own server uses (FastAPI on uvicorn, httpx to the
+backends), asyncio throughout: no thread per request. See
+:mod:`hurray_vllm.app.router` for what it does and ``docs/router.md`` for
+how to run it.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations (``request: Request``)
+# at run time, and ``Request`` is imported inside build_app.
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import Backend, Backends
+from .flight import Delta, Flight, RouterError, UpstreamError
+from .metrics import Metrics
+
+__all__ = ["Router", "RouterConfig", "build_app", "serve"]
+
+log = logging.getLogger("hurray_vllm.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router runs (``hurray-vllm router``'s options).
+
+    Attributes:
+        backends: base URLs of the vLLM servers that decode (and, without
+            ``prefill``, also run prompts).
+        prefill: base URLs of the servers that run prompts only (P/D split).
+        chunk_tokens: tokens per prefix key of KV-aware routing (match the
+            engines' ``hurray_chunk_tokens``).
+        health_interval: seconds between health checks of every backend.
+        connect_timeout: seconds to open a connection to a backend.
+        stream_timeout: seconds a backend may stay silent within a stream
+            before its request is continued elsewhere.
+    """
+
+    backends: tuple[str, ...]
+    prefill: tuple[str, ...] = ()
+    chunk_tokens: int = 256
+    health_interval: float = 2.0
+    connect_timeout: float = 10.0
+    stream_timeout: float = 600.0
+
+
+class Router:
+    """The router's state: backends, flights in progress, metrics, the HTTP client to the backends."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.backends = Backends(config.backends, config.prefill)
+        self.metrics = Metrics()
+        self.flights: dict[str, Flight] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=256)
+        self.client: Any = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Open the HTTP client and start the health checks (called by the server at start-up)."""
+        import httpx
+
+        timeout = httpx.Timeout(
+            connect=self.config.connect_timeout, read=self.config.stream_timeout, write=60.0, pool=None
+        )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self._watch = asyncio.create_task(self._health(), name="router health checks")
+
+    async def stop(self) -> None:
+        """Stop the health checks and close the client."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def _health(self) -> None:
+        """Check the backends; move the requests of one found dead at once (a hung backend breaks no stream)."""
+        interval = self.config.health_interval
+        while True:
+            before = {url: b.healthy for url, b in self.backends.all.items()}
+            results = await asyncio.gather(
+                *(self.backends.check(self.client, b, interval) for b in self.backends.all.values())
+            )
+            for b, ok in zip(self.backends.all.values(), results):
+                if ok:
+                    if not b.healthy:
+                        log.info("router: backend %s is back", b.url)
+                    b.healthy, b.failures = True, 0
+                    continue
+                b.failures += 1
+                if b.failures >= 2:
+                    b.healthy = False
+                if before[b.url] and not b.healthy:
+                    log.warning("router: backend %s failed %d health checks", b.url, b.failures)
+                    for f in list(self.flights.values()):
+                        if f.backend is b:
+                            f.fail_over()
+            await asyncio.sleep(interval)
+
+    def begin(self, kind: str, body: dict[str, Any]) -> Flight:
+        """A new flight, registered."""
+        f = Flight(self, kind, body)
+        self.flights[f.id] = f
+        return f
+
+    def end(self, f: Flight) -> None:
+        """Forget a flight (keep its summary in ``recent``)."""
+        self.flights.pop(f.id, None)
+        self.recent.append({**f.describe(), "finish_reason": f.finish_reason, "cached_tokens": f.cached_tokens})
+
+    def backend(self, url: Any, field: str) -> Backend:
+        """The backend named by a control request's ``field``; :class:`RouterError` 400 otherwise."""
+        b = self.backends.get(url) if isinstance(url, str) else None
+        if b is None:
+            known = ", ".join(self.backends.all)
+            raise RouterError(400, f"{field}: {url!r} is not one of this router's backends ({known})")
+        return b
+
+    async def migrate(self, flight_id: Any, to: Any) -> dict[str, Any]:
+        """``POST /hurray/migrate``."""
+        f = self.flights.get(flight_id) if isinstance(flight_id, str) else None
+        if f is None:
+            raise RouterError(404, f"id: no request {flight_id!r} in flight")
+        dest = self.backend(to, "to")
+        if dest.prefill:
+            raise RouterError(409, f"to: {dest.url} is a prefill backend")
+        if not dest.healthy:
+            raise RouterError(503, f"to: {dest.url} fails its health checks")
+        if dest.draining:
+            raise RouterError(409, f"to: {dest.url} is drained")
+        return await f.migrate(dest)
+
+    async def drain(self, url: Any) -> dict[str, Any]:
+        """``POST /hurray/drain``: no new requests there; move every request off it."""
+        b = self.backend(url, "backend")
+        b.draining = True
+        moving = [f for f in self.flights.values() if f.backend is b]
+        moved: list[str] = []
+        failed: list[dict[str, Any]] = []
+
+        async def move(f: Flight) -> None:
+            dest = self.backends.pick(f._keys, avoid=b)
+            if dest is None:
+                failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
+                return
+            try:
+                await f.migrate(dest, why="drained")
+                moved.append(f.id)
+            except RouterError as exc:
+                if "has finished" in exc.message or "ended before" in exc.message:
+                    return  # finished meanwhile: nothing left on the backend
+                failed.append({"id": f.id, "error": exc.message})
+
+        await asyncio.gather(*(move(f) for f in moving))
+        return {"backend": b.url, "moved": sorted(moved), "failed": failed}
+
+    def undrain(self, url: Any) -> dict[str, Any]:
+        """``POST /hurray/undrain``."""
+        b = self.backend(url, "backend")
+        b.draining = False
+        return {"backend": b.url, "draining": False}
+
+
+# ── what the client sees ────────────────────────────────────────────────────
+
+
+def _asked(body: dict[str, Any], key: str) -> bool:
+    return bool(body.get(key))
+
+
+def _chunk(f: Flight, d: Delta, first: bool) -> dict[str, Any]:
+    """One delta as the client's SSE chunk, in the format of its endpoint."""
+    if f.kind == "chat":
+        delta: dict[str, Any] = {"content": d.text}
+        if first:
+            delta["role"] = "assistant"
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": d.logprobs, "finish_reason": d.finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": d.text, "logprobs": d.logprobs, "finish_reason": d.finish_reason}
+        if d.stop_reason is not None:
+            choice["stop_reason"] = d.stop_reason
+        obj = "text_completion"
+    if _asked(f.body, "return_token_ids"):
+        choice["token_ids"] = d.token_ids
+        if first and f.kind == "completion":
+            choice["prompt_token_ids"] = f.prompt_ids
+    out = {"id": f.id, "object": obj, "created": f.created, "model": f.model, "choices": [choice]}
+    if first and f.kind == "chat" and _asked(f.body, "return_token_ids"):
+        out["prompt_token_ids"] = f.prompt_ids
+    return out
+
+
+def _usage(f: Flight) -> dict[str, Any]:
+    """The whole request's usage: its prompt, and every leg's generated tokens."""
+    p = len(f.prompt_ids or [])
+    usage: dict[str, Any] = {
+        "prompt_tokens": p,
+        "completion_tokens": len(f.generated),
+        "total_tokens": p + len(f.generated),
+    }
+    if f.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": f.cached_tokens}
+    return usage
+
+
+def _error(status: int, message: str, kind: str = "router_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+async def _sse(
+    router: Router, f: Flight, deltas: AsyncGenerator[Delta, None], first: Delta | None
+) -> AsyncIterator[bytes]:
+    """The client's event stream; the upstream legs stop when the client goes away (this generator closes)."""
+    sent = False
+    try:
+        pending = [first] if first is not None else []
+        while True:
+            d = pending.pop() if pending else await deltas.__anext__()
+            yield f"data: {json.dumps(_chunk(f, d, not sent))}\n\n".encode()
+            sent = True
+    except StopAsyncIteration:
+        if (f.body.get("stream_options") or {}).get("include_usage"):
+            obj = "chat.completion.chunk" if f.kind == "chat" else "text_completion"
+            tail = {
+                "id": f.id,
+                "object": obj,
+                "created": f.created,
+                "model": f.model,
+                "choices": [],
+                "usage": _usage(f),
+            }
+            yield f"data: {json.dumps(tail)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    except (RouterError, UpstreamError) as exc:
+        status = exc.status if isinstance(exc, RouterError) else 502
+        yield f"data: {json.dumps(_error(status or 502, str(exc)))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        await deltas.aclose()
+        router.end(f)
+
+
+async def _collect(router: Router, f: Flight, deltas: AsyncIterator[Delta], first: Delta | None) -> dict[str, Any]:
+    """A non-streamed answer: every delta of every leg, joined."""
+    texts, finish, stop, logprobs = [], None, None, []
+    try:
+        items = [first] if first is not None else []
+        async for d in deltas:
+            items.append(d)
+        for d in items:
+            texts.append(d.text)
+            finish = d.finish_reason or finish
+            stop = d.stop_reason if d.stop_reason is not None else stop
+            if d.logprobs is not None:
+                logprobs.append(d.logprobs)
+    finally:
+        router.end(f)
+    text = "".join(texts)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if f.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+        obj = "chat.completion"
+    else:
+        choice.update(text=text, stop_reason=stop, logprobs=_join_logprobs(logprobs))
+        obj = "text_completion"
+    if _asked(f.body, "return_token_ids"):
+        choice["token_ids"] = list(f.generated)
+        if f.kind == "completion":
+            choice["prompt_token_ids"] = f.prompt_ids
+    out: dict[str, Any] = {"id": f.id, "object": obj, "created": f.created, "model": f.model, "choices": [choice]}
+    if f.kind == "chat" and _asked(f.body, "return_token_ids"):
+        out["prompt_token_ids"] = f.prompt_ids
+    out["usage"] = _usage(f)
+    return out
+
+
+def _join_logprobs(parts: list[Any]) -> Any:
+    """Completion logprobs of several stream chunks as one (the lists concatenated)."""
+    if not parts:
+        return None
+    out: dict[str, list[Any]] = {}
+    for p in parts:
+        if isinstance(p, dict):
+            for k, v in p.items():
+                if isinstance(v, list):
+                    out.setdefault(k, []).extend(v)
+    return out
+
+
+def build_app(config: RouterConfig) -> Any:
+    """The router's ASGI application (FastAPI).
+
+    Example:
+        >>> from hurray_vllm.app.router import RouterConfig, build_app
+        >>> app = build_app(RouterConfig(backends=("http://10.0.0.5:8000", "http://10.0.0.6:8000")))
+        >>> sorted(r.path for r in app.routes if r.path.startswith("/hurray"))
+        ['/hurray/drain', '/hurray/migrate', '/hurray/requests', '/hurray/undrain']
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="hurray-vllm router", lifespan=lifespan)
+    app.state.router = router
+
+    def fail(status: int, message: str) -> JSONResponse:
+        return JSONResponse(_error(status, message), status_code=status)
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RouterError(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise RouterError(400, "the request body must be a JSON object")
+        return body
+
+    async def generate(request: Request, kind: str) -> Any:
+        try:
+            body = await json_body(request)
+        except RouterError as exc:
+            return fail(exc.status, exc.message)
+        f = router.begin(kind, body)
+        deltas = f.deltas()
+        try:
+            first = await deltas.__anext__()  # the first leg's refusal is the client's answer, with its status
+        except StopAsyncIteration:
+            first = None
+        except RouterError as exc:
+            router.end(f)
+            return fail(exc.status, exc.message)
+        except UpstreamError as exc:
+            router.end(f)
+            if exc.status is not None and isinstance(exc.body, dict):
+                return JSONResponse(exc.body, status_code=exc.status)
+            return fail(502, str(exc))
+        if body.get("stream"):
+            return StreamingResponse(_sse(router, f, deltas, first), media_type="text/event-stream")
+        try:
+            return JSONResponse(await _collect(router, f, deltas, first))
+        except (RouterError, UpstreamError) as exc:
+            return fail(exc.status if isinstance(exc, RouterError) else 502, str(exc))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        for b in router.backends.all.values():
+            if not b.healthy:
+                continue
+            try:
+                r = await router.client.get(f"{b.base}/v1/models", timeout=config.connect_timeout)
+                if r.status_code == 200:
+                    return JSONResponse(r.json())
+            except Exception:  # the next backend may answer
+                continue
+        return fail(503, "no backend answered /v1/models")
+
+    @app.get("/health")
+    async def health() -> Any:
+        state = {b.url: {"healthy": b.healthy, "draining": b.draining, "in_flight": b.in_flight, "prefill": b.prefill}
+                 for b in router.backends.all.values()}  # fmt: skip
+        ok = any(b.healthy and not b.prefill for b in router.backends.all.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "backends": state}, status_code=200 if ok else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        bs = router.backends.all.values()
+        text = router.metrics.render(
+            {b.url: b.in_flight for b in bs}, {b.url: b.healthy for b in bs}, {b.url: b.draining for b in bs}
+        )
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/hurray/requests")
+    async def requests(recent: bool = False) -> Any:
+        out: dict[str, Any] = {"requests": [f.describe() for f in router.flights.values() if not f.finished]}
+        if recent:
+            out["recent"] = list(router.recent)
+        return JSONResponse(out)
+
+    @app.post("/hurray/migrate")
+    async def migrate(request: Request) -> Any:
+        try:
+            body = await json_body(request)
+            if "id" not in body or "to" not in body:
+                raise RouterError(400, 'expected {"id": ..., "to": URL}')
+            t0 = time.monotonic()
+            out = await router.migrate(body["id"], body["to"])
+            out["took_ms"] = round((time.monotonic() - t0) * 1e3, 3)
+            return JSONResponse(out)
+        except RouterError as exc:
+            return fail(exc.status, exc.message)
+
+    @app.post("/hurray/drain")
+    async def drain(request: Request) -> Any:
+        try:
+            body = await json_body(request)
+            return JSONResponse(await router.drain(body.get("backend")))
+        except RouterError as exc:
+            return fail(exc.status, exc.message)
+
+    @app.post("/hurray/undrain")
+    async def undrain(request: Request) -> Any:
+        try:
+            body = await json_body(request)
+            return JSONResponse(router.undrain(body.get("backend")))
+        except RouterError as exc:
+            return fail(exc.status, exc.message)
+
+    return app
+
+
+def serve(config: RouterConfig, host: str, port: int, *, log_level: str = "warning") -> None:
+    """Run the router on ``host:port`` until SIGINT or SIGTERM (uvicorn's handling)."""
+    import uvicorn
+
+    print(f"hurray-vllm router on http://{host}:{port} over {', '.join(config.backends)}", flush=True)
+    uvicorn.run(build_app(config), host=host, port=port, log_level=log_level, access_log=False)
