@@ -33,9 +33,12 @@ __all__ = [
     "free_port",
     "receiver_process",
     "root_cause",
+    "router_spec",
     "run_engine",
     "start_servers",
     "stop_servers",
+    "stream_completion",
+    "vllm_server_spec",
 ]
 
 #: The repository's root (what child processes get as PYTHONPATH).
@@ -217,6 +220,81 @@ def receiver_process(store: Path, log: Path, transport: str = "tcp") -> Iterator
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def vllm_server_spec(
+    tmp: Path, name: str, port: int, block_size: int, extra: dict[str, object], *, tokenizer: bool = False
+) -> ServerSpec:
+    """vLLM's OpenAI server on ``tmp / "model"`` with a HurrayConnector of ``extra`` (prefix caching on).
+
+    ``tokenizer``: the model has one (chat completions, text); else token-id prompts only.
+    """
+    kv = {
+        "kv_connector": "HurrayConnector",
+        "kv_connector_module_path": "hurray_vllm.adapters.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tmp / "model"), "--enforce-eager", "--dtype", "bfloat16",
+        "--max-model-len", "1024", "--block-size", str(block_size),  # prefix caching on: the default
+        "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
+        "--kv-transfer-config", json.dumps(kv),
+        *([] if tokenizer else ["--skip-tokenizer-init"]),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    return ServerSpec(name, cmd, port, env)
+
+
+def router_spec(
+    name: str, port: int, backends: Sequence[str], *, prefill: Sequence[str] = (), chunk_tokens: int = 64
+) -> ServerSpec:
+    """``hurray-vllm router`` on 127.0.0.1:``port`` over ``backends`` (health checks every half second)."""
+    cmd = [sys.executable, "-m", "hurray_vllm.app.cli", "router", "--listen", f"127.0.0.1:{port}"]
+    cmd += [a for b in backends for a in ("--backend", b)] + [a for b in prefill for a in ("--prefill", b)]
+    cmd += ["--chunk-tokens", str(chunk_tokens), "--health-interval", "0.5", "--log-level", "info"]
+    return ServerSpec(name, cmd, port, {**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def stream_completion(
+    base: str,
+    body: dict[str, Any],
+    on_tokens: Callable[[list[int]], None] | None = None,
+    *,
+    path: str = "/v1/completions",
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Stream one request from ``base`` (a router or a server) and collect it.
+
+    Returns ``{"ids": [...], "token_ids": [...], "text": "...", "finish_reason": ..., "usage": ..., "events": n}``;
+    ``on_tokens`` sees the token ids received so far after each event (from this thread). An ``error`` event
+    fails the test.
+    """
+    import httpx
+
+    out: dict[str, Any] = {"ids": set(), "token_ids": [], "text": "", "finish_reason": None, "usage": None, "events": 0}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with httpx.stream("POST", base + path, json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            out["ids"].add(ev["id"])
+            out["events"] += 1
+            if not ev.get("choices"):
+                out["usage"] = ev.get("usage")
+                continue
+            c = ev["choices"][0]
+            out["token_ids"].extend(c.get("token_ids") or [])
+            out["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            out["finish_reason"] = c.get("finish_reason") or out["finish_reason"]
+            if on_tokens is not None:
+                on_tokens(out["token_ids"])
+    return out
 
 
 class _PortTaken(Exception):

@@ -1,18 +1,30 @@
-"""Two vLLM OpenAI servers on 127.0.0.1: a completion migrated over TCP mid-decode equals an unmoved run."""
+"""Two vLLM OpenAI servers on 127.0.0.1: a completion migrated over TCP (or NIXL) mid-decode equals an unmoved run.
+
+Source A pushes every chunk it saves to destination B's receiver
+(``hurray_url`` / ``hurray_listen``): the push deployment. Once with
+``hurray-vllm migrate`` (two completions), once through ``hurray-vllm router``
+moving a live stream (``POST /hurray/migrate``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
-import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import require
-from servers import ROOT, ServerSpec, run_engine, start_servers, stop_servers
+from servers import (
+    ServerSpec,
+    router_spec,
+    run_engine,
+    start_servers,
+    stop_servers,
+    stream_completion,
+    vllm_server_spec,
+)
 from tiny_models import build_tiny_llama
 
 from hurray_vllm.adapters.vllm.migrate import MigrationResult
@@ -20,31 +32,27 @@ from hurray_vllm.app.cli import main
 
 pytestmark = [pytest.mark.vllm]
 PROMPT = [(i * 53 + 7) % 500 + 1 for i in range(200)]
+ROUTED = [(i * 41 + 3) % 500 + 1 for i in range(300)]  # a stream the router moves
+ROUTED_TOKENS = 120
 
 
-def _server(tmp: Path, name: str, port: int, block_size: int, extra: dict[str, object]) -> ServerSpec:
-    kv = {
-        "kv_connector": "HurrayConnector",
-        "kv_connector_module_path": "hurray_vllm.adapters.vllm.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tmp / "model"), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-        "--max-model-len", "1024", "--block-size", str(block_size),  # prefix caching on: the default
-        "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
-        "--kv-transfer-config", json.dumps(kv),
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-    return ServerSpec(name, cmd, port, env)
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """The unmoved references: a plain engine without connector, one request at a time."""
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("migration-plain")
+    build_tiny_llama(tmp / "model")
+    run = run_engine(
+        tmp, "plain", 32, None, {"m": PROMPT, "routed": ROUTED}, {"m": 24, "routed": ROUTED_TOKENS}, sequential=True
+    )
+    outputs: dict[str, list[int]] = run["outputs"]
+    return outputs
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def servers(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, str, Path, Path]]:
+) -> Iterator[tuple[str, str, Path, Path, str]]:
     require("vllm")
     require("transformers")
     transport = request.param
@@ -59,17 +67,23 @@ def servers(
                    "hurray_listen_transport": transport, "hurray_chunk_tokens": 64}  # fmt: skip
         a_extra = {"hurray_path": str(tmp / "a"), "hurray_url": f"{transport}://127.0.0.1:{recv}",
                    "hurray_chunk_tokens": 64}  # fmt: skip
-        return [_server(tmp, "a", port(), 32, a_extra), _server(tmp, "b", port(), 64, b_extra)]
+        a, b = port(), port()
+        urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"]  # ties go to A: the one that pushes
+        return [
+            vllm_server_spec(tmp, "a", a, 32, a_extra),
+            vllm_server_spec(tmp, "b", b, 64, b_extra),
+            router_spec("router", port(), urls, chunk_tokens=64),
+        ]
 
-    a, b = start_servers(specs, tmp / "logs")
+    a, b, router = start_servers(specs, tmp / "logs")
     try:
-        yield a.url, b.url, tmp, tmp / "b"
+        yield a.url, b.url, tmp, tmp / "b", router.url
     finally:
-        stop_servers([a, b])
+        stop_servers([a, b, router])
 
 
-def test_migrated_completion_equals_unmoved_run(servers) -> None:  # type: ignore[no-untyped-def]
-    src, dst, tmp, b_store = servers
+def test_migrated_completion_equals_unmoved_run(servers, plain) -> None:  # type: ignore[no-untyped-def]
+    src, dst, _, b_store, _ = servers
     assert not b_store.exists() or not any(b_store.rglob("*.hrry"))  # nothing arrived yet
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -77,10 +91,34 @@ def test_migrated_completion_equals_unmoved_run(servers) -> None:  # type: ignor
                    "--after", "9", "--max-tokens", "24", "--json"])  # fmt: skip
     assert rc == 0
     moved = MigrationResult(**{k: v for k, v in json.loads(buf.getvalue()).items() if k != "tokens"})
-    # The unmoved reference: a plain engine without connector, same model and prompt.
-    plain = run_engine(tmp, "plain", 32, None, {"m": PROMPT}, max_tokens=24)
-    assert moved.tokens == plain["outputs"]["m"]
+    assert moved.tokens == plain["m"]
     # The destination got the chunks over TCP and did not recompute them: 209 tokens -> 3 chunks of 64.
     assert len(list(b_store.rglob("*.hrry"))) >= 3
     assert moved.destination_cached_tokens == 192
     assert len(moved.tokens) == 24
+
+
+def test_a_stream_moved_by_the_router_over_pushes_equals_the_unmoved_run(servers, plain) -> None:  # type: ignore[no-untyped-def]
+    """The router moves a live stream from A to B after 40 tokens; B loads what A pushed while it decoded."""
+    import httpx
+
+    src, dst, tmp, _, router = servers
+    answer: dict[str, object] = {}
+
+    def on_tokens(tokens: list[int]) -> None:
+        if len(tokens) >= 40 and not answer:
+            (flight,) = httpx.get(router + "/hurray/requests", timeout=30).json()["requests"]
+            answer["flight"] = flight
+            r = httpx.post(router + "/hurray/migrate", json={"id": flight["id"], "to": dst}, timeout=120)
+            answer.update(r.json(), status=r.status_code)
+
+    body = {"model": str(tmp / "model"), "prompt": ROUTED, "max_tokens": ROUTED_TOKENS, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    got = stream_completion(router, body, on_tokens)
+    assert answer["status"] == 200 and answer["from"] == src and answer["to"] == dst, answer
+    assert got["token_ids"] == plain["routed"] and len(got["ids"]) == 1
+    (last,) = [f for f in httpx.get(router + "/hurray/requests?recent=true", timeout=30).json()["recent"]
+               if f["id"] in got["ids"]]  # fmt: skip
+    moved_at = last["legs"][1]["start_token"]
+    # Every whole chunk of prompt + generated tokens but the last token reached B while A decoded.
+    assert last["legs"][1]["cached_tokens"] == (300 + moved_at - 1) // 64 * 64 >= 320
