@@ -146,6 +146,13 @@ def test_streams_and_answers_through_the_router_equal_the_engine(fleet: dict[str
     whole = _post(fleet["router"] + "/v1/completions", {**body, "return_token_ids": True}).json()
     assert whole["choices"][0]["token_ids"] == got["token_ids"] and whole["choices"][0]["text"] == got["text"]
     assert whole["id"].startswith("cmpl-hurray-") and whole["id"] not in got["ids"]
+    # Several sequences cannot change backends: relayed as the backend answers, under the router's id.
+    two = _post(fleet["router"] + "/v1/completions", {**body, "n": 2, "temperature": 1.0, "seed": 1})
+    assert two.status_code == 200, two.text
+    assert two.json()["id"].startswith("cmpl-hurray-") and len(two.json()["choices"]) == 2
+    # A refusal before any token is the backend's own answer.
+    refused = _post(fleet["router"] + "/v1/completions", {**body, "n": 2})
+    assert refused.status_code == 400 and "error" in refused.json(), refused.text
 
 
 def test_the_openai_client_streams_completions_and_chat_unchanged(fleet: dict[str, Any]) -> None:

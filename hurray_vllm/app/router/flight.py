@@ -37,7 +37,7 @@ from .backends import Backend, prompt_keys
 if TYPE_CHECKING:
     from .server import Router
 
-__all__ = ["Delta", "Flight", "Leg", "RouterError", "UpstreamError"]
+__all__ = ["Delta", "Flight", "Leg", "RouterError", "UpstreamError", "movable"]
 
 log = logging.getLogger("hurray_vllm.router")
 
@@ -122,8 +122,8 @@ def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int]
     )
 
 
-def _movable(kind: str, body: dict[str, Any]) -> str | None:
-    """Why a request cannot change backends mid-stream (``None``: it can)."""
+def movable(kind: str, body: dict[str, Any]) -> str | None:
+    """Why a request cannot change backends mid-stream (``None``: it can); the server relays such requests as is."""
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n > 1 or best_of > 1: several sequences"
     if kind == "completion":
@@ -155,7 +155,7 @@ class Flight:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-hurray-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model: str | None = body.get("model")
-        self.unmovable = _movable(kind, body)
+        self.unmovable = movable(kind, body)
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
         self.legs: list[Leg] = []

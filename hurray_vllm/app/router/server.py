@@ -13,13 +13,14 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import Backend, Backends
-from .flight import Delta, Flight, RouterError, UpstreamError
+from .backends import Backend, Backends, prompt_keys
+from .flight import Delta, Flight, RouterError, UpstreamError, movable
 from .metrics import Metrics
 
 __all__ = ["Router", "RouterConfig", "build_app", "serve"]
@@ -335,11 +336,63 @@ def build_app(config: RouterConfig) -> Any:
             raise RouterError(400, "the request body must be a JSON object")
         return body
 
+    async def passthrough(kind: str, body: dict[str, Any], why: str) -> Any:
+        """A request that cannot change backends (:func:`~.flight.movable`): relayed as it comes, its id replaced."""
+        import httpx
+
+        keys = prompt_keys(body, config.chunk_tokens)
+        b = router.backends.pick(keys)
+        if b is None:
+            return fail(503, "no healthy backend to route to")
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-hurray-{uuid.uuid4().hex}"
+        b.in_flight += 1
+        router.metrics.routed(b.url)
+        b.remember(keys)
+        try:
+            upstream = await router.client.send(
+                router.client.build_request("POST", b.base + path, json=body), stream=True
+            )
+        except httpx.HTTPError as exc:
+            b.in_flight -= 1
+            return fail(502, f"{b.url}: {type(exc).__name__}: {exc}")
+        log.debug("router: %s relayed to %s unchanged (%s)", rid, b.url, why)
+
+        def renamed(data: str) -> str:
+            try:
+                event = json.loads(data)
+            except ValueError:
+                return data
+            if isinstance(event, dict) and "id" in event:
+                event["id"] = rid
+            return json.dumps(event)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    async for line in upstream.aiter_lines():
+                        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                            line = "data: " + renamed(line[5:].strip())
+                        yield (line + "\n").encode()
+                else:
+                    yield renamed((await upstream.aread()).decode()).encode()
+            except httpx.HTTPError as exc:
+                yield f"data: {json.dumps(_error(502, f'{b.url}: {exc}'))}\n\n".encode()
+            finally:
+                await upstream.aclose()
+                b.in_flight -= 1
+
+        media = upstream.headers.get("content-type", "application/json")
+        return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media)
+
     async def generate(request: Request, kind: str) -> Any:
         try:
             body = await json_body(request)
         except RouterError as exc:
             return fail(exc.status, exc.message)
+        why = movable(kind, body)
+        if why is not None:
+            return await passthrough(kind, body, why)
         f = router.begin(kind, body)
         deltas = f.deltas()
         try:
