@@ -379,6 +379,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         chunk_tokens=args.chunk_tokens,
         health_interval=args.health_interval,
         stream_timeout=args.stream_timeout,
+        policy=args.policy,
     )
     serve(config, host, port, log_level=args.log_level)
     return 0
@@ -536,6 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="seconds a backend may stay silent in a stream before its request moves elsewhere (default 600)",
+    )
+    s.add_argument(
+        "--policy",
+        default="kv",
+        choices=["kv", "least-loaded", "round-robin"],
+        help="how a request picks its backend: kv (where the longest prefix of its prompt went, else the least "
+        "loaded; default), least-loaded, round-robin",
     )
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_router)

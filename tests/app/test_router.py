@@ -194,8 +194,9 @@ def test_a_stream_migrated_mid_decode_equals_the_unmoved_run(fleet: dict[str, An
     assert [leg["backend"] for leg in legs] == [answer["source"], answer["dest"]]
     moved_at = legs[1]["start_token"]
     # The destination computed only the tail: every whole chunk of prompt + generated tokens (but the last
-    # token) was loaded, including chunks the source completed with generated tokens while it decoded.
-    assert legs[1]["cached_tokens"] == (300 + moved_at - 1) // CHUNK * CHUNK >= 320
+    # token) was loaded, including chunks the source completed with generated tokens while it decoded. (It
+    # may hold a few blocks more: the warm-up before the switch left them in its prefix cache.)
+    assert legs[1]["cached_tokens"] >= (300 + moved_at - 1) // CHUNK * CHUNK >= 320
     assert got["usage"]["prompt_tokens"] == 300 and got["usage"]["completion_tokens"] == MAX_TOKENS
     metrics = _post_metrics(fleet)
     assert 'hurray_router_migrations_total{result="ok"} 1' in metrics
@@ -263,7 +264,7 @@ def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str
         legs = recent[rid]["legs"]
         if len(legs) > 1:
             at = legs[1]["start_token"]
-            assert legs[1]["why"] == "drained" and legs[1]["cached_tokens"] == (len(PROMPTS[n]) + at - 1) // 64 * 64
+            assert legs[1]["why"] == "drained" and legs[1]["cached_tokens"] >= (len(PROMPTS[n]) + at - 1) // 64 * 64
             # The companion: the token before the switch sent twice is refused.
             twice = [*tokens[:at], tokens[at - 1], *tokens[at:-1]]
             assert not agreement(_recompute(hf, PROMPTS[n], twice), twice).ok, n

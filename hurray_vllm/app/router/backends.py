@@ -20,7 +20,7 @@ from typing import Any
 
 from ...chunks.keys import chunk_keys
 
-__all__ = ["Backend", "Backends", "prompt_keys"]
+__all__ = ["POLICIES", "Backend", "Backends", "prompt_keys"]
 
 log = logging.getLogger("hurray_vllm.router")
 
@@ -89,10 +89,19 @@ class Backend:
         return n
 
 
-class Backends:
-    """Every backend, and the choices between them."""
+#: Routing policies: ``kv`` (longest prefix sent there before, then least loaded), ``least-loaded``,
+#: ``round-robin`` (for comparisons: ``scripts/bench_router.py``).
+POLICIES = ("kv", "least-loaded", "round-robin")
 
-    def __init__(self, decode: Sequence[str], prefill: Sequence[str] = ()) -> None:
+
+class Backends:
+    """Every backend, and the choices between them (``policy``: one of :data:`POLICIES`)."""
+
+    def __init__(self, decode: Sequence[str], prefill: Sequence[str] = (), policy: str = "kv") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self._turn = 0
         self.all: dict[str, Backend] = {}
         for url in decode:
             self.all.setdefault(url, Backend(url))
@@ -117,6 +126,11 @@ class Backends:
         cands = [b for b in self.usable(prefill=prefill) if b is not avoid]
         if not cands:
             return None
+        if self.policy == "round-robin":
+            self._turn += 1
+            return cands[self._turn % len(cands)]
+        if self.policy == "least-loaded":
+            return min(cands, key=lambda b: b.in_flight)
         return max(cands, key=lambda b: (b.held(keys), -b.in_flight))
 
     async def check(self, client: Any, backend: Backend, timeout: float) -> bool:

@@ -167,11 +167,17 @@ class Flight:
         self.max_tokens: int | None = limit if limit is not None else body.get("max_tokens")
         self._keys = prompt_keys(body, router.config.chunk_tokens)
         self._interrupt: _Interrupt | None = None
+        self._moving = False  # a move's destination has not sent its first token yet
         self._reader: asyncio.Task[None] | None = None
         self._last_token_at = 0.0
         self._failovers = 0
 
     # ── what the server and the control endpoints read ───────────────────────
+
+    @property
+    def keys(self) -> list[str]:
+        """The prefix keys of its prompt (what KV-aware routing compares)."""
+        return self._keys
 
     def describe(self) -> dict[str, Any]:
         """The request as ``GET /hurray/requests`` lists it."""
@@ -293,12 +299,21 @@ class Flight:
             raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
         if self.finished:
             raise RouterError(409, f"request {self.id} has finished")
-        if self._interrupt is not None:
+        if self._interrupt is not None or self._moving:
             raise RouterError(409, f"request {self.id} is being moved already")
         if self.backend is to:
             raise RouterError(409, f"request {self.id} runs on {to.url} already")
         if self.prompt_ids is None or self._reader is None or not self.legs:
             raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
+        self._moving = True  # until the destination's first token (or the move's failure)
+        try:
+            await self._prewarm(to, timeout)
+        except BaseException:
+            self._moving = False
+            raise
+        if self.finished or self._reader is None or self._reader.done():
+            self._moving = False
+            raise RouterError(409, f"request {self.id} has finished")
         done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._interrupt = _Interrupt("move", to, why, done)
         self._reader.cancel()
@@ -306,6 +321,35 @@ class Flight:
             return await asyncio.wait_for(asyncio.shield(done), timeout)
         except TimeoutError:
             raise RouterError(504, f"request {self.id} did not start on {to.url} within {timeout:.0f} s") from None
+
+    async def _prewarm(self, to: Backend, timeout: float) -> None:
+        """Have ``to`` load the request's KV into its own cache while the source still decodes.
+
+        A one-token completion of the tokens so far, announcing the source's
+        chunks (``hurray_saved_tokens``): the destination loads them, waiting
+        for pushes still on their way, and keeps them in its prefix cache.
+        The continuation after the switch then finds them there and loads or
+        computes only what came since: the pause does not grow with the
+        context. Its token is discarded. A failure costs only the warm-up.
+        """
+        import httpx
+
+        assert self.prompt_ids is not None
+        ids = self.prompt_ids + self.generated
+        body: dict[str, Any] = {
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"hurray_saved_tokens": len(ids) - 1},
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        try:
+            r = await self.router.client.post(to.base + "/v1/completions", json=body, timeout=timeout)
+            if r.status_code != 200:
+                log.warning("router: warming %s up for %s answered %d", to.url, self.id, r.status_code)
+        except httpx.HTTPError as exc:
+            log.warning("router: warming %s up for %s failed: %s", to.url, self.id, exc)
 
     def fail_over(self) -> None:
         """Its backend was found dead (health checks): continue elsewhere now, not at the next read."""
@@ -345,7 +389,7 @@ class Flight:
                         continue
                     if pending is not None and delta.token_ids:
                         self._answer(pending, source)
-                        pending = None
+                        pending, self._moving = None, False
                     if delta.finish_reason is not None and phase == "prefill" and self._more_to_decode(delta):
                         delta.finish_reason = None  # the prefill's one token: decoding goes on elsewhere
                         yield delta
@@ -378,6 +422,7 @@ class Flight:
                         self.finished = True
                         return
                     source, pending, interrupt.since = self.backend, interrupt, self._last_token_at
+                    self._moving = True
                     why = interrupt.why
                     if kind == "error" and source is not None:  # the source broke as it was left: announce nothing
                         backends.mark_down(source)
@@ -390,7 +435,7 @@ class Flight:
                 if pending is not None:
                     # The destination of a move failed before its first token: answer the move, resume on the source.
                     self._refuse(pending, 502, f"{pending.to.url if pending.to else '?'} could not take it: {exc}")
-                    pending = None
+                    pending, self._moving = None, False
                     if source is not None and source.healthy:
                         self._start_leg(source, "resumed", q, space)
                         continue

@@ -42,6 +42,7 @@ class RouterConfig:
         connect_timeout: seconds to open a connection to a backend.
         stream_timeout: seconds a backend may stay silent within a stream
             before its request is continued elsewhere.
+        policy: how a new request picks its backend (:data:`~.backends.POLICIES`).
     """
 
     backends: tuple[str, ...]
@@ -50,6 +51,7 @@ class RouterConfig:
     health_interval: float = 2.0
     connect_timeout: float = 10.0
     stream_timeout: float = 600.0
+    policy: str = "kv"
 
 
 class Router:
@@ -57,7 +59,7 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.backends = Backends(config.backends, config.prefill)
+        self.backends = Backends(config.backends, config.prefill, config.policy)
         self.metrics = Metrics()
         self.flights: dict[str, Flight] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
@@ -150,7 +152,7 @@ class Router:
         failed: list[dict[str, Any]] = []
 
         async def move(f: Flight) -> None:
-            dest = self.backends.pick(f._keys, avoid=b)
+            dest = self.backends.pick(f.keys, avoid=b)
             if dest is None:
                 failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
                 return
@@ -386,10 +388,7 @@ def build_app(config: RouterConfig) -> Any:
         return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media)
 
     async def generate(request: Request, kind: str) -> Any:
-        try:
-            body = await json_body(request)
-        except RouterError as exc:
-            return fail(exc.status, exc.message)
+        body = await json_body(request)
         why = movable(kind, body)
         if why is not None:
             return await passthrough(kind, body, why)
@@ -461,32 +460,25 @@ def build_app(config: RouterConfig) -> Any:
 
     @app.post("/hurray/migrate")
     async def migrate(request: Request) -> Any:
-        try:
-            body = await json_body(request)
-            if "id" not in body or "to" not in body:
-                raise RouterError(400, 'expected {"id": ..., "to": URL}')
-            t0 = time.monotonic()
-            out = await router.migrate(body["id"], body["to"])
-            out["took_ms"] = round((time.monotonic() - t0) * 1e3, 3)
-            return JSONResponse(out)
-        except RouterError as exc:
-            return fail(exc.status, exc.message)
+        body = await json_body(request)
+        if "id" not in body or "to" not in body:
+            raise RouterError(400, 'expected {"id": ..., "to": URL}')
+        t0 = time.monotonic()
+        out = await router.migrate(body["id"], body["to"])
+        out["took_ms"] = round((time.monotonic() - t0) * 1e3, 3)
+        return JSONResponse(out)
 
     @app.post("/hurray/drain")
     async def drain(request: Request) -> Any:
-        try:
-            body = await json_body(request)
-            return JSONResponse(await router.drain(body.get("backend")))
-        except RouterError as exc:
-            return fail(exc.status, exc.message)
+        return JSONResponse(await router.drain((await json_body(request)).get("backend")))
 
     @app.post("/hurray/undrain")
     async def undrain(request: Request) -> Any:
-        try:
-            body = await json_body(request)
-            return JSONResponse(router.undrain(body.get("backend")))
-        except RouterError as exc:
-            return fail(exc.status, exc.message)
+        return JSONResponse(router.undrain((await json_body(request)).get("backend")))
+
+    @app.exception_handler(RouterError)
+    async def refused(request: Request, exc: RouterError) -> Any:
+        return fail(exc.status, exc.message)
 
     return app
 

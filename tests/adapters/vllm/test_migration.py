@@ -121,4 +121,4 @@ def test_a_stream_moved_by_the_router_over_pushes_equals_the_unmoved_run(servers
                if f["id"] in got["ids"]]  # fmt: skip
     moved_at = last["legs"][1]["start_token"]
     # Every whole chunk of prompt + generated tokens but the last token reached B while A decoded.
-    assert last["legs"][1]["cached_tokens"] == (300 + moved_at - 1) // 64 * 64 >= 320
+    assert last["legs"][1]["cached_tokens"] >= (300 + moved_at - 1) // 64 * 64 >= 320
