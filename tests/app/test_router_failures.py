@@ -1,0 +1,108 @@
+"""The router's failure paths, against stand-in OpenAI servers (``tests/fake_openai_server.py``) in processes.
+
+Real engines (``test_router.py``) cover migration, drain, failover and the
+P/D split end to end; these cover what an engine cannot be made to do on
+cue: a destination that refuses a moved request, a control request for a
+finished one, a client that goes away. The stand-in's tokens follow from the
+whole context, so a stream continued anywhere goes on exactly as it would have.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from conftest import require
+from fake_openai_server import next_token
+from servers import ROOT, ServerSpec, router_spec, start_servers, stop_servers, stream_completion
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        out.append(next_token(ctx))
+        ctx.append(out[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    require("fastapi")
+    require("httpx")
+    tmp = tmp_path_factory.mktemp("router-fakes")
+
+    def specs(port: Callable[[], int]) -> list[ServerSpec]:
+        a, b = port(), port()
+        fake = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")]
+        urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"]
+        return [
+            ServerSpec("fake-a", [*fake, str(a)], a),
+            ServerSpec("fake-b", [*fake, str(b), "--refuse-continuations"], b),
+            router_spec("router", port(), urls),
+        ]
+
+    servers = start_servers(specs, tmp / "logs")
+    a, b, router = servers
+    try:
+        yield {"a": a.url, "b": b.url, "router": router.url}
+    finally:
+        stop_servers(servers)
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    import httpx
+
+    return httpx.post(url, json=body, timeout=60)
+
+
+def test_a_refused_move_is_answered_502_and_the_stream_goes_on_where_it_was(fakes: dict[str, str]) -> None:
+    import httpx
+
+    prompt = list(range(1, 40))
+    answer: dict[str, Any] = {}
+
+    def on_tokens(tokens: list[int]) -> None:
+        if len(tokens) >= 10 and not answer:
+            (flight,) = httpx.get(fakes["router"] + "/hurray/requests", timeout=30).json()["requests"]
+            assert flight["backend"] == fakes["a"]
+            r = _post(fakes["router"] + "/hurray/migrate", {"id": flight["id"], "to": fakes["b"]})
+            answer.update(r.json(), status=r.status_code)
+
+    got = stream_completion(fakes["router"], {"model": "fake", "prompt": prompt, "max_tokens": 60}, on_tokens)
+    assert answer["status"] == 502 and "could not take it" in answer["error"]["message"], answer
+    assert got["token_ids"] == _expected(prompt, 60) and len(got["ids"]) == 1
+    (last,) = [f for f in httpx.get(fakes["router"] + "/hurray/requests?recent=true", timeout=30).json()["recent"]
+               if f["id"] in got["ids"]]  # fmt: skip
+    assert [leg["why"] for leg in last["legs"]] == ["routed", "migrated", "resumed"]
+    assert [leg["backend"] for leg in last["legs"]] == [fakes["a"], fakes["b"], fakes["a"]]
+    assert 'hurray_router_migrations_total{result="failed"} 1' in httpx.get(fakes["router"] + "/metrics").text
+
+
+def test_moving_a_finished_or_unknown_request_says_so(fakes: dict[str, str]) -> None:
+    import httpx
+
+    got = stream_completion(fakes["router"], {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 5})
+    (rid,) = got["ids"]
+    r = _post(fakes["router"] + "/hurray/migrate", {"id": rid, "to": fakes["b"]})
+    assert r.status_code == 404  # finished requests are no longer in flight
+    assert _post(fakes["router"] + "/hurray/migrate", {"id": rid, "to": "http://nowhere:1"}).status_code == 404
+    bad = httpx.post(fakes["router"] + "/hurray/drain", content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+
+
+def test_a_client_that_goes_away_ends_its_upstream_stream(fakes: dict[str, str]) -> None:
+    import time
+
+    import httpx
+
+    body = {"model": "fake", "prompt": [4, 5, 6], "max_tokens": 1000, "stream": True}  # 10 s of tokens
+    with httpx.stream("POST", fakes["router"] + "/v1/completions", json=body, timeout=60) as r:
+        for _ in r.iter_lines():
+            break  # one event, then hang up
+    deadline = time.monotonic() + 3
+    while httpx.get(fakes["router"] + "/hurray/requests", timeout=30).json()["requests"]:
+        assert time.monotonic() < deadline, "the request stayed in flight after its client left"
+        time.sleep(0.05)
+    assert httpx.get(fakes["router"] + "/health", timeout=30).json()["backends"][fakes["a"]]["in_flight"] == 0

@@ -1,0 +1,88 @@
+"""A stand-in for a vLLM OpenAI server, for the router's failure paths that real engines cannot be made to take.
+
+Usage: python fake_openai_server.py PORT [--refuse-continuations] [--delay S]
+
+``/v1/completions`` (token-id prompts, streamed or not, ``return_token_ids``,
+``stream_options.include_usage``) generates a deterministic "greedy" token
+from the whole context: ``next = (31 * sum(context) + len(context)) % 500``,
+so a request continued anywhere, from any prefix, goes on exactly as it
+would have. ``--refuse-continuations`` answers 503 to any request carrying
+``kv_transfer_params`` (a destination that cannot take a moved request).
+``/health`` and ``/v1/models`` answer as vLLM's do.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads ``request: Request`` at run time.
+import asyncio
+import json
+import sys
+from typing import Any
+
+
+def next_token(context: list[int]) -> int:
+    return (31 * sum(context) + len(context)) % 500
+
+
+def main() -> None:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    port = int(sys.argv[1])
+    refuse = "--refuse-continuations" in sys.argv
+    delay = float(sys.argv[sys.argv.index("--delay") + 1]) if "--delay" in sys.argv else 0.01
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Any:
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        if refuse and body.get("kv_transfer_params"):
+            return JSONResponse({"error": {"message": "refusing continuations"}}, status_code=503)
+        prompt = list(body["prompt"])
+        n = int(body.get("max_tokens") or 16)
+
+        def tokens() -> list[int]:
+            ctx, out = list(prompt), []
+            for _ in range(n):
+                t = next_token(ctx)
+                out.append(t)
+                ctx.append(t)
+            return out
+
+        if not body.get("stream"):
+            toks = tokens()
+            choice = {"index": 0, "text": " ".join(f"w{t}" for t in toks), "finish_reason": "length", "token_ids": toks}
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+            return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "choices": [choice], "usage": usage})
+
+        async def events() -> Any:
+            for i, t in enumerate(tokens()):
+                await asyncio.sleep(delay)
+                choice = {
+                    "index": 0,
+                    "text": f" w{t}",
+                    "token_ids": [t],
+                    "finish_reason": "length" if i == n - 1 else None,
+                }
+                if i == 0:
+                    choice["prompt_token_ids"] = prompt
+                yield f"data: {json.dumps({'id': 'cmpl-fake', 'object': 'text_completion', 'choices': [choice]})}\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+                yield f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
