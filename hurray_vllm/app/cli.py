@@ -364,7 +364,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm router`` until SIGINT/SIGTERM; returns 0."""
     try:
         from .router import RouterConfig, serve
-    except ImportError as exc:  # FastAPI, uvicorn or httpx missing (all come with vLLM)
+    except ImportError as exc:  # FastAPI, uvicorn or aiohttp missing (all come with vLLM)
         raise HurrayArgumentError("router", f"{exc}; install them with: pip install 'hurray-vllm[router]'") from None
 
     if args.chunk_tokens < 1 or args.health_interval <= 0:

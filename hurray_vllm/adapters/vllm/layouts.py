@@ -329,7 +329,8 @@ class CpuPacked:
                 )
         if m == 0:
             return
-        if int(ids.min()) < 0 or int(ids.max()) >= b:
+        lo, hi = (int(x) for x in torch.aminmax(ids))  # one pass: this runs per layer, role and slice of a load
+        if lo < 0 or hi >= b:
             raise HurrayFormatError("block_ids", f"block ids must lie in [0, {b}) for this cache")
         keys, values = keys.contiguous(), values.contiguous()
         if self._scatter_native(cache, ids, keys, values):

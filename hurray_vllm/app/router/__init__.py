@@ -25,7 +25,7 @@ Example:
     256
 
 Run it with ``hurray-vllm router --listen 0.0.0.0:9000 --backend URL ...``
-(``docs/router.md``). Needs FastAPI, uvicorn and httpx (in every vLLM
+(``docs/router.md``). Needs FastAPI, uvicorn and aiohttp (in every vLLM
 environment; ``pip install hurray-vllm[router]`` otherwise).
 """
 

@@ -135,9 +135,11 @@ class Backends:
 
     async def check(self, client: Any, backend: Backend, timeout: float) -> bool:
         """One health check: ``GET /health`` answers 200."""
+        import aiohttp
+
         try:
-            r = await client.get(f"{backend.base}/health", timeout=timeout)
-            return bool(r.status_code == 200)
+            async with client.get(f"{backend.base}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return bool(r.status == 200)
         except Exception:  # any failure to answer is unhealthy
             return False
 

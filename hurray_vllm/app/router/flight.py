@@ -37,7 +37,7 @@ from .backends import Backend, prompt_keys
 if TYPE_CHECKING:
     from .server import Router
 
-__all__ = ["Delta", "Flight", "Leg", "RouterError", "UpstreamError", "movable"]
+__all__ = ["Delta", "Flight", "Leg", "RouterError", "UpstreamError", "movable", "sse_data"]
 
 log = logging.getLogger("hurray_vllm.router")
 
@@ -103,6 +103,32 @@ class _Interrupt:
     why: str = "migrated"
     done: asyncio.Future[dict[str, Any]] | None = None
     since: float = 0.0  # when the source's last token arrived (the pause starts there)
+
+
+#: The largest server-sent event the router reads (a first event carries the prompt's token ids: ~6 bytes each).
+MAX_EVENT_BYTES = 16 << 20
+
+
+async def sse_data(response: Any, where: str) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of an ``aiohttp`` response's event stream, as they arrive.
+
+    Raises:
+        UpstreamError: an event longer than :data:`MAX_EVENT_BYTES`.
+    """
+    buf = b""
+    async for chunk in response.content.iter_any():
+        buf += chunk
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            line = buf[start:end]
+            start = end + 1
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+        buf = buf[start:]
+        if len(buf) > MAX_EVENT_BYTES:
+            raise UpstreamError(f"{where} sent an event of more than {MAX_EVENT_BYTES} bytes")
+    if buf.startswith(b"data:"):
+        yield buf[5:].strip()
 
 
 def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int] | None]:
@@ -227,29 +253,25 @@ class Flight:
 
     async def _upstream(self, backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The leg's SSE events, parsed; :class:`UpstreamError` when it cannot start or breaks off."""
-        import httpx
+        import aiohttp
 
-        client: httpx.AsyncClient = self.router.client
         try:
-            async with client.stream("POST", backend.base + path, json=body) as r:
-                if r.status_code != 200:
-                    raw = await r.aread()
+            async with self.router.client.post(backend.base + path, json=body) as r:
+                if r.status != 200:
+                    raw = await r.read()
                     try:
                         payload = json.loads(raw)
                     except ValueError:
                         payload = {"error": {"message": raw.decode(errors="replace")[:2000]}}
-                    raise UpstreamError(f"{backend.url} answered HTTP {r.status_code}", r.status_code, payload)
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    raise UpstreamError(f"{backend.url} answered HTTP {r.status}", r.status, payload)
+                async for data in sse_data(r, backend.url):
+                    if data == b"[DONE]":
                         return
                     try:
                         yield json.loads(data)
                     except ValueError:
                         raise UpstreamError(f"{backend.url} sent a malformed event: {data[:200]!r}") from None
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"{backend.url}: {type(exc).__name__}: {exc}") from exc
 
     async def _read(
@@ -332,7 +354,7 @@ class Flight:
         computes only what came since: the pause does not grow with the
         context. Its token is discarded. A failure costs only the warm-up.
         """
-        import httpx
+        import aiohttp
 
         assert self.prompt_ids is not None
         ids = self.prompt_ids + self.generated
@@ -344,11 +366,13 @@ class Flight:
         }
         if self.model is not None:
             body["model"] = self.model
+        limit = aiohttp.ClientTimeout(total=timeout)
         try:
-            r = await self.router.client.post(to.base + "/v1/completions", json=body, timeout=timeout)
-            if r.status_code != 200:
-                log.warning("router: warming %s up for %s answered %d", to.url, self.id, r.status_code)
-        except httpx.HTTPError as exc:
+            async with self.router.client.post(to.base + "/v1/completions", json=body, timeout=limit) as r:
+                await r.read()
+                if r.status != 200:
+                    log.warning("router: warming %s up for %s answered %d", to.url, self.id, r.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("router: warming %s up for %s failed: %s", to.url, self.id, exc)
 
     def fail_over(self) -> None:
