@@ -45,6 +45,9 @@ log = logging.getLogger("hurray_vllm.router")
 BUFFERED_EVENTS = 64
 #: How many times one request is continued after its backend failed.
 MAX_FAILOVERS = 3
+#: At most this many warm-ups of a move's destination, while the source generated more than WARMUP_SLACK
+#: tokens during the last one.
+WARMUPS, WARMUP_SLACK = 3, 8
 #: Sampling fields a chat request shares with ``/v1/completions`` (what its continuations carry over).
 _SAMPLING = (
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -82,6 +85,7 @@ class Delta:
     stop_reason: Any = None
     logprobs: Any = None
     usage: dict[str, Any] | None = None  # the leg's usage chunk (no choice)
+    received: float = 0.0  # time.perf_counter() when the router read it (its latency through the router)
 
 
 @dataclass
@@ -283,6 +287,7 @@ class Flight:
             async for event in self._upstream(backend, path, body):
                 await space.acquire()
                 delta, prompt = _upstream_delta(event, chat)
+                delta.received = time.perf_counter()
                 if prompt is not None and self.prompt_ids is None:
                     self.prompt_ids = prompt
                 if delta.token_ids:
@@ -329,7 +334,13 @@ class Flight:
             raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
         self._moving = True  # until the destination's first token (or the move's failure)
         try:
-            await self._prewarm(to, timeout)
+            # Warm up again while a warm-up took long enough for the source to generate more than a few
+            # tokens (a long context): what the destination must catch up on at the switch stays small.
+            for _ in range(WARMUPS):
+                before = len(self.generated)
+                await self._prewarm(to, timeout)
+                if len(self.generated) - before <= WARMUP_SLACK or self.finished:
+                    break
         except BaseException:
             self._moving = False
             raise

@@ -9,10 +9,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Histogram", "Metrics", "PAUSE_BUCKETS_S"]
+__all__ = ["Histogram", "Metrics", "PAUSE_BUCKETS_S", "RELAY_BUCKETS_S"]
 
 #: Migration pauses (seconds) worth telling apart: a decode step of a small model to a recompute of 16k tokens.
 PAUSE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: A streamed token's time in the router (read from the backend to written to the client), in seconds.
+RELAY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
 class Histogram:
@@ -31,6 +33,17 @@ class Histogram:
                 self.counts[i] += 1
         self.total += value
         self.count += 1
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile, interpolated within its bucket as Prometheus' ``histogram_quantile`` does."""
+        if not self.count:
+            return None
+        rank, below, lower = q * self.count, 0, 0.0
+        for edge, n in zip(self.buckets, self.counts):
+            if n >= rank:
+                return lower + (edge - lower) * (rank - below) / max(n - below, 1)
+            below, lower = n, edge
+        return self.buckets[-1]
 
     def lines(self, name: str) -> Iterable[str]:
         """The histogram's sample lines."""
@@ -54,6 +67,9 @@ class Metrics:
         failovers: requests continued elsewhere after their backend failed.
         pauses: the client-visible pause of each migration (the source's last
             token to the destination's first), in seconds.
+        relay: each streamed event's time in the router (read from its
+            backend to written to its client), in seconds: the latency the
+            router adds to every token.
     """
 
     def __init__(self) -> None:
@@ -62,6 +78,7 @@ class Metrics:
         self.migrations: dict[str, int] = {"ok": 0, "failed": 0}
         self.failovers = 0
         self.pauses = Histogram(PAUSE_BUCKETS_S)
+        self.relay = Histogram(RELAY_BUCKETS_S)
 
     def routed(self, backend: str) -> None:
         """Count a request sent to ``backend``."""
@@ -74,6 +91,11 @@ class Metrics:
             self.migrations["ok" if ok else "failed"] += 1
             if ok and pause_s is not None:
                 self.pauses.observe(pause_s)
+
+    def relayed(self, seconds: float) -> None:
+        """Count one streamed event's time in the router."""
+        with self._lock:
+            self.relay.observe(seconds)
 
     def failed_over(self) -> None:
         """Count a request continued on another backend after its own failed."""
@@ -105,5 +127,8 @@ class Metrics:
                 "# HELP hurray_router_migration_pause_seconds The source's last token to the destination's first.",
                 "# TYPE hurray_router_migration_pause_seconds histogram",
                 *self.pauses.lines("hurray_router_migration_pause_seconds"),
+                "# HELP hurray_router_relay_seconds A streamed event's time in the router, backend to client.",
+                "# TYPE hurray_router_relay_seconds histogram",
+                *self.relay.lines("hurray_router_relay_seconds"),
             ]
         return "\n".join(out) + "\n"

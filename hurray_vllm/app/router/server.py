@@ -233,6 +233,8 @@ async def _sse(
             d = pending.pop() if pending else await deltas.__anext__()
             yield f"data: {json.dumps(_chunk(f, d, not sent))}\n\n".encode()
             sent = True
+            if d.token_ids and d.received:  # resumed once the server wrote it: the router's share of its latency
+                router.metrics.relayed(time.perf_counter() - d.received)
     except StopAsyncIteration:
         if (f.body.get("stream_options") or {}).get("include_usage"):
             obj = "chat.completion.chunk" if f.kind == "chat" else "text_completion"
