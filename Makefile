@@ -56,6 +56,8 @@ bench: install
 	$(BIN)/python scripts/bench_connector.py
 	$(BIN)/python scripts/bench_transport.py
 	$(BIN)/python scripts/bench_nixl_floor.py
+	$(BIN)/python scripts/bench_tp.py
+	$(BIN)/python scripts/bench_router.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
