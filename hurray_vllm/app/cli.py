@@ -277,7 +277,18 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from ..transport import receiver_for
 
     host, port = args.listen
-    receiver = receiver_for(args.transport, host, port, DirectoryStore(args.dir)).start()
+    limits = {
+        "timeout": args.timeout,
+        "idle_timeout": args.idle_timeout,
+        "max_chunk_bytes": args.max_chunk,
+        "max_connections": args.max_connections,
+        "quota_bytes": args.quota,
+        "min_free_bytes": args.min_free,
+    }
+    try:
+        receiver = receiver_for(args.transport, host, port, DirectoryStore(args.dir), **limits).start()
+    except ValueError as exc:  # a limit out of range
+        raise HurrayArgumentError("receive", str(exc)) from None
     if not args.quiet:
         where = f"{receiver.address[0]}:{receiver.address[1]}"
         print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
@@ -486,6 +497,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="tcp (senders use tcp://HOST:PORT) or nixl (nixl://HOST:PORT; needs hurray-vllm[nixl])",
     )
     s.add_argument("--dir", required=True, help="chunk store directory (a HurrayConnector's hurray_path)")
+    s.add_argument(
+        "--quota",
+        type=_size,
+        default=None,
+        help="most bytes the store may hold (500M, 20G, ...): a chunk beyond it is refused before it is read",
+    )
+    s.add_argument(
+        "--min-free", type=_size, default=0, help="free disk space every chunk must leave (e.g. 10G; default 0)"
+    )
+    s.add_argument("--max-connections", type=int, default=64, help="connections served at once (default 64)")
+    s.add_argument(
+        "--max-chunk", type=_size, default=4 << 30, help="largest chunk accepted (default 4G: a frame announcing more "
+        "is refused unread)"
+    )  # fmt: skip
+    s.add_argument("--timeout", type=float, default=60.0, help="seconds one chunk may take to arrive (default 60)")
+    s.add_argument(
+        "--idle-timeout", type=float, default=120.0, help="seconds a connection may stay silent between chunks"
+    )
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_receive)
 

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 import re
+import shutil
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
@@ -67,6 +70,10 @@ MAX_CHUNK_BYTES = 4 << 30
 DEFAULT_TIMEOUT_S = 60.0
 #: How long a receiver keeps an open connection that sends nothing between chunks.
 DEFAULT_IDLE_TIMEOUT_S = 120.0
+#: How many connections a receiver serves at once (each holds a thread and, over NIXL, buffers).
+DEFAULT_MAX_CONNECTIONS = 64
+#: How long a receiver trusts its count of the store's bytes before measuring the disk again.
+_USAGE_TTL_S = 5.0
 _MAX_MESSAGE = 1000
 
 U16, U32, U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
@@ -150,6 +157,12 @@ def send_error(conn: socket.socket, exc: BaseException) -> bool:
         return False
 
 
+def _refuse_connection(conn: socket.socket, exc: BaseException) -> None:
+    """Answer a connection the receiver will not serve with ``ER``, then close it."""
+    with conn:
+        finish_with_error(conn, exc)
+
+
 def read_message(sock: socket.socket) -> str:
     """The message after an ``b"ER"`` (or a placeholder when the peer does not send one)."""
     try:
@@ -219,6 +232,13 @@ class ReceiverBase(abc.ABC):
         timeout: How long one step of a chunk may take, in seconds.
         idle_timeout: How long a connection may stay silent between chunks.
         max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL).
+        max_connections: How many connections are served at once; one more is
+            answered ``ER`` and closed.
+        quota_bytes: The most bytes the store (a directory) may hold: a chunk
+            that would take it beyond is refused before its payload is read.
+            ``None``: no quota.
+        min_free_bytes: The free disk space a chunk must leave on the store's
+            filesystem, likewise (0: none).
 
     Example:
         >>> from hurray_vllm.chunks.store import DirectoryStore
@@ -239,13 +259,27 @@ class ReceiverBase(abc.ABC):
         timeout: float = DEFAULT_TIMEOUT_S,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        quota_bytes: int | None = None,
+        min_free_bytes: int = 0,
     ) -> None:
         if timeout <= 0 or idle_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got timeout={timeout}, idle_timeout={idle_timeout}")
+        if max_connections < 1 or max_chunk_bytes < 1 or min_free_bytes < 0 or (quota_bytes or 0) < 0:
+            raise ValueError(
+                f"limits must be positive, got max_connections={max_connections}, max_chunk_bytes="
+                f"{max_chunk_bytes}, quota_bytes={quota_bytes}, min_free_bytes={min_free_bytes}"
+            )
         self.store = store
         self.timeout = timeout
         self.idle_timeout = idle_timeout
         self.max_chunk_bytes = max_chunk_bytes
+        self.max_connections = max_connections
+        self.quota_bytes = quota_bytes
+        self.min_free_bytes = min_free_bytes
+        self._disk = threading.Lock()  # the store's measured bytes and the bytes promised to chunks in flight
+        self._used: tuple[float, int] | None = None  # (when measured, bytes)
+        self._promised = 0
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
@@ -292,8 +326,67 @@ class ReceiverBase(abc.ABC):
                 self.refused += 1
                 self.last_error = err
 
-    def put(self, ns: str, key: str, snap: KVSnapshot) -> None:
-        """Store a chunk whose bytes matched its digest, once it holds the KV heads its key names.
+    def admit(self, nbytes: int) -> None:
+        """Promise room for a chunk of ``nbytes`` before its payload is read, or refuse it.
+
+        Every admitted chunk must be :meth:`settle`-d once it is stored or
+        dropped. Only a directory store (one with a ``root``) has a disk to
+        measure; other stores take the quota and floor as unset.
+
+        Raises:
+            HurrayFormatError: the chunk would take the store beyond ``quota_bytes``
+                (field ``receiver.quota``) or leave less than ``min_free_bytes`` free
+                (``receiver.min_free``). Nothing of it is written.
+        """
+        root = getattr(self.store, "root", None)
+        if root is None or (self.quota_bytes is None and not self.min_free_bytes):
+            return
+        with self._disk:
+            if self.quota_bytes is not None:
+                used = self._usage(root, fresh=False)
+                if used + self._promised + nbytes > self.quota_bytes:
+                    used = self._usage(root, fresh=True)  # pruned meanwhile, maybe
+                if used + self._promised + nbytes > self.quota_bytes:
+                    raise HurrayFormatError(
+                        "receiver.quota",
+                        f"a chunk of {nbytes} bytes would take the store to {used + self._promised + nbytes} bytes, "
+                        f"beyond its quota of {self.quota_bytes}: prune it (hurray-vllm prune) or raise --quota",
+                    )
+            if self.min_free_bytes:
+                free = shutil.disk_usage(root).free - self._promised
+                if free - nbytes < self.min_free_bytes:
+                    raise HurrayFormatError(
+                        "receiver.min_free",
+                        f"a chunk of {nbytes} bytes would leave {free - nbytes} bytes free on the store's disk, "
+                        f"less than the floor of {self.min_free_bytes}",
+                    )
+            self._promised += nbytes
+
+    def settle(self, nbytes: int, stored_bytes: int) -> None:
+        """Release the room :meth:`admit` promised for ``nbytes``; ``stored_bytes`` (:meth:`put`'s) count as used."""
+        if getattr(self.store, "root", None) is None or (self.quota_bytes is None and not self.min_free_bytes):
+            return
+        with self._disk:
+            self._promised -= nbytes
+            if self._used is not None:
+                self._used = (self._used[0], self._used[1] + stored_bytes)
+
+    def _usage(self, root: Any, *, fresh: bool) -> int:
+        """The bytes of every file in the store (measured again when older than a few seconds, or ``fresh``)."""
+        now = time.monotonic()
+        if fresh or self._used is None or now - self._used[0] > _USAGE_TTL_S:
+            total = 0
+            for dirpath, _dirs, files in os.walk(root):
+                for name in files:
+                    try:
+                        total += os.stat(os.path.join(dirpath, name), follow_symlinks=False).st_size
+                    except OSError:  # gone meanwhile (pruned, renamed)
+                        continue
+            self._used = (now, total)
+        return self._used[1]
+
+    def put(self, ns: str, key: str, snap: KVSnapshot) -> int:
+        """Store a chunk whose bytes matched its digest, once it holds the KV heads its key names; its bytes on disk.
 
         Every channel stores through here: a slice under a whole chunk's key
         (or another slice's) would be loaded for heads it does not hold.
@@ -303,6 +396,11 @@ class ReceiverBase(abc.ABC):
         """
         check_heads(snap, check_names(ns, key))
         self.store.put(ns, key, snap)
+        path = getattr(self.store, "path", None)  # a directory store: what the file takes on disk
+        try:
+            return int(os.stat(path(ns, key)).st_size) if path is not None else 0
+        except OSError:
+            return 0
 
     def next_frame(self, conn: socket.socket, magic: bytes) -> bool:
         """Wait (up to ``idle_timeout``) for the next frame's magic; False when the peer closed cleanly.
@@ -331,6 +429,14 @@ class ReceiverBase(abc.ABC):
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            with self._mu:
+                full = len(self._conns) >= self.max_connections
+            if full:
+                exc = HurrayFormatError("receiver.connections", f"more than {self.max_connections} connections")
+                self.count(False, str(exc))
+                log.warning("hurray %s receiver: refusing a connection: %s", self.transport, exc)
+                threading.Thread(target=_refuse_connection, args=(conn, exc), daemon=True).start()
+                continue
             threading.Thread(
                 target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
             ).start()

@@ -155,27 +155,34 @@ class Receiver(ReceiverBase):
     def _chunk(self, conn: socket.socket, ns: str, key: str, length: int) -> bool:
         """Receive, check and store one chunk's stream; False when the connection must be closed."""
         body = _Limited(conn, length)
+        admitted, stored = False, 0
         try:
             check_names(ns, key)
             if length > self.max_chunk_bytes:
                 raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
+            self.admit(length)  # the store's quota and the disk's floor, before the payload is read
+            admitted = True
             snap = read_stream(io.BufferedReader(body))
             if not digest_matches(snap):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
-            self.put(ns, key, snap)
+            stored = self.put(ns, key, snap)
         except (HurrayFormatError, OSError) as exc:
             self.count(False, str(exc))
             log.warning("hurray receiver: refused chunk %s: %s", key, exc)
             try:
                 # The rest of a refused frame is skipped so the next one can be read; a frame
-                # longer than the limit is not worth reading: the connection closes instead.
-                if length > self.max_chunk_bytes:
+                # longer than the limit, or one there is no room for, is not worth reading: the
+                # connection closes instead.
+                if length > self.max_chunk_bytes or not admitted:
                     finish_with_error(conn, exc)
                     return False
                 body.drain()
             except (HurrayFormatError, OSError):
                 return False
             return send_error(conn, exc)
+        finally:
+            if admitted:
+                self.settle(length, stored)
         self.count(True)
         try:
             conn.sendall(b"OK")

@@ -162,9 +162,15 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["convert", "{file}", "{dir}/out.hrrs", "--page-size", "0"],
         ["receive", "--listen", "localhost", "--dir", "{dir}"],
         ["receive", "--listen", "127.0.0.1:99999", "--dir", "{dir}"],
+        ["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--quota", "lots"],
+        ["router", "--listen", "127.0.0.1:0", "--backend", "ftp://a:1"],
+        ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--policy", "random"],
     ],
-    ids=["size inf", "size 1e400", "size negative", "page 2^40", "page 0", "listen no port", "listen port range"],
-)
+    ids=[
+        "size inf", "size 1e400", "size negative", "page 2^40", "page 0", "listen no port", "listen port range",
+        "quota not a size", "backend not http", "unknown policy",
+    ],
+)  # fmt: skip
 def test_bad_options_are_refused_before_anything_runs(
     argv: list[str], files: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -174,6 +180,12 @@ def test_bad_options_are_refused_before_anything_runs(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
+
+
+def test_receiver_limits_out_of_range_are_one_line(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(files), "--max-connections", "0", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "max_connections=0" in err and "Traceback" not in err
 
 
 TOKENS = ["--after", "2", "--max-tokens", "4"]

@@ -232,3 +232,54 @@ def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_hea
     assert not list(store.root.rglob("ef*"))
     assert receiver.received == 2
     receiver.stop()
+
+
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_a_store_quota_or_free_disk_floor_refuses_a_chunk_before_it_is_read(channel: str, tmp_path: Path) -> None:
+    """Nothing of a refused chunk reaches the disk; the store takes chunks again once there is room."""
+    from conftest import require
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    ns, key, chunk = _chunk()
+    store = DirectoryStore(tmp_path / "store")
+    with transport.receiver_for(channel, "127.0.0.1", 0, store, quota_bytes=1 << 20).start() as r:
+        url = f"{channel}://127.0.0.1:{r.address[1]}"
+        transport.send_chunks(url, [(ns, key, chunk)])  # a few KiB: room for it
+        used = sum(p.stat().st_size for p in (tmp_path / "store").rglob("*") if p.is_file())
+        r.quota_bytes = used + 10  # not enough room for another
+        with pytest.raises(hv.HurrayFormatError, match="quota"):
+            transport.send_chunks(url, [(ns, "ab" * 8, chunk)])
+        assert not store.has(ns, "ab" * 8) and r.refused == 1 and "receiver.quota" in (r.last_error or "")
+        assert sorted(p.name for p in (tmp_path / "store").rglob("*") if p.is_file()) == [f"{key}.hrry"]
+        (tmp_path / "store" / ns / f"{key}.hrry").unlink()  # pruned: room again (measured afresh, not counted)
+        transport.send_chunks(url, [(ns, "ab" * 8, chunk)])
+        assert store.has(ns, "ab" * 8)
+    floor = DirectoryStore(tmp_path / "floor")
+    with transport.receiver_for(channel, "127.0.0.1", 0, floor, min_free_bytes=1 << 60).start() as r:
+        with pytest.raises(hv.HurrayFormatError, match="free"):
+            transport.send_chunks(f"{channel}://127.0.0.1:{r.address[1]}", [(ns, key, chunk)])
+        assert not (tmp_path / "floor").exists() or not any(p.is_file() for p in (tmp_path / "floor").rglob("*"))
+
+
+def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk()
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=1, idle_timeout=30) as r:
+        first = socket.create_connection(("127.0.0.1", r.address[1]), timeout=10)
+        try:
+            deadline = time.monotonic() + 10
+            while not r._conns:  # the first connection is being served
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(hv.HurrayFormatError, match="more than 1 connections"):
+                send_chunks(_url(r), [(ns, key, chunk)], timeout=10)
+        finally:
+            first.close()
+        deadline = time.monotonic() + 10
+        while r._conns:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        send_chunks(_url(r), [(ns, key, chunk)], timeout=10)  # served again once the first is gone
+        assert DirectoryStore(tmp_path).has(ns, key)
+    with pytest.raises(ValueError, match="max_connections=0"):
+        Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=0)

@@ -228,6 +228,8 @@ class NixlReceiver(ReceiverBase):
         max_arena_bytes: Registered receive memory for all chunks in flight.
         backend_params: UCX backend parameters handed to NIXL.
         progress_thread: Use NIXL's progress thread (it spins: one core busy).
+        **limits: ``max_connections``, ``quota_bytes``, ``min_free_bytes``, as
+            for every receiver (:class:`~hurray_vllm.transport.base.ReceiverBase`).
 
     Raises:
         NixlUnavailableError: NIXL is not installed.
@@ -248,10 +250,13 @@ class NixlReceiver(ReceiverBase):
         max_arena_bytes: int = DEFAULT_ARENA_BYTES,
         backend_params: dict[str, str] | None = None,
         progress_thread: bool = False,
+        **limits: Any,
     ) -> None:
         # The agent first: without NIXL nothing listens.
         self._agent = make_agent("recv", backend_params, progress_thread)
-        super().__init__(host, port, store, timeout=timeout, idle_timeout=idle_timeout, max_chunk_bytes=max_chunk_bytes)
+        super().__init__(
+            host, port, store, timeout=timeout, idle_timeout=idle_timeout, max_chunk_bytes=max_chunk_bytes, **limits
+        )
         self.name = str(self._agent.name)
         self.arena = _Arena(self._agent, max_arena_bytes, quarantine_s=max(2 * timeout, 5.0))
         self._notifs = _Notifs(self._agent)
@@ -303,9 +308,13 @@ class NixlReceiver(ReceiverBase):
         slab: _Slab | None = None
         xfer_id = secrets.randbits(63) + 1
         landed = True
+        promised = stored = 0
         try:
             offer = parse_offer(body, self.max_chunk_bytes)
             key = offer.key
+            # The store's quota and the disk's floor, before any page pool is written here.
+            self.admit(sum(offer.remote_sizes) + len(body))
+            promised = sum(offer.remote_sizes) + len(body)
             views: list[torch.Tensor] = []
             if offer.remote_sizes:
                 slab, views = self.arena.take(offer.remote_sizes)
@@ -341,7 +350,7 @@ class NixlReceiver(ReceiverBase):
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
-            self.put(offer.ns, key, snap)
+            stored = self.put(offer.ns, key, snap)
             del snap, records, views, plan
             self.count(True)
             try:
@@ -364,6 +373,8 @@ class NixlReceiver(ReceiverBase):
             send_error(conn, exc)
             return False
         finally:
+            if promised:
+                self.settle(promised, stored)
             self._notifs.forget(xfer_id)
             if slab is not None:
                 (self.arena.give if landed else self.arena.quarantine)(slab)

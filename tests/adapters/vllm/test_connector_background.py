@@ -271,6 +271,8 @@ def _vllm_config(
         ({"hurray_path": "/tmp/x", "hurray_verified_chunks": "lots"}, 1, "hurray_verified_chunks"),
         ({"hurray_path": "/tmp/x", "hurray_push_wait_s": "soon"}, 1, "hurray_push_wait_s"),
         ({"hurray_path": "/tmp/x", "hurray_push_wait_s": -1}, 1, "hurray_push_wait_s"),
+        ({"hurray_path": "/tmp/x", "hurray_listen_max_connections": 0}, 1, "hurray_listen_max_connections"),
+        ({"hurray_path": "/tmp/x", "hurray_listen_quota_mib": "big"}, 1, "hurray_listen_quota_mib"),
         ({"hurray_path": "/tmp/x"}, -2, "pipeline_parallel_size"),  # -2: pipeline parallelism 2
     ],
 )
@@ -301,6 +303,12 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
     assert (cfg.chunk_tokens, cfg.url, cfg.saves, cfg.loads) == (32, "tcp://h:1", True, False)
     assert cfg.url_channel == "tcp"
     assert cfg.save_async and cfg.push_wait_s == 5.0  # pushes run on the background writer too
+    assert cfg.listen_limits == {}  # the receiver's own defaults
+    limited = HurrayConfig.from_vllm(
+        _vllm_config({"hurray_path": "/x", "hurray_listen_quota_mib": 512, "hurray_listen_idle_timeout_s": 30}),
+        None,  # type: ignore[arg-type]
+    )
+    assert limited.listen_limits == {"quota_bytes": 512 << 20, "idle_timeout": 30.0}
     assert cfg.save_queue_bytes == 1024 << 20 and cfg.verified_chunks >= 64
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_tokens = 64  # type: ignore[misc]

@@ -99,6 +99,10 @@ class HurrayConfig:
     verified_chunks: int  # already bounded by verified_capacity()
     listen: str | None
     listen_transport: str
+    #: The hurray_listen receiver's limits (``hurray_listen_quota_mib``, ``hurray_listen_min_free_mib``,
+    #: ``hurray_listen_max_connections``, ``hurray_listen_timeout_s``, ``hurray_listen_idle_timeout_s``), as the
+    #: keyword arguments of :func:`~hurray_vllm.transport.receiver_for`; unset ones keep the receiver's defaults.
+    listen_limits: dict[str, Any] = field(default_factory=dict)
     #: Several KV cache groups or a sliding window (vLLM's hybrid KV cache manager): each attention
     #: layer's group and each group's window (``None``: full attention). Empty otherwise.
     layer_groups: dict[str, int] = field(default_factory=dict)
@@ -179,6 +183,19 @@ class HurrayConfig:
                 parse_listen(str(listen))
             except HurrayFormatError as exc:
                 raise HurrayArgumentError("hurray_listen", str(exc)) from exc
+        limits: dict[str, Any] = {}
+        for key, arg, scale, low in (  # scale None: seconds, kept as a float
+            ("hurray_listen_quota_mib", "quota_bytes", 1 << 20, 0.0),
+            ("hurray_listen_min_free_mib", "min_free_bytes", 1 << 20, 0.0),
+            ("hurray_listen_max_connections", "max_connections", 1, 1.0),
+            ("hurray_listen_timeout_s", "timeout", None, 0.001),
+            ("hurray_listen_idle_timeout_s", "idle_timeout", None, 0.001),
+        ):
+            if cfg.get_from_extra_config(key, None) is not None:
+                value = _float(cfg, key, 0.0)
+                if value < low:
+                    raise HurrayArgumentError(key, f"must be at least {low:g}, got {value:g}")
+                limits[arg] = value if scale is None else int(value * scale)
         return cls(
             path=str(path),
             chunk_tokens=chunk,
@@ -193,6 +210,7 @@ class HurrayConfig:
             verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
             listen=str(listen) if listen else None,
             listen_transport=transport,
+            listen_limits=limits,
             layer_groups=layer_groups if grouped else {},
             group_windows=tuple(windows) if grouped else (),
             window_chunks=window_chunks,

@@ -138,7 +138,8 @@ class HurrayScheduler:
         if not listen or listen in _RECEIVERS:
             return
         host, port = parse_listen(listen)  # checked by HurrayConfig
-        _RECEIVERS[listen] = receiver_for(self._config.listen_transport, host, port, self._store).start()
+        limits = self._config.listen_limits
+        _RECEIVERS[listen] = receiver_for(self._config.listen_transport, host, port, self._store, **limits).start()
         log.info("hurray: receiving chunks on %s into %s", listen, self._config.path)
 
     def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:
