@@ -90,10 +90,12 @@ class Router:
     async def _health(self) -> None:
         """Check the backends; move the requests of one found dead at once (a hung backend breaks no stream)."""
         interval = self.config.health_interval
+        # A busy backend may take a moment to answer: a short interval must not make it look dead.
+        patience = max(interval, 2.0)
         while True:
             before = {url: b.healthy for url, b in self.backends.all.items()}
             results = await asyncio.gather(
-                *(self.backends.check(self.client, b, interval) for b in self.backends.all.values())
+                *(self.backends.check(self.client, b, patience) for b in self.backends.all.values())
             )
             for b, ok in zip(self.backends.all.values(), results):
                 if ok:
