@@ -1,4 +1,4 @@
-"""The ``hurray-vllm`` command line: inspect, validate, convert, migrate, receive, prune, router, demo."""
+"""The ``hurray-vllm`` command line: inspect, validate, convert, migrate, receive, prune, fsck, router, demo."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ examples:
                                                accept KV chunks streamed by HurrayConnector
   hurray-vllm prune /var/cache/hurray --max-size 200G
                                                delete least recently used chunks beyond 200 GiB
+  hurray-vllm fsck /var/cache/hurray --quarantine
+                                               verify every chunk file, move the damaged ones aside
   hurray-vllm router --listen 0.0.0.0:9000 --backend http://a:8000 --backend http://b:8000
                                                one OpenAI endpoint over vLLM servers: routing, migration, failover
 """
@@ -417,6 +419,29 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fsck(args: argparse.Namespace) -> int:
+    """Run ``hurray-vllm fsck``: verify every chunk file of a store; 0 if all are good, 1 if some are damaged."""
+    from ..chunks.fsck import fsck
+    from ..chunks.store import DirectoryStore
+
+    if not Path(args.dir).is_dir():
+        raise FileNotFoundError(2, "No such directory", args.dir)
+    report = fsck(DirectoryStore(args.dir), quarantine=args.quarantine)
+    if args.json:
+        print(json.dumps({**vars(report), "clean": report.clean}))
+    elif not args.quiet:
+        for path, why in report.damaged:
+            print(f"damaged: {path}: {why}")
+        moved = f", {len(report.moved)} moved aside (*.hrry.bad)" if args.quarantine else ""
+        print(
+            f"{report.checked} chunk files checked: {report.good} good, {len(report.damaged)} damaged{moved}; "
+            f"{report.temporary} temporary files"
+        )
+    for skipped in report.skipped:
+        print(f"hurray-vllm: skipped (check its permissions): {skipped}", file=sys.stderr)
+    return 0 if report.clean else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hurray-vllm`` argument parser, one subcommand per ``cmd_*`` function."""
     p = argparse.ArgumentParser(
@@ -531,6 +556,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_prune)
+
+    s = sub.add_parser(
+        "fsck",
+        help="verify every chunk file of a store; optionally move the damaged ones aside",
+        description="Reads and verifies every chunk file as a consumer would (name, format, model namespace, "
+        "KV heads, checksum). Exit 0 if all are good, 1 if some are damaged. Safe while engines use the store. "
+        "Example: hurray-vllm fsck /var/cache/hurray --quarantine",
+    )
+    s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
+    s.add_argument(
+        "--quarantine", action="store_true", help="move damaged files aside (*.hrry.bad): producers write them again"
+    )
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=cmd_fsck)
 
     s = sub.add_parser(
         "router",

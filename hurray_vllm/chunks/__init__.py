@@ -3,10 +3,12 @@
 * :mod:`.keys`: chunk keys and model namespaces, and cutting a snapshot into chunks;
 * :mod:`.digest`: the checksum a chunk carries and the checks a consumer runs;
 * :mod:`.store`: the :class:`ChunkStore` protocol and :class:`DirectoryStore`;
-* :mod:`.prune`: cleanup by size.
+* :mod:`.prune`: cleanup by size;
+* :mod:`.fsck`: checking every chunk file of a store.
 """
 
 from .digest import DIGEST_KEY, DIGEST_MISMATCH, ChunkDigest, chunk_digest, digest_matches, verify_chunk
+from .fsck import FsckReport, fsck
 from .keys import chunk_keys, chunks_of, namespace_of
 from .prune import PruneReport, prune
 from .store import ChunkStore, DirectoryStore, store_snapshot
@@ -17,11 +19,13 @@ __all__ = [
     "ChunkDigest",
     "ChunkStore",
     "DirectoryStore",
+    "FsckReport",
     "PruneReport",
     "chunk_digest",
     "chunk_keys",
     "chunks_of",
     "digest_matches",
+    "fsck",
     "namespace_of",
     "prune",
     "store_snapshot",

@@ -27,7 +27,7 @@ def test_help_lists_every_command_with_examples() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hurray_vllm.app.cli", "--help"], capture_output=True, text=True, check=True
     )
-    for cmd in ("inspect", "validate", "convert", "migrate", "receive", "prune", "router", "demo"):
+    for cmd in ("inspect", "validate", "convert", "migrate", "receive", "prune", "fsck", "router", "demo"):
         assert cmd in out.stdout
         assert f"hurray-vllm {cmd}" in out.stdout
 

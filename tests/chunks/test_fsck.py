@@ -1,0 +1,92 @@
+"""``fsck`` and ``hurray-vllm fsck``: every chunk file verified as a consumer would, the damaged moved aside."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import hurray_vllm as hv
+from hurray_vllm.app.cli import main
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks import DirectoryStore, fsck
+from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest
+from hurray_vllm.chunks.keys import chunks_of, namespace_of, slice_key
+from hurray_vllm.kv.heads import select_heads
+
+
+def _damaged_store(root: Path) -> tuple[DirectoryStore, str, dict[str, str]]:
+    """One good chunk and one of each kind of damage; returns the store, its namespace and name -> kind."""
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(root)
+    store.put(ns, key, chunk)
+    kinds = {}
+    flipped = "a1" * 8
+    store.put(ns, flipped, chunk)
+    raw = bytearray(store.path(ns, flipped).read_bytes())
+    raw[4096 + 3] ^= 0x10  # inside the first page pool: only the checksum notices
+    store.path(ns, flipped).write_bytes(bytes(raw))
+    kinds[flipped] = "digest"
+    cut = "a2" * 8
+    store.put(ns, cut, chunk)
+    store.path(ns, cut).write_bytes(store.path(ns, cut).read_bytes()[:-100])
+    kinds[cut] = "truncated"
+    heads = chunk.head_range.total
+    if heads > 1:  # a slice under the whole chunk's name, and under another slice's
+        half = select_heads(chunk, range(0, heads // 2))
+        half = replace(half, extra={**half.extra, DIGEST_KEY: chunk_digest(half)})
+        store.put(ns, "a3" * 8, half)
+        kinds["a3" * 8] = "heads"
+        store.put(ns, slice_key("a4" * 8, range(heads // 2, heads)), half)
+        kinds[slice_key("a4" * 8, range(heads // 2, heads))] = "heads"
+    other = "0123456789abcdef"  # a namespace this chunk's model does not have
+    store.put(other, "a5" * 8, chunk)
+    kinds["a5" * 8] = "namespace"
+    (root / ns / "notakey.hrry").write_bytes(b"x")
+    kinds["notakey"] = "name"
+    (root / ns / ".a6.hrry.1234.tmp").write_bytes(b"partial")
+    return store, ns, kinds
+
+
+def test_fsck_names_every_damaged_file_and_quarantine_moves_them_aside(tmp_path: Path) -> None:
+    store, ns, kinds = _damaged_store(tmp_path)
+    report = fsck(store)
+    assert report.checked == 1 + len(kinds) and report.good == 1 and not report.clean
+    found = {Path(p).name.removesuffix(".hrry"): why for p, why in report.damaged}
+    assert set(found) == set(kinds)
+    assert "snapshot.digest" in found["a1" * 8] and "snapshot.heads" in found["a3" * 8]
+    assert "another model" in found["a5" * 8] and "not a chunk's name" in found["notakey"]
+    assert (
+        report.temporary == 1 and not report.moved and all(store.path(ns, n).exists() for n in kinds if n != "a5" * 8)
+    )
+    moved = fsck(store, quarantine=True)
+    assert len(moved.moved) == len(kinds) and all(m.endswith(".hrry.bad") for m in moved.moved)
+    again = fsck(store)
+    assert again.clean and again.checked == again.good == 1
+
+
+def test_the_command_reports_and_exits_1_on_damage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _damaged_store(tmp_path)
+    assert main(["fsck", str(tmp_path), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["clean"] is False and doc["good"] == 1 and doc["damaged"]
+    assert main(["fsck", str(tmp_path), "--quarantine"]) == 1
+    out = capsys.readouterr().out
+    assert "damaged:" in out and "moved aside" in out
+    assert main(["fsck", str(tmp_path)]) == 0
+    assert main(["fsck", str(tmp_path / "missing")]) == 2
+    assert "No such directory" in capsys.readouterr().err
+
+
+def test_a_good_store_written_by_store_snapshot_is_clean(tmp_path: Path) -> None:
+    from hurray_vllm.chunks.store import store_snapshot
+
+    snap = spec_example_snapshot()
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, snap, 4) >= 1
+    report = fsck(store)
+    assert report.clean and report.checked == report.good >= 1
+    assert hv.validate(next(tmp_path.rglob("*.hrry"))).ok
