@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH) $(VLLM)
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-	$(BIN)/pip install --quiet -e '.[test,dev,transformers,safetensors,progress,nixl,router]'
+	$(BIN)/pip install --quiet -e '.[test,dev,transformers,safetensors,progress,nixl,router,security]'
 	touch $(STAMP)
 
 demo: install

@@ -47,7 +47,11 @@ a 512 KiB copy), which punishes code made of many small ops.
 Prints one JSON object (stdout); progress goes to stderr.
 
     .venv/bin/python scripts/bench_connector.py [--prompts 8] [--prompt-tokens 2100] [--dir /tmp]
-        [--omp-threads 1] [--no-cold] [--keep] [--hook PATCH.py]
+        [--omp-threads 1] [--no-cold] [--keep] [--hook PATCH.py] [--signed]
+
+``--signed`` adds a HurrayConnector producer and consumer with a fleet key
+(``hurray_key_file``, issue #21), and the ratios of its save and load times
+to the unkeyed HurrayConnector's.
 
 About 3-4 minutes on 2 cores.
 """
@@ -287,6 +291,8 @@ def instrument(connector: str) -> None:
         _wrap(hw, "verify_chunk", "load.verify_chunk")
         _wrap(hs, "verify_chunk", "load.verify_chunk")
         _wrap(st, "chunk_digest", "load.verify_chunk.chunk_digest")
+        _wrap(hs, "check_data", "load.check_data")  # the scheduler's data check, on its helper thread
+        _wrap(hw, "sign_chunk", "save.sign_chunk")
         _wrap(hw, "write_blocks", "load.write_blocks")
     elif connector == "example":
         import safetensors.torch
@@ -312,6 +318,7 @@ def engine_main(cfg_path: str, out_path: str) -> None:
         use_native_cpu_rope()
     connector = cfg["connector"]
     store = Path(cfg["store"]) if cfg.get("store") else None
+    signed = {"hurray_key_file": cfg["key_file"]} if cfg.get("key_file") else {}
     if cfg.get("hook"):
         import runpy
 
@@ -333,6 +340,7 @@ def engine_main(cfg_path: str, out_path: str) -> None:
                 "hurray_chunk_tokens": cfg["chunk_tokens"],
                 "hurray_save_async": not cfg.get("sync_save", False),
                 "hurray_window_chunks": cfg.get("window_chunks", "every"),
+                **signed,
             },
         )
     elif connector == "example":
@@ -547,7 +555,7 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
             "engine_start_s": round(res["baseline"]["engine_start_s"], 1),
         }
     }
-    for conn in CONNECTORS:
+    for conn in (*CONNECTORS, *(("hurray_signed",) if args.signed else ())):
         prod, cons = res[f"{conn}-producer"], res[f"{conn}-consumer"]
         p_runs = [r for r in prod["timed"] if r["kind"] == "prefill"]
         p_ctrl = [r for r in prod["timed"] if r["kind"] == "control"]
@@ -612,7 +620,7 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
             entry["load_connector_s_median_cold"] = round(med([r["connector_s"] for r in c_cold]), 4)
             entry["load_s_cold"] = [round(r["s"], 3) for r in c_cold]
             entry["consumer_steps_median_s_cold"] = step_medians(c_cold)
-        if conn == "hurray":
+        if conn.startswith("hurray"):
             entry["worker_stats_producer"] = prod["worker_stats"]
             entry["worker_stats_consumer"] = cons["worker_stats"]
             entry["scheduler_stats_consumer"] = cons["scheduler_stats"]
@@ -658,6 +666,20 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
             h["shared_batch"]["stored_du_bytes"], expected_chunks * chunk_bytes
         ),
     }
+    if args.signed:
+        # Issue #21: with a fleet key (chunks signed on save, MAC checked instead of the checksum on load).
+        k = out["hurray_signed"]
+        r["load_signed_over_unsigned_warm"] = ratio(k["load_s_median_warm"], h["load_s_median_warm"])
+        r["load_connector_signed_over_unsigned_warm"] = ratio(
+            k["load_connector_s_median_warm"], h["load_connector_s_median_warm"]
+        )
+        r["save_overhead_signed_over_unsigned"] = ratio(k["save_overhead_s"], h["save_overhead_s"])
+        r["save_connector_cpu_signed_over_unsigned"] = ratio(
+            k["save_connector_cpu_s_median"], h["save_connector_cpu_s_median"]
+        )
+        r["producer_prefill_signed_over_unsigned"] = ratio(
+            k["producer_prefill_s_median"], h["producer_prefill_s_median"]
+        )
     out["ratios"] = r
     out["shared_prefix"] = {
         "prompts": n_shared,
@@ -687,6 +709,15 @@ def summarize(args: argparse.Namespace, res: dict[str, dict[str, Any]], prompts:
         "shared_prefix_stored_once": saved_shared == expected_chunks
         and h["shared_batch"]["stored_du_bytes"] <= 1.05 * expected_chunks * chunk_bytes + shared_state_bytes,
     }
+    if args.signed:
+        out["goals"]["signed_load_le_1_1x_unsigned_warm_wall"] = le(r["load_signed_over_unsigned_warm"], 1.1)
+        out["goals"]["signed_load_connector_le_1_1x_unsigned_warm"] = le(
+            r["load_connector_signed_over_unsigned_warm"], 1.1
+        )
+        out["goals"]["signed_save_connector_cpu_le_1_1x_unsigned"] = le(
+            r["save_connector_cpu_signed_over_unsigned"], 1.1
+        )
+        out["goals"]["signed_prefill_le_1_1x_unsigned_wall"] = le(r["producer_prefill_signed_over_unsigned"], 1.1)
     if MODEL == "linear":
         # Against recomputing the prompt (no connector), as ExampleConnector cannot run this model.
         out["goals"]["load_le_recompute_warm_wall"] = le(r["load_hurray_over_baseline_prefill_warm"], 1.0)
@@ -739,6 +770,11 @@ def main() -> None:
     ap.add_argument(
         "--sync-save", action="store_true", help="HurrayConnector with hurray_save_async=false (writes inside the step)"
     )
+    ap.add_argument(
+        "--signed",
+        action="store_true",
+        help="also run HurrayConnector with a fleet key (hurray_key_file): signed chunks, MAC-checked loads",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (stores, logs)")
     args = ap.parse_args()
     if args.engine:
@@ -775,22 +811,22 @@ def main() -> None:
             # chunk, the choice that lets every prompt resume at its last block boundary (docs/connector.md).
             args.chunk_tokens = common["chunk_tokens"] = res["baseline"]["block_size"]
             log(f"vLLM's block size is {args.chunk_tokens}: chunks of one block")
-        for conn in CONNECTORS:
-            store = work / f"store-{conn}"
+        runs = {conn: {"connector": conn} for conn in CONNECTORS}
+        if args.signed:
+            key_file = work / "fleet.key"
+            key_file.write_bytes(os.urandom(32).hex().encode())
+            key_file.chmod(0o600)
+            runs["hurray_signed"] = {"connector": "hurray", "key_file": str(key_file)}
+        for name, how in runs.items():
+            store = work / f"store-{name}"
             store.mkdir()
-            res[f"{conn}-producer"] = run_engine(
-                work,
-                f"{conn}-producer",
-                {**common, "connector": conn, "role": "producer", "store": str(store)},
-                args.omp_threads,
+            res[f"{name}-producer"] = run_engine(
+                work, f"{name}-producer", {**common, **how, "role": "producer", "store": str(store)}, args.omp_threads
             )
-        for conn in CONNECTORS:
-            store = work / f"store-{conn}"
-            res[f"{conn}-consumer"] = run_engine(
-                work,
-                f"{conn}-consumer",
-                {**common, "connector": conn, "role": "consumer", "store": str(store)},
-                args.omp_threads,
+        for name, how in runs.items():
+            store = work / f"store-{name}"
+            res[f"{name}-consumer"] = run_engine(
+                work, f"{name}-consumer", {**common, **how, "role": "consumer", "store": str(store)}, args.omp_threads
             )
         summary = summarize(args, res, prompts)
         import torch

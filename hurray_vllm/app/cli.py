@@ -171,14 +171,57 @@ def _jsonable(kv: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.hex() if isinstance(v, bytes) else v) for k, v in kv.items()}
 
 
+def _keys(args: argparse.Namespace) -> Any:
+    """The fleet keys of ``--key-file`` (repeatable), else of ``$HURRAY_VLLM_KEY_FILE``; ``None`` without either."""
+    from ..chunks.signing import load_keys
+
+    return load_keys(args.key_file or None)
+
+
+def _add_key_file(s: argparse.ArgumentParser, what: str) -> None:
+    s.add_argument(
+        "--key-file",
+        action="append",
+        help=f"fleet key file (repeat for key rotation: the first signs, all are accepted); {what}. "
+        "Default: $HURRAY_VLLM_KEY_FILE",
+    )
+
+
+def _chunk_name(path: Path) -> tuple[str, str] | None:
+    """``(namespace, name)`` of a chunk file of a store (``DIR/<namespace>/<name>.hrry``), else ``None``."""
+    from ..chunks.keys import split_slice_key
+    from ..transport.base import CHUNK_NAME
+
+    key, _ = split_slice_key(path.name.removesuffix(".hrry"))
+    ns = path.resolve().parent.name
+    if path.suffix != ".hrry" or not CHUNK_NAME.fullmatch(key) or not CHUNK_NAME.fullmatch(ns):
+        return None
+    return ns, path.name.removesuffix(".hrry")
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm validate``: print each violation; returns 0 if the file is valid, else 1."""
+    keys = _keys(args)
+    where = _chunk_name(Path(args.path)) if keys is not None else None
+    if args.key_file and where is None:
+        raise HurrayArgumentError(
+            "key_file", f"{args.path} is not a chunk file of a store (DIR/<namespace>/<key>.hrry): no MAC to check"
+        )
     checked = validate(args.path, permissive=args.permissive)
     blocking = set(id(v) for v in checked.errors)
     # What stopped parsing (a truncated file, a bad magic) is always an error; print it too.
     for v in (*checked.violations, *checked.unreadable):
         tag = "error" if id(v) in blocking else "waived"
         print(f"{tag}: {v.invariant}: {v.message}")
+    if checked.ok and where is not None:
+        from ..chunks.store import check_data
+        from ..containers.io import load
+
+        try:
+            check_data(load(args.path, mmap=False), keys, *where)
+        except HurrayFormatError as exc:
+            print(f"error: {exc}")
+            return 1
     if checked.ok:
         if not args.quiet:
             print(f"{args.path}: valid" + (" (permissive)" if args.permissive else ""))
@@ -286,14 +329,22 @@ def cmd_receive(args: argparse.Namespace) -> int:
         "max_connections": args.max_connections,
         "quota_bytes": args.quota,
         "min_free_bytes": args.min_free,
+        "keys": _keys(args),
     }
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        from ..transport.security import TlsOptions, server_context
+
+        if args.transport != "tcp":
+            raise HurrayArgumentError("tls", "--tls-* options are for the tcp transport (senders use tls://HOST:PORT)")
+        limits["tls"] = server_context(TlsOptions(args.tls_cert, args.tls_key, client_ca_file=args.tls_client_ca))
     try:
         receiver = receiver_for(args.transport, host, port, DirectoryStore(args.dir), **limits).start()
     except ValueError as exc:  # a limit out of range
         raise HurrayArgumentError("receive", str(exc)) from None
     if not args.quiet:
         where = f"{receiver.address[0]}:{receiver.address[1]}"
-        print(f"receiving KV chunks ({args.transport}) on {where} into {args.dir}", flush=True)
+        channel = "tls" if "tls" in limits else args.transport
+        print(f"receiving KV chunks ({channel}) on {where} into {args.dir}", flush=True)
 
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -426,15 +477,18 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
     if not Path(args.dir).is_dir():
         raise FileNotFoundError(2, "No such directory", args.dir)
-    report = fsck(DirectoryStore(args.dir), quarantine=args.quarantine)
+    report = fsck(DirectoryStore(args.dir), quarantine=args.quarantine, keys=_keys(args))
     if args.json:
         print(json.dumps({**vars(report), "clean": report.clean}))
     elif not args.quiet:
         for path, why in report.damaged:
             print(f"damaged: {path}: {why}")
+        for path, why in report.foreign:
+            print(f"not ours: {path}: {why}")
         moved = f", {len(report.moved)} moved aside (*.hrry.bad)" if args.quarantine else ""
         print(
-            f"{report.checked} chunk files checked: {report.good} good, {len(report.damaged)} damaged{moved}; "
+            f"{report.checked} chunk files checked: {report.good} good, {len(report.damaged)} damaged{moved}, "
+            f"{len(report.foreign)} unsigned or of another key; "
             f"{report.temporary} temporary files"
         )
     for skipped in report.skipped:
@@ -473,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("path")
     s.add_argument("--permissive", action="store_true", help="waive what the spec lets permissive readers waive")
+    _add_key_file(s, "a chunk file of a store must then carry a valid MAC")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_validate)
 
@@ -540,6 +595,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--idle-timeout", type=float, default=120.0, help="seconds a connection may stay silent between chunks"
     )
+    _add_key_file(
+        s,
+        "senders must authenticate with one, and only chunks signed with one for the name they arrive under are stored",
+    )
+    s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM; senders use tls://HOST:PORT)")
+    s.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
+    s.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_receive)
 
@@ -568,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--quarantine", action="store_true", help="move damaged files aside (*.hrry.bad): producers write them again"
     )
+    _add_key_file(s, "checks each chunk's MAC instead of its checksum; unsigned chunks and other keys' are listed")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_fsck)

@@ -12,23 +12,25 @@ from .. import native
 from ..containers.stream import byte_view
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor
-from ..kv.snapshot import KVSnapshot, ModelFingerprint
+from ..kv.snapshot import KVSnapshot
 from ..wire.descriptor import encode_descriptor
 
 __all__ = [
     "DIGEST_KEY",
+    "MAC_KEY",
     "DIGEST_MISMATCH",
     "DIGEST_VERSION",
     "ChunkDigest",
     "chunk_digest",
     "digest_header",
     "digest_matches",
-    "verify_chunk",
     "check_heads",
     "digest_tensors",
 ]
 
 DIGEST_KEY = "hurray_vllm.chunk_digest"
+#: Where a signed chunk keeps its MAC (:mod:`.signing`); like the digest, not covered by either.
+MAC_KEY = "hurray_vllm.chunk_mac"
 #: What the digest covers (named in the digest string); ``v2``: header bytes and pools.
 DIGEST_VERSION = "v2"
 _HEADER_MAGIC = b"hurray-vllm chunk digest v2\0"
@@ -137,7 +139,7 @@ def digest_header(snap: KVSnapshot) -> bytes:
         "fingerprint": snap.fingerprint.to_json() if snap.fingerprint else None,
         "source": snap.source.to_json() if snap.source else None,
         "request_ids": list(snap.request_ids) if snap.request_ids is not None else None,
-        "extra": {k: v for k, v in snap.extra.items() if k != DIGEST_KEY},
+        "extra": {k: v for k, v in snap.extra.items() if k not in (DIGEST_KEY, MAC_KEY)},
         "token_ids": [list(ids) for ids in snap.token_ids],
         "seq_lens": snap.seq_lens if snap.num_layers else [],
         "kv_scales": [[float(x).hex() for x in pair] for pair in snap.kv_scales] if snap.kv_scales else None,
@@ -174,35 +176,6 @@ def digest_matches(snap: KVSnapshot) -> bool:
     """Whether ``snap``'s stored digest matches it (raises if the digest is missing, old or cannot run here)."""
     want = snap.extra.get(DIGEST_KEY)
     return want == chunk_digest(snap, ChunkDigest.like(want).algorithm)
-
-
-def verify_chunk(
-    snap: KVSnapshot,
-    fp: ModelFingerprint,
-    tokens: Sequence[int],
-    *,
-    digest: bool = True,
-    heads: range | None = None,
-) -> None:
-    """Raise :class:`HurrayFormatError` unless ``snap`` is this model's KV of exactly ``tokens``.
-
-    ``digest=False`` leaves out the data checksum (the caller runs
-    :func:`digest_matches` itself, e.g. on another thread). ``heads``: the KV
-    heads the file must hold (a tensor-parallel slice's, as its name says).
-    """
-    if snap.fingerprint is None:
-        raise HurrayFormatError("snapshot.fingerprint", "chunk carries no model fingerprint")
-    diffs = snap.fingerprint.mismatches(fp)
-    if diffs:
-        raise HurrayFormatError("snapshot.fingerprint", "chunk is from another model: " + "; ".join(diffs))
-    if snap.num_seqs != 1 or snap.seq_lens != [len(tokens)]:
-        raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
-    if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
-        raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
-    if heads is not None and not snap.is_latent:
-        check_heads(snap, heads)
-    if digest and not digest_matches(snap):
-        raise HurrayFormatError("snapshot.digest", DIGEST_MISMATCH)
 
 
 def check_heads(snap: KVSnapshot, heads: range | None) -> None:

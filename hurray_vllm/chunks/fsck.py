@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HurrayFormatError
-from .digest import DIGEST_MISMATCH, check_heads, digest_matches
+from .digest import check_heads
 from .keys import namespace_of, split_slice_key
+from .signing import FleetKeys, refusal_kind
+from .verify import check_data
 
 if TYPE_CHECKING:
     from .store import DirectoryStore
@@ -36,6 +38,9 @@ class FsckReport:
     damaged: list[tuple[str, str]] = field(default_factory=list)
     #: The damaged files moved aside (``<name>.hrry.bad``), with ``quarantine``.
     moved: list[str] = field(default_factory=list)
+    #: With keys: ``(path, why)`` for every chunk file that is unsigned or signed with a key not in the
+    #: ring. Not damage (whoever holds that key may load it), never moved aside; this fleet refuses it.
+    foreign: list[tuple[str, str]] = field(default_factory=list)
     #: Temporary files a writer left (``.*.tmp``): a write in progress, or one a crash cut short.
     temporary: int = 0
     #: Paths that could not be read (permissions), with the reason.
@@ -43,12 +48,16 @@ class FsckReport:
 
     @property
     def clean(self) -> bool:
-        """Whether every chunk file checked is good."""
-        return not self.damaged
+        """Whether every chunk file checked is good (and, with keys, signed by one of them)."""
+        return not self.damaged and not self.foreign
 
 
-def _why(store: DirectoryStore, ns: str, name: str) -> str | None:
-    """Why chunk file ``name`` of namespace ``ns`` is damaged, or ``None`` when a consumer would take it."""
+def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> str | None:
+    """Why chunk file ``name`` of namespace ``ns`` is damaged, or ``None`` when a consumer would take it.
+
+    Raises:
+        HurrayFormatError: the chunk is unsigned or signed with another key (``keys`` only).
+    """
     key, heads = split_slice_key(name)
     if not _HEX.fullmatch(ns) or not _HEX.fullmatch(key):
         return "not a chunk's name (a key is hex digits, with .h<a>-<b> for a slice)"
@@ -64,20 +73,23 @@ def _why(store: DirectoryStore, ns: str, name: str) -> str | None:
         return f"seq_lens: a chunk holds one sequence, this file {snap.num_seqs}"
     try:
         check_heads(snap, heads)
-        if not digest_matches(snap):  # raises for a missing or unknown digest
-            return f"snapshot.digest: {DIGEST_MISMATCH}"
+        check_data(snap, keys, ns, name)  # raises for a missing or unknown digest too
     except HurrayFormatError as exc:
+        if refusal_kind(exc) in ("unsigned", "other_key"):
+            raise
         return str(exc)
     return None
 
 
-def fsck(store: DirectoryStore, *, quarantine: bool = False) -> FsckReport:
+def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | None = None) -> FsckReport:
     """Read and verify every chunk file of ``store``, as a consumer would; optionally move the damaged ones aside.
 
     Checks each ``<namespace>/<name>.hrry``: its name, that it parses (the
     spec's rules, the container's CRCs), that its model's namespace is the
     directory it is in, that it holds one sequence and the KV heads its name
-    says, and its checksum. What it cannot check without the chunks before
+    says, and its checksum, or with ``keys`` its MAC (a wrong one is
+    damage; an unsigned chunk, or one signed with a key not in ``keys``, is
+    listed in ``foreign`` and left in place). What it cannot check without the chunks before
     it: that its key is the hash of its prefix (a consumer checks the tokens).
     Safe while engines use the store: a file is moved aside only if it is
     still the one found damaged.
@@ -111,9 +123,13 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False) -> FsckReport:
             if identity is None:
                 continue  # gone meanwhile (pruned), or not a regular file
             try:
-                why = _why(store, ns, name)
+                why = _why(store, ns, name, keys)
             except OSError as exc:  # unreadable (permissions): not a verdict on its bytes
                 report.skipped.append(f"{ns_dir / file}: {exc.strerror or exc}")
+                continue
+            except HurrayFormatError as exc:  # unsigned, or another fleet's
+                report.checked += 1
+                report.foreign.append((str(ns_dir / file), str(exc)))
                 continue
             report.checked += 1
             if why is None:

@@ -34,10 +34,11 @@ from .digest import (  # noqa: F401
     ChunkDigest,
     chunk_digest,
     digest_matches,
-    verify_chunk,
 )
 from .keys import chunk_keys, chunks_of, namespace_of, slice_key, split_slice_key  # noqa: F401
 from .prune import PruneReport
+from .signing import FleetKeys, sign_chunk
+from .verify import check_data, verify_chunk  # noqa: F401
 
 __all__ = ["ChunkStore", "DirectoryStore", "store_snapshot", "slice_key", "split_slice_key", "ChunkPart"]
 
@@ -197,8 +198,10 @@ class DirectoryStore:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 
 
-def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int) -> int:
+def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int, *, keys: FleetKeys | None = None) -> int:
     """Put ``snap``'s whole chunks into ``store`` for engines running HurrayConnector; returns chunks written.
+
+    ``keys``: sign every chunk (engines with ``hurray_key_file`` load only signed ones).
 
     This is how a snapshot is imported into another vLLM engine: the
     engine's connector finds the chunks by prefix when the sequences arrive.
@@ -213,7 +216,8 @@ def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int) -
         assert chunk.fingerprint is not None
         # A slice of the heads (one tensor-parallel rank's) is stored as such: alone it is not the chunk.
         heads = range(chunk.heads.start, chunk.heads.stop) if chunk.heads is not None else None
-        written += store.put(namespace_of(chunk.fingerprint), slice_key(key, heads), chunk)
+        ns, name = namespace_of(chunk.fingerprint), slice_key(key, heads)
+        written += store.put(ns, name, sign_chunk(chunk, keys, ns, name) if keys is not None else chunk)
         resumable += chunk.states is not None
     if snap.states is not None and resumable < snap.num_seqs:
         log.warning(

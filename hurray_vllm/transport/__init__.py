@@ -1,7 +1,9 @@
 """Moving chunks between processes: one channel per module, chosen by URL scheme.
 
-Channels: :mod:`.tcp` (``tcp://HOST:PORT``, Hurray streams over a socket)
-and :mod:`.nixl` (``nixl://HOST:PORT``, page pools written by NIXL / UCX).
+Channels: :mod:`.tcp` (``tcp://HOST:PORT``, Hurray streams over a socket;
+``tls://HOST:PORT`` the same inside TLS) and :mod:`.nixl`
+(``nixl://HOST:PORT``, page pools written by NIXL / UCX). :mod:`.security`
+holds what they share for trust: TLS contexts and sender authentication.
 Each has a :class:`~.base.ChunkSender` and a :class:`~.base.ReceiverBase`;
 the functions here pick one by name, so callers (the connector, the CLI)
 never branch on the channel themselves.
@@ -12,6 +14,8 @@ Example:
     'tcp'
     >>> transport.channel_of("nixl://10.0.0.2:7070")
     'nixl'
+    >>> transport.channel_of("tls://10.0.0.2:7070")  # the TCP channel, inside TLS
+    'tcp'
 
 In 0.1 ``hurray_vllm.transport`` was the TCP module; its names
 (``Receiver``, ``parse_url``, ``MAGIC``, ``MAX_CHUNK_BYTES``) still resolve
@@ -20,10 +24,12 @@ here, with a ``DeprecationWarning``, until 0.3: import them from :mod:`.tcp`.
 
 from __future__ import annotations
 
+import ssl
 import warnings
 from collections.abc import Iterable
 from typing import Any
 
+from ..chunks.signing import FleetKeys
 from ..chunks.store import ChunkStore
 from ..errors import HurrayArgumentError, HurrayFormatError
 from .base import DEFAULT_TIMEOUT_S, Chunk, ChunkSender, ReceiverBase, parse_address
@@ -41,22 +47,25 @@ __all__ = [
 
 #: Every channel, by the name its URLs start with (``hurray-vllm receive --transport`` takes these).
 CHANNELS = ("tcp", "nixl")
+#: URL schemes, and the channel each names: ``tls://`` is the TCP channel inside TLS.
+SCHEMES = {"tcp": "tcp", "tls": "tcp", "nixl": "nixl"}
 
 
 def channel_of(url: str) -> str:
-    """The channel ``url`` names (``"tcp"`` or ``"nixl"``), after checking it is ``SCHEME://HOST:PORT``.
+    """The channel ``url`` names (``"tcp"`` for ``tcp://`` and ``tls://``, or ``"nixl"``), after checking it.
 
     Raises:
         HurrayFormatError: an unknown scheme or a malformed address (the field is ``hurray_url``).
     """
     scheme = url.partition("://")[0] if "://" in url else ""
-    if scheme in CHANNELS:
+    if scheme in SCHEMES:
         parse_address(url, scheme)  # NIXL itself is not loaded to check a nixl:// URL
     else:
         raise HurrayFormatError(
-            "hurray_url", f"unknown transport {scheme!r} in {url!r}; expected tcp://HOST:PORT or nixl://HOST:PORT"
+            "hurray_url",
+            f"unknown transport {scheme!r} in {url!r}; expected tcp://HOST:PORT, tls://HOST:PORT or nixl://HOST:PORT",
         )
-    return scheme
+    return SCHEMES[scheme]
 
 
 def _check(channel: str) -> None:
@@ -81,11 +90,12 @@ def require_channel(channel: str) -> None:
 _TCP_SENDER: ChunkSender | None = None
 
 
-def sender_for(url: str) -> ChunkSender:
-    """The sender for ``url``'s channel: a stateless TCP sender, or the process's shared NIXL sender.
+def sender_for(url: str, *, tls: ssl.SSLContext | None = None) -> ChunkSender:
+    """The sender for ``url``'s channel: a TCP sender (over ``tls`` for ``tls://``), or the shared NIXL sender.
 
     Creating the NIXL sender starts its agents (UCX, ~0.4 s): call this at
-    start-up, not inside a step.
+    start-up, not inside a step. ``tls``: the client context
+    (:func:`.security.client_context`; default: the system's CAs).
 
     Raises:
         HurrayFormatError: ``url`` names no known channel (see :func:`channel_of`).
@@ -96,31 +106,45 @@ def sender_for(url: str) -> ChunkSender:
         from . import nixl
 
         return nixl.default_sender()
-    if _TCP_SENDER is None:
-        from .tcp import TcpSender
+    from .tcp import TcpSender
 
+    if tls is not None or url.startswith("tls://"):
+        from .security import client_context
+
+        return TcpSender(tls or client_context())
+    if _TCP_SENDER is None:
         _TCP_SENDER = TcpSender()
     return _TCP_SENDER
 
 
-def send_chunks(url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+def send_chunks(
+    url: str,
+    chunks: Iterable[Chunk],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    keys: FleetKeys | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> None:
     """Push ``(namespace, key, snapshot)`` chunks to the receiver at ``url`` (any channel).
 
     Returns once every chunk is stored there; ``chunks`` is consumed lazily.
+    ``keys``: authenticate as a holder of the fleet key first (a keyed
+    receiver requires it). ``tls``: see :func:`sender_for`.
 
     Raises:
-        HurrayFormatError: the receiver refused a chunk, or ``url`` is malformed.
-        OSError: the receiver cannot be reached, or a transfer failed or timed out.
+        HurrayFormatError: the receiver refused a chunk or the sender, or ``url`` is malformed.
+        OSError: the receiver cannot be reached, or a transfer failed or timed out
+            (``ssl.SSLError``: its certificate is not trusted).
     """
-    sender_for(url).send(url, chunks, timeout=timeout)
+    sender_for(url, tls=tls).send(url, chunks, timeout=timeout, keys=keys)
 
 
 def receiver_for(channel: str, host: str, port: int, store: ChunkStore, **options: Any) -> ReceiverBase:
     """A receiver of ``channel`` listening on ``host:port`` (not started: call ``.start()``).
 
     ``options`` go to the channel's receiver (``timeout``, ``idle_timeout``,
-    ``max_chunk_bytes``; NIXL also takes ``max_arena_bytes``,
-    ``backend_params``).
+    ``max_chunk_bytes``, the limits, ``keys``; TCP also takes ``tls``, NIXL
+    ``max_arena_bytes`` and ``backend_params``).
 
     Raises:
         HurrayArgumentError: an unknown channel name.

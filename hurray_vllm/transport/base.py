@@ -8,14 +8,18 @@ URL scheme.
 
 What the channels agree on:
 
-* every frame starts with a 4-byte magic (``b"HVC1"``, ``b"HVN1"``);
+* every frame starts with a 4-byte magic (``b"HVC1"``, ``b"HVN1"``); a
+  sender with a fleet key opens each connection with ``b"HVA1"``
+  (:mod:`.security`), which a receiver with keys requires;
 * namespaces and keys are 1-64 lowercase hex digits, and a key may name a
   tensor-parallel rank's slice of the KV heads, ``<key>.h<a>-<b>``
   (:func:`check_names`); the slice stored must hold exactly those heads;
 * a chunk is answered with ``b"OK"`` once it is validated and stored, or
   ``b"ER"`` + u16 length + UTF-8 message when it was refused
   (:func:`send_error`, :func:`read_answer`);
-* nothing is stored unless every byte arrived and matched the chunk digest.
+* nothing is stored unless every byte arrived and matched the chunk digest;
+* a receiver with fleet keys stores only chunks signed for the namespace and
+  key they arrive under (:mod:`hurray_vllm.chunks.signing`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -36,9 +41,11 @@ from urllib.parse import urlparse
 import torch
 
 from ..chunks.digest import check_heads
+from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
+from .security import AUTH_MAGIC, answer_challenge
 
 __all__ = [
     "ChunkSender",
@@ -205,12 +212,20 @@ class ChunkSender(abc.ABC):
         """Undo :meth:`register` for buffers about to be replaced (unknown tensors are ignored)."""
 
     @abc.abstractmethod
-    def send(self, url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    def send(
+        self,
+        url: str,
+        chunks: Iterable[Chunk],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        keys: FleetKeys | None = None,
+    ) -> Any:
         """Push ``chunks`` to the receiver at ``url``; return once each is stored there.
 
         ``chunks`` is consumed lazily: a chunk is asked for only after the
         receiver acknowledged the previous one, so a generator may export
-        every chunk into the same buffers.
+        every chunk into the same buffers. With ``keys`` the connection
+        starts with the sender authentication of :mod:`.security`.
 
         Raises:
             HurrayFormatError: the receiver refused a chunk (the message says why).
@@ -239,6 +254,13 @@ class ReceiverBase(abc.ABC):
             ``None``: no quota.
         min_free_bytes: The free disk space a chunk must leave on the store's
             filesystem, likewise (0: none).
+        keys: Fleet keys: a connection must first authenticate its sender
+            with one of them (:mod:`.security`), and a chunk is stored only if
+            it is signed with one of them for the namespace and key it arrives
+            under (refused ``ER`` otherwise). ``None``: anyone may send, the
+            digest alone is checked.
+        tls: A server TLS context (:func:`.security.server_context`): every
+            connection must open with a TLS handshake (plaintext is refused).
 
     Example:
         >>> from hurray_vllm.chunks.store import DirectoryStore
@@ -262,6 +284,8 @@ class ReceiverBase(abc.ABC):
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         quota_bytes: int | None = None,
         min_free_bytes: int = 0,
+        keys: FleetKeys | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if timeout <= 0 or idle_timeout <= 0:
             raise ValueError(f"timeouts must be positive, got timeout={timeout}, idle_timeout={idle_timeout}")
@@ -277,6 +301,8 @@ class ReceiverBase(abc.ABC):
         self.max_connections = max_connections
         self.quota_bytes = quota_bytes
         self.min_free_bytes = min_free_bytes
+        self.keys = keys
+        self.tls = tls
         self._disk = threading.Lock()  # the store's measured bytes and the bytes promised to chunks in flight
         self._used: tuple[float, int] | None = None  # (when measured, bytes)
         self._promised = 0
@@ -389,12 +415,18 @@ class ReceiverBase(abc.ABC):
         """Store a chunk whose bytes matched its digest, once it holds the KV heads its key names; its bytes on disk.
 
         Every channel stores through here: a slice under a whole chunk's key
-        (or another slice's) would be loaded for heads it does not hold.
+        (or another slice's) would be loaded for heads it does not hold. With
+        ``keys``, the chunk's MAC is checked here too (one more pass over its
+        bytes, off any engine's critical path).
 
         Raises:
-            HurrayFormatError: the heads differ from the key's (field ``snapshot.heads``).
+            HurrayFormatError: the heads differ from the key's (field ``snapshot.heads``), or
+                (with ``keys``) the chunk is unsigned, signed with another key or its MAC is
+                wrong (fields of :mod:`hurray_vllm.chunks.signing`).
         """
         check_heads(snap, check_names(ns, key))
+        if self.keys is not None:
+            check_signature(snap, self.keys, ns, key)
         self.store.put(ns, key, snap)
         path = getattr(self.store, "path", None)  # a directory store: what the file takes on disk
         try:
@@ -408,16 +440,20 @@ class ReceiverBase(abc.ABC):
         Afterwards the connection's timeout is ``timeout``: the rest of the
         frame must follow promptly.
         """
-        conn.settimeout(self.idle_timeout)
-        head = conn.recv(len(magic))
-        if not head:
-            return False
-        conn.settimeout(self.timeout)
-        if len(head) < len(magic):
-            head += recv_exact(conn, len(magic) - len(head))
-        if head != magic:
-            raise HurrayFormatError("transport", "bad frame magic")
-        return True
+        while True:
+            conn.settimeout(self.idle_timeout)
+            head = conn.recv(len(magic))
+            if not head:
+                return False
+            conn.settimeout(self.timeout)
+            if len(head) < len(magic):
+                head += recv_exact(conn, len(magic) - len(head))
+            if head == AUTH_MAGIC:  # a keyed sender, here or again: answered, then its frame follows
+                answer_challenge(conn, self.keys)
+                continue
+            if head != magic:
+                raise HurrayFormatError("transport", "bad frame magic")
+            return True
 
     @abc.abstractmethod
     def serve(self, conn: socket.socket) -> None:
@@ -441,10 +477,48 @@ class ReceiverBase(abc.ABC):
                 target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
             ).start()
 
+    def _secure(self, conn: socket.socket) -> socket.socket | None:
+        """The connection after TLS and sender authentication, as configured; ``None`` if refused (and closed)."""
+        conn.settimeout(self.timeout)
+        if self.tls is not None:
+            try:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: plaintext, an untrusted client
+                self.count(False, f"receiver.tls: TLS handshake failed: {exc}")
+                log.warning("hurray %s receiver: refusing a connection: TLS handshake failed: %s", self.transport, exc)
+                conn.close()
+                return None
+        if self.keys is None:
+            return conn
+        try:
+            head = recv_exact(conn, len(AUTH_MAGIC))
+            if head != AUTH_MAGIC:
+                raise HurrayFormatError(
+                    "receiver.auth",
+                    "this receiver takes chunks only from senders holding the fleet key "
+                    "(hurray_key_file, HURRAY_VLLM_KEY_FILE or --key-file)",
+                )
+            answer_challenge(conn, self.keys)
+        except (HurrayFormatError, OSError) as exc:
+            self.count(False, str(exc))
+            log.warning("hurray %s receiver: refusing a connection: %s", self.transport, exc)
+            with conn:
+                finish_with_error(conn, exc)
+            return None
+        return conn
+
     def _connection(self, conn: socket.socket) -> None:
         with self._mu:
             self._conns.add(conn)
+        raw = conn
         try:
+            secured = self._secure(conn)
+            if secured is None:
+                return
+            conn = secured
+            with self._mu:
+                self._conns.discard(raw)
+                self._conns.add(conn)
             with conn:
                 try:
                     self.serve(conn)
@@ -454,4 +528,5 @@ class ReceiverBase(abc.ABC):
                     finish_with_error(conn, exc)
         finally:
             with self._mu:
+                self._conns.discard(raw)
                 self._conns.discard(conn)

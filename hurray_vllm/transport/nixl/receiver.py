@@ -18,7 +18,7 @@ from ...chunks.digest import DIGEST_KEY, ChunkDigest, digest_header, digest_tens
 from ...chunks.store import ChunkStore
 from ...containers.schema import Record, assemble_snapshot, group_records
 from ...containers.stream import tensor_bytes
-from ...errors import HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError
 from ..base import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -252,6 +252,10 @@ class NixlReceiver(ReceiverBase):
         progress_thread: bool = False,
         **limits: Any,
     ) -> None:
+        if limits.get("tls") is not None:
+            raise HurrayArgumentError(
+                "tls", "the NIXL channel has no TLS (its side channel is authenticated with the fleet key): use tcp"
+            )
         # The agent first: without NIXL nothing listens.
         self._agent = make_agent("recv", backend_params, progress_thread)
         super().__init__(

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from ...chunks.signing import FleetKeys
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
 from ..base import DEFAULT_TIMEOUT_S, U16, U32, U64, Chunk, ChunkSender, read_answer, read_message, recv_exact
+from ..security import authenticate
 from .agent import NixlError, make_agent
 from .offer import MAGIC, encode_snapshot_offer, notif_tag, parse_nixl_url
 
@@ -230,7 +232,14 @@ class NixlSender(ChunkSender):
 
     # ── sending ──
 
-    def send(self, url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> list[TransferStats]:
+    def send(
+        self,
+        url: str,
+        chunks: Iterable[Chunk],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        keys: FleetKeys | None = None,
+    ) -> list[TransferStats]:
         """Push ``(namespace, key, snapshot)`` chunks to the receiver at ``nixl://HOST:PORT``.
 
         Returns when every chunk is stored on the other side. ``chunks`` is
@@ -239,12 +248,15 @@ class NixlSender(ChunkSender):
         (registered) buffers. Raises
         :class:`HurrayFormatError` when the receiver refuses a chunk,
         ``OSError`` (:class:`NixlError`, ``TimeoutError``, ``ConnectionError``)
-        when it cannot be reached or the transfer fails.
+        when it cannot be reached or the transfer fails. With ``keys`` the
+        side channel first authenticates this sender (:mod:`..security`).
         """
         host, port = parse_nixl_url(url)
         out = []
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if keys is not None:
+                authenticate(sock, keys)
             for ns, key, snap in chunks:
                 out.append(self._send_one(sock, ns, key, snap, timeout))
         return out
@@ -455,7 +467,9 @@ def default_sender() -> NixlSender:
         return _default
 
 
-def send_chunks_nixl(url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+def send_chunks_nixl(
+    url: str, chunks: Iterable[Chunk], *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None
+) -> None:
     """:func:`hurray_vllm.transport.tcp.send_chunks` over NIXL: ``url`` is ``nixl://HOST:PORT``.
 
     ``chunks`` is consumed lazily, one chunk after the previous one is stored.
@@ -465,7 +479,7 @@ def send_chunks_nixl(url: str, chunks: Iterable[Chunk], *, timeout: float = DEFA
     and :class:`NixlUnavailableError` (an ``ImportError``) without NIXL.
     """
     parse_nixl_url(url)
-    default_sender().send(url, chunks, timeout=timeout)
+    default_sender().send(url, chunks, timeout=timeout, keys=keys)
 
 
 # ── receiver ───────────────────────────────────────────────────────────────────

@@ -30,7 +30,12 @@ PROMPTS = {
     "truncated": _prompt(2, 150),
     "wrong_model": _prompt(3, 150),
     "wrong_layers": _prompt(4, 150),
+    # Its second chunk holds the same 64 tokens as "p"'s second chunk, after another first chunk: the same
+    # tokens, other KV. Only the file name (the prefix's hash) tells the two apart.
+    "replay": _prompt(6, 64) + SHARED[64:128] + _prompt(8, 22),
 }
+#: The refusals a keyed consumer meets (test_keyed_engines_load_only_chunks_signed_for_their_prefix).
+KEYED_PROMPTS = ("p", "q", "corrupt", "truncated", "wrong_model", "replay")
 
 
 def run_engine(
@@ -103,7 +108,54 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         sequential=True,
     )
     out["store"] = store  # type: ignore[assignment]
+    keyed = tmp / "keyed-store"
+    shutil.copytree(clean, keyed)
+    key_file = tmp / "fleet.key"
+    key_file.write_bytes(b"fleet key of the connector test, 32+ bytes\n")
+    key_file.chmod(0o600)
+    from hurray_vllm.chunks import load_keys
+
+    _sign_and_forge(keyed, load_keys(key_file))
+    out["keyed"] = run_engine(
+        tmp,
+        "keyed",
+        32,
+        {"hurray_path": str(keyed), "hurray_chunk_tokens": CHUNK, "hurray_key_file": str(key_file)},
+        {rid: PROMPTS[rid] for rid in KEYED_PROMPTS},
+    )
+    out["keyed_store"], out["key_file"] = keyed, key_file  # type: ignore[assignment]
     return out
+
+
+def _sign_and_forge(store: Path, keys: Any) -> None:
+    """Sign every chunk of ``store`` as a keyed producer would; then forge four, each as an attacker could.
+
+    * "corrupt": other KV with a correct checksum, unsigned (whoever can write the directory can do that);
+    * "truncated": a valid chunk signed with another fleet's key;
+    * "wrong_model": other KV, checksum recomputed, its old MAC kept;
+    * "replay": "p"'s second chunk, validly signed for "p", copied under "replay"'s second key (same tokens).
+    """
+    from hurray_vllm.chunks.digest import DIGEST_KEY, MAC_KEY, chunk_digest
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+
+    (ns,) = [p.name for p in store.iterdir()]
+    for path in (store / ns).glob("*.hrry"):
+        hv.save(sign_chunk(hv.load(path), keys, ns, path.stem), path)
+
+    def other_kv(snap: hv.KVSnapshot) -> hv.KVSnapshot:
+        pool = snap.keys[0].page_pool.clone()
+        pool += 1.0  # every key of layer 0 moved: attended, this changes the output
+        out = replace(snap, keys=[replace(snap.keys[0], page_pool=pool), *snap.keys[1:]])
+        return replace(out, extra={**out.extra, DIGEST_KEY: chunk_digest(out)})
+
+    first = {name: _store_files(store, PROMPTS[name], ns)[0] for name in ("corrupt", "truncated", "wrong_model")}
+    forged = other_kv(hv.load(first["corrupt"]))
+    hv.save(replace(forged, extra={k: v for k, v in forged.extra.items() if k != MAC_KEY}), first["corrupt"])
+    snap = hv.load(first["truncated"])
+    hv.save(sign_chunk(snap, FleetKeys.from_secrets(b"another fleet's key" + b"." * 16), ns, first["truncated"].stem),
+            first["truncated"])  # fmt: skip
+    hv.save(other_kv(hv.load(first["wrong_model"])), first["wrong_model"])
+    shutil.copyfile(_store_files(store, PROMPTS["p"], ns)[1], _store_files(store, PROMPTS["replay"], ns)[1])
 
 
 def test_a_local_prefix_hit_that_ends_mid_chunk_still_loads_the_rest(runs) -> None:  # type: ignore[no-untyped-def]
@@ -134,6 +186,32 @@ def test_producer_stores_a_shared_prefix_once(runs) -> None:  # type: ignore[no-
     assert stats["chunks_saved"] == sum(per_prompt.values()) - 2
     assert sched["chunks_skipped"] + stats["chunks_skipped"] >= 2
     assert runs["producer"]["outputs"] == runs["plain"]["outputs"]
+
+
+def test_keyed_engines_load_only_chunks_signed_for_their_prefix(runs) -> None:  # type: ignore[no-untyped-def]
+    """#21: forged, foreign-key and replayed chunks are refused and recomputed; signed ones load as before."""
+    r = runs["keyed"]
+    for rid in KEYED_PROMPTS:
+        assert r["outputs"][rid] == runs["plain"]["outputs"][rid], rid
+    # "p" and "q": signed by the fleet key (as a keyed producer signs) and loaded whole; "replay" its first chunk.
+    want = {"p": 192, "q": 192, "corrupt": 0, "truncated": 0, "wrong_model": 0, "replay": 64}
+    assert {rid: r["cached"][rid] for rid in KEYED_PROMPTS} == want, r["cached"]
+    stats = r["scheduler_stats"]
+    assert (stats["chunks_unsigned"], stats["chunks_other_key"], stats["chunks_bad_mac"]) == (1, 1, 2), stats
+    # The wrong MACs (forged or replayed) are moved aside and written again, signed; the unsigned and the
+    # other fleet's chunk stay where they are (not damage: their owners may load them).
+    assert stats["chunks_quarantined"] == 2
+    from hurray_vllm.chunks import check_data, load_keys
+
+    store, keys = runs["keyed_store"], load_keys(runs["key_file"])
+    (ns,) = [p.name for p in store.iterdir()]
+    for rid, index in (("wrong_model", 0), ("replay", 1)):
+        path = _store_files(store, PROMPTS[rid], ns)[index]
+        assert path.with_name(path.name + ".bad").exists(), rid
+        check_data(hv.load(path), keys, ns, path.stem)  # rewritten by the keyed engine, signed for its name
+    for rid in ("corrupt", "truncated"):
+        path = _store_files(store, PROMPTS[rid], ns)[0]
+        assert path.exists() and not path.with_name(path.name + ".bad").exists(), rid
 
 
 def test_bad_chunks_fall_back_to_recomputation(runs) -> None:  # type: ignore[no-untyped-def]

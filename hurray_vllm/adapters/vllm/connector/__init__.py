@@ -50,6 +50,21 @@ Extra config:
   worker of the same process) and at most an eighth of the process's
   open-file limit: each kept chunk keeps its file open (Python's mmap
   holds a descriptor while the mapping lives).
+* ``hurray_key_file`` (or ``$HURRAY_VLLM_KEY_FILE``): the fleet key file, or
+  a list of them (the first signs, all are accepted: key rotation). Every
+  chunk saved is signed; a chunk loaded or received without a valid MAC
+  under one of the keys is refused and recomputed (counted in
+  ``chunks_unsigned``, ``chunks_other_key``, ``chunks_bad_mac``). The
+  receiver of ``hurray_listen`` refuses them too, and takes connections
+  only from senders that authenticate with the key; pushes to
+  ``hurray_url`` authenticate. See :mod:`hurray_vllm.chunks.signing` and
+  :mod:`hurray_vllm.transport.security`.
+* TLS: ``hurray_url`` ``tls://HOST:PORT`` pushes over TLS, verifying the
+  receiver against ``hurray_tls_ca`` (default: the system's CAs), with
+  ``hurray_tls_cert`` / ``hurray_tls_key`` as client certificate (mutual
+  TLS). ``hurray_listen_tls_cert`` / ``hurray_listen_tls_key`` make the
+  ``hurray_listen`` receiver (tcp) serve TLS only;
+  ``hurray_listen_tls_client_ca`` also requires client certificates.
 
 Layout (as vLLM's own NIXL connector): :class:`HurrayConnector` is a thin
 facade. vLLM builds one per role; the scheduler role's holds a

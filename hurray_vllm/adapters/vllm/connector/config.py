@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ....chunks.signing import FleetKeys, load_keys
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.states import RecurrentStates
 from ....transport import CHANNELS, channel_of
 from ....transport.base import parse_listen
+from ....transport.security import TlsOptions, client_context, server_context
 from ..cache import cache_groups, is_grouped, unsupported_cache, unsupported_parallelism
 from ..states import declared_layout, state_groups
 
@@ -59,6 +61,40 @@ def _int(extra: Any, key: str, default: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise HurrayArgumentError(key, f"expected an integer, got {value!r}") from None
+
+
+def _tls_options(cfg: Any, url: Any, listen: Any, transport: str) -> tuple[TlsOptions | None, TlsOptions | None]:
+    """The TLS options of pushes and of the receiver, each checked by building its context once (at start)."""
+
+    def get(key: str) -> str | None:
+        value = cfg.get_from_extra_config(key, None)
+        return str(value) if value else None
+
+    push = TlsOptions(cert_file=get("hurray_tls_cert"), key_file=get("hurray_tls_key"), ca_file=get("hurray_tls_ca"))
+    if push == TlsOptions():
+        push_opts = None
+    elif not (url and str(url).startswith("tls://")):
+        raise HurrayArgumentError("hurray_tls_ca", "hurray_tls_* options need a tls://HOST:PORT hurray_url")
+    else:
+        push_opts = push
+    listen_opts = TlsOptions(
+        cert_file=get("hurray_listen_tls_cert"),
+        key_file=get("hurray_listen_tls_key"),
+        client_ca_file=get("hurray_listen_tls_client_ca"),
+    )
+    if listen_opts == TlsOptions():
+        return push_opts, None
+    if not listen or transport != "tcp":
+        raise HurrayArgumentError(
+            "hurray_listen_tls_cert", "hurray_listen_tls_* options need hurray_listen with the tcp transport"
+        )
+    try:
+        server_context(listen_opts)
+        if push_opts is not None:
+            client_context(push_opts)
+    except HurrayArgumentError as exc:
+        raise HurrayArgumentError("hurray_listen_tls_cert", str(exc)) from None
+    return push_opts, listen_opts
 
 
 @dataclass(frozen=True)
@@ -120,6 +156,15 @@ class HurrayConfig:
     state_layout: RecurrentStates | None = None
     #: ``tensor_parallel_size``: each worker saves and loads its ranks' KV heads (``kv.heads``).
     tp: int = 1
+    #: ``hurray_key_file`` (or ``$HURRAY_VLLM_KEY_FILE``): the fleet keys chunks are signed with and
+    #: checked against (:mod:`hurray_vllm.chunks.signing`); None: unsigned chunks, as before.
+    keys: FleetKeys | None = field(default=None, repr=False)
+    #: Pushes to a ``tls://`` hurray_url: ``hurray_tls_ca`` (CA bundle; default the system's), and for mutual
+    #: TLS ``hurray_tls_cert`` / ``hurray_tls_key`` (this engine's client certificate).
+    push_tls: TlsOptions | None = None
+    #: The hurray_listen receiver over TLS: ``hurray_listen_tls_cert`` / ``hurray_listen_tls_key``, and
+    #: ``hurray_listen_tls_client_ca`` to require client certificates (mutual TLS). None: plain TCP.
+    listen_tls: TlsOptions | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -196,6 +241,11 @@ class HurrayConfig:
                 if value < low:
                     raise HurrayArgumentError(key, f"must be at least {low:g}, got {value:g}")
                 limits[arg] = value if scale is None else int(value * scale)
+        key_files = cfg.get_from_extra_config("hurray_key_file", None)
+        if key_files is not None and not isinstance(key_files, (str, list, tuple)):
+            raise HurrayArgumentError("hurray_key_file", f"expected a path or a list of paths, got {key_files!r}")
+        keys = load_keys(key_files or None)  # read now: a missing or exposed key file stops the engine at start
+        push_tls, listen_tls = _tls_options(cfg, url, listen, transport)
         return cls(
             path=str(path),
             chunk_tokens=chunk,
@@ -218,4 +268,7 @@ class HurrayConfig:
             state_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none") if states else "",
             state_layout=declared_layout(kv_cache_config) if states else None,
             tp=tp,
+            keys=keys,
+            push_tls=push_tls,
+            listen_tls=listen_tls,
         )

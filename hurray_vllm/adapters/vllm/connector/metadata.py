@@ -87,6 +87,9 @@ class ConnectorStats:
     chunks_loaded: int = 0
     tokens_loaded: int = 0
     chunks_refused: int = 0
+    chunks_unsigned: int = 0  # refused (with hurray_key_file): no MAC; not moved aside
+    chunks_other_key: int = 0  # refused: signed with a key not in hurray_key_file; not moved aside
+    chunks_bad_mac: int = 0  # refused: wrong MAC (forged, copied under another name, damaged); moved aside
     bytes_saved: int = 0
     chunks_remembered: int = 0  # loads served by chunks verified earlier in this process (files not read again)
     chunks_quarantined: int = 0  # damaged chunk files moved aside (<key>.hrry.bad), so that they are written again

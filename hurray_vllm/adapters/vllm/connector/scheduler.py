@@ -15,11 +15,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ....chunks.store import DIGEST_MISMATCH, ChunkPart, DirectoryStore, chunk_keys, digest_matches, verify_chunk
+from ....chunks.digest import DIGEST_MISMATCH
+from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
+from ....chunks.store import ChunkPart, DirectoryStore, check_data, chunk_keys, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ReceiverBase, receiver_for
 from ....transport.base import parse_listen
+from ....transport.security import server_context
 from ..states import state_block, step_block
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
@@ -83,14 +86,16 @@ def is_damage(exc: BaseException) -> bool:
     """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
 
     Only a data error (:class:`HurrayFormatError`) is, and not a fingerprint
-    mismatch (another model's chunk is fine, just not ours). A caller error
+    mismatch (another model's chunk is fine, just not ours), nor a chunk
+    that is unsigned or signed with another fleet's key (fine for whoever
+    holds that key; a wrong MAC under a key of ours is damage). A caller error
     (:class:`HurrayArgumentError`), an ``OSError`` or any other exception says
     nothing about the file: a good chunk must never be quarantined for one.
     """
     return (
         isinstance(exc, HurrayFormatError)
         and not isinstance(exc, HurrayArgumentError)
-        and exc.field != "snapshot.fingerprint"
+        and exc.field not in ("snapshot.fingerprint", UNSIGNED, OTHER_KEY)
     )
 
 
@@ -139,7 +144,11 @@ class HurrayScheduler:
             return
         host, port = parse_listen(listen)  # checked by HurrayConfig
         limits = self._config.listen_limits
-        _RECEIVERS[listen] = receiver_for(self._config.listen_transport, host, port, self._store, **limits).start()
+        tls = server_context(self._config.listen_tls) if self._config.listen_tls is not None else None
+        options: dict[str, Any] = {"keys": self._config.keys, **limits}
+        if tls is not None:
+            options["tls"] = tls
+        _RECEIVERS[listen] = receiver_for(self._config.listen_transport, host, port, self._store, **options).start()
         log.info("hurray: receiving chunks on %s into %s", listen, self._config.path)
 
     def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:
@@ -150,6 +159,9 @@ class HurrayScheduler:
         that prefix, and no producer would replace it: the key exists.
         """
         self.stats.chunks_refused += 1
+        kind = refusal_kind(why) if isinstance(why, BaseException) else None
+        if kind is not None:  # chunks_unsigned, chunks_other_key, chunks_bad_mac
+            setattr(self.stats, f"chunks_{kind}", getattr(self.stats, f"chunks_{kind}") + 1)
         moved = self._store.quarantine(self._ns, key, damaged) if damaged is not None else None
         if moved is not None:
             self.stats.chunks_quarantined += 1
@@ -172,14 +184,14 @@ class HurrayScheduler:
         first = num_computed_tokens // self._chunk
         if self._awaits_push(state, keys, first):
             return None, False  # vLLM asks again at its next step
-        found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[bool] | None]]] = []
+        found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[None] | None]]] = []
         for i in range(first, len(keys)):
             parts = self._store.parts(self._ns, keys[i], self._heads)
             if parts is None:  # not stored, or a tensor-parallel slice still missing
                 break
             toks = tokens[i * self._chunk : (i + 1) * self._chunk]
             read: list[KVSnapshot] = []
-            checks: list[Future[bool] | None] = []
+            checks: list[Future[None] | None] = []
             try:
                 for part in parts:
                     snap, check = self._read_part(part, toks)
@@ -264,8 +276,12 @@ class HurrayScheduler:
         )
         return False
 
-    def _read_part(self, part: ChunkPart, tokens: list[int]) -> tuple[KVSnapshot, Future[bool] | None]:
-        """One file of a chunk, checked against its key's tokens; its checksum runs on the helper thread.
+    def _read_part(self, part: ChunkPart, tokens: list[int]) -> tuple[KVSnapshot, Future[None] | None]:
+        """One file of a chunk, checked against its key's tokens; its data check runs on the helper thread.
+
+        The data check (:func:`~hurray_vllm.chunks.verify.check_data`) is the
+        checksum, or with ``hurray_key_file`` the MAC, which covers the same
+        bytes and the file's name.
 
         A file remembered as verified (same identity) is not read again.
 
@@ -274,28 +290,30 @@ class HurrayScheduler:
                 other heads than its name says.
         """
         snap = VERIFIED.get(part.name, part.identity)
-        check: Future[bool] | None = None
+        check: Future[None] | None = None
         if snap is not None:
             self.stats.chunks_remembered += 1
         else:
             snap = self._store.get(self._ns, part.name)
-            check = _digest_pool().submit(digest_matches, snap)
+            check = _digest_pool().submit(check_data, snap, self._config.keys, self._ns, part.name)
         # Also for a remembered chunk: its key promises these tokens, the check costs little.
         verify_chunk(snap, self._fingerprint, tokens, digest=False, heads=part.heads)
         return snap, check
 
-    def _failed_check(self, parts: list[ChunkPart], checks: list[Future[bool] | None]) -> bool:
-        """Wait for the parts' checksums; refuse (and move aside) the first that fails. True if one did."""
+    def _failed_check(self, parts: list[ChunkPart], checks: list[Future[None] | None]) -> bool:
+        """Wait for the parts' data checks; refuse the first that fails (moved aside if damaged). True if one did."""
         for part, check in zip(parts, checks, strict=True):
             if check is None:
                 continue
             try:
-                ok = check.result()
-            except (HurrayFormatError, OSError) as exc:
-                self._refuse(part.name, exc)
+                check.result()
+            except HurrayFormatError as exc:
+                # A missing or old digest is refused, not moved: a newer writer's file may be fine.
+                damaged = (is_damage(exc) and exc.field != "snapshot.digest") or str(exc).endswith(DIGEST_MISMATCH)
+                self._refuse(part.name, exc, part.identity if damaged else None)
                 return True
-            if not ok:
-                self._refuse(part.name, DIGEST_MISMATCH, part.identity)
+            except OSError as exc:
+                self._refuse(part.name, exc)
                 return True
         return False
 

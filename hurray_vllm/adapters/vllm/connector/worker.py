@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ....chunks.signing import sign_chunk
 from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.heads import concat_heads, distinct_ranks, select_heads
@@ -28,6 +29,7 @@ from ....kv.repage import repage_snapshot
 from ....kv.snapshot import HeadRange, KVSnapshot, ModelFingerprint
 from ....kv.states import RecurrentStates
 from ....transport import ChunkSender, sender_for
+from ....transport.security import client_context
 from ..cache import (
     EngineCache,
     attention_layers,
@@ -222,8 +224,10 @@ class HurrayWorker:
         self._chunk = config.chunk_tokens
         self._block_size = config.block_size
         self._url = config.url
+        self._keys = config.keys
         # Made here: the NIXL sender starts UCX (~0.4 s), which must not happen inside a step.
-        self._sender: ChunkSender | None = sender_for(config.url) if config.url and config.saves else None
+        tls = client_context(config.push_tls) if config.push_tls is not None else None
+        self._sender: ChunkSender | None = sender_for(config.url, tls=tls) if config.url and config.saves else None
         self._async = config.save_async
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
@@ -398,7 +402,13 @@ class HurrayWorker:
                 now = self._store.identity(self._ns, name)
                 snap = self._store.get(self._ns, name)
                 verify_chunk(
-                    snap, self._fingerprint, task.tokens[c], heads=range(start, stop) if stop > start else None
+                    snap,
+                    self._fingerprint,
+                    task.tokens[c],
+                    heads=range(start, stop) if stop > start else None,
+                    keys=self._keys,
+                    namespace=self._ns,
+                    name=name,
                 )
                 if now is not None:
                     VERIFIED.put(name, now, snap, self._verified_cap)
@@ -504,7 +514,7 @@ class HurrayWorker:
                 pass
             return
         try:
-            self._sender.send(self._url, self._stored(ec, caches, rest, push=True))
+            self._sender.send(self._url, self._stored(ec, caches, rest, push=True), keys=self._keys)
         except (OSError, HurrayFormatError) as exc:
             self.stats.push_failures += 1
             self._push_paused_until = time.monotonic() + PUSH_BACKOFF_S
@@ -688,7 +698,9 @@ class HurrayWorker:
         )
         if self._my_heads is not None:
             snap = replace(snap, heads=self._my_heads)  # a rank's slice says which heads it holds
-        return replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
+        snap = replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
+        # task.key is the file's name (a rank's slice key at TP > 1): the MAC binds the chunk to it.
+        return sign_chunk(snap, self._keys, self._ns, task.key) if self._keys is not None else snap
 
     def _put(self, key: str, snap: KVSnapshot, replace: bool = False) -> None:
         if self._store.put(self._ns, key, snap, replace=replace):

@@ -1,0 +1,76 @@
+"""The checks a consumer runs on a stored or received chunk before it uses any of its KV.
+
+Two parts, run in this order by every consumer (the connector's scheduler
+and worker, the receivers, ``hurray-vllm validate`` and ``fsck``):
+
+* :func:`verify_chunk`: the chunk is this model's KV of exactly the tokens
+  its key promises, holding the heads its file name says;
+* :func:`check_data`: its bytes are intact, and with a fleet key
+  (:mod:`.signing`) they were written by a holder of the key for this very
+  namespace and name. The MAC covers what the checksum covers, so a keyed
+  consumer checks the MAC instead of the checksum, not on top of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import HurrayFormatError
+from ..kv.snapshot import KVSnapshot, ModelFingerprint
+from .digest import DIGEST_MISMATCH, check_heads, digest_matches
+from .signing import FleetKeys, check_signature
+
+__all__ = ["check_data", "verify_chunk"]
+
+
+def check_data(snap: KVSnapshot, keys: FleetKeys | None = None, namespace: str = "", name: str = "") -> None:
+    """Raise :class:`HurrayFormatError` unless ``snap``'s bytes are intact (and, with ``keys``, signed for its name).
+
+    Args:
+        snap: The chunk, as read or received.
+        keys: The consumer's fleet keys; ``None``: only the chunk digest is checked.
+        namespace: The chunk's namespace (its store directory).
+        name: Its file name in the store, without ``.hrry`` (a slice's includes its heads).
+
+    Raises:
+        HurrayFormatError: field ``snapshot.digest`` (damaged, or no or an old digest), or
+            one of :mod:`.signing`'s refusals (``snapshot.mac.unsigned``, ``snapshot.mac.key_id``,
+            ``snapshot.mac``).
+    """
+    if keys is not None:
+        check_signature(snap, keys, namespace, name)
+    elif not digest_matches(snap):
+        raise HurrayFormatError("snapshot.digest", DIGEST_MISMATCH)
+
+
+def verify_chunk(
+    snap: KVSnapshot,
+    fp: ModelFingerprint,
+    tokens: Sequence[int],
+    *,
+    digest: bool = True,
+    heads: range | None = None,
+    keys: FleetKeys | None = None,
+    namespace: str = "",
+    name: str = "",
+) -> None:
+    """Raise :class:`HurrayFormatError` unless ``snap`` is this model's KV of exactly ``tokens``.
+
+    ``digest=False`` leaves out the data check (:func:`check_data`: the
+    caller runs it itself, e.g. on another thread). ``heads``: the KV heads
+    the file must hold (a tensor-parallel slice's, as its name says).
+    ``keys``, ``namespace``, ``name``: see :func:`check_data`.
+    """
+    if snap.fingerprint is None:
+        raise HurrayFormatError("snapshot.fingerprint", "chunk carries no model fingerprint")
+    diffs = snap.fingerprint.mismatches(fp)
+    if diffs:
+        raise HurrayFormatError("snapshot.fingerprint", "chunk is from another model: " + "; ".join(diffs))
+    if snap.num_seqs != 1 or snap.seq_lens != [len(tokens)]:
+        raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
+    if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
+        raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
+    if heads is not None and not snap.is_latent:
+        check_heads(snap, heads)
+    if digest:
+        check_data(snap, keys, namespace, name)

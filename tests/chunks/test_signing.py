@@ -1,0 +1,219 @@
+"""Signed chunks (:mod:`hurray_vllm.chunks.signing`): key files, MACs bound to a name, keyed consumers' verdicts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hurray_vllm as hv
+from hurray_vllm import KVSnapshot, transport
+from hurray_vllm.app.cli import main
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks import DirectoryStore, fsck, store_snapshot
+from hurray_vllm.chunks.digest import digest_matches
+from hurray_vllm.chunks.keys import chunks_of, namespace_of
+from hurray_vllm.chunks.signing import (
+    BAD_MAC,
+    KEY_FILE_ENV,
+    MAC_KEY,
+    OTHER_KEY,
+    UNSIGNED,
+    FleetKeys,
+    check_signature,
+    load_keys,
+    refusal_kind,
+    sign_chunk,
+)
+from hurray_vllm.chunks.verify import check_data
+
+KEY_A = FleetKeys.from_secrets(b"a" * 32)
+KEY_B = FleetKeys.from_secrets(b"b" * 40)
+
+
+def _chunk() -> tuple[str, str, KVSnapshot]:
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    return namespace_of(chunk.fingerprint), key, chunk
+
+
+def _key_file(path: Path, secret: bytes, mode: int = 0o600) -> Path:
+    path.write_bytes(secret)
+    path.chmod(mode)
+    return path
+
+
+def _refusal(snap: KVSnapshot, keys: FleetKeys, ns: str, name: str) -> str | None:
+    try:
+        check_signature(snap, keys, ns, name)
+    except hv.HurrayFormatError as exc:
+        return exc.field
+    return None
+
+
+def test_a_signed_chunk_passes_for_its_name_only_and_under_its_keys_only() -> None:
+    ns, key, chunk = _chunk()
+    signed = sign_chunk(chunk, KEY_A, ns, key)
+    assert signed.extra[MAC_KEY].split(":")[1] == KEY_A.key_id
+    assert digest_matches(signed)  # the MAC is outside what the digest covers, and vice versa
+    assert _refusal(signed, KEY_A, ns, key) is None
+    assert _refusal(chunk, KEY_A, ns, key) == UNSIGNED
+    assert _refusal(signed, KEY_B, ns, key) == OTHER_KEY
+    # Copied under another chunk's key, another slice's name or into another namespace.
+    for where in ((ns, "ab" * 8), (ns, f"{key}.h0-1"), ("0" * 16, key)):
+        assert _refusal(signed, KEY_A, *where) == BAD_MAC
+    # A fresh nonce per signature: the same chunk signed twice carries two MACs, both valid.
+    again = sign_chunk(chunk, KEY_A, ns, key)
+    assert again.extra[MAC_KEY] != signed.extra[MAC_KEY] and _refusal(again, KEY_A, ns, key) is None
+
+
+def test_every_part_the_digest_covers_is_covered_by_the_mac() -> None:
+    ns, key, chunk = _chunk()
+    signed = sign_chunk(chunk, KEY_A, ns, key)
+    pool = signed.keys[0].page_pool.clone()
+    pool.view(torch.uint8).view(-1)[7] ^= 1
+    forged = [
+        replace(signed, keys=[replace(signed.keys[0], page_pool=pool), *signed.keys[1:]]),  # a page's bits
+        replace(signed, token_ids=[[t + 1 for t in signed.token_ids[0]]]),  # the tokens it claims
+        replace(signed, extra={**signed.extra, "note": "added"}),  # metadata
+    ]
+    for bad in forged:
+        assert _refusal(bad, KEY_A, ns, key) == BAD_MAC
+    # A well-formed forgery: the right checksum (recomputed by whoever wrote the file) but no key.
+    mac = signed.extra[MAC_KEY].split(":")
+    mac[3] = "00" * 16
+    assert _refusal(replace(signed, extra={**signed.extra, MAC_KEY: ":".join(mac)}), KEY_A, ns, key) == BAD_MAC
+    for junk in ("", "x", "poly1305-hs256/v1:zz:00:00", 42):
+        assert _refusal(replace(signed, extra={**signed.extra, MAC_KEY: junk}), KEY_A, ns, key) == BAD_MAC
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_any_flipped_bit_of_a_signed_chunk_file_is_refused(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    """Property: a signed chunk file with one bit flipped anywhere is refused, or reads as the very chunk signed.
+
+    (A few header bits do not change what is read: the file's minor version, flags an importer ignores.)
+    """
+    ns, key, chunk = _chunk()
+    store = DirectoryStore(tmp_path_factory.mktemp("flip"))
+    store.put(ns, key, sign_chunk(chunk, KEY_A, ns, key))
+    path = store.path(ns, key)
+    raw = bytearray(path.read_bytes())
+    at = data.draw(st.integers(0, len(raw) - 1), label="byte")
+    raw[at] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    path.write_bytes(bytes(raw))
+    try:
+        got = store.get(ns, key)
+        check_data(got, KEY_A, ns, key)
+    except hv.HurrayFormatError:
+        return
+    want = sign_chunk(chunk, KEY_A, ns, key)
+    assert got.token_ids == want.token_ids and got.seq_lens == want.seq_lens
+    assert {k: v for k, v in got.extra.items() if k != MAC_KEY} == {k: v for k, v in want.extra.items() if k != MAC_KEY}
+    for a, b in zip(got.tensors(), want.tensors(), strict=True):
+        assert a.descriptor(device_tag=0) == b.descriptor(device_tag=0)
+        assert torch.equal(a.page_pool.view(torch.uint8), b.page_pool.view(torch.uint8))
+        assert torch.equal(a.block_table, b.block_table) and torch.equal(a.seq_ptr, b.seq_ptr)
+
+
+def test_key_rotation_signs_with_the_first_key_and_accepts_every_one() -> None:
+    ns, key, chunk = _chunk()
+    ring = FleetKeys.from_secrets(b"n" * 32, b"a" * 32)  # new first, the old one still accepted
+    assert ring.ids[1] == KEY_A.key_id
+    assert _refusal(sign_chunk(chunk, KEY_A, ns, key), ring, ns, key) is None
+    new = sign_chunk(chunk, ring, ns, key)
+    assert new.extra[MAC_KEY].split(":")[1] == ring.key_id
+    assert _refusal(new, KEY_A, ns, key) == OTHER_KEY  # a reader that knows only the old key
+
+
+def test_key_files_are_checked_like_ssh_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = _key_file(tmp_path / "fleet.key", b"  " + b"k" * 32 + b"\n")  # surrounding whitespace is not key
+    assert load_keys(good) == FleetKeys.from_secrets(b"k" * 32)
+    assert "k" * 8 not in repr(load_keys(good))  # never printed
+    with pytest.raises(hv.HurrayArgumentError, match="chmod 600"):
+        load_keys(_key_file(tmp_path / "open.key", b"k" * 32, 0o640))
+    with pytest.raises(hv.HurrayArgumentError, match="at least 32"):
+        load_keys(_key_file(tmp_path / "short.key", b"k" * 31 + b"   "))
+    with pytest.raises(hv.HurrayArgumentError, match="cannot read"):
+        load_keys(tmp_path / "missing.key")
+    old = _key_file(tmp_path / "old.key", b"o" * 32)
+    assert load_keys(f"{good}{os.pathsep}{old}") == load_keys([good, old])
+    assert len(load_keys([good, old]).ids) == 2  # type: ignore[union-attr]
+    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    assert load_keys() is None
+    monkeypatch.setenv(KEY_FILE_ENV, str(good))
+    assert load_keys() == FleetKeys.from_secrets(b"k" * 32)
+
+
+def test_fsck_with_keys_moves_forgeries_aside_and_lists_other_fleets_chunks(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk()
+    store = DirectoryStore(tmp_path)
+    snap = spec_example_snapshot()
+    assert store_snapshot(store, snap, 4, keys=KEY_A) == 1
+    store.put(ns, "a1" * 8, chunk)  # unsigned
+    store.put(ns, "a2" * 8, sign_chunk(chunk, KEY_B, ns, "a2" * 8))  # another fleet's
+    store.put(ns, "a3" * 8, sign_chunk(chunk, KEY_A, ns, key))  # a copy under another key
+    report = fsck(store, keys=KEY_A, quarantine=True)
+    assert report.good == 1 and not report.clean
+    assert sorted(Path(p).name for p, _ in report.foreign) == ["a1" * 8 + ".hrry", "a2" * 8 + ".hrry"]
+    assert [Path(p).name for p, _ in report.damaged] == ["a3" * 8 + ".hrry"] and len(report.moved) == 1
+    assert store.has(ns, "a1" * 8) and store.has(ns, "a2" * 8) and not store.has(ns, "a3" * 8)
+    assert fsck(store).clean  # without a key all are good chunks
+
+
+def test_cli_validate_and_fsck_take_key_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ns, key, chunk = _chunk()
+    kf = str(_key_file(tmp_path / "a.key", b"a" * 32))
+    store = DirectoryStore(tmp_path / "store")
+    store.put(ns, key, sign_chunk(chunk, KEY_A, ns, key))
+    store.put(ns, "a1" * 8, chunk)
+    assert main(["validate", str(store.path(ns, key)), "--key-file", kf]) == 0
+    assert main(["validate", str(store.path(ns, "a1" * 8)), "--key-file", kf]) == 1
+    assert UNSIGNED in capsys.readouterr().out
+    assert main(["validate", str(store.path(ns, "a1" * 8))]) == 0  # no key: the checksum only
+    loose = tmp_path / "loose.hrry"
+    loose.write_bytes(store.path(ns, key).read_bytes())
+    assert main(["validate", str(loose), "--key-file", kf]) == 2  # no store name, nothing to bind the MAC to
+    assert main(["fsck", str(store.root), "--key-file", kf]) == 1
+    assert "not ours" in capsys.readouterr().out
+    _key_file(tmp_path / "a.key", b"a" * 32, 0o644)
+    assert main(["fsck", str(store.root), "--key-file", kf]) == 2
+    assert "chmod 600" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_a_keyed_receiver_stores_only_chunks_signed_for_their_name(channel: str, tmp_path: Path) -> None:
+    from conftest import require
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    ns, key, chunk = _chunk()
+    store = DirectoryStore(tmp_path)
+    with transport.receiver_for(channel, "127.0.0.1", 0, store, keys=KEY_A).start() as r:
+        url = f"{channel}://127.0.0.1:{r.address[1]}"
+        transport.send_chunks(url, [(ns, key, sign_chunk(chunk, KEY_A, ns, key))], keys=KEY_A)
+        assert store.has(ns, key)
+        for name, snap, why in (
+            ("a1" * 8, chunk, UNSIGNED),
+            ("a2" * 8, sign_chunk(chunk, KEY_B, ns, "a2" * 8), OTHER_KEY),
+            ("a3" * 8, sign_chunk(chunk, KEY_A, ns, key), BAD_MAC),  # replayed under another prefix's key
+        ):
+            with pytest.raises(hv.HurrayFormatError, match="refused") as info:
+                transport.send_chunks(url, [(ns, name, snap)], keys=KEY_A)
+            assert why in str(info.value) and not store.has(ns, name)
+        assert r.received == 1 and r.refused == 3
+
+
+def test_refusal_kinds_name_only_signature_refusals() -> None:
+    assert refusal_kind(hv.HurrayFormatError(UNSIGNED, "x")) == "unsigned"
+    assert refusal_kind(hv.HurrayFormatError(OTHER_KEY, "x")) == "other_key"
+    assert refusal_kind(hv.HurrayFormatError(BAD_MAC, "x")) == "bad_mac"
+    assert refusal_kind(hv.HurrayFormatError("snapshot.digest", "x")) is None
+    assert refusal_kind(ValueError()) is None

@@ -1,0 +1,177 @@
+"""Trust on the wire (:mod:`hurray_vllm.transport.security`): TLS for TCP, and keyed sender authentication."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import ssl
+import time
+from pathlib import Path
+
+import pytest
+
+import hurray_vllm as hv
+from hurray_vllm import KVSnapshot, transport
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks.keys import chunks_of, namespace_of
+from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+from hurray_vllm.chunks.store import DirectoryStore
+from hurray_vllm.transport.security import TlsOptions, client_context, server_context
+
+KEYS = FleetKeys.from_secrets(b"s" * 32)
+OTHER = FleetKeys.from_secrets(b"t" * 32)
+
+
+def _chunk(keys: FleetKeys | None = KEYS) -> tuple[str, str, KVSnapshot]:
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns = namespace_of(chunk.fingerprint)
+    return ns, key, sign_chunk(chunk, keys, ns, key) if keys is not None else chunk
+
+
+def _pki(root: Path, name: str) -> dict[str, str]:
+    """A CA and a certificate for 127.0.0.1 / localhost signed by it, as PEM files under ``root``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    Key = ec.EllipticCurvePrivateKey
+
+    def cert(subject: str, key: Key, issuer: x509.Name | None, signer: Key, ca: bool) -> x509.Certificate:
+        subj = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(subj)
+            .issuer_name(issuer or subj)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            import ipaddress
+
+            alt = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            b = b.add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        else:
+            b = b.add_extension(
+                x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+            )
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, leaf_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert(f"{name} CA", ca_key, None, ca_key, True)
+    leaf = cert(f"{name} leaf", leaf_key, ca.subject, ca_key, False)
+    out = {}
+    for label, obj in (("ca", ca), ("cert", leaf)):
+        path = root / f"{name}-{label}.pem"
+        path.write_bytes(obj.public_bytes(serialization.Encoding.PEM))
+        out[label] = str(path)
+    key_path = root / f"{name}-key.pem"
+    key_path.write_bytes(
+        leaf_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    out["key"] = str(key_path)
+    return out
+
+
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_a_keyed_receiver_serves_only_senders_that_hold_a_key(channel: str, tmp_path: Path) -> None:
+    from conftest import require
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    ns, key, chunk = _chunk()
+    store = DirectoryStore(tmp_path)
+    with transport.receiver_for(channel, "127.0.0.1", 0, store, keys=KEYS).start() as r:
+        url = f"{channel}://127.0.0.1:{r.address[1]}"
+        with pytest.raises(hv.HurrayFormatError, match="fleet key"):
+            transport.send_chunks(url, [(ns, key, chunk)])  # no key: refused before any chunk
+        with pytest.raises(hv.HurrayFormatError, match="authentication failed"):
+            transport.send_chunks(url, [(ns, key, chunk)], keys=OTHER)
+        assert not store.has(ns, key) and r.refused == 2 and r.received == 0
+        # Rotation: a receiver whose ring holds the sender's key among others takes it.
+        r.keys = FleetKeys.from_secrets(b"n" * 32, b"s" * 32)
+        transport.send_chunks(url, [(ns, key, chunk)], keys=KEYS)
+        assert store.has(ns, key) and r.received == 1
+
+
+def test_a_receiver_without_keys_takes_keyed_senders_as_before(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk()
+    with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path)).start() as r:
+        transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [(ns, key, chunk)], keys=KEYS)
+        assert r.received == 1
+
+
+def test_a_forged_handshake_response_is_refused(tmp_path: Path) -> None:
+    """A peer that knows the key id (it is public) but not the secret cannot answer the challenge."""
+    with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), keys=KEYS).start() as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=5) as s:
+            s.sendall(b"HVA1" + KEYS.key_id.encode())
+            challenge = b""
+            while len(challenge) < 32:
+                challenge += s.recv(32 - len(challenge))
+            s.sendall(challenge)  # echoing the challenge, or anything else without the secret
+            assert s.recv(2) == b"ER"
+        assert r.refused == 1 and "authentication failed" in (r.last_error or "")
+
+
+def test_tls_pushes_verify_the_receiver_and_a_tls_receiver_refuses_plaintext(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk(None)
+    server, rogue = _pki(tmp_path, "fleet"), _pki(tmp_path, "rogue")
+    store = DirectoryStore(tmp_path / "store")
+    tls = server_context(TlsOptions(server["cert"], server["key"]))
+    with transport.receiver_for("tcp", "127.0.0.1", 0, store, tls=tls).start() as r:
+        port = r.address[1]
+        trusted = client_context(TlsOptions(ca_file=server["ca"]))
+        transport.send_chunks(f"tls://127.0.0.1:{port}", [(ns, key, chunk)], tls=trusted)
+        assert store.has(ns, key) and r.received == 1
+        # Plaintext to a TLS receiver: refused (the handshake fails), nothing stored.
+        with pytest.raises((hv.HurrayFormatError, OSError)):
+            transport.send_chunks(f"tcp://127.0.0.1:{port}", [(ns, "ab" * 8, chunk)], timeout=5)
+        # A receiver the sender's CA did not sign (the wrong CA): the push fails on the sender's side.
+        with pytest.raises(ssl.SSLCertVerificationError):
+            transport.send_chunks(
+                f"tls://127.0.0.1:{port}", [(ns, "cd" * 8, chunk)], tls=client_context(TlsOptions(ca_file=rogue["ca"]))
+            )
+        assert not store.has(ns, "ab" * 8) and not store.has(ns, "cd" * 8)
+        deadline = time.monotonic() + 5  # the receiver's side of the aborted handshake ends on its own thread
+        while r.refused < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert r.refused == 2 and "receiver.tls" in (r.last_error or "")
+
+
+def test_mutual_tls_requires_a_client_certificate_of_the_client_ca(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk(None)
+    server, client, rogue = _pki(tmp_path, "server"), _pki(tmp_path, "client"), _pki(tmp_path, "rogue")
+    tls = server_context(TlsOptions(server["cert"], server["key"], client_ca_file=client["ca"]))
+    store = DirectoryStore(tmp_path / "store")
+    with transport.receiver_for("tcp", "127.0.0.1", 0, store, tls=tls).start() as r:
+        url = f"tls://127.0.0.1:{r.address[1]}"
+        for who in (None, rogue):
+            opts = TlsOptions(ca_file=server["ca"], cert_file=who["cert"] if who else None,
+                              key_file=who["key"] if who else None)  # fmt: skip
+            with pytest.raises((hv.HurrayFormatError, OSError)):
+                transport.send_chunks(url, [(ns, key, chunk)], tls=client_context(opts), timeout=5)
+        assert not store.has(ns, key)
+        opts = TlsOptions(ca_file=server["ca"], cert_file=client["cert"], key_file=client["key"])
+        transport.send_chunks(url, [(ns, key, chunk)], tls=client_context(opts), keys=KEYS)
+        assert store.has(ns, key)
+
+
+def test_tls_options_name_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(hv.HurrayArgumentError, match="certificate and its private key"):
+        server_context(TlsOptions(cert_file="x.pem"))
+    with pytest.raises(hv.HurrayArgumentError, match="cannot load certificate"):
+        server_context(TlsOptions(cert_file=str(tmp_path / "no.pem"), key_file=str(tmp_path / "no.key")))
+    with pytest.raises(hv.HurrayArgumentError, match="CA bundle"):
+        client_context(TlsOptions(ca_file=str(tmp_path / "no-ca.pem")))
+    with pytest.raises(hv.HurrayArgumentError, match="tls"):
+        transport.receiver_for("nixl", "127.0.0.1", 0, DirectoryStore(tmp_path), tls=ssl.create_default_context())
+    assert transport.channel_of("tls://h:1") == "tcp"
