@@ -1,4 +1,4 @@
-"""Move one >= 256 MiB KV chunk between two local processes: TCP transport vs NIXL vs an in-process ``copy_``.
+"""Move one >= 256 MiB KV chunk between two local processes: TCP (plain and TLS) vs NIXL vs an in-process ``copy_``.
 
     python scripts/bench_transport.py [--mib 256] [--repeat 3] [--out bench.json]
 
@@ -6,7 +6,8 @@ This process hosts the receivers (``hurray_vllm.transport.tcp.Receiver`` and
 ``hurray_vllm.transport.nixl.NixlReceiver``) with a store that keeps nothing;
 a sender subprocess builds the same chunk (32 layers, bf16, random bytes, its
 chunk digest) and, round after round, copies its page pools in process
-(``copy_`` into preallocated pools), pushes it over TCP, over NIXL with UCX's
+(``copy_`` into preallocated pools), pushes it over TCP, over TCP inside TLS
+(``tls://``, a throwaway certificate; issue #21), over NIXL with UCX's
 default peer error handling, and over NIXL with ``ucx_error_handling_mode=none``
 (which lets UCX use shared memory). A first round warms up connections and
 registrations and is not counted.
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from hurray_vllm import BlockPagedTensor, KVSnapshot, ModelFingerprint, SnapshotSource  # noqa: E402
 from hurray_vllm.chunks.store import chunk_digest, chunks_of, namespace_of  # noqa: E402
 from hurray_vllm.transport import tcp  # noqa: E402
+from hurray_vllm.transport.security import TlsOptions, client_context, server_context  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 16
 
@@ -115,7 +117,8 @@ def sender(args: argparse.Namespace) -> None:
         "nixl": NixlSender(),
         "nixl_shm": NixlSender(backend_params={"ucx_error_handling_mode": "none"}),
     }
-    runs: dict[str, Any] = {"copy_": {}, "tcp": [], "nixl": [], "nixl_shm": []}
+    runs: dict[str, Any] = {"copy_": {}, "tcp": [], "tls": [], "nixl": [], "nixl_shm": []}
+    tls = client_context(TlsOptions(ca_file=args.tls_ca))
     default_threads = torch.get_num_threads()
     for rnd in range(args.repeat + 1):
         # copy_ with torch's default threads and with one thread (on a small, busy machine
@@ -132,7 +135,10 @@ def sender(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         tcp.send_chunks(args.tcp_url, [(ns, key, chunk)], timeout=300)
         tcp_s = time.perf_counter() - t
-        out: dict[str, Any] = {"copy_": copy_s, "tcp": tcp_s}
+        t = time.perf_counter()
+        tcp.send_chunks(args.tls_url, [(ns, key, chunk)], timeout=300, tls=tls)
+        tls_s = time.perf_counter() - t
+        out: dict[str, Any] = {"copy_": copy_s, "tcp": tcp_s, "tls": tls_s}
         for name, s in senders.items():
             t = time.perf_counter()
             (st,) = s.send(args.nixl_url, [(ns, key, chunk)], timeout=300)
@@ -165,6 +171,8 @@ def main() -> None:
     ap.add_argument("--role", default="main", help=argparse.SUPPRESS)
     ap.add_argument("--tcp-url", help=argparse.SUPPRESS)
     ap.add_argument("--nixl-url", help=argparse.SUPPRESS)
+    ap.add_argument("--tls-url", help=argparse.SUPPRESS)
+    ap.add_argument("--tls-ca", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "sender":
         sender(args)
@@ -188,8 +196,21 @@ def main() -> None:
     tcp.read_stream = timed(tcp.read_stream, "receive_s")
     tcp.digest_matches = timed(tcp.digest_matches, "digest_s")
 
-    tcp_store, nixl_store = NullStore(), NullStore()
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from pki import make_pki
+
+    pki_dir = tempfile.mkdtemp(prefix="bench_transport_pki.")
+    pki = make_pki(Path(pki_dir), "bench")
+    tcp_store, nixl_store, tls_store = NullStore(), NullStore(), NullStore()
     tcp_rx = tcp.Receiver("127.0.0.1", 0, tcp_store).start()  # type: ignore[arg-type]
+    tls_rx = tcp.Receiver(
+        "127.0.0.1",
+        0,
+        tls_store,  # type: ignore[arg-type]
+        tls=server_context(TlsOptions(pki["cert"], pki["key"])),
+    ).start()
     nixl_rx = NixlReceiver("127.0.0.1", 0, nixl_store, timeout=300).start()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UCX_LOG_LEVEL": "info"}
     cmd = [
@@ -200,17 +221,25 @@ def main() -> None:
         f"--repeat={args.repeat}",
         f"--tcp-url=tcp://127.0.0.1:{tcp_rx.address[1]}",
         f"--nixl-url=nixl://127.0.0.1:{nixl_rx.address[1]}",
+        f"--tls-url=tls://127.0.0.1:{tls_rx.address[1]}",
+        f"--tls-ca={pki['ca']}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     tcp_rx.stop()
+    tls_rx.stop()
     nixl_rx.stop()
+    import shutil
+
+    shutil.rmtree(pki_dir, ignore_errors=True)
     if proc.returncode:
         sys.exit(f"sender failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     res = json.loads(line[len("RESULT ") :])
     lanes = [x.split("UCX  INFO", 1)[1].strip() for x in (proc.stdout + proc.stderr).splitlines() if "cfg#1" in x]
     n, runs = res["nbytes"], res["runs"]
-    assert tcp_store.count == args.repeat + 1 and nixl_store.count == 2 * (args.repeat + 1)
+    # Each round pushes over TCP, then over TLS (the same receiver code): the TCP pushes' phases are every other.
+    phases = {k: v[0::2] for k, v in phases.items()}
+    assert tcp_store.count == tls_store.count == args.repeat + 1 and nixl_store.count == 2 * (args.repeat + 1)
 
     out: dict[str, Any] = {
         "bytes": n,
@@ -239,6 +268,7 @@ def main() -> None:
                 statistics.median(t - d for t, d in zip(runs["tcp"], phases["digest_s"][1:])), 4
             ),
         },
+        "tls": summary(runs["tls"], n),
         "receiver_digest_GBps": round(n / statistics.median(phases["digest_s"][1:]) / 1e9, 3),
     }
     for name in ("nixl", "nixl_shm"):
@@ -254,6 +284,8 @@ def main() -> None:
         }
     tcp_med, copy_med = out["tcp"]["median_s"], out["copy_"]["median_s"]
     out["ratios"] = {
+        # Recorded, no goal (#21): what TLS (AES-GCM, one core each side) costs against plain TCP.
+        "tls_throughput_over_tcp": round(tcp_med / out["tls"]["median_s"], 2),
         "nixl_over_tcp": round(tcp_med / out["nixl"]["median_s"], 2),
         "nixl_over_copy_": round(copy_med / out["nixl"]["median_s"], 2),
         "nixl_shm_over_tcp": round(tcp_med / out["nixl_shm"]["median_s"], 2),

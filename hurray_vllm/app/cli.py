@@ -455,13 +455,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     if not Path(args.dir).is_dir():
         raise FileNotFoundError(2, "No such directory", args.dir)
-    report = DirectoryStore(args.dir).prune(args.max_size, dry_run=args.dry_run)
+    report = DirectoryStore(args.dir).prune(args.max_size, dry_run=args.dry_run, keys=_keys(args))
     if args.json:
         print(json.dumps(vars(report)))
     elif not args.quiet:
         verb = "would delete" if report.dry_run else "deleted"
         print(
-            f"{verb} {report.chunks_removed} chunks, {report.bad_removed} damaged and {report.temp_removed} "
+            f"{verb} {report.chunks_removed} chunks ({report.foreign_removed} not signed with the key), "
+            f"{report.bad_removed} damaged and {report.temp_removed} "
             f"stale temporary files ({report.bytes_removed / 2**20:.1f} MiB); "
             f"{report.chunks_kept} chunks ({report.bytes_kept / 2**20:.1f} MiB) remain"
         )
@@ -615,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
     s.add_argument("--max-size", type=_size, required=True, help="bytes to keep at most: 500M, 20G, 1.5T, ...")
     s.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+    _add_key_file(s, "chunks no key of the ring signed are deleted first")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_prune)

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import HurrayArgumentError
+from ..errors import HurrayArgumentError, HurrayFormatError
+from .digest import MAC_KEY
 from .keys import split_slice_key
+from .signing import FleetKeys, parse_mac
 
 if TYPE_CHECKING:
     from .store import DirectoryStore
@@ -25,6 +27,8 @@ class PruneReport:
     bytes_kept: int
     chunks_kept: int
     chunks_removed: int = 0
+    #: With keys: chunks no key of the ring signed (unsigned, another fleet's, unreadable), deleted first.
+    foreign_removed: int = 0
     bad_removed: int = 0
     temp_removed: int = 0
     bytes_removed: int = 0
@@ -33,9 +37,10 @@ class PruneReport:
 
     def add(self, kind: str, size: int) -> None:
         """Count a deleted file of ``size`` bytes: ``kind`` is ``"chunk"``, ``"bad"`` (moved aside) or else a temp."""
-        if kind == "chunk":
+        if kind in ("chunk", "foreign"):
             self.chunks_removed += 1
             self.chunks_kept -= 1
+            self.foreign_removed += kind == "foreign"
         elif kind == "bad":
             self.bad_removed += 1
         else:
@@ -47,7 +52,14 @@ class PruneReport:
 MIN_STALE_TEMP_S = 60.0
 
 
-def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0, dry_run: bool = False) -> PruneReport:
+def prune(
+    store: DirectoryStore,
+    max_bytes: int,
+    *,
+    stale_temp_s: float = 3600.0,
+    dry_run: bool = False,
+    keys: FleetKeys | None = None,
+) -> PruneReport:
     """Delete the least recently used chunks until the store holds at most ``max_bytes``.
 
     Also deletes damaged files moved aside (``*.hrry.bad``) and temporary
@@ -60,7 +72,11 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
     stops at the first missing one), so its tail goes first. Safe while
     engines use the store: a chunk deleted under an engine that mapped it
     stays readable for that engine, and later lookups miss it.
-    ``dry_run`` only reports. Bytes are file sizes. A namespace or file
+    ``dry_run`` only reports. With ``keys``, chunks that no key of the ring
+    signed (unsigned, another fleet's, or unreadable: what a keyed engine
+    would refuse) are deleted first, whatever the size; only the key id a
+    file names is read, not its MAC checked (``fsck`` does that). Bytes are
+    file sizes. A namespace or file
     that cannot be read or deleted (permissions) is listed in
     ``report.skipped`` and the rest is pruned.
     """
@@ -105,6 +121,16 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
     # most recent use; a lone slice would be kept bytes that can never load.
     for group in files.values():
         chunks.append((max(t for t, _, _ in group), sum(size for _, size, _ in group), group))
+    if keys is not None:
+        ours = []
+        for chunk in chunks:
+            if all(_signed_by(path, keys) for _, _, path in chunk[2]):
+                ours.append(chunk)
+            else:
+                doomed.extend(("foreign", file_size, path) for _, file_size, path in chunk[2])
+        foreign, chunks = len(chunks) - len(ours), ours
+    else:
+        foreign = 0
     chunks.sort(key=lambda c: (c[0], c[1]))
     total = sum(size for _, size, _ in chunks)
     for _, size, group in chunks:
@@ -112,7 +138,7 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
             break
         doomed.extend(("chunk", file_size, path) for _, file_size, path in group)
         total -= size
-    report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=len(chunks), skipped=skipped)
+    report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=len(chunks) + foreign, skipped=skipped)
     for kind, size, path in doomed:
         if not dry_run:
             try:
@@ -121,11 +147,22 @@ def prune(store: DirectoryStore, max_bytes: int, *, stale_temp_s: float = 3600.0
                 pass
             except OSError as exc:
                 report.skipped.append(f"{path}: {exc.strerror or exc}")
-                if kind == "chunk":
+                if kind in ("chunk", "foreign"):
                     report.bytes_kept += size
                 continue
         report.add(kind, size)
     return report
+
+
+def _signed_by(path: Path, keys: FleetKeys) -> bool:
+    """Whether the chunk file at ``path`` names a key of ``keys`` as its signer (its MAC is not checked here)."""
+    from ..containers.io import load
+
+    try:
+        key_id, _, _ = parse_mac(load(path, mmap=True).extra.get(MAC_KEY))
+    except (HurrayFormatError, OSError, ValueError):
+        return False
+    return key_id in keys.ids
 
 
 def _chunk_of(name: str) -> str:

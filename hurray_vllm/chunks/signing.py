@@ -64,6 +64,7 @@ __all__ = [
     "load_keys",
     "sign_chunk",
     "check_signature",
+    "parse_mac",
     "refusal_kind",
 ]
 
@@ -93,8 +94,8 @@ class FleetKeys:
 
     Rotation: put the new key first and keep the old one second until every
     writer signs with the new one and the old chunks are pruned
-    (``hurray-vllm prune --key-file NEW`` removes chunks no key of the ring
-    signed), then drop it. The secrets never appear in ``repr``.
+    (``hurray-vllm prune --key-file NEW`` deletes chunks no key of that ring
+    signed first), then drop it. The secrets never appear in ``repr``.
 
     Attributes:
         secrets: The keys, each at least :data:`MIN_KEY_BYTES` bytes.

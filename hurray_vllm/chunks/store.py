@@ -137,14 +137,16 @@ class DirectoryStore:
         write_file(snapshot_records(snap), target, fsync=False)
         return True
 
-    def prune(self, max_bytes: int, *, stale_temp_s: float = 3600.0, dry_run: bool = False) -> PruneReport:
+    def prune(
+        self, max_bytes: int, *, stale_temp_s: float = 3600.0, dry_run: bool = False, keys: FleetKeys | None = None
+    ) -> PruneReport:
         """Delete the least recently used chunks until the store holds at most ``max_bytes``.
 
         See :func:`hurray_vllm.chunks.prune.prune`, which this calls.
         """
         from .prune import prune
 
-        return prune(self, max_bytes, stale_temp_s=stale_temp_s, dry_run=dry_run)
+        return prune(self, max_bytes, stale_temp_s=stale_temp_s, dry_run=dry_run, keys=keys)
 
     def parts(self, namespace: str, key: str, num_kv_heads: int) -> list[ChunkPart] | None:
         """The files that together hold every KV head of chunk ``key``, or ``None`` if no such set is stored.

@@ -217,3 +217,21 @@ def test_refusal_kinds_name_only_signature_refusals() -> None:
     assert refusal_kind(hv.HurrayFormatError(BAD_MAC, "x")) == "bad_mac"
     assert refusal_kind(hv.HurrayFormatError("snapshot.digest", "x")) is None
     assert refusal_kind(ValueError()) is None
+
+
+def test_prune_with_keys_deletes_the_chunks_no_key_of_the_ring_signed_first(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, sign_chunk(chunk, KEY_A, ns, key))
+    store.put(ns, "a1" * 8, chunk)  # unsigned
+    store.put(ns, "a2" * 8, sign_chunk(chunk, KEY_B, ns, "a2" * 8))  # another fleet's
+    (tmp_path / ns / ("a3" * 8 + ".hrry")).write_bytes(b"not a chunk")
+    report = store.prune(1 << 40, keys=KEY_A, dry_run=True)
+    assert report.foreign_removed == 3 and report.chunks_kept == 1 and store.has(ns, "a1" * 8)
+    assert store.prune(1 << 40).chunks_removed == 0  # without keys every chunk is one to keep
+    ring = FleetKeys.from_secrets(b"a" * 32, b"b" * 40)
+    assert store.prune(1 << 40, keys=ring).foreign_removed == 2
+    assert store.has(ns, key) and store.has(ns, "a2" * 8) and not store.has(ns, "a1" * 8)
+    kf = str(_key_file(tmp_path.parent / "prune.key", b"a" * 32))
+    assert main(["prune", str(tmp_path), "--max-size", "1T", "--key-file", kf, "-q"]) == 0
+    assert store.has(ns, key) and not store.has(ns, "a2" * 8)
