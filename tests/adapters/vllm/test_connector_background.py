@@ -141,7 +141,7 @@ class _Sender:
     def unregister(self, ts: Sequence[torch.Tensor]) -> None:
         self.calls.append(("unregister", [t.data_ptr() for t in ts]))
 
-    def send(self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0) -> None:
+    def send(self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0, keys: Any = None) -> None:
         from hurray_vllm.transport.nixl import NixlError
 
         self.sends += 1
@@ -165,6 +165,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._push_paused_until, c._windows, c._inflight = 0.0, (), set()
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
+    c._keys = None  # an unkeyed fleet
 
     def export(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
         assert reuse
