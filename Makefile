@@ -43,7 +43,8 @@ test-fast: install
 FUZZ_EXAMPLES ?= 15000
 fuzz: install
 	HURRAY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider --hypothesis-seed=0 \
-		tests/containers/test_hostile.py tests/chunks/test_integrity.py tests/transport/test_tcp.py
+		tests/containers/test_hostile.py tests/chunks/test_integrity.py tests/transport/test_tcp.py \
+		tests/transport/test_fuzz.py tests/chunks/test_signing.py
 
 # On a CUDA machine with flash-attn / FlashInfer installed.
 test-gpu: install

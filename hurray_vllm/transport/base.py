@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..chunks.digest import check_heads
+from ..chunks.keys import namespace_of
 from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
 from ..errors import HurrayFormatError
@@ -420,11 +421,15 @@ class ReceiverBase(abc.ABC):
         bytes, off any engine's critical path).
 
         Raises:
-            HurrayFormatError: the heads differ from the key's (field ``snapshot.heads``), or
+            HurrayFormatError: the heads differ from the key's (field ``snapshot.heads``), the
+                chunk's model is not the namespace's (``snapshot.fingerprint``), or
                 (with ``keys``) the chunk is unsigned, signed with another key or its MAC is
                 wrong (fields of :mod:`hurray_vllm.chunks.signing`).
         """
         check_heads(snap, check_names(ns, key))
+        if snap.fingerprint is None or namespace_of(snap.fingerprint) != ns:
+            # No consumer of this namespace would take it (another model's chunk): not worth the disk.
+            raise HurrayFormatError("snapshot.fingerprint", f"chunk's model does not belong in namespace {ns}")
         if self.keys is not None:
             check_signature(snap, self.keys, ns, key)
         self.store.put(ns, key, snap)

@@ -32,6 +32,7 @@ from hurray_vllm.chunks.signing import (
 )
 from hurray_vllm.chunks.verify import check_data
 
+FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "40"))
 KEY_A = FleetKeys.from_secrets(b"a" * 32)
 KEY_B = FleetKeys.from_secrets(b"b" * 40)
 
@@ -92,7 +93,7 @@ def test_every_part_the_digest_covers_is_covered_by_the_mac() -> None:
         assert _refusal(replace(signed, extra={**signed.extra, MAC_KEY: junk}), KEY_A, ns, key) == BAD_MAC
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(st.data())
 def test_any_flipped_bit_of_a_signed_chunk_file_is_refused(
     tmp_path_factory: pytest.TempPathFactory, data: st.DataObject

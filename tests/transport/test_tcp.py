@@ -214,7 +214,7 @@ def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_hea
         return replace(s, extra={**s.extra, DIGEST_KEY: chunk_digest(s)})
 
     low, high = (signed(select_heads(whole, range(a, b))) for a, b in ((0, 2), (2, 4)))
-    ns, key, store = "ab" * 8, "cd" * 8, receiver.store
+    ns, key, store = namespace_of(whole.fingerprint), "cd" * 8, receiver.store
     assert isinstance(store, DirectoryStore)
     transport.send_chunks(url, [(ns, slice_key(key, range(0, 2)), low), (ns, slice_key(key, range(2, 4)), high)])
     parts = store.parts(ns, key, 4)

@@ -46,6 +46,7 @@ __all__ = [
     "Offer",
     "encode_offer",
     "encode_snapshot_offer",
+    "assemble_offer",
     "parse_offer",
     "parse_nixl_url",
     "notif_tag",
@@ -215,6 +216,34 @@ class Offer:
     #: per record, per buffer: an inline uint8 tensor or the index of a remote buffer
     buffers: list[list[torch.Tensor | int]]
     remote_sizes: list[int]
+
+
+def assemble_offer(offer: Offer, views: list[torch.Tensor]) -> tuple[KVSnapshot, str]:
+    """The snapshot an offer describes, with ``views`` (one per announced pool, not yet written) as its pools.
+
+    Returns the snapshot and its chunk digest string. Everything but the
+    pools' bytes is checked here, before any transfer: the records form a
+    chunk (as a stream's would), the digest is one this version checks, and
+    the announced pools are exactly the snapshot's page pools.
+
+    Raises:
+        HurrayFormatError: any of those fails.
+    """
+    from ...chunks.digest import DIGEST_KEY, ChunkDigest, digest_tensors
+    from ...containers.schema import assemble_snapshot, group_records
+
+    records = [
+        Record("", d, [views[b] if isinstance(b, int) else b for b in bufs])
+        for d, bufs in zip(offer.descriptors, offer.buffers, strict=True)
+    ]
+    snap = assemble_snapshot(group_records(records))
+    want = snap.extra.get(DIGEST_KEY)
+    ChunkDigest.like(want)  # refuses a missing or unknown digest before any transfer
+    where = {v.data_ptr(): i for i, v in enumerate(views)}
+    used = [where.get(t.page_pool.data_ptr()) for t in digest_tensors(snap) if t.page_pool.numel()]
+    if sorted(i for i in used if i is not None) != list(range(len(views))):
+        raise HurrayFormatError("transport.offer", "the announced page pools are not the snapshot's")
+    return snap, str(want)
 
 
 def parse_offer(body: bytearray, max_remote_bytes: int) -> Offer:

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from ...chunks.digest import DIGEST_KEY, ChunkDigest, digest_header, digest_tensors
+from ...chunks.digest import ChunkDigest, digest_header, digest_tensors
 from ...chunks.store import ChunkStore
-from ...containers.schema import Record, assemble_snapshot, group_records
 from ...containers.stream import tensor_bytes
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ..base import (
@@ -32,7 +31,7 @@ from ..base import (
     send_error,
 )
 from .agent import NixlError, make_agent
-from .offer import MAGIC, MAX_OFFER_BYTES, NOTIF_PREFIX, parse_offer
+from .offer import MAGIC, MAX_OFFER_BYTES, NOTIF_PREFIX, assemble_offer, parse_offer
 
 __all__ = ["NixlReceiver", "DEFAULT_ARENA_BYTES"]
 
@@ -322,20 +321,13 @@ class NixlReceiver(ReceiverBase):
             views: list[torch.Tensor] = []
             if offer.remote_sizes:
                 slab, views = self.arena.take(offer.remote_sizes)
-            records = [
-                Record("", d, [views[b] if isinstance(b, int) else b for b in bufs])
-                for d, bufs in zip(offer.descriptors, offer.buffers)
-            ]
-            snap = assemble_snapshot(group_records(records))
-            want = snap.extra.get(DIGEST_KEY)
-            algorithm = ChunkDigest.like(want).algorithm  # refuses a missing or unknown digest before any transfer
+            snap, want = assemble_offer(offer, views)  # checked whole before any transfer
+            algorithm = ChunkDigest.like(want).algorithm
             where = {v.data_ptr(): i for i, v in enumerate(views)}
             plan = [
                 (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
                 for t in digest_tensors(snap)
             ]
-            if sorted(i for _, i in plan if i is not None) != list(range(len(views))):
-                raise HurrayFormatError("transport.offer", "the announced page pools are not the snapshot's")
             q = self._notifs.expect(xfer_id)
             name = self.name.encode()
             md = self._agent.get_agent_metadata() if views else b""
@@ -355,7 +347,7 @@ class NixlReceiver(ReceiverBase):
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
             stored = self.put(offer.ns, key, snap)
-            del snap, records, views, plan
+            del snap, views, plan
             self.count(True)
             try:
                 conn.sendall(b"OK")

@@ -1,0 +1,155 @@
+"""Mutation fuzzing of what a receiver parses from the network (#21): TCP frames and NIXL offers.
+
+The only outcome allowed is the documented refusal (``HurrayFormatError``;
+over TCP an ``ER`` answer or a closed connection): no other exception, no
+hang, no allocation beyond what the input announces within the limits, and
+nothing stored that a consumer would not take. The suite runs a bounded
+number of examples; ``make fuzz`` runs many more (``HURRAY_FUZZ_EXAMPLES``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks import DirectoryStore, fsck
+from hurray_vllm.chunks.keys import chunks_of, namespace_of
+from hurray_vllm.containers.io import write_stream
+from hurray_vllm.transport import base
+from hurray_vllm.transport.nixl.offer import assemble_offer, encode_snapshot_offer, parse_offer
+from hurray_vllm.transport.tcp import MAGIC, Receiver
+
+FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "60"))
+((KEY, CHUNK),) = chunks_of(spec_example_snapshot(), 4)
+assert CHUNK.fingerprint is not None
+NS = namespace_of(CHUNK.fingerprint)
+_HOSTILE = [0, 1, 0xFF, 0xFFFF, 0xFFFFFFFF, 2**60, 2**64 - 1]
+
+
+def _stream() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    write_stream(CHUNK, buf)
+    return buf.getvalue()
+
+
+STREAM = _stream()
+FRAME = (
+    MAGIC
+    + struct.pack("<H", len(NS))
+    + NS.encode()
+    + struct.pack("<H", len(KEY))
+    + KEY.encode()
+    + struct.pack("<Q", len(STREAM))
+    + STREAM
+)
+
+
+def _offer_body() -> bytes:
+    parts, _, _ = encode_snapshot_offer(NS, KEY, CHUNK)
+    return b"".join(bytes(memoryview(p)) for p in parts)
+
+
+OFFER = _offer_body()
+
+
+def _mutate(raw: bytes, data: st.DataObject, header: int) -> bytes:
+    """One to four edits of ``raw``, most of them in its first ``header`` bytes (the framing, the descriptors)."""
+    out = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        kind = data.draw(st.sampled_from(["flip", "word", "cut", "insert", "delete"]), label="kind")
+        span = header if data.draw(st.booleans(), label="in header") else len(out)
+        at = data.draw(st.integers(0, max(0, min(span, len(out)) - 1)), label="at")
+        if kind == "flip" and out:
+            out[at] ^= data.draw(st.integers(1, 255), label="xor")
+        elif kind == "word":
+            width = data.draw(st.sampled_from([2, 4, 8]), label="width")
+            value = data.draw(st.sampled_from(_HOSTILE), label="value") % (1 << (8 * width))
+            out[at : at + width] = value.to_bytes(width, "little")
+        elif kind == "cut":
+            del out[at:]
+        elif kind == "insert":
+            out[at:at] = data.draw(st.binary(min_size=1, max_size=16), label="bytes")
+        elif out:
+            del out[at : at + data.draw(st.integers(1, 64), label="n")]
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Receiver]:
+    store = DirectoryStore(tmp_path_factory.mktemp("fuzz-store"))
+    # Short timeouts: a frame that announces more than it sends must end in a refusal, not a hang.
+    with Receiver("127.0.0.1", 0, store, timeout=2.0, idle_timeout=2.0, max_chunk_bytes=1 << 20) as r:
+        yield r
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_tcp_frames_are_refused_or_stored_valid(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch, data: st.DataObject
+) -> None:
+    bugs: list[Any] = []
+    monkeypatch.setattr(base.log, "exception", lambda *a, **k: bugs.append(a))
+    frame = _mutate(FRAME, data, header=len(FRAME) - len(STREAM) + 1024)
+    answer = b""
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        try:
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)  # the rest never comes: the receiver sees the end, not a stall
+            while chunk := s.recv(1 << 16):  # the receiver answers and closes within its timeouts
+                answer += chunk
+        except TimeoutError:
+            pytest.fail("the receiver neither answered nor closed the connection within 10 s")
+        except OSError:  # reset, not connected: the receiver dropped the connection
+            pass  # the receiver dropped the connection (a bad magic, a broken header): a refusal
+    if frame.startswith(b"HVA1"):  # a sender authentication: a receiver without keys answers a challenge
+        answer = answer[32:]
+    assert answer[:2] in (b"", b"OK", b"ER"), answer[:20]
+    assert not bugs, bugs  # the catch-all for unforeseen errors never ran
+    report = fsck(receiver.store)  # type: ignore[arg-type]
+    assert report.clean, report.damaged  # whatever was stored is a whole, valid chunk under a fitting name
+
+
+@settings(max_examples=FUZZ_EXAMPLES * 4, deadline=None)
+@given(data=st.data())
+def test_mutated_nixl_offers_are_refused_before_any_transfer_or_describe_a_chunk(data: st.DataObject) -> None:
+    body = bytearray(_mutate(OFFER, data, header=len(OFFER)))
+    limit = 4 * CHUNK.nbytes  # what the receiver would set aside for page pools is bounded by its limit
+    try:
+        offer = parse_offer(body, limit)
+        assert sum(offer.remote_sizes) <= limit
+        views = [torch.empty(n, dtype=torch.uint8) for n in offer.remote_sizes]
+        snap, digest = assemble_offer(offer, views)
+    except hv.HurrayFormatError:
+        return
+    assert snap.num_layers > 0 and digest.startswith(("crc32c/", "crc32/"))
+
+
+def test_the_unmutated_frame_and_offer_are_accepted(receiver: Receiver) -> None:
+    offer = parse_offer(bytearray(OFFER), 1 << 30)
+    views = [torch.empty(n, dtype=torch.uint8) for n in offer.remote_sizes]
+    assemble_offer(offer, views)
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        s.sendall(FRAME)
+        assert s.recv(2) == b"OK"
+
+
+def test_a_chunk_under_another_models_namespace_is_refused(tmp_path: Path) -> None:
+    from hurray_vllm import transport
+
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path)) as r:
+        with pytest.raises(hv.HurrayFormatError, match="namespace"):
+            transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [("0123456789abcdef", KEY, CHUNK)])
+    assert not any(tmp_path.rglob("*.hrry"))
