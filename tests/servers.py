@@ -114,8 +114,39 @@ def _spawn(spec: ServerSpec, logdir: Path, attempt: int) -> Server:
     return Server(spec.name, proc, spec.port, log)
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of every process below ``pid`` (a vLLM server's engine core and workers)."""
+    import psutil  # vLLM's own dependency
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _kill_pids(pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_server(server: Server) -> None:
+    """SIGKILL a server and every process below it, as a machine failure would.
+
+    Killing only the API server's pid leaves its engine core (2 GB) running,
+    orphaned, for the rest of the session.
+    """
+    below = descendants(server.proc.pid)
+    server.proc.kill()
+    server.proc.wait(timeout=60)
+    _kill_pids(below)
+
+
 def stop_servers(servers: Sequence[Server], grace_s: float = 30.0) -> None:
-    """SIGTERM every server (by its pid), wait up to ``grace_s``, SIGKILL what is left."""
+    """SIGTERM every server (by its pid), wait up to ``grace_s``, SIGKILL what is left, its engine processes too."""
+    below = {s.proc.pid: descendants(s.proc.pid) for s in servers if s.proc.poll() is None}
     for s in servers:
         if s.proc.poll() is None:
             s.proc.terminate()
@@ -125,6 +156,7 @@ def stop_servers(servers: Sequence[Server], grace_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             s.proc.kill()
             s.proc.wait(timeout=grace_s)
+        _kill_pids(below.get(s.proc.pid, []))  # an engine core a clean shutdown did not take down
 
 
 def _ready(server: Server) -> bool:
@@ -299,6 +331,51 @@ def stream_completion(
 
 class _PortTaken(Exception):
     """A server lost its port to another process between picking and binding: start over."""
+
+
+def kill_engine_when(
+    tmp: Path,
+    name: str,
+    block_size: int,
+    extra: dict[str, Any],
+    prompts: dict[str, list[int]],
+    when: Callable[[], bool],
+    timeout_s: float = 600.0,
+) -> bool:
+    """Run an offline engine as :func:`run_engine` does, and SIGKILL it (its whole process group) once ``when()``.
+
+    ``when`` is polled every few milliseconds. Returns True if the engine was
+    killed, False if it finished first.
+    """
+    cfg = {"model": str(tmp / "model"), "block_size": block_size, "connector": extra, "prompts": prompts,
+           "max_tokens": 8}  # fmt: skip
+    (tmp / f"{name}.json").write_text(json.dumps(cfg))
+    cmd = [
+        sys.executable,
+        "-m",
+        "hurray_vllm.adapters.vllm._generate",
+        str(tmp / f"{name}.json"),
+        str(tmp / f"{name}.out"),
+    ]
+    with open(tmp / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if when():
+                os.killpg(proc.pid, 9)
+                proc.wait(timeout=60)
+                return True
+            time.sleep(0.003)
+        if proc.poll() is None:
+            pytest.fail(f"engine {name} neither finished nor met its kill condition in {timeout_s:.0f} s")
+        return False
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=60)
 
 
 def run_engine(

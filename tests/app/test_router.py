@@ -24,6 +24,7 @@ from conftest import require
 from servers import (
     Server,
     ServerSpec,
+    kill_server,
     router_spec,
     run_engine,
     start_servers,
@@ -249,26 +250,42 @@ def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str
         time.sleep(0.05)
     busiest = max({f["backend"] for f in flights}, key=[f["backend"] for f in flights].count)
     r = _post(fleet["router"] + "/hurray/drain", {"backend": busiest})
-    drained.update(r.json(), status=r.status_code)
-    started = [f for f in _get(fleet["router"] + "/hurray/requests")["requests"] if f["backend"] == busiest]
-    for t in streams:
-        t.join(300)
-    assert drained["status"] == 200 and drained["failed"] == [] and drained["moved"], drained
-    assert not started  # nothing left on the drained backend, and nothing new sent there
-    recent = {f["id"]: f for f in _get(fleet["router"] + "/hurray/requests?recent=true")["recent"]}
-    for n in names:
-        tokens, (rid,) = results[n]["token_ids"], results[n]["ids"]
-        assert len(tokens) == MAX_TOKENS and results[n]["finish_reason"] == "length"
-        logits = _recompute(hf, PROMPTS[n], tokens)
-        assert_agrees(logits, tokens, f"router drain {n}: the stream against transformers")
-        legs = recent[rid]["legs"]
-        if len(legs) > 1:
-            at = legs[1]["start_token"]
-            assert legs[1]["why"] == "drained" and legs[1]["cached_tokens"] >= (len(PROMPTS[n]) + at - 1) // 64 * 64
-            # The companion: the token before the switch sent twice is refused.
-            twice = [*tokens[:at], tokens[at - 1], *tokens[at:-1]]
-            assert not agreement(_recompute(hf, PROMPTS[n], twice), twice).ok, n
-    assert _post(fleet["router"] + "/hurray/undrain", {"backend": busiest}).json()["draining"] is False
+    try:
+        drained.update(r.json(), status=r.status_code)
+        started = [f for f in _get(fleet["router"] + "/hurray/requests")["requests"] if f["backend"] == busiest]
+        for t in streams:
+            t.join(300)
+        assert drained["status"] == 200 and drained["failed"] == [] and drained["moved"], drained
+        assert not started  # nothing left on the drained backend, and nothing new sent there
+        recent = {f["id"]: f for f in _get(fleet["router"] + "/hurray/requests?recent=true")["recent"]}
+        for n in names:
+            tokens, (rid,) = results[n]["token_ids"], results[n]["ids"]
+            assert len(tokens) == MAX_TOKENS and results[n]["finish_reason"] == "length"
+            logits = _recompute(hf, PROMPTS[n], tokens)
+            assert_agrees(logits, tokens, f"router drain {n}: the stream against transformers")
+            legs = recent[rid]["legs"]
+            if len(legs) > 1:
+                at = legs[1]["start_token"]
+                assert legs[1]["why"] == "drained"
+                assert legs[1]["cached_tokens"] >= (len(PROMPTS[n]) + at - 1) // 64 * 64
+                wrong = _resent(tokens, at)  # the companion: a stream that resent a token is refused
+                assert not agreement(_recompute(hf, PROMPTS[n], wrong), wrong).ok, n
+    finally:  # a drained backend left behind would starve the tests after this one
+        undrained = _post(fleet["router"] + "/hurray/undrain", {"backend": busiest}).json()
+    assert undrained["draining"] is False
+
+
+def _resent(tokens: list[int], at: int) -> list[int]:
+    """The companion's wrong stream: the token before the switch at ``at`` sent twice.
+
+    Where the tiny random model repeats one token across the switch, sending it twice changes nothing
+    (the stream is right), so the wrong stream then carries a token the model never picks there: the
+    rule must refuse either.
+    """
+    twice = [*tokens[:at], tokens[at - 1], *tokens[at:-1]]
+    if twice != tokens:
+        return twice
+    return [*tokens[:at], (tokens[at] + 257) % 512, *tokens[at + 1 :]]
 
 
 def test_prefill_on_one_server_decode_on_another_equals_one_server(fleet: dict[str, Any]) -> None:
@@ -329,7 +346,7 @@ def test_a_backend_killed_mid_stream_is_failed_over_and_the_stream_completes(fle
 
     def kill() -> None:
         killed["server"] = servers[_only_flight(fleet)["backend"]]
-        _signal(killed["server"], signal.SIGKILL)
+        kill_server(killed["server"])  # its engine core too: a dead machine, and no orphan left running
 
     on_tokens, state = _when(40, kill)
     got = stream_completion(fleet["router"], _body(fleet, "killed"), on_tokens)

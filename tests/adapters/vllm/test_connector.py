@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ PROMPTS = {
     # tokens, other KV. Only the file name (the prefix's hash) tells the two apart.
     "replay": _prompt(6, 64) + SHARED[64:128] + _prompt(8, 22),
 }
+#: Long prompts for the fault runs (#21): an engine killed while it saves them, then one that loads and saves
+#: them while the store is pruned under it.
+FAULT_PROMPTS = {f"f{i}": _prompt(20 + i, 900) for i in range(8)}
 #: The refusals a keyed consumer meets (test_keyed_engines_load_only_chunks_signed_for_their_prefix).
 KEYED_PROMPTS = ("p", "q", "corrupt", "truncated", "wrong_model", "replay")
 
@@ -85,7 +89,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("connector")
     build_tiny_llama(tmp / "model")
     store = tmp / "store"
-    out = {"plain": run_engine(tmp, "plain", 32, None)}
+    out = {"plain": run_engine(tmp, "plain", 32, None, {**PROMPTS, **FAULT_PROMPTS})}
     out["producer"] = run_engine(tmp, "producer", 32, {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK})
     clean = tmp / "clean-store"
     shutil.copytree(store, clean)
@@ -124,7 +128,44 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         {rid: PROMPTS[rid] for rid in KEYED_PROMPTS},
     )
     out["keyed_store"], out["key_file"] = keyed, key_file  # type: ignore[assignment]
+    out.update(_fault_runs(tmp))
     return out
+
+
+def _fault_runs(tmp: Path) -> dict[str, Any]:
+    """An engine SIGKILLed while it saves; then one that loads and saves on that store while it is pruned."""
+    import threading
+
+    from hurray_vllm.chunks import DirectoryStore, fsck
+
+    store = tmp / "fault-store"
+    store.mkdir()
+    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
+    total = len(FAULT_PROMPTS) * (900 - 1) // CHUNK
+    # Killed once its first chunk file is complete: the others are being exported and written then.
+    killed = servers.kill_engine_when(tmp, "killed", 32, extra, FAULT_PROMPTS, lambda: any(store.rglob("*.hrry")))
+    after_kill = fsck(DirectoryStore(store))
+    saved = len(list(store.rglob("*.hrry")))
+    stop = threading.Event()
+    pruned: list[int] = []
+
+    def prune() -> None:  # what an operator's cron job would do, at the worst moments, over and over
+        while not stop.is_set():
+            size = sum(p.stat().st_size for p in store.rglob("*.hrry") if p.exists())
+            pruned.append(DirectoryStore(store).prune(size // 2).chunks_removed)
+            time.sleep(0.01)
+
+    pruner = threading.Thread(target=prune, daemon=True)
+    pruner.start()
+    try:
+        loaded = run_engine(tmp, "pruned", 32, extra, FAULT_PROMPTS)
+    finally:
+        stop.set()
+        pruner.join(timeout=30)
+    return {
+        "killed": {"killed": killed, "saved": saved, "total": total, "fsck": after_kill},
+        "pruned": {**loaded, "pruned_chunks": sum(pruned), "fsck": fsck(DirectoryStore(store))},
+    }
 
 
 def _sign_and_forge(store: Path, keys: Any) -> None:
@@ -185,7 +226,7 @@ def test_producer_stores_a_shared_prefix_once(runs) -> None:  # type: ignore[no-
     per_prompt = {rid: (len(ids) + 7) // CHUNK for rid, ids in PROMPTS.items()}
     assert stats["chunks_saved"] == sum(per_prompt.values()) - 2
     assert sched["chunks_skipped"] + stats["chunks_skipped"] >= 2
-    assert runs["producer"]["outputs"] == runs["plain"]["outputs"]
+    assert runs["producer"]["outputs"] == {rid: runs["plain"]["outputs"][rid] for rid in PROMPTS}
 
 
 def test_keyed_engines_load_only_chunks_signed_for_their_prefix(runs) -> None:  # type: ignore[no-untyped-def]
@@ -212,6 +253,20 @@ def test_keyed_engines_load_only_chunks_signed_for_their_prefix(runs) -> None:  
     for rid in ("corrupt", "truncated"):
         path = _store_files(store, PROMPTS[rid], ns)[0]
         assert path.exists() and not path.with_name(path.name + ".bad").exists(), rid
+
+
+def test_an_engine_killed_while_it_saves_leaves_only_whole_chunks(runs) -> None:  # type: ignore[no-untyped-def]
+    """#21 fault injection: SIGKILL mid-save; the store is consistent (fsck) and the next engine is correct."""
+    k = runs["killed"]
+    assert k["killed"] and 0 < k["saved"] < k["total"], k
+    assert k["fsck"].clean and k["fsck"].good == k["saved"], k["fsck"]
+
+
+def test_pruning_while_an_engine_loads_and_saves_never_costs_a_wrong_token(runs) -> None:  # type: ignore[no-untyped-def]
+    r = runs["pruned"]
+    for rid in FAULT_PROMPTS:
+        assert r["outputs"][rid] == runs["plain"]["outputs"][rid], rid
+    assert r["pruned_chunks"] > 0 and r["fsck"].clean, (r["pruned_chunks"], r["fsck"])
 
 
 def test_bad_chunks_fall_back_to_recomputation(runs) -> None:  # type: ignore[no-untyped-def]

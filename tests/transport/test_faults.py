@@ -1,0 +1,170 @@
+"""Faults on loopback (#21): a receiver or a sender SIGKILLed mid-chunk, a full disk. Nothing partial, ever.
+
+Each fault is injected into a real process (``hurray-vllm receive``, or a
+sender in a subprocess). Afterwards no partial chunk is visible, the store
+is consistent (``fsck`` finds it clean, at most a temporary file a killed
+writer left, which no reader takes for a chunk), and the receiver (or its
+restart) takes the next chunk as before.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from servers import ROOT
+
+from hurray_vllm import KVSnapshot, transport
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.chunks import DirectoryStore, fsck
+from hurray_vllm.chunks.keys import chunks_of, namespace_of
+from hurray_vllm.containers.io import write_stream
+from hurray_vllm.transport.tcp import MAGIC, Receiver
+
+
+def _chunk() -> tuple[str, str, KVSnapshot]:
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    return namespace_of(chunk.fingerprint), key, chunk
+
+
+def _stream(snap: KVSnapshot) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    write_stream(snap, buf)
+    return buf.getvalue()
+
+
+def _frame_head(ns: str, key: str, length: int) -> bytes:
+    return (
+        MAGIC
+        + len(ns).to_bytes(2, "little")
+        + ns.encode()
+        + len(key).to_bytes(2, "little")
+        + key.encode()
+        + (length.to_bytes(8, "little"))
+    )
+
+
+def _receive(store: Path, log: Path, preexec: Callable[[], None] | None = None) -> tuple[subprocess.Popen[str], int]:
+    """``hurray-vllm receive`` on a free port; the process and its port."""
+    cmd = [sys.executable, "-m", "hurray_vllm.app.cli", "receive", "--listen", "127.0.0.1:0", "--dir", str(store)]
+    with open(log, "a") as err:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=preexec,
+        )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if " on " not in line:
+        proc.kill()
+        pytest.fail(f"hurray-vllm receive did not start:\n{log.read_text()[-2000:]}")
+    return proc, int(line.split(" on ")[1].split()[0].rsplit(":", 1)[1])
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+def _files(store: Path) -> list[str]:
+    return sorted(p.name for p in store.rglob("*") if p.is_file())
+
+
+def _consistent(store: Path) -> None:
+    """No chunk file but whole, verified ones; ``fsck`` clean."""
+    report = fsck(DirectoryStore(store))
+    assert report.clean, report.damaged
+
+
+def test_a_receiver_killed_mid_chunk_leaves_nothing_and_its_restart_takes_the_chunk(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk()
+    store = tmp_path / "store"
+    proc, port = _receive(store, tmp_path / "receiver.log")
+    try:
+        body = _stream(chunk)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(_frame_head(ns, key, len(body)) + body[: len(body) * 2 // 3])
+            time.sleep(0.5)  # the receiver is inside the chunk, waiting for the rest
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    finally:
+        _stop(proc)
+    assert not DirectoryStore(store).has(ns, key) and not [f for f in _files(store) if f.endswith(".hrry")]
+    _consistent(store)
+    proc, port = _receive(store, tmp_path / "receiver.log")
+    try:
+        transport.send_chunks(f"tcp://127.0.0.1:{port}", [(ns, key, chunk)])
+    finally:
+        _stop(proc)
+    assert DirectoryStore(store).has(ns, key)
+    _consistent(store)
+
+
+def test_a_sender_killed_mid_chunk_stores_nothing_and_the_receiver_serves_on(tmp_path: Path) -> None:
+    ns, key, chunk = _chunk()
+    store = DirectoryStore(tmp_path / "store")
+    body = _stream(chunk)
+    (tmp_path / "part.bin").write_bytes(_frame_head(ns, key, len(body)) + body[: len(body) // 2])
+    with Receiver("127.0.0.1", 0, store, timeout=30).start() as r:
+        script = textwrap.dedent(
+            f"""
+            import socket, sys, time
+            s = socket.create_connection(("127.0.0.1", {r.address[1]}))
+            s.sendall(open({str(tmp_path / "part.bin")!r}, "rb").read())
+            print("sent", flush=True)
+            time.sleep(60)
+            """
+        )
+        sender = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
+            sender.kill()  # mid-chunk: the kernel closes its socket
+        finally:
+            sender.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while r.refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert r.refused == 1 and "disconnected" in (r.last_error or ""), r.last_error
+        assert not store.has(ns, key) and not _files(tmp_path / "store")
+        transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [(ns, key, chunk)])
+        assert store.has(ns, key) and r.received == 1
+    _consistent(tmp_path / "store")
+
+
+def test_a_full_disk_refuses_the_chunk_and_leaves_no_file(tmp_path: Path) -> None:
+    """The receiver's process may write no file beyond 2 KiB (RLIMIT_FSIZE): a write fails as on a full disk."""
+    ns, key, chunk = _chunk()
+    store = tmp_path / "store"
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    proc, port = _receive(store, tmp_path / "receiver.log", preexec=small_files)
+    try:
+        url = f"tcp://127.0.0.1:{port}"
+        for name in (key, "ab" * 8):  # the receiver serves on after the first failure
+            with pytest.raises(Exception, match="refused") as info:
+                transport.send_chunks(url, [(ns, name, chunk)])
+            assert "File too large" in str(info.value) or "EFBIG" in str(info.value), info.value
+        assert proc.poll() is None
+    finally:
+        _stop(proc)
+    assert _files(store) == []  # no chunk, and no temporary file either
+    _consistent(store)
