@@ -431,6 +431,16 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ImportError as exc:  # FastAPI, uvicorn or aiohttp missing (all come with vLLM)
         raise HurrayArgumentError("router", f"{exc}; install them with: pip install 'hurray-vllm[router]'") from None
 
+    from .router.server import CONTROL_PURPOSE
+
+    keys = _keys(args)
+    if args.print_token:
+        if keys is None:
+            raise HurrayArgumentError("key_file", "--print-token needs --key-file or $HURRAY_VLLM_KEY_FILE")
+        print(keys.tokens(CONTROL_PURPOSE)[0])
+        return 0
+    if args.listen is None or not args.backend:
+        raise HurrayArgumentError("router", "give --listen HOST:PORT and at least one --backend URL")
     if args.chunk_tokens < 1 or args.health_interval <= 0:
         raise HurrayArgumentError("router", "--chunk-tokens must be >= 1 and --health-interval > 0")
     overlap = set(args.backend) & set(args.prefill or [])
@@ -444,6 +454,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         health_interval=args.health_interval,
         stream_timeout=args.stream_timeout,
         policy=args.policy,
+        control_tokens=keys.tokens(CONTROL_PURPOSE) if keys is not None else (),
     )
     serve(config, host, port, log_level=args.log_level)
     return 0
@@ -645,13 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
         "/hurray/migrate, /hurray/drain and /hurray/undrain (docs/router.md). Example: hurray-vllm router "
         "--listen 0.0.0.0:9000 --backend http://10.0.0.5:8000 --backend http://10.0.0.6:8000",
     )
-    s.add_argument("--listen", required=True, type=_host_port, help="HOST:PORT to serve on")
+    s.add_argument("--listen", type=_host_port, help="HOST:PORT to serve on (required)")
     s.add_argument(
         "--backend",
-        required=True,
         action="append",
         type=_backend_url,
-        help="base URL of a vLLM server that decodes (repeat for each); /hurray/* names it as given",
+        help="base URL of a vLLM server that decodes (repeat for each; at least one); /hurray/* names it as given",
     )
     s.add_argument(
         "--prefill",
@@ -679,6 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="how a request picks its backend: kv (where the longest prefix of its prompt went, else the least "
         "loaded; default), least-loaded, round-robin",
     )
+    _add_key_file(s, "with a key, /hurray/* needs 'Authorization: Bearer TOKEN' (a token of any key of the ring)")
+    s.add_argument("--print-token", action="store_true", help="print the control token of the signing key and exit")
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_router)
 

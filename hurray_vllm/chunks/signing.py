@@ -131,6 +131,20 @@ class FleetKeys:
         """The id of the signing key."""
         return self.ids[0]
 
+    def tokens(self, purpose: str) -> tuple[str, ...]:
+        """One bearer token per key for ``purpose``, the first key's first (hex HMAC-SHA256).
+
+        Derived, so a token reveals nothing of the secret and one purpose's
+        token is useless for another (the router's controls use
+        ``"router-control"``).
+
+        Example:
+            >>> FleetKeys.from_secrets(b"k" * 32).tokens("router-control")[0][:16]
+            '9f6b7968be0fad5d'
+        """
+        label = b"hurray-vllm/token/v1/" + purpose.encode()
+        return tuple(hmac.new(s, label, hashlib.sha256).hexdigest() for s in self.secrets)
+
     def secret_for(self, key_id: str) -> bytes | None:
         """The secret whose id is ``key_id``, or ``None`` if the ring lacks it."""
         for kid, secret in zip(self.ids, self.secrets, strict=True):

@@ -10,20 +10,24 @@ how to run it.
 # at run time, and ``Request`` is imported inside build_app.
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .backends import Backend, Backends, prompt_keys
 from .flight import Delta, Flight, RouterError, UpstreamError, movable, sse_data
 from .metrics import Metrics
 
-__all__ = ["Router", "RouterConfig", "build_app", "serve"]
+__all__ = ["CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
+
+#: The purpose of the fleet-key tokens that open ``/hurray/*`` (:meth:`~hurray_vllm.chunks.signing.FleetKeys.tokens`).
+CONTROL_PURPOSE = "router-control"
 
 log = logging.getLogger("hurray_vllm.router")
 
@@ -43,6 +47,9 @@ class RouterConfig:
         stream_timeout: seconds a backend may stay silent within a stream
             before its request is continued elsewhere.
         policy: how a new request picks its backend (:data:`~.backends.POLICIES`).
+        control_tokens: bearer tokens accepted on ``/hurray/*`` (any of them;
+            :data:`CONTROL_PURPOSE` tokens of the fleet keys); empty: the
+            controls are open to whoever reaches the router.
     """
 
     backends: tuple[str, ...]
@@ -52,6 +59,7 @@ class RouterConfig:
     connect_timeout: float = 10.0
     stream_timeout: float = 600.0
     policy: str = "kv"
+    control_tokens: tuple[str, ...] = field(default=(), repr=False)
 
 
 class Router:
@@ -333,6 +341,26 @@ def build_app(config: RouterConfig) -> Any:
 
     def fail(status: int, message: str) -> JSONResponse:
         return JSONResponse(_error(status, message), status_code=status)
+
+    @app.middleware("http")
+    async def controls_need_a_token(request: Request, call_next: Any) -> Any:
+        # /hurray/* moves and drains other clients' requests: with fleet keys, only their holders may.
+        # The OpenAI endpoints, /health and /metrics stay open, as on vLLM's own server.
+        if config.control_tokens and request.url.path.startswith("/hurray/"):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not any(
+                hmac.compare_digest(given.strip().encode(), t.encode()) for t in config.control_tokens
+            ):
+                return JSONResponse(
+                    _error(
+                        401,
+                        "this router's /hurray/* controls need 'Authorization: Bearer TOKEN'; "
+                        "hurray-vllm router --key-file KEY --print-token prints the token of a fleet key",
+                    ),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await call_next(request)
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:

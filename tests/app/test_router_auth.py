@@ -1,0 +1,85 @@
+"""The router's ``/hurray/*`` controls behind the fleet key (issue 21): in-process, no backend needed.
+
+A router with ``--key-file`` answers 401 to a control request without the
+key's bearer token, names what to send, and accepts the token of any key of
+the ring (rotation). The OpenAI endpoints, ``/health`` and ``/metrics`` stay
+open. The end-to-end router tests (``test_router.py``) run unkeyed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import require
+
+from hurray_vllm.app.cli import main
+from hurray_vllm.chunks.signing import FleetKeys
+
+OLD, NEW = b"o" * 32, b"n" * 48
+
+
+def _key_file(tmp_path: Path, name: str, secret: bytes) -> Path:
+    p = tmp_path / name
+    p.write_bytes(secret + b"\n")
+    os.chmod(p, 0o600)
+    return p
+
+
+@pytest.fixture
+def client() -> Iterator[Any]:
+    require("fastapi")
+    require("httpx")
+    from fastapi.testclient import TestClient
+
+    from hurray_vllm.app.router import RouterConfig, build_app
+    from hurray_vllm.app.router.server import CONTROL_PURPOSE
+
+    ring = FleetKeys.from_secrets(NEW, OLD)
+    config = RouterConfig(backends=("http://127.0.0.1:9",), control_tokens=ring.tokens(CONTROL_PURPOSE))
+    with TestClient(build_app(config)) as c:
+        yield c
+
+
+def test_controls_need_a_fleet_token_and_the_openai_endpoints_do_not(client: Any) -> None:
+    from hurray_vllm.app.router.server import CONTROL_PURPOSE
+
+    for method, path in (("get", "/hurray/requests"), ("post", "/hurray/drain"), ("post", "/hurray/migrate")):
+        for headers in ({}, {"Authorization": "Bearer " + "0" * 64}, {"Authorization": "Basic xyz"}):
+            r = client.request(method, path, json={"backend": "http://127.0.0.1:9"}, headers=headers)
+            assert r.status_code == 401, (path, headers)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert "--print-token" in r.json()["error"]["message"]
+    # A token of either key of the ring opens them; one for another purpose does not.
+    for secret in (NEW, OLD):
+        token = FleetKeys.from_secrets(secret).tokens(CONTROL_PURPOSE)[0]
+        r = client.get("/hurray/requests", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200 and r.json() == {"requests": []}
+    other = FleetKeys.from_secrets(NEW).tokens("something-else")[0]
+    assert client.get("/hurray/requests", headers={"Authorization": f"Bearer {other}"}).status_code == 401
+    # Open endpoints: the (unreachable) backend makes them 503, never 401.
+    assert client.get("/health").status_code in (200, 503)
+    assert client.get("/metrics").status_code == 200
+    assert client.post("/v1/completions", json={"model": "m", "prompt": [1, 2]}).status_code != 401
+
+
+def test_print_token_uses_the_signing_key_and_needs_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hurray_vllm.app.router.server import CONTROL_PURPOSE
+
+    monkeypatch.delenv("HURRAY_VLLM_KEY_FILE", raising=False)
+    new, old = _key_file(tmp_path, "new.key", NEW), _key_file(tmp_path, "old.key", OLD)
+    assert main(["router", "--key-file", str(new), "--key-file", str(old), "--print-token"]) == 0
+    assert capsys.readouterr().out.strip() == FleetKeys.from_secrets(NEW).tokens(CONTROL_PURPOSE)[0]
+    monkeypatch.setenv("HURRAY_VLLM_KEY_FILE", str(old))
+    assert main(["router", "--print-token"]) == 0
+    assert capsys.readouterr().out.strip() == FleetKeys.from_secrets(OLD).tokens(CONTROL_PURPOSE)[0]
+    monkeypatch.delenv("HURRAY_VLLM_KEY_FILE")
+    assert main(["router", "--print-token"]) == 2
+    assert "--key-file" in capsys.readouterr().err
+    assert main(["router", "--listen", "127.0.0.1:0"]) == 2  # no backend
+    assert "--backend" in capsys.readouterr().err
