@@ -217,6 +217,22 @@ def disk_usage(root: Path) -> dict[str, int]:
     return {"du_bytes": alloc, "apparent_bytes": apparent, "files": files}
 
 
+def prefetch(root: Path) -> int:
+    """Read ``root``'s files once, so that "warm" loads find them all in the page cache; returns bytes read.
+
+    Without it the store written first (the stores are written one after the other, then read in the
+    same order) had lost part of its pages to the engines started since, and its "warm" loads read
+    from disk: 44 ms per prompt for one store, 77-129 ms for the same bytes in the store before it.
+    """
+    total = 0
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                while chunk := f.read(1 << 22):
+                    total += len(chunk)
+    return total
+
+
 def evict(root: Path) -> None:
     """Drop ``root``'s files from the page cache (clean pages only, hence the sync first)."""
     os.sync()
@@ -412,9 +428,11 @@ def engine_main(cfg_path: str, out_path: str) -> None:
         "block_size": int(cache_cfg.block_size),
         "prefix_caching": bool(cache_cfg.enable_prefix_caching),
     }
+    cold = store is not None and cfg["role"] == "consumer" and cfg["cold"]
+    if store is not None and cfg["role"] == "consumer":
+        result["prefetched_bytes"] = prefetch(store)  # "warm": every consumer finds its store cached
     result["warmup"] = run({"warmup": prompts["warmup"]})
     timed = []
-    cold = store is not None and cfg["role"] == "consumer" and cfg["cold"]
     for rid, p in prompts["timed"].items():
         if cfg["role"] == "consumer":
             if cold:
