@@ -15,6 +15,8 @@ import functools
 import mmap as _mmap
 import os
 import struct
+import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,19 +314,86 @@ def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> 
     return tuple(entries)
 
 
+class _Recycler:
+    """Memory of whole-file reads whose last view died, kept for the next read of a similar size.
+
+    Why: a chunk load reads files of a few MiB, hands their pools to a copy
+    into the KV cache and drops them. Fresh memory of that size comes from
+    the OS page by page (glibc returns a freed heap top): for a prompt of
+    eight 8 MiB chunks, 16k page faults cost 30 ms, against 5 ms for the
+    reads themselves. Recycled memory is resident already. A buffer comes
+    back only once nothing views it (a finalizer on the array its views
+    keep alive), so no two snapshots ever share memory.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size_class(n: int) -> int:
+        return -(-n // _RECYCLE_GRAIN) * _RECYCLE_GRAIN
+
+    def take(self, n: int) -> torch.Tensor:
+        """``n`` bytes (uint8, CPU), recycled where a buffer of the same size class is free."""
+        cls = self._size_class(n)
+        with self._lock:
+            free = self._free.get(cls)
+            if free:
+                self._bytes -= cls
+                return free.pop()[:n]
+        return torch.empty(cls, dtype=torch.uint8)[:n]
+
+    def watch(self, array: Any, data: torch.Tensor) -> None:
+        """Take ``data``'s memory back once ``array`` (which every view of it keeps alive) is gone."""
+        weakref.finalize(array, self._give, data)
+
+    def _give(self, data: torch.Tensor) -> None:
+        base = data._base if data._base is not None else data  # the whole size-class allocation
+        cls = base.numel()
+        with self._lock:
+            if self._bytes + cls <= self.limit:
+                self._free.setdefault(cls, []).append(base)
+                self._bytes += cls
+
+
+#: Whole-file buffers kept for reuse: at most this many bytes of them lie idle.
+_RECYCLE_BYTES = 256 << 20
+_RECYCLE_GRAIN = 1 << 20
+_recycler = _Recycler(_RECYCLE_BYTES)
+
+
 class HrryFile:
     """An open ``.hrry`` file: its index, KV metadata, and records on demand.
 
     With ``mmap=True`` buffers are zero-copy views of a private (copy on
-    write) mapping; otherwise each buffer is read into a fresh tensor.
+    write) mapping. With ``whole=True`` the file is read into memory in one
+    call and buffers are views of that memory: for a reader that takes every
+    record (a chunk load), one system call instead of one per buffer, and no
+    allocation per buffer (a chunk's ~40 reads and allocations cost 1.5 ms
+    against 0.3 ms for the one read). Otherwise each buffer is read into a
+    fresh tensor when asked for.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False, whole: bool = False) -> None:
         self.path = Path(path)
         self._f = open(self.path, "rb")
-        self._map: _mmap.mmap | None = None
+        self._map: _mmap.mmap | memoryview | None = None
         try:
             self.size = os.fstat(self._f.fileno()).st_size
+            if whole and not mmap and self.size:
+                # Read first and parse the copy: what is checked is what is used, whatever happens
+                # to the file afterwards (as with a mapping, without its SIGBUS on truncation).
+                data = _recycler.take(self.size)
+                array = data.numpy()  # every view of the file's memory keeps this alive
+                view = memoryview(array).cast("B")  # type: ignore[arg-type]
+                _recycler.watch(array, data)
+                read_into(self._f, view, "file")
+                if self._f.read(1):
+                    raise HurrayFormatError("file", "the file grew while it was read")
+                self._map = view
             self._parse()
             if mmap and self.size:
                 self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)
@@ -347,9 +416,9 @@ class HrryFile:
         if off < 0 or n < 0 or off + n > self.size:
             raise HurrayFormatError(what + suffix, f"{n} bytes at offset {off} lie outside the {self.size}-byte file")
         if self._map is not None:
-            # From the map: a seek and a read are two system calls, each of which lets
-            # another thread take the GIL; inside an engine that cost ~50 us per read.
-            return self._map[off : off + n]
+            # From the map (or the whole file read): a seek and a read are two system calls, each of
+            # which lets another thread take the GIL; inside an engine that cost ~50 us per read.
+            return bytes(self._map[off : off + n])  # a mapping's slice is bytes already: no copy
         self._f.seek(off)
         data = self._f.read(n)
         if len(data) != n:
@@ -424,8 +493,8 @@ class HrryFile:
                 raise HurrayFormatError(
                     f"{entry.name} buffer {i}", f"{size} bytes at {pos} run past the end of the file"
                 )
-            # Pools are views of the map. Small buffers (block tables, seq_ptr, metadata)
-            # are copied out of it, so they do not pin the map or share its pages.
+            # Pools are views of the map (or of the file read whole). Small buffers (block tables,
+            # seq_ptr, metadata) are copied out of it, so they do not pin the map or share its pages.
             if self._map is not None and size >= _MMAP_MIN:
                 buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=pos))
             elif self._map is not None and size:

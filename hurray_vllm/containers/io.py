@@ -183,7 +183,7 @@ def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap
 
 def _records(path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mmap: bool) -> Iterator[Record]:
     if fmt == "hrry":
-        with HrryFile(path, mmap=mmap) as hf:
+        with HrryFile(path, mmap=mmap, whole=not mmap) as hf:  # every record is read: the file in one read
             yield from hf.records(permissive=permissive)
     elif fmt == "safetensors":
         from .safetensors import load_safetensors

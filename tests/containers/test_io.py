@@ -392,3 +392,35 @@ def test_write_stream_writes_the_generic_records_bytes(snap: hv.KVSnapshot) -> N
     want, got = io.BytesIO(), io.BytesIO()
     n = hv.write_stream(snap, got)
     assert n == write_records(schema.snapshot_records(snap), want) and got.getvalue() == want.getvalue()
+
+
+def _big_snapshot(seed: int) -> hv.KVSnapshot:
+    """Pools large enough (256 KiB) to be views of the file's memory, not copies."""
+    g = torch.Generator().manual_seed(seed)
+
+    def bpt(role: str, layer: int) -> hv.BlockPagedTensor:
+        pool = torch.randn(8, 16, 4, 128, generator=g).to(torch.bfloat16)
+        return hv.BlockPagedTensor(pool, torch.arange(8), torch.tensor([0, 8]), torch.tensor([128]), role, layer)
+
+    return hv.KVSnapshot(tuple(bpt("key", i) for i in range(2)), tuple(bpt("value", i) for i in range(2)))
+
+
+def test_recycled_file_memory_never_backs_two_live_snapshots(tmp_path: Path) -> None:
+    """Loads reuse the memory of dropped snapshots (no page faults), never of one still alive."""
+    paths = [tmp_path / f"{i}.hrry" for i in range(3)]
+    originals = [_big_snapshot(i) for i in range(3)]
+    for snap, p in zip(originals, paths, strict=True):
+        hv.save(snap, p)
+    kept = hv.load(paths[0])
+    pool = kept.keys[0].page_pool
+    del kept  # a pool alone keeps the file's memory from being recycled
+    for _ in range(20):
+        for p, snap in zip(paths[1:], originals[1:], strict=True):
+            assert same_snapshot(snap, hv.load(p))  # each loaded and dropped: memory recycled
+    assert torch.equal(pool, originals[0].keys[0].page_pool)
+    # Dropped, it is reused: the next load of that size lands in memory a dropped load held.
+    held = {hv.load(p).keys[0].page_pool.untyped_storage().data_ptr() for p in paths for _ in range(2)}
+    assert len(held) < 6
+    del pool
+    assert same_snapshot(originals[0], hv.load(paths[0]))
+    assert hrryfile._recycler._bytes <= hrryfile._recycler.limit
