@@ -334,10 +334,15 @@ class _Recycler:
 
     @staticmethod
     def _size_class(n: int) -> int:
-        return -(-n // _RECYCLE_GRAIN) * _RECYCLE_GRAIN
+        # Steps of 1/8 to 1/16 of the size: files of one model's chunks share a class, and at
+        # most an eighth of a buffer is slack.
+        step = 1 << max(0, n.bit_length() - 4)
+        return -(-n // step) * step
 
     def take(self, n: int) -> torch.Tensor:
         """``n`` bytes (uint8, CPU), recycled where a buffer of the same size class is free."""
+        if n < _RECYCLE_MIN:  # small: the heap serves it without page faults
+            return torch.empty(n, dtype=torch.uint8)
         cls = self._size_class(n)
         with self._lock:
             free = self._free.get(cls)
@@ -348,7 +353,8 @@ class _Recycler:
 
     def watch(self, array: Any, data: torch.Tensor) -> None:
         """Take ``data``'s memory back once ``array`` (which every view of it keeps alive) is gone."""
-        weakref.finalize(array, self._give, data)
+        if data.numel() >= _RECYCLE_MIN:
+            weakref.finalize(array, self._give, data).atexit = False
 
     def _give(self, data: torch.Tensor) -> None:
         base = data._base if data._base is not None else data  # the whole size-class allocation
@@ -361,7 +367,7 @@ class _Recycler:
 
 #: Whole-file buffers kept for reuse: at most this many bytes of them lie idle.
 _RECYCLE_BYTES = 256 << 20
-_RECYCLE_GRAIN = 1 << 20
+_RECYCLE_MIN = 256 << 10
 _recycler = _Recycler(_RECYCLE_BYTES)
 
 
