@@ -268,24 +268,28 @@ def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str
                 at = legs[1]["start_token"]
                 assert legs[1]["why"] == "drained"
                 assert legs[1]["cached_tokens"] >= (len(PROMPTS[n]) + at - 1) // 64 * 64
-                wrong = _resent(tokens, at)  # the companion: a stream that resent a token is refused
+                wrong = _resent(tokens, at, logits)  # the companion: a stream that resent a token is refused
                 assert not agreement(_recompute(hf, PROMPTS[n], wrong), wrong).ok, n
     finally:  # a drained backend left behind would starve the tests after this one
         undrained = _post(fleet["router"] + "/hurray/undrain", {"backend": busiest}).json()
     assert undrained["draining"] is False
 
 
-def _resent(tokens: list[int], at: int) -> list[int]:
+def _resent(tokens: list[int], at: int, logits: Any) -> list[int]:
     """The companion's wrong stream: the token before the switch at ``at`` sent twice.
 
-    Where the tiny random model repeats one token across the switch, sending it twice changes nothing
-    (the stream is right), so the wrong stream then carries a token the model never picks there: the
-    rule must refuse either.
+    ``logits`` are transformers' teacher-forced logits of the right stream (row ``i`` predicts
+    ``tokens[i]``). Where the resent token is within the margin of the right one at ``at`` (a tiny
+    random model often nearly repeats itself), or is the right one, no margin rule can tell the
+    two streams apart: the wrong stream then carries the token the model likes least there.
     """
+    from hurray_vllm.agreement import logit_margin
+
+    step = logits[at].float()
     twice = [*tokens[:at], tokens[at - 1], *tokens[at:-1]]
-    if twice != tokens:
+    if twice != tokens and float(step.max() - step[tokens[at - 1]]) > float(logit_margin(step[None])[0]):
         return twice
-    return [*tokens[:at], (tokens[at] + 257) % 512, *tokens[at + 1 :]]
+    return [*tokens[:at], int(step.argmin()), *tokens[at + 1 :]]
 
 
 def test_prefill_on_one_server_decode_on_another_equals_one_server(fleet: dict[str, Any]) -> None:
