@@ -424,3 +424,23 @@ def test_recycled_file_memory_never_backs_two_live_snapshots(tmp_path: Path) -> 
     del pool
     assert same_snapshot(originals[0], hv.load(paths[0]))
     assert hrryfile._recycler._bytes <= hrryfile._recycler.limit
+
+
+@pytest.mark.parametrize("delta", [-4096, 4096], ids=["grew", "shrank"])
+def test_a_file_that_changes_size_while_loaded_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, delta: int
+) -> None:
+    """The whole-file read checks what it read against the size it was told: never a half-read snapshot."""
+    path = tmp_path / "s.hrry"
+    hv.save(_big_snapshot(0), path)
+    real = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:  # the size seen before the read, as if the file changed after
+        st = list(real(fd))
+        st[6] += delta  # st_size
+        return os.stat_result(st)
+
+    monkeypatch.setattr(hrryfile.os, "fstat", fstat)
+    with pytest.raises(hv.HurrayFormatError) as info:
+        hv.load(path)
+    assert info.value.field == "file"
