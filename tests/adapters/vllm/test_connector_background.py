@@ -270,6 +270,7 @@ def _vllm_config(
         ({"hurray_path": "/tmp/x", "hurray_url": "tcp://h:port"}, 1, "hurray_url"),
         ({"hurray_path": "/x", "hurray_listen": ":9", "hurray_listen_transport": "ucx"}, 1, "hurray_listen_transport"),
         ({"hurray_path": "/tmp/x", "hurray_verified_chunks": "lots"}, 1, "hurray_verified_chunks"),
+        ({"hurray_path": "/tmp/x", "hurray_verified_mib": -1}, 1, "hurray_verified_mib"),
         ({"hurray_path": "/tmp/x", "hurray_push_wait_s": "soon"}, 1, "hurray_push_wait_s"),
         ({"hurray_path": "/tmp/x", "hurray_push_wait_s": -1}, 1, "hurray_push_wait_s"),
         ({"hurray_path": "/tmp/x", "hurray_listen_max_connections": 0}, 1, "hurray_listen_max_connections"),
@@ -385,6 +386,31 @@ def test_building_a_part_changes_nothing_process_wide(tmp_path) -> None:  # type
     before = VERIFIED.capacity
     _scheduler_with_one_chunk(tmp_path)
     assert VERIFIED.capacity == before
+
+
+def test_verified_chunks_are_bounded_in_bytes_as_well_as_in_entries() -> None:
+    """Kept chunks hold their pools in the process's memory: hurray_verified_mib bounds it, oldest out first."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.metadata import VerifiedChunks, snapshot_bytes
+    from hurray_vllm.app.demo import spec_example_snapshot
+
+    snap = spec_example_snapshot()
+    size = snapshot_bytes(snap)
+    assert size == sum(t.page_pool.numel() * t.page_pool.element_size() for t in (*snap.keys, *snap.values))
+    cache = VerifiedChunks(capacity=100, max_bytes=3 * size)
+    for i in range(5):
+        cache.put(f"k{i}", (i,), snap)
+    assert cache.nbytes == 3 * size
+    assert [cache.get(f"k{i}", (i,)) is not None for i in range(5)] == [False, False, True, True, True]
+    cache.put("k2", (2,), snap)  # put again: counted once
+    assert cache.nbytes == 3 * size
+    cache.put("big", (9,), snap, max_bytes=size - 1)  # larger than the budget alone: not kept, nor anything
+    assert cache.get("big", (9,)) is None and cache.nbytes == 0
+    cache.put("a", (1,), snap, capacity=1)
+    cache.put("b", (1,), snap, capacity=1)
+    assert cache.get("a", (1,)) is None and cache.nbytes == size
+    cache.clear()
+    assert cache.nbytes == 0
 
 
 @pytest.mark.parametrize(

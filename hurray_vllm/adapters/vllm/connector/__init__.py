@@ -48,8 +48,11 @@ Extra config:
   files again while the files are unchanged (same inode, size and times).
   At least 64 (the chunks the scheduler verifies pass through it to the
   worker of the same process) and at most an eighth of the process's
-  open-file limit: each kept chunk keeps its file open (Python's mmap
-  holds a descriptor while the mapping lives).
+  open-file limit.
+* ``hurray_verified_mib`` (default 2048): the memory those kept chunks may
+  hold (their page pools are read into the process, not mapped); least
+  recently used out first. A chunk evicted before the worker wrote it is
+  read again by the worker.
 * ``hurray_key_file`` (or ``$HURRAY_VLLM_KEY_FILE``): the fleet key file, or
   a list of them (the first signs, all are accepted: key rotation). Every
   chunk saved is signed; a chunk loaded or received without a valid MAC

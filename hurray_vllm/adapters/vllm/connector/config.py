@@ -19,6 +19,7 @@ from ....transport.base import parse_listen
 from ....transport.security import TlsOptions, client_context, server_context
 from ..cache import cache_groups, is_grouped, unsupported_cache, unsupported_parallelism
 from ..states import declared_layout, state_groups
+from .metadata import DEFAULT_VERIFIED_BYTES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,8 +31,9 @@ __all__ = ["HurrayConfig", "verified_capacity"]
 def verified_capacity(wanted: int) -> int:
     """``wanted``, at least 64 (the handoff to the worker) and at most an eighth of the open-file limit.
 
-    Each kept chunk keeps its file open: Python's mmap holds a descriptor
-    for as long as the mapping lives.
+    The open-file bound dates from when kept chunks were mapped (each mapping
+    holds its file open); chunks are read now, and it stays as a bound on
+    entries. Their memory is bounded by ``hurray_verified_mib``.
     """
     try:
         import resource
@@ -133,6 +135,7 @@ class HurrayConfig:
     #: the next one to arrive before it recomputes what is missing.
     push_wait_s: float
     verified_chunks: int  # already bounded by verified_capacity()
+    verified_bytes: int  # hurray_verified_mib: what the verified chunks may hold in memory
     listen: str | None
     listen_transport: str
     #: The hurray_listen receiver's limits (``hurray_listen_quota_mib``, ``hurray_listen_min_free_mib``,
@@ -241,6 +244,9 @@ class HurrayConfig:
                 if value < low:
                     raise HurrayArgumentError(key, f"must be at least {low:g}, got {value:g}")
                 limits[arg] = value if scale is None else int(value * scale)
+        verified_mib = _int(cfg, "hurray_verified_mib", DEFAULT_VERIFIED_BYTES >> 20)
+        if verified_mib < 0:
+            raise HurrayArgumentError("hurray_verified_mib", f"must be at least 0, got {verified_mib}")
         key_files = cfg.get_from_extra_config("hurray_key_file", None)
         if key_files is not None and not isinstance(key_files, (str, list, tuple)):
             raise HurrayArgumentError("hurray_key_file", f"expected a path or a list of paths, got {key_files!r}")
@@ -258,6 +264,7 @@ class HurrayConfig:
             save_queue_bytes=_int(cfg, "hurray_save_queue_mib", 1024) << 20,
             push_wait_s=push_wait_s,
             verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
+            verified_bytes=verified_mib << 20,
             listen=str(listen) if listen else None,
             listen_transport=transport,
             listen_limits=limits,

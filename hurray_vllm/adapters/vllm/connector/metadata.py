@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from ....kv.snapshot import KVSnapshot
 
 __all__ = [
+    "DEFAULT_VERIFIED_BYTES",
     "VERIFIED",
     "ConnectorStats",
     "HurrayConnectorMetadata",
@@ -25,6 +26,7 @@ __all__ = [
     "SaveTask",
     "VerifiedChunks",
     "forget_verified_chunks",
+    "snapshot_bytes",
 ]
 
 
@@ -101,28 +103,42 @@ class ConnectorStats:
     load_s: float = 0.0  # worker: wall time the steps spent loading (reading, checking, writing blocks)
 
 
+#: ``hurray_verified_mib``'s default, in bytes: what verified chunks may hold in memory per process.
+DEFAULT_VERIFIED_BYTES = 2048 << 20
+
+
 class VerifiedChunks:
     """Chunks this process verified (model, tokens, checksum), by key, with their file's identity.
 
     The scheduler hands them to a worker in the same process, which then
     does not read them again; and a later load of the same prefix (the
-    next turn of a conversation, a shared system prompt) skips parsing and
-    checksumming their files again as long as each file is still the one
-    that was verified (:meth:`DirectoryStore.identity`). Least recently
-    used first out. An entry costs little memory (its page pools are views
-    of the file's mapping, which the kernel may drop and re-read), but it
-    keeps the file's mapping, so a deleted chunk's disk space is freed only
-    when its entry goes.
+    next turn of a conversation, a shared system prompt) skips reading,
+    parsing and checksumming their files again as long as each file is
+    still the one that was verified (:meth:`DirectoryStore.identity`).
+    Least recently used first out.
 
-    ``capacity`` is only the default bound: each connector part passes its
-    own (``hurray_verified_chunks``) to :meth:`put`, so that building a
-    connector changes nothing process-wide.
+    An entry holds the chunk's page pools in the process's own memory (files
+    are read, not mapped: issue 17), so the cache is bounded in bytes as well
+    as in entries. An entry evicted before the worker took it is read again
+    by the worker: slower, never wrong.
+
+    ``capacity`` and ``max_bytes`` are only the default bounds: each
+    connector part passes its own (``hurray_verified_chunks``,
+    ``hurray_verified_mib``) to :meth:`put`, so that building a connector
+    changes nothing process-wide.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = DEFAULT_VERIFIED_BYTES) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._items: OrderedDict[str, tuple[tuple[int, ...], KVSnapshot]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[tuple[int, ...], KVSnapshot, int]] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of page pools and states the kept chunks hold."""
+        return self._bytes
 
     def get(self, key: str, identity: tuple[int, ...]) -> KVSnapshot | None:
         """The snapshot verified for ``key`` if its file still has ``identity`` (then most recently used), else None."""
@@ -133,19 +149,45 @@ class VerifiedChunks:
             self._items.move_to_end(key)
             return hit[1]
 
-    def put(self, key: str, identity: tuple[int, ...], snap: KVSnapshot, capacity: int | None = None) -> None:
-        """Keep ``snap``; then drop the least recently used beyond ``capacity`` (default: :attr:`capacity`)."""
+    def put(
+        self,
+        key: str,
+        identity: tuple[int, ...],
+        snap: KVSnapshot,
+        capacity: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """Keep ``snap``; then drop the least recently used beyond ``capacity`` entries or ``max_bytes``.
+
+        The bounds default to :attr:`capacity` and :attr:`max_bytes`. A chunk
+        larger than ``max_bytes`` alone is not kept.
+        """
         keep = self.capacity if capacity is None else capacity
+        budget = self.max_bytes if max_bytes is None else max_bytes
+        size = snapshot_bytes(snap)
         with self._lock:
-            self._items[key] = (identity, snap)
-            self._items.move_to_end(key)
-            while len(self._items) > keep:
-                self._items.popitem(last=False)
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[2]
+            self._items[key] = (identity, snap, size)
+            self._bytes += size
+            while self._items and (len(self._items) > keep or self._bytes > budget):
+                self._bytes -= self._items.popitem(last=False)[1][2]
 
     def clear(self) -> None:
         """Forget every chunk."""
         with self._lock:
             self._items.clear()
+            self._bytes = 0
+
+
+def snapshot_bytes(snap: KVSnapshot) -> int:
+    """Bytes of ``snap``'s page pools and recurrent states (what keeping it costs)."""
+    pools = sum(t.page_pool.numel() * t.page_pool.element_size() for t in (*snap.keys, *snap.values, *snap.fused))
+    states = 0
+    if snap.states is not None:
+        states = sum(t.numel() * t.element_size() for layer in snap.states.tensors for t in layer)
+    return int(pools + states)
 
 
 #: Shared by the scheduler part and a worker part in the same process: the handoff of verified

@@ -130,6 +130,7 @@ class HurrayScheduler:
         self._reqs: dict[str, _Request] = {}
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
+        self._verified_bytes = config.verified_bytes
         self._windows = config.group_windows  # () for one KV cache group
         self._last_only = config.window_chunks == "last"
         # Every KV head of the model: a chunk is complete when its files hold them all.
@@ -212,7 +213,7 @@ class HurrayScheduler:
             if self._failed_check(parts, checks) or not _fit_together(part_snaps):
                 break
             for part, snap in zip(parts, part_snaps, strict=True):
-                VERIFIED.put(part.name, part.identity, snap, self._verified_cap)
+                VERIFIED.put(part.name, part.identity, snap, self._verified_cap, self._verified_bytes)
             verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts])
             snaps.append(part_snaps[0])  # the slices share windows and structure
             hit = i + 1

@@ -231,6 +231,7 @@ class HurrayWorker:
         self._async = config.save_async
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
+        self._verified_bytes = config.verified_bytes
         self.stats = ConnectorStats()
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
@@ -411,7 +412,7 @@ class HurrayWorker:
                     name=name,
                 )
                 if now is not None:
-                    VERIFIED.put(name, now, snap, self._verified_cap)
+                    VERIFIED.put(name, now, snap, self._verified_cap, self._verified_bytes)
             snaps.append(snap)
         if not snaps:
             raise HurrayFormatError("snapshot.heads", f"chunk {task.keys[c]}: no stored file holds this rank's heads")
