@@ -73,9 +73,9 @@ class NativePoly1305:
     """One Poly1305 computation (one-time ``key`` of 32 bytes); not for use by two threads at once."""
 
     def __init__(self, lib: Any, mac: Any, key: bytes) -> None:
+        self._lib, self._ctx = lib, None  # first: __del__ runs even when __init__ raises
         if len(key) != 32:
             raise ValueError("a Poly1305 key is 32 bytes")
-        self._lib = lib
         self._ctx = lib.EVP_MAC_CTX_new(mac)
         if not self._ctx or lib.EVP_MAC_init(self._ctx, key, 32, None) != 1:
             self._free()

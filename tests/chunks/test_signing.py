@@ -238,28 +238,6 @@ def test_prune_with_keys_deletes_the_chunks_no_key_of_the_ring_signed_first(tmp_
     assert store.has(ns, key) and not store.has(ns, "a2" * 8)
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
-@given(st.lists(st.binary(max_size=300), max_size=6), st.binary(min_size=32, max_size=32))
-def test_openssl_poly1305_equals_cryptography(parts: list[bytes], key: bytes) -> None:
-    """The GIL-free path (libcrypto through ctypes) and cryptography's give the same tags, however data is split."""
-    from cryptography.hazmat.primitives.poly1305 import Poly1305
-
-    from hurray_vllm.native import openssl
-
-    native = openssl.poly1305(key)
-    if native is None:
-        pytest.skip(f"no libcrypto 3 here: {openssl.unavailable_reason()}")
-    ref = Poly1305(key)
-    for i, p in enumerate(parts):
-        ref.update(p)
-        if i % 2:
-            native.update(memoryview(p))
-        else:
-            t = torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8)
-            native.update_address(t.data_ptr(), t.numel())
-    assert native.finalize() == ref.finalize()
-
-
 def test_chunk_macs_are_the_same_with_and_without_openssl(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk signed through one path verifies through the other: the fallback is not another format."""
     from hurray_vllm.native import openssl

@@ -1,0 +1,45 @@
+"""native.openssl: Poly1305 from the system's libcrypto through ctypes, against cryptography's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hurray_vllm.native import openssl
+
+FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "40"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(st.lists(st.binary(max_size=300), max_size=6), st.binary(min_size=32, max_size=32))
+def test_openssl_poly1305_equals_cryptography(parts: list[bytes], key: bytes) -> None:
+    """The GIL-free path (libcrypto through ctypes) and cryptography's give the same tags, however data is split."""
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    native = openssl.poly1305(key)
+    if native is None:
+        pytest.skip(f"no libcrypto 3 here: {openssl.unavailable_reason()}")
+    ref = Poly1305(key)
+    for i, p in enumerate(parts):
+        ref.update(p)
+        if i % 2:
+            native.update(memoryview(p))
+        else:
+            t = torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8)
+            native.update_address(t.data_ptr(), t.numel())
+    assert native.finalize() == ref.finalize()
+
+
+def test_a_key_of_another_length_is_refused_and_disabling_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    if openssl.poly1305(b"k" * 32) is None:
+        pytest.skip(f"no libcrypto 3 here: {openssl.unavailable_reason()}")
+    with pytest.raises(ValueError, match="32 bytes"):
+        openssl.poly1305(b"k" * 16)
+    monkeypatch.setattr(openssl, "_state", {})
+    monkeypatch.setenv("HURRAY_VLLM_NATIVE", "0")
+    assert openssl.poly1305(b"k" * 32) is None
+    assert openssl.unavailable_reason() == "disabled by HURRAY_VLLM_NATIVE=0"
