@@ -131,7 +131,8 @@ def test_mutated_nixl_offers_are_refused_before_any_transfer_or_describe_a_chunk
         offer = parse_offer(body, limit)
         assert sum(offer.remote_sizes) <= limit
         views = [torch.empty(n, dtype=torch.uint8) for n in offer.remote_sizes]
-        snap, digest = assemble_offer(offer, views)
+        landing = assemble_offer(offer, views)
+        snap, digest = landing.snapshot, landing.digest
     except hv.HurrayFormatError:
         return
     assert snap.num_layers > 0 and digest.startswith(("crc32c/", "crc32/"))

@@ -46,6 +46,7 @@ __all__ = [
     "Offer",
     "encode_offer",
     "encode_snapshot_offer",
+    "Landing",
     "assemble_offer",
     "parse_offer",
     "parse_nixl_url",
@@ -218,13 +219,26 @@ class Offer:
     remote_sizes: list[int]
 
 
-def assemble_offer(offer: Offer, views: list[torch.Tensor]) -> tuple[KVSnapshot, str]:
-    """The snapshot an offer describes, with ``views`` (one per announced pool, not yet written) as its pools.
+@dataclass
+class Landing:
+    """Where an offered chunk lands: its snapshot over the pools' memory, and how to check it as it arrives."""
 
-    Returns the snapshot and its chunk digest string. Everything but the
-    pools' bytes is checked here, before any transfer: the records form a
-    chunk (as a stream's would), the digest is one this version checks, and
-    the announced pools are exactly the snapshot's page pools.
+    snapshot: KVSnapshot
+    #: the chunk digest string the offer carries, and its algorithm
+    digest: str
+    algorithm: str
+    #: per digest tensor (:func:`~hurray_vllm.chunks.digest.digest_tensors` order): its pool's bytes and the
+    #: index of the announced pool it lands in (``None``: an empty pool, nothing to wait for)
+    plan: list[tuple[memoryview, int | None]]
+
+
+def assemble_offer(offer: Offer, views: list[torch.Tensor]) -> Landing:
+    """The chunk an offer describes, with ``views`` (one per announced pool, not yet written) as its pools.
+
+    Everything but the pools' bytes is checked here, before any transfer:
+    the records form a chunk (as a stream's would), the digest is one this
+    version checks, and the announced pools are exactly the snapshot's page
+    pools.
 
     Raises:
         HurrayFormatError: any of those fails.
@@ -238,12 +252,15 @@ def assemble_offer(offer: Offer, views: list[torch.Tensor]) -> tuple[KVSnapshot,
     ]
     snap = assemble_snapshot(group_records(records))
     want = snap.extra.get(DIGEST_KEY)
-    ChunkDigest.like(want)  # refuses a missing or unknown digest before any transfer
+    algorithm = ChunkDigest.like(want).algorithm  # refuses a missing or unknown digest before any transfer
     where = {v.data_ptr(): i for i, v in enumerate(views)}
-    used = [where.get(t.page_pool.data_ptr()) for t in digest_tensors(snap) if t.page_pool.numel()]
-    if sorted(i for i in used if i is not None) != list(range(len(views))):
+    plan = [
+        (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
+        for t in digest_tensors(snap)
+    ]
+    if sorted(i for _, i in plan if i is not None) != list(range(len(views))):
         raise HurrayFormatError("transport.offer", "the announced page pools are not the snapshot's")
-    return snap, str(want)
+    return Landing(snap, str(want), algorithm, plan)
 
 
 def parse_offer(body: bytearray, max_remote_bytes: int) -> Offer:

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from ...chunks.digest import ChunkDigest, digest_header, digest_tensors
+from ...chunks.digest import ChunkDigest, digest_header
 from ...chunks.store import ChunkStore
-from ...containers.stream import tensor_bytes
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ..base import (
     DEFAULT_IDLE_TIMEOUT_S,
@@ -321,13 +320,8 @@ class NixlReceiver(ReceiverBase):
             views: list[torch.Tensor] = []
             if offer.remote_sizes:
                 slab, views = self.arena.take(offer.remote_sizes)
-            snap, want = assemble_offer(offer, views)  # checked whole before any transfer
-            algorithm = ChunkDigest.like(want).algorithm
-            where = {v.data_ptr(): i for i, v in enumerate(views)}
-            plan = [
-                (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
-                for t in digest_tensors(snap)
-            ]
+            landing = assemble_offer(offer, views)  # checked whole before any transfer
+            snap, want, plan = landing.snapshot, landing.digest, landing.plan
             q = self._notifs.expect(xfer_id)
             name = self.name.encode()
             md = self._agent.get_agent_metadata() if views else b""
@@ -342,12 +336,12 @@ class NixlReceiver(ReceiverBase):
                 + U32.pack(len(views))
                 + b"".join(U64.pack(v.data_ptr()) for v in views)
             )
-            digest = self._await(conn, q, plan, len(views), algorithm, digest_header(snap))
+            digest = self._await(conn, q, plan, len(views), landing.algorithm, digest_header(snap))
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
             stored = self.put(offer.ns, key, snap)
-            del snap, views, plan
+            del snap, views, plan, landing
             self.count(True)
             try:
                 conn.sendall(b"OK")
