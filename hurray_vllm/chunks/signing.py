@@ -216,9 +216,9 @@ class ChunkMac:
         label = _OTK_LABEL + nonce + len(ns).to_bytes(2, "little") + ns + len(nm).to_bytes(2, "little") + nm
         key = hmac.new(secret, label, hashlib.sha256).digest()
         # OpenSSL through ctypes where it can (the GIL released: the check overlaps the scheduler's reads),
-        # else cryptography's Poly1305: the same tags.
-        self._native = poly1305(key)
-        if self._native is None:
+        # else cryptography's Poly1305: the same tags, the same two methods.
+        self._poly: Any = poly1305(key)
+        if self._poly is None:
             try:
                 from cryptography.hazmat.primitives.poly1305 import Poly1305
             except ImportError:  # pragma: no cover - cryptography comes with vLLM and the test extras
@@ -227,32 +227,20 @@ class ChunkMac:
                     "signed chunks need OpenSSL 3's libcrypto or the cryptography package: "
                     "pip install 'hurray-vllm[security]'",
                 ) from None
-            self._poly: Any = Poly1305(key)
+            self._poly = Poly1305(key)
 
     def update(self, data: bytes | memoryview) -> None:
         """Add ``data``'s bytes."""
-        if self._native is not None:
-            self._native.update(data)
-        else:
-            self._poly.update(data)
+        self._poly.update(data)
 
     def update_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Add the bytes of contiguous CPU ``tensors``, in order."""
         for t in tensors:
-            if not t.numel():
-                continue
-            if self._native is not None:
-                if t.device.type != "cpu":
-                    raise HurrayArgumentError("tensors", f"a chunk MAC reads CPU memory, not {t.device}")
-                t = t.contiguous()  # a no-op for the page pools; the address must cover numel() elements
-                self._native.update_address(t.data_ptr(), t.numel() * t.element_size())
-            else:
+            if t.numel():
                 self._poly.update(byte_view(t.reshape(-1).view(torch.uint8)))
 
     def tag(self) -> bytes:
         """The 16-byte tag (the MAC can take no more data afterwards)."""
-        if self._native is not None:
-            return self._native.finalize()
         return bytes(self._poly.finalize())
 
 

@@ -81,15 +81,16 @@ class NativePoly1305:
             self._free()
             raise RuntimeError("libcrypto refused to start a Poly1305 MAC")
 
-    def update_address(self, address: int, nbytes: int) -> None:
-        """Add ``nbytes`` bytes of memory at ``address`` (a contiguous CPU tensor's ``data_ptr()``)."""
-        if nbytes and self._lib.EVP_MAC_update(self._ctx, address, nbytes) != 1:
-            raise RuntimeError("libcrypto's Poly1305 update failed")
-
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        """Add ``data``'s bytes (small ones: a read-only buffer is copied first)."""
-        raw = bytes(data) if not isinstance(data, bytes) else data
-        if raw and self._lib.EVP_MAC_update(self._ctx, raw, len(raw)) != 1:
+        """Add ``data``'s bytes: a writable buffer (a tensor's ``byte_view``) is read in place, others copied first."""
+        view = memoryview(data)
+        if not view.nbytes:
+            return
+        if not view.readonly and view.c_contiguous:
+            buf: Any = (ctypes.c_char * view.nbytes).from_buffer(view.cast("B"))  # no copy: a page pool's bytes
+        else:
+            buf = view.tobytes()
+        if self._lib.EVP_MAC_update(self._ctx, buf, view.nbytes) != 1:
             raise RuntimeError("libcrypto's Poly1305 update failed")
 
     def finalize(self) -> bytes:
