@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["cache_dir", "crc32c", "kernel", "library", "unavailable_reason"]
+__all__ = ["DISABLED", "cache_dir", "crc32c", "disabled", "kernel", "library", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,15 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
+#: Why native code is not used when ``HURRAY_VLLM_NATIVE=0``.
+DISABLED = "disabled by HURRAY_VLLM_NATIVE=0"
+
+
+def disabled() -> bool:
+    """``HURRAY_VLLM_NATIVE=0``: every native path (built kernels, OpenSSL) falls back to Python/torch."""
+    return os.environ.get("HURRAY_VLLM_NATIVE", "1") == "0"
+
+
 def library() -> ctypes.CDLL | None:
     """The native kernels, built on first use; ``None`` when they cannot be had (see :func:`unavailable_reason`)."""
     if "lib" in _state:
@@ -87,8 +96,8 @@ def library() -> ctypes.CDLL | None:
             return _state["lib"]  # type: ignore[return-value]
         lib: ctypes.CDLL | None = None
         reason: str | None = None
-        if os.environ.get("HURRAY_VLLM_NATIVE", "1") == "0":
-            reason = "disabled by HURRAY_VLLM_NATIVE=0"
+        if disabled():
+            reason = DISABLED
         else:
             digest = hashlib.sha256()
             for name in _SOURCES:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import threading
 from typing import Any
+
+from . import DISABLED, disabled
 
 __all__ = ["NativePoly1305", "poly1305", "unavailable_reason"]
 
@@ -28,13 +29,15 @@ _state: dict[str, Any] = {}
 
 def _load() -> tuple[Any, Any] | None:
     """``(libcrypto, EVP_MAC* for POLY1305)``, or ``None`` with the reason in ``_state``."""
+    if "lib" in _state:  # every chunk MAC asks: no lock once loaded
+        return _state["lib"]
     with _lock:
         if "lib" in _state:
             return _state["lib"]
         out: tuple[Any, Any] | None = None
         reason = None
-        if os.environ.get("HURRAY_VLLM_NATIVE", "1") == "0":
-            reason = "disabled by HURRAY_VLLM_NATIVE=0"
+        if disabled():
+            reason = DISABLED
         else:
             try:
                 out = _bind()
