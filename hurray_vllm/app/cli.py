@@ -427,11 +427,9 @@ def _backend_url(text: str) -> str:
 def cmd_router(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm router`` until SIGINT/SIGTERM; returns 0."""
     try:
-        from .router import RouterConfig, serve
+        from .router import CONTROL_PURPOSE, RouterConfig, serve
     except ImportError as exc:  # FastAPI, uvicorn or aiohttp missing (all come with vLLM)
         raise HurrayArgumentError("router", f"{exc}; install them with: pip install 'hurray-vllm[router]'") from None
-
-    from .router.server import CONTROL_PURPOSE
 
     keys = _keys(args)
     if args.print_token:

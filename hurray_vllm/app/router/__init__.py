@@ -31,6 +31,6 @@ environment; ``pip install hurray-vllm[router]`` otherwise).
 
 from __future__ import annotations
 
-from .server import Router, RouterConfig, build_app, serve
+from .server import CONTROL_PURPOSE, Router, RouterConfig, build_app, serve
 
-__all__ = ["Router", "RouterConfig", "build_app", "serve"]
+__all__ = ["CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
