@@ -333,6 +333,13 @@ class _PortTaken(Exception):
     """A server lost its port to another process between picking and binding: start over."""
 
 
+def _engine_command(tmp: Path, name: str, cfg: dict[str, Any]) -> list[str]:
+    """Write ``NAME.json`` (``cfg`` over ``tmp / "model"``); the command that runs it into ``NAME.out``."""
+    (tmp / f"{name}.json").write_text(json.dumps({"model": str(tmp / "model"), **cfg}))
+    generate = [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate"]
+    return [*generate, str(tmp / f"{name}.json"), str(tmp / f"{name}.out")]
+
+
 def kill_engine_when(
     tmp: Path,
     name: str,
@@ -347,16 +354,9 @@ def kill_engine_when(
     ``when`` is polled every few milliseconds. Returns True if the engine was
     killed, False if it finished first.
     """
-    cfg = {"model": str(tmp / "model"), "block_size": block_size, "connector": extra, "prompts": prompts,
-           "max_tokens": 8}  # fmt: skip
-    (tmp / f"{name}.json").write_text(json.dumps(cfg))
-    cmd = [
-        sys.executable,
-        "-m",
-        "hurray_vllm.adapters.vllm._generate",
-        str(tmp / f"{name}.json"),
-        str(tmp / f"{name}.out"),
-    ]
+    cmd = _engine_command(
+        tmp, name, {"block_size": block_size, "connector": extra, "prompts": prompts, "max_tokens": 8}
+    )
     with open(tmp / f"{name}.log", "w") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
@@ -406,7 +406,6 @@ def run_engine(
         The run's outputs, vLLM counters and connector statistics, plus its ``log``.
     """
     cfg = {
-        "model": str(tmp / "model"),
         "block_size": block_size,
         "connector": extra,
         "prompts": prompts,
@@ -415,11 +414,8 @@ def run_engine(
         "sequential": sequential,
         "prefix_caching": prefix_caching,
     }
-    (tmp / f"{name}.json").write_text(json.dumps(cfg))
-    cmd = [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate"]
-    run = [*cmd, str(tmp / f"{name}.json"), str(tmp / f"{name}.out")]
     proc = subprocess.run(
-        run,
+        _engine_command(tmp, name, cfg),
         capture_output=True,
         text=True,
         timeout=900,
