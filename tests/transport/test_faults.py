@@ -28,7 +28,7 @@ from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks import DirectoryStore, fsck
 from hurray_vllm.chunks.keys import chunks_of, namespace_of
 from hurray_vllm.containers.io import write_stream
-from hurray_vllm.transport.tcp import MAGIC, Receiver
+from hurray_vllm.transport.tcp import Receiver, frame_head
 
 
 def _chunk() -> tuple[str, str, KVSnapshot]:
@@ -43,17 +43,6 @@ def _stream(snap: KVSnapshot) -> bytes:
     buf = io.BytesIO()
     write_stream(snap, buf)
     return buf.getvalue()
-
-
-def _frame_head(ns: str, key: str, length: int) -> bytes:
-    return (
-        MAGIC
-        + len(ns).to_bytes(2, "little")
-        + ns.encode()
-        + len(key).to_bytes(2, "little")
-        + key.encode()
-        + (length.to_bytes(8, "little"))
-    )
 
 
 def _receive(store: Path, log: Path, preexec: Callable[[], None] | None = None) -> tuple[subprocess.Popen[str], int]:
@@ -100,7 +89,7 @@ def test_a_receiver_killed_mid_chunk_leaves_nothing_and_its_restart_takes_the_ch
     try:
         body = _stream(chunk)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(_frame_head(ns, key, len(body)) + body[: len(body) * 2 // 3])
+            s.sendall(frame_head(ns, key, len(body)) + body[: len(body) * 2 // 3])
             time.sleep(0.5)  # the receiver is inside the chunk, waiting for the rest
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
@@ -121,7 +110,7 @@ def test_a_sender_killed_mid_chunk_stores_nothing_and_the_receiver_serves_on(tmp
     ns, key, chunk = _chunk()
     store = DirectoryStore(tmp_path / "store")
     body = _stream(chunk)
-    (tmp_path / "part.bin").write_bytes(_frame_head(ns, key, len(body)) + body[: len(body) // 2])
+    (tmp_path / "part.bin").write_bytes(frame_head(ns, key, len(body)) + body[: len(body) // 2])
     with Receiver("127.0.0.1", 0, store, timeout=30).start() as r:
         script = textwrap.dedent(
             f"""

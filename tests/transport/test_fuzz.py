@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from hurray_vllm.chunks.keys import chunks_of, namespace_of
 from hurray_vllm.containers.io import write_stream
 from hurray_vllm.transport import base
 from hurray_vllm.transport.nixl.offer import assemble_offer, encode_snapshot_offer, parse_offer
-from hurray_vllm.transport.tcp import MAGIC, Receiver
+from hurray_vllm.transport.tcp import Receiver, frame_head
 
 FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "60"))
 ((KEY, CHUNK),) = chunks_of(spec_example_snapshot(), 4)
@@ -46,15 +45,7 @@ def _stream() -> bytes:
 
 
 STREAM = _stream()
-FRAME = (
-    MAGIC
-    + struct.pack("<H", len(NS))
-    + NS.encode()
-    + struct.pack("<H", len(KEY))
-    + KEY.encode()
-    + struct.pack("<Q", len(STREAM))
-    + STREAM
-)
+FRAME = frame_head(NS, KEY, len(STREAM)) + STREAM
 
 
 def _offer_body() -> bytes:
