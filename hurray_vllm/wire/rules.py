@@ -122,7 +122,7 @@ def _remember(d: TensorDescriptor, permissive: bool, checked: Checked) -> None:
     def forget(ref: weakref.ref[TensorDescriptor]) -> None:
         entry = _VERDICTS.get(key)
         if entry is not None and entry[0] is ref:
-            del _VERDICTS[key]
+            _VERDICTS.pop(key, None)  # readers on several threads: another may have cleared it since
 
     if len(_VERDICTS) >= _MAX_VERDICTS:  # bounded even while callers keep many descriptors alive
         _VERDICTS.clear()
