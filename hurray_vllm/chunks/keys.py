@@ -12,6 +12,7 @@ import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from .digest import DIGEST_KEY, chunk_digest
 
-__all__ = ["namespace_of", "chunk_keys", "chunks_of", "slice_key", "split_slice_key"]
+__all__ = ["namespace_of", "chunk_keys", "chunks_of", "slice_key", "split_slice_key", "tail_keys"]
 
 
 def namespace_of(fp: ModelFingerprint) -> str:
@@ -30,17 +31,47 @@ def namespace_of(fp: ModelFingerprint) -> str:
     return h.hexdigest()
 
 
+def _chained(prev: str | None, namespace: str) -> Any:
+    """The hash a chunk's key starts from: the key before it (raw digest), or the namespace for the first."""
+    return hashlib.blake2b(bytes.fromhex(prev) if prev else namespace.encode(), digest_size=16)
+
+
 def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: str) -> list[str]:
     """Keys of the whole chunks of ``token_ids``; key ``i`` covers tokens ``[0, (i+1)*chunk_tokens)``."""
-    keys = []
-    prev = namespace.encode()
+    keys: list[str] = []
     for i in range(len(token_ids) // chunk_tokens):
-        chunk = token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(array("q", chunk).tobytes())  # int64, native order: the bytes torch.int64 would give
-        prev = h.digest()
+        h = _chained(keys[-1] if keys else None, namespace)
+        h.update(array("q", token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]).tobytes())  # int64, native order
         keys.append(h.hexdigest())
     return keys
+
+
+def tail_keys(prev: str | None, token_ids: Sequence[int], step: int, namespace: str) -> list[tuple[int, str]]:
+    """``(n, key)`` of every tail of ``n`` = ``step``, ``2 * step``, ... tokens of ``token_ids`` after ``prev``.
+
+    A tail is a prompt's whole blocks after its last whole chunk, saved when
+    its prefill ends so that a consumer computes at most one block of it
+    (see ``hurray_tails`` in docs/connector.md). It is keyed as a chunk of
+    its own length would be: chained on the key of the chunk before it
+    (``prev``; ``None`` at the start of a sequence), so that its key names
+    the whole prefix, and a tail can never be mistaken for a whole chunk
+    (shorter: another hash). One pass over the tokens gives every
+    candidate length a consumer may probe.
+
+    Example:
+        >>> tokens = list(range(10))
+        >>> first = chunk_keys(tokens, 4, "ns")[0]
+        >>> [n for n, _ in tail_keys(first, tokens[4:], 2, "ns")]
+        [2, 4, 6]
+        >>> tail_keys(first, tokens[4:], 2, "ns")[1][1] == chunk_keys(tokens, 4, "ns")[1]  # 4 tokens: chunk 1's key
+        True
+    """
+    h = _chained(prev, namespace)
+    out = []
+    for n in range(step, len(token_ids) + 1, step):
+        h.update(array("q", token_ids[n - step : n]).tobytes())
+        out.append((n, h.copy().hexdigest()))
+    return out
 
 
 def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot]]:

@@ -35,7 +35,7 @@ from .digest import (  # noqa: F401
     chunk_digest,
     digest_matches,
 )
-from .keys import chunk_keys, chunks_of, namespace_of, slice_key, split_slice_key  # noqa: F401
+from .keys import chunk_keys, chunks_of, namespace_of, slice_key, split_slice_key, tail_keys  # noqa: F401
 from .prune import PruneReport
 from .signing import FleetKeys, sign_chunk
 from .verify import check_data, verify_chunk  # noqa: F401

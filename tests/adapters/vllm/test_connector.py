@@ -34,6 +34,8 @@ PROMPTS = {
     # Its second chunk holds the same 64 tokens as "p"'s second chunk, after another first chunk: the same
     # tokens, other KV. Only the file name (the prefix's hash) tells the two apart.
     "replay": _prompt(6, 64) + SHARED[64:128] + _prompt(8, 22),
+    # One whole chunk, then a tail of one 32-token block (96 = 120 // 32 * 32) and 24 tokens after it.
+    "tailed": _prompt(9, 120),
 }
 #: Long prompts for the fault runs (#21): an engine killed while it saves them, then one that loads and saves
 #: them while the store is pruned under it.
@@ -217,6 +219,17 @@ def test_consumer_continues_identically_without_recomputing(runs) -> None:  # ty
     # "q" shares 2 chunks with "p": verified once, for "p", then taken from memory.
     assert runs["consumer"]["scheduler_stats"]["chunks_remembered"] >= 2
     assert runs["consumer64"]["worker_stats"]["chunks_loaded"] >= 6
+
+
+def test_a_prompt_tail_loads_every_whole_block_of_it(runs) -> None:  # type: ignore[no-untyped-def]
+    """hurray_tails: the producer saved "tailed"'s whole blocks after its chunk; a consumer of its block size
+    loads them too and computes only the last 24 tokens; one with larger blocks cannot use a 32-token tail."""
+    assert runs["producer"]["worker_stats"]["tails_saved"] >= 1
+    for name in ("consumer", "consumer64"):
+        assert runs[name]["outputs"]["tailed"] == runs["plain"]["outputs"]["tailed"], name
+    assert runs["consumer"]["cached"]["tailed"] == 96, runs["consumer"]["cached"]
+    assert runs["consumer"]["worker_stats"]["tails_loaded"] >= 1
+    assert runs["consumer64"]["cached"]["tailed"] == 64, runs["consumer64"]["cached"]
 
 
 def test_producer_stores_a_shared_prefix_once(runs) -> None:  # type: ignore[no-untyped-def]

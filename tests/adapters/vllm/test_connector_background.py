@@ -275,6 +275,8 @@ def _vllm_config(
         ({"hurray_path": "/tmp/x", "hurray_push_wait_s": -1}, 1, "hurray_push_wait_s"),
         ({"hurray_path": "/tmp/x", "hurray_listen_max_connections": 0}, 1, "hurray_listen_max_connections"),
         ({"hurray_path": "/tmp/x", "hurray_listen_quota_mib": "big"}, 1, "hurray_listen_quota_mib"),
+        ({"hurray_path": "/tmp/x", "hurray_tails": "maybe"}, 1, "hurray_tails"),
+        ({"hurray_path": "/tmp/x", "hurray_save_async": "sometimes"}, 1, "hurray_save_async"),
         ({"hurray_path": "/tmp/x"}, -2, "pipeline_parallel_size"),  # -2: pipeline parallelism 2
     ],
 )
@@ -657,3 +659,58 @@ def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce(t
     for i, params in enumerate([None, {}, {"hurray_saved_tokens": "4"}, {"hurray_saved_tokens": True}, ["x"]]):
         assert sched.get_num_new_matched_tokens(request(f"plain{i}", [5] * 9, params), 0) == (0, False)
     assert sched.stats.push_waits == 2
+
+
+def test_a_prompt_tail_is_saved_at_the_end_of_prefill_announced_awaited_and_loaded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """hurray_tails, chunks of 8 and blocks of 4: a 6-token prompt has no whole chunk but a one-block tail."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler, _Request
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of, tail_keys
+
+    forget_verified_chunks()
+    # Sequence 0 of the spec example, cut at 4 tokens: what a producer stores as the prompt's tail.
+    ((key, tail),) = chunks_of(spec_example_snapshot(), 4)
+    assert tail.fingerprint is not None
+    ns, prompt = namespace_of(tail.fingerprint), [*tail.token_ids[0], 99, 1]
+    assert tail_keys(None, prompt[:4], 4, ns) == [(4, key)]
+    extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 8, "hurray_push_wait_s": 30}
+    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+    assert cfg.tails
+    store = DirectoryStore(tmp_path)
+    sched = HurrayScheduler(cfg, store, tail.fingerprint, ns)
+
+    # The producer: the step that computes the whole prompt saves its first block as the tail, and the
+    # request's answer announces it.
+    request = SimpleNamespace(request_id="p", all_token_ids=prompt, num_prompt_tokens=6)
+    state = sched._reqs.setdefault("p", _Request(request))
+    state.block_ids = [5, 6]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "p", state, 4)  # type: ignore[arg-type]  # a step that ends mid-prompt: nothing yet
+    assert meta.saves == []
+    sched._plan_saves(meta, "p", state, 6)  # type: ignore[arg-type]
+    (task,) = meta.saves
+    assert (task.key, task.tokens, task.block_ids, task.tail) == (key, prompt[:4], [5], True)
+    sched._plan_saves(meta, "p", state, 7)  # type: ignore[arg-type]  # once per request
+    assert len(meta.saves) == 1
+    assert sched.request_finished(request) == (False, {"hurray_tail_tokens": 4})  # type: ignore[arg-type]
+
+    # The consumer of the continuation waits for the announced tail, then loads its block.
+    moved = SimpleNamespace(request_id="c", all_token_ids=[*prompt, 7], kv_transfer_params={"hurray_tail_tokens": 4})
+    assert sched.get_num_new_matched_tokens(moved, 0) == (None, False)  # type: ignore[arg-type]
+    store.put(ns, key, tail)  # the push arrives
+    assert sched.get_num_new_matched_tokens(moved, 0) == (4, False)  # type: ignore[arg-type]
+    load = sched._reqs["c"].load
+    assert load is not None and load.tail and load.keys == [key] and load.tokens == [prompt[:4]]
+    # Unannounced, a stored tail is found by probing; one the local prefix cache covers is not loaded.
+    again = SimpleNamespace(request_id="a", all_token_ids=prompt, kv_transfer_params=None)
+    assert sched.get_num_new_matched_tokens(again, 0) == (4, False)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(again, 4) == (0, False)  # type: ignore[arg-type]
+    other = SimpleNamespace(request_id="o", all_token_ids=[11, 12, 13, 15, 99, 1], kv_transfer_params=None)
+    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)  # type: ignore[arg-type]  # other tokens
+
+    off = HurrayConfig.from_vllm(_vllm_config({**extra, "hurray_tails": "false"}, block_size=4), None)  # type: ignore[arg-type]
+    sched = HurrayScheduler(off, store, tail.fingerprint, ns)
+    assert sched.get_num_new_matched_tokens(again, 0) == (0, False)  # type: ignore[arg-type]

@@ -57,6 +57,18 @@ def _float(extra: Any, key: str, default: float) -> float:
     return out
 
 
+def _flag(extra: Any, key: str, default: bool) -> bool:
+    value = extra.get_from_extra_config(key, default)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise HurrayArgumentError(key, f"expected true or false, got {value!r}")
+
+
 def _int(extra: Any, key: str, default: int) -> int:
     value = extra.get_from_extra_config(key, default)
     try:
@@ -168,6 +180,9 @@ class HurrayConfig:
     #: The hurray_listen receiver over TLS: ``hurray_listen_tls_cert`` / ``hurray_listen_tls_key``, and
     #: ``hurray_listen_tls_client_ca`` to require client certificates (mutual TLS). None: plain TCP.
     listen_tls: TlsOptions | None = None
+    #: ``hurray_tails``: save each prompt's whole blocks after its last whole chunk when its prefill ends, and
+    #: load such a tail after a request's whole chunks (models of one KV cache group; see docs/connector.md).
+    tails: bool = True
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
@@ -213,7 +228,9 @@ class HurrayConfig:
         layout = unsupported_parallelism(vllm_config.parallel_config)
         if layout is not None:
             raise HurrayArgumentError(layout[0], f"HurrayConnector {layout[1]}")
-        save_async = str(cfg.get_from_extra_config("hurray_save_async", True)).lower() not in ("0", "false", "no")
+        save_async = _flag(cfg, "hurray_save_async", True)
+        # Tails need the chunk's own blocks alone to resume from: no sliding window, no recurrent state.
+        tails = _flag(cfg, "hurray_tails", True) and not grouped and not states
         push_wait_s = _float(cfg, "hurray_push_wait_s", 5.0)
         if not 0 <= push_wait_s <= 3600:
             raise HurrayArgumentError("hurray_push_wait_s", f"expected 0 to 3600 seconds, got {push_wait_s}")
@@ -278,4 +295,5 @@ class HurrayConfig:
             keys=keys,
             push_tls=push_tls,
             listen_tls=listen_tls,
+            tails=tails,
         )

@@ -51,6 +51,12 @@ class LoadTask:
     #: taken), and per state group the blocks its state is written into.
     resume: int = 0
     state_blocks: dict[int, list[int]] = field(default_factory=dict)
+    #: The last key is a tail (``hurray_tails``): fewer tokens than a chunk, its whole blocks only.
+    tail: bool = False
+
+    def num_tokens(self, chunk_tokens: int) -> int:
+        """The tokens the chunks cover (the first one's skipped blocks included): whole chunks, then the tail."""
+        return (len(self.keys) - self.tail) * chunk_tokens + (len(self.tokens[-1]) if self.tail else 0)
 
 
 @dataclass
@@ -70,6 +76,8 @@ class SaveTask:
     state_position: int = 0
     #: Write even if the key is stored: the stored chunk lacks the states this one carries.
     replace: bool = False
+    #: A prompt's tail (``hurray_tails``): its whole blocks after its last whole chunk, fewer than a chunk's.
+    tail: bool = False
 
 
 @dataclass
@@ -87,7 +95,9 @@ class ConnectorStats:
     chunks_saved: int = 0
     chunks_skipped: int = 0
     chunks_loaded: int = 0
-    tokens_loaded: int = 0
+    tokens_loaded: int = 0  # worker: tokens written from whole chunks and tails
+    tails_saved: int = 0  # worker: prompt tails stored (hurray_tails), not counted in chunks_saved
+    tails_loaded: int = 0  # worker: tails loaded after a request's whole chunks, not counted in chunks_loaded
     chunks_refused: int = 0
     chunks_unsigned: int = 0  # refused (with hurray_key_file): no MAC; not moved aside
     chunks_other_key: int = 0  # refused: signed with a key not in hurray_key_file; not moved aside

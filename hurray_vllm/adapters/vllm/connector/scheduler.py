@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ....chunks.digest import DIGEST_MISMATCH
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
-from ....chunks.store import ChunkPart, DirectoryStore, check_data, chunk_keys, verify_chunk
+from ....chunks.store import ChunkPart, DirectoryStore, check_data, chunk_keys, tail_keys, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ReceiverBase, receiver_for
@@ -82,6 +82,11 @@ def _fit_together(parts: list[KVSnapshot]) -> bool:
     )
 
 
+def _count(value: object) -> int:
+    """A ``kv_transfer_params`` entry as a token count: 0 unless a positive int (JSON gives ints; bools are not)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def is_damage(exc: BaseException) -> bool:
     """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
 
@@ -111,6 +116,10 @@ class _Request:
     arrived: int = -1
     arrived_at: float = 0.0
     waited: bool = False
+    #: ``hurray_tails``: the prompt's tail was looked at (once, in the step that ends its prefill), and the
+    #: token it ends at when one was saved (0: none).
+    tail_planned: bool = False
+    tail_end: int = 0
 
 
 class HurrayScheduler:
@@ -183,37 +192,23 @@ class HurrayScheduler:
         keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
         state = self._reqs.setdefault(request.request_id, _Request(request))
         first = num_computed_tokens // self._chunk
-        if self._awaits_push(state, keys, first):
+        if self._awaits_push(state, tokens, keys, num_computed_tokens):
             return None, False  # vLLM asks again at its next step
         found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[None] | None]]] = []
         for i in range(first, len(keys)):
             parts = self._store.parts(self._ns, keys[i], self._heads)
             if parts is None:  # not stored, or a tensor-parallel slice still missing
                 break
-            toks = tokens[i * self._chunk : (i + 1) * self._chunk]
-            read: list[KVSnapshot] = []
-            checks: list[Future[None] | None] = []
-            try:
-                for part in parts:
-                    snap, check = self._read_part(part, toks)
-                    read.append(snap)
-                    checks.append(check)
-            except HurrayFormatError as exc:
-                # Another model's chunk is left alone; anything else in it is damage.
-                self._refuse(part.name, exc, part.identity if is_damage(exc) else None)
+            read = self._read_parts(parts, tokens[i * self._chunk : (i + 1) * self._chunk])
+            if read is None:
                 break
-            except OSError as exc:
-                self._refuse(part.name, exc)
-                break
-            found.append((i, parts, read, checks))
+            found.append((i, parts, *read))
         hit = first
         verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
         snaps: list[KVSnapshot] = []
         for i, parts, part_snaps, checks in found:
-            if self._failed_check(parts, checks) or not _fit_together(part_snaps):
+            if not self._passed(parts, part_snaps, checks):
                 break
-            for part, snap in zip(parts, part_snaps, strict=True):
-                VERIFIED.put(part.name, part.identity, snap, self._verified_cap, self._verified_bytes)
             verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts])
             snaps.append(part_snaps[0])  # the slices share windows and structure
             hit = i + 1
@@ -222,37 +217,86 @@ class HurrayScheduler:
             # attention) the last chunk holds no states taken there: load less.
             hit -= 1
             verified.pop()
-        matched = hit * self._chunk - num_computed_tokens
+        chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
+        load_keys = keys[first:hit]
+        tail = self._find_tail(tokens, keys, hit, num_computed_tokens) if hit == len(keys) else None
+        if tail is not None:
+            tail_key, tail_tokens, tail_parts = tail
+            load_keys.append(tail_key)
+            chunk_tokens.append(tail_tokens)
+            verified.append(tail_parts)
+        end = hit * self._chunk + (len(tail[1]) if tail is not None else 0)
+        matched = end - num_computed_tokens
         if matched <= 0 or num_computed_tokens % self._block_size:
             return 0, False
         # A local prefix-cache hit may end inside chunk `first`: its leading blocks are the engine's
         # (possibly shared with other requests) and are skipped; the rest of the chunk is loaded.
         skip = (num_computed_tokens - first * self._chunk) // self._block_size
-        chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
-        state.load = LoadTask(request.request_id, keys[first:hit], chunk_tokens, [], verified, skip_blocks=skip)
+        state.load = LoadTask(
+            request.request_id, load_keys, chunk_tokens, [], verified, skip_blocks=skip, tail=tail is not None
+        )
         return matched, False
 
-    def _awaits_push(self, state: _Request, keys: list[str], first: int) -> bool:
+    def _find_tail(
+        self, tokens: list[int], keys: list[str], hit: int, computed: int
+    ) -> tuple[str, list[int], list[tuple[str, int, int, tuple[int, ...]]]] | None:
+        """The longest stored tail after whole chunk ``hit - 1``, read and verified; ``None`` if there is none.
+
+        A producer stores a prompt's tail (its whole blocks after its last whole
+        chunk, ``hurray_tails``) when the prompt's prefill ends. Its length is
+        the producer's, unknown here: every whole number of this engine's
+        blocks that leaves the last token to compute, and reaches past the
+        local prefix-cache hit, is tried, longest first (a hash and a ``stat``
+        each; one pass hashes them all). A tail that fails its checks is
+        refused like a chunk, and no shorter one is tried.
+        """
+        if not self._config.tails:
+            return None
+        start = hit * self._chunk
+        room = min(len(tokens) - 1 - start, self._chunk - self._block_size)
+        if room < self._block_size:
+            return None
+        rest = tokens[start : start + room // self._block_size * self._block_size]
+        for n, key in reversed(tail_keys(keys[hit - 1] if hit else None, rest, self._block_size, self._ns)):
+            if start + n <= computed:
+                break  # the engine holds these tokens itself
+            parts = self._store.parts(self._ns, key, self._heads)
+            if parts is None:
+                continue
+            read = self._read_parts(parts, rest[:n])
+            if read is None or not self._passed(parts, *read):
+                return None
+            return key, rest[:n], [(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts]
+        return None
+
+    def _awaits_push(self, state: _Request, tokens: list[int], keys: list[str], computed: int) -> bool:
         """Whether to hold a request back a step: chunks its ``kv_transfer_params`` announce are still arriving.
 
         A source engine's answer carries ``{"hurray_saved_tokens": N}``: its
         chunks up to token N are saved, and pushed to this engine's receiver
-        in the background. A client that passes those ``kv_transfer_params``
-        on with the continuation (:func:`~hurray_vllm.adapters.vllm.migrate.migrate`,
-        the router, vLLM's P/D proxies) makes this engine wait for them
-        instead of recomputing what is still on the wire. The wait ends when
-        every announced chunk is stored, or when none arrived for
+        in the background; and ``"hurray_tail_tokens": T`` when it also saved
+        its prompt's tail, up to token T (``hurray_tails``). A client that
+        passes those ``kv_transfer_params`` on with the continuation
+        (:func:`~hurray_vllm.adapters.vllm.migrate.migrate`, the router,
+        vLLM's P/D proxies) makes this engine wait for them instead of
+        recomputing what is still on the wire. The wait ends when every
+        announced chunk is stored, or when none arrived for
         ``hurray_push_wait_s`` (a failed push, a dead source): then the
         request loads what came and recomputes the rest. Costs one ``stat``
         per announced chunk per step while waiting.
         """
         params = getattr(state.request, "kv_transfer_params", None)
-        announced = params.get("hurray_saved_tokens") if isinstance(params, dict) else None
-        if state.waited or not isinstance(announced, int) or isinstance(announced, bool) or announced <= 0:
+        if state.waited or not isinstance(params, dict):
             return False
-        want = min(announced // self._chunk, len(keys))
-        have = first
-        while have < want and self._store.parts(self._ns, keys[have], self._heads) is not None:
+        first = computed // self._chunk
+        announced, tail_end = _count(params.get("hurray_saved_tokens")), _count(params.get("hurray_tail_tokens"))
+        awaited = keys[first : min(announced // self._chunk, len(keys))]
+        tail = self._announced_tail(tokens, keys, tail_end) if computed < tail_end else None
+        if tail is not None and first + len(awaited) == tail_end // self._chunk:
+            awaited.append(tail)  # right after the whole chunks before it (the source pushes it last)
+        want = len(awaited)
+        have = 0
+        while have < want and self._store.parts(self._ns, awaited[have], self._heads) is not None:
             have += 1
         now = time.monotonic()
         if have >= want:
@@ -276,6 +320,48 @@ class HurrayScheduler:
             self._config.push_wait_s,
         )
         return False
+
+    def _announced_tail(self, tokens: list[int], keys: list[str], end: int) -> str | None:
+        """The key of the tail a source announced (``hurray_tail_tokens``), if this engine can load it."""
+        start = end // self._chunk * self._chunk
+        n = end - start
+        if not self._config.tails or n <= 0 or n % self._block_size or end > len(tokens) - 1:
+            return None
+        if start // self._chunk > len(keys):
+            return None
+        prev = keys[start // self._chunk - 1] if start else None
+        return tail_keys(prev, tokens[start:end], n, self._ns)[0][1]
+
+    def _read_parts(
+        self, parts: list[ChunkPart], tokens: list[int]
+    ) -> tuple[list[KVSnapshot], list[Future[None] | None]] | None:
+        """Every file of one chunk read and checked against its tokens, with their data checks under way.
+
+        ``None`` after refusing the first that fails: another model's chunk is
+        left alone, anything else in it is damage (moved aside).
+        """
+        read: list[KVSnapshot] = []
+        checks: list[Future[None] | None] = []
+        for part in parts:
+            try:
+                snap, check = self._read_part(part, tokens)
+            except HurrayFormatError as exc:
+                self._refuse(part.name, exc, part.identity if is_damage(exc) else None)
+                return None
+            except OSError as exc:
+                self._refuse(part.name, exc)
+                return None
+            read.append(snap)
+            checks.append(check)
+        return read, checks
+
+    def _passed(self, parts: list[ChunkPart], snaps: list[KVSnapshot], checks: list[Future[None] | None]) -> bool:
+        """Whether one chunk's files passed their data checks and fit together; then they are remembered."""
+        if self._failed_check(parts, checks) or not _fit_together(snaps):
+            return False
+        for part, snap in zip(parts, snaps, strict=True):
+            VERIFIED.put(part.name, part.identity, snap, self._verified_cap, self._verified_bytes)
+        return True
 
     def _read_part(self, part: ChunkPart, tokens: list[int]) -> tuple[KVSnapshot, Future[None] | None]:
         """One file of a chunk, checked against its key's tokens; its data check runs on the helper thread.
@@ -383,7 +469,7 @@ class HurrayScheduler:
         load = state.load
         assert load is not None
         # The scheduler already counts the loaded tokens as computed.
-        nblocks = len(load.keys) * self._chunk // self._block_size - load.skip_blocks
+        nblocks = load.num_tokens(self._chunk) // self._block_size - load.skip_blocks
         first = computed // self._block_size - nblocks
         load.block_ids = state.block_ids[first : first + nblocks]
         load.groups = [g[first : first + nblocks] for g in state.groups]
@@ -404,6 +490,8 @@ class HurrayScheduler:
 
     def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         full = computed // self._chunk
+        if self._config.tails and self._saves and not state.tail_planned:
+            self._plan_tail(meta, req_id, state, computed)
         if full <= state.chunks_done or not self._saves:
             return
         tokens = list(state.request.all_token_ids)
@@ -437,6 +525,33 @@ class HurrayScheduler:
                 )
             )
         state.chunks_done = full
+
+    def _plan_tail(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
+        """In the step that ends a prompt's prefill, save its tail: its whole blocks after its last whole chunk.
+
+        A consumer of the same prompt (a prefill/decode split, the same prompt
+        sent again) then loads every whole block of it and computes at most
+        one block, instead of up to a chunk. Decode tokens complete the chunk
+        later, and it is saved whole as usual. Once per request.
+        """
+        prompt = state.request.num_prompt_tokens
+        if computed < prompt:
+            return
+        state.tail_planned = True
+        start = prompt // self._chunk * self._chunk
+        end = prompt // self._block_size * self._block_size
+        if end <= start:
+            return
+        tokens = list(state.request.all_token_ids)
+        prev = chunk_keys(tokens[:start], self._chunk, self._ns)[-1] if start else None
+        n, key = tail_keys(prev, tokens[start:end], end - start, self._ns)[0]
+        state.tail_end = end
+        if self._stored(key) and not self._url:
+            self.stats.chunks_skipped += 1
+            return
+        first = start // self._block_size
+        blocks = state.block_ids[first : first + n // self._block_size]
+        meta.saves.append(SaveTask(req_id, key, tokens[start:end], blocks, tail=True))
 
     def _stored(self, key: str) -> bool:
         """Whether chunk ``key`` is stored whole (one file, or tensor-parallel slices of every head)."""
@@ -479,4 +594,7 @@ class HurrayScheduler:
         """
         state = self._reqs.pop(request.request_id, None)
         saved = state.chunks_done * self._chunk if state else 0
-        return False, {"hurray_saved_tokens": saved} if saved else None
+        params: dict[str, Any] = {"hurray_saved_tokens": saved} if saved else {}
+        if state is not None and state.tail_end > saved:
+            params["hurray_tail_tokens"] = state.tail_end
+        return False, params or None

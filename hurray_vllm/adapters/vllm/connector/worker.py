@@ -304,8 +304,9 @@ class HurrayWorker:
                 write_blocks(ec, layer, ids, *pools, heads=heads)
             if states is not None and ec.states is not None:
                 ec.states.write([task.state_blocks], states)
-            self.stats.chunks_loaded += len(chunks)
-            self.stats.tokens_loaded += len(chunks) * self._chunk - task.skip_blocks * ec.block_size
+            self.stats.chunks_loaded += len(chunks) - task.tail
+            self.stats.tails_loaded += task.tail
+            self.stats.tokens_loaded += task.num_tokens(self._chunk) - task.skip_blocks * ec.block_size
 
     def _plan_writes(
         self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]
@@ -331,8 +332,9 @@ class HurrayWorker:
             window = self._windows[g] if self._windows else None
             for c, chunk, heads in ((c, snap, h) for c, pieces in enumerate(chunks) for snap, h in pieces):
                 lo = 0 if c else skip
-                dest = ids[c * per - skip + lo : (c + 1) * per - skip]
-                rows = list(range(lo, per))  # the chunk's pages these blocks take
+                pages = len(task.tokens[c]) // ec.block_size if task.tail and c == len(chunks) - 1 else per
+                dest = ids[c * per - skip + lo : c * per - skip + pages]
+                rows = list(range(lo, pages))  # the chunk's pages these blocks take
                 theirs = chunk.windows.sizes[layer] if chunk.windows is not None else None
                 if theirs is not None and theirs != window:
                     # The chunk's layer dropped tokens this engine's layer attends (another window, or full).
@@ -552,7 +554,7 @@ class HurrayWorker:
                 try:
                     # Exported into the writer's own reused buffers: no fresh memory per chunk.
                     snap = self._export_chunk(ec, caches, task, block_ids, reuse=True, states=states)
-                    self._put(task.key, snap, replace=task.replace)
+                    self._put(task.key, snap, replace=task.replace, tail=task.tail)
                 except (HurrayFormatError, OSError) as exc:
                     log.warning("hurray: could not save chunk %s: %s", task.key, exc)
                     continue
@@ -703,9 +705,12 @@ class HurrayWorker:
         # task.key is the file's name (a rank's slice key at TP > 1): the MAC binds the chunk to it.
         return sign_chunk(snap, self._keys, self._ns, task.key) if self._keys is not None else snap
 
-    def _put(self, key: str, snap: KVSnapshot, replace: bool = False) -> None:
+    def _put(self, key: str, snap: KVSnapshot, replace: bool = False, tail: bool = False) -> None:
         if self._store.put(self._ns, key, snap, replace=replace):
-            self.stats.chunks_saved += 1
+            if tail:
+                self.stats.tails_saved += 1
+            else:
+                self.stats.chunks_saved += 1
             self.stats.bytes_saved += snap.nbytes
 
     def flush(self, timeout: float | None = None) -> bool:
