@@ -307,7 +307,7 @@ def instrument(connector: str) -> None:
         _wrap(hw, "verify_chunk", "load.verify_chunk")
         _wrap(hs, "verify_chunk", "load.verify_chunk")
         _wrap(st, "chunk_digest", "load.verify_chunk.chunk_digest")
-        _wrap(hs, "check_data", "load.check_data")  # the scheduler's data check, on its helper thread
+        _wrap(hs, "begin_check_data", "load.check_data")  # the header half; the pools' half runs on a helper
         _wrap(hw, "sign_chunk", "save.sign_chunk")
         _wrap(hw, "write_blocks", "load.write_blocks")
     elif connector == "example":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,8 +21,10 @@ __all__ = [
     "DIGEST_MISMATCH",
     "DIGEST_VERSION",
     "ChunkDigest",
+    "begin_digest_check",
     "chunk_digest",
     "digest_header",
+    "digest_pools",
     "digest_matches",
     "check_heads",
     "digest_tensors",
@@ -168,8 +170,39 @@ def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:
     """The :class:`ChunkDigest` of ``snap``: its header bytes, then every page pool."""
     d = ChunkDigest(algorithm)
     d.update(digest_header(snap))
-    d.update_tensors([t.page_pool.contiguous().cpu() for t in digest_tensors(snap)])
+    d.update_tensors(digest_pools(snap))
     return d.hexdigest()
+
+
+def digest_pools(snap: KVSnapshot) -> list[torch.Tensor]:
+    """The page pools a chunk digest (or MAC) covers after its header, contiguous on the CPU, in order."""
+    return [t.page_pool.contiguous().cpu() for t in digest_tensors(snap)]
+
+
+def begin_digest_check(snap: KVSnapshot) -> Callable[[], None]:
+    """Check ``snap``'s digest in two halves: the header now, and the page pools in the callable returned.
+
+    The first half is Python (:func:`digest_header`); the second is one
+    native call that releases the GIL, so a reader can run it on a helper
+    thread while it parses the next chunk, without the two threads handing
+    the GIL back and forth at every small step (which, in a busy process
+    such as vLLM's engine, cost more than the checksum itself).
+
+    Raises:
+        HurrayFormatError: field ``snapshot.digest``: now, for a missing, old or
+            unknown digest; from the callable, for data that does not match it.
+    """
+    want = snap.extra.get(DIGEST_KEY)
+    d = ChunkDigest.like(want)
+    d.update(digest_header(snap))
+    pools = digest_pools(snap)
+
+    def pools_match() -> None:
+        d.update_tensors(pools)
+        if d.hexdigest() != want:
+            raise HurrayFormatError("snapshot.digest", DIGEST_MISMATCH)
+
+    return pools_match
 
 
 def digest_matches(snap: KVSnapshot) -> bool:

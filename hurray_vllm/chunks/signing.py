@@ -39,7 +39,7 @@ import hashlib
 import hmac
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from ..containers.stream import byte_view
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 from ..native.openssl import poly1305
-from .digest import MAC_KEY, digest_header, digest_tensors
+from .digest import MAC_KEY, digest_header, digest_pools
 
 __all__ = [
     "KEY_FILE_ENV",
@@ -64,6 +64,7 @@ __all__ = [
     "FleetKeys",
     "load_keys",
     "sign_chunk",
+    "begin_signature_check",
     "check_signature",
     "parse_mac",
     "refusal_kind",
@@ -247,7 +248,7 @@ class ChunkMac:
 def _mac(snap: KVSnapshot, secret: bytes, nonce: bytes, namespace: str, name: str) -> bytes:
     m = ChunkMac(secret, nonce, namespace, name)
     m.update(digest_header(snap))
-    m.update_tensors([t.page_pool.contiguous().cpu() for t in digest_tensors(snap)])
+    m.update_tensors(digest_pools(snap))
     return m.tag()
 
 
@@ -296,16 +297,37 @@ def check_signature(snap: KVSnapshot, keys: FleetKeys, namespace: str, name: str
             a key not in the ring: refuse, but it is not damage) or :data:`BAD_MAC`
             (forged, stored under another name, or damaged).
     """
+    begin_signature_check(snap, keys, namespace, name)()
+
+
+def begin_signature_check(snap: KVSnapshot, keys: FleetKeys, namespace: str, name: str) -> Callable[[], None]:
+    """:func:`check_signature` in two halves: the header now, the page pools in the callable returned.
+
+    As :func:`~.digest.begin_digest_check`: with OpenSSL's Poly1305 the second
+    half holds the GIL only between its native calls, one per pool.
+
+    Raises:
+        HurrayFormatError: :data:`UNSIGNED` or :data:`OTHER_KEY` now; :data:`BAD_MAC` now for a
+            malformed MAC, from the callable for one that does not match.
+    """
     key_id, nonce, tag = parse_mac(snap.extra.get(MAC_KEY))
     secret = keys.secret_for(key_id)
     if secret is None:
         raise HurrayFormatError(
             OTHER_KEY, f"chunk is signed with key {key_id}, which is not among this consumer's ({', '.join(keys.ids)})"
         )
-    if not hmac.compare_digest(_mac(snap, secret, nonce, namespace, name), tag):
-        raise HurrayFormatError(
-            BAD_MAC, f"chunk MAC does not match its data, namespace and name {name!r} (forged, moved or damaged)"
-        )
+    m = ChunkMac(secret, nonce, namespace, name)
+    m.update(digest_header(snap))
+    pools = digest_pools(snap)
+
+    def pools_match() -> None:
+        m.update_tensors(pools)
+        if not hmac.compare_digest(m.tag(), tag):
+            raise HurrayFormatError(
+                BAD_MAC, f"chunk MAC does not match its data, namespace and name {name!r} (forged, moved or damaged)"
+            )
+
+    return pools_match
 
 
 def refusal_kind(exc: BaseException) -> str | None:

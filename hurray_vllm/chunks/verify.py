@@ -13,14 +13,14 @@ and worker, the receivers, ``hurray-vllm validate`` and ``fsck``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint
-from .digest import DIGEST_MISMATCH, check_heads, digest_matches
-from .signing import FleetKeys, check_signature
+from .digest import begin_digest_check, check_heads
+from .signing import FleetKeys, begin_signature_check
 
-__all__ = ["check_data", "verify_chunk"]
+__all__ = ["begin_check_data", "check_data", "verify_chunk"]
 
 
 def check_data(snap: KVSnapshot, keys: FleetKeys | None = None, namespace: str = "", name: str = "") -> None:
@@ -37,10 +37,30 @@ def check_data(snap: KVSnapshot, keys: FleetKeys | None = None, namespace: str =
             one of :mod:`.signing`'s refusals (``snapshot.mac.unsigned``, ``snapshot.mac.key_id``,
             ``snapshot.mac``).
     """
+    begin_check_data(snap, keys, namespace, name)()
+
+
+def begin_check_data(
+    snap: KVSnapshot, keys: FleetKeys | None = None, namespace: str = "", name: str = ""
+) -> Callable[[], None]:
+    """:func:`check_data` in two halves: the header now, the page pools in the callable returned.
+
+    The callable is native work that releases the GIL (one CRC-32C call, or
+    one OpenSSL Poly1305 call per pool): run it on a helper thread to
+    overlap the pools' check with other work, such as reading the next
+    chunk. It raises as :func:`check_data` does for data that does not
+    match; a missing, old or foreign digest or MAC raises now.
+
+    Example:
+        >>> from hurray_vllm.app.demo import spec_example_snapshot
+        >>> from hurray_vllm.chunks import chunks_of
+        >>> ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+        >>> rest = begin_check_data(chunk)
+        >>> rest()  # the page pools match the digest: no error
+    """
     if keys is not None:
-        check_signature(snap, keys, namespace, name)
-    elif not digest_matches(snap):
-        raise HurrayFormatError("snapshot.digest", DIGEST_MISMATCH)
+        return begin_signature_check(snap, keys, namespace, name)
+    return begin_digest_check(snap)
 
 
 def verify_chunk(
