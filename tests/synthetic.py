@@ -1,4 +1,4 @@
-"""Synthetic snapshots shared by the importer tests (no engine needed)."""
+"""Synthetic snapshots shared by the importer, store and transport tests (no engine needed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import hurray_vllm as hv
 from hurray_vllm import BlockPagedTensor, KVSnapshot
 
-__all__ = ["FP8", "make_flashinfer_snapshot", "make_snapshot"]
+__all__ = ["FP8", "example_chunk", "make_flashinfer_snapshot", "make_snapshot"]
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -106,3 +106,13 @@ def make_flashinfer_snapshot(
         values=tuple(BlockPagedTensor(pool(), bt, sp, sl, "value", i) for i in range(layers)),
         kv_scales=kv_scales,
     )
+
+
+def example_chunk() -> tuple[str, str, KVSnapshot]:
+    """The spec example's one whole chunk of 4 tokens, keyed as a connector stores it: ``(namespace, key, chunk)``."""
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.keys import chunks_of, namespace_of
+
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    return namespace_of(chunk.fingerprint), key, chunk

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from synthetic import example_chunk
 
 import hurray_vllm as hv
 from hurray_vllm import KVSnapshot, transport
@@ -17,7 +18,6 @@ from hurray_vllm.app.cli import main
 from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks import DirectoryStore, fsck, store_snapshot
 from hurray_vllm.chunks.digest import digest_matches
-from hurray_vllm.chunks.keys import chunks_of, namespace_of
 from hurray_vllm.chunks.signing import (
     BAD_MAC,
     KEY_FILE_ENV,
@@ -30,17 +30,11 @@ from hurray_vllm.chunks.signing import (
     refusal_kind,
     sign_chunk,
 )
-from hurray_vllm.chunks.verify import check_data
+from hurray_vllm.chunks.verify import begin_check_data, check_data
 
 FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "40"))
 KEY_A = FleetKeys.from_secrets(b"a" * 32)
 KEY_B = FleetKeys.from_secrets(b"b" * 40)
-
-
-def _chunk() -> tuple[str, str, KVSnapshot]:
-    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
-    assert chunk.fingerprint is not None
-    return namespace_of(chunk.fingerprint), key, chunk
 
 
 def _key_file(path: Path, secret: bytes, mode: int = 0o600) -> Path:
@@ -58,7 +52,7 @@ def _refusal(snap: KVSnapshot, keys: FleetKeys, ns: str, name: str) -> str | Non
 
 
 def test_a_signed_chunk_passes_for_its_name_only_and_under_its_keys_only() -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     signed = sign_chunk(chunk, KEY_A, ns, key)
     assert signed.extra[MAC_KEY].split(":")[1] == KEY_A.key_id
     assert digest_matches(signed)  # the MAC is outside what the digest covers, and vice versa
@@ -74,7 +68,7 @@ def test_a_signed_chunk_passes_for_its_name_only_and_under_its_keys_only() -> No
 
 
 def test_every_part_the_digest_covers_is_covered_by_the_mac() -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     signed = sign_chunk(chunk, KEY_A, ns, key)
     pool = signed.keys[0].page_pool.clone()
     pool.view(torch.uint8).view(-1)[7] ^= 1
@@ -102,7 +96,7 @@ def test_any_flipped_bit_of_a_signed_chunk_file_is_refused(
 
     (A few header bits do not change what is read: the file's minor version, flags an importer ignores.)
     """
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = DirectoryStore(tmp_path_factory.mktemp("flip"))
     store.put(ns, key, sign_chunk(chunk, KEY_A, ns, key))
     path = store.path(ns, key)
@@ -125,7 +119,7 @@ def test_any_flipped_bit_of_a_signed_chunk_file_is_refused(
 
 
 def test_key_rotation_signs_with_the_first_key_and_accepts_every_one() -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     ring = FleetKeys.from_secrets(b"n" * 32, b"a" * 32)  # new first, the old one still accepted
     assert ring.ids[1] == KEY_A.key_id
     assert _refusal(sign_chunk(chunk, KEY_A, ns, key), ring, ns, key) is None
@@ -154,7 +148,7 @@ def test_key_files_are_checked_like_ssh_keys(tmp_path: Path, monkeypatch: pytest
 
 
 def test_fsck_with_keys_moves_forgeries_aside_and_lists_other_fleets_chunks(tmp_path: Path) -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = DirectoryStore(tmp_path)
     snap = spec_example_snapshot()
     assert store_snapshot(store, snap, 4, keys=KEY_A) == 1
@@ -170,7 +164,7 @@ def test_fsck_with_keys_moves_forgeries_aside_and_lists_other_fleets_chunks(tmp_
 
 
 def test_cli_validate_and_fsck_take_key_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     kf = str(_key_file(tmp_path / "a.key", b"a" * 32))
     store = DirectoryStore(tmp_path / "store")
     store.put(ns, key, sign_chunk(chunk, KEY_A, ns, key))
@@ -195,7 +189,7 @@ def test_a_keyed_receiver_stores_only_chunks_signed_for_their_name(channel: str,
 
     if channel == "nixl":
         require("nixl_cu12")
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = DirectoryStore(tmp_path)
     with transport.receiver_for(channel, "127.0.0.1", 0, store, keys=KEY_A).start() as r:
         url = f"{channel}://127.0.0.1:{r.address[1]}"
@@ -221,7 +215,7 @@ def test_refusal_kinds_name_only_signature_refusals() -> None:
 
 
 def test_prune_with_keys_deletes_the_chunks_no_key_of_the_ring_signed_first(tmp_path: Path) -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = DirectoryStore(tmp_path)
     store.put(ns, key, sign_chunk(chunk, KEY_A, ns, key))
     store.put(ns, "a1" * 8, chunk)  # unsigned
@@ -242,7 +236,7 @@ def test_chunk_macs_are_the_same_with_and_without_openssl(monkeypatch: pytest.Mo
     """A chunk signed through one path verifies through the other: the fallback is not another format."""
     from hurray_vllm.native import openssl
 
-    ns, key, snap = _chunk()
+    ns, key, snap = example_chunk()
     signed = sign_chunk(snap, KEY_A, ns, key)
     monkeypatch.setattr(openssl, "_state", {"lib": None, "reason": "off for this test"})
     assert openssl.poly1305(b"k" * 32) is None
@@ -254,3 +248,28 @@ def test_chunk_macs_are_the_same_with_and_without_openssl(monkeypatch: pytest.Mo
     forged = mac[:-1] + ("1" if mac[-1] == "0" else "0")
     with pytest.raises(hv.HurrayFormatError):
         check_signature(replace(again, extra={**again.extra, MAC_KEY: forged}), KEY_A, ns, key)
+
+
+def test_the_data_check_in_two_halves_refuses_what_check_data_refuses() -> None:
+    """begin_check_data: a missing or foreign digest or MAC raises at once, damaged pools from the second half."""
+    ns, key, chunk = example_chunk()
+    signed = sign_chunk(chunk, KEY_A, ns, key)
+    begin_check_data(chunk)()
+    begin_check_data(signed, KEY_A, ns, key)()
+    for snap, keys, field in (
+        (replace(chunk, extra={}), None, "snapshot.digest"),
+        (chunk, KEY_A, UNSIGNED),
+        (signed, KEY_B, OTHER_KEY),
+    ):
+        with pytest.raises(hv.HurrayFormatError) as info:
+            begin_check_data(snap, keys, ns, key)
+        assert info.value.field == field
+    pool = chunk.keys[0].page_pool + 1
+    for snap, keys, field in (
+        (replace(chunk, keys=(replace(chunk.keys[0], page_pool=pool), *chunk.keys[1:])), None, "snapshot.digest"),
+        (replace(signed, keys=(replace(signed.keys[0], page_pool=pool), *signed.keys[1:])), KEY_A, BAD_MAC),
+    ):
+        rest = begin_check_data(snap, keys, ns, key)  # the header is intact: no error yet
+        with pytest.raises(hv.HurrayFormatError) as info:
+            rest()
+        assert info.value.field == field

@@ -22,19 +22,12 @@ from pathlib import Path
 
 import pytest
 from servers import ROOT
+from synthetic import example_chunk
 
 from hurray_vllm import KVSnapshot, transport
-from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks import DirectoryStore, fsck
-from hurray_vllm.chunks.keys import chunks_of, namespace_of
 from hurray_vllm.containers.io import write_stream
 from hurray_vllm.transport.tcp import Receiver, frame_head
-
-
-def _chunk() -> tuple[str, str, KVSnapshot]:
-    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
-    assert chunk.fingerprint is not None
-    return namespace_of(chunk.fingerprint), key, chunk
 
 
 def _stream(snap: KVSnapshot) -> bytes:
@@ -83,7 +76,7 @@ def _consistent(store: Path) -> None:
 
 
 def test_a_receiver_killed_mid_chunk_leaves_nothing_and_its_restart_takes_the_chunk(tmp_path: Path) -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = tmp_path / "store"
     proc, port = _receive(store, tmp_path / "receiver.log")
     try:
@@ -107,7 +100,7 @@ def test_a_receiver_killed_mid_chunk_leaves_nothing_and_its_restart_takes_the_ch
 
 
 def test_a_sender_killed_mid_chunk_stores_nothing_and_the_receiver_serves_on(tmp_path: Path) -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = DirectoryStore(tmp_path / "store")
     body = _stream(chunk)
     (tmp_path / "part.bin").write_bytes(frame_head(ns, key, len(body)) + body[: len(body) // 2])
@@ -139,7 +132,7 @@ def test_a_sender_killed_mid_chunk_stores_nothing_and_the_receiver_serves_on(tmp
 
 def test_a_full_disk_refuses_the_chunk_and_leaves_no_file(tmp_path: Path) -> None:
     """The receiver's process may write no file beyond 2 KiB (RLIMIT_FSIZE): a write fails as on a full disk."""
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = tmp_path / "store"
 
     def small_files() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic import example_chunk
 
 import hurray_vllm as hv
 from hurray_vllm import KVSnapshot, transport
@@ -18,12 +19,6 @@ from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of
 from hurray_vllm.transport.base import ReceiverBase, recv_exact
 from hurray_vllm.transport.tcp import Receiver, TcpSender, parse_url, send_chunks
-
-
-def _chunk() -> tuple[str, str, KVSnapshot]:
-    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
-    assert chunk.fingerprint is not None
-    return namespace_of(chunk.fingerprint), key, chunk
 
 
 @pytest.fixture
@@ -73,7 +68,7 @@ def test_a_store_that_fails_unexpectedly_still_gets_an_answer(tmp_path: Path) ->
         def put(self, ns: str, key: str, snap: KVSnapshot) -> None:
             raise RuntimeError("disk on fire")
 
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     with Receiver("127.0.0.1", 0, Broken(tmp_path), timeout=5) as r:
         with pytest.raises(hv.HurrayFormatError, match="disk on fire"):
             send_chunks(_url(r), [(ns, key, chunk)], timeout=10)
@@ -107,7 +102,7 @@ def test_an_oversized_frame_is_refused_without_reading_it(tmp_path: Path) -> Non
 
 
 def test_counters_are_exact_under_concurrent_senders(receiver: Receiver) -> None:
-    ns, _, chunk = _chunk()
+    ns, _, chunk = example_chunk()
     errors: list[BaseException] = []
 
     def push(i: int) -> None:
@@ -147,7 +142,7 @@ def test_channels_are_chosen_by_url_scheme(tmp_path: Path) -> None:
     r = transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), idle_timeout=3).start()
     try:
         assert isinstance(r, Receiver) and r.idle_timeout == 3
-        ns, key, chunk = _chunk()
+        ns, key, chunk = example_chunk()
         transport.send_chunks(_url(r), [(ns, key, chunk)])
         got = DirectoryStore(tmp_path).get(ns, key)
         assert torch.equal(got.keys[0].page_pool, chunk.keys[0].page_pool)
@@ -157,7 +152,7 @@ def test_channels_are_chosen_by_url_scheme(tmp_path: Path) -> None:
 
 def test_frame_fields_split_across_segments_are_read_whole(receiver: Receiver) -> None:
     """The magic and every length may arrive a byte at a time; names ending in a newline are refused."""
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     import io
 
     from hurray_vllm.containers.io import write_stream
@@ -241,7 +236,7 @@ def test_a_store_quota_or_free_disk_floor_refuses_a_chunk_before_it_is_read(chan
 
     if channel == "nixl":
         require("nixl_cu12")
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     store = DirectoryStore(tmp_path / "store")
     with transport.receiver_for(channel, "127.0.0.1", 0, store, quota_bytes=1 << 20).start() as r:
         url = f"{channel}://127.0.0.1:{r.address[1]}"
@@ -263,7 +258,7 @@ def test_a_store_quota_or_free_disk_floor_refuses_a_chunk_before_it_is_read(chan
 
 
 def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) -> None:
-    ns, key, chunk = _chunk()
+    ns, key, chunk = example_chunk()
     with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=1, idle_timeout=30) as r:
         first = socket.create_connection(("127.0.0.1", r.address[1]), timeout=10)
         try:
