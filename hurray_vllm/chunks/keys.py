@@ -74,11 +74,14 @@ def tail_keys(prev: str | None, token_ids: Sequence[int], step: int, namespace: 
     return out
 
 
-def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot]]:
+def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> list[tuple[str, KVSnapshot]]:
     """Every whole chunk of every sequence of ``snap``, keyed as a connector would key it.
 
     ``chunk_tokens`` must be a multiple of the snapshot's page size. Only
-    tokens with KV count; a sequence's last partial chunk is left out. A
+    tokens with KV count; a sequence's last partial chunk is left out, or
+    with ``tails`` cut to its whole pages and keyed as a prompt tail
+    (:func:`tail_keys`, what ``hurray_tails`` saves; not for a snapshot with
+    sliding windows or recurrent states, whose tails no consumer loads). A
     linear-attention hybrid's states go with the chunk that ends where they
     were taken (a sequence of a whole number of chunks); the other chunks
     carry none, and a consumer resumes only at a chunk with states.
@@ -92,6 +95,7 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
     ps = snap.page_size
     if chunk_tokens % ps:
         raise HurrayFormatError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
+    tails = tails and snap.windows is None and snap.states is None
     ns = namespace_of(snap.fingerprint)
     per = chunk_tokens // ps
     out = []
@@ -102,30 +106,38 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int) -> list[tuple[str, KVSnapshot
         pages: dict[int, torch.Tensor] = {}
         for t in snap.tensors():
             pages.setdefault(id(t.block_table), t.pages_of(s))
-        for c, key in enumerate(chunk_keys(tokens, chunk_tokens, ns)):
-            ptr = torch.tensor([0, per])
-            n = torch.tensor([chunk_tokens])
-            tables = {k: v[c * per : (c + 1) * per] for k, v in pages.items()}
+        keys = chunk_keys(tokens, chunk_tokens, ns)
+        cuts = [(key, c * per, per) for c, key in enumerate(keys)]
+        tail = (len(tokens) - len(keys) * chunk_tokens) // ps
+        if tails and tail:
+            start = len(keys) * chunk_tokens
+            ((_, key),) = tail_keys(keys[-1] if keys else None, tokens[start : start + tail * ps], tail * ps, ns)
+            cuts.append((key, len(keys) * per, tail))
+        for key, first, n in cuts:
+            lo, hi = first * ps, (first + n) * ps  # the cut's tokens
+            ptr = torch.tensor([0, n])
+            num = torch.tensor([n * ps])
+            tables = {k: v[first : first + n] for k, v in pages.items()}
             layers = [
                 tuple(
-                    replace(t, block_table=tables[id(t.block_table)], seq_ptr=ptr, seq_lens=n, num_tokens=None)
+                    replace(t, block_table=tables[id(t.block_table)], seq_ptr=ptr, seq_lens=num, num_tokens=None)
                     for t in members
                 )
                 for members in snap.layer_members()
             ]
             win = snap.windows
             if win is not None:  # positions relative to the chunk's first token
-                starts = tuple((min(max(row[s] - c * chunk_tokens, 0), chunk_tokens),) for row in win.kv_start)
+                starts = tuple((min(max(row[s] - lo, 0), hi - lo),) for row in win.kv_start)
                 win = SlidingWindows(win.sizes, starts)
             # A recurrent state is valid only where it was taken: it goes with the chunk that ends there.
             states = snap.states
             if states is not None:
-                states = states.select([s]) if states.positions[s] == (c + 1) * chunk_tokens else None
+                states = states.select([s]) if states.positions[s] == hi else None
             chunk = snap.with_layers(
                 layers,
                 windows=win,
                 states=states,
-                token_ids=(tuple(tokens[c * chunk_tokens : (c + 1) * chunk_tokens]),),
+                token_ids=(tuple(tokens[lo:hi]),),
                 request_ids=(snap.request_ids[s],) if snap.request_ids else None,
             ).compact()
             out.append((key, replace(chunk, extra={**chunk.extra, DIGEST_KEY: chunk_digest(chunk)})))

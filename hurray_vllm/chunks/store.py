@@ -200,10 +200,20 @@ class DirectoryStore:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 
 
-def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int, *, keys: FleetKeys | None = None) -> int:
+def store_snapshot(
+    store: DirectoryStore,
+    snap: KVSnapshot,
+    chunk_tokens: int,
+    *,
+    keys: FleetKeys | None = None,
+    tails: bool = True,
+) -> int:
     """Put ``snap``'s whole chunks into ``store`` for engines running HurrayConnector; returns chunks written.
 
     ``keys``: sign every chunk (engines with ``hurray_key_file`` load only signed ones).
+    ``tails``: also each sequence's whole pages after its last whole chunk, as
+    the prompt tail a connector with ``hurray_tails`` saves and loads (models
+    of one KV cache group; counted in the return value).
 
     This is how a snapshot is imported into another vLLM engine: the
     engine's connector finds the chunks by prefix when the sequences arrive.
@@ -214,7 +224,7 @@ def store_snapshot(store: DirectoryStore, snap: KVSnapshot, chunk_tokens: int, *
     assert snap.fingerprint is not None or not snap.num_layers
     written = 0
     resumable = 0
-    for key, chunk in chunks_of(snap, chunk_tokens):
+    for key, chunk in chunks_of(snap, chunk_tokens, tails=tails):
         assert chunk.fingerprint is not None
         # A slice of the heads (one tensor-parallel rank's) is stored as such: alone it is not the chunk.
         heads = range(chunk.heads.start, chunk.heads.stop) if chunk.heads is not None else None

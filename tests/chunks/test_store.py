@@ -11,7 +11,15 @@ import torch
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
-from hurray_vllm.chunks.store import DirectoryStore, chunk_keys, chunks_of, namespace_of, store_snapshot, verify_chunk
+from hurray_vllm.chunks.store import (
+    DirectoryStore,
+    chunk_keys,
+    chunks_of,
+    namespace_of,
+    store_snapshot,
+    tail_keys,
+    verify_chunk,
+)
 
 
 def test_keys_chain_over_the_prefix() -> None:
@@ -19,6 +27,21 @@ def test_keys_chain_over_the_prefix() -> None:
     b = chunk_keys([*range(8), 99, *range(9, 20)], 8, "ns")
     assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
     assert chunk_keys(list(range(20)), 8, "other")[0] != a[0]
+
+
+def test_a_snapshot_is_stored_with_its_tails_as_a_connector_saves_them(tmp_path: Path) -> None:
+    """Chunks of 8 tokens, pages of 4: sequence 0 (6 tokens) has no whole chunk but one whole page, its tail."""
+    snap = spec_example_snapshot()
+    assert chunks_of(snap, 8) == []
+    ((key, tail),) = chunks_of(snap, 8, tails=True)
+    assert tail.fingerprint is not None
+    ns, tokens = namespace_of(tail.fingerprint), list(snap.token_ids[0][:4])
+    assert tail_keys(None, tokens, 4, ns) == [(4, key)]
+    verify_chunk(tail, snap.fingerprint, tokens)  # type: ignore[arg-type]  # digest included
+    assert torch.equal(tail[1, "key"].to_dense(0), snap[1, "key"].to_dense(0)[:4])
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, snap, 8, tails=False) == 0
+    assert store_snapshot(store, snap, 8) == 1 and store.has(ns, key)
 
 
 def test_chunks_verify_and_store_once(tmp_path: Path) -> None:
