@@ -12,7 +12,6 @@ import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ def namespace_of(fp: ModelFingerprint) -> str:
     return h.hexdigest()
 
 
-def _chained(prev: str | None, namespace: str) -> Any:
+def _chained(prev: str | None, namespace: str) -> hashlib.blake2b:
     """The hash a chunk's key starts from: the key before it (raw digest), or the namespace for the first."""
     return hashlib.blake2b(bytes.fromhex(prev) if prev else namespace.encode(), digest_size=16)
 

@@ -245,9 +245,15 @@ class ChunkMac:
         return bytes(self._poly.finalize())
 
 
-def _mac(snap: KVSnapshot, secret: bytes, nonce: bytes, namespace: str, name: str) -> bytes:
+def _header_mac(snap: KVSnapshot, secret: bytes, nonce: bytes, namespace: str, name: str) -> ChunkMac:
+    """The chunk's MAC fed its header bytes: the page pools (:func:`~.digest.digest_pools`) come next."""
     m = ChunkMac(secret, nonce, namespace, name)
     m.update(digest_header(snap))
+    return m
+
+
+def _mac(snap: KVSnapshot, secret: bytes, nonce: bytes, namespace: str, name: str) -> bytes:
+    m = _header_mac(snap, secret, nonce, namespace, name)
     m.update_tensors(digest_pools(snap))
     return m.tag()
 
@@ -316,8 +322,7 @@ def begin_signature_check(snap: KVSnapshot, keys: FleetKeys, namespace: str, nam
         raise HurrayFormatError(
             OTHER_KEY, f"chunk is signed with key {key_id}, which is not among this consumer's ({', '.join(keys.ids)})"
         )
-    m = ChunkMac(secret, nonce, namespace, name)
-    m.update(digest_header(snap))
+    m = _header_mac(snap, secret, nonce, namespace, name)
     pools = digest_pools(snap)
 
     def pools_match() -> None:

@@ -40,6 +40,11 @@ Extra config:
   does) waits for the chunks up to token N to arrive before it is
   scheduled, as long as each next one arrives within this many seconds;
   then it loads what came and recomputes the rest.
+* ``hurray_tails`` (default ``true``): the step that ends a prompt's prefill
+  also saves its tail, its whole blocks after its last whole chunk, and a
+  request whose whole chunks all loaded also loads such a tail: a consumer
+  computes at most one block of the prompt, not up to a chunk. Models of one
+  KV cache group only (hybrids load whole chunks).
 * ``hurray_save_queue_mib`` (default 1024): copied-out blocks waiting for
   the background writer; a step that would exceed it waits for the writer.
 * ``hurray_verified_chunks`` (default 256): chunks this process verified

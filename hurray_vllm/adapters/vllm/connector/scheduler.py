@@ -506,9 +506,9 @@ class HurrayScheduler:
 
     def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         full = computed // self._chunk
-        if self._config.tails and self._saves and not state.tail_planned:
-            self._plan_tail(meta, req_id, state, computed)
-        if full <= state.chunks_done or not self._saves:
+        # The step that ends the prompt's prefill also saves its tail (once), after its whole chunks.
+        tail = self._config.tails and not state.tail_planned and computed >= state.request.num_prompt_tokens
+        if not self._saves or (full <= state.chunks_done and not tail):
             return
         tokens = list(state.request.all_token_ids)
         keys = chunk_keys(tokens[: full * self._chunk], self._chunk, self._ns)
@@ -540,26 +540,28 @@ class HurrayScheduler:
                     **states,
                 )
             )
-        state.chunks_done = full
+        state.chunks_done = max(state.chunks_done, full)
+        if tail:
+            self._plan_tail(meta, req_id, state, tokens, keys)
 
-    def _plan_tail(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
+    def _plan_tail(
+        self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, tokens: list[int], keys: list[str]
+    ) -> None:
         """In the step that ends a prompt's prefill, save its tail: its whole blocks after its last whole chunk.
 
         A consumer of the same prompt (a prefill/decode split, the same prompt
         sent again) then loads every whole block of it and computes at most
         one block, instead of up to a chunk. Decode tokens complete the chunk
-        later, and it is saved whole as usual. Once per request.
+        later, and it is saved whole as usual. Once per request. ``keys``:
+        the whole chunks' keys, at least up to the prompt's last one.
         """
-        prompt = state.request.num_prompt_tokens
-        if computed < prompt:
-            return
         state.tail_planned = True
+        prompt = state.request.num_prompt_tokens
         start = prompt // self._chunk * self._chunk
         end = prompt // self._block_size * self._block_size
         if end <= start:
             return
-        tokens = list(state.request.all_token_ids)
-        prev = chunk_keys(tokens[:start], self._chunk, self._ns)[-1] if start else None
+        prev = keys[start // self._chunk - 1] if start else None
         n, key = tail_keys(prev, tokens[start:end], end - start, self._ns)[0]
         state.tail_end = end
         if self._stored(key) and not self._url:
