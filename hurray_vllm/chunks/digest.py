@@ -155,15 +155,69 @@ def digest_header(snap: KVSnapshot) -> bytes:
     if snap.heads is not None:  # one tensor-parallel rank's slice of the heads only, likewise
         meta["heads"] = snap.heads.to_json()
     parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
+    # A snapshot's layers share their index tensors (and their lengths): each is turned into bytes once.
+    index_bytes: dict[int, bytes] = {}
+    totals: dict[int, int] = {}
     for t in digest_tensors(snap):
-        desc = encode_descriptor(t.descriptor(device_tag=0))
+        desc = _encoded_descriptor(t, totals)
         parts += [len(desc).to_bytes(4, "little"), desc]
         for idx in (t.block_table, t.seq_ptr):
-            parts.append(idx.to(torch.int64).contiguous().cpu().numpy().tobytes())
+            got = index_bytes.get(id(idx))
+            if got is None:
+                got = index_bytes[id(idx)] = idx.to(torch.int64).contiguous().cpu().numpy().tobytes()
+            parts.append(got)
     # Recurrent states travel inline with the descriptors (a receiver has them before the pools).
     for layer in snap.states.tensors if snap.states is not None else ():
         parts += [byte_view(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)).tobytes() for t in layer]
     return b"".join(parts)
+
+
+#: Encoded descriptors by what decides them (:func:`_encoded_descriptor`): every chunk of a model repeats them.
+_ENCODED: dict[tuple[object, ...], bytes] = {}
+_ENCODED_MAX = 4096
+
+
+def _encoded_descriptor(t: BlockPagedTensor, totals: dict[int, int]) -> bytes:
+    """``encode_descriptor(t.descriptor(device_tag=0))``, remembered by every input of that descriptor.
+
+    Building and encoding a descriptor is most of :func:`digest_header`'s
+    Python, and a consumer runs it for every chunk file it loads. The key
+    holds all that :meth:`BlockPagedTensor.descriptor` reads: the pool's
+    dtype and shape, the index lengths and type, role, layer, token count,
+    quantization and its buffers' sizes. ``totals``: token counts by the
+    identity of the ``seq_lens`` tensor, which a snapshot's layers share
+    (the caller keeps the tensors alive while it holds the dict).
+    """
+    lens = t.seq_lens
+    if lens is None:
+        total = t.total_tokens
+    else:
+        total = totals.get(id(lens), -1)
+        if total < 0:
+            total = totals[id(lens)] = int(lens.sum())
+    pool = t.page_pool
+    key = (
+        pool.dtype,
+        tuple(pool.shape),
+        int(t.block_table.numel()),
+        int(t.seq_ptr.numel()),
+        t.kv_role,
+        t.layer_index,
+        t.index_type,
+        total,
+        t.quantization,
+        tuple(int(b.numel()) * b.element_size() for b in t.quant_buffers),
+    )
+    try:
+        got = _ENCODED.get(key)
+    except TypeError:  # a quantization section that cannot be hashed: not remembered
+        return encode_descriptor(t.descriptor(device_tag=0))
+    if got is None:
+        got = encode_descriptor(t.descriptor(device_tag=0))
+        if len(_ENCODED) >= _ENCODED_MAX:
+            _ENCODED.clear()
+        _ENCODED[key] = got
+    return got
 
 
 def chunk_digest(snap: KVSnapshot, algorithm: str | None = None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -88,7 +88,7 @@ class ModelFingerprint:
 
     def to_json(self) -> dict[str, Any]:
         """The fingerprint as a JSON-ready dict of its fields."""
-        return asdict(self)
+        return dict(vars(self))  # flat fields of plain values: what asdict returns, without its deep copies
 
     @classmethod
     def from_json(cls, d: Any) -> ModelFingerprint:
@@ -114,7 +114,7 @@ class SnapshotSource:
 
     def to_json(self) -> dict[str, Any]:
         """The source as a JSON-ready dict of its fields."""
-        return asdict(self)
+        return dict(vars(self))  # flat fields of plain values: what asdict returns, without its deep copies
 
     @classmethod
     def from_json(cls, d: Any) -> SnapshotSource:
@@ -159,7 +159,7 @@ class LatentSplit:
 
     def to_json(self) -> dict[str, Any]:
         """The split as a JSON-ready dict of its fields."""
-        return asdict(self)
+        return dict(vars(self))  # flat fields of plain values: what asdict returns, without its deep copies
 
     @classmethod
     def from_json(cls, d: Any) -> LatentSplit:
@@ -253,7 +253,7 @@ class HeadRange:
 
     def to_json(self) -> dict[str, Any]:
         """The range as a JSON-ready dict."""
-        return asdict(self)
+        return dict(vars(self))
 
     @classmethod
     def from_json(cls, d: Any) -> HeadRange:

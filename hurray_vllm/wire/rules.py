@@ -94,6 +94,8 @@ class Checked:
 
 def raise_if(checked: Checked, context: str = "") -> None:
     """Raise :class:`HurrayFormatError` if ``checked`` has blocking violations."""
+    if not checked.violations and not checked.unreadable:  # the common case, on every record read: no tuple built
+        return
     if checked.errors:
         raise HurrayFormatError.from_violations(checked.errors, context)
 
@@ -118,6 +120,9 @@ _MAX_VERDICTS = 4096
 
 def _remember(d: TensorDescriptor, permissive: bool, checked: Checked) -> None:
     key = (id(d), permissive)
+    known = _VERDICTS.get(key)
+    if known is not None and known[0]() is d:
+        return  # the memo above returned this descriptor before: its verdict is on record
 
     def forget(ref: weakref.ref[TensorDescriptor]) -> None:
         entry = _VERDICTS.get(key)

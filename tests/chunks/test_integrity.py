@@ -10,12 +10,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from synthetic import FP8, make_snapshot
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
-from hurray_vllm.chunks.digest import DIGEST_KEY, digest_matches
+from hurray_vllm.chunks.digest import DIGEST_KEY, _encoded_descriptor, digest_matches, digest_tensors
 from hurray_vllm.chunks.keys import chunks_of
 from hurray_vllm.kv.snapshot import KVSnapshot
+from hurray_vllm.wire.descriptor import encode_descriptor
 
 #: Random damages per run; `make fuzz` raises it (HURRAY_FUZZ_EXAMPLES).
 FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "60"))
@@ -105,3 +107,18 @@ def test_key_value_chunk_digests_are_those_stored_chunks_carry() -> None:
     from hurray_vllm.chunks.digest import chunk_digest
 
     assert chunk_digest(spec_example_snapshot(num_layers=3)) == "crc32c/v2:9fccaf70"
+
+
+def test_remembered_descriptor_encodings_are_each_tensors_own() -> None:
+    """``digest_header`` remembers encoded descriptors by what decides them; each is still its own tensor's."""
+    snaps = [
+        make_snapshot([5, 9], [0, 1], 4),
+        make_snapshot([5, 9], [0, 1], 4, dtype=torch.float16),  # same geometry, another element type
+        make_snapshot([5, 8], [0, 1], 4),  # one token fewer: another shape[0]
+        make_snapshot([16], [0], 8, heads=1, dim=24, layers=3),
+        make_snapshot([7, 7], [0, 0], 4, dtype=FP8[0]),
+    ]
+    for _ in range(2):  # the second round finds every key remembered
+        for snap in snaps:
+            for t in digest_tensors(snap):
+                assert _encoded_descriptor(t, {}) == encode_descriptor(t.descriptor(device_tag=0))
