@@ -304,6 +304,7 @@ def instrument(connector: str) -> None:
         _wrap(st, "write_file", "save.store_put.write_file")
         _wrap(os, "fsync", "save.store_put.write_file.fsync")
         _wrap(st.DirectoryStore, "get", "load.store_get")
+        _wrap(st.ChunkReader, "get", "load.store_get")  # a load's files, each read while the one before is parsed
         _wrap(hw, "verify_chunk", "load.verify_chunk")
         _wrap(hs, "verify_chunk", "load.verify_chunk")
         _wrap(st, "chunk_digest", "load.verify_chunk.chunk_digest")

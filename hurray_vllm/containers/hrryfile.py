@@ -365,6 +365,48 @@ class _Recycler:
                 self._bytes += cls
 
 
+def _read_whole(f: BinaryIO, size: int) -> memoryview:
+    """The ``size`` bytes of open file ``f``, read in one call into memory of their own (recycled).
+
+    Read first and parse the copy: what is checked is what is used, whatever
+    happens to the file afterwards (as with a mapping, without its SIGBUS on
+    truncation).
+    """
+    data = _recycler.take(size)
+    array = data.numpy()  # every view of the file's memory keeps this alive
+    view = memoryview(array).cast("B")  # type: ignore[arg-type]
+    _recycler.watch(array, data)
+    read_into(f, view, "file")
+    if f.read(1):
+        raise HurrayFormatError("file", "the file grew while it was read")
+    return view
+
+
+@dataclass(frozen=True, eq=False)
+class FileBytes:
+    """A whole file's bytes, read by :func:`read_whole`, for ``HrryFile(data=...)`` to parse.
+
+    What lets a reader read the next file on a helper thread (the read
+    releases the GIL) while it parses this one.
+    """
+
+    path: Path
+    view: memoryview
+
+
+def read_whole(path: str | os.PathLike[str]) -> FileBytes:
+    """Every byte of the file at ``path``, in memory of their own (the recycled buffers ``HrryFile(whole=True)`` uses).
+
+    Raises:
+        OSError: the file cannot be read (``FileNotFoundError`` if it is gone).
+        HurrayFormatError: the file grew while it was read.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        view = _read_whole(f, size) if size else memoryview(b"")
+    return FileBytes(Path(path), view)
+
+
 #: Whole-file buffers kept for reuse: at most this many bytes of them lie idle.
 _RECYCLE_BYTES = 256 << 20
 _RECYCLE_MIN = 256 << 10
@@ -383,23 +425,21 @@ class HrryFile:
     fresh tensor when asked for.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mmap: bool = False, whole: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, mmap: bool = False, whole: bool = False, data: FileBytes | None = None
+    ) -> None:
+        self._map: _mmap.mmap | memoryview | None = None
+        self._f: BinaryIO | None = None
+        if data is not None:  # read whole already, maybe on another thread (read_whole)
+            self.path, self._map, self.size = data.path, data.view, len(data.view)
+            self._parse()
+            return
         self.path = Path(path)
         self._f = open(self.path, "rb")
-        self._map: _mmap.mmap | memoryview | None = None
         try:
             self.size = os.fstat(self._f.fileno()).st_size
             if whole and not mmap and self.size:
-                # Read first and parse the copy: what is checked is what is used, whatever happens
-                # to the file afterwards (as with a mapping, without its SIGBUS on truncation).
-                data = _recycler.take(self.size)
-                array = data.numpy()  # every view of the file's memory keeps this alive
-                view = memoryview(array).cast("B")  # type: ignore[arg-type]
-                _recycler.watch(array, data)
-                read_into(self._f, view, "file")
-                if self._f.read(1):
-                    raise HurrayFormatError("file", "the file grew while it was read")
-                self._map = view
+                self._map = _read_whole(self._f, self.size)
             self._parse()
             if mmap and self.size:
                 self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)
@@ -409,7 +449,8 @@ class HrryFile:
 
     def close(self) -> None:
         """Close the file."""
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
     def __enter__(self) -> HrryFile:
         return self
@@ -425,6 +466,7 @@ class HrryFile:
             # From the map (or the whole file read): a seek and a read are two system calls, each of
             # which lets another thread take the GIL; inside an engine that cost ~50 us per read.
             return bytes(self._map[off : off + n])  # a mapping's slice is bytes already: no copy
+        assert self._f is not None  # only a file read whole has none, and that has its map
         self._f.seek(off)
         data = self._f.read(n)
         if len(data) != n:
@@ -508,6 +550,7 @@ class HrryFile:
             else:
                 t = torch.empty(size, dtype=torch.uint8)
                 if size:
+                    assert self._f is not None  # as in _read_at
                     self._f.seek(pos)
                     read_into(self._f, byte_view(t), f"{entry.name} buffer {i}")
                 buffers.append(t)

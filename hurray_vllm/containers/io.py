@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, Literal
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 from .atomic import atomic_file
-from .hrryfile import FILE_MAGIC, HrryFile, write_file
+from .hrryfile import FILE_MAGIC, FileBytes, HrryFile, read_whole, write_file
 from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records, state_records
 from .stream import LayerWriter, read_records, write_records
 
@@ -23,6 +23,9 @@ __all__ = [
     "Format",
     "save",
     "load",
+    "load_file_bytes",
+    "read_whole",
+    "FileBytes",
     "save_records",
     "open_records",
     "iter_nodes",
@@ -179,6 +182,28 @@ def save_records(
 def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap: bool = False) -> Iterator[Record]:
     """Every record of a Hurray file or stream at ``path``, in write order."""
     return _records(path, detect_format(path), permissive=permissive, mmap=mmap)
+
+
+def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
+    """:func:`load` of a file :func:`~hurray_vllm.containers.hrryfile.read_whole` read already.
+
+    For a reader of many files: the next file is read on a helper thread
+    (the read releases the GIL) while this one is parsed. A file that is not
+    ``.hrry`` is loaded from its path again.
+
+    Raises:
+        HurrayFormatError: as :func:`load`.
+    """
+    if bytes(data.view[:8]) != FILE_MAGIC:
+        return load(data.path, permissive=permissive)
+    try:
+        with HrryFile(data.path, data=data) as hf:
+            nodes = group_records(hf.records(permissive=permissive), permissive=permissive)
+            return assemble_snapshot(nodes, permissive=permissive)
+    except HurrayFormatError:
+        raise
+    except _PARSE_ERRORS as exc:
+        raise as_format_error(exc, str(data.path)) from exc
 
 
 def _records(path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mmap: bool) -> Iterator[Record]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic import make_snapshot
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
@@ -182,3 +183,28 @@ def test_prune_skips_what_it_cannot_read_and_keeps_live_temp_files(
     assert report.chunks_removed == 1 and any("locked" in s for s in report.skipped)
     with pytest.raises(hv.HurrayArgumentError, match="stale_temp_s"):
         store.prune(0, stale_temp_s=0)
+
+
+def test_a_reader_reads_ahead_and_gives_what_get_gives(tmp_path: Path) -> None:
+    """ChunkReader: the next file read on a helper while this one is parsed; the same snapshots as get, in any order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fp = hv.ModelFingerprint("LlamaForCausalLM", 2, 2, 16, "bfloat16")
+    snap = replace(make_snapshot([16], [0], 4), token_ids=(tuple(range(16)),), fingerprint=fp)
+    ns, store = namespace_of(fp), DirectoryStore(tmp_path)
+    keys = [k for k, c in chunks_of(snap, 4) if store.put(ns, k, c)]
+    assert len(keys) == 4
+    with ThreadPoolExecutor(1) as pool:
+        reader = store.reader(ns, keys, pool.submit)
+        for key in [keys[0], keys[2], keys[1]]:  # the third out of order: read there and then
+            got, want = reader.get(key), store.get(ns, key)
+            assert got.token_ids == want.token_ids and got.extra == want.extra
+            assert all(torch.equal(a.page_pool, b.page_pool) for a, b in zip(got.keys, want.keys, strict=True))
+        reader = store.reader(ns, keys, pool.submit)
+        reader.get(keys[0])  # keys[1] is read meanwhile
+        store.path(ns, keys[1]).unlink()
+        store.path(ns, keys[2]).unlink()
+        with pytest.raises(hv.HurrayFormatError, match="no chunk") as err:
+            reader.get(keys[2])
+        assert err.value.field == "store"
+        reader.get(keys[1])  # read before it was deleted: as a file truncated after its read

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.containers.io import load_file_bytes, read_whole
 from hurray_vllm.containers.schema import (
     dense_record,
     flatten_tokens,
@@ -226,16 +227,25 @@ def test_random_damage_gives_the_documented_error_or_the_same_data(
         raw[at : at + 8] = data.draw(st.sampled_from(_SIZES), label="value").to_bytes(8, "little")
     path = tmp_path / f"damaged{fmt}"
     path.write_bytes(bytes(raw))
+    field = None
     try:
         back = hv.load(path)
-    except hv.HurrayFormatError:
-        loaded = False
+    except hv.HurrayFormatError as exc:
+        loaded, field = False, exc.field
     else:
         loaded = True
         assert back.num_layers == SNAP.num_layers
     checked = hv.validate(path)  # never raises
     if checked.ok:
         assert loaded, f"validate said ok where load refused ({kind} {fmt})"
+    if fmt == ".hrry":  # read whole first (what a chunk reader does on its helper thread): the same verdict
+        try:
+            ahead = load_file_bytes(read_whole(path))
+        except hv.HurrayFormatError as exc:
+            assert (loaded, exc.field) == (False, field)
+        else:
+            assert loaded and ahead.token_ids == back.token_ids
+            assert all(torch.equal(a.page_pool, b.page_pool) for a, b in zip(ahead.keys, back.keys, strict=True))
 
 
 # ── crafted structure: offsets into the header, huge groups ───────────────────

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ....chunks.digest import DIGEST_MISMATCH
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
-from ....chunks.store import ChunkPart, DirectoryStore, chunk_keys, tail_keys, verify_chunk
+from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, tail_keys, verify_chunk
 from ....chunks.verify import begin_check_data
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint
@@ -195,12 +195,18 @@ class HurrayScheduler:
         first = num_computed_tokens // self._chunk
         if self._awaits_push(state, tokens, keys, num_computed_tokens):
             return None, False  # vLLM asks again at its next step
-        found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[None] | None]]] = []
+        stored: list[list[ChunkPart]] = []
         for i in range(first, len(keys)):
             parts = self._store.parts(self._ns, keys[i], self._heads)
             if parts is None:  # not stored, or a tensor-parallel slice still missing
                 break
-            read = self._read_parts(parts, tokens[i * self._chunk : (i + 1) * self._chunk])
+            stored.append(parts)
+        # Each file is read on the helper thread while the one before is parsed here.
+        unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity) is None]
+        reader = self._store.reader(self._ns, unread, _digest_pool().submit) if unread else None
+        found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[None] | None]]] = []
+        for i, parts in enumerate(stored, first):
+            read = self._read_parts(parts, tokens[i * self._chunk : (i + 1) * self._chunk], reader)
             if read is None:
                 break
             found.append((i, parts, *read))
@@ -334,7 +340,7 @@ class HurrayScheduler:
         return tail_keys(prev, tokens[start:end], n, self._ns)[0][1]
 
     def _read_parts(
-        self, parts: list[ChunkPart], tokens: list[int]
+        self, parts: list[ChunkPart], tokens: list[int], reader: ChunkReader | None = None
     ) -> tuple[list[KVSnapshot], list[Future[None] | None]] | None:
         """Every file of one chunk read and checked against its tokens, with their data checks under way.
 
@@ -345,7 +351,7 @@ class HurrayScheduler:
         checks: list[Future[None] | None] = []
         for part in parts:
             try:
-                snap, check = self._read_part(part, tokens)
+                snap, check = self._read_part(part, tokens, reader)
             except HurrayFormatError as exc:
                 self._refuse(part.name, exc, part.identity if is_damage(exc) else None)
                 return None
@@ -364,7 +370,9 @@ class HurrayScheduler:
             VERIFIED.put(part.name, part.identity, snap, self._verified_cap, self._verified_bytes)
         return True
 
-    def _read_part(self, part: ChunkPart, tokens: list[int]) -> tuple[KVSnapshot, Future[None] | None]:
+    def _read_part(
+        self, part: ChunkPart, tokens: list[int], reader: ChunkReader | None = None
+    ) -> tuple[KVSnapshot, Future[None] | None]:
         """One file of a chunk, checked against its key's tokens; its data check runs on the helper thread.
 
         The data check (:func:`~hurray_vllm.chunks.verify.check_data`) is the
@@ -372,6 +380,7 @@ class HurrayScheduler:
         bytes and the file's name.
 
         A file remembered as verified (same identity) is not read again.
+        ``reader``: the load's files, read ahead (else the store reads it now).
 
         Raises:
             HurrayFormatError: the file is unreadable, of another model, for other tokens, or holds
@@ -382,7 +391,7 @@ class HurrayScheduler:
         if snap is not None:
             self.stats.chunks_remembered += 1
         else:
-            snap = self._store.get(self._ns, part.name)
+            snap = reader.get(part.name) if reader is not None else self._store.get(self._ns, part.name)
             check = self._check_later(snap, part.name)
         # Also for a remembered chunk: its key promises these tokens, the check costs little.
         verify_chunk(snap, self._fingerprint, tokens, digest=False, heads=part.heads)
