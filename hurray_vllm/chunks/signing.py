@@ -49,7 +49,7 @@ import torch
 from ..containers.stream import byte_view
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
-from ..native.openssl import poly1305
+from ..native.openssl import NativePoly1305, poly1305
 from .digest import MAC_KEY, digest_header, digest_pools
 
 __all__ = [
@@ -235,7 +235,12 @@ class ChunkMac:
         self._poly.update(data)
 
     def update_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Add the bytes of contiguous CPU ``tensors``, in order."""
+        """Add the bytes of contiguous CPU ``tensors``, in order (one native call where it can)."""
+        tensors = [t for t in tensors if t.numel()]
+        if isinstance(self._poly, NativePoly1305) and all(t.is_cpu and t.is_contiguous() for t in tensors):
+            addrs = [t.data_ptr() for t in tensors]
+            if self._poly.update_segments(addrs, [t.numel() * t.element_size() for t in tensors]):
+                return
         for t in tensors:
             if t.numel():
                 self._poly.update(byte_view(t.reshape(-1).view(torch.uint8)))

@@ -68,3 +68,17 @@
 
 /* The chunk checksum (hurray_vllm.chunks.store.ChunkDigest). */
 #include "crc32c.h"
+
+/* Feeds segments to a byte-consuming function of another library (OpenSSL's EVP_MAC_update for
+ * a chunk's Poly1305), in order, in one call: a caller on a helper thread then gives up and takes
+ * back the GIL once per chunk, not once per page pool while the engine's thread holds it.
+ * Returns 0, or 1 + the index of the first segment `update` refused (returned other than 1). */
+typedef int (*hurray_update_fn)(void *ctx, const unsigned char *data, size_t len);
+
+int hurray_update_segments(hurray_update_fn update, void *ctx, const uint64_t *addrs, const uint64_t *lens,
+                           size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (lens[i] && update(ctx, (const unsigned char *)(uintptr_t)addrs[i], (size_t)lens[i]) != 1)
+            return (int)i + 1;
+    return 0;
+}

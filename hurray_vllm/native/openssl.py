@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from . import DISABLED, disabled
@@ -95,6 +96,29 @@ class NativePoly1305:
             buf = view.tobytes()
         if self._lib.EVP_MAC_update(self._ctx, buf, view.nbytes) != 1:
             raise RuntimeError("libcrypto's Poly1305 update failed")
+
+    def update_segments(self, addrs: Sequence[int], lens: Sequence[int]) -> bool:
+        """Add the bytes at ``addrs`` (``lens`` each), in order, in one native call; False without the native kernels.
+
+        The caller keeps the memory alive. One call releases the GIL once for
+        a whole chunk's page pools (:func:`hurray_vllm.native.crc32c_tensors`
+        does the same for the checksum).
+        """
+        from . import library
+
+        lib = library()
+        if lib is None:
+            return False
+        fn = lib.hurray_update_segments
+        if fn.argtypes is None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            fn.restype = ctypes.c_int
+        update = ctypes.cast(self._lib.EVP_MAC_update, ctypes.c_void_p)
+        n = len(addrs)
+        a, b = (ctypes.c_uint64 * n)(*addrs), (ctypes.c_uint64 * n)(*lens)
+        if fn(update, self._ctx, a, b, n) != 0:
+            raise RuntimeError("libcrypto's Poly1305 update failed")
+        return True
 
     def finalize(self) -> bytes:
         """The 16-byte tag; the object takes nothing more afterwards."""

@@ -39,15 +39,21 @@ log = logging.getLogger("hurray_vllm.connector")
 
 _POOL_LOCK = threading.Lock()
 _RECEIVERS: dict[str, ReceiverBase] = {}  # by hurray_listen
-_DIGEST_POOL: list[ThreadPoolExecutor] = []
+_HELPERS: dict[str, ThreadPoolExecutor] = {}
 
 
-def _digest_pool() -> ThreadPoolExecutor:
-    """One helper thread for chunk checksums (they release the GIL), made on first use."""
+def _helper(name: str) -> ThreadPoolExecutor:
+    """The one helper thread ``name``, made on first use: ``"digest"`` for chunk checksums, ``"read"`` for reads.
+
+    Both run calls that release the GIL (native checksums, file reads).
+    Reads have their own thread so that the next file's read never waits
+    behind a checksum: a MAC takes longer than the parse it overlaps.
+    """
     with _POOL_LOCK:
-        if not _DIGEST_POOL:
-            _DIGEST_POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="hurray-digest"))
-        return _DIGEST_POOL[0]
+        pool = _HELPERS.get(name)
+        if pool is None:
+            pool = _HELPERS[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hurray-{name}")
+        return pool
 
 
 def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int) -> bool:
@@ -201,9 +207,9 @@ class HurrayScheduler:
             if parts is None:  # not stored, or a tensor-parallel slice still missing
                 break
             stored.append(parts)
-        # Each file is read on the helper thread while the one before is parsed here.
+        # Each file is read on a helper thread while the one before is parsed here.
         unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity) is None]
-        reader = self._store.reader(self._ns, unread, _digest_pool().submit) if unread else None
+        reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
         found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[None] | None]]] = []
         for i, parts in enumerate(stored, first):
             read = self._read_parts(parts, tokens[i * self._chunk : (i + 1) * self._chunk], reader)
@@ -410,7 +416,7 @@ class HurrayScheduler:
             done: Future[None] = Future()
             done.set_exception(exc)
             return done
-        return _digest_pool().submit(rest)
+        return _helper("digest").submit(rest)
 
     def _failed_check(self, parts: list[ChunkPart], checks: list[Future[None] | None]) -> bool:
         """Wait for the parts' data checks; refuse the first that fails (moved aside if damaged). True if one did."""
