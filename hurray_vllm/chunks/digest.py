@@ -183,11 +183,16 @@ def _encoded_descriptor(t: BlockPagedTensor, totals: dict[int, int]) -> bytes:
     Building and encoding a descriptor is most of :func:`digest_header`'s
     Python, and a consumer runs it for every chunk file it loads. The key
     holds all that :meth:`BlockPagedTensor.descriptor` reads: the pool's
-    dtype and shape, the index lengths and type, role, layer, token count,
-    quantization and its buffers' sizes. ``totals``: token counts by the
-    identity of the ``seq_lens`` tensor, which a snapshot's layers share
-    (the caller keeps the tensors alive while it holds the dict).
+    dtype and shape, the index lengths and type, role, layer, token count
+    and extra buffers' sizes. A tensor with a quantization section is
+    encoded afresh: equal sections can differ on the wire (scales of 0.0
+    and -0.0 compare equal), and vLLM's fp8 caches carry their scales
+    apart, without one. ``totals``: token counts by the identity of the
+    ``seq_lens`` tensor, which a snapshot's layers share (the caller keeps
+    the tensors alive while it holds the dict).
     """
+    if t.quantization is not None:
+        return encode_descriptor(t.descriptor(device_tag=0))
     lens = t.seq_lens
     if lens is None:
         total = t.total_tokens
@@ -205,13 +210,9 @@ def _encoded_descriptor(t: BlockPagedTensor, totals: dict[int, int]) -> bytes:
         t.layer_index,
         t.index_type,
         total,
-        t.quantization,
         tuple(int(b.numel()) * b.element_size() for b in t.quant_buffers),
     )
-    try:
-        got = _ENCODED.get(key)
-    except TypeError:  # a quantization section that cannot be hashed: not remembered
-        return encode_descriptor(t.descriptor(device_tag=0))
+    got = _ENCODED.get(key)
     if got is None:
         got = encode_descriptor(t.descriptor(device_tag=0))
         if len(_ENCODED) >= _ENCODED_MAX:

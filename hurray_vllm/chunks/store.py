@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..containers.hrryfile import write_file
-from ..containers.io import FileBytes, load, load_file_bytes, read_whole
+from ..containers.io import FileBytes, load, load_file_bytes, read_file
 from ..containers.schema import snapshot_records
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
@@ -218,7 +218,8 @@ class ChunkReader:
     (a system call, which releases the GIL) overlaps the Python that parses
     the one before, instead of following it. At most one file is read ahead.
     :meth:`get` gives what :meth:`DirectoryStore.get` would; a key asked for
-    out of order is read there and then.
+    out of order is read there and then (and reading ahead goes on after it
+    if it is one of the keys).
 
     Example:
         >>> reader = store.reader(ns, [k0, k1, k2], pool.submit)  # doctest: +SKIP
@@ -236,7 +237,7 @@ class ChunkReader:
         if self._next < len(self._keys):
             key = self._keys[self._next]
             self._next += 1
-            self._ahead = (key, self._submit(functools.partial(read_whole, self._store.path(self._ns, key))))
+            self._ahead = (key, self._submit(functools.partial(read_file, self._store.path(self._ns, key))))
         else:
             self._ahead = None
 
@@ -249,13 +250,15 @@ class ChunkReader:
         """
         ahead = self._ahead
         if ahead is None or ahead[0] != key:
+            if key in self._keys[self._next :]:  # keys were skipped: read ahead from here on again
+                self._next = self._keys.index(key, self._next) + 1
+                self._read_ahead()
             return self._store.get(self._ns, key)
         self._read_ahead()
         try:
-            data = ahead[1].result()
-        except FileNotFoundError:
+            return load_file_bytes(ahead[1].result())
+        except FileNotFoundError:  # also from load_file_bytes: a file not .hrry is loaded by its name again
             raise HurrayFormatError("store", f"no chunk {key} in {self._store.root}") from None
-        return load_file_bytes(data)
 
 
 def store_snapshot(

@@ -24,7 +24,7 @@ __all__ = [
     "save",
     "load",
     "load_file_bytes",
-    "read_whole",
+    "read_file",
     "FileBytes",
     "save_records",
     "open_records",
@@ -184,8 +184,26 @@ def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap
     return _records(path, detect_format(path), permissive=permissive, mmap=mmap)
 
 
+def read_file(path: str | os.PathLike[str]) -> FileBytes:
+    """Every byte of the file at ``path`` (``hrryfile.read_whole``), for :func:`load_file_bytes`.
+
+    With :func:`load`'s error contract: what goes wrong reading the file
+    (memory for an absurd size, say) is a :class:`HurrayFormatError`.
+
+    Raises:
+        HurrayFormatError: as :func:`load`.
+        OSError: the file cannot be read (``FileNotFoundError`` if it is gone).
+    """
+    try:
+        return read_whole(path)
+    except (HurrayFormatError, OSError):
+        raise
+    except _PARSE_ERRORS as exc:
+        raise as_format_error(exc, str(path)) from exc
+
+
 def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
-    """:func:`load` of a file :func:`~hurray_vllm.containers.hrryfile.read_whole` read already.
+    """:func:`load` of a file :func:`read_file` read already.
 
     For a reader of many files: the next file is read on a helper thread
     (the read releases the GIL) while this one is parsed. A file that is not

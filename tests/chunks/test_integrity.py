@@ -17,7 +17,7 @@ from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks.digest import DIGEST_KEY, _encoded_descriptor, digest_matches, digest_tensors
 from hurray_vllm.chunks.keys import chunks_of
 from hurray_vllm.kv.snapshot import KVSnapshot
-from hurray_vllm.wire.descriptor import encode_descriptor
+from hurray_vllm.wire.descriptor import PerTensorAffine, encode_descriptor
 
 #: Random damages per run; `make fuzz` raises it (HURRAY_FUZZ_EXAMPLES).
 FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "60"))
@@ -118,6 +118,10 @@ def test_remembered_descriptor_encodings_are_each_tensors_own() -> None:
         make_snapshot([16], [0], 8, heads=1, dim=24, layers=3),
         make_snapshot([7, 7], [0, 0], 4, dtype=FP8[0]),
     ]
+    # Quantization sections that compare equal but encode apart (0.0 and -0.0).
+    k = snaps[0].keys[0]
+    snaps.append(replace(snaps[0], keys=(replace(k, quantization=PerTensorAffine(0.0)), *snaps[0].keys[1:])))
+    snaps.append(replace(snaps[0], keys=(replace(k, quantization=PerTensorAffine(-0.0)), *snaps[0].keys[1:])))
     for _ in range(2):  # the second round finds every key remembered
         for snap in snaps:
             for t in digest_tensors(snap):

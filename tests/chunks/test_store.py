@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -187,7 +188,9 @@ def test_prune_skips_what_it_cannot_read_and_keeps_live_temp_files(
 
 def test_a_reader_reads_ahead_and_gives_what_get_gives(tmp_path: Path) -> None:
     """ChunkReader: the next file read on a helper while this one is parsed; the same snapshots as get, in any order."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from hurray_vllm.containers.io import FileBytes
 
     fp = hv.ModelFingerprint("LlamaForCausalLM", 2, 2, 16, "bfloat16")
     snap = replace(make_snapshot([16], [0], 4), token_ids=(tuple(range(16)),), fingerprint=fp)
@@ -196,15 +199,46 @@ def test_a_reader_reads_ahead_and_gives_what_get_gives(tmp_path: Path) -> None:
     assert len(keys) == 4
     with ThreadPoolExecutor(1) as pool:
         reader = store.reader(ns, keys, pool.submit)
-        for key in [keys[0], keys[2], keys[1]]:  # the third out of order: read there and then
+        for key in [keys[0], keys[2], keys[3], keys[1]]:  # keys[1] skipped: reading ahead resumes after keys[2]
             got, want = reader.get(key), store.get(ns, key)
             assert got.token_ids == want.token_ids and got.extra == want.extra
             assert all(torch.equal(a.page_pool, b.page_pool) for a, b in zip(got.keys, want.keys, strict=True))
-        reader = store.reader(ns, keys, pool.submit)
-        reader.get(keys[0])  # keys[1] is read meanwhile
-        store.path(ns, keys[1]).unlink()
-        store.path(ns, keys[2]).unlink()
-        with pytest.raises(hv.HurrayFormatError, match="no chunk") as err:
-            reader.get(keys[2])
-        assert err.value.field == "store"
-        reader.get(keys[1])  # read before it was deleted: as a file truncated after its read
+
+    def now(fn: Callable[[], FileBytes]) -> Future[FileBytes]:  # reads at once: the test decides what exists when
+        done: Future[FileBytes] = Future()
+        try:
+            done.set_result(fn())
+        except OSError as exc:
+            done.set_exception(exc)
+        return done
+
+    reader = store.reader(ns, keys, now)
+    reader.get(keys[0])  # keys[1] is read here
+    store.path(ns, keys[1]).unlink()
+    store.path(ns, keys[2]).unlink()
+    reader.get(keys[1])  # read before it was deleted: as a file truncated after its read
+    with pytest.raises(hv.HurrayFormatError, match="no chunk") as err:
+        reader.get(keys[2])
+    assert err.value.field == "store"
+
+
+def test_a_read_ahead_that_fails_is_refused_as_load_refuses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error reading ahead (memory for an absurd file size) is the HurrayFormatError ``load`` gives, not a crash."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import hurray_vllm.containers.hrryfile as hrryfile
+
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+
+    def no_memory(n: int) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(hrryfile._recycler, "take", no_memory)
+    with pytest.raises(hv.HurrayFormatError) as direct:
+        store.get(ns, key)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(hv.HurrayFormatError) as ahead:
+        store.reader(ns, [key], pool.submit).get(key)
+    assert ahead.value.field == direct.value.field == "input"

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
-from hurray_vllm.containers.io import load_file_bytes, read_whole
+from hurray_vllm.containers.io import load_file_bytes, read_file
 from hurray_vllm.containers.schema import (
     dense_record,
     flatten_tokens,
@@ -240,7 +240,7 @@ def test_random_damage_gives_the_documented_error_or_the_same_data(
         assert loaded, f"validate said ok where load refused ({kind} {fmt})"
     if fmt == ".hrry":  # read whole first (what a chunk reader does on its helper thread): the same verdict
         try:
-            ahead = load_file_bytes(read_whole(path))
+            ahead = load_file_bytes(read_file(path))
         except hv.HurrayFormatError as exc:
             assert (loaded, exc.field) == (False, field)
         else:

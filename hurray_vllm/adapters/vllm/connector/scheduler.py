@@ -9,6 +9,7 @@ receiver.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,8 @@ log = logging.getLogger("hurray_vllm.connector")
 _POOL_LOCK = threading.Lock()
 _RECEIVERS: dict[str, ReceiverBase] = {}  # by hurray_listen
 _HELPERS: dict[str, ThreadPoolExecutor] = {}
+# A forked child inherits the executors without their threads: it makes its own.
+os.register_at_fork(after_in_child=_HELPERS.clear)
 
 
 def _helper(name: str) -> ThreadPoolExecutor:
