@@ -236,11 +236,9 @@ class ChunkMac:
 
     def update_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Add the bytes of contiguous CPU ``tensors``, in order (one native call where it can)."""
-        tensors = [t for t in tensors if t.numel()]
-        if isinstance(self._poly, NativePoly1305) and all(t.is_cpu and t.is_contiguous() for t in tensors):
-            addrs = [t.data_ptr() for t in tensors]
-            if self._poly.update_segments(addrs, [t.numel() * t.element_size() for t in tensors]):
-                return
+        native = isinstance(self._poly, NativePoly1305) and all(t.is_cpu and t.is_contiguous() for t in tensors)
+        if native and self._poly.update_tensors(tensors):
+            return
         for t in tensors:
             if t.numel():
                 self._poly.update(byte_view(t.reshape(-1).view(torch.uint8)))
@@ -315,7 +313,7 @@ def begin_signature_check(snap: KVSnapshot, keys: FleetKeys, namespace: str, nam
     """:func:`check_signature` in two halves: the header now, the page pools in the callable returned.
 
     As :func:`~.digest.begin_digest_check`: with OpenSSL's Poly1305 the second
-    half holds the GIL only between its native calls, one per pool.
+    half is one native call, which releases the GIL.
 
     Raises:
         HurrayFormatError: :data:`UNSIGNED` or :data:`OTHER_KEY` now; :data:`BAD_MAC` now for a

@@ -46,7 +46,7 @@ def begin_check_data(
     """:func:`check_data` in two halves: the header now, the page pools in the callable returned.
 
     The callable is native work that releases the GIL (one CRC-32C call, or
-    one OpenSSL Poly1305 call per pool): run it on a helper thread to
+    one call feeding OpenSSL's Poly1305 every pool): run it on a helper thread to
     overlap the pools' check with other work, such as reading the next
     chunk. It raises as :func:`check_data` does for data that does not
     match; a missing, old or foreign digest or MAC raises now.

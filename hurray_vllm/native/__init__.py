@@ -31,12 +31,12 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DISABLED", "cache_dir", "crc32c", "disabled", "kernel", "library", "unavailable_reason"]
+__all__ = ["DISABLED", "cache_dir", "crc32c", "disabled", "kernel", "library", "segments", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +145,23 @@ def crc32c_tensors(tensors: Sequence[torch.Tensor], crc: int = 0) -> int | None:
     if fn.argtypes is None:
         fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         fn.restype = ctypes.c_uint32
+    return int(fn(crc, *segments(tensors, "crc32c_tensors")))
+
+
+def segments(tensors: Sequence[torch.Tensor], caller: str) -> tuple[Any, Any, int]:
+    """``(addresses, byte lengths, count)`` of contiguous CPU ``tensors``, as the ``*_segments`` kernels take them.
+
+    The caller keeps the tensors alive during the native call.
+
+    Raises:
+        ValueError: a tensor that is not contiguous or not on the CPU.
+    """
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("crc32c_tensors needs contiguous CPU tensors")
+            raise ValueError(f"{caller} needs contiguous CPU tensors")
     addrs = (ctypes.c_uint64 * len(tensors))(*(t.data_ptr() for t in tensors))
     lens = (ctypes.c_uint64 * len(tensors))(*(t.numel() * t.element_size() for t in tensors))
-    return int(fn(crc, addrs, lens, len(tensors)))
+    return addrs, lens, len(tensors)
 
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7, ctypes.c_void_p]

@@ -18,9 +18,12 @@ import ctypes
 import ctypes.util
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import DISABLED, disabled
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NativePoly1305", "poly1305", "unavailable_reason"]
 
@@ -97,14 +100,18 @@ class NativePoly1305:
         if self._lib.EVP_MAC_update(self._ctx, buf, view.nbytes) != 1:
             raise RuntimeError("libcrypto's Poly1305 update failed")
 
-    def update_segments(self, addrs: Sequence[int], lens: Sequence[int]) -> bool:
-        """Add the bytes at ``addrs`` (``lens`` each), in order, in one native call; False without the native kernels.
+    def update_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Add the bytes of contiguous CPU ``tensors``, in order, in one native call; False without the native kernels.
 
-        The caller keeps the memory alive. One call releases the GIL once for
-        a whole chunk's page pools (:func:`hurray_vllm.native.crc32c_tensors`
-        does the same for the checksum).
+        One call releases the GIL once for a whole chunk's page pools, as
+        :func:`hurray_vllm.native.crc32c_tensors` does for the checksum: a
+        helper thread otherwise waits for the GIL after every pool while the
+        engine's thread holds it.
+
+        Raises:
+            ValueError: a tensor that is not contiguous or not on the CPU.
         """
-        from . import library
+        from . import library, segments
 
         lib = library()
         if lib is None:
@@ -114,9 +121,7 @@ class NativePoly1305:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
             fn.restype = ctypes.c_int
         update = ctypes.cast(self._lib.EVP_MAC_update, ctypes.c_void_p)
-        n = len(addrs)
-        a, b = (ctypes.c_uint64 * n)(*addrs), (ctypes.c_uint64 * n)(*lens)
-        if fn(update, self._ctx, a, b, n) != 0:
+        if fn(update, self._ctx, *segments(tensors, "NativePoly1305.update_tensors")) != 0:
             raise RuntimeError("libcrypto's Poly1305 update failed")
         return True
 

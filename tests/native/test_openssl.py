@@ -37,13 +37,13 @@ def test_openssl_poly1305_equals_cryptography(parts: list[bytes], key: bytes) ->
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=6), st.binary(min_size=32, max_size=32))
 def test_segments_fed_in_one_native_call_give_the_tag_of_updates_one_by_one(parts: list[bytes], key: bytes) -> None:
-    """``update_segments`` (a chunk's page pools, one GIL release) equals one ``update`` per segment."""
+    """``update_tensors`` (a chunk's page pools, one GIL release) equals one ``update`` per segment."""
     native, ref = openssl.poly1305(key), openssl.poly1305(key)
     if native is None or ref is None:
         pytest.skip(f"no libcrypto 3 here: {openssl.unavailable_reason()}")
     empty = torch.empty(0, dtype=torch.uint8)
     bufs = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else empty for p in parts]
-    assert native.update_segments([b.data_ptr() for b in bufs], [b.numel() for b in bufs])
+    assert native.update_tensors(bufs)
     for p in parts:
         ref.update(p)
     assert native.finalize() == ref.finalize()
