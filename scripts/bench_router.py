@@ -15,7 +15,8 @@ with the servers it needs (started, measured, stopped):
    gap between tokens before the move).
 2. **Router overhead** (the same servers): 32 concurrent streams to A
    through a router over A alone, against the same streams sent to A
-   directly, three rounds of each, alternated; medians of tokens/s, and the
+   directly, one untimed round of each, then five of each, alternated;
+   medians of tokens/s, the router's CPU time per token relayed, and the
    latency the router adds to each token: its time in the router, read from
    the backend to written to the client (``hurray_router_relay_seconds``).
 3. **Pushes on and off** (server A pushing to a ``hurray-vllm receive``
@@ -179,6 +180,12 @@ def relay_histogram(metrics: str) -> Any:
     return h
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
@@ -261,11 +268,19 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
         streams = 32
         prompts = [prompt(200 + k, 256) for k in range(streams)]
         rounds: dict[str, list[dict[str, float]]] = {"direct": [], "router": []}
-        for label, base in (("direct", a.url), ("router", single.url)) * 3:  # alternated: the machine drifts
-            t0 = time.perf_counter()
+        router_cpu, relayed = 0.0, 0
+        # One untimed round each first (the first rounds of a fresh engine run slow), then five each,
+        # alternated: the machine drifts.
+        for i, (label, base) in enumerate((("direct", a.url), ("router", single.url)) * 6):
+            t0, c0 = time.perf_counter(), cpu_seconds(single.proc.pid)
             runs = concurrent(streams, lambda k, base=base: stream(base, name, prompts[k], 64))
             wall = time.perf_counter() - t0
             toks = sum(len(x["tokens"]) for x in runs)
+            if i < 2:
+                continue
+            if label == "router":
+                router_cpu += cpu_seconds(single.proc.pid) - c0
+                relayed += toks
             p50 = statistics.median([g for x in runs for g in gaps(x["times"])])
             rounds[label].append({"tokens_per_s": round(toks / wall, 1), "gap_p50_ms": round(p50 * 1e3, 3)})
         med = {
@@ -284,6 +299,8 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
             "added_latency_p99_ms": round((p99 or 0) * 1e3, 3),
             "tokens_relayed": relay.count,
             "gap_p50_difference_ms": round(med["router"]["gap_p50_ms"] - med["direct"]["gap_p50_ms"], 3),
+            # What the router takes from the engines' cores per token (its process's user + system time).
+            "router_cpu_us_per_token": round(router_cpu / max(relayed, 1) * 1e6, 1),
         }
         out["overhead"]["goal_throughput_ge_0.95"] = out["overhead"]["throughput_ratio"] >= 0.95
         out["overhead"]["goal_added_p50_le_1ms"] = out["overhead"]["added_latency_p50_ms"] <= 1.0
