@@ -13,7 +13,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["MALLOC_ENV", "cpu_name", "git_state", "log", "machine", "pin_malloc", "reset_hwm", "status_kib"]
+__all__ = [
+    "MALLOC_ENV",
+    "cpu_name",
+    "free_page_reporting",
+    "git_state",
+    "log",
+    "machine",
+    "pin_malloc",
+    "reset_hwm",
+    "status_kib",
+]
 
 #: glibc's mmap threshold, pinned by :func:`pin_malloc`.
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
@@ -47,8 +57,27 @@ def machine(**extra: object) -> dict[str, object]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "malloc_mmap_threshold": os.environ.get(MALLOC_ENV),
+        "free_page_reporting": free_page_reporting(),
         **extra,
     }
+
+
+def free_page_reporting() -> bool:
+    """Whether this is a VM that hands free memory back to its host (a virtio balloon with page reporting).
+
+    There, memory the guest has not used for a moment is backed again by the
+    host on its next use: a new page (a fresh allocation, a file's new page
+    cache) costs ~2.5 ms per MiB on machine A', against ~0.3 ms on a page
+    used a moment ago. Figures that allocate or write new files carry that.
+    """
+    for dev in Path("/sys/bus/virtio/devices").glob("*"):
+        try:
+            if (dev / "device").read_text().strip() == "0x0005":  # virtio balloon
+                bits = (dev / "features").read_text().strip()
+                return len(bits) > 5 and bits[5] == "1"  # VIRTIO_BALLOON_F_REPORTING
+        except OSError:
+            continue
+    return False
 
 
 def git_state() -> str:
