@@ -66,6 +66,24 @@ def test_controls_need_a_fleet_token_and_the_openai_endpoints_do_not(client: Any
     assert client.post("/v1/completions", json={"model": "m", "prompt": [1, 2]}).status_code != 401
 
 
+def test_controls_need_a_token_behind_a_root_path() -> None:
+    """Behind a proxy's root path (uvicorn ``--root-path``), ``/PFX/hurray/*`` is the control route: still closed."""
+    require("fastapi")
+    require("httpx")
+    from fastapi.testclient import TestClient
+
+    from hurray_vllm.app.router import RouterConfig, build_app
+    from hurray_vllm.app.router.server import CONTROL_PURPOSE
+
+    ring = FleetKeys.from_secrets(NEW)
+    config = RouterConfig(backends=("http://127.0.0.1:9",), control_tokens=ring.tokens(CONTROL_PURPOSE))
+    with TestClient(build_app(config), root_path="/pfx") as c:
+        assert c.get("/pfx/hurray/requests").status_code == 401
+        token = ring.tokens(CONTROL_PURPOSE)[0]
+        r = c.get("/pfx/hurray/requests", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200 and r.json() == {"requests": []}
+
+
 def test_print_token_uses_the_signing_key_and_needs_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

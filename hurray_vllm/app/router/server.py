@@ -188,6 +188,16 @@ class Router:
 # ── what the client sees ────────────────────────────────────────────────────
 
 
+def _route_path(scope: dict[str, Any]) -> str:
+    """The path the routes match: ``path`` without the ``root_path`` a proxy or a mount puts before it.
+
+    Starlette routes on that, so the control check must too: behind ``--root-path /pfx``,
+    ``/pfx/hurray/requests`` is the ``/hurray/requests`` route.
+    """
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 def _asked(body: dict[str, Any], key: str) -> bool:
     return bool(body.get(key))
 
@@ -362,7 +372,7 @@ def build_app(config: RouterConfig) -> Any:
             self.app = app
 
         async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] == "http" and scope["path"].startswith("/hurray/") and not holds_a_token(scope):
+            if scope["type"] == "http" and _route_path(scope).startswith("/hurray/") and not holds_a_token(scope):
                 refusal = JSONResponse(
                     _error(
                         401,
