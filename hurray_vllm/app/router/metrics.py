@@ -6,6 +6,7 @@ and ``/metrics`` reads them there too, so no client library is needed.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -18,19 +19,43 @@ RELAY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 
 class Histogram:
-    """A cumulative histogram as Prometheus keeps one: bucket counts, a sum and a count."""
+    """A histogram as Prometheus keeps one: cumulative bucket counts (``counts``), a sum and a count.
+
+    Each observation increments one bucket (found by bisection: the relay
+    histogram counts every streamed token); the cumulative counts are summed
+    when read.
+    """
 
     def __init__(self, buckets: Sequence[float]) -> None:
         self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * len(self.buckets)
+        self._hits = [0] * (len(self.buckets) + 1)  # per bucket, not cumulative; the last one is +Inf's
         self.total = 0.0
         self.count = 0
 
+    @classmethod
+    def from_cumulative(cls, buckets: Sequence[float], counts: Sequence[int], count: int) -> Histogram:
+        """A histogram from Prometheus' cumulative bucket counts (in ``buckets``' order) and its total count."""
+        h = cls(buckets)
+        below = 0
+        for i, n in enumerate(counts):
+            h._hits[i] = n - below
+            below = n
+        h._hits[-1] = count - below
+        h.count = count
+        return h
+
+    @property
+    def counts(self) -> list[int]:
+        """The cumulative count of each bucket (observations ``<=`` its edge)."""
+        out, running = [], 0
+        for n in self._hits[:-1]:
+            running += n
+            out.append(running)
+        return out
+
     def observe(self, value: float) -> None:
         """Count one observation."""
-        for i, edge in enumerate(self.buckets):
-            if value <= edge:
-                self.counts[i] += 1
+        self._hits[bisect.bisect_left(self.buckets, value)] += 1
         self.total += value
         self.count += 1
 
