@@ -109,6 +109,7 @@ def _send_all(sock: socket.socket, out: BinaryIO, chunks: Iterable[Chunk]) -> No
         out.writelines(pieces.parts)
         out.flush()
         read_answer(sock, key)
+        del pieces  # the views: not kept alive while the next chunk is exported
 
 
 class TcpSender(ChunkSender):
