@@ -64,7 +64,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -74,7 +73,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _bench import log
+from _bench import log, machine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -848,22 +847,17 @@ def main() -> None:
                 work, f"{name}-consumer", {**common, **how, "role": "consumer", "store": str(store)}, args.omp_threads
             )
         summary = summarize(args, res, prompts)
-        import torch
         import vllm
 
         report = {
             "benchmark": "connector",
             "date": datetime.date.today().isoformat(),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "vllm": getattr(vllm, "__version__", "?"),
-                "loadavg_per_engine": {
+            "machine": machine(
+                vllm=getattr(vllm, "__version__", "?"),
+                loadavg_per_engine={
                     k: [round(x, 2) for x in v["loadavg_before"][:1] + v["loadavg_after"][:1]] for k, v in res.items()
                 },
-            },
+            ),
             "config": {
                 "model": MODELS[MODEL]["describe"],
                 "kv_bytes_per_token": KV_BYTES_PER_TOKEN,

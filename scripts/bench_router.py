@@ -31,7 +31,7 @@ with the servers it needs (started, measured, stopped):
 
     .venv/bin/python scripts/bench_router.py [--contexts 1024,4096,16384]
 
-About 10 minutes on 2 cores.
+About 4 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -167,19 +167,23 @@ def stream(
     return {"t0": t0, "times": times, "tokens": tokens, "usage": usage}
 
 
-def relay_histogram(metrics: str) -> Any:
-    """The router's ``hurray_router_relay_seconds`` histogram, from its ``/metrics`` text."""
+def relay_counts(metrics: str) -> dict[str, int]:
+    """The cumulative bucket counts of the router's ``hurray_router_relay_seconds``, from its ``/metrics`` text."""
+    return {
+        line.split('le="')[1].split('"}')[0]: int(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("hurray_router_relay_seconds_bucket")
+    }
+
+
+def relay_histogram(after: dict[str, int], before: dict[str, int]) -> Any:
+    """The relay histogram of what the router streamed between two :func:`relay_counts`."""
     from hurray_vllm.app.router.metrics import RELAY_BUCKETS_S, Histogram
 
-    h = Histogram(RELAY_BUCKETS_S)
-    for line in metrics.splitlines():
-        if line.startswith("hurray_router_relay_seconds_bucket"):
-            le, n = line.split('le="')[1].split('"}')[0], int(line.rsplit(" ", 1)[1])
-            if le == "+Inf":
-                h.count = n
-            else:
-                h.counts[h.buckets.index(float(le))] = n
-    return h
+    def n(le: str) -> int:
+        return after.get(le, 0) - before.get(le, 0)
+
+    return Histogram.from_cumulative(RELAY_BUCKETS_S, [n(str(b)) for b in RELAY_BUCKETS_S], n("+Inf"))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -271,6 +275,7 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
         prompts = [prompt(200 + k, 256) for k in range(streams)]
         rounds: dict[str, list[dict[str, float]]] = {"direct": [], "router": []}
         router_cpu, relayed = 0.0, 0
+        relay_before: dict[str, int] = {}
         # One untimed round each first (the first rounds of a fresh engine run slow), then five each,
         # alternated: the machine drifts.
         for i, (label, base) in enumerate((("direct", a.url), ("router", single.url)) * 6):
@@ -279,6 +284,8 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             toks = sum(len(x["tokens"]) for x in runs)
             if i < 2:
+                if label == "router":  # the relay histogram counts from here
+                    relay_before = relay_counts(httpx.get(single.url + "/metrics", timeout=30).text)
                 continue
             if label == "router":
                 router_cpu += cpu_seconds(single.proc.pid) - c0
@@ -289,7 +296,7 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
             label: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "gap_p50_ms")}
             for label, rs in rounds.items()
         }
-        relay = relay_histogram(httpx.get(single.url + "/metrics", timeout=30).text)
+        relay = relay_histogram(relay_counts(httpx.get(single.url + "/metrics", timeout=30).text), relay_before)
         p50, p99 = relay.quantile(0.5), relay.quantile(0.99)
         out["overhead"] = {
             "rounds": rounds,
@@ -335,7 +342,9 @@ def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
         log("pushes on and off: 8 streams of 128 tokens, one untimed round each, then three each, alternated")
         rounds: dict[str, list[float]] = {"off": [], "on": []}
         for i in range(4):
-            for label, s in servers.items():
+            # Which server goes first alternates: a round's last background writes must not always fall
+            # into the same server's next round.
+            for label, s in list(servers.items())[:: 1 if i % 2 == 0 else -1]:
                 time.sleep(2)  # the last round's background writes (saves, pushes) end first
                 t0 = time.perf_counter()
                 runs = concurrent(8, lambda k, s=s, i=i: stream(s.url, name, prompt(310 + 8 * i + k, 512), 128))

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _bench import log
+from _bench import log, machine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -196,18 +195,12 @@ def main() -> None:
         def ratio(a: float | None, b: float | None) -> float | None:
             return round(a / b, 3) if a is not None and b else None
 
-        import torch
         import vllm
 
         report = {
             "benchmark": "tensor parallelism",
             "date": datetime.date.today().isoformat(),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "torch": torch.__version__,
-                "vllm": getattr(vllm, "__version__", "?"),
-            },
+            "machine": machine(vllm=getattr(vllm, "__version__", "?")),
             "config": {
                 "model": f"random Llama, {LAYERS} layers, {KV_HEADS} KV heads x {HEAD_DIM}, bf16",
                 "block_size": BLOCK,
