@@ -272,7 +272,7 @@ class Flight:
                     if data == b"[DONE]":
                         return
                     try:
-                        yield json.loads(data)
+                        yield json.loads(data.decode())  # as text: json.loads guesses the encoding of bytes
                     except ValueError:
                         raise UpstreamError(f"{backend.url} sent a malformed event: {data[:200]!r}") from None
         except (aiohttp.ClientError, TimeoutError) as exc:
