@@ -10,6 +10,7 @@ how to run it.
 # at run time, and ``Request`` is imported inside build_app.
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -86,6 +87,9 @@ class Router:
         )
         self.client = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         self._watch = asyncio.create_task(self._health(), name="router health checks")
+        # What start-up imported (torch among it: ~170k objects) lives as long as the process: kept out of
+        # the collector's full passes, each of which took ~45 ms of a token stream's time.
+        gc.freeze()
 
     async def stop(self) -> None:
         """Stop the health checks and close the client."""
