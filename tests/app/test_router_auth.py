@@ -82,6 +82,32 @@ def test_controls_need_a_token_behind_a_root_path() -> None:
         token = ring.tokens(CONTROL_PURPOSE)[0]
         r = c.get("/pfx/hurray/requests", headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 200 and r.json() == {"requests": []}
+    # A root path that the path only starts with, not at a "/": Starlette routes the whole path.
+    app = build_app(config)
+    with TestClient(app):
+        for root in ("/hur", "/"):
+            assert _asgi_get(app, "/hurray/requests", root) == 401, root
+
+
+def _asgi_get(app: Any, path: str, root_path: str) -> int:
+    """The status of a GET of exactly this ASGI scope (what a server sends behind ``--root-path``)."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "root_path": root_path, "query_string": b"", "headers": [],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
 
 
 def test_print_token_uses_the_signing_key_and_needs_one(

@@ -193,11 +193,16 @@ class Router:
 def _route_path(scope: dict[str, Any]) -> str:
     """The path the routes match: ``path`` without the ``root_path`` a proxy or a mount puts before it.
 
-    Starlette routes on that, so the control check must too: behind ``--root-path /pfx``,
+    Starlette's rule (``get_route_path``): the root path is stripped only where
+    a ``/`` (or the end) follows it. Behind ``--root-path /pfx``,
     ``/pfx/hurray/requests`` is the ``/hurray/requests`` route.
     """
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
 
 
 def _asked(body: dict[str, Any], key: str) -> bool:
@@ -395,7 +400,8 @@ def build_app(config: RouterConfig) -> Any:
             self.app = app
 
         async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] == "http" and _route_path(scope).startswith("/hurray/") and not holds_a_token(scope):
+            control = scope.get("path", "").startswith("/hurray/") or _route_path(scope).startswith("/hurray/")
+            if scope["type"] == "http" and control and not holds_a_token(scope):
                 refusal = JSONResponse(
                     _error(
                         401,
@@ -567,6 +573,8 @@ def serve(config: RouterConfig, host: str, port: int, *, log_level: str = "warni
     import uvicorn
 
     print(f"hurray-vllm router on http://{host}:{port} over {', '.join(config.backends)}", flush=True)
+    import aiohttp  # noqa: F401 - imported before the freeze below (Router.start() would import it later)
+
     app = build_app(config)
     # What start-up imported (torch among it: ~170k objects) lives as long as the process: kept out of
     # the collector's full passes, each of which took ~45 ms of a token stream's time. Here, in the
