@@ -146,8 +146,13 @@ def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int]
     c = choices[0]
     prompt = c.get("prompt_token_ids") or event.get("prompt_token_ids")
     text = ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+    ids = c.get("token_ids") or []
+    # Token ids go back upstream as a continuation's prompt: anything but a list of ints breaks a leg later.
+    for what in (ids, prompt or []):
+        if not isinstance(what, list) or not all(type(t) is int for t in what):
+            raise UpstreamError(f"backend sent token ids that are not a list of integers: {str(what)[:200]}")
     return (
-        Delta(text, list(c.get("token_ids") or []), c.get("finish_reason"), c.get("stop_reason"), c.get("logprobs")),
+        Delta(text, list(ids), c.get("finish_reason"), c.get("stop_reason"), c.get("logprobs")),
         list(prompt) if prompt else None,
     )
 
@@ -272,9 +277,12 @@ class Flight:
                     if data == b"[DONE]":
                         return
                     try:
-                        yield json.loads(data.decode())  # as text: json.loads guesses the encoding of bytes
-                    except ValueError:
-                        raise UpstreamError(f"{backend.url} sent a malformed event: {data[:200]!r}") from None
+                        event = json.loads(data.decode())  # as text: json.loads guesses the encoding of bytes
+                    except (ValueError, RecursionError):
+                        event = None
+                    if not isinstance(event, dict):
+                        raise UpstreamError(f"{backend.url} sent a malformed event: {data[:200]!r}")
+                    yield event
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"{backend.url}: {type(exc).__name__}: {exc}") from exc
 
@@ -300,6 +308,9 @@ class Flight:
             raise
         except UpstreamError as exc:
             q.put_nowait(("error", exc))
+        except Exception as exc:  # an event of an unexpected shape: the leg failed, it must not hang its client
+            log.warning("router: %s: unreadable event from %s", self.id, backend.url, exc_info=True)
+            q.put_nowait(("error", UpstreamError(f"{backend.url} sent an event the router cannot read: {exc!r}")))
 
     def _start_leg(self, backend: Backend, why: str, q: asyncio.Queue[Any], space: asyncio.Semaphore) -> None:
         prefill = why == "prefill"
