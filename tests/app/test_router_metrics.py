@@ -35,3 +35,6 @@ def test_an_edge_belongs_to_its_bucket_and_lines_are_prometheus_text() -> None:
     ]
     assert h.quantile(0.5) == 0.1 + (1.0 - 0.1) * (2 - 1) / 2
     assert Histogram((0.1,)).quantile(0.5) is None
+    nan = Histogram((0.1, 1.0))
+    nan.observe(float("nan"))
+    assert nan.counts == [0, 0] and nan.count == 1

@@ -55,7 +55,9 @@ class Histogram:
 
     def observe(self, value: float) -> None:
         """Count one observation."""
-        self._hits[bisect.bisect_left(self.buckets, value)] += 1
+        # NaN belongs to no finite bucket (bisect would put it in the first): +Inf's alone, as Prometheus counts it.
+        i = bisect.bisect_left(self.buckets, value) if value == value else len(self.buckets)
+        self._hits[i] += 1
         self.total += value
         self.count += 1
 
