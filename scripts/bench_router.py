@@ -39,7 +39,6 @@ About 4 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import itertools
 import json
@@ -322,56 +321,36 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
     return out
 
 
-class Sink:
+def make_sink(work: Path) -> Any:
     """A destination on another machine, as the source sees it: takes each pushed chunk whole and says ``OK``.
 
-    It speaks the TCP channel's framing (``hurray_vllm.transport.tcp``) and
-    stores nothing, so that its work (reading into one reused buffer) takes
-    almost nothing from the cores the source's engine runs on.
+    A receiver of the TCP channel's frames (``ReceiverBase``, which accepts,
+    authenticates and serves connections) that stores nothing: its work
+    (reading into one reused buffer) takes almost nothing from the cores the
+    source's engine runs on. ``received`` counts the chunks it took.
     """
+    from hurray_vllm.chunks.store import DirectoryStore
+    from hurray_vllm.transport.base import U16, U64, ReceiverBase, recv_exact
+    from hurray_vllm.transport.tcp import MAGIC
 
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.chunks = 0
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+    class Sink(ReceiverBase):
+        transport = "sink"
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        def serve(self, conn: socket.socket) -> None:
+            buf = memoryview(bytearray(1 << 20))
+            while self.next_frame(conn, MAGIC):
+                for _ in range(2):  # namespace, key
+                    recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0])
+                (left,) = U64.unpack(recv_exact(conn, 8))
+                while left:
+                    n = conn.recv_into(buf, min(left, len(buf)))
+                    if not n:
+                        return
+                    left -= n
+                self.count(True)
+                conn.sendall(b"OK")
 
-    def _serve(self, conn: socket.socket) -> None:
-        from hurray_vllm.errors import HurrayFormatError
-        from hurray_vllm.transport.base import U16, U64, recv_exact
-        from hurray_vllm.transport.tcp import MAGIC
-
-        buf = memoryview(bytearray(1 << 20))
-        with conn:
-            try:
-                while recv_exact(conn, 4) == MAGIC:
-                    for _ in range(2):  # namespace, key
-                        recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0])
-                    (left,) = U64.unpack(recv_exact(conn, 8))
-                    while left:
-                        n = conn.recv_into(buf, min(left, len(buf)))
-                        if not n:
-                            return
-                        left -= n
-                    with self._lock:
-                        self.chunks += 1
-                    conn.sendall(b"OK")
-            except (OSError, HurrayFormatError):  # the sender closed the connection
-                return
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept(); close() alone does not
-        self.sock.close()
+    return Sink("127.0.0.1", 0, DirectoryStore(work / "sink")).start()
 
 
 def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
@@ -379,7 +358,7 @@ def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
     receiver = Proc("receiver", [sys.executable, "-m", "hurray_vllm.app.cli", "receive", "--listen",
                                  f"127.0.0.1:{recv_port}", "--dir", str(work / "received"), "-q"],
                     recv_port, work, {**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    sink = Sink()
+    sink = make_sink(work)
     name = str(model)
     out: dict[str, Any] = {}
     servers: dict[str, Proc] = {}
@@ -392,7 +371,7 @@ def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
         for label, extra in (
             ("off", {"hurray_path": str(work / "store-off")}),
             ("on", {"hurray_path": str(work / "store-on"), "hurray_url": f"tcp://127.0.0.1:{recv_port}"}),
-            ("sink", {"hurray_path": str(work / "store-sink"), "hurray_url": f"tcp://127.0.0.1:{sink.port}"}),
+            ("sink", {"hurray_path": str(work / "store-sink"), "hurray_url": f"tcp://127.0.0.1:{sink.address[1]}"}),
         ):
             servers[label] = vllm(work, f"push-{label}", model, extra)
         for s in servers.values():
@@ -417,14 +396,14 @@ def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
         out["ratio_sink_over_off"] = round(out["sink"]["tokens_per_s"] / out["off"]["tokens_per_s"], 3)
         out["goal_ge_0.95"] = out["ratio_on_over_off"] >= 0.95
         # A sink that took nothing (a keyed sender it cannot answer) measured no pushes at all.
-        out["goal_ge_0.95_destination_elsewhere"] = out["ratio_sink_over_off"] >= 0.95 and sink.chunks > 0
+        out["goal_ge_0.95_destination_elsewhere"] = out["ratio_sink_over_off"] >= 0.95 and sink.received > 0
         out["chunks_received"] = len(list((work / "received").rglob("*.hrry")))
-        out["chunks_taken_by_sink"] = sink.chunks
+        out["chunks_taken_by_sink"] = sink.received
     finally:
         for s in servers.values():
             s.stop()
         receiver.stop()
-        sink.close()
+        sink.stop()
     return out
 
 
