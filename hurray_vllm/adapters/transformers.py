@@ -18,6 +18,11 @@ head dimension or re-rotation is needed, only paging.
   snapshot layer: :func:`to_dynamic_cache` splits the latent, no
   decompression happens. :func:`expand_latent` decompresses it through the
   model's own ``kv_b_proj`` into per-head K/V for consumers that want them.
+  A snapshot's k_pe keeps each rotated pair of dims side by side, as vLLM
+  and FlashMLA hold it; transformers' DeepSeek-V3-style models
+  (``rope_interleave=True``, the published checkpoints) cache the pairs'
+  first elements, then their second ones. Both directions reorder it when
+  the model's config says so (``docs/format.md`` 2.3a).
 
 Only this module imports ``transformers``, and only when a function needs it.
 Tested with transformers 5.x (``DynamicCache.layers[i].keys``,
@@ -306,6 +311,34 @@ def _latent_parts(
     return dense[..., : lat.kv_lora_rank].contiguous(), dense[..., lat.kv_lora_rank :].contiguous()
 
 
+def _pairs_split(model_config: Any) -> bool:
+    """Whether an MLA model's attention caches k_pe with its rotary pairs split (``rope_interleave``).
+
+    DeepSeek's checkpoints lay each rotary pair out side by side. vLLM and
+    FlashMLA rotate them where they lie; transformers' DeepSeek-V3 and its
+    kin (``rope_interleave=True``, their default) gather every pair's first
+    element, then every second one, and rotate those halves: the same
+    values in another order, in its cache and in its queries alike.
+    DeepSeek-V2 in transformers rotates them where they lie.
+    """
+    return model_config is not None and bool(getattr(_text_config(model_config), "rope_interleave", False))
+
+
+def _split_pairs(k_pe: torch.Tensor) -> torch.Tensor:
+    """k_pe in the snapshot's order (pairs side by side) into a ``rope_interleave`` model's (firsts, then seconds)."""
+    if k_pe.shape[-1] % 2:
+        raise HurrayFormatError("latent.rope_dim", f"{k_pe.shape[-1]} rotary dims do not form pairs")
+    return torch.cat([k_pe[..., 0::2], k_pe[..., 1::2]], dim=-1)
+
+
+def _join_pairs(k_pe: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_split_pairs`: a ``rope_interleave`` model's k_pe in the snapshot's order."""
+    if k_pe.shape[-1] % 2:
+        raise HurrayFormatError("latent.rope_dim", f"{k_pe.shape[-1]} rotary dims do not form pairs")
+    half = k_pe.shape[-1] // 2
+    return torch.stack([k_pe[..., :half], k_pe[..., half:]], dim=-1).flatten(-2)
+
+
 def _mla_layers(model: Any) -> list[Any]:
     """The model's MLA attention modules (those with a ``kv_b_proj``), in layer order."""
     return [m for m in model.modules() if isinstance(getattr(m, "kv_b_proj", None), torch.nn.Module)]
@@ -332,7 +365,9 @@ def expand_latent(
 
     Returns:
         ``(keys [num_heads, n, qk_nope_head_dim + qk_rope_head_dim],
-        values [num_heads, n, v_head_dim])`` in the model's dtype and device.
+        values [num_heads, n, v_head_dim])`` in the model's dtype and device;
+        the keys' k_pe in the order the model rotates its queries in (pairs
+        split for ``rope_interleave`` models).
 
     Raises:
         HurrayFormatError: the snapshot holds keys and values, or the model
@@ -347,6 +382,8 @@ def expand_latent(
     device, dtype = _device_and_dtype(model)
     kv_nope, k_rot = (x.to(device) for x in sequence_kv(snapshot, seq, layer, dtype=dtype, length=length))
     cfg = model.config
+    if _pairs_split(cfg):
+        k_rot = _split_pairs(k_rot)  # the order this model's queries are rotated in
     nope, v_dim, heads = int(cfg.qk_nope_head_dim), int(cfg.v_head_dim), int(cfg.num_attention_heads)
     with torch.no_grad():
         kv = attn.kv_b_proj(kv_nope[0]).view(-1, heads, nope + v_dim).transpose(0, 1)  # [H, n, nope + v]
@@ -373,7 +410,8 @@ def to_dynamic_cache(
     forward pass over ``snapshot.token_ids[seq][:n]`` would have cached.
     For an MLA snapshot, what transformers' MLA layers cache: the
     normalized compressed KV ``[1, 1, n, kv_lora_rank]`` as keys and the
-    rotated k_pe ``[1, 1, n, rope_dim]`` as values.
+    rotated k_pe ``[1, 1, n, rope_dim]`` as values, its rotary pairs split
+    for a ``rope_interleave`` model (DeepSeek-V3 and kin; needs ``model_config``).
     fp8 pools are dequantized with ``snapshot.kv_scales``.
 
     Args:
@@ -409,8 +447,11 @@ def to_dynamic_cache(
     states = snapshot.states
     # A linear-attention hybrid's attention layers are the model layers its states leave.
     where = states.attention_layers(snapshot.num_layers) if states is not None else range(snapshot.num_layers)
+    split = snapshot.is_latent and _pairs_split(model_config)
     for i, layer in enumerate(where):
         k, v = sequence_kv(snapshot, seq, i, dtype=dtype, length=length)
+        if split:
+            v = _split_pairs(v)  # an MLA cache's "values" are its k_pe
         k, v = k.unsqueeze(0), v.unsqueeze(0)
         if device is not None:
             k, v = k.to(device), v.to(device)
@@ -713,11 +754,14 @@ def continue_generation(
 # ── transformers → snapshot ────────────────────────────────────────────────
 
 
-def _cache_layers(past_key_values: Any, latent: LatentSplit | None = None) -> list[tuple[torch.Tensor, ...]]:
+def _cache_layers(
+    past_key_values: Any, latent: LatentSplit | None = None, *, split_pairs: bool = False
+) -> list[tuple[torch.Tensor, ...]]:
     """Per layer ``(keys, values)``, each ``[batch, kv_heads, T, head_dim]``.
 
     With ``latent`` (an MLA model), per layer ``(fused,)``: the cached
-    compressed KV and k_pe joined into ``[batch, 1, T, kv_lora_rank + rope_dim]``.
+    compressed KV and k_pe joined into ``[batch, 1, T, kv_lora_rank + rope_dim]``;
+    ``split_pairs``: the cache holds k_pe with its rotary pairs split (:func:`_pairs_split`).
     """
     layers = getattr(past_key_values, "layers", None)
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -759,7 +803,7 @@ def _cache_layers(past_key_values: Any, latent: LatentSplit | None = None) -> li
     if not out:
         raise HurrayFormatError("past_key_values", "the cache holds no layers (was it used in a forward pass?)")
     if latent is not None:
-        return _fuse_latents(out, latent)
+        return _fuse_latents(out, latent, split_pairs=split_pairs)
     shape = tuple(out[0][0].shape)
     for i, (k, v) in enumerate(out):
         if k.dim() != 4 or tuple(k.shape) != shape or tuple(v.shape) != shape:
@@ -774,7 +818,7 @@ def _cache_layers(past_key_values: Any, latent: LatentSplit | None = None) -> li
 
 
 def _fuse_latents(
-    layers: list[tuple[torch.Tensor, torch.Tensor]], latent: LatentSplit
+    layers: list[tuple[torch.Tensor, torch.Tensor]], latent: LatentSplit, *, split_pairs: bool = False
 ) -> list[tuple[torch.Tensor, ...]]:
     """An MLA cache's layers as one ``[batch, 1, T, rank + rope]`` latent each (the engine's order)."""
     first = layers[0][0]
@@ -788,7 +832,7 @@ def _fuse_latents(
                 f"layer {i} holds {tuple(c.shape)} and {tuple(pe.shape)}; an MLA cache holds the compressed KV "
                 f"{want_c} and the rotated k_pe {want_pe} of one dtype",
             )
-        out.append((torch.cat([c, pe], dim=-1),))
+        out.append((torch.cat([c, _join_pairs(pe) if split_pairs else pe], dim=-1),))
     return out
 
 
@@ -871,7 +915,9 @@ def from_transformers(
         fingerprint: the model's fingerprint (see :func:`fingerprint_from_config`);
             checked against the cache's geometry and dtype.
         model_config: alternatively, the model's ``PretrainedConfig``; the
-            fingerprint is then derived from it.
+            fingerprint is then derived from it. An MLA model's cache needs
+            it (its latent split, and a ``rope_interleave`` model's k_pe
+            order, which is put back into the engine's).
         dtype: the pools' storage dtype (default: the cache's). fp8 is refused
             (it would need scales).
         seq_lens: for a right-padded batch, each sequence's token count
@@ -897,7 +943,7 @@ def from_transformers(
     if page_size < 1:
         raise HurrayFormatError("page_size", f"page_size must be positive, not {page_size}")
     latent = config_geometry(model_config).latent if model_config is not None else None
-    layers = _cache_layers(past_key_values, latent)
+    layers = _cache_layers(past_key_values, latent, split_pairs=latent is not None and _pairs_split(model_config))
     batch, heads, total, head_dim = (int(x) for x in layers[0][0].shape)
     storage = dtype or layers[0][0].dtype
     if not storage.is_floating_point or storage.itemsize == 1:

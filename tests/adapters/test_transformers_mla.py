@@ -103,3 +103,65 @@ def test_latents_and_key_values_do_not_mix(mla_model: Any, hf_model: Any) -> Non
         latent.layers()
     with pytest.raises(hv.HurrayFormatError, match="MLA cache holds"):
         tfa.from_transformers(llama, [PROMPT], model_config=mla_model.config)
+
+
+@pytest.fixture(scope="module")
+def v3_pair(mla_model: Any) -> tuple[Any, Any]:
+    """The tiny DeepSeek-V2 above and a DeepSeek-V3 with its very weights (``rope_interleave=True``, V3's default).
+
+    The two compute the same attention: V2 rotates each pair of k_pe's dims
+    where it lies, as vLLM and FlashMLA do, and caches it so (the snapshot's
+    order, held against vLLM in tests/adapters/vllm/test_mla.py); V3 caches
+    every pair's first element, then every second one.
+    """
+    tr = require("transformers")
+    v3 = tr.DeepseekV3ForCausalLM(tr.DeepseekV3Config(**mla_model.config.to_diff_dict())).eval()
+    assert v3.config.rope_interleave
+    v3.load_state_dict(mla_model.state_dict(), strict=True)
+    return mla_model, v3
+
+
+def _as_v3(snap: hv.KVSnapshot, v3: Any) -> hv.KVSnapshot:
+    """``snap`` labelled as a DeepSeek-V3 snapshot (as an engine serving the V3 checkpoint would export it)."""
+    import dataclasses
+
+    fp = tfa.fingerprint_from_config(v3.config, dtype=torch.float32)
+    return dataclasses.replace(snap, fingerprint=fp, latent=tfa.config_geometry(v3.config).latent)
+
+
+def test_a_v3_models_k_pe_is_reordered_both_ways(v3_pair: tuple[Any, Any]) -> None:
+    v2, v3 = v3_pair
+    pkv2, first = _prefill(v2, PROMPT)
+    pkv3, first3 = _prefill(v3, PROMPT)
+    assert first3 == first
+    rope = v2.config.qk_rope_head_dim
+    # Without the reordering the caches differ: the test below means something.
+    assert not torch.allclose(pkv2.layers[0].values, pkv3.layers[0].values, atol=1e-3)
+    engine = tfa.from_transformers(pkv2, [[*PROMPT, first]], model_config=v2.config, page_size=8)
+    ours = tfa.from_transformers(pkv3, [[*PROMPT, first]], model_config=v3.config, page_size=8)
+    for i in range(v3.config.num_hidden_layers):
+        torch.testing.assert_close(ours[i, "fused"].page_pool, engine[i, "fused"].page_pool, rtol=0, atol=1e-5)
+    # V2 and V3 round differently (their norms and rotations are other code): close, not equal.
+    cache = tfa.to_dynamic_cache(_as_v3(engine, v3), 0, model_config=v3.config)
+    back = tfa.to_dynamic_cache(ours, 0, model_config=v3.config)  # the reordering itself is exact
+    for i, layer in enumerate(pkv3.layers):
+        assert cache.layers[i].values.shape[-1] == rope
+        torch.testing.assert_close(cache.layers[i].keys, layer.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(cache.layers[i].values, layer.values, rtol=0, atol=1e-5)
+        assert torch.equal(back.layers[i].keys, layer.keys) and torch.equal(back.layers[i].values, layer.values)
+
+
+def test_a_v3_model_continues_an_engine_order_snapshot(v3_pair: tuple[Any, Any]) -> None:
+    v2, v3 = v3_pair
+    pkv, first = _prefill(v2, PROMPT)
+    snap = _as_v3(tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=v2.config, page_size=8), v3)
+    unmoved = v3.generate(torch.tensor([PROMPT]), max_new_tokens=9, do_sample=False)[0, len(PROMPT) :].tolist()
+    assert [first, *tfa.continue_generation(v3, snap, 0, 8)] == unmoved
+    for i in range(v3.config.num_hidden_layers):
+        attn = v3.model.layers[i].self_attn
+        with torch.no_grad():
+            own = v3(torch.tensor([PROMPT]), use_cache=True).past_key_values.layers[i]
+            k_ref, v_ref = attn.expand_kv(own.keys, own.values)
+        k, v = tfa.expand_latent(v3, snap, 0, i)  # V2's arithmetic against V3's: close
+        torch.testing.assert_close(k, k_ref[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(v, v_ref[0], rtol=0, atol=1e-5)
