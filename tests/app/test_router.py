@@ -194,14 +194,26 @@ def test_a_stream_migrated_mid_decode_equals_the_unmoved_run(fleet: dict[str, An
     legs = _last(fleet)["legs"]
     assert [leg["backend"] for leg in legs] == [answer["source"], answer["dest"]]
     moved_at = legs[1]["start_token"]
-    # The destination computed only the tail: every whole chunk of prompt + generated tokens (but the last
-    # token) was loaded, including chunks the source completed with generated tokens while it decoded. (It
-    # may hold a few blocks more: the warm-up before the switch left them in its prefix cache.)
+    # The KV moved: the destination's first warm-up (before it had computed anything of this request)
+    # loaded every whole chunk of prompt + generated tokens but the last token, including chunks the
+    # source completed with generated tokens while it decoded.
+    _assert_warmup_loaded(legs[1])
+    # The destination computed only the tail at the switch (the warm-ups left the rest in its prefix cache).
     assert legs[1]["cached_tokens"] >= (300 + moved_at - 1) // CHUNK * CHUNK >= 320
     assert got["usage"]["prompt_tokens"] == 300 and got["usage"]["completion_tokens"] == MAX_TOKENS
     metrics = _post_metrics(fleet)
     assert 'hurray_router_migrations_total{result="ok"} 1' in metrics
     assert "hurray_router_migration_pause_seconds_count 1" in metrics
+
+
+def _assert_warmup_loaded(leg: dict[str, Any], at_least: int = 320) -> None:
+    """The move's first warm-up on ``leg``'s backend was served from moved KV: every whole chunk but the last token.
+
+    The leg's own ``cached_tokens`` cannot show it: the warm-ups left the
+    context in the destination's prefix cache, moved or recomputed.
+    """
+    first = leg["warmups"][0]
+    assert first["cached_tokens"] >= (first["tokens"] - 1) // CHUNK * CHUNK >= at_least, leg
 
 
 def _post_metrics(fleet: dict[str, Any]) -> str:
@@ -268,6 +280,7 @@ def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str
                 at = legs[1]["start_token"]
                 assert legs[1]["why"] == "drained"
                 assert legs[1]["cached_tokens"] >= (len(PROMPTS[n]) + at - 1) // 64 * 64
+                _assert_warmup_loaded(legs[1], at_least=len(PROMPTS[n]) // CHUNK * CHUNK)
                 wrong = _resent(tokens, at, logits)  # the companion: a stream that resent a token is refused
                 assert not agreement(_recompute(hf, PROMPTS[n], wrong), wrong).ok, n
     finally:  # a drained backend left behind would starve the tests after this one

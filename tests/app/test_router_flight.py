@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from hurray_vllm.app.router.backends import Backend
-from hurray_vllm.app.router.flight import Flight, UpstreamError, _upstream_delta
+from hurray_vllm.app.router.flight import Flight, UpstreamError, _cached_tokens, _upstream_delta
 from hurray_vllm.app.router.server import Router, RouterConfig
 
 
@@ -51,3 +51,20 @@ def test_token_ids_must_be_integers() -> None:
         _upstream_delta({"choices": [{"text": "", "token_ids": [1, "2"]}]}, chat=False)
     delta, prompt = _upstream_delta({"choices": [{"text": "", "token_ids": [1, 2], "prompt_token_ids": [3]}]}, False)
     assert delta.token_ids == [1, 2] and prompt == [3]
+
+
+@pytest.mark.parametrize(
+    ("answer", "cached"),
+    [
+        (b'{"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}', 8),
+        (b'{"usage": {"prompt_tokens": 9, "prompt_tokens_details": null}}', None),  # no --enable-prompt-tokens-details
+        (b'{"usage": {"prompt_tokens_details": {"cached_tokens": true}}}', None),
+        (b'{"usage": {"prompt_tokens_details": {"cached_tokens": "8"}}}', None),
+        (b'{"usage": []}', None),
+        (b"[1, 2]", None),
+        (b"not json", None),
+        (b"\xff\xfe", None),
+    ],
+)
+def test_a_warm_ups_cached_tokens_are_read_from_any_answer(answer: bytes, cached: int | None) -> None:
+    assert _cached_tokens(answer) == cached

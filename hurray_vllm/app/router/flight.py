@@ -96,6 +96,10 @@ class Leg:
     why: str  # "routed", "prefill", "decode", "migrated", "drained", "failover", "resumed"
     start_token: int  # how many tokens had been generated when it started
     cached_tokens: int | None = None  # prompt tokens the backend did not compute (its usage, when it finished)
+    # A move's warm-ups on this backend before the leg: per warm-up the context it was sent ("tokens") and
+    # the part the backend did not compute ("cached_tokens", None if it did not say). The first one's is
+    # what the KV movement brought: the leg's own cached_tokens also count what the warm-ups computed.
+    warmups: list[dict[str, int | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -157,6 +161,19 @@ def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int]
     )
 
 
+def _cached_tokens(answer: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a completion's JSON answer; None if it has none.
+
+    vLLM reports it with ``--enable-prompt-tokens-details``: the prompt
+    tokens it did not compute (its prefix cache and what the connector loaded).
+    """
+    try:
+        n = json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 def movable(kind: str, body: dict[str, Any]) -> str | None:
     """Why a request cannot change backends mid-stream (``None``: it can); the server relays such requests as is."""
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
@@ -203,6 +220,8 @@ class Flight:
         self._keys = prompt_keys(body, router.config.chunk_tokens)
         self._interrupt: _Interrupt | None = None
         self._moving = False  # a move's destination has not sent its first token yet
+        # The coming move's destination and warm-ups there, for the leg it starts (Leg.warmups).
+        self._warmups: tuple[Backend | None, list[dict[str, int | None]]] = (None, [])
         self._reader: asyncio.Task[None] | None = None
         self._last_token_at = 0.0
         self._failovers = 0
@@ -322,7 +341,9 @@ class Flight:
         if not self.legs:
             self.router.metrics.routed(backend.url)
             backend.remember(self._keys)
-        self.legs.append(Leg(backend.url, why, len(self.generated)))
+        warmed, self._warmups = self._warmups, (None, [])
+        # A move that failed resumes on its source: the destination's warm-ups are not that leg's.
+        self.legs.append(Leg(backend.url, why, len(self.generated), warmups=warmed[1] if warmed[0] is backend else []))
         self._reader = asyncio.create_task(self._read(backend, path, body, q, space), name=f"leg {self.id}")
 
     # ── control: called from other requests' handlers ───────────────────────
@@ -344,6 +365,7 @@ class Flight:
         if self.prompt_ids is None or self._reader is None or not self.legs:
             raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
         self._moving = True  # until the destination's first token (or the move's failure)
+        self._warmups = (to, [])
         try:
             # Warm up again while a warm-up took long enough for the source to generate more than a few
             # tokens (a long context): what the destination must catch up on at the switch stays small.
@@ -389,13 +411,17 @@ class Flight:
         if self.model is not None:
             body["model"] = self.model
         limit = aiohttp.ClientTimeout(total=timeout)
+        cached: int | None = None
         try:
             async with self.router.client.post(to.base + "/v1/completions", json=body, timeout=limit) as r:
-                await r.read()
+                data = await r.read()
                 if r.status != 200:
                     log.warning("router: warming %s up for %s answered %d", to.url, self.id, r.status)
+                else:
+                    cached = _cached_tokens(data)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("router: warming %s up for %s failed: %s", to.url, self.id, exc)
+        self._warmups[1].append({"tokens": len(ids), "cached_tokens": cached})
 
     def fail_over(self) -> None:
         """Its backend was found dead (health checks): continue elsewhere now, not at the next read."""
