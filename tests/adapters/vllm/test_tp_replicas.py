@@ -1,0 +1,180 @@
+"""GQA with fewer KV heads than tensor-parallel ranks, synthetically (issue 19).
+
+The tiny CPU models run at TP = 2 with one KV head per rank; vLLM replicates
+heads only when ``num_kv_heads < TP`` (2 heads at TP = 4: ranks 0 and 1 hold
+head 0, ranks 2 and 3 head 1). Here the connector's worker is driven without
+an engine: which ranks save (one per distinct head), and which file and
+heads each rank of any TP degree loads from chunks stored at any other, down
+to the bytes written into each rank's cache.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import require
+
+import hurray_vllm as hv
+from hurray_vllm.chunks.keys import chunks_of, namespace_of, slice_key
+from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+from hurray_vllm.kv.heads import select_heads
+from hurray_vllm.kv.snapshot import HeadRange
+
+HEADS, DIM, PAGE, CHUNK = 2, 16, 4, 8
+
+
+@pytest.fixture(scope="module")
+def worker_mod() -> ModuleType:
+    require("vllm")
+    import hurray_vllm.adapters.vllm.connector.worker as w
+
+    return w
+
+
+def _vllm_config(tp: int, kv_heads: int = HEADS, mla: bool = False) -> SimpleNamespace:
+    hf = SimpleNamespace(kv_lora_rank=16, qk_rope_head_dim=8, model_type="deepseek_v2")
+    model = SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads, use_mla=mla, hf_config=hf, hf_text_config=hf)
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp), model_config=model)
+
+
+def _fingerprint(kv_heads: int = HEADS) -> hv.ModelFingerprint:
+    return hv.ModelFingerprint("LlamaForCausalLM", 2, kv_heads, DIM, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "tp", "mla", "want"),
+    [
+        (2, 4, False, [((0, 1), True), ((0, 1), False), ((1, 2), True), ((1, 2), False)]),  # replicas
+        (2, 2, False, [((0, 1), True), ((1, 2), True)]),
+        (8, 4, False, [((0, 2), True), ((2, 4), True), ((4, 6), True), ((6, 8), True)]),
+        (1, 2, False, [(None, True), (None, False)]),  # one KV head (MQA) on every rank: saved once, whole
+        (1, 4, True, [(None, True), (None, False), (None, False), (None, False)]),  # an MLA latent: the same
+    ],
+)
+def test_one_rank_per_distinct_head_range_saves(
+    worker_mod: ModuleType, monkeypatch: pytest.MonkeyPatch, kv_heads: int, tp: int, mla: bool, want: list[Any]
+) -> None:
+    import vllm.distributed as dist
+
+    got = []
+    for rank in range(tp):
+        monkeypatch.setattr(dist, "get_tensor_model_parallel_rank", lambda rank=rank: rank)
+        heads, saves = worker_mod._rank_share(_vllm_config(tp, kv_heads, mla), _fingerprint(kv_heads))
+        got.append(((heads.start, heads.stop) if heads is not None else None, saves))
+        if heads is not None:
+            assert heads.total == kv_heads
+    assert got == want
+
+
+def _snapshot() -> hv.KVSnapshot:
+    """One sequence of 2 chunks (16 tokens), 2 layers of 2 KV heads, every value telling its head apart."""
+    n = 2 * CHUNK
+    gen = torch.Generator().manual_seed(0)
+    table, ptr, lens = torch.arange(n // PAGE), torch.tensor([0, n // PAGE]), torch.tensor([n])
+
+    def pool() -> torch.Tensor:
+        return torch.randn((n // PAGE, PAGE, HEADS, DIM), generator=gen).to(torch.bfloat16)
+
+    return hv.KVSnapshot(
+        keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
+        values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
+        token_ids=(tuple(range(100, 100 + n + 1)),),
+        fingerprint=_fingerprint(),
+        source=hv.SnapshotSource("vllm", "test", PAGE),
+        request_ids=("r",),
+    )
+
+
+def _store(tmp_path: Any, producer_tp: int) -> tuple[DirectoryStore, str, list[str], hv.KVSnapshot]:
+    """The snapshot's chunks as a producer at ``producer_tp`` stores them: whole, or one slice per distinct rank."""
+    snap = _snapshot()
+    store = DirectoryStore(tmp_path / f"tp{producer_tp}")
+    if producer_tp == 1:
+        store_snapshot(store, snap, CHUNK)
+    else:
+        from hurray_vllm.kv.heads import distinct_ranks, rank_heads
+
+        for r in distinct_ranks(HEADS, producer_tp):
+            store_snapshot(store, select_heads(snap, rank_heads(HEADS, producer_tp, r)), CHUNK)
+    assert snap.fingerprint is not None
+    keys = [k for k, _ in chunks_of(snap, CHUNK)]
+    return store, namespace_of(snap.fingerprint), keys, snap
+
+
+def _worker(worker_mod: ModuleType, store: DirectoryStore, ns: str, mine: HeadRange | None) -> Any:
+    """A consumer's worker for one rank (``mine``: its KV heads) over a CPU cache of its heads, 8 blocks."""
+    from hurray_vllm.adapters.vllm.cache import EngineCache
+    from hurray_vllm.adapters.vllm.connector.metadata import ConnectorStats
+    from hurray_vllm.adapters.vllm.layouts import CpuPacked
+
+    h = mine.count if mine is not None else HEADS
+    layout = CpuPacked("vec", DIM)
+    ec = EngineCache(
+        caches=[torch.zeros((8, h, PAGE, 2 * DIM), dtype=torch.bfloat16) for _ in range(2)],
+        layer_names=["l0", "l1"],
+        layout=layout,
+        layout_name=layout.name,
+        storage_dtype=torch.bfloat16,
+        model_dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        kv_scales=None,
+        fingerprint=_fingerprint(),
+        block_size=PAGE,
+        engine="vllm test",
+        isa="vec",
+    )
+    w = object.__new__(worker_mod.HurrayWorker)
+    w._store, w._ns, w._fingerprint, w._keys = store, ns, _fingerprint(), None
+    w._chunk, w._block_size, w._my_heads = CHUNK, PAGE, mine
+    w._verified_cap, w._verified_bytes = 64, 1 << 30
+    w._layer_groups, w._windows, w._load_errors = {}, (), set()
+    w.stats = ConnectorStats()
+    w._ec = ec
+    return w
+
+
+@pytest.mark.parametrize("producer_tp", [1, 2, 4])
+@pytest.mark.parametrize("consumer_tp", [1, 2, 4])
+def test_every_rank_loads_its_heads_from_chunks_stored_at_any_tp(
+    worker_mod: ModuleType, tmp_path: Any, producer_tp: int, consumer_tp: int
+) -> None:
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
+    from hurray_vllm.kv.heads import rank_heads
+
+    store, ns, keys, snap = _store(tmp_path, producer_tp)
+    parts = [store.parts(ns, k, HEADS) for k in keys]
+    assert all(p is not None for p in parts)
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
+    if producer_tp > 1:  # 2 KV heads: at TP 2 and 4 alike, one slice per head, named for it
+        assert [v[0] for v in verified[0]] == [slice_key(keys[0], range(0, 1)), slice_key(keys[0], range(1, 2))]
+    blocks = [5, 2, 7, 1]  # two chunks of two blocks each, anywhere in the cache
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    for rank in range(consumer_tp):
+        heads = rank_heads(HEADS, consumer_tp, rank)
+        mine = HeadRange(heads.start, heads.stop, HEADS) if len(heads) < HEADS else None
+        w = _worker(worker_mod, store, ns, mine)
+        task = LoadTask("r", keys, tokens, blocks, verified)
+        w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
+        assert not w.get_block_ids_with_load_errors() and w.stats.chunks_loaded == 2
+        ec = w._ec
+        for layer in range(2):
+            k, v = ec.layout.gather(ec.caches[layer], torch.tensor(blocks))  # [4, PAGE, h, DIM]
+            want = [t.page_pool[:, :, heads.start : heads.stop] for t in snap.layer(layer)]
+            assert torch.equal(k, want[0]) and torch.equal(v, want[1]), (producer_tp, consumer_tp, rank, layer)
+
+
+def test_a_rank_whose_heads_no_stored_file_holds_refuses_the_load(worker_mod: ModuleType, tmp_path: Any) -> None:
+    """Only head 0's slice of a chunk is named in the load: rank 1 of 2 finds nothing for head 1."""
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
+
+    store, ns, keys, snap = _store(tmp_path, 2)
+    parts = [store.parts(ns, k, HEADS) for k in keys]
+    only_first = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps[:1]] for ps in parts if ps]
+    w = _worker(worker_mod, store, ns, HeadRange(1, 2, HEADS))
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    w.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, [5, 2, 7, 1], only_first)]))
+    assert w.get_block_ids_with_load_errors() == {5, 2, 7, 1}
+    assert not w._ec.caches[0].any()  # nothing written
