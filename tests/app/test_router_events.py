@@ -23,6 +23,7 @@ def _reference(f: Any, d: Delta, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": d.text}
         if first:
             delta["role"] = "assistant"
+        delta.update(d.extra or {})
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": d.logprobs, "finish_reason": d.finish_reason}
         obj = "chat.completion.chunk"
     else:
@@ -58,6 +59,12 @@ logprobs = st.none() | st.dictionaries(st.text(max_size=6), st.lists(json_leaf, 
     stop=st.none() | st.integers(0, 1 << 20) | any_text,
     ids=st.lists(st.integers(0, 1 << 31), max_size=4),
     prompt=st.none() | st.lists(st.integers(0, 1 << 20), max_size=6),
+    extra=st.none()
+    | st.dictionaries(
+        st.sampled_from(["reasoning_content", "reasoning", "tool_calls"]) | any_text,
+        json_leaf | st.lists(st.dictionaries(any_text, json_leaf, max_size=2), max_size=2),
+        max_size=3,
+    ),
 )
 def test_each_event_is_the_bytes_json_dumps_gives(
     kind: str,
@@ -70,9 +77,11 @@ def test_each_event_is_the_bytes_json_dumps_gives(
     stop: Any,
     ids: list[int],
     prompt: Any,
+    extra: Any,
 ) -> None:
     body = {} if asked is None else {"return_token_ids": asked}
     f = SimpleNamespace(kind=kind, body=body, id="cmpl-hurray-ab12", created=1733370000, model=model, prompt_ids=prompt)
-    d = Delta(text, ids, finish, stop, lp)
+    extra = {k: v for k, v in (extra or {}).items() if k not in ("content", "role")} if kind == "chat" else None
+    d = Delta(text, ids, finish, stop, lp, extra=extra)
     expected = f"data: {json.dumps(_reference(f, d, first))}\n\n".encode()
     assert _event(f, d, first, _event_head(f)) == expected  # type: ignore[arg-type]

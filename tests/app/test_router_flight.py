@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from hurray_vllm.app.router.backends import Backend
-from hurray_vllm.app.router.flight import Flight, UpstreamError, _cached_tokens, _upstream_delta
+from hurray_vllm.app.router.flight import (
+    PARSED,
+    Flight,
+    RouterError,
+    UpstreamError,
+    _cached_tokens,
+    _upstream_delta,
+    movable,
+)
 from hurray_vllm.app.router.server import Router, RouterConfig
 
 
@@ -68,3 +76,54 @@ def test_token_ids_must_be_integers() -> None:
 )
 def test_a_warm_ups_cached_tokens_are_read_from_any_answer(answer: bytes, cached: int | None) -> None:
     assert _cached_tokens(answer) == cached
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "why"),
+    [
+        ("completion", {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+        ("completion", {"guided_regex": "[a-z]+"}, "guided_regex"),
+        ("completion", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ("chat", {"tools": [{"type": "function"}]}, "tools"),
+        ("chat", {"response_format": {"type": "text"}}, None),  # plain text: nothing to restart
+        ("completion", {"guided_json": None, "temperature": 0}, None),
+    ],
+)
+def test_structured_output_is_not_moved(kind: str, body: dict[str, Any], why: str | None) -> None:
+    """A continuation is a new request: a grammar or schema would start over in the middle of the output."""
+    got = movable(kind, {"model": "m", "messages" if kind == "chat" else "prompt": [1], **body})
+    assert (got is None) if why is None else (got is not None and why in got)
+
+
+def test_a_chat_backends_reasoning_is_passed_on_and_pins_the_request() -> None:
+    """Fields a reasoning or tool parser splits out reach the client; such a stream can then no longer move."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    f = Flight(router, "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    backend = Backend("http://127.0.0.1:9")
+    events = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}, "token_ids": [], "prompt_token_ids": [1, 2]}]},
+        {"choices": [{"delta": {"content": "a"}, "token_ids": [5]}]},
+        {"choices": [{"delta": {"reasoning_content": "hm", "tool_calls": None}, "token_ids": [6]}]},
+    ]
+
+    async def upstream(*_: Any) -> AsyncIterator[Any]:
+        for e in events:
+            yield e
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[tuple[str, Any]]:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        await asyncio.wait_for(f._read(backend, "/v1/chat/completions", {}, q, asyncio.Semaphore(8)), 5)
+        return [q.get_nowait() for _ in range(q.qsize())]
+
+    got = [d for kind, d in asyncio.run(run()) if kind == "delta"]
+    assert [d.extra for d in got] == [None, None, {"reasoning_content": "hm", "tool_calls": None}]
+    assert f.unmovable == PARSED
+    with pytest.raises(RouterError, match="parses reasoning") as exc:
+        asyncio.run(f.migrate(backend))
+    assert exc.value.status == 409
+    with pytest.raises(UpstreamError, match="not an object"):
+        _upstream_delta({"choices": [{"delta": ["x"]}]}, chat=True)

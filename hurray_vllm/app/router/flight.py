@@ -85,6 +85,9 @@ class Delta:
     stop_reason: Any = None
     logprobs: Any = None
     usage: dict[str, Any] | None = None  # the leg's usage chunk (no choice)
+    # A chat delta's fields besides content and role, passed on as they came: the reasoning or tool calls
+    # a backend's parsers split out of the text (``reasoning_content``, ``tool_calls``...).
+    extra: dict[str, Any] | None = None
     received: float = 0.0  # time.perf_counter() when the router read it (its latency through the router)
 
 
@@ -149,14 +152,23 @@ def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int]
         return Delta(usage=event.get("usage")), None
     c = choices[0]
     prompt = c.get("prompt_token_ids") or event.get("prompt_token_ids")
-    text = ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+    extra = None
+    if chat:
+        message = c.get("delta") or {}
+        if not isinstance(message, dict):
+            raise UpstreamError(f"backend sent a chat delta that is not an object: {str(message)[:200]}")
+        text = message.get("content") or ""
+        if not message.keys() <= _PLAIN_DELTA:
+            extra = {k: v for k, v in message.items() if k not in _PLAIN_DELTA}
+    else:
+        text = c.get("text") or ""
     ids = c.get("token_ids") or []
     # Token ids go back upstream as a continuation's prompt: anything but a list of ints breaks a leg later.
     for what in (ids, prompt or []):
         if not isinstance(what, list) or not all(type(t) is int for t in what):
             raise UpstreamError(f"backend sent token ids that are not a list of integers: {str(what)[:200]}")
     return (
-        Delta(text, list(ids), c.get("finish_reason"), c.get("stop_reason"), c.get("logprobs")),
+        Delta(text, list(ids), c.get("finish_reason"), c.get("stop_reason"), c.get("logprobs"), extra=extra),
         list(prompt) if prompt else None,
     )
 
@@ -174,10 +186,34 @@ def _cached_tokens(answer: bytes) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
+#: The chat delta fields the router writes itself; any other is passed on (:attr:`Delta.extra`).
+_PLAIN_DELTA = frozenset({"content", "role"})
+#: Request fields that constrain what is generated with a grammar or schema (vLLM's structured outputs).
+_STRUCTURED = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "response_format",
+)
+#: Why a flight whose backend splits reasoning or tool calls out of the text can no longer move.
+PARSED = "its backend parses reasoning or tool calls out of the text (a continuation is a plain completion)"
+
+
 def movable(kind: str, body: dict[str, Any]) -> str | None:
-    """Why a request cannot change backends mid-stream (``None``: it can); the server relays such requests as is."""
+    """Why a request cannot change backends mid-stream (``None``: it can); the server relays such requests as is.
+
+    A chat request whose backend turns out to split reasoning or tool calls
+    out of its text becomes unmovable at its first such delta (:data:`PARSED`).
+    """
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n > 1 or best_of > 1: several sequences"
+    for name in _STRUCTURED:
+        rf = body.get(name)
+        if rf is not None and not (name == "response_format" and isinstance(rf, dict) and rf.get("type") == "text"):
+            # The continuation would start the grammar over in the middle of the output.
+            return f"structured output ({name}): a continuation would restart its grammar"
     if kind == "completion":
         p = body.get("prompt")
         if isinstance(p, list) and p and not isinstance(p[0], int):
@@ -186,8 +222,8 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
             return "echo"
         if body.get("suffix"):
             return "suffix"
-    elif body.get("logprobs") or body.get("tools") or body.get("response_format"):
-        return "chat logprobs, tools or a response format (a continuation is a plain completion)"
+    elif body.get("logprobs") or body.get("tools"):
+        return "chat logprobs or tools (a continuation is a plain completion)"
     return None
 
 
@@ -315,6 +351,8 @@ class Flight:
                 await space.acquire()
                 delta, prompt = _upstream_delta(event, chat)
                 delta.received = time.perf_counter()
+                if delta.extra and any(v for v in delta.extra.values()) and self.unmovable is None:
+                    self.unmovable = PARSED  # its text and the parser's state would part at a move
                 if prompt is not None and self.prompt_ids is None:
                     self.prompt_ids = prompt
                 if delta.token_ids:

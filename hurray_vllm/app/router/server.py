@@ -235,7 +235,13 @@ def _event(f: Flight, d: Delta, first: bool, head: str) -> bytes:
     """
     chat = f.kind == "chat"
     if chat:
-        parts = ['"delta": {"content": ', _json(d.text), ', "role": "assistant"}' if first else "}"]
+        parts = ['"delta": {"content": ', _json(d.text)]
+        if first:
+            parts.append(', "role": "assistant"')
+        if d.extra:  # what the backend's reasoning or tool parser split out, as it came
+            for k, v in d.extra.items():
+                parts += [", ", _json_str(k), ": ", _json(v)]
+        parts.append("}")
     else:
         parts = ['"text": ', _json(d.text)]
     parts += [', "logprobs": ', _json(d.logprobs), ', "finish_reason": ', _json(d.finish_reason)]
