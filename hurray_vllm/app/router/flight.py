@@ -378,7 +378,9 @@ class Flight:
         backend.in_flight += 1
         if not self.legs:
             self.router.metrics.routed(backend.url)
-            backend.remember(self._keys)
+        # Every leg's backend ends up holding the prompt's KV (computed, loaded or moved there): a later
+        # request with the same prefix is best sent there too, also after a move, a failover or a P/D split.
+        backend.remember(self._keys)
         warmed, self._warmups = self._warmups, (None, [])
         # A move that failed resumes on its source: the destination's warm-ups are not that leg's.
         self.legs.append(Leg(backend.url, why, len(self.generated), warmups=warmed[1] if warmed[0] is backend else []))

@@ -1,0 +1,63 @@
+"""KV-aware routing: the backend that was sent the longest prefix of a prompt, else the least loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from hurray_vllm.app.router.backends import Backends
+from hurray_vllm.app.router.server import Router, RouterConfig
+
+A, B, C = "http://a:1", "http://b:2", "http://c:3"
+
+
+def test_the_longest_prefix_sent_before_wins_then_the_least_loaded() -> None:
+    bs = Backends([A, B, C])
+    a, b, c = (bs.all[u] for u in (A, B, C))
+    keys = ["k0", "k1", "k2"]
+    a.remember(keys[:1])
+    b.remember(keys[:2])
+    c.remember(["k1", "k2"])  # not a prefix: counts nothing
+    assert bs.pick(keys) is b
+    assert bs.pick(keys, avoid=b) is a
+    b.draining = True
+    assert bs.pick(keys) is a
+    b.draining, a.healthy = False, False
+    assert bs.pick(keys) is b
+    a.healthy = True
+    b.in_flight, c.in_flight, a.in_flight = 1, 0, 3
+    assert bs.pick(["other"]) is c  # nothing held anywhere: the least loaded
+    a.remember(keys)
+    assert bs.pick(keys) is a  # a longer prefix beats a lighter load
+
+
+def test_prefill_backends_are_picked_apart() -> None:
+    bs = Backends([A], prefill=[B])
+    assert bs.has_prefill
+    assert bs.pick(["k"], prefill=True) is bs.all[B] and bs.pick(["k"]) is bs.all[A]
+
+
+@pytest.mark.parametrize("why", ["migrated", "failover", "decode"])
+def test_every_leg_remembers_the_prompt_where_it_runs(why: str) -> None:
+    """After a move or a failover the prompt's KV is on the new backend: the next request with it goes there."""
+    import asyncio
+
+    from hurray_vllm.app.router.flight import Flight
+
+    router = Router(RouterConfig(backends=(A, B)))
+    f = Flight(router, "completion", {"model": "m", "prompt": list(range(600)), "max_tokens": 4})
+    assert f.keys  # 600 tokens: whole chunks of the default 256
+
+    async def run() -> None:
+        async def never(*_: object) -> None:
+            await asyncio.sleep(3600)
+
+        f._read = never  # type: ignore[assignment,method-assign]
+        q: asyncio.Queue[object] = asyncio.Queue()
+        f._start_leg(router.backends.all[A], "routed", q, asyncio.Semaphore(1))
+        f._start_leg(router.backends.all[B], why, q, asyncio.Semaphore(1))
+        assert f._reader is not None
+        f._reader.cancel()
+
+    asyncio.run(run())
+    assert router.backends.all[B].held(f.keys) == len(f.keys)
+    assert router.backends.pick(f.keys, avoid=router.backends.all[A]) is router.backends.all[B]
