@@ -5,7 +5,8 @@ Usage: python tp_engine_run.py MODEL_DIR OUT_DIR TP
 At TP = 2 the workers are processes of their own (vLLM's ``mp`` executor,
 one core each: ``VLLM_CPU_OMP_THREADS_BIND="0|1"``, set by the caller); the
 engine core stays in this process, so that ``snapshot()`` can reach the
-scheduler. Writes ``snap.hrry`` after the prefill and two decode steps, and
+scheduler. Writes ``snap.hrry``, ``snap.hrrs`` and each rank's own stream
+(``ranks/``, ``snapshot_ranks``) after the prefill and two decode steps, and
 the greedy outputs in ``result.json``.
 """
 
@@ -69,6 +70,10 @@ def main() -> None:
                 from hurray_vllm.adapters.vllm import snapshot_stream
 
                 snapshot_stream(llm, list(result["prompts"]), f)
+            from hurray_vllm.adapters.vllm import snapshot_ranks
+
+            files = snapshot_ranks(llm, list(result["prompts"]), out / "ranks")
+            result["rank_files"] = [str(p.relative_to(out)) for p in files]
     result["outputs"] = outputs
     (out / "result.json").write_text(json.dumps(result))
 

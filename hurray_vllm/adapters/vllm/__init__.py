@@ -41,6 +41,7 @@ __all__ = [
     "layer_view_from_buffer",
     "release_export_workspace",
     "snapshot",
+    "snapshot_ranks",
     "snapshot_stream",
 ]
 
@@ -51,7 +52,7 @@ _INTERNAL = ("GatherBuffers", "plan_batch")
 
 def __getattr__(name: str) -> object:
     # The engine entry points import vLLM; keep `import hurray_vllm.adapters.vllm` light.
-    if name in ("snapshot", "snapshot_stream"):
+    if name in ("snapshot", "snapshot_ranks", "snapshot_stream"):
         from . import engine
 
         return getattr(engine, name)

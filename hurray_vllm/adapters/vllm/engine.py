@@ -11,7 +11,9 @@ process). For engines in other processes or servers, use the KV connector.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -33,7 +35,7 @@ from .cache import (
 )
 from .export import SequenceState, export_snapshot, export_stream
 
-__all__ = ["snapshot", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
+__all__ = ["snapshot", "snapshot_ranks", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
 
 
 def _core(llm: Any) -> Any:
@@ -217,6 +219,86 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         show_progress=progress,
         states=_states(ec, seqs),
     )
+
+
+def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.PathLike[str]) -> list[Path]:
+    """Each tensor-parallel rank streams its own KV heads of the requests to a file of its own: no gather.
+
+    Where :func:`snapshot` and :func:`snapshot_stream` bring every rank's KV
+    into this process, here each rank's worker writes its heads from its own
+    process, layer by layer (memory: one layer's pages per rank), as a Hurray
+    stream whose header names the heads it holds (``"heads": {"start",
+    "stop", "total"}``, ``docs/format.md`` 2.3d). pyhurray reads each file as
+    an ordinary snapshot of that many heads; :func:`hurray_vllm.load` gives
+    it with ``snap.heads`` set, and ``kv.heads.concat_heads`` of the loaded
+    files, in the order returned, is :func:`snapshot`'s result.
+
+    One file per distinct head range: a rank holding a replica of another's
+    heads (fewer KV heads than ranks) writes nothing, and neither does any
+    rank but 0 for an MLA latent or a single KV head, which every rank holds
+    whole (that file has no ``heads``). At TP = 1 rank 0 writes everything.
+
+    Args:
+        llm: as for :func:`snapshot`.
+        request_ids: as for :func:`snapshot`.
+        directory: where the files go (created if missing), named
+            ``rank{r}.hrrs`` or ``rank{r}.heads{start}-{stop}.hrrs``; each
+            appears complete or not at all (written aside, then renamed).
+
+    Returns:
+        The files written, in head order.
+
+    Raises:
+        HurrayFormatError: as :func:`snapshot`; also for a linear-attention
+            hybrid at TP > 1.
+
+    Example:
+        >>> files = snapshot_ranks(llm, ["a", "b"], "/scratch/kv")  # doctest: +SKIP
+        >>> [f.name for f in files]  # doctest: +SKIP
+        ['rank0.heads0-4.hrrs', 'rank1.heads4-8.hrrs']
+        >>> whole = concat_heads([hv.load(f) for f in files])  # doctest: +SKIP
+    """
+    seqs = request_states(llm, request_ids)
+    why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
+    if why is not None:
+        raise HurrayFormatError(why[0], f"snapshot_ranks() {why[1]}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out))))
+    return [Path(p) for _, p in sorted((start, p) for start, p in written.values() if p is not None)]
+
+
+def _stream_on_rank(worker: Any, seqs: Sequence[SequenceState], directory: str) -> tuple[int, tuple[int, str | None]]:
+    """Runs on every worker: this rank's heads of ``seqs`` streamed to its own file (none for a replica)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    from ...containers.atomic import atomic_path
+    from .cache import rank_head_range
+
+    rank, tp = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    ec = _describe(worker)
+    if ec.states is not None and tp > 1:
+        raise HurrayFormatError(
+            "tensor_parallel_size", "snapshots of linear-attention hybrids at tensor parallelism > 1 are not supported"
+        )
+    heads = rank_head_range(worker.vllm_config, rank) if tp > 1 else None
+    writes = rank == 0 if heads is None else rank in distinct_ranks(heads.total, tp)
+    if not writes:
+        return rank, (heads.start if heads is not None else 0, None)
+    name = f"rank{rank}.hrrs" if heads is None else f"rank{rank}.heads{heads.start}-{heads.stop}.hrrs"
+    config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
+    with atomic_path(Path(directory) / name, fsync=False) as tmp, open(tmp, "wb") as f:
+        export_stream(
+            f,
+            ec.caches,
+            ec.layout,
+            seqs,
+            **ec.export_options(),
+            **group_options(*cache_groups(config), ec.layer_names),
+            heads=heads,
+            states=_states(ec, seqs),
+        )
+    return rank, (heads.start if heads is not None else 0, str(Path(directory) / name))
 
 
 def _states(ec: EngineCache, seqs: Sequence[SequenceState]) -> RecurrentStates | None:

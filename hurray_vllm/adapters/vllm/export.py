@@ -30,7 +30,7 @@ from ...containers.schema import header_records, state_records
 from ...containers.stream import LayerWriter, write_records
 from ...errors import HurrayFormatError
 from ...kv.paged import BlockPagedTensor, plan_compaction
-from ...kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
+from ...kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
 from ...kv.states import RecurrentStates
 from .layouts import KVLayout, as_storage_dtype, roles_of
 
@@ -577,6 +577,7 @@ def export_stream(
     layer_groups: Sequence[int] | None = None,
     group_windows: Sequence[int | None] | None = None,
     states: RecurrentStates | None = None,
+    heads: HeadRange | None = None,
 ) -> int:
     """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
 
@@ -588,6 +589,8 @@ def export_stream(
     faults in new memory. ``show_progress=True`` shows a per-layer progress
     bar on a terminal. ``layer_groups``, ``group_windows`` and ``states``:
     as for :func:`export_snapshot` (the states follow the layers).
+    ``heads``: the caches hold these of the model's KV heads (one
+    tensor-parallel rank's): the header says so (``docs/format.md`` 2.3d).
     """
     plan: BatchPlan | list[BatchPlan]
     windows = None
@@ -610,8 +613,8 @@ def export_stream(
         if (roles_of(layout) == ("fused",)) != (latent is not None):
             raise HurrayFormatError("latent", "an MLA cache's export needs its LatentSplit, and only it has one")
         shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True, latent=latent)
-        if windows is not None or states is not None:
-            shell = replace(shell, windows=windows, states=states)
+        if windows is not None or states is not None or heads is not None:
+            shell = replace(shell, windows=windows, states=states, heads=heads)
         # The header announces the layer count before any layer is written.
         total = write_records(header_records(shell, num_layers=len(caches)), f)
         # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.

@@ -33,6 +33,7 @@ def _run(tmp: Path, tp: int) -> dict[str, Any]:
     )
     result["snap"] = hv.load(out / "snap.hrry")
     result["stream"] = hv.load(out / "snap.hrrs")
+    result["ranks"] = [out / name for name in result["rank_files"]]
     return result
 
 
@@ -70,3 +71,32 @@ def test_the_tp2_stream_equals_the_tp2_snapshot(tp_runs: dict[int, dict[str, Any
     snap, stream = tp_runs[2]["snap"], tp_runs[2]["stream"]
     for x, y in zip(snap.tensors(), stream.tensors(), strict=True):
         assert torch.equal(x.page_pool.view(torch.uint8), y.page_pool.view(torch.uint8))
+
+
+def test_each_rank_streams_its_own_heads_and_they_join_into_the_snapshot(
+    tp_runs: dict[int, dict[str, Any]], hurray: Any
+) -> None:
+    """``snapshot_ranks``: every rank writes its heads from its own process, marked with them; pyhurray reads each."""
+    from hurray_vllm.kv.heads import concat_heads
+    from hurray_vllm.kv.snapshot import HeadRange
+
+    one = tp_runs[1]["ranks"]
+    assert [p.name for p in one] == ["rank0.hrrs"]
+    whole = hv.load(one[0])
+    assert whole.heads is None
+    for x, y in zip(tp_runs[1]["snap"].tensors(), whole.tensors(), strict=True):
+        assert torch.equal(x.page_pool.view(torch.uint8), y.page_pool.view(torch.uint8))
+    two = tp_runs[2]["ranks"]
+    assert [p.name for p in two] == ["rank0.heads0-1.hrrs", "rank1.heads1-2.hrrs"]
+    slices = [hv.load(p) for p in two]
+    assert [s.heads for s in slices] == [HeadRange(0, 1, 2), HeadRange(1, 2, 2)]
+    assert all(s.roles == ("key", "value") and s[0, "key"].num_heads == 1 for s in slices)
+    joined, snap = concat_heads(slices), tp_runs[2]["snap"]
+    assert joined.heads is None and joined.token_ids == snap.token_ids and joined.fingerprint == snap.fingerprint
+    for x, y in zip(snap.tensors(), joined.tensors(), strict=True):
+        assert torch.equal(x.page_pool.view(torch.uint8), y.page_pool.view(torch.uint8))
+    for p, s in zip(two, slices, strict=True):
+        assert hv.validate(p).ok
+        ref = list(hurray.StreamReader(str(p)))  # the reference reads a slice as any snapshot
+        assert len(ref) == 1 + s.num_layers
+        assert list(ref[1].members[0].shape)[-2:] == [1, s[0, "key"].head_dim]
