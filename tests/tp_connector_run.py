@@ -7,6 +7,8 @@ greedy outputs, vLLM's cached-token counts and the connector's statistics
 (the scheduler's; the workers run in processes of their own at TP > 1) in
 ``OUT_DIR/result.json``, and the store's files in ``files``. With ``URL``
 (``hurray_url``), every rank also pushes the slices it saves to that receiver.
+``HURRAY_TEST_SAVE_ASYNC=1``: the default background saves, flushed on every
+rank before the store is listed; otherwise synchronous saves.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def prompts() -> dict[str, list[int]]:
 def main() -> None:
     model, out, store, tp = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     url = sys.argv[5] if len(sys.argv) > 5 else None
+    save_async = os.environ.get("HURRAY_TEST_SAVE_ASYNC") == "1"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -44,12 +47,12 @@ def main() -> None:
         kv_connector="HurrayConnector",
         kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
         kv_role="kv_both",
-        # Synchronous saves: every slice is in the store when the engine stops (a worker process's
-        # background writer would be drained at its exit too, but this keeps the run simple to reason about).
+        # Saves in the background (the default) with HURRAY_TEST_SAVE_ASYNC=1: each worker process's
+        # writer, flushed below before the store is listed; else synchronous, inside the steps.
         kv_connector_extra_config={
             "hurray_path": store,
             "hurray_chunk_tokens": CHUNK,
-            "hurray_save_async": False,
+            "hurray_save_async": save_async,
             **({"hurray_url": url} if url else {}),
         },
         kv_load_failure_policy="recompute",
@@ -73,8 +76,17 @@ def main() -> None:
     result["cached"] = {r: o.num_cached_tokens for r, o in zip(result["prompts"], outs, strict=True)}
     core: Any = llm.llm_engine.engine_core.engine_core
     result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
+    result["save_async"] = save_async
+    result["flushed"] = llm.collective_rpc(_flush)  # every rank's writer done (and its pushes answered)
     result["files"] = sorted(p.name for p in Path(store).rglob("*.hrry*"))
     (out / "result.json").write_text(json.dumps(result))
+
+
+def _flush(worker: Any) -> bool:
+    """Runs on every worker: wait for its connector's background writes (True at once for synchronous saves)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return bool(get_kv_transfer_group().flush(timeout=120))
 
 
 if __name__ == "__main__":  # the mp executor spawns its workers: they import this module

@@ -1,7 +1,8 @@
 """HurrayConnector between engines of different tensor parallelism (CPU, one core per rank), through a store and TCP.
 
 A TP = 2 engine saves each chunk as two slices of one KV head each
-(``<key>.h0-1``, ``<key>.h1-2``); a TP = 1 engine saves whole chunks. Each
+(``<key>.h0-1``, ``<key>.h1-2``), in each rank's background writer (the
+default); a TP = 1 engine saves whole chunks, synchronously. Each
 loads the other's: greedy tokens identical to an unmoved TP = 1 run, every
 whole chunk loaded. A slice deleted from the store leaves its chunk
 incomplete: never loaded, recomputed.
@@ -32,8 +33,12 @@ from hurray_vllm.chunks import chunk_keys
 pytestmark = [pytest.mark.vllm]
 
 
-def _run(tmp: Path, name: str, store: Path, tp: int, url: str | None = None) -> dict[str, Any]:
+def _run(
+    tmp: Path, name: str, store: Path, tp: int, url: str | None = None, save_async: bool = False
+) -> dict[str, Any]:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
+    if save_async:
+        env["HURRAY_TEST_SAVE_ASYNC"] = "1"
     args = [str(tmp / "model"), str(tmp / name), str(store), str(tp), *([url] if url else [])]
     return run_engine_script("tp_connector_run.py", args, tmp / name, f"TP={tp} engine {name}", env=env)
 
@@ -52,7 +57,8 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         receiver_process(pushed2, tmp / "receiver2.log") as url2,
     ):
         runs["save1"] = _run(tmp, "save1", one, 1, url1)
-        runs["save2"] = _run(tmp, "save2", two, 2, url2)
+        # The TP = 2 saver with the default background saves: each rank's writer writes and pushes.
+        runs["save2"] = _run(tmp, "save2", two, 2, url2, save_async=True)
     broken = tmp / "store-broken"
     shutil.copytree(two, broken)
     (ns,) = [p.name for p in broken.iterdir() if p.is_dir()]
@@ -67,6 +73,7 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_a_tp2_engine_saves_one_slice_per_rank(tp_stores: dict[str, Any]) -> None:
+    assert tp_stores["save2"]["save_async"] and tp_stores["save2"]["flushed"] == [True, True]
     files = tp_stores["save2"]["files"]
     assert files and all(f.endswith((".h0-1.hrry", ".h1-2.hrry")) for f in files)
     assert {f.removesuffix(".h0-1.hrry") for f in files if ".h0-1" in f} == {
