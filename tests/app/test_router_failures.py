@@ -106,3 +106,32 @@ def test_a_client_that_goes_away_ends_its_upstream_stream(fakes: dict[str, str])
         assert time.monotonic() < deadline, "the request stayed in flight after its client left"
         time.sleep(0.05)
     assert httpx.get(fakes["router"] + "/health", timeout=30).json()["backends"][fakes["a"]]["in_flight"] == 0
+
+
+def test_a_request_relayed_unmoved_is_listed_refused_a_move_and_reported_by_a_drain(fakes: dict[str, str]) -> None:
+    """Structured output cannot change backends: it is still in flight for the controls, and says why it stays."""
+    import httpx
+
+    seen: dict[str, Any] = {}
+
+    def on_tokens(tokens: list[int]) -> None:
+        if len(tokens) >= 5 and not seen:
+            (req,) = httpx.get(fakes["router"] + "/hurray/requests", timeout=30).json()["requests"]
+            seen["listed"] = req
+            other = fakes["b"] if req["backend"] == fakes["a"] else fakes["a"]
+            r = _post(fakes["router"] + "/hurray/migrate", {"id": req["id"], "to": other})
+            seen["migrate"] = (r.status_code, r.json())
+            seen["drain"] = _post(fakes["router"] + "/hurray/drain", {"backend": req["backend"]}).json()
+            _post(fakes["router"] + "/hurray/undrain", {"backend": req["backend"]})
+
+    body = {"model": "fake", "prompt": list(range(1, 30)), "max_tokens": 40, "guided_regex": "[0-9 ]+"}
+    got = stream_completion(fakes["router"], body, on_tokens)
+    assert got["token_ids"] == _expected(list(range(1, 30)), 40)
+    req = seen["listed"]
+    assert req["movable"] is False and "structured output" in req["why_not_movable"]
+    assert req["prompt_tokens"] == 29 and req["generated_tokens"] >= 5 and req["id"] in got["ids"]
+    status, answer = seen["migrate"]
+    assert status == 409 and "cannot be moved" in answer["error"]["message"]
+    assert seen["drain"]["moved"] == [] and [f["id"] for f in seen["drain"]["failed"]] == [req["id"]]
+    assert "not movable" in seen["drain"]["failed"][0]["error"]
+    assert httpx.get(fakes["router"] + "/hurray/requests", timeout=30).json()["requests"] == []

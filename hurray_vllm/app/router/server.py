@@ -72,6 +72,8 @@ class Router:
         self.backends = Backends(config.backends, config.prefill, config.policy)
         self.metrics = Metrics()
         self.flights: dict[str, Flight] = {}
+        # Requests relayed unmoved (see movable()): listed and reported by a drain, never moved.
+        self.relayed: dict[str, Relayed] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
         self.client: Any = None
         self._watch: asyncio.Task[None] | None = None
@@ -146,6 +148,9 @@ class Router:
         """``POST /hurray/migrate``."""
         f = self.flights.get(flight_id) if isinstance(flight_id, str) else None
         if f is None:
+            relayed = self.relayed.get(flight_id) if isinstance(flight_id, str) else None
+            if relayed is not None:
+                raise RouterError(409, f"request {relayed.id} cannot be moved: {relayed.why}")
             raise RouterError(404, f"id: no request {flight_id!r} in flight")
         dest = self.backend(to, "to")
         if dest.prefill:
@@ -178,6 +183,8 @@ class Router:
                 failed.append({"id": f.id, "error": exc.message})
 
         await asyncio.gather(*(move(f) for f in moving))
+        # Requests that cannot move finish where they are; the operator learns which, and why.
+        failed += [{"id": r.id, "error": f"not movable: {r.why}"} for r in self.relayed.values() if r.backend is b]
         return {"backend": b.url, "moved": sorted(moved), "failed": failed}
 
     def undrain(self, url: Any) -> dict[str, Any]:
@@ -185,6 +192,29 @@ class Router:
         b = self.backend(url, "backend")
         b.draining = False
         return {"backend": b.url, "draining": False}
+
+
+@dataclass
+class Relayed:
+    """A request relayed to one backend as it comes (:func:`~.flight.movable` says why): listed, never moved."""
+
+    id: str
+    backend: Backend
+    why: str
+    prompt_tokens: int | None  # the prompt's length when it is token ids; text is counted by the backend only
+    generated_tokens: int = 0  # choice events relayed so far (one token each, as vLLM streams them)
+
+    def describe(self) -> dict[str, Any]:
+        """As ``GET /hurray/requests`` lists it (the shape of :meth:`Flight.describe`)."""
+        return {
+            "id": self.id,
+            "backend": self.backend.url,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "movable": False,
+            "why_not_movable": self.why,
+            "legs": [{"backend": self.backend.url, "why": "relayed", "start_token": 0, "cached_tokens": None}],
+        }
 
 
 # ── what the client sees ────────────────────────────────────────────────────
@@ -452,6 +482,9 @@ def build_app(config: RouterConfig) -> Any:
             b.in_flight -= 1
             return fail(502, f"{b.url}: {type(exc).__name__}: {exc}")
         log.debug("router: %s relayed to %s unchanged (%s)", rid, b.url, why)
+        prompt = body.get("prompt")
+        counted = len(prompt) if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
+        entry = router.relayed[rid] = Relayed(rid, b, why, counted)
 
         def renamed(data: bytes) -> bytes:
             try:
@@ -460,6 +493,9 @@ def build_app(config: RouterConfig) -> Any:
                 return data
             if isinstance(event, dict) and "id" in event:
                 event["id"] = rid
+                choices = event.get("choices")
+                if isinstance(choices, list):
+                    entry.generated_tokens += len(choices)
             return json.dumps(event).encode()
 
         async def relay() -> AsyncIterator[bytes]:
@@ -474,6 +510,7 @@ def build_app(config: RouterConfig) -> Any:
             finally:
                 upstream.release()
                 b.in_flight -= 1
+                router.relayed.pop(rid, None)
 
         media = upstream.headers.get("content-type", "application/json")
         return StreamingResponse(relay(), status_code=upstream.status, media_type=media)
@@ -545,6 +582,7 @@ def build_app(config: RouterConfig) -> Any:
     @app.get("/hurray/requests")
     async def requests(recent: bool = False) -> Any:
         out: dict[str, Any] = {"requests": [f.describe() for f in router.flights.values() if not f.finished]}
+        out["requests"] += [r.describe() for r in router.relayed.values()]
         if recent:
             out["recent"] = list(router.recent)
         return JSONResponse(out)
