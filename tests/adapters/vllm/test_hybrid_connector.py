@@ -46,11 +46,23 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs: dict[str, Any] = {"store": store}
     runs["plain"] = servers.run_engine(tmp, "plain", BLOCK, None, PROMPTS, 10)
     runs["producer"] = servers.run_engine(tmp, "producer", BLOCK, extra, PROMPTS, 10)
-    edited = tmp / "edited-store"
+    edited, clean = tmp / "edited-store", tmp / "clean-store"
     shutil.copytree(store, edited)
+    shutil.copytree(store, clean)
     runs["edited_key"] = _drop_a_sliding_part(edited)
     runs["consumer"] = servers.run_engine(tmp, "consumer", BLOCK, extra, PROMPTS, 10)
     runs["edited"] = servers.run_engine(tmp, "edited", BLOCK, {**extra, "hurray_path": str(edited)}, PROMPTS, 10)
+    # vLLM's hybrid prefix cache first holds the 32-token block "short2" shares with "p" (in every group: the
+    # window reaches back over it), so "p" hits locally inside its first chunk; the connector loads the rest.
+    runs["midchunk"] = servers.run_engine(
+        tmp,
+        "midchunk",
+        BLOCK,
+        {**extra, "hurray_path": str(clean)},
+        {"short2": [*SHARED[:40], *_prompt(7, 10)], "p": SHARED},
+        10,
+        sequential=True,
+    )
     last = {"hurray_path": str(tmp / "store-last"), "hurray_chunk_tokens": CHUNK, "hurray_window_chunks": "last"}
     runs["last_store"] = tmp / "store-last"
     runs["last_producer"] = servers.run_engine(tmp, "last-producer", BLOCK, last, {"p": SHARED}, 10)
@@ -125,3 +137,13 @@ def test_the_last_policy_keeps_one_window_and_the_prompt_end_resumable(hybrid_ru
     consumer, plain = hybrid_runs["last_consumer"], hybrid_runs["plain"]
     assert consumer["cached"]["p"] == 256 and consumer["cached"]["q"] == 0
     assert consumer["outputs"] == plain["outputs"]
+
+
+def test_a_local_prefix_hit_inside_a_chunk_loads_the_rest_of_every_group(hybrid_runs: dict[str, Any]) -> None:
+    """Prefix caching on (vLLM's default) on a hybrid: the engine's own hit ends inside chunk 0, the store has more."""
+    r = hybrid_runs["midchunk"]
+    assert r["outputs"]["p"] == hybrid_runs["plain"]["outputs"]["p"]
+    whole = 2 * CHUNK  # "p" (300 tokens) has two whole chunks
+    local = whole - r["worker_stats"]["tokens_loaded"]
+    assert 0 < local < CHUNK and local % BLOCK == 0, r["worker_stats"]  # the hit ended mid-chunk
+    assert r["cached"]["p"] == whole, r["cached"]  # vLLM counts its own hit and what was loaded
