@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import require
 
 import hurray_vllm as hv
 from hurray_vllm.kv.heads import concat_heads, distinct_ranks, partitions, rank_heads, select_heads
@@ -128,6 +129,24 @@ def test_parallel_layouts_that_split_tokens_are_refused() -> None:
     assert unsupported_parallelism(SimpleNamespace(decode_context_parallel_size=2))[0] == "decode_context_parallel_size"  # type: ignore[index]
     ext = SimpleNamespace(tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     assert unsupported_parallelism(ext)[0] == "distributed_executor_backend"  # type: ignore[index]
+    assert unsupported_parallelism(SimpleNamespace(pipeline_parallel_size=2))[0] == "pipeline_parallel_size"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("name", ["snapshot", "snapshot_ranks", "snapshot_stream"])
+def test_snapshots_refuse_pipeline_parallelism_before_touching_the_engine(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each stage holds other layers: a snapshot of one would be a wrong model's KV, so none is taken."""
+    import io
+    from types import SimpleNamespace
+
+    require("vllm")
+    from hurray_vllm.adapters.vllm import engine
+
+    parallel = SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel)))
+    extra = {"snapshot_ranks": (tmp_path,), "snapshot_stream": (io.BytesIO(),)}.get(name, ())
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        getattr(engine, name)(llm, ["a"], *extra)
+    assert exc.value.field == "pipeline_parallel_size"
 
 
 def test_prune_takes_a_chunks_slices_together(tmp_path) -> None:  # type: ignore[no-untyped-def]

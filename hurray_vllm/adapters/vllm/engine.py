@@ -186,10 +186,10 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         ...     _ = llm.llm_engine.step()
         >>> hv.save(snapshot(llm, ["a", "b"]), "kv.hrry")  # doctest: +SKIP
     """
-    seqs = request_states(llm, request_ids)
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot() {why[1]}")
+    seqs = request_states(llm, request_ids)
     if _tp(llm) > 1:
         return _snapshot_tp(llm, seqs)
     ec = engine_cache(llm)
@@ -205,6 +205,9 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
     tensor parallelism > 1 the ranks' heads are joined first: memory is then
     the whole snapshot.
     """
+    why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
+    if why is not None:
+        raise HurrayFormatError(why[0], f"snapshot_stream() {why[1]}")
     if _tp(llm) > 1:
         return write_stream(snapshot(llm, request_ids), f)
     ec = engine_cache(llm)
@@ -258,10 +261,10 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
         ['rank0.heads0-4.hrrs', 'rank1.heads4-8.hrrs']
         >>> whole = concat_heads([hv.load(f) for f in files])  # doctest: +SKIP
     """
-    seqs = request_states(llm, request_ids)
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot_ranks() {why[1]}")
+    seqs = request_states(llm, request_ids)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out))))
