@@ -127,3 +127,32 @@ def test_a_chat_backends_reasoning_is_passed_on_and_pins_the_request() -> None:
     assert exc.value.status == 409
     with pytest.raises(UpstreamError, match="not an object"):
         _upstream_delta({"choices": [{"delta": ["x"]}]}, chat=True)
+
+
+def test_a_move_behind_a_client_that_does_not_read_says_so() -> None:
+    """The switch happens in the client's stream: unread, the move times out with that reason (the request still
+    moves when the client reads on)."""
+    from hurray_vllm.app.router.flight import Leg
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    f = Flight(router, "completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 40})
+    src, dst = (router.backends.all[u] for u in ("http://127.0.0.1:9", "http://127.0.0.1:10"))
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> RouterError:
+        f.prompt_ids, f.generated, f.backend = [1, 2, 3], [7, 8], src
+        f.legs.append(Leg(src.url, "routed", 0))
+        f._reader = asyncio.create_task(asyncio.sleep(3600))
+        try:
+            await f.migrate(dst, timeout=0.2)  # nobody consumes f.deltas(): the client is not reading
+        except RouterError as exc:
+            return exc
+        raise AssertionError("the move did not time out")
+
+    exc = asyncio.run(run())
+    assert exc.status == 504 and "client has not read" in exc.message
+    assert f._interrupt is not None and f._interrupt.to is dst  # still pending: it happens when the client reads

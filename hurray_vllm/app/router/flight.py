@@ -426,6 +426,13 @@ class Flight:
         try:
             return await asyncio.wait_for(asyncio.shield(done), timeout)
         except TimeoutError:
+            if self._interrupt is not None and self._interrupt.done is done:
+                # The switch waits in the client's own stream behind events it has not read yet.
+                raise RouterError(
+                    504,
+                    f"request {self.id} has not moved to {to.url} within {timeout:.0f} s: its client has not "
+                    "read the events before the switch; it moves when the client reads them",
+                ) from None
             raise RouterError(504, f"request {self.id} did not start on {to.url} within {timeout:.0f} s") from None
 
     async def _prewarm(self, to: Backend, timeout: float) -> None:
