@@ -1,6 +1,6 @@
 """A stand-in for a vLLM OpenAI server, for the router's failure paths that real engines cannot be made to take.
 
-Usage: python fake_openai_server.py PORT [--refuse-continuations] [--delay S]
+Usage: python fake_openai_server.py PORT [--refuse-continuations] [--delay S] [--announce]
 
 ``/v1/completions`` (token-id prompts, streamed or not, ``return_token_ids``,
 ``stream_options.include_usage``) generates a deterministic "greedy" token
@@ -8,7 +8,10 @@ from the whole context: ``next = (31 * sum(context) + len(context)) % 500``,
 so a request continued anywhere, from any prefix, goes on exactly as it
 would have. ``--refuse-continuations`` answers 503 to any request carrying
 ``kv_transfer_params`` (a destination that cannot take a moved request).
-``/health`` and ``/v1/models`` answer as vLLM's do.
+``--announce`` puts ``kv_transfer_params`` in non-streamed answers, as a
+prefill engine running HurrayConnector does. ``/health`` and ``/v1/models``
+answer as vLLM's do; ``GET /seen`` lists every completion request's
+``kv_transfer_params``.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads ``request: Request`` at run time.
@@ -30,7 +33,14 @@ def main() -> None:
     port = int(sys.argv[1])
     refuse = "--refuse-continuations" in sys.argv
     delay = float(sys.argv[sys.argv.index("--delay") + 1]) if "--delay" in sys.argv else 0.01
+    announce = "--announce" in sys.argv
     app = FastAPI()
+
+    seen: list[Any] = []  # every completion request's kv_transfer_params, in order
+
+    @app.get("/seen")
+    async def seen_params() -> Any:
+        return JSONResponse(seen)
 
     @app.get("/health")
     async def health() -> Any:
@@ -56,11 +66,17 @@ def main() -> None:
                 ctx.append(t)
             return out
 
+        seen.append(body.get("kv_transfer_params"))
         if not body.get("stream"):
             toks = tokens()
             choice = {"index": 0, "text": " ".join(f"w{t}" for t in toks), "finish_reason": "length", "token_ids": toks}
+            if body.get("return_token_ids"):
+                choice["prompt_token_ids"] = prompt
             usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-            return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "choices": [choice], "usage": usage})
+            answer = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice], "usage": usage}
+            if announce:  # as HurrayConnector's request_finished says what it saved
+                answer["kv_transfer_params"] = {"hurray_saved_tokens": len(prompt) // 64 * 64, "hurray_tail_tokens": 7}
+            return JSONResponse(answer)
 
         async def events() -> Any:
             for i, t in enumerate(tokens()):

@@ -311,6 +311,8 @@ def test_prefill_on_one_server_decode_on_another_equals_one_server(fleet: dict[s
     legs = _last(fleet, "pd")["legs"]
     assert [(leg["backend"], leg["why"]) for leg in legs] == [(fleet["a"].url, "prefill"), (fleet["b"].url, "decode")]
     assert legs[1]["cached_tokens"] == 256  # the prompt's whole chunks, which the prefill server wrote
+    # The decode leg was told what the prefill engine said it saved (its answer's kv_transfer_params).
+    assert legs[1]["announced"]["hurray_saved_tokens"] == 256, legs[1]
 
 
 def _signal(server: Server, sig: int) -> None:

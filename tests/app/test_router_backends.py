@@ -61,3 +61,28 @@ def test_every_leg_remembers_the_prompt_where_it_runs(why: str) -> None:
     asyncio.run(run())
     assert router.backends.all[B].held(f.keys) == len(f.keys)
     assert router.backends.pick(f.keys, avoid=router.backends.all[A]) is router.backends.all[B]
+
+
+def test_with_no_healthy_backend_the_router_checks_the_others_once_more() -> None:
+    """A backend marked down may be back before the next periodic check (it restarted, or it started late)."""
+    import asyncio
+    from typing import Any
+
+    router = Router(RouterConfig(backends=(A, B), prefill=(C,)))
+    a, b, c = (router.backends.all[u] for u in (A, B, C))
+    a.healthy = b.healthy = c.healthy = False
+    answers = {A: False, B: True, C: True}
+    checked: list[str] = []
+
+    async def check(client: Any, backend: Any, timeout: float) -> bool:
+        checked.append(backend.url)
+        return answers[backend.url]
+
+    router.backends.check = check  # type: ignore[method-assign]
+    assert asyncio.run(router.pick(["k"])) is b
+    assert sorted(checked) == [A, B] and b.healthy and not a.healthy and not c.healthy  # decode backends only
+    checked.clear()
+    assert asyncio.run(router.pick(["k"])) is b and checked == []  # one is healthy: no extra check
+    answers[B] = False
+    b.healthy = False
+    assert asyncio.run(router.pick(["k"], avoid=a)) is None and checked == [B]

@@ -34,19 +34,21 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("router-fakes")
 
     def specs(port: Callable[[], int]) -> list[ServerSpec]:
-        a, b = port(), port()
+        a, b, c = port(), port(), port()
         fake = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")]
         urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"]
         return [
             ServerSpec("fake-a", [*fake, str(a)], a),
             ServerSpec("fake-b", [*fake, str(b), "--refuse-continuations"], b),
+            ServerSpec("fake-c", [*fake, str(c), "--announce"], c),  # a prefill server
             router_spec("router", port(), urls),
+            router_spec("pd-router", port(), urls[:1], prefill=[f"http://127.0.0.1:{c}"]),
         ]
 
     servers = start_servers(specs, tmp / "logs")
-    a, b, router = servers
+    a, b, c, router, pd = servers
     try:
-        yield {"a": a.url, "b": b.url, "router": router.url}
+        yield {"a": a.url, "b": b.url, "c": c.url, "router": router.url, "pd": pd.url}
     finally:
         stop_servers(servers)
 
@@ -135,3 +137,21 @@ def test_a_request_relayed_unmoved_is_listed_refused_a_move_and_reported_by_a_dr
     assert seen["drain"]["moved"] == [] and [f["id"] for f in seen["drain"]["failed"]] == [req["id"]]
     assert "not movable" in seen["drain"]["failed"][0]["error"]
     assert httpx.get(fakes["router"] + "/hurray/requests", timeout=30).json()["requests"] == []
+
+
+def test_the_decode_leg_gets_what_the_prefill_engine_announced(fakes: dict[str, str]) -> None:
+    """P/D: the prefill leg's answer carries the engine's kv_transfer_params (its chunks and its prompt's tail);
+    the decode leg passes them on, so the decode engine waits for the tail too, as vLLM's P/D proxies do."""
+    import httpx
+
+    prompt = list(range(3, 90))
+    got = stream_completion(fakes["pd"], {"model": "fake", "prompt": prompt, "max_tokens": 12})
+    assert got["token_ids"] == _expected(prompt, 12) and len(got["ids"]) == 1
+    (last,) = [f for f in httpx.get(fakes["pd"] + "/hurray/requests?recent=true", timeout=30).json()["recent"]
+               if f["id"] in got["ids"]]  # fmt: skip
+    assert [(leg["backend"], leg["why"]) for leg in last["legs"]] == [(fakes["c"], "prefill"), (fakes["a"], "decode")]
+    assert httpx.get(fakes["c"] + "/seen", timeout=30).json()[-1] is None  # the prefill leg announces nothing
+    assert httpx.get(fakes["a"] + "/seen", timeout=30).json()[-1] == {
+        "hurray_saved_tokens": 64,
+        "hurray_tail_tokens": 7,
+    }

@@ -156,3 +156,34 @@ def test_a_move_behind_a_client_that_does_not_read_says_so() -> None:
     exc = asyncio.run(run())
     assert exc.status == 504 and "client has not read" in exc.message
     assert f._interrupt is not None and f._interrupt.to is dst  # still pending: it happens when the client reads
+
+
+def test_a_prefill_answer_becomes_the_events_a_stream_would_have_sent() -> None:
+    """The prefill leg is answered in one JSON (whose kv_transfer_params the decode leg passes on)."""
+    import json
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    backend = Backend("http://127.0.0.1:9")
+    f = Flight(router, "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    answer = {
+        "id": "chatcmpl-x",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "a", "tool_calls": [], "reasoning_content": None},
+                "token_ids": [5],
+                "finish_reason": "length",
+            }
+        ],
+        "prompt_token_ids": [1, 2],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1},
+        "kv_transfer_params": {"hurray_saved_tokens": 0, "hurray_tail_tokens": 2},
+    }
+    event, usage = f._answer_events(json.dumps(answer).encode(), backend)
+    delta, prompt = _upstream_delta(event, chat=True)
+    assert (delta.text, delta.token_ids, delta.finish_reason, delta.extra, prompt) == ("a", [5], "length", None, [1, 2])
+    assert usage == {"choices": [], "usage": answer["usage"]}
+    assert f._announced == answer["kv_transfer_params"]
+    for bad in (b"not json", b"[]", b'{"choices": []}', b'{"choices": ["x"]}', b'{"error": {"message": "no"}}'):
+        with pytest.raises(UpstreamError, match="malformed answer"):
+            f._answer_events(bad, backend)

@@ -103,6 +103,8 @@ class Leg:
     # the part the backend did not compute ("cached_tokens", None if it did not say). The first one's is
     # what the KV movement brought: the leg's own cached_tokens also count what the warm-ups computed.
     warmups: list[dict[str, int | None]] = field(default_factory=list)
+    # The kv_transfer_params the leg was sent: the chunks (and prompt tail) whose KV it was told to wait for.
+    announced: dict[str, Any] | None = None
 
 
 @dataclass
@@ -261,6 +263,9 @@ class Flight:
         self._reader: asyncio.Task[None] | None = None
         self._last_token_at = 0.0
         self._failovers = 0
+        # What the prefill leg's engine announced (its answer's kv_transfer_params: the chunks it saved
+        # and the prompt's tail), passed on to the decode leg as vLLM's P/D proxies do.
+        self._announced: dict[str, Any] | None = None
 
     # ── what the server and the control endpoints read ───────────────────────
 
@@ -282,8 +287,10 @@ class Flight:
 
     # ── the legs ────────────────────────────────────────────────────────────
 
-    def _leg_body(self, prefill: bool = False, announce: bool = False) -> tuple[str, dict[str, Any]]:
-        """The path and JSON body of the next leg."""
+    def _leg_body(
+        self, prefill: bool = False, announce: bool = False, announced: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of the next leg (``announced``: the prefill engine's own announcement)."""
         body: dict[str, Any]
         if not self.legs or (self.prompt_ids is None and not self.generated):
             path = "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
@@ -298,7 +305,9 @@ class Flight:
             remaining = None if self.max_tokens is None else self.max_tokens - len(self.generated)
             if body.get("min_tokens"):
                 body["min_tokens"] = max(0, int(body["min_tokens"]) - len(self.generated))
-            if announce:  # the source computed the KV of every token but the last generated one
+            if announced is not None:  # the prefill engine said what it saved, its prompt's tail included
+                body["kv_transfer_params"] = announced
+            elif announce:  # the source computed the KV of every token but the last generated one
                 n = len(self.prompt_ids) + len(self.generated) - 1
                 body["kv_transfer_params"] = {"hurray_saved_tokens": n}
             else:
@@ -310,9 +319,14 @@ class Flight:
         body.pop("max_completion_tokens", None)
         if remaining is not None:
             body["max_tokens"] = remaining
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
         body["return_token_ids"] = True
+        if prefill:
+            # Its one token in one answer, which (unlike a stream) carries the engine's kv_transfer_params.
+            body["stream"] = False
+            body.pop("stream_options", None)
+        else:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
         return path, body
 
     async def _upstream(self, backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -328,6 +342,10 @@ class Flight:
                     except ValueError:
                         payload = {"error": {"message": raw.decode(errors="replace")[:2000]}}
                     raise UpstreamError(f"{backend.url} answered HTTP {r.status}", r.status, payload)
+                if not body.get("stream"):  # a prefill leg: one JSON answer
+                    for answered in self._answer_events(await r.read(), backend):
+                        yield answered
+                    return
                 async for data in sse_data(r, backend.url):
                     if data == b"[DONE]":
                         return
@@ -340,6 +358,34 @@ class Flight:
                     yield event
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"{backend.url}: {type(exc).__name__}: {exc}") from exc
+
+    def _answer_events(self, raw: bytes, backend: Backend) -> list[dict[str, Any]]:
+        """A non-streamed answer as the events a stream of it would have sent; keeps its kv_transfer_params.
+
+        A completion's choice already has a streamed chunk's fields; a chat
+        choice's ``message`` becomes its ``delta`` (fields that are empty
+        left out), its prompt's token ids stay at the top as vLLM streams them.
+        """
+        try:
+            answer = json.loads(raw.decode())
+        except (ValueError, RecursionError):
+            answer = None
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise UpstreamError(f"{backend.url} sent a malformed answer: {raw[:200]!r}")
+        assert isinstance(answer, dict)
+        params = answer.get("kv_transfer_params")
+        self._announced = params if isinstance(params, dict) else None
+        choice = dict(choices[0])
+        message = choice.pop("message", None)
+        if isinstance(message, dict):
+            delta = {k: v for k, v in message.items() if k in ("content", "role") or v not in (None, [], "")}
+            choice["delta"] = delta
+        event: dict[str, Any] = {"choices": [choice]}
+        if answer.get("prompt_token_ids") is not None:
+            event["prompt_token_ids"] = answer["prompt_token_ids"]
+        usage = answer.get("usage")
+        return [event, {"choices": [], "usage": usage}] if isinstance(usage, dict) else [event]
 
     async def _read(
         self, backend: Backend, path: str, body: dict[str, Any], q: asyncio.Queue[Any], space: asyncio.Semaphore
@@ -371,7 +417,10 @@ class Flight:
 
     def _start_leg(self, backend: Backend, why: str, q: asyncio.Queue[Any], space: asyncio.Semaphore) -> None:
         prefill = why == "prefill"
-        path, body = self._leg_body(prefill=prefill, announce=why in ("migrated", "drained", "decode", "resumed"))
+        announced, self._announced = (self._announced if why == "decode" else None), None
+        path, body = self._leg_body(
+            prefill=prefill, announce=why in ("migrated", "drained", "decode", "resumed"), announced=announced
+        )
         if self.backend is not None:
             self.backend.in_flight -= 1
         self.backend = backend
@@ -383,7 +432,10 @@ class Flight:
         backend.remember(self._keys)
         warmed, self._warmups = self._warmups, (None, [])
         # A move that failed resumes on its source: the destination's warm-ups are not that leg's.
-        self.legs.append(Leg(backend.url, why, len(self.generated), warmups=warmed[1] if warmed[0] is backend else []))
+        leg = Leg(backend.url, why, len(self.generated), warmups=warmed[1] if warmed[0] is backend else [])
+        if len(self.legs) and isinstance(body.get("kv_transfer_params"), dict):
+            leg.announced = body["kv_transfer_params"]
+        self.legs.append(leg)
         self._reader = asyncio.create_task(self._read(backend, path, body, q, space), name=f"leg {self.id}")
 
     # ── control: called from other requests' handlers ───────────────────────
@@ -489,7 +541,8 @@ class Flight:
         q: asyncio.Queue[Any] = asyncio.Queue()
         space = asyncio.Semaphore(BUFFERED_EVENTS)
         split = backends.has_prefill and self.unmovable is None
-        first = backends.pick(self._keys, prefill=split) or (backends.pick(self._keys) if split else None)
+        pick = self.router.pick
+        first = await pick(self._keys, prefill=split) or (await pick(self._keys) if split else None)
         if first is None:
             raise RouterError(503, "no healthy backend to route to")
         phase = "prefill" if first.prefill else "routed"
@@ -520,7 +573,7 @@ class Flight:
                 # The leg ended: finished, interrupted (a move or a failover), or broken.
                 interrupt, self._interrupt = self._interrupt, None
                 if kind == "end" and phase == "prefill" and interrupt is None and self._decoding_left():
-                    nxt = backends.pick(self._keys)
+                    nxt = await pick(self._keys)
                     if nxt is None:
                         raise RouterError(503, "no healthy decode backend")
                     phase = "decode"
@@ -563,7 +616,7 @@ class Flight:
                 if self.backend is not None:
                     backends.mark_down(self.backend)
                 self._failovers += 1
-                nxt = backends.pick(self._keys, avoid=self.backend)
+                nxt = await pick(self._keys, avoid=self.backend)
                 lost = self.prompt_ids is None and bool(self.generated)  # cannot happen with vLLM: it sends them first
                 if nxt is None or self._failovers > MAX_FAILOVERS or lost:
                     why = "no other healthy backend" if nxt is None else "too many failures"

@@ -125,6 +125,27 @@ class Router:
                             f.fail_over()
             await asyncio.sleep(interval)
 
+    async def pick(self, keys: list[str], *, prefill: bool = False, avoid: Backend | None = None) -> Backend | None:
+        """:meth:`Backends.pick`; when no backend of that kind is healthy, check the others once more first.
+
+        A backend marked down (two failed health checks, or a stream that
+        broke) may be back before the next periodic check: one that just
+        restarted, or every backend of a router started before them.
+        """
+        b = self.backends.pick(keys, prefill=prefill, avoid=avoid)
+        if b is not None:
+            return b
+        down = [x for x in self.backends.all.values() if x.prefill == prefill and not x.healthy and x is not avoid]
+        if not down:
+            return None
+        patience = max(self.config.health_interval, 2.0)
+        results = await asyncio.gather(*(self.backends.check(self.client, x, patience) for x in down))
+        for x, ok in zip(down, results, strict=True):
+            if ok:
+                log.info("router: backend %s is back", x.url)
+                x.healthy, x.failures = True, 0
+        return self.backends.pick(keys, prefill=prefill, avoid=avoid)
+
     def begin(self, kind: str, body: dict[str, Any]) -> Flight:
         """A new flight, registered."""
         f = Flight(self, kind, body)
@@ -170,7 +191,7 @@ class Router:
         failed: list[dict[str, Any]] = []
 
         async def move(f: Flight) -> None:
-            dest = self.backends.pick(f.keys, avoid=b)
+            dest = await self.pick(f.keys, avoid=b)
             if dest is None:
                 failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
                 return
@@ -468,7 +489,7 @@ def build_app(config: RouterConfig) -> Any:
         import aiohttp
 
         keys = prompt_keys(body, config.chunk_tokens)
-        b = router.backends.pick(keys)
+        b = await router.pick(keys)
         if b is None:
             return fail(503, "no healthy backend to route to")
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
