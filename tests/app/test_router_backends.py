@@ -86,3 +86,32 @@ def test_with_no_healthy_backend_the_router_checks_the_others_once_more() -> Non
     answers[B] = False
     b.healthy = False
     assert asyncio.run(router.pick(["k"], avoid=a)) is None and checked == [B]
+
+
+def test_a_move_to_a_backend_marked_down_checks_it_once_more() -> None:
+    import asyncio
+    from typing import Any
+
+    from hurray_vllm.app.router.flight import Flight, RouterError
+
+    router = Router(RouterConfig(backends=(A, B)))
+    b = router.backends.all[B]
+    f = Flight(router, "completion", {"model": "m", "prompt": [1, 2], "max_tokens": 4})
+    router.flights[f.id] = f
+
+    async def moved(to: Any, why: str = "migrated", timeout: float = 600.0) -> dict[str, Any]:
+        return {"to": to.url}
+
+    f.migrate = moved  # type: ignore[method-assign]
+    answers = {B: False}
+
+    async def check(client: Any, backend: Any, timeout: float) -> bool:
+        return answers[backend.url]
+
+    router.backends.check = check  # type: ignore[method-assign]
+    b.healthy = False
+    with pytest.raises(RouterError) as exc:
+        asyncio.run(router.migrate(f.id, B))
+    assert exc.value.status == 503 and not b.healthy
+    answers[B] = True  # it came back since its last periodic check
+    assert asyncio.run(router.migrate(f.id, B)) == {"to": B} and b.healthy

@@ -138,13 +138,16 @@ class Router:
         down = [x for x in self.backends.all.values() if x.prefill == prefill and not x.healthy and x is not avoid]
         if not down:
             return None
-        patience = max(self.config.health_interval, 2.0)
-        results = await asyncio.gather(*(self.backends.check(self.client, x, patience) for x in down))
-        for x, ok in zip(down, results, strict=True):
-            if ok:
-                log.info("router: backend %s is back", x.url)
-                x.healthy, x.failures = True, 0
+        await asyncio.gather(*(self._recheck(x) for x in down))
         return self.backends.pick(keys, prefill=prefill, avoid=avoid)
+
+    async def _recheck(self, backend: Backend) -> bool:
+        """One health check of a backend marked down, now; True (and marked healthy) if it answers."""
+        ok = await self.backends.check(self.client, backend, max(self.config.health_interval, 2.0))
+        if ok and not backend.healthy:
+            log.info("router: backend %s is back", backend.url)
+            backend.healthy, backend.failures = True, 0
+        return ok
 
     def begin(self, kind: str, body: dict[str, Any]) -> Flight:
         """A new flight, registered."""
@@ -176,7 +179,7 @@ class Router:
         dest = self.backend(to, "to")
         if dest.prefill:
             raise RouterError(409, f"to: {dest.url} is a prefill backend")
-        if not dest.healthy:
+        if not dest.healthy and not await self._recheck(dest):
             raise RouterError(503, f"to: {dest.url} fails its health checks")
         if dest.draining:
             raise RouterError(409, f"to: {dest.url} is drained")
