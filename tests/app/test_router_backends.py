@@ -85,7 +85,31 @@ def test_with_no_healthy_backend_the_router_checks_the_others_once_more() -> Non
     assert asyncio.run(router.pick(["k"])) is b and checked == []  # one is healthy: no extra check
     answers[B] = False
     b.healthy = False
+    assert asyncio.run(router.pick(["k"], avoid=a)) is None and checked == []  # checked within the interval
+    router._rechecked.clear()  # the interval passed
     assert asyncio.run(router.pick(["k"], avoid=a)) is None and checked == [B]
+
+
+def test_requests_that_find_no_healthy_backend_together_share_one_check() -> None:
+    """A hung backend costs the requests waiting on it one check, not one each."""
+    import asyncio
+    from typing import Any
+
+    router = Router(RouterConfig(backends=(A,)))
+    router.backends.all[A].healthy = False
+    calls: list[str] = []
+
+    async def check(client: Any, backend: Any, timeout: float) -> bool:
+        calls.append(backend.url)
+        await asyncio.sleep(0.05)
+        return True
+
+    router.backends.check = check  # type: ignore[method-assign]
+
+    async def many() -> list[Any]:
+        return list(await asyncio.gather(*(router.pick(["k"]) for _ in range(10))))
+
+    assert asyncio.run(many()) == [router.backends.all[A]] * 10 and calls == [A]
 
 
 def test_a_move_to_a_backend_marked_down_checks_it_once_more() -> None:
@@ -114,4 +138,5 @@ def test_a_move_to_a_backend_marked_down_checks_it_once_more() -> None:
         asyncio.run(router.migrate(f.id, B))
     assert exc.value.status == 503 and not b.healthy
     answers[B] = True  # it came back since its last periodic check
+    router._rechecked.clear()  # and the health interval passed
     assert asyncio.run(router.migrate(f.id, B)) == {"to": B} and b.healthy

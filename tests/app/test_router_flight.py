@@ -87,6 +87,7 @@ def test_a_warm_ups_cached_tokens_are_read_from_any_answer(answer: bytes, cached
         ("chat", {"guided_choice": ["yes", "no"]}, "guided_choice"),
         ("chat", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ("chat", {"tools": [{"type": "function"}]}, "tools"),
+        ("chat", {"include_reasoning": False}, "include_reasoning"),  # vLLM then leaves out the token ids
         ("chat", {"response_format": {"type": "text"}}, None),  # plain text: nothing to restart
         ("completion", {"guided_json": None, "temperature": 0}, None),
     ],
@@ -187,3 +188,88 @@ def test_a_prefill_answer_becomes_the_events_a_stream_would_have_sent() -> None:
     for bad in (b"not json", b"[]", b'{"choices": []}', b'{"choices": ["x"]}', b'{"error": {"message": "no"}}'):
         with pytest.raises(UpstreamError, match="malformed answer"):
             f._answer_events(bad, backend)
+
+
+def test_a_request_whose_parser_showed_during_the_warm_ups_is_not_moved() -> None:
+    from hurray_vllm.app.router.flight import Leg
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    f = Flight(router, "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40})
+    src, dst = (router.backends.all[u] for u in ("http://127.0.0.1:9", "http://127.0.0.1:10"))
+
+    async def warm_up(*_: Any) -> None:
+        f.unmovable = PARSED  # the source's stream sent reasoning meanwhile
+
+    f._prewarm = warm_up  # type: ignore[method-assign]
+
+    async def run() -> RouterError:
+        f.prompt_ids, f.generated, f.backend = [1, 2, 3], [7], src
+        f.legs.append(Leg(src.url, "routed", 0))
+        f._reader = asyncio.create_task(asyncio.sleep(3600))
+        try:
+            await f.migrate(dst, timeout=5)
+        except RouterError as exc:
+            assert not f._reader.cancelled() and f._interrupt is None  # the source stream goes on untouched
+            f._reader.cancel()
+            return exc
+        raise AssertionError("moved")
+
+    exc = asyncio.run(run())
+    assert exc.status == 409 and "cannot be moved" in exc.message
+
+
+def test_a_non_streamed_chat_answer_keeps_what_the_parser_split_out() -> None:
+    from hurray_vllm.app.router.flight import Delta
+    from hurray_vllm.app.router.server import _collect
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    f = router.begin("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    f.prompt_ids = [1, 2]
+
+    async def deltas() -> AsyncIterator[Delta]:
+        yield Delta("", [6], extra={"reasoning_content": " so"})
+        yield Delta("yes", [7], "stop", extra={"tool_calls": None})
+
+    first = Delta("", [5], extra={"reasoning_content": "think"})
+    out = asyncio.run(_collect(router, f, deltas(), first))
+    message = out["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "yes", "reasoning_content": "think so"}
+    assert f.id not in router.flights  # ended
+
+
+def _streamed_run(body_fails: bool, client_gone: bool) -> int:
+    """How many times a streamed answer's end hook ran, for one way of ending."""
+    from hurray_vllm.app.router.server import _streamed
+
+    ended: list[int] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        if body_fails:
+            raise RuntimeError("upstream broke")
+        yield b"data: [DONE]\n\n"
+
+    async def done() -> None:
+        ended.append(1)
+
+    async def receive() -> dict[str, Any]:
+        if client_gone:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)
+        return {}
+
+    async def send(message: dict[str, Any]) -> None:
+        await asyncio.sleep(0)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/"}
+    try:
+        asyncio.run(_streamed(body(), done, media_type="text/event-stream")(scope, receive, send))
+    except Exception:  # the body's own failure propagates; what matters is that the request was let go
+        pass
+    return len(ended)
+
+
+@pytest.mark.parametrize(("body_fails", "client_gone"), [(False, False), (True, False), (False, True)])
+def test_a_streamed_answer_lets_go_of_its_request_however_it_ends(body_fails: bool, client_gone: bool) -> None:
+    """Also when the client is gone before the body starts (Starlette then never runs the generator)."""
+    assert _streamed_run(body_fails, client_gone) == 1

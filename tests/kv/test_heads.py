@@ -166,3 +166,27 @@ def test_prune_takes_a_chunks_slices_together(tmp_path) -> None:  # type: ignore
     one = sum(p.stat().st_size for p in tmp_path.rglob("bb.*"))
     store.prune(one)
     assert sorted(p.name for p in tmp_path.rglob("*.hrry")) == ["bb.h0-1.hrry", "bb.h1-2.hrry"]
+
+
+def test_tp_snapshots_of_a_linear_attention_hybrid_are_refused_before_any_worker_is_asked() -> None:
+    from types import SimpleNamespace
+
+    require("vllm")
+    from hurray_vllm.adapters.vllm import engine
+
+    class MambaSpec:  # what vLLM names a linear-attention group's spec
+        pass
+
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=["l0"])])
+    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(kv_cache_config=config))
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)),
+            engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)),
+        )
+    )
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        engine._refuse_split_states(llm, "snapshots")
+    assert exc.value.field == "tensor_parallel_size"
+    llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size = 1
+    engine._refuse_split_states(llm, "snapshots")  # at TP = 1 every state is whole: fine

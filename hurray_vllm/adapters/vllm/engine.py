@@ -92,6 +92,17 @@ def _export_on_rank(worker: Any, seqs: Sequence[SequenceState]) -> tuple[int, KV
     return int(get_tensor_model_parallel_rank()), with_rank_heads(snap, ec, worker.vllm_config)
 
 
+def _refuse_split_states(llm: Any, what: str) -> None:
+    """At TP > 1, refuse a linear-attention hybrid here, before any worker is asked (its states split by heads)."""
+    from .states import state_groups
+
+    config = getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
+    if _tp(llm) > 1 and config is not None and state_groups(config):
+        raise HurrayFormatError(
+            "tensor_parallel_size", f"{what} of linear-attention hybrids at tensor parallelism > 1 are not supported"
+        )
+
+
 def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:
     """Every rank exports its heads; one snapshot of them all, in model order (replicas and latents once)."""
     parts = dict(llm.collective_rpc(_export_on_rank, args=(list(seqs),)))
@@ -191,6 +202,7 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         raise HurrayFormatError(why[0], f"snapshot() {why[1]}")
     seqs = request_states(llm, request_ids)
     if _tp(llm) > 1:
+        _refuse_split_states(llm, "snapshots")
         return _snapshot_tp(llm, seqs)
     ec = engine_cache(llm)
     return export_snapshot(
@@ -265,6 +277,7 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot_ranks() {why[1]}")
     seqs = request_states(llm, request_ids)
+    _refuse_split_states(llm, "snapshot_ranks() files")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out))))

@@ -226,6 +226,8 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
             return "suffix"
     elif body.get("logprobs") or body.get("tools"):
         return "chat logprobs or tools (a continuation is a plain completion)"
+    elif body.get("include_reasoning") is False:
+        return "include_reasoning false (the backend then leaves out the token ids a continuation is built from)"
     return None
 
 
@@ -472,6 +474,9 @@ class Flight:
         if self.finished or self._reader is None or self._reader.done():
             self._moving = False
             raise RouterError(409, f"request {self.id} has finished")
+        if self.unmovable is not None:  # its backend's parser showed itself during the warm-ups
+            self._moving = False
+            raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
         done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._interrupt = _Interrupt("move", to, why, done)
         self._reader.cancel()

@@ -10,6 +10,7 @@ how to run it.
 # at run time, and ``Request`` is imported inside build_app.
 import asyncio
 import contextlib
+import functools
 import gc
 import hmac
 import json
@@ -17,7 +18,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str  # what json.dumps does to a str
 from typing import Any
@@ -74,6 +75,8 @@ class Router:
         self.flights: dict[str, Flight] = {}
         # Requests relayed unmoved (see movable()): listed and reported by a drain, never moved.
         self.relayed: dict[str, Relayed] = {}
+        self._rechecks: dict[str, asyncio.Future[bool]] = {}  # a down backend's check under way (_recheck)
+        self._rechecked: dict[str, float] = {}  # when each was last checked that way
         self.recent: deque[dict[str, Any]] = deque(maxlen=256)
         self.client: Any = None
         self._watch: asyncio.Task[None] | None = None
@@ -142,12 +145,27 @@ class Router:
         return self.backends.pick(keys, prefill=prefill, avoid=avoid)
 
     async def _recheck(self, backend: Backend) -> bool:
-        """One health check of a backend marked down, now; True (and marked healthy) if it answers."""
-        ok = await self.backends.check(self.client, backend, max(self.config.health_interval, 2.0))
+        """A health check of a backend marked down, now; True (and marked healthy) if it answers.
+
+        Requests that arrive together share one check, and a backend checked
+        this way within the health interval is not checked again: a hung
+        backend costs the requests one check's wait, not one each.
+        """
+        task = self._rechecks.get(backend.url)
+        if task is None:
+            if time.monotonic() - self._rechecked.get(backend.url, -1e9) < self.config.health_interval:
+                return backend.healthy
+            task = asyncio.ensure_future(
+                self.backends.check(self.client, backend, max(self.config.health_interval, 2.0))
+            )
+            self._rechecks[backend.url] = task
+            task.add_done_callback(lambda _: self._rechecks.pop(backend.url, None))
+        ok = await asyncio.shield(task)
+        self._rechecked[backend.url] = time.monotonic()
         if ok and not backend.healthy:
             log.info("router: backend %s is back", backend.url)
             backend.healthy, backend.failures = True, 0
-        return ok
+        return bool(ok)
 
     def begin(self, kind: str, body: dict[str, Any]) -> Flight:
         """A new flight, registered."""
@@ -156,9 +174,9 @@ class Router:
         return f
 
     def end(self, f: Flight) -> None:
-        """Forget a flight (keep its summary in ``recent``)."""
-        self.flights.pop(f.id, None)
-        self.recent.append({**f.describe(), "finish_reason": f.finish_reason, "cached_tokens": f.cached_tokens})
+        """Forget a flight (keep its summary in ``recent``); once, however many times it is called."""
+        if self.flights.pop(f.id, None) is not None:
+            self.recent.append({**f.describe(), "finish_reason": f.finish_reason, "cached_tokens": f.cached_tokens})
 
     def backend(self, url: Any, field: str) -> Backend:
         """The backend named by a control request's ``field``; :class:`RouterError` 400 otherwise."""
@@ -216,6 +234,37 @@ class Router:
         b = self.backend(url, "backend")
         b.draining = False
         return {"backend": b.url, "draining": False}
+
+
+@functools.cache
+def _streamed_class() -> type:
+    """:class:`starlette.responses.StreamingResponse` with an end hook (made on first use: fastapi is optional)."""
+    from starlette.responses import StreamingResponse
+
+    class Streamed(StreamingResponse):
+        def __init__(self, content: Any, ended: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+            super().__init__(content, **kwargs)
+            self._ended = ended
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self._ended()
+
+    return Streamed
+
+
+def _streamed(content: Any, ended: Callable[[], Awaitable[None]], **kwargs: Any) -> Any:
+    """A streamed answer whose ``ended`` runs once it is over, however it ends.
+
+    Starlette runs a streaming body in a task it cancels when the client
+    goes away, before the body's generator ever started if the client left
+    early: a ``finally`` in the generator then never runs. What a request
+    holds (its backend's in-flight count, its flight or relay record, its
+    upstream stream) is let go in ``ended`` instead.
+    """
+    return _streamed_class()(content, ended, **kwargs)
 
 
 @dataclass
@@ -368,12 +417,16 @@ async def _sse(
 async def _collect(router: Router, f: Flight, deltas: AsyncIterator[Delta], first: Delta | None) -> dict[str, Any]:
     """A non-streamed answer: every delta of every leg, joined."""
     texts, finish, stop, logprobs = [], None, None, []
+    parsed: dict[str, str] = {}  # what a reasoning parser split out, joined like the text
     try:
         items = [first] if first is not None else []
         async for d in deltas:
             items.append(d)
         for d in items:
             texts.append(d.text)
+            for k, v in (d.extra or {}).items():
+                if isinstance(v, str):
+                    parsed[k] = parsed.get(k, "") + v
             finish = d.finish_reason or finish
             stop = d.stop_reason if d.stop_reason is not None else stop
             if d.logprobs is not None:
@@ -383,7 +436,7 @@ async def _collect(router: Router, f: Flight, deltas: AsyncIterator[Delta], firs
     text = "".join(texts)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if f.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = {"role": "assistant", "content": text, **parsed}
         obj = "chat.completion"
     else:
         choice.update(text=text, stop_reason=stop, logprobs=_join_logprobs(logprobs))
@@ -422,7 +475,7 @@ def build_app(config: RouterConfig) -> Any:
         ['/hurray/drain', '/hurray/migrate', '/hurray/requests', '/hurray/undrain']
     """
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
 
     router = Router(config)
 
@@ -531,13 +584,14 @@ def build_app(config: RouterConfig) -> Any:
                     yield renamed(await upstream.read())
             except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
                 yield f"data: {json.dumps(_error(502, f'{b.url}: {exc}'))}\n\n".encode()
-            finally:
-                upstream.release()
-                b.in_flight -= 1
-                router.relayed.pop(rid, None)
+
+        async def ended() -> None:  # however the response ends: also if the client left before it started
+            upstream.release()
+            b.in_flight -= 1
+            router.relayed.pop(rid, None)
 
         media = upstream.headers.get("content-type", "application/json")
-        return StreamingResponse(relay(), status_code=upstream.status, media_type=media)
+        return _streamed(relay(), ended, status_code=upstream.status, media_type=media)
 
     async def generate(request: Request, kind: str) -> Any:
         body = await json_body(request)
@@ -559,7 +613,12 @@ def build_app(config: RouterConfig) -> Any:
                 return JSONResponse(exc.body, status_code=exc.status)
             return fail(502, str(exc))
         if body.get("stream"):
-            return StreamingResponse(_sse(router, f, deltas, first), media_type="text/event-stream")
+
+            async def ended() -> None:  # also when the client left before the body started
+                await deltas.aclose()
+                router.end(f)
+
+            return _streamed(_sse(router, f, deltas, first), ended, media_type="text/event-stream")
         try:
             return JSONResponse(await _collect(router, f, deltas, first))
         except (RouterError, UpstreamError) as exc:
