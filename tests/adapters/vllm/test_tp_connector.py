@@ -65,10 +65,13 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     prompt, chunk = runs["save2"]["prompts"]["a"], runs["save2"]["chunk_tokens"]
     key = chunk_keys(prompt, chunk, ns)[1]
     (broken / ns / f"{key}.h1-2.hrry").unlink()  # one rank's slice of "a"'s second chunk never arrived
+    broken2 = tmp / "store-broken-tp2"  # the same, for a TP = 2 destination (the TP = 1 one writes the chunk back)
+    shutil.copytree(broken, broken2)
     runs["load21"] = _run(tmp, "load21", pushed2, 1)  # what the TP = 2 ranks pushed over TCP
     runs["load12"] = _run(tmp, "load12", pushed1, 2)
     runs["load22"] = _run(tmp, "load22", two, 2)
     runs["broken"] = _run(tmp, "broken", broken, 1)
+    runs["broken2"] = _run(tmp, "broken2", broken2, 2)
     return runs
 
 
@@ -102,8 +105,10 @@ def test_chunks_load_across_tp_degrees_with_identical_tokens(tp_stores: dict[str
     assert loaded["scheduler_stats"]["chunks_refused"] == 0
 
 
-def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_stores: dict[str, Any]) -> None:
-    broken = tp_stores["broken"]
+@pytest.mark.parametrize("run", ["broken", "broken2"])
+def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_stores: dict[str, Any], run: str) -> None:
+    """At a TP = 1 destination and at a TP = 2 one, whose rank 0 holds the slice that is still there."""
+    broken = tp_stores[run]
     assert broken["outputs"] == tp_stores["save1"]["outputs"]
     assert broken["cached"]["a"] == 32  # chunk 0 only: chunk 1 is incomplete, so nothing after it loads
     # "b" shares those chunks; it may find chunk 1 whole by then ("a" recomputed and saved it: kv_both).
