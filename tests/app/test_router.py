@@ -315,6 +315,23 @@ def test_prefill_on_one_server_decode_on_another_equals_one_server(fleet: dict[s
     assert legs[1]["announced"]["hurray_saved_tokens"] == 256, legs[1]
 
 
+def test_a_chat_split_between_prefill_and_decode_equals_one_server(fleet: dict[str, Any]) -> None:
+    """The prefill leg of a chat is one JSON chat answer, turned into the stream's first event."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=fleet["pd"] + "/v1", api_key="unused")
+    chat = client.chat.completions.create(
+        model=fleet["model"], messages=[{"role": "user", "content": "w5 w9 w11"}], max_tokens=12, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [c for c in chat if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text.split() == [f"w{t}" for t in fleet["plain"]["chat"][:12]]
+    legs = _last(fleet, "pd")["legs"]
+    assert [(leg["backend"], leg["why"]) for leg in legs] == [(fleet["a"].url, "prefill"), (fleet["b"].url, "decode")]
+
+
 def _signal(server: Server, sig: int) -> None:
     os.kill(server.proc.pid, sig)
 
