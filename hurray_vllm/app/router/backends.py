@@ -143,6 +143,12 @@ class Backends:
         except Exception:  # any failure to answer is unhealthy
             return False
 
+    def mark_up(self, backend: Backend) -> None:
+        """``backend`` answered a health check: route to it again."""
+        if not backend.healthy:
+            log.info("router: backend %s is back", backend.url)
+        backend.healthy, backend.failures = True, 0
+
     def mark_down(self, backend: Backend) -> None:
         """Take ``backend`` out of routing now (its stream broke); the health checks bring it back."""
         if backend.healthy:

@@ -399,7 +399,7 @@ class Flight:
                 await space.acquire()
                 delta, prompt = _upstream_delta(event, chat)
                 delta.received = time.perf_counter()
-                if delta.extra and any(v for v in delta.extra.values()) and self.unmovable is None:
+                if delta.extra and any(delta.extra.values()) and self.unmovable is None:
                     self.unmovable = PARSED  # its text and the parser's state would part at a move
                 if prompt is not None and self.prompt_ids is None:
                     self.prompt_ids = prompt

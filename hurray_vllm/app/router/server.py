@@ -114,9 +114,7 @@ class Router:
             )
             for b, ok in zip(self.backends.all.values(), results):
                 if ok:
-                    if not b.healthy:
-                        log.info("router: backend %s is back", b.url)
-                    b.healthy, b.failures = True, 0
+                    self.backends.mark_up(b)
                     continue
                 b.failures += 1
                 if b.failures >= 2:
@@ -162,9 +160,8 @@ class Router:
             task.add_done_callback(lambda _: self._rechecks.pop(backend.url, None))
         ok = await asyncio.shield(task)
         self._rechecked[backend.url] = time.monotonic()
-        if ok and not backend.healthy:
-            log.info("router: backend %s is back", backend.url)
-            backend.healthy, backend.failures = True, 0
+        if ok:
+            self.backends.mark_up(backend)
         return bool(ok)
 
     def begin(self, kind: str, body: dict[str, Any]) -> Flight:
@@ -410,6 +407,8 @@ async def _sse(
         yield f"data: {json.dumps(_error(status or 502, str(exc)))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
+        # Here too, not only in the response's end hook: the flight is over before the stream's last byte
+        # goes out, so a client that asks /hurray/requests right after [DONE] finds it among the recent ones.
         await deltas.aclose()
         router.end(f)
 
@@ -614,7 +613,7 @@ def build_app(config: RouterConfig) -> Any:
             return fail(502, str(exc))
         if body.get("stream"):
 
-            async def ended() -> None:  # also when the client left before the body started
+            async def ended() -> None:  # however the stream ended: also if the client left before it started
                 await deltas.aclose()
                 router.end(f)
 
