@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import HurrayArgumentError, HurrayFormatError
-from ...kv.heads import rank_heads
+from ...kv.heads import distinct_ranks, rank_heads
 from ...kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ...wire import dtypes
 from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
@@ -36,6 +36,7 @@ __all__ = [
     "attention_layers",
     "write_blocks",
     "rank_head_range",
+    "rank_share",
     "unsupported_parallelism",
     "with_rank_heads",
     "weights_digest",
@@ -402,6 +403,25 @@ def rank_head_range(vllm_config: Any, rank: int | None = None) -> HeadRange | No
     if len(heads) == total:  # one KV head (MQA), on every rank: the whole, not a slice
         return None
     return HeadRange(heads.start, heads.stop, total)
+
+
+def rank_share(vllm_config: Any, rank: int | None = None) -> tuple[HeadRange | None, bool]:
+    """This rank's KV heads (:func:`rank_head_range`) and whether it is the rank that writes them.
+
+    One rank per distinct head range writes (a replica of another rank's
+    heads does not); what every rank holds whole (an MLA latent, a single KV
+    head, everything at TP = 1) is written by rank 0 alone. The connector's
+    saves and ``snapshot_ranks`` follow this one rule.
+    """
+    if rank is None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+    heads = rank_head_range(vllm_config, rank)
+    if heads is None:
+        return None, rank == 0
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return heads, rank in distinct_ranks(heads.total, tp)
 
 
 def with_rank_heads(snap: KVSnapshot, ec: EngineCache, vllm_config: Any) -> KVSnapshot:

@@ -29,6 +29,7 @@ from .cache import (
     cache_groups,
     describe_worker_cache,
     group_options,
+    rank_share,
     unsupported_cache,
     unsupported_parallelism,
     with_rank_heads,
@@ -81,11 +82,7 @@ def _export_on_rank(worker: Any, seqs: Sequence[SequenceState]) -> tuple[int, KV
     """Runs on every worker: this rank's KV heads of ``seqs`` (copied out of the cache, ready to pickle)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    ec = _describe(worker)
-    if ec.states is not None:
-        raise HurrayFormatError(
-            "tensor_parallel_size", "snapshots of linear-attention hybrids at tensor parallelism > 1 are not supported"
-        )
+    ec = _describe(worker)  # a linear-attention hybrid was refused in the caller (_refuse_split_states)
     config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
     groups = group_options(*cache_groups(config), ec.layer_names)
     snap = export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options(), **groups)
@@ -286,21 +283,16 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
 
 def _stream_on_rank(worker: Any, seqs: Sequence[SequenceState], directory: str) -> tuple[int, tuple[int, str | None]]:
     """Runs on every worker: this rank's heads of ``seqs`` streamed to its own file (none for a replica)."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import get_tensor_model_parallel_rank
 
     from ...containers.atomic import atomic_path
-    from .cache import rank_head_range
 
-    rank, tp = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
-    ec = _describe(worker)
-    if ec.states is not None and tp > 1:
-        raise HurrayFormatError(
-            "tensor_parallel_size", "snapshots of linear-attention hybrids at tensor parallelism > 1 are not supported"
-        )
-    heads = rank_head_range(worker.vllm_config, rank) if tp > 1 else None
-    writes = rank == 0 if heads is None else rank in distinct_ranks(heads.total, tp)
+    # A linear-attention hybrid at TP > 1 was refused in the caller (_refuse_split_states).
+    rank = int(get_tensor_model_parallel_rank())
+    heads, writes = rank_share(worker.vllm_config, rank)
     if not writes:
         return rank, (heads.start if heads is not None else 0, None)
+    ec = _describe(worker)
     name = f"rank{rank}.hrrs" if heads is None else f"rank{rank}.heads{heads.start}-{heads.stop}.hrrs"
     config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
     with atomic_path(Path(directory) / name, fsync=False) as tmp, open(tmp, "wb") as f:

@@ -60,10 +60,12 @@ def test_one_rank_per_distinct_head_range_saves(
 ) -> None:
     import vllm.distributed as dist
 
+    from hurray_vllm.adapters.vllm.cache import rank_share
+
     got = []
     for rank in range(tp):
         monkeypatch.setattr(dist, "get_tensor_model_parallel_rank", lambda rank=rank: rank)
-        heads, saves = worker_mod._rank_share(_vllm_config(tp, kv_heads, mla), _fingerprint(kv_heads))
+        heads, saves = rank_share(_vllm_config(tp, kv_heads, mla))
         got.append(((heads.start, heads.stop) if heads is not None else None, saves))
         if heads is not None:
             assert heads.total == kv_heads

@@ -24,7 +24,7 @@ import torch
 from ....chunks.signing import sign_chunk
 from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
-from ....kv.heads import concat_heads, distinct_ranks, select_heads
+from ....kv.heads import concat_heads, select_heads
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import HeadRange, KVSnapshot, ModelFingerprint
 from ....kv.states import RecurrentStates
@@ -35,7 +35,7 @@ from ..cache import (
     attention_layers,
     describe_worker_cache,
     group_options,
-    rank_head_range,
+    rank_share,
     write_blocks,
 )
 from ..export import GatherBuffers, SequenceState, export_snapshot
@@ -156,18 +156,6 @@ class _Staging:
             del self._free[self._keep :]
 
 
-def _rank_share(vllm_config: VllmConfig, fingerprint: ModelFingerprint) -> tuple[HeadRange | None, bool]:
-    """This worker's KV heads and whether it saves them (one rank per distinct head range; rank 0 otherwise)."""
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    rank = int(get_tensor_model_parallel_rank())
-    tp = int(vllm_config.parallel_config.tensor_parallel_size)
-    heads = rank_head_range(vllm_config, rank)
-    if heads is None:  # an MLA latent or one KV head: on every rank, saved once
-        return None, rank == 0
-    return heads, rank in distinct_ranks(fingerprint.num_kv_heads, tp)
-
-
 def _states_first(saves: list[SaveTask]) -> list[SaveTask]:
     """The tasks with linear-attention states first.
 
@@ -248,7 +236,7 @@ class HurrayWorker:
         self._my_heads: HeadRange | None = None
         self._saves_here = True
         if config.tp > 1 and vllm_config is not None:
-            self._my_heads, self._saves_here = _rank_share(vllm_config, fingerprint)
+            self._my_heads, self._saves_here = rank_share(vllm_config)
         self._layer_groups = config.layer_groups  # several KV cache groups only: layer name -> group
         self._windows = config.group_windows
 
