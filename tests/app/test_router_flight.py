@@ -21,6 +21,23 @@ from hurray_vllm.app.router.flight import (
 from hurray_vllm.app.router.server import Router, RouterConfig
 
 
+def _read_leg(f: Flight, backend: Backend, path: str, events: list[Any]) -> list[tuple[str, Any]]:
+    """What a leg's reader queues for ``events`` from its backend: ``(kind, item)`` in order."""
+
+    async def upstream(*_: Any) -> AsyncIterator[Any]:
+        for e in events:
+            yield e
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[tuple[str, Any]]:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        await asyncio.wait_for(f._read(backend, path, {}, q, asyncio.Semaphore(8)), 5)
+        return [q.get_nowait() for _ in range(q.qsize())]
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     "event",
     [
@@ -37,18 +54,8 @@ def test_an_unreadable_event_ends_the_leg_with_an_error(event: Any) -> None:
     f = Flight(router, "completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
     backend = Backend("http://127.0.0.1:9")
 
-    async def upstream(*_: Any) -> AsyncIterator[Any]:
-        yield {"choices": [{"text": "a", "token_ids": [5], "prompt_token_ids": [1, 2, 3]}]}
-        yield event
-
-    f._upstream = upstream  # type: ignore[method-assign]
-
-    async def run() -> list[tuple[str, Any]]:
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        await asyncio.wait_for(f._read(backend, "/v1/completions", {}, q, asyncio.Semaphore(8)), 5)
-        return [q.get_nowait() for _ in range(q.qsize())]
-
-    got = asyncio.run(run())
+    first = {"choices": [{"text": "a", "token_ids": [5], "prompt_token_ids": [1, 2, 3]}]}
+    got = _read_leg(f, backend, "/v1/completions", [first, event])
     assert [k for k, _ in got] == ["delta", "error"]
     assert isinstance(got[-1][1], UpstreamError)
     assert f.generated == [5]
@@ -109,18 +116,7 @@ def test_a_chat_backends_reasoning_is_passed_on_and_pins_the_request() -> None:
         {"choices": [{"delta": {"reasoning_content": "hm", "tool_calls": None}, "token_ids": [6]}]},
     ]
 
-    async def upstream(*_: Any) -> AsyncIterator[Any]:
-        for e in events:
-            yield e
-
-    f._upstream = upstream  # type: ignore[method-assign]
-
-    async def run() -> list[tuple[str, Any]]:
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        await asyncio.wait_for(f._read(backend, "/v1/chat/completions", {}, q, asyncio.Semaphore(8)), 5)
-        return [q.get_nowait() for _ in range(q.qsize())]
-
-    got = [d for kind, d in asyncio.run(run()) if kind == "delta"]
+    got = [d for kind, d in _read_leg(f, backend, "/v1/chat/completions", events) if kind == "delta"]
     assert [d.extra for d in got] == [None, None, {"reasoning_content": "hm", "tool_calls": None}]
     assert f.unmovable == PARSED
     with pytest.raises(RouterError, match="parses reasoning") as exc:
