@@ -1,12 +1,26 @@
-"""A HurrayWorker without an engine, over caches a test builds: what the connector's load does to them."""
+"""A HurrayWorker without an engine, over caches a test builds: what the connector's load does to them.
+
+Also a small model to drive it with: two chunks of 2 layers of 2 KV heads,
+stored as a producer at any tensor-parallel degree stores them, and a
+CPU-packed cache for any rank's heads.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
+
 import hurray_vllm as hv
-from hurray_vllm.chunks.store import DirectoryStore
+from hurray_vllm.chunks.keys import chunks_of, namespace_of
+from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+from hurray_vllm.kv.heads import distinct_ranks, rank_heads, select_heads
 from hurray_vllm.kv.snapshot import HeadRange
+
+__all__ = ["CHUNK", "DIM", "HEADS", "PAGE", "bare_worker", "cpu_worker", "gqa_fingerprint", "stored_at_tp"]
+
+HEADS, DIM, PAGE, CHUNK = 2, 16, 4, 8
 
 
 def bare_worker(
@@ -30,6 +44,72 @@ def bare_worker(
     w._chunk, w._block_size, w._my_heads = chunk_tokens, ec.block_size, mine
     w._verified_cap, w._verified_bytes = 64, 1 << 30
     w._layer_groups, w._windows, w._load_errors = {}, (), set()
+    w._received, w._failed = set(), set()
     w.stats = ConnectorStats()
     w._ec = ec
     return w
+
+
+def gqa_fingerprint(kv_heads: int = HEADS) -> hv.ModelFingerprint:
+    """The fingerprint of :func:`stored_at_tp`'s model (or of one with ``kv_heads`` KV heads)."""
+    return hv.ModelFingerprint("LlamaForCausalLM", 2, kv_heads, DIM, "bfloat16")
+
+
+def _two_chunks() -> hv.KVSnapshot:
+    """One sequence of 2 chunks (16 tokens), 2 layers of 2 KV heads, every value telling its head apart."""
+    n = 2 * CHUNK
+    gen = torch.Generator().manual_seed(0)
+    table, ptr, lens = torch.arange(n // PAGE), torch.tensor([0, n // PAGE]), torch.tensor([n])
+
+    def pool() -> torch.Tensor:
+        return torch.randn((n // PAGE, PAGE, HEADS, DIM), generator=gen).to(torch.bfloat16)
+
+    return hv.KVSnapshot(
+        keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
+        values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
+        token_ids=(tuple(range(100, 100 + n + 1)),),
+        fingerprint=gqa_fingerprint(),
+        source=hv.SnapshotSource("vllm", "test", PAGE),
+        request_ids=("r",),
+    )
+
+
+def stored_at_tp(tmp_path: Path, producer_tp: int) -> tuple[DirectoryStore, str, list[str], hv.KVSnapshot]:
+    """Two chunks as a producer at ``producer_tp`` stores them (whole, or one slice per distinct rank).
+
+    Returns ``(store, namespace, chunk keys, the whole snapshot)``.
+    """
+    snap = _two_chunks()
+    store = DirectoryStore(tmp_path / f"tp{producer_tp}")
+    if producer_tp == 1:
+        store_snapshot(store, snap, CHUNK)
+    else:
+        for r in distinct_ranks(HEADS, producer_tp):
+            store_snapshot(store, select_heads(snap, rank_heads(HEADS, producer_tp, r)), CHUNK)
+    assert snap.fingerprint is not None
+    keys = [k for k, _ in chunks_of(snap, CHUNK)]
+    return store, namespace_of(snap.fingerprint), keys, snap
+
+
+def cpu_worker(store: DirectoryStore, ns: str, mine: HeadRange | None = None) -> Any:
+    """A consumer's worker for one rank (``mine``: its KV heads) over a CPU cache of its heads, 8 blocks."""
+    from hurray_vllm.adapters.vllm.cache import EngineCache
+    from hurray_vllm.adapters.vllm.layouts import CpuPacked
+
+    h = mine.count if mine is not None else HEADS
+    layout = CpuPacked("vec", DIM)
+    ec = EngineCache(
+        caches=[torch.zeros((8, h, PAGE, 2 * DIM), dtype=torch.bfloat16) for _ in range(2)],
+        layer_names=["l0", "l1"],
+        layout=layout,
+        layout_name=layout.name,
+        storage_dtype=torch.bfloat16,
+        model_dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        kv_scales=None,
+        fingerprint=gqa_fingerprint(),
+        block_size=PAGE,
+        engine="vllm test",
+        isa="vec",
+    )
+    return bare_worker(store, ns, gqa_fingerprint(), ec, CHUNK, mine)

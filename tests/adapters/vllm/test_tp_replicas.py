@@ -15,16 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from bare_worker import bare_worker
+from bare_worker import CHUNK, HEADS, cpu_worker, stored_at_tp
 from conftest import require
 
-import hurray_vllm as hv
-from hurray_vllm.chunks.keys import chunks_of, namespace_of, slice_key
-from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
-from hurray_vllm.kv.heads import select_heads
+from hurray_vllm.chunks.keys import slice_key
 from hurray_vllm.kv.snapshot import HeadRange
-
-HEADS, DIM, PAGE, CHUNK = 2, 16, 4, 8
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +34,6 @@ def _vllm_config(tp: int, kv_heads: int = HEADS, mla: bool = False) -> SimpleNam
     hf = SimpleNamespace(kv_lora_rank=16, qk_rope_head_dim=8, model_type="deepseek_v2")
     model = SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads, use_mla=mla, hf_config=hf, hf_text_config=hf)
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp), model_config=model)
-
-
-def _fingerprint(kv_heads: int = HEADS) -> hv.ModelFingerprint:
-    return hv.ModelFingerprint("LlamaForCausalLM", 2, kv_heads, DIM, "bfloat16")
 
 
 @pytest.mark.parametrize(
@@ -72,65 +63,6 @@ def test_one_rank_per_distinct_head_range_saves(
     assert got == want
 
 
-def _snapshot() -> hv.KVSnapshot:
-    """One sequence of 2 chunks (16 tokens), 2 layers of 2 KV heads, every value telling its head apart."""
-    n = 2 * CHUNK
-    gen = torch.Generator().manual_seed(0)
-    table, ptr, lens = torch.arange(n // PAGE), torch.tensor([0, n // PAGE]), torch.tensor([n])
-
-    def pool() -> torch.Tensor:
-        return torch.randn((n // PAGE, PAGE, HEADS, DIM), generator=gen).to(torch.bfloat16)
-
-    return hv.KVSnapshot(
-        keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
-        values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
-        token_ids=(tuple(range(100, 100 + n + 1)),),
-        fingerprint=_fingerprint(),
-        source=hv.SnapshotSource("vllm", "test", PAGE),
-        request_ids=("r",),
-    )
-
-
-def _store(tmp_path: Any, producer_tp: int) -> tuple[DirectoryStore, str, list[str], hv.KVSnapshot]:
-    """The snapshot's chunks as a producer at ``producer_tp`` stores them: whole, or one slice per distinct rank."""
-    snap = _snapshot()
-    store = DirectoryStore(tmp_path / f"tp{producer_tp}")
-    if producer_tp == 1:
-        store_snapshot(store, snap, CHUNK)
-    else:
-        from hurray_vllm.kv.heads import distinct_ranks, rank_heads
-
-        for r in distinct_ranks(HEADS, producer_tp):
-            store_snapshot(store, select_heads(snap, rank_heads(HEADS, producer_tp, r)), CHUNK)
-    assert snap.fingerprint is not None
-    keys = [k for k, _ in chunks_of(snap, CHUNK)]
-    return store, namespace_of(snap.fingerprint), keys, snap
-
-
-def _worker(store: DirectoryStore, ns: str, mine: HeadRange | None) -> Any:
-    """A consumer's worker for one rank (``mine``: its KV heads) over a CPU cache of its heads, 8 blocks."""
-    from hurray_vllm.adapters.vllm.cache import EngineCache
-    from hurray_vllm.adapters.vllm.layouts import CpuPacked
-
-    h = mine.count if mine is not None else HEADS
-    layout = CpuPacked("vec", DIM)
-    ec = EngineCache(
-        caches=[torch.zeros((8, h, PAGE, 2 * DIM), dtype=torch.bfloat16) for _ in range(2)],
-        layer_names=["l0", "l1"],
-        layout=layout,
-        layout_name=layout.name,
-        storage_dtype=torch.bfloat16,
-        model_dtype=torch.bfloat16,
-        kv_cache_dtype="auto",
-        kv_scales=None,
-        fingerprint=_fingerprint(),
-        block_size=PAGE,
-        engine="vllm test",
-        isa="vec",
-    )
-    return bare_worker(store, ns, _fingerprint(), ec, CHUNK, mine)
-
-
 @pytest.mark.parametrize("producer_tp", [1, 2, 4])
 @pytest.mark.parametrize("consumer_tp", [1, 2, 4])
 def test_every_rank_loads_its_heads_from_chunks_stored_at_any_tp(
@@ -139,7 +71,7 @@ def test_every_rank_loads_its_heads_from_chunks_stored_at_any_tp(
     from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
     from hurray_vllm.kv.heads import rank_heads
 
-    store, ns, keys, snap = _store(tmp_path, producer_tp)
+    store, ns, keys, snap = stored_at_tp(tmp_path, producer_tp)
     parts = [store.parts(ns, k, HEADS) for k in keys]
     assert all(p is not None for p in parts)
     verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
@@ -150,7 +82,7 @@ def test_every_rank_loads_its_heads_from_chunks_stored_at_any_tp(
     for rank in range(consumer_tp):
         heads = rank_heads(HEADS, consumer_tp, rank)
         mine = HeadRange(heads.start, heads.stop, HEADS) if len(heads) < HEADS else None
-        w = _worker(store, ns, mine)
+        w = cpu_worker(store, ns, mine)
         task = LoadTask("r", keys, tokens, blocks, verified)
         w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
         assert not w.get_block_ids_with_load_errors() and w.stats.chunks_loaded == 2
@@ -165,10 +97,10 @@ def test_a_rank_whose_heads_no_stored_file_holds_refuses_the_load(worker_mod: Mo
     """Only head 0's slice of a chunk is named in the load: rank 1 of 2 finds nothing for head 1."""
     from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
 
-    store, ns, keys, snap = _store(tmp_path, 2)
+    store, ns, keys, snap = stored_at_tp(tmp_path, 2)
     parts = [store.parts(ns, k, HEADS) for k in keys]
     only_first = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps[:1]] for ps in parts if ps]
-    w = _worker(store, ns, HeadRange(1, 2, HEADS))
+    w = cpu_worker(store, ns, HeadRange(1, 2, HEADS))
     tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
     w.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, [5, 2, 7, 1], only_first)]))
     assert w.get_block_ids_with_load_errors() == {5, 2, 7, 1}
