@@ -51,13 +51,11 @@ Extra config:
   and keeps, by key, so that loading them again (the next turn of a
   conversation, a shared system prompt) neither parses nor checksums their
   files again while the files are unchanged (same inode, size and times).
-  At least 64 (the chunks the scheduler verifies pass through it to the
-  worker of the same process) and at most an eighth of the process's
-  open-file limit.
+  At least 64 and at most an eighth of the process's open-file limit.
 * ``hurray_verified_mib`` (default 2048): the memory those kept chunks may
   hold (their page pools are read into the process, not mapped); least
-  recently used out first. A chunk evicted before the worker wrote it is
-  read again by the worker.
+  recently used out first. A load's own chunks reach a worker in the
+  scheduler's process with the load, whatever was evicted meanwhile.
 * ``hurray_key_file`` (or ``$HURRAY_VLLM_KEY_FILE``): the fleet key file, or
   a list of them (the first signs, all are accepted: key rotation). Every
   chunk saved is signed; a chunk loaded or received without a valid MAC
@@ -115,6 +113,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -133,6 +132,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = [
@@ -216,14 +216,30 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         a helper thread while the next chunk file is parsed. Returns
         ``(None, False)`` (vLLM asks again next step) while chunks the
         request's ``kv_transfer_params`` announce are still arriving
-        (``hurray_push_wait_s``). Never loads asynchronously (the second
-        value is always ``False``).
+        (``hurray_push_wait_s``). The second value is ``False`` (the load
+        happens in the step that schedules the request) except for a model of
+        several KV cache groups whose workers run in processes of their own
+        (``True``: vLLM's asynchronous-load path, so that a load a worker
+        fails is recomputed instead of stopping the engine; the request then
+        waits one step).
         """
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Scheduler side, after vLLM allocated blocks: keep the load only if tokens were granted. Never blocks."""
+        """Scheduler side, after vLLM allocated blocks: keep the load only if tokens were granted. Never blocks.
+
+        An asynchronous load takes its blocks from here (its request is not
+        scheduled in this step).
+        """
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side, after each step: learn which asynchronous loads failed on a worker. Never blocks.
+
+        vLLM recomputes those requests (``kv_load_failure_policy="recompute"``,
+        the default) and asks for their matched tokens again: they get none.
+        """
+        self._sched().update_connector_output(set(connector_output.failed_recving or ()))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler side, once per step: the loads and saves the worker performs in this step.
@@ -302,6 +318,20 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         """Either side, when vLLM shuts down: the worker finishes its background saves (up to a minute)."""
         if self._worker is not None:
             self._worker.shutdown()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Worker side, after each step: the asynchronous loads that ended, and those that failed. Never blocks.
+
+        Only a model of several KV cache groups whose workers run in
+        processes of their own loads asynchronously (see
+        :meth:`get_num_new_matched_tokens`). Its loads end in the step that
+        hands them to the worker; a failed one (a chunk file gone since the
+        scheduler verified it) is in both sets, and vLLM recomputes it. No
+        request is ever reported as sending: every save copied its blocks
+        out within its step.
+        """
+        received, failed = self._work().get_transfer_results()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Worker side, after a step: blocks whose load failed (vLLM applies kv_load_failure_policy). Never blocks."""

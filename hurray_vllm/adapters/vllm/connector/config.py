@@ -29,7 +29,7 @@ __all__ = ["HurrayConfig", "verified_capacity"]
 
 
 def verified_capacity(wanted: int) -> int:
-    """``wanted``, at least 64 (the handoff to the worker) and at most an eighth of the open-file limit.
+    """``wanted``, at least 64 and at most an eighth of the open-file limit.
 
     The open-file bound dates from when kept chunks were mapped (each mapping
     holds its file open); chunks are read now, and it stays as a bound on
@@ -111,6 +111,27 @@ def _tls_options(cfg: Any, url: Any, listen: Any, transport: str) -> tuple[TlsOp
     return push_opts, listen_opts
 
 
+def _async_loads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, states: bool) -> bool:
+    """Whether loads must be reported per request: several KV cache groups, workers out of the scheduler's process.
+
+    vLLM 0.32 maps blocks a worker failed to load back to their requests
+    only for one KV cache group; with several it stops the engine. A worker
+    in the scheduler's process writes the very chunks the scheduler
+    verified and cannot fail that way; one in a process of its own reads
+    the files again, which may have gone meanwhile (a prune). Its loads then
+    take vLLM's asynchronous path: the request waits one step, and a failed
+    load is recomputed. Linear-attention hybrids stay synchronous: their
+    state blocks are planned for the step that resumes, and they do not run
+    at tensor parallelism > 1 here.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    parallel = vllm_config.parallel_config
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend is None:  # vLLM sets it; a bare config: in-process unless several ranks
+        backend = "uni" if int(getattr(parallel, "world_size", 1) or 1) == 1 else "mp"
+    return len(groups) > 1 and not states and backend not in ("uni", "external_launcher")
+
+
 @dataclass(frozen=True)
 class HurrayConfig:
     """The connector's settings, as read from ``kv_transfer_config`` (see the package docstring).
@@ -171,6 +192,10 @@ class HurrayConfig:
     state_layout: RecurrentStates | None = None
     #: ``tensor_parallel_size``: each worker saves and loads its ranks' KV heads (``kv.heads``).
     tp: int = 1
+    #: Loads go through vLLM's asynchronous-load path (reported per request, not per block): a model of
+    #: several KV cache groups, for which vLLM cannot map failed blocks back to requests, whose workers
+    #: run in processes of their own and so read the chunk files again (see ``_async_loads``).
+    async_loads: bool = False
     #: ``hurray_key_file`` (or ``$HURRAY_VLLM_KEY_FILE``): the fleet keys chunks are signed with and
     #: checked against (:mod:`hurray_vllm.chunks.signing`); None: unsigned chunks, as before.
     keys: FleetKeys | None = field(default=None, repr=False)
@@ -292,6 +317,7 @@ class HurrayConfig:
             state_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none") if states else "",
             state_layout=declared_layout(kv_cache_config) if states else None,
             tp=tp,
+            async_loads=_async_loads(vllm_config, kv_cache_config, bool(states)),
             keys=keys,
             push_tls=push_tls,
             listen_tls=listen_tls,

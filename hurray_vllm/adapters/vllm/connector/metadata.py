@@ -1,10 +1,13 @@
 """What the scheduler part hands the worker part: each step's metadata, and the chunks it verified.
 
 * :class:`HurrayConnectorMetadata` travels with every step (vLLM pickles it
-  to a worker in another process): the loads and saves to perform.
-* :data:`VERIFIED` is the in-process side channel: chunks the scheduler
-  verified, which a worker in the same process reuses instead of reading
-  their files again (see :class:`VerifiedChunks`).
+  to a worker in another process): the loads and saves to perform. A load
+  carries the chunks the scheduler verified to a worker in the same process,
+  which writes them without reading their files again; pickling leaves them
+  out (:class:`LoadTask`).
+* :data:`VERIFIED` remembers the chunks this process verified, so that a
+  later load of the same prefix neither reads nor checks their files again
+  (see :class:`VerifiedChunks`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ class LoadTask:
     state_blocks: dict[int, list[int]] = field(default_factory=dict)
     #: The last key is a tail (``hurray_tails``): fewer tokens than a chunk, its whole blocks only.
     tail: bool = False
+    #: Loaded through vLLM's asynchronous-load path: the worker reports the request as received, or as
+    #: failed (``get_transfer_results``), instead of reporting blocks (``config.async_loads``).
+    report: bool = False
+    #: Per chunk, the snapshots the scheduler verified, aligned with ``parts``: a worker in the
+    #: scheduler's process writes from them (never read again, whatever the verified-chunk cache
+    #: evicted meanwhile). Not pickled: a worker in another process reads the files.
+    snaps: list[list[KVSnapshot]] = field(default_factory=list, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, object]:
+        """What crosses to a worker in another process: everything but the verified snapshots."""
+        return {**self.__dict__, "snaps": []}
 
     def num_tokens(self, chunk_tokens: int) -> int:
         """The tokens the chunks cover (the first one's skipped blocks included): whole chunks, then the tail."""
@@ -109,6 +123,9 @@ class ConnectorStats:
     push_failures: int = 0  # worker: pushes that failed (each pauses pushing for PUSH_BACKOFF_S)
     push_waits: int = 0  # scheduler: requests held back until the chunks their kv_transfer_params announced arrived
     push_wait_timeouts: int = 0  # scheduler: ... of which some chunks never came (those tokens were recomputed)
+    #: Loads that failed on the worker after the scheduler promised them (a file gone, I/O): recomputed.
+    #: Counted by each worker; by the scheduler too for asynchronous loads (``config.async_loads``).
+    loads_failed: int = 0
     save_s: float = 0.0  # worker: wall time the steps spent saving (with async saves: copying the blocks out)
     load_s: float = 0.0  # worker: wall time the steps spent loading (reading, checking, writing blocks)
 
@@ -120,17 +137,16 @@ DEFAULT_VERIFIED_BYTES = 2048 << 20
 class VerifiedChunks:
     """Chunks this process verified (model, tokens, checksum), by key, with their file's identity.
 
-    The scheduler hands them to a worker in the same process, which then
-    does not read them again; and a later load of the same prefix (the
-    next turn of a conversation, a shared system prompt) skips reading,
-    parsing and checksumming their files again as long as each file is
-    still the one that was verified (:meth:`DirectoryStore.identity`).
-    Least recently used first out.
+    A later load of the same prefix (the next turn of a conversation, a
+    shared system prompt) skips reading, parsing and checksumming their
+    files again as long as each file is still the one that was verified
+    (:meth:`DirectoryStore.identity`); a worker in another process keeps
+    the chunks it read and checked itself. Least recently used first out.
 
     An entry holds the chunk's page pools in the process's own memory (files
     are read, not mapped: issue 17), so the cache is bounded in bytes as well
-    as in entries. An entry evicted before the worker took it is read again
-    by the worker: slower, never wrong.
+    as in entries. Evicting an entry never fails a load: the load carries
+    its own chunks to a worker in the scheduler's process.
 
     ``capacity`` and ``max_bytes`` are only the default bounds: each
     connector part passes its own (``hurray_verified_chunks``,

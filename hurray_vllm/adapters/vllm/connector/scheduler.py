@@ -130,6 +130,11 @@ class _Request:
     #: token it ends at when one was saved (0: none).
     tail_planned: bool = False
     tail_end: int = 0
+    #: Where the planned load starts (the local prefix-cache hit it was planned after).
+    load_from: int = 0
+    #: A load promised to this request failed on a worker (reported through vLLM's asynchronous-load
+    #: path): vLLM recomputes the request, and this connector does not offer it a load again.
+    load_failed: bool = False
 
 
 class HurrayScheduler:
@@ -156,6 +161,8 @@ class HurrayScheduler:
         self._heads = fingerprint.num_kv_heads if fingerprint is not None else 1
         self._state_groups = config.state_groups  # () unless linear-attention layers keep states
         self._state_mode = config.state_mode
+        # Asynchronous loads vLLM allocated blocks for, to hand to the workers in this step's metadata.
+        self._allocated: list[tuple[_Request, int]] = []
 
     def start_receiver(self) -> None:
         """Start the ``hurray_listen`` receiver once per process (it outlives any one connector)."""
@@ -201,6 +208,8 @@ class HurrayScheduler:
         usable = (len(tokens) - 1) // self._chunk * self._chunk
         keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
         state = self._reqs.setdefault(request.request_id, _Request(request))
+        if state.load_failed:
+            return 0, False  # a worker could not load it: recompute rather than fail again
         first = num_computed_tokens // self._chunk
         if self._awaits_push(state, tokens, keys, num_computed_tokens):
             return None, False  # vLLM asks again at its next step
@@ -221,26 +230,29 @@ class HurrayScheduler:
             found.append((i, parts, *read))
         hit = first
         verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
-        snaps: list[KVSnapshot] = []
+        verified_snaps: list[list[KVSnapshot]] = []
         for i, parts, part_snaps, checks in found:
             if not self._passed(parts, part_snaps, checks):
                 break
             verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts])
-            snaps.append(part_snaps[0])  # the slices share windows and structure
+            verified_snaps.append(part_snaps)
             hit = i + 1
-        while hit > first and not self._resumes_at(snaps[: hit - first], first, hit):
+        # The slices of a chunk share windows and structure: the first of each speaks for them.
+        while hit > first and not self._resumes_at([v[0] for v in verified_snaps[: hit - first]], first, hit):
             # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends, or (linear
             # attention) the last chunk holds no states taken there: load less.
             hit -= 1
             verified.pop()
+            verified_snaps.pop()
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
         load_keys = keys[first:hit]
         tail = self._find_tail(tokens, keys, hit, num_computed_tokens) if hit == len(keys) else None
         if tail is not None:
-            tail_key, tail_tokens, tail_parts = tail
+            tail_key, tail_tokens, tail_parts, tail_snaps = tail
             load_keys.append(tail_key)
             chunk_tokens.append(tail_tokens)
             verified.append(tail_parts)
+            verified_snaps.append(tail_snaps)
         end = hit * self._chunk + (len(tail[1]) if tail is not None else 0)
         matched = end - num_computed_tokens
         if matched <= 0 or num_computed_tokens % self._block_size:
@@ -248,14 +260,24 @@ class HurrayScheduler:
         # A local prefix-cache hit may end inside chunk `first`: its leading blocks are the engine's
         # (possibly shared with other requests) and are skipped; the rest of the chunk is loaded.
         skip = (num_computed_tokens - first * self._chunk) // self._block_size
+        report = self._config.async_loads
         state.load = LoadTask(
-            request.request_id, load_keys, chunk_tokens, [], verified, skip_blocks=skip, tail=tail is not None
+            request.request_id,
+            load_keys,
+            chunk_tokens,
+            [],
+            verified,
+            skip_blocks=skip,
+            tail=tail is not None,
+            report=report,
+            snaps=verified_snaps,
         )
-        return matched, False
+        state.load_from = num_computed_tokens
+        return matched, report
 
     def _find_tail(
         self, tokens: list[int], keys: list[str], hit: int, computed: int
-    ) -> tuple[str, list[int], list[tuple[str, int, int, tuple[int, ...]]]] | None:
+    ) -> tuple[str, list[int], list[tuple[str, int, int, tuple[int, ...]]], list[KVSnapshot]] | None:
         """The longest stored tail after whole chunk ``hit - 1``, read and verified; ``None`` if there is none.
 
         A producer stores a prompt's tail (its whole blocks after its last whole
@@ -282,7 +304,7 @@ class HurrayScheduler:
             read = self._read_parts(parts, rest[:n])
             if read is None or not self._passed(parts, *read):
                 return None
-            return key, rest[:n], [(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts]
+            return key, rest[:n], [(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts], read[0]
         return None
 
     def _awaits_push(self, state: _Request, tokens: list[int], keys: list[str], computed: int) -> bool:
@@ -456,14 +478,43 @@ class HurrayScheduler:
         return not why
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Called by vLLM's scheduler, via the connector, after block allocation: drops the load if none was granted."""
+        """Called by vLLM's scheduler, via the connector, after block allocation: drops the load if none was granted.
+
+        An asynchronous load (``config.async_loads``) takes its blocks from
+        here: its request is not scheduled in this step, so it is not among
+        the step's new requests.
+        """
         state = self._reqs.get(request.request_id)
-        if state is not None and num_external_tokens == 0:
+        if state is None or state.load is None:
+            return
+        if num_external_tokens == 0:
             state.load = None
+        elif state.load.report:
+            ids = blocks.get_block_ids()
+            state.block_ids = list(ids[0])
+            state.groups = [list(g) for g in ids] if self._windows else []
+            self._allocated.append((state, state.load_from + num_external_tokens))
+
+    def update_connector_output(self, failed_recving: set[str]) -> None:
+        """Called by vLLM's scheduler, via the connector, after each step: asynchronous loads that failed.
+
+        vLLM recomputes those requests from scratch and asks for their
+        matched tokens again; they are offered none.
+        """
+        for req_id in failed_recving:
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.load_failed = True
+                state.chunks_done = 0  # what it recomputes is saved again where the store lacks it
+            self.stats.loads_failed += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HurrayConnectorMetadata:
         """Called by vLLM's scheduler, via the connector, once per step: the loads and saves the worker performs."""
         meta = HurrayConnectorMetadata()
+        allocated, self._allocated = self._allocated, []
+        for waiting, computed in allocated:
+            if waiting.load is not None and self._reqs.get(waiting.request.request_id) is waiting:
+                self._attach_load(meta, waiting, computed, 0)  # loaded in this step, scheduled in a later one
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:

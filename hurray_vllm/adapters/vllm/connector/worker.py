@@ -223,6 +223,9 @@ class HurrayWorker:
         self.stats = ConnectorStats()
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
+        # Asynchronous loads (``LoadTask.report``) done in this step, and those of them that failed.
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
         self._pushed: OrderedDict[str, None] = OrderedDict()  # keys pushed, the most recent last
         self._push_paused_until = 0.0  # monotonic time: after a failed push, none is tried until then
         self._writer = _Writer(config.save_queue_bytes)
@@ -275,18 +278,14 @@ class HurrayWorker:
     def _load(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None) -> None:
         ec = self._engine_cache(forward_context)
         for task in meta.loads:
+            if task.report:
+                self._received.add(task.request_id)  # done in this step, written or failed
             try:
                 chunks = [self._chunk_for_load(ec, task, c) for c in range(len(task.keys))]
-            except (HurrayFormatError, OSError) as exc:
-                log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
-                self._load_errors.update(_task_blocks(task))
-                continue
-            try:
                 writes = self._plan_writes(ec, task, chunks)
                 states = self._plan_states(ec, task, [pieces[0][0] for pieces in chunks])
-            except HurrayFormatError as exc:
-                log.warning("hurray: load of %s failed (%s); its blocks will be recomputed", task.request_id, exc)
-                self._load_errors.update(_task_blocks(task))
+            except (HurrayFormatError, OSError) as exc:
+                self._fail(task, exc)
                 continue
             for layer, ids, pools, heads in writes:
                 write_blocks(ec, layer, ids, *pools, heads=heads)
@@ -295,6 +294,19 @@ class HurrayWorker:
             self.stats.chunks_loaded += len(chunks) - task.tail
             self.stats.tails_loaded += task.tail
             self.stats.tokens_loaded += task.num_tokens(self._chunk) - task.skip_blocks * ec.block_size
+
+    def _fail(self, task: LoadTask, why: BaseException) -> None:
+        """A load that failed before its first block was written: report it as vLLM expects, to be recomputed.
+
+        An asynchronous load fails its request (``failed_recving``); a
+        synchronous one reports its blocks (``invalid_block_ids``).
+        """
+        log.warning("hurray: load of %s failed (%s); it will be recomputed", task.request_id, why)
+        self.stats.loads_failed += 1
+        if task.report:
+            self._failed.add(task.request_id)
+        else:
+            self._load_errors.update(_task_blocks(task))
 
     def _plan_writes(
         self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]
@@ -384,11 +396,12 @@ class HurrayWorker:
         """
         mine = self._my_heads
         parts = task.parts[c] if c < len(task.parts) else [(task.keys[c], 0, 0, ())]
+        given = task.snaps[c] if c < len(task.snaps) else []  # in the scheduler's process: what it verified
         snaps = []
-        for name, start, stop, ident in parts:
+        for p, (name, start, stop, ident) in enumerate(parts):
             if mine is not None and stop > start and (stop <= mine.start or start >= mine.stop):
                 continue  # another rank's heads
-            snap = VERIFIED.get(name, ident)
+            snap = given[p] if p < len(given) else VERIFIED.get(name, ident)
             if snap is None:
                 now = self._store.identity(self._ns, name)
                 snap = self._store.get(self._ns, name)
@@ -715,14 +728,22 @@ class HurrayWorker:
         if not self._writer.flush(timeout=60.0):
             log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
 
+    def get_transfer_results(self) -> tuple[set[str], set[str]]:
+        """The asynchronous loads done since the last call, and those of them that failed; then forgets them."""
+        out = (self._received, self._failed)
+        self._received, self._failed = set(), set()
+        return out
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed (vLLM applies kv_load_failure_policy).
 
         vLLM 0.32 cannot map block ids back to requests when a model has
         several KV cache groups, and stops the engine rather than compute on
-        blocks that were not written: for a hybrid model a failure here (the
-        scheduler verified the chunks, so only I/O in a separate worker
-        process or an inconsistent engine) fails closed.
+        blocks that were not written. Such a model's loads are therefore
+        reported per request (:meth:`get_transfer_results`) wherever a
+        worker reads chunk files itself (``config.async_loads``); one in the
+        scheduler's process writes the chunks the scheduler verified, so a
+        failure here would mean an inconsistent engine, and fails closed.
         """
         out, self._load_errors = self._load_errors, set()
         if out and len(self._windows) > 1:

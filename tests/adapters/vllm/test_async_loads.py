@@ -1,0 +1,150 @@
+"""Loads reported per request (vLLM's asynchronous-load path), and the handoff to a worker in the scheduler's process.
+
+vLLM 0.32 maps blocks a worker failed to load back to requests only for one
+KV cache group; with several (sliding-window hybrids) it stops the engine.
+Where a worker reads chunk files itself (a process of its own, at tensor
+parallelism > 1), the connector therefore loads through vLLM's asynchronous
+path: the worker reports each request as received or failed, and vLLM
+recomputes a failed one. A worker in the scheduler's process writes the
+snapshots the scheduler verified, handed over in the load itself (never
+pickled), so nothing it needs can vanish. The real-engine test is
+``test_hybrid_tp.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from bare_worker import CHUNK, cpu_worker, stored_at_tp
+from conftest import require
+
+BLOCKS = [5, 2, 7, 1]  # two chunks of two blocks each, anywhere in the cache
+
+
+@pytest.fixture(autouse=True)
+def _vllm() -> None:
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+
+    forget_verified_chunks()
+
+
+def _load(store: Any, ns: str, keys: list[str], snap: Any, *, report: bool, handed: bool = False) -> Any:
+    """A load of both chunks as the scheduler plans it (``handed``: with the snapshots it verified)."""
+    from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
+
+    parts = [store.parts(ns, k, 2) for k in keys]
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts]
+    snaps = [[store.get(ns, p.name) for p in ps] for ps in parts] if handed else []
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    return LoadTask("r", keys, tokens, list(BLOCKS), verified, report=report, snaps=snaps)
+
+
+def _written(w: Any, snap: Any) -> bool:
+    ec = w._ec
+    for layer in range(2):
+        k, v = ec.layout.gather(ec.caches[layer], torch.tensor(BLOCKS))
+        if not (torch.equal(k, snap.layer(layer)[0].page_pool) and torch.equal(v, snap.layer(layer)[1].page_pool)):
+            return False
+    return True
+
+
+def test_an_async_load_reports_its_request_and_a_vanished_file_fails_it_not_its_blocks(tmp_path: Path) -> None:
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, forget_verified_chunks
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    w = cpu_worker(store, ns)
+    w.start_load_kv(HurrayConnectorMetadata(loads=[_load(store, ns, keys, snap, report=True)]))
+    assert w.get_transfer_results() == ({"r"}, set()) and w.get_transfer_results() == (set(), set())
+    assert not w.get_block_ids_with_load_errors() and _written(w, snap)
+
+    forget_verified_chunks()  # a worker process of its own: it has not seen these files
+    w = cpu_worker(store, ns)
+    task = _load(store, ns, keys, snap, report=True)
+    store.path(ns, keys[1]).unlink()  # a prune between the scheduler's check and this worker's read
+    w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
+    assert w.get_transfer_results() == ({"r"}, {"r"})  # received (the wait is over) and failed: recompute
+    assert not w.get_block_ids_with_load_errors()  # which a model of several KV cache groups cannot take
+    assert w.stats.loads_failed == 1 and w.stats.chunks_loaded == 0
+    assert not w._ec.caches[0].any()  # nothing written: the first chunk's file was read, not written
+
+    w = cpu_worker(store, ns)  # a synchronous load reports its blocks, as before
+    w.start_load_kv(HurrayConnectorMetadata(loads=[dataclasses.replace(task, report=False)]))
+    assert w.get_block_ids_with_load_errors() == set(BLOCKS) and w.get_transfer_results() == (set(), set())
+
+
+def test_a_worker_in_the_schedulers_process_writes_what_it_was_handed(tmp_path: Path) -> None:
+    """The handed snapshots are written even when the files are gone and forgotten; pickling drops them."""
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, forget_verified_chunks
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 2)  # slices: one file per head
+    task = _load(store, ns, keys, snap, report=False, handed=True)
+    for f in store.path(ns, keys[0]).parent.iterdir():
+        f.unlink()
+    forget_verified_chunks()  # as if the verified-chunk cache had evicted them meanwhile
+    w = cpu_worker(store, ns)
+    w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
+    assert not w.get_block_ids_with_load_errors() and w.stats.chunks_loaded == 2 and _written(w, snap)
+
+    crossed = pickle.loads(pickle.dumps(HurrayConnectorMetadata(loads=[task]))).loads[0]
+    assert crossed.snaps == [] and crossed.parts == task.parts and crossed.keys == task.keys
+    assert task.snaps  # the original keeps them
+
+
+def _output(new: list[Any] | None = None) -> SimpleNamespace:
+    """A step's SchedulerOutput, as much of it as the connector reads."""
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=new or [], scheduled_cached_reqs=cached, num_scheduled_tokens={})
+
+
+def test_the_scheduler_loads_asynchronously_and_offers_a_failed_request_nothing_again(tmp_path: Path) -> None:
+    from test_connector_background import _vllm_config
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    request = SimpleNamespace(request_id="r", all_token_ids=list(snap.token_ids[0]), kv_transfer_params=None)
+    sched = HurrayScheduler(cfg, store, snap.fingerprint, ns)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False)  # one group: synchronous
+
+    sched = HurrayScheduler(dataclasses.replace(cfg, async_loads=True), store, snap.fingerprint, ns)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, True)
+    # Blocks come with the allocation: the request is not scheduled in the step that loads it.
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: ([*BLOCKS, 3],)), 16)  # type: ignore[arg-type]
+    (load,) = sched.build_connector_meta(_output()).loads  # type: ignore[arg-type]
+    assert load.report and load.block_ids == BLOCKS and load.keys == keys and len(load.snaps) == 2
+    assert not sched.build_connector_meta(_output()).loads  # type: ignore[arg-type]  # handed over once
+
+    sched.update_connector_output({"r"})  # a worker failed it: vLLM recomputes it and asks again
+    assert sched.stats.loads_failed == 1
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+@pytest.mark.parametrize(
+    ("groups", "backend", "world", "states", "want"),
+    [
+        (4, "mp", 2, False, True),  # a sliding-window hybrid at TP = 2: workers read the files again
+        (4, "mp", 1, False, True),  # the mp executor at TP = 1: one worker, in a process of its own
+        (4, "uni", 1, False, False),  # the worker in the scheduler's process: handed what was verified
+        (4, "external_launcher", 2, False, False),  # a scheduler per rank, each with its worker
+        (1, "mp", 2, False, False),  # one group: vLLM maps failed blocks to requests
+        (4, "mp", 1, True, False),  # linear attention: state blocks planned for the resuming step
+        (4, None, 2, False, True),  # a bare config: several ranks are several processes
+    ],
+)
+def test_which_engines_load_asynchronously(
+    groups: int, backend: str | None, world: int, states: bool, want: bool
+) -> None:
+    from hurray_vllm.adapters.vllm.connector.config import _async_loads
+
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world))
+    kv = SimpleNamespace(kv_cache_groups=[object()] * groups)
+    assert _async_loads(cfg, kv, states) is want  # type: ignore[arg-type]
