@@ -128,6 +128,89 @@ def test_the_scheduler_loads_asynchronously_and_offers_a_failed_request_nothing_
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
 
 
+def _scheduler(tmp_path: Path, **config: Any) -> tuple[Any, SimpleNamespace]:
+    """A scheduler over the two-chunk store (block size 4, chunks of 8) whose workers run in processes of
+    their own (asynchronous loads); and a request for the stored prompt."""
+    from test_connector_background import _vllm_config
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+
+    store, ns, _, snap = stored_at_tp(tmp_path, 2)
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(cfg, async_loads=True, worker_in_process=False, **config)
+    tokens = list(snap.token_ids[0])
+    request = SimpleNamespace(
+        request_id="r", all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None
+    )
+    return HurrayScheduler(cfg, store, snap.fingerprint, ns), request  # type: ignore[arg-type]
+
+
+def test_an_async_load_after_a_local_hit_inside_a_chunk_fills_every_groups_blocks_after_it(tmp_path: Path) -> None:
+    """The engine holds the first block; a sliding-window group's table starts with the null block."""
+    sched, request = _scheduler(tmp_path, group_windows=(8, None))
+    assert sched.get_num_new_matched_tokens(request, 4) == (12, True)
+    groups = ([0, 0, 7, 1, 3], [6, 2, 8, 9, 4])  # what vLLM's hybrid manager holds for the request
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: groups), 12)  # type: ignore[arg-type]
+    (load,) = sched.build_connector_meta(_output()).loads  # type: ignore[arg-type]
+    assert load.skip_blocks == 1 and load.block_ids == [0, 7, 1] and load.groups == [[0, 7, 1], [2, 8, 9]]
+    assert load.snaps == []  # a worker in another process reads the files: nothing to hand over
+
+
+def test_a_request_waiting_for_a_load_nobody_planned_is_failed_by_the_workers(tmp_path: Path) -> None:
+    """Defensive: vLLM would wait forever for a load no worker reports; the workers fail it instead."""
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata
+
+    sched, _ = _scheduler(tmp_path)
+    store, ns = sched._store, sched._ns
+    stranger = SimpleNamespace(request_id="x", all_token_ids=[1, 2, 3])
+    sched.update_state_after_alloc(stranger, SimpleNamespace(get_block_ids=lambda: ([1, 2],)), 8)  # type: ignore[arg-type]
+    (load,) = sched.build_connector_meta(_output()).loads  # type: ignore[arg-type]
+    assert load.report and not load.keys
+    w = cpu_worker(store, ns)
+    w.start_load_kv(HurrayConnectorMetadata(loads=[load]))
+    assert w.get_transfer_results() == ({"x"}, {"x"}) and not w._ec.caches[0].any()
+    sched.update_connector_output({"x"})  # a request the scheduler does not know is not counted
+    assert sched.stats.loads_failed == 0
+
+
+def test_a_failed_request_may_load_again_once_it_runs(tmp_path: Path) -> None:
+    """Recomputed after a failed load, then preempted: its next lookup may load (its own saves, say)."""
+    sched, request = _scheduler(tmp_path)
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, True)
+    sched.update_connector_output({"r"})
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False) and sched.stats.loads_failed == 1
+    new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
+    out = _output([new])
+    out.num_scheduled_tokens = {"r": 17}
+    sched.build_connector_meta(out)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, True)
+
+
+def test_a_slice_gone_on_one_rank_fails_the_request_once_in_vllms_aggregate(tmp_path: Path) -> None:
+    """TP = 2: rank 0 loads its slice, rank 1 finds its slice gone; vLLM's aggregator reports one failure."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, forget_verified_chunks
+    from hurray_vllm.kv.snapshot import HeadRange
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 2)
+    task = _load(store, ns, keys, snap, report=True)
+    store.path(ns, f"{keys[1]}.h1-2").unlink()
+    outputs = []
+    for rank in range(2):
+        forget_verified_chunks()  # each rank is a process of its own
+        w = cpu_worker(store, ns, HeadRange(rank, rank + 1, 2))
+        w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
+        received, failed = w.get_transfer_results()
+        assert (received, failed) == ({"r"}, {"r"} if rank else set())
+        kv = KVConnectorOutput(finished_recving=received, failed_recving=failed)
+        outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=kv))
+    merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output  # type: ignore[union-attr]
+    assert merged is not None and merged.finished_recving == {"r"} and merged.failed_recving == {"r"}
+
+
 @pytest.mark.parametrize(
     ("groups", "backend", "world", "states", "want"),
     [

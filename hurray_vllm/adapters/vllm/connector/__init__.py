@@ -220,8 +220,8 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         happens in the step that schedules the request) except for a model of
         several KV cache groups whose workers run in processes of their own
         (``True``: vLLM's asynchronous-load path, so that a load a worker
-        fails is recomputed instead of stopping the engine; the request then
-        waits one step).
+        fails fails its request alone instead of stopping the engine; the
+        request then waits a step).
         """
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -236,8 +236,10 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler side, after each step: learn which asynchronous loads failed on a worker. Never blocks.
 
-        vLLM recomputes those requests (``kv_load_failure_policy="recompute"``,
-        the default) and asks for their matched tokens again: they get none.
+        With ``kv_load_failure_policy: "recompute"`` vLLM recomputes those
+        requests and asks for their matched tokens again: they get none (once
+        running again, a later lookup may load). Under vLLM's default,
+        ``"fail"``, they end with an error.
         """
         self._sched().update_connector_output(set(connector_output.failed_recving or ()))
 
@@ -268,13 +270,14 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Worker side, before the forward pass: write this step's loads into their blocks.
+        """Worker side, before the forward pass (after it, in a step with only asynchronous loads): write the loads.
 
-        Synchronous: returns when every block is written; blocks on reading
-        the chunks a worker in another process did not get from the
-        scheduler. Every chunk is read and verified before the first block is
-        touched; a request whose chunks fail leaves its blocks unwritten and
-        reports them as load errors.
+        Returns when every block is written; blocks on reading the chunks a
+        worker in another process did not get from the scheduler. Every chunk
+        is read and verified before the first block is touched; a request
+        whose chunks fail leaves its blocks unwritten and is reported: its
+        blocks as load errors, or the request itself for an asynchronous load
+        (:meth:`get_transfer_results`).
         """
         self._work().start_load_kv(self._meta(), forward_context)
 

@@ -111,6 +111,19 @@ def _tls_options(cfg: Any, url: Any, listen: Any, transport: str) -> tuple[TlsOp
     return push_opts, listen_opts
 
 
+def _worker_in_process(vllm_config: VllmConfig) -> bool:
+    """Whether the worker runs in the scheduler's process: vLLM's ``uni`` executor, or its external launcher.
+
+    ``mp`` and ``ray`` (and an executor class) run workers in processes of
+    their own, whatever the tensor-parallel degree.
+    """
+    parallel = vllm_config.parallel_config
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend is None:  # vLLM sets it; a bare config: in-process unless several ranks
+        return int(getattr(parallel, "world_size", 1) or 1) == 1
+    return backend in ("uni", "external_launcher")
+
+
 def _async_loads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, states: bool) -> bool:
     """Whether loads must be reported per request: several KV cache groups, workers out of the scheduler's process.
 
@@ -119,17 +132,14 @@ def _async_loads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     in the scheduler's process writes the very chunks the scheduler
     verified and cannot fail that way; one in a process of its own reads
     the files again, which may have gone meanwhile (a prune). Its loads then
-    take vLLM's asynchronous path: the request waits one step, and a failed
-    load is recomputed. Linear-attention hybrids stay synchronous: their
-    state blocks are planned for the step that resumes, and they do not run
-    at tensor parallelism > 1 here.
+    take vLLM's asynchronous path: the request waits a step, and a failed
+    load fails the request alone (recomputed, with
+    ``kv_load_failure_policy: "recompute"``). Linear-attention hybrids stay
+    synchronous: their state blocks are planned for the step that resumes,
+    and they are refused at tensor parallelism > 1.
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    parallel = vllm_config.parallel_config
-    backend = getattr(parallel, "distributed_executor_backend", None)
-    if backend is None:  # vLLM sets it; a bare config: in-process unless several ranks
-        backend = "uni" if int(getattr(parallel, "world_size", 1) or 1) == 1 else "mp"
-    return len(groups) > 1 and not states and backend not in ("uni", "external_launcher")
+    return len(groups) > 1 and not states and not _worker_in_process(vllm_config)
 
 
 @dataclass(frozen=True)
@@ -196,6 +206,8 @@ class HurrayConfig:
     #: several KV cache groups, for which vLLM cannot map failed blocks back to requests, whose workers
     #: run in processes of their own and so read the chunk files again (see ``_async_loads``).
     async_loads: bool = False
+    #: The worker runs in the scheduler's process: a load hands it the chunks the scheduler verified.
+    worker_in_process: bool = True
     #: ``hurray_key_file`` (or ``$HURRAY_VLLM_KEY_FILE``): the fleet keys chunks are signed with and
     #: checked against (:mod:`hurray_vllm.chunks.signing`); None: unsigned chunks, as before.
     keys: FleetKeys | None = field(default=None, repr=False)
@@ -318,6 +330,7 @@ class HurrayConfig:
             state_layout=declared_layout(kv_cache_config) if states else None,
             tp=tp,
             async_loads=_async_loads(vllm_config, kv_cache_config, bool(states)),
+            worker_in_process=_worker_in_process(vllm_config),
             keys=keys,
             push_tls=push_tls,
             listen_tls=listen_tls,

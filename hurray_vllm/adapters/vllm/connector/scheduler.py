@@ -161,8 +161,10 @@ class HurrayScheduler:
         self._heads = fingerprint.num_kv_heads if fingerprint is not None else 1
         self._state_groups = config.state_groups  # () unless linear-attention layers keep states
         self._state_mode = config.state_mode
-        # Asynchronous loads vLLM allocated blocks for, to hand to the workers in this step's metadata.
+        # Asynchronous loads vLLM allocated blocks for, to hand to the workers in this step's metadata; and
+        # requests vLLM put to wait for a load that is not (or no longer) planned, which the workers fail.
         self._allocated: list[tuple[_Request, int]] = []
+        self._unplanned: list[str] = []
 
     def start_receiver(self) -> None:
         """Start the ``hurray_listen`` receiver once per process (it outlives any one connector)."""
@@ -200,7 +202,8 @@ class HurrayScheduler:
         """Called by vLLM's scheduler, via the connector, when it schedules a request: stored tokens to load.
 
         Verifies the stored chunks past ``num_computed_tokens`` and plans their load; returns
-        ``(tokens, False)`` (loads are synchronous), ``(0, False)`` when nothing can be loaded.
+        ``(tokens, False)`` (loaded in the step that schedules the request), ``(tokens, True)`` where
+        loads are asynchronous (``config.async_loads``), ``(0, False)`` when nothing can be loaded.
         """
         if not self._loads:
             return 0, False
@@ -270,7 +273,7 @@ class HurrayScheduler:
             skip_blocks=skip,
             tail=tail is not None,
             report=report,
-            snaps=verified_snaps,
+            snaps=verified_snaps if self._config.worker_in_process else [],
         )
         state.load_from = num_computed_tokens
         return matched, report
@@ -485,15 +488,24 @@ class HurrayScheduler:
         the step's new requests.
         """
         state = self._reqs.get(request.request_id)
-        if state is None or state.load is None:
+        load = state.load if state is not None else None
+        if load is None or not load.report:
+            if num_external_tokens and self._config.async_loads:
+                # vLLM waits for this request's load and nothing would report it: fail it, to be recomputed.
+                log.error("hurray: request %s waits for a load this connector did not plan", request.request_id)
+                self._unplanned.append(request.request_id)
+            elif load is not None and num_external_tokens == 0:
+                assert state is not None
+                state.load = None
             return
+        assert state is not None
         if num_external_tokens == 0:
             state.load = None
-        elif state.load.report:
-            ids = blocks.get_block_ids()
-            state.block_ids = list(ids[0])
-            state.groups = [list(g) for g in ids] if self._windows else []
-            self._allocated.append((state, state.load_from + num_external_tokens))
+            return
+        ids = blocks.get_block_ids()
+        state.block_ids = list(ids[0])
+        state.groups = [list(g) for g in ids] if self._windows else []
+        self._allocated.append((state, state.load_from + num_external_tokens))
 
     def update_connector_output(self, failed_recving: set[str]) -> None:
         """Called by vLLM's scheduler, via the connector, after each step: asynchronous loads that failed.
@@ -506,7 +518,7 @@ class HurrayScheduler:
             if state is not None:
                 state.load_failed = True
                 state.chunks_done = 0  # what it recomputes is saved again where the store lacks it
-            self.stats.loads_failed += 1
+                self.stats.loads_failed += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HurrayConnectorMetadata:
         """Called by vLLM's scheduler, via the connector, once per step: the loads and saves the worker performs."""
@@ -515,10 +527,16 @@ class HurrayScheduler:
         for waiting, computed in allocated:
             if waiting.load is not None and self._reqs.get(waiting.request.request_id) is waiting:
                 self._attach_load(meta, waiting, computed, 0)  # loaded in this step, scheduled in a later one
+            else:
+                self._unplanned.append(waiting.request.request_id)
+        # An empty reported load is failed by every worker: vLLM then stops waiting for it and recomputes.
+        meta.loads += [LoadTask(req_id, [], [], [], report=True) for req_id in self._unplanned]
+        self._unplanned = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
+            state.load_failed = False  # scheduled again (recomputing): a later lookup (a preemption) may load
             state.block_ids = list(new.block_ids[0])
             if self._windows:
                 state.groups = [list(g) for g in new.block_ids]

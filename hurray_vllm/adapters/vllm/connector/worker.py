@@ -263,9 +263,9 @@ class HurrayWorker:
     def start_load_kv(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None = None) -> None:
         """Write this step's loads into their blocks.
 
-        Synchronous: returns when every block is written. Every chunk is
-        read and verified before the first block is touched; a request whose
-        chunks fail leaves its blocks unwritten and reports them as load errors.
+        Returns when every block is written. Every chunk is read and verified
+        before the first block is touched; a request whose chunks fail leaves
+        its blocks unwritten and is reported as vLLM expects (:meth:`_fail`).
         """
         if not meta.loads:
             return
@@ -280,11 +280,14 @@ class HurrayWorker:
         for task in meta.loads:
             if task.report:
                 self._received.add(task.request_id)  # done in this step, written or failed
+                if not task.keys:  # vLLM waits for a load the scheduler could not plan
+                    self._fail(task, HurrayFormatError("load", "the scheduler planned no chunks"))
+                    continue
             try:
                 chunks = [self._chunk_for_load(ec, task, c) for c in range(len(task.keys))]
                 writes = self._plan_writes(ec, task, chunks)
                 states = self._plan_states(ec, task, [pieces[0][0] for pieces in chunks])
-            except (HurrayFormatError, OSError) as exc:
+            except Exception as exc:  # nothing is written yet: any failure costs a recompute, not the worker
                 self._fail(task, exc)
                 continue
             for layer, ids, pools, heads in writes:
@@ -301,7 +304,8 @@ class HurrayWorker:
         An asynchronous load fails its request (``failed_recving``); a
         synchronous one reports its blocks (``invalid_block_ids``).
         """
-        log.warning("hurray: load of %s failed (%s); it will be recomputed", task.request_id, why)
+        bug = not isinstance(why, (HurrayFormatError, OSError))  # keep the traceback of anything else
+        log.warning("hurray: load of %s failed (%s); it will be recomputed", task.request_id, why, exc_info=bug)
         self.stats.loads_failed += 1
         if task.report:
             self._failed.add(task.request_id)
