@@ -1,11 +1,12 @@
 """Runs one real vLLM engine (CPU) on a tiny linear-attention hybrid (Qwen3-Next style) with HurrayConnector.
 
-Usage: python linear_engine_run.py MODEL_DIR OUT_DIR STORE_DIR (save|load)
+Usage: python linear_engine_run.py MODEL_DIR OUT_DIR STORE_DIR (save|load) [MORE_PROMPTS_JSON]
 
 ``save`` snapshots the requests after their prefill (``OUT_DIR/prefill.hrry``)
 and mid-decode (``OUT_DIR/snap.hrry``) while the connector saves every
 whole chunk to ``STORE_DIR``; ``load`` runs the same prompts against a
-store. Both record the greedy outputs, vLLM's cached-token counts, the
+store, and those of ``MORE_PROMPTS_JSON`` (``{id: [token ids]}``) too.
+Both record the greedy outputs, vLLM's cached-token counts, the
 connector's statistics and the block tables in ``OUT_DIR/result.json``.
 Prefix caching is vLLM's default (on), so its state groups run in
 ``mamba_cache_mode="align"`` with blocks vLLM sizes to the state's page: 384
@@ -48,6 +49,7 @@ def prompts(b: int) -> dict[str, list[int]]:
 
 def main() -> None:
     model, out, store, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    more: dict[str, list[int]] = json.loads(Path(sys.argv[5]).read_text()) if len(sys.argv) > 5 else {}
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -79,7 +81,7 @@ def main() -> None:
     chunk = core.scheduler.connector._config.chunk_tokens
     if chunk != block or block < 256 or 2 * block + 248 > 2048:
         raise SystemExit(f"this test needs chunks of one block of 256 to 900 tokens; vLLM chose blocks of {block}")
-    result: dict[str, Any] = {"prompts": prompts(block), "chunk_tokens": chunk}
+    result: dict[str, Any] = {"prompts": {**prompts(block), **more}, "chunk_tokens": chunk}
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=16, ignore_eos=True)
     for rid, ids in result["prompts"].items():
         eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)

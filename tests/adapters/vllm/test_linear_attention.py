@@ -10,6 +10,7 @@ the token comparison notices wrong states.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from hurray_vllm.chunks.store import DIGEST_KEY, chunk_digest
 
 pytestmark = [pytest.mark.vllm]
 HERE = Path(__file__).resolve().parents[2]
+MOVED_AFTER = 9  # tokens "d" generated before it "moves" to another engine (its prompt is 2B - 8 tokens)
 
 
 def state_bytes(recurrent_element_size: int) -> int:
@@ -39,8 +41,8 @@ def state_bytes(recurrent_element_size: int) -> int:
     return 3 * (3 * 1024 * 2 + 4 * 128 * 128 * recurrent_element_size)
 
 
-def _run(tmp: Path, name: str, store: Path, mode: str) -> dict[str, Any]:
-    args = [str(tmp / "model"), str(tmp / name), str(store), mode]
+def _run(tmp: Path, name: str, store: Path, mode: str, more: Path | None = None) -> dict[str, Any]:
+    args = [str(tmp / "model"), str(tmp / name), str(store), mode, *([str(more)] if more else [])]
     return run_engine_script("linear_engine_run.py", args, tmp / name, f"linear-attention engine {name}")
 
 
@@ -91,7 +93,11 @@ def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for layer in real.tensors
     ]
     _rewrite(_chunk_path(forged, prompts["a"], chunk, 1), real.with_tensors(noise))
-    runs["load"] = _run(tmp, "load", store, "load")
+    # A migration of "d" after 9 generated tokens: its prompt is "d"'s and those tokens, whose chunk 1 was
+    # completed by the 8th decode step, which took the states at its end.
+    moved = tmp / "moved.json"
+    moved.write_text(json.dumps({"d_moved": [*prompts["d"], *saved["outputs"]["d"][:MOVED_AFTER]]}))
+    runs["load"] = _run(tmp, "load", store, "load", moved)
     runs["broken"] = _run(tmp, "broken", broken, "load")
     runs["forged"] = _run(tmp, "forged", forged, "load")
     return runs
@@ -248,12 +254,21 @@ def test_from_transformers_refuses_a_linear_attention_cache(linear: dict[str, An
 def test_another_engine_loads_the_chunks_with_identical_tokens(linear: dict[str, Any]) -> None:
     saved, loaded = linear["save"], linear["load"]
     b = saved["chunk_tokens"]
-    assert loaded["outputs"] == saved["outputs"]
+    assert {rid: loaded["outputs"][rid] for rid in saved["outputs"]} == saved["outputs"]
     assert loaded["cached"]["a"] == 2 * b and loaded["cached"]["d"] == b  # resumed at their last states
     assert loaded["cached"]["e"] == b  # the chunk it shares with "a", whose states are its own
     work = loaded["worker_stats"]
     assert work["tokens_loaded"] >= 3 * b  # "b" and "e" may take the shared chunks from the engine's cache
     assert loaded["hybrid_manager_off"] is False
+
+
+def test_a_request_moved_mid_decode_resumes_from_states_a_decode_step_took(linear: dict[str, Any]) -> None:
+    """Migration: "d" continued on another engine after 9 tokens loads both chunks, chunk 1 with its decode states."""
+    saved, loaded = linear["save"], linear["load"]
+    b = saved["chunk_tokens"]
+    assert loaded["cached"]["d_moved"] == 2 * b  # resumed at the state the 8th decode step took
+    rest = saved["outputs"]["d"][MOVED_AFTER:]
+    assert loaded["outputs"]["d_moved"][: len(rest)] == rest  # the unmoved run's continuation, token for token
 
 
 def test_a_chunk_without_its_states_or_with_damaged_ones_is_recomputed(linear: dict[str, Any]) -> None:
