@@ -33,6 +33,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 SHARED = _prompt(2, 300)  # a prompt whose greedy tokens vary with this tiny model
 PROMPTS = {"p": SHARED, "q": [*SHARED[:200], *_prompt(5, 60)], "short": _prompt(2, 40)}
+MOVED, MOVED_AFTER = _prompt(9, 250), 8
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +68,12 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs["last_store"] = tmp / "store-last"
     runs["last_producer"] = servers.run_engine(tmp, "last-producer", BLOCK, last, {"p": SHARED}, 10)
     runs["last_consumer"] = servers.run_engine(tmp, "last-consumer", BLOCK, last, PROMPTS, 10)
+    # A migration mid-decode: "m" (250 tokens) completes its second chunk in its 6th decode step; moved after
+    # MOVED_AFTER tokens, the destination's prompt ends past that chunk, whose windows a decode step saved.
+    decode = {"hurray_path": str(tmp / "store-decode"), "hurray_chunk_tokens": CHUNK}
+    runs["decode_producer"] = servers.run_engine(tmp, "decode-producer", BLOCK, decode, {"m": MOVED}, 20)
+    moved = [*MOVED, *runs["decode_producer"]["outputs"]["m"][:MOVED_AFTER]]
+    runs["decode_consumer"] = servers.run_engine(tmp, "decode-consumer", BLOCK, decode, {"m_moved": moved}, 12)
     return runs
 
 
@@ -137,6 +144,14 @@ def test_the_last_policy_keeps_one_window_and_the_prompt_end_resumable(hybrid_ru
     consumer, plain = hybrid_runs["last_consumer"], hybrid_runs["plain"]
     assert consumer["cached"]["p"] == 256 and consumer["cached"]["q"] == 0
     assert consumer["outputs"] == plain["outputs"]
+
+
+def test_a_request_moved_mid_decode_loads_the_chunk_a_decode_step_completed(hybrid_runs: dict[str, Any]) -> None:
+    """Migration: the chunk ending at 256 was saved in a decode step, with the windows a resume there attends."""
+    producer, consumer = hybrid_runs["decode_producer"], hybrid_runs["decode_consumer"]
+    assert consumer["cached"]["m_moved"] == 2 * CHUNK
+    assert consumer["outputs"]["m_moved"] == producer["outputs"]["m"][MOVED_AFTER:]  # the unmoved continuation
+    assert len(set(producer["outputs"]["m"])) > 3
 
 
 def test_a_local_prefix_hit_inside_a_chunk_loads_the_rest_of_every_group(hybrid_runs: dict[str, Any]) -> None:
