@@ -388,6 +388,7 @@ def run_engine(
     *,
     sequential: bool = False,
     prefix_caching: bool = True,
+    speculative: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one offline vLLM engine over ``prompts`` in a subprocess (``tmp / "model"``, greedy).
 
@@ -401,6 +402,7 @@ def run_engine(
         sequential: run the requests one after the other (a later one can hit an earlier one's
             prefix in vLLM's own prefix cache).
         prefix_caching: vLLM's prefix cache (on by default, as in vLLM).
+        speculative: vLLM's ``speculative_config`` (none by default).
 
     Returns:
         The run's outputs, vLLM counters and connector statistics, plus its ``log``.
@@ -413,6 +415,7 @@ def run_engine(
         "stats": True,
         "sequential": sequential,
         "prefix_caching": prefix_caching,
+        "speculative": speculative,
     }
     proc = subprocess.run(
         _engine_command(tmp, name, cfg),

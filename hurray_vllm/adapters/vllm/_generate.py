@@ -4,7 +4,8 @@ Usage: python -m hurray_vllm.adapters.vllm._generate CONFIG_JSON RESULT_JSON
 
 CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | {id: n},
          "connector": {HurrayConnector extra config} | null, "policy": kv_load_failure_policy
-         (default "recompute"), "stats": true to report the connector's statistics}
+         (default "recompute"), "stats": true to report the connector's statistics,
+         "speculative": vLLM's speculative_config | null}
 RESULT: {"outputs": {id: [token ids]}, "cached": {id: num_cached_tokens},
          "hybrid_kv_cache_manager": whether vLLM kept it on,
          "scheduler_stats"/"worker_stats": {...} (with "stats", after background saves finished)}
@@ -46,6 +47,7 @@ def main() -> None:
         max_model_len=1024,
         kv_transfer_config=kv,
         enable_prefix_caching=cfg.get("prefix_caching", True),  # vLLM's default
+        speculative_config=cfg.get("speculative"),
         seed=0,
     )
     ids = list(cfg["prompts"])

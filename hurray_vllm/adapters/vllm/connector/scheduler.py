@@ -592,6 +592,15 @@ class HurrayScheduler:
         state.load = None
 
     def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
+        """Plan saves of the chunks ``computed`` tokens complete (those after this step's forward pass).
+
+        With speculative decoding a step also computes draft tokens, which
+        the request's token ids do not hold yet and which may be rejected:
+        only the tokens the request holds count, so a chunk is saved once its
+        every token is final (draft KV at a rejected position is overwritten
+        later; an accepted draft's is the token's own).
+        """
+        computed = min(computed, len(state.request.all_token_ids))
         full = computed // self._chunk
         # The step that ends the prompt's prefill also saves its tail (once), after its whole chunks.
         tail = self._config.tails and not state.tail_planned and computed >= state.request.num_prompt_tokens
