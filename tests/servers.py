@@ -389,6 +389,8 @@ def run_engine(
     sequential: bool = False,
     prefix_caching: bool = True,
     speculative: dict[str, Any] | None = None,
+    role: str = "kv_both",
+    salts: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run one offline vLLM engine over ``prompts`` in a subprocess (``tmp / "model"``, greedy).
 
@@ -403,6 +405,8 @@ def run_engine(
             prefix in vLLM's own prefix cache).
         prefix_caching: vLLM's prefix cache (on by default, as in vLLM).
         speculative: vLLM's ``speculative_config`` (none by default).
+        role: the connector's ``kv_role``.
+        salts: request id -> its prompt's ``cache_salt``.
 
     Returns:
         The run's outputs, vLLM counters and connector statistics, plus its ``log``.
@@ -416,6 +420,8 @@ def run_engine(
         "sequential": sequential,
         "prefix_caching": prefix_caching,
         "speculative": speculative,
+        "role": role,
+        "salts": salts or {},
     }
     proc = subprocess.run(
         _engine_command(tmp, name, cfg),

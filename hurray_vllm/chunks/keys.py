@@ -19,7 +19,7 @@ from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from .digest import DIGEST_KEY, chunk_digest
 
-__all__ = ["namespace_of", "chunk_keys", "chunks_of", "slice_key", "split_slice_key", "tail_keys"]
+__all__ = ["namespace_of", "key_seed", "chunk_keys", "chunks_of", "slice_key", "split_slice_key", "tail_keys"]
 
 
 def namespace_of(fp: ModelFingerprint) -> str:
@@ -28,6 +28,32 @@ def namespace_of(fp: ModelFingerprint) -> str:
     for part in (fp.architecture, fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.dtype, fp.weights_digest or ""):
         h.update(f"{part}\x00".encode())
     return h.hexdigest()
+
+
+def key_seed(namespace: str, *, lora: tuple[str, str] | None = None, cache_salt: str | None = None) -> str:
+    """What a sequence's first chunk key is hashed from: the namespace, and whatever else decides its KV.
+
+    The same tokens give other KV under a LoRA adapter (named with its path,
+    as vLLM's prefix cache names it), and a ``cache_salt`` asks for a cache
+    of its own (a tenant's). Either goes into the seed, so that such chunks
+    get keys of their own and are only shared by requests that agree on
+    both. Without either, the seed is the namespace itself: keys are
+    unchanged. Pass the result as the ``namespace`` argument of
+    :func:`chunk_keys` and :func:`tail_keys`; the store's directory stays
+    the namespace.
+
+    Example:
+        >>> key_seed("ns") == "ns", key_seed("ns", cache_salt="t1") == key_seed("ns", cache_salt="t2")
+        (True, False)
+    """
+    parts = [namespace]
+    if lora is not None:  # name and path: a name pointed at another adapter must not reuse the old one's KV
+        parts += ["lora", *lora]
+    if cache_salt:
+        parts += ["salt", cache_salt]
+    if len(parts) == 1:
+        return namespace
+    return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).hexdigest()
 
 
 def _chained(prev: str | None, namespace: str) -> hashlib.blake2b:

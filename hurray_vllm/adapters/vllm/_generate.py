@@ -5,7 +5,8 @@ Usage: python -m hurray_vllm.adapters.vllm._generate CONFIG_JSON RESULT_JSON
 CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | {id: n},
          "connector": {HurrayConnector extra config} | null, "policy": kv_load_failure_policy
          (default "recompute"), "stats": true to report the connector's statistics,
-         "speculative": vLLM's speculative_config | null}
+         "speculative": vLLM's speculative_config | null, "role": kv_role (default "kv_both"),
+         "salts": {id: cache_salt}}
 RESULT: {"outputs": {id: [token ids]}, "cached": {id: num_cached_tokens},
          "hybrid_kv_cache_manager": whether vLLM kept it on,
          "scheduler_stats"/"worker_stats": {...} (with "stats", after background saves finished)}
@@ -34,7 +35,7 @@ def main() -> None:
         kv = KVTransferConfig(
             kv_connector="HurrayConnector",
             kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
-            kv_role="kv_both",
+            kv_role=cfg.get("role", "kv_both"),
             kv_connector_extra_config=cfg["connector"],
             kv_load_failure_policy=cfg.get("policy", "recompute"),
         )
@@ -61,7 +62,13 @@ def main() -> None:
         )
         for i in ids
     ]
-    prompts = [TokensPrompt(prompt_token_ids=cfg["prompts"][i]) for i in ids]
+    salts = cfg.get("salts") or {}
+    prompts = []
+    for i in ids:
+        prompt = TokensPrompt(prompt_token_ids=cfg["prompts"][i])
+        if i in salts:
+            prompt["cache_salt"] = salts[i]
+        prompts.append(prompt)
     if cfg.get("sequential"):  # one request after the other: a later one can hit an earlier one's cached prefix
         outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
     else:

@@ -456,7 +456,7 @@ def test_save_tasks_keep_the_sliding_blocks_a_resume_needs(tmp_path, policy: str
     """
     require("vllm")
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
-    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler, _Request
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
     from hurray_vllm.chunks.store import DirectoryStore
 
     groups = [
@@ -470,7 +470,7 @@ def test_save_tasks_keep_the_sliding_blocks_a_resume_needs(tmp_path, policy: str
     sched = HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(600)), num_prompt_tokens=600)
     blocks = [list(range(1, 20)), list(range(101, 120))]
-    state = sched._reqs.setdefault("r", _Request(request))
+    state = sched._state(request)
     state.block_ids, state.groups = list(blocks[0]), [list(b) for b in blocks]
     meta = SimpleNamespace(saves=[])
     sched._plan_saves(meta, "r", state, 600)  # type: ignore[arg-type]
@@ -543,11 +543,10 @@ def _linear_scheduler(tmp_path: Any) -> Any:
 
 def test_a_chunk_takes_the_states_only_when_the_step_ends_at_its_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Align mode: block (n - 1) // 32 of each state group holds the state after n tokens, if a step ended there."""
-    from hurray_vllm.adapters.vllm.connector.scheduler import _Request
 
     sched = _linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(300)), num_prompt_tokens=300)
-    state = sched._reqs.setdefault("r", _Request(request))
+    state = sched._state(request)
     # vLLM's table after a step that ran 0..256: only the last block of a state group is real.
     state.groups = [[0] * 7 + [11], [0] * 7 + [21], list(range(31, 39))]
     state.block_ids = list(state.groups[0])
@@ -570,11 +569,10 @@ def test_a_chunk_takes_the_states_only_when_the_step_ends_at_its_end(tmp_path) -
 
 def test_a_load_resumes_at_the_last_chunk_with_states_and_writes_both_state_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
-    from hurray_vllm.adapters.vllm.connector.scheduler import _Request
 
     sched = _linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(300)), num_prompt_tokens=300)
-    state = sched._reqs.setdefault("r", _Request(request))
+    state = sched._state(request)
     # 128 tokens loaded (two chunks); vLLM pads the state groups' skipped blocks with the null block.
     state.groups = [[0, 0, 0, 11, 12], [0, 0, 0, 21, 22], [31, 32, 33, 34, 35]]
     state.block_ids = list(state.groups[0])
@@ -590,13 +588,12 @@ def test_a_load_resumes_at_the_last_chunk_with_states_and_writes_both_state_bloc
 
 def test_a_stored_chunk_without_states_is_written_again_by_a_step_that_has_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import hurray_vllm as hv
-    from hurray_vllm.adapters.vllm.connector.scheduler import _Request
     from hurray_vllm.app.demo import spec_example_snapshot
     from hurray_vllm.chunks import chunk_keys
 
     sched = _linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(100)), num_prompt_tokens=100)
-    state = sched._reqs.setdefault("r", _Request(request))
+    state = sched._state(request)
     state.groups = [[0, 11], [0, 21], [31, 32]]
     state.block_ids = list(state.groups[0])
     (key,) = chunk_keys(list(range(64)), 64, sched._ns)
@@ -666,7 +663,7 @@ def test_a_prompt_tail_is_saved_at_the_end_of_prefill_announced_awaited_and_load
     require("vllm")
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
-    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler, _Request
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
     from hurray_vllm.app.demo import spec_example_snapshot
     from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of, tail_keys
 
@@ -685,7 +682,7 @@ def test_a_prompt_tail_is_saved_at_the_end_of_prefill_announced_awaited_and_load
     # The producer: the step that computes the whole prompt saves its first block as the tail, and the
     # request's answer announces it.
     request = SimpleNamespace(request_id="p", all_token_ids=prompt, num_prompt_tokens=6)
-    state = sched._reqs.setdefault("p", _Request(request))
+    state = sched._state(request)
     state.block_ids = [5, 6]
     meta = SimpleNamespace(saves=[])
     sched._plan_saves(meta, "p", state, 4)  # type: ignore[arg-type]  # a step that ends mid-prompt: nothing yet

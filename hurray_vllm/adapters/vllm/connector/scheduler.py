@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ....chunks.digest import DIGEST_MISMATCH
+from ....chunks.keys import key_seed
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
 from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, tail_keys, verify_chunk
 from ....chunks.verify import begin_check_data
@@ -114,9 +115,26 @@ def is_damage(exc: BaseException) -> bool:
     )
 
 
+def request_seed(namespace: str, request: Any) -> str | None:
+    """The seed of ``request``'s chunk keys (:func:`~hurray_vllm.chunks.keys.key_seed`); None: it has no chunks.
+
+    A LoRA adapter and a ``cache_salt`` go into the seed. Images, audio and
+    other multimodal inputs, and prompt embeddings, decide KV that the token
+    ids do not name (their positions hold placeholders): such a request is
+    neither loaded nor saved.
+    """
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    adapter = (str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")) if lora else None
+    return key_seed(namespace, lora=adapter, cache_salt=getattr(request, "cache_salt", None))
+
+
 @dataclass
 class _Request:
     request: Any
+    #: Its chunk keys' seed (``request_seed``): the namespace, a LoRA adapter, a cache salt; None: no chunks.
+    seed: str | None = None
     block_ids: list[int] = field(default_factory=list)  # group 0's
     groups: list[list[int]] = field(default_factory=list)  # every group's (several KV cache groups only)
     chunks_done: int = 0  # chunks known to be in the store (saved or loaded)
@@ -198,6 +216,13 @@ class HurrayScheduler:
         else:
             log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
 
+    def _state(self, request: Any) -> _Request:
+        """The request's state, made on first sight (vLLM asks for every new request's matched tokens)."""
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _Request(request, seed=request_seed(self._ns, request))
+        return state
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Called by vLLM's scheduler, via the connector, when it schedules a request: stored tokens to load.
 
@@ -205,14 +230,12 @@ class HurrayScheduler:
         ``(tokens, False)`` (loaded in the step that schedules the request), ``(tokens, True)`` where
         loads are asynchronous (``config.async_loads``), ``(0, False)`` when nothing can be loaded.
         """
-        if not self._loads:
-            return 0, False
+        state = self._state(request)  # also for a producer alone: its saves follow the request
+        if not self._loads or state.load_failed or state.seed is None:
+            return 0, False  # a worker could not load it (recompute rather than fail again), or it has no chunks
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self._chunk * self._chunk
-        keys = chunk_keys(tokens[:usable], self._chunk, self._ns)
-        state = self._reqs.setdefault(request.request_id, _Request(request))
-        if state.load_failed:
-            return 0, False  # a worker could not load it: recompute rather than fail again
+        keys = chunk_keys(tokens[:usable], self._chunk, state.seed)
         first = num_computed_tokens // self._chunk
         if self._awaits_push(state, tokens, keys, num_computed_tokens):
             return None, False  # vLLM asks again at its next step
@@ -249,7 +272,7 @@ class HurrayScheduler:
             verified_snaps.pop()
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
         load_keys = keys[first:hit]
-        tail = self._find_tail(tokens, keys, hit, num_computed_tokens) if hit == len(keys) else None
+        tail = self._find_tail(tokens, keys, hit, num_computed_tokens, state.seed) if hit == len(keys) else None
         if tail is not None:
             tail_key, tail_tokens, tail_parts, tail_snaps = tail
             load_keys.append(tail_key)
@@ -279,7 +302,7 @@ class HurrayScheduler:
         return matched, report
 
     def _find_tail(
-        self, tokens: list[int], keys: list[str], hit: int, computed: int
+        self, tokens: list[int], keys: list[str], hit: int, computed: int, seed: str
     ) -> tuple[str, list[int], list[tuple[str, int, int, tuple[int, ...]]], list[KVSnapshot]] | None:
         """The longest stored tail after whole chunk ``hit - 1``, read and verified; ``None`` if there is none.
 
@@ -298,7 +321,7 @@ class HurrayScheduler:
         if room < self._block_size:
             return None
         rest = tokens[start : start + room // self._block_size * self._block_size]
-        for n, key in reversed(tail_keys(keys[hit - 1] if hit else None, rest, self._block_size, self._ns)):
+        for n, key in reversed(tail_keys(keys[hit - 1] if hit else None, rest, self._block_size, seed)):
             if start + n <= computed:
                 break  # the engine holds these tokens itself
             parts = self._store.parts(self._ns, key, self._heads)
@@ -332,7 +355,7 @@ class HurrayScheduler:
         first = computed // self._chunk
         announced, tail_end = _count(params.get("hurray_saved_tokens")), _count(params.get("hurray_tail_tokens"))
         awaited = keys[first : min(announced // self._chunk, len(keys))]
-        tail = self._announced_tail(tokens, keys, tail_end) if computed < tail_end else None
+        tail = self._announced_tail(tokens, keys, tail_end, state.seed or self._ns) if computed < tail_end else None
         if tail is not None and first + len(awaited) == tail_end // self._chunk:
             awaited.append(tail)  # right after the whole chunks before it (the source pushes it last)
         want = len(awaited)
@@ -362,7 +385,7 @@ class HurrayScheduler:
         )
         return False
 
-    def _announced_tail(self, tokens: list[int], keys: list[str], end: int) -> str | None:
+    def _announced_tail(self, tokens: list[int], keys: list[str], end: int, seed: str) -> str | None:
         """The key of the tail a source announced (``hurray_tail_tokens``), if this engine can load it."""
         start = end // self._chunk * self._chunk
         n = end - start
@@ -371,7 +394,7 @@ class HurrayScheduler:
         if start // self._chunk > len(keys):
             return None
         prev = keys[start // self._chunk - 1] if start else None
-        return tail_keys(prev, tokens[start:end], n, self._ns)[0][1]
+        return tail_keys(prev, tokens[start:end], n, seed)[0][1]
 
     def _read_parts(
         self, parts: list[ChunkPart], tokens: list[int], reader: ChunkReader | None = None
@@ -604,10 +627,10 @@ class HurrayScheduler:
         full = computed // self._chunk
         # The step that ends the prompt's prefill also saves its tail (once), after its whole chunks.
         tail = self._config.tails and not state.tail_planned and computed >= state.request.num_prompt_tokens
-        if not self._saves or (full <= state.chunks_done and not tail):
+        if not self._saves or state.seed is None or (full <= state.chunks_done and not tail):
             return
         tokens = list(state.request.all_token_ids)
-        keys = chunk_keys(tokens[: full * self._chunk], self._chunk, self._ns)
+        keys = chunk_keys(tokens[: full * self._chunk], self._chunk, state.seed)
         per = self._chunk // self._block_size
         # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
@@ -658,7 +681,7 @@ class HurrayScheduler:
         if end <= start:
             return
         prev = keys[start // self._chunk - 1] if start else None
-        n, key = tail_keys(prev, tokens[start:end], end - start, self._ns)[0]
+        n, key = tail_keys(prev, tokens[start:end], end - start, state.seed or self._ns)[0]
         state.tail_end = end
         if self._stored(key) and not self._url:
             self.stats.chunks_skipped += 1

@@ -1,0 +1,126 @@
+"""Which requests and roles share chunks: ``kv_producer`` / ``kv_consumer``, ``cache_salt``, LoRA, multimodal inputs.
+
+Real engines (CPU) for the roles and for ``cache_salt``; the scheduler alone
+for LoRA adapters and multimodal or embedding prompts, which the tiny CPU
+engine does not run.
+
+* A ``kv_producer`` saves every request (it used to save none: the
+  scheduler only followed requests it was asked to load for), a
+  ``kv_consumer`` loads and saves nothing.
+* The same tokens under another ``cache_salt`` (vLLM's per-tenant cache
+  isolation) or another LoRA adapter are other KV: their chunks get keys of
+  their own.
+* Images and prompt embeddings decide KV that token ids do not name: such
+  requests are neither loaded nor saved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import require
+from servers import run_engine
+from tiny_models import build_tiny_llama
+
+pytestmark = [pytest.mark.vllm]
+BLOCK = CHUNK = 32
+P = [(i * 37 + 11) % 500 + 1 for i in range(100)]  # three whole chunks before its last token
+
+
+def _files(store: Path) -> set[str]:
+    return {p.name for p in store.rglob("*.hrry")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("connector-requests")
+    build_tiny_llama(tmp / "model")
+    store = tmp / "store"
+    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
+    out: dict[str, Any] = {"store": store}
+    out["producer"] = run_engine(
+        tmp, "producer", BLOCK, extra, {"p": P, "salted": P}, 8, role="kv_producer", salts={"salted": "tenant-a"}
+    )
+    out["saved"] = _files(store)
+    out["consumer"] = run_engine(
+        tmp,
+        "consumer",
+        BLOCK,
+        extra,
+        {"none": P, "same": P, "other": P},
+        8,
+        role="kv_consumer",
+        salts={"same": "tenant-a", "other": "tenant-b"},
+    )
+    out["after"] = _files(store)
+    return out
+
+
+def test_a_producer_saves_each_salt_apart_and_a_consumer_loads_only_its_own(runs: dict[str, Any]) -> None:
+    producer, consumer = runs["producer"], runs["consumer"]
+    assert len(runs["saved"]) == 2 * 3  # three whole chunks per salt (chunks of one block: no tail)
+    assert producer["worker_stats"]["chunks_saved"] == 6
+    # No salt loads the unsalted chunks, tenant-a its own, tenant-b none (vLLM's own cache keeps them apart too).
+    assert consumer["cached"] == {"none": 96, "same": 96, "other": 0}
+    assert consumer["scheduler_stats"]["chunks_refused"] == 0
+    want = producer["outputs"]["p"]
+    assert consumer["outputs"] == {"none": want, "same": want, "other": want}
+    assert runs["after"] == runs["saved"]  # a consumer saves nothing
+
+
+def _scheduler(tmp_path: Path) -> Any:
+    from test_connector_background import _vllm_config
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 16}), None)  # type: ignore[arg-type]
+    return HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
+
+
+def _request(rid: str, **fields: Any) -> SimpleNamespace:
+    tokens = list(range(40))
+    return SimpleNamespace(
+        request_id=rid, all_token_ids=tokens, num_prompt_tokens=40, kv_transfer_params=None, **fields
+    )
+
+
+def test_lora_adapters_and_salts_seed_their_own_keys_and_multimodal_requests_have_none(tmp_path: Path) -> None:
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.scheduler import request_seed
+
+    ns = "ab" * 8
+    lora = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v1")
+    moved = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v2")
+    seeds = [
+        request_seed(ns, _request("plain")),
+        request_seed(ns, _request("lora", lora_request=lora)),
+        request_seed(ns, _request("lora2", lora_request=moved)),  # the same name, another adapter
+        request_seed(ns, _request("salted", cache_salt="t1")),
+        request_seed(ns, _request("both", lora_request=lora, cache_salt="t1")),
+    ]
+    assert seeds[0] == ns and len(set(seeds)) == len(seeds)
+    assert request_seed(ns, _request("same", lora_request=lora)) == seeds[1]
+    assert request_seed(ns, _request("image", mm_features=[object()])) is None
+    assert request_seed(ns, _request("embeds", prompt_embeds=object())) is None
+    assert request_seed(ns, _request("no images", mm_features=[])) == ns
+
+    sched = _scheduler(tmp_path)
+    image = _request("image", mm_features=[object()])
+    assert sched.get_num_new_matched_tokens(image, 0) == (0, False)
+    meta = SimpleNamespace(saves=[])
+    state = sched._reqs["image"]
+    state.block_ids = [1, 2, 3]
+    sched._plan_saves(meta, "image", state, 40)
+    assert meta.saves == []  # neither loaded nor saved
+    plain = _request("plain")
+    sched.get_num_new_matched_tokens(plain, 0)
+    state = sched._reqs["plain"]
+    state.block_ids = [4, 5, 6]
+    sched._plan_saves(meta, "plain", state, 40)
+    assert [t.key for t in meta.saves][:2] and len(meta.saves) == 2  # its two whole chunks of 16
