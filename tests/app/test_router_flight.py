@@ -97,6 +97,7 @@ def test_a_warm_ups_cached_tokens_are_read_from_any_answer(answer: bytes, cached
         ("chat", {"include_reasoning": False}, "include_reasoning"),  # vLLM then leaves out the token ids
         ("chat", {"response_format": {"type": "text"}}, None),  # plain text: nothing to restart
         ("completion", {"guided_json": None, "temperature": 0}, None),
+        ("completion", {"prompt_embeds": "base64..."}, "embeddings"),
     ],
 )
 def test_structured_output_is_not_moved(kind: str, body: dict[str, Any], why: str | None) -> None:
@@ -269,3 +270,56 @@ def _streamed_run(body_fails: bool, client_gone: bool) -> int:
 def test_a_streamed_answer_lets_go_of_its_request_however_it_ends(body_fails: bool, client_gone: bool) -> None:
     """Also when the client is gone before the body starts (Starlette then never runs the generator)."""
     assert _streamed_run(body_fails, client_gone) == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "moves"),
+    [
+        ("hi", True),
+        ([{"type": "text", "text": "hi"}], True),
+        ([{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": "data:..."}}], False),
+        ([{"type": "input_audio", "input_audio": {"data": "..."}}], False),
+        (["not a part"], False),
+    ],
+)
+def test_a_chat_with_images_or_audio_is_not_moved(content: Any, moves: bool) -> None:
+    """A continuation is a token-id prompt: the media's KV would be computed from placeholder tokens alone."""
+    got = movable("chat", {"model": "m", "messages": [{"role": "user", "content": content}]})
+    assert (got is None) is moves, got
+    assert moves or "images" in str(got)
+
+
+def test_a_continuation_and_a_warm_up_keep_the_requests_cache_salt() -> None:
+    """``cache_salt`` keeps a tenant's KV apart (vLLM's prefix cache, the connector's keys): every leg keeps it."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    for kind, base in (("chat", {"messages": [{"role": "user", "content": "hi"}]}), ("completion", {"prompt": [1]})):
+        f = Flight(router, kind, {"model": "m", "max_tokens": 8, "cache_salt": "tenant-a", **base})
+        f.prompt_ids, f.generated = [1, 2, 3], [4]
+        f.legs.append(object())  # type: ignore[arg-type]  # a leg ran: the next one is a continuation
+        _, body = f._leg_body(announce=True)
+        assert body["cache_salt"] == "tenant-a" and body["prompt"] == [1, 2, 3, 4], kind
+
+    sent: list[dict[str, Any]] = []
+
+    class _Answer:
+        status = 200
+
+        async def __aenter__(self) -> _Answer:
+            return self
+
+        async def __aexit__(self, *_: Any) -> None:
+            return None
+
+        async def read(self) -> bytes:
+            return b"{}"
+
+    class _Client:
+        def post(self, url: str, json: dict[str, Any], timeout: Any) -> _Answer:
+            sent.append(json)
+            return _Answer()
+
+    router.client = _Client()  # type: ignore[assignment]
+    f = Flight(router, "completion", {"model": "m", "prompt": [1], "max_tokens": 8, "cache_salt": "tenant-a"})
+    f.prompt_ids, f.generated = [1, 2, 3], [4]
+    asyncio.run(f._prewarm(Backend("http://127.0.0.1:9"), 5))
+    assert sent[0]["cache_salt"] == "tenant-a" and sent[0]["model"] == "m"

@@ -54,6 +54,8 @@ _SAMPLING = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty", "min_tokens",
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "bad_words",
     "allowed_token_ids", "logit_bias", "priority", "user",
+    # Not sampling, but the request's own cache: a continuation without it would share the tenant's KV.
+    "cache_salt",
 )  # fmt: skip
 
 
@@ -203,6 +205,19 @@ _STRUCTURED = (
 PARSED = "its backend parses reasoning or tool calls out of the text (a continuation is a plain completion)"
 
 
+def _has_media(messages: object) -> bool:
+    """Whether chat ``messages`` hold a content part other than text (an image, audio, a video, a file...)."""
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            not (isinstance(part, dict) and part.get("type") in ("text", "input_text")) for part in content
+        ):
+            return True
+    return False
+
+
 def movable(kind: str, body: dict[str, Any]) -> str | None:
     """Why a request cannot change backends mid-stream (``None``: it can); the server relays such requests as is.
 
@@ -220,12 +235,16 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
         p = body.get("prompt")
         if isinstance(p, list) and p and not isinstance(p[0], int):
             return "a batch of prompts"
+        if body.get("prompt_embeds") is not None:
+            return "prompt embeddings (a continuation is a token-id prompt)"
         if body.get("echo"):
             return "echo"
         if body.get("suffix"):
             return "suffix"
     elif body.get("logprobs") or body.get("tools"):
         return "chat logprobs or tools (a continuation is a plain completion)"
+    elif _has_media(body.get("messages")):
+        return "images, audio or video in the messages (a continuation is a token-id prompt, without them)"
     elif body.get("include_reasoning") is False:
         return "include_reasoning false (the backend then leaves out the token ids a continuation is built from)"
     return None
@@ -513,7 +532,9 @@ class Flight:
             "kv_transfer_params": {"hurray_saved_tokens": len(ids) - 1},
         }
         if self.model is not None:
-            body["model"] = self.model
+            body["model"] = self.model  # a LoRA adapter is a model name: its KV is its own
+        if self.body.get("cache_salt"):  # the tenant's own cache, and its chunks' keys (docs/connector.md)
+            body["cache_salt"] = self.body["cache_salt"]
         limit = aiohttp.ClientTimeout(total=timeout)
         cached: int | None = None
         try:
