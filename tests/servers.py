@@ -391,6 +391,7 @@ def run_engine(
     speculative: dict[str, Any] | None = None,
     role: str = "kv_both",
     salts: dict[str, str] | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one offline vLLM engine over ``prompts`` in a subprocess (``tmp / "model"``, greedy).
 
@@ -407,6 +408,7 @@ def run_engine(
         speculative: vLLM's ``speculative_config`` (none by default).
         role: the connector's ``kv_role``.
         salts: request id -> its prompt's ``cache_salt``.
+        engine: more of ``_generate``'s settings (``max_model_len``, ``num_blocks``).
 
     Returns:
         The run's outputs, vLLM counters and connector statistics, plus its ``log``.
@@ -422,6 +424,7 @@ def run_engine(
         "speculative": speculative,
         "role": role,
         "salts": salts or {},
+        **(engine or {}),
     }
     proc = subprocess.run(
         _engine_command(tmp, name, cfg),
