@@ -53,7 +53,9 @@ def key_seed(namespace: str, *, lora: tuple[str, str] | None = None, cache_salt:
         parts += ["salt", cache_salt]
     if len(parts) == 1:
         return namespace
-    return hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).hexdigest()
+    # Each part with its length: no name, path or salt can pass for a split of another.
+    raw = b"".join(len(p.encode()).to_bytes(4, "little") + p.encode() for p in parts)
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def _chained(prev: str | None, namespace: str) -> hashlib.blake2b:

@@ -140,3 +140,17 @@ def test_a_move_to_a_backend_marked_down_checks_it_once_more() -> None:
     answers[B] = True  # it came back since its last periodic check
     router._rechecked.clear()  # and the health interval passed
     assert asyncio.run(router.migrate(f.id, B)) == {"to": B} and b.healthy
+
+
+def test_prefix_keys_differ_by_model_and_cache_salt() -> None:
+    """Affinity never sends a request toward KV another adapter (a model name) or tenant (a salt) computed."""
+    from hurray_vllm.app.router.backends import prompt_keys
+
+    base = {"model": "m", "prompt": list(range(300))}
+    keys = prompt_keys(base, 64)
+    assert len(keys) == 4 and prompt_keys(dict(base), 64) == keys
+    assert prompt_keys({**base, "model": "m-sql-lora"}, 64)[0] != keys[0]
+    assert prompt_keys({**base, "cache_salt": "t1"}, 64)[0] != keys[0]
+    assert prompt_keys({**base, "cache_salt": 7}, 64)  # junk from a client is keyed, not a crash
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 600}]}
+    assert prompt_keys({**chat, "cache_salt": "t1"}, 64)[0] != prompt_keys(chat, 64)[0]

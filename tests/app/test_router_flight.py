@@ -279,7 +279,11 @@ def test_a_streamed_answer_lets_go_of_its_request_however_it_ends(body_fails: bo
         ([{"type": "text", "text": "hi"}], True),
         ([{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": "data:..."}}], False),
         ([{"type": "input_audio", "input_audio": {"data": "..."}}], False),
-        (["not a part"], False),
+        ([{"type": "text", "uuid": "u1", "image_url": {"url": "data:..."}}], False),  # a media key: an image
+        ([{"type": "video_url", "video_url": {"url": "v"}}], False),
+        ([{"type": "something new"}], False),  # unknown to the router: it would be lost at a move
+        ([{"type": "refusal", "refusal": "no"}, {"type": "thinking", "thinking": "hm"}, {"text": "x"}], True),
+        (["a string part"], True),
     ],
 )
 def test_a_chat_with_images_or_audio_is_not_moved(content: Any, moves: bool) -> None:
@@ -298,6 +302,14 @@ def test_a_continuation_and_a_warm_up_keep_the_requests_cache_salt() -> None:
         f.legs.append(object())  # type: ignore[arg-type]  # a leg ran: the next one is a continuation
         _, body = f._leg_body(announce=True)
         assert body["cache_salt"] == "tenant-a" and body["prompt"] == [1, 2, 3, 4], kind
+    # Truncation applied to the prompt already: a continuation is not truncated again.
+    f = Flight(
+        router, "completion", {"model": "m", "prompt": [1], "truncate_prompt_tokens": 3, "truncation_side": "right"}
+    )
+    f.prompt_ids, f.generated = [1, 2, 3], [4]
+    f.legs.append(object())  # type: ignore[arg-type]
+    _, body = f._leg_body(announce=True)
+    assert "truncate_prompt_tokens" not in body and "truncation_side" not in body and body["prompt"] == [1, 2, 3, 4]
 
     sent: list[dict[str, Any]] = []
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...chunks.keys import chunk_keys
+from ...chunks.keys import chunk_keys, key_seed
 
 __all__ = ["POLICIES", "Backend", "Backends", "prompt_keys"]
 
@@ -36,18 +36,22 @@ def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
     A token-id prompt is keyed by its tokens, as the connector keys chunks;
     a text prompt or chat messages by their UTF-8 bytes in runs of
     ``4 * chunk_tokens`` (about as many tokens): close enough to find the
-    backend that saw the same prefix.
+    backend that saw the same prefix. The model name (a LoRA adapter is one)
+    and a ``cache_salt`` seed the keys: the same tokens under another
+    adapter or tenant are other KV, which no backend shares.
     """
+    salt = body.get("cache_salt")
+    seed = key_seed(_NS, lora=(str(body.get("model") or ""), ""), cache_salt=str(salt) if salt else None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return chunk_keys(prompt, chunk_tokens, _NS)
+        return chunk_keys(prompt, chunk_tokens, seed)
     if isinstance(prompt, str):
         raw = prompt.encode()
     elif "messages" in body:
         raw = json.dumps(body["messages"], sort_keys=True, separators=(",", ":")).encode()
     else:
         return []
-    step, keys, prev = 4 * chunk_tokens, [], b""
+    step, keys, prev = 4 * chunk_tokens, [], seed.encode()
     for i in range(len(raw) // step):
         prev = hashlib.blake2b(prev + raw[i * step : (i + 1) * step], digest_size=16).digest()
         keys.append(prev.hex())

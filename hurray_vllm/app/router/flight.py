@@ -205,16 +205,34 @@ _STRUCTURED = (
 PARSED = "its backend parses reasoning or tool calls out of the text (a continuation is a plain completion)"
 
 
+#: Chat content part types vLLM reads as text (or as nothing a model sees: a tool reference).
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"})
+#: Keys that make vLLM read a content part as media, whatever its ``type``.
+_MEDIA_KEYS = frozenset(
+    {"input_image", "image_url", "image_embeds", "image_pil", "audio_embeds", "audio_url", "input_audio",
+     "video_embeds", "video_url", "prompt_embeds"}
+)  # fmt: skip
+
+
 def _has_media(messages: object) -> bool:
-    """Whether chat ``messages`` hold a content part other than text (an image, audio, a video, a file...)."""
+    """Whether chat ``messages`` hold a content part vLLM reads as media (an image, audio, video, embeddings).
+
+    As vLLM's own chat parsing decides: a part with a media key is media
+    whatever its ``type``; one without a ``type`` is text; a string is text.
+    An unknown type counts as media (a continuation would lose it).
+    """
     if not isinstance(messages, list):
         return False
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(
-            not (isinstance(part, dict) and part.get("type") in ("text", "input_text")) for part in content
-        ):
-            return True
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type", "text")
+            if not _MEDIA_KEYS.isdisjoint(part) or not isinstance(kind, str) or kind not in _TEXT_PARTS:
+                return True
     return False
 
 
@@ -321,7 +339,10 @@ class Flight:
             assert self.prompt_ids is not None
             path = "/v1/completions"
             src = self.body if self.kind == "completion" else {k: self.body[k] for k in _SAMPLING if k in self.body}
-            body = {k: v for k, v in src.items() if k not in ("echo", "suffix", "n", "best_of")}
+            # The prompt ids are the truncated prompt already: truncating the continuation again would cut
+            # the generated tokens (right side) or more of the prompt (left side).
+            dropped = ("echo", "suffix", "n", "best_of", "truncate_prompt_tokens", "truncation_side")
+            body = {k: v for k, v in src.items() if k not in dropped}
             body["prompt"] = self.prompt_ids + self.generated
             remaining = None if self.max_tokens is None else self.max_tokens - len(self.generated)
             if body.get("min_tokens"):

@@ -124,3 +124,63 @@ def test_lora_adapters_and_salts_seed_their_own_keys_and_multimodal_requests_hav
     state.block_ids = [4, 5, 6]
     sched._plan_saves(meta, "plain", state, 40)
     assert [t.key for t in meta.saves][:2] and len(meta.saves) == 2  # its two whole chunks of 16
+
+
+def test_a_step_past_the_requests_token_ids_saves_only_chunks_of_final_tokens(tmp_path: Path) -> None:
+    """Speculative drafts (or asynchronous scheduling) put the step's end past the token ids: no chunk past them."""
+    sched = _scheduler(tmp_path)
+    request = _request("r")  # 40 tokens: chunks of 16 end at 16 and 32
+    sched.get_num_new_matched_tokens(request, 0)
+    state = sched._reqs["r"]
+    state.block_ids = [1, 2, 3, 4]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 44)  # 4 draft tokens past the 40 it holds
+    assert [t.tokens for t in meta.saves] == [list(range(16)), list(range(16, 32))]
+
+
+def test_a_chunk_saved_a_step_late_carries_no_states(tmp_path: Path) -> None:
+    """Linear attention: states are the engine's at the step's end; a chunk planned after its step gets none."""
+    from test_connector_background import _linear_scheduler
+
+    sched = _linear_scheduler(tmp_path)
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(64)), num_prompt_tokens=40)
+    state = sched._state(request)
+    state.groups = [[0, 11], [0, 21], [31, 32]]
+    state.block_ids = list(state.groups[0])
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 65)  # the token ids trail the step's end (65) by one
+    assert [(t.tokens[-1], t.state_blocks) for t in meta.saves][-1] == (63, {})
+    request = SimpleNamespace(request_id="s", all_token_ids=list(range(100, 164)), num_prompt_tokens=40)
+    state = sched._state(request)
+    state.groups = [[0, 11], [0, 21], [31, 32]]
+    state.block_ids = list(state.groups[0])
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "s", state, 64)  # the step ended at the chunk's end: its states are there
+    assert meta.saves[-1].state_blocks == {0: [11], 1: [21]} and meta.saves[-1].state_position == 64
+
+
+def test_a_salted_requests_tail_is_keyed_with_its_salt(tmp_path: Path) -> None:
+    """``hurray_tails``: the tail chains on the salted chunk before it, and a salted consumer finds it."""
+    from test_connector_background import _vllm_config
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.chunks.keys import chunk_keys, key_seed, tail_keys
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 16}
+    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+    sched = HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
+    tokens = list(range(22))  # one chunk (16) and a tail of one... of its whole blocks after it: 16..20
+    request = SimpleNamespace(
+        request_id="r", all_token_ids=tokens, num_prompt_tokens=22, kv_transfer_params=None, cache_salt="t1"
+    )
+    sched.get_num_new_matched_tokens(request, 0)
+    state = sched._reqs["r"]
+    state.block_ids = [1, 2, 3, 4, 5, 6]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 22)
+    seed = key_seed("ab" * 8, cache_salt="t1")
+    (first,) = chunk_keys(tokens[:16], 16, seed)
+    assert [t.key for t in meta.saves] == [first, tail_keys(first, tokens[16:20], 4, seed)[0][1]]
+    assert meta.saves[-1].tail and first != chunk_keys(tokens[:16], 16, "ab" * 8)[0]

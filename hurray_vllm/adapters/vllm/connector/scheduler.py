@@ -115,6 +115,11 @@ def is_damage(exc: BaseException) -> bool:
     )
 
 
+def _not_keyable(request: Any) -> bool:
+    """Whether ``request``'s KV depends on inputs its token ids do not name (multimodal data, prompt embeddings)."""
+    return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
+
+
 def request_seed(namespace: str, request: Any) -> str | None:
     """The seed of ``request``'s chunk keys (:func:`~hurray_vllm.chunks.keys.key_seed`); None: it has no chunks.
 
@@ -123,7 +128,7 @@ def request_seed(namespace: str, request: Any) -> str | None:
     ids do not name (their positions hold placeholders): such a request is
     neither loaded nor saved.
     """
-    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+    if _not_keyable(request):
         return None
     lora = getattr(request, "lora_request", None)
     adapter = (str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")) if lora else None
@@ -231,6 +236,8 @@ class HurrayScheduler:
         loads are asynchronous (``config.async_loads``), ``(0, False)`` when nothing can be loaded.
         """
         state = self._state(request)  # also for a producer alone: its saves follow the request
+        if state.seed is not None and _not_keyable(request):  # a streaming session that added media since
+            state.seed = None
         if not self._loads or state.load_failed or state.seed is None:
             return 0, False  # a worker could not load it (recompute rather than fail again), or it has no chunks
         tokens = list(request.all_token_ids)
@@ -355,7 +362,8 @@ class HurrayScheduler:
         first = computed // self._chunk
         announced, tail_end = _count(params.get("hurray_saved_tokens")), _count(params.get("hurray_tail_tokens"))
         awaited = keys[first : min(announced // self._chunk, len(keys))]
-        tail = self._announced_tail(tokens, keys, tail_end, state.seed or self._ns) if computed < tail_end else None
+        assert state.seed is not None  # the caller returned already for a request without chunks
+        tail = self._announced_tail(tokens, keys, tail_end, state.seed) if computed < tail_end else None
         if tail is not None and first + len(awaited) == tail_end // self._chunk:
             awaited.append(tail)  # right after the whole chunks before it (the source pushes it last)
         want = len(awaited)
@@ -621,9 +629,14 @@ class HurrayScheduler:
         the request's token ids do not hold yet and which may be rejected:
         only the tokens the request holds count, so a chunk is saved once its
         every token is final (draft KV at a rejected position is overwritten
-        later; an accepted draft's is the token's own).
+        later; an accepted draft's is the token's own). With asynchronous
+        scheduling the token ids trail ``computed`` by a token the same way.
+        A chunk that only the request's last step completes is then not saved
+        (no later step plans it): a consumer recomputes at most that chunk.
         """
-        computed = min(computed, len(state.request.all_token_ids))
+        step_end, computed = computed, min(computed, len(state.request.all_token_ids))
+        if state.seed is not None and _not_keyable(state.request):  # a session that added media since
+            state.seed = None
         full = computed // self._chunk
         # The step that ends the prompt's prefill also saves its tail (once), after its whole chunks.
         tail = self._config.tails and not state.tail_planned and computed >= state.request.num_prompt_tokens
@@ -635,7 +648,9 @@ class HurrayScheduler:
         # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
         for c in range(state.chunks_done, full):
-            states = self._state_blocks(state, (c + 1) * self._chunk, computed)
+            # The engine holds the state where this step ends (uncapped: with asynchronous scheduling the
+            # request's token ids trail it by a token), so a chunk ending elsewhere gets no states.
+            states = self._state_blocks(state, (c + 1) * self._chunk, step_end)
             # A chunk stored without the states this step holds for it is written again, with them:
             # else the first writer's step (which ran past the chunk's end) would hide them for good.
             replace = (
@@ -681,7 +696,8 @@ class HurrayScheduler:
         if end <= start:
             return
         prev = keys[start // self._chunk - 1] if start else None
-        n, key = tail_keys(prev, tokens[start:end], end - start, state.seed or self._ns)[0]
+        assert state.seed is not None  # _plan_saves returned already for a request without chunks
+        n, key = tail_keys(prev, tokens[start:end], end - start, state.seed)[0]
         state.tail_end = end
         if self._stored(key) and not self._url:
             self.stats.chunks_skipped += 1
