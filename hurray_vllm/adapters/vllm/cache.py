@@ -264,6 +264,12 @@ def weights_digest(vllm_config: Any) -> str:
         h.update(f"model-id:{mc.model}@{getattr(mc, 'revision', None) or 'main'}".encode())
         return h.hexdigest()
     files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json")
+    _digest_files(h, files)
+    return h.hexdigest()
+
+
+def _digest_files(h: Any, files: list[Path]) -> None:
+    """Feed ``h`` each file's name and size, and its first and last 64 KiB."""
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}\x00".encode())
@@ -272,7 +278,38 @@ def weights_digest(vllm_config: Any) -> str:
             if size > 65536:
                 fh.seek(max(65536, size - 65536))
                 h.update(fh.read(65536))
-    return h.hexdigest()
+
+
+#: Adapter digests by the adapter directory's files' identities (name, inode, size, mtime): a file
+#: replaced or rewritten gets another identity, and so its adapter another digest.
+_ADAPTERS: dict[tuple[object, ...], str] = {}
+
+
+def adapter_digest(path: str) -> str | None:
+    """A digest of a LoRA adapter's files (as :func:`weights_digest` for a model), or None if ``path`` is no directory.
+
+    Keys chunks by what the adapter holds, not by where it lies: an adapter
+    rewritten in place gets new keys, and servers that load the same
+    adapter from different paths share its chunks. Remembered per file
+    identity: a ``stat`` per file per call, the files read once.
+    """
+    root = Path(path)
+    try:
+        if not root.is_dir():
+            return None
+        files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".json"))
+        ident = tuple((f.name, st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
+        got = _ADAPTERS.get(ident)
+        if got is None:
+            h = hashlib.blake2b(digest_size=16)
+            _digest_files(h, files)
+            got = h.hexdigest()
+            if len(_ADAPTERS) > 1024:
+                _ADAPTERS.clear()
+            _ADAPTERS[ident] = got
+        return got
+    except OSError:  # unreadable now: keyed by name and path, as vLLM's prefix cache keys it
+        return None
 
 
 def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None) -> ModelFingerprint:

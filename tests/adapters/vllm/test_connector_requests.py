@@ -184,3 +184,30 @@ def test_a_salted_requests_tail_is_keyed_with_its_salt(tmp_path: Path) -> None:
     (first,) = chunk_keys(tokens[:16], 16, seed)
     assert [t.key for t in meta.saves] == [first, tail_keys(first, tokens[16:20], 4, seed)[0][1]]
     assert meta.saves[-1].tail and first != chunk_keys(tokens[:16], 16, "ab" * 8)[0]
+
+
+def test_a_local_lora_adapter_is_keyed_by_its_files(tmp_path: Path) -> None:
+    """Not by where it lies: another path to the same files shares; a rewritten adapter does not."""
+    require("vllm")
+    import os
+    import shutil
+
+    from hurray_vllm.adapters.vllm.connector.scheduler import request_seed
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    (one / "adapter_config.json").write_text('{"r": 8}')
+    (one / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 600)
+    shutil.copytree(one, two)
+
+    def seed(name: str, path: Path) -> str | None:
+        return request_seed("ns", _request(name, lora_request=SimpleNamespace(lora_name=name, lora_path=str(path))))
+
+    first = seed("sql", one)
+    assert first == seed("sql-copy", two) != "ns"  # the same files under another name and path
+    weights = one / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(1, 1))  # even with an older time: size, inode or time differ, and the bytes do
+    assert seed("sql", one) not in (first, None)

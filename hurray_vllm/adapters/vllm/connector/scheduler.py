@@ -26,6 +26,7 @@ from ....kv.snapshot import KVSnapshot, ModelFingerprint
 from ....transport import ReceiverBase, receiver_for
 from ....transport.base import parse_listen
 from ....transport.security import server_context
+from ..cache import adapter_digest
 from ..states import state_block, step_block
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
@@ -123,7 +124,9 @@ def _not_keyable(request: Any) -> bool:
 def request_seed(namespace: str, request: Any) -> str | None:
     """The seed of ``request``'s chunk keys (:func:`~hurray_vllm.chunks.keys.key_seed`); None: it has no chunks.
 
-    A LoRA adapter and a ``cache_salt`` go into the seed. Images, audio and
+    A LoRA adapter (the digest of its files where they are on this machine,
+    :func:`~hurray_vllm.adapters.vllm.cache.adapter_digest`; else its name
+    and path) and a ``cache_salt`` go into the seed. Images, audio and
     other multimodal inputs, and prompt embeddings, decide KV that the token
     ids do not name (their positions hold placeholders): such a request is
     neither loaded nor saved.
@@ -131,7 +134,12 @@ def request_seed(namespace: str, request: Any) -> str | None:
     if _not_keyable(request):
         return None
     lora = getattr(request, "lora_request", None)
-    adapter = (str(lora.lora_name), str(getattr(lora, "lora_path", "") or "")) if lora else None
+    adapter = None
+    if lora:
+        path = str(getattr(lora, "lora_path", "") or "")
+        digest = adapter_digest(path) if path else None
+        # By content where its files are here; else by name and path, as vLLM's prefix cache keys it.
+        adapter = ("files", digest) if digest else (str(lora.lora_name), path)
     return key_seed(namespace, lora=adapter, cache_salt=getattr(request, "cache_salt", None))
 
 
