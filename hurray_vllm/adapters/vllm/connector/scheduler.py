@@ -229,6 +229,13 @@ class HurrayScheduler:
         else:
             log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
 
+    @staticmethod
+    def _seed(state: _Request) -> str | None:
+        """The request's key seed, now: None for good once it holds media (a streaming session may add some)."""
+        if state.seed is not None and _not_keyable(state.request):
+            state.seed = None
+        return state.seed
+
     def _state(self, request: Any) -> _Request:
         """The request's state, made on first sight (vLLM asks for every new request's matched tokens)."""
         state = self._reqs.get(request.request_id)
@@ -244,13 +251,12 @@ class HurrayScheduler:
         loads are asynchronous (``config.async_loads``), ``(0, False)`` when nothing can be loaded.
         """
         state = self._state(request)  # also for a producer alone: its saves follow the request
-        if state.seed is not None and _not_keyable(request):  # a streaming session that added media since
-            state.seed = None
-        if not self._loads or state.load_failed or state.seed is None:
+        seed = self._seed(state)
+        if not self._loads or state.load_failed or seed is None:
             return 0, False  # a worker could not load it (recompute rather than fail again), or it has no chunks
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self._chunk * self._chunk
-        keys = chunk_keys(tokens[:usable], self._chunk, state.seed)
+        keys = chunk_keys(tokens[:usable], self._chunk, seed)
         first = num_computed_tokens // self._chunk
         if self._awaits_push(state, tokens, keys, num_computed_tokens):
             return None, False  # vLLM asks again at its next step
@@ -287,7 +293,7 @@ class HurrayScheduler:
             verified_snaps.pop()
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
         load_keys = keys[first:hit]
-        tail = self._find_tail(tokens, keys, hit, num_computed_tokens, state.seed) if hit == len(keys) else None
+        tail = self._find_tail(tokens, keys, hit, num_computed_tokens, seed) if hit == len(keys) else None
         if tail is not None:
             tail_key, tail_tokens, tail_parts, tail_snaps = tail
             load_keys.append(tail_key)
@@ -527,19 +533,15 @@ class HurrayScheduler:
         the step's new requests.
         """
         state = self._reqs.get(request.request_id)
-        load = state.load if state is not None else None
-        if load is None or not load.report:
-            if num_external_tokens and self._config.async_loads:
+        if num_external_tokens == 0:
+            if state is not None:
+                state.load = None
+            return
+        if state is None or state.load is None or not state.load.report:
+            if self._config.async_loads:
                 # vLLM waits for this request's load and nothing would report it: fail it, to be recomputed.
                 log.error("hurray: request %s waits for a load this connector did not plan", request.request_id)
                 self._unplanned.append(request.request_id)
-            elif load is not None and num_external_tokens == 0:
-                assert state is not None
-                state.load = None
-            return
-        assert state is not None
-        if num_external_tokens == 0:
-            state.load = None
             return
         ids = blocks.get_block_ids()
         state.block_ids = list(ids[0])
@@ -643,15 +645,16 @@ class HurrayScheduler:
         (no later step plans it): a consumer recomputes at most that chunk.
         """
         step_end, computed = computed, min(computed, len(state.request.all_token_ids))
-        if state.seed is not None and _not_keyable(state.request):  # a session that added media since
-            state.seed = None
         full = computed // self._chunk
         # The step that ends the prompt's prefill also saves its tail (once), after its whole chunks.
         tail = self._config.tails and not state.tail_planned and computed >= state.request.num_prompt_tokens
-        if not self._saves or state.seed is None or (full <= state.chunks_done and not tail):
+        if not self._saves or (full <= state.chunks_done and not tail):
+            return
+        seed = self._seed(state)  # looked at only when a chunk or the tail is due, not every decode step
+        if seed is None:
             return
         tokens = list(state.request.all_token_ids)
-        keys = chunk_keys(tokens[: full * self._chunk], self._chunk, state.seed)
+        keys = chunk_keys(tokens[: full * self._chunk], self._chunk, seed)
         per = self._chunk // self._block_size
         # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
