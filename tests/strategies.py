@@ -119,7 +119,8 @@ def same_states(a: RecurrentStates | None, b: RecurrentStates | None) -> bool:
     """Equal layout and bit-identical tensors (or both absent)."""
     if a is None or b is None:
         return a is b
-    if (a.kind, a.layers, a.names, a.positions) != (b.kind, b.layers, b.names, b.positions):
+    layout = ("kind", "layers", "names", "positions", "split", "part")
+    if any(getattr(a, x) != getattr(b, x) for x in layout):
         return False
     return all(
         x.dtype == y.dtype and torch.equal(x, y)

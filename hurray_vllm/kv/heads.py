@@ -4,7 +4,9 @@ At tensor parallelism ``tp`` an engine gives each rank ``num_kv_heads / tp``
 of every layer's KV heads (rank ``r`` the ``r``-th run of them, in model
 order). With fewer KV heads than ranks it replicates them instead: each head
 lives on ``tp / num_kv_heads`` consecutive ranks. An MLA latent (one
-"head") is on every rank.
+"head") is on every rank. A linear-attention hybrid's states split with
+the heads: a slice of heads ``a .. b - 1`` of ``n`` holds the part ``a / n``
+to ``b / n`` of every state (:meth:`~hurray_vllm.kv.states.RecurrentStates.take`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ..errors import HurrayFormatError
 from .snapshot import HeadRange, KVSnapshot
+from .states import join_states
 
 __all__ = ["rank_heads", "distinct_ranks", "concat_heads", "select_heads", "partitions"]
 
@@ -66,8 +69,8 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
 
     Raises:
         HurrayFormatError: (field ``snapshot.structure``) parts that differ in
-            anything but their heads; (``snapshot.states``) parts with
-            linear-attention states, whose heads this does not join.
+            anything but their heads; (``snapshot.states``) linear-attention
+            states that are not the parts' shares (:func:`~hurray_vllm.kv.states.join_states`).
     """
     if not parts:
         raise HurrayFormatError("snapshot.structure", "no parts to join")
@@ -75,8 +78,9 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
     if len(parts) == 1:
         h = first.heads
         return replace(first, heads=None) if h is not None and (h.start, h.stop) == (0, h.total) else first
-    if any(p.states is not None for p in parts):
-        raise HurrayFormatError("snapshot.states", "joining linear-attention states split by heads is not supported")
+    with_states = [p.states for p in parts if p.states is not None]
+    if with_states and len(with_states) != len(parts):
+        raise HurrayFormatError("snapshot.states", "some parts carry linear-attention states and some do not")
     for i, p in enumerate(parts[1:], 1):
         same = (
             p.num_layers == first.num_layers
@@ -109,11 +113,14 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
         for i, members in enumerate(first.layer_members())
     ]
     start, stop, total = ranges[0].start, ranges[-1].stop, ranges[0].total
-    return first.with_layers(layers, heads=None if (start, stop) == (0, total) else HeadRange(start, stop, total))
+    states = join_states(with_states) if with_states else None  # each part: its heads' share
+    return first.with_layers(
+        layers, heads=None if (start, stop) == (0, total) else HeadRange(start, stop, total), states=states
+    )
 
 
 def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
-    """The KV heads ``heads`` of every layer of a whole-heads snapshot (views of its pools), marked as a slice.
+    """The KV heads ``heads`` of every layer (views of its pools), marked as a slice; its states' share with them.
 
     Raises:
         HurrayFormatError: (field ``snapshot.heads``) heads outside the snapshot's, or an MLA latent (one head).
@@ -128,7 +135,10 @@ def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
     lo, hi = heads.start - have.start, heads.stop - have.start
     layers = [tuple(replace(t, page_pool=t.page_pool[:, :, lo:hi]) for t in m) for m in snap.layer_members()]
     total = have.total
-    return snap.with_layers(layers, heads=None if len(heads) == total else HeadRange(heads.start, heads.stop, total))
+    states = snap.states.take(heads.start, heads.stop, total) if snap.states is not None else None
+    return snap.with_layers(
+        layers, heads=None if len(heads) == total else HeadRange(heads.start, heads.stop, total), states=states
+    )
 
 
 def partitions(num_kv_heads: int) -> list[list[range]]:

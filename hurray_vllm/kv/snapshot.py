@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -592,6 +593,18 @@ class KVSnapshot:
             found.append(Violation("snapshot.heads", "the slice's total heads differ from the fingerprint's"))
         if self.states is not None:
             found.extend(self.states.violations())
+            # A slice of the heads carries the same part of the states (one rank's share of both).
+            want = Fraction(0), Fraction(1)
+            if self.heads is not None:
+                want = Fraction(self.heads.start, self.heads.total), Fraction(self.heads.stop, self.heads.total)
+            if self.states.fraction != want:
+                found.append(
+                    Violation(
+                        "snapshot.states.part",
+                        f"the states are part {self.states.part or 'whole'}, the KV heads "
+                        f"{(self.heads.start, self.heads.stop, self.heads.total) if self.heads else 'whole'}",
+                    )
+                )
             if self._lead and self.states.num_seqs != self.num_seqs:
                 found.append(
                     Violation(

@@ -9,8 +9,11 @@ snapshot records that position with it.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -19,7 +22,7 @@ from ..errors import HurrayFormatError, Violation
 from ..wire import dtypes
 from ..wire.jsonvalues import Fields
 
-__all__ = ["RecurrentStates"]
+__all__ = ["RecurrentStates", "join_states", "state_split"]
 
 _MAX_LAYERS = 1 << 16
 _MAX_MEMBERS = 16
@@ -62,6 +65,17 @@ class RecurrentStates:
         layout: ``""`` for the layout above; an engine-specific name (such as
             ``"vllm-cuda-SD"``) for kinds whose memory layout is not
             normalized, which only the same layout may load.
+        split: on a part only: per member, how it splits across
+            tensor-parallel ranks, ``(axis, sections)``: its per-sequence
+            axis, and the whole sizes of the consecutive sections along it
+            (a gated delta net's conv state: its query, key and value
+            channels; its recurrent state: its value heads).
+        part: ``(start, stop, total)`` when these are a part of the states
+            (one tensor-parallel rank's): of every section, the elements
+            ``size * start / total`` to ``size * stop / total``, in order.
+            ``None``: the whole states. In a snapshot holding a slice of
+            the KV heads (:class:`~hurray_vllm.kv.snapshot.HeadRange`), the
+            states are the same part.
 
     Example:
         >>> import torch
@@ -80,6 +94,8 @@ class RecurrentStates:
     declared: tuple[tuple[tuple[int, ...], str], ...] = ()
     attention: tuple[int, ...] = ()
     layout: str = ""
+    split: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    part: tuple[int, int, int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -92,6 +108,84 @@ class RecurrentStates:
         if self.tensors:
             return tuple(tuple(int(x) for x in t.shape[1:]) for t in self.tensors[0])
         return tuple(s for s, _ in self.declared)
+
+    @property
+    def whole_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per member, the whole state's shape for one sequence (:attr:`shapes` unless this is a part)."""
+        if self.part is None:
+            return self.shapes
+        out = []
+        for shape, (axis, sections) in zip(self.shapes, self.split, strict=False):
+            dims = list(shape)
+            if 0 <= axis < len(dims):
+                dims[axis] = sum(sections)
+            out.append(tuple(dims))
+        return tuple(out)
+
+    @property
+    def fraction(self) -> tuple[Fraction, Fraction]:
+        """The part these states hold, as fractions of every section (``(0, 1)``: whole)."""
+        if self.part is None:
+            return Fraction(0), Fraction(1)
+        start, stop, total = self.part
+        return Fraction(start, total), Fraction(stop, total)
+
+    def take(self, start: int, stop: int, total: int) -> RecurrentStates:
+        """The part ``start / total`` to ``stop / total`` of every member (views), from the whole or a larger part.
+
+        What a tensor-parallel rank of ``total`` equal shares holds of a
+        whole state is ``take(rank, rank + 1, total)``; a rank holding the
+        KV heads ``a .. b - 1`` of ``n`` holds ``take(a, b, n)``.
+
+        Raises:
+            HurrayFormatError: (field ``snapshot.states``) a kind whose split
+                is not known, a part outside these states, or sections that
+                do not divide at that part's boundaries.
+
+        Example:
+            >>> import torch
+            >>> s = RecurrentStates("gdn_attn", (0,), ("conv", "ssm"), (5,),
+            ...     ((torch.arange(12.).reshape(1, 1, 12), torch.zeros(1, 2, 2, 2)),))
+            >>> s.take(1, 2, 2).tensors[0][0].tolist()
+            [[[2.0, 3.0, 6.0, 7.0, 10.0, 11.0]]]
+        """
+        lo, hi = Fraction(start, total), Fraction(stop, total)
+        have_lo, have_hi = self.fraction
+        if not (0 <= start < stop <= total) or lo < have_lo or hi > have_hi:
+            raise HurrayFormatError(
+                "snapshot.states",
+                f"part {start}..{stop} of {total} is outside the states' part {self.part or 'whole'}",
+            )
+        if (lo, hi) == (have_lo, have_hi):
+            return self
+        split = self.split or state_split(self.kind, self.layout, self.whole_shapes)
+        if split is None:
+            raise HurrayFormatError("snapshot.states", f"states of kind {self.kind!r} do not split across ranks")
+        tensors = []
+        for layer in self.tensors:
+            members = []
+            for t, (axis, sections) in zip(layer, split, strict=True):
+                pieces, offset = [], 0
+                for size in sections:
+                    first, begin, end = _at(size, have_lo), _at(size, lo), _at(size, hi)
+                    pieces.append(t.narrow(axis + 1, offset + begin - first, end - begin))
+                    offset += _at(size, have_hi) - first
+                members.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=axis + 1))
+            tensors.append(tuple(members))
+        whole = (lo, hi) == (0, 1)
+        declared: tuple[tuple[tuple[int, ...], str], ...] = ()
+        if not self.tensors:  # a header: the declared shapes of the part
+            declared = tuple(
+                (_part_shape(shape, axis, sections, lo, hi), dt)
+                for shape, dt, (axis, sections) in zip(self.whole_shapes, self.dtype_names, split, strict=True)
+            )
+        return replace(
+            self,
+            tensors=tuple(tensors),
+            declared=declared,
+            split=() if whole else tuple(split),
+            part=None if whole else _reduced(lo, hi),
+        )
 
     @property
     def dtype_names(self) -> tuple[str, ...]:
@@ -146,8 +240,8 @@ class RecurrentStates:
             a, b = getattr(other, name), getattr(self, name)
             if a != b:
                 out.append(f"{name}: {a!r}, here {b!r}")
-        theirs = list(zip(other.shapes, other.dtype_names, strict=False))
-        mine = list(zip(self.shapes, self.dtype_names, strict=False))
+        theirs = list(zip(other.whole_shapes, other.dtype_names, strict=False))
+        mine = list(zip(self.whole_shapes, self.dtype_names, strict=False))
         if not out and theirs != mine:
             out.append(f"shapes and dtypes: {theirs}, here {mine}")
         return out
@@ -172,6 +266,7 @@ class RecurrentStates:
         bad = [d for d in (self.dtype_names if self.tensors or self.declared else ()) if d not in _STATE_DTYPES]
         if bad:
             found.append(Violation("snapshot.states.dtypes", f"{bad}: states are one of {sorted(_STATE_DTYPES)}"))
+        found.extend(self._part_violations())
         if len(self.tensors) != len(self.layers):
             found.append(
                 Violation("snapshot.states", f"{len(self.tensors)} state layers for {len(self.layers)} layer indices")
@@ -203,10 +298,38 @@ class RecurrentStates:
                     return found
         return found
 
+    def _part_violations(self) -> list[Violation]:
+        """A part whose split does not match its members, or whose members are not that part of the sections."""
+        if self.part is None:
+            return [Violation("snapshot.states.split", "a split without a part")] if self.split else []
+        start, stop, total = self.part
+        if not 0 <= start < stop <= total or (start, stop) == (0, total):
+            return [
+                Violation("snapshot.states.part", f"{list(self.part)}: expected 0 <= start < stop <= total, not all")
+            ]
+        if len(self.split) != len(self.names):
+            return [Violation("snapshot.states.split", f"{len(self.split)} splits for {len(self.names)} members")]
+        lo, hi = self.fraction
+        for name, shape, (axis, sections) in zip(self.names, self.shapes, self.split, strict=False):
+            if not 0 <= axis < len(shape) or not sections:
+                return [Violation(f"snapshot.states.{name}", f"split axis {axis} of a {len(shape)}-d state")]
+            bounds = [size * f for size in sections for f in (lo, hi)]
+            if any(b.denominator != 1 for b in bounds):
+                return [Violation(f"snapshot.states.{name}", f"sections {list(sections)} do not divide at {self.part}")]
+            if shape[axis] != sum(_at(size, hi) - _at(size, lo) for size in sections):
+                return [
+                    Violation(
+                        f"snapshot.states.{name}",
+                        f"{shape[axis]} along axis {axis}, part {list(self.part)} of sections {list(sections)}",
+                    )
+                ]
+        return []
+
     def to_json(self) -> dict[str, Any]:
         """The layout as a JSON-ready dict (no tensors: containers hold them as records).
 
-        ``attention_layers`` and ``layout`` appear only when set.
+        ``attention_layers`` and ``layout`` appear only when set; ``split``
+        and ``part`` only on a part.
         """
         out: dict[str, Any] = {
             "kind": self.kind,
@@ -220,6 +343,9 @@ class RecurrentStates:
             out["attention_layers"] = list(self.attention)
         if self.layout:
             out["layout"] = self.layout
+        if self.part is not None:
+            out["split"] = [{"axis": axis, "sections": list(sections)} for axis, sections in self.split]
+            out["part"] = {"start": self.part[0], "stop": self.part[1], "total": self.part[2]}
         return out
 
     @classmethod
@@ -247,7 +373,125 @@ class RecurrentStates:
             if not isinstance(dt, str) or dt not in _STATE_DTYPES:
                 raise HurrayFormatError("snapshot.states.dtypes", f"{dt!r} is not one of {sorted(_STATE_DTYPES)}")
             declared.append((dims, dt))
-        return cls(kind, layers, tuple(names), positions, (), tuple(declared), attention, layout or "")
+        split, part = _split_from_json(f.obj.get("split"), f.obj.get("part"), len(names))
+        return cls(kind, layers, tuple(names), positions, (), tuple(declared), attention, layout or "", split, part)
+
+
+def state_split(
+    kind: str, layout: str, whole_shapes: Sequence[Sequence[int]]
+) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    """How states of ``kind`` split across tensor-parallel ranks, per member ``(axis, sections)``; None: unknown.
+
+    A gated delta net (``"gdn_attn"``, the format's layout) shards its
+    heads: its conv state ``[kernel - 1, conv_dim]`` holds the query, key
+    and value channels (``key_dim``, ``key_dim``, ``value_dim``), each
+    split evenly, and its recurrent state ``[v_heads, k_dim, v_dim]`` its
+    value heads. vLLM gives rank ``r`` of ``tp`` the ``r``-th share of each.
+
+    Example:
+        >>> state_split("gdn_attn", "", [(3, 1024), (4, 128, 128)])
+        ((1, (256, 256, 512)), (0, (4,)))
+    """
+    if kind != "gdn_attn" or layout or len(whole_shapes) != 2:
+        return None
+    conv, ssm = (tuple(int(x) for x in s) for s in whole_shapes)
+    if len(conv) != 2 or len(ssm) != 3:
+        return None
+    value_dim = ssm[0] * ssm[2]
+    key_dim, odd = divmod(conv[1] - value_dim, 2)
+    if odd or key_dim <= 0:
+        return None
+    return ((1, (key_dim, key_dim, value_dim)), (0, (ssm[0],)))
+
+
+def join_states(parts: Sequence[RecurrentStates]) -> RecurrentStates:
+    """One part (or the whole) from consecutive parts of the same states, in order.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.states``) parts that are not
+            consecutive parts of one layout.
+    """
+    if not parts:
+        raise HurrayFormatError("snapshot.states", "no parts to join")
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    spans = [p.fraction for p in parts]
+    if any(a[1] != b[0] for a, b in itertools.pairwise(spans)) or any(
+        p.mismatches(first) or p.split != first.split or p.positions != first.positions for p in parts
+    ):
+        raise HurrayFormatError(
+            "snapshot.states", f"parts {[p.part for p in parts]} are not consecutive parts of one state"
+        )
+    if first.part is None:
+        raise HurrayFormatError("snapshot.states", "a whole state cannot be joined with another part")
+    tensors = []
+    for j in range(len(first.tensors)):
+        members = []
+        for m, (axis, sections) in enumerate(first.split):
+            pieces = []
+            offsets = [0] * len(parts)
+            for size in sections:
+                for i, p in enumerate(parts):
+                    lo, hi = spans[i]
+                    n = _at(size, hi) - _at(size, lo)
+                    pieces.append(p.tensors[j][m].narrow(axis + 1, offsets[i], n))
+                    offsets[i] += n
+            members.append(torch.cat(pieces, dim=axis + 1))
+        tensors.append(tuple(members))
+    lo, hi = spans[0][0], spans[-1][1]
+    whole = (lo, hi) == (0, 1)
+    return replace(
+        first,
+        tensors=tuple(tensors),
+        declared=(),
+        split=() if whole else first.split,
+        part=None if whole else _reduced(lo, hi),
+    )
+
+
+def _at(size: int, f: Fraction) -> int:
+    """Where fraction ``f`` of a section of ``size`` elements falls (exact: a part's sections divide)."""
+    x = size * f
+    if x.denominator != 1:
+        raise HurrayFormatError("snapshot.states", f"a section of {size} does not divide at {f}")
+    return int(x)
+
+
+def _part_shape(
+    shape: Sequence[int], axis: int, sections: Sequence[int], lo: Fraction, hi: Fraction
+) -> tuple[int, ...]:
+    dims = [int(x) for x in shape]
+    dims[axis] = sum(_at(size, hi) - _at(size, lo) for size in sections)
+    return tuple(dims)
+
+
+def _reduced(lo: Fraction, hi: Fraction) -> tuple[int, int, int]:
+    """``(start, stop, total)`` of the part ``lo .. hi`` over the smallest common denominator."""
+    total = lo.denominator * hi.denominator // math.gcd(lo.denominator, hi.denominator)
+    return int(lo * total), int(hi * total), total
+
+
+def _split_from_json(
+    split: Any, part: Any, members: int
+) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, int, int] | None]:
+    if split is None and part is None:
+        return (), None
+    p = Fields(part, "snapshot.states.part")
+    total = p.integer("total", lo=2, hi=1 << 16)
+    start = p.integer("start", hi=total - 1)
+    stop = p.integer("stop", lo=start + 1, hi=total)
+    if not isinstance(split, list) or len(split) != members:
+        raise HurrayFormatError("snapshot.states.split", "expected one split per state member")
+    out = []
+    for item in split:
+        s = Fields(item, "snapshot.states.split")
+        axis = s.integer("axis", hi=_MAX_RANK - 1)
+        sections = _int_list(s.obj.get("sections"), "snapshot.states.split.sections", 16, 1, _MAX_DIM + 1)
+        if not sections:
+            raise HurrayFormatError("snapshot.states.split.sections", "expected at least one section")
+        out.append((axis, sections))
+    return tuple(out), (start, stop, total)
 
 
 def _good_names(names: Sequence[Any]) -> bool:

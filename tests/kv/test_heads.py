@@ -168,25 +168,31 @@ def test_prune_takes_a_chunks_slices_together(tmp_path) -> None:  # type: ignore
     assert sorted(p.name for p in tmp_path.rglob("*.hrry")) == ["bb.h0-1.hrry", "bb.h1-2.hrry"]
 
 
-def test_tp_snapshots_of_a_linear_attention_hybrid_are_refused_before_any_worker_is_asked() -> None:
+def test_tp_snapshots_of_hybrids_whose_states_cannot_split_are_refused_before_any_worker_is_asked() -> None:
+    """A rank's share of the states goes with its KV heads: fewer KV heads than ranks, or unknown states, refused."""
     from types import SimpleNamespace
 
     require("vllm")
     from hurray_vllm.adapters.vllm import engine
 
-    class MambaSpec:  # what vLLM names a linear-attention group's spec
-        pass
+    class MambaSpec:  # what vLLM names a linear-attention group's spec; one rank's share at TP = 2
+        def __init__(self, kind: str) -> None:
+            self.mamba_type, self.mamba_cache_mode = kind, "align"
+            self.shapes, self.dtypes = ((3, 24), (4, 2, 4)), (torch.bfloat16, torch.bfloat16)
 
-    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=["l0"])])
-    scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(kv_cache_config=config))
-    llm = SimpleNamespace(
-        llm_engine=SimpleNamespace(
-            vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2)),
-            engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)),
+    def llm(kind: str, kv_heads: int, tp: int) -> SimpleNamespace:
+        config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=MambaSpec(kind), layer_names=["l0"])])
+        scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(kv_cache_config=config))
+        vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads),
         )
-    )
-    with pytest.raises(hv.HurrayFormatError) as exc:
-        engine._refuse_split_states(llm, "snapshots")
-    assert exc.value.field == "tensor_parallel_size"
-    llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size = 1
-    engine._refuse_split_states(llm, "snapshots")  # at TP = 1 every state is whole: fine
+        core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=vllm_config, engine_core=core))
+
+    for kind, kv_heads, match in (("gdn_attn", 1, "divides 1"), ("mamba2", 2, "not split across ranks")):
+        with pytest.raises(hv.HurrayFormatError, match=match) as exc:
+            engine._refuse_split_states(llm(kind, kv_heads, 2), "snapshots")
+        assert exc.value.field == "tensor_parallel_size"
+    engine._refuse_split_states(llm("gdn_attn", 2, 2), "snapshots")  # a gated delta net's states split
+    engine._refuse_split_states(llm("mamba2", 1, 1), "snapshots")  # at TP = 1 every state is whole: fine
