@@ -1,14 +1,20 @@
-"""Runs one real vLLM engine (CPU) on a sliding-window hybrid with HurrayConnector, at a given tensor parallelism.
+"""Runs one real vLLM engine (CPU) on a hybrid model with HurrayConnector, at a given tensor parallelism.
 
-Usage: python window_tp_run.py CONFIG_JSON OUT_DIR
+Usage: python hybrid_tp_run.py CONFIG_JSON OUT_DIR
 
-CONFIG: ``{"model", "store", "tp", "block", "chunk", "phases": [{"prompts": {id: [token ids]},
-"vanish": bool}, ...]}``. Each phase's prompts run as one batch, greedy, 10 tokens each. In a
-``vanish`` phase the chunk files disappear from the store right after the scheduler promised a
-load (as a ``hurray-vllm prune`` racing the load would make them): the workers, processes of their
-own at TP > 1, then fail to read them. Writes ``OUT_DIR/result.json``: per phase the outputs and
-vLLM's cached-token counts, the scheduler's and every rank's connector statistics, the store's
-files after each phase, and whether vLLM kept its hybrid KV cache manager.
+CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "phases": [{"prompts": {id: prompt},
+"vanish": bool, "snapshot": bool}, ...]}``. ``block``, ``chunk`` and ``max_model_len`` (2048) are optional: vLLM sizes a
+linear-attention hybrid's blocks to its states (hundreds of tokens, CPU-dependent), and chunks
+default to one such block. A prompt is a list of token ids, or ``{"seed", "blocks", "extra"}``:
+``blocks * B + extra`` tokens of a pattern seeded by ``seed``, for the engine's block size ``B``.
+Each phase's prompts run as one batch, greedy, 10 tokens each. With ``snapshot`` the phase is
+stepped by hand and ``snapshot()`` taken once every prompt is computed, before the first decode
+step (``OUT_DIR/snap{phase}.hrry``). In a ``vanish`` phase the chunk files disappear from the
+store right after the scheduler promised a load (as a ``hurray-vllm prune`` racing the load would
+make them): the workers, processes of their own at TP > 1, then fail to read them. Writes
+``OUT_DIR/result.json``: the block size and prompts, per phase the outputs, vLLM's cached-token
+counts and the store's files, the scheduler's and every rank's connector statistics, and whether
+vLLM kept its hybrid KV cache manager.
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ def _race_prune(store: Path) -> None:
     HurrayScheduler.get_num_new_matched_tokens = racing  # type: ignore[method-assign]
 
 
+def prompt(spec: list[int] | dict[str, int], block: int) -> list[int]:
+    """The prompt's token ids: as given, or ``blocks * block + extra`` tokens seeded by ``seed``."""
+    if isinstance(spec, list):
+        return spec
+    seed = spec["seed"]
+    return [(i * 37 + seed * 101 + 11) % 500 + 1 for i in range(spec["blocks"] * block + spec["extra"])]
+
+
 def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -49,17 +63,19 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    import hurray_vllm as hv
+    from hurray_vllm.adapters.vllm import snapshot
+
     store, tp = Path(cfg["store"]), int(cfg["tp"])
     _race_prune(store)
+    extra: dict[str, Any] = {"hurray_path": str(store), "hurray_save_async": False}  # phases end with their chunks
+    if cfg.get("chunk"):
+        extra["hurray_chunk_tokens"] = cfg["chunk"]
     kv = KVTransferConfig(
         kv_connector="HurrayConnector",
         kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={
-            "hurray_path": str(store),
-            "hurray_chunk_tokens": cfg["chunk"],
-            "hurray_save_async": False,  # each phase's chunks are in the store when it ends
-        },
+        kv_connector_extra_config=extra,
         kv_load_failure_policy="recompute",
     )
     llm = LLM(
@@ -67,32 +83,50 @@ def main() -> None:
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="bfloat16",
-        block_size=cfg["block"],
-        max_model_len=1024,
+        max_model_len=int(cfg.get("max_model_len", 2048)),
+        max_num_batched_tokens=16384,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
         kv_transfer_config=kv,
         seed=0,
+        **({"block_size": cfg["block"]} if cfg.get("block") else {}),
     )
+    eng = llm.llm_engine
+    core: Any = eng.engine_core.engine_core
+    block = int(eng.vllm_config.cache_config.block_size)
+    result: dict[str, Any] = {"tp": tp, "block_size": block, "prompts": {}, "phases": []}
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=10, ignore_eos=True)
-    result: dict[str, Any] = {"tp": tp, "phases": []}
-    for phase in cfg["phases"]:
+    for n, phase in enumerate(cfg["phases"]):
+        prompts = {rid: prompt(spec, block) for rid, spec in phase["prompts"].items()}
+        result["prompts"].update(prompts)
         VANISH["on"] = bool(phase.get("vanish"))
-        ids = list(phase["prompts"])
-        outs = llm.generate([TokensPrompt(prompt_token_ids=phase["prompts"][i]) for i in ids], sp, use_tqdm=False)
+        outputs: dict[str, list[int]] = {}
+        cached: dict[str, int] = {}
+        if phase.get("snapshot"):
+            for rid, ids in prompts.items():
+                eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
+            taken = False
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        outputs[o.request_id] = list(o.outputs[0].token_ids)
+                        cached[o.request_id] = o.num_cached_tokens
+                reqs = list(core.scheduler.requests.values())
+                if not taken and reqs and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
+                    hv.save(snapshot(llm, list(prompts)), out / f"snap{n}.hrry")
+                    taken = True
+        else:
+            ids = list(prompts)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in ids], sp, use_tqdm=False)
+            outputs = {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs, strict=True)}
+            cached = {i: o.num_cached_tokens for i, o in zip(ids, outs, strict=True)}
         VANISH["on"] = False
-        result["phases"].append(
-            {
-                "outputs": {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs, strict=True)},
-                "cached": {i: o.num_cached_tokens for i, o in zip(ids, outs, strict=True)},
-                "files": sorted(p.name for p in store.rglob("*.hrry")),
-            }
-        )
-    core: Any = llm.llm_engine.engine_core.engine_core
+        files = sorted(p.name for p in store.rglob("*.hrry"))
+        result["phases"].append({"outputs": outputs, "cached": cached, "files": files})
     result["promised_then_vanished"] = VANISH["promised"]
     result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
     result["worker_stats"] = llm.collective_rpc(_stats)
-    result["hybrid_kv_cache_manager"] = not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    result["hybrid_kv_cache_manager"] = not eng.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     (out / "result.json").write_text(json.dumps(result))
 
 

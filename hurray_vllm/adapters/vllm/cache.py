@@ -36,6 +36,7 @@ __all__ = [
     "attention_layers",
     "write_blocks",
     "rank_head_range",
+    "split_states_refusal",
     "rank_share",
     "unsupported_parallelism",
     "with_rank_heads",
@@ -401,8 +402,38 @@ def describe_worker_cache(
         engine=f"vllm {getattr(vllm, '__version__', '?')}",
         isa=isa,
         latent=latent,
-        states=state_cache(vllm_config, kv_cache_config) if kv_cache_config is not None else None,
+        states=_states_here(vllm_config, kv_cache_config),
     )
+
+
+def _states_here(vllm_config: Any, kv_cache_config: Any) -> StateCache | None:
+    """This worker's linear-attention layers; at TP > 1 the share of their states its KV heads say."""
+    if kv_cache_config is None:
+        return None
+    heads = rank_head_range(vllm_config)
+    part = (heads.start, heads.stop, heads.total) if heads is not None else None
+    return state_cache(vllm_config, kv_cache_config, part)
+
+
+def split_states_refusal(vllm_config: Any, tp: int | None = None) -> str | None:
+    """Why a linear-attention hybrid's states cannot be split across this engine's ranks (None when they can).
+
+    A rank saves and loads its share of the states with its KV heads (the
+    share ``a / n`` to ``b / n`` for heads ``a .. b - 1`` of ``n``). With
+    fewer KV heads than ranks, vLLM replicates heads while it still splits
+    the linear-attention heads: ranks holding the same KV heads hold
+    different states, which one slice per head range cannot carry.
+    """
+    tp = tp or int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if tp == 1:
+        return None
+    heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    if heads < tp or heads % tp:
+        return (
+            f"splits a linear-attention hybrid's states with its KV heads, and {heads} KV heads are not shared out "
+            f"evenly by {tp} ranks: use a tensor_parallel_size that divides {heads}"
+        )
+    return None
 
 
 def unsupported_parallelism(parallel_config: Any) -> tuple[str, str] | None:

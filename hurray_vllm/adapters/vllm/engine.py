@@ -30,6 +30,7 @@ from .cache import (
     describe_worker_cache,
     group_options,
     rank_share,
+    split_states_refusal,
     unsupported_cache,
     unsupported_parallelism,
     with_rank_heads,
@@ -82,22 +83,30 @@ def _export_on_rank(worker: Any, seqs: Sequence[SequenceState]) -> tuple[int, KV
     """Runs on every worker: this rank's KV heads of ``seqs`` (copied out of the cache, ready to pickle)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    ec = _describe(worker)  # a linear-attention hybrid was refused in the caller (_refuse_split_states)
+    ec = _describe(worker)  # states that do not split were refused in the caller (_refuse_split_states)
     config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
     groups = group_options(*cache_groups(config), ec.layer_names)
-    snap = export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options(), **groups)
+    snap = export_snapshot(ec.caches, ec.layout, seqs, **ec.export_options(), **groups, states=_states(ec, seqs))
     return int(get_tensor_model_parallel_rank()), with_rank_heads(snap, ec, worker.vllm_config)
 
 
 def _refuse_split_states(llm: Any, what: str) -> None:
-    """At TP > 1, refuse a linear-attention hybrid here, before any worker is asked (its states split by heads)."""
-    from .states import state_groups
+    """At TP > 1, refuse a linear-attention hybrid whose states cannot split across the ranks, before any worker.
+
+    Its ranks hold their states' shares with their KV heads (``kv.states``):
+    that needs at least as many KV heads as ranks, and states whose split is
+    known (gated delta nets).
+    """
+    from .states import declared_layout, state_groups
 
     config = getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
-    if _tp(llm) > 1 and config is not None and state_groups(config):
-        raise HurrayFormatError(
-            "tensor_parallel_size", f"{what} of linear-attention hybrids at tensor parallelism > 1 are not supported"
-        )
+    if _tp(llm) == 1 or config is None or not state_groups(config):
+        return
+    vllm_config = llm.llm_engine.vllm_config
+    why = split_states_refusal(vllm_config)
+    if why is not None:
+        raise HurrayFormatError("tensor_parallel_size", f"{what}: hurray-vllm {why}")
+    declared_layout(config, _tp(llm))  # raises for states it does not split
 
 
 def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:
@@ -249,6 +258,9 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     heads (fewer KV heads than ranks) writes nothing, and neither does any
     rank but 0 for an MLA latent or a single KV head, which every rank holds
     whole (that file has no ``heads``). At TP = 1 rank 0 writes everything.
+    A linear-attention hybrid's file holds the rank's share of the states
+    too (``states.part``, ``docs/format.md``); such a model needs at least as
+    many KV heads as ranks.
 
     Args:
         llm: as for :func:`snapshot`.
@@ -261,8 +273,7 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
         The files written, in head order.
 
     Raises:
-        HurrayFormatError: as :func:`snapshot`; also for a linear-attention
-            hybrid at TP > 1.
+        HurrayFormatError: as :func:`snapshot`.
 
     Example:
         >>> files = snapshot_ranks(llm, ["a", "b"], "/scratch/kv")  # doctest: +SKIP
@@ -287,7 +298,7 @@ def _stream_on_rank(worker: Any, seqs: Sequence[SequenceState], directory: str) 
 
     from ...containers.atomic import atomic_path
 
-    # A linear-attention hybrid at TP > 1 was refused in the caller (_refuse_split_states).
+    # States that do not split across ranks were refused in the caller (_refuse_split_states).
     rank = int(get_tensor_model_parallel_rank())
     heads, writes = rank_share(worker.vllm_config, rank)
     if not writes:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 import torch
 
 from ...errors import HurrayFormatError
-from ...kv.states import RecurrentStates
+from ...kv.states import RecurrentStates, state_split
 from ...wire import dtypes
 
 __all__ = [
@@ -130,12 +131,20 @@ def _swap(shape: Sequence[int], how: str) -> tuple[int, ...]:
     return (*dims[:-2], dims[-1], dims[-2]) if how and len(dims) >= 2 else dims
 
 
-def declared_layout(kv_cache_config: Any) -> RecurrentStates | None:
+def declared_layout(kv_cache_config: Any, tp: int = 1) -> RecurrentStates | None:
     """The states a chunk of this engine's model carries, without tensors (``None``: no linear attention).
 
     Built from the ``MambaSpec`` groups alone, so the scheduler (which has no
     caches) refuses chunks whose states this engine's workers could not
-    load, before any block is touched.
+    load, before any block is touched. At tensor parallelism ``tp`` the
+    groups hold one rank's share; the layout is the whole model's (each
+    split axis ``tp`` times the share, see
+    :func:`~hurray_vllm.kv.states.state_split`), so that chunks saved at any
+    degree compare equal.
+
+    Raises:
+        HurrayFormatError: (field ``tensor_parallel_size``) ``tp > 1`` with
+            states whose split across ranks is not known.
     """
     of_layer = state_groups(kv_cache_config)
     if not of_layer:
@@ -148,12 +157,22 @@ def declared_layout(kv_cache_config: Any) -> RecurrentStates | None:
     how, layout = _transforms(kind, len(shapes))
     state_dtypes = [dtypes.from_torch(d).name for d in getattr(spec, "dtypes", ())]
     attention = [n for g in groups if type(g.kv_cache_spec).__name__ != "MambaSpec" for n in g.layer_names]
+    shapes = [_swap(sh, h) for sh, h in zip(shapes, how, strict=True)]
+    if tp > 1:
+        share = state_split(kind, layout, shapes)
+        if share is None:
+            raise HurrayFormatError(
+                "tensor_parallel_size",
+                f"the states of {kind or 'these'} linear-attention layers (layout {layout or 'normalized'}) are not "
+                "split across ranks by hurray-vllm; gated delta nets (Qwen3-Next) are",
+            )
+        shapes = [tuple(d * tp if i == axis else d for i, d in enumerate(sh)) for sh, (axis, _) in zip(shapes, share)]
     return RecurrentStates(
         kind,
         tuple(_model_indices(names)),
         state_names(len(shapes)),
         (),
-        declared=tuple((_swap(sh, h), d) for sh, h, d in zip(shapes, how, state_dtypes, strict=True)),
+        declared=tuple(zip(shapes, state_dtypes, strict=True)),
         attention=tuple(sorted(_model_indices(attention))),
         layout=layout,
     )
@@ -179,6 +198,9 @@ class StateCache:
             (:func:`_transforms`).
         block_size: tokens per block of the state groups.
         mode: ``mamba_cache_mode`` (``"align"`` or ``"none"``).
+        part: at tensor parallelism > 1, the share of the states this rank
+            holds, ``(start, stop, total)``: the same as its KV heads
+            (``start .. stop - 1`` of ``total``); ``None``: the whole states.
     """
 
     spec: RecurrentStates
@@ -188,6 +210,7 @@ class StateCache:
     transforms: tuple[str, ...]
     block_size: int
     mode: str
+    part: tuple[int, int, int] | None = None
 
     @property
     def state_group_ids(self) -> list[int]:
@@ -239,11 +262,31 @@ class StateCache:
                 out[ids == 0] = 0
                 members.append(out)
             tensors.append(tuple(members))
-        return replace(self.spec, positions=tuple(int(p) for p in positions)).with_tensors(tensors)
+        states = replace(self.spec, positions=tuple(int(p) for p in positions)).with_tensors(tensors)
+        if self.part is None:
+            return states
+        # This rank's share: the split of its shapes, each section as many times over as there are shares.
+        share = state_split(states.kind, states.layout, states.shapes) or ()
+        split = tuple((axis, tuple(x * self._ranks for x in sections)) for axis, sections in share)
+        return replace(states, split=split, part=self.part)
+
+    @property
+    def _ranks(self) -> int:
+        """How many shares of the states there are (the whole / this rank's part)."""
+        if self.part is None:
+            return 1
+        start, stop, total = self.part
+        return total // (stop - start)
 
     def mismatches(self, states: RecurrentStates) -> list[str]:
-        """Why ``states`` cannot be loaded here (empty when they can)."""
-        return self.spec.mismatches(states)
+        """Why ``states`` cannot be loaded here (empty when they can): another geometry, or another rank's share."""
+        diffs = self.spec.mismatches(states)
+        if not diffs and self.part is not None:
+            start, stop, total = self.part
+            mine = Fraction(start, total), Fraction(stop, total)
+            if states.fraction != mine:
+                diffs.append(f"part {states.part or 'whole'}, this rank holds {self.part}")
+        return diffs
 
     def write(self, blocks: Sequence[dict[int, list[int]]], states: RecurrentStates) -> None:
         """Write sequence ``s``'s state into the blocks ``blocks[s][group]`` of each layer's group.
@@ -267,16 +310,24 @@ class StateCache:
                 t.index_copy_(0, dest.to(t.device), value.to(t.device, t.dtype))
 
 
-def state_cache(vllm_config: Any, kv_cache_config: Any) -> StateCache | None:
+def state_cache(vllm_config: Any, kv_cache_config: Any, part: tuple[int, int, int] | None = None) -> StateCache | None:
     """The linear-attention layers of this worker (``None`` for a model without any).
+
+    ``part``: at tensor parallelism > 1, this rank's share (its KV heads, see
+    :class:`StateCache`).
 
     Raises:
         HurrayFormatError: (field ``kv_cache_groups``) a state layer whose
             cache is not a list of tensors, or layers that disagree in shape.
     """
-    spec = declared_layout(kv_cache_config)
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    spec = declared_layout(kv_cache_config, tp)
     if spec is None:
         return None
+    if (tp > 1) != (part is not None) or (part is not None and (part[2] // (part[1] - part[0])) != tp):
+        raise HurrayFormatError(
+            "tensor_parallel_size", f"linear-attention states at tensor parallelism {tp} need a share of 1/{tp}: {part}"
+        )
     of_layer = state_groups(kv_cache_config)
     ctx = vllm_config.compilation_config.static_forward_context
     names = [n for n in of_layer if n in ctx]
@@ -301,4 +352,5 @@ def state_cache(vllm_config: Any, kv_cache_config: Any) -> StateCache | None:
         transforms=how,
         block_size=int(getattr(group_spec, "block_size", vllm_config.cache_config.block_size)),
         mode=str(getattr(group_spec, "mamba_cache_mode", "none") or "none"),
+        part=part,
     )

@@ -212,22 +212,19 @@ def test_a_slice_gone_on_one_rank_fails_the_request_once_in_vllms_aggregate(tmp_
 
 
 @pytest.mark.parametrize(
-    ("groups", "backend", "world", "states", "want"),
+    ("groups", "backend", "world", "want"),
     [
-        (4, "mp", 2, False, True),  # a sliding-window hybrid at TP = 2: workers read the files again
-        (4, "mp", 1, False, True),  # the mp executor at TP = 1: one worker, in a process of its own
-        (4, "uni", 1, False, False),  # the worker in the scheduler's process: handed what was verified
-        (4, "external_launcher", 2, False, False),  # a scheduler per rank, each with its worker
-        (1, "mp", 2, False, False),  # one group: vLLM maps failed blocks to requests
-        (4, "mp", 1, True, False),  # linear attention: state blocks planned for the resuming step
-        (4, None, 2, False, True),  # a bare config: several ranks are several processes
+        (4, "mp", 2, True),  # a sliding-window or linear-attention hybrid at TP = 2: workers read the files again
+        (4, "mp", 1, True),  # the mp executor at TP = 1: one worker, in a process of its own
+        (4, "uni", 1, False),  # the worker in the scheduler's process: handed what was verified
+        (4, "external_launcher", 2, False),  # a scheduler per rank, each with its worker
+        (1, "mp", 2, False),  # one group: vLLM maps failed blocks to requests
+        (4, None, 2, True),  # a bare config: several ranks are several processes
     ],
 )
-def test_which_engines_load_asynchronously(
-    groups: int, backend: str | None, world: int, states: bool, want: bool
-) -> None:
+def test_which_engines_load_asynchronously(groups: int, backend: str | None, world: int, want: bool) -> None:
     from hurray_vllm.adapters.vllm.connector.config import _async_loads
 
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world))
     kv = SimpleNamespace(kv_cache_groups=[object()] * groups)
-    assert _async_loads(cfg, kv, states) is want  # type: ignore[arg-type]
+    assert _async_loads(cfg, kv) is want  # type: ignore[arg-type]

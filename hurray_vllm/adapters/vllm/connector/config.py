@@ -17,7 +17,7 @@ from ....kv.states import RecurrentStates
 from ....transport import CHANNELS, channel_of
 from ....transport.base import parse_listen
 from ....transport.security import TlsOptions, client_context, server_context
-from ..cache import cache_groups, is_grouped, unsupported_cache, unsupported_parallelism
+from ..cache import cache_groups, is_grouped, split_states_refusal, unsupported_cache, unsupported_parallelism
 from ..states import declared_layout, state_groups
 from .metadata import DEFAULT_VERIFIED_BYTES
 
@@ -124,7 +124,7 @@ def _worker_in_process(vllm_config: VllmConfig) -> bool:
     return backend in ("uni", "external_launcher")
 
 
-def _async_loads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, states: bool) -> bool:
+def _async_loads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bool:
     """Whether loads must be reported per request: several KV cache groups, workers out of the scheduler's process.
 
     vLLM 0.32 maps blocks a worker failed to load back to their requests
@@ -134,12 +134,13 @@ def _async_loads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     the files again, which may have gone meanwhile (a prune). Its loads then
     take vLLM's asynchronous path: the request waits a step, and a failed
     load fails the request alone (recomputed, with
-    ``kv_load_failure_policy: "recompute"``). Linear-attention hybrids stay
-    synchronous: their state blocks are planned for the step that resumes,
-    and they are refused at tensor parallelism > 1.
+    ``kv_load_failure_policy: "recompute"``). A linear-attention hybrid's
+    load then writes the state block at the resume only: the step that
+    computes on from there comes later, and vLLM copies that block into the
+    step's own before it (``preprocess_mamba``), as after any prefix hit.
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return len(groups) > 1 and not states and not _worker_in_process(vllm_config)
+    return len(groups) > 1 and not _worker_in_process(vllm_config)
 
 
 @dataclass(frozen=True)
@@ -258,10 +259,15 @@ class HurrayConfig:
                 "kv_cache_groups", f"KV cache groups with block sizes {sorted(sizes)}: chunks need one block size"
             )
         tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        if tp > 1 and states:
-            raise HurrayArgumentError(
-                "tensor_parallel_size", "HurrayConnector does not split linear-attention states across ranks yet"
-            )
+        state_layout = None
+        if states:
+            why = split_states_refusal(vllm_config, tp)
+            if why is not None:
+                raise HurrayArgumentError("tensor_parallel_size", f"HurrayConnector {why}")
+            try:
+                state_layout = declared_layout(kv_cache_config, tp)
+            except HurrayFormatError as exc:
+                raise HurrayArgumentError("tensor_parallel_size", f"HurrayConnector: {exc}") from exc
         layout = unsupported_parallelism(vllm_config.parallel_config)
         if layout is not None:
             raise HurrayArgumentError(layout[0], f"HurrayConnector {layout[1]}")
@@ -327,9 +333,9 @@ class HurrayConfig:
             window_chunks=window_chunks,
             state_groups=tuple(states),
             state_mode=str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none") if states else "",
-            state_layout=declared_layout(kv_cache_config) if states else None,
+            state_layout=state_layout,
             tp=tp,
-            async_loads=_async_loads(vllm_config, kv_cache_config, bool(states)),
+            async_loads=_async_loads(vllm_config, kv_cache_config),
             worker_in_process=_worker_in_process(vllm_config),
             keys=keys,
             push_tls=push_tls,

@@ -79,15 +79,23 @@ def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int)
 
 
 def _fit_together(parts: list[KVSnapshot]) -> bool:
-    """Whether a chunk's slices join into one (same scales, windows and page structure), as workers will join them.
+    """Whether a chunk's slices join into one (same scales, windows, states and page structure), as workers will.
 
     Slices of two producers (other fp8 scales, another window policy) sharing
     a store would otherwise pass here one by one and fail in the workers.
     """
     first = parts[0]
+    states = first.states
     return all(
         p.kv_scales == first.kv_scales
         and p.windows == first.windows
+        # Each slice carries its share of the states, taken at the same token (or none does).
+        and (p.states is None) == (states is None)
+        and (
+            states is None
+            or p.states is None
+            or (p.states.positions == states.positions and not p.states.mismatches(states))
+        )
         and p.page_size == first.page_size
         and [t.page_pool.shape[:2] for t in p.tensors()] == [t.page_pool.shape[:2] for t in first.tensors()]
         for p in parts[1:]
@@ -664,9 +672,7 @@ class HurrayScheduler:
             states = self._state_blocks(state, (c + 1) * self._chunk, step_end)
             # A chunk stored without the states this step holds for it is written again, with them:
             # else the first writer's step (which ran past the chunk's end) would hide them for good.
-            replace = (
-                bool(states) and self._store.has(self._ns, keys[c]) and not self._store.has_states(self._ns, keys[c])
-            )
+            replace = bool(states) and self._lacks_states(keys[c])
             # With a destination, chunks already stored still go to the worker, to be pushed.
             if self._stored(keys[c]) and not self._url and not replace:
                 self.stats.chunks_skipped += 1
@@ -716,6 +722,11 @@ class HurrayScheduler:
         first = start // self._block_size
         blocks = state.block_ids[first : first + n // self._block_size]
         meta.saves.append(SaveTask(req_id, key, tokens[start:end], blocks, tail=True))
+
+    def _lacks_states(self, key: str) -> bool:
+        """Whether chunk ``key`` is stored (whole, or every tensor-parallel slice) and a file of it has no states."""
+        parts = self._store.parts(self._ns, key, self._heads)
+        return parts is not None and not all(self._store.has_states(self._ns, p.name) for p in parts)
 
     def _stored(self, key: str) -> bool:
         """Whether chunk ``key`` is stored whole (one file, or tensor-parallel slices of every head)."""

@@ -27,7 +27,7 @@ from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.heads import concat_heads, select_heads
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import HeadRange, KVSnapshot, ModelFingerprint
-from ....kv.states import RecurrentStates
+from ....kv.states import RecurrentStates, join_states
 from ....transport import ChunkSender, sender_for
 from ....transport.security import client_context
 from ..cache import (
@@ -286,7 +286,7 @@ class HurrayWorker:
             try:
                 chunks = [self._chunk_for_load(ec, task, c) for c in range(len(task.keys))]
                 writes = self._plan_writes(ec, task, chunks)
-                states = self._plan_states(ec, task, [pieces[0][0] for pieces in chunks])
+                states = self._plan_states(ec, task, [snap for snap, _ in chunks[-1]] if chunks else [])
             except Exception as exc:  # nothing is written yet: any failure costs a recompute, not the worker
                 self._fail(task, exc)
                 continue
@@ -361,8 +361,12 @@ class HurrayWorker:
         return writes
 
     @staticmethod
-    def _plan_states(ec: EngineCache, task: LoadTask, chunks: list[KVSnapshot]) -> RecurrentStates | None:
+    def _plan_states(ec: EngineCache, task: LoadTask, last: list[KVSnapshot]) -> RecurrentStates | None:
         """The linear-attention states a load writes (the last chunk's), checked before any block is touched.
+
+        ``last``: the pieces of the last chunk this worker reads (at tensor
+        parallelism, the stored slices holding its heads, each with their
+        share of the states, narrowed to this rank's): their states joined.
 
         Raises:
             HurrayFormatError: (field ``snapshot.states``) the last chunk holds
@@ -373,7 +377,8 @@ class HurrayWorker:
             if task.state_blocks:
                 raise HurrayFormatError("snapshot.states", "this worker found no linear-attention layers to load into")
             return None
-        states = chunks[-1].states if chunks else None
+        parts = [snap.states for snap in last]
+        states = join_states([p for p in parts if p is not None]) if parts and None not in parts else None
         if states is None or tuple(states.positions) != (task.resume,):
             raise HurrayFormatError(
                 "snapshot.states", f"chunk {task.keys[-1] if task.keys else '?'} holds no states at token {task.resume}"
