@@ -131,7 +131,9 @@ def test_a_tp2_load_whose_files_vanish_is_recomputed_and_the_engine_goes_on(
     assert {f"{k}.h{h}-{h + 1}.hrry" for k in keys for h in (0, 1)} <= set(vanished["files"])
 
 
-def test_tp2_slices_carry_their_share_of_the_states_and_load_into_tp1(linear_tp: dict[str, Any], hf_model: Any) -> None:
+def test_tp2_slices_carry_their_share_of_the_states_and_load_into_tp1(
+    linear_tp: dict[str, Any], hf_model: Any, hurray: Any
+) -> None:
     tmp, run = linear_tp["tmp"], linear_tp["tp2"]
     block = run["block_size"]
     computed = run["phases"][2]
@@ -146,6 +148,8 @@ def test_tp2_slices_carry_their_share_of_the_states_and_load_into_tp1(linear_tp:
         assert part.states is not None and part.states.part == (h, h + 1, 2)
         assert part.states.positions == (2 * block,) and part.states.shapes[1][0] == 2  # 2 of 4 value heads
         assert hv.validate(store / f"{keys[1]}.h{h}-{h + 1}.hrry").ok
+        ref = hurray.load(str(store / f"{keys[1]}.h{h}-{h + 1}.hrry"))  # the reference reads a share as any state
+        assert [tuple(m.shape) for m in ref["states.0"].members] == [(1, 3, 512), (1, 2, 128, 128)]
     loaded = linear_tp["load1"]["phases"][0]
     _agrees(hf_model, linear_tp["load1"], loaded["outputs"], "2 -> 1")
     assert loaded["cached"] == {"s": 2 * block, "v": 2 * block}
