@@ -98,7 +98,7 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0, window: int = 64) -> Path:
     return path
 
 
-def build_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
+def build_tiny_qwen3_next(path: Path, *, seed: int = 0, kv_heads: int = 2, experts_per_token: int = 2) -> Path:
     """A 4-layer Qwen3-Next-style hybrid (3 gated-delta-net linear-attention layers, 1 full) in bf16 at ``path``.
 
     vLLM's CPU GDN kernels take only head dims of 128 (``../shared/notes/facts.md``
@@ -108,7 +108,10 @@ def build_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
     step then differ by a fifth. The full-attention layer keeps its MoE: with
     ``mlp_only_layers`` covering every layer vLLM finds no Qwen3Next layer.
     ``initializer_range`` 0.1, as for the MLA model, so that greedy tokens do
-    not repeat one id.
+    not repeat one id. ``kv_heads``: of the full-attention layer (1: at
+    TP = 2 every rank holds it, while the state heads still split).
+    ``experts_per_token`` = 4 routes every token to every expert: no router
+    near-tie then flips an expert choice on another summation order (TP).
     """
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -120,7 +123,7 @@ def build_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
         hidden_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
@@ -128,7 +131,7 @@ def build_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
         linear_value_head_dim=128,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_experts=4,
-        num_experts_per_tok=2,
+        num_experts_per_tok=experts_per_token,
         intermediate_size=256,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,

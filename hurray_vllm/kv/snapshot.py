@@ -593,6 +593,7 @@ class KVSnapshot:
             found.append(Violation("snapshot.heads", "the slice's total heads differ from the fingerprint's"))
         if self.states is not None:
             found.extend(self.states.violations())
+        if self.states is not None and not self.states.part_violations():  # a valid part, or whole
             # A slice of the heads carries the same part of the states (one rank's share of both).
             want = Fraction(0), Fraction(1)
             if self.heads is not None:
@@ -605,6 +606,7 @@ class KVSnapshot:
                         f"{(self.heads.start, self.heads.stop, self.heads.total) if self.heads else 'whole'}",
                     )
                 )
+        if self.states is not None:
             if self._lead and self.states.num_seqs != self.num_seqs:
                 found.append(
                     Violation(

@@ -149,9 +149,13 @@ class RecurrentStates:
             >>> s.take(1, 2, 2).tensors[0][0].tolist()
             [[[2.0, 3.0, 6.0, 7.0, 10.0, 11.0]]]
         """
+        if not 0 <= start < stop <= total:
+            raise HurrayFormatError(
+                "snapshot.states", f"part {start}..{stop} of {total}: expected 0 <= start < stop <= total"
+            )
         lo, hi = Fraction(start, total), Fraction(stop, total)
         have_lo, have_hi = self.fraction
-        if not (0 <= start < stop <= total) or lo < have_lo or hi > have_hi:
+        if lo < have_lo or hi > have_hi:
             raise HurrayFormatError(
                 "snapshot.states",
                 f"part {start}..{stop} of {total} is outside the states' part {self.part or 'whole'}",
@@ -266,7 +270,7 @@ class RecurrentStates:
         bad = [d for d in (self.dtype_names if self.tensors or self.declared else ()) if d not in _STATE_DTYPES]
         if bad:
             found.append(Violation("snapshot.states.dtypes", f"{bad}: states are one of {sorted(_STATE_DTYPES)}"))
-        found.extend(self._part_violations())
+        found.extend(self.part_violations())
         if len(self.tensors) != len(self.layers):
             found.append(
                 Violation("snapshot.states", f"{len(self.tensors)} state layers for {len(self.layers)} layer indices")
@@ -298,7 +302,7 @@ class RecurrentStates:
                     return found
         return found
 
-    def _part_violations(self) -> list[Violation]:
+    def part_violations(self) -> list[Violation]:
         """A part whose split does not match its members, or whose members are not that part of the sections."""
         if self.part is None:
             return [Violation("snapshot.states.split", "a split without a part")] if self.split else []
@@ -309,6 +313,18 @@ class RecurrentStates:
             ]
         if len(self.split) != len(self.names):
             return [Violation("snapshot.states.split", f"{len(self.split)} splits for {len(self.names)} members")]
+        if any(not 0 <= axis < len(shape) or not sections for shape, (axis, sections) in zip(self.shapes, self.split)):
+            return [Violation("snapshot.states.split", "a split axis outside its member, or no sections")]
+        # Only the split the kind has: the sections say which channels a part holds, and nothing else checks them.
+        known = state_split(self.kind, self.layout, self.whole_shapes)
+        if known is None or tuple(self.split) != known:
+            return [
+                Violation(
+                    "snapshot.states.split",
+                    f"{[list(x) for x in self.split]} is not how {self.kind!r} states split "
+                    f"({[list(x) for x in known] if known else 'they do not'})",
+                )
+            ]
         lo, hi = self.fraction
         for name, shape, (axis, sections) in zip(self.names, self.shapes, self.split, strict=False):
             if not 0 <= axis < len(shape) or not sections:
@@ -374,7 +390,11 @@ class RecurrentStates:
                 raise HurrayFormatError("snapshot.states.dtypes", f"{dt!r} is not one of {sorted(_STATE_DTYPES)}")
             declared.append((dims, dt))
         split, part = _split_from_json(f.obj.get("split"), f.obj.get("part"), len(names))
-        return cls(kind, layers, tuple(names), positions, (), tuple(declared), attention, layout or "", split, part)
+        out = cls(kind, layers, tuple(names), positions, (), tuple(declared), attention, layout or "", split, part)
+        bad = out.part_violations()  # a part that does not add up is refused here, permissive reads included
+        if bad:
+            raise HurrayFormatError(bad[0].invariant, bad[0].message)
+        return out
 
 
 def state_split(
@@ -425,6 +445,18 @@ def join_states(parts: Sequence[RecurrentStates]) -> RecurrentStates:
         )
     if first.part is None:
         raise HurrayFormatError("snapshot.states", "a whole state cannot be joined with another part")
+    if len({bool(p.tensors) for p in parts}) > 1:
+        raise HurrayFormatError("snapshot.states", "parts with tensors and header-only parts do not join")
+    lo, hi = spans[0][0], spans[-1][1]
+    whole = (lo, hi) == (0, 1)
+    if not first.tensors:  # headers: the declared shapes of the joined part
+        declared = tuple(
+            (_part_shape(shape, axis, sections, lo, hi), dt)
+            for shape, dt, (axis, sections) in zip(first.whole_shapes, first.dtype_names, first.split, strict=True)
+        )
+        return replace(
+            first, declared=declared, split=() if whole else first.split, part=None if whole else _reduced(lo, hi)
+        )
     tensors = []
     for j in range(len(first.tensors)):
         members = []
@@ -433,14 +465,11 @@ def join_states(parts: Sequence[RecurrentStates]) -> RecurrentStates:
             offsets = [0] * len(parts)
             for size in sections:
                 for i, p in enumerate(parts):
-                    lo, hi = spans[i]
-                    n = _at(size, hi) - _at(size, lo)
+                    n = _at(size, spans[i][1]) - _at(size, spans[i][0])
                     pieces.append(p.tensors[j][m].narrow(axis + 1, offsets[i], n))
                     offsets[i] += n
             members.append(torch.cat(pieces, dim=axis + 1))
         tensors.append(tuple(members))
-    lo, hi = spans[0][0], spans[-1][1]
-    whole = (lo, hi) == (0, 1)
     return replace(
         first,
         tensors=tuple(tensors),

@@ -169,7 +169,7 @@ def test_prune_takes_a_chunks_slices_together(tmp_path) -> None:  # type: ignore
 
 
 def test_tp_snapshots_of_hybrids_whose_states_cannot_split_are_refused_before_any_worker_is_asked() -> None:
-    """A rank's share of the states goes with its KV heads: fewer KV heads than ranks, or unknown states, refused."""
+    """Unknown states, or KV heads that ranks do not share out evenly, are refused; replicated heads are fine."""
     from types import SimpleNamespace
 
     require("vllm")
@@ -190,9 +190,12 @@ def test_tp_snapshots_of_hybrids_whose_states_cannot_split_are_refused_before_an
         core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
         return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=vllm_config, engine_core=core))
 
-    for kind, kv_heads, match in (("gdn_attn", 1, "divides 1"), ("mamba2", 2, "not split across ranks")):
+    for kind, kv_heads, match in (("gdn_attn", 3, "not shared out evenly"), ("mamba2", 2, "not split across ranks")):
         with pytest.raises(hv.HurrayFormatError, match=match) as exc:
             engine._refuse_split_states(llm(kind, kv_heads, 2), "snapshots")
         assert exc.value.field == "tensor_parallel_size"
     engine._refuse_split_states(llm("gdn_attn", 2, 2), "snapshots")  # a gated delta net's states split
+    engine._refuse_split_states(llm("gdn_attn", 1, 2), "snapshots")  # also with its KV head on both ranks
+    with pytest.raises(hv.HurrayFormatError, match="use snapshot"):  # ... whose file would need both ranks' shares
+        engine._refuse_split_states(llm("gdn_attn", 1, 2), "snapshot_ranks() files", per_rank=True)
     engine._refuse_split_states(llm("mamba2", 1, 1), "snapshots")  # at TP = 1 every state is whole: fine

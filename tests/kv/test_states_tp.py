@@ -148,6 +148,11 @@ def test_a_whole_snapshot_keeps_its_bytes() -> None:
         ({"split": [{"axis": 1, "sections": [16, 16, 16]}]}, "snapshot.states.split"),
         ({"split": [{"axis": 1, "sections": []}, {"axis": 0, "sections": [8]}]}, "snapshot.states.split.sections"),
         ({"split": [{"axis": 9, "sections": [8]}, {"axis": 0, "sections": [8]}]}, "snapshot.states.split.axis"),
+        # The same total in other sections would cut other channels: only the kind's own split is read.
+        ({"split": [{"axis": 1, "sections": [48]}, {"axis": 0, "sections": [8]}]}, "snapshot.states.split"),
+        ({"split": [{"axis": 0, "sections": [3]}, {"axis": 0, "sections": [8]}]}, "snapshot.states.split"),
+        ({"part": {"start": 0, "stop": 2, "total": 2}}, "snapshot.states.part"),  # a part that is the whole
+        ({"kind": "mamba2"}, "snapshot.states.split"),  # a kind that does not split
     ],
 )
 def test_a_hostile_share_header_names_the_field(change: dict[str, object], field: str) -> None:
@@ -169,3 +174,15 @@ def test_validate_agrees_with_load_on_a_share_of_the_wrong_size(tmp_path: Path) 
     with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
         hv.load(path)
     assert not hv.validate(path).ok
+
+
+def test_header_only_parts_join_and_cut_to_their_declared_shapes() -> None:
+    """A header announces a part's shapes before its tensors: joining or cutting headers keeps them right."""
+    meta = snapshot_metadata(_hybrid_snapshot(), 2)["states"]
+    header = hv.RecurrentStates.from_json(meta)
+    halves = [header.take(r, r + 1, 2) for r in range(2)]
+    assert [h.shapes for h in halves] == [((3, 24), (4, 4, 2))] * 2
+    assert join_states(halves).shapes == header.shapes and join_states(halves).part is None
+    assert join_states([header.take(r, r + 1, 4) for r in range(2)]).shapes == halves[0].shapes
+    with pytest.raises(hv.HurrayFormatError, match="header-only"):
+        join_states([halves[0], _states().take(1, 2, 2)])

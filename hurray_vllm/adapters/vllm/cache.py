@@ -23,7 +23,7 @@ from ...kv.heads import distinct_ranks, rank_heads
 from ...kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ...wire import dtypes
 from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
-from .states import StateCache, state_cache
+from .states import StateCache, state_cache, state_groups
 
 __all__ = [
     "unsupported_cache",
@@ -407,31 +407,36 @@ def describe_worker_cache(
 
 
 def _states_here(vllm_config: Any, kv_cache_config: Any) -> StateCache | None:
-    """This worker's linear-attention layers; at TP > 1 the share of their states its KV heads say."""
+    """This worker's linear-attention layers; at TP > 1 its rank's share of their states."""
     if kv_cache_config is None:
         return None
-    heads = rank_head_range(vllm_config)
-    part = (heads.start, heads.stop, heads.total) if heads is not None else None
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    part = None
+    if tp > 1 and state_groups(kv_cache_config):
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+        part = (rank, rank + 1, tp)
     return state_cache(vllm_config, kv_cache_config, part)
 
 
 def split_states_refusal(vllm_config: Any, tp: int | None = None) -> str | None:
     """Why a linear-attention hybrid's states cannot be split across this engine's ranks (None when they can).
 
-    A rank saves and loads its share of the states with its KV heads (the
-    share ``a / n`` to ``b / n`` for heads ``a .. b - 1`` of ``n``). With
-    fewer KV heads than ranks, vLLM replicates heads while it still splits
-    the linear-attention heads: ranks holding the same KV heads hold
-    different states, which one slice per head range cannot carry.
+    A rank holds its share of the states (vLLM splits their heads over every
+    rank) and the file of a run of KV heads ``a .. b - 1`` of ``n`` their
+    share ``a / n`` to ``b / n``. With fewer KV heads than ranks the rank
+    saving a head gathers its replicas' shares; that needs the ranks to
+    divide evenly among the heads, as vLLM itself requires.
     """
     tp = tp or int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
     if tp == 1:
         return None
     heads = int(vllm_config.model_config.get_total_num_kv_heads())
-    if heads < tp or heads % tp:
+    if (heads >= tp and heads % tp) or (heads < tp and tp % heads):
         return (
             f"splits a linear-attention hybrid's states with its KV heads, and {heads} KV heads are not shared out "
-            f"evenly by {tp} ranks: use a tensor_parallel_size that divides {heads}"
+            f"evenly by {tp} ranks"
         )
     return None
 

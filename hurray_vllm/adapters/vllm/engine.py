@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -22,7 +23,7 @@ from ...containers.io import write_stream
 from ...errors import HurrayFormatError
 from ...kv.heads import concat_heads, distinct_ranks
 from ...kv.snapshot import KVSnapshot
-from ...kv.states import RecurrentStates
+from ...kv.states import RecurrentStates, join_states
 from .cache import (
     EngineCache,
     attention_layers,
@@ -90,12 +91,13 @@ def _export_on_rank(worker: Any, seqs: Sequence[SequenceState]) -> tuple[int, KV
     return int(get_tensor_model_parallel_rank()), with_rank_heads(snap, ec, worker.vllm_config)
 
 
-def _refuse_split_states(llm: Any, what: str) -> None:
+def _refuse_split_states(llm: Any, what: str, *, per_rank: bool = False) -> None:
     """At TP > 1, refuse a linear-attention hybrid whose states cannot split across the ranks, before any worker.
 
-    Its ranks hold their states' shares with their KV heads (``kv.states``):
-    that needs at least as many KV heads as ranks, and states whose split is
-    known (gated delta nets).
+    Each rank holds a share of the states (``kv.states``): states whose split
+    is known (gated delta nets) join in any TP degree. ``per_rank``: each
+    rank writes its own KV heads with their share of the states, which with
+    fewer KV heads than ranks lies on several ranks: refused.
     """
     from .states import declared_layout, state_groups
 
@@ -107,6 +109,13 @@ def _refuse_split_states(llm: Any, what: str) -> None:
     if why is not None:
         raise HurrayFormatError("tensor_parallel_size", f"{what}: hurray-vllm {why}")
     declared_layout(config, _tp(llm))  # raises for states it does not split
+    heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    if per_rank and heads < _tp(llm):
+        raise HurrayFormatError(
+            "tensor_parallel_size",
+            f"{what}: with {heads} KV heads over {_tp(llm)} ranks, the states of a head lie on several ranks; "
+            "use snapshot(), which joins them",
+        )
 
 
 def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:
@@ -115,9 +124,14 @@ def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:
     first = parts[min(parts)]
     if first.is_latent:  # an MLA latent is on every rank
         return first
+    states = None
+    if first.states is not None:  # every rank's share, also where KV heads are replicated
+        states = join_states([p.states for _, p in sorted(parts.items()) if p.states is not None])
+        parts = {r: replace(p, states=None) for r, p in parts.items()}
     fp = first.fingerprint
     heads = fp.num_kv_heads if fp is not None else first.tensors()[0].num_heads * len(parts)
-    return concat_heads([parts[r] for r in distinct_ranks(heads, len(parts))])
+    joined = concat_heads([parts[r] for r in distinct_ranks(heads, len(parts))])
+    return joined if states is None else replace(joined, states=states)
 
 
 def _internal_id(llm: Any, core: Any, request_id: str) -> str:
@@ -259,8 +273,9 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     rank but 0 for an MLA latent or a single KV head, which every rank holds
     whole (that file has no ``heads``). At TP = 1 rank 0 writes everything.
     A linear-attention hybrid's file holds the rank's share of the states
-    too (``states.part``, ``docs/format.md``); such a model needs at least as
-    many KV heads as ranks.
+    too (``states.part``, ``docs/format.md``); with fewer KV heads than
+    ranks, whose states then lie on several ranks per head, use
+    :func:`snapshot`.
 
     Args:
         llm: as for :func:`snapshot`.
@@ -285,7 +300,7 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot_ranks() {why[1]}")
     seqs = request_states(llm, request_ids)
-    _refuse_split_states(llm, "snapshot_ranks() files")
+    _refuse_split_states(llm, "snapshot_ranks() files", per_rank=True)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out))))

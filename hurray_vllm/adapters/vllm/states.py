@@ -198,9 +198,9 @@ class StateCache:
             (:func:`_transforms`).
         block_size: tokens per block of the state groups.
         mode: ``mamba_cache_mode`` (``"align"`` or ``"none"``).
-        part: at tensor parallelism > 1, the share of the states this rank
-            holds, ``(start, stop, total)``: the same as its KV heads
-            (``start .. stop - 1`` of ``total``); ``None``: the whole states.
+        part: at tensor parallelism ``tp`` > 1, the share of the states rank
+            ``r`` holds, ``(r, r + 1, tp)`` (vLLM splits their heads over
+            every rank, even where it replicates KV heads); ``None``: whole.
     """
 
     spec: RecurrentStates
@@ -271,6 +271,14 @@ class StateCache:
         return replace(states, split=split, part=self.part)
 
     @property
+    def fraction(self) -> tuple[Fraction, Fraction]:
+        """The share of the states this rank holds, as fractions (``(0, 1)``: whole)."""
+        if self.part is None:
+            return Fraction(0), Fraction(1)
+        start, stop, total = self.part
+        return Fraction(start, total), Fraction(stop, total)
+
+    @property
     def _ranks(self) -> int:
         """How many shares of the states there are (the whole / this rank's part)."""
         if self.part is None:
@@ -281,11 +289,8 @@ class StateCache:
     def mismatches(self, states: RecurrentStates) -> list[str]:
         """Why ``states`` cannot be loaded here (empty when they can): another geometry, or another rank's share."""
         diffs = self.spec.mismatches(states)
-        if not diffs and self.part is not None:
-            start, stop, total = self.part
-            mine = Fraction(start, total), Fraction(stop, total)
-            if states.fraction != mine:
-                diffs.append(f"part {states.part or 'whole'}, this rank holds {self.part}")
+        if not diffs and states.fraction != self.fraction:
+            diffs.append(f"part {states.part or 'whole'}, this rank holds {self.part or 'whole'}")
         return diffs
 
     def write(self, blocks: Sequence[dict[int, list[int]]], states: RecurrentStates) -> None:
@@ -313,8 +318,7 @@ class StateCache:
 def state_cache(vllm_config: Any, kv_cache_config: Any, part: tuple[int, int, int] | None = None) -> StateCache | None:
     """The linear-attention layers of this worker (``None`` for a model without any).
 
-    ``part``: at tensor parallelism > 1, this rank's share (its KV heads, see
-    :class:`StateCache`).
+    ``part``: at tensor parallelism > 1, this rank's share (see :class:`StateCache`).
 
     Raises:
         HurrayFormatError: (field ``kv_cache_groups``) a state layer whose

@@ -4,7 +4,10 @@ The model has 2 KV heads, 2 key and 4 value heads in its gated delta nets:
 each TP = 2 rank holds one KV head and half of every state (its share of
 the conv channels and two value heads). A chunk saved at TP = 2 is two
 slices, each with its KV head and its share of the states; a TP = 1 engine
-joins them, a TP = 2 engine splits a whole chunk. Three engines:
+joins them, a TP = 2 engine splits a whole chunk. The same model with one
+KV head runs too: both ranks hold that head while each holds half of the
+states, so rank 0 saves whole chunks with rank 1's share gathered, and each
+rank loads its share. Three engines per model:
 
 1. TP = 1 computes "p", "v", "s" (saving every chunk; "s"'s are deleted
    afterwards) and snapshots them after their prefill;
@@ -16,8 +19,9 @@ joins them, a TP = 2 engine splits a whole chunk. Three engines:
 3. TP = 1 loads "s" and "v" from the TP = 2 slices.
 
 vLLM sizes this model's blocks to its states (640 tokens on this CPU, 384
-on others): prompts are laid out in blocks ``B``, each two whole chunks
-(``2B``) and 40 more tokens. A TP = 2 engine's all-reduces sum in another
+on others; 1152 with one KV head): prompts are laid out in blocks ``B``,
+each two whole chunks (``2B``; one with one KV head) and 40 more tokens.
+A TP = 2 engine's all-reduces sum in another
 order than TP = 1's, so tokens across the degrees are compared with the
 margin rule (``margins.py``, teacher-forced through transformers), which
 refuses wrong states (``test_linear_attention.py`` shows it with zeroed
@@ -42,13 +46,11 @@ import hurray_vllm as hv
 from hurray_vllm.chunks import chunk_keys
 
 pytestmark = [pytest.mark.vllm]
-SPECS = {
-    rid: {"seed": seed, "blocks": 2, "extra": 40} for rid, seed in (("p", 2), ("v", 3), ("s", 4))
-}  # hybrid_tp_run.py
+SEEDS = {"p": 2, "v": 3, "s": 4}
 
 
-def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]]) -> dict[str, Any]:
-    cfg = {"model": str(tmp / "model"), "store": str(tmp / "store"), "tp": tp}
+def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]], block: int | None = None) -> dict[str, Any]:
+    cfg = {"model": str(tmp / "model"), "store": str(tmp / "store"), "tp": tp, "block": block}
     (tmp / f"{name}.json").write_text(json.dumps({**cfg, "phases": phases}))
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
     return run_engine_script(
@@ -61,18 +63,31 @@ def _namespace(tmp: Path) -> str:
     return ns
 
 
-@pytest.fixture(scope="session")
-def linear_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _files(keys: list[str], kv_heads: int) -> set[str]:
+    """The files of chunks saved at TP = 2: a slice per KV head, or the whole chunk (one KV head, on both ranks)."""
+    if kv_heads == 1:
+        return {f"{k}.hrry" for k in keys}
+    return {f"{k}.h{h}-{h + 1}.hrry" for k in keys for h in range(kv_heads)}
+
+
+@pytest.fixture(scope="session", params=[2, 1], ids=["kv2", "kv1"])
+def linear_tp(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Two KV heads (one per rank), or one (on both ranks, whose state shares rank 0 gathers to save it)."""
     require("transformers")
     require("vllm")
-    tmp = tmp_path_factory.mktemp("linear-tp")
-    build_tiny_qwen3_next(tmp / "model")
-    runs: dict[str, Any] = {"tmp": tmp}
-    runs["save1"] = _run(tmp, "save1", 1, [{"prompts": SPECS, "snapshot": True}])
+    kv = int(request.param)
+    tmp = tmp_path_factory.mktemp(f"linear-tp-kv{kv}")
+    build_tiny_qwen3_next(tmp / "model", kv_heads=kv, experts_per_token=2 if kv == 2 else 4)
+    # vLLM sizes blocks to the states per rank and the KV per token: with one KV head a TP = 1 block is
+    # 1152 tokens here, and a TP = 2 engine (half the states) would pick 640. It is told TP = 1's.
+    blocks = 2 if kv == 2 else 1  # whole chunks (of a block each) per prompt, within max_model_len 2048
+    specs = {rid: {"seed": seed, "blocks": blocks, "extra": 40} for rid, seed in SEEDS.items()}
+    runs: dict[str, Any] = {"tmp": tmp, "kv": kv, "blocks": blocks}
+    runs["save1"] = _run(tmp, "save1", 1, [{"prompts": specs, "snapshot": True}])
     block = runs["save1"]["block_size"]
     prompts = runs["save1"]["prompts"]
     ns = _namespace(tmp)
-    runs["keys"] = {rid: chunk_keys(prompts[rid][: 2 * block], block, ns) for rid in SPECS}
+    runs["keys"] = {rid: chunk_keys(prompts[rid][: blocks * block], block, ns) for rid in specs}
     for key in runs["keys"]["s"]:  # "s" is for the TP = 2 engine to compute and save
         (tmp / "store" / ns / f"{key}.hrry").unlink()
     runs["tp2"] = _run(
@@ -80,13 +95,14 @@ def linear_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "tp2",
         2,
         [
-            {"prompts": {"p": SPECS["p"]}},
-            {"prompts": {"v": SPECS["v"]}, "vanish": True},
-            {"prompts": {"s": SPECS["s"]}, "snapshot": True},
+            {"prompts": {"p": specs["p"]}},
+            {"prompts": {"v": specs["v"]}, "vanish": True},
+            {"prompts": {"s": specs["s"]}, "snapshot": True},
         ],
+        block=block,
     )
     assert runs["tp2"]["block_size"] == block  # else chunks of TP = 1 and TP = 2 would not be the same
-    runs["load1"] = _run(tmp, "load1", 1, [{"prompts": {"s": SPECS["s"], "v": SPECS["v"]}}])
+    runs["load1"] = _run(tmp, "load1", 1, [{"prompts": {"s": specs["s"], "v": specs["v"]}}])
     return runs
 
 
@@ -112,9 +128,10 @@ def test_a_tp2_linear_hybrid_loads_whole_tp1_chunks(linear_tp: dict[str, Any], h
     first = run["phases"][0]
     block = run["block_size"]
     _agrees(hf_model, run, first["outputs"], "1 -> 2")
-    assert first["cached"] == {"p": 2 * block}  # both chunks: the second holds the states at 2B
+    blocks = linear_tp["blocks"]
+    assert first["cached"] == {"p": blocks * block}  # every chunk: the last holds the states taken at its end
     assert run["hybrid_kv_cache_manager"]
-    assert [w["chunks_loaded"] for w in run["worker_stats"]] == [2, 2]  # each rank its share of both
+    assert [w["chunks_loaded"] for w in run["worker_stats"]] == [blocks, blocks]  # each rank its share
 
 
 def test_a_tp2_load_whose_files_vanish_is_recomputed_and_the_engine_goes_on(
@@ -127,8 +144,7 @@ def test_a_tp2_load_whose_files_vanish_is_recomputed_and_the_engine_goes_on(
     assert vanished["cached"] == {"v": 0}
     assert run["scheduler_stats"]["loads_failed"] == 1
     assert [w["loads_failed"] for w in run["worker_stats"]] == [1, 1]
-    keys = linear_tp["keys"]["v"]
-    assert {f"{k}.h{h}-{h + 1}.hrry" for k in keys for h in (0, 1)} <= set(vanished["files"])
+    assert _files(linear_tp["keys"]["v"], linear_tp["kv"]) <= set(vanished["files"])
 
 
 def test_tp2_slices_carry_their_share_of_the_states_and_load_into_tp1(
@@ -138,21 +154,27 @@ def test_tp2_slices_carry_their_share_of_the_states_and_load_into_tp1(
     block = run["block_size"]
     computed = run["phases"][2]
     _agrees(hf_model, run, computed["outputs"], "2 unmoved")
-    keys = linear_tp["keys"]["s"]
+    keys, kv = linear_tp["keys"]["s"], linear_tp["kv"]
     files = set(computed["files"])
-    assert {f"{k}.h{h}-{h + 1}.hrry" for k in keys for h in (0, 1)} <= files
-    assert not {f"{k}.hrry" for k in keys} & files
+    assert _files(keys, kv) <= files
+    if kv == 2:
+        assert not {f"{k}.hrry" for k in keys} & files
     store = tmp / "store" / _namespace(tmp)
-    for h in (0, 1):  # the chunk ending at 2B holds the states taken there: each slice its share
-        part = hv.load(store / f"{keys[1]}.h{h}-{h + 1}.hrry")
-        assert part.states is not None and part.states.part == (h, h + 1, 2)
-        assert part.states.positions == (2 * block,) and part.states.shapes[1][0] == 2  # 2 of 4 value heads
-        assert hv.validate(store / f"{keys[1]}.h{h}-{h + 1}.hrry").ok
-        ref = hurray.load(str(store / f"{keys[1]}.h{h}-{h + 1}.hrry"))  # the reference reads a share as any state
-        assert [tuple(m.shape) for m in ref["states.0"].members] == [(1, 3, 512), (1, 2, 128, 128)]
+    # The last whole chunk holds the states taken at its end: a slice its heads' share, a whole chunk all of them
+    # (rank 0 saved it with rank 1's share gathered).
+    for name in sorted(_files(keys[-1:], kv)):
+        h = int(name.split(".h")[1].split("-")[0]) if kv == 2 else None
+        part = hv.load(store / name)
+        assert part.states is not None and part.states.positions == (len(keys) * block,)
+        assert part.states.part == ((h, h + 1, 2) if h is not None else None)
+        value_heads = 4 // kv  # of 4
+        assert part.states.shapes == ((3, 1024 // kv), (value_heads, 128, 128))
+        assert hv.validate(store / name).ok
+        ref = hurray.load(str(store / name))  # the reference reads a share as any state
+        assert [tuple(m.shape) for m in ref["states.0"].members] == [(1, 3, 1024 // kv), (1, value_heads, 128, 128)]
     loaded = linear_tp["load1"]["phases"][0]
     _agrees(hf_model, linear_tp["load1"], loaded["outputs"], "2 -> 1")
-    assert loaded["cached"] == {"s": 2 * block, "v": 2 * block}
+    assert loaded["cached"] == {"s": len(keys) * block, "v": len(keys) * block}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, atol: float, what: str) -> None:
@@ -178,12 +200,13 @@ def test_a_tp2_snapshot_holds_every_head_and_the_whole_states_of_tp1(linear_tp: 
                 _close(y, x, 0.1, f"state {j} {name}")
     for i in range(tp1.num_layers):
         for x, y in zip(tp1.layer(i), tp2.layer(i), strict=True):
-            assert x.num_heads == y.num_heads == 2
+            assert x.num_heads == y.num_heads == linear_tp["kv"]
             _close(y.page_pool, x.page_pool, 0.3, f"layer {i} {x.kv_role}")
     # The shares swapped (the second rank's value heads first; its KV head first) are far outside.
     ssm = b.tensors[2][1]
     with pytest.raises(AssertionError):
         _close(torch.cat([ssm[:, 2:], ssm[:, :2]], dim=1), a.tensors[2][1], 0.1, "swapped")
-    pool = tp2.layer(0)[0].page_pool
-    with pytest.raises(AssertionError):
-        _close(pool.flip(2), tp1.layer(0)[0].page_pool, 0.3, "swapped")
+    if linear_tp["kv"] == 2:
+        pool = tp2.layer(0)[0].page_pool
+        with pytest.raises(AssertionError):
+            _close(pool.flip(2), tp1.layer(0)[0].page_pool, 0.3, "swapped")

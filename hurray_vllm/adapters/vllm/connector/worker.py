@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ....chunks.signing import sign_chunk
-from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key, verify_chunk
+from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key, split_slice_key, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.heads import concat_heads, select_heads
 from ....kv.repage import repage_snapshot
@@ -165,10 +165,19 @@ def _states_first(saves: list[SaveTask]) -> list[SaveTask]:
     return sorted(saves, key=lambda t: not t.state_blocks)
 
 
-def _task_states(ec: EngineCache, task: SaveTask) -> RecurrentStates | None:
-    """A copy of the linear-attention states the chunk of ``task`` is stored with (``None``: none this step)."""
+def _task_states(
+    ec: EngineCache, task: SaveTask, gathered: dict[tuple[str, str], RecurrentStates] | None = None
+) -> RecurrentStates | None:
+    """A copy of the linear-attention states the chunk of ``task`` is stored with (``None``: none this step).
+
+    ``gathered``: the states of this step's chunks joined from every rank's
+    share (:meth:`HurrayWorker._gather_states`), by request and chunk key;
+    else this rank's own share.
+    """
     if ec.states is None or not task.state_blocks:
         return None
+    if gathered is not None:
+        return gathered[(task.request_id, split_slice_key(task.key)[0])]
     return ec.states.gather([{g: ids[0] for g, ids in task.state_blocks.items()}], [task.state_position])
 
 
@@ -240,6 +249,16 @@ class HurrayWorker:
         self._saves_here = True
         if config.tp > 1 and vllm_config is not None:
             self._my_heads, self._saves_here = rank_share(vllm_config)
+        # Fewer KV heads than ranks, with linear-attention states: ranks holding the same KV heads hold
+        # different shares of the states, and the rank that saves those heads needs its replicas' shares.
+        self._shares_states = bool(
+            config.tp > 1
+            and config.state_groups
+            and vllm_config is not None
+            and vllm_config.model_config.get_total_num_kv_heads() < config.tp
+        )
+        self._gathered: dict[tuple[str, str], RecurrentStates] | None = None
+        self._tp = config.tp
         self._layer_groups = config.layer_groups  # several KV cache groups only: layer name -> group
         self._windows = config.group_windows
 
@@ -383,6 +402,8 @@ class HurrayWorker:
             raise HurrayFormatError(
                 "snapshot.states", f"chunk {task.keys[-1] if task.keys else '?'} holds no states at token {task.resume}"
             )
+        if ec.states.part is not None and states.fraction != ec.states.fraction:
+            states = states.take(*ec.states.part)  # heads replicated over ranks: this rank's share of theirs
         diffs = ec.states.mismatches(states)
         if diffs:
             raise HurrayFormatError("snapshot.states", "states of another model: " + "; ".join(diffs))
@@ -482,13 +503,56 @@ class HurrayWorker:
         a rank whose heads another rank saves already (replicas, an MLA
         latent off rank 0) saves nothing.
         """
-        if not meta.saves or not self._saves_here:
-            return
         t0 = time.perf_counter()
         try:
-            self._save(meta)
+            # Every rank, the replicas too, takes part in the gather (a collective, in the same order).
+            self._gathered = self._gather_states(meta.saves) if self._shares_states and meta.saves else None
+            if meta.saves and self._saves_here:
+                self._save(meta)
         finally:
-            self.stats.save_s += time.perf_counter() - t0
+            self._gathered = None
+            if meta.saves and self._saves_here:
+                self.stats.save_s += time.perf_counter() - t0
+
+    def _gather_states(self, saves: list[SaveTask]) -> dict[tuple[str, str], RecurrentStates]:
+        """This step's chunk states, each joined from every rank's share and cut to the heads this rank saves.
+
+        Called on every rank in the same step with the same tasks (the
+        scheduler's metadata), so the collective lines up. Runs where ranks
+        hold fewer KV heads than there are ranks: the file of a run of heads
+        carries their share of the states (``docs/format.md`` 2.3d), which
+        several ranks hold parts of. What it may block on: the other ranks
+        reaching the same save.
+        """
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        ec = self._engine_cache()
+        tp = self._tp
+        group = get_tp_group().cpu_group
+        out: dict[tuple[str, str], RecurrentStates] = {}
+        for task in saves:
+            mine = _task_states(ec, task)
+            if mine is None:
+                continue
+            shares: list[RecurrentStates] = []
+            layers = [[] for _ in mine.tensors]  # type: list[list[list[torch.Tensor]]]
+            for j, layer in enumerate(mine.tensors):
+                for t in layer:
+                    flat = t.contiguous().view(-1).view(torch.uint8)  # bytes: any dtype the group carries
+                    parts = [torch.empty_like(flat) for _ in range(tp)]
+                    dist.all_gather(parts, flat, group=group)
+                    layers[j].append([p.view(t.dtype).view(t.shape) for p in parts])
+            for r in range(tp):
+                shares.append(
+                    replace(mine.with_tensors([[parts[r] for parts in layer] for layer in layers]), part=(r, r + 1, tp))
+                )
+            whole = join_states(shares)
+            heads = self._my_heads
+            out[(task.request_id, task.key)] = (
+                whole if heads is None else whole.take(heads.start, heads.stop, heads.total)
+            )
+        return out
 
     def _save(self, meta: HurrayConnectorMetadata) -> None:
         saves = meta.saves
@@ -505,7 +569,7 @@ class HurrayWorker:
                 self.stats.chunks_skipped += 1
                 items.append((task, None, None))  # stored already: pushed if the destination may lack it
             else:
-                items.append((task, task.block_ids, _task_states(ec, task)))
+                items.append((task, task.block_ids, _task_states(ec, task, self._gathered)))
         self._deliver(ec, ec.caches, items)
 
     def _deliver(self, ec: EngineCache, caches: list[torch.Tensor], items: list[_Item]) -> None:
@@ -633,7 +697,7 @@ class HurrayWorker:
             ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
         staged, buffers = self._staging.copy(ec.caches, ids) if todo else ([], None)
         # States are copied now too: their blocks are reused as the engine runs on.
-        states = [_task_states(ec, t) for t in todo]
+        states = [_task_states(ec, t, self._gathered) for t in todo]
         nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
         nbytes += sum(s.nbytes for s in states if s is not None)
         items: list[_Item] = []
