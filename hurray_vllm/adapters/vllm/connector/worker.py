@@ -501,7 +501,10 @@ class HurrayWorker:
         At tensor parallelism > 1 each rank saves its heads as a slice of the
         chunk (``<key>.h<a>-<b>``, :func:`~hurray_vllm.chunks.store.slice_key`);
         a rank whose heads another rank saves already (replicas, an MLA
-        latent off rank 0) saves nothing.
+        latent off rank 0) saves nothing. With linear-attention states and
+        fewer KV heads than ranks, every rank first sends its share of the
+        states of this step's chunks to the ranks that save them
+        (:meth:`_gather_states`): this step then waits for the other ranks.
         """
         t0 = time.perf_counter()
         try:
@@ -535,18 +538,23 @@ class HurrayWorker:
             mine = _task_states(ec, task)
             if mine is None:
                 continue
-            shares: list[RecurrentStates] = []
-            layers = [[] for _ in mine.tensors]  # type: list[list[list[torch.Tensor]]]
-            for j, layer in enumerate(mine.tensors):
-                for t in layer:
-                    flat = t.contiguous().view(-1).view(torch.uint8)  # bytes: any dtype the group carries
-                    parts = [torch.empty_like(flat) for _ in range(tp)]
-                    dist.all_gather(parts, flat, group=group)
-                    layers[j].append([p.view(t.dtype).view(t.shape) for p in parts])
-            for r in range(tp):
-                shares.append(
-                    replace(mine.with_tensors([[parts[r] for parts in layer] for layer in layers]), part=(r, r + 1, tp))
-                )
+            members = [t.contiguous() for layer in mine.tensors for t in layer]
+            # One collective per chunk: every member's bytes in one buffer.
+            flat = torch.cat([t.view(-1).view(torch.uint8) for t in members])
+            gathered = [torch.empty_like(flat) for _ in range(tp)]
+            dist.all_gather(gathered, flat, group=group)
+            if not self._saves_here:
+                continue  # a replica: its share is in the writer's file now
+            shares = []
+            for r, buf in enumerate(gathered):
+                tensors, at = [], 0
+                for t in members:
+                    n = t.numel() * t.element_size()
+                    tensors.append(buf[at : at + n].view(t.dtype).view(t.shape))
+                    at += n
+                per = len(mine.names)
+                layers = [tensors[j * per : (j + 1) * per] for j in range(len(mine.tensors))]
+                shares.append(replace(mine.with_tensors(layers), part=(r, r + 1, tp)))
             whole = join_states(shares)
             heads = self._my_heads
             out[(task.request_id, task.key)] = (
