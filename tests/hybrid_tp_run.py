@@ -1,12 +1,13 @@
-"""Runs one real vLLM engine (CPU) on a hybrid model with HurrayConnector, at a given tensor parallelism.
+"""Runs one real vLLM engine (CPU) with HurrayConnector, at a given tensor parallelism, in phases (hybrids too).
 
 Usage: python hybrid_tp_run.py CONFIG_JSON OUT_DIR
 
-CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "phases": [{"prompts": {id: prompt},
-"vanish": bool, "snapshot": bool}, ...]}``. ``block``, ``chunk`` and ``max_model_len`` (2048) are optional: vLLM sizes a
-linear-attention hybrid's blocks to its states (hundreds of tokens, CPU-dependent), and chunks
-default to one such block. A prompt is a list of token ids, or ``{"seed", "blocks", "extra"}``:
-``blocks * B + extra`` tokens of a pattern seeded by ``seed``, for the engine's block size ``B``.
+CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "phases": [{"prompts": {id:
+prompt}, "salts": {id: cache_salt}, "vanish": bool, "snapshot": bool}, ...]}``. ``block``,
+``chunk`` and ``max_model_len`` (2048) are optional: vLLM sizes a linear-attention hybrid's blocks
+to its states (hundreds of tokens, CPU-dependent), and chunks default to one such block. A prompt
+is a list of token ids, or ``{"seed", "blocks", "extra"}``: ``blocks * B + extra`` tokens of a
+pattern seeded by ``seed``, for the engine's block size ``B``.
 Each phase's prompts run as one batch, greedy, 10 tokens each. With ``snapshot`` the phase is
 stepped by hand and ``snapshot()`` taken once every prompt is computed, before the first decode
 step (``OUT_DIR/snap{phase}.hrry``). In a ``vanish`` phase the chunk files disappear from the
@@ -98,13 +99,18 @@ def main() -> None:
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=10, ignore_eos=True)
     for n, phase in enumerate(cfg["phases"]):
         prompts = {rid: prompt(spec, block) for rid, spec in phase["prompts"].items()}
+        salts = phase.get("salts") or {}
+        inputs = {
+            rid: TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salts[rid]} if rid in salts else {}))
+            for rid, ids in prompts.items()
+        }
         result["prompts"].update(prompts)
         VANISH["on"] = bool(phase.get("vanish"))
         outputs: dict[str, list[int]] = {}
         cached: dict[str, int] = {}
         if phase.get("snapshot"):
-            for rid, ids in prompts.items():
-                eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
+            for rid in prompts:
+                eng.add_request(rid, inputs[rid], sp)
             taken = False
             while eng.has_unfinished_requests():
                 for o in eng.step():
@@ -117,7 +123,7 @@ def main() -> None:
                     taken = True
         else:
             ids = list(prompts)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in ids], sp, use_tqdm=False)
+            outs = llm.generate([inputs[i] for i in ids], sp, use_tqdm=False)
             outputs = {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs, strict=True)}
             cached = {i: o.num_cached_tokens for i, o in zip(ids, outs, strict=True)}
         VANISH["on"] = False

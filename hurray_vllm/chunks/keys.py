@@ -19,7 +19,16 @@ from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from .digest import DIGEST_KEY, chunk_digest
 
-__all__ = ["namespace_of", "key_seed", "chunk_keys", "chunks_of", "slice_key", "split_slice_key", "tail_keys"]
+__all__ = [
+    "KEY_SEEDS",
+    "namespace_of",
+    "key_seed",
+    "chunk_keys",
+    "chunks_of",
+    "slice_key",
+    "split_slice_key",
+    "tail_keys",
+]
 
 
 def namespace_of(fp: ModelFingerprint) -> str:
@@ -101,6 +110,30 @@ def tail_keys(prev: str | None, token_ids: Sequence[int], step: int, namespace: 
     return out
 
 
+#: ``KVSnapshot.extra`` member: per request id, the seed of that request's chunk keys where it is not the
+#: namespace (:func:`key_seed`: a LoRA adapter, a ``cache_salt``), or None for a request whose KV its
+#: token ids do not name (images, prompt embeddings), which has no chunks. ``adapters.vllm.snapshot``
+#: records it, :func:`chunks_of` keys by it; chunks do not carry it.
+KEY_SEEDS = "hurray_vllm.key_seeds"
+
+
+def _seeds(snap: KVSnapshot, namespace: str) -> list[str | None]:
+    """Each sequence's key seed: the namespace unless ``snap.extra[KEY_SEEDS]`` names another (or none)."""
+    given = snap.extra.get(KEY_SEEDS)
+    if given is None:
+        return [namespace] * snap.num_seqs
+    if not isinstance(given, dict) or not all(
+        isinstance(k, str) and (v is None or (isinstance(v, str) and 0 < len(v) <= 256)) for k, v in given.items()
+    ):
+        raise HurrayFormatError(
+            f"snapshot.extra.{KEY_SEEDS}", "expected request ids mapped to key seeds (strings) or null"
+        )
+    rids = snap.request_ids or ()
+    if given and len(rids) != snap.num_seqs:
+        raise HurrayFormatError(f"snapshot.extra.{KEY_SEEDS}", "key seeds by request id need the request ids")
+    return [given.get(rid, namespace) for rid in rids] if given else [namespace] * snap.num_seqs
+
+
 def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> list[tuple[str, KVSnapshot]]:
     """Every whole chunk of every sequence of ``snap``, keyed as a connector would key it.
 
@@ -112,6 +145,10 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
     linear-attention hybrid's states go with the chunk that ends where they
     were taken (a sequence of a whole number of chunks); the other chunks
     carry none, and a consumer resumes only at a chunk with states.
+
+    A request run under a LoRA adapter or a ``cache_salt`` is keyed with its
+    own seed, and one with images or prompt embeddings gets no chunks, as
+    the connector keys them (:data:`KEY_SEEDS`, which ``snapshot()`` records).
     """
     if snap.fingerprint is None:
         raise HurrayFormatError(
@@ -123,11 +160,14 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
     if chunk_tokens % ps:
         raise HurrayFormatError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
     tails = tails and snap.windows is None and snap.states is None
-    ns = namespace_of(snap.fingerprint)
+    seeds = _seeds(snap, namespace_of(snap.fingerprint))
     per = chunk_tokens // ps
     out = []
     lens = snap.seq_lens
     for s in range(snap.num_seqs):
+        ns = seeds[s]
+        if ns is None:  # KV its token ids do not name: no chunks
+            continue
         tokens = list(snap.token_ids[s][: lens[s]])
         # Per block structure (a sliding-window hybrid's layers may hold other pages), computed once.
         pages: dict[int, torch.Tensor] = {}
@@ -167,7 +207,9 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
                 token_ids=(tuple(tokens[lo:hi]),),
                 request_ids=(snap.request_ids[s],) if snap.request_ids else None,
             ).compact()
-            out.append((key, replace(chunk, extra={**chunk.extra, DIGEST_KEY: chunk_digest(chunk)})))
+            extra = {k: v for k, v in chunk.extra.items() if k != KEY_SEEDS}  # the batch's, not the chunk's
+            chunk = replace(chunk, extra=extra)
+            out.append((key, replace(chunk, extra={**extra, DIGEST_KEY: chunk_digest(chunk)})))
     return out
 
 

@@ -19,10 +19,11 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ...chunks.keys import KEY_SEEDS, namespace_of
 from ...containers.io import write_stream
 from ...errors import HurrayFormatError
 from ...kv.heads import concat_heads, distinct_ranks
-from ...kv.snapshot import KVSnapshot
+from ...kv.snapshot import KVSnapshot, ModelFingerprint
 from ...kv.states import RecurrentStates, join_states
 from .cache import (
     EngineCache,
@@ -223,11 +224,34 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
     seqs = request_states(llm, request_ids)
     if _tp(llm) > 1:
         _refuse_split_states(llm, "snapshots")
-        return _snapshot_tp(llm, seqs)
-    ec = engine_cache(llm)
-    return export_snapshot(
-        ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec), states=_states(ec, seqs)
-    )
+        snap = _snapshot_tp(llm, seqs)
+    else:
+        ec = engine_cache(llm)
+        snap = export_snapshot(
+            ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec), states=_states(ec, seqs)
+        )
+    extra = _key_seeds(llm, request_ids, snap.fingerprint)
+    return replace(snap, extra={**snap.extra, **extra}) if extra else snap
+
+
+def _key_seeds(llm: Any, request_ids: Sequence[str], fingerprint: ModelFingerprint | None) -> dict[str, Any]:
+    """``extra`` recording the requests whose chunk keys are not plain (LoRA, ``cache_salt``, media); else empty.
+
+    ``fingerprint``: the snapshot's (None: this engine's, asked only if needed).
+
+    So that ``store_snapshot`` keys a snapshot's chunks as the connector keys
+    the same requests (:data:`~hurray_vllm.chunks.keys.KEY_SEEDS`).
+    """
+    from .connector.scheduler import request_seed
+
+    core = _core(llm)
+    requests = {rid: core.scheduler.requests[_internal_id(llm, core, rid)] for rid in request_ids}
+    # Whether a request's seed is plain does not depend on the namespace: look before describing the engine.
+    special = [rid for rid, r in requests.items() if request_seed("", r) != ""]
+    if not special:
+        return {}
+    ns = namespace_of(fingerprint if fingerprint is not None else engine_cache(llm).fingerprint)
+    return {KEY_SEEDS: {rid: request_seed(ns, requests[rid]) for rid in special}}
 
 
 def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progress: bool = False) -> int:
@@ -244,6 +268,7 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         return write_stream(snapshot(llm, request_ids), f)
     ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)
+    fingerprint = ec.export_options()["fingerprint"]
     return export_stream(
         f,
         ec.caches,
@@ -253,6 +278,7 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         **_group_options(llm, ec),
         show_progress=progress,
         states=_states(ec, seqs),
+        extra=_key_seeds(llm, request_ids, fingerprint),
     )
 
 
@@ -303,11 +329,14 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     _refuse_split_states(llm, "snapshot_ranks() files", per_rank=True)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out))))
+    extra = _key_seeds(llm, request_ids, None)
+    written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out), extra)))
     return [Path(p) for _, p in sorted((start, p) for start, p in written.values() if p is not None)]
 
 
-def _stream_on_rank(worker: Any, seqs: Sequence[SequenceState], directory: str) -> tuple[int, tuple[int, str | None]]:
+def _stream_on_rank(
+    worker: Any, seqs: Sequence[SequenceState], directory: str, extra: dict[str, Any]
+) -> tuple[int, tuple[int, str | None]]:
     """Runs on every worker: this rank's heads of ``seqs`` streamed to its own file (none for a replica)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -331,6 +360,7 @@ def _stream_on_rank(worker: Any, seqs: Sequence[SequenceState], directory: str) 
             **group_options(*cache_groups(config), ec.layer_names),
             heads=heads,
             states=_states(ec, seqs),
+            extra=extra,
         )
     return rank, (heads.start if heads is not None else 0, str(Path(directory) / name))
 

@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -578,6 +578,7 @@ def export_stream(
     group_windows: Sequence[int | None] | None = None,
     states: RecurrentStates | None = None,
     heads: HeadRange | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> int:
     """Write ``seqs`` to ``f`` as a Hurray stream, gathering one layer at a time.
 
@@ -591,6 +592,7 @@ def export_stream(
     as for :func:`export_snapshot` (the states follow the layers).
     ``heads``: the caches hold these of the model's KV heads (one
     tensor-parallel rank's): the header says so (``docs/format.md`` 2.3d).
+    ``extra``: more of the header's free-form metadata (``KVSnapshot.extra``).
     """
     plan: BatchPlan | list[BatchPlan]
     windows = None
@@ -615,6 +617,8 @@ def export_stream(
         shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True, latent=latent)
         if windows is not None or states is not None or heads is not None:
             shell = replace(shell, windows=windows, states=states, heads=heads)
+        if extra:
+            shell = replace(shell, extra={**shell.extra, **extra})
         # The header announces the layer count before any layer is written.
         total = write_records(header_records(shell, num_layers=len(caches)), f)
         # No enumerate(): it keeps its last result alive, i.e. the previous layer's pages.

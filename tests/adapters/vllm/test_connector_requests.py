@@ -211,3 +211,39 @@ def test_a_local_lora_adapter_is_keyed_by_its_files(tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(1, 1))  # even with an older time: size, inode or time differ, and the bytes do
     assert seed("sql", one) not in (first, None)
+
+
+def test_a_snapshot_of_a_salted_request_is_stored_under_the_keys_its_connector_uses(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``snapshot()`` records a salted request's key seed; ``store_snapshot`` then writes the very files the
+    engine's own connector saved for the same requests (a plain request's, and the salted one's apart)."""
+    import json
+
+    from engine_script import run_engine_script
+
+    import hurray_vllm as hv
+    from hurray_vllm.chunks.keys import KEY_SEEDS
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("salted-snapshot")
+    build_tiny_llama(tmp / "model")
+    cfg = {
+        "model": str(tmp / "model"),
+        "store": str(tmp / "store"),
+        "tp": 1,
+        "block": BLOCK,
+        "chunk": CHUNK,
+        "max_model_len": 1024,
+        "phases": [{"prompts": {"p": P, "salted": P}, "salts": {"salted": "tenant-a"}, "snapshot": True}],
+    }
+    (tmp / "run.json").write_text(json.dumps(cfg))
+    run = run_engine_script("hybrid_tp_run.py", [str(tmp / "run.json"), str(tmp / "run")], tmp / "run", "salted")
+    snap = hv.load(run["dir"] / "snap0.hrry")
+    assert set(snap.extra[KEY_SEEDS]) == {"salted"}  # only the request whose keys are not plain
+    mine = DirectoryStore(tmp / "mine")
+    assert store_snapshot(mine, snap, CHUNK, tails=False) == 2 * 3
+    ours = {p.relative_to(tmp / "mine") for p in (tmp / "mine").rglob("*.hrry")}
+    theirs = {p.relative_to(tmp / "store") for p in (tmp / "store").rglob("*.hrry")}
+    assert ours == theirs  # the connector saved three whole chunks per salt, under these names
