@@ -2,12 +2,13 @@
 
 Usage: python hybrid_tp_run.py CONFIG_JSON OUT_DIR
 
-CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "phases": [{"prompts": {id:
-prompt}, "salts": {id: cache_salt}, "vanish": bool, "snapshot": bool}, ...]}``. ``block``,
-``chunk`` and ``max_model_len`` (2048) are optional: vLLM sizes a linear-attention hybrid's blocks
-to its states (hundreds of tokens, CPU-dependent), and chunks default to one such block. A prompt
-is a list of token ids, or ``{"seed", "blocks", "extra"}``: ``blocks * B + extra`` tokens of a
-pattern seeded by ``seed``, for the engine's block size ``B``.
+CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "kv_cache_dtype", "phases":
+[{"prompts": {id: prompt}, "salts": {id: cache_salt}, "vanish": bool, "snapshot": bool}, ...]}``.
+``block``, ``chunk``, ``max_model_len`` (2048) and ``kv_cache_dtype`` ("auto") are optional: vLLM
+sizes a linear-attention hybrid's blocks to its states (hundreds of tokens, CPU-dependent), and
+chunks default to one such block. A prompt is a list of token ids, or ``{"seed", "blocks",
+"extra"}``: ``blocks * B + extra`` tokens of a pattern seeded by ``seed``, for the engine's block
+size ``B``.
 Each phase's prompts run as one batch, greedy, 10 tokens each. With ``snapshot`` the phase is
 stepped by hand and ``snapshot()`` taken once every prompt is computed, before the first decode
 step (``OUT_DIR/snap{phase}.hrry``). In a ``vanish`` phase the chunk files disappear from the
@@ -90,6 +91,7 @@ def main() -> None:
         distributed_executor_backend="mp" if tp > 1 else None,
         kv_transfer_config=kv,
         seed=0,
+        kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
         **({"block_size": cfg["block"]} if cfg.get("block") else {}),
     )
     eng = llm.llm_engine
