@@ -28,6 +28,7 @@ __all__ = [
     "slice_key",
     "split_slice_key",
     "tail_keys",
+    "sequence_seeds",
 ]
 
 
@@ -117,8 +118,12 @@ def tail_keys(prev: str | None, token_ids: Sequence[int], step: int, namespace: 
 KEY_SEEDS = "hurray_vllm.key_seeds"
 
 
-def _seeds(snap: KVSnapshot, namespace: str) -> list[str | None]:
-    """Each sequence's key seed: the namespace unless ``snap.extra[KEY_SEEDS]`` names another (or none)."""
+def sequence_seeds(snap: KVSnapshot, namespace: str) -> list[str | None]:
+    """Each sequence's key seed: the namespace unless ``snap.extra[KEY_SEEDS]`` names another (or none).
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.extra.hurray_vllm.key_seeds``) a malformed member.
+    """
     given = snap.extra.get(KEY_SEEDS)
     if given is None:
         return [namespace] * snap.num_seqs
@@ -160,7 +165,7 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
     if chunk_tokens % ps:
         raise HurrayFormatError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
     tails = tails and snap.windows is None and snap.states is None
-    seeds = _seeds(snap, namespace_of(snap.fingerprint))
+    seeds = sequence_seeds(snap, namespace_of(snap.fingerprint))
     per = chunk_tokens // ps
     out = []
     lens = snap.seq_lens

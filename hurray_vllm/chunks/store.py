@@ -38,7 +38,15 @@ from .digest import (  # noqa: F401
     chunk_digest,
     digest_matches,
 )
-from .keys import chunk_keys, chunks_of, namespace_of, slice_key, split_slice_key, tail_keys  # noqa: F401
+from .keys import (  # noqa: F401
+    chunk_keys,
+    chunks_of,
+    namespace_of,
+    sequence_seeds,
+    slice_key,
+    split_slice_key,
+    tail_keys,
+)
 from .prune import PruneReport
 from .signing import FleetKeys, sign_chunk
 from .verify import check_data, verify_chunk  # noqa: F401
@@ -292,12 +300,18 @@ def store_snapshot(
         ns, name = namespace_of(chunk.fingerprint), slice_key(key, heads)
         written += store.put(ns, name, sign_chunk(chunk, keys, ns, name) if keys is not None else chunk)
         resumable += chunk.states is not None
-    if snap.states is not None and resumable < snap.num_seqs:
+    # Sequences with chunks at all (a request with media has none, by design).
+    keyed = (
+        sum(seed is not None for seed in sequence_seeds(snap, namespace_of(snap.fingerprint)))
+        if snap.fingerprint
+        else 0
+    )
+    if snap.states is not None and resumable < keyed:
         log.warning(
             "hurray: %d of %d sequences have no chunk ending where their linear-attention states were taken "
             "(lengths %s, chunks of %d tokens): a consumer recomputes them",
-            snap.num_seqs - resumable,
-            snap.num_seqs,
+            keyed - resumable,
+            keyed,
             list(snap.states.positions),
             chunk_tokens,
         )

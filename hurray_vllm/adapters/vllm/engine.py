@@ -23,13 +23,14 @@ from ...chunks.keys import KEY_SEEDS, namespace_of
 from ...containers.io import write_stream
 from ...errors import HurrayFormatError
 from ...kv.heads import concat_heads, distinct_ranks
-from ...kv.snapshot import KVSnapshot, ModelFingerprint
+from ...kv.snapshot import KVSnapshot
 from ...kv.states import RecurrentStates, join_states
 from .cache import (
     EngineCache,
     attention_layers,
     cache_groups,
     describe_worker_cache,
+    fingerprint_of,
     group_options,
     rank_share,
     split_states_refusal,
@@ -230,14 +231,15 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         snap = export_snapshot(
             ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec), states=_states(ec, seqs)
         )
-    extra = _key_seeds(llm, request_ids, snap.fingerprint)
+    extra = _key_seeds(llm, request_ids)
     return replace(snap, extra={**snap.extra, **extra}) if extra else snap
 
 
-def _key_seeds(llm: Any, request_ids: Sequence[str], fingerprint: ModelFingerprint | None) -> dict[str, Any]:
+def _key_seeds(llm: Any, request_ids: Sequence[str]) -> dict[str, Any]:
     """``extra`` recording the requests whose chunk keys are not plain (LoRA, ``cache_salt``, media); else empty.
 
-    ``fingerprint``: the snapshot's (None: this engine's, asked only if needed).
+    Seeded from the namespace the engine's connector uses (the model's
+    fingerprint from its config, asked only when a request needs it).
 
     So that ``store_snapshot`` keys a snapshot's chunks as the connector keys
     the same requests (:data:`~hurray_vllm.chunks.keys.KEY_SEEDS`).
@@ -250,7 +252,7 @@ def _key_seeds(llm: Any, request_ids: Sequence[str], fingerprint: ModelFingerpri
     special = [rid for rid, r in requests.items() if request_seed("", r) != ""]
     if not special:
         return {}
-    ns = namespace_of(fingerprint if fingerprint is not None else engine_cache(llm).fingerprint)
+    ns = namespace_of(fingerprint_of(llm.llm_engine.vllm_config))
     return {KEY_SEEDS: {rid: request_seed(ns, requests[rid]) for rid in special}}
 
 
@@ -268,7 +270,6 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         return write_stream(snapshot(llm, request_ids), f)
     ec = engine_cache(llm)
     seqs = request_states(llm, request_ids)
-    fingerprint = ec.export_options()["fingerprint"]
     return export_stream(
         f,
         ec.caches,
@@ -278,7 +279,7 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         **_group_options(llm, ec),
         show_progress=progress,
         states=_states(ec, seqs),
-        extra=_key_seeds(llm, request_ids, fingerprint),
+        extra=_key_seeds(llm, request_ids),
     )
 
 
@@ -329,7 +330,7 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     _refuse_split_states(llm, "snapshot_ranks() files", per_rank=True)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    extra = _key_seeds(llm, request_ids, None)
+    extra = _key_seeds(llm, request_ids)
     written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out), extra)))
     return [Path(p) for _, p in sorted((start, p) for start, p in written.values() if p is not None)]
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ...errors import HurrayFormatError
-from ...kv.states import RecurrentStates, state_split
+from ...kv.states import RecurrentStates, join_states, state_split
 from ...wire import dtypes
 
 __all__ = [
@@ -41,6 +41,8 @@ __all__ = [
     "step_block",
     "declared_layout",
     "model_layer_index",
+    "pack_states",
+    "join_shares",
 ]
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -358,3 +360,64 @@ def state_cache(vllm_config: Any, kv_cache_config: Any, part: tuple[int, int, in
         mode=str(getattr(group_spec, "mamba_cache_mode", "none") or "none"),
         part=part,
     )
+
+
+#: Each member starts at a multiple of this many bytes in a packed buffer, so that it views back as its dtype.
+_ALIGN = 16
+
+
+def _packed_layout(states: RecurrentStates) -> list[tuple[int, int]]:
+    """Each member's (offset, bytes) in :func:`pack_states`' buffer, layer after layer."""
+    out, at = [], 0
+    for layer in states.tensors:
+        for t in layer:
+            n = t.numel() * t.element_size()
+            out.append((at, n))
+            at += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
+def pack_states(states: RecurrentStates) -> torch.Tensor:
+    """Every state tensor's bytes in one uint8 buffer (members aligned), for one collective.
+
+    Example:
+        >>> s = RecurrentStates("gdn_attn", (0,), ("conv", "ssm"), (4,),
+        ...     ((torch.ones(1, 1, 3, dtype=torch.bfloat16), torch.ones(1, 1, 1, 1)),))
+        >>> pack_states(s).shape
+        torch.Size([20])
+    """
+    where = _packed_layout(states)
+    total = where[-1][0] + where[-1][1] if where else 0
+    buf = torch.zeros(total, dtype=torch.uint8)
+    members = [t for layer in states.tensors for t in layer]
+    for (at, n), t in zip(where, members, strict=True):
+        buf[at : at + n] = t.contiguous().view(-1).view(torch.uint8)
+    return buf
+
+
+def join_shares(
+    template: RecurrentStates, buffers: Sequence[torch.Tensor], heads: tuple[int, int, int] | None
+) -> RecurrentStates:
+    """The states of the ranks' packed shares (rank ``r``'s: ``buffers[r]``), cut to ``heads``.
+
+    ``template``: this rank's own share (its layout says how to read every
+    buffer). ``heads``: ``(start, stop, total)`` of the KV heads the file
+    holds (None: every head), whose share of the states it carries.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.states``) buffers of another
+            size, or shares that do not join.
+    """
+    where = _packed_layout(template)
+    members = [t for layer in template.tensors for t in layer]
+    per = len(template.names)
+    tp = len(buffers)
+    shares = []
+    for r, buf in enumerate(buffers):
+        if where and buf.numel() != where[-1][0] + where[-1][1]:
+            raise HurrayFormatError("snapshot.states", f"rank {r} sent {buf.numel()} bytes of states")
+        tensors = [buf[at : at + n].view(t.dtype).view(t.shape) for (at, n), t in zip(where, members, strict=True)]
+        layers = [tensors[j * per : (j + 1) * per] for j in range(len(template.tensors))]
+        shares.append(replace(template.with_tensors(layers), part=(r, r + 1, tp)))
+    whole = join_states(shares)
+    return whole if heads is None else whole.take(*heads)

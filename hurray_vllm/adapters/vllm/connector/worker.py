@@ -39,6 +39,7 @@ from ..cache import (
     write_blocks,
 )
 from ..export import GatherBuffers, SequenceState, export_snapshot
+from ..states import join_shares, pack_states
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
 
@@ -176,8 +177,8 @@ def _task_states(
     """
     if ec.states is None or not task.state_blocks:
         return None
-    if gathered is not None:
-        return gathered[(task.request_id, split_slice_key(task.key)[0])]
+    if gathered is not None:  # missing: the shares did not join, the chunk goes without states
+        return gathered.get((task.request_id, split_slice_key(task.key)[0]))
     return ec.states.gather([{g: ids[0] for g, ids in task.state_blocks.items()}], [task.state_position])
 
 
@@ -521,45 +522,39 @@ class HurrayWorker:
         """This step's chunk states, each joined from every rank's share and cut to the heads this rank saves.
 
         Called on every rank in the same step with the same tasks (the
-        scheduler's metadata), so the collective lines up. Runs where ranks
-        hold fewer KV heads than there are ranks: the file of a run of heads
-        carries their share of the states (``docs/format.md`` 2.3d), which
-        several ranks hold parts of. What it may block on: the other ranks
-        reaching the same save.
+        scheduler's metadata), so the collectives line up: one per chunk with
+        states, all of them before anything that may fail on one rank alone.
+        Runs where ranks hold fewer KV heads than there are ranks: the file of
+        a run of heads carries their share of the states (``docs/format.md``
+        2.3d), which several ranks hold parts of. A chunk whose shares do not
+        join is saved without states (a consumer recomputes from the chunk
+        before). What it may block on: the other ranks reaching the same save.
         """
         import torch.distributed as dist
         from vllm.distributed import get_tp_group
 
         ec = self._engine_cache()
-        tp = self._tp
         group = get_tp_group().cpu_group
-        out: dict[tuple[str, str], RecurrentStates] = {}
+        received: list[tuple[SaveTask, RecurrentStates, list[torch.Tensor]]] = []
         for task in saves:
             mine = _task_states(ec, task)
             if mine is None:
                 continue
-            members = [t.contiguous() for layer in mine.tensors for t in layer]
-            # One collective per chunk: every member's bytes in one buffer.
-            flat = torch.cat([t.view(-1).view(torch.uint8) for t in members])
-            gathered = [torch.empty_like(flat) for _ in range(tp)]
-            dist.all_gather(gathered, flat, group=group)
-            if not self._saves_here:
-                continue  # a replica: its share is in the writer's file now
-            shares = []
-            for r, buf in enumerate(gathered):
-                tensors, at = [], 0
-                for t in members:
-                    n = t.numel() * t.element_size()
-                    tensors.append(buf[at : at + n].view(t.dtype).view(t.shape))
-                    at += n
-                per = len(mine.names)
-                layers = [tensors[j * per : (j + 1) * per] for j in range(len(mine.tensors))]
-                shares.append(replace(mine.with_tensors(layers), part=(r, r + 1, tp)))
-            whole = join_states(shares)
-            heads = self._my_heads
-            out[(task.request_id, task.key)] = (
-                whole if heads is None else whole.take(heads.start, heads.stop, heads.total)
-            )
+            flat = pack_states(mine)  # one buffer per chunk, members aligned
+            buffers = [torch.empty_like(flat) for _ in range(self._tp)]
+            dist.all_gather(buffers, flat, group=group)
+            received.append((task, mine, buffers))
+        out: dict[tuple[str, str], RecurrentStates] = {}
+        if not self._saves_here:
+            return out  # a replica: its share is in the saving rank's file now
+        heads = self._my_heads
+        for task, mine, buffers in received:
+            try:
+                out[(task.request_id, task.key)] = join_shares(
+                    mine, buffers, (heads.start, heads.stop, heads.total) if heads is not None else None
+                )
+            except (HurrayFormatError, RuntimeError) as exc:
+                log.warning("hurray: chunk %s is saved without its states: %s", task.key, exc)
         return out
 
     def _save(self, meta: HurrayConnectorMetadata) -> None:

@@ -1,0 +1,50 @@
+"""What a saving rank makes of its replicas' state shares (``pack_states``, ``join_shares``), without an engine.
+
+With fewer KV heads than ranks, the rank saving a KV head gathers the
+linear-attention state shares of every rank (vLLM splits the state heads
+over all of them) and stores its head's part: the buffers here are what
+each rank sends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from strategies import same_states
+
+import hurray_vllm as hv
+from hurray_vllm.adapters.vllm.states import join_shares, pack_states
+
+
+def _whole() -> hv.RecurrentStates:
+    """Odd sizes on purpose: at TP = 4 a bf16 conv share of 27 values (54 bytes) before an fp32 recurrent share."""
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.randn(1, 3, 2 * 4 * 3 + 4 * 3, generator=gen).to(torch.bfloat16)  # q, k, v: 4 heads of 3 each
+    layers = tuple((conv + j, torch.randn(1, 4, 3, 3, generator=gen)) for j in range(2))
+    return hv.RecurrentStates("gdn_attn", (0, 1), ("conv", "ssm"), (9,), layers)
+
+
+@pytest.mark.parametrize(
+    ("tp", "heads"),
+    [
+        (2, None),  # one KV head on both ranks: the whole states
+        (4, (0, 1, 2)),  # two KV heads at TP = 4: ranks 0 and 1 hold head 0
+        (4, (1, 2, 2)),
+        (2, (0, 1, 2)),  # as many KV heads as ranks: a rank's own share
+    ],
+)
+def test_a_saving_rank_joins_every_share_and_keeps_its_heads_part(tp: int, heads: tuple[int, int, int] | None) -> None:
+    whole = _whole()
+    shares = [whole.take(r, r + 1, tp) for r in range(tp)]
+    buffers = [pack_states(s) for s in shares]
+    for mine in shares:  # any rank's share reads every buffer
+        got = join_shares(mine, buffers, heads)
+        assert same_states(got, whole if heads is None else whole.take(*heads))
+
+
+def test_a_buffer_of_another_size_is_refused() -> None:
+    whole = _whole()
+    shares = [whole.take(r, r + 1, 2) for r in range(2)]
+    buffers = [pack_states(shares[0]), pack_states(shares[1])[:-16]]
+    with pytest.raises(hv.HurrayFormatError, match="rank 1 sent"):
+        join_shares(shares[0], buffers, None)
