@@ -98,7 +98,9 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0, window: int = 64) -> Path:
     return path
 
 
-def build_tiny_qwen3_next(path: Path, *, seed: int = 0, kv_heads: int = 2, experts_per_token: int = 2) -> Path:
+def build_tiny_qwen3_next(
+    path: Path, *, seed: int = 0, kv_heads: int = 2, experts_per_token: int = 2, linear_heads: tuple[int, int] = (2, 4)
+) -> Path:
     """A 4-layer Qwen3-Next-style hybrid (3 gated-delta-net linear-attention layers, 1 full) in bf16 at ``path``.
 
     vLLM's CPU GDN kernels take only head dims of 128 (``../shared/notes/facts.md``
@@ -112,6 +114,8 @@ def build_tiny_qwen3_next(path: Path, *, seed: int = 0, kv_heads: int = 2, exper
     TP = 2 every rank holds it, while the state heads still split).
     ``experts_per_token`` = 4 routes every token to every expert: no router
     near-tie then flips an expert choice on another summation order (TP).
+    ``linear_heads``: the gated delta nets' key and value heads (4 and 8
+    split over 4 ranks, as Qwen3-Next's 16 and 32 do at TP = 4).
     """
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -125,8 +129,8 @@ def build_tiny_qwen3_next(path: Path, *, seed: int = 0, kv_heads: int = 2, exper
         num_attention_heads=4,
         num_key_value_heads=kv_heads,
         head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         layer_types=["linear_attention"] * 3 + ["full_attention"],

@@ -1,31 +1,32 @@
-"""A linear-attention hybrid (Qwen3-Next style) between real vLLM engines at TP = 1 and TP = 2 (CPU, one core per rank).
+"""A linear-attention hybrid (Qwen3-Next style) between real vLLM engines at TP = 1 and TP > 1 (CPU, one core per rank).
 
-The model has 2 KV heads, 2 key and 4 value heads in its gated delta nets:
-each TP = 2 rank holds one KV head and half of every state (its share of
-the conv channels and two value heads). A chunk saved at TP = 2 is two
-slices, each with its KV head and its share of the states; a TP = 1 engine
-joins them, a TP = 2 engine splits a whole chunk. The same model with one
-KV head runs too: both ranks hold that head while each holds half of the
-states, so rank 0 saves whole chunks with rank 1's share gathered, and each
-rank loads its share. Three engines per model:
+vLLM splits every gated-delta-net state over the ranks (a share of the
+conv channels and of the value heads each) and the KV heads too, or
+replicates a KV head over several ranks where there are fewer KV heads
+than ranks. A chunk saved at TP > 1 is a slice per KV head, each with its
+heads' share of the states (which the rank saving it gathers from the
+ranks that replicate its heads); a TP = 1 engine joins them, a TP > 1
+engine cuts its rank's share out of a whole chunk. Three cases
+(``CASES``): 2 KV heads at TP = 2, 1 KV head at TP = 2, and Qwen3-Next's
+own layout at TP = 4 (2 KV heads, each on two ranks; the states over four).
+Three engines per case:
 
 1. TP = 1 computes "p", "v", "s" (saving every chunk; "s"'s are deleted
    afterwards) and snapshots them after their prefill;
-2. TP = 2 loads "p"; loads "v" while a racing prune deletes its chunk files
-   after the scheduler promised them (the workers, processes of their own,
-   cannot read them: the load fails through vLLM's asynchronous path, the
-   request is recomputed and the engine goes on); computes and saves "s",
-   and snapshots it after its prefill;
-3. TP = 1 loads "s" and "v" from the TP = 2 slices.
+2. the multi-rank engine loads "p"; loads "v" while a racing prune deletes
+   its chunk files after the scheduler promised them (the workers, processes
+   of their own, cannot read them: the load fails through vLLM's
+   asynchronous path, the request is recomputed and the engine goes on);
+   computes and saves "s", and snapshots it after its prefill;
+3. TP = 1 loads "s" and "v" from the multi-rank engine's slices.
 
 vLLM sizes this model's blocks to its states (640 tokens on this CPU, 384
-on others; 1152 with one KV head): prompts are laid out in blocks ``B``,
-each two whole chunks (``2B``; one with one KV head) and 40 more tokens.
-A TP = 2 engine's all-reduces sum in another
-order than TP = 1's, so tokens across the degrees are compared with the
-margin rule (``margins.py``, teacher-forced through transformers), which
-refuses wrong states (``test_linear_attention.py`` shows it with zeroed
-states).
+on others; 1152 with one KV head or twice the state heads): prompts are
+laid out in blocks ``B``, each one or two whole chunks and 40 more tokens.
+A multi-rank engine's all-reduces sum in another order than TP = 1's, so
+tokens across the degrees are compared with the margin rule
+(``margins.py``, teacher-forced through transformers), which refuses wrong
+states (``test_linear_attention.py`` shows it with zeroed states).
 """
 
 from __future__ import annotations
@@ -64,36 +65,51 @@ def _namespace(tmp: Path) -> str:
 
 
 def _files(keys: list[str], kv_heads: int) -> set[str]:
-    """The files of chunks saved at TP = 2: a slice per KV head, or the whole chunk (one KV head, on both ranks)."""
+    """The files of chunks saved at TP > 1: a slice per KV head, or the whole chunk (one KV head, on every rank)."""
     if kv_heads == 1:
         return {f"{k}.hrry" for k in keys}
     return {f"{k}.h{h}-{h + 1}.hrry" for k in keys for h in range(kv_heads)}
 
 
-@pytest.fixture(scope="session", params=[2, 1], ids=["kv2", "kv1"])
+#: The configurations: KV heads, ranks, the gated delta nets' key and value heads, experts per token.
+CASES = {
+    "kv2-tp2": (2, 2, (2, 4), 2),  # one KV head and half of every state per rank
+    "kv1-tp2": (1, 2, (2, 4), 4),  # the KV head on both ranks, the states split: rank 0 gathers rank 1's share
+    "kv2-tp4": (2, 4, (4, 8), 4),  # Qwen3-Next's layout at TP = 4: each KV head on two ranks, states over four
+}
+
+
+@pytest.fixture(scope="session", params=list(CASES), ids=list(CASES))
 def linear_tp(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Two KV heads (one per rank), or one (on both ranks, whose state shares rank 0 gathers to save it)."""
+    """A TP = 1 engine saves, an engine of ``tp`` ranks loads and saves, a TP = 1 engine loads its chunks.
+
+    Every token goes to every expert where the ranks split states finer than
+    KV heads: with top-2 routing a router near-tie flips an expert on TP's
+    summation order, and the engine's own unmoved tokens then leave
+    transformers' margin (vLLM's arithmetic, not a transfer).
+    """
     require("transformers")
     require("vllm")
-    kv = int(request.param)
-    tmp = tmp_path_factory.mktemp(f"linear-tp-kv{kv}")
-    build_tiny_qwen3_next(tmp / "model", kv_heads=kv, experts_per_token=2 if kv == 2 else 4)
-    # vLLM sizes blocks to the states per rank and the KV per token: with one KV head a TP = 1 block is
-    # 1152 tokens here, and a TP = 2 engine (half the states) would pick 640. It is told TP = 1's.
-    blocks = 2 if kv == 2 else 1  # whole chunks (of a block each) per prompt, within max_model_len 2048
+    kv, tp, heads, experts = CASES[request.param]
+    tmp = tmp_path_factory.mktemp(f"linear-{request.param}")
+    build_tiny_qwen3_next(tmp / "model", kv_heads=kv, experts_per_token=experts, linear_heads=heads)
+    # vLLM sizes blocks to the states per rank and the KV per token: with one KV head (or twice the state
+    # heads) a TP = 1 block is 1152 tokens here, and more ranks (a smaller share) would pick fewer. The
+    # multi-rank engine is told TP = 1's.
+    blocks = 2 if (kv, heads) == (2, (2, 4)) else 1  # whole chunks (of a block each), within max_model_len 2048
     specs = {rid: {"seed": seed, "blocks": blocks, "extra": 40} for rid, seed in SEEDS.items()}
-    runs: dict[str, Any] = {"tmp": tmp, "kv": kv, "blocks": blocks}
+    runs: dict[str, Any] = {"tmp": tmp, "kv": kv, "tp": tp, "heads": heads, "blocks": blocks}
     runs["save1"] = _run(tmp, "save1", 1, [{"prompts": specs, "snapshot": True}])
     block = runs["save1"]["block_size"]
     prompts = runs["save1"]["prompts"]
     ns = _namespace(tmp)
     runs["keys"] = {rid: chunk_keys(prompts[rid][: blocks * block], block, ns) for rid in specs}
-    for key in runs["keys"]["s"]:  # "s" is for the TP = 2 engine to compute and save
+    for key in runs["keys"]["s"]:  # "s" is for the multi-rank engine to compute and save
         (tmp / "store" / ns / f"{key}.hrry").unlink()
-    runs["tp2"] = _run(
+    runs["ranks"] = _run(
         tmp,
-        "tp2",
-        2,
+        "ranks",
+        tp,
         [
             {"prompts": {"p": specs["p"]}},
             {"prompts": {"v": specs["v"]}, "vanish": True},
@@ -101,7 +117,7 @@ def linear_tp(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
         ],
         block=block,
     )
-    assert runs["tp2"]["block_size"] == block  # else chunks of TP = 1 and TP = 2 would not be the same
+    assert runs["ranks"]["block_size"] == block  # else chunks of the two degrees would not be the same
     runs["load1"] = _run(tmp, "load1", 1, [{"prompts": {"s": specs["s"], "v": specs["v"]}}])
     return runs
 
@@ -123,37 +139,37 @@ def _agrees(model: Any, run: dict[str, Any], outputs: dict[str, list[int]], what
         assert_agrees(logits, tokens, f"linear TP {what} {rid}")
 
 
-def test_a_tp2_linear_hybrid_loads_whole_tp1_chunks(linear_tp: dict[str, Any], hf_model: Any) -> None:
-    run = linear_tp["tp2"]
+def test_a_multi_rank_engine_loads_whole_tp1_chunks(linear_tp: dict[str, Any], hf_model: Any) -> None:
+    run = linear_tp["ranks"]
     first = run["phases"][0]
     block = run["block_size"]
-    _agrees(hf_model, run, first["outputs"], "1 -> 2")
+    _agrees(hf_model, run, first["outputs"], f"1 -> {linear_tp['tp']}")
     blocks = linear_tp["blocks"]
     assert first["cached"] == {"p": blocks * block}  # every chunk: the last holds the states taken at its end
     assert run["hybrid_kv_cache_manager"]
-    assert [w["chunks_loaded"] for w in run["worker_stats"]] == [blocks, blocks]  # each rank its share
+    assert [w["chunks_loaded"] for w in run["worker_stats"]] == [blocks] * linear_tp["tp"]  # each rank its share
 
 
-def test_a_tp2_load_whose_files_vanish_is_recomputed_and_the_engine_goes_on(
+def test_a_multi_rank_load_whose_files_vanish_is_recomputed_and_the_engine_goes_on(
     linear_tp: dict[str, Any], hf_model: Any
 ) -> None:
-    run = linear_tp["tp2"]
+    run = linear_tp["ranks"]
     vanished = run["phases"][1]
     assert run["promised_then_vanished"] == 1
-    _agrees(hf_model, run, vanished["outputs"], "2 recomputed")
+    _agrees(hf_model, run, vanished["outputs"], f"{linear_tp['tp']} recomputed")
     assert vanished["cached"] == {"v": 0}
     assert run["scheduler_stats"]["loads_failed"] == 1
-    assert [w["loads_failed"] for w in run["worker_stats"]] == [1, 1]
+    assert [w["loads_failed"] for w in run["worker_stats"]] == [1] * linear_tp["tp"]
     assert _files(linear_tp["keys"]["v"], linear_tp["kv"]) <= set(vanished["files"])
 
 
-def test_tp2_slices_carry_their_share_of_the_states_and_load_into_tp1(
+def test_slices_carry_their_heads_share_of_the_states_and_load_into_tp1(
     linear_tp: dict[str, Any], hf_model: Any, hurray: Any
 ) -> None:
-    tmp, run = linear_tp["tmp"], linear_tp["tp2"]
+    tmp, run = linear_tp["tmp"], linear_tp["ranks"]
     block = run["block_size"]
     computed = run["phases"][2]
-    _agrees(hf_model, run, computed["outputs"], "2 unmoved")
+    _agrees(hf_model, run, computed["outputs"], f"{linear_tp['tp']} unmoved")
     keys, kv = linear_tp["keys"]["s"], linear_tp["kv"]
     files = set(computed["files"])
     assert _files(keys, kv) <= files
@@ -167,13 +183,15 @@ def test_tp2_slices_carry_their_share_of_the_states_and_load_into_tp1(
         part = hv.load(store / name)
         assert part.states is not None and part.states.positions == (len(keys) * block,)
         assert part.states.part == ((h, h + 1, 2) if h is not None else None)
-        value_heads = 4 // kv  # of 4
-        assert part.states.shapes == ((3, 1024 // kv), (value_heads, 128, 128))
+        k_heads, v_heads = linear_tp["heads"]
+        conv = (2 * k_heads + v_heads) * 128 // kv  # the file's heads' share of q, k and v channels
+        value_heads = v_heads // kv
+        assert part.states.shapes == ((3, conv), (value_heads, 128, 128))
         assert hv.validate(store / name).ok
         ref = hurray.load(str(store / name))  # the reference reads a share as any state
-        assert [tuple(m.shape) for m in ref["states.0"].members] == [(1, 3, 1024 // kv), (1, value_heads, 128, 128)]
+        assert [tuple(m.shape) for m in ref["states.0"].members] == [(1, 3, conv), (1, value_heads, 128, 128)]
     loaded = linear_tp["load1"]["phases"][0]
-    _agrees(hf_model, linear_tp["load1"], loaded["outputs"], "2 -> 1")
+    _agrees(hf_model, linear_tp["load1"], loaded["outputs"], f"{linear_tp['tp']} -> 1")
     assert loaded["cached"] == {"s": len(keys) * block, "v": len(keys) * block}
 
 
@@ -182,14 +200,16 @@ def _close(got: torch.Tensor, want: torch.Tensor, atol: float, what: str) -> Non
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=atol, msg=what)
 
 
-def test_a_tp2_snapshot_holds_every_head_and_the_whole_states_of_tp1(linear_tp: dict[str, Any]) -> None:
-    """TP = 2's snapshot of "s" after its prefill equals TP = 1's: the first state layer bit for bit (no all-reduce
-    before it), the rest within the all-reduces' other summation order; the tolerance still refuses one rank's
-    share in the other's place."""
+def test_a_multi_rank_snapshot_holds_every_head_and_the_whole_states_of_tp1(linear_tp: dict[str, Any]) -> None:
+    """The multi-rank snapshot of "s" after its prefill equals TP = 1's.
+
+    The first state layer bit for bit (no all-reduce before it), the rest within the all-reduces' other
+    summation order; the tolerance still refuses one rank's share in the other's place.
+    """
     tp1 = hv.load(linear_tp["save1"]["dir"] / "snap0.hrry").select([2])  # "p", "v", "s" in that order
-    tp2 = hv.load(linear_tp["tp2"]["dir"] / "snap2.hrry")
-    assert tp2.heads is None and tp2.token_ids == tp1.token_ids and tp2.seq_lens == tp1.seq_lens
-    a, b = tp1.states, tp2.states
+    tpn = hv.load(linear_tp["ranks"]["dir"] / "snap2.hrry")
+    assert tpn.heads is None and tpn.token_ids == tp1.token_ids and tpn.seq_lens == tp1.seq_lens
+    a, b = tp1.states, tpn.states
     assert a is not None and b is not None and b.part is None and not a.mismatches(b)
     assert a.positions == b.positions == (tp1.seq_lens[0],)
     for j, (la, lb) in enumerate(zip(a.tensors, b.tensors, strict=True)):
@@ -199,14 +219,14 @@ def test_a_tp2_snapshot_holds_every_head_and_the_whole_states_of_tp1(linear_tp: 
             else:
                 _close(y, x, 0.1, f"state {j} {name}")
     for i in range(tp1.num_layers):
-        for x, y in zip(tp1.layer(i), tp2.layer(i), strict=True):
+        for x, y in zip(tp1.layer(i), tpn.layer(i), strict=True):
             assert x.num_heads == y.num_heads == linear_tp["kv"]
             _close(y.page_pool, x.page_pool, 0.3, f"layer {i} {x.kv_role}")
     # The shares swapped (the second rank's value heads first; its KV head first) are far outside.
-    ssm = b.tensors[2][1]
+    ssm, half = b.tensors[2][1], b.tensors[2][1].shape[1] // 2
     with pytest.raises(AssertionError):
-        _close(torch.cat([ssm[:, 2:], ssm[:, :2]], dim=1), a.tensors[2][1], 0.1, "swapped")
+        _close(torch.cat([ssm[:, half:], ssm[:, :half]], dim=1), a.tensors[2][1], 0.1, "swapped")
     if linear_tp["kv"] == 2:
-        pool = tp2.layer(0)[0].page_pool
+        pool = tpn.layer(0)[0].page_pool
         with pytest.raises(AssertionError):
             _close(pool.flip(2), tp1.layer(0)[0].page_pool, 0.3, "swapped")
