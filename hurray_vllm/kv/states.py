@@ -321,8 +321,8 @@ class RecurrentStates:
             return [
                 Violation(
                     "snapshot.states.split",
-                    f"{[list(x) for x in self.split]} is not how {self.kind!r} states split "
-                    f"({[list(x) for x in known] if known else 'they do not'})",
+                    f"{_splits_text(self.split)} is not how {self.kind!r} states split "
+                    f"({_splits_text(known) if known else 'they do not split across ranks'})",
                 )
             ]
         lo, hi = self.fraction
@@ -422,6 +422,11 @@ def state_split(
     if odd or key_dim <= 0:
         return None
     return ((1, (key_dim, key_dim, value_dim)), (0, (ssm[0],)))
+
+
+def _splits_text(split: Sequence[tuple[int, Sequence[int]]]) -> str:
+    """``axis 1: 16+16+16; axis 0: 8`` (for messages)."""
+    return "; ".join(f"axis {axis}: {'+'.join(map(str, sections))}" for axis, sections in split)
 
 
 def join_states(parts: Sequence[RecurrentStates]) -> RecurrentStates:
