@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import servers
 
-__all__ = ["run_engine_script"]
+__all__ = ["run_engine_script", "run_phases"]
 
 TESTS = Path(__file__).resolve().parent
 
@@ -44,3 +44,17 @@ def run_engine_script(
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     result["dir"] = out
     return result
+
+
+def run_phases(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]], **config: Any) -> dict[str, Any]:
+    """Run ``hybrid_tp_run.py``: the model at ``tmp / "model"`` on the store ``tmp / "store"``, in ``phases``.
+
+    ``config``: the script's other settings (``block``, ``chunk``, ``max_model_len``, ``kv_cache_dtype``).
+    At TP > 1 the ranks are bound one per core, round robin (two per core on a 2-core machine at TP = 4).
+    """
+    cfg = {"model": str(tmp / "model"), "store": str(tmp / "store"), "tp": tp, **config, "phases": phases}
+    (tmp / f"{name}.json").write_text(json.dumps(cfg))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
+    return run_engine_script(
+        "hybrid_tp_run.py", [str(tmp / f"{name}.json"), str(tmp / name)], tmp / name, f"TP={tp} {name}", env=env
+    )

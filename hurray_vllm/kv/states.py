@@ -22,7 +22,7 @@ from ..errors import HurrayFormatError, Violation
 from ..wire import dtypes
 from ..wire.jsonvalues import Fields
 
-__all__ = ["RecurrentStates", "join_states", "state_split"]
+__all__ = ["RecurrentStates", "join_states", "part_fraction", "state_split"]
 
 _MAX_LAYERS = 1 << 16
 _MAX_MEMBERS = 16
@@ -125,10 +125,7 @@ class RecurrentStates:
     @property
     def fraction(self) -> tuple[Fraction, Fraction]:
         """The part these states hold, as fractions of every section (``(0, 1)``: whole)."""
-        if self.part is None:
-            return Fraction(0), Fraction(1)
-        start, stop, total = self.part
-        return Fraction(start, total), Fraction(stop, total)
+        return part_fraction(self.part)
 
     def take(self, start: int, stop: int, total: int) -> RecurrentStates:
         """The part ``start / total`` to ``stop / total`` of every member (views), from the whole or a larger part.
@@ -395,6 +392,19 @@ class RecurrentStates:
         if bad:
             raise HurrayFormatError(bad[0].invariant, bad[0].message)
         return out
+
+
+def part_fraction(part: tuple[int, int, int] | None) -> tuple[Fraction, Fraction]:
+    """``(start, stop, total)`` as the fractions ``start / total`` and ``stop / total`` (None: ``(0, 1)``, whole).
+
+    Example:
+        >>> part_fraction((2, 4, 8)), part_fraction(None)
+        ((Fraction(1, 4), Fraction(1, 2)), (Fraction(0, 1), Fraction(1, 1)))
+    """
+    if part is None:
+        return Fraction(0), Fraction(1)
+    start, stop, total = part
+    return Fraction(start, total), Fraction(stop, total)
 
 
 def state_split(

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ...errors import HurrayFormatError
-from ...kv.states import RecurrentStates, join_states, state_split
+from ...kv.states import RecurrentStates, join_states, part_fraction, state_split
 from ...wire import dtypes
 
 __all__ = [
@@ -275,10 +275,7 @@ class StateCache:
     @property
     def fraction(self) -> tuple[Fraction, Fraction]:
         """The share of the states this rank holds, as fractions (``(0, 1)``: whole)."""
-        if self.part is None:
-            return Fraction(0), Fraction(1)
-        start, stop, total = self.part
-        return Fraction(start, total), Fraction(stop, total)
+        return part_fraction(self.part)
 
     @property
     def _ranks(self) -> int:

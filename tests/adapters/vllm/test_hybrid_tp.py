@@ -24,15 +24,13 @@ transformers), which refuses wrong KV (its companion tests are in
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import require
-from engine_script import run_engine_script
+from engine_script import run_phases
 from margins import assert_agrees
 from tiny_models import build_tiny_gemma3
 
@@ -51,19 +49,7 @@ Q = [*P[:200], *_prompt(5, 60)]  # shares its first chunk with "p" (stored once)
 
 
 def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]]) -> dict[str, Any]:
-    cfg = {
-        "model": str(tmp / "model"),
-        "store": str(tmp / "store"),
-        "tp": tp,
-        "block": BLOCK,
-        "chunk": CHUNK,
-        "max_model_len": 1024,
-    }
-    (tmp / f"{name}.json").write_text(json.dumps({**cfg, "phases": phases}))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
-    return run_engine_script(
-        "hybrid_tp_run.py", [str(tmp / f"{name}.json"), str(tmp / name)], tmp / name, f"TP={tp} {name}", env=env
-    )
+    return run_phases(tmp, name, tp, phases, block=BLOCK, chunk=CHUNK, max_model_len=1024)
 
 
 @pytest.fixture(scope="session")

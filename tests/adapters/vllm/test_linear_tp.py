@@ -31,15 +31,13 @@ states (``test_linear_attention.py`` shows it with zeroed states).
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import require
-from engine_script import run_engine_script
+from engine_script import run_phases
 from margins import assert_agrees
 from tiny_models import build_tiny_qwen3_next
 
@@ -51,12 +49,7 @@ SEEDS = {"p": 2, "v": 3, "s": 4}
 
 
 def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]], block: int | None = None) -> dict[str, Any]:
-    cfg = {"model": str(tmp / "model"), "store": str(tmp / "store"), "tp": tp, "block": block}
-    (tmp / f"{name}.json").write_text(json.dumps({**cfg, "phases": phases}))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
-    return run_engine_script(
-        "hybrid_tp_run.py", [str(tmp / f"{name}.json"), str(tmp / name)], tmp / name, f"TP={tp} {name}", env=env
-    )
+    return run_phases(tmp, name, tp, phases, block=block)
 
 
 def _namespace(tmp: Path) -> str:

@@ -19,15 +19,13 @@ every head in its place.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import require
-from engine_script import run_engine_script
+from engine_script import run_phases
 from tiny_models import build_tiny_llama
 
 import hurray_vllm as hv
@@ -41,21 +39,7 @@ S = [(i * 53 + 7) % 500 + 1 for i in range(100)]
 
 
 def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]]) -> dict[str, Any]:
-    cfg = {
-        "model": str(tmp / "model"),
-        "store": str(tmp / "store"),
-        "tp": tp,
-        "block": BLOCK,
-        "chunk": CHUNK,
-        "max_model_len": 1024,
-        "kv_cache_dtype": "fp8",
-        "phases": phases,
-    }
-    (tmp / f"{name}.json").write_text(json.dumps(cfg))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
-    return run_engine_script(
-        "hybrid_tp_run.py", [str(tmp / f"{name}.json"), str(tmp / name)], tmp / name, f"fp8 TP={tp} {name}", env=env
-    )
+    return run_phases(tmp, name, tp, phases, block=BLOCK, chunk=CHUNK, max_model_len=1024, kv_cache_dtype="fp8")
 
 
 @pytest.fixture(scope="module")
