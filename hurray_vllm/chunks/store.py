@@ -300,12 +300,10 @@ def store_snapshot(
         ns, name = namespace_of(chunk.fingerprint), slice_key(key, heads)
         written += store.put(ns, name, sign_chunk(chunk, keys, ns, name) if keys is not None else chunk)
         resumable += chunk.states is not None
-    # Sequences with chunks at all (a request with media has none, by design).
-    keyed = (
-        sum(seed is not None for seed in sequence_seeds(snap, namespace_of(snap.fingerprint)))
-        if snap.fingerprint
-        else 0
-    )
+    # Of the sequences with chunks at all (a request with media has none, by design).
+    keyed = snap.num_seqs
+    if snap.states is not None and snap.fingerprint is not None:
+        keyed = sum(seed is not None for seed in sequence_seeds(snap, namespace_of(snap.fingerprint)))
     if snap.states is not None and resumable < keyed:
         log.warning(
             "hurray: %d of %d sequences have no chunk ending where their linear-attention states were taken "

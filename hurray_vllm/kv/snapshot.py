@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
-from fractions import Fraction
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from ..errors import HurrayFormatError, Violation
 from ..wire.jsonvalues import Fields
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
-from .states import RecurrentStates
+from .states import RecurrentStates, part_fraction
 
 __all__ = [
     "ModelFingerprint",
@@ -595,15 +594,13 @@ class KVSnapshot:
             found.extend(self.states.violations())
         if self.states is not None and not self.states.part_violations():  # a valid part, or whole
             # A slice of the heads carries the same part of the states (one rank's share of both).
-            want = Fraction(0), Fraction(1)
-            if self.heads is not None:
-                want = Fraction(self.heads.start, self.heads.total), Fraction(self.heads.stop, self.heads.total)
-            if self.states.fraction != want:
+            h = self.heads
+            if self.states.fraction != part_fraction((h.start, h.stop, h.total) if h is not None else None):
                 found.append(
                     Violation(
                         "snapshot.states.part",
                         f"the states are part {self.states.part or 'whole'}, the KV heads "
-                        f"{(self.heads.start, self.heads.stop, self.heads.total) if self.heads else 'whole'}",
+                        f"{(h.start, h.stop, h.total) if h is not None else 'whole'}",
                     )
                 )
         if self.states is not None:

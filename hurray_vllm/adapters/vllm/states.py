@@ -267,23 +267,14 @@ class StateCache:
         states = replace(self.spec, positions=tuple(int(p) for p in positions)).with_tensors(tensors)
         if self.part is None:
             return states
-        # This rank's share: the split of its shapes, each section as many times over as there are shares.
-        share = state_split(states.kind, states.layout, states.shapes) or ()
-        split = tuple((axis, tuple(x * self._ranks for x in sections)) for axis, sections in share)
+        # The whole states' split (the spec is the whole model's layout; declared_layout refused others).
+        split = state_split(self.spec.kind, self.spec.layout, self.spec.shapes) or ()
         return replace(states, split=split, part=self.part)
 
     @property
     def fraction(self) -> tuple[Fraction, Fraction]:
         """The share of the states this rank holds, as fractions (``(0, 1)``: whole)."""
         return part_fraction(self.part)
-
-    @property
-    def _ranks(self) -> int:
-        """How many shares of the states there are (the whole / this rank's part)."""
-        if self.part is None:
-            return 1
-        start, stop, total = self.part
-        return total // (stop - start)
 
     def mismatches(self, states: RecurrentStates) -> list[str]:
         """Why ``states`` cannot be loaded here (empty when they can): another geometry, or another rank's share."""

@@ -165,7 +165,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._push_paused_until, c._windows, c._inflight = 0.0, (), set()
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
-    c._shares_states, c._gathered = False, None  # no states gathered across ranks
+    c._shares_states = False  # no states gathered across ranks
     c._keys = None  # an unkeyed fleet
 
     def export(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]

@@ -166,9 +166,11 @@ def _states_first(saves: list[SaveTask]) -> list[SaveTask]:
     return sorted(saves, key=lambda t: not t.state_blocks)
 
 
-def _task_states(
-    ec: EngineCache, task: SaveTask, gathered: dict[tuple[str, str], RecurrentStates] | None = None
-) -> RecurrentStates | None:
+#: A step's chunk states joined from every rank's share, by request id and chunk key (unsliced).
+_Gathered = dict[tuple[str, str], RecurrentStates]
+
+
+def _task_states(ec: EngineCache, task: SaveTask, gathered: _Gathered | None = None) -> RecurrentStates | None:
     """A copy of the linear-attention states the chunk of ``task`` is stored with (``None``: none this step).
 
     ``gathered``: the states of this step's chunks joined from every rank's
@@ -258,7 +260,6 @@ class HurrayWorker:
             and vllm_config is not None
             and vllm_config.model_config.get_total_num_kv_heads() < config.tp
         )
-        self._gathered: dict[tuple[str, str], RecurrentStates] | None = None
         self._tp = config.tp
         self._layer_groups = config.layer_groups  # several KV cache groups only: layer name -> group
         self._windows = config.group_windows
@@ -510,15 +511,14 @@ class HurrayWorker:
         t0 = time.perf_counter()
         try:
             # Every rank, the replicas too, takes part in the gather (a collective, in the same order).
-            self._gathered = self._gather_states(meta.saves) if self._shares_states and meta.saves else None
+            gathered = self._gather_states(meta.saves) if self._shares_states and meta.saves else None
             if meta.saves and self._saves_here:
-                self._save(meta)
+                self._save(meta, gathered)
         finally:
-            self._gathered = None
             if meta.saves and self._saves_here:
                 self.stats.save_s += time.perf_counter() - t0
 
-    def _gather_states(self, saves: list[SaveTask]) -> dict[tuple[str, str], RecurrentStates]:
+    def _gather_states(self, saves: list[SaveTask]) -> _Gathered:
         """This step's chunk states, each joined from every rank's share and cut to the heads this rank saves.
 
         Called on every rank in the same step with the same tasks (the
@@ -544,7 +544,7 @@ class HurrayWorker:
             buffers = [torch.empty_like(flat) for _ in range(self._tp)]
             dist.all_gather(buffers, flat, group=group)
             received.append((task, mine, buffers))
-        out: dict[tuple[str, str], RecurrentStates] = {}
+        out: _Gathered = {}
         if not self._saves_here:
             return out  # a replica: its share is in the saving rank's file now
         heads = self._my_heads
@@ -557,14 +557,15 @@ class HurrayWorker:
                 log.warning("hurray: chunk %s is saved without its states: %s", task.key, exc)
         return out
 
-    def _save(self, meta: HurrayConnectorMetadata) -> None:
+    def _save(self, meta: HurrayConnectorMetadata, gathered: _Gathered | None = None) -> None:
+        """Save (and push) ``meta``'s chunks; ``gathered``: their states joined across ranks (:func:`_task_states`)."""
         saves = meta.saves
         if self._my_heads is not None:
             heads = range(self._my_heads.start, self._my_heads.stop)
             saves = [replace(t, key=slice_key(t.key, heads)) for t in saves]
         ec = self._engine_cache()
         if self._async:
-            self._save_async(ec, saves)
+            self._save_async(ec, saves, gathered)
             return
         items: list[_Item] = []
         for task in _states_first(saves):
@@ -572,7 +573,7 @@ class HurrayWorker:
                 self.stats.chunks_skipped += 1
                 items.append((task, None, None))  # stored already: pushed if the destination may lack it
             else:
-                items.append((task, task.block_ids, _task_states(ec, task, self._gathered)))
+                items.append((task, task.block_ids, _task_states(ec, task, gathered)))
         self._deliver(ec, ec.caches, items)
 
     def _deliver(self, ec: EngineCache, caches: list[torch.Tensor], items: list[_Item]) -> None:
@@ -659,7 +660,7 @@ class HurrayWorker:
         mib = sum(m.numel() for m in memory) / 2**20
         log.info("hurray: %.1f MiB of chunk buffers registered with the %s sender", mib, sender.scheme)
 
-    def _save_async(self, ec: EngineCache, saves: list[SaveTask]) -> None:
+    def _save_async(self, ec: EngineCache, saves: list[SaveTask], gathered: _Gathered | None = None) -> None:
         """Copy the blocks of the chunks to save out of the cache and hand them to the background writer.
 
         A chunk already stored (or on its way there) is not copied; with
@@ -700,7 +701,7 @@ class HurrayWorker:
             ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
         staged, buffers = self._staging.copy(ec.caches, ids) if todo else ([], None)
         # States are copied now too: their blocks are reused as the engine runs on.
-        states = [_task_states(ec, t, self._gathered) for t in todo]
+        states = [_task_states(ec, t, gathered) for t in todo]
         nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
         nbytes += sum(s.nbytes for s in states if s is not None)
         items: list[_Item] = []
