@@ -19,7 +19,18 @@ What the channels agree on:
   (:func:`send_error`, :func:`read_answer`);
 * nothing is stored unless every byte arrived and matched the chunk digest;
 * a receiver with fleet keys stores only chunks signed for the namespace and
-  key they arrive under (:mod:`hurray_vllm.chunks.signing`).
+  key they arrive under (:mod:`hurray_vllm.chunks.signing`);
+* between chunks, a sender may ask which chunks the receiver holds already
+  (:func:`query_held`), so that it does not send them::
+
+      b"HVH1"  u16 count  count x (u16 len + namespace, u16 len + key)
+                                          -->  b"HV" u16 count  count x u8 (1: held)
+
+  at most :data:`MAX_HELD_QUERY` names; a malformed query closes the
+  connection. A chunk counts as held when its file (whole, or the slice the
+  key names) is in the receiver's store. A receiver with fleet keys answers
+  only authenticated senders, as it takes chunks only from them: which
+  prompts a store holds is as private as the chunks.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
-from .security import AUTH_MAGIC, answer_challenge
+from .security import AUTH_MAGIC, answer_challenge, authenticate
 
 __all__ = [
     "ChunkSender",
@@ -64,6 +75,10 @@ __all__ = [
     "finish_with_error",
     "read_message",
     "read_answer",
+    "query_held",
+    "dial",
+    "HELD_MAGIC",
+    "MAX_HELD_QUERY",
 ]
 
 log = logging.getLogger("hurray_vllm.transport")
@@ -83,6 +98,11 @@ DEFAULT_MAX_CONNECTIONS = 64
 #: How long a receiver trusts its count of the store's bytes before measuring the disk again.
 _USAGE_TTL_S = 5.0
 _MAX_MESSAGE = 1000
+#: A sender's question "which of these chunks do you hold?" (see the module's docstring).
+HELD_MAGIC = b"HVH1"
+#: The most names one held-query may ask about (a sender asks in batches).
+MAX_HELD_QUERY = 4096
+_MAX_NAME = 128  # a key: 64 hex digits, and a slice's ".h<a>-<b>"
 
 U16, U32, U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 
@@ -190,6 +210,76 @@ def read_answer(sock: socket.socket, key: str) -> None:
     raise HurrayFormatError("transport", f"unexpected answer {answer!r} from the receiver for chunk {key}")
 
 
+def _name_bytes(text: str) -> bytes:
+    raw = text.encode()
+    return U16.pack(len(raw)) + raw
+
+
+def dial(
+    host: str,
+    port: int,
+    *,
+    timeout: float,
+    keys: FleetKeys | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> socket.socket:
+    """A sender's connection to a receiver: TCP (no delay), inside ``tls`` if given, then authenticated with ``keys``.
+
+    The caller closes it; on failure it is closed here.
+
+    Raises:
+        HurrayFormatError: the receiver refused the authentication.
+        OSError: the receiver cannot be reached; ``ssl.SSLError`` when its certificate is not trusted.
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        if keys is not None:
+            authenticate(sock, keys)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _read_name(conn: socket.socket) -> str:
+    """A u16-length-prefixed name of a held-chunk query, refused before it is read when longer than a chunk's."""
+    (n,) = U16.unpack(recv_exact(conn, 2))
+    if n > _MAX_NAME:
+        raise HurrayFormatError("transport", f"a name of {n} bytes in a held-chunk query; chunk names are shorter")
+    return recv_exact(conn, n).decode(errors="replace")
+
+
+def query_held(sock: socket.socket, names: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Ask the receiver on ``sock`` which of ``names`` (``(namespace, key)``) it holds; those it does.
+
+    Sent between chunks on a connection already authenticated (if keyed),
+    in batches of :data:`MAX_HELD_QUERY`.
+
+    Raises:
+        HurrayFormatError: the receiver refused the query, closed the connection
+            (a receiver older than the query does), or answered something else.
+        OSError: the connection failed or timed out.
+    """
+    held: set[tuple[str, str]] = set()
+    for start in range(0, len(names), MAX_HELD_QUERY):
+        batch = names[start : start + MAX_HELD_QUERY]
+        sock.sendall(HELD_MAGIC + U16.pack(len(batch)) + b"".join(_name_bytes(n) + _name_bytes(k) for n, k in batch))
+        answer = recv_exact(sock, 2)
+        if answer == b"ER":
+            raise HurrayFormatError("transport", f"receiver refused the held-chunk query: {read_message(sock)}")
+        if answer != b"HV":
+            raise HurrayFormatError("transport", f"unexpected answer {answer!r} to the held-chunk query")
+        (count,) = U16.unpack(recv_exact(sock, 2))
+        if count != len(batch):
+            raise HurrayFormatError("transport", f"held-chunk query: {count} answers for {len(batch)} names")
+        flags = recv_exact(sock, count)
+        held.update(name for name, flag in zip(batch, flags, strict=True) if flag)
+    return held
+
+
 class ChunkSender(abc.ABC):
     """Pushes chunks to receivers of one channel.
 
@@ -211,6 +301,43 @@ class ChunkSender(abc.ABC):
 
     def unregister(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`register` for buffers about to be replaced (unknown tensors are ignored)."""
+
+    def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
+        """A connection to the receiver's frame channel at ``url``, authenticated with ``keys`` (if given).
+
+        The caller closes it. TCP's is the chunk connection itself (inside
+        TLS for ``tls://``); NIXL's is its side channel.
+
+        Raises:
+            HurrayFormatError: ``url`` is malformed, or the receiver refused the authentication.
+            OSError: the receiver cannot be reached.
+            NotImplementedError: a channel without such a connection (then :meth:`held` cannot ask).
+        """
+        raise NotImplementedError(f"the {self.scheme} channel cannot ask a receiver what it holds")
+
+    def held(
+        self,
+        url: str,
+        names: Sequence[tuple[str, str]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        keys: FleetKeys | None = None,
+    ) -> set[tuple[str, str]]:
+        """Which of ``names`` (``(namespace, key)``) the receiver at ``url`` holds already (:func:`query_held`).
+
+        Who calls it: the connector's background writer, before it pushes on
+        chunks it did not compute itself (loaded ones), so that two engines
+        pushing to each other do not send each other back what they received.
+
+        Raises:
+            HurrayFormatError: the receiver refused the query or is older than it.
+            OSError: the receiver cannot be reached.
+            NotImplementedError: the channel cannot ask (:meth:`connect`).
+        """
+        if not names:
+            return set()
+        with self.connect(url, timeout=timeout, keys=keys) as sock:
+            return query_held(sock, names)
 
     @abc.abstractmethod
     def send(
@@ -456,9 +583,31 @@ class ReceiverBase(abc.ABC):
             if head == AUTH_MAGIC:  # a keyed sender, here or again: answered, then its frame follows
                 answer_challenge(conn, self.keys)
                 continue
+            if head == HELD_MAGIC:  # a question between chunks: answered, then the next frame follows
+                self._answer_held(conn)
+                continue
             if head != magic:
                 raise HurrayFormatError("transport", "bad frame magic")
             return True
+
+    def _answer_held(self, conn: socket.socket) -> None:
+        """Answer a held-chunk query (after its magic): one flag per name, 1 if the store holds that file.
+
+        Raises:
+            HurrayFormatError: a malformed query (too many names, a name that is not a chunk's): the
+                connection is dropped.
+        """
+        (count,) = U16.unpack(recv_exact(conn, 2))
+        if count > MAX_HELD_QUERY:
+            raise HurrayFormatError("transport", f"held-chunk query of {count} names, more than {MAX_HELD_QUERY}")
+        names = []
+        for _ in range(count):
+            ns, key = _read_name(conn), _read_name(conn)
+            check_names(ns, key)
+            names.append((ns, key))
+        has = getattr(self.store, "has", None)  # a store that cannot tell holds nothing for this purpose
+        flags = bytes(1 if has is not None and has(ns, key) else 0 for ns, key in names)
+        conn.sendall(b"HV" + U16.pack(count) + flags)
 
     @abc.abstractmethod
     def serve(self, conn: socket.socket) -> None:

@@ -10,7 +10,8 @@ One connection carries any number of chunks; each is framed as::
 
 and answered by the receiver with ``b"OK"`` once the chunk is validated and
 stored (atomically), or ``b"ER"`` + u16 length + message when it was
-refused. The sender waits for each answer, so when :func:`send_chunks`
+refused. Between chunks a sender may ask which chunks the receiver holds
+(``b"HVH1"``, :func:`~.base.query_held`). The sender waits for each answer, so when :func:`send_chunks`
 returns the chunks are durable on the other side. Nothing that fails
 validation (truncated, corrupt, wrong digest) is ever stored.
 """
@@ -37,15 +38,16 @@ from .base import (
     ChunkSender,
     ReceiverBase,
     check_names,
+    dial,
     finish_with_error,
     parse_address,
     read_answer,
     recv_exact,
     send_error,
 )
-from .security import authenticate, client_context
+from .security import client_context
 
-__all__ = ["Receiver", "TcpSender", "send_chunks", "parse_url", "frame_head", "MAGIC", "MAX_CHUNK_BYTES"]
+__all__ = ["Receiver", "TcpSender", "send_chunks", "connect", "parse_url", "frame_head", "MAGIC", "MAX_CHUNK_BYTES"]
 
 log = logging.getLogger("hurray_vllm.transport.tcp")
 MAGIC = b"HVC1"
@@ -82,15 +84,22 @@ def send_chunks(
         OSError: the receiver cannot be reached or stopped answering within ``timeout``;
             ``ssl.SSLError`` (an ``OSError``) when its certificate is not trusted.
     """
+    with connect(url, timeout=timeout, keys=keys, tls=tls) as sock, sock.makefile("wb") as out:
+        _send_all(sock, out, chunks)
+
+
+def connect(
+    url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None, tls: ssl.SSLContext | None = None
+) -> socket.socket:
+    """A connection to the receiver at ``url``: TLS for ``tls://``, then the sender authentication with ``keys``.
+
+    Raises:
+        HurrayFormatError: ``url`` is malformed, or the receiver refused the authentication.
+        OSError: the receiver cannot be reached; ``ssl.SSLError`` when its certificate is not trusted.
+    """
     host, port = parse_url(url)
-    with socket.create_connection((host, port), timeout=timeout) as raw:
-        sock = raw
-        if url.startswith("tls://"):
-            sock = (tls or client_context()).wrap_socket(raw, server_hostname=host)
-        with sock, sock.makefile("wb") as out:
-            if keys is not None:
-                authenticate(sock, keys)
-            _send_all(sock, out, chunks)
+    context = (tls or client_context()) if url.startswith("tls://") else None
+    return dial(host, port, timeout=timeout, keys=keys, tls=context)
 
 
 def frame_head(ns: str, key: str, size: int) -> bytes:
@@ -134,6 +143,10 @@ class TcpSender(ChunkSender):
     ) -> None:
         """See :func:`send_chunks`."""
         send_chunks(url, chunks, timeout=timeout, keys=keys, tls=self.tls)
+
+    def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
+        """See :func:`connect` (module level)."""
+        return connect(url, timeout=timeout, keys=keys, tls=self.tls)
 
 
 class _Pieces(io.RawIOBase):

@@ -113,6 +113,45 @@ def test_mutated_tcp_frames_are_refused_or_stored_valid(
     assert report.clean, report.damaged  # whatever was stored is a whole, valid chunk under a fitting name
 
 
+def _name(text: str) -> bytes:
+    return len(text).to_bytes(2, "little") + text.encode()
+
+
+QUERY = b"HVH1" + (2).to_bytes(2, "little") + _name(NS) + _name(KEY) + _name(NS) + _name("ab" * 8)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_held_queries_are_answered_or_end_the_connection(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch, data: st.DataObject
+) -> None:
+    """A held-chunk query, then a chunk, mutated: answered (one flag per name), or refused; never a crash."""
+    bugs: list[Any] = []
+    monkeypatch.setattr(base.log, "exception", lambda *a, **k: bugs.append(a))
+    frame = _mutate(QUERY + FRAME, data, header=len(QUERY) + 64)
+    answer = b""
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        try:
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)
+            while chunk := s.recv(1 << 16):
+                answer += chunk
+        except TimeoutError:
+            pytest.fail("the receiver neither answered nor closed the connection within 10 s")
+        except OSError:
+            pass
+    if frame.startswith(b"HVA1"):
+        answer = answer[32:]
+    if answer.startswith(b"HV"):  # answered: as many flags as names asked, each 0 or 1
+        count = int.from_bytes(answer[2:4], "little")
+        assert count <= base.MAX_HELD_QUERY and set(answer[4 : 4 + count]) <= {0, 1}
+        answer = answer[4 + count :]
+    assert answer[:2] in (b"", b"OK", b"ER"), answer[:20]
+    assert not bugs, bugs
+    report = fsck(receiver.store)  # type: ignore[arg-type]
+    assert report.clean, report.damaged
+
+
 @settings(max_examples=FUZZ_EXAMPLES * 4, deadline=None)
 @given(data=st.data())
 def test_mutated_nixl_offers_are_refused_before_any_transfer_or_describe_a_chunk(data: st.DataObject) -> None:

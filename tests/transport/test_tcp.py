@@ -278,3 +278,66 @@ def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) ->
         assert DirectoryStore(tmp_path).has(ns, key)
     with pytest.raises(ValueError, match="max_connections=0"):
         Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=0)
+
+
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_a_sender_asks_which_chunks_the_receiver_holds(channel: str, tmp_path: Path) -> None:
+    """The held-chunk query: answered per name, in batches, between chunks; malformed ones close the connection."""
+    from conftest import require
+
+    from hurray_vllm.transport.base import MAX_HELD_QUERY, query_held
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    with transport.receiver_for(channel, "127.0.0.1", 0, store, idle_timeout=5).start() as r:
+        url = f"{channel}://127.0.0.1:{r.address[1]}"
+        sender = transport.sender_for(url)
+        assert sender.held(url, [(ns, key)]) == set() and sender.held(url, []) == set()
+        transport.send_chunks(url, [(ns, key, chunk)])
+        # A slice's name is another file: held only if that file is stored.
+        assert sender.held(url, [(ns, key), (ns, "ab" * 8), (ns, key + ".h0-1")]) == {(ns, key)}
+        many = [(ns, f"{i:x}") for i in range(MAX_HELD_QUERY + 5)] + [(ns, key)]
+        assert sender.held(url, many) == {(ns, key)}  # asked in two batches
+        # Questions and chunks share a connection: asked, then pushed, then asked again.
+        with sender.connect(url) as sock:
+            assert query_held(sock, [(ns, "cd" * 8)]) == set()
+            if channel == "tcp":
+                from hurray_vllm.transport.tcp import _send_all
+
+                with sock.makefile("wb") as out:
+                    _send_all(sock, out, [(ns, "cd" * 8, chunk)])
+                assert query_held(sock, [(ns, "cd" * 8)]) == {(ns, "cd" * 8)}
+        # A name that is not a chunk's, or longer than one, ends the connection: nothing is answered.
+        with pytest.raises(hv.HurrayFormatError):
+            sender.held(url, [("../../etc", key)])
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=5) as s:
+            s.sendall(b"HVH1" + (1).to_bytes(2, "little") + (60_000).to_bytes(2, "little"))
+            assert _until_closed(s) in (b"", b"ER")  # closed (after an error, NIXL), without reading 60 000 bytes
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=5) as s:
+            s.sendall(b"HVH1" + (MAX_HELD_QUERY + 1).to_bytes(2, "little"))
+            assert _until_closed(s) in (b"", b"ER")
+        assert sender.held(url, [(ns, key)]) == {(ns, key)}  # and the receiver goes on serving
+
+
+def test_a_keyed_receiver_answers_held_queries_only_from_fleet_members(tmp_path: Path) -> None:
+    """Which prompts a store holds is as private as the chunks: no key, no answer."""
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+
+    keys = FleetKeys.from_secrets(b"s" * 32)
+    ns, key, chunk = example_chunk()
+    with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), keys=keys).start() as r:
+        url = _url(r)
+        transport.send_chunks(url, [(ns, key, sign_chunk(chunk, keys, ns, key))], keys=keys)
+        with pytest.raises(hv.HurrayFormatError, match="fleet key"):
+            TcpSender().held(url, [(ns, key)])
+        assert TcpSender().held(url, [(ns, key)], keys=keys) == {(ns, key)}
+
+
+def _until_closed(s: socket.socket) -> bytes:
+    """What the peer sends until it closes: the first two bytes of it."""
+    got = b""
+    while part := s.recv(4096):
+        got += part
+    return got[:2]

@@ -21,6 +21,9 @@ One side-channel connection carries any number of chunks. Per chunk::
                                                     store the chunk
                                                <--  b"OK"  or  b"ER" + u16 length + message
 
+Between chunks, the side channel also answers which chunks the receiver
+holds (``b"HVH1"``, :func:`~hurray_vllm.transport.base.query_held`).
+
 Nothing is stored unless every byte arrived and matches the chunk digest. A
 sender that disconnects (or dies) before ``GO``, a sender that sends
 ``b"AB"``, and a transfer that exceeds the receiver's timeout abort the

@@ -19,8 +19,7 @@ import torch
 from ...chunks.signing import FleetKeys
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
-from ..base import DEFAULT_TIMEOUT_S, U16, U32, U64, Chunk, ChunkSender, read_answer, read_message, recv_exact
-from ..security import authenticate
+from ..base import DEFAULT_TIMEOUT_S, U16, U32, U64, Chunk, ChunkSender, dial, read_answer, read_message, recv_exact
 from .agent import NixlError, make_agent
 from .offer import MAGIC, encode_snapshot_offer, notif_tag, parse_nixl_url
 
@@ -251,15 +250,16 @@ class NixlSender(ChunkSender):
         when it cannot be reached or the transfer fails. With ``keys`` the
         side channel first authenticates this sender (:mod:`..security`).
         """
-        host, port = parse_nixl_url(url)
         out = []
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if keys is not None:
-                authenticate(sock, keys)
+        with self.connect(url, timeout=timeout, keys=keys) as sock:
             for ns, key, snap in chunks:
                 out.append(self._send_one(sock, ns, key, snap, timeout))
         return out
+
+    def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
+        """The side channel to the receiver at ``nixl://HOST:PORT``, authenticated with ``keys`` (if given)."""
+        host, port = parse_nixl_url(url)
+        return dial(host, port, timeout=timeout, keys=keys)
 
     def _send_one(self, sock: socket.socket, ns: str, key: str, snap: KVSnapshot, timeout: float) -> TransferStats:
         t0 = time.perf_counter()
