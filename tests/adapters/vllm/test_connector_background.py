@@ -167,13 +167,14 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
     c._keys = None  # an unkeyed fleet
+    c._fingerprint = ModelFingerprint("T", 1, 1, 8, "bfloat16")
 
     def export(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
         assert reuse
         if not c._chunk_buffers:
             c._chunk_buffers = [GatherBuffers()]
         k, v = c._chunk_buffers[0].take((len(block_ids), 4, 1, 8), torch.bfloat16, torch.device("cpu"))
-        k.fill_(float(len(sender.calls))), v.fill_(1.0)
+        k.fill_(float(len(getattr(sender, "calls", ())))), v.fill_(1.0)
         n = 4 * len(block_ids)
         idx = (torch.arange(len(block_ids)), torch.tensor([0, len(block_ids)]), torch.tensor([n]))
         return KVSnapshot(
@@ -244,6 +245,61 @@ def test_background_pushes_keep_their_order_and_never_hold_the_step(  # type: ig
     assert c.flush(timeout=30)
     assert c.stats.push_failures == 1 and sender.sends == sends + 1
     assert c._store.has(c._ns, "aa" * 8) and c._store.has(c._ns, "bb" * 8)
+
+
+def test_loaded_chunks_are_pushed_on_only_where_the_destination_lacks_them(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A -> B -> C: B pushes on the chunks it loaded; A <-> B: it asks first, and sends A nothing back."""
+    from hurray_vllm.chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, namespace_of
+    from hurray_vllm.transport import sender_for
+    from hurray_vllm.transport.tcp import Receiver
+
+    dest = DirectoryStore(tmp_path / "dest")
+    with Receiver("127.0.0.1", 0, dest).start() as r:
+        url = f"tcp://127.0.0.1:{r.address[1]}"
+        c = _bare_worker(conn, meta, tmp_path / "here", sender_for(url))  # type: ignore[arg-type]
+        c._url, c._ns = url, namespace_of(c._fingerprint)
+        keys = [f"{i:02x}" * 8 for i in range(3)]
+        ec = c._engine_cache()
+        for k in keys:  # stored here as a load found them; the destination holds the first already
+            snap = c._export_chunk(ec, ec.caches, meta.SaveTask("r", k, list(range(8)), []), [1, 2], reuse=True)
+            c._store.put(c._ns, k, replace(snap, extra={DIGEST_KEY: chunk_digest(snap)}))
+        dest.put(c._ns, keys[0], c._store.get(c._ns, keys[0]))
+        forwards = [meta.SaveTask("r", k, list(range(8)), [], forward=True) for k in keys]
+        for background in (True, False):
+            c._async = background
+            c.wait_for_save(meta.HurrayConnectorMetadata(saves=forwards))
+            assert c.flush(timeout=30)
+            # Pushed once (the second round asks nothing: this worker knows the destination has them all).
+            assert all(dest.has(c._ns, k) for k in keys) and r.received == 2
+            assert c.stats.chunks_held == 1 and c.stats.chunks_forwarded == c.stats.chunks_pushed == 2
+            assert c.stats.chunks_saved == 0 and c.stats.chunks_skipped == 0  # never exported, never counted
+        # A chunk no longer stored (pruned since the load) is not pushed, and is not an error.
+        gone = meta.SaveTask("r", "ee" * 8, list(range(8)), [], forward=True)
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[gone]))
+        assert c.flush(timeout=30) and r.received == 2 and c.stats.push_failures == 0
+
+
+def test_each_stored_file_of_a_chunk_is_pushed_on_by_one_rank(conn: ModuleType, meta: ModuleType, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Whatever TP degree wrote a chunk, its files go once: each from the saving rank its first head is on."""
+    from hurray_vllm.kv.snapshot import HeadRange
+
+    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c._fingerprint = replace(c._fingerprint, num_kv_heads=2)
+    ns_dir = tmp_path / c._ns
+    ns_dir.mkdir()
+    for name in ("aa.h0-1", "aa.h1-2", "bb", "bb.h0-1", "bb.h1-2"):
+        (ns_dir / f"{name}.hrry").write_bytes(b"x")
+    expect = {  # rank heads -> what it pushes of aa (two TP = 2 slices) and bb (whole, preferred)
+        None: (["aa.h0-1", "aa.h1-2"], ["bb"]),
+        HeadRange(0, 1, 2): (["aa.h0-1"], ["bb"]),
+        HeadRange(1, 2, 2): (["aa.h1-2"], []),
+    }
+    for heads, (aa, bb) in expect.items():
+        c._my_heads = heads
+        assert c._push_names("aa") == aa and c._push_names("aa.h1-2") == aa and c._push_names("bb") == bb
+    assert c._push_names("cc") == []
 
 
 def _vllm_config(
@@ -333,6 +389,36 @@ def _scheduler_with_one_chunk(tmp_path, chunk: int = 16):  # type: ignore[no-unt
     assert store.put(ns, key, snap)
     sched = HurrayScheduler(cfg, store, snap.fingerprint, ns)  # type: ignore[arg-type]
     return sched, store, ns, key, SimpleNamespace(request_id="r", all_token_ids=tokens)
+
+
+def test_a_load_with_a_destination_plans_pushing_on_what_it_loaded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With hurray_url, the loaded chunks go to the worker as forwards (their files; never their blocks)."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, forget_verified_chunks
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of
+
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, tokens = namespace_of(chunk.fingerprint), [*chunk.token_ids[0], 1]
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    for url in (None, "tcp://127.0.0.1:1"):
+        forget_verified_chunks()
+        extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4, **({"hurray_url": url} if url else {})}
+        cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+        sched = HurrayScheduler(cfg, store, chunk.fingerprint, ns)
+        req = SimpleNamespace(request_id="r", all_token_ids=tokens, kv_transfer_params=None)
+        assert sched.get_num_new_matched_tokens(req, 0) == (4, False)  # type: ignore[arg-type]
+        state = sched._reqs["r"]
+        state.block_ids = [3, 4]
+        meta = HurrayConnectorMetadata()
+        sched._attach_load(meta, state, 4, 1)
+        assert [load.keys for load in meta.loads] == [[key]] and state.load is None  # handed over once
+        forwards = [(t.key, t.forward, t.block_ids) for t in meta.saves]
+        assert forwards == ([] if url is None else [(key, True, [])])
 
 
 def test_only_data_errors_move_a_chunk_aside(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -92,6 +92,9 @@ class SaveTask:
     replace: bool = False
     #: A prompt's tail (``hurray_tails``): its whole blocks after its last whole chunk, fewer than a chunk's.
     tail: bool = False
+    #: Stored already (loaded, not computed here): only pushed on to ``hurray_url``, from its files, if the
+    #: destination lacks them; never exported from ``block_ids`` (empty).
+    forward: bool = False
 
 
 @dataclass
@@ -121,6 +124,8 @@ class ConnectorStats:
     chunks_quarantined: int = 0  # damaged chunk files moved aside (<key>.hrry.bad), so that they are written again
     chunks_pushed: int = 0  # worker: chunks the hurray_url receiver acknowledged
     push_failures: int = 0  # worker: pushes that failed (each pauses pushing for PUSH_BACKOFF_S)
+    chunks_forwarded: int = 0  # worker: of chunks_pushed, files pushed on from the store (loaded, or saved earlier)
+    chunks_held: int = 0  # worker: files not pushed on because the receiver said it holds them already
     push_waits: int = 0  # scheduler: requests held back until the chunks their kv_transfer_params announced arrived
     push_wait_timeouts: int = 0  # scheduler: ... of which some chunks never came (those tokens were recomputed)
     #: Loads that failed on the worker after the scheduler promised them (a file gone, I/O): recomputed.

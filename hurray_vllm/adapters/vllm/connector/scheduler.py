@@ -639,6 +639,30 @@ class HurrayScheduler:
         meta.loads.append(load)
         state.chunks_done = computed // self._chunk
         state.load = None
+        if self._url and self._saves:
+            self._plan_forwards(meta, state, state.chunks_done)
+
+    def _plan_forwards(self, meta: HurrayConnectorMetadata, state: _Request, chunks: int) -> None:
+        """With a destination, push on the first ``chunks`` whole chunks a load found here (not computed here).
+
+        A request moved from A to this engine loaded what A pushed; when it
+        moves on to the destination, that one must find them too, or it waits
+        ``hurray_push_wait_s`` for them and recomputes (a chain of moves:
+        A -> B -> C). The worker pushes the stored files (never the engine's
+        blocks, which an asynchronous load may still be filling), only those
+        the destination does not hold (it asks first: A <-> B pushing to each
+        other sends nothing back), and not those it pushed before.
+        """
+        seed = self._seed(state)
+        if seed is None or chunks <= 0:
+            return
+        tokens = list(state.request.all_token_ids[: chunks * self._chunk])
+        for c, key in enumerate(chunk_keys(tokens, self._chunk, seed)):
+            meta.saves.append(
+                SaveTask(
+                    state.request.request_id, key, tokens[c * self._chunk : (c + 1) * self._chunk], [], forward=True
+                )
+            )
 
     def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         """Plan saves of the chunks ``computed`` tokens complete (those after this step's forward pass).

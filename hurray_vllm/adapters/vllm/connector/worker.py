@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -569,7 +569,9 @@ class HurrayWorker:
             return
         items: list[_Item] = []
         for task in _states_first(saves):
-            if self._store.has(self._ns, task.key) and not task.replace:
+            if task.forward:
+                items.append((task, None, None))  # loaded here: only pushed on
+            elif self._store.has(self._ns, task.key) and not task.replace:
                 self.stats.chunks_skipped += 1
                 items.append((task, None, None))  # stored already: pushed if the destination may lack it
             else:
@@ -595,7 +597,8 @@ class HurrayWorker:
                 pass
             return
         try:
-            self._sender.send(self._url, self._stored(ec, caches, rest, push=True), keys=self._keys)
+            forward = self._forward_plan(self._sender, self._url, items)
+            self._sender.send(self._url, self._stored(ec, caches, rest, push=True, forward=forward), keys=self._keys)
         except (OSError, HurrayFormatError) as exc:
             self.stats.push_failures += 1
             self._push_paused_until = time.monotonic() + PUSH_BACKOFF_S
@@ -608,43 +611,99 @@ class HurrayWorker:
             for _ in self._stored(ec, caches, rest, push=False):
                 pass
 
+    def _push_names(self, key: str) -> list[str]:
+        """The stored files of chunk ``key`` (a slice's key or the whole's) that this worker pushes on.
+
+        The files that hold the chunk's heads, whichever producer wrote them
+        (a whole file, or another TP degree's slices); at tensor parallelism
+        > 1 each from the one saving rank whose heads it starts in, so that
+        every file goes once. None if the chunk is not (or no longer) stored.
+        """
+        base = split_slice_key(key)[0]
+        parts = self._store.parts(self._ns, base, self._fingerprint.num_kv_heads if self._fingerprint else 1)
+        mine = self._my_heads
+        return [p.name for p in parts or () if mine is None or mine.start <= p.heads.start < mine.stop]
+
+    def _forward_plan(self, sender: ChunkSender, url: str, items: list[_Item]) -> dict[str, list[str]]:
+        """Per item stored already (no block ids), by its key: the files to push, those the receiver lacks.
+
+        Files this worker pushed before are left out without asking; the
+        receiver is asked about the rest in one query. A receiver that cannot
+        answer (unreachable, or older than the query) gets them all: a push
+        it does not need costs bandwidth, not correctness.
+        """
+        plan = {
+            t.key: [n for n in self._push_names(t.key) if n not in self._pushed] for t, ids, _ in items if ids is None
+        }
+        ask = [(self._ns, n) for names in plan.values() for n in names]
+        if not ask:
+            return plan
+        try:
+            held = sender.held(url, ask, keys=self._keys)
+        except (OSError, HurrayFormatError, NotImplementedError) as exc:
+            log.info("hurray: %s did not say which chunks it holds (%s); pushing them", url, exc)
+            return plan
+        for _ns, name in held:
+            self._mark_pushed(name)
+        self.stats.chunks_held += len(held)
+        return {k: [n for n in names if (self._ns, n) not in held] for k, names in plan.items()}
+
+    def _mark_pushed(self, name: str) -> None:
+        """Remember that the destination holds file ``name`` (the most recent :data:`_PUSHED_KEYS`)."""
+        self._pushed[name] = None
+        self._pushed.move_to_end(name)
+        if len(self._pushed) > _PUSHED_KEYS:
+            self._pushed.popitem(last=False)
+
     def _stored(
-        self, ec: EngineCache, caches: list[torch.Tensor], items: Iterator[_Item], push: bool
+        self,
+        ec: EngineCache,
+        caches: list[torch.Tensor],
+        items: Iterator[_Item],
+        push: bool,
+        forward: dict[str, list[str]] | None = None,
     ) -> Iterator[tuple[str, str, KVSnapshot]]:
         """Store each item's chunk as it is asked for; yield ``(namespace, key, chunk)`` for those to push.
 
         An item with block ids is exported from those blocks of ``caches``
-        and stored; one without (``None``) is a chunk stored before, read back
-        only to be pushed, unless this worker pushed it already. Exported
-        chunks share the writer's reused buffers: a yielded chunk is valid
-        until the next one is asked for.
+        and stored; one without (``None``) is a chunk stored before, whose
+        files (``forward``, by the item's key: :meth:`_forward_plan`) are read
+        back only to be pushed. Exported chunks share the writer's reused
+        buffers: a yielded chunk is valid until the next one is asked for.
         """
         for task, block_ids, states in items:
             if block_ids is None:
-                if not push or task.key in self._pushed:
-                    continue
-                try:
-                    snap = self._store.get(self._ns, task.key)
-                except HurrayFormatError as exc:
-                    log.warning("hurray: not pushing unreadable chunk %s: %s", task.key, exc)
-                    continue
-            else:
-                try:
-                    # Exported into the writer's own reused buffers: no fresh memory per chunk.
-                    snap = self._export_chunk(ec, caches, task, block_ids, reuse=True, states=states)
-                    self._put(task.key, snap, replace=task.replace, tail=task.tail)
-                except (HurrayFormatError, OSError) as exc:
-                    log.warning("hurray: could not save chunk %s: %s", task.key, exc)
-                    continue
                 if push:
-                    self._register_chunk_buffers()
+                    yield from self._forwarded((forward or {}).get(task.key, ()))
+                continue
+            try:
+                # Exported into the writer's own reused buffers: no fresh memory per chunk.
+                snap = self._export_chunk(ec, caches, task, block_ids, reuse=True, states=states)
+                self._put(task.key, snap, replace=task.replace, tail=task.tail)
+            except (HurrayFormatError, OSError) as exc:
+                log.warning("hurray: could not save chunk %s: %s", task.key, exc)
+                continue
             if push:
+                self._register_chunk_buffers()
                 yield self._ns, task.key, snap
                 # Resumed only once the receiver acknowledged the chunk.
                 self.stats.chunks_pushed += 1
-                self._pushed[task.key] = None
-                if len(self._pushed) > _PUSHED_KEYS:
-                    self._pushed.popitem(last=False)
+                self._mark_pushed(task.key)
+
+    def _forwarded(self, names: Iterable[str]) -> Iterator[tuple[str, str, KVSnapshot]]:
+        """Stored files read back to be pushed, one at a time; unreadable ones (damaged, pruned) are skipped."""
+        for name in names:
+            if name in self._pushed:  # pushed meanwhile (two requests sharing a prefix, in one delivery)
+                continue
+            try:
+                snap = self._store.get(self._ns, name)
+            except (HurrayFormatError, OSError) as exc:
+                log.warning("hurray: not pushing unreadable chunk %s: %s", name, exc)
+                continue
+            yield self._ns, name, snap
+            self.stats.chunks_pushed += 1
+            self.stats.chunks_forwarded += 1
+            self._mark_pushed(name)
 
     def _register_chunk_buffers(self) -> None:
         """Register the reused chunk buffers with the sender once (again only when they grow; TCP ignores it)."""
@@ -671,6 +730,10 @@ class HurrayWorker:
         order: list[SaveTask | None] = []  # the writer's items in order: a task to export, or None
         stored: list[SaveTask] = []  # ... whose None is this task, stored already: only pushed
         for task in _states_first(saves):
+            if task.forward:  # loaded here: only pushed on, from its files
+                stored.append(task)
+                order.append(None)
+                continue
             if task.state_blocks:
                 # A chunk with states is written even over the same chunk without them (stored or on its way).
                 if self._store.has(self._ns, task.key) and not task.replace and task.key not in self._inflight:
