@@ -134,12 +134,20 @@ class _Sender:
         self.pushed: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.asked: list[list[tuple[str, str]]] = []  # held() queries
+        self.answer: set[str] | BaseException = set()  # held()'s answer: the keys held, or what it raises
 
     def register(self, ts: Sequence[torch.Tensor]) -> None:
         self.calls.append(("register", [t.data_ptr() for t in ts]))
 
     def unregister(self, ts: Sequence[torch.Tensor]) -> None:
         self.calls.append(("unregister", [t.data_ptr() for t in ts]))
+
+    def held(self, url: str, names: Sequence[tuple[str, str]], *, timeout: float = 60.0, keys: Any = None) -> set[Any]:
+        self.asked.append(list(names))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return {n for n in names if n[1] in self.answer}
 
     def send(self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0, keys: Any = None) -> None:
         from hurray_vllm.transport.nixl import NixlError
@@ -162,7 +170,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c = object.__new__(conn.HurrayWorker)
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
     c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
-    c._push_paused_until, c._windows, c._inflight = 0.0, (), set()
+    c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
@@ -300,6 +308,40 @@ def test_each_stored_file_of_a_chunk_is_pushed_on_by_one_rank(conn: ModuleType, 
         c._my_heads = heads
         assert c._push_names("aa") == aa and c._push_names("aa.h1-2") == aa and c._push_names("bb") == bb
     assert c._push_names("cc") == []
+    # A sibling rank's slice still being written: each rank pushes its own, once it is there.
+    (ns_dir / "dd.h1-2.hrry").write_bytes(b"x")
+    assert c._push_names("dd.h1-2") == ["dd.h1-2"] and c._push_names("dd.h0-1") == []
+
+
+def test_a_receiver_that_cannot_say_what_it_holds_gets_everything_and_is_not_asked_again(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """Older than the query: pushed everything, asked again only after ASK_BACKOFF_S; unreachable: the push pauses."""
+    import hurray_vllm as hv
+
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = False
+    for i in range(3):
+        c._store.put(
+            c._ns,
+            f"{i:02x}" * 8,
+            c._export_chunk(c._engine_cache(), [], meta.SaveTask("r", "", list(range(4)), []), [1], True),
+        )
+    forward = [meta.SaveTask("r", f"{i:02x}" * 8, [], [], forward=True) for i in range(3)]
+    sender.answer = hv.HurrayFormatError("transport", "unexpected answer b'ER'")
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=forward[:2]))
+    assert sender.pushed == [t.key for t in forward[:2]] and len(sender.asked) == 1
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=forward))
+    assert sender.pushed[2:] == [forward[2].key] and len(sender.asked) == 1  # not asked again for a while
+    assert c.stats.chunks_forwarded == 3 and c.stats.push_failures == 0
+
+    # Unreachable: the whole push fails (one failure, pushing pauses); the chunks to save are still saved.
+    c._ask_paused_until, c._pushed = 0.0, conn.OrderedDict()
+    sender.answer = ConnectionRefusedError("refused")
+    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[forward[0], new]))
+    assert c.stats.push_failures == 1 and c._store.has(c._ns, new.key) and sender.pushed[3:] == []
 
 
 def _vllm_config(

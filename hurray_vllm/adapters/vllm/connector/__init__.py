@@ -14,9 +14,11 @@ Extra config:
 * ``hurray_url``: ``tcp://HOST:PORT`` (or ``nixl://HOST:PORT``) of another
   server's receiver; every chunk saved here is also pushed there
   (server-to-server migration), by the background writer, in the order the
-  steps saved them. At tensor parallelism > 1 each rank pushes its own
-  slices. A failed push is counted (``push_failures``) and pauses pushing
-  for 10 s; the destination recomputes what it lacks.
+  steps saved them; so are the chunks a request loaded here, when the
+  receiver says it lacks them (a request moved on, A -> B -> C, finds them
+  on C). At tensor parallelism > 1 each rank pushes its own slices. A
+  failed push is counted (``push_failures``) and pauses pushing for 10 s;
+  the destination recomputes what it lacks.
 * ``hurray_listen``: ``HOST:PORT`` to run a receiver on; chunks it receives
   land, validated, in ``hurray_path``. ``hurray_listen_transport``: ``"tcp"``
   (default) or ``"nixl"`` (page pools arrive as NIXL writes; needs

@@ -93,7 +93,7 @@ class SaveTask:
     #: A prompt's tail (``hurray_tails``): its whole blocks after its last whole chunk, fewer than a chunk's.
     tail: bool = False
     #: Stored already (loaded, not computed here): only pushed on to ``hurray_url``, from its files, if the
-    #: destination lacks them; never exported from ``block_ids`` (empty).
+    #: destination lacks them; never exported (``tokens`` and ``block_ids`` are empty).
     forward: bool = False
 
 

@@ -640,10 +640,11 @@ class HurrayScheduler:
         state.chunks_done = computed // self._chunk
         state.load = None
         if self._url and self._saves:
-            self._plan_forwards(meta, state, state.chunks_done)
+            self._plan_forwards(meta, load)
 
-    def _plan_forwards(self, meta: HurrayConnectorMetadata, state: _Request, chunks: int) -> None:
-        """With a destination, push on the first ``chunks`` whole chunks a load found here (not computed here).
+    @staticmethod
+    def _plan_forwards(meta: HurrayConnectorMetadata, load: LoadTask) -> None:
+        """With a destination, push on the whole chunks ``load`` found here (loaded, not computed here).
 
         A request moved from A to this engine loaded what A pushed; when it
         moves on to the destination, that one must find them too, or it waits
@@ -651,18 +652,12 @@ class HurrayScheduler:
         A -> B -> C). The worker pushes the stored files (never the engine's
         blocks, which an asynchronous load may still be filling), only those
         the destination does not hold (it asks first: A <-> B pushing to each
-        other sends nothing back), and not those it pushed before.
+        other sends nothing back), and not those it pushed before. The chunks
+        before the load (a local prefix-cache hit) went when this engine
+        computed or loaded them.
         """
-        seed = self._seed(state)
-        if seed is None or chunks <= 0:
-            return
-        tokens = list(state.request.all_token_ids[: chunks * self._chunk])
-        for c, key in enumerate(chunk_keys(tokens, self._chunk, seed)):
-            meta.saves.append(
-                SaveTask(
-                    state.request.request_id, key, tokens[c * self._chunk : (c + 1) * self._chunk], [], forward=True
-                )
-            )
+        whole = load.keys[: len(load.keys) - load.tail]  # a prompt's tail is no later request's
+        meta.saves += [SaveTask(load.request_id, key, [], [], forward=True) for key in whole]
 
     def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         """Plan saves of the chunks ``computed`` tokens complete (those after this step's forward pass).

@@ -190,6 +190,8 @@ _Item = tuple[SaveTask, list[int] | None, RecurrentStates | None]
 #: After a push fails, how long saves go on without pushing: a dead destination costs one timeout,
 #: not one per save.
 PUSH_BACKOFF_S = 10.0
+#: After a receiver could not say which chunks it holds (older than the query), how long none is asked.
+ASK_BACKOFF_S = 600.0
 #: How many pushed keys a worker remembers (not pushing them again from its store).
 _PUSHED_KEYS = 1 << 16
 
@@ -240,6 +242,7 @@ class HurrayWorker:
         self._failed: set[str] = set()
         self._pushed: OrderedDict[str, None] = OrderedDict()  # keys pushed, the most recent last
         self._push_paused_until = 0.0  # monotonic time: after a failed push, none is tried until then
+        self._ask_paused_until = 0.0  # ... after a receiver could not say which chunks it holds, none is asked
         self._writer = _Writer(config.save_queue_bytes)
         _WRITERS.add(self._writer)
         self._staging = _Staging()
@@ -617,30 +620,45 @@ class HurrayWorker:
         The files that hold the chunk's heads, whichever producer wrote them
         (a whole file, or another TP degree's slices); at tensor parallelism
         > 1 each from the one saving rank whose heads it starts in, so that
-        every file goes once. None if the chunk is not (or no longer) stored.
+        every file goes once. While a sibling rank's slice is still being
+        written (no complete set yet), this rank's own slice. None if the
+        chunk is not (or no longer) stored.
         """
-        base = split_slice_key(key)[0]
+        base, heads = split_slice_key(key)
         parts = self._store.parts(self._ns, base, self._fingerprint.num_kv_heads if self._fingerprint else 1)
+        if parts is None:
+            return [key] if heads is not None and self._store.has(self._ns, key) else []
         mine = self._my_heads
-        return [p.name for p in parts or () if mine is None or mine.start <= p.heads.start < mine.stop]
+        return [p.name for p in parts if mine is None or mine.start <= p.heads.start < mine.stop]
 
     def _forward_plan(self, sender: ChunkSender, url: str, items: list[_Item]) -> dict[str, list[str]]:
         """Per item stored already (no block ids), by its key: the files to push, those the receiver lacks.
 
         Files this worker pushed before are left out without asking; the
         receiver is asked about the rest in one query. A receiver that cannot
-        answer (unreachable, or older than the query) gets them all: a push
-        it does not need costs bandwidth, not correctness.
+        answer (older than the query, or a channel without it) gets them all,
+        and is not asked again for :data:`ASK_BACKOFF_S`: a push it does not
+        need costs bandwidth, not correctness.
+
+        Raises:
+            OSError: the receiver cannot be reached (the push fails as a whole, and pauses).
         """
-        plan = {
-            t.key: [n for n in self._push_names(t.key) if n not in self._pushed] for t, ids, _ in items if ids is None
-        }
+        try:
+            plan = {
+                t.key: [n for n in self._push_names(t.key) if n not in self._pushed]
+                for t, ids, _ in items
+                if ids is None
+            }
+        except Exception:  # a bug or an unforeseen error must not cost the local saves of this delivery
+            log.exception("hurray: could not list the stored chunks to push on; not pushing them")
+            return {}
         ask = [(self._ns, n) for names in plan.values() for n in names]
-        if not ask:
+        if not ask or time.monotonic() < self._ask_paused_until:
             return plan
         try:
             held = sender.held(url, ask, keys=self._keys)
-        except (OSError, HurrayFormatError, NotImplementedError) as exc:
+        except (HurrayFormatError, NotImplementedError) as exc:
+            self._ask_paused_until = time.monotonic() + ASK_BACKOFF_S
             log.info("hurray: %s did not say which chunks it holds (%s); pushing them", url, exc)
             return plan
         for _ns, name in held:
