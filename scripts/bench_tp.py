@@ -14,13 +14,20 @@ another, each in its own subprocess:
 * ``load-11`` / ``load-21``: a TP = 1 engine loads the prompts from each store
   (TP = 1's whole chunks; TP = 2's two slices per chunk, joined).
 
+``--model linear``: the same for a random Qwen3-Next (8 layers: 6 gated
+delta nets, 2 full attention; 8 KV heads and 4 / 8 linear heads x 128, the
+model of ``bench_connector.py --model linear``), prefix caching on as such a
+hybrid needs. vLLM sizes its blocks to the states: TP = 1's block size is
+used at TP = 2 too, a chunk is one block, and each prompt is three blocks
+and 40 tokens. Each rank saves its KV heads and its share of every state.
+
 Each worker reports the wall time its steps spent saving and loading
 (``ConnectorStats.save_s`` / ``load_s``), read per rank after a warm-up
 prompt and again after the timed ones. Ratios are per chunk: save at TP = 2
 (the slowest rank) over TP = 1, and a TP = 2 -> 1 load over a TP = 1 -> 1
 load. Prints one JSON object; progress goes to stderr.
 
-    .venv/bin/python scripts/bench_tp.py [--prompts 4] [--prompt-tokens 1100]
+    .venv/bin/python scripts/bench_tp.py [--model llama|linear] [--prompts 4] [--prompt-tokens 1100]
 
 About 5-6 minutes on 2 cores (one core per rank at TP = 2).
 """
@@ -44,6 +51,10 @@ from _bench import log, machine
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, CHUNK = 8, 8, 128, 128, 256
+LINEAR_MODEL = (
+    f"random Qwen3-Next, {LAYERS} layers (6 gated delta net, 2 full), {KV_HEADS} KV heads x {HEAD_DIM}, "
+    "linear heads 4 (k) / 8 (v) x 128, bf16, prefix caching on"
+)
 
 
 def build_model(path: Path) -> Path:
@@ -65,6 +76,22 @@ def build_model(path: Path) -> Path:
     return path
 
 
+def build_linear(path: Path) -> Path:
+    """``bench_connector.py``'s random Qwen3-Next (one model for both benchmarks)."""
+    sys.path.insert(0, str(HERE))
+    import bench_connector
+
+    bench_connector.select_model("linear")
+    return bench_connector.build_model(path)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1, 511) for _ in range(n)]
+
+
 def _stats(worker: Any) -> dict[str, Any]:
     """Runs on every worker: its rank and its connector's statistics."""
     from vllm.distributed import get_tensor_model_parallel_rank
@@ -81,30 +108,41 @@ def engine_main(cfg_path: str, out_path: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    linear = cfg.get("kind") == "linear"
+    extra: dict[str, Any] = {"hurray_path": cfg["store"], "hurray_save_async": bool(cfg.get("save_async", False))}
+    if not linear:
+        extra["hurray_chunk_tokens"] = CHUNK  # a linear hybrid's default: one (large) block
     kv = KVTransferConfig(
         kv_connector="HurrayConnector",
         kv_connector_module_path="hurray_vllm.adapters.vllm.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={
-            "hurray_path": cfg["store"],
-            "hurray_chunk_tokens": CHUNK,
-            "hurray_save_async": bool(cfg.get("save_async", False)),
-        },
+        kv_connector_extra_config=extra,
     )
     tp = cfg["tp"]
+    block = BLOCK if not linear else cfg.get("block")  # a linear hybrid's: vLLM's choice at TP = 1
     llm = LLM(
         model=cfg["model"],
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="bfloat16",
-        block_size=BLOCK,
         max_model_len=4096,
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
         kv_transfer_config=kv,
-        enable_prefix_caching=False,
+        # A linear hybrid keeps states at block boundaries (where chunks end) only with prefix caching on,
+        # and its prompts are prefilled in one step, so that each ends a chunk's states where it stops.
+        enable_prefix_caching=linear,
+        max_num_batched_tokens=16384 if linear else None,
         seed=0,
+        block_size=block,
     )
+    block = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    if linear:  # three blocks and 40 tokens each (what fits max_model_len)
+        n = min(3, (4096 - 64) // block) * block + 40
+        cfg["prompts"] = {
+            "warmup": _prompt(1, n),
+            "timed": {rid: _prompt(seed, n) for rid, seed in cfg["prompts"]["timed"].items()},
+        }
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=1, ignore_eos=True)
 
     def run(prompts: dict[str, list[int]]) -> dict[str, Any]:
@@ -116,7 +154,8 @@ def engine_main(cfg_path: str, out_path: str) -> None:
             "cached": {r: o.num_cached_tokens for r, o in zip(prompts, outs, strict=True)},
         }
 
-    result: dict[str, Any] = {"warmup": run({"w": cfg["prompts"]["warmup"]})}
+    result: dict[str, Any] = {"block_size": block, "prompt_tokens": len(cfg["prompts"]["warmup"])}
+    result["warmup"] = run({"w": cfg["prompts"]["warmup"]})
     before = llm.collective_rpc(_stats)
     timed = [run({rid: p}) for rid, p in cfg["prompts"]["timed"].items()]
     after = llm.collective_rpc(_stats)
@@ -160,38 +199,34 @@ def main() -> None:
     ap.add_argument("--engine", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=int, default=4, help="timed prompts (default 4)")
     ap.add_argument("--prompt-tokens", type=int, default=1100, help="tokens per prompt (default 1100)")
+    ap.add_argument("--model", choices=("llama", "linear"), default="llama", help="the model (default llama)")
     ap.add_argument("--dir", default=None, help="where the temporary directory goes")
     args = ap.parse_args()
     if args.engine:
         engine_main(*args.engine)
         return
-    import random
-
-    def prompt(seed: int) -> list[int]:
-        rng = random.Random(seed)
-        return [rng.randrange(1, 511) for _ in range(args.prompt_tokens)]
-
-    prompts = {"warmup": prompt(1), "timed": {f"t{i}": prompt(100 + i) for i in range(args.prompts)}}
+    linear = args.model == "linear"
+    prompts: dict[str, Any] = {
+        "warmup": _prompt(1, args.prompt_tokens),
+        # A linear hybrid's prompts are made in the engine, once its block size is known: seeds here.
+        "timed": {f"t{i}": 100 + i if linear else _prompt(100 + i, args.prompt_tokens) for i in range(args.prompts)},
+    }
     t_all = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench_tp.", dir=args.dir))
     try:
         log(f"work dir {work}; building the model")
-        model = str(build_model(work / "model"))
+        model = str((build_linear if linear else build_model)(work / "model"))
+        base: dict[str, Any] = {"model": model, "prompts": prompts, "kind": args.model}
         res: dict[str, dict[str, Any]] = {}
         for tp in (1, 2):
-            res[f"save-tp{tp}"] = run_engine(
-                work, f"save-tp{tp}", {"model": model, "prompts": prompts, "tp": tp, "store": str(work / f"s{tp}")}
-            )
+            res[f"save-tp{tp}"] = run_engine(work, f"save-tp{tp}", {**base, "tp": tp, "store": str(work / f"s{tp}")})
+            base["block"] = res["save-tp1"]["block_size"]  # a linear hybrid's, chosen at TP = 1, for all
         for tp in (1, 2):  # the default background saves: the step only copies the blocks out
             res[f"async-tp{tp}"] = run_engine(
-                work,
-                f"async-tp{tp}",
-                {"model": model, "prompts": prompts, "tp": tp, "store": str(work / f"a{tp}"), "save_async": True},
+                work, f"async-tp{tp}", {**base, "tp": tp, "store": str(work / f"a{tp}"), "save_async": True}
             )
         for tp in (1, 2):
-            res[f"load-{tp}1"] = run_engine(
-                work, f"load-{tp}1", {"model": model, "prompts": prompts, "tp": 1, "store": str(work / f"s{tp}")}
-            )
+            res[f"load-{tp}1"] = run_engine(work, f"load-{tp}1", {**base, "tp": 1, "store": str(work / f"s{tp}")})
         save1 = per_chunk(res["save-tp1"]["ranks"], "save_s", "chunks_saved")
         save2 = per_chunk(res["save-tp2"]["ranks"], "save_s", "chunks_saved")
         async1 = per_chunk(res["async-tp1"]["ranks"], "save_s", "chunks_saved")
@@ -213,11 +248,13 @@ def main() -> None:
             "date": datetime.date.today().isoformat(),
             "machine": machine(vllm=getattr(vllm, "__version__", "?")),
             "config": {
-                "model": f"random Llama, {LAYERS} layers, {KV_HEADS} KV heads x {HEAD_DIM}, bf16",
-                "block_size": BLOCK,
-                "hurray_chunk_tokens": CHUNK,
+                "model": LINEAR_MODEL
+                if linear
+                else f"random Llama, {LAYERS} layers, {KV_HEADS} KV heads x {HEAD_DIM}, bf16",
+                "block_size": res["save-tp1"]["block_size"],
+                "hurray_chunk_tokens": res["save-tp1"]["block_size"] if linear else CHUNK,
                 "hurray_save_async": "false in save-tp*, true in async-tp*",
-                "prompt_tokens": args.prompt_tokens,
+                "prompt_tokens": res["save-tp1"]["prompt_tokens"],
                 "timed_prompts": args.prompts,
                 "cores_per_rank": 1,
             },

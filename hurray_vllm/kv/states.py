@@ -472,22 +472,28 @@ def join_states(parts: Sequence[RecurrentStates]) -> RecurrentStates:
         return replace(
             first, declared=declared, split=() if whole else first.split, part=None if whole else _reduced(lo, hi)
         )
-    tensors = []
-    for j in range(len(first.tensors)):
-        members = []
-        for m, (axis, sections) in enumerate(first.split):
-            pieces = []
-            offsets = [0] * len(parts)
-            for size in sections:
-                for i, p in enumerate(parts):
-                    n = _at(size, spans[i][1]) - _at(size, spans[i][0])
-                    pieces.append(p.tensors[j][m].narrow(axis + 1, offsets[i], n))
-                    offsets[i] += n
-            members.append(torch.cat(pieces, dim=axis + 1))
-        tensors.append(tuple(members))
+    # Per member, the runs to join in order: (part, offset in it, length). Every layer splits alike, so the
+    # exact fraction arithmetic runs once per member, not once per layer.
+    runs: list[tuple[int, list[tuple[int, int, int]]]] = []
+    for axis, sections in first.split:
+        offsets = [0] * len(parts)
+        member_runs = []
+        for size in sections:
+            for i in range(len(parts)):
+                n = _at(size, spans[i][1]) - _at(size, spans[i][0])
+                member_runs.append((i, offsets[i], n))
+                offsets[i] += n
+        runs.append((axis + 1, member_runs))
+    tensors = tuple(
+        tuple(
+            torch.cat([parts[i].tensors[j][m].narrow(dim, at, n) for i, at, n in member_runs], dim=dim)
+            for m, (dim, member_runs) in enumerate(runs)
+        )
+        for j in range(len(first.tensors))
+    )
     return replace(
         first,
-        tensors=tuple(tensors),
+        tensors=tensors,
         declared=(),
         split=() if whole else first.split,
         part=None if whole else _reduced(lo, hi),
