@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -267,6 +268,9 @@ def main() -> None:
                 {c for k in ("load-11", "load-21") for x in res[k]["timed"] for c in x["cached"].values()}
             ),
             "outputs_match_tp1": f"{match}/{(len(res) - 1) * args.prompts}",
+            # Each engine's median wall time per timed prompt (one token generated): computing the prompt
+            # (save-*, async-*) against loading all but its last tokens (load-*).
+            "prompt_s_median": {k: round(statistics.median(x["s"] for x in v["timed"]), 4) for k, v in res.items()},
             "ratios": {
                 "save_tp2_over_tp1": ratio(save2, save1),
                 "async_save_step_tp2_over_tp1": ratio(async2, async1),
