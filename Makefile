@@ -58,6 +58,7 @@ bench: install
 	$(BIN)/python scripts/bench_transport.py
 	$(BIN)/python scripts/bench_nixl_floor.py
 	$(BIN)/python scripts/bench_tp.py
+	$(BIN)/python scripts/bench_tp.py --model linear
 	$(BIN)/python scripts/bench_router.py
 
 clean:
