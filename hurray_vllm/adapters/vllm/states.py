@@ -300,8 +300,9 @@ class StateCache:
                 continue
             dest = torch.tensor(ids, dtype=torch.int64)
             pick = torch.tensor(rows, dtype=torch.int64)
+            every = rows == list(range(len(states.positions)))  # each sequence once, in order: no gather copy
             for m, (t, src_m) in enumerate(zip(layer, src, strict=True)):
-                value = self._to_engine(src_m.index_select(0, pick), m)
+                value = self._to_engine(src_m if every else src_m.index_select(0, pick), m)
                 t.index_copy_(0, dest.to(t.device), value.to(t.device, t.dtype))
 
 
