@@ -11,7 +11,8 @@ Both savers also push what they save to a ``hurray-vllm receive`` process
 (``hurray_url``; at TP = 2 each rank pushes its own slices). The pushed store
 holds the very files of the shared one, byte for byte, and the TP 2 -> 1 and
 1 -> 2 loads read the pushed stores: every pair of degrees is covered over
-TCP or through a shared directory, on identical bytes.
+TCP or through a shared directory, on identical bytes. Those two loading
+engines push on what they loaded to receivers of their own, each file once.
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (broken / ns / f"{key}.h1-2.hrry").unlink()  # one rank's slice of "a"'s second chunk never arrived
     broken2 = tmp / "store-broken-tp2"  # the same, for a TP = 2 destination (the TP = 1 one writes the chunk back)
     shutil.copytree(broken, broken2)
-    runs["load21"] = _run(tmp, "load21", pushed2, 1)  # what the TP = 2 ranks pushed over TCP
-    runs["load12"] = _run(tmp, "load12", pushed1, 2)
+    # The loading engines push on what they load (and compute no whole chunk of their own): the next hop
+    # gets the very files, each once, whichever TP degree wrote them and loads them.
+    on21, on12 = tmp / "on-from-load21", tmp / "on-from-load12"
+    runs["stores"] |= {"on21": on21, "on12": on12}
+    with receiver_process(on21, tmp / "receiver3.log") as url3, receiver_process(on12, tmp / "receiver4.log") as url4:
+        runs["load21"] = _run(tmp, "load21", pushed2, 1, url3)  # what the TP = 2 ranks pushed over TCP
+        runs["load12"] = _run(tmp, "load12", pushed1, 2, url4)
     runs["load22"] = _run(tmp, "load22", two, 2)
     runs["broken"] = _run(tmp, "broken", broken, 1)
     runs["broken2"] = _run(tmp, "broken2", broken2, 2)
@@ -94,6 +100,31 @@ def test_pushed_chunks_are_the_shared_stores_files_byte_for_byte(
     files = sorted(p.relative_to(a) for p in a.rglob("*.hrry"))
     assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.hrry"))
     assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+
+
+@pytest.mark.parametrize(("loaded", "on"), [("pushed2", "on21"), ("pushed1", "on12")])
+def test_an_engine_pushes_on_the_chunks_it_loaded(tp_stores: dict[str, Any], loaded: str, on: str) -> None:
+    """TP = 1 loading TP = 2's slices, and TP = 2 loading whole chunks: the next hop can load each chunk.
+
+    It gets the loading engine's files, byte for byte (the slices, or each whole file from rank 0 alone).
+    """
+    from hurray_vllm.chunks import DirectoryStore
+
+    a, b = tp_stores["stores"][loaded], tp_stores["stores"][on]
+    (ns,) = [p.name for p in a.iterdir() if p.is_dir()]
+    prompts, chunk = tp_stores["save1"]["prompts"], tp_stores["save1"]["chunk_tokens"]
+    keys = {k for p in prompts.values() for k in chunk_keys(p[: (len(p) - 1) // chunk * chunk], chunk, ns)}
+    assert len(keys) == 3  # the whole chunks the prompts load ("c" has none)
+    assert all(DirectoryStore(b).parts(ns, k, 2) is not None for k in keys)
+    files = sorted(p.relative_to(b) for p in b.rglob("*.hrry"))
+    assert {f.name.split(".")[0] for f in files} == keys  # nothing else: the loading engines computed no chunk
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    # Nothing was written again beside what the loading engine found (a whole chunk beside TP = 2's slices):
+    # both stores hold the saver's kind of file only.
+    slices = loaded == "pushed2"
+    for store in (a, b):
+        found = [p.name for p in store.rglob("*.hrry") if p.name.split(".")[0] in keys]
+        assert found and all(bool(re.search(r"\.h\d+-\d+\.hrry$", n)) == slices for n in found), found
 
 
 @pytest.mark.parametrize("run", ["load21", "load12", "load22"])

@@ -574,7 +574,7 @@ class HurrayWorker:
         for task in _states_first(saves):
             if task.forward:
                 items.append((task, None, None))  # loaded here: only pushed on
-            elif self._store.has(self._ns, task.key) and not task.replace:
+            elif self._holds(task.key) and not task.replace:
                 self.stats.chunks_skipped += 1
                 items.append((task, None, None))  # stored already: pushed if the destination may lack it
             else:
@@ -614,6 +614,22 @@ class HurrayWorker:
             for _ in self._stored(ec, caches, rest, push=False):
                 pass
 
+    def _holds(self, key: str) -> bool:
+        """Whether the store holds chunk ``key`` (this rank's slice's key, or the whole's) for this worker's heads.
+
+        Its own file, or any complete set of files (another TP degree's
+        slices, or the whole chunk): then nothing is exported again, only
+        pushed where the destination may lack it.
+        """
+        if self._store.has(self._ns, key):
+            return True
+        return self._store.parts(self._ns, split_slice_key(key)[0], self._num_heads) is not None
+
+    @property
+    def _num_heads(self) -> int:
+        """Every KV head of the model (what a complete set of a chunk's files holds)."""
+        return self._fingerprint.num_kv_heads if self._fingerprint else 1
+
     def _push_names(self, key: str) -> list[str]:
         """The stored files of chunk ``key`` (a slice's key or the whole's) that this worker pushes on.
 
@@ -625,7 +641,7 @@ class HurrayWorker:
         chunk is not (or no longer) stored.
         """
         base, heads = split_slice_key(key)
-        parts = self._store.parts(self._ns, base, self._fingerprint.num_kv_heads if self._fingerprint else 1)
+        parts = self._store.parts(self._ns, base, self._num_heads)
         if parts is None:
             return [key] if heads is not None and self._store.has(self._ns, key) else []
         mine = self._my_heads
@@ -754,14 +770,14 @@ class HurrayWorker:
                 continue
             if task.state_blocks:
                 # A chunk with states is written even over the same chunk without them (stored or on its way).
-                if self._store.has(self._ns, task.key) and not task.replace and task.key not in self._inflight:
+                if self._holds(task.key) and not task.replace and task.key not in self._inflight:
                     self.stats.chunks_skipped += 1
                     stored.append(task)
                     order.append(None)
                     continue
                 if task.key in self._inflight:
                     task = replace(task, replace=True)
-            elif task.key in self._inflight or self._store.has(self._ns, task.key):
+            elif task.key in self._inflight or self._holds(task.key):
                 self.stats.chunks_skipped += 1
                 if task.key not in self._inflight:
                     stored.append(task)
