@@ -86,14 +86,8 @@ def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Receiver]:
         yield r
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_mutated_tcp_frames_are_refused_or_stored_valid(
-    receiver: Receiver, monkeypatch: pytest.MonkeyPatch, data: st.DataObject
-) -> None:
-    bugs: list[Any] = []
-    monkeypatch.setattr(base.log, "exception", lambda *a, **k: bugs.append(a))
-    frame = _mutate(FRAME, data, header=len(FRAME) - len(STREAM) + 1024)
+def _exchange(receiver: Receiver, frame: bytes) -> bytes:
+    """Send ``frame`` and end the sending side; what the receiver answers before it closes (a challenge cut off)."""
     answer = b""
     with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
         try:
@@ -107,6 +101,18 @@ def test_mutated_tcp_frames_are_refused_or_stored_valid(
             pass  # the receiver dropped the connection (a bad magic, a broken header): a refusal
     if frame.startswith(b"HVA1"):  # a sender authentication: a receiver without keys answers a challenge
         answer = answer[32:]
+    return answer
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_tcp_frames_are_refused_or_stored_valid(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch, data: st.DataObject
+) -> None:
+    bugs: list[Any] = []
+    monkeypatch.setattr(base.log, "exception", lambda *a, **k: bugs.append(a))
+    frame = _mutate(FRAME, data, header=len(FRAME) - len(STREAM) + 1024)
+    answer = _exchange(receiver, frame)
     assert answer[:2] in (b"", b"OK", b"ER"), answer[:20]
     assert not bugs, bugs  # the catch-all for unforeseen errors never ran
     report = fsck(receiver.store)  # type: ignore[arg-type]
@@ -128,20 +134,7 @@ def test_mutated_held_queries_are_answered_or_end_the_connection(
     """A held-chunk query, then a chunk, mutated: answered (one flag per name), or refused; never a crash."""
     bugs: list[Any] = []
     monkeypatch.setattr(base.log, "exception", lambda *a, **k: bugs.append(a))
-    frame = _mutate(QUERY + FRAME, data, header=len(QUERY) + 64)
-    answer = b""
-    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
-        try:
-            s.sendall(frame)
-            s.shutdown(socket.SHUT_WR)
-            while chunk := s.recv(1 << 16):
-                answer += chunk
-        except TimeoutError:
-            pytest.fail("the receiver neither answered nor closed the connection within 10 s")
-        except OSError:
-            pass
-    if frame.startswith(b"HVA1"):
-        answer = answer[32:]
+    answer = _exchange(receiver, _mutate(QUERY + FRAME, data, header=len(QUERY) + 64))
     if answer.startswith(b"HV"):  # answered: as many flags as names asked, each 0 or 1
         count = int.from_bytes(answer[2:4], "little")
         assert count <= base.MAX_HELD_QUERY and set(answer[4 : 4 + count]) <= {0, 1}
