@@ -313,6 +313,25 @@ def test_each_stored_file_of_a_chunk_is_pushed_on_by_one_rank(conn: ModuleType, 
     assert c._push_names("dd.h1-2") == ["dd.h1-2"] and c._push_names("dd.h0-1") == []
 
 
+def test_a_receiver_holding_a_chunk_in_other_files_is_sent_none_of_it(
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Asked about every way a chunk can be stored: TP = 2's slices there, a whole file here, nothing goes."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._fingerprint = replace(c._fingerprint, num_kv_heads=2)
+    (tmp_path / c._ns).mkdir()
+    for name in ("aa", "bb"):
+        (tmp_path / c._ns / f"{name}.hrry").write_bytes(b"x")
+    items = [(meta.SaveTask("r", k, [], [], forward=True), None, None) for k in ("aa", "bb")]
+    sender.answer = {"aa.h0-1", "aa.h1-2", "bb.h0-1"}  # "aa" whole in slices; half of "bb" only
+    plan = c._forward_plan(sender, c._url, items)
+    assert plan == {"aa": [], "bb": ["bb"]}
+    (asked,) = sender.asked
+    assert sorted(n for _, n in asked) == sorted(f"{k}{s}" for k in ("aa", "bb") for s in ("", ".h0-1", ".h1-2"))
+    assert "aa" in c._pushed and "bb" not in c._pushed and c.stats.chunks_held == 1
+
+
 def test_a_receiver_that_cannot_say_what_it_holds_gets_everything_and_is_not_asked_again(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:

@@ -24,7 +24,7 @@ import torch
 from ....chunks.signing import sign_chunk
 from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key, split_slice_key, verify_chunk
 from ....errors import HurrayArgumentError, HurrayFormatError
-from ....kv.heads import concat_heads, select_heads
+from ....kv.heads import concat_heads, partitions, select_heads
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import HeadRange, KVSnapshot, ModelFingerprint
 from ....kv.states import RecurrentStates, join_states
@@ -651,10 +651,13 @@ class HurrayWorker:
         """Per item stored already (no block ids), by its key: the files to push, those the receiver lacks.
 
         Files this worker pushed before are left out without asking; the
-        receiver is asked about the rest in one query. A receiver that cannot
-        answer (older than the query, or a channel without it) gets them all,
-        and is not asked again for :data:`ASK_BACKOFF_S`: a push it does not
-        need costs bandwidth, not correctness.
+        receiver is asked about the rest in one query, together with every
+        other way their chunk can be stored (the whole file, or any TP
+        degree's slices): a receiver that holds the chunk in other files gets
+        nothing. A receiver that cannot answer (older than the query, or a
+        channel without it) gets them all, and is not asked again for
+        :data:`ASK_BACKOFF_S`: a push it does not need costs bandwidth, not
+        correctness.
 
         Raises:
             OSError: the receiver cannot be reached (the push fails as a whole, and pauses).
@@ -665,22 +668,32 @@ class HurrayWorker:
                 for t, ids, _ in items
                 if ids is None
             }
+            layouts = {key: self._chunk_layouts(key) for key, names in plan.items() if names}
         except Exception:  # a bug or an unforeseen error must not cost the local saves of this delivery
             log.exception("hurray: could not list the stored chunks to push on; not pushing them")
             return {}
-        ask = [(self._ns, n) for names in plan.values() for n in names]
+        ask = sorted({(self._ns, n) for sets in layouts.values() for names in sets for n in names})
         if not ask or time.monotonic() < self._ask_paused_until:
             return plan
         try:
-            held = sender.held(url, ask, keys=self._keys)
+            held = {n for _ns, n in sender.held(url, ask, keys=self._keys)}
         except (HurrayFormatError, NotImplementedError) as exc:
             self._ask_paused_until = time.monotonic() + ASK_BACKOFF_S
             log.info("hurray: %s did not say which chunks it holds (%s); pushing them", url, exc)
             return plan
-        for _ns, name in held:
-            self._mark_pushed(name)
-        self.stats.chunks_held += len(held)
-        return {k: [n for n in names if (self._ns, n) not in held] for k, names in plan.items()}
+        out = {}
+        for key, names in plan.items():
+            whole = any(all(n in held for n in layout) for layout in layouts.get(key, ()))
+            out[key] = [] if whole else [n for n in names if n not in held]
+            for n in set(names) - set(out[key]):  # the receiver holds them, or their chunk in other files
+                self._mark_pushed(n)
+            self.stats.chunks_held += len(names) - len(out[key])
+        return out
+
+    def _chunk_layouts(self, key: str) -> list[list[str]]:
+        """Every complete set of files chunk ``key`` (or its slice's chunk) may be stored as: whole first."""
+        base = split_slice_key(key)[0]
+        return [[slice_key(base, None if len(runs) == 1 else r) for r in runs] for runs in partitions(self._num_heads)]
 
     def _mark_pushed(self, name: str) -> None:
         """Remember that the destination holds file ``name`` (the most recent :data:`_PUSHED_KEYS`)."""
