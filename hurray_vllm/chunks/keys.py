@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import HurrayFormatError
+from ..kv.heads import partitions
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from .digest import DIGEST_KEY, chunk_digest
 
@@ -27,6 +28,7 @@ __all__ = [
     "chunks_of",
     "slice_key",
     "split_slice_key",
+    "chunk_layouts",
     "tail_keys",
     "sequence_seeds",
 ]
@@ -230,6 +232,22 @@ def slice_key(key: str, heads: range | None) -> str:
         ('ab12.h2-4', 'ab12')
     """
     return key if heads is None else f"{key}.h{heads.start}-{heads.stop}"
+
+
+def chunk_layouts(key: str, num_kv_heads: int) -> list[list[tuple[str, range]]]:
+    """Every complete set of files chunk ``key`` may be stored as, whole first: ``(name, heads)`` per file.
+
+    The whole chunk, or the slices of one way of splitting the heads into
+    equal runs (what producers at tensor parallelism 2, 4, 8... write,
+    :func:`hurray_vllm.kv.heads.partitions`).
+
+    Example:
+        >>> [[name for name, _ in files] for files in chunk_layouts("ab12", 2)]
+        [['ab12'], ['ab12.h0-1', 'ab12.h1-2']]
+    """
+    return [
+        [(slice_key(key, None if len(runs) == 1 else r), r) for r in runs] for runs in partitions(max(num_kv_heads, 1))
+    ]
 
 
 _SLICE_NAME = re.compile(r"(.+)\.h(\d{1,5})-(\d{1,5})")

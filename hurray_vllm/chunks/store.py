@@ -40,6 +40,7 @@ from .digest import (  # noqa: F401
 )
 from .keys import (  # noqa: F401
     chunk_keys,
+    chunk_layouts,
     chunks_of,
     namespace_of,
     sequence_seeds,
@@ -168,12 +169,9 @@ class DirectoryStore:
         A set with a slice missing (a rank that has not written yet, or never
         will) is incomplete: it is never loaded.
         """
-        from ..kv.heads import partitions
-
-        for runs in partitions(max(num_kv_heads, 1)):
+        for files in chunk_layouts(key, num_kv_heads):
             out = []
-            for r in runs:
-                name = slice_key(key, None if len(runs) == 1 else r)
+            for name, r in files:
                 ident = self.identity(namespace, name)
                 if ident is None:  # this split is incomplete: no need to look at its other files
                     break

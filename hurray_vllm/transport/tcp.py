@@ -11,9 +11,10 @@ One connection carries any number of chunks; each is framed as::
 and answered by the receiver with ``b"OK"`` once the chunk is validated and
 stored (atomically), or ``b"ER"`` + u16 length + message when it was
 refused. Between chunks a sender may ask which chunks the receiver holds
-(``b"HVH1"``, :func:`~.base.query_held`). The sender waits for each answer, so when :func:`send_chunks`
-returns the chunks are durable on the other side. Nothing that fails
-validation (truncated, corrupt, wrong digest) is ever stored.
+(``b"HVH1"``, :func:`~.base.query_held`). The sender waits for each answer,
+so when :func:`send_chunks` returns the chunks are durable on the other
+side. Nothing that fails validation (truncated, corrupt, wrong digest) is
+ever stored.
 """
 
 from __future__ import annotations

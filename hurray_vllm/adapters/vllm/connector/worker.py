@@ -22,9 +22,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from ....chunks.signing import sign_chunk
-from ....chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest, slice_key, split_slice_key, verify_chunk
+from ....chunks.store import (
+    DIGEST_KEY,
+    DirectoryStore,
+    chunk_digest,
+    chunk_layouts,
+    slice_key,
+    split_slice_key,
+    verify_chunk,
+)
 from ....errors import HurrayArgumentError, HurrayFormatError
-from ....kv.heads import concat_heads, partitions, select_heads
+from ....kv.heads import concat_heads, select_heads
 from ....kv.repage import repage_snapshot
 from ....kv.snapshot import HeadRange, KVSnapshot, ModelFingerprint
 from ....kv.states import RecurrentStates, join_states
@@ -692,8 +700,7 @@ class HurrayWorker:
 
     def _chunk_layouts(self, key: str) -> list[list[str]]:
         """Every complete set of files chunk ``key`` (or its slice's chunk) may be stored as: whole first."""
-        base = split_slice_key(key)[0]
-        return [[slice_key(base, None if len(runs) == 1 else r) for r in runs] for runs in partitions(self._num_heads)]
+        return [[name for name, _ in files] for files in chunk_layouts(split_slice_key(key)[0], self._num_heads)]
 
     def _mark_pushed(self, name: str) -> None:
         """Remember that the destination holds file ``name`` (the most recent :data:`_PUSHED_KEYS`)."""
