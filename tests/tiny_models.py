@@ -29,6 +29,54 @@ def build_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2, head_dim: in
     return path
 
 
+def build_tiny_eagle(path: Path, *, seed: int = 1) -> Path:
+    """An EAGLE draft head (one decoder layer and ``fc``) for :func:`build_tiny_llama`'s model, bf16, at ``path``.
+
+    vLLM's ``EagleLlamaForCausalLM`` takes the target's embeddings and
+    ``lm_head``; its layer is the engine's layer 2, with a KV cache of its
+    own in the target's KV cache group.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    hidden, inter, heads, kv_heads, head_dim = 128, 256, 4, 2, 32
+    cfg = LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        architectures=["LlamaForCausalLM"],
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape) * 0.05).to(torch.bfloat16)
+
+    layer = "layers.0."
+    weights = {
+        "fc.weight": w(hidden, 2 * hidden),
+        layer + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+        layer + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+        layer + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+        layer + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+        layer + "mlp.gate_proj.weight": w(inter, hidden),
+        layer + "mlp.up_proj.weight": w(inter, hidden),
+        layer + "mlp.down_proj.weight": w(hidden, inter),
+        layer + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+    }
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer DeepSeek-V2-style MLA model (dense MLPs) saved in bf16 at ``path``.
 

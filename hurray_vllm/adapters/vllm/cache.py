@@ -220,14 +220,15 @@ def attention_layers(vllm_config: Any) -> dict[str, Any]:
     return {name: m for name, m in ctx.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
 
 
-def model_dir(vllm_config: Any) -> Path | None:
+def model_dir(vllm_config: Any, model_config: Any = None) -> Path | None:
     """The directory holding the model's checkpoint, or ``None`` if it is not on this machine.
 
     A local path as given; a hub id (``org/name``) as the snapshot of the
     revision in the Hugging Face cache (``load_config.download_dir`` or the
-    default cache), looked up without network access.
+    default cache), looked up without network access. ``model_config``:
+    another model of the engine (a speculative drafter's) than its own.
     """
-    mc = vllm_config.model_config
+    mc = model_config if model_config is not None else vllm_config.model_config
     root = Path(str(mc.model))
     if root.is_dir():
         return root
@@ -248,8 +249,12 @@ def model_dir(vllm_config: Any) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-def weights_digest(vllm_config: Any) -> str:
+def weights_digest(vllm_config: Any, *, drafter: bool = False) -> str:
     """A digest of the model's weight files (names, sizes, first and last 64 KiB of each).
+
+    ``drafter``: the speculative drafter's KV is part of the cache (EAGLE,
+    MTP): its weights are digested after the model's (for MTP, the same
+    checkpoint, digested twice).
 
     Computed from the checkpoint on disk, so that the scheduler side, which
     has no model, and the worker side agree, and so that two engines
@@ -258,15 +263,24 @@ def weights_digest(vllm_config: Any) -> str:
     revision instead: two models never share one, even with the same
     geometry, but the same weights under another name do not either.
     """
-    root = model_dir(vllm_config)
     h = hashlib.blake2b(digest_size=16)
+    _digest_model(h, vllm_config, vllm_config.model_config)
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if drafter and draft is not None:
+        h.update(f"\x00drafter:{getattr(spec, 'method', None)}\x00".encode())
+        _digest_model(h, vllm_config, draft)
+    return h.hexdigest()
+
+
+def _digest_model(h: Any, vllm_config: Any, mc: Any) -> None:
+    """Feed ``h`` the checkpoint files of model ``mc`` (or its id and revision when they are not here)."""
+    root = model_dir(vllm_config, mc)
     if root is None:
-        mc = vllm_config.model_config
         h.update(f"model-id:{mc.model}@{getattr(mc, 'revision', None) or 'main'}".encode())
-        return h.hexdigest()
+        return
     files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json")
     _digest_files(h, files)
-    return h.hexdigest()
 
 
 def _digest_files(h: Any, files: list[Path]) -> None:
@@ -313,18 +327,47 @@ def adapter_digest(path: str) -> str | None:
         return None
 
 
-def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None) -> ModelFingerprint:
-    """The model fingerprint from the engine config alone (the scheduler side has no caches)."""
+def target_layers(vllm_config: Any) -> int:
+    """The target model's attention layers (a linear-attention hybrid's states are not layers of a snapshot)."""
+    mc = vllm_config.model_config
+    if getattr(mc, "is_hybrid", False):
+        return int(mc.get_num_layers_by_block_type(vllm_config.parallel_config, "attention"))
+    return int(mc.get_num_layers(vllm_config.parallel_config))
+
+
+def cache_layers(kv_cache_config: Any) -> int | None:
+    """How many attention layers hold KV in the engine's KV cache groups (None without groups).
+
+    The target model's, and a speculative drafter's that has KV of its own
+    (EAGLE's head, DeepSeek's MTP layers), which vLLM places in the same
+    groups: what the worker's caches hold and a chunk carries. A
+    linear-attention group's layers hold states, not KV: they are not counted.
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not groups:
+        return None
+    return sum(len(g.layer_names) for g in groups if type(g.kv_cache_spec).__name__ != "MambaSpec")
+
+
+def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_config: Any = None) -> ModelFingerprint:
+    """The model fingerprint from the engine config alone (the scheduler side has no caches).
+
+    ``num_layers``: the layers the worker's caches hold; else counted in
+    ``kv_cache_config`` (:func:`cache_layers`), else the target model's. Both
+    sides must pass one of the first two for an engine with a speculative
+    drafter that has KV layers: its chunks carry the drafter's KV after the
+    target's, and are keyed by the drafter's weights as well
+    (:func:`weights_digest`), so that only engines running the same drafter
+    share them.
+    """
     mc = vllm_config.model_config
     hf = mc.hf_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     storage = FP8_DTYPES.get(cache_dtype, mc.dtype)
     if num_layers is None:
-        # A linear-attention hybrid's snapshot layers are its attention layers (its states go apart).
-        if getattr(mc, "is_hybrid", False):
-            num_layers = mc.get_num_layers_by_block_type(vllm_config.parallel_config, "attention")
-        else:
-            num_layers = mc.get_num_layers(vllm_config.parallel_config)
+        num_layers = cache_layers(kv_cache_config)
+    if num_layers is None:
+        num_layers = target_layers(vllm_config)
     latent = latent_split_of(vllm_config)
     return ModelFingerprint(
         architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
@@ -333,7 +376,7 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None) -> ModelF
         num_kv_heads=1 if latent else mc.get_total_num_kv_heads(),
         head_dim=latent.head_dim if latent else mc.get_head_size(),
         dtype=dtypes.from_torch(storage).name,
-        weights_digest=weights_digest(vllm_config),
+        weights_digest=weights_digest(vllm_config, drafter=num_layers > target_layers(vllm_config)),
     )
 
 

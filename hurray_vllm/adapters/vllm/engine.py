@@ -252,7 +252,8 @@ def _key_seeds(llm: Any, request_ids: Sequence[str]) -> dict[str, Any]:
     special = [rid for rid, r in requests.items() if request_seed("", r) != ""]
     if not special:
         return {}
-    ns = namespace_of(fingerprint_of(llm.llm_engine.vllm_config))
+    config = getattr(core.scheduler.kv_cache_manager, "kv_cache_config", None)
+    ns = namespace_of(fingerprint_of(llm.llm_engine.vllm_config, kv_cache_config=config))
     return {KEY_SEEDS: {rid: request_seed(ns, requests[rid]) for rid in special}}
 
 

@@ -1,4 +1,4 @@
-"""HurrayConnector with vLLM's speculative decoding (n-gram drafts), between real engines on the CPU.
+"""HurrayConnector with vLLM's speculative decoding (n-gram drafts, an EAGLE head), between real engines on the CPU.
 
 A speculative step also computes up to 4 draft tokens, which the request's
 token ids do not hold yet and which the target model may reject. Before the
@@ -9,10 +9,18 @@ the target model's for those tokens, prompt and generated alike.
 
 The prompts repeat a pattern, so the n-gram proposer drafts from the first
 decode step on.
+
+An EAGLE head has a KV cache layer of its own, in the target's KV cache
+group: chunks carry it after the target's layers, and are keyed by the
+head's weights too. Before, the scheduler keyed chunks by the target's layers
+alone while the worker saved three: an EAGLE engine saved chunks no engine
+could load, and loaded a plain engine's two-layer chunks into its three
+layers, which failed in the worker on every request.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,8 +28,9 @@ import torch
 from conftest import require
 from margins import assert_agrees
 from servers import run_engine
-from tiny_models import build_tiny_llama
+from tiny_models import build_tiny_eagle, build_tiny_llama
 
+import hurray_vllm as hv
 from hurray_vllm.chunks import chunk_keys
 
 pytestmark = [pytest.mark.vllm]
@@ -88,3 +97,73 @@ def test_a_request_moved_mid_decode_loads_the_chunks_speculative_steps_completed
         with torch.no_grad():
             logits = model(torch.tensor([moved + tokens[:-1]])).logits[0, len(moved) - 1 :].float()
         assert_agrees(logits, tokens, "speculative p moved after 30 tokens")
+
+
+@pytest.fixture(scope="module")
+def eagle_runs(spec_runs: dict[str, Any]) -> dict[str, Any]:
+    """An EAGLE producer and consumer (the module's model, a random one-layer head) on a store of their own."""
+    tmp = spec_runs["tmp"]
+    eagle = {"method": "eagle", "model": str(build_tiny_eagle(tmp / "eagle")), "num_speculative_tokens": 2}
+    store = tmp / "eagle-store"
+    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
+    prompts = {"p": P, "q": Q}
+    runs: dict[str, Any] = {"store": store}
+    runs["producer"] = run_engine(tmp, "eagle-producer", BLOCK, extra, prompts, MAX_TOKENS, speculative=eagle)
+    moved = [*P, *runs["producer"]["outputs"]["p"][:MOVED_AFTER]]
+    runs["moved"] = moved
+    budget = {"p": MAX_TOKENS, "q": MAX_TOKENS, "p_moved": MAX_TOKENS - MOVED_AFTER}
+    runs["consumer"] = run_engine(
+        tmp, "eagle-consumer", BLOCK, extra, {**prompts, "p_moved": moved}, budget, speculative=eagle
+    )
+    return runs
+
+
+def test_an_eagle_engine_stores_the_heads_kv_with_the_targets_and_loads_it(eagle_runs: dict[str, Any]) -> None:
+    producer, consumer = eagle_runs["producer"], eagle_runs["consumer"]
+    (ns,) = [d for d in eagle_runs["store"].iterdir() if d.is_dir()]
+    chunk = hv.load(next(ns.glob("*.hrry")))
+    assert chunk.fingerprint is not None and chunk.fingerprint.num_layers == chunk.num_layers == 3
+    assert chunk[2, "key"].page_pool.abs().sum() > 0  # the head's layer, written by the draft model's forward
+    assert {rid: consumer["outputs"][rid] for rid in ("p", "q")} == producer["outputs"]
+    assert consumer["cached"]["p"] == 96 and consumer["cached"]["q"] == 64  # every whole chunk
+    for run in (producer, consumer):
+        assert not run["scheduler_stats"]["chunks_refused"] and not run["worker_stats"]["loads_failed"]
+
+
+def test_an_eagle_request_moved_mid_decode_loads_what_its_drafting_steps_saved(eagle_runs: dict[str, Any]) -> None:
+    from transformers import LlamaForCausalLM
+
+    consumer, moved = eagle_runs["consumer"], eagle_runs["moved"]
+    assert consumer["cached"]["p_moved"] == 128
+    tokens = consumer["outputs"]["p_moved"]
+    if tokens != eagle_runs["producer"]["outputs"]["p"][MOVED_AFTER:]:
+        model = LlamaForCausalLM.from_pretrained(eagle_runs["store"].parent / "model", dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([moved + tokens[:-1]])).logits[0, len(moved) - 1 :].float()
+        assert_agrees(logits, tokens, "EAGLE p moved after 30 tokens")
+
+
+def test_engines_with_and_without_the_eagle_head_keep_their_chunks_apart(
+    spec_runs: dict[str, Any], eagle_runs: dict[str, Any]
+) -> None:
+    """The n-gram engines' chunks (the target's two layers) and the EAGLE engines' (three) never meet."""
+    plain = {d.name for d in spec_runs["store"].iterdir() if d.is_dir()}
+    eagle = {d.name for d in eagle_runs["store"].iterdir() if d.is_dir()}
+    assert len(plain) == len(eagle) == 1 and plain != eagle
+
+
+def test_a_worker_holding_other_layers_than_its_scheduler_keys_chunks_by_is_refused_at_start(tmp_path: Path) -> None:
+    """Its chunks would be stored under one fingerprint's namespace and carry another's: saved, never loaded."""
+    from dataclasses import replace
+
+    from bare_worker import cpu_worker, gqa_fingerprint, stored_at_tp
+
+    from hurray_vllm.errors import HurrayArgumentError
+
+    store, ns, _, _ = stored_at_tp(tmp_path, 1)
+    worker = cpu_worker(store, ns)
+    worker._check_layers(worker._ec)  # two and two
+    worker._fingerprint = replace(gqa_fingerprint(), num_layers=3)  # a drafter's layer the caches lack
+    with pytest.raises(HurrayArgumentError) as err:
+        worker._check_layers(worker._ec)
+    assert err.value.field == "num_layers" and "2 attention layers" in str(err.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from hurray_vllm.adapters.vllm.cache import model_dir, weights_digest
+from hurray_vllm.adapters.vllm.cache import cache_layers, model_dir, weights_digest
 
 
 def _config(model: str, download_dir: Path | None = None, revision: str | None = None) -> SimpleNamespace:
@@ -50,3 +50,31 @@ def test_other_weights_or_unknown_models_get_other_digests(tmp_path: Path) -> No
     assert model_dir(_config("org/x", tmp_path / "hub")) is None
     assert len({*absent, tiny, tuned}) == 5
     assert weights_digest(_config("org/x", tmp_path / "hub")) == absent[0]  # stable
+
+
+def test_a_drafter_with_kv_layers_is_digested_after_the_model(tmp_path: Path) -> None:
+    """EAGLE / MTP engines key chunks by the drafter's weights too: only engines with the same drafter share them."""
+    _checkpoint(tmp_path / "target", b"t" * 1000)
+    _checkpoint(tmp_path / "head-a", b"a" * 1000)
+    _checkpoint(tmp_path / "head-b", b"b" * 1000)
+
+    def engine(head: str) -> SimpleNamespace:
+        cfg = _config(str(tmp_path / "target"))
+        cfg.speculative_config = SimpleNamespace(method="eagle", draft_model_config=SimpleNamespace(model=head))
+        return cfg
+
+    alone = weights_digest(_config(str(tmp_path / "target")))
+    a, b = engine(str(tmp_path / "head-a")), engine(str(tmp_path / "head-b"))
+    assert weights_digest(a) == alone  # a drafter whose KV is not in the chunks (drafter=False) changes nothing
+    assert len({alone, weights_digest(a, drafter=True), weights_digest(b, drafter=True)}) == 3
+    assert weights_digest(a, drafter=True) == weights_digest(engine(str(tmp_path / "head-a")), drafter=True)
+
+
+def test_cache_layers_counts_the_kv_layers_of_every_group_but_states() -> None:
+    def group(spec: str, n: int) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_spec=type(spec, (), {})(), layer_names=[f"{spec}.{i}" for i in range(n)])
+
+    eagle = SimpleNamespace(kv_cache_groups=[group("FullAttentionSpec", 3)])
+    hybrid = SimpleNamespace(kv_cache_groups=[group("FullAttentionSpec", 2), group("MambaSpec", 6)])
+    assert cache_layers(eagle) == 3 and cache_layers(hybrid) == 2
+    assert cache_layers(None) is None and cache_layers(SimpleNamespace(kv_cache_groups=[])) is None

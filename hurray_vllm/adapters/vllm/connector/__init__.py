@@ -174,7 +174,7 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         if config.url_channel:
             require_channel(config.url_channel)  # a missing NIXL surfaces at start, not at the first save
         store = DirectoryStore(config.path)
-        fingerprint = fingerprint_of(vllm_config)
+        fingerprint = fingerprint_of(vllm_config, kv_cache_config=kv_cache_config)
         ns = namespace_of(fingerprint)
         self._scheduler: HurrayScheduler | None = None
         self._worker: HurrayWorker | None = None

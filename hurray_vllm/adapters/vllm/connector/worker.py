@@ -283,6 +283,20 @@ class HurrayWorker:
         if missing:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector: layers {missing} are in no KV cache group")
         self._ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names, self._kv_cache_config)
+        self._check_layers(self._ec)
+
+    def _check_layers(self, ec: EngineCache) -> None:
+        """Refuse caches of another layer count than the scheduler keys chunks by (at start, not at each load).
+
+        Its chunks would carry one fingerprint and be stored under another's
+        namespace: saved on every request, loaded by none.
+        """
+        if self._fingerprint is not None and ec.num_layers != self._fingerprint.num_layers:
+            raise HurrayArgumentError(
+                "num_layers",
+                f"HurrayConnector: this worker's caches hold {ec.num_layers} attention layers, the engine's KV cache "
+                f"groups {self._fingerprint.num_layers}",
+            )
 
     def _engine_cache(self, forward_context: ForwardContext | None = None) -> EngineCache:
         if self._ec is None:
@@ -290,6 +304,7 @@ class HurrayWorker:
             names = list(layers)
             caches = [m.kv_cache[0] if isinstance(m.kv_cache, (list, tuple)) else m.kv_cache for m in layers.values()]
             self._ec = describe_worker_cache(self._vllm_config, caches, names, self._kv_cache_config)
+            self._check_layers(self._ec)
         return self._ec
 
     def start_load_kv(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None = None) -> None:
