@@ -117,6 +117,64 @@ def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+def build_tiny_deepseek_v3_mtp(path: Path, *, seed: int = 0) -> Path:
+    """A 2-layer DeepSeek-V3-style MLA model with one multi-token-prediction layer (vLLM's ``mtp`` drafter).
+
+    Geometry as :func:`build_tiny_deepseek_v2` (the CPU MLA backend's latent
+    of 576, dense MLPs). transformers has no MTP layer: a 3-layer model is
+    saved, then its config names 2 layers and ``num_nextn_predict_layers=1``,
+    and layer 2 gains the MTP weights vLLM's ``DeepSeekMTP`` loads (its
+    norms, ``eh_proj``, the shared head and embeddings).
+    """
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    hidden = 128
+    cfg = DeepseekV3Config(
+        hidden_size=hidden,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        q_lora_rank=None,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=3,  # the MTP layer too: dense
+        n_group=1,
+        topk_group=1,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+    )
+    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    weights = load_file(str(path / "model.safetensors"))
+    mtp = "model.layers.2."
+    ones = torch.ones(hidden, dtype=torch.bfloat16)
+    weights[mtp + "enorm.weight"] = ones.clone()
+    weights[mtp + "hnorm.weight"] = ones.clone()
+    weights[mtp + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden) * 0.05).to(torch.bfloat16)
+    weights[mtp + "shared_head.norm.weight"] = ones.clone()
+    weights[mtp + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    weights[mtp + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=2, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def build_tiny_gemma3(path: Path, *, seed: int = 0, window: int = 64) -> Path:
     """A 4-layer Gemma-3-style hybrid (3 sliding-window layers of ``window`` tokens, 1 full) in bf16 at ``path``."""
     import torch
