@@ -333,10 +333,16 @@ class _PortTaken(Exception):
     """A server lost its port to another process between picking and binding: start over."""
 
 
-def _engine_command(tmp: Path, name: str, cfg: dict[str, Any]) -> list[str]:
-    """Write ``NAME.json`` (``cfg`` over ``tmp / "model"``); the command that runs it into ``NAME.out``."""
+def _engine_command(tmp: Path, name: str, cfg: dict[str, Any], *, native_rope: bool = False) -> list[str]:
+    """Write ``NAME.json`` (``cfg`` over ``tmp / "model"``); the command that runs it into ``NAME.out``.
+
+    ``native_rope``: through ``tests/patched_generate.py`` (MLA models: see ``vllm_patches``).
+    """
     (tmp / f"{name}.json").write_text(json.dumps({"model": str(tmp / "model"), **cfg}))
-    generate = [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate"]
+    if native_rope:
+        generate = [sys.executable, str(Path(__file__).resolve().parent / "patched_generate.py")]
+    else:
+        generate = [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate"]
     return [*generate, str(tmp / f"{name}.json"), str(tmp / f"{name}.out")]
 
 
@@ -392,6 +398,7 @@ def run_engine(
     role: str = "kv_both",
     salts: dict[str, str] | None = None,
     engine: dict[str, Any] | None = None,
+    native_rope: bool = False,
 ) -> dict[str, Any]:
     """Run one offline vLLM engine over ``prompts`` in a subprocess (``tmp / "model"``, greedy).
 
@@ -409,6 +416,7 @@ def run_engine(
         role: the connector's ``kv_role``.
         salts: request id -> its prompt's ``cache_salt``.
         engine: more of ``_generate``'s settings (``max_model_len``, ``num_blocks``).
+        native_rope: vLLM's PyTorch rotary embeddings (an MLA model: see ``vllm_patches``).
 
     Returns:
         The run's outputs, vLLM counters and connector statistics, plus its ``log``.
@@ -427,7 +435,7 @@ def run_engine(
         **(engine or {}),
     }
     proc = subprocess.run(
-        _engine_command(tmp, name, cfg),
+        _engine_command(tmp, name, cfg, native_rope=native_rope),
         capture_output=True,
         text=True,
         timeout=900,
