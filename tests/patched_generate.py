@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_patches import use_native_cpu_rope  # noqa: E402
+from vllm_patches import use_native_cpu_rope
 
-from hurray_vllm.adapters.vllm._generate import main  # noqa: E402
+from hurray_vllm.adapters.vllm._generate import main
 
 if __name__ == "__main__":
     use_native_cpu_rope()
