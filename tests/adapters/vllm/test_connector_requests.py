@@ -247,3 +247,26 @@ def test_a_snapshot_of_a_salted_request_is_stored_under_the_keys_its_connector_u
     ours = {p.relative_to(tmp / "mine") for p in (tmp / "mine").rglob("*.hrry")}
     theirs = {p.relative_to(tmp / "store") for p in (tmp / "store").rglob("*.hrry")}
     assert ours == theirs  # the connector saved three whole chunks per salt, under these names
+
+
+def test_a_request_asking_for_prompt_logprobs_reads_no_chunks_and_is_still_saved(tmp_path: Path) -> None:
+    """vLLM computes every prompt token of such a request (``skip_reading_prefix_cache``) and drops loads."""
+    require("vllm")
+    sched = _scheduler(tmp_path)
+    asked: list[str] = []
+    store = sched._store
+    sched._store = SimpleNamespace(
+        parts=lambda ns, key, heads: asked.append(key) or store.parts(ns, key, heads),
+        reader=store.reader,
+        has=store.has,
+        identity=store.identity,
+    )
+    assert sched.get_num_new_matched_tokens(_request("logprobs", skip_reading_prefix_cache=True), 0) == (0, False)
+    assert asked == []  # no chunk looked up, read or checked
+    sched.get_num_new_matched_tokens(_request("plain"), 0)
+    assert asked  # the same prompt without them is looked up
+    meta = SimpleNamespace(saves=[])
+    state = sched._reqs["logprobs"]
+    state.block_ids = [1, 2, 3]
+    sched._plan_saves(meta, "logprobs", state, 40)
+    assert len(meta.saves) == 2  # its KV is computed as any other's: saved

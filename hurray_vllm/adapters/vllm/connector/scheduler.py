@@ -262,6 +262,10 @@ class HurrayScheduler:
         seed = self._seed(state)
         if not self._loads or state.load_failed or seed is None:
             return 0, False  # a worker could not load it (recompute rather than fail again), or it has no chunks
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # Prompt logprobs (or a caller's wish): vLLM computes every prompt token and discards what we
+            # offer, so reading and checking the chunks would be wasted. Its KV is still saved.
+            return 0, False
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self._chunk * self._chunk
         keys = chunk_keys(tokens[:usable], self._chunk, seed)
