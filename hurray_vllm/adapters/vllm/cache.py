@@ -380,6 +380,31 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_
     )
 
 
+def _check_uniform(layout: KVLayout, caches: Sequence[torch.Tensor], layer_names: Sequence[str]) -> None:
+    """Refuse layers whose pages differ from the first layer's: a chunk holds one head geometry and dtype.
+
+    A speculative drafter's layer (EAGLE, MTP) sits in the target's KV cache
+    group; one with other KV heads, head size or dtype than the target's
+    cannot go into the same chunks. Found when the worker registers its
+    caches, not at the first save.
+    """
+    if not caches:
+        return
+
+    def pages(c: torch.Tensor) -> tuple[object, ...]:
+        return (*layout.page_shape(c), int(c.shape[-1]), c.dtype)
+
+    first = pages(caches[0])
+    for name, cache in zip(layer_names, caches):
+        if pages(cache) != first:
+            raise HurrayFormatError(
+                "layers",
+                f"layer {name}'s cache pages are {pages(cache)}, layer {layer_names[0]}'s {first} "
+                "(block size, KV heads, head size, last dim, dtype): a chunk holds one geometry (a speculative "
+                "drafter with other heads than the model's?)",
+            )
+
+
 def describe_worker_cache(
     vllm_config: Any,
     caches: Sequence[torch.Tensor],
@@ -419,6 +444,7 @@ def describe_worker_cache(
     else:
         layout = LogicalBHNC(head_dim)
         layout_name = f"vllm-{vllm_config.cache_config.kv_cache_layout or 'LBNHC'}"
+    _check_uniform(layout, caches, layer_names)
     for m in mods:
         for attr in ("_k_scale", "_v_scale"):
             t = getattr(m, attr, None)

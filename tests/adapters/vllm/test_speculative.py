@@ -194,3 +194,20 @@ def test_deepseek_mtp_engines_carry_the_mtp_layers_latent_and_load_it(tmp_path: 
     assert consumer["cached"] == {"p": 96, "q": 80}  # every whole chunk, and q's whole block after them
     assert consumer["outputs"] == producer["outputs"]
     assert not consumer["scheduler_stats"]["chunks_refused"] and not consumer["worker_stats"]["loads_failed"]
+
+
+def test_a_drafter_layer_of_another_geometry_is_refused_when_the_caches_are_registered() -> None:
+    from hurray_vllm.adapters.vllm.cache import _check_uniform
+    from hurray_vllm.adapters.vllm.layouts import CpuPacked
+    from hurray_vllm.errors import HurrayFormatError
+
+    layout = CpuPacked("vec", 16)
+
+    def cache(heads: int, dim: int = 16) -> torch.Tensor:
+        return torch.zeros((8, heads, 4, 2 * dim), dtype=torch.bfloat16)
+
+    _check_uniform(layout, [cache(2), cache(2), cache(2)], ["l0", "l1", "draft"])  # a head like the model's
+    for odd in (cache(1), cache(2, dim=32), cache(2).float()):
+        with pytest.raises(HurrayFormatError) as err:
+            _check_uniform(layout, [cache(2), cache(2), odd], ["l0", "l1", "draft"])
+        assert err.value.field == "layers" and "layer draft" in str(err.value)
