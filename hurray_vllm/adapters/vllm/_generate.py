@@ -6,7 +6,7 @@ CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | 
          "connector": {HurrayConnector extra config} | null, "policy": kv_load_failure_policy
          (default "recompute"), "stats": true to report the connector's statistics,
          "speculative": vLLM's speculative_config | null, "role": kv_role (default "kv_both"),
-         "salts": {id: cache_salt}, "max_model_len" (default 1024), "num_blocks": vLLM's
+         "salts": {id: cache_salt}, "hf_overrides": vLLM's, "max_model_len" (default 1024), "num_blocks": vLLM's
          num_gpu_blocks_override (a small KV cache: requests are preempted) | null}
 RESULT: {"outputs": {id: [token ids]}, "cached": {id: num_cached_tokens},
          "hybrid_kv_cache_manager": whether vLLM kept it on,
@@ -51,6 +51,7 @@ def main() -> None:
         kv_transfer_config=kv,
         enable_prefix_caching=cfg.get("prefix_caching", True),  # vLLM's default
         speculative_config=cfg.get("speculative"),
+        hf_overrides=cfg.get("hf_overrides"),
         seed=0,
     )
     ids = list(cfg["prompts"])

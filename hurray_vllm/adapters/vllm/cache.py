@@ -11,6 +11,7 @@ exactly as the engine's own forward pass would produce them.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -274,13 +275,38 @@ def weights_digest(vllm_config: Any, *, drafter: bool = False) -> str:
 
 
 def _digest_model(h: Any, vllm_config: Any, mc: Any) -> None:
-    """Feed ``h`` the checkpoint files of model ``mc`` (or its id and revision when they are not here)."""
+    """Feed ``h`` the checkpoint files of model ``mc`` (or its id and revision when they are not here).
+
+    Then what the engine changes about that model beyond its files, where it
+    does: ``hf_overrides`` (a rope scaling for long contexts rotates every key
+    otherwise), a config read from ``hf_config_path``, and a quantization
+    method (``--quantization fp8`` of a bf16 checkpoint computes other KV).
+    Nothing is added for an engine that changes none of these, so its
+    namespace stays what it was.
+    """
     root = model_dir(vllm_config, mc)
     if root is None:
         h.update(f"model-id:{mc.model}@{getattr(mc, 'revision', None) or 'main'}".encode())
-        return
-    files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json")
-    _digest_files(h, files)
+    else:
+        files = sorted(
+            p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json"
+        )
+        _digest_files(h, files)
+    changed: dict[str, Any] = {}
+    overrides = getattr(mc, "hf_overrides", None)
+    if callable(overrides):  # a function of the config: known by its name only
+        changed["hf_overrides"] = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+    elif overrides:
+        changed["hf_overrides"] = overrides
+    config_path = getattr(mc, "hf_config_path", None)
+    if config_path:
+        config = Path(str(config_path))
+        config = config / "config.json" if config.is_dir() else config
+        changed["hf_config"] = config.read_text() if config.is_file() else str(config_path)
+    if getattr(mc, "quantization", None):
+        changed["quantization"] = str(mc.quantization)
+    if changed:
+        h.update(b"\x00engine:" + json.dumps(changed, sort_keys=True, default=str).encode())
 
 
 def _digest_files(h: Any, files: list[Path]) -> None:

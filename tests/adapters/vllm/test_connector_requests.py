@@ -12,6 +12,9 @@ engine does not run.
   their own.
 * Images and prompt embeddings decide KV that token ids do not name: such
   requests are neither loaded nor saved.
+* An engine that overrides the checkpoint's config (a rope base or scaling
+  through ``hf_overrides``) computes other KV from the same files: it has a
+  namespace of its own.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         salts={"same": "tenant-a", "other": "tenant-b"},
     )
     out["after"] = _files(store)
+    # The same checkpoint with another rope base: every key is rotated otherwise.
+    out["rope"] = run_engine(
+        tmp, "rope", BLOCK, extra, {"p": P}, 8, role="kv_consumer", engine={"hf_overrides": {"rope_theta": 500.0}}
+    )
     return out
 
 
@@ -270,3 +277,9 @@ def test_a_request_asking_for_prompt_logprobs_reads_no_chunks_and_is_still_saved
     state.block_ids = [1, 2, 3]
     sched._plan_saves(meta, "logprobs", state, 40)
     assert len(meta.saves) == 2  # its KV is computed as any other's: saved
+
+
+def test_an_engine_overriding_the_rope_loads_nothing_the_plain_engine_saved(runs: dict[str, Any]) -> None:
+    rope = runs["rope"]
+    assert rope["cached"] == {"p": 0}  # it used to load the plain engine's three chunks, keys rotated otherwise
+    assert rope["scheduler_stats"]["chunks_refused"] == 0  # another namespace: never even looked at

@@ -78,3 +78,27 @@ def test_cache_layers_counts_the_kv_layers_of_every_group_but_states() -> None:
     hybrid = SimpleNamespace(kv_cache_groups=[group("FullAttentionSpec", 2), group("MambaSpec", 6)])
     assert cache_layers(eagle) == 3 and cache_layers(hybrid) == 2
     assert cache_layers(None) is None and cache_layers(SimpleNamespace(kv_cache_groups=[])) is None
+
+
+def test_what_the_engine_changes_about_the_checkpoint_is_digested_too(tmp_path: Path) -> None:
+    """Same files, other KV: a rope override, a config from elsewhere, a quantization of a bf16 checkpoint."""
+    _checkpoint(tmp_path / "m", b"w" * 1000)
+    (tmp_path / "long").mkdir()
+    (tmp_path / "long" / "config.json").write_text('{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}')
+
+    def engine(**fields: object) -> SimpleNamespace:
+        cfg = _config(str(tmp_path / "m"))
+        vars(cfg.model_config).update(fields)
+        return cfg
+
+    plain = weights_digest(_config(str(tmp_path / "m")))
+    assert weights_digest(engine(hf_overrides={}, quantization=None, hf_config_path=None)) == plain  # unchanged
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    changed = [
+        weights_digest(engine(hf_overrides=yarn)),
+        weights_digest(engine(hf_overrides={"rope_theta": 1e6})),
+        weights_digest(engine(hf_config_path=str(tmp_path / "long"))),
+        weights_digest(engine(quantization="fp8")),
+    ]
+    assert len({plain, *changed}) == 5
+    assert weights_digest(engine(hf_overrides=dict(reversed(list(yarn.items()))))) == changed[0]  # stable
