@@ -5,7 +5,10 @@ One engine configuration (a tiny random Llama built on the spot: 8 layers,
 8 KV heads x head dim 128, bf16 = 32 KiB of KV per token; block size 128,
 vLLM's CPU default; prefix caching off), the same prompts (2100 tokens, 64 MiB
 of KV each), both connectors measured in the same run. Every engine runs in
-its own fresh subprocess, one after another (5 engine starts):
+its own fresh subprocess (5 engine starts): the baseline and the producers one
+after another, the consumers at once, taking turns prompt by prompt (which
+one goes first alternates), so that the machine's drift over the run falls
+on both connectors' loads alike:
 
 * ``baseline``          no connector: prefill time of every prompt;
 * ``<conn>-producer``   the connector saving into an empty store. Each timed
@@ -429,12 +432,15 @@ def engine_main(cfg_path: str, out_path: str) -> None:
         "prefix_caching": bool(cache_cfg.enable_prefix_caching),
     }
     cold = store is not None and cfg["role"] == "consumer" and cfg["cold"]
+    wait_turn(cfg, "warmup")  # in lockstep, engines start at once but warm up one at a time
     if store is not None and cfg["role"] == "consumer":
         result["prefetched_bytes"] = prefetch(store)  # "warm": every consumer finds its store cached
     result["warmup"] = run({"warmup": prompts["warmup"]})
+    end_turn(cfg, "warmup")
     timed = []
-    for rid, p in prompts["timed"].items():
+    for i, (rid, p) in enumerate(prompts["timed"].items()):
         if cfg["role"] == "consumer":
+            wait_turn(cfg, str(i))
             if cold:
                 evict(store)  # type: ignore[arg-type]
                 forget()
@@ -444,6 +450,7 @@ def engine_main(cfg_path: str, out_path: str) -> None:
             if MODEL == "linear":
                 llm.reset_prefix_cache()  # the store's chunks again, not the engine's own blocks
             timed.append({"rid": rid, "kind": "repeat", **run({rid: p})})
+            end_turn(cfg, str(i))
         else:
             # Interleaved with a control prompt, in alternating order: the same engine with saving
             # switched off (the no-connector engine just runs both).
@@ -462,7 +469,9 @@ def engine_main(cfg_path: str, out_path: str) -> None:
     if cold:
         evict(store)  # type: ignore[arg-type]
         forget()
+    wait_turn(cfg, "shared")
     result["shared"] = run(prompts["shared"])
+    end_turn(cfg, "shared")
     if store is not None:
         os.sync()
         result["du_after_shared"] = disk_usage(store)
@@ -493,9 +502,8 @@ def engine_main(cfg_path: str, out_path: str) -> None:
 # ── the driver ─────────────────────────────────────────────────────────────
 
 
-def run_engine(work: Path, name: str, cfg: dict[str, Any], omp_threads: int) -> dict[str, Any]:
-    cfg_path, out_path, log_path = work / f"{name}.json", work / f"{name}.out", work / f"{name}.log"
-    cfg_path.write_text(json.dumps(cfg))
+def engine_env(omp_threads: int) -> dict[str, str]:
+    """The environment of an engine process."""
     env = {
         **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -507,13 +515,19 @@ def run_engine(work: Path, name: str, cfg: dict[str, Any], omp_threads: int) -> 
         # busy core makes every parallel torch op wait for it (10-30 ms per small op, see the docs).
         env["OMP_NUM_THREADS"] = str(omp_threads)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
+def run_engine(work: Path, name: str, cfg: dict[str, Any], omp_threads: int) -> dict[str, Any]:
+    cfg_path, out_path, log_path = work / f"{name}.json", work / f"{name}.out", work / f"{name}.log"
+    cfg_path.write_text(json.dumps(cfg))
     t = time.perf_counter()
     with open(log_path, "w") as logf:
         proc = subprocess.run(
             [sys.executable, __file__, "--engine", str(cfg_path), str(out_path)],
             stdout=logf,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=engine_env(omp_threads),
             timeout=900,
         )
     if proc.returncode:
@@ -523,6 +537,76 @@ def run_engine(work: Path, name: str, cfg: dict[str, Any], omp_threads: int) -> 
     out["process_s"] = time.perf_counter() - t
     log(f"  {name}: {out['process_s']:.0f} s (engine start {out['engine_start_s']:.0f} s)")
     return out
+
+
+def wait_turn(cfg: dict[str, Any], turn: str) -> None:
+    """In lockstep (``cfg["gate"]``): wait until the driver gives this engine its turn ``turn``."""
+    if not cfg.get("gate"):
+        return
+    go = Path(cfg["gate"]) / f"{cfg['name']}.{turn}.go"
+    while not go.exists():
+        time.sleep(0.002)
+
+
+def end_turn(cfg: dict[str, Any], turn: str) -> None:
+    """In lockstep: tell the driver this engine's turn ``turn`` is over."""
+    if cfg.get("gate"):
+        (Path(cfg["gate"]) / f"{cfg['name']}.{turn}.done").touch()
+
+
+def run_engines_lockstep(
+    work: Path, cfgs: dict[str, dict[str, Any]], turns: list[str], omp_threads: int
+) -> dict[str, dict[str, Any]]:
+    """Run engines at once, their timed prompts taking turns: each engine's turn ``t`` in each round.
+
+    Engines run one after another drift apart by more than the differences
+    measured (the same load varied by a few percent from one engine process
+    to the next on the 2-core VM): in lockstep, whatever the machine does in
+    a stretch of time falls on every engine alike. The first engine of a
+    round alternates. Only one engine runs a timed prompt at a time; the
+    others wait (polling a file every 2 ms).
+    """
+    gate = work / "gate"
+    gate.mkdir(exist_ok=True)
+    procs: dict[str, tuple[subprocess.Popen[bytes], Any, float]] = {}
+    for name, cfg in cfgs.items():
+        cfg_path = work / f"{name}.json"
+        cfg_path.write_text(json.dumps({**cfg, "gate": str(gate), "name": name}))
+        logf = open(work / f"{name}.log", "w")
+        cmd = [sys.executable, __file__, "--engine", str(cfg_path), str(work / f"{name}.out")]
+        procs[name] = (
+            subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=engine_env(omp_threads)),
+            logf,
+            time.perf_counter(),
+        )
+    names = list(cfgs)
+    deadline = time.monotonic() + 1800
+    try:
+        for n, turn in enumerate(turns):
+            for name in names if n % 2 == 0 else names[::-1]:
+                (gate / f"{name}.{turn}.go").touch()
+                done = gate / f"{name}.{turn}.done"
+                while not done.exists():
+                    proc = procs[name][0]
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        log((work / f"{name}.log").read_text()[-6000:])
+                        raise SystemExit(f"engine {name} stopped (exit {proc.returncode}) before its turn {turn} ended")
+                    time.sleep(0.002)
+        out: dict[str, dict[str, Any]] = {}
+        for name, (proc, logf, t) in procs.items():
+            if proc.wait(timeout=900):
+                log((work / f"{name}.log").read_text()[-6000:])
+                raise SystemExit(f"engine {name} failed (exit {proc.returncode}); log: {work / f'{name}.log'}")
+            logf.close()
+            out[name] = json.loads((work / f"{name}.out").read_text())
+            out[name]["process_s"] = time.perf_counter() - t
+            log(f"  {name}: {out[name]['process_s']:.0f} s (engine start {out[name]['engine_start_s']:.0f} s)")
+        return out
+    finally:
+        for proc, logf, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            logf.close()
 
 
 def med(xs: list[float]) -> float:
@@ -841,11 +925,13 @@ def main() -> None:
             res[f"{name}-producer"] = run_engine(
                 work, f"{name}-producer", {**common, **how, "role": "producer", "store": str(store)}, args.omp_threads
             )
-        for name, how in runs.items():
-            store = work / f"store-{name}"
-            res[f"{name}-consumer"] = run_engine(
-                work, f"{name}-consumer", {**common, **how, "role": "consumer", "store": str(store)}, args.omp_threads
-            )
+        # The consumers run at once, their timed prompts taking turns (run_engines_lockstep).
+        consumers = {
+            f"{name}-consumer": {**common, **how, "role": "consumer", "store": str(work / f"store-{name}")}
+            for name, how in runs.items()
+        }
+        turns = ["warmup", *map(str, range(len(prompts["timed"]))), "shared"]
+        res.update(run_engines_lockstep(work, consumers, turns, args.omp_threads))
         summary = summarize(args, res, prompts)
         import vllm
 
