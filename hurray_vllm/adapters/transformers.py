@@ -223,7 +223,14 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
             if msg not in problems:
                 problems.append(msg)
     if problems:
-        raise HurrayFormatError("fingerprint", "the snapshot does not fit this model: " + "; ".join(problems))
+        hint = ""
+        if snapshot.num_layers > geo.num_layers:
+            # An engine with EAGLE or MTP exports the drafter's layers after the model's.
+            hint = (
+                f" (if layers {geo.num_layers}.. are a speculative drafter's, take the model's: "
+                f"snapshot.with_layers(snapshot.layer_members()[:{geo.num_layers}], fingerprint=None))"
+            )
+        raise HurrayFormatError("fingerprint", "the snapshot does not fit this model: " + "; ".join(problems) + hint)
 
 
 # ── snapshot → transformers ────────────────────────────────────────────────

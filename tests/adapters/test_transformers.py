@@ -455,6 +455,21 @@ def test_fingerprint_of_another_model_is_refused_by_continue_generation(hf_model
         tfa.continue_generation(hf_model, bare, 0, 3)
 
 
+def test_a_snapshot_with_a_drafters_layers_is_refused_with_the_way_to_take_the_models(hf_model) -> None:  # type: ignore[no-untyped-def]
+    """An engine with EAGLE or MTP exports the drafter's layers after the model's: the refusal says what to keep."""
+    from dataclasses import replace
+
+    snap = small_snapshot(hf_model)
+    assert snap.fingerprint is not None
+    k, v = snap.layer_members()[0]
+    draft = (replace(k, layer_index=2), replace(v, layer_index=2))
+    drafted = snap.with_layers([*snap.layer_members(), draft], fingerprint=replace(snap.fingerprint, num_layers=3))
+    with pytest.raises(hv.HurrayFormatError, match=r"num_layers: snapshot has 3.*layer_members\(\)\[:2\]"):
+        tfa.continue_generation(hf_model, drafted, 0, 3)
+    model_only = drafted.with_layers(drafted.layer_members()[:2], fingerprint=None)  # what the message says
+    assert tfa.continue_generation(hf_model, model_only, 0, 3) == tfa.continue_generation(hf_model, snap, 0, 3)
+
+
 def test_from_transformers_refusals(hf_model) -> None:  # type: ignore[no-untyped-def]
     pkv, first = prefill(hf_model, PROMPT[:20])
     ids = [[*PROMPT[:20], first]]
