@@ -345,7 +345,7 @@ def _dense(node: Node, dtype: torch.dtype, what: str) -> torch.Tensor:
     n = 1
     for s in d.shape:
         n *= s
-    if raw.numel() != n * torch.empty(0, dtype=dtype).element_size():
+    if raw.numel() != n * dtype.itemsize:
         raise HurrayFormatError(what, f"buffer of {raw.numel()} bytes does not hold shape {list(d.shape)}")
     return raw.view(dtype).reshape(d.shape)
 
