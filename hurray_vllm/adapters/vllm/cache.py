@@ -378,8 +378,8 @@ def cache_layers(kv_cache_config: Any) -> int | None:
 def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_config: Any = None) -> ModelFingerprint:
     """The model fingerprint from the engine config alone (the scheduler side has no caches).
 
-    ``num_layers``: the layers the worker's caches hold; else counted in
-    ``kv_cache_config`` (:func:`cache_layers`), else the target model's. Both
+    ``num_layers``: the layers the worker's caches hold; else the target
+    model's, or more where ``kv_cache_config`` counts more (:func:`cache_layers`). Both
     sides must pass one of the first two for an engine with a speculative
     drafter that has KV layers: its chunks carry the drafter's KV after the
     target's, and are keyed by the drafter's weights as well
@@ -391,9 +391,9 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_
     cache_dtype = vllm_config.cache_config.cache_dtype
     storage = FP8_DTYPES.get(cache_dtype, mc.dtype)
     if num_layers is None:
-        num_layers = cache_layers(kv_cache_config)
-    if num_layers is None:
-        num_layers = target_layers(vllm_config)
+        # The groups hold a drafter's layers too, but not those that share another layer's KV
+        # (vLLM hands the worker those as well): the larger count is what the worker's caches hold.
+        num_layers = max(target_layers(vllm_config), cache_layers(kv_cache_config) or 0)
     latent = latent_split_of(vllm_config)
     return ModelFingerprint(
         architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
