@@ -7,8 +7,10 @@ CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | 
          (default "recompute"), "stats": true to report the connector's statistics,
          "speculative": vLLM's speculative_config | null, "role": kv_role (default "kv_both"),
          "salts": {id: cache_salt}, "hf_overrides": vLLM's, "max_model_len" (default 1024), "num_blocks": vLLM's
-         num_gpu_blocks_override (a small KV cache: requests are preempted) | null}
-RESULT: {"outputs": {id: [token ids]}, "cached": {id: num_cached_tokens},
+         num_gpu_blocks_override (a small KV cache: requests are preempted) | null,
+         "sampling": more SamplingParams ({"n": 3, "temperature": 0.8, "seed": 7}; default greedy)}
+RESULT: {"outputs": {id: [token ids]}, "samples": {id: [[token ids] for each of n]},
+         "cached": {id: num_cached_tokens},
          "hybrid_kv_cache_manager": whether vLLM kept it on,
          "scheduler_stats"/"worker_stats": {...} (with "stats", after background saves finished)}
 """
@@ -56,12 +58,13 @@ def main() -> None:
     )
     ids = list(cfg["prompts"])
     budget = cfg["max_tokens"]
+    sampling = cfg.get("sampling") or {}  # e.g. {"n": 3, "temperature": 0.8, "seed": 7}; greedy by default
     params = [
         SamplingParams(
             detokenize=False,
-            temperature=0,
             max_tokens=budget[i] if isinstance(budget, dict) else budget,
             ignore_eos=True,
+            **{"temperature": 0, **sampling},
         )
         for i in ids
     ]
@@ -78,6 +81,7 @@ def main() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
     result: dict[str, Any] = {
         "outputs": {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs)},
+        "samples": {i: [list(c.token_ids) for c in o.outputs] for i, o in zip(ids, outs)},
         "cached": {i: o.num_cached_tokens for i, o in zip(ids, outs)},
         "hybrid_kv_cache_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
     }

@@ -64,6 +64,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["rope"] = run_engine(
         tmp, "rope", BLOCK, extra, {"p": P}, 8, role="kv_consumer", engine={"hf_overrides": {"rope_theta": 500.0}}
     )
+    # Parallel sampling (OpenAI's n): vLLM fans the request out into children that share its prompt.
+    out["sampled"] = run_engine(
+        tmp,
+        "sampled",
+        BLOCK,
+        extra,
+        {"p": P},
+        8,
+        role="kv_consumer",
+        engine={"sampling": {"n": 3, "temperature": 0.8, "seed": 7}},
+    )
     return out
 
 
@@ -283,3 +294,11 @@ def test_an_engine_overriding_the_rope_loads_nothing_the_plain_engine_saved(runs
     rope = runs["rope"]
     assert rope["cached"] == {"p": 0}  # it used to load the plain engine's three chunks, keys rotated otherwise
     assert rope["scheduler_stats"]["chunks_refused"] == 0  # another namespace: never even looked at
+
+
+def test_a_request_sampled_n_times_loads_the_chunks_of_its_prompt(runs: dict[str, Any]) -> None:
+    sampled = runs["sampled"]
+    samples = sampled["samples"]["p"]
+    assert len(samples) == 3 and all(len(x) == 8 for x in samples) and len({tuple(x) for x in samples}) > 1
+    assert sampled["worker_stats"]["chunks_loaded"] >= 3  # the prompt's three chunks, for one child or more
+    assert sampled["worker_stats"]["loads_failed"] == 0 and sampled["scheduler_stats"]["chunks_refused"] == 0
