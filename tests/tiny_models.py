@@ -77,6 +77,29 @@ def build_tiny_eagle(path: Path, *, seed: int = 1) -> Path:
     return path
 
 
+#: The tiny MLA models' geometry. vLLM's CPU MLA backend takes only a latent of 576 (kv_lora_rank 512
+#: + rope 64); dense MLPs (``first_k_dense_replace`` at least the layer count), as vLLM's CPU MoE
+#: router asserts on so tiny a router; ``initializer_range`` 0.1, or the greedy tokens repeat one id.
+_TINY_MLA: dict[str, object] = {
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "q_lora_rank": None,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.1,
+}
+
+
 def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer DeepSeek-V2-style MLA model (dense MLPs) saved in bf16 at ``path``.
 
@@ -91,26 +114,7 @@ def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    cfg = DeepseekV2Config(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        q_lora_rank=None,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=2,  # dense layers: vLLM's CPU MoE router asserts on this tiny router
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        vocab_size=512,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-    )
+    cfg = DeepseekV2Config(**_TINY_MLA, num_hidden_layers=2, first_k_dense_replace=2)
     model = DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
@@ -135,29 +139,9 @@ def build_tiny_deepseek_v3_mtp(path: Path, *, seed: int = 0) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    hidden = 128
-    cfg = DeepseekV3Config(
-        hidden_size=hidden,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        q_lora_rank=None,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=3,  # the MTP layer too: dense
-        n_group=1,
-        topk_group=1,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        vocab_size=512,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-    )
+    hidden = int(_TINY_MLA["hidden_size"])
+    # first_k_dense_replace=3: the MTP layer is dense too.
+    cfg = DeepseekV3Config(**_TINY_MLA, num_hidden_layers=3, first_k_dense_replace=3, n_group=1, topk_group=1)
     DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     weights = load_file(str(path / "model.safetensors"))
     mtp = "model.layers.2."

@@ -86,17 +86,22 @@ def test_a_request_moved_mid_decode_loads_the_chunks_speculative_steps_completed
     spec_runs: dict[str, Any],
 ) -> None:
     """ "p" moved after 30 tokens: the chunk 96..128 holds 28 generated tokens, saved by steps that drafted."""
+    _check_moved(spec_runs["tmp"] / "model", spec_runs["consumer"], spec_runs["moved"], spec_runs["plain"], "n-gram")
+
+
+def _check_moved(
+    model_dir: Path, consumer: dict[str, Any], moved: list[int], unmoved: dict[str, Any], what: str
+) -> None:
+    """ "p" moved after 30 tokens loads 128 of them; its tokens are the unmoved run's, or within the margin rule."""
     from transformers import LlamaForCausalLM
 
-    consumer, moved = spec_runs["consumer"], spec_runs["moved"]
     assert consumer["cached"]["p_moved"] == 128
     tokens = consumer["outputs"]["p_moved"]
-    want = spec_runs["plain"]["outputs"]["p"][MOVED_AFTER:]
-    if tokens != want:  # the tail was computed in another batch shape than the unmoved run's decode steps
-        model = LlamaForCausalLM.from_pretrained(spec_runs["tmp"] / "model", dtype=torch.bfloat16).eval()
+    if tokens != unmoved["outputs"]["p"][MOVED_AFTER:]:  # the tail was computed in another batch shape
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
         with torch.no_grad():
             logits = model(torch.tensor([moved + tokens[:-1]])).logits[0, len(moved) - 1 :].float()
-        assert_agrees(logits, tokens, "speculative p moved after 30 tokens")
+        assert_agrees(logits, tokens, f"{what}: p moved after 30 tokens")
 
 
 @pytest.fixture(scope="module")
@@ -131,16 +136,8 @@ def test_an_eagle_engine_stores_the_heads_kv_with_the_targets_and_loads_it(eagle
 
 
 def test_an_eagle_request_moved_mid_decode_loads_what_its_drafting_steps_saved(eagle_runs: dict[str, Any]) -> None:
-    from transformers import LlamaForCausalLM
-
-    consumer, moved = eagle_runs["consumer"], eagle_runs["moved"]
-    assert consumer["cached"]["p_moved"] == 128
-    tokens = consumer["outputs"]["p_moved"]
-    if tokens != eagle_runs["producer"]["outputs"]["p"][MOVED_AFTER:]:
-        model = LlamaForCausalLM.from_pretrained(eagle_runs["store"].parent / "model", dtype=torch.bfloat16).eval()
-        with torch.no_grad():
-            logits = model(torch.tensor([moved + tokens[:-1]])).logits[0, len(moved) - 1 :].float()
-        assert_agrees(logits, tokens, "EAGLE p moved after 30 tokens")
+    runs = eagle_runs
+    _check_moved(runs["store"].parent / "model", runs["consumer"], runs["moved"], runs["producer"], "EAGLE")
 
 
 def test_engines_with_and_without_the_eagle_head_keep_their_chunks_apart(
