@@ -9,6 +9,7 @@ greedy outputs, vLLM's cached-token counts and the connector's statistics
 (``hurray_url``), every rank also pushes the slices it saves to that receiver.
 ``HURRAY_TEST_SAVE_ASYNC=1``: the default background saves, flushed on every
 rank before the store is listed; otherwise synchronous saves.
+``HURRAY_TEST_EAGLE=DIR``: speculative decoding with the EAGLE head in ``DIR``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     model, out, store, tp = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     url = sys.argv[5] if len(sys.argv) > 5 else None
     save_async = os.environ.get("HURRAY_TEST_SAVE_ASYNC") == "1"
+    eagle = os.environ.get("HURRAY_TEST_EAGLE")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -68,6 +70,8 @@ def main() -> None:
         distributed_executor_backend="mp" if tp > 1 else None,
         kv_transfer_config=kv,
         seed=0,
+        # HURRAY_TEST_EAGLE: an EAGLE head's directory (its layer's KV is split over the ranks as the model's).
+        speculative_config={"method": "eagle", "model": eagle, "num_speculative_tokens": 2} if eagle else None,
     )
     result: dict[str, Any] = {"prompts": prompts(), "tp": tp, "chunk_tokens": CHUNK}
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=12, ignore_eos=True)

@@ -27,7 +27,7 @@ import pytest
 from conftest import require
 from engine_script import run_engine_script
 from servers import receiver_process
-from tiny_models import build_tiny_llama
+from tiny_models import build_tiny_eagle, build_tiny_llama
 
 from hurray_vllm.chunks import chunk_keys
 
@@ -35,11 +35,19 @@ pytestmark = [pytest.mark.vllm]
 
 
 def _run(
-    tmp: Path, name: str, store: Path, tp: int, url: str | None = None, save_async: bool = False
+    tmp: Path,
+    name: str,
+    store: Path,
+    tp: int,
+    url: str | None = None,
+    save_async: bool = False,
+    eagle: Path | None = None,
 ) -> dict[str, Any]:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
     if save_async:
         env["HURRAY_TEST_SAVE_ASYNC"] = "1"
+    if eagle is not None:
+        env["HURRAY_TEST_EAGLE"] = str(eagle)
     args = [str(tmp / "model"), str(tmp / name), str(store), str(tp), *([url] if url else [])]
     return run_engine_script("tp_connector_run.py", args, tmp / name, f"TP={tp} engine {name}", env=env)
 
@@ -144,3 +152,21 @@ def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_stores: dict[str, Any],
     assert broken["cached"]["a"] == 32  # chunk 0 only: chunk 1 is incomplete, so nothing after it loads
     # "b" shares those chunks; it may find chunk 1 whole by then ("a" recomputed and saved it: kv_both).
     assert broken["cached"]["b"] in (32, 64)
+
+
+def test_an_eagle_engine_at_tp2_saves_slices_with_the_heads_layer_and_one_at_tp1_loads_them(
+    tp_stores: dict[str, Any],
+) -> None:
+    """The EAGLE head's layer is split over the ranks like the model's: its KV travels in the same slices."""
+    tmp = tp_stores["tmp"]
+    head = build_tiny_eagle(tmp / "eagle")
+    store = tmp / "store-eagle"
+    save = _run(tmp, "eagle-save2", store, 2, eagle=head)
+    load = _run(tmp, "eagle-load1", store, 1, eagle=head)
+    assert load["outputs"] == save["outputs"]
+    assert load["cached"] == {"a": 96, "b": 64, "c": 0}  # every whole chunk, from the TP = 2 slices
+    import hurray_vllm as hv
+
+    (ns,) = [p for p in store.iterdir() if p.is_dir()]
+    part = hv.load(next(ns.glob("*.h0-1.hrry")))
+    assert part.num_layers == 3 and part[2, "key"].num_heads == 1  # the head's layer, one of two KV heads
