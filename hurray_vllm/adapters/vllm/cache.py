@@ -372,7 +372,7 @@ def cache_layers(kv_cache_config: Any) -> int | None:
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if not groups:
         return None
-    return sum(len(g.layer_names) for g in groups if type(g.kv_cache_spec).__name__ != "MambaSpec")
+    return sum(len(g.layer_names) for g in groups) - len(state_groups(kv_cache_config))
 
 
 def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_config: Any = None) -> ModelFingerprint:
@@ -390,10 +390,11 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_
     hf = mc.hf_config
     cache_dtype = vllm_config.cache_config.cache_dtype
     storage = FP8_DTYPES.get(cache_dtype, mc.dtype)
+    target = target_layers(vllm_config)
     if num_layers is None:
         # The groups hold a drafter's layers too, but not those that share another layer's KV
         # (vLLM hands the worker those as well): the larger count is what the worker's caches hold.
-        num_layers = max(target_layers(vllm_config), cache_layers(kv_cache_config) or 0)
+        num_layers = max(target, cache_layers(kv_cache_config) or 0)
     latent = latent_split_of(vllm_config)
     return ModelFingerprint(
         architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
@@ -402,7 +403,7 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_
         num_kv_heads=1 if latent else mc.get_total_num_kv_heads(),
         head_dim=latent.head_dim if latent else mc.get_head_size(),
         dtype=dtypes.from_torch(storage).name,
-        weights_digest=weights_digest(vllm_config, drafter=num_layers > target_layers(vllm_config)),
+        weights_digest=weights_digest(vllm_config, drafter=num_layers > target),
     )
 
 

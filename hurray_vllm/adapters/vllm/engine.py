@@ -54,6 +54,11 @@ def _core(llm: Any) -> Any:
         ) from None
 
 
+def _kv_cache_config(llm: Any) -> Any:
+    """The engine's KV cache groups (``KVCacheConfig``), as its scheduler holds them; None if it has none."""
+    return getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
+
+
 def layer_caches(vllm_config: Any) -> tuple[list[str], list[torch.Tensor]]:
     """Attention layer names and their cache tensors, in model order."""
     names, caches = [], []
@@ -103,7 +108,7 @@ def _refuse_split_states(llm: Any, what: str, *, per_rank: bool = False) -> None
     """
     from .states import declared_layout, state_groups
 
-    config = getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
+    config = _kv_cache_config(llm)
     if _tp(llm) == 1 or config is None or not state_groups(config):
         return
     vllm_config = llm.llm_engine.vllm_config
@@ -155,7 +160,7 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
     """Block ids, computed tokens and token ids of live requests (scheduler side)."""
     core = _core(llm)
     sched = core.scheduler
-    why = unsupported_cache(getattr(sched.kv_cache_manager, "kv_cache_config", None), sliding_windows=True)
+    why = unsupported_cache(_kv_cache_config(llm), sliding_windows=True)
     if why is not None:
         raise HurrayFormatError("kv_cache_groups", f"cannot snapshot this engine: {why}")
     out = []
@@ -179,7 +184,7 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
 
 def _group_options(llm: Any, ec: EngineCache) -> dict[str, Any]:
     """``layer_groups`` and ``group_windows`` for an engine with several KV cache groups (else none)."""
-    config = getattr(_core(llm).scheduler.kv_cache_manager, "kv_cache_config", None)
+    config = _kv_cache_config(llm)
     return group_options(*cache_groups(config), ec.layer_names)
 
 
@@ -252,8 +257,7 @@ def _key_seeds(llm: Any, request_ids: Sequence[str]) -> dict[str, Any]:
     special = [rid for rid, r in requests.items() if request_seed("", r) != ""]
     if not special:
         return {}
-    config = getattr(core.scheduler.kv_cache_manager, "kv_cache_config", None)
-    ns = namespace_of(fingerprint_of(llm.llm_engine.vllm_config, kv_cache_config=config))
+    ns = namespace_of(fingerprint_of(llm.llm_engine.vllm_config, kv_cache_config=_kv_cache_config(llm)))
     return {KEY_SEEDS: {rid: request_seed(ns, requests[rid]) for rid in special}}
 
 

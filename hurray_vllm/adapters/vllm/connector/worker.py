@@ -644,9 +644,10 @@ class HurrayWorker:
         slices, or the whole chunk): then nothing is exported again, only
         pushed where the destination may lack it.
         """
-        if self._store.has(self._ns, key):
+        base, heads = split_slice_key(key)
+        if heads is not None and self._store.has(self._ns, key):  # its own slice (parts looks at whole sets)
             return True
-        return self._store.parts(self._ns, split_slice_key(key)[0], self._num_heads) is not None
+        return self._store.parts(self._ns, base, self._num_heads) is not None  # the whole file first
 
     @property
     def _num_heads(self) -> int:
