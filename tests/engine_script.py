@@ -49,7 +49,8 @@ def run_engine_script(
 def run_phases(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]], **config: Any) -> dict[str, Any]:
     """Run ``hybrid_tp_run.py``: the model at ``tmp / "model"`` on the store ``tmp / "store"``, in ``phases``.
 
-    ``config``: the script's other settings (``block``, ``chunk``, ``max_model_len``, ``kv_cache_dtype``).
+    ``config``: the script's other settings (``block``, ``chunk``, ``max_model_len``, ``kv_cache_dtype``,
+    ``async_scheduling``).
     At TP > 1 the ranks are bound one per core, round robin (two per core on a 2-core machine at TP = 4).
     """
     cfg = {"model": str(tmp / "model"), "store": str(tmp / "store"), "tp": tp, **config, "phases": phases}

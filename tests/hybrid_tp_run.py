@@ -2,21 +2,26 @@
 
 Usage: python hybrid_tp_run.py CONFIG_JSON OUT_DIR
 
-CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "kv_cache_dtype", "phases":
-[{"prompts": {id: prompt}, "salts": {id: cache_salt}, "vanish": bool, "snapshot": bool}, ...]}``.
-``block``, ``chunk``, ``max_model_len`` (2048) and ``kv_cache_dtype`` ("auto") are optional: vLLM
-sizes a linear-attention hybrid's blocks to its states (hundreds of tokens, CPU-dependent), and
-chunks default to one such block. A prompt is a list of token ids, or ``{"seed", "blocks",
-"extra"}``: ``blocks * B + extra`` tokens of a pattern seeded by ``seed``, for the engine's block
-size ``B``.
-Each phase's prompts run as one batch, greedy, 10 tokens each. With ``snapshot`` the phase is
-stepped by hand and ``snapshot()`` taken once every prompt is computed, before the first decode
-step (``OUT_DIR/snap{phase}.hrry``). In a ``vanish`` phase the chunk files disappear from the
-store right after the scheduler promised a load (as a ``hurray-vllm prune`` racing the load would
-make them): the workers, processes of their own at TP > 1, then fail to read them. Writes
-``OUT_DIR/result.json``: the block size and prompts, per phase the outputs, vLLM's cached-token
-counts and the store's files, the scheduler's and every rank's connector statistics, and whether
-vLLM kept its hybrid KV cache manager.
+CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "kv_cache_dtype", "async_scheduling",
+"phases": [{"prompts": {id: prompt}, "salts": {id: cache_salt}, "vanish": bool, "snapshot": bool,
+"max_tokens": n, "reset_prefix_cache": bool}, ...]}``.
+``block``, ``chunk``, ``max_model_len`` (2048), ``kv_cache_dtype`` ("auto") and
+``async_scheduling`` (vLLM's, which the CPU platform turns off unless this is true: see
+``vllm_patches``) are optional: vLLM sizes a linear-attention hybrid's blocks to its states
+(hundreds of tokens, CPU-dependent), and chunks default to one such block. A prompt is a list of
+token ids, ``{"seed", "blocks", "extra"}``: ``blocks * B + extra`` tokens of a pattern seeded by
+``seed``, for the engine's block size ``B``, or ``{"after": id, "tokens": k}``: an earlier phase's
+prompt ``id`` and its first ``k`` generated tokens (the request moved mid-decode).
+Each phase's prompts run as one batch, greedy, ``max_tokens`` (10) tokens each, after emptying
+vLLM's own prefix cache if ``reset_prefix_cache`` (a load then comes from the store). With
+``snapshot`` the phase is stepped by hand and ``snapshot()`` taken once every prompt is computed,
+before the first decode step (``OUT_DIR/snap{phase}.hrry``). In a ``vanish`` phase the chunk files
+disappear from the store right after the scheduler promised a load (as a ``hurray-vllm prune``
+racing the load would make them): the workers, processes of their own at TP > 1, then fail to read
+them. Writes ``OUT_DIR/result.json``: the block size and prompts, per phase the outputs, vLLM's
+cached-token counts and the store's files (and those with linear-attention states), the
+scheduler's and every rank's connector statistics, and whether vLLM kept its hybrid KV cache
+manager.
 """
 
 from __future__ import annotations
@@ -50,10 +55,17 @@ def _race_prune(store: Path) -> None:
     HurrayScheduler.get_num_new_matched_tokens = racing  # type: ignore[method-assign]
 
 
-def prompt(spec: list[int] | dict[str, int], block: int) -> list[int]:
-    """The prompt's token ids: as given, or ``blocks * block + extra`` tokens seeded by ``seed``."""
+def prompt(spec: list[int] | dict[str, Any], block: int, earlier: dict[str, Any]) -> list[int]:
+    """The prompt's token ids: as given, ``blocks * block + extra`` tokens seeded by ``seed``, or a continuation.
+
+    ``earlier``: the result so far (its ``prompts`` and ``phases``), for ``{"after": id, "tokens": k}``.
+    """
     if isinstance(spec, list):
         return spec
+    if "after" in spec:
+        rid = spec["after"]
+        (generated,) = [p["outputs"][rid] for p in earlier["phases"] if rid in p["outputs"]]
+        return [*earlier["prompts"][rid], *generated[: spec["tokens"]]]
     seed = spec["seed"]
     return [(i * 37 + seed * 101 + 11) % 500 + 1 for i in range(spec["blocks"] * block + spec["extra"])]
 
@@ -67,9 +79,14 @@ def main() -> None:
 
     import hurray_vllm as hv
     from hurray_vllm.adapters.vllm import snapshot
+    from hurray_vllm.chunks.store import DirectoryStore
 
     store, tp = Path(cfg["store"]), int(cfg["tp"])
     _race_prune(store)
+    if cfg.get("async_scheduling"):
+        from vllm_patches import keep_async_scheduling
+
+        keep_async_scheduling()
     extra: dict[str, Any] = {"hurray_path": str(store), "hurray_save_async": False}  # phases end with their chunks
     if cfg.get("chunk"):
         extra["hurray_chunk_tokens"] = cfg["chunk"]
@@ -92,15 +109,19 @@ def main() -> None:
         kv_transfer_config=kv,
         seed=0,
         kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
+        async_scheduling=cfg.get("async_scheduling"),
         **({"block_size": cfg["block"]} if cfg.get("block") else {}),
     )
     eng = llm.llm_engine
     core: Any = eng.engine_core.engine_core
     block = int(eng.vllm_config.cache_config.block_size)
     result: dict[str, Any] = {"tp": tp, "block_size": block, "prompts": {}, "phases": []}
-    sp = SamplingParams(detokenize=False, temperature=0, max_tokens=10, ignore_eos=True)
+    result["async_scheduling"] = bool(eng.vllm_config.scheduler_config.async_scheduling)
     for n, phase in enumerate(cfg["phases"]):
-        prompts = {rid: prompt(spec, block) for rid, spec in phase["prompts"].items()}
+        sp = SamplingParams(detokenize=False, temperature=0, max_tokens=phase.get("max_tokens", 10), ignore_eos=True)
+        if phase.get("reset_prefix_cache") and not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache")
+        prompts = {rid: prompt(spec, block, result) for rid, spec in phase["prompts"].items()}
         salts = phase.get("salts") or {}
         inputs = {
             rid: TokensPrompt(prompt_token_ids=ids, **({"cache_salt": salts[rid]} if rid in salts else {}))
@@ -129,8 +150,11 @@ def main() -> None:
             outputs = {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs, strict=True)}
             cached = {i: o.num_cached_tokens for i, o in zip(ids, outs, strict=True)}
         VANISH["on"] = False
-        files = sorted(p.name for p in store.rglob("*.hrry"))
-        result["phases"].append({"outputs": outputs, "cached": cached, "files": files})
+        files = sorted(store.rglob("*.hrry"))
+        with_states = [p.name for p in files if DirectoryStore(store).has_states(p.parent.name, p.stem)]
+        result["phases"].append(
+            {"outputs": outputs, "cached": cached, "files": [p.name for p in files], "with_states": with_states}
+        )
     result["promised_then_vanished"] = VANISH["promised"]
     result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
     result["worker_stats"] = llm.collective_rpc(_stats)

@@ -336,10 +336,11 @@ class _PortTaken(Exception):
 def _engine_command(tmp: Path, name: str, cfg: dict[str, Any], *, native_rope: bool = False) -> list[str]:
     """Write ``NAME.json`` (``cfg`` over ``tmp / "model"``); the command that runs it into ``NAME.out``.
 
-    ``native_rope``: through ``tests/patched_generate.py`` (MLA models: see ``vllm_patches``).
+    ``native_rope``: through ``tests/patched_generate.py`` (MLA models: see ``vllm_patches``), as is
+    an engine whose ``cfg`` asks for ``async_scheduling``.
     """
-    (tmp / f"{name}.json").write_text(json.dumps({"model": str(tmp / "model"), **cfg}))
-    if native_rope:
+    (tmp / f"{name}.json").write_text(json.dumps({"model": str(tmp / "model"), **cfg, "native_rope": native_rope}))
+    if native_rope or cfg.get("async_scheduling"):
         generate = [sys.executable, str(Path(__file__).resolve().parent / "patched_generate.py")]
     else:
         generate = [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate"]

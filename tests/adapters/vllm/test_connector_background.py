@@ -715,6 +715,35 @@ def test_a_chunk_takes_the_states_only_when_the_step_ends_at_its_end(tmp_path) -
     assert [t.state_blocks for t in meta.saves] == [{0: [13], 1: [13]}]
 
 
+def test_with_asynchronous_scheduling_a_decoded_chunk_takes_the_state_the_step_before_left(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The token ids trail the computed tokens by one: the chunk is planned a step late, from the block kept."""
+
+    sched = _linear_scheduler(tmp_path)
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(383)), num_prompt_tokens=300)
+    state = sched._state(request)
+    state.chunks_done = 5
+    state.groups = [[0] * 11 + [11], [0] * 11 + [21], list(range(31, 43))]
+    state.block_ids = list(state.groups[0])
+    # The decode step that ends at 384, the end of chunk 5: token 383 is not known yet, nothing is planned.
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 384)  # type: ignore[arg-type]
+    assert meta.saves == []
+    # The next step (384..385) runs in block 12; block 11 keeps the state at 384, which the chunk takes.
+    request.all_token_ids = list(range(384))
+    state.groups = [[*g, n] for g, n in zip(state.groups, (12, 22, 43), strict=True)]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 385)  # type: ignore[arg-type]
+    (task,) = meta.saves
+    assert task.state_blocks == {0: [11], 1: [21]} and task.state_position == 384
+    # A step later than that, or in "none" mode (one block, always the running state), there is none.
+    for mode, done, end in (("align", 385, 386), ("none", 384, 385)):
+        sched._state_mode = mode
+        state.chunks_done, state.prev_end = 5, done
+        meta = SimpleNamespace(saves=[])
+        sched._plan_saves(meta, "r", state, end)  # type: ignore[arg-type]
+        assert [t.state_blocks for t in meta.saves] == [{}], mode
+
+
 def test_a_load_resumes_at_the_last_chunk_with_states_and_writes_both_state_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
 

@@ -174,6 +174,9 @@ class _Request:
     #: A load promised to this request failed on a worker (reported through vLLM's asynchronous-load
     #: path): vLLM recomputes the request, and this connector does not offer it a load again.
     load_failed: bool = False
+    #: Where the request's previous step ended (0: none since its blocks were given): with linear-attention
+    #: states in "align" mode, the state there is still in its block during the next step.
+    prev_end: int = 0
 
 
 class HurrayScheduler:
@@ -591,6 +594,7 @@ class HurrayScheduler:
                 continue
             state.load_failed = False  # scheduled again (recomputing): a later lookup (a preemption) may load
             state.block_ids = list(new.block_ids[0])
+            state.prev_end = 0
             if self._windows:
                 state.groups = [list(g) for g in new.block_ids]
             start = new.num_computed_tokens
@@ -606,6 +610,7 @@ class HurrayScheduler:
             if new_ids is not None:
                 if req_id in cached.resumed_req_ids:
                     state.block_ids = list(new_ids[0])
+                    state.prev_end = 0
                     state.groups = [list(g) for g in new_ids] if self._windows else []
                 else:
                     state.block_ids.extend(new_ids[0])
@@ -676,6 +681,7 @@ class HurrayScheduler:
         (no later step plans it): a consumer recomputes at most that chunk.
         """
         step_end, computed = computed, min(computed, len(state.request.all_token_ids))
+        prev_end, state.prev_end = state.prev_end, step_end
         full = computed // self._chunk
         # The step that ends the prompt's prefill also saves its tail (once), after its whole chunks.
         tail = self._config.tails and not state.tail_planned and computed >= state.request.num_prompt_tokens
@@ -691,8 +697,8 @@ class HurrayScheduler:
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
         for c in range(state.chunks_done, full):
             # The engine holds the state where this step ends (uncapped: with asynchronous scheduling the
-            # request's token ids trail it by a token), so a chunk ending elsewhere gets no states.
-            states = self._state_blocks(state, (c + 1) * self._chunk, step_end)
+            # request's token ids trail it by a token) and, in "align" mode, where the step before ended.
+            states = self._state_blocks(state, (c + 1) * self._chunk, step_end, prev_end)
             # A chunk stored without the states this step holds for it is written again, with them:
             # else the first writer's step (which ran past the chunk's end) would hide them for good.
             replace = bool(states) and self._lacks_states(keys[c])
@@ -755,13 +761,20 @@ class HurrayScheduler:
         """Whether chunk ``key`` is stored whole (one file, or tensor-parallel slices of every head)."""
         return self._store.parts(self._ns, key, self._heads) is not None
 
-    def _state_blocks(self, state: _Request, end: int, computed: int) -> dict[str, Any]:
+    def _state_blocks(self, state: _Request, end: int, computed: int, prev_end: int = 0) -> dict[str, Any]:
         """A chunk's linear-attention state blocks, when this step ends at the chunk's end (else none).
 
         Only then does the engine hold the state at that token: a step that
-        runs past it keeps only its own end's state.
+        runs past it keeps only its own end's state. In "align" mode a step
+        keeps its state in the block of its last token, and the next step
+        copies it into its own block before it runs on: the state where the
+        step before this one ended (``prev_end``) is also held, in its block,
+        until vLLM frees that block in a later step. With asynchronous
+        scheduling (vLLM's default on GPUs) a chunk whose last token was
+        generated is planned exactly then, a step after the step that
+        computed it, when the request's token ids hold that token.
         """
-        if not self._state_groups or end != computed:
+        if not self._state_groups or not (end == computed or (end == prev_end and self._state_mode == "align")):
             return {}
         blocks = {g: state_block(state.groups[g], end, self._block_size, self._state_mode) for g in self._state_groups}
         if not all(blocks.values()):
