@@ -78,6 +78,8 @@ from typing import Any
 
 from _bench import log, machine
 
+from hurray_vllm.adapters.vllm.layouts import cpu_mla_backend
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -99,7 +101,7 @@ MODELS: dict[str, dict[str, Any]] = {
         f"{KV_HEADS} KV heads x {HEAD_DIM}, bf16",
     },
     "mla": {
-        "block_size": 16,  # the only one vLLM's CPU MLA backend takes
+        "block_size": cpu_mla_backend()[1],  # CPU_MLA takes only 16; AMX_MLA (CPUs with AMX) multiples of 32
         "kv_bytes_per_token": LAYERS * 576 * 2,  # one 576-value latent per layer, bf16: 9 KiB
         "describe": f"random DeepSeek-V2, {LAYERS} layers, MLA latent 512 + 64, bf16",
     },

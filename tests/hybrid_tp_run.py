@@ -79,6 +79,7 @@ def main() -> None:
 
     import hurray_vllm as hv
     from hurray_vllm.adapters.vllm import snapshot
+    from hurray_vllm.adapters.vllm._generate import warm_up
     from hurray_vllm.chunks.store import DirectoryStore
 
     store, tp = Path(cfg["store"]), int(cfg["tp"])
@@ -112,6 +113,7 @@ def main() -> None:
         async_scheduling=cfg.get("async_scheduling"),
         **({"block_size": cfg["block"]} if cfg.get("block") else {}),
     )
+    warm_up(llm)  # CPUs with AMX: a first attention call of 4 tokens or fewer would kill the engine
     eng = llm.llm_engine
     core: Any = eng.engine_core.engine_core
     block = int(eng.vllm_config.cache_config.block_size)

@@ -31,7 +31,7 @@ import torch
 
 from hurray_vllm.agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 
-__all__ = ["NEAR_TIES", "agreement", "assert_agrees"]
+__all__ = ["NEAR_TIES", "agreement", "assert_agrees", "assert_continues"]
 
 #: "what: first near-tie" for every comparison that needed the margin (printed by conftest).
 NEAR_TIES: list[str] = []
@@ -60,3 +60,35 @@ def assert_agrees(
     if report.first_near_tie is not None:
         NEAR_TIES.append(f"{where}: {report.first_near_tie}")
     return report
+
+
+def assert_continues(
+    got: Sequence[int], want: Sequence[int], model_dir: Any, prompt: Sequence[int], what: str, *, same_until: int = 0
+) -> None:
+    """A moved or failed-over request's greedy tokens ``got`` against the unmoved run's ``want``.
+
+    Equal, where vLLM computes a token the same way whatever the shape of
+    the work. On CPUs with AMX vLLM 0.32's attention kernels round with that
+    shape: a prefill otherwise than decode steps (the same engine, continuing
+    from the prompt and its first generated tokens with nothing loaded, parts
+    from its own unmoved run at a near-tie, here after ~100 tokens), and a
+    tensor-parallel rank's share of the heads otherwise than all of them. A
+    destination computes what it did not load (the tail after the last whole
+    chunk) in a prefill, so there the tokens need only meet the margin rule,
+    teacher-forced through transformers (the model at ``model_dir``), and
+    equal ``want`` before ``same_until`` (computed by the source, unmoved).
+    """
+    from hurray_vllm.adapters.vllm.layouts import cpu_has_amx
+
+    got, want = list(got), list(want)
+    if got == want:
+        return
+    parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert cpu_has_amx() and len(got) == len(want), f"{what}: parts from the unmoved run at token {parted}"
+    assert parted >= same_until, f"{what}: parts from the unmoved run at token {parted}, before the move"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt, *got[:-1]]])).logits[0, len(prompt) - 1 :].float()
+    assert_agrees(logits, got, f"{what} (parted from the unmoved run at token {parted}: AMX kernels)")

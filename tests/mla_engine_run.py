@@ -21,7 +21,12 @@ from typing import Any
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-BLOCK = 16  # vLLM's CPU MLA backend takes no other block size
+# At module level: spawned TP workers import this module (not its __main__ part) and need it as much.
+from vllm_patches import use_native_cpu_rope
+
+from hurray_vllm.adapters.vllm.layouts import cpu_mla_backend
+
+BACKEND, BLOCK = cpu_mla_backend()  # CPU_MLA takes only blocks of 16, AMX_MLA multiples of 32
 CHUNK = 32
 
 
@@ -33,9 +38,6 @@ def prompts() -> dict[str, list[int]]:
         "c": [17, 42, 99, 256, 8],  # shorter than a block
     }
 
-
-# At module level: spawned TP workers import this module (not its __main__ part) and need it as much.
-from vllm_patches import use_native_cpu_rope  # noqa: E402
 
 use_native_cpu_rope()  # vllm-cpu 0.32 rotates MLA's k_pe wrongly otherwise (see vllm_patches)
 
@@ -70,8 +72,9 @@ def main() -> None:
         kv_transfer_config=kv,
         seed=0,
     )
-    result: dict[str, Any] = {"prompts": prompts(), "block_size": BLOCK, "chunk_tokens": CHUNK}
     eng = llm.llm_engine
+    block = int(eng.vllm_config.cache_config.block_size)  # the engine's own: CPU_MLA overrides any other with 16
+    result: dict[str, Any] = {"prompts": prompts(), "block_size": block, "chunk_tokens": CHUNK, "backend": BACKEND}
     sp = SamplingParams(detokenize=False, temperature=0, max_tokens=12, ignore_eos=True)
     for rid, ids in result["prompts"].items():
         eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)

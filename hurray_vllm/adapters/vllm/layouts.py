@@ -27,6 +27,8 @@ __all__ = [
     "KVLayout",
     "LogicalBHNC",
     "MLALatent",
+    "cpu_has_amx",
+    "cpu_mla_backend",
     "CpuPacked",
     "FlashAttnLegacy",
     "FlashInferLegacy",
@@ -200,14 +202,40 @@ class LogicalBHNC:
         return k, v
 
 
+def cpu_has_amx() -> bool:
+    """Whether this is an x86 CPU with AMX tiles, where vLLM's CPU backends use their AMX kernels (bf16)."""
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") and torch.cpu._is_amx_tile_supported()
+
+
+def cpu_mla_backend() -> tuple[str, int]:
+    """The MLA backend vLLM's CPU platform runs MLA models on here, and the smallest block size it takes.
+
+    On an x86 CPU with AMX tiles vLLM picks ``AMX_MLA`` (bf16 only; blocks a
+    multiple of 32, 128 by default; prefix caching and chunked prefill on),
+    elsewhere the reference ``CPU_MLA`` (blocks of 16 whatever the engine
+    asks for; prefix caching and chunked prefill off). The test is
+    ``CpuPlatform.get_attn_backend_cls``'s; an engine configured with
+    ``attention_backend="CPU_MLA"`` runs the reference backend anyway. Both
+    take only a latent of 576 (kv_lora_rank 512 + rope 64).
+
+    Example:
+        >>> cpu_mla_backend() in (("AMX_MLA", 32), ("CPU_MLA", 16))
+        True
+    """
+    return ("AMX_MLA", 32) if cpu_has_amx() else ("CPU_MLA", 16)
+
+
 @dataclass(frozen=True)
 class MLALatent:
     """An MLA (DeepSeek-style) latent cache: one vector of ``kv_lora_rank + rope_dim`` per token.
 
     vLLM keeps one tensor per layer, ``[num_blocks, block_size, C]`` on GPU
-    backends (``MLACommonBackend.get_kv_cache_shape``) and ``[num_blocks, 1,
-    block_size, C]`` on the CPU (``CPU_MLA``, which forces block size 16),
-    token-major in both: each token's ``C`` values are the normalized
+    backends (``MLACommonBackend.get_kv_cache_shape``) and on the CPU's
+    ``AMX_MLA``, and ``[num_blocks, 1, block_size, C]`` on the CPU's
+    reference ``CPU_MLA`` (which forces block size 16; see
+    :func:`cpu_mla_backend`), token-major in all: each token's ``C`` values are the normalized
     compressed KV, then the rotated k_pe. One fused page pool
     ``[n, block_size, 1, C]`` comes out (kv_role ``"fused"``).
     """

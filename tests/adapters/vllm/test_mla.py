@@ -1,10 +1,12 @@
-"""MLA (DeepSeek-V2-style) latents from real vLLM engines (CPU_MLA), against transformers as ground truth.
+"""MLA (DeepSeek-V2-style) latents from real vLLM engines, against transformers as ground truth.
 
 One engine saves (HurrayConnector) and snapshots mid-decode; another, at
 tensor parallelism 2 (the latent is replicated on every rank), loads the
 chunks and snapshots at the same point; a third loads from a store with one
-chunk damaged. vLLM's CPU platform turns prefix caching off for MLA models,
-so these runs have it off whatever they ask for.
+chunk damaged. The engines run on the backend vLLM's CPU platform picks
+(``adapters.vllm.layouts.cpu_mla_backend``): ``AMX_MLA`` on CPUs with AMX (blocks of 32,
+prefix caching on), else ``CPU_MLA`` (blocks of 16; the platform turns
+prefix caching off for it, whatever the engine asks for).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 from conftest import require
 from engine_script import run_engine_script
-from margins import agreement, assert_agrees
+from margins import agreement, assert_agrees, assert_continues
 from tiny_models import build_tiny_deepseek_v2
 
 import hurray_vllm as hv
@@ -79,14 +81,17 @@ def test_snapshot_names_the_latent_split(mla: dict[str, Any]) -> None:
     assert snap.latent == hv.LatentSplit(512, 64, "deepseek_v2")
     fp = snap.fingerprint
     assert fp is not None and (fp.architecture, fp.num_kv_heads, fp.head_dim) == ("DeepseekV2ForCausalLM", 1, 576)
-    assert snap.source is not None and snap.source.layout == "vllm-cpu-mla" and snap.page_size == 16
-    assert snap[0, "fused"].page_pool.shape[1:] == (16, 1, 576)
-    # vLLM's CPU platform runs MLA without prefix caching: "b" holds its own copy of the 64 tokens
-    # it shares with "a", and the export keeps them apart (it invents no sharing).
-    assert mla["save"]["prefix_caching"] is False
+    saved = mla["save"]
+    block, reference = saved["block_size"], saved["backend"] == "CPU_MLA"
+    assert (block, saved["prefix_caching"]) == ((16, False) if reference else (32, True))
+    assert snap.source is not None and snap.source.layout == ("vllm-cpu-mla" if reference else "vllm-mla")
+    assert snap.page_size == block and snap[0, "fused"].page_pool.shape[1:] == (block, 1, 576)
     t = snap[0, "fused"]
-    assert not set(t.pages_of(1).tolist()) & set(t.pages_of(0).tolist())
     assert torch.equal(t.to_dense(1)[:64], t.to_dense(0)[:64])
+    if not saved["prefix_caching"]:
+        # "b" holds its own copy of the 64 tokens it shares with "a", and the export keeps them apart
+        # (it invents no sharing).
+        assert not set(t.pages_of(1).tolist()) & set(t.pages_of(0).tolist())
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -151,11 +156,14 @@ def test_the_margin_rule_refuses_a_shifted_latent(mla: dict[str, Any], hf_mla: A
 def test_another_engine_at_tp2_loads_the_latent_chunks(mla: dict[str, Any]) -> None:
     saved, load = mla["save"], mla["load"]
     assert saved["worker_stats"]["chunks_saved"] == 3  # "a"'s three chunks; "b" shares two of them
-    assert load["outputs"] == saved["outputs"]
+    for rid, tokens in saved["outputs"].items():  # equal, but for AMX_MLA's rounding at TP = 2 (near-ties)
+        assert_continues(load["outputs"][rid], tokens, mla["tmp"] / "model", saved["prompts"][rid], f"TP = 2 {rid}")
     # Every whole chunk before the last prompt token comes from the store, counted by vLLM.
     assert load["cached"] == {"a": 96, "b": 64, "c": 0}
-    # The latent is replicated: each rank writes every chunk whole; only rank 0 would save one.
-    assert [r["chunks_loaded"] for r in load["rank_stats"]] == [5, 5]
+    # The latent is replicated: each rank writes every chunk whole; only rank 0 would save one. With prefix
+    # caching (AMX_MLA) "b" may find the two chunks it shares with "a" in vLLM's own prefix cache instead.
+    loads = [r["chunks_loaded"] for r in load["rank_stats"]]
+    assert loads in (([5, 5], [3, 3]) if saved["prefix_caching"] else ([5, 5],)), loads
     assert load["rank_stats"][1]["chunks_saved"] == 0
 
 
@@ -163,11 +171,20 @@ def test_a_tp2_snapshot_equals_the_tp1_snapshot(mla: dict[str, Any]) -> None:
     """One latent per layer, exported once: the loaded tokens bit for bit, the computed ones within bf16."""
     one, two = mla["snap"], mla["snap2"]
     assert two.is_latent and two.heads is None and two.fingerprint == one.fingerprint
-    assert two.token_ids == one.token_ids and two.seq_lens == one.seq_lens
+    assert two.seq_lens == one.seq_lens
+    # The same tokens, but where AMX_MLA's rounding at TP = 2 took the other side of a near-tie
+    # (test_another_engine_at_tp2_loads_the_latent_chunks): up to there, then.
+    same = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(one.token_ids, two.token_ids)
+    ]
+    assert mla["save"]["backend"] == "AMX_MLA" or two.token_ids == one.token_ids
     loaded = mla["load"]["cached"]
     for layer in range(one.num_layers):
         for s, rid in enumerate(one.request_ids):
-            a, b = one[layer, "fused"].to_dense(s).float(), two[layer, "fused"].to_dense(s).float()
+            a, b = (
+                one[layer, "fused"].to_dense(s)[: same[s]].float(),
+                two[layer, "fused"].to_dense(s)[: same[s]].float(),
+            )
             n = loaded[rid]
             assert torch.equal(a[:n], b[:n]), f"layer {layer} {rid}: loaded latent differs"
             assert _close(b, a), f"layer {layer} {rid}: max {(b - a).abs().max()}"
@@ -183,7 +200,10 @@ def test_a_damaged_latent_chunk_is_refused_and_recomputed(mla: dict[str, Any], h
     first run's.
     """
     broken, saved = mla["broken"], mla["save"]
-    assert broken["cached"] == {"a": 32, "b": 32, "c": 0}  # the chunk before the damaged one still loads
+    # The chunk before the damaged one still loads. With prefix caching (AMX_MLA) "b" may also find the
+    # chunk "a" recomputed, in vLLM's prefix cache or written again to the store.
+    assert broken["cached"]["a"] == 32 and broken["cached"]["c"] == 0
+    assert broken["cached"]["b"] in ((32, 64) if saved["prefix_caching"] else (32,)), broken["cached"]
     stats = broken["scheduler_stats"]
     assert stats["chunks_refused"] == 1 and stats["chunks_quarantined"] == 1
     # Moved aside, and written again from the recomputed latent: the store heals.

@@ -31,6 +31,7 @@ from servers import run_engine
 from tiny_models import build_tiny_deepseek_v3_mtp, build_tiny_eagle, build_tiny_llama
 
 import hurray_vllm as hv
+from hurray_vllm.adapters.vllm.layouts import cpu_mla_backend
 from hurray_vllm.chunks import chunk_keys
 
 pytestmark = [pytest.mark.vllm]
@@ -175,11 +176,12 @@ def test_deepseek_mtp_engines_carry_the_mtp_layers_latent_and_load_it(tmp_path: 
     require("transformers")
     build_tiny_deepseek_v3_mtp(tmp_path / "model")
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    _, block = cpu_mla_backend()  # 16 (CPU_MLA) or 32 (AMX_MLA)
     store = tmp_path / "store"
     extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
     prompts = {"p": P, "q": Q}
     runs = {
-        name: run_engine(tmp_path, f"mtp-{name}", 16, extra, prompts, 12, speculative=mtp, native_rope=True)
+        name: run_engine(tmp_path, f"mtp-{name}", block, extra, prompts, 12, speculative=mtp, native_rope=True)
         for name in ("producer", "consumer")
     }
     producer, consumer = runs["producer"], runs["consumer"]
@@ -188,7 +190,8 @@ def test_deepseek_mtp_engines_carry_the_mtp_layers_latent_and_load_it(tmp_path: 
     assert chunk.is_latent and chunk.fingerprint is not None
     assert chunk.fingerprint.num_layers == chunk.num_layers == 3  # two target layers and the MTP layer
     assert chunk[2, "fused"].page_pool.abs().sum() > 0
-    assert consumer["cached"] == {"p": 96, "q": 80}  # every whole chunk, and q's whole block after them
+    # Every whole chunk, and q's whole blocks after them (its tail: 80 with blocks of 16, none with 32).
+    assert consumer["cached"] == {"p": 96, "q": len(Q) // block * block}
     assert consumer["outputs"] == producer["outputs"]
     assert not consumer["scheduler_stats"]["chunks_refused"] and not consumer["worker_stats"]["loads_failed"]
 
