@@ -13,8 +13,8 @@ request "moved" mid-decode (its prompt and the first tokens it generated).
 * A Llama (blocks of 32, chunks of 64): the prompt's tail and the chunk its
   decode completes are saved; the moved request loads every whole chunk and
   continues with the unmoved run's tokens.
-* A Qwen3-Next-style linear-attention hybrid: the chunk its decode completes
-  carries the recurrent state at its end. The step that ended there is gone
+* A Qwen3-Next-style linear-attention hybrid, at TP = 1 and 2: the chunk its
+  decode completes carries the recurrent state at its end. The step that ended there is gone
   by the time the chunk is planned; in vLLM's "align" mode its state block
   still holds that state. Without it a moved request resumes a chunk earlier
   and recomputes the rest.
@@ -31,6 +31,7 @@ from engine_script import run_phases
 from tiny_models import build_tiny_llama, build_tiny_qwen3_next
 
 from hurray_vllm.chunks import chunk_keys
+from hurray_vllm.chunks.keys import slice_key
 
 pytestmark = [pytest.mark.vllm]
 A = [(i * 37 + 11) % 500 + 1 for i in range(100)]  # one chunk and a tail of one block; chunk 1 ends in decode
@@ -64,10 +65,12 @@ def test_a_llama_engine_with_asynchronous_scheduling_saves_and_loads_every_whole
     assert loaded["outputs"]["moved"] == made["outputs"]["a"][30:40]
 
 
-@pytest.fixture(scope="module")
-def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def linear(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """At TP = 1 the worker writes what the scheduler verified; at TP = 2 the ranks' processes load
+    through vLLM's asynchronous-load path, and each rank saves its slice with its share of the states."""
     require("vllm")
-    tmp = tmp_path_factory.mktemp("async_linear")
+    tmp = tmp_path_factory.mktemp(f"async_linear_tp{request.param}")
     build_tiny_qwen3_next(tmp / "model")
     phases = [
         # Prefilled 0..B and B..2B - 8 (vLLM ends a step at the last block boundary): chunk 0 holds the
@@ -75,7 +78,8 @@ def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"prompts": {"d": {"seed": 3, "blocks": 2, "extra": -8}}, "max_tokens": 16},
         {"prompts": {"moved": {"after": "d", "tokens": 9}}, "max_tokens": 7, "reset_prefix_cache": True},
     ]
-    result = run_phases(tmp, "linear", 1, phases, async_scheduling=True)
+    result = run_phases(tmp, "linear", request.param, phases, async_scheduling=True)
+    result["tp"] = request.param
     result["store"] = tmp / "store"
     return result
 
@@ -87,8 +91,10 @@ def test_a_chunk_completed_in_decode_keeps_its_state_with_asynchronous_schedulin
     (ns,) = [p.name for p in Path(linear["store"]).iterdir()]
     tokens = [*linear["prompts"]["d"], *made["outputs"]["d"]]
     keys = chunk_keys(tokens[: 2 * block], block, ns)
+    tp, per = linear["tp"], 2 // linear["tp"]  # the tiny model's 2 KV heads, split over the ranks
+    names = [slice_key(k, range(r * per, (r + 1) * per) if tp > 1 else None) for k in keys for r in range(tp)]
     # Before the moved request runs (its prefill ends a step at 2B, which would store the state there too).
-    assert made["with_states"] == sorted(f"{k}.hrry" for k in keys), made
+    assert made["with_states"] == sorted(f"{n}.hrry" for n in names), made
     # The moved request resumes at the decoded chunk's end, and goes on as the unmoved one did.
     assert loaded["cached"] == {"moved": 2 * block}, loaded["cached"]
     assert loaded["outputs"]["moved"] == made["outputs"]["d"][9:16]
