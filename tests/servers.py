@@ -255,11 +255,20 @@ def receiver_process(store: Path, log: Path, transport: str = "tcp") -> Iterator
 
 
 def vllm_server_spec(
-    tmp: Path, name: str, port: int, block_size: int, extra: dict[str, object], *, tokenizer: bool = False
+    tmp: Path,
+    name: str,
+    port: int,
+    block_size: int,
+    extra: dict[str, object],
+    *,
+    tokenizer: bool = False,
+    async_scheduling: bool = False,
 ) -> ServerSpec:
     """vLLM's OpenAI server on ``tmp / "model"`` with a HurrayConnector of ``extra`` (prefix caching on).
 
     ``tokenizer``: the model has one (chat completions, text); else token-id prompts only.
+    ``async_scheduling``: vLLM's asynchronous scheduling (its default on GPUs), through
+    ``tests/patched_server.py`` (the CPU platform turns it off otherwise).
     """
     kv = {
         "kv_connector": "HurrayConnector",
@@ -268,8 +277,11 @@ def vllm_server_spec(
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+    server = [str(Path(__file__).resolve().parent / "patched_server.py")] if async_scheduling else [
+        "-m", "vllm.entrypoints.openai.api_server"]  # fmt: skip
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, *server,
+        *(["--async-scheduling"] if async_scheduling else []),
         "--model", str(tmp / "model"), "--enforce-eager", "--dtype", "bfloat16",
         "--max-model-len", "1024", "--block-size", str(block_size),  # prefix caching on: the default
         "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",

@@ -18,9 +18,13 @@ runs it (its CUDA streams and events are placeholders on the CPU).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-__all__ = ["keep_async_scheduling", "use_native_cpu_rope"]
+__all__ = ["KEPT", "keep_async_scheduling", "use_native_cpu_rope"]
+
+#: What :func:`keep_async_scheduling`'s engines print (then True or False) when their configuration is made.
+KEPT = "vllm_patches: async_scheduling kept: "
 
 
 def use_native_cpu_rope() -> None:
@@ -40,5 +44,6 @@ def keep_async_scheduling() -> None:
         asked = vllm_config.scheduler_config.async_scheduling
         turn_off(cls, vllm_config)
         vllm_config.scheduler_config.async_scheduling = asked
+        print(f"{KEPT}{bool(asked)}", file=sys.stderr, flush=True)  # servers' tests look for it in their logs
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
