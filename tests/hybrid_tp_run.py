@@ -83,6 +83,7 @@ def main() -> None:
     from hurray_vllm.chunks.store import DirectoryStore
 
     store, tp = Path(cfg["store"]), int(cfg["tp"])
+    stored = DirectoryStore(store)
     _race_prune(store)
     if cfg.get("async_scheduling"):
         from vllm_patches import keep_async_scheduling
@@ -153,7 +154,7 @@ def main() -> None:
             cached = {i: o.num_cached_tokens for i, o in zip(ids, outs, strict=True)}
         VANISH["on"] = False
         files = sorted(store.rglob("*.hrry"))
-        with_states = [p.name for p in files if DirectoryStore(store).has_states(p.parent.name, p.stem)]
+        with_states = [p.name for p in files if stored.has_states(p.parent.name, p.stem)]
         result["phases"].append(
             {"outputs": outputs, "cached": cached, "files": [p.name for p in files], "with_states": with_states}
         )

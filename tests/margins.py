@@ -24,6 +24,7 @@ test run, with the first one of each comparison.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 
 from hurray_vllm.agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 
-__all__ = ["NEAR_TIES", "agreement", "assert_agrees", "assert_continues"]
+__all__ = ["NEAR_TIES", "agreement", "assert_agrees", "assert_continues", "recompute_logits"]
 
 #: "what: first near-tie" for every comparison that needed the margin (printed by conftest).
 NEAR_TIES: list[str] = []
@@ -62,6 +63,19 @@ def assert_agrees(
     return report
 
 
+def recompute_logits(model: Any, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """transformers' logits at each of ``tokens`` after ``prompt``, from its own KV (teacher-forced, one forward)."""
+    with torch.no_grad():
+        return model(torch.tensor([[*prompt, *tokens[:-1]]])).logits[0, len(prompt) - 1 :].float()
+
+
+@functools.lru_cache(maxsize=2)
+def _model(model_dir: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+
 def assert_continues(
     got: Sequence[int], want: Sequence[int], model_dir: Any, prompt: Sequence[int], what: str, *, same_until: int = 0
 ) -> None:
@@ -86,9 +100,5 @@ def assert_continues(
     parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     assert cpu_has_amx() and len(got) == len(want), f"{what}: parts from the unmoved run at token {parted}"
     assert parted >= same_until, f"{what}: parts from the unmoved run at token {parted}, before the move"
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([[*prompt, *got[:-1]]])).logits[0, len(prompt) - 1 :].float()
+    logits = recompute_logits(_model(str(model_dir)), prompt, got)
     assert_agrees(logits, got, f"{what} (parted from the unmoved run at token {parted}: AMX kernels)")

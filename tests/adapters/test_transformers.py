@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from margins import agreement, assert_agrees
+from margins import agreement, assert_agrees, recompute_logits
 
 import hurray_vllm as hv
 from hurray_vllm.adapters import transformers as tfa
@@ -49,12 +49,6 @@ def hf_model_f32(tiny_model: Path) -> Any:
 
 
 # ── vLLM → transformers ────────────────────────────────────────────────────
-
-
-def recompute_logits(model: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """transformers' logits at each of ``tokens`` after ``prompt``, from its own KV (teacher-forced, one forward)."""
-    with torch.no_grad():
-        return model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
 
 
 @pytest.mark.vllm

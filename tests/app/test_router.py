@@ -227,14 +227,6 @@ def _post_metrics(fleet: dict[str, Any]) -> str:
     return r.text
 
 
-def _recompute(model: Any, prompt: list[int], tokens: list[int]) -> Any:
-    """transformers' logits at each of ``tokens`` after ``prompt``, from its own KV (one forward)."""
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
-
-
 def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str, Any]) -> None:
     """Four concurrent streams: the engines batch them, in another arithmetic than one stream at a time.
 
@@ -243,7 +235,7 @@ def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str
     stream changed backends.
     """
     import torch
-    from margins import agreement, assert_agrees
+    from margins import agreement, assert_agrees, recompute_logits
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(fleet["tmp"] / "model", dtype=torch.bfloat16).eval()
@@ -276,7 +268,7 @@ def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str
         for n in names:
             tokens, (rid,) = results[n]["token_ids"], results[n]["ids"]
             assert len(tokens) == MAX_TOKENS and results[n]["finish_reason"] == "length"
-            logits = _recompute(hf, PROMPTS[n], tokens)
+            logits = recompute_logits(hf, PROMPTS[n], tokens)
             assert_agrees(logits, tokens, f"router drain {n}: the stream against transformers")
             legs = recent[rid]["legs"]
             if len(legs) > 1:
@@ -285,7 +277,7 @@ def test_a_drain_moves_four_streams_and_each_completes_correctly(fleet: dict[str
                 assert legs[1]["cached_tokens"] >= (len(PROMPTS[n]) + at - 1) // 64 * 64
                 _assert_warmup_loaded(legs[1], at_least=len(PROMPTS[n]) // CHUNK * CHUNK)
                 wrong = _resent(tokens, at, logits)  # the companion: a stream that resent a token is refused
-                assert not agreement(_recompute(hf, PROMPTS[n], wrong), wrong).ok, n
+                assert not agreement(recompute_logits(hf, PROMPTS[n], wrong), wrong).ok, n
     finally:  # a drained backend left behind would starve the tests after this one
         undrained = _post(fleet["router"] + "/hurray/undrain", {"backend": busiest}).json()
     assert undrained["draining"] is False

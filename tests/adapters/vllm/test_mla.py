@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import require
 from engine_script import run_engine_script
-from margins import agreement, assert_agrees, assert_continues
+from margins import agreement, assert_agrees, assert_continues, recompute_logits
 from tiny_models import build_tiny_deepseek_v2
 
 import hurray_vllm as hv
@@ -123,12 +123,6 @@ def test_latent_equals_transformers_compressed_kv_and_rotated_k_pe(mla: dict[str
             assert not _close(got[:-1, 512:], ref[1:, 512:]), f"seq {rid} layer {layer}: a misrotated k_pe passed"
 
 
-def _recompute(model: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """transformers' logits at each of ``tokens`` after ``prompt``, from its own KV (one forward)."""
-    with torch.no_grad():
-        return model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
-
-
 def test_transformers_continues_the_vllm_snapshot(mla: dict[str, Any], hf_mla: Any) -> None:
     """transformers resumed from vLLM's latent goes on as vLLM did (margin rule: two arithmetics)."""
     snap, saved = mla["snap"], mla["save"]
@@ -139,7 +133,7 @@ def test_transformers_continues_the_vllm_snapshot(mla: dict[str, Any], hf_mla: A
         logits = tfa.teacher_forced_logits(hf_mla, snap, s, tokens[2:])
         assert_agrees(logits, tokens[2:], f"MLA {rid}: transformers from vLLM's latent")
         # transformers recomputing everything agrees too: the two engines compute the same model.
-        assert_agrees(_recompute(hf_mla, prompt, tokens), tokens, f"MLA {rid}: transformers' own recompute")
+        assert_agrees(recompute_logits(hf_mla, prompt, tokens), tokens, f"MLA {rid}: transformers' own recompute")
     assert len(set(saved["outputs"]["a"])) > 3  # the tiny model's tokens vary: the comparison means something
 
 
@@ -214,7 +208,7 @@ def test_a_damaged_latent_chunk_is_refused_and_recomputed(mla: dict[str, Any], h
     assert digest_matches(hv.load(damaged))
     for rid, tokens in broken["outputs"].items():
         prompt = saved["prompts"][rid]
-        assert_agrees(_recompute(hf_mla, prompt, tokens), tokens, f"MLA {rid}: recomputed after a refused chunk")
+        assert_agrees(recompute_logits(hf_mla, prompt, tokens), tokens, f"MLA {rid}: recomputed after a refused chunk")
 
 
 def test_files_validate_and_pyhurray_reads_them(mla: dict[str, Any], hurray: Any) -> None:
