@@ -18,13 +18,16 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 __all__ = [
     "ROOT",
@@ -35,6 +38,7 @@ __all__ = [
     "root_cause",
     "router_spec",
     "run_engine",
+    "side_by_side",
     "start_servers",
     "stop_servers",
     "stream_completion",
@@ -395,6 +399,29 @@ def kill_engine_when(
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait(timeout=60)
+
+
+def side_by_side(jobs: Mapping[str, Callable[[], T]]) -> dict[str, T]:
+    """Run independent engine runs at the same time, as many as the machine has cores; their results by name.
+
+    Why: an offline TP = 1 engine computes on one thread (vLLM sets torch's
+    threads to 1), and most of its ~12 s is Python importing vLLM, so two
+    side by side on CI's 2 cores take the wall time of one. The arithmetic,
+    and so every token and byte, is that of a run alone. Only for runs that
+    share nothing one of them writes while another reads. A TP = 2 engine
+    binds a rank to each core, but its three processes leave the cores idle
+    for much of its start: a TP = 1 run beside it takes that time (two TP = 2
+    engines side by side would only compete). The first failure is raised
+    once every run has ended.
+
+    Example:
+        >>> out = side_by_side({"a": lambda: 1, "b": lambda: 2})
+        >>> out["b"]
+        2
+    """
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def run_engine(

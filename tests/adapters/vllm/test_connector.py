@@ -91,29 +91,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("connector")
     build_tiny_llama(tmp / "model")
     store = tmp / "store"
-    out = {"plain": run_engine(tmp, "plain", 32, None, {**PROMPTS, **FAULT_PROMPTS})}
-    out["producer"] = run_engine(tmp, "producer", 32, {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK})
+    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
+    # Engines that share no store run side by side (servers.side_by_side): each consumer reads a copy.
+    out = servers.side_by_side(
+        {
+            "plain": lambda: run_engine(tmp, "plain", 32, None, {**PROMPTS, **FAULT_PROMPTS}),
+            "producer": lambda: run_engine(tmp, "producer", 32, extra),
+        }
+    )
     clean = tmp / "clean-store"
     shutil.copytree(store, clean)
     _break_store(store)
-    # Prefix caching off in this one run: "q" then asks the connector for the chunks it shares with "p"
-    # (with it on, vLLM serves them itself, and the remembered-chunk path goes untested).
-    out["consumer"] = run_engine(
-        tmp, "consumer", 32, {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}, prefix_caching=False
-    )
-    out["consumer64"] = run_engine(tmp, "consumer64", 64, {"hurray_path": str(clean), "hurray_chunk_tokens": CHUNK})
-    # vLLM's prefix cache first holds one 32-token block of "p" (from a short request), so "p" itself
-    # then hits locally in the middle of its first 64-token chunk: the connector loads the rest.
-    out["midchunk"] = servers.run_engine(
-        tmp,
-        "midchunk",
-        32,
-        {"hurray_path": str(clean), "hurray_chunk_tokens": CHUNK},
-        {"short": SHARED[:40] + _prompt(7, 10), "p": SHARED},
-        8,
-        sequential=True,
-    )
-    out["store"] = store  # type: ignore[assignment]
+    midchunk_store = tmp / "midchunk-store"
+    shutil.copytree(clean, midchunk_store)
     keyed = tmp / "keyed-store"
     shutil.copytree(clean, keyed)
     key_file = tmp / "fleet.key"
@@ -122,15 +112,41 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     from hurray_vllm.chunks import load_keys
 
     _sign_and_forge(keyed, load_keys(key_file))
-    out["keyed"] = run_engine(
-        tmp,
-        "keyed",
-        32,
-        {"hurray_path": str(keyed), "hurray_chunk_tokens": CHUNK, "hurray_key_file": str(key_file)},
-        {rid: PROMPTS[rid] for rid in KEYED_PROMPTS},
+    out.update(
+        servers.side_by_side(
+            {
+                "faults": lambda: _fault_runs(tmp),  # two engines one after the other: first, to even the load
+                # Prefix caching off in this one run: "q" then asks the connector for the chunks it shares
+                # with "p" (with it on, vLLM serves them itself, and the remembered-chunk path goes untested).
+                "consumer": lambda: run_engine(tmp, "consumer", 32, extra, prefix_caching=False),
+                "consumer64": lambda: run_engine(
+                    tmp, "consumer64", 64, {"hurray_path": str(clean), "hurray_chunk_tokens": CHUNK}
+                ),
+                # vLLM's prefix cache first holds one 32-token block of "p" (from a short request), so "p"
+                # itself then hits locally in the middle of its first 64-token chunk: the connector loads
+                # the rest.
+                "midchunk": lambda: servers.run_engine(
+                    tmp,
+                    "midchunk",
+                    32,
+                    {"hurray_path": str(midchunk_store), "hurray_chunk_tokens": CHUNK},
+                    {"short": SHARED[:40] + _prompt(7, 10), "p": SHARED},
+                    8,
+                    sequential=True,
+                ),
+                "keyed": lambda: run_engine(
+                    tmp,
+                    "keyed",
+                    32,
+                    {"hurray_path": str(keyed), "hurray_chunk_tokens": CHUNK, "hurray_key_file": str(key_file)},
+                    {rid: PROMPTS[rid] for rid in KEYED_PROMPTS},
+                ),
+            }
+        )
     )
+    out.update(out.pop("faults"))
+    out["store"] = store  # type: ignore[assignment]
     out["keyed_store"], out["key_file"] = keyed, key_file  # type: ignore[assignment]
-    out.update(_fault_runs(tmp))
     return out
 
 

@@ -45,35 +45,59 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     store = tmp / "store"
     extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
     runs: dict[str, Any] = {"store": store}
-    runs["plain"] = servers.run_engine(tmp, "plain", BLOCK, None, PROMPTS, 10)
-    runs["producer"] = servers.run_engine(tmp, "producer", BLOCK, extra, PROMPTS, 10)
+    last = {"hurray_path": str(tmp / "store-last"), "hurray_chunk_tokens": CHUNK, "hurray_window_chunks": "last"}
+    runs["last_store"] = tmp / "store-last"
+
+    def last_policy() -> dict[str, Any]:
+        producer = servers.run_engine(tmp, "last-producer", BLOCK, last, {"p": SHARED}, 10)
+        return {
+            "last_producer": producer,
+            "last_consumer": servers.run_engine(tmp, "last-consumer", BLOCK, last, PROMPTS, 10),
+        }
+
+    def decode() -> dict[str, Any]:
+        # A migration mid-decode: "m" (250 tokens) completes its second chunk in its 6th decode step; moved after
+        # MOVED_AFTER tokens, the destination's prompt ends past that chunk, whose windows a decode step saved.
+        extra = {"hurray_path": str(tmp / "store-decode"), "hurray_chunk_tokens": CHUNK}
+        producer = servers.run_engine(tmp, "decode-producer", BLOCK, extra, {"m": MOVED}, 20)
+        moved = [*MOVED, *producer["outputs"]["m"][:MOVED_AFTER]]
+        consumer = servers.run_engine(tmp, "decode-consumer", BLOCK, extra, {"m_moved": moved}, 12)
+        return {"decode_producer": producer, "decode_consumer": consumer}
+
+    # Runs that share no store go side by side (two-engine chains first, to even the load).
+    both = servers.side_by_side(
+        {
+            "last": last_policy,
+            "decode": decode,
+            "plain": lambda: servers.run_engine(tmp, "plain", BLOCK, None, PROMPTS, 10),
+            "producer": lambda: servers.run_engine(tmp, "producer", BLOCK, extra, PROMPTS, 10),
+        }
+    )
+    runs |= both.pop("last") | both.pop("decode") | both
     edited, clean = tmp / "edited-store", tmp / "clean-store"
     shutil.copytree(store, edited)
     shutil.copytree(store, clean)
     runs["edited_key"] = _drop_a_sliding_part(edited)
-    runs["consumer"] = servers.run_engine(tmp, "consumer", BLOCK, extra, PROMPTS, 10)
-    runs["edited"] = servers.run_engine(tmp, "edited", BLOCK, {**extra, "hurray_path": str(edited)}, PROMPTS, 10)
-    # vLLM's hybrid prefix cache first holds the 32-token block "short2" shares with "p" (in every group: the
-    # window reaches back over it), so "p" hits locally inside its first chunk; the connector loads the rest.
-    runs["midchunk"] = servers.run_engine(
-        tmp,
-        "midchunk",
-        BLOCK,
-        {**extra, "hurray_path": str(clean)},
-        {"short2": [*SHARED[:40], *_prompt(7, 10)], "p": SHARED},
-        10,
-        sequential=True,
+    runs |= servers.side_by_side(
+        {
+            "consumer": lambda: servers.run_engine(tmp, "consumer", BLOCK, extra, PROMPTS, 10),
+            "edited": lambda: servers.run_engine(
+                tmp, "edited", BLOCK, {**extra, "hurray_path": str(edited)}, PROMPTS, 10
+            ),
+            # vLLM's hybrid prefix cache first holds the 32-token block "short2" shares with "p" (in every group:
+            # the window reaches back over it), so "p" hits locally inside its first chunk; the connector loads
+            # the rest.
+            "midchunk": lambda: servers.run_engine(
+                tmp,
+                "midchunk",
+                BLOCK,
+                {**extra, "hurray_path": str(clean)},
+                {"short2": [*SHARED[:40], *_prompt(7, 10)], "p": SHARED},
+                10,
+                sequential=True,
+            ),
+        }
     )
-    last = {"hurray_path": str(tmp / "store-last"), "hurray_chunk_tokens": CHUNK, "hurray_window_chunks": "last"}
-    runs["last_store"] = tmp / "store-last"
-    runs["last_producer"] = servers.run_engine(tmp, "last-producer", BLOCK, last, {"p": SHARED}, 10)
-    runs["last_consumer"] = servers.run_engine(tmp, "last-consumer", BLOCK, last, PROMPTS, 10)
-    # A migration mid-decode: "m" (250 tokens) completes its second chunk in its 6th decode step; moved after
-    # MOVED_AFTER tokens, the destination's prompt ends past that chunk, whose windows a decode step saved.
-    decode = {"hurray_path": str(tmp / "store-decode"), "hurray_chunk_tokens": CHUNK}
-    runs["decode_producer"] = servers.run_engine(tmp, "decode-producer", BLOCK, decode, {"m": MOVED}, 20)
-    moved = [*MOVED, *runs["decode_producer"]["outputs"]["m"][:MOVED_AFTER]]
-    runs["decode_consumer"] = servers.run_engine(tmp, "decode-consumer", BLOCK, decode, {"m_moved": moved}, 12)
     return runs
 
 

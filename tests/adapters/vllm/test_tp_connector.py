@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from conftest import require
 from engine_script import run_engine_script
-from servers import receiver_process
+from servers import receiver_process, side_by_side
 from tiny_models import build_tiny_eagle, build_tiny_llama
 
 from hurray_vllm.chunks import chunk_keys
@@ -65,9 +65,13 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         receiver_process(pushed1, tmp / "receiver1.log") as url1,
         receiver_process(pushed2, tmp / "receiver2.log") as url2,
     ):
-        runs["save1"] = _run(tmp, "save1", one, 1, url1)
         # The TP = 2 saver with the default background saves: each rank's writer writes and pushes.
-        runs["save2"] = _run(tmp, "save2", two, 2, url2, save_async=True)
+        runs |= side_by_side(
+            {
+                "save2": lambda: _run(tmp, "save2", two, 2, url2, save_async=True),
+                "save1": lambda: _run(tmp, "save1", one, 1, url1),
+            }
+        )
     broken = tmp / "store-broken"
     shutil.copytree(two, broken)
     (ns,) = [p.name for p in broken.iterdir() if p.is_dir()]
@@ -81,10 +85,15 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     on21, on12 = tmp / "on-from-load21", tmp / "on-from-load12"
     runs["stores"] |= {"on21": on21, "on12": on12}
     with receiver_process(on21, tmp / "receiver3.log") as url3, receiver_process(on12, tmp / "receiver4.log") as url4:
-        runs["load21"] = _run(tmp, "load21", pushed2, 1, url3)  # what the TP = 2 ranks pushed over TCP
-        runs["load12"] = _run(tmp, "load12", pushed1, 2, url4)
-    runs["load22"] = _run(tmp, "load22", two, 2)
-    runs["broken"] = _run(tmp, "broken", broken, 1)
+        runs |= side_by_side(
+            {
+                "load12": lambda: _run(tmp, "load12", pushed1, 2, url4),
+                "load21": lambda: _run(tmp, "load21", pushed2, 1, url3),  # what the TP = 2 ranks pushed over TCP
+            }
+        )
+    runs |= side_by_side(
+        {"load22": lambda: _run(tmp, "load22", two, 2), "broken": lambda: _run(tmp, "broken", broken, 1)}
+    )
     runs["broken2"] = _run(tmp, "broken2", broken2, 2)
     return runs
 
