@@ -35,6 +35,7 @@ from servers import (
     ServerSpec,
     router_spec,
     run_engine,
+    side_by_side,
     start_servers,
     stop_servers,
     stream_completion,
@@ -49,12 +50,11 @@ from hurray_vllm.chunks.keys import slice_key
 pytestmark = [pytest.mark.vllm]
 A = [(i * 37 + 11) % 500 + 1 for i in range(100)]  # one chunk and a tail of one block; chunk 1 ends in decode
 B = [(i * 53 + 7) % 500 + 1 for i in range(150)]  # two chunks, no tail (22 tokens)
+MOVED = [(i * 41 + 3) % 500 + 1 for i in range(300)]  # chunks of 64: after 40 tokens, chunk 4 holds generated ones
+MOVED_TOKENS = 120
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    require("vllm")
-    tmp = tmp_path_factory.mktemp("async_llama")
+def _llama_run(tmp: Path) -> dict[str, Any]:
     build_tiny_llama(tmp / "model")
     phases = [
         {"prompts": {"a": A, "b": B}, "max_tokens": 40},
@@ -65,6 +65,45 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         },
     ]
     return run_phases(tmp, "llama", 1, phases, block=32, chunk=64, max_model_len=512, async_scheduling=True)
+
+
+def _linear_run(tmp: Path, tp: int) -> dict[str, Any]:
+    """At TP = 1 the worker writes what the scheduler verified; at TP = 2 the ranks' processes load
+    through vLLM's asynchronous-load path, and each rank saves its slice with its share of the states."""
+    build_tiny_qwen3_next(tmp / "model")
+    phases = [
+        # Prefilled 0..B and B..2B - 8 (vLLM ends a step at the last block boundary): chunk 0 holds the
+        # state at B; chunk 1 ends in the 8th decode step.
+        {"prompts": {"d": {"seed": 3, "blocks": 2, "extra": -8}}, "max_tokens": 16},
+        {"prompts": {"moved": {"after": "d", "tokens": 9}}, "max_tokens": 7, "reset_prefix_cache": True},
+    ]
+    result = run_phases(tmp, "linear", tp, phases, async_scheduling=True)
+    return {**result, "tp": tp, "store": tmp / "store"}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The module's offline engines, side by side (``servers.side_by_side``): each has a store of its own."""
+    require("vllm")
+    tmps = {name: tmp_path_factory.mktemp(name) for name in ("async_llama", "async_linear_tp1", "async_linear_tp2")}
+    router = tmp_path_factory.mktemp("async_router")
+    build_tiny_llama(router / "model")
+    return side_by_side(
+        {
+            "linear2": lambda: _linear_run(tmps["async_linear_tp2"], 2),
+            "llama": lambda: _llama_run(tmps["async_llama"]),
+            "linear1": lambda: _linear_run(tmps["async_linear_tp1"], 1),
+            "router": lambda: {
+                "tmp": router,
+                "plain": run_engine(router, "plain", 32, None, {"moved": MOVED}, MOVED_TOKENS),
+            },
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def llama(engines: dict[str, Any]) -> dict[str, Any]:
+    return engines["llama"]
 
 
 def test_a_llama_engine_with_asynchronous_scheduling_saves_and_loads_every_whole_chunk(llama) -> None:  # type: ignore[no-untyped-def]
@@ -79,22 +118,8 @@ def test_a_llama_engine_with_asynchronous_scheduling_saves_and_loads_every_whole
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def linear(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """At TP = 1 the worker writes what the scheduler verified; at TP = 2 the ranks' processes load
-    through vLLM's asynchronous-load path, and each rank saves its slice with its share of the states."""
-    require("vllm")
-    tmp = tmp_path_factory.mktemp(f"async_linear_tp{request.param}")
-    build_tiny_qwen3_next(tmp / "model")
-    phases = [
-        # Prefilled 0..B and B..2B - 8 (vLLM ends a step at the last block boundary): chunk 0 holds the
-        # state at B; chunk 1 ends in the 8th decode step.
-        {"prompts": {"d": {"seed": 3, "blocks": 2, "extra": -8}}, "max_tokens": 16},
-        {"prompts": {"moved": {"after": "d", "tokens": 9}}, "max_tokens": 7, "reset_prefix_cache": True},
-    ]
-    result = run_phases(tmp, "linear", request.param, phases, async_scheduling=True)
-    result["tp"] = request.param
-    result["store"] = tmp / "store"
-    return result
+def linear(request: pytest.FixtureRequest, engines: dict[str, Any]) -> dict[str, Any]:
+    return engines[f"linear{request.param}"]
 
 
 def test_a_chunk_completed_in_decode_keeps_its_state_with_asynchronous_scheduling(linear) -> None:  # type: ignore[no-untyped-def]
@@ -113,18 +138,11 @@ def test_a_chunk_completed_in_decode_keeps_its_state_with_asynchronous_schedulin
     assert loaded["outputs"]["moved"] == made["outputs"]["d"][9:16]
 
 
-MOVED = [(i * 41 + 3) % 500 + 1 for i in range(300)]  # chunks of 64: after 40 tokens, chunk 4 holds generated ones
-MOVED_TOKENS = 120
-
-
 @pytest.fixture(scope="module")
-def async_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def async_fleet(engines: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Two OpenAI servers with asynchronous scheduling (blocks of 32 and 64) on one store, and the router."""
-    require("vllm")
     require("httpx")
-    tmp = tmp_path_factory.mktemp("async_router")
-    build_tiny_llama(tmp / "model")
-    plain = run_engine(tmp, "plain", 32, None, {"moved": MOVED}, MOVED_TOKENS)["outputs"]
+    tmp, plain = engines["router"]["tmp"], engines["router"]["plain"]["outputs"]
 
     def specs(port: Callable[[], int]) -> list[ServerSpec]:
         extra = {"hurray_path": str(tmp / "store"), "hurray_chunk_tokens": 64}

@@ -39,6 +39,7 @@ import torch
 from conftest import require
 from engine_script import run_phases
 from margins import assert_agrees
+from servers import side_by_side
 from tiny_models import build_tiny_qwen3_next
 
 import hurray_vllm as hv
@@ -72,26 +73,16 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="session", params=list(CASES), ids=list(CASES))
-def linear_tp(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
-    """A TP = 1 engine saves, an engine of ``tp`` ranks loads and saves, a TP = 1 engine loads its chunks.
-
-    Every token goes to every expert where the ranks split states finer than
-    KV heads: with top-2 routing a router near-tie flips an expert on TP's
-    summation order, and the engine's own unmoved tokens then leave
-    transformers' margin (vLLM's arithmetic, not a transfer).
-    """
-    require("transformers")
-    require("vllm")
-    kv, tp, heads, experts = CASES[request.param]
-    tmp = tmp_path_factory.mktemp(f"linear-{request.param}")
+def _save1(tmp: Path, case: str) -> dict[str, Any]:
+    """The case's model; a TP = 1 engine computes and saves "p", "v", "s"; "s"'s files are deleted again."""
+    kv, tp, heads, experts = CASES[case]
     build_tiny_qwen3_next(tmp / "model", kv_heads=kv, experts_per_token=experts, linear_heads=heads)
     # vLLM sizes blocks to the states per rank and the KV per token: with one KV head (or twice the state
     # heads) a TP = 1 block is 1152 tokens here, and more ranks (a smaller share) would pick fewer. The
     # multi-rank engine is told TP = 1's.
     blocks = 2 if (kv, heads) == (2, (2, 4)) else 1  # whole chunks (of a block each), within max_model_len 2048
     specs = {rid: {"seed": seed, "blocks": blocks, "extra": 40} for rid, seed in SEEDS.items()}
-    runs: dict[str, Any] = {"tmp": tmp, "kv": kv, "tp": tp, "heads": heads, "blocks": blocks}
+    runs: dict[str, Any] = {"tmp": tmp, "kv": kv, "tp": tp, "heads": heads, "blocks": blocks, "specs": specs}
     runs["save1"] = _run(tmp, "save1", 1, [{"prompts": specs, "snapshot": True}])
     block = runs["save1"]["block_size"]
     prompts = runs["save1"]["prompts"]
@@ -99,20 +90,60 @@ def linear_tp(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
     runs["keys"] = {rid: chunk_keys(prompts[rid][: blocks * block], block, ns) for rid in specs}
     for key in runs["keys"]["s"]:  # "s" is for the multi-rank engine to compute and save
         (tmp / "store" / ns / f"{key}.hrry").unlink()
-    runs["ranks"] = _run(
-        tmp,
-        "ranks",
-        tp,
-        [
-            {"prompts": {"p": specs["p"]}},
-            {"prompts": {"v": specs["v"]}, "vanish": True},
-            {"prompts": {"s": specs["s"]}, "snapshot": True},
-        ],
-        block=block,
-    )
-    assert runs["ranks"]["block_size"] == block  # else chunks of the two degrees would not be the same
-    runs["load1"] = _run(tmp, "load1", 1, [{"prompts": {"s": specs["s"], "v": specs["v"]}}])
     return runs
+
+
+def _ranks(runs: dict[str, Any]) -> dict[str, Any]:
+    """The multi-rank engine: loads "p"; "v" while a racing prune deletes its files; computes and saves "s"."""
+    tmp, specs, block = runs["tmp"], runs["specs"], runs["save1"]["block_size"]
+    phases = [
+        {"prompts": {"p": specs["p"]}},
+        {"prompts": {"v": specs["v"]}, "vanish": True},
+        {"prompts": {"s": specs["s"]}, "snapshot": True},
+    ]
+    out = _run(tmp, "ranks", runs["tp"], phases, block=block)
+    assert out["block_size"] == block  # else chunks of the two degrees would not be the same
+    return out
+
+
+def _load1(runs: dict[str, Any]) -> dict[str, Any]:
+    """A TP = 1 engine loads "s" and "v" from the multi-rank engine's slices."""
+    specs = runs["specs"]
+    return _run(runs["tmp"], "load1", 1, [{"prompts": {"s": specs["s"], "v": specs["v"]}}])
+
+
+@pytest.fixture(scope="session")
+def linear_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every case's three engines, a TP = 1 run beside a multi-rank one where they share nothing.
+
+    Two multi-rank engines never run together: their ranks are bound to the
+    same cores (``servers.side_by_side``).
+    """
+    require("transformers")
+    require("vllm")
+    tmps = {case: tmp_path_factory.mktemp(f"linear-{case}") for case in CASES}
+    a, b, c = CASES  # kv2-tp2, kv1-tp2, kv2-tp4
+    runs = side_by_side({a: lambda: _save1(tmps[a], a), b: lambda: _save1(tmps[b], b)})
+    stage = side_by_side({"ranks": lambda: _ranks(runs[a]), c: lambda: _save1(tmps[c], c)})
+    runs[a]["ranks"], runs[c] = stage["ranks"], stage[c]
+    stage = side_by_side({"ranks": lambda: _ranks(runs[b]), "load1": lambda: _load1(runs[a])})
+    runs[b]["ranks"], runs[a]["load1"] = stage["ranks"], stage["load1"]
+    stage = side_by_side({"ranks": lambda: _ranks(runs[c]), "load1": lambda: _load1(runs[b])})
+    runs[c]["ranks"], runs[b]["load1"] = stage["ranks"], stage["load1"]
+    runs[c]["load1"] = _load1(runs[c])
+    return runs
+
+
+@pytest.fixture(scope="session", params=list(CASES), ids=list(CASES))
+def linear_tp(linear_cases: dict[str, dict[str, Any]], request: pytest.FixtureRequest) -> dict[str, Any]:
+    """A TP = 1 engine saves, an engine of ``tp`` ranks loads and saves, a TP = 1 engine loads its chunks.
+
+    Every token goes to every expert where the ranks split states finer than
+    KV heads: with top-2 routing a router near-tie flips an expert on TP's
+    summation order, and the engine's own unmoved tokens then leave
+    transformers' margin (vLLM's arithmetic, not a transfer).
+    """
+    return linear_cases[request.param]
 
 
 @pytest.fixture(scope="session")

