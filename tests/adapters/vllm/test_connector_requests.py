@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import require
-from servers import run_engine
+from servers import run_engine, side_by_side
 from tiny_models import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm]
@@ -49,32 +49,44 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp, "producer", BLOCK, extra, {"p": P, "salted": P}, 8, role="kv_producer", salts={"salted": "tenant-a"}
     )
     out["saved"] = _files(store)
-    out["consumer"] = run_engine(
-        tmp,
-        "consumer",
-        BLOCK,
-        extra,
-        {"none": P, "same": P, "other": P},
-        8,
-        role="kv_consumer",
-        salts={"same": "tenant-a", "other": "tenant-b"},
+    # Consumers only read the store: they run side by side.
+    out |= side_by_side(
+        {
+            "consumer": lambda: run_engine(
+                tmp,
+                "consumer",
+                BLOCK,
+                extra,
+                {"none": P, "same": P, "other": P},
+                8,
+                role="kv_consumer",
+                salts={"same": "tenant-a", "other": "tenant-b"},
+            ),
+            # The same checkpoint with another rope base: every key is rotated otherwise.
+            "rope": lambda: run_engine(
+                tmp,
+                "rope",
+                BLOCK,
+                extra,
+                {"p": P},
+                8,
+                role="kv_consumer",
+                engine={"hf_overrides": {"rope_theta": 500.0}},
+            ),
+            # Parallel sampling (OpenAI's n): vLLM fans the request out into children that share its prompt.
+            "sampled": lambda: run_engine(
+                tmp,
+                "sampled",
+                BLOCK,
+                extra,
+                {"p": P},
+                8,
+                role="kv_consumer",
+                engine={"sampling": {"n": 3, "temperature": 0.8, "seed": 7}},
+            ),
+        }
     )
     out["after"] = _files(store)
-    # The same checkpoint with another rope base: every key is rotated otherwise.
-    out["rope"] = run_engine(
-        tmp, "rope", BLOCK, extra, {"p": P}, 8, role="kv_consumer", engine={"hf_overrides": {"rope_theta": 500.0}}
-    )
-    # Parallel sampling (OpenAI's n): vLLM fans the request out into children that share its prompt.
-    out["sampled"] = run_engine(
-        tmp,
-        "sampled",
-        BLOCK,
-        extra,
-        {"p": P},
-        8,
-        role="kv_consumer",
-        engine={"sampling": {"n": 3, "temperature": 0.8, "seed": 7}},
-    )
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 from conftest import require
 from engine_script import run_engine_script
 from margins import agreement, assert_agrees
+from servers import side_by_side
 from tiny_models import build_tiny_qwen3_next
 
 import hurray_vllm as hv
@@ -97,9 +98,13 @@ def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # completed by the 8th decode step, which took the states at its end.
     moved = tmp / "moved.json"
     moved.write_text(json.dumps({"d_moved": [*prompts["d"], *saved["outputs"]["d"][:MOVED_AFTER]]}))
-    runs["load"] = _run(tmp, "load", store, "load", moved)
-    runs["broken"] = _run(tmp, "broken", broken, "load")
-    runs["forged"] = _run(tmp, "forged", forged, "load")
+    runs |= side_by_side(
+        {
+            "load": lambda: _run(tmp, "load", store, "load", moved),
+            "broken": lambda: _run(tmp, "broken", broken, "load"),
+            "forged": lambda: _run(tmp, "forged", forged, "load"),
+        }
+    )
     return runs
 
 

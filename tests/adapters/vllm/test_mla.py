@@ -21,6 +21,7 @@ import torch
 from conftest import require
 from engine_script import run_engine_script
 from margins import agreement, assert_agrees, assert_continues, recompute_logits
+from servers import side_by_side
 from tiny_models import build_tiny_deepseek_v2
 
 import hurray_vllm as hv
@@ -49,11 +50,15 @@ def mla(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     broken, loaded = tmp / "broken-store", tmp / "tp2-store"
     shutil.copytree(store, broken)
     shutil.copytree(store, loaded)
-    # Loads every whole chunk on both ranks, and snapshots mid-decode as the first engine did.
-    runs["load"] = _run(tmp, "load", loaded, "save", tp=2)
-    runs["snap2"] = hv.load(runs["load"]["dir"] / "snap.hrry")
     runs["damaged"] = _damage_second_chunk_of(broken, saved["prompts"]["a"], saved["chunk_tokens"])
-    runs["broken"] = _run(tmp, "broken", broken, "load")
+    runs |= side_by_side(
+        {
+            # Loads every whole chunk on both ranks, and snapshots mid-decode as the first engine did.
+            "load": lambda: _run(tmp, "load", loaded, "save", tp=2),
+            "broken": lambda: _run(tmp, "broken", broken, "load"),
+        }
+    )
+    runs["snap2"] = hv.load(runs["load"]["dir"] / "snap.hrry")
     return runs
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import require
-from servers import run_engine
+from servers import run_engine, side_by_side
 from tiny_models import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm]
@@ -29,10 +29,12 @@ def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("preemption")
     build_tiny_llama(tmp / "model")
     extra = {"hurray_path": str(tmp / "store"), "hurray_chunk_tokens": CHUNK}
-    return {
-        "plain": run_engine(tmp, "plain", BLOCK, None, PROMPTS, 120, engine=SMALL),
-        "connector": run_engine(tmp, "connector", BLOCK, extra, PROMPTS, 120, engine=SMALL),
-    }
+    return side_by_side(
+        {
+            "plain": lambda: run_engine(tmp, "plain", BLOCK, None, PROMPTS, 120, engine=SMALL),
+            "connector": lambda: run_engine(tmp, "connector", BLOCK, extra, PROMPTS, 120, engine=SMALL),
+        }
+    )
 
 
 def test_preempted_requests_resume_with_identical_tokens_loading_their_own_chunks(preempted: dict[str, Any]) -> None:

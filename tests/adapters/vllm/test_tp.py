@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import require
 from engine_script import run_engine_script
+from servers import side_by_side
 from tiny_models import build_tiny_llama
 
 import hurray_vllm as hv
@@ -43,7 +44,8 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any
     require("vllm")
     tmp = tmp_path_factory.mktemp("tp")
     build_tiny_llama(tmp / "model")
-    return {1: _run(tmp, 1), 2: _run(tmp, 2)}
+    both = side_by_side({"2": lambda: _run(tmp, 2), "1": lambda: _run(tmp, 1)})
+    return {1: both["1"], 2: both["2"]}
 
 
 def test_tp2_greedy_tokens_equal_tp1(tp_runs: dict[int, dict[str, Any]]) -> None:
