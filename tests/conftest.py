@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from servers import root_cause
+from servers import root_cause, side_by_side
 from tiny_models import build_tiny_llama
 
 settings.register_profile(
@@ -57,7 +57,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class EngineRuns(dict[str, tuple[Path, dict[str, Any]]]):
-    """Engine runs by configuration name, each run (in its own process) the first time it is asked for.
+    """Engine runs by configuration name: the first time one is asked for, all of them run (side by side).
 
     A configuration this CPU cannot run (vLLM refuses fp8 KV caches without
     AVX-512 or AMX) skips the tests that ask for it, with vLLM's reason: that
@@ -68,10 +68,23 @@ class EngineRuns(dict[str, tuple[Path, dict[str, Any]]]):
         super().__init__()
         self.model, self.tmp = model, tmp
         self.failed: dict[str, str] = {}
+        self.unsupported: dict[str, str] = {}
 
     def __missing__(self, name: str) -> tuple[Path, dict[str, Any]]:
+        if name not in self.failed and name not in self.unsupported:
+            # Every configuration not run yet, side by side: the suite asks for each of them.
+            pending = [n for n in CONFIGS if n not in self.failed and n not in self.unsupported and n not in self]
+            for other, outcome in side_by_side({n: (lambda n=n: self._run(n)) for n in pending}).items():
+                if isinstance(outcome, tuple):
+                    self[other] = outcome
         if name in self.failed:
             pytest.fail(self.failed[name])
+        if name in self.unsupported:
+            pytest.skip(f"needs a CPU vLLM runs {name} on: {self.unsupported[name]}")
+        return self[name]
+
+    def _run(self, name: str) -> tuple[Path, dict[str, Any]] | None:
+        """One configuration's engine run; None where it failed (``failed``) or this CPU cannot run it."""
         block_size, kv_dtype = CONFIGS[name]
         out = self.tmp.mktemp(f"engine-{name}")
         proc = subprocess.run(
@@ -83,13 +96,13 @@ class EngineRuns(dict[str, tuple[Path, dict[str, Any]]]):
         )
         if proc.returncode:
             self.failed[name] = f"vLLM engine {name} failed:\n{root_cause(proc.stderr)}"
-            pytest.fail(self.failed[name])
+            return None
         result = json.loads((out / "result.json").read_text())
         if "unsupported" in result:
-            pytest.skip(f"needs a CPU vLLM runs {name} on: {result['unsupported']}")
+            self.unsupported[name] = result["unsupported"]
+            return None
         ISAS_SEEN[name] = result["isa"]
-        self[name] = (out, result)
-        return self[name]
+        return out, result
 
 
 #: Configuration name -> the CPU attention ISA vLLM chose for it, reported at the end of the run.
