@@ -3,12 +3,12 @@
 Usage: python hybrid_tp_run.py CONFIG_JSON OUT_DIR
 
 CONFIG: ``{"model", "store", "tp", "block", "chunk", "max_model_len", "kv_cache_dtype", "async_scheduling",
-"phases": [{"prompts": {id: prompt}, "salts": {id: cache_salt}, "vanish": bool, "snapshot": bool,
+"speculative", "phases": [{"prompts": {id: prompt}, "salts": {id: cache_salt}, "vanish": bool, "snapshot": bool,
 "max_tokens": n, "reset_prefix_cache": bool}, ...]}``.
-``block``, ``chunk``, ``max_model_len`` (2048), ``kv_cache_dtype`` ("auto") and
-``async_scheduling`` (vLLM's, which the CPU platform turns off unless this is true: see
-``vllm_patches``) are optional: vLLM sizes a linear-attention hybrid's blocks to its states
-(hundreds of tokens, CPU-dependent), and chunks default to one such block. A prompt is a list of
+``block``, ``chunk``, ``max_model_len`` (2048), ``kv_cache_dtype`` ("auto"), ``async_scheduling``
+(vLLM's, which the CPU platform turns off unless this is true: see ``vllm_patches``) and
+``speculative`` (vLLM's ``speculative_config``) are optional: vLLM sizes a linear-attention hybrid's
+blocks to its states (hundreds of tokens, CPU-dependent), and chunks default to one such block. A prompt is a list of
 token ids, ``{"seed", "blocks", "extra"}``: ``blocks * B + extra`` tokens of a pattern seeded by
 ``seed``, for the engine's block size ``B``, or ``{"after": id, "tokens": k}``: an earlier phase's
 prompt ``id`` and its first ``k`` generated tokens (the request moved mid-decode).
@@ -112,6 +112,7 @@ def main() -> None:
         seed=0,
         kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
         async_scheduling=cfg.get("async_scheduling"),
+        speculative_config=cfg.get("speculative"),
         **({"block_size": cfg["block"]} if cfg.get("block") else {}),
     )
     warm_up(llm)  # CPUs with AMX: a first attention call of 4 tokens or fewer would kill the engine

@@ -40,7 +40,7 @@ import torch
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor, zero_slots_
-from ..kv.snapshot import KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
+from ..kv.snapshot import TARGET_LAYERS, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ..kv.states import RecurrentStates
 from ..wire import dtypes
 from ..wire.descriptor import PerTensorAffine
@@ -225,10 +225,13 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     if problems:
         hint = ""
         if snapshot.num_layers > geo.num_layers:
-            # An engine with EAGLE or MTP exports the drafter's layers after the model's.
+            # An engine with EAGLE or MTP exports the drafter's layers after the model's (and names them).
             hint = (
                 f" (if layers {geo.num_layers}.. are a speculative drafter's, take the model's: "
                 f"snapshot.with_layers(snapshot.layer_members()[:{geo.num_layers}], fingerprint=None))"
+                if TARGET_LAYERS not in snapshot.extra
+                else f" (layers {snapshot.extra[TARGET_LAYERS]}.. are a speculative drafter's: "
+                "snapshot.without_drafter() takes the model's)"
             )
         raise HurrayFormatError("fingerprint", "the snapshot does not fit this model: " + "; ".join(problems) + hint)
 
@@ -427,7 +430,9 @@ def to_dynamic_cache(
         model_config: the target model's ``PretrainedConfig``. When given, the
             snapshot is checked against it (:func:`check_compatible`) and the
             cache is built with ``DynamicCache(config=...)``, so sliding-window
-            layers keep only their window.
+            layers keep only their window. A snapshot of an engine running
+            EAGLE or MTP, whose drafter's layers follow the model's and are
+            named (``extra[TARGET_LAYERS]``), gives the model's layers.
         dtype: the cache dtype; default the pool dtype, or for fp8 pools the
             config's dtype (float32 without a config). It must match the
             model's activations dtype.
@@ -443,6 +448,8 @@ def to_dynamic_cache(
     from transformers import DynamicCache
 
     if model_config is not None:
+        if TARGET_LAYERS in snapshot.extra and snapshot.num_layers > config_geometry(model_config).num_layers:
+            snapshot = snapshot.without_drafter()  # an EAGLE or MTP engine's: the model's layers lead
         check_compatible(snapshot, model_config, architecture=architecture)
     if not snapshot.num_layers:
         raise HurrayFormatError("snapshot.layers", "the snapshot holds no layers")

@@ -24,7 +24,14 @@ __all__ = [
     "KVSnapshot",
     "KV_ROLES",
     "FUSED_ROLES",
+    "TARGET_LAYERS",
 ]
+
+#: ``extra`` key of a snapshot whose trailing layers are a speculative drafter's (EAGLE's head, DeepSeek's
+#: MTP layers), exported after the model's own: how many leading layers are the model's. An engine with
+#: such a drafter keeps the drafter's KV in the same caches, so its snapshots hold both;
+#: :meth:`KVSnapshot.without_drafter` keeps the model's.
+TARGET_LAYERS = "hurray_vllm.target_layers"
 
 
 #: Bounds on what a fingerprint may claim (a sanity bound on hostile metadata, far above any model).
@@ -471,6 +478,46 @@ class KVSnapshot:
         if self.fused or (layers and len(layers[0]) == 1):
             return replace(self, keys=(), values=(), fused=tuple(m[0] for m in layers), **changes)
         return replace(self, keys=tuple(m[0] for m in layers), values=tuple(m[1] for m in layers), **changes)
+
+    def without_drafter(self) -> KVSnapshot:
+        """The model's own layers, without a speculative drafter's (named by ``extra[TARGET_LAYERS]``).
+
+        A snapshot of an engine running EAGLE or MTP holds the drafter's KV
+        layers after the model's; a model without the drafter (transformers,
+        an engine without speculation) takes the leading ones. The result's
+        fingerprint counts those layers and has no weights digest (the
+        engine's covered the drafter's weights too); per-layer scales and
+        windows are cut alike. A snapshot that names no drafter is returned
+        as it is.
+
+        Raises:
+            HurrayFormatError: ``extra[TARGET_LAYERS]`` is not a layer count
+                from 1 to the snapshot's number of layers.
+
+        Example:
+            >>> one = torch.tensor([0])
+            >>> t = BlockPagedTensor(torch.zeros(1, 2, 1, 4), one, torch.tensor([0, 1]), torch.tensor([2]))
+            >>> snap = KVSnapshot.from_layers([(t, replace(t, kv_role="value"))] * 3, extra={TARGET_LAYERS: 2})
+            >>> snap.without_drafter().num_layers
+            2
+        """
+        if TARGET_LAYERS not in self.extra:
+            return self
+        n = self.extra[TARGET_LAYERS]
+        if type(n) is not int or not 1 <= n <= self.num_layers:
+            raise HurrayFormatError(
+                f"extra.{TARGET_LAYERS}",
+                f"expected how many of the snapshot's {self.num_layers} layers are the model's, got {n!r}",
+            )
+        fp = self.fingerprint
+        windows = self.windows
+        return self.with_layers(
+            self.layer_members()[:n],
+            fingerprint=replace(fp, num_layers=n, weights_digest=None) if fp is not None else None,
+            kv_scales=self.kv_scales[:n] if self.kv_scales is not None else None,
+            windows=replace(windows, sizes=windows.sizes[:n], kv_start=windows.kv_start[:n]) if windows else None,
+            extra={k: v for k, v in self.extra.items() if k != TARGET_LAYERS},
+        )
 
     # ── batch operations ───────────────────────────────────────────────────
 

@@ -23,7 +23,7 @@ from ...chunks.keys import KEY_SEEDS, namespace_of
 from ...containers.io import write_stream
 from ...errors import HurrayFormatError
 from ...kv.heads import concat_heads, distinct_ranks
-from ...kv.snapshot import KVSnapshot
+from ...kv.snapshot import TARGET_LAYERS, KVSnapshot
 from ...kv.states import RecurrentStates, join_states
 from .cache import (
     EngineCache,
@@ -34,6 +34,7 @@ from .cache import (
     group_options,
     rank_share,
     split_states_refusal,
+    target_layers,
     unsupported_cache,
     unsupported_parallelism,
     with_rank_heads,
@@ -236,8 +237,19 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         snap = export_snapshot(
             ec.caches, ec.layout, seqs, **ec.export_options(), **_group_options(llm, ec), states=_states(ec, seqs)
         )
-    extra = _key_seeds(llm, request_ids)
+    extra = {**_key_seeds(llm, request_ids), **_drafter(llm, snap.num_layers)}
     return replace(snap, extra={**snap.extra, **extra}) if extra else snap
+
+
+def _drafter(llm: Any, num_layers: int) -> dict[str, Any]:
+    """``extra`` naming the model's own layers where the engine's speculative drafter has KV layers after them.
+
+    EAGLE's head and DeepSeek's MTP layers keep their KV in the target's
+    caches, so a snapshot holds them too; a model without the drafter takes
+    the leading ones (:meth:`~hurray_vllm.kv.snapshot.KVSnapshot.without_drafter`).
+    """
+    target = target_layers(llm.llm_engine.vllm_config)
+    return {TARGET_LAYERS: target} if num_layers > target else {}
 
 
 def _key_seeds(llm: Any, request_ids: Sequence[str]) -> dict[str, Any]:
@@ -284,7 +296,7 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         **_group_options(llm, ec),
         show_progress=progress,
         states=_states(ec, seqs),
-        extra=_key_seeds(llm, request_ids),
+        extra={**_key_seeds(llm, request_ids), **_drafter(llm, ec.fingerprint.num_layers)},
     )
 
 

@@ -20,12 +20,14 @@ layers, which failed in the worker on every request.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import require
+from engine_script import run_phases
 from margins import assert_agrees, recompute_logits
 from servers import run_engine, side_by_side
 from tiny_models import build_tiny_deepseek_v3_mtp, build_tiny_eagle, build_tiny_llama
@@ -33,6 +35,7 @@ from tiny_models import build_tiny_deepseek_v3_mtp, build_tiny_eagle, build_tiny
 import hurray_vllm as hv
 from hurray_vllm.adapters.vllm.layouts import cpu_mla_backend
 from hurray_vllm.chunks import chunk_keys
+from hurray_vllm.kv.snapshot import TARGET_LAYERS
 
 pytestmark = [pytest.mark.vllm]
 BLOCK = CHUNK = 32
@@ -79,12 +82,18 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     build_tiny_llama(tmp / "model")
     eagle = {"method": "eagle", "model": str(build_tiny_eagle(tmp / "eagle")), "num_speculative_tokens": 2}
     mtp = tmp_path_factory.mktemp("mtp")
+    snap = tmp_path_factory.mktemp("eagle-snapshot")
+    (snap / "model").symlink_to(tmp / "model")
+    phases = [{"prompts": {"p": P}, "snapshot": True, "max_tokens": 12}]
     return side_by_side(
         {
             "ngram": lambda: _producer_and_consumer(tmp, "", SPEC, tmp / "store"),
             "eagle": lambda: _producer_and_consumer(tmp, "eagle-", eagle, tmp / "eagle-store"),
             "mtp": lambda: _mtp_runs(mtp),
             "plain": lambda: run_engine(tmp, "plain", BLOCK, None, {"p": P, "q": Q}, MAX_TOKENS, speculative=SPEC),
+            "eagle_snapshot": lambda: run_phases(
+                snap, "run", 1, phases, block=BLOCK, chunk=CHUNK, max_model_len=512, speculative=eagle
+            ),
         }
     )
 
@@ -157,6 +166,32 @@ def test_an_eagle_engine_stores_the_heads_kv_with_the_targets_and_loads_it(eagle
 def test_an_eagle_request_moved_mid_decode_loads_what_its_drafting_steps_saved(eagle_runs: dict[str, Any]) -> None:
     runs = eagle_runs
     _check_moved(runs["store"].parent / "model", runs["consumer"], runs["moved"], runs["producer"], "EAGLE")
+
+
+def test_an_eagle_engines_snapshot_names_the_models_layers_and_continues_in_transformers(
+    engines: dict[str, Any],
+) -> None:
+    """``snapshot()`` of an engine whose EAGLE head keeps KV: transformers (no head) takes the model's layers."""
+    from transformers import LlamaForCausalLM
+
+    from hurray_vllm.adapters import transformers as tfa
+    from hurray_vllm.errors import HurrayFormatError
+
+    run = engines["eagle_snapshot"]
+    snap = hv.load(run["dir"] / "snap0.hrry")
+    assert snap.num_layers == 3 and snap.extra[TARGET_LAYERS] == 2  # the model's two, then the head's
+    assert snap[2, "key"].page_pool.abs().sum() > 0
+    tokens = run["phases"][0]["outputs"]["p"]
+    assert list(snap.token_ids[0]) == [*P, tokens[0]]  # after the prefill: one sampled token without KV
+    model = LlamaForCausalLM.from_pretrained(engines["ngram"]["tmp"] / "model", dtype=torch.bfloat16).eval()
+    # vLLM's kernels and transformers' round differently: the margin rule (exact between transformers paths).
+    assert_agrees(tfa.teacher_forced_logits(model, snap, 0, tokens[1:]), tokens[1:], "EAGLE snapshot in transformers")
+    model_only = snap.without_drafter()
+    assert model_only.num_layers == 2 and TARGET_LAYERS not in model_only.extra
+    assert tfa.continue_generation(model, snap, 0, 6) == tfa.continue_generation(model, model_only, 0, 6)
+    # A snapshot that does not name its drafter's layers is refused, saying how to take the model's.
+    with pytest.raises(HurrayFormatError, match="speculative drafter"):
+        tfa.continue_generation(model, replace(snap, extra={}), 0, 1)
 
 
 def test_engines_with_and_without_the_eagle_head_keep_their_chunks_apart(
