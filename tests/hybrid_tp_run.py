@@ -15,7 +15,8 @@ prompt ``id`` and its first ``k`` generated tokens (the request moved mid-decode
 Each phase's prompts run as one batch, greedy, ``max_tokens`` (10) tokens each, after emptying
 vLLM's own prefix cache if ``reset_prefix_cache`` (a load then comes from the store). With
 ``snapshot`` the phase is stepped by hand and ``snapshot()`` taken once every prompt is computed,
-before the first decode step (``OUT_DIR/snap{phase}.hrry``). In a ``vanish`` phase the chunk files
+before the first decode step (``OUT_DIR/snap{phase}.hrry``; with ``"stream": true`` also
+``snapshot_stream()``'s, ``OUT_DIR/snap{phase}.hrrs``). In a ``vanish`` phase the chunk files
 disappear from the store right after the scheduler promised a load (as a ``hurray-vllm prune``
 racing the load would make them): the workers, processes of their own at TP > 1, then fail to read
 them. Writes ``OUT_DIR/result.json``: the block size and prompts, per phase the outputs, vLLM's
@@ -78,7 +79,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     import hurray_vllm as hv
-    from hurray_vllm.adapters.vllm import snapshot
+    from hurray_vllm.adapters.vllm import snapshot, snapshot_stream
     from hurray_vllm.adapters.vllm._generate import warm_up
     from hurray_vllm.chunks.store import DirectoryStore
 
@@ -147,6 +148,9 @@ def main() -> None:
                 reqs = list(core.scheduler.requests.values())
                 if not taken and reqs and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
                     hv.save(snapshot(llm, list(prompts)), out / f"snap{n}.hrry")
+                    if phase.get("stream"):
+                        with open(out / f"snap{n}.hrrs", "wb") as f:
+                            snapshot_stream(llm, list(prompts), f)
                     taken = True
         else:
             ids = list(prompts)

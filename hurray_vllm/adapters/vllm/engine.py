@@ -347,7 +347,8 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     _refuse_split_states(llm, "snapshot_ranks() files", per_rank=True)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    extra = _key_seeds(llm, request_ids)
+    layers = fingerprint_of(llm.llm_engine.vllm_config, kv_cache_config=_kv_cache_config(llm)).num_layers
+    extra = {**_key_seeds(llm, request_ids), **_drafter(llm, layers)}
     written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out), extra)))
     return [Path(p) for _, p in sorted((start, p) for start, p in written.values() if p is not None)]
 

@@ -84,7 +84,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     mtp = tmp_path_factory.mktemp("mtp")
     snap = tmp_path_factory.mktemp("eagle-snapshot")
     (snap / "model").symlink_to(tmp / "model")
-    phases = [{"prompts": {"p": P}, "snapshot": True, "max_tokens": 12}]
+    phases = [{"prompts": {"p": P}, "snapshot": True, "stream": True, "max_tokens": 12}]
     return side_by_side(
         {
             "ngram": lambda: _producer_and_consumer(tmp, "", SPEC, tmp / "store"),
@@ -181,6 +181,7 @@ def test_an_eagle_engines_snapshot_names_the_models_layers_and_continues_in_tran
     snap = hv.load(run["dir"] / "snap0.hrry")
     assert snap.num_layers == 3 and snap.extra[TARGET_LAYERS] == 2  # the model's two, then the head's
     assert snap[2, "key"].page_pool.abs().sum() > 0
+    assert hv.load(run["dir"] / "snap0.hrrs").extra[TARGET_LAYERS] == 2  # snapshot_stream() names them too
     tokens = run["phases"][0]["outputs"]["p"]
     assert list(snap.token_ids[0]) == [*P, tokens[0]]  # after the prefill: one sampled token without KV
     model = LlamaForCausalLM.from_pretrained(engines["ngram"]["tmp"] / "model", dtype=torch.bfloat16).eval()
