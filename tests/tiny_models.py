@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable[..., Path])
+_BUILDING = threading.Lock()
 
 
+def _one_at_a_time(build: F) -> F:
+    """Builders seed torch's global generator and draw the weights from it: two threads building at once
+    (engine runs side by side, ``servers.side_by_side``) would interleave the draws, and a model's weights
+    would depend on timing. One build at a time keeps every model what its seed makes."""
+
+    @functools.wraps(build)
+    def one(*args: object, **kwargs: object) -> Path:
+        with _BUILDING:
+            return build(*args, **kwargs)
+
+    return one  # type: ignore[return-value]
+
+
+@_one_at_a_time
 def build_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2, head_dim: int = 32) -> Path:
     """A 2-layer GQA Llama (4 query heads, 2 KV heads) saved in bf16 at ``path``."""
     import torch
@@ -29,6 +50,7 @@ def build_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2, head_dim: in
     return path
 
 
+@_one_at_a_time
 def build_tiny_eagle(path: Path, *, seed: int = 1) -> Path:
     """An EAGLE draft head (one decoder layer and ``fc``) for :func:`build_tiny_llama`'s model, bf16, at ``path``.
 
@@ -100,6 +122,7 @@ _TINY_MLA: dict[str, object] = {
 }
 
 
+@_one_at_a_time
 def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer DeepSeek-V2-style MLA model (dense MLPs) saved in bf16 at ``path``.
 
@@ -121,6 +144,7 @@ def build_tiny_deepseek_v2(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+@_one_at_a_time
 def build_tiny_deepseek_v3_mtp(path: Path, *, seed: int = 0) -> Path:
     """A 2-layer DeepSeek-V3-style MLA model with one multi-token-prediction layer (vLLM's ``mtp`` drafter).
 
@@ -159,6 +183,7 @@ def build_tiny_deepseek_v3_mtp(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+@_one_at_a_time
 def build_tiny_gemma3(path: Path, *, seed: int = 0, window: int = 64) -> Path:
     """A 4-layer Gemma-3-style hybrid (3 sliding-window layers of ``window`` tokens, 1 full) in bf16 at ``path``."""
     import torch
@@ -188,6 +213,7 @@ def build_tiny_gemma3(path: Path, *, seed: int = 0, window: int = 64) -> Path:
     return path
 
 
+@_one_at_a_time
 def build_tiny_qwen3_next(
     path: Path, *, seed: int = 0, kv_heads: int = 2, experts_per_token: int = 2, linear_heads: tuple[int, int] = (2, 4)
 ) -> Path:
