@@ -29,6 +29,7 @@ from .cache import (
     EngineCache,
     attention_layers,
     cache_groups,
+    cache_layers,
     describe_worker_cache,
     fingerprint_of,
     group_options,
@@ -347,8 +348,7 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     _refuse_split_states(llm, "snapshot_ranks() files", per_rank=True)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    layers = fingerprint_of(llm.llm_engine.vllm_config, kv_cache_config=_kv_cache_config(llm)).num_layers
-    extra = {**_key_seeds(llm, request_ids), **_drafter(llm, layers)}
+    extra = {**_key_seeds(llm, request_ids), **_drafter(llm, cache_layers(_kv_cache_config(llm)) or 0)}
     written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out), extra)))
     return [Path(p) for _, p in sorted((start, p) for start, p in written.values() if p is not None)]
 
