@@ -9,7 +9,8 @@ greedy outputs, vLLM's cached-token counts and the connector's statistics
 (``hurray_url``), every rank also pushes the slices it saves to that receiver.
 ``HURRAY_TEST_SAVE_ASYNC=1``: the default background saves, flushed on every
 rank before the store is listed; otherwise synchronous saves.
-``HURRAY_TEST_EAGLE=DIR``: speculative decoding with the EAGLE head in ``DIR``.
+``HURRAY_TEST_EAGLE=DIR``: speculative decoding with the EAGLE head in ``DIR``; then also one more
+request snapshotted mid-decode (``live.hrry``, ``snapshot()``; ``ranks/``, ``snapshot_ranks()``).
 """
 
 from __future__ import annotations
@@ -80,10 +81,35 @@ def main() -> None:
     result["cached"] = {r: o.num_cached_tokens for r, o in zip(result["prompts"], outs, strict=True)}
     core: Any = llm.llm_engine.engine_core.engine_core
     result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
+    if eagle:
+        result["live"] = _snapshot_live(llm, out, result["prompts"]["a"][:70])
     result["save_async"] = save_async
     result["flushed"] = llm.collective_rpc(_flush)  # every rank's writer done (and its pushes answered)
     result["files"] = sorted(p.name for p in Path(store).rglob("*.hrry*"))
     (out / "result.json").write_text(json.dumps(result))
+
+
+def _snapshot_live(llm: Any, out: Path, prompt: list[int]) -> dict[str, Any]:
+    """A request mid-decode (its first two chunks loaded), written by ``snapshot()`` and ``snapshot_ranks()``.
+
+    With an EAGLE head both name the model's layers (``hurray_vllm.target_layers``): the head's layer is
+    the last, split over the ranks like the model's.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import hurray_vllm as hv
+    from hurray_vllm.adapters.vllm import snapshot, snapshot_ranks
+
+    eng = llm.llm_engine
+    eng.add_request("live", TokensPrompt(prompt_token_ids=prompt), SamplingParams(temperature=0, max_tokens=8))
+    for _ in range(3):  # the prefill and two decode steps
+        eng.step()
+    hv.save(snapshot(llm, ["live"]), out / "live.hrry")
+    files = snapshot_ranks(llm, ["live"], out / "ranks")
+    while eng.has_unfinished_requests():
+        eng.step()
+    return {"snap": "live.hrry", "ranks": [str(p.relative_to(out)) for p in files]}
 
 
 def _flush(worker: Any) -> bool:

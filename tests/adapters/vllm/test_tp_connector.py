@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import require
 from engine_script import run_engine_script
 from servers import receiver_process, side_by_side
@@ -163,15 +164,21 @@ def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_stores: dict[str, Any],
     assert broken["cached"]["b"] in (32, 64)
 
 
-def test_an_eagle_engine_at_tp2_saves_slices_with_the_heads_layer_and_one_at_tp1_loads_them(
-    tp_stores: dict[str, Any],
-) -> None:
-    """The EAGLE head's layer is split over the ranks like the model's: its KV travels in the same slices."""
+@pytest.fixture(scope="module")
+def eagle_runs(tp_stores: dict[str, Any]) -> dict[str, Any]:
+    """An EAGLE engine at TP = 2 saving into a store of its own, then one at TP = 1 loading from it."""
     tmp = tp_stores["tmp"]
     head = build_tiny_eagle(tmp / "eagle")
     store = tmp / "store-eagle"
     save = _run(tmp, "eagle-save2", store, 2, eagle=head)
-    load = _run(tmp, "eagle-load1", store, 1, eagle=head)
+    return {"store": store, "save": save, "load": _run(tmp, "eagle-load1", store, 1, eagle=head)}
+
+
+def test_an_eagle_engine_at_tp2_saves_slices_with_the_heads_layer_and_one_at_tp1_loads_them(
+    eagle_runs: dict[str, Any],
+) -> None:
+    """The EAGLE head's layer is split over the ranks like the model's: its KV travels in the same slices."""
+    store, save, load = eagle_runs["store"], eagle_runs["save"], eagle_runs["load"]
     assert load["outputs"] == save["outputs"]
     assert load["cached"] == {"a": 96, "b": 64, "c": 0}  # every whole chunk, from the TP = 2 slices
     import hurray_vllm as hv
@@ -179,3 +186,24 @@ def test_an_eagle_engine_at_tp2_saves_slices_with_the_heads_layer_and_one_at_tp1
     (ns,) = [p for p in store.iterdir() if p.is_dir()]
     part = hv.load(next(ns.glob("*.h0-1.hrry")))
     assert part.num_layers == 3 and part[2, "key"].num_heads == 1  # the head's layer, one of two KV heads
+
+
+def test_snapshot_ranks_of_an_eagle_engine_at_tp2_name_the_models_layers(eagle_runs: dict[str, Any]) -> None:
+    """Each rank's file holds its heads of the head's layer too, and says which layers are the model's."""
+    import hurray_vllm as hv
+    from hurray_vllm.kv.heads import concat_heads
+    from hurray_vllm.kv.snapshot import TARGET_LAYERS, HeadRange
+
+    run = eagle_runs["save"]
+    live = run["live"]
+    assert live["ranks"] == ["ranks/rank0.heads0-1.hrrs", "ranks/rank1.heads1-2.hrrs"]
+    slices = [hv.load(run["dir"] / p) for p in live["ranks"]]
+    assert [s.heads for s in slices] == [HeadRange(0, 1, 2), HeadRange(1, 2, 2)]
+    assert all(s.num_layers == 3 and s.extra[TARGET_LAYERS] == 2 for s in slices)
+    whole = hv.load(run["dir"] / live["snap"])
+    assert whole.extra[TARGET_LAYERS] == 2
+    joined = concat_heads(slices).without_drafter()
+    model = whole.without_drafter()
+    assert joined.num_layers == model.num_layers == 2 and joined.token_ids == model.token_ids
+    for x, y in zip(model.tensors(), joined.tensors(), strict=True):
+        assert torch.equal(x.page_pool.view(torch.uint8), y.page_pool.view(torch.uint8))
