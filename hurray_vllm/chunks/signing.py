@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -84,6 +85,8 @@ BAD_MAC = "snapshot.mac"
 _KEY_ID_LABEL = b"hurray-vllm key id v1"
 _OTK_LABEL = b"hurray-vllm chunk mac v1\0"
 _NONCE_BYTES = 16
+#: What a key id looks like (:func:`_key_id`): anything else, from a peer or a file, names no key of ours.
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def _key_id(secret: bytes) -> str:
@@ -148,7 +151,10 @@ class FleetKeys:
         return tuple(hmac.new(s, label, hashlib.sha256).hexdigest() for s in self.secrets)
 
     def secret_for(self, key_id: str) -> bytes | None:
-        """The secret whose id is ``key_id``, or ``None`` if the ring lacks it."""
+        """The secret whose id is ``key_id``, or ``None`` if the ring lacks it (or it is not a key id at all)."""
+        if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
+            # compare_digest raises TypeError for non-ASCII text: a peer's bytes must not get that far.
+            return None
         for kid, secret in zip(self.ids, self.secrets, strict=True):
             if hmac.compare_digest(kid, key_id):
                 return secret
@@ -284,9 +290,9 @@ def parse_mac(value: Any) -> tuple[str, bytes, bytes]:
         raise HurrayFormatError(UNSIGNED, "chunk is not signed, and this consumer holds a fleet key")
     parts = value.split(":") if isinstance(value, str) else []
     try:
-        if len(parts) != 4 or parts[0] != MAC_SCHEME or len(parts[1]) != 16:
+        # fullmatch, not int(.., 16): that takes other scripts' digits, which no key id holds.
+        if len(parts) != 4 or parts[0] != MAC_SCHEME or not _KEY_ID.fullmatch(parts[1]):
             raise ValueError
-        int(parts[1], 16)
         nonce, tag = bytes.fromhex(parts[2]), bytes.fromhex(parts[3])
         if len(nonce) != _NONCE_BYTES or len(tag) != 16:
             raise ValueError

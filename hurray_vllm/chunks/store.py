@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..containers.hrryfile import write_file
+from ..containers.hrryfile import file_size, write_file
 from ..containers.io import FileBytes, load, load_file_bytes, read_file
 from ..containers.schema import snapshot_records
 from ..errors import HurrayFormatError
@@ -148,6 +148,10 @@ class DirectoryStore:
         # a crash is refused and recomputed; a disk flush per chunk is not worth it.
         write_file(snapshot_records(snap), target, fsync=False)
         return True
+
+    def size_of(self, snap: KVSnapshot) -> int:
+        """The bytes :meth:`put` writes for ``snap`` (its ``.hrry`` file's size), computed without writing."""
+        return file_size(snapshot_records(snap))
 
     def prune(
         self, max_bytes: int, *, stale_temp_s: float = 3600.0, dry_run: bool = False, keys: FleetKeys | None = None

@@ -32,7 +32,7 @@ from .atomic import atomic_file
 from .schema import MAX_RECORDS, Record
 from .stream import byte_view, read_into, tensor_bytes
 
-__all__ = ["FILE_MAGIC", "write_file", "HrryFile", "IndexEntry"]
+__all__ = ["FILE_MAGIC", "write_file", "file_size", "HrryFile", "IndexEntry"]
 
 FILE_MAGIC = b"HRRYFILE"
 TRAILER_MAGIC = b"HRRY"
@@ -204,6 +204,23 @@ def write_file(
     with atomic_file(path, fsync=fsync) as raw:
         size = _write(records, raw, kv, alignment)
     return size
+
+
+class _Discard:
+    def write(self, data: bytes | memoryview) -> None:
+        pass
+
+
+def file_size(
+    records: Iterable[Record], *, kv: dict[str, Any] | None = None, alignment: int = DEFAULT_ALIGNMENT
+) -> int:
+    """The size :func:`write_file` gives ``records``, laid out as it would but written nowhere.
+
+    For a receiver's disk quota: each buffer starts on an ``alignment``
+    boundary, so a chunk of many small buffers takes far more room as a
+    file than as a stream.
+    """
+    return _write(records, _Discard(), kv, alignment)  # type: ignore[arg-type]  # only .write is used
 
 
 def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, alignment: int) -> int:

@@ -95,6 +95,10 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 #: How many connections a receiver serves at once (each holds a thread and, over NIXL, buffers).
 DEFAULT_MAX_CONNECTIONS = 64
+#: A frame may take the receiver's ``timeout`` plus one second per this many bytes it announces.
+FRAME_MIN_RATE = 1 << 20
+#: Connections beyond ``max_connections`` answered ``ER`` at once; past that many, closed unanswered.
+_MAX_REFUSING = 16
 #: How long a receiver trusts its count of the store's bytes before measuring the disk again.
 _USAGE_TTL_S = 5.0
 _MAX_MESSAGE = 1000
@@ -167,9 +171,13 @@ def finish_with_error(conn: socket.socket, exc: BaseException, *, linger_s: floa
         return
     try:
         conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(linger_s)
+        end = time.monotonic() + linger_s  # in all: a peer trickling bytes must not hold the thread
         left = 1 << 20
-        while left > 0 and (data := conn.recv(min(left, 1 << 16))):
+        while left > 0 and (wait := end - time.monotonic()) > 0:
+            conn.settimeout(wait)
+            data = conn.recv(min(left, 1 << 16))
+            if not data:
+                break
             left -= len(data)
     except OSError:
         pass
@@ -372,7 +380,9 @@ class ReceiverBase(abc.ABC):
         host: The address to listen on (``"127.0.0.1"``, ``"0.0.0.0"``).
         port: The port; 0 picks a free one (see ``address``).
         store: Where accepted chunks go (``put`` is called from the connection threads).
-        timeout: How long one step of a chunk may take, in seconds.
+        timeout: How long one frame (a chunk, a query, the TLS and key handshakes) may take to
+            arrive, in seconds, plus one second per MiB it announces (:data:`FRAME_MIN_RATE`). A
+            peer slower than that, however steadily it trickles, is disconnected.
         idle_timeout: How long a connection may stay silent between chunks.
         max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL).
         max_connections: How many connections are served at once; one more is
@@ -439,6 +449,9 @@ class ReceiverBase(abc.ABC):
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._mu = threading.Lock()
+        # Per connection, when its frame must have arrived (see _watch); under _mu.
+        self._deadlines: dict[socket.socket, float] = {}
+        self._refusing = threading.BoundedSemaphore(_MAX_REFUSING)
         self.received = 0
         self.refused = 0
         self.last_error: str | None = None
@@ -446,7 +459,41 @@ class ReceiverBase(abc.ABC):
     def start(self) -> ReceiverBase:
         """Start accepting connections (on a daemon thread); returns ``self``."""
         threading.Thread(target=self._accept, name=f"hurray-{self.transport}-receiver", daemon=True).start()
+        threading.Thread(target=self._watch, name=f"hurray-{self.transport}-deadlines", daemon=True).start()
         return self
+
+    def arm(self, conn: socket.socket, seconds: float) -> None:
+        """Give ``conn``'s frame ``seconds`` from now to arrive whole; past that the connection is shut.
+
+        Why: socket timeouts bound each ``recv``, and a peer sending a byte
+        just before each one expires would hold a connection (and what
+        :meth:`admit` promised its chunk) forever.
+        """
+        with self._mu:
+            self._deadlines[conn] = time.monotonic() + seconds
+
+    def disarm(self, conn: socket.socket) -> None:
+        """``conn`` is between frames (its idle timeout applies) or done."""
+        with self._mu:
+            self._deadlines.pop(conn, None)
+
+    def _watch(self) -> None:
+        """Shut every connection whose frame is overdue: its blocked read returns and the frame is refused."""
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._mu:
+                late = [c for c, t in self._deadlines.items() if t <= now]
+                for c in late:
+                    del self._deadlines[c]
+            for c in late:
+                self.count(False, "receiver.timeout: a frame took longer than the receiver's timeout")
+                log.warning("hurray %s receiver: closing a connection whose frame is overdue", self.transport)
+                try:
+                    # The plain socket's shutdown, also under TLS: SSLSocket.shutdown would drop
+                    # the TLS state under the thread reading it.
+                    socket.socket.shutdown(c, socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def stop(self) -> None:
         """Stop accepting and close open connections (their chunks abort; nothing partial is stored)."""
@@ -480,6 +527,12 @@ class ReceiverBase(abc.ABC):
                 self.refused += 1
                 self.last_error = err
 
+    def _limits_disk(self) -> bool:
+        """Whether a quota or a free-space floor applies (only a directory store has a disk to measure)."""
+        return getattr(self.store, "root", None) is not None and (
+            self.quota_bytes is not None or bool(self.min_free_bytes)
+        )
+
     def admit(self, nbytes: int) -> None:
         """Promise room for a chunk of ``nbytes`` before its payload is read, or refuse it.
 
@@ -492,9 +545,9 @@ class ReceiverBase(abc.ABC):
                 (field ``receiver.quota``) or leave less than ``min_free_bytes`` free
                 (``receiver.min_free``). Nothing of it is written.
         """
-        root = getattr(self.store, "root", None)
-        if root is None or (self.quota_bytes is None and not self.min_free_bytes):
+        if not self._limits_disk():
             return
+        root = self.store.root  # type: ignore[attr-defined]  # _limits_disk: a directory store
         with self._disk:
             if self.quota_bytes is not None:
                 used = self._usage(root, fresh=False)
@@ -518,7 +571,7 @@ class ReceiverBase(abc.ABC):
 
     def settle(self, nbytes: int, stored_bytes: int) -> None:
         """Release the room :meth:`admit` promised for ``nbytes``; ``stored_bytes`` (:meth:`put`'s) count as used."""
-        if getattr(self.store, "root", None) is None or (self.quota_bytes is None and not self.min_free_bytes):
+        if not self._limits_disk():
             return
         with self._disk:
             self._promised -= nbytes
@@ -539,7 +592,7 @@ class ReceiverBase(abc.ABC):
             self._used = (now, total)
         return self._used[1]
 
-    def put(self, ns: str, key: str, snap: KVSnapshot) -> int:
+    def put(self, ns: str, key: str, snap: KVSnapshot, admitted: int = 0) -> int:
         """Store a chunk whose bytes matched its digest, once it holds the KV heads its key names; its bytes on disk.
 
         Every channel stores through here: a slice under a whole chunk's key
@@ -547,9 +600,16 @@ class ReceiverBase(abc.ABC):
         ``keys``, the chunk's MAC is checked here too (one more pass over its
         bytes, off any engine's critical path).
 
+        ``admitted``: the bytes :meth:`admit` promised the chunk from what the
+        sender announced. Its file can take more (every buffer starts on a
+        4 KiB boundary: a sender choosing many tiny buffers would otherwise
+        write tens of times its announced size past the quota), so the
+        difference is admitted here, before anything is written.
+
         Raises:
             HurrayFormatError: the heads differ from the key's (field ``snapshot.heads``), the
-                chunk's model is not the namespace's (``snapshot.fingerprint``), or
+                chunk's model is not the namespace's (``snapshot.fingerprint``), its file
+                would break the quota or the disk's floor (as :meth:`admit`), or
                 (with ``keys``) the chunk is unsigned, signed with another key or its MAC is
                 wrong (fields of :mod:`hurray_vllm.chunks.signing`).
         """
@@ -559,7 +619,16 @@ class ReceiverBase(abc.ABC):
             raise HurrayFormatError("snapshot.fingerprint", f"chunk's model does not belong in namespace {ns}")
         if self.keys is not None:
             check_signature(snap, self.keys, ns, key)
-        self.store.put(ns, key, snap)
+        size_of = getattr(self.store, "size_of", None)
+        extra = 0
+        if size_of is not None and self._limits_disk():
+            extra = max(0, int(size_of(snap)) - admitted)
+            self.admit(extra)
+        try:
+            self.store.put(ns, key, snap)
+        finally:
+            if extra:
+                self.settle(extra, 0)  # the caller's settle counts the file's bytes as used
         path = getattr(self.store, "path", None)  # a directory store: what the file takes on disk
         try:
             return int(os.stat(path(ns, key)).st_size) if path is not None else 0
@@ -573,10 +642,12 @@ class ReceiverBase(abc.ABC):
         frame must follow promptly.
         """
         while True:
+            self.disarm(conn)
             conn.settimeout(self.idle_timeout)
             head = conn.recv(len(magic))
             if not head:
                 return False
+            self.arm(conn, self.timeout)
             conn.settimeout(self.timeout)
             if len(head) < len(magic):
                 head += recv_exact(conn, len(magic) - len(head))
@@ -625,11 +696,20 @@ class ReceiverBase(abc.ABC):
                 exc = HurrayFormatError("receiver.connections", f"more than {self.max_connections} connections")
                 self.count(False, str(exc))
                 log.warning("hurray %s receiver: refusing a connection: %s", self.transport, exc)
-                threading.Thread(target=_refuse_connection, args=(conn, exc), daemon=True).start()
+                if self._refusing.acquire(blocking=False):
+                    threading.Thread(target=self._refuse, args=(conn, exc), daemon=True).start()
+                else:  # a flood: no thread, no answer
+                    conn.close()
                 continue
             threading.Thread(
                 target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
             ).start()
+
+    def _refuse(self, conn: socket.socket, exc: BaseException) -> None:
+        try:
+            _refuse_connection(conn, exc)
+        finally:
+            self._refusing.release()
 
     def _secure(self, conn: socket.socket) -> socket.socket | None:
         """The connection after TLS and sender authentication, as configured; ``None`` if refused (and closed)."""
@@ -665,13 +745,22 @@ class ReceiverBase(abc.ABC):
         with self._mu:
             self._conns.add(conn)
         raw = conn
+        self.arm(conn, self.timeout)  # TLS and the key handshake, as one frame
         try:
-            secured = self._secure(conn)
+            try:
+                secured = self._secure(conn)
+            except Exception as exc:  # a bug or an unforeseen library error: refuse, never die silently
+                self.count(False, f"{type(exc).__name__}: {exc}")
+                log.exception("hurray %s receiver: connection failed before its first frame", self.transport)
+                with conn:
+                    finish_with_error(conn, exc)
+                return
             if secured is None:
                 return
             conn = secured
             with self._mu:
                 self._conns.discard(raw)
+                self._deadlines.pop(raw, None)
                 self._conns.add(conn)
             with conn:
                 try:
@@ -684,3 +773,5 @@ class ReceiverBase(abc.ABC):
             with self._mu:
                 self._conns.discard(raw)
                 self._conns.discard(conn)
+                self._deadlines.pop(raw, None)
+                self._deadlines.pop(conn, None)

@@ -32,6 +32,7 @@ from ..containers.io import read_stream, write_stream
 from ..errors import HurrayFormatError
 from .base import (
     DEFAULT_TIMEOUT_S,
+    FRAME_MIN_RATE,
     MAX_CHUNK_BYTES,
     U16,
     U64,
@@ -233,12 +234,13 @@ class Receiver(ReceiverBase):
             check_names(ns, key)
             if length > self.max_chunk_bytes:
                 raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
+            self.arm(conn, self.timeout + length / FRAME_MIN_RATE)  # the whole frame, however it trickles
             self.admit(length)  # the store's quota and the disk's floor, before the payload is read
             admitted = True
             snap = read_stream(io.BufferedReader(body))
             if not digest_matches(snap):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
-            stored = self.put(ns, key, snap)
+            stored = self.put(ns, key, snap, admitted=length)
         except (HurrayFormatError, OSError) as exc:
             self.count(False, str(exc))
             log.warning("hurray receiver: refused chunk %s: %s", key, exc)

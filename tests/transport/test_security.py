@@ -70,6 +70,39 @@ def test_a_forged_handshake_response_is_refused(tmp_path: Path) -> None:
         assert r.refused == 1 and "authentication failed" in (r.last_error or "")
 
 
+@pytest.mark.parametrize("key_id", [b"\xff" * 16, "\u0660".encode() * 8, b"Z" * 16])
+def test_a_key_id_that_is_not_one_is_refused_as_an_unknown_key(tmp_path: Path, key_id: bytes) -> None:
+    """Non-ASCII text reached hmac.compare_digest, whose TypeError killed the connection unanswered."""
+    assert KEYS.secret_for(key_id.decode("ascii", "replace")) is None
+    with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), keys=KEYS).start() as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=5) as s:
+            s.sendall(b"HVA1" + key_id[:16])
+            challenge = b""
+            while len(challenge) < 32:
+                challenge += s.recv(32 - len(challenge))
+            s.sendall(bytes(32))
+            assert s.recv(2) == b"ER"
+        assert r.refused == 1 and "authentication failed" in (r.last_error or "")
+
+
+def test_a_mac_whose_key_id_is_not_one_is_refused_naming_the_mac(tmp_path: Path) -> None:
+    """int(.., 16) takes other scripts' digits: such a key id was let through to compare_digest."""
+    from dataclasses import replace
+
+    from hurray_vllm.chunks.signing import MAC_KEY, check_signature
+
+    ns, key, chunk = _chunk()
+    scheme, _kid, nonce, tag = chunk.extra[MAC_KEY].split(":")
+    forged = replace(chunk, extra={**chunk.extra, MAC_KEY: ":".join([scheme, "\u0660" * 16, nonce, tag])})
+    with pytest.raises(hv.HurrayFormatError) as info:
+        check_signature(forged, KEYS, ns, key)
+    assert info.value.field == "snapshot.mac"
+    with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), keys=KEYS).start() as r:
+        with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.mac"):
+            transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [(ns, key, forged)], keys=KEYS)
+        assert r.received == 0 and r.refused == 1
+
+
 def test_tls_pushes_verify_the_receiver_and_a_tls_receiver_refuses_plaintext(tmp_path: Path) -> None:
     ns, key, chunk = _chunk(None)
     server, rogue = _pki(tmp_path, "fleet"), _pki(tmp_path, "rogue")

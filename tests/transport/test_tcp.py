@@ -257,6 +257,28 @@ def test_a_store_quota_or_free_disk_floor_refuses_a_chunk_before_it_is_read(chan
         assert not (tmp_path / "floor").exists() or not any(p.is_file() for p in (tmp_path / "floor").rglob("*"))
 
 
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_the_quota_counts_a_chunks_file_not_its_stream(channel: str, tmp_path: Path) -> None:
+    """Every buffer of a file starts on a 4 KiB boundary: a chunk of many tiny buffers takes ~40x its stream."""
+    from conftest import require
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path / "store")
+    on_disk = store.size_of(chunk)
+    with transport.receiver_for(channel, "127.0.0.1", 0, store, quota_bytes=on_disk - 1).start() as r:
+        url = f"{channel}://127.0.0.1:{r.address[1]}"
+        with pytest.raises(hv.HurrayFormatError, match="quota"):
+            transport.send_chunks(url, [(ns, key, chunk)])  # its stream fits; its file would not
+        assert not store.has(ns, key) and "receiver.quota" in (r.last_error or "")
+        assert not [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
+        r.quota_bytes = on_disk
+        transport.send_chunks(url, [(ns, key, chunk)])
+        assert (tmp_path / "store" / ns / f"{key}.hrry").stat().st_size == on_disk
+        assert r._promised == 0  # every promise settled
+
+
 def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) -> None:
     ns, key, chunk = example_chunk()
     with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=1, idle_timeout=30) as r:
@@ -341,3 +363,30 @@ def _until_closed(s: socket.socket) -> bytes:
     while part := s.recv(4096):
         got += part
     return got[:2]
+
+
+def test_a_sender_trickling_a_frame_is_disconnected_at_its_deadline(tmp_path: Path) -> None:
+    """Each byte inside the socket timeout, but the frame far slower than the receiver's timeout: cut off."""
+    import socket
+    import struct
+
+    ns, key, _ = example_chunk()
+    store = DirectoryStore(tmp_path / "store")
+    with transport.receiver_for("tcp", "127.0.0.1", 0, store, timeout=1.0, quota_bytes=1 << 30).start() as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as s:
+            name = ns.encode(), key.encode()
+            s.sendall(b"HVC1" + struct.pack("<H", len(name[0])) + name[0] + struct.pack("<H", len(name[1])) + name[1])
+            s.sendall(struct.pack("<Q", 4096))
+            start, closed = time.monotonic(), False
+            while time.monotonic() - start < 6:
+                try:
+                    s.sendall(b"\0")
+                    time.sleep(0.5)  # half the socket timeout: each recv is satisfied in time
+                except OSError:
+                    closed = True
+                    break
+            assert closed and time.monotonic() - start < 4  # 1 s + 4096 B at FRAME_MIN_RATE, then the watchdog
+        deadline = time.monotonic() + 5
+        while r._promised and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r._promised == 0 and r.received == 0 and not store.has(ns, key)

@@ -20,6 +20,7 @@ from ...errors import HurrayArgumentError, HurrayFormatError
 from ..base import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
+    FRAME_MIN_RATE,
     MAX_CHUNK_BYTES,
     U16,
     U32,
@@ -314,6 +315,8 @@ class NixlReceiver(ReceiverBase):
         try:
             offer = parse_offer(body, self.max_chunk_bytes)
             key = offer.key
+            # The offer, then the transfer and the digest, each bounded by timeout (see _await).
+            self.arm(conn, 2 * self.timeout + sum(offer.remote_sizes) / FRAME_MIN_RATE)
             # The store's quota and the disk's floor, before any page pool is written here.
             self.admit(sum(offer.remote_sizes) + len(body))
             promised = sum(offer.remote_sizes) + len(body)
@@ -340,7 +343,7 @@ class NixlReceiver(ReceiverBase):
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
-            stored = self.put(offer.ns, key, snap)
+            stored = self.put(offer.ns, key, snap, admitted=promised)
             del snap, views, plan, landing
             self.count(True)
             try:
