@@ -1,6 +1,6 @@
 """A stand-in for a vLLM OpenAI server, for the router's failure paths that real engines cannot be made to take.
 
-Usage: python fake_openai_server.py PORT [--refuse-continuations] [--delay S] [--announce]
+Usage: python fake_openai_server.py PORT [--refuse-continuations] [--delay S] [--announce] [--drop-after-finish]
 
 ``/v1/completions`` (token-id prompts, streamed or not, ``return_token_ids``,
 ``stream_options.include_usage``) generates a deterministic "greedy" token
@@ -9,7 +9,9 @@ so a request continued anywhere, from any prefix, goes on exactly as it
 would have. ``--refuse-continuations`` answers 503 to any request carrying
 ``kv_transfer_params`` (a destination that cannot take a moved request).
 ``--announce`` puts ``kv_transfer_params`` in non-streamed answers, as a
-prefill engine running HurrayConnector does. ``/health`` and ``/v1/models``
+prefill engine running HurrayConnector does. ``--delay S``: each token takes
+S seconds, streamed or not. ``--drop-after-finish``: a stream's connection
+breaks right after its finishing event, before ``[DONE]``. ``/health`` and ``/v1/models``
 answer as vLLM's do; ``GET /seen`` lists every completion request's
 ``kv_transfer_params``.
 """
@@ -34,6 +36,7 @@ def main() -> None:
     refuse = "--refuse-continuations" in sys.argv
     delay = float(sys.argv[sys.argv.index("--delay") + 1]) if "--delay" in sys.argv else 0.01
     announce = "--announce" in sys.argv
+    drop = "--drop-after-finish" in sys.argv
     app = FastAPI()
 
     seen: list[Any] = []  # every completion request's kv_transfer_params, in order
@@ -68,6 +71,7 @@ def main() -> None:
 
         seen.append(body.get("kv_transfer_params"))
         if not body.get("stream"):
+            await asyncio.sleep(delay * n)
             toks = tokens()
             choice = {"index": 0, "text": " ".join(f"w{t}" for t in toks), "finish_reason": "length", "token_ids": toks}
             if body.get("return_token_ids"):
@@ -90,6 +94,8 @@ def main() -> None:
                 if i == 0:
                     choice["prompt_token_ids"] = prompt
                 yield f"data: {json.dumps({'id': 'cmpl-fake', 'object': 'text_completion', 'choices': [choice]})}\n\n"
+            if drop:
+                raise ConnectionAbortedError("--drop-after-finish")  # uvicorn cuts the response off here
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
                 yield f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n"

@@ -34,21 +34,35 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("router-fakes")
 
     def specs(port: Callable[[], int]) -> list[ServerSpec]:
-        a, b, c = port(), port(), port()
+        a, b, c, d, e = port(), port(), port(), port(), port()
         fake = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")]
         urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"]
         return [
             ServerSpec("fake-a", [*fake, str(a)], a),
             ServerSpec("fake-b", [*fake, str(b), "--refuse-continuations"], b),
             ServerSpec("fake-c", [*fake, str(c), "--announce"], c),  # a prefill server
+            ServerSpec("fake-d", [*fake, str(d), "--delay", "0.05"], d),  # slow: 20 tokens a second
+            ServerSpec("fake-e", [*fake, str(e), "--drop-after-finish"], e),
             router_spec("router", port(), urls),
             router_spec("pd-router", port(), urls[:1], prefill=[f"http://127.0.0.1:{c}"]),
+            router_spec("slow-router", port(), [f"http://127.0.0.1:{d}"]),
+            router_spec("dropping-router", port(), [f"http://127.0.0.1:{e}"]),
         ]
 
     servers = start_servers(specs, tmp / "logs")
-    a, b, c, router, pd = servers
+    a, b, c, d, e, router, pd, slow, dropping = servers
     try:
-        yield {"a": a.url, "b": b.url, "c": c.url, "router": router.url, "pd": pd.url}
+        yield {
+            "a": a.url,
+            "b": b.url,
+            "c": c.url,
+            "d": d.url,
+            "e": e.url,
+            "router": router.url,
+            "pd": pd.url,
+            "slow": slow.url,
+            "dropping": dropping.url,
+        }
     finally:
         stop_servers(servers)
 
@@ -155,3 +169,77 @@ def test_the_decode_leg_gets_what_the_prefill_engine_announced(fakes: dict[str, 
         "hurray_saved_tokens": 64,
         "hurray_tail_tokens": 7,
     }
+
+
+def test_a_backend_that_breaks_off_after_the_finish_leaves_the_stream_finished(fakes: dict[str, str]) -> None:
+    """The finish was sent: continuing the request elsewhere (it once was) put tokens or an error after its end."""
+    import httpx
+
+    prompt = list(range(7, 30))
+    got = stream_completion(fakes["dropping"], {"model": "fake", "prompt": prompt, "max_tokens": 9})
+    assert got["token_ids"] == _expected(prompt, 9) and got["finish_reason"] == "length"
+    health = httpx.get(fakes["dropping"] + "/health", timeout=30).json()["backends"][fakes["e"]]
+    assert health["in_flight"] == 0 and health["healthy"]  # not failed over, not marked down
+    assert "hurray_router_failovers_total 0" in httpx.get(fakes["dropping"] + "/metrics", timeout=30).text
+
+
+def test_bodies_the_router_cannot_use_are_answered_400_naming_what(fakes: dict[str, str]) -> None:
+    """Each once ended in a 500 with a traceback, or a stream cut off after its tokens."""
+    import httpx
+
+    url = fakes["router"] + "/v1/completions"
+    deep = httpx.post(url, content=b"[" * 100_000, timeout=30)
+    assert deep.status_code == 400 and "not JSON" in deep.json()["error"]["message"]
+    assert httpx.post(fakes["router"] + "/hurray/drain", content=b"[" * 100_000, timeout=30).status_code == 400
+    base = {"model": "fake", "prompt": [1, 2, 3]}
+    options = _post(url, {**base, "stream": True, "stream_options": True})
+    assert options.status_code == 400 and "stream_options" in options.json()["error"]["message"]
+    for bad in ("many", -1, 2.5, True):
+        r = _post(url, {**base, "max_tokens": bad})
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], (bad, r.text)
+    huge = _post(url, {**base, "prompt": [2**64] * 300, "max_tokens": 2})  # no token id: not keyable, relayed
+    assert huge.status_code != 500 and huge.headers["content-type"].startswith("application/json")
+
+
+def test_max_tokens_as_a_numeric_string_counts_as_vllm_reads_it(fakes: dict[str, str]) -> None:
+    """vLLM's request model coerces "8" to 8: the router's own arithmetic (P/D, moves) must too."""
+    prompt = list(range(3, 90))
+    r = _post(fakes["pd"] + "/v1/completions", {"model": "fake", "prompt": prompt, "max_tokens": "8"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == " ".join(f"w{t}" for t in _expected(prompt, 8))
+
+
+def test_a_non_streamed_request_whose_client_leaves_ends_upstream(fakes: dict[str, str]) -> None:
+    import time
+
+    import httpx
+
+    body = {"model": "fake", "prompt": [8, 9], "max_tokens": 400}  # 20 s at 20 tokens a second
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(fakes["slow"] + "/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 3
+    while httpx.get(fakes["slow"] + "/hurray/requests", timeout=30).json()["requests"]:
+        assert time.monotonic() < deadline, "the request stayed in flight after its client left"
+        time.sleep(0.05)
+    assert httpx.get(fakes["slow"] + "/health", timeout=30).json()["backends"][fakes["d"]]["in_flight"] == 0
+
+
+def test_a_non_streamed_request_relayed_unmoved_is_listed_while_it_runs(fakes: dict[str, str]) -> None:
+    """Its answer's headers come only at its end: it used to be listed (and known to a drain) only then."""
+    import threading
+    import time
+
+    import httpx
+
+    body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 30, "guided_regex": "[0-9 ]+"}  # 1.5 s
+    answer: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: answer.update(r=_post(fakes["slow"] + "/v1/completions", body)))
+    t.start()
+    deadline, listed = time.monotonic() + 1.2, []
+    while not listed and time.monotonic() < deadline:
+        listed = httpx.get(fakes["slow"] + "/hurray/requests", timeout=30).json()["requests"]
+        time.sleep(0.02)
+    t.join()
+    assert [r["movable"] for r in listed] == [False] and listed[0]["backend"] == fakes["d"]
+    assert answer["r"].status_code == 200 and answer["r"].json()["id"] == listed[0]["id"]
+    assert httpx.get(fakes["slow"] + "/hurray/requests", timeout=30).json()["requests"] == []

@@ -44,6 +44,8 @@ def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
     seed = key_seed(_NS, lora=(str(body.get("model") or ""), ""), cache_salt=str(salt) if salt else None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if not all(0 <= t < 1 << 63 for t in prompt):
+            return []  # no token id: the backend refuses the prompt (chunk keys pack ids as int64)
         return chunk_keys(prompt, chunk_tokens, seed)
     if isinstance(prompt, str):
         raw = prompt.encode()

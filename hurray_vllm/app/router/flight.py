@@ -236,6 +236,30 @@ def _has_media(messages: object) -> bool:
     return False
 
 
+def token_count(body: dict[str, Any], name: str) -> int | None:
+    """``body[name]`` as a token count (``None`` when absent), as vLLM's request model reads it.
+
+    vLLM's pydantic models coerce ``"20"`` and ``20.0`` to 20; the router does its arithmetic on
+    the same number (what is left of ``max_tokens`` after a move, say).
+
+    Raises:
+        RouterError: 400, the value is not a count at all (vLLM would refuse it too).
+    """
+    value = body.get(name)
+    if value is None:
+        return None
+    n: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str) and value.strip().isdecimal() and value.strip().isascii():
+        n = int(value.strip())
+    if n is None or n < 0:
+        raise RouterError(400, f"{name} must be a non-negative integer, got {value!r}")
+    return n
+
+
 def movable(kind: str, body: dict[str, Any]) -> str | None:
     """Why a request cannot change backends mid-stream (``None``: it can); the server relays such requests as is.
 
@@ -292,8 +316,9 @@ class Flight:
         self.finished = False
         self.finish_reason: str | None = None
         self.cached_tokens: int | None = None
-        limit = body.get("max_completion_tokens") if kind == "chat" else None
-        self.max_tokens: int | None = limit if limit is not None else body.get("max_tokens")
+        limit = token_count(body, "max_completion_tokens") if kind == "chat" else None
+        self.max_tokens: int | None = limit if limit is not None else token_count(body, "max_tokens")
+        self.min_tokens = token_count(body, "min_tokens") or 0
         self._keys = prompt_keys(body, router.config.chunk_tokens)
         self._interrupt: _Interrupt | None = None
         self._moving = False  # a move's destination has not sent its first token yet
@@ -345,8 +370,8 @@ class Flight:
             body = {k: v for k, v in src.items() if k not in dropped}
             body["prompt"] = self.prompt_ids + self.generated
             remaining = None if self.max_tokens is None else self.max_tokens - len(self.generated)
-            if body.get("min_tokens"):
-                body["min_tokens"] = max(0, int(body["min_tokens"]) - len(self.generated))
+            if self.min_tokens:
+                body["min_tokens"] = max(0, self.min_tokens - len(self.generated))
             if announced is not None:  # the prefill engine said what it saved, its prompt's tail included
                 body["kv_transfer_params"] = announced
             elif announce:  # the source computed the KV of every token but the last generated one
@@ -356,8 +381,8 @@ class Flight:
                 body.pop("kv_transfer_params", None)
         if prefill:
             remaining = 1
-            if body.get("min_tokens"):
-                body["min_tokens"] = min(int(body["min_tokens"]), 1)
+            if self.min_tokens:
+                body["min_tokens"] = min(self.min_tokens, 1)
         body.pop("max_completion_tokens", None)
         if remaining is not None:
             body["max_tokens"] = remaining
@@ -517,6 +542,9 @@ class Flight:
         if self.unmovable is not None:  # its backend's parser showed itself during the warm-ups
             self._moving = False
             raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
+        if to.draining or not to.healthy:  # drained or found dead while it warmed up: the request stays
+            self._moving = False
+            raise RouterError(409, f"to: {to.url} was {'drained' if to.draining else 'found dead'} meanwhile")
         done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._interrupt = _Interrupt("move", to, why, done)
         self._reader.cancel()
@@ -531,6 +559,11 @@ class Flight:
                     "read the events before the switch; it moves when the client reads them",
                 ) from None
             raise RouterError(504, f"request {self.id} did not start on {to.url} within {timeout:.0f} s") from None
+
+    @property
+    def moving(self) -> bool:
+        """Whether a move of it is under way (from its first warm-up to the destination's first token)."""
+        return self._moving or (self._interrupt is not None and self._interrupt.kind == "move")
 
     async def _prewarm(self, to: Backend, timeout: float) -> None:
         """Have ``to`` load the request's KV into its own cache while the source still decodes.
@@ -571,7 +604,8 @@ class Flight:
 
     def fail_over(self) -> None:
         """Its backend was found dead (health checks): continue elsewhere now, not at the next read."""
-        if self._interrupt is None and self._reader is not None and not self.finished:
+        # A reader that has ended (its end is queued) is not failed over: it may have finished the request.
+        if self._interrupt is None and self._reader is not None and not self._reader.done() and not self.finished:
             self._interrupt = _Interrupt("failover")
             self._reader.cancel()
 
@@ -648,6 +682,12 @@ class Flight:
                         why = "failover"
                     self._start_leg(interrupt.to, why, q, space)
                     continue
+                if self.finish_reason is not None:
+                    # The client has its finish already: the backend broke off (or was found dead) after sending
+                    # it. The request is complete; continuing it elsewhere would send tokens after its end.
+                    self.finished = True
+                    self.cached_tokens = self.legs[-1].cached_tokens
+                    return
                 # A failure: the backend died, broke off or refused. Before any token, a refusal of the first
                 # leg is the client's answer (a bad request stays bad elsewhere).
                 exc = item if isinstance(item, UpstreamError) else UpstreamError("backend failed health checks")

@@ -209,17 +209,31 @@ class Router:
         failed: list[dict[str, Any]] = []
 
         async def move(f: Flight) -> None:
-            dest = await self.pick(f.keys, avoid=b)
-            if dest is None:
-                failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
-                return
-            try:
-                await f.migrate(dest, why="drained")
-                moved.append(f.id)
-            except RouterError as exc:
-                if "has finished" in exc.message or "ended before" in exc.message:
+            for _ in range(2):
+                # A move under way (a client's /hurray/migrate) settles first: it takes the request off, or
+                # fails (a destination drained meanwhile refuses it) and this drain moves it after all.
+                while f.moving and not f.finished:
+                    await asyncio.sleep(0.05)
+                if f.finished:
                     return  # finished meanwhile: nothing left on the backend
-                failed.append({"id": f.id, "error": exc.message})
+                if f.backend is not b:
+                    moved.append(f.id)
+                    return
+                dest = await self.pick(f.keys, avoid=b)
+                if dest is None:
+                    failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
+                    return
+                try:
+                    await f.migrate(dest, why="drained")
+                    moved.append(f.id)
+                    return
+                except RouterError as exc:
+                    if "has finished" in exc.message or "ended before" in exc.message:
+                        return
+                    if not f.moving and "being moved already" not in exc.message:
+                        failed.append({"id": f.id, "error": exc.message})
+                        return
+            failed.append({"id": f.id, "error": "another move of it kept it on the drained backend"})
 
         await asyncio.gather(*(move(f) for f in moving))
         # Requests that cannot move finish where they are; the operator learns which, and why.
@@ -413,6 +427,12 @@ async def _sse(
         router.end(f)
 
 
+async def _client_left(request: Any) -> None:
+    """Returns once the client has disconnected (its body was read already: the next message is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _collect(router: Router, f: Flight, deltas: AsyncIterator[Delta], first: Delta | None) -> dict[str, Any]:
     """A non-streamed answer: every delta of every leg, joined."""
     texts, finish, stop, logprobs = [], None, None, []
@@ -474,7 +494,7 @@ def build_app(config: RouterConfig) -> Any:
         ['/hurray/drain', '/hurray/migrate', '/hurray/requests', '/hurray/undrain']
     """
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
     router = Router(config)
 
@@ -533,8 +553,8 @@ def build_app(config: RouterConfig) -> Any:
     async def json_body(request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
-        except ValueError:
-            raise RouterError(400, "the request body is not JSON") from None
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+            raise RouterError(400, "the request body is not JSON (or nested too deeply)") from None
         if not isinstance(body, dict):
             raise RouterError(400, "the request body must be a JSON object")
         return body
@@ -552,15 +572,19 @@ def build_app(config: RouterConfig) -> Any:
         b.in_flight += 1
         router.metrics.routed(b.url)
         b.remember(keys)
-        try:
-            upstream = await router.client.post(b.base + path, json=body)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            b.in_flight -= 1
-            return fail(502, f"{b.url}: {type(exc).__name__}: {exc}")
-        log.debug("router: %s relayed to %s unchanged (%s)", rid, b.url, why)
         prompt = body.get("prompt")
         counted = len(prompt) if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
+        # Listed (and known to a drain) from now on: a non-streamed answer's headers come only at its end.
         entry = router.relayed[rid] = Relayed(rid, b, why, counted)
+        try:
+            upstream = await router.client.post(b.base + path, json=body)
+        except BaseException as exc:
+            b.in_flight -= 1
+            router.relayed.pop(rid, None)
+            if isinstance(exc, (aiohttp.ClientError, TimeoutError)):
+                return fail(502, f"{b.url}: {type(exc).__name__}: {exc}")
+            raise
+        log.debug("router: %s relayed to %s unchanged (%s)", rid, b.url, why)
 
         def renamed(data: bytes) -> bytes:
             try:
@@ -594,10 +618,15 @@ def build_app(config: RouterConfig) -> Any:
 
     async def generate(request: Request, kind: str) -> Any:
         body = await json_body(request)
+        if not isinstance(body.get("stream_options") or {}, dict):
+            return fail(400, "stream_options must be an object")  # the router reads it, and sends its own upstream
         why = movable(kind, body)
         if why is not None:
             return await passthrough(kind, body, why)
-        f = router.begin(kind, body)
+        try:
+            f = router.begin(kind, body)
+        except RouterError as exc:  # a field the router computes with is not what vLLM would take
+            return fail(exc.status, exc.message)
         deltas = f.deltas()
         try:
             first = await deltas.__anext__()  # the first leg's refusal is the client's answer, with its status
@@ -618,10 +647,22 @@ def build_app(config: RouterConfig) -> Any:
                 router.end(f)
 
             return _streamed(_sse(router, f, deltas, first), ended, media_type="text/event-stream")
+        collect = asyncio.ensure_future(_collect(router, f, deltas, first))
+        left = asyncio.ensure_future(_client_left(request))
         try:
-            return JSONResponse(await _collect(router, f, deltas, first))
+            await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                # The client went away: stop the backend's request now rather than generate for nobody.
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
+                await deltas.aclose()
+                router.end(f)
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+            return JSONResponse(collect.result())
         except (RouterError, UpstreamError) as exc:
             return fail(exc.status if isinstance(exc, RouterError) else 502, str(exc))
+        finally:
+            left.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
