@@ -243,3 +243,13 @@ def test_a_non_streamed_request_relayed_unmoved_is_listed_while_it_runs(fakes: d
     assert [r["movable"] for r in listed] == [False] and listed[0]["backend"] == fakes["d"]
     assert answer["r"].status_code == 200 and answer["r"].json()["id"] == listed[0]["id"]
     assert httpx.get(fakes["slow"] + "/hurray/requests", timeout=30).json()["requests"] == []
+
+
+def test_a_relayed_stream_that_breaks_off_still_ends_with_done(fakes: dict[str, str]) -> None:
+    """An unmovable request's backend broke mid-stream: an error event, then [DONE], as every stream ends."""
+    import httpx
+
+    body = {"model": "fake", "prompt": [5, 6], "max_tokens": 4, "stream": True, "guided_regex": "[0-9 ]+"}
+    with httpx.stream("POST", fakes["dropping"] + "/v1/completions", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]", lines[-3:]

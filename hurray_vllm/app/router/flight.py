@@ -461,8 +461,8 @@ class Flight:
         chat = path.endswith("/chat/completions")
         try:
             async for event in self._upstream(backend, path, body):
+                delta, prompt = _upstream_delta(event, chat)  # first: an unreadable event takes no slot
                 await space.acquire()
-                delta, prompt = _upstream_delta(event, chat)
                 delta.received = time.perf_counter()
                 if delta.extra and any(delta.extra.values()) and self.unmovable is None:
                     self.unmovable = PARSED  # its text and the parser's state would part at a move

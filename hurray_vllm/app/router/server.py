@@ -598,15 +598,19 @@ def build_app(config: RouterConfig) -> Any:
                     entry.generated_tokens += len(choices)
             return json.dumps(event).encode()
 
+        streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
         async def relay() -> AsyncIterator[bytes]:
             try:
-                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                if streamed:
                     async for data in sse_data(upstream, b.url):
                         yield b"data: " + (data if data == b"[DONE]" else renamed(data)) + b"\n\n"
                 else:
                     yield renamed(await upstream.read())
             except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
-                yield f"data: {json.dumps(_error(502, f'{b.url}: {exc}'))}\n\n".encode()
+                error = json.dumps(_error(502, f"{b.url}: {exc}"))
+                # A stream ends as every stream does; a JSON answer's status is sent already: its body says it.
+                yield f"data: {error}\n\ndata: [DONE]\n\n".encode() if streamed else error.encode()
 
         async def ended() -> None:  # however the response ends: also if the client left before it started
             upstream.release()
