@@ -601,7 +601,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-chunk", type=_size, default=4 << 30, help="largest chunk accepted (default 4G: a frame announcing more "
         "is refused unread)"
     )  # fmt: skip
-    s.add_argument("--timeout", type=float, default=60.0, help="seconds one chunk may take to arrive (default 60)")
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds one chunk may take to arrive, plus one per MiB it announces; a slower sender is "
+        "disconnected (default 60)",
+    )
     s.add_argument(
         "--idle-timeout", type=float, default=120.0, help="seconds a connection may stay silent between chunks"
     )
