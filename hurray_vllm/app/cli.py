@@ -476,7 +476,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"{report.chunks_kept} chunks ({report.bytes_kept / 2**20:.1f} MiB) remain"
         )
     for skipped in report.skipped:
-        print(f"hurray-vllm: skipped (check its permissions): {skipped}", file=sys.stderr)
+        print(f"hurray-vllm: skipped: {skipped}", file=sys.stderr)
     return 0
 
 
@@ -495,14 +495,16 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             print(f"damaged: {path}: {why}")
         for path, why in report.foreign:
             print(f"not ours: {path}: {why}")
+        for path, why in report.unverified:
+            print(f"not verified: {path}: {why}")
         moved = f", {len(report.moved)} moved aside (*.hrry.bad)" if args.quarantine else ""
         print(
             f"{report.checked} chunk files checked: {report.good} good, {len(report.damaged)} damaged{moved}, "
-            f"{len(report.foreign)} unsigned or of another key; "
+            f"{len(report.foreign)} unsigned or of another key, {len(report.unverified)} not verifiable here; "
             f"{report.temporary} temporary files"
         )
     for skipped in report.skipped:
-        print(f"hurray-vllm: skipped (check its permissions): {skipped}", file=sys.stderr)
+        print(f"hurray-vllm: skipped: {skipped}", file=sys.stderr)
     return 0 if report.clean else 1
 
 

@@ -275,7 +275,12 @@ def check_heads(snap: KVSnapshot, heads: range | None) -> None:
     whole chunk's name would otherwise be loaded as the whole chunk.
     """
     held = snap.head_range
-    want = (heads.start, heads.stop) if heads is not None else (0, held.total)
+    total = held.total
+    if heads is None and snap.fingerprint is not None and not snap.is_latent:
+        # The model's heads, not the file's own count: a whole chunk of fewer heads than its model has
+        # is refused by every consumer (verify_chunk), so no checker may call it good.
+        total = snap.fingerprint.num_kv_heads
+    want = (heads.start, heads.stop) if heads is not None else (0, total)
     if (held.start, held.stop) != want:
         raise HurrayFormatError(
             "snapshot.heads", f"chunk holds heads {held.start}..{held.stop}, its name says {want[0]}..{want[1]}"

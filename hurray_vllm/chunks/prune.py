@@ -93,7 +93,7 @@ def prune(
     chunks: list[tuple[float, int, list[tuple[float, int, Path]]]] = []
     doomed: list[tuple[str, int, Path]] = []
     skipped: list[str] = []
-    for ns in _namespaces(store.root, skipped):
+    for ns in namespaces(store.root, skipped):
         try:
             entries = list(os.scandir(ns))
         except OSError as exc:  # an unreadable namespace: prune the others
@@ -170,9 +170,23 @@ def _chunk_of(name: str) -> str:
     return split_slice_key(name.removesuffix(".hrry"))[0]
 
 
-def _namespaces(root: Path, skipped: list[str]) -> list[Path]:
+def namespaces(root: Path, skipped: list[str]) -> list[Path]:
+    """The store's namespace directories; a symbolic link among them is listed in ``skipped``, not followed.
+
+    Why: prune deletes, and fsck moves, files in what it lists; a link to a
+    directory outside the store would hand them files that are not chunks.
+    """
+    if not root.is_dir():
+        return []
     try:
-        return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        entries = list(os.scandir(root))
     except OSError as exc:
         skipped.append(f"{root}: {exc.strerror or exc}")
         return []
+    out = []
+    for entry in entries:
+        if entry.is_symlink():
+            skipped.append(f"{entry.path}: a symbolic link, not followed")
+        elif entry.is_dir(follow_symlinks=False):
+            out.append(Path(entry.path))
+    return sorted(out)

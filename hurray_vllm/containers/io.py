@@ -6,6 +6,7 @@ Modelled on safetensors: plain data in and out, one exception type
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,6 +49,18 @@ _PARSE_ERRORS = (
     RecursionError,
     RuntimeError,
 )
+
+
+def raise_if_out_of_memory(exc: BaseException, what: str) -> None:
+    """Raise ``OSError(ENOMEM)`` when ``exc`` is an allocation that failed: the machine's state, not the input's.
+
+    Why: a reader must not call a good file malformed because memory ran out
+    while it read it; a connector moves malformed chunk files aside, and only
+    data errors may do that (an ``OSError`` refuses the chunk and leaves it).
+    """
+    text = str(exc).lower()
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "alloc" in text and "memory" in text):
+        raise OSError(errno.ENOMEM, f"{what}: out of memory while reading it ({type(exc).__name__}: {exc})") from exc
 
 
 def as_format_error(exc: BaseException, what: str) -> HurrayFormatError:
@@ -187,18 +200,19 @@ def open_records(path: str | os.PathLike[str], *, permissive: bool = False, mmap
 def read_file(path: str | os.PathLike[str]) -> FileBytes:
     """Every byte of the file at ``path`` (``hrryfile.read_whole``), for :func:`load_file_bytes`.
 
-    With :func:`load`'s error contract: what goes wrong reading the file
-    (memory for an absurd size, say) is a :class:`HurrayFormatError`.
+    With :func:`load`'s error contract.
 
     Raises:
         HurrayFormatError: as :func:`load`.
-        OSError: the file cannot be read (``FileNotFoundError`` if it is gone).
+        OSError: the file cannot be read (``FileNotFoundError`` if it is gone; ``ENOMEM`` if memory
+            ran out: not a verdict on the file).
     """
     try:
         return read_whole(path)
     except (HurrayFormatError, OSError):
         raise
-    except _PARSE_ERRORS as exc:
+    except (*_PARSE_ERRORS, MemoryError) as exc:
+        raise_if_out_of_memory(exc, str(path))
         raise as_format_error(exc, str(path)) from exc
 
 
@@ -220,7 +234,8 @@ def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
             return assemble_snapshot(nodes, permissive=permissive)
     except HurrayFormatError:
         raise
-    except _PARSE_ERRORS as exc:
+    except (*_PARSE_ERRORS, MemoryError) as exc:
+        raise_if_out_of_memory(exc, str(data.path))
         raise as_format_error(exc, str(data.path)) from exc
 
 
@@ -283,7 +298,8 @@ def load(
         )
     except HurrayFormatError:
         raise
-    except _PARSE_ERRORS as exc:
+    except (*_PARSE_ERRORS, MemoryError) as exc:
+        raise_if_out_of_memory(exc, str(path))
         raise as_format_error(exc, str(path)) from exc
 
 
@@ -315,7 +331,8 @@ def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
         )
     except HurrayFormatError:
         raise
-    except _PARSE_ERRORS as exc:
+    except (*_PARSE_ERRORS, MemoryError) as exc:
+        raise_if_out_of_memory(exc, "stream")
         raise as_format_error(exc, "stream") from exc
 
 

@@ -27,7 +27,7 @@ def _damaged_store(root: Path) -> tuple[DirectoryStore, str, dict[str, str]]:
     flipped = "a1" * 8
     store.put(ns, flipped, chunk)
     raw = bytearray(store.path(ns, flipped).read_bytes())
-    raw[4096 + 3] ^= 0x10  # inside the first page pool: only the checksum notices
+    raw[16384 + 3] ^= 0x10  # inside the first page pool (layers.0.key's data): only the checksum notices
     store.path(ns, flipped).write_bytes(bytes(raw))
     kinds[flipped] = "digest"
     cut = "a2" * 8
@@ -90,3 +90,54 @@ def test_a_good_store_written_by_store_snapshot_is_clean(tmp_path: Path) -> None
     report = fsck(store)
     assert report.clean and report.checked == report.good >= 1
     assert hv.validate(next(tmp_path.rglob("*.hrry"))).ok
+
+
+def test_a_chunk_whose_checksum_cannot_run_here_is_unverified_not_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the native kernels a CRC-32C digest cannot be checked: consumers leave such files; so does fsck."""
+    from hurray_vllm import native
+
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    if not str(chunk.extra[DIGEST_KEY]).startswith("crc32c"):
+        pytest.skip("this machine wrote a zlib digest (no native kernels)")
+    monkeypatch.setattr(native, "library", lambda: None)
+    report = fsck(store, quarantine=True)
+    assert (
+        report.damaged == [] and report.moved == [] and [p for p, _ in report.unverified] == [str(store.path(ns, key))]
+    )
+    assert not report.clean and store.path(ns, key).is_file()
+
+
+def test_a_whole_chunk_holding_fewer_heads_than_its_model_is_damage(tmp_path: Path) -> None:
+    """Every consumer refuses it (verify_chunk, heads 0..model's): fsck called it good."""
+    snap = spec_example_snapshot()
+    assert snap.fingerprint is not None
+    snap = replace(snap, fingerprint=replace(snap.fingerprint, num_kv_heads=4))  # the pools hold 2
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    report = fsck(store)
+    assert report.good == 0 and [why for _, why in report.damaged] == [
+        "snapshot.heads: chunk holds heads 0..2, its name says 0..4"
+    ]
+
+
+@pytest.mark.parametrize("tool", ["fsck", "prune"])
+def test_fsck_and_prune_do_not_follow_a_symlinked_namespace_out_of_the_store(tmp_path: Path, tool: str) -> None:
+    from hurray_vllm.chunks import prune
+
+    outside = tmp_path / "home"
+    outside.mkdir()
+    for name in ("thesis.hrry", "notes.hrry.bad", ".draft.tmp", "a1a1a1a1.hrry"):
+        (outside / name).write_bytes(b"mine")
+    store = DirectoryStore(tmp_path / "store")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "0123456789abcdef").symlink_to(outside, target_is_directory=True)
+    report = fsck(store, quarantine=True) if tool == "fsck" else prune(store, 0, stale_temp_s=3600)
+    assert sorted(p.name for p in outside.iterdir()) == [".draft.tmp", "a1a1a1a1.hrry", "notes.hrry.bad", "thesis.hrry"]
+    assert any("symbolic link" in s for s in report.skipped)

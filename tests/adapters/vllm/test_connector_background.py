@@ -561,6 +561,30 @@ def test_verified_chunks_are_bounded_in_bytes_as_well_as_in_entries() -> None:
     assert cache.get("a", (1,)) is None and cache.nbytes == size
     cache.clear()
     assert cache.nbytes == 0
+    bigger = VerifiedChunks(capacity=100, max_bytes=size)
+    bigger.put("k", (1,), snap)
+    from dataclasses import replace
+
+    twice = replace(snap, keys=snap.keys + snap.keys, values=snap.values + snap.values)
+    bigger.put("huge", (2,), twice)  # twice the budget alone: not kept, and "k" stays (it was emptied)
+    assert bigger.get("huge", (2,)) is None and bigger.get("k", (1,)) is snap
+
+
+def test_a_chunk_verified_without_a_fleet_key_is_not_served_to_a_keyed_connector() -> None:
+    """Remembered chunks are kept by the checks they passed: a checksum alone never stands in for a MAC."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.metadata import VerifiedChunks, verified_scope
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.signing import FleetKeys
+
+    snap, keys = spec_example_snapshot(), FleetKeys.from_secrets(b"k" * 32)
+    cache = VerifiedChunks(8)
+    cache.put("a", (1,), snap, scope=verified_scope(None))
+    assert cache.get("a", (1,), verified_scope(None)) is snap
+    assert cache.get("a", (1,), verified_scope(keys)) is None
+    assert cache.get("a", (1,), verified_scope(FleetKeys.from_secrets(b"o" * 32, b"k" * 32))) is None
+    cache.put("a", (1,), snap, scope=verified_scope(keys))
+    assert cache.get("a", (1,), verified_scope(keys)) is snap and cache.get("a", (1,), verified_scope(None)) is snap
 
 
 @pytest.mark.parametrize(

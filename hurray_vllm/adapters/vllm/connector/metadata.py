@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from ....chunks.signing import FleetKeys
 from ....kv.snapshot import KVSnapshot
 
 __all__ = [
     "DEFAULT_VERIFIED_BYTES",
     "VERIFIED",
+    "verified_scope",
     "ConnectorStats",
     "HurrayConnectorMetadata",
     "LoadTask",
@@ -163,7 +165,8 @@ class VerifiedChunks:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._items: OrderedDict[str, tuple[tuple[int, ...], KVSnapshot, int]] = OrderedDict()
+        # By (scope, name): see verified_scope.
+        self._items: OrderedDict[tuple[str, str], tuple[tuple[int, ...], KVSnapshot, int]] = OrderedDict()
         self._bytes = 0
 
     @property
@@ -171,13 +174,17 @@ class VerifiedChunks:
         """Bytes of page pools and states the kept chunks hold."""
         return self._bytes
 
-    def get(self, key: str, identity: tuple[int, ...]) -> KVSnapshot | None:
-        """The snapshot verified for ``key`` if its file still has ``identity`` (then most recently used), else None."""
+    def get(self, key: str, identity: tuple[int, ...], scope: str = "") -> KVSnapshot | None:
+        """The snapshot verified for ``key`` under ``scope`` if its file still has ``identity``, else None.
+
+        A hit becomes the most recently used. ``scope``: :func:`verified_scope` of the checks the caller
+        demands; only a chunk verified under the same checks is served.
+        """
         with self._lock:
-            hit = self._items.get(key)
+            hit = self._items.get((scope, key))
             if hit is None or hit[0] != identity:
                 return None
-            self._items.move_to_end(key)
+            self._items.move_to_end((scope, key))
             return hit[1]
 
     def put(
@@ -187,21 +194,24 @@ class VerifiedChunks:
         snap: KVSnapshot,
         capacity: int | None = None,
         max_bytes: int | None = None,
+        scope: str = "",
     ) -> None:
-        """Keep ``snap``; then drop the least recently used beyond ``capacity`` entries or ``max_bytes``.
+        """Keep ``snap``, verified under ``scope``; then drop the least recently used beyond the bounds.
 
-        The bounds default to :attr:`capacity` and :attr:`max_bytes`. A chunk
-        larger than ``max_bytes`` alone is not kept.
+        The bounds (``capacity`` entries, ``max_bytes``) default to :attr:`capacity`
+        and :attr:`max_bytes`. A chunk larger than ``max_bytes`` alone is not
+        kept, and evicts only what the bounds do.
         """
         keep = self.capacity if capacity is None else capacity
         budget = self.max_bytes if max_bytes is None else max_bytes
         size = snapshot_bytes(snap)
         with self._lock:
-            old = self._items.pop(key, None)
+            old = self._items.pop((scope, key), None)
             if old is not None:
                 self._bytes -= old[2]
-            self._items[key] = (identity, snap, size)
-            self._bytes += size
+            if size <= budget:  # a chunk larger than the budget alone would evict everything, then itself
+                self._items[(scope, key)] = (identity, snap, size)
+                self._bytes += size
             while self._items and (len(self._items) > keep or self._bytes > budget):
                 self._bytes -= self._items.popitem(last=False)[1][2]
 
@@ -210,6 +220,16 @@ class VerifiedChunks:
         with self._lock:
             self._items.clear()
             self._bytes = 0
+
+
+def verified_scope(keys: FleetKeys | None) -> str:
+    """What a chunk was verified against: its checksum alone (``""``), or a MAC under one of ``keys``.
+
+    Part of :data:`VERIFIED`'s key, so that a chunk a connector without a fleet key took (on its
+    checksum) is never served from memory to one that demands a signature, nor one verified under
+    another key ring.
+    """
+    return "" if keys is None else "mac:" + "+".join(keys.ids)
 
 
 def snapshot_bytes(snap: KVSnapshot) -> int:

@@ -29,7 +29,7 @@ from ....transport.security import server_context
 from ..cache import adapter_digest
 from ..states import state_block, step_block
 from .config import HurrayConfig
-from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
+from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, verified_scope
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -196,6 +196,7 @@ class HurrayScheduler:
         self._reqs: dict[str, _Request] = {}
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
+        self._scope = verified_scope(config.keys)
         self._verified_bytes = config.verified_bytes
         self._windows = config.group_windows  # () for one KV cache group
         self._last_only = config.window_chunks == "last"
@@ -282,7 +283,7 @@ class HurrayScheduler:
                 break
             stored.append(parts)
         # Each file is read on a helper thread while the one before is parsed here.
-        unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity) is None]
+        unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
         reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
         found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[None] | None]]] = []
         for i, parts in enumerate(stored, first):
@@ -461,7 +462,7 @@ class HurrayScheduler:
         if self._failed_check(parts, checks) or not _fit_together(snaps):
             return False
         for part, snap in zip(parts, snaps, strict=True):
-            VERIFIED.put(part.name, part.identity, snap, self._verified_cap, self._verified_bytes)
+            VERIFIED.put(part.name, part.identity, snap, self._verified_cap, self._verified_bytes, self._scope)
         return True
 
     def _read_part(
@@ -480,7 +481,7 @@ class HurrayScheduler:
             HurrayFormatError: the file is unreadable, of another model, for other tokens, or holds
                 other heads than its name says.
         """
-        snap = VERIFIED.get(part.name, part.identity)
+        snap = VERIFIED.get(part.name, part.identity, self._scope)
         check: Future[None] | None = None
         if snap is not None:
             self.stats.chunks_remembered += 1

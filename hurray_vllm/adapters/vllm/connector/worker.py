@@ -49,7 +49,7 @@ from ..cache import (
 from ..export import GatherBuffers, SequenceState, export_snapshot
 from ..states import join_shares, pack_states
 from .config import HurrayConfig
-from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask
+from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, verified_scope
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -241,6 +241,7 @@ class HurrayWorker:
         self._async = config.save_async
         # The process-wide handoff cache is bounded by this part's own setting on each put.
         self._verified_cap = config.verified_chunks
+        self._scope = verified_scope(config.keys)
         self._verified_bytes = config.verified_bytes
         self.stats = ConnectorStats()
         self._ec: EngineCache | None = None
@@ -459,7 +460,16 @@ class HurrayWorker:
         for p, (name, start, stop, ident) in enumerate(parts):
             if mine is not None and stop > start and (stop <= mine.start or start >= mine.stop):
                 continue  # another rank's heads
-            snap = given[p] if p < len(given) else VERIFIED.get(name, ident)
+            snap = given[p] if p < len(given) else VERIFIED.get(name, ident, self._scope)
+            if snap is not None and p >= len(given):
+                # Remembered by this process: its key promised these tokens then too, but the check is cheap.
+                verify_chunk(
+                    snap,
+                    self._fingerprint,
+                    task.tokens[c],
+                    digest=False,
+                    heads=range(start, stop) if stop > start else None,
+                )
             if snap is None:
                 now = self._store.identity(self._ns, name)
                 snap = self._store.get(self._ns, name)
@@ -473,7 +483,7 @@ class HurrayWorker:
                     name=name,
                 )
                 if now is not None:
-                    VERIFIED.put(name, now, snap, self._verified_cap, self._verified_bytes)
+                    VERIFIED.put(name, now, snap, self._verified_cap, self._verified_bytes, self._scope)
             snaps.append(snap)
         if not snaps:
             raise HurrayFormatError("snapshot.heads", f"chunk {task.keys[c]}: no stored file holds this rank's heads")
