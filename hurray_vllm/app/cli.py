@@ -14,7 +14,16 @@ from typing import Any
 import torch
 
 from ..containers.check import validate
-from ..containers.io import SUFFIX_FORMATS, detect_format, file_kv, iter_nodes, open_records, save_records
+from ..containers.io import (
+    PARSE_ERRORS,
+    SUFFIX_FORMATS,
+    as_format_error,
+    detect_format,
+    file_kv,
+    iter_nodes,
+    open_records,
+    save_records,
+)
 from ..containers.schema import Node, Record, index_tables
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..progress import progress
@@ -140,7 +149,10 @@ def _line(columns: list[tuple[str, str]], cells: dict[str, Any]) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm inspect``: print the file's descriptors as a table or JSON; returns 0."""
     fmt = detect_format(args.path)
-    rows = list(_rows(iter_nodes(args.path, permissive=True)))
+    try:
+        rows = list(_rows(iter_nodes(args.path, permissive=True)))
+    except PARSE_ERRORS as exc:  # load's contract for what the readers did not foresee: one error type
+        raise as_format_error(exc, str(args.path)) from exc
     if args.json:
         print(
             json.dumps(

@@ -12,6 +12,7 @@ size against the file's real length before allocating or mapping anything.
 from __future__ import annotations
 
 import functools
+import itertools
 import mmap as _mmap
 import os
 import struct
@@ -326,6 +327,17 @@ def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> 
         entries.append(IndexEntry(name, d_off, d_len, data_off, data_len))
     if pos != len(index):
         raise HurrayFormatError("file.index", f"{len(index) - pos} stray bytes after the last entry")
+    # No two regions may share bytes: a writer lays each out once, and a file whose entries point at
+    # one region many times would read (and copy) it once per entry, far beyond the file's size.
+    regions = sorted(
+        (off, off + n, e.name)
+        for e in entries
+        for off, n in ((e.descriptor_offset, e.descriptor_length), (e.data_offset, e.data_length))
+        if n
+    )
+    for (_, end, a), (start, _, b) in itertools.pairwise(regions):
+        if start < end:
+            raise HurrayFormatError("file.index", f"entries {a!r} and {b!r} overlap in the file")
     # Composite membership is positional in descriptor-offset order.
     entries.sort(key=lambda e: e.descriptor_offset)
     return tuple(entries)

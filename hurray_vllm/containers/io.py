@@ -39,7 +39,7 @@ __all__ = [
 Format = Literal["hrry", "stream", "safetensors"]
 
 #: What a parsing bug on malformed input surfaces as (the readers' own checks raise HurrayFormatError first).
-_PARSE_ERRORS = (
+PARSE_ERRORS = (
     ValueError,
     TypeError,
     OverflowError,
@@ -211,7 +211,7 @@ def read_file(path: str | os.PathLike[str]) -> FileBytes:
         return read_whole(path)
     except (HurrayFormatError, OSError):
         raise
-    except (*_PARSE_ERRORS, MemoryError) as exc:
+    except (*PARSE_ERRORS, MemoryError) as exc:
         raise_if_out_of_memory(exc, str(path))
         raise as_format_error(exc, str(path)) from exc
 
@@ -234,7 +234,7 @@ def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
             return assemble_snapshot(nodes, permissive=permissive)
     except HurrayFormatError:
         raise
-    except (*_PARSE_ERRORS, MemoryError) as exc:
+    except (*PARSE_ERRORS, MemoryError) as exc:
         raise_if_out_of_memory(exc, str(data.path))
         raise as_format_error(exc, str(data.path)) from exc
 
@@ -298,7 +298,7 @@ def load(
         )
     except HurrayFormatError:
         raise
-    except (*_PARSE_ERRORS, MemoryError) as exc:
+    except (*PARSE_ERRORS, MemoryError) as exc:
         raise_if_out_of_memory(exc, str(path))
         raise as_format_error(exc, str(path)) from exc
 
@@ -331,7 +331,7 @@ def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
         )
     except HurrayFormatError:
         raise
-    except (*_PARSE_ERRORS, MemoryError) as exc:
+    except (*PARSE_ERRORS, MemoryError) as exc:
         raise_if_out_of_memory(exc, "stream")
         raise as_format_error(exc, "stream") from exc
 

@@ -491,6 +491,8 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         n = _layer_member_count(node)
         if n is not None:
             lens = _dense(node.members[n], torch.int64, "seq_lens")
+            if lens.dim() != 1:
+                raise HurrayFormatError("seq_lens", f"sequence lengths must be a vector, got shape {list(lens.shape)}")
             first = _bp(node.members[0], lens if lens.numel() or _no_seqs(node) else None, permissive, index_cache)
             members = [first, *(_bp(m, first.seq_lens, permissive, index_cache) for m in node.members[1:n])]
             roles = tuple(t.kv_role for t in members)

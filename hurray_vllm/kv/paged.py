@@ -398,6 +398,15 @@ class BlockPagedTensor:
             raise HurrayFormatError("layout_tag", f"expected block-paged (0x0A), got 0x{desc.layout_tag:02X}")
         if len(buffers) != len(desc.buffers):
             raise HurrayFormatError("buffer_count", f"{len(buffers)} buffers given for {len(desc.buffers)} declared")
+        for i, (buf, declared) in enumerate(zip(buffers, desc.buffers, strict=True)):
+            # What the descriptor's rules checked is what it declares: the buffers themselves (a
+            # safetensors file's tensors, say) must be that size too, or the index checks read others.
+            held = buf.numel() * buf.element_size()
+            if held != declared.byte_size:
+                name = ("page_pool", "block_table", "seq_ptr")[i] if i < 3 else f"buffer {i}"
+                raise HurrayFormatError(
+                    f"{name}.byte_size", f"{name} holds {held} bytes, its descriptor declares {declared.byte_size}"
+                )
         dtype = dtypes.torch_dtype(desc.type_tag)
         _, heads, dim = desc.shape
         pool = buffers[0].view(dtype).view(bp.num_pages, bp.page_size, heads, dim)

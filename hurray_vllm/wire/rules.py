@@ -51,7 +51,10 @@ _STRUCTURAL = frozenset(
         "quantization.scales.byte_size",
         "quantization.zero_points.byte_size",
         "block_table.page_id",
+        "seq_ptr.first",
+        "seq_ptr.non_decreasing",
         "seq_ptr.last",
+        "shape.heads",
         "seq_lens.count",
         "seq_lens.pages",
         "seq_lens.total",
@@ -105,7 +108,19 @@ def raise_if(checked: Checked, context: str = "") -> None:
 # descriptor's own rules are pure functions of those bytes, so both are remembered (a few
 # hundred bytes per entry, bounded); the buffers are still checked every time.
 @functools.lru_cache(maxsize=1024)
+def _decode_and_check_memo(raw: bytes, permissive: bool) -> tuple[TensorDescriptor, Checked]:
+    d = decode_descriptor(raw)
+    return d, validate_descriptor(d, permissive=permissive)
+
+
+#: Only descriptors this small are remembered: a hostile file of many large ones (extension
+#: payloads) would otherwise keep up to 1024 of them alive after it was read.
+_MEMO_DESCRIPTOR_BYTES = 4096
+
+
 def _decode_and_check(raw: bytes, permissive: bool) -> tuple[TensorDescriptor, Checked]:
+    if len(raw) <= _MEMO_DESCRIPTOR_BYTES:
+        return _decode_and_check_memo(raw, permissive)
     d = decode_descriptor(raw)
     return d, validate_descriptor(d, permissive=permissive)
 
@@ -357,6 +372,11 @@ def _block_paged(d: TensorDescriptor, out: list[Violation]) -> None:
         out.append(Violation("paged_axis", f"paged_axis must be 0, found {bp.paged_axis}"))
     if bp.page_size == 0:
         out.append(Violation("page_size", "page_size must be positive"))
+    if d.rank == 3 and (d.shape[1] < 1 or d.shape[2] < 1):
+        # No KV at all, and a pool of zero bytes whatever num_pages says: what reads it would size by that.
+        out.append(
+            Violation("shape.heads", f"a KV tensor has at least one head of at least one element, got {d.shape}")
+        )
     if d.byte_offset != 0:
         out.append(Violation("byte_offset", f"block-paged byte_offset must be 0, found {d.byte_offset}"))
     if any(bp.reserved):
@@ -477,6 +497,9 @@ def validate_index_buffers(
     assert bp is not None
     if seq_ptr.numel() != bp.num_seqs + 1:
         return  # already reported as seq_ptr.byte_size
+    if seq_lens is not None and seq_lens.dim() != 1:
+        out.append(Violation("seq_lens.count", f"sequence lengths must be a vector, got shape {list(seq_lens.shape)}"))
+        return
     small = block_table.numel() + seq_ptr.numel() + (seq_lens.numel() if seq_lens is not None else 0) <= _SMALL
     if small and all(t.device.type == "cpu" for t in (block_table, seq_ptr) if t is not None):
         # A chunk or a small batch: the same checks on Python ints are several

@@ -169,9 +169,12 @@ def _descriptor(value: str) -> Any:
         _set("token_ptr", torch.tensor([0, 7, 11], dtype=torch.int32)),
         _set("descriptors", "{"),
         _set("snapshot", "[]"),
+        _set("layers.0.key.seq_ptr", torch.tensor([0, 2, 3, 3])),
+        _set("layers.0.key.page_pool", torch.zeros(4, 4, 2, 8, dtype=torch.float16)),
     ],
     ids=["bad hex", "num_layers str", "request_ids ints", "empty kv_scales", "2-D seq_lens", "page id 2^32",
-         "float token ids", "int32 token_ptr", "descriptors JSON", "snapshot not an object"],
+         "float token ids", "int32 token_ptr", "descriptors JSON", "snapshot not an object",
+         "seq_ptr longer than declared", "pool shorter than declared"],
 )  # fmt: skip
 def test_malformed_safetensors_is_a_format_error(tmp_path: Path, edit: Any) -> None:
     path = _safetensors(tmp_path, edit)
@@ -251,35 +254,86 @@ def test_random_damage_gives_the_documented_error_or_the_same_data(
 # ── crafted structure: offsets into the header, huge groups ───────────────────
 
 
-def test_an_index_entry_pointing_into_the_header_is_refused(tmp_path: Path) -> None:
-    """Data offset 0 with the CRC recomputed: the header would be read as token ids."""
+def _patch_index(path: Path, edit: Any) -> None:
+    """Rewrite ``path``'s index entries through ``edit(name, (d_off, d_len, data_off, data_len), entries)``, CRC
+    recomputed; ``entries`` maps every name read so far to its entry. ``edit`` returns the new entry or None."""
     import struct
 
     from hurray_vllm.wire.crc32c import crc32c
 
-    path = tmp_path / "s.hrry"
-    hv.save(SNAP, path)
     raw = bytearray(path.read_bytes())
     index_off, index_len, *_ = struct.unpack_from("<QQQII", raw, len(raw) - 40)
     index = bytearray(raw[index_off : index_off + index_len])
-    pos, patched = 8, False
+    pos, patched, seen = 8, False, {}
     for _ in range(struct.unpack_from("<Q", index, 0)[0]):
         (n,) = struct.unpack_from("<H", index, pos)
         name = bytes(index[pos + 2 : pos + 2 + n]).decode()
         at = pos + 2 + n
-        d_off, d_len, _, data_len, flags = struct.unpack_from("<QIQQI", index, at)
-        if name == "snapshot.token_ids" and data_len:
-            struct.pack_into("<QIQQI", index, at, d_off, d_len, 0, data_len, flags)
+        d_off, d_len, data_off, data_len, flags = struct.unpack_from("<QIQQI", index, at)
+        seen[name] = (d_off, d_len, data_off, data_len)
+        new = edit(name, seen[name], seen)
+        if new is not None:
+            struct.pack_into("<QIQQI", index, at, *new, flags)
             patched = True
         pos = at + 32
     assert patched
     raw[index_off : index_off + index_len] = index
     struct.pack_into("<I", raw, len(raw) - 40 + 32 - 4, crc32c(bytes(index)))
     path.write_bytes(bytes(raw))
+
+
+def test_an_index_entry_pointing_into_the_header_is_refused(tmp_path: Path) -> None:
+    """Data offset 0 with the CRC recomputed: the header would be read as token ids."""
+    path = tmp_path / "s.hrry"
+    hv.save(SNAP, path)
+    _patch_index(path, lambda name, e, _: (e[0], e[1], 0, e[3]) if name == "snapshot.token_ids" and e[3] else None)
     with pytest.raises(hv.HurrayFormatError, match="header") as err:
         hv.load(path)
     assert err.value.field == "file.index.data_offset"
     assert not hv.validate(path).ok
+
+
+def test_index_entries_sharing_bytes_are_refused(tmp_path: Path) -> None:
+    """Every layer's entry pointing at one pool read (and copied) it once per entry: memory far beyond the file."""
+    path = tmp_path / "s.hrry"
+    hv.save(SNAP, path)
+
+    def onto_layer_0(name: str, e: tuple[int, ...], seen: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+        return (e[0], e[1], *seen["layers.0.key"][2:]) if name == "layers.1.key" else None
+
+    _patch_index(path, onto_layer_0)
+    with pytest.raises(hv.HurrayFormatError, match="overlap") as err:
+        hv.load(path)
+    assert err.value.field == "file.index"
+    assert not hv.validate(path).ok
+
+
+def test_a_kv_tensor_of_no_heads_and_a_pointer_not_from_0_are_refused_even_permissively(tmp_path: Path) -> None:
+    """Both read as a file of zero-byte pools or shifted sequences, and broke whatever used them later."""
+    from dataclasses import replace
+
+    for damage in ("heads", "seq_ptr"):
+        layers = []
+        for k, v in zip(SNAP.keys, SNAP.values, strict=True):
+            if damage == "heads":
+                k, v = (replace(t, page_pool=t.page_pool[:, :, :0]) for t in (k, v))
+            layers.append((k, v))
+        snap = KVSnapshot.from_layers(layers, token_ids=SNAP.token_ids)
+        path = tmp_path / f"{damage}.hrrs"
+        hv.save(snap, path) if damage == "heads" else hv.save(SNAP, path)
+        if damage == "seq_ptr":
+            raw = bytearray(path.read_bytes())
+            first = hv.load(path)[0, "key"].seq_ptr
+            assert first.tolist() == [0, 2, 3]
+            at = raw.find(bytes(torch.tensor([0, 2, 3], dtype=torch.int32).numpy().tobytes()))
+            assert at > 0
+            raw[at : at + 12] = torch.tensor([1, 2, 3], dtype=torch.int32).numpy().tobytes()
+            path.write_bytes(bytes(raw))
+        for permissive in (False, True):
+            with pytest.raises(hv.HurrayFormatError) as err:
+                hv.load(path, permissive=permissive)
+            assert err.value.field == ("shape.heads" if damage == "heads" else "seq_ptr.first")
+        assert not hv.validate(path).ok
 
 
 def test_a_group_of_a_million_members_is_refused_before_it_is_read() -> None:

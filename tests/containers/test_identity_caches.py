@@ -24,7 +24,7 @@ def test_a_verdict_dies_with_its_descriptor() -> None:
     d = rules.decode_checked(raw, "test")
     key = (id(d), False)
     assert key in rules._VERDICTS and rules.check_own(d) is rules._VERDICTS[key][1]
-    rules._decode_and_check.cache_clear()  # the LRU keeps decoded descriptors alive too
+    rules._decode_and_check_memo.cache_clear()  # the LRU keeps decoded descriptors alive too
     del d
     gc.collect()
     assert key not in rules._VERDICTS
