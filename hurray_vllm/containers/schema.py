@@ -129,7 +129,9 @@ class Node:
         A layer group is a composite of its block-paged members (K and V,
         or one fused MLA latent) and a row-major int64 member after them
         holding the sequences' lengths (what :func:`layer_records` writes).
-        ``None`` for any other node.
+        ``None`` for any other node, and for an empty member of a batch that
+        has sequences: the lengths are then unknown, as :func:`assemble_snapshot`
+        reads them (so ``validate`` judges as ``load`` does).
         """
         n = _layer_member_count(self)
         if n is None:
@@ -140,6 +142,7 @@ class Node:
             and lens.descriptor.type_tag == _INT64_TAG
             and lens.buffers
             and lens.buffers[0].numel() % 8 == 0
+            and (lens.buffers[0].numel() or _no_seqs(self))
         ):
             return lens.buffers[0].view(torch.int64)
         return None
@@ -362,7 +365,12 @@ def claims_snapshot(node: Node) -> bool:
     """Whether ``node`` is (or says it is) part of a hurray-vllm snapshot: its header, a layer group, their names.
 
     What decides whether ``validate`` runs the snapshot-level checks: a
-    damaged header that no longer looks like one still claims to be one.
+    damaged header that no longer looks like one still claims to be one (a
+    group whose first member still holds the format's name: in a stream,
+    which has no names, a wrong member count can make the header swallow the
+    layers). Bare KV tensors another writer made (no header) are Hurray data
+    that ``validate`` checks by the Hurray rules alone: ``load`` may still
+    refuse them as no snapshot.
     """
     name = node.record.name or ""
     return (
@@ -370,7 +378,19 @@ def claims_snapshot(node: Node) -> bool:
         or _is_layer_group(node)
         or name == "snapshot"
         or name.startswith(("layers.", "states."))
+        or _names_the_format(node)
     )
+
+
+def _names_the_format(node: Node) -> bool:
+    """Whether ``node`` is a group whose first member's bytes (the metadata's JSON) name this format."""
+    if not node.is_composite or not node.members or node.members[0].is_composite:
+        return False
+    first = node.members[0].record
+    if first.descriptor.layout_tag != LAYOUT_ROW_MAJOR or len(first.buffers) != 1:
+        return False
+    head = first.buffers[0][:256]
+    return FORMAT_NAME.encode() in bytes(head.numpy()) if head.dtype == torch.uint8 else False
 
 
 def _layer_member_count(node: Node) -> int | None:

@@ -344,3 +344,28 @@ def test_a_group_of_a_million_members_is_refused_before_it_is_read() -> None:
     out.write(b"\0" * 1000)
     with pytest.raises(hv.HurrayFormatError, match=f"at most {MAX_RECORDS}"):
         hv.read_stream(io.BytesIO(out.getvalue()))
+
+
+@pytest.mark.parametrize("case", ["no seq_lens (hrry)", "no seq_lens (hrrs)", "header swallows the layers"])
+def test_validate_and_load_agree_on_what_they_once_judged_apart(tmp_path: Path, case: str) -> None:
+    """Found by a review: validate refused lengths load reads as unknown, and checked only Hurray rules for a
+    stream header whose member count swallowed the layers. (Bare KV tensors without a header stay Hurray data
+    that validate checks by the Hurray rules alone: tests/containers/test_io.py.)"""
+    from dataclasses import replace
+
+    path = tmp_path / ("s.hrry" if "hrry" in case else "s.hrrs")
+    if case.startswith("no seq_lens"):
+        hv.save(SNAP.with_layers([tuple(replace(t, seq_lens=None) for t in m) for m in SNAP.layer_members()]), path)
+    else:
+        hv.save(SNAP, path)
+        raw = bytearray(path.read_bytes())
+        assert raw[40] == 3  # the header group's member count
+        raw[40] = 7
+        path.write_bytes(bytes(raw))
+    try:
+        hv.load(path)
+        loaded = True
+    except hv.HurrayFormatError:
+        loaded = False
+    assert hv.validate(path).ok == loaded
+    assert loaded == case.startswith("no seq_lens")
