@@ -42,7 +42,7 @@ def bare_worker(
     w = object.__new__(HurrayWorker)
     w._store, w._ns, w._fingerprint, w._keys = store, ns, fingerprint, None
     w._chunk, w._block_size, w._my_heads = chunk_tokens, ec.block_size, mine
-    w._verified_cap, w._verified_bytes = 64, 1 << 30
+    w._verified_cap, w._verified_bytes, w._scope = 64, 1 << 30, ""
     w._layer_groups, w._windows, w._load_errors = {}, (), set()
     w._received, w._failed = set(), set()
     w.stats = ConnectorStats()
