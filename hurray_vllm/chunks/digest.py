@@ -26,6 +26,7 @@ __all__ = [
     "digest_header",
     "digest_pools",
     "digest_matches",
+    "digest_unverifiable",
     "check_heads",
     "digest_tensors",
 ]
@@ -264,6 +265,17 @@ def digest_matches(snap: KVSnapshot) -> bool:
     """Whether ``snap``'s stored digest matches it (raises if the digest is missing, old or cannot run here)."""
     want = snap.extra.get(DIGEST_KEY)
     return want == chunk_digest(snap, ChunkDigest.like(want).algorithm)
+
+
+def digest_unverifiable(exc: HurrayFormatError) -> bool:
+    """Whether ``exc`` says a chunk's digest cannot be checked here, rather than that its data does not match.
+
+    No digest, an old or unknown one, or one that needs the native kernels:
+    consumers refuse such a chunk but leave its file (a newer writer's file
+    may be fine), and ``fsck`` lists it as not verified. Only a mismatch is
+    damage.
+    """
+    return exc.field == "snapshot.digest" and not str(exc).endswith(DIGEST_MISMATCH)
 
 
 def check_heads(snap: KVSnapshot, heads: range | None) -> None:

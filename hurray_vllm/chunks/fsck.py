@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HurrayFormatError
-from .digest import DIGEST_MISMATCH, check_heads
+from .digest import check_heads, digest_unverifiable
 from .keys import namespace_of, split_slice_key
 from .prune import namespaces
 from .signing import FleetKeys, refusal_kind
@@ -86,8 +86,7 @@ def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> s
     except HurrayFormatError as exc:
         if refusal_kind(exc) in ("unsigned", "other_key"):
             raise
-        if exc.field == "snapshot.digest" and not str(exc).endswith(DIGEST_MISMATCH):
-            # The consumers' rule (scheduler._failed_check): a digest that cannot be checked is no damage.
+        if digest_unverifiable(exc):  # the consumers' rule: no damage, left in place
             raise _Unverified(str(exc)) from None
         return str(exc)
     return None

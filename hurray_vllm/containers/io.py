@@ -10,7 +10,7 @@ import errno
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, NoReturn
 
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
@@ -51,16 +51,19 @@ PARSE_ERRORS = (
 )
 
 
-def raise_if_out_of_memory(exc: BaseException, what: str) -> None:
-    """Raise ``OSError(ENOMEM)`` when ``exc`` is an allocation that failed: the machine's state, not the input's.
+def _reraise(exc: BaseException, what: str) -> NoReturn:
+    """Raise what the readers' boundary makes of ``exc`` (one of :data:`PARSE_ERRORS`, or ``MemoryError``).
 
-    Why: a reader must not call a good file malformed because memory ran out
-    while it read it; a connector moves malformed chunk files aside, and only
-    data errors may do that (an ``OSError`` refuses the chunk and leaves it).
+    An allocation that failed is ``OSError(ENOMEM)``: the machine's state, not
+    the input's. A reader must not call a good file malformed because memory
+    ran out while it read it; a connector moves malformed chunk files aside,
+    and only data errors may do that (an ``OSError`` refuses the chunk and
+    leaves it). Anything else is :func:`as_format_error`'s.
     """
     text = str(exc).lower()
     if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "alloc" in text and "memory" in text):
         raise OSError(errno.ENOMEM, f"{what}: out of memory while reading it ({type(exc).__name__}: {exc})") from exc
+    raise as_format_error(exc, what) from exc
 
 
 def as_format_error(exc: BaseException, what: str) -> HurrayFormatError:
@@ -212,8 +215,7 @@ def read_file(path: str | os.PathLike[str]) -> FileBytes:
     except (HurrayFormatError, OSError):
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
-        raise_if_out_of_memory(exc, str(path))
-        raise as_format_error(exc, str(path)) from exc
+        _reraise(exc, str(path))
 
 
 def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
@@ -235,8 +237,7 @@ def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
     except HurrayFormatError:
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
-        raise_if_out_of_memory(exc, str(data.path))
-        raise as_format_error(exc, str(data.path)) from exc
+        _reraise(exc, str(data.path))
 
 
 def _records(path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mmap: bool) -> Iterator[Record]:
@@ -299,8 +300,7 @@ def load(
     except HurrayFormatError:
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
-        raise_if_out_of_memory(exc, str(path))
-        raise as_format_error(exc, str(path)) from exc
+        _reraise(exc, str(path))
 
 
 def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
@@ -332,8 +332,7 @@ def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
     except HurrayFormatError:
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
-        raise_if_out_of_memory(exc, "stream")
-        raise as_format_error(exc, "stream") from exc
+        _reraise(exc, "stream")
 
 
 def iter_nodes(path: str | os.PathLike[str], *, permissive: bool = False) -> Iterator[Node]:

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ....chunks.digest import DIGEST_MISMATCH
+from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import key_seed
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
 from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, tail_keys, verify_chunk
@@ -516,7 +516,7 @@ class HurrayScheduler:
                 check.result()
             except HurrayFormatError as exc:
                 # A missing or old digest is refused, not moved: a newer writer's file may be fine.
-                damaged = (is_damage(exc) and exc.field != "snapshot.digest") or str(exc).endswith(DIGEST_MISMATCH)
+                damaged = is_damage(exc) and not digest_unverifiable(exc)
                 self._refuse(part.name, exc, part.identity if damaged else None)
                 return True
             except OSError as exc:
