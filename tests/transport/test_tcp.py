@@ -273,10 +273,19 @@ def test_the_quota_counts_a_chunks_file_not_its_stream(channel: str, tmp_path: P
             transport.send_chunks(url, [(ns, key, chunk)])  # its stream fits; its file would not
         assert not store.has(ns, key) and "receiver.quota" in (r.last_error or "")
         assert not [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
+        _settled(r)  # the receiver answers before it releases the promise: a sender may be quicker
         r.quota_bytes = on_disk
         transport.send_chunks(url, [(ns, key, chunk)])
         assert (tmp_path / "store" / ns / f"{key}.hrry").stat().st_size == on_disk
+        _settled(r)
         assert r._promised == 0  # every promise settled
+
+
+def _settled(r: ReceiverBase, within_s: float = 5.0) -> None:
+    """Wait until ``r`` holds no promise of room for a chunk (or ``within_s`` passed)."""
+    deadline = time.monotonic() + within_s
+    while r._promised and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) -> None:
