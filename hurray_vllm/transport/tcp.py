@@ -242,6 +242,9 @@ class Receiver(ReceiverBase):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
             stored = self.put(ns, key, snap, admitted=length)
         except (HurrayFormatError, OSError) as exc:
+            if admitted:  # released before the answer: a sender that retries at once finds the room
+                self.settle(length, stored)
+                admitted = False
             self.count(False, str(exc))
             log.warning("hurray receiver: refused chunk %s: %s", key, exc)
             try:
@@ -256,7 +259,7 @@ class Receiver(ReceiverBase):
                 return False
             return send_error(conn, exc)
         finally:
-            if admitted:
+            if admitted:  # stored, or failed in a way the handlers above do not answer
                 self.settle(length, stored)
         self.count(True)
         try:

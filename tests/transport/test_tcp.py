@@ -268,24 +268,56 @@ def test_the_quota_counts_a_chunks_file_not_its_stream(channel: str, tmp_path: P
     store = DirectoryStore(tmp_path / "store")
     on_disk = store.size_of(chunk)
     with transport.receiver_for(channel, "127.0.0.1", 0, store, quota_bytes=on_disk - 1).start() as r:
+        _slow_settle(r)
         url = f"{channel}://127.0.0.1:{r.address[1]}"
         with pytest.raises(hv.HurrayFormatError, match="quota"):
             transport.send_chunks(url, [(ns, key, chunk)])  # its stream fits; its file would not
+        assert r._promised == 0  # released before the answer, however long it takes
         assert not store.has(ns, key) and "receiver.quota" in (r.last_error or "")
         assert not [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
-        _settled(r)  # the receiver answers before it releases the promise: a sender may be quicker
         r.quota_bytes = on_disk
-        transport.send_chunks(url, [(ns, key, chunk)])
+        transport.send_chunks(url, [(ns, key, chunk)])  # a retry at once finds the room
+        assert r._promised == 0
         assert (tmp_path / "store" / ns / f"{key}.hrry").stat().st_size == on_disk
-        _settled(r)
-        assert r._promised == 0  # every promise settled
 
 
-def _settled(r: ReceiverBase, within_s: float = 5.0) -> None:
-    """Wait until ``r`` holds no promise of room for a chunk (or ``within_s`` passed)."""
-    deadline = time.monotonic() + within_s
-    while r._promised and time.monotonic() < deadline:
-        time.sleep(0.01)
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_a_refused_chunk_releases_its_room_before_the_answer(channel: str, tmp_path: Path) -> None:
+    """A sender that retries the moment it is refused must not be refused again for the room the first took."""
+    from conftest import require
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path / "store")
+    bad = _damaged(chunk)
+    with transport.receiver_for(channel, "127.0.0.1", 0, store, quota_bytes=store.size_of(chunk) + 4096).start() as r:
+        _slow_settle(r)
+        url = f"{channel}://127.0.0.1:{r.address[1]}"
+        with pytest.raises(hv.HurrayFormatError, match="digest"):
+            transport.send_chunks(url, [(ns, key, bad)])  # admitted, then refused: its data is damaged
+        assert r._promised == 0
+        transport.send_chunks(url, [(ns, key, chunk)])  # the whole quota again, at once
+        assert store.has(ns, key) and r._promised == 0
+
+
+def _damaged(chunk: KVSnapshot) -> KVSnapshot:
+    """``chunk`` with a well-formed digest its data does not match."""
+    from hurray_vllm.chunks.digest import DIGEST_KEY
+
+    real = chunk.extra[DIGEST_KEY]
+    return replace(chunk, extra={**chunk.extra, DIGEST_KEY: real[:-1] + ("1" if real[-1] == "0" else "0")})
+
+
+def _slow_settle(r: ReceiverBase, delay_s: float = 0.3) -> None:
+    """Make ``r`` release its promises slowly, so an answer sent before the release shows."""
+    settle = r.settle
+
+    def slow(nbytes: int, stored_bytes: int) -> None:
+        time.sleep(delay_s)
+        settle(nbytes, stored_bytes)
+
+    r.settle = slow  # type: ignore[method-assign]
 
 
 def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) -> None:

@@ -312,6 +312,18 @@ class NixlReceiver(ReceiverBase):
         xfer_id = secrets.randbits(63) + 1
         landed = True
         promised = stored = 0
+
+        def release() -> None:
+            # Before any answer: a sender that sends again at once finds the room and the slab free.
+            nonlocal promised, slab
+            if promised:
+                self.settle(promised, stored)
+                promised = 0
+            self._notifs.forget(xfer_id)
+            if slab is not None:
+                (self.arena.give if landed else self.arena.quarantine)(slab)
+                slab = None
+
         try:
             offer = parse_offer(body, self.max_chunk_bytes)
             key = offer.key
@@ -345,6 +357,7 @@ class NixlReceiver(ReceiverBase):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
             stored = self.put(offer.ns, key, snap, admitted=promised)
             del snap, views, plan, landing
+            release()
             self.count(True)
             try:
                 conn.sendall(b"OK")
@@ -352,25 +365,24 @@ class NixlReceiver(ReceiverBase):
                 return False  # stored; the sender will learn nothing more on this connection
             return True
         except _Aborted as exc:
+            release()
             self.count(False, str(exc))
             log.warning("hurray nixl receiver: aborted chunk %s, nothing stored: %s", key, exc)
             send_error(conn, exc)
             return False
         except (HurrayFormatError, OSError) as exc:
+            release()
             self.count(False, str(exc))
             log.warning("hurray nixl receiver: refused chunk %s: %s", key, exc)
             return send_error(conn, exc) and landed
         except Exception as exc:  # a NIXL call failed in an unforeseen way: drop this connection, keep serving
+            release()
             self.count(False, f"{type(exc).__name__}: {exc}")
             log.exception("hurray nixl receiver: chunk %s failed, nothing stored", key)
             send_error(conn, exc)
             return False
         finally:
-            if promised:
-                self.settle(promised, stored)
-            self._notifs.forget(xfer_id)
-            if slab is not None:
-                (self.arena.give if landed else self.arena.quarantine)(slab)
+            release()  # a no-op unless an error no handler above answers (BaseException)
 
     def _await(
         self,
