@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,45 @@ if TYPE_CHECKING:
     from .store import DirectoryStore
 
 __all__ = ["PruneReport", "prune"]
+
+
+def take_if_same(path: Path, identity: tuple[int, ...], dest: Path | None) -> bool:
+    """Move the file at ``path`` to ``dest`` (``None``: delete it) only if it is the file ``identity`` names.
+
+    ``identity`` starts ``(st_dev, st_ino, st_size, st_mtime_ns)`` (as :meth:`DirectoryStore.identity`).
+    The file is first renamed to a private temporary name, which takes whatever file is under ``path``
+    *now* and nothing else, and then checked: a producer's file renamed over the judged one at any time
+    before is put back, not deleted or moved aside. (Checking ``path`` and then renaming it leaves a
+    window in which the fresh file is the one acted on.) Returns whether it was moved or deleted.
+
+    Raises:
+        OSError: ``path`` could not be renamed (gone meanwhile: ``FileNotFoundError``; permissions).
+    """
+    held = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")  # a stale temp file if we die here
+    os.rename(path, held)
+    try:
+        st = os.lstat(held)
+        same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == tuple(identity[:4])  # rename moved ctime
+    except OSError:
+        same = False
+    try:
+        if same:
+            if dest is None:
+                os.unlink(held)
+            else:
+                os.replace(held, dest)
+            return True
+        try:  # not the file judged: back under its name, unless an even newer one is there by now
+            os.link(held, path)
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here: a rename (over a newer copy of the same chunk at worst)
+            os.replace(held, path)
+            return False
+        os.unlink(held)
+    except OSError:
+        pass
+    return False
 
 
 @dataclass
@@ -93,6 +133,8 @@ def prune(
     chunks: list[tuple[float, int, list[tuple[float, int, Path]]]] = []
     doomed: list[tuple[str, int, Path]] = []
     skipped: list[str] = []
+    #: What each chunk file was when it was judged: only that file is deleted, not one renamed over it since.
+    judged: dict[Path, tuple[int, int, int, int]] = {}
     for ns in namespaces(store.root, skipped):
         try:
             entries = list(os.scandir(ns))
@@ -114,6 +156,7 @@ def prune(
                 if now - st.st_mtime > stale_temp_s:
                     doomed.append(("temp", st.st_size, Path(entry.path)))
             elif name.endswith(".hrry") and entry.is_file(follow_symlinks=False):
+                judged[Path(entry.path)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
                 files.setdefault((ns, _chunk_of(name)), []).append(
                     (max(st.st_atime, st.st_mtime), st.st_size, Path(entry.path))
                 )
@@ -142,7 +185,12 @@ def prune(
     for kind, size, path in doomed:
         if not dry_run:
             try:
-                path.unlink()
+                if kind not in ("chunk", "foreign"):
+                    path.unlink()
+                elif not take_if_same(path, judged[path], None):
+                    # Written again since the scan (a producer's rename): a fresh file, not the one judged.
+                    report.bytes_kept += size
+                    continue
             except FileNotFoundError:  # another pruner was first: gone all the same
                 pass
             except OSError as exc:

@@ -48,7 +48,7 @@ from .keys import (  # noqa: F401
     split_slice_key,
     tail_keys,
 )
-from .prune import PruneReport
+from .prune import PruneReport, take_if_same
 from .signing import FleetKeys, sign_chunk
 from .verify import check_data, verify_chunk  # noqa: F401
 
@@ -127,11 +127,11 @@ class DirectoryStore:
         if self.identity(namespace, key) != identity:
             return None
         bad = path.with_name(path.name + ".bad")
+        # Not os.replace(path, bad): a producer's rename landing after the check above would be moved aside.
         try:
-            os.replace(path, bad)
+            return bad if take_if_same(path, identity, bad) else None
         except OSError:
             return None
-        return bad
 
     def put(self, namespace: str, key: str, snap: KVSnapshot, *, replace: bool = False) -> bool:
         """Store ``snap`` under ``key`` unless it is there already (or ``replace``); True if written.

@@ -116,6 +116,27 @@ def test_quarantine_moves_only_the_file_that_was_found_damaged(tmp_path: Path) -
     assert store.put(ns, key, chunk)  # the next producer writes it again
 
 
+def test_quarantine_leaves_a_file_renamed_over_the_damaged_one_after_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer's rename landing between quarantine's identity check and its move: the fresh file stays."""
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
+    seen = store.identity(ns, key)
+    assert seen is not None
+    real = DirectoryStore.identity
+
+    def identity(self: DirectoryStore, n: str, k: str) -> tuple[int, ...] | None:
+        found = real(self, n, k)
+        self.put(n, k, chunk, replace=True)  # lands right after the check
+        return found
+
+    monkeypatch.setattr(DirectoryStore, "identity", identity)
+    assert store.quarantine(ns, key, seen) is None
+    monkeypatch.undo()
+    assert store.has(ns, key) and store.identity(ns, key) != seen
+    assert sorted(p.name for p in (tmp_path / ns).iterdir()) == [store.path(ns, key).name]  # no .bad, no temp
+
+
 def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) -> None:
     import os
 
@@ -145,6 +166,29 @@ def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) 
     assert store.prune(0).chunks_kept == 0
     with pytest.raises(hv.HurrayArgumentError, match="max_bytes"):
         store.prune(-1)
+
+
+def test_prune_keeps_a_chunk_written_again_after_it_was_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer's file renamed over a chunk prune chose (before prune deletes it) is not deleted."""
+    import importlib
+    import os
+
+    prune_module = importlib.import_module("hurray_vllm.chunks.prune")
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
+    old = time.time() - 1000
+    os.utime(store.path(ns, key), (old, old))
+    real = prune_module.PruneReport
+
+    def report(*args, **kwargs):  # type: ignore[no-untyped-def]  # built after the choice, before any deletion
+        store.put(ns, key, chunk, replace=True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prune_module, "PruneReport", report)
+    got = store.prune(0)
+    monkeypatch.undo()
+    assert store.has(ns, key) and got.chunks_removed == 0 and got.bytes_removed == 0
+    assert sorted(p.name for p in (tmp_path / ns).iterdir()) == [store.path(ns, key).name]  # no temp left
+    assert store.prune(0).chunks_removed == 1 and not store.has(ns, key)  # the next prune judges it afresh
 
 
 def test_a_chunk_truncated_after_it_was_read_stays_usable(tmp_path: Path) -> None:
