@@ -59,7 +59,7 @@ def key_seed(namespace: str, *, lora: tuple[str, str] | None = None, cache_salt:
         (True, False)
     """
     parts = [namespace]
-    if lora is not None:  # name and path: a name pointed at another adapter must not reuse the old one's KV
+    if lora is not None:  # the adapter's identity (its files' digest): other weights must not reuse this KV
         parts += ["lora", *lora]
     if cache_salt:
         parts += ["salt", cache_salt]

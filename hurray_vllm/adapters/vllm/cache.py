@@ -326,6 +326,25 @@ def _digest_files(h: Any, files: list[Path]) -> None:
 _ADAPTERS: dict[tuple[object, ...], str] = {}
 
 
+def adapter_dir(path: str) -> Path | None:
+    """Where vLLM finds a LoRA adapter's files (``vllm.lora.utils.get_adapter_absolute_path``), without downloading.
+
+    ``~`` expanded, a relative path against the working directory, else a hub
+    id's snapshot already in the local Hugging Face cache; ``None`` if none
+    of these is a directory here.
+    """
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local.absolute()
+    try:
+        from huggingface_hub import snapshot_download
+
+        got = Path(snapshot_download(repo_id=path, local_files_only=True))
+    except Exception:  # not a hub id, or not downloaded (yet)
+        return None
+    return got if got.is_dir() else None
+
+
 def adapter_digest(path: str) -> str | None:
     """A digest of a LoRA adapter's files (as :func:`weights_digest` for a model), or None if ``path`` is no directory.
 
@@ -334,9 +353,9 @@ def adapter_digest(path: str) -> str | None:
     adapter from different paths share its chunks. Remembered per file
     identity: a ``stat`` per file per call, the files read once.
     """
-    root = Path(path)
+    root = adapter_dir(path)
     try:
-        if not root.is_dir():
+        if root is None:
             return None
         files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".json"))
         ident = tuple((f.name, st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
@@ -349,7 +368,7 @@ def adapter_digest(path: str) -> str | None:
                 _ADAPTERS.clear()
             _ADAPTERS[ident] = got
         return got
-    except OSError:  # unreadable now: keyed by name and path, as vLLM's prefix cache keys it
+    except OSError:  # unreadable now: no identity, so the request is not cached (never keyed by name)
         return None
 
 

@@ -125,8 +125,11 @@ def test_lora_adapters_and_salts_seed_their_own_keys_and_multimodal_requests_hav
     from hurray_vllm.adapters.vllm.connector.scheduler import request_seed
 
     ns = "ab" * 8
-    lora = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v1")
-    moved = SimpleNamespace(lora_name="sql", lora_path="/adapters/sql-v2")
+    for v in ("sql-v1", "sql-v2"):
+        (tmp_path / v).mkdir()
+        (tmp_path / v / "adapter_model.safetensors").write_bytes(v.encode())
+    lora = SimpleNamespace(lora_name="sql", lora_path=str(tmp_path / "sql-v1"))
+    moved = SimpleNamespace(lora_name="sql", lora_path=str(tmp_path / "sql-v2"))
     seeds = [
         request_seed(ns, _request("plain")),
         request_seed(ns, _request("lora", lora_request=lora)),
@@ -139,6 +142,9 @@ def test_lora_adapters_and_salts_seed_their_own_keys_and_multimodal_requests_hav
     assert request_seed(ns, _request("image", mm_features=[object()])) is None
     assert request_seed(ns, _request("embeds", prompt_embeds=object())) is None
     assert request_seed(ns, _request("no images", mm_features=[])) == ns
+    # No files here to key by (a path elsewhere, a hub id not downloaded): no chunks, never by name and path.
+    gone = SimpleNamespace(lora_name="sql", lora_path="/nonexistent/adapters/sql")
+    assert request_seed(ns, _request("gone", lora_request=gone)) is None
 
     sched = _scheduler(tmp_path)
     image = _request("image", mm_features=[object()])
@@ -314,3 +320,21 @@ def test_a_request_sampled_n_times_loads_the_chunks_of_its_prompt(runs: dict[str
     assert len(samples) == 3 and all(len(x) == 8 for x in samples) and len({tuple(x) for x in samples}) > 1
     assert sampled["worker_stats"]["chunks_loaded"] >= 3  # the prompt's three chunks, for one child or more
     assert sampled["worker_stats"]["loads_failed"] == 0 and sampled["scheduler_stats"]["chunks_refused"] == 0
+
+
+def test_a_lora_adapter_under_home_is_keyed_by_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM expands ``~`` in a LoRA path: so must the key, or an adapter rewritten there keeps its old chunks."""
+    require("vllm")
+    import os
+
+    from hurray_vllm.adapters.vllm.connector.scheduler import request_seed
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "sql").mkdir()
+    weights = tmp_path / "sql" / "adapter_model.safetensors"
+    weights.write_bytes(b"A" * 1000)
+    lora = SimpleNamespace(lora_name="sql", lora_path="~/sql")
+    first = request_seed("ns", _request("a", lora_request=lora))
+    weights.write_bytes(b"B" * 1000)
+    os.utime(weights, ns=(1, 1))
+    assert None is not first != request_seed("ns", _request("b", lora_request=lora))

@@ -132,9 +132,11 @@ def _not_keyable(request: Any) -> bool:
 def request_seed(namespace: str, request: Any) -> str | None:
     """The seed of ``request``'s chunk keys (:func:`~hurray_vllm.chunks.keys.key_seed`); None: it has no chunks.
 
-    A LoRA adapter (the digest of its files where they are on this machine,
-    :func:`~hurray_vllm.adapters.vllm.cache.adapter_digest`; else its name
-    and path) and a ``cache_salt`` go into the seed. Images, audio and
+    A LoRA adapter (the digest of its files, :func:`~hurray_vllm.adapters.vllm.cache.adapter_digest`)
+    and a ``cache_salt`` go into the seed. An adapter whose files are not on this
+    machine has no identity to key by (its name and path may stand for other
+    weights tomorrow: a new hub revision, files replaced): such a request is
+    neither loaded nor saved. Images, audio and
     other multimodal inputs, and prompt embeddings, decide KV that the token
     ids do not name (their positions hold placeholders): such a request is
     neither loaded nor saved.
@@ -146,8 +148,9 @@ def request_seed(namespace: str, request: Any) -> str | None:
     if lora:
         path = str(getattr(lora, "lora_path", "") or "")
         digest = adapter_digest(path) if path else None
-        # By content where its files are here; else by name and path, as vLLM's prefix cache keys it.
-        adapter = ("files", digest) if digest else (str(lora.lora_name), path)
+        if digest is None:  # never by name and path: the store outlives the adapter those name today
+            return None
+        adapter = ("files", digest)
     return key_seed(namespace, lora=adapter, cache_salt=getattr(request, "cache_salt", None))
 
 
