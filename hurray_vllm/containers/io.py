@@ -318,8 +318,8 @@ def write_stream(snapshot: KVSnapshot, f: BinaryIO) -> int:
     return total + write_records(state_records(snapshot.states), f)
 
 
-def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
-    """Read one :class:`KVSnapshot` from the binary file object ``f`` (to its end).
+def read_stream(f: BinaryIO, *, permissive: bool = False, limit: int | None = None) -> KVSnapshot:
+    """Read one :class:`KVSnapshot` from the binary file object ``f`` (to its end, at most ``limit`` bytes).
 
     Raises:
         HurrayFormatError: anything malformed, truncated or inconsistent.
@@ -327,7 +327,8 @@ def read_stream(f: BinaryIO, *, permissive: bool = False) -> KVSnapshot:
     """
     try:
         return assemble_snapshot(
-            group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive
+            group_records(read_records(f, permissive=permissive, limit=limit), permissive=permissive),
+            permissive=permissive,
         )
     except HurrayFormatError:
         raise

@@ -30,9 +30,12 @@ from .schema import MAX_RECORDS, Record, dense_record, layer_records
 __all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view"]
 
 #: Below this a buffer of a non-seekable stream is allocated whole; above it,
-#: memory grows with the bytes actually received, so a lying descriptor on a
-#: socket cannot make the reader reserve more than twice what arrived.
-_GROW_FROM = 64 << 20
+#: memory grows (doubling) with the bytes actually received, so a lying
+#: descriptor on a socket makes the reader reserve at most this much, or
+#: twice what arrived (three times while one step's copy runs). Small: the
+#: reserve is per connection, before a byte of the buffer has arrived; a
+#: 64 MiB pool costs four copies of at most 32 MiB on the way.
+_GROW_FROM = 4 << 20
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -131,14 +134,17 @@ def _read_upto(f: BinaryIO, n: int) -> bytes:
     return b"".join(parts)
 
 
-def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
+def read_records(f: BinaryIO, *, permissive: bool = False, limit: int | None = None) -> Iterator[Record]:
     """Yield each record of the stream ``f``; buffers come back as uint8 tensors.
 
     Every descriptor is validated before its buffers are read. A stream that
     ends between records ends cleanly; one that ends inside a record raises
-    :class:`HurrayFormatError`.
+    :class:`HurrayFormatError`. ``limit``: the bytes ``f`` holds where the
+    caller knows it and ``f`` cannot tell (a transport frame's length): a
+    buffer declared past it is refused before anything is allocated for it.
     """
     index = 0
+    left = limit
     while True:
         head = _read_upto(f, 10)
         if not head:
@@ -153,8 +159,17 @@ def read_records(f: BinaryIO, *, permissive: bool = False) -> Iterator[Record]:
             raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index}")
         desc = decode_checked(head + rest, f"descriptor {index}", permissive=permissive)
         remaining = _remaining(f)
+        if left is not None:
+            left -= length
         buffers = []
         for i, b in enumerate(desc.buffers):
+            if left is not None:
+                if b.byte_size > left:
+                    raise HurrayFormatError(
+                        f"descriptor {index} buffer {i}",
+                        f"declares {b.byte_size} bytes but only {max(left, 0)} remain in the frame",
+                    )
+                left -= b.byte_size
             buffers.append(_read_buffer(f, b.byte_size, remaining, f"descriptor {index} buffer {i}"))
             if remaining is not None:
                 remaining -= b.byte_size

@@ -237,7 +237,7 @@ class Receiver(ReceiverBase):
             self.arm(conn, self.timeout + length / FRAME_MIN_RATE)  # the whole frame, however it trickles
             self.admit(length)  # the store's quota and the disk's floor, before the payload is read
             admitted = True
-            snap = read_stream(io.BufferedReader(body))
+            snap = read_stream(io.BufferedReader(body), limit=length)  # no buffer larger than the frame
             if not digest_matches(snap):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
             stored = self.put(ns, key, snap, admitted=length)

@@ -249,6 +249,31 @@ def test_non_seekable_lying_stream_allocates_by_arrival() -> None:
     assert same_snapshot(hv.read_stream(_Pipe(_stream_bytes())), spec_example_snapshot(num_layers=2))
 
 
+def test_non_seekable_stream_reserves_little_before_a_buffer_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 50-byte descriptor declaring a 64 MiB buffer must not make a socket's reader reserve 64 MiB."""
+    sizes: list[int] = []
+    real = torch.empty
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t = real(*args, **kwargs)
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    raw = hv.encode_descriptor(schema.dense_record("x", torch.empty(64 << 20, dtype=torch.uint8)).descriptor)
+    monkeypatch.setattr(torch, "empty", spy)
+    with pytest.raises(hv.HurrayFormatError, match="stream ends"):
+        list(stream.read_records(_Pipe(raw + bytes(1000))))
+    assert max(sizes) <= stream._GROW_FROM <= 4 << 20
+    # Where the frame's length is known, a buffer past it is refused before any allocation.
+    sizes.clear()
+    with pytest.raises(hv.HurrayFormatError, match="remain in the frame"):
+        list(stream.read_records(_Pipe(raw + bytes(1000)), limit=len(raw) + 1000))
+    assert not sizes
+    # A valid stream under its exact limit reads as before.
+    data = _stream_bytes()
+    assert same_snapshot(hv.read_stream(_Pipe(data), limit=len(data)), spec_example_snapshot(num_layers=2))
+
+
 def test_file_claiming_more_than_it_holds(tmp_path: Path) -> None:
     hv.save(spec_example_snapshot(num_layers=1), tmp_path / "s.hrry")
     raw = (tmp_path / "s.hrry").read_bytes()
