@@ -12,8 +12,11 @@ would have. ``--refuse-continuations`` answers 503 to any request carrying
 prefill engine running HurrayConnector does. ``--delay S``: each token takes
 S seconds, streamed or not. ``--drop-after-finish``: a stream's connection
 breaks right after its finishing event, before ``[DONE]``. ``/health`` and ``/v1/models``
-answer as vLLM's do; ``GET /seen`` lists every completion request's
-``kv_transfer_params``.
+answer as vLLM's do (``max_model_len`` 4096); ``GET /seen`` lists every completion request's
+``kv_transfer_params``. Token ``t``'s text is ``" w{t}"``. ``stop`` strings act as vLLM's: the
+request finishes (``"stop"``, ``stop_reason``) at the token whose text completes one, its
+text cut before it (after it with ``include_stop_str_in_output``), and a stream holds back
+the last (longest stop string - 1) characters until they can start no stop string.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads ``request: Request`` at run time.
@@ -51,7 +54,7 @@ def main() -> None:
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": 4096}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -69,35 +72,73 @@ def main() -> None:
                 ctx.append(t)
             return out
 
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        keep_stop = bool(body.get("include_stop_str_in_output"))
+
+        def steps() -> list[tuple[int, str, str | None, str | None]]:
+            """Each token with the text released with it, its finish reason and stop string."""
+            hold = 0 if keep_stop or not stops else max(map(len, stops)) - 1
+            text, sent, out = "", 0, []
+            toks = tokens()
+            for i, t in enumerate(toks):
+                text += f" w{t}"
+                hits = [(text.find(s), s) for s in stops if s and s in text]
+                finish, stop = (None, None) if not hits else ("stop", min(hits)[1])
+                if hits:
+                    at = min(hits)[0]
+                    text = text[: at + (len(stop) if keep_stop else 0)]  # type: ignore[arg-type]
+                elif i == len(toks) - 1:
+                    finish = "length"
+                upto = len(text) if finish else max(sent, len(text) - hold)
+                out.append((t, text[sent:upto], finish, stop))
+                sent = upto
+                if finish:
+                    break
+            return out
+
         seen.append(body.get("kv_transfer_params"))
         if not body.get("stream"):
             await asyncio.sleep(delay * n)
-            toks = tokens()
-            choice = {"index": 0, "text": " ".join(f"w{t}" for t in toks), "finish_reason": "length", "token_ids": toks}
+            done = steps()
+            toks = [t for t, *_ in done]
+            choice = {
+                "index": 0,
+                "text": "".join(x for _, x, _, _ in done),
+                "finish_reason": done[-1][2],
+                "stop_reason": done[-1][3],
+                "token_ids": toks,
+            }
             if body.get("return_token_ids"):
                 choice["prompt_token_ids"] = prompt
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(toks),
+                "total_tokens": len(prompt) + len(toks),
+            }
             answer = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice], "usage": usage}
             if announce:  # as HurrayConnector's request_finished says what it saved
                 answer["kv_transfer_params"] = {"hurray_saved_tokens": len(prompt) // 64 * 64, "hurray_tail_tokens": 7}
             return JSONResponse(answer)
 
         async def events() -> Any:
-            for i, t in enumerate(tokens()):
+            done = steps()
+            for i, (t, text, finish, stop) in enumerate(done):
                 await asyncio.sleep(delay)
-                choice = {
-                    "index": 0,
-                    "text": f" w{t}",
-                    "token_ids": [t],
-                    "finish_reason": "length" if i == n - 1 else None,
-                }
+                choice = {"index": 0, "text": text, "token_ids": [t], "finish_reason": finish}
+                if finish is not None:
+                    choice["stop_reason"] = stop
                 if i == 0:
                     choice["prompt_token_ids"] = prompt
                 yield f"data: {json.dumps({'id': 'cmpl-fake', 'object': 'text_completion', 'choices': [choice]})}\n\n"
             if drop:
                 raise ConnectionAbortedError("--drop-after-finish")  # uvicorn cuts the response off here
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+                usage = {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(done),
+                    "total_tokens": len(prompt) + len(done),
+                }
                 yield f"data: {json.dumps({'id': 'cmpl-fake', 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 

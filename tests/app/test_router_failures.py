@@ -206,7 +206,7 @@ def test_max_tokens_as_a_numeric_string_counts_as_vllm_reads_it(fakes: dict[str,
     prompt = list(range(3, 90))
     r = _post(fakes["pd"] + "/v1/completions", {"model": "fake", "prompt": prompt, "max_tokens": "8"})
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == " ".join(f"w{t}" for t in _expected(prompt, 8))
+    assert r.json()["choices"][0]["text"] == "".join(f" w{t}" for t in _expected(prompt, 8))
 
 
 def test_a_non_streamed_request_whose_client_leaves_ends_upstream(fakes: dict[str, str]) -> None:
@@ -253,3 +253,59 @@ def test_a_relayed_stream_that_breaks_off_still_ends_with_done(fakes: dict[str, 
     with httpx.stream("POST", fakes["dropping"] + "/v1/completions", json=body, timeout=30) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]", lines[-3:]
+
+
+def test_text_a_stop_string_holds_back_is_not_lost_at_a_move(fakes: dict[str, str]) -> None:
+    """vLLM holds back a stream's last (longest stop - 1) characters; a leg cut off at a move took them along.
+
+    The move is refused (``fake-b``), so the stream resumes on its source: a second leg all the same.
+    """
+    import httpx
+
+    prompt = list(range(1, 40))
+    full = "".join(f" w{t}" for t in _expected(prompt, 60))
+    answer: dict[str, Any] = {}
+
+    def on_tokens(tokens: list[int]) -> None:
+        if len(tokens) >= 10 and not answer:
+            (flight,) = httpx.get(fakes["router"] + "/hurray/requests", timeout=30).json()["requests"]
+            r = _post(fakes["router"] + "/hurray/migrate", {"id": flight["id"], "to": fakes["b"]})
+            answer.update(status=r.status_code)
+
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 60, "stop": ["z" * 40]}  # 39 characters held back
+    got = stream_completion(fakes["router"], body, on_tokens)
+    assert answer["status"] == 502 and len(_last_legs(fakes, got)) == 3
+    assert got["text"] == full and got["finish_reason"] == "length"  # every character, once
+
+
+def test_a_stop_string_ends_the_text_as_vllm_ends_it(fakes: dict[str, str]) -> None:
+    """The router asks every leg for its stop string (so that no leg holds text back) and cuts it off itself."""
+    prompt = [*range(1, 40), 1]
+    toks = _expected(prompt, 60)
+    full = "".join(f" w{t}" for t in toks)
+    at = 20  # the first place these two tokens' text appears
+    stop = f"w{toks[at]} w{toks[at + 1]}"
+    assert full.find(stop) == len("".join(f" w{t}" for t in toks[:at])) + 1
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 60, "stop": [stop, "z" * 40]}
+    got = stream_completion(fakes["router"], body)
+    assert got["token_ids"] == toks[: at + 2] and got["finish_reason"] == "stop"
+    assert got["text"] == full[: full.find(stop)]
+    whole = _post(fakes["router"] + "/v1/completions", body).json()["choices"][0]
+    assert whole["text"] == got["text"] and whole["stop_reason"] == stop
+    kept = stream_completion(fakes["router"], {**body, "include_stop_str_in_output": True})
+    assert kept["text"] == full[: full.find(stop) + len(stop)]
+
+
+def _last_legs(fakes: dict[str, str], got: dict[str, Any]) -> list[dict[str, Any]]:
+    import httpx
+
+    recent = httpx.get(fakes["router"] + "/hurray/requests?recent=true", timeout=30).json()["recent"]
+    (last,) = [f for f in recent if f["id"] in got["ids"]]
+    return list(last["legs"])
+
+
+def test_a_continuation_keeps_the_limit_the_first_leg_had_by_default(fakes: dict[str, str]) -> None:
+    """vLLM gives a completion without max_tokens 16: the decode leg of a P/D split must stop at 16 in all."""
+    prompt = list(range(3, 90))
+    got = stream_completion(fakes["pd"], {"model": "fake", "prompt": prompt})
+    assert got["token_ids"] == _expected(prompt, 16) and got["finish_reason"] == "length"

@@ -335,3 +335,41 @@ def test_a_continuation_and_a_warm_up_keep_the_requests_cache_salt() -> None:
     f.prompt_ids, f.generated = [1, 2, 3], [4]
     asyncio.run(f._prewarm(Backend("http://127.0.0.1:9"), 5))
     assert sent[0]["cache_salt"] == "tenant-a" and sent[0]["model"] == "m"
+
+
+def test_prompt_logprobs_are_not_moved() -> None:
+    """vLLM refuses them on a stream, and a continuation's would cover the generated tokens too."""
+    assert movable("completion", {"prompt": [1], "prompt_logprobs": 2}) == "prompt_logprobs"
+    assert movable("completion", {"prompt": [1], "prompt_logprobs": None}) is None
+
+
+def test_a_chat_continuation_without_a_limit_runs_to_the_destinations_context_length() -> None:
+    """/v1/completions would stop a continuation at 16 tokens; the chat it continues had no limit."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    dest = Backend("http://127.0.0.1:9")
+    dest.max_model_len = 100
+    f = Flight(router, "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    f.prompt_ids, f.generated = [1, 2, 3], [4, 5]
+    f.legs.append(object())  # type: ignore[arg-type]
+    _, body = f._leg_body(announce=True, dest=dest)
+    assert body["max_tokens"] == 95
+    f = Flight(router, "completion", {"model": "m", "prompt": [1, 2, 3]})
+    f.prompt_ids, f.generated = [1, 2, 3], [4, 5]
+    f.legs.append(object())  # type: ignore[arg-type]
+    assert f._leg_body(announce=True, dest=dest)[1]["max_tokens"] == 14  # vLLM's 16, less the two generated
+
+
+def test_text_offsets_count_on_across_legs() -> None:
+    """Each leg's logprobs count text_offset from its own first token; the client sees one text."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    f = Flight(router, "completion", {"model": "m", "prompt": [1], "logprobs": 1})
+    b = Backend("http://127.0.0.1:9")
+
+    def event(tok: int, text: str, offset: int) -> dict[str, Any]:
+        lp = {"tokens": [text], "token_logprobs": [0.0], "top_logprobs": [{text: 0.0}], "text_offset": [offset]}
+        return {"choices": [{"text": text, "token_ids": [tok], "logprobs": lp}]}
+
+    first = _read_leg(f, b, "/v1/completions", [event(5, " ab", 0), event(6, " c", 3)])
+    second = _read_leg(f, b, "/v1/completions", [event(7, " de", 0)])
+    offsets = [item.logprobs["text_offset"] for kind, item in first + second if kind == "delta"]
+    assert offsets == [[0], [3], [5]]

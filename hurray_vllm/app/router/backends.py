@@ -70,6 +70,7 @@ class Backend:
     draining: bool = False
     in_flight: int = 0
     failures: int = 0  # consecutive failed health checks
+    max_model_len: int | None = None  # its /v1/models' max_model_len (a chat continuation's default limit)
     keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     @property
@@ -145,9 +146,18 @@ class Backends:
 
         try:
             async with client.get(f"{backend.base}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                return bool(r.status == 200)
+                ok = bool(r.status == 200)
         except Exception:  # any failure to answer is unhealthy
             return False
+        if ok and backend.max_model_len is None:
+            try:
+                async with client.get(f"{backend.base}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    cards = (await r.json()).get("data") or [] if r.status == 200 else []
+                lens = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
+                backend.max_model_len = next((n for n in lens if type(n) is int), None)
+            except Exception:  # not known yet: the next check asks again
+                pass
+        return ok
 
     def mark_up(self, backend: Backend) -> None:
         """``backend`` answered a health check: route to it again."""

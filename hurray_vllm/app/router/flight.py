@@ -48,12 +48,16 @@ MAX_FAILOVERS = 3
 #: At most this many warm-ups of a move's destination, while the source generated more than WARMUP_SLACK
 #: tokens during the last one.
 WARMUPS, WARMUP_SLACK = 3, 8
+#: vLLM's ``max_tokens`` for a ``/v1/completions`` request without one (absent or null): a continuation
+#: without an explicit ``max_tokens`` would get it, whatever the client's request had.
+COMPLETION_MAX_TOKENS = 16
 #: Sampling fields a chat request shares with ``/v1/completions`` (what its continuations carry over).
 _SAMPLING = (
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty", "min_tokens",
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "bad_words",
-    "allowed_token_ids", "logit_bias", "priority", "user",
+    "allowed_token_ids", "logit_bias", "priority", "user", "watermarking", "vllm_xargs", "thinking_token_budget",
+    "repetition_detection", "stream_interval",
     # Not sampling, but the request's own cache: a continuation without it would share the tenant's KV.
     "cache_salt",
 )  # fmt: skip
@@ -268,6 +272,10 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
     """
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n > 1 or best_of > 1: several sequences"
+    if body.get("prompt_logprobs") is not None:
+        # vLLM refuses them on a stream (every leg streams), the router's answer has no place for them, and a
+        # continuation's would cover the generated tokens too: relayed as they come.
+        return "prompt_logprobs"
     for name in _STRUCTURED:
         rf = body.get(name)
         if rf is not None and not (name == "response_format" and isinstance(rf, dict) and rf.get("type") == "text"):
@@ -311,6 +319,13 @@ class Flight:
         self.unmovable = movable(kind, body)
         self.prompt_ids: list[int] | None = None
         self.generated: list[int] = []
+        # vLLM holds back the last len(longest stop string) - 1 characters of a stream's text until it knows
+        # they start no stop string; a leg cut off by a move or a failure would take them with it (its
+        # tokens are sent, their text never). The legs send all their text, and the router holds it back.
+        stops = body.get("stop")
+        stops = [stops] if isinstance(stops, str) else [s for s in stops or () if isinstance(s, str)]
+        self._hold = 0 if body.get("include_stop_str_in_output") else max(map(len, stops), default=1) - 1
+        self._held = ""
         self.legs: list[Leg] = []
         self.backend: Backend | None = None
         self.finished = False
@@ -318,7 +333,11 @@ class Flight:
         self.cached_tokens: int | None = None
         limit = token_count(body, "max_completion_tokens") if kind == "chat" else None
         self.max_tokens: int | None = limit if limit is not None else token_count(body, "max_tokens")
+        if self.max_tokens is None and kind == "completion":
+            self.max_tokens = COMPLETION_MAX_TOKENS  # as the first leg's backend reads it
         self.min_tokens = token_count(body, "min_tokens") or 0
+        # Where the next completion logprobs' text_offset starts: each leg counts from its own first token.
+        self._text_offset = 0
         self._keys = prompt_keys(body, router.config.chunk_tokens)
         self._interrupt: _Interrupt | None = None
         self._moving = False  # a move's destination has not sent its first token yet
@@ -352,7 +371,11 @@ class Flight:
     # ── the legs ────────────────────────────────────────────────────────────
 
     def _leg_body(
-        self, prefill: bool = False, announce: bool = False, announced: dict[str, Any] | None = None
+        self,
+        prefill: bool = False,
+        announce: bool = False,
+        announced: dict[str, Any] | None = None,
+        dest: Backend | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """The path and JSON body of the next leg (``announced``: the prefill engine's own announcement)."""
         body: dict[str, Any]
@@ -370,6 +393,9 @@ class Flight:
             body = {k: v for k, v in src.items() if k not in dropped}
             body["prompt"] = self.prompt_ids + self.generated
             remaining = None if self.max_tokens is None else self.max_tokens - len(self.generated)
+            if remaining is None and dest is not None and dest.max_model_len is not None:
+                # A chat without a limit runs to the end of the context; /v1/completions would stop at 16.
+                remaining = dest.max_model_len - len(body["prompt"])
             if self.min_tokens:
                 body["min_tokens"] = max(0, self.min_tokens - len(self.generated))
             if announced is not None:  # the prefill engine said what it saved, its prompt's tail included
@@ -387,6 +413,8 @@ class Flight:
         if remaining is not None:
             body["max_tokens"] = remaining
         body["return_token_ids"] = True
+        if self._hold:  # the router strips the stop string itself (_release)
+            body["include_stop_str_in_output"] = True
         if prefill:
             # Its one token in one answer, which (unlike a stream) carries the engine's kv_transfer_params.
             body["stream"] = False
@@ -459,11 +487,17 @@ class Flight:
     ) -> None:
         """The leg's reader task: record each event's tokens, then queue it; always ends with a marker."""
         chat = path.endswith("/chat/completions")
+        base = self._text_offset  # the offsets of the legs before (a leg starts after the last one's end)
         try:
             async for event in self._upstream(backend, path, body):
                 delta, prompt = _upstream_delta(event, chat)  # first: an unreadable event takes no slot
                 await space.acquire()
                 delta.received = time.perf_counter()
+                lp = delta.logprobs
+                offsets, toks = (lp.get("text_offset"), lp.get("tokens")) if isinstance(lp, dict) else (None, None)
+                if not chat and offsets and toks and all(type(o) is int for o in offsets) and isinstance(toks[-1], str):
+                    lp["text_offset"] = offsets = [o + base for o in offsets]
+                    self._text_offset = offsets[-1] + len(toks[-1])  # vLLM's own rule
                 if delta.extra and any(delta.extra.values()) and self.unmovable is None:
                     self.unmovable = PARSED  # its text and the parser's state would part at a move
                 if prompt is not None and self.prompt_ids is None:
@@ -486,7 +520,10 @@ class Flight:
         prefill = why == "prefill"
         announced, self._announced = (self._announced if why == "decode" else None), None
         path, body = self._leg_body(
-            prefill=prefill, announce=why in ("migrated", "drained", "decode", "resumed"), announced=announced
+            prefill=prefill,
+            announce=why in ("migrated", "drained", "decode", "resumed"),
+            announced=announced,
+            dest=backend,
         )
         if self.backend is not None:
             self.backend.in_flight -= 1
@@ -645,10 +682,12 @@ class Flight:
                         pending, self._moving = None, False
                     if delta.finish_reason is not None and phase == "prefill" and self._more_to_decode(delta):
                         delta.finish_reason = None  # the prefill's one token: decoding goes on elsewhere
+                        self._release(delta)
                         yield delta
                         continue
                     if delta.finish_reason is not None:
                         self.finish_reason = delta.finish_reason
+                    self._release(delta)
                     yield delta
                     continue
                 # The leg ended: finished, interrupted (a move or a failover), or broken.
@@ -722,6 +761,20 @@ class Flight:
                 self._refuse(pending, 409, f"request {self.id} ended before it ran on the destination")
             if self._interrupt is not None and self._interrupt.done is not None:
                 self._refuse(self._interrupt, 409, f"request {self.id} has finished")
+
+    def _release(self, delta: Delta) -> None:
+        """Hold back the text a stop string may start with, as vLLM would; at the end, strip the stop string."""
+        if not self._hold:
+            return
+        text = self._held + delta.text
+        if delta.finish_reason is None:
+            cut = max(0, len(text) - self._hold)
+            delta.text, self._held = text[:cut], text[cut:]
+            return
+        stop = delta.stop_reason
+        if delta.finish_reason == "stop" and isinstance(stop, str) and stop and text.endswith(stop):
+            text = text[: -len(stop)]
+        delta.text, self._held = text, ""
 
     def _more_to_decode(self, delta: Delta) -> bool:
         """Whether a prefill leg's end is only the leg's own one-token limit."""
