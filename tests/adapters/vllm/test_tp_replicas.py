@@ -10,6 +10,8 @@ to the bytes written into each rank's cache.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -105,3 +107,39 @@ def test_a_rank_whose_heads_no_stored_file_holds_refuses_the_load(worker_mod: Mo
     w.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, [5, 2, 7, 1], only_first)]))
     assert w.get_block_ids_with_load_errors() == {5, 2, 7, 1}
     assert not w._ec.caches[0].any()  # nothing written
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.jobs: list[Any] = []
+
+    def submit(self, job: Any, nbytes: int) -> None:
+        self.jobs.append(job)
+
+
+class _States:  # the worker's state layers: only what _save_async looks at before its writer runs
+    def gather(self, blocks: Any, positions: Any) -> Any:
+        return SimpleNamespace(nbytes=0)
+
+
+def test_a_rank_rewrites_its_own_slice_without_states_when_its_sibling_slice_is_missing(tmp_path: Path) -> None:
+    """The scheduler sees no complete set (rank 1's slice queued, or failed): its task asks for no replace."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.metadata import SaveTask
+    from hurray_vllm.adapters.vllm.connector.worker import _Staging
+    from hurray_vllm.kv.snapshot import HeadRange
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 2)
+    store.path(ns, f"{keys[0]}.h1-2").unlink()  # rank 1's slice: still in its writer's queue, or its write failed
+    assert not store.has_states(ns, f"{keys[0]}.h0-1") and store.parts(ns, keys[0], 2) is None
+    # The scheduler sees no complete set, so it cannot ask for a replace: the task comes with replace=False.
+    task = SaveTask("r", keys[0], list(snap.token_ids[0][:CHUNK]), [1, 2], state_blocks={0: [7]}, state_position=CHUNK)
+    for rank in range(2):
+        w = cpu_worker(store, ns, HeadRange(rank, rank + 1, 2))
+        w._ec = dataclasses.replace(w._ec, states=_States())
+        w._inflight, w._sender, w._push_paused_until, w._async = set(), None, 0.0, True
+        w._staging, w._writer = _Staging(), _Writer()
+        w._save(SimpleNamespace(saves=[task]))
+        # Both ranks write their slice with the states: none is left without them beside one with them.
+        assert len(w._writer.jobs) == 1 and w.stats.chunks_skipped == 0, rank
+        assert w._inflight == {f"{keys[0]}.h{rank}-{rank + 1}"}

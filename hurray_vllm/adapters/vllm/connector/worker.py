@@ -605,6 +605,8 @@ class HurrayWorker:
             return
         items: list[_Item] = []
         for task in _states_first(saves):
+            if task.state_blocks and not task.replace and self._lacks_own_states(task.key):
+                task = replace(task, replace=True)
             if task.forward:
                 items.append((task, None, None))  # loaded here: only pushed on
             elif self._holds(task.key) and not task.replace:
@@ -658,6 +660,15 @@ class HurrayWorker:
         if heads is not None and self._store.has(self._ns, key):  # its own slice (parts looks at whole sets)
             return True
         return self._store.parts(self._ns, base, self._num_heads) is not None  # the whole file first
+
+    def _lacks_own_states(self, key: str) -> bool:
+        """Whether this rank's own file of chunk ``key`` (its slice, or the whole) is stored without states.
+
+        A task with states then writes over it: else a sibling rank writing its
+        slice with states (its own was missing) leaves the chunk's slices
+        disagreeing, and no lookup loads the chunk or any after it.
+        """
+        return self._store.has(self._ns, key) and not self._store.has_states(self._ns, key)
 
     @property
     def _num_heads(self) -> int:
@@ -815,14 +826,16 @@ class HurrayWorker:
                 order.append(None)
                 continue
             if task.state_blocks:
-                # A chunk with states is written even over the same chunk without them (stored or on its way).
-                if self._holds(task.key) and not task.replace and task.key not in self._inflight:
+                # A chunk with states is written even over the same chunk without them (stored or on its way):
+                # also over this rank's own slice stored without them, which the scheduler cannot see while a
+                # sibling rank's slice is missing (its replace covers complete sets only).
+                if task.key in self._inflight or (not task.replace and self._lacks_own_states(task.key)):
+                    task = replace(task, replace=True)
+                if self._holds(task.key) and not task.replace:
                     self.stats.chunks_skipped += 1
                     stored.append(task)
                     order.append(None)
                     continue
-                if task.key in self._inflight:
-                    task = replace(task, replace=True)
             elif task.key in self._inflight or self._holds(task.key):
                 self.stats.chunks_skipped += 1
                 if task.key not in self._inflight:
