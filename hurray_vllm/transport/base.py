@@ -45,7 +45,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
@@ -91,6 +91,8 @@ CHUNK_NAME = re.compile(r"[0-9a-f]{1,64}")
 MAX_CHUNK_BYTES = 4 << 30
 #: How long one step of a chunk (a frame, a transfer, the answer) may take.
 DEFAULT_TIMEOUT_S = 60.0
+#: How long a sender's TCP connect may take (a host that drops SYNs must not cost a whole step timeout).
+CONNECT_TIMEOUT_S = 5.0
 #: How long a receiver keeps an open connection that sends nothing between chunks.
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 #: How many connections a receiver serves at once (each holds a thread and, over NIXL, buffers).
@@ -230,6 +232,7 @@ def dial(
     timeout: float,
     keys: FleetKeys | None = None,
     tls: ssl.SSLContext | None = None,
+    track: Callable[[socket.socket], None] | None = None,
 ) -> socket.socket:
     """A sender's connection to a receiver: TCP (no delay), inside ``tls`` if given, then authenticated with ``keys``.
 
@@ -239,11 +242,16 @@ def dial(
         HurrayFormatError: the receiver refused the authentication.
         OSError: the receiver cannot be reached; ``ssl.SSLError`` when its certificate is not trusted.
     """
-    sock = socket.create_connection((host, port), timeout=timeout)
+    sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
     try:
+        sock.settimeout(timeout)
+        if track is not None:  # before TLS and the key handshake: an abort covers those too
+            track(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=host)
+            if track is not None:  # the plain socket gave its descriptor to this one
+                track(sock)
         if keys is not None:
             authenticate(sock, keys)
     except BaseException:
@@ -309,6 +317,9 @@ class ChunkSender(abc.ABC):
 
     def unregister(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`register` for buffers about to be replaced (unknown tensors are ignored)."""
+
+    def abort(self) -> None:  # noqa: B027 - optional hook
+        """From another thread: make the :meth:`send` calls in progress fail now (with an ``OSError``)."""
 
     def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
         """A connection to the receiver's frame channel at ``url``, authenticated with ``keys`` (if given).

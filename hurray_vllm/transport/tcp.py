@@ -19,11 +19,13 @@ ever stored.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import socket
 import ssl
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO, cast
 
 from ..chunks.signing import FleetKeys
@@ -43,6 +45,7 @@ from .base import (
     dial,
     finish_with_error,
     parse_address,
+    query_held,
     read_answer,
     recv_exact,
     send_error,
@@ -91,9 +94,17 @@ def send_chunks(
 
 
 def connect(
-    url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None, tls: ssl.SSLContext | None = None
+    url: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    keys: FleetKeys | None = None,
+    tls: ssl.SSLContext | None = None,
+    track: Callable[[socket.socket], None] | None = None,
 ) -> socket.socket:
     """A connection to the receiver at ``url``: TLS for ``tls://``, then the sender authentication with ``keys``.
+
+    ``track`` sees each socket as soon as it exists (before the handshakes), so another
+    thread can shut it down (:meth:`TcpSender.abort`).
 
     Raises:
         HurrayFormatError: ``url`` is malformed, or the receiver refused the authentication.
@@ -101,7 +112,7 @@ def connect(
     """
     host, port = parse_url(url)
     context = (tls or client_context()) if url.startswith("tls://") else None
-    return dial(host, port, timeout=timeout, keys=keys, tls=context)
+    return dial(host, port, timeout=timeout, keys=keys, tls=context, track=track)
 
 
 def frame_head(ns: str, key: str, size: int) -> bytes:
@@ -134,6 +145,25 @@ class TcpSender(ChunkSender):
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.tls = tls
+        self._live: set[socket.socket] = set()  # connections of the sends in progress (abort)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _tracked(self, url: str, timeout: float, keys: FleetKeys | None) -> Iterator[socket.socket]:
+        """A connection :meth:`abort` can cut (from the TCP connect on: the TLS and key handshakes too)."""
+        live: list[socket.socket] = []
+
+        def track(sock: socket.socket) -> None:
+            live.append(sock)
+            with self._lock:
+                self._live.add(sock)
+
+        try:
+            with connect(url, timeout=timeout, keys=keys, tls=self.tls, track=track) as sock:
+                yield sock
+        finally:
+            with self._lock:
+                self._live.difference_update(live)
 
     def send(
         self,
@@ -143,8 +173,33 @@ class TcpSender(ChunkSender):
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
     ) -> None:
-        """See :func:`send_chunks`."""
-        send_chunks(url, chunks, timeout=timeout, keys=keys, tls=self.tls)
+        """See :func:`send_chunks`; :meth:`abort` makes it fail at once."""
+        with self._tracked(url, timeout, keys) as sock, sock.makefile("wb") as out:
+            _send_all(sock, out, chunks)
+
+    def held(
+        self,
+        url: str,
+        names: Sequence[tuple[str, str]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        keys: FleetKeys | None = None,
+    ) -> set[tuple[str, str]]:
+        """See :meth:`.ChunkSender.held`; :meth:`abort` makes it fail at once."""
+        if not names:
+            return set()
+        with self._tracked(url, timeout, keys) as sock:
+            return query_held(sock, names)
+
+    def abort(self) -> None:
+        """Shut down the connections of the sends in progress: their blocked reads and writes fail now."""
+        with self._lock:
+            live = list(self._live)
+        for sock in live:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
         """See :func:`connect` (module level)."""

@@ -171,6 +171,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
     c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
     c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
+    c._unpushed = conn.OrderedDict()
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
@@ -253,6 +254,46 @@ def test_background_pushes_keep_their_order_and_never_hold_the_step(  # type: ig
     assert c.flush(timeout=30)
     assert c.stats.push_failures == 1 and sender.sends == sends + 1
     assert c._store.has(c._ns, "aa" * 8) and c._store.has(c._ns, "bb" * 8)
+
+
+def test_a_destination_that_never_reads_does_not_hold_the_step(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """Accepted, never read (a hung receiver): a full queue cuts the push short instead of waiting its 60 s."""
+    import socket
+
+    from hurray_vllm.transport.tcp import TcpSender
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)  # the kernel accepts; nobody reads or answers
+        url = f"tcp://127.0.0.1:{hole.getsockname()[1]}"
+        c = _bare_worker(conn, meta, tmp_path, TcpSender())  # type: ignore[arg-type]
+        c._url, c._async = url, True
+        c._writer = conn._Writer(256, on_full=c._abort_push)  # a few steps' blocks
+        for i in range(12):
+            t0 = time.monotonic()
+            c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", f"{i:02x}" * 8, [0] * 8, [1, 2])]))
+            assert time.monotonic() - t0 < 5
+        assert c.flush(timeout=10) and c.stats.push_failures == 1 and c.stats.chunks_saved == 12
+
+
+def test_chunks_stored_while_pushing_paused_are_pushed_when_it_resumes(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A failed push leaves no hole for good: what was stored meanwhile goes first once pushing resumes."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [2 * i + 1, 2 * i + 2]) for i in range(4)]
+    sender.fail = True
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[tasks[0]]))  # fails: pushing pauses
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[tasks[1]]))  # paused: stored here only
+    assert c.flush(timeout=30) and c.stats.push_failures == 1 and sender.pushed == []
+    sender.fail, c._push_paused_until = False, 0.0  # the destination is back, the pause is over
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks[2:]))
+    assert c.flush(timeout=30)
+    assert sender.pushed == [t.key for t in tasks]  # the held-back ones first: no hole in the prefix
 
 
 def test_loaded_chunks_are_pushed_on_only_where_the_destination_lacks_them(  # type: ignore[no-untyped-def]

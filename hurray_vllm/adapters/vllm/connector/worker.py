@@ -68,7 +68,8 @@ class _Writer:
     every job submitted so far has finished.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, on_full: Callable[[], None] | None = None) -> None:
+        self._on_full = on_full  # called when a submit must wait: the job running should hurry
         self._jobs: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
@@ -80,7 +81,12 @@ class _Writer:
         """Queue ``job``; blocks first while the queued jobs hold more than the bound."""
         with self._cond:
             while self._held and self._held + nbytes > self._max:
-                self._cond.wait()
+                if self._on_full is None:
+                    self._cond.wait()
+                    continue
+                # Again and again: a push may connect after the first call.
+                self._on_full()
+                self._cond.wait(0.05)
             self._pending += 1
             self._held += nbytes
             if self._thread is None:
@@ -198,10 +204,14 @@ _Item = tuple[SaveTask, list[int] | None, RecurrentStates | None]
 #: After a push fails, how long saves go on without pushing: a dead destination costs one timeout,
 #: not one per save.
 PUSH_BACKOFF_S = 10.0
+#: At shutdown, how long pending pushes may go on before the writer only stores.
+SHUTDOWN_PUSH_GRACE_S = 5.0
 #: After a receiver could not say which chunks it holds (older than the query), how long none is asked.
 ASK_BACKOFF_S = 600.0
 #: How many pushed keys a worker remembers (not pushing them again from its store).
 _PUSHED_KEYS = 1 << 16
+#: How many stored chunks a worker remembers it could not push (tried again once pushing resumes).
+_UNPUSHED_KEYS = 1 << 14
 
 #: One stored file's share of a load: its KV (this worker's heads of it) and the run of the worker's
 #: cache heads it fills (``None``: every head).
@@ -251,8 +261,13 @@ class HurrayWorker:
         self._failed: set[str] = set()
         self._pushed: OrderedDict[str, None] = OrderedDict()  # keys pushed, the most recent last
         self._push_paused_until = 0.0  # monotonic time: after a failed push, none is tried until then
+        # Chunks stored while pushing failed or paused, the oldest first: pushed (if the receiver lacks
+        # them) before the next delivery's, so that one failure does not leave a hole for good.
+        self._unpushed: OrderedDict[str, None] = OrderedDict()
         self._ask_paused_until = 0.0  # ... after a receiver could not say which chunks it holds, none is asked
-        self._writer = _Writer(config.save_queue_bytes)
+        # A step that would wait for the writer first cuts short the push it may be blocked on: the
+        # step waits for the local disk, never for the network.
+        self._writer = _Writer(config.save_queue_bytes, on_full=self._abort_push)
         _WRITERS.add(self._writer)
         self._staging = _Staging()
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
@@ -629,25 +644,48 @@ class HurrayWorker:
         lacks. Runs on the background writer (``hurray_save_async``, the
         default) or inside the step.
         """
-        rest = iter(items)
         if self._sender is None or self._url is None or time.monotonic() < self._push_paused_until:
-            for _ in self._stored(ec, caches, rest, push=False):
+            for _ in self._stored(ec, caches, iter(items), push=False):
                 pass
+            self._remember_unpushed(items)
             return
+        if self._unpushed:  # stored earlier, not pushed then: first, as chunks to push on from the store
+            retry = [(SaveTask("", k, [], [], forward=True), None, None) for k in self._unpushed]
+            self._unpushed.clear()
+            items = [*retry, *items]
+        rest = iter(items)
         try:
             forward = self._forward_plan(self._sender, self._url, items)
             self._sender.send(self._url, self._stored(ec, caches, rest, push=True, forward=forward), keys=self._keys)
-        except (OSError, HurrayFormatError) as exc:
+        except Exception as exc:  # a channel's unforeseen error too: the rest must still be stored here
             self.stats.push_failures += 1
-            self._push_paused_until = time.monotonic() + PUSH_BACKOFF_S
+            self._push_paused_until = max(self._push_paused_until, time.monotonic() + PUSH_BACKOFF_S)
             log.warning(
                 "hurray: could not push chunks to %s (%s); not pushing for %.0f s, the destination recomputes them",
                 self._url,
                 exc,
                 PUSH_BACKOFF_S,
+                exc_info=not isinstance(exc, (OSError, HurrayFormatError)),
             )
             for _ in self._stored(ec, caches, rest, push=False):
                 pass
+            self._remember_unpushed(items)
+
+    def _remember_unpushed(self, items: list[_Item]) -> None:
+        """Remember the items not pushed (the most recent :data:`_UNPUSHED_KEYS`), to push on later."""
+        if self._sender is None or self._url is None:
+            return
+        for task, _, _ in items:
+            if task.key not in self._pushed:
+                self._unpushed[task.key] = None
+                self._unpushed.move_to_end(task.key)
+        while len(self._unpushed) > _UNPUSHED_KEYS:
+            self._unpushed.popitem(last=False)
+
+    def _abort_push(self) -> None:
+        """Fail the push in progress (the writer then stores the rest here and pushing pauses)."""
+        if self._sender is not None:
+            self._sender.abort()
 
     def _holds(self, key: str) -> bool:
         """Whether the store holds chunk ``key`` (this rank's slice's key, or the whole's) for this worker's heads.
@@ -845,7 +883,7 @@ class HurrayWorker:
             self._inflight.add(task.key)
             todo.append(task)
             order.append(task)
-        if self._sender is None or time.monotonic() < self._push_paused_until:
+        if self._sender is None:
             order, stored = [t for t in order if t is not None], []
         if not order:
             return
@@ -957,7 +995,11 @@ class HurrayWorker:
         return self._writer.flush(timeout)
 
     def shutdown(self) -> None:
-        """Finish the background saves (up to a minute)."""
+        """Finish the background saves (up to a minute); pushes get :data:`SHUTDOWN_PUSH_GRACE_S` of it."""
+        if not self._writer.flush(timeout=SHUTDOWN_PUSH_GRACE_S):
+            # A push still waiting (a hung destination) must not keep the local writes from the disk.
+            self._push_paused_until = float("inf")
+            self._abort_push()
         if not self._writer.flush(timeout=60.0):
             log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
 
