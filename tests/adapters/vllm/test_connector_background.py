@@ -278,6 +278,50 @@ def test_a_destination_that_never_reads_does_not_hold_the_step(  # type: ignore[
         assert c.flush(timeout=10) and c.stats.push_failures == 1 and c.stats.chunks_saved == 12
 
 
+def test_shutdown_stores_the_chunks_a_hung_destination_held_up(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A push blocked on a receiver that never reads gets a few seconds at shutdown, not the minute of its timeout."""
+    import socket
+
+    from hurray_vllm.transport.tcp import TcpSender
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        c = _bare_worker(conn, meta, tmp_path, TcpSender())  # type: ignore[arg-type]
+        c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
+        c._writer = conn._Writer(1 << 30, on_full=c._abort_push)  # room for all: nothing cuts the push short
+        keys = [f"{i:02x}" * 8 for i in range(4)]
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, [0] * 8, [1, 2]) for k in keys]))
+        t0 = time.monotonic()
+        c.shutdown()
+        assert time.monotonic() - t0 < conn.SHUTDOWN_PUSH_GRACE_S + 5
+        assert all(c._store.has(c._ns, k) for k in keys) and c.stats.push_failures == 1
+
+
+def test_an_unforeseen_error_in_a_push_still_stores_every_chunk_here(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A channel raising something else than OSError (a pool shut down at exit): counted, paused, stored."""
+
+    class _Broken(_Sender):
+        def send(self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0, keys: Any = None) -> None:
+            self.sends += 1
+            next(iter(chunks))
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    sender = _Broken([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    keys = [f"{i:02x}" * 8 for i in range(6)]
+    for k in keys:
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, list(range(8)), [1, 2])]))
+    assert c.flush(timeout=30)
+    assert all(c._store.has(c._ns, k) for k in keys)
+    assert c.stats.push_failures == 1 and sender.sends == 1  # then pushing paused
+
+
 def test_chunks_stored_while_pushing_paused_are_pushed_when_it_resumes(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
