@@ -37,6 +37,23 @@ def require(module: str) -> ModuleType:
         pytest.skip(f"{module} is not installed: {exc}")
 
 
+def require_kv_cache_dtype(kv_cache_dtype: str, *, block_size: int = 32, head_dim: int = 32) -> None:
+    """Skip where vLLM cannot run a ``kv_cache_dtype`` cache on this CPU (fp8 without AVX-512 or AMX).
+
+    That is the hardware, like a missing GPU, not a missing package: the
+    skip gives vLLM's own reason (its attention backend's choice, made
+    again at engine start).
+    """
+    require("vllm")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.bfloat16, block_size, head_dim, kv_cache_dtype)
+    except NotImplementedError as exc:
+        cpu = torch.backends.cpu.get_cpu_capability()
+        pytest.skip(f"needs a CPU vLLM runs {kv_cache_dtype} KV caches on: {exc} (this CPU: {cpu})")
+
+
 @pytest.fixture(scope="session")
 def hurray() -> ModuleType:
     """The reference implementation (PyPI pyhurray), used as a test oracle."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import require
+from conftest import require_kv_cache_dtype
 from engine_script import run_phases
 from tiny_models import build_tiny_llama
 
@@ -44,7 +44,7 @@ def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]]) -> dict[st
 
 @pytest.fixture(scope="module")
 def fp8_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    require("vllm")
+    require_kv_cache_dtype("fp8", block_size=BLOCK)
     tmp = tmp_path_factory.mktemp("fp8-tp")
     build_tiny_llama(tmp / "model")
     runs: dict[str, Any] = {"tmp": tmp}
