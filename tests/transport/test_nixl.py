@@ -257,6 +257,90 @@ def test_absurd_sizes_and_stalled_senders_are_bounded(
         assert store.has(ns, key) and r.received == 1
 
 
+def test_an_offer_of_many_empty_buffers_is_refused_before_they_become_tensors() -> None:
+    """255 zero-byte buffers per record would cost ~25x the offer's bytes in tensors before any admission."""
+    from hurray_vllm.containers.schema import Record
+    from hurray_vllm.wire import dtypes
+    from hurray_vllm.wire.descriptor import LAYOUT_ROW_MAJOR, BufferHandle, TensorDescriptor
+
+    d = TensorDescriptor(
+        type_tag=dtypes.from_torch(torch.uint8).tag,
+        shape=(0,),
+        layout_tag=LAYOUT_ROW_MAJOR,
+        buffers=tuple(BufferHandle(0, 1, 0) for _ in range(255)),
+    )
+    parts, _, _ = tn_offer.encode_offer("ab" * 8, "cd" * 8, [Record("", d, [torch.empty(0, dtype=torch.uint8)] * 255)])
+    with pytest.raises(hv.HurrayFormatError, match="buffers") as err:
+        tn_offer.parse_offer(bytearray(b"".join(bytes(p) for p in parts)), 1 << 30)
+    assert err.value.field == "buffer_count"
+
+
+def test_abort_cuts_a_send_to_a_receiver_that_never_answers(chunks: list[tuple[str, str, KVSnapshot]]) -> None:
+    """The worker aborts the push in flight when its save queue is full: a NIXL send must give up too."""
+    require("nixl_cu12")
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(4)  # accepted by the kernel; nobody reads or answers
+        sender = tn.NixlSender()
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                sender.send(f"nixl://127.0.0.1:{hole.getsockname()[1]}", chunks[:1], timeout=30)
+            except (OSError, hv.HurrayFormatError) as exc:
+                failed.append(exc)
+
+        t = threading.Thread(target=send)
+        t0 = time.monotonic()
+        t.start()
+        assert wait_for(lambda: bool(sender._live), 10)
+        sender.abort()
+        t.join(10)
+        assert not t.is_alive() and failed and time.monotonic() - t0 < 10
+        assert not sender._live
+
+
+def test_a_receiver_that_lies_about_its_agent_is_refused_and_leaves_nothing_loaded(
+    chunks: list[tuple[str, str, KVSnapshot]],
+) -> None:
+    """A name that is not UTF-8, or another agent's metadata under a made-up name: refused, nothing left loaded."""
+    require("nixl_cu12")
+    from hurray_vllm.transport.base import U16, U32, U64, recv_exact
+
+    other = tn_agent.make_agent("other", None)
+    md = other.get_agent_metadata()
+    pools = len(chunks[0][2].tensors())  # a remote buffer each
+    replies = [
+        b"RD" + U64.pack(1) + U16.pack(2) + b"\xff\xfe",
+        b"RD"
+        + U64.pack(1)
+        + U16.pack(5)
+        + b"bogus"
+        + U32.pack(len(md))
+        + md
+        + U32.pack(pools)
+        + U64.pack(4096) * pools,
+    ]
+    sender = tn.NixlSender(lanes=1)
+    for reply, says in zip(replies, ("not UTF-8", "calls its agent"), strict=True):
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+
+            def serve(reply: bytes = reply) -> None:
+                conn, _ = srv.accept()
+                with conn:
+                    recv_exact(conn, 4)
+                    recv_exact(conn, int.from_bytes(recv_exact(conn, 8), "little"))
+                    conn.sendall(reply)
+                    conn.recv(1)  # until the sender hangs up
+
+            t = threading.Thread(target=serve, daemon=True)
+            t.start()
+            with pytest.raises(hv.HurrayFormatError, match=says):
+                sender.send(f"nixl://127.0.0.1:{srv.getsockname()[1]}", chunks[:1], timeout=10)
+            t.join(10)
+    assert not sender._peers and not sender._agent.check_remote_metadata(other.name)
+
+
 def send_offer(s: socket.socket, ns: str, key: str, records: list) -> None:  # type: ignore[type-arg]
     parts, _, _ = tn_offer.encode_offer(ns, key, records)
     body = b"".join(bytes(p) for p in parts)

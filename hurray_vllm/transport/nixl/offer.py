@@ -59,6 +59,10 @@ _INLINE, _REMOTE = 0, 1
 _INLINE_BYTE, _REMOTE_BYTE = bytes([_INLINE]), bytes([_REMOTE])
 #: Descriptors and inline buffers (token ids, block tables, metadata) of one chunk.
 MAX_OFFER_BYTES = 64 << 20
+#: The most buffers one record of a chunk has: a block-paged tensor's 3 and two quantization parameter
+#: buffers (a dense record has 1, a group head 0). The wire allows 255: each inline one, even of 0 bytes,
+#: would become a tensor here, ~25x the offer's size in memory before anything is admitted.
+MAX_RECORD_BUFFERS = 5
 #: Every NIXL notification of this module starts so (``hvn1:<xfer id hex>:<pool index>``).
 NOTIF_PREFIX = b"hvn1:"
 
@@ -285,6 +289,11 @@ def parse_offer(body: bytearray, max_remote_bytes: int) -> Offer:
         if len(raw) < 10 or _peek_len(raw) != length:
             raise HurrayFormatError("descriptor_length", f"descriptor {i}: framed length {length} does not match")
         desc = decode_checked(raw, f"descriptor {i}")
+        if len(desc.buffers) > MAX_RECORD_BUFFERS:
+            raise HurrayFormatError(
+                "buffer_count",
+                f"descriptor {i}: {len(desc.buffers)} buffers; a chunk's records have at most {MAX_RECORD_BUFFERS}",
+            )
         bufs: list[torch.Tensor | int] = []
         for j, b in enumerate(desc.buffers):
             mode = c.u8(f"descriptor {i} buffer {j} mode")

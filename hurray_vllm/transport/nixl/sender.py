@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -9,7 +10,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,19 @@ import torch
 from ...chunks.signing import FleetKeys
 from ...errors import HurrayFormatError
 from ...kv.snapshot import KVSnapshot
-from ..base import DEFAULT_TIMEOUT_S, U16, U32, U64, Chunk, ChunkSender, dial, read_answer, read_message, recv_exact
+from ..base import (
+    DEFAULT_TIMEOUT_S,
+    U16,
+    U32,
+    U64,
+    Chunk,
+    ChunkSender,
+    dial,
+    query_held,
+    read_answer,
+    read_message,
+    recv_exact,
+)
 from .agent import NixlError, make_agent
 from .offer import MAGIC, encode_snapshot_offer, notif_tag, parse_nixl_url
 
@@ -143,6 +156,10 @@ class NixlSender(ChunkSender):
         self._threads: ThreadPoolExecutor | None = None
         #: Transfers NIXL could not cancel, with their memory: kept alive, never deregistered.
         self._leaked: list[Any] = []
+        #: Side channels of the sends and queries in progress (:meth:`abort`); not under ``_lock``,
+        #: which a transfer holds.
+        self._live: set[socket.socket] = set()
+        self._live_mu = threading.Lock()
 
     # ── registration ──
 
@@ -213,10 +230,24 @@ class NixlSender(ChunkSender):
 
     def _peer(self, name: str, md: bytes) -> str:
         if self._peers.get(name) != md:  # new, or it registered more memory since
+            loaded: list[tuple[Any, str]] = []
             try:
                 for agent in self._agents:
-                    agent.add_remote_agent(md)
+                    got = agent.add_remote_agent(md)
+                    got = got.decode(errors="replace") if isinstance(got, bytes) else str(got)
+                    loaded.append((agent, got))
+                    if got != name:
+                        raise HurrayFormatError(
+                            "transport", f"the receiver calls its agent {name!r}, its metadata {got!r}"
+                        )
             except Exception as exc:
+                # Unload what this call loaded (unless it is a peer already in use): a receiver must not
+                # leave agents behind that _peers does not track, nor make WRITEs go to another agent.
+                for agent, got in loaded:
+                    if got not in self._peers:
+                        self._quiet(agent.remove_remote_agent, got)
+                if isinstance(exc, HurrayFormatError):
+                    raise
                 raise NixlError(f"NIXL could not load the receiver's metadata: {exc}") from exc
             self._peers[name] = md
         self._peers.move_to_end(name)
@@ -251,10 +282,52 @@ class NixlSender(ChunkSender):
         side channel first authenticates this sender (:mod:`..security`).
         """
         out = []
-        with self.connect(url, timeout=timeout, keys=keys) as sock:
+        with self._tracked(url, timeout, keys) as sock:
             for ns, key, snap in chunks:
                 out.append(self._send_one(sock, ns, key, snap, timeout))
         return out
+
+    def held(
+        self,
+        url: str,
+        names: Sequence[tuple[str, str]],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        keys: FleetKeys | None = None,
+    ) -> set[tuple[str, str]]:
+        """See :meth:`.ChunkSender.held`; :meth:`abort` makes it fail at once."""
+        if not names:
+            return set()
+        with self._tracked(url, timeout, keys) as sock:
+            return query_held(sock, names)
+
+    def abort(self) -> None:
+        """Shut down the side channels of the sends in progress: they fail now (a transfer sends ``AB``, or tries)."""
+        with self._live_mu:
+            live = list(self._live)
+        for sock in live:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    @contextlib.contextmanager
+    def _tracked(self, url: str, timeout: float, keys: FleetKeys | None) -> Iterator[socket.socket]:
+        """A side channel :meth:`abort` can cut, from the TCP connect on (the key handshake too)."""
+        host, port = parse_nixl_url(url)
+        live: list[socket.socket] = []
+
+        def track(sock: socket.socket) -> None:
+            live.append(sock)
+            with self._live_mu:
+                self._live.add(sock)
+
+        try:
+            with dial(host, port, timeout=timeout, keys=keys, track=track) as sock:
+                yield sock
+        finally:
+            with self._live_mu:
+                self._live.difference_update(live)
 
     def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
         """The side channel to the receiver at ``nixl://HOST:PORT``, authenticated with ``keys`` (if given)."""
@@ -273,7 +346,10 @@ class NixlSender(ChunkSender):
         if reply != b"RD":
             raise HurrayFormatError("transport", f"unexpected answer {reply!r} from the receiver")
         (xfer_id,) = U64.unpack(recv_exact(sock, 8))
-        name = recv_exact(sock, U16.unpack(recv_exact(sock, 2))[0]).decode()
+        try:
+            name = recv_exact(sock, U16.unpack(recv_exact(sock, 2))[0]).decode()
+        except UnicodeDecodeError:
+            raise HurrayFormatError("transport", "the receiver's agent name is not UTF-8") from None
         (md_len,) = U32.unpack(recv_exact(sock, 4))
         if md_len > _MAX_METADATA_BYTES:
             raise HurrayFormatError("transport", f"receiver metadata of {md_len} bytes is implausible")
