@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +32,9 @@ from ..transport import CHANNELS
 from ..transport.base import parse_listen
 from ..wire import dtypes
 from ..wire.descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor
+
+if TYPE_CHECKING:
+    from ..chunks.store import DirectoryStore
 
 __all__ = ["main", "build_parser"]
 
@@ -160,7 +164,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"{args.path}: Hurray {'file' if fmt == 'hrry' else 'stream'}, {len(rows)} descriptors")
+    kind = {"hrry": "Hurray file", "stream": "Hurray stream", "safetensors": "safetensors file"}[fmt]
+    print(f"{args.path}: {kind}, {len(rows)} descriptors")
     print(_line(_COLUMNS, {c: c for c, _ in _COLUMNS}))
     for r in rows:
         cells = dict(r, name=("  " * r["depth"] + (r["name"] or "-"))[:22], bytes=_fmt_bytes(r["bytes"]))
@@ -219,6 +224,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise HurrayArgumentError(
             "key_file", f"{args.path} is not a chunk file of a store (DIR/<namespace>/<key>.hrry): no MAC to check"
         )
+    # A file that is not there is the call's error, as in every other command (stderr, exit 2), not a verdict.
+    if not Path(args.path).exists():
+        raise FileNotFoundError(2, "No such file or directory", args.path)
+    if Path(args.path).is_dir():
+        raise IsADirectoryError(21, "Is a directory", args.path)
     checked = validate(args.path, permissive=args.permissive)
     blocking = set(id(v) for v in checked.errors)
     # What stopped parsing (a truncated file, a bad magic) is always an error; print it too.
@@ -301,7 +311,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from ..adapters.vllm.migrate import migrate
 
     if args.prompt_file:
-        prompt = _token_ids(Path(args.prompt_file).read_text(), "prompt_file")
+        prompt = _token_ids(_read_prompt_file(args.prompt_file), "prompt_file")
     else:
         prompt = _token_ids(args.prompt_ids, "prompt_ids")
     result = migrate(args.source, args.destination, prompt, after=args.after, max_tokens=args.max_tokens,
@@ -330,7 +340,6 @@ def cmd_receive(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from ..chunks.store import DirectoryStore
     from ..transport import receiver_for
 
     host, port = args.listen
@@ -350,7 +359,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
             raise HurrayArgumentError("tls", "--tls-* options are for the tcp transport (senders use tls://HOST:PORT)")
         limits["tls"] = server_context(TlsOptions(args.tls_cert, args.tls_key, client_ca_file=args.tls_client_ca))
     try:
-        receiver = receiver_for(args.transport, host, port, DirectoryStore(args.dir), **limits).start()
+        receiver = receiver_for(args.transport, host, port, _store_dir(args.dir, must_exist=False), **limits).start()
     except ValueError as exc:  # a limit out of range
         raise HurrayArgumentError("receive", str(exc)) from None
     if not args.quiet:
@@ -373,6 +382,18 @@ def cmd_receive(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         receiver.stop()
     return 0
+
+
+def _store_dir(path: str, *, must_exist: bool = True) -> DirectoryStore:
+    """The chunk store at ``path``: refused up front when it is a file (or, ``must_exist``, missing)."""
+    from ..chunks.store import DirectoryStore
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory (a chunk store is a directory)", path)
+    if must_exist and not p.exists():
+        raise FileNotFoundError(errno.ENOENT, "No such directory", path)
+    return DirectoryStore(path)
 
 
 def _size(text: str) -> int:
@@ -403,12 +424,43 @@ def _page_size(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    """A duration in seconds: finite and > 0 (``nan``/``inf`` would break every socket or sleep later)."""
+    try:
+        n = float(text)
+    except ValueError:
+        n = math.nan
+    if not (math.isfinite(n) and 0 < n <= 365 * 86400):
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (seconds, e.g. 60 or 0.5)")
+    return n
+
+
 def _host_port(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``:PORT`` listens on 127.0.0.1)."""
     try:
         return parse_listen(text)
     except HurrayFormatError as exc:
         raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None
+
+
+#: The largest --prompt-file read: far above any context length written as decimal ids.
+_MAX_PROMPT_FILE = 64 << 20
+
+
+def _read_prompt_file(path: str) -> str:
+    """The text of ``--prompt-file``, at most :data:`_MAX_PROMPT_FILE` bytes (``/dev/zero`` must not fill memory)."""
+    with open(path, "rb") as f:
+        data = f.read(_MAX_PROMPT_FILE + 1)
+    if len(data) > _MAX_PROMPT_FILE:
+        raise HurrayArgumentError(
+            "prompt_file", f"{path} is larger than {_MAX_PROMPT_FILE >> 20} MiB: not a list of token ids"
+        )
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise HurrayArgumentError(
+            "prompt_file", f"{path} is not text: give token ids separated by commas or spaces"
+        ) from None
 
 
 def _token_ids(text: str, what: str) -> list[int]:
@@ -472,11 +524,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm prune``: delete least recently used chunks beyond ``--max-size``; returns 0."""
-    from ..chunks.store import DirectoryStore
-
-    if not Path(args.dir).is_dir():
-        raise FileNotFoundError(2, "No such directory", args.dir)
-    report = DirectoryStore(args.dir).prune(args.max_size, dry_run=args.dry_run, keys=_keys(args))
+    report = _store_dir(args.dir).prune(args.max_size, dry_run=args.dry_run, keys=_keys(args))
     if args.json:
         print(json.dumps(vars(report)))
     elif not args.quiet:
@@ -495,11 +543,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def cmd_fsck(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm fsck``: verify every chunk file of a store; 0 if all are good, 1 if some are damaged."""
     from ..chunks.fsck import fsck
-    from ..chunks.store import DirectoryStore
 
-    if not Path(args.dir).is_dir():
-        raise FileNotFoundError(2, "No such directory", args.dir)
-    report = fsck(DirectoryStore(args.dir), quarantine=args.quarantine, keys=_keys(args))
+    report = fsck(_store_dir(args.dir), quarantine=args.quarantine, keys=_keys(args))
     if args.json:
         print(json.dumps({**vars(report), "clean": report.clean}))
     elif not args.quiet:
@@ -577,8 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
         "receiver (hurray_url / hurray_listen). Example: hurray-vllm migrate --from http://a:8000 "
         "--to http://b:8000 --prompt-ids 1,2,3 --after 16 --max-tokens 64",
     )
-    s.add_argument("--from", dest="source", required=True, help="source server base URL")
-    s.add_argument("--to", dest="destination", required=True, help="destination server base URL")
+    s.add_argument("--from", dest="source", required=True, type=_backend_url, help="source server base URL")
+    s.add_argument("--to", dest="destination", required=True, type=_backend_url, help="destination server base URL")
     group = s.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     group.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
@@ -617,13 +662,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     s.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=60.0,
         help="seconds one chunk may take to arrive, plus one per MiB it announces; a slower sender is "
         "disconnected (default 60)",
     )
     s.add_argument(
-        "--idle-timeout", type=float, default=120.0, help="seconds a connection may stay silent between chunks"
+        "--idle-timeout", type=_seconds, default=120.0, help="seconds a connection may stay silent between chunks"
     )
     _add_key_file(
         s,
@@ -693,10 +738,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="tokens per prefix key for KV-aware routing: the engines' hurray_chunk_tokens (default 256)",
     )
-    s.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks (default 2)")
+    s.add_argument("--health-interval", type=_seconds, default=2.0, help="seconds between health checks (default 2)")
     s.add_argument(
         "--stream-timeout",
-        type=float,
+        type=_seconds,
         default=600.0,
         help="seconds a backend may stay silent in a stream before its request moves elsewhere (default 600)",
     )

@@ -23,7 +23,9 @@ writers that died mid-write: they match ``.*.tmp``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,8 +74,22 @@ def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True) -> Iterator
         b'whole'
     """
     target = Path(path)
+    try:
+        mode = os.stat(target).st_mode  # through a symlink: its target is what is replaced
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        # Renaming over a directory fails late; over /dev/stdout or a FIFO it would replace the device entry.
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory (give a file path to write)", os.fspath(path))
+        raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket): give a file path", os.fspath(path))
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     directory = target.parent
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:  # name the directory the user gave, not the temporary name
+        raise OSError(exc.errno, exc.strerror, os.fspath(directory)) from None
     os.close(fd)
     tmp = Path(name)
     try:

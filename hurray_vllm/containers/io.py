@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, NoReturn
@@ -87,6 +88,12 @@ _FILE_KV = {"hurray_vllm.format_version": 1}
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
     """``"hrry"`` or ``"stream"`` by the file's magic bytes, not its name."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        # A path is opened more than once (format, records, metadata): a pipe would hang or lose its head.
+        raise HurrayFormatError(
+            "file", f"{path} is a pipe or socket: save it to a file first (read_stream reads a pipe's stream)"
+        )
     with open(path, "rb") as f:
         head = f.read(8)
     if head == FILE_MAGIC:

@@ -93,6 +93,8 @@ MAX_CHUNK_BYTES = 4 << 30
 DEFAULT_TIMEOUT_S = 60.0
 #: How long a sender's TCP connect may take (a host that drops SYNs must not cost a whole step timeout).
 CONNECT_TIMEOUT_S = 5.0
+#: The longest timeout a receiver takes (a socket's own limit is far above; NaN and infinity are refused).
+_MAX_TIMEOUT_S = 365 * 86400.0
 #: How long a receiver keeps an open connection that sends nothing between chunks.
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 #: How many connections a receiver serves at once (each holds a thread and, over NIXL, buffers).
@@ -436,8 +438,10 @@ class ReceiverBase(abc.ABC):
         keys: FleetKeys | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        if timeout <= 0 or idle_timeout <= 0:
-            raise ValueError(f"timeouts must be positive, got timeout={timeout}, idle_timeout={idle_timeout}")
+        if not (0 < timeout < _MAX_TIMEOUT_S and 0 < idle_timeout < _MAX_TIMEOUT_S):  # NaN fails both too
+            raise ValueError(
+                f"timeouts must be positive and finite seconds, got timeout={timeout}, idle_timeout={idle_timeout}"
+            )
         if max_connections < 1 or max_chunk_bytes < 1 or min_free_bytes < 0 or (quota_bytes or 0) < 0:
             raise ValueError(
                 f"limits must be positive, got max_connections={max_connections}, max_chunk_bytes="

@@ -23,6 +23,10 @@ def files(tmp_path: Path) -> Path:
     return tmp_path
 
 
+#: A migration's --after and --max-tokens, for the commands that never get that far.
+TOKENS = ["--after", "2", "--max-tokens", "4"]
+
+
 def test_help_lists_every_command_with_examples() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hurray_vllm.app.cli", "--help"], capture_output=True, text=True, check=True
@@ -165,10 +169,16 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--quota", "lots"],
         ["router", "--listen", "127.0.0.1:0", "--backend", "ftp://a:1"],
         ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--policy", "random"],
+        ["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--timeout", "nan"],
+        ["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--idle-timeout", "inf"],
+        ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--health-interval", "nan"],
+        ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--stream-timeout", "-1"],
+        ["migrate", "--from", "notaurl", "--to", "http://b:1", "--prompt-ids", "1", *TOKENS],
     ],
     ids=[
         "size inf", "size 1e400", "size negative", "page 2^40", "page 0", "listen no port", "listen port range",
-        "quota not a size", "backend not http", "unknown policy",
+        "quota not a size", "backend not http", "unknown policy", "timeout nan", "idle inf", "health nan",
+        "stream timeout negative", "migrate not a url",
     ],
 )  # fmt: skip
 def test_bad_options_are_refused_before_anything_runs(
@@ -188,9 +198,6 @@ def test_receiver_limits_out_of_range_are_one_line(files: Path, capsys: pytest.C
     assert "max_connections=0" in err and "Traceback" not in err
 
 
-TOKENS = ["--after", "2", "--max-tokens", "4"]
-
-
 def test_bad_files_and_servers_are_one_line(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = [
         ["inspect", str(tmp_path)],  # a directory as input
@@ -206,6 +213,93 @@ def test_bad_files_and_servers_are_one_line(files: Path, tmp_path: Path, capsys:
         said = (captured.err or captured.out).strip()  # validate reports on stdout, the rest on stderr
         assert code != 0, argv
         assert said and "\n" not in said and "Traceback" not in said, (argv, said)
+
+
+def test_files_that_are_not_files_are_one_line_and_never_hang(
+    files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO (opened twice, it would block), /dev/zero as a prompt file, a file where a store belongs."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    binary = tmp_path / "binary"
+    binary.write_bytes(bytes(range(256)))
+    not_dir = tmp_path / "not-a-dir"
+    not_dir.write_bytes(b"x")
+    migrate = ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:9", *TOKENS]
+    for command in ("inspect", "validate"):  # in a process of its own: a regression hangs, and must fail instead
+        cli = [sys.executable, "-m", "hurray_vllm.app.cli", command, str(fifo)]
+        run = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        said = (run.stderr or run.stdout).strip()
+        assert run.returncode != 0 and "pipe" in said and "\n" not in said, (command, said)
+    cases = [
+        ([*migrate, "--prompt-file", "/dev/zero"], "prompt_file"),
+        ([*migrate, "--prompt-file", str(binary)], "prompt_file"),
+        (["receive", "--listen", "127.0.0.1:0", "--dir", str(not_dir), "-q"], "Not a directory"),
+        (["fsck", str(files / "s.hrry")], "Not a directory"),
+        (["prune", str(files / "s.hrry"), "--max-size", "1G"], "Not a directory"),
+        (["validate", str(tmp_path / "missing.hrry")], "No such file"),
+    ]
+    for argv, says in cases:
+        code = main(argv)
+        captured = capsys.readouterr()
+        said = (captured.err or captured.out).strip()
+        assert code != 0 and says in said and "\n" not in said and "Traceback" not in said, (argv, said)
+    assert main(["validate", str(tmp_path / "missing.hrry")]) == 2  # the caller's mistake, not a verdict
+    capsys.readouterr()
+    safetensors = tmp_path / "s.safetensors"
+    assert main(["convert", str(files / "s.hrry"), str(safetensors)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(safetensors)]) == 0
+    assert "safetensors file" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "says"),
+    [
+        (200, b"<html>not an API</html>", "not an OpenAI-compatible server"),
+        (200, b'{"data": []}', "lists no model"),
+        (404, b'{"error": {"message": "The model `x` does not exist."}}', "does not exist"),
+    ],
+    ids=["html", "no model", "server error"],
+)
+def test_migrate_against_a_server_that_is_not_vllm_says_what_it_got(
+    status: int, body: bytes, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code = main(["migrate", "--from", url, "--to", url, "--prompt-ids", "1,2,3", *TOKENS])
+        server.shutdown()
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and says in err and "\n" not in err and "internal error" not in err, err
+
+
+def test_convert_writes_through_a_symlink_and_names_the_path_given(files: Path, tmp_path: Path) -> None:
+    """The link stays a link and its target gets the file; errors name the user's path, not a temporary one."""
+    target = tmp_path / "real.hrrs"
+    link = tmp_path / "link.hrrs"
+    link.symlink_to(target)
+    assert main(["convert", str(files / "s.hrry"), str(link)]) == 0
+    assert link.is_symlink() and target.is_file()
+    assert hv.load(link).num_layers == hv.load(files / "s.hrry").num_layers
+    with pytest.raises(OSError) as err:
+        hv.save(hv.load(files / "s.hrry"), tmp_path / "missing-dir" / "x.hrrs")
+    assert ".tmp" not in str(err.value) and "missing-dir" in str(err.value)
 
 
 def test_files_of_every_format_get_the_same_permissions(tmp_path: Path) -> None:

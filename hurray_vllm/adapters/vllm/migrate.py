@@ -21,7 +21,9 @@ prompts and ``return_token_ids``), so nothing here imports vLLM.
 
 from __future__ import annotations
 
+import errno
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,8 +66,11 @@ def complete(
         "return_token_ids": True,
     }
     if model is None:
-        with urllib.request.urlopen(f"{server.rstrip('/')}/v1/models", timeout=timeout) as r:
-            model = json.load(r)["data"][0]["id"]
+        listed = _call(f"{server.rstrip('/')}/v1/models", timeout)
+        try:
+            model = str(listed["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise HurrayFormatError("model", f"{server}/v1/models lists no model: pass --model NAME") from None
     body["model"] = model
     body.update(extra or {})
     req = urllib.request.Request(
@@ -73,9 +78,42 @@ def complete(
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        answer: dict[str, Any] = json.load(r)
+    answer = _call(req, timeout)
+    if not isinstance(answer, dict):
+        raise HurrayFormatError("answer", f"{server}/v1/completions did not answer a JSON object")
     return answer
+
+
+def _call(req: urllib.request.Request | str, timeout: float) -> Any:
+    """``req``'s JSON answer.
+
+    Raises:
+        OSError: naming the URL: unreachable, timed out, or an HTTP error (with the server's message).
+        HurrayFormatError: an answer that is not JSON (not an OpenAI-compatible server).
+    """
+    url = req if isinstance(req, str) else req.full_url
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as exc:
+        raise OSError(errno.EPROTO, f"HTTP {exc.code} {exc.reason}{_server_message(exc)}", url) from None
+    except urllib.error.URLError as exc:
+        why = exc.reason
+        raise OSError(getattr(why, "errno", None), getattr(why, "strerror", None) or str(why), url) from None
+    except OSError as exc:  # a timeout, a reset mid-answer
+        raise OSError(exc.errno, exc.strerror or str(exc) or type(exc).__name__, url) from None
+    except ValueError as exc:  # not JSON, not UTF-8, or not a URL at all
+        raise HurrayFormatError("answer", f"{url}: not an OpenAI-compatible server's answer ({exc})") from None
+
+
+def _server_message(exc: urllib.error.HTTPError) -> str:
+    """``": <the server's error message>"`` from an OpenAI-style error body, else ``""``."""
+    try:
+        doc = json.loads(exc.read(4096))
+        message = doc.get("message") or (doc.get("error") or {}).get("message")
+    except (ValueError, AttributeError, OSError):
+        return ""
+    return f": {message}" if isinstance(message, str) and message else ""
 
 
 def _tokens(answer: dict[str, Any], server: str) -> list[int]:
