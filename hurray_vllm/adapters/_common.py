@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import HurrayFormatError
+from ..kv.repage import check_budget
 from ..kv.snapshot import KVSnapshot
 
 __all__ = ["FP8_DTYPES", "INT32_MAX", "check_layer", "check_one_structure", "dequantize", "padded_block_table"]
@@ -121,6 +122,10 @@ def padded_block_table(
         )
     need = (lens + reserve + page - 1) // page
     width = max(1, int(need.max()))
+    if width * page > INT32_MAX:
+        raise HurrayFormatError("seq_lens", f"{width * page} tokens per sequence do not fit the kernels' int32 indices")
+    # [batch, width] grows with the longest sequence times the batch, whatever the snapshot's size.
+    check_budget(batch * width, "the padded block table", "block_table")
     cols = torch.arange(width, device=dev)[None, :]
     in_use = cols < use[:, None]
     bt = torch.zeros(batch, width, dtype=torch.int64, device=dev)

@@ -333,6 +333,27 @@ def mla_paged_decode(
         raise HurrayArgumentError("head_dim_v", f"{head_dim_v} is not within the latent's {kv_cache.shape[-1]} values")
     batch, _, _, c = q.shape
     page = kv_cache.shape[1]
+    if block_table.dim() != 2 or block_table.shape[0] != batch or tuple(cache_seqlens.shape) != (batch,):
+        raise HurrayArgumentError(
+            "block_table",
+            f"expected block_table [batch={batch}, n] and cache_seqlens [batch], got "
+            f"{list(block_table.shape)} and {list(cache_seqlens.shape)}",
+        )
+    lens = cache_seqlens.to(torch.int64).cpu()
+    if bool((lens < 0).any()):
+        raise HurrayArgumentError("cache_seqlens", "sequence lengths must be >= 0")
+    npages = int(-(-lens.max() // page)) if batch else 0
+    if npages > block_table.shape[1]:
+        raise HurrayArgumentError(
+            "cache_seqlens",
+            f"a sequence needs {npages} pages of {page} but block_table has {block_table.shape[1]} columns",
+        )
+    covered = torch.arange(npages)[None, :] * page < lens[:, None]
+    ids = block_table[:, :npages].to(torch.int64).cpu()
+    if bool((covered & ((ids < 0) | (ids >= kv_cache.shape[0]))).any()):
+        raise HurrayArgumentError(
+            "block_table", f"a covered entry is not a page of the {kv_cache.shape[0]}-block cache"
+        )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(c)
     out = torch.zeros((*q.shape[:3], head_dim_v), dtype=torch.float32, device=q.device)
     for b in range(batch):

@@ -21,16 +21,46 @@ CUDA tensors.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..wire.descriptor import PerBlockAffine
 from .paged import BlockPagedTensor
 from .snapshot import KVSnapshot
 
-__all__ = ["RepagePlan", "check_out_pool", "plan_repage", "repage", "repage_into", "repage_snapshot"]
+__all__ = [
+    "MAX_IMPORT_SLOTS",
+    "RepagePlan",
+    "check_budget",
+    "check_out_pool",
+    "memory_span",
+    "overlaps",
+    "plan_repage",
+    "pool_spans",
+    "repage",
+    "repage_into",
+    "repage_snapshot",
+]
+
+
+#: The most token slots (or padded block-table entries) an importer expands a batch into before it refuses.
+#: A snapshot's pages may repeat (prefix sharing), so what an import allocates grows with the tokens and
+#: sequences a snapshot *declares*, not with its size: a file of a few hundred KB can declare millions of
+#: tokens over one page. Raise it for batches that really are that large.
+MAX_IMPORT_SLOTS = 1 << 28
+
+
+def check_budget(slots: int, what: str, field: str = "seq_lens") -> None:
+    """Refuse to expand a batch into more than :data:`MAX_IMPORT_SLOTS` slots (before allocating them)."""
+    if slots > MAX_IMPORT_SLOTS:
+        raise HurrayFormatError(
+            field,
+            f"{what} would expand the batch into {slots} slots, over hurray_vllm.kv.repage.MAX_IMPORT_SLOTS "
+            f"= {MAX_IMPORT_SLOTS}; raise it if the batch is meant to be this large",
+        )
 
 
 @dataclass(frozen=True)
@@ -95,11 +125,25 @@ def plan_repage(
     seq_lens = seq_lens.to(dev)
     seq_ptr = seq_ptr.to(dev)
     num_seqs = int(seq_lens.numel())
+    if src_page_size <= 0 or seq_ptr.numel() != num_seqs + 1:
+        raise HurrayFormatError(
+            "seq_ptr", f"{seq_ptr.numel()} offsets for {num_seqs} sequences of pages of {src_page_size}"
+        )
+    # Each sequence must own the pages its tokens need: a short one would read the next sequence's pages.
+    short = ((seq_lens + src_page_size - 1) // src_page_size > seq_ptr[1:] - seq_ptr[:-1]).nonzero()
+    if short.numel():
+        s = int(short[0, 0])
+        raise HurrayFormatError(
+            "seq_lens.pages",
+            f"sequence {s} has {int(seq_lens[s])} tokens but {int(seq_ptr[s + 1] - seq_ptr[s])} "
+            f"pages of {src_page_size}; the block structure is inconsistent (validate() it)",
+        )
     need = (seq_lens + page_size - 1) // page_size  # target pages per sequence
     new_ptr = torch.zeros(num_seqs + 1, dtype=torch.int64, device=dev)
     if num_seqs:
         torch.cumsum(need, 0, out=new_ptr[1:])
     total = int(new_ptr[-1])
+    check_budget(total * page_size, "repaging")
     if total == 0:
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         return RepagePlan(page_size, empty, empty, new_ptr, seq_lens.clone())
@@ -179,6 +223,34 @@ def on_device(t: torch.Tensor, device: torch.device | str) -> bool:
     return t.device == want
 
 
+def memory_span(t: torch.Tensor) -> tuple[torch.device, int, int]:
+    """``(device, first byte, one past the last byte)`` that ``t``'s elements may occupy (empty for no elements)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return t.device, 0, 0
+    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+    return t.device, t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def overlaps(a: torch.Tensor | tuple[torch.device, int, int], b: torch.Tensor | tuple[torch.device, int, int]) -> bool:
+    """Whether two tensors (or :func:`memory_span` results) may share memory; conservative for strided views."""
+    da, a0, a1 = memory_span(a) if isinstance(a, torch.Tensor) else a
+    db, b0, b1 = memory_span(b) if isinstance(b, torch.Tensor) else b
+    return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1 and da == db
+
+
+_POOL_SPANS: weakref.WeakKeyDictionary[KVSnapshot, list[tuple[tuple[torch.device, int, int], BlockPagedTensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def pool_spans(snap: KVSnapshot) -> list[tuple[tuple[torch.device, int, int], BlockPagedTensor]]:
+    """:func:`memory_span` of every page pool of ``snap`` (computed once per snapshot), with its tensor."""
+    got = _POOL_SPANS.get(snap)
+    if got is None:
+        got = _POOL_SPANS[snap] = [(memory_span(t.page_pool), t) for t in snap.tensors()]
+    return got
+
+
 def check_out_pool(out: torch.Tensor, pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, field: str) -> None:
     """Refuse an ``out=`` pool that cannot take ``pages`` pages of ``page_shape`` and ``dtype``."""
     if not isinstance(out, torch.Tensor):
@@ -231,9 +303,17 @@ def repage(
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
     plan = plan or plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
+    if plan.page_size != page_size or plan.seq_ptr.numel() != t.seq_ptr.numel():
+        raise HurrayFormatError(
+            "plan",
+            f"the plan repages {plan.seq_ptr.numel() - 1} sequences to {plan.page_size}, "
+            f"not {t.num_seqs} to {page_size}",
+        )
     page_shape = (page_size, t.num_heads, t.head_dim)
     if out is not None:
         check_out_pool(out, plan.num_pages, page_shape, t.dtype, "out")
+        if overlaps(out, t.page_pool):
+            raise HurrayArgumentError("out", "shares memory with the pool being repaged; repage into other memory")
         pool = out[: plan.num_pages]
         repage_into(t, plan, pool)
     else:

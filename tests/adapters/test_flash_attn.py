@@ -523,6 +523,41 @@ def test_import_into_preallocated_caches_equals_a_fresh_import(
         assert (f.k_descale is None) == (i.k_descale is None)
 
 
+def test_import_into_checks_every_cache_before_writing_any() -> None:
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=2)
+    plan = plan_flash_attn(snap, page_size=256, reserve=8)
+
+    def pool(heads: int = 2) -> torch.Tensor:
+        return torch.full((plan.num_blocks, 256, heads, 16), 7.0, dtype=torch.bfloat16)
+
+    strided = torch.full((plan.num_blocks, 16, 2, 256), 7.0, dtype=torch.bfloat16).permute(0, 3, 2, 1)
+    for out in ([(pool(), pool()), (pool(), pool(3))], [(pool(), pool()), (pool(), strided)]):
+        with pytest.raises((hv.HurrayFormatError, hv.HurrayArgumentError)) as err:
+            to_flash_attn_all(snap, page_size=256, reserve=8, out=out)
+        assert err.value.field == "out[1][1]"
+        assert all(bool((o == 7.0).all()) for pair in out for o in pair), "nothing is written before the checks pass"
+
+
+def test_import_into_refuses_caches_that_alias_the_snapshot() -> None:
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=1)
+    k, v = snap.keys[0].page_pool, snap.values[0].page_pool
+    before = (k.clone(), v.clone())
+    for out in ((v, k), (k, k), (k.view(-1, 32, *k.shape[2:]), v.view(-1, 32, *v.shape[2:]))):
+        with pytest.raises(hv.HurrayArgumentError):
+            to_flash_attn(snap, 0, page_size=out[0].shape[1], flavor="fa3", out=out)
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
+def test_a_plan_for_other_lengths_or_pages_is_refused() -> None:
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=1)
+    other_lens = make_snapshot([33, 20], [0, 1], 16, layers=1)
+    for page in (16, 256):
+        plan = plan_flash_attn(snap, page_size=page, flavor="fa3")
+        with pytest.raises(hv.HurrayFormatError) as err:
+            to_flash_attn(other_lens, 0, plan=plan)
+        assert err.value.field == "plan"
+
+
 def test_import_into_refuses_caches_that_do_not_fit() -> None:
     snap = make_snapshot([40, 17], [0, 1], 16, layers=1)
     plan = plan_flash_attn(snap, page_size=256)

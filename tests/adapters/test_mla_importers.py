@@ -150,3 +150,12 @@ def test_flash_mla_checker_names_the_argument(field: str, change) -> None:  # ty
     with pytest.raises(hv.HurrayArgumentError) as err:
         check_flash_mla_args(*change(q, cache))
     assert err.value.field == field
+
+
+def test_mla_reference_refuses_a_block_table_that_does_not_cover_the_lengths() -> None:
+    from hurray_vllm.adapters.reference import mla_paged_decode
+
+    kv, q = torch.randn(4, 4, 1, 16), torch.randn(1, 1, 2, 16)
+    for table, lens in (([[0]], [10]), ([[0, 9, 1]], [10]), ([[0, -1, 2]], [10]), ([[0, 1, 2]], [-3])):
+        with pytest.raises(hv.HurrayArgumentError):
+            mla_paged_decode(q, kv, torch.tensor(table), torch.tensor(lens), head_dim_v=8)

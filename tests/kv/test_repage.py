@@ -154,3 +154,33 @@ def test_repage_refuses_an_out_pool_that_does_not_fit() -> None:
         with pytest.raises(hv.HurrayFormatError) as err:
             repage(t, 8, out=out)
         assert err.value.field == "out", why
+
+
+def test_repage_refuses_a_sequence_short_of_pages_instead_of_reading_the_next_ones() -> None:
+    # Sequence 0 needs 3 pages of 4 for 10 tokens but owns 1: its tokens 4.. must not come from sequence 1's pages.
+    t = hv.BlockPagedTensor(
+        torch.randn(4, 4, 1, 8), torch.tensor([0, 3, 2]), torch.tensor([0, 1, 3]), torch.tensor([10, 8])
+    )
+    with pytest.raises(hv.HurrayFormatError) as err:
+        repage(t, 8)
+    assert err.value.field == "seq_lens.pages"
+
+
+def test_a_batch_declaring_more_slots_than_the_budget_is_refused_before_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pages may repeat: one page read by a long sequence is a tiny file that declares many slots."""
+    import hurray_vllm.kv.repage as rp
+    from hurray_vllm.adapters.flash_attn import to_flash_attn
+
+    pages = 64
+    bt, ptr, lens = torch.zeros(pages, dtype=torch.int64), torch.tensor([0, pages]), torch.tensor([4 * pages])
+    t = hv.BlockPagedTensor(torch.randn(1, 4, 1, 8), bt, ptr, lens, "key", 0)
+    snap = hv.KVSnapshot(keys=(t,), values=(hv.BlockPagedTensor(torch.randn(1, 4, 1, 8), bt, ptr, lens, "value", 0),))
+    monkeypatch.setattr(rp, "MAX_IMPORT_SLOTS", 100)
+    with pytest.raises(hv.HurrayFormatError, match="MAX_IMPORT_SLOTS"):
+        repage(t, 8)  # 256 token slots
+    with pytest.raises(hv.HurrayFormatError, match="MAX_IMPORT_SLOTS"):
+        to_flash_attn(snap, 0, page_size=8, flavor="fa3")  # repaged: 256 token slots
+    monkeypatch.setattr(rp, "MAX_IMPORT_SLOTS", 1 << 28)
+    assert int(repage(t, 8).seq_lens[0]) == 4 * pages  # within the budget: repaged as before

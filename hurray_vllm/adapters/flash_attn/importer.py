@@ -9,7 +9,17 @@ import torch
 
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.paged import BlockPagedTensor
-from ...kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
+from ...kv.repage import (
+    RepagePlan,
+    check_out_pool,
+    memory_span,
+    on_device,
+    overlaps,
+    plan_repage,
+    pool_spans,
+    repage,
+    repage_into,
+)
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
@@ -120,6 +130,8 @@ class FlashAttnPlan:
     extra_pages: torch.Tensor
     block_table: torch.Tensor
     cache_seqlens: torch.Tensor
+    #: The snapshot's own block table the plan was made from (checked when the plan is reused).
+    src_block_table: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -195,6 +207,7 @@ def plan_flash_attn(
         extra_pages=extra,
         block_table=bt.to(torch.int32).contiguous(),
         cache_seqlens=lens.to(torch.int32).contiguous(),
+        src_block_table=k0.block_table,
     )
 
 
@@ -274,10 +287,7 @@ def to_flash_attn(
     check_head_dim(kt.head_dim, lim, out_dtype, "head_dim")
     k_scale, v_scale = snapshot.kv_scales[layer] if snapshot.kv_scales is not None else (1.0, 1.0)
     if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors")
-        if device is not None and not all(on_device(o, device) for o in out):
-            raise HurrayFormatError("out", f"is on {out[0].device}/{out[1].device}, device= asks for {device}")
+        _check_out(snapshot, layer, plan, out_dtype, passthrough, device, out, "out")
         k_cache = _layer_into(kt, plan, out_dtype, passthrough, k_scale, out[0], "out[0]")
         v_cache = _layer_into(vt, plan, out_dtype, passthrough, v_scale, out[1], "out[1]")
     else:
@@ -321,6 +331,12 @@ def to_flash_attn_all(
         raise HurrayFormatError("out", f"has {len(out)} cache pairs for {snapshot.num_layers} layers")
     plan = plan_flash_attn(snapshot, page_size=page_size, flavor=flavor, reserve=reserve)
     dev = torch.device(device) if device is not None else None
+    if out is not None:
+        # Every layer's caches are checked before the first is written: a bad pair never leaves a half import.
+        lim = FLAVORS[plan.flavor]
+        for i in range(snapshot.num_layers):
+            out_dtype, passthrough = _target_dtype(snapshot.keys[i], lim, dtype)
+            _check_out(snapshot, i, plan, out_dtype, passthrough, dev, out[i], f"out[{i}]")
     if dev is not None:
         plan = replace(plan, block_table=plan.block_table.to(dev), cache_seqlens=plan.cache_seqlens.to(dev))
     return tuple(
@@ -355,6 +371,13 @@ def _resolve_plan(
         or k0.page_size != plan.src_page_size
         or k0.num_seqs != plan.batch_size
         or (plan.repage is None and k0.num_pages != plan.base_pages)
+        or k0.seq_lens is None
+        or not torch.equal(plan.cache_seqlens.to(k0.seq_lens.device), k0.seq_lens.to(torch.int32))
+        or (
+            plan.src_block_table is not None
+            and plan.src_block_table is not k0.block_table
+            and not torch.equal(plan.src_block_table.to(k0.block_table.device), k0.block_table)
+        )
     ):
         raise HurrayFormatError("plan", "the plan was made for another snapshot; call plan_flash_attn on this one")
     return plan
@@ -387,6 +410,44 @@ def _target_dtype(t: BlockPagedTensor, lim: FlavorLimits, dtype: torch.dtype | N
             "dtype", f"cannot quantize a {src} pool to {dtype} here; import fp8 pools only as stored"
         )
     return dtype, src == dtype
+
+
+def _check_out(
+    snapshot: KVSnapshot,
+    layer: int,
+    plan: FlashAttnPlan,
+    dtype: torch.dtype,
+    passthrough: bool,
+    device: torch.device | str | None,
+    pair: object,
+    field: str,
+) -> None:
+    """Refuse a ``(k_cache, v_cache)`` pair for ``layer`` before anything is written into it."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(o, torch.Tensor) for o in pair):
+        raise HurrayFormatError(field, "must be a (k_cache, v_cache) pair of tensors")
+    if device is not None and not all(on_device(o, device) for o in pair):
+        raise HurrayFormatError(field, f"is on {pair[0].device}/{pair[1].device}, device= asks for {device}")
+    kt = snapshot.keys[layer]
+    for i, o in enumerate(pair):
+        check_out_pool(o, plan.num_blocks, (plan.page_size, kt.num_heads, kt.head_dim), dtype, f"{field}[{i}]")
+        if o.numel() and o.stride(-1) != 1:
+            raise HurrayArgumentError(f"{field}[{i}]", f"needs a contiguous last dimension, has strides {o.stride()}")
+    if overlaps(pair[0], pair[1]):
+        raise HurrayArgumentError(field, "k_cache and v_cache share memory; pass two separate caches")
+    in_place = plan.repage is None and passthrough and not plan.extra_pages.numel()
+    for i, o in enumerate(pair):
+        mine = memory_span(o)
+        for span, t in pool_spans(snapshot):
+            if not overlaps(mine, span):
+                continue
+            p = t.page_pool
+            same = in_place and t is (kt, snapshot.values[layer])[i] and o.data_ptr() == p.data_ptr()
+            if not (same and o.stride() == p.stride()):
+                raise HurrayArgumentError(
+                    f"{field}[{i}]",
+                    f"shares memory with the snapshot's layer {t.layer_index} {t.kv_role} pool, which the import "
+                    "reads; import into other memory (or clone the snapshot first)",
+                )
 
 
 def _layer_pool(t: BlockPagedTensor, plan: FlashAttnPlan) -> torch.Tensor:

@@ -9,7 +9,17 @@ import torch
 
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.paged import BlockPagedTensor
-from ...kv.repage import RepagePlan, check_out_pool, on_device, plan_repage, repage, repage_into
+from ...kv.repage import (
+    RepagePlan,
+    check_out_pool,
+    memory_span,
+    on_device,
+    overlaps,
+    plan_repage,
+    pool_spans,
+    repage,
+    repage_into,
+)
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
@@ -90,6 +100,12 @@ def to_flashinfer_all(
     if page_size is not None and page_size <= 0:
         raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
     plan = plan_flashinfer(snapshot, page_size) if page_size is not None else None
+    if out is not None:
+        # Every layer's cache is checked before the first is written: a bad one never leaves a half import.
+        for i in range(snapshot.num_layers):
+            k = snapshot.keys[i]
+            pages = plan.num_pages if plan is not None else k.num_pages
+            _check_out(snapshot, k, plan, dtype, out[i], kv_layout, combined, pages, device)
     return tuple(
         to_flashinfer(
             snapshot,
@@ -212,6 +228,7 @@ def to_flashinfer(
         raise HurrayFormatError("paged_kv_indices", "page ids and counts must fit FlashInfer's int32 indices")
 
     if out is not None:
+        _check_out(snapshot, k, plan, dtype, out, kv_layout, combined, num_pages, device)
         cache: PagedKVCache = out
         k_scale, v_scale = _import_into(k, v, plan, scales, dtype, out, kv_layout, combined, num_pages, device)
     else:
@@ -354,24 +371,11 @@ def _import_into(
 ) -> tuple[float | None, float | None]:
     """Write the layer's (repaged, converted) pages into ``out``; the scales FlashInfer must still apply."""
     target = _target_dtype(k.dtype, dtype)
-    heads, dim = k.num_heads, k.head_dim
-    ps = plan.page_size if plan is not None else k.page_size
-    page = (ps, heads, dim) if kv_layout == "NHD" else (heads, ps, dim)
     if combined:
-        if not isinstance(out, torch.Tensor):
-            raise HurrayFormatError("out", "combined=True takes one [num_pages, 2, ...] tensor")
-        check_out_pool(out, num_pages, (2, *page), target, "out")
+        assert isinstance(out, torch.Tensor)
         dsts = [out[:num_pages, 0], out[:num_pages, 1]]
     else:
-        if isinstance(out, torch.Tensor) or len(out) != 2:
-            raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors (or pass combined=True)")
-        for i, o in enumerate(out):
-            check_out_pool(o, num_pages, page, target, f"out[{i}]")
         dsts = [out[0][:num_pages], out[1][:num_pages]]
-    pools = out if isinstance(out, tuple | list) else (out,)
-    if device is not None and not all(on_device(o, device) for o in pools):
-        where = sorted({str(o.device) for o in pools})
-        raise HurrayFormatError("out", f"is on {', '.join(where)}, device= asks for {device}")
     if kv_layout == "HND":
         dsts = [d.transpose(1, 2) for d in dsts]  # NHD views of the HND pages
     result: list[float | None] = []
@@ -385,6 +389,48 @@ def _import_into(
             dst.copy_(converted)
             result.append(left)
     return result[0], result[1]
+
+
+def _check_out(
+    snapshot: KVSnapshot,
+    k: BlockPagedTensor,
+    plan: RepagePlan | None,
+    dtype: torch.dtype | None,
+    out: PagedKVCache,
+    kv_layout: str,
+    combined: bool,
+    num_pages: int,
+    device: torch.device | str | None,
+) -> None:
+    """Refuse a cache ``out`` for layer ``k``'s import before anything is written into it."""
+    target = _target_dtype(k.dtype, dtype)
+    heads, dim = k.num_heads, k.head_dim
+    ps = plan.page_size if plan is not None else k.page_size
+    page = (ps, heads, dim) if kv_layout == "NHD" else (heads, ps, dim)
+    if combined:
+        if not isinstance(out, torch.Tensor):
+            raise HurrayFormatError("out", "combined=True takes one [num_pages, 2, ...] tensor")
+        check_out_pool(out, num_pages, (2, *page), target, "out")
+    else:
+        if isinstance(out, torch.Tensor) or len(out) != 2:
+            raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors (or pass combined=True)")
+        for i, o in enumerate(out):
+            check_out_pool(o, num_pages, page, target, f"out[{i}]")
+        if overlaps(out[0], out[1]):
+            raise HurrayArgumentError("out", "k_cache and v_cache share memory; pass two separate caches")
+    pools = out if isinstance(out, tuple | list) else (out,)
+    if device is not None and not all(on_device(o, device) for o in pools):
+        where = sorted({str(o.device) for o in pools})
+        raise HurrayFormatError("out", f"is on {', '.join(where)}, device= asks for {device}")
+    for o in pools:
+        mine = memory_span(o)
+        for span, t in pool_spans(snapshot):
+            if overlaps(mine, span):
+                raise HurrayArgumentError(
+                    "out",
+                    f"shares memory with the snapshot's layer {t.layer_index} {t.kv_role} pool, which the import "
+                    "reads; import into other memory (or clone the snapshot first)",
+                )
 
 
 def _arrange(k: torch.Tensor, v: torch.Tensor, kv_layout: str, combined: bool) -> PagedKVCache:
