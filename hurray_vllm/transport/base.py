@@ -36,6 +36,7 @@ What the channels agree on:
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import os
 import re
@@ -45,7 +46,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
@@ -298,6 +299,10 @@ def query_held(sock: socket.socket, names: Sequence[tuple[str, str]]) -> set[tup
     return held
 
 
+#: Guards every sender's set of live connections (short critical sections; senders are few).
+_LIVE_MU = threading.Lock()
+
+
 class ChunkSender(abc.ABC):
     """Pushes chunks to receivers of one channel.
 
@@ -320,14 +325,59 @@ class ChunkSender(abc.ABC):
     def unregister(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`register` for buffers about to be replaced (unknown tensors are ignored)."""
 
-    def abort(self) -> None:  # noqa: B027 - optional hook
-        """From another thread: make the :meth:`send` calls in progress fail now (with an ``OSError``)."""
+    def abort(self) -> None:
+        """From another thread: make the :meth:`send` and :meth:`held` calls in progress fail now.
 
-    def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
+        Shuts down their connections (from the TCP connect on: the TLS and key
+        handshakes too), so that their blocked reads and writes raise
+        ``OSError`` at once. Who calls it: the connector's worker, when a step
+        would otherwise wait for a push (a full save queue) and at shutdown.
+        """
+        with _LIVE_MU:
+            live = list(self._live_sockets())
+        for sock in live:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _live_sockets(self) -> set[socket.socket]:
+        """The connections of the calls in progress (created on first use: channels need no ``__init__`` for it)."""
+        live: set[socket.socket] | None = self.__dict__.get("_live")
+        if live is None:
+            live = self.__dict__["_live"] = set()
+        return live
+
+    @contextlib.contextmanager
+    def tracked(self, url: str, *, timeout: float, keys: FleetKeys | None = None) -> Iterator[socket.socket]:
+        """:meth:`connect`, as a connection :meth:`abort` can cut; closed on exit."""
+        mine: list[socket.socket] = []
+
+        def track(sock: socket.socket) -> None:
+            mine.append(sock)
+            with _LIVE_MU:
+                self._live_sockets().add(sock)
+
+        try:
+            with self.connect(url, timeout=timeout, keys=keys, track=track) as sock:
+                yield sock
+        finally:
+            with _LIVE_MU:
+                self._live_sockets().difference_update(mine)
+
+    def connect(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        keys: FleetKeys | None = None,
+        track: Callable[[socket.socket], None] | None = None,
+    ) -> socket.socket:
         """A connection to the receiver's frame channel at ``url``, authenticated with ``keys`` (if given).
 
         The caller closes it. TCP's is the chunk connection itself (inside
-        TLS for ``tls://``); NIXL's is its side channel.
+        TLS for ``tls://``); NIXL's is its side channel. ``track`` sees each
+        socket as soon as it exists (:func:`dial`).
 
         Raises:
             HurrayFormatError: ``url`` is malformed, or the receiver refused the authentication.
@@ -357,7 +407,7 @@ class ChunkSender(abc.ABC):
         """
         if not names:
             return set()
-        with self.connect(url, timeout=timeout, keys=keys) as sock:
+        with self.tracked(url, timeout=timeout, keys=keys) as sock:
             return query_held(sock, names)
 
     @abc.abstractmethod

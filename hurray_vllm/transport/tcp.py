@@ -19,13 +19,11 @@ ever stored.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import socket
 import ssl
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable
 from typing import BinaryIO, cast
 
 from ..chunks.signing import FleetKeys
@@ -45,7 +43,6 @@ from .base import (
     dial,
     finish_with_error,
     parse_address,
-    query_held,
     read_answer,
     recv_exact,
     send_error,
@@ -145,25 +142,6 @@ class TcpSender(ChunkSender):
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.tls = tls
-        self._live: set[socket.socket] = set()  # connections of the sends in progress (abort)
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def _tracked(self, url: str, timeout: float, keys: FleetKeys | None) -> Iterator[socket.socket]:
-        """A connection :meth:`abort` can cut (from the TCP connect on: the TLS and key handshakes too)."""
-        live: list[socket.socket] = []
-
-        def track(sock: socket.socket) -> None:
-            live.append(sock)
-            with self._lock:
-                self._live.add(sock)
-
-        try:
-            with connect(url, timeout=timeout, keys=keys, tls=self.tls, track=track) as sock:
-                yield sock
-        finally:
-            with self._lock:
-                self._live.difference_update(live)
 
     def send(
         self,
@@ -174,36 +152,19 @@ class TcpSender(ChunkSender):
         keys: FleetKeys | None = None,
     ) -> None:
         """See :func:`send_chunks`; :meth:`abort` makes it fail at once."""
-        with self._tracked(url, timeout, keys) as sock, sock.makefile("wb") as out:
+        with self.tracked(url, timeout=timeout, keys=keys) as sock, sock.makefile("wb") as out:
             _send_all(sock, out, chunks)
 
-    def held(
+    def connect(
         self,
         url: str,
-        names: Sequence[tuple[str, str]],
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
-    ) -> set[tuple[str, str]]:
-        """See :meth:`.ChunkSender.held`; :meth:`abort` makes it fail at once."""
-        if not names:
-            return set()
-        with self._tracked(url, timeout, keys) as sock:
-            return query_held(sock, names)
-
-    def abort(self) -> None:
-        """Shut down the connections of the sends in progress: their blocked reads and writes fail now."""
-        with self._lock:
-            live = list(self._live)
-        for sock in live:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
+        track: Callable[[socket.socket], None] | None = None,
+    ) -> socket.socket:
         """See :func:`connect` (module level)."""
-        return connect(url, timeout=timeout, keys=keys, tls=self.tls)
+        return connect(url, timeout=timeout, keys=keys, tls=self.tls, track=track)
 
 
 class _Pieces(io.RawIOBase):

@@ -293,11 +293,11 @@ def test_abort_cuts_a_send_to_a_receiver_that_never_answers(chunks: list[tuple[s
         t = threading.Thread(target=send)
         t0 = time.monotonic()
         t.start()
-        assert wait_for(lambda: bool(sender._live), 10)
+        assert wait_for(lambda: bool(sender._live_sockets()), 10)
         sender.abort()
         t.join(10)
         assert not t.is_alive() and failed and time.monotonic() - t0 < 10
-        assert not sender._live
+        assert not sender._live_sockets()
 
 
 def test_a_receiver_that_lies_about_its_agent_is_refused_and_leaves_nothing_loaded(

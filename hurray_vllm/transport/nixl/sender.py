@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import select
@@ -10,7 +9,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,6 @@ from ..base import (
     Chunk,
     ChunkSender,
     dial,
-    query_held,
     read_answer,
     read_message,
     recv_exact,
@@ -156,10 +154,6 @@ class NixlSender(ChunkSender):
         self._threads: ThreadPoolExecutor | None = None
         #: Transfers NIXL could not cancel, with their memory: kept alive, never deregistered.
         self._leaked: list[Any] = []
-        #: Side channels of the sends and queries in progress (:meth:`abort`); not under ``_lock``,
-        #: which a transfer holds.
-        self._live: set[socket.socket] = set()
-        self._live_mu = threading.Lock()
 
     # ── registration ──
 
@@ -282,57 +276,22 @@ class NixlSender(ChunkSender):
         side channel first authenticates this sender (:mod:`..security`).
         """
         out = []
-        with self._tracked(url, timeout, keys) as sock:
+        with self.tracked(url, timeout=timeout, keys=keys) as sock:  # abort() cuts it
             for ns, key, snap in chunks:
                 out.append(self._send_one(sock, ns, key, snap, timeout))
         return out
 
-    def held(
+    def connect(
         self,
         url: str,
-        names: Sequence[tuple[str, str]],
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
-    ) -> set[tuple[str, str]]:
-        """See :meth:`.ChunkSender.held`; :meth:`abort` makes it fail at once."""
-        if not names:
-            return set()
-        with self._tracked(url, timeout, keys) as sock:
-            return query_held(sock, names)
-
-    def abort(self) -> None:
-        """Shut down the side channels of the sends in progress: they fail now (a transfer sends ``AB``, or tries)."""
-        with self._live_mu:
-            live = list(self._live)
-        for sock in live:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    @contextlib.contextmanager
-    def _tracked(self, url: str, timeout: float, keys: FleetKeys | None) -> Iterator[socket.socket]:
-        """A side channel :meth:`abort` can cut, from the TCP connect on (the key handshake too)."""
-        host, port = parse_nixl_url(url)
-        live: list[socket.socket] = []
-
-        def track(sock: socket.socket) -> None:
-            live.append(sock)
-            with self._live_mu:
-                self._live.add(sock)
-
-        try:
-            with dial(host, port, timeout=timeout, keys=keys, track=track) as sock:
-                yield sock
-        finally:
-            with self._live_mu:
-                self._live.difference_update(live)
-
-    def connect(self, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, keys: FleetKeys | None = None) -> socket.socket:
+        track: Callable[[socket.socket], None] | None = None,
+    ) -> socket.socket:
         """The side channel to the receiver at ``nixl://HOST:PORT``, authenticated with ``keys`` (if given)."""
         host, port = parse_nixl_url(url)
-        return dial(host, port, timeout=timeout, keys=keys)
+        return dial(host, port, timeout=timeout, keys=keys, track=track)
 
     def _send_one(self, sock: socket.socket, ns: str, key: str, snap: KVSnapshot, timeout: float) -> TransferStats:
         t0 = time.perf_counter()
