@@ -20,9 +20,12 @@ CUDA tensors.
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -39,7 +42,7 @@ __all__ = [
     "memory_span",
     "overlaps",
     "plan_repage",
-    "pool_spans",
+    "refuse_pool_overlap",
     "repage",
     "repage_into",
     "repage_snapshot",
@@ -238,17 +241,64 @@ def overlaps(a: torch.Tensor | tuple[torch.device, int, int], b: torch.Tensor | 
     return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1 and da == db
 
 
-_POOL_SPANS: weakref.WeakKeyDictionary[KVSnapshot, list[tuple[tuple[torch.device, int, int], BlockPagedTensor]]] = (
-    weakref.WeakKeyDictionary()
-)
+class _PoolSpans(NamedTuple):
+    """A snapshot's page pools by where their memory starts, for :func:`refuse_pool_overlap`."""
+
+    starts: list[int]
+    #: The largest end among the spans up to each index: a scan back stops where it no longer reaches.
+    reach: list[int]
+    spans: list[tuple[tuple[torch.device, int, int], BlockPagedTensor]]
 
 
-def pool_spans(snap: KVSnapshot) -> list[tuple[tuple[torch.device, int, int], BlockPagedTensor]]:
-    """:func:`memory_span` of every page pool of ``snap`` (computed once per snapshot), with its tensor."""
+_POOL_SPANS: weakref.WeakKeyDictionary[KVSnapshot, _PoolSpans] = weakref.WeakKeyDictionary()
+
+
+def _pool_spans(snap: KVSnapshot) -> _PoolSpans:
+    """Every non-empty page pool of ``snap`` by start (computed once per snapshot)."""
     got = _POOL_SPANS.get(snap)
     if got is None:
-        got = _POOL_SPANS[snap] = [(memory_span(t.page_pool), t) for t in snap.tensors()]
+        spans = sorted(
+            ((span, t) for t in snap.tensors() for span in (memory_span(t.page_pool),) if span[1] < span[2]),
+            key=lambda st: st[0][1],
+        )
+        reach, top = [], 0
+        for span, _ in spans:
+            top = max(top, span[2])
+            reach.append(top)
+        got = _POOL_SPANS[snap] = _PoolSpans([span[1] for span, _ in spans], reach, spans)
     return got
+
+
+def refuse_pool_overlap(
+    snap: KVSnapshot,
+    out: torch.Tensor,
+    field: str,
+    allow: Callable[[BlockPagedTensor], bool] | None = None,
+) -> None:
+    """Refuse an ``out=`` tensor that shares memory with a page pool of ``snap`` the import reads.
+
+    ``allow(t)`` may accept an overlap with ``t`` (an import in place). A
+    lookup by address: an import checks every layer's caches against every
+    pool, so a scan of all pools per cache would grow with the square of
+    the layers.
+
+    Raises:
+        HurrayArgumentError: naming ``field`` and the pool.
+    """
+    mine = memory_span(out)
+    if mine[1] >= mine[2]:
+        return
+    ps = _pool_spans(snap)
+    j = bisect.bisect_left(ps.starts, mine[2]) - 1  # the last pool starting before ``out`` ends
+    while j >= 0 and ps.reach[j] > mine[1]:
+        span, t = ps.spans[j]
+        if overlaps(mine, span) and not (allow is not None and allow(t)):
+            raise HurrayArgumentError(
+                field,
+                f"shares memory with the snapshot's layer {t.layer_index} {t.kv_role} pool, which the import "
+                "reads; import into other memory (or clone the snapshot first)",
+            )
+        j -= 1
 
 
 def check_out_pool(out: torch.Tensor, pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, field: str) -> None:

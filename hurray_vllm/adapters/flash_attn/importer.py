@@ -12,11 +12,10 @@ from ...kv.paged import BlockPagedTensor
 from ...kv.repage import (
     RepagePlan,
     check_out_pool,
-    memory_span,
     on_device,
     overlaps,
     plan_repage,
-    pool_spans,
+    refuse_pool_overlap,
     repage,
     repage_into,
 )
@@ -436,18 +435,14 @@ def _check_out(
         raise HurrayArgumentError(field, "k_cache and v_cache share memory; pass two separate caches")
     in_place = plan.repage is None and passthrough and not plan.extra_pages.numel()
     for i, o in enumerate(pair):
-        mine = memory_span(o)
-        for span, t in pool_spans(snapshot):
-            if not overlaps(mine, span):
-                continue
+        own = (kt, snapshot.values[layer])[i]
+
+        def itself(t: BlockPagedTensor, o: torch.Tensor = o, own: BlockPagedTensor = own) -> bool:
+            # Its own pool, page for page: an import in place (nothing to move).
             p = t.page_pool
-            same = in_place and t is (kt, snapshot.values[layer])[i] and o.data_ptr() == p.data_ptr()
-            if not (same and o.stride() == p.stride()):
-                raise HurrayArgumentError(
-                    f"{field}[{i}]",
-                    f"shares memory with the snapshot's layer {t.layer_index} {t.kv_role} pool, which the import "
-                    "reads; import into other memory (or clone the snapshot first)",
-                )
+            return in_place and t is own and o.data_ptr() == p.data_ptr() and o.stride() == p.stride()
+
+        refuse_pool_overlap(snapshot, o, f"{field}[{i}]", allow=itself)
 
 
 def _layer_pool(t: BlockPagedTensor, plan: FlashAttnPlan) -> torch.Tensor:

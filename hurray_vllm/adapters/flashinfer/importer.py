@@ -12,11 +12,10 @@ from ...kv.paged import BlockPagedTensor
 from ...kv.repage import (
     RepagePlan,
     check_out_pool,
-    memory_span,
     on_device,
     overlaps,
     plan_repage,
-    pool_spans,
+    refuse_pool_overlap,
     repage,
     repage_into,
 )
@@ -423,14 +422,7 @@ def _check_out(
         where = sorted({str(o.device) for o in pools})
         raise HurrayFormatError("out", f"is on {', '.join(where)}, device= asks for {device}")
     for o in pools:
-        mine = memory_span(o)
-        for span, t in pool_spans(snapshot):
-            if overlaps(mine, span):
-                raise HurrayArgumentError(
-                    "out",
-                    f"shares memory with the snapshot's layer {t.layer_index} {t.kv_role} pool, which the import "
-                    "reads; import into other memory (or clone the snapshot first)",
-                )
+        refuse_pool_overlap(snapshot, o, "out")
 
 
 def _arrange(k: torch.Tensor, v: torch.Tensor, kv_layout: str, combined: bool) -> PagedKVCache:
