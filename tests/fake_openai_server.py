@@ -1,6 +1,7 @@
 """A stand-in for a vLLM OpenAI server, for the router's failure paths that real engines cannot be made to take.
 
 Usage: python fake_openai_server.py PORT [--refuse-continuations] [--delay S] [--announce] [--drop-after-finish]
+       [--break-at-context L]
 
 ``/v1/completions`` (token-id prompts, streamed or not, ``return_token_ids``,
 ``stream_options.include_usage``) generates a deterministic "greedy" token
@@ -11,7 +12,9 @@ would have. ``--refuse-continuations`` answers 503 to any request carrying
 ``--announce`` puts ``kv_transfer_params`` in non-streamed answers, as a
 prefill engine running HurrayConnector does. ``--delay S``: each token takes
 S seconds, streamed or not. ``--drop-after-finish``: a stream's connection
-breaks right after its finishing event, before ``[DONE]``. ``/health`` and ``/v1/models``
+breaks right after its finishing event, before ``[DONE]``. ``--break-at-context L``: a
+stream whose prompt is shorter than L tokens breaks off once its context holds L tokens
+(a backend dying at a known token; a continuation from there runs on). ``/health`` and ``/v1/models``
 answer as vLLM's do (``max_model_len`` 4096); ``GET /seen`` lists every completion request's
 ``kv_transfer_params``. Token ``t``'s text is ``" w{t}"``. ``stop`` strings act as vLLM's: the
 request finishes (``"stop"``, ``stop_reason``) at the token whose text completes one, its
@@ -40,6 +43,7 @@ def main() -> None:
     delay = float(sys.argv[sys.argv.index("--delay") + 1]) if "--delay" in sys.argv else 0.01
     announce = "--announce" in sys.argv
     drop = "--drop-after-finish" in sys.argv
+    break_at = int(sys.argv[sys.argv.index("--break-at-context") + 1]) if "--break-at-context" in sys.argv else 0
     app = FastAPI()
 
     seen: list[Any] = []  # every completion request's kv_transfer_params, in order
@@ -83,11 +87,10 @@ def main() -> None:
             toks = tokens()
             for i, t in enumerate(toks):
                 text += f" w{t}"
-                hits = [(text.find(s), s) for s in stops if s and s in text]
-                finish, stop = (None, None) if not hits else ("stop", min(hits)[1])
-                if hits:
-                    at = min(hits)[0]
-                    text = text[: at + (len(stop) if keep_stop else 0)]  # type: ignore[arg-type]
+                hits = [s for s in stops if s and s in text]  # vLLM takes the first in the request's order
+                finish, stop = (None, None) if not hits else ("stop", hits[0])
+                if stop is not None:
+                    text = text[: text.find(stop) + (len(stop) if keep_stop else 0)]
                 elif i == len(toks) - 1:
                     finish = "length"
                 upto = len(text) if finish else max(sent, len(text) - hold)
@@ -124,6 +127,8 @@ def main() -> None:
         async def events() -> Any:
             done = steps()
             for i, (t, text, finish, stop) in enumerate(done):
+                if len(prompt) < break_at == len(prompt) + i:
+                    raise ConnectionResetError("--break-at-context")  # a first leg breaks off here
                 await asyncio.sleep(delay)
                 choice = {"index": 0, "text": text, "token_ids": [t], "finish_reason": finish}
                 if finish is not None:

@@ -18,6 +18,8 @@ from conftest import require
 from fake_openai_server import next_token
 from servers import ROOT, ServerSpec, router_spec, start_servers, stop_servers, stream_completion
 
+BREAK_AT = 52  # the context length at which fake-f and fake-g break off a first leg
+
 
 def _expected(prompt: list[int], n: int) -> list[int]:
     ctx, out = list(prompt), []
@@ -34,7 +36,7 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("router-fakes")
 
     def specs(port: Callable[[], int]) -> list[ServerSpec]:
-        a, b, c, d, e = port(), port(), port(), port(), port()
+        a, b, c, d, e, f, g = port(), port(), port(), port(), port(), port(), port()
         fake = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")]
         urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"]
         return [
@@ -43,14 +45,18 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             ServerSpec("fake-c", [*fake, str(c), "--announce"], c),  # a prefill server
             ServerSpec("fake-d", [*fake, str(d), "--delay", "0.05"], d),  # slow: 20 tokens a second
             ServerSpec("fake-e", [*fake, str(e), "--drop-after-finish"], e),
+            # Either breaks off a first leg once its context holds BREAK_AT tokens; either takes the rest.
+            ServerSpec("fake-f", [*fake, str(f), "--break-at-context", str(BREAK_AT)], f),
+            ServerSpec("fake-g", [*fake, str(g), "--break-at-context", str(BREAK_AT)], g),
             router_spec("router", port(), urls),
             router_spec("pd-router", port(), urls[:1], prefill=[f"http://127.0.0.1:{c}"]),
             router_spec("slow-router", port(), [f"http://127.0.0.1:{d}"]),
             router_spec("dropping-router", port(), [f"http://127.0.0.1:{e}"]),
+            router_spec("breaking-router", port(), [f"http://127.0.0.1:{f}", f"http://127.0.0.1:{g}"]),
         ]
 
     servers = start_servers(specs, tmp / "logs")
-    a, b, c, d, e, router, pd, slow, dropping = servers
+    a, b, c, d, e, _, _, router, pd, slow, dropping, breaking = servers
     try:
         yield {
             "a": a.url,
@@ -62,6 +68,7 @@ def fakes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             "pd": pd.url,
             "slow": slow.url,
             "dropping": dropping.url,
+            "breaking": breaking.url,
         }
     finally:
         stop_servers(servers)
@@ -294,6 +301,46 @@ def test_a_stop_string_ends_the_text_as_vllm_ends_it(fakes: dict[str, str]) -> N
     assert whole["text"] == got["text"] and whole["stop_reason"] == stop
     kept = stream_completion(fakes["router"], {**body, "include_stop_str_in_output": True})
     assert kept["text"] == full[: full.find(stop) + len(stop)]
+
+
+def test_a_stop_string_across_a_switch_ends_the_request_there(fakes: dict[str, str]) -> None:
+    """Each leg's backend matches stop strings over its own text; the router matches one that spans two legs."""
+    import httpx
+
+    prompt = list(range(1, 41))
+    toks = _expected(prompt, 60)
+    at = BREAK_AT - len(prompt)  # the first leg's last token is toks[at - 1], the next leg's first toks[at]
+    full = "".join(f" w{t}" for t in toks)
+    stop = f"w{toks[at - 1]} w{toks[at]}"
+    assert _stops_at(toks, stop) == at  # a stop string across the switch: neither leg's backend sees it
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 60, "stop": ["z" * 30, stop]}
+    got = stream_completion(fakes["breaking"], body)
+    assert got["token_ids"] == toks[: at + 1] and got["finish_reason"] == "stop", got
+    assert got["text"] == full[: full.find(stop)]
+    (last,) = [f for f in httpx.get(fakes["breaking"] + "/hurray/requests?recent=true", timeout=30).json()["recent"]
+               if f["id"] in got["ids"]]  # fmt: skip
+    assert [leg["why"] for leg in last["legs"]] == ["routed", "failover"]
+    whole = _post(fakes["breaking"] + "/v1/completions", body).json()
+    choice = whole["choices"][0]
+    assert choice["text"] == got["text"] and choice["stop_reason"] == stop and choice["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == at + 1  # the tokens the second leg ran on past the stop are not its
+    kept = stream_completion(fakes["breaking"], {**body, "include_stop_str_in_output": True})
+    assert kept["text"] == full[: full.find(stop) + len(stop)] and kept["token_ids"] == toks[: at + 1]
+    # min_tokens past the stop string: vLLM does not match it there, and neither does the router
+    later = _stops_at(toks, stop, min_tokens=at + 2)
+    assert later > at + 1
+    late = stream_completion(fakes["breaking"], {**body, "min_tokens": at + 2})
+    assert late["token_ids"] == toks[: later + 1] and late["finish_reason"] == "stop"
+
+
+def _stops_at(toks: list[int], stop: str, min_tokens: int = 0) -> int:
+    """The token at which vLLM would end ``toks`` at ``stop``: the first past min_tokens whose text completes it."""
+    text = ""
+    for j, t in enumerate(toks):
+        text += f" w{t}"
+        if j + 1 > min_tokens and text.find(stop, len(text) - len(f" w{t}") - len(stop) + 1) != -1:
+            return j
+    return len(toks)
 
 
 def _last_legs(fakes: dict[str, str], got: dict[str, Any]) -> list[dict[str, Any]]:

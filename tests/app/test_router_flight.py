@@ -7,10 +7,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hurray_vllm.app.router.backends import Backend
 from hurray_vllm.app.router.flight import (
     PARSED,
+    Delta,
     Flight,
     RouterError,
     UpstreamError,
@@ -373,3 +376,63 @@ def test_text_offsets_count_on_across_legs() -> None:
     second = _read_leg(f, b, "/v1/completions", [event(7, " de", 0)])
     offsets = [item.logprobs["text_offset"] for kind, item in first + second if kind == "delta"]
     assert offsets == [[0], [3], [5]]
+
+
+def _vllm_stop(pieces: list[str], stops: list[str], keep: bool, min_tokens: int) -> tuple[str, str | None, int]:
+    """What vLLM sends for tokens of text ``pieces`` on one engine: the text, its stop string, the tokens."""
+    text = ""
+    for j, piece in enumerate(pieces):
+        text += piece
+        hit = _match(text, piece, stops) if j + 1 > min_tokens else None
+        if hit is not None:
+            stop, at = hit
+            return text[: at + len(stop) if keep else at], stop, j + 1
+    return text, None, len(pieces)
+
+
+def _match(text: str, new: str, stops: list[str]) -> tuple[str, int] | None:
+    """vLLM's rule: the first stop string, in order, found in the new text and the characters just before it."""
+    for stop in stops:
+        at = text.find(stop, max(0, len(text) - len(new) - len(stop) + 1))
+        if at != -1:
+            return stop, at
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.text("ab ", max_size=3), min_size=1, max_size=24),
+    stops=st.lists(st.text("ab ", min_size=1, max_size=4), min_size=1, max_size=3),
+    keep=st.booleans(),
+    min_tokens=st.integers(0, 4),
+    switches=st.sets(st.integers(1, 23)),
+)
+def test_stop_strings_are_matched_across_legs_as_one_engine_would(
+    pieces: list[str], stops: list[str], keep: bool, min_tokens: int, switches: set[int]
+) -> None:
+    """Legs that each see only their own text end where one engine seeing all of it would, every character once."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    body = {"model": "m", "prompt": [1], "max_tokens": 99, "stop": stops, "include_stop_str_in_output": keep}
+    f = Flight(router, "completion", {**body, "min_tokens": min_tokens})
+    want_text, want_stop, want_tokens = _vllm_stop(pieces, stops, keep, min_tokens)
+    sent, leg_text, got = "", "", None
+    for j, piece in enumerate(pieces):
+        if j in switches:
+            leg_text = ""  # a new leg: its backend matches over its own text only
+        leg_text += piece
+        # The leg's backend matches over its own text (and its own min_tokens: what is left of the request's).
+        own = _match(leg_text, piece, stops) if j + 1 > min_tokens else None
+        finish = "stop" if own is not None else ("length" if j == len(pieces) - 1 else None)
+        text = leg_text[len(leg_text) - len(piece) : own[1] + len(own[0])] if own is not None else piece
+        d = Delta(text, [j], finish, own[0] if own is not None else None, upto=j + 1)
+        stopped = f._release(d)
+        sent += d.text
+        if d.finish_reason is not None:
+            got = (d.finish_reason, d.stop_reason, j + 1, stopped)
+            break
+    assert got is not None
+    assert sent == want_text
+    if want_stop is not None:
+        assert got[:3] == ("stop", want_stop, want_tokens)
+    else:
+        assert got[0] == "length" and got[2] == len(pieces)

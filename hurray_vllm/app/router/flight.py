@@ -95,6 +95,7 @@ class Delta:
     # a backend's parsers split out of the text (``reasoning_content``, ``tool_calls``...).
     extra: dict[str, Any] | None = None
     received: float = 0.0  # time.perf_counter() when the router read it (its latency through the router)
+    upto: int = 0  # the request's generated tokens up to and with this delta's, all legs together
 
 
 @dataclass
@@ -324,7 +325,13 @@ class Flight:
         # tokens are sent, their text never). The legs send all their text, and the router holds it back.
         stops = body.get("stop")
         stops = [stops] if isinstance(stops, str) else [s for s in stops or () if isinstance(s, str)]
-        self._hold = 0 if body.get("include_stop_str_in_output") else max(map(len, stops), default=1) - 1
+        self._stops = [s for s in stops if s]
+        self._keep_stop = bool(body.get("include_stop_str_in_output"))
+        # Each backend matches stop strings over its own leg's text only: one that starts in an earlier leg
+        # is matched here, over the last (longest - 1) characters before the new text (_release).
+        self._tail_len = max(map(len, self._stops), default=1) - 1
+        self._tail = ""
+        self._hold = 0 if self._keep_stop else self._tail_len
         self._held = ""
         self.legs: list[Leg] = []
         self.backend: Backend | None = None
@@ -505,6 +512,7 @@ class Flight:
                 if delta.token_ids:
                     self.generated.extend(delta.token_ids)
                     self._last_token_at = time.monotonic()
+                delta.upto = len(self.generated)
                 q.put_nowait(("delta", delta))
             q.put_nowait(("end", None))
         except asyncio.CancelledError:
@@ -682,13 +690,15 @@ class Flight:
                         pending, self._moving = None, False
                     if delta.finish_reason is not None and phase == "prefill" and self._more_to_decode(delta):
                         delta.finish_reason = None  # the prefill's one token: decoding goes on elsewhere
-                        self._release(delta)
-                        yield delta
-                        continue
+                    stopped = self._release(delta)  # a stop string across legs ends the request here
+                    if stopped:
+                        self._end_leg_at(delta)
                     if delta.finish_reason is not None:
                         self.finish_reason = delta.finish_reason
-                    self._release(delta)
                     yield delta
+                    if stopped:
+                        self.cached_tokens = self.legs[-1].cached_tokens
+                        return
                     continue
                 # The leg ended: finished, interrupted (a move or a failover), or broken.
                 interrupt, self._interrupt = self._interrupt, None
@@ -762,19 +772,61 @@ class Flight:
             if self._interrupt is not None and self._interrupt.done is not None:
                 self._refuse(self._interrupt, 409, f"request {self.id} has finished")
 
-    def _release(self, delta: Delta) -> None:
-        """Hold back the text a stop string may start with, as vLLM would; at the end, strip the stop string."""
-        if not self._hold:
-            return
-        text = self._held + delta.text
+    def _release(self, delta: Delta) -> bool:
+        """Pass ``delta`` on as vLLM would have: stop strings matched across legs, text a stop may start held back.
+
+        vLLM matches each stop string, in the request's order, over the new
+        text and the (stop's length - 1) characters before it, once more
+        tokens than ``min_tokens`` were generated. A leg's backend sees only
+        its own text, so a stop string that starts before a switch is matched
+        here by the same rule. The text then ends before the stop string
+        (after it with ``include_stop_str_in_output``), and the delta
+        finishes with ``"stop"``.
+
+        Returns:
+            True when such a match ends the request at this delta while its
+            leg goes on: the caller ends the leg.
+        """
+        if not self._stops:
+            return False
+        new = delta.text
+        window = self._tail + new
+        unsent = len(self._tail) - len(self._held)  # window[unsent:] is the held text and the new
+        hit = self._stop_in(window, len(new), delta.upto)
+        if hit is not None:
+            stop, at = hit
+            delta.text = window[unsent : at + len(stop) if self._keep_stop else at]
+            ended_here = delta.finish_reason is None
+            delta.finish_reason, delta.stop_reason = "stop", stop
+            self._held = self._tail = ""
+            return ended_here
         if delta.finish_reason is None:
-            cut = max(0, len(text) - self._hold)
-            delta.text, self._held = text[:cut], text[cut:]
-            return
-        stop = delta.stop_reason
-        if delta.finish_reason == "stop" and isinstance(stop, str) and stop and text.endswith(stop):
-            text = text[: -len(stop)]
-        delta.text, self._held = text, ""
+            cut = max(unsent, len(window) - self._hold)
+            delta.text, self._held = window[unsent:cut], window[cut:]
+        else:
+            text, stop = window[unsent:], delta.stop_reason
+            if delta.finish_reason == "stop" and isinstance(stop, str) and stop and text.endswith(stop):
+                text = text if self._keep_stop else text[: -len(stop)]
+            delta.text, self._held = text, ""
+        self._tail = window[max(0, len(window) - self._tail_len) :]
+        return False
+
+    def _stop_in(self, window: str, new: int, upto: int) -> tuple[str, int] | None:
+        """The first of the request's stop strings (in its order) that ends in the last ``new`` characters."""
+        if self.min_tokens and upto <= self.min_tokens:
+            return None
+        for stop in self._stops:
+            at = window.find(stop, max(0, len(window) - new - len(stop) + 1))
+            if at != -1:
+                return stop, at
+        return None
+
+    def _end_leg_at(self, delta: Delta) -> None:
+        """The request ended at ``delta`` (a stop string across legs): its leg's later tokens are not its."""
+        if self._reader is not None:
+            self._reader.cancel()  # it extends generated no more: cancelled at its next await
+        del self.generated[delta.upto :]
+        self.finished = True
 
     def _more_to_decode(self, delta: Delta) -> bool:
         """Whether a prefill leg's end is only the leg's own one-token limit."""
