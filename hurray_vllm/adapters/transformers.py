@@ -40,6 +40,7 @@ import torch
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor, zero_slots_
+from ..kv.repage import check_budget
 from ..kv.snapshot import TARGET_LAYERS, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ..kv.states import RecurrentStates
 from ..wire import dtypes
@@ -293,9 +294,27 @@ def sequence_kv(
     scales = snapshot.kv_scales[layer] if snapshot.kv_scales is not None else (None, None)
     out = []
     for t, scale in ((k_t, scales[0]), (v_t, scales[1])):
-        dense = t.to_dense(seq)[:n]  # [n, H, D]
-        out.append(_dequantize(t, dense, scale, dtype).transpose(0, 1).contiguous())
+        out.append(_dequantize(t, _dense(t, seq, n), scale, dtype).transpose(0, 1).contiguous())
     return out[0], out[1]
+
+
+def _dense(t: BlockPagedTensor, seq: int, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of sequence ``seq``, ``[n, H, D]``, within the import budget.
+
+    A sequence's pages may repeat, so a small file can declare a sequence far
+    longer than its pool: the pages read are counted against
+    :data:`~hurray_vllm.kv.repage.MAX_IMPORT_SLOTS` before any is copied.
+    """
+    pages = t.pages_of(seq)[: -(-n // t.page_size)]
+    if pages.numel() * t.page_size < n:
+        raise HurrayFormatError(
+            "seq_lens.pages",
+            f"layer {t.layer_index} {t.kv_role}: sequence {seq} has {n} tokens but {pages.numel()} pages of "
+            f"{t.page_size}",
+        )
+    check_budget(int(pages.numel()) * t.page_size, f"sequence {seq} of layer {t.layer_index} {t.kv_role}")
+    dense = t.page_pool.index_select(0, pages.to(t.page_pool.device))
+    return dense.reshape(-1, t.num_heads, t.head_dim)[:n]
 
 
 def _tokens_asked(t: BlockPagedTensor, seq: int, length: int | None) -> int:
@@ -317,7 +336,7 @@ def _latent_parts(
     n = _tokens_asked(t, seq, length)
     dtype = dtype or _default_dtype(snapshot, None)
     scale = snapshot.kv_scales[layer][0] if snapshot.kv_scales is not None else None
-    dense = _dequantize(t, t.to_dense(seq)[:n], scale, dtype).transpose(0, 1)  # [1, n, C]
+    dense = _dequantize(t, _dense(t, seq, n), scale, dtype).transpose(0, 1)  # [1, n, C]
     return dense[..., : lat.kv_lora_rank].contiguous(), dense[..., lat.kv_lora_rank :].contiguous()
 
 

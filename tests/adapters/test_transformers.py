@@ -513,3 +513,33 @@ def test_a_config_built_in_code_accepts_its_own_snapshot() -> None:
     other = replace(snap, fingerprint=replace(snap.fingerprint, architecture="mistral"))
     with pytest.raises(hv.HurrayFormatError, match="architecture"):
         tfa.continue_generation(model, other, 0, 1)
+
+
+def test_a_sequence_declaring_more_slots_than_the_budget_is_refused_before_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One page read 64 times is a tiny file that declares a long sequence: counted before it is expanded."""
+    import hurray_vllm.kv.repage as rp
+
+    pages = 64
+    bt, ptr, lens = torch.zeros(pages, dtype=torch.int64), torch.tensor([0, pages]), torch.tensor([4 * pages])
+    snap = hv.KVSnapshot(
+        keys=(hv.BlockPagedTensor(torch.randn(1, 4, 1, 8), bt, ptr, lens, "key", 0),),
+        values=(hv.BlockPagedTensor(torch.randn(1, 4, 1, 8), bt, ptr, lens, "value", 0),),
+    )
+    monkeypatch.setattr(rp, "MAX_IMPORT_SLOTS", 100)
+    with pytest.raises(hv.HurrayFormatError, match="MAX_IMPORT_SLOTS"):
+        tfa.to_dynamic_cache(snap, 0)  # 256 token slots
+    k, _ = tfa.sequence_kv(snap, 0, 0, length=100)  # the pages of 100 tokens: 100 slots
+    assert k.shape == (1, 100, 8)
+    monkeypatch.setattr(rp, "MAX_IMPORT_SLOTS", 1 << 28)
+    k, _ = tfa.sequence_kv(snap, 0, 0)
+    assert k.shape == (1, 4 * pages, 8) and torch.equal(k[0, 4:8], k[0, :4])
+
+
+def test_a_sequence_longer_than_its_pages_is_refused() -> None:
+    t = hv.BlockPagedTensor(torch.randn(2, 4, 1, 8), torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([10]))
+    snap = hv.KVSnapshot(keys=(t,), values=(hv.BlockPagedTensor(t.page_pool, t.block_table, t.seq_ptr, t.seq_lens),))
+    with pytest.raises(hv.HurrayFormatError) as err:
+        tfa.sequence_kv(snap, 0, 0)
+    assert err.value.field == "seq_lens.pages"
