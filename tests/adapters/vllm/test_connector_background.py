@@ -171,7 +171,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
     c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
     c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
-    c._unpushed = conn.OrderedDict()
+    c._unpushed, c._push_backoff, c._closing, c._last_ec = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False, None
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
@@ -338,6 +338,50 @@ def test_chunks_stored_while_pushing_paused_are_pushed_when_it_resumes(  # type:
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks[2:]))
     assert c.flush(timeout=30)
     assert sender.pushed == [t.key for t in tasks]  # the held-back ones first: no hole in the prefix
+
+
+def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A request that finished while pushing was paused gets its chunks pushed all the same, once the pause ends."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    c._writer = conn._Writer(1 << 30, on_idle=c._push_held_back, idle_s=0.05)
+    tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [2 * i + 1, 2 * i + 2]) for i in range(2)]
+    sender.fail = True
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))  # the push fails: both stored, none pushed
+    assert c.flush(timeout=30) and c.stats.push_failures == 1 and sender.pushed == []
+    time.sleep(0.3)
+    assert sender.sends == 1  # still paused: the idle writer does not try
+    sender.fail, c._push_paused_until = False, 0.0  # the destination is back, the pause is over
+    deadline = time.monotonic() + 10
+    while sender.pushed != [t.key for t in tasks] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sender.pushed == [t.key for t in tasks] and not c._unpushed  # no further save was needed
+    c.shutdown()
+
+
+def test_pushes_failing_in_a_row_pause_longer_and_longer(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A destination that stays dead costs one attempt per pause, each pause twice the last, up to a cap."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = False
+    sender.fail = True
+    pauses = []
+    for i in range(7):
+        c._push_paused_until = 0.0  # as if the pause were over
+        t0 = time.monotonic()
+        c.wait_for_save(
+            meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2])])
+        )
+        pauses.append(round(c._push_paused_until - t0))
+    assert pauses == [10, 20, 40, 80, 160, 160, 160] and c.stats.push_failures == 7
+    sender.fail, c._push_paused_until = False, 0.0
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "ee" * 8, list(range(8)), [1, 2])]))
+    assert c._push_backoff == conn.PUSH_BACKOFF_S  # a push that went through: the next failure pauses 10 s again
 
 
 def test_loaded_chunks_are_pushed_on_only_where_the_destination_lacks_them(  # type: ignore[no-untyped-def]

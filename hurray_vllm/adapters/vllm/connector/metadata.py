@@ -125,7 +125,7 @@ class ConnectorStats:
     chunks_remembered: int = 0  # loads served by chunks verified earlier in this process (files not read again)
     chunks_quarantined: int = 0  # damaged chunk files moved aside (<key>.hrry.bad), so that they are written again
     chunks_pushed: int = 0  # worker: chunks the hurray_url receiver acknowledged
-    push_failures: int = 0  # worker: pushes that failed (each pauses pushing for PUSH_BACKOFF_S)
+    push_failures: int = 0  # worker: pushes that failed (each pauses pushing: PUSH_BACKOFF_S, doubling in a row)
     chunks_forwarded: int = 0  # worker: of chunks_pushed, files pushed on from the store (loaded, or saved earlier)
     chunks_held: int = 0  # worker: files not pushed on because the receiver said it holds them already
     push_waits: int = 0  # scheduler: requests held back until the chunks their kv_transfer_params announced arrived

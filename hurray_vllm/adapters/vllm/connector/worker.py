@@ -68,8 +68,18 @@ class _Writer:
     every job submitted so far has finished.
     """
 
-    def __init__(self, max_bytes: int, on_full: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        on_full: Callable[[], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
+        idle_s: float = 1.0,
+    ) -> None:
         self._on_full = on_full  # called when a submit must wait: the job running should hurry
+        # Called on the thread after ``idle_s`` seconds without a job (then every ``idle_s``), as a job:
+        # work that waits for no step (pushing on what a failed push held back) runs when nothing else does.
+        self._on_idle = on_idle
+        self._idle_s = idle_s
         self._jobs: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
@@ -96,7 +106,13 @@ class _Writer:
 
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
+            try:
+                item = self._jobs.get(timeout=self._idle_s if self._on_idle is not None else None)
+            except queue.Empty:
+                assert self._on_idle is not None
+                with self._cond:
+                    self._pending += 1  # flush() waits for it as for a submitted job
+                item = (self._on_idle, 0)
             if item is None:
                 return
             job, nbytes = item
@@ -202,8 +218,9 @@ def _task_states(ec: EngineCache, task: SaveTask, gathered: _Gathered | None = N
 #: pushed), and its linear-attention states.
 _Item = tuple[SaveTask, list[int] | None, RecurrentStates | None]
 #: After a push fails, how long saves go on without pushing: a dead destination costs one timeout,
-#: not one per save.
+#: not one per save. Each failure in a row doubles it, up to :data:`PUSH_BACKOFF_MAX_S`.
 PUSH_BACKOFF_S = 10.0
+PUSH_BACKOFF_MAX_S = 160.0
 #: At shutdown, how long pending pushes may go on before the writer only stores.
 SHUTDOWN_PUSH_GRACE_S = 5.0
 #: After a receiver could not say which chunks it holds (older than the query), how long none is asked.
@@ -261,13 +278,16 @@ class HurrayWorker:
         self._failed: set[str] = set()
         self._pushed: OrderedDict[str, None] = OrderedDict()  # keys pushed, the most recent last
         self._push_paused_until = 0.0  # monotonic time: after a failed push, none is tried until then
+        self._push_backoff = PUSH_BACKOFF_S  # the next pause: doubled by each failure in a row
+        self._closing = False  # shutting down: nothing held back is pushed any more
+        self._last_ec: EngineCache | None = None  # the engine cache of the last save (for pushes from the store)
         # Chunks stored while pushing failed or paused, the oldest first: pushed (if the receiver lacks
         # them) before the next delivery's, so that one failure does not leave a hole for good.
         self._unpushed: OrderedDict[str, None] = OrderedDict()
         self._ask_paused_until = 0.0  # ... after a receiver could not say which chunks it holds, none is asked
         # A step that would wait for the writer first cuts short the push it may be blocked on: the
         # step waits for the local disk, never for the network.
-        self._writer = _Writer(config.save_queue_bytes, on_full=self._abort_push)
+        self._writer = _Writer(config.save_queue_bytes, on_full=self._abort_push, on_idle=self._push_held_back)
         _WRITERS.add(self._writer)
         self._staging = _Staging()
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
@@ -659,17 +679,31 @@ class HurrayWorker:
             self._sender.send(self._url, self._stored(ec, caches, rest, push=True, forward=forward), keys=self._keys)
         except Exception as exc:  # a channel's unforeseen error too: the rest must still be stored here
             self.stats.push_failures += 1
-            self._push_paused_until = max(self._push_paused_until, time.monotonic() + PUSH_BACKOFF_S)
+            pause, self._push_backoff = self._push_backoff, min(2 * self._push_backoff, PUSH_BACKOFF_MAX_S)
+            self._push_paused_until = max(self._push_paused_until, time.monotonic() + pause)
             log.warning(
                 "hurray: could not push chunks to %s (%s); not pushing for %.0f s, the destination recomputes them",
                 self._url,
                 exc,
-                PUSH_BACKOFF_S,
+                pause,
                 exc_info=not isinstance(exc, (OSError, HurrayFormatError)),
             )
             for _ in self._stored(ec, caches, rest, push=False):
                 pass
             self._remember_unpushed(items)
+        else:
+            self._push_backoff = PUSH_BACKOFF_S
+
+    def _push_held_back(self) -> None:
+        """The writer is idle: push on the chunks a failed push held back, once the pause is over.
+
+        Runs on the background writer, as a job of its own: without it they
+        would wait for the next delivery, which a finished request never has.
+        What it may block on: the network, as any push on the writer.
+        """
+        ec = self._last_ec
+        if self._unpushed and ec is not None and not self._closing and time.monotonic() >= self._push_paused_until:
+            self._deliver(ec, [], [])
 
     def _remember_unpushed(self, items: list[_Item]) -> None:
         """Remember the items not pushed (the most recent :data:`_UNPUSHED_KEYS`), to push on later."""
@@ -855,6 +889,7 @@ class HurrayWorker:
         ``hurray_url`` a stored one still goes to the writer, which pushes it
         if this worker has not yet (pushes keep the order of the steps).
         """
+        self._last_ec = ec
         todo: list[SaveTask] = []
         order: list[SaveTask | None] = []  # the writer's items in order: a task to export, or None
         stored: list[SaveTask] = []  # ... whose None is this task, stored already: only pushed
@@ -996,6 +1031,7 @@ class HurrayWorker:
 
     def shutdown(self) -> None:
         """Finish the background saves (up to a minute); pushes get :data:`SHUTDOWN_PUSH_GRACE_S` of it."""
+        self._closing = True
         if not self._writer.flush(timeout=SHUTDOWN_PUSH_GRACE_S):
             # A push still waiting (a hung destination) must not keep the local writes from the disk.
             self._push_paused_until = float("inf")
