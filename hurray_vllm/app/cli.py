@@ -29,7 +29,7 @@ from ..containers.schema import Node, Record, index_tables
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..progress import progress
 from ..transport import CHANNELS
-from ..transport.base import parse_listen
+from ..transport.base import host_port, parse_listen
 from ..wire import dtypes
 from ..wire.descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor
 
@@ -363,7 +363,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a limit out of range
         raise HurrayArgumentError("receive", str(exc)) from None
     if not args.quiet:
-        where = f"{receiver.address[0]}:{receiver.address[1]}"
+        where = host_port(receiver.address[0], receiver.address[1])
         channel = "tls" if "tls" in limits else args.transport
         print(f"receiving KV chunks ({channel}) on {where} into {args.dir}", flush=True)
 
@@ -409,12 +409,13 @@ def _size(text: str) -> int:
     return int(n)
 
 
-#: The largest page a conversion repages to: far above any engine's, far below an allocation that cannot succeed.
-_MAX_PAGE_SIZE = 1 << 20
+#: The largest page a conversion repages to: far above any engine's (vLLM's largest block is 256 tokens), and
+#: small enough that repaging a short sequence into one such page stays a modest allocation.
+_MAX_PAGE_SIZE = 1 << 16
 
 
 def _page_size(text: str) -> int:
-    """A page size in tokens, ``1 .. 2^20``."""
+    """A page size in tokens, ``1 .. 2^16``."""
     try:
         n = int(text)
     except ValueError:
@@ -422,6 +423,13 @@ def _page_size(text: str) -> int:
     if not 1 <= n <= _MAX_PAGE_SIZE:
         raise argparse.ArgumentTypeError(f"not a page size: {text!r} (a number of tokens, 1 to {_MAX_PAGE_SIZE})")
     return n
+
+
+def _output_path(text: str) -> str:
+    """A file to write: ``-`` would be a file named ``-``, where a user means standard output (not offered)."""
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' (standard output) is not supported: name the file to write")
+    return text
 
 
 def _seconds(text: str) -> float:
@@ -608,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Example: hurray-vllm convert snapshot.hrrs snapshot.safetensors --page-size 256",
     )
     s.add_argument("input")
-    s.add_argument("output")
+    s.add_argument("output", type=_output_path, help="the file to write (a path: not '-', standard output)")
     s.add_argument("--to", choices=["hrry", "stream", "safetensors"], help="output format (default: from the suffix)")
     s.add_argument("--page-size", type=_page_size, help="repage to pages of this many tokens on the way")
     s.add_argument("--permissive", action="store_true", help="carry over descriptors with waivable violations")

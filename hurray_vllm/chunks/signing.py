@@ -58,6 +58,7 @@ __all__ = [
     "MAC_KEY",
     "MAC_SCHEME",
     "MIN_KEY_BYTES",
+    "MAX_KEY_FILE_BYTES",
     "BAD_MAC",
     "OTHER_KEY",
     "UNSIGNED",
@@ -75,6 +76,8 @@ MAC_SCHEME = "poly1305-hs256/v1"
 #: The environment variable naming key files (``os.pathsep``-separated; the first signs).
 KEY_FILE_ENV = "HURRAY_VLLM_KEY_FILE"
 MIN_KEY_BYTES = 32
+#: The largest key file read: a secret and its whitespace (a base64 line of a 32-byte key is 45 bytes).
+MAX_KEY_FILE_BYTES = 4096
 #: The ``field`` of a refusal: the chunk carries no MAC.
 UNSIGNED = "snapshot.mac.unsigned"
 #: ... it is signed with a key the consumer does not hold (another fleet, a retired key): not damage.
@@ -172,7 +175,13 @@ def _read_key_file(path: Path) -> bytes:
                 f"{path} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
                 f"run chmod 600 {path}",
             )
-        secret = path.read_bytes().strip()
+        with open(path, "rb") as f:
+            secret = f.read(MAX_KEY_FILE_BYTES + 1)  # a key, not whatever large file was named
+        if len(secret) > MAX_KEY_FILE_BYTES:
+            raise HurrayArgumentError(
+                "hurray_key_file", f"{path} is larger than {MAX_KEY_FILE_BYTES} bytes: not a key file"
+            )
+        secret = secret.strip()
     except OSError as exc:
         raise HurrayArgumentError("hurray_key_file", f"cannot read key file {path}: {exc.strerror or exc}") from None
     if len(secret) < MIN_KEY_BYTES:

@@ -68,6 +68,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_IDLE_TIMEOUT_S",
+    "host_port",
     "parse_address",
     "parse_listen",
     "recv_exact",
@@ -129,11 +130,25 @@ def parse_address(url: str, scheme: str) -> tuple[str, int]:
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    """A receiver's ``HOST:PORT`` (``:PORT``: 127.0.0.1; port 0 picks a free one); :class:`HurrayFormatError`."""
+    """A receiver's ``HOST:PORT`` (``:PORT``: 127.0.0.1; port 0 picks a free one); :class:`HurrayFormatError`.
+
+    An IPv6 address goes in brackets, as in a URL: ``[::1]:9000`` is ``("::1", 9000)``.
+    """
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise HurrayFormatError("hurray_listen", f"expected HOST:PORT with a port 0-65535, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if ":" not in host:
+            raise HurrayFormatError("hurray_listen", f"brackets hold an IPv6 address, got {text!r}")
+    elif ":" in host:
+        raise HurrayFormatError("hurray_listen", f"write an IPv6 address in brackets, [{host}]:{port}, got {text!r}")
     return host or "127.0.0.1", int(port)
+
+
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT`` as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -509,7 +524,8 @@ class ReceiverBase(abc.ABC):
         self._disk = threading.Lock()  # the store's measured bytes and the bytes promised to chunks in flight
         self._used: tuple[float, int] | None = None  # (when measured, bytes)
         self._promised = 0
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # parse_listen took an IPv6 one's brackets off
+        self._sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()

@@ -174,11 +174,16 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--health-interval", "nan"],
         ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--stream-timeout", "-1"],
         ["migrate", "--from", "notaurl", "--to", "http://b:1", "--prompt-ids", "1", *TOKENS],
+        ["receive", "--listen", "::1:0", "--dir", "{dir}"],
+        ["convert", "{file}", "-"],
+        ["convert", "{file}", "{dir}/out.hrrs", "--page-size", "131072"],
+        ["receive", "--listen", "[localhost]:0", "--dir", "{dir}"],
     ],
     ids=[
         "size inf", "size 1e400", "size negative", "page 2^40", "page 0", "listen no port", "listen port range",
         "quota not a size", "backend not http", "unknown policy", "timeout nan", "idle inf", "health nan",
-        "stream timeout negative", "migrate not a url",
+        "stream timeout negative", "migrate not a url", "listen ipv6 bare", "convert to stdout", "page 2^17",
+        "listen brackets not ipv6",
     ],
 )  # fmt: skip
 def test_bad_options_are_refused_before_anything_runs(

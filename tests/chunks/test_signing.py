@@ -138,6 +138,8 @@ def test_key_files_are_checked_like_ssh_keys(tmp_path: Path, monkeypatch: pytest
         load_keys(_key_file(tmp_path / "short.key", b"k" * 31 + b"   "))
     with pytest.raises(hv.HurrayArgumentError, match="cannot read"):
         load_keys(tmp_path / "missing.key")
+    with pytest.raises(hv.HurrayArgumentError, match="not a key file"):  # read no further than a key's size
+        load_keys(_key_file(tmp_path / "huge.key", b"k" * 5000))
     old = _key_file(tmp_path / "old.key", b"o" * 32)
     assert load_keys(f"{good}{os.pathsep}{old}") == load_keys([good, old])
     assert len(load_keys([good, old]).ids) == 2  # type: ignore[union-attr]

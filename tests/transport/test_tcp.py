@@ -76,6 +76,30 @@ def test_a_store_that_fails_unexpectedly_still_gets_an_answer(tmp_path: Path) ->
         send_chunks(_url(r), [], timeout=10)  # and it still accepts connections
 
 
+def test_an_ipv6_listen_address_goes_in_brackets_as_in_a_url(tmp_path: Path) -> None:
+    from hurray_vllm.transport.base import host_port, parse_listen
+
+    assert parse_listen("[::1]:0") == ("::1", 0) and parse_listen(":7") == ("127.0.0.1", 7)
+    assert host_port("::1", 9) == "[::1]:9" and host_port("10.0.0.5", 9) == "10.0.0.5:9"
+    for bad in ("::1:0", "[10.0.0.5]:1"):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            parse_listen(bad)
+        assert err.value.field == "hurray_listen"
+    try:  # a host without IPv6 loopback cannot take the rest
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return
+    snap = spec_example_snapshot()
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    receiver = Receiver(*parse_listen("[::1]:0"), DirectoryStore(tmp_path)).start()
+    try:
+        send_chunks(f"tcp://{host_port(*receiver.address)}", [(namespace_of(chunk.fingerprint), key, chunk)])
+        assert DirectoryStore(tmp_path).has(namespace_of(chunk.fingerprint), key)
+    finally:
+        receiver.stop()
+
+
 def test_an_idle_connection_is_closed_after_idle_timeout(receiver: Receiver) -> None:
     with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
         t0 = time.monotonic()
