@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .containers.check import validate
 from .containers.io import detect_format, load, read_stream, save, write_stream
-from .errors import HurrayArgumentError, HurrayFormatError, Violation
+from .errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, Violation
 from .kv.paged import BlockPagedTensor, SharingStats
 from .kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
 from .kv.states import RecurrentStates
@@ -26,6 +26,7 @@ __all__ = [
     "Checked",
     "HurrayArgumentError",
     "HurrayFormatError",
+    "ImportArgumentError",
     "KVSnapshot",
     "LatentSplit",
     "SlidingWindows",

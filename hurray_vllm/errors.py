@@ -4,10 +4,22 @@
   chunk or snapshot that is malformed, truncated, inconsistent, unsupported or
   does not fit the model). A consumer may refuse or quarantine such data.
 * :class:`HurrayArgumentError`: the *caller* is wrong (a kernel argument, a
-  configuration value, an option out of range). Nothing about the data is
+  configuration value, an option out of range, an importer's ``layer``,
+  ``page_size``, ``dtype=``, ``plan`` or ``out=``). Nothing about the data is
   implied: never quarantine a chunk because of one.
 
 Both are ``ValueError`` subclasses with a ``.field`` naming what is wrong.
+
+Compatibility: the importers (flash-attn, FlashInfer, FlashMLA and
+:mod:`hurray_vllm.kv.repage`) raised :class:`HurrayFormatError` for some
+caller errors in 0.1 (a ``plan`` made for another snapshot, ``out=`` caches
+that do not fit, a ``dtype=`` the kernel does not take). They now raise
+:class:`ImportArgumentError`, a :class:`HurrayArgumentError` that is also a
+:class:`HurrayFormatError` so that ``except HurrayFormatError`` written
+against 0.1 still catches them. That second base goes away in 0.3: catch
+:class:`HurrayArgumentError` for these. Code that tells the two apart must
+test :class:`HurrayArgumentError` first (``isinstance(exc, HurrayFormatError)
+and not isinstance(exc, HurrayArgumentError)`` is a data error).
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["HurrayArgumentError", "HurrayFormatError", "Violation"]
+__all__ = ["HurrayArgumentError", "HurrayFormatError", "ImportArgumentError", "Violation"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +96,37 @@ class HurrayArgumentError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+class ImportArgumentError(HurrayArgumentError, HurrayFormatError):
+    """A caller error an importer reports: fix the call, not the data; catch :class:`HurrayArgumentError`.
+
+    Raised for an importer's arguments that do not fit the snapshot: a
+    ``layer`` out of range, a ``plan`` made for another snapshot (or other
+    options), ``out=`` caches of the wrong count, kind, shape, size, dtype or
+    device, a ``dtype=`` the kernel does not take, a non-positive target
+    ``page_size``.
+
+    It is *also* a :class:`HurrayFormatError` only for compatibility with
+    callers written against 0.1, where these were format errors; it stops
+    being one in 0.3. Nothing about the data is implied: code that
+    quarantines data must exclude :class:`HurrayArgumentError` first.
+
+    Attributes:
+        field: the argument the error is about (``"out"``, ``"out[1][0]"``,
+            ``"plan"``, ``"dtype"``, ``"layer"``).
+        violations: one entry (``field``, the message), as a
+            :class:`HurrayFormatError` from outside validation has.
+
+    Example:
+        >>> err = ImportArgumentError("plan", "the plan was made for another snapshot")
+        >>> isinstance(err, HurrayArgumentError), isinstance(err, HurrayFormatError), err.field
+        (True, True, 'plan')
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        # Both bases' __init__ call super().__init__ with their own signatures,
+        # so neither can run inside this MRO: set what each promises here.
+        self.field = field
+        self.violations: tuple[Violation, ...] = (Violation(field, message),)
+        ValueError.__init__(self, f"{field}: {message}")

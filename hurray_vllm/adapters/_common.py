@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayFormatError, ImportArgumentError
 from ..kv.repage import check_budget
 from ..kv.snapshot import KVSnapshot
 
@@ -30,10 +30,11 @@ def check_layer(snapshot: KVSnapshot, layer: int) -> None:
             ``0 <= layer < snapshot.num_layers``.
 
     Raises:
-        HurrayFormatError: with ``field="layer"`` when it is out of range.
+        ImportArgumentError: with ``field="layer"`` when it is out of range
+            (the caller's index, not the data: a :class:`HurrayArgumentError`).
     """
     if not 0 <= layer < snapshot.num_layers:
-        raise HurrayFormatError("layer", f"layer {layer} is outside the snapshot's {snapshot.num_layers} layers")
+        raise ImportArgumentError("layer", f"layer {layer} is outside the snapshot's {snapshot.num_layers} layers")
 
 
 def check_one_structure(snapshot: KVSnapshot, what: str) -> None:

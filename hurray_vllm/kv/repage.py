@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import HurrayArgumentError, HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..wire.descriptor import PerBlockAffine
 from .paged import BlockPagedTensor
 from .snapshot import KVSnapshot
@@ -121,9 +121,15 @@ def plan_repage(
     src_page_size: int,
     page_size: int,
 ) -> RepagePlan:
-    """Plan moving a batch from pages of ``src_page_size`` to pages of ``page_size``."""
+    """Plan moving a batch from pages of ``src_page_size`` to pages of ``page_size``.
+
+    Raises:
+        ImportArgumentError: ``page_size`` is not positive (the caller's target).
+        HurrayFormatError: the block structure is inconsistent (``seq_ptr``,
+            ``seq_lens.pages``) or declares more than :data:`MAX_IMPORT_SLOTS` slots.
+    """
     if page_size <= 0:
-        raise HurrayFormatError("page_size", f"target page size must be positive, got {page_size}")
+        raise ImportArgumentError("page_size", f"target page size must be positive, got {page_size}")
     dev = block_table.device
     seq_lens = seq_lens.to(dev)
     seq_ptr = seq_ptr.to(dev)
@@ -302,17 +308,22 @@ def refuse_pool_overlap(
 
 
 def check_out_pool(out: torch.Tensor, pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, field: str) -> None:
-    """Refuse an ``out=`` pool that cannot take ``pages`` pages of ``page_shape`` and ``dtype``."""
+    """Refuse an ``out=`` pool that cannot take ``pages`` pages of ``page_shape`` and ``dtype``.
+
+    Raises:
+        ImportArgumentError: naming ``field``: not a tensor, or the wrong
+            shape, page count or dtype (the caller's cache, not the data).
+    """
     if not isinstance(out, torch.Tensor):
-        raise HurrayFormatError(field, f"must be a torch.Tensor, got {type(out).__name__}")
+        raise ImportArgumentError(field, f"must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape[1:]) != page_shape or out.dim() != len(page_shape) + 1:
-        raise HurrayFormatError(
+        raise ImportArgumentError(
             field, f"must have shape [num_pages, {', '.join(map(str, page_shape))}], got {list(out.shape)}"
         )
     if out.shape[0] < pages:
-        raise HurrayFormatError(field, f"has {out.shape[0]} pages, the import needs {pages}; allocate a larger pool")
+        raise ImportArgumentError(field, f"has {out.shape[0]} pages, the import needs {pages}; allocate a larger pool")
     if out.dtype != dtype:
-        raise HurrayFormatError(field, f"is {out.dtype}, the import produces {dtype}; pass dtype= or another pool")
+        raise ImportArgumentError(field, f"is {out.dtype}, the import produces {dtype}; pass dtype= or another pool")
 
 
 def repage_into(t: BlockPagedTensor, plan: RepagePlan | None, out: torch.Tensor) -> None:
@@ -349,12 +360,20 @@ def repage(
     the result's ``page_pool`` views, and the rest of ``out`` is left
     untouched. Importing into memory that is already mapped (an engine's
     cache, a pool reused across imports) avoids faulting in a new pool.
+
+    Raises:
+        HurrayFormatError: ``t`` carries no ``seq_lens``, or its block
+            structure is inconsistent (see :func:`plan_repage`).
+        ImportArgumentError: ``plan`` is for other sequences or another page
+            size, ``page_size`` is not positive, or ``out`` does not fit
+            (see :func:`check_out_pool`).
+        HurrayArgumentError: ``out`` shares memory with ``t``'s pool.
     """
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
     plan = plan or plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
     if plan.page_size != page_size or plan.seq_ptr.numel() != t.seq_ptr.numel():
-        raise HurrayFormatError(
+        raise ImportArgumentError(
             "plan",
             f"the plan repages {plan.seq_ptr.numel() - 1} sequences to {plan.page_size}, "
             f"not {t.num_seqs} to {page_size}",

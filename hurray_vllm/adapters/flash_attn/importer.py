@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...errors import HurrayArgumentError, HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ...kv.paged import BlockPagedTensor
 from ...kv.repage import (
     RepagePlan,
@@ -161,6 +161,14 @@ def plan_flash_attn(
     Returns:
         The :class:`FlashAttnPlan`.
 
+    Raises:
+        HurrayArgumentError: ``page_size`` the flavor refuses, an unknown
+            ``flavor``, a negative ``reserve``.
+        HurrayFormatError: the snapshot's data: no layers, sequences or
+            ``seq_lens``, MLA latents, dropped sliding-window pages or
+            linear-attention states, an inconsistent block table, more pages
+            or tokens than int32 indices hold.
+
     Notes:
         The block table is padded with page 0 (the plan makes sure a page 0
         exists). flash-attn only dereferences entries that cover
@@ -256,6 +264,21 @@ def to_flash_attn(
         ``reserve=0`` and nothing to repage, convert or move, the caches are the
         snapshot's own pools (no copy); else fresh tensors.
 
+    Raises:
+        ImportArgumentError: a :class:`HurrayArgumentError` (and, until 0.3,
+            a :class:`HurrayFormatError`) for the call: ``layer`` out of
+            range, a ``plan`` made for another snapshot or disagreeing with
+            ``page_size``/``flavor``/``reserve``, a ``dtype`` the flavor does
+            not take (or none where the stored dtype needs one), ``out`` that
+            is not a pair of tensors or has the wrong shape, pages, dtype or
+            device.
+        HurrayArgumentError: the options of :func:`plan_flash_attn`; ``out``
+            whose caches share memory with each other or with the snapshot's
+            pools, or lack a contiguous last dimension.
+        HurrayFormatError: the snapshot's data (see :func:`plan_flash_attn`),
+            a Hurray-quantized or non-float pool, a ``head_dim`` the flavor
+            refuses.
+
     Example:
         Import layer 0 with room for 16 decoded tokens, check the call as
         flash-attn would, and attend with the pure-PyTorch reference (on a
@@ -325,9 +348,16 @@ def to_flash_attn_all(
     The layers share one ``block_table`` and one ``cache_seqlens`` tensor.
     ``out``, when given, holds one preallocated ``(k_cache, v_cache)`` pair
     per layer (see :func:`to_flash_attn`).
+
+    Raises:
+        ImportArgumentError: ``out`` without one pair per layer, or any
+            error :func:`to_flash_attn` reports as one, before anything is
+            written.
+        HurrayArgumentError: as for :func:`to_flash_attn`.
+        HurrayFormatError: as for :func:`to_flash_attn`.
     """
     if out is not None and len(out) != snapshot.num_layers:
-        raise HurrayFormatError("out", f"has {len(out)} cache pairs for {snapshot.num_layers} layers")
+        raise ImportArgumentError("out", f"has {len(out)} cache pairs for {snapshot.num_layers} layers")
     plan = plan_flash_attn(snapshot, page_size=page_size, flavor=flavor, reserve=reserve)
     dev = torch.device(device) if device is not None else None
     if out is not None:
@@ -361,7 +391,7 @@ def _resolve_plan(
     asked = {"page_size": page_size, "flavor": flavor, "reserve": reserve}
     for name, value in asked.items():
         if value is not None and value != getattr(plan, name):
-            raise HurrayFormatError(
+            raise ImportArgumentError(
                 "plan", f"the plan has {name}={getattr(plan, name)!r} but {value!r} was asked; drop one of them"
             )
     k0 = snapshot.keys[0] if snapshot.keys else None
@@ -378,7 +408,7 @@ def _resolve_plan(
             and not torch.equal(plan.src_block_table.to(k0.block_table.device), k0.block_table)
         )
     ):
-        raise HurrayFormatError("plan", "the plan was made for another snapshot; call plan_flash_attn on this one")
+        raise ImportArgumentError("plan", "the plan was made for another snapshot; call plan_flash_attn on this one")
     return plan
 
 
@@ -398,14 +428,15 @@ def _target_dtype(t: BlockPagedTensor, lim: FlavorLimits, dtype: torch.dtype | N
             return src, True
         if src in _FP8:
             return torch.bfloat16, False
-        raise HurrayFormatError(
+        # The stored dtype is valid data; the call needs a dtype= the kernel takes.
+        raise ImportArgumentError(
             "dtype", f"{lim.kernel} does not take {src} caches; pass dtype=torch.bfloat16 or torch.float16"
         )
     if dtype not in lim.dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in lim.dtypes)
-        raise HurrayFormatError("dtype", f"{lim.kernel} takes {names}, not {dtype}")
+        raise ImportArgumentError("dtype", f"{lim.kernel} takes {names}, not {dtype}")
     if dtype in _FP8 and src != dtype:
-        raise HurrayFormatError(
+        raise ImportArgumentError(
             "dtype", f"cannot quantize a {src} pool to {dtype} here; import fp8 pools only as stored"
         )
     return dtype, src == dtype
@@ -423,9 +454,9 @@ def _check_out(
 ) -> None:
     """Refuse a ``(k_cache, v_cache)`` pair for ``layer`` before anything is written into it."""
     if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(o, torch.Tensor) for o in pair):
-        raise HurrayFormatError(field, "must be a (k_cache, v_cache) pair of tensors")
+        raise ImportArgumentError(field, "must be a (k_cache, v_cache) pair of tensors")
     if device is not None and not all(on_device(o, device) for o in pair):
-        raise HurrayFormatError(field, f"is on {pair[0].device}/{pair[1].device}, device= asks for {device}")
+        raise ImportArgumentError(field, f"is on {pair[0].device}/{pair[1].device}, device= asks for {device}")
     kt = snapshot.keys[layer]
     for i, o in enumerate(pair):
         check_out_pool(o, plan.num_blocks, (plan.page_size, kt.num_heads, kt.head_dim), dtype, f"{field}[{i}]")

@@ -61,9 +61,12 @@ def to_flash_mla(
         A :class:`FlashMLACache`.
 
     Raises:
-        HurrayFormatError: the snapshot holds keys and values, has no lengths, or
-            does not fit int32 indices.
+        HurrayFormatError: the snapshot holds keys and values, has no lengths or
+            sequences, has an inconsistent block structure, or does not fit
+            int32 indices.
         HurrayArgumentError: ``page_size`` or ``reserve`` out of range.
+        ImportArgumentError: ``layer`` is out of range (a
+            :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
 
     Example:
         >>> from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit

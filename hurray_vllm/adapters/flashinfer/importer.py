@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...errors import HurrayArgumentError, HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ...kv.paged import BlockPagedTensor
 from ...kv.repage import (
     RepagePlan,
@@ -35,6 +35,12 @@ def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     (nothing to repage). Pass the result to :func:`to_flashinfer` as
     ``plan=`` for each layer so the plan is computed once per batch
     (:func:`to_flashinfer_all` does).
+
+    Raises:
+        ImportArgumentError: ``page_size`` is not positive.
+        HurrayFormatError: the snapshot's data: no layers or ``seq_lens``,
+            MLA latents, dropped sliding-window pages or linear-attention
+            states, an inconsistent block structure.
     """
     snapshot.require_kv("FlashInfer's paged K/V cache")
     check_one_structure(snapshot, "FlashInfer's paged K/V cache")
@@ -86,12 +92,16 @@ def to_flashinfer_all(
         from one :func:`plan_flashinfer` plan.
 
     Raises:
-        HurrayArgumentError: ``kv_layout`` or ``page_size`` out of range.
-        HurrayFormatError: the snapshot does not fit, or ``out`` does not
-            hold one cache per layer.
+        HurrayArgumentError: ``kv_layout`` or ``page_size`` out of range,
+            and the ``out`` errors of :func:`to_flashinfer`.
+        ImportArgumentError: ``out`` does not hold one cache per layer, or
+            any error :func:`to_flashinfer` reports as one, before anything is
+            written.
+        HurrayFormatError: the snapshot's data does not fit (see
+            :func:`to_flashinfer`).
     """
     if out is not None and len(out) != snapshot.num_layers:
-        raise HurrayFormatError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
+        raise ImportArgumentError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
     snapshot.require_kv("FlashInfer's paged K/V cache")
     check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     if not snapshot.keys:
@@ -178,9 +188,19 @@ def to_flashinfer(
         are the snapshot's own tensors (no copy).
 
     Raises:
-        HurrayArgumentError: ``kv_layout`` or ``page_size`` is out of range.
-        HurrayFormatError: the snapshot (or ``plan``, ``out``, ``dtype`` for
-            its pools) does not fit.
+        HurrayArgumentError: ``kv_layout`` or ``page_size`` is out of range;
+            ``out`` whose caches share memory with each other or with the
+            snapshot's pools.
+        ImportArgumentError: a :class:`HurrayArgumentError` (and, until 0.3,
+            a :class:`HurrayFormatError`) for the call: ``layer`` out of
+            range, a ``plan`` made for another snapshot or another
+            ``page_size``, a float8 or non-float ``dtype`` the pages cannot
+            be converted to, ``out`` of the wrong kind (a pair, or one tensor
+            with ``combined=True``), shape, pages, dtype or device.
+        HurrayFormatError: the snapshot's data: no ``seq_lens``, an
+            inconsistent block structure, key and value pools that differ,
+            integer or affine-quantized pools, ``kv_scales`` not one pair per
+            layer, more pages than int32 indices hold.
 
     Example:
         One layer, repaged to 16-token pages in the HND layout, checked as
@@ -217,7 +237,7 @@ def to_flashinfer(
         plan = plan_repage(k.block_table, k.seq_ptr, lens, k.page_size, page_size)
     elif plan is not None:
         if page_size is not None and plan.page_size != page_size:
-            raise HurrayFormatError("plan", f"the plan repages to {plan.page_size}, page_size is {page_size}")
+            raise ImportArgumentError("plan", f"the plan repages to {plan.page_size}, page_size is {page_size}")
         _check_plan(plan, k, lens)
     num_pages = plan.num_pages if plan is not None else k.num_pages
     table = plan.block_table if plan is not None else k.block_table
@@ -319,11 +339,11 @@ def _check_plan(plan: RepagePlan, k: BlockPagedTensor, lens: torch.Tensor) -> No
     # A plan for another batch would gather the wrong slots without any error;
     # these checks are cheap and catch a plan reused across snapshots.
     if plan.page_size <= 0 or plan.seq_ptr.numel() != k.seq_ptr.numel():
-        raise HurrayFormatError("plan", f"the plan is for {plan.seq_ptr.numel() - 1} sequences, not {k.num_seqs}")
+        raise ImportArgumentError("plan", f"the plan is for {plan.seq_ptr.numel() - 1} sequences, not {k.num_seqs}")
     if not torch.equal(plan.seq_lens.to(lens.device), lens):
-        raise HurrayFormatError("plan", "the plan was made for other sequence lengths")
+        raise ImportArgumentError("plan", "the plan was made for other sequence lengths")
     if plan.src_slots.numel() and int(plan.src_slots.max()) >= k.num_pages * k.page_size:
-        raise HurrayFormatError("plan", "the plan reads slots past this snapshot's page pool")
+        raise ImportArgumentError("plan", "the plan reads slots past this snapshot's page pool")
 
 
 def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tuple[torch.Tensor, float | None]:
@@ -332,7 +352,7 @@ def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tup
         if dtype == pool.dtype:
             return pool, scale
         if dtype in _FP8:
-            raise HurrayFormatError(
+            raise ImportArgumentError(
                 "dtype", f"cannot re-encode {pool.dtype} pages as {dtype}; keep {pool.dtype} or dequantize"
             )
         real = dequantize(pool, scale)
@@ -340,12 +360,12 @@ def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tup
     if dtype is None or dtype == pool.dtype:
         return pool, None
     if dtype in _FP8:
-        raise HurrayFormatError(
+        raise ImportArgumentError(
             "dtype",
             f"quantizing {pool.dtype} pages to {dtype} needs calibrated scales; hurray-vllm does not choose them",
         )
     if not dtype.is_floating_point:
-        raise HurrayFormatError("dtype", f"FlashInfer pages hold floating-point values, not {dtype}")
+        raise ImportArgumentError("dtype", f"FlashInfer pages hold floating-point values, not {dtype}")
     return pool.to(dtype), None
 
 
@@ -408,11 +428,11 @@ def _check_out(
     page = (ps, heads, dim) if kv_layout == "NHD" else (heads, ps, dim)
     if combined:
         if not isinstance(out, torch.Tensor):
-            raise HurrayFormatError("out", "combined=True takes one [num_pages, 2, ...] tensor")
+            raise ImportArgumentError("out", "combined=True takes one [num_pages, 2, ...] tensor")
         check_out_pool(out, num_pages, (2, *page), target, "out")
     else:
         if isinstance(out, torch.Tensor) or len(out) != 2:
-            raise HurrayFormatError("out", "must be a (k_cache, v_cache) pair of tensors (or pass combined=True)")
+            raise ImportArgumentError("out", "must be a (k_cache, v_cache) pair of tensors (or pass combined=True)")
         for i, o in enumerate(out):
             check_out_pool(o, num_pages, page, target, f"out[{i}]")
         if overlaps(out[0], out[1]):
@@ -420,7 +440,7 @@ def _check_out(
     pools = out if isinstance(out, tuple | list) else (out,)
     if device is not None and not all(on_device(o, device) for o in pools):
         where = sorted({str(o.device) for o in pools})
-        raise HurrayFormatError("out", f"is on {', '.join(where)}, device= asks for {device}")
+        raise ImportArgumentError("out", f"is on {', '.join(where)}, device= asks for {device}")
     for o in pools:
         refuse_pool_overlap(snapshot, o, "out")
 

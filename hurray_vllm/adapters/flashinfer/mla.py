@@ -70,8 +70,12 @@ def to_flashinfer_mla(
         may list one page).
 
     Raises:
-        HurrayFormatError: the snapshot holds keys and values or lacks sequence lengths.
+        HurrayFormatError: the snapshot holds keys and values, lacks sequence
+            lengths, has an inconsistent block structure or does not fit int32
+            indices.
         HurrayArgumentError: ``page_size`` is not positive.
+        ImportArgumentError: ``layer`` is out of range (a
+            :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
 
     Example:
         >>> from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit
