@@ -87,8 +87,9 @@ def main() -> None:
             toks = tokens()
             for i, t in enumerate(toks):
                 text += f" w{t}"
-                hits = [s for s in stops if s and s in text]  # vLLM takes the first in the request's order
-                finish, stop = (None, None) if not hits else ("stop", hits[0])
+                # vLLM takes the stop string that completes first (ties: the first in the request's order).
+                hits = sorted((text.find(s) + len(s), i, s) for i, s in enumerate(stops) if s and s in text)
+                finish, stop = (None, None) if not hits else ("stop", hits[0][2])
                 if stop is not None:
                     text = text[: text.find(stop) + (len(stop) if keep_stop else 0)]
                 elif i == len(toks) - 1:

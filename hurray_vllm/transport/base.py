@@ -135,7 +135,7 @@ def parse_listen(text: str) -> tuple[str, int]:
     An IPv6 address goes in brackets, as in a URL: ``[::1]:9000`` is ``("::1", 9000)``.
     """
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise HurrayFormatError("hurray_listen", f"expected HOST:PORT with a port 0-65535, got {text!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

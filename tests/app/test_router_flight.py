@@ -391,12 +391,11 @@ def _vllm_stop(pieces: list[str], stops: list[str], keep: bool, min_tokens: int)
 
 
 def _match(text: str, new: str, stops: list[str]) -> tuple[str, int] | None:
-    """vLLM's rule: the first stop string, in order, found in the new text and the characters just before it."""
-    for stop in stops:
-        at = text.find(stop, max(0, len(text) - len(new) - len(stop) + 1))
-        if at != -1:
-            return stop, at
-    return None
+    """vLLM 0.32's rule (``check_stop_strings``): of the stop strings found in the new text and the characters
+    just before it, the one that completes first; of two that end together, the first in the request's order."""
+    hits = [(at + len(stop), i, stop, at) for i, stop in enumerate(stops)
+            if (at := text.find(stop, max(0, len(text) - len(new) - len(stop) + 1))) != -1]  # fmt: skip
+    return min(hits)[2:] if hits else None
 
 
 @settings(max_examples=300, deadline=None)
@@ -436,3 +435,25 @@ def test_stop_strings_are_matched_across_legs_as_one_engine_would(
         assert got[:3] == ("stop", want_stop, want_tokens)
     else:
         assert got[0] == "length" and got[2] == len(pieces)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_stop_tokens_text_is_left_out_as_vllm_leaves_it_out(keep: bool) -> None:
+    """The router asks legs to keep stop strings (to cut them itself); vLLM would then send a stop token's text."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    body = {"model": "m", "prompt": [1], "max_tokens": 9, "stop": ["zz"], "include_stop_str_in_output": keep}
+    f = Flight(router, "completion", body)
+    sent = ""
+    for d in (Delta(" a", [5], upto=1), Delta(" b", [6], upto=2), Delta("\n", [13], "stop", 13, upto=3)):
+        f._release(d)
+        sent += d.text
+    assert sent == (" a b\n" if keep else " a b")
+
+
+@pytest.mark.parametrize("stop", [5, {"a": 1}, [None, 7, ""], None])
+def test_stop_fields_that_are_no_strings_leave_matching_to_the_backend(stop: Any) -> None:
+    """vLLM answers such a request 400 itself; the router must not fail first (500) on it."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    f = Flight(router, "completion", {"model": "m", "prompt": [1], "max_tokens": 4, "stop": stop})
+    d = Delta(" x", [5], upto=1)
+    assert f._release(d) is False and f._stops == []

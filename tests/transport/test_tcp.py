@@ -81,7 +81,7 @@ def test_an_ipv6_listen_address_goes_in_brackets_as_in_a_url(tmp_path: Path) -> 
 
     assert parse_listen("[::1]:0") == ("::1", 0) and parse_listen(":7") == ("127.0.0.1", 7)
     assert host_port("::1", 9) == "[::1]:9" and host_port("10.0.0.5", 9) == "10.0.0.5:9"
-    for bad in ("::1:0", "[10.0.0.5]:1"):
+    for bad in ("::1:0", "[10.0.0.5]:1", "1.2.3.4:\u00b2", "1.2.3.4:\u0663"):  # superscript 2, Arabic-Indic 3
         with pytest.raises(hv.HurrayFormatError) as err:
             parse_listen(bad)
         assert err.value.field == "hurray_listen"

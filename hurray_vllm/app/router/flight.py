@@ -324,8 +324,8 @@ class Flight:
         # they start no stop string; a leg cut off by a move or a failure would take them with it (its
         # tokens are sent, their text never). The legs send all their text, and the router holds it back.
         stops = body.get("stop")
-        stops = [stops] if isinstance(stops, str) else [s for s in stops or () if isinstance(s, str)]
-        self._stops = [s for s in stops if s]
+        stops = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
+        self._stops = [s for s in stops if isinstance(s, str) and s]  # the backend answers 400 to the rest
         self._keep_stop = bool(body.get("include_stop_str_in_output"))
         # Each backend matches stop strings over its own leg's text only: one that starts in an earlier leg
         # is matched here, over the last (longest - 1) characters before the new text (_release).
@@ -775,13 +775,17 @@ class Flight:
     def _release(self, delta: Delta) -> bool:
         """Pass ``delta`` on as vLLM would have: stop strings matched across legs, text a stop may start held back.
 
-        vLLM matches each stop string, in the request's order, over the new
-        text and the (stop's length - 1) characters before it, once more
-        tokens than ``min_tokens`` were generated. A leg's backend sees only
-        its own text, so a stop string that starts before a switch is matched
-        here by the same rule. The text then ends before the stop string
-        (after it with ``include_stop_str_in_output``), and the delta
-        finishes with ``"stop"``.
+        vLLM (0.32) matches stop strings over the new text and the (stop's
+        length - 1) characters before it, once more tokens than
+        ``min_tokens`` were generated, and takes the one that completes
+        first (of two ending together, the first in the request's order). A
+        leg's backend sees only its own text, so a stop string that starts
+        before a switch is matched here by the same rule. The text then ends
+        before the stop string (after it with ``include_stop_str_in_output``),
+        and the delta finishes with ``"stop"``. A delta is taken as one
+        token: a backend streaming several tokens per event (speculative
+        decoding, ``stream_interval``) keeps them all where vLLM would drop
+        those after the one completing the stop string.
 
         Returns:
             True when such a match ends the request at this delta while its
@@ -807,19 +811,24 @@ class Flight:
             text, stop = window[unsent:], delta.stop_reason
             if delta.finish_reason == "stop" and isinstance(stop, str) and stop and text.endswith(stop):
                 text = text if self._keep_stop else text[: -len(stop)]
+            elif delta.finish_reason == "stop" and self._hold and len(delta.token_ids) == 1:
+                # A stop token (EOS, stop_token_ids): vLLM leaves its text out unless asked to keep stop
+                # strings, which the router asked the leg to do.
+                text = window[unsent : len(window) - len(new)]
             delta.text, self._held = text, ""
         self._tail = window[max(0, len(window) - self._tail_len) :]
         return False
 
     def _stop_in(self, window: str, new: int, upto: int) -> tuple[str, int] | None:
-        """The first of the request's stop strings (in its order) that ends in the last ``new`` characters."""
+        """The stop string that completes first in the last ``new`` characters of ``window``, and where it starts."""
         if self.min_tokens and upto <= self.min_tokens:
             return None
+        best: tuple[str, int] | None = None
         for stop in self._stops:
             at = window.find(stop, max(0, len(window) - new - len(stop) + 1))
-            if at != -1:
-                return stop, at
-        return None
+            if at != -1 and (best is None or at + len(stop) < best[1] + len(best[0])):
+                best = (stop, at)  # the first to complete; of two ending together, the first in order
+        return best
 
     def _end_leg_at(self, delta: Delta) -> None:
         """The request ended at ``delta`` (a stop string across legs): its leg's later tokens are not its."""

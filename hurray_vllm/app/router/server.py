@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str  # what json.dumps does to a str
 from typing import Any
 
+from ...transport.base import host_port
 from .backends import Backend, Backends, prompt_keys
 from .flight import Delta, Flight, RouterError, UpstreamError, movable, sse_data
 from .metrics import Metrics
@@ -743,7 +744,7 @@ def serve(config: RouterConfig, host: str, port: int, *, log_level: str = "warni
     """Run the router on ``host:port`` until SIGINT or SIGTERM (uvicorn's handling)."""
     import uvicorn
 
-    print(f"hurray-vllm router on http://{host}:{port} over {', '.join(config.backends)}", flush=True)
+    print(f"hurray-vllm router on http://{host_port(host, port)} over {', '.join(config.backends)}", flush=True)
     import aiohttp  # noqa: F401 - imported before the freeze below (Router.start() would import it later)
 
     app = build_app(config)
