@@ -172,6 +172,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
     c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
     c._unpushed, c._push_backoff, c._closing, c._last_ec = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False, None
+    c._cut_short = False
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
@@ -354,8 +355,14 @@ def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  #
     assert c.flush(timeout=30) and c.stats.push_failures == 1 and sender.pushed == []
     time.sleep(0.3)
     assert sender.sends == 1  # still paused: the idle writer does not try
-    sender.fail, c._push_paused_until = False, 0.0  # the destination is back, the pause is over
+    sender.gate.clear()  # the destination is back, slow to answer
+    sender.fail, c._push_paused_until = False, 0.0  # ... and the pause is over
     deadline = time.monotonic() + 10
+    while sender.sends < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    assert c.flush(timeout=5) and time.monotonic() - t0 < 1  # every save is stored: flush waits for no push
+    sender.gate.set()
     while sender.pushed != [t.key for t in tasks] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert sender.pushed == [t.key for t in tasks] and not c._unpushed  # no further save was needed
@@ -379,6 +386,13 @@ def test_pushes_failing_in_a_row_pause_longer_and_longer(  # type: ignore[no-unt
         )
         pauses.append(round(c._push_paused_until - t0))
     assert pauses == [10, 20, 40, 80, 160, 160, 160] and c.stats.push_failures == 7
+    c._push_backoff = conn.PUSH_BACKOFF_S
+    sender.send = lambda *a, **k: (c._abort_push(), (_ for _ in ()).throw(OSError("aborted")))  # cut short here
+    for i in range(2):
+        c._push_paused_until = 0.0
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", f"c{i}" * 8, list(range(8)), [1, 2])]))
+    assert c._push_backoff == conn.PUSH_BACKOFF_S  # the engine stopped waiting: no longer pauses for that
+    del sender.send
     sender.fail, c._push_paused_until = False, 0.0
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "ee" * 8, list(range(8)), [1, 2])]))
     assert c._push_backoff == conn.PUSH_BACKOFF_S  # a push that went through: the next failure pauses 10 s again

@@ -76,8 +76,9 @@ class _Writer:
         idle_s: float = 1.0,
     ) -> None:
         self._on_full = on_full  # called when a submit must wait: the job running should hurry
-        # Called on the thread after ``idle_s`` seconds without a job (then every ``idle_s``), as a job:
-        # work that waits for no step (pushing on what a failed push held back) runs when nothing else does.
+        # Called on the thread after ``idle_s`` seconds without a job (then every ``idle_s``): work that waits
+        # for no step (pushing on what a failed push held back) runs when nothing else does. Not a job:
+        # flush() means "every chunk saved so far is stored", and must not wait for the network.
         self._on_idle = on_idle
         self._idle_s = idle_s
         self._jobs: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
@@ -110,9 +111,11 @@ class _Writer:
                 item = self._jobs.get(timeout=self._idle_s if self._on_idle is not None else None)
             except queue.Empty:
                 assert self._on_idle is not None
-                with self._cond:
-                    self._pending += 1  # flush() waits for it as for a submitted job
-                item = (self._on_idle, 0)
+                try:
+                    self._on_idle()
+                except Exception:
+                    log.exception("hurray: background push failed")
+                continue
             if item is None:
                 return
             job, nbytes = item
@@ -279,6 +282,7 @@ class HurrayWorker:
         self._pushed: OrderedDict[str, None] = OrderedDict()  # keys pushed, the most recent last
         self._push_paused_until = 0.0  # monotonic time: after a failed push, none is tried until then
         self._push_backoff = PUSH_BACKOFF_S  # the next pause: doubled by each failure in a row
+        self._cut_short = False  # the push in flight was aborted here (a full queue, shutdown), not failed
         self._closing = False  # shutting down: nothing held back is pushed any more
         self._last_ec: EngineCache | None = None  # the engine cache of the last save (for pushes from the store)
         # Chunks stored while pushing failed or paused, the oldest first: pushed (if the receiver lacks
@@ -287,7 +291,10 @@ class HurrayWorker:
         self._ask_paused_until = 0.0  # ... after a receiver could not say which chunks it holds, none is asked
         # A step that would wait for the writer first cuts short the push it may be blocked on: the
         # step waits for the local disk, never for the network.
-        self._writer = _Writer(config.save_queue_bytes, on_full=self._abort_push, on_idle=self._push_held_back)
+        # Idle pushes of what a failed push held back: with background saves, whose deliveries all run on
+        # the writer's thread (synchronous saves retry with the next delivery, on the step's thread).
+        idle = self._push_held_back if self._sender is not None and self._async else None
+        self._writer = _Writer(config.save_queue_bytes, on_full=self._abort_push, on_idle=idle)
         _WRITERS.add(self._writer)
         self._staging = _Staging()
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
@@ -674,12 +681,15 @@ class HurrayWorker:
             self._unpushed.clear()
             items = [*retry, *items]
         rest = iter(items)
+        self._cut_short = False
         try:
             forward = self._forward_plan(self._sender, self._url, items)
             self._sender.send(self._url, self._stored(ec, caches, rest, push=True, forward=forward), keys=self._keys)
         except Exception as exc:  # a channel's unforeseen error too: the rest must still be stored here
             self.stats.push_failures += 1
-            pause, self._push_backoff = self._push_backoff, min(2 * self._push_backoff, PUSH_BACKOFF_MAX_S)
+            pause = self._push_backoff
+            if not self._cut_short:  # a destination that failed, not one this engine stopped waiting for
+                self._push_backoff = min(2 * self._push_backoff, PUSH_BACKOFF_MAX_S)
             self._push_paused_until = max(self._push_paused_until, time.monotonic() + pause)
             log.warning(
                 "hurray: could not push chunks to %s (%s); not pushing for %.0f s, the destination recomputes them",
@@ -719,6 +729,7 @@ class HurrayWorker:
     def _abort_push(self) -> None:
         """Fail the push in progress (the writer then stores the rest here and pushing pauses)."""
         if self._sender is not None:
+            self._cut_short = True
             self._sender.abort()
 
     def _holds(self, key: str) -> bool:
