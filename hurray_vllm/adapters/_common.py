@@ -6,13 +6,24 @@ Only :mod:`hurray_vllm.errors`, :mod:`hurray_vllm.wire` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..errors import HurrayFormatError, ImportArgumentError
-from ..kv.repage import check_budget
+from ..kv.paged import BlockPagedTensor
+from ..kv.repage import check_budget, check_memory
 from ..kv.snapshot import KVSnapshot
 
-__all__ = ["FP8_DTYPES", "INT32_MAX", "check_layer", "check_one_structure", "dequantize", "padded_block_table"]
+__all__ = [
+    "FP8_DTYPES",
+    "INT32_MAX",
+    "check_import_memory",
+    "check_layer",
+    "check_one_structure",
+    "dequantize",
+    "padded_block_table",
+]
 
 #: The float8 storage dtypes: pools in these hold ``value / scale``.
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -164,3 +175,31 @@ def padded_block_table(
         # Every sequence is empty: one zero page keeps the padding id 0 valid.
         out = torch.full((1,), -1, dtype=torch.int64, device=dev)
     return out, bt
+
+
+def check_import_memory(
+    snapshot: KVSnapshot,
+    slots: int,
+    out_dtype: Callable[[BlockPagedTensor], torch.dtype],
+    device: torch.device | str | None,
+) -> None:
+    """Refuse an import of every layer whose new pools no device could hold, before the first is allocated.
+
+    Args:
+        snapshot: the batch being imported.
+        slots: token slots of each new pool (pages x page size), the same for every layer and role.
+        out_dtype: each tensor's dtype in the new pool (the larger of it and the pool's is counted: a
+            conversion holds both).
+        device: where the pools go (``None``: the snapshot's device), besides where they are built.
+    """
+    tensors = snapshot.tensors()
+    if not tensors:
+        return
+    total = sum(
+        slots * t.num_heads * t.head_dim * max(t.page_pool.element_size(), out_dtype(t).itemsize) for t in tensors
+    )
+    built = tensors[0].page_pool.device
+    what = f"importing {snapshot.num_layers} layers of {slots} token slots"
+    check_memory(total, what, built)
+    if device is not None and torch.device(device) != built:
+        check_memory(total, what, device)

@@ -40,7 +40,7 @@ import torch
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 from ..errors import HurrayFormatError
 from ..kv.paged import BlockPagedTensor, zero_slots_
-from ..kv.repage import check_budget
+from ..kv.repage import check_budget, check_memory
 from ..kv.snapshot import TARGET_LAYERS, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ..kv.states import RecurrentStates
 from ..wire import dtypes
@@ -312,7 +312,10 @@ def _dense(t: BlockPagedTensor, seq: int, n: int) -> torch.Tensor:
             f"layer {t.layer_index} {t.kv_role}: sequence {seq} has {n} tokens but {pages.numel()} pages of "
             f"{t.page_size}",
         )
-    check_budget(int(pages.numel()) * t.page_size, f"sequence {seq} of layer {t.layer_index} {t.kv_role}")
+    what = f"sequence {seq} of layer {t.layer_index} {t.kv_role}"
+    check_budget(int(pages.numel()) * t.page_size, what)
+    slots = int(pages.numel()) * t.page_size
+    check_memory(slots * t.num_heads * t.head_dim * t.page_pool.element_size(), what, t.page_pool.device)
     dense = t.page_pool.index_select(0, pages.to(t.page_pool.device))
     return dense.reshape(-1, t.num_heads, t.head_dim)[:n]
 
@@ -475,7 +478,15 @@ def to_dynamic_cache(
     if not 0 <= seq < snapshot.num_seqs:
         raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
     dtype = dtype or _default_dtype(snapshot, model_config)
-    _check_windows_held(snapshot, seq, snapshot.seq_lens[seq] if length is None else length)
+    n = snapshot.seq_lens[seq] if length is None else length
+    _check_windows_held(snapshot, seq, n)
+    # Every layer's dense keys and values at once: refused up front when no device could hold them.
+    tensors = snapshot.tensors()
+    item = max(dtype.itemsize, tensors[0].page_pool.element_size())
+    total = sum(-(-n // t.page_size) * t.page_size * t.num_heads * t.head_dim * item for t in tensors)
+    check_memory(total, f"a dense cache of sequence {seq}", tensors[0].page_pool.device)
+    if device is not None and torch.device(device) != tensors[0].page_pool.device:
+        check_memory(total, f"a dense cache of sequence {seq}", device)
     cache = _new_dynamic_cache(DynamicCache, model_config)
     states = snapshot.states
     # A linear-attention hybrid's attention layers are the model layers its states leave.

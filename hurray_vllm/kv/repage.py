@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,8 @@ __all__ = [
     "MAX_IMPORT_SLOTS",
     "RepagePlan",
     "check_budget",
+    "check_memory",
+    "device_memory",
     "check_out_pool",
     "memory_span",
     "overlaps",
@@ -63,6 +66,38 @@ def check_budget(slots: int, what: str, field: str = "seq_lens") -> None:
             field,
             f"{what} would expand the batch into {slots} slots, over hurray_vllm.kv.repage.MAX_IMPORT_SLOTS "
             f"= {MAX_IMPORT_SLOTS}; raise it if the batch is meant to be this large",
+        )
+
+
+def device_memory(device: torch.device | str | None) -> int | None:
+    """All the memory ``device`` has (host RAM for the CPU), in bytes; ``None`` where it cannot be told."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        if dev.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        if dev.type == "cuda":
+            return int(torch.cuda.get_device_properties(dev).total_memory)
+    except (ValueError, OSError, RuntimeError, AssertionError):  # no sysconf names, or no such CUDA device
+        return None
+    return None
+
+
+def check_memory(nbytes: int, what: str, device: torch.device | str | None, field: str = "seq_lens") -> None:
+    """Refuse an import that would allocate more than ``device`` has at all, before allocating any of it.
+
+    Slots (:func:`check_budget`) bound a batch's expansion, not its bytes: a
+    slot holds ``num_heads x head_dim`` values, and one layer of a file of a
+    few MB can declare hundreds of GB. Such an import cannot succeed; tried,
+    it ends in an out-of-memory kill, or a failed allocation half-way through
+    the layers. Counted for every layer together.
+    """
+    have = device_memory(device)
+    if have is not None and nbytes > have:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        raise HurrayFormatError(
+            field,
+            f"{what} would allocate {nbytes / 2**30:.1f} GiB on {dev}, which has {have / 2**30:.1f} GiB in all; "
+            "the batch declares more tokens than this machine can hold (pages repeat: check seq_lens)",
         )
 
 
@@ -387,6 +422,8 @@ def repage(
         repage_into(t, plan, pool)
     else:
         per_slot = t.num_heads * t.head_dim
+        nbytes = plan.num_pages * page_size * per_slot * t.page_pool.element_size()
+        check_memory(nbytes, f"repaging layer {t.layer_index} {t.kv_role}", t.page_pool.device)
         pool = _gather_slots(t.page_pool, plan, per_slot)
         pool = pool.view(plan.num_pages, *page_shape)
     q, qbufs = t.quantization, t.quant_buffers

@@ -166,6 +166,40 @@ def test_repage_refuses_a_sequence_short_of_pages_instead_of_reading_the_next_on
     assert err.value.field == "seq_lens.pages"
 
 
+def test_an_import_larger_than_the_devices_memory_is_refused_before_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slots bound the expansion, not its bytes: every layer's new pools are counted against the memory there is."""
+    import hurray_vllm.kv.repage as rp
+    from hurray_vllm.adapters import transformers as tfa
+    from hurray_vllm.adapters.flash_attn import to_flash_attn_all
+    from hurray_vllm.adapters.flashinfer import to_flashinfer_all
+
+    pages = 32
+    bt, ptr, lens = torch.arange(pages), torch.tensor([0, pages]), torch.tensor([4 * pages])
+    t = hv.BlockPagedTensor(torch.randn(pages, 4, 2, 8), bt, ptr, lens, "key", 0)
+    v = hv.BlockPagedTensor(torch.randn(pages, 4, 2, 8), bt, ptr, lens, "value", 0)
+    snap = hv.KVSnapshot(keys=(t,), values=(v,))
+    # 128 tokens x 2 heads x 8 dims x 4 bytes = 8 KiB per layer and role: one fits in 12 KiB, both do not.
+    monkeypatch.setattr(rp, "device_memory", lambda device: 12 << 10)
+    assert repage(t, 8).page_pool.shape == (16, 8, 2, 8)
+    for call in (
+        lambda: to_flash_attn_all(snap, page_size=256, flavor="fa2", dtype=torch.float16),
+        lambda: to_flashinfer_all(snap, page_size=8),
+        lambda: tfa.to_dynamic_cache(snap, 0),
+    ):
+        with pytest.raises(hv.HurrayFormatError, match="GiB in all") as err:
+            call()
+        assert err.value.field == "seq_lens" and not isinstance(err.value, hv.HurrayArgumentError)
+    monkeypatch.setattr(rp, "device_memory", lambda device: 4 << 10)
+    with pytest.raises(hv.HurrayFormatError, match="repaging layer 0 key"):
+        repage(t, 8)
+    with pytest.raises(hv.HurrayFormatError, match="sequence 0 of layer 0 key"):
+        tfa.sequence_kv(snap, 0, 0)
+    monkeypatch.setattr(rp, "device_memory", lambda device: None)  # unknown: not checked
+    assert len(to_flashinfer_all(snap, page_size=8)) == 1
+
+
 def test_a_batch_declaring_more_slots_than_the_budget_is_refused_before_allocating(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -22,7 +22,7 @@ from ...kv.repage import (
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_layer, check_one_structure, dequantize, padded_block_table
+from .._common import check_import_memory, check_layer, check_one_structure, dequantize, padded_block_table
 from .flavors import FLAVORS, HALF_DTYPES, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
 
 __all__ = ["FlashAttnCache", "FlashAttnPlan", "plan_flash_attn", "to_flash_attn", "to_flash_attn_all"]
@@ -366,6 +366,9 @@ def to_flash_attn_all(
         for i in range(snapshot.num_layers):
             out_dtype, passthrough = _target_dtype(snapshot.keys[i], lim, dtype)
             _check_out(snapshot, i, plan, out_dtype, passthrough, dev, out[i], f"out[{i}]")
+    else:
+        lim = FLAVORS[plan.flavor]
+        check_import_memory(snapshot, plan.num_blocks * plan.page_size, lambda t: _target_dtype(t, lim, dtype)[0], dev)
     if dev is not None:
         plan = replace(plan, block_table=plan.block_table.to(dev), cache_seqlens=plan.cache_seqlens.to(dev))
     return tuple(

@@ -22,7 +22,7 @@ from ...kv.repage import (
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_layer, check_one_structure, dequantize
+from .._common import check_import_memory, check_layer, check_one_structure, dequantize
 from .cache import LAYOUTS, FlashInferCache, PagedKVCache
 
 __all__ = ["plan_flashinfer", "plan_flashinfer_repage", "to_flashinfer", "to_flashinfer_all"]
@@ -115,6 +115,8 @@ def to_flashinfer_all(
             k = snapshot.keys[i]
             pages = plan.num_pages if plan is not None else k.num_pages
             _check_out(snapshot, k, plan, dtype, out[i], kv_layout, combined, pages, device)
+    elif plan is not None:  # repaged into new pools (without, each layer keeps its own pool's size)
+        check_import_memory(snapshot, plan.num_pages * plan.page_size, lambda t: dtype or t.dtype, device)
     return tuple(
         to_flashinfer(
             snapshot,
