@@ -170,7 +170,7 @@ def _tiny_llama(path: Path) -> Path:
         vocab_size=512,
         max_position_embeddings=1024,
     )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)  # type: ignore[arg-type]
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
 
 
