@@ -18,11 +18,11 @@ from ..containers.check import validate
 from ..containers.io import (
     PARSE_ERRORS,
     SUFFIX_FORMATS,
-    as_format_error,
     detect_format,
     file_kv,
     iter_nodes,
     open_records,
+    read_error,
     save_records,
 )
 from ..containers.schema import Node, Record, index_tables
@@ -155,8 +155,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     fmt = detect_format(args.path)
     try:
         rows = list(_rows(iter_nodes(args.path, permissive=True)))
-    except PARSE_ERRORS as exc:  # load's contract for what the readers did not foresee: one error type
-        raise as_format_error(exc, str(args.path)) from exc
+    except (*PARSE_ERRORS, MemoryError) as exc:  # load's contract: one error type, and memory is not the data's
+        raise read_error(exc, str(args.path)) from exc
     if args.json:
         print(
             json.dumps(

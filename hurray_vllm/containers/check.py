@@ -94,7 +94,7 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
     does not hold. Other Hurray data (bare descriptors another writer made)
     is checked against the Hurray rules only.
     """
-    from .io import as_format_error, detect_format, iter_nodes, load
+    from .io import detect_format, iter_nodes, load
 
     out: list[Violation] = []
     unreadable: tuple[Violation, ...] = ()
@@ -106,16 +106,20 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
             for node in iter_nodes(path, permissive=True):
                 snapshot_like = snapshot_like or claims_snapshot(node)
                 _walk(node, permissive, out)
-    except OSError as exc:
-        unreadable = (Violation("file", str(exc)),)
     except Exception as exc:  # HurrayFormatError, or a reader's bug on malformed input: a finding, not a crash
-        unreadable = as_format_error(exc, str(path)).violations
+        unreadable = _unreadable(exc, str(path))
     checked = Checked(tuple(out), permissive, unreadable)
     if checked.ok and snapshot_like:
         try:
             load(path, permissive=permissive, mmap=True)
-        except OSError as exc:
-            return Checked(tuple(out), permissive, (Violation("file", str(exc)),))
         except Exception as exc:
-            return Checked(tuple(out), permissive, as_format_error(exc, str(path)).violations)
+            return Checked(tuple(out), permissive, _unreadable(exc, str(path)))
     return checked
+
+
+def _unreadable(exc: Exception, what: str) -> tuple[Violation, ...]:
+    """The findings for a file that could not be read: the file's own (``file``: I/O, memory), or the data's."""
+    from .io import read_error
+
+    err = exc if isinstance(exc, OSError) else read_error(exc, what)
+    return (Violation("file", str(err)),) if isinstance(err, OSError) else err.violations

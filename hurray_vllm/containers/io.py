@@ -35,6 +35,7 @@ __all__ = [
     "write_stream",
     "read_stream",
     "detect_format",
+    "read_error",
 ]
 
 Format = Literal["hrry", "stream", "safetensors"]
@@ -53,7 +54,12 @@ PARSE_ERRORS = (
 
 
 def _reraise(exc: BaseException, what: str) -> NoReturn:
-    """Raise what the readers' boundary makes of ``exc`` (one of :data:`PARSE_ERRORS`, or ``MemoryError``).
+    """Raise :func:`read_error` of ``exc``, chained to it."""
+    raise read_error(exc, what) from exc
+
+
+def read_error(exc: BaseException, what: str) -> OSError | HurrayFormatError:
+    """What the readers' boundary makes of ``exc`` (one of :data:`PARSE_ERRORS`, or ``MemoryError``).
 
     An allocation that failed is ``OSError(ENOMEM)``: the machine's state, not
     the input's. A reader must not call a good file malformed because memory
@@ -63,8 +69,8 @@ def _reraise(exc: BaseException, what: str) -> NoReturn:
     """
     text = str(exc).lower()
     if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "alloc" in text and "memory" in text):
-        raise OSError(errno.ENOMEM, f"{what}: out of memory while reading it ({type(exc).__name__}: {exc})") from exc
-    raise as_format_error(exc, what) from exc
+        return OSError(errno.ENOMEM, f"{what}: out of memory while reading it ({type(exc).__name__}: {exc})")
+    return as_format_error(exc, what)
 
 
 def as_format_error(exc: BaseException, what: str) -> HurrayFormatError:

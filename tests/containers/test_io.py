@@ -469,3 +469,25 @@ def test_a_file_that_changes_size_while_loaded_is_refused(
     with pytest.raises(hv.HurrayFormatError) as info:
         hv.load(path)
     assert info.value.field == "file"
+
+
+def test_memory_running_out_is_not_a_verdict_on_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """validate and inspect say the machine ran out (``file``), as load does (ENOMEM), never "malformed"."""
+    import hurray_vllm.app.cli as cli
+    import hurray_vllm.containers.io as hio
+
+    path = tmp_path / "s.hrry"
+    hv.save(spec_example_snapshot(), path)
+
+    def no_memory(*_: object, **__: object) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes")
+
+    monkeypatch.setattr(hio, "iter_nodes", no_memory)
+    monkeypatch.setattr(cli, "iter_nodes", no_memory)
+    (finding,) = hv.validate(path).errors
+    assert finding.invariant == "file" and "out of memory" in finding.message and "malformed" not in finding.message
+    assert cli.main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "invalid input" not in err
