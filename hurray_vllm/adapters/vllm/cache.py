@@ -672,10 +672,15 @@ def write_blocks(
         view = cache if cache.dtype == ec.storage_dtype else cache.view(ec.storage_dtype)
         latent = keys
         if ec.kv_scales is not None:
-            latent = (latent.float() / ec.kv_scales[layer][0]).to(ec.storage_dtype)
+            latent = _quantize(latent, ec.kv_scales[layer][0], ec.storage_dtype)
         ec.layout.scatter(view, block_ids, latent.to(view.dtype))
         return
     values = pools[1]
+    if h != int(cache.shape[1]) or values.shape != keys.shape:  # every K/V layout's [B, H, ...] view
+        raise HurrayFormatError(
+            "num_heads",
+            f"pools of {list(keys.shape)} / {list(values.shape)} for a cache of {int(cache.shape[1])} heads",
+        )
     if isinstance(ec.layout, CpuPacked) and ec.kv_scales is None and cache.dtype == ec.model_dtype:
         # Unquantized: pack directly (byte-identical to the op, which runs at a third of
         # copy speed here; tests/test_vllm_cpu_packing.py holds the two together).
@@ -702,10 +707,31 @@ def write_blocks(
         return
     # Token-major layouts: scatter through the same strided view the reader uses.
     view = cache if cache.dtype == ec.storage_dtype else cache.view(ec.storage_dtype)
+    if int(view.shape[-1]) != 2 * d:
+        raise HurrayFormatError("head_dim", f"pools of head_dim {d} for a cache of {int(view.shape[-1]) // 2}")
     ids = block_ids.to(device=cache.device, dtype=torch.int64)
     if ec.kv_scales is not None:
         k_scale, v_scale = ec.kv_scales[layer]
-        keys = (keys.float() / k_scale).to(ec.storage_dtype)
-        values = (values.float() / v_scale).to(ec.storage_dtype)
-    view[..., :d].transpose(1, 2).index_copy_(0, ids, keys.to(view.dtype).to(cache.device))
-    view[..., d:].transpose(1, 2).index_copy_(0, ids, values.to(view.dtype).to(cache.device))
+        keys = _quantize(keys, k_scale, ec.storage_dtype)
+        values = _quantize(values, v_scale, ec.storage_dtype)
+    keys, values = keys.to(view.dtype).to(cache.device), values.to(view.dtype).to(cache.device)
+    if view.dtype in _FLOAT8:  # index_copy_ has no float8 kernels (CPU or CUDA): copy the bytes
+        view, keys, values = view.view(torch.uint8), keys.view(torch.uint8), values.view(torch.uint8)
+    view[..., :d].transpose(1, 2).index_copy_(0, ids, keys)
+    view[..., d:].transpose(1, 2).index_copy_(0, ids, values)
+
+
+#: The float8 storage dtypes of vLLM's fp8 caches.
+_FLOAT8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def _quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in ``dtype``, saturated to its largest finite value as vLLM's fp8 cache writes are.
+
+    A plain cast turns an out-of-range value into inf for float8_e5m2 (e4m3fn has no inf and saturates).
+    """
+    y = x.float() / scale
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        top = torch.finfo(dtype).max
+        y = y.clamp(-top, top)
+    return y.to(dtype)

@@ -459,10 +459,19 @@ def _zero_tails(
             flat += [slots + r for r in flat]  # the same rows of the value half
         idx = rows[dev, both is not None] = torch.tensor(flat, dtype=torch.int64).to(dev)
     if both is not None:
-        both.view(2 * slots, math.prod(k_pool.shape[2:])).index_fill_(0, idx, 0)
+        _bits(both).view(2 * slots, math.prod(k_pool.shape[2:])).index_fill_(0, idx, 0)
         return
     for pool in pools:
-        pool.view(slots, math.prod(pool.shape[2:])).index_fill_(0, idx, 0)
+        _bits(pool).view(slots, math.prod(pool.shape[2:])).index_fill_(0, idx, 0)
+
+
+#: Integer dtypes by width: zeroing through one zeroes every float format (index_fill_ has no float8 kernels).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its width: all-zero bits are 0.0 in every float format."""
+    return t.view(_BITS[t.element_size()]) if t.dtype.is_floating_point else t
 
 
 def _snapshot_shell(

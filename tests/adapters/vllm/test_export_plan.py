@@ -96,3 +96,13 @@ def test_zeroing_tails_by_index_equals_per_page(batch: tuple[list[SequenceState]
         assert torch.equal(x, z)
     for page, start in plan.tails:
         assert not a[0][page, start:].any() and a[0][page, :start].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_zeroing_tails_by_index_takes_every_float_format(dtype: torch.dtype) -> None:
+    """fp8 pools too: index_fill_ has no float8 kernels, so the fill goes through the bytes."""
+    plan = plan_batch([SequenceState("a", [3, 5], 20, list(range(20)))], 16)
+    pools = [torch.full((2, 16, 2, 8), 1.5).to(dtype) for _ in range(2)]
+    _zero_tails(plan, pools, {}, by_index=True)
+    for pool in pools:
+        assert not pool[1, 4:].float().any() and (pool[1, :4].float() == 1.5).all() and (pool[0].float() == 1.5).all()

@@ -9,6 +9,8 @@ engine's op quantizes) says so, and the worker joins the slices instead.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,3 +69,34 @@ def test_heads_outside_the_cache_or_an_fp8_cpu_cache_are_refused() -> None:
     assert not fp8.writes_head_slices
     with pytest.raises(hv.HurrayArgumentError, match=r"heads 0\.\.2"):
         write_blocks(fp8, 0, torch.tensor([1]), part, part, heads=range(0, 2))
+
+
+@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_token_major_cache_is_written_whole_or_by_heads(storage: torch.dtype) -> None:
+    """A GPU backend's fp8 cache: quantized with its scales (saturated, as vLLM writes), copied as bytes."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn((2, N, H, D), generator=gen).to(torch.bfloat16) for _ in range(2))
+    keys[0, 0, 0, 0] = 1e6  # far past float8's range: saturated, never inf
+    ids = torch.tensor([3, 0])
+    whole, sliced = (dataclasses.replace(_engine_cache(LogicalBHNC(D), fp8=True), storage_dtype=storage) for _ in "ab")
+    write_blocks(whole, 0, ids, keys, values)
+    for heads in (range(0, 1), range(1, 4)):
+        write_blocks(
+            sliced, 0, ids, keys[:, :, heads.start : heads.stop], values[:, :, heads.start : heads.stop], heads=heads
+        )
+    assert torch.equal(whole.caches[0], sliced.caches[0])
+    k, v = LogicalBHNC(D).gather(whole.caches[0].view(storage), ids)
+    top = torch.finfo(storage).max
+    assert torch.isfinite(k.float()).all() and k[0, 0, 0, 0].float() == top
+    want = (keys.float() / 0.5).clamp(-top, top).to(storage)
+    assert torch.equal(k.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(v.view(torch.uint8), (values.float() / 0.5).to(storage).view(torch.uint8))
+
+
+def test_pools_of_another_head_geometry_are_refused_by_name() -> None:
+    ec = _engine_cache(LogicalBHNC(D))
+    for shape, field in (((1, N, H - 1, D), "num_heads"), ((1, N, H, D // 2), "head_dim")):
+        part = torch.zeros(shape, dtype=torch.bfloat16)
+        with pytest.raises(hv.HurrayFormatError) as err:
+            write_blocks(ec, 0, torch.tensor([1]), part, part)
+        assert err.value.field == field
