@@ -228,3 +228,35 @@ def test_which_engines_load_asynchronously(groups: int, backend: str | None, wor
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=world))
     kv = SimpleNamespace(kv_cache_groups=[object()] * groups)
     assert _async_loads(cfg, kv) is want  # type: ignore[arg-type]
+
+
+def test_a_request_recomputing_what_a_synchronous_load_failed_to_write_saves_it_again(tmp_path: Path) -> None:
+    """vLLM moves a running request back to its longest valid prefix; the chunks after it are saved again, and the
+    request's answer announces none of them until they are (a destination would wait for them in vain)."""
+    from test_connector_background import _vllm_config
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    tokens = [*snap.token_ids[0], 99]
+    request = SimpleNamespace(
+        request_id="r", all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None
+    )
+    sched = HurrayScheduler(cfg, store, snap.fingerprint, ns)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
+    blocks = [1, 2, 3, 4, 5]
+    sched.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (blocks,)), 16)  # type: ignore[arg-type]
+    out = _output([SimpleNamespace(req_id="r", block_ids=(blocks,), num_computed_tokens=16)])
+    out.num_scheduled_tokens = {"r": 1}
+    meta = sched.build_connector_meta(out)  # type: ignore[arg-type]
+    assert len(meta.loads) == 1 and not meta.saves  # both chunks loaded: nothing to save
+    # The worker could not load the second chunk (its file moved aside as damaged): vLLM recomputes from 8 on.
+    store.path(ns, keys[1]).unlink()
+    out = _output()
+    out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.new_block_ids = ["r"], [None]
+    out.scheduled_cached_reqs.num_computed_tokens, out.num_scheduled_tokens = [8], {"r": 9}
+    meta = sched.build_connector_meta(out)  # type: ignore[arg-type]
+    assert [t.key for t in meta.saves] == [keys[1]]  # recomputed, saved again (the store may lack it)
+    assert sched.request_finished(request)[1] == {"hurray_saved_tokens": 16}  # type: ignore[arg-type]

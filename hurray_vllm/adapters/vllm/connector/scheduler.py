@@ -620,12 +620,16 @@ class HurrayScheduler:
                     state.block_ids.extend(new_ids[0])
                     for mine, more in zip(state.groups, new_ids, strict=False):
                         mine.extend(more)
+            computed = cached.num_computed_tokens[i]
             if state.load is not None:
                 # A preempted request resumed with a load planned when it was rescheduled.
-                self._attach_load(
-                    meta, state, cached.num_computed_tokens[i], scheduler_output.num_scheduled_tokens[req_id]
-                )
-            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+                self._attach_load(meta, state, computed, scheduler_output.num_scheduled_tokens[req_id])
+            elif computed < state.chunks_done * self._chunk and req_id not in cached.resumed_req_ids:
+                # A running request went back: vLLM recomputes the blocks a synchronous load failed to write
+                # (kv_load_failure_policy "recompute"). Those chunks are saved again as they are recomputed,
+                # and request_finished does not announce what the store may lack.
+                state.chunks_done = computed // self._chunk
+            done = computed + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_saves(meta, req_id, state, done)
         return meta
 
