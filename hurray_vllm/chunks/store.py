@@ -164,7 +164,7 @@ class DirectoryStore:
 
         return prune(self, max_bytes, stale_temp_s=stale_temp_s, dry_run=dry_run, keys=keys)
 
-    def parts(self, namespace: str, key: str, num_kv_heads: int) -> list[ChunkPart] | None:
+    def parts(self, namespace: str, key: str, num_kv_heads: int, *, states: bool = False) -> list[ChunkPart] | None:
         """The files that together hold every KV head of chunk ``key``, or ``None`` if no such set is stored.
 
         The whole chunk (one file) if it is there; else the slices of one way
@@ -172,7 +172,13 @@ class DirectoryStore:
         parallelism 2, 4, 8... write, :func:`hurray_vllm.kv.heads.partitions`).
         A set with a slice missing (a rank that has not written yet, or never
         will) is incomplete: it is never loaded.
+
+        ``states=True`` (a linear-attention hybrid's resume point): the first
+        complete set whose every file carries states, where the first complete
+        one lacks them; engines of two TP degrees may each have stored the
+        chunk, one without the states (its step ran past the chunk's end).
         """
+        first = None
         for files in chunk_layouts(key, num_kv_heads):
             out = []
             for name, r in files:
@@ -181,8 +187,10 @@ class DirectoryStore:
                     break
                 out.append(ChunkPart(name, r, ident))
             else:
-                return out
-        return None
+                if not states or all(self.has_states(namespace, p.name) for p in out):
+                    return out
+                first = first or out
+        return first
 
     def has_states(self, namespace: str, key: str) -> bool:
         """Whether the stored chunk carries linear-attention states (reads its header only; False if unreadable)."""

@@ -288,3 +288,25 @@ def test_a_read_ahead_that_fails_is_refused_as_load_refuses_it(tmp_path: Path, m
     with ThreadPoolExecutor(1) as pool, pytest.raises(OSError) as ahead:
         store.reader(ns, [key], pool.submit).get(key)
     assert ahead.value.errno == direct.value.errno == errno.ENOMEM
+
+
+def test_a_resume_point_takes_the_set_of_files_that_carries_states(tmp_path: Path) -> None:
+    """A TP = 1 engine stored a hybrid's chunk whole without states (its step ran past the chunk's end); a TP = 2
+    engine stored it again as slices with them. A lookup that resumes there wants the slices, and a save that
+    holds the states finds them there instead of writing its slices again and again."""
+    from hurray_vllm.kv.heads import select_heads
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = tuple((torch.randn(2, 3, 16, generator=gen), torch.randn(2, 2, 8, 8, generator=gen)) for _ in range(3))
+    states = hv.RecurrentStates("gdn_attn", (0, 1, 2), ("conv", "ssm"), (6, 3), tensors)
+    snap = replace(
+        spec_example_snapshot(num_layers=2),
+        fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 2, 2, 8, "float16"),
+    )
+    store, ns, key = DirectoryStore(tmp_path), "ab" * 8, "cd" * 8
+    store.put(ns, key, snap)  # whole, no states
+    assert [p.name for p in store.parts(ns, key, 2, states=True)] == [key]  # no set with states: the first
+    for r in range(2):  # the header is what tells: each slice says it carries states
+        store.put(ns, f"{key}.h{r}-{r + 1}", replace(select_heads(snap, range(r, r + 1)), states=states))
+    assert [p.name for p in store.parts(ns, key, 2)] == [key]  # any set will do: the whole file first
+    assert [p.name for p in store.parts(ns, key, 2, states=True)] == [f"{key}.h0-1", f"{key}.h1-2"]

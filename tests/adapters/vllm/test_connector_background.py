@@ -957,6 +957,33 @@ def test_a_stored_chunk_without_states_is_written_again_by_a_step_that_has_them(
     assert meta.saves == []
 
 
+def test_slices_of_another_tp_degree_holding_the_states_are_not_written_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A TP = 1 engine stored the chunk whole without states; TP = 2 ranks wrote their slices with them: the whole
+    file (looked at first) must not hide those, else every step ending there writes the slices again."""
+    import hurray_vllm as hv
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks import chunk_keys
+    from hurray_vllm.kv.heads import select_heads
+
+    sched = _linear_scheduler(tmp_path)
+    sched._heads = 2  # a model of two KV heads
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(100)), num_prompt_tokens=100)
+    state = sched._state(request)
+    state.groups = [[0, 11], [0, 21], [31, 32]]
+    state.block_ids = list(state.groups[0])
+    (key,) = chunk_keys(list(range(64)), 64, sched._ns)
+    snap = replace(
+        spec_example_snapshot(num_layers=1), fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 1, 2, 8, "float16")
+    )
+    states = hv.RecurrentStates("gdn_attn", (0,), ("conv",), (6, 3), ((torch.zeros(2, 3, 4),),))
+    sched._store.put(sched._ns, key, snap)  # whole, without states
+    for r in range(2):
+        sched._store.put(sched._ns, f"{key}.h{r}-{r + 1}", replace(select_heads(snap, range(r, r + 1)), states=states))
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "r", state, 64)  # type: ignore[arg-type]
+    assert meta.saves == [] and sched.stats.chunks_skipped == 1
+
+
 def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``{"hurray_saved_tokens": N}`` from the source: wait while those chunks arrive, never longer than that."""
     require("vllm")

@@ -285,6 +285,12 @@ class HurrayScheduler:
             if parts is None:  # not stored, or a tensor-parallel slice still missing
                 break
             stored.append(parts)
+        if self._state_groups and stored:
+            # The last chunk found is where the request would resume: its states are wanted, from whichever
+            # complete set of its files (another TP degree's) carries them.
+            stored[-1] = (
+                self._store.parts(self._ns, keys[first + len(stored) - 1], self._heads, states=True) or stored[-1]
+            )
         # Each file is read on a helper thread while the one before is parsed here.
         unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
         reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
@@ -762,7 +768,7 @@ class HurrayScheduler:
 
     def _lacks_states(self, key: str) -> bool:
         """Whether chunk ``key`` is stored (whole, or every tensor-parallel slice) and a file of it has no states."""
-        parts = self._store.parts(self._ns, key, self._heads)
+        parts = self._store.parts(self._ns, key, self._heads, states=True)
         return parts is not None and not all(self._store.has_states(self._ns, p.name) for p in parts)
 
     def _stored(self, key: str) -> bool:
