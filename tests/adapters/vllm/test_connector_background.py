@@ -1082,3 +1082,11 @@ def test_a_prompt_tail_is_saved_at_the_end_of_prefill_announced_awaited_and_load
     off = HurrayConfig.from_vllm(_vllm_config({**extra, "hurray_tails": "false"}, block_size=4), None)  # type: ignore[arg-type]
     sched = HurrayScheduler(off, store, tail.fingerprint, ns)
     assert sched.get_num_new_matched_tokens(again, 0) == (0, False)  # type: ignore[arg-type]
+
+
+def test_the_connector_tells_vllm_it_is_a_best_effort_cache() -> None:
+    """vLLM would otherwise drop a preempted producer's in-flight output under asynchronous scheduling."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector import HurrayConnector
+
+    assert object.__new__(HurrayConnector).requires_kv_delivery is False

@@ -191,6 +191,19 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         assert part is not None
         return part.stats
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache. Read by vLLM's scheduler once, at start.
+
+        A save copies its blocks out of the cache within the step that plans
+        it, and ``request_finished`` never holds a request's blocks: a
+        preempted request has no hand-off pending, and a save that did not
+        happen is a later cache miss. True (the base class's default for
+        producers) would make vLLM drop a preempted request's output still in
+        flight under asynchronous scheduling, and sample it again.
+        """
+        return False
+
     def _sched(self) -> HurrayScheduler:
         assert self._scheduler is not None, "a scheduler-side method called on a worker-role HurrayConnector"
         return self._scheduler
