@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.paged import BlockPagedTensor, zero_slots_
 from ..kv.repage import check_budget, check_memory
 from ..kv.snapshot import TARGET_LAYERS, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
@@ -908,14 +908,42 @@ def _token_positions(
 def _token_lists(
     token_ids: Sequence[Sequence[int]] | torch.Tensor, positions: list[torch.Tensor], total: int
 ) -> list[tuple[int, ...]]:
+    """Per sequence, its token ids: a tensor's padding dropped where its columns line up with the cache's.
+
+    A ``[batch, W]`` tensor is the padded batch when ``W == T``, or when
+    ``W > T`` and some sequence has padding (``generate``'s output: the
+    padded input, then the sampled columns). Its first ``T`` columns are
+    the cache's, of which ``positions`` keeps each sequence's own; columns
+    ``T..W-1`` follow as sampled tokens. Narrower tensors and lists are
+    taken row by row (a padded row is at least ``T`` wide).
+
+    Raises:
+        HurrayArgumentError: (field ``token_ids``) a ``[batch, W > T]``
+            tensor where every sequence has the same padding, so unpadded
+            rows with ``W - n`` sampled tokens would fit it as well.
+        HurrayFormatError: (field ``token_ids``) a tensor that is not
+            ``[batch, tokens]``, or fewer ids than tokens with KV.
+    """
     batch = len(positions)
     if isinstance(token_ids, torch.Tensor):
         ids = token_ids.reshape(1, -1) if token_ids.dim() == 1 else token_ids
         if ids.dim() != 2 or ids.shape[0] != batch:
             raise HurrayFormatError("token_ids", f"expected [batch={batch}, tokens], got {list(token_ids.shape)}")
         rows = ids.cpu().tolist()
-        if ids.shape[1] == total:  # a padded batch as fed to the model: keep each sequence's own tokens
-            rows = [[rows[b][j] for j in positions[b].tolist()] for b in range(batch)]
+        width = int(ids.shape[1])
+        lens = [int(p.numel()) for p in positions]
+        padded = any(n != total for n in lens)
+        if width > total and padded and len(set(lens)) == 1:
+            raise HurrayArgumentError(
+                "token_ids",
+                f"a [{batch}, {width}] tensor for a cache of {total} tokens, every sequence holding {lens[0]} "
+                f"(attention_mask / seq_lens): it may be the padded batch and {width - total} sampled columns, "
+                f"or unpadded ids and {width - lens[0]} sampled tokens; pass per-sequence lists instead",
+            )
+        if width == total or (width > total and padded):
+            # The padded batch as fed to the model (then generate's sampled columns, which have no KV):
+            # keep each sequence's own cached tokens, then the columns after the cache's.
+            rows = [[row[j] for j in positions[b].tolist()] + row[total:] for b, row in enumerate(rows)]
     else:
         rows = [list(r) for r in token_ids]
         if len(rows) != batch:
@@ -954,7 +982,12 @@ def from_transformers(
             optionally followed by the sampled tokens that have none yet (a
             continuation feeds them). A ``[batch, T]`` tensor of the padded
             model input is accepted too: its padding is dropped by
-            ``seq_lens`` / ``attention_mask``.
+            ``seq_lens`` / ``attention_mask``. So is a padded ``[batch, W > T]``
+            tensor (``generate``'s output: the padded input, then sampled
+            columns): its first ``T`` columns are the cache's, whose padding
+            is dropped, and the columns after them are every sequence's
+            sampled tokens. A tensor narrower than ``T``, or one without
+            padding, is read row by row.
         page_size: tokens per page.
         fingerprint: the model's fingerprint (see :func:`fingerprint_from_config`);
             checked against the cache's geometry and dtype.
@@ -983,6 +1016,10 @@ def from_transformers(
     Raises:
         HurrayFormatError: inconsistent shapes, lengths, token ids, or a
             fingerprint that does not match the cache.
+        HurrayArgumentError: (field ``token_ids``) a ``[batch, W > T]``
+            tensor where every sequence has the same padding: padded input
+            and sampled columns cannot be told from unpadded rows (pass
+            per-sequence lists).
     """
     if page_size < 1:
         raise HurrayFormatError("page_size", f"page_size must be positive, not {page_size}")

@@ -271,6 +271,24 @@ class HeadRange:
         stop = f.integer("stop", lo=start + 1, hi=total)
         return cls(start, stop, total)
 
+    def violations(self) -> list[Violation]:
+        """What a reader refuses in this range: integers ``0 <= start < stop <= total``, ``1 <= total <= 65536``.
+
+        The constructor takes any values (:attr:`KVSnapshot.head_range` of a
+        snapshot without layers is ``HeadRange(0, 0, 1)``); a snapshot's
+        :meth:`~KVSnapshot.validate` reports these, with the fields
+        :meth:`from_json` names, so that what ``validate`` passes loads.
+
+        Example:
+            >>> [str(v) for v in HeadRange(3, 5, 4).violations()]
+            ['snapshot.heads.stop: 5 is outside [4, 4]']
+        """
+        try:
+            HeadRange.from_json(self.to_json())  # the reader's own rules: validate and load cannot drift apart
+        except HurrayFormatError as exc:
+            return list(exc.violations)
+        return []
+
 
 #: The roles of a key/value layer and of a fused (MLA latent) layer, in the order layers hold them.
 KV_ROLES = ("key", "value")
@@ -511,11 +529,15 @@ class KVSnapshot:
             )
         fp = self.fingerprint
         windows = self.windows
+        states = self.states
+        if states is not None and states.attention:  # the recorded indices of the layers kept
+            states = replace(states, attention=states.attention[:n])
         return self.with_layers(
             self.layer_members()[:n],
             fingerprint=replace(fp, num_layers=n, weights_digest=None) if fp is not None else None,
             kv_scales=self.kv_scales[:n] if self.kv_scales is not None else None,
             windows=replace(windows, sizes=windows.sizes[:n], kv_start=windows.kv_start[:n]) if windows else None,
+            states=states,
             extra={k: v for k, v in self.extra.items() if k != TARGET_LAYERS},
         )
 
@@ -585,6 +607,16 @@ class KVSnapshot:
                 for t in members[1:]
             ):
                 found.append(Violation("snapshot.structure", f"layer {i} key and value differ in block structure"))
+            for t in members[1:]:
+                # A layer group stores one seq_lens member (the first role's): another role's would be lost.
+                differ = _seq_lens_differ(t.seq_lens, first.seq_lens)
+                if differ:
+                    found.append(
+                        Violation(
+                            "snapshot.structure",
+                            f"layer {i} {t.kv_role} and {first.kv_role} differ in seq_lens ({differ})",
+                        )
+                    )
         if self.fused and self.latent is not None:
             lat = self.latent
             for i, t in enumerate(self.fused):
@@ -603,6 +635,14 @@ class KVSnapshot:
             for i, k in enumerate(lead[1:], 1):
                 if k.num_seqs != k0.num_seqs or not (k.seq_ptr is k0.seq_ptr or torch.equal(k.seq_ptr, k0.seq_ptr)):
                     found.append(Violation("snapshot.structure", f"layer {i} has another batch than layer 0"))
+                    continue
+                # Every layer holds every token of a sequence (a sliding-window layer too: its dropped
+                # pages point to a zeroed page, docs/format.md 2.3b), so all share layer 0's lengths.
+                differ = _seq_lens_differ(k.seq_lens, k0.seq_lens)
+                if differ:
+                    found.append(
+                        Violation("snapshot.structure", f"layer {i} and layer 0 differ in seq_lens ({differ})")
+                    )
             if self.token_ids and len(self.token_ids) != k0.num_seqs:
                 found.append(
                     Violation("snapshot.token_ids", f"{len(self.token_ids)} token lists for {k0.num_seqs} sequences")
@@ -626,6 +666,8 @@ class KVSnapshot:
                 found.append(Violation("snapshot.kv_scales", f"layer {i}: scales {pair} must be finite and positive"))
                 break
         found.extend(self._window_violations())
+        heads_bad = self.heads.violations() if self.heads is not None else []
+        found.extend(heads_bad)
         if self.heads is not None and lead and any(t.num_heads != self.heads.count for t in self.tensors()):
             found.append(
                 Violation(
@@ -639,7 +681,7 @@ class KVSnapshot:
             found.append(Violation("snapshot.heads", "the slice's total heads differ from the fingerprint's"))
         if self.states is not None:
             found.extend(self.states.violations())
-        if self.states is not None and not self.states.part_violations():  # a valid part, or whole
+        if self.states is not None and not heads_bad and not self.states.part_violations():  # valid parts, or whole
             # A slice of the heads carries the same part of the states (one rank's share of both).
             h = self.heads
             if self.states.fraction != part_fraction((h.start, h.stop, h.total) if h is not None else None):
@@ -656,6 +698,15 @@ class KVSnapshot:
                     Violation(
                         "snapshot.states.positions",
                         f"states for {self.states.num_seqs} sequences, the snapshot has {self.num_seqs}",
+                    )
+                )
+            attention = self.states.attention
+            if attention and self._lead and len(attention) != self.num_layers:
+                # One model index per layer: a short list leaves a layer's KV out of an import.
+                found.append(
+                    Violation(
+                        "snapshot.states.attention_layers",
+                        f"{len(attention)} attention layer indices {list(attention)[:8]} for {self.num_layers} layers",
                     )
                 )
         if self.fused and self.kv_scales is not None and any(len(p) == 2 and p[0] != p[1] for p in self.kv_scales):
@@ -717,3 +768,18 @@ class KVSnapshot:
             f"KVSnapshot(num_layers={self.num_layers}, num_seqs={k.num_seqs}, page_size={k.page_size}, "
             f"num_pages={k.num_pages}, heads={k.num_heads}, head_dim={k.head_dim}, dtype={k.dtype}{latent})"
         )
+
+
+def _seq_lens_differ(a: torch.Tensor | None, b: torch.Tensor | None) -> str:
+    """How two members' ``seq_lens`` differ, for a message; ``""`` when they are equal (one tensor comparison)."""
+    if a is b:
+        return ""
+    if a is None or b is None:
+        return "one carries sequence lengths, the other none"
+    if a.shape != b.shape:
+        return f"{a.numel()} lengths and {b.numel()}"
+    b = b.to(a.device)
+    if torch.equal(a, b):
+        return ""
+    s = int((a != b).reshape(-1).nonzero()[0])
+    return f"sequence {s}: {int(a.reshape(-1)[s])} tokens and {int(b.reshape(-1)[s])}"

@@ -62,6 +62,9 @@ class RecurrentStates:
         attention: the model indices of the snapshot's attention layers (its
             ``layers.{i}``), when the exporter knows them; otherwise they are
             the model layers :attr:`layers` leaves (:meth:`attention_layers`).
+            When recorded: one per snapshot layer, strictly increasing, none
+            of them a state layer (:meth:`~hurray_vllm.kv.snapshot.KVSnapshot.validate`
+            checks the count).
         layout: ``""`` for the layout above; an engine-specific name (such as
             ``"vllm-cuda-SD"``) for kinds whose memory layout is not
             normalized, which only the same layout may load.
@@ -205,8 +208,18 @@ class RecurrentStates:
 
         :attr:`attention` when the exporter recorded it, else the model layers
         no state layer takes, in order.
+
+        Raises:
+            HurrayFormatError: (field ``snapshot.states.attention_layers``) the
+                recorded indices are fewer than ``num_attention_layers``.
         """
         if self.attention:
+            if len(self.attention) < num_attention_layers:
+                # A short list would leave the last layers' KV out of an import, silently.
+                raise HurrayFormatError(
+                    "snapshot.states.attention_layers",
+                    f"{len(self.attention)} attention layer indices recorded for {num_attention_layers} layers",
+                )
             return list(self.attention[:num_attention_layers])
         taken = set(self.layers)
         out: list[int] = []
@@ -258,6 +271,14 @@ class RecurrentStates:
             found.append(Violation("snapshot.states.layers", f"layer indices {list(self.layers)} repeat or are < 0"))
         if set(self.attention) & set(self.layers) or any(i < 0 for i in self.attention):
             found.append(Violation("snapshot.states.attention_layers", "attention layers overlap state layers"))
+        elif any(b <= a for a, b in itertools.pairwise(self.attention)):
+            # The snapshot's layers are in model order: layer i is model layer attention[i].
+            found.append(
+                Violation(
+                    "snapshot.states.attention_layers",
+                    f"{list(self.attention)[:16]}: model layer indices must be strictly increasing",
+                )
+            )
         if not _good_names(self.names):
             found.append(
                 Violation("snapshot.states.names", f"{list(self.names)}: expected 1 to 16 distinct identifiers")

@@ -410,6 +410,52 @@ def test_identical_pages_are_shared() -> None:
     assert unshared.keys[0].num_pages == 9 and unshared.sharing().shared_pages == 0
 
 
+@pytest.mark.parametrize(
+    ("mask", "kw"),
+    [
+        ([[0, 1, 1], [1, 1, 1]], "attention_mask"),  # left padding
+        ([[1, 1, 0], [1, 1, 1]], "attention_mask"),  # right padding, by mask
+        ([[1, 1, 0], [1, 1, 1]], "seq_lens"),  # right padding, by lengths
+    ],
+    ids=["left-mask", "right-mask", "right-seq_lens"],
+)
+def test_a_padded_tensor_wider_than_the_cache_keeps_the_sampled_columns(mask: list[list[int]], kw: str) -> None:
+    """generate's output (the padded input, then a sampled column): the padding goes, the sampled token stays."""
+    torch.manual_seed(0)
+    kv = [(torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)) for _ in range(2)]
+    m = torch.tensor(mask)
+    ids = torch.where(m.bool(), torch.tensor([[11, 12, 13], [21, 22, 23]]), 0)  # pads are token 0
+    ids = torch.cat([ids, torch.tensor([[19], [29]])], dim=1)  # the sampled column, after the cache's T
+    arg: dict[str, Any] = {"attention_mask": m} if kw == "attention_mask" else {"seq_lens": m.sum(1)}
+    snap = tfa.from_transformers(kv, ids, page_size=2, **arg)
+    own = [
+        [t for t, keep in zip(row, mrow, strict=False) if keep] for row, mrow in zip(ids.tolist(), mask, strict=True)
+    ]
+    assert snap.seq_lens == [2, 3]
+    assert [list(t) for t in snap.token_ids] == [own[0] + [19], own[1] + [29]]
+    for b in range(2):  # the KV of a sequence's tokens, labelled with those tokens
+        slots = torch.nonzero(m[b]).reshape(-1)
+        assert torch.equal(snap[1, "key"].to_dense(b), kv[1][0][b].index_select(1, slots).transpose(0, 1))
+    # The [batch, T] input itself, and per-sequence lists, give the same tokens with KV.
+    assert tfa.from_transformers(kv, ids[:, :3], page_size=2, **arg).token_ids == tuple(map(tuple, own))
+    assert tfa.from_transformers(kv, [own[0] + [19], own[1] + [29]], page_size=2, **arg).token_ids == snap.token_ids
+
+
+def test_a_wide_tensor_with_the_same_padding_in_every_row_is_refused_as_ambiguous() -> None:
+    """Every row padded alike: padded input + 1 sampled column, or unpadded rows + 2 sampled tokens? Not guessed."""
+    kv = [(torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8))]
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
+    ids = torch.tensor([[0, 11, 12, 19], [0, 21, 22, 29]])
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        tfa.from_transformers(kv, ids, attention_mask=mask, page_size=2)
+    assert err.value.field == "token_ids" and not isinstance(err.value, hv.HurrayFormatError)
+    lists = [[11, 12, 19], [21, 22, 29]]  # the way out the message names
+    assert tfa.from_transformers(kv, lists, attention_mask=mask, page_size=2).token_ids == tuple(map(tuple, lists))
+    # Without padding, a wide tensor is its rows: tokens with KV, then the sampled ones.
+    full = tfa.from_transformers(kv, ids, page_size=2)
+    assert full.token_ids == ((0, 11, 12, 19), (0, 21, 22, 29)) and full.seq_lens == [3, 3]
+
+
 # ── refusals ───────────────────────────────────────────────────────────────
 
 

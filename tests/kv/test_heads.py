@@ -199,3 +199,35 @@ def test_tp_snapshots_of_hybrids_whose_states_cannot_split_are_refused_before_an
     with pytest.raises(hv.HurrayFormatError, match="use snapshot"):  # ... whose file would need both ranks' shares
         engine._refuse_split_states(llm("gdn_attn", 1, 2), "snapshot_ranks() files", per_rank=True)
     engine._refuse_split_states(llm("mamba2", 1, 1), "snapshots")  # at TP = 1 every state is whole: fine
+
+
+@pytest.mark.parametrize(
+    ("start", "stop", "total", "field"),
+    [
+        (3, 5, 4, "snapshot.heads.stop"),  # past the model's heads
+        (0, 2, 1, "snapshot.heads.stop"),  # more heads than the model has
+        (-1, 1, 4, "snapshot.heads.start"),  # before the first head
+        (0, 2, 0, "snapshot.heads.total"),  # a model without heads
+    ],
+)
+def test_validate_refuses_the_head_ranges_load_refuses(  # type: ignore[no-untyped-def]
+    tmp_path, start: int, stop: int, total: int, field: str
+) -> None:
+    """What validate passes loads: a slice outside the model's heads is a violation in memory, as in the header."""
+    from synthetic import make_snapshot
+
+    snap = replace(make_snapshot([6, 3], [0, 1], 4, heads=2, dim=8), heads=hv.HeadRange(start, stop, total))
+    assert field in [v.invariant for v in snap.validate().violations]
+    hv.save(snap, tmp_path / "bad.hrry")  # save writes what it is given; the reader refuses it
+    with pytest.raises(hv.HurrayFormatError) as err:
+        hv.load(tmp_path / "bad.hrry")
+    assert err.value.field == field
+
+
+def test_a_head_range_inside_the_model_validates_and_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from synthetic import make_snapshot
+
+    snap = replace(make_snapshot([6, 3], [0, 1], 4, heads=2, dim=8), heads=hv.HeadRange(2, 4, 4))
+    assert snap.validate().ok and hv.HeadRange(2, 4, 4).violations() == []
+    hv.save(snap, tmp_path / "ok.hrry")
+    assert hv.load(tmp_path / "ok.hrry").heads == hv.HeadRange(2, 4, 4)

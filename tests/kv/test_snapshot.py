@@ -1,4 +1,5 @@
-"""``KVSnapshot.without_drafter``: the model's layers of a snapshot whose trailing layers are a drafter's."""
+"""``KVSnapshot``'s own rules: ``without_drafter`` (the model's layers of a snapshot whose trailing layers are a
+drafter's), and the structure every layer and role shares (``validate``, as the readers apply it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
@@ -53,3 +55,42 @@ def test_without_drafter_refuses_what_is_not_a_layer_count(value: Any) -> None:
     with pytest.raises(HurrayFormatError) as err:
         snap.without_drafter()
     assert err.value.field == f"extra.{TARGET_LAYERS}"
+
+
+def _other_lens(t: hv.BlockPagedTensor) -> hv.BlockPagedTensor:
+    """``t`` with lengths 5 and 4 instead of 6 and 3: the same pages, so valid on its own."""
+    return replace(t, seq_lens=torch.tensor([5, 4]), num_tokens=None)
+
+
+def test_a_value_whose_seq_lens_differ_from_its_keys_is_a_violation() -> None:
+    """A layer group stores the key's seq_lens only: a value's own would be replaced on write, silently."""
+    snap = spec_example_snapshot(2)
+    bad = replace(snap, values=(snap.values[0], _other_lens(snap.values[1])))
+    assert bad.values[1].validate().ok  # nothing wrong with the tensor itself
+    found = [v for v in bad.validate().violations if v.invariant == "snapshot.structure"]
+    assert len(found) == 1 and "layer 1 value and key differ in seq_lens" in found[0].message
+    assert "sequence 0: 5 tokens and 6" in found[0].message
+
+
+def test_a_layer_whose_seq_lens_differ_from_layer_0s_is_a_violation_and_not_loaded(tmp_path: Path) -> None:
+    snap = spec_example_snapshot(3)
+    bad = replace(
+        snap, keys=(*snap.keys[:2], _other_lens(snap.keys[2])), values=(*snap.values[:2], _other_lens(snap.values[2]))
+    )
+    found = [v for v in bad.validate().violations if v.invariant == "snapshot.structure"]
+    assert [v.message for v in found] == ["layer 2 and layer 0 differ in seq_lens (sequence 0: 5 tokens and 6)"]
+    hv.save(bad, tmp_path / "bad.hrry")  # each layer group carries its own seq_lens: the file says it too
+    with pytest.raises(HurrayFormatError) as err:
+        hv.load(tmp_path / "bad.hrry")
+    assert err.value.field == "snapshot.structure"
+
+
+def test_equal_seq_lens_in_other_tensors_are_one_structure(tmp_path: Path) -> None:
+    """Layers of different KV cache groups (a sliding-window hybrid) hold their own tensors of the same lengths."""
+    snap = spec_example_snapshot(2)
+    lens = torch.tensor([6, 3], dtype=torch.int32)  # another tensor, another dtype: the same lengths
+    other = [replace(t, seq_lens=lens.clone()) for t in (snap.keys[1], snap.values[1])]
+    same = replace(snap, keys=(snap.keys[0], other[0]), values=(snap.values[0], other[1]))
+    assert same.validate().ok
+    hv.save(same, tmp_path / "same.hrry")
+    assert hv.load(tmp_path / "same.hrry").seq_lens == [6, 3]

@@ -184,3 +184,56 @@ def test_block_paged_importers_refuse_a_snapshot_with_states() -> None:
         with pytest.raises(hv.HurrayFormatError, match="linear-attention") as err:
             importer(snap, 0)
         assert err.value.field == "snapshot.states"
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        (3,),  # one index for two layers: layer 1's KV would go nowhere
+        (3, 4, 5),  # three for two
+        (4, 3),  # not in model order
+        (3, 3),  # twice the same model layer
+        (-1, 3),
+        (2, 3),  # model layer 2 is a state layer
+    ],
+)
+def test_recorded_attention_layers_are_one_per_layer_in_model_order(tmp_path: Path, attention: tuple[int, ...]) -> None:
+    """What validate passes loads, and a recorded list that does not name every layer's model layer is neither."""
+    snap = _hybrid()
+    bad = replace(snap, states=replace(snap.states, attention=attention))
+    assert "snapshot.states.attention_layers" in [v.invariant for v in bad.validate().violations]
+    hv.save(bad, tmp_path / "bad.hrry")  # save writes what it is given; the reader refuses it
+    with pytest.raises(hv.HurrayFormatError) as err:
+        hv.load(tmp_path / "bad.hrry")
+    assert err.value.field == "snapshot.states.attention_layers"
+
+
+def test_a_short_attention_list_is_refused_where_layers_are_placed() -> None:
+    """An importer that places layers by the recorded indices refuses a list shorter than the layers."""
+    states = replace(_hybrid().states, attention=(3,))
+    with pytest.raises(hv.HurrayFormatError) as err:
+        states.attention_layers(2)
+    assert err.value.field == "snapshot.states.attention_layers"
+    assert states.attention_layers(1) == [3]
+
+
+def test_without_drafter_keeps_the_attention_indices_of_the_models_layers() -> None:
+    from hurray_vllm.kv.snapshot import TARGET_LAYERS
+
+    snap = _hybrid()
+    drafter = replace(snap.keys[1], layer_index=2), replace(snap.values[1], layer_index=2)
+    both = snap.with_layers(
+        [*snap.layer_members(), drafter],
+        states=replace(snap.states, attention=(3, 4, 5)),
+        fingerprint=replace(snap.fingerprint, num_layers=3),
+        extra={TARGET_LAYERS: 2},
+    )
+    assert both.validate().ok
+    model = both.without_drafter()
+    assert model.states is not None and model.states.attention == (3, 4) and model.validate().ok
+
+
+def test_a_head_range_of_no_heads_is_a_violation_beside_states_not_a_crash() -> None:
+    """The states' part is compared with the head slice only when the slice is one a reader accepts."""
+    snap = replace(_hybrid(), heads=hv.HeadRange(0, 2, 0), fingerprint=None)
+    assert [v.invariant for v in snap.validate().violations] == ["snapshot.heads.total"]
