@@ -129,6 +129,7 @@ def main() -> None:
             done = steps()
             for i, (t, text, finish, stop) in enumerate(done):
                 if len(prompt) < break_at == len(prompt) + i:
+                    await asyncio.sleep(0.2)  # the events before it reach the client first, then the connection breaks
                     raise ConnectionResetError("--break-at-context")  # a first leg breaks off here
                 await asyncio.sleep(delay)
                 choice = {"index": 0, "text": text, "token_ids": [t], "finish_reason": finish}
