@@ -172,7 +172,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
     c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
     c._unpushed, c._push_backoff, c._closing, c._last_ec = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False, None
-    c._cut_short = False
+    c._cut_short, c._failed_this_step, c._tp = False, False, 1
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
@@ -1090,3 +1090,18 @@ def test_the_connector_tells_vllm_it_is_a_best_effort_cache() -> None:
     from hurray_vllm.adapters.vllm.connector import HurrayConnector
 
     assert object.__new__(HurrayConnector).requires_kv_delivery is False
+
+
+def test_a_step_whose_synchronous_load_failed_stores_none_of_its_chunks(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """Its forward pass read blocks the load did not write: what it completed may hold wrong KV (and would be
+    found by key and loaded elsewhere). The next step, recomputing, saves again."""
+    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c._sender, c._url, c._async = None, None, True
+    task = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2])
+    c._failed_this_step = True  # what _fail sets for a synchronous load
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
+    assert c.flush(timeout=10) and not c._store.has(c._ns, task.key) and c.stats.saves_dropped == 1
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))  # the flag was this step's only
+    assert c.flush(timeout=10) and c._store.has(c._ns, task.key) and c.stats.chunks_saved == 1

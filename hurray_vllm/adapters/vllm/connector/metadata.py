@@ -133,6 +133,9 @@ class ConnectorStats:
     #: Loads that failed on the worker after the scheduler promised them (a file gone, I/O): recomputed.
     #: Counted by each worker; by the scheduler too for asynchronous loads (``config.async_loads``).
     loads_failed: int = 0
+    #: worker: chunks (and tails) a step completed while one of its synchronous loads had failed: not saved,
+    #: since its forward pass read blocks the load did not write (saved once recomputed).
+    saves_dropped: int = 0
     save_s: float = 0.0  # worker: wall time the steps spent saving (with async saves: copying the blocks out)
     load_s: float = 0.0  # worker: wall time the steps spent loading (reading, checking, writing blocks)
 

@@ -276,6 +276,7 @@ class HurrayWorker:
         self.stats = ConnectorStats()
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
+        self._failed_this_step = False  # a synchronous load of this step failed (its saves are not kept)
         # Asynchronous loads (``LoadTask.report``) done in this step, and those of them that failed.
         self._received: set[str] = set()
         self._failed: set[str] = set()
@@ -401,6 +402,7 @@ class HurrayWorker:
             self._failed.add(task.request_id)
         else:
             self._load_errors.update(_task_blocks(task))
+            self._failed_this_step = True  # the forward pass will read blocks not written: see wait_for_save
 
     def _plan_writes(
         self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]
@@ -587,14 +589,32 @@ class HurrayWorker:
         (:meth:`_gather_states`): this step then waits for the other ranks.
         """
         t0 = time.perf_counter()
+        failed, self._failed_this_step = self._failed_this_step, False
         try:
             # Every rank, the replicas too, takes part in the gather (a collective, in the same order).
             gathered = self._gather_states(meta.saves) if self._shares_states and meta.saves else None
-            if meta.saves and self._saves_here:
+            if meta.saves and meta.loads and self._tp > 1:
+                failed = self._any_rank(failed)  # every rank, on the same metadata: the collectives line up
+            if meta.saves and failed:
+                # This step's forward pass attended to blocks a synchronous load did not write (vLLM recomputes
+                # them next): every chunk it completed may hold wrong KV, this request's or one sharing its
+                # blocks. None is stored; the scheduler plans them again as they are recomputed.
+                log.warning("hurray: a load failed in this step; not saving its %d chunks", len(meta.saves))
+                self.stats.saves_dropped += len(meta.saves)
+            elif meta.saves and self._saves_here:
                 self._save(meta, gathered)
         finally:
             if meta.saves and self._saves_here:
                 self.stats.save_s += time.perf_counter() - t0
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any tensor-parallel rank (a collective: every rank calls it in the same step)."""
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return bool(t.item())
 
     def _gather_states(self, saves: list[SaveTask]) -> _Gathered:
         """This step's chunk states, each joined from every rank's share and cut to the heads this rank saves.
