@@ -185,21 +185,33 @@ def check_import_memory(
 ) -> None:
     """Refuse an import of every layer whose new pools no device could hold, before the first is allocated.
 
+    The pools of every layer end up on ``device`` together, in their output
+    dtype. Each is built where the snapshot lies, one layer at a time (at
+    the larger of the pool's and the output's itemsize while it converts):
+    there, one layer is counted besides the results when they stay.
+
     Args:
         snapshot: the batch being imported.
         slots: token slots of each new pool (pages x page size), the same for every layer and role.
-        out_dtype: each tensor's dtype in the new pool (the larger of it and the pool's is counted: a
-            conversion holds both).
-        device: where the pools go (``None``: the snapshot's device), besides where they are built.
+        out_dtype: each tensor's dtype in the new pool.
+        device: where the pools go (``None``: where the snapshot lies).
+
+    Raises:
+        OSError: ``ENOMEM`` (see :func:`~hurray_vllm.kv.repage.check_memory`).
     """
     tensors = snapshot.tensors()
     if not tensors:
         return
-    total = sum(
-        slots * t.num_heads * t.head_dim * max(t.page_pool.element_size(), out_dtype(t).itemsize) for t in tensors
-    )
     built = tensors[0].page_pool.device
+    target = torch.device(device) if device is not None else built
+    out = sum(slots * t.num_heads * t.head_dim * out_dtype(t).itemsize for t in tensors)
+    layer = max(
+        sum(slots * t.num_heads * t.head_dim * max(t.page_pool.element_size(), out_dtype(t).itemsize) for t in members)
+        for members in snapshot.layer_members()
+    )
     what = f"importing {snapshot.num_layers} layers of {slots} token slots"
-    check_memory(total, what, built)
-    if device is not None and torch.device(device) != built:
-        check_memory(total, what, device)
+    if target == built:
+        check_memory(out + layer, what, built)
+    else:
+        check_memory(layer, what, built)
+        check_memory(out, what, target)

@@ -481,12 +481,18 @@ def to_dynamic_cache(
     n = snapshot.seq_lens[seq] if length is None else length
     _check_windows_held(snapshot, seq, n)
     # Every layer's dense keys and values at once: refused up front when no device could hold them.
-    tensors = snapshot.tensors()
-    item = max(dtype.itemsize, tensors[0].page_pool.element_size())
-    total = sum(-(-n // t.page_size) * t.page_size * t.num_heads * t.head_dim * item for t in tensors)
-    check_memory(total, f"a dense cache of sequence {seq}", tensors[0].page_pool.device)
-    if device is not None and torch.device(device) != tensors[0].page_pool.device:
-        check_memory(total, f"a dense cache of sequence {seq}", device)
+    # Every layer's keys and values end up in the cache together, in ``dtype``; each is gathered where the
+    # pools lie first (one layer at a time, in the pool's dtype too while it converts).
+    tensors, built = snapshot.tensors(), snapshot.tensors()[0].page_pool.device
+    tokens = [-(-n // t.page_size) * t.page_size * t.num_heads * t.head_dim for t in tensors]
+    out = sum(tokens) * dtype.itemsize
+    layer = 2 * max(tokens) * max(dtype.itemsize, tensors[0].page_pool.element_size())
+    what = f"a dense cache of sequence {seq}"
+    if device is None or torch.device(device) == built:
+        check_memory(out + layer, what, built)
+    else:
+        check_memory(layer, what, built)
+        check_memory(out, what, device)
     cache = _new_dynamic_cache(DynamicCache, model_config)
     states = snapshot.states
     # A linear-attention hybrid's attention layers are the model layers its states leave.

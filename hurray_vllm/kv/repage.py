@@ -21,6 +21,7 @@ CUDA tensors.
 from __future__ import annotations
 
 import bisect
+import errno
 import math
 import os
 import weakref
@@ -74,30 +75,37 @@ def device_memory(device: torch.device | str | None) -> int | None:
     dev = torch.device(device) if device is not None else torch.device("cpu")
     try:
         if dev.type == "cpu":
-            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-        if dev.type == "cuda":
-            return int(torch.cuda.get_device_properties(dev).total_memory)
-    except (ValueError, OSError, RuntimeError, AssertionError):  # no sysconf names, or no such CUDA device
+            have = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        elif dev.type == "cuda":
+            have = int(torch.cuda.get_device_properties(dev).total_memory)
+        else:
+            return None
+    except (ValueError, OSError, RuntimeError, AssertionError, AttributeError):  # no sysconf (Windows), no device
         return None
-    return None
+    return have if have > 0 else None
 
 
-def check_memory(nbytes: int, what: str, device: torch.device | str | None, field: str = "seq_lens") -> None:
+def check_memory(nbytes: int, what: str, device: torch.device | str | None) -> None:
     """Refuse an import that would allocate more than ``device`` has at all, before allocating any of it.
 
     Slots (:func:`check_budget`) bound a batch's expansion, not its bytes: a
     slot holds ``num_heads x head_dim`` values, and one layer of a file of a
     few MB can declare hundreds of GB. Such an import cannot succeed; tried,
     it ends in an out-of-memory kill, or a failed allocation half-way through
-    the layers. Counted for every layer together.
+    the layers. Callers count every layer that is held at once.
+
+    Raises:
+        OSError: ``ENOMEM``, as the readers raise when memory runs out: the
+            machine's limit, not a verdict on the data (which may be a
+            legitimate batch too large for this machine).
     """
     have = device_memory(device)
     if have is not None and nbytes > have:
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        raise HurrayFormatError(
-            field,
-            f"{what} would allocate {nbytes / 2**30:.1f} GiB on {dev}, which has {have / 2**30:.1f} GiB in all; "
-            "the batch declares more tokens than this machine can hold (pages repeat: check seq_lens)",
+        raise OSError(
+            errno.ENOMEM,
+            f"{what} would allocate {nbytes / 2**30:.1f} GiB on {dev}, which has {have / 2**30:.1f} GiB in all "
+            "(the batch's declared tokens: check seq_lens, or import fewer sequences at a time)",
         )
 
 
@@ -464,6 +472,12 @@ def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
             plans[key] = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
         return plans[key]
 
+    # Every layer's new pool is held at once: counted together, before the first is built.
+    total = sum(
+        plan_for(t).num_pages * page_size * t.num_heads * t.head_dim * t.page_pool.element_size()
+        for t in snap.tensors()
+    )
+    check_memory(total, f"repaging {snap.num_layers} layers", snap.tensors()[0].page_pool.device)
     return snap.with_layers(
         [tuple(repage(t, page_size, plan_for(t)) for t in members) for members in snap.layer_members()]
     )

@@ -116,7 +116,7 @@ def to_flashinfer_all(
             pages = plan.num_pages if plan is not None else k.num_pages
             _check_out(snapshot, k, plan, dtype, out[i], kv_layout, combined, pages, device)
     elif plan is not None:  # repaged into new pools (without, each layer keeps its own pool's size)
-        check_import_memory(snapshot, plan.num_pages * plan.page_size, lambda t: dtype or t.dtype, device)
+        check_import_memory(snapshot, plan.num_pages * plan.page_size, lambda t: _target_dtype(t.dtype, dtype), device)
     return tuple(
         to_flashinfer(
             snapshot,
