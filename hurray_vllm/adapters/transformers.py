@@ -465,7 +465,10 @@ def to_dynamic_cache(
 
     Raises:
         HurrayFormatError: the snapshot does not fit ``model_config``, has no
-            sequence lengths, or uses a quantization this adapter cannot undo.
+            sequence lengths, or uses a quantization this adapter cannot undo;
+            a sequence declaring more than ``MAX_IMPORT_SLOTS`` slots.
+        OSError: ``ENOMEM``: the dense cache is larger than the device's
+            memory (every layer together), before any of it is built.
     """
     from transformers import DynamicCache
 

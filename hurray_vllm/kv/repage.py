@@ -411,6 +411,8 @@ def repage(
             size, ``page_size`` is not positive, or ``out`` does not fit
             (see :func:`check_out_pool`).
         HurrayArgumentError: ``out`` shares memory with ``t``'s pool.
+        OSError: ``ENOMEM``: the new pool is larger than the device's memory
+            (:func:`check_memory`).
     """
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")

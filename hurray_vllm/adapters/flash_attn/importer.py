@@ -278,6 +278,8 @@ def to_flash_attn(
         HurrayFormatError: the snapshot's data (see :func:`plan_flash_attn`),
             a Hurray-quantized or non-float pool, a ``head_dim`` the flavor
             refuses.
+        OSError: ``ENOMEM``: the repaged pool is larger than the device's
+            memory (:func:`~hurray_vllm.kv.repage.check_memory`).
 
     Example:
         Import layer 0 with room for 16 decoded tokens, check the call as
@@ -355,6 +357,8 @@ def to_flash_attn_all(
             written.
         HurrayArgumentError: as for :func:`to_flash_attn`.
         HurrayFormatError: as for :func:`to_flash_attn`.
+        OSError: ``ENOMEM``: every layer's new pools together are larger
+            than the device's memory, before the first is built.
     """
     if out is not None and len(out) != snapshot.num_layers:
         raise ImportArgumentError("out", f"has {len(out)} cache pairs for {snapshot.num_layers} layers")

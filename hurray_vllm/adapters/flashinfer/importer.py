@@ -99,6 +99,8 @@ def to_flashinfer_all(
             written.
         HurrayFormatError: the snapshot's data does not fit (see
             :func:`to_flashinfer`).
+        OSError: ``ENOMEM``: every layer's repaged pools together are larger
+            than the device's memory, before the first is built.
     """
     if out is not None and len(out) != snapshot.num_layers:
         raise ImportArgumentError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
@@ -203,6 +205,8 @@ def to_flashinfer(
             inconsistent block structure, key and value pools that differ,
             integer or affine-quantized pools, ``kv_scales`` not one pair per
             layer, more pages than int32 indices hold.
+        OSError: ``ENOMEM``: the repaged pool is larger than the device's
+            memory.
 
     Example:
         One layer, repaged to 16-token pages in the HND layout, checked as
