@@ -459,6 +459,12 @@ def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
     Most snapshots have one structure for every layer and role, so one plan
     serves all; a sliding-window hybrid's windowed layers hold other pages
     (``snap.windows``) and get their own.
+
+    Raises:
+        HurrayFormatError: a tensor without ``seq_lens``, or an inconsistent
+            block structure (see :func:`plan_repage`).
+        OSError: ``ENOMEM``: every layer's new pools together are larger than
+            the device's memory, before the first is built.
     """
     if not snap.num_layers or snap.page_size == page_size:
         return snap
