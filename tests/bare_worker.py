@@ -44,7 +44,7 @@ def bare_worker(
     w._chunk, w._block_size, w._my_heads = chunk_tokens, ec.block_size, mine
     w._verified_cap, w._verified_bytes, w._scope = 64, 1 << 30, ""
     w._layer_groups, w._windows, w._load_errors = {}, (), set()
-    w._received, w._failed, w._failed_this_step, w._tp = set(), set(), False, 1
+    w._received, w._failed, w._failed_steps, w._steps_in_flight, w._tp = set(), set(), 0, 1, 1
     w.stats = ConnectorStats()
     w._ec = ec
     return w

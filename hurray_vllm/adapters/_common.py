@@ -205,13 +205,15 @@ def check_import_memory(
     built = tensors[0].page_pool.device
     target = torch.device(device) if device is not None else built
     out = sum(slots * t.num_heads * t.head_dim * out_dtype(t).itemsize for t in tensors)
+    # A layer converted to another dtype holds its repaged pool besides the result, until the next layer.
     layer = max(
-        sum(slots * t.num_heads * t.head_dim * max(t.page_pool.element_size(), out_dtype(t).itemsize) for t in members)
+        sum(slots * t.num_heads * t.head_dim * t.page_pool.element_size() for t in members if out_dtype(t) != t.dtype)
         for members in snapshot.layer_members()
     )
     what = f"importing {snapshot.num_layers} layers of {slots} token slots"
     if target == built:
         check_memory(out + layer, what, built)
-    else:
-        check_memory(layer, what, built)
+    else:  # built a layer at a time (its pool, and the converted copy), then moved
+        check_memory(layer + max(sum(slots * t.num_heads * t.head_dim * out_dtype(t).itemsize for t in m)
+                                 for m in snapshot.layer_members()), what, built)  # fmt: skip
         check_memory(out, what, target)

@@ -285,6 +285,12 @@ def sequence_kv(
     MLA snapshot, the latent's two parts: the normalized compressed KV
     ``[1, n, kv_lora_rank]`` and the rotated k_pe ``[1, n, rope_dim]``
     (what transformers' MLA layers cache as their keys and values).
+
+    Raises:
+        HurrayFormatError: a sequence without lengths, more tokens asked than
+            it has, more than ``MAX_IMPORT_SLOTS`` slots, or a quantization
+            this adapter cannot undo.
+        OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
     """
     if snapshot.is_latent:
         return _latent_parts(snapshot, seq, layer, dtype=dtype, length=length)
@@ -404,6 +410,7 @@ def expand_latent(
     Raises:
         HurrayFormatError: the snapshot holds keys and values, or the model
             has no MLA layer ``layer``.
+        OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
     """
     if not snapshot.is_latent:
         raise HurrayFormatError("kv_role", "expand_latent needs an MLA snapshot (fused latents)")
@@ -691,6 +698,7 @@ def teacher_forced_logits(model: Any, snapshot: KVSnapshot, seq: int, tokens: Se
 
     Raises:
         HurrayFormatError: the snapshot does not fit the model or has no token ids.
+        OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
 
     Example:
         >>> from hurray_vllm.agreement import greedy_agreement
@@ -769,6 +777,7 @@ def continue_generation(
 
     Raises:
         HurrayFormatError: the snapshot does not fit the model or has no token ids.
+        OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
 
     Example:
         A tiny random Llama: prefill in transformers, page the cache, and

@@ -67,6 +67,7 @@ def to_flash_mla(
         HurrayArgumentError: ``page_size`` or ``reserve`` out of range.
         ImportArgumentError: ``layer`` is out of range (a
             :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
+        OSError: ``ENOMEM``: the repaged latent pool is larger than the device's memory.
 
     Example:
         >>> from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit

@@ -76,6 +76,7 @@ def to_flashinfer_mla(
         HurrayArgumentError: ``page_size`` is not positive.
         ImportArgumentError: ``layer`` is out of range (a
             :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
+        OSError: ``ENOMEM``: the repaged latent pool is larger than the device's memory.
 
     Example:
         >>> from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit

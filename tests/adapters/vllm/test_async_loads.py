@@ -77,7 +77,7 @@ def test_an_async_load_reports_its_request_and_a_vanished_file_fails_it_not_its_
     w = cpu_worker(store, ns)  # a synchronous load reports its blocks, as before
     w.start_load_kv(HurrayConnectorMetadata(loads=[dataclasses.replace(task, report=False)]))
     assert w.get_block_ids_with_load_errors() == set(BLOCKS) and w.get_transfer_results() == (set(), set())
-    assert w._failed_this_step  # and this step's saves are not kept (the forward pass reads those blocks)
+    assert w._failed_steps == 1  # and this step's saves are not kept (the forward pass reads those blocks)
 
 
 def test_a_worker_in_the_schedulers_process_writes_what_it_was_handed(tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
     c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
     c._unpushed, c._push_backoff, c._closing, c._last_ec = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False, None
-    c._cut_short, c._failed_this_step, c._tp = False, False, 1
+    c._cut_short, c._failed_steps, c._steps_in_flight, c._tp = False, 0, 1, 1
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
@@ -1100,8 +1100,15 @@ def test_a_step_whose_synchronous_load_failed_stores_none_of_its_chunks(  # type
     c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
     c._sender, c._url, c._async = None, None, True
     task = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2])
-    c._failed_this_step = True  # what _fail sets for a synchronous load
+    c._failed_steps = 1  # what _fail sets for a synchronous load
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
     assert c.flush(timeout=10) and not c._store.has(c._ns, task.key) and c.stats.saves_dropped == 1
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))  # the flag was this step's only
     assert c.flush(timeout=10) and c._store.has(c._ns, task.key) and c.stats.chunks_saved == 1
+    # With asynchronous scheduling the next step was scheduled before vLLM knew: its saves go too.
+    other = meta.SaveTask("r", "cd" * 8, list(range(8)), [3, 4])
+    c._failed_steps = c._steps_in_flight = 2
+    for _ in range(3):
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[other]))
+        assert c.flush(timeout=10)
+    assert c._store.has(c._ns, other.key) and c.stats.saves_dropped == 3 and c.stats.chunks_saved == 2

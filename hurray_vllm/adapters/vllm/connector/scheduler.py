@@ -635,6 +635,8 @@ class HurrayScheduler:
                 # (kv_load_failure_policy "recompute"). Those chunks are saved again as they are recomputed,
                 # and request_finished does not announce what the store may lack.
                 state.chunks_done = computed // self._chunk
+                if state.tail_end > computed:  # the prompt's tail too: planned again when the prefill ends again
+                    state.tail_planned, state.tail_end = False, 0
             done = computed + scheduler_output.num_scheduled_tokens[req_id]
             self._plan_saves(meta, req_id, state, done)
         return meta

@@ -276,7 +276,10 @@ class HurrayWorker:
         self.stats = ConnectorStats()
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
-        self._failed_this_step = False  # a synchronous load of this step failed (its saves are not kept)
+        # Steps whose saves are not kept: a synchronous load failed in one still in flight (see wait_for_save).
+        self._failed_steps = 0
+        sched = getattr(vllm_config, "scheduler_config", None)
+        self._steps_in_flight = 2 if getattr(sched, "async_scheduling", False) else 1
         # Asynchronous loads (``LoadTask.report``) done in this step, and those of them that failed.
         self._received: set[str] = set()
         self._failed: set[str] = set()
@@ -402,7 +405,9 @@ class HurrayWorker:
             self._failed.add(task.request_id)
         else:
             self._load_errors.update(_task_blocks(task))
-            self._failed_this_step = True  # the forward pass will read blocks not written: see wait_for_save
+            # This step's forward pass reads blocks not written (see wait_for_save); with asynchronous scheduling
+            # so does the next one, scheduled before vLLM learns of the failure.
+            self._failed_steps = self._steps_in_flight
 
     def _plan_writes(
         self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]
@@ -589,16 +594,17 @@ class HurrayWorker:
         (:meth:`_gather_states`): this step then waits for the other ranks.
         """
         t0 = time.perf_counter()
-        failed, self._failed_this_step = self._failed_this_step, False
+        failed = self._failed_steps > 0
+        self._failed_steps = max(0, self._failed_steps - 1)
         try:
             # Every rank, the replicas too, takes part in the gather (a collective, in the same order).
             gathered = self._gather_states(meta.saves) if self._shares_states and meta.saves else None
-            if meta.saves and meta.loads and self._tp > 1:
+            if meta.saves and self._tp > 1 and (meta.loads or self._steps_in_flight > 1):
                 failed = self._any_rank(failed)  # every rank, on the same metadata: the collectives line up
             if meta.saves and failed:
                 # This step's forward pass attended to blocks a synchronous load did not write (vLLM recomputes
-                # them next): every chunk it completed may hold wrong KV, this request's or one sharing its
-                # blocks. None is stored; the scheduler plans them again as they are recomputed.
+                # them after it): every chunk it completed may hold wrong KV, this request's or one sharing its
+                # blocks. None is stored; the scheduler plans those of the request vLLM moves back again.
                 log.warning("hurray: a load failed in this step; not saving its %d chunks", len(meta.saves))
                 self.stats.saves_dropped += len(meta.saves)
             elif meta.saves and self._saves_here:
