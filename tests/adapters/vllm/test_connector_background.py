@@ -171,7 +171,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
     c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
     c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
-    c._unpushed, c._push_backoff, c._closing, c._last_ec = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False, None
+    c._unpushed, c._push_backoff, c._closing = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False
     c._cut_short, c._failed_steps, c._steps_in_flight, c._tp = False, 0, 1, 1
     c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
     c._saves_here, c._my_heads = True, None  # TP = 1
@@ -196,7 +196,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
 
     c._export_chunk = export
     ec = SimpleNamespace(caches=[torch.zeros((16, 4))], states=None)
-    c._engine_cache = lambda: ec
+    c._engine_cache, c._ec = (lambda: ec), ec
     return c
 
 

@@ -288,7 +288,6 @@ class HurrayWorker:
         self._push_backoff = PUSH_BACKOFF_S  # the next pause: doubled by each failure in a row
         self._cut_short = False  # the push in flight was aborted here (a full queue, shutdown), not failed
         self._closing = False  # shutting down: nothing held back is pushed any more
-        self._last_ec: EngineCache | None = None  # the engine cache of the last save (for pushes from the store)
         # Chunks stored while pushing failed or paused, the oldest first: pushed (if the receiver lacks
         # them) before the next delivery's, so that one failure does not leave a hole for good.
         self._unpushed: OrderedDict[str, None] = OrderedDict()
@@ -733,11 +732,12 @@ class HurrayWorker:
     def _push_held_back(self) -> None:
         """The writer is idle: push on the chunks a failed push held back, once the pause is over.
 
-        Runs on the background writer, as a job of its own: without it they
-        would wait for the next delivery, which a finished request never has.
-        What it may block on: the network, as any push on the writer.
+        Runs on the background writer's thread when it has no job (not as a
+        job: ``flush`` does not wait for it); without it they would wait for
+        the next delivery, which a finished request never has. What it may
+        block on: the network, as any push on the writer.
         """
-        ec = self._last_ec
+        ec = self._ec  # described by the delivery that held them back
         if self._unpushed and ec is not None and not self._closing and time.monotonic() >= self._push_paused_until:
             self._deliver(ec, [], [])
 
@@ -926,7 +926,6 @@ class HurrayWorker:
         ``hurray_url`` a stored one still goes to the writer, which pushes it
         if this worker has not yet (pushes keep the order of the steps).
         """
-        self._last_ec = ec
         todo: list[SaveTask] = []
         order: list[SaveTask | None] = []  # the writer's items in order: a task to export, or None
         stored: list[SaveTask] = []  # ... whose None is this task, stored already: only pushed
