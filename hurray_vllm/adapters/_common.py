@@ -186,9 +186,9 @@ def check_import_memory(
     """Refuse an import of every layer whose new pools no device could hold, before the first is allocated.
 
     The pools of every layer end up on ``device`` together, in their output
-    dtype. Each is built where the snapshot lies, one layer at a time (at
-    the larger of the pool's and the output's itemsize while it converts):
-    there, one layer is counted besides the results when they stay.
+    dtype. Each is built where the snapshot lies, one layer at a time: a
+    layer converted to another dtype holds its repaged pool besides the
+    result until the next layer, so that much is counted there too.
 
     Args:
         snapshot: the batch being imported.
@@ -204,16 +204,14 @@ def check_import_memory(
         return
     built = tensors[0].page_pool.device
     target = torch.device(device) if device is not None else built
-    out = sum(slots * t.num_heads * t.head_dim * out_dtype(t).itemsize for t in tensors)
-    # A layer converted to another dtype holds its repaged pool besides the result, until the next layer.
-    layer = max(
-        sum(slots * t.num_heads * t.head_dim * t.page_pool.element_size() for t in members if out_dtype(t) != t.dtype)
-        for members in snapshot.layer_members()
-    )
+    results, converting = [], []  # per layer: its new pools' bytes; the repaged pools a conversion holds besides
+    for members in snapshot.layer_members():
+        values = [(slots * t.num_heads * t.head_dim, t) for t in members]  # each new pool's element count
+        results.append(sum(n * out_dtype(t).itemsize for n, t in values))
+        converting.append(sum(n * t.page_pool.element_size() for n, t in values if out_dtype(t) != t.dtype))
     what = f"importing {snapshot.num_layers} layers of {slots} token slots"
     if target == built:
-        check_memory(out + layer, what, built)
+        check_memory(sum(results) + max(converting), what, built)
     else:  # built a layer at a time (its pool, and the converted copy), then moved
-        check_memory(layer + max(sum(slots * t.num_heads * t.head_dim * out_dtype(t).itemsize for t in m)
-                                 for m in snapshot.layer_members()), what, built)  # fmt: skip
-        check_memory(out, what, target)
+        check_memory(max(converting) + max(results), what, built)
+        check_memory(sum(results), what, target)

@@ -319,8 +319,8 @@ def _dense(t: BlockPagedTensor, seq: int, n: int) -> torch.Tensor:
             f"{t.page_size}",
         )
     what = f"sequence {seq} of layer {t.layer_index} {t.kv_role}"
-    check_budget(int(pages.numel()) * t.page_size, what)
     slots = int(pages.numel()) * t.page_size
+    check_budget(slots, what)
     check_memory(slots * t.num_heads * t.head_dim * t.page_pool.element_size(), what, t.page_pool.device)
     dense = t.page_pool.index_select(0, pages.to(t.page_pool.device))
     return dense.reshape(-1, t.num_heads, t.head_dim)[:n]
@@ -490,10 +490,10 @@ def to_dynamic_cache(
     dtype = dtype or _default_dtype(snapshot, model_config)
     n = snapshot.seq_lens[seq] if length is None else length
     _check_windows_held(snapshot, seq, n)
-    # Every layer's dense keys and values at once: refused up front when no device could hold them.
     # Every layer's keys and values end up in the cache together, in ``dtype``; each is gathered where the
     # pools lie first (one layer at a time, in the pool's dtype too while it converts).
-    tensors, built = snapshot.tensors(), snapshot.tensors()[0].page_pool.device
+    tensors = snapshot.tensors()
+    built = tensors[0].page_pool.device
     tokens = [-(-n // t.page_size) * t.page_size * t.num_heads * t.head_dim for t in tensors]
     out = sum(tokens) * dtype.itemsize
     layer = 2 * max(tokens) * max(dtype.itemsize, tensors[0].page_pool.element_size())
