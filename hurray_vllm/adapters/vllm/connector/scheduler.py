@@ -610,7 +610,9 @@ class HurrayScheduler:
             start = new.num_computed_tokens
             if state.load is not None:
                 self._attach_load(meta, state, start, scheduler_output.num_scheduled_tokens[new.req_id])
-            self._plan_saves(meta, new.req_id, state, start + scheduler_output.num_scheduled_tokens[new.req_id])
+            self._plan_saves(
+                meta, new.req_id, state, start + scheduler_output.num_scheduled_tokens[new.req_id], freed_at=start
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -638,7 +640,10 @@ class HurrayScheduler:
                 if state.tail_end > computed:  # the prompt's tail too: planned again when the prefill ends again
                     state.tail_planned, state.tail_end = False, 0
             done = computed + scheduler_output.num_scheduled_tokens[req_id]
-            self._plan_saves(meta, req_id, state, done)
+            # vLLM freed this step's out-of-window blocks on the tokens its finished steps computed (this
+            # method runs before it counts the step's own tokens in flight).
+            freed_at = computed - getattr(state.request, "num_in_flight_tokens", 0)
+            self._plan_saves(meta, req_id, state, done, freed_at=freed_at)
         return meta
 
     def _attach_load(self, meta: HurrayConnectorMetadata, state: _Request, computed: int, scheduled: int) -> None:
@@ -684,7 +689,9 @@ class HurrayScheduler:
         whole = load.keys[: len(load.keys) - load.tail]  # a prompt's tail is no later request's
         meta.saves += [SaveTask(load.request_id, key, [], [], forward=True) for key in whole]
 
-    def _plan_saves(self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
+    def _plan_saves(
+        self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, computed: int, freed_at: int = 0
+    ) -> None:
         """Plan saves of the chunks ``computed`` tokens complete (those after this step's forward pass).
 
         With speculative decoding a step also computes draft tokens, which
@@ -695,6 +702,13 @@ class HurrayScheduler:
         scheduling the token ids trail ``computed`` by a token the same way.
         A chunk that only the request's last step completes is then not saved
         (no later step plans it): a consumer recomputes at most that chunk.
+
+        ``freed_at``: the tokens vLLM freed this step's sliding-window blocks
+        for (``computed - window + 1`` of them, whole blocks). A chunk planned
+        in a step that starts past its end (a speculative step accepted
+        drafts beyond it) may have lost more blocks than its own end frees:
+        vLLM may already have given them to another request, so they are
+        blanked too, and the chunk holds less of its window.
         """
         step_end, computed = computed, min(computed, len(state.request.all_token_ids))
         prev_end, state.prev_end = state.prev_end, step_end
@@ -711,6 +725,7 @@ class HurrayScheduler:
         per = self._chunk // self._block_size
         # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
+        kept_from = max(prompt_end, freed_at)  # no resume before either is kept (or could be)
         for c in range(state.chunks_done, full):
             # The engine holds the state where this step ends (uncapped: with asynchronous scheduling the
             # request's token ids trail it by a token) and, in "align" mode, where the step before ended.
@@ -729,7 +744,7 @@ class HurrayScheduler:
                     tokens[c * self._chunk : (c + 1) * self._chunk],
                     state.block_ids[c * per : (c + 1) * per],
                     groups=[
-                        self._chunk_blocks(g, w, c, per, prompt_end)
+                        self._chunk_blocks(g, w, c, per, kept_from)
                         for g, w in zip(state.groups, self._windows, strict=True)
                     ],
                     replace=replace,
@@ -802,7 +817,8 @@ class HurrayScheduler:
 
         A resume at the chunk's end ``E`` attends from ``E - window + 1`` on, a later
         one from further on: the blocks wholly before that are never read again.
-        ``resume`` (the "last" policy): no resume before it is kept either.
+        ``resume``: no resume before it is kept either (the "last" policy), or
+        vLLM freed the blocks for a resume there already.
         """
         own = blocks[c * per : (c + 1) * per]
         if window is None:

@@ -1,0 +1,87 @@
+"""Which blocks of a sliding-window group the scheduler hands a save: never one vLLM already freed.
+
+vLLM frees a sliding-window group's blocks wholly before ``computed - window + 1``
+when it schedules a step (and may give them to another request in that
+step), where ``computed`` counts the tokens its finished steps computed. A
+chunk is planned once its tokens are final: with speculative decoding, in a
+step that may start well past the chunk's end (the drafts accepted). The
+scheduler must blank what vLLM freed for that step's start, not only what
+the chunk's own end leaves out of the window, or the save copies a block
+that is someone else's by then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from bare_worker import CHUNK, stored_at_tp
+from conftest import require
+
+WINDOW = 8  # tokens; blocks of 4 and chunks of 8 (bare_worker)
+GROUPS = ([21, 22, 23, 24], [11, 12, 13, 14])  # the full group's blocks, then the sliding-window group's
+
+
+@pytest.fixture(autouse=True)
+def _vllm() -> None:
+    require("vllm")
+
+
+def _scheduler(tmp_path: Path) -> Any:
+    from test_connector_background import _vllm_config
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+
+    store, ns, _, snap = stored_at_tp(tmp_path, 1)
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(cfg, group_windows=(None, WINDOW), tails=False)
+    return HurrayScheduler(cfg, store, snap.fingerprint, ns)  # type: ignore[arg-type]
+
+
+def _step(new: list[Any], cached: list[tuple[str, int]], scheduled: dict[str, int]) -> SimpleNamespace:
+    """A SchedulerOutput, as much as the connector reads: ``cached`` is ``(request, computed before the step)``."""
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            new_block_ids=[None] * len(cached),
+            resumed_req_ids=set(),
+            num_computed_tokens=[c for _, c in cached],
+        ),
+        num_scheduled_tokens=scheduled,
+    )
+
+
+def _saved_blocks(tmp_path: Path, accepted: int) -> list[list[int]]:
+    """A 6-token prompt, then a decode step drafting 5 tokens of which ``accepted`` are; then one more step.
+
+    Returns the groups' blocks of the save of the first chunk (tokens 0-7).
+    """
+    sched = _scheduler(tmp_path)
+    tokens = list(range(1000, 1006))  # nothing of it is stored
+    request = SimpleNamespace(
+        request_id="r", all_token_ids=tokens, num_prompt_tokens=6, kv_transfer_params=None, num_in_flight_tokens=0
+    )
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    new = SimpleNamespace(req_id="r", block_ids=GROUPS, num_computed_tokens=0)
+    assert not sched.build_connector_meta(_step([new], [], {"r": 6})).saves  # type: ignore[arg-type]
+    tokens.append(1006)  # the prefill's token; the next step computes it and 5 drafts (tokens 6-11)
+    assert not sched.build_connector_meta(_step([], [("r", 6)], {"r": 6})).saves  # type: ignore[arg-type]
+    tokens += list(range(1007, 1008 + accepted))  # the accepted drafts and the bonus token
+    (save,) = sched.build_connector_meta(_step([], [("r", 7 + accepted)], {"r": 1})).saves  # type: ignore[arg-type]
+    assert save.block_ids == GROUPS[0][:2]
+    return save.groups
+
+
+def test_a_chunk_planned_in_a_step_starting_past_it_leaves_out_the_blocks_vllm_freed(tmp_path: Path) -> None:
+    # 5 drafts accepted: the step starts at token 12, and vLLM freed the blocks before 12 - 8 + 1 = 5: block 0.
+    assert _saved_blocks(tmp_path, 5) == [[21, 22], [0, 12]]
+
+
+def test_a_chunk_planned_as_its_tokens_complete_keeps_its_window(tmp_path: Path) -> None:
+    # 1 draft accepted: the step starts at token 8, the chunk's end; vLLM freed nothing (8 - 8 + 1 = 1 token).
+    assert _saved_blocks(tmp_path, 1) == [[21, 22], [11, 12]]
