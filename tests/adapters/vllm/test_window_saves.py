@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from bare_worker import CHUNK, stored_at_tp
 from conftest import require
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 WINDOW = 8  # tokens; blocks of 4 and chunks of 8 (bare_worker)
 GROUPS = ([21, 22, 23, 24], [11, 12, 13, 14])  # the full group's blocks, then the sliding-window group's
@@ -85,3 +87,41 @@ def test_a_chunk_planned_in_a_step_starting_past_it_leaves_out_the_blocks_vllm_f
 def test_a_chunk_planned_as_its_tokens_complete_keeps_its_window(tmp_path: Path) -> None:
     # 1 draft accepted: the step starts at token 8, the chunk's end; vLLM freed nothing (8 - 8 + 1 = 1 token).
     assert _saved_blocks(tmp_path, 1) == [[21, 22], [11, 12]]
+
+
+def _chunk(window: int, start: int) -> SimpleNamespace:
+    """A stored chunk of a sliding-window layer and a full one: the first holds its tokens from ``start`` on."""
+    from hurray_vllm.kv.snapshot import SlidingWindows
+
+    return SimpleNamespace(windows=SlidingWindows(sizes=(window, None), kv_start=((start,), (0,))))
+
+
+def _worker_refuses(window: int, start: int, base: int, resume: int, block: int) -> bool:
+    """The worker's rule: a block vLLM keeps (from the one holding ``resume - window + 1``) that the chunk's
+    pages do not wholly hold refuses the load."""
+    kept = max(0, resume - window + 1) // block
+    return any(base + r * block < base + start for r in range(CHUNK // block) if base // block + r >= kept)
+
+
+@given(
+    window=st.integers(1, 40),
+    saved_block=st.sampled_from([1, 2, 4, 8]),
+    block=st.sampled_from([1, 2, 4, 8]),
+    chunks=st.integers(1, 4),
+    past=st.integers(0, 6),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_scheduler_loads_a_windowed_chunk_exactly_when_the_worker_would_write_it(
+    window: int, saved_block: int, block: int, chunks: int, past: int
+) -> None:
+    """Producers of any block size (saving at the chunk's end, or ``past`` tokens after it); a resume at the end
+    of the last chunk: the scheduler's check agrees with the worker's, so no load it plans is refused there."""
+    from hurray_vllm.adapters.vllm.connector.scheduler import _windows_held
+
+    resume = chunks * CHUNK
+    for c in range(chunks):
+        base = c * CHUNK
+        freed = max(0, base + CHUNK + past - window + 1) // saved_block * saved_block  # the producer's null blocks
+        start = min(CHUNK, max(0, freed - base))
+        held = _windows_held([_chunk(window, start)], c, resume, CHUNK, block)
+        assert held == (not _worker_refuses(window, start, base, resume, block)), (c, start)

@@ -61,11 +61,15 @@ def _helper(name: str) -> ThreadPoolExecutor:
         return pool
 
 
-def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int) -> bool:
+def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int, block_size: int) -> bool:
     """Whether chunks ``first, first + 1, ...`` hold every sliding-window token a resume at ``resume`` attends.
 
     Chunk ``i`` covers tokens ``[i * chunk, (i + 1) * chunk)``; a windowed
-    layer must hold those from ``resume - window + 1`` on.
+    layer must hold those from ``resume - window + 1`` on, from the start of
+    the engine block that token is in: vLLM keeps that whole block, and the
+    worker refuses a load that leaves part of a kept block unwritten (which,
+    with several KV cache groups, stops a vLLM 0.32 engine). The producer's
+    blocks may be smaller than this engine's.
     """
     for n, snap in enumerate(chunks):
         win = snap.windows
@@ -73,7 +77,10 @@ def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int)
             continue
         base = (first + n) * chunk
         for size, starts in zip(win.sizes, win.kv_start):
-            if size is not None and base + starts[0] > max(base, resume - size + 1):
+            if size is None:
+                continue
+            kept = max(0, resume - size + 1) // block_size * block_size  # the first block vLLM keeps
+            if base + starts[0] > max(base, kept):
                 return False
     return True
 
@@ -536,7 +543,7 @@ class HurrayScheduler:
     def _resumes_at(self, chunks: list[KVSnapshot], first: int, hit: int) -> bool:
         """Whether chunks ``first .. hit - 1`` let a request resume at token ``hit * chunk``."""
         resume = hit * self._chunk
-        if not _windows_held(chunks, first, resume, self._chunk):
+        if not _windows_held(chunks, first, resume, self._chunk, self._block_size):
             return False
         if not self._state_groups:
             return True
