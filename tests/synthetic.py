@@ -116,3 +116,11 @@ def example_chunk() -> tuple[str, str, KVSnapshot]:
     ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
     assert chunk.fingerprint is not None
     return namespace_of(chunk.fingerprint), key, chunk
+
+
+def save_unchecked(snap: KVSnapshot, path: object) -> None:
+    """Write ``snap`` as ``hv.save`` does, without its checks: a rule-breaking snapshot, for readers to refuse."""
+    from hurray_vllm.containers.io import save_records
+    from hurray_vllm.containers.schema import snapshot_records
+
+    save_records(snapshot_records(snap), path)  # type: ignore[arg-type]

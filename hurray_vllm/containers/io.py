@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Literal, NoReturn
 
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
+from ..wire.rules import raise_if
 from .atomic import atomic_file
 from .hrryfile import FILE_MAGIC, FileBytes, HrryFile, read_whole, write_file
 from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records, state_records
@@ -147,6 +148,8 @@ def save(
 
     Raises:
         HurrayArgumentError: an unknown suffix or format.
+        HurrayFormatError: ``snapshot`` breaks a rule that :func:`load` would refuse the file for (``field``
+            names it; :meth:`KVSnapshot.validate` lists them all). Nothing is written.
         OSError: the file cannot be written (nothing is left at ``path``).
 
     Example:
@@ -159,6 +162,8 @@ def save(
         [6, 3]
     """
     fmt = _format_for_writing(path, format)
+    # What load refuses is not written: a file every reader refuses is worse than an error naming the field now.
+    raise_if(snapshot.validate(), "snapshot")
     if fmt == "hrry":
         return save_records(_shown(snapshot_records(snapshot), "save", progress), path, format=fmt, kv=_FILE_KV)
     if fmt == "safetensors":

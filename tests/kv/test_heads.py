@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import require
+from synthetic import save_unchecked
 
 import hurray_vllm as hv
 from hurray_vllm.kv.heads import concat_heads, distinct_ranks, partitions, rank_heads, select_heads
@@ -218,7 +219,10 @@ def test_validate_refuses_the_head_ranges_load_refuses(  # type: ignore[no-untyp
 
     snap = replace(make_snapshot([6, 3], [0, 1], 4, heads=2, dim=8), heads=hv.HeadRange(start, stop, total))
     assert field in [v.invariant for v in snap.validate().violations]
-    hv.save(snap, tmp_path / "bad.hrry")  # save writes what it is given; the reader refuses it
+    with pytest.raises(hv.HurrayFormatError) as refused:
+        hv.save(snap, tmp_path / "bad.hrry")  # nothing load refuses is written
+    assert refused.value.field == field and not (tmp_path / "bad.hrry").exists()
+    save_unchecked(snap, tmp_path / "bad.hrry")  # a writer that does not check: the reader refuses it
     with pytest.raises(hv.HurrayFormatError) as err:
         hv.load(tmp_path / "bad.hrry")
     assert err.value.field == field

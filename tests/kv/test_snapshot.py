@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from synthetic import save_unchecked
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
@@ -79,7 +80,10 @@ def test_a_layer_whose_seq_lens_differ_from_layer_0s_is_a_violation_and_not_load
     )
     found = [v for v in bad.validate().violations if v.invariant == "snapshot.structure"]
     assert [v.message for v in found] == ["layer 2 and layer 0 differ in seq_lens (sequence 0: 5 tokens and 6)"]
-    hv.save(bad, tmp_path / "bad.hrry")  # each layer group carries its own seq_lens: the file says it too
+    with pytest.raises(hv.HurrayFormatError) as refused:
+        hv.save(bad, tmp_path / "bad.hrry")  # nothing load refuses is written
+    assert refused.value.field == "snapshot.structure" and not (tmp_path / "bad.hrry").exists()
+    save_unchecked(bad, tmp_path / "bad.hrry")  # a writer that does not check: the reader refuses it
     with pytest.raises(HurrayFormatError) as err:
         hv.load(tmp_path / "bad.hrry")
     assert err.value.field == "snapshot.structure"

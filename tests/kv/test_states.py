@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from strategies import same_snapshot, same_states, snapshots
+from synthetic import save_unchecked
 
 import hurray_vllm as hv
 from hurray_vllm.chunks.digest import chunk_digest
@@ -93,7 +94,9 @@ def test_validate_agrees_with_load_on_inconsistent_states(tmp_path: Path) -> Non
     ]
     for what, wrong in bad:
         path = tmp_path / f"{what}.hrry"
-        hv.save(replace(snap, states=wrong), path)
+        with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
+            hv.save(replace(snap, states=wrong), path)  # what load refuses is not written
+        save_unchecked(replace(snap, states=wrong), path)
         with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
             hv.load(path)
         assert not hv.validate(path).ok, what
@@ -158,7 +161,9 @@ def test_a_permissive_read_still_refuses_states_of_another_batch(tmp_path: Path)
     snap = _hybrid()
     one = snap.states.select([0])  # type: ignore[union-attr]
     path = tmp_path / "s.hrry"
-    hv.save(replace(snap, states=one), path)
+    with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
+        hv.save(replace(snap, states=one), path)
+    save_unchecked(replace(snap, states=one), path)
     with pytest.raises(hv.HurrayFormatError, match=r"snapshot\.states"):
         hv.load(path, permissive=True)
 
@@ -202,7 +207,10 @@ def test_recorded_attention_layers_are_one_per_layer_in_model_order(tmp_path: Pa
     snap = _hybrid()
     bad = replace(snap, states=replace(snap.states, attention=attention))
     assert "snapshot.states.attention_layers" in [v.invariant for v in bad.validate().violations]
-    hv.save(bad, tmp_path / "bad.hrry")  # save writes what it is given; the reader refuses it
+    with pytest.raises(hv.HurrayFormatError) as refused:
+        hv.save(bad, tmp_path / "bad.hrry")  # nothing load refuses is written
+    assert refused.value.field == "snapshot.states.attention_layers" and not (tmp_path / "bad.hrry").exists()
+    save_unchecked(bad, tmp_path / "bad.hrry")  # a writer that does not check: the reader refuses it
     with pytest.raises(hv.HurrayFormatError) as err:
         hv.load(tmp_path / "bad.hrry")
     assert err.value.field == "snapshot.states.attention_layers"
