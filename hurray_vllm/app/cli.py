@@ -266,7 +266,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         snap = load(args.input, permissive=args.permissive)
         if args.page_size:
             snap = repage_snapshot(snap, args.page_size)
-        size = save(snap, out, format=out_fmt)
+        size = save(snap, out, format=out_fmt, permissive=args.permissive)
     else:
         # Record-level: any Hurray descriptors, carried over unchanged.
         records = progress(

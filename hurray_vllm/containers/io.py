@@ -129,7 +129,12 @@ def _format_for_writing(path: str | os.PathLike[str], fmt: Format | None) -> For
 
 
 def save(
-    snapshot: KVSnapshot, path: str | os.PathLike[str], *, format: Format | None = None, progress: bool = False
+    snapshot: KVSnapshot,
+    path: str | os.PathLike[str],
+    *,
+    format: Format | None = None,
+    progress: bool = False,
+    permissive: bool = False,
 ) -> int:
     """Write ``snapshot`` to ``path`` (format from the suffix); returns bytes written.
 
@@ -142,6 +147,8 @@ def save(
         path: The file; its suffix picks the format unless ``format`` is given.
         format: ``"hrry"``, ``"stream"`` or ``"safetensors"``.
         progress: Show a progress bar on a terminal.
+        permissive: Write a snapshot with violations that permissive readers waive (one read with
+            ``load(..., permissive=True)``); a permissive load is then needed to read the file back.
 
     Returns:
         The number of bytes written.
@@ -163,7 +170,7 @@ def save(
     """
     fmt = _format_for_writing(path, format)
     # What load refuses is not written: a file every reader refuses is worse than an error naming the field now.
-    raise_if(snapshot.validate(), "snapshot")
+    raise_if(snapshot.validate(permissive=permissive), "snapshot")
     if fmt == "hrry":
         return save_records(_shown(snapshot_records(snapshot), "save", progress), path, format=fmt, kv=_FILE_KV)
     if fmt == "safetensors":

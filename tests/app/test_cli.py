@@ -61,6 +61,20 @@ def test_validate_exit_codes(files: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["validate", "--permissive", str(files / "bad.hrrs")]) == 0
 
 
+def test_convert_permissive_repages_and_writes_what_permissive_readers_waive(tmp_path: Path) -> None:
+    """Token ids shorter than the KV: a waivable violation, carried over with --permissive only."""
+    from dataclasses import replace
+
+    from synthetic import save_unchecked
+
+    snap = spec_example_snapshot(num_layers=2)
+    save_unchecked(replace(snap, token_ids=[snap.token_ids[0][:2], snap.token_ids[1]]), tmp_path / "bad.hrry")
+    args = ["convert", "-q", "--page-size", "2", str(tmp_path / "bad.hrry")]
+    assert main([*args, str(tmp_path / "strict.hrry")]) == 1 and not (tmp_path / "strict.hrry").exists()
+    assert main(["convert", "-q", "--permissive", *args[2:], str(tmp_path / "out.hrry")]) == 0
+    assert hv.load(tmp_path / "out.hrry", permissive=True)[0, "key"].page_size == 2
+
+
 def test_convert_both_ways(files: Path) -> None:
     assert main(["convert", "-q", str(files / "s.hrrs"), str(files / "c.hrry")]) == 0
     assert main(["convert", "-q", str(files / "c.hrry"), str(files / "c.hrrs")]) == 0
