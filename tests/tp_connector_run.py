@@ -34,6 +34,8 @@ def prompts() -> dict[str, list[int]]:
         "a": a,
         "b": [*a[:64], 3, 1, 4, 1, 5, 9, 2],  # shares two chunks with "a"
         "c": [17, 42, 99, 256, 8],  # shorter than a chunk
+        # Shares nothing: the test deletes one rank's slice of its second chunk before the loads.
+        "d": [(i * 53 + 7) % 500 + 1 for i in range(100)],
     }
 
 

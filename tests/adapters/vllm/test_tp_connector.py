@@ -13,13 +13,17 @@ holds the very files of the shared one, byte for byte, and the TP 2 -> 1 and
 1 -> 2 loads read the pushed stores: every pair of degrees is covered over
 TCP or through a shared directory, on identical bytes. Those two loading
 engines push on what they loaded to receivers of their own, each file once.
+
+Prompt "d" shares nothing with the others: one rank's slice of its second
+chunk is deleted from the TP = 2 savers' stores that the TP 2 -> 2 load and
+the EAGLE engines' TP 2 -> 1 load read. Both load its first chunk only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +59,18 @@ def _run(
 
 @pytest.fixture(scope="session")
 def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every engine of the module; at most one TP = 2 engine at a time, beside a TP = 1 one (one core per rank)."""
     require("transformers")
     require("vllm")
     tmp = tmp_path_factory.mktemp("tp-connector")
     build_tiny_llama(tmp / "model")
-    one, two = tmp / "store-tp1", tmp / "store-tp2"
+    head = build_tiny_eagle(tmp / "eagle")
+    one, two, eagle = tmp / "store-tp1", tmp / "store-tp2", tmp / "store-eagle"
     pushed1, pushed2 = tmp / "pushed-tp1", tmp / "pushed-tp2"
-    runs: dict[str, Any] = {"tmp": tmp, "stores": {"one": one, "two": two, "pushed1": pushed1, "pushed2": pushed2}}
+    runs: dict[str, Any] = {
+        "tmp": tmp,
+        "stores": {"one": one, "two": two, "pushed1": pushed1, "pushed2": pushed2, "eagle": eagle},
+    }
     with (
         receiver_process(pushed1, tmp / "receiver1.log") as url1,
         receiver_process(pushed2, tmp / "receiver2.log") as url2,
@@ -73,16 +82,10 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "save1": lambda: _run(tmp, "save1", one, 1, url1),
             }
         )
-    broken = tmp / "store-broken"
-    shutil.copytree(two, broken)
-    (ns,) = [p.name for p in broken.iterdir() if p.is_dir()]
-    prompt, chunk = runs["save2"]["prompts"]["a"], runs["save2"]["chunk_tokens"]
-    key = chunk_keys(prompt, chunk, ns)[1]
-    (broken / ns / f"{key}.h1-2.hrry").unlink()  # one rank's slice of "a"'s second chunk never arrived
-    broken2 = tmp / "store-broken-tp2"  # the same, for a TP = 2 destination (the TP = 1 one writes the chunk back)
-    shutil.copytree(broken, broken2)
-    # The loading engines push on what they load (and compute no whole chunk of their own): the next hop
-    # gets the very files, each once, whichever TP degree wrote them and loads them.
+    # What the receivers got, beside the shared stores, before the loads (which save what they recompute).
+    runs["listings"] = {name: _listing(runs["stores"][name]) for name in ("one", "two", "pushed1", "pushed2")}
+    # The loading engines push on what they load: the next hop gets the very files, each once, whichever
+    # TP degree wrote them and loads them.
     on21, on12 = tmp / "on-from-load21", tmp / "on-from-load12"
     runs["stores"] |= {"on21": on21, "on12": on12}
     with receiver_process(on21, tmp / "receiver3.log") as url3, receiver_process(on12, tmp / "receiver4.log") as url4:
@@ -92,11 +95,28 @@ def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "load21": lambda: _run(tmp, "load21", pushed2, 1, url3),  # what the TP = 2 ranks pushed over TCP
             }
         )
+    runs["eagle-save2"] = _run(tmp, "eagle-save2", eagle, 2, eagle=head)
+    for store in (two, eagle):  # one rank's slice of "d"'s second chunk never arrived
+        _drop_slice(store, runs["save2"])
     runs |= side_by_side(
-        {"load22": lambda: _run(tmp, "load22", two, 2), "broken": lambda: _run(tmp, "broken", broken, 1)}
+        {
+            "load22": lambda: _run(tmp, "load22", two, 2),
+            "eagle-load1": lambda: _run(tmp, "eagle-load1", eagle, 1, eagle=head),
+        }
     )
-    runs["broken2"] = _run(tmp, "broken2", broken2, 2)
     return runs
+
+
+def _listing(store: Path) -> dict[str, str]:
+    """A store's chunk files and their digests."""
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest() for p in store.rglob("*.hrry")}
+
+
+def _drop_slice(store: Path, run: dict[str, Any]) -> None:
+    """Delete rank 1's slice of prompt "d"'s second chunk from ``store``."""
+    (ns,) = [p.name for p in store.iterdir() if p.is_dir()]
+    key = chunk_keys(run["prompts"]["d"], run["chunk_tokens"], ns)[1]
+    (store / ns / f"{key}.h1-2.hrry").unlink()
 
 
 def test_a_tp2_engine_saves_one_slice_per_rank(tp_stores: dict[str, Any]) -> None:
@@ -114,10 +134,8 @@ def test_pushed_chunks_are_the_shared_stores_files_byte_for_byte(
     tp_stores: dict[str, Any], shared: str, pushed: str
 ) -> None:
     """Every rank's slices (or the TP = 1 engine's chunks) reach the receiver whole and unchanged."""
-    a, b = tp_stores["stores"][shared], tp_stores["stores"][pushed]
-    files = sorted(p.relative_to(a) for p in a.rglob("*.hrry"))
-    assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.hrry"))
-    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    a, b = tp_stores["listings"][shared], tp_stores["listings"][pushed]
+    assert a and a == b
 
 
 @pytest.mark.parametrize(("loaded", "on"), [("pushed2", "on21"), ("pushed1", "on12")])
@@ -132,7 +150,7 @@ def test_an_engine_pushes_on_the_chunks_it_loaded(tp_stores: dict[str, Any], loa
     (ns,) = [p.name for p in a.iterdir() if p.is_dir()]
     prompts, chunk = tp_stores["save1"]["prompts"], tp_stores["save1"]["chunk_tokens"]
     keys = {k for p in prompts.values() for k in chunk_keys(p[: (len(p) - 1) // chunk * chunk], chunk, ns)}
-    assert len(keys) == 3  # the whole chunks the prompts load ("c" has none)
+    assert len(keys) == 6  # the whole chunks the prompts load ("b"'s are "a"'s, "c" has none)
     assert all(DirectoryStore(b).parts(ns, k, 2) is not None for k in keys)
     files = sorted(p.relative_to(b) for p in b.rglob("*.hrry"))
     assert {f.name.split(".")[0] for f in files} == keys  # nothing else: the loading engines computed no chunk
@@ -154,24 +172,19 @@ def test_chunks_load_across_tp_degrees_with_identical_tokens(tp_stores: dict[str
     assert loaded["scheduler_stats"]["chunks_refused"] == 0
 
 
-@pytest.mark.parametrize("run", ["broken", "broken2"])
+@pytest.mark.parametrize("run", ["load22", "eagle-load1"])
 def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_stores: dict[str, Any], run: str) -> None:
-    """At a TP = 1 destination and at a TP = 2 one, whose rank 0 holds the slice that is still there."""
-    broken = tp_stores[run]
-    assert broken["outputs"] == tp_stores["save1"]["outputs"]
-    assert broken["cached"]["a"] == 32  # chunk 0 only: chunk 1 is incomplete, so nothing after it loads
-    # "b" shares those chunks; it may find chunk 1 whole by then ("a" recomputed and saved it: kv_both).
-    assert broken["cached"]["b"] in (32, 64)
+    """At a TP = 2 destination, whose rank 0 holds the slice that is still there, and at a TP = 1 one."""
+    loaded = tp_stores[run]
+    assert loaded["cached"]["d"] == 32  # chunk 0 only: chunk 1 is incomplete, so nothing after it loads
+    unmoved = tp_stores["eagle-save2" if run == "eagle-load1" else "save1"]
+    assert loaded["outputs"]["d"] == unmoved["outputs"]["d"]  # recomputed
 
 
 @pytest.fixture(scope="module")
 def eagle_runs(tp_stores: dict[str, Any]) -> dict[str, Any]:
     """An EAGLE engine at TP = 2 saving into a store of its own, then one at TP = 1 loading from it."""
-    tmp = tp_stores["tmp"]
-    head = build_tiny_eagle(tmp / "eagle")
-    store = tmp / "store-eagle"
-    save = _run(tmp, "eagle-save2", store, 2, eagle=head)
-    return {"store": store, "save": save, "load": _run(tmp, "eagle-load1", store, 1, eagle=head)}
+    return {"store": tp_stores["stores"]["eagle"], "save": tp_stores["eagle-save2"], "load": tp_stores["eagle-load1"]}
 
 
 def test_an_eagle_engine_at_tp2_saves_slices_with_the_heads_layer_and_one_at_tp1_loads_them(
@@ -180,7 +193,8 @@ def test_an_eagle_engine_at_tp2_saves_slices_with_the_heads_layer_and_one_at_tp1
     """The EAGLE head's layer is split over the ranks like the model's: its KV travels in the same slices."""
     store, save, load = eagle_runs["store"], eagle_runs["save"], eagle_runs["load"]
     assert load["outputs"] == save["outputs"]
-    assert load["cached"] == {"a": 96, "b": 64, "c": 0}  # every whole chunk, from the TP = 2 slices
+    # Every whole chunk, from the TP = 2 slices ("d"'s second chunk lost a slice: see above).
+    assert load["cached"] == {"a": 96, "b": 64, "c": 0, "d": 32}
     import hurray_vllm as hv
 
     (ns,) = [p for p in store.iterdir() if p.is_dir()]
