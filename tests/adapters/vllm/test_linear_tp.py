@@ -6,10 +6,12 @@ replicates a KV head over several ranks where there are fewer KV heads
 than ranks. A chunk saved at TP > 1 is a slice per KV head, each with its
 heads' share of the states (which the rank saving it gathers from the
 ranks that replicate its heads); a TP = 1 engine joins them, a TP > 1
-engine cuts its rank's share out of a whole chunk. Three cases
-(``CASES``): 2 KV heads at TP = 2, 1 KV head at TP = 2, and Qwen3-Next's
-own layout at TP = 4 (2 KV heads, each on two ranks; the states over four).
-Three engines per case:
+engine cuts its rank's share out of a whole chunk. Two cases
+(``CASES``): 2 KV heads at TP = 2, and Qwen3-Next's own layout at TP = 4
+(2 KV heads, each on two ranks; the states over four: the rank saving a
+head's slice gathers its replica's share). One KV head at TP = 2 (saved
+whole by one rank, with both ranks' shares) is covered without an engine
+(``test_tp_replicas.py``, ``test_state_shares.py``). Three engines per case:
 
 1. TP = 1 computes "p", "v", "s" (saving every chunk; "s"'s are deleted
    afterwards) and snapshots them after their prefill;
@@ -59,16 +61,13 @@ def _namespace(tmp: Path) -> str:
 
 
 def _files(keys: list[str], kv_heads: int) -> set[str]:
-    """The files of chunks saved at TP > 1: a slice per KV head, or the whole chunk (one KV head, on every rank)."""
-    if kv_heads == 1:
-        return {f"{k}.hrry" for k in keys}
+    """The files of chunks saved at TP > 1: a slice per KV head."""
     return {f"{k}.h{h}-{h + 1}.hrry" for k in keys for h in range(kv_heads)}
 
 
 #: The configurations: KV heads, ranks, the gated delta nets' key and value heads, experts per token.
 CASES = {
     "kv2-tp2": (2, 2, (2, 4), 2),  # one KV head and half of every state per rank
-    "kv1-tp2": (1, 2, (2, 4), 4),  # the KV head on both ranks, the states split: rank 0 gathers rank 1's share
     "kv2-tp4": (2, 4, (4, 8), 4),  # Qwen3-Next's layout at TP = 4: each KV head on two ranks, states over four
 }
 
@@ -122,15 +121,12 @@ def linear_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
     require("transformers")
     require("vllm")
     tmps = {case: tmp_path_factory.mktemp(f"linear-{case}") for case in CASES}
-    a, b, c = CASES  # kv2-tp2, kv1-tp2, kv2-tp4
+    a, b = CASES  # kv2-tp2, kv2-tp4
     runs = side_by_side({a: lambda: _save1(tmps[a], a), b: lambda: _save1(tmps[b], b)})
-    stage = side_by_side({"ranks": lambda: _ranks(runs[a]), c: lambda: _save1(tmps[c], c)})
-    runs[a]["ranks"], runs[c] = stage["ranks"], stage[c]
+    runs[a]["ranks"] = _ranks(runs[a])
     stage = side_by_side({"ranks": lambda: _ranks(runs[b]), "load1": lambda: _load1(runs[a])})
     runs[b]["ranks"], runs[a]["load1"] = stage["ranks"], stage["load1"]
-    stage = side_by_side({"ranks": lambda: _ranks(runs[c]), "load1": lambda: _load1(runs[b])})
-    runs[c]["ranks"], runs[b]["load1"] = stage["ranks"], stage["load1"]
-    runs[c]["load1"] = _load1(runs[c])
+    runs[b]["load1"] = _load1(runs[b])
     return runs
 
 
@@ -197,16 +193,15 @@ def test_slices_carry_their_heads_share_of_the_states_and_load_into_tp1(
     keys, kv = linear_tp["keys"]["s"], linear_tp["kv"]
     files = set(computed["files"])
     assert _files(keys, kv) <= files
-    if kv == 2:
-        assert not {f"{k}.hrry" for k in keys} & files
+    assert not {f"{k}.hrry" for k in keys} & files
     store = tmp / "store" / _namespace(tmp)
-    # The last whole chunk holds the states taken at its end: a slice its heads' share, a whole chunk all of them
-    # (rank 0 saved it with rank 1's share gathered).
+    # The last whole chunk holds the states taken at its end: each slice its heads' share (at TP = 4 the rank
+    # saving it gathered its replica's).
     for name in sorted(_files(keys[-1:], kv)):
-        h = int(name.split(".h")[1].split("-")[0]) if kv == 2 else None
+        h = int(name.split(".h")[1].split("-")[0])
         part = hv.load(store / name)
         assert part.states is not None and part.states.positions == (len(keys) * block,)
-        assert part.states.part == ((h, h + 1, 2) if h is not None else None)
+        assert part.states.part == (h, h + 1, 2)
         k_heads, v_heads = linear_tp["heads"]
         conv = (2 * k_heads + v_heads) * 128 // kv  # the file's heads' share of q, k and v channels
         value_heads = v_heads // kv
@@ -250,7 +245,6 @@ def test_a_multi_rank_snapshot_holds_every_head_and_the_whole_states_of_tp1(line
     ssm, half = b.tensors[2][1], b.tensors[2][1].shape[1] // 2
     with pytest.raises(AssertionError):
         _close(torch.cat([ssm[:, half:], ssm[:, :half]], dim=1), a.tensors[2][1], 0.1, "swapped")
-    if linear_tp["kv"] == 2:
-        pool = tpn.layer(0)[0].page_pool
-        with pytest.raises(AssertionError):
-            _close(pool.flip(2), tp1.layer(0)[0].page_pool, 0.3, "swapped")
+    pool = tpn.layer(0)[0].page_pool
+    with pytest.raises(AssertionError):
+        _close(pool.flip(2), tp1.layer(0)[0].page_pool, 0.3, "swapped")
