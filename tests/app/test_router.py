@@ -7,6 +7,12 @@ token for token with a plain engine's greedy run (no connector, no router).
 The push deployment (own stores, ``hurray_url``) is tested with the
 migration servers in ``tests/adapters/vllm/test_migration.py``.
 
+Both servers run vLLM's asynchronous scheduling, its default on GPUs, which
+the CPU platform turns off (``vllm_patches.keep_async_scheduling``): a
+chunk that decode completes is then planned a step after the step that
+computed it. The migration servers and the hybrid router's
+(``test_router_hybrid.py``) run vLLM's CPU default, synchronous scheduling.
+
 The tests run in this file's order: the last one SIGKILLs a backend.
 """
 
@@ -34,6 +40,7 @@ from servers import (
     vllm_server_spec,
 )
 from tiny_models import add_tiny_tokenizer, build_tiny_llama
+from vllm_patches import KEPT
 
 pytestmark = [pytest.mark.vllm]
 CHUNK = 64
@@ -71,8 +78,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         a, b, r, p = port(), port(), port(), port()
         urls = f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"
         return [
-            vllm_server_spec(tmp, "a", a, 32, extra, tokenizer=True),
-            vllm_server_spec(tmp, "b", b, 64, extra, tokenizer=True),
+            vllm_server_spec(tmp, "a", a, 32, extra, tokenizer=True, async_scheduling=True),
+            vllm_server_spec(tmp, "b", b, 64, extra, tokenizer=True, async_scheduling=True),
             router_spec("router", r, urls, chunk_tokens=CHUNK),
             router_spec("pd-router", p, urls[1:], prefill=urls[:1], chunk_tokens=CHUNK),
         ]
@@ -177,7 +184,11 @@ def test_the_openai_client_streams_completions_and_chat_unchanged(fleet: dict[st
 
 
 def test_a_stream_migrated_mid_decode_equals_the_unmoved_run(fleet: dict[str, Any]) -> None:
-    """After 40 tokens a whole chunk (256..320) holds generated tokens; the destination loads it too."""
+    """After 40 tokens a whole chunk (256..320) holds generated tokens; the destination loads it too.
+
+    The servers schedule asynchronously: the source saved that chunk a step after it computed its last token.
+    """
+    assert all(f"{KEPT}True" in fleet[s].log_text() for s in "ab"), "a server did not keep asynchronous scheduling"
     a, b = fleet["a"].url, fleet["b"].url
     answer: dict[str, Any] = {}
 

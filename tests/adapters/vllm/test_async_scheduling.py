@@ -13,7 +13,9 @@ request "moved" mid-decode (its prompt and the first tokens it generated).
 * A Llama (blocks of 32, chunks of 64): the prompt's tail and the chunk its
   decode completes are saved; the moved request loads every whole chunk and
   continues with the unmoved run's tokens.
-* Two OpenAI servers behind the router: a stream moved mid-decode.
+* Two OpenAI servers behind the router: the servers of ``tests/app/test_router.py``
+  schedule asynchronously (a stream moved mid-decode, drained, failed over,
+  split between prefill and decode).
 * A Qwen3-Next-style linear-attention hybrid, at TP = 1 and 2: the chunk its
   decode completes carries the recurrent state at its end. The step that ended there is gone
   by the time the chunk is planned; in vLLM's "align" mode its state block
@@ -23,26 +25,14 @@ request "moved" mid-decode (its prompt and the first tokens it generated).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import require
 from engine_script import run_phases
-from margins import assert_continues
-from servers import (
-    ServerSpec,
-    router_spec,
-    run_engine,
-    side_by_side,
-    start_servers,
-    stop_servers,
-    stream_completion,
-    vllm_server_spec,
-)
+from servers import side_by_side
 from tiny_models import build_tiny_llama, build_tiny_qwen3_next
-from vllm_patches import KEPT
 
 from hurray_vllm.chunks import chunk_keys
 from hurray_vllm.chunks.keys import slice_key
@@ -50,8 +40,6 @@ from hurray_vllm.chunks.keys import slice_key
 pytestmark = [pytest.mark.vllm]
 A = [(i * 37 + 11) % 500 + 1 for i in range(100)]  # one chunk and a tail of one block; chunk 1 ends in decode
 B = [(i * 53 + 7) % 500 + 1 for i in range(150)]  # two chunks, no tail (22 tokens)
-MOVED = [(i * 41 + 3) % 500 + 1 for i in range(300)]  # chunks of 64: after 40 tokens, chunk 4 holds generated ones
-MOVED_TOKENS = 120
 
 
 def _llama_run(tmp: Path) -> dict[str, Any]:
@@ -86,17 +74,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The module's offline engines, side by side (``servers.side_by_side``): each has a store of its own."""
     require("vllm")
     tmps = {name: tmp_path_factory.mktemp(name) for name in ("async_llama", "async_linear_tp1", "async_linear_tp2")}
-    router = tmp_path_factory.mktemp("async_router")
-    build_tiny_llama(router / "model")
     return side_by_side(
         {
             "linear2": lambda: _linear_run(tmps["async_linear_tp2"], 2),
             "llama": lambda: _llama_run(tmps["async_llama"]),
             "linear1": lambda: _linear_run(tmps["async_linear_tp1"], 1),
-            "router": lambda: {
-                "tmp": router,
-                "plain": run_engine(router, "plain", 32, None, {"moved": MOVED}, MOVED_TOKENS),
-            },
         }
     )
 
@@ -136,55 +118,3 @@ def test_a_chunk_completed_in_decode_keeps_its_state_with_asynchronous_schedulin
     # The moved request resumes at the decoded chunk's end, and goes on as the unmoved one did.
     assert loaded["cached"] == {"moved": 2 * block}, loaded["cached"]
     assert loaded["outputs"]["moved"] == made["outputs"]["d"][9:16]
-
-
-@pytest.fixture(scope="module")
-def async_fleet(engines: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Two OpenAI servers with asynchronous scheduling (blocks of 32 and 64) on one store, and the router."""
-    require("httpx")
-    tmp, plain = engines["router"]["tmp"], engines["router"]["plain"]["outputs"]
-
-    def specs(port: Callable[[], int]) -> list[ServerSpec]:
-        extra = {"hurray_path": str(tmp / "store"), "hurray_chunk_tokens": 64}
-        a, b, r = port(), port(), port()
-        urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}"]
-        return [
-            vllm_server_spec(tmp, "a", a, 32, extra, async_scheduling=True),
-            vllm_server_spec(tmp, "b", b, 64, extra, async_scheduling=True),
-            router_spec("router", r, urls, chunk_tokens=64),
-        ]
-
-    servers = start_servers(specs, tmp / "logs")
-    try:
-        yield {"servers": servers, "router": servers[2].url, "plain": plain, "tmp": tmp}
-    finally:
-        stop_servers(servers)
-
-
-def test_the_router_moves_a_stream_between_servers_with_asynchronous_scheduling(async_fleet) -> None:  # type: ignore[no-untyped-def]
-    """vLLM's default on GPUs: the destination's first warm-up loads every whole chunk but the last token's."""
-    import httpx
-
-    a, b, router = async_fleet["servers"]
-    assert all(f"{KEPT}True" in s.log_text() for s in (a, b)), "a server did not keep asynchronous scheduling"
-    answer: dict[str, Any] = {}
-
-    def on_tokens(tokens: list[int]) -> None:
-        if len(tokens) >= 40 and not answer:
-            (flight,) = httpx.get(router.url + "/hurray/requests", timeout=30).json()["requests"]
-            to = b.url if flight["backend"] == a.url else a.url
-            r = httpx.post(router.url + "/hurray/migrate", json={"id": flight["id"], "to": to}, timeout=120)
-            answer.update(r.json(), status=r.status_code)
-
-    tmp = async_fleet["tmp"]
-    body = {"model": str(tmp / "model"), "prompt": MOVED, "max_tokens": MOVED_TOKENS, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
-    got = stream_completion(router.url, body, on_tokens)
-    assert answer["status"] == 200, answer
-    (flight,) = [f for f in httpx.get(router.url + "/hurray/requests?recent=true", timeout=30).json()["recent"]
-                 if f["id"] in got["ids"]]  # fmt: skip
-    moved = flight["legs"][1]
-    assert_continues(got["token_ids"], async_fleet["plain"]["moved"], tmp / "model", MOVED, "moved (async)",
-                     same_until=moved["start_token"])  # fmt: skip
-    first = moved["warmups"][0]
-    assert first["cached_tokens"] >= (first["tokens"] - 1) // 64 * 64 >= 320, moved
