@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from servers import root_cause, side_by_side
 from tiny_models import build_tiny_llama
+from tp_engines import tp_engines  # noqa: F401  (one session fixture for test_tp.py and test_tp_connector.py)
 
 settings.register_profile(
     "default",

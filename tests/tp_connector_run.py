@@ -11,6 +11,9 @@ greedy outputs, vLLM's cached-token counts and the connector's statistics
 rank before the store is listed; otherwise synchronous saves.
 ``HURRAY_TEST_EAGLE=DIR``: speculative decoding with the EAGLE head in ``DIR``; then also one more
 request snapshotted mid-decode (``live.hrry``, ``snapshot()``; ``ranks/``, ``snapshot_ranks()``).
+``HURRAY_TEST_SNAPSHOT=1``: then also :func:`snapshot_prompts` run again, snapshotted after their
+prefill and two decode steps (``snap.hrry``, ``snap.hrrs``, ``ranks/``) for ``test_tp.py``; they complete
+no chunk or tail of their own.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ def prompts() -> dict[str, list[int]]:
         # Shares nothing: the test deletes one rank's slice of its second chunk before the loads.
         "d": [(i * 53 + 7) % 500 + 1 for i in range(100)],
     }
+
+
+def snapshot_prompts() -> dict[str, list[int]]:
+    """What ``HURRAY_TEST_SNAPSHOT`` snapshots: "b" shares 80 tokens (two chunks and half a block) with "a"."""
+    a = prompts()["a"]
+    return {"a": a, "b": [*a[:80], 3, 1, 4, 1, 5, 9, 2], "c": [17, 42, 99, 256, 8]}
 
 
 def main() -> None:
@@ -88,7 +97,33 @@ def main() -> None:
     result["save_async"] = save_async
     result["flushed"] = llm.collective_rpc(_flush)  # every rank's writer done (and its pushes answered)
     result["files"] = sorted(p.name for p in Path(store).rglob("*.hrry*"))
+    if os.environ.get("HURRAY_TEST_SNAPSHOT") == "1":
+        result["rank_files"] = _snapshot_prompts(llm, out)
     (out / "result.json").write_text(json.dumps(result))
+
+
+def _snapshot_prompts(llm: Any, out: Path) -> list[str]:
+    """:func:`snapshot_prompts` after their prefill and two decode steps: ``snapshot()``, ``snapshot_stream()`` and
+    ``snapshot_ranks()``; returns the rank files' paths under ``out``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import hurray_vllm as hv
+    from hurray_vllm.adapters.vllm import snapshot, snapshot_ranks, snapshot_stream
+
+    eng, ids = llm.llm_engine, list(snapshot_prompts())
+    sp = SamplingParams(detokenize=False, temperature=0, max_tokens=8, ignore_eos=True)  # "b" ends at 95 < 96
+    for rid, prompt in snapshot_prompts().items():
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
+    for _ in range(3):  # the prefill and two decode steps
+        eng.step()
+    hv.save(snapshot(llm, ids), out / "snap.hrry")
+    with open(out / "snap.hrrs", "wb") as f:
+        snapshot_stream(llm, ids, f)
+    files = snapshot_ranks(llm, ids, out / "ranks")
+    while eng.has_unfinished_requests():
+        eng.step()
+    return [str(p.relative_to(out)) for p in files]
 
 
 def _snapshot_live(llm: Any, out: Path, prompt: list[int]) -> dict[str, Any]:

@@ -3,49 +3,39 @@
 Each rank holds half of the tiny Llama's two KV heads; ``snapshot()`` joins
 them. The same requests at TP = 1 are the reference: layer 0's K/V come from
 the same dot products on both (bit for bit), later layers' inputs went
-through an all-reduce that sums in another order (within bf16).
+through an all-reduce that sums in another order (within bf16). The engines
+are ``test_tp_connector.py``'s two savers (``tests/tp_engines.py``): each
+snapshots the same requests after the same steps, once its own chunks are
+saved (its connector then loads nothing: vLLM's prefix cache holds them).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import require
-from engine_script import run_engine_script
-from servers import side_by_side
-from tiny_models import build_tiny_llama
 
 import hurray_vllm as hv
 
 pytestmark = [pytest.mark.vllm]
-HERE = Path(__file__).resolve().parents[2]
 
 
-def _run(tmp: Path, tp: int) -> dict[str, Any]:
-    out = tmp / f"tp{tp}"
-    # One core per rank (vLLM refuses to bind two ranks' threads otherwise).
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
-    result = run_engine_script(
-        "tp_engine_run.py", [str(tmp / "model"), str(out), str(tp)], out, f"TP={tp} engine", env=env
-    )
-    result["snap"] = hv.load(out / "snap.hrry")
-    result["stream"] = hv.load(out / "snap.hrrs")
-    result["ranks"] = [out / name for name in result["rank_files"]]
-    return result
+def _runs(run: dict[str, Any]) -> dict[str, Any]:
+    """A saver of ``tp_engines``, with what it snapshotted (``tp_connector_run.snapshot_prompts``)."""
+    out = run["dir"]
+    return {
+        **run,
+        "snap": hv.load(out / "snap.hrry"),
+        "stream": hv.load(out / "snap.hrrs"),
+        "ranks": [out / name for name in run["rank_files"]],
+    }
 
 
 @pytest.fixture(scope="session")
-def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    require("transformers")
-    require("vllm")
-    tmp = tmp_path_factory.mktemp("tp")
-    build_tiny_llama(tmp / "model")
-    both = side_by_side({"2": lambda: _run(tmp, 2), "1": lambda: _run(tmp, 1)})
-    return {1: both["1"], 2: both["2"]}
+def tp_runs(tp_engines: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The TP = 1 and TP = 2 savers of ``tp_engines`` (``tests/tp_engines.py``): the same requests, the same steps."""
+    return {1: _runs(tp_engines["save1"]), 2: _runs(tp_engines["save2"])}
 
 
 def test_tp2_greedy_tokens_equal_tp1(tp_runs: dict[int, dict[str, Any]]) -> None:

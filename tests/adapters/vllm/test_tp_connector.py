@@ -21,134 +21,47 @@ the EAGLE engines' TP 2 -> 1 load read. Both load its first chunk only.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import require
-from engine_script import run_engine_script
-from servers import receiver_process, side_by_side
-from tiny_models import build_tiny_eagle, build_tiny_llama
 
 from hurray_vllm.chunks import chunk_keys
 
 pytestmark = [pytest.mark.vllm]
 
 
-def _run(
-    tmp: Path,
-    name: str,
-    store: Path,
-    tp: int,
-    url: str | None = None,
-    save_async: bool = False,
-    eagle: Path | None = None,
-) -> dict[str, Any]:
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))} if tp > 1 else {}
-    if save_async:
-        env["HURRAY_TEST_SAVE_ASYNC"] = "1"
-    if eagle is not None:
-        env["HURRAY_TEST_EAGLE"] = str(eagle)
-    args = [str(tmp / "model"), str(tmp / name), str(store), str(tp), *([url] if url else [])]
-    return run_engine_script("tp_connector_run.py", args, tmp / name, f"TP={tp} engine {name}", env=env)
-
-
-@pytest.fixture(scope="session")
-def tp_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every engine of the module; at most one TP = 2 engine at a time, beside a TP = 1 one (one core per rank)."""
-    require("transformers")
-    require("vllm")
-    tmp = tmp_path_factory.mktemp("tp-connector")
-    build_tiny_llama(tmp / "model")
-    head = build_tiny_eagle(tmp / "eagle")
-    one, two, eagle = tmp / "store-tp1", tmp / "store-tp2", tmp / "store-eagle"
-    pushed1, pushed2 = tmp / "pushed-tp1", tmp / "pushed-tp2"
-    runs: dict[str, Any] = {
-        "tmp": tmp,
-        "stores": {"one": one, "two": two, "pushed1": pushed1, "pushed2": pushed2, "eagle": eagle},
-    }
-    with (
-        receiver_process(pushed1, tmp / "receiver1.log") as url1,
-        receiver_process(pushed2, tmp / "receiver2.log") as url2,
-    ):
-        # The TP = 2 saver with the default background saves: each rank's writer writes and pushes.
-        runs |= side_by_side(
-            {
-                "save2": lambda: _run(tmp, "save2", two, 2, url2, save_async=True),
-                "save1": lambda: _run(tmp, "save1", one, 1, url1),
-            }
-        )
-    # What the receivers got, beside the shared stores, before the loads (which save what they recompute).
-    runs["listings"] = {name: _listing(runs["stores"][name]) for name in ("one", "two", "pushed1", "pushed2")}
-    # The loading engines push on what they load: the next hop gets the very files, each once, whichever
-    # TP degree wrote them and loads them.
-    on21, on12 = tmp / "on-from-load21", tmp / "on-from-load12"
-    runs["stores"] |= {"on21": on21, "on12": on12}
-    with receiver_process(on21, tmp / "receiver3.log") as url3, receiver_process(on12, tmp / "receiver4.log") as url4:
-        runs |= side_by_side(
-            {
-                "load12": lambda: _run(tmp, "load12", pushed1, 2, url4),
-                "load21": lambda: _run(tmp, "load21", pushed2, 1, url3),  # what the TP = 2 ranks pushed over TCP
-            }
-        )
-    runs["eagle-save2"] = _run(tmp, "eagle-save2", eagle, 2, eagle=head)
-    for store in (two, eagle):  # one rank's slice of "d"'s second chunk never arrived
-        _drop_slice(store, runs["save2"])
-    runs |= side_by_side(
-        {
-            "load22": lambda: _run(tmp, "load22", two, 2),
-            "eagle-load1": lambda: _run(tmp, "eagle-load1", eagle, 1, eagle=head),
-        }
-    )
-    return runs
-
-
-def _listing(store: Path) -> dict[str, str]:
-    """A store's chunk files and their digests."""
-    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest() for p in store.rglob("*.hrry")}
-
-
-def _drop_slice(store: Path, run: dict[str, Any]) -> None:
-    """Delete rank 1's slice of prompt "d"'s second chunk from ``store``."""
-    (ns,) = [p.name for p in store.iterdir() if p.is_dir()]
-    key = chunk_keys(run["prompts"]["d"], run["chunk_tokens"], ns)[1]
-    (store / ns / f"{key}.h1-2.hrry").unlink()
-
-
-def test_a_tp2_engine_saves_one_slice_per_rank(tp_stores: dict[str, Any]) -> None:
-    assert tp_stores["save2"]["save_async"] and tp_stores["save2"]["flushed"] == [True, True]
-    files = tp_stores["save2"]["files"]
+def test_a_tp2_engine_saves_one_slice_per_rank(tp_engines: dict[str, Any]) -> None:
+    assert tp_engines["save2"]["save_async"] and tp_engines["save2"]["flushed"] == [True, True]
+    files = tp_engines["save2"]["files"]
     assert files and all(f.endswith((".h0-1.hrry", ".h1-2.hrry")) for f in files)
     assert {f.removesuffix(".h0-1.hrry") for f in files if ".h0-1" in f} == {
         f.removesuffix(".h1-2.hrry") for f in files if ".h1-2" in f
     }
-    assert not any(re.search(r"\.h\d+-\d+\.hrry$", f) for f in tp_stores["save1"]["files"])  # TP = 1: whole
+    assert not any(re.search(r"\.h\d+-\d+\.hrry$", f) for f in tp_engines["save1"]["files"])  # TP = 1: whole
 
 
 @pytest.mark.parametrize(("shared", "pushed"), [("one", "pushed1"), ("two", "pushed2")])
 def test_pushed_chunks_are_the_shared_stores_files_byte_for_byte(
-    tp_stores: dict[str, Any], shared: str, pushed: str
+    tp_engines: dict[str, Any], shared: str, pushed: str
 ) -> None:
     """Every rank's slices (or the TP = 1 engine's chunks) reach the receiver whole and unchanged."""
-    a, b = tp_stores["listings"][shared], tp_stores["listings"][pushed]
+    a, b = tp_engines["listings"][shared], tp_engines["listings"][pushed]
     assert a and a == b
 
 
 @pytest.mark.parametrize(("loaded", "on"), [("pushed2", "on21"), ("pushed1", "on12")])
-def test_an_engine_pushes_on_the_chunks_it_loaded(tp_stores: dict[str, Any], loaded: str, on: str) -> None:
+def test_an_engine_pushes_on_the_chunks_it_loaded(tp_engines: dict[str, Any], loaded: str, on: str) -> None:
     """TP = 1 loading TP = 2's slices, and TP = 2 loading whole chunks: the next hop can load each chunk.
 
     It gets the loading engine's files, byte for byte (the slices, or each whole file from rank 0 alone).
     """
     from hurray_vllm.chunks import DirectoryStore
 
-    a, b = tp_stores["stores"][loaded], tp_stores["stores"][on]
+    a, b = tp_engines["stores"][loaded], tp_engines["stores"][on]
     (ns,) = [p.name for p in a.iterdir() if p.is_dir()]
-    prompts, chunk = tp_stores["save1"]["prompts"], tp_stores["save1"]["chunk_tokens"]
+    prompts, chunk = tp_engines["save1"]["prompts"], tp_engines["save1"]["chunk_tokens"]
     keys = {k for p in prompts.values() for k in chunk_keys(p[: (len(p) - 1) // chunk * chunk], chunk, ns)}
     assert len(keys) == 6  # the whole chunks the prompts load ("b"'s are "a"'s, "c" has none)
     assert all(DirectoryStore(b).parts(ns, k, 2) is not None for k in keys)
@@ -164,8 +77,8 @@ def test_an_engine_pushes_on_the_chunks_it_loaded(tp_stores: dict[str, Any], loa
 
 
 @pytest.mark.parametrize("run", ["load21", "load12", "load22"])
-def test_chunks_load_across_tp_degrees_with_identical_tokens(tp_stores: dict[str, Any], run: str) -> None:
-    loaded, unmoved = tp_stores[run], tp_stores["save1"]
+def test_chunks_load_across_tp_degrees_with_identical_tokens(tp_engines: dict[str, Any], run: str) -> None:
+    loaded, unmoved = tp_engines[run], tp_engines["save1"]
     assert loaded["outputs"] == unmoved["outputs"]
     # Every whole chunk of the prompt but the last token's: 96 of 100 and 64 of 71 tokens.
     assert loaded["cached"]["a"] == 96 and loaded["cached"]["b"] == 64
@@ -173,18 +86,22 @@ def test_chunks_load_across_tp_degrees_with_identical_tokens(tp_stores: dict[str
 
 
 @pytest.mark.parametrize("run", ["load22", "eagle-load1"])
-def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_stores: dict[str, Any], run: str) -> None:
+def test_a_chunk_with_a_slice_missing_is_never_loaded(tp_engines: dict[str, Any], run: str) -> None:
     """At a TP = 2 destination, whose rank 0 holds the slice that is still there, and at a TP = 1 one."""
-    loaded = tp_stores[run]
+    loaded = tp_engines[run]
     assert loaded["cached"]["d"] == 32  # chunk 0 only: chunk 1 is incomplete, so nothing after it loads
-    unmoved = tp_stores["eagle-save2" if run == "eagle-load1" else "save1"]
+    unmoved = tp_engines["eagle-save2" if run == "eagle-load1" else "save1"]
     assert loaded["outputs"]["d"] == unmoved["outputs"]["d"]  # recomputed
 
 
 @pytest.fixture(scope="module")
-def eagle_runs(tp_stores: dict[str, Any]) -> dict[str, Any]:
+def eagle_runs(tp_engines: dict[str, Any]) -> dict[str, Any]:
     """An EAGLE engine at TP = 2 saving into a store of its own, then one at TP = 1 loading from it."""
-    return {"store": tp_stores["stores"]["eagle"], "save": tp_stores["eagle-save2"], "load": tp_stores["eagle-load1"]}
+    return {
+        "store": tp_engines["stores"]["eagle"],
+        "save": tp_engines["eagle-save2"],
+        "load": tp_engines["eagle-load1"],
+    }
 
 
 def test_an_eagle_engine_at_tp2_saves_slices_with_the_heads_layer_and_one_at_tp1_loads_them(
