@@ -125,9 +125,10 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) ->
     ``sliding_windows`` (what the connector and ``snapshot()`` pass) also any
     groups of full and sliding-window attention (Gemma 3, gpt-oss, Mistral's
     sliding window) and of linear attention (``MambaSpec``: Qwen3-Next's
-    gated delta net, Mamba2 hybrids) without speculative decoding. Anything
-    else is named, so that the engine is refused at start with a message
-    instead of failing at the first save.
+    gated delta net, Mamba2 hybrids) without speculative decoding, nor
+    sliding windows that multi-module speculative decoding extends
+    (``extra_retained_tokens``). Anything else is named, so that the engine
+    is refused at start with a message instead of failing at the first save.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
@@ -144,11 +145,18 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) ->
 
 
 def _unsupported_states(groups: Sequence[Any]) -> str | None:
-    """Why these linear-attention groups cannot be moved (None when they can)."""
+    """Why these sliding-window and linear-attention groups cannot be moved (None when they can)."""
     if all(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in groups):
         return "the model has no attention layers (a pure state-space model): chunks are keyed by attention KV"
     for group in groups:
         spec = group.kv_cache_spec
+        if type(spec).__name__ == "SlidingWindowSpec" and getattr(spec, "extra_retained_tokens", 0):
+            # Multi-module speculative decoding keeps blocks behind the window that a load would have to fill,
+            # and chunks of an engine without it lack them.
+            return (
+                f"sliding-window layers retaining {spec.extra_retained_tokens} tokens behind their window "
+                "(multi-module speculative decoding)"
+            )
         if type(spec).__name__ != "MambaSpec":
             continue
         mode = getattr(spec, "mamba_cache_mode", "none")

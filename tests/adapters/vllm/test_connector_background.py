@@ -737,6 +737,7 @@ def test_a_chunk_verified_without_a_fleet_key_is_not_served_to_a_keyed_connector
         (["EncoderOnlyAttentionSpec"], "EncoderOnlyAttentionSpec"),
         ([("MambaSpec", {"num_speculative_blocks": 1}), "FullAttentionSpec"], "speculative decoding"),
         ([("MambaSpec", {"mamba_cache_mode": "all"}), "FullAttentionSpec"], "mamba_cache_mode 'all'"),
+        ([("SlidingWindowSpec", {"extra_retained_tokens": 2}), "FullAttentionSpec"], "retaining 2 tokens"),
     ],
 )
 def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[Any], says: str) -> None:
