@@ -58,8 +58,9 @@ def _step(new: list[Any], cached: list[tuple[str, int]], scheduled: dict[str, in
     )
 
 
-def _saved_blocks(tmp_path: Path, accepted: int) -> list[list[int]]:
-    """A 6-token prompt, then a decode step drafting 5 tokens of which ``accepted`` are; then one more step.
+def _saved_blocks(tmp_path: Path, accepted: int, in_flight: int = 0) -> list[list[int]]:
+    """A 6-token prompt, then a decode step drafting 5 tokens of which ``accepted`` are; then one more step,
+    scheduled while ``in_flight`` of the computed tokens are still in flight (asynchronous scheduling).
 
     Returns the groups' blocks of the save of the first chunk (tokens 0-7).
     """
@@ -74,6 +75,7 @@ def _saved_blocks(tmp_path: Path, accepted: int) -> list[list[int]]:
     tokens.append(1006)  # the prefill's token; the next step computes it and 5 drafts (tokens 6-11)
     assert not sched.build_connector_meta(_step([], [("r", 6)], {"r": 6})).saves  # type: ignore[arg-type]
     tokens += list(range(1007, 1008 + accepted))  # the accepted drafts and the bonus token
+    request.num_in_flight_tokens = in_flight
     (save,) = sched.build_connector_meta(_step([], [("r", 7 + accepted)], {"r": 1})).saves  # type: ignore[arg-type]
     assert save.block_ids == GROUPS[0][:2]
     return save.groups
@@ -82,6 +84,13 @@ def _saved_blocks(tmp_path: Path, accepted: int) -> list[list[int]]:
 def test_a_chunk_planned_in_a_step_starting_past_it_leaves_out_the_blocks_vllm_freed(tmp_path: Path) -> None:
     # 5 drafts accepted: the step starts at token 12, and vLLM freed the blocks before 12 - 8 + 1 = 5: block 0.
     assert _saved_blocks(tmp_path, 5) == [[21, 22], [0, 12]]
+
+
+def test_tokens_still_in_flight_free_nothing_yet(tmp_path: Path) -> None:
+    # 4 drafts accepted: the step starts at token 11, and vLLM frees the blocks before 11 - 8 + 1 = 4: block 0.
+    assert _saved_blocks(tmp_path, 4) == [[21, 22], [0, 12]]
+    # One of them still in flight: vLLM frees on the 10 tokens processed, before 3: nothing.
+    assert _saved_blocks(tmp_path / "async", 4, in_flight=1) == [[21, 22], [11, 12]]
 
 
 def test_a_chunk_planned_as_its_tokens_complete_keeps_its_window(tmp_path: Path) -> None:
