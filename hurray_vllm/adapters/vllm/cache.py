@@ -150,11 +150,12 @@ def _unsupported_states(groups: Sequence[Any]) -> str | None:
         return "the model has no attention layers (a pure state-space model): chunks are keyed by attention KV"
     for group in groups:
         spec = group.kv_cache_spec
-        if type(spec).__name__ == "SlidingWindowSpec" and getattr(spec, "extra_retained_tokens", 0):
+        retained = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        if type(spec).__name__ == "SlidingWindowSpec" and retained:
             # Multi-module speculative decoding keeps blocks behind the window that a load would have to fill,
             # and chunks of an engine without it lack them.
             return (
-                f"sliding-window layers retaining {spec.extra_retained_tokens} tokens behind their window "
+                f"sliding-window layers retaining {retained} tokens behind their window "
                 "(multi-module speculative decoding)"
             )
         if type(spec).__name__ != "MambaSpec":
