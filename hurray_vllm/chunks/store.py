@@ -18,7 +18,7 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,12 +173,30 @@ class DirectoryStore:
         A set with a slice missing (a rank that has not written yet, or never
         will) is incomplete: it is never loaded.
 
-        ``states=True`` (a linear-attention hybrid's resume point): the first
-        complete set whose every file carries states, where the first complete
-        one lacks them; engines of two TP degrees may each have stored the
-        chunk, one without the states (its step ran past the chunk's end).
+        ``states=True``: :meth:`parts_with_states`'s set.
+        """
+        if states:
+            return self.parts_with_states(namespace, key, num_kv_heads)[0]
+        return next(self._complete_sets(namespace, key, num_kv_heads), None)
+
+    def parts_with_states(self, namespace: str, key: str, num_kv_heads: int) -> tuple[list[ChunkPart] | None, bool]:
+        """A linear-attention hybrid's resume point: :meth:`parts`, preferring a set whose every file carries states.
+
+        Returns the first complete set whose files all carry states, and
+        True; else the first complete set, and False (``(None, False)``
+        when none is stored). Engines of two TP degrees may each have stored
+        the chunk, one without the states (its step ran past the chunk's
+        end). Reads the headers of the complete sets' files, once each.
         """
         first = None
+        for out in self._complete_sets(namespace, key, num_kv_heads):
+            if all(self.has_states(namespace, p.name) for p in out):
+                return out, True
+            first = first or out
+        return first, False
+
+    def _complete_sets(self, namespace: str, key: str, num_kv_heads: int) -> Iterator[list[ChunkPart]]:
+        """Each stored set of files holding every KV head of chunk ``key`` (see :meth:`parts`), whole file first."""
         for files in chunk_layouts(key, num_kv_heads):
             out = []
             for name, r in files:
@@ -187,10 +205,7 @@ class DirectoryStore:
                     break
                 out.append(ChunkPart(name, r, ident))
             else:
-                if not states or all(self.has_states(namespace, p.name) for p in out):
-                    return out
-                first = first or out
-        return first
+                yield out
 
     def has_states(self, namespace: str, key: str) -> bool:
         """Whether the stored chunk carries linear-attention states (reads its header only; False if unreadable)."""

@@ -792,8 +792,8 @@ class HurrayScheduler:
 
     def _lacks_states(self, key: str) -> bool:
         """Whether chunk ``key`` is stored (whole, or every tensor-parallel slice) and a file of it has no states."""
-        parts = self._store.parts(self._ns, key, self._heads, states=True)
-        return parts is not None and not all(self._store.has_states(self._ns, p.name) for p in parts)
+        parts, with_states = self._store.parts_with_states(self._ns, key, self._heads)
+        return parts is not None and not with_states
 
     def _stored(self, key: str) -> bool:
         """Whether chunk ``key`` is stored whole (one file, or tensor-parallel slices of every head)."""
