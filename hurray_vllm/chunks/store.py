@@ -26,7 +26,7 @@ from typing import Protocol
 
 from ..containers.hrryfile import file_size, write_file
 from ..containers.io import FileBytes, load, load_file_bytes, read_file
-from ..containers.schema import snapshot_records
+from ..containers.schema import SnapshotHeader, snapshot_records
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 
@@ -209,6 +209,16 @@ class DirectoryStore:
 
     def has_states(self, namespace: str, key: str) -> bool:
         """Whether the stored chunk carries linear-attention states (reads its header only; False if unreadable)."""
+        header = self.header(namespace, key)
+        return header is not None and header.states is not None
+
+    def header(self, namespace: str, key: str) -> SnapshotHeader | None:
+        """The stored chunk's snapshot header, reading its header records only; ``None`` if missing or unreadable.
+
+        What a writer looks at before replacing a copy that holds less (no
+        states, less of a sliding window) than its own: a damaged file is
+        the reader's to refuse, not this look's.
+        """
         from ..containers.hrryfile import HrryFile
         from ..containers.schema import decode_header, group_records, is_snapshot_header
 
@@ -216,11 +226,11 @@ class DirectoryStore:
             with HrryFile(self.path(namespace, key)) as hf:
                 node = next(group_records(hf.records()), None)
                 if node is None or not is_snapshot_header(node):
-                    return False
+                    return None
                 raw = node.members[0].record.buffers[0]
-                return decode_header(bytes(raw.numpy())).states is not None
+                return decode_header(bytes(raw.numpy()))
         except (OSError, HurrayFormatError, StopIteration, ValueError):
-            return False
+            return None
 
     def get(self, namespace: str, key: str) -> KVSnapshot:
         """The chunk under ``key``, read into memory it owns; :class:`HurrayFormatError` if missing or malformed.

@@ -341,6 +341,23 @@ def test_chunks_stored_while_pushing_paused_are_pushed_when_it_resumes(  # type:
     assert sender.pushed == [t.key for t in tasks]  # the held-back ones first: no hole in the prefix
 
 
+def test_a_background_save_the_scheduler_marks_replace_writes_over_the_stored_copy(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A stored chunk is skipped, unless the scheduler found the copy weaker (less of a window) and asks again."""
+    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c._async, c._sender, c._url = True, None, None
+    task = meta.SaveTask("r", "cd" * 8, list(range(8)), [1, 2])
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
+    assert c.flush(timeout=30) and c.stats.chunks_saved == 1
+    first = c._store.identity(c._ns, task.key)
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
+    assert c.flush(timeout=30) and c.stats.chunks_saved == 1 and c.stats.chunks_skipped == 1
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[replace(task, replace=True)]))
+    assert c.flush(timeout=30) and c.stats.chunks_saved == 2
+    assert c._store.identity(c._ns, task.key) != first
+
+
 def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:

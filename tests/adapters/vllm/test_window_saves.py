@@ -58,11 +58,11 @@ def _step(new: list[Any], cached: list[tuple[str, int]], scheduled: dict[str, in
     )
 
 
-def _saved_blocks(tmp_path: Path, accepted: int, in_flight: int = 0) -> list[list[int]]:
+def _planned_saves(tmp_path: Path, accepted: int, in_flight: int = 0) -> list[Any]:
     """A 6-token prompt, then a decode step drafting 5 tokens of which ``accepted`` are; then one more step,
     scheduled while ``in_flight`` of the computed tokens are still in flight (asynchronous scheduling).
 
-    Returns the groups' blocks of the save of the first chunk (tokens 0-7).
+    Returns the saves that last step plans: the first chunk's (tokens 0-7), unless it is stored already.
     """
     sched = _scheduler(tmp_path)
     tokens = list(range(1000, 1006))  # nothing of it is stored
@@ -76,7 +76,12 @@ def _saved_blocks(tmp_path: Path, accepted: int, in_flight: int = 0) -> list[lis
     assert not sched.build_connector_meta(_step([], [("r", 6)], {"r": 6})).saves  # type: ignore[arg-type]
     tokens += list(range(1007, 1008 + accepted))  # the accepted drafts and the bonus token
     request.num_in_flight_tokens = in_flight
-    (save,) = sched.build_connector_meta(_step([], [("r", 7 + accepted)], {"r": 1})).saves  # type: ignore[arg-type]
+    return list(sched.build_connector_meta(_step([], [("r", 7 + accepted)], {"r": 1})).saves)  # type: ignore[arg-type]
+
+
+def _saved_blocks(tmp_path: Path, accepted: int, in_flight: int = 0) -> list[list[int]]:
+    """:func:`_planned_saves`'s one save: the groups' blocks it copies."""
+    (save,) = _planned_saves(tmp_path, accepted, in_flight)
     assert save.block_ids == GROUPS[0][:2]
     return save.groups
 
@@ -98,6 +103,43 @@ def test_a_chunk_planned_as_its_tokens_complete_keeps_its_window(tmp_path: Path)
     assert _saved_blocks(tmp_path, 1) == [[21, 22], [11, 12]]
 
 
+def _store_copy(tmp_path: Path, key: str, start: int) -> None:
+    """Store chunk ``key`` (tokens 1000-1007) as another producer did: its windowed layer from ``start`` on."""
+    import torch
+    from bare_worker import DIM, HEADS, PAGE, gqa_fingerprint
+
+    import hurray_vllm as hv
+    from hurray_vllm.chunks.store import DirectoryStore, namespace_of
+    from hurray_vllm.kv.snapshot import SlidingWindows
+
+    pool = torch.zeros((CHUNK // PAGE, PAGE, HEADS, DIM), dtype=torch.bfloat16)
+    table, ptr, lens = torch.arange(CHUNK // PAGE), torch.tensor([0, CHUNK // PAGE]), torch.tensor([CHUNK])
+    layers = [[hv.BlockPagedTensor(pool, table, ptr, lens, role, i) for role in ("key", "value")] for i in range(2)]
+    snap = hv.KVSnapshot.from_layers(
+        layers,
+        token_ids=(tuple(range(1000, 1000 + CHUNK)),),
+        fingerprint=gqa_fingerprint(),
+        windows=SlidingWindows(sizes=(None, WINDOW), kv_start=((0,), (start,))),
+    )
+    store = DirectoryStore(tmp_path / "tp1")
+    assert store.put(namespace_of(gqa_fingerprint()), key, snap)
+
+
+def test_a_copy_holding_less_of_the_window_is_replaced_by_one_holding_it(tmp_path: Path) -> None:
+    """A copy saved after vLLM freed a block of the chunk's window (a speculative step; or the "last" policy
+    for a longer prompt) would block for good the copy a resume at the chunk's end needs."""
+    (probe,) = _planned_saves(tmp_path / "probe", 1)
+    # Stored without its first block; this producer holds the whole window: written again, over it.
+    _store_copy(tmp_path / "weak", probe.key, 4)
+    (save,) = _planned_saves(tmp_path / "weak", 1)
+    assert save.replace and save.groups == [[21, 22], [11, 12]]
+    # A copy holding as much, or more, stays: no producer writes one that holds less over it.
+    _store_copy(tmp_path / "whole", probe.key, 0)
+    assert _planned_saves(tmp_path / "whole", 1) == []
+    _store_copy(tmp_path / "same", probe.key, 4)
+    assert _planned_saves(tmp_path / "same", 5) == []
+
+
 def _chunk(window: int, start: int) -> SimpleNamespace:
     """A stored chunk of a sliding-window layer and a full one: the first holds its tokens from ``start`` on."""
     from hurray_vllm.kv.snapshot import SlidingWindows
@@ -105,11 +147,11 @@ def _chunk(window: int, start: int) -> SimpleNamespace:
     return SimpleNamespace(windows=SlidingWindows(sizes=(window, None), kv_start=((start,), (0,))))
 
 
-def _worker_refuses(window: int, start: int, base: int, resume: int, block: int) -> bool:
+def _worker_refuses(window: int, start: int, base: int, resume: int, block: int, skip: int = 0) -> bool:
     """The worker's rule: a block vLLM keeps (from the one holding ``resume - window + 1``) that the chunk's
-    pages do not wholly hold refuses the load."""
+    pages do not wholly hold refuses the load; the first ``skip`` blocks (a local prefix hit) are not written."""
     kept = max(0, resume - window + 1) // block
-    return any(base + r * block < base + start for r in range(CHUNK // block) if base // block + r >= kept)
+    return any(base + r * block < base + start for r in range(skip, CHUNK // block) if base // block + r >= kept)
 
 
 @given(
@@ -118,19 +160,23 @@ def _worker_refuses(window: int, start: int, base: int, resume: int, block: int)
     block=st.sampled_from([1, 2, 4, 8]),
     chunks=st.integers(1, 4),
     past=st.integers(0, 6),
+    hit=st.integers(0, CHUNK - 1),
 )
 @settings(max_examples=300, deadline=None)
 def test_the_scheduler_loads_a_windowed_chunk_exactly_when_the_worker_would_write_it(
-    window: int, saved_block: int, block: int, chunks: int, past: int
+    window: int, saved_block: int, block: int, chunks: int, past: int, hit: int
 ) -> None:
     """Producers of any block size (saving at the chunk's end, or ``past`` tokens after it); a resume at the end
-    of the last chunk: the scheduler's check agrees with the worker's, so no load it plans is refused there."""
+    of the last chunk, loaded from a chunk inside which the engine's own prefix hit (``hit`` tokens, whole
+    blocks) may end: the scheduler's check agrees with the worker's, so no load it plans is refused there, and
+    it plans every load the worker would write."""
     from hurray_vllm.adapters.vllm.connector.scheduler import _windows_held
 
     resume = chunks * CHUNK
+    skip = hit // block
     for c in range(chunks):
         base = c * CHUNK
         freed = max(0, base + CHUNK + past - window + 1) // saved_block * saved_block  # the producer's null blocks
         start = min(CHUNK, max(0, freed - base))
-        held = _windows_held([_chunk(window, start)], c, resume, CHUNK, block)
-        assert held == (not _worker_refuses(window, start, base, resume, block)), (c, start)
+        held = _windows_held([_chunk(window, start)], c, resume, CHUNK, block, base + skip * block)
+        assert held == (not _worker_refuses(window, start, base, resume, block, skip)), (c, start)

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
 from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, tail_keys, verify_chunk
 from ....chunks.verify import begin_check_data
 from ....errors import HurrayArgumentError, HurrayFormatError
-from ....kv.snapshot import KVSnapshot, ModelFingerprint
+from ....kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from ....transport import ReceiverBase, receiver_for
 from ....transport.base import parse_listen
 from ....transport.security import server_context
@@ -43,6 +44,8 @@ log = logging.getLogger("hurray_vllm.connector")
 _POOL_LOCK = threading.Lock()
 _RECEIVERS: dict[str, ReceiverBase] = {}  # by hurray_listen
 _HELPERS: dict[str, ThreadPoolExecutor] = {}
+#: Stored windowed chunk files whose windows a scheduler remembers (a few hundred bytes each).
+_STORED_WINDOWS_CAP = 4096
 # A forked child inherits the executors without their threads: it makes its own.
 os.register_at_fork(after_in_child=_HELPERS.clear)
 
@@ -61,7 +64,9 @@ def _helper(name: str) -> ThreadPoolExecutor:
         return pool
 
 
-def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int, block_size: int) -> bool:
+def _windows_held(
+    chunks: list[KVSnapshot], first: int, resume: int, chunk: int, block_size: int, computed: int = 0
+) -> bool:
     """Whether chunks ``first, first + 1, ...`` hold every sliding-window token a resume at ``resume`` attends.
 
     Chunk ``i`` covers tokens ``[i * chunk, (i + 1) * chunk)``; a windowed
@@ -69,7 +74,9 @@ def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int,
     the engine block that token is in: vLLM keeps that whole block, and the
     worker refuses a load that leaves part of a kept block unwritten (which,
     with several KV cache groups, stops a vLLM 0.32 engine). The producer's
-    blocks may be smaller than this engine's.
+    blocks may be smaller than this engine's. ``computed``: the engine's own
+    prefix-cache hit (whole blocks), which may end inside chunk ``first``:
+    the blocks before it are the engine's, not written by the load.
     """
     for n, snap in enumerate(chunks):
         win = snap.windows
@@ -80,7 +87,7 @@ def _windows_held(chunks: list[KVSnapshot], first: int, resume: int, chunk: int,
             if size is None:
                 continue
             kept = max(0, resume - size + 1) // block_size * block_size  # the first block vLLM keeps
-            if base + starts[0] > max(base, kept):
+            if base + starts[0] > max(base, kept, computed):
                 return False
     return True
 
@@ -210,6 +217,8 @@ class HurrayScheduler:
         self._verified_bytes = config.verified_bytes
         self._windows = config.group_windows  # () for one KV cache group
         self._last_only = config.window_chunks == "last"
+        # Stored windowed chunks' windows, by file name and identity (see _holds_less_window).
+        self._stored_windows: dict[tuple[str, tuple[int, ...]], SlidingWindows | None] = {}
         # Every KV head of the model: a chunk is complete when its files hold them all.
         self._heads = fingerprint.num_kv_heads if fingerprint is not None else 1
         self._state_groups = config.state_groups  # () unless linear-attention layers keep states
@@ -317,7 +326,9 @@ class HurrayScheduler:
             verified_snaps.append(part_snaps)
             hit = i + 1
         # The slices of a chunk share windows and structure: the first of each speaks for them.
-        while hit > first and not self._resumes_at([v[0] for v in verified_snaps[: hit - first]], first, hit):
+        while hit > first and not self._resumes_at(
+            [v[0] for v in verified_snaps[: hit - first]], first, hit, num_computed_tokens
+        ):
             # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends, or (linear
             # attention) the last chunk holds no states taken there: load less.
             hit -= 1
@@ -540,10 +551,13 @@ class HurrayScheduler:
                 return True
         return False
 
-    def _resumes_at(self, chunks: list[KVSnapshot], first: int, hit: int) -> bool:
-        """Whether chunks ``first .. hit - 1`` let a request resume at token ``hit * chunk``."""
+    def _resumes_at(self, chunks: list[KVSnapshot], first: int, hit: int, computed: int = 0) -> bool:
+        """Whether chunks ``first .. hit - 1`` let a request resume at token ``hit * chunk``.
+
+        ``computed``: the engine's own prefix-cache hit, from which the load writes.
+        """
         resume = hit * self._chunk
-        if not _windows_held(chunks, first, resume, self._chunk, self._block_size):
+        if not _windows_held(chunks, first, resume, self._chunk, self._block_size, computed):
             return False
         if not self._state_groups:
             return True
@@ -740,8 +754,11 @@ class HurrayScheduler:
             # A chunk stored without the states this step holds for it is written again, with them:
             # else the first writer's step (which ran past the chunk's end) would hide them for good.
             replace = bool(states) and self._lacks_states(keys[c])
+            stored = self._store.parts(self._ns, keys[c], self._heads)
+            if stored is not None and not replace and self._windows:
+                replace = self._holds_less_window(stored[0], c, kept_from)
             # With a destination, chunks already stored still go to the worker, to be pushed.
-            if self._stored(keys[c]) and not self._url and not replace:
+            if stored is not None and not self._url and not replace:
                 self.stats.chunks_skipped += 1
                 continue
             meta.saves.append(
@@ -794,6 +811,52 @@ class HurrayScheduler:
         """Whether chunk ``key`` is stored (whole, or every tensor-parallel slice) and a file of it has no states."""
         parts, with_states = self._store.parts_with_states(self._ns, key, self._heads)
         return parts is not None and not with_states
+
+    def _window_starts(self, sizes: Iterable[int | None], c: int, resume: int) -> list[int | None]:
+        """Per window size, where a save of chunk ``c`` holds its tokens from (chunk-relative; None: full).
+
+        As :meth:`_chunk_blocks` blanks them: the blocks wholly before what a
+        resume at the chunk's end (or at ``resume``, if later) attends.
+        """
+        base, end = c * self._chunk, (c + 1) * self._chunk
+        return [
+            None
+            if size is None
+            else min(
+                self._chunk, max(0, max(0, max(end, resume) - size + 1) // self._block_size * self._block_size - base)
+            )
+            for size in sizes
+        ]
+
+    def _holds_less_window(self, part: ChunkPart, c: int, resume: int) -> bool:
+        """Whether stored chunk ``c`` (``part``: a file of it) holds less of its sliding windows than this save would.
+
+        A copy saved in a step that started past the chunk's end (speculative
+        decoding), or under the "last" policy by a request whose prompt ran
+        on past it, lacks blocks a resume at the chunk's end attends: a
+        consumer resuming there would load nothing of it. Such a copy is
+        written again by a producer that holds them. Only a save holding as
+        much in every layer and more in one replaces it, so two producers
+        never take turns. A stored file's header is read once (remembered by
+        the file's identity), and not at all when this save holds no window.
+        """
+        ours_by_size = self._window_starts(self._windows, c, resume)
+        if all(o is None or o >= self._chunk for o in ours_by_size):
+            return False  # this save blanks every windowed block: it cannot hold more
+        memo = (part.name, part.identity)
+        if memo in self._stored_windows:
+            win = self._stored_windows[memo]
+        else:
+            header = self._store.header(self._ns, part.name)
+            win = header.windows if header is not None else None
+            if len(self._stored_windows) >= _STORED_WINDOWS_CAP:
+                self._stored_windows.pop(next(iter(self._stored_windows)))
+            self._stored_windows[memo] = win
+        if win is None:
+            return False  # holds every layer whole, or unreadable (its reader judges that)
+        ours = self._window_starts(win.sizes, c, resume)
+        pairs = [(o, starts[0]) for o, starts in zip(ours, win.kv_start, strict=True) if o is not None and starts]
+        return all(o <= t for o, t in pairs) and any(o < t for o, t in pairs)
 
     def _stored(self, key: str) -> bool:
         """Whether chunk ``key`` is stored whole (one file, or tensor-parallel slices of every head)."""

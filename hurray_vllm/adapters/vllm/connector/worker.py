@@ -945,7 +945,8 @@ class HurrayWorker:
                     stored.append(task)
                     order.append(None)
                     continue
-            elif task.key in self._inflight or self._holds(task.key):
+            elif not task.replace and (task.key in self._inflight or self._holds(task.key)):
+                # (A replace, the scheduler's call, writes after any copy in flight: the writer keeps order.)
                 self.stats.chunks_skipped += 1
                 if task.key not in self._inflight:
                     stored.append(task)
