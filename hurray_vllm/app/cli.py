@@ -352,6 +352,8 @@ def cmd_receive(args: argparse.Namespace) -> int:
         "min_free_bytes": args.min_free,
         "keys": _keys(args),
     }
+    if args.max_memory is not None:
+        limits["max_arena_bytes" if args.transport == "nixl" else "max_inflight_bytes"] = args.max_memory
     if args.tls_cert or args.tls_key or args.tls_client_ca:
         from ..transport.security import TlsOptions, server_context
 
@@ -668,6 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-chunk", type=_size, default=4 << 30, help="largest chunk accepted (default 4G: a frame announcing more "
         "is refused unread)"
     )  # fmt: skip
+    s.add_argument(
+        "--max-memory",
+        type=_size,
+        default=None,
+        help="memory for the chunks being received, all connections together (default 8G; over nixl, its "
+        "registered buffers): a chunk beyond it is refused unread",
+    )
     s.add_argument(
         "--timeout",
         type=_seconds,

@@ -105,6 +105,9 @@ DEFAULT_MAX_CONNECTIONS = 64
 FRAME_MIN_RATE = 1 << 20
 #: Connections beyond ``max_connections`` answered ``ER`` at once; past that many, closed unanswered.
 _MAX_REFUSING = 16
+#: A failed accept (out of file descriptors, say) is retried after this pause, doubling up to the maximum.
+_ACCEPT_PAUSE_S = 0.05
+_ACCEPT_PAUSE_MAX_S = 2.0
 #: How long a receiver trusts its count of the store's bytes before measuring the disk again.
 _USAGE_TTL_S = 5.0
 _MAX_MESSAGE = 1000
@@ -766,11 +769,21 @@ class ReceiverBase(abc.ABC):
         """Serve one connection until it closes (on its own thread; the socket is closed afterwards)."""
 
     def _accept(self) -> None:
+        pause = _ACCEPT_PAUSE_S
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # stop() closed the socket
+                # Out of file descriptors or kernel buffers (EMFILE, ENFILE, ENOBUFS): passing, and the
+                # receiver must outlive it; returning would leave senders queued in the backlog until
+                # they time out, and every later push lost.
+                log.warning("hurray %s receiver: accept failed (%s); retrying in %.2f s", self.transport, exc, pause)
+                self._stop.wait(pause)
+                pause = min(2 * pause, _ACCEPT_PAUSE_MAX_S)
+                continue
+            pause = _ACCEPT_PAUSE_S
             with self._mu:
                 full = len(self._conns) >= self.max_connections
             if full:
@@ -782,9 +795,14 @@ class ReceiverBase(abc.ABC):
                 else:  # a flood: no thread, no answer
                     conn.close()
                 continue
-            threading.Thread(
-                target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
+                ).start()
+            except RuntimeError as exc:  # no thread to be had: refuse this one, keep accepting
+                self.count(False, f"receiver.connections: {exc}")
+                log.warning("hurray %s receiver: refusing a connection: %s", self.transport, exc)
+                conn.close()
 
     def _refuse(self, conn: socket.socket, exc: BaseException) -> None:
         try:
@@ -792,10 +810,15 @@ class ReceiverBase(abc.ABC):
         finally:
             self._refusing.release()
 
-    def _secure(self, conn: socket.socket) -> socket.socket | None:
-        """The connection after TLS and sender authentication, as configured; ``None`` if refused (and closed)."""
+    def _secure(self, conn: socket.socket, held: list[socket.socket]) -> socket.socket | None:
+        """The connection after TLS and sender authentication, as configured; ``None`` if refused (and closed).
+
+        ``held``: the sockets of this connection :meth:`stop` and the deadline
+        reach; the TLS socket joins it as it takes the plain one's place.
+        """
         conn.settimeout(self.timeout)
         if self.tls is not None:
+            raw = conn
             try:
                 conn = self.tls.wrap_socket(conn, server_side=True)
             except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: plaintext, an untrusted client
@@ -803,6 +826,15 @@ class ReceiverBase(abc.ABC):
                 log.warning("hurray %s receiver: refusing a connection: TLS handshake failed: %s", self.transport, exc)
                 conn.close()
                 return None
+            # wrap_socket moved the descriptor to the TLS socket: the plain one can no longer be shut, so
+            # the handshake's deadline (and stop()) must reach the TLS one, or a keyless peer trickling
+            # the key handshake a byte per timeout would hold the connection for an hour.
+            held.append(conn)
+            with self._mu:
+                self._conns.discard(raw)
+                self._conns.add(conn)
+                # Gone only if the watchdog found it overdue meanwhile (and could not shut it): due now.
+                self._deadlines[conn] = self._deadlines.pop(raw, time.monotonic())
         if self.keys is None:
             return conn
         try:
@@ -825,11 +857,11 @@ class ReceiverBase(abc.ABC):
     def _connection(self, conn: socket.socket) -> None:
         with self._mu:
             self._conns.add(conn)
-        raw = conn
+        held = [conn]
         self.arm(conn, self.timeout)  # TLS and the key handshake, as one frame
         try:
             try:
-                secured = self._secure(conn)
+                secured = self._secure(conn, held)
             except Exception as exc:  # a bug or an unforeseen library error: refuse, never die silently
                 self.count(False, f"{type(exc).__name__}: {exc}")
                 log.exception("hurray %s receiver: connection failed before its first frame", self.transport)
@@ -839,10 +871,7 @@ class ReceiverBase(abc.ABC):
             if secured is None:
                 return
             conn = secured
-            with self._mu:
-                self._conns.discard(raw)
-                self._deadlines.pop(raw, None)
-                self._conns.add(conn)
+            self.disarm(conn)  # the handshake is over: the idle timeout applies until the first frame
             with conn:
                 try:
                     self.serve(conn)
@@ -852,7 +881,6 @@ class ReceiverBase(abc.ABC):
                     finish_with_error(conn, exc)
         finally:
             with self._mu:
-                self._conns.discard(raw)
-                self._conns.discard(conn)
-                self._deadlines.pop(raw, None)
-                self._deadlines.pop(conn, None)
+                for c in held:
+                    self._conns.discard(c)
+                    self._deadlines.pop(c, None)

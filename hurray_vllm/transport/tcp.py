@@ -23,11 +23,12 @@ import io
 import logging
 import socket
 import ssl
+import threading
 from collections.abc import Callable, Iterable
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 from ..chunks.signing import FleetKeys
-from ..chunks.store import digest_matches
+from ..chunks.store import ChunkStore, digest_matches
 from ..containers.io import read_stream, write_stream
 from ..errors import HurrayFormatError
 from .base import (
@@ -53,6 +54,8 @@ __all__ = ["Receiver", "TcpSender", "send_chunks", "connect", "parse_url", "fram
 
 log = logging.getLogger("hurray_vllm.transport.tcp")
 MAGIC = b"HVC1"
+#: Memory for the chunks a TCP receiver is reading, all connections together (as NIXL's arena).
+DEFAULT_INFLIGHT_BYTES = 8 << 30
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -223,9 +226,47 @@ class Receiver(ReceiverBase):
         timeout: How long one frame may take to arrive, in seconds.
         idle_timeout: How long a connection may stay silent between chunks.
         max_chunk_bytes: The largest stream accepted for one chunk.
+        max_inflight_bytes: The chunks read at once, all connections together,
+            in bytes: each is read into memory before its digest is checked,
+            so without this bound 64 connections announcing 4 GiB each could
+            take 256 GiB. A chunk beyond it is refused unread (field
+            ``receiver.memory``) unless no other is being read.
+        **limits: ``timeout``, ``idle_timeout``, ``max_connections``, ``quota_bytes``,
+            ``min_free_bytes``, ``keys``, ``tls``, as :class:`~.base.ReceiverBase` takes them.
     """
 
     transport = "tcp"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        store: ChunkStore,
+        *,
+        max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+        **limits: Any,
+    ) -> None:
+        if max_inflight_bytes < 1:
+            raise ValueError(f"limits must be positive, got max_inflight_bytes={max_inflight_bytes}")
+        super().__init__(host, port, store, **limits)
+        self.max_inflight_bytes = max_inflight_bytes
+        self._inflight = 0
+        self._inflight_mu = threading.Lock()
+
+    def _reserve(self, length: int) -> None:
+        """Count ``length`` bytes as being read, or refuse the chunk (one chunk alone always fits)."""
+        with self._inflight_mu:
+            if self._inflight and self._inflight + length > self.max_inflight_bytes:
+                raise HurrayFormatError(
+                    "receiver.memory",
+                    f"{self._inflight} bytes of chunks are being received; {length} more would pass the "
+                    f"receiver's limit of {self.max_inflight_bytes} (--max-memory): try again later",
+                )
+            self._inflight += length
+
+    def _release(self, length: int) -> None:
+        with self._inflight_mu:
+            self._inflight -= length
 
     def serve(self, conn: socket.socket) -> None:
         """Read frames until the sender closes; answer each chunk ``OK`` or ``ER``."""
@@ -245,12 +286,14 @@ class Receiver(ReceiverBase):
     def _chunk(self, conn: socket.socket, ns: str, key: str, length: int) -> bool:
         """Receive, check and store one chunk's stream; False when the connection must be closed."""
         body = _Limited(conn, length)
-        admitted, stored = False, 0
+        admitted, reserved, stored = False, False, 0
         try:
             check_names(ns, key)
             if length > self.max_chunk_bytes:
                 raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
             self.arm(conn, self.timeout + length / FRAME_MIN_RATE)  # the whole frame, however it trickles
+            self._reserve(length)  # memory, before the payload is read into it
+            reserved = True
             self.admit(length)  # the store's quota and the disk's floor, before the payload is read
             admitted = True
             snap = read_stream(io.BufferedReader(body), limit=length)  # no buffer larger than the frame
@@ -261,6 +304,9 @@ class Receiver(ReceiverBase):
             if admitted:  # released before the answer: a sender that retries at once finds the room
                 self.settle(length, stored)
                 admitted = False
+            if reserved:
+                self._release(length)
+                reserved = False
             self.count(False, str(exc))
             log.warning("hurray receiver: refused chunk %s: %s", key, exc)
             try:
@@ -277,6 +323,8 @@ class Receiver(ReceiverBase):
         finally:
             if admitted:  # stored, or failed in a way the handlers above do not answer
                 self.settle(length, stored)
+            if reserved:
+                self._release(length)
         self.count(True)
         try:
             conn.sendall(b"OK")

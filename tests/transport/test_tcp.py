@@ -455,3 +455,62 @@ def test_a_sender_trickling_a_frame_is_disconnected_at_its_deadline(tmp_path: Pa
         while r._promised and time.monotonic() < deadline:
             time.sleep(0.05)
         assert r._promised == 0 and r.received == 0 and not store.has(ns, key)
+
+
+def test_a_failed_accept_does_not_stop_the_receiver(tmp_path: Path) -> None:
+    """Out of file descriptors for a moment (EMFILE): the receiver keeps accepting once they are back."""
+    import errno
+
+    class _Flaky:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock, self.failures = sock, 3
+
+        def accept(self) -> tuple[socket.socket, object]:
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.sock.accept()
+
+        def close(self) -> None:
+            self.sock.close()
+
+    ns, key, chunk = example_chunk()
+    r = transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path))
+    r._sock = _Flaky(r._sock)  # type: ignore[assignment]
+    with r.start():
+        transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [(ns, key, chunk)], timeout=10)
+        assert r.received == 1 and r._sock.failures == 0  # type: ignore[attr-defined]
+
+
+def test_chunks_read_at_once_are_bounded_in_memory(tmp_path: Path) -> None:
+    """A second chunk that would pass max_inflight_bytes while one is being read is refused unread; alone, it fits."""
+    import io
+    import struct
+
+    from hurray_vllm.containers.io import write_stream
+
+    ns, key, chunk = example_chunk()
+    buf = io.BytesIO()
+    write_stream(chunk, buf)
+    body = buf.getvalue()
+    name = ns.encode(), key.encode()
+    head = b"HVC1" + struct.pack("<H", len(name[0])) + name[0] + struct.pack("<H", len(name[1])) + name[1]
+    store = DirectoryStore(tmp_path)
+    with transport.receiver_for("tcp", "127.0.0.1", 0, store, max_inflight_bytes=len(body) + 100).start() as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as first:
+            first.sendall(head + struct.pack("<Q", len(body)) + body[:10])  # being read: holds its bytes
+            deadline = time.monotonic() + 5
+            while not r._inflight and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as second:
+                second.sendall(head + struct.pack("<Q", len(body)))
+                assert recv_exact(second, 2) == b"ER"
+                message = recv_exact(second, int.from_bytes(recv_exact(second, 2), "little"))
+                assert message.startswith(b"receiver.memory:")
+            first.sendall(body[10:])
+            assert recv_exact(first, 2) == b"OK"
+        assert r._inflight == 0 and store.has(ns, key)
+        url = f"tcp://127.0.0.1:{r.address[1]}"
+        transport.send_chunks(url, [(ns, "ef" * 8, chunk)], timeout=10)  # alone again: takes it
+    with pytest.raises(ValueError, match="max_inflight_bytes"):
+        transport.receiver_for("tcp", "127.0.0.1", 0, store, max_inflight_bytes=0)

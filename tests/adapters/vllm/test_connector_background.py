@@ -591,6 +591,10 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
         None,  # type: ignore[arg-type]
     )
     assert limited.listen_limits == {"quota_bytes": 512 << 20, "idle_timeout": 30.0}
+    for channel, arg in (("tcp", "max_inflight_bytes"), ("nixl", "max_arena_bytes")):  # one bound, either receiver
+        extra = {"hurray_path": "/x", "hurray_listen_max_memory_mib": 64, "hurray_listen_transport": channel}
+        memory = HurrayConfig.from_vllm(_vllm_config(extra), None)  # type: ignore[arg-type]
+        assert memory.listen_limits == {arg: 64 << 20}
     assert cfg.save_queue_bytes == 1024 << 20 and cfg.verified_chunks >= 64
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.chunk_tokens = 64  # type: ignore[misc]

@@ -25,9 +25,10 @@ Extra config:
   ``hurray-vllm[nixl]``). Its limits: ``hurray_listen_quota_mib`` (the most
   the store may hold; a chunk beyond it is refused before it is read),
   ``hurray_listen_min_free_mib`` (free disk space a chunk must leave),
-  ``hurray_listen_max_connections`` (default 64), ``hurray_listen_timeout_s``
-  (one chunk's arrival, default 60) and ``hurray_listen_idle_timeout_s``
-  (default 120).
+  ``hurray_listen_max_connections`` (default 64),
+  ``hurray_listen_max_memory_mib`` (chunks being received, all connections
+  together: default 8192), ``hurray_listen_timeout_s`` (one chunk's
+  arrival, default 60) and ``hurray_listen_idle_timeout_s`` (default 120).
 * ``hurray_chunk_tokens`` (default 256): tokens per chunk. Must be a multiple
   of the block size of every engine sharing the store; engines with
   different block sizes share chunks (a loaded chunk is repaged).

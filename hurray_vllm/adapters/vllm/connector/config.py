@@ -183,8 +183,9 @@ class HurrayConfig:
     listen: str | None
     listen_transport: str
     #: The hurray_listen receiver's limits (``hurray_listen_quota_mib``, ``hurray_listen_min_free_mib``,
-    #: ``hurray_listen_max_connections``, ``hurray_listen_timeout_s``, ``hurray_listen_idle_timeout_s``), as the
-    #: keyword arguments of :func:`~hurray_vllm.transport.receiver_for`; unset ones keep the receiver's defaults.
+    #: ``hurray_listen_max_connections``, ``hurray_listen_max_memory_mib``, ``hurray_listen_timeout_s``,
+    #: ``hurray_listen_idle_timeout_s``), as the keyword arguments of
+    #: :func:`~hurray_vllm.transport.receiver_for`; unset ones keep the receiver's defaults.
     listen_limits: dict[str, Any] = field(default_factory=dict)
     #: Several KV cache groups or a sliding window (vLLM's hybrid KV cache manager): each attention
     #: layer's group and each group's window (``None``: full attention). Empty otherwise.
@@ -296,6 +297,13 @@ class HurrayConfig:
             ("hurray_listen_quota_mib", "quota_bytes", 1 << 20, 0.0),
             ("hurray_listen_min_free_mib", "min_free_bytes", 1 << 20, 0.0),
             ("hurray_listen_max_connections", "max_connections", 1, 1.0),
+            # TCP reads each chunk into memory, NIXL into registered buffers: one bound for both.
+            (
+                "hurray_listen_max_memory_mib",
+                "max_arena_bytes" if transport == "nixl" else "max_inflight_bytes",
+                1 << 20,
+                1.0,
+            ),
             ("hurray_listen_timeout_s", "timeout", None, 0.001),
             ("hurray_listen_idle_timeout_s", "idle_timeout", None, 0.001),
         ):
