@@ -252,6 +252,24 @@ def test_a_non_streamed_request_relayed_unmoved_is_listed_while_it_runs(fakes: d
     assert httpx.get(fakes["slow"] + "/hurray/requests", timeout=30).json()["requests"] == []
 
 
+def test_a_client_leaving_a_relayed_non_streamed_request_lets_it_go(fakes: dict[str, str]) -> None:
+    """Its answer would come only at its end (10 s here): the router stops waiting when its client leaves."""
+    import time
+
+    import httpx
+
+    body = {"model": "fake", "prompt": [8, 9, 10], "max_tokens": 200, "guided_regex": "[0-9 ]+"}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(fakes["slow"] + "/v1/completions", json=body, timeout=0.5)  # the client gives up
+    deadline, listed = time.monotonic() + 3, [None]
+    while listed and time.monotonic() < deadline:
+        listed = httpx.get(fakes["slow"] + "/hurray/requests", timeout=30).json()["requests"]
+        time.sleep(0.05)
+    assert listed == []
+    health = httpx.get(fakes["slow"] + "/health", timeout=30).json()
+    assert [b["in_flight"] for b in health["backends"].values()] == [0]
+
+
 def test_a_relayed_stream_that_breaks_off_still_ends_with_done(fakes: dict[str, str]) -> None:
     """An unmovable request's backend broke mid-stream: an error event, then [DONE], as every stream ends."""
     import httpx

@@ -50,6 +50,10 @@ def _read_leg(f: Flight, backend: Backend, path: str, events: list[Any]) -> list
         {"choices": [{"text": "x", "token_ids": 7}]},
         {"choices": [{"text": "x", "token_ids": [1], "prompt_token_ids": [1.5]}]},
         {"choices": {"0": {}}},
+        {"choices": [], "usage": "not an object"},
+        {"choices": [], "usage": {"prompt_tokens_details": 7}},
+        {"choices": [{"text": 5, "token_ids": [1]}]},
+        {"choices": [{"text": "x", "token_ids": [1], "finish_reason": 1}]},
     ],
 )
 def test_an_unreadable_event_ends_the_leg_with_an_error(event: Any) -> None:
@@ -457,3 +461,151 @@ def test_stop_fields_that_are_no_strings_leave_matching_to_the_backend(stop: Any
     f = Flight(router, "completion", {"model": "m", "prompt": [1], "max_tokens": 4, "stop": stop})
     d = Delta(" x", [5], upto=1)
     assert f._release(d) is False and f._stops == []
+
+
+def _two_backends(max_tokens: int = 40) -> tuple[Router, Flight, Backend, Backend]:
+    """A router over two backends nobody serves, and a streamed flight on it (its upstream stubbed by the test)."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    f = Flight(router, "completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True})
+    router.flights[f.id] = f
+    src, dst = (router.backends.all[u] for u in ("http://127.0.0.1:9", "http://127.0.0.1:10"))
+    return router, f, src, dst
+
+
+def _tokens(pause: float = 0.0, limit: int = 40) -> Any:
+    """A stub of a leg's upstream: one token per event, 100 on, finishing at the flight's ``limit``."""
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        prompt = body["prompt"]
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(pause)
+            done = "length" if i == body["max_tokens"] - 1 else None
+            yield {"choices": [{"text": "t", "token_ids": [100 + len(prompt) - 3 + i], "prompt_token_ids": prompt,
+                                "finish_reason": done}]}  # fmt: skip
+
+    return upstream
+
+
+def test_a_leg_cancelled_before_its_reader_ran_still_ends() -> None:
+    """The health task fails a request over in the loop iteration that started its leg: the reader task is
+    cancelled before its first step (its body never runs), and its end must still reach the client's stream."""
+    _, f, _, _ = _two_backends(4)
+    f._upstream = _tokens()  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        agen = f.deltas()
+        first = asyncio.ensure_future(agen.__anext__())
+        await asyncio.sleep(0)  # deltas() started the first leg; its reader has not run yet
+        assert f._reader is not None and not f._reader.done()
+        f.fail_over()
+        got = [await asyncio.wait_for(first, 5)]
+        got += [d async for d in agen]
+        return got
+
+    got = asyncio.run(run())
+    assert [len(d.token_ids) for d in got] == [1] * 4 and got[-1].finish_reason == "length"
+    assert [leg.why for leg in f.legs] == ["routed", "failover"]
+
+
+def test_a_drain_behind_a_move_that_waits_for_its_client_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's move waits (504) for a client that does not read: the drain lists the request as failed
+    after the move's timeout rather than wait for that client for ever."""
+    import hurray_vllm.app.router.server as server
+
+    monkeypatch.setattr(server, "MOVE_TIMEOUT_S", 0.5)
+    router, f, src, dst = _two_backends(300)  # more events than the flight buffers: its reader waits
+    f._upstream = _tokens(pause=0.001)  # type: ignore[method-assign]
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> dict[str, Any]:
+        agen = f.deltas()
+        await agen.__anext__()  # the client reads one event, then stops reading
+        await asyncio.sleep(0.2)  # the reader fills its buffer and waits
+        with pytest.raises(RouterError) as moved:
+            await f.migrate(dst if f.backend is src else src, timeout=0.2)
+        assert moved.value.status == 504 and f.moving
+        out = await asyncio.wait_for(router.drain(f.backend.url), 10)
+        await agen.aclose()
+        return out
+
+    out = asyncio.run(run())
+    assert out["moved"] == [] and [x["id"] for x in out["failed"]] == [f.id]
+    assert "not reading" in out["failed"][0]["error"]
+
+
+def test_a_move_to_a_backend_drained_before_the_switch_leaves_the_request_where_it_was() -> None:
+    """The switch waited behind events its client had not read; meanwhile the destination was drained: the
+    move is refused there, and the request resumes on its source instead of landing on the drained backend."""
+    router, f, src, dst = _two_backends(120)
+    f._upstream = _tokens(pause=0.001)  # type: ignore[method-assign]
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> tuple[list[Delta], RouterError]:
+        agen = f.deltas()
+        got = [await agen.__anext__()]
+        await asyncio.sleep(0.2)
+        source = f.backend
+        assert source is not None
+        target = dst if source is src else src
+        move = asyncio.ensure_future(f.migrate(target, timeout=30))
+        await asyncio.sleep(0.2)  # warmed up; the switch waits in the unread stream
+        await router.drain(target.url)
+        got += [d async for d in agen]  # the client reads on
+        with pytest.raises(RouterError) as refused:
+            await move
+        assert f.legs[-1].backend == source.url
+        return got, refused.value
+
+    got, refused = asyncio.run(run())
+    assert refused.status == 409 and "drained" in refused.message
+    assert [leg.why for leg in f.legs] == ["routed", "resumed"]
+    tokens = [t for d in got for t in d.token_ids]
+    assert tokens == list(range(100, 220))  # nothing lost or repeated across the refused switch
+
+
+def test_a_move_whose_request_failed_over_while_it_warmed_up_is_refused() -> None:
+    """Its backend was found dead during the destination's warm-up: the request continues elsewhere (here, on
+    the destination itself), and the move says so instead of moving it again or calling it finished."""
+    _, f, src, dst = _two_backends(5000)
+    f._upstream = _tokens(pause=0.001)  # type: ignore[method-assign]
+
+    async def run() -> RouterError:
+        agen = f.deltas()
+        await agen.__anext__()
+        source = f.backend
+        assert source is not None
+        target = dst if source is src else src
+
+        async def prewarm(to: Backend, timeout: float) -> None:
+            if source.healthy:  # the first warm-up (the source goes on generating: there may be more)
+                f.fail_over()  # what the health task does for a backend found dead
+                source.healthy = False
+            await asyncio.sleep(0.2)
+
+        f._prewarm = prewarm  # type: ignore[method-assign]
+        reading = asyncio.ensure_future(_drain_all(agen))
+        try:
+            with pytest.raises(RouterError) as refused:
+                await f.migrate(target, timeout=30)
+        finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            await agen.aclose()
+        return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.status == 409 and "changed backends" in refused.message
+    assert [leg.why for leg in f.legs] == ["routed", "failover"]
+
+
+async def _drain_all(agen: AsyncIterator[Delta]) -> None:
+    async for _ in agen:
+        pass

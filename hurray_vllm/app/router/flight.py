@@ -45,6 +45,8 @@ log = logging.getLogger("hurray_vllm.router")
 BUFFERED_EVENTS = 64
 #: How many times one request is continued after its backend failed.
 MAX_FAILOVERS = 3
+#: How long a move (``/hurray/migrate``, one request of a drain) waits for the request to run on its destination.
+MOVE_TIMEOUT_S = 600.0
 #: At most this many warm-ups of a move's destination, while the source generated more than WARMUP_SLACK
 #: tokens during the last one.
 WARMUPS, WARMUP_SLACK = 3, 8
@@ -158,7 +160,13 @@ def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int]
         raise UpstreamError(f"backend error: {err.get('message') if isinstance(err, dict) else err}")
     choices = event.get("choices") or []
     if not choices:
-        return Delta(usage=event.get("usage")), None
+        usage = event.get("usage")
+        # Read by the client's side (cached tokens, counts): a wrong shape fails the leg here, on the reader.
+        if usage is not None and not (
+            isinstance(usage, dict) and isinstance(usage.get("prompt_tokens_details") or {}, dict)
+        ):
+            raise UpstreamError(f"backend sent a usage that is not an object: {str(usage)[:200]}")
+        return Delta(usage=usage), None
     c = choices[0]
     prompt = c.get("prompt_token_ids") or event.get("prompt_token_ids")
     extra = None
@@ -171,6 +179,8 @@ def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int]
             extra = {k: v for k, v in message.items() if k not in _PLAIN_DELTA}
     else:
         text = c.get("text") or ""
+    if not isinstance(text, str) or not isinstance(c.get("finish_reason"), str | None):
+        raise UpstreamError(f"backend sent a text or finish reason that is not a string: {str(c)[:200]}")
     ids = c.get("token_ids") or []
     # Token ids go back upstream as a continuation's prompt: anything but a list of ints breaks a leg later.
     for what in (ids, prompt or []):
@@ -516,8 +526,7 @@ class Flight:
                 q.put_nowait(("delta", delta))
             q.put_nowait(("end", None))
         except asyncio.CancelledError:
-            q.put_nowait(("end", None))
-            raise
+            raise  # its end marker comes from _start_leg's done-callback
         except UpstreamError as exc:
             q.put_nowait(("error", exc))
         except Exception as exc:  # an event of an unexpected shape: the leg failed, it must not hang its client
@@ -549,10 +558,14 @@ class Flight:
             leg.announced = body["kv_transfer_params"]
         self.legs.append(leg)
         self._reader = asyncio.create_task(self._read(backend, path, body, q, space), name=f"leg {self.id}")
+        # A cancelled leg ends with a marker too, queued here: a task cancelled before its first step (a
+        # failover or a move in the same loop iteration that started it) never runs its body, and without
+        # the marker its client's stream would wait forever.
+        self._reader.add_done_callback(lambda t: q.put_nowait(("end", None)) if t.cancelled() else None)
 
     # ── control: called from other requests' handlers ───────────────────────
 
-    async def migrate(self, to: Backend, why: str = "migrated", timeout: float = 600.0) -> dict[str, Any]:
+    async def migrate(self, to: Backend, why: str = "migrated", timeout: float = MOVE_TIMEOUT_S) -> dict[str, Any]:
         """Move the request to ``to``; returns once it runs there (its first token), or raises :class:`RouterError`.
 
         If ``to`` cannot take it, the request goes on where it was (resumed
@@ -570,6 +583,7 @@ class Flight:
             raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
         self._moving = True  # until the destination's first token (or the move's failure)
         self._warmups = (to, [])
+        legs = len(self.legs)
         try:
             # Warm up again while a warm-up took long enough for the source to generate more than a few
             # tokens (a long context): what the destination must catch up on at the switch stays small.
@@ -581,6 +595,12 @@ class Flight:
         except BaseException:
             self._moving = False
             raise
+        if not self.finished and (len(self.legs) != legs or self._interrupt is not None):
+            # Its backend failed (or its prefill ended) while the destination warmed up: it runs, or is about to
+            # run, elsewhere already; moving it now would move it from wherever that is, or onto itself.
+            self._moving = False
+            where = self.backend.url if self.backend is not None else "another backend"
+            raise RouterError(409, f"request {self.id} changed backends while {to.url} warmed up (now {where})")
         if self.finished or self._reader is None or self._reader.done():
             self._moving = False
             raise RouterError(409, f"request {self.id} has finished")
@@ -591,6 +611,8 @@ class Flight:
             self._moving = False
             raise RouterError(409, f"to: {to.url} was {'drained' if to.draining else 'found dead'} meanwhile")
         done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        # Answered after a 504 nobody waits for: its outcome is read here, not logged as never retrieved.
+        done.add_done_callback(lambda d: d.cancelled() or d.exception())
         self._interrupt = _Interrupt("move", to, why, done)
         self._reader.cancel()
         try:
@@ -723,6 +745,19 @@ class Flight:
                         self._refuse(interrupt, 409, f"request {self.id} has finished")
                         self.finished = True
                         return
+                    to = interrupt.to
+                    if to.draining or not to.healthy:
+                        # Drained or found dead while the switch waited (behind events its client had not read):
+                        # the request stays where it was, as a move refused at once would have left it.
+                        state = "drained" if to.draining else "found dead"
+                        self._refuse(interrupt, 409, f"to: {to.url} was {state} before the request switched")
+                        self._moving = False
+                        if kind == "end" and self.backend is not None and self.backend.healthy:
+                            self._start_leg(self.backend, "resumed", q, space)
+                            continue
+                        interrupt = None  # its source broke as it was left: a failover, below
+                if interrupt is not None and interrupt.kind == "move":
+                    assert interrupt.to is not None
                     source, pending, interrupt.since = self.backend, interrupt, self._last_token_at
                     self._moving = True
                     why = interrupt.why

@@ -25,7 +25,7 @@ from typing import Any
 
 from ...transport.base import host_port
 from .backends import Backend, Backends, prompt_keys
-from .flight import Delta, Flight, RouterError, UpstreamError, movable, sse_data
+from .flight import MOVE_TIMEOUT_S, Delta, Flight, RouterError, UpstreamError, movable, sse_data
 from .metrics import Metrics
 
 __all__ = ["CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
@@ -210,10 +210,15 @@ class Router:
         failed: list[dict[str, Any]] = []
 
         async def move(f: Flight) -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + MOVE_TIMEOUT_S
             for _ in range(2):
                 # A move under way (a client's /hurray/migrate) settles first: it takes the request off, or
                 # fails (a destination drained meanwhile refuses it) and this drain moves it after all.
                 while f.moving and not f.finished:
+                    if loop.time() > deadline:  # its switch waits for a client that does not read
+                        failed.append({"id": f.id, "error": "a move of it has not settled: its client is not reading"})
+                        return
                     await asyncio.sleep(0.05)
                 if f.finished:
                     return  # finished meanwhile: nothing left on the backend
@@ -225,13 +230,17 @@ class Router:
                     failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
                     return
                 try:
-                    await f.migrate(dest, why="drained")
+                    await f.migrate(dest, why="drained", timeout=max(1.0, deadline - loop.time()))
                     moved.append(f.id)
                     return
                 except RouterError as exc:
-                    if "has finished" in exc.message or "ended before" in exc.message:
+                    if f.finished or "has finished" in exc.message or "ended before" in exc.message:
                         return
-                    if not f.moving and "being moved already" not in exc.message:
+                    if f.backend is not b and f.backend is not None:  # failed over meanwhile: off it all the same
+                        moved.append(f.id)
+                        return
+                    # 504: the switch waits for a client that does not read (it moves once that client reads).
+                    if exc.status == 504 or (not f.moving and "being moved already" not in exc.message):
                         failed.append({"id": f.id, "error": exc.message})
                         return
             failed.append({"id": f.id, "error": "another move of it kept it on the drained backend"})
@@ -560,7 +569,7 @@ def build_app(config: RouterConfig) -> Any:
             raise RouterError(400, "the request body must be a JSON object")
         return body
 
-    async def passthrough(kind: str, body: dict[str, Any], why: str) -> Any:
+    async def passthrough(request: Request, kind: str, body: dict[str, Any], why: str) -> Any:
         """A request that cannot change backends (:func:`~.flight.movable`): relayed as it comes, its id replaced."""
         import aiohttp
 
@@ -577,14 +586,29 @@ def build_app(config: RouterConfig) -> Any:
         counted = len(prompt) if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
         # Listed (and known to a drain) from now on: a non-streamed answer's headers come only at its end.
         entry = router.relayed[rid] = Relayed(rid, b, why, counted)
+        post = asyncio.ensure_future(router.client.post(b.base + path, json=body))
+        left = asyncio.ensure_future(_client_left(request))
         try:
-            upstream = await router.client.post(b.base + path, json=body)
+            # A non-streamed answer's headers come at its end: a client that leaves before then must stop the
+            # backend's request (closing the connection to it aborts it there), as for a flight.
+            await asyncio.wait({post, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not post.done():
+                post.cancel()
+                await asyncio.gather(post, return_exceptions=True)
+                b.in_flight -= 1
+                router.relayed.pop(rid, None)
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+            upstream = post.result()
         except BaseException as exc:
+            if not post.done():
+                post.cancel()
             b.in_flight -= 1
             router.relayed.pop(rid, None)
             if isinstance(exc, (aiohttp.ClientError, TimeoutError)):
                 return fail(502, f"{b.url}: {type(exc).__name__}: {exc}")
             raise
+        finally:
+            left.cancel()
         log.debug("router: %s relayed to %s unchanged (%s)", rid, b.url, why)
 
         def renamed(data: bytes) -> bytes:
@@ -627,7 +651,7 @@ def build_app(config: RouterConfig) -> Any:
             return fail(400, "stream_options must be an object")  # the router reads it, and sends its own upstream
         why = movable(kind, body)
         if why is not None:
-            return await passthrough(kind, body, why)
+            return await passthrough(request, kind, body, why)
         try:
             f = router.begin(kind, body)
         except RouterError as exc:  # a field the router computes with is not what vLLM would take
