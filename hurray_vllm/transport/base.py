@@ -773,13 +773,15 @@ class ReceiverBase(abc.ABC):
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError as exc:
+            except OSError as failure:
                 if self._stop.is_set():
                     return  # stop() closed the socket
                 # Out of file descriptors or kernel buffers (EMFILE, ENFILE, ENOBUFS): passing, and the
                 # receiver must outlive it; returning would leave senders queued in the backlog until
                 # they time out, and every later push lost.
-                log.warning("hurray %s receiver: accept failed (%s); retrying in %.2f s", self.transport, exc, pause)
+                log.warning(
+                    "hurray %s receiver: accept failed (%s); retrying in %.2f s", self.transport, failure, pause
+                )
                 self._stop.wait(pause)
                 pause = min(2 * pause, _ACCEPT_PAUSE_MAX_S)
                 continue
@@ -799,9 +801,9 @@ class ReceiverBase(abc.ABC):
                 threading.Thread(
                     target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
                 ).start()
-            except RuntimeError as exc:  # no thread to be had: refuse this one, keep accepting
-                self.count(False, f"receiver.connections: {exc}")
-                log.warning("hurray %s receiver: refusing a connection: %s", self.transport, exc)
+            except RuntimeError as no_thread:  # none to be had: refuse this one, keep accepting
+                self.count(False, f"receiver.connections: {no_thread}")
+                log.warning("hurray %s receiver: refusing a connection: %s", self.transport, no_thread)
                 conn.close()
 
     def _refuse(self, conn: socket.socket, exc: BaseException) -> None:
