@@ -540,10 +540,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     elif not args.quiet:
         verb = "would delete" if report.dry_run else "deleted"
         print(
-            f"{verb} {report.chunks_removed} chunks ({report.foreign_removed} not signed with the key), "
+            f"{verb} {report.chunks_removed} chunk files ({report.foreign_removed} not signed with the key), "
             f"{report.bad_removed} damaged and {report.temp_removed} "
             f"stale temporary files ({report.bytes_removed / 2**20:.1f} MiB); "
-            f"{report.chunks_kept} chunks ({report.bytes_kept / 2**20:.1f} MiB) remain"
+            f"{report.chunks_kept} chunk files ({report.bytes_kept / 2**20:.1f} MiB) remain"
         )
     for skipped in report.skipped:
         print(f"hurray-vllm: skipped: {skipped}", file=sys.stderr)

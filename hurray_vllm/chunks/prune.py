@@ -65,9 +65,10 @@ class PruneReport:
 
     dry_run: bool
     bytes_kept: int
+    #: Chunk files kept and removed (a tensor-parallel chunk is a file per slice).
     chunks_kept: int
     chunks_removed: int = 0
-    #: With keys: chunks no key of the ring signed (unsigned, another fleet's, unreadable), deleted first.
+    #: With keys: chunk files no key of the ring signed (unsigned, another fleet's, unreadable), deleted first.
     foreign_removed: int = 0
     bad_removed: int = 0
     temp_removed: int = 0
@@ -164,16 +165,19 @@ def prune(
     # most recent use; a lone slice would be kept bytes that can never load.
     for group in files.values():
         chunks.append((max(t for t, _, _ in group), sum(size for _, size, _ in group), group))
+    foreign = 0
     if keys is not None:
+        # File by file: a chunk's files may come from engines of several TP degrees (the whole file and
+        # slices), and an unsigned slice beside a signed whole file takes only itself away.
         ours = []
-        for chunk in chunks:
-            if all(_signed_by(path, keys) for _, _, path in chunk[2]):
-                ours.append(chunk)
-            else:
-                doomed.extend(("foreign", file_size, path) for _, file_size, path in chunk[2])
-        foreign, chunks = len(chunks) - len(ours), ours
-    else:
-        foreign = 0
+        for _, _, group in chunks:
+            signed = [_signed_by(path, keys) for _, _, path in group]
+            doomed.extend(("foreign", size, path) for (_, size, path), ok in zip(group, signed, strict=True) if not ok)
+            foreign += signed.count(False)
+            kept = [f for f, ok in zip(group, signed, strict=True) if ok]
+            if kept:
+                ours.append((max(t for t, _, _ in kept), sum(size for _, size, _ in kept), kept))
+        chunks = ours
     chunks.sort(key=lambda c: (c[0], c[1]))
     total = sum(size for _, size, _ in chunks)
     for _, size, group in chunks:
@@ -181,7 +185,8 @@ def prune(
             break
         doomed.extend(("chunk", file_size, path) for _, file_size, path in group)
         total -= size
-    report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=len(chunks) + foreign, skipped=skipped)
+    files_kept = sum(len(group) for _, _, group in chunks) + foreign
+    report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=files_kept, skipped=skipped)
     for kind, size, path in doomed:
         if not dry_run:
             try:

@@ -107,13 +107,7 @@ class DirectoryStore:
         rewritten in place by another program within that time of being
         looked at, to the same size, keeps its identity.
         """
-        try:
-            st = os.stat(self.path(namespace, key))
-        except OSError:  # missing, or unreadable: either way not loadable
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return _file_identity(self.path(namespace, key))
 
     def quarantine(self, namespace: str, key: str, identity: tuple[int, ...]) -> Path | None:
         """Move a damaged chunk file aside (to ``<key>.hrry.bad``) so that the next producer writes it again.
@@ -141,12 +135,13 @@ class DirectoryStore:
         copy of the old one is no longer taken for it).
         """
         target = self.path(namespace, key)
-        if target.is_file() and not replace:
+        if _file_identity(target) is not None and not replace:
             return False
         target.parent.mkdir(parents=True, exist_ok=True)
         # No fsync: every reader verifies the chunk checksum, so a file torn by
         # a crash is refused and recomputed; a disk flush per chunk is not worth it.
-        write_file(snapshot_records(snap), target, fsync=False)
+        # A symbolic link at the name (planted in a shared store) is replaced, not written through.
+        write_file(snapshot_records(snap), target, fsync=False, follow_symlinks=False)
         return True
 
     def size_of(self, snap: KVSnapshot) -> int:
@@ -248,6 +243,17 @@ class DirectoryStore:
     def reader(self, namespace: str, keys: Sequence[str], submit: Submit) -> ChunkReader:
         """A :class:`ChunkReader` of ``keys``, in that order, reading ahead with ``submit``."""
         return ChunkReader(self, namespace, keys, submit)
+
+
+def _file_identity(path: Path) -> tuple[int, ...] | None:
+    """:meth:`DirectoryStore.identity` of the file at ``path``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:  # missing, or unreadable: either way not loadable
+        return None
+    if not stat.S_ISREG(st.st_mode):  # also a symbolic link: the store writes none, so it is not a chunk
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 #: Runs a call on a helper thread (``ThreadPoolExecutor.submit``).

@@ -192,17 +192,19 @@ def write_file(
     kv: dict[str, Any] | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
     fsync: bool = True,
+    follow_symlinks: bool = True,
 ) -> int:
     """Write ``records`` to a ``.hrry`` file at ``path``; returns its size.
 
     The file appears at ``path`` only once complete (temp file + rename).
     ``fsync=False`` skips forcing the data to disk before the rename: for
     caches whose readers verify a checksum anyway, where durability across
-    a power loss is not worth a disk flush per file.
+    a power loss is not worth a disk flush per file. ``follow_symlinks``:
+    see :func:`~hurray_vllm.containers.atomic.atomic_path`.
     """
     if alignment < 4096 or alignment > (2 << 20) or alignment & (alignment - 1):
         raise HurrayFormatError("data_buffer_alignment", f"{alignment} is not a power of two in [4096, 2 MiB]")
-    with atomic_file(path, fsync=fsync) as raw:
+    with atomic_file(path, fsync=fsync, follow_symlinks=follow_symlinks) as raw:
         size = _write(records, raw, kv, alignment)
     return size
 

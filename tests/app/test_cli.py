@@ -144,9 +144,9 @@ def test_prune_shrinks_a_store_to_the_size_given(tmp_path: Path, capsys: pytest.
     assert main(["prune", str(tmp_path), "--max-size", "1G", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["chunks_removed"] == 0
     assert main(["prune", str(tmp_path), "--max-size", str(size - 1), "--dry-run"]) == 0
-    assert "would delete 1 chunks" in capsys.readouterr().out and chunk.exists()
+    assert "would delete 1 chunk files" in capsys.readouterr().out and chunk.exists()
     assert main(["prune", str(tmp_path), "--max-size", "0"]) == 0
-    assert "deleted 1 chunks" in capsys.readouterr().out and not chunk.exists()
+    assert "deleted 1 chunk files" in capsys.readouterr().out and not chunk.exists()
     with pytest.raises(SystemExit):
         main(["prune", str(tmp_path), "--max-size", "lots"])
     assert main(["prune", str(tmp_path / "nowhere"), "--max-size", "1G"]) == 2

@@ -234,6 +234,21 @@ def test_prune_with_keys_deletes_the_chunks_no_key_of_the_ring_signed_first(tmp_
     assert store.has(ns, key) and not store.has(ns, "a2" * 8)
 
 
+def test_prune_with_keys_judges_each_file_of_a_chunk_alone(tmp_path: Path) -> None:
+    """A chunk stored whole (signed) and as an unsigned slice (another TP degree's engine): the slice goes, the
+    signed file stays; counts are of files."""
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, sign_chunk(chunk, KEY_A, ns, key))
+    slice_name = f"{key}.h0-1"
+    store.put(ns, slice_name, chunk)  # unsigned: bytes that need not be a real slice for prune's judgment
+    report = store.prune(1 << 40, keys=KEY_A)
+    assert (report.foreign_removed, report.chunks_removed, report.chunks_kept) == (1, 1, 1)
+    assert store.has(ns, key) and not store.has(ns, slice_name)
+    report = store.prune(0)  # every file goes now: the counts stay whole numbers of files
+    assert (report.chunks_removed, report.chunks_kept) == (1, 0)
+
+
 def test_chunk_macs_are_the_same_with_and_without_openssl(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk signed through one path verifies through the other: the fallback is not another format."""
     from hurray_vllm.native import openssl

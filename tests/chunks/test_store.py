@@ -310,3 +310,19 @@ def test_a_resume_point_takes_the_set_of_files_that_carries_states(tmp_path: Pat
         store.put(ns, f"{key}.h{r}-{r + 1}", replace(select_heads(snap, range(r, r + 1)), states=states))
     assert [p.name for p in store.parts(ns, key, 2)] == [key]  # any set will do: the whole file first
     assert [p.name for p in store.parts(ns, key, 2, states=True)] == [f"{key}.h0-1", f"{key}.h1-2"]
+
+
+def test_a_symbolic_link_at_a_chunks_name_is_replaced_not_written_through(tmp_path: Path) -> None:
+    """Planted in a shared store, a link must not send a producer's write outside it (nor count as stored)."""
+    store, ns, _, chunk = _one_chunk_store(tmp_path / "store")
+    outside = tmp_path / "precious.cfg"
+    outside.write_bytes(b"keep me")
+    other = "bc" * 16
+    link = store.path(ns, other)
+    link.symlink_to(outside)
+    dangling = store.path(ns, "cd" * 16)
+    dangling.symlink_to(tmp_path / "planted.txt")
+    assert store.identity(ns, other) is None and not store.has(ns, "cd" * 16)  # a link is not a chunk
+    assert store.put(ns, other, chunk) and store.put(ns, "cd" * 16, chunk)
+    assert outside.read_bytes() == b"keep me" and not (tmp_path / "planted.txt").exists()
+    assert not link.is_symlink() and store.identity(ns, other) is not None

@@ -71,3 +71,18 @@ def test_temp_names_are_unique_per_write(tmp_path: Path) -> None:
     with atomic_path(tmp_path / "x") as a, atomic_path(tmp_path / "x") as b:
         assert a != b
         assert a.name.startswith(".x.") and a.name.endswith(".tmp")
+
+
+def test_writing_never_sets_the_processes_umask(
+    tmp_path: Path, umask_027: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading the umask with os.umask sets it for every thread for a moment (a directory another thread makes
+    then could come out world-writable): the kernel applies it as the file is created instead."""
+
+    def umask(_: int) -> int:
+        raise AssertionError("os.umask called while writing")
+
+    monkeypatch.setattr(os, "umask", umask)
+    with atomic_path(tmp_path / "x.bin") as tmp:
+        tmp.write_bytes(b"whole")
+    assert stat.S_IMODE((tmp_path / "x.bin").stat().st_mode) == umask_027
