@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint
+from ..wire import dtypes
 from .digest import begin_digest_check, check_heads
 from .signing import FleetKeys, begin_signature_check
 
@@ -92,5 +93,30 @@ def verify_chunk(
         raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
     if heads is not None and not snap.is_latent:
         check_heads(snap, heads)
+    _check_geometry(snap, fp, heads)
     if digest:
         check_data(snap, keys, namespace, name)
+
+
+def _check_geometry(snap: KVSnapshot, fp: ModelFingerprint, heads: range | None) -> None:
+    """Raise unless the chunk's pools are what its (matching) fingerprint says: layers, heads, head size, dtype.
+
+    The fingerprint is the file's word, and its checksum covers the pools
+    as they are: a file whose pools disagree with it (a faulty producer)
+    would pass both and fail only as its blocks are written, which stops
+    an engine. Refused as the fingerprint's mismatch is (field
+    ``snapshot.fingerprint``): left in place, not moved aside as damage.
+    """
+    if snap.num_layers != fp.num_layers:
+        raise HurrayFormatError(
+            "snapshot.fingerprint", f"chunk holds {snap.num_layers} layers, its model {fp.num_layers}"
+        )
+    want = len(heads) if heads is not None and not snap.is_latent else fp.num_kv_heads
+    for t in snap.tensors():
+        dtype = dtypes.from_torch(t.dtype).name
+        if (t.num_heads, t.head_dim, dtype) != (want, fp.head_dim, fp.dtype):
+            raise HurrayFormatError(
+                "snapshot.fingerprint",
+                f"layer {t.layer_index} {t.kv_role} holds {t.num_heads} heads x {t.head_dim} {dtype}, its model "
+                f"{want} x {fp.head_dim} {fp.dtype}",
+            )

@@ -1134,3 +1134,66 @@ def test_a_step_whose_synchronous_load_failed_stores_none_of_its_chunks(  # type
         c.wait_for_save(meta.HurrayConnectorMetadata(saves=[other]))
         assert c.flush(timeout=10)
     assert c._store.has(c._ns, other.key) and c.stats.saves_dropped == 3 and c.stats.chunks_saved == 2
+
+
+def _chunk_of_head_dim(dim: int) -> Any:
+    """Two chunks' snapshot of the bare worker's model, its pools ``dim`` wide whatever its fingerprint says."""
+    from bare_worker import CHUNK, HEADS, PAGE, gqa_fingerprint
+
+    import hurray_vllm as hv
+
+    n = 2 * CHUNK
+    table, ptr, lens = torch.arange(n // PAGE), torch.tensor([0, n // PAGE]), torch.tensor([n])
+
+    def pool() -> torch.Tensor:
+        return torch.randn((n // PAGE, PAGE, HEADS, dim)).to(torch.bfloat16)
+
+    return hv.KVSnapshot(
+        keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
+        values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
+        token_ids=(tuple(range(100, 100 + n + 1)),),
+        fingerprint=gqa_fingerprint(),
+    )
+
+
+def test_a_chunk_whose_pools_disagree_with_its_fingerprint_is_refused_before_any_promise(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A faulty producer's file: its checksum covers its pools (head_dim 8) and its fingerprint says 16. Taken,
+    its blocks' write would fail inside the worker and stop the engine; the scheduler refuses it."""
+    from bare_worker import CHUNK, gqa_fingerprint
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.chunks.store import DirectoryStore, namespace_of, store_snapshot
+
+    snap = _chunk_of_head_dim(8)
+    store = DirectoryStore(tmp_path)
+    store_snapshot(store, snap, CHUNK)
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    sched = HurrayScheduler(cfg, store, gqa_fingerprint(), namespace_of(gqa_fingerprint()))
+    request = SimpleNamespace(request_id="r", all_token_ids=list(snap.token_ids[0]), kv_transfer_params=None)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert sched.stats.chunks_refused == 1 and sched.stats.chunks_quarantined == 0  # left in place
+
+
+def test_a_block_write_that_fails_is_reported_not_raised(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Whatever fails while a load writes its blocks: the worker reports them (recomputed), the engine lives on."""
+    from bare_worker import CHUNK, cpu_worker, stored_at_tp
+
+    import hurray_vllm.adapters.vllm.connector.worker as worker_module
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    parts = [store.parts(ns, k, 2) for k in keys]
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts]  # type: ignore[union-attr]
+    worker = cpu_worker(store, ns)
+    calls: list[int] = []
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) > 1:  # the first layer is written: a part of the load lies in the blocks
+            raise RuntimeError("the cache moved under us")
+
+    monkeypatch.setattr(worker_module, "write_blocks", broken)
+    worker.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, [5, 2, 7, 1], verified)]))
+    assert worker.get_block_ids_with_load_errors() == {5, 2, 7, 1} and worker.stats.loads_failed == 1

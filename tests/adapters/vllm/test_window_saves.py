@@ -180,3 +180,18 @@ def test_the_scheduler_loads_a_windowed_chunk_exactly_when_the_worker_would_writ
         start = min(CHUNK, max(0, freed - base))
         held = _windows_held([_chunk(window, start)], c, resume, CHUNK, block, base + skip * block)
         assert held == (not _worker_refuses(window, start, base, resume, block, skip)), (c, start)
+
+
+def test_chunks_saved_with_other_windows_are_not_offered(tmp_path: Path) -> None:
+    """A chunk whose layers slide where this engine's do not (its hybrid KV cache manager or sliding windows
+    off), or by other windows: the worker refuses every such layer, so the scheduler must not promise it."""
+    from collections import Counter
+
+    sched = _scheduler(tmp_path)
+    chunks = [_chunk(WINDOW, 0), _chunk(WINDOW, 0)]
+    sched._window_counts = Counter({WINDOW: 1})  # this engine: one layer sliding by WINDOW, one full
+    assert sched._resumes_at(chunks, 0, 2)
+    sched._window_counts = Counter()  # no sliding layer here
+    assert not sched._resumes_at(chunks, 0, 2)
+    sched._window_counts = Counter({2 * WINDOW: 1})
+    assert not sched._resumes_at(chunks, 0, 2)

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -90,6 +91,11 @@ def _windows_held(
             if base + starts[0] > max(base, kept, computed):
                 return False
     return True
+
+
+def _slides(windows: SlidingWindows) -> Counter[int]:
+    """How many of a chunk's layers slide, by window."""
+    return Counter(size for size in windows.sizes if size is not None)
 
 
 def _fit_together(parts: list[KVSnapshot]) -> bool:
@@ -216,6 +222,11 @@ class HurrayScheduler:
         self._scope = verified_scope(config.keys)
         self._verified_bytes = config.verified_bytes
         self._windows = config.group_windows  # () for one KV cache group
+        # How many of this engine's layers slide, by window: a chunk saved with other windows (an engine with
+        # the hybrid KV cache manager or sliding windows off) is refused by the worker, so it is not offered.
+        self._window_counts = Counter(
+            w for g in config.layer_groups.values() if g < len(self._windows) and (w := self._windows[g]) is not None
+        )
         self._last_only = config.window_chunks == "last"
         # Stored windowed chunks' windows, by file name and identity (see _holds_less_window).
         self._stored_windows: dict[tuple[str, tuple[int, ...]], SlidingWindows | None] = {}
@@ -557,6 +568,8 @@ class HurrayScheduler:
         ``computed``: the engine's own prefix-cache hit, from which the load writes.
         """
         resume = hit * self._chunk
+        if any(c.windows is not None and _slides(c.windows) != self._window_counts for c in chunks):
+            return False  # windows of another engine's attention: the worker would refuse every layer of it
         if not _windows_held(chunks, first, resume, self._chunk, self._block_size, computed):
             return False
         if not self._state_groups:

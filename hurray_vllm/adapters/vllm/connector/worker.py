@@ -383,16 +383,23 @@ class HurrayWorker:
             except Exception as exc:  # nothing is written yet: any failure costs a recompute, not the worker
                 self._fail(task, exc)
                 continue
-            for layer, ids, pools, heads in writes:
-                write_blocks(ec, layer, ids, *pools, heads=heads)
-            if states is not None and ec.states is not None:
-                ec.states.write([task.state_blocks], states)
+            try:
+                for layer, ids, pools, heads in writes:
+                    write_blocks(ec, layer, ids, *pools, heads=heads)
+                if states is not None and ec.states is not None:
+                    ec.states.write([task.state_blocks], states)
+            except Exception as exc:
+                # Not foreseen by the checks above (verify_chunk's geometry check makes it unreachable for
+                # data): some blocks may hold part of the load. Reported failed, every block of the task is
+                # recomputed (asynchronous: the whole request), never read as loaded; the engine lives on.
+                self._fail(task, exc)
+                continue
             self.stats.chunks_loaded += len(chunks) - task.tail
             self.stats.tails_loaded += task.tail
             self.stats.tokens_loaded += task.num_tokens(self._chunk) - task.skip_blocks * ec.block_size
 
     def _fail(self, task: LoadTask, why: BaseException) -> None:
-        """A load that failed before its first block was written: report it as vLLM expects, to be recomputed.
+        """A load that failed (before its first block was written, as a rule): report it, to be recomputed.
 
         An asynchronous load fails its request (``failed_recving``); a
         synchronous one reports its blocks (``invalid_block_ids``).
