@@ -50,7 +50,10 @@ def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs["last_store"] = tmp / "store-last"
 
     def last_policy() -> dict[str, Any]:
-        producer = servers.run_engine(tmp, "last-producer", BLOCK, last, {"p": SHARED}, 10)
+        # "p" keeps no window in its first chunk; "r", whose prompt ends just past it, stores it again with one.
+        producer = servers.run_engine(
+            tmp, "last-producer", BLOCK, last, {"p": SHARED, "r": SHARED[:140]}, 10, sequential=True
+        )
         return {
             "last_producer": producer,
             "last_consumer": servers.run_engine(tmp, "last-consumer", BLOCK, last, PROMPTS, 10),
@@ -155,16 +158,18 @@ def test_a_chunk_missing_a_groups_part_is_not_loaded(hybrid_runs: dict[str, Any]
 def test_the_last_policy_keeps_one_window_and_the_prompt_end_resumable(hybrid_runs: dict[str, Any]) -> None:
     """``hurray_window_chunks=last``: "p"'s first chunk keeps no sliding block; "p" still resumes at its end.
 
-    "q" shares only "p"'s first chunk, whose sliding part is gone: it loads nothing (recomputes).
+    "r" (140 tokens) then ends just past that chunk: its copy, holding the window a resume at 128 attends,
+    replaces "p"'s. "q" shares only that chunk with "p", and resumes at its end.
     """
     store: Path = hybrid_runs["last_store"]
     (ns,) = [p.name for p in store.iterdir()]
     first, second = (hv.load(store / ns / f"{k}.hrry") for k in chunk_keys(SHARED[: 2 * CHUNK], CHUNK, ns))
-    assert [row[0] for row in first.windows.kv_start] == [CHUNK, CHUNK, CHUNK, 0]  # resume at 256 needs from 193
     assert [row[0] for row in second.windows.kv_start] == [64, 64, 64, 0]
-    assert first[0, "key"].num_pages == 1  # the zero page only
+    # "p"'s copy held none (a resume at 256 attends from 193 on); "r"'s holds from block 2 (for 65 on).
+    assert [row[0] for row in first.windows.kv_start] == [64, 64, 64, 0]
+    assert hybrid_runs["last_producer"]["worker_stats"]["chunks_saved"] == 3  # "p" 2, then "r" the first again
     consumer, plain = hybrid_runs["last_consumer"], hybrid_runs["plain"]
-    assert consumer["cached"]["p"] == 256 and consumer["cached"]["q"] == 0
+    assert consumer["cached"]["p"] == 256 and consumer["cached"]["q"] == CHUNK
     assert consumer["outputs"] == plain["outputs"]
 
 
