@@ -358,6 +358,26 @@ def test_a_background_save_the_scheduler_marks_replace_writes_over_the_stored_co
     assert c._store.identity(c._ns, task.key) != first
 
 
+def test_a_step_whose_block_copies_fail_drops_its_saves_and_the_engine_runs_on(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """Out of device memory for the copies, say: nothing raises out of wait_for_save, and a later step saves."""
+    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c._async, c._sender, c._url = True, None, None
+    task = meta.SaveTask("r", "ce" * 8, list(range(8)), [1, 2])
+    real = c._staging.copy
+
+    def no_memory(*args: Any) -> Any:
+        raise torch.OutOfMemoryError("no room for the copies")
+
+    c._staging.copy = no_memory
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
+    assert c.flush(timeout=30) and c.stats.saves_dropped == 1 and not c._inflight
+    c._staging.copy = real
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
+    assert c.flush(timeout=30) and c.stats.chunks_saved == 1 and c._store.has(c._ns, task.key)
+
+
 def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:

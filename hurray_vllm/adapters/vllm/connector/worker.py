@@ -968,13 +968,27 @@ class HurrayWorker:
             return
         ids: torch.Tensor | list[torch.Tensor]
         staged_tasks = todo
-        if self._windows and todo:
-            ids, staged_tasks = self._stage_groups(ec, todo)
-        else:
-            ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
-        staged, buffers = self._staging.copy(ec.caches, ids) if todo else ([], None)
-        # States are copied now too: their blocks are reused as the engine runs on.
-        states = [_task_states(ec, t, gathered) for t in todo]
+        try:
+            if self._windows and todo:
+                ids, staged_tasks = self._stage_groups(ec, todo)
+            else:
+                ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
+            staged, buffers = self._staging.copy(ec.caches, ids) if todo else ([], None)
+            # States are copied now too: their blocks are reused as the engine runs on.
+            states = [_task_states(ec, t, gathered) for t in todo]
+        except Exception as exc:
+            # Out of device memory for the copies, say: this step's chunks go unsaved (a consumer recomputes
+            # them), and the engine runs on. Their keys are no longer in flight, so a later step saves them.
+            self._inflight.difference_update(t.key for t in todo)
+            self.stats.saves_dropped += len(todo)
+            bug = not isinstance(exc, (HurrayFormatError, OSError, torch.OutOfMemoryError))
+            log.warning("hurray: dropping this step's %d saves: %s", len(todo), exc, exc_info=bug)
+            return
+        # On a GPU the copies run on the step's stream, which the writer's thread does not follow: it waits
+        # for this event before it reads them (else it could read a recycled buffer's older chunk).
+        copied = torch.cuda.Event() if staged and staged[0].is_cuda else None
+        if copied is not None:
+            copied.record()
         nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
         nbytes += sum(s.nbytes for s in states if s is not None)
         items: list[_Item] = []
@@ -993,6 +1007,8 @@ class HurrayWorker:
 
         def write() -> None:
             try:
+                if copied is not None:
+                    copied.synchronize()
                 self._deliver(ec, staged, items)
             finally:
                 if buffers is not None:
