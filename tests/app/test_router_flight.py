@@ -609,3 +609,80 @@ def test_a_move_whose_request_failed_over_while_it_warmed_up_is_refused() -> Non
 async def _drain_all(agen: AsyncIterator[Delta]) -> None:
     async for _ in agen:
         pass
+
+
+def test_a_refusal_before_any_token_is_the_clients_answer_on_any_leg() -> None:
+    """The first backend fails (503), the one the request fails over to refuses it (400): the client gets the
+    400 and its body, and the refusing backend stays in routing (a refusal says nothing of its health)."""
+    _, f, src, dst = _two_backends()
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        if backend is first:
+            raise UpstreamError(f"{backend.url} answered HTTP 503", 503, {"error": {"message": "overloaded"}})
+        raise UpstreamError(f"{backend.url} answered HTTP 400", 400, {"error": {"message": "prompt too long"}})
+        yield {}  # an async generator
+
+    f._upstream = upstream  # type: ignore[method-assign]
+    first = src  # the router's first pick of two idle backends with no prefix: the first listed
+
+    async def run() -> UpstreamError:
+        with pytest.raises(UpstreamError) as refused:
+            await f.deltas().__anext__()
+        return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.status == 400 and refused.body == {"error": {"message": "prompt too long"}}
+    assert [leg.why for leg in f.legs] == ["routed", "failover"] and f.legs[0].backend == src.url
+    assert not src.healthy and dst.healthy
+
+
+def test_a_client_leaving_before_the_first_token_stops_the_request_at_once() -> None:
+    """A backend's queue and prefill can take long: the request is stopped when its client leaves, not when its
+    first token comes."""
+    import json
+    import time
+
+    from hurray_vllm.app.router.server import build_app
+
+    cancelled: list[float] = []
+
+    async def slow(self: Flight, backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(time.monotonic())
+            raise
+        yield {}
+
+    app = build_app(RouterConfig(backends=("http://127.0.0.1:9",)))
+    sent: list[dict[str, Any]] = []
+
+    async def run() -> float:
+        body = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.3)  # the client leaves
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 2)}  # fmt: skip
+        start = time.monotonic()
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return start
+
+    original = Flight._upstream
+    Flight._upstream = slow  # type: ignore[method-assign,assignment]
+    try:
+        start = asyncio.run(run())
+    finally:
+        Flight._upstream = original  # type: ignore[method-assign]
+    assert cancelled and cancelled[0] - start < 3
+    assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [499]

@@ -772,8 +772,8 @@ class Flight:
                     self.finished = True
                     self.cached_tokens = self.legs[-1].cached_tokens
                     return
-                # A failure: the backend died, broke off or refused. Before any token, a refusal of the first
-                # leg is the client's answer (a bad request stays bad elsewhere).
+                # A failure: the backend died, broke off or refused. Before any token, a refusal (4xx) is the
+                # client's answer, on any leg (a failover's too: a bad request stays bad elsewhere).
                 exc = item if isinstance(item, UpstreamError) else UpstreamError("backend failed health checks")
                 if pending is not None:
                     # The destination of a move failed before its first token: answer the move, resume on the source.
@@ -782,9 +782,12 @@ class Flight:
                     if source is not None and source.healthy:
                         self._start_leg(source, "resumed", q, space)
                         continue
-                if len(self.legs) == 1 and not self.generated and exc.status is not None and exc.status < 500:
+                refused = exc.status is not None and exc.status < 500
+                if refused and not self.generated:
                     raise exc
-                if self.backend is not None:
+                if self.backend is not None and not refused:
+                    # A refusal says nothing about the backend's health (a continuation too long for its
+                    # context, say): it is tried elsewhere, but the backend stays in routing.
                     backends.mark_down(self.backend)
                 self._failovers += 1
                 nxt = await pick(self._keys, avoid=self.backend)

@@ -657,8 +657,22 @@ def build_app(config: RouterConfig) -> Any:
         except RouterError as exc:  # a field the router computes with is not what vLLM would take
             return fail(exc.status, exc.message)
         deltas = f.deltas()
+        # Until the first event (the backend's queue and the prefill) the client may leave: the request is then
+        # stopped at once, as vLLM's own server would, not when its first token comes.
+        starting = asyncio.ensure_future(deltas.__anext__())
+        left = asyncio.ensure_future(_client_left(request))
         try:
-            first = await deltas.__anext__()  # the first leg's refusal is the client's answer, with its status
+            await asyncio.wait({starting, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await deltas.aclose()
+            router.end(f)
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        try:
+            first = starting.result()  # the first leg's refusal is the client's answer, with its status
         except StopAsyncIteration:
             first = None
         except RouterError as exc:
@@ -703,11 +717,15 @@ def build_app(config: RouterConfig) -> Any:
 
     @app.get("/v1/models")
     async def models() -> Any:
+        import aiohttp
+
+        # A health check's wait, not a stream's: a hung backend must not hold a client that lists models.
+        limit = aiohttp.ClientTimeout(total=max(config.health_interval, 2.0))
         for b in router.backends.all.values():
             if not b.healthy:
                 continue
             try:
-                async with router.client.get(f"{b.base}/v1/models") as r:
+                async with router.client.get(f"{b.base}/v1/models", timeout=limit) as r:
                     if r.status == 200:
                         return JSONResponse(await r.json())
             except Exception:  # the next backend may answer
