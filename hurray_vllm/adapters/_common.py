@@ -60,8 +60,12 @@ def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
     attention layers only, and a model whose linear-attention layers need
     their states (``snapshot.states``) cannot run on the KV alone.
 
+    Every layer must share one page table too (``snapshot.structure``): the
+    importers plan (and repage) once, from layer 0's.
+
     Raises:
-        HurrayFormatError: (field ``snapshot.windows`` or ``snapshot.states``) naming ``what``.
+        HurrayFormatError: (field ``snapshot.windows``, ``snapshot.states`` or
+            ``snapshot.structure``) naming ``what``.
     """
     if snapshot.states is not None:
         raise HurrayFormatError(
@@ -72,14 +76,22 @@ def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
             "or into vLLM",
         )
     win = snapshot.windows
-    if win is None or not snapshot.num_layers:
-        return
-    if any(start for row in win.kv_start for start in row):
+    if win is not None and snapshot.num_layers and any(start for row in win.kv_start for start in row):
         raise HurrayFormatError(
             "snapshot.windows",
             f"{what} reads every page as KV, but this snapshot's sliding-window layers hold only their windows "
             "(the older pages are zeros); import it with the transformers adapter or into vLLM",
         )
+    lead = [members[0] for members in snapshot.layer_members()]
+    for i, t in enumerate(lead[1:], 1):
+        # One plan (one block table, one repaging) serves every layer: a layer paged otherwise would be
+        # read through layer 0's table, silently. Tensors built alike share the table object: no compare.
+        if t.block_table is not lead[0].block_table and not torch.equal(t.block_table, lead[0].block_table):
+            raise HurrayFormatError(
+                "snapshot.structure",
+                f"{what} takes one page table for every layer, but layer {i}'s differs from layer 0's; "
+                "import it with the transformers adapter or into vLLM, or rebuild it with one table",
+            )
 
 
 def dequantize(pool: torch.Tensor, scale: float) -> torch.Tensor:

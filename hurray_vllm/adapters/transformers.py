@@ -242,6 +242,8 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
 
 def _dequantize(t: BlockPagedTensor, dense: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
     q = t.quantization
+    if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = None  # kv_scales are an fp8 cache's (docs/format.md): ignored elsewhere, as every importer does
     if q is None and scale is None:
         return dense.to(dtype)
     x = dense.to(torch.float32)

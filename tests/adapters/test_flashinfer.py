@@ -669,3 +669,27 @@ def test_kv_importers_refuse_mla_latents_naming_the_way_out(snap: KVSnapshot) ->
     for importer in (lambda: to_flashinfer_all(snap), lambda: to_flash_attn(snap, 0, page_size=256)):
         with pytest.raises(HurrayFormatError, match=r"kv_role.*fused MLA latents.*expand_latent"):
             importer()
+
+
+def test_layers_paged_otherwise_than_layer_0_are_refused_not_read_through_its_table() -> None:
+    """The importers plan (and repage) once, from layer 0: a layer whose pages lie in another order would be
+    read through layer 0's table, silently wrong. Every importer of one table for all layers refuses it."""
+    from hurray_vllm.adapters.flash_attn import to_flash_attn_all
+
+    snap = make_snapshot([20], page_size=16, layers=2)
+    k1, v1 = snap.keys[1], snap.values[1]
+    swapped = torch.tensor([1, 0])
+    other = replace(
+        snap,
+        keys=(snap.keys[0], replace(k1, block_table=swapped)),
+        values=(snap.values[0], replace(v1, block_table=swapped)),
+    )
+    assert other.validate().ok  # a valid snapshot: each layer is paged its own way
+    for imported in (
+        lambda: to_flashinfer_all(other),
+        lambda: to_flashinfer_all(other, page_size=32),
+        lambda: to_flash_attn_all(other, page_size=256),
+    ):
+        with pytest.raises(HurrayFormatError) as exc:
+            imported()
+        assert exc.value.field == "snapshot.structure" and "layer 1" in str(exc.value)

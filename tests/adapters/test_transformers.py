@@ -589,3 +589,16 @@ def test_a_sequence_longer_than_its_pages_is_refused() -> None:
     with pytest.raises(hv.HurrayFormatError) as err:
         tfa.sequence_kv(snap, 0, 0)
     assert err.value.field == "seq_lens.pages"
+
+
+def test_kv_scales_apply_to_fp8_pools_only_as_in_every_importer() -> None:
+    """A float16 snapshot carrying scales (what validate accepts): its values are taken as they are, as the
+    flash-attn and FlashInfer importers take them, not multiplied by the scale."""
+    from synthetic import make_snapshot
+
+    snap = make_snapshot([6], [0], 4, heads=2, dim=8, dtype=torch.float16, layers=1)
+    scaled = replace(snap, kv_scales=((2.0, 2.0),))
+    plain = tfa.to_dynamic_cache(snap, 0, dtype=torch.float32, architecture="LlamaForCausalLM")
+    got = tfa.to_dynamic_cache(scaled, 0, dtype=torch.float32, architecture="LlamaForCausalLM")
+    assert torch.equal(plain.layers[0].keys, got.layers[0].keys)
+    assert torch.equal(plain.layers[0].values, got.layers[0].values)
