@@ -85,6 +85,16 @@ def _walk(node: Node, permissive: bool, out: list[Violation]) -> None:
             out.extend(_record_violations(m.record, seq_lens if paged else None, permissive))
 
 
+def _claims(node: Node) -> bool:
+    """Whether ``node`` or any node inside it claims to be part of a snapshot.
+
+    A group whose member count was raised swallows the header and every
+    layer: only a look inside finds that it holds a snapshot that ``load``
+    refuses. (Nesting is bounded by the reader.)
+    """
+    return claims_snapshot(node) or any(_claims(m) for m in node.members)
+
+
 def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
     """Every rule of every record, then, for a hurray-vllm snapshot, exactly the checks :func:`load` runs.
 
@@ -104,7 +114,7 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
             snapshot_like = True  # only hurray-vllm snapshots are read from safetensors
         else:
             for node in iter_nodes(path, permissive=True):
-                snapshot_like = snapshot_like or claims_snapshot(node)
+                snapshot_like = snapshot_like or _claims(node)
                 _walk(node, permissive, out)
     except Exception as exc:  # HurrayFormatError, or a reader's bug on malformed input: a finding, not a crash
         unreadable = _unreadable(exc, str(path))

@@ -99,7 +99,23 @@ def save_safetensors(snap: KVSnapshot, path: str | os.PathLike[str]) -> int:
 
 
 def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) -> KVSnapshot:
-    """Read a snapshot written by :func:`save_safetensors` (checked like any Hurray input)."""
+    """Read a snapshot written by :func:`save_safetensors` (checked like any Hurray input).
+
+    Raises:
+        HurrayFormatError: the file is not such a snapshot, or is malformed (as :func:`hurray_vllm.load`).
+        OSError: the file cannot be read, or memory ran out while reading it.
+    """
+    from .io import PARSE_ERRORS, read_error
+
+    try:
+        return _load_safetensors(path, permissive)
+    except (HurrayFormatError, OSError):
+        raise
+    except (*PARSE_ERRORS, MemoryError) as exc:  # the boundary load() has: one error type for bad input
+        raise read_error(exc, str(path)) from exc
+
+
+def _load_safetensors(path: str | os.PathLike[str], permissive: bool) -> KVSnapshot:
     st = _safetensors()
     from safetensors import safe_open
 
@@ -176,6 +192,8 @@ def _layer_tensor(
     if bp is None:
         raise HurrayFormatError("layout_tag", f"{name}: expected a block-paged descriptor")
     pool = tensors[f"{name}.page_pool"]
+    if pool.dim() != 4:  # [pages, page_size, heads, head_dim]; a 0-d tensor has no bytes view
+        raise HurrayFormatError(f"{name}.page_pool", f"expected a 4-D page pool, found shape {list(pool.shape)}")
     wire = [
         pool.contiguous().view(torch.uint8).reshape(-1),
         _index_bytes(tensors[f"{name}.block_table"], bp.index_type, f"{name}.block_table"),

@@ -96,6 +96,7 @@ MAX_COMPOSITE_DEPTH = 8
 #: hundreds of MiB of bookkeeping (measured: 28 MiB of input, +330 MiB and 14 s, before the bound).
 MAX_RECORDS = 1 << 16
 _MAX_META_BYTES = 64 << 20
+_MAX_DIM = (1 << 63) - 1  # torch's sizes are int64
 
 
 @dataclass(frozen=True, eq=False)
@@ -345,6 +346,8 @@ def _dense(node: Node, dtype: torch.dtype, what: str) -> torch.Tensor:
         raise HurrayFormatError(what, f"expected {dtype}, found type tag 0x{d.type_tag:02X}")
     raise_if(check_own(d), what)
     raw = node.record.buffers[0]
+    if any(s > _MAX_DIM for s in d.shape):  # an empty buffer "holds" any shape with a 0 in it
+        raise HurrayFormatError(what, f"shape {list(d.shape)} has a dimension no tensor can have")
     n = 1
     for s in d.shape:
         n *= s
@@ -541,6 +544,8 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
             order += 1
             continue
         if permissive:
+            # Left out of the snapshot, but not unread: its tensors must be readable, as validate finds them.
+            _check_skipped(node, index_cache)
             continue
         raise HurrayFormatError(
             "layout_tag",
@@ -573,6 +578,20 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
     return build_snapshot(
         per_layer, token_ids, kv_scales, meta, permissive=permissive, states=[read_state_layer(r, meta) for r in states]
     )
+
+
+def _check_skipped(node: Node, index_cache: IndexCache) -> None:
+    """Raise for a block-paged tensor in ``node`` (a group a permissive read leaves out) that cannot be read.
+
+    ``validate`` checks every record it walks; a permissive ``load`` that
+    skipped what ``validate`` refuses would tell two stories of one file.
+    """
+    lens = node.pair_seq_lens()
+    for m in node.members:
+        if m.is_composite:
+            _check_skipped(m, index_cache)
+        elif m.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED:
+            _bp(m, lens, True, index_cache)
 
 
 def _is_state_group(node: Node, layout: RecurrentStates) -> bool:

@@ -23,11 +23,13 @@ import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.containers.io import load_file_bytes, read_file
 from hurray_vllm.containers.schema import (
+    Record,
     dense_record,
     flatten_tokens,
     group_head,
     layer_records,
     snapshot_metadata,
+    snapshot_records,
 )
 from hurray_vllm.containers.stream import write_records
 from hurray_vllm.kv.snapshot import KVSnapshot
@@ -373,3 +375,57 @@ def test_validate_and_load_agree_on_what_they_once_judged_apart(tmp_path: Path, 
         loaded = False
     assert hv.validate(path).ok == loaded
     assert loaded == case.startswith("no seq_lens")
+
+
+def _stream_of(records: list[Record]) -> bytes:
+    out = io.BytesIO()
+    write_records(records, out)
+    return out.getvalue()
+
+
+def test_a_header_swallowed_by_a_widened_group_is_not_called_valid(tmp_path: Path) -> None:
+    """A copy of the header group, its member count raised to take the header and every layer in: validate
+    must look inside to see a snapshot that load refuses (it said ok)."""
+    from dataclasses import replace
+
+    from hurray_vllm.wire.descriptor import CompositeFields
+
+    recs = list(snapshot_records(spec_example_snapshot()))
+    head = recs[0]
+    assert head.descriptor.composite is not None
+    wide = replace(head.descriptor, layout=CompositeFields(rule_tag=head.descriptor.composite.rule_tag, member_count=5))
+    path = tmp_path / "wide.hrrs"
+    path.write_bytes(_stream_of([Record(head.name, wide, []), *recs]))
+    for permissive in (False, True):
+        with pytest.raises(hv.HurrayFormatError):
+            hv.load(path, permissive=permissive)
+        assert not hv.validate(path, permissive=permissive).ok
+
+
+def test_a_permissive_read_refuses_an_unreadable_tensor_in_a_group_it_leaves_out(tmp_path: Path) -> None:
+    """A group after the snapshot holding a block-paged tensor whose table points past its pool: validate
+    refuses it, so load does, even permissively (it used to skip the group)."""
+    snap = spec_example_snapshot()
+    k = snap.keys[0]
+    pool, table, ptr = k.wire_buffers()
+    table = table.clone()
+    table[0] = 99  # the pool has 5 pages
+    extra = [group_head("g", 1, k.shape, k.dtype), Record("x", k.descriptor(device_tag=0), [pool, table, ptr])]
+    path = tmp_path / "extra.hrrs"
+    path.write_bytes(_stream_of([*snapshot_records(snap), *extra]))
+    for permissive in (False, True):
+        assert not hv.validate(path, permissive=permissive).ok
+        with pytest.raises(hv.HurrayFormatError):
+            hv.load(path, permissive=permissive)
+
+
+def test_a_huge_dimension_of_an_empty_record_is_named_not_a_torch_error() -> None:
+    """token ids of shape [0, 2^64 - 1]: the empty buffer "holds" it; the reader names the field."""
+    from dataclasses import replace
+
+    recs = list(snapshot_records(replace(spec_example_snapshot(), token_ids=())))
+    ids = next(i for i, r in enumerate(recs) if r.name == "snapshot.token_ids")
+    recs[ids] = Record(recs[ids].name, replace(recs[ids].descriptor, shape=(0, 2**64 - 1)), recs[ids].buffers)
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        hv.read_stream(io.BytesIO(_stream_of(recs)))
+    assert exc.value.field == "snapshot.token_ids"

@@ -66,3 +66,25 @@ def test_foreign_safetensors_is_refused(tmp_path: Path) -> None:
     (tmp_path / "junk.safetensors").write_bytes((20).to_bytes(8, "little") + b"{not json")
     with pytest.raises(hv.HurrayFormatError):
         hv.load(tmp_path / "junk.safetensors")
+
+
+def test_a_page_pool_of_no_dimensions_is_named_not_a_torch_error(tmp_path: Path) -> None:
+    """load_safetensors has the boundary load has: a 0-d page pool is refused naming it, never a RuntimeError."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hurray_vllm.containers.safetensors import load_safetensors
+
+    src = tmp_path / "spec.safetensors"
+    hv.save(spec_example_snapshot(), src)
+    with safe_open(str(src), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(src))
+    tensors["layers.0.key.page_pool"] = torch.tensor(1.0, dtype=torch.float16)
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=meta)
+    for read in (lambda: load_safetensors(bad), lambda: hv.load(bad)):
+        with pytest.raises(hv.HurrayFormatError) as exc:
+            read()
+        assert exc.value.field == "layers.0.key.page_pool"
+    assert not hv.validate(bad).ok
