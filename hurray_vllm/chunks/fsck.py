@@ -140,6 +140,8 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | N
                 report.checked += 1
                 report.unverified.append((str(ns_dir / file), str(exc)))
                 continue
+            if why is not None and store.identity(ns, name) is None:
+                continue  # pruned while it was read: the read's failure says nothing about its bytes
             report.checked += 1
             if why is None:
                 report.good += 1

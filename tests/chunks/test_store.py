@@ -326,3 +326,20 @@ def test_a_symbolic_link_at_a_chunks_name_is_replaced_not_written_through(tmp_pa
     assert store.put(ns, other, chunk) and store.put(ns, "cd" * 16, chunk)
     assert outside.read_bytes() == b"keep me" and not (tmp_path / "planted.txt").exists()
     assert not link.is_symlink() and store.identity(ns, other) is not None
+
+
+def test_fsck_does_not_call_a_chunk_pruned_while_it_was_read_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hurray_vllm.chunks import fsck as fsck_module
+
+    store = _one_chunk_store(tmp_path)[0]
+    real = DirectoryStore.get
+
+    def get(self: DirectoryStore, n: str, k: str) -> hv.KVSnapshot:
+        self.path(n, k).unlink()  # a prune lands between the listing and the read
+        return real(self, n, k)
+
+    monkeypatch.setattr(DirectoryStore, "get", get)
+    report = fsck_module.fsck(store)
+    assert report.clean and report.checked == 0 and not report.damaged
