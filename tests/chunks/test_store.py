@@ -331,7 +331,7 @@ def test_a_symbolic_link_at_a_chunks_name_is_replaced_not_written_through(tmp_pa
 def test_fsck_does_not_call_a_chunk_pruned_while_it_was_read_damaged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hurray_vllm.chunks import fsck as fsck_module
+    from hurray_vllm.chunks.fsck import fsck
 
     store = _one_chunk_store(tmp_path)[0]
     real = DirectoryStore.get
@@ -341,5 +341,5 @@ def test_fsck_does_not_call_a_chunk_pruned_while_it_was_read_damaged(
         return real(self, n, k)
 
     monkeypatch.setattr(DirectoryStore, "get", get)
-    report = fsck_module.fsck(store)
+    report = fsck(store)
     assert report.clean and report.checked == 0 and not report.damaged
