@@ -21,11 +21,13 @@ compiler is found, the build fails, or ``HURRAY_VLLM_NATIVE=0`` is set,
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -55,6 +57,26 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "hurray-vllm"
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, a directory only this user can write to (made so if new).
+
+    Why: a shared temporary directory's name is predictable, and a library
+    another local user planted there would run inside the engine.
+
+    Raises:
+        PermissionError: it exists, and another user owns it or may write to it.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_owned(path)
+    return path
+
+
+def _check_owned(path: Path) -> None:
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
+        raise PermissionError(errno.EPERM, "not owned by this user alone; native kernels not loaded from it", str(path))
 
 
 def _build(target: Path) -> None:
@@ -110,11 +132,14 @@ def library() -> ctypes.CDLL | None:
                 if not target.exists():
                     try:
                         _build(target)
-                    except PermissionError:
+                    except OSError as exc:
+                        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                            raise
                         # A read-only home (containers): build into a per-user temporary directory instead.
-                        target = Path(tempfile.gettempdir()) / f"hurray-vllm-{os.getuid()}" / name
+                        target = _private_dir(Path(tempfile.gettempdir()) / f"hurray-vllm-{os.getuid()}") / name
                         if not target.exists():
                             _build(target)
+                        _check_owned(target)
                 import torch  # noqa: F401  (load torch's libgomp first, so the kernels share it)
 
                 lib = ctypes.CDLL(str(target))
@@ -198,11 +223,17 @@ def crc32c(data: memoryview | bytes | bytearray, crc: int = 0) -> int | None:
     n = mv.nbytes
     if n == 0:
         return crc
+    # The object whose address is taken stays referenced through the call, which runs without the GIL: its
+    # export keeps the buffer from being resized or closed by another thread meanwhile.
     if mv.readonly:
         # ctypes cannot take the address of a read-only buffer; numpy can, without a copy.
         import numpy as np
 
-        addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+        held: Any = np.frombuffer(mv, dtype=np.uint8)
+        addr = held.ctypes.data
     else:
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
-    return int(fn(crc, addr, n))
+        held = ctypes.c_char.from_buffer(mv)
+        addr = ctypes.addressof(held)
+    result = int(fn(crc, addr, n))
+    del held
+    return result

@@ -170,14 +170,17 @@ def test_chunk_digests_name_their_algorithm(torch_only) -> None:  # type: ignore
         ChunkDigest.like("crc32:cbf43926")  # 0.1's digest of the pools alone: refused
 
 
-def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("code", [13, 30])  # EACCES; EROFS, a read-only file system (not a PermissionError)
+def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, code: int
+) -> None:  # type: ignore[no-untyped-def]
     _lib()
     locked = tmp_path / "read-only-home"
     real_build = native._build
 
     def build(target):  # type: ignore[no-untyped-def]
         if locked in target.parents:
-            raise PermissionError(13, "Permission denied", str(target.parent))
+            raise OSError(code, "cannot write there", str(target.parent))
         real_build(target)
 
     saved = dict(native._state)
@@ -188,6 +191,12 @@ def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(monkeypatch: pyte
         monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
         assert native.library() is not None, native.unavailable_reason()
         assert list((tmp_path / "tmp").rglob("cpu_packed-*.so"))
+        private = next((tmp_path / "tmp").glob("hurray-vllm-*"))
+        assert private.stat().st_mode & 0o777 == 0o700
+        # A directory others may write to (another local user could plant a library in it): not loaded from.
+        private.chmod(0o777)
+        native._state.clear()
+        assert native.library() is None and "not owned by this user alone" in (native.unavailable_reason() or "")
     finally:
         native._state.clear()
         native._state.update(saved)
@@ -247,3 +256,20 @@ def test_sse2_put_kernels_equal_the_portable_loops(kind: str) -> None:
         fn(base, ids.data_ptr(), 0, 3, cache.stride(0), cache.stride(1), h, n, d, pages.data_ptr())
         caches.append(cache.view(torch.int16))
     assert torch.equal(caches[0], caches[1])
+
+
+def test_tensors_on_another_device_are_refused_before_the_kernels_see_their_pointers() -> None:
+    """The kernels take raw host pointers: a GPU (here meta) tensor handed to them would crash the process."""
+    from hurray_vllm import HurrayArgumentError
+
+    _lib()
+    cache = _cache(torch.bfloat16, 4, 2, 16, 8, seed=0)
+    layout = CpuPacked("vec", 8)
+    k, v = layout.gather(cache, torch.tensor([1]))
+    elsewhere = torch.empty_like(k, device="meta")
+    with pytest.raises(HurrayArgumentError) as err:
+        layout.scatter(cache, torch.tensor([1]), elsewhere, v)
+    assert err.value.field == "keys"
+    with pytest.raises(HurrayArgumentError) as err:
+        layout.gather(cache, torch.tensor([1]), (elsewhere, torch.empty_like(v, device="meta")))
+    assert err.value.field == "out"

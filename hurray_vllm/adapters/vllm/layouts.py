@@ -21,7 +21,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from ... import native
-from ...errors import HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError
 
 __all__ = [
     "KVLayout",
@@ -98,7 +98,7 @@ def _select(view: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None) -> 
     return out
 
 
-def _check_out(out: Out, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def _check_out(out: Out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> None:
     if out is None:
         return
     for t in out:
@@ -106,6 +106,8 @@ def _check_out(out: Out, shape: tuple[int, ...], dtype: torch.dtype) -> None:
             raise HurrayFormatError(
                 "out", f"gather buffers must be contiguous {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}"
             )
+        if device is not None and t.device != device:  # the native kernels take raw host pointers
+            raise HurrayArgumentError("out", f"gather buffers must be on the cache's {device}, got {t.device}")
 
 
 def as_storage_dtype(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -324,7 +326,7 @@ class CpuPacked:
         b, h, n, d, p = self._geometry(cache)
         ids = _ids(block_ids, cache)
         m = ids.numel()
-        _check_out(out, (m, n, h, d), cache.dtype)
+        _check_out(out, (m, n, h, d), cache.dtype, cache.device)
         if out is None:
             out = (
                 torch.empty((m, n, h, d), dtype=cache.dtype, device=cache.device),
@@ -355,6 +357,8 @@ class CpuPacked:
                 raise HurrayFormatError(
                     name, f"must be {cache.dtype} [{m}, {n}, {h}, {d}], got {t.dtype} {list(t.shape)}"
                 )
+            if t.device != cache.device:  # the native kernels take raw host pointers: no GPU or meta ones
+                raise HurrayArgumentError(name, f"must be on the cache's {cache.device}, got {t.device}")
         if m == 0:
             return
         lo, hi = (int(x) for x in torch.aminmax(ids))  # one pass: this runs per layer, role and slice of a load
