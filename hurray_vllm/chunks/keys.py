@@ -253,6 +253,20 @@ def chunk_layouts(key: str, num_kv_heads: int) -> list[list[tuple[str, range]]]:
 _SLICE_NAME = re.compile(r"(.+)\.h(\d{1,5})-(\d{1,5})")
 
 
+#: What a namespace and a chunk's key are: what this module makes (lowercase hex digits).
+_HEX_NAME = re.compile(r"[0-9a-f]{1,64}")
+
+
+def is_namespace_name(name: str) -> bool:
+    """Whether ``name`` can be a namespace directory of a store (``namespace_of``: hex digits)."""
+    return _HEX_NAME.fullmatch(name) is not None
+
+
+def is_chunk_name(name: str) -> bool:
+    """Whether ``name`` (without ``.hrry``) can be a chunk's: a key, or a tensor-parallel slice's ``<key>.h<a>-<b>``."""
+    return _HEX_NAME.fullmatch(split_slice_key(name)[0]) is not None
+
+
 def split_slice_key(name: str) -> tuple[str, range | None]:
     """The inverse of :func:`slice_key`: ``(key, heads)``, with ``heads`` ``None`` for a whole chunk's name.
 

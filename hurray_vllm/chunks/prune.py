@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import HurrayArgumentError, HurrayFormatError
 from .digest import MAC_KEY
-from .keys import split_slice_key
+from .keys import is_chunk_name, is_namespace_name, split_slice_key
 from .signing import FleetKeys, parse_mac
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class PruneReport:
         self.bytes_removed += size
 
 
+#: A chunk file's temporary name while it is written (``containers.atomic``): ``.<name>.hrry.<random>.tmp``.
+_TEMP = re.compile(r"\.(.+)\.hrry\.[^.]+\.tmp")
 #: Temporary files younger than this are never deleted: their writer may be alive (a chunk writes in < 1 s).
 MIN_STALE_TEMP_S = 60.0
 
@@ -151,12 +154,17 @@ def prune(
                 skipped.append(f"{entry.path}: {exc.strerror or exc}")
                 continue
             name = entry.name
-            if name.endswith(".hrry.bad"):
+            # Only what the store itself writes: a directory given by mistake keeps its other files.
+            if name.endswith(".hrry.bad") and is_chunk_name(name.removesuffix(".hrry.bad")):
                 doomed.append(("bad", st.st_size, Path(entry.path)))
-            elif name.startswith(".") and name.endswith(".tmp"):
+            elif (temp := _TEMP.fullmatch(name)) is not None and is_chunk_name(temp.group(1)):
                 if now - st.st_mtime > stale_temp_s:
                     doomed.append(("temp", st.st_size, Path(entry.path)))
-            elif name.endswith(".hrry") and entry.is_file(follow_symlinks=False):
+            elif (
+                name.endswith(".hrry")
+                and is_chunk_name(name.removesuffix(".hrry"))
+                and entry.is_file(follow_symlinks=False)
+            ):
                 judged[Path(entry.path)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
                 files.setdefault((ns, _chunk_of(name)), []).append(
                     (max(st.st_atime, st.st_mtime), st.st_size, Path(entry.path))
@@ -238,6 +246,8 @@ def namespaces(root: Path, skipped: list[str]) -> list[Path]:
         return []
     out = []
     for entry in entries:
+        if not is_namespace_name(entry.name):
+            continue  # not the store's (a namespace is hex digits): a directory given by mistake keeps it
         if entry.is_symlink():
             skipped.append(f"{entry.path}: a symbolic link, not followed")
         elif entry.is_dir(follow_symlinks=False):

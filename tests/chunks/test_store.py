@@ -144,26 +144,35 @@ def test_prune_deletes_least_recently_used_chunks_and_leftovers(tmp_path: Path) 
     snap = spec_example_snapshot()
     ((_, chunk),) = chunks_of(snap, 4)
     names = [f"{i:032x}" for i in range(4)]
+    ns = "ab" * 8
     for name in names:
-        store.put("ns", name, chunk)
-    size = store.path("ns", names[0]).stat().st_size
+        store.put(ns, name, chunk)
+    size = store.path(ns, names[0]).stat().st_size
     now = time.time()
     for i, name in enumerate(names):  # used long ago (0) ... recently (3)
-        os.utime(store.path("ns", name), (now - 1000 + 100 * i, now - 2000))
-    (tmp_path / "ns" / f"{names[0]}.hrry.bad").write_bytes(b"x" * 10)
-    (tmp_path / "ns" / ".old.hrry.1.tmp").write_bytes(b"x" * 10)
-    os.utime(tmp_path / "ns" / ".old.hrry.1.tmp", (now - 7200, now - 7200))
-    (tmp_path / "ns" / ".new.hrry.2.tmp").write_bytes(b"x" * 10)  # a writer may still be busy with it
+        os.utime(store.path(ns, name), (now - 1000 + 100 * i, now - 2000))
+    (tmp_path / ns / f"{names[0]}.hrry.bad").write_bytes(b"x" * 10)
+    (tmp_path / ns / f".{names[1]}.hrry.1.tmp").write_bytes(b"x" * 10)
+    os.utime(tmp_path / ns / f".{names[1]}.hrry.1.tmp", (now - 7200, now - 7200))
+    (tmp_path / ns / f".{names[2]}.hrry.2.tmp").write_bytes(b"x" * 10)  # a writer may still be busy with it
+    # Not the store's: a directory given by mistake keeps them, however old or large.
+    (tmp_path / "snapshots").mkdir()
+    (tmp_path / "snapshots" / "my_experiment.hrry").write_bytes(b"x" * 10)
+    (tmp_path / ns / "notes.hrry").write_bytes(b"x" * 10)
+    (tmp_path / ns / ".build.tmp").write_bytes(b"x" * 10)
+    os.utime(tmp_path / ns / ".build.tmp", (now - 7200, now - 7200))
 
     dry = store.prune(2 * size, dry_run=True)
     assert (dry.chunks_removed, dry.bad_removed, dry.temp_removed) == (2, 1, 1)
-    assert all(store.has("ns", n) for n in names)
+    assert all(store.has(ns, n) for n in names)
     report = store.prune(2 * size)
     assert (report.chunks_removed, report.chunks_kept, report.bytes_kept) == (2, 2, 2 * size)
     assert report.bytes_removed == 2 * size + 20
-    assert [store.has("ns", n) for n in names] == [False, False, True, True]
-    assert sorted(p.name for p in (tmp_path / "ns").iterdir() if not p.name.endswith(".hrry")) == [".new.hrry.2.tmp"]
+    assert [store.has(ns, n) for n in names] == [False, False, True, True]
+    left = sorted(p.name for p in (tmp_path / ns).iterdir() if not p.name.endswith(".hrry"))
+    assert left == sorted([".build.tmp", f".{names[2]}.hrry.2.tmp"])
     assert store.prune(0).chunks_kept == 0
+    assert (tmp_path / "snapshots" / "my_experiment.hrry").exists() and (tmp_path / ns / "notes.hrry").exists()
     with pytest.raises(hv.HurrayArgumentError, match="max_bytes"):
         store.prune(-1)
 
@@ -216,17 +225,17 @@ def test_prune_skips_what_it_cannot_read_and_keeps_live_temp_files(
 
     store = DirectoryStore(tmp_path)
     assert store_snapshot(store, spec_example_snapshot(), 4) == 1
-    (tmp_path / "locked").mkdir()
+    (tmp_path / "0bad").mkdir()  # a namespace this user cannot read
     real = os.scandir
 
     def scandir(path):  # type: ignore[no-untyped-def]
-        if str(path).endswith("locked"):
+        if str(path).endswith("0bad"):
             raise PermissionError(13, "Permission denied", str(path))
         return real(path)
 
     monkeypatch.setattr(prune_module.os, "scandir", scandir)
     report = store.prune(0)
-    assert report.chunks_removed == 1 and any("locked" in s for s in report.skipped)
+    assert report.chunks_removed == 1 and any("0bad" in s for s in report.skipped)
     with pytest.raises(hv.HurrayArgumentError, match="stale_temp_s"):
         store.prune(0, stale_temp_s=0)
 
