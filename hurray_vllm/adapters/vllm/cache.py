@@ -288,10 +288,12 @@ def _digest_model(h: Any, vllm_config: Any, mc: Any) -> None:
 
     Then what the engine changes about that model beyond its files, where it
     does: ``hf_overrides`` (a rope scaling for long contexts rotates every key
-    otherwise), a config read from ``hf_config_path``, and a quantization
-    method (``--quantization fp8`` of a bf16 checkpoint computes other KV).
-    Nothing is added for an engine that changes none of these, so its
-    namespace stays what it was.
+    otherwise), a config read from ``hf_config_path``, a quantization method
+    (``--quantization fp8`` of a bf16 checkpoint computes other KV) and its
+    config, a load format whose weights are not those files (``dummy``
+    weights, weights streamed from elsewhere), and a LongRoPE model's
+    ``max_model_len`` (which picks its rotation). Nothing is added for an
+    engine that changes none of these, so its namespace stays what it was.
     """
     root = model_dir(vllm_config, mc)
     if root is None:
@@ -314,8 +316,34 @@ def _digest_model(h: Any, vllm_config: Any, mc: Any) -> None:
         changed["hf_config"] = config.read_text() if config.is_file() else str(config_path)
     if getattr(mc, "quantization", None):
         changed["quantization"] = str(mc.quantization)
+    quant_config = getattr(mc, "quantization_config", None)
+    if quant_config:  # which layers, which targets: the same method computes other KV with another config
+        changed["quantization_config"] = quant_config if isinstance(quant_config, dict) else repr(quant_config)
+    load = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load, "load_format", "auto") or "auto")
+    if load_format not in _FILE_FORMATS:
+        # Weights not (only) in the files digested above: random ones ("dummy"), or streamed from elsewhere
+        # (the directory then holds the config alone).
+        changed["load_format"] = load_format
+        changed["model_weights"] = str(getattr(mc, "model_weights", "") or "")
+    if _rope_type(getattr(mc, "hf_config", None)) == "longrope":
+        # LongRoPE rotates with its long factors only when the context may pass the original one.
+        changed["max_model_len"] = getattr(mc, "max_model_len", None)
     if changed:
         h.update(b"\x00engine:" + json.dumps(changed, sort_keys=True, default=str).encode())
+
+
+#: Load formats whose weights are the checkpoint files :func:`_digest_model` reads.
+_FILE_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors"})
+
+
+def _rope_type(hf_config: Any) -> str | None:
+    """The model's rotary embedding type (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(hf_config, name, None)
+        if isinstance(params, dict) and (params.get("rope_type") or params.get("type")):
+            return str(params.get("rope_type") or params.get("type"))
+    return None
 
 
 def _digest_files(h: Any, files: list[Path]) -> None:

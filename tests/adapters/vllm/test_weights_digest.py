@@ -99,6 +99,24 @@ def test_what_the_engine_changes_about_the_checkpoint_is_digested_too(tmp_path: 
         weights_digest(engine(hf_overrides={"rope_theta": 1e6})),
         weights_digest(engine(hf_config_path=str(tmp_path / "long"))),
         weights_digest(engine(quantization="fp8")),
+        weights_digest(engine(quantization="fp8", quantization_config={"ignore": ["lm_head", "layers.0"]})),
     ]
-    assert len({plain, *changed}) == 5
+    # Random weights ("dummy") or weights streamed from elsewhere: not the files digested.
+    dummy = _config(str(tmp_path / "m"))
+    dummy.load_config.load_format = "dummy"
+    streamed = _config(str(tmp_path / "m"))
+    streamed.load_config.load_format = "runai_streamer"
+    streamed.model_config.model_weights = "s3://bucket/tuned"
+    changed += [weights_digest(dummy), weights_digest(streamed)]
+    # LongRoPE picks its rotation by the context length the engine allows.
+    longrope = {"rope_type": "longrope", "original_max_position_embeddings": 4096}
+    changed += [
+        weights_digest(engine(hf_config=SimpleNamespace(rope_parameters=longrope), max_model_len=4096)),
+        weights_digest(engine(hf_config=SimpleNamespace(rope_parameters=longrope), max_model_len=131072)),
+    ]
+    assert len({plain, *changed}) == 10
+    same_format = _config(str(tmp_path / "m"))
+    same_format.load_config.load_format = "safetensors"
+    assert weights_digest(same_format) == plain  # the files digested are the weights'
+    assert weights_digest(engine(hf_config=SimpleNamespace(rope_parameters={"rope_type": "yarn"}))) == plain
     assert weights_digest(engine(hf_overrides=dict(reversed(list(yarn.items()))))) == changed[0]  # stable
