@@ -255,6 +255,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm convert``: write the input in the output's format; returns 0."""
     src_fmt = detect_format(args.input)
     out = Path(args.output)
+    if out.exists() and os.path.samefile(args.input, out):
+        raise HurrayArgumentError("output", f"{out} is the input file: write the conversion to another path")
     out_fmt = args.to or SUFFIX_FORMATS.get(out.suffix.lower())
     if out_fmt is None:
         out_fmt = "stream" if src_fmt == "hrry" else "hrry"
@@ -315,7 +317,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     else:
         prompt = _token_ids(args.prompt_ids, "prompt_ids")
     result = migrate(args.source, args.destination, prompt, after=args.after, max_tokens=args.max_tokens,
-                     model=args.model)  # fmt: skip
+                     model=args.model, timeout=args.timeout)  # fmt: skip
     if args.json:
         print(
             json.dumps(
@@ -361,7 +363,9 @@ def cmd_receive(args: argparse.Namespace) -> int:
             raise HurrayArgumentError("tls", "--tls-* options are for the tcp transport (senders use tls://HOST:PORT)")
         limits["tls"] = server_context(TlsOptions(args.tls_cert, args.tls_key, client_ca_file=args.tls_client_ca))
     try:
-        receiver = receiver_for(args.transport, host, port, _store_dir(args.dir, must_exist=False), **limits).start()
+        receiver = receiver_for(
+            args.transport, host, port, _store_dir(args.dir, must_exist=False, writable=True), **limits
+        ).start()
     except ValueError as exc:  # a limit out of range
         raise HurrayArgumentError("receive", str(exc)) from None
     if not args.quiet:
@@ -386,8 +390,11 @@ def cmd_receive(args: argparse.Namespace) -> int:
     return 0
 
 
-def _store_dir(path: str, *, must_exist: bool = True) -> DirectoryStore:
-    """The chunk store at ``path``: refused up front when it is a file (or, ``must_exist``, missing)."""
+def _store_dir(path: str, *, must_exist: bool = True, writable: bool = False) -> DirectoryStore:
+    """The chunk store at ``path``: refused up front when it is a file (or, ``must_exist``, missing).
+
+    ``writable``: made if missing, and refused unless a file can be created in it.
+    """
     from ..chunks.store import DirectoryStore
 
     p = Path(path)
@@ -395,6 +402,12 @@ def _store_dir(path: str, *, must_exist: bool = True) -> DirectoryStore:
         raise NotADirectoryError(errno.ENOTDIR, "Not a directory (a chunk store is a directory)", path)
     if must_exist and not p.exists():
         raise FileNotFoundError(errno.ENOENT, "No such directory", path)
+    if writable:  # a receiver that cannot store would refuse every chunk it is sent, and look fine
+        import tempfile
+
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
     return DirectoryStore(path)
 
 
@@ -639,7 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
     s.add_argument("--after", type=int, required=True, help="tokens to generate on the source before moving")
     s.add_argument("--max-tokens", type=int, required=True, help="tokens to generate in total")
-    s.add_argument("--model", help="served model name (default: the server's first)")
+    s.add_argument("--model", help="served model name (default: the source's first, which the destination must serve)")
+    s.add_argument(
+        "--timeout", type=_seconds, default=600.0, help="seconds each call to a server may take (default 600)"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_migrate)
 
@@ -794,6 +810,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hurray-vllm`` on ``argv`` (default ``sys.argv[1:]``); returns the exit code (bad input 1, bad call 2)."""
+    for stream in (sys.stdout, sys.stderr):
+        # A path that is not UTF-8 (bytes the file system allows) is printed escaped, not a crash.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
@@ -811,6 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hurray-vllm: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("hurray-vllm: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug: one line, and the traceback on request
         if os.environ.get("HURRAY_VLLM_DEBUG"):

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyhurray_bridge import to_reference
@@ -331,3 +332,89 @@ def test_files_of_every_format_get_the_same_permissions(tmp_path: Path) -> None:
         hv.save(snap, tmp_path / f"s{suffix}")
         modes.add(stat.S_IMODE(os.stat(tmp_path / f"s{suffix}").st_mode))
     assert len(modes) == 1, modes
+
+
+def test_user_mistakes_found_in_review_are_one_line(
+    files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """convert onto its own input; a receiver that could not store what it is sent; a router's port in use."""
+    import socket
+    import tempfile
+
+    same = files / "s.hrry"
+    before = same.read_bytes()
+    assert main(["convert", str(same), str(same), "--to", "safetensors"]) == 2
+    assert "is the input file" in capsys.readouterr().err and same.read_bytes() == before
+
+    def unwritable(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "store"))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", unwritable)
+    assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(tmp_path / "store"), "-q"]) == 1
+    assert "Permission denied" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["router", "--listen", f"127.0.0.1:{port}", "--backend", "http://127.0.0.1:9"]) == 1
+    out = capsys.readouterr()
+    assert f"127.0.0.1:{port}" in out.err and "in use" in out.err and "router on" not in out.out
+
+
+def _openai_stub(model: str, token_ids: object, usage: object = None) -> Any:
+    """A stand-in OpenAI server on 127.0.0.1: serves ``model``, answers every completion with ``token_ids``."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, doc: object) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._send({"data": [{"id": model}]})
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send({"choices": [{"token_ids": token_ids}], "usage": usage})
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize(
+    ("source", "destination", "says"),
+    [
+        (("a", [5, 6]), ("b", [7, 8]), "does not serve 'a'"),  # two models: not one continuation
+        (("a", [5]), ("a", [7, 8]), "generated 1 tokens where 2"),  # the source ended before the move
+        (("a", [5, 6]), ("a", [7]), "generated 1 tokens where 2"),  # short of max_tokens in all
+        (("a", ["x", 6]), ("a", [7, 8]), "not non-negative integers"),
+        (("a", [5, 6]), ("a", [7, 8], "none"), None),  # a usage that is no object: no cached count, no crash
+    ],
+    ids=["other model", "source short", "destination short", "bad ids", "bad usage"],
+)
+def test_migrate_checks_what_the_servers_answer(
+    source: tuple[Any, ...], destination: tuple[Any, ...], says: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servers = [_openai_stub(*source), _openai_stub(*destination)]
+    try:
+        src, dst = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+        code = main(["migrate", "--from", src, "--to", dst, "--prompt-ids", "1,2,3", *TOKENS, "--timeout", "10"])
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+    err = capsys.readouterr().err.strip()
+    if says is None:
+        assert code == 0, err
+    else:
+        assert code == 1 and says in err and "internal error" not in err, err

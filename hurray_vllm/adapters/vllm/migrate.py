@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError
 
 __all__ = ["MigrationResult", "complete", "migrate"]
 
@@ -66,11 +66,7 @@ def complete(
         "return_token_ids": True,
     }
     if model is None:
-        listed = _call(f"{server.rstrip('/')}/v1/models", timeout)
-        try:
-            model = str(listed["data"][0]["id"])
-        except (KeyError, IndexError, TypeError):
-            raise HurrayFormatError("model", f"{server}/v1/models lists no model: pass --model NAME") from None
+        model = _first_model(server, timeout)
     body["model"] = model
     body.update(extra or {})
     req = urllib.request.Request(
@@ -116,11 +112,32 @@ def _server_message(exc: urllib.error.HTTPError) -> str:
     return f": {message}" if isinstance(message, str) and message else ""
 
 
-def _tokens(answer: dict[str, Any], server: str) -> list[int]:
+def _tokens(answer: dict[str, Any], server: str, want: int) -> list[int]:
+    """The ``want`` token ids of a completion (``ignore_eos``: no fewer, unless it was cut short)."""
     try:
-        return [int(t) for t in answer["choices"][0]["token_ids"]]
+        ids = answer["choices"][0]["token_ids"]
     except (KeyError, IndexError, TypeError):
         raise HurrayFormatError("token_ids", f"{server} did not return token ids (is it vLLM >= 0.10?)") from None
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise HurrayFormatError("token_ids", f"{server} returned token ids that are not non-negative integers")
+    if len(ids) != want:
+        # Ended early (a stop, the context's end) or ran on: the move would not be where it was asked to be.
+        raise HurrayFormatError("token_ids", f"{server} generated {len(ids)} tokens where {want} were asked for")
+    return ids
+
+
+def _first_model(server: str, timeout: float) -> str:
+    listed = _call(f"{server.rstrip('/')}/v1/models", timeout)
+    try:
+        return str(listed["data"][0]["id"])
+    except (KeyError, IndexError, TypeError):
+        raise HurrayFormatError("model", f"{server}/v1/models lists no model: pass --model NAME") from None
+
+
+def _serves(server: str, model: str, timeout: float) -> bool:
+    listed = _call(f"{server.rstrip('/')}/v1/models", timeout)
+    data = listed.get("data") if isinstance(listed, dict) else None
+    return isinstance(data, list) and any(isinstance(m, dict) and m.get("id") == model for m in data)
 
 
 def migrate(
@@ -131,6 +148,7 @@ def migrate(
     after: int,
     max_tokens: int,
     model: str | None = None,
+    timeout: float = 600.0,
 ) -> MigrationResult:
     """Decode ``after`` tokens on ``source``, the remaining ``max_tokens - after`` on ``destination``.
 
@@ -140,18 +158,32 @@ def migrate(
         prompt: the prompt's token ids.
         after: tokens generated on the source before the move (>= 1).
         max_tokens: tokens generated in total.
-        model: the model name both servers serve; ``None`` asks each server's
-            ``/v1/models`` for its first.
+        model: the model name both servers serve; ``None``: the source's first
+            (``/v1/models``), which the destination must serve too.
+        timeout: seconds each call to a server may take.
+
+    Raises:
+        HurrayArgumentError: ``after`` out of range.
+        HurrayFormatError: a server's answer is not what a vLLM server answers, the
+            destination does not serve the model, or a server generated fewer (or
+            more) tokens than asked for.
+        OSError: a server cannot be reached, fails, or takes longer than ``timeout``.
     """
     if not 1 <= after < max_tokens:
-        raise HurrayFormatError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")
-    head = complete(source, prompt, after, model=model)
-    first = _tokens(head, source)
+        raise HurrayArgumentError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")
+    if model is None:
+        model = _first_model(source, timeout)
+        if not _serves(destination, model, timeout):  # another model's continuation is not this one's
+            raise HurrayFormatError("model", f"{destination} does not serve {model!r}, which {source} serves")
+    head = complete(source, prompt, after, model=model, timeout=timeout)
+    first = _tokens(head, source, after)
     # The source's connector announces the chunks it saved and is still pushing ({"hurray_saved_tokens": N}):
     # passed on, they make the destination wait for them rather than recompute what is on the wire.
     params = head.get("kv_transfer_params")
     extra = {"kv_transfer_params": params} if isinstance(params, dict) else None
-    answer = complete(destination, [*prompt, *first], max_tokens - after, model=model, extra=extra)
-    usage = answer.get("usage") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return MigrationResult(first, _tokens(answer, destination), cached)
+    answer = complete(destination, [*prompt, *first], max_tokens - after, model=model, extra=extra, timeout=timeout)
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached if type(cached) is int else None
+    return MigrationResult(first, _tokens(answer, destination, max_tokens - after), cached)

@@ -784,8 +784,18 @@ def build_app(config: RouterConfig) -> Any:
 
 def serve(config: RouterConfig, host: str, port: int, *, log_level: str = "warning") -> None:
     """Run the router on ``host:port`` until SIGINT or SIGTERM (uvicorn's handling)."""
+    import socket
+
     import uvicorn
 
+    # A port in use is the caller's to hear about as any bad address, before the banner says it runs.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, host_port(host, port)) from None
     print(f"hurray-vllm router on http://{host_port(host, port)} over {', '.join(config.backends)}", flush=True)
     import aiohttp  # noqa: F401 - imported before the freeze below (Router.start() would import it later)
 
