@@ -118,7 +118,7 @@ class EngineCache:
         }
 
 
-def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) -> str | None:
+def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False, replay_ssm: bool = False) -> str | None:
     """Why hurray-vllm cannot export this engine's KV cache, or None when it can.
 
     One KV cache group of full key/value attention or of MLA latents; with
@@ -129,10 +129,18 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False) ->
     sliding windows that multi-module speculative decoding extends
     (``extra_retained_tokens``). Anything else is named, so that the engine
     is refused at start with a message instead of failing at the first save.
+    ``replay_ssm``: the engine runs vLLM's ``use_replayssm``, whose decode
+    steps write a linear-attention layer's whole state back only every few
+    steps: a state read between two write-backs is stale.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
     if sliding_windows and groups and set(kinds) <= {"FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"}:
+        if replay_ssm and "MambaSpec" in kinds:
+            return (
+                "linear-attention states with ReplaySSM (cache_config.use_replayssm): between its write-backs "
+                "the state a chunk or snapshot would take is stale"
+            )
         return _unsupported_states(groups)
     if len(groups) > 1:
         return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"

@@ -162,7 +162,9 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
     """Block ids, computed tokens and token ids of live requests (scheduler side)."""
     core = _core(llm)
     sched = core.scheduler
-    why = unsupported_cache(_kv_cache_config(llm), sliding_windows=True)
+    vllm_config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    replay = bool(getattr(getattr(vllm_config, "cache_config", None), "use_replayssm", False))
+    why = unsupported_cache(_kv_cache_config(llm), sliding_windows=True, replay_ssm=replay)
     if why is not None:
         raise HurrayFormatError("kv_cache_groups", f"cannot snapshot this engine: {why}")
     out = []

@@ -803,6 +803,12 @@ def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[Any]
         ["MambaSpec", "MambaSpec", "FullAttentionSpec"],  # linear-attention hybrids (Qwen3-Next)
     ):
         HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(ok))  # type: ignore[arg-type]
+    # ReplaySSM writes a linear-attention layer's whole state back only every few decode steps.
+    replaying = _vllm_config({"hurray_path": "/tmp/x"})
+    replaying.cache_config.use_replayssm = True
+    with pytest.raises(HurrayArgumentError, match="ReplaySSM"):
+        HurrayConfig.from_vllm(replaying, config(["MambaSpec", "FullAttentionSpec"]))  # type: ignore[arg-type]
+    HurrayConfig.from_vllm(replaying, config(["FullAttentionSpec"]))  # type: ignore[arg-type]  # no states: fine
 
 
 @pytest.mark.parametrize("policy", ["every", "last"])

@@ -244,7 +244,8 @@ class HurrayConfig:
             url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
         except HurrayFormatError as exc:
             raise HurrayArgumentError("hurray_url", str(exc)) from exc
-        why = unsupported_cache(kv_cache_config, sliding_windows=True)
+        replay = bool(getattr(vllm_config.cache_config, "use_replayssm", False))
+        why = unsupported_cache(kv_cache_config, sliding_windows=True, replay_ssm=replay)
         if why is not None:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector cannot serve this model: {why}")
         layer_groups, windows = cache_groups(kv_cache_config)
