@@ -18,7 +18,17 @@ from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
 from hurray_vllm.kv.heads import distinct_ranks, rank_heads, select_heads
 from hurray_vllm.kv.snapshot import HeadRange
 
-__all__ = ["CHUNK", "DIM", "HEADS", "PAGE", "bare_worker", "cpu_worker", "gqa_fingerprint", "stored_at_tp"]
+__all__ = [
+    "CHUNK",
+    "DIM",
+    "HEADS",
+    "PAGE",
+    "bare_worker",
+    "cpu_worker",
+    "gqa_fingerprint",
+    "stored_at_tp",
+    "two_chunks",
+]
 
 HEADS, DIM, PAGE, CHUNK = 2, 16, 4, 8
 
@@ -55,23 +65,34 @@ def gqa_fingerprint(kv_heads: int = HEADS) -> hv.ModelFingerprint:
     return hv.ModelFingerprint("LlamaForCausalLM", 2, kv_heads, DIM, "bfloat16")
 
 
-def _two_chunks() -> hv.KVSnapshot:
-    """One sequence of 2 chunks (16 tokens), 2 layers of 2 KV heads, every value telling its head apart."""
+def two_chunks(
+    kv_heads: int = HEADS, dim: int = DIM, seed: int = 0, fingerprint: hv.ModelFingerprint | None = None
+) -> hv.KVSnapshot:
+    """One sequence of 2 chunks (16 tokens), 2 layers of ``kv_heads`` KV heads of ``dim``, random values.
+
+    ``fingerprint``: the snapshot's (default :func:`gqa_fingerprint` of ``kv_heads``): another one makes a
+    file whose pools disagree with it.
+    """
     n = 2 * CHUNK
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     table, ptr, lens = torch.arange(n // PAGE), torch.tensor([0, n // PAGE]), torch.tensor([n])
 
     def pool() -> torch.Tensor:
-        return torch.randn((n // PAGE, PAGE, HEADS, DIM), generator=gen).to(torch.bfloat16)
+        return torch.randn((n // PAGE, PAGE, kv_heads, dim), generator=gen).to(torch.bfloat16)
 
     return hv.KVSnapshot(
         keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
         values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
         token_ids=(tuple(range(100, 100 + n + 1)),),
-        fingerprint=gqa_fingerprint(),
+        fingerprint=fingerprint or gqa_fingerprint(kv_heads),
         source=hv.SnapshotSource("vllm", "test", PAGE),
         request_ids=("r",),
     )
+
+
+def _two_chunks() -> hv.KVSnapshot:
+    """:func:`two_chunks` of the bare worker's model."""
+    return two_chunks()
 
 
 def stored_at_tp(tmp_path: Path, producer_tp: int) -> tuple[DirectoryStore, str, list[str], hv.KVSnapshot]:
@@ -91,12 +112,16 @@ def stored_at_tp(tmp_path: Path, producer_tp: int) -> tuple[DirectoryStore, str,
     return store, namespace_of(snap.fingerprint), keys, snap
 
 
-def cpu_worker(store: DirectoryStore, ns: str, mine: HeadRange | None = None) -> Any:
-    """A consumer's worker for one rank (``mine``: its KV heads) over a CPU cache of its heads, 8 blocks."""
+def cpu_worker(store: DirectoryStore, ns: str, mine: HeadRange | None = None, kv_heads: int = HEADS) -> Any:
+    """A consumer's worker for one rank (``mine``: its KV heads) over a CPU cache of its heads, 8 blocks.
+
+    ``kv_heads``: the model's (:func:`gqa_fingerprint`).
+    """
     from hurray_vllm.adapters.vllm.cache import EngineCache
     from hurray_vllm.adapters.vllm.layouts import CpuPacked
 
-    h = mine.count if mine is not None else HEADS
+    h = mine.count if mine is not None else kv_heads
+    fp = gqa_fingerprint(kv_heads)
     layout = CpuPacked("vec", DIM)
     ec = EngineCache(
         caches=[torch.zeros((8, h, PAGE, 2 * DIM), dtype=torch.bfloat16) for _ in range(2)],
@@ -107,9 +132,9 @@ def cpu_worker(store: DirectoryStore, ns: str, mine: HeadRange | None = None) ->
         model_dtype=torch.bfloat16,
         kv_cache_dtype="auto",
         kv_scales=None,
-        fingerprint=gqa_fingerprint(),
+        fingerprint=fp,
         block_size=PAGE,
         engine="vllm test",
         isa="vec",
     )
-    return bare_worker(store, ns, gqa_fingerprint(), ec, CHUNK, mine)
+    return bare_worker(store, ns, fp, ec, CHUNK, mine)

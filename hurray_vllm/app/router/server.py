@@ -443,6 +443,20 @@ async def _client_left(request: Any) -> None:
         pass
 
 
+async def _unless_client_leaves(request: Any, task: asyncio.Future[Any]) -> bool:
+    """Wait for ``task`` unless the client disconnects first; True when it finished, False when it was cancelled."""
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return False
+
+
 async def _collect(router: Router, f: Flight, deltas: AsyncIterator[Delta], first: Delta | None) -> dict[str, Any]:
     """A non-streamed answer: every delta of every leg, joined."""
     texts, finish, stop, logprobs = [], None, None, []
@@ -587,14 +601,10 @@ def build_app(config: RouterConfig) -> Any:
         # Listed (and known to a drain) from now on: a non-streamed answer's headers come only at its end.
         entry = router.relayed[rid] = Relayed(rid, b, why, counted)
         post = asyncio.ensure_future(router.client.post(b.base + path, json=body))
-        left = asyncio.ensure_future(_client_left(request))
         try:
             # A non-streamed answer's headers come at its end: a client that leaves before then must stop the
             # backend's request (closing the connection to it aborts it there), as for a flight.
-            await asyncio.wait({post, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not post.done():
-                post.cancel()
-                await asyncio.gather(post, return_exceptions=True)
+            if not await _unless_client_leaves(request, post):
                 b.in_flight -= 1
                 router.relayed.pop(rid, None)
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
@@ -607,8 +617,6 @@ def build_app(config: RouterConfig) -> Any:
             if isinstance(exc, (aiohttp.ClientError, TimeoutError)):
                 return fail(502, f"{b.url}: {type(exc).__name__}: {exc}")
             raise
-        finally:
-            left.cancel()
         log.debug("router: %s relayed to %s unchanged (%s)", rid, b.url, why)
 
         def renamed(data: bytes) -> bytes:
@@ -660,14 +668,7 @@ def build_app(config: RouterConfig) -> Any:
         # Until the first event (the backend's queue and the prefill) the client may leave: the request is then
         # stopped at once, as vLLM's own server would, not when its first token comes.
         starting = asyncio.ensure_future(deltas.__anext__())
-        left = asyncio.ensure_future(_client_left(request))
-        try:
-            await asyncio.wait({starting, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left.cancel()
-        if not starting.done():
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
+        if not await _unless_client_leaves(request, starting):
             await deltas.aclose()
             router.end(f)
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
@@ -691,21 +692,15 @@ def build_app(config: RouterConfig) -> Any:
 
             return _streamed(_sse(router, f, deltas, first), ended, media_type="text/event-stream")
         collect = asyncio.ensure_future(_collect(router, f, deltas, first))
-        left = asyncio.ensure_future(_client_left(request))
         try:
-            await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not collect.done():
+            if not await _unless_client_leaves(request, collect):
                 # The client went away: stop the backend's request now rather than generate for nobody.
-                collect.cancel()
-                await asyncio.gather(collect, return_exceptions=True)
                 await deltas.aclose()
                 router.end(f)
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
             return JSONResponse(collect.result())
         except (RouterError, UpstreamError) as exc:
             return fail(exc.status if isinstance(exc, RouterError) else 502, str(exc))
-        finally:
-            left.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

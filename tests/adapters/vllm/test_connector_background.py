@@ -1162,36 +1162,16 @@ def test_a_step_whose_synchronous_load_failed_stores_none_of_its_chunks(  # type
     assert c._store.has(c._ns, other.key) and c.stats.saves_dropped == 3 and c.stats.chunks_saved == 2
 
 
-def _chunk_of_head_dim(dim: int) -> Any:
-    """Two chunks' snapshot of the bare worker's model, its pools ``dim`` wide whatever its fingerprint says."""
-    from bare_worker import CHUNK, HEADS, PAGE, gqa_fingerprint
-
-    import hurray_vllm as hv
-
-    n = 2 * CHUNK
-    table, ptr, lens = torch.arange(n // PAGE), torch.tensor([0, n // PAGE]), torch.tensor([n])
-
-    def pool() -> torch.Tensor:
-        return torch.randn((n // PAGE, PAGE, HEADS, dim)).to(torch.bfloat16)
-
-    return hv.KVSnapshot(
-        keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
-        values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
-        token_ids=(tuple(range(100, 100 + n + 1)),),
-        fingerprint=gqa_fingerprint(),
-    )
-
-
 def test_a_chunk_whose_pools_disagree_with_its_fingerprint_is_refused_before_any_promise(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A faulty producer's file: its checksum covers its pools (head_dim 8) and its fingerprint says 16. Taken,
     its blocks' write would fail inside the worker and stop the engine; the scheduler refuses it."""
-    from bare_worker import CHUNK, gqa_fingerprint
+    from bare_worker import CHUNK, gqa_fingerprint, two_chunks
 
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
     from hurray_vllm.chunks.store import DirectoryStore, namespace_of, store_snapshot
 
-    snap = _chunk_of_head_dim(8)
+    snap = two_chunks(dim=8, fingerprint=gqa_fingerprint())  # pools of head_dim 8, its fingerprint says 16
     store = DirectoryStore(tmp_path)
     store_snapshot(store, snap, CHUNK)
     cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]

@@ -145,26 +145,6 @@ def test_a_rank_rewrites_its_own_slice_without_states_when_its_sibling_slice_is_
         assert w._inflight == {f"{keys[0]}.h{rank}-{rank + 1}"}
 
 
-def _many_heads(kv_heads: int) -> Any:
-    """Two chunks of a model with ``kv_heads`` KV heads, random values (each head and layer its own)."""
-    from bare_worker import DIM, PAGE, gqa_fingerprint
-
-    import hurray_vllm as hv
-
-    n, gen = 2 * CHUNK, torch.Generator().manual_seed(kv_heads)
-    table, ptr, lens = torch.arange(n // PAGE), torch.tensor([0, n // PAGE]), torch.tensor([n])
-
-    def pool() -> torch.Tensor:
-        return torch.randn((n // PAGE, PAGE, kv_heads, DIM), generator=gen).to(torch.bfloat16)
-
-    return hv.KVSnapshot(
-        keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
-        values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
-        token_ids=(tuple(range(100, 100 + n + 1)),),
-        fingerprint=gqa_fingerprint(kv_heads),
-    )
-
-
 def _layouts(kv_heads: int) -> list[int]:
     """The TP degrees vLLM runs a model of ``kv_heads`` KV heads at (among 1, 2, 3, 4, 6, 8)."""
     return [
@@ -178,16 +158,14 @@ def test_every_rank_of_any_degree_writes_its_heads_of_many_from_slices_of_any_de
 ) -> None:
     """A rank reads part of a slice (8 heads stored at TP 2, loaded at TP 4), joins slices (TP 4 -> 2), or
     both at once (6 heads, TP 3 -> 2): every rank's cache holds exactly its heads, byte for byte."""
-    from bare_worker import DIM, PAGE, bare_worker
+    from bare_worker import two_chunks
 
-    from hurray_vllm.adapters.vllm.cache import EngineCache
     from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
-    from hurray_vllm.adapters.vllm.layouts import CpuPacked
     from hurray_vllm.chunks.keys import chunks_of, namespace_of
     from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
     from hurray_vllm.kv.heads import distinct_ranks, rank_heads, select_heads
 
-    snap = _many_heads(kv_heads)
+    snap = two_chunks(kv_heads, seed=kv_heads)
     fp = snap.fingerprint
     assert fp is not None
     ns, keys = namespace_of(fp), [k for k, _ in chunks_of(snap, CHUNK)]
@@ -205,26 +183,12 @@ def test_every_rank_of_any_degree_writes_its_heads_of_many_from_slices_of_any_de
             for rank in range(consumer):
                 heads = rank_heads(kv_heads, consumer, rank)
                 mine = HeadRange(heads.start, heads.stop, kv_heads) if len(heads) < kv_heads else None
-                layout = CpuPacked("vec", DIM)
-                ec = EngineCache(
-                    caches=[torch.zeros((8, len(heads), PAGE, 2 * DIM), dtype=torch.bfloat16) for _ in range(2)],
-                    layer_names=["l0", "l1"],
-                    layout=layout,
-                    layout_name=layout.name,
-                    storage_dtype=torch.bfloat16,
-                    model_dtype=torch.bfloat16,
-                    kv_cache_dtype="auto",
-                    kv_scales=None,
-                    fingerprint=fp,
-                    block_size=PAGE,
-                    engine="vllm test",
-                    isa="vec",
-                )
-                worker = bare_worker(store, ns, fp, ec, CHUNK, mine)
+                worker = cpu_worker(store, ns, mine, kv_heads)
+                ec = worker._ec
                 worker.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, blocks, verified)]))
                 where = (producer, consumer, rank)
                 assert not worker.get_block_ids_with_load_errors(), where
                 for layer in range(2):
-                    k, v = layout.gather(ec.caches[layer], torch.tensor(blocks))
+                    k, v = ec.layout.gather(ec.caches[layer], torch.tensor(blocks))
                     want = [t.page_pool[:, :, heads.start : heads.stop] for t in snap.layer(layer)]
                     assert torch.equal(k, want[0]) and torch.equal(v, want[1]), where
