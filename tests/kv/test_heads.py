@@ -161,8 +161,8 @@ def test_prune_takes_a_chunks_slices_together(tmp_path) -> None:  # type: ignore
     whole = make_snapshot([8], [0], 4, heads=2, dim=8)
     for i, key in enumerate(("aa", "bb")):
         for heads in (range(0, 1), range(1, 2)):
-            path = store.path("ns", slice_key(key, heads))
-            store.put("ns", slice_key(key, heads), select_heads(whole, heads))
+            path = store.path("ab" * 8, slice_key(key, heads))  # a namespace's name, as prune takes it
+            store.put("ab" * 8, slice_key(key, heads), select_heads(whole, heads))
             os.utime(path, (1000 + i, 1000 + i))  # "aa" used first
     one = sum(p.stat().st_size for p in tmp_path.rglob("bb.*"))
     store.prune(one)
