@@ -206,12 +206,10 @@ def _add_key_file(s: argparse.ArgumentParser, what: str) -> None:
 
 def _chunk_name(path: Path) -> tuple[str, str] | None:
     """``(namespace, name)`` of a chunk file of a store (``DIR/<namespace>/<name>.hrry``), else ``None``."""
-    from ..chunks.keys import split_slice_key
-    from ..transport.base import CHUNK_NAME
+    from ..chunks.keys import is_chunk_name, is_namespace_name
 
-    key, _ = split_slice_key(path.name.removesuffix(".hrry"))
     ns = path.resolve().parent.name
-    if path.suffix != ".hrry" or not CHUNK_NAME.fullmatch(key) or not CHUNK_NAME.fullmatch(ns):
+    if path.suffix != ".hrry" or not is_chunk_name(path.name.removesuffix(".hrry")) or not is_namespace_name(ns):
         return None
     return ns, path.name.removesuffix(".hrry")
 

@@ -9,14 +9,13 @@ crash, a full disk or a copy, and can move the damaged ones aside
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HurrayFormatError
 from .digest import check_heads, digest_unverifiable
-from .keys import namespace_of, split_slice_key
+from .keys import is_chunk_name, is_namespace_name, namespace_of, split_slice_key
 from .prune import namespaces
 from .signing import FleetKeys, refusal_kind
 from .verify import check_data
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
     from .store import DirectoryStore
 
 __all__ = ["FsckReport", "fsck"]
-
-_HEX = re.compile(r"[0-9a-f]{1,64}")
 
 
 @dataclass
@@ -67,8 +64,8 @@ def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> s
     Raises:
         HurrayFormatError: the chunk is unsigned or signed with another key (``keys`` only).
     """
-    key, heads = split_slice_key(name)
-    if not _HEX.fullmatch(ns) or not _HEX.fullmatch(key):
+    heads = split_slice_key(name)[1]
+    if not is_namespace_name(ns) or not is_chunk_name(name):
         return "not a chunk's name (a key is hex digits, with .h<a>-<b> for a slice)"
     try:
         snap = store.get(ns, name)

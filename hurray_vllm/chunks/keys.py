@@ -253,18 +253,18 @@ def chunk_layouts(key: str, num_kv_heads: int) -> list[list[tuple[str, range]]]:
 _SLICE_NAME = re.compile(r"(.+)\.h(\d{1,5})-(\d{1,5})")
 
 
-#: What a namespace and a chunk's key are: what this module makes (lowercase hex digits).
-_HEX_NAME = re.compile(r"[0-9a-f]{1,64}")
+#: Namespaces and keys: what this module makes (1-64 lowercase hex digits), nothing that could name another path.
+CHUNK_NAME = re.compile(r"[0-9a-f]{1,64}")
 
 
 def is_namespace_name(name: str) -> bool:
     """Whether ``name`` can be a namespace directory of a store (``namespace_of``: hex digits)."""
-    return _HEX_NAME.fullmatch(name) is not None
+    return CHUNK_NAME.fullmatch(name) is not None
 
 
 def is_chunk_name(name: str) -> bool:
     """Whether ``name`` (without ``.hrry``) can be a chunk's: a key, or a tensor-parallel slice's ``<key>.h<a>-<b>``."""
-    return _HEX_NAME.fullmatch(split_slice_key(name)[0]) is not None
+    return CHUNK_NAME.fullmatch(split_slice_key(name)[0]) is not None
 
 
 def split_slice_key(name: str) -> tuple[str, range | None]:

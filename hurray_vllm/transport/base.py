@@ -39,7 +39,6 @@ import abc
 import contextlib
 import logging
 import os
-import re
 import shutil
 import socket
 import ssl
@@ -53,7 +52,7 @@ from urllib.parse import urlparse
 import torch
 
 from ..chunks.digest import check_heads
-from ..chunks.keys import namespace_of
+from ..chunks.keys import CHUNK_NAME, namespace_of
 from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
 from ..errors import HurrayFormatError
@@ -87,8 +86,6 @@ log = logging.getLogger("hurray_vllm.transport")
 
 #: ``(namespace, key, snapshot)``: what a channel moves.
 Chunk = tuple[str, str, KVSnapshot]
-#: Namespaces and keys: what :mod:`hurray_vllm.chunks.keys` makes, nothing that could name another path.
-CHUNK_NAME = re.compile(r"[0-9a-f]{1,64}")
 #: The largest chunk a receiver accepts (a 256-token chunk of a 70B model is ~80 MiB).
 MAX_CHUNK_BYTES = 4 << 30
 #: How long one step of a chunk (a frame, a transfer, the answer) may take.
