@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -766,8 +765,11 @@ class HurrayScheduler:
             states = self._state_blocks(state, (c + 1) * self._chunk, step_end, prev_end)
             # A chunk stored without the states this step holds for it is written again, with them:
             # else the first writer's step (which ran past the chunk's end) would hide them for good.
-            replace = bool(states) and self._lacks_states(keys[c])
-            stored = self._store.parts(self._ns, keys[c], self._heads)
+            if states:
+                stored, with_states = self._store.parts_with_states(self._ns, keys[c], self._heads)
+                replace = stored is not None and not with_states
+            else:
+                stored, replace = self._store.parts(self._ns, keys[c], self._heads), False
             if stored is not None and not replace and self._windows:
                 replace = self._holds_less_window(stored[0], c, kept_from)
             # With a destination, chunks already stored still go to the worker, to be pushed.
@@ -820,26 +822,15 @@ class HurrayScheduler:
         blocks = state.block_ids[first : first + n // self._block_size]
         meta.saves.append(SaveTask(req_id, key, tokens[start:end], blocks, tail=True))
 
-    def _lacks_states(self, key: str) -> bool:
-        """Whether chunk ``key`` is stored (whole, or every tensor-parallel slice) and a file of it has no states."""
-        parts, with_states = self._store.parts_with_states(self._ns, key, self._heads)
-        return parts is not None and not with_states
+    def _window_start(self, window: int, c: int, resume: int) -> int:
+        """Where a save of chunk ``c`` holds a sliding layer's tokens from (chunk-relative, whole blocks).
 
-    def _window_starts(self, sizes: Iterable[int | None], c: int, resume: int) -> list[int | None]:
-        """Per window size, where a save of chunk ``c`` holds its tokens from (chunk-relative; None: full).
-
-        As :meth:`_chunk_blocks` blanks them: the blocks wholly before what a
-        resume at the chunk's end (or at ``resume``, if later) attends.
+        The blocks wholly before what a resume at the chunk's end (or at
+        ``resume``, if later) attends are blanked (:meth:`_chunk_blocks`).
         """
         base, end = c * self._chunk, (c + 1) * self._chunk
-        return [
-            None
-            if size is None
-            else min(
-                self._chunk, max(0, max(0, max(end, resume) - size + 1) // self._block_size * self._block_size - base)
-            )
-            for size in sizes
-        ]
+        first_needed = max(0, max(end, resume) - window + 1) // self._block_size * self._block_size
+        return min(self._chunk, max(0, first_needed - base))
 
     def _holds_less_window(self, part: ChunkPart, c: int, resume: int) -> bool:
         """Whether stored chunk ``c`` (``part``: a file of it) holds less of its sliding windows than this save would.
@@ -853,8 +844,7 @@ class HurrayScheduler:
         never take turns. A stored file's header is read once (remembered by
         the file's identity), and not at all when this save holds no window.
         """
-        ours_by_size = self._window_starts(self._windows, c, resume)
-        if all(o is None or o >= self._chunk for o in ours_by_size):
+        if all(w is None or self._window_start(w, c, resume) >= self._chunk for w in self._windows):
             return False  # this save blanks every windowed block: it cannot hold more
         memo = (part.name, part.identity)
         if memo in self._stored_windows:
@@ -867,8 +857,11 @@ class HurrayScheduler:
             self._stored_windows[memo] = win
         if win is None:
             return False  # holds every layer whole, or unreadable (its reader judges that)
-        ours = self._window_starts(win.sizes, c, resume)
-        pairs = [(o, starts[0]) for o, starts in zip(ours, win.kv_start, strict=True) if o is not None and starts]
+        pairs = [
+            (self._window_start(size, c, resume), starts[0])
+            for size, starts in zip(win.sizes, win.kv_start, strict=True)
+            if size is not None and starts
+        ]
         return all(o <= t for o, t in pairs) and any(o < t for o, t in pairs)
 
     def _stored(self, key: str) -> bool:
@@ -906,8 +899,8 @@ class HurrayScheduler:
         own = blocks[c * per : (c + 1) * per]
         if window is None:
             return own
-        first_needed = max(0, max((c + 1) * self._chunk, resume) - window + 1) // self._block_size
-        return [b if c * per + j >= first_needed else 0 for j, b in enumerate(own)]
+        start = self._window_start(window, c, resume)
+        return [b if j * self._block_size >= start else 0 for j, b in enumerate(own)]
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Called by vLLM's scheduler, via the connector, when a request finishes: forgets it.
