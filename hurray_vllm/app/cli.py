@@ -414,7 +414,9 @@ def _size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     try:
-        n = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+        # Plain bytes must be whole: "0.5" is far more likely a forgotten unit than half a byte, and read as 0
+        # it would have prune delete the whole store.
+        n = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(int(t))
     except ValueError:
         n = math.nan
     if not (math.isfinite(n) and 0 <= n < 1 << 63):

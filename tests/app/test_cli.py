@@ -177,6 +177,7 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["prune", "{dir}", "--max-size", "infG"],
         ["prune", "{dir}", "--max-size", "1e400G"],
         ["prune", "{dir}", "--max-size", "-5G"],
+        ["prune", "{dir}", "--max-size", "0.5"],
         ["convert", "{file}", "{dir}/out.hrrs", "--page-size", "1099511627776"],
         ["convert", "{file}", "{dir}/out.hrrs", "--page-size", "0"],
         ["receive", "--listen", "localhost", "--dir", "{dir}"],
@@ -195,7 +196,7 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["receive", "--listen", "[localhost]:0", "--dir", "{dir}"],
     ],
     ids=[
-        "size inf", "size 1e400", "size negative", "page 2^40", "page 0", "listen no port", "listen port range",
+        "size inf", "size 1e400", "size negative", "size half a byte", "page 2^40", "page 0", "listen no port", "listen port range",
         "quota not a size", "backend not http", "unknown policy", "timeout nan", "idle inf", "health nan",
         "stream timeout negative", "migrate not a url", "listen ipv6 bare", "convert to stdout", "page 2^17",
         "listen brackets not ipv6",
