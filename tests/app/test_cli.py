@@ -196,7 +196,8 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["receive", "--listen", "[localhost]:0", "--dir", "{dir}"],
     ],
     ids=[
-        "size inf", "size 1e400", "size negative", "size half a byte", "page 2^40", "page 0", "listen no port", "listen port range",
+        "size inf", "size 1e400", "size negative", "size half a byte", "page 2^40", "page 0", "listen no port",
+        "listen port range",
         "quota not a size", "backend not http", "unknown policy", "timeout nan", "idle inf", "health nan",
         "stream timeout negative", "migrate not a url", "listen ipv6 bare", "convert to stdout", "page 2^17",
         "listen brackets not ipv6",
