@@ -86,10 +86,13 @@ def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
     for i, t in enumerate(lead[1:], 1):
         # One plan (one block table, one repaging) serves every layer: a layer paged otherwise would be
         # read through layer 0's table, silently. Tensors built alike share the table object: no compare.
-        if t.block_table is not lead[0].block_table and not torch.equal(t.block_table, lead[0].block_table):
+        if t.page_size != lead[0].page_size or (
+            t.block_table is not lead[0].block_table and not torch.equal(t.block_table, lead[0].block_table)
+        ):
             raise HurrayFormatError(
                 "snapshot.structure",
-                f"{what} takes one page table for every layer, but layer {i}'s differs from layer 0's; "
+                f"{what} takes one page table for every layer, but layer {i}'s (or its page size) differs from "
+                "layer 0's; "
                 "import it with the transformers adapter or into vLLM, or rebuild it with one table",
             )
 

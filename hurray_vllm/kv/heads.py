@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from .snapshot import HeadRange, KVSnapshot
 from .states import join_states
 
@@ -33,6 +33,8 @@ def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
     """
     if tp < 1 or not 0 <= rank < tp:
         raise HurrayFormatError("tensor_parallel_size", f"rank {rank} of {tp}")
+    if num_kv_heads < 1:
+        raise HurrayFormatError("num_kv_heads", f"{num_kv_heads} KV heads")
     if num_kv_heads >= tp:
         if num_kv_heads % tp:
             raise HurrayFormatError("num_kv_heads", f"{num_kv_heads} KV heads do not divide among {tp} ranks")
@@ -124,8 +126,11 @@ def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
 
     Raises:
         HurrayFormatError: (field ``snapshot.heads``) heads outside the snapshot's, or an MLA latent (one head).
+        HurrayArgumentError: ``heads`` is not a run of consecutive heads (a step other than 1).
     """
     have = snap.head_range
+    if heads.step != 1:
+        raise HurrayArgumentError("heads", f"a run of consecutive heads (step 1), not {heads}")
     if snap.is_latent:
         raise HurrayFormatError("snapshot.heads", "an MLA latent is one head: it is not split")
     if heads.start < have.start or heads.stop > have.stop or not len(heads):
@@ -137,7 +142,9 @@ def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
     total = have.total
     states = snap.states.take(heads.start, heads.stop, total) if snap.states is not None else None
     return snap.with_layers(
-        layers, heads=None if len(heads) == total else HeadRange(heads.start, heads.stop, total), states=states
+        layers,
+        heads=None if (heads.start, heads.stop) == (0, total) else HeadRange(heads.start, heads.stop, total),
+        states=states,
     )
 
 

@@ -199,8 +199,13 @@ class BlockPagedTensor:
     def lookup(self, seq: int, token: int, head: int, dim: int) -> torch.Tensor:
         """One element, by the spec's Element Lookup formula (0-d tensor)."""
         self._check_seq(seq)
-        if self.seq_lens is not None and not 0 <= token < int(self.seq_lens[seq]):
-            raise IndexError(f"token {token} is outside sequence {seq} of {int(self.seq_lens[seq])} tokens")
+        # Without seq_lens a sequence holds its pages' tokens; every index is checked, since the flat offset
+        # below would otherwise silently read another token, head or sequence.
+        held = int(self.seq_lens[seq]) if self.seq_lens is not None else self.page_size * len(self.pages_of(seq))
+        if not 0 <= token < held:
+            raise IndexError(f"token {token} is outside sequence {seq} of {held} tokens")
+        if not (0 <= head < self.num_heads and 0 <= dim < self.head_dim):
+            raise IndexError(f"head {head} / dim {dim} outside {self.num_heads} heads of {self.head_dim}")
         page_in_seq, offset = divmod(token, self.page_size)
         phys = int(self.block_table[int(self.seq_ptr[seq]) + page_in_seq])
         flat = ((phys * self.page_size + offset) * self.num_heads + head) * self.head_dim + dim

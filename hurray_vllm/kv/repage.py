@@ -136,6 +136,13 @@ class RepagePlan:
     seq_lens: torch.Tensor
     tails: tuple[tuple[int, int], ...] | None = None
     run: int = 1
+    #: The source page size the plan was made for (0: unknown, a plan built by hand), and the source
+    #: pages it reads (one past the highest page id).
+    src_page_size: int = 0
+    src_pages: int = 0
+    #: The sequence lengths the plan was made from (the very tensor): a plan applied to the tensors it was
+    #: made for is recognised without comparing them (a device sync per layer on GPU).
+    _src_lens: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -163,8 +170,11 @@ def plan_repage(
     seq_lens: torch.Tensor,
     src_page_size: int,
     page_size: int,
+    num_pages: int | None = None,
 ) -> RepagePlan:
     """Plan moving a batch from pages of ``src_page_size`` to pages of ``page_size``.
+
+    ``num_pages``, when given, is the source pool's: a page id past it is refused.
 
     Raises:
         ImportArgumentError: ``page_size`` is not positive (the caller's target).
@@ -174,6 +184,7 @@ def plan_repage(
     if page_size <= 0:
         raise ImportArgumentError("page_size", f"target page size must be positive, got {page_size}")
     dev = block_table.device
+    src_lens = seq_lens
     seq_lens = seq_lens.to(dev)
     seq_ptr = seq_ptr.to(dev)
     num_seqs = int(seq_lens.numel())
@@ -181,6 +192,7 @@ def plan_repage(
         raise HurrayFormatError(
             "seq_ptr", f"{seq_ptr.numel()} offsets for {num_seqs} sequences of pages of {src_page_size}"
         )
+    _check_structure(block_table, seq_ptr, seq_lens, num_pages)
     # Each sequence must own the pages its tokens need: a short one would read the next sequence's pages.
     short = ((seq_lens + src_page_size - 1) // src_page_size > seq_ptr[1:] - seq_ptr[:-1]).nonzero()
     if short.numel():
@@ -198,7 +210,9 @@ def plan_repage(
     check_budget(total * page_size, "repaging")
     if total == 0:
         empty = torch.empty(0, dtype=torch.int64, device=dev)
-        return RepagePlan(page_size, empty, empty, new_ptr, seq_lens.clone())
+        return RepagePlan(
+            page_size, empty, empty, new_ptr, seq_lens.clone(), src_page_size=src_page_size, _src_lens=src_lens
+        )
     # For every target logical page (s, j) and position r: token t = j*T + r of s.
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=dev), need)
     j = torch.arange(total, device=dev) - new_ptr[:-1][seq_of]
@@ -226,8 +240,36 @@ def plan_repage(
         seq_lens=seq_lens.clone(),
         tails=tuple(zip(partial.tolist(), used[partial].tolist(), strict=True)),
         run=run,
+        src_page_size=src_page_size,
+        src_pages=int(block_table.max()) + 1 if block_table.numel() else 0,
+        _src_lens=src_lens,
         _rows=(src_slots.reshape(-1, run)[:, 0] // run).clamp(min=0),
     )
+
+
+def _check_structure(
+    block_table: torch.Tensor, seq_ptr: torch.Tensor, seq_lens: torch.Tensor, num_pages: int | None
+) -> None:
+    """Refuse a block structure a plan would index out of bounds with, or read as unused slots."""
+    if seq_lens.dim() != 1 or seq_ptr.dim() != 1 or block_table.dim() != 1:
+        raise HurrayFormatError("seq_lens", "block_table, seq_ptr and seq_lens must be one-dimensional")
+    if seq_lens.numel() and int(seq_lens.min()) < 0:
+        raise HurrayFormatError("seq_lens", "sequence lengths must be >= 0")
+    if seq_ptr.numel() and (
+        int(seq_ptr[0]) != 0 or int(seq_ptr[-1]) > block_table.numel() or bool((seq_ptr[1:] < seq_ptr[:-1]).any())
+    ):
+        raise HurrayFormatError(
+            "seq_ptr", f"offsets must start at 0, never decrease and end within the {block_table.numel()} block ids"
+        )
+    if block_table.numel():
+        lo, hi = int(block_table.min()), int(block_table.max())
+        if lo < 0 or (num_pages is not None and hi >= num_pages):
+            raise HurrayFormatError(
+                "block_table",
+                f"page ids {lo}..{hi} outside the pool's 0..{(num_pages or 0) - 1}"
+                if num_pages is not None
+                else f"page id {lo} is negative",
+            )
 
 
 def _gather_slots(src: torch.Tensor, plan: RepagePlan, per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -416,12 +458,26 @@ def repage(
     """
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
-    plan = plan or plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
-    if plan.page_size != page_size or plan.seq_ptr.numel() != t.seq_ptr.numel():
+    plan = plan or plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size, t.num_pages)
+    if (
+        plan.page_size != page_size
+        or plan.seq_ptr.numel() != t.seq_ptr.numel()
+        or plan.src_page_size not in (0, t.page_size)
+        or plan.src_pages > t.num_pages
+        or (plan._src_lens is not t.seq_lens and not torch.equal(plan.seq_lens.cpu(), t.seq_lens.cpu()))
+    ):
         raise ImportArgumentError(
             "plan",
-            f"the plan repages {plan.seq_ptr.numel() - 1} sequences to {plan.page_size}, "
-            f"not {t.num_seqs} to {page_size}",
+            f"the plan repages {plan.seq_ptr.numel() - 1} sequences of pages of {plan.src_page_size or '?'} to "
+            f"{plan.page_size}, not these {t.num_seqs} of pages of {t.page_size} to {page_size} "
+            "(a plan made for another snapshot)",
+        )
+    q = t.quantization
+    if isinstance(q, PerBlockAffine) and (page_size < 2 or page_size & (page_size - 1)):
+        raise ImportArgumentError(
+            "page_size",
+            f"a per-block-affine quantized tensor moves its scales with its pages, so its blocks become pages of "
+            f"{page_size}; the format's blocks are powers of two >= 2",
         )
     page_shape = (page_size, t.num_heads, t.head_dim)
     if out is not None:
@@ -436,7 +492,7 @@ def repage(
         check_memory(nbytes, f"repaging layer {t.layer_index} {t.kv_role}", t.page_pool.device)
         pool = _gather_slots(t.page_pool, plan, per_slot)
         pool = pool.view(plan.num_pages, *page_shape)
-    q, qbufs = t.quantization, t.quant_buffers
+    qbufs = t.quant_buffers
     if isinstance(q, PerBlockAffine) and qbufs:
         slots_in = t.num_pages * t.page_size
         qbufs = tuple(_gather_slots(b, plan, b.numel() // max(1, slots_in)).reshape(-1) for b in qbufs)
@@ -466,26 +522,31 @@ def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
         OSError: ``ENOMEM``: every layer's new pools together are larger than
             the device's memory, before the first is built.
     """
-    if not snap.num_layers or snap.page_size == page_size:
+    # Layers may have pages of their own sizes (the format allows it): each is looked at, not just the first.
+    if all(t.page_size == page_size for t in snap.tensors()):
         return snap
-    plans: dict[int, RepagePlan] = {}
+    plans: dict[tuple[int, int], RepagePlan] = {}
 
     def plan_for(t: BlockPagedTensor) -> RepagePlan:
         if t.seq_lens is None:
             raise HurrayFormatError(
                 "seq_lens", "repaging needs the sequence lengths, which this snapshot does not carry"
             )
-        key = id(t.block_table)
+        key = (id(t.block_table), t.page_size)  # one block table may be read with two page sizes
         if key not in plans:
-            plans[key] = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
+            plans[key] = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size, t.num_pages)
         return plans[key]
 
     # Every layer's new pool is held at once: counted together, before the first is built.
     total = sum(
         plan_for(t).num_pages * page_size * t.num_heads * t.head_dim * t.page_pool.element_size()
         for t in snap.tensors()
+        if t.page_size != page_size
     )
     check_memory(total, f"repaging {snap.num_layers} layers", snap.tensors()[0].page_pool.device)
     return snap.with_layers(
-        [tuple(repage(t, page_size, plan_for(t)) for t in members) for members in snap.layer_members()]
+        [
+            tuple(t if t.page_size == page_size else repage(t, page_size, plan_for(t)) for t in members)
+            for members in snap.layer_members()
+        ]
     )

@@ -736,6 +736,10 @@ class KVSnapshot:
         win = self.windows
         if win is None:
             return []
+        try:  # what the reader refuses, validate reports: save() never writes a file load() rejects
+            SlidingWindows.from_json(win.to_json())
+        except HurrayFormatError as exc:
+            return list(exc.violations)
         if len(win.sizes) != self.num_layers or len(win.kv_start) != self.num_layers:
             return [
                 Violation(

@@ -235,3 +235,14 @@ def test_a_head_range_inside_the_model_validates_and_loads(tmp_path) -> None:  #
     assert snap.validate().ok and hv.HeadRange(2, 4, 4).violations() == []
     hv.save(snap, tmp_path / "ok.hrry")
     assert hv.load(tmp_path / "ok.hrry").heads == hv.HeadRange(2, 4, 4)
+
+
+def test_select_heads_takes_runs_of_consecutive_heads_only() -> None:
+    from synthetic import make_snapshot
+
+    whole = make_snapshot([6, 3], [0, 1], 4, heads=4, dim=8)
+    for stepped in (range(0, 4, 2), range(1, 3, 5)):  # would have returned other heads than asked for
+        with pytest.raises(hv.HurrayArgumentError, match="step 1"):
+            select_heads(whole, stepped)
+    with pytest.raises(hv.HurrayFormatError):
+        rank_heads(0, 2, 0)  # was a ZeroDivisionError

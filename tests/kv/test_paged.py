@@ -100,3 +100,14 @@ def test_errors_name_the_problem() -> None:
         replace(t, seq_lens=None).to_dense(0)
     with pytest.raises(KeyError):
         spec_example_snapshot()[0, "both"]
+
+
+def test_lookup_refuses_indices_outside_the_tensor() -> None:
+    """The flat offset would read a neighbouring token, head or sequence."""
+    pool = torch.arange(2 * 4 * 2 * 2, dtype=torch.float32).view(2, 4, 2, 2)
+    for lens in (torch.tensor([3, 2]), None):
+        t = hv.BlockPagedTensor(pool, torch.tensor([0, 1]), torch.tensor([0, 1, 2]), lens)
+        assert float(t.lookup(1, 1, 1, 1)) == float(pool[1, 1, 1, 1])
+        for args in [(0, 0, 2, 0), (0, 0, -1, 0), (0, 0, 0, 2), (1, -1, 0, 0), (0, 4, 0, 0)]:
+            with pytest.raises(IndexError):
+                t.lookup(*args)

@@ -233,3 +233,83 @@ def test_a_batch_declaring_more_slots_than_the_budget_is_refused_before_allocati
         to_flash_attn(snap, 0, page_size=8, flavor="fa3")  # repaged: 256 token slots
     monkeypatch.setattr(rp, "MAX_IMPORT_SLOTS", 1 << 28)
     assert int(repage(t, 8).seq_lens[0]) == 4 * pages  # within the budget: repaged as before
+
+
+def _two_page_sizes() -> hv.KVSnapshot:
+    """Layer 0 in pages of 4 and layer 1 in pages of 8, through one block table object (the format allows it)."""
+    bt, ptr, lens = torch.tensor([0, 1]), torch.tensor([0, 1, 2]), torch.tensor([3, 2])
+
+    def layer(ps: int, i: int) -> tuple[hv.BlockPagedTensor, hv.BlockPagedTensor]:
+        pool = torch.arange(2 * ps, dtype=torch.float32).view(2, ps, 1, 1) + 100 * i
+        return hv.BlockPagedTensor(pool, bt, ptr, lens, "key", i), hv.BlockPagedTensor(
+            pool + 50, bt, ptr, lens, "value", i
+        )
+
+    return hv.KVSnapshot.from_layers([layer(4, 0), layer(8, 1)], token_ids=((1, 2, 3), (4, 5)))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_repage_snapshot_repages_every_layer_by_its_own_page_size(size: int) -> None:
+    """Each layer's pages are read with their own size: layer 1 was left as it was (target = layer 0's page
+    size) or read through layer 0's plan (one block table object), and gave other tokens."""
+    snap = _two_page_sizes()
+    out = repage_snapshot(snap, size)
+    assert [t.page_size for t in out.tensors()] == [size] * 4
+    for a, b in zip(snap.tensors(), out.tensors(), strict=True):
+        for s in range(2):
+            assert torch.equal(a.to_dense(s), b.to_dense(s))
+
+
+def test_a_plan_made_for_other_sequences_is_refused() -> None:
+    from hurray_vllm.kv.repage import plan_repage
+
+    a = hv.BlockPagedTensor(
+        torch.randn(2, 4, 1, 1), torch.tensor([0, 1]), torch.tensor([0, 1, 2]), torch.tensor([3, 4])
+    )
+    c = hv.BlockPagedTensor(
+        torch.randn(6, 4, 1, 1), torch.tensor([1, 0]), torch.tensor([0, 1, 2]), torch.tensor([2, 3])
+    )
+    other = plan_repage(c.block_table, c.seq_ptr, c.seq_lens, 4, 2)  # as many sequences, other lengths
+    with pytest.raises(hv.ImportArgumentError, match="another snapshot"):
+        repage(a, 2, other)
+    wide = hv.BlockPagedTensor(torch.randn(2, 8, 1, 1), a.block_table, a.seq_ptr, a.seq_lens)
+    with pytest.raises(hv.ImportArgumentError, match="pages of 4"):  # made for pages of 4, applied to pages of 8
+        repage(wide, 2, plan_repage(a.block_table, a.seq_ptr, a.seq_lens, 4, 2))
+
+
+@pytest.mark.parametrize(
+    ("table", "ptr", "lens", "field"),
+    [
+        ([0, 1], [0, 1, 2], [-2, 3], "seq_lens"),
+        ([0, 1], [0, 2, 1], [3, 0], "seq_ptr"),
+        ([0], [0, 1, 2], [1, 1], "seq_ptr"),
+        ([0, 7], [0, 1, 2], [3, 3], "block_table"),  # page 7 of a pool of 2
+        ([0, -1], [0, 1, 2], [3, 3], "block_table"),  # would read as unused slots: zeros
+    ],
+    ids=["negative length", "decreasing offsets", "offsets past the table", "page past the pool", "negative page"],
+)
+def test_an_inconsistent_block_structure_is_a_named_error(
+    table: list[int], ptr: list[int], lens: list[int], field: str
+) -> None:
+    t = hv.BlockPagedTensor(torch.randn(2, 4, 1, 1), torch.tensor(table), torch.tensor(ptr), torch.tensor(lens))
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        repage(t, 2)
+    assert exc.value.field == field
+
+
+def test_per_block_affine_pools_repage_only_to_power_of_two_pages() -> None:
+    from hurray_vllm.wire.descriptor import PerBlockAffine
+
+    pool = torch.randint(-100, 100, (3, 4, 1, 2), dtype=torch.int8)
+    t = hv.BlockPagedTensor(
+        pool,
+        torch.tensor([2, 0, 1]),
+        torch.tensor([0, 3]),
+        torch.tensor([10]),
+        quantization=PerBlockAffine(0, 4, 3),
+        quant_buffers=(torch.arange(12, dtype=torch.float32).view(torch.uint8),),
+    )
+    assert repage(t, 8).validate().ok
+    for size in (1, 3, 6):
+        with pytest.raises(hv.ImportArgumentError, match="powers of two"):
+            repage(t, size)

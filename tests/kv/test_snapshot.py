@@ -98,3 +98,16 @@ def test_equal_seq_lens_in_other_tensors_are_one_structure(tmp_path: Path) -> No
     assert same.validate().ok
     hv.save(same, tmp_path / "same.hrry")
     assert hv.load(tmp_path / "same.hrry").seq_lens == [6, 3]
+
+
+@pytest.mark.parametrize(
+    "windows",
+    [SlidingWindows((64, None, 64, None), ((-1, 0),) * 4), SlidingWindows((0, None, 64, None), ((0, 0),) * 4)],
+    ids=["negative start", "window of 0"],
+)
+def test_validate_refuses_the_windows_the_reader_refuses(windows: SlidingWindows, tmp_path: Path) -> None:
+    """validate == load: save() used to write such a file, which load() then refused."""
+    snap = replace(_with_drafter(), windows=windows)
+    assert not snap.validate().ok
+    with pytest.raises(HurrayFormatError):
+        hv.save(snap, tmp_path / "w.hrry")

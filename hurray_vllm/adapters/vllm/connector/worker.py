@@ -554,8 +554,7 @@ class HurrayWorker:
                 if (a, b) != (have.start, have.stop):
                     snap = select_heads(snap, range(a, b))  # views: only this rank's heads are written
                 local = None if (a, b) == (lo, hi) else range(a - lo, b - lo)
-            if snap.page_size != self._block_size:
-                snap = repage_snapshot(snap, self._block_size)
+            snap = repage_snapshot(snap, self._block_size)  # unchanged when every layer's pages are blocks
             pieces.append((snap, local))
         return pieces
 
