@@ -536,6 +536,17 @@ def describe_worker_cache(
         layout = LogicalBHNC(head_dim)
         layout_name = f"vllm-{vllm_config.cache_config.kv_cache_layout or 'LBNHC'}"
     _check_uniform(layout, caches, layer_names)
+    block_size = int(vllm_config.cache_config.block_size)
+    if caches and (kernel := layout.page_shape(caches[0])[0]) != block_size:
+        # An attention backend that does not take the engine's block size gets each block cut into smaller
+        # "kernel blocks" (vLLM's prepare_kernel_block_sizes): the scheduler's block ids then no longer index
+        # the cache's pages, and every page read or written through them would be another block's.
+        raise HurrayFormatError(
+            "block_size",
+            f"the {backend or 'attention'} backend keeps pages of {kernel} tokens, the engine's blocks hold "
+            f"{block_size} (vLLM splits each block into kernel blocks); hurray-vllm does not map blocks to kernel "
+            f"blocks: start the engine with --block-size {kernel}",
+        )
     for m in mods:
         for attr in ("_k_scale", "_v_scale"):
             t = getattr(m, attr, None)
@@ -558,7 +569,7 @@ def describe_worker_cache(
         kv_cache_dtype=cache_dtype,
         kv_scales=scales if cache_dtype in FP8_DTYPES else None,
         fingerprint=fingerprint_of(vllm_config, num_layers=len(caches)),
-        block_size=vllm_config.cache_config.block_size,
+        block_size=block_size,
         engine=f"vllm {getattr(vllm, '__version__', '?')}",
         isa=isa,
         latent=latent,

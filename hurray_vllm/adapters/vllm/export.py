@@ -413,7 +413,10 @@ def export_layers(
         if keep is None:
             keep = keep_on[id(plan), first.device] = plan.keep.to(first.device)
         del first
-        pools = layout.gather(cache, keep, out)
+        try:
+            pools = layout.gather(cache, keep, out)
+        except IndexError as exc:  # a block id past the cache (the packed CPU layout names it itself)
+            raise HurrayFormatError("block_ids", f"layer {i}: block ids outside this cache ({exc})") from exc
         del out
         if zero_unused or plan.kv_start is not None:  # a hole's page holds another request's KV: always zeroed
             _zero_tails(plan, pools, tail_rows.setdefault(id(plan), {}))

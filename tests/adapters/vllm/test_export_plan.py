@@ -106,3 +106,19 @@ def test_zeroing_tails_by_index_takes_every_float_format(dtype: torch.dtype) -> 
     _zero_tails(plan, pools, {}, by_index=True)
     for pool in pools:
         assert not pool[1, 4:].float().any() and (pool[1, :4].float() == 1.5).all() and (pool[0].float() == 1.5).all()
+
+
+def test_block_ids_past_the_cache_are_a_named_error_in_every_layout() -> None:
+    """Not a bare IndexError (the packed CPU layout checked its ids, the token-major ones did not)."""
+    from hurray_vllm.adapters.vllm.export import export_snapshot
+    from hurray_vllm.adapters.vllm.layouts import CpuPacked, LogicalBHNC, MLALatent
+
+    seq = [SequenceState("a", [3, 9], 20, list(range(20)))]  # block 9 of a cache of 4
+    for layout, cache in (
+        (LogicalBHNC(8), torch.zeros(4, 2, 16, 16)),
+        (MLALatent(8), torch.zeros(4, 16, 8)),
+        (CpuPacked("vec", 8), torch.zeros(4, 2, 16, 16)),
+    ):
+        with pytest.raises(HurrayFormatError) as exc:
+            export_snapshot([cache], layout, seq, block_size=16)
+        assert exc.value.field == "block_ids"

@@ -212,3 +212,27 @@ def test_host_exports_without_buffers_borrow_the_last_exports_workspace(
     with ex._workspace(None, False) as a, ex._workspace(None, False) as b:
         assert a is not b
     assert release_export_workspace() == 0  # neither had allocated anything
+
+
+def test_a_backend_that_splits_blocks_into_kernel_blocks_is_refused_at_registration() -> None:
+    """vLLM cuts each block into kernel blocks for a backend that does not take the engine's block size
+    (FlashInfer off Blackwell takes 16, 32 or 64): block ids then index other pages. Found in vLLM 0.32's
+    ``prepare_kernel_block_sizes``; on CPU (multiples of 32, MLA 16) it never happens, so faked here."""
+    require("vllm")
+    from types import SimpleNamespace
+
+    from hurray_vllm.adapters.vllm.cache import describe_worker_cache
+
+    class FlashInferImpl:
+        pass
+
+    layer = SimpleNamespace(kv_cache=None, impl=FlashInferImpl())
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context={"l0": layer}),
+        model_config=SimpleNamespace(use_mla=False, get_head_size=lambda: 16, dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=128, kv_cache_layout=None),
+    )
+    cache = torch.zeros(8, 2, 64, 2, 16, dtype=torch.bfloat16)  # [blocks * 2, K/V, 64 tokens, heads, dim]
+    with pytest.raises(HurrayFormatError, match="--block-size 64") as exc:
+        describe_worker_cache(config, [cache], ["l0"])
+    assert exc.value.field == "block_size"
