@@ -192,7 +192,7 @@ def _keys(args: argparse.Namespace) -> Any:
     """The fleet keys of ``--key-file`` (repeatable), else of ``$HURRAY_VLLM_KEY_FILE``; ``None`` without either."""
     from ..chunks.signing import load_keys
 
-    return load_keys(args.key_file or None)
+    return load_keys(args.key_file)  # None when not given; an empty --key-file "" is refused
 
 
 def _add_key_file(s: argparse.ArgumentParser, what: str) -> None:

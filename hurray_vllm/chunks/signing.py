@@ -209,15 +209,25 @@ def load_keys(spec: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | 
         >>> load_keys(None) is None or isinstance(load_keys(None), FleetKeys)
         True
     """
+    where = "hurray_key_file"
     if spec is None:
         spec = os.environ.get(KEY_FILE_ENV) or None
         if spec is None:
             return None
+        where = f"${KEY_FILE_ENV}"
     if isinstance(spec, (str, os.PathLike)):
         paths = [p for p in os.fspath(spec).split(os.pathsep) if p]
     else:
-        paths = [os.fspath(p) for p in spec]
-    return FleetKeys.from_files(paths) if paths else None
+        if not all(isinstance(p, (str, os.PathLike)) for p in spec):
+            raise HurrayArgumentError("hurray_key_file", f"expected paths, got {list(spec)!r}")
+        paths = [os.fspath(p) for p in spec if os.fspath(p)]
+    if not paths:
+        # A setting made of separators only ("$NEW:$OLD" with both unset) must not quietly turn signing off:
+        # the engine would accept unsigned and forged chunks.
+        raise HurrayArgumentError(
+            "hurray_key_file", f"{where} is set to {spec!r}, which names no key file; name one, or unset it for no keys"
+        )
+    return FleetKeys.from_files(paths)
 
 
 class ChunkMac:
@@ -343,9 +353,13 @@ def begin_signature_check(snap: KVSnapshot, keys: FleetKeys, namespace: str, nam
     m = _header_mac(snap, secret, nonce, namespace, name)
     pools = digest_pools(snap)
 
+    verdict: list[bool] = []  # the MAC takes its data once: a second call answers what the first found
+
     def pools_match() -> None:
-        m.update_tensors(pools)
-        if not hmac.compare_digest(m.tag(), tag):
+        if not verdict:
+            m.update_tensors(pools)
+            verdict.append(hmac.compare_digest(m.tag(), tag))
+        if not verdict[0]:
             raise HurrayFormatError(
                 BAD_MAC, f"chunk MAC does not match its data, namespace and name {name!r} (forged, moved or damaged)"
             )

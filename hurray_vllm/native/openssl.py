@@ -88,8 +88,15 @@ class NativePoly1305:
             self._free()
             raise RuntimeError("libcrypto refused to start a Poly1305 MAC")
 
+    def _live(self) -> Any:
+        """The MAC context; a finalized one is gone (OpenSSL would be handed NULL and crash the process)."""
+        if not self._ctx:
+            raise RuntimeError("this Poly1305 MAC is finalized; start another")
+        return self._ctx
+
     def update(self, data: bytes | bytearray | memoryview) -> None:
         """Add ``data``'s bytes: a writable buffer (a tensor's ``byte_view``) is read in place, others copied first."""
+        ctx = self._live()
         view = memoryview(data)
         if not view.nbytes:
             return
@@ -97,7 +104,7 @@ class NativePoly1305:
             buf: Any = (ctypes.c_char * view.nbytes).from_buffer(view.cast("B"))  # no copy: a page pool's bytes
         else:
             buf = view.tobytes()
-        if self._lib.EVP_MAC_update(self._ctx, buf, view.nbytes) != 1:
+        if self._lib.EVP_MAC_update(ctx, buf, view.nbytes) != 1:
             raise RuntimeError("libcrypto's Poly1305 update failed")
 
     def update_tensors(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -113,6 +120,7 @@ class NativePoly1305:
         """
         from . import library, segments
 
+        ctx = self._live()
         lib = library()
         if lib is None:
             return False
@@ -121,15 +129,16 @@ class NativePoly1305:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
             fn.restype = ctypes.c_int
         update = ctypes.cast(self._lib.EVP_MAC_update, ctypes.c_void_p)
-        if fn(update, self._ctx, *segments(tensors, "NativePoly1305.update_tensors")) != 0:
+        if fn(update, ctx, *segments(tensors, "NativePoly1305.update_tensors")) != 0:
             raise RuntimeError("libcrypto's Poly1305 update failed")
         return True
 
     def finalize(self) -> bytes:
         """The 16-byte tag; the object takes nothing more afterwards."""
+        ctx = self._live()
         out, n = ctypes.create_string_buffer(16), ctypes.c_size_t()
         try:
-            if self._lib.EVP_MAC_final(self._ctx, out, ctypes.byref(n), 16) != 1 or n.value != 16:
+            if self._lib.EVP_MAC_final(ctx, out, ctypes.byref(n), 16) != 1 or n.value != 16:
                 raise RuntimeError("libcrypto's Poly1305 final failed")
         finally:
             self._free()

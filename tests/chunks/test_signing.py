@@ -147,6 +147,17 @@ def test_key_files_are_checked_like_ssh_keys(tmp_path: Path, monkeypatch: pytest
     assert load_keys() is None
     monkeypatch.setenv(KEY_FILE_ENV, str(good))
     assert load_keys() == FleetKeys.from_secrets(b"k" * 32)
+    # A setting that names no file ("$NEW:$OLD" with both unset) must not turn signing off.
+    for nothing in ("", os.pathsep, os.pathsep * 2, [], [""]):
+        with pytest.raises(hv.HurrayArgumentError, match="names no key file"):
+            load_keys(nothing)  # type: ignore[arg-type]
+    monkeypatch.setenv(KEY_FILE_ENV, os.pathsep)
+    with pytest.raises(hv.HurrayArgumentError, match="names no key file"):
+        load_keys()
+    monkeypatch.setenv(KEY_FILE_ENV, "")  # an empty variable is an unset one
+    assert load_keys() is None
+    with pytest.raises(hv.HurrayArgumentError, match="expected paths"):
+        load_keys([1])  # type: ignore[list-item]
 
 
 def test_fsck_with_keys_moves_forgeries_aside_and_lists_other_fleets_chunks(tmp_path: Path) -> None:

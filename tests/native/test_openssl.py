@@ -58,3 +58,19 @@ def test_a_key_of_another_length_is_refused_and_disabling_is_honoured(monkeypatc
     monkeypatch.setenv("HURRAY_VLLM_NATIVE", "0")
     assert openssl.poly1305(b"k" * 32) is None
     assert openssl.unavailable_reason() == "disabled by HURRAY_VLLM_NATIVE=0"
+
+
+def test_a_finalized_mac_refuses_more_instead_of_handing_openssl_a_freed_context() -> None:
+    """It segfaulted the process (a NULL context to EVP_MAC_update/final); cryptography raises AlreadyFinalized."""
+    mac = openssl.poly1305(b"k" * 32)
+    if mac is None:
+        pytest.skip(f"no libcrypto 3 here: {openssl.unavailable_reason()}")
+    mac.update(b"data")
+    mac.finalize()
+    for again in (
+        lambda: mac.update(b"x"),
+        lambda: mac.update_tensors([torch.ones(4, dtype=torch.uint8)]),
+        mac.finalize,
+    ):
+        with pytest.raises(RuntimeError, match="finalized"):
+            again()

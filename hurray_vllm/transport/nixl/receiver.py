@@ -355,6 +355,11 @@ class NixlReceiver(ReceiverBase):
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
+            if self.keys is not None and views:
+                # The slab stays registered with NIXL (it is reused): a peer's late WRITE could change the bytes
+                # between the MAC check and the file write. Checked and written from a private copy instead,
+                # so what is stored is exactly what was authenticated.
+                snap = assemble_offer(offer, [v.clone() for v in views]).snapshot
             stored = self.put(offer.ns, key, snap, admitted=promised)
             del snap, views, plan, landing
             release()

@@ -319,7 +319,7 @@ class HurrayConfig:
         key_files = cfg.get_from_extra_config("hurray_key_file", None)
         if key_files is not None and not isinstance(key_files, (str, list, tuple)):
             raise HurrayArgumentError("hurray_key_file", f"expected a path or a list of paths, got {key_files!r}")
-        keys = load_keys(key_files or None)  # read now: a missing or exposed key file stops the engine at start
+        keys = load_keys(key_files)  # read now: a missing or exposed key file stops the engine at start
         push_tls, listen_tls = _tls_options(cfg, url, listen, transport)
         return cls(
             path=str(path),
