@@ -104,7 +104,11 @@ class Agreement:
 
 
 def logit_margin(logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16, ulps: int = DEFAULT_ULPS) -> torch.Tensor:
-    """Per-step margin: ``ulps`` units in the last place of ``dtype`` at each row's largest magnitude.
+    """Per-step margin: ``ulps`` units in the last place of ``dtype`` at each row's largest finite logit.
+
+    At the largest logit, not the largest magnitude: a masked (``-inf``) or
+    very negative logit says nothing about the error of the top candidates,
+    and would widen the margin until any token passed.
 
     Args:
         logits: ``[steps, vocab]``, any floating dtype.
@@ -116,9 +120,16 @@ def logit_margin(logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16, ulps
     """
     if ulps < 0:
         raise ValueError(f"ulps must be >= 0, not {ulps}")
-    top = logits.float().abs().amax(dim=-1).clamp_min(torch.finfo(dtype).tiny)
+    lf = logits.float()
+    top = torch.where(lf.isfinite(), lf, torch.full_like(lf, -math.inf)).amax(dim=-1)
+    return _ulps_at(top, dtype, ulps)
+
+
+def _ulps_at(x: torch.Tensor, dtype: torch.dtype, ulps: int) -> torch.Tensor:
+    """``ulps`` units in the last place of ``dtype`` at ``|x|`` (0 where ``x`` is not finite: no margin)."""
+    mag = torch.where(x.isfinite(), x.abs(), torch.zeros_like(x)).clamp_min(torch.finfo(dtype).tiny)
     # ulp(x) = eps * 2**floor(log2 |x|): the spacing of dtype's values around x.
-    return ulps * torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(top)))
+    return ulps * torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(mag)))
 
 
 def greedy_agreement(
@@ -150,20 +161,26 @@ def greedy_agreement(
     """
     if logits.dim() != 2 or logits.shape[0] != len(tokens):
         raise ValueError(f"logits must be [{len(tokens)}, vocab] for {len(tokens)} tokens, not {list(logits.shape)}")
+    if ulps < 0:
+        raise ValueError(f"ulps must be >= 0, not {ulps}")
     lf = logits.float()
-    margins = logit_margin(lf, dtype, ulps).tolist()
     best = lf.argmax(dim=-1).tolist()
     exact = 0
     near: list[Step] = []
     miss: list[Step] = []
-    for i, (tok, top, margin) in enumerate(zip(tokens, best, margins)):
+    for i, (tok, top) in enumerate(zip(tokens, best)):
         tok = int(tok)
         if not 0 <= tok < lf.shape[1]:
             raise ValueError(f"token {tok} at step {i} is outside the vocabulary of {lf.shape[1]}")
-        gap = float(lf[i, top] - lf[i, tok])
+        a, b = lf[i, top], lf[i, tok]
+        gap = float(a - b)
         if tok == top or gap == 0.0:  # an exact tie: either index is the argmax
             exact += 1
             continue
-        step = Step(i, tok, int(top), gap, float(margin))
-        (near if gap <= margin or math.isclose(gap, margin) else miss).append(step)
+        # The gap's error is that of the two logits compared: ulps at the larger of them (in magnitude).
+        # A non-finite one (a masked token) has no margin: a gap to it is a miss.
+        finite = bool(a.isfinite() and b.isfinite())
+        margin = float(_ulps_at(torch.maximum(a.abs(), b.abs()), dtype, ulps)) if finite else 0.0
+        step = Step(i, tok, int(top), gap, margin)
+        (near if finite and (gap <= margin or math.isclose(gap, margin)) else miss).append(step)
     return Agreement(len(tokens), exact, tuple(near), tuple(miss))

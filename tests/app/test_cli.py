@@ -311,6 +311,44 @@ def test_migrate_against_a_server_that_is_not_vllm_says_what_it_got(
     assert code == 1 and says in err and "\n" not in err and "internal error" not in err, err
 
 
+@pytest.mark.parametrize("reply", [b"garbage, not HTTP\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"])
+def test_migrate_to_a_port_that_does_not_speak_http_is_one_line(
+    reply: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A receiver's port given as --to, or an answer cut short: http.client's own errors were a traceback."""
+    import socket
+    import threading
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{lsock.getsockname()[1]}"
+    try:
+        code = main(["migrate", "--from", url, "--to", url, "--prompt-ids", "1,2,3", *TOKENS])
+    finally:
+        lsock.close()
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "not an HTTP answer" in err and "Traceback" not in err, err
+
+
+def test_migrate_refuses_a_timeout_that_is_not_positive() -> None:
+    from hurray_vllm.adapters.vllm.migrate import migrate
+
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(hv.HurrayArgumentError, match="timeout"):
+            migrate("http://127.0.0.1:9", "http://127.0.0.1:9", [1, 2], max_tokens=4, after=2, timeout=bad)
+
+
 def test_convert_writes_through_a_symlink_and_names_the_path_given(files: Path, tmp_path: Path) -> None:
     """The link stays a link and its target gets the file; errors name the user's path, not a temporary one."""
     target = tmp_path / "real.hrrs"

@@ -22,6 +22,7 @@ prompts and ``return_token_ids``), so nothing here imports vLLM.
 from __future__ import annotations
 
 import errno
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -96,6 +97,8 @@ def _call(req: urllib.request.Request | str, timeout: float) -> Any:
     except urllib.error.URLError as exc:
         why = exc.reason
         raise OSError(getattr(why, "errno", None), getattr(why, "strerror", None) or str(why), url) from None
+    except http.client.HTTPException as exc:  # not HTTP at all (a receiver's port), or an answer cut short
+        raise OSError(errno.EPROTO, f"not an HTTP answer ({type(exc).__name__}: {exc})", url) from None
     except OSError as exc:  # a timeout, a reset mid-answer
         raise OSError(exc.errno, exc.strerror or str(exc) or type(exc).__name__, url) from None
     except ValueError as exc:  # not JSON, not UTF-8, or not a URL at all
@@ -171,6 +174,8 @@ def migrate(
     """
     if not 1 <= after < max_tokens:
         raise HurrayArgumentError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")
+    if not 0 < timeout < 1e9:  # 0 would make every socket non-blocking, NaN and inf are no timeout
+        raise HurrayArgumentError("timeout", f"expected positive seconds, got {timeout}")
     if model is None:
         model = _first_model(source, timeout)
         if not _serves(destination, model, timeout):  # another model's continuation is not this one's

@@ -576,6 +576,13 @@ def _vllm_config(
         ({"hurray_path": "/tmp/x", "hurray_tails": "maybe"}, 1, "hurray_tails"),
         ({"hurray_path": "/tmp/x", "hurray_save_async": "sometimes"}, 1, "hurray_save_async"),
         ({"hurray_path": "/tmp/x"}, -2, "pipeline_parallel_size"),  # -2: pipeline parallelism 2
+        ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": 64.5}, 1, "hurray_chunk_tokens"),  # was 64
+        ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": True}, 1, "hurray_chunk_tokens"),
+        ({"hurray_path": "/tmp/x", "hurray_save_queue_mib": 0}, 1, "hurray_save_queue_mib"),  # cut every push
+        ({"hurray_path": "/tmp/x", "hurray_listen_quota_mib": "inf"}, 1, "hurray_listen_quota_mib"),  # Overflow
+        ({"hurray_path": "/tmp/x", "hurray_listen_timeout_s": 1e12}, 1, "hurray_listen_timeout_s"),
+        ({"hurray_path": "/tmp/x", "hurray_key_file": [1]}, 1, "hurray_key_file"),  # TypeError in load_keys
+        ({"hurray_path": "/x", "hurray_url": "tls://h:1", "hurray_tls_ca": "/nonexistent.pem"}, 1, "hurray_tls_ca"),
     ],
 )
 def test_bad_configuration_is_an_argument_error_naming_the_key(extra: dict[str, object], tp: int, field: str) -> None:

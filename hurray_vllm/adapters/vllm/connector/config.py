@@ -71,9 +71,12 @@ def _flag(extra: Any, key: str, default: bool) -> bool:
 
 def _int(extra: Any, key: str, default: int) -> int:
     value = extra.get_from_extra_config(key, default)
+    # 64.5 must not become 64 (a chunk size every engine of a fleet must agree on), nor true become 1.
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise HurrayArgumentError(key, f"expected an integer, got {value!r}")
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise HurrayArgumentError(key, f"expected an integer, got {value!r}") from None
 
 
@@ -104,11 +107,20 @@ def _tls_options(cfg: Any, url: Any, listen: Any, transport: str) -> tuple[TlsOp
         )
     try:
         server_context(listen_opts)
-        if push_opts is not None:
-            client_context(push_opts)
     except HurrayArgumentError as exc:
         raise HurrayArgumentError("hurray_listen_tls_cert", str(exc)) from None
     return push_opts, listen_opts
+
+
+def _check_push_tls(push_opts: TlsOptions | None) -> None:
+    """Build the pushes' TLS context once, so that a bad file stops the start naming the push options."""
+    if push_opts is None:
+        return
+    try:
+        client_context(push_opts)
+    except HurrayArgumentError as exc:
+        key = "hurray_tls_ca" if push_opts.ca_file and push_opts.ca_file in str(exc) else "hurray_tls_cert"
+        raise HurrayArgumentError(key, str(exc)) from None
 
 
 def _worker_in_process(vllm_config: VllmConfig) -> bool:
@@ -310,8 +322,11 @@ class HurrayConfig:
         ):
             if cfg.get_from_extra_config(key, None) is not None:
                 value = _float(cfg, key, 0.0)
-                if value < low:
-                    raise HurrayArgumentError(key, f"must be at least {low:g}, got {value:g}")
+                # Seconds below a year (the receiver's own bound), sizes that fit a 64-bit count: "inf" would
+                # otherwise fail later (an OverflowError, or the receiver's refusal) without naming the option.
+                high = 365 * 86400.0 if scale is None else float(1 << 62) / scale
+                if not low <= value < high:
+                    raise HurrayArgumentError(key, f"must be at least {low:g} and below {high:g}, got {value:g}")
                 limits[arg] = value if scale is None else int(value * scale)
         verified_mib = _int(cfg, "hurray_verified_mib", DEFAULT_VERIFIED_BYTES >> 20)
         if verified_mib < 0:
@@ -321,6 +336,10 @@ class HurrayConfig:
             raise HurrayArgumentError("hurray_key_file", f"expected a path or a list of paths, got {key_files!r}")
         keys = load_keys(key_files)  # read now: a missing or exposed key file stops the engine at start
         push_tls, listen_tls = _tls_options(cfg, url, listen, transport)
+        _check_push_tls(push_tls)
+        save_queue_mib = _int(cfg, "hurray_save_queue_mib", 1024)
+        if save_queue_mib < 1:  # 0 would count every step's saves as a full queue and cut each push short
+            raise HurrayArgumentError("hurray_save_queue_mib", f"must be at least 1, got {save_queue_mib}")
         return cls(
             path=str(path),
             chunk_tokens=chunk,
@@ -330,7 +349,7 @@ class HurrayConfig:
             loads=cfg.kv_role in ("kv_consumer", "kv_both"),
             saves=cfg.kv_role in ("kv_producer", "kv_both"),
             save_async=save_async,
-            save_queue_bytes=_int(cfg, "hurray_save_queue_mib", 1024) << 20,
+            save_queue_bytes=save_queue_mib << 20,
             push_wait_s=push_wait_s,
             verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
             verified_bytes=verified_mib << 20,
