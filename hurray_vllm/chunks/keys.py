@@ -42,14 +42,18 @@ def namespace_of(fp: ModelFingerprint) -> str:
     return h.hexdigest()
 
 
-def key_seed(namespace: str, *, lora: tuple[str, str] | None = None, cache_salt: str | None = None) -> str:
+def key_seed(
+    namespace: str, *, lora: tuple[str, str] | None = None, cache_salt: str | None = None, epoch: str | None = None
+) -> str:
     """What a sequence's first chunk key is hashed from: the namespace, and whatever else decides its KV.
 
     The same tokens give other KV under a LoRA adapter (named with its path,
     as vLLM's prefix cache names it), and a ``cache_salt`` asks for a cache
     of its own (a tenant's). Either goes into the seed, so that such chunks
     get keys of their own and are only shared by requests that agree on
-    both. Without either, the seed is the namespace itself: keys are
+    both. An ``epoch`` (an engine's connector after a cache reset, see
+    ``HurrayScheduler.reset_cache``) gives keys no engine before the reset
+    used. Without any of these, the seed is the namespace itself: keys are
     unchanged. Pass the result as the ``namespace`` argument of
     :func:`chunk_keys` and :func:`tail_keys`; the store's directory stays
     the namespace.
@@ -63,6 +67,8 @@ def key_seed(namespace: str, *, lora: tuple[str, str] | None = None, cache_salt:
         parts += ["lora", *lora]
     if cache_salt:
         parts += ["salt", cache_salt]
+    if epoch:
+        parts += ["epoch", epoch]
     if len(parts) == 1:
         return namespace
     # Each part with its length: no name, path or salt can pass for a split of another.

@@ -9,8 +9,11 @@ CONFIG: {"model", "block_size", "prompts": {id: [token ids]}, "max_tokens": n | 
          "salts": {id: cache_salt}, "hf_overrides": vLLM's, "max_model_len" (default 1024), "num_blocks": vLLM's
          num_gpu_blocks_override (a small KV cache: requests are preempted) | null,
          "sampling": more SamplingParams ({"n": 3, "temperature": 0.8, "seed": 7}; default greedy),
-         "async_scheduling": vLLM's (the CPU platform turns it off: the tests patch that, see tests/vllm_patches.py)}
-RESULT: {"outputs": {id: [token ids]}, "samples": {id: [[token ids] for each of n]},
+         "async_scheduling": vLLM's (the CPU platform turns it off: the tests patch that, see tests/vllm_patches.py),
+         "reset_before": [ids] (with "sequential"): reset vLLM's caches with the connector's before these requests,
+         as a weight update does (reset_prefix_cache(reset_connector=True))}
+RESULT: {"outputs": {id: [token ids]}, "samples": {id: [[token ids] for each of n]}, "resets": {id: what the reset
+         before it returned},
          "cached": {id: num_cached_tokens},
          "hybrid_kv_cache_manager": whether vLLM kept it on,
          "scheduler_stats"/"worker_stats": {...} (with "stats", after background saves finished)}
@@ -100,14 +103,20 @@ def main() -> None:
         if i in salts:
             prompt["cache_salt"] = salts[i]
         prompts.append(prompt)
+    resets: dict[str, bool] = {}
     if cfg.get("sequential"):  # one request after the other: a later one can hit an earlier one's cached prefix
-        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        outs = []
+        for i, p, sp in zip(ids, prompts, params):
+            if i in (cfg.get("reset_before") or ()):
+                resets[i] = llm.reset_prefix_cache(reset_connector=True)
+            outs.append(llm.generate([p], [sp], use_tqdm=False)[0])
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     result: dict[str, Any] = {
         "outputs": {i: list(o.outputs[0].token_ids) for i, o in zip(ids, outs)},
         "samples": {i: [list(c.token_ids) for c in o.outputs] for i, o in zip(ids, outs)},
         "cached": {i: o.num_cached_tokens for i, o in zip(ids, outs)},
+        "resets": resets,
         "hybrid_kv_cache_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
     }

@@ -73,6 +73,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 role="kv_consumer",
                 engine={"hf_overrides": {"rope_theta": 500.0}},
             ),
+            # A weight update resets the caches (pause_generation(clear_cache=True)): the same prompt again
+            # must not load the chunks of the weights before. A store of its own: the others' keys stay put.
+            "reset": lambda: run_engine(
+                tmp,
+                "reset",
+                BLOCK,
+                {**extra, "hurray_path": str(tmp / "reset-store")},
+                {"first": P, "again": P, "third": P},
+                4,
+                sequential=True,
+                engine={"reset_before": ["again"]},
+            ),
             # Parallel sampling (OpenAI's n): vLLM fans the request out into children that share its prompt.
             "sampled": lambda: run_engine(
                 tmp,
@@ -100,6 +112,47 @@ def test_a_producer_saves_each_salt_apart_and_a_consumer_loads_only_its_own(runs
     want = producer["outputs"]["p"]
     assert consumer["outputs"] == {"none": want, "same": want, "other": want}
     assert runs["after"] == runs["saved"]  # a consumer saves nothing
+
+
+def test_a_cache_reset_gives_the_engine_keys_of_its_own(runs: dict[str, Any]) -> None:
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` (before a weight update): nothing saved before loads.
+
+    The second run of the prompt comes after the reset: it loads nothing (with
+    the old keys it loaded 96 tokens of the weights before) and saves its
+    chunks anew, under keys of their own; the third finds them in vLLM's own
+    prefix cache.
+    """
+    reset = runs["reset"]
+    assert reset["resets"] == {"again": True}
+    assert reset["cached"]["first"] == 0 and reset["cached"]["again"] == 0
+    assert reset["scheduler_stats"]["cache_resets"] == 1
+    assert reset["worker_stats"]["chunks_saved"] == 6 and reset["worker_stats"]["chunks_loaded"] == 0
+    assert len(_files(runs["store"].parent / "reset-store")) == 6
+
+
+def test_a_reset_forgets_what_requests_in_flight_saved_and_keys_new_ones_apart(tmp_path: Path) -> None:
+    sched = _scheduler(tmp_path)
+    before = _request("before")
+    sched.get_num_new_matched_tokens(before, 0)
+    state = sched._reqs["before"]
+    state.block_ids = [1, 2, 3]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "before", state, 40)
+    old_keys = [t.key for t in meta.saves]
+    assert len(old_keys) == 2
+    assert sched.reset_cache() is True
+    # A request running on KV computed before the reset saves nothing more and announces nothing.
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "before", state, 40)
+    assert meta.saves == [] and sched.request_finished(before) == (False, None)
+    after = _request("after")
+    sched.get_num_new_matched_tokens(after, 0)
+    state = sched._reqs["after"]
+    state.block_ids = [4, 5, 6]
+    sched._plan_saves(meta, "after", state, 40)
+    new_keys = [t.key for t in meta.saves]
+    assert len(new_keys) == 2 and not set(new_keys) & set(old_keys)
+    assert sched.stats.cache_resets == 1
 
 
 def _scheduler(tmp_path: Path) -> Any:

@@ -249,6 +249,16 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         """
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def reset_cache(self) -> bool | None:
+        """Scheduler side, when vLLM resets its caches with the connector's (before a weight update). Never blocks.
+
+        Returns True: from then on this engine's chunks get keys of their own,
+        so it never loads KV saved before the reset, nor saves new KV where
+        an engine of the old weights would find it (see
+        ``HurrayScheduler.reset_cache``). Nothing in the store is deleted.
+        """
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler side, after each step: learn which asynchronous loads failed on a worker. Never blocks.
 

@@ -130,6 +130,7 @@ class ConnectorStats:
     chunks_held: int = 0  # worker: files not pushed on because the receiver said it holds them already
     push_waits: int = 0  # scheduler: requests held back until the chunks their kv_transfer_params announced arrived
     push_wait_timeouts: int = 0  # scheduler: ... of which some chunks never came (those tokens were recomputed)
+    cache_resets: int = 0  # scheduler: vLLM reset the connector (reset_cache): new keys from then on
     #: Loads that failed on the worker after the scheduler promised them (a file gone, I/O): recomputed.
     #: Counted by each worker; by the scheduler too for asynchronous loads (``config.async_loads``).
     loads_failed: int = 0

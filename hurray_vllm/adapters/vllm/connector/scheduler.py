@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import Counter
@@ -148,7 +149,7 @@ def _not_keyable(request: Any) -> bool:
     return bool(getattr(request, "mm_features", None)) or getattr(request, "prompt_embeds", None) is not None
 
 
-def request_seed(namespace: str, request: Any) -> str | None:
+def request_seed(namespace: str, request: Any, epoch: str | None = None) -> str | None:
     """The seed of ``request``'s chunk keys (:func:`~hurray_vllm.chunks.keys.key_seed`); None: it has no chunks.
 
     A LoRA adapter (the digest of its files, :func:`~hurray_vllm.adapters.vllm.cache.adapter_digest`)
@@ -170,7 +171,7 @@ def request_seed(namespace: str, request: Any) -> str | None:
         if digest is None:  # never by name and path: the store outlives the adapter those name today
             return None
         adapter = ("files", digest)
-    return key_seed(namespace, lora=adapter, cache_salt=getattr(request, "cache_salt", None))
+    return key_seed(namespace, lora=adapter, cache_salt=getattr(request, "cache_salt", None), epoch=epoch)
 
 
 @dataclass
@@ -209,6 +210,9 @@ class HurrayScheduler:
         self._store = store
         self._fingerprint = fingerprint
         self._ns = ns
+        # Set by reset_cache: the KV this engine computes from then on may come from other weights than its
+        # namespace names (a weight update), so its keys are its own (key_seed's epoch).
+        self._epoch: str | None = None
         self._chunk = config.chunk_tokens
         self._block_size = config.block_size
         self._loads = config.loads
@@ -281,7 +285,8 @@ class HurrayScheduler:
         """The request's state, made on first sight (vLLM asks for every new request's matched tokens)."""
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _Request(request, seed=request_seed(self._ns, request))
+            seed = request_seed(self._ns, request, self._epoch)
+            state = self._reqs[request.request_id] = _Request(request, seed=seed)
         return state
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -901,6 +906,29 @@ class HurrayScheduler:
             return own
         start = self._window_start(window, c, resume)
         return [b if j * self._block_size >= start else 0 for j, b in enumerate(own)]
+
+    def reset_cache(self) -> bool:
+        """Called by vLLM's scheduler, via the connector, when the caches are reset; returns True. Never blocks.
+
+        vLLM resets the connector with its prefix cache (``reset_prefix_cache(reset_connector=True)``, and
+        ``pause_generation(clear_cache=True)`` before a weight update in reinforcement learning). The KV the
+        engine computes from then on may come from weights other than those its namespace digests (weight
+        files on disk), so this engine's chunks from then on get keys of their own (a random ``epoch`` in
+        their seed, :func:`~hurray_vllm.chunks.keys.key_seed`): it neither loads the chunks saved before,
+        nor stores new KV where an engine of the old weights would load it. The requests it knows already
+        are neither loaded nor saved any more (vLLM may keep a request running on KV from before the reset)
+        and announce no saved chunks. The chunks in the store stay there for other engines (``prune``
+        removes them once unused). Two engines that update to the same weights share no chunks until they
+        restart: nothing in the engine names the new weights.
+        """
+        self._epoch = secrets.token_hex(16)
+        for state in self._reqs.values():
+            state.seed = None
+            state.chunks_done = state.tail_end = 0
+        self._stored_windows.clear()
+        self.stats.cache_resets += 1
+        log.info("hurray: cache reset: this engine's chunks get keys of their own from now on")
+        return True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Called by vLLM's scheduler, via the connector, when a request finishes: forgets it.
