@@ -162,6 +162,8 @@ class PerTensorAffine:
     scheme_version: int = 1
     flags: int = 0
     reserved: bytes = bytes(4)
+    #: Bytes after the scheme's fields when the section is longer (see :func:`decode_quantization`).
+    trailing: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,8 @@ class PerChannelAffine:
     scheme_version: int = 1
     flags: int | None = None
     reserved: bytes = bytes(3)
+    #: Bytes after the scheme's fields when the section is longer (see :func:`decode_quantization`).
+    trailing: bytes = b""
 
     @property
     def symmetric(self) -> bool:
@@ -199,6 +203,8 @@ class PerBlockAffine:
     scheme_version: int = 1
     flags: int | None = None
     reserved: bytes = bytes(3)
+    #: Bytes after the scheme's fields when the section is longer (see :func:`decode_quantization`).
+    trailing: bytes = b""
 
     @property
     def symmetric(self) -> bool:
@@ -303,13 +309,14 @@ def encode_quantization(q: Quantization) -> bytes:
     if isinstance(q, RawQuantization):
         return q.data
     if isinstance(q, PerTensorAffine):
-        return struct.pack("<BBHfi", 0x01, q.scheme_version, q.flags, q.scale, q.zero_point) + q.reserved
+        return struct.pack("<BBHfi", 0x01, q.scheme_version, q.flags, q.scale, q.zero_point) + q.reserved + q.trailing
     if isinstance(q, PerChannelAffine):
         flags = q.flags if q.flags is not None else (1 if q.symmetric else 0)
         zp = NO_BUFFER if q.zero_point_buffer_index is None else q.zero_point_buffer_index
         return (
             struct.pack("<BBHIIIB", 0x02, q.scheme_version, flags, q.axis, q.scale_buffer_index, zp, q.scale_type_tag)
             + q.reserved
+            + q.trailing
         )
     if isinstance(q, PerBlockAffine):
         flags = q.flags if q.flags is not None else (1 if q.symmetric else 0)
@@ -327,6 +334,7 @@ def encode_quantization(q: Quantization) -> bytes:
                 q.scale_type_tag,
             )
             + q.reserved
+            + q.trailing
         )
     raise TypeError(f"not a quantization descriptor: {q!r}")
 
@@ -510,14 +518,21 @@ def _explicit_flags(flags: int, zero_point_index: int) -> int | None:
 
 
 def decode_quantization(data: bytes) -> Quantization:
-    """Decode a quantization payload; unknown schemes come back raw."""
+    """Decode a quantization payload; unknown schemes come back raw.
+
+    A section longer than its scheme's fields keeps the extra bytes in ``trailing``:
+    pyhurray accepts such a section and writes it back whole, and so must ``convert``,
+    or the descriptor it copies would change.
+    """
     if len(data) < 4:
         raise HurrayFormatError("quantization", f"section of {len(data)} bytes is shorter than its 4-byte header")
     scheme = data[0]
     try:
         if scheme == 0x01 and len(data) >= 16:
             _, ver, flags, scale, zp = struct.unpack_from("<BBHfi", data)
-            return PerTensorAffine(scale=scale, zero_point=zp, scheme_version=ver, flags=flags, reserved=data[12:16])
+            return PerTensorAffine(
+                scale=scale, zero_point=zp, scheme_version=ver, flags=flags, reserved=data[12:16], trailing=data[16:]
+            )
         if scheme == 0x02 and len(data) >= 20:
             _, ver, flags, axis, si, zi, st = struct.unpack_from("<BBHIIIB", data)
             return PerChannelAffine(
@@ -528,6 +543,7 @@ def decode_quantization(data: bytes) -> Quantization:
                 scheme_version=ver,
                 flags=_explicit_flags(flags, zi),
                 reserved=data[17:20],
+                trailing=data[20:],
             )
         if scheme == 0x03 and len(data) >= 24:
             _, ver, flags, axis, bs, si, zi, st = struct.unpack_from("<BBHIIIIB", data)
@@ -540,6 +556,7 @@ def decode_quantization(data: bytes) -> Quantization:
                 scheme_version=ver,
                 flags=_explicit_flags(flags, zi),
                 reserved=data[21:24],
+                trailing=data[24:],
             )
     except struct.error as exc:  # pragma: no cover - lengths are checked above
         raise HurrayFormatError("quantization", str(exc)) from None

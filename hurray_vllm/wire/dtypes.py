@@ -15,8 +15,9 @@ __all__ = ["ElementType", "element_type", "from_torch", "from_tag", "torch_dtype
 class ElementType:
     """A Hurray element type (``element-types.md``).
 
-    ``bits`` is the storage width of one element; sub-byte types pack
-    ``8 // bits`` elements per byte.
+    ``bits`` is the storage width of one element. 1-, 2- and 4-bit types pack
+    ``8 // bits`` elements per byte; the 6-bit floats pack four elements into
+    three bytes.
     """
 
     name: str
@@ -28,8 +29,10 @@ class ElementType:
         """Bytes needed to store ``count`` elements of this type."""
         if self.bits >= 8:
             return count * (self.bits // 8)
-        if self.bits == 6:  # float6: 4 elements in 3 bytes
-            return (count * 6 + 7) // 8
+        if self.bits == 6:
+            # Four elements share three bytes and a partial group still takes all three:
+            # pyhurray sizes float6 buffers so, and bit-tight sizing rejects its files.
+            return (count + 3) // 4 * 3
         per_byte = 8 // self.bits
         return (count + per_byte - 1) // per_byte
 

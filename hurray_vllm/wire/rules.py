@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import weakref
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ _STRUCTURAL = frozenset(
     {
         "rank",
         "page_size",
+        "num_pages",
         "buffer_count",
         "page_pool.byte_size",
         "block_table.byte_size",
@@ -64,6 +66,15 @@ _STRUCTURAL = frozenset(
     }
 )
 
+
+#: torch sizes and strides are int64: an extent above this cannot be viewed, however few bytes back it.
+_MAX_DIM = (1 << 63) - 1
+
+#: Device tags: 0x00 CPU, 0x01-0x08 the standard accelerators, 0xF0-0xFE private; the rest is
+#: reserved (0xFF permanently). pyhurray refuses a reserved tag as it decodes.
+_STANDARD_DEVICES = range(0x00, 0x09)
+_PRIVATE_DEVICES = range(0xF0, 0xFF)
+_DEVICE_CPU = 0x00
 
 # Valid storage types per scheme (quantization/*.md § Valid Storage Types).
 _BLOCK_STORAGE = frozenset({0x10, 0x11, 0x48, 0x49, 0x4A, 0x4B})
@@ -182,8 +193,15 @@ def _common(d: TensorDescriptor, out: list[Violation]) -> None:
             )
         if b.reserved:
             out.append(Violation("buffers.reserved", f"buffer {i} reserved byte is 0x{b.reserved:02X}, must be 0"))
+        if b.device_tag not in _STANDARD_DEVICES and b.device_tag not in _PRIVATE_DEVICES:
+            out.append(Violation("buffers.device_tag", f"buffer {i} device_tag 0x{b.device_tag:02X} is reserved"))
         if b.sync_mode > 0x02:
             out.append(Violation("buffers.sync_mode", f"buffer {i} sync_mode 0x{b.sync_mode:02X} is not 0, 1 or 2"))
+        elif b.sync_mode and b.device_tag == _DEVICE_CPU:
+            # The events and streams that modes 1 and 2 name are an accelerator's; pyhurray refuses them on CPU.
+            out.append(
+                Violation("buffers.sync_mode", f"buffer {i} is CPU memory (device_tag 0) with sync_mode {b.sync_mode}")
+            )
         if b.memory_class > 0x03:
             out.append(Violation("buffers.memory_class", f"buffer {i} memory_class 0x{b.memory_class:02X} is reserved"))
     if d.buffers:
@@ -199,6 +217,61 @@ def _common(d: TensorDescriptor, out: list[Violation]) -> None:
         mask = int.from_bytes(d.statistics[:4], "little")
         if mask >> 6:
             out.append(Violation("statistics.computed_mask", f"reserved bits set in 0x{mask:08X}"))
+        if any(d.statistics[4:8]) or any(d.statistics[68:72]):
+            found = f"{d.statistics[4:8].hex()} and {d.statistics[68:72].hex()}"
+            out.append(Violation("statistics.reserved", f"reserved bytes 4-7 and 68-71 must be zero, found {found}"))
+    if d.extension_type is not None:
+        if any(d.extension_type[10:12]) or any(d.extension_type[18:20]):
+            found = f"{d.extension_type[10:12].hex()} and {d.extension_type[18:20].hex()}"
+            out.append(
+                Violation("extension_type.reserved", f"reserved bytes 10-11 and 18-19 must be zero, found {found}")
+            )
+        bit_width, packing = _extension_packing(d.extension_type)
+        if _packing_for(bit_width) != packing:
+            out.append(
+                Violation(
+                    "extension_type.packing",
+                    f"packing_factor {packing} does not fit bit_width {bit_width} "
+                    "(1, 2 and 4 bits pack 8, 4 and 2 per byte; 8 bits and up, 1)",
+                )
+            )
+
+
+def _extension_packing(section: bytes) -> tuple[int, int]:
+    """``(bit_width, packing_factor)`` of a 20-byte extension type section."""
+    bit_width, packing = struct.unpack_from("<IB", section)
+    return bit_width, packing
+
+
+def _packing_for(bit_width: int) -> int | None:
+    """The one packing factor a bit width admits, or None for a width no packing fits (0, 3, 5-7)."""
+    if bit_width in (1, 2, 4):
+        return 8 // bit_width
+    return 1 if bit_width >= 8 else None
+
+
+def _pool_bytes(d: TensorDescriptor, count: int) -> tuple[int | None, str]:
+    """The page pool's byte size for ``count`` elements and the type named for messages; None when unknowable.
+
+    Extension types (0xF0-0xFE) are sized by their section: packed sub-byte widths round up
+    to whole bytes, whole-byte widths take bit_width / 8 bytes each. A width that is neither
+    (12 bits, say) or a packing that does not fit it leaves the size open.
+    """
+    if dtypes.is_known_tag(d.type_tag):
+        et = dtypes.from_tag(d.type_tag)
+        return et.nbytes(count), et.name
+    name = f"extension type 0x{d.type_tag:02X}"
+    if d.extension_type is None:
+        return None, name
+    bit_width, packing = _extension_packing(d.extension_type)
+    name = f"{name} ({bit_width}-bit)"
+    if _packing_for(bit_width) != packing:
+        return None, name
+    if bit_width < 8:
+        return (count + packing - 1) // packing, name
+    if bit_width % 8:
+        return None, name
+    return count * (bit_width // 8), name
 
 
 def _composite(d: TensorDescriptor, out: list[Violation]) -> None:
@@ -363,6 +436,36 @@ def _param_buffer_sizes(
         out.append(Violation("buffer_count", f"expected {expected_count} buffers, found {len(d.buffers)}"))
 
 
+def _extents(d: TensorDescriptor, bp: BlockPagedFields, out: list[Violation]) -> None:
+    """Each extent of the pool's ``[num_pages, page_size, heads, head_dim]`` view fits an int64.
+
+    A pool of num_pages 0 is 0 bytes whatever the other extents say, so the size rule cannot
+    catch a head count no tensor can have: the reader's view of the pool would fail instead.
+    """
+    tokens, heads, dim = d.shape
+    if tokens > _MAX_DIM:
+        out.append(Violation("shape.total_tokens", f"shape[0] (total tokens) = {tokens} exceeds 2**63-1"))
+    if bp.num_pages > _MAX_DIM:
+        out.append(Violation("num_pages", f"num_pages = {bp.num_pages} exceeds 2**63-1"))
+    for axis, what, n in ((1, "heads", heads), (2, "head_dim", dim)):
+        if n > _MAX_DIM:
+            out.append(Violation("shape.heads", f"shape[{axis}] ({what}) = {n} exceeds 2**63-1"))
+    if heads > _MAX_DIM or dim > _MAX_DIM or bp.num_pages > _MAX_DIM:
+        return
+    page = bp.page_size * heads * dim
+    if page > _MAX_DIM:
+        out.append(
+            Violation(
+                "shape.heads",
+                f"a page of page_size*heads*head_dim = {bp.page_size}*{heads}*{dim} elements exceeds 2**63-1",
+            )
+        )
+    elif bp.num_pages * page > _MAX_DIM:
+        out.append(
+            Violation("num_pages", f"num_pages*page_size*heads*head_dim = {bp.num_pages}*{page} exceeds 2**63-1")
+        )
+
+
 def _block_paged(d: TensorDescriptor, out: list[Violation]) -> None:
     bp = d.block_paged
     assert bp is not None
@@ -377,6 +480,8 @@ def _block_paged(d: TensorDescriptor, out: list[Violation]) -> None:
         out.append(
             Violation("shape.heads", f"a KV tensor has at least one head of at least one element, got {d.shape}")
         )
+    if d.rank == 3:
+        _extents(d, bp, out)
     if d.byte_offset != 0:
         out.append(Violation("byte_offset", f"block-paged byte_offset must be 0, found {d.byte_offset}"))
     if any(bp.reserved):
@@ -394,15 +499,23 @@ def _block_paged(d: TensorDescriptor, out: list[Violation]) -> None:
     if len(d.buffers) < 3:
         out.append(Violation("buffer_count", f"block-paged needs at least 3 buffers, found {len(d.buffers)}"))
         return
-    if d.rank == 3 and dtypes.is_known_tag(d.type_tag):
-        et = dtypes.from_tag(d.type_tag)
-        want = et.nbytes(bp.num_pages * bp.page_size * d.shape[1] * d.shape[2])
-        if d.buffers[0].byte_size != want:
+    if d.rank == 3 and (dtypes.is_known_tag(d.type_tag) or 0xF0 <= d.type_tag <= 0xFE):
+        want, type_name = _pool_bytes(d, bp.num_pages * bp.page_size * d.shape[1] * d.shape[2])
+        geometry = f"num_pages*page_size*heads*head_dim = {bp.num_pages}*{bp.page_size}*{d.shape[1]}*{d.shape[2]}"
+        if want is None:
+            # Not passed silently: nothing here can say what the pool should hold.
+            out.append(
+                Violation(
+                    "page_pool.size_unverifiable",
+                    f"page_pool holds {d.buffers[0].byte_size} bytes; {geometry} {type_name} has no size "
+                    "without a whole-byte or 1/2/4-bit width and its packing_factor",
+                )
+            )
+        elif d.buffers[0].byte_size != want:
             out.append(
                 Violation(
                     "page_pool.byte_size",
-                    f"page_pool holds {d.buffers[0].byte_size} bytes; num_pages*page_size*heads*head_dim "
-                    f"= {bp.num_pages}*{bp.page_size}*{d.shape[1]}*{d.shape[2]} {et.name} needs {want}",
+                    f"page_pool holds {d.buffers[0].byte_size} bytes; {geometry} {type_name} needs {want}",
                 )
             )
     ib = bp.index_bytes
