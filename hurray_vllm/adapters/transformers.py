@@ -176,9 +176,11 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     """Refuse a snapshot whose KV cannot belong to the model ``model_config`` describes.
 
     Compares the number of layers, KV heads and the head size, both of the
-    snapshot's fingerprint (when it has one) and of its actual page pools,
-    and the fingerprint's architecture against ``architecture`` (default:
-    the config's ``architectures[0]``; skipped when neither names one). The
+    snapshot's fingerprint (when it has one) and of every layer's page
+    pools, and the fingerprint's architecture against ``architecture``
+    (default: the config's ``architectures[0]``; skipped when neither names
+    one). A linear-attention hybrid's states must be of the layers, kind,
+    layout and shapes the config implies (:func:`_gdn_state_shapes`). The
     cache dtype is not compared: an fp8 snapshot is dequantized for a bf16
     model. Raises :class:`HurrayFormatError` with field ``fingerprint``
     listing every difference.
@@ -195,10 +197,23 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     claims: list[ModelFingerprint] = []
     if snapshot.fingerprint is not None:
         claims.append(snapshot.fingerprint)
-    if snapshot.num_layers:
-        k = snapshot.tensors()[0]
-        claims.append(ModelFingerprint(model.architecture, snapshot.num_layers, k.num_heads, k.head_dim, ""))
     problems: list[str] = []
+    if snapshot.num_layers:
+        # Every pool, not just layer 0's: validate() accepts layers of different geometries, which the
+        # model's cache would only refuse mid-forward with a bare shape error.
+        first = snapshot.tensors()[0]
+        seen: set[tuple[int, int]] = set()
+        for t in snapshot.tensors():
+            geometry = (t.num_heads, t.head_dim)
+            if geometry in seen:
+                continue
+            seen.add(geometry)
+            claims.append(ModelFingerprint(model.architecture, snapshot.num_layers, *geometry, ""))
+            if geometry != (first.num_heads, first.head_dim):
+                problems.append(
+                    f"layer {t.layer_index} {t.kv_role}: {t.num_heads} heads of {t.head_dim}, "
+                    f"layer 0 {first.num_heads} of {first.head_dim}"
+                )
     if (geo.latent is None) != (not snapshot.is_latent) and snapshot.num_layers:
         what = "fused MLA latents" if snapshot.is_latent else "keys and values"
         problems.append(
@@ -217,8 +232,8 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
             f"states: the snapshot holds linear-attention states of layers {list(held)}, "
             f"the model's linear-attention layers are {list(geo.linear_layers)}"
         )
-    elif snapshot.states is not None and snapshot.states.kind not in _STATE_KINDS:
-        problems.append(f"states: {snapshot.states.kind!r} states; this adapter reads {sorted(_STATE_KINDS)}")
+    elif snapshot.states is not None:
+        problems.extend(_state_problems(snapshot.states, model_config))
     for claim in claims:
         for msg in claim.mismatches(model, ignore=ignore, labels=("snapshot", "model")):
             if msg not in problems:
@@ -237,6 +252,68 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
         raise HurrayFormatError("fingerprint", "the snapshot does not fit this model: " + "; ".join(problems) + hint)
 
 
+def _gdn_state_shapes(model_config: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Per sequence, the conv and recurrent state shapes of the config's gated delta net layers, in the format's layout.
+
+    Qwen3-Next's gated delta net (and its kin's) convolves its query, key
+    and value channels together, ``2 * key_heads * key_dim + value_heads *
+    value_dim`` of them over ``linear_conv_kernel_dim`` inputs, of which the
+    state keeps the last ``kernel - 1``; its recurrent state is ``[value_heads,
+    key_dim, value_dim]`` (``kv/states.py``'s whole shapes). ``None`` when
+    the config does not describe one (a Mamba-style hybrid).
+    """
+    cfg = _text_config(model_config)
+    try:
+        kernel = int(cfg.linear_conv_kernel_dim)
+        key_heads, key_dim = int(cfg.linear_num_key_heads), int(cfg.linear_key_head_dim)
+        value_heads, value_dim = int(cfg.linear_num_value_heads), int(cfg.linear_value_head_dim)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return (kernel - 1, 2 * key_heads * key_dim + value_heads * value_dim), (value_heads, key_dim, value_dim)
+
+
+def _state_problems(states: RecurrentStates, model_config: Any) -> list[str]:
+    """How linear-attention states held for the model's layers differ from what its config implies.
+
+    Shapes are compared because a wrong one either fails deep inside
+    transformers or, for a shorter conv kernel, is silently cut to fit and
+    continues with wrong tokens.
+    """
+    if states.kind not in _STATE_KINDS:
+        return [f"states: {states.kind!r} states; this adapter reads {sorted(_STATE_KINDS)}"]
+    if states.layout:
+        # An engine's own memory layout holds the same numbers in another order: read as ours, they are wrong.
+        return [
+            f"states: layout {states.layout!r}, an engine's memory layout; this adapter reads the format's "
+            "normalized one (layout ''): export the states normalized"
+        ]
+    if states.part is not None:
+        return [
+            f"states: part {list(states.part)} of the states (one tensor-parallel rank's); "
+            "join the ranks' states first (hurray_vllm.kv.states.join_states)"
+        ]
+    want = _gdn_state_shapes(model_config)
+    if want is None:
+        return [
+            "states: the model's config does not describe a gated delta net (linear_conv_kernel_dim, "
+            "linear_num_key_heads, linear_key_head_dim, linear_num_value_heads, linear_value_head_dim)"
+        ]
+    held = states.shapes
+    if len(held) != len(want):
+        return [f"states: members {list(states.names)}; a gated delta net's are its conv and recurrent states"]
+    out = [
+        f"states.{name}: snapshot has {list(got)}, model has {list(shape)}"
+        for name, got, shape in zip(states.names, held, want, strict=True)
+        if tuple(got) != shape
+    ]
+    if out:
+        out.append(
+            "states: conv is [kernel - 1, 2 * key_heads * key_dim + value_heads * value_dim] and recurrent "
+            "[value_heads, key_dim, value_dim] by the config's linear_* fields: these are another model's states"
+        )
+    return out
+
+
 # ── snapshot → transformers ────────────────────────────────────────────────
 
 
@@ -244,6 +321,13 @@ def _dequantize(t: BlockPagedTensor, dense: torch.Tensor, scale: float | None, d
     q = t.quantization
     if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale = None  # kv_scales are an fp8 cache's (docs/format.md): ignored elsewhere, as every importer does
+    if q is None and not t.dtype.is_floating_point:
+        # Integers are KV only through a quantization that says how to map them back; cast, they are noise.
+        raise HurrayFormatError(
+            "dtype",
+            f"layer {t.layer_index} {t.kv_role}: a {t.dtype} pool without a quantization descriptor holds no "
+            "values this adapter can read; export float or fp8 pools, or describe the quantization",
+        )
     if q is None and scale is None:
         return dense.to(dtype)
     x = dense.to(torch.float32)
@@ -290,8 +374,8 @@ def sequence_kv(
 
     Raises:
         HurrayFormatError: a sequence without lengths, more tokens asked than
-            it has, more than ``MAX_IMPORT_SLOTS`` slots, or a quantization
-            this adapter cannot undo.
+            it has, more than ``MAX_IMPORT_SLOTS`` slots, a quantization
+            this adapter cannot undo, or an integer pool without one.
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
     """
     if snapshot.is_latent:
@@ -410,12 +494,16 @@ def expand_latent(
         split for ``rope_interleave`` models).
 
     Raises:
-        HurrayFormatError: the snapshot holds keys and values, or the model
-            has no MLA layer ``layer``.
+        HurrayFormatError: the snapshot holds keys and values (field
+            ``kv_role``), does not fit the model (:func:`check_compatible`,
+            field ``fingerprint``), or the model has no MLA layer ``layer``.
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
     """
     if not snapshot.is_latent:
         raise HurrayFormatError("kv_role", "expand_latent needs an MLA snapshot (fused latents)")
+    # Another MLA model's latent splits at another width: decompressed anyway, its K/V come out misshapen.
+    snapshot = _models_layers(snapshot, model.config)
+    check_compatible(snapshot, model.config, architecture=_architecture(model))
     mods = _mla_layers(model)
     if not 0 <= layer < len(mods):
         raise HurrayFormatError("model", f"the model has {len(mods)} MLA layers (kv_b_proj), not layer {layer}")
@@ -461,9 +549,11 @@ def to_dynamic_cache(
         model_config: the target model's ``PretrainedConfig``. When given, the
             snapshot is checked against it (:func:`check_compatible`) and the
             cache is built with ``DynamicCache(config=...)``, so sliding-window
-            layers keep only their window. A snapshot of an engine running
-            EAGLE or MTP, whose drafter's layers follow the model's and are
-            named (``extra[TARGET_LAYERS]``), gives the model's layers.
+            layers keep only their window. A snapshot with linear-attention
+            states needs it (the cache's layer types). A snapshot of an
+            engine running EAGLE or MTP, whose drafter's layers follow the
+            model's and are named (``extra[TARGET_LAYERS]``), gives the
+            model's layers.
         dtype: the cache dtype; default the pool dtype, or for fp8 pools the
             config's dtype (float32 without a config). It must match the
             model's activations dtype.
@@ -474,23 +564,34 @@ def to_dynamic_cache(
 
     Raises:
         HurrayFormatError: the snapshot does not fit ``model_config``, has no
-            sequence lengths, or uses a quantization this adapter cannot undo;
-            a sequence declaring more than ``MAX_IMPORT_SLOTS`` slots.
+            sequence lengths, or uses a quantization this adapter cannot undo
+            (integer pools without one included, field ``dtype``); a
+            sequence declaring more than ``MAX_IMPORT_SLOTS`` slots; a
+            ``length`` outside ``0..seq_lens[seq]`` (field ``length``).
+        HurrayArgumentError: (field ``model_config``) a linear-attention
+            snapshot without ``model_config``.
         OSError: ``ENOMEM``: the dense cache is larger than the device's
             memory (every layer together), before any of it is built.
     """
     from transformers import DynamicCache
 
     if model_config is not None:
-        if TARGET_LAYERS in snapshot.extra and snapshot.num_layers > config_geometry(model_config).num_layers:
-            snapshot = snapshot.without_drafter()  # an EAGLE or MTP engine's: the model's layers lead
+        snapshot = _models_layers(snapshot, model_config)
         check_compatible(snapshot, model_config, architecture=architecture)
+    elif snapshot.states is not None:
+        # Only the config says which cache layers are linear attention: transformers builds them from it.
+        raise HurrayArgumentError(
+            "model_config",
+            f"the snapshot holds linear-attention states (layers {list(snapshot.states.layers)}), which go into "
+            "a cache built from the model's config: pass model_config=model.config",
+        )
     if not snapshot.num_layers:
         raise HurrayFormatError("snapshot.layers", "the snapshot holds no layers")
     if not 0 <= seq < snapshot.num_seqs:
         raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
+    # Before the memory check: a length past the sequence is a bad request, not a lack of memory.
+    n = _tokens_asked(snapshot.tensors()[0], seq, length)
     dtype = dtype or _default_dtype(snapshot, model_config)
-    n = snapshot.seq_lens[seq] if length is None else length
     _check_windows_held(snapshot, seq, n)
     # Every layer's keys and values end up in the cache together, in ``dtype``; each is gathered where the
     # pools lie first (one layer at a time, in the pool's dtype too while it converts).
@@ -519,8 +620,15 @@ def to_dynamic_cache(
             k, v = k.to(device), v.to(device)
         cache.update(k, v, layer)
     if states is not None:
-        _put_states(cache, states, seq, snapshot.seq_lens[seq] if length is None else length, dtype, device)
+        _put_states(cache, states, seq, n, dtype, device)
     return cache
+
+
+def _models_layers(snapshot: KVSnapshot, model_config: Any) -> KVSnapshot:
+    """The snapshot without a speculative drafter's layers when it names them and has more than the model."""
+    if TARGET_LAYERS in snapshot.extra and snapshot.num_layers > config_geometry(model_config).num_layers:
+        return snapshot.without_drafter()  # an EAGLE or MTP engine's: the model's layers lead
+    return snapshot
 
 
 #: Linear-attention state kinds this adapter converts (vLLM's ``mamba_type``), see :func:`_put_states`.
@@ -540,7 +648,8 @@ def _put_states(
 
     Raises:
         HurrayFormatError: (field ``snapshot.states``) the states were taken
-            at another token than ``n``, or are of a kind not converted here.
+            at another token than ``n``, or are of a kind or layout not
+            converted here.
     """
     if states.positions[seq] != n:
         raise HurrayFormatError(
@@ -548,8 +657,12 @@ def _put_states(
             f"sequence {seq}'s linear-attention states were taken after {states.positions[seq]} tokens; "
             f"they cannot resume at token {n}",
         )
-    if states.kind not in _STATE_KINDS:
-        raise HurrayFormatError("snapshot.states", f"{states.kind!r} states; this adapter reads {sorted(_STATE_KINDS)}")
+    if states.kind not in _STATE_KINDS or states.layout:
+        raise HurrayFormatError(
+            "snapshot.states",
+            f"{states.kind!r} states in layout {states.layout!r}; this adapter reads {sorted(_STATE_KINDS)} "
+            "in the format's layout ('')",
+        )
     for layer, (conv, ssm) in zip(states.layers, states.tensors, strict=True):
         c = conv[seq].transpose(0, 1).to(dtype)  # [conv_dim, kernel - 1]
         c = torch.cat([torch.zeros_like(c[:, :1]), c], dim=1).unsqueeze(0)

@@ -602,3 +602,107 @@ def test_kv_scales_apply_to_fp8_pools_only_as_in_every_importer() -> None:
     got = tfa.to_dynamic_cache(scaled, 0, dtype=torch.float32, architecture="LlamaForCausalLM")
     assert torch.equal(plain.layers[0].keys, got.layers[0].keys)
     assert torch.equal(plain.layers[0].values, got.layers[0].values)
+
+
+def test_every_layers_pools_are_checked_not_only_the_first(hf_model) -> None:  # type: ignore[no-untyped-def]
+    """Layer 1 holding another model's heads (the same bytes per token) is refused before any of it is read."""
+    snap = small_snapshot(hf_model)
+    first, second = snap.layer_members()
+    pages, size = second[0].page_pool.shape[:2]
+    other = tuple(replace(t, page_pool=t.page_pool.reshape(pages, size, 1, 64)) for t in second)
+    bad = snap.with_layers([first, other])
+    assert bad.validate().ok
+    with pytest.raises(hv.HurrayFormatError, match=r"num_kv_heads: snapshot has 1.*head_dim: snapshot has 64") as err:
+        tfa.check_compatible(bad, hf_model.config)
+    assert err.value.field == "fingerprint" and "layer 1" in str(err.value)
+    with pytest.raises(hv.HurrayFormatError, match="layer 1"):
+        tfa.continue_generation(hf_model, bad, 0, 1)
+
+
+def test_integer_pools_without_a_quantization_are_refused() -> None:
+    """An int8 pool with no descriptor holds no values this adapter can read: refused, not cast to float."""
+    from synthetic import make_snapshot
+
+    snap = make_snapshot([6], [0], 4, heads=2, dim=8, dtype=torch.float16, layers=1)
+    ints = snap.with_layers(
+        [tuple(replace(t, page_pool=(t.page_pool * 50).to(torch.int8)) for t in snap.layer_members()[0])]
+    )
+    assert ints.validate().ok
+    with pytest.raises(hv.HurrayFormatError, match=r"torch\.int8 pool without a quantization") as err:
+        tfa.to_dynamic_cache(ints, 0, dtype=torch.float32)
+    assert err.value.field == "dtype"
+    with pytest.raises(hv.HurrayFormatError, match="quantization"):
+        tfa.sequence_kv(ints, 0, 0)
+
+
+def test_a_bad_length_is_refused_as_a_length_not_as_memory(hf_model) -> None:  # type: ignore[no-untyped-def]
+    snap = small_snapshot(hf_model)
+    for length in (snap.seq_lens[0] + 1, 10**13, -1):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            tfa.to_dynamic_cache(snap, 0, model_config=hf_model.config, length=length)
+        assert err.value.field == "length", err.value
+
+
+# ── linear-attention hybrids (no engine: the configs and the states' shapes) ──
+
+
+def qwen3_next_config(**change: Any) -> Any:
+    """A tiny Qwen3-Next config: three gated-delta-net layers, then one attention layer."""
+    from transformers import Qwen3NextConfig
+
+    kw: dict[str, Any] = dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=4,
+        num_experts_per_tok=2, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        vocab_size=128, mlp_only_layers=[0, 1, 2, 3],
+    )  # fmt: skip
+    return Qwen3NextConfig(**{**kw, **change})
+
+
+def hybrid_snapshot(**states: Any) -> hv.KVSnapshot:
+    """A snapshot shaped as vLLM exports the tiny Qwen3-Next: one attention layer's KV, three layers' states."""
+    from synthetic import make_snapshot
+
+    from hurray_vllm.kv.states import RecurrentStates
+
+    snap = make_snapshot([7], [0], 4, heads=2, dim=16, dtype=torch.float32, layers=1)
+    # conv [kernel - 1, 2 * key_heads * key_dim + value_heads * value_dim], recurrent [value_heads, key_dim, value_dim]
+    tensors = tuple((torch.randn(1, 3, 128), torch.randn(1, 4, 16, 16)) for _ in range(3))
+    held = RecurrentStates("gdn_attn", (0, 1, 2), ("conv", "ssm"), (7,), tensors)
+    return replace(snap, states=replace(held, **states))
+
+
+def test_linear_attention_states_of_another_geometry_are_refused() -> None:
+    snap = hybrid_snapshot()
+    assert snap.validate().ok
+    tfa.check_compatible(snap, qwen3_next_config(), architecture="Qwen3NextForCausalLM")
+    cache = tfa.to_dynamic_cache(snap, 0, model_config=qwen3_next_config(), architecture="Qwen3NextForCausalLM")
+    assert cache.layers[0].conv_states[0].shape == (1, 128, 4) and cache.layers[3].keys.shape == (1, 2, 7, 16)
+    for change, wrong in [
+        ({"linear_conv_kernel_dim": 2}, r"states\.conv: snapshot has \[3, 128\], model has \[1, 128\]"),
+        ({"linear_conv_kernel_dim": 6}, r"states\.conv: snapshot has \[3, 128\], model has \[5, 128\]"),
+        ({"linear_num_value_heads": 2}, r"states\.conv: .* model has \[3, 96\].*states\.ssm: .* \[2, 16, 16\]"),
+        ({"linear_value_head_dim": 8}, r"states\.ssm: snapshot has \[4, 16, 16\], model has \[4, 16, 8\]"),
+    ]:
+        with pytest.raises(hv.HurrayFormatError, match=wrong) as err:
+            tfa.to_dynamic_cache(snap, 0, model_config=qwen3_next_config(**change), architecture="Qwen3NextForCausalLM")
+        assert err.value.field == "fingerprint"
+
+
+def test_linear_attention_states_in_an_engines_own_layout_or_one_ranks_part_are_refused() -> None:
+    snap = hybrid_snapshot(layout="vllm-cuda-SD")
+    with pytest.raises(hv.HurrayFormatError, match="layout 'vllm-cuda-SD'") as err:
+        tfa.check_compatible(snap, qwen3_next_config(), architecture="Qwen3NextForCausalLM")
+    assert err.value.field == "fingerprint"
+    whole = hybrid_snapshot()
+    assert whole.states is not None
+    with pytest.raises(hv.HurrayFormatError, match=r"part \[0, 1, 2\].*join_states"):
+        tfa.check_compatible(replace(whole, states=whole.states.take(0, 1, 2)), qwen3_next_config())
+
+
+def test_linear_attention_states_need_the_models_config() -> None:
+    """Where the states go is the model's (its cache's layer types): without a config, a named refusal."""
+    with pytest.raises(hv.HurrayArgumentError, match="model_config") as err:
+        tfa.to_dynamic_cache(hybrid_snapshot(), 0)
+    assert err.value.field == "model_config"

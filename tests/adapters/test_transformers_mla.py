@@ -165,3 +165,16 @@ def test_a_v3_model_continues_an_engine_order_snapshot(v3_pair: tuple[Any, Any])
         k, v = tfa.expand_latent(v3, snap, 0, i)  # V2's arithmetic against V3's: close
         torch.testing.assert_close(k, k_ref[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(v, v_ref[0], rtol=0, atol=1e-5)
+
+
+def test_expand_latent_refuses_another_mla_models_latent(mla_model: Any) -> None:
+    """Another rope/nope split of the same head size: without the check, keys of the wrong width come back."""
+    tr = require("transformers")
+    pkv, first = _prefill(mla_model, PROMPT)
+    snap = tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=mla_model.config, page_size=8)
+    cfg = tr.DeepseekV2Config.from_dict({**mla_model.config.to_dict(), "qk_rope_head_dim": 8, "qk_nope_head_dim": 24})
+    torch.manual_seed(0)
+    other = tr.DeepseekV2ForCausalLM(cfg).eval()
+    with pytest.raises(hv.HurrayFormatError, match="latent: snapshot has") as err:
+        tfa.expand_latent(other, snap, 0, 0)
+    assert err.value.field == "fingerprint"
