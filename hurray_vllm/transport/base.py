@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import logging
 import os
+import select
 import shutil
 import socket
 import ssl
@@ -78,6 +80,7 @@ __all__ = [
     "read_answer",
     "query_held",
     "dial",
+    "SendAborted",
     "HELD_MAGIC",
     "MAX_HELD_QUERY",
 ]
@@ -251,31 +254,115 @@ def dial(
     keys: FleetKeys | None = None,
     tls: ssl.SSLContext | None = None,
     track: Callable[[socket.socket], None] | None = None,
+    aborted: Callable[[], bool] | None = None,
 ) -> socket.socket:
     """A sender's connection to a receiver: TCP (no delay), inside ``tls`` if given, then authenticated with ``keys``.
 
-    The caller closes it; on failure it is closed here.
+    The caller closes it; on failure it is closed here. ``track`` sees each
+    socket before anything blocks on it (the TCP connect, the TLS and key
+    handshakes), so that another thread can shut it down; ``aborted`` says
+    whether that happened (checked where a shutdown may come too early to
+    reach a socket: before it is connected, or before TLS took it over).
 
     Raises:
         HurrayFormatError: the receiver refused the authentication.
+        SendAborted: ``aborted()`` became true while connecting.
         OSError: the receiver cannot be reached; ``ssl.SSLError`` when its certificate is not trusted.
     """
-    sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
+    sock = _connect(host, port, min(timeout, CONNECT_TIMEOUT_S), track, aborted)
     try:
         sock.settimeout(timeout)
-        if track is not None:  # before TLS and the key handshake: an abort covers those too
-            track(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if tls is not None:
-            sock = tls.wrap_socket(sock, server_hostname=host)
-            if track is not None:  # the plain socket gave its descriptor to this one
+            # The handshake waits for the receiver: it runs only once the TLS socket is tracked (wrap_socket
+            # takes the plain socket's descriptor, and a shutdown of the plain one no longer reaches it).
+            sock = tls.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+            if track is not None:
                 track(sock)
+            _check_aborted(aborted)  # an abort between the two reached neither socket
+            sock.do_handshake()
         if keys is not None:
             authenticate(sock, keys)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+#: How long a connect waits between looks at whether its call was aborted.
+_CONNECT_SLICE_S = 0.1
+
+
+class SendAborted(ConnectionAbortedError):
+    """A :class:`ChunkSender` call that :meth:`ChunkSender.abort` cut short (an ``OSError``, as a lost connection)."""
+
+
+def _check_aborted(aborted: Callable[[], bool] | None) -> None:
+    if aborted is not None and aborted():
+        raise SendAborted("aborted before the connection was made")
+
+
+def _connect(
+    host: str,
+    port: int,
+    timeout: float,
+    track: Callable[[socket.socket], None] | None,
+    aborted: Callable[[], bool] | None,
+) -> socket.socket:
+    """A TCP connection to ``host:port``, made on a socket ``track`` saw first.
+
+    ``socket.create_connection`` returns its socket only once connected, so a
+    receiver that drops SYNs would hold an abort off for the whole connect
+    timeout. Here each socket is tracked before its connect starts, and the
+    connect waits in short slices, looking at ``aborted`` between them. As
+    ``create_connection`` does, every address ``host`` resolves to is tried in
+    turn, each for up to ``timeout`` seconds; if none connects, the first
+    address's failure is raised.
+    """
+    failure: OSError | None = None
+    for family, kind, proto, _name, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        _check_aborted(aborted)
+        sock = socket.socket(family, kind, proto)
+        try:
+            if track is not None:
+                track(sock)
+            _check_aborted(aborted)  # aborted before it was tracked: no shutdown reached it
+            sock.setblocking(False)
+            err = sock.connect_ex(address)
+            if err in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
+                err = _wait_connected(sock, time.monotonic() + timeout, aborted)
+            if err:
+                raise OSError(err, os.strerror(err))  # its subclass: ConnectionRefusedError, ...
+            sock.setblocking(True)
+            return sock
+        except SendAborted:
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            _check_aborted(aborted)  # the abort's shutdown, not the receiver, failed this connect
+            failure = failure or exc
+        except BaseException:
+            sock.close()
+            raise
+    raise failure if failure is not None else OSError(f"{host} resolves to no address")
+
+
+def _wait_connected(sock: socket.socket, deadline: float, aborted: Callable[[], bool] | None) -> int:
+    """Wait for a non-blocking connect to finish; its error number (0: connected).
+
+    poll, not select: a busy process's descriptors pass select's limit of 1024.
+    """
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while True:
+        _check_aborted(aborted)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")  # what create_connection says
+        if poller.poll(min(left, _CONNECT_SLICE_S) * 1000):
+            _check_aborted(aborted)
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
 
 
 def _read_name(conn: socket.socket) -> str:
@@ -344,17 +431,26 @@ class ChunkSender(abc.ABC):
         """From another thread: make the :meth:`send` and :meth:`held` calls in progress fail now.
 
         Shuts down their connections (from the TCP connect on: the TLS and key
-        handshakes too), so that their blocked reads and writes raise
-        ``OSError`` at once. Who calls it: the connector's worker, when a step
-        would otherwise wait for a push (a full save queue) and at shutdown.
+        handshakes too), so that their blocked reads and writes fail at once,
+        and those calls raise :class:`SendAborted` (an ``OSError``). Calls
+        that start afterwards are not affected. Who calls it: the connector's
+        worker, when a step would otherwise wait for a push (a full save
+        queue) and at shutdown.
         """
-        with _LIVE_MU:
+        with _LIVE_MU:  # counted with the snapshot: a socket tracked later sees the count (tracked())
+            self.__dict__["_abort_count"] = self._aborts() + 1
             live = list(self._live_sockets())
         for sock in live:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
+                # The plain socket's shutdown, also under TLS: SSLSocket.shutdown would drop the TLS
+                # state under the thread using it, which then fails with an AttributeError.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _aborts(self) -> int:
+        """How many times :meth:`abort` was called (an int: read without the lock)."""
+        return int(self.__dict__.get("_abort_count", 0))
 
     def _live_sockets(self) -> set[socket.socket]:
         """The connections of the calls in progress (created on first use: channels need no ``__init__`` for it)."""
@@ -365,17 +461,32 @@ class ChunkSender(abc.ABC):
 
     @contextlib.contextmanager
     def tracked(self, url: str, *, timeout: float, keys: FleetKeys | None = None) -> Iterator[socket.socket]:
-        """:meth:`connect`, as a connection :meth:`abort` can cut; closed on exit."""
+        """:meth:`connect`, as a connection :meth:`abort` can cut; closed on exit.
+
+        A call cut short sees its connection end: a read then finds the
+        receiver gone, which would look like a receiver that hung up (or one
+        too old for a query). Its error is raised as :class:`SendAborted`
+        instead, so that callers can tell the two apart.
+        """
         mine: list[socket.socket] = []
+        with _LIVE_MU:
+            start = self._aborts()
+
+        def aborted() -> bool:
+            return self._aborts() != start
 
         def track(sock: socket.socket) -> None:
-            mine.append(sock)
             with _LIVE_MU:
+                mine.append(sock)
                 self._live_sockets().add(sock)
 
         try:
-            with self.connect(url, timeout=timeout, keys=keys, track=track) as sock:
+            with self.connect(url, timeout=timeout, keys=keys, track=track, aborted=aborted) as sock:
                 yield sock
+        except (HurrayFormatError, OSError) as exc:
+            if aborted() and not isinstance(exc, SendAborted):
+                raise SendAborted(f"the {self.scheme} call to {url} was aborted ({exc})") from exc
+            raise
         finally:
             with _LIVE_MU:
                 self._live_sockets().difference_update(mine)
@@ -387,12 +498,14 @@ class ChunkSender(abc.ABC):
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
         track: Callable[[socket.socket], None] | None = None,
+        aborted: Callable[[], bool] | None = None,
     ) -> socket.socket:
         """A connection to the receiver's frame channel at ``url``, authenticated with ``keys`` (if given).
 
         The caller closes it. TCP's is the chunk connection itself (inside
         TLS for ``tls://``); NIXL's is its side channel. ``track`` sees each
-        socket as soon as it exists (:func:`dial`).
+        socket as soon as it exists, ``aborted`` says whether to give up
+        (:func:`dial`).
 
         Raises:
             HurrayFormatError: ``url`` is malformed, or the receiver refused the authentication.
@@ -417,7 +530,7 @@ class ChunkSender(abc.ABC):
 
         Raises:
             HurrayFormatError: the receiver refused the query or is older than it.
-            OSError: the receiver cannot be reached.
+            OSError: the receiver cannot be reached; :class:`SendAborted` when :meth:`abort` cut the query.
             NotImplementedError: the channel cannot ask (:meth:`connect`).
         """
         if not names:
@@ -443,7 +556,8 @@ class ChunkSender(abc.ABC):
 
         Raises:
             HurrayFormatError: the receiver refused a chunk (the message says why).
-            OSError: the receiver cannot be reached, or a transfer failed or timed out.
+            OSError: the receiver cannot be reached, or a transfer failed or timed out;
+                :class:`SendAborted` when :meth:`abort` cut the push.
         """
 
 

@@ -89,8 +89,8 @@ def send_chunks(
         OSError: the receiver cannot be reached or stopped answering within ``timeout``;
             ``ssl.SSLError`` (an ``OSError``) when its certificate is not trusted.
     """
-    with connect(url, timeout=timeout, keys=keys, tls=tls) as sock, sock.makefile("wb") as out:
-        _send_all(sock, out, chunks)
+    with connect(url, timeout=timeout, keys=keys, tls=tls) as sock:
+        _send_over(sock, chunks)
 
 
 def connect(
@@ -100,11 +100,12 @@ def connect(
     keys: FleetKeys | None = None,
     tls: ssl.SSLContext | None = None,
     track: Callable[[socket.socket], None] | None = None,
+    aborted: Callable[[], bool] | None = None,
 ) -> socket.socket:
     """A connection to the receiver at ``url``: TLS for ``tls://``, then the sender authentication with ``keys``.
 
-    ``track`` sees each socket as soon as it exists (before the handshakes), so another
-    thread can shut it down (:meth:`TcpSender.abort`).
+    ``track`` sees each socket as soon as it exists (before the connect and the handshakes), so
+    another thread can shut it down (:meth:`TcpSender.abort`); ``aborted`` says when to give up.
 
     Raises:
         HurrayFormatError: ``url`` is malformed, or the receiver refused the authentication.
@@ -112,13 +113,33 @@ def connect(
     """
     host, port = parse_url(url)
     context = (tls or client_context()) if url.startswith("tls://") else None
-    return dial(host, port, timeout=timeout, keys=keys, tls=context, track=track)
+    return dial(host, port, timeout=timeout, keys=keys, tls=context, track=track, aborted=aborted)
 
 
 def frame_head(ns: str, key: str, size: int) -> bytes:
     """A chunk frame's head: ``HVC1``, the namespace and key (u16 length + UTF-8 each), the stream's u64 length."""
     nsb, kb = ns.encode(), key.encode()
     return MAGIC + U16.pack(len(nsb)) + nsb + U16.pack(len(kb)) + kb + U64.pack(size)
+
+
+def _send_over(sock: socket.socket, chunks: Iterable[Chunk]) -> None:
+    """Send ``chunks`` on ``sock`` through a buffered writer, waiting for each answer."""
+    out = sock.makefile("wb")
+    try:
+        _send_all(sock, out, chunks)
+    except BaseException:
+        # What a failed write left in the buffer would be flushed again as the writer closes, and wait
+        # out the timeout a second time: the connection is shut first, so that flush fails at once.
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's, also under TLS
+        except OSError:
+            pass
+        try:
+            out.close()
+        except OSError:
+            pass  # the flush into the shut connection: the first error is the one to raise
+        raise
+    out.close()
 
 
 def _send_all(sock: socket.socket, out: BinaryIO, chunks: Iterable[Chunk]) -> None:
@@ -155,8 +176,8 @@ class TcpSender(ChunkSender):
         keys: FleetKeys | None = None,
     ) -> None:
         """See :func:`send_chunks`; :meth:`abort` makes it fail at once."""
-        with self.tracked(url, timeout=timeout, keys=keys) as sock, sock.makefile("wb") as out:
-            _send_all(sock, out, chunks)
+        with self.tracked(url, timeout=timeout, keys=keys) as sock:
+            _send_over(sock, chunks)
 
     def connect(
         self,
@@ -165,9 +186,10 @@ class TcpSender(ChunkSender):
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
         track: Callable[[socket.socket], None] | None = None,
+        aborted: Callable[[], bool] | None = None,
     ) -> socket.socket:
         """See :func:`connect` (module level)."""
-        return connect(url, timeout=timeout, keys=keys, tls=self.tls, track=track)
+        return connect(url, timeout=timeout, keys=keys, tls=self.tls, track=track, aborted=aborted)
 
 
 class _Pieces(io.RawIOBase):

@@ -486,3 +486,71 @@ def test_registered_pools_can_be_unregistered_for_replacement() -> None:
     finally:
         sender.close()
     assert not sender._pinned
+
+
+def test_a_side_channel_past_descriptor_1024_is_watched_as_any_other() -> None:
+    """An engine holds many files: its side channel's descriptor may pass select's limit (poll has none)."""
+    import fcntl
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1100:
+        pytest.skip(f"this process may open {hard} files at most")
+    if soft != resource.RLIM_INFINITY and soft <= 1100:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096 if hard == resource.RLIM_INFINITY else min(4096, hard), hard))
+    try:
+        a, b = socket.socketpair()
+        with a, b, socket.socket(fileno=fcntl.fcntl(a.fileno(), fcntl.F_DUPFD_CLOEXEC, 1024)) as side:
+            assert side.fileno() >= 1024
+            tn_sender._watch_receiver(side, 0.0002)  # the receiver said nothing: the transfer goes on
+            b.sendall(b"ER" + (9).to_bytes(2, "little") + b"disk full")
+            with pytest.raises(hv.HurrayFormatError, match="disk full"):
+                tn_sender._watch_receiver(side, 0.0002)
+            b.close()
+            with pytest.raises(ConnectionError):
+                tn_sender._watch_receiver(side, 0.0002)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("where", ["strided", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pools_outside_registered_host_memory_are_sent_from_host_copies(
+    where: str, receiver: tn.NixlReceiver, chunks: list[tuple[str, str, KVSnapshot]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU engine's pools (which register refuses) go out through host copies registered for their chunk only."""
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ns, key, chunk = chunks[0]
+
+    def away(t: torch.Tensor) -> torch.Tensor:
+        if where == "cuda":
+            return t.cuda()
+        wide = torch.empty((*t.shape, 2), dtype=t.dtype)[..., 0]  # the same values, not contiguous
+        wide.copy_(t)
+        return wide
+
+    moved = replace(
+        chunk,
+        keys=tuple(replace(t, page_pool=away(t.page_pool)) for t in chunk.keys),
+        values=tuple(replace(t, page_pool=away(t.page_pool)) for t in chunk.values),
+    )
+    sender = tn.NixlSender(lanes=1)
+    registered: list[list[tuple[int, int]]] = []
+    deregistered: list[object] = []
+    register, deregister = sender._register, sender._deregister
+    monkeypatch.setattr(sender, "_register", lambda ranges: registered.append(ranges) or register(ranges))
+    monkeypatch.setattr(sender, "_deregister", lambda regs: deregistered.append(regs) or deregister(regs))
+    try:
+        with pytest.raises(hv.HurrayFormatError, match="host tensors"):
+            sender.register([moved.keys[0].page_pool])
+        (stats,) = sender.send(url_of(receiver), [(ns, key, moved)], timeout=20)
+        assert stats.transfers == 2 * chunk.num_layers
+        pools = {t.page_pool.data_ptr() for t in (*moved.keys, *moved.values)}
+        (ranges,) = registered  # once, for this chunk: the host copies, not the pools
+        assert len(ranges) == 2 * chunk.num_layers and not pools & {p for p, _ in ranges}
+        assert len(deregistered) == 1 and not sender._pinned  # and released with it
+        store = receiver.store
+        assert isinstance(store, DirectoryStore)
+        assert pool_bytes(store.get(ns, key)) == pool_bytes(chunk)
+    finally:
+        sender.close()

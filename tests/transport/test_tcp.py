@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -514,3 +514,108 @@ def test_chunks_read_at_once_are_bounded_in_memory(tmp_path: Path) -> None:
         transport.send_chunks(url, [(ns, "ef" * 8, chunk)], timeout=10)  # alone again: takes it
     with pytest.raises(ValueError, match="max_inflight_bytes"):
         transport.receiver_for("tcp", "127.0.0.1", 0, store, max_inflight_bytes=0)
+
+
+def _aborted_after(sender: TcpSender, call: Callable[[], object], delay: float = 0.3) -> tuple[BaseException, float]:
+    """Run ``call`` on a thread and abort ``sender`` ``delay`` seconds in: what it raised, and after how long."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(delay)
+    sender.abort()
+    t.join(30)
+    assert failed, "the call returned although it was aborted"
+    return failed[0], time.monotonic() - t0
+
+
+def test_an_aborted_held_query_says_it_was_aborted_and_the_next_call_is_not(receiver: Receiver) -> None:
+    """A query cut short reads EOF, which must not pass for a receiver too old to answer (a HurrayFormatError)."""
+    from hurray_vllm.transport.base import SendAborted
+
+    ns, key, chunk = example_chunk()
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)  # accepted by the kernel, never answered
+        sender = TcpSender()
+        exc, took = _aborted_after(sender, lambda: sender.held(f"tcp://127.0.0.1:{hole.getsockname()[1]}", [(ns, key)]))
+    assert isinstance(exc, SendAborted) and isinstance(exc, OSError) and took < 5
+    assert not sender._live_sockets()
+    send_chunks(_url(receiver), [(ns, key, chunk)])
+    assert sender.held(_url(receiver), [(ns, key)]) == {(ns, key)}  # an abort cuts the calls in progress only
+
+
+def test_abort_cuts_a_connect_the_receiver_does_not_answer() -> None:
+    """A host that drops SYNs: the connect is cut at once, not after its 5 s."""
+    from hurray_vllm.transport.base import CONNECT_TIMEOUT_S, SendAborted
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(0)
+        port = hole.getsockname()[1]
+        fill = []
+        try:
+            for _ in range(3):  # a full accept queue: the kernel drops further SYNs, as a blackholed host would
+                f = socket.socket()
+                f.setblocking(False)
+                f.connect_ex(("127.0.0.1", port))
+                fill.append(f)
+            time.sleep(0.2)
+            with socket.socket() as probe:
+                probe.settimeout(0.5)
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    pytest.skip("this kernel completes connects to a full accept queue")
+            sender = TcpSender()
+            exc, took = _aborted_after(sender, lambda: sender.send(f"tcp://127.0.0.1:{port}", [], timeout=60))
+        finally:
+            for f in fill:
+                f.close()
+    assert isinstance(exc, SendAborted) and took < CONNECT_TIMEOUT_S - 2
+    assert not sender._live_sockets()
+
+
+def test_abort_cuts_a_tls_handshake_the_receiver_never_answers() -> None:
+    """The TLS socket takes the plain one's descriptor: it is the one an abort must reach, before it shakes hands."""
+    import ssl
+
+    from hurray_vllm.transport.base import SendAborted
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)  # accepted by the kernel; never speaks TLS
+        sender = TcpSender(ssl.create_default_context())
+        exc, took = _aborted_after(
+            sender, lambda: sender.send(f"tls://127.0.0.1:{hole.getsockname()[1]}", [], timeout=10)
+        )
+    assert isinstance(exc, SendAborted) and took < 5
+
+
+def test_a_push_the_receiver_never_reads_fails_after_one_timeout() -> None:
+    """The bytes a timed-out write left buffered are not flushed again (a second timeout) as the connection closes."""
+    from hurray_vllm import ModelFingerprint
+    from hurray_vllm.kv.paged import BlockPagedTensor
+
+    nb, layers = 32, 128
+    pool = torch.zeros(nb, 16, 2, 64, dtype=torch.float16)  # 128 KiB, shared by every layer: 32 MiB on the wire
+    idx = (torch.arange(nb), torch.tensor([0, nb]), torch.tensor([nb * 16]))
+    snap = KVSnapshot(
+        tuple(BlockPagedTensor(pool, *idx, "key", i) for i in range(layers)),
+        tuple(BlockPagedTensor(pool, *idx, "value", i) for i in range(layers)),
+        token_ids=(tuple(range(nb * 16)),),
+        fingerprint=ModelFingerprint("T", layers, 2, 64, "float16"),
+    )
+    timeout = 1.5
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)  # accepted by the kernel, never read: the socket buffers fill up
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            TcpSender().send(f"tcp://127.0.0.1:{hole.getsockname()[1]}", [("ab" * 8, "cd" * 8, snap)], timeout=timeout)
+        assert time.monotonic() - t0 < 1.6 * timeout

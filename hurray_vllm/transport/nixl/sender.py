@@ -288,10 +288,11 @@ class NixlSender(ChunkSender):
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
         track: Callable[[socket.socket], None] | None = None,
+        aborted: Callable[[], bool] | None = None,
     ) -> socket.socket:
         """The side channel to the receiver at ``nixl://HOST:PORT``, authenticated with ``keys`` (if given)."""
         host, port = parse_nixl_url(url)
-        return dial(host, port, timeout=timeout, keys=keys, track=track)
+        return dial(host, port, timeout=timeout, keys=keys, track=track, aborted=aborted)
 
     def _send_one(self, sock: socket.socket, ns: str, key: str, snap: KVSnapshot, timeout: float) -> TransferStats:
         t0 = time.perf_counter()
@@ -476,9 +477,16 @@ class NixlSender(ChunkSender):
 
 
 def _watch_receiver(sock: socket.socket, timeout: float) -> None:
-    """During a transfer the receiver speaks only to give up: raise if it did."""
-    r, _, _ = select.select([sock], [], [], timeout)
-    if not r:
+    """During a transfer the receiver speaks only to give up: raise if it did; else wait ``timeout`` seconds.
+
+    poll, not select: an engine's side channel may well have a descriptor past
+    select's limit of 1024. poll counts whole milliseconds, longer than the
+    sender's poll interval, so it only looks, and the wait is a sleep.
+    """
+    watch = select.poll()
+    watch.register(sock, select.POLLIN)
+    if not watch.poll(0):  # also answers a hangup or an error: the recv below reports it
+        time.sleep(timeout)
         return
     head = sock.recv(1)
     if not head:

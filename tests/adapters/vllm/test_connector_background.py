@@ -136,6 +136,10 @@ class _Sender:
         self.gate.set()
         self.asked: list[list[tuple[str, str]]] = []  # held() queries
         self.answer: set[str] | BaseException = set()  # held()'s answer: the keys held, or what it raises
+        self.aborts = 0
+
+    def abort(self) -> None:
+        self.aborts += 1
 
     def register(self, ts: Sequence[torch.Tensor]) -> None:
         self.calls.append(("register", [t.data_ptr() for t in ts]))
@@ -541,6 +545,155 @@ def test_a_receiver_that_cannot_say_what_it_holds_gets_everything_and_is_not_ask
     new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[forward[0], new]))
     assert c.stats.push_failures == 1 and c._store.has(c._ns, new.key) and sender.pushed[3:] == []
+
+
+def _store_one(c: Any, meta: ModuleType, key: str) -> None:
+    """Chunk ``key`` in the worker's store, as an earlier save or load left it."""
+    c._store.put(c._ns, key, c._export_chunk(c._engine_cache(), [], meta.SaveTask("r", "", [0] * 4, []), [1], True))
+
+
+def test_a_gpu_engines_device_chunk_buffers_are_not_registered_and_its_pushes_go_through(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """NIXL registers host memory only: device buffers are left to the sender, which copies their pools to the host."""
+    import hurray_vllm as hv
+    from hurray_vllm.adapters.vllm.export import GatherBuffers
+
+    class _HostOnly(_Sender):
+        def register(self, ts: Sequence[torch.Tensor]) -> None:
+            if any(t.device.type != "cpu" for t in ts):  # as NixlSender.register
+                raise hv.HurrayFormatError("transport", "only contiguous, non-empty host tensors can be registered")
+            super().register(ts)
+
+    calls: list[tuple[str, list[int]]] = []
+    sender = _HostOnly(calls)
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = False
+    export = c._export_chunk
+
+    def on_device(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
+        snap = export(ec, caches, task, block_ids, reuse, states)
+        # A device export's buffers: "meta" stands in for "cuda" on a machine without one.
+        device = GatherBuffers()
+        device.take((len(block_ids), 4, 1, 8), torch.bfloat16, torch.device("meta"))
+        c._chunk_buffers = [c._chunk_buffers[0], device]
+        return snap
+
+    c._export_chunk = on_device
+    tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2]) for i in range(2)]
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))
+    assert c.stats.push_failures == 0 and sender.pushed == [t.key for t in tasks]
+    host = [m.data_ptr() for m in c._chunk_buffers[0].memory]
+    assert calls == [("register", host)]  # the host buffers, once; never the device ones
+
+
+def test_an_aborted_held_query_fails_the_push_but_does_not_stop_asking(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A query this engine cut short (its EOF reads as an error) says nothing of the receiver's age."""
+    import hurray_vllm as hv
+
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = False
+    _store_one(c, meta, "01" * 8)
+
+    def cut(url: str, names: Any, **kw: Any) -> set[Any]:
+        c._abort_push()  # a full queue, or shutdown, while the query waits
+        raise hv.HurrayFormatError("transport", "connection closed after 0 of 2 bytes")
+
+    sender.held = cut  # type: ignore[method-assign]
+    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, [], [], forward=True), new]))
+    assert c.stats.push_failures == 1 and sender.sends == 0 and c._store.has(c._ns, new.key)
+    assert c._ask_paused_until == 0.0 and c._push_backoff == conn.PUSH_BACKOFF_S
+
+
+def test_a_delivery_paused_while_it_asked_the_receiver_opens_no_connection(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """Shutdown pauses pushing while the query is out: the push after it would be a connection no abort aimed at."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = False
+    _store_one(c, meta, "01" * 8)
+
+    def asked_during_shutdown(url: str, names: Any, **kw: Any) -> set[Any]:
+        c._push_paused_until = float("inf")  # what shutdown does once pushes had their grace
+        return set()
+
+    sender.held = asked_during_shutdown  # type: ignore[method-assign]
+    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, [], [], forward=True), new]))
+    assert sender.sends == 0 and c._store.has(c._ns, new.key) and c.stats.push_failures == 0
+    assert list(c._unpushed) == ["01" * 8, new.key]  # pushed once pushing resumes (a later engine's start, say)
+
+
+def test_shutdown_cuts_a_held_query_to_a_hung_receiver_and_stores_everything(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cut at shutdown, a held-chunk query fails the push: no new connection for the chunks, no pause of asking."""
+    import socket
+
+    from hurray_vllm.transport.tcp import TcpSender
+
+    class _Quick(TcpSender):  # 10 s instead of 60 for each network step: a push not cut waits that out
+        def held(self, url: str, names: Any, *, timeout: float = 10.0, keys: Any = None) -> Any:
+            return super().held(url, names, timeout=timeout, keys=keys)
+
+        def send(self, url: str, chunks: Any, *, timeout: float = 10.0, keys: Any = None) -> Any:
+            return super().send(url, chunks, timeout=timeout, keys=keys)
+
+    monkeypatch.setattr(conn, "SHUTDOWN_PUSH_GRACE_S", 0.5)
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)  # accepted by the kernel, never answered
+        c = _bare_worker(conn, meta, tmp_path, _Quick())  # type: ignore[arg-type]
+        c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
+        c._writer = conn._Writer(1 << 30, on_full=c._abort_push)
+        _store_one(c, meta, "01" * 8)
+        c._unpushed["01" * 8] = None  # a push failed earlier: the next delivery asks about it first
+        keys = [f"{i:02x}" * 8 for i in range(2, 5)]
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, [0] * 8, [1, 2]) for k in keys]))
+        time.sleep(0.2)  # the query is out
+        t0 = time.monotonic()
+        c.shutdown()
+        assert time.monotonic() - t0 < conn.SHUTDOWN_PUSH_GRACE_S + 3
+    assert all(c._store.has(c._ns, k) for k in keys) and c.stats.push_failures == 1
+    assert c._ask_paused_until == 0.0  # the receiver may well answer queries: it was cut, not too old
+
+
+def test_shutdown_ends_the_writer_thread_and_lets_the_worker_go(conn: ModuleType, meta: ModuleType, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The idle writer's thread holds its worker (on_idle): shutdown ends it, so neither outlives the engine."""
+    import gc
+    import weakref
+
+    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c._async = True
+    c._writer = conn._Writer(1 << 30, on_full=c._abort_push, on_idle=c._push_held_back, idle_s=0.05)
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, list(range(8)), [1, 2])]))
+    thread = c._writer._thread
+    assert thread is not None and c.flush(timeout=30) and thread.is_alive()
+    c.shutdown()
+    assert not thread.is_alive() and c._store.has(c._ns, "01" * 8)
+    worker = weakref.ref(c)
+    del c
+    gc.collect()
+    assert worker() is None
+
+
+def test_a_closed_writer_runs_its_jobs_first_and_a_later_job_starts_it_again(conn: ModuleType) -> None:
+    w = conn._Writer(1 << 20, on_idle=lambda: None, idle_s=0.01)
+    gate = threading.Event()
+    done: list[int] = []
+    w.submit(gate.wait, 1)
+    w.submit(lambda: done.append(1), 1)
+    thread = w._thread
+    assert not w.close(timeout=0.05)  # a job still runs
+    gate.set()
+    assert w.close(timeout=5) and not thread.is_alive() and done == [1]
+    w.submit(lambda: done.append(2), 1)
+    assert w.flush(timeout=5) and done == [1, 2] and w.close(timeout=5)
 
 
 def _vllm_config(

@@ -65,7 +65,7 @@ class _Writer:
     """One background thread running submitted jobs in order, with a bound on the bytes they hold.
 
     Jobs never raise into the thread (they log); :meth:`flush` waits until
-    every job submitted so far has finished.
+    every job submitted so far has finished; :meth:`close` ends the thread.
     """
 
     def __init__(
@@ -87,6 +87,7 @@ class _Writer:
         self._held = 0
         self._max = max_bytes
         self._thread: threading.Thread | None = None
+        self._ending = False  # close() queued the None that ends the thread
 
     def submit(self, job: Callable[[], None], nbytes: int) -> None:
         """Queue ``job``; blocks first while the queued jobs hold more than the bound."""
@@ -103,7 +104,8 @@ class _Writer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hurray-save", daemon=True)
                 self._thread.start()
-        self._jobs.put((job, nbytes))
+            # Under the lock: an ending thread looks at the queue under it too (_run), and never leaves a job behind.
+            self._jobs.put((job, nbytes))
 
     def _run(self) -> None:
         while True:
@@ -117,7 +119,12 @@ class _Writer:
                     log.exception("hurray: background push failed")
                 continue
             if item is None:
-                return
+                with self._cond:
+                    if self._jobs.empty():
+                        self._thread, self._ending = None, False
+                        return
+                self._jobs.put(None)  # jobs submitted after close(): they run first
+                continue
             job, nbytes = item
             try:
                 job()
@@ -128,11 +135,30 @@ class _Writer:
                     self._pending -= 1
                     self._held -= nbytes
                     self._cond.notify_all()
+            # Not kept while the thread waits for the next job: a job holds its worker and its block copies.
+            del item, job
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job has run; False if ``timeout`` seconds passed first."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float) -> bool:
+        """End the thread once the jobs submitted so far have run; False if it still runs after ``timeout`` seconds.
+
+        Call it again to wait longer. Without it the idle thread would live on,
+        and keep ``on_idle``'s owner (the worker) alive with it. A job
+        submitted later starts a new thread.
+        """
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return True
+            if not self._ending:
+                self._ending = True
+                self._jobs.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
 
 
 #: Writers of live connectors, drained at interpreter exit so that no chunk is lost half-way.
@@ -226,6 +252,8 @@ PUSH_BACKOFF_S = 10.0
 PUSH_BACKOFF_MAX_S = 160.0
 #: At shutdown, how long pending pushes may go on before the writer only stores.
 SHUTDOWN_PUSH_GRACE_S = 5.0
+#: At shutdown, how long the writer may then take to store what it holds.
+SHUTDOWN_SAVE_S = 60.0
 #: After a receiver could not say which chunks it holds (older than the query), how long none is asked.
 ASK_BACKOFF_S = 600.0
 #: How many pushed keys a worker remembers (not pushing them again from its store).
@@ -703,9 +731,7 @@ class HurrayWorker:
         default) or inside the step.
         """
         if self._sender is None or self._url is None or time.monotonic() < self._push_paused_until:
-            for _ in self._stored(ec, caches, iter(items), push=False):
-                pass
-            self._remember_unpushed(items)
+            self._store_only(ec, caches, items)
             return
         if self._unpushed:  # stored earlier, not pushed then: first, as chunks to push on from the store
             retry = [(SaveTask("", k, [], [], forward=True), None, None) for k in self._unpushed]
@@ -715,6 +741,11 @@ class HurrayWorker:
         self._cut_short = False
         try:
             forward = self._forward_plan(self._sender, self._url, items)
+            if time.monotonic() < self._push_paused_until:
+                # Paused while the receiver was asked (shutdown): a connection made now is one no abort
+                # aimed at, and the push would hold the local writes for its whole timeout.
+                self._store_only(ec, caches, items)
+                return
             self._sender.send(self._url, self._stored(ec, caches, rest, push=True, forward=forward), keys=self._keys)
         except Exception as exc:  # a channel's unforeseen error too: the rest must still be stored here
             self.stats.push_failures += 1
@@ -734,6 +765,12 @@ class HurrayWorker:
             self._remember_unpushed(items)
         else:
             self._push_backoff = PUSH_BACKOFF_S
+
+    def _store_only(self, ec: EngineCache, caches: list[torch.Tensor], items: list[_Item]) -> None:
+        """Store the items' chunks here without pushing; remember them to push once pushing resumes."""
+        for _ in self._stored(ec, caches, iter(items), push=False):
+            pass
+        self._remember_unpushed(items)
 
     def _push_held_back(self) -> None:
         """The writer is idle: push on the chunks a failed push held back, once the pause is over.
@@ -820,7 +857,8 @@ class HurrayWorker:
         correctness.
 
         Raises:
-            OSError: the receiver cannot be reached (the push fails as a whole, and pauses).
+            OSError: the receiver cannot be reached, or this engine cut the query short
+                (:meth:`_abort_push`): the push fails as a whole, and pauses; asking does not.
         """
         try:
             plan = {
@@ -838,6 +876,8 @@ class HurrayWorker:
         try:
             held = {n for _ns, n in sender.held(url, ask, keys=self._keys)}
         except (HurrayFormatError, NotImplementedError) as exc:
+            if self._cut_short:  # this engine cut the query short (a full queue, shutdown): not the receiver's age
+                raise
             self._ask_paused_until = time.monotonic() + ASK_BACKOFF_S
             log.info("hurray: %s did not say which chunks it holds (%s); pushing them", url, exc)
             return plan
@@ -912,8 +952,13 @@ class HurrayWorker:
             self._mark_pushed(name)
 
     def _register_chunk_buffers(self) -> None:
-        """Register the reused chunk buffers with the sender once (again only when they grow; TCP ignores it)."""
-        memory = [m for b in self._chunk_buffers for m in b.memory]
+        """Register the reused chunk buffers with the sender once (again only when they grow; TCP ignores it).
+
+        Host buffers only: a GPU engine exports into device memory, whose pools
+        the NIXL sender copies to the host chunk by chunk (registering it
+        would refuse them, and fail every push).
+        """
+        memory = [m for b in self._chunk_buffers for m in b.memory if m.device.type == "cpu"]
         sender = self._sender
         if sender is None or [m.data_ptr() for m in memory] == [m.data_ptr() for m in self._registered]:
             return
@@ -1089,14 +1134,19 @@ class HurrayWorker:
         return self._writer.flush(timeout)
 
     def shutdown(self) -> None:
-        """Finish the background saves (up to a minute); pushes get :data:`SHUTDOWN_PUSH_GRACE_S` of it."""
+        """Finish the background saves (up to a minute) and end the writer; pushes get :data:`SHUTDOWN_PUSH_GRACE_S`."""
         self._closing = True
-        if not self._writer.flush(timeout=SHUTDOWN_PUSH_GRACE_S):
-            # A push still waiting (a hung destination) must not keep the local writes from the disk.
-            self._push_paused_until = float("inf")
+        self._writer.flush(timeout=SHUTDOWN_PUSH_GRACE_S)
+        # From here on the writer only stores: a push still waiting (a hung destination) must not keep the
+        # local writes from the disk. Cut again and again, as a full queue does: a delivery past its look at
+        # the pause may still open a connection after any one abort.
+        self._push_paused_until = float("inf")
+        deadline = time.monotonic() + SHUTDOWN_SAVE_S
+        while not self._writer.close(timeout=0.05):
+            if time.monotonic() >= deadline:
+                log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
+                return
             self._abort_push()
-        if not self._writer.flush(timeout=60.0):
-            log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
 
     def get_transfer_results(self) -> tuple[set[str], set[str]]:
         """The asynchronous loads done since the last call, and those of them that failed; then forgets them."""
