@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.heads import partitions
 from ..kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from .digest import DIGEST_KEY, chunk_digest
@@ -83,6 +83,8 @@ def _chained(prev: str | None, namespace: str) -> hashlib.blake2b:
 
 def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: str) -> list[str]:
     """Keys of the whole chunks of ``token_ids``; key ``i`` covers tokens ``[0, (i+1)*chunk_tokens)``."""
+    if chunk_tokens < 1:
+        raise HurrayArgumentError("chunk_tokens", f"expected a positive number of tokens, got {chunk_tokens}")
     keys: list[str] = []
     for i in range(len(token_ids) // chunk_tokens):
         h = _chained(keys[-1] if keys else None, namespace)
@@ -162,6 +164,10 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
     A request run under a LoRA adapter or a ``cache_salt`` is keyed with its
     own seed, and one with images or prompt embeddings gets no chunks, as
     the connector keys them (:data:`KEY_SEEDS`, which ``snapshot()`` records).
+
+    Raises:
+        HurrayArgumentError: ``chunk_tokens`` is not a positive multiple of the page size.
+        HurrayFormatError: the snapshot has no fingerprint, or layers paged in other sizes.
     """
     if snap.fingerprint is None:
         raise HurrayFormatError(
@@ -170,8 +176,16 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
     if not snap.num_layers:
         return []
     ps = snap.page_size
+    # The caller's choice, not the data's: an argument error (0 divided by zero, a negative size wrote
+    # files under the keys of real chunks).
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise HurrayArgumentError("chunk_tokens", f"expected a positive number of tokens, got {chunk_tokens!r}")
     if chunk_tokens % ps:
-        raise HurrayFormatError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
+        raise HurrayArgumentError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
+    if any(t.page_size != ps for t in snap.tensors()):
+        raise HurrayFormatError(
+            "snapshot.structure", "layers are paged in different sizes: repage_snapshot() it to one page size first"
+        )
     tails = tails and snap.windows is None and snap.states is None
     seeds = sequence_seeds(snap, namespace_of(snap.fingerprint))
     per = chunk_tokens // ps

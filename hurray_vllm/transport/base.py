@@ -57,7 +57,7 @@ from ..chunks.digest import check_heads
 from ..chunks.keys import CHUNK_NAME, namespace_of
 from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 from .security import AUTH_MAGIC, answer_challenge, authenticate
 
@@ -618,13 +618,15 @@ class ReceiverBase(abc.ABC):
         tls: ssl.SSLContext | None = None,
     ) -> None:
         if not (0 < timeout < _MAX_TIMEOUT_S and 0 < idle_timeout < _MAX_TIMEOUT_S):  # NaN fails both too
-            raise ValueError(
-                f"timeouts must be positive and finite seconds, got timeout={timeout}, idle_timeout={idle_timeout}"
+            raise HurrayArgumentError(
+                "timeout",
+                f"timeouts must be positive and finite seconds, got timeout={timeout}, idle_timeout={idle_timeout}",
             )
         if max_connections < 1 or max_chunk_bytes < 1 or min_free_bytes < 0 or (quota_bytes or 0) < 0:
-            raise ValueError(
+            raise HurrayArgumentError(
+                "limits",
                 f"limits must be positive, got max_connections={max_connections}, max_chunk_bytes="
-                f"{max_chunk_bytes}, quota_bytes={quota_bytes}, min_free_bytes={min_free_bytes}"
+                f"{max_chunk_bytes}, quota_bytes={quota_bytes}, min_free_bytes={min_free_bytes}",
             )
         self.store = store
         self.timeout = timeout

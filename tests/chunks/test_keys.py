@@ -59,3 +59,17 @@ def test_malformed_seeds_name_the_field(seeds: object) -> None:
     with pytest.raises(hv.HurrayFormatError) as err:
         chunks_of(_batch(seeds), CHUNK)  # type: ignore[arg-type]
     assert err.value.field == f"snapshot.extra.{KEY_SEEDS}"
+
+
+@pytest.mark.parametrize("size", [0, -4, 6, 4.0, True])
+def test_a_chunk_size_that_cannot_be_is_an_argument_error(size: object, tmp_path: Path) -> None:
+    """0 divided by zero, -4 wrote a file under the key of a real 4-token chunk, 6 (pages of 4) was data's fault."""
+    snap = _batch(None)
+    with pytest.raises(hv.HurrayArgumentError) as exc:
+        chunks_of(snap, size)  # type: ignore[arg-type]
+    assert exc.value.field == "chunk_tokens"
+    with pytest.raises(hv.HurrayArgumentError):
+        store_snapshot(DirectoryStore(tmp_path), snap, size)  # type: ignore[arg-type]
+    assert not list(tmp_path.rglob("*.hrry"))
+    with pytest.raises(hv.HurrayArgumentError):
+        chunk_keys([1, 2, 3], 0, "ns")

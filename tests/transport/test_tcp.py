@@ -108,7 +108,7 @@ def test_an_idle_connection_is_closed_after_idle_timeout(receiver: Receiver) -> 
 
 
 def test_bad_timeouts_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="timeouts must be positive"):
+    with pytest.raises(hv.HurrayArgumentError, match="timeouts must be positive"):
         Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), idle_timeout=0)
 
 
@@ -363,7 +363,7 @@ def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) ->
             time.sleep(0.01)
         send_chunks(_url(r), [(ns, key, chunk)], timeout=10)  # served again once the first is gone
         assert DirectoryStore(tmp_path).has(ns, key)
-    with pytest.raises(ValueError, match="max_connections=0"):
+    with pytest.raises(hv.HurrayArgumentError, match="max_connections=0"):
         Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=0)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...chunks.signing import FleetKeys
-from ...errors import HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.snapshot import KVSnapshot
 from ..base import (
     DEFAULT_TIMEOUT_S,
@@ -140,7 +140,7 @@ class NixlSender(ChunkSender):
         lanes: int | None = None,
     ) -> None:
         if lanes is not None and lanes < 1:
-            raise ValueError(f"lanes must be at least 1, got {lanes}")
+            raise HurrayArgumentError("lanes", f"lanes must be at least 1, got {lanes}")
         n = lanes if lanes is not None else min(DEFAULT_LANES, _usable_cpus())
         self._agents = [make_agent(f"send{i}" if i else "send", backend_params, progress_thread) for i in range(n)]
         self._agent = self._agents[0]
