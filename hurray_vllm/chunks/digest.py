@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -156,21 +157,101 @@ def digest_header(snap: KVSnapshot) -> bytes:
     if snap.heads is not None:  # one tensor-parallel rank's slice of the heads only, likewise
         meta["heads"] = snap.heads.to_json()
     parts = [_HEADER_MAGIC, json.dumps(meta, sort_keys=True, separators=(",", ":"), default=str).encode()]
+    parts.append(_tensor_section(digest_tensors(snap)))
+    # Recurrent states travel inline with the descriptors (a receiver has them before the pools).
+    for layer in snap.states.tensors if snap.states is not None else ():
+        parts += [byte_view(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)).tobytes() for t in layer]
+    return b"".join(parts)
+
+
+def _index_bytes(idx: torch.Tensor) -> bytes:
+    return idx.to(torch.int64).contiguous().cpu().numpy().tobytes()
+
+
+def _tensor_section(tensors: list[BlockPagedTensor]) -> bytes:
+    """The header's part after the metadata: per tensor its descriptor (length first), block table and seq_ptr.
+
+    The descriptor is encoded, the index tensors as int64 bytes.
+
+    Remembered whole (:data:`_SECTIONS`) for the common snapshot whose tensors share one block structure
+    and one pool geometry, as every chunk of a model does: keyed by all that decides the part, that is the
+    shared index bytes, token count, dtype, pool shape and index type, and each tensor's role and layer.
+    """
+    key = _uniform_key(tensors) if _sections_on else None
+    if key is not None:
+        got = _SECTIONS.get(key)
+        if got is not None:
+            return got
+    parts: list[bytes] = []
     # A snapshot's layers share their index tensors (and their lengths): each is turned into bytes once.
     index_bytes: dict[int, bytes] = {}
     totals: dict[int, int] = {}
-    for t in digest_tensors(snap):
+    for t in tensors:
         desc = _encoded_descriptor(t, totals)
         parts += [len(desc).to_bytes(4, "little"), desc]
         for idx in (t.block_table, t.seq_ptr):
             got = index_bytes.get(id(idx))
             if got is None:
-                got = index_bytes[id(idx)] = idx.to(torch.int64).contiguous().cpu().numpy().tobytes()
+                got = index_bytes[id(idx)] = _index_bytes(idx)
             parts.append(got)
-    # Recurrent states travel inline with the descriptors (a receiver has them before the pools).
-    for layer in snap.states.tensors if snap.states is not None else ():
-        parts += [byte_view(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)).tobytes() for t in layer]
-    return b"".join(parts)
+    section = b"".join(parts)
+    if key is not None and len(section) <= _SECTION_MAX_BYTES:
+        if len(_SECTIONS) >= _SECTIONS_MAX:
+            _SECTIONS.clear()
+        _SECTIONS[key] = section
+    return section
+
+
+def _uniform_key(tensors: list[BlockPagedTensor]) -> tuple[object, ...] | None:
+    """What decides :func:`_tensor_section` of ``tensors`` sharing one structure; ``None`` if they do not.
+
+    One block table, seq_ptr and seq_lens tensor (the same objects), one pool dtype and shape,
+    one index type and token count, no quantization: the descriptors then differ only in role
+    and layer. Small index tensors only (the key holds their bytes).
+    """
+    if not tensors:
+        return None
+    t0 = tensors[0]
+    bt, sp, lens, n0, it = t0.block_table, t0.seq_ptr, t0.seq_lens, t0.num_tokens, t0.index_type
+    dtype, shape = t0.page_pool.dtype, t0.page_pool.shape
+    if bt.numel() + sp.numel() > _SECTION_MAX_INDEX:
+        return None
+    roles = []
+    for t in tensors:
+        pool = t.page_pool
+        if (
+            t.block_table is not bt
+            or t.seq_ptr is not sp
+            or t.seq_lens is not lens
+            or t.num_tokens != n0
+            or t.index_type != it
+            or t.quantization is not None
+            or t.quant_buffers
+            or pool.dtype != dtype
+            or pool.shape != shape
+        ):
+            return None
+        roles.append((t.kv_role, t.layer_index))
+    total = t0.total_tokens
+    return (dtype, tuple(shape), it, total, _index_bytes(bt), _index_bytes(sp), tuple(roles))
+
+
+def remember_sections(on: bool) -> bool:
+    """Remember digest headers' tensor sections (``on``, the default) or build each afresh; the previous setting.
+
+    ``HURRAY_PARSE_MEMO=0`` in the environment starts with it off (for comparisons).
+    """
+    global _sections_on
+    before, _sections_on = _sections_on, bool(on)
+    return before
+
+
+_sections_on = os.environ.get("HURRAY_PARSE_MEMO", "1") != "0"
+#: Tensor sections of digest headers by :func:`_uniform_key`: every chunk file of a model repeats its own.
+_SECTIONS: dict[tuple[object, ...], bytes] = {}
+_SECTIONS_MAX = 64
+_SECTION_MAX_BYTES = 64 << 10
+_SECTION_MAX_INDEX = 4096
 
 
 #: Encoded descriptors by what decides them (:func:`_encoded_descriptor`): every chunk of a model repeats them.

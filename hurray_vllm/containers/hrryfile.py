@@ -27,7 +27,7 @@ import torch
 
 from ..errors import HurrayFormatError
 from ..wire.crc32c import crc32c
-from ..wire.descriptor import LAYOUT_COMPOSITE, encode_descriptor, peek_descriptor_length
+from ..wire.descriptor import LAYOUT_COMPOSITE, TensorDescriptor, encode_descriptor, peek_descriptor_length
 from ..wire.rules import decode_checked
 from .atomic import atomic_file
 from .schema import MAX_RECORDS, Record
@@ -286,6 +286,28 @@ def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, 
 # ── reading ─────────────────────────────────────────────────────────────────
 
 
+#: Index rows by value, so that equal rows of two indexes are one object (see :func:`_interned`).
+_ENTRIES: dict[IndexEntry, IndexEntry] = {}
+_ENTRIES_MAX = 8192
+_entries_lock = threading.Lock()
+
+
+def _interned(entry: IndexEntry) -> IndexEntry:
+    """The one object of ``entry``'s value.
+
+    Chunk files whose indexes differ in one row (a longer metadata record) then share the other
+    rows, and comparing lists of them costs a pointer test per row (:mod:`.template` compares a
+    file's rows with those of a file parsed before).
+    """
+    with _entries_lock:
+        got = _ENTRIES.get(entry)
+        if got is None:
+            if len(_ENTRIES) >= _ENTRIES_MAX:
+                _ENTRIES.clear()
+            got = _ENTRIES[entry] = entry
+        return got
+
+
 @functools.lru_cache(maxsize=256)
 def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> tuple[IndexEntry, ...]:
     """The checked rows of an index (remembered: files of one shape share their index bytes)."""
@@ -326,7 +348,7 @@ def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> 
             raise HurrayFormatError(
                 "file.index.data_offset", f"entry {name!r} data overlaps the file header or its descriptor"
             )
-        entries.append(IndexEntry(name, d_off, d_len, data_off, data_len))
+        entries.append(_interned(IndexEntry(name, d_off, d_len, data_off, data_len)))
     if pos != len(index):
         raise HurrayFormatError("file.index", f"{len(index) - pos} stray bytes after the last entry")
     # No two regions may share bytes: a writer lays each out once, and a file whose entries point at
@@ -552,6 +574,12 @@ class HrryFile:
 
     def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:
         """The record of ``entry``; its descriptor is validated before any buffer."""
+        desc = self.descriptor(entry, permissive=permissive)
+        spans = self.buffer_spans(entry, desc)
+        return Record(entry.name, desc, [self.buffer(pos, size, entry.name, i) for i, (pos, size) in enumerate(spans)])
+
+    def descriptor(self, entry: IndexEntry, *, permissive: bool = False) -> TensorDescriptor:
+        """The decoded descriptor of ``entry``, refused (by name) if it breaks a blocking rule."""
         # Error names are built only when raising: this runs for every record of every file.
         n = entry.descriptor_length
         raw = self._read_at(entry.descriptor_offset, n, entry.name, ".descriptor")
@@ -560,8 +588,11 @@ class HrryFile:
             raise HurrayFormatError(
                 "file.index.descriptor_length", f"{entry.name}: the index says {n} bytes, the descriptor {own}"
             )
-        desc = decode_checked(raw, entry.name, permissive=permissive)
-        buffers = []
+        return decode_checked(raw, entry.name, permissive=permissive)
+
+    def buffer_spans(self, entry: IndexEntry, desc: TensorDescriptor) -> list[tuple[int, int]]:
+        """Where each buffer of ``entry`` lies in the file: ``(offset, size)``, checked against the file and index."""
+        spans = []
         pos = entry.data_offset
         end = self.size - TRAILER_LEN
         for i, b in enumerate(desc.buffers):
@@ -572,26 +603,44 @@ class HrryFile:
                 raise HurrayFormatError(
                     f"{entry.name} buffer {i}", f"{size} bytes at {pos} run past the end of the file"
                 )
-            # Pools are views of the map (or of the file read whole). Small buffers (block tables,
-            # seq_ptr, metadata) are copied out of it, so they do not pin the map or share its pages.
-            if self._map is not None and size >= _MMAP_MIN:
-                buffers.append(torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=pos))
-            elif self._map is not None and size:
-                buffers.append(torch.frombuffer(bytearray(self._map[pos : pos + size]), dtype=torch.uint8))
-            else:
-                t = torch.empty(size, dtype=torch.uint8)
-                if size:
-                    assert self._f is not None  # as in _read_at
-                    self._f.seek(pos)
-                    read_into(self._f, byte_view(t), f"{entry.name} buffer {i}")
-                buffers.append(t)
+            spans.append((pos, size))
             pos += size
         if desc.buffers and pos - entry.data_offset != entry.data_length:
             raise HurrayFormatError(
                 "file.index.data_length",
                 f"{entry.name}: buffers need {pos - entry.data_offset} bytes, the index says {entry.data_length}",
             )
-        return Record(entry.name, desc, buffers)
+        return spans
+
+    def buffer(self, pos: int, size: int, name: str = "", index: int = 0) -> torch.Tensor:
+        """The ``size`` bytes at ``pos`` (a span :meth:`buffer_spans` gave) as a uint8 tensor.
+
+        ``name`` and ``index``: the record and buffer, for the error of a file that shrank meanwhile.
+
+        Pools are views of the map (or of the file read whole). Small buffers (block tables,
+        seq_ptr, metadata) are copied out of it, so they do not pin the map or share its pages.
+        """
+        if self._map is not None and size >= _MMAP_MIN:
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=size, offset=pos)
+        if self._map is not None and size:
+            return torch.frombuffer(bytearray(self._map[pos : pos + size]), dtype=torch.uint8)
+        t = torch.empty(size, dtype=torch.uint8)
+        if size:
+            assert self._f is not None  # as in _read_at
+            self._f.seek(pos)
+            read_into(self._f, byte_view(t), f"{name} buffer {index}")
+        return t
+
+    def typed_buffer(self, pos: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """``buffer(pos, size).view(dtype)`` in one step where the buffer is a view (one tensor fewer)."""
+        if self._map is not None and size >= _MMAP_MIN and size % dtype.itemsize == 0:
+            return torch.frombuffer(self._map, dtype=dtype, count=size // dtype.itemsize, offset=pos)
+        return self.buffer(pos, size).view(dtype)
+
+    @property
+    def whole(self) -> memoryview | _mmap.mmap | None:
+        """Every byte of the file (read whole or mapped), or ``None`` when buffers are read one by one."""
+        return self._map
 
     def records(self, *, permissive: bool = False) -> Iterator[Record]:
         """Every record of the file, in index order (``permissive`` as for :meth:`read`)."""

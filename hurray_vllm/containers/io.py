@@ -20,6 +20,7 @@ from .atomic import atomic_file
 from .hrryfile import FILE_MAGIC, FileBytes, HrryFile, read_whole, write_file
 from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records, state_records
 from .stream import LayerWriter, read_records, write_records
+from .template import load_hrry
 
 __all__ = [
     "SUFFIX_FORMATS",
@@ -257,8 +258,7 @@ def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
         return load(data.path, permissive=permissive)
     try:
         with HrryFile(data.path, data=data) as hf:
-            nodes = group_records(hf.records(permissive=permissive), permissive=permissive)
-            return assemble_snapshot(nodes, permissive=permissive)
+            return load_hrry(hf, permissive=permissive)
     except HurrayFormatError:
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
@@ -316,6 +316,9 @@ def load(
             from .safetensors import load_safetensors
 
             return load_safetensors(path, permissive=permissive)
+        if fmt == "hrry" and not progress:
+            with HrryFile(path, mmap=mmap, whole=not mmap) as hf:  # every record is read: the file in one read
+                return load_hrry(hf, permissive=permissive)
         return assemble_snapshot(
             group_records(
                 _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive

@@ -65,7 +65,9 @@ def loads_bounded(raw: bytes | str, field: str) -> Any:
         raise HurrayFormatError(field, f"JSON nested deeper than {MAX_DEPTH} levels") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise HurrayFormatError(field, f"not valid UTF-8 JSON: {exc}") from None
-    _check_depth(value, field)
+    # A text that opens at most MAX_DEPTH arrays and objects cannot nest deeper: no walk needed.
+    if not isinstance(text, str) or text.count("[") + text.count("{") > MAX_DEPTH:
+        _check_depth(value, field)
     return value
 
 

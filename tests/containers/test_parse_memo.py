@@ -1,0 +1,349 @@
+"""The parse memo (``containers.template``): a file built from a remembered structure is what the general reader
+builds, down to the errors, and a byte the memo compared that differs sends the file to the general reader."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hurray_vllm as hv
+from hurray_vllm.chunks import digest
+from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest, digest_header
+from hurray_vllm.chunks.store import DirectoryStore
+from hurray_vllm.containers import template
+from hurray_vllm.containers.hrryfile import HrryFile
+from hurray_vllm.containers.io import load_file_bytes, read_file, save_records
+from hurray_vllm.containers.schema import Record
+from hurray_vllm.kv.paged import BlockPagedTensor
+from hurray_vllm.kv.snapshot import KVSnapshot, ModelFingerprint, SnapshotSource
+
+FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "150"))
+LAYERS, HEADS, DIM, PAGE = 3, 8, 128, 16  # pools of 64 KiB: views of the file's memory, as a chunk's are
+FP = ModelFingerprint("LlamaForCausalLM", LAYERS, HEADS, DIM, "bfloat16")
+
+
+def chunk(seed: int, *, pages: int = 2, request: str = "0", heads: int = HEADS, fp8: bool = False) -> KVSnapshot:
+    """A one-sequence chunk as the connector stores it: shared index tensors, fingerprint, digest."""
+    g = torch.Generator().manual_seed(seed)
+    bt, sp, sl = torch.arange(pages), torch.tensor([0, pages]), torch.tensor([pages * PAGE])
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+    def pool() -> torch.Tensor:
+        return torch.randn(pages, PAGE, heads, DIM, generator=g).to(dtype)
+
+    keys = tuple(BlockPagedTensor(pool(), bt, sp, sl, "key", i) for i in range(LAYERS))
+    values = tuple(BlockPagedTensor(pool(), bt, sp, sl, "value", i) for i in range(LAYERS))
+    snap = KVSnapshot(
+        keys=keys,
+        values=values,
+        token_ids=(tuple(range(seed, seed + pages * PAGE)),),
+        fingerprint=FP,
+        source=SnapshotSource("vllm", "cpu", PAGE),
+        request_ids=(request,),
+        kv_scales=tuple((0.5, 0.25) for _ in range(LAYERS)) if fp8 else None,
+    )
+    return replace(snap, extra={DIGEST_KEY: chunk_digest(snap)})
+
+
+def put(tmp: Path, name: str, snap: KVSnapshot) -> Path:
+    store = DirectoryStore(tmp)
+    store.put("ns", name, snap, replace=True)
+    return store.path("ns", name)
+
+
+@pytest.fixture(autouse=True)
+def fresh_memo() -> Iterator[None]:
+    template.clear()
+    before = template.set_enabled(True)
+    yield
+    template.set_enabled(before)
+    template.clear()
+
+
+def outcome(fn: Callable[[], KVSnapshot]) -> tuple[Any, ...]:
+    """What a load gave: its error (type, field, message), or the snapshot."""
+    try:
+        return ("ok", fn())
+    except hv.HurrayFormatError as exc:
+        return ("error", type(exc), exc.field, str(exc))
+
+
+def general(fn: Callable[[], KVSnapshot]) -> tuple[Any, ...]:
+    before = template.set_enabled(False)
+    try:
+        return outcome(fn)
+    finally:
+        template.set_enabled(before)
+
+
+def assert_same_outcome(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    assert a[0] == b[0], (a, b)
+    if a[0] == "error":
+        assert a == b
+    else:
+        assert_same(a[1], b[1])
+
+
+def _sharing(snap: KVSnapshot) -> list[tuple[int, ...]]:
+    """Which tensors of ``snap`` are one object (block tables, pointers, lengths), as a pattern of first uses."""
+    seen: dict[int, int] = {}
+    out = []
+    for t in snap.tensors():
+        out.append(tuple(seen.setdefault(id(x), len(seen)) for x in (t.block_table, t.seq_ptr, t.seq_lens)))
+    return out
+
+
+def assert_same(a: KVSnapshot, b: KVSnapshot) -> None:
+    """Equal in every field, tensors in dtype, shape, strides and values; index tensors shared alike."""
+    for f in fields(KVSnapshot):
+        if f.name not in ("keys", "values", "fused", "states"):
+            assert getattr(a, f.name) == getattr(b, f.name), f.name
+    assert a.states is None and b.states is None
+    assert len(a.tensors()) == len(b.tensors())
+    for x, y in zip(a.tensors(), b.tensors(), strict=True):
+        for f in fields(BlockPagedTensor):
+            u, v = getattr(x, f.name), getattr(y, f.name)
+            if isinstance(u, torch.Tensor):
+                assert isinstance(v, torch.Tensor), f.name
+                assert (u.dtype, u.shape, u.stride(), u.is_contiguous()) == (v.dtype, v.shape, v.stride(), True)
+                assert torch.equal(u.view(torch.uint8), v.view(torch.uint8)), f.name
+            elif isinstance(u, tuple):
+                assert len(u) == len(v) and all(torch.equal(p, q) for p, q in zip(u, v, strict=True)), f.name
+            else:
+                assert u == v, f.name
+    assert _sharing(a) == _sharing(b)
+
+
+def test_chunks_of_one_structure_load_from_the_memo_as_the_general_reader_loads_them(tmp_path: Path) -> None:
+    # Request ids of one and two digits: the metadata record (and the index) differ in length.
+    paths = [put(tmp_path, f"c{i}", chunk(i, request=str(i * 7))) for i in range(4)]
+    for p in paths:
+        for load in (lambda p=p: load_file_bytes(read_file(p)), lambda p=p: hv.load(p)):
+            assert_same_outcome(outcome(load), general(load))
+    got = template.stats()
+    assert got["learned"] == 1 and got["hits"] == 7 and got["misses"] == 1 and got["kept"] == 1
+
+
+def test_snapshots_from_the_memo_share_no_tensor_with_each_other(tmp_path: Path) -> None:
+    p = put(tmp_path, "c", chunk(1))
+    hv.load(p)  # learned
+    a, b = hv.load(p), hv.load(p)
+    assert template.stats()["hits"] == 2
+    for x, y in zip(a.tensors(), b.tensors(), strict=True):
+        for name in ("page_pool", "block_table", "seq_ptr", "seq_lens"):
+            u, v = getattr(x, name), getattr(y, name)
+            assert u.data_ptr() != v.data_ptr(), name
+    # Written into in place, one snapshot's index tensors change nothing another load sees.
+    a.keys[0].block_table.add_(1)
+    a.keys[0].seq_lens.zero_()
+    c = hv.load(p)
+    assert c.keys[0].block_table.tolist() == [0, 1] and c.seq_lens == [2 * PAGE] and b.seq_lens == [2 * PAGE]
+    assert_same(c, b)
+
+
+def _flip_each(raw: bytes, start: int, stop: int) -> Iterator[bytearray]:
+    for at in range(start, stop):
+        damaged = bytearray(raw)
+        damaged[at] ^= 0x41
+        yield damaged
+
+
+def test_a_flipped_byte_of_a_remembered_descriptor_or_index_buffer_is_not_taken_from_the_memo(tmp_path: Path) -> None:
+    base = put(tmp_path, "c", chunk(2))
+    raw = base.read_bytes()
+    hv.load(base)
+    with HrryFile(base) as hf:
+        value = next(e for e in hf.entries if e.name == "layers.1.value")
+        lens = next(e for e in hf.entries if e.name == "layers.1.seq_lens")
+        desc = hf.descriptor(value)
+        (_, _), (table, tsize), (ptr, psize) = hf.buffer_spans(value, desc)
+        ((lpos, lsize),) = hf.buffer_spans(lens, hf.descriptor(lens))
+    regions = [
+        (value.descriptor_offset, value.descriptor_offset + value.descriptor_length),
+        (table, table + tsize),
+        (ptr, ptr + psize),
+        (lpos, lpos + lsize),
+    ]
+    path = tmp_path / "damaged.hrry"
+    for start, stop in regions:
+        for damaged in _flip_each(raw, start, stop):
+            path.write_bytes(bytes(damaged))
+            hits = template.stats()["hits"]
+            got = outcome(lambda: load_file_bytes(read_file(path)))
+            assert template.stats()["hits"] == hits, f"byte {damaged} taken from the memo"
+            assert_same_outcome(got, general(lambda: load_file_bytes(read_file(path))))
+
+
+def test_a_changed_pool_is_content_the_memo_reads_from_the_file(tmp_path: Path) -> None:
+    base = put(tmp_path, "c", chunk(3))
+    hv.load(base)
+    with HrryFile(base) as hf:
+        e = next(e for e in hf.entries if e.name == "layers.2.key")
+        (pos, _), *_ = hf.buffer_spans(e, hf.descriptor(e))
+    raw = bytearray(base.read_bytes())
+    raw[pos] ^= 0xFF
+    base.write_bytes(bytes(raw))
+    snap = hv.load(base)
+    assert template.stats()["hits"] == 1
+    assert snap.keys[2].page_pool.view(torch.uint8).reshape(-1)[0] == raw[pos]
+    assert_same(snap, general(lambda: hv.load(base))[1])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        (b'kv_snapshot", "num_layers": 3', b'kv_snapshot", "num_layers": 4'),  # announces a layer the file lacks
+        (b'"format": "hurray-vllm.kv_snapshot"', b'"format": "hurray-vllm.kv_snapshoT"'),
+        (b'"version": 1', b'"version": 9'),
+        (b'"num_seqs": 1', b'"num_seqs": "'),  # no longer JSON
+        (b'"request_ids": ["5"]', b'"request_ids": [555]'),
+    ],
+)
+def test_a_header_the_memo_does_not_remember_is_judged_as_the_general_reader_judges_it(
+    tmp_path: Path, edit: tuple[bytes, bytes]
+) -> None:
+    base = put(tmp_path, "c", chunk(4, request="5"))
+    hv.load(base)
+    raw = base.read_bytes()
+    assert raw.count(edit[0]) == 1
+    path = tmp_path / "edited.hrry"
+    path.write_bytes(raw.replace(*edit))
+    got = outcome(lambda: hv.load(path))
+    assert got[0] == "error" and template.stats()["hits"] == 1  # the layers matched: the header refused it
+    assert_same_outcome(got, general(lambda: hv.load(path)))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["flip", "field"]), data=st.data())
+def test_random_damage_gives_the_general_readers_verdict(tmp_path: Path, kind: str, data: st.DataObject) -> None:
+    base = tmp_path / "base.hrry"
+    if not base.exists():
+        base = put(tmp_path, "base", chunk(5, pages=1))
+        base.rename(tmp_path / "base.hrry")
+        base = tmp_path / "base.hrry"
+    template.clear()
+    hv.load(base)  # learned
+    raw = bytearray(base.read_bytes())
+    # Half the damage lands where the memo compares or reads bytes (all but the pools), half anywhere.
+    spans = _structure(base)
+    where = st.one_of(
+        st.integers(0, len(raw) - 1), st.sampled_from(spans).flatmap(lambda s: st.integers(s[0], s[1] - 1))
+    )
+    if kind == "flip":
+        for _ in range(data.draw(st.integers(1, 4), label="flips")):
+            raw[data.draw(where, label="at")] ^= data.draw(st.integers(1, 255), label="xor")
+    else:
+        at = min(data.draw(where, label="near") // 8, len(raw) // 8 - 1) * 8
+        value = data.draw(st.sampled_from([0, 1, 2, 3, 2**32, 2**63, 2**64 - 1]), label="value")
+        raw[at : at + 8] = value.to_bytes(8, "little")
+    path = tmp_path / "damaged.hrry"
+    path.write_bytes(bytes(raw))
+    for load in (lambda: load_file_bytes(read_file(path)), lambda: hv.load(path)):
+        assert_same_outcome(outcome(load), general(load))
+    if outcome(lambda: hv.load(path))[0] == "ok":
+        assert hv.validate(path).ok
+
+
+def _structure(path: Path) -> list[tuple[int, int]]:
+    """Every span of ``path`` but its page pools: header, descriptors, small buffers, index, trailer."""
+    with HrryFile(path) as hf:
+        spans = [(0, 64), (hf.size - 40, hf.size)]
+        for e in hf.entries:
+            d = hf.descriptor(e)
+            spans.append((e.descriptor_offset, e.descriptor_offset + e.descriptor_length))
+            for i, (pos, size) in enumerate(hf.buffer_spans(e, d)):
+                if size and not (i == 0 and e.name.endswith(("key", "value"))):
+                    spans.append((pos, pos + size))
+        last = max(e.data_offset + e.data_length for e in hf.entries)
+        spans.append((last, hf.size - 40))  # the index
+    return spans
+
+
+def test_permissive_and_strict_reads_keep_templates_of_their_own(tmp_path: Path) -> None:
+    p = put(tmp_path, "c", chunk(6))
+    hv.load(p)
+    hv.load(p, permissive=True)
+    assert template.stats()["learned"] == 2 and template.stats()["hits"] == 0
+    assert_same(hv.load(p, permissive=True), hv.load(p))
+    assert template.stats()["hits"] == 2
+
+
+def test_templates_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(template, "MAX_TEMPLATES", 3)
+    for pages in range(1, 7):  # six shapes of file
+        hv.load(put(tmp_path, f"p{pages}", chunk(pages, pages=pages)))
+        assert template.stats()["kept"] <= 3
+    assert template.stats()["learned"] == 6
+    monkeypatch.setattr(template, "MAX_KEY_BYTES", 100)  # a structure of more compared bytes is not remembered
+    template.clear()
+    hv.load(put(tmp_path, "big", chunk(9)))
+    assert template.stats() == {"hits": 0, "misses": 1, "learned": 0, "kept": 0}
+
+
+def test_fp8_chunks_and_small_pools_load_from_the_memo_too(tmp_path: Path) -> None:
+    # fp8 pools with their kv_scales; pools of 8 KiB, which the reader copies rather than views.
+    for snap in (chunk(7, fp8=True), chunk(8, heads=1)):
+        p = put(tmp_path, "c", snap)
+        hv.load(p)
+        hits = template.stats()["hits"]
+        assert_same(hv.load(p), general(lambda p=p: hv.load(p))[1])
+        assert template.stats()["hits"] == hits + 1
+
+
+def test_files_not_of_the_plain_layout_are_read_the_general_way(tmp_path: Path) -> None:
+    snap = chunk(10)
+    bare = [Record(f"t{i}", t.descriptor(device_tag=0), t.wire_buffers()) for i, t in enumerate(snap.tensors())]
+    path = tmp_path / "bare.hrry"
+    save_records(bare, path)
+    for _ in range(2):
+        got = hv.load(path)
+    assert template.stats()["learned"] == 0 and template.stats()["hits"] == 0
+    assert got.num_layers == LAYERS
+
+
+def test_threads_parsing_at_once_get_the_general_readers_snapshots(tmp_path: Path) -> None:
+    paths = [put(tmp_path, f"c{i}", chunk(20 + i, request=str(i))) for i in range(3)]
+    want = [general(lambda p=p: hv.load(p))[1] for p in paths]
+    datas = [read_file(p) for p in paths]
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for k in range(30):
+                assert_same(load_file_bytes(datas[k % 3]), want[k % 3])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert template.stats()["hits"] > 0
+
+
+def test_the_digest_headers_remembered_sections_are_what_building_them_gives() -> None:
+    snaps = [chunk(30), chunk(31, pages=1), chunk(32, fp8=True)]
+    # Layers that share nothing, and a swapped layer index: keyed apart, or not remembered at all.
+    s = snaps[0]
+    unshared = replace(s, keys=tuple(replace(t, block_table=t.block_table.clone()) for t in s.keys))
+    swapped = replace(s, keys=(replace(s.keys[0], layer_index=1), replace(s.keys[1], layer_index=0), s.keys[2]))
+    digest._SECTIONS.clear()
+    for snap in [*snaps, unshared, swapped, *snaps]:
+        before = digest.remember_sections(False)
+        try:
+            want = digest_header(snap)
+        finally:
+            digest.remember_sections(before)
+        assert digest_header(snap) == want
+    assert len(digest._SECTIONS) == 4  # the three chunks and the swapped one; the unshared one is built afresh
