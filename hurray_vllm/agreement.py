@@ -12,7 +12,7 @@ The rule here, for the other cases: teacher-force engine A's tokens through
 engine B (so one near-tie does not derail everything after it) and require
 each of A's tokens to be B's argmax, or within a stated margin of B's maximum
 logit at that step. The margin is counted in units in the last place (ulps)
-of the model's dtype at the step's largest logit: two engines' logits for the
+of the model's dtype at the step's largest finite logit magnitude: two engines' logits for the
 tiny bf16 test models differ by at most 2 bf16 ulps (measured against vLLM's
 own logprobs: 0.008 at logits of about 0.9, where one ulp is 2**-8), and a gap
 between two logits can be off by both of their errors, hence the default of
@@ -37,7 +37,7 @@ import torch
 
 __all__ = ["DEFAULT_ULPS", "Agreement", "Step", "greedy_agreement", "logit_margin"]
 
-#: Default margin, in ulps of the model's dtype at a step's largest logit (see the module docstring).
+#: Default margin, in ulps of the model's dtype at a step's largest finite logit magnitude (see the module docstring).
 DEFAULT_ULPS = 4
 
 
@@ -104,11 +104,15 @@ class Agreement:
 
 
 def logit_margin(logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16, ulps: int = DEFAULT_ULPS) -> torch.Tensor:
-    """Per-step margin: ``ulps`` units in the last place of ``dtype`` at each row's largest finite logit.
+    """Per-step margin: ``ulps`` units in the last place of ``dtype`` at each row's largest finite magnitude.
 
-    At the largest logit, not the largest magnitude: a masked (``-inf``) or
-    very negative logit says nothing about the error of the top candidates,
-    and would widen the margin until any token passed.
+    The row's scale, not just the compared logits': their errors come from
+    hidden states multiplied through the whole output layer, and grow with
+    the magnitudes it produces (a TP = 4 engine's logits, reduced across
+    ranks in bf16, differ from transformers' by more ulps of the top logit
+    than a TP = 1 engine's). A masked (``-inf``) or otherwise non-finite
+    logit is left out: it says nothing about the scale, and made the margin
+    infinite (any token passed).
 
     Args:
         logits: ``[steps, vocab]``, any floating dtype.
@@ -121,7 +125,7 @@ def logit_margin(logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16, ulps
     if ulps < 0:
         raise ValueError(f"ulps must be >= 0, not {ulps}")
     lf = logits.float()
-    top = torch.where(lf.isfinite(), lf, torch.full_like(lf, -math.inf)).amax(dim=-1)
+    top = torch.where(lf.isfinite(), lf.abs(), torch.zeros_like(lf)).amax(dim=-1)
     return _ulps_at(top, dtype, ulps)
 
 
@@ -161,14 +165,13 @@ def greedy_agreement(
     """
     if logits.dim() != 2 or logits.shape[0] != len(tokens):
         raise ValueError(f"logits must be [{len(tokens)}, vocab] for {len(tokens)} tokens, not {list(logits.shape)}")
-    if ulps < 0:
-        raise ValueError(f"ulps must be >= 0, not {ulps}")
     lf = logits.float()
+    margins = logit_margin(lf, dtype, ulps).tolist()
     best = lf.argmax(dim=-1).tolist()
     exact = 0
     near: list[Step] = []
     miss: list[Step] = []
-    for i, (tok, top) in enumerate(zip(tokens, best)):
+    for i, (tok, top, row_margin) in enumerate(zip(tokens, best, margins)):
         tok = int(tok)
         if not 0 <= tok < lf.shape[1]:
             raise ValueError(f"token {tok} at step {i} is outside the vocabulary of {lf.shape[1]}")
@@ -177,10 +180,9 @@ def greedy_agreement(
         if tok == top or gap == 0.0:  # an exact tie: either index is the argmax
             exact += 1
             continue
-        # The gap's error is that of the two logits compared: ulps at the larger of them (in magnitude).
-        # A non-finite one (a masked token) has no margin: a gap to it is a miss.
+        # A non-finite logit compared (a masked token) has no margin: a gap to it is a miss.
         finite = bool(a.isfinite() and b.isfinite())
-        margin = float(_ulps_at(torch.maximum(a.abs(), b.abs()), dtype, ulps)) if finite else 0.0
+        margin = float(row_margin) if finite else 0.0
         step = Step(i, tok, int(top), gap, margin)
         (near if finite and (gap <= margin or math.isclose(gap, margin)) else miss).append(step)
     return Agreement(len(tokens), exact, tuple(near), tuple(miss))

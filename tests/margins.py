@@ -11,7 +11,7 @@ AMX), not on the KV. Those tests go through :func:`assert_agrees`:
 * one side's tokens are teacher-forced through the other, so one near-tie does
   not derail the rest of the comparison;
 * each token must be the other side's argmax or within
-  ``hurray_vllm.agreement.DEFAULT_ULPS`` (4) bf16 ulps of its top logit, at
+  ``hurray_vllm.agreement.DEFAULT_ULPS`` (4) bf16 ulps of its largest logit magnitude, at
   that logit's magnitude. Why 4: the two engines' logits for the tiny test
   models differ by at most 2 ulps (measured against vLLM's own logprobs), and
   a gap between two logits carries both errors.
