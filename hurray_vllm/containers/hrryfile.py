@@ -289,6 +289,8 @@ def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, 
 #: Index rows by value, so that equal rows of two indexes are one object (see :func:`_interned`).
 _ENTRIES: dict[IndexEntry, IndexEntry] = {}
 _ENTRIES_MAX = 8192
+#: Rows with longer names are not interned (a chunk file's are ``layers.<i>.key`` and the like).
+_INTERNED_NAME_MAX = 256
 _entries_lock = threading.Lock()
 
 
@@ -297,8 +299,11 @@ def _interned(entry: IndexEntry) -> IndexEntry:
 
     Chunk files whose indexes differ in one row (a longer metadata record) then share the other
     rows, and comparing lists of them costs a pointer test per row (:mod:`.template` compares a
-    file's rows with those of a file parsed before).
+    file's rows with those of a file parsed before). A row with a long name (up to 64 KiB) is left
+    as it is: the table holds at most :data:`_ENTRIES_MAX` rows, which must not amount to much memory.
     """
+    if len(entry.name) > _INTERNED_NAME_MAX:
+        return entry
     with _entries_lock:
         got = _ENTRIES.get(entry)
         if got is None:

@@ -317,7 +317,9 @@ def _template(
                 return None
             pools[rec.buffers[0].data_ptr()] = (rec, bufs)
     regions = _joined(spans)
-    if sum(b - a for a, b in regions) > MAX_KEY_BYTES:
+    # The rows it keeps (their names: up to 64 KiB each) count with the compared bytes: a file of long
+    # record names would otherwise be remembered at many times the bound.
+    if sum(b - a for a, b in regions) + sum(len(e.name) for e in entries[_HEADER_RECORDS:]) > MAX_KEY_BYTES:
         return None
     small: list[torch.Tensor] = []
     where: dict[int, int] = {}  # index tensors of the snapshot by identity -> position in small

@@ -289,6 +289,29 @@ def test_templates_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert template.stats() == {"hits": 0, "misses": 1, "learned": 0, "kept": 0}
 
 
+def test_record_names_count_against_a_templates_bound_and_long_ones_are_not_interned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template kept every row's name uncounted (names may be 64 KiB each), and the interning table kept
+    rows of any index, including ones the index memo leaves out for their size."""
+    from hurray_vllm.containers import hrryfile
+    from hurray_vllm.containers.io import open_records, save_records
+    from hurray_vllm.containers.schema import Record
+
+    src = put(tmp_path, "a", chunk(1))
+    monkeypatch.setattr(template, "MAX_KEY_BYTES", 20_000)  # far above the compared bytes (~1.3 KB)
+    long = "n" * 20_000
+    recs = [
+        Record(r.name + ("" if i < 4 else "." + long), r.descriptor, r.buffers) for i, r in enumerate(open_records(src))
+    ]
+    path = tmp_path / "long.hrry"
+    save_records(recs, path)
+    template.clear()
+    hv.load(path)
+    assert template.stats()["learned"] == 0  # its names alone exceed the bound
+    assert not [e for e in hrryfile._ENTRIES if len(e.name) > 256]  # the long rows were not interned
+
+
 def test_fp8_chunks_and_small_pools_load_from_the_memo_too(tmp_path: Path) -> None:
     # fp8 pools with their kv_scales; pools of 8 KiB, which the reader copies rather than views.
     for snap in (chunk(7, fp8=True), chunk(8, heads=1)):
