@@ -1363,3 +1363,50 @@ def test_a_block_write_that_fails_is_reported_not_raised(tmp_path, monkeypatch: 
     monkeypatch.setattr(worker_module, "write_blocks", broken)
     worker.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, [5, 2, 7, 1], verified)]))
     assert worker.get_block_ids_with_load_errors() == {5, 2, 7, 1} and worker.stats.loads_failed == 1
+
+
+def test_a_hybrid_resumes_at_the_furthest_chunk_any_complete_set_of_whose_files_carries_states(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Chunk 0 is stored whole without states (its step ran past its end) and as TP = 2 slices with states;
+    chunk 1 whole without states. Only the last chunk found was looked at for a set with states: a prompt
+    running past chunk 1 stepped back over chunk 0's whole file and loaded nothing."""
+    require("vllm")
+    from dataclasses import replace
+
+    import torch
+
+    import hurray_vllm as hv
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks import chunk_keys
+    from hurray_vllm.kv.heads import select_heads
+
+    sched = _linear_scheduler(tmp_path)
+    sched._heads = 2
+    st, ns = sched._store, sched._ns
+    tokens = list(range(200))
+    probe = SimpleNamespace(request_id="x", all_token_ids=tokens, num_prompt_tokens=200)
+    keys = chunk_keys(tokens[:192], 64, sched._seed(sched._state(probe)) or ns)
+    snap = replace(
+        spec_example_snapshot(num_layers=1).select([0]),
+        fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 1, 2, 8, "float16"),
+    )
+
+    def states_at(pos: int) -> hv.RecurrentStates:
+        pair = (torch.zeros(1, 3, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16))
+        return hv.RecurrentStates("gdn_attn", (0, 1), ("conv", "ssm"), (pos,), (pair, pair), attention=(2,))
+
+    st.put(ns, keys[0], snap)
+    for r in range(2):
+        st.put(ns, f"{keys[0]}.h{r}-{r + 1}", select_heads(replace(snap, states=states_at(64)), range(r, r + 1)))
+    st.put(ns, keys[1], snap)
+    read: list[str] = []
+
+    def read_parts(parts, toks, reader=None):  # type: ignore[no-untyped-def]
+        read.extend(p.name for p in parts)
+        return [st.get(ns, p.name) for p in parts], [None] * len(parts)
+
+    sched._read_parts = read_parts  # the selection alone: every file reads and verifies
+    sched._passed = lambda parts, snaps, checks: True
+    for rid, n in (("long", 200), ("short", 100)):
+        req = SimpleNamespace(request_id=rid, all_token_ids=tokens[:n], num_prompt_tokens=n, kv_transfer_params=None)
+        assert sched.get_num_new_matched_tokens(req, 0) == (64, False), rid
+    assert keys[1] + ".hrry" not in read  # past the resume point: not read

@@ -317,11 +317,15 @@ class HurrayScheduler:
                 break
             stored.append(parts)
         if self._state_groups and stored:
-            # The last chunk found is where the request would resume: its states are wanted, from whichever
-            # complete set of its files (another TP degree's) carries them.
-            stored[-1] = (
-                self._store.parts(self._ns, keys[first + len(stored) - 1], self._heads, states=True) or stored[-1]
-            )
+            # A resume needs the states taken at its chunk's end: the furthest chunk with a complete set of
+            # files that carries them (another TP degree's, perhaps) is where the request resumes. Chunks
+            # after it are not read (a resume there has no states), and one before the last found is not
+            # missed because its first set lacks them.
+            for j in range(len(stored) - 1, -1, -1):
+                with_states, found_states = self._store.parts_with_states(self._ns, keys[first + j], self._heads)
+                if found_states and with_states is not None:
+                    stored = [*stored[:j], with_states]
+                    break
         # Each file is read on a helper thread while the one before is parsed here.
         unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
         reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
