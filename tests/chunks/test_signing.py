@@ -301,3 +301,40 @@ def test_the_data_check_in_two_halves_refuses_what_check_data_refuses() -> None:
         with pytest.raises(hv.HurrayFormatError) as info:
             rest()
         assert info.value.field == field
+
+
+def test_a_keyed_nixl_receiver_stores_the_bytes_it_authenticated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The landing slab stays registered for remote writes: a WRITE landing after the MAC check used to be
+    stored unauthenticated. The receiver now checks and writes a private copy; here the slab is changed
+    between the check and the file write, as a late WRITE would."""
+    from conftest import require
+
+    require("nixl_cu12")
+    from hurray_vllm.transport.nixl import receiver as nixl_receiver
+
+    ns, key, chunk = example_chunk()
+    slabs: list[list[torch.Tensor]] = []
+    assemble = nixl_receiver.assemble_offer
+
+    def remember_slab(offer, views):  # type: ignore[no-untyped-def]
+        if not slabs:
+            slabs.append(views)  # the first call gets the registered landing views
+        return assemble(offer, views)
+
+    monkeypatch.setattr(nixl_receiver, "assemble_offer", remember_slab)
+    store = DirectoryStore(tmp_path)
+    put = DirectoryStore.put
+
+    def late_write(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        for v in slabs[0]:
+            v.view(torch.uint8).reshape(-1)[:1] ^= 0xFF
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(DirectoryStore, "put", late_write)
+    with transport.receiver_for("nixl", "127.0.0.1", 0, store, keys=KEY_A).start() as r:
+        url = f"nixl://127.0.0.1:{r.address[1]}"
+        transport.send_chunks(url, [(ns, key, sign_chunk(chunk, KEY_A, ns, key))], keys=KEY_A)
+    assert slabs and store.has(ns, key)
+    check_signature(store.get(ns, key), KEY_A, ns, key)  # what was stored is what was authenticated
