@@ -125,15 +125,9 @@ def logit_margin(logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16, ulps
     if ulps < 0:
         raise ValueError(f"ulps must be >= 0, not {ulps}")
     lf = logits.float()
-    top = torch.where(lf.isfinite(), lf.abs(), torch.zeros_like(lf)).amax(dim=-1)
-    return _ulps_at(top, dtype, ulps)
-
-
-def _ulps_at(x: torch.Tensor, dtype: torch.dtype, ulps: int) -> torch.Tensor:
-    """``ulps`` units in the last place of ``dtype`` at ``|x|`` (0 where ``x`` is not finite: no margin)."""
-    mag = torch.where(x.isfinite(), x.abs(), torch.zeros_like(x)).clamp_min(torch.finfo(dtype).tiny)
+    top = torch.where(lf.isfinite(), lf.abs(), torch.zeros_like(lf)).amax(dim=-1).clamp_min(torch.finfo(dtype).tiny)
     # ulp(x) = eps * 2**floor(log2 |x|): the spacing of dtype's values around x.
-    return ulps * torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(mag)))
+    return ulps * torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(top)))
 
 
 def greedy_agreement(

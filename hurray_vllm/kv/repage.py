@@ -192,7 +192,7 @@ def plan_repage(
         raise HurrayFormatError(
             "seq_ptr", f"{seq_ptr.numel()} offsets for {num_seqs} sequences of pages of {src_page_size}"
         )
-    _check_structure(block_table, seq_ptr, seq_lens, num_pages)
+    src_pages = _check_structure(block_table, seq_ptr, seq_lens, num_pages)
     # Each sequence must own the pages its tokens need: a short one would read the next sequence's pages.
     short = ((seq_lens + src_page_size - 1) // src_page_size > seq_ptr[1:] - seq_ptr[:-1]).nonzero()
     if short.numel():
@@ -241,7 +241,7 @@ def plan_repage(
         tails=tuple(zip(partial.tolist(), used[partial].tolist(), strict=True)),
         run=run,
         src_page_size=src_page_size,
-        src_pages=int(block_table.max()) + 1 if block_table.numel() else 0,
+        src_pages=src_pages,
         _src_lens=src_lens,
         _rows=(src_slots.reshape(-1, run)[:, 0] // run).clamp(min=0),
     )
@@ -249,8 +249,11 @@ def plan_repage(
 
 def _check_structure(
     block_table: torch.Tensor, seq_ptr: torch.Tensor, seq_lens: torch.Tensor, num_pages: int | None
-) -> None:
-    """Refuse a block structure a plan would index out of bounds with, or read as unused slots."""
+) -> int:
+    """Refuse a block structure a plan would index out of bounds with, or read as unused slots.
+
+    Returns the source pages it reads (one past the highest page id): one reduction serves both.
+    """
     if seq_lens.dim() != 1 or seq_ptr.dim() != 1 or block_table.dim() != 1:
         raise HurrayFormatError("seq_lens", "block_table, seq_ptr and seq_lens must be one-dimensional")
     if seq_lens.numel() and int(seq_lens.min()) < 0:
@@ -261,15 +264,17 @@ def _check_structure(
         raise HurrayFormatError(
             "seq_ptr", f"offsets must start at 0, never decrease and end within the {block_table.numel()} block ids"
         )
-    if block_table.numel():
-        lo, hi = int(block_table.min()), int(block_table.max())
-        if lo < 0 or (num_pages is not None and hi >= num_pages):
-            raise HurrayFormatError(
-                "block_table",
-                f"page ids {lo}..{hi} outside the pool's 0..{(num_pages or 0) - 1}"
-                if num_pages is not None
-                else f"page id {lo} is negative",
-            )
+    if not block_table.numel():
+        return 0
+    lo, hi = (int(x) for x in torch.aminmax(block_table))
+    if lo < 0 or (num_pages is not None and hi >= num_pages):
+        raise HurrayFormatError(
+            "block_table",
+            f"page ids {lo}..{hi} outside the pool's 0..{(num_pages or 0) - 1}"
+            if num_pages is not None
+            else f"page id {lo} is negative",
+        )
+    return hi + 1
 
 
 def _gather_slots(src: torch.Tensor, plan: RepagePlan, per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,6 +69,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_IDLE_TIMEOUT_S",
+    "MAX_TIMEOUT_S",
     "host_port",
     "parse_address",
     "parse_listen",
@@ -96,7 +97,7 @@ DEFAULT_TIMEOUT_S = 60.0
 #: How long a sender's TCP connect may take (a host that drops SYNs must not cost a whole step timeout).
 CONNECT_TIMEOUT_S = 5.0
 #: The longest timeout a receiver takes (a socket's own limit is far above; NaN and infinity are refused).
-_MAX_TIMEOUT_S = 365 * 86400.0
+MAX_TIMEOUT_S = 365 * 86400.0
 #: How long a receiver keeps an open connection that sends nothing between chunks.
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 #: How many connections a receiver serves at once (each holds a thread and, over NIXL, buffers).
@@ -617,7 +618,7 @@ class ReceiverBase(abc.ABC):
         keys: FleetKeys | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        if not (0 < timeout < _MAX_TIMEOUT_S and 0 < idle_timeout < _MAX_TIMEOUT_S):  # NaN fails both too
+        if not (0 < timeout < MAX_TIMEOUT_S and 0 < idle_timeout < MAX_TIMEOUT_S):  # NaN fails both too
             raise HurrayArgumentError(
                 "timeout",
                 f"timeouts must be positive and finite seconds, got timeout={timeout}, idle_timeout={idle_timeout}",

@@ -91,14 +91,13 @@ def test_repage_needs_lengths() -> None:
         repage(replace(t, seq_lens=torch.tensor([3])), 0)
 
 
-def test_per_slot_scales_move_with_their_slots() -> None:
-    from dataclasses import replace
-
+def _per_block_affine() -> hv.BlockPagedTensor:
+    """int8 pages of 4 with one scale per slot (slot p*4+i has scale p*4+i), one sequence of 10 tokens."""
     from hurray_vllm.wire.descriptor import PerBlockAffine
 
     pool = torch.randint(-100, 100, (3, 4, 1, 2), dtype=torch.int8)
-    scales = torch.arange(12, dtype=torch.float32)  # slot p*4+i has scale p*4+i
-    t = hv.BlockPagedTensor(
+    scales = torch.arange(12, dtype=torch.float32)
+    return hv.BlockPagedTensor(
         pool,
         torch.tensor([2, 0, 1]),
         torch.tensor([0, 3]),
@@ -106,6 +105,12 @@ def test_per_slot_scales_move_with_their_slots() -> None:
         quantization=PerBlockAffine(0, 4, 3),
         quant_buffers=(scales.view(torch.uint8),),
     )
+
+
+def test_per_slot_scales_move_with_their_slots() -> None:
+    from dataclasses import replace
+
+    t = _per_block_affine()
     assert t.validate().ok
     r = repage(t, 8)
     assert r.quantization == replace(t.quantization, block_size=8)  # type: ignore[arg-type]
@@ -298,17 +303,7 @@ def test_an_inconsistent_block_structure_is_a_named_error(
 
 
 def test_per_block_affine_pools_repage_only_to_power_of_two_pages() -> None:
-    from hurray_vllm.wire.descriptor import PerBlockAffine
-
-    pool = torch.randint(-100, 100, (3, 4, 1, 2), dtype=torch.int8)
-    t = hv.BlockPagedTensor(
-        pool,
-        torch.tensor([2, 0, 1]),
-        torch.tensor([0, 3]),
-        torch.tensor([10]),
-        quantization=PerBlockAffine(0, 4, 3),
-        quant_buffers=(torch.arange(12, dtype=torch.float32).view(torch.uint8),),
-    )
+    t = _per_block_affine()
     assert repage(t, 8).validate().ok
     for size in (1, 3, 6):
         with pytest.raises(hv.ImportArgumentError, match="powers of two"):

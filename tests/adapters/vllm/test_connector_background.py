@@ -552,6 +552,19 @@ def _store_one(c: Any, meta: ModuleType, key: str) -> None:
     c._store.put(c._ns, key, c._export_chunk(c._engine_cache(), [], meta.SaveTask("r", "", [0] * 4, []), [1], True))
 
 
+def _forwarding(conn: ModuleType, meta: ModuleType, tmp_path: Any, held: Any) -> Any:
+    """A synchronous worker holding chunk 01.. to push on, whose receiver answers held-chunk queries with ``held``;
+    a step of it forwards that chunk and saves chunk ee.. (returned: the worker, the sender, the new chunk's key)."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = False
+    _store_one(c, meta, "01" * 8)
+    sender.held = lambda url, names, **kw: held(c)  # type: ignore[method-assign]
+    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, [], [], forward=True), new]))
+    return c, sender, new.key
+
+
 def test_a_gpu_engines_device_chunk_buffers_are_not_registered_and_its_pushes_go_through(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
@@ -593,19 +606,12 @@ def test_an_aborted_held_query_fails_the_push_but_does_not_stop_asking(  # type:
     """A query this engine cut short (its EOF reads as an error) says nothing of the receiver's age."""
     import hurray_vllm as hv
 
-    sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
-    c._async = False
-    _store_one(c, meta, "01" * 8)
-
-    def cut(url: str, names: Any, **kw: Any) -> set[Any]:
+    def cut(c: Any) -> set[Any]:
         c._abort_push()  # a full queue, or shutdown, while the query waits
         raise hv.HurrayFormatError("transport", "connection closed after 0 of 2 bytes")
 
-    sender.held = cut  # type: ignore[method-assign]
-    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
-    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, [], [], forward=True), new]))
-    assert c.stats.push_failures == 1 and sender.sends == 0 and c._store.has(c._ns, new.key)
+    c, sender, new = _forwarding(conn, meta, tmp_path, cut)
+    assert c.stats.push_failures == 1 and sender.sends == 0 and c._store.has(c._ns, new)
     assert c._ask_paused_until == 0.0 and c._push_backoff == conn.PUSH_BACKOFF_S
 
 
@@ -613,20 +619,14 @@ def test_a_delivery_paused_while_it_asked_the_receiver_opens_no_connection(  # t
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
     """Shutdown pauses pushing while the query is out: the push after it would be a connection no abort aimed at."""
-    sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
-    c._async = False
-    _store_one(c, meta, "01" * 8)
 
-    def asked_during_shutdown(url: str, names: Any, **kw: Any) -> set[Any]:
+    def asked_during_shutdown(c: Any) -> set[Any]:
         c._push_paused_until = float("inf")  # what shutdown does once pushes had their grace
         return set()
 
-    sender.held = asked_during_shutdown  # type: ignore[method-assign]
-    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
-    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, [], [], forward=True), new]))
-    assert sender.sends == 0 and c._store.has(c._ns, new.key) and c.stats.push_failures == 0
-    assert list(c._unpushed) == ["01" * 8, new.key]  # pushed once pushing resumes (a later engine's start, say)
+    c, sender, new = _forwarding(conn, meta, tmp_path, asked_during_shutdown)
+    assert sender.sends == 0 and c._store.has(c._ns, new) and c.stats.push_failures == 0
+    assert list(c._unpushed) == ["01" * 8, new]  # pushed once pushing resumes (a later engine's start, say)
 
 
 def test_shutdown_cuts_a_held_query_to_a_hung_receiver_and_stores_everything(  # type: ignore[no-untyped-def]

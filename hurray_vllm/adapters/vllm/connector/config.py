@@ -15,7 +15,7 @@ from ....chunks.signing import FleetKeys, load_keys
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.states import RecurrentStates
 from ....transport import CHANNELS, channel_of
-from ....transport.base import parse_listen
+from ....transport.base import MAX_TIMEOUT_S, parse_listen
 from ....transport.security import TlsOptions, client_context, server_context
 from ..cache import cache_groups, is_grouped, split_states_refusal, unsupported_cache, unsupported_parallelism
 from ..states import declared_layout, state_groups
@@ -322,9 +322,9 @@ class HurrayConfig:
         ):
             if cfg.get_from_extra_config(key, None) is not None:
                 value = _float(cfg, key, 0.0)
-                # Seconds below a year (the receiver's own bound), sizes that fit a 64-bit count: "inf" would
-                # otherwise fail later (an OverflowError, or the receiver's refusal) without naming the option.
-                high = 365 * 86400.0 if scale is None else float(1 << 62) / scale
+                # Seconds within the receiver's own bound, sizes that fit a 64-bit count: "inf" would otherwise
+                # fail later (an OverflowError, or the receiver's refusal) without naming the option.
+                high = MAX_TIMEOUT_S if scale is None else float(1 << 62) / scale
                 if not low <= value < high:
                     raise HurrayArgumentError(key, f"must be at least {low:g} and below {high:g}, got {value:g}")
                 limits[arg] = value if scale is None else int(value * scale)
