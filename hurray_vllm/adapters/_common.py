@@ -10,19 +10,25 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import HurrayFormatError, ImportArgumentError
+from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..kv.paged import BlockPagedTensor
-from ..kv.repage import check_budget, check_memory
+
+# kv.repage's structure check is what plan_repage runs: an import that does not repage runs the same one.
+from ..kv.repage import check_budget, check_memory, check_structure
 from ..kv.snapshot import KVSnapshot
 
 __all__ = [
     "FP8_DTYPES",
     "INT32_MAX",
+    "check_csr",
     "check_import_memory",
     "check_layer",
     "check_one_structure",
+    "check_reserve",
     "dequantize",
+    "layer_scales",
     "padded_block_table",
+    "with_extra_pages",
 ]
 
 #: The float8 storage dtypes: pools in these hold ``value / scale``.
@@ -60,8 +66,12 @@ def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
     attention layers only, and a model whose linear-attention layers need
     their states (``snapshot.states``) cannot run on the KV alone.
 
-    Every layer must share one page table too (``snapshot.structure``): the
-    importers plan (and repage) once, from layer 0's.
+    Every layer and role must share one block structure too
+    (``snapshot.structure``): the importers plan (and repage) once, from
+    layer 0's key, so each tensor's page size, page count, ``block_table``,
+    ``seq_ptr`` and ``seq_lens`` must equal that key's, and a layer's value
+    pool must have its key pool's shape and dtype (layers may differ from
+    each other in heads, head size and dtype: each is imported alone).
 
     Raises:
         HurrayFormatError: (field ``snapshot.windows``, ``snapshot.states`` or
@@ -82,19 +92,137 @@ def check_one_structure(snapshot: KVSnapshot, what: str) -> None:
             f"{what} reads every page as KV, but this snapshot's sliding-window layers hold only their windows "
             "(the older pages are zeros); import it with the transformers adapter or into vLLM",
         )
-    lead = [members[0] for members in snapshot.layer_members()]
-    for i, t in enumerate(lead[1:], 1):
-        # One plan (one block table, one repaging) serves every layer: a layer paged otherwise would be
-        # read through layer 0's table, silently. Tensors built alike share the table object: no compare.
-        if t.page_size != lead[0].page_size or (
-            t.block_table is not lead[0].block_table and not torch.equal(t.block_table, lead[0].block_table)
-        ):
-            raise HurrayFormatError(
-                "snapshot.structure",
-                f"{what} takes one page table for every layer, but layer {i}'s (or its page size) differs from "
-                "layer 0's; "
-                "import it with the transformers adapter or into vLLM, or rebuild it with one table",
-            )
+    members = snapshot.layer_members()
+    if not members:
+        return
+    k0 = members[0][0]
+    for i, layer in enumerate(members):
+        for t in layer:
+            # One plan (one block table, one repaging, one page count) serves every layer and role: a
+            # tensor paged otherwise would be read through layer 0's key's structure, silently.
+            differs = _structure_difference(t, k0)
+            if differs is None and (t.page_pool.shape != layer[0].page_pool.shape or t.dtype != layer[0].dtype):
+                # A layer's roles become one cache (flash-attn's k_cache/v_cache pair) of one shape and dtype;
+                # layers may differ from each other in heads, head size and dtype (each is imported alone).
+                differs = (
+                    f"page pool {list(t.page_pool.shape)} {t.dtype} (its {layer[0].kv_role}'s is "
+                    f"{list(layer[0].page_pool.shape)} {layer[0].dtype})"
+                )
+            if differs is not None:
+                raise HurrayFormatError(
+                    "snapshot.structure",
+                    f"{what} takes one block structure for every layer and role, but layer {i}'s {t.kv_role} "
+                    f"differs in its {differs}; "
+                    "import it with the transformers adapter or into vLLM, or rebuild it with one structure",
+                )
+
+
+def _structure_difference(t: BlockPagedTensor, k0: BlockPagedTensor) -> str | None:
+    """What of ``t``'s block structure differs from ``k0``'s (``None``: nothing)."""
+    if t is k0:
+        return None
+    if t.page_size != k0.page_size:
+        return f"page size ({t.page_size}, layer 0's is {k0.page_size})"
+    if t.num_pages != k0.num_pages:
+        return f"page count ({t.num_pages}, layer 0's is {k0.num_pages})"
+    for name in ("block_table", "seq_ptr", "seq_lens"):
+        a, b = getattr(t, name), getattr(k0, name)
+        if not _same(a, b):
+            return name
+    return None
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    # Tensors built alike share one object: no compare (and no device sync).
+    if a is b:
+        return True
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    return torch.equal(a, b.to(a.device))
+
+
+def check_reserve(reserve: int) -> None:
+    """Refuse a ``reserve`` (tokens of room per sequence) no int32 index could address.
+
+    Raises:
+        HurrayArgumentError: with ``field="reserve"``: negative, or more than
+            :data:`INT32_MAX` tokens (the caller's option, not the data).
+    """
+    if not 0 <= reserve <= INT32_MAX:
+        raise HurrayArgumentError(
+            "reserve", f"reserve must be 0..{INT32_MAX} tokens (the kernels' int32 positions), got {reserve}"
+        )
+
+
+def layer_scales(snapshot: KVSnapshot, layer: int) -> tuple[float, float]:
+    """Layer ``layer``'s ``(k_scale, v_scale)`` (a fused latent's one scale twice); ``(1.0, 1.0)`` without scales.
+
+    Args:
+        snapshot: the batch being imported; ``snapshot.kv_scales``, when
+            given, must hold one pair per layer.
+        layer: a valid layer index (see :func:`check_layer`).
+
+    Raises:
+        HurrayFormatError: with ``field="snapshot.kv_scales"``: not one pair per layer.
+    """
+    if snapshot.kv_scales is None:
+        # The snapshot's contract: no scales means an unscaled cache.
+        return 1.0, 1.0
+    if len(snapshot.kv_scales) != snapshot.num_layers or len(snapshot.kv_scales[layer]) != 2:
+        raise HurrayFormatError(
+            "snapshot.kv_scales",
+            f"{len(snapshot.kv_scales)} scale entries for {snapshot.num_layers} layers; each layer needs one "
+            "(k_scale, v_scale) pair: validate() the snapshot",
+        )
+    ks, vs = snapshot.kv_scales[layer]
+    return float(ks), float(vs)
+
+
+def check_csr(t: BlockPagedTensor) -> torch.Tensor:
+    """``t``'s sequence lengths, once its block structure is exactly the pages its tokens need.
+
+    Importers that hand ``block_table``/``seq_ptr``/``seq_lens`` to a kernel
+    as CSR arrays (FlashInfer's ``kv_indices``/``kv_indptr``) rely on it: an
+    extra page would count as ``page_size`` tokens, a missing one would read
+    the next sequence's, and a page id past the pool reads out of bounds.
+
+    Args:
+        t: a layer's tensor: ``block_table`` int64 ``[total_pages]``,
+            ``seq_ptr`` int64 ``[batch + 1]``, ``seq_lens`` integer ``[batch]``.
+
+    Returns:
+        int64 ``[batch]`` sequence lengths on ``t.block_table``'s device.
+
+    Raises:
+        HurrayFormatError: no ``seq_lens`` (field ``seq_lens``), ``seq_ptr``
+            not starting at 0 and ending at the table's length, lengths that
+            are negative or not one per sequence, a sequence with more or fewer
+            pages than its tokens need (``seq_lens.pages``), page ids outside
+            the pool (``block_table``).
+    """
+    if t.seq_lens is None:
+        raise HurrayFormatError(
+            "seq_lens", "the snapshot does not carry sequence lengths, which the kernel's page lists need"
+        )
+    lens = t.seq_lens.to(device=t.block_table.device, dtype=torch.int64)
+    ptr = t.seq_ptr.to(t.block_table.device)
+    if ptr.dim() != 1 or ptr.numel() == 0 or int(ptr[0]) != 0 or int(ptr[-1]) != t.block_table.numel():
+        raise HurrayFormatError("seq_ptr", "seq_ptr must start at 0 and end at the block table's length")
+    counts = ptr[1:] - ptr[:-1]
+    if lens.dim() != 1 or lens.numel() != counts.numel() or bool((lens < 0).any()):
+        raise HurrayFormatError(
+            "seq_lens", f"{lens.numel()} non-negative lengths needed for {counts.numel()} sequences"
+        )
+    need = (lens + t.page_size - 1) // t.page_size
+    if not torch.equal(need, counts):
+        s = int(torch.nonzero(need != counts)[0, 0])
+        raise HurrayFormatError(
+            "seq_lens.pages",
+            f"sequence {s} has {int(lens[s])} tokens (needs {int(need[s])} pages of {t.page_size}) "
+            f"but owns {int(counts[s])}",
+        )
+    check_structure(t.block_table, ptr, lens, t.num_pages)
+    return lens
 
 
 def dequantize(pool: torch.Tensor, scale: float) -> torch.Tensor:
@@ -132,11 +260,22 @@ def padded_block_table(
         for a zero page), and the int64 ``[batch, width]`` table padded with 0.
 
     Raises:
-        HurrayFormatError: a sequence has fewer pages than its tokens need, or
-            the table names pages outside the pool.
+        HurrayFormatError: an inconsistent structure (``seq_ptr`` not one
+            offset more than ``lens`` or out of the table, negative lengths,
+            page ids outside the pool), a sequence with fewer pages than its
+            tokens need, or more tokens than int32 positions hold.
+        HurrayArgumentError: with ``field="reserve"``: ``reserve`` out of
+            range, or so large that the padded table would not fit int32
+            positions or :data:`~hurray_vllm.kv.repage.MAX_IMPORT_SLOTS`
+            where the snapshot alone would.
     """
+    check_reserve(reserve)
     dev = table.device
     ptr, lens = ptr.to(dev), lens.to(dev)
+    if ptr.dim() != 1 or ptr.numel() != lens.numel() + 1:
+        raise HurrayFormatError("seq_ptr", f"{ptr.numel()} offsets for {lens.numel()} sequences; need one more")
+    # The checks repaging runs (kv.repage): the indexing below trusts offsets, lengths and page ids.
+    check_structure(table, ptr, lens, base)
     batch = int(lens.numel())
     have = ptr[1:] - ptr[:-1]
     use = (lens + page - 1) // page
@@ -147,21 +286,29 @@ def padded_block_table(
             "block_table",
             f"sequence {s} has {int(have[s])} pages for {int(lens[s])} tokens of {page}; the snapshot is inconsistent",
         )
-    need = (lens + reserve + page - 1) // page
-    width = max(1, int(need.max()))
-    if width * page > INT32_MAX:
-        raise HurrayFormatError("seq_lens", f"{width * page} tokens per sequence do not fit the kernels' int32 indices")
+    bare = max(1, int(use.max()) if batch else 0)  # columns the tokens alone need
+    if bare * page > INT32_MAX:
+        raise HurrayFormatError("seq_lens", f"{bare * page} tokens per sequence do not fit the kernels' int32 indices")
     # [batch, width] grows with the longest sequence times the batch, whatever the snapshot's size.
-    check_budget(batch * width, "the padded block table", "block_table")
+    check_budget(batch * bare, "the padded block table", "block_table")
+    need = (lens + reserve + page - 1) // page
+    width = max(1, int(need.max()) if batch else 0)
+    if width * page > INT32_MAX:
+        # The tokens fit (above): the caller's room for appends is what does not.
+        raise HurrayArgumentError(
+            "reserve",
+            f"reserve={reserve} makes {width * page} tokens per sequence, past the kernels' int32 positions; "
+            f"reserve at most {INT32_MAX // page * page - int(lens.max())} tokens",
+        )
+    try:
+        check_budget(batch * width, f"the padded block table with reserve={reserve}", "reserve")
+    except HurrayFormatError as err:
+        raise HurrayArgumentError("reserve", f"{err.violations[0].message}; reserve fewer tokens") from err
     cols = torch.arange(width, device=dev)[None, :]
     in_use = cols < use[:, None]
     bt = torch.zeros(batch, width, dtype=torch.int64, device=dev)
     bt[in_use] = table[(ptr[:-1, None] + cols)[in_use]]
     used = bt[in_use]
-    if bool(((used < 0) | (used >= base)).any()):
-        raise HurrayFormatError(
-            "block_table", f"the snapshot's block table names pages outside its {base}-page pool; validate() it"
-        )
     extra = [torch.empty(0, dtype=torch.int64, device=dev)]
     if reserve > 0:
         # Copy-on-write: the first appended token lands in the last page when it is
@@ -190,6 +337,29 @@ def padded_block_table(
         # Every sequence is empty: one zero page keeps the padding id 0 valid.
         out = torch.full((1,), -1, dtype=torch.int64, device=dev)
     return out, bt
+
+
+def with_extra_pages(pool: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """``pool`` followed by the extra pages :func:`padded_block_table` planned.
+
+    Args:
+        pool: ``[num_pages, ...]`` page pool (any page shape, dtype, device);
+            may have no pages.
+        extra: int64 ``[num_extra]``: for each page to append, the page of
+            ``pool`` it copies, or -1 for a zero page.
+
+    Returns:
+        A new ``[num_pages + num_extra, ...]`` tensor on ``pool``'s device,
+        or ``pool`` itself when ``extra`` is empty.
+    """
+    if not extra.numel():
+        return pool
+    src = extra.to(pool.device)
+    # Sized from ``extra``, never from the pool's first page: an empty pool has none to copy the shape of.
+    fresh = torch.zeros((int(src.numel()), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    copied = src >= 0
+    fresh[copied] = pool[src[copied]]
+    return torch.cat([pool, fresh])
 
 
 def check_import_memory(

@@ -159,8 +159,11 @@ def paged_attention(
     if k is not None and v is not None:
         append_kv_(k_cache, v_cache, table, lens, k, v)
         seqlen_new = int(k.shape[1])
+    if batch == 0:
+        # Nothing to attend; the gather below cannot shape an empty batch ([0, -1, ...] is ambiguous).
+        return torch.empty((0, *q.shape[1:]), dtype=_out_dtype(q.dtype), device=dev)
     total = lens + seqlen_new
-    max_len = int(total.max()) if batch else 0
+    max_len = int(total.max())
     npages = -(-max_len // page)
     if npages > table.shape[1]:
         raise HurrayArgumentError(

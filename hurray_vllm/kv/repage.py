@@ -40,6 +40,7 @@ __all__ = [
     "MAX_IMPORT_SLOTS",
     "RepagePlan",
     "check_budget",
+    "check_structure",
     "check_memory",
     "device_memory",
     "check_out_pool",
@@ -192,7 +193,7 @@ def plan_repage(
         raise HurrayFormatError(
             "seq_ptr", f"{seq_ptr.numel()} offsets for {num_seqs} sequences of pages of {src_page_size}"
         )
-    src_pages = _check_structure(block_table, seq_ptr, seq_lens, num_pages)
+    src_pages = check_structure(block_table, seq_ptr, seq_lens, num_pages)
     # Each sequence must own the pages its tokens need: a short one would read the next sequence's pages.
     short = ((seq_lens + src_page_size - 1) // src_page_size > seq_ptr[1:] - seq_ptr[:-1]).nonzero()
     if short.numel():
@@ -247,7 +248,7 @@ def plan_repage(
     )
 
 
-def _check_structure(
+def check_structure(
     block_table: torch.Tensor, seq_ptr: torch.Tensor, seq_lens: torch.Tensor, num_pages: int | None
 ) -> int:
     """Refuse a block structure a plan would index out of bounds with, or read as unused slots.

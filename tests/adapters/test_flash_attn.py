@@ -225,13 +225,92 @@ def test_same_page_size_and_dtype_is_zero_copy_unless_room_is_reserved() -> None
     assert roomy.k_cache.data_ptr() != snap.keys[0].page_pool.data_ptr()
 
 
-def test_importer_rejects_page_ids_outside_the_pool() -> None:
+@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize(("page", "flavor"), [(16, "vllm"), (256, "fa2")])
+def test_importer_rejects_page_ids_outside_the_pool(page: int, flavor: Flavor, into: bool) -> None:
     snap = make_snapshot([40, 17], [0, 0], 16, layers=1)
     broken = replace(snap.keys[0], block_table=snap.keys[0].block_table + 100)
     bad = hv.KVSnapshot(keys=(broken,), values=(replace(snap.values[0], block_table=broken.block_table),))
+    out = (torch.zeros(8, page, 2, 16, dtype=torch.bfloat16), torch.zeros(8, page, 2, 16, dtype=torch.bfloat16))
+    with pytest.raises(hv.HurrayFormatError) as err:  # repaged (256) too: not an IndexError in the gather
+        to_flash_attn(bad, 0, page_size=page, flavor=flavor, out=out if into else None)
+    assert err.value.field == "block_table" and not isinstance(err.value, hv.HurrayArgumentError)
+
+
+def everywhere(snap: hv.KVSnapshot, **changes: object) -> hv.KVSnapshot:
+    """``snap`` with every layer's key and value changed alike (still one block structure)."""
+    return replace(
+        snap,
+        keys=tuple(replace(t, **changes) for t in snap.keys),  # type: ignore[arg-type]
+        values=tuple(replace(t, **changes) for t in snap.values),  # type: ignore[arg-type]
+    )
+
+
+def test_every_layer_and_role_must_share_layer_0s_structure() -> None:
+    snap = make_snapshot([40, 17], [0, 0], 16, layers=2)
+    k0, v0, v1 = snap.keys[0], snap.values[0], snap.values[1]
+    cases = {
+        "value's block_table": replace(snap, values=(replace(v0, block_table=v0.block_table.flip(0)), v1)),
+        "seq_lens": replace(snap, values=(v0, replace(v1, seq_lens=torch.tensor([39, 17])))),
+        "seq_ptr": replace(snap, values=(v0, replace(v1, seq_ptr=torch.tensor([0, 2, 4])))),
+        "page count": replace(snap, values=(v0, replace(v1, page_pool=torch.cat([v1.page_pool, v1.page_pool])))),
+        "value's dtype": replace(snap, values=(replace(v0, page_pool=v0.page_pool.half()), v1)),
+    }
+    for why, bad in cases.items():
+        with pytest.raises(hv.HurrayFormatError) as err:
+            to_flash_attn(bad, 0, page_size=16, flavor="vllm")
+        assert err.value.field == "snapshot.structure", why
+    # Layers may differ from each other in heads (each is imported alone), not a layer's key from its value.
+    wide = make_snapshot([40, 17], [0, 0], 16, layers=1, heads=4, seed=1)
+    mixed = hv.KVSnapshot(
+        keys=(k0, replace(wide.keys[0], block_table=k0.block_table)),
+        values=(v0, replace(wide.values[0], block_table=k0.block_table)),
+    )
+    assert [c.num_kv_heads for c in to_flash_attn_all(mixed, page_size=16, flavor="vllm")] == [2, 4]
+
+
+@pytest.mark.parametrize(
+    ("why", "changes", "field"),
+    [
+        ("offsets past the table", {"seq_ptr": torch.tensor([0, 3, 9])}, "seq_ptr"),
+        ("a length too many", {"seq_lens": torch.tensor([40, 17, 1])}, "seq_ptr"),
+        ("a negative length", {"seq_lens": torch.tensor([40, -17])}, "seq_lens"),
+    ],
+)
+def test_an_inconsistent_structure_is_refused_without_repaging(
+    why: str, changes: dict[str, object], field: str
+) -> None:
+    snap = everywhere(make_snapshot([40, 17], [0, 0], 16, layers=1), **changes)
+    with pytest.raises(hv.HurrayFormatError) as err:  # page sizes agree: nothing is repaged
+        to_flash_attn(snap, 0, page_size=16, flavor="vllm")
+    assert err.value.field == field, why
+
+
+def test_short_kv_scales_are_the_snapshots_error() -> None:
+    snap = make_snapshot([40, 17], [0, 0], 16, dtype=torch.float8_e4m3fn, layers=2)
+    bad = replace(snap, kv_scales=snap.kv_scales[:1])  # type: ignore[index]
     with pytest.raises(hv.HurrayFormatError) as err:
-        to_flash_attn(bad, 0, page_size=16, flavor="vllm")
-    assert err.value.field == "block_table"
+        to_flash_attn(bad, 1, page_size=16, flavor="vllm")
+    assert err.value.field == "snapshot.kv_scales"
+
+
+def test_an_oversized_reserve_is_the_callers_error() -> None:
+    snap = make_snapshot([40, 17], [0, 0], 16, layers=1)
+    for reserve in (2**31, 2**31 - 10):  # past int32 alone; past int32 with the 40 tokens
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            plan_flash_attn(snap, reserve=reserve)
+        assert err.value.field == "reserve" and not isinstance(err.value, hv.HurrayFormatError)
+
+
+def test_import_in_place_is_refused_with_room_reserved() -> None:
+    snap = make_snapshot([40, 17], [0, 0], 48, layers=1)
+    k, v = snap.keys[0].page_pool, snap.values[0].page_pool
+    assert to_flash_attn(snap, 0, page_size=48, flavor="fa3", out=(k, v)).k_cache is k  # in place: allowed
+    plan = plan_flash_attn(snap, page_size=48, flavor="fa3", reserve=2)
+    assert not plan.extra_pages.numel()  # both tails have room: no page is added
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        to_flash_attn(snap, 0, plan=plan, out=(k, v))
+    assert err.value.field == "out[0]"
 
 
 def test_fp8_dequantized_for_fa2_and_passed_through_for_fa3() -> None:
@@ -438,6 +517,25 @@ def test_checker_ignores_padding_past_the_covered_pages() -> None:
     check_flash_attn_args(**call)  # type: ignore[arg-type]
 
 
+def test_checker_counts_grouped_heads_of_one_query_against_the_cache() -> None:
+    def call(flavor: Flavor, page: int = 16, dim: int = 16, appends: bool = True) -> None:
+        """One query of page + 1 heads over 1 KV head, appending 1 token to a one-page block table row."""
+        cache = torch.zeros(2, page, 1, dim, dtype=torch.bfloat16)
+        new = torch.zeros(1, 1, 1, dim, dtype=torch.bfloat16) if appends else None
+        q = torch.randn(1, 1, page + 1, dim, dtype=torch.bfloat16)
+        lens, table = torch.tensor([3], dtype=torch.int32), torch.tensor([[1]], dtype=torch.int32)
+        check_flash_attn_args(q, cache, cache.clone(), lens, table, flavor=flavor, k=new, v=new)
+
+    # FA2 and vLLM's fork run it as page + 1 queries of one head (seqlenq_ngroups_swapped): one too many.
+    for flavor, page in (("fa2", 256), ("vllm", 16)):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            call(flavor, page)  # type: ignore[arg-type]
+        assert err.value.field == "q"
+    call("fa3")  # FA3 keeps seqlen_q = 1
+    call("vllm", appends=False)  # the rule is for appends only
+    call("vllm", dim=12)  # head_dim % 8 != 0: the kernel does not regroup
+
+
 def test_checker_fa2_needs_seqlen_q_within_the_cache_with_appends() -> None:
     call = valid_call("fa2")
     call["q"] = torch.randn(2, 600, 4, 16, dtype=torch.bfloat16)
@@ -479,6 +577,13 @@ def test_rows_that_see_no_key_are_zero() -> None:
     out = dense_attention(q, k, k, True)
     assert not out[:3].any() and out[3:].abs().sum() > 0
     assert dense_attention(q, k[:0], k[:0], False).abs().sum() == 0
+
+
+def test_paged_attention_of_an_empty_batch_is_empty() -> None:
+    cache = torch.randn(3, 16, 2, 8)
+    none = torch.zeros(0, dtype=torch.int32)
+    out = paged_attention(torch.randn(0, 1, 4, 8), cache, cache.clone(), none, none.reshape(0, 1))
+    assert out.shape == (0, 1, 4, 8) and out.dtype == torch.float32
 
 
 def test_paged_attention_rejects_pages_outside_the_cache() -> None:

@@ -294,19 +294,43 @@ def test_importer_rejects_bad_arguments() -> None:
         assert exc.value.field == field, (field, exc.value)
 
 
+@pytest.mark.parametrize("into", [False, True])
+def test_a_plan_for_another_block_table_or_page_size_is_refused(into: bool) -> None:
+    snap = make_snapshot([7, 3], shuffle=True, seed=1)
+    same_lens = make_snapshot([7, 3], shuffle=True, seed=2)  # other page ids
+    bigger_pages = make_snapshot([7, 3], page_size=8)
+    assert not torch.equal(snap.keys[0].block_table, same_lens.keys[0].block_table)
+    for other in (same_lens, bigger_pages):
+        plan = plan_flashinfer(other, 2)
+        assert plan is not None
+        out = tuple(torch.zeros(plan.num_pages, 2, 2, 8, dtype=torch.float16) for _ in range(2))
+        with pytest.raises(HurrayArgumentError) as exc:  # with out=, nothing after this check would catch it
+            to_flashinfer(snap, 0, plan=plan, out=out if into else None)
+        assert exc.value.field == "plan"
+
+
+def restructured(snap: KVSnapshot, **changes: Any) -> KVSnapshot:
+    """``snap`` with every layer's key and value changed alike (still one block structure)."""
+    return replace(
+        snap,
+        keys=tuple(replace(t, **changes) for t in snap.keys),
+        values=tuple(replace(t, **changes) for t in snap.values),
+    )
+
+
 def test_importer_rejects_snapshots_flashinfer_cannot_describe() -> None:
     snap = make_snapshot([7, 3])
     k = snap.keys[0]
-    no_lens = replace(snap, keys=(replace(k, seq_lens=None), *snap.keys[1:]))
-    extra_page = replace(k, seq_lens=torch.tensor([4, 3]))  # 4 tokens but 2 pages
     bad_id = replace(k, block_table=torch.tensor([0, 1, 99]))
-    for field, keys in [
-        ("seq_lens", no_lens.keys),
-        ("seq_lens.pages", (extra_page, *snap.keys[1:])),
-        ("snapshot.structure", (bad_id, *snap.keys[1:])),
+    for field, bad in [
+        ("seq_lens", restructured(snap, seq_lens=None)),
+        ("seq_lens.pages", restructured(snap, seq_lens=torch.tensor([4, 3]))),  # 4 tokens but 2 pages
+        ("block_table", restructured(snap, block_table=bad_id.block_table)),
+        ("snapshot.structure", replace(snap, keys=(bad_id, *snap.keys[1:]))),
+        ("snapshot.structure", replace(snap, keys=(replace(k, seq_lens=None), *snap.keys[1:]))),
     ]:
         with pytest.raises(HurrayFormatError) as exc:
-            to_flashinfer(replace(snap, keys=keys), 0)
+            to_flashinfer(bad, 0)
         assert exc.value.field == field, (field, exc.value)
     ints = replace(
         snap,

@@ -136,7 +136,11 @@ def _good() -> tuple[torch.Tensor, FlashMLACache]:
         ("q", lambda q, c: (q.float(), c.k_cache, c.block_table, c.cache_seqlens, 512)),
         ("k_cache", lambda q, c: (q, c.k_cache.half(), c.block_table, c.cache_seqlens, 512)),
         ("k_cache", lambda q, c: (q, c.k_cache.reshape(-1, 32, 1, 576), c.block_table, c.cache_seqlens, 512)),
-        ("q", lambda q, c: (q[..., :512], c.k_cache, c.block_table, c.cache_seqlens, 512)),
+        ("k_cache", lambda q, c: (q[..., :512], c.k_cache, c.block_table, c.cache_seqlens, 512)),
+        ("q", lambda q, c: (q[..., :500], c.k_cache[..., :500], c.block_table, c.cache_seqlens, 512)),
+        ("q", lambda q, c: (q[:0], c.k_cache, c.block_table[:0], c.cache_seqlens[:0], 512)),
+        ("k_cache", lambda q, c: (q, c.k_cache[:, :, :0], c.block_table, c.cache_seqlens, 512)),
+        ("cache_seqlens", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens.repeat_interleave(2)[::2], 512)),
         ("head_dim_v", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens, 576)),
         ("block_table", lambda q, c: (q, c.k_cache, c.block_table.long(), c.cache_seqlens, 512)),
         ("block_table", lambda q, c: (q, c.k_cache, c.block_table + 100, c.cache_seqlens, 512)),
@@ -159,3 +163,75 @@ def test_mla_reference_refuses_a_block_table_that_does_not_cover_the_lengths() -
     for table, lens in (([[0]], [10]), ([[0, 9, 1]], [10]), ([[0, -1, 2]], [10]), ([[0, 1, 2]], [-3])):
         with pytest.raises(hv.HurrayArgumentError):
             mla_paged_decode(q, kv, torch.tensor(table), torch.tensor(lens), head_dim_v=8)
+
+
+def test_flash_mla_checker_takes_a_latent_without_its_rope_part() -> None:
+    q, cache = _good()  # FlashMLA's dense decode takes head_size_k 512 as well as 576
+    check_flash_mla_args(
+        q[..., :512], cache.k_cache[..., :512].contiguous(), cache.block_table, cache.cache_seqlens, 512
+    )
+
+
+def fused(table: list[int], ptr: list[int], lens: list[int], pages: int = 3, page: int = 16) -> KVSnapshot:
+    """One layer of a latent pool of ``pages`` pages over the given (possibly broken) block structure."""
+    pool = torch.randn(pages, page, 1, DEEPSEEK.head_dim).to(torch.bfloat16)
+    bt, sp, sl = (torch.tensor(x, dtype=torch.int64) for x in (table, ptr, lens))
+    return KVSnapshot.from_layers([(BlockPagedTensor(pool, bt, sp, sl, "fused", 0),)], latent=DEEPSEEK)
+
+
+@pytest.mark.parametrize(
+    ("why", "snap", "field"),
+    [
+        ("a page id past the pool", fused([0, 1, 200], [0, 3], [40]), "block_table"),
+        ("offsets past the table", fused([0, 1], [0, 1, 5], [10, 10]), "seq_ptr"),
+        ("a length too many", fused([0, 1], [0, 1, 2], [10, 10, 3]), "seq_ptr"),
+        ("a negative length", fused([0, 1], [0, 1, 2], [10, -10]), "seq_lens"),
+    ],
+)
+def test_flash_mla_refuses_an_inconsistent_structure(why: str, snap: KVSnapshot, field: str) -> None:
+    for page in (16, 64):  # as it is, and repaged
+        with pytest.raises(hv.HurrayFormatError) as err:
+            to_flash_mla(snap, 0, page_size=page)
+        assert err.value.field == field, (why, page)
+
+
+@pytest.mark.parametrize(
+    ("why", "snap", "field"),
+    [
+        ("a page id past the pool", fused([0, 1, 200], [0, 3], [40]), "block_table"),
+        ("a page more than the tokens need", fused([0, 1, 2], [0, 3], [20]), "seq_lens.pages"),
+        ("a page fewer", fused([0], [0, 1], [20]), "seq_lens.pages"),
+        ("offsets past the table", fused([0, 1], [0, 1, 5], [10, 10]), "seq_ptr"),
+        ("a negative length", fused([0, 1], [0, 1, 2], [10, -10]), "seq_lens"),
+    ],
+)
+def test_flashinfer_mla_refuses_what_its_page_lists_cannot_describe(why: str, snap: KVSnapshot, field: str) -> None:
+    for page in (None, 64):  # the arrays as they are (FlashInfer reads them raw), and repaged
+        with pytest.raises(hv.HurrayFormatError) as err:
+            to_flashinfer_mla(snap, 0, page_size=page)
+        assert err.value.field == field, (why, page)
+
+
+def test_flash_mla_gives_an_empty_pool_a_page() -> None:
+    empty = fused([], [0, 0], [0], pages=0, page=64)
+    for reserve in (0, 10):
+        cache = to_flash_mla(empty, 0, reserve=reserve)
+        assert cache.k_cache.shape[0] >= 1 and cache.block_table.tolist() == [[0]]
+        q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+        check_flash_mla_args(q, cache.k_cache, cache.block_table, cache.cache_seqlens, 512)
+
+
+def test_mla_importers_refuse_short_kv_scales() -> None:
+    t = latent_snapshot([40, 10], fp8=True)[0, "fused"]
+    snap = KVSnapshot.from_layers([(t,), (t,)], latent=DEEPSEEK, kv_scales=((2.0, 2.0),))
+    for importer in (to_flash_mla, to_flashinfer_mla):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            importer(snap, 1)
+        assert err.value.field == "snapshot.kv_scales"
+
+
+def test_flash_mla_reserve_past_int32_is_the_callers_error() -> None:
+    for reserve in (2**31, 2**31 - 10):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            to_flash_mla(latent_snapshot([40]), 0, reserve=reserve)
+        assert err.value.field == "reserve" and not isinstance(err.value, hv.HurrayFormatError)

@@ -82,7 +82,8 @@ def check_flash_attn_args(
     num_blocks, page, nheads_k = _check_caches(q, k_cache, v_cache, lim, nheads, head_dim)
     _refuse_unmodelled(cache_batch_idx, cache_leftpad)
     table, lens, width = _check_index_tensors(block_table, cache_seqlens, batch)
-    seqlen_new = _check_new_kv(q, k, v, [batch, -1, nheads_k, head_dim], seqlen_q, width * page)
+    kernel_seqlen_q = _kernel_seqlen_q(lim, seqlen_q, nheads, nheads_k, head_dim)
+    seqlen_new = _check_new_kv(q, k, v, [batch, -1, nheads_k, head_dim], kernel_seqlen_q, width * page)
     _check_descales(q.dtype, lim, (batch, nheads_k), q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _check_table_contents(table, lens, seqlen_new, num_blocks, page)
 
@@ -181,6 +182,21 @@ def _check_index_tensors(
     return block_table, cache_seqlens, int(block_table.shape[1])
 
 
+def _kernel_seqlen_q(lim: FlavorLimits, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int) -> int:
+    """The ``seqlen_q`` the kernel checks appends against, after FA2's single-query GQA rewrite.
+
+    FlashAttention-2 and vLLM's fork (``mha_fwd_kvcache``) run a one-query
+    decode with grouped heads as ``nheads / nheads_k`` queries of ``nheads_k``
+    heads (``seqlenq_ngroups_swapped``: ``seqlen_q == 1``, ``nheads >
+    nheads_k``, ``head_dim % 8 == 0``, no sliding window or ALiBi, which the
+    checker does not take), before requiring ``seqlen_q <= seqlen_k`` for
+    appends. FlashAttention-3's ``mha_fwd`` keeps ``seqlen_q`` as it is.
+    """
+    if lim.name != "fa3" and seqlen_q == 1 and nheads > nheads_k and head_dim % 8 == 0:
+        return nheads // nheads_k
+    return seqlen_q
+
+
 def _check_new_kv(
     q: torch.Tensor,
     k: torch.Tensor | None,
@@ -208,10 +224,12 @@ def _check_new_kv(
                 raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
         seqlen_new = int(k.shape[1])
         if seqlen_q > capacity:
+            swapped = "" if seqlen_q == q.shape[1] else f": one query's {q.shape[2]} heads run as grouped queries"
             raise HurrayArgumentError(
                 "q",
-                f"with k/v given, seqlen_q ({seqlen_q}) must be <= the cache's seqlen "
-                f"(max_num_blocks_per_seq * page_block_size = {capacity})",
+                f"with k/v given, the kernel's seqlen_q ({seqlen_q}{swapped}) must be <= the cache's seqlen "
+                f"(max_num_blocks_per_seq * page_block_size = {capacity}); add columns to block_table "
+                "(import with reserve=)",
             )
     return seqlen_new
 

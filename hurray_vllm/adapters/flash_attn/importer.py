@@ -22,7 +22,16 @@ from ...kv.repage import (
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_import_memory, check_layer, check_one_structure, dequantize, padded_block_table
+from .._common import (
+    check_import_memory,
+    check_layer,
+    check_one_structure,
+    check_reserve,
+    dequantize,
+    layer_scales,
+    padded_block_table,
+    with_extra_pages,
+)
 from .flavors import FLAVORS, HALF_DTYPES, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
 
 __all__ = ["FlashAttnCache", "FlashAttnPlan", "plan_flash_attn", "to_flash_attn", "to_flash_attn_all"]
@@ -163,11 +172,13 @@ def plan_flash_attn(
 
     Raises:
         HurrayArgumentError: ``page_size`` the flavor refuses, an unknown
-            ``flavor``, a negative ``reserve``.
+            ``flavor``, a ``reserve`` that is negative or, added to the
+            longest sequence, past int32 positions.
         HurrayFormatError: the snapshot's data: no layers, sequences or
             ``seq_lens``, MLA latents, dropped sliding-window pages or
-            linear-attention states, an inconsistent block table, more pages
-            or tokens than int32 indices hold.
+            linear-attention states, layers or roles of other block
+            structures, an inconsistent block table (page ids outside the
+            pool included), more pages or tokens than int32 indices hold.
 
     Notes:
         The block table is padded with page 0 (the plan makes sure a page 0
@@ -178,8 +189,7 @@ def plan_flash_attn(
     """
     lim = flavor_limits(flavor)
     check_page_size(page_size, lim, "page_size")
-    if reserve < 0:
-        raise HurrayArgumentError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
+    check_reserve(reserve)
     snapshot.require_kv("flash_attn_with_kvcache")
     check_one_structure(snapshot, "flash_attn_with_kvcache")
     if not snapshot.keys:
@@ -195,7 +205,8 @@ def plan_flash_attn(
         rp = None
         table, ptr, lens, base = k0.block_table, k0.seq_ptr, k0.seq_lens, k0.num_pages
     else:
-        rp = plan_repage(k0.block_table, k0.seq_ptr, k0.seq_lens, k0.page_size, page_size)
+        # num_pages: a page id past the pool is the snapshot's error here, before any gather reads it.
+        rp = plan_repage(k0.block_table, k0.seq_ptr, k0.seq_lens, k0.page_size, page_size, k0.num_pages)
         table, ptr, lens, base = rp.block_table, rp.seq_ptr, rp.seq_lens, rp.num_pages
     extra, bt = padded_block_table(table, ptr, lens, base, page_size, reserve)
     num_blocks = base + int(extra.numel())
@@ -274,10 +285,13 @@ def to_flash_attn(
             device.
         HurrayArgumentError: the options of :func:`plan_flash_attn`; ``out``
             whose caches share memory with each other or with the snapshot's
-            pools, or lack a contiguous last dimension.
+            pools (its own pools, page for page, are taken only where nothing
+            is repaged, converted or added, and ``reserve=0``: an append
+            would write into the snapshot), or lack a contiguous last
+            dimension.
         HurrayFormatError: the snapshot's data (see :func:`plan_flash_attn`),
             a Hurray-quantized or non-float pool, a ``head_dim`` the flavor
-            refuses.
+            refuses, ``kv_scales`` not one pair per layer.
         OSError: ``ENOMEM``: the repaged pool is larger than the device's
             memory (:func:`~hurray_vllm.kv.repage.check_memory`).
 
@@ -309,7 +323,7 @@ def to_flash_attn(
     kt, vt = snapshot.keys[layer], snapshot.values[layer]
     out_dtype, passthrough = _target_dtype(kt, lim, dtype)
     check_head_dim(kt.head_dim, lim, out_dtype, "head_dim")
-    k_scale, v_scale = snapshot.kv_scales[layer] if snapshot.kv_scales is not None else (1.0, 1.0)
+    k_scale, v_scale = layer_scales(snapshot, layer)
     if out is not None:
         _check_out(snapshot, layer, plan, out_dtype, passthrough, device, out, "out")
         k_cache = _layer_into(kt, plan, out_dtype, passthrough, k_scale, out[0], "out[0]")
@@ -480,6 +494,13 @@ def _check_out(
             p = t.page_pool
             return in_place and t is own and o.data_ptr() == p.data_ptr() and o.stride() == p.stride()
 
+        if plan.reserve and itself(own):
+            # Room for appends is room in the snapshot's own pages: the caller's appends would change it.
+            raise HurrayArgumentError(
+                f"{field}[{i}]",
+                f"is the snapshot's own layer {layer} {own.kv_role} pool, but reserve={plan.reserve} leaves room "
+                "for appends, which would write into the snapshot; import into other memory, or with reserve=0",
+            )
         refuse_pool_overlap(snapshot, o, f"{field}[{i}]", allow=itself)
 
 
@@ -488,11 +509,7 @@ def _layer_pool(t: BlockPagedTensor, plan: FlashAttnPlan) -> torch.Tensor:
     if not plan.extra_pages.numel():
         # With room reserved, appends write into the pool: never into the snapshot's own.
         return pool.clone() if plan.reserve and plan.repage is None else pool
-    src = plan.extra_pages.to(pool.device)
-    fresh = torch.zeros((int(src.numel()), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
-    copied = src >= 0
-    fresh[copied] = pool[src[copied]]
-    return torch.cat([pool, fresh])
+    return with_extra_pages(pool, plan.extra_pages)
 
 
 def _layer_into(

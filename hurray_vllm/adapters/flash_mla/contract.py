@@ -1,4 +1,4 @@
-"""The argument checks ``flash_mla_with_kvcache`` makes (FlashMLA's ``csrc/flash_api.cpp``), in Python."""
+"""The argument checks ``flash_mla_with_kvcache`` makes (FlashMLA's ``csrc/api/dense_decode.h``), in Python."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ __all__ = ["FLASH_MLA_HEAD_DIM", "FLASH_MLA_HEAD_DIM_V", "FLASH_MLA_PAGE", "chec
 FLASH_MLA_PAGE = 64
 #: The latent width it takes: kv_lora_rank 512 + rope 64.
 FLASH_MLA_HEAD_DIM = 576
+#: Every ``head_size_k`` the dense decode takes: the latent with its rope part, or the compressed KV alone.
+_HEAD_DIMS = (FLASH_MLA_HEAD_DIM, 512)
 #: The value width: the compressed KV (kv_lora_rank).
 FLASH_MLA_HEAD_DIM_V = 512
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -27,11 +29,13 @@ def check_flash_mla_args(
     """Refuse a call FlashMLA would refuse (or read out of bounds with), naming the argument.
 
     Args:
-        q: ``[batch, seqlen_q, num_heads_q, 576]``, bfloat16 or float16, last dim contiguous.
-        k_cache: ``[num_blocks, 64, num_heads_k, 576]`` in ``q``'s dtype, last dim contiguous.
+        q: ``[batch, seqlen_q, num_heads_q, head_dim]``, ``batch >= 1``, ``head_dim`` 576
+            (or 512: no rope part), bfloat16 or float16, last dim contiguous.
+        k_cache: ``[num_blocks, 64, num_heads_k, head_dim]`` in ``q``'s dtype, last dim
+            contiguous; ``num_heads_k >= 1`` divides ``num_heads_q``.
         block_table: int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous; every
             entry that covers ``cache_seqlens[b]`` tokens is a page of ``k_cache``.
-        cache_seqlens: int32 ``[batch]``, ``>= 0``.
+        cache_seqlens: int32 ``[batch]``, contiguous, ``>= 0``.
         head_dim_v: 512.
 
     Raises:
@@ -51,9 +55,11 @@ def check_flash_mla_args(
     if cache_seqlens.device != q.device:
         raise HurrayArgumentError("cache_seqlens", f"cache_seqlens is on {cache_seqlens.device}, q on {q.device}")
     batch, _, heads_q, head_dim = q.shape
-    if head_dim != FLASH_MLA_HEAD_DIM:
+    if batch <= 0:
+        raise HurrayArgumentError("q", "batch size must be positive")
+    if head_dim not in _HEAD_DIMS:
         raise HurrayArgumentError(
-            "q", f"head_dim must be {FLASH_MLA_HEAD_DIM} (kv_lora_rank 512 + rope 64), not {head_dim}"
+            "q", f"head_dim must be {FLASH_MLA_HEAD_DIM} (kv_lora_rank 512 + rope 64) or 512, not {head_dim}"
         )
     if head_dim_v != FLASH_MLA_HEAD_DIM_V:
         raise HurrayArgumentError("head_dim_v", f"head_dim_v must be {FLASH_MLA_HEAD_DIM_V}, not {head_dim_v}")
@@ -62,6 +68,8 @@ def check_flash_mla_args(
             "k_cache", f"expected [num_blocks, {FLASH_MLA_PAGE}, heads_k, {head_dim}], got {list(k_cache.shape)}"
         )
     heads_k = k_cache.shape[2]
+    if heads_k == 0:
+        raise HurrayArgumentError("k_cache", "k_cache has no heads (num_heads_k == 0)")
     if heads_q % heads_k:
         raise HurrayArgumentError("q", f"{heads_q} query heads are not a multiple of {heads_k} KV heads")
     for name, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
@@ -73,6 +81,8 @@ def check_flash_mla_args(
         )
     if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
         raise HurrayArgumentError("cache_seqlens", f"expected [{batch}], got {list(cache_seqlens.shape)}")
+    if not cache_seqlens.is_contiguous():
+        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be contiguous")
     lens = cache_seqlens.to(torch.int64).cpu()
     if bool((lens < 0).any()):
         raise HurrayArgumentError("cache_seqlens", "sequence lengths must be >= 0")

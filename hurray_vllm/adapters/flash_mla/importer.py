@@ -9,7 +9,17 @@ import torch
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
-from .._common import FP8_DTYPES, INT32_MAX, check_layer, check_one_structure, dequantize, padded_block_table
+from .._common import (
+    FP8_DTYPES,
+    INT32_MAX,
+    check_layer,
+    check_one_structure,
+    check_reserve,
+    dequantize,
+    layer_scales,
+    padded_block_table,
+    with_extra_pages,
+)
 from .contract import FLASH_MLA_PAGE
 
 __all__ = ["FlashMLACache", "to_flash_mla"]
@@ -62,9 +72,11 @@ def to_flash_mla(
 
     Raises:
         HurrayFormatError: the snapshot holds keys and values, has no lengths or
-            sequences, has an inconsistent block structure, or does not fit
-            int32 indices.
-        HurrayArgumentError: ``page_size`` or ``reserve`` out of range.
+            sequences, has an inconsistent block structure (page ids outside
+            the pool included) or ``kv_scales`` not one pair per layer, or
+            does not fit int32 indices.
+        HurrayArgumentError: ``page_size`` or ``reserve`` out of range (a
+            ``reserve`` that, added to the longest sequence, passes int32 positions).
         ImportArgumentError: ``layer`` is out of range (a
             :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
         OSError: ``ENOMEM``: the repaged latent pool is larger than the device's memory.
@@ -82,10 +94,10 @@ def to_flash_mla(
         raise HurrayFormatError("kv_role", "FlashMLA reads MLA latents; this snapshot holds keys and values")
     if page_size < 1:
         raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
-    if reserve < 0:
-        raise HurrayArgumentError("reserve", f"reserve must be >= 0 tokens, got {reserve}")
+    check_reserve(reserve)
     check_layer(snapshot, layer)
     check_one_structure(snapshot, "FlashMLA")
+    scale = layer_scales(snapshot, layer)[0]  # a latent's one scale
     t = snapshot.fused[layer]
     if t.seq_lens is None:
         raise HurrayFormatError(
@@ -94,21 +106,18 @@ def to_flash_mla(
     if t.num_seqs == 0:
         raise HurrayFormatError("snapshot", "the snapshot has no sequences; FlashMLA needs batch >= 1")
     if t.page_size != page_size:
-        plan = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size)
+        # num_pages: a page id past the pool is the snapshot's error here, before the gather reads it.
+        plan = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size, t.num_pages)
         t = repage(t, page_size, plan)
     assert t.seq_lens is not None
     extra, table = padded_block_table(t.block_table, t.seq_ptr, t.seq_lens, t.num_pages, page_size, reserve)
     pool = t.page_pool
     if pool.dtype in FP8_DTYPES:
-        scale = snapshot.kv_scales[layer][0] if snapshot.kv_scales is not None else 1.0
         pool = dequantize(pool, scale).to(dtype or torch.bfloat16)
     elif dtype is not None:
         pool = pool.to(dtype)
-    if extra.numel():
-        pages = [pool]
-        for src in extra.tolist():  # a private copy of a shared tail page, or a fresh zero page
-            pages.append(pool[src : src + 1].clone() if src >= 0 else torch.zeros_like(pool[:1]))
-        pool = torch.cat(pages)
+    # Private copies of shared tail pages, fresh zero pages (page 0 of an empty pool included).
+    pool = with_extra_pages(pool, extra)
     longest = int(t.seq_lens.max()) if t.seq_lens.numel() else 0
     if pool.shape[0] > INT32_MAX or longest + reserve > INT32_MAX:
         raise HurrayFormatError("snapshot", "the batch does not fit FlashMLA's int32 indices")

@@ -15,10 +15,9 @@ __all__ = ["FlashInferCache", "PagedKVCache", "LAYOUTS", "KERNEL_KV_DTYPES", "un
 PagedKVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+#: The page layouts FlashInfer's wrappers take (``kv_layout``).
 LAYOUTS = ("NHD", "HND")
 
-
-LAYOUTS = ("NHD", "HND")
 #: KV dtypes FlashInfer's paged kernels are compiled for
 #: (``DISPATCH_DLPACK_DTYPE_TO_CTYPE_FP16_FP8`` in ``csrc/tvm_ffi_utils.h``).
 KERNEL_KV_DTYPES = (torch.float16, torch.bfloat16, *_FP8)

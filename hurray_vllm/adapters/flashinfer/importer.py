@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -22,25 +23,44 @@ from ...kv.repage import (
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_import_memory, check_layer, check_one_structure, dequantize
+from .._common import check_csr, check_import_memory, check_layer, check_one_structure, dequantize, layer_scales
 from .cache import LAYOUTS, FlashInferCache, PagedKVCache
 
-__all__ = ["plan_flashinfer", "plan_flashinfer_repage", "to_flashinfer", "to_flashinfer_all"]
+__all__ = ["FlashInferPlan", "plan_flashinfer", "plan_flashinfer_repage", "to_flashinfer", "to_flashinfer_all"]
 
 
-def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
+@dataclass(frozen=True)
+class FlashInferPlan(RepagePlan):
+    """A :class:`~hurray_vllm.kv.repage.RepagePlan` that remembers the block table it was made from.
+
+    :func:`to_flashinfer` compares it with the snapshot's before using the
+    plan: two batches of the same lengths and page size but other pages
+    would otherwise be gathered through each other's plan, silently.
+
+    Attributes:
+        src_block_table: int64 ``[total_pages]``, the snapshot's own block
+            table (the very tensor) the plan was made from.
+    """
+
+    src_block_table: torch.Tensor | None = None
+
+
+def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> FlashInferPlan | None:
     """The repaging plan every layer of ``snapshot`` shares, for ``page_size``.
 
-    Returns ``None`` when the snapshot already has pages of ``page_size``
-    (nothing to repage). Pass the result to :func:`to_flashinfer` as
-    ``plan=`` for each layer so the plan is computed once per batch
-    (:func:`to_flashinfer_all` does).
+    Returns a :class:`FlashInferPlan` (a ``RepagePlan`` that keeps the source
+    block table, to recognise a plan made for another snapshot), or ``None``
+    when the snapshot already has pages of ``page_size`` (nothing to
+    repage). Pass the result to :func:`to_flashinfer` as ``plan=`` for each
+    layer so the plan is computed once per batch (:func:`to_flashinfer_all`
+    does).
 
     Raises:
         ImportArgumentError: ``page_size`` is not positive.
         HurrayFormatError: the snapshot's data: no layers or ``seq_lens``,
             MLA latents, dropped sliding-window pages or linear-attention
-            states, an inconsistent block structure.
+            states, an inconsistent block structure (page ids outside the
+            pool included).
     """
     snapshot.require_kv("FlashInfer's paged K/V cache")
     check_one_structure(snapshot, "FlashInfer's paged K/V cache")
@@ -50,10 +70,11 @@ def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     if k0.page_size == page_size:
         return None
     lens = _require_lens(k0)
-    return plan_repage(k0.block_table, k0.seq_ptr, lens, k0.page_size, page_size)
+    rp = plan_repage(k0.block_table, k0.seq_ptr, lens, k0.page_size, page_size, k0.num_pages)
+    return FlashInferPlan(**{f.name: getattr(rp, f.name) for f in fields(rp)}, src_block_table=k0.block_table)
 
 
-def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
+def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> FlashInferPlan | None:
     """Deprecated name of :func:`plan_flashinfer` (same arguments, same result)."""
     warnings.warn(
         "plan_flashinfer_repage is deprecated; use plan_flashinfer",
@@ -235,12 +256,12 @@ def to_flashinfer(
     check_layer(snapshot, layer)
     k, v = snapshot.keys[layer], snapshot.values[layer]
     lens = _check_source(k, v)
-    scales = _layer_scales(snapshot, layer)
+    scales = layer_scales(snapshot, layer)
 
     if plan is None and page_size is not None and page_size != k.page_size:
         if page_size <= 0:
             raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
-        plan = plan_repage(k.block_table, k.seq_ptr, lens, k.page_size, page_size)
+        plan = plan_repage(k.block_table, k.seq_ptr, lens, k.page_size, page_size, k.num_pages)
     elif plan is not None:
         if page_size is not None and plan.page_size != page_size:
             raise ImportArgumentError("plan", f"the plan repages to {plan.page_size}, page_size is {page_size}")
@@ -292,64 +313,41 @@ def _require_lens(t: BlockPagedTensor) -> torch.Tensor:
 
 
 def _check_source(k: BlockPagedTensor, v: BlockPagedTensor) -> torch.Tensor:
-    """The layer's sequence lengths, after the checks the import relies on."""
-    lens = _require_lens(k)
+    """The layer's sequence lengths, after the checks the import relies on.
+
+    Key and value share one block structure, pool shape and dtype
+    (:func:`~hurray_vllm.adapters._common.check_one_structure`, run first).
+    """
     if k.quantization is not None or v.quantization is not None:
         raise HurrayFormatError(
             "quantization", "affine-quantized page pools are not supported; dequantize the snapshot first"
         )
-    if k.page_pool.shape != v.page_pool.shape or k.dtype != v.dtype:
-        raise HurrayFormatError(
-            "snapshot.structure",
-            f"key pool {list(k.page_pool.shape)} {k.dtype} and value pool {list(v.page_pool.shape)} {v.dtype} differ",
-        )
-    if not (torch.equal(k.block_table, v.block_table) and torch.equal(k.seq_ptr, v.seq_ptr)):
-        raise HurrayFormatError("snapshot.structure", "key and value have different block tables")
     if not (k.dtype.is_floating_point and k.dtype.itemsize <= 4):
         raise HurrayFormatError("dtype", f"FlashInfer pages hold floating-point values, not {k.dtype}")
     # The CSR arrays are used as they are, so they must describe exactly the
     # pages each sequence needs: an extra page would count as page_size tokens.
-    counts = k.seq_ptr[1:] - k.seq_ptr[:-1]
-    if k.seq_ptr.numel() == 0 or int(k.seq_ptr[0]) != 0 or int(k.seq_ptr[-1]) != k.block_table.numel():
-        raise HurrayFormatError("seq_ptr", "seq_ptr must start at 0 and end at the block table's length")
-    if lens.numel() != counts.numel() or bool((lens < 0).any()):
-        raise HurrayFormatError(
-            "seq_lens", f"{lens.numel()} non-negative lengths needed for {counts.numel()} sequences"
-        )
-    need = (lens + k.page_size - 1) // k.page_size
-    if not torch.equal(need, counts):
-        s = int(torch.nonzero(need != counts)[0, 0])
-        raise HurrayFormatError(
-            "seq_lens.pages",
-            f"sequence {s} has {int(lens[s])} tokens (needs {int(need[s])} pages of {k.page_size}) "
-            f"but owns {int(counts[s])}",
-        )
-    if k.block_table.numel() and not (0 <= int(k.block_table.min()) and int(k.block_table.max()) < k.num_pages):
-        raise HurrayFormatError("block_table", f"page ids must lie in [0, {k.num_pages})")
-    return lens
-
-
-def _layer_scales(snapshot: KVSnapshot, layer: int) -> tuple[float, float]:
-    if snapshot.kv_scales is None:
-        # The snapshot's contract: no scales means an unscaled cache.
-        return 1.0, 1.0
-    if len(snapshot.kv_scales) != snapshot.num_layers:
-        raise HurrayFormatError(
-            "snapshot.kv_scales", f"{len(snapshot.kv_scales)} scale pairs for {snapshot.num_layers} layers"
-        )
-    ks, vs = snapshot.kv_scales[layer]
-    return float(ks), float(vs)
+    _require_lens(k)
+    return check_csr(k)
 
 
 def _check_plan(plan: RepagePlan, k: BlockPagedTensor, lens: torch.Tensor) -> None:
-    # A plan for another batch would gather the wrong slots without any error;
-    # these checks are cheap and catch a plan reused across snapshots.
+    # A plan for another batch would gather the wrong slots without any error (and with out=, nothing
+    # after this checks it again); these checks are cheap and catch a plan reused across snapshots.
     if plan.page_size <= 0 or plan.seq_ptr.numel() != k.seq_ptr.numel():
         raise ImportArgumentError("plan", f"the plan is for {plan.seq_ptr.numel() - 1} sequences, not {k.num_seqs}")
+    if plan.src_page_size not in (0, k.page_size):
+        raise ImportArgumentError(
+            "plan", f"the plan repages pages of {plan.src_page_size}, this snapshot has pages of {k.page_size}"
+        )
     if not torch.equal(plan.seq_lens.to(lens.device), lens):
         raise ImportArgumentError("plan", "the plan was made for other sequence lengths")
     if plan.src_slots.numel() and int(plan.src_slots.max()) >= k.num_pages * k.page_size:
         raise ImportArgumentError("plan", "the plan reads slots past this snapshot's page pool")
+    src = plan.src_block_table if isinstance(plan, FlashInferPlan) else None
+    if src is not None and src is not k.block_table and not torch.equal(src.to(k.block_table.device), k.block_table):
+        raise ImportArgumentError(
+            "plan", "the plan was made for another block table (another snapshot); call plan_flashinfer on this one"
+        )
 
 
 def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tuple[torch.Tensor, float | None]:

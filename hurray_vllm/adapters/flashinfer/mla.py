@@ -18,7 +18,7 @@ import torch
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
-from .._common import FP8_DTYPES, INT32_MAX, check_layer, check_one_structure, dequantize
+from .._common import FP8_DTYPES, INT32_MAX, check_csr, check_layer, check_one_structure, dequantize, layer_scales
 
 __all__ = ["FlashInferMLACache", "to_flashinfer_mla"]
 
@@ -71,8 +71,10 @@ def to_flashinfer_mla(
 
     Raises:
         HurrayFormatError: the snapshot holds keys and values, lacks sequence
-            lengths, has an inconsistent block structure or does not fit int32
-            indices.
+            lengths, has an inconsistent block structure (the page lists go to
+            the kernel as they are, so each sequence must own exactly the
+            pages its tokens need, all inside the pool), has ``kv_scales``
+            not one pair per layer, or does not fit int32 indices.
         HurrayArgumentError: ``page_size`` is not positive.
         ImportArgumentError: ``layer`` is out of range (a
             :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
@@ -97,14 +99,17 @@ def to_flashinfer_mla(
     t = snapshot.fused[layer]
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "the snapshot does not carry sequence lengths; FlashInfer needs kv_len_arr")
+    # The checks the K/V importer runs: unrepaged, these arrays are kv_indptr/kv_indices/kv_len_arr as they are.
+    check_csr(t)
+    scale = layer_scales(snapshot, layer)[0]  # a latent's one scale
     if page_size is not None and page_size != t.page_size:
-        t = repage(t, page_size, plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size))
+        plan = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size, t.num_pages)
+        t = repage(t, page_size, plan)
     assert t.seq_lens is not None
     if t.num_pages > INT32_MAX or (t.seq_lens.numel() and int(t.seq_lens.max()) > INT32_MAX):
         raise HurrayFormatError("snapshot", "the batch does not fit FlashInfer's int32 indices")
     pool = t.page_pool[:, :, 0]  # [pages, page_size, C]
     if pool.dtype in FP8_DTYPES:
-        scale = snapshot.kv_scales[layer][0] if snapshot.kv_scales is not None else 1.0
         pool = dequantize(pool, scale).to(dtype or torch.bfloat16)
     elif dtype is not None:
         pool = pool.to(dtype)
