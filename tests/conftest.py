@@ -7,13 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import prefetch
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from prefetch import engine_slot
 from servers import root_cause, side_by_side
 from tiny_models import build_tiny_llama
 from tp_engines import tp_engines  # noqa: F401  (one session fixture for test_tp.py and test_tp_connector.py)
@@ -68,6 +71,13 @@ HERE = Path(__file__).parent
 CONFIGS = {"bf16-32": (32, "auto"), "bf16-64": (64, "auto"), "fp8-32": (32, "fp8")}
 
 
+@pytest.fixture(autouse=True)
+def _prefetch_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """At the first real-engine test, start the lanes of ``tests/prefetch.py`` on the engine chains ahead."""
+    if request.node.get_closest_marker("vllm") is not None:
+        prefetch.start(request.session.items, tmp_path_factory)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     require("transformers")
@@ -105,13 +115,21 @@ class EngineRuns(dict[str, tuple[Path, dict[str, Any]]]):
         """One configuration's engine run; None where it failed (``failed``) or this CPU cannot run it."""
         block_size, kv_dtype = CONFIGS[name]
         out = self.tmp.mktemp(f"engine-{name}")
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "vllm_engine_run.py"), str(self.model), str(out), str(block_size), kv_dtype],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-        )
+        with engine_slot():
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE / "vllm_engine_run.py"),
+                    str(self.model),
+                    str(out),
+                    str(block_size),
+                    kv_dtype,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+            )
         if proc.returncode:
             self.failed[name] = f"vLLM engine {name} failed:\n{root_cause(proc.stderr)}"
             return None
@@ -134,9 +152,29 @@ def engine_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> E
     return EngineRuns(tiny_model, tmp_path_factory)
 
 
+#: (seconds, fixture, scope, first test that asked for it) of every fixture whose set-up took a while.
+FIXTURE_SETUPS: list[tuple[float, str, str, str]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: Any, request: Any) -> Any:
+    """Time each fixture's set-up: engines and fleets dominate the suite, and CI allows it 30 minutes."""
+    start = time.monotonic()
+    yield
+    took = time.monotonic() - start
+    if took >= 5.0:  # engines and servers, not the many cheap fixtures
+        FIXTURE_SETUPS.append((took, fixturedef.argname, fixturedef.scope, request.node.nodeid))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Say which CPU attention ISA vLLM ran, and which near-ties the margin rule accepted."""
+    """Say which CPU attention ISA vLLM ran, which near-ties the margin rule accepted, and the slowest set-ups."""
     from margins import NEAR_TIES
+
+    if FIXTURE_SETUPS:
+        # Nested fixtures count in each of theirs: read it as where the time goes, not a sum.
+        terminalreporter.section("slowest fixture set-ups (engines and fleets: the suite's budget)")
+        for took, name, scope, nodeid in sorted(FIXTURE_SETUPS, reverse=True)[:25]:
+            terminalreporter.write_line(f"{took:7.1f}s {scope:8} {name}  (first for {nodeid})")
 
     if ISAS_SEEN:
         import torch

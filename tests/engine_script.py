@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import servers
+from prefetch import engine_slot
 
 __all__ = ["run_engine_script", "run_phases"]
 
@@ -32,13 +33,14 @@ def run_engine_script(
     Fails the test, naming ``what`` and the engine's root cause, if the script fails.
     """
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]), **(env or {})},
-    )
+    with engine_slot():
+        proc = subprocess.run(
+            [sys.executable, str(TESTS / script), *args],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]), **(env or {})},
+        )
     if proc.returncode:
         pytest.fail(f"{what} failed:\n{servers.root_cause(proc.stderr)}")
     result: dict[str, Any] = json.loads((out / "result.json").read_text())

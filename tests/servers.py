@@ -21,11 +21,12 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from prefetch import engine_slot, fleet_down, fleet_up
 
 T = TypeVar("T")
 
@@ -100,6 +101,8 @@ class Server:
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
+    #: The fleet (one :func:`start_servers` call) it belongs to: the lanes go on once all of it stopped.
+    fleet: list[Server] | None = field(default=None, repr=False, compare=False)
 
     @property
     def url(self) -> str:
@@ -149,7 +152,20 @@ def kill_server(server: Server) -> None:
 
 
 def stop_servers(servers: Sequence[Server], grace_s: float = 30.0) -> None:
-    """SIGTERM every server (by its pid), wait up to ``grace_s``, SIGKILL what is left, its engine processes too."""
+    """SIGTERM every server (by its pid), wait up to ``grace_s``, SIGKILL what is left, its engine processes too.
+
+    A fleet whose every server has stopped lets the lanes of ``tests/prefetch.py`` go on.
+    """
+    _stop(servers, grace_s)
+    fleets = {id(s.fleet): s.fleet for s in servers if s.fleet is not None}
+    for fleet in fleets.values():
+        if all(s.proc.poll() is not None for s in fleet):
+            for s in fleet:
+                s.fleet = None
+            fleet_down()
+
+
+def _stop(servers: Sequence[Server], grace_s: float = 30.0) -> None:
     below = {s.proc.pid: descendants(s.proc.pid) for s in servers if s.proc.poll() is None}
     for s in servers:
         if s.proc.poll() is None:
@@ -192,6 +208,17 @@ def start_servers(
         The running servers, in the order of their specs.
     """
     logdir.mkdir(parents=True, exist_ok=True)
+    fleet_up()  # the lanes of tests/prefetch.py take up no further engine chain while a fleet serves
+    try:
+        return _start_servers(make_specs, logdir, deadline_s, attempts)
+    except BaseException:
+        fleet_down()
+        raise
+
+
+def _start_servers(
+    make_specs: Callable[[Callable[[], int]], Sequence[ServerSpec]], logdir: Path, deadline_s: float, attempts: int
+) -> list[Server]:
     for attempt in range(attempts):
         servers = [_spawn(spec, logdir, attempt) for spec in make_specs(free_port)]
         deadline = time.monotonic() + deadline_s
@@ -212,12 +239,14 @@ def start_servers(
             if pending:
                 s = pending[0]
                 pytest.fail(f"server {s.name} did not answer within {deadline_s:.0f} s:\n{root_cause(s.log_text())}")
+            for s in servers:
+                s.fleet = servers
             return servers
         except _PortTaken:
-            stop_servers(servers)
+            _stop(servers)
             continue
         except BaseException:
-            stop_servers(servers)
+            _stop(servers)
             raise
     raise AssertionError("unreachable: the last attempt fails instead of retrying")
 
@@ -380,25 +409,26 @@ def kill_engine_when(
     cmd = _engine_command(
         tmp, name, {"block_size": block_size, "connector": extra, "prompts": prompts, "max_tokens": 8}
     )
-    with open(tmp / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
-        )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            if when():
+    with engine_slot():
+        with open(tmp / f"{name}.log", "w") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if when():
+                    os.killpg(proc.pid, 9)
+                    proc.wait(timeout=60)
+                    return True
+                time.sleep(0.003)
+            if proc.poll() is None:
+                pytest.fail(f"engine {name} neither finished nor met its kill condition in {timeout_s:.0f} s")
+            return False
+        finally:
+            if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait(timeout=60)
-                return True
-            time.sleep(0.003)
-        if proc.poll() is None:
-            pytest.fail(f"engine {name} neither finished nor met its kill condition in {timeout_s:.0f} s")
-        return False
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=60)
 
 
 def side_by_side(jobs: Mapping[str, Callable[[], T]]) -> dict[str, T]:
@@ -474,13 +504,14 @@ def run_engine(
         "salts": salts or {},
         **(engine or {}),
     }
-    proc = subprocess.run(
-        _engine_command(tmp, name, cfg, native_rope=native_rope),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    with engine_slot():
+        proc = subprocess.run(
+            _engine_command(tmp, name, cfg, native_rope=native_rope),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     if proc.returncode:
         pytest.fail(f"engine {name} failed:\n{root_cause(proc.stderr)}")
     result: dict[str, Any] = json.loads((tmp / f"{name}.out").read_text())

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,14 +19,40 @@ _BUILDING = threading.Lock()
 def _one_at_a_time(build: F) -> F:
     """Builders seed torch's global generator and draw the weights from it: two threads building at once
     (engine runs side by side, ``servers.side_by_side``) would interleave the draws, and a model's weights
-    would depend on timing. One build at a time keeps every model what its seed makes."""
+    would depend on timing. One build at a time keeps every model what its seed makes.
+
+    Off the tests' own thread (``tests/prefetch.py``'s lanes, ``side_by_side``) a model is built in a
+    process of its own: the tests go on drawing from the global generator meanwhile, and a lock cannot
+    keep them out. A fresh process seeded alike draws the same weights.
+    """
 
     @functools.wraps(build)
-    def one(*args: object, **kwargs: object) -> Path:
+    def one(path: Path, **kwargs: object) -> Path:
+        if threading.current_thread() is not threading.main_thread():
+            if not (path / "config.json").exists():
+                _build_in_a_process(build.__name__, path, kwargs)
+            return path
         with _BUILDING:
-            return build(*args, **kwargs)
+            return build(path, **kwargs)
 
     return one  # type: ignore[return-value]
+
+
+def _build_in_a_process(name: str, path: Path, kwargs: dict[str, object]) -> None:
+    script = (
+        "import json, sys; from pathlib import Path; import tiny_models; "
+        f"tiny_models.{name}(Path(sys.argv[1]), **json.loads(sys.argv[2]))"
+    )
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(path), json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])},
+    )
+    if proc.returncode:
+        raise RuntimeError(f"building {name} at {path} failed:\n{proc.stderr[-4000:]}")
 
 
 @_one_at_a_time

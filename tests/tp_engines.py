@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from engine_script import run_engine_script
+from prefetch import prefetched
 from servers import receiver_process, side_by_side
 from tiny_models import build_tiny_eagle, build_tiny_llama
 
@@ -46,6 +47,7 @@ def _run(
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def tp_engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every engine of both modules; at most one TP = 2 engine at a time, beside a TP = 1 one (a core per rank)."""
     from conftest import require

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from conftest import require
 from engine_script import run_phases
+from prefetch import prefetched
 from servers import side_by_side
 from tiny_models import build_tiny_llama, build_tiny_qwen3_next
 
@@ -70,6 +71,7 @@ def _linear_run(tmp: Path, tp: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+@prefetched
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The module's offline engines, side by side (``servers.side_by_side``): each has a store of its own."""
     require("vllm")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import servers
 from conftest import require
+from prefetch import prefetched
 from synthetic import save_unchecked
 from tiny_models import build_tiny_llama
 
@@ -86,6 +87,7 @@ def _break_store(store: Path) -> None:
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     require("transformers")
     require("vllm")

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import require
+from prefetch import prefetched
 from servers import run_engine, side_by_side
 from tiny_models import build_tiny_llama
 
@@ -38,6 +39,7 @@ def _files(store: Path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
+@prefetched
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("vllm")
     tmp = tmp_path_factory.mktemp("connector-requests")

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import servers
 from conftest import require
+from prefetch import prefetched
 from tiny_models import build_tiny_gemma3
 
 import hurray_vllm as hv
@@ -38,6 +39,7 @@ MOVED, MOVED_AFTER = _prompt(9, 250), 8
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def hybrid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("transformers")
     require("vllm")

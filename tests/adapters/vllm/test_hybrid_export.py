@@ -15,6 +15,7 @@ import torch
 from conftest import require
 from engine_script import run_engine_script
 from margins import agreement, assert_agrees
+from prefetch import prefetched
 from tiny_models import build_tiny_gemma3
 
 import hurray_vllm as hv
@@ -26,6 +27,7 @@ WINDOW = 64
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("transformers")
     require("vllm")

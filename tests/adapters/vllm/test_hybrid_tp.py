@@ -32,6 +32,7 @@ import torch
 from conftest import require
 from engine_script import run_phases
 from margins import assert_agrees
+from prefetch import prefetched
 from tiny_models import build_tiny_gemma3
 
 from hurray_vllm.chunks import chunk_keys
@@ -53,6 +54,7 @@ def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]]) -> dict[st
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def hybrid_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("transformers")
     require("vllm")

@@ -21,6 +21,7 @@ import torch
 from conftest import require
 from engine_script import run_engine_script
 from margins import agreement, assert_agrees
+from prefetch import prefetched
 from servers import side_by_side
 from tiny_models import build_tiny_qwen3_next
 
@@ -61,6 +62,7 @@ def _rewrite(path: Path, states: Any, *, redigest: bool = True) -> None:
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("transformers")
     require("vllm")

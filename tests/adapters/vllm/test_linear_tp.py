@@ -41,6 +41,7 @@ import torch
 from conftest import require
 from engine_script import run_phases
 from margins import assert_agrees
+from prefetch import prefetched
 from servers import side_by_side
 from tiny_models import build_tiny_qwen3_next
 
@@ -112,6 +113,7 @@ def _load1(runs: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def linear_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Every case's three engines, a TP = 1 run beside a multi-rank one where they share nothing.
 

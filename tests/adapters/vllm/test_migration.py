@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import require
 from margins import assert_continues
+from prefetch import prefetched
 from servers import (
     ServerSpec,
     router_spec,
@@ -45,6 +46,7 @@ CHAINED_TOKENS = 600
 
 
 @pytest.fixture(scope="module")
+@prefetched
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
     """The unmoved references: a plain engine without connector, one request at a time."""
     require("vllm")

@@ -21,6 +21,7 @@ import torch
 from conftest import require
 from engine_script import run_engine_script
 from margins import agreement, assert_agrees, assert_continues, recompute_logits
+from prefetch import prefetched
 from servers import side_by_side
 from tiny_models import build_tiny_deepseek_v2
 
@@ -38,6 +39,7 @@ def _run(tmp: Path, name: str, store: Path, mode: str, tp: int = 1) -> dict[str,
 
 
 @pytest.fixture(scope="session")
+@prefetched
 def mla(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("transformers")
     require("vllm")

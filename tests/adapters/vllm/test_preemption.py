@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import require
+from prefetch import prefetched
 from servers import run_engine, side_by_side
 from tiny_models import build_tiny_llama
 
@@ -24,6 +25,7 @@ SMALL = {"max_model_len": 256, "num_blocks": 16}
 
 
 @pytest.fixture(scope="module")
+@prefetched
 def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("vllm")
     tmp = tmp_path_factory.mktemp("preemption")

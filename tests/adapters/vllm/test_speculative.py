@@ -29,6 +29,7 @@ import torch
 from conftest import require
 from engine_script import run_phases
 from margins import assert_agrees, recompute_logits
+from prefetch import prefetched
 from servers import run_engine, side_by_side
 from tiny_models import build_tiny_deepseek_v3_mtp, build_tiny_eagle, build_tiny_llama
 
@@ -74,6 +75,7 @@ def _mtp_runs(tmp: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+@prefetched
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every engine of the module: chains that share no store run side by side (``servers.side_by_side``)."""
     require("vllm")

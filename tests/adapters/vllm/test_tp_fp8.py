@@ -26,6 +26,7 @@ import pytest
 import torch
 from conftest import require_kv_cache_dtype
 from engine_script import run_phases
+from prefetch import prefetched
 from tiny_models import build_tiny_llama
 
 import hurray_vllm as hv
@@ -43,6 +44,7 @@ def _run(tmp: Path, name: str, tp: int, phases: list[dict[str, Any]]) -> dict[st
 
 
 @pytest.fixture(scope="module")
+@prefetched
 def fp8_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require_kv_cache_dtype("fp8", block_size=BLOCK)
     tmp = tmp_path_factory.mktemp("fp8-tp")
