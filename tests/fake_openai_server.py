@@ -7,8 +7,9 @@ Usage: python fake_openai_server.py PORT [--refuse-continuations] [--delay S] [-
 ``stream_options.include_usage``) generates a deterministic "greedy" token
 from the whole context: ``next = (31 * sum(context) + len(context)) % 500``,
 so a request continued anywhere, from any prefix, goes on exactly as it
-would have. ``--refuse-continuations`` answers 503 to any request carrying
-``kv_transfer_params`` (a destination that cannot take a moved request).
+would have. ``--refuse-continuations`` answers 503 to a streamed request carrying
+``kv_transfer_params`` (a destination that cannot take a moved request, though
+it answered the move's warm-ups: one-token answers, not streamed).
 ``--announce`` puts ``kv_transfer_params`` in non-streamed answers, as a
 prefill engine running HurrayConnector does. ``--delay S``: each token takes
 S seconds, streamed or not. ``--drop-after-finish``: a stream's connection
@@ -63,7 +64,7 @@ def main() -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()
-        if refuse and body.get("kv_transfer_params"):
+        if refuse and body.get("kv_transfer_params") and body.get("stream"):
             return JSONResponse({"error": {"message": "refusing continuations"}}, status_code=503)
         prompt = list(body["prompt"])
         n = int(body.get("max_tokens") or 16)

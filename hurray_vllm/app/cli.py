@@ -458,6 +458,17 @@ def _seconds(text: str) -> float:
     return n
 
 
+def _count(text: str) -> int:
+    """A whole number >= 0 (a count of requests)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (a whole number >= 0, e.g. 8)")
+    return n
+
+
 def _host_port(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``:PORT`` listens on 127.0.0.1)."""
     try:
@@ -539,7 +550,10 @@ def cmd_router(args: argparse.Namespace) -> int:
         health_interval=args.health_interval,
         stream_timeout=args.stream_timeout,
         policy=args.policy,
+        backend_api_key=args.backend_api_key,
         control_tokens=keys.tokens(CONTROL_PURPOSE) if keys is not None else (),
+        # The router's own default when not given: the parser does not import the router (aiohttp).
+        **({} if args.kv_load_slack is None else {"kv_load_slack": args.kv_load_slack}),
     )
     serve(config, host, port, log_level=args.log_level)
     return 0
@@ -776,7 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream-timeout",
         type=_seconds,
         default=600.0,
-        help="seconds a backend may stay silent in a stream before its request moves elsewhere (default 600)",
+        help="seconds a backend may stay silent before its request moves elsewhere; this also bounds the wait "
+        "for a stream's first token (queue and prefill) and for a whole non-streamed answer, so set it above the "
+        "longest of those (default 600)",
     )
     s.add_argument(
         "--policy",
@@ -784,6 +800,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["kv", "least-loaded", "round-robin"],
         help="how a request picks its backend: kv (where the longest prefix of its prompt went, else the least "
         "loaded; default), least-loaded, round-robin",
+    )
+    s.add_argument(
+        "--kv-load-slack",
+        type=_count,
+        default=None,
+        help="with --policy kv, follow a prefix only to a backend with at most this many more requests in flight "
+        "than the least loaded one (default 8)",
+    )
+    s.add_argument(
+        "--backend-api-key",
+        default=None,
+        help="sent as 'Authorization: Bearer KEY' to every backend (vLLM's --api-key); default: "
+        "$HURRAY_BACKEND_API_KEY, which keeps the key off the command line",
     )
     _add_key_file(s, "with a key, /hurray/* needs 'Authorization: Bearer TOKEN' (a token of any key of the ring)")
     s.add_argument("--print-token", action="store_true", help="print the control token of the signing key and exit")

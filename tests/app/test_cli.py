@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import require
 from pyhurray_bridge import to_reference
 
 import hurray_vllm as hv
@@ -189,6 +190,8 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--idle-timeout", "inf"],
         ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--health-interval", "nan"],
         ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--stream-timeout", "-1"],
+        ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--kv-load-slack", "-1"],
+        ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--kv-load-slack", "2.5"],
         ["migrate", "--from", "notaurl", "--to", "http://b:1", "--prompt-ids", "1", *TOKENS],
         ["receive", "--listen", "::1:0", "--dir", "{dir}"],
         ["convert", "{file}", "-"],
@@ -199,7 +202,8 @@ def test_a_refused_option_is_one_line_and_exit_2(
         "size inf", "size 1e400", "size negative", "size half a byte", "page 2^40", "page 0", "listen no port",
         "listen port range",
         "quota not a size", "backend not http", "unknown policy", "timeout nan", "idle inf", "health nan",
-        "stream timeout negative", "migrate not a url", "listen ipv6 bare", "convert to stdout", "page 2^17",
+        "stream timeout negative", "kv slack negative", "kv slack fraction",
+        "migrate not a url", "listen ipv6 bare", "convert to stdout", "page 2^17",
         "listen brackets not ipv6",
     ],
 )  # fmt: skip
@@ -458,3 +462,22 @@ def test_migrate_checks_what_the_servers_answer(
         assert code == 0, err
     else:
         assert code == 1 and says in err and "internal error" not in err, err
+
+
+def test_router_options_reach_the_router_and_its_defaults_are_the_routers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require("aiohttp")
+    import hurray_vllm.app.router as router
+    from hurray_vllm.app.router.backends import KV_LOAD_SLACK
+
+    seen: list[Any] = []
+    monkeypatch.setattr(router, "serve", lambda config, host, port, log_level: seen.append(config))
+    base = ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1"]
+    assert main([*base, "--kv-load-slack", "3", "--backend-api-key", "k1"]) == 0
+    assert seen[-1].kv_load_slack == 3 and seen[-1].backend_api_key == "k1"
+    assert main(base) == 0
+    assert seen[-1].kv_load_slack == KV_LOAD_SLACK and seen[-1].backend_api_key is None
+    with pytest.raises(SystemExit):
+        main(["router", "--help"])
+    assert f"(default {KV_LOAD_SLACK})" in " ".join(capsys.readouterr().out.split())

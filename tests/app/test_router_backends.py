@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hurray_vllm.app.router.backends import Backends
+from hurray_vllm.app.router.backends import KV_LOAD_SLACK, Backends
 from hurray_vllm.app.router.server import Router, RouterConfig
 
 A, B, C = "http://a:1", "http://b:2", "http://c:3"
@@ -27,7 +27,33 @@ def test_the_longest_prefix_sent_before_wins_then_the_least_loaded() -> None:
     b.in_flight, c.in_flight, a.in_flight = 1, 0, 3
     assert bs.pick(["other"]) is c  # nothing held anywhere: the least loaded
     a.remember(keys)
-    assert bs.pick(keys) is a  # a longer prefix beats a lighter load
+    assert bs.pick(keys) is a  # a longer prefix beats a lighter load, within the slack
+    a.in_flight = KV_LOAD_SLACK + 1  # beyond it: the longest prefix among those within the slack (b's)
+    assert bs.pick(keys) is b
+    b.in_flight = KV_LOAD_SLACK + 1
+    assert bs.pick(keys) is c  # no prefix within the slack: the least loaded
+    c.planned = KV_LOAD_SLACK + 1  # moves on their way there count too
+    assert bs.pick(keys) is a and bs.pick(keys, avoid=a) is b
+
+
+def test_one_shared_prefix_does_not_send_all_traffic_to_one_backend() -> None:
+    """A system prompt every request starts with: the backend that saw it first takes requests only while it is
+    not much busier than the others; they then hold the prefix too, and the load evens out."""
+    bs = Backends([A, B, C])
+    keys = ["system-prompt"]
+    for _ in range(60):
+        got = bs.pick(keys)
+        assert got is not None
+        got.in_flight += 1
+        got.remember(keys)
+    loads = sorted(b.in_flight for b in bs.all.values())
+    assert loads[-1] - loads[0] <= KV_LOAD_SLACK and loads[0] > 0, loads
+    strict = Backends([A, B], slack=0)
+    strict.all[A].remember(keys)
+    strict.all[A].in_flight = 1
+    assert strict.pick(keys) is strict.all[B]
+    with pytest.raises(ValueError, match="kv_load_slack"):
+        Backends([A], slack=-1)
 
 
 def test_prefill_backends_are_picked_apart() -> None:
@@ -154,3 +180,113 @@ def test_prefix_keys_differ_by_model_and_cache_salt() -> None:
     assert prompt_keys({**base, "cache_salt": 7}, 64)  # junk from a client is keyed, not a crash
     chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 600}]}
     assert prompt_keys({**chat, "cache_salt": "t1"}, 64)[0] != prompt_keys(chat, 64)[0]
+
+
+def test_a_backend_marked_down_by_a_broken_stream_has_its_other_requests_moved_at_its_next_failed_check() -> None:
+    """mark_down() (a stream of it broke) takes it out of routing without the health loop seeing it go down; its
+    other requests, hung on it, were then left to their stream timeout."""
+    import asyncio
+    from typing import Any
+
+    from hurray_vllm.app.router.server import Relayed
+
+    router = Router(RouterConfig(backends=(A, B), health_interval=30))
+    a = router.backends.all[A]
+    router.backends.mark_down(a)
+    moved: list[str] = []
+
+    class _Flight:
+        backend = a
+        id = "f1"
+
+        def fail_over(self) -> None:
+            moved.append("flight")
+
+    router.flights["f1"] = _Flight()  # type: ignore[assignment]
+    relayed = router.relayed["r1"] = Relayed("r1", a, "tools", None)
+    waiting: list[asyncio.Future[Any]] = []
+
+    async def check(client: Any, backend: Any, timeout: float) -> bool:
+        return backend is not a
+
+    router.backends.check = check  # type: ignore[method-assign]
+
+    async def run() -> None:
+        relayed.waiting = asyncio.get_running_loop().create_future()  # its answer's headers, not come yet
+        waiting.append(relayed.waiting)
+        watch = asyncio.ensure_future(router._health())
+        await asyncio.sleep(0.05)  # one round of checks; the next is 30 s away
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+    asyncio.run(run())
+    assert moved == ["flight"] and waiting[0].cancelled() and relayed.dead == "failed its health checks"
+    assert not a.healthy and router.backends.all[B].healthy
+
+
+def test_a_backend_api_key_goes_with_every_request_to_the_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's --api-key answers 401 to requests without it: health checks, /v1/models, completions."""
+    import asyncio
+
+    from aiohttp import web
+
+    seen: list[tuple[str, str | None]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization")))
+        return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+
+    async def run(config: RouterConfig) -> None:
+        app = web.Application()
+        app.router.add_get("/health", record)
+        app.router.add_get("/v1/models", record)
+        app.router.add_post("/v1/completions", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        router = Router(RouterConfig(backends=(url,), health_interval=30, backend_api_key=config.backend_api_key))
+        try:
+            await router.start()
+            assert await router.backends.check(router.client, router.backends.all[url], 2.0)
+            async with router.client.post(url + "/v1/completions", json={}) as r:
+                await r.read()
+        finally:
+            await router.stop()
+            await runner.cleanup()
+
+    asyncio.run(run(RouterConfig(backends=(), backend_api_key="sk-test")))
+    assert {p for p, _ in seen} == {"/health", "/v1/models", "/v1/completions"}
+    assert {k for _, k in seen} == {"Bearer sk-test"}
+    seen.clear()
+    monkeypatch.setenv("HURRAY_BACKEND_API_KEY", "sk-env")  # kept off the command line
+    asyncio.run(run(RouterConfig(backends=())))
+    assert seen and {k for _, k in seen} == {"Bearer sk-env"}
+    seen.clear()
+    monkeypatch.delenv("HURRAY_BACKEND_API_KEY")
+    asyncio.run(run(RouterConfig(backends=())))
+    assert seen and {k for _, k in seen} == {None}
+
+
+def test_with_every_backend_drained_health_and_requests_say_so() -> None:
+    """Every request gets 503 then: /health must not say ok, and the 503 says what to do."""
+    from conftest import require
+
+    require("fastapi")
+    require("httpx")
+    from fastapi.testclient import TestClient
+
+    from hurray_vllm.app.router import build_app
+
+    with TestClient(build_app(RouterConfig(backends=(A, B), health_interval=30))) as client:
+        assert client.get("/health").status_code == 200
+        for url in (A, B):
+            client.app.state.router.backends.all[url].draining = True  # type: ignore[attr-defined]
+        health = client.get("/health")
+        assert health.status_code == 503 and "/hurray/undrain" in health.json()["reason"]
+        for body in ({"prompt": [1, 2], "max_tokens": 2}, {"prompt": [1, 2], "max_tokens": 2, "echo": True}):
+            r = client.post("/v1/completions", json={"model": "m", **body})  # a flight, and a relayed request
+            assert r.status_code == 503 and "drained" in r.json()["error"]["message"], r.text
+            assert "POST /hurray/undrain" in r.json()["error"]["message"]

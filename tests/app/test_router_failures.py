@@ -9,6 +9,7 @@ whole context, so a stream continued anywhere goes on exactly as it would have.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -93,9 +94,10 @@ def test_a_refused_move_is_answered_502_and_the_stream_goes_on_where_it_was(fake
             r = _post(fakes["router"] + "/hurray/migrate", {"id": flight["id"], "to": fakes["b"]})
             answer.update(r.json(), status=r.status_code)
 
-    got = stream_completion(fakes["router"], {"model": "fake", "prompt": prompt, "max_tokens": 60}, on_tokens)
+    # 300 tokens at 10 ms each: the stream still runs when the move comes, on a busy machine too.
+    got = stream_completion(fakes["router"], {"model": "fake", "prompt": prompt, "max_tokens": 300}, on_tokens)
     assert answer["status"] == 502 and "could not take it" in answer["error"]["message"], answer
-    assert got["token_ids"] == _expected(prompt, 60) and len(got["ids"]) == 1
+    assert got["token_ids"] == _expected(prompt, 300) and len(got["ids"]) == 1
     (last,) = [f for f in httpx.get(fakes["router"] + "/hurray/requests?recent=true", timeout=30).json()["recent"]
                if f["id"] in got["ids"]]  # fmt: skip
     assert [leg["why"] for leg in last["legs"]] == ["routed", "migrated", "resumed"]
@@ -147,9 +149,11 @@ def test_a_request_relayed_unmoved_is_listed_refused_a_move_and_reported_by_a_dr
             seen["drain"] = _post(fakes["router"] + "/hurray/drain", {"backend": req["backend"]}).json()
             _post(fakes["router"] + "/hurray/undrain", {"backend": req["backend"]})
 
-    body = {"model": "fake", "prompt": list(range(1, 30)), "max_tokens": 40, "guided_regex": "[0-9 ]+"}
+    # 300 tokens at the stand-in's 10 ms each: still streaming when the drain comes, on a busy machine too (with
+    # 40 the request could end between the listing and the drain, and no longer be there to report).
+    body = {"model": "fake", "prompt": list(range(1, 30)), "max_tokens": 300, "guided_regex": "[0-9 ]+"}
     got = stream_completion(fakes["router"], body, on_tokens)
-    assert got["token_ids"] == _expected(list(range(1, 30)), 40)
+    assert got["token_ids"] == _expected(list(range(1, 30)), 300)
     req = seen["listed"]
     assert req["movable"] is False and "structured output" in req["why_not_movable"]
     assert req["prompt_tokens"] == 29 and req["generated_tokens"] >= 5 and req["id"] in got["ids"]
@@ -288,7 +292,7 @@ def test_text_a_stop_string_holds_back_is_not_lost_at_a_move(fakes: dict[str, st
     import httpx
 
     prompt = list(range(1, 40))
-    full = "".join(f" w{t}" for t in _expected(prompt, 60))
+    full = "".join(f" w{t}" for t in _expected(prompt, 300))
     answer: dict[str, Any] = {}
 
     def on_tokens(tokens: list[int]) -> None:
@@ -297,7 +301,8 @@ def test_text_a_stop_string_holds_back_is_not_lost_at_a_move(fakes: dict[str, st
             r = _post(fakes["router"] + "/hurray/migrate", {"id": flight["id"], "to": fakes["b"]})
             answer.update(status=r.status_code)
 
-    body = {"model": "fake", "prompt": prompt, "max_tokens": 60, "stop": ["z" * 40]}  # 39 characters held back
+    # 39 characters held back; 300 tokens at 10 ms each: still streaming when the move comes, on a busy machine too
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 300, "stop": ["z" * 40]}
     got = stream_completion(fakes["router"], body, on_tokens)
     assert answer["status"] == 502 and len(_last_legs(fakes, got)) == 3
     assert got["text"] == full and got["finish_reason"] == "length"  # every character, once
@@ -374,3 +379,150 @@ def test_a_continuation_keeps_the_limit_the_first_leg_had_by_default(fakes: dict
     prompt = list(range(3, 90))
     got = stream_completion(fakes["pd"], {"model": "fake", "prompt": prompt})
     assert got["token_ids"] == _expected(prompt, 16) and got["finish_reason"] == "length"
+
+
+# ── in process: stand-in backends on aiohttp, the router's app through httpx's ASGI transport ──────────────
+
+
+class _Stand:
+    """An in-process stand-in for a vLLM server: ``/health`` while ``healthy``; completions answer as ``how`` says.
+
+    ``how``: ``"ok"`` (one token, streamed or not), an HTTP status (answered with it), ``"hang"`` (never
+    answers: the backend dies, found so by its health checks), ``"hang-after-first"`` (one event, then the same).
+    """
+
+    def __init__(self, how: Any) -> None:
+        self.how, self.healthy, self.posts = how, True, 0
+        self.url = ""
+
+    async def __aenter__(self) -> _Stand:
+        import asyncio
+
+        from aiohttp import web
+
+        self.release = asyncio.Event()
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({}, status=200 if self.healthy else 500)
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self.posts += 1
+            if isinstance(self.how, int):
+                return web.json_response({"error": {"message": "engine dead"}}, status=self.how)
+            if self.how == "hang":
+                self.healthy = False
+                await self.release.wait()
+            choice = {"index": 0, "text": " ok", "token_ids": [5], "finish_reason": "length"}
+            event = {"id": "cmpl-stand", "object": "text_completion", "model": "fake", "choices": [choice]}
+            if not body.get("stream"):
+                return web.json_response(event)
+            r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await r.prepare(request)
+            await r.write(f"data: {json.dumps(event)}\n\n".encode())
+            if self.how == "hang-after-first":
+                self.healthy = False
+                await self.release.wait()
+            await r.write(b"data: [DONE]\n\n")
+            return r
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", completions)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        self.release.set()
+        await self.runner.cleanup()
+
+
+def _closed_port() -> str:
+    """The URL of a port nothing listens on (connection refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def _through_router(urls: list[str], body: dict[str, Any], **config: Any) -> tuple[Any, Any]:
+    """``body`` posted to a router over ``urls`` (in this process); its answer, and the router."""
+    import asyncio
+
+    import httpx
+
+    from hurray_vllm.app.router import RouterConfig, build_app
+
+    app = build_app(RouterConfig(backends=tuple(urls), stream_timeout=5.0, **config))
+    router = app.state.router
+    await router.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            answer = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+    finally:
+        await router.stop()
+    return answer, router
+
+
+RELAYED = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 1, "echo": True}  # echo: relayed unmoved
+
+
+@pytest.mark.parametrize(("first", "stream"), [("refused", False), (503, False), (503, True)])
+def test_a_relayed_request_whose_backend_fails_before_answering_goes_to_another(first: Any, stream: bool) -> None:
+    """Nothing reached the client: the request is tried elsewhere (it once got a 502, or the 503), and the
+    failing backend is marked down, as for a flight's first leg."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    async def run() -> tuple[Any, Any, str, list[int]]:
+        async with _Stand("ok") as ok, _Stand(first if first != "refused" else "ok") as failing:
+            bad = _closed_port() if first == "refused" else failing.url
+            answer, router = await _through_router([bad, ok.url], {**RELAYED, "stream": stream}, health_interval=30)
+            return answer, router, bad, [failing.posts, ok.posts]
+
+    answer, router, bad, posts = asyncio.run(run())
+    assert answer.status_code == 200, answer.text
+    assert '"cmpl-hurray-' in answer.text and '" ok"' in answer.text
+    assert posts == ([0, 1] if first == "refused" else [1, 1])
+    # Marked down (a 503's backend may be back already: the health check at start-up found it answering).
+    assert first != "refused" or not router.backends.all[bad].healthy
+    assert router.relayed == {} and all(b.in_flight == 0 for b in router.backends.all.values())
+
+
+def test_a_relayed_request_on_a_backend_found_dead_before_it_answered_goes_to_another() -> None:
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    async def run() -> tuple[Any, int, int]:
+        async with _Stand("hang") as hung, _Stand("ok") as ok:
+            answer, _ = await _through_router([hung.url, ok.url], RELAYED, health_interval=0.05)
+            return answer, hung.posts, ok.posts
+
+    answer, hung_posts, ok_posts = asyncio.run(run())
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " ok", answer.text
+    assert hung_posts == 1 and ok_posts == 1
+
+
+def test_a_relayed_stream_on_a_backend_found_dead_ends_with_an_error() -> None:
+    """As a flight's stream would be continued: a relayed one, which cannot be, ends (it waited the stream
+    timeout, 600 s by default)."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    async def run() -> Any:
+        async with _Stand("hang-after-first") as hung:
+            answer, _ = await _through_router([hung.url], {**RELAYED, "stream": True}, health_interval=0.05)
+            return answer
+
+    answer = asyncio.run(run())
+    lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert '" ok"' in lines[0] and lines[-1] == "data: [DONE]", lines
+    assert "failed its health checks" in json.loads(lines[-2][6:])["error"]["message"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -686,3 +687,291 @@ def test_a_client_leaving_before_the_first_token_stops_the_request_at_once() -> 
         Flight._upstream = original  # type: ignore[method-assign]
     assert cancelled and cancelled[0] - start < 3
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [499]
+
+
+def _three_backends() -> tuple[Router, list[Backend]]:
+    urls = ("http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11")
+    router = Router(RouterConfig(backends=urls))
+    return router, [router.backends.all[u] for u in urls]
+
+
+def test_a_drain_spreads_its_requests_over_the_other_backends() -> None:
+    """Each request of a drain picks its destination before any of them switches: a move on its way counts in
+    its destination's load, or all of them land on one backend."""
+    from collections import Counter
+
+    router, (a, b, c) = _three_backends()
+    b.draining = c.draining = True  # every request starts on a
+    flights = [router.begin("completion", {"model": "m", "prompt": [1, 2, k], "max_tokens": 400, "stream": True})
+               for k in range(4)]  # fmt: skip
+
+    async def warm_up(to: Backend, timeout: float) -> None:
+        await asyncio.sleep(0.05)
+
+    for f in flights:
+        f._upstream = _tokens(pause=0.002)  # type: ignore[method-assign]
+        f._prewarm = warm_up  # type: ignore[method-assign]
+
+    async def run() -> dict[str, Any]:
+        streams = [f.deltas() for f in flights]
+        for s in streams:
+            await s.__anext__()
+        reading = [asyncio.ensure_future(_drain_all(s)) for s in streams]
+        b.draining = c.draining = False
+        try:
+            return await asyncio.wait_for(router.drain(a.url), 10)
+        finally:
+            for r in reading:
+                r.cancel()
+            await asyncio.gather(*reading, return_exceptions=True)
+            for s in streams:
+                await s.aclose()
+
+    out = asyncio.run(run())
+    assert sorted(out["moved"]) == sorted(f.id for f in flights) and out["failed"] == []
+    assert Counter(f.legs[-1].backend for f in flights) == {b.url: 2, c.url: 2}
+    assert b.planned == c.planned == 0  # released once each move was answered
+
+
+class _Answer:
+    """An aiohttp response of a warm-up, as ``async with client.post(...)`` gives it."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status, self.body = status, body
+
+    async def __aenter__(self) -> _Answer:
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        return None
+
+    async def read(self) -> bytes:
+        return self.body
+
+
+def _started(f: Flight, src: Backend) -> None:
+    """``f`` runs on ``src`` (a reader that never ends), 1 token generated: ready to be moved."""
+    from hurray_vllm.app.router.flight import Leg
+
+    f.prompt_ids, f.generated, f.backend = [1, 2, 3], [7], src
+    f.legs.append(Leg(src.url, "routed", 0))
+    f._reader = asyncio.create_task(asyncio.sleep(3600))
+
+
+@pytest.mark.parametrize("answer", [(404, b'{"error": {"message": "no model m"}}'), (503, b"down"), "refused"])
+def test_a_move_whose_warm_up_fails_is_refused_before_the_source_is_touched(answer: Any) -> None:
+    """The continuation would fail there too: stopping the source anyway cost a pause and a resumed leg."""
+    import aiohttp
+
+    router, f, src, dst = _two_backends()
+    limits: list[Any] = []
+
+    class _Client:
+        def post(self, url: str, json: dict[str, Any], timeout: Any) -> _Answer:
+            limits.append(timeout)
+            if answer == "refused":
+                raise aiohttp.ClientConnectionError("connection refused")
+            return _Answer(*answer)
+
+    router.client = _Client()
+
+    async def run() -> RouterError:
+        _started(f, src)
+        assert f._reader is not None
+        try:
+            with pytest.raises(RouterError) as exc:
+                await f.migrate(dst, timeout=5)
+            assert not f._reader.done() and f._interrupt is None and not f.moving  # the source goes on
+            return exc.value
+        finally:
+            f._reader.cancel()
+
+    exc = asyncio.run(run())
+    assert exc.status == 502 and "could not take it" in exc.message and dst.planned == 0
+    assert (answer == "refused" and "refused" in exc.message) or str(answer[0]) in exc.message
+    assert answer != (404, b'{"error": {"message": "no model m"}}') or "no model m" in exc.message
+    # The warm-up's own timeout keeps the session's connect limit (a timeout replaces the session's whole).
+    assert limits[0].connect == router.config.connect_timeout and 0 < limits[0].total <= 5
+
+
+def test_a_moves_warm_ups_share_one_deadline() -> None:
+    """Each of up to 3 warm-ups once had the whole move's timeout (600 s each: 30 min on a stuck destination)."""
+    from hurray_vllm.app.router.flight import WARMUP_SLACK
+
+    _, f, src, dst = _two_backends()
+    given: list[float] = []
+
+    async def warm_up(to: Backend, timeout: float) -> None:
+        given.append(timeout)
+        f.generated.extend([7] * (WARMUP_SLACK + 1))  # a long context: the source ran on, so warm up again
+        await asyncio.sleep(0.15)
+
+    f._prewarm = warm_up  # type: ignore[method-assign]
+
+    async def run() -> RouterError:
+        _started(f, src)
+        assert f._reader is not None
+        try:
+            with pytest.raises(RouterError) as exc:
+                await f.migrate(dst, timeout=0.25)
+            assert not f._reader.done() and f._interrupt is None  # the source was not touched
+            return exc.value
+        finally:
+            f._reader.cancel()
+
+    exc = asyncio.run(run())
+    assert exc.status == 504 and "did not warm up" in exc.message
+    assert len(given) == 2 and given[0] == pytest.approx(0.25, abs=0.02) and given[1] < 0.15
+
+
+def test_a_move_stops_warming_up_a_destination_drained_meanwhile() -> None:
+    from hurray_vllm.app.router.flight import WARMUP_SLACK
+
+    _, f, src, dst = _two_backends()
+    given: list[float] = []
+
+    async def warm_up(to: Backend, timeout: float) -> None:
+        given.append(timeout)
+        f.generated.extend([7] * (WARMUP_SLACK + 1))
+        to.draining = True
+
+    f._prewarm = warm_up  # type: ignore[method-assign]
+
+    async def run() -> RouterError:
+        _started(f, src)
+        assert f._reader is not None
+        try:
+            with pytest.raises(RouterError) as exc:
+                await f.migrate(dst, timeout=5)
+            return exc.value
+        finally:
+            f._reader.cancel()
+
+    exc = asyncio.run(run())
+    assert exc.status == 409 and "drained" in exc.message and len(given) == 1
+
+
+def test_a_drain_starts_a_request_that_has_sent_nothing_yet_over_on_another_backend() -> None:
+    """Its backend has not answered yet (its queue, its prefill): the client has seen nothing, so the request
+    starts over on the destination instead of staying on the drained backend."""
+    router, f, src, dst = _two_backends(6)
+    sent: list[tuple[Backend, dict[str, Any]]] = []
+    tokens = _tokens()
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append((backend, body))
+        if backend is src:
+            await asyncio.sleep(3600)  # queued there
+        async for event in tokens(backend, path, body):
+            yield event
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> tuple[dict[str, Any], list[Delta]]:
+        stream = f.deltas()
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        assert f.backend is src and f.prompt_ids is None
+        out = await asyncio.wait_for(router.drain(src.url), 5)
+
+        async def rest() -> list[Delta]:
+            return [await first] + [d async for d in stream]
+
+        return out, await asyncio.wait_for(rest(), 5)
+
+    out, got = asyncio.run(run())
+    assert out == {"backend": src.url, "moved": [f.id], "failed": []}
+    assert [t for d in got for t in d.token_ids] == list(range(100, 106)) and got[-1].finish_reason == "length"
+    assert [leg.why for leg in f.legs] == ["routed", "drained"] and sent[-1][0] is dst
+    assert sent[-1][1]["prompt"] == [1, 2, 3] and "kv_transfer_params" not in sent[-1][1]  # the request itself
+    assert src.in_flight == dst.in_flight == 0
+
+
+def test_a_request_that_finished_before_its_switch_is_no_failed_migration() -> None:
+    router, f, src, dst = _two_backends(4)
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        async for event in _tokens()(backend, path, body):
+            yield event
+        await asyncio.sleep(3600)  # its [DONE] has not come when the move stops it
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._upstream = upstream  # type: ignore[method-assign]
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> RouterError:
+        stream = f.deltas()
+        await stream.__anext__()
+        await asyncio.sleep(0.05)  # the finish is queued; the client has not read it
+        move = asyncio.ensure_future(f.migrate(dst if f.backend is src else src, timeout=5))
+        await asyncio.sleep(0.05)
+        await _drain_all(stream)
+        with pytest.raises(RouterError) as exc:
+            await move
+        return exc.value
+
+    exc = asyncio.run(run())
+    assert exc.status == 409 and "has finished" in exc.message
+    assert router.metrics.migrations == {"ok": 0, "failed": 0}
+
+
+def test_a_move_whose_source_broke_as_it_was_left_counts_as_a_failover() -> None:
+    from hurray_vllm.app.router.flight import _Interrupt
+
+    router, f, src, dst = _two_backends(6)
+    tokens = _tokens()
+    answers: list[asyncio.Future[dict[str, Any]]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        n = 0
+        async for event in tokens(backend, path, body):
+            yield event
+            n += 1
+            if backend is src and n == 2:
+                # The move's switch and the source's failure come together: the leg ends with its error.
+                answers.append(asyncio.get_running_loop().create_future())
+                f._interrupt = _Interrupt("move", dst, "migrated", answers[0])
+                raise UpstreamError(f"{src.url}: connection reset")
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        return [d async for d in f.deltas()]
+
+    got = asyncio.run(run())
+    assert [t for d in got for t in d.token_ids] == list(range(100, 106))
+    assert [leg.why for leg in f.legs] == ["routed", "failover"] and answers[0].result()["to"] == dst.url
+    assert router.metrics.failovers == 1 and router.metrics.migrations == {"ok": 0, "failed": 0}
+
+
+def test_the_model_is_the_backends_when_the_client_names_none() -> None:
+    """vLLM serves a request without "model" with its own; the router's events and answers said null."""
+    from hurray_vllm.app.router.server import _event_head
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    backend = Backend("http://127.0.0.1:9")
+    f = Flight(router, "completion", {"prompt": [1, 2, 3], "max_tokens": 4})
+    first = {"model": "served", "choices": [{"text": "a", "token_ids": [5], "prompt_token_ids": [1, 2, 3]}]}
+    _read_leg(f, backend, "/v1/completions", [first, {**first, "model": "other"}])
+    assert f.model == "served" and '"model": "served"' in _event_head(f)
+    named = Flight(router, "completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+    _read_leg(named, backend, "/v1/completions", [first])
+    assert named.model == "m"
+    answer = {"model": "served", "choices": [{"text": "a", "token_ids": [5]}], "prompt_token_ids": [1, 2, 3]}
+    (event,) = f._answer_events(json.dumps(answer).encode(), backend)  # a prefill leg's answer
+    assert event["model"] == "served"
+
+
+def test_cached_tokens_never_exceed_the_prompt() -> None:
+    """After a move the last leg's prompt holds the tokens generated before: its cached tokens can exceed the
+    client's prompt."""
+    from hurray_vllm.app.router.server import _usage
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    f = Flight(router, "completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+    f.prompt_ids, f.generated, f.cached_tokens = [1, 2, 3], [4, 5, 6, 7], 6
+    assert _usage(f)["prompt_tokens_details"] == {"cached_tokens": 3} and _usage(f)["prompt_tokens"] == 3
+    f.cached_tokens = 2
+    assert _usage(f)["prompt_tokens_details"] == {"cached_tokens": 2}

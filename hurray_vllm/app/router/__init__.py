@@ -6,8 +6,8 @@ backend per request and can move a request between backends while it
 streams, with the client's stream going on unchanged:
 
 * **KV-aware routing**: a request goes where the longest prefix of its
-  prompt went before, else to the least loaded backend
-  (:mod:`.backends`).
+  prompt went before, unless that backend is much busier than the others,
+  else to the least loaded backend (:mod:`.backends`).
 * **Prefill/decode split**: with ``--prefill`` backends, the prompt runs
   there (one token) and decoding continues on a ``--backend``.
 * **Live migration** (``POST /hurray/migrate``) and **drain**

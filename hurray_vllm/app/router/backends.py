@@ -3,9 +3,11 @@
 Routing is KV-aware: the router remembers, per backend, the chunk keys of the
 prompts it sent there (content-addressed, :func:`~hurray_vllm.chunks.keys.chunk_keys`),
 and sends a request where the longest prefix of its prompt went before, since
-that engine holds it in its prefix cache or store; otherwise to the backend
-with the fewest requests in flight. Keys are the router's own (its namespace,
-``--chunk-tokens``): it needs no access to the engines or their stores.
+that engine holds it in its prefix cache or store, as long as that backend
+is not much busier than the least loaded one (:data:`KV_LOAD_SLACK`);
+otherwise to the backend with the fewest requests in flight. Keys are the
+router's own (its namespace, ``--chunk-tokens``): it needs no access to the
+engines or their stores.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from ...chunks.keys import chunk_keys, key_seed
 
-__all__ = ["POLICIES", "Backend", "Backends", "prompt_keys"]
+__all__ = ["KV_LOAD_SLACK", "POLICIES", "Backend", "Backends", "prompt_keys"]
 
 log = logging.getLogger("hurray_vllm.router")
 
@@ -28,6 +30,11 @@ log = logging.getLogger("hurray_vllm.router")
 _NS = "726f75746572"
 #: Prefix keys remembered per backend, least recently used out.
 _KEYS_PER_BACKEND = 1 << 17
+#: KV-aware routing sends a request where its prefix went before only while that backend has at most this many
+#: more requests in flight (and moves on their way to it) than the least loaded one. Without a bound, one
+#: shared system prompt would send all traffic to the first backend that saw it, for ever; with one, the
+#: others get requests (and the prefix) once it is busier, and the prefix then has several homes.
+KV_LOAD_SLACK = 8
 
 
 def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
@@ -69,6 +76,9 @@ class Backend:
     healthy: bool = True
     draining: bool = False
     in_flight: int = 0
+    # Moves on their way here (a warm-up under way, the switch not yet made): counted in its load, so that the
+    # requests of one drain, which all pick their destination before any of them switches, spread out.
+    planned: int = 0
     failures: int = 0  # consecutive failed health checks
     max_model_len: int | None = None  # its /v1/models' max_model_len (a chat continuation's default limit)
     keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
@@ -77,6 +87,11 @@ class Backend:
     def base(self) -> str:
         """The URL without a trailing slash."""
         return self.url.rstrip("/")
+
+    @property
+    def load(self) -> int:
+        """What routing compares: requests in flight here, and moves on their way here."""
+        return self.in_flight + self.planned
 
     def remember(self, keys: Sequence[str]) -> None:
         """Note that the prefixes ``keys`` were sent here."""
@@ -104,10 +119,15 @@ POLICIES = ("kv", "least-loaded", "round-robin")
 class Backends:
     """Every backend, and the choices between them (``policy``: one of :data:`POLICIES`)."""
 
-    def __init__(self, decode: Sequence[str], prefill: Sequence[str] = (), policy: str = "kv") -> None:
+    def __init__(
+        self, decode: Sequence[str], prefill: Sequence[str] = (), policy: str = "kv", slack: int = KV_LOAD_SLACK
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        if slack < 0:
+            raise ValueError(f"kv_load_slack must be >= 0, got {slack}")
         self.policy = policy
+        self.slack = slack
         self._turn = 0
         self.all: dict[str, Backend] = {}
         for url in decode:
@@ -123,22 +143,37 @@ class Backends:
         """The healthy, undrained backends of one kind."""
         return [b for b in self.all.values() if b.prefill == prefill and b.healthy and not b.draining]
 
+    def unroutable(self, *, prefill: bool = False) -> str:
+        """Why no backend of one kind can take a request: what a 503 says (and what to do about it)."""
+        kind = [b for b in self.all.values() if b.prefill == prefill]
+        what = "prefill backend" if prefill else "backend"
+        if any(b.healthy for b in kind):  # healthy ones exist: every one of them is drained
+            return f'every healthy {what} is drained; POST /hurray/undrain {{"backend": URL}} to route to one again'
+        return f"no healthy {what} to route to"
+
     @property
     def has_prefill(self) -> bool:
         """Whether ``--prefill`` backends were given (prefill/decode split)."""
         return any(b.prefill for b in self.all.values())
 
     def pick(self, keys: Sequence[str], *, prefill: bool = False, avoid: Backend | None = None) -> Backend | None:
-        """The backend holding the longest prefix of ``keys``, else the least loaded; None if none is usable."""
+        """The backend to send a request with prefix ``keys`` to; None if none is usable.
+
+        With the ``kv`` policy: of the backends whose load is within
+        :attr:`slack` of the least loaded one's, the one sent the longest
+        prefix of ``keys`` before, then the least loaded of those.
+        """
         cands = [b for b in self.usable(prefill=prefill) if b is not avoid]
         if not cands:
             return None
         if self.policy == "round-robin":
             self._turn += 1
             return cands[self._turn % len(cands)]
+        least = min(b.load for b in cands)
         if self.policy == "least-loaded":
-            return min(cands, key=lambda b: b.in_flight)
-        return max(cands, key=lambda b: (b.held(keys), -b.in_flight))
+            return next(b for b in cands if b.load == least)
+        near = [b for b in cands if b.load <= least + self.slack]
+        return max(near, key=lambda b: (b.held(keys), -b.load))
 
     async def check(self, client: Any, backend: Backend, timeout: float) -> bool:
         """One health check: ``GET /health`` answers 200."""

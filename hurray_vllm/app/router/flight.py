@@ -125,6 +125,7 @@ class _Interrupt:
     why: str = "migrated"
     done: asyncio.Future[dict[str, Any]] | None = None
     since: float = 0.0  # when the source's last token arrived (the pause starts there)
+    broke: bool = False  # its source broke as it was left: a failover to the move's destination, not a migration
 
 
 #: The largest server-sent event the router reads (a first event carries the prompt's token ids: ~6 bytes each).
@@ -494,6 +495,8 @@ class Flight:
             delta = {k: v for k, v in message.items() if k in ("content", "role") or v not in (None, [], "")}
             choice["delta"] = delta
         event: dict[str, Any] = {"choices": [choice]}
+        if isinstance(answer.get("model"), str):
+            event["model"] = answer["model"]
         if answer.get("prompt_token_ids") is not None:
             event["prompt_token_ids"] = answer["prompt_token_ids"]
         usage = answer.get("usage")
@@ -519,6 +522,8 @@ class Flight:
                     self.unmovable = PARSED  # its text and the parser's state would part at a move
                 if prompt is not None and self.prompt_ids is None:
                     self.prompt_ids = prompt
+                if self.model is None and isinstance(event.get("model"), str):
+                    self.model = event["model"]  # the client left it out: the name the backend serves it under
                 if delta.token_ids:
                     self.generated.extend(delta.token_ids)
                     self._last_token_at = time.monotonic()
@@ -568,8 +573,12 @@ class Flight:
     async def migrate(self, to: Backend, why: str = "migrated", timeout: float = MOVE_TIMEOUT_S) -> dict[str, Any]:
         """Move the request to ``to``; returns once it runs there (its first token), or raises :class:`RouterError`.
 
-        If ``to`` cannot take it, the request goes on where it was (resumed
-        on its source from the tokens so far) and this raises with the reason.
+        ``timeout`` bounds the whole move, warm-ups included. If ``to`` cannot
+        take it (a warm-up fails, it is drained or found dead), the source is
+        left alone and this raises with the reason; if ``to`` fails after the
+        switch, before its first token, the request resumes on its source.
+        A request whose backend has sent nothing yet (its queue, its prefill)
+        is started over on ``to``: its client has seen nothing.
         """
         if self.unmovable is not None:
             raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
@@ -579,17 +588,35 @@ class Flight:
             raise RouterError(409, f"request {self.id} is being moved already")
         if self.backend is to:
             raise RouterError(409, f"request {self.id} runs on {to.url} already")
-        if self.prompt_ids is None or self._reader is None or not self.legs:
+        if self._reader is None or not self.legs or (self.prompt_ids is None and self.generated):
             raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         self._moving = True  # until the destination's first token (or the move's failure)
         self._warmups = (to, [])
+        # Counted in the destination's load from now on: the requests of one drain pick their destinations
+        # before any of them switches (and its in-flight count changes).
+        to.planned += 1
+        try:
+            return await self._move(to, why, timeout, deadline)
+        finally:
+            to.planned -= 1
+
+    async def _move(self, to: Backend, why: str, timeout: float, deadline: float) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
         legs = len(self.legs)
         try:
             # Warm up again while a warm-up took long enough for the source to generate more than a few
             # tokens (a long context): what the destination must catch up on at the switch stays small.
-            for _ in range(WARMUPS):
+            # Nothing to warm up before the prompt's tokens are known: the destination starts it over.
+            for _ in range(WARMUPS if self.prompt_ids is not None else 0):
+                # Drained or found dead during the last one: no more warm-ups there (each could wait long).
+                self._check_destination(to)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise RouterError(504, f"to: {to.url} did not warm up within the move's {timeout:.0f} s")
                 before = len(self.generated)
-                await self._prewarm(to, timeout)
+                await self._prewarm(to, left)
                 if len(self.generated) - before <= WARMUP_SLACK or self.finished:
                     break
         except BaseException:
@@ -607,16 +634,22 @@ class Flight:
         if self.unmovable is not None:  # its backend's parser showed itself during the warm-ups
             self._moving = False
             raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
-        if to.draining or not to.healthy:  # drained or found dead while it warmed up: the request stays
+        if self.prompt_ids is None and self.generated:  # events without the prompt's ids: no continuation
             self._moving = False
-            raise RouterError(409, f"to: {to.url} was {'drained' if to.draining else 'found dead'} meanwhile")
-        done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
+        try:
+            self._check_destination(to)
+        except RouterError:
+            self._moving = False
+            raise
+        done: asyncio.Future[dict[str, Any]] = loop.create_future()
         # Answered after a 504 nobody waits for: its outcome is read here, not logged as never retrieved.
         done.add_done_callback(lambda d: d.cancelled() or d.exception())
         self._interrupt = _Interrupt("move", to, why, done)
         self._reader.cancel()
         try:
-            return await asyncio.wait_for(asyncio.shield(done), timeout)
+            # At least a moment for the switch itself, however long the warm-ups took.
+            return await asyncio.wait_for(asyncio.shield(done), max(deadline - loop.time(), 0.1))
         except TimeoutError:
             if self._interrupt is not None and self._interrupt.done is done:
                 # The switch waits in the client's own stream behind events it has not read yet.
@@ -626,6 +659,12 @@ class Flight:
                     "read the events before the switch; it moves when the client reads them",
                 ) from None
             raise RouterError(504, f"request {self.id} did not start on {to.url} within {timeout:.0f} s") from None
+
+    @staticmethod
+    def _check_destination(to: Backend) -> None:
+        """:class:`RouterError` 409 when ``to`` was drained or found dead since the move began: the request stays."""
+        if to.draining or not to.healthy:
+            raise RouterError(409, f"to: {to.url} was {'drained' if to.draining else 'found dead'} meanwhile")
 
     @property
     def moving(self) -> bool:
@@ -640,7 +679,12 @@ class Flight:
         for pushes still on their way, and keeps them in its prefix cache.
         The continuation after the switch then finds them there and loads or
         computes only what came since: the pause does not grow with the
-        context. Its token is discarded. A failure costs only the warm-up.
+        context. Its token is discarded.
+
+        Raises:
+            RouterError: 502, ``to`` did not answer it with 200 (it could not
+                take the continuation either: the move stops before the
+                source is touched); 504, not within ``timeout``.
         """
         import aiohttp
 
@@ -656,18 +700,28 @@ class Flight:
             body["model"] = self.model  # a LoRA adapter is a model name: its KV is its own
         if self.body.get("cache_salt"):  # the tenant's own cache, and its chunks' keys (docs/connector.md)
             body["cache_salt"] = self.body["cache_salt"]
-        limit = aiohttp.ClientTimeout(total=timeout)
-        cached: int | None = None
+        # A timeout of its own replaces the session's whole: its connect limit is restated.
+        limit = aiohttp.ClientTimeout(total=timeout, connect=self.router.config.connect_timeout)
         try:
             async with self.router.client.post(to.base + "/v1/completions", json=body, timeout=limit) as r:
                 data = await r.read()
-                if r.status != 200:
-                    log.warning("router: warming %s up for %s answered %d", to.url, self.id, r.status)
-                else:
-                    cached = _cached_tokens(data)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("router: warming %s up for %s failed: %s", to.url, self.id, exc)
-        self._warmups[1].append({"tokens": len(ids), "cached_tokens": cached})
+                status = r.status
+        except TimeoutError as exc:  # connecting (connect_timeout) or answering (what the move had left)
+            connect = self.router.config.connect_timeout
+            raise RouterError(
+                504,
+                f"to: {to.url} did not answer a warm-up in time ({type(exc).__name__}; the move had {timeout:.0f} s "
+                f"left, a connection may take {connect:.0f} s)",
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise RouterError(502, f"to: {to.url} could not take it: {type(exc).__name__}: {exc}") from None
+        if status != 200:
+            try:
+                err = json.loads(data)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                err = data[:200].decode(errors="replace")
+            raise RouterError(502, f"to: {to.url} could not take it: its warm-up answered HTTP {status}: {err}")
+        self._warmups[1].append({"tokens": len(ids), "cached_tokens": _cached_tokens(data)})
 
     def fail_over(self) -> None:
         """Its backend was found dead (health checks): continue elsewhere now, not at the next read."""
@@ -692,7 +746,7 @@ class Flight:
         pick = self.router.pick
         first = await pick(self._keys, prefill=split) or (await pick(self._keys) if split else None)
         if first is None:
-            raise RouterError(503, "no healthy backend to route to")
+            raise RouterError(503, backends.unroutable())
         phase = "prefill" if first.prefill else "routed"
         self._start_leg(first, phase, q, space)
         pending: _Interrupt | None = None  # a move whose destination has not answered yet
@@ -727,7 +781,7 @@ class Flight:
                 if kind == "end" and phase == "prefill" and interrupt is None and self._decoding_left():
                     nxt = await pick(self._keys)
                     if nxt is None:
-                        raise RouterError(503, "no healthy decode backend")
+                        raise RouterError(503, f"after the prefill: {backends.unroutable()}")
                     phase = "decode"
                     self._start_leg(nxt, "decode", q, space)
                     continue
@@ -741,8 +795,8 @@ class Flight:
                 phase = "decode"
                 if interrupt is not None and interrupt.kind == "move":
                     assert interrupt.to is not None
-                    if self.finish_reason is not None:  # it finished before the move took effect
-                        self._refuse(interrupt, 409, f"request {self.id} has finished")
+                    if self.finish_reason is not None:  # it finished before the move took effect: no migration
+                        self._refuse(interrupt, 409, f"request {self.id} has finished", count=False)
                         self.finished = True
                         return
                     to = interrupt.to
@@ -763,7 +817,9 @@ class Flight:
                     why = interrupt.why
                     if kind == "error" and source is not None:  # the source broke as it was left: announce nothing
                         backends.mark_down(source)
-                        why = "failover"
+                        why, interrupt.broke = "failover", True
+                        self._failovers += 1
+                        self.router.metrics.failed_over()
                     self._start_leg(interrupt.to, why, q, space)
                     continue
                 if self.finish_reason is not None:
@@ -777,7 +833,8 @@ class Flight:
                 exc = item if isinstance(item, UpstreamError) else UpstreamError("backend failed health checks")
                 if pending is not None:
                     # The destination of a move failed before its first token: answer the move, resume on the source.
-                    self._refuse(pending, 502, f"{pending.to.url if pending.to else '?'} could not take it: {exc}")
+                    where = pending.to.url if pending.to else "?"
+                    self._refuse(pending, 502, f"{where} could not take it: {exc}", count=not pending.broke)
                     pending, self._moving = None, False
                     if source is not None and source.healthy:
                         self._start_leg(source, "resumed", q, space)
@@ -805,10 +862,11 @@ class Flight:
             if self.backend is not None:
                 self.backend.in_flight -= 1
                 self.backend = None
+            # Neither is a failed migration: the request ended (finished, or its client left) before it switched.
             if pending is not None:
-                self._refuse(pending, 409, f"request {self.id} ended before it ran on the destination")
+                self._refuse(pending, 409, f"request {self.id} ended before it ran on the destination", count=False)
             if self._interrupt is not None and self._interrupt.done is not None:
-                self._refuse(self._interrupt, 409, f"request {self.id} has finished")
+                self._refuse(self._interrupt, 409, f"request {self.id} has finished", count=False)
 
     def _release(self, delta: Delta) -> bool:
         """Pass ``delta`` on as vLLM would have: stop strings matched across legs, text a stop may start held back.
@@ -886,7 +944,8 @@ class Flight:
         """The destination produced its first token: the move is done."""
         # The reader stamped the destination's first token before queueing it.
         pause = self._last_token_at - move.since if move.since else None
-        self.router.metrics.migrated(True, pause)
+        if not move.broke:  # counted as a failover when its source broke
+            self.router.metrics.migrated(True, pause)
         if move.done is not None and not move.done.done():
             move.done.set_result(
                 {
@@ -898,7 +957,9 @@ class Flight:
                 }
             )
 
-    def _refuse(self, move: _Interrupt, status: int, message: str) -> None:
-        self.router.metrics.migrated(False)
+    def _refuse(self, move: _Interrupt, status: int, message: str, count: bool = True) -> None:
+        """Answer ``move`` with an error; ``count``: as a failed migration (not when the request ended first)."""
+        if count:
+            self.router.metrics.migrated(False)
         if move.done is not None and not move.done.done():
             move.done.set_exception(RouterError(status, message))

@@ -15,6 +15,7 @@ import gc
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -24,11 +25,15 @@ from json.encoder import encode_basestring_ascii as _json_str  # what json.dumps
 from typing import Any
 
 from ...transport.base import host_port
-from .backends import Backend, Backends, prompt_keys
-from .flight import MOVE_TIMEOUT_S, Delta, Flight, RouterError, UpstreamError, movable, sse_data
+from .backends import KV_LOAD_SLACK, Backend, Backends, prompt_keys
+from .flight import MAX_FAILOVERS, MOVE_TIMEOUT_S, Delta, Flight, RouterError, UpstreamError, movable, sse_data
 from .metrics import Metrics
 
-__all__ = ["CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
+__all__ = ["BACKEND_API_KEY_ENV", "CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
+
+#: The environment variable the backends' API key is read from when the config gives none (``--backend-api-key``):
+#: a key on a command line is visible to every user of the machine (``ps``).
+BACKEND_API_KEY_ENV = "HURRAY_BACKEND_API_KEY"
 
 #: The purpose of the fleet-key tokens that open ``/hurray/*`` (:meth:`~hurray_vllm.chunks.signing.FleetKeys.tokens`).
 CONTROL_PURPOSE = "router-control"
@@ -48,9 +53,20 @@ class RouterConfig:
             engines' ``hurray_chunk_tokens``).
         health_interval: seconds between health checks of every backend.
         connect_timeout: seconds to open a connection to a backend.
-        stream_timeout: seconds a backend may stay silent within a stream
-            before its request is continued elsewhere.
+        stream_timeout: seconds a backend may stay silent before its request
+            is continued elsewhere (and the backend marked down). It also
+            bounds the wait for a stream's first token (the backend's queue
+            and the prompt's prefill) and for a whole non-streamed answer
+            (relayed unmoved, or a prefill leg): set it above the longest
+            of those, or busy backends are taken for dead ones.
         policy: how a new request picks its backend (:data:`~.backends.POLICIES`).
+        kv_load_slack: with ``policy="kv"``, a request goes where its prefix
+            went before only while that backend has at most this many more
+            requests in flight than the least loaded one
+            (:data:`~.backends.KV_LOAD_SLACK`).
+        backend_api_key: sent as ``Authorization: Bearer KEY`` on every
+            request to a backend (vLLM's ``--api-key``); ``None``: read from
+            :data:`BACKEND_API_KEY_ENV`, and without it none is sent.
         control_tokens: bearer tokens accepted on ``/hurray/*`` (any of them;
             :data:`CONTROL_PURPOSE` tokens of the fleet keys); empty: the
             controls are open to whoever reaches the router.
@@ -64,6 +80,8 @@ class RouterConfig:
     stream_timeout: float = 600.0
     policy: str = "kv"
     control_tokens: tuple[str, ...] = field(default=(), repr=False)
+    kv_load_slack: int = KV_LOAD_SLACK
+    backend_api_key: str | None = field(default=None, repr=False)
 
 
 class Router:
@@ -71,7 +89,7 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.backends = Backends(config.backends, config.prefill, config.policy)
+        self.backends = Backends(config.backends, config.prefill, config.policy, config.kv_load_slack)
         self.metrics = Metrics()
         self.flights: dict[str, Flight] = {}
         # Requests relayed unmoved (see movable()): listed and reported by a drain, never moved.
@@ -91,7 +109,11 @@ class Router:
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.config.connect_timeout, sock_read=self.config.stream_timeout
         )
-        self.client = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        # Session headers go with every request to a backend (legs, warm-ups, health checks, /v1/models), also
+        # with those that pass a timeout of their own.
+        key = self.config.backend_api_key or os.environ.get(BACKEND_API_KEY_ENV) or None
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self.client = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0), headers=headers)
         self._watch = asyncio.create_task(self._health(), name="router health checks")
 
     async def stop(self) -> None:
@@ -120,12 +142,26 @@ class Router:
                 b.failures += 1
                 if b.failures >= 2:
                     b.healthy = False
-                if before[b.url] and not b.healthy:
-                    log.warning("router: backend %s failed %d health checks", b.url, b.failures)
-                    for f in list(self.flights.values()):
-                        if f.backend is b:
-                            f.fail_over()
+                if not b.healthy:
+                    if before[b.url]:
+                        log.warning("router: backend %s failed %d health checks", b.url, b.failures)
+                    # Also when it was marked down before (a stream of it broke): its other streams wait on it
+                    # until the stream timeout otherwise. fail_over() passes over a request already moving on.
+                    self.abandon(b, "failed its health checks")
             await asyncio.sleep(interval)
+
+    def abandon(self, backend: Backend, why: str) -> None:
+        """Take every request off ``backend``, found dead (``why``).
+
+        Flights continue elsewhere; relayed requests end with an error, or,
+        before their answer came, are sent to another backend.
+        """
+        for f in list(self.flights.values()):
+            if f.backend is backend:
+                f.fail_over()
+        for r in list(self.relayed.values()):
+            if r.backend is backend:
+                r.cut(why)
 
     async def pick(self, keys: list[str], *, prefill: bool = False, avoid: Backend | None = None) -> Backend | None:
         """:meth:`Backends.pick`; when no backend of that kind is healthy, check the others once more first.
@@ -297,6 +333,25 @@ class Relayed:
     why: str
     prompt_tokens: int | None  # the prompt's length when it is token ids; text is counted by the backend only
     generated_tokens: int = 0  # choice events relayed so far (one token each, as vLLM streams them)
+    # What its handler waits on, for cut(): the POST until its answer's headers come, then the answer.
+    waiting: asyncio.Future[Any] | None = field(default=None, repr=False)
+    upstream: Any = field(default=None, repr=False)
+    dead: str | None = None  # why its backend was found dead (cut)
+
+    def cut(self, why: str) -> None:
+        """Its backend was found dead: end the wait for it now rather than after the stream timeout.
+
+        Before the answer's headers nothing reached the client: the handler
+        tries another backend. After them, the relay ends with an error event
+        (a stream) or an error body, as for a stream that breaks off.
+        """
+        if self.dead is not None:
+            return
+        self.dead = why
+        if self.upstream is not None:
+            self.upstream.content.set_exception(UpstreamError(why))  # wakes the relay's read with it
+        elif self.waiting is not None:
+            self.waiting.cancel()
 
     def describe(self) -> dict[str, Any]:
         """As ``GET /hurray/requests`` lists it (the shape of :meth:`Flight.describe`)."""
@@ -390,8 +445,12 @@ def _usage(f: Flight) -> dict[str, Any]:
         "completion_tokens": len(f.generated),
         "total_tokens": p + len(f.generated),
     }
-    if f.cached_tokens is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": f.cached_tokens}
+    cached = f.cached_tokens
+    if cached is not None:
+        # The last leg's: after a move its prompt held the tokens generated before too, which it may have
+        # loaded; the client's prompt is the whole of what can have been cached of it.
+        cached = min(cached, p) if type(cached) is int else cached  # anything else: passed on as the backend said
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
 
 
@@ -584,39 +643,75 @@ def build_app(config: RouterConfig) -> Any:
         return body
 
     async def passthrough(request: Request, kind: str, body: dict[str, Any], why: str) -> Any:
-        """A request that cannot change backends (:func:`~.flight.movable`): relayed as it comes, its id replaced."""
+        """A request that cannot change backends (:func:`~.flight.movable`): relayed as it comes, its id replaced.
+
+        A backend that cannot be reached, answers 5xx or is found dead before
+        the answer's headers came is marked down and the request is sent to
+        another one, as a flight's first leg is: the client has seen nothing.
+        """
         import aiohttp
 
         keys = prompt_keys(body, config.chunk_tokens)
-        b = await router.pick(keys)
-        if b is None:
-            return fail(503, "no healthy backend to route to")
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-hurray-{uuid.uuid4().hex}"
-        b.in_flight += 1
-        router.metrics.routed(b.url)
-        b.remember(keys)
         prompt = body.get("prompt")
         counted = len(prompt) if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
-        # Listed (and known to a drain) from now on: a non-streamed answer's headers come only at its end.
-        entry = router.relayed[rid] = Relayed(rid, b, why, counted)
-        post = asyncio.ensure_future(router.client.post(b.base + path, json=body))
-        try:
-            # A non-streamed answer's headers come at its end: a client that leaves before then must stop the
-            # backend's request (closing the connection to it aborts it there), as for a flight.
-            if not await _unless_client_leaves(request, post):
+        failed: str | None = None  # the last backend's failure, the answer when no other backend is left
+        avoid: Backend | None = None
+        for attempt in range(MAX_FAILOVERS + 1):
+            b = await router.pick(keys, avoid=avoid)
+            if b is None:
+                break
+            b.in_flight += 1
+            if attempt == 0:
+                router.metrics.routed(b.url)
+            b.remember(keys)
+            # Listed (and known to a drain) from now on: a non-streamed answer's headers come only at its end.
+            entry = router.relayed[rid] = Relayed(rid, b, why, counted)
+            post = entry.waiting = asyncio.ensure_future(router.client.post(b.base + path, json=body))
+            try:
+                # A non-streamed answer's headers come at its end: a client that leaves before then must stop the
+                # backend's request (closing the connection to it aborts it there), as for a flight.
+                answered = await _unless_client_leaves(request, post)
+            except BaseException:
+                post.cancel()
+                b.in_flight -= 1
+                router.relayed.pop(rid, None)
+                raise
+            if not answered:
                 b.in_flight -= 1
                 router.relayed.pop(rid, None)
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-            upstream = post.result()
-        except BaseException as exc:
-            if not post.done():
-                post.cancel()
-            b.in_flight -= 1
-            router.relayed.pop(rid, None)
-            if isinstance(exc, (aiohttp.ClientError, TimeoutError)):
-                return fail(502, f"{b.url}: {type(exc).__name__}: {exc}")
-            raise
+            exc = None if post.cancelled() else post.exception()  # cancelled: only by entry.cut()
+            if post.cancelled() or exc is not None:
+                b.in_flight -= 1
+                router.relayed.pop(rid, None)
+                if exc is not None and not isinstance(exc, (aiohttp.ClientError, TimeoutError)):
+                    raise exc
+                failed = f"{b.url}: {entry.dead}" if exc is None else f"{b.url}: {type(exc).__name__}: {exc}"
+                router.backends.mark_down(b)
+                log.warning("router: %s failed before its answer (%s); trying another backend", rid, failed)
+                avoid = b
+                continue
+            upstream = entry.upstream = post.result()
+            if upstream.status >= 500 and attempt < MAX_FAILOVERS and any(x is not b for x in router.backends.usable()):
+                # A failure of the backend, not of the request (vLLM answers 4xx to those), before any byte reached
+                # the client: tried elsewhere, as a flight's first leg is.
+                upstream.release()
+                b.in_flight -= 1
+                router.relayed.pop(rid, None)
+                failed = f"{b.url} answered HTTP {upstream.status}"
+                router.backends.mark_down(b)
+                log.warning("router: %s: %s; trying another backend", rid, failed)
+                avoid = b
+                continue
+            break
+        else:
+            return fail(502, f"{failed} (too many failures)")
+        if b is None:
+            if failed is not None:
+                return fail(502, f"{failed} (no other healthy backend)")
+            return fail(503, router.backends.unroutable())
         log.debug("router: %s relayed to %s unchanged (%s)", rid, b.url, why)
 
         def renamed(data: bytes) -> bytes:
@@ -731,10 +826,12 @@ def build_app(config: RouterConfig) -> Any:
     async def health() -> Any:
         state = {b.url: {"healthy": b.healthy, "draining": b.draining, "in_flight": b.in_flight, "prefill": b.prefill}
                  for b in router.backends.all.values()}  # fmt: skip
-        ok = any(b.healthy and not b.prefill for b in router.backends.all.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "unavailable", "backends": state}, status_code=200 if ok else 503
-        )
+        # "ok" only while a request can be routed: every backend drained answers 503 to every request.
+        ok = bool(router.backends.usable())
+        out: dict[str, Any] = {"status": "ok" if ok else "unavailable", "backends": state}
+        if not ok:
+            out["reason"] = router.backends.unroutable()
+        return JSONResponse(out, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Any:
