@@ -33,7 +33,9 @@ def run_engine_script(
     Fails the test, naming ``what`` and the engine's root cause, if the script fails.
     """
     out.mkdir(parents=True, exist_ok=True)
-    with engine_slot():
+    # A multi-rank CPU engine binds its ranks to cores (vLLM refuses to start without): one rank per bound core.
+    ranks = (env or {}).get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") + 1
+    with engine_slot(ranks):
         proc = subprocess.run(
             [sys.executable, str(TESTS / script), *args],
             capture_output=True,

@@ -9,10 +9,11 @@ tests of the modules before it run; a test that asks for a job's result
 before a lane got to it runs the job itself.
 
 :data:`ENGINE_SLOTS` bounds the engine runs at any moment, whoever starts
-them (a lane, a test, ``servers.side_by_side``), to one per core:
-:func:`engine_slot` around every engine process. That is what the suite ran
-before (two engines side by side at most), with fewer idle cores between
-them. While a fleet of servers serves (its engines keep the cores busy) the
+them (a lane, a test, ``servers.side_by_side``), by weight:
+:func:`engine_slot` around every engine process. That is what
+``side_by_side`` ran before (on 2 cores two TP = 1 engines, or a TP = 2 one
+beside a TP = 1 one, never two multi-rank ones), with fewer idle cores
+between them. While a fleet of servers serves (its engines keep the cores busy) the
 lanes take up no further job. Each engine computes alone in its
 process, so every token and byte is what a run alone gives; only the wall
 time of the whole suite changes.
@@ -41,8 +42,6 @@ __all__ = ["ENGINE_SLOTS", "engine_slot", "fleet_down", "fleet_up", "prefetched"
 
 T = TypeVar("T")
 CORES = max(1, os.cpu_count() or 1)
-#: Engine processes at once, over the whole session: one per core.
-ENGINE_SLOTS = threading.BoundedSemaphore(CORES)
 LANES = 2
 
 _lock = threading.Lock()
@@ -56,17 +55,47 @@ _started = False
 #: How long an engine waits for a slot: far longer than any engine runs, so that a slot never given back (a bug
 #: in a test) fails the test instead of hanging the suite.
 SLOT_WAIT_S = 1800.0
+#: What an engine of one process and one of several ranks weigh against :data:`ENGINE_SLOTS`' capacity
+#: (``2 * CORES + 1``): one-process engines up to one per core, a multi-rank engine beside one-process engines
+#: up to one less, never two multi-rank engines together (their ranks are bound to the same cores and wait for
+#: each other in every all-reduce). On 2 cores: two TP = 1 engines, or a TP = 2 one beside a TP = 1 one.
+ONE_PROCESS, MULTI_RANK = 2, 3
+
+
+class _Slots:
+    """A semaphore of weighted takers (:data:`ONE_PROCESS`, :data:`MULTI_RANK`)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = self.free = capacity
+        self._cond = threading.Condition()
+
+    def acquire(self, weight: int, timeout: float) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.free >= weight, timeout):
+                return False
+            self.free -= weight
+            return True
+
+    def release(self, weight: int) -> None:
+        with self._cond:
+            self.free += weight
+            self._cond.notify_all()
+
+
+#: Engines at once, over the whole session, whoever starts them.
+ENGINE_SLOTS = _Slots(max(2 * CORES + 1, MULTI_RANK))
 
 
 @contextmanager
-def engine_slot() -> Iterator[None]:
-    """Hold one of :data:`ENGINE_SLOTS` while an engine process runs (it waits for one to be free)."""
-    if not ENGINE_SLOTS.acquire(timeout=SLOT_WAIT_S):
+def engine_slot(ranks: int = 1) -> Iterator[None]:
+    """Hold a share of :data:`ENGINE_SLOTS` while an engine of ``ranks`` processes runs (waiting for it to be free)."""
+    weight = MULTI_RANK if ranks > 1 else ONE_PROCESS
+    if not ENGINE_SLOTS.acquire(weight, SLOT_WAIT_S):
         pytest.fail(f"no engine slot came free in {SLOT_WAIT_S:.0f} s")
     try:
         yield
     finally:
-        ENGINE_SLOTS.release()
+        ENGINE_SLOTS.release(weight)
 
 
 _fleets = 0
