@@ -28,6 +28,7 @@ __all__ = [
     "dequantize",
     "layer_scales",
     "padded_block_table",
+    "same_tensor",
     "with_extra_pages",
 ]
 
@@ -127,12 +128,13 @@ def _structure_difference(t: BlockPagedTensor, k0: BlockPagedTensor) -> str | No
         return f"page count ({t.num_pages}, layer 0's is {k0.num_pages})"
     for name in ("block_table", "seq_ptr", "seq_lens"):
         a, b = getattr(t, name), getattr(k0, name)
-        if not _same(a, b):
+        if not same_tensor(a, b):
             return name
     return None
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` hold the same values (``b`` moved to ``a``'s device); ``None`` equals only itself."""
     # Tensors built alike share one object: no compare (and no device sync).
     if a is b:
         return True

@@ -144,6 +144,9 @@ class RepagePlan:
     #: The sequence lengths the plan was made from (the very tensor): a plan applied to the tensors it was
     #: made for is recognised without comparing them (a device sync per layer on GPU).
     _src_lens: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    #: The block table the plan was made from (the very tensor; ``None``: a plan built by hand). Lengths and
+    #: page size alone do not tell two batches apart whose pages differ: importers that take a plan compare it.
+    src_block_table: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -212,7 +215,14 @@ def plan_repage(
     if total == 0:
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         return RepagePlan(
-            page_size, empty, empty, new_ptr, seq_lens.clone(), src_page_size=src_page_size, _src_lens=src_lens
+            page_size,
+            empty,
+            empty,
+            new_ptr,
+            seq_lens.clone(),
+            src_page_size=src_page_size,
+            _src_lens=src_lens,
+            src_block_table=block_table,
         )
     # For every target logical page (s, j) and position r: token t = j*T + r of s.
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=dev), need)
@@ -244,6 +254,7 @@ def plan_repage(
         src_page_size=src_page_size,
         src_pages=src_pages,
         _src_lens=src_lens,
+        src_block_table=block_table,
         _rows=(src_slots.reshape(-1, run)[:, 0] // run).clamp(min=0),
     )
 

@@ -30,6 +30,7 @@ from .._common import (
     dequantize,
     layer_scales,
     padded_block_table,
+    same_tensor,
     with_extra_pages,
 )
 from .flavors import FLAVORS, HALF_DTYPES, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
@@ -423,11 +424,7 @@ def _resolve_plan(
         or (plan.repage is None and k0.num_pages != plan.base_pages)
         or k0.seq_lens is None
         or not torch.equal(plan.cache_seqlens.to(k0.seq_lens.device), k0.seq_lens.to(torch.int32))
-        or (
-            plan.src_block_table is not None
-            and plan.src_block_table is not k0.block_table
-            and not torch.equal(plan.src_block_table.to(k0.block_table.device), k0.block_table)
-        )
+        or (plan.src_block_table is not None and not same_tensor(k0.block_table, plan.src_block_table))
     ):
         raise ImportArgumentError("plan", "the plan was made for another snapshot; call plan_flash_attn on this one")
     return plan

@@ -36,13 +36,12 @@ from __future__ import annotations
 from .cache import FlashInferCache, PagedKVCache
 from .contract import check_flashinfer_args
 from .decode import reference_decode
-from .importer import FlashInferPlan, plan_flashinfer, plan_flashinfer_repage, to_flashinfer, to_flashinfer_all
+from .importer import plan_flashinfer, plan_flashinfer_repage, to_flashinfer, to_flashinfer_all
 from .mla import FlashInferMLACache, to_flashinfer_mla
 
 __all__ = [
     "FlashInferCache",
     "FlashInferMLACache",
-    "FlashInferPlan",
     "PagedKVCache",
     "check_flashinfer_args",
     "plan_flashinfer",

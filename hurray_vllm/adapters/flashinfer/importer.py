@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 
 import torch
 
@@ -23,37 +22,28 @@ from ...kv.repage import (
 from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
-from .._common import check_csr, check_import_memory, check_layer, check_one_structure, dequantize, layer_scales
+from .._common import (
+    check_csr,
+    check_import_memory,
+    check_layer,
+    check_one_structure,
+    dequantize,
+    layer_scales,
+    same_tensor,
+)
 from .cache import LAYOUTS, FlashInferCache, PagedKVCache
 
-__all__ = ["FlashInferPlan", "plan_flashinfer", "plan_flashinfer_repage", "to_flashinfer", "to_flashinfer_all"]
+__all__ = ["plan_flashinfer", "plan_flashinfer_repage", "to_flashinfer", "to_flashinfer_all"]
 
 
-@dataclass(frozen=True)
-class FlashInferPlan(RepagePlan):
-    """A :class:`~hurray_vllm.kv.repage.RepagePlan` that remembers the block table it was made from.
-
-    :func:`to_flashinfer` compares it with the snapshot's before using the
-    plan: two batches of the same lengths and page size but other pages
-    would otherwise be gathered through each other's plan, silently.
-
-    Attributes:
-        src_block_table: int64 ``[total_pages]``, the snapshot's own block
-            table (the very tensor) the plan was made from.
-    """
-
-    src_block_table: torch.Tensor | None = None
-
-
-def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> FlashInferPlan | None:
+def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     """The repaging plan every layer of ``snapshot`` shares, for ``page_size``.
 
-    Returns a :class:`FlashInferPlan` (a ``RepagePlan`` that keeps the source
-    block table, to recognise a plan made for another snapshot), or ``None``
-    when the snapshot already has pages of ``page_size`` (nothing to
-    repage). Pass the result to :func:`to_flashinfer` as ``plan=`` for each
-    layer so the plan is computed once per batch (:func:`to_flashinfer_all`
-    does).
+    Returns the ``RepagePlan`` (it keeps the source block table, to
+    recognise a plan made for another snapshot), or ``None`` when the
+    snapshot already has pages of ``page_size`` (nothing to repage). Pass
+    the result to :func:`to_flashinfer` as ``plan=`` for each layer so the
+    plan is computed once per batch (:func:`to_flashinfer_all` does).
 
     Raises:
         ImportArgumentError: ``page_size`` is not positive.
@@ -70,11 +60,10 @@ def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> FlashInferPlan | No
     if k0.page_size == page_size:
         return None
     lens = _require_lens(k0)
-    rp = plan_repage(k0.block_table, k0.seq_ptr, lens, k0.page_size, page_size, k0.num_pages)
-    return FlashInferPlan(**{f.name: getattr(rp, f.name) for f in fields(rp)}, src_block_table=k0.block_table)
+    return plan_repage(k0.block_table, k0.seq_ptr, lens, k0.page_size, page_size, k0.num_pages)
 
 
-def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> FlashInferPlan | None:
+def plan_flashinfer_repage(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     """Deprecated name of :func:`plan_flashinfer` (same arguments, same result)."""
     warnings.warn(
         "plan_flashinfer_repage is deprecated; use plan_flashinfer",
@@ -343,8 +332,7 @@ def _check_plan(plan: RepagePlan, k: BlockPagedTensor, lens: torch.Tensor) -> No
         raise ImportArgumentError("plan", "the plan was made for other sequence lengths")
     if plan.src_slots.numel() and int(plan.src_slots.max()) >= k.num_pages * k.page_size:
         raise ImportArgumentError("plan", "the plan reads slots past this snapshot's page pool")
-    src = plan.src_block_table if isinstance(plan, FlashInferPlan) else None
-    if src is not None and src is not k.block_table and not torch.equal(src.to(k.block_table.device), k.block_table):
+    if plan.src_block_table is not None and not same_tensor(k.block_table, plan.src_block_table):
         raise ImportArgumentError(
             "plan", "the plan was made for another block table (another snapshot); call plan_flashinfer on this one"
         )
