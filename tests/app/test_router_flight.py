@@ -758,6 +758,22 @@ def _started(f: Flight, src: Backend) -> None:
     f._reader = asyncio.create_task(asyncio.sleep(3600))
 
 
+def _refused_move(f: Flight, src: Backend, dst: Backend, timeout: float) -> tuple[RouterError, dict[str, Any]]:
+    """Start ``f`` on ``src``, move it to ``dst`` (which must refuse): the error, and the source's state just after."""
+
+    async def run() -> tuple[RouterError, dict[str, Any]]:
+        _started(f, src)
+        assert f._reader is not None
+        try:
+            with pytest.raises(RouterError) as exc:
+                await f.migrate(dst, timeout=timeout)
+            return exc.value, {"running": not f._reader.done(), "interrupt": f._interrupt, "moving": f.moving}
+        finally:
+            f._reader.cancel()
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize("answer", [(404, b'{"error": {"message": "no model m"}}'), (503, b"down"), "refused"])
 def test_a_move_whose_warm_up_fails_is_refused_before_the_source_is_touched(answer: Any) -> None:
     """The continuation would fail there too: stopping the source anyway cost a pause and a resumed leg."""
@@ -775,18 +791,8 @@ def test_a_move_whose_warm_up_fails_is_refused_before_the_source_is_touched(answ
 
     router.client = _Client()
 
-    async def run() -> RouterError:
-        _started(f, src)
-        assert f._reader is not None
-        try:
-            with pytest.raises(RouterError) as exc:
-                await f.migrate(dst, timeout=5)
-            assert not f._reader.done() and f._interrupt is None and not f.moving  # the source goes on
-            return exc.value
-        finally:
-            f._reader.cancel()
-
-    exc = asyncio.run(run())
+    exc, source = _refused_move(f, src, dst, 5)
+    assert source["running"] and source["interrupt"] is None and not source["moving"]  # the source goes on
     assert exc.status == 502 and "could not take it" in exc.message and dst.planned == 0
     assert (answer == "refused" and "refused" in exc.message) or str(answer[0]) in exc.message
     assert answer != (404, b'{"error": {"message": "no model m"}}') or "no model m" in exc.message
@@ -808,18 +814,8 @@ def test_a_moves_warm_ups_share_one_deadline() -> None:
 
     f._prewarm = warm_up  # type: ignore[method-assign]
 
-    async def run() -> RouterError:
-        _started(f, src)
-        assert f._reader is not None
-        try:
-            with pytest.raises(RouterError) as exc:
-                await f.migrate(dst, timeout=0.25)
-            assert not f._reader.done() and f._interrupt is None  # the source was not touched
-            return exc.value
-        finally:
-            f._reader.cancel()
-
-    exc = asyncio.run(run())
+    exc, source = _refused_move(f, src, dst, 0.25)
+    assert source["running"] and source["interrupt"] is None  # the source was not touched
     assert exc.status == 504 and "did not warm up" in exc.message
     assert len(given) == 2 and given[0] == pytest.approx(0.25, abs=0.02) and given[1] < 0.15
 
@@ -837,17 +833,7 @@ def test_a_move_stops_warming_up_a_destination_drained_meanwhile() -> None:
 
     f._prewarm = warm_up  # type: ignore[method-assign]
 
-    async def run() -> RouterError:
-        _started(f, src)
-        assert f._reader is not None
-        try:
-            with pytest.raises(RouterError) as exc:
-                await f.migrate(dst, timeout=5)
-            return exc.value
-        finally:
-            f._reader.cancel()
-
-    exc = asyncio.run(run())
+    exc, _ = _refused_move(f, src, dst, 5)
     assert exc.status == 409 and "drained" in exc.message and len(given) == 1
 
 
