@@ -658,6 +658,11 @@ def build_app(config: RouterConfig) -> Any:
         counted = len(prompt) if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
         failed: str | None = None  # the last backend's failure, the answer when no other backend is left
         avoid: Backend | None = None
+
+        def let_go(b: Backend) -> None:  # the request no longer runs on b
+            b.in_flight -= 1
+            router.relayed.pop(rid, None)
+
         for attempt in range(MAX_FAILOVERS + 1):
             b = await router.pick(keys, avoid=avoid)
             if b is None:
@@ -675,17 +680,14 @@ def build_app(config: RouterConfig) -> Any:
                 answered = await _unless_client_leaves(request, post)
             except BaseException:
                 post.cancel()
-                b.in_flight -= 1
-                router.relayed.pop(rid, None)
+                let_go(b)
                 raise
             if not answered:
-                b.in_flight -= 1
-                router.relayed.pop(rid, None)
+                let_go(b)
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
             exc = None if post.cancelled() else post.exception()  # cancelled: only by entry.cut()
             if post.cancelled() or exc is not None:
-                b.in_flight -= 1
-                router.relayed.pop(rid, None)
+                let_go(b)
                 if exc is not None and not isinstance(exc, (aiohttp.ClientError, TimeoutError)):
                     raise exc
                 failed = f"{b.url}: {entry.dead}" if exc is None else f"{b.url}: {type(exc).__name__}: {exc}"
@@ -698,8 +700,7 @@ def build_app(config: RouterConfig) -> Any:
                 # A failure of the backend, not of the request (vLLM answers 4xx to those), before any byte reached
                 # the client: tried elsewhere, as a flight's first leg is.
                 upstream.release()
-                b.in_flight -= 1
-                router.relayed.pop(rid, None)
+                let_go(b)
                 failed = f"{b.url} answered HTTP {upstream.status}"
                 router.backends.mark_down(b)
                 log.warning("router: %s: %s; trying another backend", rid, failed)
@@ -742,8 +743,7 @@ def build_app(config: RouterConfig) -> Any:
 
         async def ended() -> None:  # however the response ends: also if the client left before it started
             upstream.release()
-            b.in_flight -= 1
-            router.relayed.pop(rid, None)
+            let_go(b)
 
         media = upstream.headers.get("content-type", "application/json")
         return _streamed(relay(), ended, status_code=upstream.status, media_type=media)
