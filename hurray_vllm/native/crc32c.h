@@ -21,7 +21,7 @@ static void crc32c_init(void) {
 }
 
 static uint32_t crc32c_sw(uint32_t c, const uint8_t *p, size_t n) {
-    if (!crc32c_ready) crc32c_init(); /* idempotent: racing threads write the same values */
+    if (!crc32c_ready) crc32c_init(); /* only without a load-time constructor (see crc32c_tables) */
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
@@ -64,7 +64,7 @@ static void crc32c_shift_init(void) {
     for (int i = 0; i < LANE; i++) op = gf2_mulmod(op, x8);
     for (int k = 0; k < 4; k++)
         for (uint32_t v = 0; v < 256; v++) crc32c_shift[k][v] = gf2_mulmod(op, v << (8 * k));
-    crc32c_shift_ready = 1; /* idempotent: racing threads write the same values */
+    crc32c_shift_ready = 1;
 }
 
 static inline uint32_t crc32c_shift_lane(uint32_t c) {
@@ -73,7 +73,7 @@ static inline uint32_t crc32c_shift_lane(uint32_t c) {
 }
 
 __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t c, const uint8_t *p, size_t n) {
-    if (n >= 3 * LANE && !crc32c_shift_ready) crc32c_shift_init();
+    if (n >= 3 * LANE && !crc32c_shift_ready) crc32c_shift_init(); /* likewise */
     while (n >= 3 * LANE) {
         uint64_t a = c, b = 0, d = 0;
         for (size_t i = 0; i < LANE; i += 8) {
@@ -102,6 +102,19 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t c, const ui
     return c32;
 }
 #define HAVE_CRC32C_HW 1
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+/* The tables are filled when the library is loaded, before any thread can checksum. Filled
+ * lazily, a thread could see a ready flag set by another thread before that thread's table
+ * stores (a plain flag orders nothing): its checksum would be wrong, and a good chunk refused
+ * as corrupt. */
+__attribute__((constructor)) static void crc32c_tables(void) {
+    crc32c_init();
+#ifdef HAVE_CRC32C_HW
+    crc32c_shift_init();
+#endif
+}
 #endif
 
 uint32_t hurray_crc32c(uint32_t crc, const uint8_t *p, size_t n) {
