@@ -705,7 +705,8 @@ def write_blocks(
             Only where :attr:`EngineCache.writes_head_slices`.
 
     Raises:
-        HurrayFormatError: pools of the wrong role count or block size.
+        HurrayFormatError: pools of the wrong role count or block size; a
+            block id outside the cache (checked on the host, before writing).
         HurrayArgumentError: ``heads`` outside the cache's, or a cache that
             cannot be written a part of the heads at a time.
     """
@@ -717,6 +718,16 @@ def write_blocks(
                 "heads", f"cannot write heads {heads.start}..{heads.stop} of this {ec.layout_name} cache alone"
             )
         cache = cache[:, heads.start : heads.stop]
+    if block_ids.numel():
+        # On the host (the connector's ids are host tensors: no device sync), before any write:
+        # an id past a CUDA cache is a device-side assert that takes the engine down.
+        lo, hi = (int(x) for x in torch.aminmax(block_ids.detach().cpu()))
+        if lo < 0 or hi >= int(cache.shape[0]):  # every layout's [B, ...] view: blocks come first
+            raise HurrayFormatError(
+                "block_ids",
+                f"block {lo if lo < 0 else hi} is outside this cache's {int(cache.shape[0])} blocks; "
+                "write only blocks the engine allocated to the request",
+            )
     want = 1 if isinstance(ec.layout, MLALatent) else 2
     if len(pools) != want:
         raise HurrayFormatError("kv_role", f"{len(pools)} pools for a {'latent' if want == 1 else 'K/V'} cache")

@@ -173,17 +173,53 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
         req = sched.requests[internal]
         if req.is_finished():
             raise HurrayFormatError("request_id", f"request {rid!r} has finished; its blocks may be reused")
-        groups = tuple(list(g) for g in sched.kv_cache_manager.get_block_ids(internal))
-        out.append(
-            SequenceState(
-                rid,
-                groups[0],
-                int(req.num_computed_tokens),
-                list(req.all_token_ids),
-                group_block_ids=groups,
+        if getattr(getattr(req, "status", None), "name", None) == "WAITING_FOR_REMOTE_KVS":
+            # vLLM allocates its blocks and counts the tokens being loaded as computed before the load ends.
+            raise HurrayFormatError(
+                "request_id",
+                f"request {rid!r} is still loading its KV (WAITING_FOR_REMOTE_KVS); "
+                "snapshot it after its load finishes",
             )
-        )
+        tokens = list(req.all_token_ids)
+        groups = tuple(list(g) for g in sched.kv_cache_manager.get_block_ids(internal))
+        out.append(SequenceState(rid, groups[0], _committed(rid, req, len(tokens)), tokens, group_block_ids=groups))
     return out
+
+
+def _committed(rid: str, req: Any, num_tokens: int) -> int:
+    """The tokens of ``req`` whose KV the snapshot exports: those computed, less drafts still being verified.
+
+    With asynchronous scheduling (vLLM's default on GPUs) the scheduler adds a
+    step's tokens to ``num_computed_tokens`` when it schedules the step, and
+    ``num_output_placeholders`` counts the tokens that step (and any before it
+    whose output is not processed) will sample. Between two ``step()`` calls
+    the step in flight feeds the last sampled token (in ``all_token_ids``)
+    and, with speculative decoding, one draft per further placeholder: drafts
+    that may be rejected and are not in ``all_token_ids``. So the committed
+    tokens with KV are ``num_computed_tokens`` less ``num_output_placeholders
+    - 1`` (vLLM's own frontier, ``num_computed_tokens - num_output_placeholders``,
+    plus the last sampled token, whose KV the step in flight writes).
+
+    That KV is in the cache when the snapshot reads it: the steps before
+    have finished (their sampled tokens were read back), and the step in
+    flight queued its cache writes on the CUDA stream vLLM runs the model
+    on, the current stream of the thread calling ``step()``, where the
+    export then queues its gathers, after them (a CPU engine runs each step
+    to its end). A prefill chunk in flight (no placeholders) is read so too.
+    A linear-attention state block holds the state after every computed
+    token, drafts included: consistent with this count because such models
+    are refused with speculative decoding (``cache.unsupported_cache``).
+    """
+    computed = int(req.num_computed_tokens)
+    placeholders = int(getattr(req, "num_output_placeholders", 0) or 0)
+    committed = computed - max(placeholders - 1, 0)
+    if committed < 0 or committed > num_tokens:
+        raise HurrayFormatError(
+            "request_id",
+            f"request {rid!r} counts {computed} computed tokens ({placeholders} in flight) for {num_tokens} token "
+            "ids: its committed tokens cannot be told apart; snapshot it after its next step",
+        )
+    return committed
 
 
 def _group_options(llm: Any, ec: EngineCache) -> dict[str, Any]:
@@ -203,7 +239,9 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
         A snapshot holding every computed token of each request (including a
         partly filled last block), their token ids (prompt and generated;
         the last sampled token has no KV yet), the model fingerprint, and
-        the fp8 scales of an fp8 cache.
+        the fp8 scales of an fp8 cache. With asynchronous scheduling and
+        speculative decoding, the draft tokens of the step in flight are
+        not exported: only tokens in ``all_token_ids`` are.
 
     Call it between ``llm.llm_engine.step()`` calls. At tensor parallelism
     > 1 every rank exports its KV heads and the snapshot joins them in model
@@ -212,7 +250,9 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
     TP = 1, within the arithmetic's rounding (``tests/adapters/vllm/test_tp.py``).
 
     Raises:
-        HurrayFormatError: an unknown or finished request.
+        HurrayFormatError: (field ``request_id``) an unknown or finished
+            request, or one still loading its KV through a connector
+            (``WAITING_FOR_REMOTE_KVS``: snapshot it once its load finishes).
 
     Example:
         Snapshot two requests mid-decode and save them (needs a model; the
@@ -277,11 +317,14 @@ def _key_seeds(llm: Any, request_ids: Sequence[str]) -> dict[str, Any]:
 
 
 def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progress: bool = False) -> int:
-    """Like :func:`snapshot`, written to ``f`` layer by layer (memory: one layer's pages).
+    """Like :func:`snapshot`, written to ``f`` layer by layer.
 
-    ``progress=True`` shows a per-layer progress bar on a terminal. At
-    tensor parallelism > 1 the ranks' heads are joined first: memory is then
-    the whole snapshot.
+    Memory: one layer's pages, plus, for a linear-attention hybrid, the
+    recurrent states of the requests in every linear-attention layer
+    (gathered before the first layer is written: the header describes them
+    and they follow the layers). ``progress=True`` shows a per-layer
+    progress bar on a terminal. At tensor parallelism > 1 the ranks' heads
+    are joined first: memory is then the whole snapshot.
     """
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:
@@ -308,7 +351,9 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
 
     Where :func:`snapshot` and :func:`snapshot_stream` bring every rank's KV
     into this process, here each rank's worker writes its heads from its own
-    process, layer by layer (memory: one layer's pages per rank), as a Hurray
+    process, layer by layer (memory: one layer's pages per rank, plus a
+    linear-attention hybrid's states of the requests, every such layer's, as
+    for :func:`snapshot_stream`), as a Hurray
     stream whose header names the heads it holds (``"heads": {"start",
     "stop", "total"}``, ``docs/format.md`` 2.3d). pyhurray reads each file as
     an ordinary snapshot of that many heads; :func:`hurray_vllm.load` gives

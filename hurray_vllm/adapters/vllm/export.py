@@ -28,11 +28,21 @@ import torch
 
 from ...containers.schema import header_records, state_records
 from ...containers.stream import LayerWriter, write_records
-from ...errors import HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.paged import BlockPagedTensor, plan_compaction
 from ...kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SlidingWindows, SnapshotSource
 from ...kv.states import RecurrentStates
-from .layouts import KVLayout, as_storage_dtype, roles_of
+from .layouts import (
+    CpuPacked,
+    FlashAttnLegacy,
+    FlashInferLegacy,
+    KVLayout,
+    LogicalBHNC,
+    MLALatent,
+    PagedAttentionLegacy,
+    as_storage_dtype,
+    roles_of,
+)
 
 __all__ = [
     "GatherBuffers",
@@ -87,6 +97,9 @@ class BatchPlan:
     tails: tuple[tuple[int, int], ...] = ()
     # With holes: per sequence, the first token its pages hold (the pages before are one zero page).
     kv_start: tuple[int, ...] | None = None
+    # The largest engine block id in `keep` (-1: none), on the host: checked against each cache's
+    # block count before its gather, since an id past a CUDA cache is a device-side assert.
+    max_block: int = -1
 
 
 def plan_batch(
@@ -158,7 +171,9 @@ def plan_batch(
                 tails[page] = max(used, tails.get(page, 0))
         for page, used in tails.items():
             valid[page] = used
-    return BatchPlan(keep, block_table, _int64(ptr), _int64(lens), valid, block_size, tuple(sorted(tails.items())))
+    return BatchPlan(
+        keep, block_table, _int64(ptr), _int64(lens), valid, block_size, tuple(sorted(tails.items())), max_block=hi
+    )
 
 
 def _plan_with_holes(seqs: Sequence[SequenceState], block_size: int) -> BatchPlan:
@@ -394,6 +409,15 @@ def export_layers(
     # Per plan (by identity) and device: the ids and tail rows are made once per export.
     keep_on: dict[tuple[int, torch.device], torch.Tensor] = {}
     tail_rows: dict[int, dict[tuple[torch.device, bool], torch.Tensor]] = {}
+    # Before any gather: an id past a CUDA cache would be a device-side assert, not an IndexError.
+    for i, (cache, p) in enumerate(zip(caches, plans, strict=True)):
+        num = _num_blocks(layout, cache)
+        if num is not None and p.max_block >= num:
+            raise HurrayFormatError(
+                "block_ids",
+                f"layer {i}: block id {p.max_block} outside this cache of {num} blocks; "
+                "the block tables do not belong to these caches",
+            )
     roles = roles_of(layout)
     for i, cache in enumerate(caches):
         plan = plans[i]
@@ -426,6 +450,18 @@ def export_layers(
         )
         # Drop this layer before the next is gathered: peak memory stays one layer.
         del pools, cache
+
+
+def _num_blocks(layout: KVLayout, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> int | None:
+    """How many blocks ``cache`` holds in ``layout`` (a layout may say, ``num_blocks(cache)``); None: unknown."""
+    own = getattr(layout, "num_blocks", None)
+    if callable(own):
+        return int(own(cache))
+    if isinstance(layout, (FlashAttnLegacy, FlashInferLegacy)):  # [2, B, ...] or [B, 2, ...]
+        return int(_first(cache).shape[1 - layout.kv_axis])
+    if isinstance(layout, (LogicalBHNC, CpuPacked, MLALatent, PagedAttentionLegacy)):  # [B, ...] (a pair's key)
+        return int(_first(cache).shape[0])
+    return None
 
 
 def _zero_tails(
@@ -534,6 +570,7 @@ def export_snapshot(
     layer's held tokens begin. A linear-attention hybrid's ``states`` (read
     by the caller, e.g. :meth:`~.states.StateCache.gather`) go along as they are.
     """
+    _check_scales(kv_scales, len(caches))
     plan: BatchPlan | list[BatchPlan]
     windows = None
     if layer_groups is not None:
@@ -546,6 +583,16 @@ def export_snapshot(
     return shell.with_layers(
         layers, windows=windows, latent=latent if roles_of(layout) == ("fused",) else None, states=states
     )
+
+
+def _check_scales(kv_scales: Sequence[tuple[float, float]] | None, num_layers: int) -> None:
+    """Refuse fp8 ``kv_scales`` that are not one ``(k_scale, v_scale)`` pair per layer."""
+    if kv_scales is not None and len(kv_scales) != num_layers:
+        raise HurrayArgumentError(
+            "kv_scales",
+            f"{len(kv_scales)} (k_scale, v_scale) pairs for {num_layers} layers; pass one pair per cache "
+            "(EngineCache.export_options() gives the engine's), or None for a cache that is not fp8",
+        )
 
 
 def _group_plans(
@@ -601,11 +648,16 @@ def export_stream(
     :func:`release_export_workspace`), so only the first export of a process
     faults in new memory. ``show_progress=True`` shows a per-layer progress
     bar on a terminal. ``layer_groups``, ``group_windows`` and ``states``:
-    as for :func:`export_snapshot` (the states follow the layers).
+    as for :func:`export_snapshot` (the states follow the layers; they are
+    the caller's, already in memory, and add to the one layer's pages).
     ``heads``: the caches hold these of the model's KV heads (one
     tensor-parallel rank's): the header says so (``docs/format.md`` 2.3d).
     ``extra``: more of the header's free-form metadata (``KVSnapshot.extra``).
     """
+    # Before any work: a stream refused half-way is a truncated file.
+    _check_scales(kv_scales, len(caches))
+    if (roles_of(layout) == ("fused",)) != (latent is not None):
+        raise HurrayFormatError("latent", "an MLA cache's export needs its LatentSplit, and only it has one")
     plan: BatchPlan | list[BatchPlan]
     windows = None
     if layer_groups is not None:
@@ -624,8 +676,6 @@ def export_stream(
             layers = progress(layers, desc="export", total=len(caches))
         # Made before the header is written: a device export's first layer is already on its way.
         host = to_host_overlapped(layers, device_slots=2 if on_cuda else 1)
-        if (roles_of(layout) == ("fused",)) != (latent is not None):
-            raise HurrayFormatError("latent", "an MLA cache's export needs its LatentSplit, and only it has one")
         shell = _snapshot_shell(seqs, fingerprint, source, kv_scales, transient=True, latent=latent)
         if windows is not None or states is not None or heads is not None:
             shell = replace(shell, windows=windows, states=states, heads=heads)

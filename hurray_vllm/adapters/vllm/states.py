@@ -248,16 +248,29 @@ class StateCache:
 
         Raises:
             HurrayFormatError: (field ``snapshot.states``) a sequence with
-                computed tokens whose state block is missing (vLLM's null block).
+                computed tokens whose state block is missing (vLLM's null
+                block); (field ``block_ids``) a block id outside the state
+                tensors, found on the host before anything is gathered.
         """
         for s, (b, n) in enumerate(zip(blocks, positions, strict=True)):
             if n > 0 and not all(b.get(g, 0) for g in self.state_group_ids):
                 raise HurrayFormatError(
                     "snapshot.states", f"sequence {s}: no state block after {n} tokens (the engine did not keep one)"
                 )
+        # On the host, before any gather: an id past a CUDA tensor would be a device-side assert.
+        of_group = {g: [int(b.get(g, 0)) for b in blocks] for g in self.state_group_ids}
+        for layer, g in zip(self.tensors, self.groups, strict=True):
+            lo, hi = min(of_group[g], default=0), max(of_group[g], default=0)
+            num = min((int(t.shape[0]) for t in layer), default=hi + 1)
+            if lo < 0 or hi >= num:
+                raise HurrayFormatError(
+                    "block_ids",
+                    f"state block {lo if lo < 0 else hi} of KV cache group {g} is outside its {num} blocks; "
+                    "the block tables do not belong to this engine's caches",
+                )
         tensors = []
         for layer, g in zip(self.tensors, self.groups, strict=True):
-            ids = torch.tensor([b.get(g, 0) for b in blocks], dtype=torch.int64)
+            ids = torch.tensor(of_group[g], dtype=torch.int64)
             members = []
             for m, t in enumerate(layer):
                 out = self._to_format(t.index_select(0, ids.to(t.device)), m).contiguous().cpu()

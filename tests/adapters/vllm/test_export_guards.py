@@ -1,0 +1,259 @@
+"""What the exporter refuses before it touches a cache, without an engine.
+
+* ``request_states``: a request still loading its KV through a connector, and
+  the committed tokens of a request under asynchronous scheduling (with
+  speculative decoding the step in flight holds drafts).
+* Block ids past a cache: found on the host before any gather or write (on
+  CUDA such an id is a device-side assert, not an ``IndexError``).
+* fp8 ``kv_scales`` that are not one pair per layer, and an MLA export without
+  its ``LatentSplit``: refused before the first layer is gathered or written.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import hurray_vllm as hv
+from hurray_vllm import HurrayArgumentError, HurrayFormatError
+from hurray_vllm.adapters.vllm.cache import EngineCache, write_blocks
+from hurray_vllm.adapters.vllm.engine import request_states
+from hurray_vllm.adapters.vllm.export import (
+    SequenceState,
+    export_layers,
+    export_snapshot,
+    export_stream,
+    plan_batch,
+)
+from hurray_vllm.adapters.vllm.layouts import LogicalBHNC, MLALatent, Out
+from hurray_vllm.adapters.vllm.states import StateCache
+
+H, D, N = 2, 8, 16
+
+
+class RequestStatus(enum.IntEnum):
+    """The members of ``vllm.v1.request.RequestStatus`` used here (importing vLLM takes seconds)."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+
+
+def test_vllm_names_the_status_as_the_engine_checks_it() -> None:
+    """``request_states`` matches the status by name: vLLM's enum must still have it (read, not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    source = (Path(next(iter(spec.submodule_search_locations))) / "v1" / "request.py").read_text()
+    assert "    WAITING_FOR_REMOTE_KVS = enum.auto()" in source
+    assert "self.num_output_placeholders = 0" in source
+
+
+@dataclass
+class FakeRequest:
+    """The fields of a scheduler ``Request`` that ``request_states`` reads."""
+
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    num_output_placeholders: int = 0
+    status: RequestStatus = RequestStatus.RUNNING
+    finished: bool = False
+    blocks: list[int] = field(default_factory=lambda: [1, 2, 3])
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+def _llm(requests: dict[str, FakeRequest]) -> Any:
+    """An in-process ``vllm.LLM`` as far as ``request_states`` looks (one full-attention group)."""
+    manager = SimpleNamespace(kv_cache_config=None, get_block_ids=lambda rid: (list(requests[rid].blocks),))
+    core = SimpleNamespace(scheduler=SimpleNamespace(requests=requests, kv_cache_manager=manager))
+    engine = SimpleNamespace(
+        engine_core=SimpleNamespace(engine_core=core),
+        vllm_config=SimpleNamespace(cache_config=SimpleNamespace(use_replayssm=False)),
+        output_processor=SimpleNamespace(external_req_ids={}),
+    )
+    return SimpleNamespace(llm_engine=engine)
+
+
+def test_a_request_still_loading_its_kv_is_refused() -> None:
+    """vLLM allocates the blocks and counts the loading tokens as computed before the load ends."""
+    loading = FakeRequest(list(range(40)), 32, status=RequestStatus.WAITING_FOR_REMOTE_KVS)
+    llm = _llm({"ok": FakeRequest(list(range(20)), 19), "loading": loading})
+    with pytest.raises(HurrayFormatError, match="still loading its KV") as info:
+        request_states(llm, ["ok", "loading"])
+    assert info.value.field == "request_id"
+    assert "after its load finishes" in str(info.value)
+    loading.status = RequestStatus.RUNNING  # the load finished
+    assert [s.num_computed for s in request_states(llm, ["ok", "loading"])] == [19, 32]
+
+
+@pytest.mark.parametrize(
+    ("computed", "placeholders", "committed"),
+    [
+        (19, 0, 19),  # synchronous scheduling: the last sampled token has no KV yet
+        (20, 1, 20),  # asynchronous: the step in flight computes the last sampled token
+        (18, 0, 18),  # a prefill chunk (no placeholders)
+        (23, 4, 20),  # asynchronous with 3 drafts in flight: they are not exported
+        (22, 3, 20),  # 2 drafts scheduled in the step in flight
+    ],
+)
+def test_the_committed_tokens_leave_out_drafts_in_flight(computed: int, placeholders: int, committed: int) -> None:
+    """Between steps, asynchronous scheduling counts the step in flight; drafts are not in ``all_token_ids``."""
+    req = FakeRequest(list(range(20)), computed, placeholders, blocks=[4, 5])
+    (seq,) = request_states(_llm({"r": req}), ["r"])
+    assert seq.num_computed == committed
+    assert seq.token_ids == list(range(20))
+    plan = plan_batch([seq], N)  # data the plan takes (it refused 23 computed tokens for 20 token ids)
+    assert plan.seq_lens.tolist() == [committed]
+
+
+def test_computed_tokens_the_placeholders_do_not_explain_are_refused() -> None:
+    req = FakeRequest(list(range(20)), 30, 1)
+    with pytest.raises(HurrayFormatError, match="30 computed tokens") as info:
+        request_states(_llm({"r": req}), ["r"])
+    assert info.value.field == "request_id"
+
+
+# Block ids past the cache: refused on the host, before any gather or write.
+
+
+@dataclass(frozen=True)
+class SpyBHNC(LogicalBHNC):
+    """LogicalBHNC that records the gathers it is asked for."""
+
+    calls: list[int] = field(default_factory=list, compare=False, hash=False)
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
+    ) -> tuple[torch.Tensor, ...]:
+        self.calls.append(int(block_ids.numel()))
+        return super().gather(cache, block_ids, out)
+
+
+@dataclass(frozen=True)
+class SpyLatent(MLALatent):
+    """MLALatent that records the gathers it is asked for."""
+
+    calls: list[int] = field(default_factory=list, compare=False, hash=False)
+
+    def gather(
+        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
+    ) -> tuple[torch.Tensor, ...]:
+        self.calls.append(int(block_ids.numel()))
+        return super().gather(cache, block_ids, out)
+
+
+def _caches(*blocks: int, device: str = "cpu") -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn((b, H, N, 2 * D), generator=gen).to(device) for b in blocks]
+
+
+def test_the_plan_keeps_its_largest_block_id() -> None:
+    seqs = [SequenceState("a", [3, 9, 2], 40, list(range(41))), SequenceState("b", [3, 7], 20, list(range(20)))]
+    assert plan_batch(seqs, N).max_block == 9
+    assert plan_batch([SequenceState("e", [], 0, [])], N).max_block == -1
+    holes = plan_batch([SequenceState("w", [0, 0, 5], 40, list(range(40)))], N, holes=True)
+    assert holes.max_block == 5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_block_id_past_any_layer_is_refused_before_the_first_gather(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    caches = _caches(12, 6, device=device)  # block 8 lies in layer 0, past layer 1
+    layout = SpyBHNC(D)
+    plan = plan_batch([SequenceState("a", [3, 8], 20, list(range(21)))], N)
+    with pytest.raises(HurrayFormatError, match="block id 8 outside this cache of 6 blocks") as info:
+        next(export_layers(caches, layout, plan))
+    assert info.value.field == "block_ids"
+    assert layout.calls == []  # nothing gathered, not even layer 0
+    assert len(list(export_layers(caches[:1], layout, plan))) == 1  # in range: gathered as before
+
+
+def test_a_stream_with_a_block_id_past_a_layer_writes_nothing() -> None:
+    f = io.BytesIO()
+    layout = SpyBHNC(D)
+    with pytest.raises(HurrayFormatError, match="layer 1"):
+        export_stream(f, _caches(12, 6), layout, [SequenceState("a", [3, 8], 20, list(range(21)))], block_size=N)
+    assert f.getvalue() == b"" and layout.calls == []
+
+
+def _engine_cache(blocks: int) -> EngineCache:
+    return EngineCache(
+        caches=_caches(blocks),
+        layer_names=["model.layers.0.self_attn.attn"],
+        layout=LogicalBHNC(D),
+        layout_name="vllm-LBHNC",
+        storage_dtype=torch.float32,
+        model_dtype=torch.float32,
+        kv_cache_dtype="auto",
+        kv_scales=None,
+        fingerprint=hv.ModelFingerprint("LlamaForCausalLM", 1, H, D, "float32"),
+        block_size=N,
+        engine="vllm test",
+    )
+
+
+@pytest.mark.parametrize("ids", [[2, 6], [-1, 2]])
+def test_write_blocks_refuses_blocks_outside_the_cache_before_writing(ids: list[int]) -> None:
+    ec = _engine_cache(6)
+    before = ec.caches[0].clone()
+    keys, values = torch.ones((2, N, H, D)), torch.ones((2, N, H, D))
+    with pytest.raises(HurrayFormatError, match="outside this cache's 6 blocks") as info:
+        write_blocks(ec, 0, torch.tensor(ids), keys, values)
+    assert info.value.field == "block_ids"
+    assert torch.equal(ec.caches[0], before)  # not even block 2
+    write_blocks(ec, 0, torch.tensor([2, 5]), keys, values)  # the last block is in range
+    assert (ec.caches[0][5] == 1).all()
+
+
+def _state_cache(blocks: int) -> StateCache:
+    spec = hv.RecurrentStates(
+        "gdn_attn", (0,), ("conv", "ssm"), (), declared=(((3, 8), "float32"), ((2, 4, 4), "float32"))
+    )
+    tensors = ((torch.randn(blocks, 3, 8), torch.randn(blocks, 2, 4, 4)),)
+    return StateCache(spec, ("model.layers.0.linear_attn",), (1,), tensors, ("", ""), N, "align")
+
+
+def test_state_gather_refuses_a_block_outside_the_states_on_the_host() -> None:
+    sc = _state_cache(5)
+    with pytest.raises(HurrayFormatError, match="state block 5 of KV cache group 1 is outside its 5 blocks") as info:
+        sc.gather([{1: 2}, {1: 5}], [16, 16])
+    assert info.value.field == "block_ids"
+    got = sc.gather([{1: 2}, {1: 4}], [16, 16])
+    assert torch.equal(got.tensors[0][0][1], sc.tensors[0][0][4])
+
+
+# kv_scales and the LatentSplit: checked before any work.
+
+
+def test_kv_scales_of_another_layer_count_are_refused_before_the_stream_is_written() -> None:
+    f = io.BytesIO()
+    layout = SpyBHNC(D)
+    seqs = [SequenceState("a", [3], 10, list(range(11)))]
+    with pytest.raises(HurrayArgumentError, match="1 \\(k_scale, v_scale\\) pairs for 2 layers") as info:
+        export_stream(f, _caches(6, 6), layout, seqs, block_size=N, kv_scales=[(1.0, 1.0)])
+    assert info.value.field == "kv_scales"
+    assert f.getvalue() == b"" and layout.calls == []
+    with pytest.raises(HurrayArgumentError, match="3 \\(k_scale, v_scale\\) pairs for 2 layers"):
+        export_snapshot(_caches(6, 6), layout, seqs, block_size=N, kv_scales=[(1.0, 1.0)] * 3)
+    assert layout.calls == []
+
+
+def test_an_mla_stream_without_its_latent_split_is_refused_before_any_gather() -> None:
+    f = io.BytesIO()
+    layout = SpyLatent(24)
+    caches = [torch.zeros((6, N, 24)) for _ in range(2)]
+    with pytest.raises(HurrayFormatError, match="LatentSplit") as info:
+        export_stream(f, caches, layout, [SequenceState("a", [3], 10, list(range(11)))], block_size=N)
+    assert info.value.field == "latent"
+    assert f.getvalue() == b"" and layout.calls == []
