@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import select
@@ -318,10 +319,11 @@ def _connect(
     connect waits in short slices, looking at ``aborted`` between them. As
     ``create_connection`` does, every address ``host`` resolves to is tried in
     turn, each for up to ``timeout`` seconds; if none connects, the first
-    address's failure is raised.
+    address's failure is raised. Resolving the name takes ``timeout`` at most
+    too, and an abort cuts it short (:func:`_resolve`).
     """
     failure: OSError | None = None
-    for family, kind, proto, _name, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+    for family, kind, proto, _name, address in _resolve(host, port, timeout, aborted):
         _check_aborted(aborted)
         sock = socket.socket(family, kind, proto)
         try:
@@ -347,6 +349,55 @@ def _connect(
             sock.close()
             raise
     raise failure if failure is not None else OSError(f"{host} resolves to no address")
+
+
+def _resolve(
+    host: str, port: int, timeout: float, aborted: Callable[[], bool] | None
+) -> list[tuple[Any, Any, int, str, Any]]:
+    """``host``'s addresses for a TCP connect, within ``timeout`` seconds and cut short by ``aborted``.
+
+    A name is resolved on a helper thread: ``getaddrinfo`` cannot be
+    interrupted, and a dead DNS server would hold the caller (and an abort)
+    for the resolver's own timeouts, far beyond the connect timeout. The
+    helper, a daemon, finishes on its own. A numeric address needs no DNS: it
+    is resolved here, at once.
+
+    Raises:
+        TimeoutError: no answer within ``timeout`` (what a connect that times out raises).
+        SendAborted: ``aborted()`` became true meanwhile.
+        OSError: the name does not resolve (``socket.gaierror``).
+    """
+    try:
+        ipaddress.ip_address(host.partition("%")[0])  # an IPv6 address may carry a zone: fe80::1%eth0
+    except ValueError:
+        pass
+    else:
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    answer: list[list[tuple[Any, Any, int, str, Any]] | Exception] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except Exception as exc:  # re-raised on the caller's thread: socket.gaierror, a UnicodeError for a bad name
+            answer.append(exc)
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=lookup, name="hurray-resolve", daemon=True).start()
+    except RuntimeError:  # no thread to be had: resolve here, unbounded, as socket.create_connection does
+        lookup()
+    deadline = time.monotonic() + timeout
+    while not done.wait(min(max(0.0, deadline - time.monotonic()), _CONNECT_SLICE_S)):
+        _check_aborted(aborted)
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out resolving {host}")
+    _check_aborted(aborted)
+    (result,) = answer
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def _wait_connected(sock: socket.socket, deadline: float, aborted: Callable[[], bool] | None) -> int:
@@ -804,6 +855,10 @@ class ReceiverBase(abc.ABC):
         write tens of times its announced size past the quota), so the
         difference is admitted here, before anything is written.
 
+        A chunk already stored is kept, unless it lacks the linear-attention
+        states the incoming one carries (a store with ``has_states``, as
+        :class:`~hurray_vllm.chunks.store.DirectoryStore`): then it is replaced.
+
         Raises:
             HurrayFormatError: the heads differ from the key's (field ``snapshot.heads``), the
                 chunk's model is not the namespace's (``snapshot.fingerprint``), its file
@@ -823,7 +878,12 @@ class ReceiverBase(abc.ABC):
             extra = max(0, int(size_of(snap)) - admitted)
             self.admit(extra)
         try:
-            self.store.put(ns, key, snap)
+            if snap.states is not None and self._lacks_states(ns, key):
+                # A producer writing a chunk again with its linear-attention states (as the connector does over
+                # its own stateless copy): kept as it would be kept locally, else a load resumes earlier here.
+                self.store.put(ns, key, snap, replace=True)  # type: ignore[call-arg]  # _lacks_states: it can
+            else:
+                self.store.put(ns, key, snap)
         finally:
             if extra:
                 self.settle(extra, 0)  # the caller's settle counts the file's bytes as used
@@ -832,6 +892,12 @@ class ReceiverBase(abc.ABC):
             return int(os.stat(path(ns, key)).st_size) if path is not None else 0
         except OSError:
             return 0
+
+    def _lacks_states(self, ns: str, key: str) -> bool:
+        """Whether the store holds chunk ``key`` without linear-attention states (a store that cannot tell: no)."""
+        has = getattr(self.store, "has", None)
+        has_states = getattr(self.store, "has_states", None)
+        return has is not None and has_states is not None and has(ns, key) and not has_states(ns, key)
 
     def next_frame(self, conn: socket.socket, magic: bytes) -> bool:
         """Wait (up to ``idle_timeout``) for the next frame's magic; False when the peer closed cleanly.
@@ -907,7 +973,11 @@ class ReceiverBase(abc.ABC):
                 self.count(False, str(exc))
                 log.warning("hurray %s receiver: refusing a connection: %s", self.transport, exc)
                 if self._refusing.acquire(blocking=False):
-                    threading.Thread(target=self._refuse, args=(conn, exc), daemon=True).start()
+                    try:
+                        threading.Thread(target=self._refuse, args=(conn, exc), daemon=True).start()
+                    except RuntimeError:  # no thread to be had: close unanswered, keep the slot and the accepting
+                        self._refusing.release()
+                        conn.close()
                 else:  # a flood: no thread, no answer
                     conn.close()
                 continue

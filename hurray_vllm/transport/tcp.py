@@ -10,8 +10,12 @@ One connection carries any number of chunks; each is framed as::
 
 and answered by the receiver with ``b"OK"`` once the chunk is validated and
 stored (atomically), or ``b"ER"`` + u16 length + message when it was
-refused. Between chunks a sender may ask which chunks the receiver holds
-(``b"HVH1"``, :func:`~.base.query_held`). The sender waits for each answer,
+refused. A chunk refused once its payload was let in (a wrong digest or
+signature, the store failing) is read to its end and the connection stays
+open; one refused before (a bad name, too large, no room in the quota or
+in memory) is not read: the connection closes after the answer. Between
+chunks a sender may ask which chunks the receiver holds (``b"HVH1"``,
+:func:`~.base.query_held`). The sender waits for each answer,
 so when :func:`send_chunks` returns the chunks are durable on the other
 side. Nothing that fails validation (truncated, corrupt, wrong digest) is
 ever stored.
@@ -323,6 +327,9 @@ class Receiver(ReceiverBase):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
             stored = self.put(ns, key, snap, admitted=length)
         except (HurrayFormatError, OSError) as exc:
+            # Whether its payload was let in: then the rest of it is read and skipped, below (settling clears
+            # ``admitted``, so it is noted first).
+            read_on = admitted
             if admitted:  # released before the answer: a sender that retries at once finds the room
                 self.settle(length, stored)
                 admitted = False
@@ -332,10 +339,10 @@ class Receiver(ReceiverBase):
             self.count(False, str(exc))
             log.warning("hurray receiver: refused chunk %s: %s", key, exc)
             try:
-                # The rest of a refused frame is skipped so the next one can be read; a frame
-                # longer than the limit, or one there is no room for, is not worth reading: the
-                # connection closes instead.
-                if length > self.max_chunk_bytes or not admitted:
+                # The rest of a refused frame is skipped so the next one can be read; a frame refused
+                # before its payload was let in (a bad name, longer than the limit, no room for it) is
+                # not worth reading: the connection closes instead.
+                if not read_on:
                     finish_with_error(conn, exc)
                     return False
                 body.drain()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ from hurray_vllm.containers.schema import snapshot_records
 from hurray_vllm.transport import nixl as tn
 from hurray_vllm.transport.nixl import agent as tn_agent
 from hurray_vllm.transport.nixl import offer as tn_offer
+from hurray_vllm.transport.nixl import receiver as tn_receiver
 from hurray_vllm.transport.nixl import sender as tn_sender
 
 #: The sender process: loads a chunk and pushes it; ``die`` kills itself right after posting the first WRITE.
@@ -488,8 +490,9 @@ def test_registered_pools_can_be_unregistered_for_replacement() -> None:
     assert not sender._pinned
 
 
-def test_a_side_channel_past_descriptor_1024_is_watched_as_any_other() -> None:
-    """An engine holds many files: its side channel's descriptor may pass select's limit (poll has none)."""
+@contextlib.contextmanager
+def side_channel_past_1024() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Two connected sockets, the first on a descriptor >= 1024 (past select's limit); skipped where none may be."""
     import fcntl
     import resource
 
@@ -502,15 +505,61 @@ def test_a_side_channel_past_descriptor_1024_is_watched_as_any_other() -> None:
         a, b = socket.socketpair()
         with a, b, socket.socket(fileno=fcntl.fcntl(a.fileno(), fcntl.F_DUPFD_CLOEXEC, 1024)) as side:
             assert side.fileno() >= 1024
-            tn_sender._watch_receiver(side, 0.0002)  # the receiver said nothing: the transfer goes on
-            b.sendall(b"ER" + (9).to_bytes(2, "little") + b"disk full")
-            with pytest.raises(hv.HurrayFormatError, match="disk full"):
-                tn_sender._watch_receiver(side, 0.0002)
-            b.close()
-            with pytest.raises(ConnectionError):
-                tn_sender._watch_receiver(side, 0.0002)
+            yield side, b
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_side_channel_past_descriptor_1024_is_watched_as_any_other() -> None:
+    """An engine holds many files: its side channel's descriptor may pass select's limit (poll has none)."""
+    with side_channel_past_1024() as (side, b):
+        tn_sender._watch_receiver(side, 0.0002)  # the receiver said nothing: the transfer goes on
+        b.sendall(b"ER" + (9).to_bytes(2, "little") + b"disk full")
+        with pytest.raises(hv.HurrayFormatError, match="disk full"):
+            tn_sender._watch_receiver(side, 0.0002)
+        b.close()
+        with pytest.raises(ConnectionError):
+            tn_sender._watch_receiver(side, 0.0002)
+
+
+def test_a_receiver_waits_on_a_side_channel_past_descriptor_1024() -> None:
+    """The receiver's wait for GO, on a busy process's side channel: select would refuse it (ValueError)."""
+    import queue
+
+    from hurray_vllm.chunks.digest import ChunkDigest
+
+    r = object.__new__(tn.NixlReceiver)  # no agent: a chunk without page pools waits only for GO
+    r._stop, r.timeout = threading.Event(), 5.0
+    want = ChunkDigest("crc32")
+    want.update(memoryview(b"header"))
+    with side_channel_past_1024() as (side, b):
+        b.sendall(b"GO")
+        assert r._await(side, queue.SimpleQueue(), [], 0, "crc32", b"header") == want.hexdigest()
+        b.sendall(b"AB")
+        with pytest.raises(tn_receiver._Aborted, match="aborted"):
+            r._await(side, queue.SimpleQueue(), [], 0, "crc32", b"header")
+
+
+def test_offers_held_at_once_are_bounded_in_memory(chunks: list[tuple[str, str, KVSnapshot]], tmp_path: Path) -> None:
+    """64 connections each announcing a 64 MiB offer must not take 4 GiB: one beyond the bound is refused unread."""
+    require("nixl_cu12")
+    ns, key, chunk = chunks[0]
+    size = 600_000
+    store = DirectoryStore(tmp_path / "store")
+    with tn.NixlReceiver("127.0.0.1", 0, store, timeout=15, max_offer_memory_bytes=size + 100).start() as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as first:
+            first.sendall(tn.MAGIC + size.to_bytes(8, "little") + bytes(10))  # being read: holds its bytes
+            assert wait_for(lambda: r._offer_bytes == size)
+            with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as second:
+                second.sendall(tn.MAGIC + size.to_bytes(8, "little"))
+                assert second.recv(2) == b"ER" and read_message(second).startswith(b"receiver.memory:")
+            first.sendall(bytes(size - 10))  # not an offer: refused, but it was read whole
+            assert first.recv(2) == b"ER"
+            assert wait_for(lambda: r._offer_bytes == 0)
+        tn.send_chunks_nixl(url_of(r), [(ns, key, chunk)], timeout=15)  # alone again: taken
+        assert store.has(ns, key) and wait_for(lambda: r._offer_bytes == 0)  # given back after the answer
+    with pytest.raises(hv.HurrayArgumentError, match="max_offer_memory_bytes"):
+        tn.NixlReceiver("127.0.0.1", 0, store, max_offer_memory_bytes=0)
 
 
 @pytest.mark.parametrize("where", ["strided", pytest.param("cuda", marks=pytest.mark.gpu)])

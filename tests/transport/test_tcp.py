@@ -619,3 +619,134 @@ def test_a_push_the_receiver_never_reads_fails_after_one_timeout() -> None:
         with pytest.raises(TimeoutError):
             TcpSender().send(f"tcp://127.0.0.1:{hole.getsockname()[1]}", [("ab" * 8, "cd" * 8, snap)], timeout=timeout)
         assert time.monotonic() - t0 < 1.6 * timeout
+
+
+def test_a_refusal_thread_that_cannot_start_leaves_the_receiver_accepting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread to answer a connection beyond the limit: it is closed, its slot freed, and accepting goes on."""
+    from hurray_vllm.transport import base
+
+    start = threading.Thread.start
+
+    def no_refusal_thread(self: threading.Thread) -> None:
+        if getattr(getattr(self, "_target", None), "__name__", "") == "_refuse":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    ns, key, chunk = example_chunk()
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=1, idle_timeout=30) as r:
+        first = socket.create_connection(("127.0.0.1", r.address[1]), timeout=10)
+        try:
+            deadline = time.monotonic() + 10
+            while not r._conns:  # the first connection is being served: the next one is refused
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            monkeypatch.setattr(threading.Thread, "start", no_refusal_thread)
+            with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as second:
+                assert _until_closed(second) == b""  # closed unanswered
+            monkeypatch.undo()
+        finally:
+            first.close()
+        deadline = time.monotonic() + 10
+        while r._conns:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        send_chunks(_url(r), [(ns, key, chunk)], timeout=10)  # the accept thread lives on
+        assert DirectoryStore(tmp_path).has(ns, key)
+        assert r._refusing._value == base._MAX_REFUSING  # type: ignore[attr-defined]  # no slot leaked
+
+
+def test_a_name_that_never_resolves_costs_the_connect_timeout_and_an_abort_cuts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead DNS server: getaddrinfo cannot be interrupted, so it must not hold the connect (or an abort) itself."""
+    from hurray_vllm.transport import base
+    from hurray_vllm.transport.base import SendAborted
+
+    released = threading.Event()
+    getaddrinfo = socket.getaddrinfo
+    asked: list[str] = []
+
+    def dead_dns(host: str, *args: object, **kwargs: object) -> object:
+        asked.append(host if threading.current_thread() is threading.main_thread() else f"{host} (on a helper)")
+        if host == "dead.invalid":
+            released.wait(10)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", dead_dns)
+    monkeypatch.setattr(base, "CONNECT_TIMEOUT_S", 0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"resolving dead\.invalid"):
+            send_chunks("tcp://dead.invalid:9", [], timeout=30)
+        assert time.monotonic() - t0 < 3
+        monkeypatch.setattr(base, "CONNECT_TIMEOUT_S", 30.0)
+        sender = TcpSender()
+        exc, took = _aborted_after(sender, lambda: sender.send("tcp://dead.invalid:9", [], timeout=30))
+        assert isinstance(exc, SendAborted) and took < 3
+    finally:
+        released.set()
+    with socket.socket() as hole:  # a numeric address needs no DNS: resolved at once, on the caller's thread
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(1)
+        asked.clear()
+        send_chunks(f"tcp://127.0.0.1:{hole.getsockname()[1]}", [], timeout=5)
+        assert asked == ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_a_chunk_with_states_replaces_a_stored_copy_without_them(channel: str, tmp_path: Path) -> None:
+    """As the connector writes over its own stateless copy: the receiver keeps the copy a load resumes from."""
+    from conftest import require
+
+    from hurray_vllm.chunks.store import DIGEST_KEY, chunk_digest
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    ns, key, chunk = example_chunk()
+    states = hv.RecurrentStates(
+        "gdn_attn", (chunk.num_layers,), ("conv", "ssm"), (4,), ((torch.ones(1, 3, 16), torch.ones(1, 2, 8, 8)),)
+    )
+    with_states = replace(chunk, states=states)
+    with_states = replace(with_states, extra={**with_states.extra, DIGEST_KEY: chunk_digest(with_states)})
+    store = DirectoryStore(tmp_path)
+    with transport.receiver_for(channel, "127.0.0.1", 0, store).start() as r:
+        url = f"{channel}://127.0.0.1:{r.address[1]}"
+        transport.send_chunks(url, [(ns, key, chunk)], timeout=10)
+        assert store.has(ns, key) and not store.has_states(ns, key)
+        transport.send_chunks(url, [(ns, key, with_states)], timeout=10)
+        assert store.has_states(ns, key)
+        transport.send_chunks(url, [(ns, key, chunk)], timeout=10)  # never the other way round
+        assert store.has_states(ns, key) and r.received == 3
+
+
+def test_a_chunk_refused_after_its_payload_was_read_leaves_the_connection_open(receiver: Receiver) -> None:
+    """A damaged chunk is answered ER and the next frame on the same connection is served; an unread one closes it."""
+    import io
+    import struct
+
+    from hurray_vllm.containers.io import write_stream
+    from hurray_vllm.transport.tcp import frame_head
+
+    ns, key, chunk = example_chunk()
+
+    def frame(snap: KVSnapshot, ns: str = ns) -> bytes:
+        buf = io.BytesIO()
+        write_stream(snap, buf)
+        return frame_head(ns, key, len(buf.getvalue())) + buf.getvalue()
+
+    def answer(s: socket.socket) -> bytes:
+        head = recv_exact(s, 2)
+        return head if head == b"OK" else head + recv_exact(s, struct.unpack("<H", recv_exact(s, 2))[0])
+
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        s.sendall(frame(_damaged(chunk)))
+        assert answer(s).startswith(b"ERsnapshot.digest")
+        s.sendall(frame(chunk))  # the same connection
+        assert answer(s) == b"OK"
+    assert receiver.store.has(ns, key)  # type: ignore[attr-defined]
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        s.sendall(frame(chunk, ns="../x"))  # refused before its payload is let in: not read, the connection ends
+        assert answer(s).startswith(b"ER") and _until_closed(s) == b""

@@ -33,7 +33,7 @@ from ..base import (
 from .agent import NixlError, make_agent
 from .offer import MAGIC, MAX_OFFER_BYTES, NOTIF_PREFIX, assemble_offer, parse_offer
 
-__all__ = ["NixlReceiver", "DEFAULT_ARENA_BYTES"]
+__all__ = ["NixlReceiver", "DEFAULT_ARENA_BYTES", "DEFAULT_OFFER_MEMORY_BYTES"]
 
 log = logging.getLogger("hurray_vllm.transport.nixl")
 
@@ -41,8 +41,28 @@ log = logging.getLogger("hurray_vllm.transport.nixl")
 _RECV_POLL_S = 0.0005
 #: Registered receive memory, all chunks in flight together (quarantined buffers count).
 DEFAULT_ARENA_BYTES = 8 << 30
+#: Memory for the offers being handled, all connections together: without a bound, 64 connections
+#: announcing the largest offer would take 4 GiB outside the arena.
+DEFAULT_OFFER_MEMORY_BYTES = 256 << 20
 _ALIGN = 4096
 _MIN_SLAB = 16 << 20
+
+
+def _readable(conn: socket.socket, timeout: float) -> bool:
+    """Whether ``conn`` has something to read (or hung up) within ``timeout`` seconds.
+
+    poll, not select: a busy engine's side channel may have a descriptor past
+    select's limit of 1024, where select raises ValueError. poll counts whole
+    milliseconds: a shorter wait only looks, then sleeps the rest.
+    """
+    watch = select.poll()
+    watch.register(conn, select.POLLIN)
+    ms = int(timeout * 1000)
+    if watch.poll(ms):
+        return True
+    if not ms:
+        time.sleep(timeout)
+    return False
 
 
 @dataclass(eq=False)
@@ -225,6 +245,10 @@ class NixlReceiver(ReceiverBase):
         idle_timeout: How long a connection may wait between chunks.
         max_chunk_bytes: The largest page pools one chunk may announce, all together.
         max_arena_bytes: Registered receive memory for all chunks in flight.
+        max_offer_memory_bytes: Memory for the offers being handled, all connections
+            together (each is read whole, up to :data:`MAX_OFFER_BYTES`, before it is
+            checked). One beyond it is refused unread (field ``receiver.memory``) and
+            its connection closed, unless no other is held.
         backend_params: UCX backend parameters handed to NIXL.
         progress_thread: Use NIXL's progress thread (it spins: one core busy).
         **limits: ``max_connections``, ``quota_bytes``, ``min_free_bytes``, as
@@ -247,10 +271,15 @@ class NixlReceiver(ReceiverBase):
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
         max_arena_bytes: int = DEFAULT_ARENA_BYTES,
+        max_offer_memory_bytes: int = DEFAULT_OFFER_MEMORY_BYTES,
         backend_params: dict[str, str] | None = None,
         progress_thread: bool = False,
         **limits: Any,
     ) -> None:
+        if max_offer_memory_bytes < 1:
+            raise HurrayArgumentError(
+                "limits", f"limits must be positive, got max_offer_memory_bytes={max_offer_memory_bytes}"
+            )
         if limits.get("tls") is not None:
             raise HurrayArgumentError(
                 "tls", "the NIXL channel has no TLS (its side channel is authenticated with the fleet key): use tcp"
@@ -262,6 +291,9 @@ class NixlReceiver(ReceiverBase):
         )
         self.name = str(self._agent.name)
         self.arena = _Arena(self._agent, max_arena_bytes, quarantine_s=max(2 * timeout, 5.0))
+        self.max_offer_memory_bytes = max_offer_memory_bytes
+        self._offer_bytes = 0  # the offers read or being handled, all connections together
+        self._offers_mu = threading.Lock()
         self._notifs = _Notifs(self._agent)
 
     def start(self) -> NixlReceiver:
@@ -276,25 +308,53 @@ class NixlReceiver(ReceiverBase):
         """Read offers until the sender closes; see the protocol in :mod:`hurray_vllm.transport.nixl`."""
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while not self.stopping:
+            held = 0  # the offer bytes this connection holds, counted against max_offer_memory_bytes
             try:
-                if not self.next_frame(conn, MAGIC):
+                try:
+                    if not self.next_frame(conn, MAGIC):
+                        return
+                    (length,) = U64.unpack(recv_exact(conn, 8))
+                    self._take_offer_memory(length)
+                    held = length
+                    body = self._read_offer(conn, length)
+                except (HurrayFormatError, OSError) as exc:
+                    log.warning("hurray nixl receiver: dropping connection: %s", exc)
+                    if isinstance(exc, HurrayFormatError):
+                        self.count(False, str(exc))
+                        finish_with_error(conn, exc)
                     return
-                body = self._read_offer(conn)
-            except (HurrayFormatError, OSError) as exc:
-                log.warning("hurray nixl receiver: dropping connection: %s", exc)
-                if isinstance(exc, HurrayFormatError):
-                    self.count(False, str(exc))
-                    finish_with_error(conn, exc)
-                return
-            if not self._chunk(conn, body):
-                return
+                done = self._chunk(conn, body)
+                del body  # not kept while the connection waits for its next offer, when it no longer counts
+                if not done:
+                    return
+            finally:
+                self._give_offer_memory(held)
 
-    @staticmethod
-    def _read_offer(conn: socket.socket) -> bytearray:
-        """The offer's body, its length bounded before anything is allocated."""
-        (length,) = U64.unpack(recv_exact(conn, 8))
+    def _take_offer_memory(self, length: int) -> None:
+        """Count an offer of ``length`` bytes as held, or refuse it unread (one offer alone always fits).
+
+        Raises:
+            HurrayFormatError: beyond :data:`MAX_OFFER_BYTES` (field ``transport``), or with the
+                offers held by other connections beyond ``max_offer_memory_bytes`` (``receiver.memory``).
+        """
         if length > MAX_OFFER_BYTES:
             raise HurrayFormatError("transport", f"an offer of {length} bytes exceeds the limit")
+        with self._offers_mu:
+            if self._offer_bytes and self._offer_bytes + length > self.max_offer_memory_bytes:
+                raise HurrayFormatError(
+                    "receiver.memory",
+                    f"{self._offer_bytes} bytes of offers are being handled; {length} more would pass the "
+                    f"receiver's limit of {self.max_offer_memory_bytes}: try again later",
+                )
+            self._offer_bytes += length
+
+    def _give_offer_memory(self, length: int) -> None:
+        with self._offers_mu:
+            self._offer_bytes -= length
+
+    @staticmethod
+    def _read_offer(conn: socket.socket, length: int) -> bytearray:
+        """The offer's body of ``length`` bytes (bounded by :meth:`_take_offer_memory` before this allocates)."""
         body = bytearray(length)
         view = memoryview(body)
         got = 0
@@ -447,8 +507,8 @@ class NixlReceiver(ReceiverBase):
                 if fresh:
                     continue
             try:
-                r, _, _ = select.select([conn], [], [], _RECV_POLL_S if len(arrived) < n else 0.05)
-                data = conn.recv(2 - len(pending)) if r else None
+                ready = _readable(conn, _RECV_POLL_S if len(arrived) < n else 0.05)
+                data = conn.recv(2 - len(pending)) if ready else None
             except OSError as exc:
                 raise _Aborted(f"side channel failed: {exc}") from None
             if data is None:

@@ -696,6 +696,90 @@ def test_a_closed_writer_runs_its_jobs_first_and_a_later_job_starts_it_again(con
     assert w.flush(timeout=5) and done == [1, 2] and w.close(timeout=5)
 
 
+def test_a_writer_without_a_thread_saves_on_the_callers_and_starts_one_later(
+    conn: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``can't start new thread``: the job runs at once (as a synchronous save), and nothing is left counted."""
+    w = conn._Writer(max_bytes=100)
+    done: list[str] = []
+    start = threading.Thread.start
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    w.submit(lambda: done.append("here"), 80)
+    assert done == ["here"] and w._thread is None and (w._pending, w._held) == (0, 0)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    w.submit(lambda: done.append("on the thread"), 80)
+    w.submit(lambda: done.append("after"), 80)  # over the bound: waits for the first, which the thread runs
+    assert w.flush(timeout=10) and done == ["here", "on the thread", "after"]
+    assert w.close(timeout=5)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's end, on purpose
+def test_a_job_that_ends_the_writer_thread_leaves_a_writer_that_runs_the_next(conn: ModuleType) -> None:
+    """An error no job catches (a BaseException) ends the thread: later jobs must not queue for a dead one."""
+
+    class _Fatal(BaseException):
+        pass
+
+    def fatal() -> None:
+        raise _Fatal("gone")
+
+    w = conn._Writer(max_bytes=100)
+    done: list[int] = []
+    w.submit(fatal, 80)
+    first = w._thread
+    assert first is not None
+    first.join(10)
+    assert not first.is_alive()
+    w.submit(lambda: done.append(1), 80)  # would wait for ever on the 80 bytes a dead thread held
+    assert w.flush(timeout=10) and done == [1] and w._held == 0
+    assert w.close(timeout=5)
+
+
+def test_an_unforeseen_export_error_costs_that_chunk_only_and_is_no_push_failure(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A RuntimeError exporting a chunk (out of device memory, a bug), inside a push or the store-only loop after
+    one failed: that chunk goes unsaved, the rest are stored and pushed, and the step (synchronous) goes on."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = False  # the export runs on the step's thread: an error escaping it would stop the engine
+    export = c._export_chunk
+    keys = [f"{i:02x}" * 8 for i in range(4)]
+    bad = {keys[0], keys[2]}
+
+    def failing(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
+        if task.key in bad:
+            raise RuntimeError("CUDA error: out of memory")
+        return export(ec, caches, task, block_ids, reuse, states)
+
+    c._export_chunk = failing
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, list(range(8)), [1, 2]) for k in keys]))
+    assert [c._store.has(c._ns, k) for k in keys] == [False, True, False, True]
+    assert sender.pushed == [keys[1], keys[3]] and c.stats.push_failures == 0
+    sender.fail = True  # now a push that fails: the store-only loop meets the failing export too
+    more = [f"{i:02x}" * 8 for i in range(10, 14)]
+    bad = {more[1], more[2]}  # the first is stored and its push fails: the others are stored only
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, list(range(8)), [1, 2]) for k in more]))
+    assert [c._store.has(c._ns, k) for k in more] == [True, False, False, True] and c.stats.push_failures == 1
+
+
+def test_shutdown_unregisters_the_chunk_buffers_from_the_process_wide_sender(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """The NIXL sender outlives the worker: a registration left behind pins its buffers for the process's life."""
+    calls: list[tuple[str, list[int]]] = []
+    c = _bare_worker(conn, meta, tmp_path, _Sender(calls))
+    c._async = True
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, list(range(8)), [1, 2])]))
+    assert c.flush(timeout=30) and [kind for kind, _ in calls] == ["register"]
+    c.shutdown()
+    assert calls == [("register", calls[0][1]), ("unregister", calls[0][1])] and c._registered == []
+
+
 def _vllm_config(
     extra: dict[str, object], block_size: int = 16, tp: int = 1, role: str = "kv_both", pp: int = 1
 ) -> SimpleNamespace:

@@ -90,24 +90,68 @@ class _Writer:
         self._ending = False  # close() queued the None that ends the thread
 
     def submit(self, job: Callable[[], None], nbytes: int) -> None:
-        """Queue ``job``; blocks first while the queued jobs hold more than the bound."""
+        """Queue ``job``; blocks first while the queued jobs hold more than the bound.
+
+        Without a thread to be had (``RuntimeError: can't start new thread``)
+        the job runs here, as a synchronous save would.
+        """
         with self._cond:
-            while self._held and self._held + nbytes > self._max:
+            # The thread first: a bound waited for with none to drain the queue would be waited for forever.
+            while self._alive() and self._held and self._held + nbytes > self._max:
                 if self._on_full is None:
-                    self._cond.wait()
+                    self._cond.wait(0.05)  # bounded: the thread may die meanwhile (_alive starts another)
                     continue
                 # Again and again: a push may connect after the first call.
                 self._on_full()
                 self._cond.wait(0.05)
-            self._pending += 1
-            self._held += nbytes
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hurray-save", daemon=True)
-                self._thread.start()
-            # Under the lock: an ending thread looks at the queue under it too (_run), and never leaves a job behind.
-            self._jobs.put((job, nbytes))
+            if self._thread is not None:
+                self._pending += 1
+                self._held += nbytes
+                # Under the lock: an ending thread looks at the queue under it too (_run), and never leaves a
+                # job behind.
+                self._jobs.put((job, nbytes))
+                return
+        log.warning("hurray: no thread for the background writer; saving on the step's thread")
+        self._run_job(job)
+
+    def _alive(self) -> bool:
+        """Start the thread unless it runs (also after one ended by an error no job catches); False if none starts.
+
+        Called under ``_cond``. ``_thread`` is set only once it started, so
+        that a thread that could not start is tried again by the next call.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            return True
+        thread = threading.Thread(target=self._run, name="hurray-save", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # out of threads (or memory for a stack): passing, try again next time
+            log.warning("hurray: cannot start the background writer: %s", exc)
+            self._thread = None
+            return False
+        self._thread = thread
+        return True
+
+    @staticmethod
+    def _run_job(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:  # a failed save only costs a recomputation later
+            log.exception("hurray: background save failed")
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # Ended by an error no job catches (a BaseException): the next submit (or this) starts another, for
+            # the jobs still queued; without it they would wait for a dead thread, and a full queue for ever.
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                    if not self._jobs.empty():
+                        self._alive()
+
+    def _serve(self) -> None:
         while True:
             try:
                 item = self._jobs.get(timeout=self._idle_s if self._on_idle is not None else None)
@@ -127,9 +171,7 @@ class _Writer:
                 continue
             job, nbytes = item
             try:
-                job()
-            except Exception:  # a failed save only costs a recomputation later
-                log.exception("hurray: background save failed")
+                self._run_job(job)
             finally:
                 with self._cond:
                     self._pending -= 1
@@ -926,8 +968,11 @@ class HurrayWorker:
                 # Exported into the writer's own reused buffers: no fresh memory per chunk.
                 snap = self._export_chunk(ec, caches, task, block_ids, reuse=True, states=states)
                 self._put(task.key, snap, replace=task.replace, tail=task.tail)
-            except (HurrayFormatError, OSError) as exc:
-                log.warning("hurray: could not save chunk %s: %s", task.key, exc)
+            except Exception as exc:
+                # Any failure, per chunk: it costs this chunk a recomputation, not the rest of the delivery (nor,
+                # with hurray_save_async=false, the engine), and it is no push failure (no back-off).
+                bug = not isinstance(exc, (HurrayFormatError, OSError, torch.OutOfMemoryError))
+                log.warning("hurray: could not save chunk %s: %s", task.key, exc, exc_info=bug)
                 continue
             if push:
                 self._register_chunk_buffers()
@@ -1145,8 +1190,24 @@ class HurrayWorker:
         while not self._writer.close(timeout=0.05):
             if time.monotonic() >= deadline:
                 log.warning("hurray: shutting down with chunk saves still running; they will be recomputed")
-                return
+                return  # the writer may still push from the registered buffers: they stay registered
             self._abort_push()
+        self._unregister_chunk_buffers()
+
+    def _unregister_chunk_buffers(self) -> None:
+        """Hand the chunk buffers' registration back to the sender (the writer is done with them).
+
+        The NIXL sender is the process's (:func:`~hurray_vllm.transport.nixl.default_sender`) and
+        outlives this worker: each registration keeps its buffers alive and pinned, so a worker
+        shut down without this leaks them for the process's life.
+        """
+        registered, self._registered = self._registered, []
+        if self._sender is None or not registered:
+            return
+        try:
+            self._sender.unregister(registered)
+        except Exception as exc:  # shutting down: nothing to retry, nothing to raise into
+            log.warning("hurray: could not unregister %d chunk buffers from the sender: %s", len(registered), exc)
 
     def get_transfer_results(self) -> tuple[set[str], set[str]]:
         """The asynchronous loads done since the last call, and those of them that failed; then forgets them."""
