@@ -21,8 +21,10 @@ head dimension or re-rotation is needed, only paging.
   A snapshot's k_pe keeps each rotated pair of dims side by side, as vLLM
   and FlashMLA hold it; transformers' DeepSeek-V3-style models
   (``rope_interleave=True``, the published checkpoints) cache the pairs'
-  first elements, then their second ones. Both directions reorder it when
-  the model's config says so (``docs/format.md`` 2.3a).
+  first elements, then their second ones, as LongCat-Flash and the DSA
+  models always do (:data:`_ALWAYS_PAIRS_SPLIT`). Both directions reorder
+  it when the model's config says so (``docs/format.md`` 2.3a). DeepSeek
+  Sparse Attention models are refused: a snapshot has no indexer cache.
 
 Only this module imports ``transformers``, and only when a function needs it.
 Tested with transformers 5.x (``DynamicCache.layers[i].keys``,
@@ -102,6 +104,11 @@ class ConfigGeometry:
 #: ``layer_types`` entries of transformers' linear-attention layers (Qwen3-Next's gated delta net).
 _LINEAR_TYPES = ("linear_attention",)
 
+#: ``layer_types`` entries of DeepSeek Sparse Attention layers (DeepSeek-V3.2, GLM-5 ``glm_moe_dsa``,
+#: A.X K2, HY-V4...): besides the latent they cache an indexer's keys, which select the tokens each query
+#: attends to. A snapshot carries no indexer cache, and without it the model attends to the wrong tokens.
+_INDEXED_TYPES = ("indexed_attention",)
+
 
 def _text_config(model_config: Any) -> Any:
     """The decoder's text config of a composite (multimodal) config; the config itself otherwise."""
@@ -180,12 +187,24 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     pools, and the fingerprint's architecture against ``architecture``
     (default: the config's ``architectures[0]``; skipped when neither names
     one). A linear-attention hybrid's states must be of the layers, kind,
-    layout and shapes the config implies (:func:`_gdn_state_shapes`). The
+    layout and shapes the config implies (:func:`_gdn_state_shapes`), and
+    its recorded attention-layer indices (``states.attention``) the config's
+    full-attention layers. The
     cache dtype is not compared: an fp8 snapshot is dequantized for a bf16
     model. Raises :class:`HurrayFormatError` with field ``fingerprint``
-    listing every difference.
+    listing every difference, or field ``model_config`` for a DeepSeek
+    Sparse Attention model (``"indexed_attention"`` layers), whose indexer
+    cache no snapshot carries.
     """
     geo = config_geometry(model_config)
+    indexed = sorted({t for t in getattr(_text_config(model_config), "layer_types", None) or () if t in _INDEXED_TYPES})
+    if indexed:
+        raise HurrayFormatError(
+            "model_config",
+            f"{type(model_config).__name__} has DeepSeek Sparse Attention layers ({indexed[0]!r} in layer_types), "
+            "which attend through an indexer's cached keys; a snapshot carries no indexer cache, so this model "
+            "cannot resume from one",
+        )
     arch = architecture or geo.architecture
     fp = snapshot.fingerprint
     if fp is not None and not geo.architecture and fp.architecture == getattr(model_config, "model_type", None):
@@ -234,6 +253,14 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
         )
     elif snapshot.states is not None:
         problems.extend(_state_problems(snapshot.states, model_config))
+        # Recorded indices say where each snapshot layer's KV goes: one the model does not have as full
+        # attention would put KV into a linear-attention layer, or past the cache's last layer.
+        full = [i for i in range(geo.num_layers + len(geo.linear_layers)) if i not in geo.linear_layers]
+        if snapshot.states.attention and list(snapshot.states.attention) != full:
+            problems.append(
+                f"states: the snapshot's attention layers are model layers {list(snapshot.states.attention)}, "
+                f"the model's full-attention layers are {full}"
+            )
     for claim in claims:
         for msg in claim.mismatches(model, ignore=ignore, labels=("snapshot", "model")):
             if msg not in problems:
@@ -435,6 +462,12 @@ def _latent_parts(
     return dense[..., : lat.kv_lora_rank].contiguous(), dense[..., lat.kv_lora_rank :].contiguous()
 
 
+#: ``model_type`` of the MLA models whose transformers attention always splits k_pe's rotary pairs: their
+#: modeling calls ``apply_rotary_pos_emb_interleave`` unconditionally and their configs have no
+#: ``rope_interleave`` to say so (transformers 5.x: LongCat-Flash, DeepSeek-V3.2, GLM-5, A.X K2).
+_ALWAYS_PAIRS_SPLIT = frozenset({"longcat_flash", "deepseek_v32", "glm_moe_dsa", "axk2"})
+
+
 def _pairs_split(model_config: Any) -> bool:
     """Whether an MLA model's attention caches k_pe with its rotary pairs split (``rope_interleave``).
 
@@ -443,9 +476,13 @@ def _pairs_split(model_config: Any) -> bool:
     kin (``rope_interleave=True``, their default) gather every pair's first
     element, then every second one, and rotate those halves: the same
     values in another order, in its cache and in its queries alike.
-    DeepSeek-V2 in transformers rotates them where they lie.
+    DeepSeek-V2 in transformers rotates them where they lie. The models of
+    :data:`_ALWAYS_PAIRS_SPLIT` split them whatever their config says.
     """
-    return model_config is not None and bool(getattr(_text_config(model_config), "rope_interleave", False))
+    if model_config is None:
+        return False
+    cfg = _text_config(model_config)
+    return getattr(cfg, "model_type", None) in _ALWAYS_PAIRS_SPLIT or bool(getattr(cfg, "rope_interleave", False))
 
 
 def _split_pairs(k_pe: torch.Tensor) -> torch.Tensor:
@@ -510,7 +547,7 @@ def expand_latent(
     attn = mods[layer]
     device, dtype = _device_and_dtype(model)
     kv_nope, k_rot = (x.to(device) for x in sequence_kv(snapshot, seq, layer, dtype=dtype, length=length))
-    cfg = model.config
+    cfg = _text_config(model.config)  # a multimodal model's (Kimi-K2.5's) MLA fields are its text config's
     if _pairs_split(cfg):
         k_rot = _split_pairs(k_rot)  # the order this model's queries are rotated in
     nope, v_dim, heads = int(cfg.qk_nope_head_dim), int(cfg.v_head_dim), int(cfg.num_attention_heads)
@@ -540,7 +577,7 @@ def to_dynamic_cache(
     For an MLA snapshot, what transformers' MLA layers cache: the
     normalized compressed KV ``[1, 1, n, kv_lora_rank]`` as keys and the
     rotated k_pe ``[1, 1, n, rope_dim]`` as values, its rotary pairs split
-    for a ``rope_interleave`` model (DeepSeek-V3 and kin; needs ``model_config``).
+    for a ``rope_interleave`` model (DeepSeek-V3 and kin, LongCat-Flash; needs ``model_config``).
     fp8 pools are dequantized with ``snapshot.kv_scales``.
 
     Args:
@@ -550,7 +587,8 @@ def to_dynamic_cache(
             snapshot is checked against it (:func:`check_compatible`) and the
             cache is built with ``DynamicCache(config=...)``, so sliding-window
             layers keep only their window. A snapshot with linear-attention
-            states needs it (the cache's layer types). A snapshot of an
+            states needs it (the cache's layer types), and so does an MLA
+            snapshot (the model's k_pe order). A snapshot of an
             engine running EAGLE or MTP, whose drafter's layers follow the
             model's and are named (``extra[TARGET_LAYERS]``), gives the
             model's layers.
@@ -563,13 +601,16 @@ def to_dynamic_cache(
             when the config names no ``architectures``.
 
     Raises:
-        HurrayFormatError: the snapshot does not fit ``model_config``, has no
+        HurrayFormatError: the snapshot breaks a format rule (``validate``,
+            a block table entry past the pool say), does not fit
+            ``model_config`` (a DeepSeek Sparse Attention model's included,
+            field ``model_config``), has no
             sequence lengths, or uses a quantization this adapter cannot undo
             (integer pools without one included, field ``dtype``); a
             sequence declaring more than ``MAX_IMPORT_SLOTS`` slots; a
             ``length`` outside ``0..seq_lens[seq]`` (field ``length``).
         HurrayArgumentError: (field ``model_config``) a linear-attention
-            snapshot without ``model_config``.
+            or MLA snapshot without ``model_config``.
         OSError: ``ENOMEM``: the dense cache is larger than the device's
             memory (every layer together), before any of it is built.
     """
@@ -585,6 +626,18 @@ def to_dynamic_cache(
             f"the snapshot holds linear-attention states (layers {list(snapshot.states.layers)}), which go into "
             "a cache built from the model's config: pass model_config=model.config",
         )
+    elif snapshot.is_latent:
+        # Only the config says the order the model rotates k_pe in (rope_interleave): guessed, it is wrong
+        # for DeepSeek-V3 and its kin and continues with wrong tokens.
+        raise HurrayArgumentError(
+            "model_config",
+            "the snapshot holds MLA latents, whose k_pe order depends on the model (rope_interleave): "
+            "pass model_config=model.config",
+        )
+    # An in-memory snapshot was never checked as a file is on load: a block table entry past the pool
+    # would otherwise fail deep in index_select. After the model check, whose message lists every
+    # difference from the model; the rules read the index tensors only, not the pools.
+    raise_if(snapshot.validate(), "to_dynamic_cache")
     if not snapshot.num_layers:
         raise HurrayFormatError("snapshot.layers", "the snapshot holds no layers")
     if not 0 <= seq < snapshot.num_seqs:
@@ -738,6 +791,15 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
         raise HurrayFormatError("snapshot.token_ids", f"sequence {seq} has {n} tokens of KV but {len(ids)} token ids")
     if not ids:
         raise HurrayFormatError("snapshot.token_ids", f"sequence {seq} is empty: there is nothing to continue")
+    media = _mrope_media_tokens(model.config, ids)
+    if media:
+        # The continuation feeds positions n, n+1...; after images the engine's are n + mrope_delta.
+        raise HurrayFormatError(
+            "snapshot.token_ids",
+            f"sequence {seq} holds image/video tokens {media} of an M-RoPE model (mrope_section): its next "
+            "positions are offset by the media's grid (vLLM's mrope_delta), which the snapshot does not carry; "
+            "only text-only sequences of such a model continue here",
+        )
     # The model needs the logits after the last token. When every token has KV
     # (no sampled token pending), recompute the last one from the others' KV.
     start = n if len(ids) > n else n - 1
@@ -758,6 +820,36 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
         architecture=_architecture(model),
     )
     return cache, ids[start:], start, device
+
+
+#: Config fields naming a multimodal prompt's placeholder tokens, whose M-RoPE positions are not a count.
+_MEDIA_TOKEN_FIELDS = ("image_token_id", "video_token_id", "audio_token_id")
+
+
+def _mrope_media_tokens(model_config: Any, ids: Sequence[int]) -> list[int]:
+    """The media placeholder ids in ``ids`` when the model uses M-RoPE (Qwen2.5-VL, Qwen3-VL...); else ``[]``.
+
+    Such a model's text positions after an image or video run on from the
+    media's grid, not from the token count (vLLM's ``mrope_delta``), and a
+    text-only prompt's are the plain count. M-RoPE shows as ``mrope_section``
+    in the text config's ``rope_parameters`` (``rope_scaling`` before
+    transformers 5), per layer type in some; the placeholder ids are the
+    composite config's (or the text config's).
+    """
+    cfg = _text_config(model_config)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    per_type = [r for r in rope.values() if isinstance(r, dict)]
+    if not any("mrope_section" in r for r in (rope, *per_type)):
+        return []
+    media = {
+        int(tok)
+        for c in (model_config, cfg)
+        for name in _MEDIA_TOKEN_FIELDS
+        if isinstance(tok := getattr(c, name, None), int)
+    }
+    return sorted(media & set(ids))
 
 
 def _greedy(model: Any, snapshot: KVSnapshot, seq: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -812,7 +904,9 @@ def teacher_forced_logits(model: Any, snapshot: KVSnapshot, seq: int, tokens: Se
         float32 ``[len(tokens), vocab]``.
 
     Raises:
-        HurrayFormatError: the snapshot does not fit the model or has no token ids.
+        HurrayFormatError: the snapshot does not fit the model or has no token ids, or,
+            for an M-RoPE model (Qwen2.5-VL...), the sequence holds image or video
+            tokens (field ``snapshot.token_ids``: its positions are not a count).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
 
     Example:
@@ -891,7 +985,9 @@ def continue_generation(
         The generated token ids, those that follow ``token_ids[seq]``.
 
     Raises:
-        HurrayFormatError: the snapshot does not fit the model or has no token ids.
+        HurrayFormatError: the snapshot does not fit the model or has no token ids, or,
+            for an M-RoPE model (Qwen2.5-VL...), the sequence holds image or video
+            tokens (field ``snapshot.token_ids``: its positions are not a count).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
 
     Example:
@@ -955,14 +1051,25 @@ def _cache_layers(
                 raise HurrayFormatError(
                     "past_key_values", f"layer {i} ({type(layer).__name__}) holds no [batch, heads, T, dim] KV"
                 )
-            seen = getattr(layer, "cumulative_length", None)
+            # A static sliding-window layer counts its tokens in a Python int; its tensor count stops when full.
+            seen = getattr(layer, "cumulative_length_int", None)
+            if not isinstance(seen, int):
+                seen = getattr(layer, "cumulative_length", None)
             if isinstance(seen, torch.Tensor):
                 seen = int(seen.max()) if seen.numel() else 0
-            if isinstance(seen, int) and seen != k.shape[2]:
+            if isinstance(seen, int) and seen > k.shape[2]:
                 raise HurrayFormatError(
                     "past_key_values",
-                    f"layer {i} is a sliding-window layer that keeps only the last tokens' KV; "
-                    "a snapshot needs every token's KV",
+                    f"layer {i} ({type(layer).__name__}) is a sliding-window layer that keeps only the last "
+                    f"{k.shape[2]} of {seen} tokens' KV; a snapshot needs every token's KV",
+                )
+            if isinstance(seen, int) and seen != k.shape[2]:
+                # A static layer preallocates its slots: those past the tokens seen hold no KV yet.
+                raise HurrayFormatError(
+                    "past_key_values",
+                    f"layer {i} ({type(layer).__name__}) is a preallocated (static) layer of {k.shape[2]} slots "
+                    f"holding {seen} tokens; page a DynamicCache, or its first {seen} slots as "
+                    "((keys, values), ...) tuples",
                 )
             out.append((k, v))
     elif isinstance(past_key_values, (list, tuple)):  # legacy ((k, v), ...) per layer

@@ -706,3 +706,77 @@ def test_linear_attention_states_need_the_models_config() -> None:
     with pytest.raises(hv.HurrayArgumentError, match="model_config") as err:
         tfa.to_dynamic_cache(hybrid_snapshot(), 0)
     assert err.value.field == "model_config"
+
+
+def test_recorded_attention_layers_must_be_the_models_full_attention_layers() -> None:
+    """An exporter's attention-layer indices say where each layer's KV goes: another model's are refused."""
+    tfa.check_compatible(hybrid_snapshot(attention=(3,)), qwen3_next_config(), architecture="Qwen3NextForCausalLM")
+    for wrong in ((4,), (5,)):  # past the model's layers (a raw IndexError from the cache, unchecked)
+        snap = hybrid_snapshot(attention=wrong)
+        assert snap.validate().ok
+        with pytest.raises(hv.HurrayFormatError, match=rf"states: .*attention layers are model layers \[{wrong[0]}\]"):
+            tfa.to_dynamic_cache(snap, 0, model_config=qwen3_next_config(), architecture="Qwen3NextForCausalLM")
+    # Unvalidated (check_compatible alone): KV recorded for a linear-attention layer.
+    with pytest.raises(
+        hv.HurrayFormatError, match=r"model layers \[2\], the model's full-attention layers are \[3\]"
+    ) as err:
+        tfa.check_compatible(hybrid_snapshot(attention=(2,)), qwen3_next_config())
+    assert err.value.field == "fingerprint"
+
+
+def test_an_in_memory_snapshot_is_validated_before_import() -> None:
+    """A block table entry past the pool: a format error naming it, not an IndexError from index_select."""
+    from synthetic import make_snapshot
+
+    snap = make_snapshot([6], [0], 4, heads=2, dim=8, dtype=torch.float32, layers=1)
+    bt = snap.keys[0].block_table.clone()
+    bt[1] = snap.keys[0].page_pool.shape[0] + 3
+    bad = snap.with_layers([tuple(replace(t, block_table=bt) for t in snap.layer_members()[0])])
+    with pytest.raises(hv.HurrayFormatError, match="to_dynamic_cache"):
+        tfa.to_dynamic_cache(bad, 0, dtype=torch.float32)
+
+
+def test_an_unfilled_static_cache_is_refused_as_static_not_as_sliding(hf_model) -> None:  # type: ignore[no-untyped-def]
+    from transformers import StaticCache
+
+    cache = StaticCache(config=hf_model.config, max_cache_len=32)
+    with torch.no_grad():
+        hf_model(torch.tensor([PROMPT[:20]]), past_key_values=cache, use_cache=True)
+    with pytest.raises(hv.HurrayFormatError, match=r"StaticLayer\) is a preallocated \(static\) layer of 32 slots "
+                       r"holding 20 tokens") as err:  # fmt: skip
+        tfa.from_transformers(cache, [PROMPT[:20]])
+    assert "sliding" not in str(err.value)
+
+
+def qwen25_vl(image: int = 250, video: int = 251) -> Any:
+    """A tiny Qwen2.5-VL (M-RoPE: ``mrope_section``) in float32."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=256, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+        image_token_id=image, video_token_id=video, vision_start_token_id=252, vision_end_token_id=253,
+    )  # fmt: skip
+    return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def test_an_m_rope_sequence_with_images_is_refused_and_text_only_continues() -> None:
+    """After image or video tokens an M-RoPE model's positions are not the token count (vLLM's mrope_delta)."""
+    model = qwen25_vl()
+    prompt = [(i * 37 + 11) % 200 + 1 for i in range(12)]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    first = int(out.logits[0, -1].argmax())
+    text = tfa.from_transformers(out.past_key_values, [[*prompt, first]], model_config=model.config)
+    unmoved = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
+    assert [first, *tfa.continue_generation(model, text, 0, 3)] == unmoved
+    for media in (250, 251):
+        ids = [*prompt[:4], 252, media, 253, *prompt[7:], first]
+        snap = replace(text, token_ids=(tuple(ids),))
+        with pytest.raises(hv.HurrayFormatError, match=rf"image/video tokens \[{media}\].*mrope_delta") as err:
+            tfa.continue_generation(model, snap, 0, 3)
+        assert err.value.field == "snapshot.token_ids"

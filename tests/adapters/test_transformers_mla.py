@@ -178,3 +178,90 @@ def test_expand_latent_refuses_another_mla_models_latent(mla_model: Any) -> None
     with pytest.raises(hv.HurrayFormatError, match="latent: snapshot has") as err:
         tfa.expand_latent(other, snap, 0, 0)
     assert err.value.field == "fingerprint"
+
+
+def _relabel(snap: hv.KVSnapshot, config: Any) -> hv.KVSnapshot:
+    """``snap`` labelled as a snapshot of the model ``config`` describes (its fingerprint and latent split)."""
+    import dataclasses
+
+    fp = tfa.fingerprint_from_config(config, dtype=torch.float32)
+    return dataclasses.replace(snap, fingerprint=fp, latent=tfa.config_geometry(config).latent)
+
+
+_MLA_DIMS: dict[str, Any] = dict(
+    hidden_size=64, num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+    v_head_dim=16, q_lora_rank=16, vocab_size=256,
+)  # fmt: skip
+
+
+def _always_split_configs() -> list[Any]:
+    """Two-layer configs of the MLA models whose transformers attention always splits k_pe's pairs (no flag)."""
+    tr = require("transformers")
+    return [
+        tr.LongcatFlashConfig(num_layers=1, **_MLA_DIMS),  # two attention layers per decoder layer
+        *(c(num_hidden_layers=2, **_MLA_DIMS) for c in (tr.DeepseekV32Config, tr.GlmMoeDsaConfig, tr.AXK2Config)),
+    ]
+
+
+def _firsts_then_seconds(k_pe: torch.Tensor) -> torch.Tensor:
+    """k_pe with its rotary pairs split, as a ``rope_interleave`` model caches it."""
+    return torch.cat([k_pe[..., 0::2], k_pe[..., 1::2]], dim=-1)
+
+
+def test_models_that_always_split_k_pe_pairs_are_reordered_without_a_flag(mla_model: Any) -> None:
+    """LongCat-Flash, DeepSeek-V3.2, GLM-5 and A.X K2 rotate k_pe as V3 does but name no ``rope_interleave``."""
+    pkv, first = _prefill(mla_model, PROMPT)
+    engine = tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=mla_model.config, page_size=8)
+    for cfg in _always_split_configs():
+        assert getattr(cfg, "rope_interleave", None) is None, cfg.model_type
+        # Their cache holds every pair's first element, then every second one: paged, the engine's order.
+        split = tuple((layer.keys, _firsts_then_seconds(layer.values)) for layer in pkv.layers)
+        ours = tfa.from_transformers(split, [[*PROMPT, first]], model_config=cfg, page_size=8)
+        for i in range(2):
+            assert torch.equal(ours[i, "fused"].page_pool, engine[i, "fused"].page_pool), cfg.model_type
+    longcat = _always_split_configs()[0]
+    cache = tfa.to_dynamic_cache(_relabel(engine, longcat), 0, model_config=longcat)
+    for i, layer in enumerate(pkv.layers):
+        assert torch.equal(cache.layers[i].values, _firsts_then_seconds(layer.values))
+
+
+def test_dsa_models_are_refused_for_want_of_the_indexer_cache(mla_model: Any) -> None:
+    """DeepSeek-V3.2 / GLM-5 / A.X K2 attend through an indexer's keys, which no snapshot carries."""
+    pkv, first = _prefill(mla_model, PROMPT)
+    engine = tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=mla_model.config, page_size=8)
+    for cfg in _always_split_configs()[1:]:
+        snap = _relabel(engine, cfg)
+        with pytest.raises(hv.HurrayFormatError, match="indexer") as err:
+            tfa.check_compatible(snap, cfg)
+        assert err.value.field == "model_config", cfg.model_type
+        with pytest.raises(hv.HurrayFormatError, match="indexer"):
+            tfa.to_dynamic_cache(snap, 0, model_config=cfg)
+
+
+def test_expand_latent_reads_a_multimodal_models_text_config(v3_pair: tuple[Any, Any]) -> None:
+    """Kimi-K2.5 wraps a DeepSeek-V3 text config: its MLA fields are not on the composite config."""
+    tr = require("transformers")
+    v2, v3 = v3_pair
+
+    class Multimodal(torch.nn.Module):  # a composite model: the language model inside, the composite config outside
+        def __init__(self, lm: Any, config: Any) -> None:
+            super().__init__()
+            self.language_model, self.config = lm, config
+
+    wrapped = Multimodal(v3, tr.Kimi_K25Config(text_config=v3.config.to_dict()))
+    pkv, first = _prefill(v2, PROMPT)
+    engine = tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=v2.config, page_size=8)
+    for i in range(v3.config.num_hidden_layers):
+        k, v = tfa.expand_latent(wrapped, _relabel(engine, wrapped.config), 0, i)
+        k_ref, v_ref = tfa.expand_latent(v3, _as_v3(engine, v3), 0, i)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_a_latent_snapshot_needs_the_models_config(mla_model: Any) -> None:
+    """Without the config the k_pe order (rope_interleave) would be guessed: a named refusal instead."""
+    pkv, first = _prefill(mla_model, PROMPT)
+    snap = tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=mla_model.config, page_size=8)
+    with pytest.raises(hv.HurrayArgumentError, match="rope_interleave") as err:
+        tfa.to_dynamic_cache(snap, 0)
+    assert err.value.field == "model_config"
+    tfa.to_dynamic_cache(snap, 0, model_config=mla_model.config)
