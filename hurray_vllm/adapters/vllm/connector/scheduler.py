@@ -47,6 +47,8 @@ _RECEIVERS: dict[str, ReceiverBase] = {}  # by hurray_listen
 _HELPERS: dict[str, ThreadPoolExecutor] = {}
 #: Stored windowed chunk files whose windows a scheduler remembers (a few hundred bytes each).
 _STORED_WINDOWS_CAP = 4096
+#: Chunk files a scheduler remembers refusing for their states' layout (warned about and counted once each).
+_LAYOUT_REFUSED_CAP = 4096
 # A forked child inherits the executors without their threads: it makes its own.
 os.register_at_fork(after_in_child=_HELPERS.clear)
 
@@ -174,6 +176,30 @@ def request_seed(namespace: str, request: Any, epoch: str | None = None) -> str 
     return key_seed(namespace, lora=adapter, cache_salt=getattr(request, "cache_salt", None), epoch=epoch)
 
 
+#: What a lookup found in the store: per file, its name and identity (``DirectoryStore.identity``).
+_Files = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _files(parts: list[ChunkPart]) -> _Files:
+    return tuple((p.name, p.identity) for p in parts)
+
+
+def _tail_files(probed: tuple[str, list[int], list[ChunkPart]] | None) -> tuple[str, _Files] | None:
+    """A probed tail (``HurrayScheduler._probe_tail``) as a lookup remembers it: its key and files."""
+    return None if probed is None else (probed[0], _files(probed[2]))
+
+
+@dataclass
+class _Lookup:
+    """The lookup that planned a load, and the stored files it was made on (``get_num_new_matched_tokens``)."""
+
+    #: Where it started (the local prefix-cache hit) and the stored chunk files after it, in order.
+    files: tuple[int, _Files]
+    hit: int  # the whole chunks it ends after
+    tail: tuple[str, _Files] | None  # the tail found stored after them (key, files), loaded or refused
+    matched: int  # the tokens offered
+
+
 @dataclass
 class _Request:
     request: Any
@@ -200,6 +226,9 @@ class _Request:
     #: Where the request's previous step ended (0: none since its blocks were given): with linear-attention
     #: states in "align" mode, the state there is still in its block during the next step.
     prev_end: int = 0
+    #: The lookup that planned ``load``, while vLLM may ask again (it could not allocate the blocks): the same
+    #: answer and load while the store holds the same files. None once vLLM took an answer.
+    lookup: _Lookup | None = None
 
 
 class HurrayScheduler:
@@ -233,6 +262,8 @@ class HurrayScheduler:
         self._last_only = config.window_chunks == "last"
         # Stored windowed chunks' windows, by file name and identity (see _holds_less_window).
         self._stored_windows: dict[tuple[str, tuple[int, ...]], SlidingWindows | None] = {}
+        # Chunk files refused for their states' layout (another engine's), by name and identity: warned once.
+        self._layout_refused: dict[tuple[str, tuple[int, ...]], None] = {}
         # Every KV head of the model: a chunk is complete when its files hold them all.
         self._heads = fingerprint.num_kv_heads if fingerprint is not None else 1
         self._state_groups = config.state_groups  # () unless linear-attention layers keep states
@@ -295,6 +326,10 @@ class HurrayScheduler:
         Verifies the stored chunks past ``num_computed_tokens`` and plans their load; returns
         ``(tokens, False)`` (loaded in the step that schedules the request), ``(tokens, True)`` where
         loads are asynchronous (``config.async_loads``), ``(0, False)`` when nothing can be loaded.
+
+        vLLM asks again at each step while it cannot allocate the request's blocks (a full KV cache):
+        while the request starts at the same token and the store holds the same files (``stat`` only),
+        the load planned last is offered again without reading or checking any file.
         """
         state = self._state(request)  # also for a producer alone: its saves follow the request
         seed = self._seed(state)
@@ -326,27 +361,17 @@ class HurrayScheduler:
                 if found_states and with_states is not None:
                     stored = [*stored[:j], with_states]
                     break
-        # Each file is read on a helper thread while the one before is parsed here.
-        unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
-        reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
-        found: list[tuple[int, list[ChunkPart], list[KVSnapshot], list[Future[None] | None]]] = []
-        for i, parts in enumerate(stored, first):
-            read = self._read_parts(parts, tokens[i * self._chunk : (i + 1) * self._chunk], reader)
-            if read is None:
-                break
-            found.append((i, parts, *read))
-        hit = first
-        verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
-        verified_snaps: list[list[KVSnapshot]] = []
-        for i, parts, part_snaps, checks in found:
-            if not self._passed(parts, part_snaps, checks):
-                break
-            verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts])
-            verified_snaps.append(part_snaps)
-            hit = i + 1
+        files = (num_computed_tokens, tuple(f for parts in stored for f in _files(parts)))
+        last = state.lookup
+        if last is not None and state.load is not None and last.files == files:
+            probed = self._probe_tail(tokens, keys, last.hit, num_computed_tokens, seed)
+            if _tail_files(probed) == last.tail:
+                return last.matched, state.load.report
+        state.load = state.lookup = None
+        hit, verified, verified_snaps = self._verify_chunks(stored, tokens, first)
         # The slices of a chunk share windows and structure: the first of each speaks for them.
         while hit > first and not self._resumes_at(
-            [v[0] for v in verified_snaps[: hit - first]], first, hit, num_computed_tokens
+            [v[0] for v in verified_snaps[: hit - first]], first, hit, num_computed_tokens, verified[hit - first - 1]
         ):
             # A sliding-window layer of some chunk lacks tokens a resume at hit * chunk attends, or (linear
             # attention) the last chunk holds no states taken there: load less.
@@ -355,7 +380,10 @@ class HurrayScheduler:
             verified_snaps.pop()
         chunk_tokens = [tokens[i * self._chunk : (i + 1) * self._chunk] for i in range(first, hit)]
         load_keys = keys[first:hit]
-        tail = self._find_tail(tokens, keys, hit, num_computed_tokens, seed) if hit == len(keys) else None
+        # A tail may follow the last chunk found even where the prompt goes on past it (a consumer's prompt
+        # extending the producer's, whose tail was saved).
+        probed = self._probe_tail(tokens, keys, hit, num_computed_tokens, seed)
+        tail = self._read_tail(*probed) if probed is not None else None
         if tail is not None:
             tail_key, tail_tokens, tail_parts, tail_snaps = tail
             load_keys.append(tail_key)
@@ -382,22 +410,59 @@ class HurrayScheduler:
             snaps=verified_snaps if self._config.worker_in_process else [],
         )
         state.load_from = num_computed_tokens
+        state.lookup = _Lookup(files, hit, _tail_files(probed), matched)
         return matched, report
 
-    def _find_tail(
+    def _verify_chunks(
+        self, stored: list[list[ChunkPart]], tokens: list[int], first: int
+    ) -> tuple[int, list[list[tuple[str, int, int, tuple[int, ...]]]], list[list[KVSnapshot]]]:
+        """Read and check the stored chunks ``first, first + 1, ...`` in order, up to the first that fails.
+
+        Returns where the chunks that passed end (a chunk index), and per chunk its files (``LoadTask.parts``)
+        and snapshots. Each file is read on a helper thread while the one before is parsed here, and each
+        chunk's data checks run while the next chunk is parsed; a chunk's checks are waited for before the
+        chunk after the next is read, so a bad chunk costs at most the next two chunks' reads, not all after it.
+        """
+        unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
+        reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
+        hit = first
+        verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
+        verified_snaps: list[list[KVSnapshot]] = []
+        pending: tuple[list[ChunkPart], list[KVSnapshot], list[Future[None] | None]] | None = None
+        for i, parts in enumerate(stored, first):
+            read = self._read_parts(parts, tokens[i * self._chunk : (i + 1) * self._chunk], reader)
+            if pending is not None:  # the chunk before: its checks ran while this one was parsed
+                if not self._passed(*pending):
+                    return hit, verified, verified_snaps
+                verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in pending[0]])
+                verified_snaps.append(pending[1])
+                hit = i
+            if read is None:
+                return hit, verified, verified_snaps
+            pending = (parts, *read)
+        if pending is not None and self._passed(*pending):
+            verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in pending[0]])
+            verified_snaps.append(pending[1])
+            hit = first + len(stored)
+        return hit, verified, verified_snaps
+
+    def _probe_tail(
         self, tokens: list[int], keys: list[str], hit: int, computed: int, seed: str
-    ) -> tuple[str, list[int], list[tuple[str, int, int, tuple[int, ...]]], list[KVSnapshot]] | None:
-        """The longest stored tail after whole chunk ``hit - 1``, read and verified; ``None`` if there is none.
+    ) -> tuple[str, list[int], list[ChunkPart]] | None:
+        """The longest stored tail after whole chunk ``hit - 1`` (its key, tokens and files); ``None`` if there is none.
 
         A producer stores a prompt's tail (its whole blocks after its last whole
         chunk, ``hurray_tails``) when the prompt's prefill ends. Its length is
         the producer's, unknown here: every whole number of this engine's
         blocks that leaves the last token to compute, and reaches past the
         local prefix-cache hit, is tried, longest first (a hash and a ``stat``
-        each; one pass hashes them all). A tail that fails its checks is
-        refused like a chunk, and no shorter one is tried.
+        each, at most ``chunk / block - 1`` of them; one pass hashes them all).
+        Whether chunk ``hit`` is stored or not: a consumer's prompt may run on
+        past the producer's. Nothing is read. A tail holds neither states nor
+        windows: a linear-attention hybrid (whose states a resume needs at its
+        exact token) never loads one (``HurrayConfig`` turns tails off for it).
         """
-        if not self._config.tails:
+        if not self._config.tails or self._state_groups:
             return None
         start = hit * self._chunk
         room = min(len(tokens) - 1 - start, self._chunk - self._block_size)
@@ -408,13 +473,21 @@ class HurrayScheduler:
             if start + n <= computed:
                 break  # the engine holds these tokens itself
             parts = self._store.parts(self._ns, key, self._heads)
-            if parts is None:
-                continue
-            read = self._read_parts(parts, rest[:n])
-            if read is None or not self._passed(parts, *read):
-                return None
-            return key, rest[:n], [(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts], read[0]
+            if parts is not None:
+                return key, rest[:n], parts
         return None
+
+    def _read_tail(
+        self, key: str, tokens: list[int], parts: list[ChunkPart]
+    ) -> tuple[str, list[int], list[tuple[str, int, int, tuple[int, ...]]], list[KVSnapshot]] | None:
+        """The tail :meth:`_probe_tail` found, read and verified; ``None`` if it fails (refused like a chunk).
+
+        No shorter tail is tried then.
+        """
+        read = self._read_parts(parts, tokens)
+        if read is None or not self._passed(parts, *read):
+            return None
+        return key, tokens, [(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts], read[0]
 
     def _awaits_push(self, state: _Request, tokens: list[int], keys: list[str], computed: int) -> bool:
         """Whether to hold a request back a step: chunks its ``kv_transfer_params`` announce are still arriving.
@@ -570,10 +643,19 @@ class HurrayScheduler:
                 return True
         return False
 
-    def _resumes_at(self, chunks: list[KVSnapshot], first: int, hit: int, computed: int = 0) -> bool:
+    def _resumes_at(
+        self,
+        chunks: list[KVSnapshot],
+        first: int,
+        hit: int,
+        computed: int = 0,
+        last: list[tuple[str, int, int, tuple[int, ...]]] | None = None,
+    ) -> bool:
         """Whether chunks ``first .. hit - 1`` let a request resume at token ``hit * chunk``.
 
-        ``computed``: the engine's own prefix-cache hit, from which the load writes.
+        ``computed``: the engine's own prefix-cache hit, from which the load writes. ``last``: chunk
+        ``hit - 1``'s files (``LoadTask.parts``): states of another layout in them are warned about and
+        counted in ``chunks_refused`` once per file (identity), not at every lookup that meets them again.
         """
         resume = hit * self._chunk
         if any(c.windows is not None and _slides(c.windows) != self._window_counts for c in chunks):
@@ -588,8 +670,19 @@ class HurrayScheduler:
         why = self._config.state_layout.mismatches(states) if self._config.state_layout is not None else []
         if why:
             # Another engine's states (layout, dtype): not damage, and no chunk before this one resumes here.
-            self.stats.chunks_refused += 1
-            log.warning("hurray: not loading the states of a chunk at %d: %s; recomputing instead", resume, why)
+            seen = (last[0][0], last[0][3]) if last else None
+            if seen is None or seen not in self._layout_refused:
+                if seen is not None:
+                    if len(self._layout_refused) >= _LAYOUT_REFUSED_CAP:
+                        self._layout_refused.pop(next(iter(self._layout_refused)))
+                    self._layout_refused[seen] = None
+                self.stats.chunks_refused += 1
+                log.warning(
+                    "hurray: not loading the states of chunk %s at %d: %s; recomputing instead",
+                    seen[0] if seen is not None else "?",
+                    resume,
+                    why,
+                )
         return not why
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -600,6 +693,8 @@ class HurrayScheduler:
         the step's new requests.
         """
         state = self._reqs.get(request.request_id)
+        if state is not None:
+            state.lookup = None  # vLLM took the answer: a later lookup (a preemption) looks again
         if num_external_tokens == 0:
             if state is not None:
                 state.load = None
@@ -625,6 +720,7 @@ class HurrayScheduler:
             state = self._reqs.get(req_id)
             if state is not None:
                 state.load_failed = True
+                state.load = state.lookup = None
                 state.chunks_done = 0  # what it recomputes is saved again where the store lacks it
                 self.stats.loads_failed += 1
 
@@ -645,6 +741,7 @@ class HurrayScheduler:
             if state is None:
                 continue
             state.load_failed = False  # scheduled again (recomputing): a later lookup (a preemption) may load
+            state.lookup = None
             state.block_ids = list(new.block_ids[0])
             state.prev_end = 0
             if self._windows:
@@ -709,8 +806,11 @@ class HurrayScheduler:
                 )
                 load.state_blocks[g] = [b for b in dict.fromkeys(found) if b]
         meta.loads.append(load)
-        state.chunks_done = computed // self._chunk
-        state.load = None
+        # The chunks before the load (a local prefix-cache hit) are in the store if this engine saves (it saved
+        # them when it computed them, or loaded them); an engine that does not may have computed them itself,
+        # and request_finished would announce chunks a destination then waits for in vain.
+        state.chunks_done = computed // self._chunk if self._saves or state.load_from < self._chunk else 0
+        state.load = state.lookup = None
         if self._url and self._saves:
             self._plan_forwards(meta, load)
 
@@ -920,15 +1020,22 @@ class HurrayScheduler:
         files on disk), so this engine's chunks from then on get keys of their own (a random ``epoch`` in
         their seed, :func:`~hurray_vllm.chunks.keys.key_seed`): it neither loads the chunks saved before,
         nor stores new KV where an engine of the old weights would load it. The requests it knows already
-        are neither loaded nor saved any more (vLLM may keep a request running on KV from before the reset)
-        and announce no saved chunks. The chunks in the store stay there for other engines (``prune``
-        removes them once unused). Two engines that update to the same weights share no chunks until they
-        restart: nothing in the engine names the new weights.
+        that hold KV (vLLM may keep a request running on KV from before the reset) are neither loaded nor
+        saved any more and announce no saved chunks. Those that hold none (waiting, nothing computed, or
+        preempted by the reset) compute all of their KV from then on: they take the new seed, as new
+        requests do, and are loaded and saved under it; they wait for no pushed chunks (announced under
+        the old keys). The chunks in the store stay there for other engines (``prune`` removes them once
+        unused). Two engines that update to the same weights share no chunks until they restart: nothing
+        in the engine names the new weights.
         """
         self._epoch = secrets.token_hex(16)
         for state in self._reqs.values():
-            state.seed = None
+            fresh = getattr(state.request, "num_computed_tokens", None) == 0
+            state.seed = request_seed(self._ns, state.request, self._epoch) if fresh else None
             state.chunks_done = state.tail_end = 0
+            state.tail_planned = False
+            state.load = state.lookup = None  # planned under the old keys
+            state.waited = True  # announced chunks are under the old keys: none will come under the new ones
         self._stored_windows.clear()
         self.stats.cache_resets += 1
         log.info("hurray: cache reset: this engine's chunks get keys of their own from now on")

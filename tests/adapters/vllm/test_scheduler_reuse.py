@@ -1,0 +1,279 @@
+"""The scheduler part without an engine: lookups vLLM repeats, tails after a partial match, what a consumer
+announces, states of another layout, and requests known at a cache reset.
+
+vLLM asks a waiting request's matched tokens again at every step while it
+cannot allocate the request's blocks (a full KV cache): the connector gives
+the same answer without reading and checksumming the chunks again, whatever
+the verified-chunk cache evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from bare_worker import CHUNK, DIM, HEADS, PAGE, gqa_fingerprint, stored_at_tp
+from conftest import require
+
+import hurray_vllm as hv
+
+
+@pytest.fixture(autouse=True)
+def _vllm() -> None:
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+
+    forget_verified_chunks()
+
+
+def _config(tmp_path: Path, role: str = "kv_both", **fields: Any) -> Any:
+    from test_connector_background import _vllm_config
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+
+    extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}
+    cfg = HurrayConfig.from_vllm(_vllm_config(extra, 4, role=role), None)  # type: ignore[arg-type]
+    return dataclasses.replace(cfg, **fields)
+
+
+def _scheduler(cfg: Any, store: Any, ns: str) -> Any:
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+
+    return HurrayScheduler(cfg, store, gqa_fingerprint(), ns)
+
+
+def _request(rid: str, tokens: list[int], **fields: Any) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None, **fields
+    )
+
+
+def _counting_reads(sched: Any) -> list[str]:
+    """The chunk files ``sched`` reads (or takes from the verified-chunk cache) from now on."""
+    read: list[str] = []
+    real = sched._read_parts
+
+    def counted(parts: Any, tokens: Any, reader: Any = None) -> Any:
+        read.extend(p.name for p in parts)
+        return real(parts, tokens, reader)
+
+    sched._read_parts = counted
+    return read
+
+
+def _output(new: list[Any] | None = None, scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=new or [], scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled or {}
+    )
+
+
+def _blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def test_a_lookup_vllm_repeats_while_it_cannot_allocate_reads_no_chunk_again(tmp_path: Path) -> None:
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path), store, ns)
+    read = _counting_reads(sched)
+    request = _request("r", list(snap.token_ids[0]))
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
+    planned = sched._reqs["r"].load
+    assert planned is not None and len(read) == 2
+    # The KV cache is full: no allocation, no update_state_after_alloc; the verified chunks were evicted meanwhile.
+    for _ in range(3):
+        forget_verified_chunks()
+        assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
+    assert len(read) == 2 and sched._reqs["r"].load is planned
+
+    # Another start (a local prefix-cache hit) is another lookup.
+    assert sched.get_num_new_matched_tokens(request, 8) == (8, False) and len(read) == 3
+    assert sched.get_num_new_matched_tokens(request, 8) == (8, False) and len(read) == 3
+    # A file replaced (another identity) is read again.
+    path = store.path(ns, keys[1])
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert sched.get_num_new_matched_tokens(request, 8) == (8, False) and len(read) == 4
+    # A file gone: the answer changes.
+    path.unlink()
+    assert sched.get_num_new_matched_tokens(request, 8) == (0, False) and sched._reqs["r"].load is None
+
+
+def test_a_repeated_lookup_is_dropped_when_vllm_grants_nothing_schedules_it_or_it_finishes(tmp_path: Path) -> None:
+    store, ns, _, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path), store, ns)
+    read = _counting_reads(sched)
+    tokens = list(snap.token_ids[0])
+    request = _request("r", tokens)
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False) and len(read) == 2
+    # vLLM granted none of it (another connector's rule, a replay window): the plan goes, the next lookup looks.
+    sched.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5]), 0)
+    assert sched._reqs["r"].load is None
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False) and len(read) == 4
+    # Granted and scheduled: the load goes to the workers; preempted, the request looks again.
+    sched.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5]), 16)
+    new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=16)
+    (load,) = sched.build_connector_meta(_output([new], {"r": 1})).loads
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False) and len(read) == 6
+    assert sched._reqs["r"].load is not load
+    # Finished (aborted while it waited): forgotten, a request of the same id looks again.
+    sched.request_finished(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False) and len(read) == 8
+
+
+def _sequence(tokens: int, seed: int = 0) -> hv.KVSnapshot:
+    """:func:`bare_worker.two_chunks`'s model, one sequence of ``tokens`` tokens (whole pages) of KV."""
+    pages = tokens // PAGE
+    gen = torch.Generator().manual_seed(seed)
+    table, ptr, lens = torch.arange(pages), torch.tensor([0, pages]), torch.tensor([tokens])
+
+    def pool() -> torch.Tensor:
+        return torch.randn((pages, PAGE, HEADS, DIM), generator=gen).to(torch.bfloat16)
+
+    return hv.KVSnapshot(
+        keys=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "key", i) for i in range(2)),
+        values=tuple(hv.BlockPagedTensor(pool(), table, ptr, lens, "value", i) for i in range(2)),
+        token_ids=(tuple(range(100, 100 + tokens + 1)),),
+        fingerprint=gqa_fingerprint(),
+        source=hv.SnapshotSource("vllm", "test", PAGE),
+        request_ids=("r",),
+    )
+
+
+def test_a_chunk_that_fails_its_checksum_stops_the_reads_after_it(tmp_path: Path) -> None:
+    """Six chunks stored, the first one's checksum fails: the chunks after it are not all read for nothing."""
+    from hurray_vllm.chunks.keys import namespace_of
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+    from hurray_vllm.errors import HurrayFormatError
+
+    snap = _sequence(6 * CHUNK)
+    store = DirectoryStore(tmp_path / "store")
+    assert store_snapshot(store, snap, CHUNK) == 6
+    sched = _scheduler(_config(tmp_path), store, namespace_of(gqa_fingerprint()))
+    read = _counting_reads(sched)
+    bad: list[str] = []
+    real = sched._check_later
+
+    def check_later(chunk: Any, name: str) -> Future[None]:
+        if not bad:  # the first chunk checked
+            bad.append(name)
+            failed: Future[None] = Future()
+            failed.set_exception(HurrayFormatError("chunk.digest", "wrong checksum"))
+            return failed
+        return real(chunk, name)
+
+    sched._check_later = check_later
+    assert sched.get_num_new_matched_tokens(_request("r", list(snap.token_ids[0])), 0) == (0, False)
+    assert sched.stats.chunks_refused == 1 and read[0] == bad[0]
+    assert len(read) <= 2, read  # the first, and the one parsed while its checksum ran
+
+
+def test_a_tail_is_found_after_the_last_chunk_found_where_the_prompt_runs_on(tmp_path: Path) -> None:
+    """The producer's prompt was 12 tokens (chunk 0 and a tail of one block); the consumer's extends it past
+    a chunk: its chunk 1 is not stored, the tail after chunk 0 is."""
+    from hurray_vllm.chunks.keys import namespace_of, tail_keys
+    from hurray_vllm.chunks.store import DirectoryStore, chunk_keys, store_snapshot
+
+    snap = _sequence(12)
+    store = DirectoryStore(tmp_path / "store")
+    ns = namespace_of(gqa_fingerprint())
+    assert store_snapshot(store, snap, CHUNK) == 2  # chunk 0 and the tail
+    prompt = list(snap.token_ids[0][:12])
+    (key,) = chunk_keys(prompt[:8], CHUNK, ns)
+    ((_, tail),) = tail_keys(key, prompt[8:12], 4, ns)
+    sched = _scheduler(_config(tmp_path), store, ns)
+    longer = _request("c", [*prompt, 7, 7, 7, 7, 7, 7])
+    assert sched.get_num_new_matched_tokens(longer, 0) == (12, False)
+    load = sched._reqs["c"].load
+    assert load.keys == [key, tail] and load.tail and load.tokens == [prompt[:8], prompt[8:12]]
+    # At most up to the last token but one, and not what the engine holds itself.
+    assert sched.get_num_new_matched_tokens(_request("s", [*prompt, 7]), 0) == (12, False)
+    assert sched.get_num_new_matched_tokens(_request("h", [*prompt, 7, 7, 7, 7, 7, 7]), 12) == (0, False)
+    off = _scheduler(_config(tmp_path, tails=False), store, ns)
+    assert off.get_num_new_matched_tokens(longer, 0) == (8, False)
+
+
+def test_a_consumer_announces_no_chunk_of_its_own_prefix_cache_hit(tmp_path: Path) -> None:
+    """A kv_consumer saves nothing: chunks of its local hit may be in no store, and a destination would wait
+    hurray_push_wait_s for them. What it loaded from the prompt's start is stored (it was loaded from there)."""
+    store, ns, _, snap = stored_at_tp(tmp_path, 1)
+    tokens = list(snap.token_ids[0])
+    for role, local, announced in (
+        ("kv_consumer", 8, None),
+        ("kv_consumer", 0, {"hurray_saved_tokens": 16}),
+        ("kv_both", 8, {"hurray_saved_tokens": 16}),
+    ):
+        sched = _scheduler(_config(tmp_path, role=role), store, ns)
+        request = _request("r", tokens)
+        assert sched.get_num_new_matched_tokens(request, local) == (16 - local, False)
+        sched.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5]), 16 - local)
+        new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=16)
+        (load,) = sched.build_connector_meta(_output([new], {"r": 1})).loads
+        assert len(load.block_ids) == (16 - local) // PAGE
+        assert sched.request_finished(request) == (False, announced), (role, local)
+
+
+def test_states_of_another_layout_are_warned_about_and_counted_once_per_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dataclasses import replace
+
+    from test_connector_background import _linear_scheduler
+
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks import chunk_keys
+
+    sched = _linear_scheduler(tmp_path)
+    store, ns = sched._store, sched._ns
+    tokens = list(range(100))
+    (key,) = chunk_keys(tokens[:64], 64, sched._seed(sched._state(_request("x", tokens))) or ns)
+    pair = (torch.zeros(1, 3, 16, dtype=torch.float16), torch.zeros(1, 2, 8, 4, dtype=torch.float16))  # not bf16
+    states = hv.RecurrentStates("gdn_attn", (0, 1), ("conv", "ssm"), (64,), (pair, pair), attention=(2,))
+    sched._heads = 2
+    snap = replace(
+        spec_example_snapshot(num_layers=1).select([0]),
+        fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 1, 2, 8, "float16"),
+        states=states,
+    )
+    store.put(ns, key, snap)
+    sched._read_parts = lambda parts, toks, reader=None: ([store.get(ns, p.name) for p in parts], [None] * len(parts))
+    sched._passed = lambda parts, snaps, checks: True
+    with caplog.at_level(logging.WARNING, logger="hurray_vllm.connector"):
+        for rid in ("a", "b", "a", "c"):
+            assert sched.get_num_new_matched_tokens(_request(rid, tokens), 0) == (0, False)
+    warned = [r for r in caplog.records if "not loading the states" in r.getMessage()]
+    assert len(warned) == 1 and sched.stats.chunks_refused == 1
+
+
+def test_a_reset_keys_the_requests_that_hold_no_kv_with_the_new_epoch(tmp_path: Path) -> None:
+    from hurray_vllm.adapters.vllm.connector.scheduler import request_seed
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path), store, ns)
+    tokens = list(snap.token_ids[0])
+    announced = {"hurray_saved_tokens": 16 + CHUNK}  # a source's chunk still on its way (under the old keys)
+    waiting = _request("w", [*tokens, *range(8)], num_computed_tokens=0)
+    waiting.kv_transfer_params = announced
+    running = _request("run", tokens, num_computed_tokens=16)
+    assert sched.get_num_new_matched_tokens(waiting, 0) == (None, False)
+    sched._state(running)
+    assert sched.reset_cache() is True
+    assert sched._reqs["run"].seed is None  # runs on KV from before the reset: neither loaded nor saved
+    seed = sched._reqs["w"].seed
+    assert seed is not None and seed == request_seed(ns, waiting, sched._epoch) != request_seed(ns, waiting)
+    # It waits for nothing announced under the old keys, loads none of them, and saves under the new ones.
+    assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
+    state = sched._reqs["w"]
+    state.block_ids = [1, 2, 3, 4, 5, 6]
+    meta = SimpleNamespace(saves=[])
+    sched._plan_saves(meta, "w", state, 24)
+    assert len(meta.saves) == 3 and not {t.key for t in meta.saves} & set(keys)
