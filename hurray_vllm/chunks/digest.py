@@ -47,7 +47,11 @@ class ChunkDigest:
     The digest string is ``"<algorithm>/v2:<8 hex>"``. ``v2`` covers every
     byte that decides what KV an importer writes: the descriptors (element
     type, geometry, layer index, role), the block tables and sequence
-    pointers, the fp8 scales, the token ids and the metadata. A ``v1``
+    pointers, the fp8 scales, the token ids and the metadata. Not a
+    quantized tensor's parameter buffers (its buffers after the three
+    block-paged ones; the quantization section itself is part of the
+    descriptor): no importer reads them, and every consumer refuses a chunk
+    that has any (:func:`~hurray_vllm.chunks.verify.verify_chunk`). A ``v1``
     digest (hurray-vllm 0.1: the page pools only) is refused: a type tag
     flipped from bf16 to fp16 passed it. Two algorithms:
 
@@ -137,7 +141,8 @@ def digest_header(snap: KVSnapshot) -> bytes:
     sorted compact JSON, then per tensor (:func:`digest_tensors` order) its
     encoded descriptor and its int64 block table and sequence pointers,
     then the bytes of every recurrent state tensor. A receiver computes it
-    from what the offer or stream carried, before the pools.
+    from what the offer or stream carried, before the pools. Quantization
+    parameter buffers are left out (see :class:`ChunkDigest`).
     """
     meta = {
         "fingerprint": snap.fingerprint.to_json() if snap.fingerprint else None,

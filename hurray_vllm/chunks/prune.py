@@ -121,8 +121,8 @@ def prune(
     would refuse) are deleted first, whatever the size; only the key id a
     file names is read, not its MAC checked (``fsck`` does that). Bytes are
     file sizes. A namespace or file
-    that cannot be read or deleted (permissions) is listed in
-    ``report.skipped`` and the rest is pruned.
+    that cannot be read or deleted (permissions, I/O errors) is listed in
+    ``report.skipped``, left in place, and the rest is pruned.
     """
     if max_bytes < 0:
         raise HurrayArgumentError("max_bytes", f"must be >= 0, got {max_bytes}")
@@ -179,8 +179,11 @@ def prune(
         # slices), and an unsigned slice beside a signed whole file takes only itself away.
         ours = []
         for _, _, group in chunks:
-            signed = [_signed_by(path, keys) for _, _, path in group]
-            doomed.extend(("foreign", size, path) for (_, size, path), ok in zip(group, signed, strict=True) if not ok)
+            # None: the file could not be read (listed in skipped), which says nothing about it: it stays.
+            signed = [_signed_by(path, keys, skipped) for _, _, path in group]
+            doomed.extend(
+                ("foreign", size, path) for (_, size, path), ok in zip(group, signed, strict=True) if ok is False
+            )
             foreign += signed.count(False)
             kept = [f for f, ok in zip(group, signed, strict=True) if ok]
             if kept:
@@ -215,13 +218,30 @@ def prune(
     return report
 
 
-def _signed_by(path: Path, keys: FleetKeys) -> bool:
-    """Whether the chunk file at ``path`` names a key of ``keys`` as its signer (its MAC is not checked here)."""
-    from ..containers.io import load
+def _signed_by(path: Path, keys: FleetKeys, skipped: list[str]) -> bool | None:
+    """Whether the chunk file at ``path`` names a key of ``keys`` as its signer (its MAC is not checked here).
+
+    Reads its header records only, not mapped (a file truncated meanwhile
+    cannot SIGBUS the pruner). A malformed file, or one that names no key,
+    is not signed: a keyed engine refuses it. ``None``, with the reason
+    appended to ``skipped``, when the file cannot be read (permissions, an
+    I/O error, memory running out): that is no verdict on the file
+    (:func:`~hurray_vllm.containers.io.read_error`), so it is not deleted.
+    """
+    from .store import read_header
 
     try:
-        key_id, _, _ = parse_mac(load(path, mmap=True).extra.get(MAC_KEY))
-    except (HurrayFormatError, OSError, ValueError):
+        header = read_header(path)
+    except OSError as exc:
+        skipped.append(f"{path}: {exc.strerror or exc}")
+        return None
+    except HurrayFormatError:
+        return False
+    if header is None:
+        return False
+    try:
+        key_id, _, _ = parse_mac(header.extra.get(MAC_KEY))
+    except (HurrayFormatError, ValueError):
         return False
     return key_id in keys.ids
 

@@ -24,9 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..containers.hrryfile import file_size, write_file
-from ..containers.io import FileBytes, load, load_file_bytes, read_file
-from ..containers.schema import SnapshotHeader, snapshot_records
+import torch
+
+from ..containers.hrryfile import FILE_MAGIC, HrryFile, file_size, read_whole, write_file
+from ..containers.io import PARSE_ERRORS, FileBytes, load_file_bytes, read_error
+from ..containers.schema import (
+    _MAX_META_BYTES,
+    Record,
+    SnapshotHeader,
+    _dense,
+    decode_header,
+    group_records,
+    is_snapshot_header,
+    snapshot_records,
+)
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 
@@ -53,6 +64,12 @@ from .signing import FleetKeys, sign_chunk
 from .verify import check_data, verify_chunk  # noqa: F401
 
 __all__ = ["ChunkReader", "ChunkStore", "DirectoryStore", "store_snapshot", "slice_key", "split_slice_key", "ChunkPart"]
+
+#: The largest chunk file the store reads, in bytes; a larger one is refused (``HurrayFormatError``, field
+#: ``file.size``) before any memory is allocated for it. A chunk of 256 tokens of a 126-layer model with 8 KV
+#: heads of 128 bf16 values (Llama 3 405B) is 126 MiB; this leaves room for chunks 30 times that. Without a
+#: bound a sparse file of 100 GiB under a key's name would cost its reader 100 GiB of memory.
+MAX_CHUNK_FILE_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -212,19 +229,12 @@ class DirectoryStore:
 
         What a writer looks at before replacing a copy that holds less (no
         states, less of a sliding window) than its own: a damaged file is
-        the reader's to refuse, not this look's.
+        the reader's to refuse, not this look's. Never raises for what the
+        file holds (:func:`read_header`'s errors are ``None`` here).
         """
-        from ..containers.hrryfile import HrryFile
-        from ..containers.schema import decode_header, group_records, is_snapshot_header
-
         try:
-            with HrryFile(self.path(namespace, key)) as hf:
-                node = next(group_records(hf.records()), None)
-                if node is None or not is_snapshot_header(node):
-                    return None
-                raw = node.members[0].record.buffers[0]
-                return decode_header(bytes(raw.numpy()))
-        except (OSError, HurrayFormatError, StopIteration, ValueError):
+            return read_header(self.path(namespace, key))
+        except (OSError, HurrayFormatError):
             return None
 
     def get(self, namespace: str, key: str) -> KVSnapshot:
@@ -233,16 +243,82 @@ class DirectoryStore:
         Not mapped: another program truncating a mapped file kills the reader
         with SIGBUS, even after its digest passed. A read copy is checked and
         used as it was read, whatever happens to the file afterwards.
+
+        Only a regular ``.hrry`` file of at most :data:`MAX_CHUNK_FILE_BYTES`
+        is read: a symbolic link at the name is not followed (``OSError``), and
+        a pipe put there is refused, not waited on.
+
+        Raises:
+            HurrayFormatError: missing (field ``store``), malformed, not a regular file (``file``),
+                larger than :data:`MAX_CHUNK_FILE_BYTES` (``file.size``).
+            OSError: the file cannot be read (permissions, a symbolic link; ``ENOMEM``: not a verdict on the file).
         """
-        path = self.path(namespace, key)
         try:
-            return load(path, mmap=False)
+            return _load_chunk(_read_chunk(self.path(namespace, key)))
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 
     def reader(self, namespace: str, keys: Sequence[str], submit: Submit) -> ChunkReader:
         """A :class:`ChunkReader` of ``keys``, in that order, reading ahead with ``submit``."""
         return ChunkReader(self, namespace, keys, submit)
+
+
+def _read_chunk(path: Path) -> FileBytes:
+    """Every byte of the chunk file at ``path`` (:meth:`DirectoryStore.get`'s rules), with ``load``'s errors."""
+    try:
+        return read_whole(path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False)
+    except (HurrayFormatError, OSError):
+        raise
+    except (*PARSE_ERRORS, MemoryError) as exc:
+        raise read_error(exc, str(path)) from exc
+
+
+def _load_chunk(data: FileBytes) -> KVSnapshot:
+    """The chunk :func:`_read_chunk` read; a file of another format is refused (the store writes ``.hrry`` only).
+
+    Not handed to ``load_file_bytes`` as it is: that loads another format from its path again (a second open).
+    """
+    if bytes(data.view[:8]) != FILE_MAGIC:
+        raise HurrayFormatError("file.magic", f"{data.path} is not a Hurray file (HRRYFILE)")
+    return load_file_bytes(data)
+
+
+def read_header(path: Path) -> SnapshotHeader | None:
+    """The snapshot header of the chunk file at ``path``, reading its header records only.
+
+    ``None`` if the file's first record is not a snapshot header. Checked
+    as ``load`` checks it (the metadata record's layout, type and size);
+    each record is bounded before its bytes are read (a header's records
+    are small), and the file is read, not mapped (no SIGBUS when another
+    program truncates it). A symbolic link is not followed; a pipe is
+    refused, not waited on.
+
+    Raises:
+        HurrayFormatError: the file is malformed (``.field`` names what).
+        OSError: the file cannot be read (``FileNotFoundError`` if missing; ``ENOMEM``: not a verdict on it).
+    """
+    try:
+        with HrryFile(path, follow_symlinks=False) as hf:
+            node = next(group_records(_bounded_records(hf)), None)
+            if node is None or not is_snapshot_header(node):
+                return None
+            raw = _dense(node.members[0], torch.uint8, "snapshot.meta")
+            if raw.numel() > _MAX_META_BYTES:
+                raise HurrayFormatError("snapshot.meta", f"{raw.numel()} bytes of metadata is implausible")
+            return decode_header(bytes(raw.numpy()))
+    except (HurrayFormatError, OSError):
+        raise
+    except (*PARSE_ERRORS, MemoryError) as exc:
+        raise read_error(exc, str(path)) from exc
+
+
+def _bounded_records(hf: HrryFile) -> Iterator[Record]:
+    """``hf``'s records, each refused before its buffers are read if they hold more than a header's record may."""
+    for entry in hf.entries:
+        size = hf.descriptor(entry).data_bytes
+        if size > _MAX_META_BYTES:
+            raise HurrayFormatError(entry.name, f"{size} bytes: more than a snapshot header's record holds")
+        yield hf.read(entry)
 
 
 def _file_identity(path: Path) -> tuple[int, ...] | None:
@@ -286,7 +362,7 @@ class ChunkReader:
         if self._next < len(self._keys):
             key = self._keys[self._next]
             self._next += 1
-            self._ahead = (key, self._submit(functools.partial(read_file, self._store.path(self._ns, key))))
+            self._ahead = (key, self._submit(functools.partial(_read_chunk, self._store.path(self._ns, key))))
         else:
             self._ahead = None
 
@@ -305,8 +381,8 @@ class ChunkReader:
             return self._store.get(self._ns, key)
         self._read_ahead()
         try:
-            return load_file_bytes(ahead[1].result())
-        except FileNotFoundError:  # also from load_file_bytes: a file not .hrry is loaded by its name again
+            return _load_chunk(ahead[1].result())
+        except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self._store.root}") from None
 
 

@@ -106,7 +106,21 @@ def _check_geometry(snap: KVSnapshot, fp: ModelFingerprint, heads: range | None)
     would pass both and fail only as its blocks are written, which stops
     an engine. Refused as the fingerprint's mismatch is (field
     ``snapshot.fingerprint``): left in place, not moved aside as damage.
+
+    A quantized tensor (a descriptor quantization section, or quantization
+    parameter buffers after the three block-paged ones) is refused too
+    (field ``quantization``): no importer reads those parameters, and the
+    chunk digest and MAC do not cover their buffers (:func:`~.digest.digest_header`),
+    so nothing that relies on them may pass as checked.
     """
+    for t in snap.tensors():
+        if t.quantization is not None or t.quant_buffers:
+            raise HurrayFormatError(
+                "quantization",
+                f"layer {t.layer_index} {t.kv_role} is quantized ({type(t.quantization).__name__}, "
+                f"{len(t.quant_buffers)} parameter buffers): chunks carry unquantized pools (an fp8 cache's scales "
+                "go in kv_scales), and the chunk digest does not cover quantization parameters",
+            )
     if snap.num_layers != fp.num_layers:
         raise HurrayFormatError(
             "snapshot.fingerprint", f"chunk holds {snap.num_layers} layers, its model {fp.num_layers}"

@@ -66,7 +66,8 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
     """One snapshot holding every part's KV heads, in the order given (each part: a run of heads).
 
     The parts must be the same batch exported from one engine: the same
-    layers, block tables, sequences and token ids, differing only in their
+    layers, block tables, sequences and token ids, sliding windows (which
+    tokens each layer holds) and latent split, differing only in their
     heads. The first part's metadata is kept.
 
     Raises:
@@ -91,12 +92,16 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
             and p.num_seqs == first.num_seqs
             and (not p.num_layers or p.seq_lens == first.seq_lens)
             and p.kv_scales == first.kv_scales
+            # What the first part's metadata says of every part's pools: the tokens each layer holds, the split.
+            and p.windows == first.windows
+            and p.latent == first.latent
             and all(
                 torch.equal(a.block_table, b.block_table)
                 and torch.equal(a.seq_ptr, b.seq_ptr)
                 and a.page_pool.shape[:2] == b.page_pool.shape[:2]
                 and a.page_pool.shape[3:] == b.page_pool.shape[3:]
                 and a.page_pool.dtype == b.page_pool.dtype
+                and (a.layer_index, a.kv_role) == (b.layer_index, b.kv_role)
                 for a, b in zip(p.tensors(), first.tensors(), strict=True)
             )
         )

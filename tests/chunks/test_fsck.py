@@ -141,3 +141,18 @@ def test_fsck_and_prune_do_not_follow_a_symlinked_namespace_out_of_the_store(tmp
     report = fsck(store, quarantine=True) if tool == "fsck" else prune(store, 0, stale_temp_s=3600)
     assert sorted(p.name for p in outside.iterdir()) == [".draft.tmp", "a1a1a1a1.hrry", "notes.hrry.bad", "thesis.hrry"]
     assert any("symbolic link" in s for s in report.skipped)
+
+
+def test_a_chunk_whose_pools_disagree_with_its_fingerprint_is_damage(tmp_path: Path) -> None:
+    """Every consumer refuses it (verify_chunk's geometry check) and no producer writes over it: fsck called it good."""
+    snap = spec_example_snapshot()
+    assert snap.fingerprint is not None
+    snap = replace(snap, fingerprint=replace(snap.fingerprint, head_dim=2 * snap.fingerprint.head_dim))
+    ((key, chunk),) = chunks_of(snap, 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    report = fsck(store)
+    assert report.good == 0 and len(report.damaged) == 1 and "holds 2 heads x 8" in report.damaged[0][1]
+    moved = fsck(store, quarantine=True)
+    assert moved.moved == [str(store.path(ns, key)) + ".bad"] and not store.has(ns, key)

@@ -126,3 +126,26 @@ def test_remembered_descriptor_encodings_are_each_tensors_own() -> None:
         for snap in snaps:
             for t in digest_tensors(snap):
                 assert _encoded_descriptor(t, {}) == encode_descriptor(t.descriptor(device_tag=0))
+
+
+def test_a_quantized_chunk_is_refused_by_the_check_every_consumer_runs() -> None:
+    """Quantization parameter buffers are outside the digest (and MAC): a chunk that has any must not pass."""
+    from hurray_vllm.chunks.digest import chunk_digest
+    from hurray_vllm.chunks.verify import verify_chunk
+
+    chunk = _chunk()
+    assert chunk.fingerprint is not None
+    tokens = list(chunk.token_ids[0])
+    verify_chunk(chunk, chunk.fingerprint, tokens)
+    k = chunk.keys[0]
+    params = [
+        replace(chunk, keys=(replace(k, quant_buffers=(torch.full((8,), b, dtype=torch.uint8),)), *chunk.keys[1:]))
+        for b in (0, 255)
+    ]
+    assert chunk_digest(params[0]) == chunk_digest(params[1])  # why: the digest does not see them
+    section = replace(chunk, keys=(replace(k, quantization=PerTensorAffine(0.5)), *chunk.keys[1:]))
+    for bad in (*params, section):
+        signed = replace(bad, extra={**bad.extra, DIGEST_KEY: chunk_digest(bad)})
+        with pytest.raises(hv.HurrayFormatError, match="quantized") as err:
+            verify_chunk(signed, chunk.fingerprint, tokens)
+        assert err.value.field == "quantization"

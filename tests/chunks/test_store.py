@@ -352,3 +352,177 @@ def test_fsck_does_not_call_a_chunk_pruned_while_it_was_read_damaged(
     monkeypatch.setattr(DirectoryStore, "get", get)
     report = fsck(store)
     assert report.clean and report.checked == 0 and not report.damaged
+
+
+def _crafted_chunk_file(store: DirectoryStore, ns: str, key: str, edit: Callable[[list], None]) -> Path:
+    """The spec example's chunk written under ``key`` after ``edit`` changed its records (a list, in file order)."""
+    from hurray_vllm.containers.hrryfile import write_file
+    from hurray_vllm.containers.schema import snapshot_records
+
+    ((_, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    records = list(snapshot_records(chunk))
+    edit(records)
+    path = store.path(ns, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(records, path)
+    return path
+
+
+def test_a_header_whose_metadata_record_has_no_buffer_is_unreadable_not_an_index_error(tmp_path: Path) -> None:
+    """header() ran unchecked code on the metadata record: a uint8 record with no buffer raised IndexError, which
+    reached vLLM's scheduler (has_states, parts_with_states) and stopped the engine."""
+    from hurray_vllm.containers.schema import Record
+
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    assert store.header(ns, key) is not None and not store.has_states(ns, key)
+
+    def no_buffer(records: list) -> None:
+        meta = records[1]
+        assert meta.name == "snapshot.meta"
+        records[1] = Record(meta.name, replace(meta.descriptor, buffers=(), shape=(0,)), [])
+
+    path = _crafted_chunk_file(store, ns, key, no_buffer)
+    assert store.header(ns, key) is None and not store.has_states(ns, key)
+    assert store.parts_with_states(ns, key, 2) == (store.parts(ns, key, 2), False)
+    from hurray_vllm.chunks.store import read_header
+
+    with pytest.raises(hv.HurrayFormatError) as err:
+        read_header(path)
+    assert err.value.field == "snapshot.meta"
+    with pytest.raises(hv.HurrayFormatError):
+        store.get(ns, key)
+
+
+def test_a_header_record_too_large_for_a_header_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hurray_vllm.chunks import store as store_module
+    from hurray_vllm.chunks.store import read_header
+
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    monkeypatch.setattr(store_module, "_MAX_META_BYTES", 16)  # the metadata record holds far more
+    with pytest.raises(hv.HurrayFormatError, match="more than a snapshot header's record holds"):
+        read_header(store.path(ns, key))
+    assert store.header(ns, key) is None
+
+
+def _within(call: Callable[[], object], unblock: Path | None = None, timeout: float = 10.0) -> object:
+    """``call()``'s result or the exception it raised, run on a thread: it must finish within ``timeout`` seconds.
+
+    ``unblock``: a FIFO whose reader is let go (a writer opens it) if the call hangs, so that the test ends.
+    """
+    import os
+    import threading
+
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # the verdict is the caller's
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        if unblock is not None:
+            os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"{call} blocked for {timeout} s")
+    return out[0]
+
+
+def test_a_pipe_at_a_chunks_name_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO swapped in under a key (after any check of it) blocked the scheduler's open forever."""
+    import os
+
+    from hurray_vllm.containers.hrryfile import HrryFile, read_whole
+
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    path = store.path(ns, key)
+    path.unlink()
+    os.mkfifo(path)
+    assert _within(lambda: store.header(ns, key), path) is None
+    from hurray_vllm.chunks.store import read_header
+
+    for call in (
+        lambda: read_whole(path),
+        lambda: read_header(path),
+        lambda: HrryFile(path),
+        lambda: store.get(ns, key),
+    ):
+        got = _within(call, path)
+        assert isinstance(got, hv.HurrayFormatError) and got.field == "file", got
+        assert "not a regular file" in str(got)
+
+
+def test_a_symbolic_link_at_a_chunks_name_is_not_read_through(tmp_path: Path) -> None:
+    import errno as errno_module
+
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
+    path = store.path(ns, key)
+    elsewhere = tmp_path / "elsewhere.hrry"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)
+    assert store.header(ns, key) is None
+    with pytest.raises(OSError) as err:
+        store.get(ns, key)
+    assert err.value.errno == errno_module.ELOOP
+    assert hv.load(path).token_ids == chunk.token_ids  # a user's own load of a link still follows it
+
+
+def test_a_sparse_file_larger_than_any_chunk_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 100 GiB sparse file under a key's name: the read allocated its size before parsing anything (OOM)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hurray_vllm.chunks import store as store_module
+
+    assert store_module.MAX_CHUNK_FILE_BYTES >= 1 << 30
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    monkeypatch.setattr(store_module, "MAX_CHUNK_FILE_BYTES", 1 << 20)
+    assert store.get(ns, key).token_ids  # a real chunk is far smaller
+    path = store.path(ns, key)
+    os.truncate(path, 100 << 30)  # sparse: nothing is written
+    assert path.stat().st_blocks * 512 < 1 << 30
+    with pytest.raises(hv.HurrayFormatError) as err:
+        store.get(ns, key)
+    assert err.value.field == "file.size" and str(100 << 30) in str(err.value) and str(1 << 20) in str(err.value)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(hv.HurrayFormatError) as ahead:
+        store.reader(ns, [key], pool.submit).get(key)
+    assert ahead.value.field == "file.size"
+
+
+def test_prune_with_keys_keeps_a_signed_chunk_it_cannot_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error reading a chunk's key id said "not ours" and deleted a validly signed chunk."""
+    import builtins
+    import os
+
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+
+    keys = FleetKeys.from_secrets(b"k" * 32)
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    store.put(ns, key, sign_chunk(chunk, keys, ns, key))
+    store.put(ns, "a1" * 8, chunk)  # unsigned: goes
+    path = store.path(ns, key)
+    real_open, real_os_open = builtins.open, os.open
+
+    def failing(real: Callable[..., object]) -> Callable[..., object]:
+        def call(file: object, *args: object, **kwargs: object) -> object:
+            if isinstance(file, str | os.PathLike) and os.fspath(file) == str(path):
+                raise OSError(errno.EIO, "Input/output error", str(path))
+            return real(file, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(builtins, "open", failing(real_open))
+    monkeypatch.setattr(os, "open", failing(real_os_open))
+    report = store.prune(1 << 40, keys=keys)
+    monkeypatch.undo()
+    assert path.exists() and not store.has(ns, "a1" * 8)
+    assert report.foreign_removed == 1 and any(str(path) in s and "Input/output" in s for s in report.skipped)
+    assert store.prune(1 << 40, keys=keys).foreign_removed == 0 and store.has(ns, key)  # readable again: ours

@@ -491,3 +491,17 @@ def test_memory_running_out_is_not_a_verdict_on_the_file(
     assert cli.main(["inspect", str(path)]) == 1
     err = capsys.readouterr().err
     assert "out of memory" in err and "invalid input" not in err
+
+
+def test_read_whole_refuses_a_file_over_its_bound_before_allocating(tmp_path: Path) -> None:
+    from hurray_vllm.containers.hrryfile import read_whole
+
+    path = tmp_path / "sparse.hrry"
+    with open(path, "wb") as f:
+        f.truncate(100 << 30)  # sparse: nothing is written, nothing may be read
+    with pytest.raises(hv.HurrayFormatError) as err:
+        read_whole(path, max_bytes=1 << 20)
+    assert err.value.field == "file.size" and str(100 << 30) in str(err.value)
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 10)
+    assert bytes(read_whole(small, max_bytes=10).view) == b"x" * 10

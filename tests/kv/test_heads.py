@@ -246,3 +246,17 @@ def test_select_heads_takes_runs_of_consecutive_heads_only() -> None:
             select_heads(whole, stepped)
     with pytest.raises(hv.HurrayFormatError):
         rank_heads(0, 2, 0)  # was a ZeroDivisionError
+
+
+def test_parts_of_other_sliding_windows_are_refused() -> None:
+    """The joined snapshot keeps the first part's windows: a part that holds other tokens of a layer cannot join."""
+    from synthetic import make_snapshot
+
+    whole = make_snapshot([6, 3], [0, 1], 4, heads=2, dim=8)
+    full = hv.SlidingWindows((None, None), ((0, 0), (0, 0)))
+    windowed = hv.SlidingWindows((4, None), ((2, 0), (0, 0)))
+    a, b = (_shard(replace(whole, windows=w), r) for w, r in ((full, range(0, 1)), (windowed, range(1, 2))))
+    with pytest.raises(hv.HurrayFormatError, match="another batch or layout") as err:
+        concat_heads([a, b])
+    assert err.value.field == "snapshot.structure"
+    assert concat_heads([a, replace(b, windows=full)]).windows == full
