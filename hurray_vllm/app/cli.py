@@ -56,6 +56,16 @@ examples:
                                                verify every chunk file, move the damaged ones aside
   hurray-vllm router --listen 0.0.0.0:9000 --backend http://a:8000 --backend http://b:8000
                                                one OpenAI endpoint over vLLM servers: routing, migration, failover
+
+exit status:
+  0    success (validate: the file is valid, as load reads it; fsck: every chunk is good)
+  1    the data or the operation failed: an invalid file (the line says which field), a damaged chunk,
+       a demo check FAILED, a server that could not be reached or answered wrongly, a permission
+  2    a bad call: an option refused, a path that is missing, a directory given for a file (or a file
+       for a directory), '-' for a path, an optional package missing
+  3    an internal error: a bug (HURRAY_VLLM_DEBUG=1 shows the traceback; please report it)
+  130  interrupted (Ctrl-C)
+  141  standard output closed early (e.g. piped into head): the rest is not printed
 """
 
 
@@ -224,29 +234,43 @@ def cmd_validate(args: argparse.Namespace) -> int:
         )
     # A file that is not there is the call's error, as in every other command (stderr, exit 2), not a verdict.
     if not Path(args.path).exists():
-        raise FileNotFoundError(2, "No such file or directory", args.path)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", args.path)
     if Path(args.path).is_dir():
-        raise IsADirectoryError(21, "Is a directory", args.path)
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", args.path)
     checked = validate(args.path, permissive=args.permissive)
     blocking = set(id(v) for v in checked.errors)
     # What stopped parsing (a truncated file, a bad magic) is always an error; print it too.
     for v in (*checked.violations, *checked.unreadable):
         tag = "error" if id(v) in blocking else "waived"
         print(f"{tag}: {v.invariant}: {v.message}")
-    if checked.ok and where is not None:
+    if checked.ok:
+        # validate == load: KV that load refuses (a lone key record, a layer missing) is not valid, whatever
+        # the Hurray rules of each record say; and a chunk's MAC is checked on what load reads.
         from ..chunks.store import check_data
         from ..containers.io import load
 
         try:
-            check_data(load(args.path, mmap=False), keys, *where)
+            if where is not None or _holds_block_paged(args.path):
+                snap = load(args.path, permissive=args.permissive, mmap=where is None)
+                if where is not None:
+                    check_data(snap, keys, *where)
         except HurrayFormatError as exc:
-            print(f"error: {exc}")
+            for v in exc.violations:
+                print(f"error: {v.invariant}: {v.message}")
             return 1
     if checked.ok:
         if not args.quiet:
             print(f"{args.path}: valid" + (" (permissive)" if args.permissive else ""))
         return 0
     return 1
+
+
+def _holds_block_paged(path: str) -> bool:
+    """Whether the file at ``path`` holds a block-paged record: KV, which only :func:`load` can call valid."""
+    try:
+        return any(r.descriptor.layout_tag == LAYOUT_BLOCK_PAGED for r in open_records(path, permissive=True))
+    except (*PARSE_ERRORS, MemoryError) as exc:
+        raise read_error(exc, str(path)) from exc
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -257,7 +281,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise HurrayArgumentError("output", f"{out} is the input file: write the conversion to another path")
     out_fmt = args.to or SUFFIX_FORMATS.get(out.suffix.lower())
     if out_fmt is None:
-        out_fmt = "stream" if src_fmt == "hrry" else "hrry"
+        raise HurrayArgumentError(
+            "to",
+            f"cannot tell the format to write from the name {out.name!r}: end it in "
+            f"{', '.join(SUFFIX_FORMATS)} or give --to {{{','.join(dict.fromkeys(SUFFIX_FORMATS.values()))}}}",
+        )
     if args.page_size or "safetensors" in (src_fmt, out_fmt):
         # Snapshot-level: repaging and safetensors need whole snapshots.
         from ..containers.io import load, save
@@ -303,7 +331,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else None
     if args.format_only:
         return run_format_demo(workdir, quiet=args.quiet, keep=args.keep)
-    return run_vllm_demo(workdir, quiet=args.quiet, verbose=args.verbose, keep=args.keep)
+    try:
+        return run_vllm_demo(workdir, quiet=args.quiet, verbose=args.verbose, keep=args.keep)
+    except ImportError as exc:  # vLLM or transformers missing (or broken): what to install, not a bug report
+        raise HurrayArgumentError(
+            "demo",
+            f"{exc}; the full demo runs vLLM and transformers: pip install 'hurray-vllm[vllm]' "
+            "(see docs/quickstart.md), or run 'hurray-vllm demo --format-only', which needs neither",
+        ) from None
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -438,6 +473,15 @@ def _page_size(text: str) -> int:
     if not 1 <= n <= _MAX_PAGE_SIZE:
         raise argparse.ArgumentTypeError(f"not a page size: {text!r} (a number of tokens, 1 to {_MAX_PAGE_SIZE})")
     return n
+
+
+def _input_path(text: str) -> str:
+    """A file to read: ``-`` would be a file named ``-``, where a user means standard input (not offered)."""
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "'-' (standard input) is not supported: name the file to read (save a piped stream to a file first)"
+        )
+    return text
 
 
 def _output_path(text: str) -> str:
@@ -620,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
         "num_seqs, seq_lens when known, referenced and shared pages, bytes. "
         "Example: hurray-vllm inspect snapshot.hrry --json",
     )
-    s.add_argument("path")
+    s.add_argument("path", type=_input_path, help="a .hrry file, .hrrs stream or .safetensors file")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("-q", "--quiet", action="store_true", help="omit per-sequence details")
     s.set_defaults(func=cmd_inspect)
@@ -631,10 +675,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prints one line per violation, naming the invariant. "
         "Example: hurray-vllm validate snapshot.hrry --permissive",
     )
-    s.add_argument("path")
+    s.add_argument("path", type=_input_path, help="a .hrry file, .hrrs stream or .safetensors file")
     s.add_argument("--permissive", action="store_true", help="waive what the spec lets permissive readers waive")
     _add_key_file(s, "a chunk file of a store must then carry a valid MAC")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help='print no "valid" line (violations are still printed)')
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser(
@@ -644,12 +688,17 @@ def build_parser() -> argparse.ArgumentParser:
         "are not part of a hurray-vllm snapshot; .safetensors and --page-size work on whole snapshots. "
         "Example: hurray-vllm convert snapshot.hrrs snapshot.safetensors --page-size 256",
     )
-    s.add_argument("input")
+    s.add_argument("input", type=_input_path, help="the file to read: .hrry, .hrrs or .safetensors")
     s.add_argument("output", type=_output_path, help="the file to write (a path: not '-', standard output)")
-    s.add_argument("--to", choices=["hrry", "stream", "safetensors"], help="output format (default: from the suffix)")
+    s.add_argument(
+        "--to",
+        choices=["hrry", "stream", "safetensors"],
+        help="output format (default: from the output's suffix: "
+        f"{', '.join(f'{k} {v}' for k, v in SUFFIX_FORMATS.items())}; another suffix needs --to)",
+    )
     s.add_argument("--page-size", type=_page_size, help="repage to pages of this many tokens on the way")
     s.add_argument("--permissive", action="store_true", help="carry over descriptors with waivable violations")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help="print no progress bar and no summary line")
     s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser(
@@ -670,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--timeout", type=_seconds, default=600.0, help="seconds each call to a server may take (default 600)"
     )
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the tokens and the counts as one JSON object")
     s.set_defaults(func=cmd_migrate)
 
     s = sub.add_parser(
@@ -724,7 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-cert", help="serve TLS with this certificate (PEM; senders use tls://HOST:PORT)")
     s.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
     s.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help="print no start-up line")
     s.set_defaults(func=cmd_receive)
 
     s = sub.add_parser(
@@ -739,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
     _add_key_file(s, "chunks no key of the ring signed are deleted first")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true", help="print no report (--json is still printed)")
     s.set_defaults(func=cmd_prune)
 
     s = sub.add_parser(
@@ -755,7 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_key_file(s, "checks each chunk's MAC instead of its checksum; unsigned chunks and other keys' are listed")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument(
+        "-q", "--quiet", action="store_true", help="list nothing (--json is still printed); the exit status still tells"
+    )
     s.set_defaults(func=cmd_fsck)
 
     s = sub.add_parser(
@@ -816,7 +867,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_key_file(s, "with a key, /hurray/* needs 'Authorization: Bearer TOKEN' (a token of any key of the ring)")
     s.add_argument("--print-token", action="store_true", help="print the control token of the signing key and exit")
-    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="the router's and its HTTP server's log level, on stderr (default warning)",
+    )
     s.set_defaults(func=cmd_router)
 
     s = sub.add_parser(
@@ -832,30 +888,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--format-only", action="store_true", help="only the format round trip on the spec's example (no vLLM)"
     )
     s.add_argument("-v", "--verbose", action="store_true", help="show vLLM's and torch's logs (default: into demo.log)")
-    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing (a --keep directory's path still goes to stderr)"
+    )
     s.set_defaults(func=cmd_demo)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``hurray-vllm`` on ``argv`` (default ``sys.argv[1:]``); returns the exit code (bad input 1, bad call 2)."""
+    """Run ``hurray-vllm`` on ``argv`` (default ``sys.argv[1:]``); returns the exit code (the --help epilog's)."""
     for stream in (sys.stdout, sys.stderr):
         # A path that is not UTF-8 (bytes the file system allows) is printed escaped, not a crash.
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at exit where nothing can catch it
+        return code
+    except BrokenPipeError:  # `hurray-vllm inspect big.hrrs | head`: the reader has what it wanted
+        # Python's recipe: what is still buffered goes nowhere, instead of failing again at exit.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (tests' capture)
+            pass
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
     except HurrayArgumentError as exc:  # an option the library refused: the call, not the data
         print(f"hurray-vllm: {exc}", file=sys.stderr)
         return 2
     except HurrayFormatError as exc:
         print(f"hurray-vllm: invalid input: {exc}", file=sys.stderr)
         return 1
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:  # the path given: the call's error
         print(f"hurray-vllm: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a directory, a permission, an unreachable server: say which
+    except OSError as exc:  # a permission, a full disk, an unreachable server: say which
         where = f": {exc.filename}" if exc.filename else ""
         print(f"hurray-vllm: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1

@@ -65,14 +65,14 @@ def run_format_demo(workdir: Path | None = None, *, quiet: bool = False, keep: b
 
     Args:
         workdir: Where to write the files (kept); default a temporary directory.
-        quiet: Print nothing.
+        quiet: Print nothing on stdout (a kept temporary directory is named on stderr).
         keep: Keep the temporary directory (its path is printed).
 
     Example:
         >>> run_format_demo(quiet=True)
         0
     """
-    with _work_dir(workdir, keep) as out:
+    with _work_dir(workdir, keep, quiet) as out:
         snap = spec_example_snapshot()
         desc = encode_descriptor(snap[3, "key"].descriptor())
         checks = _Checks()
@@ -130,8 +130,12 @@ class _Checks:
 
 
 @contextmanager
-def _work_dir(workdir: Path | None, keep: bool) -> Iterator[Path]:
-    """``workdir`` (created, kept), or a fresh temporary directory removed afterwards unless ``keep``."""
+def _work_dir(workdir: Path | None, keep: bool, quiet: bool = False) -> Iterator[Path]:
+    """``workdir`` (created, kept), or a fresh temporary directory removed afterwards unless ``keep``.
+
+    A kept temporary directory is named on stderr when ``quiet`` (the summary that names it is not printed):
+    its path is known nowhere else.
+    """
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
         yield workdir
@@ -142,6 +146,8 @@ def _work_dir(workdir: Path | None, keep: bool) -> Iterator[Path]:
     finally:
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
+        elif quiet:
+            print(f"hurray-vllm demo: files kept in {tmp}", file=sys.stderr, flush=True)
 
 
 def _where(out: Path, files: list[Path], *, kept: bool) -> str:
@@ -155,10 +161,17 @@ def _where(out: Path, files: list[Path], *, kept: bool) -> str:
 
 
 def _tiny_llama(path: Path) -> Path:
+    """The demo's model at ``path``: reused when a --workdir holds a whole one, else built.
+
+    Built beside ``path`` and renamed into place: transformers writes ``config.json`` before the weights, so
+    a build interrupted in place would leave a directory taken for a model.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if (path / "config.json").exists():
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
         return path
+    if path.exists():  # an older version's interrupted build: no weights
+        shutil.rmtree(path)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         num_hidden_layers=4,
@@ -170,13 +183,20 @@ def _tiny_llama(path: Path) -> Path:
         vocab_size=512,
         max_position_embeddings=1024,
     )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 
 DEMO_BLOCK = 32
 DEMO_STEPS = 6  # decode steps before the snapshot
 DEMO_TOKENS = 16  # tokens generated in total
+SECOND_ENGINE_TIMEOUT = 600.0  # seconds the second engine's process may take
 
 
 def demo_prompts() -> dict[str, list[int]]:
@@ -213,12 +233,18 @@ def run_vllm_demo(
 
     Args:
         workdir: Where to write the model, the files and the chunk store (kept); default a temporary directory.
-        quiet: Print nothing.
+        quiet: Print nothing on stdout (a kept temporary directory is named on stderr).
         verbose: Show vLLM's, transformers' and torch's logs (otherwise they go to ``demo.log`` in the work
             directory, whose end is printed if a step fails).
         keep: Keep the temporary directory (its path is printed).
     """
+    import importlib.util
+
+    for package in ("vllm", "transformers"):  # before any work: a missing one is said at once, not after a build
+        if importlib.util.find_spec(package) is None:
+            raise ModuleNotFoundError(f"No module named {package!r}", name=package)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # a demo reports nothing to vLLM's usage statistics
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
 
@@ -226,7 +252,7 @@ def run_vllm_demo(
         if not quiet:
             print(msg, flush=True)
 
-    with _work_dir(workdir, keep) as out:
+    with _work_dir(workdir, keep, quiet) as out:
         t_start = time.perf_counter()
         checks = _Checks()
         say("1/7 building the native kernels (once per machine; cached afterwards)")
@@ -402,11 +428,20 @@ def _second_engine(
         "connector": {"hurray_path": str(out / "store"), "hurray_chunk_tokens": chunk},
     }
     (out / "engine2.json").write_text(json.dumps(cfg))
-    proc = subprocess.run(
-        [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate", str(out / "engine2.json"),
-         str(out / "engine2.out")],
-        stdout=None if verbose else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hurray_vllm.adapters.vllm._generate", str(out / "engine2.json"),
+             str(out / "engine2.out")],
+            stdout=None if verbose else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            timeout=SECOND_ENGINE_TIMEOUT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:  # killed: a failed check, with what it said, not a crash
+        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        sys.stderr.write(said)  # into demo.log unless --verbose
+        print(f"the second engine did not finish within {exc.timeout:.0f} s and was stopped:\n{said[-3000:]}",
+              flush=True)  # fmt: skip
+        checks.add("second vLLM engine continues with identical tokens", False)
+        return written, {}
     sys.stderr.write(proc.stderr)  # into demo.log unless --verbose
     if proc.returncode:
         print(f"the second engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)

@@ -90,7 +90,9 @@ def test_tools_work_on_foreign_single_descriptors(hurray, tmp_path: Path, capsys
         w.write(to_reference(hurray, k))
     assert main(["inspect", str(tmp_path / "one.hrrs")]) == 0
     assert "block_paged" in capsys.readouterr().out
-    assert main(["validate", str(tmp_path / "one.hrrs")]) == 0
+    # Valid Hurray records, but one key and no value is no KV that load reads: validate says what load says.
+    assert main(["validate", str(tmp_path / "one.hrrs")]) == 1
+    assert "error: layer_index: layers [3] are not 0..0" in capsys.readouterr().out
     assert main(["convert", "-q", str(tmp_path / "one.hrrs"), str(tmp_path / "one.hrry")]) == 0
     assert set(hurray.load(str(tmp_path / "one.hrry"))) == {"layers.3.key"}
     assert main(["convert", "-q", str(tmp_path / "one.hrry"), str(tmp_path / "back.hrrs")]) == 0
@@ -197,6 +199,9 @@ def test_a_refused_option_is_one_line_and_exit_2(
         ["convert", "{file}", "-"],
         ["convert", "{file}", "{dir}/out.hrrs", "--page-size", "131072"],
         ["receive", "--listen", "[localhost]:0", "--dir", "{dir}"],
+        ["inspect", "-"],
+        ["validate", "-"],
+        ["convert", "-", "{dir}/out.hrrs"],
     ],
     ids=[
         "size inf", "size 1e400", "size negative", "size half a byte", "page 2^40", "page 0", "listen no port",
@@ -204,7 +209,7 @@ def test_a_refused_option_is_one_line_and_exit_2(
         "quota not a size", "backend not http", "unknown policy", "timeout nan", "idle inf", "health nan",
         "stream timeout negative", "kv slack negative", "kv slack fraction",
         "migrate not a url", "listen ipv6 bare", "convert to stdout", "page 2^17",
-        "listen brackets not ipv6",
+        "listen brackets not ipv6", "inspect stdin", "validate stdin", "convert stdin",
     ],
 )  # fmt: skip
 def test_bad_options_are_refused_before_anything_runs(
@@ -481,3 +486,214 @@ def test_router_options_reach_the_router_and_its_defaults_are_the_routers(
     with pytest.raises(SystemExit):
         main(["router", "--help"])
     assert f"(default {KV_LOAD_SLACK})" in " ".join(capsys.readouterr().out.split())
+
+
+# ── found in review: validate == load, exit codes, pipes, the demo's failures ──
+
+
+def test_validate_says_what_load_says_of_kv_outside_a_snapshot(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A block-paged record under another name, alone: valid Hurray, but load refuses it, and so must validate."""
+    from hurray_vllm.containers.io import open_records, save_records
+    from hurray_vllm.containers.schema import Record
+
+    (rec,) = [r for r in open_records(files / "s.hrry") if r.name == "layers.0.key"]
+    save_records([Record("kv0", rec.descriptor, rec.buffers)], files / "kv0", format="hrry")
+    with pytest.raises(hv.HurrayFormatError) as refused:
+        hv.load(files / "kv0")
+    for permissive in ([], ["--permissive"]):
+        assert main(["validate", *permissive, str(files / "kv0")]) == 1
+        out = capsys.readouterr().out
+        assert out == f"error: {refused.value}\n", out
+    assert main(["validate", str(files / "s.hrrs")]) == 0  # a whole snapshot still is valid
+
+
+def test_validate_permissive_checks_a_chunks_mac_permissively(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--permissive --key-file: the MAC is checked on the snapshot a permissive load reads, not a strict one."""
+    from dataclasses import replace
+
+    from synthetic import example_chunk, save_unchecked
+
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+
+    ns, key, chunk = example_chunk()
+    waivable = replace(chunk, token_ids=tuple(ids[:2] for ids in chunk.token_ids))  # fewer ids than KV tokens
+    path = tmp_path / ns / f"{key}.hrry"
+    path.parent.mkdir()
+    save_unchecked(sign_chunk(waivable, FleetKeys.from_secrets(b"k" * 32), ns, key), path)
+    key_file = tmp_path / "fleet.key"
+    key_file.write_bytes(b"k" * 32)
+    key_file.chmod(0o600)
+    assert main(["validate", "--key-file", str(key_file), str(path)]) == 1
+    assert "snapshot.token_ids" in capsys.readouterr().out
+    assert main(["validate", "--permissive", "--key-file", str(key_file), str(path)]) == 0
+    assert capsys.readouterr().out.endswith("valid (permissive)\n")
+    other = tmp_path / "other.key"
+    other.write_bytes(b"o" * 32)
+    other.chmod(0o600)
+    assert main(["validate", "--permissive", "--key-file", str(other), str(path)]) == 1  # the MAC is still checked
+
+
+def test_a_path_of_the_wrong_kind_is_the_callers_mistake_exit_2(
+    files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = [
+        (["inspect", str(tmp_path)], "Is a directory"),
+        (["validate", str(tmp_path)], "Is a directory"),
+        (["convert", str(tmp_path), str(tmp_path / "x.hrrs")], "directory"),
+        (["fsck", str(files / "s.hrry")], "Not a directory"),
+        (["prune", str(files / "s.hrry"), "--max-size", "1G"], "Not a directory"),
+        (["inspect", str(files / "s.hrry" / "x.hrry")], "Not a directory"),
+    ]
+    for argv, says in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, (argv, err)
+
+
+def test_help_documents_every_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    section = out[out.index("exit status:") :]
+    for code in (0, 1, 2, 3, 130, 141):
+        assert f"\n  {code} " in section, code
+
+
+def test_every_argument_has_help() -> None:
+    import argparse
+
+    from hurray_vllm.app.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [
+        f"{name} {action.dest}"
+        for name, parser in sub.choices.items()
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
+    assert not missing, missing
+
+
+def test_stdin_as_input_says_it_is_not_supported(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", "-", str(files / "out.hrrs")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'-' (standard input) is not supported" in err and "No such file" not in err
+
+
+def test_output_closed_early_is_quiet_and_exit_141(files: Path) -> None:
+    """`hurray-vllm inspect big.hrrs | head -1`: no "Broken pipe" message, no traceback, the shell's 141."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # a reader that has gone: every write fails
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "hurray_vllm.app.cli", "inspect", str(files / "s.hrrs")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert run.returncode == 141 and run.stderr == "", (run.returncode, run.stderr)
+
+
+def test_convert_refuses_an_output_suffix_it_cannot_read_a_format_from(
+    files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The format comes from the suffix (or --to): out.txt is not silently a stream."""
+    out = files / "out.txt"
+    assert main(["convert", str(files / "s.hrry"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ".hrry, .hrrs, .safetensors" in err and "--to" in err and not out.exists()
+    assert main(["convert", "-q", "--to", "stream", str(files / "s.hrry"), str(out)]) == 0
+    assert hv.load(out).num_layers == 2
+
+
+def test_demo_without_vllm_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    assert main(["demo", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "vllm" in err and "pip install" in err and "--format-only" in err and "internal error" not in err, err
+
+
+def test_demo_keep_quiet_still_names_the_kept_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import shutil
+
+    assert main(["demo", "--format-only", "--keep", "-q"]) == 0
+    captured = capsys.readouterr()
+    found = re.search(r"(\S*hurray-vllm-demo-\S+)", captured.err)
+    assert captured.out == "" and found, captured
+    assert (Path(found.group(1)) / "spec-example.hrry").is_file()
+    shutil.rmtree(found.group(1))
+
+
+def test_demo_engines_report_no_usage_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from hurray_vllm.app import demo
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(name, "0")  # restored afterwards: the demo sets them
+    monkeypatch.delenv("VLLM_NO_USAGE_STATS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())
+    seen: list[str | None] = []
+
+    def stop() -> tuple[float, str]:  # the first step: the engines start after it
+        import os
+
+        seen.append(os.environ.get("VLLM_NO_USAGE_STATS"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_native_kernels", stop)
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_vllm_demo(quiet=True)
+    assert seen == ["1"]
+
+
+def test_demo_second_engine_timeout_is_a_failed_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hurray_vllm.app import demo
+
+    def too_slow(cmd: list[str], **kwargs: Any) -> None:
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], stderr=b"still loading")
+
+    monkeypatch.setattr(subprocess, "run", too_slow)
+    snap = spec_example_snapshot()
+    prompts = {"seq-0": list(snap.token_ids[0][:5]), "seq-1": list(snap.token_ids[1][:3])}
+    run = demo._FirstRun(snap, prompts, {"seq-0": [1, 2, 3], "seq-1": [1, 2]}, 0.1)
+    checks = demo._Checks()
+    assert demo._second_engine(Path("model"), run, tmp_path, checks, verbose=False)[1] == {}
+    assert checks.exit_code() == 1
+    assert "did not finish within 600 s" in capsys.readouterr().out
+
+
+def test_demo_model_interrupted_mid_build_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers writes config.json before the weights: a Ctrl-C then must not leave a "model" behind."""
+    transformers = require("transformers")
+    from hurray_vllm.app.demo import _tiny_llama
+
+    def interrupted(self: Any, path: Path, **kwargs: Any) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    model = tmp_path / "tiny-llama"
+    with monkeypatch.context() as m:
+        m.setattr(transformers.LlamaForCausalLM, "save_pretrained", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _tiny_llama(model)
+    assert list(tmp_path.iterdir()) == []  # neither the model nor its temporary directory
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # an interrupted build of an earlier version: no weights
+    assert _tiny_llama(model) == model
+    assert (model / "config.json").stat().st_size > 2 and list(model.glob("*.safetensors"))
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]
