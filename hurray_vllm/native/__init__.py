@@ -121,33 +121,62 @@ def library() -> ctypes.CDLL | None:
         if disabled():
             reason = DISABLED
         else:
-            digest = hashlib.sha256()
-            for name in _SOURCES:
-                digest.update((_HERE / name).read_bytes())
-            digest.update(" ".join(_FLAGS).encode())
-            digest.update(platform.machine().encode())
-            name = f"cpu_packed-{digest.hexdigest()[:16]}.so"
-            target = cache_dir() / name
             try:
-                if not target.exists():
-                    try:
-                        _build(target)
-                    except OSError as exc:
-                        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                            raise
-                        # A read-only home (containers): build into a per-user temporary directory instead.
-                        target = _private_dir(Path(tempfile.gettempdir()) / f"hurray-vllm-{os.getuid()}") / name
-                        if not target.exists():
-                            _build(target)
-                        _check_owned(target)
-                import torch  # noqa: F401  (load torch's libgomp first, so the kernels share it)
-
-                lib = ctypes.CDLL(str(target))
+                lib = _load()
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 reason = f"native kernels unavailable, using torch copies: {exc}"
                 log.info(reason)
         _state["lib"], _state["reason"] = lib, reason
         return lib
+
+
+def _load() -> ctypes.CDLL:
+    """Build (unless built) and load the kernels, their functions' prototypes declared."""
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((_HERE / name).read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(platform.machine().encode())
+    name = f"cpu_packed-{digest.hexdigest()[:16]}.so"
+    try:
+        base: Path | None = cache_dir()
+    except RuntimeError:  # no home: a container's user without a passwd entry or $HOME
+        base = None
+    target: Path | None = None
+    if base is not None:
+        try:
+            # Only a directory this user alone may write to: another user's library planted there would run
+            # inside the engine (the file's name is public: a hash of these sources).
+            target = _private_dir(base) / name
+            if not target.exists():
+                _build(target)
+            _check_owned(target)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            target = None  # read-only, or others may write to it
+    if target is None:
+        # Build into a per-user temporary directory instead.
+        target = _private_dir(Path(tempfile.gettempdir()) / f"hurray-vllm-{os.getuid()}") / name
+        if not target.exists():
+            _build(target)
+        _check_owned(target)
+    import torch  # noqa: F401  (load torch's libgomp first, so the kernels share it)
+
+    lib = ctypes.CDLL(str(target))
+    # Declared here, once, under library()'s lock, before any caller sees the library: declared lazily by
+    # each caller, a second thread could call a function whose argtypes were set but not yet its restype
+    # (ctypes' default c_int turned a CRC above 2**31 negative).
+    _declare(lib.hurray_crc32c, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_uint32)
+    segments_args = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    _declare(lib.hurray_crc32c_segments, segments_args, ctypes.c_uint32)
+    _declare(lib.hurray_update_segments, [ctypes.c_void_p] * 4 + [ctypes.c_size_t], ctypes.c_int)
+    return lib
+
+
+def _declare(fn: Any, argtypes: list[Any], restype: Any) -> None:
+    fn.restype = restype  # first: argtypes set is what tells a function declared
+    fn.argtypes = argtypes
 
 
 def unavailable_reason() -> str | None:
@@ -166,10 +195,7 @@ def crc32c_tensors(tensors: Sequence[torch.Tensor], crc: int = 0) -> int | None:
     lib = library()
     if lib is None:
         return None
-    fn = lib.hurray_crc32c_segments
-    if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
+    fn = lib.hurray_crc32c_segments  # declared by library()
     return int(fn(crc, *segments(tensors, "crc32c_tensors")))
 
 
@@ -201,8 +227,7 @@ def kernel(lib: ctypes.CDLL, name: str) -> Callable[..., None]:
     """
     fn = getattr(lib, name)
     if fn.argtypes is None:
-        fn.argtypes = _ARGTYPES
-        fn.restype = None
+        _declare(fn, _ARGTYPES, None)
     return fn
 
 
@@ -215,10 +240,7 @@ def crc32c(data: memoryview | bytes | bytearray, crc: int = 0) -> int | None:
     lib = library()
     if lib is None:
         return None
-    fn = lib.hurray_crc32c
-    if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
+    fn = lib.hurray_crc32c  # declared by library()
     mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
     n = mv.nbytes
     if n == 0:

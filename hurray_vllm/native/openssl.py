@@ -124,10 +124,7 @@ class NativePoly1305:
         lib = library()
         if lib is None:
             return False
-        fn = lib.hurray_update_segments
-        if fn.argtypes is None:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-            fn.restype = ctypes.c_int
+        fn = lib.hurray_update_segments  # declared by library()
         update = ctypes.cast(self._lib.EVP_MAC_update, ctypes.c_void_p)
         if fn(update, ctx, *segments(tensors, "NativePoly1305.update_tensors")) != 0:
             raise RuntimeError("libcrypto's Poly1305 update failed")

@@ -202,6 +202,47 @@ def test_an_unwritable_cache_dir_falls_back_to_a_temporary_one(
         native._state.update(saved)
 
 
+@pytest.mark.parametrize("why", ["no home", "others may write"])
+def test_a_homeless_or_shared_cache_dir_falls_back_to_a_private_temporary_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, why: str
+) -> None:  # type: ignore[no-untyped-def]
+    """No home (Path.home() raises RuntimeError) or a cache directory others may write to: built aside, loaded."""
+    _lib()
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+        monkeypatch.delenv("HURRAY_VLLM_CACHE_DIR", raising=False)
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        if why == "no home":
+
+            def homeless() -> None:
+                raise RuntimeError("Could not determine home directory.")
+
+            monkeypatch.setattr(native.Path, "home", staticmethod(homeless))
+        else:
+            shared = tmp_path / "shared"
+            shared.mkdir()
+            shared.chmod(0o777)  # another local user could plant a library under the public name
+            monkeypatch.setenv("HURRAY_VLLM_CACHE_DIR", str(shared))
+        monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+        assert native.library() is not None, native.unavailable_reason()
+        assert list((tmp_path / "tmp").rglob("cpu_packed-*.so"))
+        if why != "no home":
+            assert not list((tmp_path / "shared").rglob("*.so"))
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+
+
+def test_the_checksums_prototypes_are_declared_before_anyone_calls_them() -> None:
+    """Declared lazily by callers, a thread could call with argtypes set and restype still c_int (negative CRCs)."""
+    lib = _lib()
+    for name in ("hurray_crc32c", "hurray_crc32c_segments"):
+        fn = getattr(lib, name)
+        assert fn.restype is ctypes.c_uint32 and fn.argtypes is not None, name
+    assert native.crc32c(b"123456789") == 0xE3069283  # above 2**31: a c_int return would make it negative
+
+
 @pytest.mark.parametrize(("isa", "dtype", "n", "d"), CASES)
 def test_scatter_inverts_gather_natively_and_in_torch(isa: str, dtype: torch.dtype, n: int, d: int, torch_only) -> None:  # type: ignore[no-untyped-def]
     """scatter writes exactly the blocks it is given (a strided cache too), and gather reads them back."""
