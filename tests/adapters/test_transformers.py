@@ -99,7 +99,12 @@ def shifted_pages(snap: hv.KVSnapshot) -> hv.KVSnapshot:
 
 
 def swapped_kv(snap: hv.KVSnapshot) -> hv.KVSnapshot:
-    return replace(snap, keys=snap.values, values=snap.keys)
+    """Keys' pages read as values and the other way round (the descriptors' roles stay right: a valid snapshot)."""
+    return replace(
+        snap,
+        keys=tuple(replace(k, page_pool=v.page_pool) for k, v in zip(snap.keys, snap.values)),
+        values=tuple(replace(v, page_pool=k.page_pool) for k, v in zip(snap.keys, snap.values)),
+    )
 
 
 @pytest.mark.vllm
