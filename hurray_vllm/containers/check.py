@@ -64,13 +64,15 @@ def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
 
 
 def _record_violations(rec: Record, seq_lens: torch.Tensor | None, permissive: bool) -> list[Violation]:
+    name = rec.name or "tensor"
     try:
         tables = index_tables(rec)
     except HurrayFormatError as exc:
-        return list(exc.violations)
+        # An index no int64 holds (a structural rule): the descriptor's own rules are still reported.
+        own = validate_descriptor(rec.descriptor, permissive=permissive).violations
+        return [Violation(v.invariant, f"{name}: {v.message}") for v in (*own, *exc.violations)]
     bt, sp = tables if tables is not None else (None, None)
     checked = validate_descriptor(rec.descriptor, block_table=bt, seq_ptr=sp, seq_lens=seq_lens, permissive=permissive)
-    name = rec.name or "tensor"
     return [Violation(v.invariant, f"{name}: {v.message}") for v in checked.violations]
 
 

@@ -156,7 +156,8 @@ def index_tables(rec: Record) -> tuple[torch.Tensor, torch.Tensor] | None:
 
     ``None`` when the record is not block-paged, lacks the buffers, or their
     sizes are not whole indices (the descriptor checks report that).
-    Raises :class:`HurrayFormatError` for a uint64 index no int64 holds.
+    Raises :class:`HurrayFormatError` for a uint64 index no int64 holds, naming the structural
+    rule it breaks (``block_table.page_id``, ``seq_ptr.last``): no mode reads past it.
     """
     d = rec.descriptor
     bp = d.block_paged
@@ -166,7 +167,7 @@ def index_tables(rec: Record) -> tuple[torch.Tensor, torch.Tensor] | None:
     if rec.buffers[1].numel() % ib or rec.buffers[2].numel() % ib:
         return None
     wide = torch.uint64 if bp.index_type_tag == 1 else torch.uint32
-    return widen_index(rec.buffers[1], wide), widen_index(rec.buffers[2], wide)
+    return widen_index(rec.buffers[1], wide, "block_table.page_id"), widen_index(rec.buffers[2], wide, "seq_ptr.last")
 
 
 _INT64_TAG = dtypes.from_torch(torch.int64).tag
@@ -351,13 +352,20 @@ def group_records(records: Iterable[Record], *, permissive: bool = False) -> Ite
         yield build(rec, 0)
 
 
-def _dense(node: Node, dtype: torch.dtype, what: str) -> torch.Tensor:
+def _dense(node: Node, dtype: torch.dtype, what: str, *, permissive: bool = False) -> torch.Tensor:
+    """A row-major record's buffer viewed as ``dtype`` of its shape.
+
+    The descriptor's own rules count as the mode says (a permissive read waives reserved
+    flags, alignment and the like, as ``validate(permissive=True)`` does); what this view
+    needs (the layout, one buffer, the type, a buffer that holds the shape) is refused in
+    every mode.
+    """
     d = node.record.descriptor
     if node.is_composite or d.layout_tag != LAYOUT_ROW_MAJOR or len(d.buffers) != 1:
         raise HurrayFormatError(what, "expected a single-buffer row-major tensor")
     if d.type_tag != dtypes.from_torch(dtype).tag:
         raise HurrayFormatError(what, f"expected {dtype}, found type tag 0x{d.type_tag:02X}")
-    raise_if(check_own(d), what)
+    raise_if(check_own(d, permissive=permissive), what)
     raw = node.record.buffers[0]
     if any(s > _MAX_DIM for s in d.shape):  # an empty buffer "holds" any shape with a 0 in it
         raise HurrayFormatError(what, f"shape {list(d.shape)} has a dimension no tensor can have")
@@ -480,13 +488,13 @@ def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta
     )
 
 
-def _parse_meta(node: Node) -> tuple[SnapshotHeader, list[tuple[int, ...]]]:
-    raw = _dense(node.members[0], torch.uint8, "snapshot.meta")
+def _parse_meta(node: Node, *, permissive: bool = False) -> tuple[SnapshotHeader, list[tuple[int, ...]]]:
+    raw = _dense(node.members[0], torch.uint8, "snapshot.meta", permissive=permissive)
     if raw.numel() > _MAX_META_BYTES:
         raise HurrayFormatError("snapshot.meta", f"{raw.numel()} bytes of metadata is implausible")
     header = decode_header(bytes(raw.numpy()))
-    ids = _dense(node.members[1], torch.int64, "snapshot.token_ids")
-    ptr = _dense(node.members[2], torch.int64, "snapshot.token_ptr")
+    ids = _dense(node.members[1], torch.int64, "snapshot.token_ids", permissive=permissive)
+    ptr = _dense(node.members[2], torch.int64, "snapshot.token_ptr", permissive=permissive)
     return header, split_tokens(ids, ptr)
 
 
@@ -524,11 +532,11 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         if is_snapshot_header(node):
             if meta is not None:
                 raise HurrayFormatError("snapshot", "two snapshot headers in one input")
-            meta, token_ids = _parse_meta(node)
+            meta, token_ids = _parse_meta(node, permissive=permissive)
             continue
         n = _layer_member_count(node)
         if n is not None:
-            lens = _dense(node.members[n], torch.int64, "seq_lens")
+            lens = _dense(node.members[n], torch.int64, "seq_lens", permissive=permissive)
             if lens.dim() != 1:
                 raise HurrayFormatError("seq_lens", f"sequence lengths must be a vector, got shape {list(lens.shape)}")
             # Every layer stores the lengths; equal ones become one tensor, as in the snapshot that was
@@ -546,7 +554,8 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
                 raise HurrayFormatError("layer_index", f"layer {idx} appears twice")
             layers[idx] = {t.kv_role: t for t in members}
             if len(node.members) == n + 2:
-                scales[idx] = kv_scale_pair(_dense(node.members[n + 1], torch.float32, "kv_scales"))
+                kv = _dense(node.members[n + 1], torch.float32, "kv_scales", permissive=permissive)
+                scales[idx] = kv_scale_pair(kv)
             order += 1
             continue
         if meta is not None and meta.states is not None and _is_state_group(node, meta.states):
@@ -591,7 +600,12 @@ def assemble_snapshot(nodes: Iterable[Node], *, permissive: bool = False) -> KVS
         kv_scales = tuple(scales[i] for i in range(len(layers)))
     states = [[m.record for m in g.members] for g in state_groups]
     return build_snapshot(
-        per_layer, token_ids, kv_scales, meta, permissive=permissive, states=[read_state_layer(r, meta) for r in states]
+        per_layer,
+        token_ids,
+        kv_scales,
+        meta,
+        permissive=permissive,
+        states=[read_state_layer(r, meta, permissive=permissive) for r in states],
     )
 
 
@@ -626,8 +640,13 @@ def _is_state_group(node: Node, layout: RecurrentStates) -> bool:
     )
 
 
-def read_state_layer(records: Sequence[Record], header: SnapshotHeader | None) -> list[torch.Tensor]:
+def read_state_layer(
+    records: Sequence[Record], header: SnapshotHeader | None, *, permissive: bool = False
+) -> list[torch.Tensor]:
     """One state layer's tensors from its records, each checked against the shape and dtype the header declares.
+
+    ``permissive``: the records' own descriptor rules count as in a permissive read (waivable
+    ones are waived); the shapes, dtypes and buffer sizes are checked in every mode.
 
     Raises:
         HurrayFormatError: (field ``snapshot.states.{name}``) a member of another
@@ -638,7 +657,8 @@ def read_state_layer(records: Sequence[Record], header: SnapshotHeader | None) -
         raise HurrayFormatError("snapshot.states", "state tensors without a header that declares them")
     out = []
     for rec, name, (shape, dt) in zip(records, layout.names, layout.declared, strict=True):
-        t = _dense(Node(rec), dtypes.element_type(dt).torch or torch.uint8, f"snapshot.states.{name}")
+        dtype = dtypes.element_type(dt).torch or torch.uint8
+        t = _dense(Node(rec), dtype, f"snapshot.states.{name}", permissive=permissive)
         if tuple(t.shape) != (layout.num_seqs, *shape):
             raise HurrayFormatError(
                 f"snapshot.states.{name}",
@@ -673,6 +693,12 @@ def build_snapshot(
             f"the header declares {len(layout.layers)} state layers but the input holds {len(states)} (truncated?)",
         )
     lead = layers[0][0] if layers and layers[0] else None
+    held = lead.num_seqs if lead is not None else len(token_ids)  # what the snapshot's num_seqs will be
+    if header is not None and header.num_seqs is not None and header.num_seqs != held:
+        # As the layer count: the header announces what the input holds, in every mode.
+        raise HurrayFormatError(
+            "snapshot.num_seqs", f"the header announces {header.num_seqs} sequences but the input holds {held}"
+        )
     if layout is not None and lead is not None and layout.num_seqs != lead.num_seqs:
         # Structural even for a permissive read: a sequence would take another's state.
         raise HurrayFormatError(

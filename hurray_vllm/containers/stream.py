@@ -224,6 +224,11 @@ class LayerWriter:
     and each layer patches its layer index into them. The bytes are exactly those of
     ``write_records(layer_records(...))``. It keeps references to the index
     tensors it encoded, so their ids stay valid while it lives.
+
+    Descriptors reach ``f`` as immutable ``bytes``; pools and index buffers,
+    as with :func:`write_records`, as memoryviews over the tensors' own
+    memory: a sink that keeps them rather than copying sees whatever the
+    caller later writes into that memory (a reused export buffer).
     """
 
     def __init__(self) -> None:
@@ -253,7 +258,9 @@ class LayerWriter:
         total += len(self._head)
         for t, (raw, at), index in zip(members, self._descs, self._index, strict=True):
             struct.pack_into("<I", raw, at, LAYER_INDEX_NONE if t.layer_index is None else t.layer_index)
-            f.write(raw)
+            # An immutable copy (a descriptor's few hundred bytes): the next layer patches ``raw`` again, and a
+            # sink that keeps what it was given (a list of chunks, a queue) must not see earlier layers change.
+            f.write(bytes(raw))
             pool = tensor_bytes(t.page_pool)
             f.write(pool)
             total += len(raw) + pool.nbytes

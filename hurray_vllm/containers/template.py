@@ -190,7 +190,7 @@ class _Template:
         if not is_snapshot_header(node):
             return None
         _count("hits")  # from here on, what the general reader would build or refuse is built or refused here
-        meta, token_ids = _parse_meta(node)
+        meta, token_ids = _parse_meta(node, permissive=p)
         # The layers: what assemble_snapshot built from the same bytes, with this file's pools.
         small = [t.clone() for t in self.small]
         per_layer = []

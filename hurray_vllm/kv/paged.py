@@ -441,7 +441,7 @@ class BlockPagedTensor:
             table, seq_ptr, index_found = hit
         else:
             table = widen_index(table_raw, wide)
-            seq_ptr = widen_index(ptr_raw, wide)
+            seq_ptr = widen_index(ptr_raw, wide, "seq_ptr.last")
             # The descriptor's own rules were checked above: add only the index-buffer rules
             # (the same verdict as validate_descriptor with the buffers, one pass cheaper).
             more: list[Violation] = []

@@ -106,16 +106,20 @@ def torch_dtype(tag: int) -> torch.dtype:
     return et.torch
 
 
-def widen_index(raw: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+def widen_index(raw: torch.Tensor, wire: torch.dtype, name: str = "block_table.page_id") -> torch.Tensor:
     """An index buffer's bytes as int64 values.
 
     Args:
         raw: uint8 ``[n * width]``, the buffer as stored (little-endian).
         wire: ``torch.uint32`` or ``torch.uint64``, the descriptor's index type.
+        name: the invariant a uint64 value above ``2**63 - 1`` breaks, named in the error:
+            ``"block_table.page_id"`` for a block table (no pool has that many pages),
+            ``"seq_ptr.last"`` for sequence pointers (no block table has that many entries).
+            Both are structural, so a permissive read refuses such a value as validation does.
 
     Returns:
         int64 ``[n]``. uint32 values are zero-extended; a uint64 value
-        above ``2**63 - 1`` (no int64 holds it) raises :class:`HurrayFormatError`.
+        above ``2**63 - 1`` (no int64 holds it) raises :class:`HurrayFormatError` naming ``name``.
     """
     if raw.numel() == 0:
         return torch.empty(0, dtype=torch.int64)
@@ -123,5 +127,5 @@ def widen_index(raw: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
         return raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     out = raw.view(torch.int64).clone()
     if bool((out < 0).any()):  # >= 2**63 as uint64
-        raise HurrayFormatError("block_table", "uint64 index above 2**63 - 1")
+        raise HurrayFormatError(name, f"uint64 index {int(out[out < 0][0]) + (1 << 64)} above 2**63 - 1")
     return out

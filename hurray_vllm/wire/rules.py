@@ -5,8 +5,10 @@ Rules come in two strengths. *Structural* rules protect the reader itself
 tensor), so they hold in every mode. The others are the spec's MUSTs and
 SHOULDs that a permissive reader may waive (``block-paged.md`` § Storage
 Invariants: "...MUST reject descriptors that violate them, unless operating
-in permissive mode"): reserved bytes, unknown roles and tags, seq_ptr
-ordering, a shard section, quantization placement.
+in permissive mode"): reserved bytes, unknown roles and tags, a shard
+section, quantization placement. The spec would let a permissive reader skip
+the seq_ptr ordering rules too; hurray-vllm keeps all three seq_ptr rules
+structural (see ``docs/format.md`` § 3 (j)).
 
 Page ids are bounds-checked in both modes whenever the block table is at
 hand (``block_table.page_id`` is structural): only the record-level tools
@@ -333,8 +335,9 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
     if indices is None:
         return
     entries = _per_channel_entries(d, q, out) if isinstance(q, PerChannelAffine) else _per_block_entries(bp, q, out)
-    if entries is not None:
-        _param_buffer_sizes(d, q, indices, *entries, out)
+    # Always: what the entries or the scale width leave unknown (a waivable axis or scale type) skips only
+    # the sizes that depend on it, never the buffer count or the other sizes (structural in every mode).
+    _param_buffer_sizes(d, q, indices, *entries, out)
 
 
 def _per_tensor(d: TensorDescriptor, q: PerTensorAffine, out: list[Violation]) -> None:
@@ -370,20 +373,26 @@ def _affine_header(d: TensorDescriptor, q: PerChannelAffine | PerBlockAffine, ou
     return indices
 
 
-def _per_channel_entries(d: TensorDescriptor, q: PerChannelAffine, out: list[Violation]) -> tuple[int, int] | None:
-    """``(entries, bytes per scale)`` of per-channel parameters, or None when the axis is out of range."""
+def _per_channel_entries(
+    d: TensorDescriptor, q: PerChannelAffine, out: list[Violation]
+) -> tuple[int | None, int | None]:
+    """``(entries, bytes per scale)`` of per-channel parameters; entries None when the axis is out of range."""
     if q.axis == 0:
         out.append(Violation("quantization.axis", "per-channel quantization must not use the paged axis 0"))
     if q.axis >= d.rank:
         out.append(Violation("quantization.axis", f"axis {q.axis} >= rank {d.rank}"))
-        return None
+        return None, 4
     if q.scale_type_tag != 0x03:
         out.append(Violation("quantization.scale_type", "per-channel scales must be float32 (0x03)"))
     return d.shape[q.axis], 4
 
 
-def _per_block_entries(bp: BlockPagedFields, q: PerBlockAffine, out: list[Violation]) -> tuple[int, int] | None:
-    """``(entries, bytes per scale)`` of per-page parameters, or None for a scale type not allowed."""
+def _per_block_entries(bp: BlockPagedFields, q: PerBlockAffine, out: list[Violation]) -> tuple[int | None, int | None]:
+    """``(entries, bytes per scale)`` of per-page parameters.
+
+    A scale type not allowed is sized by its element type's width where it has a whole-byte one
+    (float64: 8), else its width is None (unknown).
+    """
     if q.axis != 0:
         msg = f"per-block-affine on a block-paged tensor needs axis 0, got {q.axis}"
         out.append(Violation("quantization.axis", msg))
@@ -396,44 +405,69 @@ def _per_block_entries(bp: BlockPagedFields, q: PerBlockAffine, out: list[Violat
         )
     if q.block_size < 2 or q.block_size & (q.block_size - 1):
         out.append(Violation("quantization.block_size", f"block_size {q.block_size} must be a power of two >= 2"))
+    entries = bp.num_pages * bp.page_size
     if q.scale_type_tag not in (0x01, 0x02, 0x03):
         out.append(Violation("quantization.scale_type", f"scale type 0x{q.scale_type_tag:02X} not allowed"))
-        return None
-    return bp.num_pages * bp.page_size, 4 if q.scale_type_tag == 0x03 else 2
+        known = dtypes.is_known_tag(q.scale_type_tag) and dtypes.from_tag(q.scale_type_tag).bits % 8 == 0
+        return entries, dtypes.from_tag(q.scale_type_tag).bits // 8 if known else None
+    return entries, 4 if q.scale_type_tag == 0x03 else 2
 
 
 def _param_buffer_sizes(
     d: TensorDescriptor,
     q: PerChannelAffine | PerBlockAffine,
     indices: list[int],
-    entries: int,
-    scale_bytes: int,
+    entries: int | None,
+    scale_bytes: int | None,
     out: list[Violation],
 ) -> None:
-    """The scale and zero-point buffers hold ``entries`` parameters each; the buffer count adds up."""
-    want = entries * scale_bytes
-    zp_want = entries * 4  # zero points are int32 whatever the storage type
-    if q.zero_point_buffer_index == q.scale_buffer_index:
-        if d.buffers[q.scale_buffer_index].byte_size != want + zp_want:
-            out.append(Violation("quantization.scales.byte_size", "shared scale/zero-point buffer has the wrong size"))
-        return
-    if d.buffers[q.scale_buffer_index].byte_size != want:
-        out.append(
-            Violation(
-                "quantization.scales.byte_size",
-                f"scales buffer holds {d.buffers[q.scale_buffer_index].byte_size} bytes; "
-                f"{entries} entries of {scale_bytes} bytes need {want}",
-            )
-        )
-    if q.zero_point_buffer_index is not None and d.buffers[q.zero_point_buffer_index].byte_size != zp_want:
-        out.append(
-            Violation(
-                "quantization.zero_points.byte_size", f"zero-point buffer must hold {entries} int32 = {zp_want} bytes"
-            )
-        )
+    """The scale and zero-point buffers hold ``entries`` parameters each; the buffer count adds up.
+
+    ``entries`` or ``scale_bytes`` None (unknown: a waivable axis or scale type, reported already):
+    the sizes that depend on it are not checked; the others and the buffer count always are.
+    """
+    if entries is not None:
+        _param_sizes(d, q, entries, scale_bytes, out)
     expected_count = 3 + len(set(indices))
     if len(d.buffers) != expected_count:
         out.append(Violation("buffer_count", f"expected {expected_count} buffers, found {len(d.buffers)}"))
+
+
+def _param_sizes(
+    d: TensorDescriptor,
+    q: PerChannelAffine | PerBlockAffine,
+    entries: int,
+    scale_bytes: int | None,
+    out: list[Violation],
+) -> None:
+    """The parameter buffers' sizes for ``entries`` parameters; a scale width of None leaves the scales unsized."""
+    scales = d.buffers[q.scale_buffer_index].byte_size
+    if q.zero_point_buffer_index == q.scale_buffer_index:
+        if scale_bytes is not None and scales != entries * (scale_bytes + 4):
+            out.append(
+                Violation(
+                    "quantization.scales.byte_size",
+                    f"shared scale/zero-point buffer holds {scales} bytes; {entries} entries of "
+                    f"{scale_bytes} + 4 bytes need {entries * (scale_bytes + 4)}",
+                )
+            )
+    else:
+        if scale_bytes is not None and scales != entries * scale_bytes:
+            out.append(
+                Violation(
+                    "quantization.scales.byte_size",
+                    f"scales buffer holds {scales} bytes; {entries} entries of {scale_bytes} bytes need "
+                    f"{entries * scale_bytes}",
+                )
+            )
+        zp_want = entries * 4  # zero points are int32 whatever the storage type
+        if q.zero_point_buffer_index is not None and d.buffers[q.zero_point_buffer_index].byte_size != zp_want:
+            out.append(
+                Violation(
+                    "quantization.zero_points.byte_size",
+                    f"zero-point buffer must hold {entries} int32 = {zp_want} bytes",
+                )
+            )
 
 
 def _extents(d: TensorDescriptor, bp: BlockPagedFields, out: list[Violation]) -> None:

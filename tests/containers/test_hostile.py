@@ -429,3 +429,141 @@ def test_a_huge_dimension_of_an_empty_record_is_named_not_a_torch_error() -> Non
     with pytest.raises(hv.HurrayFormatError) as exc:
         hv.read_stream(io.BytesIO(_stream_of(recs)))
     assert exc.value.field == "snapshot.token_ids"
+
+
+# ── permissive reads agree with permissive validation ─────────────────────────
+
+
+def _bare_uint64_layer(table: bytes, ptr: bytes, reserved_flags: int = 0) -> bytes:
+    """A bare stream (no header) of layer 0's key and value: uint64 indices, one page, one sequence."""
+    from hurray_vllm.wire.descriptor import LAYOUT_BLOCK_PAGED, BlockPagedFields, BufferHandle, TensorDescriptor
+
+    pool = torch.zeros(2 * 1 * 4, dtype=torch.float16)  # 1 page of 2 tokens, 1 head of 4
+    records = []
+    for role in (0, 1):
+        d = TensorDescriptor(
+            type_tag=0x01,
+            shape=(1, 1, 4),
+            layout_tag=LAYOUT_BLOCK_PAGED,
+            layout=BlockPagedFields(
+                page_size=2, num_pages=1, num_seqs=1, kv_role_tag=role, layer_index=0, index_type_tag=0x01
+            ),
+            buffers=(BufferHandle(16, 64, 0), BufferHandle(len(table), 64, 0), BufferHandle(len(ptr), 64, 0)),
+            reserved_flags=reserved_flags,
+        )
+        bufs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (table, ptr)]
+        records.append(Record("", d, [pool, *bufs]))
+    return _stream_of(records)
+
+
+@pytest.mark.parametrize(
+    ("table", "ptr", "field"),
+    [
+        (b"\xff" * 8, (0).to_bytes(8, "little") + (1).to_bytes(8, "little"), "block_table.page_id"),
+        ((0).to_bytes(8, "little"), (0).to_bytes(8, "little") + b"\xff" * 8, "seq_ptr.last"),
+    ],
+    ids=["table", "seq_ptr"],
+)
+def test_a_uint64_index_no_int64_holds_is_structural(tmp_path: Path, table: bytes, ptr: bytes, field: str) -> None:
+    """Found by a review: the error was named ``block_table``, not a structural rule, so a permissive validate
+    called ok a file permissive load refuses; and it hid the record's other violations."""
+    path = tmp_path / "bare.hrrs"
+    path.write_bytes(_bare_uint64_layer(table, ptr, reserved_flags=1 << 7))
+    for permissive in (False, True):
+        checked = hv.validate(path, permissive=permissive)
+        assert not checked.ok
+        found = {v.invariant for v in checked.violations}
+        assert field in found
+        assert "flags.reserved" in found  # the descriptor's own rules are reported too
+        with pytest.raises(hv.HurrayFormatError) as err:
+            hv.load(path, permissive=permissive)
+        # Strict: the reserved flag first. Permissive: the index, structural, so refused in every mode.
+        assert err.value.field in (("block_table.page_id", "seq_ptr.last") if permissive else ("flags.reserved",))
+
+
+def _with_reserved_flag(snap: KVSnapshot, target: str) -> bytes:
+    from dataclasses import replace
+
+    recs = list(snapshot_records(snap))
+    assert any(r.name == target for r in recs)
+    return _stream_of(
+        [
+            Record(r.name, replace(r.descriptor, reserved_flags=1 << 7), r.buffers) if r.name == target else r
+            for r in recs
+        ]
+    )
+
+
+def _hybrid() -> KVSnapshot:
+    from dataclasses import replace
+
+    from hurray_vllm.kv.states import RecurrentStates
+
+    s = len(SNAP.seq_lens)
+    tensors = ((torch.ones(s, 2, 4), torch.ones(s, 1, 4, 4)),)
+    return replace(SNAP, states=RecurrentStates("gdn_attn", (4,), ("conv", "ssm"), tuple(SNAP.seq_lens), tensors))
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "snapshot.meta",
+        "snapshot.token_ids",
+        "snapshot.token_ptr",
+        "layers.0.seq_lens",
+        "layers.2.kv_scales",
+        "states.0.ssm",
+    ],
+)
+def test_a_permissive_load_waives_a_row_major_records_waivable_rules(tmp_path: Path, target: str) -> None:
+    """Found by a review: the row-major records' own rules were checked strictly in every mode, so a permissive
+    load refused a reserved flag bit that docs/format.md (and permissive validation) waive."""
+    from dataclasses import replace
+
+    snap = SNAP
+    if target.endswith("kv_scales"):
+        snap = replace(SNAP, kv_scales=tuple((1.0, 1.0) for _ in range(SNAP.num_layers)))
+    elif target.startswith("states"):
+        snap = _hybrid()
+    assert snap.validate().ok
+    path = tmp_path / "flagged.hrrs"
+    path.write_bytes(_with_reserved_flag(snap, target))
+    with pytest.raises(hv.HurrayFormatError) as err:
+        hv.load(path)
+    assert err.value.field == "flags.reserved"
+    assert not hv.validate(path).ok
+    back = hv.load(path, permissive=True)
+    assert back.token_ids == snap.token_ids and back.num_layers == snap.num_layers
+    checked = hv.validate(path, permissive=True)
+    assert checked.ok and "flags.reserved" in {v.invariant for v in checked.violations}
+
+
+@pytest.mark.parametrize("fmt", [".hrrs", ".hrry", ".safetensors"])
+def test_a_header_announcing_other_sequences_than_the_layers_hold_is_refused(tmp_path: Path, fmt: str) -> None:
+    """Found by a review: the header's num_seqs was decoded and never compared with the layers'."""
+    assert SNAP.num_seqs == 2
+    if fmt == ".hrrs":
+        path = tmp_path / "s.hrrs"
+        path.write_bytes(_stream(_meta(num_seqs=3)))
+    elif fmt == ".hrry":
+        path = tmp_path / "s.hrry"
+        hv.save(SNAP, path)
+        raw = path.read_bytes()
+        assert raw.count(b'"num_seqs": 2') == 1
+        path.write_bytes(raw.replace(b'"num_seqs": 2', b'"num_seqs": 3'))
+    else:
+        path = _safetensors(tmp_path, _snapshot_meta(num_seqs=3))
+    for permissive in (False, True):
+        with pytest.raises(hv.HurrayFormatError, match="announces 3 sequences") as err:
+            hv.load(path, permissive=permissive)
+        assert err.value.field == "snapshot.num_seqs"
+        checked = hv.validate(path, permissive=permissive)
+        assert not checked.ok and "snapshot.num_seqs" in {v.invariant for v in checked.errors}
+    # A header without num_seqs announces none, and the snapshot's own count passes.
+    if fmt == ".hrrs":
+        meta = _meta()
+        del meta["num_seqs"]
+        path.write_bytes(_stream(meta))
+        assert hv.load(path).num_seqs == 2 and hv.validate(path).ok
+        path.write_bytes(_stream(_meta()))
+        assert hv.validate(path).ok

@@ -381,6 +381,30 @@ def test_layer_writer_writes_the_generic_records_bytes(a: hv.KVSnapshot, b: hv.K
     assert got.getvalue() == want.getvalue()
 
 
+def test_layer_writer_hands_a_keeping_sink_bytes_that_do_not_change() -> None:
+    """Found by a review: every layer's descriptor was the same bytearray, patched in place, so a sink that
+    kept what it was given (rather than copying) saw the earlier layers' descriptors rewritten."""
+    from hurray_vllm.containers.schema import layer_records
+    from hurray_vllm.containers.stream import LayerWriter, write_records
+
+    class Keeping:
+        def __init__(self) -> None:
+            self.parts: list[object] = []
+
+        def write(self, b: object) -> int:
+            self.parts.append(b)
+            return len(b)  # type: ignore[arg-type]
+
+    snap = spec_example_snapshot()
+    sink, want = Keeping(), io.BytesIO()
+    writer = LayerWriter()
+    for i in range(snap.num_layers):
+        writer.write(sink, i, snap.layer(i))  # type: ignore[arg-type]
+        write_records(layer_records(i, snap.layer(i)), want)
+    assert b"".join(bytes(p) for p in sink.parts) == want.getvalue()  # type: ignore[call-overload]
+    assert not any(isinstance(p, bytearray) for p in sink.parts)
+
+
 def test_layers_share_index_tensors_but_each_is_checked() -> None:
     """Reading widens equal index buffers once (the layers share them); a bad one is still refused."""
     from dataclasses import replace as dc_replace

@@ -205,6 +205,7 @@ def test_a_changed_pool_is_content_the_memo_reads_from_the_file(tmp_path: Path) 
         (b'"format": "hurray-vllm.kv_snapshot"', b'"format": "hurray-vllm.kv_snapshoT"'),
         (b'"version": 1', b'"version": 9'),
         (b'"num_seqs": 1', b'"num_seqs": "'),  # no longer JSON
+        (b'"num_seqs": 1', b'"num_seqs": 2'),  # announces a sequence the layers lack
         (b'"request_ids": ["5"]', b'"request_ids": [555]'),
     ],
 )

@@ -160,6 +160,43 @@ def test_quantization_valid_cases() -> None:
     assert hv.validate(_quant(PerTensorAffine(0.5), [])).ok
 
 
+def errors(d: TensorDescriptor, permissive: bool) -> set[str]:
+    return {v.invariant for v in hv.validate(d, permissive=permissive).errors}
+
+
+@pytest.mark.parametrize(
+    ("q", "extra", "invariant"),
+    [
+        # A scale type not allowed (waivable) sized by its element type: float64 needs 20 x 8 bytes.
+        (PerBlockAffine(0, 4, 3, scale_type_tag=0x04), [160, 8], "buffer_count"),
+        (PerBlockAffine(0, 4, 3, scale_type_tag=0x04), [80], "quantization.scales.byte_size"),
+        # A scale type of no known width: its scales are not sized, the zero points and the count still are.
+        (PerBlockAffine(0, 4, 3, 4, scale_type_tag=0x99), [80, 20], "quantization.zero_points.byte_size"),
+        (PerBlockAffine(0, 4, 3, scale_type_tag=0x99), [80, 8], "buffer_count"),
+        # A per-channel axis past the rank (waivable): no entries to size by, the buffer count still counts.
+        (PerChannelAffine(5, 3), [32, 8], "buffer_count"),
+    ],
+    ids=["f64 extra buffer", "f64 short scales", "unknown type zero points", "unknown type extra", "axis >= rank"],
+)
+def test_a_waivable_scale_type_or_axis_does_not_waive_the_structural_sizes(
+    q: object, extra: list[int], invariant: str
+) -> None:
+    """Found by a review: an unknown scale type or an axis >= rank skipped the never-waived size and count
+    checks, so a permissive read accepted buffers that do not add up."""
+    d = _quant(q, extra)
+    assert invariant in errors(d, permissive=False)
+    assert invariant in errors(d, permissive=True)
+
+
+def test_a_shared_scale_and_zero_point_buffer_still_counts_the_buffers() -> None:
+    """Found by a review: a shared scale/zero-point buffer returned before the buffer count was checked."""
+    shared = PerBlockAffine(0, 4, 3, 3)  # 20 entries of f32 scale + int32 zero point in buffer 3
+    assert hv.validate(_quant(shared, [160])).ok
+    for permissive in (False, True):
+        assert "buffer_count" in errors(_quant(shared, [160, 64]), permissive)
+        assert "quantization.scales.byte_size" in errors(_quant(shared, [80]), permissive)
+
+
 def _head(**kw: object) -> TensorDescriptor:
     fields = dict(rule_tag=3, member_count=3)
     fields.update(kw)
