@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hurray_vllm.app.router.flight import Delta
+from hurray_vllm.app.router.flight import Delta, flag
 from hurray_vllm.app.router.server import _event, _event_head
 
 
@@ -28,10 +28,10 @@ def _reference(f: Any, d: Delta, first: bool) -> dict[str, Any]:
         obj = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": d.text, "logprobs": d.logprobs, "finish_reason": d.finish_reason}
-        if d.stop_reason is not None:
-            choice["stop_reason"] = d.stop_reason
         obj = "text_completion"
-    asked = bool(f.body.get("return_token_ids"))
+    if d.stop_reason is not None:  # vLLM's chat chunks carry it too (its last one)
+        choice["stop_reason"] = d.stop_reason
+    asked = flag(f.body, "return_token_ids")
     if asked:
         choice["token_ids"] = d.token_ids
         if first and f.kind == "completion":
@@ -51,7 +51,7 @@ logprobs = st.none() | st.dictionaries(st.text(max_size=6), st.lists(json_leaf, 
 @given(
     kind=st.sampled_from(["completion", "chat"]),
     first=st.booleans(),
-    asked=st.sampled_from([None, False, True, 1]),
+    asked=st.sampled_from([None, False, True, 1, "false", "True", "0"]),
     model=st.none() | any_text | st.integers(),
     text=any_text | json_leaf,  # a misbehaving backend's text may be anything JSON
     lp=logprobs,
@@ -80,7 +80,15 @@ def test_each_event_is_the_bytes_json_dumps_gives(
     extra: Any,
 ) -> None:
     body = {} if asked is None else {"return_token_ids": asked}
-    f = SimpleNamespace(kind=kind, body=body, id="cmpl-hurray-ab12", created=1733370000, model=model, prompt_ids=prompt)
+    f = SimpleNamespace(
+        kind=kind,
+        body=body,
+        return_token_ids=flag(body, "return_token_ids"),
+        id="cmpl-hurray-ab12",
+        created=1733370000,
+        model=model,
+        prompt_ids=prompt,
+    )
     extra = {k: v for k, v in (extra or {}).items() if k not in ("content", "role")} if kind == "chat" else None
     d = Delta(text, ids, finish, stop, lp, extra=extra)
     expected = f"data: {json.dumps(_reference(f, d, first))}\n\n".encode()

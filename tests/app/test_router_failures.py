@@ -388,7 +388,9 @@ class _Stand:
     """An in-process stand-in for a vLLM server: ``/health`` while ``healthy``; completions answer as ``how`` says.
 
     ``how``: ``"ok"`` (one token, streamed or not), an HTTP status (answered with it), ``"hang"`` (never
-    answers: the backend dies, found so by its health checks), ``"hang-after-first"`` (one event, then the same).
+    answers: the backend dies, found so by its health checks), ``"hang-after-first"`` (one event, then the same),
+    ``"error-event"`` (a stream of vLLM's error event alone: a request it refuses once the stream started, such as
+    ``logprobs`` over its ``--max-logprobs``), ``"error-after-first"`` (one unfinished token, then that event).
     """
 
     def __init__(self, how: Any) -> None:
@@ -414,7 +416,16 @@ class _Stand:
                 self.healthy = False
                 await self.release.wait()
             choice = {"index": 0, "text": " ok", "token_ids": [5], "finish_reason": "length"}
+            if self.how == "error-after-first":
+                choice.update(finish_reason=None, prompt_token_ids=body["prompt"])
             event = {"id": "cmpl-stand", "object": "text_completion", "model": "fake", "choices": [choice]}
+            if self.how in ("error-event", "error-after-first"):
+                r = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await r.prepare(request)
+                if self.how == "error-after-first":
+                    await r.write(f"data: {json.dumps(event)}\n\n".encode())
+                await r.write(f"data: {json.dumps(VLLM_ERROR)}\n\ndata: [DONE]\n\n".encode())
+                return r
             if not body.get("stream"):
                 return web.json_response(event)
             r = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -470,6 +481,15 @@ async def _through_router(urls: list[str], body: dict[str, Any], **config: Any) 
 
 
 RELAYED = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 1, "echo": True}  # echo: relayed unmoved
+#: What vLLM 0.32 streams for ``logprobs: 21`` (``create_streaming_error_response``: after the stream started).
+VLLM_ERROR = {
+    "error": {
+        "message": "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+}
 
 
 @pytest.mark.parametrize(("first", "stream"), [("refused", False), (503, False), (503, True)])
@@ -526,3 +546,71 @@ def test_a_relayed_stream_on_a_backend_found_dead_ends_with_an_error() -> None:
     lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
     assert '" ok"' in lines[0] and lines[-1] == "data: [DONE]", lines
     assert "failed its health checks" in json.loads(lines[-2][6:])["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_vllm_refuses_in_its_stream_gets_vllms_error_and_no_backend_is_marked_down(stream: bool) -> None:
+    """vLLM refuses some requests only once the stream started (an error event, code 400): the client gets that
+    error as vLLM gives it, the request is not failed over, and every backend stays in routing (it once marked
+    four backends down, answered 502 "too many failures", and other clients 503 meanwhile)."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 21, "stream": stream}
+
+    async def run() -> tuple[Any, Any, list[int]]:
+        async with _Stand("error-event") as a, _Stand("error-event") as b:
+            answer, router = await _through_router([a.url, b.url], body, health_interval=30)
+            return answer, router, [a.posts, b.posts]
+
+    answer, router, posts = asyncio.run(run())
+    assert answer.status_code == 400 and answer.json() == VLLM_ERROR, answer.text
+    assert sorted(posts) == [0, 1] and all(b.healthy for b in router.backends.all.values())
+    assert router.metrics.failovers == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refusal_after_tokens_ends_the_request_with_vllms_error(stream: bool) -> None:
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}
+
+    async def run() -> tuple[Any, Any, list[int]]:
+        async with _Stand("error-after-first") as a, _Stand("error-after-first") as b:
+            answer, router = await _through_router([a.url, b.url], body, health_interval=30)
+            return answer, router, [a.posts, b.posts]
+
+    answer, router, posts = asyncio.run(run())
+    if stream:
+        lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+        assert '" ok"' in lines[0] and json.loads(lines[1][6:]) == VLLM_ERROR and lines[2:] == ["data: [DONE]"], lines
+    else:
+        assert answer.status_code == 400 and answer.json() == VLLM_ERROR, answer.text
+    assert sorted(posts) == [0, 1] and all(b.healthy for b in router.backends.all.values())
+
+
+def test_booleans_sent_as_strings_are_read_as_vllm_reads_them() -> None:
+    """``"stream": "false"`` is false to vLLM's request model (``bool("false")`` is True); a value vLLM would
+    refuse is answered 400 naming the field."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 1, "stream": "false", "echo": "False",
+            "return_token_ids": "no", "stream_options": {"include_usage": "off"}}  # fmt: skip
+
+    async def run() -> tuple[Any, Any, Any]:
+        async with _Stand("ok") as a:
+            answer, router = await _through_router([a.url], body)
+            bad, _ = await _through_router([a.url], {**body, "stream": "maybe"})
+            return answer, router, bad
+
+    answer, router, bad = asyncio.run(run())
+    assert answer.headers["content-type"].startswith("application/json"), answer.text  # not streamed
+    (choice,) = answer.json()["choices"]
+    assert choice["text"] == " ok" and "token_ids" not in choice
+    assert len(router.recent) == 1  # a flight (echo false: movable), not relayed
+    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]

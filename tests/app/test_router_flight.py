@@ -367,6 +367,19 @@ def test_a_chat_continuation_without_a_limit_runs_to_the_destinations_context_le
     assert f._leg_body(announce=True, dest=dest)[1]["max_tokens"] == 14  # vLLM's 16, less the two generated
 
 
+def test_a_chat_continuation_to_a_backend_of_unknown_context_takes_another_backends_of_the_model() -> None:
+    """No health check read the destination's /v1/models yet: the largest max_model_len another backend serving
+    the model said (vLLM takes max_tokens up to its own context), never none (/v1/completions' 16)."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11")))
+    dest, same, other = router.backends.all.values()
+    same.max_model_len, same.served = 100, frozenset({"m"})
+    other.max_model_len, other.served = 5000, frozenset({"another"})
+    f = Flight(router, "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    f.prompt_ids, f.generated = [1, 2, 3], [4, 5]
+    f.legs.append(object())  # type: ignore[arg-type]
+    assert f._leg_body(announce=True, dest=dest)[1]["max_tokens"] == 95
+
+
 def test_text_offsets_count_on_across_legs() -> None:
     """Each leg's logprobs count text_offset from its own first token; the client sees one text."""
     router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
@@ -961,3 +974,228 @@ def test_cached_tokens_never_exceed_the_prompt() -> None:
     assert _usage(f)["prompt_tokens_details"] == {"cached_tokens": 3} and _usage(f)["prompt_tokens"] == 3
     f.cached_tokens = 2
     assert _usage(f)["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+# ── a backend's refusal in the stream (vLLM's error event), a continuation's limit, the client's flags ─────────
+
+
+def _vllm_error(code: int) -> dict[str, Any]:
+    """What vLLM streams for a request it refuses after the stream started (``create_streaming_error_response``)."""
+    message = "Requested sample logprobs of 21, which is greater than max allowed: 20"
+    return {"error": {"message": message, "type": "BadRequestError", "param": None, "code": code}}
+
+
+@pytest.mark.parametrize(("code", "status"), [(400, 400), (500, 500), ("400", None), (True, None), (200, None)])
+def test_an_error_event_carries_its_code_as_the_status(code: Any, status: int | None) -> None:
+    event = _vllm_error(400)
+    event["error"]["code"] = code
+    with pytest.raises(UpstreamError) as exc:
+        _upstream_delta(event, chat=False)
+    assert exc.value.status == status and exc.value.body == event
+
+
+@pytest.mark.parametrize("tokens_before", [0, 3])
+def test_a_refusal_in_the_stream_is_the_clients_answer_and_marks_no_backend_down(tokens_before: int) -> None:
+    """vLLM refuses ``logprobs: 21`` with an error event (code 400) once the stream started: the client gets it as
+    vLLM sent it (before any token, its status and body), no backend is marked down and nothing fails over."""
+    router, f, src, dst = _two_backends()
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        for i in range(tokens_before):
+            yield {"choices": [{"text": "t", "token_ids": [100 + i], "prompt_token_ids": [1, 2, 3]}]}
+        yield _vllm_error(400)
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> tuple[list[Delta], UpstreamError]:
+        got: list[Delta] = []
+        with pytest.raises(UpstreamError) as refused:
+            async for d in f.deltas():
+                got.append(d)
+        return got, refused.value
+
+    got, refused = asyncio.run(run())
+    assert len(got) == tokens_before
+    assert refused.status == 400 and refused.body == _vllm_error(400)
+    assert len(f.legs) == 1 and src.healthy and dst.healthy and router.metrics.failovers == 0
+
+
+class _Models:
+    """An aiohttp client whose ``GET /v1/models`` answers ``cards`` (None: the connection is refused)."""
+
+    def __init__(self, cards: list[dict[str, Any]] | None) -> None:
+        self.cards, self.asked = cards, 0
+
+    def get(self, url: str, timeout: Any) -> Any:
+        import aiohttp
+
+        self.asked += 1
+        assert url.endswith("/v1/models") and timeout.total <= 5
+        if self.cards is None:
+            raise aiohttp.ClientConnectionError("connection refused")
+        cards = self.cards
+
+        class _R:
+            status = 200
+
+            async def __aenter__(self) -> _R:
+                return self
+
+            async def __aexit__(self, *_: Any) -> None:
+                return None
+
+            async def json(self) -> Any:
+                return {"object": "list", "data": cards}
+
+        return _R()
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}  # no token limit
+
+
+@pytest.mark.parametrize("cards", [[{"id": "m", "max_model_len": 64}], None, [{"id": "m"}]])
+def test_a_failover_of_a_chat_without_a_limit_asks_the_destinations_context_or_fails(cards: Any) -> None:
+    """The destination's max_model_len is not known yet: asked for at once; if it does not say, the request ends
+    with an error rather than run on as a completion cut at 16 tokens."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    router.client = _Models(cards)
+    f = router.begin("chat", dict(CHAT))
+    sent: list[dict[str, Any]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append(body)
+        if len(sent) == 1:
+            yield {"choices": [{"delta": {"content": "a"}, "token_ids": [5]}], "prompt_token_ids": [1, 2, 3]}
+            raise UpstreamError(f"{backend.url}: ServerDisconnectedError")
+        yield {"choices": [{"delta": {"content": "b"}, "token_ids": [6], "finish_reason": "stop"}]}
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        return [d async for d in f.deltas()]
+
+    if cards is not None and "max_model_len" in cards[0]:
+        got = asyncio.run(run())
+        assert [d.token_ids for d in got] == [[5], [6]] and [leg.why for leg in f.legs] == ["routed", "failover"]
+        assert sent[1]["max_tokens"] == 64 - 4  # the rest of the destination's context
+    else:
+        with pytest.raises(RouterError, match="max_model_len is unknown") as exc:
+            asyncio.run(run())
+        assert exc.value.status == 502 and len(sent) == 1  # no leg cut at 16 tokens
+    assert router.client.asked == 1
+
+
+@pytest.mark.parametrize("cards", [None, [{"id": "m", "max_model_len": 64}]])
+def test_a_move_of_a_chat_without_a_limit_needs_the_destinations_context(cards: Any) -> None:
+    """Unknown (its /v1/models does not answer), the move is refused before the source is touched: the request
+    goes on where it was rather than be cut at 16 tokens on the destination."""
+    router, _, src, dst = _two_backends()
+    router.client = _Models(cards)
+    f = Flight(router, "chat", dict(CHAT))
+    warmed: list[Backend] = []
+
+    async def prewarm(to: Backend, timeout: float) -> None:
+        warmed.append(to)
+        raise RouterError(502, f"to: {to.url} could not take it: stub")
+
+    f._prewarm = prewarm  # type: ignore[method-assign]
+    exc, source = _refused_move(f, src, dst, 5)
+    assert source["running"] and source["interrupt"] is None and not source["moving"]  # the source goes on
+    assert exc.status == 502 and router.client.asked == 1
+    if cards is None:
+        assert "max_model_len is unknown" in exc.message and warmed == []
+    else:
+        assert dst.max_model_len == 64 and warmed == [dst]  # known now: the move went on to its warm-up
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_a_chat_without_a_limit_is_split_only_where_the_decode_legs_limit_is_known(known: bool) -> None:
+    """P/D: the decode leg is a continuation, its max_tokens the rest of the context. Unknown, the request runs
+    whole on a decode backend (as vLLM answers it) instead of a decode leg cut at 16 tokens."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",), prefill=("http://127.0.0.1:10",)))
+    decode = router.backends.all["http://127.0.0.1:9"]
+    if known:
+        decode.max_model_len, decode.served = 64, frozenset({"m"})
+    f = router.begin("chat", dict(CHAT))
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append((path, body))
+        done = "length" if body.get("max_tokens") == 1 else "stop"
+        yield {"choices": [{"delta": {"content": "a"}, "text": "a", "token_ids": [5], "finish_reason": done}],
+               "prompt_token_ids": [1, 2, 3]}  # fmt: skip
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> None:
+        async for _ in f.deltas():
+            pass
+
+    asyncio.run(run())
+    if known:
+        assert [leg.why for leg in f.legs] == ["prefill", "decode"] and sent[1][1]["max_tokens"] == 64 - 4
+    else:
+        assert [leg.why for leg in f.legs] == ["routed"] and sent[0][0] == "/v1/chat/completions"
+        assert "max_tokens" not in sent[0][1]
+
+
+BOOLEANS = [True, False, 0, 1, 0.0, 1.0, 2, 1.5, "true", "FALSE", "1", "0", "Yes", "no", "on", "OFF", "t", "f", "y",
+            "n", " true", "", "2", "maybe", [], {}, None]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", BOOLEANS)
+def test_a_boolean_field_is_read_as_vllms_request_model_reads_it(value: Any) -> None:
+    import pydantic
+
+    from hurray_vllm.app.router.flight import flag
+
+    try:
+        expected: Any = pydantic.TypeAdapter(bool | None).validate_python(value)
+    except pydantic.ValidationError:
+        expected = 400
+    try:
+        got: Any = flag({"stream": value}, "stream", default=False)
+    except RouterError as exc:
+        got = exc.status
+        assert "stream" in exc.message
+    assert got == (False if expected is None else expected)
+
+
+def test_booleans_sent_as_strings_count_as_vllm_reads_them() -> None:
+    assert movable("completion", {"prompt": [1], "echo": "false"}) is None
+    assert movable("chat", {"messages": [], "logprobs": "false"}) is None
+    assert movable("chat", {"messages": [], "include_reasoning": "false"}) is not None
+    assert movable("chat", {"messages": [], "include_reasoning": "true"}) is None
+    with pytest.raises(RouterError, match="echo") as exc:
+        movable("completion", {"prompt": [1], "echo": "maybe"})
+    assert exc.value.status == 400
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    body = {"prompt": [1], "stream": "false", "return_token_ids": "0", "include_stop_str_in_output": "no",
+            "stop": ["xy"], "stream_options": {"include_usage": "off"}}  # fmt: skip
+    f = Flight(router, "completion", body)
+    assert not (f.stream or f.return_token_ids or f.include_usage or f._keep_stop)
+    with pytest.raises(RouterError, match=r"stream_options\.include_usage"):
+        Flight(router, "completion", {"prompt": [1], "stream_options": {"include_usage": "maybe"}})
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_beam_search_is_relayed_as_is(kind: str) -> None:
+    """vLLM refuses to stream beam search, and every leg streams."""
+    body = {"model": "m", "messages" if kind == "chat" else "prompt": [1], "use_beam_search": True}
+    assert "use_beam_search" in str(movable(kind, body))
+    assert movable(kind, {**body, "use_beam_search": "false"}) is None
+
+
+def test_a_non_streamed_chat_answer_has_its_stop_reason() -> None:
+    """vLLM 0.32's chat choices carry ``stop_reason`` (the stop string or token id that ended it), as completions'."""
+    from hurray_vllm.app.router.server import _collect
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    f = router.begin("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    f.prompt_ids = [1, 2]
+
+    async def deltas() -> AsyncIterator[Delta]:
+        yield Delta(" yes", [7], "stop", "END")
+
+    out = asyncio.run(_collect(router, f, deltas(), Delta("so", [6])))
+    assert out["choices"][0]["stop_reason"] == "END" and out["choices"][0]["message"]["content"] == "so yes"

@@ -81,6 +81,7 @@ class Backend:
     planned: int = 0
     failures: int = 0  # consecutive failed health checks
     max_model_len: int | None = None  # its /v1/models' max_model_len (a chat continuation's default limit)
+    served: frozenset[str] = frozenset()  # the model ids its /v1/models lists (LoRA adapters too)
     keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     @property
@@ -185,14 +186,38 @@ class Backends:
         except Exception:  # any failure to answer is unhealthy
             return False
         if ok and backend.max_model_len is None:
-            try:
-                async with client.get(f"{backend.base}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                    cards = (await r.json()).get("data") or [] if r.status == 200 else []
-                lens = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
-                backend.max_model_len = next((n for n in lens if type(n) is int), None)
-            except Exception:  # not known yet: the next check asks again
-                pass
+            await self.read_models(client, backend, timeout)
         return ok
+
+    async def read_models(self, client: Any, backend: Backend, timeout: float) -> None:
+        """Read ``backend``'s ``/v1/models``: its :attr:`~Backend.max_model_len` and what it serves.
+
+        Within ``timeout`` seconds; a failure leaves both as they were (unknown: the next health check asks again).
+        """
+        import aiohttp
+
+        try:
+            async with client.get(f"{backend.base}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                cards = (await r.json()).get("data") or [] if r.status == 200 else []
+            cards = [c for c in cards if isinstance(c, dict)]
+            n = next((c.get("max_model_len") for c in cards if type(c.get("max_model_len")) is int), None)
+        except Exception:  # not known yet: the next check asks again
+            return
+        backend.served = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str))
+        backend.max_model_len = n
+
+    def context_length(self, model: str | None) -> int | None:
+        """The largest ``max_model_len`` a backend serving ``model`` (any, for None) said it has; None: none did.
+
+        The largest: vLLM takes a continuation's ``max_tokens`` up to the rest of its own context
+        (``get_max_tokens``), so a larger one costs nothing where a smaller one would cut it short.
+        """
+        lens = [
+            b.max_model_len
+            for b in self.all.values()
+            if b.max_model_len is not None and (model is None or model in b.served)
+        ]
+        return max(lens, default=None)
 
     def mark_up(self, backend: Backend) -> None:
         """``backend`` answered a health check: route to it again."""

@@ -37,7 +37,7 @@ from .backends import Backend, prompt_keys
 if TYPE_CHECKING:
     from .server import Router
 
-__all__ = ["Delta", "Flight", "Leg", "RouterError", "UpstreamError", "movable", "sse_data"]
+__all__ = ["Delta", "Flight", "Leg", "RouterError", "UpstreamError", "flag", "movable", "sse_data"]
 
 log = logging.getLogger("hurray_vllm.router")
 
@@ -157,8 +157,12 @@ async def sse_data(response: Any, where: str) -> AsyncIterator[bytes]:
 def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int] | None]:
     """An upstream SSE event as a :class:`Delta`, and the prompt's token ids where the event carries them."""
     if "error" in event and not event.get("choices"):
+        # vLLM reports what it finds wrong after a stream started (a request it refuses, ``logprobs`` over its
+        # ``--max-logprobs``, say) as such an event, its HTTP status as ``code``: a 4xx is a refusal, not a failure.
         err = event["error"]
-        raise UpstreamError(f"backend error: {err.get('message') if isinstance(err, dict) else err}")
+        code = err.get("code") if isinstance(err, dict) else None
+        status = code if type(code) is int and 400 <= code < 600 else None
+        raise UpstreamError(f"backend error: {err.get('message') if isinstance(err, dict) else err}", status, event)
     choices = event.get("choices") or []
     if not choices:
         usage = event.get("usage")
@@ -191,6 +195,11 @@ def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int]
         Delta(text, list(ids), c.get("finish_reason"), c.get("stop_reason"), c.get("logprobs"), extra=extra),
         list(prompt) if prompt else None,
     )
+
+
+def _refusal(exc: object) -> bool:
+    """Whether a leg's failure is its backend refusing the request (4xx), not the backend failing."""
+    return isinstance(exc, UpstreamError) and exc.status is not None and exc.status < 500
 
 
 def _cached_tokens(answer: bytes) -> int | None:
@@ -276,14 +285,47 @@ def token_count(body: dict[str, Any], name: str) -> int | None:
     return n
 
 
+#: The strings vLLM's request models (pydantic, lax) read as a boolean, in any case.
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def flag(body: dict[str, Any], key: str, default: bool = False, *, name: str | None = None) -> bool:
+    """``body[key]`` as a boolean (``default`` when absent or null), as vLLM's request model reads it.
+
+    pydantic's lax booleans: ``true``/``false``, 0 and 1 (also 0.0 and
+    1.0), and the strings ``"true"``, ``"false"``, ``"1"``, ``"0"``,
+    ``"yes"``, ``"no"``, ``"on"``, ``"off"``, ``"t"``, ``"f"``, ``"y"``,
+    ``"n"`` in any case. ``bool("false")`` would be True.
+
+    Raises:
+        RouterError: 400 naming the field (``name``, else ``key``): anything else, which vLLM refuses too.
+    """
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise RouterError(400, f"{name or key} must be a boolean, got {value!r}")
+
+
 def movable(kind: str, body: dict[str, Any]) -> str | None:
     """Why a request cannot change backends mid-stream (``None``: it can); the server relays such requests as is.
 
     A chat request whose backend turns out to split reasoning or tool calls
     out of its text becomes unmovable at its first such delta (:data:`PARSED`).
+
+    Raises:
+        RouterError: 400, a boolean field it reads is not one (:func:`flag`).
     """
     if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
         return "n > 1 or best_of > 1: several sequences"
+    if flag(body, "use_beam_search"):
+        return "use_beam_search (vLLM does not stream beam search, and every leg streams)"
     if body.get("prompt_logprobs") is not None:
         # vLLM refuses them on a stream (every leg streams), the router's answer has no place for them, and a
         # continuation's would cover the generated tokens too: relayed as they come.
@@ -299,15 +341,15 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
             return "a batch of prompts"
         if body.get("prompt_embeds") is not None:
             return "prompt embeddings (a continuation is a token-id prompt)"
-        if body.get("echo"):
+        if flag(body, "echo"):
             return "echo"
         if body.get("suffix"):
             return "suffix"
-    elif body.get("logprobs") or body.get("tools"):
+    elif flag(body, "logprobs") or body.get("tools"):
         return "chat logprobs or tools (a continuation is a plain completion)"
     elif _has_media(body.get("messages")):
         return "images, audio or video in the messages (a continuation is a token-id prompt, without them)"
-    elif body.get("include_reasoning") is False:
+    elif not flag(body, "include_reasoning", True):
         return "include_reasoning false (the backend then leaves out the token ids a continuation is built from)"
     return None
 
@@ -337,7 +379,14 @@ class Flight:
         stops = body.get("stop")
         stops = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
         self._stops = [s for s in stops if isinstance(s, str) and s]  # the backend answers 400 to the rest
-        self._keep_stop = bool(body.get("include_stop_str_in_output"))
+        self._keep_stop = flag(body, "include_stop_str_in_output")
+        # The client's flags, read once as vLLM reads them (a string "false" is false).
+        self.stream = flag(body, "stream")
+        self.return_token_ids = flag(body, "return_token_ids")
+        options = body.get("stream_options")
+        self.include_usage = isinstance(options, dict) and flag(
+            options, "include_usage", name="stream_options.include_usage"
+        )
         # Each backend matches stop strings over its own leg's text only: one that starts in an earlier leg
         # is matched here, over the last (longest - 1) characters before the new text (_release).
         self._tail_len = max(map(len, self._stops), default=1) - 1
@@ -411,9 +460,10 @@ class Flight:
             body = {k: v for k, v in src.items() if k not in dropped}
             body["prompt"] = self.prompt_ids + self.generated
             remaining = None if self.max_tokens is None else self.max_tokens - len(self.generated)
-            if remaining is None and dest is not None and dest.max_model_len is not None:
+            context = self._context(dest) if remaining is None and dest is not None else None
+            if context is not None:
                 # A chat without a limit runs to the end of the context; /v1/completions would stop at 16.
-                remaining = dest.max_model_len - len(body["prompt"])
+                remaining = context - len(body["prompt"])
             if self.min_tokens:
                 body["min_tokens"] = max(0, self.min_tokens - len(self.generated))
             if announced is not None:  # the prefill engine said what it saved, its prompt's tail included
@@ -441,6 +491,46 @@ class Flight:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return path, body
+
+    def _needs_context(self) -> bool:
+        """Whether its next leg is a continuation without a token limit (a chat without one).
+
+        Its ``max_tokens`` is then the rest of the destination's context, which the router must know.
+        """
+        return self.max_tokens is None and self.prompt_ids is not None
+
+    def _context(self, backend: Backend) -> int | None:
+        """The context length a continuation on ``backend`` runs to; None: unknown.
+
+        Its ``max_model_len``, else the largest another backend serving the
+        model said (:meth:`~.backends.Backends.context_length`).
+        """
+        if backend.max_model_len is not None:
+            return backend.max_model_len
+        return self.router.backends.context_length(self.model)
+
+    async def _ask_context(self, backend: Backend, timeout: float) -> int | None:
+        """:meth:`_context` after asking ``backend``'s ``/v1/models`` (within ``timeout``) when no health check has."""
+        if backend.max_model_len is None:
+            await self.router.backends.read_models(self.router.client, backend, timeout)
+        return self._context(backend)
+
+    async def _continue_on(self, backend: Backend, why: str, q: asyncio.Queue[Any], space: asyncio.Semaphore) -> None:
+        """:meth:`_start_leg`, once the continuation's limit is known where it needs one.
+
+        Raises:
+            RouterError: 502, a chat without a token limit whose destination's context length is unknown (its
+                ``/v1/models`` did not answer): a continuation without ``max_tokens`` would stop after 16 tokens.
+        """
+        if self._needs_context() and self._context(backend) is None:
+            patience = max(self.router.config.health_interval, 2.0)  # a health check's wait
+            if await self._ask_context(backend, patience) is None:
+                raise RouterError(
+                    502,
+                    f"request {self.id} cannot continue on {backend.url}: its max_model_len is unknown (its "
+                    "/v1/models did not answer), and a continuation without max_tokens would stop after 16 tokens",
+                )
+        self._start_leg(backend, why, q, space)
 
     async def _upstream(self, backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The leg's SSE events, parsed; :class:`UpstreamError` when it cannot start or breaks off."""
@@ -606,6 +696,16 @@ class Flight:
         loop = asyncio.get_running_loop()
         legs = len(self.legs)
         try:
+            if self._needs_context():
+                # Its continuation runs to the end of the destination's context: without knowing that, it would
+                # stop after 16 tokens. Asked for now if no health check has; unknown, the request stays.
+                patience = max(self.router.config.health_interval, 2.0)
+                if await self._ask_context(to, min(patience, max(deadline - loop.time(), 0.1))) is None:
+                    raise RouterError(
+                        502,
+                        f"to: {to.url} could not take it: its max_model_len is unknown (its /v1/models did not "
+                        "answer), and the request has no max_tokens to continue with",
+                    )
             # Warm up again while a warm-up took long enough for the source to generate more than a few
             # tokens (a long context): what the destination must catch up on at the switch stays small.
             # Nothing to warm up before the prompt's tokens are known: the destination starts it over.
@@ -742,7 +842,10 @@ class Flight:
         backends = self.router.backends
         q: asyncio.Queue[Any] = asyncio.Queue()
         space = asyncio.Semaphore(BUFFERED_EVENTS)
+        # A chat without a token limit is split only where the decode leg's limit (the rest of the context) is
+        # known: without it, that leg would stop after 16 tokens; unsplit, the backend applies its own defaults.
         split = backends.has_prefill and self.unmovable is None
+        split = split and (self.max_tokens is not None or backends.context_length(self.model) is not None)
         pick = self.router.pick
         first = await pick(self._keys, prefill=split) or (await pick(self._keys) if split else None)
         if first is None:
@@ -783,7 +886,7 @@ class Flight:
                     if nxt is None:
                         raise RouterError(503, f"after the prefill: {backends.unroutable()}")
                     phase = "decode"
-                    self._start_leg(nxt, "decode", q, space)
+                    await self._continue_on(nxt, "decode", q, space)
                     continue
                 if kind == "end" and interrupt is None:
                     if self.finish_reason is not None:
@@ -800,14 +903,21 @@ class Flight:
                         self.finished = True
                         return
                     to = interrupt.to
-                    if to.draining or not to.healthy:
+                    if kind == "error" and _refusal(item):
+                        # Its backend refused it as it was left (vLLM's error event): the refusal is the answer.
+                        self._refuse(
+                            interrupt, 409, f"request {self.id} was refused by its backend: {item}", count=False
+                        )
+                        self._moving = False
+                        interrupt = None
+                    elif to.draining or not to.healthy:
                         # Drained or found dead while the switch waited (behind events its client had not read):
                         # the request stays where it was, as a move refused at once would have left it.
                         state = "drained" if to.draining else "found dead"
                         self._refuse(interrupt, 409, f"to: {to.url} was {state} before the request switched")
                         self._moving = False
                         if kind == "end" and self.backend is not None and self.backend.healthy:
-                            self._start_leg(self.backend, "resumed", q, space)
+                            await self._continue_on(self.backend, "resumed", q, space)
                             continue
                         interrupt = None  # its source broke as it was left: a failover, below
                 if interrupt is not None and interrupt.kind == "move":
@@ -820,7 +930,7 @@ class Flight:
                         why, interrupt.broke = "failover", True
                         self._failovers += 1
                         self.router.metrics.failed_over()
-                    self._start_leg(interrupt.to, why, q, space)
+                    await self._continue_on(interrupt.to, why, q, space)
                     continue
                 if self.finish_reason is not None:
                     # The client has its finish already: the backend broke off (or was found dead) after sending
@@ -828,8 +938,9 @@ class Flight:
                     self.finished = True
                     self.cached_tokens = self.legs[-1].cached_tokens
                     return
-                # A failure: the backend died, broke off or refused. Before any token, a refusal (4xx) is the
-                # client's answer, on any leg (a failover's too: a bad request stays bad elsewhere).
+                # A failure: the backend died, broke off or refused. A refusal (4xx: an HTTP answer, or vLLM's error
+                # event in the stream) is the client's answer, on any leg (a failover's too: a bad request stays bad
+                # elsewhere): before any token its status and body, after tokens its error event.
                 exc = item if isinstance(item, UpstreamError) else UpstreamError("backend failed health checks")
                 if pending is not None:
                     # The destination of a move failed before its first token: answer the move, resume on the source.
@@ -837,14 +948,12 @@ class Flight:
                     self._refuse(pending, 502, f"{where} could not take it: {exc}", count=not pending.broke)
                     pending, self._moving = None, False
                     if source is not None and source.healthy:
-                        self._start_leg(source, "resumed", q, space)
+                        await self._continue_on(source, "resumed", q, space)
                         continue
-                refused = exc.status is not None and exc.status < 500
-                if refused and not self.generated:
-                    raise exc
-                if self.backend is not None and not refused:
-                    # A refusal says nothing about the backend's health (a continuation too long for its
-                    # context, say): it is tried elsewhere, but the backend stays in routing.
+                    # ... and its source is dead: it continues elsewhere (a refusal was the move's, not the request's).
+                elif _refusal(exc):
+                    raise exc  # neither marked down (it says nothing of the backend's health) nor failed over
+                if self.backend is not None and not _refusal(exc):
                     backends.mark_down(self.backend)
                 self._failovers += 1
                 nxt = await pick(self._keys, avoid=self.backend)
@@ -854,7 +963,7 @@ class Flight:
                     raise RouterError(502, f"request {self.id} failed on {self.legs[-1].backend}: {exc} ({why})")
                 log.warning("router: %s failed on %s (%s); continuing on %s", self.id, self.backend, exc, nxt.url)
                 self.router.metrics.failed_over()
-                self._start_leg(nxt, "failover", q, space)
+                await self._continue_on(nxt, "failover", q, space)
         finally:
             self.finished = True
             if self._reader is not None and not self._reader.done():

@@ -384,10 +384,6 @@ def _route_path(scope: dict[str, Any]) -> str:
     return path[len(root) :] if path[len(root)] == "/" else path
 
 
-def _asked(body: dict[str, Any], key: str) -> bool:
-    return bool(body.get(key))
-
-
 def _event_head(f: Flight) -> str:
     """What every event of ``f``'s stream starts with: its id, object, creation time and model, up to its choice."""
     obj = "chat.completion.chunk" if f.kind == "chat" else "text_completion"
@@ -424,9 +420,9 @@ def _event(f: Flight, d: Delta, first: bool, head: str) -> bytes:
     else:
         parts = ['"text": ', _json(d.text)]
     parts += [', "logprobs": ', _json(d.logprobs), ', "finish_reason": ', _json(d.finish_reason)]
-    if not chat and d.stop_reason is not None:
+    if d.stop_reason is not None:
         parts += [', "stop_reason": ', _json(d.stop_reason)]
-    ids = _asked(f.body, "return_token_ids")
+    ids = f.return_token_ids
     if ids:
         parts += [', "token_ids": ', json.dumps(d.token_ids)]
         if first and not chat:
@@ -458,6 +454,15 @@ def _error(status: int, message: str, kind: str = "router_error") -> dict[str, A
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
+def _failure(exc: RouterError | UpstreamError) -> tuple[int, dict[str, Any]]:
+    """The status and error body a failed request is answered: a backend's refusal as the backend gave it."""
+    if isinstance(exc, UpstreamError):
+        if exc.status is not None and isinstance(exc.body, dict):
+            return exc.status, exc.body
+        return 502, _error(502, str(exc))
+    return exc.status, _error(exc.status, exc.message)
+
+
 async def _sse(
     router: Router, f: Flight, deltas: AsyncGenerator[Delta, None], first: Delta | None
 ) -> AsyncIterator[bytes]:
@@ -473,7 +478,7 @@ async def _sse(
             if d.token_ids and d.received:  # resumed once the server wrote it: the router's share of its latency
                 router.metrics.relayed(time.perf_counter() - d.received)
     except StopAsyncIteration:
-        if (f.body.get("stream_options") or {}).get("include_usage"):
+        if f.include_usage:
             obj = "chat.completion.chunk" if f.kind == "chat" else "text_completion"
             tail = {
                 "id": f.id,
@@ -486,8 +491,7 @@ async def _sse(
             yield f"data: {json.dumps(tail)}\n\n".encode()
         yield b"data: [DONE]\n\n"
     except (RouterError, UpstreamError) as exc:
-        status = exc.status if isinstance(exc, RouterError) else 502
-        yield f"data: {json.dumps(_error(status or 502, str(exc)))}\n\n".encode()
+        yield f"data: {json.dumps(_failure(exc)[1])}\n\n".encode()  # a backend's refusal: vLLM's own error event
         yield b"data: [DONE]\n\n"
     finally:
         # Here too, not only in the response's end hook: the flight is over before the stream's last byte
@@ -538,17 +542,17 @@ async def _collect(router: Router, f: Flight, deltas: AsyncIterator[Delta], firs
     text = "".join(texts)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if f.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text, **parsed}
+        choice.update(message={"role": "assistant", "content": text, **parsed}, stop_reason=stop)
         obj = "chat.completion"
     else:
         choice.update(text=text, stop_reason=stop, logprobs=_join_logprobs(logprobs))
         obj = "text_completion"
-    if _asked(f.body, "return_token_ids"):
+    if f.return_token_ids:
         choice["token_ids"] = list(f.generated)
         if f.kind == "completion":
             choice["prompt_token_ids"] = f.prompt_ids
     out: dict[str, Any] = {"id": f.id, "object": obj, "created": f.created, "model": f.model, "choices": [choice]}
-    if f.kind == "chat" and _asked(f.body, "return_token_ids"):
+    if f.kind == "chat" and f.return_token_ids:
         out["prompt_token_ids"] = f.prompt_ids
     out["usage"] = _usage(f)
     return out
@@ -776,10 +780,9 @@ def build_app(config: RouterConfig) -> Any:
             return fail(exc.status, exc.message)
         except UpstreamError as exc:
             router.end(f)
-            if exc.status is not None and isinstance(exc.body, dict):
-                return JSONResponse(exc.body, status_code=exc.status)
-            return fail(502, str(exc))
-        if body.get("stream"):
+            status, error = _failure(exc)
+            return JSONResponse(error, status_code=status)
+        if f.stream:
 
             async def ended() -> None:  # however the stream ended: also if the client left before it started
                 await deltas.aclose()
@@ -795,7 +798,8 @@ def build_app(config: RouterConfig) -> Any:
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
             return JSONResponse(collect.result())
         except (RouterError, UpstreamError) as exc:
-            return fail(exc.status if isinstance(exc, RouterError) else 502, str(exc))
+            status, error = _failure(exc)  # a backend's refusal (4xx) after tokens too: vLLM's own answer
+            return JSONResponse(error, status_code=status)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
