@@ -234,10 +234,10 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         request's ``kv_transfer_params`` announce are still arriving
         (``hurray_push_wait_s``). The second value is ``False`` (the load
         happens in the step that schedules the request) except for a model of
-        several KV cache groups whose workers run in processes of their own
-        (``True``: vLLM's asynchronous-load path, so that a load a worker
-        fails fails its request alone instead of stopping the engine; the
-        request then waits a step).
+        several KV cache groups, wherever its workers run (``True``: vLLM's
+        asynchronous-load path, so that a load a worker fails fails its
+        request alone instead of stopping the engine; the request then waits
+        a step).
         """
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -351,11 +351,11 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Worker side, after each step: the asynchronous loads that ended, and those that failed. Never blocks.
 
-        Only a model of several KV cache groups whose workers run in
-        processes of their own loads asynchronously (see
+        Only a model of several KV cache groups loads asynchronously (see
         :meth:`get_num_new_matched_tokens`). Its loads end in the step that
         hands them to the worker; a failed one (a chunk file gone since the
-        scheduler verified it) is in both sets, and vLLM recomputes it. No
+        scheduler verified it, no memory for a layer's pages) is in both
+        sets, and vLLM recomputes it. No
         request is ever reported as sending: every save copied its blocks
         out within its step.
         """

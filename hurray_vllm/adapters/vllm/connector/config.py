@@ -137,22 +137,26 @@ def _worker_in_process(vllm_config: VllmConfig) -> bool:
 
 
 def _async_loads(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bool:
-    """Whether loads must be reported per request: several KV cache groups, workers out of the scheduler's process.
+    """Whether loads must be reported per request: several KV cache groups, wherever the workers run.
 
     vLLM 0.32 maps blocks a worker failed to load back to their requests
-    only for one KV cache group; with several it stops the engine. A worker
-    in the scheduler's process writes the very chunks the scheduler
-    verified and cannot fail that way; one in a process of its own reads
-    the files again, which may have gone meanwhile (a prune). Its loads then
-    take vLLM's asynchronous path: the request waits a step, and a failed
-    load fails the request alone (recomputed, with
-    ``kv_load_failure_policy: "recompute"``). A linear-attention hybrid's
-    load then writes the state block at the resume only: the step that
-    computes on from there comes later, and vLLM copies that block into the
-    step's own before it (``preprocess_mamba``), as after any prefix hit.
+    only for one KV cache group; with several it stops the engine
+    (``_handle_invalid_blocks`` raises). A worker can fail a load the
+    scheduler verified, in the scheduler's process too: out of host or
+    device memory for a layer's pages, or (in a process of its own) a file
+    gone since (a prune). Such a model's loads therefore take vLLM's
+    asynchronous path whatever the executor: the request waits a step, and
+    a failed load fails the request alone (recomputed, with
+    ``kv_load_failure_policy: "recompute"``). A worker in the scheduler's
+    process still writes the chunks the scheduler verified, handed over with
+    the load. A linear-attention hybrid's load then writes the state block at
+    the resume only: the step that computes on from there comes later, and
+    vLLM copies that block into the step's own before it
+    (``preprocess_mamba``), as after any prefix hit. ``vllm_config`` is not
+    looked at: the executor no longer decides.
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return len(groups) > 1 and not _worker_in_process(vllm_config)
+    return len(groups) > 1
 
 
 @dataclass(frozen=True)
@@ -217,8 +221,8 @@ class HurrayConfig:
     #: ``tensor_parallel_size``: each worker saves and loads its ranks' KV heads (``kv.heads``).
     tp: int = 1
     #: Loads go through vLLM's asynchronous-load path (reported per request, not per block): a model of
-    #: several KV cache groups, for which vLLM cannot map failed blocks back to requests, whose workers
-    #: run in processes of their own and so read the chunk files again (see ``_async_loads``).
+    #: several KV cache groups, for which vLLM cannot map failed blocks back to requests, wherever its
+    #: workers run (see ``_async_loads``).
     async_loads: bool = False
     #: The worker runs in the scheduler's process: a load hands it the chunks the scheduler verified.
     worker_in_process: bool = True

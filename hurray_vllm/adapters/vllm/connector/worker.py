@@ -33,7 +33,7 @@ from ....chunks.store import (
 )
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.heads import concat_heads, select_heads
-from ....kv.repage import repage_snapshot
+from ....kv.repage import RepagePlan, check_memory, plan_repage, repage_into
 from ....kv.snapshot import HeadRange, KVSnapshot, ModelFingerprint
 from ....kv.states import RecurrentStates, join_states
 from ....transport import ChunkSender, sender_for
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from ....kv.paged import BlockPagedTensor
 
 __all__ = ["HurrayWorker"]
 
@@ -303,9 +305,14 @@ _PUSHED_KEYS = 1 << 16
 #: How many stored chunks a worker remembers it could not push (tried again once pushing resumes).
 _UNPUSHED_KEYS = 1 << 14
 
-#: One stored file's share of a load: its KV (this worker's heads of it) and the run of the worker's
-#: cache heads it fills (``None``: every head).
+#: One stored file's share of a load: its KV (this worker's heads of it, in the file's own page size) and
+#: the run of the worker's cache heads it fills (``None``: every head).
 _Piece = tuple[KVSnapshot, range | None]
+#: Builds one layer's pages of one piece of a load, as :func:`write_blocks` takes them (repaged to the
+#: engine's block size, dequantized): called in the write loop, so that one layer's are held at a time.
+_Pages = Callable[[], tuple[torch.Tensor, ...]]
+#: One write of a load: ``(layer, engine blocks, its pages, the cache heads it fills)``.
+_Write = tuple[int, torch.Tensor, _Pages, range | None]
 
 
 def _task_blocks(task: LoadTask) -> set[int]:
@@ -454,14 +461,17 @@ class HurrayWorker:
                 self._fail(task, exc)
                 continue
             try:
-                for layer, ids, pools, heads in writes:
-                    write_blocks(ec, layer, ids, *pools, heads=heads)
+                for layer, ids, pages, heads in writes:
+                    # Built here, a layer at a time (an fp8 chunk's pages are float32, four times its size):
+                    # only allocation can fail now, everything the data decides was checked above.
+                    write_blocks(ec, layer, ids, *pages(), heads=heads)
                 if states is not None and ec.states is not None:
                     ec.states.write([task.state_blocks], states)
             except Exception as exc:
-                # Not foreseen by the checks above (verify_chunk's geometry check makes it unreachable for
-                # data): some blocks may hold part of the load. Reported failed, every block of the task is
-                # recomputed (asynchronous: the whole request), never read as loaded; the engine lives on.
+                # Out of memory for a layer's pages (host or device), or not foreseen by the checks above
+                # (verify_chunk's geometry check makes it unreachable for data): some blocks may hold part of
+                # the load. Reported failed, every block of the task is recomputed (asynchronous: the whole
+                # request), never read as loaded; the engine lives on.
                 self._fail(task, exc)
                 continue
             self.stats.chunks_loaded += len(chunks) - task.tail
@@ -474,7 +484,8 @@ class HurrayWorker:
         An asynchronous load fails its request (``failed_recving``); a
         synchronous one reports its blocks (``invalid_block_ids``).
         """
-        bug = not isinstance(why, (HurrayFormatError, OSError))  # keep the traceback of anything else
+        # Keep the traceback of anything else than bad data or a machine's limits.
+        bug = not isinstance(why, (HurrayFormatError, OSError, MemoryError, torch.OutOfMemoryError))
         log.warning("hurray: load of %s failed (%s); it will be recomputed", task.request_id, why, exc_info=bug)
         self.stats.loads_failed += 1
         if task.report:
@@ -485,10 +496,8 @@ class HurrayWorker:
             # so does the next one, scheduled before vLLM learns of the failure.
             self._failed_steps = self._steps_in_flight
 
-    def _plan_writes(
-        self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]
-    ) -> list[tuple[int, torch.Tensor, tuple[torch.Tensor, ...], range | None]]:
-        """Every ``(layer, engine blocks, pools, heads)`` write of a load, checked before the first block is touched.
+    def _plan_writes(self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]) -> list[_Write]:
+        """Every ``(layer, engine blocks, pages, heads)`` write of a load, checked before the first block is touched.
 
         Chunk by chunk and piece by piece (a piece: one stored file's share
         of this worker's heads, see :meth:`_chunk_for_load`), straight from
@@ -496,20 +505,54 @@ class HurrayWorker:
         cache groups, each layer fills its group's blocks; a sliding-window
         group's null blocks (out of the window) get nothing, and a block the
         engine holds whose page the chunk did not keep refuses the load.
+
+        Each write's pages are a recipe (:meth:`_page_recipe`), built only
+        when the write loop gets to it: everything the data decides
+        (repaging plans, page ids, windows, block counts) is checked here,
+        but the pages are repaged and dequantized one layer at a time, so
+        that a load holds one layer's float32 pages, not every layer's.
+
+        Raises:
+            HurrayFormatError: (field ``block_ids``) a KV cache group's
+                engine blocks do not match the chunks' pages; a chunk's pages,
+                windows or block structure that cannot be written.
+            OSError: ``ENOMEM``: one layer's pages would not fit in the
+                device's memory at all.
         """
         per = self._chunk // ec.block_size
         skip = task.skip_blocks  # the first chunk's blocks the engine holds already (prefix cache)
         tables = [torch.tensor(g, dtype=torch.int64) for g in task.groups] or [
             torch.tensor(task.block_ids, dtype=torch.int64)
         ]
-        writes = []
+        counts = [
+            len(task.tokens[c]) // ec.block_size if task.tail and c == len(chunks) - 1 else per
+            for c in range(len(chunks))
+        ]
+        if chunks:
+            # Before any null block is dropped: a sliding-window group's table holds vLLM's null block 0 for
+            # every block out of its window, so each group has one entry per block loaded. A short table would
+            # only fail inside the writes (or, on a quantized CPU cache, hand the op fewer slots than values).
+            need = sum(counts) - skip
+            used = sorted({self._layer_groups[n] for n in ec.layer_names}) if self._layer_groups else [0]
+            for g in used:
+                have = len(tables[g]) if g < len(tables) else None
+                if have != need:
+                    raise HurrayFormatError(
+                        "block_ids",
+                        f"the load of {task.request_id} fills {need} blocks per KV cache group, "
+                        f"group {g} has {have if have is not None else 'no'} engine blocks for them",
+                    )
+        writes: list[_Write] = []
+        plans: dict[tuple[int, ...], RepagePlan] = {}  # repaging plans, per block structure
+        held = 0  # the most one write holds at once, and where
+        device: torch.device | None = None
         for layer in range(ec.num_layers):
             g = self._layer_groups[ec.layer_names[layer]] if self._layer_groups else 0
             ids = tables[g]
             window = self._windows[g] if self._windows else None
             for c, chunk, heads in ((c, snap, h) for c, pieces in enumerate(chunks) for snap, h in pieces):
                 lo = 0 if c else skip
-                pages = len(task.tokens[c]) // ec.block_size if task.tail and c == len(chunks) - 1 else per
+                pages = counts[c]
                 dest = ids[c * per - skip + lo : c * per - skip + pages]
                 rows = list(range(lo, pages))  # the chunk's pages these blocks take
                 theirs = chunk.windows.sizes[layer] if chunk.windows is not None else None
@@ -530,7 +573,11 @@ class HurrayWorker:
                     rows = [r for w, r in zip(wanted, rows, strict=True) if w]
                     dest = dest[torch.tensor(wanted, dtype=torch.bool)]
                 if dest.numel():
-                    writes.append((layer, dest, self._pages(chunk, layer, rows), heads))
+                    recipe, nbytes, where = self._page_recipe(chunk, layer, rows, ec.block_size, plans)
+                    writes.append((layer, dest, recipe, heads))
+                    if nbytes > held:
+                        held, device = nbytes, where
+        check_memory(held, f"loading one layer of {task.request_id}'s chunks", device)
         return writes
 
     @staticmethod
@@ -567,7 +614,10 @@ class HurrayWorker:
         return states
 
     def _chunk_for_load(self, ec: EngineCache, task: LoadTask, c: int) -> list[_Piece]:
-        """Chunk ``c`` of a load as pieces: this rank's KV heads, from the files that hold them, in its block size.
+        """Chunk ``c`` of a load as pieces: this rank's KV heads, from the files that hold them.
+
+        Pieces keep the files' page size: a chunk stored in pages of another
+        size is repaged a layer at a time as it is written (:meth:`_page_recipe`).
 
         A piece is one stored file's share of this worker's heads and the run
         of the worker's cache heads it fills (``None``: all of them), so that
@@ -624,38 +674,95 @@ class HurrayWorker:
                 if (a, b) != (have.start, have.stop):
                     snap = select_heads(snap, range(a, b))  # views: only this rank's heads are written
                 local = None if (a, b) == (lo, hi) else range(a - lo, b - lo)
-            snap = repage_snapshot(snap, self._block_size)  # unchanged when every layer's pages are blocks
             pieces.append((snap, local))
         return pieces
 
     @staticmethod
-    def _pages(chunk: KVSnapshot, layer: int, rows: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-        """One chunk's K and V (or MLA latent) of ``layer`` as ``[pages, page_size, H, D]`` in token order.
+    def _page_recipe(
+        chunk: KVSnapshot,
+        layer: int,
+        rows: list[int],
+        page_size: int,
+        plans: dict[tuple[int, ...], RepagePlan],
+    ) -> tuple[_Pages, int, torch.device]:
+        """How to build one chunk's K and V (or MLA latent) of ``layer`` as ``[pages, page_size, H, D]`` in token order.
 
-        ``rows``: only these of the chunk's pages (its logical page indices),
-        so that a sliding-window layer copies only the pages it writes. A
-        chunk holds one sequence, so its pool already is in token order when
-        its block table is ``0, 1, ...`` (what the exporter writes) and every
-        page is asked for; fp8 chunks are dequantized with their own scales.
+        Returns ``(recipe, the bytes it allocates at most, their device)``;
+        checks now everything the data decides (the repaging plan, the page
+        ids), so that calling the recipe can only fail to allocate.
+
+        ``rows``: only these of the chunk's pages (its logical page indices
+        in pages of ``page_size``), so that a sliding-window layer copies
+        only the pages it writes. A chunk holds one sequence, so its pool
+        already is in token order when its block table is ``0, 1, ...``
+        (what the exporter writes) and every page is asked for: a view, no
+        copy. A chunk stored in pages of another size is repaged, one layer
+        at a time (``plans``: the plans made so far, by block structure);
+        fp8 chunks are dequantized with their own scales.
+
+        Raises:
+            HurrayFormatError: a tensor to repage without ``seq_lens``, an
+                inconsistent block structure, or page ids past the pool.
         """
-        out = []
+        members: list[tuple[BlockPagedTensor, RepagePlan | None, list[int]]] = []
+        scales = chunk.kv_scales[layer] if chunk.kv_scales is not None else None
+        nbytes = 0
         for t in chunk.layer(layer):
-            pool = t.page_pool
+            plan = None
+            if t.page_size != page_size:
+                if t.seq_lens is None:
+                    raise HurrayFormatError(
+                        "seq_lens", "repaging needs the sequence lengths, which this snapshot does not carry"
+                    )
+                key = (id(t.block_table), id(t.seq_ptr), id(t.seq_lens), t.page_size)
+                plan = plans.get(key)
+                if plan is None:
+                    plan = plans[key] = plan_repage(
+                        t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size, t.num_pages
+                    )
+                table_t, ptr_t, num_pages = plan.block_table, plan.seq_ptr, plan.num_pages
+            else:
+                table_t, ptr_t, num_pages = t.block_table, t.seq_ptr, int(t.page_pool.shape[0])
             # A chunk's tables hold a handful of ids: compared as lists, not with tensor ops
             # (this runs for every layer, role and chunk of a load).
-            ptr = t.seq_ptr.tolist()
-            table = t.block_table.tolist()[ptr[0] : ptr[1]]
-            if rows is not None:
-                table = [table[r] for r in rows]
-            if table and table == list(range(table[0], table[0] + len(table))):
-                pool = pool[table[0] : table[0] + len(table)]  # a run of pages: a view, no copy
-            else:
-                pool = pool.index_select(0, torch.tensor(table, dtype=torch.int64, device=pool.device))
-            out.append(pool)
-        if chunk.kv_scales is None:
-            return tuple(out)
-        # Real values: the engine's cache write quantizes them again with its own scales.
-        return tuple(pool.float() * scale for pool, scale in zip(out, chunk.kv_scales[layer]))
+            ptr = ptr_t.tolist()
+            table = table_t.tolist()[ptr[0] : ptr[1]]
+            if rows and max(rows) >= len(table):
+                raise HurrayFormatError(
+                    "block_table", f"layer {layer} {t.kv_role}: {len(table)} pages, page {max(rows)} asked for"
+                )
+            table = [table[r] for r in rows]
+            if table and (min(table) < 0 or max(table) >= num_pages):
+                raise HurrayFormatError(
+                    "block_table", f"layer {layer} {t.kv_role}: page ids {table} outside the pool's {num_pages}"
+                )
+            members.append((t, plan, table))
+            # What the recipe allocates at most: the repaged pool, the pages taken from it, their float32 values.
+            elems, size = page_size * t.num_heads * t.head_dim, t.page_pool.element_size()
+            nbytes += (plan.num_pages if plan is not None else 0) * elems * size
+            nbytes += len(table) * elems * (size + (4 if scales is not None else 0))
+
+        def build() -> tuple[torch.Tensor, ...]:
+            out = []
+            for t, plan, table in members:
+                pool = t.page_pool
+                if plan is not None:  # this layer's pool alone, repaged: freed once the layer is written
+                    whole = torch.empty(
+                        (plan.num_pages, page_size, t.num_heads, t.head_dim), dtype=pool.dtype, device=pool.device
+                    )
+                    repage_into(t, plan, whole)
+                    pool = whole
+                if table and table == list(range(table[0], table[0] + len(table))):
+                    pool = pool[table[0] : table[0] + len(table)]  # a run of pages: a view, no copy
+                else:
+                    pool = pool.index_select(0, torch.tensor(table, dtype=torch.int64, device=pool.device))
+                out.append(pool)
+            if scales is None:
+                return tuple(out)
+            # Real values: the engine's cache write quantizes them again with its own scales.
+            return tuple(pool.float() * scale for pool, scale in zip(out, scales, strict=False))
+
+        return build, nbytes, chunk.layer(layer)[0].page_pool.device
 
     def wait_for_save(self, meta: HurrayConnectorMetadata) -> None:
         """Save this step's completed chunks (what it blocks on: :meth:`HurrayConnector.wait_for_save`).
@@ -1221,10 +1328,10 @@ class HurrayWorker:
         vLLM 0.32 cannot map block ids back to requests when a model has
         several KV cache groups, and stops the engine rather than compute on
         blocks that were not written. Such a model's loads are therefore
-        reported per request (:meth:`get_transfer_results`) wherever a
-        worker reads chunk files itself (``config.async_loads``); one in the
-        scheduler's process writes the chunks the scheduler verified, so a
-        failure here would mean an inconsistent engine, and fails closed.
+        always reported per request (:meth:`get_transfer_results`,
+        ``config.async_loads``), whatever process the worker runs in: a block
+        reported here for it would mean a load the scheduler did not mark
+        asynchronous, and fails closed.
         """
         out, self._load_errors = self._load_errors, set()
         if out and len(self._windows) > 1:
