@@ -57,6 +57,7 @@ def assert_agrees(
     """
     report = agreement(logits, tokens, dtype=dtype)
     where = f"{what} (vLLM ISA {isa})" if isa else what
+    assert report.steps > 0, f"{where}: no tokens to compare (an empty comparison agrees with anything)"
     assert report.ok, f"{where}: the engines disagree beyond the margin: {report.describe()}"
     if report.first_near_tie is not None:
         NEAR_TIES.append(f"{where}: {report.first_near_tie}")

@@ -157,6 +157,28 @@ def test_imported_attention_matches_dense(batch: tuple[list[int], list[int], int
     torch.testing.assert_close(again.float(), out.float(), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("flavor", FLAVOR_NAMES)
+def test_the_dense_attention_tolerance_refuses_wrong_pages(flavor: Flavor) -> None:
+    """The 2e-2 check of test_imported_attention_matches_dense fails when the block table points at wrong pages."""
+    lens = [300, 130, 5]
+    snap = make_snapshot(lens, [0, 1, 0], 16, heads=1, dim=16, seed=11)
+    cache = to_flash_attn_all(snap, page_size=TARGETS[flavor][-1], flavor=flavor)[0]
+    q = torch.randn((len(lens), 1, 2, 16), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+
+    def check(block_table: torch.Tensor, b: int) -> None:
+        out = paged_attention(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, block_table)
+        keys = reference_values(snap.keys[0].to_dense(b), 1.0, torch.bfloat16)
+        values = reference_values(snap.values[0].to_dense(b), 1.0, torch.bfloat16)
+        want = dense_attention(q[b].float(), keys, values, True)
+        torch.testing.assert_close(out[b].float(), want, atol=2e-2, rtol=2e-2)
+
+    wrong = ((cache.block_table + 1) % cache.k_cache.shape[0]).to(cache.block_table.dtype)  # each page id one on
+    for b in range(len(lens)):
+        check(cache.block_table, b)
+        with pytest.raises(AssertionError):
+            check(wrong, b)
+
+
 # ── the importer's structure ─────────────────────────────────────────────────
 
 

@@ -154,10 +154,11 @@ def test_empty_sequences_get_no_pages_and_last_page_len_zero() -> None:
     assert cache.paged_kv_indptr.tolist() == [0, 2, 2, 4, 4]
     assert cache.paged_kv_last_page_len.tolist() == [1, 0, 4, 0]
     cache.check()
-    q = torch.randn(4, 2, 8, dtype=torch.float16)
+    q = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(1)).to(torch.float16)
     out = reference_decode(q, cache)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[3], torch.zeros_like(out[3]))
     torch.testing.assert_close(out.float(), dense_attention(q, snap, 0), atol=2e-3, rtol=2e-3)
+    _refuses_wrong_pages(q, cache, dense_attention(q, snap, 0), seqs=[0, 2], atol=2e-3)
 
 
 def test_empty_batch() -> None:
@@ -203,16 +204,26 @@ def test_reference_decode_equals_dense_attention(
 def test_reference_decode_fp16_query_and_options() -> None:
     snap = make_snapshot([9, 4, 1], heads=2, dim=16)
     cache = to_flashinfer(snap, 1, kv_layout="HND")
-    q = torch.randn(3, 6, 16, dtype=torch.float16)
+    q = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(2)).to(torch.float16)
     out = reference_decode(q, cache)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), dense_attention(q, snap, 1), atol=2e-3, rtol=2e-3)
+    _refuses_wrong_pages(q, cache, dense_attention(q, snap, 1), seqs=[0, 1, 2], atol=2e-3)
     assert reference_decode(q, cache, out_dtype=torch.float32).dtype == torch.float32
     # sm_scale and soft capping change the result; a huge cap changes nothing.
     assert not torch.allclose(reference_decode(q, cache, sm_scale=0.01).float(), out.float())
     torch.testing.assert_close(reference_decode(q, cache, logits_soft_cap=1e6), out)
     capped = reference_decode(q, cache, logits_soft_cap=0.5)
     assert not torch.allclose(capped.float(), out.float(), atol=1e-3)
+
+
+def _refuses_wrong_pages(q: torch.Tensor, cache: Any, want: torch.Tensor, *, seqs: list[int], atol: float) -> None:
+    """The tolerance a test accepted ``cache`` with refuses it with every page id one page on (wrong KV)."""
+    wrong = replace(cache, paged_kv_indices=((cache.paged_kv_indices + 1) % cache.num_pages).to(torch.int32))
+    bad = reference_decode(q, wrong).float()
+    for s in seqs:
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(bad[s], want[s], atol=atol, rtol=atol)
 
 
 # ── float8 ───────────────────────────────────────────────────────────────────
@@ -246,10 +257,11 @@ def test_fp8_passthrough_reports_the_scales(fp8: torch.dtype) -> None:
     assert exc.value.field == "q_data_type"
     k, _ = rebuild(cache, 0)
     assert torch.equal(k.view(torch.uint8), snap.keys[1].to_dense(0).view(torch.uint8))
-    q = torch.randn(2, 4, 8, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     cache.check(q)
     # The reference applies the scales FlashInfer's run() would get.
     torch.testing.assert_close(reference_decode(q, cache).float(), dense_attention(q, snap, 1), atol=2e-2, rtol=2e-2)
+    _refuses_wrong_pages(q, cache, dense_attention(q, snap, 1), seqs=[0, 1], atol=2e-2)
     unscaled = reference_decode(q, cache, k_scale=1.0, v_scale=1.0).float()
     assert not torch.allclose(unscaled, dense_attention(q, snap, 1), atol=2e-2)
 

@@ -60,12 +60,21 @@ def test_flash_mla_cache_decodes_like_the_dense_latent(lens: list[int], fp8: boo
     cache = to_flash_mla(snap, 0)
     assert cache.k_cache.shape[1:] == (64, 1, 576) and cache.k_cache.dtype == torch.bfloat16
     assert cache.cache_seqlens.tolist() == lens and cache.head_dim_v == 512
-    q = torch.randn(len(lens), 1, 16, 576).to(torch.bfloat16)
+    q = torch.randn(len(lens), 1, 16, 576, generator=torch.Generator().manual_seed(len(lens))).to(torch.bfloat16)
     check_flash_mla_args(q, cache.k_cache, cache.block_table, cache.cache_seqlens, cache.head_dim_v)
     out = mla_paged_decode(q, cache.k_cache, cache.block_table, cache.cache_seqlens, head_dim_v=512)
     for s in range(len(lens)):
         want = dense_mla(q[s], snap, s, 512)
         torch.testing.assert_close(out[s], want, rtol=2e-2, atol=2e-2)
+    # The same tolerance refuses wrong pages: every block-table entry two pages on (one on can land a
+    # one-token sequence on the page holding its shared prefix token: the same KV). [64] has no other page.
+    if cache.k_cache.shape[0] == 1:
+        return
+    wrong = ((cache.block_table + 2) % cache.k_cache.shape[0]).to(cache.block_table.dtype)
+    bad = mla_paged_decode(q, cache.k_cache, wrong, cache.cache_seqlens, head_dim_v=512)
+    for s in range(len(lens)):
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(bad[s], dense_mla(q[s], snap, s, 512), rtol=2e-2, atol=2e-2)
 
 
 def test_flash_mla_keeps_prefix_sharing_and_reserves_private_tails() -> None:
