@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -251,6 +253,61 @@ def _start_servers(
     raise AssertionError("unreachable: the last attempt fails instead of retrying")
 
 
+def run_group(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=...)``, in a process group of its own.
+
+    On a timeout (or any error here) the whole group is SIGKILLed, not only the
+    direct child: a vLLM engine's EngineCore and TP workers would outlive it.
+    Then ``subprocess.TimeoutExpired`` is raised, as ``subprocess.run`` does.
+    """
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env), start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+    except BaseException:
+        _kill_group(proc)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL ``proc``'s process group (it leads one: ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group has ended already
+        pass
+
+
+def readline_within(proc: subprocess.Popen[str], timeout: float, what: str, log: Path | None = None) -> str:
+    """``proc``'s first line of output, read for at most ``timeout`` seconds.
+
+    A process that prints nothing (a hung start) is killed, and the test fails
+    with its stderr (``log``, where it writes it) instead of hanging the suite.
+    """
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got:
+        proc.kill()
+        proc.wait(timeout=30)
+        reader.join(30)  # the pipe's end closed with the process
+        if log is not None:
+            err = root_cause(log.read_text()) if log.exists() else ""
+        else:
+            err = proc.stderr.read()[-3000:] if proc.stderr is not None else ""
+        pytest.fail(f"{what} printed nothing in {timeout:.0f} s (killed):\n{err}")
+    return got[0]
+
+
 @contextmanager
 def receiver_process(store: Path, log: Path, transport: str = "tcp") -> Iterator[str]:
     """``hurray-vllm receive`` into ``store`` in a process of its own; yields its URL (``tcp://127.0.0.1:PORT``).
@@ -270,8 +327,8 @@ def receiver_process(store: Path, log: Path, transport: str = "tcp") -> Iterator
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # "receiving KV chunks (tcp) on 127.0.0.1:PORT into DIR"
+        # "receiving KV chunks (tcp) on 127.0.0.1:PORT into DIR"
+        line = readline_within(proc, 120, "hurray-vllm receive", log)
         if " on " not in line:
             proc.wait(timeout=30)
             pytest.fail(f"hurray-vllm receive did not start ({proc.returncode}):\n{root_cause(log.read_text())}")
@@ -505,10 +562,8 @@ def run_engine(
         **(engine or {}),
     }
     with engine_slot():
-        proc = subprocess.run(
+        proc = run_group(
             _engine_command(tmp, name, cfg, native_rope=native_rope),
-            capture_output=True,
-            text=True,
             timeout=900,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from servers import ROOT
+from servers import ROOT, readline_within
 from synthetic import example_chunk
 
 from hurray_vllm import KVSnapshot, transport
@@ -51,12 +51,29 @@ def _receive(store: Path, log: Path, preexec: Callable[[], None] | None = None) 
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             preexec_fn=preexec,
         )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
+    line = readline_within(proc, 120, "hurray-vllm receive", log)  # killed, and failed with its log, if it hangs
     if " on " not in line:
         proc.kill()
         pytest.fail(f"hurray-vllm receive did not start:\n{log.read_text()[-2000:]}")
     return proc, int(line.split(" on ")[1].split()[0].rsplit(":", 1)[1])
+
+
+def _read_by_peer(sock: socket.socket) -> bool:
+    """Everything ``sock`` sent was read by the process at its other end (Linux: ``/proc/net/tcp``).
+
+    Both ends are on loopback: ``sock``'s send queue is acknowledged (empty) and
+    the peer's socket has nothing left in its receive queue.
+    """
+    mine, peer = f"{sock.getsockname()[1]:04X}", f"{sock.getpeername()[1]:04X}"
+    sent = received = False
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        tx, rx = (int(q, 16) for q in f[4].split(":"))
+        if f[1].endswith(":" + mine) and f[2].endswith(":" + peer):
+            sent = tx == 0
+        elif f[1].endswith(":" + peer) and f[2].endswith(":" + mine):
+            received = rx == 0
+    return sent and received
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -83,7 +100,10 @@ def test_a_receiver_killed_mid_chunk_leaves_nothing_and_its_restart_takes_the_ch
         body = _stream(chunk)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(frame_head(ns, key, len(body)) + body[: len(body) * 2 // 3])
-            time.sleep(0.5)  # the receiver is inside the chunk, waiting for the rest
+            deadline = time.monotonic() + 60  # a hang guard: the receiver reads what it got, and waits for the rest
+            while not _read_by_peer(s):
+                assert time.monotonic() < deadline, "the receiver did not read the chunk's first part"
+                time.sleep(0.01)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
     finally:
@@ -114,13 +134,17 @@ def test_a_sender_killed_mid_chunk_stores_nothing_and_the_receiver_serves_on(tmp
             time.sleep(60)
             """
         )
-        sender = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        sender = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
-            assert sender.stdout is not None and sender.stdout.readline().strip() == "sent"
-            sender.kill()  # mid-chunk: the kernel closes its socket
+            if readline_within(sender, 120, "the sender").strip() != "sent":
+                sender.kill()
+                pytest.fail(f"the sender did not send:\n{sender.communicate(timeout=30)[1][-2000:]}")
         finally:
+            sender.kill()  # mid-chunk: the kernel closes its socket (and killed whatever failed above)
             sender.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while r.refused < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert r.refused == 1 and "disconnected" in (r.last_error or ""), r.last_error

@@ -55,7 +55,8 @@ def test_a_failing_job_is_logged_and_the_writer_goes_on(conn: ModuleType, caplog
 
 
 def test_submit_waits_while_the_queue_holds_too_many_bytes(conn: ModuleType) -> None:
-    w = conn._Writer(max_bytes=100)
+    full: list[None] = []
+    w = conn._Writer(max_bytes=100, on_full=lambda: full.append(None))  # called on each round of the wait
     gate = threading.Event()
     w.submit(gate.wait, 80)  # holds 80 of 100 bytes until the gate opens
     started = threading.Event()
@@ -68,11 +69,13 @@ def test_submit_waits_while_the_queue_holds_too_many_bytes(conn: ModuleType) -> 
 
     t = threading.Thread(target=second)
     t.start()
-    started.wait(5)
-    time.sleep(0.05)
-    assert not finished.is_set()
+    assert started.wait(60)
+    deadline = time.monotonic() + 60  # a hang guard: the submit is seen waiting (twice round), not slept on
+    while len(full) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(full) >= 2 and not finished.is_set()
     gate.set()
-    t.join(5)
+    t.join(60)
     assert finished.is_set() and w.flush(timeout=5)
     assert w.flush(timeout=0)  # idle: true at once
 
@@ -137,6 +140,7 @@ class _Sender:
         self.asked: list[list[tuple[str, str]]] = []  # held() queries
         self.answer: set[str] | BaseException = set()  # held()'s answer: the keys held, or what it raises
         self.aborts = 0
+        self.gate_s = 30.0  # how long ``gate`` holds each chunk at most
 
     def abort(self) -> None:
         self.aborts += 1
@@ -158,10 +162,29 @@ class _Sender:
 
         self.sends += 1
         for _ns, key, _chunk in chunks:
-            self.gate.wait(30)
+            self.gate.wait(self.gate_s)
             if self.fail:  # a push that fails part-way, after the first chunk
                 raise NixlError("peer gone")
             self.pushed.append(key)
+
+
+def _patient_tcp_sender() -> Any:
+    """A TcpSender whose network steps wait 600 s (not 60): only a cut can end them in a test's time."""
+    from hurray_vllm.transport.tcp import TcpSender
+
+    class _Patient(TcpSender):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asking = threading.Event()  # set when a held-chunk query starts
+
+        def held(self, url: str, names: Any, *, timeout: float = 600.0, keys: Any = None) -> Any:
+            self.asking.set()
+            return super().held(url, names, timeout=timeout, keys=keys)
+
+        def send(self, url: str, chunks: Any, *, timeout: float = 600.0, keys: Any = None) -> Any:
+            return super().send(url, chunks, timeout=timeout, keys=keys)
+
+    return _Patient()
 
 
 def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sender) -> Any:
@@ -239,12 +262,12 @@ def test_background_pushes_keep_their_order_and_never_hold_the_step(  # type: ig
     c = _bare_worker(conn, meta, tmp_path, sender)
     c._async = True
     sender.gate.clear()  # the destination does not answer yet
+    sender.gate_s = 600.0  # a step that waited for the push would wait this out, and see it pushed
     steps = [[meta.SaveTask(f"r{r}", f"{r:02x}{i:02x}" * 4, list(range(8)), [2 * i + 1, 2 * i + 2]) for r in range(2)]
              for i in range(3)]  # fmt: skip
-    t0 = time.monotonic()
     for tasks in steps:
         c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))
-    assert time.monotonic() - t0 < 5 and sender.pushed == []  # three steps went on while the push waited
+    assert sender.pushed == []  # three steps went on while the push waited
     # A chunk stored before (a shared prefix) is pushed too, from the store, in its place.
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[steps[0][0]]))
     sender.gate.set()
@@ -267,20 +290,19 @@ def test_a_destination_that_never_reads_does_not_hold_the_step(  # type: ignore[
     """Accepted, never read (a hung receiver): a full queue cuts the push short instead of waiting its 60 s."""
     import socket
 
-    from hurray_vllm.transport.tcp import TcpSender
-
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)  # the kernel accepts; nobody reads or answers
         url = f"tcp://127.0.0.1:{hole.getsockname()[1]}"
-        c = _bare_worker(conn, meta, tmp_path, TcpSender())  # type: ignore[arg-type]
+        # Its push waits 600 s: a step that took under 60 s was not held by it (60 s: a hang guard, not a timing).
+        c = _bare_worker(conn, meta, tmp_path, _patient_tcp_sender())
         c._url, c._async = url, True
         c._writer = conn._Writer(256, on_full=c._abort_push)  # a few steps' blocks
         for i in range(12):
             t0 = time.monotonic()
             c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", f"{i:02x}" * 8, [0] * 8, [1, 2])]))
-            assert time.monotonic() - t0 < 5
-        assert c.flush(timeout=10) and c.stats.push_failures == 1 and c.stats.chunks_saved == 12
+            assert time.monotonic() - t0 < 60
+        assert c.flush(timeout=60) and c.stats.push_failures == 1 and c.stats.chunks_saved == 12
 
 
 def test_shutdown_stores_the_chunks_a_hung_destination_held_up(  # type: ignore[no-untyped-def]
@@ -289,19 +311,16 @@ def test_shutdown_stores_the_chunks_a_hung_destination_held_up(  # type: ignore[
     """A push blocked on a receiver that never reads gets a few seconds at shutdown, not the minute of its timeout."""
     import socket
 
-    from hurray_vllm.transport.tcp import TcpSender
-
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)
-        c = _bare_worker(conn, meta, tmp_path, TcpSender())  # type: ignore[arg-type]
+        # Its push waits 600 s: uncut, shutdown gives up after SHUTDOWN_SAVE_S with the chunks not stored.
+        c = _bare_worker(conn, meta, tmp_path, _patient_tcp_sender())
         c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
         c._writer = conn._Writer(1 << 30, on_full=c._abort_push)  # room for all: nothing cuts the push short
         keys = [f"{i:02x}" * 8 for i in range(4)]
         c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, [0] * 8, [1, 2]) for k in keys]))
-        t0 = time.monotonic()
         c.shutdown()
-        assert time.monotonic() - t0 < conn.SHUTDOWN_PUSH_GRACE_S + 5
         assert all(c._store.has(c._ns, k) for k in keys) and c.stats.push_failures == 1
 
 
@@ -389,21 +408,30 @@ def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  #
     sender = _Sender([])
     c = _bare_worker(conn, meta, tmp_path, sender)
     c._async = True
-    c._writer = conn._Writer(1 << 30, on_idle=c._push_held_back, idle_s=0.05)
+    idle: list[None] = []
+
+    def push_held_back() -> None:
+        idle.append(None)
+        c._push_held_back()
+
+    c._writer = conn._Writer(1 << 30, on_idle=push_held_back, idle_s=0.05)
     tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [2 * i + 1, 2 * i + 2]) for i in range(2)]
     sender.fail = True
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))  # the push fails: both stored, none pushed
     assert c.flush(timeout=30) and c.stats.push_failures == 1 and sender.pushed == []
-    time.sleep(0.3)
-    assert sender.sends == 1  # still paused: the idle writer does not try
-    sender.gate.clear()  # the destination is back, slow to answer
+    seen, deadline = len(idle), time.monotonic() + 60  # hang guards, not timings
+    while len(idle) < seen + 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(idle) >= seen + 3 and sender.sends == 1  # still paused: the idle writer looked, and did not try
+    sender.gate.clear()  # the destination is back, slow to answer (600 s: until the gate opens)
+    sender.gate_s = 600.0
     sender.fail, c._push_paused_until = False, 0.0  # ... and the pause is over
-    deadline = time.monotonic() + 10
     while sender.sends < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    t0 = time.monotonic()
-    assert c.flush(timeout=5) and time.monotonic() - t0 < 1  # every save is stored: flush waits for no push
+    assert sender.sends == 2
+    assert c.flush(timeout=60)  # every save is stored: flush waits for no push (the push waits 600 s)
     sender.gate.set()
+    deadline = time.monotonic() + 60
     while sender.pushed != [t.key for t in tasks] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert sender.pushed == [t.key for t in tasks] and not c._unpushed  # no further save was needed
@@ -411,7 +439,7 @@ def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  #
 
 
 def test_pushes_failing_in_a_row_pause_longer_and_longer(  # type: ignore[no-untyped-def]
-    conn: ModuleType, meta: ModuleType, tmp_path
+    conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A destination that stays dead costs one attempt per pause, each pause twice the last, up to a cap."""
     sender = _Sender([])
@@ -419,13 +447,14 @@ def test_pushes_failing_in_a_row_pause_longer_and_longer(  # type: ignore[no-unt
     c._async = False
     sender.fail = True
     pauses = []
+    now = 1000.0  # the worker's clock, stopped: a pause is read off exactly, however long a step took
+    monkeypatch.setattr(conn, "time", SimpleNamespace(monotonic=lambda: now, perf_counter=time.perf_counter))
     for i in range(7):
         c._push_paused_until = 0.0  # as if the pause were over
-        t0 = time.monotonic()
         c.wait_for_save(
             meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2])])
         )
-        pauses.append(round(c._push_paused_until - t0))
+        pauses.append(c._push_paused_until - now)
     assert pauses == [10, 20, 40, 80, 160, 160, 160] and c.stats.push_failures == 7
     c._push_backoff = conn.PUSH_BACKOFF_S
     sender.send = lambda *a, **k: (c._abort_push(), (_ for _ in ()).throw(OSError("aborted")))  # cut short here
@@ -635,30 +664,21 @@ def test_shutdown_cuts_a_held_query_to_a_hung_receiver_and_stores_everything(  #
     """Cut at shutdown, a held-chunk query fails the push: no new connection for the chunks, no pause of asking."""
     import socket
 
-    from hurray_vllm.transport.tcp import TcpSender
-
-    class _Quick(TcpSender):  # 10 s instead of 60 for each network step: a push not cut waits that out
-        def held(self, url: str, names: Any, *, timeout: float = 10.0, keys: Any = None) -> Any:
-            return super().held(url, names, timeout=timeout, keys=keys)
-
-        def send(self, url: str, chunks: Any, *, timeout: float = 10.0, keys: Any = None) -> Any:
-            return super().send(url, chunks, timeout=timeout, keys=keys)
-
     monkeypatch.setattr(conn, "SHUTDOWN_PUSH_GRACE_S", 0.5)
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)  # accepted by the kernel, never answered
-        c = _bare_worker(conn, meta, tmp_path, _Quick())  # type: ignore[arg-type]
+        # Its query waits 600 s: uncut, shutdown gives up after SHUTDOWN_SAVE_S with the chunks not stored.
+        sender = _patient_tcp_sender()
+        c = _bare_worker(conn, meta, tmp_path, sender)
         c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
         c._writer = conn._Writer(1 << 30, on_full=c._abort_push)
         _store_one(c, meta, "01" * 8)
         c._unpushed["01" * 8] = None  # a push failed earlier: the next delivery asks about it first
         keys = [f"{i:02x}" * 8 for i in range(2, 5)]
         c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, [0] * 8, [1, 2]) for k in keys]))
-        time.sleep(0.2)  # the query is out
-        t0 = time.monotonic()
+        assert sender.asking.wait(60)  # the query is out
         c.shutdown()
-        assert time.monotonic() - t0 < conn.SHUTDOWN_PUSH_GRACE_S + 3
     assert all(c._store.has(c._ns, k) for k in keys) and c.stats.push_failures == 1
     assert c._ask_paused_until == 0.0  # the receiver may well answer queries: it was cut, not too old
 
