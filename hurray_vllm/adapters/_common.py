@@ -14,7 +14,7 @@ from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..kv.paged import BlockPagedTensor
 
 # kv.repage's structure check is what plan_repage runs: an import that does not repage runs the same one.
-from ..kv.repage import check_budget, check_memory, check_structure
+from ..kv.repage import check_budget, check_memory, check_structure, same_tensor
 from ..kv.snapshot import KVSnapshot
 
 __all__ = [
@@ -131,16 +131,6 @@ def _structure_difference(t: BlockPagedTensor, k0: BlockPagedTensor) -> str | No
         if not same_tensor(a, b):
             return name
     return None
-
-
-def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether ``a`` and ``b`` hold the same values (``b`` moved to ``a``'s device); ``None`` equals only itself."""
-    # Tensors built alike share one object: no compare (and no device sync).
-    if a is b:
-        return True
-    if a is None or b is None or a.shape != b.shape:
-        return False
-    return torch.equal(a, b.to(a.device))
 
 
 def check_reserve(reserve: int) -> None:

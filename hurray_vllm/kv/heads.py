@@ -24,15 +24,34 @@ from .states import join_states
 __all__ = ["rank_heads", "distinct_ranks", "concat_heads", "select_heads", "partitions"]
 
 
+def _refuse_quantized(snap: KVSnapshot, what: str) -> None:
+    """Refuse a snapshot whose tensors carry quantization: their scales are not split or joined by heads."""
+    for t in snap.tensors():
+        if t.quantization is not None or t.quant_buffers:
+            raise HurrayFormatError(
+                "quantization",
+                f"layer {t.layer_index} {t.kv_role} is quantized ({type(t.quantization).__name__}); {what} "
+                "does not split or join quantization parameters by heads: dequantize the snapshot first",
+            )
+
+
 def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
     """The model's KV heads rank ``rank`` of ``tp`` holds.
+
+    Raises:
+        HurrayArgumentError: ``tp`` below 1 (field ``tensor_parallel_size``) or
+            ``rank`` outside ``0 .. tp - 1`` (field ``rank``): the caller's.
+        HurrayFormatError: (field ``num_kv_heads``) heads that do not divide
+            among, or replicate over, ``tp`` ranks.
 
     Example:
         >>> rank_heads(8, 2, 1), rank_heads(2, 4, 3)
         (range(4, 8), range(1, 2))
     """
-    if tp < 1 or not 0 <= rank < tp:
-        raise HurrayFormatError("tensor_parallel_size", f"rank {rank} of {tp}")
+    if tp < 1:
+        raise HurrayArgumentError("tensor_parallel_size", f"must be at least 1, got {tp}")
+    if not 0 <= rank < tp:
+        raise HurrayArgumentError("rank", f"rank {rank} is outside the {tp} ranks 0..{tp - 1}")
     if num_kv_heads < 1:
         raise HurrayFormatError("num_kv_heads", f"{num_kv_heads} KV heads")
     if num_kv_heads >= tp:
@@ -72,11 +91,13 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
 
     Raises:
         HurrayFormatError: (field ``snapshot.structure``) parts that differ in
-            anything but their heads; (``snapshot.states``) linear-attention
+            anything but their heads; (``quantization``) a quantized part; (``snapshot.states``) linear-attention
             states that are not the parts' shares (:func:`~hurray_vllm.kv.states.join_states`).
     """
     if not parts:
         raise HurrayFormatError("snapshot.structure", "no parts to join")
+    for p in parts:
+        _refuse_quantized(p, "concat_heads")
     first = parts[0]
     if len(parts) == 1:
         h = first.heads
@@ -129,8 +150,12 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
 def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
     """The KV heads ``heads`` of every layer (views of its pools), marked as a slice; its states' share with them.
 
+    The pools are views; the states' share is a view of a member with one
+    section and a copy of one with several (:meth:`~hurray_vllm.kv.states.RecurrentStates.take`).
+
     Raises:
-        HurrayFormatError: (field ``snapshot.heads``) heads outside the snapshot's, or an MLA latent (one head).
+        HurrayFormatError: (field ``snapshot.heads``) heads outside the snapshot's, or an MLA latent (one head);
+            (``quantization``) a quantized snapshot.
         HurrayArgumentError: ``heads`` is not a run of consecutive heads (a step other than 1).
     """
     have = snap.head_range
@@ -138,6 +163,7 @@ def select_heads(snap: KVSnapshot, heads: range) -> KVSnapshot:
         raise HurrayArgumentError("heads", f"a run of consecutive heads (step 1), not {heads}")
     if snap.is_latent:
         raise HurrayFormatError("snapshot.heads", "an MLA latent is one head: it is not split")
+    _refuse_quantized(snap, "select_heads")
     if heads.start < have.start or heads.stop > have.stop or not len(heads):
         raise HurrayFormatError(
             "snapshot.heads", f"heads {heads.start}..{heads.stop} outside {have.start}..{have.stop}"

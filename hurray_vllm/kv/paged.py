@@ -369,6 +369,18 @@ class BlockPagedTensor:
 
     def validate(self, *, permissive: bool = False) -> Checked:
         """Every rule this tensor breaks (see :func:`hurray_vllm.containers.check`)."""
+        if self.page_pool.dim() != 4:
+            # The descriptor reads heads and head_dim from the pool's shape: nothing else can be checked.
+            return Checked(
+                (
+                    Violation(
+                        "rank",
+                        f"page_pool must be [num_pages, page_size, num_heads, head_dim], "
+                        f"got {self.page_pool.dim()} dimensions {list(self.page_pool.shape)}",
+                    ),
+                ),
+                permissive,
+            )
         return validate_descriptor(
             self.descriptor(),
             block_table=self.block_table,

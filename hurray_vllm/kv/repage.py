@@ -42,6 +42,7 @@ __all__ = [
     "check_budget",
     "check_structure",
     "check_memory",
+    "same_tensor",
     "device_memory",
     "check_out_pool",
     "memory_span",
@@ -110,6 +111,21 @@ def check_memory(nbytes: int, what: str, device: torch.device | str | None) -> N
         )
 
 
+def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` hold the same values (``b`` moved to ``a``'s device); ``None`` equals only itself."""
+    # Tensors built alike share one object: no compare (and no device sync).
+    if a is b:
+        return True
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    return torch.equal(a, b.to(a.device))
+
+
+#: Bytes of temporaries :func:`plan_repage` builds per target slot (token positions, source pages and
+#: slots, the mask, the unique rows and their sort), counted before it builds them.
+PLAN_BYTES_PER_SLOT = 64
+
+
 @dataclass(frozen=True)
 class RepagePlan:
     """Where each slot of the new pool comes from.
@@ -147,6 +163,8 @@ class RepagePlan:
     #: The block table the plan was made from (the very tensor; ``None``: a plan built by hand). Lengths and
     #: page size alone do not tell two batches apart whose pages differ: importers that take a plan compare it.
     src_block_table: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    #: The source ``seq_ptr`` the plan was made from (``None``: a plan built by hand), compared alike.
+    src_seq_ptr: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -189,6 +207,7 @@ def plan_repage(
         raise ImportArgumentError("page_size", f"target page size must be positive, got {page_size}")
     dev = block_table.device
     src_lens = seq_lens
+    src_ptr = seq_ptr
     seq_lens = seq_lens.to(dev)
     seq_ptr = seq_ptr.to(dev)
     num_seqs = int(seq_lens.numel())
@@ -197,8 +216,16 @@ def plan_repage(
             "seq_ptr", f"{seq_ptr.numel()} offsets for {num_seqs} sequences of pages of {src_page_size}"
         )
     src_pages = check_structure(block_table, seq_ptr, seq_lens, num_pages)
+    if num_seqs and int(seq_lens.max()) > MAX_IMPORT_SLOTS:
+        s = int(seq_lens.argmax())
+        raise HurrayFormatError(
+            "seq_lens",
+            f"sequence {s} declares {int(seq_lens[s])} tokens, over hurray_vllm.kv.repage.MAX_IMPORT_SLOTS "
+            f"= {MAX_IMPORT_SLOTS}; raise it if the batch is meant to be this large",
+        )
     # Each sequence must own the pages its tokens need: a short one would read the next sequence's pages.
-    short = ((seq_lens + src_page_size - 1) // src_page_size > seq_ptr[1:] - seq_ptr[:-1]).nonzero()
+    # (Compared without rounding up: seq_lens + src_page_size - 1 could overflow int64.)
+    short = (seq_lens > (seq_ptr[1:] - seq_ptr[:-1]) * src_page_size).nonzero()
     if short.numel():
         s = int(short[0, 0])
         raise HurrayFormatError(
@@ -206,12 +233,14 @@ def plan_repage(
             f"sequence {s} has {int(seq_lens[s])} tokens but {int(seq_ptr[s + 1] - seq_ptr[s])} "
             f"pages of {src_page_size}; the block structure is inconsistent (validate() it)",
         )
-    need = (seq_lens + page_size - 1) // page_size  # target pages per sequence
+    need = -(-seq_lens // page_size)  # target pages per sequence (ceil, without overflow for a huge page_size)
     new_ptr = torch.zeros(num_seqs + 1, dtype=torch.int64, device=dev)
     if num_seqs:
         torch.cumsum(need, 0, out=new_ptr[1:])
     total = int(new_ptr[-1])
     check_budget(total * page_size, "repaging")
+    # The plan's own temporaries ([total, page_size] int64 several times over) come before any pool.
+    check_memory(total * page_size * PLAN_BYTES_PER_SLOT, "repage plan", dev)
     if total == 0:
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         return RepagePlan(
@@ -223,6 +252,7 @@ def plan_repage(
             src_page_size=src_page_size,
             _src_lens=src_lens,
             src_block_table=block_table,
+            src_seq_ptr=src_ptr,
         )
     # For every target logical page (s, j) and position r: token t = j*T + r of s.
     seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=dev), need)
@@ -255,6 +285,7 @@ def plan_repage(
         src_pages=src_pages,
         _src_lens=src_lens,
         src_block_table=block_table,
+        src_seq_ptr=src_ptr,
         _rows=(src_slots.reshape(-1, run)[:, 0] // run).clamp(min=0),
     )
 
@@ -482,6 +513,9 @@ def repage(
         or plan.src_page_size not in (0, t.page_size)
         or plan.src_pages > t.num_pages
         or (plan._src_lens is not t.seq_lens and not torch.equal(plan.seq_lens.cpu(), t.seq_lens.cpu()))
+        # Lengths and page size alone do not tell two batches apart whose pages differ.
+        or (plan.src_block_table is not None and not same_tensor(t.block_table, plan.src_block_table))
+        or (plan.src_seq_ptr is not None and not same_tensor(t.seq_ptr, plan.src_seq_ptr))
     ):
         raise ImportArgumentError(
             "plan",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HurrayFormatError, Violation
+from ..errors import HurrayArgumentError, HurrayFormatError, Violation
 from ..wire.jsonvalues import Fields
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
@@ -544,7 +544,15 @@ class KVSnapshot:
     # ── batch operations ───────────────────────────────────────────────────
 
     def select(self, seqs: Sequence[int]) -> KVSnapshot:
-        """A snapshot of the sequences ``seqs`` only, compacted."""
+        """A snapshot of the sequences ``seqs`` only, compacted.
+
+        Raises:
+            HurrayArgumentError: (field ``seqs``) a sequence outside ``0 .. num_seqs - 1``.
+        """
+        n = self.num_seqs
+        bad = next((s for s in seqs if not 0 <= s < n), None)
+        if bad is not None:
+            raise HurrayArgumentError("seqs", f"sequence {bad} is outside the batch's {n} (0..{n - 1})")
         layers = [tuple(t.select(seqs) for t in members) for members in self.layer_members()]
         ids = tuple(self.token_ids[s] for s in seqs) if self.token_ids else ()
         rids = tuple(self.request_ids[s] for s in seqs) if self.request_ids else None
@@ -630,6 +638,40 @@ class KVSnapshot:
                     )
                     break
         lead = self._lead
+        # A pool that is not [pages, page_size, heads, head_dim] was reported above (rule "rank"): the checks
+        # that read heads or head_dim skip the snapshot then, rather than fail on it.
+        shaped = all(t.page_pool.dim() == 4 for t in self.tensors())
+        if not shaped and not tensors:
+            found.append(Violation("rank", "a layer's page_pool is not [num_pages, page_size, num_heads, head_dim]"))
+        if lead and shaped:
+            # One head geometry and dtype for the whole model (page sizes may differ per layer).
+            k0 = lead[0]
+            for i, members in enumerate(self.layer_members()):
+                odd = next(
+                    (t for t in members if (t.num_heads, t.head_dim, t.dtype) != (k0.num_heads, k0.head_dim, k0.dtype)),
+                    None,
+                )
+                if odd is not None:
+                    found.append(
+                        Violation(
+                            "snapshot.structure",
+                            f"layer {i} {odd.kv_role} holds {odd.num_heads} heads x {odd.head_dim} of {odd.dtype}, "
+                            f"layer 0 {k0.kv_role} {k0.num_heads} x {k0.head_dim} of {k0.dtype}",
+                        )
+                    )
+                    break
+            fp = self.fingerprint
+            if fp is not None:
+                # A fused MLA latent is one "head" of latent.head_dim values, as its fingerprint says;
+                # a slice of the heads holds fewer than the model's (checked against heads.total below).
+                if fp.head_dim != k0.head_dim or (self.heads is None and fp.num_kv_heads != k0.num_heads):
+                    found.append(
+                        Violation(
+                            "snapshot.fingerprint",
+                            f"fingerprint says {fp.num_kv_heads} KV heads x {fp.head_dim}, the layers hold "
+                            f"{k0.num_heads} x {k0.head_dim}",
+                        )
+                    )
         if lead:
             k0 = lead[0]
             for i, k in enumerate(lead[1:], 1):
@@ -668,7 +710,7 @@ class KVSnapshot:
         found.extend(self._window_violations())
         heads_bad = self.heads.violations() if self.heads is not None else []
         found.extend(heads_bad)
-        if self.heads is not None and lead and any(t.num_heads != self.heads.count for t in self.tensors()):
+        if self.heads is not None and lead and shaped and any(t.num_heads != self.heads.count for t in self.tensors()):
             found.append(
                 Violation(
                     "snapshot.heads",

@@ -131,7 +131,11 @@ class RecurrentStates:
         return part_fraction(self.part)
 
     def take(self, start: int, stop: int, total: int) -> RecurrentStates:
-        """The part ``start / total`` to ``stop / total`` of every member (views), from the whole or a larger part.
+        """The part ``start / total`` to ``stop / total`` of every member, from the whole or a larger part.
+
+        A member with one section is a view of this one's; a member with
+        several (a fused conv state, ``[q | k | v]``) is a new tensor, its
+        sections' parts concatenated: writing into it does not write here.
 
         What a tensor-parallel rank of ``total`` equal shares holds of a
         whole state is ``take(rank, rank + 1, total)``; a rank holding the

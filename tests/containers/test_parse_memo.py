@@ -46,7 +46,7 @@ def chunk(seed: int, *, pages: int = 2, request: str = "0", heads: int = HEADS, 
         keys=keys,
         values=values,
         token_ids=(tuple(range(seed, seed + pages * PAGE)),),
-        fingerprint=FP,
+        fingerprint=FP if heads == HEADS else replace(FP, num_kv_heads=heads),  # the pools' heads
         source=SnapshotSource("vllm", "cpu", PAGE),
         request_ids=(request,),
         kv_scales=tuple((0.5, 0.25) for _ in range(LAYERS)) if fp8 else None,

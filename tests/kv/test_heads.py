@@ -260,3 +260,40 @@ def test_parts_of_other_sliding_windows_are_refused() -> None:
         concat_heads([a, b])
     assert err.value.field == "snapshot.structure"
     assert concat_heads([a, replace(b, windows=full)]).windows == full
+
+
+def test_rank_heads_refuses_a_tp_or_rank_out_of_range_as_the_callers_mistake() -> None:
+    for tp, rank, field in ((0, 0, "tensor_parallel_size"), (2, 2, "rank"), (2, -1, "rank")):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            rank_heads(8, tp, rank)
+        assert err.value.field == field and not isinstance(err.value, hv.HurrayFormatError)
+
+
+def test_quantized_snapshots_are_not_split_or_joined_by_heads() -> None:
+    """Per-channel scales would stay unsliced, and a join would keep part 0's: both refuse quantization."""
+    from synthetic import make_snapshot
+
+    from hurray_vllm.wire.descriptor import PerTensorAffine
+
+    whole = make_snapshot([6, 3], [0, 1], 4, heads=2, dim=8)
+    scales = torch.ones(2 * 8, dtype=torch.float32).view(torch.uint8)
+    with_buffers = whole.with_layers(
+        [tuple(replace(t, quant_buffers=(scales,)) for t in m) for m in whole.layer_members()]
+    )
+    q = PerTensorAffine(0.5)
+    with_section = whole.with_layers([tuple(replace(t, quantization=q) for t in m) for m in whole.layer_members()])
+    quantized = [with_buffers, with_section]
+    for snap in quantized:
+        with pytest.raises(hv.HurrayFormatError) as err:
+            select_heads(snap, range(0, 1))
+        assert err.value.field == "quantization"
+        halves = [select_heads(whole, range(0, 1)), select_heads(whole, range(1, 2))]
+        halves[1] = halves[1].with_layers(
+            [
+                tuple(replace(t, quant_buffers=(scales,), quantization=snap.tensors()[0].quantization) for t in m)
+                for m in halves[1].layer_members()
+            ]
+        )
+        with pytest.raises(hv.HurrayFormatError) as err:
+            concat_heads(halves)
+        assert err.value.field == "quantization"

@@ -111,3 +111,19 @@ def test_lookup_refuses_indices_outside_the_tensor() -> None:
         for args in [(0, 0, 2, 0), (0, 0, -1, 0), (0, 0, 0, 2), (1, -1, 0, 0), (0, 4, 0, 0)]:
             with pytest.raises(IndexError):
                 t.lookup(*args)
+
+
+def test_validate_reports_a_pool_that_is_not_four_dimensional() -> None:
+    """descriptor() reads heads and head_dim from the pool: validate used to fail with an IndexError."""
+    t = hv.BlockPagedTensor(torch.zeros(2, 4, 8), torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([8]))
+    checked = t.validate()
+    assert not checked.ok and [v.invariant for v in checked.violations] == ["rank"]
+    assert not t.validate(permissive=True).ok  # structural: blocks in permissive mode too
+
+
+def test_snapshot_select_of_a_sequence_outside_the_batch_is_an_argument_error() -> None:
+    snap = spec_example_snapshot(2)
+    for seq in (snap.num_seqs, -1):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            snap.select([0, seq])
+        assert err.value.field == "seqs"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given
@@ -203,9 +205,12 @@ def test_an_import_larger_than_the_devices_memory_is_refused_before_allocating(
         with pytest.raises(OSError, match="GiB in all") as err:
             call()
         assert err.value.errno == errno.ENOMEM
+    plan = rp.plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, 8, t.num_pages)
     monkeypatch.setattr(rp, "device_memory", lambda device: 4 << 10)
-    with pytest.raises(OSError, match="repaging layer 0 key"):
+    with pytest.raises(OSError, match="repage plan"):  # the plan's own temporaries, counted first
         repage(t, 8)
+    with pytest.raises(OSError, match="repaging layer 0 key"):
+        repage(t, 8, plan)
     with pytest.raises(OSError, match="sequence 0 of layer 0 key"):
         tfa.sequence_kv(snap, 0, 0)
     # Where the pools go, they are counted in the output dtype; where they are built, one layer at a time.
@@ -308,3 +313,58 @@ def test_per_block_affine_pools_repage_only_to_power_of_two_pages() -> None:
     for size in (1, 3, 6):
         with pytest.raises(hv.ImportArgumentError, match="powers of two"):
             repage(t, size)
+
+
+def test_a_plan_made_for_another_block_table_or_seq_ptr_is_refused() -> None:
+    """Same lengths and page size, other pages: the plan would silently gather the first tensor's tokens."""
+    from hurray_vllm.kv.repage import plan_repage
+
+    lens = torch.tensor([4, 4])
+    a = hv.BlockPagedTensor(torch.randn(4, 4, 1, 2), torch.tensor([0, 1]), torch.tensor([0, 1, 2]), lens)
+    b = hv.BlockPagedTensor(a.page_pool, torch.tensor([2, 3]), a.seq_ptr, lens)  # same lengths, other pages
+    plan = plan_repage(a.block_table, a.seq_ptr, a.seq_lens, 4, 2, a.num_pages)
+    with pytest.raises(hv.ImportArgumentError, match="another snapshot"):
+        repage(b, 2, plan)
+    # One table, one set of lengths, other offsets: sequence 1 reads page 1 in c, page 2 in d. (With equal
+    # lengths, valid offsets are equal: each holds a surplus page, which the plan tolerates, but it must not
+    # take one for the other.)
+    c = hv.BlockPagedTensor(
+        torch.randn(3, 4, 1, 2), torch.tensor([0, 1, 2]), torch.tensor([0, 1, 3]), torch.tensor([4, 4])
+    )
+    d = replace(c, seq_ptr=torch.tensor([0, 2, 3]))
+    with pytest.raises(hv.ImportArgumentError, match="another snapshot"):
+        repage(d, 2, plan_repage(c.block_table, c.seq_ptr, c.seq_lens, 4, 2))
+    # An equal copy of the table (not the very tensor) is the same batch.
+    same = repage(replace(a, block_table=a.block_table.clone(), seq_ptr=a.seq_ptr.clone()), 2, plan)
+    assert torch.equal(same.to_dense(1), repage(a, 2).to_dense(1))
+
+
+def test_lengths_near_the_int64_limit_are_a_named_error_not_an_overflow() -> None:
+    from hurray_vllm.kv.repage import MAX_IMPORT_SLOTS, plan_repage
+
+    table, ptr = torch.tensor([0]), torch.tensor([0, 1])
+    for n in (2**63 - 1, 2**63 - 3, MAX_IMPORT_SLOTS + 1):  # seq_lens + page_size - 1 wrapped negative: "not short"
+        with pytest.raises(hv.HurrayFormatError) as err:
+            plan_repage(table, ptr, torch.tensor([n]), 4, 2, 1)
+        assert err.value.field in ("seq_lens", "seq_lens.pages")
+    # A huge target page size does not overflow the page count either: it is over the slot budget.
+    with pytest.raises(hv.HurrayFormatError, match="MAX_IMPORT_SLOTS"):
+        plan_repage(table, ptr, torch.tensor([3]), 4, 2**62, 1)
+
+
+def test_the_plans_own_temporaries_are_counted_before_they_are_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One page declaring many tokens (prefix sharing): the plan's [slots, page_size] temporaries are refused first."""
+    import errno
+
+    import hurray_vllm.kv.repage as rp
+
+    seqs = 64
+    table = torch.zeros(seqs * 1024, dtype=torch.int64)  # every sequence reads page 0 again and again
+    ptr = torch.arange(seqs + 1) * 1024
+    lens = torch.full((seqs,), 1024 * 16)
+    monkeypatch.setattr(rp, "device_memory", lambda device: 32 << 20)  # the plan wants 64 B x 1 Mi slots
+    built: list[int] = []
+    monkeypatch.setattr(rp.torch, "repeat_interleave", lambda *a, **k: built.append(1))
+    with pytest.raises(OSError, match="repage plan") as err:
+        rp.plan_repage(table, ptr, lens, 16, 16, 1)
+    assert err.value.errno == errno.ENOMEM and not built

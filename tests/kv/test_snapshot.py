@@ -111,3 +111,56 @@ def test_validate_refuses_the_windows_the_reader_refuses(windows: SlidingWindows
     assert not snap.validate().ok
     with pytest.raises(HurrayFormatError):
         hv.save(snap, tmp_path / "w.hrry")
+
+
+def _invariants(snap: hv.KVSnapshot) -> list[str]:
+    return [v.invariant for v in snap.validate().violations]
+
+
+def test_layers_of_other_head_geometry_or_dtype_are_a_structure_violation() -> None:
+    """Every layer (and role) holds the model's heads x head_dim of one dtype; page sizes may differ."""
+    snap = spec_example_snapshot(2)
+    assert snap.validate().ok
+    k1, v1 = snap.keys[1], snap.values[1]
+    fewer = replace(snap, keys=(snap.keys[0], replace(k1, page_pool=k1.page_pool[:, :, :1])))
+    fewer = replace(fewer, values=(snap.values[0], replace(v1, page_pool=v1.page_pool[:, :, :1])))
+    assert "snapshot.structure" in _invariants(fewer)
+    wider = snap.with_layers(
+        [snap.layer(0), tuple(replace(t, page_pool=t.page_pool.repeat(1, 1, 1, 2)) for t in snap.layer(1))]
+    )
+    assert "snapshot.structure" in _invariants(replace(wider, fingerprint=None))
+    as_f32 = replace(snap, values=(snap.values[0], replace(v1, page_pool=v1.page_pool.float())))  # value != key dtype
+    found = [v for v in as_f32.validate().violations if v.invariant == "snapshot.structure"]
+    assert found and "layer 1 value" in found[0].message
+
+
+def test_a_fingerprint_of_other_heads_than_the_pools_is_a_violation() -> None:
+    snap = spec_example_snapshot(2)
+    fp = snap.fingerprint
+    assert fp is not None and (fp.num_kv_heads, fp.head_dim) == (snap.keys[0].num_heads, snap.keys[0].head_dim)
+    for bad in (replace(fp, num_kv_heads=fp.num_kv_heads + 2), replace(fp, head_dim=fp.head_dim * 2)):
+        assert "snapshot.fingerprint" in _invariants(replace(snap, fingerprint=bad))
+    # A slice of the heads holds fewer than the model's: its total is what the fingerprint names.
+    from hurray_vllm.kv.heads import select_heads
+
+    assert select_heads(snap, range(1, 2)).validate().ok
+    # An MLA latent: one "head" of kv_lora_rank + rope values, as its fingerprint says.
+    t = snap.keys[0]
+    lat = hv.LatentSplit(12, 4)
+    fused = [
+        (replace(t, page_pool=torch.zeros(t.num_pages, t.page_size, 1, 16), kv_role="fused", layer_index=i),)
+        for i in range(2)
+    ]
+    mla = hv.KVSnapshot.from_layers(
+        fused, latent=lat, fingerprint=replace(fp, num_kv_heads=1, head_dim=16, num_layers=2)
+    )
+    assert mla.validate().ok, mla.validate().violations
+    assert "snapshot.fingerprint" in _invariants(replace(mla, fingerprint=fp))
+
+
+def test_a_pool_that_is_not_four_dimensional_is_a_violation_not_a_crash() -> None:
+    snap = spec_example_snapshot(2)
+    flat = replace(snap.keys[1], page_pool=snap.keys[1].page_pool.flatten(2))
+    bad = replace(snap, keys=(snap.keys[0], flat))
+    assert "rank" in _invariants(bad)
+    assert "rank" in _invariants(replace(bad, heads=hv.HeadRange(0, 2, 2)))  # the head-slice check reads heads too
