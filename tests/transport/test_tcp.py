@@ -348,18 +348,12 @@ def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) ->
     with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=1, idle_timeout=30) as r:
         first = socket.create_connection(("127.0.0.1", r.address[1]), timeout=10)
         try:
-            deadline = time.monotonic() + 10
-            while not r._conns:  # the first connection is being served
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            _wait_for(lambda: r._conns)  # the first connection is being served
             with pytest.raises(hv.HurrayFormatError, match="more than 1 connections"):
                 send_chunks(_url(r), [(ns, key, chunk)], timeout=10)
         finally:
             first.close()
-        deadline = time.monotonic() + 10
-        while r._conns:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_for(lambda: not r._conns)
         send_chunks(_url(r), [(ns, key, chunk)], timeout=10)  # served again once the first is gone
         assert DirectoryStore(tmp_path).has(ns, key)
     with pytest.raises(hv.HurrayArgumentError, match="max_connections=0"):
@@ -419,6 +413,14 @@ def test_a_keyed_receiver_answers_held_queries_only_from_fleet_members(tmp_path:
         with pytest.raises(hv.HurrayFormatError, match="fleet key"):
             TcpSender().held(url, [(ns, key)])
         assert TcpSender().held(url, [(ns, key)], keys=keys) == {(ns, key)}
+
+
+def _wait_for(ready: Callable[[], object], within: float = 10) -> None:
+    """Poll ``ready()`` until it is true; fail the test after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not ready():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
 
 
 def _until_closed(s: socket.socket) -> bytes:
@@ -664,20 +666,14 @@ def test_a_refusal_thread_that_cannot_start_leaves_the_receiver_accepting(
     with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=1, idle_timeout=30) as r:
         first = socket.create_connection(("127.0.0.1", r.address[1]), timeout=10)
         try:
-            deadline = time.monotonic() + 10
-            while not r._conns:  # the first connection is being served: the next one is refused
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            _wait_for(lambda: r._conns)  # the first connection is being served: the next one is refused
             monkeypatch.setattr(threading.Thread, "start", no_refusal_thread)
             with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as second:
                 assert _until_closed(second) == b""  # closed unanswered
             monkeypatch.undo()
         finally:
             first.close()
-        deadline = time.monotonic() + 10
-        while r._conns:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_for(lambda: not r._conns)
         send_chunks(_url(r), [(ns, key, chunk)], timeout=10)  # the accept thread lives on
         assert DirectoryStore(tmp_path).has(ns, key)
         assert r._refusing._value == base._MAX_REFUSING  # type: ignore[attr-defined]  # no slot leaked

@@ -126,30 +126,26 @@ def test_computed_tokens_the_placeholders_do_not_explain_are_refused() -> None:
 # Block ids past the cache: refused on the host, before any gather or write.
 
 
-@dataclass(frozen=True)
-class SpyBHNC(LogicalBHNC):
-    """LogicalBHNC that records the gathers it is asked for."""
+class _Spy:
+    """A layout that records the gathers it is asked for (mixed in before the layout's class)."""
 
-    calls: list[int] = field(default_factory=list, compare=False, hash=False)
-
-    def gather(
-        self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
-    ) -> tuple[torch.Tensor, ...]:
-        self.calls.append(int(block_ids.numel()))
-        return super().gather(cache, block_ids, out)
-
-
-@dataclass(frozen=True)
-class SpyLatent(MLALatent):
-    """MLALatent that records the gathers it is asked for."""
-
-    calls: list[int] = field(default_factory=list, compare=False, hash=False)
+    calls: list[int]
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, ...]:
         self.calls.append(int(block_ids.numel()))
-        return super().gather(cache, block_ids, out)
+        return super().gather(cache, block_ids, out)  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class SpyBHNC(_Spy, LogicalBHNC):
+    calls: list[int] = field(default_factory=list, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class SpyLatent(_Spy, MLALatent):
+    calls: list[int] = field(default_factory=list, compare=False, hash=False)
 
 
 def _caches(*blocks: int, device: str = "cpu") -> list[torch.Tensor]:
