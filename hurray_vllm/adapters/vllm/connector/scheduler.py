@@ -184,6 +184,11 @@ def _files(parts: list[ChunkPart]) -> _Files:
     return tuple((p.name, p.identity) for p in parts)
 
 
+def _task_parts(parts: list[ChunkPart]) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    """A chunk's files as a load names them (``LoadTask.parts``): name, heads held, identity."""
+    return [(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts]
+
+
 def _tail_files(probed: tuple[str, list[int], list[ChunkPart]] | None) -> tuple[str, _Files] | None:
     """A probed tail (``HurrayScheduler._probe_tail``) as a lookup remembers it: its key and files."""
     return None if probed is None else (probed[0], _files(probed[2]))
@@ -425,7 +430,6 @@ class HurrayScheduler:
         """
         unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
         reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
-        hit = first
         verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
         verified_snaps: list[list[KVSnapshot]] = []
         pending: tuple[list[ChunkPart], list[KVSnapshot], list[Future[None] | None]] | None = None
@@ -433,18 +437,16 @@ class HurrayScheduler:
             read = self._read_parts(parts, tokens[i * self._chunk : (i + 1) * self._chunk], reader)
             if pending is not None:  # the chunk before: its checks ran while this one was parsed
                 if not self._passed(*pending):
-                    return hit, verified, verified_snaps
-                verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in pending[0]])
+                    return first + len(verified), verified, verified_snaps
+                verified.append(_task_parts(pending[0]))
                 verified_snaps.append(pending[1])
-                hit = i
             if read is None:
-                return hit, verified, verified_snaps
+                return first + len(verified), verified, verified_snaps
             pending = (parts, *read)
         if pending is not None and self._passed(*pending):
-            verified.append([(p.name, p.heads.start, p.heads.stop, p.identity) for p in pending[0]])
+            verified.append(_task_parts(pending[0]))
             verified_snaps.append(pending[1])
-            hit = first + len(stored)
-        return hit, verified, verified_snaps
+        return first + len(verified), verified, verified_snaps
 
     def _probe_tail(
         self, tokens: list[int], keys: list[str], hit: int, computed: int, seed: str
@@ -487,7 +489,7 @@ class HurrayScheduler:
         read = self._read_parts(parts, tokens)
         if read is None or not self._passed(parts, *read):
             return None
-        return key, tokens, [(p.name, p.heads.start, p.heads.stop, p.identity) for p in parts], read[0]
+        return key, tokens, _task_parts(parts), read[0]
 
     def _awaits_push(self, state: _Request, tokens: list[int], keys: list[str], computed: int) -> bool:
         """Whether to hold a request back a step: chunks its ``kv_transfer_params`` announce are still arriving.
