@@ -301,11 +301,25 @@ class StateCache:
 
         Raises:
             HurrayFormatError: (field ``snapshot.states``) states of another
-                model geometry (see :meth:`mismatches`).
+                model geometry (see :meth:`mismatches`); (field ``block_ids``)
+                a block id outside the state tensors, found on the host
+                before anything is written.
         """
         diffs = self.mismatches(states)
         if diffs:
             raise HurrayFormatError("snapshot.states", "states of another model: " + "; ".join(diffs))
+        # As in gather: on the host, before the first write (an id past a CUDA tensor is a device-side assert,
+        # and a layer written before a later one failed would leave a half-written state).
+        for layer, g in zip(self.tensors, self.groups, strict=True):
+            ids = [int(x) for b in blocks for x in b.get(g, [])]
+            num = min((int(t.shape[0]) for t in layer), default=0)
+            bad = [x for x in ids if x < 0 or x >= num]
+            if bad:
+                raise HurrayFormatError(
+                    "block_ids",
+                    f"state block {bad[0]} of KV cache group {g} is outside its {num} blocks; "
+                    "write only blocks the engine allocated to the request",
+                )
         for layer, g, src in zip(self.tensors, self.groups, states.tensors, strict=True):
             rows = [s for s, b in enumerate(blocks) for _ in b.get(g, [])]
             ids = [x for b in blocks for x in b.get(g, [])]

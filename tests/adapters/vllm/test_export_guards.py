@@ -229,6 +229,21 @@ def test_state_gather_refuses_a_block_outside_the_states_on_the_host() -> None:
     assert torch.equal(got.tensors[0][0][1], sc.tensors[0][0][4])
 
 
+@pytest.mark.parametrize("bad", [5, -1])
+def test_state_write_refuses_a_block_outside_the_states_before_writing(bad: int) -> None:
+    sc = _state_cache(5)
+    states = sc.gather([{1: 2}, {1: 3}], [16, 16])
+    before = [t.clone() for t in sc.tensors[0]]
+    with pytest.raises(
+        HurrayFormatError, match=f"state block {bad} of KV cache group 1 is outside its 5 blocks"
+    ) as info:
+        sc.write([{1: [1]}, {1: [bad]}], states)
+    assert info.value.field == "block_ids"
+    assert all(torch.equal(t, b) for t, b in zip(sc.tensors[0], before, strict=True))  # not even block 1
+    sc.write([{1: [1]}, {1: [4]}], states)  # the last block is in range
+    assert torch.equal(sc.tensors[0][0][4], states.tensors[0][0][1])
+
+
 # kv_scales and the LatentSplit: checked before any work.
 
 
