@@ -18,7 +18,7 @@ from .digest import check_heads, digest_unverifiable
 from .keys import is_chunk_name, is_namespace_name, namespace_of, split_slice_key
 from .prune import namespaces
 from .signing import FleetKeys, refusal_kind
-from .verify import _check_geometry, check_data
+from .verify import _check_geometry, _check_token_ids, check_data
 
 if TYPE_CHECKING:
     from .store import DirectoryStore
@@ -78,6 +78,8 @@ def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> s
     if snap.num_seqs != 1:
         return f"seq_lens: a chunk holds one sequence, this file {snap.num_seqs}"
     try:
+        # The tokens its KV is of: a consumer checks them against its key, and refuses a file without them.
+        _check_token_ids(snap, snap.seq_lens[0])
         check_heads(snap, heads)
         # The pools against the file's own fingerprint (the directory's model): every consumer refuses a chunk
         # whose pools disagree with it, and no producer writes over it (the key exists), so it is damage here.
@@ -97,10 +99,10 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | N
 
     Checks each ``<namespace>/<name>.hrry``: its name, that it parses (the
     spec's rules, the container's CRCs), that its model's namespace is the
-    directory it is in, that it holds one sequence and the KV heads its name
-    says, that its pools are what its fingerprint says (layers, heads, head
-    size, dtype; no quantization: consumers refuse it otherwise, and no
-    producer writes over it), and its checksum, or with ``keys`` its MAC (a
+    directory it is in, that it holds one sequence and its token ids, and
+    the KV heads its name says, that its pools are what its fingerprint
+    says (layers, heads, head size, dtype; no quantization: consumers refuse
+    it otherwise, and no producer writes over it), and its checksum, or with ``keys`` its MAC (a
     wrong one is damage; an unsigned chunk, or one signed with a key not in
     ``keys``, is listed in ``foreign`` and left in place). What it cannot check without the chunks before
     it: that its key is the hash of its prefix (a consumer checks the tokens).

@@ -14,6 +14,7 @@ rename): a reader sees a whole chunk or none.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -150,11 +151,15 @@ class DirectoryStore:
         ``replace`` renames the new file over a stored one: a reader holds
         the old file or the new, whole (its identity changes, so a verified
         copy of the old one is no longer taken for it).
+
+        Raises:
+            OSError: the file cannot be written; ``ELOOP``: the namespace directory is a symbolic link.
         """
         target = self.path(namespace, key)
         if _file_identity(target) is not None and not replace:
             return False
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)  # takes a link to a directory as one: checked next
+        _check_namespace_dir(target.parent)
         # No fsync: every reader verifies the chunk checksum, so a file torn by
         # a crash is refused and recomputed; a disk flush per chunk is not worth it.
         # A symbolic link at the name (planted in a shared store) is replaced, not written through.
@@ -245,8 +250,9 @@ class DirectoryStore:
         used as it was read, whatever happens to the file afterwards.
 
         Only a regular ``.hrry`` file of at most :data:`MAX_CHUNK_FILE_BYTES`
-        is read: a symbolic link at the name is not followed (``OSError``), and
-        a pipe put there is refused, not waited on.
+        is read: a symbolic link at the name, or in place of the namespace
+        directory, is not followed (``OSError``), and a pipe put there is
+        refused, not waited on.
 
         Raises:
             HurrayFormatError: missing (field ``store``), malformed, not a regular file (``file``),
@@ -266,11 +272,33 @@ class DirectoryStore:
 def _read_chunk(path: Path) -> FileBytes:
     """Every byte of the chunk file at ``path`` (:meth:`DirectoryStore.get`'s rules), with ``load``'s errors."""
     try:
+        _check_namespace_dir(path.parent)
         return read_whole(path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False)
     except (HurrayFormatError, OSError):
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
         raise read_error(exc, str(path)) from exc
+
+
+def _check_namespace_dir(directory: Path) -> None:
+    """Raise ``OSError`` (``ELOOP``) if the namespace directory ``directory`` is a symbolic link.
+
+    A chunk file is opened without following a link at its own name
+    (``O_NOFOLLOW``), which says nothing of the directories above it: a link
+    planted in a shared store in place of a namespace directory would have
+    chunks read from, and written into, wherever it points (``fsck`` and
+    ``prune`` skip such a link too). Refused as a link at the file's name is:
+    an ``OSError``, which no consumer takes for damage (nothing is moved
+    aside). A missing directory passes: a read finds no file, a write makes
+    it. The look and the open after it are two system calls: a link swapped
+    in between them is followed.
+    """
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ELOOP, "the namespace directory is a symbolic link, not followed", str(directory))
 
 
 def _load_chunk(data: FileBytes) -> KVSnapshot:

@@ -19,6 +19,7 @@ from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint
 from ..wire import dtypes
 from .digest import begin_digest_check, check_heads
+from .keys import namespace_of
 from .signing import FleetKeys, begin_signature_check
 
 __all__ = ["begin_check_data", "check_data", "verify_chunk"]
@@ -80,22 +81,52 @@ def verify_chunk(
     ``digest=False`` leaves out the data check (:func:`check_data`: the
     caller runs it itself, e.g. on another thread). ``heads``: the KV heads
     the file must hold (a tensor-parallel slice's, as its name says).
-    ``keys``, ``namespace``, ``name``: see :func:`check_data`.
+    ``keys``, ``name``: see :func:`check_data`. ``namespace``: the store
+    directory the chunk was read from (also what its MAC covers); empty:
+    ``fp``'s own (:func:`~.keys.namespace_of`), the directory a consumer of
+    model ``fp`` reads. The chunk's fingerprint must name that namespace.
     """
     if snap.fingerprint is None:
         raise HurrayFormatError("snapshot.fingerprint", "chunk carries no model fingerprint")
     diffs = snap.fingerprint.mismatches(fp)
     if diffs:
         raise HurrayFormatError("snapshot.fingerprint", "chunk is from another model: " + "; ".join(diffs))
+    # mismatches() lets a side without a weights digest match any digest: a chunk written by an engine
+    # that had none (or had another) and copied into this model's directory would pass it. Its own
+    # namespace says which model's directory it belongs in, as the receivers and fsck check.
+    want, has = namespace or namespace_of(fp), namespace_of(snap.fingerprint)
+    if has != want:
+        raise HurrayFormatError(
+            "snapshot.fingerprint",
+            f"chunk is another model's (namespace {has}, weights digest {snap.fingerprint.weights_digest!r}), "
+            f"read from namespace {want}",
+        )
     if snap.num_seqs != 1 or snap.seq_lens != [len(tokens)]:
         raise HurrayFormatError("seq_lens", f"chunk holds {snap.seq_lens} tokens, expected [{len(tokens)}]")
-    if list(snap.token_ids[0][: len(tokens)]) != list(tokens):
+    _check_token_ids(snap, len(tokens))
+    if list(snap.token_ids[0]) != list(tokens):
         raise HurrayFormatError("snapshot.token_ids", "chunk holds other tokens than its key promises")
     if heads is not None and not snap.is_latent:
         check_heads(snap, heads)
     _check_geometry(snap, fp, heads)
     if digest:
         check_data(snap, keys, namespace, name)
+
+
+def _check_token_ids(snap: KVSnapshot, count: int) -> None:
+    """Raise unless ``snap`` carries the token ids of one sequence, exactly ``count`` of them.
+
+    Token ids are optional in a snapshot, so the loader takes a one-sequence
+    file without them: as a chunk it would promise KV of no tokens at all
+    (its key's tokens cannot be checked against it), and a consumer indexing
+    them would fail with an ``IndexError`` no caller expects. A chunk holds
+    the ids of its KV's tokens and no more (:func:`~.keys.chunks_of`).
+    """
+    lens = [len(ids) for ids in snap.token_ids]
+    if lens != [count]:
+        raise HurrayFormatError(
+            "snapshot.token_ids", f"chunk carries token ids of lengths {lens}, expected one sequence's {count}"
+        )
 
 
 def _check_geometry(snap: KVSnapshot, fp: ModelFingerprint, heads: range | None) -> None:

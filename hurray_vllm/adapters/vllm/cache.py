@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -268,7 +270,7 @@ def model_dir(vllm_config: Any, model_config: Any = None) -> Path | None:
 
 
 def weights_digest(vllm_config: Any, *, drafter: bool = False) -> str:
-    """A digest of the model's weight files (names, sizes, first and last 64 KiB of each).
+    """A digest of the model's weight files (names, sizes, samples of their bytes: :func:`_digest_files`).
 
     ``drafter``: the speculative drafter's KV is part of the cache (EAGLE,
     MTP): its weights are digested after the model's (for MTP, the same
@@ -354,16 +356,113 @@ def _rope_type(hf_config: Any) -> str | None:
     return None
 
 
+#: Of a weight file read as bytes: its first and last bytes, and samples evenly spaced between them (a file no
+#: larger than these together is read whole).
+_FILE_END = 64 << 10
+_FILE_SAMPLES = 64
+_FILE_SAMPLE = 4 << 10
+#: Of each tensor of a ``.safetensors`` file: its first and last bytes (the whole tensor if no larger than both).
+_TENSOR_END = 4 << 10
+#: The most tensor bytes sampled per ``.safetensors`` file: with more tensors than this allows, less of each.
+_TENSOR_BUDGET = 32 << 20
+#: The largest ``.safetensors`` header read (the format's own limit); a file claiming more is sampled as bytes.
+_MAX_SAFETENSORS_HEADER = 100_000_000
+
+
 def _digest_files(h: Any, files: list[Path]) -> None:
-    """Feed ``h`` each file's name and size, and its first and last 64 KiB."""
+    """Feed ``h`` each file's name and size, and a bounded sample of its bytes (each file opened once).
+
+    A ``.safetensors`` file: its header (every tensor's name, dtype, shape and
+    place) and the first and last 4 KiB of every tensor's data (the whole
+    tensor when smaller; less of each past 32 MiB in all). A fine-tune or a
+    merged LoRA changes (nearly) every element of a tensor it touches, so it
+    changes those bytes wherever the tensor lies in the file: sampling the
+    file's ends alone missed a merge into the middle layers. Any other file
+    (``.bin``, ``.pt``, ``config.json``; a ``.safetensors`` file whose
+    header does not parse): its first and last 64 KiB and 64 samples of 4 KiB
+    evenly spaced between them, the whole file when no larger. Bytes outside
+    the samples are never read: files differing only there get one digest.
+    """
     for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}\x00".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(65536))
-            if size > 65536:
-                fh.seek(max(65536, size - 65536))
-                h.update(fh.read(65536))
+        with open(f, "rb", buffering=0) as fh:
+            fd = fh.fileno()
+            size = os.fstat(fd).st_size
+            ranges = _safetensors_ranges(fd, size) if f.suffix == ".safetensors" else None
+            kind = "tensors" if ranges is not None else "bytes"  # what was sampled: never the same stream twice
+            h.update(f"{f.name}:{size}:{kind}\x00".encode())
+            for start, stop in ranges if ranges is not None else _byte_ranges(size):
+                h.update(_read_range(fd, start, stop))
+
+
+def _byte_ranges(size: int) -> list[tuple[int, int]]:
+    """The spans of a ``size``-byte file that :func:`_digest_files` reads when it samples the file as bytes."""
+    if size <= 2 * _FILE_END + _FILE_SAMPLES * _FILE_SAMPLE:
+        return [(0, size)]
+    inner = size - 2 * _FILE_END  # more than _FILE_SAMPLES samples long: the samples never overlap
+    starts = (_FILE_END + inner * (2 * i + 1) // (2 * _FILE_SAMPLES) - _FILE_SAMPLE // 2 for i in range(_FILE_SAMPLES))
+    return [(0, _FILE_END), *((a, a + _FILE_SAMPLE) for a in starts), (size - _FILE_END, size)]
+
+
+def _safetensors_ranges(fd: int, size: int) -> list[tuple[int, int]] | None:
+    """The spans of a ``.safetensors`` file that :func:`_digest_files` reads: its header and each tensor's ends.
+
+    The format: an 8-byte little-endian header length, a JSON header mapping
+    each tensor's name to its ``dtype``, ``shape`` and ``data_offsets`` (from
+    the end of the header), then the data. ``None`` for anything else (a
+    header too long or cut short, not JSON, offsets outside the file): the
+    file is then sampled as bytes.
+    """
+    if size < 8:
+        return None
+    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    data = 8 + length
+    if length > _MAX_SAFETENSORS_HEADER or data > size:
+        return None
+    try:
+        header = json.loads(_read_range(fd, 8, data))
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or nested absurdly deep
+        return None
+    if not isinstance(header, dict):
+        return None
+    tensors = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            return None
+        begin, end = offsets
+        if not 0 <= begin <= end <= size - data:
+            return None
+        tensors.append((data + begin, data + end))
+    edge = max(16, min(_TENSOR_END, _TENSOR_BUDGET // (2 * max(1, len(tensors)))))
+    ranges = [(0, data)]
+    for begin, end in sorted(tensors):
+        ranges += [(begin, end)] if end - begin <= 2 * edge else [(begin, begin + edge), (end - edge, end)]
+    return _merged(ranges)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted, those that overlap or touch joined: fewer reads (adjacent tensors' ends are one)."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        elif stop > start:
+            out.append((start, stop))
+    return out
+
+
+def _read_range(fd: int, start: int, stop: int) -> bytes:
+    """The bytes of ``fd`` from ``start`` up to ``stop`` (fewer at the end of the file)."""
+    parts = []
+    while start < stop:
+        got = os.pread(fd, min(stop - start, 1 << 24), start)
+        if not got:
+            break
+        parts.append(got)
+        start += len(got)
+    return b"".join(parts)
 
 
 #: Adapter digests by the adapter directory's files' identities (name, inode, size, mtime): a file
@@ -545,7 +644,8 @@ def describe_worker_cache(
             "block_size",
             f"the {backend or 'attention'} backend keeps pages of {kernel} tokens, the engine's blocks hold "
             f"{block_size} (vLLM splits each block into kernel blocks); hurray-vllm does not map blocks to kernel "
-            f"blocks: start the engine with --block-size {kernel}",
+            f"blocks: start the engine with --block-size {kernel}, or, for a hybrid model (whose block size vLLM "
+            "sets to fit its state pages), an attention backend that takes the engine's block size",
         )
     for m in mods:
         for attr in ("_k_scale", "_v_scale"):

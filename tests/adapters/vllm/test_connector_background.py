@@ -931,7 +931,8 @@ def test_a_load_with_a_destination_plans_pushing_on_what_it_loaded(tmp_path) -> 
 
 
 def test_only_data_errors_move_a_chunk_aside(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """A caller error or any other exception while checking a chunk says nothing about its file."""
+    """A caller error or any other exception while checking a chunk says nothing about its file: the chunk is
+    refused (it stopped the engine, at every request with its prefix), the file left in place."""
     require("vllm")
     import hurray_vllm.adapters.vllm.connector.scheduler as sm
     from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
@@ -940,15 +941,15 @@ def test_only_data_errors_move_a_chunk_aside(tmp_path, monkeypatch: pytest.Monke
     forget_verified_chunks()
     sched, store, ns, key, req = _scheduler_with_one_chunk(tmp_path)
 
-    for exc in (HurrayArgumentError("page_size", "a kernel refused it"), RuntimeError("a bug")):
+    for n, exc in enumerate((HurrayArgumentError("page_size", "a kernel refused it"), RuntimeError("a bug")), 1):
 
         def fail(*a, exc=exc, **k):  # type: ignore[no-untyped-def]
             raise exc
 
         monkeypatch.setattr(sm, "verify_chunk", fail)
-        with pytest.raises(type(exc)):
-            sched.get_num_new_matched_tokens(req, 0)
-        assert store.has(ns, key) and sched.stats.chunks_quarantined == 0
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert store.has(ns, key) and sched.stats.chunks_refused == n and sched.stats.chunks_quarantined == 0
+    sched.stats.chunks_refused = 0
 
     def other_model(*a, **k):  # type: ignore[no-untyped-def]
         raise HurrayFormatError("snapshot.fingerprint", "another model")
@@ -963,6 +964,71 @@ def test_only_data_errors_move_a_chunk_aside(tmp_path, monkeypatch: pytest.Monke
     monkeypatch.setattr(sm, "verify_chunk", damaged)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
     assert not store.has(ns, key) and sched.stats.chunks_quarantined == 1
+
+
+def test_an_unexpected_error_reading_or_checking_one_chunk_file_refuses_it_and_the_engine_runs_on(  # type: ignore[no-untyped-def]
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anything but a data or I/O error escaped vLLM's scheduling loop and stopped the engine, and the next
+    request with the prefix stopped the next one: the file is refused (logged with the exception), left in place."""
+    require("vllm")
+    import hurray_vllm.adapters.vllm.connector.scheduler as sm
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of
+
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4}, 4), None)  # type: ignore[arg-type]
+    req = SimpleNamespace(request_id="r", all_token_ids=[*chunk.token_ids[0], 1], kv_transfer_params=None)
+
+    def lookup() -> tuple[int | None, bool]:
+        forget_verified_chunks()
+        return sm.HurrayScheduler(cfg, store, chunk.fingerprint, ns).get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+
+    assert lookup() == (4, False)
+
+    def fail(*a, **k):  # type: ignore[no-untyped-def]
+        raise ValueError("a check that went wrong")
+
+    with monkeypatch.context() as m:  # the read and the token check
+        m.setattr(sm, "verify_chunk", fail)
+        with caplog.at_level("WARNING", logger="hurray_vllm"):
+            assert lookup() == (0, False)
+        assert any(r.exc_info and isinstance(r.exc_info[1], ValueError) for r in caplog.records)
+    with monkeypatch.context() as m:  # the data check, on the helper thread
+        m.setattr(sm, "begin_check_data", lambda *a, **k: fail)
+        assert lookup() == (0, False)
+    assert store.has(ns, key) and lookup() == (4, False)
+
+
+def test_a_stored_chunk_without_token_ids_is_moved_aside_not_raised_in_the_scheduler(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The loader takes a one-sequence file without token ids; reading ``token_ids[0]`` raised an IndexError
+    that stopped the engine, and the file stayed for the next request to stop it again."""
+    require("vllm")
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest
+    from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of
+
+    forget_verified_chunks()
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    bad = replace(chunk, token_ids=())
+    bad = replace(bad, extra={**bad.extra, DIGEST_KEY: chunk_digest(bad)})
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    store.put(ns, key, bad)
+    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4}, 4), None)  # type: ignore[arg-type]
+    sched = HurrayScheduler(cfg, store, chunk.fingerprint, ns)
+    req = SimpleNamespace(request_id="r", all_token_ids=[*chunk.token_ids[0], 1], kv_transfer_params=None)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    assert sched.stats.chunks_refused == 1 and sched.stats.chunks_quarantined == 1 and not store.has(ns, key)
+    assert store.put(ns, key, chunk)  # the next producer writes it again
 
 
 def test_is_damage_is_about_data_only() -> None:

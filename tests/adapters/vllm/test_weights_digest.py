@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,3 +121,90 @@ def test_what_the_engine_changes_about_the_checkpoint_is_digested_too(tmp_path: 
     assert weights_digest(same_format) == plain  # the files digested are the weights'
     assert weights_digest(engine(hf_config=SimpleNamespace(rope_parameters={"rope_type": "yarn"}))) == plain
     assert weights_digest(engine(hf_overrides=dict(reversed(list(yarn.items()))))) == changed[0]  # stable
+
+
+def _weights_dir(d: Path, name: str, data: bytes) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (d / name).write_bytes(data)
+    return d
+
+
+def test_checkpoints_differing_only_in_a_middle_tensor_get_other_digests(tmp_path: Path) -> None:
+    """A LoRA merged into the middle layers, or a fine-tune with frozen edge layers: the files' first and last
+    64 KiB (all that was digested before) are the same, so the two models shared one namespace, and loaded each
+    other's KV."""
+    import torch
+    from safetensors.torch import save
+
+    gen = torch.Generator().manual_seed(0)
+    base = {f"layers.{i}.weight": torch.randn(256, 256, generator=gen).to(torch.bfloat16) for i in range(5)}
+    lora_b, lora_a = 0.1 * torch.randn(256, 4, generator=gen), torch.randn(4, 256, generator=gen)
+    merged = {**base, "layers.2.weight": (base["layers.2.weight"].float() + lora_b @ lora_a).to(torch.bfloat16)}
+    files = [save(base), save(base), save(merged)]
+    ends = 64 << 10
+    assert len(files[0]) == len(files[2]) and len(files[0]) > 4 * ends
+    assert files[0][:ends] == files[2][:ends] and files[0][-ends:] == files[2][-ends:]  # the premise
+    digests = [
+        weights_digest(_config(str(_weights_dir(tmp_path / str(i), "model.safetensors", data))))
+        for i, data in enumerate(files)
+    ]
+    assert digests[0] == digests[1] and digests[2] != digests[0]
+
+
+def test_other_weight_files_are_sampled_at_their_ends_and_evenly_between(tmp_path: Path) -> None:
+    """A ``.bin`` (pickled) checkpoint is not parsed: a change in a sampled span is seen, a change between the
+    spans is not (a limit docs/connector.md states: such checkpoints are told apart by 64 samples)."""
+    import random
+
+    from hurray_vllm.adapters.vllm import cache
+
+    size = 8 << 20
+    data = random.Random(0).randbytes(size)
+    spans = cache._byte_ranges(size)
+    assert spans[0] == (0, 64 << 10) and spans[-1] == (size - (64 << 10), size) and len(spans) == 66
+    assert all(a[1] <= b[0] for a, b in pairwise(spans))  # in order, never overlapping
+    assert sum(b - a for a, b in spans) == (128 + 64 * 4) << 10  # bounded, however large the file
+
+    def digest(name: str, at: int | None) -> str:
+        changed = bytearray(data)
+        if at is not None:
+            changed[at] ^= 1
+        return weights_digest(_config(str(_weights_dir(tmp_path / name, "pytorch_model.bin", bytes(changed)))))
+
+    plain = digest("plain", None)
+    assert digest("again", None) == plain
+    assert digest("sampled", spans[33][0] + 100) != plain  # inside a sample in the middle of the file
+    assert digest("between", (spans[32][1] + spans[33][0]) // 2) == plain  # not read: not told apart
+    small = cache._byte_ranges(100_000)
+    assert small == [(0, 100_000)]  # a small file (config.json, a small adapter) is read whole
+
+
+def test_a_file_named_safetensors_that_does_not_parse_is_sampled_as_bytes(tmp_path: Path) -> None:
+    """A header longer than the file, not JSON, or with offsets past the end: sampled as any other file."""
+    import json
+    import struct
+
+    from hurray_vllm.adapters.vllm import cache
+
+    def header(obj: object, tail: bytes = b"\0" * 64) -> bytes:
+        raw = json.dumps(obj).encode()
+        return struct.pack("<Q", len(raw)) + raw + tail
+
+    bad = [
+        b"w" * 200_000,  # a header length of 0x7777... bytes
+        struct.pack("<Q", 10) + b"not json!!" + b"\0" * 64,
+        header([1, 2]),
+        header({"t": {"dtype": "BF16", "shape": [32], "data_offsets": [0, 65]}}),  # one byte past the end
+        header({"t": {"dtype": "BF16", "shape": [32], "data_offsets": [0, True]}}),
+    ]
+    for i, data in enumerate(bad):
+        path = tmp_path / f"{i}.safetensors"
+        path.write_bytes(data)
+        with open(path, "rb") as f:
+            assert cache._safetensors_ranges(f.fileno(), len(data)) is None, data[:40]
+        assert weights_digest(_config(str(_weights_dir(tmp_path / str(i), "model.safetensors", data))))
+    good = header({"__metadata__": {"format": "pt"}, "t": {"dtype": "BF16", "shape": [32], "data_offsets": [0, 64]}})
+    (tmp_path / "good.safetensors").write_bytes(good)
+    with open(tmp_path / "good.safetensors", "rb") as f:
+        assert cache._safetensors_ranges(f.fileno(), len(good)) == [(0, len(good))]  # header and its one tensor

@@ -561,7 +561,10 @@ class HurrayScheduler:
         """Every file of one chunk read and checked against its tokens, with their data checks under way.
 
         ``None`` after refusing the first that fails: another model's chunk is
-        left alone, anything else in it is damage (moved aside).
+        left alone, anything else in it is damage (moved aside). Any other
+        exception is refused too (logged with its traceback, never moved aside):
+        this runs in vLLM's scheduling loop, where it would stop the engine,
+        and again at every request with the file's prefix.
         """
         read: list[KVSnapshot] = []
         checks: list[Future[None] | None] = []
@@ -573,6 +576,10 @@ class HurrayScheduler:
                 return None
             except OSError as exc:
                 self._refuse(part.name, exc)
+                return None
+            except Exception as exc:  # a file the checks missed, or a bug: this chunk is lost, not the engine
+                log.error("hurray: unexpected error checking chunk %s", part.name, exc_info=exc)
+                self._refuse(part.name, f"unexpected {type(exc).__name__}: {exc}")
                 return None
             read.append(snap)
             checks.append(check)
@@ -642,6 +649,10 @@ class HurrayScheduler:
                 return True
             except OSError as exc:
                 self._refuse(part.name, exc)
+                return True
+            except Exception as exc:  # as in _read_parts: this chunk is lost, not the engine
+                log.error("hurray: unexpected error checking chunk %s", part.name, exc_info=exc)
+                self._refuse(part.name, f"unexpected {type(exc).__name__}: {exc}")
                 return True
         return False
 
