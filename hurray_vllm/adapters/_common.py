@@ -20,11 +20,15 @@ from ..kv.snapshot import KVSnapshot
 __all__ = [
     "FP8_DTYPES",
     "INT32_MAX",
+    "POOL_DTYPES",
+    "check_conversion",
     "check_csr",
     "check_import_memory",
     "check_layer",
     "check_one_structure",
+    "check_pool_values",
     "check_reserve",
+    "convert_latent",
     "dequantize",
     "layer_scales",
     "padded_block_table",
@@ -37,6 +41,9 @@ FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: The largest page id or token count the kernels' int32 indices hold.
 INT32_MAX = 2**31 - 1
+
+#: The pool dtypes the importers read: real values, or float8 ones with the layer's scale (``kv_scales``).
+POOL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 
 
 def check_layer(snapshot: KVSnapshot, layer: int) -> None:
@@ -131,6 +138,96 @@ def _structure_difference(t: BlockPagedTensor, k0: BlockPagedTensor) -> str | No
         if not same_tensor(a, b):
             return name
     return None
+
+
+def check_pool_values(t: BlockPagedTensor, kernel: str) -> None:
+    """Refuse a pool whose stored numbers are not the values ``kernel`` would attend.
+
+    A Hurray-quantized pool (``t.quantization``) stores integers that become
+    values only through its scale and zero point, which no kernel is given:
+    cast as they are, an int8 100 with scale 0.01 would be read as 100.0.
+    Every importer (flash-attn, FlashInfer, FlashMLA, FlashInfer's MLA API)
+    therefore reads only :data:`POOL_DTYPES`, float8 with its per-layer
+    ``kv_scales``.
+
+    Args:
+        t: a layer's key, value or fused latent.
+        kernel: what the import is for, named in the message.
+
+    Raises:
+        HurrayFormatError: field ``quantization`` (a Hurray-quantized pool) or
+            ``dtype`` (a pool of another dtype: integers, float64, ...).
+    """
+    what = f"layer {t.layer_index} {t.kv_role}"
+    if t.quantization is not None:
+        raise HurrayFormatError(
+            "quantization",
+            f"{what} uses Hurray {type(t.quantization).__name__} quantization, which {kernel} cannot read (it "
+            "would take the stored integers for values); dequantize the snapshot first",
+        )
+    if t.dtype not in POOL_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in POOL_DTYPES)
+        raise HurrayFormatError(
+            "dtype", f"{what} is a {t.dtype} pool; {kernel} imports {names} pools only: convert the snapshot first"
+        )
+
+
+def check_conversion(src: torch.dtype, dtype: torch.dtype | None, kernel: str, *, keeps_scale: bool = True) -> None:
+    """Refuse a ``dtype=`` whose pages could not hold the real values of ``src`` pages.
+
+    Float8 pages mean something only with a scale: one chosen from real
+    values (quantizing) needs calibration this library does not do, and
+    re-encoding float8 as another float8 type would need a new one. A
+    float8 pool may pass through as stored only into a cache that carries
+    the layer's scale beside it (``keeps_scale``: FlashInfer's
+    ``k_scale``/``v_scale``, FlashAttention-3's descales); the MLA caches
+    carry none, so their float8 latents are always dequantized.
+
+    Args:
+        src: the stored pool's dtype (one of :data:`POOL_DTYPES`).
+        dtype: the cache dtype asked for; ``None`` (the importer's default) is always accepted.
+        kernel: what the import is for, named in the message.
+        keeps_scale: whether the imported cache carries the layer's scale.
+
+    Raises:
+        ImportArgumentError: with ``field="dtype"`` (the caller's option, not the data).
+    """
+    if dtype is None or (dtype == src and (keeps_scale or src not in FP8_DTYPES)):
+        return
+    if dtype in FP8_DTYPES:
+        if dtype == src:
+            raise ImportArgumentError(
+                "dtype",
+                f"{kernel}'s cache carries no scale, so {src} pages kept as stored would be read without the "
+                "layer's kv_scales; leave dtype=None (or pass torch.bfloat16/torch.float16) to dequantize them",
+            )
+        if src in FP8_DTYPES:
+            raise ImportArgumentError("dtype", f"cannot re-encode {src} pages as {dtype}; keep {src} or dequantize")
+        raise ImportArgumentError(
+            "dtype", f"quantizing {src} pages to {dtype} needs calibrated scales; hurray-vllm does not choose them"
+        )
+    if dtype not in (*POOL_DTYPES, torch.float64):
+        # Integers would truncate the values; other 8-bit floats (float8_e8m0fnu, the fnuz types) have no scale here.
+        raise ImportArgumentError(
+            "dtype", f"{kernel} pages hold floating-point values (float16, bfloat16, float32, float64), not {dtype}"
+        )
+
+
+def convert_latent(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> torch.Tensor:
+    """An MLA latent pool in its cache dtype, once :func:`check_conversion` accepted ``dtype``.
+
+    Args:
+        pool: the (repaged) fused pool, any shape, one of :data:`POOL_DTYPES`.
+        scale: the layer's latent scale (``value = stored * scale`` for float8).
+        dtype: the cache dtype; ``None`` keeps the pool's, except that float8
+            is dequantized to bfloat16 (the MLA kernels take no float8 latent).
+
+    Returns:
+        ``pool`` itself when nothing changes, else a new tensor.
+    """
+    if pool.dtype in FP8_DTYPES:
+        return dequantize(pool, scale).to(dtype or torch.bfloat16)
+    return pool if dtype is None else pool.to(dtype)
 
 
 def check_reserve(reserve: int) -> None:

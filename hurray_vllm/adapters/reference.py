@@ -15,6 +15,12 @@ Semantics shared with flash-attn:
 * the causal mask is aligned to the bottom right: query ``i`` of
   ``seqlen_q`` attends keys ``j <= i + seqlen_k - seqlen_q``; a query row
   that sees no key at all returns zeros;
+* a sliding window ``window_size=(left, right)`` is aligned the same way:
+  query ``i`` attends keys ``i + seqlen_k - seqlen_q - left <= j <= i +
+  seqlen_k - seqlen_q + right`` (``-1``: unbounded on that side; ``causal``
+  sets ``right`` to 0);
+* ``softcap > 0`` caps the scaled scores, ``softcap * tanh(scores / softcap)``,
+  before the mask and the softmax;
 * new keys and values passed as ``k``/``v`` are first written into the cache
   *in place* at positions ``cache_seqlens[b] ...``, then attended;
 * float8 inputs are scaled by per-(sequence, KV head) descale factors, as in
@@ -89,6 +95,8 @@ def paged_attention(
     v: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
@@ -121,6 +129,14 @@ def paged_attention(
         causal: Bottom-right aligned causal mask over ``seqlen_k = cache_seqlens[b] +
             seqlen_new``. (flash-attn's own default is ``False``; this one's is
             ``True`` because decoding and chunked prefill need it.)
+        window_size: ``(left, right)``, flash-attn's sliding window, aligned
+            like the causal mask: query ``i`` attends keys ``j`` with ``j >=
+            i + seqlen_k - seqlen_q - left`` (when ``left >= 0``) and ``j <=
+            i + seqlen_k - seqlen_q + right`` (when ``right >= 0``; ``causal``
+            makes ``right`` 0). ``(-1, -1)``, the default, is no window.
+        softcap: flash-attn's logit soft-capping: with ``softcap > 0`` the
+            scaled scores become ``softcap * tanh(scores / softcap)`` before
+            the mask and the softmax. ``0``, the default, is none.
         q_descale: Optional ``[batch, nheads_k]`` float32: the stored value times its descale is
             the real value (FlashAttention-3's fp8 convention; ``q_descale`` is
             per KV head too). ``None`` means 1.
@@ -130,6 +146,15 @@ def paged_attention(
     Returns:
         ``[batch, seqlen_q, nheads, head_dim]`` in ``q``'s dtype (bfloat16 when
         ``q`` is float8). Rows that see no key are zero.
+
+    Raises:
+        HurrayArgumentError: arguments that do not fit together (shapes,
+            heads, lengths, block-table entries that are not pages of the
+            cache, ``window_size``, ``softcap``), before ``k``/``v`` are
+            written into the cache: a refused call leaves it as it was.
+
+    flash-attn's other options (``alibi_slopes``, ``rotary_cos``/``rotary_sin``,
+    ``cache_batch_idx``, ``cache_leftpad``) are not implemented here.
     """
     if q.dim() != 4:
         raise HurrayArgumentError("q", f"expected [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
@@ -148,6 +173,9 @@ def paged_attention(
         )
     if cache_seqlens.shape != (batch,):
         raise HurrayArgumentError("cache_seqlens", f"expected [batch={batch}], got shape {list(cache_seqlens.shape)}")
+    window = _check_window(window_size)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise HurrayArgumentError("softcap", f"must be a finite number >= 0 (0: no capping), got {softcap}")
     dev = q.device
     lens = cache_seqlens.to(dev, torch.int64)
     table = block_table.to(dev, torch.int64)
@@ -157,11 +185,13 @@ def paged_attention(
     if (k is None) != (v is None):
         raise HurrayArgumentError("v" if v is None else "k", "pass both k and v to append new tokens, or neither")
     if k is not None and v is not None:
-        append_kv_(k_cache, v_cache, table, lens, k, v)
+        _check_new_kv(k_cache, v_cache, k, v, batch)
         seqlen_new = int(k.shape[1])
     if batch == 0:
         # Nothing to attend; the gather below cannot shape an empty batch ([0, -1, ...] is ambiguous).
         return torch.empty((0, *q.shape[1:]), dtype=_out_dtype(q.dtype), device=dev)
+    # Everything below is checked before the append: a call refused after writing would leave the
+    # caller's cache changed by a call that failed.
     total = lens + seqlen_new
     max_len = int(total.max())
     npages = -(-max_len // page)
@@ -181,13 +211,16 @@ def paged_attention(
             "block_table",
             f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the {num_blocks}-block cache",
         )
+    if k is not None and v is not None:
+        append_kv_(k_cache, v_cache, table, lens, k, v)
     kf = _gather(k_cache, ids, k_descale, batch)
     vf = _gather(v_cache, ids, v_descale, batch)
     qf = q.float()
     if q_descale is not None:
         group = nheads // nheads_k
         qf = qf * q_descale.to(dev, torch.float32).repeat_interleave(group, dim=1)[:, None, :, None]
-    out = _attend(qf, kf, vf, total, causal=causal, scale=_scale(softmax_scale, head_dim))
+    scale = _scale(softmax_scale, head_dim)
+    out = _attend(qf, kf, vf, total, causal=causal, scale=scale, window=window, softcap=softcap)
     return out.to(_out_dtype(q.dtype))
 
 
@@ -214,15 +247,8 @@ def append_kv_(
         k: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new keys.
         v: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new values.
     """
+    _check_new_kv(k_cache, v_cache, k, v)
     batch, seqlen_new = int(k.shape[0]), int(k.shape[1])
-    expect = (batch, seqlen_new, *k_cache.shape[2:])
-    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
-        if tuple(new.shape) != expect:
-            raise HurrayArgumentError(
-                name, f"expected [batch, seqlen_new, nheads_k, head_dim] = {list(expect)}, got {list(new.shape)}"
-            )
-        if new.dtype != cache.dtype:
-            raise HurrayArgumentError(name, f"{name} is {new.dtype} but the cache is {cache.dtype}; convert it first")
     if seqlen_new == 0 or batch == 0:
         return
     page = int(k_cache.shape[1])
@@ -244,6 +270,56 @@ def append_kv_(
     v_cache[pages, offs] = v.reshape(-1, *v.shape[2:]).to(dev)
 
 
+def _check_new_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int | None = None
+) -> None:
+    """Refuse new tokens ``k``/``v`` that are not ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype."""
+    if k.dim() != 4:
+        raise HurrayArgumentError("k", f"expected [batch, seqlen_new, nheads_k, head_dim], got {list(k.shape)}")
+    expect = (k.shape[0] if batch is None else batch, k.shape[1], *k_cache.shape[2:])
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if tuple(new.shape) != expect:
+            raise HurrayArgumentError(
+                name, f"expected [batch, seqlen_new, nheads_k, head_dim] = {list(expect)}, got {list(new.shape)}"
+            )
+        if new.dtype != cache.dtype:
+            raise HurrayArgumentError(name, f"{name} is {new.dtype} but the cache is {cache.dtype}; convert it first")
+
+
+def _check_window(window_size: tuple[int, int]) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)`` ints, each ``>= -1`` (``-1``: unbounded)."""
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise HurrayArgumentError("window_size", f"must be a (left, right) pair of ints, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise HurrayArgumentError("window_size", f"sides must be >= 0, or -1 for unbounded; got {window_size!r}")
+    return left, right
+
+
+def _visible(
+    seqlen_q: int, seqlen_k: torch.Tensor, length: int, *, causal: bool, window: tuple[int, int] = (-1, -1)
+) -> torch.Tensor:
+    """``[B, seqlen_q, length]`` bool: whether query ``i`` of sequence ``b`` attends key ``j``.
+
+    flash-attn's masks, aligned to the bottom right: query ``i`` sits at key
+    position ``i + seqlen_k[b] - seqlen_q``; keys past ``seqlen_k[b]`` are
+    padding.
+    """
+    dev = seqlen_k.device
+    j = torch.arange(length, device=dev)[None, None, :]
+    at = torch.arange(seqlen_q, device=dev)[None, :, None] + (seqlen_k - seqlen_q)[:, None, None]  # [B, Sq, 1]
+    mask = j < seqlen_k[:, None, None]
+    left, right = window
+    if causal:
+        right = 0  # as flash-attn does: causal is the window (left, 0)
+    if left >= 0:
+        mask = mask & (j >= at - left)
+    if right >= 0:
+        mask = mask & (j <= at + right)
+    return mask
+
+
 def _gather(cache: torch.Tensor, ids: torch.Tensor, descale: torch.Tensor | None, batch: int) -> torch.Tensor:
     """``[batch, npages * page, nheads_k, head_dim]`` float32 from the pages ``ids`` ``[batch, npages]``."""
     # Gather on the cache's device: only the covered pages travel, not the pool.
@@ -255,20 +331,26 @@ def _gather(cache: torch.Tensor, ids: torch.Tensor, descale: torch.Tensor | None
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlen_k: torch.Tensor, *, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlen_k: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """float32 attention: q ``[B, Sq, H, D]``, k/v ``[B, L, Hk, D]``, ``seqlen_k[b] <= L`` keys valid."""
     batch, seqlen_q, nheads, head_dim = q.shape
     length, nheads_k = k.shape[1], k.shape[2]
     qg = q.reshape(batch, seqlen_q, nheads_k, nheads // nheads_k, head_dim)
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     dev = q.device
-    j = torch.arange(length, device=dev)
-    mask = (j[None, :] < seqlen_k[:, None])[:, None, :]  # [B, 1, L]
-    if causal:
-        last = torch.arange(seqlen_q, device=dev)[None, :] + (seqlen_k - seqlen_q)[:, None]  # [B, Sq]
-        mask = mask & (j[None, None, :] <= last[:, :, None])
-    mask = mask[:, None, None]  # [B, 1, 1, Sq or 1, L]
+    mask = _visible(seqlen_q, seqlen_k.to(dev), length, causal=causal, window=window)
+    mask = mask[:, None, None]  # [B, 1, 1, Sq, L]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     # A row with no visible key is all -inf: softmax gives NaN there, flash-attn gives 0.
     probs = torch.where(mask, probs, torch.zeros((), device=dev))
@@ -302,6 +384,7 @@ def mla_paged_decode(
     *,
     head_dim_v: int,
     softmax_scale: float | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """MLA decode over a paged latent cache, as FlashMLA and FlashInfer's MLA kernels compute it.
 
@@ -321,11 +404,16 @@ def mla_paged_decode(
         head_dim_v: how many leading latent values are the values (``kv_lora_rank``).
         softmax_scale: scale of the scores; ``1 / sqrt(C)`` by default (FlashMLA's
             default; DeepSeek passes ``1 / sqrt(qk_nope + qk_rope)`` instead).
+        causal: FlashMLA's ``causal`` flag: the ``seqlen_q`` queries are the
+            last ``seqlen_q`` tokens of the ``cache_seqlens[b]`` (speculative
+            decoding), and query ``i`` attends keys ``j <= i + cache_seqlens[b]
+            - seqlen_q`` (bottom-right aligned, as flash-attn's). With one
+            query it changes nothing.
 
     Returns:
-        ``[batch, seqlen_q, nheads, head_dim_v]`` float32. Every query row
-        attends all ``cache_seqlens[b]`` tokens (decode: no causal mask among
-        the cache); a sequence with no token gives zeros.
+        ``[batch, seqlen_q, nheads, head_dim_v]`` float32. Without ``causal``
+        every query row attends all ``cache_seqlens[b]`` tokens; a row that
+        sees no token (a sequence with none) gives zeros.
     """
     if q.dim() != 4 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or q.shape[-1] != kv_cache.shape[-1]:
         raise HurrayArgumentError(
@@ -364,7 +452,11 @@ def mla_paged_decode(
         if n == 0:
             continue
         pages = block_table[b, : -(-n // page)].to(torch.int64).to(kv_cache.device)
-        lat = kv_cache.index_select(0, pages).reshape(-1, c)[:n].float()  # [n, C]
+        lat = kv_cache.index_select(0, pages).reshape(-1, c)[:n].float().to(q.device)  # [n, C]
         scores = torch.einsum("shc,nc->shn", q[b].float(), lat) * scale
-        out[b] = torch.einsum("shn,nv->shv", scores.softmax(-1), lat[:, :head_dim_v])
+        seen = _visible(q.shape[1], torch.tensor([n], device=q.device), n, causal=causal)[0][:, None, :]  # [s, 1, n]
+        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+        # A query that sees no key (more queries than tokens, causal) is all -inf: zeros, not NaN.
+        probs = torch.where(seen, probs, torch.zeros((), device=q.device))
+        out[b] = torch.einsum("shn,nv->shv", probs, lat[:, :head_dim_v])
     return out

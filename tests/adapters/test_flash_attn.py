@@ -30,6 +30,7 @@ from hurray_vllm.adapters.flash_attn import (
     to_flash_attn_all,
 )
 from hurray_vllm.adapters.reference import dense_attention, paged_attention
+from hurray_vllm.wire.descriptor import PerTensorAffine
 
 FLAVOR_NAMES: list[Flavor] = ["fa2", "fa3", "vllm"]
 
@@ -701,3 +702,40 @@ def test_import_into_refuses_caches_that_do_not_fit() -> None:
     with pytest.raises(hv.HurrayFormatError) as err:
         to_flash_attn_all(snap, out=[])
     assert err.value.field == "out"
+
+
+def two_layers(second: hv.KVSnapshot, **changes: object) -> hv.KVSnapshot:
+    """Layer 0 of a [40, 17] batch over pages of 16, then ``second``'s layer 0 (changed) on the same block structure."""
+    first = make_snapshot([40, 17], [0, 1], 16, layers=1)
+    k0, v0 = first.keys[0], first.values[0]
+    k1, v1 = (replace(t, block_table=k0.block_table, layer_index=1) for t in (second.keys[0], second.values[0]))
+    k1, v1 = replace(k1, **changes), replace(v1, **changes)  # type: ignore[arg-type]
+    return hv.KVSnapshot(keys=(k0, k1), values=(v0, v1))
+
+
+def test_import_all_into_checks_every_layer_before_writing_any() -> None:
+    """A later layer's head_dim, pools or dtype refused after earlier layers were written would leave out= half
+    imported: every layer's checks run first."""
+    odd = two_layers(make_snapshot([40, 17], [0, 1], 16, layers=1, dim=12))  # fa3 needs multiples of 8
+    scaled = two_layers(make_snapshot([40, 17], [0, 1], 16, layers=1), quantization=PerTensorAffine(0.5))
+    for snap, field in ((odd, "head_dim"), (scaled, "quantization")):
+        plan = plan_flash_attn(snap, page_size=16, flavor="fa3")
+        out = [
+            tuple(torch.full((plan.num_blocks, 16, 2, t.head_dim), 7.0, dtype=torch.bfloat16) for _ in range(2))
+            for t in snap.keys
+        ]
+        with pytest.raises(hv.HurrayFormatError) as err:
+            to_flash_attn_all(snap, page_size=16, flavor="fa3", out=out)  # type: ignore[arg-type]
+        assert err.value.field == field
+        assert all(bool((o == 7.0).all()) for pair in out for o in pair), "nothing is written before the checks pass"
+
+
+def test_import_into_refuses_caches_of_two_page_counts() -> None:
+    # flash-attn checks v_cache against k_cache's shape, num_blocks included.
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=1)
+    plan = plan_flash_attn(snap, page_size=256)
+    k = torch.zeros(plan.num_blocks, 256, 2, 16, dtype=torch.bfloat16)
+    v = torch.zeros(plan.num_blocks + 1, 256, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        to_flash_attn(snap, 0, plan=plan, out=(k, v))
+    assert err.value.field == "out" and not bool(k.any())

@@ -30,6 +30,7 @@ from hurray_vllm.adapters.flashinfer import (
     to_flashinfer_all,
 )
 from hurray_vllm.kv.repage import plan_repage
+from hurray_vllm.wire.descriptor import PerTensorAffine
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 LAYOUTS = ["NHD", "HND"]
@@ -428,7 +429,25 @@ BAD: list[tuple[str, str, Callable[[Args], None]]] = [
     ("qo_indptr", "qo_indptr start", lambda a: a.update(qo_indptr=_i32([1, 1, 2, 3, 4]))),
     ("qo_indptr", "qo_indptr decreasing", lambda a: a.update(qo_indptr=_i32([0, 2, 1, 3, 4]))),
     ("q", "q rows != qo_indptr[-1]", lambda a: a.update(qo_indptr=_i32([0, 1, 2, 3, 5]))),
+    # FlashInfer walks both pools with k_cache's strides (TORCH_CHECK "k/v strides must be identical").
+    ("paged_kv_cache", "k/v strides differ", lambda a: a.update(paged_kv_cache=(_k(a), _restrided(_kv(a)[1])))),
+    # plan() reads the index arrays through data_ptr(): a strided view would be read as if dense.
+    *(
+        (name, f"strided {name}", lambda a, name=name: a.update({name: _strided_1d(a[name])}))
+        for name in ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+    ),
+    ("qo_indptr", "strided qo_indptr", lambda a: a.update(qo_indptr=_strided_1d(_i32([0, 1, 2, 3, 4])))),
 ]
+
+
+def _restrided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values and shape, with other strides (pages stored head-major), head_dim still contiguous."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _strided_1d(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a non-contiguous 1-D view (every other element of a doubled copy)."""
+    return torch.stack([t, t], dim=1)[:, 0]
 
 
 def _kv(a: Args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -729,3 +748,66 @@ def test_layers_paged_otherwise_than_layer_0_are_refused_not_read_through_its_ta
         with pytest.raises(HurrayFormatError) as exc:
             imported()
         assert exc.value.field == "snapshot.structure" and "layer 1" in str(exc.value)
+
+
+def test_import_all_into_checks_every_layer_before_writing_any() -> None:
+    """A later layer refused after earlier layers were written would leave out= half imported."""
+    snap = make_snapshot([7, 3])
+    quantized = replace(
+        snap,
+        keys=(snap.keys[0], replace(snap.keys[1], quantization=PerTensorAffine(0.5))),
+        values=(snap.values[0], replace(snap.values[1], quantization=PerTensorAffine(0.5))),
+    )
+    # Layers of two dtypes: layer 0's float8 passes through as dtype= asks, layer 1's float16 cannot be quantized.
+    fp8 = make_snapshot([7, 3], dtype=torch.float8_e4m3fn, layers=1)
+    f16 = make_snapshot([7, 3], layers=1)
+    mixed = KVSnapshot(
+        keys=(fp8.keys[0], replace(f16.keys[0], layer_index=1)),
+        values=(fp8.values[0], replace(f16.values[0], layer_index=1)),
+        kv_scales=((1.0, 1.0), (1.0, 1.0)),
+    )
+    for bad, dtype, field in ((quantized, None, "quantization"), (mixed, torch.float8_e4m3fn, "dtype")):
+        out = [tuple(torch.empty(4, 4, 2, 8, dtype=dtype or torch.float16) for _ in range(2)) for _ in range(2)]
+        for pair in out:
+            for o in pair:
+                o.view(torch.uint8).fill_(0x5A)
+        with pytest.raises(HurrayFormatError) as exc:
+            to_flashinfer_all(bad, dtype=dtype, out=out)  # type: ignore[arg-type]
+        assert exc.value.field == field
+        assert all(bool((o.view(torch.uint8) == 0x5A).all()) for pair in out for o in pair), "nothing is written"
+
+
+def test_import_into_refuses_a_pair_flashinfer_cannot_read() -> None:
+    snap = make_snapshot([12, 9, 5], page_size=4)
+    k = to_flashinfer(snap, 0).k_cache
+
+    def strided_head_dim() -> torch.Tensor:
+        return torch.zeros(*k.shape[:-1], 2 * k.shape[-1], dtype=k.dtype)[..., ::2]
+
+    cases = {
+        "k/v strides differ (FlashInfer reads both with k's)": (k.clone(), _restrided(k.clone())),
+        "k/v page counts differ": (k.clone(), torch.cat([k, k[:1]])),
+        "head_dim strided": (strided_head_dim(), strided_head_dim()),
+    }
+    for why, out in cases.items():
+        before = [o.clone() for o in out]
+        with pytest.raises(HurrayArgumentError) as exc:
+            to_flashinfer(snap, 0, out=out)
+        assert exc.value.field == "out", why
+        assert all(torch.equal(o, b) for o, b in zip(out, before, strict=True)), f"{why}: nothing is written"
+
+
+def test_pools_strided_differently_are_made_dense_for_flashinfer() -> None:
+    """Passed through as the snapshot holds them, a key pool and a value pool of other strides would be read
+    through the key's strides (FlashInfer takes one set): the importer makes both contiguous."""
+    snap = make_snapshot([12, 9, 5], page_size=4, layers=1)
+    v = snap.values[0]
+    odd = replace(snap, values=(replace(v, page_pool=_restrided(v.page_pool)),))
+    assert odd.values[0].page_pool.stride() != odd.keys[0].page_pool.stride()
+    for combined in (False, True):
+        cache = to_flashinfer(odd, 0, combined=combined)
+        assert cache.k_cache.stride() == cache.v_cache.stride()
+        cache.check(torch.zeros(3, 2, 8, dtype=torch.float16))
+        for s in range(3):
+            assert torch.equal(rebuild(cache, s)[1], v.to_dense(s))
+    assert to_flashinfer(snap, 0).v_cache is v.page_pool  # dense pools stay the snapshot's own (no copy)

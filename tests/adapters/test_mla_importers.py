@@ -9,6 +9,7 @@ kernels run in ``test_gpu_kernels_mla.py`` where CUDA is.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit
 from hurray_vllm.adapters.flash_mla import FlashMLACache, check_flash_mla_args, to_flash_mla
 from hurray_vllm.adapters.flashinfer import to_flashinfer_mla
 from hurray_vllm.adapters.reference import mla_paged_decode
+from hurray_vllm.wire.descriptor import PerTensorAffine
 
 DEEPSEEK = LatentSplit(512, 64, "deepseek_v3")
 
@@ -108,21 +110,28 @@ def test_any_latent_snapshot_imports_token_for_token(snap: KVSnapshot, page: int
         with pytest.raises(hv.HurrayFormatError, match="no sequences"):
             to_flash_mla(snap, 0)
         return
+    empty = 0 in snap.seq_lens  # FlashMLA takes no empty sequence; FlashInfer's MLA API does
     for layer in range(snap.num_layers):
-        cache = to_flash_mla(snap, layer, page_size=page)
         mla = to_flashinfer_mla(snap, layer, page_size=page)
+        if empty:
+            with pytest.raises(hv.HurrayFormatError) as err:
+                to_flash_mla(snap, layer, page_size=page)
+            assert err.value.field == "seq_lens"
+        else:
+            cache = to_flash_mla(snap, layer, page_size=page)
         t = snap[layer, "fused"]
         for s in range(snap.num_seqs):
             n = snap.seq_lens[s]
-            row = cache.block_table[s, : -(-n // page)].long()
-            got = cache.k_cache[row].reshape(-1, t.head_dim)[:n]
             want = t.to_dense(s)[:, 0]
             if snap.kv_scales is not None:
-                want = (want.float() * snap.kv_scales[layer][0]).to(got.dtype)
-            assert torch.equal(got, want.to(got.dtype))
+                want = want.float() * snap.kv_scales[layer][0]
+            want = want.to(mla.ckv_cache.dtype)
             pages = mla.kv_indices[mla.kv_indptr[s] : mla.kv_indptr[s + 1]].long()
             fused = torch.cat([mla.ckv_cache[pages], mla.kpe_cache[pages]], -1).reshape(-1, t.head_dim)[:n]
-            assert torch.equal(fused, got)
+            assert torch.equal(fused, want)
+            if not empty:
+                row = cache.block_table[s, : -(-n // page)].long()
+                assert torch.equal(cache.k_cache[row].reshape(-1, t.head_dim)[:n], want)
 
 
 def test_key_value_snapshots_are_refused_by_the_mla_importers() -> None:
@@ -132,6 +141,10 @@ def test_key_value_snapshots_are_refused_by_the_mla_importers() -> None:
     for importer in (to_flash_mla, to_flashinfer_mla):
         with pytest.raises(hv.HurrayFormatError, match="kv_role"):
             importer(kv, 0)
+
+
+def _i32(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32)
 
 
 def _good() -> tuple[torch.Tensor, FlashMLACache]:
@@ -155,6 +168,7 @@ def _good() -> tuple[torch.Tensor, FlashMLACache]:
         ("block_table", lambda q, c: (q, c.k_cache, c.block_table + 100, c.cache_seqlens, 512)),
         ("block_table", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens + 64, 512)),
         ("cache_seqlens", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens[:1], 512)),
+        ("cache_seqlens", lambda q, c: (q, c.k_cache, c.block_table, c.cache_seqlens * _i32([1, 0]), 512)),
         ("q", lambda q, c: (q[:, :, :15], c.k_cache.expand(-1, -1, 2, -1), c.block_table, c.cache_seqlens, 512)),
     ],
 )
@@ -221,13 +235,99 @@ def test_flashinfer_mla_refuses_what_its_page_lists_cannot_describe(why: str, sn
         assert err.value.field == field, (why, page)
 
 
-def test_flash_mla_gives_an_empty_pool_a_page() -> None:
-    empty = fused([], [0, 0], [0], pages=0, page=64)
-    for reserve in (0, 10):
-        cache = to_flash_mla(empty, 0, reserve=reserve)
-        assert cache.k_cache.shape[0] >= 1 and cache.block_table.tolist() == [[0]]
-        q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
-        check_flash_mla_args(q, cache.k_cache, cache.block_table, cache.cache_seqlens, 512)
+def test_flash_mla_refuses_empty_sequences_naming_the_way_out() -> None:
+    """FlashMLA does not support cache_seqlens 0 (deepseek-ai/FlashMLA#11): the importer and checker say so."""
+    one_empty = fused([0, 1], [0, 2, 2], [20, 0])
+    for snap in (fused([], [0, 0], [0], pages=0, page=64), one_empty):
+        for reserve in (0, 10):
+            with pytest.raises(hv.HurrayFormatError, match="drop empty sequences") as err:
+                to_flash_mla(snap, 0, reserve=reserve)
+            assert err.value.field == "seq_lens"
+    q, cache = _good()
+    with pytest.raises(hv.HurrayArgumentError, match="drop empty sequences") as arg:
+        check_flash_mla_args(q, cache.k_cache, cache.block_table, _i32([0, 30]), 512)
+    assert arg.value.field == "cache_seqlens"
+    # Without them the batch imports; FlashInfer's MLA API takes them (an empty page list, kv_len 0).
+    assert to_flash_mla(one_empty.select([0]), 0).cache_seqlens.tolist() == [20]
+    assert to_flashinfer_mla(one_empty, 0).kv_len_arr.tolist() == [20, 0]
+
+
+def quantized(dtype: torch.dtype, quantization: PerTensorAffine | None) -> KVSnapshot:
+    """One latent layer of 100s stored as ``dtype`` (with ``quantization`` 0.01: 1.0 each, were it applied)."""
+    snap = fused([0, 1], [0, 2], [20])
+    t = snap[0, "fused"]
+    pool = torch.full(t.page_pool.shape, 100).to(dtype)
+    return replace(snap, fused=(replace(t, page_pool=pool, quantization=quantization),))
+
+
+@pytest.mark.parametrize(
+    ("why", "snap", "field"),
+    [
+        ("int8 with a per-tensor scale", quantized(torch.int8, PerTensorAffine(0.01)), "quantization"),
+        ("bfloat16 with a per-tensor scale", quantized(torch.bfloat16, PerTensorAffine(0.01)), "quantization"),
+        ("int8 without one", quantized(torch.int8, None), "dtype"),
+    ],
+)
+def test_mla_importers_refuse_latents_whose_stored_numbers_are_not_values(
+    why: str, snap: KVSnapshot, field: str
+) -> None:
+    # Cast as they are, int8 100 with scale 0.01 would become 100.0, not 1.0: refused as the K/V importers do.
+    for importer in (to_flash_mla, to_flashinfer_mla):
+        for dtype in (None, torch.bfloat16):
+            with pytest.raises(hv.HurrayFormatError) as err:
+                importer(snap, 0, dtype=dtype)
+            assert err.value.field == field, (why, importer, dtype)
+
+
+def test_mla_importers_refuse_float8_caches_they_could_not_scale() -> None:
+    big = quantized(torch.bfloat16, None)
+    fp8 = latent_snapshot([40], fp8=True)  # scale 2.0, which an MLA cache has nowhere to keep
+    cases = [
+        (big, torch.float8_e4m3fn, "calibrated scales"),  # cast without a scale: 448 at most
+        (fp8, torch.float8_e4m3fn, "carries no scale"),  # dequantized, then re-cast without the scale
+        (fp8, torch.float8_e5m2, "re-encode"),
+        (big, torch.int8, "floating-point"),
+    ]
+    for importer in (to_flash_mla, to_flashinfer_mla):
+        for snap, dtype, match in cases:
+            with pytest.raises(hv.HurrayArgumentError, match=match) as err:
+                importer(snap, 0, dtype=dtype)
+            assert err.value.field == "dtype", (importer, dtype)
+    # Dequantizing into bfloat16 (the default) or float16 is what they do.
+    want = fp8[0, "fused"].to_dense(0)[:, 0].float() * 2.0
+    for dtype in (None, torch.float16):
+        cache = to_flash_mla(fp8, 0, dtype=dtype)
+        got = cache.k_cache[cache.block_table[0].long()].reshape(-1, 576)[:40]
+        assert torch.equal(got, want.to(dtype or torch.bfloat16))
+
+
+def test_mla_causal_reference_equals_a_hand_masked_dense_decode() -> None:
+    """FlashMLA's causal flag (seqlen_q > 1): query i of s attends tokens j <= i + n - s, bottom-right aligned."""
+    lens = [130, 70, 3]
+    snap = latent_snapshot(lens)
+    cache = to_flash_mla(snap, 0)
+    args = (cache.k_cache, cache.block_table, cache.cache_seqlens)
+    s_q, heads = 5, 2
+    q = torch.randn(len(lens), s_q, heads, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = mla_paged_decode(q, *args, head_dim_v=512, causal=True)
+    for b, n in enumerate(lens):
+        lat = snap[0, "fused"].to_dense(b)[:, 0].float()
+        for i in range(s_q):
+            last = i + n - s_q  # the last token query i sees
+            if last < 0:  # more queries than tokens: this one sees none, and gives zeros
+                assert bool((got[b, i] == 0).all())
+                continue
+            seen = lat[: last + 1]
+            scores = q[b, i].float() @ seen.T / math.sqrt(576)  # [heads, last + 1]
+            torch.testing.assert_close(got[b, i], scores.softmax(-1) @ seen[:, :512], rtol=1e-5, atol=1e-5)
+    # Without causal every query sees all n tokens; the last query sees them all either way.
+    full = mla_paged_decode(q, *args, head_dim_v=512)
+    assert not torch.allclose(full[:, :-1], got[:, :-1])
+    torch.testing.assert_close(full[:, -1], got[:, -1])
+    one = q[:, :1]
+    assert torch.equal(
+        mla_paged_decode(one, *args, head_dim_v=512, causal=True), mla_paged_decode(one, *args, head_dim_v=512)
+    )
 
 
 def test_mla_importers_refuse_short_kv_scales() -> None:

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
+from hurray_vllm import BlockPagedTensor, HurrayArgumentError
 from hurray_vllm.adapters.flash_attn import to_flash_attn
 from hurray_vllm.adapters.reference import paged_attention
 
@@ -64,3 +65,84 @@ def test_reference_matches_sdpa_on_cpu(seqlen_q: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reference_on_cuda_matches_flash_sdpa(seqlen_q: int, dtype: torch.dtype) -> None:
     _check("cuda", SDPBackend.FLASH_ATTENTION, seqlen_q, dtype, 2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+def _dense_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window: tuple[int, int], softcap: float
+) -> torch.Tensor:
+    """One sequence, written out as flash-attn documents it: q ``[Sq, H, D]``, k/v ``[Sk, H, D]`` (GQA expanded)."""
+    sq, sk = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / q.shape[-1] ** 0.5
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window[0], 0 if causal else window[1]
+    out = torch.zeros(sq, q.shape[1], v.shape[-1])
+    for i in range(sq):
+        at = i + sk - sq  # the key aligned with query i (bottom right)
+        keys = [j for j in range(sk) if (left < 0 or j >= at - left) and (right < 0 or j <= at + right)]
+        if keys:  # a query that sees no key gives zeros
+            probs = scores[:, i, keys].softmax(-1)  # [H, len(keys)]
+            out[i] = torch.einsum("hk,khd->hd", probs, v[keys].float())
+    return out
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("window", "softcap"), [((-1, -1), 4.0), ((40, -1), 0.0), ((3, 2), 0.0), ((0, 0), 2.0)])
+def test_window_and_softcap_match_a_hand_masked_dense_attention(
+    seqlen_q: int, causal: bool, window: tuple[int, int], softcap: float
+) -> None:
+    """flash_attn_with_kvcache forwards window_size and softcap: the reference computes them as flash-attn does."""
+    lens = [300, 37, 4]
+    snap = make_snapshot(lens, [0, 1, 0], 16, heads=HEADS_K, dim=DIM, dtype=torch.float32, layers=1)
+    cache = to_flash_attn(snap, 0, page_size=16, flavor="vllm", dtype=torch.bfloat16)
+    q = torch.randn((len(lens), seqlen_q, HEADS_K * GROUP, DIM), generator=torch.Generator().manual_seed(1))
+    q = q.to(torch.bfloat16) * 4  # large scores, so that the cap changes them
+    args = (q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+    got = paged_attention(*args, causal=causal, window_size=window, softcap=softcap)
+    for b in range(len(lens)):
+        k = cache_dense(snap.keys[0], b)
+        v = cache_dense(snap.values[0], b)
+        want = _dense_masked(q[b], k, v, causal=causal, window=window, softcap=softcap)
+        torch.testing.assert_close(got[b].float(), want, rtol=2e-2, atol=2e-2)
+    plain = paged_attention(*args, causal=causal)
+    assert not torch.allclose(got.float(), plain.float(), atol=2e-2), "the options change the result"
+
+
+def cache_dense(t: BlockPagedTensor, b: int) -> torch.Tensor:
+    """Sequence ``b``'s keys or values as the bfloat16 cache holds them, GQA heads expanded."""
+    return t.to_dense(b).to(torch.bfloat16).repeat_interleave(GROUP, dim=1)
+
+
+def test_reference_refuses_options_out_of_range() -> None:
+    snap = make_snapshot([20], [0], 16, heads=HEADS_K, dim=DIM, layers=1)
+    cache = to_flash_attn(snap, 0, page_size=16, flavor="vllm")
+    q = torch.zeros(1, 1, HEADS_K, DIM, dtype=torch.bfloat16)
+    args = (q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+    for kwargs, field in (
+        ({"window_size": (-2, 0)}, "window_size"),
+        ({"window_size": (1,)}, "window_size"),
+        ({"softcap": -1.0}, "softcap"),
+        ({"softcap": float("nan")}, "softcap"),
+    ):
+        with pytest.raises(HurrayArgumentError) as err:
+            paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+        assert err.value.field == field, kwargs
+
+
+def test_a_refused_call_leaves_the_cache_unwritten() -> None:
+    """Appended tokens are written in place: every check runs first, or a failed call would change the cache."""
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    new = torch.ones(1, 1, 1, 8)
+
+    def append(table: list[list[int]], v: torch.Tensor) -> str:
+        with pytest.raises(HurrayArgumentError) as err:
+            paged_attention(
+                torch.randn(1, 1, 1, 8), k_cache, v_cache, torch.tensor([4]), torch.tensor(table), k=new, v=v
+            )
+        return err.value.field
+
+    # Token 4 goes to page 1 (valid), but page -1 (the sequence's first) is not a page of the cache.
+    assert append([[-1, 1]], new) == "block_table"
+    assert append([[0, 1]], new[..., :4]) == "v"
+    assert not k_cache.any() and not v_cache.any()

@@ -23,9 +23,11 @@ from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
 from .._common import (
+    check_conversion,
     check_import_memory,
     check_layer,
     check_one_structure,
+    check_pool_values,
     check_reserve,
     dequantize,
     layer_scales,
@@ -33,7 +35,7 @@ from .._common import (
     same_tensor,
     with_extra_pages,
 )
-from .flavors import FLAVORS, HALF_DTYPES, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
+from .flavors import FLAVORS, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
 
 __all__ = ["FlashAttnCache", "FlashAttnPlan", "plan_flash_attn", "to_flash_attn", "to_flash_attn_all"]
 
@@ -283,7 +285,7 @@ def to_flash_attn(
             ``page_size``/``flavor``/``reserve``, a ``dtype`` the flavor does
             not take (or none where the stored dtype needs one), ``out`` that
             is not a pair of tensors or has the wrong shape, pages, dtype or
-            device.
+            device, or whose two caches differ in pages.
         HurrayArgumentError: the options of :func:`plan_flash_attn`; ``out``
             whose caches share memory with each other or with the snapshot's
             pools (its own pools, page for page, are taken only where nothing
@@ -320,13 +322,9 @@ def to_flash_attn(
     """
     plan = _resolve_plan(snapshot, plan, page_size, flavor, reserve)
     check_layer(snapshot, layer)
-    lim = FLAVORS[plan.flavor]
     kt, vt = snapshot.keys[layer], snapshot.values[layer]
-    out_dtype, passthrough = _target_dtype(kt, lim, dtype)
-    check_head_dim(kt.head_dim, lim, out_dtype, "head_dim")
-    k_scale, v_scale = layer_scales(snapshot, layer)
+    out_dtype, passthrough, (k_scale, v_scale) = _check_layer(snapshot, layer, plan, dtype, device, out, "out")
     if out is not None:
-        _check_out(snapshot, layer, plan, out_dtype, passthrough, device, out, "out")
         k_cache = _layer_into(kt, plan, out_dtype, passthrough, k_scale, out[0], "out[0]")
         v_cache = _layer_into(vt, plan, out_dtype, passthrough, v_scale, out[1], "out[1]")
     else:
@@ -366,10 +364,13 @@ def to_flash_attn_all(
     ``out``, when given, holds one preallocated ``(k_cache, v_cache)`` pair
     per layer (see :func:`to_flash_attn`).
 
+    Every layer is checked (its pools, ``head_dim`` and scales, ``dtype``
+    and its ``out`` pair) before the first is imported, so an error leaves
+    every ``out`` cache as it was.
+
     Raises:
         ImportArgumentError: ``out`` without one pair per layer, or any
-            error :func:`to_flash_attn` reports as one, before anything is
-            written.
+            error :func:`to_flash_attn` reports as one.
         HurrayArgumentError: as for :func:`to_flash_attn`.
         HurrayFormatError: as for :func:`to_flash_attn`.
         OSError: ``ENOMEM``: every layer's new pools together are larger
@@ -379,13 +380,11 @@ def to_flash_attn_all(
         raise ImportArgumentError("out", f"has {len(out)} cache pairs for {snapshot.num_layers} layers")
     plan = plan_flash_attn(snapshot, page_size=page_size, flavor=flavor, reserve=reserve)
     dev = torch.device(device) if device is not None else None
-    if out is not None:
-        # Every layer's caches are checked before the first is written: a bad pair never leaves a half import.
-        lim = FLAVORS[plan.flavor]
-        for i in range(snapshot.num_layers):
-            out_dtype, passthrough = _target_dtype(snapshot.keys[i], lim, dtype)
-            _check_out(snapshot, i, plan, out_dtype, passthrough, dev, out[i], f"out[{i}]")
-    else:
+    # Every layer (its pools, head_dim, scales, dtype= and caches) is checked before the first is imported:
+    # a layer refused late would leave the out= caches of the layers before it half written.
+    for i in range(snapshot.num_layers):
+        _check_layer(snapshot, i, plan, dtype, dev, None if out is None else out[i], f"out[{i}]")
+    if out is None:
         lim = FLAVORS[plan.flavor]
         check_import_memory(snapshot, plan.num_blocks * plan.page_size, lambda t: _target_dtype(t, lim, dtype)[0], dev)
     if dev is not None:
@@ -430,17 +429,36 @@ def _resolve_plan(
     return plan
 
 
+def _check_layer(
+    snapshot: KVSnapshot,
+    layer: int,
+    plan: FlashAttnPlan,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+    field: str,
+) -> tuple[torch.dtype, bool, tuple[float, float]]:
+    """Every check of importing ``layer`` (into ``out``), none of which writes anything.
+
+    Returns:
+        ``(cache dtype, whether the stored values pass through, (k_scale, v_scale))``.
+    """
+    lim = FLAVORS[plan.flavor]
+    kt = snapshot.keys[layer]
+    # The value pool shares the key's dtype (check_one_structure), not necessarily its quantization.
+    check_pool_values(snapshot.values[layer], "flash-attn")
+    out_dtype, passthrough = _target_dtype(kt, lim, dtype)
+    check_head_dim(kt.head_dim, lim, out_dtype, "head_dim")
+    scales = layer_scales(snapshot, layer)
+    if out is not None:
+        _check_out(snapshot, layer, plan, out_dtype, passthrough, device, out, field)
+    return out_dtype, passthrough, scales
+
+
 def _target_dtype(t: BlockPagedTensor, lim: FlavorLimits, dtype: torch.dtype | None) -> tuple[torch.dtype, bool]:
     """(cache dtype, whether the stored values pass through unchanged)."""
-    if t.quantization is not None:
-        raise HurrayFormatError(
-            "quantization",
-            f"layer {t.layer_index} uses Hurray {type(t.quantization).__name__} quantization, which flash-attn "
-            "cannot read; dequantize the snapshot first",
-        )
+    check_pool_values(t, "flash-attn")
     src = t.dtype
-    if src not in (*HALF_DTYPES, *_FP8, torch.float32):
-        raise HurrayFormatError("dtype", f"a {src} KV pool cannot be imported into flash-attn (float types only)")
     if dtype is None:
         if src in lim.dtypes:
             return src, True
@@ -453,10 +471,8 @@ def _target_dtype(t: BlockPagedTensor, lim: FlavorLimits, dtype: torch.dtype | N
     if dtype not in lim.dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in lim.dtypes)
         raise ImportArgumentError("dtype", f"{lim.kernel} takes {names}, not {dtype}")
-    if dtype in _FP8 and src != dtype:
-        raise ImportArgumentError(
-            "dtype", f"cannot quantize a {src} pool to {dtype} here; import fp8 pools only as stored"
-        )
+    # fa3's descales carry the layer's scale: a float8 pool may pass through, never be made or re-encoded.
+    check_conversion(src, dtype, lim.kernel)
     return dtype, src == dtype
 
 
@@ -480,6 +496,13 @@ def _check_out(
         check_out_pool(o, plan.num_blocks, (plan.page_size, kt.num_heads, kt.head_dim), dtype, f"{field}[{i}]")
         if o.numel() and o.stride(-1) != 1:
             raise HurrayArgumentError(f"{field}[{i}]", f"needs a contiguous last dimension, has strides {o.stride()}")
+    if pair[0].shape[0] != pair[1].shape[0]:
+        # flash-attn checks v_cache against k_cache's shape (num_blocks included).
+        raise ImportArgumentError(
+            field,
+            f"k_cache has {pair[0].shape[0]} pages and v_cache {pair[1].shape[0]}; flash-attn takes two caches "
+            "of one shape: allocate them alike",
+        )
     if overlaps(pair[0], pair[1]):
         raise HurrayArgumentError(field, "k_cache and v_cache share memory; pass two separate caches")
     in_place = plan.repage is None and passthrough and not plan.extra_pages.numel()

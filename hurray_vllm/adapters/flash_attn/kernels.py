@@ -43,7 +43,10 @@ def flash_attn_with_kvcache(
         softmax_scale: ``1 / sqrt(head_dim)`` by default.
         causal: Bottom-right causal mask. ``True`` by default (flash-attn's is ``False``).
         q_descale: Optional float32 ``[batch, nheads_k]``, fa3 fp8 only.
-        **kw: Passed to the kernel unchanged (``window_size``, ``softcap``, ``num_splits``...).
+        **kw: Passed to the kernel unchanged (``window_size``, ``softcap``, ``num_splits``...);
+            the reference implements ``window_size`` and ``softcap`` (``num_splits`` changes
+            only how the kernel works), not ``alibi_slopes``, ``rotary_*``,
+            ``cache_batch_idx`` or ``cache_leftpad``.
 
     Returns:
         ``[batch, seqlen_q, nheads, head_dim]`` (bfloat16 for fp8 inputs).
@@ -51,7 +54,8 @@ def flash_attn_with_kvcache(
     Raises:
         HurrayArgumentError: When the arguments break the kernel's contract.
         FlashAttnUnavailableError: When the tensors are not on CUDA or the flavor's package is missing;
-            :func:`hurray_vllm.adapters.reference.paged_attention` computes the same on any device.
+            :func:`hurray_vllm.adapters.reference.paged_attention` computes the same on any device
+            (with the same ``window_size`` and ``softcap``; see ``**kw``).
     """
     check_flash_attn_args(
         q,

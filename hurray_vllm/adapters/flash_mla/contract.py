@@ -35,7 +35,8 @@ def check_flash_mla_args(
             contiguous; ``num_heads_k >= 1`` divides ``num_heads_q``.
         block_table: int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous; every
             entry that covers ``cache_seqlens[b]`` tokens is a page of ``k_cache``.
-        cache_seqlens: int32 ``[batch]``, contiguous, ``>= 0``.
+        cache_seqlens: int32 ``[batch]``, contiguous, ``>= 1``: FlashMLA does not
+            support zero-length sequences (deepseek-ai/FlashMLA#11).
         head_dim_v: 512.
 
     Raises:
@@ -86,6 +87,13 @@ def check_flash_mla_args(
     lens = cache_seqlens.to(torch.int64).cpu()
     if bool((lens < 0).any()):
         raise HurrayArgumentError("cache_seqlens", "sequence lengths must be >= 0")
+    empty = (lens == 0).nonzero()
+    if empty.numel():
+        raise HurrayArgumentError(
+            "cache_seqlens",
+            f"cache_seqlens[{int(empty[0, 0])}] is 0, and FlashMLA does not support zero-length sequences "
+            "(deepseek-ai/FlashMLA#11); drop empty sequences from the batch",
+        )
     need = (lens + FLASH_MLA_PAGE - 1) // FLASH_MLA_PAGE
     if (int(need.max()) if need.numel() else 0) > block_table.shape[1]:
         raise HurrayArgumentError("block_table", "a sequence needs more pages than its block-table row holds")

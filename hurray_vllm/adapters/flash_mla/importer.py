@@ -10,12 +10,13 @@ from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
 from .._common import (
-    FP8_DTYPES,
     INT32_MAX,
+    check_conversion,
     check_layer,
     check_one_structure,
+    check_pool_values,
     check_reserve,
-    dequantize,
+    convert_latent,
     layer_scales,
     padded_block_table,
     with_extra_pages,
@@ -58,12 +59,17 @@ def to_flash_mla(
     """Layer ``layer`` of an MLA snapshot as a FlashMLA paged latent cache.
 
     Args:
-        snapshot: a fused snapshot (``snapshot.is_latent``) with known ``seq_lens``.
+        snapshot: a fused snapshot (``snapshot.is_latent``) with known
+            ``seq_lens``, none of them 0: FlashMLA does not support empty
+            sequences (deepseek-ai/FlashMLA#11), so drop them from the batch.
         layer: the layer to import.
         page_size: tokens per page; FlashMLA takes 64 (other sizes suit the
             pure-PyTorch reference and other MLA kernels).
         dtype: the cache dtype (default: the pool's; fp8 latents are
-            dequantized with the layer's scale into bfloat16 unless asked otherwise).
+            dequantized with the layer's scale into bfloat16 unless asked
+            otherwise). A float8 ``dtype`` is refused: the cache carries no
+            scale, so float8 latents are always dequantized, and quantizing
+            needs calibrated scales this library does not choose.
         device: where the cache goes (default: the pool's device).
         reserve: tokens of room to leave after every sequence for appends.
 
@@ -72,13 +78,16 @@ def to_flash_mla(
 
     Raises:
         HurrayFormatError: the snapshot holds keys and values, has no lengths or
-            sequences, has an inconsistent block structure (page ids outside
-            the pool included) or ``kv_scales`` not one pair per layer, or
-            does not fit int32 indices.
+            sequences, has an empty sequence (field ``seq_lens``), has an
+            inconsistent block structure (page ids outside the pool included)
+            or ``kv_scales`` not one pair per layer, has a Hurray-quantized
+            latent (field ``quantization``) or one not float16, bfloat16,
+            float32 or float8 (field ``dtype``), or does not fit int32 indices.
         HurrayArgumentError: ``page_size`` or ``reserve`` out of range (a
             ``reserve`` that, added to the longest sequence, passes int32 positions).
-        ImportArgumentError: ``layer`` is out of range (a
-            :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
+        ImportArgumentError: ``layer`` is out of range, or a ``dtype`` that is
+            float8 or not floating point (a :class:`HurrayArgumentError`;
+            until 0.3 also a :class:`HurrayFormatError`).
         OSError: ``ENOMEM``: the repaged latent pool is larger than the device's memory.
 
     Example:
@@ -99,23 +108,28 @@ def to_flash_mla(
     check_one_structure(snapshot, "FlashMLA")
     scale = layer_scales(snapshot, layer)[0]  # a latent's one scale
     t = snapshot.fused[layer]
+    check_pool_values(t, "FlashMLA")
+    check_conversion(t.dtype, dtype, "FlashMLA", keeps_scale=False)
     if t.seq_lens is None:
         raise HurrayFormatError(
             "seq_lens", "the snapshot does not carry sequence lengths; FlashMLA needs cache_seqlens"
         )
     if t.num_seqs == 0:
         raise HurrayFormatError("snapshot", "the snapshot has no sequences; FlashMLA needs batch >= 1")
+    empty = (t.seq_lens == 0).nonzero()
+    if empty.numel():
+        raise HurrayFormatError(
+            "seq_lens",
+            f"sequence {int(empty[0, 0])} has no tokens, and FlashMLA does not support zero-length sequences "
+            "(cache_seqlens 0, deepseek-ai/FlashMLA#11); drop empty sequences from the batch (KVSnapshot.select) first",
+        )
     if t.page_size != page_size:
         # num_pages: a page id past the pool is the snapshot's error here, before the gather reads it.
         plan = plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size, t.num_pages)
         t = repage(t, page_size, plan)
     assert t.seq_lens is not None
     extra, table = padded_block_table(t.block_table, t.seq_ptr, t.seq_lens, t.num_pages, page_size, reserve)
-    pool = t.page_pool
-    if pool.dtype in FP8_DTYPES:
-        pool = dequantize(pool, scale).to(dtype or torch.bfloat16)
-    elif dtype is not None:
-        pool = pool.to(dtype)
+    pool = convert_latent(t.page_pool, scale, dtype)
     # Private copies of shared tail pages, fresh zero pages (page 0 of an empty pool included).
     pool = with_extra_pages(pool, extra)
     longest = int(t.seq_lens.max()) if t.seq_lens.numel() else 0

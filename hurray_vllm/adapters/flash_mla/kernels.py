@@ -27,7 +27,8 @@ def flash_mla_with_kvcache(
             the absorbed queries (nope part then rope part).
         cache: From :func:`~.importer.to_flash_mla`, on ``q``'s device.
         softmax_scale: The kernel's default (``1 / sqrt(576)``) when ``None``.
-        causal: FlashMLA's causal flag (among the ``seqlen_q`` new queries).
+        causal: FlashMLA's causal flag (among the ``seqlen_q`` new queries, the last
+            ``seqlen_q`` tokens of each sequence: bottom-right aligned).
         **kw: Passed to the kernel unchanged.
 
     Returns:
@@ -36,7 +37,8 @@ def flash_mla_with_kvcache(
     Raises:
         HurrayArgumentError: the arguments break the kernel's contract.
         FlashMLAUnavailableError: not on CUDA, or ``flash_mla`` is not installed;
-            :func:`hurray_vllm.adapters.reference.mla_paged_decode` computes the same anywhere.
+            :func:`hurray_vllm.adapters.reference.mla_paged_decode` (with the same ``causal``)
+            computes the same anywhere.
     """
     check_flash_mla_args(q, cache.k_cache, cache.block_table, cache.cache_seqlens, cache.head_dim_v)
     if q.device.type != "cuda":

@@ -36,15 +36,15 @@ def check_flashinfer_args(
     out of bounds on the device, which is why it is checked here.
 
     Args:
-        paged_kv_indptr: int32 ``[batch_size + 1]``, ``[0] == 0``,
+        paged_kv_indptr: int32 ``[batch_size + 1]``, contiguous, ``[0] == 0``,
             non-decreasing, ``[-1] == paged_kv_indices.numel()``; any device.
-        paged_kv_indices: int32 ``[paged_kv_indptr[-1]]``, every id in
-            ``[0, num_pages)``; any device.
-        paged_kv_last_page_len: int32 ``[batch_size]``; ``1..page_size`` for
-            a request with pages, ``0`` for one without (see the module
-            docstring); any device.
+        paged_kv_indices: int32 ``[paged_kv_indptr[-1]]``, contiguous, every
+            id in ``[0, num_pages)``; any device.
+        paged_kv_last_page_len: int32 ``[batch_size]``, contiguous;
+            ``1..page_size`` for a request with pages, ``0`` for one without
+            (see the module docstring); any device.
         paged_kv_cache: ``(k_cache, v_cache)``, two 4-D tensors of one shape,
-            dtype and device, ``[num_pages, page_size, num_kv_heads,
+            dtype, strides and device, ``[num_pages, page_size, num_kv_heads,
             head_dim]`` for ``"NHD"`` or ``[num_pages, num_kv_heads,
             page_size, head_dim]`` for ``"HND"``; or one 5-D tensor
             ``[num_pages, 2, ...]``. Last dimension contiguous.
@@ -60,8 +60,8 @@ def check_flashinfer_args(
         q: decode: ``[batch_size, num_qo_heads, head_dim]``; prefill (with
             ``qo_indptr``): ``[qo_indptr[-1], num_qo_heads, head_dim]``; on
             the cache's device.
-        qo_indptr: int32 ``[batch_size + 1]``, ``[0] == 0``, non-decreasing
-            (prefill only).
+        qo_indptr: int32 ``[batch_size + 1]``, contiguous, ``[0] == 0``,
+            non-decreasing (prefill only).
         q_data_type: the query dtype given to ``plan``, checked against ``q``
             (without ``q``, against the cache dtype like a query's).
         kv_data_type: the cache dtype given to ``plan``, checked against the
@@ -182,6 +182,13 @@ def _check_cache(cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
         raise HurrayArgumentError("paged_kv_cache", "must be a tensor or a (k_cache, v_cache) tuple of tensors")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise HurrayArgumentError("paged_kv_cache", "head_dim must be the contiguous (stride 1) dimension")
+    if k.stride() != v.stride():
+        # The kernels take one set of strides for both pools: TORCH_CHECK(k_strides == v_strides) in their run().
+        raise HurrayArgumentError(
+            "paged_kv_cache",
+            f"k_cache strides {k.stride()} and v_cache strides {v.stride()} differ; FlashInfer requires identical "
+            "k/v strides: pass two caches of one layout (for example both .contiguous())",
+        )
     return k, v
 
 
@@ -191,6 +198,9 @@ def _index_array(name: str, t: torch.Tensor) -> torch.Tensor:
         raise HurrayArgumentError(name, f"must be an int32 tensor, got {got}")
     if t.dim() != 1:
         raise HurrayArgumentError(name, f"must be 1-D, got shape {list(t.shape)}")
+    if not t.is_contiguous():
+        # plan() hands the kernels data_ptr(): a strided view would be read as if it were dense.
+        raise HurrayArgumentError(name, f"must be contiguous, has stride {t.stride()}; pass {name}.contiguous()")
     return t
 
 

@@ -23,10 +23,12 @@ from ...kv.snapshot import KVSnapshot
 from .._common import FP8_DTYPES as _FP8
 from .._common import INT32_MAX as _INT32_MAX
 from .._common import (
+    check_conversion,
     check_csr,
     check_import_memory,
     check_layer,
     check_one_structure,
+    check_pool_values,
     dequantize,
     layer_scales,
     same_tensor,
@@ -105,8 +107,10 @@ def to_flashinfer_all(
         HurrayArgumentError: ``kv_layout`` or ``page_size`` out of range,
             and the ``out`` errors of :func:`to_flashinfer`.
         ImportArgumentError: ``out`` does not hold one cache per layer, or
-            any error :func:`to_flashinfer` reports as one, before anything is
-            written.
+            any error :func:`to_flashinfer` reports as one. Every layer is
+            checked (its pools, lengths, scales, ``dtype`` and ``out`` cache)
+            before the first is imported, so an error leaves every ``out``
+            cache as it was.
         HurrayFormatError: the snapshot's data does not fit (see
             :func:`to_flashinfer`).
         OSError: ``ENOMEM``: every layer's repaged pools together are larger
@@ -121,13 +125,15 @@ def to_flashinfer_all(
     if page_size is not None and page_size <= 0:
         raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
     plan = plan_flashinfer(snapshot, page_size) if page_size is not None else None
-    if out is not None:
-        # Every layer's cache is checked before the first is written: a bad one never leaves a half import.
-        for i in range(snapshot.num_layers):
+    # Every layer (its pools, lengths, scales, dtype= and cache) is checked before the first is imported:
+    # a layer refused late would leave the out= caches of the layers before it half written.
+    for i in range(snapshot.num_layers):
+        _check_source(snapshot, i, dtype)
+        if out is not None:
             k = snapshot.keys[i]
             pages = plan.num_pages if plan is not None else k.num_pages
             _check_out(snapshot, k, plan, dtype, out[i], kv_layout, combined, pages, device)
-    elif plan is not None:  # repaged into new pools (without, each layer keeps its own pool's size)
+    if out is None and plan is not None:  # repaged into new pools (without, each layer keeps its own pool's size)
         check_import_memory(snapshot, plan.num_pages * plan.page_size, lambda t: _target_dtype(t.dtype, dtype), device)
     return tuple(
         to_flashinfer(
@@ -190,7 +196,9 @@ def to_flashinfer(
             ``paged_kv_cache`` (a ``(k_cache, v_cache)`` tuple, or one
             ``[num_pages, 2, ...]`` tensor when ``combined``) in
             ``kv_layout``, with at least as many pages as the import needs,
-            the result's dtype, and the device the result goes to. Its first
+            the result's dtype, and the device the result goes to; a pair's
+            two caches have one shape and identical strides (FlashInfer reads
+            both with k_cache's), and head_dim is contiguous. Its first
             pages are overwritten, the rest is left as it is, and the result
             holds ``out`` itself. A pool reused across imports (or an
             engine's own) saves faulting in new memory, about twice the cost
@@ -199,18 +207,22 @@ def to_flashinfer(
     Returns:
         A :class:`FlashInferCache`. With ``out``, its pages are ``out``.
         Otherwise, without repaging, conversion or layout change, the pages
-        are the snapshot's own tensors (no copy).
+        are the snapshot's own tensors (no copy), unless the two pools are
+        strided differently (or head_dim is not contiguous): both are then
+        made contiguous, as FlashInfer needs.
 
     Raises:
         HurrayArgumentError: ``kv_layout`` or ``page_size`` is out of range;
             ``out`` whose caches share memory with each other or with the
-            snapshot's pools.
+            snapshot's pools, differ in strides, or lack a contiguous
+            head_dim.
         ImportArgumentError: a :class:`HurrayArgumentError` (and, until 0.3,
             a :class:`HurrayFormatError`) for the call: ``layer`` out of
             range, a ``plan`` made for another snapshot or another
             ``page_size``, a float8 or non-float ``dtype`` the pages cannot
             be converted to, ``out`` of the wrong kind (a pair, or one tensor
-            with ``combined=True``), shape, pages, dtype or device.
+            with ``combined=True``), shape, pages, dtype or device, or a pair
+            whose caches differ in pages.
         HurrayFormatError: the snapshot's data: no ``seq_lens``, an
             inconsistent block structure, key and value pools that differ,
             integer or affine-quantized pools, ``kv_scales`` not one pair per
@@ -244,8 +256,7 @@ def to_flashinfer(
     check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     check_layer(snapshot, layer)
     k, v = snapshot.keys[layer], snapshot.values[layer]
-    lens = _check_source(k, v)
-    scales = layer_scales(snapshot, layer)
+    lens, scales = _check_source(snapshot, layer, dtype)
 
     if plan is None and page_size is not None and page_size != k.page_size:
         if page_size <= 0:
@@ -274,9 +285,10 @@ def to_flashinfer(
         cache = _arrange(kp, vp, kv_layout, combined)
 
     last = torch.where(lens > 0, (lens - 1) % ps + 1, torch.zeros_like(lens))
-    indptr = ptr.to(torch.int32)
-    indices = table.to(torch.int32)
-    last_page_len = last.to(torch.int32)
+    # Contiguous: FlashInfer's plan() reads these through their data pointers.
+    indptr = ptr.to(torch.int32).contiguous()
+    indices = table.to(torch.int32).contiguous()
+    last_page_len = last.to(torch.int32).contiguous()
     if device is not None:
         if out is None:
             cache = _move(cache, device)
@@ -301,22 +313,25 @@ def _require_lens(t: BlockPagedTensor) -> torch.Tensor:
     return t.seq_lens.to(device=t.block_table.device, dtype=torch.int64)
 
 
-def _check_source(k: BlockPagedTensor, v: BlockPagedTensor) -> torch.Tensor:
-    """The layer's sequence lengths, after the checks the import relies on.
+def _check_source(
+    snapshot: KVSnapshot, layer: int, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, tuple[float, float]]:
+    """The layer's sequence lengths and ``(k_scale, v_scale)``, after the checks the import relies on.
 
     Key and value share one block structure, pool shape and dtype
-    (:func:`~hurray_vllm.adapters._common.check_one_structure`, run first).
+    (:func:`~hurray_vllm.adapters._common.check_one_structure`, run first);
+    ``dtype`` is checked against the pools here, so that nothing after this
+    (the writes into ``out=`` included) can refuse it.
     """
-    if k.quantization is not None or v.quantization is not None:
-        raise HurrayFormatError(
-            "quantization", "affine-quantized page pools are not supported; dequantize the snapshot first"
-        )
-    if not (k.dtype.is_floating_point and k.dtype.itemsize <= 4):
-        raise HurrayFormatError("dtype", f"FlashInfer pages hold floating-point values, not {k.dtype}")
+    k, v = snapshot.keys[layer], snapshot.values[layer]
+    for t in (k, v):
+        check_pool_values(t, "FlashInfer")
+    check_conversion(k.dtype, dtype, "FlashInfer")
+    scales = layer_scales(snapshot, layer)
     # The CSR arrays are used as they are, so they must describe exactly the
     # pages each sequence needs: an extra page would count as page_size tokens.
     _require_lens(k)
-    return check_csr(k)
+    return check_csr(k), scales
 
 
 def _check_plan(plan: RepagePlan, k: BlockPagedTensor, lens: torch.Tensor) -> None:
@@ -340,24 +355,14 @@ def _check_plan(plan: RepagePlan, k: BlockPagedTensor, lens: torch.Tensor) -> No
 
 def _convert(pool: torch.Tensor, scale: float, dtype: torch.dtype | None) -> tuple[torch.Tensor, float | None]:
     """``pool`` in ``dtype``, and the scale FlashInfer must still apply (float8 pass-through)."""
+    check_conversion(pool.dtype, dtype, "FlashInfer")  # run before any write too (_check_source)
     if pool.dtype in _FP8:
         if dtype == pool.dtype:
             return pool, scale
-        if dtype in _FP8:
-            raise ImportArgumentError(
-                "dtype", f"cannot re-encode {pool.dtype} pages as {dtype}; keep {pool.dtype} or dequantize"
-            )
         real = dequantize(pool, scale)
         return (real if dtype is None else real.to(dtype)), None
     if dtype is None or dtype == pool.dtype:
         return pool, None
-    if dtype in _FP8:
-        raise ImportArgumentError(
-            "dtype",
-            f"quantizing {pool.dtype} pages to {dtype} needs calibrated scales; hurray-vllm does not choose them",
-        )
-    if not dtype.is_floating_point:
-        raise ImportArgumentError("dtype", f"FlashInfer pages hold floating-point values, not {dtype}")
     return pool.to(dtype), None
 
 
@@ -427,9 +432,24 @@ def _check_out(
             raise ImportArgumentError("out", "must be a (k_cache, v_cache) pair of tensors (or pass combined=True)")
         for i, o in enumerate(out):
             check_out_pool(o, num_pages, page, target, f"out[{i}]")
+        if out[0].shape[0] != out[1].shape[0]:
+            raise ImportArgumentError(
+                "out",
+                f"k_cache has {out[0].shape[0]} pages and v_cache {out[1].shape[0]}; FlashInfer takes two caches "
+                "of one shape: allocate them alike",
+            )
+        if out[0].stride() != out[1].stride():
+            # FlashInfer walks both pools with k_cache's strides (TORCH_CHECK "k/v strides must be identical").
+            raise HurrayArgumentError(
+                "out",
+                f"k_cache has strides {out[0].stride()} and v_cache {out[1].stride()}; FlashInfer needs identical "
+                "strides: pass two caches of one layout (both contiguous, or both views of one [P, 2, ...] pool)",
+            )
         if overlaps(out[0], out[1]):
             raise HurrayArgumentError("out", "k_cache and v_cache share memory; pass two separate caches")
     pools = out if isinstance(out, tuple | list) else (out,)
+    if any(o.numel() and o.stride(-1) != 1 for o in pools):
+        raise HurrayArgumentError("out", "FlashInfer needs head_dim to be the contiguous (stride 1) dimension")
     if device is not None and not all(on_device(o, device) for o in pools):
         where = sorted({str(o.device) for o in pools})
         raise ImportArgumentError("out", f"is on {', '.join(where)}, device= asks for {device}")
@@ -446,6 +466,11 @@ def _arrange(k: torch.Tensor, v: torch.Tensor, kv_layout: str, combined: bool) -
         # FlashInfer derives strides from the tensor, but a dense HND pool is
         # what "HND" promises callers that index or copy the pages themselves.
         k, v = k.contiguous(), v.contiguous()
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        # Pools passed through as the snapshot holds them may be strided, each its own way. FlashInfer walks
+        # both with k_cache's strides ("k/v strides must be identical") and needs head_dim contiguous: make
+        # both dense (a clone, not .contiguous(), so that sizes of 1 get canonical strides too).
+        k, v = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
     return k, v
 
 

@@ -18,7 +18,16 @@ import torch
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
-from .._common import FP8_DTYPES, INT32_MAX, check_csr, check_layer, check_one_structure, dequantize, layer_scales
+from .._common import (
+    INT32_MAX,
+    check_conversion,
+    check_csr,
+    check_layer,
+    check_one_structure,
+    check_pool_values,
+    convert_latent,
+    layer_scales,
+)
 
 __all__ = ["FlashInferMLACache", "to_flashinfer_mla"]
 
@@ -62,7 +71,10 @@ def to_flashinfer_mla(
         page_size: tokens per page (default: the snapshot's; FlashInfer's MLA
             kernels take any page size, 1 included).
         dtype: the pools' dtype (default: the snapshot's; fp8 latents are
-            dequantized with the layer's scale into bfloat16 unless asked otherwise).
+            dequantized with the layer's scale into bfloat16 unless asked
+            otherwise). A float8 ``dtype`` is refused: the MLA pools carry
+            no scale, so float8 latents are always dequantized, and
+            quantizing needs calibrated scales this library does not choose.
         device: where the tensors go (default: the pool's device).
 
     Returns:
@@ -74,10 +86,13 @@ def to_flashinfer_mla(
             lengths, has an inconsistent block structure (the page lists go to
             the kernel as they are, so each sequence must own exactly the
             pages its tokens need, all inside the pool), has ``kv_scales``
-            not one pair per layer, or does not fit int32 indices.
+            not one pair per layer, a Hurray-quantized latent (field
+            ``quantization``) or one not float16, bfloat16, float32 or float8
+            (field ``dtype``), or does not fit int32 indices.
         HurrayArgumentError: ``page_size`` is not positive.
-        ImportArgumentError: ``layer`` is out of range (a
-            :class:`HurrayArgumentError`; until 0.3 also a :class:`HurrayFormatError`).
+        ImportArgumentError: ``layer`` is out of range, or a ``dtype`` that is
+            float8 or not floating point (a :class:`HurrayArgumentError`;
+            until 0.3 also a :class:`HurrayFormatError`).
         OSError: ``ENOMEM``: the repaged latent pool is larger than the device's memory.
 
     Example:
@@ -97,6 +112,8 @@ def to_flashinfer_mla(
     check_layer(snapshot, layer)
     check_one_structure(snapshot, "FlashInfer's MLA API")
     t = snapshot.fused[layer]
+    check_pool_values(t, "FlashInfer's MLA API")
+    check_conversion(t.dtype, dtype, "FlashInfer's MLA API", keeps_scale=False)
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "the snapshot does not carry sequence lengths; FlashInfer needs kv_len_arr")
     # The checks the K/V importer runs: unrepaged, these arrays are kv_indptr/kv_indices/kv_len_arr as they are.
@@ -108,11 +125,7 @@ def to_flashinfer_mla(
     assert t.seq_lens is not None
     if t.num_pages > INT32_MAX or (t.seq_lens.numel() and int(t.seq_lens.max()) > INT32_MAX):
         raise HurrayFormatError("snapshot", "the batch does not fit FlashInfer's int32 indices")
-    pool = t.page_pool[:, :, 0]  # [pages, page_size, C]
-    if pool.dtype in FP8_DTYPES:
-        pool = dequantize(pool, scale).to(dtype or torch.bfloat16)
-    elif dtype is not None:
-        pool = pool.to(dtype)
+    pool = convert_latent(t.page_pool[:, :, 0], scale, dtype)  # [pages, page_size, C]
     dev = device if device is not None else pool.device
     rank = snapshot.latent.kv_lora_rank
     return FlashInferMLACache(
