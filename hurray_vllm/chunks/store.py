@@ -304,7 +304,7 @@ def _check_namespace_dir(directory: Path) -> None:
 def _load_chunk(data: FileBytes) -> KVSnapshot:
     """The chunk :func:`_read_chunk` read; a file of another format is refused (the store writes ``.hrry`` only).
 
-    Not handed to ``load_file_bytes`` as it is: that loads another format from its path again (a second open).
+    ``load_file_bytes`` would take a stream too: the store holds ``.hrry`` files only.
     """
     if bytes(data.view[:8]) != FILE_MAGIC:
         raise HurrayFormatError("file.magic", f"{data.path} is not a Hurray file (HRRYFILE)")

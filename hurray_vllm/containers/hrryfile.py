@@ -12,14 +12,15 @@ size against the file's real length before allocating or mapping anything.
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import mmap as _mmap
 import os
 import stat
 import struct
+import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,13 @@ FLAG_SORTED_INDEX = 1 << 1
 FLAG_HAS_CRC = 1 << 2
 DEFAULT_ALIGNMENT = 4096
 _MMAP_MIN = 64 << 10
+#: Indexes up to this size are remembered (a chunk file's is ~2 KiB), at most :data:`_MEMO_HELD_BYTES` of them.
 _MEMO_INDEX_BYTES = 64 << 10
+#: What the remembered indexes may hold in all: their bytes, and per row :data:`_ROW_BYTES` and its name.
+_MEMO_HELD_BYTES = 4 << 20
+#: The memory an index row holds besides its name's string (the :class:`IndexEntry`, its attributes and
+#: ints: ~220 bytes measured with tracemalloc, rounded up).
+_ROW_BYTES = 320
 _KV_STR, _KV_I64, _KV_U64, _KV_F64, _KV_BOOL, _KV_BYTES, _KV_ARRAY = range(1, 8)
 
 
@@ -315,9 +322,62 @@ def _interned(entry: IndexEntry) -> IndexEntry:
         return got
 
 
-@functools.lru_cache(maxsize=256)
+class _IndexMemo:
+    """Parsed indexes by their bytes (files of one shape share them), bounded by the memory they hold.
+
+    A count of entries would not bound it: an index of 64 KiB may hold 1,800 rows of two-byte
+    names, ~0.4 MB of objects, and 256 of them (parsed from crafted files that fail after their
+    index parsed, so it stays remembered) pinned ~120 MB. Each entry costs its bytes, plus
+    :data:`_ROW_BYTES` and its name's string per row (:func:`row_bytes`); the least recently used go
+    once the total passes :data:`_MEMO_HELD_BYTES`.
+    """
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[bytes, int, int, int], tuple[tuple[IndexEntry, ...], int]] = OrderedDict()
+        self.cost = 0
+        self._lock = threading.Lock()
+
+    def entries(self, index: bytes, index_off: int, first: int, alignment: int) -> tuple[IndexEntry, ...]:
+        """:func:`_index_entries` of the arguments, remembered."""
+        key = (index, index_off, first, alignment)
+        with self._lock:
+            got = self._kept.get(key)
+            if got is not None:
+                self._kept.move_to_end(key)
+                return got[0]
+        entries = _index_entries(*key)
+        cost = len(index) + sum(map(row_bytes, entries))
+        with self._lock:
+            if key not in self._kept and cost <= _MEMO_HELD_BYTES:
+                self._kept[key] = (entries, cost)
+                self.cost += cost
+                while self.cost > _MEMO_HELD_BYTES:
+                    self.cost -= self._kept.popitem(last=False)[1][1]
+        return entries
+
+    def clear(self) -> None:
+        """Forget every index."""
+        with self._lock:
+            self._kept.clear()
+            self.cost = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+_indexes = _IndexMemo()
+
+
+def row_bytes(entry: IndexEntry) -> int:
+    """The memory ``entry`` holds: :data:`_ROW_BYTES` and its name's string.
+
+    The string's own size, not the name's length: one non-ASCII character stores every character in 2 or 4 bytes.
+    """
+    return _ROW_BYTES + sys.getsizeof(entry.name)
+
+
 def _index_entries(index: bytes, index_off: int, first: int, alignment: int) -> tuple[IndexEntry, ...]:
-    """The checked rows of an index (remembered: files of one shape share their index bytes)."""
+    """The checked rows of an index."""
     if len(index) < 8:
         raise HurrayFormatError("file.index", "index shorter than its count")
     (count,) = struct.unpack_from("<Q", index, 0)
@@ -626,7 +686,7 @@ class HrryFile:
     def _parse_index(self, index: bytes, index_off: int) -> list[IndexEntry]:
         args = (index, index_off, self.first_descriptor_offset, self.alignment)
         # Only small indexes are remembered (a chunk file's is ~2 KiB): the memo keeps its keys' bytes.
-        parse = _index_entries if len(index) <= _MEMO_INDEX_BYTES else _index_entries.__wrapped__
+        parse = _indexes.entries if len(index) <= _MEMO_INDEX_BYTES else _index_entries
         return list(parse(*args))
 
     def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 from collections.abc import Iterable, Iterator
+from io import BytesIO
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, NoReturn
 
@@ -17,7 +17,7 @@ from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 from ..wire.rules import raise_if
 from .atomic import atomic_file
-from .hrryfile import FILE_MAGIC, FileBytes, HrryFile, read_whole, write_file
+from .hrryfile import FILE_MAGIC, FileBytes, HrryFile, open_regular, read_whole, write_file
 from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records, state_records
 from .stream import LayerWriter, read_records, write_records
 from .template import load_hrry
@@ -95,24 +95,36 @@ _FILE_KV = {"hurray_vllm.format_version": 1}
 
 
 def detect_format(path: str | os.PathLike[str]) -> Format:
-    """``"hrry"`` or ``"stream"`` by the file's magic bytes, not its name."""
-    mode = os.stat(path).st_mode
-    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        # A path is opened more than once (format, records, metadata): a pipe would hang or lose its head.
+    """``"hrry"``, ``"stream"`` or ``"safetensors"`` by the file's magic bytes, not its name.
+
+    Only a regular file is read (:func:`~.hrryfile.open_regular`): a path is opened more than once (format,
+    records, metadata), and a pipe would hang or lose its head. A pipe swapped in after a check of the path
+    is refused too, not waited on.
+
+    Raises:
+        HurrayFormatError: not a regular file (field ``file``), or none of the formats (``magic``).
+        OSError: the file cannot be opened.
+    """
+    try:
+        f = open_regular(path)
+    except HurrayFormatError:
         raise HurrayFormatError(
-            "file", f"{path} is a pipe or socket: save it to a file first (read_stream reads a pipe's stream)"
-        )
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head == FILE_MAGIC:
+            "file",
+            f"{path} is not a regular file (a pipe, socket or device?): save it to a file first "
+            "(read_stream reads a pipe's stream)",
+        ) from None
+    with f:
+        return _format_of(f.read(9), path)
+
+
+def _format_of(head: bytes, path: str | os.PathLike[str]) -> Format:
+    """The format of a file whose first bytes (at least 9, where it has them) are ``head``."""
+    if head[:8] == FILE_MAGIC:
         return "hrry"
     if head[:4] == b"HRRY":
         return "stream"
-    if len(head) == 8 and int.from_bytes(head, "little") < (100 << 20):
-        with open(path, "rb") as f:
-            f.seek(8)
-            if f.read(1) == b"{":
-                return "safetensors"
+    if len(head) >= 9 and int.from_bytes(head[:8], "little") < (100 << 20) and head[8:9] == b"{":
+        return "safetensors"
     raise HurrayFormatError(
         "magic", f"{path}: neither a Hurray file (HRRYFILE), a Hurray stream (HRRY) nor a safetensors file"
     )
@@ -245,18 +257,29 @@ def read_file(path: str | os.PathLike[str]) -> FileBytes:
 
 
 def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
-    """:func:`load` of a file :func:`read_file` read already.
+    """:func:`load` of a ``.hrry`` file or Hurray stream that :func:`read_file` read already.
 
     For a reader of many files: the next file is read on a helper thread
-    (the read releases the GIL) while this one is parsed. A file that is not
-    ``.hrry`` is loaded from its path again.
+    (the read releases the GIL) while this one is parsed. Only the bytes read
+    are parsed: the file is not opened again (it may have been replaced
+    since, by a larger file, a link or a pipe; ``read_whole``'s bounds held
+    for what was read). A safetensors file is refused: its reader takes a
+    path, not bytes (:func:`load` reads it).
 
     Raises:
-        HurrayFormatError: as :func:`load`.
+        HurrayFormatError: as :func:`load`; a safetensors file (field ``file.magic``).
     """
-    if bytes(data.view[:8]) != FILE_MAGIC:
-        return load(data.path, permissive=permissive)
+    fmt = _format_of(bytes(data.view[:9]), data.path)
+    if fmt == "safetensors":
+        raise HurrayFormatError(
+            "file.magic", f"{data.path} is a safetensors file: load() reads it (load_file_bytes reads Hurray files)"
+        )
     try:
+        if fmt == "stream":
+            with BytesIO(data.view) as f:
+                return assemble_snapshot(
+                    group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive
+                )
         with HrryFile(data.path, data=data) as hf:
             return load_hrry(hf, permissive=permissive)
     except HurrayFormatError:
@@ -274,7 +297,7 @@ def _records(path: str | os.PathLike[str], fmt: Format, *, permissive: bool, mma
 
         yield from snapshot_records(load_safetensors(path, permissive=permissive))
     else:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a pipe swapped in since detect_format looked is refused, not waited on
             yield from read_records(f, permissive=permissive)
 
 

@@ -24,9 +24,20 @@ the general way; any difference, and the general way reads the file.
 Only files of the plain layout are remembered (a header group, then layer
 groups of block-paged members, a ``seq_lens`` and perhaps ``kv_scales``);
 a linear-attention hybrid's state groups, bare descriptors or nested groups
-are always read the general way. At most :data:`MAX_TEMPLATES` are kept
-(least recently used first out), each at most :data:`MAX_KEY_BYTES` of
-compared bytes.
+are always read the general way.
+
+What a template holds is counted in bytes of memory (:func:`_cost`): its
+compared bytes, and a fixed cost, measured with tracemalloc and rounded up,
+for each index row (with its name), compared span, tensor, index tensor and
+layer it keeps. A file whose template would hold more than
+:data:`MAX_TEMPLATE_BYTES` is not remembered; at most :data:`MAX_TEMPLATES`
+are kept, holding at most :data:`MAX_TOTAL_BYTES` together. Those that no
+file matched since they were learned go first (least recently used first),
+then the least recently used of the rest: a template is learned from a file
+before its reader verifies it (a chunk's digest, its tokens), and the files
+a reader then refuses, each read once, must not push out the templates of
+the files it uses. (Such a template is sound: the general reader read its
+file's structure, and only files of the same bytes are built from it.)
 
 ``HURRAY_PARSE_MEMO=0`` in the environment (or :func:`set_enabled`) turns
 templates off, for comparisons.
@@ -46,7 +57,7 @@ import torch
 from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot
 from ..wire.descriptor import LAYOUT_BLOCK_PAGED
-from .hrryfile import HrryFile, IndexEntry
+from .hrryfile import HrryFile, IndexEntry, row_bytes
 from .schema import (
     Node,
     Record,
@@ -59,12 +70,34 @@ from .schema import (
     is_snapshot_header,
 )
 
-__all__ = ["load_hrry", "set_enabled", "enabled", "clear", "stats", "MAX_TEMPLATES", "MAX_KEY_BYTES"]
+__all__ = [
+    "load_hrry",
+    "set_enabled",
+    "enabled",
+    "clear",
+    "stats",
+    "MAX_TEMPLATES",
+    "MAX_TEMPLATE_BYTES",
+    "MAX_TOTAL_BYTES",
+]
 
 #: Templates kept (all shapes of file together; an engine writes one or two: whole chunks, tails).
 MAX_TEMPLATES = 32
-#: A file whose layer groups' compared bytes exceed this is not remembered (an 8-layer chunk's: 3.4 KiB).
-MAX_KEY_BYTES = 256 << 10
+#: A file whose template would hold more memory than this is not remembered (:func:`_cost`; an 8-layer
+#: chunk's holds ~37 KiB, of which 3.4 KiB compared bytes; a 128-layer chunk's ~0.55 MiB).
+MAX_TEMPLATE_BYTES = 1 << 20
+#: The memory all templates kept may hold together.
+MAX_TOTAL_BYTES = 8 << 20
+#: What a template holds besides its compared bytes and index rows (:func:`~.hrryfile.row_bytes`), per object:
+#: measured with tracemalloc (in parentheses) and rounded up. A compared span, or a quantization buffer's:
+#: two ints in a tuple (~140).
+_SPAN_BYTES = 160
+#: A tensor's recipe: its _Tensor, fields dict, pool offset and shape (~540).
+_TENSOR_BYTES = 768
+#: An index tensor besides its bytes: the Python object, and torch's tensor and storage, which tracemalloc does not see.
+_INDEX_TENSOR_BYTES = 768
+#: A layer's tuple and its kv_scales pair (~100).
+_LAYER_BYTES = 160
 #: Regions of the file closer than this are compared as one (with the padding between them): adjacent
 #: descriptors, say, but not a 8-byte block table and the 4 KiB of padding after it.
 _JOIN_GAP = 64
@@ -101,10 +134,12 @@ def stats() -> dict[str, int]:
     """What the templates did so far.
 
     ``hits``: files built (or refused) from a template; ``misses``: files read the general way with
-    templates on; ``learned``: templates made; ``kept``: templates kept now.
+    templates on; ``learned``: templates made; ``kept``: templates kept now; ``bytes``: the memory
+    they hold (:func:`_cost`).
     """
     with _lock:
-        return {**_STATS, "kept": sum(len(v) for v in _TEMPLATES.values())}
+        kept = [t for v in _TEMPLATES.values() for t in v]
+        return {**_STATS, "kept": len(kept), "bytes": sum(t.cost for t in kept)}
 
 
 _STATS = {"hits": 0, "misses": 0, "learned": 0}
@@ -151,7 +186,7 @@ class _Tensor:
     lens: int | None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class _Template:
     permissive: bool
     tail: list[IndexEntry]  # the index rows after the header group's
@@ -160,6 +195,8 @@ class _Template:
     small: tuple[torch.Tensor, ...]  # the index tensors (int64), copied for every snapshot built
     layers: tuple[tuple[_Tensor, ...], ...]
     kv_scales: tuple[tuple[float, float], ...] | None
+    cost: int = 0  # the memory it holds (_cost)
+    matched: bool = False  # whether a file matched it since it was learned (set under _lock)
 
     def matches(self, hf: HrryFile, view: memoryview) -> bool:
         # Rows are interned (hrryfile._interned): equal rows are one object, compared by identity.
@@ -228,6 +265,11 @@ def _find(hf: HrryFile, view: memoryview, permissive: bool) -> _Template | None:
         candidates = list(found)
     for t in candidates:
         if t.matches(hf, view):
+            with _lock:
+                t.matched = True
+                if t in found:  # still kept: the most recently used of its list
+                    found.remove(t)
+                    found.insert(0, t)
             return t
     return None
 
@@ -238,12 +280,32 @@ def _remember(hf: HrryFile, permissive: bool, t: _Template) -> None:
         found = _TEMPLATES.setdefault(key, [])
         _TEMPLATES.move_to_end(key)
         found.insert(0, t)
-        del found[_PER_KEY:]
-        while sum(len(v) for v in _TEMPLATES.values()) > MAX_TEMPLATES:
-            _, oldest = next(iter(_TEMPLATES.items()))
-            oldest.pop()
-            if not oldest:
-                _TEMPLATES.popitem(last=False)
+        if len(found) > _PER_KEY:
+            _evict([(key, found)], t)
+        while True:
+            kept = [x for v in _TEMPLATES.values() for x in v]
+            if len(kept) <= MAX_TEMPLATES and sum(x.cost for x in kept) <= MAX_TOTAL_BYTES:
+                break
+            if not _evict(list(_TEMPLATES.items()), t):
+                break
+
+
+def _evict(lists: list[tuple[tuple[bool, int, int, int], list[_Template]]], keep: _Template) -> bool:
+    """Drop one template of ``lists`` (least recently used first, each list most recent first), not ``keep``.
+
+    The least recently used that no file matched since it was learned, else the least recently used:
+    templates of files read once (refused by their reader, perhaps) go before those that serve files.
+    Returns whether one was dropped. Called under ``_lock``.
+    """
+    order = [(key, t) for key, found in lists for t in reversed(found) if t is not keep]
+    if not order:
+        return False
+    key, t = next((x for x in order if not x[1].matched), order[0])
+    found = _TEMPLATES[key]
+    found.remove(t)
+    if not found:
+        del _TEMPLATES[key]
+    return True
 
 
 def _kept(records: Iterable[Record], into: list[Record]) -> Iterator[Record]:
@@ -317,9 +379,11 @@ def _template(
                 return None
             pools[rec.buffers[0].data_ptr()] = (rec, bufs)
     regions = _joined(spans)
-    # The rows it keeps (their names: up to 64 KiB each) count with the compared bytes: a file of long
-    # record names would otherwise be remembered at many times the bound.
-    if sum(b - a for a, b in regions) + sum(len(e.name) for e in entries[_HEADER_RECORDS:]) > MAX_KEY_BYTES:
+    # What it will hold at least (the rows' names may be 64 KiB each; a layer of tiny pools holds more in
+    # objects than in compared bytes), before building any of it.
+    tail = entries[_HEADER_RECORDS:]
+    least = sum(b - a for a, b in regions) + len(regions) * _SPAN_BYTES + sum(map(row_bytes, tail))
+    if least + len(pools) * _TENSOR_BYTES > MAX_TEMPLATE_BYTES:
         return None
     small: list[torch.Tensor] = []
     where: dict[int, int] = {}  # index tensors of the snapshot by identity -> position in small
@@ -374,14 +438,29 @@ def _template(
         return None
     if pools:  # a block-paged record the snapshot does not hold
         return None
-    return _Template(
+    made = _Template(
         permissive=permissive,
-        tail=list(entries[_HEADER_RECORDS:]),
+        tail=tail,
         regions=regions,
         key=b"".join([view[a:b] for a, b in regions]),
         small=tuple(small),
         layers=tuple(layers),
         kv_scales=snap.kv_scales,
+    )
+    made.cost = _cost(made)
+    return made if made.cost <= MAX_TEMPLATE_BYTES else None
+
+
+def _cost(t: _Template) -> int:
+    """The memory ``t`` holds: its compared bytes, index rows, spans, tensors, index tensors and layers."""
+    tensors = [x for layer in t.layers for x in layer]
+    return (
+        len(t.key)
+        + sum(map(row_bytes, t.tail))
+        + (len(t.regions) + sum(len(x.quant) for x in tensors)) * _SPAN_BYTES
+        + len(tensors) * _TENSOR_BYTES
+        + sum(_INDEX_TENSOR_BYTES + x.nbytes for x in t.small)
+        + len(t.layers) * _LAYER_BYTES
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ from strategies import same_snapshot, same_tensor, snapshots
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.containers import hrryfile, schema, stream
-from hurray_vllm.containers.hrryfile import HrryFile
+from hurray_vllm.containers.hrryfile import FileBytes, HrryFile
 from hurray_vllm.wire.crc32c import crc32c
+from hurray_vllm.wire.rules import Checked
 
 
 @given(snapshots())
@@ -529,3 +531,114 @@ def test_read_whole_refuses_a_file_over_its_bound_before_allocating(tmp_path: Pa
     small = tmp_path / "small.bin"
     small.write_bytes(b"x" * 10)
     assert bytes(read_whole(small, max_bytes=10).view) == b"x" * 10
+
+
+# ── reading a path once: load_file_bytes parses what it read; a pipe is refused, not waited on ──
+
+
+def _within(call: Callable[[], object], fifo: Path, timeout: float = 10.0) -> object:
+    """``call()``'s result or the exception it raised, run on a thread that must end within ``timeout`` seconds.
+
+    If it blocks (opening ``fifo`` for reading), a writer opens the FIFO to let it go, and the test fails.
+    """
+    import threading
+
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # the verdict is the caller's
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout)
+        pytest.fail(f"{call} blocked on a FIFO for {timeout} s")
+    return out[0]
+
+
+@pytest.mark.parametrize("swapped", ["before detect_format opens it", "before load reads the stream"])
+def test_a_pipe_swapped_in_after_a_check_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str
+) -> None:
+    """Found by a review: detect_format looked at the path with os.stat, then opened it with open(): a FIFO swapped
+    in between blocked load() and validate() until a writer appeared, forever; so did the stream reader's open."""
+    from hurray_vllm.containers import io as io_module
+
+    regular = tmp_path / "regular.hrrs"
+    hv.save(spec_example_snapshot(), regular)
+    fifo = tmp_path / "swapped.hrrs"
+    os.mkfifo(fifo)
+    if swapped.startswith("before detect_format"):
+        real_stat = os.stat
+
+        def stat_as_before_the_swap(path: object, *args: object, **kwargs: object) -> os.stat_result:
+            return real_stat(regular if os.fspath(path) == os.fspath(fifo) else path, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "stat", stat_as_before_the_swap)
+        calls: list[Callable[[], object]] = [
+            lambda: hv.load(fifo),
+            lambda: hv.detect_format(fifo),
+            lambda: hv.containers.io.file_kv(fifo),
+        ]
+    else:
+        monkeypatch.setattr(io_module, "detect_format", lambda path: "stream")
+        calls = [lambda: hv.load(fifo), lambda: list(io_module.open_records(fifo))]
+    for call in calls:
+        got = _within(call, fifo)
+        assert isinstance(got, hv.HurrayFormatError) and got.field == "file", got
+        assert "not a regular file" in str(got)
+    checked = _within(lambda: hv.validate(fifo), fifo)  # never raises: the refusal is its finding
+    assert isinstance(checked, Checked) and not checked.ok, checked
+    assert [v.invariant for v in checked.errors] == ["file"]
+
+
+@pytest.mark.parametrize("suffix", [".hrry", ".hrrs"])
+def test_load_file_bytes_parses_the_bytes_it_read_and_never_the_path_again(tmp_path: Path, suffix: str) -> None:
+    """Found by a review: bytes that were not a .hrry file were loaded from their path again: a second read of a
+    file that may have been replaced since (by a larger one, a link, a pipe), without read_whole's bounds."""
+    from hurray_vllm.containers.io import load_file_bytes, read_file
+
+    snap = spec_example_snapshot()
+    path = tmp_path / f"s{suffix}"
+    hv.save(snap, path)
+    want = hv.load(path)
+    data = read_file(path)
+    path.unlink()
+    os.mkfifo(path)  # what is at the path now would block a reader that opened it
+    got = _within(lambda: load_file_bytes(data), path)
+    assert isinstance(got, hv.KVSnapshot) and same_snapshot(got, want), got
+    # Damaged bytes: load's verdict on a file of those bytes.
+    raw = bytearray(data.view)
+    raw[len(raw) // 2] ^= 0xFF
+    damaged = tmp_path / f"damaged{suffix}"
+    damaged.write_bytes(bytes(raw))
+    try:
+        verdict: object = hv.load(damaged)
+    except hv.HurrayFormatError as exc:
+        verdict = exc.field
+    try:
+        again: object = load_file_bytes(read_file(damaged))
+    except hv.HurrayFormatError as exc:
+        again = exc.field
+    assert (verdict if isinstance(verdict, str) else "ok") == (again if isinstance(again, str) else "ok")
+
+
+def test_load_file_bytes_refuses_a_safetensors_file_rather_than_read_its_path_again(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    from hurray_vllm.containers.io import load_file_bytes, read_file
+
+    path = tmp_path / "s.safetensors"
+    hv.save(spec_example_snapshot(), path)
+    data = read_file(path)
+    path.unlink()  # a reader that opened the path again would raise FileNotFoundError
+    with pytest.raises(hv.HurrayFormatError, match="safetensors") as err:
+        load_file_bytes(data)
+    assert err.value.field == "file.magic"
+    with pytest.raises(hv.HurrayFormatError) as err:  # neither format: as load says of such a file
+        load_file_bytes(FileBytes(path, memoryview(b"not a snapshot")))
+    assert err.value.field == "magic"
