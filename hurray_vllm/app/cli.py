@@ -595,6 +595,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         stream_timeout=args.stream_timeout,
         policy=args.policy,
         backend_api_key=args.backend_api_key,
+        api_keys=tuple(args.api_key or ()),
         control_tokens=keys.tokens(CONTROL_PURPOSE) if keys is not None else (),
         # The router's own default when not given: the parser does not import the router (aiohttp).
         **({} if args.kv_load_slack is None else {"kv_load_slack": args.kv_load_slack}),
@@ -864,6 +865,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sent as 'Authorization: Bearer KEY' to every backend (vLLM's --api-key); default: "
         "$HURRAY_BACKEND_API_KEY, which keeps the key off the command line",
+    )
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' on /v1/* (vLLM's --api-key; repeat to accept several, "
+        "e.g. while rotating); default: $HURRAY_API_KEY, which keeps the key off the command line; without either, "
+        "/v1/* is open (/health and /metrics always are)",
     )
     _add_key_file(s, "with a key, /hurray/* needs 'Authorization: Bearer TOKEN' (a token of any key of the ring)")
     s.add_argument("--print-token", action="store_true", help="print the control token of the signing key and exit")

@@ -1,9 +1,11 @@
-"""The router's ``/hurray/*`` controls behind the fleet key (issue 21): in-process, no backend needed.
+"""The router's ``/hurray/*`` behind the fleet key (issue 21) and ``/v1/*`` behind its ``--api-key``, in-process.
 
 A router with ``--key-file`` answers 401 to a control request without the
 key's bearer token, names what to send, and accepts the token of any key of
-the ring (rotation). The OpenAI endpoints, ``/health`` and ``/metrics`` stay
-open. The end-to-end router tests (``test_router.py``) run unkeyed.
+the ring (rotation). ``/health`` and ``/metrics`` stay open; the OpenAI
+endpoints need a key only with the router's own ``--api-key`` (or
+``$HURRAY_API_KEY``). The end-to-end router tests (``test_router.py``) run
+unkeyed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _key_file(tmp_path: Path, name: str, secret: bytes) -> Path:
 
 
 @pytest.fixture
-def client() -> Iterator[Any]:
+def client(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     require("fastapi")
     require("httpx")
     from fastapi.testclient import TestClient
@@ -38,6 +40,7 @@ def client() -> Iterator[Any]:
     from hurray_vllm.app.router import RouterConfig, build_app
     from hurray_vllm.app.router.server import CONTROL_PURPOSE
 
+    monkeypatch.delenv("HURRAY_API_KEY", raising=False)  # the OpenAI endpoints unkeyed
     ring = FleetKeys.from_secrets(NEW, OLD)
     config = RouterConfig(backends=("http://127.0.0.1:9",), control_tokens=ring.tokens(CONTROL_PURPOSE))
     with TestClient(build_app(config)) as c:
@@ -127,3 +130,76 @@ def test_print_token_uses_the_signing_key_and_needs_one(
     assert "--key-file" in capsys.readouterr().err
     assert main(["router", "--listen", "127.0.0.1:0"]) == 2  # no backend
     assert "--backend" in capsys.readouterr().err
+
+
+# ── the OpenAI endpoints behind the router's own --api-key ──────────────────
+
+
+def _keyed(monkeypatch: pytest.MonkeyPatch, env: str | None = None, **config: Any) -> Any:
+    """A router over an unreachable backend (``config`` on top), with ``$HURRAY_API_KEY`` set to ``env``."""
+    require("fastapi")
+    require("httpx")
+    from fastapi.testclient import TestClient
+
+    from hurray_vllm.app.router import RouterConfig, build_app
+
+    if env is None:
+        monkeypatch.delenv("HURRAY_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("HURRAY_API_KEY", env)
+    return TestClient(build_app(RouterConfig(backends=("http://127.0.0.1:9",), health_interval=30, **config)))
+
+
+@pytest.mark.parametrize("env", [False, True])
+def test_with_an_api_key_the_openai_endpoints_need_it(monkeypatch: pytest.MonkeyPatch, env: bool) -> None:
+    """The router sends the backends their key itself: unkeyed, a backend started with --api-key was open to whoever
+    reached the router. As vLLM's --api-key guards /v1: 401 without a key it holds, /health and /metrics open."""
+    if env:  # kept off the command line
+        client = _keyed(monkeypatch, env="sk-new")
+    else:
+        client = _keyed(monkeypatch, api_keys=("sk-old", "sk-new"))
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 2}
+    with client:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-new"},
+                        {"Authorization": "sk-new"}, {"Authorization": "Bearer sk-new-and-more"}):  # fmt: skip
+            for method, path in (("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("get", "/v1/models")):
+                r = client.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.headers["www-authenticate"] == "Bearer"
+                error = r.json()["error"]
+                assert error["code"] == 401 and "--api-key" in error["message"] and error["type"]
+        # A key it holds opens them (the backend is unreachable: never 401), as any key of several.
+        for key in ("sk-new",) if env else ("sk-new", "sk-old"):
+            r = client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code in (502, 503), r.text
+        assert client.get("/health").status_code in (200, 503)
+        assert client.get("/metrics").status_code == 200
+        assert client.get("/hurray/requests").status_code == 200  # its own token, with --key-file only
+
+
+def test_without_an_api_key_the_openai_endpoints_stay_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _keyed(monkeypatch) as client:
+        assert client.post("/v1/completions", json={"model": "m", "prompt": [1, 2]}).status_code in (502, 503)
+
+
+def test_an_api_key_is_needed_behind_a_root_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind a proxy's root path, ``/PFX/v1/*`` is the OpenAI route: still closed (the check reads the route)."""
+    from fastapi.testclient import TestClient
+
+    app = _keyed(monkeypatch, api_keys=("sk-1",)).app
+    with TestClient(app, root_path="/pfx") as c:
+        assert c.get("/pfx/v1/models").status_code == 401
+        assert c.get("/pfx/v1/models", headers={"Authorization": "Bearer sk-1"}).status_code != 401
+
+
+def test_api_key_reaches_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    require("aiohttp")
+    import hurray_vllm.app.router as router
+
+    seen: list[Any] = []
+    monkeypatch.setattr(router, "serve", lambda config, host, port, log_level: seen.append(config))
+    base = ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1"]
+    assert main([*base, "--api-key", "k1", "--api-key", "k2"]) == 0
+    assert seen[-1].api_keys == ("k1", "k2") and "k1" not in repr(seen[-1])
+    assert main(base) == 0
+    assert seen[-1].api_keys == ()  # the router reads $HURRAY_API_KEY then

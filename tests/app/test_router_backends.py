@@ -290,3 +290,121 @@ def test_with_every_backend_drained_health_and_requests_say_so() -> None:
             r = client.post("/v1/completions", json={"model": "m", **body})  # a flight, and a relayed request
             assert r.status_code == 503 and "drained" in r.json()["error"]["message"], r.text
             assert "POST /hurray/undrain" in r.json()["error"]["message"]
+
+
+# ── which models a backend serves (its /v1/models: LoRA adapters loaded on some backends only) ─────────────
+
+
+def test_a_request_goes_to_a_backend_that_serves_its_model() -> None:
+    """``sql`` is loaded on A only: B, less loaded and holding the prefix, would answer 404. A backend whose models
+    are not known yet stays a candidate; a request for a model no backend lists goes anywhere (its 404 is vLLM's)."""
+    bs = Backends([A, B, C])
+    a, b, c = (bs.all[u] for u in (A, B, C))
+    a.served, b.served = frozenset({"m", "sql"}), frozenset({"m"})
+    a.in_flight = 3
+    b.remember(["k"])
+    assert bs.pick(["k"], model="sql") is c  # c's models are unknown: it may serve it, and it is idle
+    c.served = frozenset({"m"})
+    assert bs.pick(["k"], model="sql") is a
+    assert bs.pick(["k"], model="m") is b and bs.pick(["k"]) is b  # no model named: the backend's own default
+    assert bs.pick(["k"], model="sql", avoid=a) in (b, c)  # none left that serves it: any (the caller checks)
+    for policy in ("least-loaded", "round-robin"):
+        other = Backends([A, B], policy=policy)
+        other.all[A].served, other.all[B].served = frozenset({"m"}), frozenset({"m", "sql"})
+        assert {id(other.pick([], model="sql")) for _ in range(4)} == {id(other.all[B])}
+    assert b.serves(None) and b.serves(7) and not b.serves("sql") and Backends([A]).all[A].serves("sql")
+
+
+def test_a_move_to_a_backend_that_does_not_serve_the_model_is_refused_naming_why() -> None:
+    import asyncio
+    from typing import Any
+
+    from hurray_vllm.app.router.flight import Flight, RouterError
+
+    router = Router(RouterConfig(backends=(A, B)))
+    router.backends.all[B].served = frozenset({"m"})
+    f = Flight(router, "completion", {"model": "sql", "prompt": [1, 2], "max_tokens": 4})
+    router.flights[f.id] = f
+    tried: list[str] = []
+
+    async def moved(to: Any, why: str = "migrated", timeout: float = 600.0) -> dict[str, Any]:
+        tried.append(to.url)
+        return {"to": to.url}
+
+    f.migrate = moved  # type: ignore[method-assign]
+    with pytest.raises(RouterError) as exc:
+        asyncio.run(router.migrate(f.id, B))
+    assert exc.value.status == 409 and "does not serve model 'sql'" in exc.value.message and tried == []
+
+    class _Models:  # B's /v1/models now lists the adapter (loaded there since the router first read it)
+        def get(self, url: str, timeout: Any) -> Any:
+            assert url == B + "/v1/models"
+
+            class _R:
+                status = 200
+
+                async def __aenter__(self) -> Any:
+                    return self
+
+                async def __aexit__(self, *_: Any) -> None:
+                    return None
+
+                async def json(self) -> Any:
+                    return {"data": [{"id": "m", "max_model_len": 64}, {"id": "sql", "max_model_len": 64}]}
+
+            return _R()
+
+    router.client = _Models()
+    assert asyncio.run(router.migrate(f.id, B)) == {"to": B} and router.backends.all[B].served == {"m", "sql"}
+
+
+def test_a_drain_moves_a_request_only_to_a_backend_that_serves_its_model() -> None:
+    import asyncio
+    from typing import Any
+
+    from hurray_vllm.app.router.flight import Flight
+
+    router = Router(RouterConfig(backends=(A, B, C)))
+    a, b, c = (router.backends.all[u] for u in (A, B, C))
+    b.served, c.served = frozenset({"m"}), frozenset({"m", "sql"})
+    c.in_flight = 5  # busier than b: only the model sends the request there
+    flights = {}
+    for model in ("sql", "m", "other"):
+        f = Flight(router, "completion", {"model": model, "prompt": [1, 2], "max_tokens": 4})
+        f.backend = a
+        router.flights[f.id] = flights[model] = f
+    moved: dict[str, str] = {}
+
+    def mover(f: Flight) -> Any:
+        async def migrate(to: Any, why: str = "migrated", timeout: float = 600.0) -> dict[str, Any]:
+            moved[f.model or ""] = to.url
+            f.backend = to
+            return {"to": to.url}
+
+        return migrate
+
+    for f in flights.values():
+        f.migrate = mover(f)  # type: ignore[method-assign]
+    out = asyncio.run(router.drain(A))
+    assert moved == {"sql": C, "m": B}  # least loaded for "m"
+    assert [x["id"] for x in out["failed"]] == [flights["other"].id]
+    assert "serves 'other'" in out["failed"][0]["error"]
+
+
+def test_a_backend_that_serves_the_model_is_checked_once_more_before_one_that_does_not_takes_it() -> None:
+    """The one backend with the adapter was marked down (a broken stream) and is back: the request goes there, not
+    to the healthy backend that would answer 404."""
+    import asyncio
+    from typing import Any
+
+    router = Router(RouterConfig(backends=(A, B)))
+    a, b = router.backends.all[A], router.backends.all[B]
+    a.served, b.served = frozenset({"m", "sql"}), frozenset({"m"})
+    a.healthy = False
+
+    async def check(client: Any, backend: Any, timeout: float) -> bool:
+        return True
+
+    router.backends.check = check  # type: ignore[method-assign]
+    assert asyncio.run(router.pick(["k"], model="m")) is b and not a.healthy  # b serves it: no check
+    assert asyncio.run(router.pick(["k"], model="sql")) is a and a.healthy

@@ -588,7 +588,7 @@ def test_a_move_to_a_backend_drained_before_the_switch_leaves_the_request_where_
 def test_a_move_whose_request_failed_over_while_it_warmed_up_is_refused() -> None:
     """Its backend was found dead during the destination's warm-up: the request continues elsewhere (here, on
     the destination itself), and the move says so instead of moving it again or calling it finished."""
-    _, f, src, dst = _two_backends(5000)
+    router, f, src, dst = _two_backends(5000)
     f._upstream = _tokens(pause=0.001)  # type: ignore[method-assign]
 
     async def run() -> RouterError:
@@ -618,6 +618,7 @@ def test_a_move_whose_request_failed_over_while_it_warmed_up_is_refused() -> Non
     refused = asyncio.run(run())
     assert refused.status == 409 and "changed backends" in refused.message
     assert [leg.why for leg in f.legs] == ["routed", "failover"]
+    assert router.metrics.migrations == {"ok": 0, "failed": 1} and router.metrics.failovers == 1
 
 
 async def _drain_all(agen: AsyncIterator[Delta]) -> None:
@@ -807,6 +808,7 @@ def test_a_move_whose_warm_up_fails_is_refused_before_the_source_is_touched(answ
     assert exc.status == 502 and "could not take it" in exc.message and dst.planned == 0
     assert (answer == "refused" and "refused" in exc.message) or str(answer[0]) in exc.message
     assert answer != (404, b'{"error": {"message": "no model m"}}') or "no model m" in exc.message
+    assert router.metrics.migrations == {"ok": 0, "failed": 1}  # a move that failed, if before its switch
     # The warm-up's own timeout keeps the session's connect limit (a timeout replaces the session's whole).
     assert limits[0].connect == router.config.connect_timeout and 0 < limits[0].total <= 5
 
@@ -815,7 +817,7 @@ def test_a_moves_warm_ups_share_one_deadline() -> None:
     """Each of up to 3 warm-ups once had the whole move's timeout (600 s each: 30 min on a stuck destination)."""
     from hurray_vllm.app.router.flight import WARMUP_SLACK
 
-    _, f, src, dst = _two_backends()
+    router, f, src, dst = _two_backends()
     given: list[float] = []
 
     skipped = [0.0]  # seconds each warm-up moves the loop's clock (flight's deadline) on, without sleeping
@@ -835,6 +837,7 @@ def test_a_moves_warm_ups_share_one_deadline() -> None:
     exc, source = _refused_move(f, src, dst, 1000)
     assert source["running"] and source["interrupt"] is None  # the source was not touched
     assert exc.status == 504 and "did not warm up" in exc.message
+    assert router.metrics.migrations == {"ok": 0, "failed": 1}
     # 1000 s, then what is left of them (400 s); none after. 60 s: the real time the test took, a hang guard.
     assert len(given) == 2 and given[0] == pytest.approx(1000, abs=60) and given[1] == pytest.approx(400, abs=60)
 
@@ -842,7 +845,7 @@ def test_a_moves_warm_ups_share_one_deadline() -> None:
 def test_a_move_stops_warming_up_a_destination_drained_meanwhile() -> None:
     from hurray_vllm.app.router.flight import WARMUP_SLACK
 
-    _, f, src, dst = _two_backends()
+    router, f, src, dst = _two_backends()
     given: list[float] = []
 
     async def warm_up(to: Backend, timeout: float) -> None:
@@ -854,6 +857,7 @@ def test_a_move_stops_warming_up_a_destination_drained_meanwhile() -> None:
 
     exc, _ = _refused_move(f, src, dst, 5)
     assert exc.status == 409 and "drained" in exc.message and len(given) == 1
+    assert router.metrics.migrations == {"ok": 0, "failed": 1}
 
 
 def test_a_drain_starts_a_request_that_has_sent_nothing_yet_over_on_another_backend() -> None:
@@ -1108,6 +1112,7 @@ def test_a_move_of_a_chat_without_a_limit_needs_the_destinations_context(cards: 
     exc, source = _refused_move(f, src, dst, 5)
     assert source["running"] and source["interrupt"] is None and not source["moving"]  # the source goes on
     assert exc.status == 502 and router.client.asked == 1
+    assert router.metrics.migrations == {"ok": 0, "failed": 1}  # the context unknown, or the warm-up's refusal
     if cards is None:
         assert "max_model_len is unknown" in exc.message and warmed == []
     else:
@@ -1205,3 +1210,229 @@ def test_a_non_streamed_chat_answer_has_its_stop_reason() -> None:
 
     out = asyncio.run(_collect(router, f, deltas(), Delta("so", [6])))
     assert out["choices"][0]["stop_reason"] == "END" and out["choices"][0]["message"]["content"] == "so yes"
+
+
+# ── chat echo, moves that fail before their switch, the end of the context, a move's destination that fails ─
+
+
+def test_a_chat_with_echo_is_relayed_as_vllm_answers_it() -> None:
+    """vLLM streams the echoed last message as an event of its own (no token ids) and matches stop strings over the
+    generated text only; as a flight its echo was matched too (``tests/app/test_router_relay.py`` sends one)."""
+    body = {"model": "m", "messages": [{"role": "assistant", "content": "The answer is"}], "echo": True}
+    assert movable("chat", body) == "echo"
+    assert movable("chat", {**body, "echo": "false"}) is None
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    assert Flight(router, "chat", body).unmovable == "echo"
+
+
+def test_a_request_that_finished_while_its_destination_warmed_up_is_no_failed_migration() -> None:
+    router, f, src, dst = _two_backends()
+
+    async def warm_up(to: Backend, timeout: float) -> None:
+        f.finished = True  # its last token came meanwhile
+
+    f._prewarm = warm_up  # type: ignore[method-assign]
+    exc, _ = _refused_move(f, src, dst, 5)
+    assert exc.status == 409 and "has finished" in exc.message
+    assert router.metrics.migrations == {"ok": 0, "failed": 0}
+
+
+@pytest.mark.parametrize("serving", [True, False])
+def test_a_failover_goes_only_to_a_backend_that_serves_the_model(serving: bool) -> None:
+    """An adapter loaded on some backends only: a backend that does not list it would refuse (404) a request that
+    is not bad. With none left that serves it, the request ends with the reason."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11")))
+    router.client = _Models(None)  # asked once more before a backend is passed over: it does not answer
+    a, b, c = router.backends.all.values()
+    a.served, b.served, c.served = frozenset({"m", "sql"}), frozenset({"m"}), frozenset({"m", "sql"})
+    c.healthy = serving
+    f = router.begin("completion", {"model": "sql", "prompt": [1, 2, 3], "max_tokens": 3, "stream": True})
+    sent: list[Backend] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append(backend)
+        async for event in _tokens()(backend, path, body):
+            yield event
+            if backend is a:
+                raise UpstreamError(f"{backend.url}: ServerDisconnectedError")
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        return [d async for d in f.deltas()]
+
+    if serving:
+        got = asyncio.run(run())
+        assert [t for d in got for t in d.token_ids] == [100, 101, 102] and sent == [a, c]
+    else:
+        with pytest.raises(RouterError, match="no other healthy backend serves 'sql'") as exc:
+            asyncio.run(run())
+        assert exc.value.status == 502 and sent == [a]
+
+
+def _pd_router(context: int) -> Router:
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",), prefill=("http://127.0.0.1:10",)))
+    for b in router.backends.all.values():
+        b.max_model_len, b.served = context, frozenset({"m"})
+    return router
+
+
+def _like_vllm(context: int, sent: list[dict[str, Any]]) -> Any:
+    """A leg's upstream that refuses what vLLM 0.32 refuses (max_tokens 0; a prompt with no room left in
+    ``context``) and otherwise generates up to its limit, one token an event."""
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append(body)
+        prompt = body.get("prompt") if isinstance(body.get("prompt"), list) else [1, 2, 3]
+        limit = min(body.get("max_tokens", 16), context - len(prompt))
+        if limit < 1:
+            error = {"error": {"message": f"max_tokens must be at least 1, got {limit}.", "code": 400}}
+            raise UpstreamError(f"{backend.url} answered HTTP 400", 400, error)
+        for i in range(limit):
+            done = "length" if i == limit - 1 else None
+            yield {"choices": [{"text": "t", "delta": {"content": "t"}, "token_ids": [50 + len(prompt) + i],
+                                "prompt_token_ids": prompt, "finish_reason": done}]}  # fmt: skip
+
+    return upstream
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_prompt_one_token_short_of_the_context_ends_with_the_prefills_token(kind: str) -> None:
+    """P/D: the prefill leg's one token fills the context; one server ends there with "length". The decode leg
+    (its prompt the whole context) was refused: an error after the token."""
+    router = _pd_router(10)
+    prompt = {"prompt": list(range(9))} if kind == "completion" else {"messages": [{"role": "user", "content": "?"}]}
+    body: dict[str, Any] = {"model": "m", "stream": True, **prompt}
+    f = router.begin(kind, body)
+    sent: list[dict[str, Any]] = []
+    vllm = _like_vllm(10, sent)
+
+    async def upstream(backend: Backend, path: str, leg: dict[str, Any]) -> AsyncIterator[Any]:
+        if "messages" in leg:  # the chat's template makes 9 prompt tokens of it
+            leg = {**leg, "prompt": list(range(9))}
+        async for event in vllm(backend, path, leg):
+            yield event
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        return [d async for d in f.deltas()]
+
+    got = asyncio.run(run())
+    assert [(d.token_ids, d.finish_reason) for d in got] == [([59], "length")]
+    assert [leg.why for leg in f.legs] == ["prefill"] and len(sent) == 1
+
+
+def test_a_failover_into_a_full_context_finishes_with_length() -> None:
+    """A chat without a limit continues to the end of the destination's context: with none left, its max_tokens
+    would be 0 (refused by vLLM). The request has all one server would have given it."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    a, b = router.backends.all.values()
+    a.max_model_len, b.max_model_len = 64, 5
+    f = router.begin("chat", dict(CHAT))
+    sent: list[dict[str, Any]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append(body)
+        for tok in (5, 6):
+            yield {"choices": [{"delta": {"content": "x"}, "token_ids": [tok]}], "prompt_token_ids": [1, 2, 3]}
+        raise UpstreamError(f"{backend.url}: ServerDisconnectedError")
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        return [d async for d in f.deltas()]
+
+    got = asyncio.run(run())
+    assert [t for d in got for t in d.token_ids] == [5, 6] and got[-1].finish_reason == "length"
+    assert got[-1].text == "" and len(sent) == 1 and [leg.why for leg in f.legs] == ["routed"]
+    assert f.finish_reason == "length" and a.in_flight == b.in_flight == 0
+
+
+def test_a_move_to_a_destination_without_room_is_refused_and_the_request_goes_on() -> None:
+    """The destination's context is smaller than what the request holds already: vLLM would refuse the continuation
+    (max_tokens 0). The move is answered 502, the request resumes on its source, the destination stays in routing."""
+    router, f, _, dst = _two_backends(60)
+    dst.max_model_len = 3  # the prompt's length: no room for anything
+    f._upstream = _tokens(pause=0.001)  # type: ignore[method-assign]
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> tuple[list[Delta], RouterError]:
+        agen = f.deltas()
+        got = [await agen.__anext__()]
+        reading = asyncio.ensure_future(_drain_all_into(agen, got))
+        with pytest.raises(RouterError) as refused:
+            await f.migrate(dst, timeout=10)
+        await asyncio.wait_for(reading, 10)
+        return got, refused.value
+
+    got, refused = asyncio.run(run())
+    assert refused.status == 502 and "no room" in refused.message
+    assert [leg.why for leg in f.legs] == ["routed", "resumed"] and dst.healthy
+    assert [t for d in got for t in d.token_ids] == list(range(100, 160)) and got[-1].finish_reason == "length"
+    assert router.metrics.migrations == {"ok": 0, "failed": 1}
+
+
+async def _drain_all_into(agen: AsyncIterator[Delta], got: list[Delta]) -> None:
+    async for d in agen:
+        got.append(d)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_max_tokens_0_reaches_vllm_unchanged_with_prefill_backends(kind: str) -> None:
+    """vLLM refuses max_tokens 0 (without echo); the prefill leg's own limit of 1 once generated a token instead."""
+    router = _pd_router(64)
+    body: dict[str, Any] = {"model": "m", "max_tokens": 0}
+    body.update({"prompt": [1, 2, 3]} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]})
+    f = router.begin(kind, body)
+    sent: list[dict[str, Any]] = []
+    f._upstream = _like_vllm(64, sent)  # type: ignore[method-assign]
+
+    async def run() -> UpstreamError:
+        with pytest.raises(UpstreamError) as refused:
+            await f.deltas().__anext__()
+        return refused.value
+
+    refused = asyncio.run(run())
+    assert refused.status == 400 and "at least 1" in refused.body["error"]["message"]
+    assert [leg.why for leg in f.legs] == ["routed"] and sent[0]["max_tokens"] == 0
+
+
+@pytest.mark.parametrize("failure", ["reset", 503, 400])
+def test_a_moves_destination_that_fails_before_its_first_token_is_marked_down(failure: Any) -> None:
+    """Unreachable or 5xx: out of routing, as any backend whose leg fails that way (it was left in, and the next
+    request or move went there again). A refusal (4xx) says nothing of its health: it stays in."""
+    _, f, src, dst = _two_backends(60)
+    tokens = _tokens(pause=0.001)
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        if backend is dst:
+            if failure == "reset":
+                raise UpstreamError(f"{dst.url}: ClientConnectionError: connection reset")
+            raise UpstreamError(f"{dst.url} answered HTTP {failure}", failure, {"error": {"message": "no"}})
+        async for event in tokens(backend, path, body):
+            yield event
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._upstream = upstream  # type: ignore[method-assign]
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> tuple[list[Delta], RouterError]:
+        agen = f.deltas()
+        got = [await agen.__anext__()]
+        reading = asyncio.ensure_future(_drain_all_into(agen, got))
+        with pytest.raises(RouterError) as refused:
+            await f.migrate(dst, timeout=10)
+        await asyncio.wait_for(reading, 10)
+        return got, refused.value
+
+    got, refused = asyncio.run(run())
+    assert refused.status == 502 and [leg.why for leg in f.legs] == ["routed", "migrated", "resumed"]
+    assert [t for d in got for t in d.token_ids] == list(range(100, 160))
+    assert dst.healthy is (failure == 400) and src.healthy

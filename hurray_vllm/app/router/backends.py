@@ -89,6 +89,14 @@ class Backend:
         """The URL without a trailing slash."""
         return self.url.rstrip("/")
 
+    def serves(self, model: object) -> bool:
+        """Whether a request for ``model`` can run here: it is in :attr:`served`, or that is not known.
+
+        Not known: no model named (the backend's own default serves it), or
+        no ``/v1/models`` read from it yet (nor one that listed anything).
+        """
+        return not isinstance(model, str) or not self.served or model in self.served
+
     @property
     def load(self) -> int:
         """What routing compares: requests in flight here, and moves on their way here."""
@@ -157,16 +165,30 @@ class Backends:
         """Whether ``--prefill`` backends were given (prefill/decode split)."""
         return any(b.prefill for b in self.all.values())
 
-    def pick(self, keys: Sequence[str], *, prefill: bool = False, avoid: Backend | None = None) -> Backend | None:
-        """The backend to send a request with prefix ``keys`` to; None if none is usable.
+    def pick(
+        self,
+        keys: Sequence[str],
+        *,
+        model: object = None,
+        prefill: bool = False,
+        avoid: Backend | None = None,
+    ) -> Backend | None:
+        """The backend to send a request for ``model`` with prefix ``keys`` to; None if none is usable.
 
-        With the ``kv`` policy: of the backends whose load is within
-        :attr:`slack` of the least loaded one's, the one sent the longest
-        prefix of ``keys`` before, then the least loaded of those.
+        Only backends that serve ``model`` (:meth:`Backend.serves`: a LoRA
+        adapter loaded on some of them, say) are chosen from while there is
+        one; a backend known not to serve it would answer 404. With none,
+        any usable backend: a new request then gets the backend's own answer
+        for a model nobody serves (callers that move a running request check
+        :meth:`Backend.serves` themselves). With the ``kv`` policy: of the
+        backends whose load is within :attr:`slack` of the least loaded
+        one's, the one sent the longest prefix of ``keys`` before, then the
+        least loaded of those.
         """
         cands = [b for b in self.usable(prefill=prefill) if b is not avoid]
         if not cands:
             return None
+        cands = [b for b in cands if b.serves(model)] or cands
         if self.policy == "round-robin":
             self._turn += 1
             return cands[self._turn % len(cands)]
@@ -189,22 +211,27 @@ class Backends:
             await self.read_models(client, backend, timeout)
         return ok
 
-    async def read_models(self, client: Any, backend: Backend, timeout: float) -> None:
+    async def read_models(self, client: Any, backend: Backend, timeout: float) -> list[dict[str, Any]] | None:
         """Read ``backend``'s ``/v1/models``: its :attr:`~Backend.max_model_len` and what it serves.
 
         Within ``timeout`` seconds; a failure leaves both as they were (unknown: the next health check asks again).
+
+        Returns:
+            The model cards it listed (``GET /v1/models`` joins them); None when it did not answer 200.
         """
         import aiohttp
 
         try:
             async with client.get(f"{backend.base}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 cards = (await r.json()).get("data") or [] if r.status == 200 else []
+                ok = r.status == 200
             cards = [c for c in cards if isinstance(c, dict)]
             n = next((c.get("max_model_len") for c in cards if type(c.get("max_model_len")) is int), None)
         except Exception:  # not known yet: the next check asks again
-            return
+            return None
         backend.served = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str))
         backend.max_model_len = n
+        return cards if ok else None
 
     def context_length(self, model: str | None) -> int | None:
         """The largest ``max_model_len`` a backend serving ``model`` (any, for None) said it has; None: none did.

@@ -347,6 +347,10 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
             return "suffix"
     elif flag(body, "logprobs") or body.get("tools"):
         return "chat logprobs or tools (a continuation is a plain completion)"
+    elif flag(body, "echo"):
+        # vLLM streams the echoed last message as an event of its own, outside the generated text its stop
+        # strings are matched over; a prefill leg's answer joins it to its token. Relayed, vLLM keeps them apart.
+        return "echo"
     elif _has_media(body.get("messages")):
         return "images, audio or video in the messages (a continuation is a token-id prompt, without them)"
     elif not flag(body, "include_reasoning", True):
@@ -516,7 +520,15 @@ class Flight:
         return self._context(backend)
 
     async def _continue_on(self, backend: Backend, why: str, q: asyncio.Queue[Any], space: asyncio.Semaphore) -> None:
-        """:meth:`_start_leg`, once the continuation's limit is known where it needs one.
+        """:meth:`_start_leg`, once the continuation's limit is known where it needs one, and only if it has one.
+
+        A continuation with no token left to generate (its ``max_tokens``
+        spent, or ``backend``'s context full) is never sent: vLLM refuses
+        ``max_tokens`` 0, and a prompt that fills its context. The request
+        then finishes with ``"length"``, as one server ends a request at
+        either limit; a move's destination without room fails as one that
+        refuses the continuation (the move is answered 502, the request
+        resumes on its source).
 
         Raises:
             RouterError: 502, a chat without a token limit whose destination's context length is unknown (its
@@ -530,7 +542,30 @@ class Flight:
                     f"request {self.id} cannot continue on {backend.url}: its max_model_len is unknown (its "
                     "/v1/models did not answer), and a continuation without max_tokens would stop after 16 tokens",
                 )
+        room = self._room(backend)
+        if room is not None and room <= 0:
+            spent = self.max_tokens is not None and len(self.generated) >= self.max_tokens
+            if why in ("migrated", "drained") and not spent:
+                n = len(self.prompt_ids or ()) + len(self.generated)
+                message = f"no room left in its context of {self._context(backend)} tokens for the request's {n}"
+                q.put_nowait(("error", UpstreamError(message, 400)))  # as its refusal of the continuation would be
+            else:
+                q.put_nowait(("finish", "length"))
+                q.put_nowait(("end", None))
+            return
         self._start_leg(backend, why, q, space)
+
+    def _room(self, backend: Backend) -> int | None:
+        """How many tokens a continuation on ``backend`` may generate: what is left of its limit and context.
+
+        None: not a continuation (nothing of the request came back yet), or no bound known.
+        """
+        if self.prompt_ids is None:
+            return None
+        context = self._context(backend)
+        left = [self.max_tokens - len(self.generated)] if self.max_tokens is not None else []
+        left += [context - len(self.prompt_ids) - len(self.generated)] if context is not None else []
+        return min(left, default=None)
 
     async def _upstream(self, backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The leg's SSE events, parsed; :class:`UpstreamError` when it cannot start or breaks off."""
@@ -695,6 +730,7 @@ class Flight:
     async def _move(self, to: Backend, why: str, timeout: float, deadline: float) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         legs = len(self.legs)
+        ended = False  # the request finished (or its leg ended) before the switch: no failed migration
         try:
             if self._needs_context():
                 # Its continuation runs to the end of the destination's context: without knowing that, it would
@@ -719,28 +755,26 @@ class Flight:
                 await self._prewarm(to, left)
                 if len(self.generated) - before <= WARMUP_SLACK or self.finished:
                     break
-        except BaseException:
-            self._moving = False
-            raise
-        if not self.finished and (len(self.legs) != legs or self._interrupt is not None):
-            # Its backend failed (or its prefill ended) while the destination warmed up: it runs, or is about to
-            # run, elsewhere already; moving it now would move it from wherever that is, or onto itself.
-            self._moving = False
-            where = self.backend.url if self.backend is not None else "another backend"
-            raise RouterError(409, f"request {self.id} changed backends while {to.url} warmed up (now {where})")
-        if self.finished or self._reader is None or self._reader.done():
-            self._moving = False
-            raise RouterError(409, f"request {self.id} has finished")
-        if self.unmovable is not None:  # its backend's parser showed itself during the warm-ups
-            self._moving = False
-            raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
-        if self.prompt_ids is None and self.generated:  # events without the prompt's ids: no continuation
-            self._moving = False
-            raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
-        try:
+            if not self.finished and (len(self.legs) != legs or self._interrupt is not None):
+                # Its backend failed (or its prefill ended) while the destination warmed up: it runs, or is about
+                # to run, elsewhere already; moving it now would move it from wherever that is, or onto itself.
+                where = self.backend.url if self.backend is not None else "another backend"
+                raise RouterError(409, f"request {self.id} changed backends while {to.url} warmed up (now {where})")
+            if self.finished or self._reader is None or self._reader.done():
+                ended = True
+                raise RouterError(409, f"request {self.id} has finished")
+            if self.unmovable is not None:  # its backend's parser showed itself during the warm-ups
+                raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
+            if self.prompt_ids is None and self.generated:  # events without the prompt's ids: no continuation
+                raise RouterError(409, f"request {self.id} has not started yet: its prompt's tokens are not known")
             self._check_destination(to)
-        except RouterError:
+        except BaseException as exc:
             self._moving = False
+            # The move began (its warm-ups, its checks) and failed before the switch: a failed migration, as one
+            # whose destination fails after it. Not when the request ended first (it has nothing left to move),
+            # nor when the caller went away (a cancellation, not a RouterError).
+            if isinstance(exc, RouterError) and not (ended or self.finished):
+                self.router.metrics.migrated(False)
             raise
         done: asyncio.Future[dict[str, Any]] = loop.create_future()
         # Answered after a 504 nobody waits for: its outcome is read here, not logged as never retrieved.
@@ -846,8 +880,14 @@ class Flight:
         # known: without it, that leg would stop after 16 tokens; unsplit, the backend applies its own defaults.
         split = backends.has_prefill and self.unmovable is None
         split = split and (self.max_tokens is not None or backends.context_length(self.model) is not None)
-        pick = self.router.pick
-        first = await pick(self._keys, prefill=split) or (await pick(self._keys) if split else None)
+        # max_tokens 0 is refused by vLLM (unless with echo, which is relayed); a prefill leg's own limit of 1
+        # would generate a token instead: the request goes whole to a decode backend, which answers as vLLM does.
+        split = split and self.max_tokens != 0
+
+        async def pick(avoid: Backend | None = None, prefill: bool = False) -> Backend | None:
+            return await self.router.pick(self._keys, model=self.model, prefill=prefill, avoid=avoid)
+
+        first = await pick(prefill=split) or (await pick() if split else None)
         if first is None:
             raise RouterError(503, backends.unroutable())
         phase = "prefill" if first.prefill else "routed"
@@ -857,8 +897,11 @@ class Flight:
         try:
             while True:
                 kind, item = await q.get()
-                if kind == "delta":
+                if kind == "finish":  # no leg to run (_continue_on): the request ends here as one server ends it
+                    kind, item = "delta", Delta(finish_reason=item, upto=len(self.generated))
+                elif kind == "delta":
                     space.release()
+                if kind == "delta":
                     delta: Delta = item
                     if delta.usage is not None:
                         details = delta.usage.get("prompt_tokens_details") or {}
@@ -882,7 +925,7 @@ class Flight:
                 # The leg ended: finished, interrupted (a move or a failover), or broken.
                 interrupt, self._interrupt = self._interrupt, None
                 if kind == "end" and phase == "prefill" and interrupt is None and self._decoding_left():
-                    nxt = await pick(self._keys)
+                    nxt = await pick()
                     if nxt is None:
                         raise RouterError(503, f"after the prefill: {backends.unroutable()}")
                     phase = "decode"
@@ -946,6 +989,9 @@ class Flight:
                     # The destination of a move failed before its first token: answer the move, resume on the source.
                     where = pending.to.url if pending.to else "?"
                     self._refuse(pending, 502, f"{where} could not take it: {exc}", count=not pending.broke)
+                    if pending.to is not None and not _refusal(exc):
+                        # Unreachable, 5xx or broken off: taken out of routing as any backend that fails a leg.
+                        backends.mark_down(pending.to)
                     pending, self._moving = None, False
                     if source is not None and source.healthy:
                         await self._continue_on(source, "resumed", q, space)
@@ -956,10 +1002,16 @@ class Flight:
                 if self.backend is not None and not _refusal(exc):
                     backends.mark_down(self.backend)
                 self._failovers += 1
-                nxt = await pick(self._keys, avoid=self.backend)
+                nxt = await pick(avoid=self.backend)
+                started = self.prompt_ids is not None or bool(self.generated)
+                if nxt is not None and started and not await self.router.serves(nxt, self.model):
+                    # pick() falls back to any backend: one known not to serve the model would refuse (404) a request
+                    # that is not bad. (One that has sent nothing yet is started over: the client gets the answer.)
+                    nxt, why = None, f"no other healthy backend serves {self.model!r}"
+                else:
+                    why = "no other healthy backend" if nxt is None else "too many failures"
                 lost = self.prompt_ids is None and bool(self.generated)  # cannot happen with vLLM: it sends them first
                 if nxt is None or self._failovers > MAX_FAILOVERS or lost:
-                    why = "no other healthy backend" if nxt is None else "too many failures"
                     raise RouterError(502, f"request {self.id} failed on {self.legs[-1].backend}: {exc} ({why})")
                 log.warning("router: %s failed on %s (%s); continuing on %s", self.id, self.backend, exc, nxt.url)
                 self.router.metrics.failed_over()
@@ -1047,7 +1099,20 @@ class Flight:
         return delta.finish_reason == "length" and self._decoding_left()
 
     def _decoding_left(self) -> bool:
-        return self.finish_reason is None and (self.max_tokens is None or len(self.generated) < self.max_tokens)
+        """Whether the request goes on after its prefill leg: unfinished, with tokens left of its limit and context.
+
+        The context: the largest a backend serving its model has (as for a
+        continuation's limit, :meth:`~.backends.Backends.context_length`).
+        A prompt one token short of it ends with the prefill's token and
+        ``"length"``, as on one server; a decode leg would be refused.
+        """
+        if self.finish_reason is not None:
+            return False
+        n = len(self.generated)
+        context = self.router.backends.context_length(self.model)
+        if context is not None and self.prompt_ids is not None and len(self.prompt_ids) + n >= context:
+            return False
+        return self.max_tokens is None or n < self.max_tokens
 
     def _answer(self, move: _Interrupt, source: Backend | None) -> None:
         """The destination produced its first token: the move is done."""

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -26,14 +27,19 @@ from typing import Any
 
 from ...transport.base import host_port
 from .backends import KV_LOAD_SLACK, Backend, Backends, prompt_keys
-from .flight import MAX_FAILOVERS, MOVE_TIMEOUT_S, Delta, Flight, RouterError, UpstreamError, movable, sse_data
+from .flight import MAX_FAILOVERS, MOVE_TIMEOUT_S, Delta, Flight, RouterError, UpstreamError, flag, movable, sse_data
 from .metrics import Metrics
 
-__all__ = ["BACKEND_API_KEY_ENV", "CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
+__all__ = ["API_KEY_ENV", "BACKEND_API_KEY_ENV", "CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
 
 #: The environment variable the backends' API key is read from when the config gives none (``--backend-api-key``):
 #: a key on a command line is visible to every user of the machine (``ps``).
 BACKEND_API_KEY_ENV = "HURRAY_BACKEND_API_KEY"
+
+#: The environment variable the router's own API key is read from when the config gives none (``--api-key``):
+#: vLLM's ``VLLM_API_KEY`` under this project's prefix, as :data:`BACKEND_API_KEY_ENV` (a router next to
+#: engines that read ``VLLM_API_KEY`` does not take their key for its clients' by accident).
+API_KEY_ENV = "HURRAY_API_KEY"
 
 #: The purpose of the fleet-key tokens that open ``/hurray/*`` (:meth:`~hurray_vllm.chunks.signing.FleetKeys.tokens`).
 CONTROL_PURPOSE = "router-control"
@@ -70,6 +76,10 @@ class RouterConfig:
         control_tokens: bearer tokens accepted on ``/hurray/*`` (any of them;
             :data:`CONTROL_PURPOSE` tokens of the fleet keys); empty: the
             controls are open to whoever reaches the router.
+        api_keys: the keys clients must send as ``Authorization: Bearer KEY``
+            on ``/v1/*`` (any of them; vLLM's ``--api-key``); empty: read
+            from :data:`API_KEY_ENV`, and without it ``/v1/*`` is open.
+            ``/health``, ``/metrics`` and ``/hurray/*`` never take them.
     """
 
     backends: tuple[str, ...]
@@ -82,6 +92,7 @@ class RouterConfig:
     control_tokens: tuple[str, ...] = field(default=(), repr=False)
     kv_load_slack: int = KV_LOAD_SLACK
     backend_api_key: str | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
 
 class Router:
@@ -163,21 +174,35 @@ class Router:
             if r.backend is backend:
                 r.cut(why)
 
-    async def pick(self, keys: list[str], *, prefill: bool = False, avoid: Backend | None = None) -> Backend | None:
+    async def pick(
+        self, keys: list[str], *, model: object = None, prefill: bool = False, avoid: Backend | None = None
+    ) -> Backend | None:
         """:meth:`Backends.pick`; when no backend of that kind is healthy, check the others once more first.
 
         A backend marked down (two failed health checks, or a stream that
         broke) may be back before the next periodic check: one that just
-        restarted, or every backend of a router started before them.
+        restarted, or every backend of a router started before them. Also
+        when the only healthy ones do not serve ``model``.
         """
-        b = self.backends.pick(keys, prefill=prefill, avoid=avoid)
-        if b is not None:
+        b = self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid)
+        if b is not None and b.serves(model):
             return b
         down = [x for x in self.backends.all.values() if x.prefill == prefill and not x.healthy and x is not avoid]
         if not down:
-            return None
+            return b
         await asyncio.gather(*(self._recheck(x) for x in down))
-        return self.backends.pick(keys, prefill=prefill, avoid=avoid)
+        return self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid)
+
+    async def serves(self, backend: Backend, model: object) -> bool:
+        """:meth:`Backend.serves`, asking ``backend``'s ``/v1/models`` once more before saying no.
+
+        What it serves was read once (the first health check): an adapter
+        loaded there since is found before a move is refused for it.
+        """
+        if backend.serves(model):
+            return True
+        await self.backends.read_models(self.client, backend, max(self.config.health_interval, 2.0))
+        return backend.serves(model)
 
     async def _recheck(self, backend: Backend) -> bool:
         """A health check of a backend marked down, now; True (and marked healthy) if it answers.
@@ -235,6 +260,9 @@ class Router:
             raise RouterError(503, f"to: {dest.url} fails its health checks")
         if dest.draining:
             raise RouterError(409, f"to: {dest.url} is drained")
+        if not await self.serves(dest, f.model):  # it would answer the warm-up 404: an adapter loaded elsewhere only
+            served = ", ".join(sorted(dest.served))
+            raise RouterError(409, f"to: {dest.url} does not serve model {f.model!r} (its /v1/models lists {served})")
         return await f.migrate(dest)
 
     async def drain(self, url: Any) -> dict[str, Any]:
@@ -261,9 +289,12 @@ class Router:
                 if f.backend is not b:
                     moved.append(f.id)
                     return
-                dest = await self.pick(f.keys, avoid=b)
+                dest = await self.pick(f.keys, model=f.model, avoid=b)
                 if dest is None:
                     failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
+                    return
+                if not await self.serves(dest, f.model):  # pick() falls back to any backend: this one would answer 404
+                    failed.append({"id": f.id, "error": f"no other healthy, undrained backend serves {f.model!r}"})
                     return
                 try:
                     await f.migrate(dest, why="drained", timeout=max(1.0, deadline - loop.time()))
@@ -324,6 +355,14 @@ def _streamed(content: Any, ended: Callable[[], Awaitable[None]], **kwargs: Any)
     return _streamed_class()(content, ended, **kwargs)
 
 
+def _carries_text(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries generated text (a chat delta's role alone does not; a parser's fields do)."""
+    if "text" in choice:
+        return bool(choice["text"])
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and any(v for k, v in delta.items() if k != "role")
+
+
 @dataclass
 class Relayed:
     """A request relayed to one backend as it comes (:func:`~.flight.movable` says why): listed, never moved."""
@@ -331,8 +370,10 @@ class Relayed:
     id: str
     backend: Backend
     why: str
-    prompt_tokens: int | None  # the prompt's length when it is token ids; text is counted by the backend only
-    generated_tokens: int = 0  # choice events relayed so far (one token each, as vLLM streams them)
+    # The prompt's length when it is token ids; else what the backend's events say, once one does (count()).
+    prompt_tokens: int | None
+    token_ids: bool = False  # the client asked for return_token_ids: the events carry the generated tokens' ids
+    generated_tokens: int = 0  # tokens relayed so far (count())
     # What its handler waits on, for cut(): the POST until its answer's headers come, then the answer.
     waiting: asyncio.Future[Any] | None = field(default=None, repr=False)
     upstream: Any = field(default=None, repr=False)
@@ -352,6 +393,36 @@ class Relayed:
             self.upstream.content.set_exception(UpstreamError(why))  # wakes the relay's read with it
         elif self.waiting is not None:
             self.waiting.cancel()
+
+    def count(self, event: dict[str, Any]) -> None:
+        """Count what one of its events (streamed, or a whole answer) says of its prompt and generated tokens.
+
+        The token ids, where the request asked for them; else one token per
+        choice that carries text (vLLM streams a token an event, and its
+        first chat event, the role, carries none). A ``usage`` (a whole
+        answer's, a stream's last or continuous one) is the backend's own count
+        and replaces both; the prompt is otherwise counted from the first
+        event that carries its token ids.
+        """
+        choices = event.get("choices")
+        choices = [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+        if self.prompt_tokens is None:
+            prompt = event.get("prompt_token_ids")
+            prompt = next((c.get("prompt_token_ids") for c in choices if c.get("prompt_token_ids")), prompt)
+            if isinstance(prompt, list):
+                self.prompt_tokens = len(prompt)
+        for c in choices:
+            if self.token_ids:
+                ids = c.get("token_ids")
+                self.generated_tokens += len(ids) if isinstance(ids, list) else 0
+            elif _carries_text(c):
+                self.generated_tokens += 1
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            if type(usage.get("prompt_tokens")) is int:
+                self.prompt_tokens = usage["prompt_tokens"]
+            if type(usage.get("completion_tokens")) is int:
+                self.generated_tokens = usage["completion_tokens"]
 
     def describe(self) -> dict[str, Any]:
         """As ``GET /hurray/requests`` lists it (the shape of :meth:`Flight.describe`)."""
@@ -609,10 +680,11 @@ def build_app(config: RouterConfig) -> Any:
     class ControlsNeedAToken:
         """/hurray/* moves and drains other clients' requests: with fleet keys, only their holders may.
 
-        The OpenAI endpoints, /health and /metrics stay open, as on vLLM's own server. A plain ASGI
-        middleware rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` passes every
-        chunk of a streamed response through a memory channel and a task (measured: about half the
-        router's CPU per streamed token, which competes with the engines for the cores).
+        /health and /metrics stay open, as on vLLM's own server; the OpenAI endpoints take the router's own
+        API key instead (ApiNeedsAKey). A plain ASGI middleware rather than ``@app.middleware("http")``:
+        Starlette's ``BaseHTTPMiddleware`` passes every chunk of a streamed response through a memory channel
+        and a task (measured: about half the router's CPU per streamed token, which competes with the engines
+        for the cores).
         """
 
         def __init__(self, app: Any) -> None:
@@ -637,6 +709,46 @@ def build_app(config: RouterConfig) -> Any:
     if config.control_tokens:
         app.add_middleware(ControlsNeedAToken)
 
+    api_keys = config.api_keys or tuple(k for k in (os.environ.get(API_KEY_ENV),) if k)
+    # Digests, as vLLM's AuthenticationMiddleware keeps them: two of one length compare in the same time, whatever
+    # the lengths of the key sent and the keys held.
+    digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+
+    def holds_a_key(scope: dict[str, Any]) -> bool:
+        auth = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
+        scheme, _, given = auth.partition(b" ")
+        sent = hashlib.sha256(given.strip()).digest()
+        match = False
+        for d in digests:  # every key compared: the time says nothing of which one matched
+            match |= hmac.compare_digest(sent, d)
+        return scheme.lower() == b"bearer" and match
+
+    class ApiNeedsAKey:
+        """With ``--api-key``, /v1/* needs one of its keys, as vLLM's own server guards /v1 with its ``--api-key``.
+
+        The router sends the backends their key itself: without this, a backend started with ``--api-key``
+        would be open to whoever reaches the router. /health and /metrics stay open, as on vLLM's server;
+        /hurray/* has its own token (ControlsNeedAToken). A plain ASGI middleware, as that one is.
+        """
+
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+            api = scope.get("path", "").startswith("/v1") or _route_path(scope).startswith("/v1")
+            if scope["type"] == "http" and api and not holds_a_key(scope):
+                refusal = JSONResponse(
+                    _error(401, "this router's /v1/* endpoints need 'Authorization: Bearer KEY' with its --api-key"),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await refusal(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+
+    if digests:
+        app.add_middleware(ApiNeedsAKey)
+
     async def json_body(request: Request) -> dict[str, Any]:
         try:
             body = await request.json()
@@ -660,6 +772,7 @@ def build_app(config: RouterConfig) -> Any:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-hurray-{uuid.uuid4().hex}"
         prompt = body.get("prompt")
         counted = len(prompt) if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
+        token_ids = flag(body, "return_token_ids")  # its events then carry the generated tokens' ids (Relayed.count)
         failed: str | None = None  # the last backend's failure, the answer when no other backend is left
         avoid: Backend | None = None
 
@@ -668,7 +781,7 @@ def build_app(config: RouterConfig) -> Any:
             router.relayed.pop(rid, None)
 
         for attempt in range(MAX_FAILOVERS + 1):
-            b = await router.pick(keys, avoid=avoid)
+            b = await router.pick(keys, model=body.get("model"), avoid=avoid)
             if b is None:
                 break
             b.in_flight += 1
@@ -676,7 +789,7 @@ def build_app(config: RouterConfig) -> Any:
                 router.metrics.routed(b.url)
             b.remember(keys)
             # Listed (and known to a drain) from now on: a non-streamed answer's headers come only at its end.
-            entry = router.relayed[rid] = Relayed(rid, b, why, counted)
+            entry = router.relayed[rid] = Relayed(rid, b, why, counted, token_ids)
             post = entry.waiting = asyncio.ensure_future(router.client.post(b.base + path, json=body))
             try:
                 # A non-streamed answer's headers come at its end: a client that leaves before then must stop the
@@ -726,9 +839,7 @@ def build_app(config: RouterConfig) -> Any:
                 return data
             if isinstance(event, dict) and "id" in event:
                 event["id"] = rid
-                choices = event.get("choices")
-                if isinstance(choices, list):
-                    entry.generated_tokens += len(choices)
+                entry.count(event)
             return json.dumps(event).encode()
 
         streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
@@ -754,6 +865,10 @@ def build_app(config: RouterConfig) -> Any:
 
     async def generate(request: Request, kind: str) -> Any:
         body = await json_body(request)
+        if body.get("stream_options") and not body.get("stream"):
+            # vLLM's own check (validate_stream_options), on the raw values as it makes it: every leg streams, so
+            # no backend would see the request as the client sent it.
+            return fail(400, "Stream options can only be defined when `stream=True`.")
         if not isinstance(body.get("stream_options") or {}, dict):
             return fail(400, "stream_options must be an object")  # the router reads it, and sends its own upstream
         why = movable(kind, body)
@@ -811,20 +926,19 @@ def build_app(config: RouterConfig) -> Any:
 
     @app.get("/v1/models")
     async def models() -> Any:
-        import aiohttp
-
-        # A health check's wait, not a stream's: a hung backend must not hold a client that lists models.
-        limit = aiohttp.ClientTimeout(total=max(config.health_interval, 2.0))
-        for b in router.backends.all.values():
-            if not b.healthy:
-                continue
-            try:
-                async with router.client.get(f"{b.base}/v1/models", timeout=limit) as r:
-                    if r.status == 200:
-                        return JSONResponse(await r.json())
-            except Exception:  # the next backend may answer
-                continue
-        return fail(503, "no backend answered /v1/models")
+        # Every healthy backend that decodes, asked at once: a LoRA adapter loaded on some of them is served all
+        # the same (requests for it are routed there). A health check's wait, not a stream's: a hung backend
+        # must not hold a client that lists models. Each answer also refreshes what routing knows it serves.
+        asked = [b for b in router.backends.all.values() if b.healthy and not b.prefill]
+        patience = max(config.health_interval, 2.0)
+        answers = await asyncio.gather(*(router.backends.read_models(router.client, b, patience) for b in asked))
+        if all(a is None for a in answers):
+            return fail(503, "no backend answered /v1/models")
+        cards: dict[Any, dict[str, Any]] = {}
+        for a in answers:
+            for card in a or ():
+                cards.setdefault(card.get("id"), card)  # the first backend's card of a model, in --backend order
+        return JSONResponse({"object": "list", "data": list(cards.values())})
 
     @app.get("/health")
     async def health() -> Any:
