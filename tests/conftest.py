@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import sys
 import time
@@ -32,6 +33,26 @@ settings.load_profile("ci" if os.environ.get("CI") == "true" else "default")
 # Every engine the tests start (in this process or a child, which inherits it) keeps its usage statistics to
 # itself: the machines have no network, and a report thread per engine costs start-up time for nothing.
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+class _LoggerDict(dict[str, Any]):
+    """``logging``'s table of loggers, whose ``values()`` is a copy taken under logging's lock.
+
+    pytest (9.2) walks ``logging.Logger.manager.loggerDict.values()`` without that
+    lock as it sets up each test's log capture (``catching_logs.__enter__``),
+    while the prefetch lanes' threads import modules that create loggers: the
+    walk then fails with "dictionary changed size during iteration", and the
+    test with it (seen once, 2026-12-07). ``getLogger`` adds loggers under the
+    lock, so a copy taken under it is whole.
+    """
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        with logging._lock:  # type: ignore[attr-defined]  # the lock getLogger holds while it adds one
+            return list(super().values())
+
+
+with logging._lock:  # type: ignore[attr-defined]
+    logging.Logger.manager.loggerDict = _LoggerDict(logging.Logger.manager.loggerDict)
 
 
 def require(module: str) -> ModuleType:
