@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,10 +35,8 @@ def run_engine_script(
     # A multi-rank CPU engine binds its ranks to cores (vLLM refuses to start without): one rank per bound core.
     ranks = (env or {}).get("VLLM_CPU_OMP_THREADS_BIND", "").count("|") + 1
     with engine_slot(ranks):
-        proc = subprocess.run(
+        proc = servers.run_group(  # killed with its ranks on a timeout; one process: forked (tests/zygote.py)
             [sys.executable, str(TESTS / script), *args],
-            capture_output=True,
-            text=True,
             timeout=900,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]), **(env or {})},
         )

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import zygote
 from prefetch import engine_slot, fleet_down, fleet_up
 
 T = TypeVar("T")
@@ -259,7 +260,12 @@ def run_group(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str]) -> 
     On a timeout (or any error here) the whole group is SIGKILLed, not only the
     direct child: a vLLM engine's EngineCore and TP workers would outlive it.
     Then ``subprocess.TimeoutExpired`` is raised, as ``subprocess.run`` does.
+    A ``python`` command of one process runs forked from a process that
+    imported vLLM already (``tests/zygote.py``): the same run, ~9 s of CPU
+    sooner.
     """
+    if zygote.takes(cmd, env):
+        return zygote.run(cmd, timeout=timeout, env=env)
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env), start_new_session=True
     )
