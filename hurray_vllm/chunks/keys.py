@@ -122,8 +122,9 @@ def tail_keys(prev: str | None, token_ids: Sequence[int], step: int, namespace: 
 
 
 #: ``KVSnapshot.extra`` member: per request id, the seed of that request's chunk keys where it is not the
-#: namespace (:func:`key_seed`: a LoRA adapter, a ``cache_salt``), or None for a request whose KV its
-#: token ids do not name (images, prompt embeddings), which has no chunks. ``adapters.vllm.snapshot``
+#: namespace (:func:`key_seed`: a LoRA adapter, a ``cache_salt``, a connector's epoch after a reset), or None
+#: for a request whose KV its token ids do not name (images, prompt embeddings) or that holds KV from before
+#: a connector reset (other weights): it has no chunks. ``adapters.vllm.snapshot``
 #: records it, :func:`chunks_of` keys by it; chunks do not carry it.
 KEY_SEEDS = "hurray_vllm.key_seeds"
 

@@ -11,9 +11,11 @@ process). For engines in other processes or servers, use the KV connector.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import os
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,7 +23,7 @@ import torch
 
 from ...chunks.keys import KEY_SEEDS, namespace_of
 from ...containers.io import write_stream
-from ...errors import HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, Violation
 from ...kv.heads import concat_heads, distinct_ranks
 from ...kv.snapshot import TARGET_LAYERS, KVSnapshot
 from ...kv.states import RecurrentStates, join_states
@@ -43,6 +45,88 @@ from .cache import (
 from .export import SequenceState, export_snapshot, export_stream
 
 __all__ = ["snapshot", "snapshot_ranks", "snapshot_stream", "engine_cache", "request_states", "layer_caches"]
+
+#: Seconds :func:`engine_cache`, :func:`snapshot`, :func:`snapshot_stream` and :func:`snapshot_ranks` wait for
+#: workers in processes of their own (tensor parallelism > 1, vLLM's multiprocessing executor): a worker that
+#: hangs (a stuck collective, a file system that stopped answering) fails the call with ``TimeoutError`` instead
+#: of blocking it for ever. In-process workers (TP = 1) run to their end. vLLM does not cancel the work: the
+#: late answers would reach the engine's next ``collective_rpc``, so restart the engine after such a timeout.
+WORKER_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class _WorkerError:
+    """An error a worker function raised, returned as a value (:func:`_on_worker`) and raised by the caller."""
+
+    kind: str  # the class's name: one of _ERRORS, or a built-in OSError's
+    field: str = ""  # a Hurray error's .field
+    message: str = ""  # a Hurray error's, without the "field: " prefix
+    violations: tuple[Violation, ...] = ()
+    #: An OSError's (errno, strerror[, filename]), or its text where it has no strerror.
+    os_args: tuple[int | str | None, ...] = ()
+
+    @classmethod
+    def of(cls, exc: HurrayFormatError | HurrayArgumentError | OSError) -> _WorkerError:
+        """``exc`` as a value a worker can return (plain types only: pickled by vLLM, and unpickled here)."""
+        if isinstance(exc, OSError):
+            kind = type(exc).__name__ if getattr(builtins, type(exc).__name__, None) is type(exc) else "OSError"
+            if exc.strerror is None:
+                return cls(kind, os_args=(str(exc),))
+            name = exc.filename if exc.filename is None or isinstance(exc.filename, str) else str(exc.filename)
+            return cls(kind, os_args=(exc.errno, exc.strerror) + ((name,) if name is not None else ()))
+        kind = next(k for k, c in _ERRORS.items() if isinstance(exc, c))  # the most derived first
+        message = str(exc).removeprefix(f"{exc.field}: ")
+        return cls(kind, exc.field, message, tuple(getattr(exc, "violations", ())))
+
+    def error(self, rank: int) -> Exception:
+        """The exception to raise here: the worker's, rebuilt (its class, ``field`` and message; an errno)."""
+        exc: Exception
+        cls = _ERRORS.get(self.kind)
+        if cls is HurrayFormatError:
+            exc = HurrayFormatError(self.field, self.message, self.violations or None)
+        elif cls is not None:
+            exc = cls(self.field, self.message)
+        else:
+            exc = getattr(builtins, self.kind, OSError)(*self.os_args)
+        exc.add_note(f"(raised on worker {rank})")
+        return exc
+
+
+#: What a worker's error is returned as, by class name: the most derived first.
+_ERRORS: dict[str, type[HurrayFormatError] | type[HurrayArgumentError]] = {
+    "ImportArgumentError": ImportArgumentError,
+    "HurrayArgumentError": HurrayArgumentError,
+    "HurrayFormatError": HurrayFormatError,
+}
+
+
+def _on_worker(worker: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs on every worker: ``fn(worker, *args)``, its data, argument and OS errors returned as values.
+
+    vLLM's multiprocessing executor (tensor parallelism > 1) passes a
+    worker's exception on as ``RuntimeError("Worker failed with error
+    '<text>'")``: a :class:`HurrayFormatError`'s type and ``field``, an
+    ``OSError``'s errno, are lost, and the workers after it in the list keep
+    their answers queued. Returned as a :class:`_WorkerError`, every worker
+    answers, and the caller raises the error as the worker raised it, as at
+    TP = 1 (:func:`_raise_failed`).
+    """
+    try:
+        return fn(worker, *args)
+    except (HurrayFormatError, HurrayArgumentError, OSError) as exc:
+        return _WorkerError.of(exc)
+
+
+def _rpc(llm: Any, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``fn(worker, *args)`` on every worker, in rank order: its result, or a :class:`_WorkerError`."""
+    return list(llm.collective_rpc(_on_worker, timeout=WORKER_TIMEOUT_S, args=(fn, *args)))
+
+
+def _raise_failed(results: Sequence[Any]) -> None:
+    """Raise the first worker's error among ``results`` (:func:`_rpc`), as that worker raised it."""
+    for rank, result in enumerate(results):
+        if isinstance(result, _WorkerError):
+            raise result.error(rank)
 
 
 def _core(llm: Any) -> Any:
@@ -81,7 +165,9 @@ def _describe(worker: Any) -> EngineCache:
 def engine_cache(llm: Any) -> EngineCache:
     """Describe the KV cache of an in-process ``vllm.LLM`` (its rank 0's at tensor parallelism > 1)."""
     _core(llm)
-    ec: EngineCache = llm.collective_rpc(_describe)[0]
+    results = _rpc(llm, _describe)
+    _raise_failed(results)
+    ec: EngineCache = results[0]
     return ec
 
 
@@ -129,7 +215,9 @@ def _refuse_split_states(llm: Any, what: str, *, per_rank: bool = False) -> None
 
 def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:
     """Every rank exports its heads; one snapshot of them all, in model order (replicas and latents once)."""
-    parts = dict(llm.collective_rpc(_export_on_rank, args=(list(seqs),)))
+    results = _rpc(llm, _export_on_rank, list(seqs))
+    _raise_failed(results)
+    parts = dict(results)
     first = parts[min(parts)]
     if first.is_latent:  # an MLA latent is on every rank
         return first
@@ -146,16 +234,34 @@ def _snapshot_tp(llm: Any, seqs: Sequence[SequenceState]) -> KVSnapshot:
 def _internal_id(llm: Any, core: Any, request_id: str) -> str:
     requests = core.scheduler.requests
     if request_id in requests:
-        return request_id
-    internal = llm.llm_engine.output_processor.external_req_ids.get(request_id, [])
-    live = [i for i in internal if i in requests]
-    if not live:
+        internal = request_id
+    else:
+        live = [i for i in llm.llm_engine.output_processor.external_req_ids.get(request_id, []) if i in requests]
+        if not live:
+            raise HurrayFormatError(
+                "request_id", f"no live request {request_id!r} in the engine (unknown, or already finished and freed)"
+            )
+        if len(live) > 1:
+            raise HurrayFormatError("request_id", f"{request_id!r} names {len(live)} requests (n > 1 sampling)")
+        internal = live[0]
+    _refuse_child(llm, request_id, internal)
+    return internal
+
+
+def _refuse_child(llm: Any, request_id: str, internal: str) -> None:
+    """Refuse a request of ``n > 1`` sampling: one of several children, even once the others finished.
+
+    vLLM runs such a request as ``n`` children under the id given to
+    ``add_request``, each with its own generated tokens (and KV); whichever
+    child runs last is not the request the id names.
+    """
+    states = getattr(llm.llm_engine.output_processor, "request_states", None) or {}
+    if getattr(states.get(internal), "parent_req", None) is not None:
         raise HurrayFormatError(
-            "request_id", f"no live request {request_id!r} in the engine (unknown, or already finished and freed)"
+            "request_id",
+            f"{request_id!r} is a request of n > 1 sampling: its children generate tokens (and KV) of their own, "
+            "and the id names none of them",
         )
-    if len(live) > 1:
-        raise HurrayFormatError("request_id", f"{request_id!r} names {len(live)} requests (n > 1 sampling)")
-    return live[0]
 
 
 def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
@@ -237,28 +343,44 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
 
     Returns:
         A snapshot holding every computed token of each request (including a
-        partly filled last block), their token ids (prompt and generated;
-        the last sampled token has no KV yet), the model fingerprint, and
-        the fp8 scales of an fp8 cache. With asynchronous scheduling and
-        speculative decoding, the draft tokens of the step in flight are
-        not exported: only tokens in ``all_token_ids`` are.
+        partly filled last block), their token ids (prompt and generated:
+        the request's ``all_token_ids``), the model fingerprint, and the fp8
+        scales of an fp8 cache. Mid-decode with synchronous scheduling the
+        token ids are one longer than the KV: the last sampled token has no
+        KV yet. Mid-decode with asynchronous scheduling the step in flight
+        writes that token's KV, and the KV covers every token id; with
+        speculative decoding the draft tokens of that step are not
+        exported: only tokens in ``all_token_ids`` are.
 
     Call it between ``llm.llm_engine.step()`` calls. At tensor parallelism
     > 1 every rank exports its KV heads and the snapshot joins them in model
     order: replicated heads (fewer KV heads than ranks) and an MLA latent
     (on every rank) once. It equals the snapshot of the same requests at
     TP = 1, within the arithmetic's rounding (``tests/adapters/vllm/test_tp.py``).
+    A rank's error reaches the caller as at TP = 1 (the same
+    :class:`HurrayFormatError` and ``field``, or ``OSError``), and ranks
+    that do not answer within :data:`WORKER_TIMEOUT_S` seconds raise
+    ``TimeoutError`` (restart the engine then).
+
+    In an engine running ``HurrayConnector``, each request's chunk key seed
+    is the one its connector keys it by (``extra["hurray_vllm.key_seeds"]``,
+    for ``store_snapshot``): after a cache reset (a weight update) a request
+    holding KV from before the reset has none (``null``: no chunks), as the
+    connector saves none of it.
 
     Raises:
         HurrayFormatError: (field ``request_id``) an unknown or finished
-            request, or one still loading its KV through a connector
+            request, a request of ``n > 1`` sampling (its children's tokens
+            and KV differ), or one still loading its KV through a connector
             (``WAITING_FOR_REMOTE_KVS``: snapshot it once its load finishes).
+        TimeoutError: at TP > 1, a rank did not answer within :data:`WORKER_TIMEOUT_S`.
 
     Example:
         Snapshot two requests mid-decode and save them (needs a model; the
         demo and ``tests/adapters/vllm/test_export.py`` run this):
 
         >>> import os, vllm, hurray_vllm as hv  # doctest: +SKIP
+        >>> from hurray_vllm.adapters.vllm import snapshot  # doctest: +SKIP
         >>> os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # doctest: +SKIP
         >>> llm = vllm.LLM(model="/models/llama", enforce_eager=True)  # doctest: +SKIP
         >>> sp = vllm.SamplingParams(max_tokens=64)  # doctest: +SKIP
@@ -296,24 +418,63 @@ def _drafter(llm: Any, num_layers: int) -> dict[str, Any]:
 
 
 def _key_seeds(llm: Any, request_ids: Sequence[str]) -> dict[str, Any]:
-    """``extra`` recording the requests whose chunk keys are not plain (LoRA, ``cache_salt``, media); else empty.
-
-    Seeded from the namespace the engine's connector uses (the model's
-    fingerprint from its config, asked only when a request needs it).
+    """``extra`` recording the requests whose chunk keys are not plain (LoRA, salt, media, a reset); else empty.
 
     So that ``store_snapshot`` keys a snapshot's chunks as the connector keys
-    the same requests (:data:`~hurray_vllm.chunks.keys.KEY_SEEDS`).
+    the same requests (:data:`~hurray_vllm.chunks.keys.KEY_SEEDS`). An engine
+    running :class:`~hurray_vllm.adapters.vllm.connector.HurrayConnector`
+    gives each request the seed its connector keys it by (``_connector_seeds``):
+    after a cache reset (a weight update) a request computed since has the
+    reset's epoch in its seed, and one holding KV from before the reset has
+    none (``null``: ``store_snapshot`` stores no chunks of it, as the
+    connector saves none). Without one, seeded from the namespace such a
+    connector would use (the model's fingerprint from its config, asked only
+    when a request needs it).
     """
     from .connector.scheduler import request_seed
 
     core = _core(llm)
-    requests = {rid: core.scheduler.requests[_internal_id(llm, core, rid)] for rid in request_ids}
+    internal = {rid: _internal_id(llm, core, rid) for rid in request_ids}
+    connector = _connector_seeds(core, internal)
+    if connector is not None:
+        return {KEY_SEEDS: connector} if connector else {}
+    requests = {rid: core.scheduler.requests[i] for rid, i in internal.items()}
     # Whether a request's seed is plain does not depend on the namespace: look before describing the engine.
     special = [rid for rid, r in requests.items() if request_seed("", r) != ""]
     if not special:
         return {}
     ns = namespace_of(fingerprint_of(llm.llm_engine.vllm_config, kv_cache_config=_kv_cache_config(llm)))
     return {KEY_SEEDS: {rid: request_seed(ns, requests[rid]) for rid in special}}
+
+
+def _connector_seeds(core: Any, internal: dict[str, str]) -> dict[str, str | None] | None:
+    """The seeds a HurrayConnector keys the requests by, where not its namespace; None: the engine has none.
+
+    Its scheduler part holds each request's seed (``HurrayScheduler._reqs``),
+    decided when it first saw the request and set to None by a cache reset
+    for one holding KV from before it; a request it has not seen yet takes
+    the seed it would be given now (the current ``_epoch``).
+    """
+    from .connector.scheduler import _not_keyable, request_seed
+
+    connector = getattr(core.scheduler, "connector", None)
+    # Alone, or one of a MultiConnector's connectors.
+    parts = [getattr(c, "_scheduler", None) for c in (connector, *(getattr(connector, "_connectors", None) or ()))]
+    part = next((p for p in parts if isinstance(getattr(p, "_reqs", None), dict)), None)
+    if part is None:
+        return None
+    ns: str = part._ns
+    seeds: dict[str, str | None] = {}
+    for rid, i in internal.items():
+        request = core.scheduler.requests[i]
+        state = part._reqs.get(i)
+        if state is None:
+            seed = request_seed(ns, request, part._epoch)
+        else:  # as HurrayScheduler._seed: None for good once the request holds media
+            seed = None if _not_keyable(request) else state.seed
+        if seed != ns:
+            seeds[rid] = seed
+    return seeds
 
 
 def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progress: bool = False) -> int:
@@ -380,9 +541,21 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
         The files written, in head order.
 
     Raises:
-        HurrayFormatError: as :func:`snapshot`.
+        HurrayFormatError: as :func:`snapshot`; a rank's error as that rank
+            raised it (as :func:`snapshot`), once the files the other ranks
+            wrote in this call are removed (with one rank's file missing the
+            others are no snapshot). Files of an earlier call that a rank
+            had not replaced yet stay: give each snapshot a directory of its
+            own. An exception vLLM turns into ``RuntimeError("Worker failed
+            ...")`` (not a Hurray error, nor an ``OSError``) removes nothing:
+            the other ranks' answers, naming their files, do not reach here.
+        OSError: a rank could not write its file (removed as above).
+        TimeoutError: as :func:`snapshot` (files are not removed: the ranks may still be writing).
 
     Example:
+        >>> import hurray_vllm as hv  # doctest: +SKIP
+        >>> from hurray_vllm.adapters.vllm import snapshot_ranks  # doctest: +SKIP
+        >>> from hurray_vllm.kv.heads import concat_heads  # doctest: +SKIP
         >>> files = snapshot_ranks(llm, ["a", "b"], "/scratch/kv")  # doctest: +SKIP
         >>> [f.name for f in files]  # doctest: +SKIP
         ['rank0.heads0-4.hrrs', 'rank1.heads4-8.hrrs']
@@ -396,7 +569,14 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     extra = {**_key_seeds(llm, request_ids), **_drafter(llm, cache_layers(_kv_cache_config(llm)) or 0)}
-    written = dict(llm.collective_rpc(_stream_on_rank, args=(list(seqs), str(out), extra)))
+    results = _rpc(llm, _stream_on_rank, list(seqs), str(out), extra)
+    files = [Path(p) for r in results if not isinstance(r, _WorkerError) and (p := r[1][1]) is not None]
+    if any(isinstance(r, _WorkerError) for r in results):
+        for f in files:  # the other ranks' files: without the failed rank's, they are no snapshot
+            with contextlib.suppress(OSError):  # the worker's error is the one to report
+                f.unlink()
+        _raise_failed(results)
+    written = dict(results)
     return [Path(p) for _, p in sorted((start, p) for start, p in written.values() if p is not None)]
 
 

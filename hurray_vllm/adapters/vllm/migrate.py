@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from ...errors import HurrayArgumentError, HurrayFormatError
 
@@ -58,7 +59,14 @@ def complete(
     timeout: float = 600.0,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One greedy ``/v1/completions`` call with a token-id prompt; returns the parsed answer."""
+    """One greedy ``/v1/completions`` call with a token-id prompt; returns the parsed answer.
+
+    Raises:
+        HurrayArgumentError: ``server`` is not an ``http(s)://HOST[:PORT]`` base URL.
+        HurrayFormatError: the answer is not what a vLLM server answers.
+        OSError: the server cannot be reached, fails, or takes longer than ``timeout``.
+    """
+    _check_url("server", server)
     body: dict[str, Any] = {
         "prompt": list(prompt),
         "max_tokens": max_tokens,
@@ -79,6 +87,25 @@ def complete(
     if not isinstance(answer, dict):
         raise HurrayFormatError("answer", f"{server}/v1/completions did not answer a JSON object")
     return answer
+
+
+def _check_url(what: str, url: object) -> None:
+    """Refuse what is not a server's base URL, ``http(s)://HOST[:PORT]`` (a path prefix allowed), naming ``what``.
+
+    The caller's mistake, said as such before any call: urllib would raise a bare ``ValueError`` (no
+    scheme), or report a server name as a failed connection.
+    """
+    ok = False
+    if isinstance(url, str):
+        try:
+            u = urlsplit(url)
+            u.port  # noqa: B018 -- raises on a port that is not a number or out of range
+        except ValueError:  # that, or an unclosed IPv6 bracket
+            pass
+        else:
+            ok = u.scheme in ("http", "https") and bool(u.hostname) and not (u.query or u.fragment)
+    if not ok:
+        raise HurrayArgumentError(what, f"not a server's base URL: {url!r} (e.g. http://10.0.0.5:8000)")
 
 
 def _call(req: urllib.request.Request | str, timeout: float) -> Any:
@@ -166,7 +193,8 @@ def migrate(
         timeout: seconds each call to a server may take.
 
     Raises:
-        HurrayArgumentError: ``after`` out of range.
+        HurrayArgumentError: ``source`` or ``destination`` is not an ``http(s)://HOST[:PORT]``
+            base URL, or ``after`` or ``timeout`` is out of range.
         HurrayFormatError: a server's answer is not what a vLLM server answers, the
             destination does not serve the model, or a server generated fewer (or
             more) tokens than asked for.
@@ -176,6 +204,8 @@ def migrate(
         raise HurrayArgumentError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")
     if not 0 < timeout < 1e9:  # 0 would make every socket non-blocking, NaN and inf are no timeout
         raise HurrayArgumentError("timeout", f"expected positive seconds, got {timeout}")
+    _check_url("source", source)
+    _check_url("destination", destination)
     if model is None:
         model = _first_model(source, timeout)
         if not _serves(destination, model, timeout):  # another model's continuation is not this one's
