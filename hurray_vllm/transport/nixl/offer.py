@@ -36,7 +36,7 @@ from ...wire.descriptor import (
 )
 from ...wire.descriptor import peek_descriptor_length as _peek_len
 from ...wire.rules import decode_checked
-from ..base import U16, U32, check_names, parse_address
+from ..base import FRAME_MIN_RATE, U16, U32, check_names, parse_address
 
 __all__ = [
     "MAGIC",
@@ -52,6 +52,7 @@ __all__ = [
     "parse_nixl_url",
     "notif_tag",
     "host_bytes",
+    "transfer_seconds",
 ]
 
 MAGIC = b"HVN1"
@@ -75,6 +76,17 @@ def parse_nixl_url(url: str) -> tuple[str, int]:
 def notif_tag(xfer_id: int, index: int) -> bytes:
     """The notification that tells the receiver page pool ``index`` of transfer ``xfer_id`` landed."""
     return NOTIF_PREFIX + b"%x:%d" % (xfer_id, index)
+
+
+def transfer_seconds(timeout: float, nbytes: int) -> float:
+    """How long the WRITEs of ``nbytes`` of page pools may take: ``timeout`` plus one second per MiB.
+
+    The receiver's frame rule (:class:`~hurray_vllm.transport.base.ReceiverBase`,
+    :data:`~hurray_vllm.transport.base.FRAME_MIN_RATE`), applied by the sender and the
+    receiver alike: a flat ``timeout`` would abort every 4 GiB chunk on a link
+    slower than 70 MB/s, and the two sides must agree on when a transfer is late.
+    """
+    return timeout + nbytes / FRAME_MIN_RATE
 
 
 def host_bytes(t: torch.Tensor) -> torch.Tensor:

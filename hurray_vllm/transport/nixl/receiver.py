@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import secrets
@@ -9,6 +10,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,6 @@ from ...errors import HurrayArgumentError, HurrayFormatError
 from ..base import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    FRAME_MIN_RATE,
     MAX_CHUNK_BYTES,
     U16,
     U32,
@@ -31,7 +32,7 @@ from ..base import (
     send_error,
 )
 from .agent import NixlError, make_agent
-from .offer import MAGIC, MAX_OFFER_BYTES, NOTIF_PREFIX, assemble_offer, parse_offer
+from .offer import MAGIC, MAX_OFFER_BYTES, NOTIF_PREFIX, assemble_offer, parse_offer, transfer_seconds
 
 __all__ = ["NixlReceiver", "DEFAULT_ARENA_BYTES", "DEFAULT_OFFER_MEMORY_BYTES"]
 
@@ -39,6 +40,33 @@ log = logging.getLogger("hurray_vllm.transport.nixl")
 
 #: How often the receiver polls notifications while a chunk is in flight (see ``sender._SEND_POLL_S``).
 _RECV_POLL_S = 0.0005
+#: How often the receiver polls its agent while a buffer is quarantined and no chunk is in flight: a
+#: straggling WRITE lands (or is seen to land) only while the agent is polled (no progress thread).
+_QUARANTINE_POLL_S = 0.05
+
+#: Set at interpreter exit: every receiver's quarantine poller returns (see :func:`_stop_pollers`).
+_EXITING = threading.Event()
+_POLLERS: list[threading.Thread] = []
+_POLLERS_MU = threading.Lock()
+
+
+@atexit.register
+def _stop_pollers() -> None:
+    """At exit, end the quarantine pollers before the interpreter finalizes.
+
+    They are daemon threads (a quarantine may outlast the process's wish to
+    exit), and one left polling its agent runs NIXL's C++ while the
+    interpreter tears down: the process then dies in ``std::terminate``
+    instead of exiting with its status. A receiver stopped at exit leaves
+    its quarantined slabs to the process's end.
+    """
+    _EXITING.set()
+    with _POLLERS_MU:
+        threads = list(_POLLERS)
+    for t in threads:
+        t.join(2.0)
+
+
 #: Registered receive memory, all chunks in flight together (quarantined buffers count).
 DEFAULT_ARENA_BYTES = 8 << 30
 #: Memory for the offers being handled, all connections together: without a bound, 64 connections
@@ -69,10 +97,19 @@ def _readable(conn: socket.socket, timeout: float) -> bool:
 class _Slab:
     mem: torch.Tensor
     reg: Any
+    #: Once quarantined, never deregistered (nor freed) before the receiver stops: see _Arena.quarantine.
+    tainted: bool = False
 
     @property
     def size(self) -> int:
         return int(self.mem.numel())
+
+
+@dataclass(eq=False)
+class _Quarantined:
+    slab: _Slab
+    until: float  # monotonic; pushed back by every sign of the aborted transfer
+    seconds: float
 
 
 def _slab_size(need: int) -> int:
@@ -88,6 +125,8 @@ class _Arena:
     Grows by slabs (each registered once with NIXL); a chunk takes one slab
     at least as large as its pools. Never holds more than ``max_bytes``:
     free slabs are dropped to make room, and a chunk that cannot fit is refused.
+    A slab that was ever quarantined is not dropped (see :meth:`quarantine`):
+    it is reused, and counts against ``max_bytes``, until :meth:`close`.
     """
 
     def __init__(self, agent: Any, max_bytes: int, quarantine_s: float) -> None:
@@ -95,10 +134,26 @@ class _Arena:
         self.max_bytes = max_bytes
         self.quarantine_s = quarantine_s
         self._free: list[_Slab] = []
-        self._quarantined: list[tuple[float, _Slab]] = []
+        self._quarantined: dict[int, _Quarantined] = {}  # by the aborted transfer's id
         self._mu = threading.Lock()
         self.total = 0
         self.registrations = 0
+        self.closed = False
+        self._busy = 0  # slabs taken by chunks and not yet given back (nor quarantined)
+        #: Set when a slab is quarantined (or the arena closes): the receiver's poller wakes up.
+        self.wake = threading.Event()
+
+    @property
+    def quarantined(self) -> int:
+        """How many slabs are quarantined."""
+        with self._mu:
+            return len(self._quarantined)
+
+    @property
+    def settled(self) -> bool:
+        """Whether no slab is in use by a chunk nor quarantined (once closed: every slab is deregistered)."""
+        with self._mu:
+            return not self._quarantined and not self._busy
 
     def take(self, sizes: list[int]) -> tuple[_Slab, list[torch.Tensor]]:
         offsets, need = [], 0
@@ -106,16 +161,15 @@ class _Arena:
             offsets.append(need)
             need += -(-s // _ALIGN) * _ALIGN
         with self._mu:
-            now = time.monotonic()
-            self._free += [s for t, s in self._quarantined if t <= now]
-            self._quarantined = [(t, s) for t, s in self._quarantined if t > now]
+            if self.closed:
+                raise HurrayFormatError("transport", "the receiver is stopping")
             fits = sorted((s for s in self._free if s.size >= need), key=lambda s: s.size)
             if fits:
                 slab = fits[0]
                 self._free.remove(slab)
             else:
                 size = min(_slab_size(need), max(need, self.max_bytes - self.total))
-                for old in sorted(self._free, key=lambda s: s.size):
+                for old in sorted((s for s in self._free if not s.tainted), key=lambda s: s.size):
                     if self.total + size <= self.max_bytes:
                         break
                     self._drop(old)
@@ -125,6 +179,7 @@ class _Arena:
                         f"receiver buffers are full ({self.total} of {self.max_bytes} bytes in use); try again later",
                     )
                 slab = self._new(size)
+            self._busy += 1
         return slab, [slab.mem[o : o + s] for o, s in zip(offsets, sizes)]
 
     def _new(self, size: int) -> _Slab:
@@ -139,6 +194,9 @@ class _Arena:
 
     def _drop(self, slab: _Slab) -> None:
         self._free.remove(slab)
+        self._deregister(slab)
+
+    def _deregister(self, slab: _Slab) -> None:
         try:
             self._agent.deregister_memory(slab.reg)
         except Exception as exc:
@@ -146,22 +204,83 @@ class _Arena:
         self.total -= slab.size
 
     def give(self, slab: _Slab) -> None:
+        """A slab whose chunk is over with every WRITE landed: free for the next (deregistered once closed)."""
         with self._mu:
+            self._busy -= 1
+            self._give(slab)
+
+    def _give(self, slab: _Slab) -> None:
+        if self.closed:
+            self._deregister(slab)
+        else:
             self._free.append(slab)
 
-    def quarantine(self, slab: _Slab) -> None:
-        """An aborted chunk's slab: a straggling write may still land, so keep it out of use for a while."""
+    def quarantine(self, slab: _Slab, xfer_id: int) -> None:
+        """An aborted chunk's slab: a straggling WRITE of transfer ``xfer_id`` may still land in it.
+
+        The slab stays out of use until the receiver's agent was polled past
+        its deadline (``quarantine_s`` plus a second per MiB, as a transfer
+        may take) with no sign of that transfer: a late WRITE lands only
+        while the agent is polled, and its notification, seen by that poll
+        (:meth:`late`), pushes the deadline back. Wall-clock time alone would
+        let it land in the next chunk's pools. Even then a WRITE that UCX
+        carries out without the receiver (RDMA, CMA) could come later: the
+        slab is never deregistered nor freed before the receiver stops, so it
+        can at worst spoil a later chunk's bytes (caught by the digest check
+        unless they land after it), never memory put to another use.
+        """
+        seconds = transfer_seconds(self.quarantine_s, slab.size)
         with self._mu:
-            self._quarantined.append((time.monotonic() + self.quarantine_s, slab))
+            self._busy -= 1
+            slab.tainted = True
+            self._quarantined[xfer_id] = _Quarantined(slab, time.monotonic() + seconds, seconds)
+        self.wake.set()
+
+    def late(self, xfer_id: int) -> None:
+        """A notification no chunk waits for, of transfer ``xfer_id``: if it was aborted, its quarantine restarts."""
+        with self._mu:
+            held = self._quarantined.get(xfer_id)
+            if held is not None:
+                held.until = max(held.until, time.monotonic() + held.seconds)
+
+    def age(self, polled_at: float) -> None:
+        """The agent was polled at ``polled_at`` (monotonic): end the quarantines that were over by then."""
+        with self._mu:
+            for xfer_id, held in list(self._quarantined.items()):
+                if held.until <= polled_at:
+                    del self._quarantined[xfer_id]
+                    self._give(held.slab)
+
+    def close(self) -> None:
+        """Deregister the free slabs; those in use are deregistered as their chunks give them back.
+
+        A quarantined slab stays registered (and allocated) until its
+        quarantine ends, which needs the agent polled: the receiver's poller
+        goes on after :meth:`NixlReceiver.stop` until the arena is
+        :attr:`settled` (a chunk still in flight may yet quarantine its slab).
+        """
+        with self._mu:
+            self.closed = True
+            for slab in list(self._free):
+                self._drop(slab)
+        self.wake.set()
 
 
 class _Notifs:
     """Routes NIXL notifications ``hvn1:<xfer id>:<index>`` to the chunk waiting for them."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(
+        self,
+        agent: Any,
+        late: Callable[[int], None] | None = None,
+        polled: Callable[[float], None] | None = None,
+    ) -> None:
+        """``late``: called with the id of a transfer no chunk waits for; ``polled``: with each poll's start."""
         self._agent = agent
         self._mu = threading.Lock()
         self._queues: dict[int, queue.SimpleQueue[int]] = {}
+        self._late = late
+        self._polled = polled
 
     def expect(self, xfer_id: int) -> queue.SimpleQueue[int]:
         q: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -173,13 +292,15 @@ class _Notifs:
         with self._mu:
             self._queues.pop(xfer_id, None)
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
+        """Poll the agent (UCX progresses) and route what it delivered; False when that failed."""
         with self._mu:  # one poller at a time: get_new_notifs hands each notification out once
+            started = time.monotonic()
             try:
                 new = self._agent.get_new_notifs()
             except Exception as exc:
                 log.warning("hurray nixl: reading notifications failed: %s", exc)
-                return
+                return False
             for msgs in new.values():
                 for m in msgs:
                     if not m.startswith(NOTIF_PREFIX):
@@ -190,8 +311,13 @@ class _Notifs:
                     except ValueError:
                         continue
                     q = self._queues.get(xid)
-                    if q is not None:  # notifications of aborted chunks are dropped
+                    if q is not None:
                         q.put(idx)
+                    elif self._late is not None:  # an aborted chunk's: dropped, but its buffers wait longer
+                        self._late(xid)
+            if self._polled is not None:
+                self._polled(started)
+            return True
 
 
 class _Hasher:
@@ -234,14 +360,16 @@ class NixlReceiver(ReceiverBase):
     """Accepts chunks over NIXL (side channel on ``host:port``) and stores the valid ones in ``store``.
 
     Like :class:`hurray_vllm.transport.tcp.Receiver`: daemon threads, one per
-    side-channel connection; :meth:`stop` closes it. Incoming page pools
-    land in a registered arena of at most ``max_arena_bytes``.
+    side-channel connection; :meth:`stop` closes it and deregisters the
+    receive buffers. Incoming page pools land in a registered arena of at
+    most ``max_arena_bytes``.
 
     Args:
         host: The side channel's address.
         port: Its port; 0 picks a free one (see ``address``).
         store: Where accepted chunks go.
-        timeout: Bounds every step of a chunk (offer, transfer, commit), in seconds.
+        timeout: Bounds every step of a chunk (offer, transfer, commit), in seconds; the
+            transfer may take one second more per MiB of page pools (as the sender allows it).
         idle_timeout: How long a connection may wait between chunks.
         max_chunk_bytes: The largest page pools one chunk may announce, all together.
         max_arena_bytes: Registered receive memory for all chunks in flight.
@@ -294,12 +422,44 @@ class NixlReceiver(ReceiverBase):
         self.max_offer_memory_bytes = max_offer_memory_bytes
         self._offer_bytes = 0  # the offers read or being handled, all connections together
         self._offers_mu = threading.Lock()
-        self._notifs = _Notifs(self._agent)
+        self._notifs = _Notifs(self._agent, self.arena.late, self.arena.age)
+        self._poller: threading.Thread | None = None  # start()'s quarantine poller
 
     def start(self) -> NixlReceiver:
         """Start accepting side-channel connections; returns ``self``."""
         super().start()
+        self._poller = threading.Thread(target=self._poll_quarantined, name="hurray-nixl-quarantine", daemon=True)
+        with _POLLERS_MU:
+            _POLLERS[:] = [t for t in _POLLERS if t.is_alive()]
+            _POLLERS.append(self._poller)
+        self._poller.start()
         return self
+
+    def stop(self) -> None:
+        """Stop accepting, close open connections (their chunks abort) and deregister the receive buffers.
+
+        Free buffers are deregistered at once, those of chunks still in flight
+        as the chunks end, quarantined ones once their quarantine is over (see
+        :meth:`_Arena.quarantine`; the agent is polled until then).
+        """
+        super().stop()
+        self.arena.close()
+
+    def _poll_quarantined(self) -> None:
+        """Poll the agent while a slab is quarantined, so that its quarantine can end (see :meth:`_Arena.quarantine`).
+
+        Runs from :meth:`start` until the receiver stopped and its arena
+        settled: every slab deregistered, the quarantined ones included.
+        """
+        while not _EXITING.is_set():
+            if self.arena.quarantined:
+                ok = self._notifs.poll()
+                time.sleep(_QUARANTINE_POLL_S if ok else 1.0)  # a failing agent: it logged why, not 20 times a second
+                continue
+            if self.stopping and self.arena.settled:
+                return
+            self.arena.wake.wait(1.0)
+            self.arena.wake.clear()
 
     def __enter__(self) -> NixlReceiver:
         return self.start()
@@ -379,16 +539,19 @@ class NixlReceiver(ReceiverBase):
             if promised:
                 self.settle(promised, stored)
                 promised = 0
-            self._notifs.forget(xfer_id)
             if slab is not None:
-                (self.arena.give if landed else self.arena.quarantine)(slab)
+                if landed:
+                    self.arena.give(slab)
+                else:  # before forget: from then on its notifications count as the transfer's late activity
+                    self.arena.quarantine(slab, xfer_id)
                 slab = None
+            self._notifs.forget(xfer_id)
 
         try:
             offer = parse_offer(body, self.max_chunk_bytes)
             key = offer.key
-            # The offer, then the transfer and the digest, each bounded by timeout (see _await).
-            self.arm(conn, 2 * self.timeout + sum(offer.remote_sizes) / FRAME_MIN_RATE)
+            # The transfer and the digest within transfer_seconds (see _await), then the commit within timeout.
+            self.arm(conn, self.timeout + transfer_seconds(self.timeout, sum(offer.remote_sizes)))
             # The store's quota and the disk's floor, before any page pool is written here.
             self.admit(sum(offer.remote_sizes) + len(body))
             promised = sum(offer.remote_sizes) + len(body)
@@ -411,7 +574,9 @@ class NixlReceiver(ReceiverBase):
                 + U32.pack(len(views))
                 + b"".join(U64.pack(v.data_ptr()) for v in views)
             )
-            digest = self._await(conn, q, plan, len(views), landing.algorithm, digest_header(snap))
+            digest = self._await(
+                conn, q, plan, len(views), landing.algorithm, digest_header(snap), nbytes=sum(offer.remote_sizes)
+            )
             landed = True
             if digest != want:
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest (corrupt transfer?)")
@@ -457,13 +622,20 @@ class NixlReceiver(ReceiverBase):
         n: int,
         algorithm: str,
         header: bytes,
+        *,
+        nbytes: int = 0,
     ) -> str:
-        """Wait for every pool and the sender's GO, hashing ``header``, then the pools in digest order as they land."""
-        deadline = time.monotonic() + self.timeout
+        """Wait for every pool and the sender's GO, hashing ``header``, then the pools in digest order as they land.
+
+        The wait is bounded by :func:`.offer.transfer_seconds` of ``nbytes``
+        (the pools' size), the bound the sender applies to its WRITEs.
+        """
+        seconds = transfer_seconds(self.timeout, nbytes)
+        deadline = time.monotonic() + seconds
         hasher = _Hasher(algorithm)
         hasher.add(memoryview(header))
         try:
-            return self._await_hashing(conn, q, plan, n, deadline, hasher)
+            return self._await_hashing(conn, q, plan, n, deadline, seconds, hasher)
         finally:
             hasher.cancel()
 
@@ -474,6 +646,7 @@ class NixlReceiver(ReceiverBase):
         plan: list[tuple[memoryview, int | None]],
         n: int,
         deadline: float,
+        seconds: float,
         hasher: _Hasher,
     ) -> str:
         arrived: set[int] = set()
@@ -487,12 +660,12 @@ class NixlReceiver(ReceiverBase):
             if go and nxt == len(plan):
                 digest = hasher.result(max(0.0, deadline - time.monotonic()))
                 if digest is None:
-                    raise _Aborted(f"timed out after {self.timeout:g} s verifying the chunk digest")
+                    raise _Aborted(f"timed out after {seconds:g} s verifying the chunk digest")
                 return digest
             if self.stopping:
                 raise _Aborted("the receiver is stopping")
             if time.monotonic() > deadline:
-                raise _Aborted(f"timed out after {self.timeout:g} s ({len(arrived)} of {n} page pools arrived)")
+                raise _Aborted(f"timed out after {seconds:g} s ({len(arrived)} of {n} page pools arrived)")
             if len(arrived) < n:
                 self._notifs.poll()
                 fresh = False

@@ -32,7 +32,7 @@ from ..base import (
     recv_exact,
 )
 from .agent import NixlError, make_agent
-from .offer import MAGIC, encode_snapshot_offer, notif_tag, parse_nixl_url
+from .offer import MAGIC, encode_snapshot_offer, notif_tag, parse_nixl_url, transfer_seconds
 
 __all__ = ["NixlSender", "TransferStats", "default_sender", "send_chunks_nixl", "DEFAULT_LANES"]
 
@@ -45,6 +45,15 @@ log = logging.getLogger("hurray_vllm.transport.nixl")
 #: 256 MiB chunk's time by less than its noise.
 _SEND_POLL_S = 0.0002
 _MAX_METADATA_BYTES = 16 << 20
+#: After a failure, how long the WRITEs still in flight are polled to let them finish (or fail) before
+#: their handles are released: one that is still in flight then may go on reading its source memory
+#: (UCX cannot cancel a started put), which must then be kept (see ``NixlSender.max_leaked_bytes``).
+#: Most finish within this: the receiver goes on polling an aborted chunk's buffers (its quarantine).
+_DRAIN_S = 0.5
+#: A transfer's state once NIXL is done with it: its memory may be reused.
+_FINISHED = ("DONE", "ERR")
+#: Source memory a sender keeps for WRITEs it could not cancel before it refuses to send more.
+DEFAULT_MAX_LEAKED_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,38 @@ class _Lane:
     local: Any = None
     remote: Any = None
     handles: dict[int, Any] = field(default_factory=dict)
+    #: Per handle, the state NIXL last reported ("PROC", "DONE", "ERR"; "?" when posting it failed).
+    states: dict[int, str] = field(default_factory=dict)
+
+
+#: A buffer given to :meth:`NixlSender.register`: start, end, its registration per lane, the tensor.
+_Pinned = tuple[int, int, list[Any], torch.Tensor]
+
+
+@dataclass(eq=False)
+class _Leak:
+    """WRITEs that NIXL may still be carrying out after their chunk ended, and the memory they read.
+
+    UCX cannot cancel a put it started: NIXL's release of such a handle
+    succeeds, yet the copy may go on. So the chunk's source tensors and their
+    registrations (its own, or the :meth:`NixlSender.register`-ed buffers
+    they lie in) are kept alive and registered for the life of the sender.
+    """
+
+    handles: list[Any]
+    sources: list[torch.Tensor]
+    regs: list[Any] | None
+    pinned: list[_Pinned]
+    nbytes: int
+
+
+class _PostFailed(NixlError):
+    """Posting a WRITE failed; ``handle`` may still have started (its ``state`` is what NIXL said)."""
+
+    def __init__(self, message: str, handle: Any, state: str) -> None:
+        super().__init__(message)
+        self.handle = handle
+        self.state = state
 
 
 class NixlSender(ChunkSender):
@@ -126,6 +167,12 @@ class NixlSender(ChunkSender):
     once for good with :meth:`register` (an engine's KV cache). Up to
     ``max_inflight`` pools are in flight together, shared among the lanes.
     Chunks through one sender go one at a time.
+
+    A WRITE still in flight when its chunk fails cannot be cancelled (UCX
+    goes on reading its source): its source tensors and registrations are
+    then kept for the life of the sender. Once they pass
+    ``max_leaked_bytes``, every later chunk is refused with
+    :class:`NixlError` (a new sender, or a new process, starts afresh).
     """
 
     scheme = "nixl"
@@ -138,6 +185,7 @@ class NixlSender(ChunkSender):
         max_peers: int = 16,
         progress_thread: bool = False,
         lanes: int | None = None,
+        max_leaked_bytes: int = DEFAULT_MAX_LEAKED_BYTES,
     ) -> None:
         if lanes is not None and lanes < 1:
             raise HurrayArgumentError("lanes", f"lanes must be at least 1, got {lanes}")
@@ -149,11 +197,20 @@ class NixlSender(ChunkSender):
         self.max_inflight = max(1, max_inflight)
         self._max_peers = max(1, max_peers)
         self._lock = threading.RLock()
-        self._pinned: list[tuple[int, int, list[Any], torch.Tensor]] = []
+        self._pinned: list[_Pinned] = []
         self._peers: OrderedDict[str, bytes] = OrderedDict()
         self._threads: ThreadPoolExecutor | None = None
-        #: Transfers NIXL could not cancel, with their memory: kept alive, never deregistered.
-        self._leaked: list[Any] = []
+        #: Transfers NIXL could not cancel (or release), with their memory: kept alive, never deregistered.
+        self._leaked: list[_Leak] = []
+        self.max_leaked_bytes = max_leaked_bytes
+
+    @property
+    def leaked_bytes(self) -> int:
+        """Source memory kept for WRITEs that may still be in flight (see :class:`NixlSender`)."""
+        return sum(leak.nbytes for leak in self._leaked)
+
+    def _held_by_leaks(self, entry: _Pinned) -> bool:
+        return any(p is entry for leak in self._leaked for p in leak.pinned)
 
     # ── registration ──
 
@@ -171,16 +228,18 @@ class NixlSender(ChunkSender):
         """Deregister tensors given to :meth:`register` (those not registered are ignored).
 
         For buffers that are about to be replaced: a registration keeps its
-        tensor alive until it is undone here or by :meth:`close`.
+        tensor alive until it is undone here or by :meth:`close`. A buffer
+        that a WRITE NIXL could not cancel may still read stays registered
+        (and alive) with that transfer, though no later chunk uses it.
         """
         gone = {t.data_ptr() for t in tensors}
         with self._lock:
             keep = []
             for entry in self._pinned:
-                if entry[0] in gone:
-                    self._deregister(entry[2])
-                else:
+                if entry[0] not in gone:
                     keep.append(entry)
+                elif not self._held_by_leaks(entry):
+                    self._deregister(entry[2])
             self._pinned = keep
 
     def _covered(self, ptr: int, n: int) -> bool:
@@ -202,10 +261,15 @@ class NixlSender(ChunkSender):
             self._quiet(agent.deregister_memory, reg)
 
     def close(self) -> None:
-        """Deregister pinned memory, forget every receiver and stop the lane threads."""
+        """Deregister pinned memory, forget every receiver and stop the lane threads.
+
+        Memory that WRITEs NIXL could not cancel may still read stays
+        registered, held by the sender (see :class:`NixlSender`).
+        """
         with self._lock:
-            for _, _, regs, _ in self._pinned:
-                self._deregister(regs)
+            for entry in self._pinned:
+                if not self._held_by_leaks(entry):
+                    self._deregister(entry[2])
             self._pinned.clear()
             for name in list(self._peers):
                 self._forget_peer(name)
@@ -223,31 +287,45 @@ class NixlSender(ChunkSender):
             return False
 
     def _peer(self, name: str, md: bytes) -> str:
+        """Load the receiver's agent metadata into every lane's agent (again only when it changed)."""
         if self._peers.get(name) != md:  # new, or it registered more memory since
-            loaded: list[tuple[Any, str]] = []
             try:
-                for agent in self._agents:
-                    got = agent.add_remote_agent(md)
-                    got = got.decode(errors="replace") if isinstance(got, bytes) else str(got)
-                    loaded.append((agent, got))
-                    if got != name:
-                        raise HurrayFormatError(
-                            "transport", f"the receiver calls its agent {name!r}, its metadata {got!r}"
-                        )
-            except Exception as exc:
-                # Unload what this call loaded (unless it is a peer already in use): a receiver must not
-                # leave agents behind that _peers does not track, nor make WRITEs go to another agent.
-                for agent, got in loaded:
-                    if got not in self._peers:
-                        self._quiet(agent.remove_remote_agent, got)
-                if isinstance(exc, HurrayFormatError):
+                self._load(name, md)
+            except NixlError:
+                if name not in self._peers:
                     raise
-                raise NixlError(f"NIXL could not load the receiver's metadata: {exc}") from exc
+                # NIXL refuses metadata over what it holds for that agent in some cases (NOT_ALLOWED: a
+                # region at the same address and length under another key, as when the receiver registers
+                # a slab again at a reused address), and would refuse it on every later chunk: load it
+                # afresh. The failure's own half-loaded state goes with the old metadata.
+                log.info("hurray nixl: reloading the metadata of %s from scratch", name)
+                self._forget_peer(name)
+                self._load(name, md)
             self._peers[name] = md
         self._peers.move_to_end(name)
         while len(self._peers) > self._max_peers:
             self._forget_peer(next(iter(self._peers)))
         return name
+
+    def _load(self, name: str, md: bytes) -> None:
+        """``md`` into every lane's agent; on failure nothing of it stays loaded unless ``name`` was already."""
+        loaded: list[tuple[Any, str]] = []
+        try:
+            for agent in self._agents:
+                got = agent.add_remote_agent(md)
+                got = got.decode(errors="replace") if isinstance(got, bytes) else str(got)
+                loaded.append((agent, got))
+                if got != name:
+                    raise HurrayFormatError("transport", f"the receiver calls its agent {name!r}, its metadata {got!r}")
+        except Exception as exc:
+            # Unload what this call loaded (unless it is a peer already in use): a receiver must not
+            # leave agents behind that _peers does not track, nor make WRITEs go to another agent.
+            for agent, got in loaded:
+                if got not in self._peers:
+                    self._quiet(agent.remove_remote_agent, got)
+            if isinstance(exc, HurrayFormatError):
+                raise
+            raise NixlError(f"NIXL could not load the receiver's metadata: {exc}") from exc
 
     def _forget_peer(self, name: str) -> None:
         if self._peers.pop(name, None) is not None:
@@ -295,6 +373,13 @@ class NixlSender(ChunkSender):
         return dial(host, port, timeout=timeout, keys=keys, track=track, aborted=aborted)
 
     def _send_one(self, sock: socket.socket, ns: str, key: str, snap: KVSnapshot, timeout: float) -> TransferStats:
+        if self.leaked_bytes > self.max_leaked_bytes:
+            # Each leak keeps a chunk's memory for good: past the bound, a sender whose receivers keep
+            # failing mid-transfer would take the host's memory chunk by chunk.
+            raise NixlError(
+                f"this NIXL sender keeps {self.leaked_bytes} bytes for transfers NIXL could not cancel, more "
+                f"than max_leaked_bytes={self.max_leaked_bytes}: it sends no more (use a new sender or restart)"
+            )
         t0 = time.perf_counter()
         parts, sources, order = encode_snapshot_offer(ns, key, snap)
         # One send: part by part, a chunk of 32 layers took ~600 system calls and as many packets.
@@ -320,7 +405,9 @@ class NixlSender(ChunkSender):
         addrs = [a for (a,) in U64.iter_unpack(recv_exact(sock, 8 * count))]
         t1 = time.perf_counter()
         if sources:
-            self._transfer(sock, name, md, xfer_id, sources, addrs, order, time.monotonic() + timeout)
+            # The receiver's own bound on the transfer (transfer_seconds): past it, it gives up anyway.
+            seconds = transfer_seconds(timeout, sum(s.numel() for s in sources))
+            self._transfer(sock, name, md, xfer_id, sources, addrs, order, time.monotonic() + seconds)
         t2 = time.perf_counter()
         sock.sendall(b"GO")
         read_answer(sock, key)
@@ -330,7 +417,12 @@ class NixlSender(ChunkSender):
         )
 
     def _post(self, agent: Any, local: Any, remote: Any, index: int, notif: bytes) -> Any:
-        """Create and post the WRITE of page pool ``index`` (a separate method: tests kill the sender here)."""
+        """Create and post the WRITE of page pool ``index`` (a separate method: tests kill the sender here).
+
+        Raises:
+            NixlError: it could not be created; :class:`_PostFailed` (with the handle) when
+                posting it failed, which may have started it nonetheless.
+        """
         try:
             h = agent.make_prepped_xfer("WRITE", local, [index], remote, [index], notif)
         except Exception as exc:
@@ -338,11 +430,11 @@ class NixlSender(ChunkSender):
         try:
             state = agent.transfer(h)
         except Exception as exc:
-            state = f"ERR ({exc})"
-        if state.startswith("ERR"):
-            if not self._quiet(h.release):
-                self._leaked.append(h)
-            raise NixlError(f"NIXL could not post the transfer of page pool {index}: {state}")
+            # NIXL reports most failures so, some after the WRITE started (its notification failing):
+            # the handle's state is checked again before its memory is let go (_release).
+            raise _PostFailed(f"NIXL could not post the transfer of page pool {index}: {exc}", h, "?") from exc
+        if state == "ERR":
+            raise _PostFailed(f"NIXL could not post the transfer of page pool {index}: {state}", h, state)
         return h
 
     def _drive(
@@ -359,23 +451,30 @@ class NixlSender(ChunkSender):
         The calling thread's lane also watches the side channel (``sock``),
         where the receiver only ever speaks to give up.
         """
-        agent, handles = lane.agent, lane.handles
+        agent, handles, states = lane.agent, lane.handles, lane.states
         pending = list(reversed(lane.indices))
         while pending or handles:
             if stop.is_set():
                 return
             while pending and len(handles) < inflight:
                 i = pending.pop()
-                handles[i] = self._post(agent, lane.local, lane.remote, i, notif_tag(xfer_id, i))
+                try:
+                    handles[i] = self._post(agent, lane.local, lane.remote, i, notif_tag(xfer_id, i))
+                except _PostFailed as exc:
+                    handles[i], states[i] = exc.handle, exc.state  # released (or kept) by _release
+                    raise
+                states[i] = "PROC"
             for i, h in list(handles.items()):
                 try:
                     state = agent.check_xfer_state(h)
                 except Exception as exc:
+                    states[i] = "ERR"  # NIXL's way of saying so: the transfer ended in failure
                     raise NixlError(f"NIXL transfer of page pool {i} failed: {exc}") from exc
+                states[i] = state
                 if state == "DONE":
-                    del handles[i]
-                    if not self._quiet(h.release):
-                        self._leaked.append(h)
+                    del handles[i], states[i]
+                    if not self._quiet(h.release):  # done: its memory is free, the handle is NIXL's to keep
+                        self._leaked.append(_Leak([h], [], None, [], 0))
                 elif state == "ERR":
                     raise NixlError(f"NIXL transfer of page pool {i} failed")
             if not handles and not pending:
@@ -398,27 +497,38 @@ class NixlSender(ChunkSender):
         order: list[int],
         deadline: float,
     ) -> None:
-        """WRITE every page pool in ``sources`` to ``addrs`` on the receiver; on any failure tell it ``AB``."""
+        """WRITE every page pool in ``sources`` to ``addrs`` on the receiver; on any failure tell it ``AB``.
+
+        After a failure the receiver's agent is forgotten (its metadata loaded
+        afresh next time), but only once every handle is released: NIXL
+        disconnects from it then, under WRITEs that would still be in flight.
+        """
         with self._lock:
-            peer = self._peer(name, md)
-            ranges = [(s.data_ptr(), s.numel()) for s in sources]
-            todo = [r for r in dict.fromkeys(ranges) if not self._covered(*r)]
-            regs = self._register(todo) if todo else None
-            # At most max_inflight lanes: each has at least one WRITE in flight.
-            shares = _lane_shares(order, [n for _, n in ranges], min(len(self._agents), self.max_inflight))
-            lanes = [_Lane(agent, share) for agent, share in zip(self._agents, shares)]
+            lanes: list[_Lane] = []
+            regs: list[Any] | None = None
+            failed = True
             try:
+                # Inside: a receiver whose metadata cannot be loaded hears AB too (not a timeout, later).
+                peer = self._peer(name, md)
+                ranges = [(s.data_ptr(), s.numel()) for s in sources]
+                todo = [r for r in dict.fromkeys(ranges) if not self._covered(*r)]
+                regs = self._register(todo) if todo else None
+                # At most max_inflight lanes: each has at least one WRITE in flight.
+                shares = _lane_shares(order, [n for _, n in ranges], min(len(self._agents), self.max_inflight))
+                lanes = [_Lane(agent, share) for agent, share in zip(self._agents, shares)]
                 self._prepare(lanes, peer, ranges, addrs)
                 self._run_lanes(sock, peer, lanes, xfer_id, deadline)
+                failed = False
             except BaseException:
                 try:
                     sock.sendall(b"AB")
                 except OSError:
                     pass
-                self._forget_peer(peer)
                 raise
             finally:
                 self._release(lanes, sources, regs)
+                if failed:
+                    self._forget_peer(name)
 
     @staticmethod
     def _prepare(lanes: list[_Lane], peer: str, ranges: list[tuple[int, int]], addrs: list[int]) -> None:
@@ -463,17 +573,63 @@ class NixlSender(ChunkSender):
             raise
 
     def _release(self, lanes: list[_Lane], sources: list[torch.Tensor], regs: list[Any] | None) -> None:
-        """Release handles and descriptor lists; deregister the chunk's memory unless a WRITE still uses it."""
+        """Release handles and descriptor lists; deregister the chunk's memory unless a WRITE may still use it.
+
+        A handle NIXL last reported neither done nor failed may still be
+        copying after its release (UCX's release cancels what it can and
+        says success, but a started put goes on): it is kept with the
+        chunk's sources, registrations and the pinned buffers they lie in.
+        """
+        self._settle(lanes)
+        unsafe: list[Any] = []  # maybe in flight: its memory must outlive it
+        unreleased: list[Any] = []  # over, but NIXL kept the handle
         for lane in lanes:
-            for h in lane.handles.values():
-                if not self._quiet(h.release):  # still in flight: its memory must outlive it
-                    self._leaked.append((h, sources, regs))
-                    regs = None
+            for i, h in lane.handles.items():
+                released = self._quiet(h.release)
+                if lane.states.get(i) not in _FINISHED:
+                    unsafe.append(h)
+                elif not released:
+                    unreleased.append(h)
+            lane.handles.clear()
             for d in (lane.local, lane.remote):
                 if d is not None:
                     self._quiet(d.release)
+        if unsafe:
+            ranges = dict.fromkeys((s.data_ptr(), s.numel()) for s in sources)
+            pinned = [e for e in self._pinned if any(e[0] <= p < e[1] for p, _ in ranges)]
+            self._leaked.append(_Leak(unsafe + unreleased, sources, regs, pinned, sum(n for _, n in ranges)))
+            log.warning(
+                "hurray nixl: %d WRITEs may still be in flight after their chunk failed: keeping its %d bytes "
+                "(%d kept in all, at most %d before this sender refuses to send)",
+                len(unsafe),
+                sum(n for _, n in ranges),
+                self.leaked_bytes,
+                self.max_leaked_bytes,
+            )
+            return
+        if unreleased:
+            self._leaked.append(_Leak(unreleased, [], None, [], 0))
         if regs is not None:
             self._deregister(regs)
+
+    @staticmethod
+    def _settle(lanes: list[_Lane]) -> None:
+        """After a failure, poll the WRITEs still in flight for up to :data:`_DRAIN_S` until each is over."""
+        end = time.monotonic() + _DRAIN_S
+        while True:
+            pending = [
+                (lane, i, h) for lane in lanes for i, h in lane.handles.items() if lane.states.get(i) not in _FINISHED
+            ]
+            if not pending:
+                return
+            for lane, i, h in pending:
+                try:
+                    lane.states[i] = lane.agent.check_xfer_state(h)
+                except Exception:
+                    lane.states[i] = "ERR"  # NIXL's way of saying the transfer ended in failure
+            if time.monotonic() >= end:
+                return
+            time.sleep(_SEND_POLL_S)
 
 
 def _watch_receiver(sock: socket.socket, timeout: float) -> None:
