@@ -828,16 +828,20 @@ def _vllm_config(
         ({"hurray_path": "/tmp/x", "hurray_verified_mib": -1}, 1, "hurray_verified_mib"),
         ({"hurray_path": "/tmp/x", "hurray_push_wait_s": "soon"}, 1, "hurray_push_wait_s"),
         ({"hurray_path": "/tmp/x", "hurray_push_wait_s": -1}, 1, "hurray_push_wait_s"),
-        ({"hurray_path": "/tmp/x", "hurray_listen_max_connections": 0}, 1, "hurray_listen_max_connections"),
-        ({"hurray_path": "/tmp/x", "hurray_listen_quota_mib": "big"}, 1, "hurray_listen_quota_mib"),
+        (
+            {"hurray_path": "/x", "hurray_listen": ":0", "hurray_listen_max_connections": 0},
+            1,
+            "hurray_listen_max_connections",
+        ),
+        ({"hurray_path": "/x", "hurray_listen": ":0", "hurray_listen_quota_mib": "big"}, 1, "hurray_listen_quota_mib"),
         ({"hurray_path": "/tmp/x", "hurray_tails": "maybe"}, 1, "hurray_tails"),
         ({"hurray_path": "/tmp/x", "hurray_save_async": "sometimes"}, 1, "hurray_save_async"),
         ({"hurray_path": "/tmp/x"}, -2, "pipeline_parallel_size"),  # -2: pipeline parallelism 2
         ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": 64.5}, 1, "hurray_chunk_tokens"),  # was 64
         ({"hurray_path": "/tmp/x", "hurray_chunk_tokens": True}, 1, "hurray_chunk_tokens"),
         ({"hurray_path": "/tmp/x", "hurray_save_queue_mib": 0}, 1, "hurray_save_queue_mib"),  # cut every push
-        ({"hurray_path": "/tmp/x", "hurray_listen_quota_mib": "inf"}, 1, "hurray_listen_quota_mib"),  # Overflow
-        ({"hurray_path": "/tmp/x", "hurray_listen_timeout_s": 1e12}, 1, "hurray_listen_timeout_s"),
+        ({"hurray_path": "/x", "hurray_listen": ":0", "hurray_listen_quota_mib": "inf"}, 1, "hurray_listen_quota_mib"),
+        ({"hurray_path": "/x", "hurray_listen": ":0", "hurray_listen_timeout_s": 1e12}, 1, "hurray_listen_timeout_s"),
         ({"hurray_path": "/tmp/x", "hurray_key_file": [1]}, 1, "hurray_key_file"),  # TypeError in load_keys
         ({"hurray_path": "/x", "hurray_url": "tls://h:1", "hurray_tls_ca": "/nonexistent.pem"}, 1, "hurray_tls_ca"),
     ],
@@ -871,12 +875,24 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
     assert cfg.save_async and cfg.push_wait_s == 5.0  # pushes run on the background writer too
     assert cfg.listen_limits == {}  # the receiver's own defaults
     limited = HurrayConfig.from_vllm(
-        _vllm_config({"hurray_path": "/x", "hurray_listen_quota_mib": 512, "hurray_listen_idle_timeout_s": 30}),
+        _vllm_config(
+            {
+                "hurray_path": "/x",
+                "hurray_listen": ":0",
+                "hurray_listen_quota_mib": 512,
+                "hurray_listen_idle_timeout_s": 30,
+            }
+        ),
         None,  # type: ignore[arg-type]
     )
     assert limited.listen_limits == {"quota_bytes": 512 << 20, "idle_timeout": 30.0}
     for channel, arg in (("tcp", "max_inflight_bytes"), ("nixl", "max_arena_bytes")):  # one bound, either receiver
-        extra = {"hurray_path": "/x", "hurray_listen_max_memory_mib": 64, "hurray_listen_transport": channel}
+        extra = {
+            "hurray_path": "/x",
+            "hurray_listen": ":0",
+            "hurray_listen_max_memory_mib": 64,
+            "hurray_listen_transport": channel,
+        }
         memory = HurrayConfig.from_vllm(_vllm_config(extra), None)  # type: ignore[arg-type]
         assert memory.listen_limits == {arg: 64 << 20}
     assert cfg.save_queue_bytes == 1024 << 20 and cfg.verified_chunks >= 64

@@ -18,7 +18,9 @@ Extra config:
   receiver says it lacks them (a request moved on, A -> B -> C, finds them
   on C). At tensor parallelism > 1 each rank pushes its own slices. A
   failed push is counted (``push_failures``) and pauses pushing for 10 s;
-  the destination recomputes what it lacks.
+  the destination recomputes what it lacks. Needs ``kv_role``
+  ``kv_producer`` or ``kv_both`` (only an engine that saves pushes; only
+  ``kv_both`` also loads, and forwards): a ``kv_consumer`` is refused.
 * ``hurray_listen``: ``HOST:PORT`` to run a receiver on; chunks it receives
   land, validated, in ``hurray_path``. ``hurray_listen_transport``: ``"tcp"``
   (default) or ``"nixl"`` (page pools arrive as NIXL writes; needs
@@ -29,6 +31,9 @@ Extra config:
   ``hurray_listen_max_memory_mib`` (chunks being received, all connections
   together: default 8192), ``hurray_listen_timeout_s`` (one chunk's
   arrival, default 60) and ``hurray_listen_idle_timeout_s`` (default 120).
+  These options without ``hurray_listen`` are refused. Engines of one
+  process share a receiver only on the same address (not port 0) with the
+  same configuration; another configuration on that address is refused.
 * ``hurray_chunk_tokens`` (default 256): tokens per chunk. Must be a multiple
   of the block size of every engine sharing the store; engines with
   different block sizes share chunks (a loaded chunk is repaged).
@@ -79,7 +84,8 @@ Layout (as vLLM's own NIXL connector): :class:`HurrayConnector` is a thin
 facade. vLLM builds one per role; the scheduler role's holds a
 :class:`~.scheduler.HurrayScheduler`, the worker role's a
 :class:`~.worker.HurrayWorker`, and each base-class method delegates to the
-part of its role. :mod:`.config` reads the ``hurray_*`` keys (bad ones raise
+part of its role. :mod:`.config` reads the ``hurray_*`` keys (bad ones, and
+``hurray_*`` keys that are no option, raise
 :class:`~hurray_vllm.errors.HurrayArgumentError` naming the key);
 :mod:`.metadata` is what the scheduler hands the worker.
 
@@ -109,6 +115,7 @@ discovered only on the worker is reported through
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,6 +126,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ....chunks.store import DirectoryStore, chunk_digest, namespace_of, verify_chunk
 from ....transport import require_channel
@@ -154,6 +162,23 @@ __all__ = [
 # Wrapping them here no longer reaches the parts: wrap them in ``.worker`` / ``.scheduler``.
 _BENCH_NAMES = (chunk_digest, export_snapshot, verify_chunk, write_blocks)
 
+log = logging.getLogger("hurray_vllm.connector")
+
+
+def _warn_of_failure_policy(vllm_config: VllmConfig, config: HurrayConfig) -> None:
+    """Warn, once per engine (its scheduler side), that vLLM's default ``kv_load_failure_policy`` fails requests.
+
+    Under ``"fail"`` a load that fails on a worker (a chunk file pruned since
+    the scheduler verified it, no memory for a layer's pages) ends its
+    request with an error, where ``"recompute"`` recomputes it.
+    """
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
+    if config.loads and policy == "fail":
+        log.warning(
+            'hurray: kv_load_failure_policy is "fail": a request whose load fails on a worker ends with an error; '
+            'set "kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute it instead'
+        )
+
 
 class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector storing KV as Hurray block-paged chunks (see the package docstring).
@@ -168,6 +193,9 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
     that ends where it was taken).
     """
 
+    #: Where vLLM's cache-hit metrics say loaded tokens came from: the chunk store is a directory.
+    _cache_hit_source = CacheHitSource.DISK
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = HurrayConfig.from_vllm(vllm_config, kv_cache_config)
@@ -180,6 +208,7 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: HurrayScheduler | None = None
         self._worker: HurrayWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _warn_of_failure_policy(vllm_config, config)
             self._scheduler = HurrayScheduler(config, store, fingerprint, ns)
             self._scheduler.start_receiver()
         else:
@@ -277,13 +306,16 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler side, once per finished request: forget it; blocks are freed at once. Never blocks."""
+        """Scheduler side: forget a finished request; blocks are freed at once. Never blocks.
+
+        vLLM 0.32 calls :meth:`request_finished_all_groups` instead (this class implements ``SupportsHMA``).
+        """
         return self._sched().request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler side, once per finished request of an engine with several KV cache groups.
+        """Scheduler side, once per finished request, whatever the number of KV cache groups (``SupportsHMA``).
 
         As :meth:`request_finished`: forget it; blocks are freed at once. Never blocks.
         """
@@ -344,9 +376,15 @@ class HurrayConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.flush(timeout) if self._worker is not None else True
 
     def shutdown(self) -> None:
-        """Either side, when vLLM shuts down: the worker finishes its background saves (up to a minute)."""
+        """Either side, when vLLM shuts down: the worker finishes its background saves (up to a minute).
+
+        The scheduler side stops its ``hurray_listen`` receiver, unless another engine of the process
+        shares it.
+        """
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Worker side, after each step: the asynchronous loads that ended, and those that failed. Never blocks.

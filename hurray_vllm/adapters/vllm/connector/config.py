@@ -8,6 +8,9 @@ surfaces when the engine starts, never inside a step.
 
 from __future__ import annotations
 
+import difflib
+import os
+import ssl
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +49,41 @@ def verified_capacity(wanted: int) -> int:
     return max(64, wanted)
 
 
+class _Options:
+    """``kv_connector_extra_config`` as the parser reads it, noting every key it asks for.
+
+    The keys asked for are the connector's options: :meth:`refuse_unknown`
+    then refuses any other ``hurray_*`` key (a misspelled option would
+    otherwise leave its default in place: ``hurray_keyfile`` would leave
+    chunks unsigned). So :meth:`HurrayConfig.from_vllm` reads every option
+    unconditionally, whatever the others say.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self._cfg = cfg
+        self.asked: set[str] = set()
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        self.asked.add(key)
+        return self._cfg.get_from_extra_config(key, default)
+
+    def given(self, key: str) -> bool:
+        """Whether ``key`` was set (to something other than None)."""
+        return self.get_from_extra_config(key, None) is not None
+
+    def refuse_unknown(self) -> None:
+        """Refuse a ``hurray_*`` key the parser never asked for, naming the closest option. Other keys pass."""
+        extra = getattr(self._cfg, "kv_connector_extra_config", None) or {}
+        for key in sorted(k for k in extra if isinstance(k, str) and k.startswith("hurray_") and k not in self.asked):
+            close = difflib.get_close_matches(key, sorted(self.asked), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise HurrayArgumentError(key, f"not a HurrayConnector option{hint} (see docs/connector.md)")
+
+
 def _float(extra: Any, key: str, default: float) -> float:
     value = extra.get_from_extra_config(key, default)
+    if isinstance(value, bool):  # true must not become 1 (one second, one MiB)
+        raise HurrayArgumentError(key, f"expected a number, got {value!r}")
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -80,6 +116,14 @@ def _int(extra: Any, key: str, default: int) -> int:
         raise HurrayArgumentError(key, f"expected an integer, got {value!r}") from None
 
 
+_PUSH_TLS = {"cert_file": "hurray_tls_cert", "key_file": "hurray_tls_key", "ca_file": "hurray_tls_ca"}
+_LISTEN_TLS = {
+    "cert_file": "hurray_listen_tls_cert",
+    "key_file": "hurray_listen_tls_key",
+    "client_ca_file": "hurray_listen_tls_client_ca",
+}
+
+
 def _tls_options(cfg: Any, url: Any, listen: Any, transport: str) -> tuple[TlsOptions | None, TlsOptions | None]:
     """The TLS options of pushes and of the receiver, each checked by building its context once (at start)."""
 
@@ -87,29 +131,60 @@ def _tls_options(cfg: Any, url: Any, listen: Any, transport: str) -> tuple[TlsOp
         value = cfg.get_from_extra_config(key, None)
         return str(value) if value else None
 
-    push = TlsOptions(cert_file=get("hurray_tls_cert"), key_file=get("hurray_tls_key"), ca_file=get("hurray_tls_ca"))
+    push = TlsOptions(**{attr: get(key) for attr, key in _PUSH_TLS.items()})
+    listen_opts = TlsOptions(**{attr: get(key) for attr, key in _LISTEN_TLS.items()})
     if push == TlsOptions():
         push_opts = None
     elif not (url and str(url).startswith("tls://")):
-        raise HurrayArgumentError("hurray_tls_ca", "hurray_tls_* options need a tls://HOST:PORT hurray_url")
+        key = next(k for attr, k in _PUSH_TLS.items() if getattr(push, attr))
+        raise HurrayArgumentError(key, "hurray_tls_* options need a tls://HOST:PORT hurray_url")
     else:
         push_opts = push
-    listen_opts = TlsOptions(
-        cert_file=get("hurray_listen_tls_cert"),
-        key_file=get("hurray_listen_tls_key"),
-        client_ca_file=get("hurray_listen_tls_client_ca"),
-    )
     if listen_opts == TlsOptions():
         return push_opts, None
     if not listen or transport != "tcp":
-        raise HurrayArgumentError(
-            "hurray_listen_tls_cert", "hurray_listen_tls_* options need hurray_listen with the tcp transport"
-        )
+        key = next(k for attr, k in _LISTEN_TLS.items() if getattr(listen_opts, attr))
+        raise HurrayArgumentError(key, "hurray_listen_tls_* options need hurray_listen with the tcp transport")
     try:
         server_context(listen_opts)
     except HurrayArgumentError as exc:
-        raise HurrayArgumentError("hurray_listen_tls_cert", str(exc)) from None
+        raise HurrayArgumentError(_tls_fault(listen_opts, _LISTEN_TLS), str(exc)) from None
     return push_opts, listen_opts
+
+
+def _tls_fault(opts: TlsOptions, keys: dict[str, str]) -> str:
+    """The option of ``opts`` (``keys``: its options by attribute) that a failed TLS context is about.
+
+    The context's error names no option: a file that cannot be read, a
+    certificate without its key (or the key without it), a CA bundle or a
+    certificate that does not load; else the private key (unreadable as a
+    key, or not the certificate's).
+    """
+    files = {attr: getattr(opts, attr) for attr in keys}
+    for attr, path in files.items():
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError:
+            return keys[attr]
+    if (files["cert_file"] is None) != (files["key_file"] is None):
+        return keys["key_file"] if files["key_file"] is None else keys["cert_file"]
+    for attr in (a for a in keys if a not in ("cert_file", "key_file")):
+        if files[attr] is not None and not _loads_as_certificates(files[attr]):
+            return keys[attr]
+    if files["cert_file"] is not None and not _loads_as_certificates(files["cert_file"]):
+        return keys["cert_file"]
+    return keys["key_file"] if files["key_file"] is not None else next(iter(keys.values()))
+
+
+def _loads_as_certificates(path: str) -> bool:
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(path)
+    except (OSError, ssl.SSLError):
+        return False
+    return True
 
 
 def _check_push_tls(push_opts: TlsOptions | None) -> None:
@@ -119,8 +194,7 @@ def _check_push_tls(push_opts: TlsOptions | None) -> None:
     try:
         client_context(push_opts)
     except HurrayArgumentError as exc:
-        key = "hurray_tls_ca" if push_opts.ca_file and push_opts.ca_file in str(exc) else "hurray_tls_cert"
-        raise HurrayArgumentError(key, str(exc)) from None
+        raise HurrayArgumentError(_tls_fault(push_opts, _PUSH_TLS), str(exc)) from None
 
 
 def _worker_in_process(vllm_config: VllmConfig) -> bool:
@@ -242,12 +316,18 @@ class HurrayConfig:
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HurrayConfig:
         """Read and check the configuration; :class:`HurrayArgumentError` names the bad key."""
-        cfg = vllm_config.kv_transfer_config
-        if cfg is None:
+        kv = vllm_config.kv_transfer_config
+        if kv is None:
             raise HurrayArgumentError("kv_transfer_config", "HurrayConnector needs a kv_transfer_config")
+        cfg = _Options(kv)  # every option below is read whatever the others say: see _Options
         path = cfg.get_from_extra_config("hurray_path", None)
-        if not path:
-            raise HurrayArgumentError("hurray_path", "HurrayConnector needs kv_connector_extra_config.hurray_path")
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            what = "" if path is None else f", a non-empty path, not {path!r}"
+            raise HurrayArgumentError(
+                "hurray_path", f"HurrayConnector needs kv_connector_extra_config.hurray_path{what}"
+            )
         block_size = vllm_config.cache_config.block_size
         # 256 tokens, or the nearest whole number of blocks above (a hybrid's blocks may be larger).
         chunk = _int(cfg, "hurray_chunk_tokens", -(-256 // block_size) * block_size)
@@ -255,11 +335,26 @@ class HurrayConfig:
             raise HurrayArgumentError(
                 "hurray_chunk_tokens", f"{chunk} is not a multiple of the engine's block size {block_size}"
             )
+        max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+        if cfg.given("hurray_chunk_tokens") and isinstance(max_len, int) and 0 < max_len < chunk:
+            # No request would ever complete a chunk: nothing saved, nothing loaded, and no word of it.
+            raise HurrayArgumentError(
+                "hurray_chunk_tokens", f"{chunk} tokens exceed the model's max_model_len {max_len}: no chunk would fill"
+            )
+        saves = kv.kv_role in ("kv_producer", "kv_both")
         url = cfg.get_from_extra_config("hurray_url", None) or None
         try:
             url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
         except HurrayFormatError as exc:
             raise HurrayArgumentError("hurray_url", str(exc)) from exc
+        if url and not saves:
+            # The worker pushes from its background writer, which only an engine that saves runs; the chunks a
+            # request loaded are forwarded (A -> B -> C) alongside its saves.
+            raise HurrayArgumentError(
+                "hurray_url",
+                f"kv_role {kv.kv_role!r} saves nothing, so nothing is pushed: hurray_url needs kv_role "
+                '"kv_producer" (pushes the chunks it saves) or "kv_both" (also forwards the chunks a request loaded)',
+            )
         replay = bool(getattr(vllm_config.cache_config, "use_replayssm", False))
         why = unsupported_cache(kv_cache_config, sliding_windows=True, replay_ssm=replay)
         if why is not None:
@@ -299,6 +394,8 @@ class HurrayConfig:
         if window_chunks not in ("every", "last"):
             raise HurrayArgumentError("hurray_window_chunks", f"expected 'every' or 'last', got {window_chunks!r}")
         listen = cfg.get_from_extra_config("hurray_listen", None) or None
+        if cfg.given("hurray_listen_transport") and listen is None:
+            raise HurrayArgumentError("hurray_listen_transport", "a receiver's option: it needs hurray_listen")
         transport = str(cfg.get_from_extra_config("hurray_listen_transport", "tcp"))
         if transport not in CHANNELS:
             raise HurrayArgumentError(
@@ -310,7 +407,7 @@ class HurrayConfig:
             except HurrayFormatError as exc:
                 raise HurrayArgumentError("hurray_listen", str(exc)) from exc
         limits: dict[str, Any] = {}
-        for key, arg, scale, low in (  # scale None: seconds, kept as a float
+        for key, arg, scale, low in (  # scale None: seconds, kept as a float; 1: a count, an integer
             ("hurray_listen_quota_mib", "quota_bytes", 1 << 20, 0.0),
             ("hurray_listen_min_free_mib", "min_free_bytes", 1 << 20, 0.0),
             ("hurray_listen_max_connections", "max_connections", 1, 1.0),
@@ -324,8 +421,10 @@ class HurrayConfig:
             ("hurray_listen_timeout_s", "timeout", None, 0.001),
             ("hurray_listen_idle_timeout_s", "idle_timeout", None, 0.001),
         ):
-            if cfg.get_from_extra_config(key, None) is not None:
-                value = _float(cfg, key, 0.0)
+            if cfg.given(key):
+                if listen is None:  # as hurray_listen_tls_*: a limit of no receiver would be dropped unsaid
+                    raise HurrayArgumentError(key, "a receiver's limit: it needs hurray_listen")
+                value = _int(cfg, key, 0) if scale == 1 else _float(cfg, key, 0.0)
                 # Seconds within the receiver's own bound, sizes that fit a 64-bit count: "inf" would otherwise
                 # fail later (an OverflowError, or the receiver's refusal) without naming the option.
                 high = MAX_TIMEOUT_S if scale is None else float(1 << 62) / scale
@@ -344,18 +443,20 @@ class HurrayConfig:
         save_queue_mib = _int(cfg, "hurray_save_queue_mib", 1024)
         if save_queue_mib < 1:  # 0 would count every step's saves as a full queue and cut each push short
             raise HurrayArgumentError("hurray_save_queue_mib", f"must be at least 1, got {save_queue_mib}")
+        verified_chunks = _int(cfg, "hurray_verified_chunks", 256)
+        cfg.refuse_unknown()  # last: by now every option was asked for
         return cls(
-            path=str(path),
+            path=path,
             chunk_tokens=chunk,
             block_size=block_size,
             url=str(url) if url else None,
             url_channel=url_channel,
-            loads=cfg.kv_role in ("kv_consumer", "kv_both"),
-            saves=cfg.kv_role in ("kv_producer", "kv_both"),
+            loads=kv.kv_role in ("kv_consumer", "kv_both"),
+            saves=saves,
             save_async=save_async,
             save_queue_bytes=save_queue_mib << 20,
             push_wait_s=push_wait_s,
-            verified_chunks=verified_capacity(_int(cfg, "hurray_verified_chunks", 256)),
+            verified_chunks=verified_capacity(verified_chunks),
             verified_bytes=verified_mib << 20,
             listen=str(listen) if listen else None,
             listen_transport=transport,

@@ -26,7 +26,7 @@ from ....chunks.verify import begin_check_data
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from ....transport import ReceiverBase, receiver_for
-from ....transport.base import parse_listen
+from ....transport.base import host_port, parse_listen
 from ....transport.security import server_context
 from ..cache import adapter_digest
 from ..states import state_block, step_block
@@ -43,7 +43,20 @@ __all__ = ["HurrayScheduler", "is_damage"]
 log = logging.getLogger("hurray_vllm.connector")
 
 _POOL_LOCK = threading.Lock()
-_RECEIVERS: dict[str, ReceiverBase] = {}  # by hurray_listen
+
+
+@dataclass
+class _Listening:
+    """A ``hurray_listen`` receiver of this process, the configuration it was started with, and its engines."""
+
+    receiver: ReceiverBase
+    setup: tuple[Any, ...]
+    users: int = 1
+
+
+_RECEIVERS_LOCK = threading.Lock()
+#: By the address bound (host, port): port 0's receiver under the port it got.
+_RECEIVERS: dict[tuple[str, int], _Listening] = {}
 _HELPERS: dict[str, ThreadPoolExecutor] = {}
 #: Stored windowed chunk files whose windows a scheduler remembers (a few hundred bytes each).
 _STORED_WINDOWS_CAP = 4096
@@ -277,20 +290,67 @@ class HurrayScheduler:
         # requests vLLM put to wait for a load that is not (or no longer) planned, which the workers fail.
         self._allocated: list[tuple[_Request, int]] = []
         self._unplanned: list[str] = []
+        # The receiver start_receiver started or shares, by the address it bound (see _RECEIVERS).
+        self._listening: tuple[str, int] | None = None
 
     def start_receiver(self) -> None:
-        """Start the ``hurray_listen`` receiver once per process (it outlives any one connector)."""
+        """Start the ``hurray_listen`` receiver, or share the one another engine of this process started.
+
+        An engine shares a receiver only when it listens on the same address
+        (not port 0, which picks a free port for each) with the same
+        configuration: store path, keys, TLS, limits and transport. The same
+        address with another configuration is refused
+        (:class:`~hurray_vllm.errors.HurrayArgumentError` naming
+        ``hurray_listen``): that engine's chunks would land, or be checked,
+        as the first engine's receiver decides. :meth:`shutdown` stops it
+        when no engine of the process uses it any more.
+        """
         listen = self._config.listen
-        if not listen or listen in _RECEIVERS:
+        if not listen or self._listening is not None:
             return
         host, port = parse_listen(listen)  # checked by HurrayConfig
         limits = self._config.listen_limits
-        tls = server_context(self._config.listen_tls) if self._config.listen_tls is not None else None
-        options: dict[str, Any] = {"keys": self._config.keys, **limits}
-        if tls is not None:
-            options["tls"] = tls
-        _RECEIVERS[listen] = receiver_for(self._config.listen_transport, host, port, self._store, **options).start()
-        log.info("hurray: receiving chunks on %s into %s", listen, self._config.path)
+        setup = (
+            os.path.realpath(self._config.path),
+            self._config.keys,
+            self._config.listen_tls,
+            tuple(sorted(limits.items())),
+            self._config.listen_transport,
+        )
+        with _RECEIVERS_LOCK:
+            shared = _RECEIVERS.get((host, port)) if port else None
+            if shared is not None:
+                if shared.setup != setup:
+                    raise HurrayArgumentError(
+                        "hurray_listen",
+                        f"another engine of this process receives on {listen} with another store path, keys, TLS, "
+                        "limits or transport: give this engine an address of its own",
+                    )
+                shared.users += 1
+                self._listening = (host, port)
+                return
+            tls = server_context(self._config.listen_tls) if self._config.listen_tls is not None else None
+            options: dict[str, Any] = {"keys": self._config.keys, **limits}
+            if tls is not None:
+                options["tls"] = tls
+            receiver = receiver_for(self._config.listen_transport, host, port, self._store, **options).start()
+            bound = (host, int(receiver.address[1]))
+            _RECEIVERS[bound] = _Listening(receiver, setup)
+            self._listening = bound
+        log.info("hurray: receiving chunks on %s into %s", host_port(*bound), self._config.path)
+
+    def shutdown(self) -> None:
+        """When vLLM shuts the engine down: stop its receiver unless another engine of the process uses it."""
+        with _RECEIVERS_LOCK:
+            bound, self._listening = self._listening, None
+            if bound is None or (shared := _RECEIVERS.get(bound)) is None:
+                return
+            shared.users -= 1
+            if shared.users > 0:
+                return
+            del _RECEIVERS[bound]
+        shared.receiver.stop()
+        log.info("hurray: stopped receiving chunks on %s", host_port(*bound))
 
     def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:
         """Count and log a refused chunk; ``damaged`` (its file's identity) moves a damaged file aside.

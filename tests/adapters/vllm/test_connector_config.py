@@ -1,0 +1,392 @@
+"""The connector's configuration on its own (no engine): the ``hurray_*`` options it knows, the values it
+refuses and the key each refusal names, the ``hurray_listen`` receivers engines of one process share, and what
+it tells vLLM."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import require
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "connector.md"
+
+
+def _config(extra: dict[str, object], role: str = "kv_both", max_model_len: int | None = None) -> SimpleNamespace:
+    """Just what HurrayConfig.from_vllm reads of a VllmConfig (``max_model_len``: a model_config with it)."""
+    require("vllm")
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(kv_connector="HurrayConnector", kv_role=role, kv_connector_extra_config=extra)
+    engine = SimpleNamespace(
+        kv_transfer_config=kv,
+        cache_config=SimpleNamespace(block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+    if max_model_len is not None:
+        engine.model_config = SimpleNamespace(max_model_len=max_model_len)
+    return engine
+
+
+def _parse(extra: dict[str, object], **kwargs: Any) -> Any:
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+
+    return HurrayConfig.from_vllm(_config(extra, **kwargs), None)  # type: ignore[arg-type]
+
+
+def _refused(extra: dict[str, object], **kwargs: Any) -> Any:
+    """The HurrayArgumentError parsing ``extra`` raises."""
+    from hurray_vllm.errors import HurrayArgumentError
+
+    with pytest.raises(HurrayArgumentError) as info:
+        _parse(extra, **kwargs)
+    return info.value
+
+
+# ── options the connector does not know ──────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant", "value"),
+    [
+        ("hurray_keyfile", "hurray_key_file", "/etc/hurray/fleet.key"),  # would leave chunks unsigned
+        ("hurray_chunk_token", "hurray_chunk_tokens", 64),  # would keep the default chunk size
+        ("hurray_listen_quota", "hurray_listen_quota_mib", 100),
+    ],
+)
+def test_a_misspelled_option_is_refused_naming_it_and_the_option_meant(typo: str, meant: str, value: object) -> None:
+    err = _refused({"hurray_path": "/x", typo: value})
+    assert err.field == typo and f"did you mean {meant!r}" in str(err)
+
+
+def test_keys_that_are_not_hurray_options_are_left_alone() -> None:
+    cfg = _parse({"hurray_path": "/x", "shared_storage_path": "/y", "lmcache.chunk_size": 3, "hurrayish": 1})
+    assert cfg.path == "/x"
+
+
+def test_the_options_known_are_those_documented_and_read_whatever_the_others_say(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The known options are the keys the parser asks for: it must ask for each, in every configuration."""
+    require("vllm")
+    import hurray_vllm.adapters.vllm.connector.config as config
+
+    seen: list[Any] = []
+
+    class Recorded(config._Options):  # type: ignore[name-defined,misc]
+        def __init__(self, cfg: Any) -> None:
+            super().__init__(cfg)
+            seen.append(self)
+
+    monkeypatch.setattr(config, "_Options", Recorded)
+    _parse({"hurray_path": "/x"}, role="kv_consumer")
+    many = {
+        "hurray_path": str(tmp_path),
+        "hurray_chunk_tokens": 32,
+        "hurray_url": "tcp://h:1",
+        "hurray_listen": ":0",
+        "hurray_listen_quota_mib": 10,
+        "hurray_listen_max_connections": 4,
+        "hurray_save_async": False,
+        "hurray_tails": False,
+    }
+    _parse(many, role="kv_producer")
+    documented = set()
+    for line in DOCS.read_text().splitlines():
+        if line.startswith("| `hurray_"):
+            documented |= set(re.findall(r"`(hurray_\w+)`", line.split("|")[1]))
+    assert seen[0].asked == seen[1].asked == documented
+
+
+# ── values ───────────────────────────────────────────────────────────────────
+
+_LISTEN = {"hurray_path": "/x", "hurray_listen": ":0"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({**_LISTEN, "hurray_listen_max_connections": 2.5}, "hurray_listen_max_connections"),  # was 2
+        ({**_LISTEN, "hurray_listen_max_connections": "2.5"}, "hurray_listen_max_connections"),
+        ({**_LISTEN, "hurray_listen_max_connections": True}, "hurray_listen_max_connections"),  # was 1
+        ({**_LISTEN, "hurray_listen_max_memory_mib": True}, "hurray_listen_max_memory_mib"),  # was 1 MiB
+        ({**_LISTEN, "hurray_listen_quota_mib": True}, "hurray_listen_quota_mib"),
+        ({**_LISTEN, "hurray_listen_timeout_s": True}, "hurray_listen_timeout_s"),
+        ({"hurray_path": "/x", "hurray_push_wait_s": True}, "hurray_push_wait_s"),  # was 1 s
+        ({"hurray_path": True}, "hurray_path"),  # was a directory "True"
+        ({"hurray_path": 5}, "hurray_path"),
+        ({"hurray_path": ["/x"]}, "hurray_path"),
+        ({"hurray_path": ""}, "hurray_path"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_is_refused_naming_the_key(extra: dict[str, object], field: str) -> None:
+    assert _refused(extra).field == field
+
+
+def test_counts_and_sizes_that_are_whole_numbers_pass() -> None:
+    cfg = _parse({**_LISTEN, "hurray_listen_max_connections": 8.0, "hurray_listen_max_memory_mib": 1.5})
+    assert cfg.listen_limits == {"max_connections": 8, "max_inflight_bytes": 3 << 19}
+    assert isinstance(cfg.listen_limits["max_connections"], int)
+    assert _parse({"hurray_path": "/x", "hurray_push_wait_s": 0.5}).push_wait_s == 0.5
+
+
+def test_a_path_like_hurray_path_is_a_string(tmp_path: Path) -> None:
+    assert _parse({"hurray_path": tmp_path}).path == str(tmp_path)
+
+
+def test_a_chunk_longer_than_the_model_is_refused() -> None:
+    err = _refused({"hurray_path": "/x", "hurray_chunk_tokens": 10**9 // 16 * 16}, max_model_len=4096)
+    assert err.field == "hurray_chunk_tokens" and "max_model_len 4096" in str(err)
+    assert _parse({"hurray_path": "/x", "hurray_chunk_tokens": 4096}, max_model_len=4096).chunk_tokens == 4096
+    # The default is not the operator's choice: a short model keeps it (and the engine still starts).
+    assert _parse({"hurray_path": "/x"}, max_model_len=128).chunk_tokens == 256
+
+
+# ── kv_role ──────────────────────────────────────────────────────────────────
+
+
+def test_a_consumer_with_hurray_url_is_refused_it_would_push_nothing() -> None:
+    err = _refused({"hurray_path": "/x", "hurray_url": "tcp://h:1"}, role="kv_consumer")
+    assert err.field == "hurray_url" and "kv_both" in str(err) and "kv_producer" in str(err)
+    for role in ("kv_producer", "kv_both"):
+        assert _parse({"hurray_path": "/x", "hurray_url": "tcp://h:1"}, role=role).url == "tcp://h:1"
+
+
+# ── receiver options without a receiver ──────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("hurray_listen_transport", "tcp"),
+        ("hurray_listen_quota_mib", 100),
+        ("hurray_listen_min_free_mib", 100),
+        ("hurray_listen_max_connections", 8),
+        ("hurray_listen_max_memory_mib", 64),
+        ("hurray_listen_timeout_s", 10),
+        ("hurray_listen_idle_timeout_s", 10),
+    ],
+)
+def test_a_receiver_option_without_hurray_listen_is_refused_naming_it(key: str, value: object) -> None:
+    err = _refused({"hurray_path": "/x", key: value})
+    assert err.field == key and "hurray_listen" in str(err)
+    assert _parse({**_LISTEN, key: value}).listen == ":0"
+
+
+# ── TLS: the key at fault ────────────────────────────────────────────────────
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, str]:
+    require("cryptography")
+    from pki import make_pki
+
+    files = make_pki(tmp_path, "fleet")
+    files["other_key"] = make_pki(tmp_path, "other")["key"]
+    files["missing"] = str(tmp_path / "missing.pem")
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    files["garbage"] = str(tmp_path / "garbage.pem")
+    return files
+
+
+_TLS_URL = {"hurray_path": "/x", "hurray_url": "tls://h:1"}
+_TLS_LISTEN = {"hurray_path": "/x", "hurray_listen": ":0"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "files", "field"),
+    [
+        # Without a tls:// URL: the option given, not hurray_tls_ca.
+        ({"hurray_path": "/x"}, {"hurray_tls_cert": "cert", "hurray_tls_key": "key"}, "hurray_tls_cert"),
+        ({"hurray_path": "/x"}, {"hurray_tls_key": "key"}, "hurray_tls_key"),
+        ({"hurray_path": "/x", "hurray_url": "tcp://h:1"}, {"hurray_tls_ca": "ca"}, "hurray_tls_ca"),
+        # A file that does not load.
+        (_TLS_URL, {"hurray_tls_cert": "cert", "hurray_tls_key": "missing"}, "hurray_tls_key"),
+        (_TLS_URL, {"hurray_tls_cert": "cert", "hurray_tls_key": "garbage"}, "hurray_tls_key"),
+        (_TLS_URL, {"hurray_tls_cert": "cert", "hurray_tls_key": "other_key"}, "hurray_tls_key"),
+        (_TLS_URL, {"hurray_tls_cert": "missing", "hurray_tls_key": "key"}, "hurray_tls_cert"),
+        (_TLS_URL, {"hurray_tls_cert": "garbage", "hurray_tls_key": "key"}, "hurray_tls_cert"),
+        (_TLS_URL, {"hurray_tls_cert": "cert"}, "hurray_tls_key"),  # the key it needs
+        (_TLS_URL, {"hurray_tls_ca": "garbage"}, "hurray_tls_ca"),
+        # The receiver's.
+        ({"hurray_path": "/x"}, {"hurray_listen_tls_key": "key"}, "hurray_listen_tls_key"),
+        (
+            _TLS_LISTEN,
+            {
+                "hurray_listen_tls_cert": "cert",
+                "hurray_listen_tls_key": "key",
+                "hurray_listen_tls_client_ca": "missing",
+            },
+            "hurray_listen_tls_client_ca",
+        ),
+        (
+            _TLS_LISTEN,
+            {
+                "hurray_listen_tls_cert": "cert",
+                "hurray_listen_tls_key": "key",
+                "hurray_listen_tls_client_ca": "garbage",
+            },
+            "hurray_listen_tls_client_ca",
+        ),
+        (_TLS_LISTEN, {"hurray_listen_tls_cert": "cert", "hurray_listen_tls_key": "missing"}, "hurray_listen_tls_key"),
+        (_TLS_LISTEN, {"hurray_listen_tls_cert": "missing", "hurray_listen_tls_key": "key"}, "hurray_listen_tls_cert"),
+        (_TLS_LISTEN, {"hurray_listen_tls_key": "key"}, "hurray_listen_tls_cert"),  # the certificate it needs
+    ],
+)
+def test_a_tls_error_names_the_option_at_fault(
+    pki: dict[str, str], extra: dict[str, object], files: dict[str, str], field: str
+) -> None:
+    err = _refused({**extra, **{key: pki[name] for key, name in files.items()}})
+    assert err.field == field, err
+
+
+def test_good_tls_files_pass(pki: dict[str, str]) -> None:
+    push = {"hurray_tls_cert": pki["cert"], "hurray_tls_key": pki["key"], "hurray_tls_ca": pki["ca"]}
+    listen = {
+        "hurray_listen_tls_cert": pki["cert"],
+        "hurray_listen_tls_key": pki["key"],
+        "hurray_listen_tls_client_ca": pki["ca"],
+    }
+    cfg = _parse({**_TLS_URL, **_TLS_LISTEN, **push, **listen})
+    assert cfg.push_tls is not None and cfg.listen_tls is not None
+
+
+# ── hurray_listen receivers of one process ───────────────────────────────────
+
+
+def _scheduler(store: Path, listen: str, **extra: object) -> Any:
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    cfg = _parse({"hurray_path": str(store), "hurray_listen": listen, **extra})
+    return HurrayScheduler(cfg, DirectoryStore(store), None, "cd" * 8)  # type: ignore[arg-type]
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_port_0_starts_a_receiver_for_each_engine(tmp_path: Path) -> None:
+    """Port 0 picks a free port for each engine: a second one no longer gets the first one's receiver."""
+    from hurray_vllm.adapters.vllm.connector.scheduler import _RECEIVERS
+
+    first, second = _scheduler(tmp_path / "a", "127.0.0.1:0"), _scheduler(tmp_path / "b", "127.0.0.1:0")
+    try:
+        first.start_receiver()
+        second.start_receiver()
+        a, b = _RECEIVERS[first._listening], _RECEIVERS[second._listening]
+        assert a.receiver is not b.receiver and a.receiver.address[1] != b.receiver.address[1]
+        assert a.receiver.store.root != b.receiver.store.root  # each engine's chunks land in its own store
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_engines_on_one_address_share_its_receiver_until_the_last_shuts_down(tmp_path: Path) -> None:
+    from hurray_vllm.adapters.vllm.connector.scheduler import _RECEIVERS
+
+    first = _scheduler(tmp_path, "127.0.0.1:0", hurray_listen_max_connections=4)
+    first.start_receiver()
+    try:
+        port = first._listening[1]
+        second = _scheduler(tmp_path, f"127.0.0.1:{port}", hurray_listen_max_connections=4)
+        second.start_receiver()  # the same address and configuration: shared, not bound again (which would fail)
+        shared = _RECEIVERS[first._listening]
+        assert second._listening == first._listening and shared.users == 2
+        first.shutdown()
+        first.shutdown()  # once per engine
+        assert not shared.receiver.stopping and _accepts(port), "stopped while another engine uses it"
+        second.shutdown()
+        # Stopped: an accept already waiting still takes one last connection (ReceiverBase.stop), so no connect here.
+        assert shared.receiver.stopping and ("127.0.0.1", port) not in _RECEIVERS
+    finally:
+        first.shutdown()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"store": "elsewhere"},
+        {"hurray_listen_max_connections": 8},
+        {"hurray_listen_quota_mib": 100},
+    ],
+)
+def test_another_configuration_on_a_receiver_s_address_is_refused(tmp_path: Path, other: dict[str, object]) -> None:
+    from hurray_vllm.adapters.vllm.connector.scheduler import _RECEIVERS
+    from hurray_vllm.errors import HurrayArgumentError
+
+    first = _scheduler(tmp_path, "127.0.0.1:0", hurray_listen_max_connections=4)
+    first.start_receiver()
+    try:
+        port = first._listening[1]
+        extra = {k: v for k, v in other.items() if k != "store"}
+        store = tmp_path / str(other["store"]) if "store" in other else tmp_path
+        second = _scheduler(store, f"127.0.0.1:{port}", **{"hurray_listen_max_connections": 4, **extra})
+        with pytest.raises(HurrayArgumentError) as info:
+            second.start_receiver()
+        assert info.value.field == "hurray_listen"
+        second.shutdown()  # started nothing: stops nothing
+        assert not _RECEIVERS[first._listening].receiver.stopping and _accepts(port)
+    finally:
+        first.shutdown()
+
+
+def test_the_connector_s_shutdown_stops_the_scheduler_s_receiver(tmp_path: Path) -> None:
+    from hurray_vllm.adapters.vllm.connector import HurrayConnector
+    from hurray_vllm.adapters.vllm.connector.scheduler import _RECEIVERS
+
+    sched = _scheduler(tmp_path, "127.0.0.1:0")
+    sched.start_receiver()
+    listening = _RECEIVERS[sched._listening]
+    connector = HurrayConnector.__new__(HurrayConnector)  # the facade alone: no engine
+    connector._scheduler, connector._worker = sched, None
+    try:
+        connector.shutdown()
+        assert listening.receiver.stopping and listening not in _RECEIVERS.values()
+    finally:
+        sched.shutdown()
+
+
+# ── what vLLM is told ────────────────────────────────────────────────────────
+
+
+def test_loaded_tokens_are_reported_as_disk_hits() -> None:
+    require("vllm")
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from hurray_vllm.adapters.vllm.connector import HurrayConnector
+
+    assert HurrayConnector._cache_hit_source is CacheHitSource.DISK
+    connector = HurrayConnector.__new__(HurrayConnector)
+    assert connector.get_external_cache_hit_sources(None, 48) == {CacheHitSource.DISK: 48}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("role", "policy", "warned"),
+    [
+        ("kv_both", "fail", True),
+        ("kv_consumer", "fail", True),
+        ("kv_both", "recompute", False),
+        ("kv_producer", "fail", False),
+    ],
+)
+def test_the_fail_load_policy_is_warned_about_where_the_engine_loads(
+    caplog: pytest.LogCaptureFixture, role: str, policy: str, warned: bool
+) -> None:
+    from hurray_vllm.adapters.vllm.connector import _warn_of_failure_policy
+
+    engine = _config({"hurray_path": "/x"}, role=role)
+    engine.kv_transfer_config.kv_load_failure_policy = policy
+    config = _parse({"hurray_path": "/x"}, role=role)
+    with caplog.at_level(logging.WARNING, logger="hurray_vllm.connector"):
+        _warn_of_failure_policy(engine, config)  # type: ignore[arg-type]
+    assert ('"recompute"' in caplog.text) is warned
