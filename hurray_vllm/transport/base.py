@@ -696,6 +696,7 @@ class ReceiverBase(abc.ABC):
         self._sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
+        self._accepting: threading.Thread | None = None  # start()'s accept thread
         self._conns: set[socket.socket] = set()
         self._mu = threading.Lock()
         # Per connection, when its frame must have arrived (see _watch); under _mu.
@@ -707,7 +708,8 @@ class ReceiverBase(abc.ABC):
 
     def start(self) -> ReceiverBase:
         """Start accepting connections (on a daemon thread); returns ``self``."""
-        threading.Thread(target=self._accept, name=f"hurray-{self.transport}-receiver", daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept, name=f"hurray-{self.transport}-receiver", daemon=True)
+        self._accepting.start()
         threading.Thread(target=self._watch, name=f"hurray-{self.transport}-deadlines", daemon=True).start()
         return self
 
@@ -747,6 +749,12 @@ class ReceiverBase(abc.ABC):
     def stop(self) -> None:
         """Stop accepting and close open connections (their chunks abort; nothing partial is stored)."""
         self._stop.set()
+        try:
+            # Wakes the accept thread (Linux: EINVAL). close() alone does not: the thread stays blocked in
+            # accept() on the open listening socket, which keeps taking connections until one more arrives.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # never listened, or already shut
+            pass
         self._sock.close()
         with self._mu:
             conns = list(self._conns)

@@ -478,6 +478,9 @@ def test_a_failed_accept_does_not_stop_the_receiver(tmp_path: Path) -> None:
                 raise OSError(errno.EMFILE, "Too many open files")
             return self.sock.accept()
 
+        def shutdown(self, how: int) -> None:
+            self.sock.shutdown(how)
+
         def close(self) -> None:
             self.sock.close()
 
@@ -487,6 +490,18 @@ def test_a_failed_accept_does_not_stop_the_receiver(tmp_path: Path) -> None:
     with r.start():
         transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [(ns, key, chunk)], timeout=10)
         assert r.received == 1 and r._sock.failures == 0  # type: ignore[attr-defined]
+
+
+def test_a_stopped_receiver_takes_no_more_connections(tmp_path: Path) -> None:
+    """stop() ends the accept thread and closes the port: closing the socket alone left accept() blocked on it."""
+    r = transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path)).start()
+    port = r.address[1]
+    r.stop()
+    assert r._accepting is not None
+    r._accepting.join(10)
+    assert not r._accepting.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
 
 
 def test_chunks_read_at_once_are_bounded_in_memory(tmp_path: Path) -> None:
