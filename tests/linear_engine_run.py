@@ -1,6 +1,7 @@
 """Runs one real vLLM engine (CPU) on a tiny linear-attention hybrid (Qwen3-Next style) with HurrayConnector.
 
 Usage: python linear_engine_run.py MODEL_DIR OUT_DIR STORE_DIR (save|load) [MORE_PROMPTS_JSON]
+       [--ssm-dtype DTYPE] [--snapshot] [--move-after N]
 
 ``save`` snapshots the requests after their prefill (``OUT_DIR/prefill.hrry``)
 and mid-decode (``OUT_DIR/snap.hrry``) while the connector saves every
@@ -16,13 +17,23 @@ out in blocks ``B`` once the engine said what ``B`` is, so that every CPU
 runs the same schedule. The token budget takes every prompt's first step at
 once: vLLM then prefills each up to its last block boundary in the first
 step and the rest in the second.
+
+Variants: ``--ssm-dtype`` is vLLM's ``mamba_ssm_cache_dtype`` (CPUs with
+avx512_bf16 keep a 16-bit one for the accelerated GDN backend, and reset
+any other to float32); the conv-state layout follows the environment
+(``VLLM_SSM_CONV_STATE_LAYOUT``). ``--snapshot`` takes the two snapshots in
+``load`` mode too. ``--move-after N``: once every request finished and the
+connector's saves are written, vLLM's own prefix cache is emptied and
+``d_moved``, "d"'s prompt and its first ``N`` generated tokens, runs on the
+same engine: it resumes from the chunks this run saved. ``result.json``
+also records the state dtype vLLM kept, the conv-state layout it used and
+its state tensors' shapes and dtypes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +58,33 @@ def prompts(b: int) -> dict[str, list[int]]:
     }
 
 
+def _engine_states(worker: Any) -> dict[str, Any]:
+    """Runs on the worker: the conv-state layout vLLM used, and each state layer's tensors (per block, as held)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    ctx = worker.vllm_config.compilation_config.static_forward_context
+    layers = {
+        name: [[list(t.shape[1:]), str(t.dtype).removeprefix("torch.")] for t in layer.kv_cache]
+        for name, layer in ctx.items()
+        if isinstance(getattr(layer, "kv_cache", None), (list, tuple)) and len(layer.kv_cache) == 2
+    }
+    return {"conv_layout": get_conv_state_layout(), "layers": layers}
+
+
 def main() -> None:
-    model, out, store, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-    more: dict[str, list[int]] = json.loads(Path(sys.argv[5]).read_text()) if len(sys.argv) > 5 else {}
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    for name in ("model", "out", "store", "mode"):
+        parser.add_argument(name)
+    parser.add_argument("more", nargs="?")
+    parser.add_argument("--ssm-dtype", default="auto")
+    parser.add_argument("--snapshot", action="store_true")
+    parser.add_argument("--move-after", type=int, default=0)
+    args = parser.parse_args()
+    model, out, store, mode = args.model, Path(args.out), args.store, args.mode
+    more: dict[str, list[int]] = json.loads(Path(args.more).read_text()) if args.more else {}
+    snapshots = mode == "save" or args.snapshot
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -74,6 +109,7 @@ def main() -> None:
         max_num_batched_tokens=16384,
         kv_transfer_config=kv,
         seed=0,
+        mamba_ssm_cache_dtype=args.ssm_dtype,
     )
     eng = llm.llm_engine
     core: Any = eng.engine_core.engine_core  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -96,15 +132,29 @@ def main() -> None:
                 cached[o.request_id] = o.num_cached_tokens
         steps += 1
         reqs = list(core.scheduler.requests.values())
-        if mode == "save" and not taken and reqs and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
+        if snapshots and not taken and reqs and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
             # Every prompt computed, no decode step yet: transformers' prefill is the ground truth here.
             hv.save(snapshot(llm, list(result["prompts"])), out / "prefill.hrry")
             taken = True
-        elif mode == "save" and taken and "snap" not in result:
+        elif snapshots and taken and "snap" not in result:
             hv.save(snapshot(llm, list(result["prompts"])), out / "snap.hrry")  # one decode step later
             result["snap"] = steps
+    if args.move_after:
+        llm.collective_rpc(_worker_stats)  # every chunk saved so far is in the store
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache")
+        moved = [*result["prompts"]["d"], *outputs["d"][: args.move_after]]
+        result["prompts"]["d_moved"] = moved
+        eng.add_request("d_moved", TokensPrompt(prompt_token_ids=moved), sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outputs[o.request_id] = list(o.outputs[0].token_ids)
+                    cached[o.request_id] = o.num_cached_tokens
     result["scheduler_stats"] = dict(vars(core.scheduler.connector.stats))
     result["worker_stats"] = llm.collective_rpc(_worker_stats)[0]
+    result["engine_states"] = llm.collective_rpc(_engine_states)[0]
+    result["mamba_ssm_cache_dtype"] = str(eng.vllm_config.cache_config.mamba_ssm_cache_dtype)
     cfg = eng.vllm_config
     result["hybrid_manager_off"] = bool(cfg.scheduler_config.disable_hybrid_kv_cache_manager)
     result["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)

@@ -4,23 +4,34 @@ One engine saves (HurrayConnector, prefix caching on: ``mamba_cache_mode
 "align"``) and snapshots after the prefill and one decode step later;
 another loads the chunks; a third loads from a store where one chunk lost
 its states and another's states are damaged; a fourth from a store whose
-states were replaced by zeros (well-formed, re-digested), which shows that
+states were replaced by noise (well-formed, re-digested), which shows that
 the token comparison notices wrong states.
+
+Two variants of vLLM's state memory, one engine each, whose states are
+compared by value (the CPU backend takes head dims of 128 only, so a
+transposed recurrent state has the shape of the right one and passes every
+shape check): ``mamba_ssm_cache_dtype="bfloat16"`` (vLLM keeps a 16-bit SSM
+state for its accelerated GDN backend on CPUs with avx512_bf16, which reset
+the default to float32; the run says which it kept), saving, snapshotting
+and resuming a moved request from its own chunks; and the "DS" conv-state
+layout (``VLLM_SSM_CONV_STATE_LAYOUT=DS``: ``[conv_dim, kernel - 1]`` per
+block), loading the default ("SD") engine's chunks and snapshotting.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import require
+from conftest import ISAS_SEEN, require
 from engine_script import run_engine_script
-from margins import agreement, assert_agrees
+from margins import agreement, assert_agrees, assert_continues
 from prefetch import prefetched
 from servers import side_by_side
 from tiny_models import build_tiny_qwen3_next
@@ -43,9 +54,18 @@ def state_bytes(recurrent_element_size: int) -> int:
     return 3 * (3 * 1024 * 2 + 4 * 128 * 128 * recurrent_element_size)
 
 
-def _run(tmp: Path, name: str, store: Path, mode: str, more: Path | None = None) -> dict[str, Any]:
-    args = [str(tmp / "model"), str(tmp / name), str(store), mode, *([str(more)] if more else [])]
-    return run_engine_script("linear_engine_run.py", args, tmp / name, f"linear-attention engine {name}")
+def _run(
+    tmp: Path,
+    name: str,
+    store: Path,
+    mode: str,
+    more: Path | None = None,
+    *,
+    flags: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    args = [str(tmp / "model"), str(tmp / name), str(store), mode, *([str(more)] if more else []), *flags]
+    return run_engine_script("linear_engine_run.py", args, tmp / name, f"linear-attention engine {name}", env=env)
 
 
 def _chunk_path(store: Path, prompt: list[int], chunk: int, index: int) -> Path:
@@ -61,9 +81,7 @@ def _rewrite(path: Path, states: Any, *, redigest: bool = True) -> None:
     hv.save(snap, path)
 
 
-@pytest.fixture(scope="session")
-@prefetched
-def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _linear_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     require("transformers")
     require("vllm")
     tmp = tmp_path_factory.mktemp("linear")
@@ -110,11 +128,62 @@ def linear(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return runs
 
 
-@pytest.fixture(scope="module")
-def hf_qwen3_next(linear: dict[str, Any]) -> Any:
+#: The default engine's runs; ``linear_ds`` (which loads their store) calls it too, and gets the same runs.
+_linear_job = prefetched(_linear_runs)
+linear = pytest.fixture(scope="session", name="linear")(_linear_job)
+
+#: The SSM state dtype the bf16 variant asks vLLM for (``mamba_ssm_cache_dtype``).
+SSM_DTYPE = "bfloat16"
+
+
+@pytest.fixture(scope="session")
+@prefetched
+def linear_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One engine with ``mamba_ssm_cache_dtype="bfloat16"``: saves, snapshots, then resumes "d" moved from its chunks.
+
+    Its own model (the same seeded weights) and store: an engine refuses chunks of another state dtype (their
+    declared layouts differ), so it could not resume from the default engine's float32 ones.
+    """
+    require("transformers")
+    require("vllm")
+    tmp = tmp_path_factory.mktemp("linear-bf16")
+    build_tiny_qwen3_next(tmp / "model")
+    store = tmp / "store"
+    saved = _run(tmp, "save", store, "save", flags=["--ssm-dtype", SSM_DTYPE, "--move-after", str(MOVED_AFTER)])
+    return {
+        "tmp": tmp,
+        "store": store,
+        "save": saved,
+        "prefill": hv.load(saved["dir"] / "prefill.hrry"),
+        "snap": hv.load(saved["dir"] / "snap.hrry"),
+    }
+
+
+@pytest.fixture(scope="session")
+@prefetched
+def linear_ds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One engine with the DS conv-state layout, on a copy of the default engine's store (saved in "SD").
+
+    It runs the prompts and "d" moved of the default ``load`` run, and snapshots as the saving run does.
+    """
+    runs = _linear_job(tmp_path_factory)
+    tmp = runs["tmp"]
+    store = tmp / "ds-store"
+    shutil.copytree(runs["store"], store)
+    env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+    ds = _run(tmp, "ds", store, "load", tmp / "moved.json", flags=["--snapshot"], env=env)
+    return {"run": ds, "prefill": hv.load(ds["dir"] / "prefill.hrry"), "snap": hv.load(ds["dir"] / "snap.hrry")}
+
+
+def _hf_model(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(linear["tmp"] / "model", dtype=torch.bfloat16).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3_next(linear: dict[str, Any]) -> Any:
+    return _hf_model(linear["tmp"] / "model")
 
 
 def _hf_states(model: Any, ids: list[int]) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -133,7 +202,9 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 #: Relative (Frobenius) error of vLLM's states against transformers': at most 0.09 seen (two arithmetics,
-#: bf16 states); the states one token earlier are off by more than 1.
+#: bf16 states, AVX2; the same with mamba_ssm_cache_dtype="bfloat16" on avx512_bf16, where float32 states are
+#: off by at most 0.05; conv states are exact); the states one token earlier are off by more than 1, and a
+#: transposed recurrent state by about 1.4.
 STATE_TOLERANCE = 0.2
 
 
@@ -171,22 +242,32 @@ def test_chunks_carry_states_only_where_they_were_taken(linear: dict[str, Any]) 
         assert hv.validate(_chunk_path(store, tokens, chunk, c)).ok
 
 
-def test_snapshot_states_equal_transformers(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
-    """After the prefill and after a decode step: each state within bf16 of transformers', and not of a neighbour's."""
+def _assert_states_match(runs: dict[str, Any], model: Any, what: str) -> None:
+    """Both snapshots (prefill, a decode step later): each state within bf16 of transformers', not of a neighbour's.
+
+    A value comparison: the recurrent state is ``[v_heads, 128, 128]`` either way round (vLLM's CPU kernels take
+    head dims of 128 only), so a transposed state would pass every shape check; it is off by about 1.4.
+    """
     for name in ("prefill", "snap"):
-        snap = linear[name]
+        snap = runs[name]
         assert snap.states is not None and snap.states.positions == tuple(snap.seq_lens)
         for s, rid in enumerate(snap.request_ids):
             n = snap.seq_lens[s]
             ids = list(snap.token_ids[s][:n])
-            _, want = _hf_states(hf_qwen3_next, ids)
-            _, before = _hf_states(hf_qwen3_next, ids[:-1])
+            _, want = _hf_states(model, ids)
+            _, before = _hf_states(model, ids[:-1])
             for j in range(3):
                 for m, role in enumerate(("conv", "ssm")):
                     got = snap.states.tensors[j][m][s]
-                    assert _rel(got, want[j][m]) <= STATE_TOLERANCE, f"{name} {rid} layer {j} {role}"
+                    where = f"{what} {name} {rid} layer {j} {role} ({got.dtype})"
+                    assert _rel(got, want[j][m]) <= STATE_TOLERANCE, where
                     # The companion: the tolerance refuses the state one token earlier.
-                    assert _rel(got, before[j][m]) > 3 * STATE_TOLERANCE, f"{name} {rid} layer {j} {role}"
+                    assert _rel(got, before[j][m]) > 3 * STATE_TOLERANCE, where
+
+
+def test_snapshot_states_equal_transformers(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
+    """After the prefill and after a decode step: each state within bf16 of transformers', and not of a neighbour's."""
+    _assert_states_match(linear, hf_qwen3_next, "default")
 
 
 def test_snapshot_attention_kv_equals_transformers(linear: dict[str, Any], hf_qwen3_next: Any) -> None:
@@ -310,3 +391,83 @@ def test_files_validate_and_pyhurray_reads_them(linear: dict[str, Any], hurray: 
         assert back.states is not None
         for x, y in zip(back.states.tensors, linear["snap"].states.tensors, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
+
+
+# ── variants of vLLM's state memory: a bf16 SSM state, the DS conv-state layout ──
+
+
+def _kept_dtype(run: dict[str, Any]) -> str:
+    """The SSM state dtype vLLM kept (its config and the worker's tensors agree), recorded for the run's summary."""
+    kept = run["mamba_ssm_cache_dtype"]
+    layers = run["engine_states"]["layers"]
+    assert len(layers) == 3 and {ssm[1] for _, ssm in layers.values()} == {kept}, layers
+    return str(kept)
+
+
+def test_bf16_ssm_state_is_what_the_engine_kept_and_the_chunks_carry(linear_bf16: dict[str, Any]) -> None:
+    """vLLM keeps a bf16 SSM state (avx512_bf16: the accelerated GDN backend) or resets it to float32: either passes.
+
+    What it kept is listed with the run's ISAs at the end (conftest), and is what snapshots and chunks hold.
+    """
+    saved = linear_bf16["save"]
+    kept = _kept_dtype(saved)
+    reset = "" if kept == SSM_DTYPE else " (vLLM reset it on this CPU: the bf16 state is not tested here)"
+    ISAS_SEEN[f"linear-attention SSM state, mamba_ssm_cache_dtype={SSM_DTYPE}"] = f"{kept}{reset}"
+    assert kept in (SSM_DTYPE, "float32"), kept
+    assert saved["engine_states"]["conv_layout"] == "SD"
+    assert saved["hybrid_manager_off"] is False and saved["mamba_cache_mode"] == "align"
+    for name in ("prefill", "snap"):
+        states = linear_bf16[name].states
+        assert states is not None
+        assert [str(t.dtype) for t in states.tensors[0]] == ["torch.bfloat16", f"torch.{kept}"], f"{name}, kept {kept}"
+    store, prompts, chunk = linear_bf16["store"], saved["prompts"], saved["chunk_tokens"]
+    path = _chunk_path(store, prompts["d"] + saved["outputs"]["d"], chunk, 1)  # taken by the 8th decode step
+    states = hv.load(path).states
+    assert states is not None and states.positions == (2 * chunk,)
+    recurrent = states.tensors[0][1]
+    assert str(recurrent.dtype) == f"torch.{kept}" and states.nbytes == state_bytes(recurrent.element_size())
+    assert hv.validate(path).ok
+
+
+def test_bf16_ssm_snapshot_states_equal_transformers(linear_bf16: dict[str, Any]) -> None:
+    _assert_states_match(linear_bf16, _hf_model(linear_bf16["tmp"] / "model"), "bf16 SSM")
+
+
+def test_bf16_ssm_chunks_resume_a_moved_request_as_the_unmoved_run(linear_bf16: dict[str, Any]) -> None:
+    """Moved after 9 tokens to the same engine, its prefix cache emptied, "d" loads both chunks and goes on."""
+    saved = linear_bf16["save"]
+    b = saved["chunk_tokens"]
+    assert saved["cached"]["d_moved"] == 2 * b  # both chunks from the store: chunk 1 with the 8th decode step's state
+    assert saved["scheduler_stats"]["chunks_refused"] == 0
+    rest = saved["outputs"]["d"][MOVED_AFTER:]
+    got = saved["outputs"]["d_moved"][: len(rest)]
+    what = f"bf16 SSM ({_kept_dtype(saved)} kept) d moved after {MOVED_AFTER} tokens"
+    assert_continues(got, rest, linear_bf16["tmp"] / "model", saved["prompts"]["d_moved"], what)
+
+
+def test_ds_conv_engine_loads_sd_chunks_with_identical_tokens(
+    linear: dict[str, Any], linear_ds: dict[str, Any]
+) -> None:
+    """The format's conv state is one layout: an engine keeping it as ``[conv_dim, kernel - 1]`` loads SD chunks."""
+    saved, ds = linear["save"], linear_ds["run"]
+    assert ds["engine_states"]["conv_layout"] == "DS"
+    assert saved["engine_states"]["conv_layout"] == "SD"  # the default on CPUs with avx512_bf16, and vLLM's
+    for name, layers in (("DS", ds["engine_states"]["layers"]), ("SD", saved["engine_states"]["layers"])):
+        conv = {tuple(c[0]) for c, _ in layers.values()}
+        assert conv == ({(1024, 3)} if name == "DS" else {(3, 1024)}), f"{name}: {conv}"
+    assert ds["mamba_ssm_cache_dtype"] == saved["mamba_ssm_cache_dtype"]  # else no chunk would load
+    b = saved["chunk_tokens"]
+    assert ds["block_size"] == b
+    assert {rid: ds["outputs"][rid] for rid in saved["outputs"]} == saved["outputs"]
+    assert ds["cached"]["a"] == 2 * b and ds["cached"]["d"] == b and ds["cached"]["e"] == b
+    assert ds["scheduler_stats"]["chunks_refused"] == 0 and ds["worker_stats"]["tokens_loaded"] >= 3 * b
+    # "d" moved after 9 tokens resumes at the state the 8th decode step of the SD engine took.
+    assert ds["cached"]["d_moved"] == 2 * b
+    rest = saved["outputs"]["d"][MOVED_AFTER:]
+    got = ds["outputs"]["d_moved"][: len(rest)]
+    assert_continues(got, rest, linear["tmp"] / "model", ds["prompts"]["d_moved"], "DS conv d moved from SD")
+
+
+def test_ds_conv_snapshot_states_equal_transformers(linear_ds: dict[str, Any], hf_qwen3_next: Any) -> None:
+    """States the DS engine loaded from SD chunks and computed on, and one it computed alone ("c")."""
+    _assert_states_match(linear_ds, hf_qwen3_next, "DS conv")
