@@ -19,7 +19,7 @@ from .kv.states import RecurrentStates
 from .wire.descriptor import TensorDescriptor, decode_descriptor, encode_descriptor
 from .wire.rules import Checked
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "BlockPagedTensor",

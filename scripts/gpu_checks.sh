@@ -15,7 +15,7 @@ export HURRAY_VLLM_CACHE_DIR=${HURRAY_VLLM_CACHE_DIR:-/tmp/hurray-vllm-cache}
     nproc
 } 2>&1 | tee "$out/machine.txt"
 rc=0
-timeout 240 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_*.py tests/test_reference_attention_sdpa.py 2>&1 | tee "$out/gpu_tests.log" || rc=1
+timeout 240 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/kv/test_gpu_repage.py tests/adapters/test_gpu_kernels_*.py tests/adapters/vllm/test_gpu_export.py tests/adapters/test_reference.py 2>&1 | tee "$out/gpu_tests.log" || rc=1
 # tiny: the default batch structure with almost no bytes (1 KV head of dimension 8), i.e. the
 # export's CPU cost per call, which bounds the default configuration (docs/benchmarks.md).
 for spec in "default:--layouts nhd,cpu-vec" "large:--layouts nhd --pool-mib 4096 --export-mib 1024 --layers 32" \
