@@ -11,6 +11,7 @@ import queue
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,15 @@ import torch
 from synthetic import example_chunk
 
 from hurray_vllm.chunks.store import DirectoryStore
-from hurray_vllm.transport.base import U16, U32, U64, ReceiverBase
+from hurray_vllm.containers.schema import Record
+from hurray_vllm.errors import HurrayFormatError
+from hurray_vllm.transport.base import U16, U32, U64, ReceiverBase, read_message
 from hurray_vllm.transport.nixl import NixlError, NixlReceiver, NixlSender
 from hurray_vllm.transport.nixl import offer as tn_offer
 from hurray_vllm.transport.nixl import receiver as tn_receiver
 from hurray_vllm.transport.nixl import sender as tn_sender
+from hurray_vllm.wire import dtypes
+from hurray_vllm.wire.descriptor import LAYOUT_ROW_MAJOR, BufferHandle, TensorDescriptor
 
 MIB = 1 << 20
 
@@ -420,3 +425,101 @@ def test_stop_deregisters_the_receive_buffers_once_it_is_safe(monkeypatch: pytes
     assert not poller()
     assert sorted(deregistered()) == ["aborted", "done", "free", "held"]
     assert agent.polls > polls and r.arena.total == 0
+
+
+# ── what an offer's records decode into counts against max_offer_memory_bytes ──
+
+
+def empty_buffer_offer(n: int) -> bytearray:
+    """An offer of ``n`` dense row-major records of 5 zero-byte inline buffers: 126 bytes each on the wire.
+
+    Every record passes ``decode_checked``; decoded, each is a descriptor and 5 tensors (~2 KiB, ~17x its bytes).
+    """
+    nb = tn_offer.MAX_RECORD_BUFFERS
+    d = TensorDescriptor(
+        type_tag=dtypes.from_torch(torch.uint8).tag,
+        shape=(0,),
+        layout_tag=LAYOUT_ROW_MAJOR,
+        buffers=tuple(BufferHandle(0, 1, 0) for _ in range(nb)),
+    )
+    parts, _, _ = tn_offer.encode_offer("ab" * 8, "cd" * 8, [Record("", d, [torch.empty(0, dtype=torch.uint8)] * nb)])
+    body = b"".join(bytes(p) for p in parts)
+    head = 2 + 16 + 2 + 16  # namespace and key; then the record count, then the one record
+    return bytearray(body[:head] + U32.pack(n) + body[head + 4 :] * n)
+
+
+def count_decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    decoded = [0]
+    real = tn_offer.decode_checked
+
+    def counting(raw: Any, what: str) -> Any:
+        decoded[0] += 1
+        return real(raw, what)
+
+    monkeypatch.setattr(tn_offer, "decode_checked", counting)
+    return decoded
+
+
+def test_an_offer_is_charged_for_its_records_before_any_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """65,536 records of empty buffers (8 MiB) would build ~140 MB of objects: the charge comes first."""
+    body = empty_buffer_offer(tn_offer.MAX_RECORDS)
+    decoded = count_decoded(monkeypatch)
+    charged: list[int] = []
+
+    def refuse(nbytes: int) -> None:
+        charged.append(nbytes)
+        raise HurrayFormatError("receiver.memory", "no room")
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(HurrayFormatError, match="no room"):
+            tn_offer.parse_offer(body, 1 << 30, refuse)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert charged == [tn_offer.MAX_RECORDS * tn_offer.RECORD_MEMORY_BYTES]
+    assert charged[0] > 16 * len(body)  # what decoding would build, not the wire bytes
+    assert decoded[0] == 0 and peak < 64 << 10  # nothing per record was built
+
+    # A real chunk's offer still parses, charged for its records.
+    ns, key, chunk = example_chunk()
+    parts, _, _ = tn_offer.encode_snapshot_offer(ns, key, chunk)
+    offer = tn_offer.parse_offer(bytearray(b"".join(bytes(p) for p in parts)), 1 << 30, charged.append)
+    assert offer.key == key and charged[1:] == [len(offer.descriptors) * tn_offer.RECORD_MEMORY_BYTES]
+    assert decoded[0] == len(offer.descriptors)
+
+
+def offer_receiver(limit: int, held: int) -> NixlReceiver:
+    """A receiver (no agent, no store) whose connections hold ``held`` bytes of offers of at most ``limit``."""
+    r = object.__new__(NixlReceiver)
+    r._offers_mu, r._mu = threading.Lock(), threading.Lock()
+    r._offer_bytes, r.max_offer_memory_bytes, r.max_chunk_bytes = held, limit, 1 << 30
+    r.received = r.refused = 0
+    r._notifs = tn_receiver._Notifs(FakeAgent("recv", []))
+    return r
+
+
+def test_the_receiver_refuses_an_offer_whose_records_would_pass_its_memory_bound(
+    monkeypatch: pytest.MonkeyPatch, side: tuple[socket.socket, socket.socket]
+) -> None:
+    """Read whole (8 MiB), it fits the bound; its records, charged, do not: refused undecoded, connection kept."""
+    body = empty_buffer_offer(tn_offer.MAX_RECORDS)
+    decoded = count_decoded(monkeypatch)
+    other = 1 << 20  # another connection's offer
+    r = offer_receiver(limit=64 << 20, held=other + len(body))
+    assert r._chunk(side[1], body)  # answered; the connection stays usable
+    assert side[0].recv(2) == b"ER" and read_message(side[0]).startswith("receiver.memory:")
+    assert decoded[0] == 0 and r.refused == 1
+    assert r._offer_bytes == other + len(body)  # the charge is given back; the body's bytes are serve's to give
+
+
+def test_one_offer_alone_is_charged_for_its_records_beyond_the_bound() -> None:
+    """As for its bytes, an offer alone always fits; with another connection's held, the bound applies."""
+    r = offer_receiver(limit=1000, held=500)
+    r._take_offer_memory(10_000, held=500)  # only this connection's own body is held
+    assert r._offer_bytes == 10_500
+    r._give_offer_memory(10_000)
+    r._offer_bytes += 1  # now someone else holds a byte
+    with pytest.raises(HurrayFormatError) as err:
+        r._take_offer_memory(10_000, held=500)
+    assert err.value.field == "receiver.memory" and r._offer_bytes == 501

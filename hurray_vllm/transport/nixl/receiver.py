@@ -376,7 +376,10 @@ class NixlReceiver(ReceiverBase):
         max_offer_memory_bytes: Memory for the offers being handled, all connections
             together (each is read whole, up to :data:`MAX_OFFER_BYTES`, before it is
             checked). One beyond it is refused unread (field ``receiver.memory``) and
-            its connection closed, unless no other is held.
+            its connection closed, unless no other is held. What an offer's records
+            decode into counts too (:data:`.offer.RECORD_MEMORY_BYTES` each, charged
+            from its record count before they are decoded): one beyond it is refused
+            the same way, its connection kept.
         backend_params: UCX backend parameters handed to NIXL.
         progress_thread: Use NIXL's progress thread (it spins: one core busy).
         **limits: ``max_connections``, ``quota_bytes``, ``min_free_bytes``, as
@@ -474,6 +477,8 @@ class NixlReceiver(ReceiverBase):
                     if not self.next_frame(conn, MAGIC):
                         return
                     (length,) = U64.unpack(recv_exact(conn, 8))
+                    if length > MAX_OFFER_BYTES:
+                        raise HurrayFormatError("transport", f"an offer of {length} bytes exceeds the limit")
                     self._take_offer_memory(length)
                     held = length
                     body = self._read_offer(conn, length)
@@ -490,17 +495,18 @@ class NixlReceiver(ReceiverBase):
             finally:
                 self._give_offer_memory(held)
 
-    def _take_offer_memory(self, length: int) -> None:
-        """Count an offer of ``length`` bytes as held, or refuse it unread (one offer alone always fits).
+    def _take_offer_memory(self, length: int, held: int = 0) -> None:
+        """Count ``length`` more bytes of offers as held, or refuse them (one offer alone always fits).
+
+        ``length``: an offer's body, before it is read; or, with ``held`` (that body's
+        bytes, already counted), the memory its decoded records may hold, before they are built.
 
         Raises:
-            HurrayFormatError: beyond :data:`MAX_OFFER_BYTES` (field ``transport``), or with the
-                offers held by other connections beyond ``max_offer_memory_bytes`` (``receiver.memory``).
+            HurrayFormatError: with the offers held by other connections beyond
+                ``max_offer_memory_bytes`` (``receiver.memory``).
         """
-        if length > MAX_OFFER_BYTES:
-            raise HurrayFormatError("transport", f"an offer of {length} bytes exceeds the limit")
         with self._offers_mu:
-            if self._offer_bytes and self._offer_bytes + length > self.max_offer_memory_bytes:
+            if self._offer_bytes > held and self._offer_bytes + length > self.max_offer_memory_bytes:
                 raise HurrayFormatError(
                     "receiver.memory",
                     f"{self._offer_bytes} bytes of offers are being handled; {length} more would pass the "
@@ -532,6 +538,12 @@ class NixlReceiver(ReceiverBase):
         xfer_id = secrets.randbits(63) + 1
         landed = True
         promised = stored = 0
+        charged = 0  # the memory the offer's decoded records may hold, counted against max_offer_memory_bytes
+
+        def charge(nbytes: int) -> None:
+            nonlocal charged
+            self._take_offer_memory(nbytes, held=len(body))
+            charged = nbytes
 
         def release() -> None:
             # Before any answer: a sender that sends again at once finds the room and the slab free.
@@ -548,7 +560,7 @@ class NixlReceiver(ReceiverBase):
             self._notifs.forget(xfer_id)
 
         try:
-            offer = parse_offer(body, self.max_chunk_bytes)
+            offer = parse_offer(body, self.max_chunk_bytes, charge)
             key = offer.key
             # The transfer and the digest within transfer_seconds (see _await), then the commit within timeout.
             self.arm(conn, self.timeout + transfer_seconds(self.timeout, sum(offer.remote_sizes)))
@@ -613,6 +625,7 @@ class NixlReceiver(ReceiverBase):
             return False
         finally:
             release()  # a no-op unless an error no handler above answers (BaseException)
+            self._give_offer_memory(charged)
 
     def _await(
         self,
