@@ -1361,16 +1361,7 @@ def test_a_move_to_a_destination_without_room_is_refused_and_the_request_goes_on
 
     f._prewarm = nothing  # type: ignore[method-assign]
 
-    async def run() -> tuple[list[Delta], RouterError]:
-        agen = f.deltas()
-        got = [await agen.__anext__()]
-        reading = asyncio.ensure_future(_drain_all_into(agen, got))
-        with pytest.raises(RouterError) as refused:
-            await f.migrate(dst, timeout=10)
-        await asyncio.wait_for(reading, 10)
-        return got, refused.value
-
-    got, refused = asyncio.run(run())
+    got, refused = asyncio.run(_move_refused_while_reading(f, dst))
     assert refused.status == 502 and "no room" in refused.message
     assert [leg.why for leg in f.legs] == ["routed", "resumed"] and dst.healthy
     assert [t for d in got for t in d.token_ids] == list(range(100, 160)) and got[-1].finish_reason == "length"
@@ -1380,6 +1371,17 @@ def test_a_move_to_a_destination_without_room_is_refused_and_the_request_goes_on
 async def _drain_all_into(agen: AsyncIterator[Delta], got: list[Delta]) -> None:
     async for d in agen:
         got.append(d)
+
+
+async def _move_refused_while_reading(f: Flight, dst: Backend) -> tuple[list[Delta], RouterError]:
+    """Move ``f`` to ``dst`` after its first token, the client reading on meanwhile: what it read, and the refusal."""
+    agen = f.deltas()
+    got = [await agen.__anext__()]
+    reading = asyncio.ensure_future(_drain_all_into(agen, got))
+    with pytest.raises(RouterError) as refused:
+        await f.migrate(dst, timeout=10)
+    await asyncio.wait_for(reading, 10)
+    return got, refused.value
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -1423,16 +1425,7 @@ def test_a_moves_destination_that_fails_before_its_first_token_is_marked_down(fa
     f._upstream = upstream  # type: ignore[method-assign]
     f._prewarm = nothing  # type: ignore[method-assign]
 
-    async def run() -> tuple[list[Delta], RouterError]:
-        agen = f.deltas()
-        got = [await agen.__anext__()]
-        reading = asyncio.ensure_future(_drain_all_into(agen, got))
-        with pytest.raises(RouterError) as refused:
-            await f.migrate(dst, timeout=10)
-        await asyncio.wait_for(reading, 10)
-        return got, refused.value
-
-    got, refused = asyncio.run(run())
+    got, refused = asyncio.run(_move_refused_while_reading(f, dst))
     assert refused.status == 502 and [leg.why for leg in f.legs] == ["routed", "migrated", "resumed"]
     assert [t for d in got for t in d.token_ids] == list(range(100, 160))
     assert dst.healthy is (failure == 400) and src.healthy

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from blocking import within
 from synthetic import make_snapshot
 
 import hurray_vllm as hv
@@ -406,32 +407,6 @@ def test_a_header_record_too_large_for_a_header_is_refused_before_it_is_read(
     assert store.header(ns, key) is None
 
 
-def _within(call: Callable[[], object], unblock: Path | None = None, timeout: float = 10.0) -> object:
-    """``call()``'s result or the exception it raised, run on a thread: it must finish within ``timeout`` seconds.
-
-    ``unblock``: a FIFO whose reader is let go (a writer opens it) if the call hangs, so that the test ends.
-    """
-    import os
-    import threading
-
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # the verdict is the caller's
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        if unblock is not None:
-            os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
-        pytest.fail(f"{call} blocked for {timeout} s")
-    return out[0]
-
-
 def test_a_pipe_at_a_chunks_name_is_refused_not_waited_on(tmp_path: Path) -> None:
     """A FIFO swapped in under a key (after any check of it) blocked the scheduler's open forever."""
     import os
@@ -442,7 +417,7 @@ def test_a_pipe_at_a_chunks_name_is_refused_not_waited_on(tmp_path: Path) -> Non
     path = store.path(ns, key)
     path.unlink()
     os.mkfifo(path)
-    assert _within(lambda: store.header(ns, key), path) is None
+    assert within(lambda: store.header(ns, key), path) is None
     from hurray_vllm.chunks.store import read_header
 
     for call in (
@@ -451,7 +426,7 @@ def test_a_pipe_at_a_chunks_name_is_refused_not_waited_on(tmp_path: Path) -> Non
         lambda: HrryFile(path),
         lambda: store.get(ns, key),
     ):
-        got = _within(call, path)
+        got = within(call, path)
         assert isinstance(got, hv.HurrayFormatError) and got.field == "file", got
         assert "not a regular file" in str(got)
 

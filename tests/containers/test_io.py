@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from blocking import within
 from hypothesis import given
 from hypothesis import strategies as st
 from pyhurray_bridge import to_reference
@@ -536,31 +537,6 @@ def test_read_whole_refuses_a_file_over_its_bound_before_allocating(tmp_path: Pa
 # ── reading a path once: load_file_bytes parses what it read; a pipe is refused, not waited on ──
 
 
-def _within(call: Callable[[], object], fifo: Path, timeout: float = 10.0) -> object:
-    """``call()``'s result or the exception it raised, run on a thread that must end within ``timeout`` seconds.
-
-    If it blocks (opening ``fifo`` for reading), a writer opens the FIFO to let it go, and the test fails.
-    """
-    import threading
-
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # the verdict is the caller's
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        thread.join(timeout)
-        pytest.fail(f"{call} blocked on a FIFO for {timeout} s")
-    return out[0]
-
-
 @pytest.mark.parametrize("swapped", ["before detect_format opens it", "before load reads the stream"])
 def test_a_pipe_swapped_in_after_a_check_is_refused_not_waited_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str
@@ -589,10 +565,10 @@ def test_a_pipe_swapped_in_after_a_check_is_refused_not_waited_on(
         monkeypatch.setattr(io_module, "detect_format", lambda path: "stream")
         calls = [lambda: hv.load(fifo), lambda: list(io_module.open_records(fifo))]
     for call in calls:
-        got = _within(call, fifo)
+        got = within(call, fifo)
         assert isinstance(got, hv.HurrayFormatError) and got.field == "file", got
         assert "not a regular file" in str(got)
-    checked = _within(lambda: hv.validate(fifo), fifo)  # never raises: the refusal is its finding
+    checked = within(lambda: hv.validate(fifo), fifo)  # never raises: the refusal is its finding
     assert isinstance(checked, Checked) and not checked.ok, checked
     assert [v.invariant for v in checked.errors] == ["file"]
 
@@ -610,7 +586,7 @@ def test_load_file_bytes_parses_the_bytes_it_read_and_never_the_path_again(tmp_p
     data = read_file(path)
     path.unlink()
     os.mkfifo(path)  # what is at the path now would block a reader that opened it
-    got = _within(lambda: load_file_bytes(data), path)
+    got = within(lambda: load_file_bytes(data), path)
     assert isinstance(got, hv.KVSnapshot) and same_snapshot(got, want), got
     # Damaged bytes: load's verdict on a file of those bytes.
     raw = bytearray(data.view)
