@@ -223,15 +223,15 @@ class Backends:
 
         try:
             async with client.get(f"{backend.base}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                cards = (await r.json()).get("data") or [] if r.status == 200 else []
-                ok = r.status == 200
-            cards = [c for c in cards if isinstance(c, dict)]
+                if r.status != 200:
+                    return None
+                cards = [c for c in (await r.json()).get("data") or [] if isinstance(c, dict)]
             n = next((c.get("max_model_len") for c in cards if type(c.get("max_model_len")) is int), None)
         except Exception:  # not known yet: the next check asks again
             return None
         backend.served = frozenset(c["id"] for c in cards if isinstance(c.get("id"), str))
         backend.max_model_len = n
-        return cards if ok else None
+        return cards
 
     def context_length(self, model: str | None) -> int | None:
         """The largest ``max_model_len`` a backend serving ``model`` (any, for None) said it has; None: none did.

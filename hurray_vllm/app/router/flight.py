@@ -535,7 +535,7 @@ class Flight:
                 ``/v1/models`` did not answer): a continuation without ``max_tokens`` would stop after 16 tokens.
         """
         if self._needs_context() and self._context(backend) is None:
-            patience = max(self.router.config.health_interval, 2.0)  # a health check's wait
+            patience = self.router.patience
             if await self._ask_context(backend, patience) is None:
                 raise RouterError(
                     502,
@@ -735,7 +735,7 @@ class Flight:
             if self._needs_context():
                 # Its continuation runs to the end of the destination's context: without knowing that, it would
                 # stop after 16 tokens. Asked for now if no health check has; unknown, the request stays.
-                patience = max(self.router.config.health_interval, 2.0)
+                patience = self.router.patience
                 if await self._ask_context(to, min(patience, max(deadline - loop.time(), 0.1))) is None:
                     raise RouterError(
                         502,

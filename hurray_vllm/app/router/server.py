@@ -193,6 +193,11 @@ class Router:
         await asyncio.gather(*(self._recheck(x) for x in down))
         return self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid)
 
+    @property
+    def patience(self) -> float:
+        """Seconds a health check, or a question of the same kind (``/v1/models``), waits for a backend."""
+        return max(self.config.health_interval, 2.0)
+
     async def serves(self, backend: Backend, model: object) -> bool:
         """:meth:`Backend.serves`, asking ``backend``'s ``/v1/models`` once more before saying no.
 
@@ -201,7 +206,7 @@ class Router:
         """
         if backend.serves(model):
             return True
-        await self.backends.read_models(self.client, backend, max(self.config.health_interval, 2.0))
+        await self.backends.read_models(self.client, backend, self.patience)
         return backend.serves(model)
 
     async def _recheck(self, backend: Backend) -> bool:
@@ -215,9 +220,7 @@ class Router:
         if task is None:
             if time.monotonic() - self._rechecked.get(backend.url, -1e9) < self.config.health_interval:
                 return backend.healthy
-            task = asyncio.ensure_future(
-                self.backends.check(self.client, backend, max(self.config.health_interval, 2.0))
-            )
+            task = asyncio.ensure_future(self.backends.check(self.client, backend, self.patience))
             self._rechecks[backend.url] = task
             task.add_done_callback(lambda _: self._rechecks.pop(backend.url, None))
         ok = await asyncio.shield(task)
@@ -438,6 +441,42 @@ class Relayed:
 
 
 # ── what the client sees ────────────────────────────────────────────────────
+
+
+class _NeedsBearer:
+    """Paths under ``prefix`` need ``Authorization: Bearer K`` with one of ``keys``; 401 otherwise.
+
+    A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's
+    ``BaseHTTPMiddleware`` passes every chunk of a streamed response through a
+    memory channel and a task (measured: about half the router's CPU per
+    streamed token, which competes with the engines for the cores). Keys are
+    held as SHA-256 digests, as vLLM's ``AuthenticationMiddleware`` keeps
+    them, and every one is compared: the time says nothing of the length of
+    the key sent or of which key matched.
+    """
+
+    def __init__(self, app: Any, *, prefix: str, keys: tuple[str, ...], message: str) -> None:
+        self.app, self.prefix, self.message = app, prefix, message
+        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def holds_a_key(self, scope: dict[str, Any]) -> bool:
+        auth = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
+        scheme, _, given = auth.partition(b" ")
+        sent = hashlib.sha256(given.strip()).digest()
+        match = False
+        for d in self.digests:
+            match |= hmac.compare_digest(sent, d)
+        return scheme.lower() == b"bearer" and match
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        guarded = scope.get("path", "").startswith(self.prefix) or _route_path(scope).startswith(self.prefix)
+        if scope["type"] == "http" and guarded and not self.holds_a_key(scope):
+            from fastapi.responses import JSONResponse  # the router's own stack, imported where it is built
+
+            refusal = JSONResponse(_error(401, self.message), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _route_path(scope: dict[str, Any]) -> str:
@@ -670,84 +709,26 @@ def build_app(config: RouterConfig) -> Any:
     def fail(status: int, message: str) -> JSONResponse:
         return JSONResponse(_error(status, message), status_code=status)
 
-    def holds_a_token(scope: dict[str, Any]) -> bool:
-        auth = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
-        scheme, _, given = auth.decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and any(
-            hmac.compare_digest(given.strip().encode(), t.encode()) for t in config.control_tokens
-        )
-
-    class ControlsNeedAToken:
-        """/hurray/* moves and drains other clients' requests: with fleet keys, only their holders may.
-
-        /health and /metrics stay open, as on vLLM's own server; the OpenAI endpoints take the router's own
-        API key instead (ApiNeedsAKey). A plain ASGI middleware rather than ``@app.middleware("http")``:
-        Starlette's ``BaseHTTPMiddleware`` passes every chunk of a streamed response through a memory channel
-        and a task (measured: about half the router's CPU per streamed token, which competes with the engines
-        for the cores).
-        """
-
-        def __init__(self, app: Any) -> None:
-            self.app = app
-
-        async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-            control = scope.get("path", "").startswith("/hurray/") or _route_path(scope).startswith("/hurray/")
-            if scope["type"] == "http" and control and not holds_a_token(scope):
-                refusal = JSONResponse(
-                    _error(
-                        401,
-                        "this router's /hurray/* controls need 'Authorization: Bearer TOKEN'; "
-                        "hurray-vllm router --key-file KEY --print-token prints the token of a fleet key",
-                    ),
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await refusal(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-
+    # /hurray/* moves and drains other clients' requests: with fleet keys, only their holders may. /v1/* takes the
+    # router's own --api-key, as vLLM's server guards /v1 with its own: the router sends the backends their key
+    # itself, so without it a backend started with --api-key would be open to whoever reaches the router.
+    # /health and /metrics stay open, as on vLLM's server.
     if config.control_tokens:
-        app.add_middleware(ControlsNeedAToken)
-
+        app.add_middleware(
+            _NeedsBearer,
+            prefix="/hurray/",
+            keys=config.control_tokens,
+            message="this router's /hurray/* controls need 'Authorization: Bearer TOKEN'; "
+            "hurray-vllm router --key-file KEY --print-token prints the token of a fleet key",
+        )
     api_keys = config.api_keys or tuple(k for k in (os.environ.get(API_KEY_ENV),) if k)
-    # Digests, as vLLM's AuthenticationMiddleware keeps them: two of one length compare in the same time, whatever
-    # the lengths of the key sent and the keys held.
-    digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
-
-    def holds_a_key(scope: dict[str, Any]) -> bool:
-        auth = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
-        scheme, _, given = auth.partition(b" ")
-        sent = hashlib.sha256(given.strip()).digest()
-        match = False
-        for d in digests:  # every key compared: the time says nothing of which one matched
-            match |= hmac.compare_digest(sent, d)
-        return scheme.lower() == b"bearer" and match
-
-    class ApiNeedsAKey:
-        """With ``--api-key``, /v1/* needs one of its keys, as vLLM's own server guards /v1 with its ``--api-key``.
-
-        The router sends the backends their key itself: without this, a backend started with ``--api-key``
-        would be open to whoever reaches the router. /health and /metrics stay open, as on vLLM's server;
-        /hurray/* has its own token (ControlsNeedAToken). A plain ASGI middleware, as that one is.
-        """
-
-        def __init__(self, app: Any) -> None:
-            self.app = app
-
-        async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-            api = scope.get("path", "").startswith("/v1") or _route_path(scope).startswith("/v1")
-            if scope["type"] == "http" and api and not holds_a_key(scope):
-                refusal = JSONResponse(
-                    _error(401, "this router's /v1/* endpoints need 'Authorization: Bearer KEY' with its --api-key"),
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await refusal(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
-
-    if digests:
-        app.add_middleware(ApiNeedsAKey)
+    if api_keys:
+        app.add_middleware(
+            _NeedsBearer,
+            prefix="/v1",
+            keys=api_keys,
+            message="this router's /v1/* endpoints need 'Authorization: Bearer KEY' with its --api-key",
+        )
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:
@@ -930,8 +911,7 @@ def build_app(config: RouterConfig) -> Any:
         # the same (requests for it are routed there). A health check's wait, not a stream's: a hung backend
         # must not hold a client that lists models. Each answer also refreshes what routing knows it serves.
         asked = [b for b in router.backends.all.values() if b.healthy and not b.prefill]
-        patience = max(config.health_interval, 2.0)
-        answers = await asyncio.gather(*(router.backends.read_models(router.client, b, patience) for b in asked))
+        answers = await asyncio.gather(*(router.backends.read_models(router.client, b, router.patience) for b in asked))
         if all(a is None for a in answers):
             return fail(503, "no backend answered /v1/models")
         cards: dict[Any, dict[str, Any]] = {}
