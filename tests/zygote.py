@@ -54,9 +54,9 @@ def enabled() -> bool:
 
 
 def takes(cmd: Sequence[str], env: Mapping[str, str]) -> bool:
-    """Whether :func:`run` runs ``cmd``: a ``python`` command of one process (no ranks bound to several cores)."""
+    """Whether :func:`run` runs ``cmd``: ``python -m M`` or ``python SCRIPT``, one process (no ranks bound to cores)."""
     one_rank = "|" not in env.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    return enabled() and len(cmd) >= 2 and cmd[0] == sys.executable and one_rank
+    return enabled() and len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1] != "-c" and one_rank
 
 
 def _ctx() -> tuple[Any, list[str]]:

@@ -257,17 +257,8 @@ class StateCache:
                 raise HurrayFormatError(
                     "snapshot.states", f"sequence {s}: no state block after {n} tokens (the engine did not keep one)"
                 )
-        # On the host, before any gather: an id past a CUDA tensor would be a device-side assert.
         of_group = {g: [int(b.get(g, 0)) for b in blocks] for g in self.state_group_ids}
-        for layer, g in zip(self.tensors, self.groups, strict=True):
-            lo, hi = min(of_group[g], default=0), max(of_group[g], default=0)
-            num = min((int(t.shape[0]) for t in layer), default=hi + 1)
-            if lo < 0 or hi >= num:
-                raise HurrayFormatError(
-                    "block_ids",
-                    f"state block {lo if lo < 0 else hi} of KV cache group {g} is outside its {num} blocks; "
-                    "the block tables do not belong to this engine's caches",
-                )
+        self._check_block_ids(of_group, "the block tables do not belong to this engine's caches")
         tensors = []
         for layer, g in zip(self.tensors, self.groups, strict=True):
             ids = torch.tensor(of_group[g], dtype=torch.int64)
@@ -283,6 +274,22 @@ class StateCache:
         # The whole states' split (the spec is the whole model's layout; declared_layout refused others).
         split = state_split(self.spec.kind, self.spec.layout, self.spec.shapes) or ()
         return replace(states, split=split, part=self.part)
+
+    def _check_block_ids(self, of_group: dict[int, list[int]], hint: str) -> None:
+        """Raise unless every block id of ``of_group`` (ids by KV cache group) is inside its layers' state tensors.
+
+        On the host, before any gather or write: an id past a CUDA tensor is a
+        device-side assert, and a layer written before a later one failed
+        would leave a half-written state.
+        """
+        for layer, g in zip(self.tensors, self.groups, strict=True):
+            lo, hi = min(of_group[g], default=0), max(of_group[g], default=0)
+            num = min((int(t.shape[0]) for t in layer), default=hi + 1)
+            if lo < 0 or hi >= num:
+                raise HurrayFormatError(
+                    "block_ids",
+                    f"state block {lo if lo < 0 else hi} of KV cache group {g} is outside its {num} blocks; {hint}",
+                )
 
     @property
     def fraction(self) -> tuple[Fraction, Fraction]:
@@ -308,21 +315,11 @@ class StateCache:
         diffs = self.mismatches(states)
         if diffs:
             raise HurrayFormatError("snapshot.states", "states of another model: " + "; ".join(diffs))
-        # As in gather: on the host, before the first write (an id past a CUDA tensor is a device-side assert,
-        # and a layer written before a later one failed would leave a half-written state).
-        for layer, g in zip(self.tensors, self.groups, strict=True):
-            ids = [int(x) for b in blocks for x in b.get(g, [])]
-            num = min((int(t.shape[0]) for t in layer), default=0)
-            bad = [x for x in ids if x < 0 or x >= num]
-            if bad:
-                raise HurrayFormatError(
-                    "block_ids",
-                    f"state block {bad[0]} of KV cache group {g} is outside its {num} blocks; "
-                    "write only blocks the engine allocated to the request",
-                )
+        of_group = {g: [int(x) for b in blocks for x in b.get(g, [])] for g in set(self.groups)}
+        self._check_block_ids(of_group, "write only blocks the engine allocated to the request")
         for layer, g, src in zip(self.tensors, self.groups, states.tensors, strict=True):
             rows = [s for s, b in enumerate(blocks) for _ in b.get(g, [])]
-            ids = [x for b in blocks for x in b.get(g, [])]
+            ids = of_group[g]
             if not ids:
                 continue
             dest = torch.tensor(ids, dtype=torch.int64)
