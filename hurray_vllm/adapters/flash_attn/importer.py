@@ -322,8 +322,21 @@ def to_flash_attn(
     """
     plan = _resolve_plan(snapshot, plan, page_size, flavor, reserve)
     check_layer(snapshot, layer)
+    checked = _check_layer(snapshot, layer, plan, dtype, device, out, "out")
+    return _import_layer(snapshot, layer, plan, device, out, checked)
+
+
+def _import_layer(
+    snapshot: KVSnapshot,
+    layer: int,
+    plan: FlashAttnPlan,
+    device: torch.device | str | None,
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+    checked: tuple[torch.dtype, bool, tuple[float, float]],
+) -> FlashAttnCache:
+    """Layer ``layer`` imported as :func:`to_flash_attn` does, once :func:`_check_layer` returned ``checked``."""
     kt, vt = snapshot.keys[layer], snapshot.values[layer]
-    out_dtype, passthrough, (k_scale, v_scale) = _check_layer(snapshot, layer, plan, dtype, device, out, "out")
+    out_dtype, passthrough, (k_scale, v_scale) = checked
     if out is not None:
         k_cache = _layer_into(kt, plan, out_dtype, passthrough, k_scale, out[0], "out[0]")
         v_cache = _layer_into(vt, plan, out_dtype, passthrough, v_scale, out[1], "out[1]")
@@ -382,15 +395,17 @@ def to_flash_attn_all(
     dev = torch.device(device) if device is not None else None
     # Every layer (its pools, head_dim, scales, dtype= and caches) is checked before the first is imported:
     # a layer refused late would leave the out= caches of the layers before it half written.
-    for i in range(snapshot.num_layers):
+    checked = [
         _check_layer(snapshot, i, plan, dtype, dev, None if out is None else out[i], f"out[{i}]")
+        for i in range(snapshot.num_layers)
+    ]
     if out is None:
         lim = FLAVORS[plan.flavor]
         check_import_memory(snapshot, plan.num_blocks * plan.page_size, lambda t: _target_dtype(t, lim, dtype)[0], dev)
     if dev is not None:
         plan = replace(plan, block_table=plan.block_table.to(dev), cache_seqlens=plan.cache_seqlens.to(dev))
-    return tuple(
-        to_flash_attn(snapshot, i, plan=plan, device=dev, dtype=dtype, out=None if out is None else out[i])
+    return tuple(  # checked above: not again per layer (the out= overlap check walks every pool)
+        _import_layer(snapshot, i, plan, dev, None if out is None else out[i], checked[i])
         for i in range(snapshot.num_layers)
     )
 

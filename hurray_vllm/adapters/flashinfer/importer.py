@@ -116,6 +116,8 @@ def to_flashinfer_all(
         OSError: ``ENOMEM``: every layer's repaged pools together are larger
             than the device's memory, before the first is built.
     """
+    if kv_layout not in LAYOUTS:
+        raise HurrayArgumentError("kv_layout", f"must be 'NHD' or 'HND', got {kv_layout!r}")
     if out is not None and len(out) != snapshot.num_layers:
         raise ImportArgumentError("out", f"has {len(out)} caches for {snapshot.num_layers} layers")
     snapshot.require_kv("FlashInfer's paged K/V cache")
@@ -127,25 +129,28 @@ def to_flashinfer_all(
     plan = plan_flashinfer(snapshot, page_size) if page_size is not None else None
     # Every layer (its pools, lengths, scales, dtype= and cache) is checked before the first is imported:
     # a layer refused late would leave the out= caches of the layers before it half written.
+    sources = []
     for i in range(snapshot.num_layers):
-        _check_source(snapshot, i, dtype)
+        sources.append(_check_source(snapshot, i, dtype))
         if out is not None:
             k = snapshot.keys[i]
             pages = plan.num_pages if plan is not None else k.num_pages
             _check_out(snapshot, k, plan, dtype, out[i], kv_layout, combined, pages, device)
     if out is None and plan is not None:  # repaged into new pools (without, each layer keeps its own pool's size)
         check_import_memory(snapshot, plan.num_pages * plan.page_size, lambda t: _target_dtype(t.dtype, dtype), device)
-    return tuple(
-        to_flashinfer(
+    return tuple(  # checked above: not again per layer (check_csr reads the index arrays, a device sync each)
+        _import_layer(
             snapshot,
             i,
-            page_size=page_size if plan is None else None,
-            kv_layout=kv_layout,
-            combined=combined,
-            device=device,
-            dtype=dtype,
-            plan=plan,
-            out=None if out is None else out[i],
+            None,
+            kv_layout,
+            combined,
+            device,
+            dtype,
+            plan,
+            None if out is None else out[i],
+            sources[i],
+            False,
         )
         for i in range(snapshot.num_layers)
     )
@@ -255,8 +260,29 @@ def to_flashinfer(
     snapshot.require_kv("FlashInfer's paged K/V cache")
     check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     check_layer(snapshot, layer)
+    source = _check_source(snapshot, layer, dtype)
+    return _import_layer(snapshot, layer, page_size, kv_layout, combined, device, dtype, plan, out, source, True)
+
+
+def _import_layer(
+    snapshot: KVSnapshot,
+    layer: int,
+    page_size: int | None,
+    kv_layout: str,
+    combined: bool,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    plan: RepagePlan | None,
+    out: PagedKVCache | None,
+    source: tuple[torch.Tensor, tuple[float, float]],
+    check_out: bool,
+) -> FlashInferCache:
+    """Layer ``layer`` imported as :func:`to_flashinfer` does, once :func:`_check_source` returned ``source``.
+
+    ``check_out``: whether ``out`` still needs :func:`_check_out` (:func:`to_flashinfer_all` checked it already).
+    """
     k, v = snapshot.keys[layer], snapshot.values[layer]
-    lens, scales = _check_source(snapshot, layer, dtype)
+    lens, scales = source
 
     if plan is None and page_size is not None and page_size != k.page_size:
         if page_size <= 0:
@@ -274,7 +300,8 @@ def to_flashinfer(
         raise HurrayFormatError("paged_kv_indices", "page ids and counts must fit FlashInfer's int32 indices")
 
     if out is not None:
-        _check_out(snapshot, k, plan, dtype, out, kv_layout, combined, num_pages, device)
+        if check_out:
+            _check_out(snapshot, k, plan, dtype, out, kv_layout, combined, num_pages, device)
         cache: PagedKVCache = out
         k_scale, v_scale = _import_into(k, v, plan, scales, dtype, out, kv_layout, combined, num_pages, device)
     else:
