@@ -455,8 +455,6 @@ def _connector_seeds(core: Any, internal: dict[str, str]) -> dict[str, str | Non
     for one holding KV from before it; a request it has not seen yet takes
     the seed it would be given now (the current ``_epoch``).
     """
-    from .connector.scheduler import _not_keyable, request_seed
-
     connector = getattr(core.scheduler, "connector", None)
     # Alone, or one of a MultiConnector's connectors.
     parts = [getattr(c, "_scheduler", None) for c in (connector, *(getattr(connector, "_connectors", None) or ()))]
@@ -466,12 +464,7 @@ def _connector_seeds(core: Any, internal: dict[str, str]) -> dict[str, str | Non
     ns: str = part._ns
     seeds: dict[str, str | None] = {}
     for rid, i in internal.items():
-        request = core.scheduler.requests[i]
-        state = part._reqs.get(i)
-        if state is None:
-            seed = request_seed(ns, request, part._epoch)
-        else:  # as HurrayScheduler._seed: None for good once the request holds media
-            seed = None if _not_keyable(request) else state.seed
+        seed = part.seed_of(core.scheduler.requests[i])
         if seed != ns:
             seeds[rid] = seed
     return seeds

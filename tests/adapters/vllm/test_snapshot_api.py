@@ -41,6 +41,7 @@ class FakeRequest:
     cache_salt: str | None = None
     mm_features: list[Any] = field(default_factory=list)
     blocks: list[int] = field(default_factory=lambda: [1, 2])
+    request_id: str = ""  # set by _llm: the id the scheduler holds it under
 
     def is_finished(self) -> bool:
         return False
@@ -56,6 +57,8 @@ def _llm(
     worker_rpc: Callable[..., list[Any]] | None = None,
 ) -> Any:
     """An in-process ``vllm.LLM`` as far as ``snapshot`` looks (one full-attention group)."""
+    for rid, r in requests.items():
+        r.request_id = rid
     manager = SimpleNamespace(kv_cache_config=None, get_block_ids=lambda rid: (list(requests[rid].blocks),))
     scheduler = SimpleNamespace(requests=requests, kv_cache_manager=manager, connector=connector)
     config = SimpleNamespace(
@@ -73,8 +76,12 @@ def _llm(
 
 def _connector(epoch: str | None, seeds: dict[str, str | None]) -> Any:
     """A HurrayConnector's scheduler role as far as a snapshot reads it: its namespace, epoch, requests' seeds."""
-    reqs = {rid: SimpleNamespace(seed=seed) for rid, seed in seeds.items()}
-    return SimpleNamespace(_scheduler=SimpleNamespace(_ns="ns", _epoch=epoch, _reqs=reqs))
+    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
+
+    part = HurrayScheduler.__new__(HurrayScheduler)  # the state seed_of() reads, without an engine's config
+    part._ns, part._epoch = "ns", epoch
+    part._reqs = {rid: SimpleNamespace(seed=seed) for rid, seed in seeds.items()}  # type: ignore[misc]
+    return SimpleNamespace(_scheduler=part)
 
 
 # Key seeds after a cache reset.

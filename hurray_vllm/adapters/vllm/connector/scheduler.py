@@ -377,6 +377,19 @@ class HurrayScheduler:
             state.seed = None
         return state.seed
 
+    def seed_of(self, request: Any) -> str | None:
+        """The seed this connector keys ``request``'s chunks by, without recording the request.
+
+        A request it knows: its seed as :meth:`_seed` says (None once it holds
+        media, or when a cache reset came after its KV); one it has not seen
+        yet: the seed :meth:`_state` would give it now (the current epoch's).
+        Read by ``snapshot()``, so that its chunks land where this connector's do.
+        """
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            return request_seed(self._ns, request, self._epoch)
+        return None if _not_keyable(request) else state.seed
+
     def _state(self, request: Any) -> _Request:
         """The request's state, made on first sight (vLLM asks for every new request's matched tokens)."""
         state = self._reqs.get(request.request_id)
