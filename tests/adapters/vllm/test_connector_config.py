@@ -13,21 +13,14 @@ from typing import Any
 
 import pytest
 from conftest import require
+from test_connector_background import _vllm_config
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "connector.md"
 
 
 def _config(extra: dict[str, object], role: str = "kv_both", max_model_len: int | None = None) -> SimpleNamespace:
-    """Just what HurrayConfig.from_vllm reads of a VllmConfig (``max_model_len``: a model_config with it)."""
-    require("vllm")
-    from vllm.config import KVTransferConfig
-
-    kv = KVTransferConfig(kv_connector="HurrayConnector", kv_role=role, kv_connector_extra_config=extra)
-    engine = SimpleNamespace(
-        kv_transfer_config=kv,
-        cache_config=SimpleNamespace(block_size=16),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-    )
+    """``_vllm_config``'s VllmConfig (``max_model_len``: with a model_config that has it)."""
+    engine = _vllm_config(extra, role=role)
     if max_model_len is not None:
         engine.model_config = SimpleNamespace(max_model_len=max_model_len)
     return engine
