@@ -1,15 +1,16 @@
-"""Calls that must not block: run on a thread with a deadline, a FIFO let go if one does."""
+"""Waiting in tests without hanging them: calls run on a thread with a deadline, conditions polled until one."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-__all__ = ["within"]
+__all__ = ["wait_for", "within"]
 
 
 def within(call: Callable[[], object], unblock: Path | None = None, timeout: float = 10.0) -> object:
@@ -35,3 +36,13 @@ def within(call: Callable[[], object], unblock: Path | None = None, timeout: flo
             thread.join(timeout)
         pytest.fail(f"{call} blocked for {timeout} s")
     return out[0]
+
+
+def wait_for(cond: Callable[[], object], seconds: float = 15.0) -> bool:
+    """Poll ``cond()`` until it is true or ``seconds`` have passed; whether it became true (asked once more last)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return bool(cond())

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from blocking import wait_for
 from conftest import require
 from hypothesis import given
 from servers import ROOT
@@ -121,15 +122,6 @@ def finish(proc: subprocess.Popen[str], timeout: float = 90) -> tuple[str, str]:
         proc.kill()
         _, err = proc.communicate()
         raise AssertionError(f"the sender did not finish within {timeout:.0f} s: {err[-3000:]}") from None
-
-
-def wait_for(cond, seconds: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 def test_two_processes_move_a_multilayer_chunk_byte_for_byte(

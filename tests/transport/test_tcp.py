@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from blocking import wait_for
 from synthetic import example_chunk
 
 import hurray_vllm as hv
@@ -417,10 +418,7 @@ def test_a_keyed_receiver_answers_held_queries_only_from_fleet_members(tmp_path:
 
 def _wait_for(ready: Callable[[], object], within: float = 10) -> None:
     """Poll ``ready()`` until it is true; fail the test after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while not ready():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
+    assert wait_for(ready, within), "timed out waiting"
 
 
 def _until_closed(s: socket.socket) -> bytes:
