@@ -245,6 +245,8 @@ class _Arena:
 
     def age(self, polled_at: float) -> None:
         """The agent was polled at ``polled_at`` (monotonic): end the quarantines that were over by then."""
+        if not self._quarantined:  # the usual case, after every poll of a chunk in flight: no lock taken
+            return
         with self._mu:
             for xfer_id, held in list(self._quarantined.items()):
                 if held.until <= polled_at:
