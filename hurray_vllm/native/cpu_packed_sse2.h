@@ -1,6 +1,7 @@
 /* 16-bit (bfloat16, float16) kernels of cpu_packed.c with SSE2 shuffles: the same results as the
  * portable loops, 2-3x faster. Signatures and layouts as in cpu_packed_body.h, with P = 2. */
 #include <emmintrin.h>
+#include <string.h>
 
 #define LD(p) _mm_loadu_si128((const __m128i *)(p))
 #define ST(p, x) _mm_storeu_si128((__m128i *)(p), (x))
@@ -117,7 +118,18 @@ void hurray_amx_values_2(const uint16_t *base, const int64_t *blocks, int64_t i0
     }
 }
 
-/* The inverses, into the cache (the same transposes, run the other way). */
+/* The inverses, into the cache. All but the vec keys run token-group-major, not plane-major: each
+ * work item is a group of tokens of one block, all heads, so the interchange source ([N][H][D] per
+ * block, a token's heads side by side) is read front to back. Plane by plane, it was read in rows
+ * of D elements H*D apart (256 bytes every 2 KiB for 8 heads of 128), which the hardware
+ * prefetchers follow poorly: the row-major values were packed at half the speed of a plain copy of
+ * their bytes, now at its speed (scripts/bench_import.py, docs/benchmarks.md). */
+
+#if defined(_OPENMP)
+#define PARALLEL_ITEMS _Pragma("omp parallel for schedule(static) if (items > 1)")
+#else
+#define PARALLEL_ITEMS
+#endif
 
 void hurray_vec_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
                            int64_t H, int64_t N, int64_t D, const uint16_t *src) {
@@ -125,6 +137,9 @@ void hurray_vec_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, in
         hurray_vec_keys_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
         return;
     }
+    /* Plane by plane, unlike the others: each 8x8 transpose writes 16 bytes into 8 destination rows,
+     * and the plane-major order, which fills those rows front to back, measured fastest of the orders
+     * tried (token groups of 16 to 128, heads inside or outside them). */
     const int64_t r = H * D;
     PARALLEL_FOR
     for (int64_t ih = i0 * H; ih < i1 * H; ih++) {
@@ -143,25 +158,22 @@ void hurray_vec_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, in
 
 void hurray_amx_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
                            int64_t H, int64_t N, int64_t D, const uint16_t *src) {
-    if (D % 8) {
+    if (D % 8 || N % 16) {
         hurray_amx_keys_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
         return;
     }
-    const int64_t r = H * D;
-    PARALLEL_FOR
-    for (int64_t ih = i0 * H; ih < i1 * H; ih++) {
-        {
-            const int64_t i = ih / H, h = ih % H;
-            uint32_t *plane = (uint32_t *)(base + blocks[i] * sb + h * sh);
-            const uint16_t *in = src + (i * N * H + h) * D;
-            for (int64_t nh = 0; nh < N / 16; nh++) {
-                uint32_t *blk = plane + nh * (D / 2) * 16;
+    /* One item per 16-token group: its [D/2][16 tokens][2 dims] run of a plane is D/2 whole lines. */
+    const int64_t r = H * D, groups = N / 16, items = (i1 - i0) * groups;
+    PARALLEL_ITEMS
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t i = i0 + it / groups, nh = it % groups;
+        const uint16_t *in = src + (i * N + nh * 16) * r;
+        for (int64_t h = 0; h < H; h++) {
+            uint32_t *blk = (uint32_t *)(base + blocks[i] * sb + h * sh) + nh * (D / 2) * 16;
+            for (int64_t dp = 0; dp < D / 2; dp += 4) {
                 for (int64_t nl = 0; nl < 16; nl += 4) {
-                    const uint16_t *row = in + (nh * 16 + nl) * r;
-                    for (int64_t dp = 0; dp < D / 2; dp += 4) {
-                        /* 4 tokens x 4 dim pairs (words), transposed into 4 dim pairs x 4 tokens. */
-                        tr4x4_32((const uint32_t *)(row + 2 * dp), r / 2, blk + dp * 16 + nl, 16);
-                    }
+                    /* 4 tokens x 4 dim pairs (words), transposed into 4 dim pairs x 4 tokens. */
+                    tr4x4_32((const uint32_t *)(in + nl * r + h * D + 2 * dp), r / 2, blk + dp * 16 + nl, 16);
                 }
             }
         }
@@ -170,20 +182,27 @@ void hurray_amx_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, in
 
 void hurray_amx_values_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
                              int64_t H, int64_t N, int64_t D, const uint16_t *src) {
-    const int64_t r = H * D;
-    PARALLEL_FOR
-    for (int64_t ih = i0 * H; ih < i1 * H; ih++) {
-        {
-            const int64_t i = ih / H, h = ih % H;
-            uint16_t *plane = base + blocks[i] * sb + h * sh;
-            const uint16_t *in = src + (i * N * H + h) * D;
-            for (int64_t nh = 0; nh < N / 2; nh++) {
-                const uint16_t *r0 = in + 2 * nh * r;
-                for (int64_t dh = 0; dh < D / 16; dh++) {
-                    uint16_t *tile = plane + (dh * (N / 2) + nh) * 32;
+    if (N % 16 || D % 16) {
+        hurray_amx_values_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
+        return;
+    }
+    /* A group of 16 tokens is 8 consecutive lines of each 16-dim band. */
+    const int64_t r = H * D, G = 16, groups = N / G, items = (i1 - i0) * groups;
+    PARALLEL_ITEMS
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t i = i0 + it / groups, n0 = it % groups * G;
+        const uint16_t *in = src + (i * N + n0) * r;
+        /* A token pair at a time (two 2 KiB source rows, every head), each 16-dim band's tile of the
+         * pair one whole line: the source is read front to back. */
+        for (int64_t np = 0; np < G / 2; np++) {
+            for (int64_t h = 0; h < H; h++) {
+                uint16_t *plane = base + blocks[i] * sb + h * sh;
+                const uint16_t *r0 = in + 2 * np * r + h * D;
+                for (int64_t dh = 0; dh < D / 16; dh++, r0 += 16) {
                     /* Two tokens' 16 dims interleaved: [d0t0 d0t1 d1t0 d1t1 ...]. */
-                    __m128i a = LD(r0 + dh * 16), b = LD(r0 + r + dh * 16);
-                    __m128i c = LD(r0 + dh * 16 + 8), e = LD(r0 + r + dh * 16 + 8);
+                    uint16_t *tile = plane + (dh * (N / 2) + n0 / 2 + np) * 32;
+                    __m128i a = LD(r0), b = LD(r0 + r);
+                    __m128i c = LD(r0 + 8), e = LD(r0 + r + 8);
                     ST(tile, _mm_unpacklo_epi16(a, b));
                     ST(tile + 8, _mm_unpackhi_epi16(a, b));
                     ST(tile + 16, _mm_unpacklo_epi16(c, e));
@@ -194,11 +213,22 @@ void hurray_amx_values_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, 
     }
 }
 
-/* Row-major values need no shuffles: the portable loop is already a row copy. */
+/* Row-major values: a token's heads are copied into H planes, one row each. */
 void hurray_rows_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
                        int64_t H, int64_t N, int64_t D, const uint16_t *src) {
-    hurray_rows_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
+    /* Items of 16 tokens (a 32 KiB stretch of the source for 8 heads of 128) where N allows. */
+    const int64_t r = H * D, G = N % 16 ? 1 : 16, groups = N / G, items = (i1 - i0) * groups;
+    PARALLEL_ITEMS
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t i = i0 + it / groups, n0 = it % groups * G;
+        const uint16_t *in = src + (i * N + n0) * r;
+        uint16_t *blk = base + blocks[i] * sb + n0 * D;
+        for (int64_t n = 0; n < G; n++) {
+            for (int64_t h = 0; h < H; h++) memcpy(blk + h * sh + n * D, in + n * r + h * D, (size_t)D * 2);
+        }
+    }
 }
 
+#undef PARALLEL_ITEMS
 #undef LD
 #undef ST

@@ -283,19 +283,28 @@ def test_scatter_refuses_bad_pages() -> None:
         assert info.value.field == field
 
 
-@pytest.mark.parametrize("kind", ["vec_keys_put", "amx_keys_put", "amx_values_put"])
-def test_sse2_put_kernels_equal_the_portable_loops(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["vec_keys_put", "amx_keys_put", "amx_values_put", "rows_put"])
+@pytest.mark.parametrize(("n", "d"), [(64, 128), (16, 64), (48, 32), (8, 16), (12, 24)])
+def test_sse2_put_kernels_equal_the_portable_loops(kind: str, n: int, d: int) -> None:
+    """The vectorised put kernels (token groups, every head per item) write what the plain loops write.
+
+    Block sizes of one to several token groups and ones no group divides (the kernels fall back);
+    the cache a view of a larger one (other heads around it), and a block range starting past 0.
+    """
     lib = _lib()
-    b, h, n, d = 6, 4, 64, 128
-    pages = _cache(torch.bfloat16, 3, n, h, d // 2, seed=2).reshape(3, n, h, d)
-    ids = torch.tensor([5, 1, 2])
+    if kind.startswith("amx") and (n % 16 or d % 16):
+        pytest.skip("AMX packing needs block_size and head_dim multiples of 16")
+    b, h = 6, 3
+    pages = _cache(torch.bfloat16, 4, n, h, d // 2, seed=2).reshape(4, n, h, d)
+    ids = torch.tensor([0, 5, 1, 2])
     caches = []
     for name in (f"hurray_{kind}_2", f"hurray_{kind}_2_generic"):
-        cache = torch.zeros(b, h, n, 2 * d, dtype=torch.bfloat16)
-        base = cache.data_ptr() + (n * d * 2 if kind == "amx_values_put" else 0)
+        big = _cache(torch.bfloat16, b, h + 2, n, d, seed=3)
+        cache = big[:, 1 : 1 + h]
+        base = cache.data_ptr() + (n * d * 2 if kind in ("amx_values_put", "rows_put") else 0)
         fn = native.kernel(lib, name)
-        fn(base, ids.data_ptr(), 0, 3, cache.stride(0), cache.stride(1), h, n, d, pages.data_ptr())
-        caches.append(cache.view(torch.int16))
+        fn(base, ids.data_ptr(), 1, 4, cache.stride(0), cache.stride(1), h, n, d, pages.data_ptr())
+        caches.append(big.view(torch.int16))
     assert torch.equal(caches[0], caches[1])
 
 
