@@ -284,12 +284,14 @@ def test_scatter_refuses_bad_pages() -> None:
 
 
 @pytest.mark.parametrize("kind", ["vec_keys_put", "amx_keys_put", "amx_values_put", "rows_put"])
-@pytest.mark.parametrize(("n", "d"), [(64, 128), (16, 64), (48, 32), (8, 16), (12, 24)])
-def test_sse2_put_kernels_equal_the_portable_loops(kind: str, n: int, d: int) -> None:
+@pytest.mark.parametrize(("n", "d"), [(64, 128), (16, 64), (48, 32), (8, 16), (12, 24), (128, 80)])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_sse2_put_kernels_equal_the_portable_loops(kind: str, n: int, d: int, misaligned: bool) -> None:
     """The vectorised put kernels (token groups, every head per item) write what the plain loops write.
 
     Block sizes of one to several token groups and ones no group divides (the kernels fall back);
     the cache a view of a larger one (other heads around it), and a block range starting past 0.
+    On an AVX2 CPU, vec keys of whole 32-token lines in an aligned cache take the AVX2 kernel.
     """
     lib = _lib()
     if kind.startswith("amx") and (n % 16 or d % 16):
@@ -300,6 +302,8 @@ def test_sse2_put_kernels_equal_the_portable_loops(kind: str, n: int, d: int) ->
     caches = []
     for name in (f"hurray_{kind}_2", f"hurray_{kind}_2_generic"):
         big = _cache(torch.bfloat16, b, h + 2, n, d, seed=3)
+        if misaligned:  # 16 bytes off a 32-byte boundary: the vec keys' streamed (AVX2) stores do not apply
+            big = torch.cat([big.reshape(-1), big.new_zeros(8)])[8:].view(big.shape)
         cache = big[:, 1 : 1 + h]
         base = cache.data_ptr() + (n * d * 2 if kind in ("amx_values_put", "rows_put") else 0)
         fn = native.kernel(lib, name)
