@@ -46,6 +46,7 @@ from ..kv.snapshot import (
     ModelFingerprint,
     SlidingWindows,
     SnapshotSource,
+    decode_header_members,
 )
 from ..kv.states import RecurrentStates
 from ..wire import dtypes
@@ -451,11 +452,6 @@ class SnapshotHeader:
     heads: HeadRange | None = None
 
 
-#: Bounds on what a header may announce (far above any model; a bound on hostile input).
-_MAX_LAYERS = 1 << 16
-_MAX_SEQS = 1 << 24
-
-
 def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta") -> SnapshotHeader:
     """The snapshot header's JSON (``.hrry``/``.hrrs`` metadata record, safetensors ``snapshot`` key), checked.
 
@@ -472,20 +468,7 @@ def decode_header(raw: bytes | str | dict[str, Any], field: str = "snapshot.meta
         raise HurrayFormatError(
             f"{field}.version", f"snapshot format version {version!r} is newer than {FORMAT_VERSION} or not a version"
         )
-    fp, src, lat = f.optional_obj("fingerprint"), f.optional_obj("source"), f.optional_obj("latent")
-    win, states, heads = f.optional_obj("windows"), f.optional_obj("states"), f.optional_obj("heads")
-    return SnapshotHeader(
-        heads=HeadRange.from_json(heads.obj) if heads is not None else None,
-        states=RecurrentStates.from_json(states.obj) if states is not None else None,
-        windows=SlidingWindows.from_json(win.obj) if win is not None else None,
-        latent=LatentSplit.from_json(lat.obj) if lat is not None else None,
-        num_layers=f.integer("num_layers", hi=_MAX_LAYERS),
-        num_seqs=f.integer("num_seqs", hi=_MAX_SEQS, default=None),
-        fingerprint=ModelFingerprint.from_json(fp.obj) if fp is not None else None,
-        source=SnapshotSource.from_json(src.obj) if src is not None else None,
-        request_ids=f.optional_str_list("request_ids", max_items=_MAX_SEQS),
-        extra=f.optional_dict("extra"),
-    )
+    return SnapshotHeader(**decode_header_members(f))
 
 
 def _parse_meta(node: Node, *, permissive: bool = False) -> tuple[SnapshotHeader, list[tuple[int, ...]]]:

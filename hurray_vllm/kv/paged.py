@@ -23,7 +23,16 @@ from ..wire.descriptor import (
 from ..wire.dtypes import widen_index
 from ..wire.rules import Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
 
-__all__ = ["BlockPagedTensor", "IndexCache", "SharingStats", "CompactionPlan", "plan_compaction", "zero_slots_"]
+__all__ = [
+    "BlockPagedTensor",
+    "IndexCache",
+    "SharingStats",
+    "CompactionPlan",
+    "check_slot_params",
+    "check_structure",
+    "plan_compaction",
+    "zero_slots_",
+]
 
 _DEVICE_TAGS = {"cpu": 0x00, "cuda": 0x01}
 
@@ -78,23 +87,96 @@ class CompactionPlan:
 
     keep: torch.Tensor
     block_table: torch.Tensor
+    #: The pages the plan reads (one past the highest id in ``keep``; 0 for a plan built by hand): a
+    #: tensor with a smaller pool is refused without reading ``keep`` again.
+    src_pages: int = 0
 
 
 def plan_compaction(block_table: torch.Tensor, num_pages: int) -> CompactionPlan:
-    """Plan a compaction of ``block_table`` (int64, ids < ``num_pages``)."""
+    """Plan a compaction of ``block_table`` (int64, ids < ``num_pages``).
+
+    Raises:
+        HurrayFormatError: (field ``block_table``) a page id outside ``0 .. num_pages - 1``.
+    """
     if block_table.numel() == 0:
         empty = torch.empty(0, dtype=torch.int64, device=block_table.device)
         return CompactionPlan(empty, empty)
     # First-reference order keeps a sequence's pages adjacent in the new pool,
     # which makes the common unshared case an identity-like, cache-friendly gather.
     uniq, inverse = torch.unique(block_table, return_inverse=True)
+    # Sorted: its ends are the bounds, checked before the gather would fail on them (IndexError on the CPU,
+    # a device-side assert on CUDA).
+    lo, hi = int(uniq[0]), int(uniq[-1])
+    _check_page_ids(lo, hi, num_pages)
     first = torch.full((uniq.numel(),), block_table.numel(), dtype=torch.int64, device=block_table.device)
     pos = torch.arange(block_table.numel(), device=block_table.device)
     first.scatter_reduce_(0, inverse, pos, reduce="amin")
     order = torch.argsort(first)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
-    return CompactionPlan(keep=uniq[order], block_table=rank[inverse])
+    return CompactionPlan(keep=uniq[order], block_table=rank[inverse], src_pages=hi + 1)
+
+
+def _check_page_ids(lo: int, hi: int, num_pages: int | None) -> None:
+    """Refuse page ids ``lo .. hi`` (a block table's least and greatest) outside a pool of ``num_pages``."""
+    if lo < 0 or (num_pages is not None and hi >= num_pages):
+        raise HurrayFormatError(
+            "block_table",
+            f"page ids {lo}..{hi} outside the pool's 0..{(num_pages or 0) - 1}"
+            if num_pages is not None
+            else f"page id {lo} is negative",
+        )
+
+
+def check_structure(
+    block_table: torch.Tensor, seq_ptr: torch.Tensor, seq_lens: torch.Tensor | None, num_pages: int | None
+) -> int:
+    """Refuse a block structure a plan would index out of bounds with, or read as unused slots.
+
+    ``seq_lens`` ``None`` (a plain descriptor's tensor) checks the offsets and page ids only.
+    Returns the source pages it reads (one past the highest page id): one reduction serves both.
+
+    Raises:
+        HurrayFormatError: naming ``seq_lens``, ``seq_ptr`` or ``block_table``.
+    """
+    if (seq_lens is not None and seq_lens.dim() != 1) or seq_ptr.dim() != 1 or block_table.dim() != 1:
+        raise HurrayFormatError("seq_lens", "block_table, seq_ptr and seq_lens must be one-dimensional")
+    if seq_lens is not None and seq_lens.numel() != seq_ptr.numel() - 1:
+        raise HurrayFormatError("seq_lens", f"{seq_lens.numel()} lengths for {seq_ptr.numel() - 1} sequences")
+    if seq_lens is not None and seq_lens.numel() and int(seq_lens.min()) < 0:
+        raise HurrayFormatError("seq_lens", "sequence lengths must be >= 0")
+    if seq_ptr.numel() and (
+        int(seq_ptr[0]) != 0 or int(seq_ptr[-1]) > block_table.numel() or bool((seq_ptr[1:] < seq_ptr[:-1]).any())
+    ):
+        raise HurrayFormatError(
+            "seq_ptr", f"offsets must start at 0, never decrease and end within the {block_table.numel()} block ids"
+        )
+    if not block_table.numel():
+        return 0
+    lo, hi = (int(x) for x in torch.aminmax(block_table))
+    _check_page_ids(lo, hi, num_pages)
+    return hi + 1
+
+
+def check_slot_params(t: BlockPagedTensor, what: str) -> None:
+    """Refuse to move ``t``'s per-page-slot parameters when its scales and zero points share one buffer.
+
+    The rules accept one buffer of ``entries * (scale width + 4)`` bytes at a
+    shared index, but neither the spec nor docs/format.md says how scales and
+    zero points lie in it (interleaved per slot, or one array after the
+    other); gathering it either way could pair a slot with another's
+    parameters. Separate buffers, per the spec's per-page-slot layout, move.
+
+    Raises:
+        HurrayFormatError: (field ``quantization.buffer_index``) naming ``what``.
+    """
+    q = t.quantization
+    if isinstance(q, PerBlockAffine) and t.quant_buffers and q.zero_point_buffer_index == q.scale_buffer_index:
+        raise HurrayFormatError(
+            "quantization.buffer_index",
+            f"{what}: layer {t.layer_index} {t.kv_role} keeps its scales and zero points in one buffer "
+            f"(index {q.scale_buffer_index}), whose layout the format does not define; write them to separate buffers",
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,13 +283,14 @@ class BlockPagedTensor:
         self._check_seq(seq)
         # Without seq_lens a sequence holds its pages' tokens; every index is checked, since the flat offset
         # below would otherwise silently read another token, head or sequence.
-        held = int(self.seq_lens[seq]) if self.seq_lens is not None else self.page_size * len(self.pages_of(seq))
+        held = self.seq_len(seq) if self.seq_lens is not None else self.page_size * len(self.pages_of(seq))
         if not 0 <= token < held:
             raise IndexError(f"token {token} is outside sequence {seq} of {held} tokens")
         if not (0 <= head < self.num_heads and 0 <= dim < self.head_dim):
             raise IndexError(f"head {head} / dim {dim} outside {self.num_heads} heads of {self.head_dim}")
         page_in_seq, offset = divmod(token, self.page_size)
         phys = int(self.block_table[int(self.seq_ptr[seq]) + page_in_seq])
+        _check_page_ids(phys, phys, self.num_pages)
         flat = ((phys * self.page_size + offset) * self.num_heads + head) * self.head_dim + dim
         return self.page_pool.reshape(-1)[flat]
 
@@ -215,12 +298,22 @@ class BlockPagedTensor:
         """Sequence ``seq`` as a contiguous ``[seq_len, num_heads, head_dim]`` tensor."""
         n = self.seq_len(seq)
         pages = self.pages_of(seq)
+        if pages.numel():
+            lo, hi = (int(x) for x in torch.aminmax(pages))
+            _check_page_ids(lo, hi, self.num_pages)
         return self.page_pool.index_select(0, pages.to(self.page_pool.device)).reshape(
             -1, self.num_heads, self.head_dim
         )[:n]
 
     def seq_len(self, seq: int) -> int:
-        """Tokens of sequence ``seq``; raises :class:`HurrayFormatError` when the lengths are not known."""
+        """Tokens of sequence ``seq``, at most what the pages it owns hold.
+
+        Raises:
+            HurrayFormatError: (field ``seq_lens``) the lengths are not known;
+                (``seq_lens.pages``) the length is negative or more than its
+                pages hold: reading it would slice from the end, or read
+                another sequence's pages.
+        """
         self._check_seq(seq)
         if self.seq_lens is None:
             raise HurrayFormatError(
@@ -228,7 +321,15 @@ class BlockPagedTensor:
                 "this tensor does not know its sequence lengths (a plain block-paged descriptor "
                 "carries none); pass seq_lens= when building it, or write snapshots with hurray-vllm",
             )
-        return int(self.seq_lens[seq])
+        n = int(self.seq_lens[seq])
+        pages = int(self.seq_ptr[seq + 1]) - int(self.seq_ptr[seq])
+        if not 0 <= n <= pages * self.page_size:
+            raise HurrayFormatError(
+                "seq_lens.pages",
+                f"sequence {seq} has {n} tokens but owns {pages} pages of {self.page_size}; "
+                "the block structure is inconsistent (validate() it)",
+            )
+        return n
 
     def _check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.num_seqs:
@@ -237,9 +338,29 @@ class BlockPagedTensor:
     # ── batch operations ───────────────────────────────────────────────────
 
     def select(self, seqs: Sequence[int]) -> BlockPagedTensor:
-        """A sub-batch of ``seqs`` (in that order) over the same page pool."""
+        """A sub-batch of ``seqs`` (in that order) over the same page pool.
+
+        Without ``seq_lens`` (a plain descriptor's tensor) the sub-batch's
+        token count is known only when it is the whole batch in order (it
+        keeps ``num_tokens``) or when every page of the batch is full: a
+        count guessed otherwise would go on the wire as ``shape[0]``.
+
+        Raises:
+            IndexError: a sequence outside the batch.
+            HurrayFormatError: (field ``seq_lens``) the tensor carries no
+                lengths and the sub-batch's token count is not known.
+        """
         for s in seqs:
             self._check_seq(s)
+        whole = list(seqs) == list(range(self.num_seqs))
+        full = self.num_tokens in (None, self.block_table.numel() * self.page_size)
+        if self.seq_lens is None and not (whole or full):
+            raise HurrayFormatError(
+                "seq_lens",
+                f"this tensor's {self.num_tokens} tokens do not fill its pages and it carries no sequence lengths "
+                "(a plain block-paged descriptor): a sub-batch's token count is unknown; pass seq_lens= "
+                "when building it",
+            )
         idx = torch.as_tensor(list(seqs), dtype=torch.int64)
         counts = (self.seq_ptr[1:] - self.seq_ptr[:-1])[idx] if idx.numel() else idx
         seq_ptr = torch.zeros(idx.numel() + 1, dtype=torch.int64)
@@ -248,14 +369,25 @@ class BlockPagedTensor:
         parts = [self.block_table[int(self.seq_ptr[s]) : int(self.seq_ptr[s + 1])] for s in seqs]
         table = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         lens = self.seq_lens[idx] if self.seq_lens is not None else None
-        return replace(self, block_table=table, seq_ptr=seq_ptr, seq_lens=lens, num_tokens=None)
+        return replace(
+            self, block_table=table, seq_ptr=seq_ptr, seq_lens=lens, num_tokens=self.num_tokens if whole else None
+        )
 
     def compact(self, plan: CompactionPlan | None = None) -> BlockPagedTensor:
         """Keep only referenced pages, renumbered; aliasing is preserved.
 
         Per-page-slot quantization parameters move with their pages.
+
+        Raises:
+            HurrayFormatError: a page id outside the pool (field ``block_table``),
+                or scales and zero points in one buffer (:func:`check_slot_params`).
         """
+        check_slot_params(self, "compact")
         plan = plan or plan_compaction(self.block_table, self.num_pages)
+        if plan.src_pages > self.num_pages:
+            raise HurrayFormatError(
+                "block_table", f"the plan reads {plan.src_pages} pages, the pool holds {self.num_pages}"
+            )
         pool = self.page_pool.index_select(0, plan.keep.to(self.page_pool.device))
         qbufs = self.quant_buffers
         q = self.quantization
@@ -270,12 +402,18 @@ class BlockPagedTensor:
         return buf.view(self.num_pages, per_page).index_select(0, keep.to(buf.device)).reshape(-1)
 
     def valid_slots(self) -> torch.Tensor:
-        """int64 ``[num_pages]``: how many leading slots of each page some sequence uses."""
+        """int64 ``[num_pages]``: how many leading slots of each page some sequence uses.
+
+        Raises:
+            HurrayFormatError: an inconsistent block structure (:func:`check_structure`), or
+                block-table entries no sequence owns (field ``seq_ptr``).
+        """
         valid = torch.zeros(self.num_pages, dtype=torch.int64, device=self.block_table.device)
         if self.block_table.numel() == 0:
             return valid
+        check_structure(self.block_table, self.seq_ptr, self.seq_lens, self.num_pages)
         counts = self.seq_ptr[1:] - self.seq_ptr[:-1]
-        if bool((counts < 0).any()) or int(self.seq_ptr[-1]) != self.block_table.numel():
+        if int(self.seq_ptr[-1]) != self.block_table.numel():  # every entry is read as some sequence's
             raise HurrayFormatError("seq_ptr", "seq_ptr is not a non-decreasing index into the block table")
         seq_of = torch.repeat_interleave(torch.arange(self.num_seqs, device=counts.device), counts)
         k = torch.arange(self.block_table.numel(), device=counts.device) - self.seq_ptr[:-1][seq_of]

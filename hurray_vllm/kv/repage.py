@@ -33,7 +33,7 @@ import torch
 
 from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..wire.descriptor import PerBlockAffine
-from .paged import BlockPagedTensor
+from .paged import BlockPagedTensor, check_slot_params, check_structure
 from .snapshot import KVSnapshot
 
 __all__ = [
@@ -290,36 +290,6 @@ def plan_repage(
     )
 
 
-def check_structure(
-    block_table: torch.Tensor, seq_ptr: torch.Tensor, seq_lens: torch.Tensor, num_pages: int | None
-) -> int:
-    """Refuse a block structure a plan would index out of bounds with, or read as unused slots.
-
-    Returns the source pages it reads (one past the highest page id): one reduction serves both.
-    """
-    if seq_lens.dim() != 1 or seq_ptr.dim() != 1 or block_table.dim() != 1:
-        raise HurrayFormatError("seq_lens", "block_table, seq_ptr and seq_lens must be one-dimensional")
-    if seq_lens.numel() and int(seq_lens.min()) < 0:
-        raise HurrayFormatError("seq_lens", "sequence lengths must be >= 0")
-    if seq_ptr.numel() and (
-        int(seq_ptr[0]) != 0 or int(seq_ptr[-1]) > block_table.numel() or bool((seq_ptr[1:] < seq_ptr[:-1]).any())
-    ):
-        raise HurrayFormatError(
-            "seq_ptr", f"offsets must start at 0, never decrease and end within the {block_table.numel()} block ids"
-        )
-    if not block_table.numel():
-        return 0
-    lo, hi = (int(x) for x in torch.aminmax(block_table))
-    if lo < 0 or (num_pages is not None and hi >= num_pages):
-        raise HurrayFormatError(
-            "block_table",
-            f"page ids {lo}..{hi} outside the pool's 0..{(num_pages or 0) - 1}"
-            if num_pages is not None
-            else f"page id {lo} is negative",
-        )
-    return hi + 1
-
-
 def _gather_slots(src: torch.Tensor, plan: RepagePlan, per_slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Flat storage ``[num_slots, per_slot]`` holding ``plan``'s slots of ``src``; unused slots zero.
 
@@ -495,8 +465,9 @@ def repage(
     cache, a pool reused across imports) avoids faulting in a new pool.
 
     Raises:
-        HurrayFormatError: ``t`` carries no ``seq_lens``, or its block
-            structure is inconsistent (see :func:`plan_repage`).
+        HurrayFormatError: ``t`` carries no ``seq_lens``, its block
+            structure is inconsistent (see :func:`plan_repage`), or its
+            scales and zero points share one buffer (:func:`~hurray_vllm.kv.paged.check_slot_params`).
         ImportArgumentError: ``plan`` is for other sequences or another page
             size, ``page_size`` is not positive, or ``out`` does not fit
             (see :func:`check_out_pool`).
@@ -506,6 +477,7 @@ def repage(
     """
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
+    check_slot_params(t, "repage")
     plan = plan or plan_repage(t.block_table, t.seq_ptr, t.seq_lens, t.page_size, page_size, t.num_pages)
     if (
         plan.page_size != page_size

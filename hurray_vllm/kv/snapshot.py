@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import HurrayArgumentError, HurrayFormatError, Violation
-from ..wire.jsonvalues import Fields
+from ..wire.jsonvalues import Fields, loads_bounded
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
 from .states import RecurrentStates, part_fraction
@@ -38,6 +39,8 @@ TARGET_LAYERS = "hurray_vllm.target_layers"
 _MAX_LAYERS = 1 << 16
 _MAX_HEADS = 1 << 16
 _MAX_HEAD_DIM = 1 << 16
+#: The most sequences a header may announce (``num_seqs``, ``request_ids``).
+_MAX_SEQS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -585,8 +588,16 @@ class KVSnapshot:
     def validate(self, *, permissive: bool = False, tensors: bool = True) -> Checked:
         """Every rule broken by any layer, plus the snapshot's own consistency.
 
-        ``tensors=False`` skips the per-tensor rules (a reader that built the
-        tensors with :meth:`BlockPagedTensor.from_wire` has checked them).
+        What a container's reader refuses, this reports, so that what
+        ``validate`` (and so :func:`~hurray_vllm.save`) passes loads: the
+        header's members are put through the reader's own decoders too
+        (``snapshot.meta``, ``snapshot.fingerprint.*``, ``snapshot.source.*``...).
+
+        ``tensors=False`` is for a reader, which has checked what it read: it
+        skips the per-tensor rules (the tensors were built with
+        :meth:`BlockPagedTensor.from_wire`) and the header's (it was decoded
+        with ``decode_header``), a second decoding that would cost a chunk's
+        load some 10%.
         """
         found: list[Violation] = []
         roles = self.roles
@@ -603,9 +614,14 @@ class KVSnapshot:
                         f"layer {i} holds roles {'/'.join(t.kv_role for t in members)}, not {'/'.join(roles)}",
                     )
                 )
-            if len({t.layer_index for t in members}) > 1:
+            # A reader places a layer by its layer_index (None: by position): layer i must say i, or layers
+            # would load swapped, or twice and be refused (docs/format.md 2.6).
+            if any(t.layer_index not in (None, i) for t in members) or len({t.layer_index for t in members}) > 1:
                 found.append(
-                    Violation("layer_index", f"layer {i}: its tensors say layers {[t.layer_index for t in members]}")
+                    Violation(
+                        "layer_index",
+                        f"layer {i}: its tensors say layers {[t.layer_index for t in members]}, not {i} (or None)",
+                    )
                 )
             first = members[0]
             if not all(
@@ -759,12 +775,14 @@ class KVSnapshot:
             if ids and not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < 1 << 63):
                 found.append(Violation("snapshot.token_ids", f"sequence {s}: token ids must be integers >= 0"))
                 break
-        if self.request_ids is not None and (
-            len(self.request_ids) != self.num_seqs or not all(isinstance(r, str) for r in self.request_ids)
-        ):
+        if self.request_ids is not None and len(self.request_ids) != self.num_seqs:
+            # Their types and lengths are the header's (_header_violations).
             found.append(
                 Violation("snapshot.request_ids", f"{len(self.request_ids)} request ids for {self.num_seqs} sequences")
             )
+        # A member's own rules above may have named a field already (a states part): once is enough.
+        named = {v.invariant for v in found}
+        found.extend(v for v in (self._header_violations() if tensors else ()) if v.invariant not in named)
         if self.fingerprint is not None and lead and self.fingerprint.num_layers != self.num_layers:
             found.append(
                 Violation(
@@ -773,6 +791,46 @@ class KVSnapshot:
                 )
             )
         return Checked(tuple(found), permissive)
+
+    def _header_violations(self) -> list[Violation]:
+        """What a reader refuses in the header JSON a container writes for this snapshot.
+
+        The members are encoded as the writers encode them and decoded by the
+        reader's own decoders (:func:`~hurray_vllm.wire.jsonvalues.loads_bounded`,
+        :class:`~hurray_vllm.wire.jsonvalues.Fields`, each member's
+        ``from_json``), as ``containers.schema.decode_header`` composes them,
+        so that what ``validate`` passes loads: a zero page size, a 300-character
+        architecture, ``NaN`` or nesting 40 deep in ``extra``. The violations
+        carry the reader's field names (the first bad member's; ``windows``
+        and ``heads`` have their own rules above, which name theirs once).
+        The header is small (no token ids, no tensors): this costs tens of
+        microseconds whatever the batch holds.
+        """
+        meta: dict[str, Any] = {
+            "num_layers": self.num_layers,
+            "num_seqs": self.num_seqs,
+            "request_ids": list(self.request_ids) if self.request_ids is not None else None,
+            "extra": self.extra,
+        }
+        parts = (
+            ("fingerprint", self.fingerprint),
+            ("source", self.source),
+            ("latent", self.latent),
+            ("states", self.states),
+            ("windows", self.windows),
+            ("heads", self.heads),
+        )
+        try:
+            # The writers' encoding: a value json cannot write (an object, a circular or 1000-deep
+            # extra) would otherwise fail in save() as a bare TypeError/ValueError/RecursionError.
+            meta.update({name: part.to_json() for name, part in parts if part is not None})
+            text = json.dumps(meta, sort_keys=True)
+            decode_header_members(Fields(loads_bounded(text, "snapshot.meta"), "snapshot.meta"))
+        except HurrayFormatError as exc:
+            return list(exc.violations)
+        except (TypeError, ValueError, RecursionError) as exc:
+            return [Violation("snapshot.meta", f"the header cannot be written as JSON: {exc}")]
+        return []
 
     def _window_violations(self) -> list[Violation]:
         win = self.windows
@@ -814,6 +872,33 @@ class KVSnapshot:
             f"KVSnapshot(num_layers={self.num_layers}, num_seqs={k.num_seqs}, page_size={k.page_size}, "
             f"num_pages={k.num_pages}, heads={k.num_heads}, head_dim={k.head_dim}, dtype={k.dtype}{latent})"
         )
+
+
+def decode_header_members(f: Fields) -> dict[str, Any]:
+    """The snapshot header's members decoded from its JSON object ``f``: the one decoder of them.
+
+    ``containers.schema.decode_header`` (every reader) builds its header from
+    these, after checking the format's name and version; :meth:`KVSnapshot.validate`
+    puts a snapshot's own header through them, so that what it passes loads.
+    Every member is type-checked and bounded.
+
+    Raises:
+        HurrayFormatError: the first malformed member (``.field`` names it).
+    """
+    fp, src, lat = f.optional_obj("fingerprint"), f.optional_obj("source"), f.optional_obj("latent")
+    win, states, heads = f.optional_obj("windows"), f.optional_obj("states"), f.optional_obj("heads")
+    return {
+        "heads": HeadRange.from_json(heads.obj) if heads is not None else None,
+        "states": RecurrentStates.from_json(states.obj) if states is not None else None,
+        "windows": SlidingWindows.from_json(win.obj) if win is not None else None,
+        "latent": LatentSplit.from_json(lat.obj) if lat is not None else None,
+        "num_layers": f.integer("num_layers", hi=_MAX_LAYERS),
+        "num_seqs": f.integer("num_seqs", hi=_MAX_SEQS, default=None),
+        "fingerprint": ModelFingerprint.from_json(fp.obj) if fp is not None else None,
+        "source": SnapshotSource.from_json(src.obj) if src is not None else None,
+        "request_ids": f.optional_str_list("request_ids", max_items=_MAX_SEQS),
+        "extra": f.optional_dict("extra"),
+    }
 
 
 def _seq_lens_differ(a: torch.Tensor | None, b: torch.Tensor | None) -> str:

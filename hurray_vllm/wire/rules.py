@@ -60,13 +60,22 @@ _STRUCTURAL = frozenset(
         "seq_ptr.last",
         "shape.heads",
         "seq_lens.count",
+        "seq_lens.dtype",
         "seq_lens.pages",
         "seq_lens.total",
         "shape.total_tokens",
         "type_tag",
         "composite.buffer_count",
+        # Not rules of a descriptor, but of a snapshot in memory, which the snapshot reader refuses (or
+        # would read otherwise) in every mode: layer i saying another layer, a header json cannot write.
+        "layer_index",
+        "snapshot.meta",
     }
 )
+
+#: What sequence lengths may be held as: integers that torch compares and sums (its uint16..uint64 lack
+#: those ops), never bool, and never floating point (a length of 3.5 tokens is not written as 3.5).
+_LENGTH_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 #: torch sizes and strides are int64: an extent above this cannot be viewed, however few bytes back it.
@@ -646,6 +655,14 @@ def validate_index_buffers(
         return  # already reported as seq_ptr.byte_size
     if seq_lens is not None and seq_lens.dim() != 1:
         out.append(Violation("seq_lens.count", f"sequence lengths must be a vector, got shape {list(seq_lens.shape)}"))
+        return
+    if seq_lens is not None and seq_lens.dtype not in _LENGTH_DTYPES:
+        # A writer stores them as int64: 3.5 would be written as 3, and its total no longer shape[0].
+        out.append(
+            Violation(
+                "seq_lens.dtype", f"sequence lengths must be integers (int8..int64 or uint8), not {seq_lens.dtype}"
+            )
+        )
         return
     small = block_table.numel() + seq_ptr.numel() + (seq_lens.numel() if seq_lens is not None else 0) <= _SMALL
     if small and all(t.device.type == "cpu" for t in (block_table, seq_ptr) if t is not None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given
@@ -10,6 +12,8 @@ from strategies import paged_tensors, snapshots
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.kv.paged import plan_compaction
+from hurray_vllm.wire.descriptor import PerBlockAffine
 
 
 def dense_all(t: hv.BlockPagedTensor) -> list[torch.Tensor]:
@@ -127,3 +131,93 @@ def test_snapshot_select_of_a_sequence_outside_the_batch_is_an_argument_error() 
         with pytest.raises(hv.HurrayArgumentError) as err:
             snap.select([0, seq])
         assert err.value.field == "seqs"
+
+
+@given(paged_tensors(dtype=torch.float32), st.data())
+def test_a_length_past_a_sequences_pages_or_negative_is_refused_not_read(
+    t: hv.BlockPagedTensor, data: st.DataObject
+) -> None:
+    """Trusted, it read the next sequence's pages, or (negative) sliced tokens from the end."""
+    if t.num_seqs == 0:
+        return
+    s = data.draw(st.integers(0, t.num_seqs - 1))
+    room = t.page_size * len(t.pages_of(s))
+    n = data.draw(st.integers(room + 1, room + 2 * t.page_size) | st.integers(-2 * t.page_size, -1))
+    lens = t.seq_lens.clone()  # type: ignore[union-attr]
+    lens[s] = n
+    bad = replace(t, seq_lens=lens)
+    for read in (lambda: bad.seq_len(s), lambda: bad.to_dense(s), lambda: bad.lookup(s, max(0, room), 0, 0)):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            read()
+        assert err.value.field == "seq_lens.pages"
+    # Up to what its pages hold, a length reads only them (validate() wants exactly ceil(n / page_size) pages).
+    lens[s] = room
+    assert replace(t, seq_lens=lens).to_dense(s).shape[0] == room
+
+
+@pytest.mark.parametrize("page", [5, -1], ids=["past the pool", "negative"])
+def test_page_ids_outside_the_pool_are_a_format_error_in_every_operation(page: int) -> None:
+    """They failed with a RuntimeError (scatter) or IndexError (index_select), or read another tensor's memory."""
+    t = hv.BlockPagedTensor(
+        torch.arange(8.0).reshape(2, 4, 1, 1), torch.tensor([0, page]), torch.tensor([0, 2]), torch.tensor([8])
+    )
+    for op in (t.valid_slots, t.zero_unused_slots, t.compact, lambda: t.to_dense(0), lambda: t.lookup(0, 5, 0, 0)):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            op()
+        assert err.value.field == "block_table"
+    with pytest.raises(hv.HurrayFormatError, match="reads 3 pages"):  # a plan made for a larger pool
+        replace(t, block_table=torch.tensor([0, 1])).compact(plan_compaction(torch.tensor([0, 2]), 3))
+
+
+@given(paged_tensors(), st.data())
+def test_select_without_lengths_keeps_a_known_token_count_or_refuses(
+    t: hv.BlockPagedTensor, data: st.DataObject
+) -> None:
+    """A plain descriptor's tensor knows shape[0] only: select() counted every page as full."""
+    tokens = int(t.seq_lens.sum())  # type: ignore[union-attr]
+    plain = replace(t, seq_lens=None, num_tokens=tokens)
+    assert plain.select(range(t.num_seqs)).shape == t.shape  # the whole batch: its count
+    seqs = data.draw(st.lists(st.integers(0, max(0, t.num_seqs - 1)), max_size=4)) if t.num_seqs else []
+    if tokens == t.block_table.numel() * t.page_size:  # every page full: every sub-batch's count is known
+        assert plain.select(seqs).shape == t.select(seqs).shape
+    elif seqs != list(range(t.num_seqs)):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            plain.select(seqs)
+        assert err.value.field == "seq_lens"
+
+
+def test_select_of_a_plain_descriptors_tensor() -> None:
+    t = hv.BlockPagedTensor(torch.zeros(2, 4, 2, 8), torch.tensor([0, 1, 0]), torch.tensor([0, 2, 3]), num_tokens=9)
+    assert t.select([0, 1]).shape == (9, 2, 8)
+    with pytest.raises(hv.HurrayFormatError, match="sub-batch"):
+        t.select([1])
+    full = replace(t, num_tokens=12)
+    assert full.select([1]).shape == (4, 2, 8)
+
+
+def _shared_params() -> hv.BlockPagedTensor:
+    """int8 pages with scales and zero points at one buffer index, which the rules accept."""
+    pool = torch.randint(-100, 100, (3, 4, 1, 2), dtype=torch.int8)
+    return hv.BlockPagedTensor(
+        pool,
+        torch.tensor([2, 0, 1]),
+        torch.tensor([0, 3]),
+        torch.tensor([10]),
+        quantization=PerBlockAffine(0, 4, 3, 3),
+        quant_buffers=(torch.zeros(12 * (4 + 4), dtype=torch.uint8),),
+    )
+
+
+def test_scales_and_zero_points_in_one_buffer_are_not_moved_by_compact() -> None:
+    """Their layout in the buffer is undefined: a per-slot gather could pair a slot with another's parameters."""
+    t = _shared_params()
+    assert t.validate().ok
+    with pytest.raises(hv.HurrayFormatError) as err:
+        t.compact()
+    assert err.value.field == "quantization.buffer_index"
+    separate = replace(
+        t,
+        quantization=PerBlockAffine(0, 4, 3, 4),
+        quant_buffers=(torch.zeros(12 * 4, dtype=torch.uint8), torch.zeros(12 * 4, dtype=torch.uint8)),
+    )
+    assert separate.validate().ok and separate.compact().validate().ok

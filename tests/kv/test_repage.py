@@ -368,3 +368,19 @@ def test_the_plans_own_temporaries_are_counted_before_they_are_built(monkeypatch
     with pytest.raises(OSError, match="repage plan") as err:
         rp.plan_repage(table, ptr, lens, 16, 16, 1)
     assert err.value.errno == errno.ENOMEM and not built
+
+
+def test_scales_and_zero_points_in_one_buffer_are_not_repaged() -> None:
+    """The rules accept them at one index, but no layout says which bytes are a slot's: refused, not guessed."""
+    from dataclasses import replace
+
+    from hurray_vllm.wire.descriptor import PerBlockAffine
+
+    t = _per_block_affine()
+    shared = replace(
+        t, quantization=PerBlockAffine(0, 4, 3, 3), quant_buffers=(torch.zeros(12 * (4 + 4), dtype=torch.uint8),)
+    )
+    assert shared.validate().ok
+    with pytest.raises(hv.HurrayFormatError) as err:
+        repage(shared, 8)
+    assert err.value.field == "quantization.buffer_index" and not isinstance(err.value, hv.HurrayArgumentError)

@@ -3,12 +3,18 @@ drafter's), and the structure every layer and role shares (``validate``, as the 
 
 from __future__ import annotations
 
+import io
+import math
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import snapshots
 from synthetic import save_unchecked
 
 import hurray_vllm as hv
@@ -164,3 +170,130 @@ def test_a_pool_that_is_not_four_dimensional_is_a_violation_not_a_crash() -> Non
     bad = replace(snap, keys=(snap.keys[0], flat))
     assert "rank" in _invariants(bad)
     assert "rank" in _invariants(replace(bad, heads=hv.HeadRange(0, 2, 2)))  # the head-slice check reads heads too
+
+
+# ── what validate passes, the readers load ────────────────────────────────────
+
+#: Where save() is asked to write what it must refuse (so nothing is ever written there).
+_NOWHERE = Path(tempfile.gettempdir()) / "hurray-vllm-refused.hrrs"
+
+
+def _reads_back(snap: hv.KVSnapshot) -> hv.KVSnapshot | None:
+    """``snap`` written as a stream without save()'s checks and read back; None when either side refuses."""
+    buf = io.BytesIO()
+    try:
+        hv.write_stream(snap, buf)
+        return hv.read_stream(io.BytesIO(buf.getvalue()))
+    except (HurrayFormatError, TypeError, ValueError):  # the writer's json.dumps raises the bare ones
+        return None
+
+
+@given(snapshots(), st.data())
+def test_layer_i_must_say_layer_i_or_nothing(snap: hv.KVSnapshot, data: st.DataObject) -> None:
+    """A reader places a layer by its layer_index: another index loads the layers swapped, or refuses them."""
+    said = data.draw(st.lists(st.none() | st.integers(0, 3), min_size=snap.num_layers, max_size=snap.num_layers))
+    stamped = snap.with_layers(
+        [tuple(replace(t, layer_index=i) for t in members) for i, members in zip(said, snap.layer_members())]
+    )
+    fine = all(i in (None, pos) for pos, i in enumerate(said))
+    for permissive in (False, True):  # the reader refuses or reorders in every mode
+        assert stamped.validate(permissive=permissive).ok == fine
+    back = _reads_back(stamped)
+    if fine:
+        assert back is not None
+        for a, b in zip(back.tensors(), stamped.tensors(), strict=True):  # in the order they were written
+            assert torch.equal(a.page_pool.view(torch.uint8), b.page_pool.view(torch.uint8))
+    else:
+        assert "layer_index" in {v.invariant for v in stamped.validate().errors}
+        with pytest.raises(HurrayFormatError) as err:
+            hv.save(stamped, _NOWHERE)
+        assert err.value.field == "layer_index"
+
+
+_DEEP: Any = 1
+for _ in range(40):
+    _DEEP = [_DEEP]
+
+#: Header members, as (name, what replaces them in the spec's example): each within and past the reader's bounds.
+_HEADERS = st.one_of(
+    st.tuples(st.just("source"), st.builds(hv.SnapshotSource, st.just("e"), st.just("l"), st.integers(-1, 2))),
+    st.tuples(
+        st.just("fingerprint"),
+        st.builds(
+            hv.ModelFingerprint,
+            st.integers(250, 260).map("A".__mul__),
+            st.just(2),
+            st.just(2),
+            st.just(8),
+            st.integers(60, 70).map("d".__mul__),
+            st.none() | st.just("w"),
+        ),
+    ),
+    st.tuples(st.just("request_ids"), st.integers(4090, 4100).map(lambda n: ("r" * n, "s"))),
+    st.tuples(
+        st.just("extra"),
+        st.dictionaries(
+            st.sampled_from(["a", "b"]),
+            st.sampled_from([1, 1.5, "x", None, [1, {"k": 2}], math.nan, math.inf, 1 << 70, -(1 << 66), _DEEP]),
+            max_size=2,
+        ),
+    ),
+)
+
+
+@given(_HEADERS)
+def test_validate_passes_exactly_the_headers_the_reader_loads(header: tuple[str, Any]) -> None:
+    name, value = header
+    snap = replace(spec_example_snapshot(2), **{name: value})
+    back = _reads_back(snap)
+    checked = snap.validate()
+    assert checked.ok == (back is not None), checked.errors
+    if back is None:
+        with pytest.raises(HurrayFormatError):  # never a bare TypeError or ValueError
+            hv.save(snap, _NOWHERE)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"extra": {"x": object()}}, "snapshot.meta"),  # json cannot write it: save() raised a bare TypeError
+        ({"extra": {"x": math.nan}}, "snapshot.meta"),
+        ({"extra": {"x": _DEEP}}, "snapshot.meta"),
+        ({"extra": {"x": 1 << 70}}, "snapshot.meta"),
+        ({"extra": [1]}, "snapshot.meta.extra"),
+        ({"source": hv.SnapshotSource("e", "l", 0)}, "snapshot.source.page_size"),
+        ({"request_ids": ("r" * 5000, "s")}, "snapshot.meta.request_ids"),
+        ({"request_ids": (7, "s")}, "snapshot.meta.request_ids"),
+    ],
+)
+def test_a_header_the_reader_refuses_is_named_by_the_readers_field(changes: dict[str, Any], field: str) -> None:
+    snap = replace(spec_example_snapshot(2), **changes)
+    assert field in {v.invariant for v in snap.validate().errors}
+    with pytest.raises(HurrayFormatError) as err:
+        hv.save(snap, _NOWHERE)
+    assert err.value.field == field
+
+
+def test_a_latent_split_or_states_the_reader_refuses_do_not_validate(tmp_path: Path) -> None:
+    t = hv.BlockPagedTensor(
+        torch.randn(2, 4, 1, 8), torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([6]), "fused", 0
+    )
+    for lat, field in [
+        (hv.LatentSplit(0, 8, "deepseek_v2"), "snapshot.latent.kv_lora_rank"),
+        (hv.LatentSplit(4, 4, "x" * 300), "snapshot.latent.family"),
+    ]:
+        snap = hv.KVSnapshot.from_layers([(t,)], latent=lat, token_ids=(tuple(range(6)),))
+        assert [v.invariant for v in snap.validate().errors] == [field]
+        save_unchecked(snap, tmp_path / "m.hrry")
+        with pytest.raises(HurrayFormatError, match=field):
+            hv.load(tmp_path / "m.hrry")
+    snap = spec_example_snapshot(2)
+    conv, ssm = torch.randn(2, 3, 16), torch.randn(2, 2, 8, 8)
+    for states, field in [
+        (hv.RecurrentStates("gdn_attn", (0,), ("conv", "ssm"), (1 << 62, 3), ((conv, ssm),)), "positions"),
+        (hv.RecurrentStates("gdn_attn", (70000,), ("conv", "ssm"), (6, 3), ((conv, ssm),)), "layers"),
+        (hv.RecurrentStates("k" * 300, (0,), ("conv", "ssm"), (6, 3), ((conv, ssm),)), "kind"),
+    ]:
+        bad = replace(snap, states=states)
+        assert f"snapshot.states.{field}" in {v.invariant for v in bad.validate().errors}
+        assert _reads_back(bad) is None

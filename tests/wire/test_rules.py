@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import paged_tensors
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
@@ -265,3 +266,22 @@ def test_small_index_buffers_take_a_list_path_with_the_same_verdicts(
     finally:
         v._SMALL = saved
     assert fast == slow
+
+
+@pytest.mark.parametrize("n", [10, 3000], ids=["list path", "tensor path"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool, torch.uint32])
+def test_seq_lens_that_are_not_integers_are_refused(n: int, dtype: torch.dtype) -> None:
+    """A writer stores lengths as int64: 3.5 tokens would be written as 3, and shape[0] as their float sum."""
+    t = hv.BlockPagedTensor(
+        torch.zeros(n, 4, 1, 2), torch.arange(n), torch.arange(n + 1), torch.full((n,), 3).to(dtype)
+    )
+    checked = t.validate(permissive=True)
+    assert [v.invariant for v in checked.errors] == ["seq_lens.dtype"], checked.errors
+    assert replace(t, seq_lens=torch.full((n,), 3, dtype=torch.int32)).validate().ok
+
+
+@given(paged_tensors(), st.sampled_from([torch.float16, torch.float32, torch.bool]))
+def test_seq_lens_of_any_batch_held_as_floats_do_not_validate(t: hv.BlockPagedTensor, dtype: torch.dtype) -> None:
+    assert t.validate().ok
+    assert "seq_lens.dtype" in names(replace(t, seq_lens=t.seq_lens.to(dtype)))  # type: ignore[union-attr]
+    assert replace(t, seq_lens=t.seq_lens.to(torch.int32)).validate().ok  # type: ignore[union-attr]
