@@ -42,6 +42,7 @@ __all__ = [
     "split_states_refusal",
     "rank_share",
     "unsupported_parallelism",
+    "with_heads",
     "with_rank_heads",
     "weights_digest",
     "fingerprint_of",
@@ -775,7 +776,16 @@ def with_rank_heads(snap: KVSnapshot, ec: EngineCache, vllm_config: Any) -> KVSn
         HurrayFormatError: (field ``snapshot.heads``) the cache holds another
             number of heads than the rank's share.
     """
-    heads = rank_head_range(vllm_config)
+    return with_heads(snap, rank_head_range(vllm_config))
+
+
+def with_heads(snap: KVSnapshot, heads: HeadRange | None) -> KVSnapshot:
+    """``snap`` (exported from a rank's cache) marked with ``heads``, the KV heads it holds; as is for ``None``.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.heads``) the snapshot holds
+            another number of heads than ``heads``.
+    """
     if heads is None:
         return snap
     if snap.num_layers and snap.tensors()[0].num_heads != heads.count:

@@ -82,7 +82,7 @@ def test_submit_waits_while_the_queue_holds_too_many_bytes(conn: ModuleType) -> 
 
 def test_staging_copies_blocks_and_recycles_buffers(conn: ModuleType) -> None:
     caches = [torch.arange(6 * 4, dtype=torch.float32).view(6, 2, 2) + 100 * i for i in range(3)]
-    staging = conn._Staging()
+    staging = conn._Staging(1 << 20)
     views, bufs = staging.copy(caches, torch.tensor([4, 1]))
     for v, c in zip(views, caches, strict=True):
         assert torch.equal(v, c[[4, 1]])
@@ -200,7 +200,7 @@ def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sen
     c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
     c._unpushed, c._push_backoff, c._closing = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False
     c._cut_short, c._failed_steps, c._steps_in_flight, c._tp = False, 0, 1, 1
-    c._writer, c._staging = conn._Writer(1 << 30), conn._Staging()
+    c._writer, c._staging = conn._Writer(1 << 30), conn._Staging(1 << 30)
     c._saves_here, c._my_heads = True, None  # TP = 1
     c._shares_states = False  # no states gathered across ranks
     c._keys = None  # an unkeyed fleet
@@ -395,7 +395,7 @@ def test_a_step_whose_block_copies_fail_drops_its_saves_and_the_engine_runs_on( 
 
     c._staging.copy = no_memory
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
-    assert c.flush(timeout=30) and c.stats.saves_dropped == 1 and not c._inflight
+    assert c.flush(timeout=30) and c.stats.saves_failed == 1 and not c._inflight
     c._staging.copy = real
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
     assert c.flush(timeout=30) and c.stats.chunks_saved == 1 and c._store.has(c._ns, task.key)
@@ -1597,3 +1597,255 @@ def test_a_hybrid_resumes_at_the_furthest_chunk_any_complete_set_of_whose_files_
         # Asynchronous: a model of several KV cache groups loads so wherever its worker runs (config._async_loads).
         assert sched.get_num_new_matched_tokens(req, 0) == (64, True), rid
     assert keys[1] + ".hrry" not in read  # past the resume point: not read
+
+
+def _no_memory(*args: Any, **kwargs: Any) -> Any:
+    raise torch.OutOfMemoryError("no memory for the copy")
+
+
+def test_a_synchronous_save_whose_states_copy_fails_costs_that_chunk_and_the_engine_runs_on(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """vLLM calls wait_for_save inside its step: an error copying a chunk's states must not escape into it."""
+    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c._sender, c._url, c._async = None, None, False
+    c._engine_cache().states = SimpleNamespace(gather=_no_memory)
+    with_states = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2], state_blocks={1: [3]}, state_position=8)
+    plain = meta.SaveTask("r", "cd" * 8, list(range(8)), [4, 5])
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[with_states, plain]))
+    assert c.stats.saves_failed == 1 and not c._store.has(c._ns, with_states.key) and c._store.has(c._ns, plain.key)
+
+
+class _TpGroup:
+    """torch.distributed's collectives as one rank sees them: ``others`` is what the other rank adds to a flag."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, others: int = 0, broken: bool = False) -> None:
+        import torch.distributed as dist
+        import vllm.distributed
+
+        self.others, self.broken = others, broken
+        self.reduced: list[int] = []
+        self.gathers = 0
+        monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: SimpleNamespace(cpu_group=None))
+        monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(dist, "all_gather", self.all_gather)
+
+    def all_reduce(self, t: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        if self.broken:
+            raise RuntimeError("Connection closed by peer")
+        self.reduced.append(int(t.item()))
+        t.fill_(max(int(t.item()), self.others))
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, group: Any = None) -> None:
+        self.gathers += 1
+        for o in out:
+            o.copy_(t)
+
+
+def test_a_rank_whose_states_copy_fails_still_takes_part_in_the_collectives(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At TP > 1 with shared states every rank must make the same collectives: a rank that cannot copy its share
+    says so in one all-reduce, and then no rank gathers; the chunk is saved without states, nothing raises."""
+    task = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2], state_blocks={1: [3]}, state_position=8)
+    for mine_fails, others in ((True, 0), (False, 1)):  # this rank's copy fails / the other rank's did
+        c = _bare_worker(conn, meta, tmp_path / str(others), None)  # type: ignore[arg-type]
+        c._sender, c._url, c._async, c._tp, c._shares_states = None, None, True, 2, True
+        c._engine_cache().states = SimpleNamespace(gather=_no_memory if mine_fails else lambda *a: "share")
+        monkeypatch.setattr(conn, "pack_states", lambda s: torch.zeros(8, dtype=torch.uint8))
+        group = _TpGroup(monkeypatch, others=others)
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
+        assert group.reduced == [int(mine_fails)] and group.gathers == 0
+        assert c.flush(timeout=30) and c._store.has(c._ns, task.key) and c.stats.chunks_saved == 1
+    # A broken channel: the collective raises on this rank; the step's saves are dropped (it cannot know whether
+    # another rank's load failed), and nothing raises into the step.
+    c = _bare_worker(conn, meta, tmp_path / "broken", None)  # type: ignore[arg-type]
+    c._sender, c._url, c._async, c._tp = None, None, True, 2
+    _TpGroup(monkeypatch, broken=True)
+    load = meta.LoadTask("r", [], [], [])
+    c.wait_for_save(meta.HurrayConnectorMetadata(loads=[load], saves=[replace(task, state_blocks={})]))
+    assert c.flush(timeout=30) and c.stats.saves_dropped == 1 and not c._store.has(c._ns, task.key)
+
+
+def test_a_step_completing_more_chunks_than_the_save_queue_holds_copies_them_in_batches(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """hurray_save_queue_mib bounds what one step copies out too: in batches that fit, the step waiting between."""
+    bound = 8 << 10  # 8 blocks of 1 KiB
+    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c._sender, c._url, c._async = None, None, True
+    c._writer, c._staging = conn._Writer(bound, on_full=c._abort_push), conn._Staging(bound)
+    c._engine_cache().caches = [torch.zeros((64, 256), dtype=torch.float32)]
+    seen: list[int] = []  # what the queue holds, each time the writer takes a job
+    deliver = c._deliver
+
+    def recording(*args: Any) -> None:
+        time.sleep(0.01)  # a slow disk: the step gets ahead of the writer unless it waits
+        seen.append(c._writer._held)
+        deliver(*args)
+
+    c._deliver = recording
+    tasks = [meta.SaveTask("r", f"{i:032x}", list(range(8)), [2 * i + 1, 2 * i + 2]) for i in range(20)]
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))  # 40 KiB of blocks
+    assert c.flush(timeout=60) and c.stats.chunks_saved == 20 and not c._inflight
+    assert len(seen) >= 5 and max(seen) <= bound
+    assert sum(b.numel() * b.element_size() for bufs in c._staging._free for b in bufs) <= bound  # kept for reuse
+
+
+def test_staging_keeps_no_more_than_its_bound_of_recycled_buffers(conn: ModuleType) -> None:
+    caches = [torch.zeros((16, 4), dtype=torch.float32)]  # 16 bytes a block
+    staging = conn._Staging(64)
+    sets = [staging.copy(caches, torch.arange(n))[1] for n in (1, 2, 3, 4)]  # 160 bytes handed out at once
+    for bufs in sets:
+        staging.recycle(bufs)
+    assert sum(staging.capacity(b) for b in staging._free) <= 64 and staging._out_bytes == 0
+    assert [staging.capacity(b) for b in staging._free] == [64]  # the largest that fits
+
+
+def test_staging_refuses_a_block_outside_the_cache_before_copying(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """On CUDA an index past the cache is a device-side assert: checked on the host, as write_blocks does."""
+    from hurray_vllm.errors import HurrayFormatError
+
+    staging = conn._Staging(1 << 20)
+    caches = [torch.zeros((6, 4))]
+    for ids in (torch.tensor([1, 6]), [torch.tensor([-1])]):
+        with pytest.raises(HurrayFormatError) as info:
+            staging.copy(caches, ids)
+        assert info.value.field == "block_ids"
+    assert staging._out_bytes == 0
+    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c._sender, c._url, c._async = None, None, True
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "ab" * 8, list(range(8)), [15, 16])]))
+    assert c.flush(timeout=30) and c.stats.saves_failed == 1 and not c._inflight
+
+
+def test_saves_that_fail_or_find_the_file_stored_are_counted(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A write that fails (disk full) is a failed save; a file stored meanwhile by another writer, a skipped one."""
+    import errno
+
+    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c._sender, c._url, c._async = None, None, True
+    put = c._store.put
+
+    def full(*args: Any, **kwargs: Any) -> bool:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    object.__setattr__(c._store, "put", full)
+    tasks = [meta.SaveTask("r", f"{i:032x}", list(range(8)), [1, 2]) for i in range(3)]
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))
+    assert c.flush(timeout=30) and c.stats.saves_failed == 3 and c.stats.chunks_saved == 0
+    object.__setattr__(c._store, "put", lambda *args, **kwargs: False)  # stored meanwhile
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks[:1]))
+    assert c.flush(timeout=30) and c.stats.chunks_skipped == 1 and c.stats.saves_failed == 3
+    object.__setattr__(c._store, "put", put)
+
+
+def test_a_step_whose_copies_fail_still_pushes_its_stored_chunks_later(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A chunk of the step only to push on never reaches the writer when the copies fail: it is remembered."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    _store_one(c, meta, "01" * 8)
+    c._staging.copy = _no_memory
+    forward = meta.SaveTask("r", "01" * 8, [], [], forward=True)
+    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[forward, new]))
+    assert c.flush(timeout=30) and c.stats.saves_failed == 1 and c.stats.saves_dropped == 0
+    assert list(c._unpushed) == [forward.key] and not c._inflight
+
+
+def test_interpreter_exit_cuts_a_hung_push_and_stores_everything(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At exit, as at shutdown: a push blocked on a receiver that never reads must not keep the saves from disk."""
+    import socket
+
+    monkeypatch.setattr(conn, "SHUTDOWN_PUSH_GRACE_S", 0.2)
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        c = _bare_worker(conn, meta, tmp_path, _patient_tcp_sender())
+        c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
+        c._writer = conn._Writer(1 << 30, on_full=c._abort_push)
+        monkeypatch.setattr(conn, "_WORKERS", conn.weakref.WeakSet([c]))
+        keys = [f"{i:02x}" * 8 for i in range(4)]
+        c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, [0] * 8, [1, 2]) for k in keys]))
+        t0 = time.monotonic()
+        conn._drain_writers()
+        assert time.monotonic() - t0 < 30  # not the push's 600 s, nor a flush's 60
+        assert all(c._store.has(c._ns, k) for k in keys) and c.stats.push_failures == 1
+
+
+def test_a_worker_dropped_without_shutdown_is_collected_and_its_writer_thread_ends(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """The writer holds its worker's methods weakly: an idle writer thread must not keep the engine's caches."""
+    import gc
+    import weakref
+
+    from hurray_vllm import ModelFingerprint
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c._async = True
+    c._writer = conn._Writer(1 << 30, on_full=c._abort_push, on_idle=c._push_held_back, idle_s=0.05)
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, list(range(8)), [1, 2])]))
+    thread = c._writer._thread
+    assert thread is not None and c.flush(timeout=30)
+    worker = weakref.ref(c)
+    del c
+    deadline = time.monotonic() + 10  # a hang guard: an idle round in progress holds the worker until it returns
+    while gc.collect() >= 0 and worker() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker() is None
+    thread.join(10)
+    assert not thread.is_alive()  # on its next idle round it found its worker gone
+    # A worker as the connector builds it (a writer with no idle work: its thread waits for jobs only).
+    config = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path)}), None)  # type: ignore[arg-type]
+    w = conn.HurrayWorker(config, DirectoryStore(tmp_path), ModelFingerprint("T", 1, 1, 8, "bfloat16"), "ab" * 8)
+    assert w in conn._WORKERS
+    w._writer.submit(lambda: None, 1)
+    thread = w._writer._thread
+    assert thread is not None and w.flush(timeout=30)
+    worker = weakref.ref(w)
+    del w
+    gc.collect()
+    assert worker() is None
+    thread.join(10)
+    assert not thread.is_alive()  # ended by the worker's finalizer
+
+
+def test_a_rank_slice_exported_with_another_head_count_is_refused(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slice claiming heads its pools do not hold would be stored and refused by every reader: refused here."""
+    from hurray_vllm.errors import HurrayFormatError
+    from hurray_vllm.kv.snapshot import HeadRange
+
+    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    ec = SimpleNamespace(caches=[torch.zeros((16, 4))], layout=None, export_options=lambda: {})
+    task = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2])
+    one_head = c._export_chunk(ec, ec.caches, task, [1, 2], True)  # the stub: one KV head
+    monkeypatch.setattr(conn, "export_snapshot", lambda *args, **kwargs: one_head)
+    c._my_heads = HeadRange(0, 2, 4)
+    with pytest.raises(HurrayFormatError) as info:
+        conn.HurrayWorker._export_chunk(c, ec, ec.caches, task, [1, 2])
+    assert info.value.field == "snapshot.heads"
+    c._my_heads = HeadRange(1, 2, 2)
+    assert conn.HurrayWorker._export_chunk(c, ec, ec.caches, task, [1, 2]).heads == HeadRange(1, 2, 2)
+
+
+def test_machine_limits_are_expected_failures_and_bugs_are_not(conn: ModuleType) -> None:
+    """One rule for every failure the worker logs: a traceback only for what is neither bad data nor a limit."""
+    from hurray_vllm.errors import HurrayFormatError
+
+    for exc in (MemoryError(), torch.OutOfMemoryError("cuda"), OSError(28, "full"), HurrayFormatError("x", "y")):
+        assert conn._expected_failure(exc)
+    assert not conn._expected_failure(RuntimeError("a bug")) and not conn._expected_failure(KeyError("k"))

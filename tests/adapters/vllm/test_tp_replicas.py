@@ -110,8 +110,13 @@ def test_a_rank_whose_heads_no_stored_file_holds_refuses_the_load(worker_mod: Mo
 
 
 class _Writer:
+    max_bytes = 1 << 30
+
     def __init__(self) -> None:
         self.jobs: list[Any] = []
+
+    def wait_for_room(self, nbytes: int) -> None:
+        pass
 
     def submit(self, job: Any, nbytes: int) -> None:
         self.jobs.append(job)
@@ -138,7 +143,7 @@ def test_a_rank_rewrites_its_own_slice_without_states_when_its_sibling_slice_is_
         w = cpu_worker(store, ns, HeadRange(rank, rank + 1, 2))
         w._ec = dataclasses.replace(w._ec, states=_States())
         w._inflight, w._sender, w._push_paused_until, w._async = set(), None, 0.0, True
-        w._staging, w._writer = _Staging(), _Writer()
+        w._staging, w._writer = _Staging(1 << 30), _Writer()
         w._save(SimpleNamespace(saves=[task]))
         # Both ranks write their slice with the states: none is left without them beside one with them.
         assert len(w._writer.jobs) == 1 and w.stats.chunks_skipped == 0, rank

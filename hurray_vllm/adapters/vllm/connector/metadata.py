@@ -137,6 +137,10 @@ class ConnectorStats:
     #: worker: chunks (and tails) a step completed while one of its synchronous loads had failed: not saved,
     #: since its forward pass read blocks the load did not write (saved once recomputed).
     saves_dropped: int = 0
+    #: worker: chunks (and tails) a step planned to save that could not be: no memory for their block or
+    #: state copies, a block id outside the cache, an export or a file write that failed (disk full). Not
+    #: stored; recomputed by whoever lacks them.
+    saves_failed: int = 0
     save_s: float = 0.0  # worker: wall time the steps spent saving (with async saves: copying the blocks out)
     load_s: float = 0.0  # worker: wall time the steps spent loading (reading, checking, writing blocks)
 

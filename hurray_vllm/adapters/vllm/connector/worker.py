@@ -9,7 +9,9 @@ background writer by default.
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
+import math
 import queue
 import threading
 import time
@@ -44,6 +46,7 @@ from ..cache import (
     describe_worker_cache,
     group_options,
     rank_share,
+    with_heads,
     write_blocks,
 )
 from ..export import GatherBuffers, SequenceState, export_snapshot
@@ -63,11 +66,32 @@ __all__ = ["HurrayWorker"]
 log = logging.getLogger("hurray_vllm.connector")
 
 
+#: A callback the writer holds: called for the callable, or ``None`` once its object was collected.
+_Callback = Callable[[], Callable[[], None] | None]
+
+
+def _held_weakly(fn: Callable[[], None] | None) -> _Callback | None:
+    """``fn`` as the writer holds it: weakly if it is a bound method, else as is.
+
+    The writer's callbacks are its worker's methods. Held strongly, the
+    writer's thread (alive while idle) would keep the worker, and with it the
+    engine's KV caches, alive until :meth:`HurrayWorker.shutdown`.
+    """
+    if fn is None:
+        return None
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
+
+
 class _Writer:
     """One background thread running submitted jobs in order, with a bound on the bytes they hold.
 
     Jobs never raise into the thread (they log); :meth:`flush` waits until
     every job submitted so far has finished; :meth:`close` ends the thread.
+    Bound methods given as callbacks are held weakly (:func:`_held_weakly`):
+    once their object is collected they are not called, and an idle thread
+    with no ``on_idle`` left ends.
     """
 
     def __init__(
@@ -77,11 +101,11 @@ class _Writer:
         on_idle: Callable[[], None] | None = None,
         idle_s: float = 1.0,
     ) -> None:
-        self._on_full = on_full  # called when a submit must wait: the job running should hurry
+        self._on_full = _held_weakly(on_full)  # called when a submit must wait: the job running should hurry
         # Called on the thread after ``idle_s`` seconds without a job (then every ``idle_s``): work that waits
         # for no step (pushing on what a failed push held back) runs when nothing else does. Not a job:
         # flush() means "every chunk saved so far is stored", and must not wait for the network.
-        self._on_idle = on_idle
+        self._on_idle = _held_weakly(on_idle)
         self._idle_s = idle_s
         self._jobs: queue.Queue[tuple[Callable[[], None], int] | None] = queue.Queue()
         self._cond = threading.Condition()
@@ -91,6 +115,34 @@ class _Writer:
         self._thread: threading.Thread | None = None
         self._ending = False  # close() queued the None that ends the thread
 
+    @property
+    def max_bytes(self) -> int:
+        """The bound on the bytes queued jobs hold (``hurray_save_queue_mib``)."""
+        return self._max
+
+    def wait_for_room(self, nbytes: int) -> None:
+        """Block until a job of ``nbytes`` fits in the bound (at once if none is queued); as :meth:`submit` does.
+
+        Called before the memory a job will hold is allocated, so that the
+        queue and the job being prepared stay within the bound together.
+        """
+        with self._cond:
+            self._wait_for_room(nbytes)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """:meth:`wait_for_room`, called under ``_cond``."""
+        # The thread first: a bound waited for with none to drain the queue would be waited for forever.
+        # A job larger than the bound alone is let in once the queue is empty: refusing it would drop it.
+        while self._alive() and self._held and self._held + nbytes > self._max:
+            on_full = self._on_full() if self._on_full is not None else None
+            if on_full is not None:
+                # Again and again: a push may connect after the first call.
+                try:
+                    on_full()
+                except Exception:  # the step waits on: a failed abort only leaves the push to its own timeout
+                    log.exception("hurray: could not cut the push in flight short")
+            self._cond.wait(0.05)  # bounded: the thread may die meanwhile (_alive starts another)
+
     def submit(self, job: Callable[[], None], nbytes: int) -> None:
         """Queue ``job``; blocks first while the queued jobs hold more than the bound.
 
@@ -98,14 +150,7 @@ class _Writer:
         the job runs here, as a synchronous save would.
         """
         with self._cond:
-            # The thread first: a bound waited for with none to drain the queue would be waited for forever.
-            while self._alive() and self._held and self._held + nbytes > self._max:
-                if self._on_full is None:
-                    self._cond.wait(0.05)  # bounded: the thread may die meanwhile (_alive starts another)
-                    continue
-                # Again and again: a push may connect after the first call.
-                self._on_full()
-                self._cond.wait(0.05)
+            self._wait_for_room(nbytes)
             if self._thread is not None:
                 self._pending += 1
                 self._held += nbytes
@@ -159,10 +204,18 @@ class _Writer:
                 item = self._jobs.get(timeout=self._idle_s if self._on_idle is not None else None)
             except queue.Empty:
                 assert self._on_idle is not None
+                on_idle = self._on_idle()
+                if on_idle is None:  # its worker is gone: no job can come (each holds it), nor idle work
+                    with self._cond:
+                        if self._jobs.empty():
+                            self._thread, self._ending = None, False
+                            return
+                    continue
                 try:
-                    self._on_idle()
+                    on_idle()
                 except Exception:
                     log.exception("hurray: background push failed")
+                del on_idle  # not held while waiting: the worker may be dropped meanwhile
                 continue
             if item is None:
                 with self._cond:
@@ -187,32 +240,44 @@ class _Writer:
         with self._cond:
             return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
-    def close(self, timeout: float) -> bool:
-        """End the thread once the jobs submitted so far have run; False if it still runs after ``timeout`` seconds.
+    def end(self) -> threading.Thread | None:
+        """Have the thread end once the jobs submitted so far have run, without waiting; the thread, if any.
 
-        Call it again to wait longer. Without it the idle thread would live on,
-        and keep ``on_idle``'s owner (the worker) alive with it. A job
-        submitted later starts a new thread.
+        Safe on the writer's own thread (a worker collected there ends its writer).
         """
         with self._cond:
             thread = self._thread
-            if thread is None:
-                return True
-            if not self._ending:
+            if thread is not None and not self._ending:
                 self._ending = True
                 self._jobs.put(None)
+            return thread
+
+    def close(self, timeout: float) -> bool:
+        """End the thread once the jobs submitted so far have run; False if it still runs after ``timeout`` seconds.
+
+        Call it again to wait longer. Without it the idle thread would live on
+        until its worker is collected. A job submitted later starts a new
+        thread.
+        """
+        thread = self.end()
+        if thread is None:
+            return True
         thread.join(timeout)
         return not thread.is_alive()
 
 
-#: Writers of live connectors, drained at interpreter exit so that no chunk is lost half-way.
-_WRITERS: weakref.WeakSet[_Writer] = weakref.WeakSet()
+#: Live workers, shut down at interpreter exit (as :meth:`HurrayWorker.shutdown`) so that no chunk is lost
+#: half-way, nor held up behind a hung push. Weak: a worker dropped without shutdown is still collected.
+_WORKERS: weakref.WeakSet[HurrayWorker] = weakref.WeakSet()
 
 
 @atexit.register
 def _drain_writers() -> None:
-    for w in list(_WRITERS):
-        w.flush(timeout=60.0)
+    for worker in list(_WORKERS):
+        try:
+            worker.shutdown()
+        except Exception:  # at exit: nothing to raise into, and the other workers still drain
+            log.exception("hurray: could not finish the background saves at exit")
 
 
 class _Staging:
@@ -221,18 +286,47 @@ class _Staging:
     Copying blocks into memory that is already mapped runs at memory speed;
     into fresh memory it costs about three times as much on a CPU, which
     would make the step's share of a save as slow as writing the chunk.
+
+    ``max_bytes`` (``hurray_save_queue_mib``) bounds the buffers, counted by
+    capacity: those handed out (held by the writer's queue) and those kept
+    for reuse together stay within it, as far as dropping kept ones can make
+    them (a single copy larger than the bound is still made).
     """
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self._free: list[list[torch.Tensor]] = []
         self._lock = threading.Lock()
-        self._keep = keep
+        self._max = max_bytes
+        self._free_bytes = 0  # capacity of the buffers kept for reuse
+        self._out_bytes = 0  # ... and of those handed out, not yet recycled
+
+    @staticmethod
+    def capacity(bufs: list[torch.Tensor]) -> int:
+        """The bytes a set of buffers holds (what :meth:`copy` handed out, whatever part of it is in use)."""
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def copy(
         self, caches: list[torch.Tensor], ids: torch.Tensor | list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Blocks ``ids`` of every layer (or ``ids[i]`` of layer ``i``): ``(views, the buffers to recycle)``."""
+        """Blocks ``ids`` of every layer (or ``ids[i]`` of layer ``i``): ``(views, the buffers to recycle)``.
+
+        Raises:
+            HurrayFormatError: (field ``block_ids``) a block id outside a
+                layer's cache (checked on the host, before any copy).
+        """
         per_layer = ids if isinstance(ids, list) else [ids] * len(caches)
+        # On the host, as write_blocks does: an id past a CUDA cache is a device-side assert that takes the
+        # engine down, not an error the step can drop its saves on. One id tensor for every layer: checked once.
+        checks = zip(per_layer, caches) if isinstance(ids, list) else [(ids, min(caches, key=len))] if caches else []
+        for x, c in checks:
+            if x.numel():
+                lo, hi = (int(v) for v in torch.aminmax(x.detach().cpu()))
+                if lo < 0 or hi >= len(c):
+                    raise HurrayFormatError(
+                        "block_ids",
+                        f"block {lo if lo < 0 else hi} is outside this cache's {len(c)} blocks; "
+                        "save only blocks the engine allocated to the request",
+                    )
         n = max((int(x.numel()) for x in per_layer), default=0)
         bufs = None
         with self._lock:
@@ -242,22 +336,43 @@ class _Staging:
                     for b, c in zip(cand, caches, strict=True)
                 ):
                     bufs = self._free.pop(i)
+                    self._free_bytes -= self.capacity(bufs)
                     break
+            if bufs is None:
+                # Room for the new buffers first: the kept ones that did not fit go, smallest first.
+                need = n * sum(math.prod(c.shape[1:]) * c.element_size() for c in caches)
+                while self._free and self._out_bytes + self._free_bytes + need > self._max:
+                    self._free_bytes -= self.capacity(self._free.pop())
         if bufs is None:
             bufs = [torch.empty((n, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in caches]
-        views = []
-        for b, c, x in zip(bufs, caches, per_layer, strict=True):
-            m = int(x.numel())
-            torch.index_select(c, 0, x.to(c.device), out=b[:m])
-            views.append(b[:m])
+        with self._lock:
+            self._out_bytes += self.capacity(bufs)
+        try:
+            views = []
+            for b, c, x in zip(bufs, caches, per_layer, strict=True):
+                m = int(x.numel())
+                torch.index_select(c, 0, x.to(c.device), out=b[:m])
+                views.append(b[:m])
+        except BaseException:
+            self.recycle(bufs)  # still counted as handed out otherwise
+            raise
         return views, bufs
 
     def recycle(self, bufs: list[torch.Tensor]) -> None:
-        """Give back the buffers :meth:`copy` returned; the largest few are kept."""
+        """Give back the buffers :meth:`copy` returned; the largest are kept, within the bound."""
+        size = self.capacity(bufs)
         with self._lock:
+            self._out_bytes -= size
             self._free.append(bufs)
-            self._free.sort(key=lambda b: -b[0].shape[0])
-            del self._free[self._keep :]
+            self._free_bytes += size
+            self._free.sort(key=lambda b: -self.capacity(b))
+            while self._free and self._out_bytes + self._free_bytes > self._max:
+                self._free_bytes -= self.capacity(self._free.pop())
+
+
+def _expected_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is bad data or a machine's limit (logged without a traceback), not a bug."""
+    return isinstance(exc, (HurrayFormatError, OSError, MemoryError, torch.OutOfMemoryError))
 
 
 def _states_first(saves: list[SaveTask]) -> list[SaveTask]:
@@ -375,8 +490,11 @@ class HurrayWorker:
         # the writer's thread (synchronous saves retry with the next delivery, on the step's thread).
         idle = self._push_held_back if self._sender is not None and self._async else None
         self._writer = _Writer(config.save_queue_bytes, on_full=self._abort_push, on_idle=idle)
-        _WRITERS.add(self._writer)
-        self._staging = _Staging()
+        # The writer holds this worker weakly: dropped without shutdown(), it ends the writer's thread (which
+        # may run this, so end() does not join). Not at exit: _drain_writers shuts the live ones down instead.
+        weakref.finalize(self, self._writer.end).atexit = False
+        _WORKERS.add(self)
+        self._staging = _Staging(config.save_queue_bytes)
         self._inflight: set[str] = set()  # keys handed to the writer, not yet in the store
         self._chunk_buffers: list[GatherBuffers] = []  # the writer's, reused chunk after chunk
         self._registered: list[torch.Tensor] = []  # their memory, registered with the sender
@@ -485,8 +603,12 @@ class HurrayWorker:
         synchronous one reports its blocks (``invalid_block_ids``).
         """
         # Keep the traceback of anything else than bad data or a machine's limits.
-        bug = not isinstance(why, (HurrayFormatError, OSError, MemoryError, torch.OutOfMemoryError))
-        log.warning("hurray: load of %s failed (%s); it will be recomputed", task.request_id, why, exc_info=bug)
+        log.warning(
+            "hurray: load of %s failed (%s); it will be recomputed",
+            task.request_id,
+            why,
+            exc_info=not _expected_failure(why),
+        )
         self.stats.loads_failed += 1
         if task.report:
             self._failed.add(task.request_id)
@@ -774,6 +896,10 @@ class HurrayWorker:
         fewer KV heads than ranks, every rank first sends its share of the
         states of this step's chunks to the ranks that save them
         (:meth:`_gather_states`): this step then waits for the other ranks.
+
+        Raises no error: vLLM calls it inside its step, where any exception
+        stops the engine. A chunk that cannot be saved is counted
+        (``saves_failed``), logged, and recomputed by whoever lacks it.
         """
         t0 = time.perf_counter()
         failed = self._failed_steps > 0
@@ -790,57 +916,102 @@ class HurrayWorker:
                 log.warning("hurray: a load failed in this step; not saving its %d chunks", len(meta.saves))
                 self.stats.saves_dropped += len(meta.saves)
             elif meta.saves and self._saves_here:
-                self._save(meta, gathered)
+                try:
+                    self._save(meta, gathered)
+                except Exception as exc:
+                    # _save handles failures chunk by chunk; this is the net under what it does not foresee (the
+                    # cache description failing, a bug). No collective follows: this rank alone may stop here.
+                    self.stats.saves_failed += len(meta.saves)
+                    log.warning(
+                        "hurray: could not save this step's %d chunks: %s",
+                        len(meta.saves),
+                        exc,
+                        exc_info=not _expected_failure(exc),
+                    )
         finally:
             if meta.saves and self._saves_here:
                 self.stats.save_s += time.perf_counter() - t0
 
     def _any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` is set on any tensor-parallel rank (a collective: every rank calls it in the same step)."""
+        """Whether ``flag`` is set on any tensor-parallel rank (a collective: every rank calls it in the same step).
+
+        A collective that fails (a broken channel, on every rank as a rule)
+        reads as set, the side that saves nothing wrong; it does not raise
+        into the step.
+        """
         import torch.distributed as dist
         from vllm.distributed import get_tp_group
 
-        t = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
-        return bool(t.item())
+        try:
+            t = torch.tensor([int(flag)], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+            return bool(t.item())
+        except Exception as exc:
+            log.warning("hurray: a collective with the other tensor-parallel ranks failed (%s); taking it as set", exc)
+            return True
 
     def _gather_states(self, saves: list[SaveTask]) -> _Gathered:
         """This step's chunk states, each joined from every rank's share and cut to the heads this rank saves.
 
         Called on every rank in the same step with the same tasks (the
-        scheduler's metadata), so the collectives line up: one per chunk with
-        states, all of them before anything that may fail on one rank alone.
-        Runs where ranks hold fewer KV heads than there are ranks: the file of
-        a run of heads carries their share of the states (``docs/format.md``
-        2.3d), which several ranks hold parts of. A chunk whose shares do not
-        join is saved without states (a consumer recomputes from the chunk
-        before). What it may block on: the other ranks reaching the same save.
+        scheduler's metadata), so the collectives line up. Each rank first
+        copies its shares out (which may fail on one rank alone: no memory),
+        then all of them agree on whether every rank could (one
+        :meth:`_any_rank`); only then comes one all-gather per chunk with
+        states, or none anywhere. Runs where ranks hold fewer KV heads than
+        there are ranks: the file of a run of heads carries their share of
+        the states (``docs/format.md`` 2.3d), which several ranks hold parts
+        of. A chunk whose shares are not gathered or do not join is saved
+        without states (a consumer recomputes from the chunk before). What it
+        may block on: the other ranks reaching the same save.
         """
         import torch.distributed as dist
         from vllm.distributed import get_tp_group
 
-        ec = self._engine_cache()
-        group = get_tp_group().cpu_group
-        received: list[tuple[SaveTask, RecurrentStates, list[torch.Tensor]]] = []
-        for task in saves:
-            mine = _task_states(ec, task)
-            if mine is None:
-                continue
-            flat = pack_states(mine)  # one buffer per chunk, members aligned
-            buffers = [torch.empty_like(flat) for _ in range(self._tp)]
-            dist.all_gather(buffers, flat, group=group)
-            received.append((task, mine, buffers))
+        prepared: list[tuple[SaveTask, RecurrentStates, torch.Tensor, list[torch.Tensor]]] = []
+        ready = True
+        try:
+            ec = self._engine_cache()
+            for task in saves:
+                mine = _task_states(ec, task)
+                if mine is None:
+                    continue
+                flat = pack_states(mine)  # one buffer per chunk, members aligned
+                prepared.append((task, mine, flat, [torch.empty_like(flat) for _ in range(self._tp)]))
+        except Exception as exc:
+            # This rank cannot send its shares; it still takes part in the flag below, so that no rank waits in
+            # an all-gather this one never makes.
+            ready = False
+            log.warning(
+                "hurray: could not copy this step's states out (%s); its chunks are saved without them",
+                exc,
+                exc_info=not _expected_failure(exc),
+            )
+        if self._any_rank(not ready):
+            return {}
+        try:
+            group = get_tp_group().cpu_group
+            for _task, _mine, flat, buffers in prepared:
+                dist.all_gather(buffers, flat, group=group)
+        except Exception as exc:  # a broken channel (on every rank, as a rule): raised, it would stop the engine
+            log.warning("hurray: could not gather this step's states (%s); its chunks are saved without them", exc)
+            return {}
         out: _Gathered = {}
         if not self._saves_here:
             return out  # a replica: its share is in the saving rank's file now
         heads = self._my_heads
-        for task, mine, buffers in received:
+        for task, mine, _flat, buffers in prepared:
             try:
                 out[(task.request_id, task.key)] = join_shares(
                     mine, buffers, (heads.start, heads.stop, heads.total) if heads is not None else None
                 )
-            except (HurrayFormatError, RuntimeError) as exc:
-                log.warning("hurray: chunk %s is saved without its states: %s", task.key, exc)
+            except Exception as exc:  # shares that do not join, no memory to join them: this chunk only
+                log.warning(
+                    "hurray: chunk %s is saved without its states: %s",
+                    task.key,
+                    exc,
+                    exc_info=not _expected_failure(exc),
+                )
         return out
 
     def _save(self, meta: HurrayConnectorMetadata, gathered: _Gathered | None = None) -> None:
@@ -855,15 +1026,21 @@ class HurrayWorker:
             return
         items: list[_Item] = []
         for task in _states_first(saves):
-            if task.state_blocks and not task.replace and self._lacks_own_states(task.key):
-                task = replace(task, replace=True)
-            if task.forward:
-                items.append((task, None, None))  # loaded here: only pushed on
-            elif self._holds(task.key) and not task.replace:
-                self.stats.chunks_skipped += 1
-                items.append((task, None, None))  # stored already: pushed if the destination may lack it
-            else:
-                items.append((task, task.block_ids, _task_states(ec, task, gathered)))
+            try:
+                if task.state_blocks and not task.replace and self._lacks_own_states(task.key):
+                    task = replace(task, replace=True)
+                if task.forward:
+                    items.append((task, None, None))  # loaded here: only pushed on
+                elif self._holds(task.key) and not task.replace:
+                    self.stats.chunks_skipped += 1
+                    items.append((task, None, None))  # stored already: pushed if the destination may lack it
+                else:
+                    items.append((task, task.block_ids, _task_states(ec, task, gathered)))
+            except Exception as exc:
+                # No memory to copy its states, a store that cannot be looked at: this chunk goes unsaved, as the
+                # writer's export failures do (_stored), and the step's other chunks are saved.
+                self.stats.saves_failed += 1
+                log.warning("hurray: could not save chunk %s: %s", task.key, exc, exc_info=not _expected_failure(exc))
         self._deliver(ec, ec.caches, items)
 
     def _deliver(self, ec: EngineCache, caches: list[torch.Tensor], items: list[_Item]) -> None:
@@ -907,7 +1084,7 @@ class HurrayWorker:
                 self._url,
                 exc,
                 pause,
-                exc_info=not isinstance(exc, (OSError, HurrayFormatError)),
+                exc_info=not _expected_failure(exc),
             )
             for _ in self._stored(ec, caches, rest, push=False):
                 pass
@@ -1078,8 +1255,8 @@ class HurrayWorker:
             except Exception as exc:
                 # Any failure, per chunk: it costs this chunk a recomputation, not the rest of the delivery (nor,
                 # with hurray_save_async=false, the engine), and it is no push failure (no back-off).
-                bug = not isinstance(exc, (HurrayFormatError, OSError, torch.OutOfMemoryError))
-                log.warning("hurray: could not save chunk %s: %s", task.key, exc, exc_info=bug)
+                self.stats.saves_failed += 1
+                log.warning("hurray: could not save chunk %s: %s", task.key, exc, exc_info=not _expected_failure(exc))
                 continue
             if push:
                 self._register_chunk_buffers()
@@ -1128,70 +1305,126 @@ class HurrayWorker:
         A chunk already stored (or on its way there) is not copied; with
         ``hurray_url`` a stored one still goes to the writer, which pushes it
         if this worker has not yet (pushes keep the order of the steps).
+
+        The copies are made and handed over in batches that each fit in
+        ``hurray_save_queue_mib`` (a chunk larger than it goes alone): before
+        each batch the step waits until the writer has room for it, so that
+        a step completing many chunks holds no more than the bound, not all
+        of its chunks' blocks at once.
         """
-        todo: list[SaveTask] = []
-        order: list[SaveTask | None] = []  # the writer's items in order: a task to export, or None
-        stored: list[SaveTask] = []  # ... whose None is this task, stored already: only pushed
+        order: list[tuple[SaveTask, bool]] = []  # the writer's items in order: (task, whether to export it)
         for task in _states_first(saves):
-            if task.forward:  # loaded here: only pushed on, from its files
-                stored.append(task)
-                order.append(None)
+            try:
+                entry = self._plan_save(task)
+            except Exception as exc:  # a store that cannot be looked at: this chunk only
+                self.stats.saves_failed += 1
+                log.warning("hurray: could not save chunk %s: %s", task.key, exc, exc_info=not _expected_failure(exc))
                 continue
-            if task.state_blocks:
-                # A chunk with states is written even over the same chunk without them (stored or on its way):
-                # also over this rank's own slice stored without them, which the scheduler cannot see while a
-                # sibling rank's slice is missing (its replace covers complete sets only).
-                if task.key in self._inflight or (not task.replace and self._lacks_own_states(task.key)):
-                    task = replace(task, replace=True)
-                if self._holds(task.key) and not task.replace:
-                    self.stats.chunks_skipped += 1
-                    stored.append(task)
-                    order.append(None)
-                    continue
-            elif not task.replace and (task.key in self._inflight or self._holds(task.key)):
-                # (A replace, the scheduler's call, writes after any copy in flight: the writer keeps order.)
-                self.stats.chunks_skipped += 1
-                if task.key not in self._inflight:
-                    stored.append(task)
-                    order.append(None)
-                continue
-            self._inflight.add(task.key)
-            todo.append(task)
-            order.append(task)
+            if entry is not None:
+                order.append(entry)
         if self._sender is None:
-            order, stored = [t for t in order if t is not None], []
-        if not order:
-            return
-        ids: torch.Tensor | list[torch.Tensor]
+            order = [e for e in order if e[1]]  # nothing to push: only the chunks to export
+        per_block = sum(math.prod(c.shape[1:]) * c.element_size() for c in ec.caches)
+        batches: list[tuple[list[tuple[SaveTask, bool]], int]] = []
+        batch: list[tuple[SaveTask, bool]] = []
+        size = 0
+        for task, export in order:
+            nbytes = self._copy_blocks(task) * per_block if export else 0
+            if size and size + nbytes > self._writer.max_bytes:
+                batches.append((batch, size))
+                batch, size = [], 0
+            batch.append((task, export))
+            size += nbytes
+        if batch:
+            batches.append((batch, size))
+        for i, (batch, size) in enumerate(batches):
+            try:
+                self._stage(ec, batch, size, gathered)
+            except Exception as exc:
+                # Out of device memory for the copies, say: this batch's chunks and the rest of the step's go
+                # unsaved (a consumer recomputes them), and the engine runs on. Their keys are no longer in
+                # flight, so a later step saves them; those only to push are pushed with a later delivery.
+                rest = [entry for b, _ in batches[i:] for entry in b]
+                lost = [t for t, export in rest if export]
+                self._inflight.difference_update(t.key for t in lost)
+                self.stats.saves_failed += len(lost)
+                self._remember_unpushed([(t, None, None) for t, export in rest if not export])
+                log.warning(
+                    "hurray: dropping %d of this step's saves: %s", len(lost), exc, exc_info=not _expected_failure(exc)
+                )
+                return
+
+    def _plan_save(self, task: SaveTask) -> tuple[SaveTask, bool] | None:
+        """Whether the writer exports ``task``'s chunk (marked in flight), only pushes it (stored), or neither."""
+        if task.forward:  # loaded here: only pushed on, from its files
+            return task, False
+        if task.state_blocks:
+            # A chunk with states is written even over the same chunk without them (stored or on its way):
+            # also over this rank's own slice stored without them, which the scheduler cannot see while a
+            # sibling rank's slice is missing (its replace covers complete sets only).
+            if task.key in self._inflight or (not task.replace and self._lacks_own_states(task.key)):
+                task = replace(task, replace=True)
+            if self._holds(task.key) and not task.replace:
+                self.stats.chunks_skipped += 1
+                return task, False
+        elif not task.replace and (task.key in self._inflight or self._holds(task.key)):
+            # (A replace, the scheduler's call, writes after any copy in flight: the writer keeps order.)
+            self.stats.chunks_skipped += 1
+            return None if task.key in self._inflight else (task, False)
+        self._inflight.add(task.key)
+        return task, True
+
+    def _copy_blocks(self, task: SaveTask) -> int:
+        """How many blocks of each layer copying ``task``'s chunk out takes at most."""
+        if self._windows and task.groups:
+            return max(len(g) for g in task.groups) + 1  # each group's copy starts with the null block
+        return len(task.block_ids)
+
+    def _stage(
+        self, ec: EngineCache, batch: list[tuple[SaveTask, bool]], size: int, gathered: _Gathered | None
+    ) -> None:
+        """Copy one batch's blocks and states out of the cache and hand them to the writer, in order.
+
+        ``batch``: ``(task, whether to export it)``, in the writer's order;
+        ``size``: what its block copies take at most, waited for first.
+
+        Raises:
+            HurrayFormatError: (field ``block_ids``) a block outside the cache.
+            torch.OutOfMemoryError: no memory for the copies.
+        """
+        todo = [t for t, export in batch if export]
+        staged: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] | None = None
         staged_tasks = todo
-        try:
-            if self._windows and todo:
+        if todo:
+            # Before the copies: the queue and this batch's copies stay within the bound together.
+            self._writer.wait_for_room(size)
+            ids: torch.Tensor | list[torch.Tensor]
+            if self._windows:
                 ids, staged_tasks = self._stage_groups(ec, todo)
             else:
                 ids = torch.tensor([b for t in todo for b in t.block_ids], dtype=torch.int64)
-            staged, buffers = self._staging.copy(ec.caches, ids) if todo else ([], None)
+            staged, buffers = self._staging.copy(ec.caches, ids)
+        try:
             # States are copied now too: their blocks are reused as the engine runs on.
             states = [_task_states(ec, t, gathered) for t in todo]
-        except Exception as exc:
-            # Out of device memory for the copies, say: this step's chunks go unsaved (a consumer recomputes
-            # them), and the engine runs on. Their keys are no longer in flight, so a later step saves them.
-            self._inflight.difference_update(t.key for t in todo)
-            self.stats.saves_dropped += len(todo)
-            bug = not isinstance(exc, (HurrayFormatError, OSError, torch.OutOfMemoryError))
-            log.warning("hurray: dropping this step's %d saves: %s", len(todo), exc, exc_info=bug)
-            return
+        except BaseException:
+            if buffers is not None:
+                self._staging.recycle(buffers)
+            raise
         # On a GPU the copies run on the step's stream, which the writer's thread does not follow: it waits
         # for this event before it reads them (else it could read a recycled buffer's older chunk).
         copied = torch.cuda.Event() if staged and staged[0].is_cuda else None
         if copied is not None:
             copied.record()
-        nbytes = sum(int(t.numel()) * t.element_size() for t in staged)
+        # What the buffers hold, not the views in use: a recycled buffer may be larger than this batch needs.
+        nbytes = self._staging.capacity(buffers) if buffers is not None else 0
         nbytes += sum(s.nbytes for s in states if s is not None)
         items: list[_Item] = []
-        exported, pushed_only, start = iter(zip(staged_tasks, states, strict=True)), iter(stored), 0
-        for entry in order:
-            if entry is None:
-                items.append((next(pushed_only), None, None))
+        exported, start = iter(zip(staged_tasks, states, strict=True)), 0
+        for task, export in batch:
+            if not export:
+                items.append((task, None, None))
                 continue
             task, task_states = next(exported)
             if task.groups:  # already renumbered into the staged copies
@@ -1262,19 +1495,22 @@ class HurrayWorker:
             **groups,
             states=states,
         )
-        if self._my_heads is not None:
-            snap = replace(snap, heads=self._my_heads)  # a rank's slice says which heads it holds
+        snap = with_heads(snap, self._my_heads)  # a rank's slice says which heads it holds (checked)
         snap = replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
         # task.key is the file's name (a rank's slice key at TP > 1): the MAC binds the chunk to it.
         return sign_chunk(snap, self._keys, self._ns, task.key) if self._keys is not None else snap
 
     def _put(self, key: str, snap: KVSnapshot, replace: bool = False, tail: bool = False) -> None:
-        if self._store.put(self._ns, key, snap, replace=replace):
-            if tail:
-                self.stats.tails_saved += 1
-            else:
-                self.stats.chunks_saved += 1
-            self.stats.bytes_saved += snap.nbytes
+        if not self._store.put(self._ns, key, snap, replace=replace):
+            # Stored meanwhile (another worker or engine sharing the store): what the step's check would have
+            # skipped, had the file been there then.
+            self.stats.chunks_skipped += 1
+            return
+        if tail:
+            self.stats.tails_saved += 1
+        else:
+            self.stats.chunks_saved += 1
+        self.stats.bytes_saved += snap.nbytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every chunk saved so far is in the store.
