@@ -552,17 +552,22 @@ def _token_ids(text: str, what: str) -> list[int]:
 
 
 def _backend_url(text: str) -> str:
-    """A backend's base URL, ``http(s)://HOST[:PORT]`` (kept as given: ``/hurray/*`` names backends by it)."""
-    from urllib.parse import urlparse
+    """A router backend's base URL, ``http(s)://HOST[:PORT]`` (kept as given: ``/hurray/*`` names backends by it)."""
+    return _base_url(text, path_ok=False)
 
-    u = urlparse(text)
-    bad = u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or bool(u.query)
+
+def _server_url(text: str) -> str:
+    """A server's base URL for ``migrate``, ``http(s)://HOST[:PORT][/PREFIX]``: what :func:`migrate` itself takes."""
+    return _base_url(text, path_ok=True)
+
+
+def _base_url(text: str, *, path_ok: bool) -> str:
+    from ..adapters.vllm.migrate import check_server_url
+
     try:
-        u.port  # noqa: B018 -- raises on a port that is not a number or out of range
-    except ValueError:
-        bad = True
-    if bad:
-        raise argparse.ArgumentTypeError(f"not a server's base URL: {text!r} (e.g. http://10.0.0.5:8000)")
+        check_server_url(text, "url", path_ok=path_ok)
+    except HurrayArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None  # argparse names the option
     return text
 
 
@@ -709,8 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
         "receiver (hurray_url / hurray_listen). Example: hurray-vllm migrate --from http://a:8000 "
         "--to http://b:8000 --prompt-ids 1,2,3 --after 16 --max-tokens 64",
     )
-    s.add_argument("--from", dest="source", required=True, type=_backend_url, help="source server base URL")
-    s.add_argument("--to", dest="destination", required=True, type=_backend_url, help="destination server base URL")
+    s.add_argument("--from", dest="source", required=True, type=_server_url, help="source server base URL")
+    s.add_argument("--to", dest="destination", required=True, type=_server_url, help="destination server base URL")
     group = s.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     group.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
@@ -761,8 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=_seconds,
         default=60.0,
-        help="seconds one chunk may take to arrive, plus one per MiB it announces; a slower sender is "
-        "disconnected (default 60)",
+        help="seconds one chunk may take to arrive, plus one per MiB that arrived (TCP; per MiB offered over "
+        "NIXL); a slower sender is disconnected (default 60)",
     )
     s.add_argument(
         "--idle-timeout", type=_seconds, default=120.0, help="seconds a connection may stay silent between chunks"

@@ -87,11 +87,13 @@ def require_channel(channel: str) -> None:
         load_nixl()
 
 
-_TCP_SENDER: ChunkSender | None = None
-
-
 def sender_for(url: str, *, tls: ssl.SSLContext | None = None) -> ChunkSender:
-    """The sender for ``url``'s channel: a TCP sender (over ``tls`` for ``tls://``), or the shared NIXL sender.
+    """A sender for ``url``'s channel: a new TCP sender (over ``tls`` for ``tls://``), or the shared NIXL sender.
+
+    Each call gets its own TCP sender (they are cheap): :meth:`~.base.ChunkSender.abort` cuts every call
+    in progress on its sender, and one engine giving up on its push must not cut another engine's
+    pushes in the same process. The NIXL sender is one per process (its agents are costly), so its
+    ``abort`` still reaches every caller's NIXL pushes.
 
     Creating the NIXL sender starts its agents (UCX, ~0.4 s): call this at
     start-up, not inside a step. ``tls``: the client context
@@ -101,7 +103,6 @@ def sender_for(url: str, *, tls: ssl.SSLContext | None = None) -> ChunkSender:
         HurrayFormatError: ``url`` names no known channel (see :func:`channel_of`).
         NixlUnavailableError: a ``nixl://`` URL without NIXL installed.
     """
-    global _TCP_SENDER
     if channel_of(url) == "nixl":
         from . import nixl
 
@@ -112,9 +113,7 @@ def sender_for(url: str, *, tls: ssl.SSLContext | None = None) -> ChunkSender:
         from .security import client_context
 
         return TcpSender(tls or client_context())
-    if _TCP_SENDER is None:
-        _TCP_SENDER = TcpSender()
-    return _TCP_SENDER
+    return TcpSender()
 
 
 def send_chunks(

@@ -48,9 +48,9 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
-from urllib.parse import urlparse
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, cast
+from urllib.parse import SplitResult, urlsplit
 
 import torch
 
@@ -73,6 +73,7 @@ __all__ = [
     "MAX_TIMEOUT_S",
     "host_port",
     "parse_address",
+    "split_url",
     "parse_listen",
     "recv_exact",
     "check_names",
@@ -103,7 +104,7 @@ MAX_TIMEOUT_S = 365 * 86400.0
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 #: How many connections a receiver serves at once (each holds a thread and, over NIXL, buffers).
 DEFAULT_MAX_CONNECTIONS = 64
-#: A frame may take the receiver's ``timeout`` plus one second per this many bytes it announces.
+#: A frame may take the receiver's ``timeout`` plus one second per this many bytes (a TCP chunk: that arrived).
 FRAME_MIN_RATE = 1 << 20
 #: Connections beyond ``max_connections`` answered ``ER`` at once; past that many, closed unanswered.
 _MAX_REFUSING = 16
@@ -112,7 +113,14 @@ _ACCEPT_PAUSE_S = 0.05
 _ACCEPT_PAUSE_MAX_S = 2.0
 #: How long a receiver trusts its count of the store's bytes before measuring the disk again.
 _USAGE_TTL_S = 5.0
+#: How often a chunk beyond the quota may have the store measured again (each walk reads every directory).
+_REMEASURE_S = 1.0
+#: The longest message a receiver sends after ``ER`` (:func:`send_error`), and a sender reads.
 _MAX_MESSAGE = 1000
+#: How long :meth:`ReceiverBase.stop` waits for its threads (a chunk being written to the store) in all.
+_STOP_JOIN_S = 10.0
+#: What a frame that its deadline cut is counted refused as.
+_OVERDUE = "receiver.timeout: a frame took longer than the receiver's timeout"
 #: A sender's question "which of these chunks do you hold?" (see the module's docstring).
 HELD_MAGIC = b"HVH1"
 #: The most names one held-query may ask about (a sender asks in batches).
@@ -122,16 +130,88 @@ _MAX_NAME = 128  # a key: 64 hex digits, and a slice's ".h<a>-<b>"
 U16, U32, U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 
 
+def split_url(
+    url: object,
+    schemes: Collection[str],
+    *,
+    field: str,
+    path_ok: bool,
+    port_required: bool,
+    expected: str,
+) -> SplitResult:
+    """``url`` split, once it is a plain ``SCHEME://HOST[:PORT][/PATH]``; :class:`HurrayArgumentError` otherwise.
+
+    The one rule set for every URL a caller gives (a channel's ``hurray_url``,
+    a server's base URL for ``migrate`` and the router). ``urlsplit`` alone
+    accepts far more: user info, a query or fragment (silently dropped by the
+    channels, or pasted into the middle of a request URL), whitespace and
+    control characters (it removes tabs and newlines: a URL with a newline
+    after its host named that host), and it raises a bare ``ValueError`` for an unclosed IPv6
+    bracket or a bad port.
+
+    Args:
+        url: What the caller gave (anything but a ``str`` is refused).
+        schemes: The schemes taken (lowercase).
+        field: The setting or argument the error names.
+        path_ok: Whether a path prefix may follow (``http://gw/vllm``); otherwise only ``""`` or ``"/"``.
+        port_required: Whether ``:PORT`` must be given (it must be 1-65535 whenever it is).
+        expected: The start of the message, saying what was expected (``"expected tcp://HOST:PORT"``).
+
+    Returns:
+        The split URL: ``hostname`` (an IPv6 address without its brackets), ``port``, ``path``.
+
+    Raises:
+        HurrayArgumentError: ``url`` is not such a URL (the caller's mistake); callers that document
+            another type convert it.
+    """
+    why = _url_fault(url, schemes, path_ok=path_ok, port_required=port_required)
+    if why is not None:
+        raise HurrayArgumentError(field, f"{expected}, got {url!r}: {why}")
+    return urlsplit(cast(str, url))
+
+
+def _url_fault(url: object, schemes: Collection[str], *, path_ok: bool, port_required: bool) -> str | None:
+    """What is wrong with ``url`` for :func:`split_url` (``None``: nothing)."""
+    if not isinstance(url, str):
+        return "not a string"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "whitespace or a control character"
+    try:
+        u = urlsplit(url)
+        port = u.port  # raises on a port that is not a number or out of range
+    except ValueError as exc:  # that, or an unclosed IPv6 bracket
+        return str(exc)
+    if u.scheme not in schemes:
+        return f"the scheme must be {' or '.join(sorted(schemes))}"
+    if "@" in u.netloc:
+        return "user info (USER@HOST) is not taken"
+    if not u.hostname:
+        return "no host"
+    if port_required and port is None:
+        return "no port"
+    if port == 0 or u.netloc.endswith(":"):
+        return "a port must be 1-65535"
+    if "?" in url or "#" in url:  # even empty: "http://a/?" is no base URL either
+        return "a query or fragment is not taken"
+    if not path_ok and u.path not in ("", "/"):
+        return "a path is not taken"
+    return None
+
+
 def parse_address(url: str, scheme: str) -> tuple[str, int]:
     """``SCHEME://HOST:PORT`` -> ``(HOST, PORT)``; :class:`HurrayFormatError` names ``hurray_url`` otherwise."""
-    u = urlparse(url)
     try:
-        port = u.port
-    except ValueError:  # a port that is not a number, or out of range
-        port = None
-    if u.scheme != scheme or not u.hostname or not port:
-        raise HurrayFormatError("hurray_url", f"expected {scheme}://HOST:PORT, got {url!r}")
-    return u.hostname, port
+        u = split_url(
+            url,
+            (scheme,),
+            field="hurray_url",
+            path_ok=False,
+            port_required=True,
+            expected=f"expected {scheme}://HOST:PORT",
+        )
+    except HurrayArgumentError as exc:  # documented as a HurrayFormatError since 0.1 (config.py turns it back)
+        raise HurrayFormatError("hurray_url", str(exc).partition(": ")[2]) from None
+    return cast(str, u.hostname), cast(int, u.port)  # split_url refuses URLs without them
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -156,15 +236,37 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from ``sock``; :class:`HurrayFormatError` when the peer closes first."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes from ``sock``; :class:`HurrayFormatError` when the peer closes first.
+
+    ``deadline`` (``time.monotonic()``): all of them by then, or ``TimeoutError``. Without one only each
+    ``recv`` is bounded (by the socket's timeout), and a peer trickling a byte per timeout holds the reader
+    for as long as it likes. The socket's timeout is as it was afterwards.
+    """
     buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(min(n - len(buf), 1 << 20))
-        if not part:
-            raise HurrayFormatError("transport", f"connection closed after {len(buf)} of {n} bytes")
-        buf += part
+    before = sock.gettimeout()
+    try:
+        while len(buf) < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out after {len(buf)} of {n} bytes")
+                sock.settimeout(left if before is None else min(left, before))
+            part = sock.recv(min(n - len(buf), 1 << 20))
+            if not part:
+                raise HurrayFormatError("transport", f"connection closed after {len(buf)} of {n} bytes")
+            buf += part
+    finally:
+        if deadline is not None:
+            with contextlib.suppress(OSError):  # closed meanwhile: nothing more is read from it
+                sock.settimeout(before)
     return bytes(buf)
+
+
+def _deadline_of(sock: socket.socket) -> float | None:
+    """When a whole answer on ``sock`` is due: one socket timeout from now (``None``: a socket without one)."""
+    timeout = sock.gettimeout()
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def check_names(ns: str, key: str) -> range | None:
@@ -224,22 +326,41 @@ def _refuse_connection(conn: socket.socket, exc: BaseException) -> None:
         finish_with_error(conn, exc)
 
 
-def read_message(sock: socket.socket) -> str:
-    """The message after an ``b"ER"`` (or a placeholder when the peer does not send one)."""
+def read_message(sock: socket.socket, deadline: float | None = None) -> str:
+    """The message after an ``b"ER"`` (or a placeholder when the peer does not send one).
+
+    ``deadline``: as :func:`recv_exact` (default: one socket timeout from now, for the whole message).
+    A length beyond what any receiver sends (:func:`send_error`) is not read: a hostile receiver would
+    otherwise have the sender wait for 64 KiB it trickles.
+    """
+    if deadline is None:
+        deadline = _deadline_of(sock)
     try:
-        (n,) = U16.unpack(recv_exact(sock, 2))
-        return recv_exact(sock, n).decode(errors="replace")
+        (n,) = U16.unpack(recv_exact(sock, 2, deadline))
+        if n > _MAX_MESSAGE:
+            return f"(a message of {n} bytes, longer than receivers send: not read)"
+        return recv_exact(sock, n, deadline).decode(errors="replace")
     except (HurrayFormatError, OSError):
         return "(no reason given)"
 
 
-def read_answer(sock: socket.socket, key: str) -> None:
-    """Wait for the answer to chunk ``key``: return on ``b"OK"``, raise :class:`HurrayFormatError` otherwise."""
-    answer = recv_exact(sock, 2)
+def read_answer(sock: socket.socket, key: str, timeout: float | None = None) -> None:
+    """Wait for the answer to chunk ``key``: return on ``b"OK"``, raise :class:`HurrayFormatError` otherwise.
+
+    The whole answer, its message included, within ``timeout`` seconds (default: the socket's
+    timeout), however the receiver trickles it.
+
+    Raises:
+        HurrayFormatError: the receiver refused the chunk (the message says why), closed the
+            connection, or answered something else.
+        OSError: the connection failed, or no answer within the time (``TimeoutError``).
+    """
+    deadline = _deadline_of(sock) if timeout is None else time.monotonic() + timeout
+    answer = recv_exact(sock, 2, deadline)
     if answer == b"OK":
         return
     if answer == b"ER":
-        raise HurrayFormatError("transport", f"receiver refused chunk {key}: {read_message(sock)}")
+        raise HurrayFormatError("transport", f"receiver refused chunk {key}: {read_message(sock, deadline)}")
     raise HurrayFormatError("transport", f"unexpected answer {answer!r} from the receiver for chunk {key}")
 
 
@@ -434,21 +555,24 @@ def query_held(sock: socket.socket, names: Sequence[tuple[str, str]]) -> set[tup
     Raises:
         HurrayFormatError: the receiver refused the query, closed the connection
             (a receiver older than the query does), or answered something else.
-        OSError: the connection failed or timed out.
+        OSError: the connection failed, or an answer took longer than the socket's timeout (in all).
     """
     held: set[tuple[str, str]] = set()
     for start in range(0, len(names), MAX_HELD_QUERY):
         batch = names[start : start + MAX_HELD_QUERY]
         sock.sendall(HELD_MAGIC + U16.pack(len(batch)) + b"".join(_name_bytes(n) + _name_bytes(k) for n, k in batch))
-        answer = recv_exact(sock, 2)
+        deadline = _deadline_of(sock)  # the whole answer within a timeout, however it trickles
+        answer = recv_exact(sock, 2, deadline)
         if answer == b"ER":
-            raise HurrayFormatError("transport", f"receiver refused the held-chunk query: {read_message(sock)}")
+            raise HurrayFormatError(
+                "transport", f"receiver refused the held-chunk query: {read_message(sock, deadline)}"
+            )
         if answer != b"HV":
             raise HurrayFormatError("transport", f"unexpected answer {answer!r} to the held-chunk query")
-        (count,) = U16.unpack(recv_exact(sock, 2))
+        (count,) = U16.unpack(recv_exact(sock, 2, deadline))
         if count != len(batch):
             raise HurrayFormatError("transport", f"held-chunk query: {count} answers for {len(batch)} names")
-        flags = recv_exact(sock, count)
+        flags = recv_exact(sock, count, deadline)
         held.update(name for name, flag in zip(batch, flags, strict=True) if flag)
     return held
 
@@ -625,8 +749,9 @@ class ReceiverBase(abc.ABC):
         port: The port; 0 picks a free one (see ``address``).
         store: Where accepted chunks go (``put`` is called from the connection threads).
         timeout: How long one frame (a chunk, a query, the TLS and key handshakes) may take to
-            arrive, in seconds, plus one second per MiB it announces (:data:`FRAME_MIN_RATE`). A
-            peer slower than that, however steadily it trickles, is disconnected.
+            arrive, in seconds, plus one second per MiB (:data:`FRAME_MIN_RATE`): per MiB that
+            arrived for a TCP chunk's payload, per MiB offered for a NIXL transfer. A peer slower
+            than that, however steadily it trickles, is disconnected.
         idle_timeout: How long a connection may stay silent between chunks.
         max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL).
         max_connections: How many connections are served at once; one more is
@@ -692,6 +817,7 @@ class ReceiverBase(abc.ABC):
         self._disk = threading.Lock()  # the store's measured bytes and the bytes promised to chunks in flight
         self._used: tuple[float, int] | None = None  # (when measured, bytes)
         self._promised = 0
+        self._settled = 0  # every byte settle() counted as stored (_measure adds what a walk may have missed)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET  # parse_listen took an IPv6 one's brackets off
         self._sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
@@ -702,6 +828,11 @@ class ReceiverBase(abc.ABC):
         # Per connection, when its frame must have arrived (see _watch); under _mu.
         self._deadlines: dict[socket.socket, float] = {}
         self._refusing = threading.BoundedSemaphore(_MAX_REFUSING)
+        # The connection threads (stop() waits for them) and the connections _watch cut, not yet counted; under _mu.
+        self._threads: set[threading.Thread] = set()
+        self._overdue: set[socket.socket] = set()
+        self._local = threading.local()  # on a connection's thread: its sockets (count() looks them up)
+        self._measuring = threading.Lock()  # one walk of the store at a time, outside _disk
         self.received = 0
         self.refused = 0
         self.last_error: str | None = None
@@ -722,6 +853,16 @@ class ReceiverBase(abc.ABC):
         """
         with self._mu:
             self._deadlines[conn] = time.monotonic() + seconds
+        self._local.counted = False  # a frame begins (on its connection's thread): not counted yet
+
+    def extend(self, conn: socket.socket, when: float) -> None:
+        """Move ``conn``'s deadline to ``when`` (``time.monotonic()``), unless it is disarmed or already cut.
+
+        Who calls it: a reader whose deadline follows the bytes that arrived (a TCP chunk's payload).
+        """
+        with self._mu:
+            if conn in self._deadlines:
+                self._deadlines[conn] = when
 
     def disarm(self, conn: socket.socket) -> None:
         """``conn`` is between frames (its idle timeout applies) or done."""
@@ -729,15 +870,19 @@ class ReceiverBase(abc.ABC):
             self._deadlines.pop(conn, None)
 
     def _watch(self) -> None:
-        """Shut every connection whose frame is overdue: its blocked read returns and the frame is refused."""
+        """Shut every connection whose frame is overdue: its blocked read returns and the frame is refused.
+
+        Counting is left to the connection's thread (:meth:`count` names the timeout as the reason): it
+        alone knows whether the frame was refused or, cut during its last steps, stored after all.
+        """
         while not self._stop.wait(0.25):
             now = time.monotonic()
             with self._mu:
                 late = [c for c, t in self._deadlines.items() if t <= now]
                 for c in late:
                     del self._deadlines[c]
+                    self._overdue.add(c)
             for c in late:
-                self.count(False, "receiver.timeout: a frame took longer than the receiver's timeout")
                 log.warning("hurray %s receiver: closing a connection whose frame is overdue", self.transport)
                 try:
                     # The plain socket's shutdown, also under TLS: SSLSocket.shutdown would drop
@@ -747,7 +892,11 @@ class ReceiverBase(abc.ABC):
                     pass
 
     def stop(self) -> None:
-        """Stop accepting and close open connections (their chunks abort; nothing partial is stored)."""
+        """Stop accepting and close open connections (their chunks abort; nothing partial is stored).
+
+        Returns once the connection threads ended (at most :data:`_STOP_JOIN_S` seconds: a chunk being
+        written to the store is finished first), so that the store is not written to afterwards.
+        """
         self._stop.set()
         try:
             # Wakes the accept thread (Linux: EINVAL). close() alone does not: the thread stays blocked in
@@ -756,13 +905,24 @@ class ReceiverBase(abc.ABC):
         except OSError:  # never listened, or already shut
             pass
         self._sock.close()
+        end = time.monotonic() + _STOP_JOIN_S
+        me = threading.current_thread()
+        if self._accepting is not None and self._accepting is not me:
+            self._accepting.join(_STOP_JOIN_S)  # no connection is added after this
         with self._mu:
-            conns = list(self._conns)
+            conns, threads = list(self._conns), list(self._threads)
         for c in conns:
             try:
-                c.shutdown(socket.SHUT_RDWR)
+                # The plain socket's shutdown, also under TLS: SSLSocket.shutdown would drop the TLS
+                # state under the connection's thread, which then fails with an AttributeError.
+                socket.socket.shutdown(c, socket.SHUT_RDWR)
             except OSError:
                 pass
+        for t in threads:
+            # Not started yet (ident None): an accept thread that outlived its join is between registering
+            # a connection and starting its thread; join() would raise. Its connection was shut above.
+            if t is not me and t.ident is not None:
+                t.join(max(0.0, end - time.monotonic()))
 
     def __enter__(self) -> ReceiverBase:
         return self.start()
@@ -776,8 +936,18 @@ class ReceiverBase(abc.ABC):
         return self._stop.is_set()
 
     def count(self, ok: bool, err: str | None = None) -> None:
-        """Count one chunk as stored (``ok``) or refused with ``err``."""
+        """Count one chunk as stored (``ok``) or refused with ``err``.
+
+        On a connection's thread, once per frame: a frame whose deadline cut it is refused for that
+        (``err`` is what the cut made its reader see), and counted here, not by the watchdog.
+        """
+        self._local.counted = True  # a cut after this (skipping the rest of a refused frame) is not counted again
         with self._mu:
+            mine = [c for c in getattr(self._local, "held", ()) if c in self._overdue]
+            if mine:  # this frame's cut, counted now: not again as the connection ends
+                self._overdue.difference_update(mine)
+                if not ok:
+                    err = _OVERDUE
             if ok:
                 self.received += 1
             else:
@@ -805,17 +975,20 @@ class ReceiverBase(abc.ABC):
         if not self._limits_disk():
             return
         root = self.store.root  # type: ignore[attr-defined]  # _limits_disk: a directory store
+        if self.quota_bytes is not None:
+            self._measure(root, _USAGE_TTL_S)
+            if not self._within_quota(nbytes):
+                # Pruned meanwhile, maybe. At most once a second: an unauthenticated peer sending headers
+                # beyond the quota would otherwise have every directory of the store read for each.
+                self._measure(root, _REMEASURE_S)
         with self._disk:
-            if self.quota_bytes is not None:
-                used = self._usage(root, fresh=False)
-                if used + self._promised + nbytes > self.quota_bytes:
-                    used = self._usage(root, fresh=True)  # pruned meanwhile, maybe
-                if used + self._promised + nbytes > self.quota_bytes:
-                    raise HurrayFormatError(
-                        "receiver.quota",
-                        f"a chunk of {nbytes} bytes would take the store to {used + self._promised + nbytes} bytes, "
-                        f"beyond its quota of {self.quota_bytes}: prune it (hurray-vllm prune) or raise --quota",
-                    )
+            if self.quota_bytes is not None and not self._within_quota(nbytes):
+                used = self._used[1] if self._used is not None else 0
+                raise HurrayFormatError(
+                    "receiver.quota",
+                    f"a chunk of {nbytes} bytes would take the store to {used + self._promised + nbytes} bytes, "
+                    f"beyond its quota of {self.quota_bytes}: prune it (hurray-vllm prune) or raise --quota",
+                )
             if self.min_free_bytes:
                 free = shutil.disk_usage(root).free - self._promised
                 if free - nbytes < self.min_free_bytes:
@@ -826,19 +999,33 @@ class ReceiverBase(abc.ABC):
                     )
             self._promised += nbytes
 
+    def _within_quota(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit the quota, by the last measurement (taken as 0 before the first)."""
+        used = self._used[1] if self._used is not None else 0
+        return self.quota_bytes is None or used + self._promised + nbytes <= self.quota_bytes
+
     def settle(self, nbytes: int, stored_bytes: int) -> None:
         """Release the room :meth:`admit` promised for ``nbytes``; ``stored_bytes`` (:meth:`put`'s) count as used."""
         if not self._limits_disk():
             return
         with self._disk:
             self._promised -= nbytes
+            self._settled += stored_bytes
             if self._used is not None:
                 self._used = (self._used[0], self._used[1] + stored_bytes)
 
-    def _usage(self, root: Any, *, fresh: bool) -> int:
-        """The bytes of every file in the store (measured again when older than a few seconds, or ``fresh``)."""
-        now = time.monotonic()
-        if fresh or self._used is None or now - self._used[0] > _USAGE_TTL_S:
+    def _measure(self, root: Any, max_age: float) -> None:
+        """Measure the bytes of every file in the store, unless the last measurement is under ``max_age`` s old.
+
+        The walk runs outside ``_disk`` (it reads every directory: on a large store, long enough to hold
+        every connection's :meth:`admit` and :meth:`settle` up), one walk at a time: a thread that waited
+        for another's walk uses its result.
+        """
+        with self._measuring:
+            with self._disk:
+                if self._used is not None and time.monotonic() - self._used[0] <= max_age:
+                    return
+                start, settled = time.monotonic(), self._settled
             total = 0
             for dirpath, _dirs, files in os.walk(root):
                 for name in files:
@@ -846,8 +1033,10 @@ class ReceiverBase(abc.ABC):
                         total += os.stat(os.path.join(dirpath, name), follow_symlinks=False).st_size
                     except OSError:  # gone meanwhile (pruned, renamed)
                         continue
-            self._used = (now, total)
-        return self._used[1]
+            with self._disk:
+                # Chunks stored during the walk, which it may have missed: counted (twice if it saw them,
+                # too much rather than too little, until the next measurement).
+                self._used = (start, total + self._settled - settled)
 
     def put(self, ns: str, key: str, snap: KVSnapshot, admitted: int = 0) -> int:
         """Store a chunk whose bytes matched its digest, once it holds the KV heads its key names; its bytes on disk.
@@ -974,6 +1163,9 @@ class ReceiverBase(abc.ABC):
                 pause = min(2 * pause, _ACCEPT_PAUSE_MAX_S)
                 continue
             pause = _ACCEPT_PAUSE_S
+            if self._stop.is_set():  # accepted as stop() began: it may have looked at the connections already
+                conn.close()
+                return
             with self._mu:
                 full = len(self._conns) >= self.max_connections
             if full:
@@ -989,11 +1181,18 @@ class ReceiverBase(abc.ABC):
                 else:  # a flood: no thread, no answer
                     conn.close()
                 continue
+            thread = threading.Thread(
+                target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
+            )
+            with self._mu:  # before it runs: stop() shuts the connection and waits for the thread
+                self._conns.add(conn)
+                self._threads.add(thread)
             try:
-                threading.Thread(
-                    target=self._connection, args=(conn,), name=f"hurray-{self.transport}-conn", daemon=True
-                ).start()
+                thread.start()
             except RuntimeError as no_thread:  # none to be had: refuse this one, keep accepting
+                with self._mu:
+                    self._conns.discard(conn)
+                    self._threads.discard(thread)
                 self.count(False, f"receiver.connections: {no_thread}")
                 log.warning("hurray %s receiver: refusing a connection: %s", self.transport, no_thread)
                 conn.close()
@@ -1027,8 +1226,10 @@ class ReceiverBase(abc.ABC):
             with self._mu:
                 self._conns.discard(raw)
                 self._conns.add(conn)
-                # Gone only if the watchdog found it overdue meanwhile (and could not shut it): due now.
+                # Gone only if the watchdog found it overdue meanwhile (and could not shut it): due now. Its
+                # mark goes too: the cut is marked (and counted) once, for the TLS socket.
                 self._deadlines[conn] = self._deadlines.pop(raw, time.monotonic())
+                self._overdue.discard(raw)
         if self.keys is None:
             return conn
         try:
@@ -1052,6 +1253,7 @@ class ReceiverBase(abc.ABC):
         with self._mu:
             self._conns.add(conn)
         held = [conn]
+        self._local.held = held  # count() looks up whether the watchdog cut this connection
         self.arm(conn, self.timeout)  # TLS and the key handshake, as one frame
         try:
             try:
@@ -1075,6 +1277,14 @@ class ReceiverBase(abc.ABC):
                     finish_with_error(conn, exc)
         finally:
             with self._mu:
+                # Cut where nothing counted the frame (its head, a held-chunk query, the handshake).
+                uncounted = any(c in self._overdue for c in held) and not getattr(self._local, "counted", False)
+            if uncounted:  # counted before the connection is gone: whoever sees it gone sees the count
+                self.count(False, _OVERDUE)
+            with self._mu:
                 for c in held:
                     self._conns.discard(c)
                     self._deadlines.pop(c, None)
+                    self._overdue.discard(c)
+                self._threads.discard(threading.current_thread())
+            self._local.held, self._local.counted = (), False

@@ -28,6 +28,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO, cast
 
@@ -49,6 +50,7 @@ from .base import (
     finish_with_error,
     parse_address,
     read_answer,
+    read_message,
     recv_exact,
     send_error,
 )
@@ -60,6 +62,8 @@ log = logging.getLogger("hurray_vllm.transport.tcp")
 MAGIC = b"HVC1"
 #: Memory for the chunks a TCP receiver is reading, all connections together (as NIXL's arena).
 DEFAULT_INFLIGHT_BYTES = 8 << 30
+#: How long a sender whose write failed waits for the receiver's refusal (already sent, if there is one).
+_ANSWER_AFTER_LOSS_S = 1.0
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -152,11 +156,31 @@ def _send_all(sock: socket.socket, out: BinaryIO, chunks: Iterable[Chunk]) -> No
         # that the frame can announce the stream's length before it; then sent with one call.
         pieces = _Pieces()
         size = write_stream(snap, cast(BinaryIO, pieces))
-        out.write(frame_head(ns, key, size))
-        out.writelines(pieces.parts)
-        out.flush()
+        try:
+            out.write(frame_head(ns, key, size))
+            out.writelines(pieces.parts)
+            out.flush()
+        except (BrokenPipeError, ConnectionResetError) as lost:
+            _raise_refusal(sock, key, lost)
+            raise
         read_answer(sock, key)
         del pieces  # the views: not kept alive while the next chunk is exported
+
+
+def _raise_refusal(sock: socket.socket, key: str, lost: OSError) -> None:
+    """Raise the receiver's refusal of chunk ``key`` if it sent one before the connection broke; else return.
+
+    A receiver refuses a chunk it will not read (too large, beyond the quota or its memory) at its head,
+    and closes; the sender, still writing the payload, then fails with a broken pipe or a reset. The
+    refusal, which says why, is usually in the socket's buffer already: it is the error to raise.
+    """
+    deadline = time.monotonic() + _ANSWER_AFTER_LOSS_S
+    try:
+        answer = recv_exact(sock, 2, deadline)
+    except (HurrayFormatError, OSError):  # closed with nothing to read (or the reset discarded it)
+        return  # the write's own error stands
+    if answer == b"ER":
+        raise HurrayFormatError("transport", f"receiver refused chunk {key}: {read_message(sock, deadline)}") from lost
 
 
 class TcpSender(ChunkSender):
@@ -215,10 +239,19 @@ class _Pieces(io.RawIOBase):
 
 
 class _Limited(io.RawIOBase):
-    """Exactly ``n`` bytes of a socket, as a file the stream reader can read."""
+    """Exactly ``n`` bytes of a socket, as a file the stream reader can read.
 
-    def __init__(self, sock: socket.socket, n: int) -> None:
-        self._sock, self._left = sock, n
+    ``progress`` sees how many bytes arrived so far after each read (the receiver moves the frame's
+    deadline with them).
+    """
+
+    def __init__(self, sock: socket.socket, n: int, progress: Callable[[int], None] | None = None) -> None:
+        self._sock, self._left, self._got, self._progress = sock, n, 0, progress
+
+    @property
+    def left(self) -> int:
+        """The bytes not read yet."""
+        return self._left
 
     def readable(self) -> bool:
         return True
@@ -230,6 +263,9 @@ class _Limited(io.RawIOBase):
         if n == 0:
             raise HurrayFormatError("transport", "sender disconnected in the middle of a chunk")
         self._left -= n
+        self._got += n
+        if self._progress is not None:
+            self._progress(self._got)
         return n
 
     def drain(self) -> None:
@@ -305,26 +341,45 @@ class Receiver(ReceiverBase):
                 (length,) = U64.unpack(recv_exact(conn, 8))
             except (HurrayFormatError, OSError, UnicodeDecodeError) as exc:
                 log.warning("hurray receiver: dropping connection: %s", exc)
+                if isinstance(exc, HurrayFormatError) and exc.field == "receiver.auth":
+                    # A sender that authenticates again mid-connection and fails is told why, as at its start.
+                    self.count(False, str(exc))
+                    finish_with_error(conn, exc)
                 return
             if not self._chunk(conn, ns, key, length):
                 return
 
     def _chunk(self, conn: socket.socket, ns: str, key: str, length: int) -> bool:
         """Receive, check and store one chunk's stream; False when the connection must be closed."""
-        body = _Limited(conn, length)
+        start = time.monotonic()
+
+        def progress(got: int) -> None:
+            # The deadline follows the bytes that arrived: a sender must keep up FRAME_MIN_RATE from the
+            # start, after one timeout's grace. A deadline for the whole frame, set at its head, would let
+            # a peer announcing 4 GiB and trickling a byte per recv timeout hold the memory and quota
+            # reserved for it for over an hour.
+            self.extend(conn, start + self.timeout + got / FRAME_MIN_RATE)
+
+        body = _Limited(conn, length, progress)
         admitted, reserved, stored = False, False, 0
         try:
             check_names(ns, key)
             if length > self.max_chunk_bytes:
                 raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
-            self.arm(conn, self.timeout + length / FRAME_MIN_RATE)  # the whole frame, however it trickles
+            self.arm(conn, self.timeout)  # until the first payload bytes; then as they arrive (progress)
             self._reserve(length)  # memory, before the payload is read into it
             reserved = True
             self.admit(length)  # the store's quota and the disk's floor, before the payload is read
             admitted = True
             snap = read_stream(io.BufferedReader(body), limit=length)  # no buffer larger than the frame
+            if not body.left:
+                # The frame arrived: checking and storing it is the receiver's own time, which no deadline
+                # cuts (a slow disk would have a stored chunk counted refused, and its sender told nothing).
+                self.disarm(conn)
             if not digest_matches(snap):
                 raise HurrayFormatError("snapshot.digest", "chunk data does not match its digest")
+            if self.stopping:  # stop() began: it waits for a put under way, and no other starts after it
+                raise HurrayFormatError("transport", "the receiver is stopping")
             stored = self.put(ns, key, snap, admitted=length)
         except (HurrayFormatError, OSError) as exc:
             # Whether its payload was let in: then the rest of it is read and skipped, below (settling clears

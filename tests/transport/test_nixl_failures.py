@@ -495,6 +495,7 @@ def offer_receiver(limit: int, held: int) -> NixlReceiver:
     r._offers_mu, r._mu = threading.Lock(), threading.Lock()
     r._offer_bytes, r.max_offer_memory_bytes, r.max_chunk_bytes = held, limit, 1 << 30
     r.received = r.refused = 0
+    r._local, r._overdue = threading.local(), set()  # what count() looks up: the frames the watchdog cut
     r._notifs = tn_receiver._Notifs(FakeAgent("recv", []))
     return r
 

@@ -193,3 +193,18 @@ def test_a_keyless_peer_trickling_the_key_handshake_over_tls_is_cut_at_the_deadl
         assert r.refused >= 1 and r.received == 0  # the watchdog's timeout, then the cut handshake
         with r._mu:
             assert not r._conns and not r._deadlines  # nothing of the connection is left behind
+
+
+def test_a_failed_second_authentication_is_answered_and_counted(tmp_path: Path) -> None:
+    """A connection that authenticated, then fails to again mid-connection, was closed unanswered and uncounted."""
+    from hurray_vllm.transport.base import read_message, recv_exact
+    from hurray_vllm.transport.security import authenticate
+
+    with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), keys=KEYS).start() as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=5) as s:
+            authenticate(s, KEYS)  # the first time, right
+            s.sendall(b"HVA1" + KEYS.key_id.encode())
+            recv_exact(s, 32)  # the challenge
+            s.sendall(bytes(32))  # not the answer
+            assert recv_exact(s, 2) == b"ER" and read_message(s).startswith("receiver.auth:")
+        assert r.refused == 1 and "authentication failed" in (r.last_error or "")

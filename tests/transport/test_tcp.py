@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ import hurray_vllm as hv
 from hurray_vllm import KVSnapshot, transport
 from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of
+from hurray_vllm.transport import base
 from hurray_vllm.transport.base import ReceiverBase, recv_exact
 from hurray_vllm.transport.tcp import Receiver, TcpSender, parse_url, send_chunks
 
@@ -150,6 +152,17 @@ def test_malformed_urls_name_the_field() -> None:
         assert info.value.field == "hurray_url"
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["tcp://[::1", "nixl://[::1", "tcp://u:pw@h:1", "tcp://h:1?q=1", "tcp://h:1#f", "tcp://h\n:1", "tcp://h:1/x"],
+)
+def test_urls_urlsplit_lets_through_or_chokes_on_are_refused_naming_hurray_url(url: str) -> None:
+    """An unclosed bracket raised a bare ValueError (an engine crash); user info, a query or a newline passed."""
+    with pytest.raises(hv.HurrayFormatError) as info:
+        transport.channel_of(url)
+    assert info.value.field == "hurray_url"
+
+
 def test_channels_are_chosen_by_url_scheme(tmp_path: Path) -> None:
     assert transport.channel_of("tcp://127.0.0.1:1") == "tcp"
     assert transport.channel_of("nixl://127.0.0.1:1") == "nixl"  # checked without loading NIXL
@@ -254,12 +267,15 @@ def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_hea
 
 
 @pytest.mark.parametrize("channel", transport.CHANNELS)
-def test_a_store_quota_or_free_disk_floor_refuses_a_chunk_before_it_is_read(channel: str, tmp_path: Path) -> None:
+def test_a_store_quota_or_free_disk_floor_refuses_a_chunk_before_it_is_read(
+    channel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Nothing of a refused chunk reaches the disk; the store takes chunks again once there is room."""
     from conftest import require
 
     if channel == "nixl":
         require("nixl_cu12")
+    monkeypatch.setattr(base, "_REMEASURE_S", 0.1)  # a refusal has the store measured at most this often
     ns, key, chunk = example_chunk()
     store = DirectoryStore(tmp_path / "store")
     with transport.receiver_for(channel, "127.0.0.1", 0, store, quota_bytes=1 << 20).start() as r:
@@ -272,6 +288,7 @@ def test_a_store_quota_or_free_disk_floor_refuses_a_chunk_before_it_is_read(chan
         assert not store.has(ns, "ab" * 8) and r.refused == 1 and "receiver.quota" in (r.last_error or "")
         assert sorted(p.name for p in (tmp_path / "store").rglob("*") if p.is_file()) == [f"{key}.hrry"]
         (tmp_path / "store" / ns / f"{key}.hrry").unlink()  # pruned: room again (measured afresh, not counted)
+        time.sleep(0.15)  # once the last measurement is old enough to be taken again
         transport.send_chunks(url, [(ns, "ab" * 8, chunk)])
         assert store.has(ns, "ab" * 8)
     floor = DirectoryStore(tmp_path / "floor")
@@ -454,7 +471,7 @@ def test_a_sender_trickling_a_frame_is_disconnected_at_its_deadline(
                 except OSError:
                     closed = True
                     break
-            assert closed  # 3 s + 4096 B at FRAME_MIN_RATE, then the watchdog (its message, not a recv's timeout):
+            assert closed  # 3 s (the bytes keep no pace), then the watchdog (its message, not a recv's timeout):
             assert "closing a connection whose frame is overdue" in caplog.text
         deadline = time.monotonic() + 60
         while r._promised and time.monotonic() < deadline:
@@ -785,3 +802,250 @@ def test_a_chunk_refused_after_its_payload_was_read_leaves_the_connection_open(r
     with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
         s.sendall(frame(chunk, ns="../x"))  # refused before its payload is let in: not read, the connection ends
         assert answer(s).startswith(b"ER") and _until_closed(s) == b""
+
+
+# ── reviewed defects: slow peers, refusals a sender must see, stopping, counting ──
+
+
+def test_a_payload_trickled_after_its_head_is_cut_after_one_timeout_whatever_length_it_announces(
+    tmp_path: Path,
+) -> None:
+    """64 MiB announced (a 64 s frame at FRAME_MIN_RATE): a byte per 0.1 s is cut after ~timeout, not 64 s."""
+    from hurray_vllm.transport.tcp import frame_head
+
+    ns, key, _ = example_chunk()
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), timeout=0.5) as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as s:
+            s.sendall(frame_head(ns, key, 64 << 20))
+            start, closed = time.monotonic(), False
+            while time.monotonic() - start < 20:  # a hang guard
+                try:
+                    s.sendall(b"\0")
+                    time.sleep(0.1)  # each recv well inside the socket timeout
+                except OSError:
+                    closed = True
+                    break
+            assert closed and time.monotonic() - start < 5
+        _wait_for(lambda: r._inflight == 0 and r.refused == 1)  # the memory reserved for it is back
+
+
+def test_a_chunk_refused_at_its_head_reaches_the_sender_as_the_refusal_not_a_broken_pipe(tmp_path: Path) -> None:
+    """The receiver closes while the sender still writes 32 MiB: the sender raises the receiver's reason."""
+    from synthetic import make_snapshot
+
+    snap = make_snapshot([4096], [0], 16, heads=8, dim=128, layers=2)
+    for limits, says in (({"max_chunk_bytes": 1 << 20}, "exceeds the limit"), ({"quota_bytes": 1 << 20}, "quota")):
+        with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path / says), timeout=5, **limits) as r:
+            with pytest.raises(hv.HurrayFormatError, match=says) as info:
+                send_chunks(_url(r), [("ab" * 8, "cd" * 8, snap)], timeout=10)
+            assert "receiver refused" in str(info.value)
+
+
+def test_each_caller_gets_its_own_tcp_sender_and_aborts_only_its_own_pushes(tmp_path: Path) -> None:
+    """One engine aborting its push (a full save queue, shutdown) cut every other engine's pushes in the process."""
+    ns, key, chunk = example_chunk()
+
+    class Slow(DirectoryStore):
+        def put(self, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.5)
+            return super().put(*args, **kwargs)
+
+    with Receiver("127.0.0.1", 0, Slow(tmp_path), timeout=5) as r:
+        mine, theirs = transport.sender_for("tcp://127.0.0.1:1"), transport.sender_for(_url(r))
+        assert mine is not theirs
+        failed: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                theirs.send(_url(r), [(ns, key, chunk)], timeout=10)
+            except BaseException as exc:
+                failed.append(exc)
+
+        t = threading.Thread(target=push)
+        t.start()
+        time.sleep(0.2)
+        mine.abort()
+        t.join(20)
+        assert not failed and DirectoryStore(tmp_path).has(ns, key)
+
+
+def _answering(answer: bytes, trickle: bytes) -> tuple[int, threading.Event]:
+    """A fake receiver (one connection): swallows the frame, sends ``answer``, then ``trickle`` a byte per 0.2 s."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        with srv, srv.accept()[0] as c:
+            c.settimeout(0.3)
+            try:
+                while c.recv(1 << 20):
+                    pass
+            except OSError:  # the frame is in; the sender waits for its answer
+                pass
+            c.sendall(answer)
+            for byte in trickle:
+                if done.wait(0.2):
+                    return
+                c.sendall(bytes([byte]))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], done
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (b"ER" + (65535).to_bytes(2, "little"), "longer than receivers send"),  # refused unread
+        (b"ER" + (500).to_bytes(2, "little"), "no reason given"),  # the whole answer within the timeout
+    ],
+)
+def test_a_receiver_trickling_its_answer_holds_the_sender_one_timeout(answer: bytes, says: str) -> None:
+    ns, key, chunk = example_chunk()
+    port, done = _answering(answer, b"x" * 1000)
+    try:
+        start = time.monotonic()
+        with pytest.raises(hv.HurrayFormatError, match=says):
+            TcpSender().send(f"tcp://127.0.0.1:{port}", [(ns, key, chunk)], timeout=1.0)
+        assert time.monotonic() - start < 5  # 1 s; a byte per 0.2 s would have taken 100 s or more
+    finally:
+        done.set()
+
+
+def test_stop_waits_for_a_chunk_being_stored_and_stores_none_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() returned while connection threads still wrote chunks into the store."""
+    from hurray_vllm.transport import tcp
+
+    ns, key, chunk = example_chunk()
+    storing, checked, release = threading.Event(), threading.Event(), threading.Event()
+
+    class Gated(DirectoryStore):
+        def put(self, *args: Any, **kwargs: Any) -> Any:
+            storing.set()
+            release.wait(10)
+            return super().put(*args, **kwargs)
+
+    def push(url: str) -> None:
+        with contextlib.suppress(OSError, hv.HurrayFormatError):  # stop() cuts the connection
+            send_chunks(url, [(ns, key, chunk)], timeout=10)
+
+    # A put under way when stop() is called: stop() returns after it, the chunk stored.
+    r = Receiver("127.0.0.1", 0, Gated(tmp_path / "a"), timeout=5).start()
+    threading.Thread(target=push, args=(_url(r),), daemon=True).start()
+    _wait_for(storing.is_set)
+    threading.Timer(0.3, release.set).start()
+    r.stop()
+    assert DirectoryStore(tmp_path / "a").has(ns, key) and not r._threads
+    # A chunk read whole as stop() begins: refused, never written afterwards.
+    real = tcp.digest_matches
+
+    def gated_digest(snap: KVSnapshot) -> bool:
+        checked.set()
+        _wait_for(lambda: r2.stopping)
+        return real(snap)
+
+    monkeypatch.setattr(tcp, "digest_matches", gated_digest)
+    storing.clear()
+    r2 = Receiver("127.0.0.1", 0, Gated(tmp_path / "b"), timeout=5).start()
+    threading.Thread(target=push, args=(_url(r2),), daemon=True).start()
+    _wait_for(checked.is_set)
+    r2.stop()
+    assert not storing.is_set() and not DirectoryStore(tmp_path / "b").has(ns, key) and not r2._threads
+
+
+def test_the_usage_of_a_store_is_measured_at_most_once_a_second_outside_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every head beyond the quota walked the whole store, under the lock every admit and settle take."""
+    import os
+
+    from hurray_vllm.transport.tcp import frame_head
+
+    ns, key, _ = example_chunk()
+    (tmp_path / ns).mkdir()
+    for i in range(50):
+        (tmp_path / ns / f"{i:016x}.hrry").write_bytes(b"")
+    walks: list[bool] = []
+    real = os.walk
+
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), quota_bytes=1 << 20, timeout=5) as r:
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            walks.append(r._disk.locked())
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(base.os, "walk", counting)
+        for _ in range(10):  # heads announcing 2 MiB, beyond the quota, each refused unread
+            with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as s:
+                s.sendall(frame_head(ns, key, 2 << 20))
+                assert _until_closed(s) == b"ER"
+        assert 1 <= len(walks) <= 2 and not any(walks), walks  # the first look, and once more a second later
+        assert r.refused == 10
+
+
+def test_a_frame_cut_at_its_deadline_is_counted_refused_once(tmp_path: Path) -> None:
+    """The watchdog counted the cut, and the chunk's reader its failure: two refusals for one frame."""
+    import io
+
+    from hurray_vllm.containers.io import write_stream
+    from hurray_vllm.transport.tcp import frame_head
+
+    ns, key, chunk = example_chunk()
+    stream = io.BytesIO()
+    write_stream(chunk, stream)
+    head = frame_head(ns, key, len(stream.getvalue()))
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), timeout=0.3) as r:
+        # A byte per 0.05 s (no recv times out): in the payload, then in the head (magic sent whole).
+        for first, trickled in ((head, stream.getvalue()), (head[:4], head[4:])):
+            before = r.refused
+            with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as s:
+                s.sendall(first)
+                with contextlib.suppress(OSError):  # cut: the receiver closed
+                    for byte in trickled:
+                        s.sendall(bytes([byte]))
+                        time.sleep(0.05)
+            _wait_for(lambda: not r._conns)  # the connection's thread is done (counted first)
+            assert r.refused == before + 1 and "receiver.timeout" in (r.last_error or "")
+
+
+def test_a_chunk_stored_after_its_deadline_passed_is_counted_stored_and_answered(tmp_path: Path) -> None:
+    """A slow put outlived the frame's deadline: the chunk was stored, counted refused and its sender cut off."""
+    ns, key, chunk = example_chunk()
+
+    class Slow(DirectoryStore):
+        def put(self, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.8)
+            return super().put(*args, **kwargs)
+
+    with Receiver("127.0.0.1", 0, Slow(tmp_path), timeout=0.3) as r:
+        send_chunks(_url(r), [(ns, key, chunk)], timeout=10)
+        assert (r.received, r.refused) == (1, 0)
+
+
+def test_stop_shuts_tls_connections_as_the_watchdog_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SSLSocket.shutdown drops the TLS state under the connection's thread: the plain socket's is used."""
+    import ssl
+
+    from pki import make_pki
+
+    from hurray_vllm.transport.security import TlsOptions, client_context, server_context
+
+    pki = make_pki(tmp_path, "fleet")
+    tls = server_context(TlsOptions(pki["cert"], pki["key"]))
+    calls: list[object] = []
+    real = ssl.SSLSocket.shutdown
+
+    def spy(self: ssl.SSLSocket, how: int) -> None:
+        calls.append(self)
+        real(self, how)
+
+    r = Receiver("127.0.0.1", 0, DirectoryStore(tmp_path / "store"), tls=tls, timeout=5).start()
+    ctx = client_context(TlsOptions(ca_file=pki["ca"]))
+    with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+            s.sendall(b"HV")  # half a magic: the connection's thread waits in a TLS read
+            _wait_for(lambda: len(r._conns) == 1 and all(isinstance(c, ssl.SSLSocket) for c in r._conns))
+            monkeypatch.setattr(ssl.SSLSocket, "shutdown", spy)
+            r.stop()
+    assert not calls

@@ -29,9 +29,9 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from ...errors import HurrayArgumentError, HurrayFormatError
+from ...transport.base import split_url
 
 __all__ = ["MigrationResult", "complete", "migrate"]
 
@@ -95,17 +95,32 @@ def _check_url(what: str, url: object) -> None:
     The caller's mistake, said as such before any call: urllib would raise a bare ``ValueError`` (no
     scheme), or report a server name as a failed connection.
     """
-    ok = False
-    if isinstance(url, str):
-        try:
-            u = urlsplit(url)
-            u.port  # noqa: B018 -- raises on a port that is not a number or out of range
-        except ValueError:  # that, or an unclosed IPv6 bracket
-            pass
-        else:
-            ok = u.scheme in ("http", "https") and bool(u.hostname) and not (u.query or u.fragment)
-    if not ok:
-        raise HurrayArgumentError(what, f"not a server's base URL: {url!r} (e.g. http://10.0.0.5:8000)")
+    check_server_url(url, what)
+
+
+def check_server_url(url: object, field: str, *, path_ok: bool = True) -> None:
+    """Refuse what is not a server's base URL, ``http(s)://HOST[:PORT][/PREFIX]``, naming ``field``.
+
+    The rules of every URL a caller gives (:func:`~hurray_vllm.transport.base.split_url`): no user
+    info, query, fragment or control characters. ``hurray-vllm migrate`` checks its ``--from`` and
+    ``--to`` with this too, so that the command and :func:`migrate` take the same URLs.
+
+    Args:
+        url: The URL.
+        field: The argument the error names.
+        path_ok: Whether a path prefix may follow the host (``http://gw/vllm``).
+
+    Raises:
+        HurrayArgumentError: ``url`` is not such a URL.
+    """
+    split_url(
+        url,
+        ("http", "https"),
+        field=field,
+        path_ok=path_ok,
+        port_required=False,
+        expected="not a server's base URL (e.g. http://10.0.0.5:8000)",
+    )
 
 
 def _call(req: urllib.request.Request | str, timeout: float) -> Any:

@@ -143,6 +143,12 @@ def test_a_chunk_longer_than_the_model_is_refused() -> None:
 # ── kv_role ──────────────────────────────────────────────────────────────────
 
 
+def test_a_hurray_url_urlsplit_chokes_on_is_a_config_error_not_a_crash() -> None:
+    """An unclosed IPv6 bracket raised a bare ValueError out of engine start."""
+    err = _refused({"hurray_path": "/x", "hurray_url": "tcp://[::1:9000"}, role="kv_producer")
+    assert err.field == "hurray_url" and "tcp://HOST:PORT" in str(err)
+
+
 def test_a_consumer_with_hurray_url_is_refused_it_would_push_nothing() -> None:
     err = _refused({"hurray_path": "/x", "hurray_url": "tcp://h:1"}, role="kv_consumer")
     assert err.field == "hurray_url" and "kv_both" in str(err) and "kv_producer" in str(err)

@@ -25,6 +25,11 @@ BAD = [
     "http://[::1",  # an unclosed bracket
     "http://a:8000/?x=1",  # the query would end up in the middle of the URL
     "",
+    "http://a:8000/?",  # an empty query: still not a base URL
+    "http://a:8000#f",
+    "http://user:pw@a:8000",  # credentials in a URL that is logged
+    "http://a:8000\n",  # urlsplit drops newlines and tabs
+    None,
 ]
 
 
@@ -38,7 +43,7 @@ def _no_calls(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("url", BAD)
 @pytest.mark.parametrize("which", ["source", "destination"])
-def test_migrate_names_the_url_that_is_not_a_server(url: str, which: str) -> None:
+def test_migrate_names_the_url_that_is_not_a_server(url: Any, which: str) -> None:
     urls = {"source": GOOD, "destination": GOOD, which: url}
     for model in (None, "m"):  # without a model the source is asked for one first
         with pytest.raises(HurrayArgumentError, match="not a server's base URL") as info:
@@ -47,7 +52,7 @@ def test_migrate_names_the_url_that_is_not_a_server(url: str, which: str) -> Non
 
 
 @pytest.mark.parametrize("url", BAD)
-def test_complete_refuses_a_url_that_is_not_a_server(url: str) -> None:
+def test_complete_refuses_a_url_that_is_not_a_server(url: Any) -> None:
     for model in (None, "m"):
         with pytest.raises(HurrayArgumentError, match="not a server's base URL") as info:
             mig.complete(url, [1, 2, 3], 4, model=model)
@@ -58,3 +63,16 @@ def test_complete_refuses_a_url_that_is_not_a_server(url: str) -> None:
 def test_server_urls_are_taken(url: str) -> None:
     with pytest.raises(AssertionError, match="a request was made"):  # past the checks, to the first request
         mig.complete(url, [1, 2, 3], 4, model="m")
+
+
+def test_the_command_takes_the_urls_migrate_takes() -> None:
+    """``hurray-vllm migrate --from http://gw/vllm`` was refused though migrate() takes a path prefix."""
+    from hurray_vllm.app.cli import build_parser
+
+    parser = build_parser()
+    base = ["migrate", "--to", GOOD, "--prompt-ids", "1", "--after", "1", "--max-tokens", "2", "--from"]
+    assert parser.parse_args([*base, "http://gw:8000/vllm"]).source == "http://gw:8000/vllm"
+    for url in BAD:
+        if isinstance(url, str):
+            with pytest.raises(SystemExit):  # argparse's error: the same URLs refused
+                parser.parse_args([*base, url])

@@ -345,7 +345,7 @@ class HurrayConfig:
         url = cfg.get_from_extra_config("hurray_url", None) or None
         try:
             url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
-        except HurrayFormatError as exc:
+        except ValueError as exc:  # a HurrayFormatError, or whatever a URL parser lets through: not an engine crash
             raise HurrayArgumentError("hurray_url", str(exc)) from exc
         if url and not saves:
             # The worker pushes from its background writer, which only an engine that saves runs; the chunks a
