@@ -246,8 +246,11 @@ void hurray_amx_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, in
         hurray_amx_keys_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
         return;
     }
-    /* One item per 16-token group: its [D/2][16 tokens][2 dims] run of a plane is D/2 whole lines. */
+    /* One item per 16-token group: its [D/2][16 tokens][2 dims] run of a plane is D/2 whole lines, each
+     * (a dim pair of 16 tokens) assembled from four 4x4 word transposes and stored at once, past the
+     * caches where the lines are aligned (as the vec keys: no read for ownership). */
     const int64_t r = H * D, groups = N / 16, items = (i1 - i0) * groups;
+    const int stream = ((uintptr_t)base | (uintptr_t)(sb * 2) | (uintptr_t)(sh * 2)) % 64 == 0;
     PARALLEL_ITEMS
     for (int64_t it = 0; it < items; it++) {
         const int64_t i = i0 + it / groups, nh = it % groups;
@@ -255,13 +258,32 @@ void hurray_amx_keys_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, in
         for (int64_t h = 0; h < H; h++) {
             uint32_t *blk = (uint32_t *)(base + blocks[i] * sb + h * sh) + nh * (D / 2) * 16;
             for (int64_t dp = 0; dp < D / 2; dp += 4) {
-                for (int64_t nl = 0; nl < 16; nl += 4) {
+                __m128i line[4][4]; /* [dim pair dp + j][tokens 4q .. 4q + 3] */
+                for (int64_t q = 0; q < 4; q++) {
                     /* 4 tokens x 4 dim pairs (words), transposed into 4 dim pairs x 4 tokens. */
-                    tr4x4_32((const uint32_t *)(in + nl * r + h * D + 2 * dp), r / 2, blk + dp * 16 + nl, 16);
+                    const uint32_t *w = (const uint32_t *)(in + 4 * q * r + h * D + 2 * dp);
+                    const int64_t ws = r / 2;
+                    __m128i v0 = LD(w), v1 = LD(w + ws), v2 = LD(w + 2 * ws), v3 = LD(w + 3 * ws);
+                    __m128i t0 = _mm_unpacklo_epi32(v0, v1), t1 = _mm_unpackhi_epi32(v0, v1);
+                    __m128i t2 = _mm_unpacklo_epi32(v2, v3), t3 = _mm_unpackhi_epi32(v2, v3);
+                    line[0][q] = _mm_unpacklo_epi64(t0, t2);
+                    line[1][q] = _mm_unpackhi_epi64(t0, t2);
+                    line[2][q] = _mm_unpacklo_epi64(t1, t3);
+                    line[3][q] = _mm_unpackhi_epi64(t1, t3);
+                }
+                for (int64_t j = 0; j < 4; j++) {
+                    uint32_t *o = blk + (dp + j) * 16;
+                    for (int64_t q = 0; q < 4; q++) {
+                        if (stream)
+                            _mm_stream_si128((__m128i *)(o + 4 * q), line[j][q]);
+                        else
+                            ST(o + 4 * q, line[j][q]);
+                    }
                 }
             }
         }
     }
+    _mm_sfence();
 }
 
 void hurray_amx_values_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sh,
@@ -270,8 +292,10 @@ void hurray_amx_values_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, 
         hurray_amx_values_put_2_generic(base, blocks, i0, i1, sb, sh, H, N, D, src);
         return;
     }
-    /* A group of 16 tokens is 8 consecutive lines of each 16-dim band. */
+    /* A group of 16 tokens is 8 consecutive lines of each 16-dim band; each tile is one whole line,
+     * stored past the caches where the lines are aligned. */
     const int64_t r = H * D, G = 16, groups = N / G, items = (i1 - i0) * groups;
+    const int stream = ((uintptr_t)base | (uintptr_t)(sb * 2) | (uintptr_t)(sh * 2)) % 64 == 0;
     PARALLEL_ITEMS
     for (int64_t it = 0; it < items; it++) {
         const int64_t i = i0 + it / groups, n0 = it % groups * G;
@@ -287,14 +311,22 @@ void hurray_amx_values_put_2(uint16_t *base, const int64_t *blocks, int64_t i0, 
                     uint16_t *tile = plane + (dh * (N / 2) + n0 / 2 + np) * 32;
                     __m128i a = LD(r0), b = LD(r0 + r);
                     __m128i c = LD(r0 + 8), e = LD(r0 + r + 8);
-                    ST(tile, _mm_unpacklo_epi16(a, b));
-                    ST(tile + 8, _mm_unpackhi_epi16(a, b));
-                    ST(tile + 16, _mm_unpacklo_epi16(c, e));
-                    ST(tile + 24, _mm_unpackhi_epi16(c, e));
+                    if (stream) {
+                        _mm_stream_si128((__m128i *)tile, _mm_unpacklo_epi16(a, b));
+                        _mm_stream_si128((__m128i *)(tile + 8), _mm_unpackhi_epi16(a, b));
+                        _mm_stream_si128((__m128i *)(tile + 16), _mm_unpacklo_epi16(c, e));
+                        _mm_stream_si128((__m128i *)(tile + 24), _mm_unpackhi_epi16(c, e));
+                    } else {
+                        ST(tile, _mm_unpacklo_epi16(a, b));
+                        ST(tile + 8, _mm_unpackhi_epi16(a, b));
+                        ST(tile + 16, _mm_unpacklo_epi16(c, e));
+                        ST(tile + 24, _mm_unpackhi_epi16(c, e));
+                    }
                 }
             }
         }
     }
+    _mm_sfence();
 }
 
 /* Row-major values: a token's heads are copied into H planes, one row each. The cache's blocks are
