@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -61,8 +62,8 @@ exit status:
   0    success (validate: the file is valid, as load reads it; fsck: every chunk is good)
   1    the data or the operation failed: an invalid file (the line says which field), a damaged chunk,
        a demo check FAILED, a server that could not be reached or answered wrongly, a permission
-  2    a bad call: an option refused, a path that is missing, a directory given for a file (or a file
-       for a directory), '-' for a path, an optional package missing
+  2    a bad call: an option refused, a path that is missing, a directory, pipe or device given for a
+       file (or a file for a directory), a symbolic link loop, '-' for a path, an optional package missing
   3    an internal error: a bug (HURRAY_VLLM_DEBUG=1 shows the traceback; please report it)
   130  interrupted (Ctrl-C)
   141  standard output closed early (e.g. piped into head): the rest is not printed
@@ -162,6 +163,7 @@ def _line(columns: list[tuple[str, str]], cells: dict[str, Any]) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm inspect``: print the file's descriptors as a table or JSON; returns 0."""
+    _file_arg(args.path)
     fmt = detect_format(args.path)
     try:
         rows = list(_rows(iter_nodes(args.path, permissive=True)))
@@ -170,7 +172,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {"path": str(args.path), "format": fmt, "kv": _jsonable(file_kv(args.path)), "tensors": rows}, indent=2
+                {"path": str(args.path), "format": fmt, "kv": _jsonable(file_kv(args.path)), "tensors": rows},
+                indent=2,
+                allow_nan=False,  # strict JSON: _jsonable spelled out what JSON has no value for
             )
         )
         return 0
@@ -194,8 +198,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _jsonable(kv: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.hex() if isinstance(v, bytes) else v) for k, v in kv.items()}
+def _jsonable(value: Any) -> Any:
+    """``value`` (a ``.hrry`` file's KV metadata, or one of its values) as strict JSON values.
+
+    Bytes become hex strings, at any depth (a KV array of bytes), and a NaN or
+    infinity its string (``"nan"``, ``"inf"``): ``json.dumps`` would write bare
+    ``NaN``, which is not JSON, and strict readers (``jq``) refuse the output.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def _keys(args: argparse.Namespace) -> Any:
@@ -227,33 +245,26 @@ def _chunk_name(path: Path) -> tuple[str, str] | None:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm validate``: print each violation; returns 0 if the file is valid, else 1."""
     keys = _keys(args)
+    _file_arg(args.path)  # a path that names no file is the call's error (stderr, exit 2), not a verdict
     where = _chunk_name(Path(args.path)) if keys is not None else None
     if args.key_file and where is None:
         raise HurrayArgumentError(
             "key_file", f"{args.path} is not a chunk file of a store (DIR/<namespace>/<key>.hrry): no MAC to check"
         )
-    # A file that is not there is the call's error, as in every other command (stderr, exit 2), not a verdict.
-    if not Path(args.path).exists():
-        raise FileNotFoundError(errno.ENOENT, "No such file or directory", args.path)
-    if Path(args.path).is_dir():
-        raise IsADirectoryError(errno.EISDIR, "Is a directory", args.path)
+    # validate == load: KV that load refuses (a lone key record, a layer missing) is not valid (hv.validate).
     checked = validate(args.path, permissive=args.permissive)
     blocking = set(id(v) for v in checked.errors)
     # What stopped parsing (a truncated file, a bad magic) is always an error; print it too.
     for v in (*checked.violations, *checked.unreadable):
         tag = "error" if id(v) in blocking else "waived"
         print(f"{tag}: {v.invariant}: {v.message}")
-    if checked.ok:
-        # validate == load: KV that load refuses (a lone key record, a layer missing) is not valid, whatever
-        # the Hurray rules of each record say; and a chunk's MAC is checked on what load reads.
+    if checked.ok and where is not None:
+        # A chunk's MAC is checked on what load reads.
         from ..chunks.store import check_data
         from ..containers.io import load
 
         try:
-            if where is not None or _holds_block_paged(args.path):
-                snap = load(args.path, permissive=args.permissive, mmap=where is None)
-                if where is not None:
-                    check_data(snap, keys, *where)
+            check_data(load(args.path, permissive=args.permissive), keys, *where)
         except HurrayFormatError as exc:
             for v in exc.violations:
                 print(f"error: {v.invariant}: {v.message}")
@@ -265,16 +276,38 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1
 
 
-def _holds_block_paged(path: str) -> bool:
-    """Whether the file at ``path`` holds a block-paged record: KV, which only :func:`load` can call valid."""
+def _file_arg(path: str, *, output: bool = False) -> None:
+    """Refuse, as the call's error (exit 2), a path that names no file to read (``output``: to write).
+
+    Checked before the library opens it: the library calls a pipe or device where a file
+    should be malformed input (a chunk store's consumers must refuse one at a chunk's name), but on
+    the command line it is a wrong argument, as a missing path or a directory is.
+
+    Raises:
+        FileNotFoundError: nothing at ``path`` (a file to read only).
+        IsADirectoryError: a directory.
+        OSError: ``path`` cannot be looked at (``ELOOP``: a symbolic link loop; ``EACCES``).
+        HurrayArgumentError: a pipe, socket or device.
+    """
     try:
-        return any(r.descriptor.layout_tag == LAYOUT_BLOCK_PAGED for r in open_records(path, permissive=True))
-    except (*PARSE_ERRORS, MemoryError) as exc:
-        raise read_error(exc, str(path)) from exc
+        mode = os.stat(path).st_mode  # through links: what an open() would open
+    except FileNotFoundError:
+        if output:
+            return  # a new file (or a dangling link, which the write creates the target of)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", path) from None
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(
+            errno.EISDIR, "Is a directory (give a file path to write)" if output else "Is a directory", path
+        )
+    if not stat.S_ISREG(mode):
+        what = "write to a file" if output else "save it to a file first"
+        raise HurrayArgumentError("path", f"{path} is not a regular file (a pipe, socket or device): {what}")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm convert``: write the input in the output's format; returns 0."""
+    _file_arg(args.input)
+    _file_arg(args.output, output=True)
     src_fmt = detect_format(args.input)
     out = Path(args.output)
     if out.exists() and os.path.samefile(args.input, out):
@@ -937,10 +970,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:  # the path given: the call's error
         print(f"hurray-vllm: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a permission, a full disk, an unreachable server: say which
+    except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
         print(f"hurray-vllm: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
+        # A symbolic link loop is the path given too; a permission, a full disk, an unreachable server are not.
+        return 2 if exc.errno == errno.ELOOP else 1
     except KeyboardInterrupt:
         print("hurray-vllm: interrupted", file=sys.stderr)
         return 130

@@ -9,6 +9,7 @@ crash, a full disk or a copy, and can move the damaged ones aside
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +46,8 @@ class FsckReport:
     #: unknown one, or one that needs the native kernels. Consumers refuse them too, but leave them in
     #: place (a newer writer's file may be fine): so does fsck.
     unverified: list[tuple[str, str]] = field(default_factory=list)
-    #: Paths that could not be read (permissions), or were not followed (symbolic links), with the reason.
+    #: Paths that could not be read (permissions), or were not followed or read (symbolic links, directories,
+    #: pipes at a chunk's name), with the reason.
     skipped: list[str] = field(default_factory=list)
 
     @property
@@ -94,6 +96,27 @@ def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> s
     return None
 
 
+def _not_a_file(path: Path) -> str | None:
+    """Why the entry at a chunk's name ``path`` is not checked (not a regular file), or ``None`` if it is gone.
+
+    Consumers never read such an entry (a link is not followed, a pipe is
+    refused), so it is not damage, and fsck neither follows nor moves it.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if stat.S_ISLNK(mode):
+        return "a symbolic link, not followed"
+    if stat.S_ISDIR(mode):
+        return "a directory, not a chunk file"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a pipe, socket or device), not read"
+    return None  # a regular file again: one renamed over the name meanwhile, checked by the next run
+
+
 def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | None = None) -> FsckReport:
     """Read and verify every chunk file of ``store``, as a consumer would; optionally move the damaged ones aside.
 
@@ -130,7 +153,10 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | N
             name, ns = file.removesuffix(".hrry"), ns_dir.name
             identity = store.identity(ns, name)
             if identity is None:
-                continue  # gone meanwhile (pruned), or not a regular file
+                odd = _not_a_file(ns_dir / file)
+                if odd is not None:  # nothing a consumer loads, but an operator should hear of it
+                    report.skipped.append(f"{ns_dir / file}: {odd}")
+                continue  # else gone meanwhile (pruned)
             try:
                 why = _why(store, ns, name, keys)
             except OSError as exc:  # unreadable (permissions): not a verdict on its bytes

@@ -7,11 +7,15 @@ reader can see and on the file's permissions:
 * the data goes to a uniquely named temporary file (``.<name>.<random>.tmp``)
   in the target's directory, then is renamed over the target: a reader sees
   the old file, or the new one complete, never a part;
-* the file gets the mode ``open()`` would give it (``0666`` less the umask),
+* a new file gets the mode ``open()`` would give it (``0666`` less the umask),
   not ``mkstemp``'s ``0600``: the target may be shared with other users'
   engines, and the umask is the operator's way to say otherwise (the
   kernel applies it as the file is created: reading the umask would set
   it, for every thread of the process, for a moment);
+* a file that replaces a regular file keeps that file's mode, and its owner
+  and group where the process may set them, as ``open(path, "wb")`` would
+  keep them: a private (``0600``) file must not come back world-readable.
+  The temporary file has them before any data is written to it;
 * ``follow_symlinks=False`` (the chunk store) replaces a symbolic link at
   the target's name with the file; by default (``convert``, ``save``) the
   link's target is replaced, as ``open()`` would write through it;
@@ -39,20 +43,57 @@ from typing import BinaryIO
 __all__ = ["atomic_path", "atomic_file"]
 
 
-def _create_temp(target: Path) -> Path:
-    """A new, empty temporary file beside ``target``, created with the mode ``open()`` gives (0666 less the umask)."""
+def _create_temp(target: Path, like: os.stat_result | None = None) -> Path:
+    """A new, empty temporary file beside ``target``.
+
+    Args:
+        target: The file the temporary file will be renamed to.
+        like: The regular file it replaces: the temporary file gets its mode, and its owner and group where
+            this process may set them. ``None``: the mode ``open()`` gives (0666 less the umask).
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     for _ in range(100):
         tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
         try:
-            fd = os.open(tmp, flags, 0o666)
+            # Owner-only until it has the replaced file's owner and mode: never wider than that file, even briefly.
+            fd = os.open(tmp, flags, 0o600 if like is not None else 0o666)
         except FileExistsError:  # another writer's name: draw again
             continue
         except OSError as exc:  # name the directory the user gave, not the temporary name
             raise OSError(exc.errno, exc.strerror, os.fspath(target.parent)) from None
+        try:
+            if like is not None:
+                # Writable by its owner while it is written (a read-only target would refuse the writer), never
+                # wider than ``like`` for anyone else: atomic_path gives it ``like``'s exact mode at the end.
+                writing = stat.S_IMODE(like.st_mode) | stat.S_IRUSR | stat.S_IWUSR
+                _keep_owner_and_mode(fd if os.chmod in os.supports_fd else tmp, like, writing)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
         os.close(fd)
         return tmp
     raise FileExistsError(errno.EEXIST, "no free temporary file name", os.fspath(target.parent))
+
+
+def _keep_owner_and_mode(file: int | Path, like: os.stat_result, mode: int | None = None) -> None:
+    """Give ``file`` (a descriptor or a path) the owner and group of ``like``, as far as allowed, and its mode.
+
+    The owner first: changing it may clear the set-user-ID and set-group-ID bits, which the mode then
+    restores. An owner or group this process may not give (``EPERM``: another user's file) stays its own.
+
+    Args:
+        file: A descriptor, or a path (not followed if a link: the temporary files are created ``O_NOFOLLOW``).
+        like: Whose owner, group and mode to copy.
+        mode: The permission bits to give instead of ``like``'s.
+    """
+    if hasattr(os, "chown"):
+        try:
+            os.chown(file, like.st_uid, like.st_gid)
+        except PermissionError:  # another user's file: its group may still be one of this process's
+            with contextlib.suppress(PermissionError):
+                os.chown(file, -1, like.st_gid)
+    os.chmod(file, stat.S_IMODE(like.st_mode) if mode is None else mode)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -73,7 +114,9 @@ def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True, follow_syml
     """A temporary path to write; renamed to ``path`` when the block ends without an error.
 
     For writers that take a file name (safetensors' ``save_file``). The
-    temporary file exists (empty) when the block starts.
+    temporary file exists (empty) when the block starts, with the mode (and,
+    where allowed, the owner) of the regular file it replaces, else the mode
+    ``open()`` gives a new file.
 
     Args:
         path: The file to create or replace.
@@ -93,9 +136,10 @@ def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True, follow_syml
     target = Path(path)
     try:
         # Through a symlink by default: its target is what is replaced.
-        mode = os.stat(target, follow_symlinks=follow_symlinks).st_mode
+        old: os.stat_result | None = os.stat(target, follow_symlinks=follow_symlinks)
     except FileNotFoundError:
-        mode = None
+        old = None
+    mode = old.st_mode if old is not None else None
     if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISLNK(mode):
         # Renaming over a directory fails late; over /dev/stdout or a FIFO it would replace the device entry.
         if stat.S_ISDIR(mode):
@@ -104,15 +148,24 @@ def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True, follow_syml
     if follow_symlinks and target.is_symlink():
         target = Path(os.path.realpath(target))
     directory = target.parent
-    tmp = _create_temp(target)
+    # A link replaced itself (follow_symlinks=False) has no mode worth keeping: the file gets the umask's.
+    like = old if old is not None and stat.S_ISREG(old.st_mode) else None
+    tmp = _create_temp(target, like)
     try:
-        mode = stat.S_IMODE(os.stat(tmp).st_mode)  # what the kernel gave it, from the umask
+        # What the file lands with: the replaced file's owner and mode, or what the kernel gave a new one (umask).
+        final = like if like is not None else os.stat(tmp)
         yield tmp
-        if stat.S_IMODE(os.stat(tmp).st_mode) != mode:  # a writer that made its own file (safetensors: 0600)
-            os.chmod(tmp, mode)
         if fsync:
-            with open(tmp, "rb+") as f:
+            with open(tmp, "rb+") as f:  # before the final mode, which may not let its owner write
                 os.fsync(f.fileno())
+        now = os.stat(tmp)
+        # Not yet final: owner-writable while written, or a writer that made its own file (safetensors: 0600).
+        if (stat.S_IMODE(now.st_mode), now.st_uid, now.st_gid) != (
+            stat.S_IMODE(final.st_mode),
+            final.st_uid,
+            final.st_gid,
+        ):
+            _keep_owner_and_mode(tmp, final)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -140,11 +193,8 @@ def atomic_file(
         >>> (d / "x.bin").read_bytes()
         b'whole'
     """
-    with atomic_path(path, fsync=False, follow_symlinks=follow_symlinks) as tmp:
-        with open(tmp, "wb") as f:
+    # atomic_path syncs the data and then the directory the file was renamed into: through a symbolic link,
+    # that is the link target's directory, not the link's.
+    with atomic_path(path, fsync=fsync, follow_symlinks=follow_symlinks) as tmp:
+        with open(tmp, "wb") as f:  # truncates the same inode: its owner and mode stay
             yield f
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-    if fsync:
-        _fsync_dir(Path(path).parent)

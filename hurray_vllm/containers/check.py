@@ -24,7 +24,8 @@ def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
 
     ``obj`` may be a :class:`KVSnapshot`, a :class:`BlockPagedTensor`, a
     decoded :class:`TensorDescriptor`, encoded descriptor bytes, or the path
-    of a ``.hrry`` file or stream. Strict by default; with
+    of a ``.hrry`` file, stream or ``.safetensors`` file (KV in a file is ok
+    exactly when :func:`~hurray_vllm.load` reads it). Strict by default; with
     ``permissive=True`` only violations that make the data unreadable count
     as errors (``Checked.errors``), the rest stay listed in
     ``Checked.violations``.
@@ -87,24 +88,29 @@ def _walk(node: Node, permissive: bool, out: list[Violation]) -> None:
             out.extend(_record_violations(m.record, seq_lens if paged else None, permissive))
 
 
-def _claims(node: Node) -> bool:
-    """Whether ``node`` or any node inside it claims to be part of a snapshot.
+def _snapshot_like(node: Node) -> bool:
+    """Whether ``node`` or any node inside it is KV: claims to be part of a snapshot, or is block-paged.
 
-    A group whose member count was raised swallows the header and every
-    layer: only a look inside finds that it holds a snapshot that ``load``
-    refuses. (Nesting is bounded by the reader.)
+    Only :func:`load` can call such data valid: a block-paged key without
+    its value, or a layer missing, breaks no record's own rules. A group whose
+    member count was raised swallows the header and every layer: only a look
+    inside finds that it holds a snapshot that ``load`` refuses. (Nesting is
+    bounded by the reader.)
     """
-    return claims_snapshot(node) or any(_claims(m) for m in node.members)
+    if claims_snapshot(node) or node.record.descriptor.layout_tag == LAYOUT_BLOCK_PAGED:
+        return True
+    return any(_snapshot_like(m) for m in node.members)
 
 
 def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
-    """Every rule of every record, then, for a hurray-vllm snapshot, exactly the checks :func:`load` runs.
+    """Every rule of every record, then, for KV, exactly the checks :func:`load` runs.
 
-    A snapshot (a file with hurray-vllm's header, or a ``.safetensors``
-    snapshot) that ``validate`` calls ok is one ``load`` reads: a stream cut
-    after its first layer breaks no record's rules, but announces layers it
-    does not hold. Other Hurray data (bare descriptors another writer made)
-    is checked against the Hurray rules only.
+    KV (a file with hurray-vllm's header, any block-paged record, or a
+    ``.safetensors`` snapshot) that ``validate`` calls ok is KV ``load``
+    reads: a stream cut after its first layer, or a lone block-paged key,
+    breaks no record's rules, but is no snapshot ``load`` accepts. Other
+    Hurray data (row-major descriptors another writer made) is checked
+    against the Hurray rules only.
     """
     from .io import detect_format, iter_nodes, load
 
@@ -116,7 +122,7 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
             snapshot_like = True  # only hurray-vllm snapshots are read from safetensors
         else:
             for node in iter_nodes(path, permissive=True):
-                snapshot_like = snapshot_like or _claims(node)
+                snapshot_like = snapshot_like or _snapshot_like(node)
                 _walk(node, permissive, out)
     except Exception as exc:  # HurrayFormatError, or a reader's bug on malformed input: a finding, not a crash
         unreadable = _unreadable(exc, str(path))

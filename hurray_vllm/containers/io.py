@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterable, Iterator
 from io import BytesIO
 from pathlib import Path
@@ -61,7 +62,7 @@ def _reraise(exc: BaseException, what: str) -> NoReturn:
 
 
 def read_error(exc: BaseException, what: str) -> OSError | HurrayFormatError:
-    """What the readers' boundary makes of ``exc`` (one of :data:`PARSE_ERRORS`, or ``MemoryError``).
+    """What the readers' boundary makes of ``exc`` (one of :data:`PARSE_ERRORS`, ``MemoryError``, or a library's own).
 
     An allocation that failed is ``OSError(ENOMEM)``: the machine's state, not
     the input's. A reader must not call a good file malformed because memory
@@ -70,9 +71,25 @@ def read_error(exc: BaseException, what: str) -> OSError | HurrayFormatError:
     leaves it). Anything else is :func:`as_format_error`'s.
     """
     text = str(exc).lower()
-    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "alloc" in text and "memory" in text):
+    if (
+        isinstance(exc, MemoryError)
+        or _library_enomem(exc, text)
+        or (isinstance(exc, RuntimeError) and "alloc" in text and "memory" in text)
+    ):
         return OSError(errno.ENOMEM, f"{what}: out of memory while reading it ({type(exc).__name__}: {exc})")
     return as_format_error(exc, what)
+
+
+def _library_enomem(exc: BaseException, text: str) -> bool:
+    """Whether ``exc`` is a library's own error type (safetensors') for the OS's ENOMEM.
+
+    A Rust library reports it as ``io::Error`` shows it, ``"... (os error 12)"``,
+    at the end of its message. Only there, and only in a library's own type: a
+    parser's message may quote the input (a safetensors header's ``dtype`` of
+    ``"(os error 12)"`` is quoted mid-message), and input must never pass for
+    the machine's state.
+    """
+    return type(exc).__module__ != "builtins" and re.search(rf"\(os error {errno.ENOMEM}\)\s*$", text) is not None
 
 
 def as_format_error(exc: BaseException, what: str) -> HurrayFormatError:

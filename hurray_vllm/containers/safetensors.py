@@ -35,6 +35,7 @@ from ..wire.descriptor import encode_descriptor
 from ..wire.jsonvalues import Fields, loads_bounded
 from ..wire.rules import decode_checked
 from .atomic import atomic_path
+from .io import PARSE_ERRORS, read_error
 from .schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -105,8 +106,6 @@ def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) 
         HurrayFormatError: the file is not such a snapshot, or is malformed (as :func:`hurray_vllm.load`).
         OSError: the file cannot be read, or memory ran out while reading it.
     """
-    from .io import PARSE_ERRORS, read_error
-
     try:
         return _load_safetensors(path, permissive)
     except (HurrayFormatError, OSError):
@@ -116,14 +115,22 @@ def load_safetensors(path: str | os.PathLike[str], *, permissive: bool = False) 
 
 
 def _load_safetensors(path: str | os.PathLike[str], permissive: bool) -> KVSnapshot:
-    st = _safetensors()
-    from safetensors import safe_open
+    _safetensors()  # the install hint when the package is missing
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except Exception as exc:  # safetensors raises its own error types for malformed headers
+            return _read_snapshot(f, path, permissive)
+    except SafetensorError as exc:  # its own type for a malformed header, data cut short, or the OS's error
+        err = read_error(exc, str(path))  # the OS's ENOMEM is the machine's state, not the file's
+        if isinstance(err, OSError):
+            raise err from exc
         raise HurrayFormatError("safetensors", f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def _read_snapshot(f: Any, path: str | os.PathLike[str], permissive: bool) -> KVSnapshot:
+    """The snapshot in the open safetensors file ``f`` (``safe_open``'s handle): its metadata, then its tensors."""
+    metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT_NAME:
         raise HurrayFormatError("safetensors.metadata", f"{path} is a safetensors file but not a hurray-vllm snapshot")
     if "snapshot" not in metadata or "descriptors" not in metadata:
@@ -132,25 +139,55 @@ def _load_safetensors(path: str | os.PathLike[str], permissive: bool) -> KVSnaps
         )
     header = decode_header(metadata["snapshot"], "safetensors.metadata.snapshot")
     descriptors = Fields(loads_bounded(metadata["descriptors"], "safetensors.descriptors"), "safetensors.descriptors")
-    try:
-        tensors = st.load_file(str(path))
-    except Exception as exc:  # a header that safe_open accepted but whose data is cut or inconsistent
-        raise HurrayFormatError("safetensors", f"{path}: its tensors cannot be read ({exc})") from None
-    layers, scales = [], []
     roles = FUSED_ROLES if header.latent is not None else KV_ROLES
+    names = set(f.keys())
+    _check_names(names, header, roles)
+    # Only the names checked above are read (a stray tensor is refused unread): each one mapped, not the whole file.
+    tensors = {n: f.get_tensor(n) for n in sorted(names)}
+    layers, scales = [], []
     for i in range(header.num_layers):
         layers.append(tuple(_layer_tensor(tensors, descriptors, f"layers.{i}.{role}", permissive) for role in roles))
         if f"layers.{i}.kv_scales" in tensors:
             scales.append(kv_scale_pair(tensors[f"layers.{i}.kv_scales"]))
-    ids, ptr = tensors.get("token_ids"), tensors.get("token_ptr")
     token_ids: list[tuple[int, ...]] = []
-    if ids is not None and ptr is not None:
-        token_ids = split_tokens(ids, ptr)
+    if "token_ids" in tensors:  # _check_names saw both or neither
+        token_ids = split_tokens(tensors["token_ids"], tensors["token_ptr"])
     if scales and len(scales) != header.num_layers:
         raise HurrayFormatError("kv_scales", "some layers carry fp8 scales and others do not")
     return build_snapshot(
         layers, token_ids, tuple(scales) or None, header, permissive=permissive, states=_states(tensors, header)
     )
+
+
+def _check_names(names: set[str], header: SnapshotHeader, roles: tuple[str, ...]) -> None:
+    """Refuse tensors the header does not account for, and token ids without their offsets (or the reverse).
+
+    Why: what the reader skipped, another safetensors reader still sees; a file
+    whose tensors say more than the snapshot read from it is not that snapshot.
+
+    Raises:
+        HurrayFormatError: a stray tensor (field ``safetensors.tensors``, the message names it), or one of
+            ``token_ids``/``token_ptr`` without the other (field ``snapshot.token_ptr`` or ``snapshot.token_ids``).
+    """
+    if ("token_ids" in names) != ("token_ptr" in names):
+        missing = "token_ptr" if "token_ids" in names else "token_ids"
+        other = "token_ids" if missing == "token_ptr" else "token_ptr"
+        raise HurrayFormatError(f"snapshot.{missing}", f"the file holds {other} but no {missing}")
+    known = {"token_ids", "token_ptr"}
+    for i in range(header.num_layers):
+        known.add(f"layers.{i}.kv_scales")
+        for role in roles:
+            known.update(f"layers.{i}.{role}.{part}" for part in ("page_pool", "block_table", "seq_ptr", "seq_lens"))
+    if header.states is not None:
+        known.update(f"states.{j}.{n}" for j in range(len(header.states.layers)) for n in header.states.names)
+    stray = sorted(names - known)
+    if stray:
+        shown = ", ".join(repr(n[:80]) for n in stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
+        raise HurrayFormatError(
+            "safetensors.tensors",
+            f"{shown}: not a tensor of this snapshot ({header.num_layers} layers of {'/'.join(roles)}"
+            f"{', with states' if header.states is not None else ''})",
+        )
 
 
 def _states(tensors: dict[str, torch.Tensor], header: SnapshotHeader) -> list[list[torch.Tensor]]:
@@ -192,8 +229,15 @@ def _layer_tensor(
     if bp is None:
         raise HurrayFormatError("layout_tag", f"{name}: expected a block-paged descriptor")
     pool = tensors[f"{name}.page_pool"]
-    if pool.dim() != 4:  # [pages, page_size, heads, head_dim]; a 0-d tensor has no bytes view
-        raise HurrayFormatError(f"{name}.page_pool", f"expected a 4-D page pool, found shape {list(pool.shape)}")
+    # The tensor any safetensors reader sees must be the one the descriptor declares: from_wire checks only the
+    # byte count, and would reinterpret a float32 pool's bytes as float16, or heads and head_dim swapped.
+    want_dtype = dtypes.torch_dtype(desc.type_tag)
+    want_shape = (bp.num_pages, bp.page_size, *desc.shape[1:])  # [pages, page_size, heads, head_dim]
+    if pool.dtype != want_dtype or tuple(pool.shape) != want_shape:
+        raise HurrayFormatError(
+            f"{name}.page_pool",
+            f"is {pool.dtype} {list(pool.shape)}, its descriptor declares {want_dtype} {list(want_shape)}",
+        )
     wire = [
         pool.contiguous().view(torch.uint8).reshape(-1),
         _index_bytes(tensors[f"{name}.block_table"], bp.index_type, f"{name}.block_table"),

@@ -154,6 +154,12 @@ def read_records(f: BinaryIO, *, permissive: bool = False, limit: int | None = N
         if len(head) < 10:
             raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index} header")
         length = peek_descriptor_length(head)
+        if left is not None and length > left:
+            # As the buffers below: what the frame cannot hold is refused before it is read (up to 1 MiB here).
+            raise HurrayFormatError(
+                "descriptor_length",
+                f"descriptor {index} declares {length} bytes but only {max(left, 0)} remain in the frame",
+            )
         rest = _read_upto(f, length - 10)
         if len(rest) != length - 10:
             raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index}")

@@ -697,3 +697,60 @@ def test_demo_model_interrupted_mid_build_is_not_reused(tmp_path: Path, monkeypa
     assert _tiny_llama(model) == model
     assert (model / "config.json").stat().st_size > 2 and list(model.glob("*.safetensors"))
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]
+
+
+def test_a_pipe_a_device_or_a_link_loop_for_a_file_is_the_callers_mistake_exit_2(
+    files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: a FIFO or device given for a file was an invalid file (exit 1), and a symbolic link
+    loop was 'No such file' in validate but exit 1 in inspect: each is a wrong argument (exit 2), one line."""
+    import os
+
+    fifo = tmp_path / "fifo.hrry"
+    os.mkfifo(fifo)
+    loop = tmp_path / "loop.hrry"
+    loop.symlink_to(loop.name)
+    key_file = tmp_path / "fleet.key"
+    key_file.write_bytes(b"k" * 32)
+    key_file.chmod(0o600)
+    cases = [
+        (["validate", "--key-file", str(key_file), str(loop)], "symbolic links"),
+        (["validate", str(fifo)], "not a regular file"),
+        (["inspect", str(fifo)], "not a regular file"),
+        (["validate", "/dev/null"], "not a regular file"),
+        (["convert", str(fifo), str(tmp_path / "out.hrrs")], "not a regular file"),
+        (["convert", str(files / "s.hrrs"), str(fifo)], "not a regular file"),
+        (["validate", str(loop)], "symbolic links"),
+        (["inspect", str(loop)], "symbolic links"),
+        (["convert", str(loop), str(tmp_path / "out.hrrs")], "symbolic links"),
+        (["convert", str(files / "s.hrrs"), str(loop)], "symbolic links"),
+    ]
+    for argv, says in cases:
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert says in captured.err and captured.err.count("\n") == 1 and not captured.out, (argv, captured)
+    assert fifo.exists() and not (tmp_path / "out.hrrs").exists()
+
+
+def test_inspect_json_is_strict_json_whatever_the_kv_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a review: bytes inside a KV array crashed inspect --json (exit 3), a NaN was printed bare."""
+    from hurray_vllm.containers.io import save_records
+    from hurray_vllm.containers.schema import snapshot_records
+
+    kv = {"hurray_vllm.format_version": 1, "x.blobs": [b"\x00\x01", b"\xff"], "x.score": float("nan")}
+    kv |= {"x.big": float("inf"), "x.blob": b"\xab"}
+    path = tmp_path / "kv.hrry"
+    save_records(snapshot_records(spec_example_snapshot()), path, kv=kv)
+    assert main(["inspect", "--json", str(path)]) == 0
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    doc = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert doc["kv"] == {
+        "hurray_vllm.format_version": 1,
+        "x.blobs": ["0001", "ff"],
+        "x.score": "nan",
+        "x.big": "inf",
+        "x.blob": "ab",
+    }

@@ -162,3 +162,22 @@ def test_a_chunk_whose_pools_disagree_with_its_fingerprint_is_damage(tmp_path: P
     assert report.good == 0 and len(report.damaged) == 1 and "the layers hold 2 x 8" in report.damaged[0][1]
     moved = fsck(store, quarantine=True)
     assert moved.moved == [str(store.path(ns, key)) + ".bad"] and not store.has(ns, key)
+
+
+def test_fsck_lists_a_link_a_pipe_and_a_directory_at_a_chunks_name_as_skipped(tmp_path: Path) -> None:
+    """Found by a review: fsck passed over them in silence (and said clean): consumers never read them, so
+    they are no damage, but an operator should hear why they were not checked."""
+    store, ns, _ = _damaged_store(tmp_path / "s")
+    good = next(p for p in (tmp_path / "s" / ns).iterdir() if p.suffix == ".hrry")
+    (tmp_path / "s" / ns / ("b1" * 8 + ".hrry")).symlink_to(good)
+    os.mkfifo(tmp_path / "s" / ns / ("b2" * 8 + ".hrry"))
+    (tmp_path / "s" / ns / ("b3" * 8 + ".hrry")).mkdir()
+    report = fsck(store, quarantine=True)
+    why = {Path(s.partition(": ")[0]).name: s.partition(": ")[2] for s in report.skipped}
+    assert why == {
+        "b1" * 8 + ".hrry": "a symbolic link, not followed",
+        "b2" * 8 + ".hrry": "not a regular file (a pipe, socket or device), not read",
+        "b3" * 8 + ".hrry": "a directory, not a chunk file",
+    }
+    assert not any(Path(p).name.startswith(("b1", "b2", "b3")) for p, _ in report.damaged)
+    assert (tmp_path / "s" / ns / ("b1" * 8 + ".hrry")).is_symlink()  # neither moved nor followed

@@ -86,3 +86,54 @@ def test_writing_never_sets_the_processes_umask(
     with atomic_path(tmp_path / "x.bin") as tmp:
         tmp.write_bytes(b"whole")
     assert stat.S_IMODE((tmp_path / "x.bin").stat().st_mode) == umask_027
+
+
+@pytest.mark.parametrize("suffix", [".hrry", ".hrrs", ".safetensors"])
+def test_replacing_a_file_keeps_its_mode(tmp_path: Path, suffix: str) -> None:
+    """Found by a review: a private (0600) file came back 0644 after save: open(path, "wb") would keep it."""
+    path = tmp_path / f"private{suffix}"
+    path.write_bytes(b"old")
+    path.chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        hv.save(spec_example_snapshot(), path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert hv.load(path).num_layers == 4
+
+
+def test_replacing_keeps_a_read_only_mode_and_the_files_group(tmp_path: Path) -> None:
+    """A read-only target is still replaced (the temp file is owner-writable while written), and lands 0440."""
+    path = tmp_path / "ro.hrrs"
+    path.write_bytes(b"old")
+    # A group other than the one a new file gets, where this process may give one: the replacement keeps it.
+    groups = [g for g in os.getgroups() if g != path.stat().st_gid]
+    if os.geteuid() == 0:
+        groups.append(path.stat().st_gid + 1)
+    if groups:
+        os.chown(path, -1, groups[0])
+    gid = path.stat().st_gid
+    path.chmod(0o440)
+    with atomic_file(path) as f:
+        f.write(b"new")
+    assert path.read_bytes() == b"new"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o440 and path.stat().st_gid == gid
+
+
+def test_atomic_file_syncs_the_directory_the_rename_happened_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: through a symbolic link into another directory, the link's directory was synced, and
+    the new entry, in the link target's directory, was not."""
+    import hurray_vllm.containers.atomic as atomic
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "out.hrrs").symlink_to(tmp_path / "real" / "out.hrrs")
+    synced: list[Path] = []
+    monkeypatch.setattr(atomic, "_fsync_dir", lambda d: synced.append(Path(os.path.realpath(d))))
+    with atomic_file(tmp_path / "links" / "out.hrrs") as f:
+        f.write(b"data")
+    assert (tmp_path / "real" / "out.hrrs").read_bytes() == b"data"
+    assert synced == [Path(os.path.realpath(tmp_path / "real"))]

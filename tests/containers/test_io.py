@@ -22,6 +22,7 @@ from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.containers import hrryfile, schema, stream
 from hurray_vllm.containers.hrryfile import FileBytes, HrryFile
 from hurray_vllm.wire.crc32c import crc32c
+from hurray_vllm.wire.descriptor import peek_descriptor_length
 from hurray_vllm.wire.rules import Checked
 
 
@@ -151,13 +152,29 @@ def test_we_read_reference_bare_descriptors(
             assert torch.equal(back[i, "key"].page_pool.view(torch.uint8), snap[i, "key"].page_pool.view(torch.uint8))
 
 
+@pytest.mark.parametrize("suffix", [".hrry", ".hrrs"])
+def test_validate_says_what_load_says_of_a_lone_key_record(tmp_path: Path, suffix: str) -> None:
+    """Found by a review: hv.validate called ok a file with a block-paged key and no value, which load refuses."""
+    from hurray_vllm.containers.io import save_records
+
+    k = spec_example_snapshot()[0, "key"]
+    path = tmp_path / f"lone{suffix}"
+    save_records([schema.Record("layers.0.key", k.descriptor(device_tag=0), k.wire_buffers())], path)
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        hv.load(path)
+    checked = hv.validate(path)
+    assert not checked.ok and exc.value.field in [v.invariant for v in checked.errors]
+
+
 def test_single_bare_descriptor_without_layer(hurray, tmp_path: Path) -> None:
     k = spec_example_snapshot()[3, "key"]
     with hurray.StreamWriter(str(tmp_path / "one.hrrs")) as w:
         w.write(to_reference(hurray, k))
-    # Valid Hurray data (validate checks the Hurray rules of data without hurray-vllm's header), but
-    # one key and no value is not a KV snapshot, which load needs.
-    assert hv.validate(tmp_path / "one.hrrs").ok
+    # Each record keeps the Hurray rules, but one key and no value is not a KV snapshot, which load needs:
+    # validate says what load says (found by a review: it said ok for KV without hurray-vllm's header).
+    checked = hv.validate(tmp_path / "one.hrrs")
+    assert not checked.ok and not checked.violations
+    assert [v.invariant for v in checked.unreadable] == ["layer_index"]
     with pytest.raises(hv.HurrayFormatError, match="layer"):
         hv.load(tmp_path / "one.hrrs")
 
@@ -275,6 +292,18 @@ def test_non_seekable_stream_reserves_little_before_a_buffer_arrives(monkeypatch
     # A valid stream under its exact limit reads as before.
     data = _stream_bytes()
     assert same_snapshot(hv.read_stream(_Pipe(data), limit=len(data)), spec_example_snapshot(num_layers=2))
+
+
+def test_a_descriptor_longer_than_what_is_left_of_the_frame_is_refused_unread() -> None:
+    """Found by a review: with ``limit=`` its buffers were checked against the frame, its own length was not:
+    the descriptor was read (from the next frame, on a connection) before anything was refused."""
+    data = _stream_bytes()
+    length = peek_descriptor_length(data[:10])
+    f = _Pipe(data)
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        list(stream.read_records(f, limit=length - 1))
+    assert exc.value.field == "descriptor_length" and "remain in the frame" in str(exc.value)
+    assert f._src.tell() == 10  # only the fixed head that carries the length
 
 
 def test_file_claiming_more_than_it_holds(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,3 +90,172 @@ def test_a_page_pool_of_no_dimensions_is_named_not_a_torch_error(tmp_path: Path)
             read()
         assert exc.value.field == "layers.0.key.page_pool"
     assert not hv.validate(bad).ok
+
+
+def _rewritten(tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Path:
+    """The spec example as .safetensors, its tensors changed by ``edit`` (its metadata kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "spec.safetensors"
+    hv.save(spec_example_snapshot(), src)
+    with safe_open(str(src), "pt") as f:
+        meta = f.metadata()
+    bad = tmp_path / "bad.safetensors"
+    save_file(edit(load_file(str(src))), str(bad), metadata=meta)
+    return bad
+
+
+def _pool_as(
+    view: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    return lambda t: {**t, "layers.0.key.page_pool": view(t["layers.0.key.page_pool"]).contiguous()}
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _pool_as(lambda p: p.view(torch.float32)),  # the same bytes as float32 [5, 4, 2, 4]
+        _pool_as(lambda p: p.view(torch.int16)),  # the same shape, another dtype
+        _pool_as(lambda p: p.reshape(5, 4, 8, 2)),  # heads and head_dim swapped
+    ],
+    ids=["float32", "int16", "transposed"],
+)
+def test_a_page_pool_must_be_the_tensor_its_descriptor_declares(
+    tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+) -> None:
+    """Found by a review: a pool of the right byte count was reinterpreted as the descriptor's dtype and shape,
+    so hurray-vllm read another tensor than every other safetensors reader sees."""
+    require("safetensors")
+    bad = _rewritten(tmp_path, edit)
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        hv.load(bad)
+    assert exc.value.field == "layers.0.key.page_pool" and "float16 [5, 4, 2, 8]" in str(exc.value)
+    assert not hv.validate(bad).ok
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "says"),
+    [
+        (lambda t: {k: v for k, v in t.items() if k != "token_ptr"}, "snapshot.token_ptr", "no token_ptr"),
+        (lambda t: {k: v for k, v in t.items() if k != "token_ids"}, "snapshot.token_ids", "no token_ids"),
+        (
+            lambda t: {
+                **t,
+                **{k.replace("layers.0.", "layers.4."): v.clone() for k, v in t.items() if "layers.0." in k},
+            },
+            "safetensors.tensors",
+            "'layers.4.key.block_table'",
+        ),
+        (lambda t: {**t, "garbage": torch.zeros(3)}, "safetensors.tensors", "'garbage'"),
+    ],
+    ids=["token_ids_only", "token_ptr_only", "layer_past_num_layers", "stray"],
+)
+def test_tensors_the_snapshot_does_not_account_for_are_refused_not_dropped(
+    tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], field: str, says: str
+) -> None:
+    """Found by a review: such tensors were silently dropped (token ids lost), and the file called valid."""
+    require("safetensors")
+    bad = _rewritten(tmp_path, edit)
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        hv.load(bad)
+    assert exc.value.field == field and says in str(exc.value)
+    assert not hv.validate(bad).ok
+
+
+def test_a_stray_tensor_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the snapshot's own tensors are read: a stray one, however large, is named without being loaded."""
+    require("safetensors")
+    import safetensors
+
+    bad = _rewritten(tmp_path, lambda t: {**t, "huge": torch.zeros(1 << 20, dtype=torch.uint8)})
+    real = safetensors.safe_open
+    read: list[str] = []
+
+    class Spy:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.f = real(*args, **kwargs)
+
+        def __enter__(self) -> Spy:
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return self.f.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    with pytest.raises(hv.HurrayFormatError, match="'huge'"):
+        hv.load(bad)
+    assert "huge" not in read
+
+
+@pytest.mark.parametrize(
+    "fail",
+    ["open: MemoryError", "open: os error 12", "get_tensor: MemoryError", "get_tensor: os error 12"],
+)
+def test_memory_running_out_is_enomem_not_a_verdict_on_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str
+) -> None:
+    """Found by a review: out of memory while reading a .safetensors file was a HurrayFormatError, for which a
+    consumer moves a good file aside; the other readers raise OSError(ENOMEM) (io.read_error)."""
+    require("safetensors")
+    import errno
+
+    import safetensors
+
+    path = tmp_path / "s.safetensors"
+    hv.save(spec_example_snapshot(), path)
+    where, _, what = fail.partition(": ")
+    error = MemoryError("Cannot allocate memory") if what == "MemoryError" else None
+    real = safetensors.safe_open
+
+    def raise_it() -> None:
+        raise error or safetensors.SafetensorError(
+            "Error while deserializing header: Cannot allocate memory (os error 12)"
+        )
+
+    class Failing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if where == "open":
+                raise_it()
+            self.f = real(*args, **kwargs)
+
+        def __enter__(self) -> Failing:
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            raise_it()
+            raise AssertionError
+
+    monkeypatch.setattr(safetensors, "safe_open", Failing)
+    with pytest.raises(OSError) as exc:
+        hv.load(path)
+    assert exc.value.errno == errno.ENOMEM and not isinstance(exc.value, hv.HurrayFormatError)
+
+
+def test_a_header_quoting_an_os_error_is_still_a_data_error(tmp_path: Path) -> None:
+    """Out-of-memory is recognised only where the library reports it, never in input the error quotes."""
+    require("safetensors")
+    import json
+    import struct
+
+    header = json.dumps({"a": {"dtype": "(os error 12)", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "h.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(hv.HurrayFormatError) as exc:
+        hv.load(path)
+    assert exc.value.field == "safetensors"
