@@ -957,13 +957,18 @@ def test_only_data_errors_move_a_chunk_aside(tmp_path, monkeypatch: pytest.Monke
     forget_verified_chunks()
     sched, store, ns, key, req = _scheduler_with_one_chunk(tmp_path)
 
+    def look(rid: str) -> tuple[int | None, bool]:
+        # A file refused and left in place is remembered (not read again): each verdict needs a fresh look.
+        forget_verified_chunks()
+        return sched.get_num_new_matched_tokens(SimpleNamespace(**{**vars(req), "request_id": rid}), 0)
+
     for n, exc in enumerate((HurrayArgumentError("page_size", "a kernel refused it"), RuntimeError("a bug")), 1):
 
         def fail(*a, exc=exc, **k):  # type: ignore[no-untyped-def]
             raise exc
 
         monkeypatch.setattr(sm, "verify_chunk", fail)
-        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert look(f"r{n}") == (0, False)
         assert store.has(ns, key) and sched.stats.chunks_refused == n and sched.stats.chunks_quarantined == 0
     sched.stats.chunks_refused = 0
 
@@ -971,14 +976,14 @@ def test_only_data_errors_move_a_chunk_aside(tmp_path, monkeypatch: pytest.Monke
         raise HurrayFormatError("snapshot.fingerprint", "another model")
 
     monkeypatch.setattr(sm, "verify_chunk", other_model)
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert look("other") == (0, False)
     assert store.has(ns, key) and sched.stats.chunks_refused == 1 and sched.stats.chunks_quarantined == 0
 
     def damaged(*a, **k):  # type: ignore[no-untyped-def]
         raise HurrayFormatError("snapshot.tokens", "not the tokens its key promises")
 
     monkeypatch.setattr(sm, "verify_chunk", damaged)
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert look("damaged") == (0, False)
     assert not store.has(ns, key) and sched.stats.chunks_quarantined == 1
 
 

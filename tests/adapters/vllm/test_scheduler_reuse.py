@@ -277,3 +277,136 @@ def test_a_reset_keys_the_requests_that_hold_no_kv_with_the_new_epoch(tmp_path: 
     meta = SimpleNamespace(saves=[])
     sched._plan_saves(meta, "w", state, 24)
     assert len(meta.saves) == 3 and not {t.key for t in meta.saves} & set(keys)
+
+
+def test_after_a_reset_no_request_waits_for_pushed_chunks_and_none_are_announced(tmp_path: Path) -> None:
+    """After reset_cache the keys carry this engine's own epoch: no source pushes under them, and no destination
+    derives the keys of what this engine saves. Before, every migrated-in request waited hurray_push_wait_s in
+    vain, and a source announced chunks a destination then waited for in vain."""
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path, push_wait_s=60.0), store, ns)
+    tokens = [*snap.token_ids[0], 7]
+    sched.reset_cache()
+    moved_in = _request("m", tokens, num_computed_tokens=0)
+    moved_in.kv_transfer_params = {"hurray_saved_tokens": 16}
+    assert sched.get_num_new_matched_tokens(moved_in, 0) == (0, False)  # the old keys' chunks are not loaded
+    assert sched.stats.push_waits == 0 and sched.stats.push_wait_timeouts == 0
+    # What a request computes after the reset is still saved, under the epoch's keys, and never announced.
+    request = _request("r", tokens, num_computed_tokens=0)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5]), 0)
+    new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)
+    saves = sched.build_connector_meta(_output([new], {"r": len(tokens)})).saves
+    assert len(saves) == 2 and not {t.key for t in saves} & set(keys)
+    assert sched.request_finished(request) == (False, None)
+
+
+def test_a_push_wait_of_zero_holds_no_request(tmp_path: Path) -> None:
+    from hurray_vllm.chunks.keys import namespace_of
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    store = DirectoryStore(tmp_path / "empty")
+    sched = _scheduler(_config(tmp_path, push_wait_s=0.0), store, namespace_of(gqa_fingerprint()))
+    request = _request("m", list(range(17)))
+    request.kv_transfer_params = {"hurray_saved_tokens": 16}
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert sched.stats.push_waits == 0 and sched.stats.push_wait_timeouts == 0
+
+
+def test_a_chunk_refused_and_left_in_place_is_read_warned_about_and_counted_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unsigned chunks under hurray_key_file: vLLM asks again for a waiting request at every step, and every
+    request with the prefix asks. The file was read, MAC-checked, logged and counted each time."""
+    from hurray_vllm.chunks.signing import FleetKeys
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)  # unsigned
+    sched = _scheduler(_config(tmp_path, keys=FleetKeys.from_secrets(b"k" * 32)), store, ns)
+    read = _counting_reads(sched)
+    tokens = [*snap.token_ids[0], 7]
+    with caplog.at_level(logging.WARNING, logger="hurray_vllm.connector"):
+        for _ in range(5):
+            assert sched.get_num_new_matched_tokens(_request("r", tokens), 0) == (0, False)
+        first = len(read)
+        assert first >= 1 and sched.stats.chunks_refused == sched.stats.chunks_unsigned == 1
+        # Another request with the prefix stops at the refused chunk after a stat.
+        assert sched.get_num_new_matched_tokens(_request("s", tokens), 0) == (0, False)
+        assert len(read) == first and sched.stats.chunks_refused == 1
+        # A file changed since (another identity) is judged again.
+        path = store.path(ns, keys[0])
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert sched.get_num_new_matched_tokens(_request("t", tokens), 0) == (0, False)
+    assert len(read) > first and sched.stats.chunks_refused == 2
+    assert len([r for r in caplog.records if "refusing chunk" in r.getMessage()]) == 2
+
+
+def test_a_lookup_that_offers_nothing_is_not_repeated_while_vllm_asks_again(tmp_path: Path) -> None:
+    """Out of memory reading a chunk says nothing about its file: it is not remembered as refused, but the same
+    request asking again at the next step with the same files stored gets the same answer without a read."""
+    import errno
+
+    store, ns, _, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path), store, ns)
+    read: list[str] = []
+
+    def short_of_memory(part: Any, tokens: Any, reader: Any = None) -> Any:
+        read.append(part.name)
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    sched._read_part = short_of_memory
+    tokens = [*snap.token_ids[0], 7]
+    for _ in range(3):
+        assert sched.get_num_new_matched_tokens(_request("r", tokens), 0) == (0, False)
+    assert len(read) == 1 and sched.stats.chunks_refused == 1
+    # vLLM took the answer: a later lookup (a preemption) looks again, as does another request.
+    sched.update_state_after_alloc(_request("r", tokens), _blocks([1, 2, 3, 4, 5]), 0)
+    assert sched.get_num_new_matched_tokens(_request("r", tokens), 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(_request("s", tokens), 0) == (0, False)
+    assert len(read) == 3 and sched.stats.chunks_refused == 3
+
+
+def test_a_linear_attention_hybrid_reads_no_chunk_when_none_holds_states(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without states in any stored chunk no resume is possible: every chunk was read and checksummed for
+    nothing, and the headers were read backwards again at every step vLLM asked."""
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+
+    store, ns, _, snap = stored_at_tp(tmp_path, 1)  # no states
+    sched = _scheduler(_config(tmp_path, state_groups=(0,), tails=False), store, ns)
+    read = _counting_reads(sched)
+    headers: list[str] = []
+    real = type(store).has_states
+
+    def has_states(self: Any, namespace: str, key: str) -> bool:
+        headers.append(key)
+        return real(self, namespace, key)
+
+    monkeypatch.setattr(type(store), "has_states", has_states)
+    tokens = [*snap.token_ids[0], 7]
+    for rid in ("r", "r", "s"):
+        forget_verified_chunks()
+        assert sched.get_num_new_matched_tokens(_request(rid, tokens), 0) == (0, False)
+    assert read == [] and len(headers) == 2  # each file's header once
+
+
+def test_a_load_after_a_local_hit_saves_the_hit_chunks_the_store_lacks(tmp_path: Path) -> None:
+    """The local prefix-cache hit's chunk 0 is not stored (pruned, a save that failed): it was counted as saved
+    and announced, and a destination waited for it in vain. It is saved from the engine's blocks; the loaded
+    chunk 1 is not saved again."""
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    tokens = [*snap.token_ids[0], 7]
+    for stored, planned in ((True, []), (False, [(keys[0], [1, 2])])):
+        if not stored:
+            store.path(ns, keys[0]).unlink()
+        sched = _scheduler(_config(tmp_path), store, ns)
+        request = _request("r", tokens)
+        assert sched.get_num_new_matched_tokens(request, 8) == (8, False)
+        sched.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5]), 8)
+        new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=16)
+        meta = sched.build_connector_meta(_output([new], {"r": 1}))
+        ((load,),) = [meta.loads]
+        assert load.keys == [keys[1]] and load.block_ids == [3, 4]
+        assert [(t.key, t.block_ids) for t in meta.saves] == planned, stored
+        assert sched.request_finished(request) == (False, {"hurray_saved_tokens": 16})

@@ -8,6 +8,9 @@
 * :data:`VERIFIED` remembers the chunks this process verified, so that a
   later load of the same prefix neither reads nor checks their files again
   (see :class:`VerifiedChunks`).
+* :data:`REFUSED` remembers the chunk files this process refused and left in
+  place, so that later lookups stop at them without reading them again
+  (see :class:`RefusedChunks`).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from ....kv.snapshot import KVSnapshot
 
 __all__ = [
     "DEFAULT_VERIFIED_BYTES",
+    "REFUSED",
     "VERIFIED",
     "verified_scope",
     "ConnectorStats",
     "HurrayConnectorMetadata",
     "LoadTask",
+    "RefusedChunks",
     "SaveTask",
     "VerifiedChunks",
     "forget_verified_chunks",
@@ -254,6 +259,47 @@ def snapshot_bytes(snap: KVSnapshot) -> int:
 VERIFIED = VerifiedChunks(256)
 
 
+class RefusedChunks:
+    """Chunk files this process refused and left in place, by scope, file name and file identity.
+
+    A file refused for what it is, not moved aside (another model's, unsigned or
+    signed with another key, a digest this version cannot verify, unreadable
+    for good), stays in the store: without this memory every lookup that meets
+    it (vLLM asks again for a waiting request at every step, and every request
+    with the prefix asks) would read, check, log and count it again. A file
+    changed since (another identity, :meth:`DirectoryStore.identity`) is judged
+    afresh. Bounded in entries, oldest first out: forgetting one costs one
+    more read of its file.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[str, str, tuple[int, ...]], None] = OrderedDict()
+
+    def has(self, name: str, identity: tuple[int, ...], scope: str = "") -> bool:
+        """Whether file ``name`` with ``identity`` was refused under ``scope`` (:func:`verified_scope`)."""
+        with self._lock:
+            return (scope, name, identity) in self._items
+
+    def add(self, name: str, identity: tuple[int, ...], scope: str = "") -> None:
+        """Remember file ``name`` with ``identity`` as refused under ``scope``; the oldest beyond the bound go."""
+        with self._lock:
+            self._items[(scope, name, identity)] = None
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every refusal."""
+        with self._lock:
+            self._items.clear()
+
+
+#: The scheduler parts' refusals of this process (see RefusedChunks): a few hundred bytes an entry.
+REFUSED = RefusedChunks(4096)
+
+
 def forget_verified_chunks() -> None:
-    """Drop every chunk this process remembers as verified: the next loads read and check their files."""
+    """Drop every chunk this process remembers as verified or refused: the next loads read and check their files."""
     VERIFIED.clear()
+    REFUSED.clear()

@@ -8,6 +8,7 @@ receiver.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ....chunks.digest import digest_unverifiable
-from ....chunks.keys import key_seed
+from ....chunks.keys import chunk_layouts, key_seed
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
 from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, tail_keys, verify_chunk
 from ....chunks.verify import begin_check_data
@@ -31,7 +32,7 @@ from ....transport.security import server_context
 from ..cache import adapter_digest
 from ..states import state_block, step_block
 from .config import HurrayConfig
-from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, verified_scope
+from .metadata import REFUSED, VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, verified_scope
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,6 +63,11 @@ _HELPERS: dict[str, ThreadPoolExecutor] = {}
 _STORED_WINDOWS_CAP = 4096
 #: Chunk files a scheduler remembers refusing for their states' layout (warned about and counted once each).
 _LAYOUT_REFUSED_CAP = 4096
+#: Stored chunk files a scheduler remembers carrying linear-attention states or not (see _states_set).
+_STORED_STATES_CAP = 4096
+#: Errors reading a chunk file that say nothing about the file (the process ran short): such a refusal is not
+#: remembered (REFUSED), the next lookup reads the file again.
+_PASSING_ERRNOS = frozenset({errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
 # A forked child inherits the executors without their threads: it makes its own.
 os.register_at_fork(after_in_child=_HELPERS.clear)
 
@@ -238,6 +244,9 @@ class _Request:
     tail_end: int = 0
     #: Where the planned load starts (the local prefix-cache hit it was planned after).
     load_from: int = 0
+    #: The whole chunks a load wrote while ``chunks_done`` stays before them (a chunk of the local prefix-cache
+    #: hit was not stored): the next planned saves skip them. Empty once those saves are planned.
+    loaded: range = field(default_factory=lambda: range(0))
     #: A load promised to this request failed on a worker (reported through vLLM's asynchronous-load
     #: path): vLLM recomputes the request, and this connector does not offer it a load again.
     load_failed: bool = False
@@ -280,6 +289,8 @@ class HurrayScheduler:
         self._last_only = config.window_chunks == "last"
         # Stored windowed chunks' windows, by file name and identity (see _holds_less_window).
         self._stored_windows: dict[tuple[str, tuple[int, ...]], SlidingWindows | None] = {}
+        # Stored chunk files' states (whether their headers carry any), by file name and identity: see _states_set.
+        self._stored_states: dict[tuple[str, tuple[int, ...]], bool] = {}
         # Chunk files refused for their states' layout (another engine's), by name and identity: warned once.
         self._layout_refused: dict[tuple[str, tuple[int, ...]], None] = {}
         # Every KV head of the model: a chunk is complete when its files hold them all.
@@ -352,23 +363,35 @@ class HurrayScheduler:
         shared.receiver.stop()
         log.info("hurray: stopped receiving chunks on %s", host_port(*bound))
 
-    def _refuse(self, key: str, why: object, damaged: tuple[int, ...] | None = None) -> None:
-        """Count and log a refused chunk; ``damaged`` (its file's identity) moves a damaged file aside.
+    def _refuse(self, part: ChunkPart, why: object, damaged: bool = False) -> None:
+        """Count and log a refused chunk file; ``damaged`` moves it aside, else it is remembered as refused.
 
         A damaged file (unreadable, wrong checksum, tokens other than its key
         promises) would otherwise be refused by every later request with
-        that prefix, and no producer would replace it: the key exists.
+        that prefix, and no producer would replace it: the key exists. A file
+        left in place (another model's, unsigned, a digest this version cannot
+        verify, or one whose move failed) goes to :data:`~.metadata.REFUSED`:
+        later lookups of this process stop at it after a ``stat``, so it is read,
+        counted and warned about once per identity, not at every step vLLM
+        asks again for a waiting request. An error that says nothing about the
+        file (out of memory) is not remembered.
         """
         self.stats.chunks_refused += 1
         kind = refusal_kind(why) if isinstance(why, BaseException) else None
         if kind is not None:  # chunks_unsigned, chunks_other_key, chunks_bad_mac
             setattr(self.stats, f"chunks_{kind}", getattr(self.stats, f"chunks_{kind}") + 1)
-        moved = self._store.quarantine(self._ns, key, damaged) if damaged is not None else None
+        moved = self._store.quarantine(self._ns, part.name, part.identity) if damaged else None
         if moved is not None:
             self.stats.chunks_quarantined += 1
-            log.warning("hurray: refusing chunk %s (%s); moved it to %s; recomputing instead", key, why, moved)
-        else:
-            log.warning("hurray: refusing chunk %s (%s); recomputing instead", key, why)
+            log.warning("hurray: refusing chunk %s (%s); moved it to %s; recomputing instead", part.name, why, moved)
+            return
+        if not (isinstance(why, OSError) and why.errno in _PASSING_ERRNOS):
+            REFUSED.add(part.name, part.identity, self._scope)
+        log.warning("hurray: refusing chunk %s (%s); recomputing instead", part.name, why)
+
+    def _refused_before(self, parts: list[ChunkPart]) -> bool:
+        """Whether a file of this chunk was refused and left in place, unchanged since (:meth:`_refuse`)."""
+        return any(REFUSED.has(p.name, p.identity, self._scope) for p in parts)
 
     @staticmethod
     def _seed(state: _Request) -> str | None:
@@ -407,7 +430,9 @@ class HurrayScheduler:
 
         vLLM asks again at each step while it cannot allocate the request's blocks (a full KV cache):
         while the request starts at the same token and the store holds the same files (``stat`` only),
-        the load planned last is offered again without reading or checking any file.
+        the load planned last is offered again without reading or checking any file; so is an answer of
+        nothing. A chunk file refused and left in place (:meth:`_refuse`) stops any later lookup of this
+        process after a ``stat``.
         """
         state = self._state(request)  # also for a producer alone: its saves follow the request
         seed = self._seed(state)
@@ -433,18 +458,22 @@ class HurrayScheduler:
             # A resume needs the states taken at its chunk's end: the furthest chunk with a complete set of
             # files that carries them (another TP degree's, perhaps) is where the request resumes. Chunks
             # after it are not read (a resume there has no states), and one before the last found is not
-            # missed because its first set lacks them.
+            # missed because its first set lacks them. With none, no chunk is read: nothing could load.
             for j in range(len(stored) - 1, -1, -1):
-                with_states, found_states = self._store.parts_with_states(self._ns, keys[first + j], self._heads)
-                if found_states and with_states is not None:
+                with_states = self._states_set(keys[first + j])
+                if with_states is not None:
                     stored = [*stored[:j], with_states]
                     break
+            else:
+                stored = []
         files = (num_computed_tokens, tuple(f for parts in stored for f in _files(parts)))
         last = state.lookup
-        if last is not None and state.load is not None and last.files == files:
+        # The last answer again, the load it planned with it; also an answer of nothing (refused chunks, or a
+        # resume that fits no window or states), so that no file is read, checked and logged again each step.
+        if last is not None and (state.load is not None or not last.matched) and last.files == files:
             probed = self._probe_tail(tokens, keys, last.hit, num_computed_tokens, seed)
             if _tail_files(probed) == last.tail:
-                return last.matched, state.load.report
+                return (last.matched, state.load.report) if state.load is not None else (0, False)
         state.load = state.lookup = None
         hit, verified, verified_snaps = self._verify_chunks(stored, tokens, first)
         # The slices of a chunk share windows and structure: the first of each speaks for them.
@@ -471,6 +500,7 @@ class HurrayScheduler:
         end = hit * self._chunk + (len(tail[1]) if tail is not None else 0)
         matched = end - num_computed_tokens
         if matched <= 0 or num_computed_tokens % self._block_size:
+            state.lookup = _Lookup(files, hit, _tail_files(probed), 0)  # the same files give nothing next time
             return 0, False
         # A local prefix-cache hit may end inside chunk `first`: its leading blocks are the engine's
         # (possibly shared with other requests) and are skipped; the rest of the chunk is loaded.
@@ -501,6 +531,10 @@ class HurrayScheduler:
         chunk's data checks run while the next chunk is parsed; a chunk's checks are waited for before the
         chunk after the next is read, so a bad chunk costs at most the next two chunks' reads, not all after it.
         """
+        for n, parts in enumerate(stored):
+            if self._refused_before(parts):  # refused and left in place: stop there, no file read (or logged) again
+                stored = stored[:n]
+                break
         unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
         reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
         verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
@@ -559,6 +593,8 @@ class HurrayScheduler:
 
         No shorter tail is tried then.
         """
+        if self._refused_before(parts):
+            return None
         read = self._read_parts(parts, tokens)
         if read is None or not self._passed(parts, *read):
             return None
@@ -579,9 +615,13 @@ class HurrayScheduler:
         ``hurray_push_wait_s`` (a failed push, a dead source): then the
         request loads what came and recomputes the rest. Costs one ``stat``
         per announced chunk per step while waiting.
+
+        No wait with ``hurray_push_wait_s`` 0, nor after a cache reset
+        (:meth:`reset_cache`): this engine's keys then carry its own epoch,
+        and no source pushes chunks under them.
         """
         params = getattr(state.request, "kv_transfer_params", None)
-        if state.waited or not isinstance(params, dict):
+        if state.waited or self._config.push_wait_s <= 0 or self._epoch is not None or not isinstance(params, dict):
             return False
         first = computed // self._chunk
         announced, tail_end = _count(params.get("hurray_saved_tokens")), _count(params.get("hurray_tail_tokens"))
@@ -645,14 +685,14 @@ class HurrayScheduler:
             try:
                 snap, check = self._read_part(part, tokens, reader)
             except HurrayFormatError as exc:
-                self._refuse(part.name, exc, part.identity if is_damage(exc) else None)
+                self._refuse(part, exc, is_damage(exc))
                 return None
             except OSError as exc:
-                self._refuse(part.name, exc)
+                self._refuse(part, exc)
                 return None
             except Exception as exc:  # a file the checks missed, or a bug: this chunk is lost, not the engine
                 log.error("hurray: unexpected error checking chunk %s", part.name, exc_info=exc)
-                self._refuse(part.name, f"unexpected {type(exc).__name__}: {exc}")
+                self._refuse(part, f"unexpected {type(exc).__name__}: {exc}")
                 return None
             read.append(snap)
             checks.append(check)
@@ -717,15 +757,14 @@ class HurrayScheduler:
                 check.result()
             except HurrayFormatError as exc:
                 # A missing or old digest is refused, not moved: a newer writer's file may be fine.
-                damaged = is_damage(exc) and not digest_unverifiable(exc)
-                self._refuse(part.name, exc, part.identity if damaged else None)
+                self._refuse(part, exc, is_damage(exc) and not digest_unverifiable(exc))
                 return True
             except OSError as exc:
-                self._refuse(part.name, exc)
+                self._refuse(part, exc)
                 return True
             except Exception as exc:  # as in _read_parts: this chunk is lost, not the engine
                 log.error("hurray: unexpected error checking chunk %s", part.name, exc_info=exc)
-                self._refuse(part.name, f"unexpected {type(exc).__name__}: {exc}")
+                self._refuse(part, f"unexpected {type(exc).__name__}: {exc}")
                 return True
         return False
 
@@ -771,6 +810,37 @@ class HurrayScheduler:
                 )
         return not why
 
+    def _states_set(self, key: str) -> list[ChunkPart] | None:
+        """The first complete set of chunk ``key``'s files that all carry states, or None if no set does.
+
+        What :meth:`DirectoryStore.parts_with_states` finds, with each file's
+        header read once per identity: vLLM asks again for a waiting request
+        at every step, and the chunks of a prefix stored without states
+        would otherwise be read backwards each time.
+        """
+        for layout in chunk_layouts(key, self._heads):
+            parts = []
+            for name, heads in layout:
+                ident = self._store.identity(self._ns, name)
+                if ident is None:  # this split is incomplete
+                    break
+                parts.append(ChunkPart(name, heads, ident))
+            else:
+                if all(self._has_states(p) for p in parts):
+                    return parts
+        return None
+
+    def _has_states(self, part: ChunkPart) -> bool:
+        """Whether the stored file carries linear-attention states (its header, read once per identity)."""
+        memo = (part.name, part.identity)
+        found = self._stored_states.get(memo)
+        if found is None:
+            found = self._store.has_states(self._ns, part.name)
+            if len(self._stored_states) >= _STORED_STATES_CAP:
+                self._stored_states.pop(next(iter(self._stored_states)))
+            self._stored_states[memo] = found
+        return found
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Called by vLLM's scheduler, via the connector, after block allocation: drops the load if none was granted.
 
@@ -808,6 +878,7 @@ class HurrayScheduler:
                 state.load_failed = True
                 state.load = state.lookup = None
                 state.chunks_done = 0  # what it recomputes is saved again where the store lacks it
+                state.loaded = range(0)
                 self.stats.loads_failed += 1
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HurrayConnectorMetadata:
@@ -892,13 +963,36 @@ class HurrayScheduler:
                 )
                 load.state_blocks[g] = [b for b in dict.fromkeys(found) if b]
         meta.loads.append(load)
-        # The chunks before the load (a local prefix-cache hit) are in the store if this engine saves (it saved
-        # them when it computed them, or loaded them); an engine that does not may have computed them itself,
-        # and request_finished would announce chunks a destination then waits for in vain.
-        state.chunks_done = computed // self._chunk if self._saves or state.load_from < self._chunk else 0
+        # The chunks before the load (a local prefix-cache hit) were in the store when this engine computed or
+        # loaded them, if it saves; but one may be gone since (pruned), have failed to save, or have been
+        # completed by a request's last step (never saved): request_finished would announce it, and a
+        # destination wait for it in vain. Those from the first not stored on are saved from the engine's
+        # blocks instead (_plan_saves), the loaded ones are not (stored; an asynchronous load may still be
+        # writing their blocks). An engine that does not save announces only a load from the prompt's start.
+        start = state.load_from // self._chunk
+        end = computed // self._chunk
+        if not self._saves:
+            state.chunks_done = end if state.load_from < self._chunk else 0
+        else:
+            state.chunks_done = self._stored_prefix(state, start, end)
+            state.loaded = range(start, end) if state.chunks_done < start else range(0)
         state.load = state.lookup = None
         if self._url and self._saves:
             self._plan_forwards(meta, load)
+
+    def _stored_prefix(self, state: _Request, chunks: int, end: int) -> int:
+        """How many of the request's first ``chunks`` whole chunks are stored, up to the first missing; else ``end``.
+
+        A ``stat`` per chunk (a complete set of files, :meth:`_stored`).
+        """
+        seed = self._seed(state)
+        if not chunks or seed is None:
+            return end
+        tokens = list(state.request.all_token_ids)[: chunks * self._chunk]
+        for c, key in enumerate(chunk_keys(tokens, self._chunk, seed)):
+            if not self._stored(key):
+                return c
+        return end
 
     @staticmethod
     def _plan_forwards(meta: HurrayConnectorMetadata, load: LoadTask) -> None:
@@ -954,7 +1048,12 @@ class HurrayScheduler:
         # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
         kept_from = max(prompt_end, freed_at)  # no resume before either is kept (or could be)
+        loaded = state.loaded
+        if full >= loaded.stop:
+            state.loaded = range(0)  # planned past them: chunks_done covers them from now on
         for c in range(state.chunks_done, full):
+            if c in loaded:  # loaded in this step or before: stored (and, with a destination, pushed on)
+                continue
             # The engine holds the state where this step ends (uncapped: with asynchronous scheduling the
             # request's token ids trail it by a token) and, in "align" mode, where the step before ended.
             states = self._state_blocks(state, (c + 1) * self._chunk, step_end, prev_end)
@@ -1109,8 +1208,10 @@ class HurrayScheduler:
         that hold KV (vLLM may keep a request running on KV from before the reset) are neither loaded nor
         saved any more and announce no saved chunks. Those that hold none (waiting, nothing computed, or
         preempted by the reset) compute all of their KV from then on: they take the new seed, as new
-        requests do, and are loaded and saved under it; they wait for no pushed chunks (announced under
-        the old keys). The chunks in the store stay there for other engines (``prune`` removes them once
+        requests do, and are loaded and saved under it. No request waits for pushed chunks any more
+        (announced under the old keys, or under another engine's: none come under this engine's epoch), and
+        none announces its saved chunks (:meth:`request_finished`): no other engine derives their keys. The
+        chunks in the store stay there for other engines (``prune`` removes them once
         unused). Two engines that update to the same weights share no chunks until they restart: nothing
         in the engine names the new weights.
         """
@@ -1119,10 +1220,12 @@ class HurrayScheduler:
             fresh = getattr(state.request, "num_computed_tokens", None) == 0
             state.seed = request_seed(self._ns, state.request, self._epoch) if fresh else None
             state.chunks_done = state.tail_end = 0
+            state.loaded = range(0)
             state.tail_planned = False
             state.load = state.lookup = None  # planned under the old keys
             state.waited = True  # announced chunks are under the old keys: none will come under the new ones
         self._stored_windows.clear()
+        self._stored_states.clear()
         self.stats.cache_resets += 1
         log.info("hurray: cache reset: this engine's chunks get keys of their own from now on")
         return True
@@ -1134,9 +1237,13 @@ class HurrayScheduler:
         ``hurray_saved_tokens``, the tokens of its whole chunks saved (in the store, or on their way there and,
         with ``hurray_url``, to the destination), or is ``None`` when there are none. vLLM puts ``params`` in
         the answer's ``kv_transfer_params``; passed on with a continuation elsewhere, they make that engine wait
-        for the chunks (:meth:`_awaits_push`).
+        for the chunks (:meth:`_awaits_push`). After a cache reset (:meth:`reset_cache`) ``params`` is always
+        ``None``: the chunks are keyed by this engine's own epoch, which no other engine derives, so a
+        continuation elsewhere would wait for them in vain.
         """
         state = self._reqs.pop(request.request_id, None)
+        if self._epoch is not None:
+            return False, None
         saved = state.chunks_done * self._chunk if state else 0
         params: dict[str, Any] = {"hurray_saved_tokens": saved} if saved else {}
         if state is not None and state.tail_end > saved:
