@@ -479,6 +479,12 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
     and they follow the layers). ``progress=True`` shows a per-layer
     progress bar on a terminal. At tensor parallelism > 1 the ranks' heads
     are joined first: memory is then the whole snapshot.
+
+    ``f.write`` must not keep the object it is given (the :mod:`io`
+    contract of ``write()``): layers reach it as memoryviews over reused
+    gather buffers, which later layers and later exports (of other requests)
+    overwrite; a sink that queues them must copy them first (see
+    :func:`~.export.export_stream`).
     """
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:

@@ -14,6 +14,7 @@ zeroed in the copy, so nothing of other requests leaks out.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -120,7 +121,7 @@ def plan_batch(
     per-id Python code.
     """
     if holes:
-        return _plan_with_holes(seqs, block_size)
+        return _plan_with_holes(seqs, block_size, reserved_blocks)
     table = array("q")
     ptr = array("q", [0])
     lens = array("q")
@@ -176,27 +177,37 @@ def plan_batch(
     )
 
 
-def _plan_with_holes(seqs: Sequence[SequenceState], block_size: int) -> BatchPlan:
-    """:func:`plan_batch` for a sliding-window group: leading null blocks become one shared zero page."""
+def _plan_with_holes(seqs: Sequence[SequenceState], block_size: int, reserved_blocks: Sequence[int]) -> BatchPlan:
+    """:func:`plan_batch` for a sliding-window group: leading reserved blocks become zero pages.
+
+    Only ids in ``reserved_blocks`` are holes: in a cache of copied blocks
+    (``reserved_blocks=()``) block 0 is a real block and its tokens are kept.
+    """
+    reserved = {int(r) for r in reserved_blocks}
     starts = []
     for s in seqs:
         need = -(-s.num_computed // block_size)
         ids = list(s.block_ids[:need])
         lead = 0
-        while lead < len(ids) and ids[lead] == 0:
+        while lead < len(ids) and ids[lead] in reserved:
             lead += 1
-        if 0 in ids[lead:]:
-            raise HurrayFormatError("block_ids", f"{s.request_id}: a null block after held ones (not a sliding window)")
+        late = next((b for b in ids[lead:] if b in reserved), None)
+        if late is not None:
+            raise HurrayFormatError(
+                "block_ids", f"{s.request_id}: reserved block [{late}] after held ones (not a sliding window)"
+            )
         starts.append(min(lead * block_size, s.num_computed))
     if not any(starts):
-        return replace(plan_batch(seqs, block_size), kv_start=tuple(starts))
-    # The null block stands for every freed page: gathered once as a real page, then zeroed whole.
+        return replace(plan_batch(seqs, block_size, reserved_blocks=reserved_blocks), kv_start=tuple(starts))
+    # A reserved block stands for every freed page: gathered once as a real page, then zeroed whole.
+    # Reserved ids occur only as leading holes (checked above), so every page of one is a hole's.
     plan = plan_batch(seqs, block_size, reserved_blocks=())
-    zero = int((plan.keep == 0).nonzero()[0, 0])
     tails = dict(plan.tails)
-    tails[zero] = 0
     valid = plan.valid.clone()
-    valid[zero] = 0
+    holes = torch.isin(plan.keep, torch.tensor(sorted(reserved), dtype=torch.int64))
+    for page in holes.nonzero().reshape(-1).tolist():
+        tails[page] = 0
+        valid[page] = 0
     return replace(plan, valid=valid, tails=tuple(sorted(tails.items())), kv_start=tuple(starts))
 
 
@@ -557,24 +568,34 @@ def export_snapshot(
 
     ``reserved_blocks`` (vLLM's null block 0 by default) may hold no computed
     token; pass ``()`` for caches that are copies of selected blocks.
-    ``buffers``, one :class:`GatherBuffers` per layer, makes the snapshot's
-    pools views of those buffers (valid until they are used again) instead
-    of new memory. ``latent`` (required for an MLA layout) says how its
-    fused latent divides.
+    ``buffers``, one distinct :class:`GatherBuffers` per layer, makes the
+    snapshot's pools views of those buffers (valid until they are used
+    again) instead of new memory. ``latent`` (required for an MLA layout)
+    says how its fused latent divides.
 
     A sliding-window hybrid has several KV cache groups: ``layer_groups``
     gives each layer's group, ``group_windows`` each group's window (``None``
     for full attention), and every sequence its ``group_block_ids``. A
-    windowed group's freed (null) blocks become one zero page per layer, and
-    the snapshot's :class:`~hurray_vllm.SlidingWindows` says where each
-    layer's held tokens begin. A linear-attention hybrid's ``states`` (read
-    by the caller, e.g. :meth:`~.states.StateCache.gather`) go along as they are.
+    windowed group's leading ``reserved_blocks`` (vLLM's null block: freed,
+    out of the window) become zero pages, and the snapshot's
+    :class:`~hurray_vllm.SlidingWindows` says where each layer's held tokens
+    begin; with ``reserved_blocks=()`` every block is real and nothing is a
+    hole. A linear-attention hybrid's ``states`` (read by the caller, e.g.
+    :meth:`~.states.StateCache.gather`) go along as they are.
+
+    Raises:
+        HurrayArgumentError: (field ``buffers``) not one distinct
+            :class:`GatherBuffers` per layer (a single one would make every
+            layer the last); (field ``kv_scales``) not one pair per layer.
+        HurrayFormatError: block tables the caches cannot hold (a reserved
+            block in a computed range, ids past a cache).
     """
     _check_scales(kv_scales, len(caches))
+    _check_snapshot_buffers(buffers, len(caches))
     plan: BatchPlan | list[BatchPlan]
     windows = None
     if layer_groups is not None:
-        plans, windows = _group_plans(seqs, block_size, layer_groups, group_windows)
+        plans, windows = _group_plans(seqs, block_size, layer_groups, group_windows, reserved_blocks)
         plan = plans
     else:
         plan = plan_batch(seqs, block_size, reserved_blocks=reserved_blocks)
@@ -595,13 +616,43 @@ def _check_scales(kv_scales: Sequence[tuple[float, float]] | None, num_layers: i
         )
 
 
+def _check_snapshot_buffers(buffers: Sequence[GatherBuffers] | None, num_layers: int) -> None:
+    """Refuse ``buffers`` that would make layers of one snapshot share memory.
+
+    The snapshot keeps every layer, so each needs buffers of its own: with
+    one :class:`GatherBuffers` (which :func:`export_layers` accepts, for a
+    stream) or one listed twice, every layer would silently be the last.
+
+    Raises:
+        HurrayArgumentError: (field ``buffers``) not one distinct
+            :class:`GatherBuffers` per layer.
+    """
+    if buffers is None:
+        return
+    if isinstance(buffers, GatherBuffers):
+        raise HurrayArgumentError(
+            "buffers",
+            f"one GatherBuffers for {num_layers} layers: a snapshot keeps every layer, pass one per layer (or None)",
+        )
+    if len(buffers) != num_layers or len({id(b) for b in buffers}) != len(buffers):
+        raise HurrayArgumentError(
+            "buffers",
+            f"{len({id(b) for b in buffers})} distinct GatherBuffers for {num_layers} layers; pass one per layer",
+        )
+
+
 def _group_plans(
     seqs: Sequence[SequenceState],
     block_size: int,
     layer_groups: Sequence[int],
     group_windows: Sequence[int | None] | None,
+    reserved_blocks: Sequence[int] = (0,),
 ) -> tuple[list[BatchPlan], SlidingWindows]:
-    """One plan per KV cache group (layers of a group share it) and the layers' windows."""
+    """One plan per KV cache group (layers of a group share it) and the layers' windows.
+
+    ``reserved_blocks``: as for :func:`plan_batch`, in every group; in a
+    windowed group they are the freed blocks (holes).
+    """
     groups = sorted(set(layer_groups))
     wins = list(group_windows) if group_windows is not None else [None] * (max(groups, default=-1) + 1)
     if groups and (groups[0] < 0 or groups[-1] >= len(wins)):
@@ -613,7 +664,7 @@ def _group_plans(
             if len(s.group_block_ids) <= g:
                 raise HurrayFormatError("group_block_ids", f"{s.request_id}: no block table for KV cache group {g}")
             per_seq.append(replace(s, block_ids=s.group_block_ids[g]))
-        by_group[g] = plan_batch(per_seq, block_size, holes=wins[g] is not None)
+        by_group[g] = plan_batch(per_seq, block_size, reserved_blocks=reserved_blocks, holes=wins[g] is not None)
     plans = [by_group[g] for g in layer_groups]
     starts = tuple(p.kv_start if p.kv_start is not None else (0,) * len(seqs) for p in plans)
     return plans, SlidingWindows(tuple(wins[g] for g in layer_groups), starts)
@@ -643,16 +694,32 @@ def export_stream(
 
     Every layer is gathered into the same two buffers: extra memory is one
     layer's compacted pages. ``buffers``: a :class:`GatherBuffers` the caller
-    keeps across calls; without it a host export borrows the buffers the
+    keeps across calls; without it a host export to an :class:`io.IOBase`
+    (a file, a socket's file, :class:`io.BytesIO`) borrows the buffers the
     last export left (up to ``HURRAY_VLLM_EXPORT_WORKSPACE_MIB``, see
     :func:`release_export_workspace`), so only the first export of a process
-    faults in new memory. ``show_progress=True`` shows a per-layer progress
+    faults in new memory; to any other sink it gathers into buffers of its
+    own. ``show_progress=True`` shows a per-layer progress
     bar on a terminal. ``layer_groups``, ``group_windows`` and ``states``:
     as for :func:`export_snapshot` (the states follow the layers; they are
     the caller's, already in memory, and add to the one layer's pages).
     ``heads``: the caches hold these of the model's KV heads (one
     tensor-parallel rank's): the header says so (``docs/format.md`` 2.3d).
     ``extra``: more of the header's free-form metadata (``KVSnapshot.extra``).
+
+    ``f.write`` must not keep the object it is given, as :mod:`io` requires
+    of ``write()``: pools reach it as memoryviews over the gather buffers,
+    which the next layer (and, through the buffers the caller or the process
+    keeps, the next export, maybe of another request) overwrites. A sink
+    that queues what it is given must copy it (``bytes(b)``) first. For a
+    sink that is no :class:`io.IOBase` the buffers are this export's own, so
+    one that keeps views anyway sees no other export's data (only its
+    earlier layers overwritten by later ones).
+
+    Raises:
+        HurrayArgumentError: (field ``kv_scales``) not one pair per layer.
+        HurrayFormatError: block tables the caches cannot hold, or an MLA
+            layout without ``latent``; found before anything is written.
     """
     # Before any work: a stream refused half-way is a truncated file.
     _check_scales(kv_scales, len(caches))
@@ -665,6 +732,10 @@ def export_stream(
     else:
         plan = plan_batch(seqs, block_size)
     on_cuda = bool(caches) and _first(caches[0]).device.type == "cuda"
+    if buffers is None and not isinstance(f, io.IOBase):
+        # A sink outside io's write() contract may keep the views it is given (a list, a queue for a
+        # sender thread): through the process's workspace it would later show another export's KV.
+        buffers = GatherBuffers()
     with _workspace(buffers, on_cuda) as buffers:
         # On a device, layers alternate between two buffer pairs so that one is gathered while
         # the previous is still being copied out; on the host one pair serves every layer.

@@ -273,9 +273,26 @@ class MLALatent:
         return (_select(view, ids, _nth(out, 0)),)
 
     def scatter(self, cache: torch.Tensor, block_ids: torch.Tensor, latent: torch.Tensor) -> None:
-        """Write ``latent`` (``[n, block_size, 1, C]`` in the cache's dtype) into blocks ``block_ids``."""
+        """Write ``latent`` (``[n, block_size, 1, C]`` in the cache's dtype) into blocks ``block_ids``.
+
+        Args:
+            cache: the layer's latent cache, viewed as its storage dtype (an
+                fp8 cache held as raw ``uint8`` bytes: as ``float8``).
+            block_ids: int64 ``[n]``, distinct.
+            latent: the values, in ``cache``'s dtype (any device).
+
+        Raises:
+            HurrayFormatError: (field ``latent``) another dtype than the
+                cache's; (field ``cache``) not an MLA latent cache.
+        """
         view = self._view(cache)
-        src = latent.to(device=view.device, dtype=view.dtype)
+        if latent.dtype != view.dtype:
+            # No conversion here: float8 values into a raw uint8 cache would be converted numerically
+            # (a 1.5 stored as byte 1), not moved as the bits the engine reads back as float8.
+            raise HurrayFormatError(
+                "latent", f"must be {view.dtype} (the cache's dtype; view raw storage as it first), got {latent.dtype}"
+            )
+        src = latent.to(device=view.device)
         if view.element_size() == 1:  # torch has no index_copy_ for float8: copy the bytes
             view, src = view.view(torch.uint8), src.view(torch.uint8)
         view.index_copy_(0, _ids(block_ids, view), src)

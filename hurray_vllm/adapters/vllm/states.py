@@ -243,8 +243,8 @@ class StateCache:
         """The states of sequences whose state sits in ``blocks[s][group]``, taken after ``positions[s]`` tokens.
 
         Copies (a state block is reused as the engine runs on), in the
-        format's layout. A sequence with nothing computed yet gets zeros, the
-        state of an empty prefix.
+        format's layout. A sequence with nothing computed yet (position 0)
+        gets zeros, the state of an empty prefix, whatever block it names.
 
         Raises:
             HurrayFormatError: (field ``snapshot.states``) a sequence with
@@ -259,13 +259,16 @@ class StateCache:
                 )
         of_group = {g: [int(b.get(g, 0)) for b in blocks] for g in self.state_group_ids}
         self._check_block_ids(of_group, "the block tables do not belong to this engine's caches")
+        # Nothing computed: whatever block the caller names holds no state of this sequence (maybe another's).
+        nothing = torch.tensor([int(n) <= 0 for n in positions], dtype=torch.bool)
         tensors = []
         for layer, g in zip(self.tensors, self.groups, strict=True):
             ids = torch.tensor(of_group[g], dtype=torch.int64)
+            empty = (ids == 0) | nothing
             members = []
             for m, t in enumerate(layer):
                 out = self._to_format(t.index_select(0, ids.to(t.device)), m).contiguous().cpu()
-                out[ids == 0] = 0
+                out[empty] = 0
                 members.append(out)
             tensors.append(tuple(members))
         states = replace(self.spec, positions=tuple(int(p) for p in positions)).with_tensors(tensors)

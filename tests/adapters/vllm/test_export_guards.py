@@ -7,6 +7,8 @@
   CUDA such an id is a device-side assert, not an ``IndexError``).
 * fp8 ``kv_scales`` that are not one pair per layer, and an MLA export without
   its ``LatentSplit``: refused before the first layer is gathered or written.
+* Gather buffers a snapshot's layers would share, and the states of a
+  sequence with nothing computed (zeros, whatever block it names).
 """
 
 from __future__ import annotations
@@ -268,3 +270,35 @@ def test_an_mla_stream_without_its_latent_split_is_refused_before_any_gather() -
         export_stream(f, caches, layout, [SequenceState("a", [3], 10, list(range(11)))], block_size=N)
     assert info.value.field == "latent"
     assert f.getvalue() == b"" and layout.calls == []
+
+
+def test_a_sequence_with_nothing_computed_gets_zero_states_whatever_block_it_names() -> None:
+    """Before, only block id 0 gave zeros: a real block at position 0 handed out what it held (maybe another
+    request's state) as the state of an empty prefix."""
+    sc = _state_cache(5)
+    got = sc.gather([{1: 3}, {1: 4}], [0, 16])
+    conv, ssm = got.tensors[0]
+    assert not conv[0].any() and not ssm[0].any()
+    assert torch.equal(conv[1], sc.tensors[0][0][4]) and torch.equal(ssm[1], sc.tensors[0][1][4])
+    assert sc.tensors[0][0][3].any()  # the block held a state: it was left out, not missing
+
+
+# Gather buffers: a snapshot keeps every layer, so layers must not share them.
+
+
+@pytest.mark.parametrize("how", ["one", "short", "repeated"])
+def test_a_snapshot_refuses_buffers_its_layers_would_share(how: str) -> None:
+    """Before, one GatherBuffers (which a stream may share between layers) made every layer alias the last."""
+    from hurray_vllm.adapters.vllm.export import GatherBuffers
+
+    layout = SpyBHNC(D)
+    shared = GatherBuffers()
+    buffers: Any = {"one": shared, "short": [GatherBuffers()], "repeated": [shared, shared]}[how]
+    seqs = [SequenceState("a", [3], 10, list(range(11)))]
+    with pytest.raises(HurrayArgumentError, match="for 2 layers") as info:
+        export_snapshot(_caches(6, 6), layout, seqs, block_size=N, buffers=buffers)
+    assert info.value.field == "buffers" and layout.calls == []
+    caches = _caches(6, 6)
+    snap = export_snapshot(caches, layout, seqs, block_size=N, buffers=[GatherBuffers(), GatherBuffers()])
+    want = export_snapshot(caches, layout, seqs, block_size=N)
+    assert all(torch.equal(snap[i, "key"].page_pool, want[i, "key"].page_pool) for i in range(2))

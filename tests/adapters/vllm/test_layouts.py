@@ -236,3 +236,49 @@ def test_a_backend_that_splits_blocks_into_kernel_blocks_is_refused_at_registrat
     with pytest.raises(HurrayFormatError, match="--block-size 64") as exc:
         describe_worker_cache(config, [cache], ["l0"])
     assert exc.value.field == "block_size"
+
+
+class KeepingSink:
+    """A sink that keeps what ``write`` is given (a queue for a sender thread): no :class:`io.IOBase`."""
+
+    def __init__(self) -> None:
+        self.parts: list[object] = []
+
+    def write(self, b: bytes | memoryview) -> int:
+        self.parts.append(b)
+        return memoryview(b).nbytes
+
+    def getvalue(self) -> bytes:
+        return b"".join(bytes(p) for p in self.parts)  # type: ignore[call-overload]
+
+
+def test_a_sink_that_keeps_views_never_sees_another_exports_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, such a sink was handed views over the process's workspace: the next export (another request's)
+    overwrote what it held. io.IOBase sinks still borrow the workspace (their write() copies)."""
+    monkeypatch.delenv("HURRAY_VLLM_EXPORT_WORKSPACE_MIB", raising=False)
+    mine = [torch.full((8, H, N, 2 * D), 1.0, dtype=torch.bfloat16)]
+    other = [torch.full((8, H, N, 2 * D), 100.0, dtype=torch.bfloat16)]
+    seqs = [SequenceState("a", [1, 2], 2 * N, list(range(2 * N)))]
+    want = io.BytesIO()
+    export_stream(want, mine, CpuPacked("vec", D), seqs, block_size=N)
+    sink = KeepingSink()
+    export_stream(sink, mine, CpuPacked("vec", D), seqs, block_size=N)  # type: ignore[arg-type]
+    export_stream(io.BytesIO(), other, CpuPacked("vec", D), seqs, block_size=N)
+    assert sink.getvalue() == want.getvalue()
+    assert release_export_workspace() > 0  # the BytesIO exports borrowed and returned it
+
+
+def test_an_mla_latent_of_another_dtype_is_refused_not_converted() -> None:
+    """Before, a float8 latent written into a raw uint8 cache was converted numerically (1.5 became byte 1)."""
+    from hurray_vllm.adapters.vllm.layouts import MLALatent
+
+    cache = torch.zeros(4, N, 24, dtype=torch.uint8)
+    latent = (torch.rand(2, N, 1, 24) * 3 + 0.5).to(torch.float8_e4m3fn)
+    with pytest.raises(HurrayFormatError, match=r"must be torch\.uint8") as err:
+        MLALatent(24).scatter(cache, torch.tensor([1, 3]), latent)
+    assert err.value.field == "latent" and not cache.any()
+    with pytest.raises(HurrayFormatError, match=r"must be torch\.bfloat16"):
+        MLALatent(24).scatter(torch.zeros(4, N, 24, dtype=torch.bfloat16), torch.tensor([1]), latent[:1].float())
+    # Viewed as its storage dtype first (as write_blocks does): the bits land as they are.
+    MLALatent(24).scatter(cache.view(torch.float8_e4m3fn), torch.tensor([1, 3]), latent)
+    assert torch.equal(cache[[1, 3]], latent[:, :, 0].view(torch.uint8))

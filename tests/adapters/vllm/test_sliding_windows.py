@@ -140,3 +140,46 @@ def test_repaging_and_compaction_plan_each_block_structure_apart() -> None:
                 for s in range(other.num_seqs):
                     src = snap.request_ids.index(other.request_ids[s])
                     assert torch.equal(other[layer, role].to_dense(s), snap[layer, role].to_dense(src))
+
+
+def test_in_copied_blocks_a_windowed_groups_block_0_is_real_kv() -> None:
+    """``reserved_blocks=()`` (caches of copied blocks) holds with several groups too: block 0 is no hole.
+
+    Before, the groups' plans ignored it: a windowed group's leading block 0 became a zero page (its real KV
+    lost, the window starting past it) and a full group's block 0 was refused as vLLM's null block.
+    """
+    caches = _caches(2, 3)
+    seq = SequenceState("c", [0, 1], 8, list(range(8)), group_block_ids=([0, 1], [0, 1]))
+    snap = export_snapshot(
+        caches,
+        LogicalBHNC(DIM),
+        [seq],
+        block_size=BLOCK,
+        reserved_blocks=(),
+        layer_groups=[0, 1],
+        group_windows=[6, None],
+    )
+    assert snap.windows is not None and snap.windows.kv_start == ((0,), (0,))
+    for layer in (0, 1):
+        engine = caches[layer][..., :DIM].transpose(1, 2)  # [B, N, H, D]
+        assert torch.equal(snap[layer, "key"].to_dense(0), torch.cat([engine[0], engine[1]]))
+
+
+def test_only_reserved_blocks_are_a_windowed_groups_holes() -> None:
+    """The connector's staged copies start with a copy of the null block, reserved as in the engine's cache;
+    a caller naming another reserved block has that one's leading uses become the zero page."""
+    caches = _caches(1, 6)
+    seq = SequenceState("s", [1, 2, 3], 12, list(range(12)), group_block_ids=([5, 0, 3],))
+    snap = export_snapshot(
+        caches, LogicalBHNC(DIM), [seq], block_size=BLOCK, reserved_blocks=(5,), layer_groups=[0], group_windows=[6]
+    )
+    assert snap.windows is not None and snap.windows.kv_start == ((4,),)
+    dense = snap[0, "key"].to_dense(0)
+    engine = caches[0][..., :DIM].transpose(1, 2)
+    assert not dense[:4].any() and torch.equal(dense[4:], torch.cat([engine[0], engine[3]]))
+    with pytest.raises(hv.HurrayFormatError, match=r"reserved block \[5\] after held ones") as err:
+        bad = SequenceState("t", [1, 2], 8, list(range(8)), group_block_ids=([0, 5],))
+        export_snapshot(
+            caches, LogicalBHNC(DIM), [bad], block_size=BLOCK, reserved_blocks=(5,), layer_groups=[0], group_windows=[6]
+        )
+    assert err.value.field == "block_ids"

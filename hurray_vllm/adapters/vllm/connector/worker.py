@@ -1490,7 +1490,9 @@ class HurrayWorker:
                 )
             ],
             **ec.export_options(),
-            reserved_blocks=() if caches is not ec.caches else (0,),
+            # The engine's cache, and a grouped copy (_stage_groups puts vLLM's null block first): block 0 is the
+            # null block, a sliding group's dropped blocks. A plain copy's block 0 is the chunk's first block.
+            reserved_blocks=(0,) if task.groups or caches is ec.caches else (),
             buffers=self._chunk_buffers if reuse else None,
             **groups,
             states=states,
