@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ....chunks.digest import digest_unverifiable
-from ....chunks.keys import chunk_layouts, key_seed
+from ....chunks.keys import key_seed
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
 from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, tail_keys, verify_chunk
 from ....chunks.verify import begin_check_data
@@ -813,22 +813,13 @@ class HurrayScheduler:
     def _states_set(self, key: str) -> list[ChunkPart] | None:
         """The first complete set of chunk ``key``'s files that all carry states, or None if no set does.
 
-        What :meth:`DirectoryStore.parts_with_states` finds, with each file's
-        header read once per identity: vLLM asks again for a waiting request
-        at every step, and the chunks of a prefix stored without states
-        would otherwise be read backwards each time.
+        :meth:`DirectoryStore.parts_with_states` with each file's header read
+        once per identity (:meth:`_has_states`): vLLM asks again for a waiting
+        request at every step, and the chunks of a prefix stored without
+        states would otherwise be read backwards each time.
         """
-        for layout in chunk_layouts(key, self._heads):
-            parts = []
-            for name, heads in layout:
-                ident = self._store.identity(self._ns, name)
-                if ident is None:  # this split is incomplete
-                    break
-                parts.append(ChunkPart(name, heads, ident))
-            else:
-                if all(self._has_states(p) for p in parts):
-                    return parts
-        return None
+        parts, with_states = self._store.parts_with_states(self._ns, key, self._heads, self._has_states)
+        return parts if with_states else None
 
     def _has_states(self, part: ChunkPart) -> bool:
         """Whether the stored file carries linear-attention states (its header, read once per identity)."""
