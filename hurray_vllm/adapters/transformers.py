@@ -33,14 +33,15 @@ Tested with transformers 5.x (``DynamicCache.layers[i].keys``,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
-from ..errors import HurrayArgumentError, HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..kv.paged import BlockPagedTensor, zero_slots_
 from ..kv.repage import check_budget, check_memory
 from ..kv.snapshot import TARGET_LAYERS, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
@@ -48,6 +49,7 @@ from ..kv.states import RecurrentStates
 from ..wire import dtypes
 from ..wire.descriptor import PerTensorAffine
 from ..wire.rules import raise_if
+from ._common import check_layer
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -82,8 +84,10 @@ class ConfigGeometry:
         architecture: ``config.architectures[0]`` (``"LlamaForCausalLM"``), or
             ``None`` when the config does not name one (a model built from a
             config object rather than loaded from a checkpoint).
-        num_layers: ``num_hidden_layers``; for a linear-attention hybrid
-            (``layer_types`` with ``"linear_attention"``), its attention layers.
+        num_layers: the layers that cache KV: ``num_hidden_layers``, less a
+            Gemma3n-style model's ``num_kv_shared_layers`` (which attend
+            over an earlier layer's cache) and a linear-attention hybrid's
+            state layers (``layer_types`` with ``"linear_attention"``).
         linear_layers: a linear-attention hybrid's state layers (model indices).
         num_kv_heads: ``num_key_value_heads`` (``num_attention_heads`` when
             the config has no GQA field).
@@ -109,6 +113,13 @@ _LINEAR_TYPES = ("linear_attention",)
 #: attends to. A snapshot carries no indexer cache, and without it the model attends to the wrong tokens.
 _INDEXED_TYPES = ("indexed_attention",)
 
+#: ``layer_types`` entries this adapter moves: attention layers that cache every token's keys and values (full,
+#: sliding-window and chunked: transformers' cache keeps the window or chunk of them), and a hybrid's linear-attention
+#: layers (their states, :func:`_put_states`). Any other kind caches something a snapshot does not hold
+#: (DeepSeek-V4's compressed KV and compressor state, a hybrid layer's state beside its KV, none at all for an
+#: MLP-only layer): loaded as plain KV, it would continue with wrong tokens rather than fail.
+_HANDLED_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", *_LINEAR_TYPES})
+
 
 def _text_config(model_config: Any) -> Any:
     """The decoder's text config of a composite (multimodal) config; the config itself otherwise."""
@@ -121,6 +132,24 @@ def _text_config(model_config: Any) -> Any:
         return get_text()
 
 
+def _shared_kv_layers(cfg: Any) -> int:
+    """How many of a text config's last layers reuse an earlier layer's KV and have no cache (Gemma3n's).
+
+    transformers builds no cache layer for them (``get_layer_types_and_kwargs``
+    drops the last ``num_kv_shared_layers`` layer types), and vLLM allocates
+    them no KV: the cache, and a snapshot, hold the other layers only.
+    """
+    shared = getattr(cfg, "num_kv_shared_layers", None)
+    return int(shared) if isinstance(shared, int) and shared > 0 else 0
+
+
+def _cached_layer_types(cfg: Any) -> list[str]:
+    """A text config's ``layer_types`` of the layers with a cache of their own (``[]`` when it has none)."""
+    types = list(getattr(cfg, "layer_types", None) or ())
+    shared = _shared_kv_layers(cfg)
+    return types[:-shared] if shared else types
+
+
 def config_geometry(model_config: Any) -> ConfigGeometry:
     """Read :class:`ConfigGeometry` from a transformers ``PretrainedConfig``.
 
@@ -131,7 +160,7 @@ def config_geometry(model_config: Any) -> ConfigGeometry:
     cfg = _text_config(model_config)
     archs = getattr(model_config, "architectures", None) or getattr(cfg, "architectures", None)
     try:
-        layers = int(cfg.num_hidden_layers)
+        layers = int(cfg.num_hidden_layers) - _shared_kv_layers(cfg)
         heads = int(cfg.num_attention_heads)
         kv_heads = getattr(cfg, "num_key_value_heads", None)
         head_dim = getattr(cfg, "head_dim", None)
@@ -141,7 +170,7 @@ def config_geometry(model_config: Any) -> ConfigGeometry:
         if rank:  # MLA: one cached latent "head" of kv_lora_rank + rope values per token
             latent = LatentSplit(int(rank), int(cfg.qk_rope_head_dim), str(getattr(cfg, "model_type", "") or ""))
             return ConfigGeometry(str(archs[0]) if archs else None, layers, 1, latent.head_dim, latent)
-        linear = tuple(i for i, t in enumerate(getattr(cfg, "layer_types", None) or ()) if t in _LINEAR_TYPES)
+        linear = tuple(i for i, t in enumerate(_cached_layer_types(cfg)) if t in _LINEAR_TYPES)
         return ConfigGeometry(
             architecture=str(archs[0]) if archs else None,
             num_layers=layers - len(linear),
@@ -189,15 +218,23 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     one). A linear-attention hybrid's states must be of the layers, kind,
     layout and shapes the config implies (:func:`_gdn_state_shapes`), and
     its recorded attention-layer indices (``states.attention``) the config's
-    full-attention layers. The
+    full-attention layers. A slice of the KV heads (``snapshot.heads``,
+    one tensor-parallel rank's part) is refused, and so are heads of a
+    model with another KV head count. The
     cache dtype is not compared: an fp8 snapshot is dequantized for a bf16
-    model. Raises :class:`HurrayFormatError` with field ``fingerprint``
-    listing every difference, or field ``model_config`` for a DeepSeek
-    Sparse Attention model (``"indexed_attention"`` layers), whose indexer
-    cache no snapshot carries.
+    model.
+
+    Raises:
+        HurrayFormatError: field ``fingerprint``, listing every difference;
+            field ``model_config`` for a DeepSeek Sparse Attention model
+            (``"indexed_attention"`` layers), whose indexer cache no snapshot
+            carries, and for a model with layers of a type other than
+            full, sliding-window, chunked or linear attention in its
+            ``layer_types`` (DeepSeek-V4's compressed attention...), whose
+            caches hold something other than a snapshot's KV.
     """
     geo = config_geometry(model_config)
-    indexed = sorted({t for t in getattr(_text_config(model_config), "layer_types", None) or () if t in _INDEXED_TYPES})
+    indexed = sorted({t for t in _cached_layer_types(_text_config(model_config)) if t in _INDEXED_TYPES})
     if indexed:
         raise HurrayFormatError(
             "model_config",
@@ -205,6 +242,7 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
             "which attend through an indexer's cached keys; a snapshot carries no indexer cache, so this model "
             "cannot resume from one",
         )
+    _refuse_unhandled_layers(model_config, "cannot resume from a snapshot")
     arch = architecture or geo.architecture
     fp = snapshot.fingerprint
     if fp is not None and not geo.architecture and fp.architecture == getattr(model_config, "model_type", None):
@@ -217,6 +255,16 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     if snapshot.fingerprint is not None:
         claims.append(snapshot.fingerprint)
     problems: list[str] = []
+    heads = snapshot.heads
+    if heads is not None and heads.count != heads.total:
+        # One rank's heads fill only part of each layer: the model would attend its heads over the wrong heads'
+        # KV (or fail on the shape), whatever its fingerprint says.
+        problems.append(
+            f"heads: the snapshot holds KV heads {heads.start}..{heads.stop - 1} of {heads.total} (one "
+            "tensor-parallel rank's part); join the ranks' parts first (hurray_vllm.kv.heads.concat_heads)"
+        )
+    if heads is not None and heads.total != geo.num_kv_heads:
+        problems.append(f"heads: the snapshot's heads are of {heads.total} KV heads, the model has {geo.num_kv_heads}")
     if snapshot.num_layers:
         # Every pool, not just layer 0's: validate() accepts layers of different geometries, which the
         # model's cache would only refuse mid-forward with a bare shape error.
@@ -277,6 +325,28 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
                 "snapshot.without_drafter() takes the model's)"
             )
         raise HurrayFormatError("fingerprint", "the snapshot does not fit this model: " + "; ".join(problems) + hint)
+
+
+def _refuse_unhandled_layers(model_config: Any, what: str) -> None:
+    """Raise unless every cached layer of the config is of a type this adapter moves (:data:`_HANDLED_TYPES`).
+
+    Args:
+        model_config: the model's ``PretrainedConfig`` (a composite one is read through its text config).
+        what: what the model cannot do, for the message (``"cannot resume from a snapshot"``).
+
+    Raises:
+        HurrayFormatError: (field ``model_config``) naming the first unknown layer type and where it is.
+    """
+    types = _cached_layer_types(_text_config(model_config))
+    unknown = [(i, t) for i, t in enumerate(types) if t not in _HANDLED_TYPES and t not in _INDEXED_TYPES]
+    if unknown:
+        i, kind = unknown[0]
+        raise HurrayFormatError(
+            "model_config",
+            f"{type(model_config).__name__} has {kind!r} layers (layer_types[{i}], {len(unknown)} layers of "
+            f"types {sorted({t for _, t in unknown})}), whose cache holds more or other than every token's keys "
+            f"and values; this adapter moves {sorted(_HANDLED_TYPES)} layers only, so this model {what}",
+        )
 
 
 def _gdn_state_shapes(model_config: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -369,16 +439,45 @@ def _dequantize(t: BlockPagedTensor, dense: torch.Tensor, scale: float | None, d
     return x.to(dtype)
 
 
+def _config_dtype(model_config: Any) -> torch.dtype | None:
+    """The dtype a config says its model computes in (``dtype``, ``torch_dtype``; a composite's text config's too)."""
+    if model_config is None:
+        return None
+    for cfg in (model_config, _text_config(model_config)):
+        want = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        if isinstance(want, str):
+            want = getattr(torch, want, None)  # a config read from JSON names it ("bfloat16"); "auto" is none
+        if isinstance(want, torch.dtype) and want.is_floating_point and want.itemsize > 1:
+            return want
+    return None
+
+
 def _default_dtype(snapshot: KVSnapshot, model_config: Any) -> torch.dtype:
+    """The cache dtype when the caller names none: the model's (its config's), else the pools' if they hold values.
+
+    The model's first: its attention refuses keys and values of another
+    dtype than its queries, so a float32 snapshot for a bf16 model would
+    build a cache the model cannot attend over.
+    """
+    want = _config_dtype(model_config)
+    if want is not None:
+        return want
     first = snapshot.tensors()[0]
     pool = first.dtype
     quantized = snapshot.kv_scales is not None or first.quantization is not None
     if pool.is_floating_point and pool.itemsize > 1 and not quantized:
         return pool
-    want = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    if isinstance(want, str):
-        want = getattr(torch, want, None)
-    return want if isinstance(want, torch.dtype) and want.is_floating_point else torch.float32
+    return torch.float32
+
+
+class _SequenceIndexError(HurrayArgumentError, IndexError):
+    """A sequence index outside the snapshot's batch: the caller's mistake, still an ``IndexError`` as it used to be."""
+
+
+def _check_seq(snapshot: KVSnapshot, seq: int) -> None:
+    """Raise unless ``seq`` is one of the snapshot's sequences (field ``seq``; also an ``IndexError``)."""
+    if not 0 <= seq < snapshot.num_seqs:
+        raise _SequenceIndexError("seq", f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
 
 
 def sequence_kv(
@@ -399,12 +498,30 @@ def sequence_kv(
     ``[1, n, kv_lora_rank]`` and the rotated k_pe ``[1, n, rope_dim]``
     (what transformers' MLA layers cache as their keys and values).
 
+    The snapshot is validated first, as :func:`to_dynamic_cache` does.
+
     Raises:
-        HurrayFormatError: a sequence without lengths, more tokens asked than
-            it has, more than ``MAX_IMPORT_SLOTS`` slots, a quantization
-            this adapter cannot undo, or an integer pool without one.
+        HurrayFormatError: the snapshot breaks a format rule (a block table
+            entry past the pool...), a sequence declaring more than
+            ``MAX_IMPORT_SLOTS`` slots, a quantization this adapter cannot
+            undo, or an integer pool without one.
+        HurrayArgumentError: ``seq`` outside the batch (field ``seq``, also an
+            ``IndexError``), ``layer`` outside the snapshot's layers (field
+            ``layer``), ``length`` outside ``0..seq_lens[seq]`` (field ``length``).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
     """
+    # An in-memory snapshot was never checked as a file is on load: a block table entry past the pool would
+    # otherwise fail deep in index_select.
+    raise_if(snapshot.validate(), "sequence_kv")
+    check_layer(snapshot, layer)
+    _check_seq(snapshot, seq)
+    return _sequence_kv(snapshot, seq, layer, dtype=dtype, length=length)
+
+
+def _sequence_kv(
+    snapshot: KVSnapshot, seq: int, layer: int, *, dtype: torch.dtype | None, length: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_kv` of a snapshot already validated, ``seq`` and ``layer`` in range."""
     if snapshot.is_latent:
         return _latent_parts(snapshot, seq, layer, dtype=dtype, length=length)
     k_t, v_t = snapshot.keys[layer], snapshot.values[layer]
@@ -445,7 +562,7 @@ def _tokens_asked(t: BlockPagedTensor, seq: int, length: int | None) -> int:
     if length is None:
         return n
     if not 0 <= length <= n:
-        raise HurrayFormatError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
+        raise ImportArgumentError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
     return length
 
 
@@ -533,7 +650,10 @@ def expand_latent(
     Raises:
         HurrayFormatError: the snapshot holds keys and values (field
             ``kv_role``), does not fit the model (:func:`check_compatible`,
-            field ``fingerprint``), or the model has no MLA layer ``layer``.
+            field ``fingerprint``), or breaks a format rule.
+        HurrayArgumentError: ``layer`` outside the model's MLA layers (field
+            ``layer``), ``seq`` outside the batch (field ``seq``, also an
+            ``IndexError``), a bad ``length`` (field ``length``).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
     """
     if not snapshot.is_latent:
@@ -543,9 +663,11 @@ def expand_latent(
     check_compatible(snapshot, model.config, architecture=_architecture(model))
     mods = _mla_layers(model)
     if not 0 <= layer < len(mods):
-        raise HurrayFormatError("model", f"the model has {len(mods)} MLA layers (kv_b_proj), not layer {layer}")
+        raise ImportArgumentError("layer", f"the model has {len(mods)} MLA layers (kv_b_proj), not layer {layer}")
     attn = mods[layer]
-    device, dtype = _device_and_dtype(model)
+    # The layer's own weights' device: a model split across devices (device_map) computes each layer on its own.
+    # The model's dtype, not the projection's: a quantized kv_b_proj's weights are stored in another.
+    device, dtype = next(attn.kv_b_proj.parameters()).device, _device_and_dtype(model)[1]
     kv_nope, k_rot = (x.to(device) for x in sequence_kv(snapshot, seq, layer, dtype=dtype, length=length))
     cfg = _text_config(model.config)  # a multimodal model's (Kimi-K2.5's) MLA fields are its text config's
     if _pairs_split(cfg):
@@ -564,7 +686,7 @@ def to_dynamic_cache(
     *,
     model_config: Any = None,
     dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
+    device: torch.device | str | Sequence[torch.device | str] | None = None,
     length: int | None = None,
     architecture: str | None = None,
 ) -> DynamicCache:
@@ -582,7 +704,7 @@ def to_dynamic_cache(
 
     Args:
         snapshot: any snapshot (from vLLM, a file, :func:`from_transformers`).
-        seq: the sequence's index in the snapshot (``IndexError`` if out of range).
+        seq: the sequence's index in the snapshot.
         model_config: the target model's ``PretrainedConfig``. When given, the
             snapshot is checked against it (:func:`check_compatible`) and the
             cache is built with ``DynamicCache(config=...)``, so sliding-window
@@ -592,10 +714,14 @@ def to_dynamic_cache(
             engine running EAGLE or MTP, whose drafter's layers follow the
             model's and are named (``extra[TARGET_LAYERS]``), gives the
             model's layers.
-        dtype: the cache dtype; default the pool dtype, or for fp8 pools the
-            config's dtype (float32 without a config). It must match the
-            model's activations dtype.
+        dtype: the cache dtype. It must match the model's activations
+            dtype. Default: the config's ``dtype`` (``torch_dtype``) when
+            ``model_config`` names one; otherwise the pool dtype, float32
+            for fp8 or otherwise quantized pools.
         device: where the cache tensors go (default: the pools' device).
+            For a model split across devices (``device_map``), one device
+            per model layer instead (linear-attention layers counted): each
+            layer's KV, or states, go to its own.
         length: cache only the first ``length`` tokens.
         architecture: the model class name to compare with the fingerprint
             when the config names no ``architectures``.
@@ -607,10 +733,12 @@ def to_dynamic_cache(
             field ``model_config``), has no
             sequence lengths, or uses a quantization this adapter cannot undo
             (integer pools without one included, field ``dtype``); a
-            sequence declaring more than ``MAX_IMPORT_SLOTS`` slots; a
-            ``length`` outside ``0..seq_lens[seq]`` (field ``length``).
+            sequence declaring more than ``MAX_IMPORT_SLOTS`` slots.
         HurrayArgumentError: (field ``model_config``) a linear-attention
-            or MLA snapshot without ``model_config``.
+            or MLA snapshot without ``model_config``; (``seq``, also an
+            ``IndexError``) ``seq`` outside the batch; (``length``) a
+            ``length`` outside ``0..seq_lens[seq]``; (``device``) fewer
+            devices than the model's layers.
         OSError: ``ENOMEM``: the dense cache is larger than the device's
             memory (every layer together), before any of it is built.
     """
@@ -640,41 +768,64 @@ def to_dynamic_cache(
     raise_if(snapshot.validate(), "to_dynamic_cache")
     if not snapshot.num_layers:
         raise HurrayFormatError("snapshot.layers", "the snapshot holds no layers")
-    if not 0 <= seq < snapshot.num_seqs:
-        raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
+    _check_seq(snapshot, seq)
     # Before the memory check: a length past the sequence is a bad request, not a lack of memory.
     n = _tokens_asked(snapshot.tensors()[0], seq, length)
     dtype = dtype or _default_dtype(snapshot, model_config)
     _check_windows_held(snapshot, seq, n)
-    # Every layer's keys and values end up in the cache together, in ``dtype``; each is gathered where the
-    # pools lie first (one layer at a time, in the pool's dtype too while it converts).
-    tensors = snapshot.tensors()
-    built = tensors[0].page_pool.device
-    tokens = [-(-n // t.page_size) * t.page_size * t.num_heads * t.head_dim for t in tensors]
-    out = sum(tokens) * dtype.itemsize
-    layer = 2 * max(tokens) * max(dtype.itemsize, tensors[0].page_pool.element_size())
-    what = f"a dense cache of sequence {seq}"
-    if device is None or torch.device(device) == built:
-        check_memory(out + layer, what, built)
-    else:
-        check_memory(layer, what, built)
-        check_memory(out, what, device)
-    cache = _new_dynamic_cache(DynamicCache, model_config)
     states = snapshot.states
     # A linear-attention hybrid's attention layers are the model layers its states leave.
     where = states.attention_layers(snapshot.num_layers) if states is not None else range(snapshot.num_layers)
+    to = _placement(device, [*where, *(states.layers if states is not None else ())])
+    # Every layer's keys and values end up in the cache together, in ``dtype``, each on its layer's device;
+    # each is gathered where the pools lie first (one layer at a time, in the pool's dtype too while it converts).
+    members = snapshot.layer_members()
+    built = members[0][0].page_pool.device
+    tokens = [[-(-n // t.page_size) * t.page_size * t.num_heads * t.head_dim for t in ts] for ts in members]
+    # Bytes per device: one layer's gathered keys and values where the pools are, each layer's cache on its own.
+    held: dict[torch.device, int] = {
+        built: 2 * max(map(max, tokens)) * max(dtype.itemsize, members[0][0].page_pool.element_size())
+    }
+    for layer, counts in zip(where, tokens, strict=True):
+        on = torch.device(to(layer) or built)
+        held[on] = held.get(on, 0) + sum(counts) * dtype.itemsize
+    for on, nbytes in held.items():
+        check_memory(nbytes, f"a dense cache of sequence {seq}", on)
+    cache = _new_dynamic_cache(DynamicCache, model_config)
     split = snapshot.is_latent and _pairs_split(model_config)
     for i, layer in enumerate(where):
-        k, v = sequence_kv(snapshot, seq, i, dtype=dtype, length=length)
+        k, v = _sequence_kv(snapshot, seq, i, dtype=dtype, length=length)
         if split:
             v = _split_pairs(v)  # an MLA cache's "values" are its k_pe
         k, v = k.unsqueeze(0), v.unsqueeze(0)
-        if device is not None:
-            k, v = k.to(device), v.to(device)
+        if (dest := to(layer)) is not None:
+            k, v = k.to(dest), v.to(dest)
         cache.update(k, v, layer)
     if states is not None:
-        _put_states(cache, states, seq, n, dtype, device)
+        _put_states(cache, states, seq, n, dtype, to)
     return cache
+
+
+def _placement(
+    device: torch.device | str | Sequence[torch.device | str] | None, layers: Sequence[int]
+) -> Callable[[int], torch.device | str | None]:
+    """Where model layer ``i``'s cache goes: ``device`` itself, or its ``i``-th entry when it is one per layer.
+
+    Args:
+        device: :func:`to_dynamic_cache`'s ``device``.
+        layers: the model layers the cache will fill.
+
+    Raises:
+        HurrayArgumentError: (field ``device``) a per-layer sequence without an entry for every layer filled.
+    """
+    if device is None or isinstance(device, (str, torch.device)):
+        return lambda _: device
+    per_layer = list(device)
+    if layers and max(layers) >= len(per_layer):
+        raise ImportArgumentError(
+            "device", f"{len(per_layer)} devices, one per model layer, but the cache fills model layer {max(layers)}"
+        )
+    return lambda i: per_layer[i]
 
 
 def _models_layers(snapshot: KVSnapshot, model_config: Any) -> KVSnapshot:
@@ -689,7 +840,12 @@ _STATE_KINDS = frozenset({"gdn_attn"})
 
 
 def _put_states(
-    cache: Any, states: RecurrentStates, seq: int, n: int, dtype: torch.dtype, device: torch.device | str | None
+    cache: Any,
+    states: RecurrentStates,
+    seq: int,
+    n: int,
+    dtype: torch.dtype,
+    device: Callable[[int], torch.device | str | None],
 ) -> None:
     """Put sequence ``seq``'s linear-attention states into a transformers cache, resuming at token ``n``.
 
@@ -698,6 +854,8 @@ def _put_states(
     as ``[conv_dim, kernel]``, whose oldest column its decode step drops
     before use (so it is left zero). The recurrent state has one layout on
     both sides, ``[v_heads, k_dim, v_dim]``; transformers keeps it in float32.
+    ``device(layer)`` says where model layer ``layer``'s states go (``None``:
+    where the snapshot's are).
 
     Raises:
         HurrayFormatError: (field ``snapshot.states``) the states were taken
@@ -720,8 +878,8 @@ def _put_states(
         c = conv[seq].transpose(0, 1).to(dtype)  # [conv_dim, kernel - 1]
         c = torch.cat([torch.zeros_like(c[:, :1]), c], dim=1).unsqueeze(0)
         r = ssm[seq].to(torch.float32).unsqueeze(0)
-        if device is not None:
-            c, r = c.to(device), r.to(device)
+        if (dest := device(layer)) is not None:
+            c, r = c.to(dest), r.to(dest)
         cache.update_conv_state(c, layer, conv_kernel_size=c.shape[-1])
         cache.update_recurrent_state(r, layer)
 
@@ -750,9 +908,9 @@ def _config_windows(model_config: Any) -> list[int | None] | None:
     window = getattr(cfg, "sliding_window", None)
     if not window or getattr(cfg, "use_sliding_window", True) is False:  # Qwen2 records a window it does not use
         return None
-    types = getattr(cfg, "layer_types", None)
+    types = _cached_layer_types(cfg)  # a layer sharing another's KV (Gemma3n) has no window of its own
     if not types:  # Mistral-style: every layer slides
-        return [int(window)] * int(getattr(cfg, "num_hidden_layers", 0) or 0)
+        return [int(window)] * (int(getattr(cfg, "num_hidden_layers", 0) or 0) - _shared_kv_layers(cfg))
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
@@ -770,6 +928,52 @@ def _device_and_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
     return p.device, p.dtype
 
 
+def _decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers, in order (``[]`` when they cannot be found).
+
+    transformers' ``get_decoder()`` gives the text model (a multimodal
+    model's language model included), whose ``layers`` they are; otherwise
+    the first ``...layers`` module list of the text config's length.
+    """
+    get = getattr(model, "get_decoder", None)
+    try:
+        layers = getattr(get(), "layers", None) if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        layers = None
+    if isinstance(layers, torch.nn.ModuleList):
+        return list(layers)
+    count = getattr(_text_config(model.config), "num_hidden_layers", None)
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and name.endswith("layers") and len(mod) == count:
+            return list(mod)
+    return []
+
+
+def _layer_devices(model: Any) -> list[torch.device] | None:
+    """Per decoder layer, the device it computes on, when the layers are on more than one; else ``None``.
+
+    A model loaded with ``device_map`` computes each layer where its weights
+    are (accelerate's hook says where for an offloaded one, whose weights wait
+    on ``meta``), and its attention concatenates the cache with new keys there:
+    a layer's cache must be on that device.
+    """
+    found: list[torch.device | None] = []
+    for layer in _decoder_layers(model):
+        run = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)
+        if run is None:
+            weight = next(itertools.chain(layer.parameters(), layer.buffers()), None)
+            run = weight.device if weight is not None else None
+        found.append(torch.device(run) if run is not None else None)
+    known = [d for d in found if d is not None]
+    if len(set(known)) < 2:
+        return None
+    # A layer without weights (none in practice) keeps the cache where the layer before it is.
+    out: list[torch.device] = []
+    for d in found:
+        out.append(d if d is not None else (out[-1] if out else known[0]))
+    return out
+
+
 def _architecture(model: Any) -> str | None:
     archs = getattr(model.config, "architectures", None)
     return None if archs else type(model).__name__
@@ -779,19 +983,20 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
     """Check the snapshot against ``model`` and load sequence ``seq``'s KV.
 
     Returns the cache, the tokens to feed first (those without KV), the
-    position of the first of them, and the model's device.
+    position of the first of them, and the model's device (its first
+    weights', where the inputs go). Each layer's cache is on that layer's
+    device (:func:`_layer_devices`).
     """
     if not snapshot.token_ids:
         raise HurrayFormatError("snapshot.token_ids", "the snapshot carries no token ids to continue from")
-    if not 0 <= seq < snapshot.num_seqs:
-        raise IndexError(f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
+    _check_seq(snapshot, seq)
     ids = list(snapshot.token_ids[seq])
     n = snapshot.seq_lens[seq]
     if len(ids) < n:
         raise HurrayFormatError("snapshot.token_ids", f"sequence {seq} has {n} tokens of KV but {len(ids)} token ids")
     if not ids:
         raise HurrayFormatError("snapshot.token_ids", f"sequence {seq} is empty: there is nothing to continue")
-    media = _mrope_media_tokens(model.config, ids)
+    media = _mrope_media_tokens(model, ids)
     if media:
         # The continuation feeds positions n, n+1...; after images the engine's are n + mrope_delta.
         raise HurrayFormatError(
@@ -815,7 +1020,7 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
         seq,
         model_config=model.config,
         dtype=dtype,
-        device=device,
+        device=_layer_devices(model) or device,
         length=start,
         architecture=_architecture(model),
     )
@@ -826,30 +1031,51 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
 _MEDIA_TOKEN_FIELDS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
-def _mrope_media_tokens(model_config: Any, ids: Sequence[int]) -> list[int]:
+def _config_says_mrope(cfg: Any) -> bool:
+    """Whether a text config names an ``mrope_section`` in ``rope_parameters`` (``rope_scaling``), or per layer type."""
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return False
+    per_type = [r for r in rope.values() if isinstance(r, dict)]
+    return any("mrope_section" in r for r in (rope, *per_type))
+
+
+def _uses_mrope(model: Any) -> bool:
+    """Whether ``model`` positions its tokens with M-RoPE, by its config or by its own modules.
+
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V configs may leave
+    ``mrope_section`` out: their rotary embedding then takes a default one
+    in code (an ``mrope_section`` attribute), and the model computes the
+    media's positions in ``get_rope_index``. Either marks an M-RoPE model.
+    """
+    if _config_says_mrope(_text_config(model.config)):
+        return True
+    return any(
+        getattr(m, "mrope_section", None) is not None or callable(getattr(m, "get_rope_index", None))
+        for m in model.modules()
+    )
+
+
+def _mrope_media_tokens(model: Any, ids: Sequence[int]) -> list[int]:
     """The media placeholder ids in ``ids`` when the model uses M-RoPE (Qwen2.5-VL, Qwen3-VL...); else ``[]``.
 
     Such a model's text positions after an image or video run on from the
     media's grid, not from the token count (vLLM's ``mrope_delta``), and a
-    text-only prompt's are the plain count. M-RoPE shows as ``mrope_section``
-    in the text config's ``rope_parameters`` (``rope_scaling`` before
-    transformers 5), per layer type in some; the placeholder ids are the
-    composite config's (or the text config's).
+    text-only prompt's are the plain count (:func:`_uses_mrope` says which
+    models). The placeholder ids are the composite config's (or the text
+    config's).
     """
+    model_config = model.config
     cfg = _text_config(model_config)
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
-    if not isinstance(rope, dict):
-        return []
-    per_type = [r for r in rope.values() if isinstance(r, dict)]
-    if not any("mrope_section" in r for r in (rope, *per_type)):
-        return []
     media = {
         int(tok)
         for c in (model_config, cfg)
         for name in _MEDIA_TOKEN_FIELDS
         if isinstance(tok := getattr(c, name, None), int)
     }
-    return sorted(media & set(ids))
+    held = media & set(ids)
+    # Only when some are held: a text-only sequence continues whatever the model, and needs no walk of its modules.
+    return sorted(held) if held and _uses_mrope(model) else []
 
 
 def _greedy(model: Any, snapshot: KVSnapshot, seq: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -988,6 +1214,8 @@ def continue_generation(
         HurrayFormatError: the snapshot does not fit the model or has no token ids, or,
             for an M-RoPE model (Qwen2.5-VL...), the sequence holds image or video
             tokens (field ``snapshot.token_ids``: its positions are not a count).
+        HurrayArgumentError: ``max_new_tokens`` below 0 (field ``max_new_tokens``),
+            ``seq`` outside the batch (field ``seq``, also an ``IndexError``).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
 
     Example:
@@ -1011,7 +1239,7 @@ def continue_generation(
         True
     """
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
+        raise HurrayArgumentError("max_new_tokens", f"must be >= 0, not {max_new_tokens}")
     stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     steps = _greedy(model, snapshot, seq)  # checks the snapshot against the model even for 0 tokens
     out: list[int] = []
@@ -1124,12 +1352,13 @@ def _token_positions(
     batch: int, total: int, seq_lens: Sequence[int] | torch.Tensor | None, attention_mask: torch.Tensor | None
 ) -> list[torch.Tensor]:
     """Per sequence, the cache slots (int64 indices into ``T``) that hold its tokens, in order."""
+    # Both describe the caller's batch, not the cache's data: a mistake in either is an argument error.
     if seq_lens is not None and attention_mask is not None:
-        raise HurrayFormatError("seq_lens", "pass seq_lens (right padding) or attention_mask (any padding), not both")
+        raise ImportArgumentError("seq_lens", "pass seq_lens (right padding) or attention_mask (any padding), not both")
     if attention_mask is not None:
         mask = torch.as_tensor(attention_mask)
         if mask.dim() != 2 or tuple(mask.shape) != (batch, total):
-            raise HurrayFormatError(
+            raise ImportArgumentError(
                 "attention_mask",
                 f"expected [batch, T] = [{batch}, {total}] (the cached tokens), got {list(mask.shape)}",
             )
@@ -1138,10 +1367,10 @@ def _token_positions(
         return [torch.arange(total) for _ in range(batch)]
     lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
     if len(lens) != batch:
-        raise HurrayFormatError("seq_lens", f"{len(lens)} lengths for a batch of {batch}")
+        raise ImportArgumentError("seq_lens", f"{len(lens)} lengths for a batch of {batch}")
     for b, n in enumerate(lens):
         if not 0 <= n <= total:
-            raise HurrayFormatError("seq_lens", f"sequence {b} has length {n}, the cache holds {total} tokens")
+            raise ImportArgumentError("seq_lens", f"sequence {b} has length {n}, the cache holds {total} tokens")
     return [torch.arange(n) for n in lens]
 
 
@@ -1255,28 +1484,37 @@ def from_transformers(
 
     Raises:
         HurrayFormatError: inconsistent shapes, lengths, token ids, or a
-            fingerprint that does not match the cache.
+            fingerprint that does not match the cache; (field
+            ``model_config``) a config with layers of a type other than full,
+            sliding-window, chunked or linear attention (DeepSeek-V4's
+            compressed attention...), whose cache holds other than KV.
         HurrayArgumentError: (field ``token_ids``) a ``[batch, W > T]``
             tensor where every sequence has the same padding: padded input
             and sampled columns cannot be told from unpadded rows (pass
-            per-sequence lists).
+            per-sequence lists); a ``page_size`` below 1, a ``dtype`` that
+            cannot store the cache, ``seq_lens`` or ``attention_mask`` that
+            do not fit the batch (or both), ``request_ids`` of another count
+            (each field named after its argument).
     """
     if page_size < 1:
-        raise HurrayFormatError("page_size", f"page_size must be positive, not {page_size}")
+        raise ImportArgumentError("page_size", f"page_size must be positive, not {page_size}")
+    if model_config is not None:
+        _refuse_unhandled_layers(model_config, "cannot be paged from its cache")
     latent = config_geometry(model_config).latent if model_config is not None else None
     layers = _cache_layers(past_key_values, latent, split_pairs=latent is not None and _pairs_split(model_config))
     batch, heads, total, head_dim = (int(x) for x in layers[0][0].shape)
     storage = dtype or layers[0][0].dtype
     if not storage.is_floating_point or storage.itemsize == 1:
-        raise HurrayFormatError(
-            "dtype", f"{storage} cannot store a transformers cache here (fp8 would need scales; use bf16/fp16/fp32)"
-        )
+        why = f"{storage} cannot store a transformers cache here (fp8 would need scales; use bf16/fp16/fp32)"
+        if dtype is not None:  # the caller's choice
+            raise ImportArgumentError("dtype", why)
+        raise HurrayFormatError("dtype", why)  # the cache's own dtype: the data
     dtypes.from_torch(storage)  # a Hurray element type exists for it
     positions = _token_positions(batch, total, seq_lens, attention_mask)
     ids = _token_lists(token_ids, positions, total)
     lens = [int(p.numel()) for p in positions]
     if request_ids is not None and len(request_ids) != batch:
-        raise HurrayFormatError("request_ids", f"{len(request_ids)} request ids for a batch of {batch}")
+        raise ImportArgumentError("request_ids", f"{len(request_ids)} request ids for a batch of {batch}")
 
     if fingerprint is None and model_config is not None:
         fingerprint = fingerprint_from_config(model_config, dtype=storage)

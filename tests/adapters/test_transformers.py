@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import require
 from margins import agreement, assert_agrees, recompute_logits
 
 import hurray_vllm as hv
@@ -523,12 +524,16 @@ def test_from_transformers_refusals(hf_model) -> None:  # type: ignore[no-untype
         tfa.from_transformers(pkv, ids, fingerprint=wrong)
     with pytest.raises(hv.HurrayFormatError, match="19 token ids"):
         tfa.from_transformers(pkv, [PROMPT[:19]])
-    with pytest.raises(hv.HurrayFormatError, match="not both"):
+    # The caller's arguments that do not fit the batch: argument errors naming the argument.
+    with pytest.raises(hv.HurrayArgumentError, match="not both") as err:
         tfa.from_transformers(pkv, ids, seq_lens=[20], attention_mask=torch.ones(1, 20))
-    with pytest.raises(hv.HurrayFormatError, match="length 21"):
+    assert err.value.field == "seq_lens"
+    with pytest.raises(hv.HurrayArgumentError, match="length 21") as err:
         tfa.from_transformers(pkv, ids, seq_lens=[21])
-    with pytest.raises(hv.HurrayFormatError, match="fp8 would need scales"):
+    assert err.value.field == "seq_lens"
+    with pytest.raises(hv.HurrayArgumentError, match="fp8 would need scales") as err:
         tfa.from_transformers(pkv, ids, dtype=torch.float8_e4m3fn)
+    assert err.value.field == "dtype"
     with pytest.raises(hv.HurrayFormatError, match="expected a transformers Cache"):
         tfa.from_transformers(object(), ids)
 
@@ -591,8 +596,12 @@ def test_a_sequence_declaring_more_slots_than_the_budget_is_refused_before_alloc
 def test_a_sequence_longer_than_its_pages_is_refused() -> None:
     t = hv.BlockPagedTensor(torch.randn(2, 4, 1, 8), torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([10]))
     snap = hv.KVSnapshot(keys=(t,), values=(hv.BlockPagedTensor(t.page_pool, t.block_table, t.seq_ptr, t.seq_lens),))
-    with pytest.raises(hv.HurrayFormatError) as err:
-        tfa.sequence_kv(snap, 0, 0)
+    for read in (tfa.sequence_kv, lambda *a: tfa.to_dynamic_cache(*a[:2], dtype=torch.float32)):
+        with pytest.raises(hv.HurrayFormatError) as err:  # by the format's rules, checked before any page is read
+            read(snap, 0, 0)
+        assert err.value.field == "shape.total_tokens"
+    with pytest.raises(hv.HurrayFormatError) as err:  # and by the reader itself, should it get one unchecked
+        tfa._sequence_kv(snap, 0, 0, dtype=None, length=None)
     assert err.value.field == "seq_lens.pages"
 
 
@@ -643,7 +652,7 @@ def test_integer_pools_without_a_quantization_are_refused() -> None:
 def test_a_bad_length_is_refused_as_a_length_not_as_memory(hf_model) -> None:  # type: ignore[no-untyped-def]
     snap = small_snapshot(hf_model)
     for length in (snap.seq_lens[0] + 1, 10**13, -1):
-        with pytest.raises(hv.HurrayFormatError) as err:
+        with pytest.raises(hv.HurrayArgumentError) as err:  # the caller's request, not the data
             tfa.to_dynamic_cache(snap, 0, model_config=hf_model.config, length=length)
         assert err.value.field == "length", err.value
 
@@ -753,15 +762,23 @@ def test_an_unfilled_static_cache_is_refused_as_static_not_as_sliding(hf_model) 
     assert "sliding" not in str(err.value)
 
 
-def qwen25_vl(image: int = 250, video: int = 251) -> Any:
-    """A tiny Qwen2.5-VL (M-RoPE: ``mrope_section``) in float32."""
+def qwen25_vl(image: int = 250, video: int = 251, *, section_in_config: bool = True) -> Any:
+    """A tiny Qwen2.5-VL (M-RoPE: ``mrope_section``) in float32.
+
+    ``section_in_config=False``: the config names no ``mrope_section`` (as
+    some checkpoints' do not), and the model's rotary embedding takes its
+    default one in code.
+    """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 1e4}
+    if section_in_config:
+        rope["mrope_section"] = [2, 3, 3]
     cfg = Qwen2_5_VLConfig(
         text_config=dict(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-            vocab_size=256, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4},
+            vocab_size=256, rope_parameters=rope,
         ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
         image_token_id=image, video_token_id=video, vision_start_token_id=252, vision_end_token_id=253,
@@ -785,3 +802,224 @@ def test_an_m_rope_sequence_with_images_is_refused_and_text_only_continues() -> 
         with pytest.raises(hv.HurrayFormatError, match=rf"image/video tokens \[{media}\].*mrope_delta") as err:
             tfa.continue_generation(model, snap, 0, 3)
         assert err.value.field == "snapshot.token_ids"
+
+
+def test_an_m_rope_model_whose_config_names_no_section_is_known_by_its_modules() -> None:
+    """Qwen2-VL/2.5-VL/3-VL and GLM-4V default mrope_section in code: the model's rotary embedding says M-RoPE."""
+    from synthetic import make_snapshot
+
+    model = qwen25_vl(section_in_config=False)
+    assert "mrope_section" not in (model.config.get_text_config(decoder=True).rope_parameters or {})
+    prompt = [(i * 37 + 11) % 200 + 1 for i in range(12)]
+    ids = (*prompt[:4], 252, 250, 253, *prompt[7:])  # refused before any forward: synthetic KV of the model's shape
+    snap = replace(make_snapshot([12], [0], 4, heads=2, dim=16, dtype=torch.float32, layers=2), token_ids=(ids,))
+    with pytest.raises(hv.HurrayFormatError, match=r"image/video tokens \[250\].*mrope_delta") as err:
+        tfa.continue_generation(model, snap, 0, 3)
+    assert err.value.field == "snapshot.token_ids"
+
+
+# ── layer types, head slices, shared KV, devices, dtypes ───────────────────
+
+
+def tiny_llama(**change: Any) -> Any:
+    """A tiny random Llama in float32, built from a config (no checkpoint)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    kw: dict[str, Any] = dict(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=100,
+    )  # fmt: skip
+    return LlamaForCausalLM(LlamaConfig(**{**kw, **change})).eval()
+
+
+def test_layers_of_a_type_the_adapter_does_not_move_are_refused() -> None:
+    """DeepSeek-V4's compressed attention layers cache compressed KV and compressor state, not a snapshot's KV:
+    loaded as plain KV they would continue with wrong tokens, so the model is refused by its layer types."""
+    from synthetic import make_snapshot
+
+    tr = require("transformers")
+    if not hasattr(tr, "DeepseekV4Config"):
+        pytest.skip("this transformers has no DeepSeek-V4")
+    cfg = tr.DeepseekV4Config(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32, vocab_size=128, intermediate_size=64,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=32, index_head_dim=16,
+        index_n_heads=2, sliding_window=8,
+    )  # fmt: skip
+    snap = make_snapshot([20], [0], 16, heads=1, dim=32, dtype=torch.float32, layers=4)  # the config's geometry
+    with pytest.raises(hv.HurrayFormatError, match=r"'heavily_compressed_attention' layers \(layer_types\[0\]") as err:
+        tfa.check_compatible(snap, cfg, architecture="DeepseekV4ForCausalLM")
+    assert err.value.field == "model_config" and "compressed_sparse_attention" in str(err.value)
+    with pytest.raises(hv.HurrayFormatError, match="heavily_compressed_attention") as err:
+        tfa.to_dynamic_cache(snap, 0, model_config=cfg, architecture="DeepseekV4ForCausalLM")
+    assert err.value.field == "model_config"
+    kv = [(torch.randn(1, 1, 5, 32), torch.randn(1, 1, 5, 32))] * 4
+    with pytest.raises(hv.HurrayFormatError, match="heavily_compressed_attention") as err:
+        tfa.from_transformers(kv, [[1] * 5], model_config=cfg)
+    assert err.value.field == "model_config"
+
+
+def test_chunked_attention_layers_continue_from_every_tokens_kv() -> None:
+    """Llama 4's chunked layers: transformers' cache keeps the current chunk of the KV it is given, as it
+    would have kept from a prefill, so a snapshot of every token continues as the model does."""
+    tr = require("transformers")
+    torch.manual_seed(0)
+    cfg = tr.Llama4TextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=64, intermediate_size_mlp=128, vocab_size=128, num_local_experts=2, attention_chunk_size=8,
+        no_rope_layers=[1, 1, 1, 0],
+    )  # fmt: skip
+    assert "chunked_attention" in cfg.layer_types
+    model = tr.Llama4ForCausalLM(cfg).eval()
+    prompt = [(i * 37 + 11) % 120 + 1 for i in range(13)]  # past the first chunk of 8
+    with torch.no_grad():  # a cache built without the config keeps every token (what a snapshot holds)
+        out = model(torch.tensor([prompt]), use_cache=True, past_key_values=tr.DynamicCache())
+    first = int(out.logits[0, -1].argmax())
+    snap = tfa.from_transformers(out.past_key_values, [[*prompt, first]], model_config=cfg)
+    unmoved = model.generate(torch.tensor([prompt]), max_new_tokens=7, do_sample=False)[0, len(prompt) :].tolist()
+    assert [first, *tfa.continue_generation(model, snap, 0, 6)] == unmoved
+    assert len(set(unmoved)) > 2
+
+
+def test_one_tensor_parallel_ranks_heads_are_refused_with_the_way_to_join_them() -> None:
+    """A rank's slice of the KV heads (snapshot.heads) is not the model's KV, whatever its fingerprint says."""
+    model = tiny_llama()
+    prompt = [1, 5, 9, 12, 7, 3]
+    pkv, first = prefill(model, prompt)
+    snap = tfa.from_transformers(pkv, [[*prompt, first]])  # no fingerprint: the pools' 2 heads fit the model
+    part = replace(snap, heads=hv.HeadRange(0, 2, 4))  # ...but they are heads 0..1 of another model's 4
+    assert part.validate().ok
+    with pytest.raises(
+        hv.HurrayFormatError, match=r"heads 0\.\.1 of 4 .*concat_heads.*4 KV heads, the model has 2"
+    ) as err:
+        tfa.continue_generation(model, part, 0, 3)
+    assert err.value.field == "fingerprint"
+    # Of the model with 4 KV heads, fingerprint and all: the slice, not the head count, is what is wrong.
+    four = tiny_llama(num_key_value_heads=4, architectures=["LlamaForCausalLM"]).config
+    fp = hv.ModelFingerprint("LlamaForCausalLM", 2, 4, 16, "float32")
+    with pytest.raises(hv.HurrayFormatError, match=r"tensor-parallel rank's part\); join .*concat_heads"):
+        tfa.to_dynamic_cache(replace(part, fingerprint=fp), 0, model_config=four)
+    # Every head, recorded as such: accepted.
+    assert tfa.continue_generation(model, replace(snap, heads=hv.HeadRange(0, 2, 2)), 0, 3) == tfa.continue_generation(
+        model, snap, 0, 3
+    )
+
+
+def test_caller_mistakes_are_argument_errors_naming_the_argument() -> None:
+    """The caller's indices and options: HurrayArgumentError (and still a HurrayFormatError or IndexError where
+    they were one), never a bare IndexError from deep inside."""
+    from synthetic import make_snapshot
+
+    snap = make_snapshot([6], [0], 4, heads=2, dim=8, dtype=torch.float32, layers=1)
+    for call, field in [
+        (lambda: tfa.sequence_kv(snap, 5, 0), "seq"),
+        (lambda: tfa.sequence_kv(snap, -1, 0), "seq"),
+        (lambda: tfa.to_dynamic_cache(snap, -1), "seq"),
+        (lambda: tfa.sequence_kv(snap, 0, 3), "layer"),
+        (lambda: tfa.sequence_kv(snap, 0, 0, length=7), "length"),
+        (lambda: tfa.to_dynamic_cache(snap, 0, length=99), "length"),
+    ]:
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            call()
+        assert err.value.field == field, err.value
+        if field == "seq":
+            assert isinstance(err.value, IndexError)  # what it was before
+    k = torch.randn(1, 2, 5, 8)
+    for kw, field in [
+        ({"page_size": 0}, "page_size"),
+        ({"dtype": torch.int8}, "dtype"),
+        ({"request_ids": ["a", "b"]}, "request_ids"),
+        ({"seq_lens": [5, 5]}, "seq_lens"),
+        ({"attention_mask": torch.ones(1, 4)}, "attention_mask"),
+    ]:
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            tfa.from_transformers([(k, k)], [[1] * 5], **kw)
+        assert err.value.field == field, err.value
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        tfa.continue_generation(tiny_llama(), snap, 0, -1)
+    assert err.value.field == "max_new_tokens"
+
+
+def test_sequence_kv_validates_the_snapshot_as_to_dynamic_cache_does() -> None:
+    """A block table entry past the pool: a format error naming it, not an IndexError from index_select."""
+    from synthetic import make_snapshot
+
+    snap = make_snapshot([6], [0], 4, heads=2, dim=8, dtype=torch.float32, layers=1)
+    bt = snap.keys[0].block_table.clone()
+    bt[1] = snap.keys[0].page_pool.shape[0] + 3
+    bad = snap.with_layers([tuple(replace(t, block_table=bt) for t in snap.layer_members()[0])])
+    with pytest.raises(hv.HurrayFormatError, match="sequence_kv") as err:
+        tfa.sequence_kv(bad, 0, 0)
+    assert not isinstance(err.value, hv.HurrayArgumentError)
+
+
+def test_a_model_whose_last_layers_share_kv_round_trips() -> None:
+    """Gemma3n's last num_kv_shared_layers attend over earlier layers' caches and have none of their own:
+    its cache, and so its snapshot, hold the other layers."""
+    tr = require("transformers")
+    torch.manual_seed(0)
+    cfg = tr.Gemma3nTextConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=128, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
+        num_kv_shared_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+        laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+    )  # fmt: skip
+    model = tr.Gemma3nForCausalLM(cfg).eval()
+    assert tfa.config_geometry(cfg).num_layers == 2
+    prompt = [(i * 37 + 11) % 120 + 1 for i in range(7)]
+    pkv, first = prefill(model, prompt)
+    assert len(pkv.layers) == 2
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=cfg)
+    assert snap.num_layers == 2 and snap.fingerprint is not None and snap.fingerprint.num_layers == 2
+    with torch.no_grad():
+        full = model(torch.tensor([[*prompt, first]])).logits[0, -1].float()
+    torch.testing.assert_close(tfa.next_token_logits(model, snap, 0), full, rtol=0, atol=1e-4)
+    unmoved = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt) :].tolist()
+    assert [first, *tfa.continue_generation(model, snap, 0, 4)] == unmoved
+
+
+def test_each_layers_cache_goes_to_its_layers_device() -> None:
+    """A model split across devices (device_map) attends each layer where its weights are: its cache goes there.
+
+    This machine has one device, so the second is ``meta`` (shapes only).
+    """
+    model = tiny_llama()
+    prompt = [1, 5, 9, 12, 7, 3]
+    pkv, first = prefill(model, prompt)
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=model.config)
+    cache = tfa.to_dynamic_cache(snap, 0, model_config=model.config, device=["cpu", "meta"])
+    assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "meta"]
+    assert [layer.values.device.type for layer in cache.layers] == ["cpu", "meta"]
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        tfa.to_dynamic_cache(snap, 0, model_config=model.config, device=["cpu"])
+    assert err.value.field == "device"
+    # The model's own placement, as continue_generation loads it: layer 1's weights on the other device.
+    assert tfa._layer_devices(model) is None  # one device: the cache goes where the first weights are
+    model.model.layers[1].to("meta")
+    assert [d.type for d in tfa._layer_devices(model) or []] == ["cpu", "meta"]
+    cache, *_ = tfa._resume(model, snap, 0)
+    assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "meta"]
+    # A hybrid's states go to their layer's device too.
+    devices = ["cpu", "meta", "cpu", "meta"]
+    cache = tfa.to_dynamic_cache(
+        hybrid_snapshot(), 0, model_config=qwen3_next_config(), architecture="Qwen3NextForCausalLM", device=devices
+    )
+    assert cache.layers[1].conv_states[0].device.type == "meta" and cache.layers[2].conv_states[0].device.type == "cpu"
+    assert cache.layers[3].keys.device.type == "meta"
+
+
+def test_without_dtype_the_cache_takes_the_models_dtype_from_its_config() -> None:
+    """A float32 snapshot for a bf16 model: a cache in the pools' dtype would fail the model's attention."""
+    model = tiny_llama()
+    prompt = [1, 5, 9, 12, 7, 3]
+    pkv, first = prefill(model, prompt)
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=model.config)  # float32 pools
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    cache = tfa.to_dynamic_cache(snap, 0, model_config=model.config)
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[first]]), position_ids=torch.tensor([[6]]), past_key_values=cache)
+    model.config.dtype = "float16"  # as a config read from JSON names it
+    assert tfa.to_dynamic_cache(snap, 0, model_config=model.config).layers[0].keys.dtype == torch.float16
+    assert tfa.to_dynamic_cache(snap, 0).layers[0].keys.dtype == torch.float32  # without a config: the pools'

@@ -84,8 +84,28 @@ def test_expand_latent_equals_the_models_own_decompression(mla_model: Any) -> No
         assert k.shape == (4, len(PROMPT), 32) and v.shape == (4, len(PROMPT), 16)
         torch.testing.assert_close(k, k_ref[0], rtol=0, atol=0)
         torch.testing.assert_close(v, v_ref[0], rtol=0, atol=0)
-    with pytest.raises(hv.HurrayFormatError, match="model"):
+    with pytest.raises(hv.HurrayArgumentError, match="the model has 2 MLA layers") as err:  # the caller's index
         tfa.expand_latent(mla_model, snap, 0, 2)
+    assert err.value.field == "layer"
+    with pytest.raises(hv.HurrayArgumentError) as seq_err:
+        tfa.expand_latent(mla_model, snap, 1, 0)
+    assert seq_err.value.field == "seq" and isinstance(seq_err.value, IndexError)
+
+
+def test_expand_latent_decompresses_on_the_layers_own_device(mla_model: Any) -> None:
+    """A model split across devices (device_map): each layer's kv_b_proj computes where its weights are.
+
+    This machine has one device, so the second is ``meta`` (shapes only): layer 1 moved there.
+    """
+    import copy
+
+    pkv, first = _prefill(mla_model, PROMPT)
+    snap = tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=mla_model.config, page_size=8)
+    split = copy.deepcopy(mla_model)
+    split.model.layers[1].to("meta")
+    k, v = tfa.expand_latent(split, snap, 0, 1)
+    assert k.device.type == "meta" and v.device.type == "meta" and k.shape == (4, len(PROMPT), 32)
+    assert tfa.expand_latent(split, snap, 0, 0)[0].device.type == "cpu"
 
 
 def test_latents_and_key_values_do_not_mix(mla_model: Any, hf_model: Any) -> None:
