@@ -564,7 +564,8 @@ class BlockPagedTensor:
                 )
         dtype = dtypes.torch_dtype(desc.type_tag)
         _, heads, dim = desc.shape
-        pool = buffers[0].view(dtype).view(bp.num_pages, bp.page_size, heads, dim)
+        # A view where the bytes allow it; a copy where they start off the type's alignment.
+        pool = dtypes.aligned_bytes(buffers[0], dtype.itemsize).view(dtype).view(bp.num_pages, bp.page_size, heads, dim)
         wide = torch.uint64 if bp.index_type_tag == 1 else torch.uint32
         found = checked.violations
         sizes_ok = not found or not any(

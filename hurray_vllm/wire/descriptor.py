@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field, replace
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 
 __all__ = [
     "MAGIC",
@@ -259,6 +259,9 @@ class TensorDescriptor:
     version_minor: int = VERSION_MINOR
     #: Flag bits 5..31 as found on the wire (must be zero; kept for validation).
     reserved_flags: int = 0
+    #: Bytes after the last field this reader knows, in a descriptor of a newer minor version
+    #: (``versioning.md``: a reader skips them by ``descriptor_length``); written back as found.
+    trailing: bytes = b""
 
     @property
     def flags(self) -> int:
@@ -373,10 +376,132 @@ def layer_index_offset(d: TensorDescriptor) -> int:
     return FIXED_HEADER_LEN + 8 * len(d.shape) + 8 + struct.calcsize("<IQIIB")
 
 
+_U8, _U16, _U32, _U64 = 0xFF, 0xFFFF, 0xFFFFFFFF, (1 << 64) - 1
+
+
+def _unsigned(field: str, value: object, top: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+        raise HurrayArgumentError(field, f"{value!r} is not an integer in 0..{top}")
+
+
+def _sized(field: str, value: bytes, n: int) -> None:
+    if len(value) != n:
+        raise HurrayArgumentError(field, f"must be {n} bytes, got {len(value)}")
+
+
+def _check_quantization(q: Quantization) -> None:
+    if isinstance(q, RawQuantization):
+        try:
+            decode_quantization(q.data)
+        except HurrayFormatError as exc:
+            raise HurrayArgumentError("quantization", f"raw section cannot be read back: {exc}") from None
+        return
+    _unsigned("quantization.scheme_version", q.scheme_version, _U8)
+    _sized("quantization.reserved", q.reserved, 4 if isinstance(q, PerTensorAffine) else 3)
+    if isinstance(q, PerTensorAffine):
+        _unsigned("quantization.flags", q.flags, _U16)
+        if not isinstance(q.zero_point, int) or not -(1 << 31) <= q.zero_point < 1 << 31:
+            raise HurrayArgumentError("quantization.zero_point", f"{q.zero_point!r} is not an int32")
+        try:
+            struct.pack("<f", q.scale)
+        except (OverflowError, struct.error) as exc:
+            raise HurrayArgumentError("quantization.scale", f"{q.scale!r} is not a float32: {exc}") from None
+        return
+    if q.flags is not None:
+        _unsigned("quantization.flags", q.flags, _U16)
+    _unsigned("quantization.axis", q.axis, _U32)
+    _unsigned("quantization.scale_buffer_index", q.scale_buffer_index, _U32)
+    if q.zero_point_buffer_index is not None:  # 0xFFFFFFFF is how the wire says None
+        _unsigned("quantization.zero_point_buffer_index", q.zero_point_buffer_index, NO_BUFFER - 1)
+    _unsigned("quantization.scale_type", q.scale_type_tag, _U8)
+    if isinstance(q, PerBlockAffine):
+        _unsigned("quantization.block_size", q.block_size, _U32)
+
+
+def _check_layout(d: TensorDescriptor) -> None:
+    lay = d.layout
+    if isinstance(lay, BlockPagedFields) != (d.layout_tag == LAYOUT_BLOCK_PAGED) or isinstance(
+        lay, CompositeFields
+    ) != (d.layout_tag == LAYOUT_COMPOSITE):
+        raise HurrayArgumentError("layout_tag", f"0x{d.layout_tag:02X} does not match {type(lay).__name__}")
+    if isinstance(lay, BlockPagedFields):
+        _unsigned("page_size", lay.page_size, _U32)
+        _unsigned("num_pages", lay.num_pages, _U64)
+        _unsigned("paged_axis", lay.paged_axis, _U32)
+        _unsigned("num_seqs", lay.num_seqs, _U32)
+        _unsigned("kv_role", lay.kv_role_tag, _U8)
+        if lay.layer_index is not None:  # 0xFFFFFFFF is how the wire says None
+            _unsigned("layer_index", lay.layer_index, LAYER_INDEX_NONE - 1)
+        _unsigned("block_table_index_type", lay.index_type_tag, _U8)
+        _sized("block_paged.reserved", lay.reserved, 6)
+    elif isinstance(lay, CompositeFields):
+        _unsigned("composite.rule", lay.rule_tag, _U8)
+        _unsigned("composite.combine_op", lay.combine_op, _U8)
+        _sized("composite.reserved", lay.reserved, 2)
+        _unsigned("composite.member_count", lay.member_count, _U32)
+    else:
+        c = _Cursor(lay.data, 0, len(lay.data))
+        try:
+            _decode_layout(c, d.layout_tag, len(d.shape))
+        except HurrayFormatError as exc:
+            raise HurrayArgumentError("layout", f"layout fields cannot be read back: {exc}") from None
+        if c.pos != len(lay.data):
+            raise HurrayArgumentError("layout", f"{len(lay.data)} bytes of layout fields; the layout reads {c.pos}")
+
+
+def _check_encodable(d: TensorDescriptor) -> None:
+    """What :func:`encode_descriptor` refuses: values the wire cannot hold, or bytes it could not read back."""
+    _unsigned("version_major", d.version_major, _U8)
+    _unsigned("version_minor", d.version_minor, _U8)
+    _unsigned("type_tag", d.type_tag, _U8)
+    _unsigned("layout_tag", d.layout_tag, _U8)
+    if len(d.shape) > MAX_RANK:
+        raise HurrayArgumentError("rank", f"rank {len(d.shape)} exceeds the normative cap of {MAX_RANK}")
+    for k, n in enumerate(d.shape):
+        _unsigned(f"shape[{k}]", n, _U64)
+    _unsigned("byte_offset", d.byte_offset, _U64)
+    if not isinstance(d.reserved_flags, int) or d.reserved_flags & KNOWN_FLAGS or not 0 <= d.reserved_flags <= _U32:
+        raise HurrayArgumentError("flags.reserved", f"{d.reserved_flags!r} is not within flag bits 5..31")
+    _check_layout(d)
+    for i, b in enumerate(d.buffers):
+        _unsigned(f"buffers[{i}].byte_size", b.byte_size, _U64)
+        _unsigned(f"buffers[{i}].alignment", b.alignment, _U32)
+        for name in ("device_tag", "sync_mode", "memory_class", "reserved"):
+            _unsigned(f"buffers[{i}].{name}", getattr(b, name), _U8)
+    if d.quantization is not None:
+        _check_quantization(d.quantization)
+    if d.shard is not None:
+        for name, v in (("parent_shape", d.shard.parent_shape), ("shard_offset", d.shard.shard_offset)):
+            if len(v) != len(d.shape):
+                raise HurrayArgumentError(f"shard.{name}", f"{len(v)} entries for rank {len(d.shape)}")
+            for k, n in enumerate(v):
+                _unsigned(f"shard.{name}[{k}]", n, _U64)
+    if d.statistics is not None:
+        _sized("statistics", d.statistics, 72)
+    if d.extension_type is not None:
+        _sized("extension_type", d.extension_type, 20)
+    if d.composite_member is not None:
+        _sized("composite_member", d.composite_member, 16)
+    if d.trailing and not (d.version_major == VERSION_MAJOR and d.version_minor > VERSION_MINOR):
+        raise HurrayArgumentError(
+            "trailing",
+            f"trailing bytes are only readable in a descriptor newer than {VERSION_MAJOR}.{VERSION_MINOR}, "
+            f"this one is {d.version_major}.{d.version_minor}",
+        )
+
+
 def encode_descriptor(d: TensorDescriptor) -> bytes:
-    """Encode ``d`` to its wire bytes, byte-identical to the reference writer."""
+    """Encode ``d`` to its wire bytes, byte-identical to the reference writer.
+
+    Raises:
+        HurrayArgumentError: (naming the field) a value the wire cannot hold (a shape above
+            2**64-1, a layer index of 0xFFFFFFFF, which the wire reserves for "none"), or a
+            section of the wrong length: what would encode bytes no reader can read back.
+        HurrayFormatError: (``buffer_count``) more than 255 buffers.
+    """
     if len(d.buffers) > 255:
         raise HurrayFormatError("buffer_count", f"{len(d.buffers)} buffers; the wire limit is 255")
+    _check_encodable(d)
     parts = [
         struct.pack(f"<{len(d.shape)}Q", *d.shape),
         struct.pack("<Q", d.byte_offset),
@@ -399,8 +524,11 @@ def encode_descriptor(d: TensorDescriptor) -> bytes:
         parts.append(d.extension_type)
     if d.composite_member is not None:
         parts.append(d.composite_member)
+    parts.append(d.trailing)
     body = b"".join(parts)
     total = FIXED_HEADER_LEN + len(body)
+    if total > _U32:
+        raise HurrayArgumentError("descriptor_length", f"{total} bytes do not fit the uint32 descriptor_length")
     header = MAGIC + struct.pack(
         "<BBIIBBI", d.version_major, d.version_minor, total, d.flags, d.type_tag, d.layout_tag, len(d.shape)
     )
@@ -450,7 +578,8 @@ def peek_descriptor_length(head: bytes | memoryview) -> int:
         raise HurrayFormatError("descriptor_length", f"{length} is below the 20-byte minimum")
     if length > MAX_DESCRIPTOR_LEN:
         raise HurrayFormatError(
-            "descriptor_length", f"{length} bytes exceeds the {MAX_DESCRIPTOR_LEN}-byte limit for one descriptor"
+            "descriptor_length",
+            f"descriptor_length {length} exceeds this reader's {MAX_DESCRIPTOR_LEN}-byte limit for one descriptor",
         )
     return length
 
@@ -606,7 +735,12 @@ def decode_descriptor(buf: bytes | bytearray | memoryview, offset: int = 0) -> T
     stats = c.take(72, "statistics") if flags & FLAG_HAS_STATISTICS else None
     ext = c.take(20, "extension_type") if flags & FLAG_HAS_EXTENSION_TYPE else None
     member = c.take(16, "composite_member") if flags & FLAG_HAS_COMPOSITE_MEMBER else None
-    if c.pos != end:
+    trailing = b""
+    if vmaj_vmin[0] == VERSION_MAJOR and vmaj_vmin[1] > VERSION_MINOR:
+        # versioning.md § Reader Behaviour: a reader older in minor version skips what it does not
+        # know by descriptor_length; kept, so that convert writes the descriptor back unchanged.
+        trailing = c.take(end - c.pos, "trailing")
+    elif c.pos != end:
         raise HurrayFormatError(
             "descriptor_length", f"declares {length} bytes but its fields end after {c.pos - offset}"
         )
@@ -625,4 +759,5 @@ def decode_descriptor(buf: bytes | bytearray | memoryview, offset: int = 0) -> T
         version_major=vmaj_vmin[0],
         version_minor=vmaj_vmin[1],
         reserved_flags=flags & ~KNOWN_FLAGS,
+        trailing=trailing,
     )

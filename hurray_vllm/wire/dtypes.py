@@ -8,7 +8,7 @@ import torch
 
 from ..errors import HurrayFormatError
 
-__all__ = ["ElementType", "element_type", "from_torch", "from_tag", "torch_dtype", "widen_index"]
+__all__ = ["ElementType", "aligned_bytes", "element_type", "from_torch", "from_tag", "torch_dtype", "widen_index"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,17 @@ def torch_dtype(tag: int) -> torch.dtype:
     return et.torch
 
 
+def aligned_bytes(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """``raw`` (uint8) ready for ``.view()`` as a ``width``-byte type: itself, or a contiguous copy.
+
+    torch views a uint8 tensor as a wider type only where its storage offset is a multiple of
+    the width (a slice of a file's bytes at offset 133, say): such a slice is copied instead.
+    """
+    if raw.is_contiguous() and raw.storage_offset() * raw.element_size() % width == 0:
+        return raw
+    return torch.empty_like(raw, memory_format=torch.contiguous_format).copy_(raw)
+
+
 def widen_index(raw: torch.Tensor, wire: torch.dtype, name: str = "block_table.page_id") -> torch.Tensor:
     """An index buffer's bytes as int64 values.
 
@@ -123,6 +134,7 @@ def widen_index(raw: torch.Tensor, wire: torch.dtype, name: str = "block_table.p
     """
     if raw.numel() == 0:
         return torch.empty(0, dtype=torch.int64)
+    raw = aligned_bytes(raw, 4 if wire == torch.uint32 else 8)
     if wire == torch.uint32:
         return raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     out = raw.view(torch.int64).clone()

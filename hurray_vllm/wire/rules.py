@@ -66,6 +66,15 @@ _STRUCTURAL = frozenset(
         "shape.total_tokens",
         "type_tag",
         "composite.buffer_count",
+        # Not waived: versioning.md has a reader refuse flag bits it does not know (pyhurray does,
+        # in every mode); metadata.md has a reader refuse a shard out of its parent; block-paged.md
+        # has it refuse a shard on a block-paged tensor, which nothing here could read.
+        "flags.reserved",
+        "shard",
+        "shard.bounds",
+        # Not a rule of a descriptor but of reading its data: check_own (what from_wire and the
+        # row-major readers call) adds it; validate_descriptor, which descriptor tools use, does not.
+        "quantization.unsupported",
         # Not rules of a descriptor, but of a snapshot in memory, which the snapshot reader refuses (or
         # would read otherwise) in every mode: layer i saying another layer, a header json cannot write.
         "layer_index",
@@ -90,6 +99,7 @@ _DEVICE_CPU = 0x00
 # Valid storage types per scheme (quantization/*.md § Valid Storage Types).
 _BLOCK_STORAGE = frozenset({0x10, 0x11, 0x48, 0x49, 0x4A, 0x4B})
 _AFFINE_STORAGE = _BLOCK_STORAGE | {0x12, 0x13, 0x14, 0x15}
+_SIGNED_STORAGE = frozenset({0x10, 0x12, 0x14, 0x48, 0x4A})
 
 
 @dataclass(frozen=True)
@@ -172,11 +182,23 @@ def _remember(d: TensorDescriptor, permissive: bool, checked: Checked) -> None:
 
 
 def check_own(d: TensorDescriptor, *, permissive: bool = False) -> Checked:
-    """``validate_descriptor(d)`` without buffers; free for a descriptor :func:`decode_checked` returned."""
+    """``validate_descriptor(d)`` without buffers, for a reader about to view ``d``'s data.
+
+    Free for a descriptor :func:`decode_checked` returned. Adds what no mode lets a reader
+    dereference: a quantization scheme hurray-vllm does not model (``quantization.unsupported``).
+    """
     hit = _VERDICTS.get((id(d), permissive))
-    if hit is not None and hit[0]() is d:
-        return hit[1]
-    return validate_descriptor(d, permissive=permissive)
+    checked = hit[1] if hit is not None and hit[0]() is d else validate_descriptor(d, permissive=permissive)
+    if isinstance(d.quantization, RawQuantization):
+        # quantization.md: a reader that does not model the scheme "MUST NOT dereference the tensor
+        # data buffer", permissive or not. Descriptor-level tools (inspect, convert) call
+        # validate_descriptor, which leaves this out, and may still carry such a descriptor.
+        unsupported = Violation(
+            "quantization.unsupported",
+            f"scheme 0x{d.quantization.scheme_tag:02X} is not one hurray-vllm models: its data cannot be read",
+        )
+        return Checked((*checked.violations, unsupported), checked.permissive, checked.unreadable)
+    return checked
 
 
 def decode_checked(raw: bytes | bytearray | memoryview, context: str, *, permissive: bool = False) -> TensorDescriptor:
@@ -195,8 +217,21 @@ def _common(d: TensorDescriptor, out: list[Violation]) -> None:
         out.append(
             Violation("flags.extension_type", "HAS_EXTENSION_TYPE must be set exactly when type_tag is 0xF0-0xFE")
         )
-    if not ext_range and not dtypes.is_known_tag(d.type_tag) and d.layout_tag != LAYOUT_COMPOSITE:
+    if not ext_range and not dtypes.is_known_tag(d.type_tag):
+        # Composite heads too: their type_tag may be advisory, but element-types.md has a reader refuse
+        # 0x00 and 0xFF and give no meaning to the reserved tags (pyhurray refuses them on any head).
         out.append(Violation("type_tag", f"unknown element type tag 0x{d.type_tag:02X}"))
+    if not d.buffers and d.layout_tag not in (LAYOUT_COMPOSITE, LAYOUT_BLOCK_PAGED):  # block-paged: needs 3
+        out.append(Violation("buffer_count", "buffer_count is 0; every layout but a composite head needs a buffer"))
+    if d.shard is not None:
+        for k, (n, off, parent) in enumerate(zip(d.shape, d.shard.shard_offset, d.shard.parent_shape, strict=False)):
+            if off + n > parent:  # Python ints: no uint64 wraparound lets an offset near 2**64 pass
+                out.append(
+                    Violation(
+                        "shard.bounds", f"shard out of bounds on dim {k}: offset {off} + size {n} > parent {parent}"
+                    )
+                )
+                break
     for i, b in enumerate(d.buffers):
         if b.alignment == 0 or b.alignment & (b.alignment - 1) or (b.byte_size and b.alignment < 64):
             out.append(
@@ -326,8 +361,10 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
         else:
             out.append(Violation("quantization.scheme_tag", f"unsupported quantization scheme 0x{tag:02X}"))
         return
-    if q.scheme_version > 1:
-        out.append(Violation("quantization.scheme_version", f"version {q.scheme_version} is newer than 1"))
+    if q.scheme_version != 1:
+        # Each scheme's table: scheme_version "MUST be 0x01" (quantization.md: reject one newer than 1;
+        # 0 was never defined).
+        out.append(Violation("quantization.scheme_version", f"scheme_version must be 1, found {q.scheme_version}"))
     allowed = _BLOCK_STORAGE if isinstance(q, PerBlockAffine) else _AFFINE_STORAGE
     if d.type_tag not in allowed:
         out.append(
@@ -351,8 +388,25 @@ def _quant_sizes(d: TensorDescriptor, out: list[Violation]) -> None:
 
 def _per_tensor(d: TensorDescriptor, q: PerTensorAffine, out: list[Violation]) -> None:
     """Per-tensor affine: a finite non-zero inline scale, nothing reserved, no parameter buffers."""
-    if not math.isfinite(q.scale) or q.scale == 0:
-        out.append(Violation("quantization.scale", f"per-tensor scale must be finite and non-zero, got {q.scale}"))
+    try:  # the scale travels as a float32: 1e39 does not fit one, 1e-50 becomes 0
+        scale32 = struct.unpack("<f", struct.pack("<f", q.scale))[0]
+    except (OverflowError, struct.error, TypeError):
+        scale32 = math.inf
+    if not math.isfinite(scale32) or scale32 == 0:
+        out.append(
+            Violation("quantization.scale", f"per-tensor scale must be a finite non-zero float32, got {q.scale}")
+        )
+    if d.type_tag in _AFFINE_STORAGE and dtypes.is_known_tag(d.type_tag):
+        bits = dtypes.from_tag(d.type_tag).bits
+        signed = d.type_tag in _SIGNED_STORAGE
+        lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+        if not lo <= q.zero_point <= hi:
+            out.append(
+                Violation(
+                    "quantization.zero_point",
+                    f"zero_point {q.zero_point} is outside {dtypes.from_tag(d.type_tag).name}'s range [{lo}, {hi}]",
+                )
+            )
     if q.flags or any(q.reserved):
         out.append(Violation("quantization.reserved", "per-tensor flags and reserved bytes must be zero"))
     if len(d.buffers) != 3:

@@ -503,8 +503,11 @@ def test_a_huge_dimension_of_an_empty_record_is_named_not_a_torch_error() -> Non
 # ── permissive reads agree with permissive validation ─────────────────────────
 
 
-def _bare_uint64_layer(table: bytes, ptr: bytes, reserved_flags: int = 0) -> bytes:
-    """A bare stream (no header) of layer 0's key and value: uint64 indices, one page, one sequence."""
+def _bare_uint64_layer(table: bytes, ptr: bytes, waived: int = 0) -> bytes:
+    """A bare stream (no header) of layer 0's key and value: uint64 indices, one page, one sequence.
+
+    ``waived``: the pool buffer's reserved byte (``buffers.reserved``, a rule permissive reads waive).
+    """
     from hurray_vllm.wire.descriptor import LAYOUT_BLOCK_PAGED, BlockPagedFields, BufferHandle, TensorDescriptor
 
     pool = torch.zeros(2 * 1 * 4, dtype=torch.float16)  # 1 page of 2 tokens, 1 head of 4
@@ -517,8 +520,11 @@ def _bare_uint64_layer(table: bytes, ptr: bytes, reserved_flags: int = 0) -> byt
             layout=BlockPagedFields(
                 page_size=2, num_pages=1, num_seqs=1, kv_role_tag=role, layer_index=0, index_type_tag=0x01
             ),
-            buffers=(BufferHandle(16, 64, 0), BufferHandle(len(table), 64, 0), BufferHandle(len(ptr), 64, 0)),
-            reserved_flags=reserved_flags,
+            buffers=(
+                BufferHandle(16, 64, 0, reserved=waived),
+                BufferHandle(len(table), 64, 0),
+                BufferHandle(len(ptr), 64, 0),
+            ),
         )
         bufs = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in (table, ptr)]
         records.append(Record("", d, [pool, *bufs]))
@@ -537,30 +543,33 @@ def test_a_uint64_index_no_int64_holds_is_structural(tmp_path: Path, table: byte
     """Found by a review: the error was named ``block_table``, not a structural rule, so a permissive validate
     called ok a file permissive load refuses; and it hid the record's other violations."""
     path = tmp_path / "bare.hrrs"
-    path.write_bytes(_bare_uint64_layer(table, ptr, reserved_flags=1 << 7))
+    path.write_bytes(_bare_uint64_layer(table, ptr, waived=1))
     for permissive in (False, True):
         checked = hv.validate(path, permissive=permissive)
         assert not checked.ok
         found = {v.invariant for v in checked.violations}
         assert field in found
-        assert "flags.reserved" in found  # the descriptor's own rules are reported too
+        assert "buffers.reserved" in found  # the descriptor's own rules are reported too
         with pytest.raises(hv.HurrayFormatError) as err:
             hv.load(path, permissive=permissive)
-        # Strict: the reserved flag first. Permissive: the index, structural, so refused in every mode.
-        assert err.value.field in (("block_table.page_id", "seq_ptr.last") if permissive else ("flags.reserved",))
+        # Strict: the reserved byte first. Permissive: the index, structural, so refused in every mode.
+        assert err.value.field in (("block_table.page_id", "seq_ptr.last") if permissive else ("buffers.reserved",))
 
 
 def _with_reserved_flag(snap: KVSnapshot, target: str) -> bytes:
+    """``snap``'s stream with ``target``'s first buffer's reserved byte set: a waivable rule (``buffers.reserved``).
+
+    Was a reserved flag bit, which the spec refuses in every mode (``flags.reserved`` is structural now).
+    """
     from dataclasses import replace
 
     recs = list(snapshot_records(snap))
     assert any(r.name == target for r in recs)
-    return _stream_of(
-        [
-            Record(r.name, replace(r.descriptor, reserved_flags=1 << 7), r.buffers) if r.name == target else r
-            for r in recs
-        ]
-    )
+
+    def waived(d):  # type: ignore[no-untyped-def]
+        return replace(d, buffers=(replace(d.buffers[0], reserved=1), *d.buffers[1:]))
+
+    return _stream_of([Record(r.name, waived(r.descriptor), r.buffers) if r.name == target else r for r in recs])
 
 
 def _hybrid() -> KVSnapshot:
@@ -599,12 +608,12 @@ def test_a_permissive_load_waives_a_row_major_records_waivable_rules(tmp_path: P
     path.write_bytes(_with_reserved_flag(snap, target))
     with pytest.raises(hv.HurrayFormatError) as err:
         hv.load(path)
-    assert err.value.field == "flags.reserved"
+    assert err.value.field == "buffers.reserved"
     assert not hv.validate(path).ok
     back = hv.load(path, permissive=True)
     assert back.token_ids == snap.token_ids and back.num_layers == snap.num_layers
     checked = hv.validate(path, permissive=True)
-    assert checked.ok and "flags.reserved" in {v.invariant for v in checked.violations}
+    assert checked.ok and "buffers.reserved" in {v.invariant for v in checked.violations}
 
 
 @pytest.mark.parametrize("fmt", [".hrrs", ".hrry", ".safetensors"])
