@@ -59,7 +59,8 @@ examples:
                                                one OpenAI endpoint over vLLM servers: routing, migration, failover
 
 exit status:
-  0    success (validate: the file is valid, as load reads it; fsck: every chunk is good)
+  0    success (validate: the file is valid, as load reads it; fsck: every chunk is good, verifiable
+       here and, with --key-file, signed with one of the keys)
   1    the data or the operation failed: an invalid file (the line says which field), a damaged chunk,
        a demo check FAILED, a server that could not be reached or answered wrongly, a permission
   2    a bad call: an option refused, a path that is missing, a directory, pipe or device given for a
@@ -167,6 +168,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     fmt = detect_format(args.path)
     try:
         rows = list(_rows(iter_nodes(args.path, permissive=True)))
+    except HurrayArgumentError:  # the safetensors package missing: the install's error, not the file's
+        raise
     except (*PARSE_ERRORS, MemoryError) as exc:  # load's contract: one error type, and memory is not the data's
         raise read_error(exc, str(args.path)) from exc
     if args.json:
@@ -242,6 +245,14 @@ def _chunk_name(path: Path) -> tuple[str, str] | None:
     return ns, path.name.removesuffix(".hrry")
 
 
+def _safetensors_file(path: str) -> bool:
+    """Whether ``path`` is a safetensors file by its magic (what is neither, or unreadable, is validate's finding)."""
+    try:
+        return detect_format(path) == "safetensors"
+    except (HurrayFormatError, OSError):
+        return False
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm validate``: print each violation; returns 0 if the file is valid, else 1."""
     keys = _keys(args)
@@ -251,6 +262,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise HurrayArgumentError(
             "key_file", f"{args.path} is not a chunk file of a store (DIR/<namespace>/<key>.hrry): no MAC to check"
         )
+    if _safetensors_file(args.path):
+        from ..containers.safetensors import _safetensors
+
+        _safetensors()  # without the package: the install's error (exit 2), not a verdict on the file
     # validate == load: KV that load refuses (a lone key record, a layer missing) is not valid (hv.validate).
     checked = validate(args.path, permissive=args.permissive)
     blocking = set(id(v) for v in checked.errors)
@@ -434,6 +449,11 @@ def cmd_receive(args: argparse.Namespace) -> int:
         ).start()
     except ValueError as exc:  # a limit out of range
         raise HurrayArgumentError("receive", str(exc)) from None
+    except ImportError as exc:  # NixlUnavailableError (--transport nixl without NIXL): the call's, not a bug
+        from ..transport.nixl.agent import INSTALL_HINT
+
+        hint = "" if args.transport != "nixl" or INSTALL_HINT in str(exc) else f" (install it with: {INSTALL_HINT})"
+        raise HurrayArgumentError("transport", f"{exc}{hint}") from None
     if not args.quiet:
         where = host_port(receiver.address[0], receiver.address[1])
         channel = "tls" if "tls" in limits else args.transport
@@ -661,7 +681,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    """Run ``hurray-vllm fsck``: verify every chunk file of a store; 0 if all are good, 1 if some are damaged."""
+    """Run ``hurray-vllm fsck``: verify every chunk file of a store; 0 if it is clean (``FsckReport.clean``), else 1."""
     from ..chunks.fsck import fsck
 
     report = fsck(_store_dir(args.dir), quarantine=args.quarantine, keys=_keys(args))
@@ -803,7 +823,10 @@ def build_parser() -> argparse.ArgumentParser:
         "NIXL); a slower sender is disconnected (default 60)",
     )
     s.add_argument(
-        "--idle-timeout", type=_seconds, default=120.0, help="seconds a connection may stay silent between chunks"
+        "--idle-timeout",
+        type=_seconds,
+        default=120.0,
+        help="seconds a connection may stay silent between chunks (default 120)",
     )
     _add_key_file(
         s,
@@ -834,7 +857,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fsck",
         help="verify every chunk file of a store; optionally move the damaged ones aside",
         description="Reads and verifies every chunk file as a consumer would (name, format, model namespace, "
-        "KV heads, checksum). Exit 0 if all are good, 1 if some are damaged. Safe while engines use the store. "
+        "KV heads, checksum). Exit 0 if all are good, 1 if any is damaged or not verifiable here (and, with "
+        "--key-file, unsigned or signed with a key not given). Safe while engines use the store. "
         "Example: hurray-vllm fsck /var/cache/hurray --quarantine",
     )
     s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayFormatError, ImportArgumentError
 from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import FUSED_ROLES, KV_ROLES, KVSnapshot
 from ..wire import dtypes
@@ -52,10 +52,17 @@ __all__ = ["save_safetensors", "load_safetensors"]
 
 
 def _safetensors() -> Any:
+    """``safetensors.torch``; without the package, an argument error (the install, not the file, is wrong).
+
+    An :class:`~hurray_vllm.errors.ImportArgumentError`: a :class:`~hurray_vllm.errors.HurrayArgumentError`
+    (the CLI's exit 2) that the readers' boundaries pass on unchanged (they re-raise a ``HurrayFormatError``,
+    and would call any other ``ValueError`` malformed input), and that ``except HurrayFormatError`` written
+    against 0.1, when this was a format error, still catches.
+    """
     try:
         import safetensors.torch as st
     except ImportError:
-        raise HurrayFormatError(
+        raise ImportArgumentError(
             "safetensors",
             "the safetensors package is needed for .safetensors files: pip install 'hurray-vllm[safetensors]'",
         ) from None

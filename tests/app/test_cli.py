@@ -229,6 +229,31 @@ def test_receiver_limits_out_of_range_are_one_line(files: Path, capsys: pytest.C
     assert "max_connections=0" in err and "Traceback" not in err
 
 
+def test_receive_over_nixl_without_nixl_is_a_usage_error(
+    files: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: NixlUnavailableError (an ImportError) got past cmd_receive as an internal error (exit 3)."""
+    import hurray_vllm.transport as transport
+    from hurray_vllm.transport.nixl import agent
+
+    def no_nixl() -> Any:
+        raise agent.NixlUnavailableError(f"the NIXL transport needs NIXL, which is not installed: {agent.INSTALL_HINT}")
+
+    monkeypatch.setattr(agent, "load_nixl", no_nixl)  # as if NIXL were not installed, where it is
+    argv = ["receive", "--transport", "nixl", "--listen", "127.0.0.1:0", "--dir", str(files), "-q"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hurray-vllm: transport: ") and agent.INSTALL_HINT in err and "internal error" not in err
+
+    def factory(*args: Any, **kwargs: Any) -> Any:  # the channel factory, its message without the install command
+        raise agent.NixlUnavailableError("no module named nixl")
+
+    monkeypatch.setattr(transport, "receiver_for", factory)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no module named nixl" in err and agent.INSTALL_HINT in err and "internal error" not in err, err
+
+
 def test_bad_files_and_servers_are_one_line(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = [
         ["inspect", str(tmp_path)],  # a directory as input

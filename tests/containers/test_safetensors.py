@@ -259,3 +259,28 @@ def test_a_header_quoting_an_os_error_is_still_a_data_error(tmp_path: Path) -> N
     with pytest.raises(hv.HurrayFormatError) as exc:
         hv.load(path)
     assert exc.value.field == "safetensors"
+
+
+def test_without_the_safetensors_package_the_install_is_wrong_not_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: a missing package was a HurrayFormatError, `convert x.hrry y.safetensors` "invalid input"."""
+    require("safetensors")
+    import sys
+
+    written = tmp_path / "s.safetensors"
+    hv.save(spec_example_snapshot(), written)
+    hv.save(spec_example_snapshot(), tmp_path / "s.hrry")
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # as if not installed
+    for call in (lambda: hv.save(spec_example_snapshot(), tmp_path / "t.safetensors"), lambda: hv.load(written)):
+        with pytest.raises(hv.HurrayArgumentError) as exc:
+            call()
+        assert exc.value.field == "safetensors" and "pip install 'hurray-vllm[safetensors]'" in str(exc.value)
+        assert isinstance(exc.value, hv.HurrayFormatError)  # as 0.1 raised it: ImportArgumentError
+    assert main(["convert", "-q", str(tmp_path / "s.hrry"), str(tmp_path / "u.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "invalid input" not in err and "hurray-vllm[safetensors]" in err, err
+    for command in ("inspect", "validate"):
+        assert main([command, str(written)]) == 2
+        captured = capsys.readouterr()
+        assert "hurray-vllm[safetensors]" in captured.err and "invalid" not in captured.out + captured.err, captured

@@ -355,6 +355,44 @@ def test_the_connector_s_shutdown_stops_the_scheduler_s_receiver(tmp_path: Path)
         sched.shutdown()
 
 
+# ── caches the connector cannot serve: refused at start ──────────────────────
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "block_size", "field", "says"),
+    [("fp4", 64, "kv_cache_dtype", "'fp4' is not supported"), ("auto", 128, "block_size", "--block-size 64")],
+)
+def test_caches_the_connector_cannot_serve_are_a_configuration_error_at_registration(
+    cache_dtype: str, block_size: int, field: str, says: str
+) -> None:
+    """Found by a review: docs/connector.md says start refusals are HurrayArgumentError, but register_kv_caches
+    let describe_worker_cache's HurrayFormatError (a verdict on data, for snapshot()) through."""
+    require("vllm")
+    import torch
+
+    from hurray_vllm.adapters.vllm.connector.worker import HurrayWorker
+    from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
+
+    class FlashInferImpl:
+        pass
+
+    layer = SimpleNamespace(kv_cache=None, impl=FlashInferImpl())
+    worker = object.__new__(HurrayWorker)
+    worker._vllm_config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context={"l0": layer}),
+        model_config=SimpleNamespace(use_mla=False, get_head_size=lambda: 16, dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=block_size, kv_cache_layout=None),
+    )
+    worker._layer_groups, worker._kv_cache_config, worker._fingerprint, worker._ec = {}, None, None, None
+    cache = torch.zeros(8, 2, 64, 2, 16, dtype=torch.bfloat16)  # [blocks * 2, K/V, 64 tokens, heads, dim]
+    with pytest.raises(HurrayArgumentError) as info:
+        worker.register_kv_caches({"l0": cache})
+    err = info.value
+    assert err.field == field and says in str(err) and not isinstance(err, HurrayFormatError)
+    assert isinstance(err.__cause__, HurrayFormatError) and str(err) == str(err.__cause__)  # the same words
+    assert worker._ec is None
+
+
 # ── what vLLM is told ────────────────────────────────────────────────────────
 
 

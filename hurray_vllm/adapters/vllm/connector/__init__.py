@@ -59,7 +59,8 @@ Extra config:
   and keeps, by key, so that loading them again (the next turn of a
   conversation, a shared system prompt) neither parses nor checksums their
   files again while the files are unchanged (same inode, size and times).
-  At least 64 and at most an eighth of the process's open-file limit.
+  At most an eighth of the process's open-file limit, and never under 64
+  (a value of 0 or less is 64).
 * ``hurray_verified_mib`` (default 2048): the memory those kept chunks may
   hold (their page pools are read into the process, not mapped); least
   recently used out first. A load's own chunks reach a worker in the

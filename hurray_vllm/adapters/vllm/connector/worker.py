@@ -523,7 +523,15 @@ class HurrayWorker:
         missing = [n for n in names if self._layer_groups and n not in self._layer_groups]
         if missing:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector: layers {missing} are in no KV cache group")
-        self._ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names, self._kv_cache_config)
+        try:
+            ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names, self._kv_cache_config)
+        except HurrayFormatError as exc:
+            if isinstance(exc, HurrayArgumentError):
+                raise
+            # A cache this connector cannot serve (a kv_cache_dtype, per-head fp8 scales, a block size the backend
+            # splits, a drafter's geometry) is the engine's configuration, refused at start as every setting is.
+            raise HurrayArgumentError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from exc
+        self._ec = ec
         self._check_layers(self._ec)
 
     def _check_layers(self, ec: EngineCache) -> None:
