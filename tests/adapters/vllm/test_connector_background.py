@@ -1556,6 +1556,35 @@ def test_a_block_write_that_fails_is_reported_not_raised(tmp_path, monkeypatch: 
     assert worker.get_block_ids_with_load_errors() == {5, 2, 7, 1} and worker.stats.loads_failed == 1
 
 
+def test_late_described_caches_refused_fail_the_load_not_the_engine(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """vLLM may never call register_kv_caches: the worker describes its caches at the first load. A cache it
+    cannot serve then raised out of start_load_kv into vLLM's step (stopping the engine), as a format error;
+    now the load fails (recomputed) and the refusal is the same argument error as at start."""
+    from bare_worker import CHUNK, cpu_worker, stored_at_tp
+
+    import hurray_vllm.adapters.vllm.connector.worker as worker_module
+    from hurray_vllm import HurrayArgumentError, HurrayFormatError
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    parts = [store.parts(ns, k, 2) for k in keys]
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts]  # type: ignore[union-attr]
+    worker = cpu_worker(store, ns)
+    worker._ec, worker._vllm_config, worker._kv_cache_config = None, None, None
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise HurrayFormatError("kv_cache_dtype", "HurrayConnector does not handle this cache")
+
+    monkeypatch.setattr(worker_module, "describe_worker_cache", refused)
+    monkeypatch.setattr(worker_module, "attention_layers", lambda cfg: {})
+    with pytest.raises(HurrayArgumentError) as err:
+        worker._describe([], [])
+    assert err.value.field == "kv_cache_dtype"
+    worker.start_load_kv(HurrayConnectorMetadata(loads=[LoadTask("r", keys, tokens, [5, 2, 7, 1], verified)]))
+    assert worker.get_block_ids_with_load_errors() == {5, 2, 7, 1} and worker.stats.loads_failed == 1
+
+
 def test_a_hybrid_resumes_at_the_furthest_chunk_any_complete_set_of_whose_files_carries_states(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Chunk 0 is stored whole without states (its step ran past its end) and as TP = 2 slices with states;
     chunk 1 whole without states. Only the last chunk found was looked at for a set with states: a prompt

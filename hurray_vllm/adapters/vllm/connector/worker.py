@@ -523,16 +523,24 @@ class HurrayWorker:
         missing = [n for n in names if self._layer_groups and n not in self._layer_groups]
         if missing:
             raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector: layers {missing} are in no KV cache group")
+        self._ec = self._describe([kv_caches[n] for n in names], names)
+
+    def _describe(self, caches: list[torch.Tensor], names: list[str]) -> EngineCache:
+        """The caches described and checked against the scheduler's layer count (:func:`describe_worker_cache`).
+
+        Raises:
+            HurrayArgumentError: a cache this connector cannot serve (a kv_cache_dtype, per-head fp8 scales, a
+                block size the backend splits, a drafter's geometry): the engine's configuration, refused as every
+                setting is, whether at start (:meth:`register_kv_caches`) or at the first load or save.
+        """
         try:
-            ec = describe_worker_cache(self._vllm_config, [kv_caches[n] for n in names], names, self._kv_cache_config)
+            ec = describe_worker_cache(self._vllm_config, caches, names, self._kv_cache_config)
         except HurrayFormatError as exc:
             if isinstance(exc, HurrayArgumentError):
                 raise
-            # A cache this connector cannot serve (a kv_cache_dtype, per-head fp8 scales, a block size the backend
-            # splits, a drafter's geometry) is the engine's configuration, refused at start as every setting is.
             raise HurrayArgumentError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from exc
-        self._ec = ec
-        self._check_layers(self._ec)
+        self._check_layers(ec)
+        return ec
 
     def _check_layers(self, ec: EngineCache) -> None:
         """Refuse caches of another layer count than the scheduler keys chunks by (at start, not at each load).
@@ -552,8 +560,7 @@ class HurrayWorker:
             layers = attention_layers(self._vllm_config)
             names = list(layers)
             caches = [m.kv_cache[0] if isinstance(m.kv_cache, (list, tuple)) else m.kv_cache for m in layers.values()]
-            self._ec = describe_worker_cache(self._vllm_config, caches, names, self._kv_cache_config)
-            self._check_layers(self._ec)
+            self._ec = self._describe(caches, names)
         return self._ec
 
     def start_load_kv(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None = None) -> None:
@@ -572,7 +579,14 @@ class HurrayWorker:
             self.stats.load_s += time.perf_counter() - t0
 
     def _load(self, meta: HurrayConnectorMetadata, forward_context: ForwardContext | None) -> None:
-        ec = self._engine_cache(forward_context)
+        try:
+            ec = self._engine_cache(forward_context)
+        except Exception as exc:  # caches described late (vLLM never registered them) and refused: recompute
+            for task in meta.loads:
+                if task.report:
+                    self._received.add(task.request_id)
+                self._fail(task, exc)
+            return
         for task in meta.loads:
             if task.report:
                 self._received.add(task.request_id)  # done in this step, written or failed
