@@ -55,6 +55,7 @@ bench: install
 	$(BIN)/python scripts/bench_export.py
 	$(BIN)/python scripts/bench_import.py
 	$(BIN)/python scripts/bench_pack.py
+	$(BIN)/python scripts/bench_read.py
 	$(BIN)/python scripts/bench_connector.py
 	$(BIN)/python scripts/bench_transport.py
 	$(BIN)/python scripts/bench_nixl_floor.py

@@ -307,8 +307,10 @@ def instrument(connector: str) -> None:
         _wrap(st.DirectoryStore, "put", "save.store_put")
         _wrap(st, "write_file", "save.store_put.write_file")
         _wrap(os, "fsync", "save.store_put.write_file.fsync")
-        _wrap(st.DirectoryStore, "get", "load.store_get")
-        _wrap(st.ChunkReader, "get", "load.store_get")  # a load's files, each read while the one before is parsed
+        # A load's files, each read while the one before is parsed (the wait for the read), then parsed.
+        _wrap(st.DirectoryStore, "read", "load.store_read")
+        _wrap(st.ChunkReader, "read", "load.store_read")
+        _wrap(hs, "load_chunk", "load.parse")
         _wrap(hw, "verify_chunk", "load.verify_chunk")
         _wrap(hs, "verify_chunk", "load.verify_chunk")
         _wrap(st, "chunk_digest", "load.verify_chunk.chunk_digest")

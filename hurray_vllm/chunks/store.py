@@ -64,7 +64,16 @@ from .prune import PruneReport, take_if_same
 from .signing import FleetKeys, sign_chunk
 from .verify import check_data, verify_chunk  # noqa: F401
 
-__all__ = ["ChunkReader", "ChunkStore", "DirectoryStore", "store_snapshot", "slice_key", "split_slice_key", "ChunkPart"]
+__all__ = [
+    "ChunkPart",
+    "ChunkReader",
+    "ChunkStore",
+    "DirectoryStore",
+    "load_chunk",
+    "slice_key",
+    "split_slice_key",
+    "store_snapshot",
+]
 
 #: The largest chunk file the store reads, in bytes; a larger one is refused (``HurrayFormatError``, field
 #: ``file.size``) before any memory is allocated for it. A chunk of 256 tokens of a 126-layer model with 8 KV
@@ -268,8 +277,22 @@ class DirectoryStore:
                 larger than :data:`MAX_CHUNK_FILE_BYTES` (``file.size``).
             OSError: the file cannot be read (permissions, a symbolic link; ``ENOMEM``: not a verdict on the file).
         """
+        return load_chunk(self.read(namespace, key))
+
+    def read(self, namespace: str, key: str) -> FileBytes:
+        """The bytes of the chunk file under ``key``, checksummed page by page as read, for :func:`load_chunk`.
+
+        What :meth:`get` reads, with its rules and errors for the file (not
+        for its contents): for a caller that checks the chunk's digest next
+        (:func:`~hurray_vllm.chunks.verify.begin_check_data` with ``read=``),
+        which then does not read the pools from memory again.
+
+        Raises:
+            HurrayFormatError: missing (field ``store``), not a regular file (``file``), too large (``file.size``).
+            OSError: as :meth:`get`.
+        """
         try:
-            return _load_chunk(_read_chunk(self.path(namespace, key)))
+            return _read_chunk(self.path(namespace, key))
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 
@@ -282,7 +305,7 @@ def _read_chunk(path: Path) -> FileBytes:
     """Every byte of the chunk file at ``path`` (:meth:`DirectoryStore.get`'s rules), with ``load``'s errors."""
     try:
         _check_namespace_dir(path.parent)
-        return read_whole(path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False)
+        return read_whole(path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False, page_crcs=True)
     except (HurrayFormatError, OSError):
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
@@ -310,10 +333,13 @@ def _check_namespace_dir(directory: Path) -> None:
         raise OSError(errno.ELOOP, "the namespace directory is a symbolic link, not followed", str(directory))
 
 
-def _load_chunk(data: FileBytes) -> KVSnapshot:
-    """The chunk :func:`_read_chunk` read; a file of another format is refused (the store writes ``.hrry`` only).
+def load_chunk(data: FileBytes) -> KVSnapshot:
+    """The chunk :meth:`DirectoryStore.read` read; a file of another format is refused (the store writes ``.hrry``).
 
     ``load_file_bytes`` would take a stream too: the store holds ``.hrry`` files only.
+
+    Raises:
+        HurrayFormatError: as :meth:`DirectoryStore.get` for a malformed file.
     """
     if bytes(data.view[:8]) != FILE_MAGIC:
         raise HurrayFormatError("file.magic", f"{data.path} is not a Hurray file (HRRYFILE)")
@@ -410,15 +436,24 @@ class ChunkReader:
             HurrayFormatError: as :meth:`DirectoryStore.get`.
             OSError: the file cannot be read.
         """
+        return load_chunk(self.read(key))
+
+    def read(self, key: str) -> FileBytes:
+        """The bytes of the chunk file under ``key``, as :meth:`DirectoryStore.read` reads them; the next read starts.
+
+        Raises:
+            HurrayFormatError: as :meth:`DirectoryStore.read`.
+            OSError: the file cannot be read.
+        """
         ahead = self._ahead
         if ahead is None or ahead[0] != key:
             if key in self._keys[self._next :]:  # keys were skipped: read ahead from here on again
                 self._next = self._keys.index(key, self._next) + 1
                 self._read_ahead()
-            return self._store.get(self._ns, key)
+            return self._store.read(self._ns, key)
         self._read_ahead()
         try:
-            return _load_chunk(ahead[1].result())
+            return ahead[1].result()
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self._store.root}") from None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..containers.hrryfile import FileBytes
 from ..errors import HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint
 from ..wire import dtypes
@@ -43,7 +44,11 @@ def check_data(snap: KVSnapshot, keys: FleetKeys | None = None, namespace: str =
 
 
 def begin_check_data(
-    snap: KVSnapshot, keys: FleetKeys | None = None, namespace: str = "", name: str = ""
+    snap: KVSnapshot,
+    keys: FleetKeys | None = None,
+    namespace: str = "",
+    name: str = "",
+    read: FileBytes | None = None,
 ) -> Callable[[], None]:
     """:func:`check_data` in two halves: the header now, the page pools in the callable returned.
 
@@ -51,7 +56,9 @@ def begin_check_data(
     one call feeding OpenSSL's Poly1305 every pool): run it on a helper thread to
     overlap the pools' check with other work, such as reading the next
     chunk. It raises as :func:`check_data` does for data that does not
-    match; a missing, old or foreign digest or MAC raises now.
+    match; a missing, old or foreign digest or MAC raises now. ``read``: the
+    file ``snap`` was parsed from, read with page checksums
+    (:func:`~hurray_vllm.chunks.digest.begin_digest_check`).
 
     Example:
         >>> from hurray_vllm.app.demo import spec_example_snapshot
@@ -62,7 +69,7 @@ def begin_check_data(
     """
     if keys is not None:
         return begin_signature_check(snap, keys, namespace, name)
-    return begin_digest_check(snap)
+    return begin_digest_check(snap, read)
 
 
 def verify_chunk(

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .. import native
 from ..errors import HurrayFormatError
 from ..wire.crc32c import crc32c
 from ..wire.descriptor import LAYOUT_COMPOSITE, TensorDescriptor, encode_descriptor, peek_descriptor_length
@@ -485,21 +486,30 @@ class _Recycler:
                 self._bytes += cls
 
 
-def _read_whole(f: BinaryIO, size: int) -> memoryview:
+def _read_whole(f: BinaryIO, size: int, page_crcs: bool = False) -> tuple[memoryview, torch.Tensor | None]:
     """The ``size`` bytes of open file ``f``, read in one call into memory of their own (recycled).
 
     Read first and parse the copy: what is checked is what is used, whatever
     happens to the file afterwards (as with a mapping, without its SIGBUS on
-    truncation).
+    truncation). ``page_crcs``: also each page's CRC-32C register, computed as
+    the read goes (:attr:`FileBytes.page_crcs`), where the native kernels can;
+    ``f`` must not have been read from yet (its descriptor is read directly).
     """
     data = _recycler.take(size)
     array = data.numpy()  # every view of the file's memory keeps this alive
     view = memoryview(array).cast("B")  # type: ignore[arg-type]
     _recycler.watch(array, data)
-    read_into(f, view, "file")
+    done = native.read_crc32c_pages(f.fileno(), data) if page_crcs else None
+    if done is None:
+        read_into(f, view, "file")
+        pages = None
+    else:
+        got, pages = done
+        if got < size:
+            raise HurrayFormatError("file", f"stream ends after {got} of {size} bytes")
     if f.read(1):
         raise HurrayFormatError("file", "the file grew while it was read")
-    return view
+    return view, pages
 
 
 @dataclass(frozen=True, eq=False)
@@ -512,10 +522,18 @@ class FileBytes:
 
     path: Path
     view: memoryview
+    #: The CRC-32C register (from zero) of each whole :data:`~hurray_vllm.native.CRC_PAGE` of ``view``, computed
+    #: while the file was read (``read_whole(page_crcs=True)``): a chunk's digest check combines them instead of
+    #: reading its pools from memory again (:func:`hurray_vllm.native.crc32c_ranges`). ``None``: not computed.
+    page_crcs: torch.Tensor | None = None
 
 
 def read_whole(
-    path: str | os.PathLike[str], *, max_bytes: int | None = None, follow_symlinks: bool = True
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int | None = None,
+    follow_symlinks: bool = True,
+    page_crcs: bool = False,
 ) -> FileBytes:
     """Every byte of the file at ``path``, in memory of their own (the recycled buffers ``HrryFile(whole=True)`` uses).
 
@@ -523,6 +541,8 @@ def read_whole(
     file of 100 GiB costs its reader 100 GiB of memory otherwise).
     ``follow_symlinks=False``: refuse a symbolic link at ``path`` (``OSError``
     ``ELOOP``). Only a regular file is read (:func:`open_regular`).
+    ``page_crcs``: checksum each page as it is read (:attr:`FileBytes.page_crcs`),
+    for a reader that checks the file's digest next.
 
     Raises:
         OSError: the file cannot be read (``FileNotFoundError`` if it is gone).
@@ -533,8 +553,8 @@ def read_whole(
         size = os.fstat(f.fileno()).st_size
         if max_bytes is not None and size > max_bytes:
             raise HurrayFormatError("file.size", f"{os.fspath(path)} holds {size} bytes, more than {max_bytes} allowed")
-        view = _read_whole(f, size) if size else memoryview(b"")
-    return FileBytes(Path(path), view)
+        view, pages = _read_whole(f, size, page_crcs) if size else (memoryview(b""), None)
+    return FileBytes(Path(path), view, pages)
 
 
 def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> BinaryIO:
@@ -609,7 +629,7 @@ class HrryFile:
         try:
             self.size = os.fstat(self._f.fileno()).st_size
             if whole and not mmap and self.size:
-                self._map = _read_whole(self._f, self.size)
+                self._map = _read_whole(self._f, self.size)[0]
             self._parse()
             if mmap and self.size:
                 self._map = _mmap.mmap(self._f.fileno(), 0, access=_mmap.ACCESS_COPY)

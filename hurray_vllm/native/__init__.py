@@ -38,7 +38,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DISABLED", "cache_dir", "crc32c", "disabled", "kernel", "library", "segments", "unavailable_reason"]
+__all__ = [
+    "CRC_PAGE",
+    "DISABLED",
+    "cache_dir",
+    "crc32c",
+    "crc32c_ranges",
+    "disabled",
+    "kernel",
+    "library",
+    "read_crc32c_pages",
+    "segments",
+    "unavailable_reason",
+]
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +183,11 @@ def _load() -> ctypes.CDLL:
     segments_args = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     _declare(lib.hurray_crc32c_segments, segments_args, ctypes.c_uint32)
     _declare(lib.hurray_update_segments, [ctypes.c_void_p] * 4 + [ctypes.c_size_t], ctypes.c_int)
+    _declare(lib.hurray_crc32c_pages_ok, [], ctypes.c_int)
+    read_args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    _declare(lib.hurray_read_crc32c_pages, read_args, ctypes.c_int64)
+    ranges_args = [ctypes.c_uint32, *[ctypes.c_void_p] * 2, ctypes.c_size_t, *[ctypes.c_void_p] * 2, ctypes.c_size_t]
+    _declare(lib.hurray_crc32c_ranges, ranges_args, ctypes.c_uint32)
     return lib
 
 
@@ -259,3 +276,59 @@ def crc32c(data: memoryview | bytes | bytearray, crc: int = 0) -> int | None:
     result = int(fn(crc, addr, n))
     del held
     return result
+
+
+#: The page of :func:`read_crc32c_pages`' registers, in bytes (the kernels' ``LANE``).
+CRC_PAGE = 4096
+
+
+def read_crc32c_pages(fd: int, buf: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
+    """Fill ``buf`` from file descriptor ``fd`` (from its offset) and checksum each page as it arrives.
+
+    Returns ``(bytes read, registers)``: fewer bytes than ``buf`` holds at
+    the file's end; the registers (int32, one per whole :data:`CRC_PAGE` of
+    ``buf``, each from zero) are what :func:`crc32c_ranges` combines into the
+    CRC-32C of any ranges of ``buf``, without reading the bytes again; ``None``
+    without the crc32 instruction (a plain read then). ``None`` in all when
+    the native kernels are unavailable (the caller reads as it would). One
+    native call for the whole read, which releases the GIL once.
+
+    Raises:
+        OSError: the read failed.
+    """
+    lib = library()
+    if lib is None:
+        return None
+    import torch
+
+    assert buf.dtype == torch.uint8 and buf.device.type == "cpu" and buf.is_contiguous()
+    n = buf.numel()
+    pages = torch.empty(n // CRC_PAGE, dtype=torch.int32) if lib.hurray_crc32c_pages_ok() else None
+    got = int(lib.hurray_read_crc32c_pages(fd, buf.data_ptr(), n, pages.data_ptr() if pages is not None else None))
+    if got < 0:
+        raise OSError(-got, os.strerror(-got))
+    return got, pages[: got // CRC_PAGE] if pages is not None else None  # a short read filled fewer
+
+
+def crc32c_ranges(crc: int, base: torch.Tensor, pages: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> int | None:
+    """CRC-32C continuing from ``crc`` over byte ranges ``(offset, length)`` of ``base``, one after another.
+
+    ``pages``: :func:`read_crc32c_pages`' registers of ``base``, read into
+    ``base`` by it and not changed since: whole pages inside a range are
+    combined from them, partial ones checksummed from ``base``. ``None``
+    when the native kernels are unavailable.
+
+    Raises:
+        ValueError: a range outside ``base``.
+    """
+    lib = library()
+    if lib is None:
+        return None
+    size = base.numel() * base.element_size()
+    for off, length in ranges:
+        if off < 0 or length < 0 or off + length > size:
+            raise ValueError(f"crc32c_ranges: range ({off}, {length}) outside {size} bytes")
+    offs = (ctypes.c_uint64 * len(ranges))(*(off for off, _ in ranges))
+    lens = (ctypes.c_uint64 * len(ranges))(*(length for _, length in ranges))
+    n = min(pages.numel(), size // CRC_PAGE)
+    return int(lib.hurray_crc32c_ranges(crc, base.data_ptr(), pages.data_ptr(), n, offs, lens, len(ranges)))

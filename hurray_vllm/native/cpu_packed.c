@@ -19,7 +19,10 @@
  * Plain C, no Python or torch headers: built with the system compiler on
  * first use (hurray_vllm/native/__init__.py) and loaded through ctypes.
  */
+#define _POSIX_C_SOURCE 200809L /* read() for crc32c.h under -std=c11 */
+#include <errno.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #if defined(_OPENMP)
 #define PARALLEL_FOR _Pragma("omp parallel for schedule(static) if (i1 - i0 > 1)")

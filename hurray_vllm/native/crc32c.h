@@ -101,6 +101,30 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t c, const ui
     while (n--) c32 = _mm_crc32_u8(c32, *p++);
     return c32;
 }
+
+/* Raw registers (from 0, not inverted) of the `pages` whole LANE-byte pages at p, three side by
+ * side as above: what a file's reader computes for each piece it reads while the piece is still
+ * in cache, and hurray_crc32c_ranges combines later without reading the bytes again. */
+__attribute__((target("sse4.2"))) static void crc32c_pages_hw(const uint8_t *p, size_t pages, uint32_t *out) {
+    size_t i = 0;
+    for (; i + 3 <= pages; i += 3) {
+        const uint8_t *q = p + i * LANE;
+        uint64_t a = 0, b = 0, d = 0;
+        for (size_t j = 0; j < LANE; j += 8) {
+            uint64_t w0, w1, w2;
+            memcpy(&w0, q + j, 8);
+            memcpy(&w1, q + LANE + j, 8);
+            memcpy(&w2, q + 2 * LANE + j, 8);
+            a = _mm_crc32_u64(a, w0);
+            b = _mm_crc32_u64(b, w1);
+            d = _mm_crc32_u64(d, w2);
+        }
+        out[i] = (uint32_t)a;
+        out[i + 1] = (uint32_t)b;
+        out[i + 2] = (uint32_t)d;
+    }
+    for (; i < pages; i++) out[i] = crc32c_hw(0, p + i * LANE, LANE);
+}
 #define HAVE_CRC32C_HW 1
 #endif
 
@@ -139,5 +163,79 @@ int hurray_crc32c_hw(void) {
  * back the GIL once, not once per pool while another thread holds it. */
 uint32_t hurray_crc32c_segments(uint32_t crc, const uint64_t *addrs, const uint64_t *lens, size_t n) {
     for (size_t i = 0; i < n; i++) crc = hurray_crc32c(crc, (const uint8_t *)(uintptr_t)addrs[i], (size_t)lens[i]);
+    return crc;
+}
+
+/* ---- Checksums of a file's byte ranges from the page registers its reader computed ----
+ *
+ * A chunk's digest covers its page pools, which lie in the file's bytes. Checksummed after the
+ * whole file is read, every byte comes from memory a second time (the read's copy was the first);
+ * checksummed piece by piece as the read goes, it comes from cache. The reader cannot know the
+ * pools' ranges before it parses the file, so it keeps one register per LANE-byte page of the file
+ * (hurray_read_crc32c_pages), and the check combines them per range (hurray_crc32c_ranges): one
+ * table multiplication per page, plus the partial pages at a range's ends, read again. */
+
+/* Read n bytes of file descriptor fd into buf (from its current offset), and the raw register of
+ * every whole LANE-byte page of buf into pages[] (n / LANE of them) as each piece arrives.
+ * Returns the bytes read (fewer than n at the end of the file) or -errno. pages may be NULL
+ * (no crc32 instruction here: see hurray_crc32c_pages_ok): then this is a plain read. One call
+ * per file: the caller gives up the GIL once, not once per piece. */
+#define READ_PIECE (256 * 1024) /* a multiple of LANE that fits in any x86-64's L2 */
+int64_t hurray_read_crc32c_pages(int fd, uint8_t *buf, size_t n, uint32_t *pages) {
+    size_t got = 0, done = 0; /* bytes read, whole pages checksummed */
+    while (got < n) {
+        size_t want = n - got < READ_PIECE ? n - got : READ_PIECE;
+        ssize_t k = read(fd, buf + got, want);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return -(int64_t)errno;
+        }
+        if (k == 0) break;
+        got += (size_t)k;
+#ifdef HAVE_CRC32C_HW
+        if (pages != NULL && got / LANE > done) {
+            crc32c_pages_hw(buf + done * LANE, got / LANE - done, pages + done);
+            done = got / LANE;
+        }
+#endif
+    }
+    (void)done;
+    return (int64_t)got;
+}
+
+/* 1 when hurray_read_crc32c_pages fills pages here (the crc32 instruction is available). */
+int hurray_crc32c_pages_ok(void) { return hurray_crc32c_hw(); }
+
+/* CRC-32C continuing from crc over n ranges base[offs[i] .. offs[i] + lens[i]) one after another,
+ * as hurray_crc32c_segments would give for them. pages[k] is the raw register of base's whole page
+ * k (k < npages), as hurray_read_crc32c_pages computed it; the caller keeps every range inside
+ * base's bytes. Partial pages at a range's ends are checksummed from base. */
+uint32_t hurray_crc32c_ranges(uint32_t crc, const uint8_t *base, const uint32_t *pages, size_t npages,
+                              const uint64_t *offs, const uint64_t *lens, size_t n) {
+#ifdef HAVE_CRC32C_HW
+    if (!__builtin_cpu_supports("sse4.2")) pages = NULL;
+#else
+    pages = NULL;
+#endif
+    for (size_t i = 0; i < n; i++) {
+        uint64_t a = offs[i], e = offs[i] + lens[i];
+        if (pages == NULL) {
+            crc = hurray_crc32c(crc, base + a, (size_t)(e - a));
+            continue;
+        }
+#ifdef HAVE_CRC32C_HW
+        uint32_t c = ~crc;
+        uint64_t first = (a + LANE - 1) / LANE; /* the first whole page at or after a */
+        uint64_t head = first * LANE < e ? first * LANE : e;
+        c = crc32c_hw(c, base + a, (size_t)(head - a));
+        a = head;
+        while (a + LANE <= e && a / LANE < npages) {
+            c = crc32c_shift_lane(c) ^ pages[a / LANE];
+            a += LANE;
+        }
+        c = crc32c_hw(c, base + a, (size_t)(e - a));
+        crc = ~c;
+#endif
+    }
     return crc;
 }

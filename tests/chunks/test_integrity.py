@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from synthetic import FP8, make_snapshot
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
 from hurray_vllm.chunks.digest import DIGEST_KEY, _encoded_descriptor, digest_matches, digest_tensors
-from hurray_vllm.chunks.keys import chunks_of
+from hurray_vllm.chunks.keys import chunks_of, namespace_of
+from hurray_vllm.chunks.store import DirectoryStore, load_chunk
+from hurray_vllm.chunks.verify import begin_check_data
 from hurray_vllm.kv.snapshot import KVSnapshot
 from hurray_vllm.wire.descriptor import PerTensorAffine, encode_descriptor
 
@@ -149,3 +152,70 @@ def test_a_quantized_chunk_is_refused_by_the_check_every_consumer_runs() -> None
         with pytest.raises(hv.HurrayFormatError, match="quantized") as err:
             verify_chunk(signed, chunk.fingerprint, tokens)
         assert err.value.field == "quantization"
+
+
+def _paged_chunk_file(root: Path) -> tuple[DirectoryStore, str, str]:
+    """A stored chunk whose pools are views of the file read whole (64 KiB and more), over several 4 KiB pages,
+    starting on a page and ending mid-page (the reader's page registers)."""
+    fp = hv.ModelFingerprint("LlamaForCausalLM", 2, 2, 40, "bfloat16")
+    snap = replace(make_snapshot([424], [0], 8, dim=40), token_ids=(tuple(range(424)),), fingerprint=fp)
+    ((key, chunk),) = chunks_of(snap, 424)
+    assert chunk.keys[0].page_pool.nbytes % 4096  # 67840 bytes
+    ns, store = namespace_of(fp), DirectoryStore(root)
+    assert store.put(ns, key, chunk)
+    return store, ns, key
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_check_from_page_registers_judges_a_damaged_file_as_the_full_check(
+    tmp_path: Path, data: st.DataObject
+) -> None:
+    """A consumer's digest check combines the CRCs its read computed page by page: any flipped byte of the file
+    gets the verdict reading the pools again gives (refused, or accepted because nothing that matters changed)."""
+    store, ns, key = _paged_chunk_file(Path(tempfile.mkdtemp(dir=tmp_path)))
+    path = store.path(ns, key)
+    raw = bytearray(path.read_bytes())
+    pos = data.draw(st.integers(0, len(raw) - 1), label="offset")
+    raw[pos] ^= data.draw(st.integers(1, 255), label="xor")
+    path.write_bytes(bytes(raw))
+    try:
+        read = store.read(ns, key)
+        snap = load_chunk(read)
+    except hv.HurrayFormatError:
+        return
+    assert read.page_crcs is not None
+    try:
+        want = digest_matches(snap)
+    except hv.HurrayFormatError:
+        want = False
+    try:
+        begin_check_data(snap, read=read)()
+        got = True
+    except hv.HurrayFormatError:
+        got = False
+    assert got == want
+
+
+def test_a_chunk_read_page_by_page_is_checked_without_reading_its_pools_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pools' half of the check combines the read's page registers; a snapshot whose pools are not the read's
+    memory (a copy) is checked from its own bytes."""
+    from hurray_vllm import native
+
+    store, ns, key = _paged_chunk_file(tmp_path)
+    read = store.read(ns, key)
+    snap = load_chunk(read)
+    assert read.page_crcs is not None and read.page_crcs.numel() > 2
+    copied = replace(snap, keys=tuple(replace(t, page_pool=t.page_pool.clone()) for t in snap.keys))
+    rest_copied = begin_check_data(copied, read=read)
+    with monkeypatch.context() as m:
+        m.setattr(native, "crc32c_tensors", lambda *a: pytest.fail("the pools were read again"))
+        begin_check_data(snap, read=read)()
+    rest_copied()  # from the copy's own bytes: equal, so it passes
+    damaged = replace(
+        snap, keys=(replace(snap.keys[0], page_pool=snap.keys[0].page_pool.clone().fill_(0)), *snap.keys[1:])
+    )
+    with pytest.raises(hv.HurrayFormatError, match="does not match"):
+        begin_check_data(damaged, read=read)()

@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hurray_vllm import native
 from hurray_vllm.adapters.vllm import CpuPacked
@@ -327,3 +329,45 @@ def test_tensors_on_another_device_are_refused_before_the_kernels_see_their_poin
     with pytest.raises(HurrayArgumentError) as err:
         layout.gather(cache, torch.tensor([1]), (elsewhere, torch.empty_like(v, device="meta")))
     assert err.value.field == "out"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_page_registers_of_a_read_combine_into_the_crc_of_any_ranges(tmp_path, data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+    """A chunk's reader checksums each 4 KiB page as it reads; any ranges' CRC-32C is then combined from those
+    registers (partial pages at a range's ends read again): equal to the CRC of the ranges' bytes, wherever the
+    ranges start and end, for files shorter than the buffer too (pages past the end are not trusted)."""
+    _lib()
+    import random
+
+    from hurray_vllm.wire.crc32c import crc32c_python as crc32c
+
+    page = native.CRC_PAGE
+    size = data.draw(
+        st.sampled_from([0, 1, page - 1, page, page + 1, 3 * page, 3 * page + 9, 7 * page + 100, 65536 + 3])
+    )
+    room = size + data.draw(st.sampled_from([0, 1, page]))  # a buffer larger than the file: a short read
+    raw = random.Random(size).randbytes(size)
+    path = tmp_path / "f"
+    path.write_bytes(raw)
+    buf = torch.zeros(room, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = native.read_crc32c_pages(fd, buf)
+    finally:
+        os.close(fd)
+    assert done is not None
+    got, pages = done
+    assert got == size and bytes(buf[:size].numpy()) == raw
+    assert pages is not None and pages.numel() == size // page
+    spans = []
+    for _ in range(data.draw(st.integers(0, 4))):
+        a = data.draw(st.integers(0, size))
+        spans.append((a, data.draw(st.integers(0, size - a))))
+    start = data.draw(st.integers(0, 2**32 - 1))
+    want = start
+    for a, n in spans:
+        want = crc32c(raw[a : a + n], want)
+    assert native.crc32c_ranges(start, buf[:size], pages, spans) == want
+    with pytest.raises(ValueError, match="outside"):
+        native.crc32c_ranges(0, buf[:size], pages, [(size, 1)])

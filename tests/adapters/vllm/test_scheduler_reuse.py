@@ -163,13 +163,13 @@ def test_a_chunk_that_fails_its_checksum_stops_the_reads_after_it(tmp_path: Path
     bad: list[str] = []
     real = sched._check_later
 
-    def check_later(chunk: Any, name: str) -> Future[None]:
+    def check_later(chunk: Any, name: str, read: Any) -> Future[None]:
         if not bad:  # the first chunk checked
             bad.append(name)
             failed: Future[None] = Future()
             failed.set_exception(HurrayFormatError("chunk.digest", "wrong checksum"))
             return failed
-        return real(chunk, name)
+        return real(chunk, name, read)
 
     sched._check_later = check_later
     assert sched.get_num_new_matched_tokens(_request("r", list(snap.token_ids[0])), 0) == (0, False)

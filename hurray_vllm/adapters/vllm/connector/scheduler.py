@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import key_seed
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
-from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, tail_keys, verify_chunk
+from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, load_chunk, tail_keys, verify_chunk
 from ....chunks.verify import begin_check_data
+from ....containers.hrryfile import FileBytes
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from ....transport import ReceiverBase, receiver_for
@@ -727,21 +728,24 @@ class HurrayScheduler:
         if snap is not None:
             self.stats.chunks_remembered += 1
         else:
-            snap = reader.get(part.name) if reader is not None else self._store.get(self._ns, part.name)
-            check = self._check_later(snap, part.name)
+            read = reader.read(part.name) if reader is not None else self._store.read(self._ns, part.name)
+            snap = load_chunk(read)
+            check = self._check_later(snap, part.name, read)
         # Also for a remembered chunk: its key promises these tokens, the check costs little.
         verify_chunk(snap, self._fingerprint, tokens, digest=False, heads=part.heads)
         return snap, check
 
-    def _check_later(self, snap: KVSnapshot, name: str) -> Future[None]:
+    def _check_later(self, snap: KVSnapshot, name: str, read: FileBytes) -> Future[None]:
         """The chunk's data check: its header half now, its pools' half (native, GIL-free) on the helper thread.
 
         Only native code runs on the helper: with Python on both threads they
         handed the GIL back and forth at every small step, and in the engine's
         busy process that made each check cost several times its own work.
+        ``read``: the file's bytes, checksummed page by page as they were read
+        (the pools' half then combines those instead of reading them again).
         """
         try:
-            rest = begin_check_data(snap, self._config.keys, self._ns, name)
+            rest = begin_check_data(snap, self._config.keys, self._ns, name, read)
         except HurrayFormatError as exc:  # no, an old or a foreign digest or MAC: judged with the data errors
             done: Future[None] = Future()
             done.set_exception(exc)
