@@ -1003,7 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("hurray-vllm: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug: one line, and the traceback on request
-        if os.environ.get("HURRAY_VLLM_DEBUG"):
+        if os.environ.get("HURRAY_VLLM_DEBUG", "") not in ("", "0"):  # "0" asks for no traceback, as unset does
             raise
         print(
             f"hurray-vllm: internal error: {type(exc).__name__}: {exc} "

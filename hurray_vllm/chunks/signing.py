@@ -194,12 +194,15 @@ def _read_key_file(path: Path) -> bytes:
 
 
 def load_keys(spec: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None) -> FleetKeys | None:
-    """The fleet keys named by ``spec``, else by ``$HURRAY_VLLM_KEY_FILE``; ``None`` when neither names any.
+    """The fleet keys named by ``spec``, else by ``$HURRAY_VLLM_KEY_FILE``; ``None`` when neither is set.
 
     ``spec``: a key file, several separated by ``os.pathsep`` (``:``), or a
-    list of them; the first signs, all are accepted. A key file holds one
-    secret of at least 32 bytes (surrounding whitespace is stripped, so a
-    base64 line works) and must not be accessible to other users.
+    list of them; the first signs, all are accepted. A leading ``~`` is
+    expanded (no shell did inside a JSON ``--kv-transfer-config``). A key
+    file holds one secret of at least 32 bytes (surrounding whitespace is
+    stripped, so a base64 line works) and must not be accessible to other
+    users. ``$HURRAY_VLLM_KEY_FILE`` set but empty is refused as a setting
+    naming no file, not taken for unset.
 
     Raises:
         HurrayArgumentError: a file is missing, unreadable, too short or readable by others
@@ -211,16 +214,16 @@ def load_keys(spec: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | 
     """
     where = "hurray_key_file"
     if spec is None:
-        spec = os.environ.get(KEY_FILE_ENV) or None
-        if spec is None:
+        spec = os.environ.get(KEY_FILE_ENV)
+        if spec is None:  # unset only: an empty value names no file, refused below as ":" is
             return None
         where = f"${KEY_FILE_ENV}"
     if isinstance(spec, (str, os.PathLike)):
-        paths = [p for p in os.fspath(spec).split(os.pathsep) if p]
+        paths = [os.path.expanduser(p) for p in os.fspath(spec).split(os.pathsep) if p]
     else:
         if not all(isinstance(p, (str, os.PathLike)) for p in spec):
             raise HurrayArgumentError("hurray_key_file", f"expected paths, got {list(spec)!r}")
-        paths = [os.fspath(p) for p in spec if os.fspath(p)]
+        paths = [os.path.expanduser(os.fspath(p)) for p in spec if os.fspath(p)]
     if not paths:
         # A setting made of separators only ("$NEW:$OLD" with both unset) must not quietly turn signing off:
         # the engine would accept unsigned and forged chunks.

@@ -779,3 +779,26 @@ def test_inspect_json_is_strict_json_whatever_the_kv_holds(tmp_path: Path, capsy
         "x.big": "inf",
         "x.blob": "ab",
     }
+
+
+@pytest.mark.parametrize(("debug", "traceback"), [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+def test_hurray_vllm_debug_0_shows_no_traceback(
+    debug: str | None, traceback: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: HURRAY_VLLM_DEBUG=0 showed the traceback (any value set counted as on)."""
+    from hurray_vllm.app import cli
+
+    def bug(args: Any) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_inspect", bug)
+    if debug is None:
+        monkeypatch.delenv("HURRAY_VLLM_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("HURRAY_VLLM_DEBUG", debug)
+    if traceback:
+        with pytest.raises(RuntimeError, match="a bug"):
+            main(["inspect", "x.hrry"])
+    else:
+        assert main(["inspect", "x.hrry"]) == 3
+        assert "internal error: RuntimeError: a bug" in capsys.readouterr().err

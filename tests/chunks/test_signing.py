@@ -154,10 +154,25 @@ def test_key_files_are_checked_like_ssh_keys(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv(KEY_FILE_ENV, os.pathsep)
     with pytest.raises(hv.HurrayArgumentError, match="names no key file"):
         load_keys()
-    monkeypatch.setenv(KEY_FILE_ENV, "")  # an empty variable is an unset one
-    assert load_keys() is None
+    # Found by a review: an empty variable was taken for an unset one, quietly turning signing off where ":" is
+    # refused. Only an unset variable means no keys.
+    monkeypatch.setenv(KEY_FILE_ENV, "")
+    with pytest.raises(hv.HurrayArgumentError, match=r"\$HURRAY_VLLM_KEY_FILE is set to '', which names no key file"):
+        load_keys()
     with pytest.raises(hv.HurrayArgumentError, match="expected paths"):
         load_keys([1])  # type: ignore[list-item]
+
+
+def test_a_key_file_under_home_is_found_with_a_tilde(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: no shell expands "~" inside a JSON --kv-transfer-config, and load_keys did not either."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _key_file(tmp_path / "new.key", b"n" * 32)
+    _key_file(tmp_path / "old.key", b"o" * 32)
+    ring = FleetKeys.from_secrets(b"n" * 32, b"o" * 32)
+    assert load_keys(f"~/new.key{os.pathsep}~/old.key") == ring  # each entry of a list, not only the first
+    assert load_keys(["~/new.key", Path("~/old.key")]) == ring
+    monkeypatch.setenv(KEY_FILE_ENV, f"~/new.key{os.pathsep}~/old.key")
+    assert load_keys() == ring
 
 
 def test_fsck_with_keys_moves_forgeries_aside_and_lists_other_fleets_chunks(tmp_path: Path) -> None:

@@ -132,10 +132,54 @@ def test_a_path_like_hurray_path_is_a_string(tmp_path: Path) -> None:
     assert _parse({"hurray_path": tmp_path}).path == str(tmp_path)
 
 
+def test_a_path_like_hurray_key_file_is_a_path(tmp_path: Path) -> None:
+    """Found by a review: a bare Path was refused ("expected a path or a list of paths, got PosixPath(...)")."""
+    key = tmp_path / "fleet.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    cfg = _parse({"hurray_path": "/x", "hurray_key_file": key})
+    assert cfg.keys is not None and cfg.keys == _parse({"hurray_path": "/x", "hurray_key_file": str(key)}).keys
+
+
+def test_a_tilde_in_hurray_path_and_hurray_key_file_is_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: no shell expands "~" inside the quoted --kv-transfer-config JSON, and the connector did
+    not either: the store was a directory named "~" under the engine's working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("new.key", "old.key"):
+        (tmp_path / name).write_bytes(name.encode() * 8)
+        (tmp_path / name).chmod(0o600)
+    cfg = _parse({"hurray_path": "~/hurray", "hurray_key_file": ["~/new.key", "~/old.key"]})
+    assert cfg.path == str(tmp_path / "hurray")
+    assert cfg.keys is not None and len(cfg.keys.ids) == 2
+
+
+def test_null_leaves_every_option_at_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: JSON null meant "unset" for some options (hurray_url, hurray_listen, hurray_key_file) and
+    was refused by others ("got None" for hurray_tails, hurray_chunk_tokens, hurray_push_wait_s...)."""
+    monkeypatch.delenv("HURRAY_VLLM_KEY_FILE", raising=False)
+    options = set()
+    for line in DOCS.read_text().splitlines():
+        if line.startswith("| `hurray_"):
+            options |= set(re.findall(r"`(hurray_\w+)`", line.split("|")[1]))
+    options.discard("hurray_path")
+    assert "hurray_tails" in options and "hurray_chunk_tokens" in options
+    default = _parse({"hurray_path": "/x"})
+    for option in sorted(options):
+        assert _parse({"hurray_path": "/x", option: None}) == default, option
+    err = _refused({"hurray_path": None})  # as if missing: it has no default
+    assert err.field == "hurray_path" and str(err).endswith("needs kv_connector_extra_config.hurray_path")
+
+
 def test_a_chunk_longer_than_the_model_is_refused() -> None:
     err = _refused({"hurray_path": "/x", "hurray_chunk_tokens": 10**9 // 16 * 16}, max_model_len=4096)
     assert err.field == "hurray_chunk_tokens" and "max_model_len 4096" in str(err)
-    assert _parse({"hurray_path": "/x", "hurray_chunk_tokens": 4096}, max_model_len=4096).chunk_tokens == 4096
+    # Found by a review: a chunk of exactly max_model_len tokens passed, yet never fills either: vLLM refuses a
+    # prompt of max_model_len tokens and computes KV for at most max_model_len - 1 (the last token generated has none).
+    err = _refused({"hurray_path": "/x", "hurray_chunk_tokens": 4096}, max_model_len=4096)
+    assert err.field == "hurray_chunk_tokens" and "max_model_len 4096" in str(err) and "at most 4095" in str(err)
+    assert _parse({"hurray_path": "/x", "hurray_chunk_tokens": 4080}, max_model_len=4096).chunk_tokens == 4080
     # The default is not the operator's choice: a short model keeps it (and the engine still starts).
     assert _parse({"hurray_path": "/x"}, max_model_len=128).chunk_tokens == 256
 
@@ -147,6 +191,20 @@ def test_a_hurray_url_urlsplit_chokes_on_is_a_config_error_not_a_crash() -> None
     """An unclosed IPv6 bracket raised a bare ValueError out of engine start."""
     err = _refused({"hurray_path": "/x", "hurray_url": "tcp://[::1:9000"}, role="kv_producer")
     assert err.field == "hurray_url" and "tcp://HOST:PORT" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"hurray_path": "/x", "hurray_url": "udp://h:1"}, "hurray_url"),
+        ({"hurray_path": "/x", "hurray_url": "tcp://h:port"}, "hurray_url"),
+        ({"hurray_path": "/x", "hurray_listen": "h:99999"}, "hurray_listen"),
+    ],
+)
+def test_a_malformed_address_s_error_names_its_option_once(extra: dict[str, object], field: str) -> None:
+    """Found by a review: "hurray_url: hurray_url: expected tcp://..." (the transport's error already named it)."""
+    err = _refused(extra, role="kv_producer")
+    assert err.field == field and str(err).startswith(f"{field}: ") and str(err).count(field) == 1, str(err)
 
 
 def test_a_consumer_with_hurray_url_is_refused_it_would_push_nothing() -> None:

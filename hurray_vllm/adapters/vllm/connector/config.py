@@ -64,8 +64,13 @@ class _Options:
         self.asked: set[str] = set()
 
     def get_from_extra_config(self, key: str, default: Any) -> Any:
+        """``key``'s value, or ``default`` where it is missing or JSON ``null``.
+
+        ``null`` means unset for every option alike, here once: ``"hurray_tails": null`` is not a value to refuse.
+        """
         self.asked.add(key)
-        return self._cfg.get_from_extra_config(key, default)
+        value = self._cfg.get_from_extra_config(key, None)
+        return default if value is None else value
 
     def given(self, key: str) -> bool:
         """Whether ``key`` was set (to something other than None)."""
@@ -78,6 +83,16 @@ class _Options:
             close = difflib.get_close_matches(key, sorted(self.asked), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise HurrayArgumentError(key, f"not a HurrayConnector option{hint} (see docs/connector.md)")
+
+
+def _reason(exc: ValueError) -> str:
+    """``exc``'s message without its own ``field: `` prefix, for an error that names the option in its place.
+
+    A :class:`HurrayFormatError` of ``channel_of`` or ``parse_listen`` already names the option
+    (``hurray_url: expected ...``): wrapped as it is, the option would be printed twice.
+    """
+    field = getattr(exc, "field", None)
+    return str(exc).removeprefix(f"{field}: ") if field else str(exc)
 
 
 def _float(extra: Any, key: str, default: float) -> float:
@@ -328,6 +343,9 @@ class HurrayConfig:
             raise HurrayArgumentError(
                 "hurray_path", f"HurrayConnector needs kv_connector_extra_config.hurray_path{what}"
             )
+        # No shell expands "~" inside the quoted --kv-transfer-config JSON: unexpanded, the store would be a
+        # directory named "~" under the engine's working directory.
+        path = os.path.expanduser(path)
         block_size = vllm_config.cache_config.block_size
         # 256 tokens, or the nearest whole number of blocks above (a hybrid's blocks may be larger).
         chunk = _int(cfg, "hurray_chunk_tokens", -(-256 // block_size) * block_size)
@@ -336,17 +354,20 @@ class HurrayConfig:
                 "hurray_chunk_tokens", f"{chunk} is not a multiple of the engine's block size {block_size}"
             )
         max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
-        if cfg.given("hurray_chunk_tokens") and isinstance(max_len, int) and 0 < max_len < chunk:
-            # No request would ever complete a chunk: nothing saved, nothing loaded, and no word of it.
+        if cfg.given("hurray_chunk_tokens") and isinstance(max_len, int) and 0 < max_len <= chunk:
+            # No request would ever complete a chunk: nothing saved, nothing loaded, and no word of it. vLLM computes
+            # KV for at most max_model_len - 1 tokens (it refuses a prompt of max_model_len), so equal is too long.
             raise HurrayArgumentError(
-                "hurray_chunk_tokens", f"{chunk} tokens exceed the model's max_model_len {max_len}: no chunk would fill"
+                "hurray_chunk_tokens",
+                f"{chunk} tokens: a request of the model's max_model_len {max_len} computes KV for at most "
+                f"{max_len - 1}, so no chunk would fill",
             )
         saves = kv.kv_role in ("kv_producer", "kv_both")
         url = cfg.get_from_extra_config("hurray_url", None) or None
         try:
             url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
         except ValueError as exc:  # a HurrayFormatError, or whatever a URL parser lets through: not an engine crash
-            raise HurrayArgumentError("hurray_url", str(exc)) from exc
+            raise HurrayArgumentError("hurray_url", _reason(exc)) from exc
         if url and not saves:
             # The worker pushes from its background writer, which only an engine that saves runs; the chunks a
             # request loaded are forwarded (A -> B -> C) alongside its saves.
@@ -405,7 +426,7 @@ class HurrayConfig:
             try:
                 parse_listen(str(listen))
             except HurrayFormatError as exc:
-                raise HurrayArgumentError("hurray_listen", str(exc)) from exc
+                raise HurrayArgumentError("hurray_listen", _reason(exc)) from exc
         limits: dict[str, Any] = {}
         for key, arg, scale, low in (  # scale None: seconds, kept as a float; 1: a count, an integer
             ("hurray_listen_quota_mib", "quota_bytes", 1 << 20, 0.0),
@@ -435,7 +456,7 @@ class HurrayConfig:
         if verified_mib < 0:
             raise HurrayArgumentError("hurray_verified_mib", f"must be at least 0, got {verified_mib}")
         key_files = cfg.get_from_extra_config("hurray_key_file", None)
-        if key_files is not None and not isinstance(key_files, (str, list, tuple)):
+        if key_files is not None and not isinstance(key_files, (str, os.PathLike, list, tuple)):
             raise HurrayArgumentError("hurray_key_file", f"expected a path or a list of paths, got {key_files!r}")
         keys = load_keys(key_files)  # read now: a missing or exposed key file stops the engine at start
         push_tls, listen_tls = _tls_options(cfg, url, listen, transport)
