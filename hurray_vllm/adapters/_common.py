@@ -6,7 +6,7 @@ Only :mod:`hurray_vllm.errors`, :mod:`hurray_vllm.wire` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..kv.paged import BlockPagedTensor
 
 # kv.repage's structure check is what plan_repage runs: an import that does not repage runs the same one.
-from ..kv.repage import check_budget, check_memory, check_structure, same_tensor
+from ..kv.repage import check_budget, check_memory, check_structure, memory_span, same_tensor
 from ..kv.snapshot import KVSnapshot
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "dequantize",
     "layer_scales",
     "padded_block_table",
+    "refuse_shared_layer_caches",
     "same_tensor",
     "with_extra_pages",
 ]
@@ -489,3 +490,52 @@ def check_import_memory(
     else:  # built a layer at a time (its pool, and the converted copy), then moved
         check_memory(max(converting) + max(results), what, built)
         check_memory(sum(results), what, target)
+
+
+def refuse_shared_layer_caches(caches: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Refuse ``out=`` caches of two layers that share memory, before any layer is written.
+
+    Each layer's import overwrites its caches' first pages, so a cache that
+    another layer also writes (``out=[(k, v)] * num_layers``) would end up
+    holding only the last layer's pages. A sweep over the caches sorted by
+    address, not a comparison of every pair: a snapshot may have hundreds
+    of layers. Spans are :func:`~hurray_vllm.kv.repage.memory_span`'s,
+    conservative for strided views, as for the two caches of one layer.
+
+    Args:
+        caches: per layer, the tensors its import writes (a ``(k_cache,
+            v_cache)`` pair, or one combined tensor); the tensors of one
+            layer are not compared with each other (the importers check
+            those apart, with their own message).
+
+    Raises:
+        HurrayArgumentError: with ``field="out[i]"``, ``i`` the later of two
+            layers whose caches may share memory.
+    """
+    spans = sorted(
+        (str(span[0]), span[1], span[2], layer)
+        for layer, ts in enumerate(caches)
+        for t in ts
+        for span in (memory_span(t),)
+        if span[1] < span[2]
+    )
+    # The furthest end so far and its layer, and the furthest end of any other layer (and that layer): a span
+    # overlaps an earlier one of another layer exactly when that layer's furthest end passes its start.
+    device, top, top_layer, other, other_layer = "", 0, -1, 0, -1
+    for dev, start, end, layer in spans:
+        if dev != device:
+            device, top, top_layer, other, other_layer = dev, 0, -1, 0, -1
+        reach, seen = (other, other_layer) if layer == top_layer else (top, top_layer)
+        if start < reach:
+            first, later = sorted((layer, seen))
+            raise HurrayArgumentError(
+                f"out[{later}]",
+                f"shares memory with out[{first}]: each layer's import overwrites its caches' pages, so the "
+                "later layer would overwrite the earlier one's; pass separate caches for every layer",
+            )
+        if layer == top_layer:
+            top = max(top, end)
+        elif end > top:
+            top, top_layer, other, other_layer = end, layer, top, top_layer
+        elif end > other:
+            other, other_layer = end, layer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -739,3 +740,90 @@ def test_import_into_refuses_caches_of_two_page_counts() -> None:
     with pytest.raises(hv.HurrayArgumentError) as err:
         to_flash_attn(snap, 0, plan=plan, out=(k, v))
     assert err.value.field == "out" and not bool(k.any())
+
+
+def split_pages(seq_ptr: list[int]) -> hv.KVSnapshot:
+    """Pages 0, 1, 2 (of 16 tokens) split between two sequences of 16 tokens by ``seq_ptr``; same values every time."""
+    gen = torch.Generator().manual_seed(0)
+    table, ptr, lens = torch.tensor([0, 1, 2]), torch.tensor(seq_ptr), torch.tensor([16, 16])
+    k, v = (
+        hv.BlockPagedTensor(torch.randn(3, 16, 2, 16, generator=gen).to(torch.bfloat16), table, ptr, lens, role, 0)
+        for role in ("key", "value")
+    )
+    return hv.KVSnapshot(keys=(k,), values=(v,))
+
+
+@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize("page", [16, 32])
+def test_a_plan_for_another_split_of_the_same_pages_is_refused(page: int, into: bool) -> None:
+    """Same block table values and lengths, other seq_ptr: the plan's table would give sequence 1 the wrong page
+    (as is without repaging; with repaging into out=, repage_into checks nothing)."""
+    other, snap = split_pages([0, 2, 3]), split_pages([0, 1, 3])
+    plan = plan_flash_attn(other, page_size=page, flavor="fa3")
+    k = torch.full((plan.num_blocks, page, 2, 16), 7.0, dtype=torch.bfloat16)
+    out = (k, k.clone())
+    with pytest.raises(hv.ImportArgumentError) as err:
+        to_flash_attn(snap, 0, plan=plan, out=out if into else None)
+    assert err.value.field == "plan"
+    assert all(bool((o == 7.0).all()) for o in out), "nothing is written"
+    to_flash_attn(snap, 0, plan=plan_flash_attn(snap, page_size=page, flavor="fa3"), out=out)  # its own plan
+
+
+def test_import_all_into_refuses_caches_shared_between_layers() -> None:
+    """One pair for every layer: each layer would overwrite the one before, checked before anything is written."""
+    snap = make_snapshot([40, 17], [0, 1], 16, layers=3)
+    plan = plan_flash_attn(snap, page_size=256)
+    shape = (plan.num_blocks, 256, 2, 16)
+    pools = [torch.full((2 * plan.num_blocks, *shape[1:]), 7.0, dtype=torch.bfloat16) for _ in range(4)]
+    k, v = pools[0][: plan.num_blocks], pools[1][: plan.num_blocks]
+    cases = {
+        "one pair for every layer": ([(k, v)] * 3, "out[1]"),
+        "layer 2's k_cache is layer 0's v_cache": (
+            [(k, v), (pools[2], pools[3]), (v, pools[0][plan.num_blocks :])],
+            "out[2]",
+        ),
+        "overlapping views": (
+            [(k, v), (pools[0][1 : plan.num_blocks + 1], pools[2]), (pools[3], pools[1][plan.num_blocks :])],
+            "out[1]",
+        ),
+    }
+    for why, (out, field) in cases.items():
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            to_flash_attn_all(snap, page_size=256, out=out)
+        assert err.value.field == field, why
+        assert all(bool((p == 7.0).all()) for p in pools), f"{why}: nothing is written"
+    # Disjoint pages of one buffer are separate caches.
+    halves = [(p[: plan.num_blocks], p[plan.num_blocks :]) for p in pools[:3]]
+    caches = to_flash_attn_all(snap, page_size=256, out=halves)
+    assert all(c.k_cache is pair[0] for c, pair in zip(caches, halves, strict=True))
+
+
+def test_wrapper_checks_the_arguments_it_passes_to_the_kernel() -> None:
+    """cache_leftpad/cache_batch_idx in **kw are refused; window_size/alibi_slopes decide FA2's GQA regrouping."""
+    snap = make_snapshot([3, 5], [0, 0], 16, layers=1)
+    cache = to_flash_attn(snap, 0, page_size=16, flavor="vllm", reserve=1)
+    new = torch.randn(2, 1, 2, 16, dtype=torch.bfloat16)
+    few_heads = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    refused: dict[str, Any] = {"cache_leftpad": torch.zeros(2, dtype=torch.int32), "cache_batch_idx": torch.arange(2)}
+    for name, value in refused.items():
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            flash_attn_with_kvcache(few_heads, cache, k=new, v=new, **{name: value})
+        assert err.value.field == name
+    # 64 heads over 2: regrouped, 32 queries do not fit the 16-token block table...
+    many_heads = torch.randn(2, 1, 64, 16, dtype=torch.bfloat16)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        flash_attn_with_kvcache(many_heads, cache, k=new, v=new)
+    assert err.value.field == "q"
+    # ...but a window or ALiBi keeps seqlen_q = 1 (only the device is missing here).
+    for kw in ({"window_size": (4, 0)}, {"window_size": (-1, 0)}, {"alibi_slopes": torch.ones(64)}):
+        with pytest.raises(FlashAttnUnavailableError):
+            flash_attn_with_kvcache(many_heads, cache, k=new, v=new, **kw)
+    args = (many_heads, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+    check_flash_attn_args(*args, flavor="vllm", k=new, v=new, window_size=(4, -1))
+    check_flash_attn_args(*args, flavor="fa3", k=new, v=new)  # fa3 never regroups
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        check_flash_attn_args(*args, flavor="vllm", k=new, v=new, window_size=(-1, -1))
+    assert err.value.field == "q"
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        check_flash_attn_args(*args, flavor="vllm", k=new, v=new, window_size=(4,))  # type: ignore[arg-type]
+    assert err.value.field == "window_size"

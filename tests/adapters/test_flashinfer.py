@@ -811,3 +811,51 @@ def test_pools_strided_differently_are_made_dense_for_flashinfer() -> None:
         for s in range(3):
             assert torch.equal(rebuild(cache, s)[1], v.to_dense(s))
     assert to_flashinfer(snap, 0).v_cache is v.page_pool  # dense pools stay the snapshot's own (no copy)
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_import_all_into_refuses_caches_shared_between_layers(combined: bool) -> None:
+    """One cache for every layer: each layer would overwrite the one before, checked before anything is written."""
+    snap = make_snapshot([7, 3], layers=3)
+    fresh = to_flashinfer(snap, 0, combined=combined)
+    pages = fresh.k_cache.shape[0]
+    page = (2, *fresh.k_cache.shape[1:]) if combined else tuple(fresh.k_cache.shape[1:])
+    pools = [torch.full((2 * pages, *page), 7.0, dtype=fresh.k_cache.dtype) for _ in range(6)]
+
+    def cache(i: int, start: int = 0) -> Any:
+        """Layer cache ``i``: pages ``start ..`` of pool ``i`` (and ``i + 3`` for the value pool of a pair)."""
+        return (
+            pools[i][start : start + pages]
+            if combined
+            else (pools[i][start : start + pages], pools[i + 3][start : start + pages])
+        )
+
+    cases = {
+        "one cache for every layer": ([cache(0)] * 3, "out[1]"),
+        "layer 2's cache overlaps layer 0's": ([cache(0), cache(1), cache(0, 1)], "out[2]"),
+    }
+    for why, (out, field) in cases.items():
+        with pytest.raises(HurrayArgumentError) as exc:
+            to_flashinfer_all(snap, combined=combined, out=out)
+        assert exc.value.field == field, why
+        assert all(bool((p == 7.0).all()) for p in pools), f"{why}: nothing is written"
+    # Disjoint pages of one buffer are separate caches.
+    out = [cache(0), cache(0, pages), cache(1)]
+    for got, want in zip(to_flashinfer_all(snap, combined=combined, out=out), out, strict=True):
+        held = (got.paged_kv_cache,) if combined else got.paged_kv_cache
+        assert all(h is w for h, w in zip(held, (want,) if combined else want, strict=True))
+
+
+def test_import_into_a_list_pair_gives_a_tuple() -> None:
+    """FlashInfer (and FlashInferCache.check) take a (k, v) tuple or one tensor, never a list."""
+    snap = make_snapshot([7, 3], layers=2)
+    fresh = to_flashinfer(snap, 0)
+    out = [torch.zeros_like(fresh.k_cache), torch.zeros_like(fresh.v_cache)]
+    cache = to_flashinfer(snap, 0, out=out)  # type: ignore[arg-type]
+    assert isinstance(cache.paged_kv_cache, tuple)
+    assert cache.k_cache is out[0] and cache.v_cache is out[1]
+    cache.check()
+    lists = [[torch.zeros_like(fresh.k_cache), torch.zeros_like(fresh.v_cache)] for _ in range(2)]
+    for c in to_flashinfer_all(snap, out=lists):  # type: ignore[arg-type]
+        assert isinstance(c.paged_kv_cache, tuple)
+        c.check()

@@ -26,6 +26,8 @@ def check_flash_attn_args(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: torch.Tensor | None = None,
 ) -> None:
     """Check a paged ``flash_attn_with_kvcache`` call against the kernel's contract.
 
@@ -59,6 +61,11 @@ def check_flash_attn_args(
         q_descale: Optional float32 ``[batch, nheads_k]``; fa3 with float8 inputs only.
         k_descale: Like ``q_descale``.
         v_descale: Like ``q_descale``.
+        window_size: ``(left, right)``, the kernel's sliding window (``-1``: unbounded
+            on that side). Only decides whether FA2 regroups a one-query decode (see
+            ``k``'s capacity rule); the window itself is the kernel's business.
+        alibi_slopes: The kernel's ALiBi slopes, or ``None``. Likewise only decides
+            the regrouping; its shape is not checked.
 
     Raises:
         HurrayArgumentError: Naming the first offending argument (its ``field``).
@@ -77,12 +84,15 @@ def check_flash_attn_args(
         q_descale=q_descale,
         k_descale=k_descale,
         v_descale=v_descale,
+        alibi_slopes=alibi_slopes,
     )
     batch, seqlen_q, nheads, head_dim = _check_q(q, lim)
     num_blocks, page, nheads_k = _check_caches(q, k_cache, v_cache, lim, nheads, head_dim)
     _refuse_unmodelled(cache_batch_idx, cache_leftpad)
     table, lens, width = _check_index_tensors(block_table, cache_seqlens, batch)
-    kernel_seqlen_q = _kernel_seqlen_q(lim, seqlen_q, nheads, nheads_k, head_dim)
+    kernel_seqlen_q = _kernel_seqlen_q(
+        lim, seqlen_q, nheads, nheads_k, head_dim, _window(window_size), alibi_slopes is not None
+    )
     seqlen_new = _check_new_kv(q, k, v, [batch, -1, nheads_k, head_dim], kernel_seqlen_q, width * page)
     _check_descales(q.dtype, lim, (batch, nheads_k), q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _check_table_contents(table, lens, seqlen_new, num_blocks, page)
@@ -182,17 +192,45 @@ def _check_index_tensors(
     return block_table, cache_seqlens, int(block_table.shape[1])
 
 
-def _kernel_seqlen_q(lim: FlavorLimits, seqlen_q: int, nheads: int, nheads_k: int, head_dim: int) -> int:
+def _window(window_size: object) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)`` ints."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise HurrayArgumentError("window_size", f"window_size must be a (left, right) pair, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _kernel_seqlen_q(
+    lim: FlavorLimits,
+    seqlen_q: int,
+    nheads: int,
+    nheads_k: int,
+    head_dim: int,
+    window: tuple[int, int],
+    alibi: bool,
+) -> int:
     """The ``seqlen_q`` the kernel checks appends against, after FA2's single-query GQA rewrite.
 
     FlashAttention-2 and vLLM's fork (``mha_fwd_kvcache``) run a one-query
     decode with grouped heads as ``nheads / nheads_k`` queries of ``nheads_k``
     heads (``seqlenq_ngroups_swapped``: ``seqlen_q == 1``, ``nheads >
-    nheads_k``, ``head_dim % 8 == 0``, no sliding window or ALiBi, which the
-    checker does not take), before requiring ``seqlen_q <= seqlen_k`` for
-    appends. FlashAttention-3's ``mha_fwd`` keeps ``seqlen_q`` as it is.
+    nheads_k``, ``head_dim % 8 == 0``, both sides of ``window`` negative and
+    no ALiBi), before requiring ``seqlen_q <= seqlen_k`` for appends.
+    FlashAttention-3's ``mha_fwd`` keeps ``seqlen_q`` as it is.
+
+    Args:
+        lim: The flavor's limits (its ``name`` picks FA3's rule).
+        seqlen_q: ``q.shape[1]``.
+        nheads: ``q.shape[2]``.
+        nheads_k: The caches' KV heads.
+        head_dim: ``q.shape[3]``.
+        window: ``window_size`` as the call gives it. The kernel decides the
+            rewrite before it clamps a side ``>= seqlen_k`` to ``-1``, so any
+            side ``>= 0`` keeps ``seqlen_q``. (Causal masking of one query is
+            dropped without ALiBi, so it never sets the right side here.)
+        alibi: whether ``alibi_slopes`` is given.
     """
-    if lim.name != "fa3" and seqlen_q == 1 and nheads > nheads_k and head_dim % 8 == 0:
+    grouped = seqlen_q == 1 and nheads > nheads_k and head_dim % 8 == 0
+    if lim.name != "fa3" and grouped and window[0] < 0 and window[1] < 0 and not alibi:
         return nheads // nheads_k
     return seqlen_q
 

@@ -32,6 +32,7 @@ from .._common import (
     dequantize,
     layer_scales,
     padded_block_table,
+    refuse_shared_layer_caches,
     same_tensor,
     with_extra_pages,
 )
@@ -143,6 +144,9 @@ class FlashAttnPlan:
     cache_seqlens: torch.Tensor
     #: The snapshot's own block table the plan was made from (checked when the plan is reused).
     src_block_table: torch.Tensor | None = None
+    #: The snapshot's own ``seq_ptr`` (int64 ``[batch + 1]``), checked alike: one block table split
+    #: differently between the sequences is another batch, whose pages the plan's table would misplace.
+    src_seq_ptr: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -229,6 +233,7 @@ def plan_flash_attn(
         block_table=bt.to(torch.int32).contiguous(),
         cache_seqlens=lens.to(torch.int32).contiguous(),
         src_block_table=k0.block_table,
+        src_seq_ptr=k0.seq_ptr,
     )
 
 
@@ -384,7 +389,9 @@ def to_flash_attn_all(
     Raises:
         ImportArgumentError: ``out`` without one pair per layer, or any
             error :func:`to_flash_attn` reports as one.
-        HurrayArgumentError: as for :func:`to_flash_attn`.
+        HurrayArgumentError: as for :func:`to_flash_attn`; ``out[i]`` whose
+            caches share memory with another layer's (``out=[(k, v)] *
+            num_layers``: every layer would overwrite the one before).
         HurrayFormatError: as for :func:`to_flash_attn`.
         OSError: ``ENOMEM``: every layer's new pools together are larger
             than the device's memory, before the first is built.
@@ -399,7 +406,10 @@ def to_flash_attn_all(
         _check_layer(snapshot, i, plan, dtype, dev, None if out is None else out[i], f"out[{i}]")
         for i in range(snapshot.num_layers)
     ]
-    if out is None:
+    if out is not None:
+        # Each pair was checked on its own above; one pair given for two layers is written twice.
+        refuse_shared_layer_caches(out)
+    else:
         lim = FLAVORS[plan.flavor]
         check_import_memory(snapshot, plan.num_blocks * plan.page_size, lambda t: _target_dtype(t, lim, dtype)[0], dev)
     if dev is not None:
@@ -439,6 +449,7 @@ def _resolve_plan(
         or k0.seq_lens is None
         or not torch.equal(plan.cache_seqlens.to(k0.seq_lens.device), k0.seq_lens.to(torch.int32))
         or (plan.src_block_table is not None and not same_tensor(k0.block_table, plan.src_block_table))
+        or (plan.src_seq_ptr is not None and not same_tensor(k0.seq_ptr, plan.src_seq_ptr))
     ):
         raise ImportArgumentError("plan", "the plan was made for another snapshot; call plan_flash_attn on this one")
     return plan

@@ -46,7 +46,9 @@ def flash_attn_with_kvcache(
         **kw: Passed to the kernel unchanged (``window_size``, ``softcap``, ``num_splits``...);
             the reference implements ``window_size`` and ``softcap`` (``num_splits`` changes
             only how the kernel works), not ``alibi_slopes``, ``rotary_*``,
-            ``cache_batch_idx`` or ``cache_leftpad``.
+            ``cache_batch_idx`` or ``cache_leftpad``. ``cache_batch_idx``, ``cache_leftpad``,
+            ``window_size`` and ``alibi_slopes`` go to :func:`check_flash_attn_args` as well
+            (the first two are refused).
 
     Returns:
         ``[batch, seqlen_q, nheads, head_dim]`` (bfloat16 for fp8 inputs).
@@ -69,6 +71,12 @@ def flash_attn_with_kvcache(
         q_descale=q_descale,
         k_descale=cache.k_descale,
         v_descale=cache.v_descale,
+        # What the kernel gets must pass the checks too: the refused arguments, and the ones that decide
+        # whether FA2 regroups a one-query decode (the capacity the appends are checked against).
+        cache_batch_idx=kw.get("cache_batch_idx"),
+        cache_leftpad=kw.get("cache_leftpad"),
+        window_size=kw.get("window_size", (-1, -1)),
+        alibi_slopes=kw.get("alibi_slopes"),
     )
     if q.device.type != "cuda":
         raise FlashAttnUnavailableError(

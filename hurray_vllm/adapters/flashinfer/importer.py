@@ -31,6 +31,7 @@ from .._common import (
     check_pool_values,
     dequantize,
     layer_scales,
+    refuse_shared_layer_caches,
     same_tensor,
 )
 from .cache import LAYOUTS, FlashInferCache, PagedKVCache
@@ -105,7 +106,9 @@ def to_flashinfer_all(
 
     Raises:
         HurrayArgumentError: ``kv_layout`` or ``page_size`` out of range,
-            and the ``out`` errors of :func:`to_flashinfer`.
+            the ``out`` errors of :func:`to_flashinfer`, and ``out[i]``
+            sharing memory with another layer's cache (``out=[(k, v)] *
+            num_layers``: every layer would overwrite the one before).
         ImportArgumentError: ``out`` does not hold one cache per layer, or
             any error :func:`to_flashinfer` reports as one. Every layer is
             checked (its pools, lengths, scales, ``dtype`` and ``out`` cache)
@@ -136,6 +139,9 @@ def to_flashinfer_all(
             k = snapshot.keys[i]
             pages = plan.num_pages if plan is not None else k.num_pages
             _check_out(snapshot, k, plan, dtype, out[i], kv_layout, combined, pages, device)
+    if out is not None:
+        # Each cache was checked on its own above; one cache given for two layers is written twice.
+        refuse_shared_layer_caches([(o,) if isinstance(o, torch.Tensor) else o for o in out])
     if out is None and plan is not None:  # repaged into new pools (without, each layer keeps its own pool's size)
         check_import_memory(snapshot, plan.num_pages * plan.page_size, lambda t: _target_dtype(t.dtype, dtype), device)
     return tuple(  # checked above: not again per layer (check_csr reads the index arrays, a device sync each)
@@ -205,7 +211,8 @@ def to_flashinfer(
             two caches have one shape and identical strides (FlashInfer reads
             both with k_cache's), and head_dim is contiguous. Its first
             pages are overwritten, the rest is left as it is, and the result
-            holds ``out`` itself. A pool reused across imports (or an
+            holds ``out`` itself (a ``[k_cache, v_cache]`` list as a tuple of
+            its two tensors). A pool reused across imports (or an
             engine's own) saves faulting in new memory, about twice the cost
             of the copy itself on a CPU.
 
@@ -302,7 +309,8 @@ def _import_layer(
     if out is not None:
         if check_out:
             _check_out(snapshot, k, plan, dtype, out, kv_layout, combined, num_pages, device)
-        cache: PagedKVCache = out
+        # A [k, v] list passes the checks, but FlashInfer (and FlashInferCache.check) take a tuple or a tensor.
+        cache: PagedKVCache = out if isinstance(out, torch.Tensor) else (out[0], out[1])
         k_scale, v_scale = _import_into(k, v, plan, scales, dtype, out, kv_layout, combined, num_pages, device)
     else:
         if plan is not None:
