@@ -57,6 +57,8 @@ def channel_of(url: str) -> str:
     Raises:
         HurrayFormatError: an unknown scheme or a malformed address (the field is ``hurray_url``).
     """
+    if not isinstance(url, str):  # a missing setting (None) from a config: the same error as a malformed URL
+        raise HurrayFormatError("hurray_url", f"a transport URL must be a string, got {type(url).__name__}")
     scheme = url.partition("://")[0] if "://" in url else ""
     if scheme in SCHEMES:
         parse_address(url, scheme)  # NIXL itself is not loaded to check a nixl:// URL

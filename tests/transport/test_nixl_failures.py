@@ -7,11 +7,14 @@ record what is done to them, and answer as NIXL does in the case at hand
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import queue
 import socket
 import threading
 import time
 import tracemalloc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +23,11 @@ import pytest
 import torch
 from synthetic import example_chunk
 
+from hurray_vllm import transport
 from hurray_vllm.chunks.store import DirectoryStore
 from hurray_vllm.containers.schema import Record
-from hurray_vllm.errors import HurrayFormatError
-from hurray_vllm.transport.base import U16, U32, U64, ReceiverBase, read_message
+from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
+from hurray_vllm.transport.base import U16, U32, U64, ReceiverBase, read_message, recv_exact
 from hurray_vllm.transport.nixl import NixlError, NixlReceiver, NixlSender
 from hurray_vllm.transport.nixl import offer as tn_offer
 from hurray_vllm.transport.nixl import receiver as tn_receiver
@@ -74,6 +78,7 @@ class FakeAgent:
         self.remote: dict[str, bytes] = {}
         self.notifs: list[bytes] = []
         self.polls = 0
+        self.mu = threading.Lock()  # a test thread adding notifications while the receiver polls: none is lost
 
     def register_memory(self, descs: list[tuple[int, int, int, str]], kind: str) -> object:
         reg = object()
@@ -82,6 +87,9 @@ class FakeAgent:
 
     def deregister_memory(self, reg: object) -> None:
         self.events.append(("deregister", self.name, reg))
+
+    def get_agent_metadata(self) -> bytes:
+        return f"{self.name}|1".encode()  # what a sender's fake add_remote_agent takes the name from
 
     def add_remote_agent(self, md: bytes) -> str:
         name = md.partition(b"|")[0].decode()
@@ -114,8 +122,9 @@ class FakeAgent:
         return self.state
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
-        self.polls += 1
-        new, self.notifs = self.notifs, []
+        with self.mu:
+            self.polls += 1
+            new, self.notifs = self.notifs, []
         return {"sender": new} if new else {}
 
 
@@ -524,3 +533,303 @@ def test_one_offer_alone_is_charged_for_its_records_beyond_the_bound() -> None:
     with pytest.raises(HurrayFormatError) as err:
         r._take_offer_memory(10_000, held=500)
     assert err.value.field == "receiver.memory" and r._offer_bytes == 501
+
+
+# ── registering pinned memory ──
+
+
+def fail_nth_registration(monkeypatch: pytest.MonkeyPatch, sender: NixlSender, n: int) -> None:
+    """The ``n``-th ``register_memory`` call, over every lane's agent, fails as NIXL does when memlock runs out."""
+    calls = [0]
+    for agent in sender._agents:
+
+        def register(descs: list[tuple[int, int, int, str]], kind: str, real: Any = agent.register_memory) -> object:
+            calls[0] += 1
+            if calls[0] == n:
+                raise RuntimeError("NIXL_ERR_BACKEND (memlock)")
+            return real(descs, kind)
+
+        monkeypatch.setattr(agent, "register_memory", register)
+
+
+def test_a_register_that_fails_midway_leaves_nothing_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller learns of no registration and retries them all: none of the first may stay pinned."""
+    events: list[tuple[Any, ...]] = []
+    sender = fake_sender(monkeypatch, events)
+    fail_nth_registration(monkeypatch, sender, 3)  # the second tensor's, on the first lane
+    buffers = pools(3)
+    with pytest.raises(NixlError, match="could not register"):
+        sender.register(buffers)
+    assert not sender._pinned
+    registered = {id(e[2]) for e in events if e[0] == "register"}
+    assert len(registered) == 2  # the first tensor's, on both lanes
+    assert {id(e[2]) for e in events if e[0] == "deregister"} == registered
+    sender.register(buffers)  # the retry
+    assert len(sender._pinned) == 3
+
+
+def test_a_register_with_a_buffer_it_refuses_registers_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[tuple[Any, ...]] = []
+    sender = fake_sender(monkeypatch, events)
+    with pytest.raises(HurrayFormatError, match="non-empty host tensors"):
+        sender.register([*pools(2), torch.zeros(0, dtype=torch.uint8)])
+    assert not sender._pinned and not events
+
+
+# ── the grant, and transfers through a shared sender ──
+
+
+def test_a_receiver_trickling_its_grant_times_out_within_the_timeout(
+    monkeypatch: pytest.MonkeyPatch, side: tuple[socket.socket, socket.socket]
+) -> None:
+    """A byte per (almost) timeout of 1,000 bytes of metadata: the whole grant within one timeout, not per byte."""
+    sender = fake_sender(monkeypatch, [])
+    side[0].settimeout(0.5)  # as dial() leaves it: the send's timeout
+    stop = threading.Event()
+
+    def trickle() -> None:
+        side[1].sendall(b"RD" + U64.pack(1) + U16.pack(4) + b"recv" + U32.pack(1000))
+        end = time.monotonic() + 3  # bounds the test without the fix
+        while not stop.wait(0.2) and time.monotonic() < end:
+            try:
+                side[1].sendall(b"x")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    ns, key, chunk = example_chunk()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            sender._send_one(side[0], ns, key, chunk, 0.5)
+        assert time.monotonic() - t0 < 2 * 0.5
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_no_write_is_posted_past_the_transfer_deadline(
+    monkeypatch: pytest.MonkeyPatch, side: tuple[socket.socket, socket.socket]
+) -> None:
+    """Past its deadline the receiver gave up: a WRITE posted then could only be one more UCX cannot cancel."""
+    events: list[tuple[Any, ...]] = []
+    sender = fake_sender(monkeypatch, events, send={"state": "DONE"}, send1={"state": "DONE"})
+    posted: list[Any] = []
+
+    def post(*args: Any) -> FakeHandle:
+        posted.append(args)
+        return FakeHandle(events, "send")
+
+    monkeypatch.setattr(sender, "_post", post)
+    with pytest.raises(TimeoutError):
+        sender._transfer(side[0], "recv", b"recv|1", 7, pools(), [4096, 8192], [0, 1], time.monotonic() - 0.01)
+    assert not posted
+    assert side[1].recv(2) == b"AB"
+    assert not sender._leaked and len(kinds(events, "deregister")) == 2  # the chunk's registrations go
+
+
+class CopyingAgent(FakeAgent):
+    """A sender's lane agent whose WRITEs copy into the receiver's memory and notify its (fake) agent.
+
+    A WRITE posted from thread ``T`` completes ``delays[T]`` seconds after it was posted.
+    """
+
+    def __init__(self, name: str, receiver: FakeAgent, delays: dict[str, float], posts: list[tuple[str, float]]):
+        super().__init__(name, [])
+        self.receiver, self.delays, self.posts = receiver, delays, posts
+
+    def prep_xfer_dlist(self, who: str, descs: list[tuple[int, int, int]], kind: str) -> Any:
+        d = FakeDlist()
+        d.descs = descs  # type: ignore[attr-defined]
+        return d
+
+    def make_prepped_xfer(self, *args: Any) -> Any:
+        _, local, (i,), remote, _, notif = args
+        h = FakeHandle(self.events, self.name)
+        h.write = (local.descs[i], remote.descs[i], notif)  # type: ignore[attr-defined]
+        return h
+
+    def transfer(self, handle: Any) -> str:
+        name = threading.current_thread().name
+        self.posts.append((name, time.monotonic()))
+        handle.due = time.monotonic() + self.delays.get(name, 0.0)
+        return "PROC"
+
+    def check_xfer_state(self, handle: Any) -> str:
+        if time.monotonic() < handle.due:
+            return "PROC"
+        (src, n, _), (dst, _, _), notif = handle.write
+        ctypes.memmove(dst, src, n)
+        with self.receiver.mu:
+            self.receiver.notifs.append(notif)
+        return "DONE"
+
+
+@pytest.fixture
+def fake_receiver(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[NixlReceiver, FakeAgent]]:
+    """A started receiver on 127.0.0.1 whose agent is a fake: page pools are written into its slabs by the test."""
+    agent = FakeAgent("recv", [])
+    monkeypatch.setattr(tn_receiver, "make_agent", lambda *args: agent)
+    r = NixlReceiver("127.0.0.1", 0, DirectoryStore(tmp_path / "store"), timeout=5).start()
+    try:
+        yield r, agent
+    finally:
+        r.stop()
+
+
+def test_a_push_waiting_for_another_on_a_shared_sender_posts_nothing_past_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, fake_receiver: tuple[NixlReceiver, FakeAgent]
+) -> None:
+    """B's chunk, granted while A's transfer holds the (process-wide) sender, must not be posted past B's deadline.
+
+    The receiver's clock on a transfer starts at its grant: so must the sender's.
+    """
+    r, ragent = fake_receiver
+    delays = {"A": 1.0}  # A's WRITEs take a second; B's are instant
+    posts: list[tuple[str, float]] = []
+    monkeypatch.setattr(tn_sender, "make_agent", lambda role, *args: CopyingAgent(role, ragent, delays, posts))
+    monkeypatch.setattr(tn_sender, "_DRAIN_S", 0.01)
+    sender = NixlSender(lanes=1)
+    deadlines: dict[str, float] = {}
+    transfer = sender._transfer
+
+    def recording(*args: Any) -> None:
+        deadlines[threading.current_thread().name] = args[-1]
+        transfer(*args)
+
+    monkeypatch.setattr(sender, "_transfer", recording)
+    url = f"nixl://127.0.0.1:{r.address[1]}"
+    ns, key, chunk = example_chunk()
+    results: dict[str, str] = {}
+
+    def push(timeout: float) -> None:
+        try:
+            sender.send(url, [(ns, key, chunk)], timeout=timeout)
+            results[threading.current_thread().name] = "ok"
+        except Exception as exc:
+            results[threading.current_thread().name] = repr(exc)
+
+    a = threading.Thread(target=push, args=(10.0,), name="A")
+    a.start()
+    end = time.monotonic() + 5
+    while not posts and time.monotonic() < end:  # A's transfer is under way
+        time.sleep(0.01)
+    b = threading.Thread(target=push, args=(0.5,), name="B")
+    b.start()
+    a.join(10)
+    b.join(10)
+    late = [t for name, t in posts if name == "B" and t > deadlines["B"]]
+    assert not late
+    assert results == {"A": "ok", "B": "ok"}
+    sender.close()
+
+
+# ── the receiver's arena, its stop, and its construction ──
+
+
+def test_an_offer_that_cannot_fit_is_refused_before_any_free_slab_is_dropped() -> None:
+    """Dropping the free slabs would not make room for it: they stay, warm and registered (any peer could ask)."""
+    agent = FakeAgent("recv", [])
+    a = tn_receiver._Arena(agent, 64 * MIB, quarantine_s=5.0)
+    a.take([30 * MIB])  # a chunk in flight
+    free = [a.take([10 * MIB])[0] for _ in range(2)]  # 16 MiB slabs
+    for slab in free:
+        a.give(slab)
+    total = a.total
+    with pytest.raises(HurrayFormatError, match="buffers are full"):
+        a.take([40 * MIB])  # would need 70 MiB with the free slabs dropped
+    assert a._free == free and a.total == total and not kinds(agent.events, "deregister")
+    a.take([20 * MIB])  # fits once both free slabs are dropped: they are
+    assert not a._free and len(kinds(agent.events, "deregister")) == 2
+
+
+def offer_message(ns: str, key: str, chunk: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """A chunk's offer as the sender frames it, and its page pools."""
+    parts, sources, _ = tn_offer.encode_snapshot_offer(ns, key, chunk)
+    body = b"".join(bytes(memoryview(p)) for p in parts)
+    return tn_offer.MAGIC + U64.pack(len(body)) + body, sources
+
+
+def read_grant(s: socket.socket) -> tuple[int, list[int]]:
+    """The transfer id and the destination addresses of a grant (``RD``)."""
+    assert recv_exact(s, 2) == b"RD"
+    (xfer_id,) = U64.unpack(recv_exact(s, 8))
+    recv_exact(s, U16.unpack(recv_exact(s, 2))[0])  # the agent's name
+    recv_exact(s, U32.unpack(recv_exact(s, 4))[0])  # its metadata
+    (n,) = U32.unpack(recv_exact(s, 4))
+    return xfer_id, [a for (a,) in U64.iter_unpack(recv_exact(s, 8 * n))]
+
+
+def test_a_chunk_whose_digest_is_checked_after_stop_began_is_refused_not_stored(
+    monkeypatch: pytest.MonkeyPatch, fake_receiver: tuple[NixlReceiver, FakeAgent], tmp_path: Path
+) -> None:
+    """stop() waits only for a put under way (10 s at most): none may start after it began, as over TCP."""
+    r, agent = fake_receiver
+    result = tn_receiver._Hasher.result
+
+    def stop_begins(self: tn_receiver._Hasher, timeout: float) -> str | None:
+        r._stop.set()  # what stop() does first, while a large chunk's checksum is being finished
+        return result(self, timeout)
+
+    monkeypatch.setattr(tn_receiver._Hasher, "result", stop_begins)
+    ns, key, chunk = example_chunk()
+    msg, sources = offer_message(ns, key, chunk)
+    with socket.create_connection(r.address, timeout=5) as s:
+        s.sendall(msg)
+        xfer_id, addrs = read_grant(s)
+        for i, (addr, src) in enumerate(zip(addrs, sources)):
+            ctypes.memmove(addr, src.data_ptr(), src.numel())
+            with agent.mu:
+                agent.notifs.append(tn_offer.notif_tag(xfer_id, i))
+        s.sendall(b"GO")
+        assert recv_exact(s, 2) == b"ER"
+        assert "the receiver is stopping" in read_message(s)
+    assert not list((tmp_path / "store").rglob("*.hrry"))
+    assert r.received == 0 and r.refused == 1
+    assert len(r.arena._free) == 1 and not r.arena.quarantined  # its slab given back, as after any refusal
+
+
+@pytest.mark.parametrize("bad", ["timeout", "port in use"])
+def test_a_receiver_that_cannot_start_keeps_no_agent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bad: str) -> None:
+    """NIXL has no close: an agent lives (its UCX workers too) as long as a reference, a traceback's say."""
+    made: list[weakref.ref[FakeAgent]] = []
+
+    def make_agent(*args: Any) -> FakeAgent:
+        agent = FakeAgent("recv", [])
+        made.append(weakref.ref(agent))
+        return agent
+
+    monkeypatch.setattr(tn_receiver, "make_agent", make_agent)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1] if bad == "port in use" else 0
+        timeout = 0.0 if bad == "timeout" else 5.0
+        with pytest.raises((HurrayArgumentError, OSError)) as info:
+            NixlReceiver("127.0.0.1", port, DirectoryStore(tmp_path), timeout=timeout)
+        gc.collect()
+        assert made and made[0]() is None
+        assert info.value is not None  # the traceback (and the frames it holds) still alive here
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_an_arena_with_no_room_is_refused_before_an_agent_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, size: int
+) -> None:
+    made: list[FakeAgent] = []
+
+    def make_agent(*args: Any) -> FakeAgent:
+        made.append(FakeAgent("recv", []))
+        return made[-1]
+
+    monkeypatch.setattr(tn_receiver, "make_agent", make_agent)
+    with pytest.raises(HurrayArgumentError, match="max_arena_bytes") as info:
+        NixlReceiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_arena_bytes=size)
+    assert info.value.field == "max_arena_bytes" and not made
+
+
+def test_a_url_that_is_not_a_string_is_refused_naming_hurray_url() -> None:
+    """A missing setting (None) raised a TypeError where every malformed URL raises HurrayFormatError."""
+    for url in (None, b"nixl://h:1", 7):
+        with pytest.raises(HurrayFormatError) as info:
+            transport.channel_of(url)  # type: ignore[arg-type]
+        assert info.value.field == "hurray_url"

@@ -169,15 +169,18 @@ class _Arena:
                 self._free.remove(slab)
             else:
                 size = min(_slab_size(need), max(need, self.max_bytes - self.total))
-                for old in sorted((s for s in self._free if not s.tainted), key=lambda s: s.size):
-                    if self.total + size <= self.max_bytes:
-                        break
-                    self._drop(old)
-                if self.total + size > self.max_bytes:
+                droppable = sorted((s for s in self._free if not s.tainted), key=lambda s: s.size)
+                if self.total - sum(s.size for s in droppable) + size > self.max_bytes:
+                    # Refused before any free slab is dropped: dropping them would not make room, and would
+                    # leave the next chunk to register its slab afresh (any peer could empty the arena so).
                     raise HurrayFormatError(
                         "transport",
                         f"receiver buffers are full ({self.total} of {self.max_bytes} bytes in use); try again later",
                     )
+                for old in droppable:
+                    if self.total + size <= self.max_bytes:
+                        break
+                    self._drop(old)
                 slab = self._new(size)
             self._busy += 1
         return slab, [slab.mem[o : o + s] for o, s in zip(offsets, sizes)]
@@ -390,6 +393,7 @@ class NixlReceiver(ReceiverBase):
     Raises:
         NixlUnavailableError: NIXL is not installed.
         NixlError: NIXL could not start an agent.
+        HurrayArgumentError: a timeout or a limit out of range (``max_arena_bytes`` below 1, say).
     """
 
     transport = "nixl"
@@ -413,15 +417,24 @@ class NixlReceiver(ReceiverBase):
             raise HurrayArgumentError(
                 "limits", f"limits must be positive, got max_offer_memory_bytes={max_offer_memory_bytes}"
             )
+        if max_arena_bytes < 1:  # an arena with no room refuses every chunk, for good
+            raise HurrayArgumentError("max_arena_bytes", f"max_arena_bytes must be positive, got {max_arena_bytes}")
         if limits.get("tls") is not None:
             raise HurrayArgumentError(
                 "tls", "the NIXL channel has no TLS (its side channel is authenticated with the fleet key): use tcp"
             )
         # The agent first: without NIXL nothing listens.
-        self._agent = make_agent("recv", backend_params, progress_thread)
-        super().__init__(
-            host, port, store, timeout=timeout, idle_timeout=idle_timeout, max_chunk_bytes=max_chunk_bytes, **limits
-        )
+        agent = make_agent("recv", backend_params, progress_thread)
+        try:
+            super().__init__(
+                host, port, store, timeout=timeout, idle_timeout=idle_timeout, max_chunk_bytes=max_chunk_bytes, **limits
+            )
+        except BaseException:
+            # NIXL has no close: an agent (its UCX workers) goes with its last reference. The traceback keeps
+            # this frame, and with it ``self``: neither may hold the agent of a receiver that never was.
+            del agent
+            raise
+        self._agent = agent
         self.name = str(self._agent.name)
         self.arena = _Arena(self._agent, max_arena_bytes, quarantine_s=max(2 * timeout, 5.0))
         self.max_offer_memory_bytes = max_offer_memory_bytes
@@ -599,6 +612,8 @@ class NixlReceiver(ReceiverBase):
                 # between the MAC check and the file write. Checked and written from a private copy instead,
                 # so what is stored is exactly what was authenticated.
                 snap = assemble_offer(offer, [v.clone() for v in views]).snapshot
+            if self.stopping:  # stop() began: it waits for a put under way, and no other starts after it
+                raise HurrayFormatError("transport", "the receiver is stopping")
             stored = self.put(offer.ns, key, snap, admitted=promised)
             del snap, views, plan, landing
             release()

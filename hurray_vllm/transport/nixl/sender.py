@@ -215,14 +215,31 @@ class NixlSender(ChunkSender):
     # ── registration ──
 
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Register long-lived host tensors (page pools) once, until :meth:`close`."""
+        """Register long-lived host tensors (page pools) once, until :meth:`close`.
+
+        All or nothing: if one cannot be registered, none of ``tensors`` stays
+        registered (the caller, which learns of no registration, retries them all).
+
+        Raises:
+            HurrayFormatError: one is not a contiguous, non-empty host tensor (nothing is registered).
+            NixlError: NIXL could not register one.
+        """
+        for t in tensors:  # every one checked before any is registered
+            if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+                raise HurrayFormatError("transport", "only contiguous, non-empty host tensors can be registered")
         with self._lock:
-            for t in tensors:
-                if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
-                    raise HurrayFormatError("transport", "only contiguous, non-empty host tensors can be registered")
-                n = t.numel() * t.element_size()
-                regs = self._register([(t.data_ptr(), n)])
-                self._pinned.append((t.data_ptr(), t.data_ptr() + n, regs, t))
+            added: list[_Pinned] = []
+            try:
+                for t in tensors:
+                    n = t.numel() * t.element_size()
+                    added.append((t.data_ptr(), t.data_ptr() + n, self._register([(t.data_ptr(), n)]), t))
+            except BaseException:
+                # The caller keeps nothing to unregister: what this call registered would stay pinned (and
+                # registered on every lane) for the life of the sender, once more on each of its retries.
+                for entry in added:
+                    self._deregister(entry[2])
+                raise
+            self._pinned.extend(added)
 
     def unregister(self, tensors: Sequence[torch.Tensor]) -> None:
         """Deregister tensors given to :meth:`register` (those not registered are ignored).
@@ -384,30 +401,37 @@ class NixlSender(ChunkSender):
         parts, sources, order = encode_snapshot_offer(ns, key, snap)
         # One send: part by part, a chunk of 32 layers took ~600 system calls and as many packets.
         body = sum(memoryview(p).nbytes for p in parts)
-        sock.sendall(b"".join([MAGIC, U64.pack(body), *parts]))
-        reply = recv_exact(sock, 2)
-        if reply == b"ER":
-            raise HurrayFormatError("transport", f"receiver refused chunk {key}: {read_message(sock)}")
-        if reply != b"RD":
-            raise HurrayFormatError("transport", f"unexpected answer {reply!r} from the receiver")
-        (xfer_id,) = U64.unpack(recv_exact(sock, 8))
-        try:
-            name = recv_exact(sock, U16.unpack(recv_exact(sock, 2))[0]).decode()
-        except UnicodeDecodeError:
-            raise HurrayFormatError("transport", "the receiver's agent name is not UTF-8") from None
-        (md_len,) = U32.unpack(recv_exact(sock, 4))
-        if md_len > _MAX_METADATA_BYTES:
-            raise HurrayFormatError("transport", f"receiver metadata of {md_len} bytes is implausible")
-        md = recv_exact(sock, md_len)
-        (count,) = U32.unpack(recv_exact(sock, 4))
-        if count != len(sources):
-            raise HurrayFormatError("transport", f"receiver granted {count} buffers for {len(sources)} page pools")
-        addrs = [a for (a,) in U64.iter_unpack(recv_exact(sock, 8 * count))]
-        t1 = time.perf_counter()
-        if sources:
-            # The receiver's own bound on the transfer (transfer_seconds): past it, it gives up anyway.
-            seconds = transfer_seconds(timeout, sum(s.numel() for s in sources))
-            self._transfer(sock, name, md, xfer_id, sources, addrs, order, time.monotonic() + seconds)
+        # Offer, grant and transfer under the lock: the receiver's clock on the transfer starts at its grant, so
+        # a chunk granted while another push on this (shared) sender transfers would wait out its own deadline.
+        with self._lock:
+            sock.sendall(b"".join([MAGIC, U64.pack(body), *parts]))
+            # The whole grant within one timeout: per recv, a receiver trickling a byte per timeout would hold
+            # the sender for as many timeouts as its metadata has bytes.
+            deadline = time.monotonic() + timeout
+            reply = recv_exact(sock, 2, deadline)
+            if reply == b"ER":
+                raise HurrayFormatError("transport", f"receiver refused chunk {key}: {read_message(sock, deadline)}")
+            if reply != b"RD":
+                raise HurrayFormatError("transport", f"unexpected answer {reply!r} from the receiver")
+            (xfer_id,) = U64.unpack(recv_exact(sock, 8, deadline))
+            try:
+                name = recv_exact(sock, U16.unpack(recv_exact(sock, 2, deadline))[0], deadline).decode()
+            except UnicodeDecodeError:
+                raise HurrayFormatError("transport", "the receiver's agent name is not UTF-8") from None
+            (md_len,) = U32.unpack(recv_exact(sock, 4, deadline))
+            if md_len > _MAX_METADATA_BYTES:
+                raise HurrayFormatError("transport", f"receiver metadata of {md_len} bytes is implausible")
+            md = recv_exact(sock, md_len, deadline)
+            (count,) = U32.unpack(recv_exact(sock, 4, deadline))
+            if count != len(sources):
+                raise HurrayFormatError("transport", f"receiver granted {count} buffers for {len(sources)} page pools")
+            addrs = [a for (a,) in U64.iter_unpack(recv_exact(sock, 8 * count, deadline))]
+            t1 = time.perf_counter()
+            if sources:
+                # The receiver's own bound on the transfer (transfer_seconds), from its grant: past it, it gives
+                # up anyway.
+                seconds = transfer_seconds(timeout, sum(s.numel() for s in sources))
+                self._transfer(sock, name, md, xfer_id, sources, addrs, order, time.monotonic() + seconds)
         t2 = time.perf_counter()
         sock.sendall(b"GO")
         read_answer(sock, key)
@@ -456,6 +480,10 @@ class NixlSender(ChunkSender):
         while pending or handles:
             if stop.is_set():
                 return
+            if pending and len(handles) < inflight and time.monotonic() > deadline:
+                # The receiver gave up by now (its slab quarantined): a WRITE posted after would only be one
+                # more that UCX cannot cancel.
+                raise TimeoutError("NIXL transfer did not complete in time")
             while pending and len(handles) < inflight:
                 i = pending.pop()
                 try:
