@@ -70,7 +70,8 @@ def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> s
     if not is_namespace_name(ns) or not is_chunk_name(name):
         return "not a chunk's name (a key is hex digits, with .h<a>-<b> for a slice)"
     try:
-        snap = store.get(ns, name)
+        # Its access time stays: a check is no use of the chunk, and prune ranks chunks by their last use.
+        snap = store.get(ns, name, noatime=True)
     except HurrayFormatError as exc:
         return str(exc)
     if snap.fingerprint is None:
@@ -130,7 +131,9 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | N
     ``keys``, is listed in ``foreign`` and left in place). What it cannot check without the chunks before
     it: that its key is the hash of its prefix (a consumer checks the tokens).
     Safe while engines use the store: a file is moved aside only if it is
-    still the one found damaged.
+    still the one found damaged. Reads leave the files' access times as they
+    were (``O_NOATIME``, where the files are this user's): ``prune`` ranks
+    chunks by their last use, and a check is none.
 
     Example:
         >>> from hurray_vllm.chunks.store import DirectoryStore

@@ -168,7 +168,8 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
 
     Raises:
         HurrayArgumentError: ``chunk_tokens`` is not a positive multiple of the page size.
-        HurrayFormatError: the snapshot has no fingerprint, or layers paged in other sizes.
+        HurrayFormatError: the snapshot has no fingerprint, no token ids (a file saved without them), or
+            layers paged in other sizes.
     """
     if snap.fingerprint is None:
         raise HurrayFormatError(
@@ -183,6 +184,12 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
         raise HurrayArgumentError("chunk_tokens", f"expected a positive number of tokens, got {chunk_tokens!r}")
     if chunk_tokens % ps:
         raise HurrayArgumentError("chunk_tokens", f"{chunk_tokens} is not a multiple of the page size {ps}")
+    # Keys are hashes of the tokens: a snapshot may be saved without them (valid, but nothing to key by).
+    if len(snap.token_ids) != snap.num_seqs:
+        raise HurrayFormatError(
+            "snapshot.token_ids",
+            f"chunks are keyed by their tokens: {len(snap.token_ids)} token lists for {snap.num_seqs} sequences",
+        )
     if any(t.page_size != ps for t in snap.tensors()):
         raise HurrayFormatError(
             "snapshot.structure", "layers are paged in different sizes: repage_snapshot() it to one page size first"

@@ -111,7 +111,9 @@ def prune(
     mid-write). "Used" is the later of a file's access and modification
     times: with Linux's default ``relatime`` mount option the access time
     moves at most once a day, with ``noatime`` never, and pruning is then
-    oldest-written first. A prefix's later chunks are never used more
+    oldest-written first. Its own reads (and ``fsck``'s) leave access times
+    as they were (``O_NOATIME``) where the store's files are this user's.
+    A prefix's later chunks are never used more
     recently than its earlier ones (a load walks the chunks in order and
     stops at the first missing one), so its tail goes first. Safe while
     engines use the store: a chunk deleted under an engine that mapped it
@@ -119,7 +121,8 @@ def prune(
     ``dry_run`` only reports. With ``keys``, chunks that no key of the ring
     signed (unsigned, another fleet's, or unreadable: what a keyed engine
     would refuse) are deleted first, whatever the size; only the key id a
-    file names is read, not its MAC checked (``fsck`` does that). Bytes are
+    file names is read, not its MAC checked (``fsck`` does that). A file
+    that cannot be read is kept, and counted as kept. Bytes are
     file sizes. A namespace or file
     that cannot be read or deleted (permissions, I/O errors) is listed in
     ``report.skipped``, left in place, and the rest is pruned.
@@ -185,7 +188,8 @@ def prune(
                 ("foreign", size, path) for (_, size, path), ok in zip(group, signed, strict=True) if ok is False
             )
             foreign += signed.count(False)
-            kept = [f for f, ok in zip(group, signed, strict=True) if ok]
+            # An unreadable file is kept, and so counted toward max_bytes (deleting it by size needs no read).
+            kept = [f for f, ok in zip(group, signed, strict=True) if ok is not False]
             if kept:
                 ours.append((max(t for t, _, _ in kept), sum(size for _, size, _ in kept), kept))
         chunks = ours
@@ -226,12 +230,14 @@ def _signed_by(path: Path, keys: FleetKeys, skipped: list[str]) -> bool | None:
     is not signed: a keyed engine refuses it. ``None``, with the reason
     appended to ``skipped``, when the file cannot be read (permissions, an
     I/O error, memory running out): that is no verdict on the file
-    (:func:`~hurray_vllm.containers.io.read_error`), so it is not deleted.
+    (:func:`~hurray_vllm.containers.io.read_error`), so it is not deleted as
+    foreign. Read without moving its access time: this look is no use of the
+    chunk, and a moved time would rank it freshest in the next prune.
     """
     from .store import read_header
 
     try:
-        header = read_header(path)
+        header = read_header(path, noatime=True)
     except OSError as exc:
         skipped.append(f"{path}: {exc.strerror or exc}")
         return None

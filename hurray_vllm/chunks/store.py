@@ -81,6 +81,15 @@ __all__ = [
 #: bound a sparse file of 100 GiB under a key's name would cost its reader 100 GiB of memory.
 MAX_CHUNK_FILE_BYTES = 4 << 30
 
+#: What a header read (:func:`read_header`) takes from a chunk file at most, in bytes: its index, its KV section
+#: and each descriptor are refused beyond it (``HurrayFormatError``, fields ``file.index``, ``file.kv``,
+#: ``<name>.descriptor``) before they are read, and so are the header's records once their descriptors and
+#: buffers add up to more. A chunk's header needs a few KiB; this is what a snapshot's metadata may hold
+#: (64 MiB), which admits an index of ``MAX_RECORDS`` rows with names of up to 989 bytes (a chunk file's are
+#: under 40). Without it, a sparse file of 1 GiB (4 KiB on disk) whose trailer claimed a 1 GiB index cost
+#: every header read (a scheduler's, a keyed prune's) 1 GiB of memory and seconds.
+MAX_HEADER_READ_BYTES = _MAX_META_BYTES
+
 
 @dataclass(frozen=True)
 class ChunkPart:
@@ -260,7 +269,7 @@ class DirectoryStore:
         except (OSError, HurrayFormatError):
             return None
 
-    def get(self, namespace: str, key: str) -> KVSnapshot:
+    def get(self, namespace: str, key: str, *, noatime: bool = False) -> KVSnapshot:
         """The chunk under ``key``, read into memory it owns; :class:`HurrayFormatError` if missing or malformed.
 
         Not mapped: another program truncating a mapped file kills the reader
@@ -272,27 +281,30 @@ class DirectoryStore:
         directory, is not followed (``OSError``), and a pipe put there is
         refused, not waited on.
 
+        ``noatime=True``: leave the file's access time as it was (``O_NOATIME``, for the file's owner): for a
+        maintenance read (``fsck``), which is no use of the chunk, while :meth:`prune` ranks chunks by last use.
+
         Raises:
             HurrayFormatError: missing (field ``store``), malformed, not a regular file (``file``),
                 larger than :data:`MAX_CHUNK_FILE_BYTES` (``file.size``).
             OSError: the file cannot be read (permissions, a symbolic link; ``ENOMEM``: not a verdict on the file).
         """
-        return load_chunk(self.read(namespace, key))
+        return load_chunk(self.read(namespace, key, noatime=noatime))
 
-    def read(self, namespace: str, key: str) -> FileBytes:
+    def read(self, namespace: str, key: str, *, noatime: bool = False) -> FileBytes:
         """The bytes of the chunk file under ``key``, checksummed page by page as read, for :func:`load_chunk`.
 
         What :meth:`get` reads, with its rules and errors for the file (not
         for its contents): for a caller that checks the chunk's digest next
         (:func:`~hurray_vllm.chunks.verify.begin_check_data` with ``read=``),
-        which then does not read the pools from memory again.
+        which then does not read the pools from memory again. ``noatime``: as :meth:`get`.
 
         Raises:
             HurrayFormatError: missing (field ``store``), not a regular file (``file``), too large (``file.size``).
             OSError: as :meth:`get`.
         """
         try:
-            return _read_chunk(self.path(namespace, key))
+            return _read_chunk(self.path(namespace, key), noatime=noatime)
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 
@@ -301,11 +313,11 @@ class DirectoryStore:
         return ChunkReader(self, namespace, keys, submit)
 
 
-def _read_chunk(path: Path) -> FileBytes:
+def _read_chunk(path: Path, *, noatime: bool = False) -> FileBytes:
     """Every byte of the chunk file at ``path`` (:meth:`DirectoryStore.get`'s rules), with ``load``'s errors."""
     try:
         _check_namespace_dir(path.parent)
-        return read_whole(path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False, page_crcs=True)
+        return read_whole(path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False, page_crcs=True, noatime=noatime)
     except (HurrayFormatError, OSError):
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
@@ -346,22 +358,24 @@ def load_chunk(data: FileBytes) -> KVSnapshot:
     return load_file_bytes(data)
 
 
-def read_header(path: Path) -> SnapshotHeader | None:
+def read_header(path: Path, *, noatime: bool = False) -> SnapshotHeader | None:
     """The snapshot header of the chunk file at ``path``, reading its header records only.
 
     ``None`` if the file's first record is not a snapshot header. Checked
     as ``load`` checks it (the metadata record's layout, type and size);
-    each record is bounded before its bytes are read (a header's records
-    are small), and the file is read, not mapped (no SIGBUS when another
-    program truncates it). A symbolic link is not followed; a pipe is
-    refused, not waited on.
+    the index, each record and all of them together are bounded
+    (:data:`MAX_HEADER_READ_BYTES`) before their bytes are read (a header's
+    records are small), and the file is read, not mapped (no SIGBUS when
+    another program truncates it). A symbolic link is not followed; a pipe
+    is refused, not waited on. ``noatime``: as :meth:`DirectoryStore.get`
+    (a keyed prune's look at the signer).
 
     Raises:
         HurrayFormatError: the file is malformed (``.field`` names what).
         OSError: the file cannot be read (``FileNotFoundError`` if missing; ``ENOMEM``: not a verdict on it).
     """
     try:
-        with HrryFile(path, follow_symlinks=False) as hf:
+        with HrryFile(path, follow_symlinks=False, noatime=noatime, max_section_bytes=MAX_HEADER_READ_BYTES) as hf:
             node = next(group_records(_bounded_records(hf)), None)
             if node is None or not is_snapshot_header(node):
                 return None
@@ -376,11 +390,23 @@ def read_header(path: Path) -> SnapshotHeader | None:
 
 
 def _bounded_records(hf: HrryFile) -> Iterator[Record]:
-    """``hf``'s records, each refused before its buffers are read if they hold more than a header's record may."""
+    """``hf``'s records, each refused before its buffers are read if they hold more than a header's record may.
+
+    And once the records read so far, descriptors and buffers, add up to more
+    than :data:`MAX_HEADER_READ_BYTES`: a header group of many members, each
+    under the bound, would otherwise read as much as the file claims to hold.
+    """
+    left = MAX_HEADER_READ_BYTES
     for entry in hf.entries:
+        left -= entry.descriptor_length
+        if left < 0:
+            raise HurrayFormatError(entry.name, f"the header's records hold more than {MAX_HEADER_READ_BYTES} bytes")
         size = hf.descriptor(entry).data_bytes
         if size > _MAX_META_BYTES:
             raise HurrayFormatError(entry.name, f"{size} bytes: more than a snapshot header's record holds")
+        left -= size
+        if left < 0:
+            raise HurrayFormatError(entry.name, f"the header's records hold more than {MAX_HEADER_READ_BYTES} bytes")
         yield hf.read(entry)
 
 
@@ -478,8 +504,11 @@ def store_snapshot(
     A linear-attention hybrid's states go with the chunk ending where they
     were taken; a sequence whose length is not a whole number of chunks
     gets chunks no consumer can resume from, which is logged.
+
+    Raises:
+        HurrayFormatError: as :func:`chunks_of` (no fingerprint: ``snapshot.fingerprint``; no token ids:
+            ``snapshot.token_ids``).
     """
-    assert snap.fingerprint is not None or not snap.num_layers
     written = 0
     resumable = 0
     for key, chunk in chunks_of(snap, chunk_tokens, tails=tails):

@@ -534,6 +534,7 @@ def read_whole(
     max_bytes: int | None = None,
     follow_symlinks: bool = True,
     page_crcs: bool = False,
+    noatime: bool = False,
 ) -> FileBytes:
     """Every byte of the file at ``path``, in memory of their own (the recycled buffers ``HrryFile(whole=True)`` uses).
 
@@ -542,14 +543,14 @@ def read_whole(
     ``follow_symlinks=False``: refuse a symbolic link at ``path`` (``OSError``
     ``ELOOP``). Only a regular file is read (:func:`open_regular`).
     ``page_crcs``: checksum each page as it is read (:attr:`FileBytes.page_crcs`),
-    for a reader that checks the file's digest next.
+    for a reader that checks the file's digest next. ``noatime``: see :func:`open_regular`.
 
     Raises:
         OSError: the file cannot be read (``FileNotFoundError`` if it is gone).
         HurrayFormatError: not a regular file (field ``file``); larger than ``max_bytes``
             (field ``file.size``); the file grew while it was read.
     """
-    with open_regular(path, follow_symlinks=follow_symlinks) as f:
+    with open_regular(path, follow_symlinks=follow_symlinks, noatime=noatime) as f:
         size = os.fstat(f.fileno()).st_size
         if max_bytes is not None and size > max_bytes:
             raise HurrayFormatError("file.size", f"{os.fspath(path)} holds {size} bytes, more than {max_bytes} allowed")
@@ -557,13 +558,18 @@ def read_whole(
     return FileBytes(Path(path), view, pages)
 
 
-def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True, noatime: bool = False) -> BinaryIO:
     """``open(path, "rb")``, refusing anything but a regular file without blocking on it.
 
     Opened non-blocking (``O_NONBLOCK``, then set back to blocking): a FIFO
     swapped in at ``path`` after a caller checked it would otherwise block the
     open until a writer appears, forever. ``follow_symlinks=False`` adds
-    ``O_NOFOLLOW``.
+    ``O_NOFOLLOW``. ``noatime=True`` adds ``O_NOATIME`` where the system has it,
+    so that the read leaves the file's access time as it was: for maintenance
+    reads (``fsck``, a keyed ``prune``), which are no use of the file, while
+    ``prune`` ranks chunks by their last use. Only the file's owner (or a
+    process with ``CAP_FOWNER``) may ask for it: for anyone else the file is
+    opened without it (the kernel refuses the flag with ``EPERM``).
 
     Raises:
         OSError: ``path`` cannot be opened (``ELOOP``: a symbolic link, with ``follow_symlinks=False``;
@@ -573,7 +579,7 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags)
+    fd = _open_noatime(path, flags) if noatime and hasattr(os, "O_NOATIME") else os.open(path, flags)
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):  # what open() raises for one
@@ -586,6 +592,16 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
     except BaseException:
         os.close(fd)
         raise
+
+
+def _open_noatime(path: str | os.PathLike[str], flags: int) -> int:
+    """``os.open(path, flags | O_NOATIME)``, or without ``O_NOATIME`` where the kernel refuses it (not the owner)."""
+    try:
+        return os.open(path, flags | os.O_NOATIME)
+    except PermissionError as exc:
+        if exc.errno != errno.EPERM:  # EACCES: no read permission, which a plain open would meet too
+            raise
+    return os.open(path, flags)
 
 
 #: Whole-file buffers kept for reuse: at most this many bytes of them lie idle.
@@ -606,7 +622,15 @@ class HrryFile:
     fresh tensor when asked for.
 
     Only a regular file is opened (:func:`open_regular`: a pipe is refused, not
-    waited on); ``follow_symlinks=False`` also refuses a symbolic link at ``path``.
+    waited on); ``follow_symlinks=False`` also refuses a symbolic link at ``path``,
+    and ``noatime=True`` leaves its access time as it was (:func:`open_regular`).
+
+    ``max_section_bytes``: the most bytes the index, the KV section and each
+    descriptor may hold, refused (``HurrayFormatError``, fields ``file.index``,
+    ``file.kv``, ``<name>.descriptor``) before they are read. Without it each is
+    bounded only by the file's size: a sparse file of 1 GiB (4 KiB on disk)
+    whose trailer claims a 1 GiB index costs a reader 1 GiB of memory and
+    seconds. For a reader that reads a few records only (a chunk's header).
     """
 
     def __init__(
@@ -617,15 +641,18 @@ class HrryFile:
         whole: bool = False,
         data: FileBytes | None = None,
         follow_symlinks: bool = True,
+        noatime: bool = False,
+        max_section_bytes: int | None = None,
     ) -> None:
         self._map: _mmap.mmap | memoryview | None = None
         self._f: BinaryIO | None = None
+        self._max_section = max_section_bytes
         if data is not None:  # read whole already, maybe on another thread (read_whole)
             self.path, self._map, self.size = data.path, data.view, len(data.view)
             self._parse()
             return
         self.path = Path(path)
-        self._f = open_regular(self.path, follow_symlinks=follow_symlinks)
+        self._f = open_regular(self.path, follow_symlinks=follow_symlinks, noatime=noatime)
         try:
             self.size = os.fstat(self._f.fileno()).st_size
             if whole and not mmap and self.size:
@@ -690,6 +717,7 @@ class HrryFile:
         body_end = self.size - TRAILER_LEN
         if index_off < first or index_off + index_len > body_end:
             raise HurrayFormatError("file.index_offset", f"index [{index_off}, +{index_len}) is outside the file body")
+        self._check_section(index_len, "file.index")
         index = self._read_at(index_off, index_len, "file.index")
         if flags & FLAG_HAS_CRC:
             if crc32c(index) != crc:
@@ -700,8 +728,14 @@ class HrryFile:
         if kv_off or kv_len:
             if kv_off < first or kv_off + kv_len > body_end:
                 raise HurrayFormatError("file.kv_offset", "KV section lies outside the file body")
+            self._check_section(kv_len, "file.kv")
             self.kv = decode_kv(self._read_at(kv_off, kv_len, "file.kv"))
         self.entries = self._parse_index(index, index_off)
+
+    def _check_section(self, n: int, what: str) -> None:
+        """Refuse a section of ``n`` bytes beyond ``max_section_bytes``, before reading it (``what``: its field)."""
+        if self._max_section is not None and n > self._max_section:
+            raise HurrayFormatError(what, f"{n} bytes, more than the {self._max_section} this read of the file allows")
 
     def _parse_index(self, index: bytes, index_off: int) -> list[IndexEntry]:
         args = (index, index_off, self.first_descriptor_offset, self.alignment)
@@ -719,6 +753,8 @@ class HrryFile:
         """The decoded descriptor of ``entry``, refused (by name) if it breaks a blocking rule."""
         # Error names are built only when raising: this runs for every record of every file.
         n = entry.descriptor_length
+        if self._max_section is not None and n > self._max_section:  # the field's name only when refusing
+            self._check_section(n, entry.name + ".descriptor")
         raw = self._read_at(entry.descriptor_offset, n, entry.name, ".descriptor")
         own = peek_descriptor_length(raw)
         if own != n:

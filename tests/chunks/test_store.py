@@ -346,9 +346,9 @@ def test_fsck_does_not_call_a_chunk_pruned_while_it_was_read_damaged(
     store = _one_chunk_store(tmp_path)[0]
     real = DirectoryStore.get
 
-    def get(self: DirectoryStore, n: str, k: str) -> hv.KVSnapshot:
+    def get(self: DirectoryStore, n: str, k: str, **kwargs: bool) -> hv.KVSnapshot:
         self.path(n, k).unlink()  # a prune lands between the listing and the read
-        return real(self, n, k)
+        return real(self, n, k, **kwargs)
 
     monkeypatch.setattr(DirectoryStore, "get", get)
     report = fsck(store)
@@ -503,3 +503,205 @@ def test_prune_with_keys_keeps_a_signed_chunk_it_cannot_read(tmp_path: Path, mon
     assert path.exists() and not store.has(ns, "a1" * 8)
     assert report.foreign_removed == 1 and any(str(path) in s and "Input/output" in s for s in report.skipped)
     assert store.prune(1 << 40, keys=keys).foreign_removed == 0 and store.has(ns, key)  # readable again: ours
+
+
+def _sparse_file_claiming_an_index(path: Path, index_len: int) -> None:
+    """A file of ``index_len`` + 104 bytes, nearly all a hole, whose trailer says its index is ``index_len`` bytes."""
+    import struct
+
+    from hurray_vllm.containers.hrryfile import FILE_MAGIC, TRAILER_MAGIC
+
+    size = 64 + index_len + 40
+    header = FILE_MAGIC + struct.pack("<BBHIIQ", 1, 0, 0, 0, 4096, 64) + bytes(64 - 8 - 20)
+    trailer = struct.pack("<QQQII", 64, index_len, 0, 0, 0) + bytes(4) + TRAILER_MAGIC
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+        f.seek(size - 40)
+        f.write(trailer)
+
+
+def test_a_sparse_file_claiming_a_huge_index_is_refused_before_a_header_read_reads_it(tmp_path: Path) -> None:
+    """1 GiB of index claimed by a file of 4 KiB on disk: read_header (a scheduler's has_states, a keyed prune)
+    allocated the whole 1 GiB and took seconds before refusing it."""
+    import tracemalloc
+
+    from hurray_vllm.chunks.signing import FleetKeys
+    from hurray_vllm.chunks.store import read_header
+
+    store, ns, key = DirectoryStore(tmp_path), "0123456789abcdef", "aa"
+    path = store.path(ns, key)
+    _sparse_file_claiming_an_index(path, 1 << 30)
+    assert path.stat().st_blocks * 512 < 1 << 20  # nothing of the index is on disk
+    tracemalloc.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(hv.HurrayFormatError) as err:
+            read_header(path)
+        assert store.header(ns, key) is None and not store.has_states(ns, key)
+        report = store.prune(1 << 40, keys=FleetKeys.from_secrets(b"k" * 32), dry_run=True)
+        elapsed = time.monotonic() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.field == "file.index"
+    assert report.foreign_removed == 1 and not report.skipped  # malformed: what a keyed engine refuses
+    assert peak < 16 << 20, f"{peak} bytes allocated"
+    assert elapsed < 2.0, f"{elapsed:.1f} s"
+
+
+def test_a_header_read_bound_admits_any_index_a_chunk_file_may_have() -> None:
+    """The bound must not refuse a legitimate file: ``MAX_RECORDS`` index rows (8 + 34 bytes and a name each)."""
+    from hurray_vllm.chunks.store import MAX_HEADER_READ_BYTES
+    from hurray_vllm.containers.schema import MAX_RECORDS
+
+    assert 8 + MAX_RECORDS * (34 + 989) <= MAX_HEADER_READ_BYTES  # names of up to 989 bytes, as documented
+
+
+def test_a_header_read_is_bounded_by_all_its_records_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each record under the bound, all of them over it: a header group of many members read them all."""
+    from hurray_vllm.chunks import store as store_module
+    from hurray_vllm.chunks.store import read_header
+    from hurray_vllm.containers.schema import dense_record
+
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+
+    def long_token_ids(records: list) -> None:
+        assert records[2].name == "snapshot.token_ids"
+        records[2] = dense_record("snapshot.token_ids", torch.zeros(350, dtype=torch.int64))  # 2,800 bytes
+
+    path = _crafted_chunk_file(store, ns, key, long_token_ids)
+    assert read_header(path) is not None  # read whole, the header's records are a few KiB
+    monkeypatch.setattr(store_module, "MAX_HEADER_READ_BYTES", 3000)  # more than any one record, less than all
+    with pytest.raises(hv.HurrayFormatError, match="more than 3000 bytes") as err:
+        read_header(path)
+    assert err.value.field == "snapshot.token_ids"
+    assert store.header(ns, key) is None
+
+
+def _atime_moves_here(directory: Path) -> bool:
+    """Whether a plain read of a file in ``directory`` moves its access time (not so under ``noatime``)."""
+    import os
+
+    probe = directory / "atime-probe"
+    probe.write_bytes(b"x")
+    old = time.time() - 10 * 86400  # older than a day: relatime moves it too
+    os.utime(probe, (old, old))
+    before = probe.stat().st_atime_ns
+    with open(probe, "rb") as f:
+        f.read()
+    moved = probe.stat().st_atime_ns != before
+    probe.unlink()
+    return moved
+
+
+def test_fsck_and_a_keyed_prune_leave_access_times_alone(tmp_path: Path) -> None:
+    """Prune ranks chunks by their last use (access or modification time): fsck's and a keyed prune's reads moved
+    the access time of chunks never loaded, which the next prune then kept over chunks engines had used."""
+    import os
+
+    from hurray_vllm.chunks.fsck import fsck
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+
+    if not hasattr(os, "O_NOATIME"):
+        pytest.skip("no O_NOATIME on this system")
+    if not _atime_moves_here(tmp_path):
+        pytest.skip("this file system does not move access times on reads (mounted noatime): nothing to keep")
+    keys = FleetKeys.from_secrets(b"k" * 32)
+    ((key, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path / "store")
+    store.put(ns, key, sign_chunk(chunk, keys, ns, key))
+    path = store.path(ns, key)
+    old = time.time() - 10 * 86400
+    os.utime(path, (old, old))
+    before = path.stat().st_atime_ns
+    assert fsck(store, keys=keys).good == 1
+    assert path.stat().st_atime_ns == before
+    report = store.prune(1 << 40, keys=keys)
+    assert report.chunks_kept == 1 and report.foreign_removed == 0
+    assert path.stat().st_atime_ns == before
+
+
+def test_a_read_without_access_time_falls_back_to_a_plain_read_for_another_users_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_NOATIME is refused (EPERM) on a file the reader does not own: fsck and prune read it all the same."""
+    import os
+
+    from hurray_vllm.chunks.fsck import fsck
+    from hurray_vllm.chunks.store import read_header
+
+    if not hasattr(os, "O_NOATIME"):
+        pytest.skip("no O_NOATIME on this system")
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    real = os.open
+    refused = []
+
+    def open_(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & os.O_NOATIME:
+            refused.append(path)
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", open_)
+    assert read_header(store.path(ns, key), noatime=True) is not None
+    assert fsck(store).good == 1
+    assert store.prune(1 << 40).chunks_kept == 1
+    assert len(refused) == 2  # read_header's and fsck's
+
+
+def test_keyed_prune_counts_a_chunk_it_cannot_read_as_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unreadable file (an I/O error reading its signer) was in neither kept nor foreign: its bytes never
+    counted toward max_bytes, and the report said the store held less than it did."""
+    import os
+
+    from hurray_vllm.chunks import store as store_module
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+
+    keys = FleetKeys.from_secrets(b"k" * 32)
+    ((_, chunk),) = chunks_of(spec_example_snapshot(), 4)
+    assert chunk.fingerprint is not None
+    ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
+    names = ["a1" * 8, "b2" * 8, "c3" * 8]
+    now = time.time()
+    for age, name in zip((0, 200, 100), names, strict=True):  # b2 used longest ago
+        store.put(ns, name, sign_chunk(chunk, keys, ns, name))
+        os.utime(store.path(ns, name), (now - age, now - age))
+    size = store.path(ns, names[0]).stat().st_size
+    unreadable = store.path(ns, names[0])  # the most recently used: kept
+    real = store_module.read_header
+
+    def read_header(path: Path, **kwargs: bool) -> object:
+        if path == unreadable:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(store_module, "read_header", read_header)
+    dry = store.prune(2 * size, keys=keys, dry_run=True)
+    assert (dry.chunks_kept, dry.chunks_removed, dry.bytes_kept) == (2, 1, 2 * size)
+    report = store.prune(2 * size, keys=keys)
+    on_disk = sorted(p for p in (tmp_path / ns).iterdir())
+    assert on_disk == sorted([unreadable, store.path(ns, names[2])])  # the least recently used went
+    assert report.chunks_kept == len(on_disk) and report.bytes_kept == sum(p.stat().st_size for p in on_disk)
+    assert report.bytes_kept <= 2 * size and any(str(unreadable) in s for s in report.skipped)
+
+
+def test_a_snapshot_without_token_ids_or_a_fingerprint_is_a_format_error_not_a_crash(tmp_path: Path) -> None:
+    """A file saved without token ids (valid) loaded and chunked raised IndexError; one without a fingerprint a bare
+    AssertionError in store_snapshot."""
+    path = tmp_path / "no_ids.hrry"
+    hv.save(replace(spec_example_snapshot(), token_ids=()), path)
+    loaded = hv.load(path)
+    assert loaded.token_ids == () and loaded.num_layers
+    store = DirectoryStore(tmp_path / "store")
+    for call in (lambda: chunks_of(loaded, 4), lambda: store_snapshot(store, loaded, 4)):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            call()
+        assert err.value.field == "snapshot.token_ids"
+    no_fingerprint = replace(spec_example_snapshot(), fingerprint=None)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        store_snapshot(store, no_fingerprint, 4)
+    assert err.value.field == "snapshot.fingerprint"
+    assert not (tmp_path / "store").exists()  # nothing written

@@ -645,3 +645,29 @@ def test_a_header_announcing_other_sequences_than_the_layers_hold_is_refused(tmp
         assert hv.load(path).num_seqs == 2 and hv.validate(path).ok
         path.write_bytes(_stream(_meta()))
         assert hv.validate(path).ok
+
+
+def test_sections_beyond_a_reads_bound_are_refused_before_they_are_read(tmp_path: Path) -> None:
+    """HrryFile(max_section_bytes=...): a header read's bound on the index, the KV section and each descriptor."""
+    from hurray_vllm.containers.hrryfile import HrryFile, write_file
+
+    records = [dense_record("x", torch.zeros(4, dtype=torch.uint8))]
+    plain, with_kv = tmp_path / "plain.hrry", tmp_path / "kv.hrry"
+    write_file(records, plain)
+    write_file(records, with_kv, kv={"note": "n" * 1000})
+    with HrryFile(plain) as hf:  # the index: 8 + 34 + 1 bytes; the descriptor more
+        (entry,) = hf.entries
+        assert entry.descriptor_length > 43
+    with HrryFile(plain, max_section_bytes=43) as hf:  # the index passes
+        with pytest.raises(hv.HurrayFormatError) as err:
+            hf.read(hf.entries[0])
+        assert err.value.field == "x.descriptor"
+    with pytest.raises(hv.HurrayFormatError) as err:
+        HrryFile(plain, max_section_bytes=42)
+    assert err.value.field == "file.index" and "43 bytes" in str(err.value)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        HrryFile(with_kv, max_section_bytes=500)
+    assert err.value.field == "file.kv"
+    with HrryFile(with_kv) as hf:  # no bound: as before
+        assert hf.kv == {"note": "n" * 1000}
+        assert torch.equal(hf.read(hf.entries[0]).buffers[0], torch.zeros(4, dtype=torch.uint8))
