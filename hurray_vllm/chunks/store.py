@@ -291,11 +291,12 @@ class DirectoryStore:
         """
         return load_chunk(self.read(namespace, key, noatime=noatime))
 
-    def read(self, namespace: str, key: str, *, noatime: bool = False) -> FileBytes:
-        """The bytes of the chunk file under ``key``, checksummed page by page as read, for :func:`load_chunk`.
+    def read(self, namespace: str, key: str, *, noatime: bool = False, page_crcs: bool = False) -> FileBytes:
+        """The bytes of the chunk file under ``key``, for :func:`load_chunk`.
 
         What :meth:`get` reads, with its rules and errors for the file (not
-        for its contents): for a caller that checks the chunk's digest next
+        for its contents). ``page_crcs``: checksum each page as it is read,
+        for a caller that checks the chunk's CRC-32C digest next
         (:func:`~hurray_vllm.chunks.verify.begin_check_data` with ``read=``),
         which then does not read the pools from memory again. ``noatime``: as :meth:`get`.
 
@@ -304,20 +305,22 @@ class DirectoryStore:
             OSError: as :meth:`get`.
         """
         try:
-            return _read_chunk(self.path(namespace, key), noatime=noatime)
+            return _read_chunk(self.path(namespace, key), noatime=noatime, page_crcs=page_crcs)
         except FileNotFoundError:
             raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
 
-    def reader(self, namespace: str, keys: Sequence[str], submit: Submit) -> ChunkReader:
-        """A :class:`ChunkReader` of ``keys``, in that order, reading ahead with ``submit``."""
-        return ChunkReader(self, namespace, keys, submit)
+    def reader(self, namespace: str, keys: Sequence[str], submit: Submit, *, page_crcs: bool = False) -> ChunkReader:
+        """A :class:`ChunkReader` of ``keys``, in order, reading ahead with ``submit`` (``page_crcs``: see read)."""
+        return ChunkReader(self, namespace, keys, submit, page_crcs=page_crcs)
 
 
-def _read_chunk(path: Path, *, noatime: bool = False) -> FileBytes:
+def _read_chunk(path: Path, *, noatime: bool = False, page_crcs: bool = False) -> FileBytes:
     """Every byte of the chunk file at ``path`` (:meth:`DirectoryStore.get`'s rules), with ``load``'s errors."""
     try:
         _check_namespace_dir(path.parent)
-        return read_whole(path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False, page_crcs=True, noatime=noatime)
+        return read_whole(
+            path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False, page_crcs=page_crcs, noatime=noatime
+        )
     except (HurrayFormatError, OSError):
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
@@ -440,8 +443,10 @@ class ChunkReader:
         >>> first = reader.get(k0)  # k1 is read meanwhile  # doctest: +SKIP
     """
 
-    def __init__(self, store: DirectoryStore, namespace: str, keys: Sequence[str], submit: Submit) -> None:
-        self._store, self._ns, self._submit = store, namespace, submit
+    def __init__(
+        self, store: DirectoryStore, namespace: str, keys: Sequence[str], submit: Submit, *, page_crcs: bool = False
+    ) -> None:
+        self._store, self._ns, self._submit, self._page_crcs = store, namespace, submit, page_crcs
         self._keys = list(keys)
         self._next = 0
         self._ahead: tuple[str, Future[FileBytes]] | None = None
@@ -451,7 +456,8 @@ class ChunkReader:
         if self._next < len(self._keys):
             key = self._keys[self._next]
             self._next += 1
-            self._ahead = (key, self._submit(functools.partial(_read_chunk, self._store.path(self._ns, key))))
+            path = self._store.path(self._ns, key)
+            self._ahead = (key, self._submit(functools.partial(_read_chunk, path, page_crcs=self._page_crcs)))
         else:
             self._ahead = None
 
@@ -476,7 +482,7 @@ class ChunkReader:
             if key in self._keys[self._next :]:  # keys were skipped: read ahead from here on again
                 self._next = self._keys.index(key, self._next) + 1
                 self._read_ahead()
-            return self._store.read(self._ns, key)
+            return self._store.read(self._ns, key, page_crcs=self._page_crcs)
         self._read_ahead()
         try:
             return ahead[1].result()

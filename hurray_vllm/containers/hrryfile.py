@@ -486,7 +486,7 @@ class _Recycler:
                 self._bytes += cls
 
 
-def _read_whole(f: BinaryIO, size: int, page_crcs: bool = False) -> tuple[memoryview, torch.Tensor | None]:
+def _read_whole(f: BinaryIO, size: int, page_crcs: bool = False) -> tuple[memoryview, PageCrcs | None]:
     """The ``size`` bytes of open file ``f``, read in one call into memory of their own (recycled).
 
     Read first and parse the copy: what is checked is what is used, whatever
@@ -504,12 +504,28 @@ def _read_whole(f: BinaryIO, size: int, page_crcs: bool = False) -> tuple[memory
         read_into(f, view, "file")
         pages = None
     else:
-        got, pages = done
+        got, registers = done
         if got < size:
             raise HurrayFormatError("file", f"stream ends after {got} of {size} bytes")
+        pages = PageCrcs(data.data_ptr(), size, registers) if registers is not None else None
     if f.read(1):
         raise HurrayFormatError("file", "the file grew while it was read")
     return view, pages
+
+
+@dataclass(frozen=True, eq=False)
+class PageCrcs:
+    """The CRC-32C registers a read computed page by page, and the memory they describe.
+
+    ``registers`` (int32, one per whole :data:`~hurray_vllm.native.CRC_PAGE`,
+    each from zero) hold for the ``size`` bytes at ``address`` as they were
+    read, and for no other memory: a consumer uses them only for a buffer at
+    that very address and size (:func:`hurray_vllm.native.crc32c_ranges`).
+    """
+
+    address: int
+    size: int
+    registers: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -522,10 +538,9 @@ class FileBytes:
 
     path: Path
     view: memoryview
-    #: The CRC-32C register (from zero) of each whole :data:`~hurray_vllm.native.CRC_PAGE` of ``view``, computed
-    #: while the file was read (``read_whole(page_crcs=True)``): a chunk's digest check combines them instead of
-    #: reading its pools from memory again (:func:`hurray_vllm.native.crc32c_ranges`). ``None``: not computed.
-    page_crcs: torch.Tensor | None = None
+    #: The CRC-32C registers of ``view``'s pages, computed while the file was read (``read_whole(page_crcs=True)``):
+    #: a chunk's digest check combines them instead of reading its pools from memory again. ``None``: not computed.
+    page_crcs: PageCrcs | None = None
 
 
 def read_whole(

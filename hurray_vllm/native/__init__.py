@@ -324,7 +324,11 @@ def crc32c_ranges(crc: int, base: torch.Tensor, pages: torch.Tensor, ranges: Seq
     lib = library()
     if lib is None:
         return None
+    import torch
+
     size = base.numel() * base.element_size()
+    if pages.dtype != torch.int32 or not pages.is_contiguous() or not base.is_contiguous():
+        raise ValueError("crc32c_ranges: pages must be read_crc32c_pages' int32 registers, base contiguous")
     for off, length in ranges:
         if off < 0 or length < 0 or off + length > size:
             raise ValueError(f"crc32c_ranges: range ({off}, {length}) outside {size} bytes")

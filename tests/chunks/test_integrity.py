@@ -180,7 +180,7 @@ def test_the_check_from_page_registers_judges_a_damaged_file_as_the_full_check(
     raw[pos] ^= data.draw(st.integers(1, 255), label="xor")
     path.write_bytes(bytes(raw))
     try:
-        read = store.read(ns, key)
+        read = store.read(ns, key, page_crcs=True)
         snap = load_chunk(read)
     except hv.HurrayFormatError:
         return
@@ -205,9 +205,10 @@ def test_a_chunk_read_page_by_page_is_checked_without_reading_its_pools_again(
     from hurray_vllm import native
 
     store, ns, key = _paged_chunk_file(tmp_path)
-    read = store.read(ns, key)
+    assert store.read(ns, key).page_crcs is None  # only for a caller that asks (a MAC reads the pools itself)
+    read = store.read(ns, key, page_crcs=True)
     snap = load_chunk(read)
-    assert read.page_crcs is not None and read.page_crcs.numel() > 2
+    assert read.page_crcs is not None and read.page_crcs.registers.numel() > 2
     copied = replace(snap, keys=tuple(replace(t, page_pool=t.page_pool.clone()) for t in snap.keys))
     rest_copied = begin_check_data(copied, read=read)
     with monkeypatch.context() as m:
@@ -219,3 +220,18 @@ def test_a_chunk_read_page_by_page_is_checked_without_reading_its_pools_again(
     )
     with pytest.raises(hv.HurrayFormatError, match="does not match"):
         begin_check_data(damaged, read=read)()
+
+
+def test_page_registers_vouch_only_for_the_memory_they_were_computed_from(tmp_path: Path) -> None:
+    """A FileBytes given other bytes (a damaged copy) keeps registers that no longer describe them: the check
+    reads the bytes themselves, and refuses the damage."""
+    store, ns, key = _paged_chunk_file(tmp_path)
+    read = store.read(ns, key, page_crcs=True)
+    raw = bytearray(read.view)
+    snap = load_chunk(read)
+    offset = snap.keys[0].page_pool.data_ptr() - torch.frombuffer(read.view, dtype=torch.uint8).data_ptr()
+    raw[offset + 20000] ^= 0x10  # inside the first key pool, on a whole page
+    copy = replace(read, view=memoryview(raw))
+    damaged = load_chunk(copy)
+    with pytest.raises(hv.HurrayFormatError, match="does not match"):
+        begin_check_data(damaged, read=copy)()

@@ -537,7 +537,9 @@ class HurrayScheduler:
                 stored = stored[:n]
                 break
         unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
-        reader = self._store.reader(self._ns, unread, _helper("read").submit) if unread else None
+        # Pages checksummed as read where the CRC-32C digest is the check (a MAC reads the pools itself).
+        page_crcs = self._config.keys is None
+        reader = self._store.reader(self._ns, unread, _helper("read").submit, page_crcs=page_crcs) if unread else None
         verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
         verified_snaps: list[list[KVSnapshot]] = []
         pending: tuple[list[ChunkPart], list[KVSnapshot], list[Future[None] | None]] | None = None
@@ -728,7 +730,10 @@ class HurrayScheduler:
         if snap is not None:
             self.stats.chunks_remembered += 1
         else:
-            read = reader.read(part.name) if reader is not None else self._store.read(self._ns, part.name)
+            if reader is not None:
+                read = reader.read(part.name)
+            else:
+                read = self._store.read(self._ns, part.name, page_crcs=self._config.keys is None)
             snap = load_chunk(read)
             check = self._check_later(snap, part.name, read)
         # Also for a remembered chunk: its key promises these tokens, the check costs little.
