@@ -628,6 +628,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm router`` until SIGINT/SIGTERM; returns 0."""
     try:
         from .router import CONTROL_PURPOSE, RouterConfig, serve
+        from .router.backends import backend_key
     except ImportError as exc:  # FastAPI, uvicorn or aiohttp missing (all come with vLLM)
         raise HurrayArgumentError("router", f"{exc}; install them with: pip install 'hurray-vllm[router]'") from None
 
@@ -641,13 +642,19 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise HurrayArgumentError("router", "give --listen HOST:PORT and at least one --backend URL")
     if args.chunk_tokens < 1 or args.health_interval <= 0:
         raise HurrayArgumentError("router", "--chunk-tokens must be >= 1 and --health-interval > 0")
-    overlap = set(args.backend) & set(args.prefill or [])
+    # One backend however often given, with or without a trailing slash (the router's own rule): its first spelling.
+    decode: dict[str, str] = {}
+    prefill: dict[str, str] = {}
+    for given, urls in ((decode, args.backend), (prefill, args.prefill or [])):
+        for url in urls:
+            given.setdefault(backend_key(url), url)
+    overlap = decode.keys() & prefill.keys()
     if overlap:
         raise HurrayArgumentError("prefill", f"{sorted(overlap)} given both as --backend and --prefill")
     host, port = args.listen
     config = RouterConfig(
-        backends=tuple(dict.fromkeys(args.backend)),
-        prefill=tuple(dict.fromkeys(args.prefill or [])),
+        backends=tuple(decode.values()),
+        prefill=tuple(prefill.values()),
         chunk_tokens=args.chunk_tokens,
         health_interval=args.health_interval,
         stream_timeout=args.stream_timeout,

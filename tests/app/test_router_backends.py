@@ -408,3 +408,34 @@ def test_a_backend_that_serves_the_model_is_checked_once_more_before_one_that_do
     router.backends.check = check  # type: ignore[method-assign]
     assert asyncio.run(router.pick(["k"], model="m")) is b and not a.healthy  # b serves it: no check
     assert asyncio.run(router.pick(["k"], model="sql")) is a and a.healthy
+
+
+def test_a_backend_given_with_and_without_a_trailing_slash_is_one_backend(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The docs say a trailing slash does not matter: "http://a:1" and "http://a:1/" were two backends (each with its
+    own load, health and prefix memory), and the CLI's dedup and --backend/--prefill check compared raw strings."""
+    from typing import Any
+
+    from conftest import require
+
+    require("aiohttp")
+    import hurray_vllm.app.router as router
+    from hurray_vllm.app.cli import main
+
+    bs = Backends(["http://a:1", "http://a:1/", "http://b:1/"], ["http://b:1", "http://c:1/"])
+    assert [(b.url, b.prefill) for b in bs.all.values()] == [
+        ("http://a:1", False),
+        ("http://b:1/", False),  # its first spelling
+        ("http://c:1/", True),
+    ]
+    assert bs.get("http://a:1/") is bs.get("http://a:1") is not None and bs.get("http://c:1") is not None
+
+    seen: list[Any] = []
+    monkeypatch.setattr(router, "serve", lambda config, host, port, log_level: seen.append(config))
+    base = ["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1"]
+    assert main([*base, "--backend", "http://a:1/", "--backend", "http://b:1", "--prefill", "http://c:1/"]) == 0
+    assert seen[-1].backends == ("http://a:1", "http://b:1") and seen[-1].prefill == ("http://c:1/",)
+    capsys.readouterr()
+    assert main([*base, "--prefill", "http://a:1/"]) == 2  # a usage error
+    assert "both as --backend and --prefill" in capsys.readouterr().err

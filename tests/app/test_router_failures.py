@@ -614,3 +614,60 @@ def test_booleans_sent_as_strings_are_read_as_vllm_reads_them() -> None:
     assert choice["text"] == " ok" and "token_ids" not in choice
     assert len(router.recent) == 1  # a flight (echo false: movable), not relayed
     assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+@pytest.mark.parametrize("field", ["max_tokens", "min_tokens"])
+def test_a_count_of_more_digits_than_python_reads_is_answered_400_naming_it(kind: str, field: str) -> None:
+    """int() refuses a string of more than 4300 digits (ValueError): it was answered 500 with a traceback."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    import httpx
+
+    from hurray_vllm.app.router import RouterConfig, build_app
+
+    app = build_app(RouterConfig(backends=(_closed_port(),)))
+    prompt = {"prompt": [1, 2]} if kind == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+
+    async def run() -> Any:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await client.post(f"/v1/{kind}", json={"model": "m", field: "9" * 5000, **prompt})
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 400 and field in answer.json()["error"]["message"], answer.text[:300]
+    assert len(answer.text) < 500  # the value is not repeated whole
+
+
+def test_a_relayed_stream_found_dead_as_its_answer_came_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The health task found the backend dead after the answer's headers came, before the handler took them: the
+    cut found neither the wait (done) nor the answer (not yet taken), and the client waited for the stream timeout."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+    import time
+
+    import hurray_vllm.app.router.server as server
+
+    answered_then = server._unless_client_leaves
+
+    async def found_dead_meanwhile(request: Any, task: Any) -> bool:
+        answered = await answered_then(request, task)
+        router = request.app.state.router
+        for entry in list(router.relayed.values()):
+            router.abandon(entry.backend, "failed its health checks")  # what the health task does, in between
+        return answered
+
+    monkeypatch.setattr(server, "_unless_client_leaves", found_dead_meanwhile)
+
+    async def run() -> tuple[Any, float]:
+        async with _Stand("hang-after-first") as hung:
+            t0 = time.monotonic()
+            answer, _ = await _through_router([hung.url], {**RELAYED, "stream": True}, health_interval=30)
+            return answer, time.monotonic() - t0
+
+    answer, took = asyncio.run(run())
+    lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and "failed its health checks" in json.loads(lines[-2][6:])["error"]["message"]
+    assert took < 4, took  # not the stream timeout (5 s here)

@@ -1429,3 +1429,158 @@ def test_a_moves_destination_that_fails_before_its_first_token_is_marked_down(fa
     assert refused.status == 502 and [leg.why for leg in f.legs] == ["routed", "migrated", "resumed"]
     assert [t for d in got for t in d.token_ids] == list(range(100, 160))
     assert dst.healthy is (failure == 400) and src.healthy
+
+
+# ── found in review: a drain behind a move that switched, a move's pause behind a slow client, a move before ───
+# ── the first token, the relay time behind a slow client ─────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize("b_does", ["answer", "fail", "fail, c down"])
+def test_a_drain_of_a_moves_source_waits_for_a_switched_move_and_the_request_stays_off_it(b_does: str) -> None:
+    """A move from a switched to b, which has not sent its first token when a is drained: the drain once missed
+    the request (it no longer ran on a). b then fails: the request once went back to the drained a; it now goes
+    where the drain would have moved it, announcing a's KV (back to a only with nowhere else to go: failed)."""
+    router, (a, b, c) = _three_backends()
+    c.healthy = b_does != "fail, c down"
+    f = router.begin("completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 60, "stream": True})
+    tokens = _tokens(pause=0.001)
+    sent: list[tuple[Backend, dict[str, Any]]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append((backend, body))
+        if backend is b:
+            await asyncio.sleep(0.3)  # waiting for the source's pushes, say
+            if b_does != "answer":
+                raise UpstreamError(f"{b.url} answered HTTP 503", 503, {"error": {"message": "boom"}})
+        async for event in tokens(backend, path, body):
+            yield event
+
+    async def nothing(to: Backend, timeout: float) -> None:
+        return None
+
+    f._upstream = upstream  # type: ignore[method-assign]
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> tuple[dict[str, Any], Any, list[Delta]]:
+        agen = f.deltas()
+        got = [await agen.__anext__()]
+        assert f.backend is a
+        reading = asyncio.ensure_future(_drain_all_into(agen, got))
+        move = asyncio.ensure_future(f.migrate(b, timeout=10))
+        while f.backend is not b:  # switched; b has not answered yet
+            await asyncio.sleep(0.005)
+        out = await asyncio.wait_for(router.drain(a.url), 10)
+        settled = (await asyncio.gather(move, return_exceptions=True))[0]
+        await asyncio.wait_for(reading, 10)
+        return out, settled, got
+
+    out, answer, got = asyncio.run(run())
+    assert [t for d in got for t in d.token_ids] == list(range(100, 160)) and got[-1].finish_reason == "length"
+    if b_does == "fail, c down":
+        assert out == {
+            "backend": a.url,
+            "moved": [],
+            "failed": [{"id": f.id, "error": "no other healthy, undrained backend"}],
+        }
+        assert [leg.why for leg in f.legs] == ["routed", "migrated", "resumed"] and f.legs[-1].backend == a.url
+    else:
+        assert out == {"backend": a.url, "moved": [f.id], "failed": []}
+    if b_does == "answer":
+        assert answer["to"] == b.url and [leg.why for leg in f.legs] == ["routed", "migrated"]
+    elif b_does == "fail":
+        assert isinstance(answer, RouterError) and answer.status == 502
+        assert [leg.why for leg in f.legs] == ["routed", "migrated", "drained"] and f.legs[-1].backend == c.url
+        leg = sent[-1][1]
+        assert sent[-1][0] is c and leg["kv_transfer_params"] == {"hurray_saved_tokens": len(leg["prompt"]) - 1}
+    assert a.in_flight == b.in_flight == c.in_flight == 0 and f.pending_from is None
+
+
+def test_a_moves_pause_is_not_the_time_its_client_stopped_reading() -> None:
+    """The client stopped reading (its 64 events buffered, the source held back) and the switch waited for it: the
+    pause once counted that wait (3.4 s where the client saw 93 ms), from the source's last token's arrival."""
+    router, f, src, dst = _two_backends(300)  # more events than the flight buffers: its reader waits
+    f._upstream = _tokens(pause=0.001)  # type: ignore[method-assign]
+
+    async def nothing(to: Backend, timeout: float) -> None:
+        return None
+
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> tuple[dict[str, Any], list[Delta]]:
+        agen = f.deltas()
+        got = [await agen.__anext__()]  # the client reads one event, then stops reading
+        await asyncio.sleep(0.3)  # the reader fills its buffer and waits
+        source = f.backend
+        move = asyncio.ensure_future(f.migrate(dst if source is src else src, timeout=30))
+        await asyncio.sleep(1.0)  # the switch waits behind the events the client has not read
+        reading = asyncio.ensure_future(_drain_all_into(agen, got))
+        answer = await asyncio.wait_for(move, 10)
+        await asyncio.wait_for(reading, 10)
+        return answer, got
+
+    answer, got = asyncio.run(run())
+    assert [t for d in got for t in d.token_ids] == list(range(100, 400))
+    assert answer["pause_ms"] < 300, answer  # the stall was 1300 ms
+    assert router.metrics.pauses.count == 1 and router.metrics.pauses.total < 0.3
+
+
+def test_a_move_before_the_first_token_starts_the_request_over_on_the_destination() -> None:
+    """What a drain relies on: the client has seen nothing, so the request itself goes to the destination (no
+    warm-up, nothing announced), and the move is answered at its first token there, with no pause to report."""
+    router, f, src, dst = _two_backends(6)
+    sent: list[tuple[Backend, dict[str, Any]]] = []
+    tokens = _tokens()
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append((backend, body))
+        if backend is src:
+            await asyncio.sleep(3600)  # queued there
+        async for event in tokens(backend, path, body):
+            yield event
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> tuple[dict[str, Any], list[Delta]]:
+        stream = f.deltas()
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        assert f.backend is src and f.prompt_ids is None
+        answer = await asyncio.wait_for(router.migrate(f.id, dst.url), 5)
+
+        async def rest() -> list[Delta]:
+            return [await first] + [d async for d in stream]
+
+        return answer, await asyncio.wait_for(rest(), 5)
+
+    answer, got = asyncio.run(run())
+    assert answer == {"id": f.id, "from": src.url, "to": dst.url, "generated_tokens": 1, "pause_ms": None}
+    assert [t for d in got for t in d.token_ids] == list(range(100, 106))
+    assert [leg.why for leg in f.legs] == ["routed", "migrated"] and sent[-1][0] is dst
+    assert sent[-1][1]["prompt"] == [1, 2, 3] and "kv_transfer_params" not in sent[-1][1]
+    assert router.metrics.migrations == {"ok": 1, "failed": 0} and router.metrics.pauses.count == 0
+
+
+def test_the_relay_time_is_not_the_time_a_slow_client_keeps_a_token_waiting() -> None:
+    """hurray_router_relay_seconds is the latency the router adds: tokens read together and queued behind a client
+    that reads one event per 100 ms once counted 100, 200, 300 ms."""
+    import time
+
+    from hurray_vllm.app.router.server import _sse
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",)))
+    f = router.begin("completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True})
+    f.prompt_ids = [1, 2, 3]
+
+    async def run() -> None:
+        read = time.perf_counter()
+        queued = [Delta("t", [100 + i], received=read) for i in range(4)]
+
+        async def deltas() -> AsyncIterator[Delta]:
+            for d in queued[1:]:
+                yield d
+
+        async for _ in _sse(router, f, deltas(), queued[0]):  # type: ignore[arg-type]
+            await asyncio.sleep(0.1)  # the client reads slowly
+
+    asyncio.run(run())
+    assert router.metrics.relay.count == 4 and router.metrics.relay.total < 0.05, router.metrics.relay.total

@@ -22,7 +22,7 @@ from typing import Any
 
 from ...chunks.keys import chunk_keys, key_seed
 
-__all__ = ["KV_LOAD_SLACK", "POLICIES", "Backend", "Backends", "prompt_keys"]
+__all__ = ["KV_LOAD_SLACK", "POLICIES", "Backend", "Backends", "backend_key", "prompt_keys"]
 
 log = logging.getLogger("hurray_vllm.router")
 
@@ -35,6 +35,16 @@ _KEYS_PER_BACKEND = 1 << 17
 #: shared system prompt would send all traffic to the first backend that saw it, for ever; with one, the
 #: others get requests (and the prefix) once it is busier, and the prefix then has several homes.
 KV_LOAD_SLACK = 8
+
+
+def backend_key(url: str) -> str:
+    """What names one backend among URLs given for it: ``url`` without a trailing slash (which does not matter).
+
+    Example:
+        >>> backend_key("http://a:8000/") == backend_key("http://a:8000")
+        True
+    """
+    return url.rstrip("/")
 
 
 def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
@@ -86,8 +96,8 @@ class Backend:
 
     @property
     def base(self) -> str:
-        """The URL without a trailing slash."""
-        return self.url.rstrip("/")
+        """The URL without a trailing slash (:func:`backend_key`)."""
+        return backend_key(self.url)
 
     def serves(self, model: object) -> bool:
         """Whether a request for ``model`` can run here: it is in :attr:`served`, or that is not known.
@@ -138,15 +148,16 @@ class Backends:
         self.policy = policy
         self.slack = slack
         self._turn = 0
+        # By backend_key(): "http://a:1" and "http://a:1/" are one backend (its first spelling is its url).
         self.all: dict[str, Backend] = {}
         for url in decode:
-            self.all.setdefault(url, Backend(url))
+            self.all.setdefault(backend_key(url), Backend(url))
         for url in prefill:
-            self.all.setdefault(url, Backend(url, prefill=True))
+            self.all.setdefault(backend_key(url), Backend(url, prefill=True))
 
     def get(self, url: str) -> Backend | None:
         """The backend given as ``url`` (with or without a trailing slash), if any."""
-        return self.all.get(url) or next((b for b in self.all.values() if b.base == url.rstrip("/")), None)
+        return self.all.get(backend_key(url))
 
     def usable(self, *, prefill: bool = False) -> list[Backend]:
         """The healthy, undrained backends of one kind."""

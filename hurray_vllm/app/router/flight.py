@@ -124,7 +124,9 @@ class _Interrupt:
     to: Backend | None = None
     why: str = "migrated"
     done: asyncio.Future[dict[str, Any]] | None = None
-    since: float = 0.0  # when the source's last token arrived (the pause starts there)
+    # When the client's side took the source's last token (time.perf_counter()): the pause starts there. Its
+    # arrival, or later behind a client that reads slower than the tokens came: that wait is not the move's.
+    since: float = 0.0
     broke: bool = False  # its source broke as it was left: a failover to the move's destination, not a migration
 
 
@@ -279,9 +281,13 @@ def token_count(body: dict[str, Any], name: str) -> int | None:
     elif isinstance(value, float) and value.is_integer():
         n = int(value)
     elif isinstance(value, str) and value.strip().isdecimal() and value.strip().isascii():
-        n = int(value.strip())
+        try:
+            n = int(value.strip())
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits()): no count either
+            n = None
     if n is None or n < 0:
-        raise RouterError(400, f"{name} must be a non-negative integer, got {value!r}")
+        # The value shown cut short: a string of thousands of digits is not the answer's to repeat.
+        raise RouterError(400, f"{name} must be a non-negative integer, got {value!r:.100}")
     return n
 
 
@@ -415,7 +421,10 @@ class Flight:
         # The coming move's destination and warm-ups there, for the leg it starts (Leg.warmups).
         self._warmups: tuple[Backend | None, list[dict[str, int | None]]] = (None, [])
         self._reader: asyncio.Task[None] | None = None
-        self._last_token_at = 0.0
+        self._last_token_at = 0.0  # when the client's side took the latest token (time.perf_counter(); a move's pause)
+        # The source of a move that switched while its destination has not sent its first token: a drain of that
+        # source waits for the move to settle (the request may come back), and it does not come back to it then.
+        self.pending_from: Backend | None = None
         self._failovers = 0
         # What the prefill leg's engine announced (its answer's kv_transfer_params: the chunks it saved
         # and the prompt's tail), passed on to the decode leg as vLLM's P/D proxies do.
@@ -555,6 +564,32 @@ class Flight:
             return
         self._start_leg(backend, why, q, space)
 
+    async def _go_on(
+        self, source: Backend, failed: Backend | None, q: asyncio.Queue[Any], space: asyncio.Semaphore
+    ) -> None:
+        """A move that failed (to ``failed``) left the request off its legs: it resumes on ``source``, where it was.
+
+        Unless ``source`` was drained meanwhile: a drain of it waits for the move to settle, so the request goes
+        where that drain's own move would take it (another backend serving its model, the source's KV announced),
+        not back to the drained backend. Back there only when no other can take it (not ``failed``, nor one
+        without room for it): the drain then moves it itself, or lists it as failed.
+
+        Picked without a wait (no backend checked once more, no ``/v1/models`` asked): a drain that wakes to the
+        failed move's answer meanwhile would find the request still on ``failed`` and take it for moved off.
+        """
+        nxt = self.router.backends.pick(self._keys, model=self.model, avoid=source) if source.draining else None
+        if nxt is not None and (nxt is failed or not nxt.serves(self.model)):
+            nxt = None
+        room = None if nxt is None else self._room(nxt)
+        if nxt is not None and ((room is not None and room <= 0) or (self._needs_context() and not self._context(nxt))):
+            nxt = None  # it would refuse the continuation, and that refusal would end the client's request
+        try:
+            await self._continue_on(nxt or source, "resumed" if nxt is None else "drained", q, space)
+        finally:
+            # Under way until the request runs on a leg again: a drain that saw the move settle before then would
+            # find it between legs, still on its drained backend, and try to move it itself.
+            self._moving = False
+
     def _room(self, backend: Backend) -> int | None:
         """How many tokens a continuation on ``backend`` may generate: what is left of its limit and context.
 
@@ -636,8 +671,8 @@ class Flight:
         try:
             async for event in self._upstream(backend, path, body):
                 delta, prompt = _upstream_delta(event, chat)  # first: an unreadable event takes no slot
+                delta.received = time.perf_counter()  # when it was read, not when a slow client made room for it
                 await space.acquire()
-                delta.received = time.perf_counter()
                 lp = delta.logprobs
                 offsets, toks = (lp.get("text_offset"), lp.get("tokens")) if isinstance(lp, dict) else (None, None)
                 if not chat and offsets and toks and all(type(o) is int for o in offsets) and isinstance(toks[-1], str):
@@ -651,7 +686,6 @@ class Flight:
                     self.model = event["model"]  # the client left it out: the name the backend serves it under
                 if delta.token_ids:
                     self.generated.extend(delta.token_ids)
-                    self._last_token_at = time.monotonic()
                 delta.upto = len(self.generated)
                 q.put_nowait(("delta", delta))
             q.put_nowait(("end", None))
@@ -892,8 +926,7 @@ class Flight:
             raise RouterError(503, backends.unroutable())
         phase = "prefill" if first.prefill else "routed"
         self._start_leg(first, phase, q, space)
-        pending: _Interrupt | None = None  # a move whose destination has not answered yet
-        source: Backend | None = None
+        pending: _Interrupt | None = None  # a move whose destination has not answered yet (from self.pending_from)
         try:
             while True:
                 kind, item = await q.get()
@@ -908,8 +941,10 @@ class Flight:
                         self.legs[-1].cached_tokens = details.get("cached_tokens")
                         continue
                     if pending is not None and delta.token_ids:
-                        self._answer(pending, source)
-                        pending, self._moving = None, False
+                        self._answer(pending, self.pending_from, delta.received)
+                        pending, self.pending_from, self._moving = None, None, False
+                    if delta.token_ids:
+                        self._last_token_at = time.perf_counter()
                     if delta.finish_reason is not None and phase == "prefill" and self._more_to_decode(delta):
                         delta.finish_reason = None  # the prefill's one token: decoding goes on elsewhere
                     stopped = self._release(delta)  # a stop string across legs ends the request here
@@ -958,14 +993,15 @@ class Flight:
                         # the request stays where it was, as a move refused at once would have left it.
                         state = "drained" if to.draining else "found dead"
                         self._refuse(interrupt, 409, f"to: {to.url} was {state} before the request switched")
-                        self._moving = False
                         if kind == "end" and self.backend is not None and self.backend.healthy:
-                            await self._continue_on(self.backend, "resumed", q, space)
+                            await self._go_on(self.backend, to, q, space)
                             continue
+                        self._moving = False
                         interrupt = None  # its source broke as it was left: a failover, below
                 if interrupt is not None and interrupt.kind == "move":
                     assert interrupt.to is not None
-                    source, pending, interrupt.since = self.backend, interrupt, self._last_token_at
+                    source = self.pending_from = self.backend
+                    pending, interrupt.since = interrupt, self._last_token_at
                     self._moving = True
                     why = interrupt.why
                     if kind == "error" and source is not None:  # the source broke as it was left: announce nothing
@@ -992,10 +1028,12 @@ class Flight:
                     if pending.to is not None and not _refusal(exc):
                         # Unreachable, 5xx or broken off: taken out of routing as any backend that fails a leg.
                         backends.mark_down(pending.to)
-                    pending, self._moving = None, False
+                    failed, pending = pending.to, None
+                    source, self.pending_from = self.pending_from, None
                     if source is not None and source.healthy:
-                        await self._continue_on(source, "resumed", q, space)
+                        await self._go_on(source, failed, q, space)
                         continue
+                    self._moving = False
                     # ... and its source is dead: it continues elsewhere (a refusal was the move's, not the request's).
                 elif _refusal(exc):
                     raise exc  # neither marked down (it says nothing of the backend's health) nor failed over
@@ -1018,6 +1056,7 @@ class Flight:
                 await self._continue_on(nxt, "failover", q, space)
         finally:
             self.finished = True
+            self.pending_from = None
             if self._reader is not None and not self._reader.done():
                 self._reader.cancel()
             if self.backend is not None:
@@ -1114,10 +1153,10 @@ class Flight:
             return False
         return self.max_tokens is None or n < self.max_tokens
 
-    def _answer(self, move: _Interrupt, source: Backend | None) -> None:
-        """The destination produced its first token: the move is done."""
-        # The reader stamped the destination's first token before queueing it.
-        pause = self._last_token_at - move.since if move.since else None
+    def _answer(self, move: _Interrupt, source: Backend | None, received: float) -> None:
+        """The destination produced its first token, read at ``received``: the move is done."""
+        # That token's own stamp: the reader may have read several more of the destination's by now.
+        pause = received - move.since if move.since else None
         if not move.broke:  # counted as a failover when its source broke
             self.router.metrics.migrated(True, pause)
         if move.done is not None and not move.done.done():

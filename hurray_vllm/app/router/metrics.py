@@ -14,7 +14,7 @@ __all__ = ["Histogram", "Metrics", "PAUSE_BUCKETS_S", "RELAY_BUCKETS_S"]
 
 #: Migration pauses (seconds) worth telling apart: a decode step of a small model to a recompute of 16k tokens.
 PAUSE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-#: A streamed token's time in the router (read from the backend to written to the client), in seconds.
+#: A streamed token's time in the router (read from the backend to handed to the HTTP server), in seconds.
 RELAY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -93,10 +93,13 @@ class Metrics:
         migrations: migrations by result (``ok``, ``failed``).
         failovers: requests continued elsewhere after their backend failed.
         pauses: the client-visible pause of each migration (the source's last
-            token to the destination's first), in seconds.
+            token, from when the client's side took it, to the destination's
+            first, when it was read), in seconds.
         relay: each streamed event's time in the router (read from its
-            backend to written to its client), in seconds: the latency the
-            router adds to every token.
+            backend, or from when its client took the event before if that
+            was later, to handed to the HTTP server), in seconds: the latency
+            the router adds to every token, without the time a client that
+            reads slowly keeps it waiting.
     """
 
     def __init__(self) -> None:

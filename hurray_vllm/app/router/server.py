@@ -142,7 +142,7 @@ class Router:
         # A busy backend may take a moment to answer: a short interval must not make it look dead.
         patience = max(interval, 2.0)
         while True:
-            before = {url: b.healthy for url, b in self.backends.all.items()}
+            before = {b.url: b.healthy for b in self.backends.all.values()}
             results = await asyncio.gather(
                 *(self.backends.check(self.client, b, patience) for b in self.backends.all.values())
             )
@@ -244,7 +244,7 @@ class Router:
         """The backend named by a control request's ``field``; :class:`RouterError` 400 otherwise."""
         b = self.backends.get(url) if isinstance(url, str) else None
         if b is None:
-            known = ", ".join(self.backends.all)
+            known = ", ".join(b.url for b in self.backends.all.values())
             raise RouterError(400, f"{field}: {url!r} is not one of this router's backends ({known})")
         return b
 
@@ -272,7 +272,9 @@ class Router:
         """``POST /hurray/drain``: no new requests there; move every request off it."""
         b = self.backend(url, "backend")
         b.draining = True
-        moving = [f for f in self.flights.values() if f.backend is b]
+        # Also a request whose move away from it switched and has not settled: its destination may fail before its
+        # first token, and the request then comes back (Flight.pending_from); the drain waits for that move too.
+        moving = [f for f in self.flights.values() if f.backend is b or f.pending_from is b]
         moved: list[str] = []
         failed: list[dict[str, Any]] = []
 
@@ -579,14 +581,19 @@ async def _sse(
     """The client's event stream; the upstream legs stop when the client goes away (this generator closes)."""
     sent = False
     head = _event_head(f)
+    ready = time.perf_counter()  # when the client's side was last ready for the next event
     try:
         pending = [first] if first is not None else []
         while True:
             d = pending.pop() if pending else await deltas.__anext__()
-            yield _event(f, d, not sent, head)
+            event = _event(f, d, not sent, head)
+            if d.token_ids and d.received:
+                # The router's share of its latency: from read off the backend (or, if the client had not taken the
+                # event before yet, from when it had) to handed to the server. Not what a slow client keeps it waiting.
+                router.metrics.relayed(time.perf_counter() - max(d.received, ready))
+            yield event
+            ready = time.perf_counter()
             sent = True
-            if d.token_ids and d.received:  # resumed once the server wrote it: the router's share of its latency
-                router.metrics.relayed(time.perf_counter() - d.received)
     except StopAsyncIteration:
         if f.include_usage:
             obj = "chat.completion.chunk" if f.kind == "chat" else "text_completion"
@@ -794,6 +801,10 @@ def build_app(config: RouterConfig) -> Any:
                 avoid = b
                 continue
             upstream = entry.upstream = post.result()
+            if entry.dead is not None:
+                # Found dead between the answer's headers and this line (the health task ran in between): cut() then
+                # found neither a wait to cancel nor the answer, and the relay would wait for the stream timeout.
+                upstream.content.set_exception(UpstreamError(entry.dead))
             if upstream.status >= 500 and attempt < MAX_FAILOVERS and any(x is not b for x in router.backends.usable()):
                 # A failure of the backend, not of the request (vLLM answers 4xx to those), before any byte reached
                 # the client: tried elsewhere, as a flight's first leg is.
