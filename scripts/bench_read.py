@@ -14,6 +14,11 @@ of its own, parse it, and check its page pools against the chunk digest
              combines those registers over the pools' ranges
              (``begin_check_data(read=...)``): the way the connector reads.
 
+Each way runs with the CRC-32C folded with VPCLMULQDQ (``fold``, where the
+CPU has AVX-512 and it) and with the crc32 instruction alone (``lanes``,
+``native.crc32c_fold(False)``): ``after/lanes`` is how loads read before
+2026-12-07, ``paged/fold`` how they read now.
+
 Chunk files as ``bench_parse.py`` makes them (the connector's Llama: 8 MiB,
 eight per 2048-token prompt). Per prompt of ``--files`` files, on one thread:
 the read, the parse and both halves of the check, one file after another
@@ -21,7 +26,7 @@ the read, the parse and both halves of the check, one file after another
 another; here their sum is what a 2-core machine pays). The two ways
 alternate prompt by prompt (which goes first alternates too). Reported: the
 median per prompt of each stage and of the whole, wall and thread CPU, and
-``after`` ÷ ``paged``.
+ratios of the medians: before ÷ now, ``after`` ÷ ``paged``, lanes ÷ fold.
 
 Prints one JSON object (stdout); progress goes to stderr.
 
@@ -74,16 +79,18 @@ def main() -> None:
         store, names, _ = make_chunks(Path(tmp), args)
         paths = [store.path("ns", n) for n in names]
         size = paths[0].stat().st_size
-        ways = ("after", "paged")
+        folds = ("fold", "lanes") if native.crc32c_fold() else ("lanes",)
+        ways = tuple(f"{w}/{c}" for w in ("after", "paged") for c in folds)
         wall = {w: {s: [] for s in STAGES} for w in ways}  # type: dict[str, dict[str, list[float]]]
         cpu = {w: {s: [] for s in STAGES} for w in ways}  # type: dict[str, dict[str, list[float]]]
 
         def prompt(way: str, record: bool) -> None:
+            native.crc32c_fold(way.endswith("/fold"))
             spent = {s: [0.0, 0.0] for s in STAGES}
             c00, t00 = time.thread_time(), time.perf_counter()
             for path in paths:
                 c0, t0 = time.thread_time(), time.perf_counter()
-                read = read_whole(path, page_crcs=way == "paged")
+                read = read_whole(path, page_crcs=way.startswith("paged"))
                 c1, t1 = time.thread_time(), time.perf_counter()
                 snap = load_chunk(read)
                 c2, t2 = time.thread_time(), time.perf_counter()
@@ -112,6 +119,7 @@ def main() -> None:
                 gc.collect()
         finally:
             gc.enable()
+            native.crc32c_fold(True)
 
         def med(xs: list[float]) -> float:
             return round(statistics.median(xs) * 1e3, 3)
@@ -126,9 +134,17 @@ def main() -> None:
             "file_bytes": size,
             "rounds": args.rounds,
             "per_prompt": per_prompt,
-            "after_over_paged": {
-                s: round(statistics.median(wall["after"][s]) / statistics.median(wall["paged"][s]), 3)
-                for s in ("read", "check", "total")
+            "ratios": {
+                f"{a} / {b}": {
+                    s: round(statistics.median(wall[a][s]) / statistics.median(wall[b][s]), 3)
+                    for s in ("read", "check", "total")
+                }
+                for a, b in (
+                    ("after/lanes", f"paged/{folds[0]}"),  # before 2026-12-07 / now
+                    (f"after/{folds[0]}", f"paged/{folds[0]}"),
+                    ("after/lanes", f"after/{folds[0]}"),
+                )
+                if a != b
             },
         }
         print(json.dumps(out, indent=1))

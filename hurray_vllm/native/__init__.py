@@ -43,6 +43,7 @@ __all__ = [
     "DISABLED",
     "cache_dir",
     "crc32c",
+    "crc32c_fold",
     "crc32c_ranges",
     "disabled",
     "kernel",
@@ -184,6 +185,7 @@ def _load() -> ctypes.CDLL:
     _declare(lib.hurray_crc32c_segments, segments_args, ctypes.c_uint32)
     _declare(lib.hurray_update_segments, [ctypes.c_void_p] * 4 + [ctypes.c_size_t], ctypes.c_int)
     _declare(lib.hurray_crc32c_pages_ok, [], ctypes.c_int)
+    _declare(lib.hurray_crc32c_fold, [ctypes.c_int], ctypes.c_int)
     read_args = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     _declare(lib.hurray_read_crc32c_pages, read_args, ctypes.c_int64)
     ranges_args = [ctypes.c_uint32, *[ctypes.c_void_p] * 2, ctypes.c_size_t, *[ctypes.c_void_p] * 2, ctypes.c_size_t]
@@ -336,3 +338,18 @@ def crc32c_ranges(crc: int, base: torch.Tensor, pages: torch.Tensor, ranges: Seq
     lens = (ctypes.c_uint64 * len(ranges))(*(length for _, length in ranges))
     n = min(pages.numel(), size // CRC_PAGE)
     return int(lib.hurray_crc32c_ranges(crc, base.data_ptr(), pages.data_ptr(), n, offs, lens, len(ranges)))
+
+
+def crc32c_fold(on: bool | None = None) -> bool:
+    """Whether long CRC-32C checksums fold with VPCLMULQDQ here (AVX-512), and turn it off or back on.
+
+    ``on``: ``False`` checksums with the crc32 instruction only (three lanes),
+    ``True`` folds again where the CPU can; ``None`` only asks. Both give the
+    same checksums; this is for tests and benchmarks that compare them. Not
+    thread-safe: call it while nothing checksums. ``False`` without the
+    native kernels.
+    """
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.hurray_crc32c_fold(-1 if on is None else int(on)))

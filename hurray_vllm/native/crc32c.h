@@ -1,7 +1,9 @@
 /* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), as hurray_vllm/crc32c.py computes it:
  * hurray_crc32c(crc, p, n) continues from `crc` (0 to start) and returns the finished value.
  * With SSE4.2 (checked at run time) the crc32 instruction does 8 bytes per step, several times
- * faster than zlib's table-driven CRC-32; without it a slicing-by-8 table loop does the same. */
+ * faster than zlib's table-driven CRC-32; without it a slicing-by-8 table loop does the same.
+ * Where the CPU has AVX-512 and VPCLMULQDQ (checked at run time too), inputs of 1 KiB and more
+ * are folded with carry-less multiplications instead, about twice as fast again. */
 #include <stddef.h>
 #include <string.h>
 
@@ -37,6 +39,7 @@ static uint32_t crc32c_sw(uint32_t c, const uint8_t *p, size_t n) {
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
 #include <nmmintrin.h>
 
 /* The crc32 instruction has a latency of 3 cycles and a throughput of 1: one dependency chain
@@ -72,7 +75,7 @@ static inline uint32_t crc32c_shift_lane(uint32_t c) {
            crc32c_shift[3][c >> 24];
 }
 
-__attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t c, const uint8_t *p, size_t n) {
+__attribute__((target("sse4.2"))) static uint32_t crc32c_lanes(uint32_t c, const uint8_t *p, size_t n) {
     if (n >= 3 * LANE && !crc32c_shift_ready) crc32c_shift_init(); /* likewise */
     while (n >= 3 * LANE) {
         uint64_t a = c, b = 0, d = 0;
@@ -102,11 +105,105 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t c, const ui
     return c32;
 }
 
+/* ---- Folding with carry-less multiplication (VPCLMULQDQ, 512-bit registers) ----
+ *
+ * The crc32 instruction does 8 bytes a cycle at best, however many lanes run side by side: about
+ * 16-20 GB/s, below what memory and cache deliver. Folding does 64 bytes per carry-less multiply
+ * pair: four 512-bit accumulators cover 256 bytes, and each step moves them 256 bytes on and adds
+ * the next 256. In the reflected bit order (a byte stream's first bit is its polynomial's highest
+ * term), an accumulator lane X = H x^64 + L that has D more bits of message after it contributes
+ * X x^D, congruent mod P to H (x^(64+D) mod P) + L (x^D mod P): two 64x32-bit products that fit a
+ * 128-bit lane, which the next bytes are added to. Multiplied as reflected 64-bit words, the
+ * product lands one term higher than the lane's own order, so each constant is x^(n-1) mod P
+ * rather than x^n (checked against the bitwise definition in the tests). The last accumulator is
+ * finished with the crc32 instruction (its CRC is the message's so far); the initial register is
+ * added to the message's first 32 bits. The constants are computed at load time (crc32c_tables). */
+
+static uint64_t fold_k[4][2]; /* per fold distance: 512, 1024 (unused), 2048 bits; 128, 256, 384 below */
+static uint64_t fold_lane_k[3][2];
+
+static uint64_t xpow_mod_reflected(unsigned n) {
+    /* x^(n-1) mod P as a 64-bit word in the reflected order (bit j is the term x^(63-j)). */
+    uint64_t r = 1; /* x^0, normal order: bit i is x^i; P = x^32 + 0x1EDC6F41 */
+    for (unsigned i = 0; i + 1 < n; i++) {
+        r <<= 1;
+        if (r >> 32) r ^= 0x11EDC6F41ull;
+    }
+    uint64_t w = 0;
+    for (int i = 0; i < 32; i++)
+        if (r >> i & 1) w |= 1ull << (63 - i);
+    return w;
+}
+
+static void crc32c_fold_init(void) {
+    const unsigned dist[4] = {512, 1024, 2048, 4096};
+    for (int i = 0; i < 4; i++) {
+        fold_k[i][0] = xpow_mod_reflected(64 + dist[i]); /* multiplies H, the lane's low quadword */
+        fold_k[i][1] = xpow_mod_reflected(dist[i]);      /* multiplies L, its high quadword */
+    }
+    for (int i = 0; i < 3; i++) {
+        fold_lane_k[i][0] = xpow_mod_reflected(64 + 128 * (i + 1));
+        fold_lane_k[i][1] = xpow_mod_reflected(128 * (i + 1));
+    }
+}
+
+#define FOLD_MIN 1024 /* below, the crc32 instruction (the fold's set-up and finish cost ~100 cycles) */
+
+__attribute__((target("avx512f,avx512bw,vpclmulqdq,pclmul,sse4.2"))) static inline __m512i fold512(__m512i x, __m512i k,
+                                                                                             __m512i data) {
+    __m512i lo = _mm512_clmulepi64_epi128(x, k, 0x00), hi = _mm512_clmulepi64_epi128(x, k, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, data, 0x96); /* lo ^ hi ^ data */
+}
+
+__attribute__((target("avx512f,avx512bw,vpclmulqdq,pclmul,sse4.2"))) static inline __m128i fold128(__m128i x, int i) {
+    __m128i k = _mm_set_epi64x((long long)fold_lane_k[i][1], (long long)fold_lane_k[i][0]);
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+/* The raw register after n bytes at p (n >= 256, any alignment) from register c; n - n % 256 bytes
+ * are folded, the rest run through the crc32 instruction. */
+__attribute__((target("avx512f,avx512bw,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc32c_fold(uint32_t c, const uint8_t *p,
+                                                                                         size_t n) {
+    __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64), a2 = _mm512_loadu_si512(p + 128),
+            a3 = _mm512_loadu_si512(p + 192);
+    a0 = _mm512_xor_si512(a0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)c)));
+    const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)fold_k[2][1], (long long)fold_k[2][0]));
+    size_t done = 256;
+    for (; done + 256 <= n; done += 256) {
+        const uint8_t *q = p + done;
+        a0 = fold512(a0, k2048, _mm512_loadu_si512(q));
+        a1 = fold512(a1, k2048, _mm512_loadu_si512(q + 64));
+        a2 = fold512(a2, k2048, _mm512_loadu_si512(q + 128));
+        a3 = fold512(a3, k2048, _mm512_loadu_si512(q + 192));
+    }
+    const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)fold_k[0][1], (long long)fold_k[0][0]));
+    a1 = fold512(a0, k512, a1);
+    a2 = fold512(a1, k512, a2);
+    a3 = fold512(a2, k512, a3);
+    __m128i x = _mm512_extracti32x4_epi32(a3, 3);
+    x = _mm_xor_si128(x, fold128(_mm512_extracti32x4_epi32(a3, 2), 0));
+    x = _mm_xor_si128(x, fold128(_mm512_extracti32x4_epi32(a3, 1), 1));
+    x = _mm_xor_si128(x, fold128(_mm512_castsi512_si128(a3), 2));
+    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(x, 1));
+    return crc32c_lanes((uint32_t)r, p + done, n - done);
+}
+
+static int crc32c_fold_ok; /* the CPU folds (set at load time); hurray_crc32c_fold() turns it off for comparisons */
+
+static uint32_t crc32c_hw(uint32_t c, const uint8_t *p, size_t n) {
+    return n >= FOLD_MIN && crc32c_fold_ok ? crc32c_fold(c, p, n) : crc32c_lanes(c, p, n);
+}
+
 /* Raw registers (from 0, not inverted) of the `pages` whole LANE-byte pages at p, three side by
  * side as above: what a file's reader computes for each piece it reads while the piece is still
  * in cache, and hurray_crc32c_ranges combines later without reading the bytes again. */
 __attribute__((target("sse4.2"))) static void crc32c_pages_hw(const uint8_t *p, size_t pages, uint32_t *out) {
     size_t i = 0;
+    if (crc32c_fold_ok) {
+        for (; i < pages; i++) out[i] = crc32c_fold(0, p + i * LANE, LANE);
+        return;
+    }
     for (; i + 3 <= pages; i += 3) {
         const uint8_t *q = p + i * LANE;
         uint64_t a = 0, b = 0, d = 0;
@@ -123,7 +220,7 @@ __attribute__((target("sse4.2"))) static void crc32c_pages_hw(const uint8_t *p, 
         out[i + 1] = (uint32_t)b;
         out[i + 2] = (uint32_t)d;
     }
-    for (; i < pages; i++) out[i] = crc32c_hw(0, p + i * LANE, LANE);
+    for (; i < pages; i++) out[i] = crc32c_lanes(0, p + i * LANE, LANE);
 }
 #define HAVE_CRC32C_HW 1
 #endif
@@ -137,6 +234,10 @@ __attribute__((constructor)) static void crc32c_tables(void) {
     crc32c_init();
 #ifdef HAVE_CRC32C_HW
     crc32c_shift_init();
+    crc32c_fold_init();
+    crc32c_fold_ok = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul") &&
+                     __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("vpclmulqdq");
 #endif
 }
 #endif
@@ -238,4 +339,19 @@ uint32_t hurray_crc32c_ranges(uint32_t crc, const uint8_t *base, const uint32_t 
 #endif
     }
     return crc;
+}
+
+/* 1 when long checksums fold with VPCLMULQDQ here; on = 0 turns folding off (1 back on, where the CPU
+ * can), -1 only asks. For tests and benchmarks that compare the two ways; not thread-safe. */
+int hurray_crc32c_fold(int on) {
+#ifdef HAVE_CRC32C_HW
+    int can = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul") &&
+              __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("vpclmulqdq");
+    if (on >= 0) crc32c_fold_ok = on && can;
+    return crc32c_fold_ok;
+#else
+    (void)on;
+    return 0;
+#endif
 }

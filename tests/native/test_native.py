@@ -371,3 +371,42 @@ def test_page_registers_of_a_read_combine_into_the_crc_of_any_ranges(tmp_path, d
     assert native.crc32c_ranges(start, buf[:size], pages, spans) == want
     with pytest.raises(ValueError, match="outside"):
         native.crc32c_ranges(0, buf[:size], pages, [(size, 1)])
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "lanes"])
+def test_both_ways_of_checksumming_long_inputs_equal_the_reference(fold: bool) -> None:
+    """Long inputs fold with VPCLMULQDQ where the CPU has it, else run the crc32 instruction in three lanes: both
+    equal the bitwise definition at every size around their block boundaries, at any alignment, from any start,
+    and in the page registers a read computes."""
+    _lib()
+    import random
+
+    from hurray_vllm.wire.crc32c import crc32c_python as crc32c
+
+    if fold and not native.crc32c_fold():
+        pytest.skip("this CPU has no AVX-512 VPCLMULQDQ: long inputs run in lanes")
+    before = native.crc32c_fold()
+    try:
+        native.crc32c_fold(fold)
+        rng = random.Random(11)
+        big = rng.randbytes(3 * 4096 * 2 + 1024)
+        for n in (1023, 1024, 1025, 1280, 1279, 4096, 3 * 4096, 3 * 4096 + 255, 3 * 4096 + 256, len(big) - 3):
+            for skew in (0, 1, 3):
+                data = big[skew : skew + n]
+                start = rng.getrandbits(32)
+                assert native.crc32c(data, start) == crc32c(data, start), (n, skew)
+        pages = torch.frombuffer(bytearray(big[: 5 * 4096]), dtype=torch.uint8)
+        import tempfile
+
+        with tempfile.TemporaryFile() as f:
+            f.write(bytes(pages.numpy()))
+            f.seek(0)
+            buf = torch.empty(5 * 4096, dtype=torch.uint8)
+            done = native.read_crc32c_pages(f.fileno(), buf)
+        assert done is not None and done[1] is not None
+        registers = [int(r) & 0xFFFFFFFF for r in done[1]]
+        # A page's register from zero is its CRC-32C with the initial and final inversions undone.
+        want = [crc32c(big[i * 4096 : (i + 1) * 4096], 0xFFFFFFFF) ^ 0xFFFFFFFF for i in range(5)]
+        assert registers == want
+    finally:
+        native.crc32c_fold(before)
