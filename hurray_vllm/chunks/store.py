@@ -212,7 +212,7 @@ class DirectoryStore:
         """
         if states:
             return self.parts_with_states(namespace, key, num_kv_heads)[0]
-        return next(self._complete_sets(namespace, key, num_kv_heads), None)
+        return next(self.complete_sets(namespace, key, num_kv_heads), None)
 
     def parts_with_states(
         self,
@@ -233,14 +233,20 @@ class DirectoryStore:
         """
         first = None
         holds = has_states or (lambda p: self.has_states(namespace, p.name))
-        for out in self._complete_sets(namespace, key, num_kv_heads):
+        for out in self.complete_sets(namespace, key, num_kv_heads):
             if all(holds(p) for p in out):
                 return out, True
             first = first or out
         return first, False
 
-    def _complete_sets(self, namespace: str, key: str, num_kv_heads: int) -> Iterator[list[ChunkPart]]:
-        """Each stored set of files holding every KV head of chunk ``key`` (see :meth:`parts`), whole file first."""
+    def complete_sets(self, namespace: str, key: str, num_kv_heads: int) -> Iterator[list[ChunkPart]]:
+        """Each stored set of files holding every KV head of chunk ``key`` (see :meth:`parts`), whole file first.
+
+        Lazily: a ``stat`` per file of the sets taken so far (and one per way of splitting the heads that has
+        a file missing). A caller that judges the sets by their headers (windows, states) takes the first that
+        suits it, not :meth:`parts`' first: engines of two TP degrees, or one rank whose save failed, may have
+        left one set that holds less, or slices that do not join.
+        """
         for files in chunk_layouts(key, num_kv_heads):
             out = []
             for name, r in files:

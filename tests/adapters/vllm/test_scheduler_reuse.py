@@ -377,13 +377,13 @@ def test_a_linear_attention_hybrid_reads_no_chunk_when_none_holds_states(
     sched = _scheduler(_config(tmp_path, state_groups=(0,), tails=False), store, ns)
     read = _counting_reads(sched)
     headers: list[str] = []
-    real = type(store).has_states
+    real = type(store).header
 
-    def has_states(self: Any, namespace: str, key: str) -> bool:
+    def header(self: Any, namespace: str, key: str) -> Any:
         headers.append(key)
         return real(self, namespace, key)
 
-    monkeypatch.setattr(type(store), "has_states", has_states)
+    monkeypatch.setattr(type(store), "header", header)
     tokens = [*snap.token_ids[0], 7]
     for rid in ("r", "r", "s"):
         forget_verified_chunks()

@@ -103,16 +103,21 @@ def test_a_chunk_planned_as_its_tokens_complete_keeps_its_window(tmp_path: Path)
     assert _saved_blocks(tmp_path, 1) == [[21, 22], [11, 12]]
 
 
-def _store_copy(tmp_path: Path, key: str, start: int) -> None:
-    """Store chunk ``key`` (tokens 1000-1007) as another producer did: its windowed layer from ``start`` on."""
+def _store_copy(tmp_path: Path, key: str, start: int, heads: range | None = None) -> None:
+    """Store chunk ``key`` (tokens 1000-1007) as another producer did: its windowed layer from ``start`` on.
+
+    ``heads``: only those KV heads, as a rank at tensor parallelism > 1 stores its slice (``<key>.h<a>-<b>``).
+    """
     import torch
     from bare_worker import DIM, HEADS, PAGE, gqa_fingerprint
 
     import hurray_vllm as hv
-    from hurray_vllm.chunks.store import DirectoryStore, namespace_of
-    from hurray_vllm.kv.snapshot import SlidingWindows
+    from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest
+    from hurray_vllm.chunks.store import DirectoryStore, namespace_of, slice_key
+    from hurray_vllm.kv.snapshot import HeadRange, SlidingWindows
 
-    pool = torch.zeros((CHUNK // PAGE, PAGE, HEADS, DIM), dtype=torch.bfloat16)
+    count = len(heads) if heads is not None else HEADS
+    pool = torch.randn((CHUNK // PAGE, PAGE, count, DIM)).to(torch.bfloat16)
     table, ptr, lens = torch.arange(CHUNK // PAGE), torch.tensor([0, CHUNK // PAGE]), torch.tensor([CHUNK])
     layers = [[hv.BlockPagedTensor(pool, table, ptr, lens, role, i) for role in ("key", "value")] for i in range(2)]
     snap = hv.KVSnapshot.from_layers(
@@ -121,8 +126,46 @@ def _store_copy(tmp_path: Path, key: str, start: int) -> None:
         fingerprint=gqa_fingerprint(),
         windows=SlidingWindows(sizes=(None, WINDOW), kv_start=((0,), (start,))),
     )
+    if heads is not None:
+        snap = dataclasses.replace(snap, heads=HeadRange(heads.start, heads.stop, HEADS))
+    snap = dataclasses.replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})  # loadable
     store = DirectoryStore(tmp_path / "tp1")
-    assert store.put(namespace_of(gqa_fingerprint()), key, snap)
+    assert store.put(namespace_of(gqa_fingerprint()), slice_key(key, heads), snap, replace=True)
+
+
+def _lookup(tmp_path: Path) -> tuple[Any, tuple[int | None, bool]]:
+    """A consumer of this engine's windows asks for the stored chunk 0 (tokens 1000-1007): the scheduler, its answer."""
+    from collections import Counter
+
+    sched = _scheduler(tmp_path)
+    sched._window_counts = Counter({WINDOW: 1})  # one layer sliding by WINDOW, one full (the chunks' layers)
+    tokens = list(range(1000, 1000 + CHUNK + 1))
+    request = SimpleNamespace(
+        request_id="c", all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None
+    )
+    return sched, sched.get_num_new_matched_tokens(request, 0)
+
+
+def _rank_plans(tmp_path: Path, save: Any) -> list[tuple[bool, bool]]:
+    """What each TP = 2 rank's worker does with ``save`` (its slice's key): (exports it, exports it unless replace)."""
+    from bare_worker import HEADS, gqa_fingerprint
+
+    from hurray_vllm.adapters.vllm.connector.metadata import ConnectorStats
+    from hurray_vllm.adapters.vllm.connector.worker import HurrayWorker
+    from hurray_vllm.chunks.store import DirectoryStore, namespace_of, slice_key
+
+    def exports(task: Any) -> bool:
+        worker = object.__new__(HurrayWorker)  # the attributes _plan_save looks at; nothing in flight
+        worker._store, worker._ns = DirectoryStore(tmp_path / "tp1"), namespace_of(gqa_fingerprint())
+        worker._fingerprint, worker._inflight, worker.stats = gqa_fingerprint(), set(), ConnectorStats()
+        planned = worker._plan_save(task)
+        return planned is not None and planned[1]
+
+    out = []
+    for r in range(HEADS):
+        task = dataclasses.replace(save, key=slice_key(save.key, range(r, r + 1)))
+        out.append((exports(task), exports(dataclasses.replace(task, replace=False))))
+    return out
 
 
 def test_a_copy_holding_less_of_the_window_is_replaced_by_one_holding_it(tmp_path: Path) -> None:
@@ -195,3 +238,64 @@ def test_chunks_saved_with_other_windows_are_not_offered(tmp_path: Path) -> None
     assert not sched._resumes_at(chunks, 0, 2)
     sched._window_counts = Counter({2 * WINDOW: 1})
     assert not sched._resumes_at(chunks, 0, 2)
+
+
+@pytest.mark.parametrize("weak", [0, 1])
+def test_slices_of_two_saves_holding_different_windows_are_written_again_by_every_rank(
+    tmp_path: Path, weak: int
+) -> None:
+    """One rank's save failed (or two engines interleaved): the chunk's slices hold different windows, do not
+    join, and no lookup loads them. Whichever slice holds less (not only the first file), a save writes the chunk
+    again over them, each rank its own slice, though its slice is stored; then it loads and is left alone."""
+    (probe,) = _planned_saves(tmp_path / "probe", 1)
+    for r in range(2):
+        _store_copy(tmp_path, probe.key, 4 if r == weak else 0, range(r, r + 1))
+    assert _lookup(tmp_path)[1] == (0, False)  # the slices do not join
+    (save,) = _planned_saves(tmp_path, 1)
+    assert save.replace and save.groups == [[21, 22], [11, 12]]
+    # Each rank's own slice is stored: it is skipped, except for the scheduler's replace.
+    assert _rank_plans(tmp_path, save) == [(True, False), (True, False)]
+    _store_copy(tmp_path, probe.key, 0, range(weak, weak + 1))  # the slice that held less, written again
+    assert _lookup(tmp_path)[1] == (CHUNK, False)
+    assert _planned_saves(tmp_path, 1) == []
+
+
+def test_a_whole_copy_holding_less_does_not_hide_slices_holding_the_window(tmp_path: Path) -> None:
+    """Engines of two TP degrees share a store: a TP = 1 engine's whole copy holds less of the window, a TP = 2
+    engine's slices hold it. The lookup loads the slices (the whole file is looked at first), and no save writes
+    the slices again (the whole file's name is no TP = 2 rank's to replace: a replace would recur forever)."""
+    (probe,) = _planned_saves(tmp_path / "probe", 1)
+    _store_copy(tmp_path, probe.key, 4)
+    for r in range(2):
+        _store_copy(tmp_path, probe.key, 0, range(r, r + 1))
+    sched, answer = _lookup(tmp_path)
+    assert answer == (CHUNK, False)
+    (load,) = sched._reqs["c"].load.parts
+    assert [name[-5:] for name, *_ in load] == [".h0-1", ".h1-2"]
+    assert _planned_saves(tmp_path, 1) == []
+    # The other way round: the whole copy holds the window, the slices less. Whole first, as ever.
+    _store_copy(tmp_path / "other", probe.key, 0)
+    for r in range(2):
+        _store_copy(tmp_path / "other", probe.key, 4, range(r, r + 1))
+    sched, answer = _lookup(tmp_path / "other")
+    assert answer == (CHUNK, False) and [n for n, *_ in sched._reqs["c"].load.parts[0]] == [probe.key]
+    assert _planned_saves(tmp_path / "other", 1) == []
+
+
+def test_a_complete_set_refused_before_does_not_hide_another(tmp_path: Path) -> None:
+    """A whole file refused and left in place (unreadable, another fleet's): the lookup takes the slices beside it."""
+    from bare_worker import gqa_fingerprint
+
+    from hurray_vllm.adapters.vllm.connector.metadata import REFUSED, verified_scope
+    from hurray_vllm.chunks.store import DirectoryStore, namespace_of
+
+    (probe,) = _planned_saves(tmp_path / "probe", 1)
+    _store_copy(tmp_path, probe.key, 0)
+    for r in range(2):
+        _store_copy(tmp_path, probe.key, 0, range(r, r + 1))
+    identity = DirectoryStore(tmp_path / "tp1").identity(namespace_of(gqa_fingerprint()), probe.key)
+    assert identity is not None
+    REFUSED.add(probe.key, identity, verified_scope(None))
+    sched, answer = _lookup(tmp_path)
+    assert answer == (CHUNK, False)
+    assert [n[-5:] for n, *_ in sched._reqs["c"].load.parts[0]] == [".h0-1", ".h1-2"]

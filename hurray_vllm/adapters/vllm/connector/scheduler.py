@@ -15,9 +15,10 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import key_seed
@@ -27,6 +28,7 @@ from ....chunks.verify import begin_check_data
 from ....containers.hrryfile import FileBytes
 from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
+from ....kv.states import RecurrentStates
 from ....transport import ReceiverBase, receiver_for
 from ....transport.base import host_port, parse_listen
 from ....transport.security import server_context
@@ -60,12 +62,10 @@ _RECEIVERS_LOCK = threading.Lock()
 #: By the address bound (host, port): port 0's receiver under the port it got.
 _RECEIVERS: dict[tuple[str, int], _Listening] = {}
 _HELPERS: dict[str, ThreadPoolExecutor] = {}
-#: Stored windowed chunk files whose windows a scheduler remembers (a few hundred bytes each).
-_STORED_WINDOWS_CAP = 4096
+#: Stored chunk files whose headers' windows and states a scheduler remembers (a few hundred bytes each).
+_STORED_HEADERS_CAP = 4096
 #: Chunk files a scheduler remembers refusing for their states' layout (warned about and counted once each).
 _LAYOUT_REFUSED_CAP = 4096
-#: Stored chunk files a scheduler remembers carrying linear-attention states or not (see _states_set).
-_STORED_STATES_CAP = 4096
 #: Errors reading a chunk file that say nothing about the file (the process ran short): such a refusal is not
 #: remembered (REFUSED), the next lookup reads the file again.
 _PASSING_ERRNOS = frozenset({errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EMFILE, errno.ENFILE, errno.ENOBUFS})
@@ -87,8 +87,43 @@ def _helper(name: str) -> ThreadPoolExecutor:
         return pool
 
 
+class _Windowed(Protocol):
+    """A chunk, or what its header says of it: the sliding windows it holds."""
+
+    @property
+    def windows(self) -> SlidingWindows | None: ...
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a stored chunk file's header says of what it holds: its windows, and its states' layout and position.
+
+    Enough to choose between a chunk's complete sets of files (whole, or another TP degree's slices) before
+    any is read, and to tell slices that do not join (:func:`_headers_agree`).
+    """
+
+    windows: SlidingWindows | None
+    states: RecurrentStates | None
+
+
+def _same_states(a: RecurrentStates | None, b: RecurrentStates | None) -> bool:
+    """Whether two slices of a chunk carry states that join: each its share, taken at the same token (or none)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.positions == b.positions and not a.mismatches(b)
+
+
+def _headers_agree(held: list[_Held | None]) -> bool:
+    """Whether a chunk's files, by their headers, join into one (:func:`_fit_together`'s windows and states).
+
+    An unreadable header (``None``) says nothing: its reader refuses the file (and moves it aside if damaged).
+    """
+    known = [h for h in held if h is not None]
+    return all(h.windows == known[0].windows and _same_states(h.states, known[0].states) for h in known[1:])
+
+
 def _windows_held(
-    chunks: list[KVSnapshot], first: int, resume: int, chunk: int, block_size: int, computed: int = 0
+    chunks: Sequence[_Windowed], first: int, resume: int, chunk: int, block_size: int, computed: int = 0
 ) -> bool:
     """Whether chunks ``first, first + 1, ...`` hold every sliding-window token a resume at ``resume`` attends.
 
@@ -127,17 +162,10 @@ def _fit_together(parts: list[KVSnapshot]) -> bool:
     a store would otherwise pass here one by one and fail in the workers.
     """
     first = parts[0]
-    states = first.states
     return all(
         p.kv_scales == first.kv_scales
         and p.windows == first.windows
-        # Each slice carries its share of the states, taken at the same token (or none does).
-        and (p.states is None) == (states is None)
-        and (
-            states is None
-            or p.states is None
-            or (p.states.positions == states.positions and not p.states.mismatches(states))
-        )
+        and _same_states(p.states, first.states)
         and p.page_size == first.page_size
         and [t.page_pool.shape[:2] for t in p.tensors()] == [t.page_pool.shape[:2] for t in first.tensors()]
         for p in parts[1:]
@@ -287,11 +315,12 @@ class HurrayScheduler:
         self._window_counts = Counter(
             w for g in config.layer_groups.values() if g < len(self._windows) and (w := self._windows[g]) is not None
         )
+        # Whether a chunk's sliding-window layers hold less than its tokens: its files' headers then choose
+        # between its complete sets (a lookup's, a save's), and tell a stored copy that holds less.
+        self._sliding = any(w is not None for w in self._windows)
         self._last_only = config.window_chunks == "last"
-        # Stored windowed chunks' windows, by file name and identity (see _holds_less_window).
-        self._stored_windows: dict[tuple[str, tuple[int, ...]], SlidingWindows | None] = {}
-        # Stored chunk files' states (whether their headers carry any), by file name and identity: see _states_set.
-        self._stored_states: dict[tuple[str, tuple[int, ...]], bool] = {}
+        # Stored chunk files' windows and states, by file name and identity (None: unreadable): see _held.
+        self._stored_headers: dict[tuple[str, tuple[int, ...]], _Held | None] = {}
         # Chunk files refused for their states' layout (another engine's), by name and identity: warned once.
         self._layout_refused: dict[tuple[str, tuple[int, ...]], None] = {}
         # Every KV head of the model: a chunk is complete when its files hold them all.
@@ -451,7 +480,7 @@ class HurrayScheduler:
             return None, False  # vLLM asks again at its next step
         stored: list[list[ChunkPart]] = []
         for i in range(first, len(keys)):
-            parts = self._store.parts(self._ns, keys[i], self._heads)
+            parts = self._load_set(keys[i], i, num_computed_tokens)
             if parts is None:  # not stored, or a tensor-parallel slice still missing
                 break
             stored.append(parts)
@@ -819,6 +848,85 @@ class HurrayScheduler:
                 )
         return not why
 
+    def _load_set(self, key: str, c: int, computed: int) -> list[ChunkPart] | None:
+        """The complete set of chunk ``c``'s files (``key``) a lookup reads; ``None`` if none is stored.
+
+        The first set (the whole file first) not refused before: one left in
+        place (unreadable, another fleet's) hides no other TP degree's set.
+        With sliding windows, of the sets whose headers agree (slices that
+        join) and whose windows are this engine's, the one that serves the
+        earliest resume (:meth:`_earliest_resume`): engines of two TP degrees,
+        or a save that ran past the chunk's end, may have stored one copy
+        holding less of the window, which must not hide one holding it. With
+        none suiting, the first (its reader refuses it). A ``stat`` per file
+        of the first set, and its headers read once per identity: the other
+        sets are looked at only when it does not serve a resume at the chunk's end.
+        """
+        first = self._store.parts(self._ns, key, self._heads)
+        if first is None:
+            return None
+        if not self._refused_before(first) and (not self._sliding or self._serves_from(first, c, computed) == c + 1):
+            return first
+        unrefused: list[ChunkPart] | None = None
+        best: tuple[int, list[ChunkPart]] | None = None
+        for parts in self._store.complete_sets(self._ns, key, self._heads):
+            if self._refused_before(parts):
+                continue
+            if not self._sliding:
+                return parts
+            unrefused = unrefused or parts
+            at = self._serves_from(parts, c, computed)
+            if at is not None and (best is None or at < best[0]):
+                best = (at, parts)
+        return best[1] if best is not None else unrefused or first
+
+    def _serves_from(self, parts: list[ChunkPart], c: int, computed: int) -> int | None:
+        """:meth:`_earliest_resume` of chunk ``c`` stored as ``parts``, by their headers; None if it serves none.
+
+        None also for files that do not join (two saves' slices), an unreadable header, or windows that are
+        not this engine's (:meth:`_resumes_at`): no load of them would pass.
+        """
+        held = [self._held(p) for p in parts]
+        if held[0] is None or any(h is None for h in held) or not _headers_agree(held):
+            return None
+        win = held[0].windows
+        if win is not None and _slides(win) != self._window_counts:
+            return None
+        return self._earliest_resume(win, c, computed)
+
+    def _earliest_resume(self, windows: SlidingWindows | None, c: int, computed: int) -> int:
+        """The first chunk boundary (a chunk index) from which on a resume finds chunk ``c``'s ``windows`` held.
+
+        ``c + 1`` for a copy holding the window a resume at its own end
+        attends; later for one holding less: a resume further on attends less
+        of the chunk, and every resume from a held one on is held too
+        (:func:`_windows_held`). ``computed``: the engine's own prefix-cache hit.
+        """
+        longest = max((w for w in windows.sizes if w is not None), default=0) if windows is not None else 0
+        last = c + 1 + -(-longest // self._chunk)  # from there on the windows start past chunk c: nothing of it
+        held = [_Held(windows, None)]
+        for at in range(c + 1, last):
+            if _windows_held(held, c, at * self._chunk, self._chunk, self._block_size, computed):
+                return at
+        return last
+
+    def _held(self, part: ChunkPart) -> _Held | None:
+        """What a stored file's header says it holds (:class:`_Held`); ``None`` if unreadable. Read once per identity.
+
+        vLLM asks again for a waiting request at every step, and a save looks
+        at each chunk it completes: the headers are not read again each time.
+        An unreadable file stays so until its identity changes.
+        """
+        memo = (part.name, part.identity)
+        if memo in self._stored_headers:
+            return self._stored_headers[memo]
+        header = self._store.header(self._ns, part.name)
+        found = _Held(header.windows, header.states) if header is not None else None
+        if len(self._stored_headers) >= _STORED_HEADERS_CAP:
+            self._stored_headers.pop(next(iter(self._stored_headers)))
+        self._stored_headers[memo] = found
+        return found
+
     def _states_set(self, key: str) -> list[ChunkPart] | None:
         """The first complete set of chunk ``key``'s files that all carry states, or None if no set does.
 
@@ -832,14 +940,8 @@ class HurrayScheduler:
 
     def _has_states(self, part: ChunkPart) -> bool:
         """Whether the stored file carries linear-attention states (its header, read once per identity)."""
-        memo = (part.name, part.identity)
-        found = self._stored_states.get(memo)
-        if found is None:
-            found = self._store.has_states(self._ns, part.name)
-            if len(self._stored_states) >= _STORED_STATES_CAP:
-                self._stored_states.pop(next(iter(self._stored_states)))
-            self._stored_states[memo] = found
-        return found
+        held = self._held(part)
+        return held is not None and held.states is not None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Called by vLLM's scheduler, via the connector, after block allocation: drops the load if none was granted.
@@ -1059,15 +1161,9 @@ class HurrayScheduler:
             states = self._state_blocks(state, (c + 1) * self._chunk, step_end, prev_end)
             # A chunk stored without the states this step holds for it is written again, with them:
             # else the first writer's step (which ran past the chunk's end) would hide them for good.
-            if states:
-                stored, with_states = self._store.parts_with_states(self._ns, keys[c], self._heads)
-                replace = stored is not None and not with_states
-            else:
-                stored, replace = self._store.parts(self._ns, keys[c], self._heads), False
-            if stored is not None and not replace and self._windows:
-                replace = self._holds_less_window(stored[0], c, kept_from)
+            stored, replace = self._stored_for_save(keys[c], c, kept_from, bool(states))
             # With a destination, chunks already stored still go to the worker, to be pushed.
-            if stored is not None and not self._url and not replace:
+            if stored and not self._url and not replace:
                 self.stats.chunks_skipped += 1
                 continue
             meta.saves.append(
@@ -1126,8 +1222,41 @@ class HurrayScheduler:
         first_needed = max(0, max(end, resume) - window + 1) // self._block_size * self._block_size
         return min(self._chunk, max(0, first_needed - base))
 
-    def _holds_less_window(self, part: ChunkPart, c: int, resume: int) -> bool:
-        """Whether stored chunk ``c`` (``part``: a file of it) holds less of its sliding windows than this save would.
+    def _stored_for_save(self, key: str, c: int, resume: int, states: bool) -> tuple[bool, bool]:
+        """Whether chunk ``c`` (``key``) is stored for a save of it, and whether that save writes over what is.
+
+        Stored: some complete set of files holds what this save would, as far
+        as their headers tell: they join (one save's slices), carry states
+        where this save has them (``states``), and hold as much of the sliding
+        windows (:meth:`_holds_less_window`). Else, with any complete set
+        there, the save writes over it (``replace``): a set of slices from
+        two saves (one rank's save failed, or two engines interleaved) is
+        loaded by no lookup, and every rank of this engine rewrites its own
+        slice, so that they join. A set that another TP degree stored
+        holding less is left beside the one this save writes (different
+        names): the lookup takes whichever holds more (:meth:`_load_set`).
+        Without states or windows to compare, any complete set is stored
+        (a ``stat`` per file, no header read).
+        """
+        if not states and not self._sliding:
+            return self._stored(key), False
+        found = False
+        for parts in self._store.complete_sets(self._ns, key, self._heads):
+            found = True
+            held = [self._held(p) for p in parts]
+            if not _headers_agree(held):
+                continue
+            if states and not all(h is not None and h.states is not None for h in held):
+                continue  # its step ran past the chunk's end: this one's states are written over it
+            # An unreadable header holds what it may: its reader judges (and moves it aside if damaged).
+            win = next((h.windows for h in held if h is not None), None)
+            if self._sliding and self._holds_less_window(win, c, resume):
+                continue
+            return True, False
+        return found, found
+
+    def _holds_less_window(self, win: SlidingWindows | None, c: int, resume: int) -> bool:
+        """Whether a stored copy of chunk ``c`` holding ``win`` holds less of its sliding windows than this save would.
 
         A copy saved in a step that started past the chunk's end (speculative
         decoding), or under the "last" policy by a request whose prompt ran
@@ -1136,19 +1265,10 @@ class HurrayScheduler:
         written again by a producer that holds them. Only a save holding as
         much in every layer and more in one replaces it, so two producers
         never take turns. A stored file's header is read once (remembered by
-        the file's identity), and not at all when this save holds no window.
+        the file's identity, :meth:`_held`).
         """
         if all(w is None or self._window_start(w, c, resume) >= self._chunk for w in self._windows):
             return False  # this save blanks every windowed block: it cannot hold more
-        memo = (part.name, part.identity)
-        if memo in self._stored_windows:
-            win = self._stored_windows[memo]
-        else:
-            header = self._store.header(self._ns, part.name)
-            win = header.windows if header is not None else None
-            if len(self._stored_windows) >= _STORED_WINDOWS_CAP:
-                self._stored_windows.pop(next(iter(self._stored_windows)))
-            self._stored_windows[memo] = win
         if win is None:
             return False  # holds every layer whole, or unreadable (its reader judges that)
         pairs = [
@@ -1224,8 +1344,7 @@ class HurrayScheduler:
             state.tail_planned = False
             state.load = state.lookup = None  # planned under the old keys
             state.waited = True  # announced chunks are under the old keys: none will come under the new ones
-        self._stored_windows.clear()
-        self._stored_states.clear()
+        self._stored_headers.clear()
         self.stats.cache_resets += 1
         log.info("hurray: cache reset: this engine's chunks get keys of their own from now on")
         return True
