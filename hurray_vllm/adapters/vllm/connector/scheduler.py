@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .... import native
 from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import key_seed
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
@@ -319,6 +320,9 @@ class HurrayScheduler:
         # between its complete sets (a lookup's, a save's), and tell a stored copy that holds less.
         self._sliding = any(w is not None for w in self._windows)
         self._last_only = config.window_chunks == "last"
+        # Chunk files' pages checksummed as they are read, where the CRC-32C digest is the check (a MAC reads the
+        # pools itself) and the CPU folds (bench_read.py: with the crc32 instruction alone it saved nothing here).
+        self._page_crcs = config.keys is None and native.crc32c_fold()
         # Stored chunk files' windows and states, by file name and identity (None: unreadable): see _held.
         self._stored_headers: dict[tuple[str, tuple[int, ...]], _Held | None] = {}
         # Chunk files refused for their states' layout (another engine's), by name and identity: warned once.
@@ -566,9 +570,9 @@ class HurrayScheduler:
                 stored = stored[:n]
                 break
         unread = [p.name for parts in stored for p in parts if VERIFIED.get(p.name, p.identity, self._scope) is None]
-        # Pages checksummed as read where the CRC-32C digest is the check (a MAC reads the pools itself).
-        page_crcs = self._config.keys is None
-        reader = self._store.reader(self._ns, unread, _helper("read").submit, page_crcs=page_crcs) if unread else None
+        reader = (
+            self._store.reader(self._ns, unread, _helper("read").submit, page_crcs=self._page_crcs) if unread else None
+        )
         verified: list[list[tuple[str, int, int, tuple[int, ...]]]] = []
         verified_snaps: list[list[KVSnapshot]] = []
         pending: tuple[list[ChunkPart], list[KVSnapshot], list[Future[None] | None]] | None = None
@@ -762,7 +766,7 @@ class HurrayScheduler:
             if reader is not None:
                 read = reader.read(part.name)
             else:
-                read = self._store.read(self._ns, part.name, page_crcs=self._config.keys is None)
+                read = self._store.read(self._ns, part.name, page_crcs=self._page_crcs)
             snap = load_chunk(read)
             check = self._check_later(snap, part.name, read)
         # Also for a remembered chunk: its key promises these tokens, the check costs little.
