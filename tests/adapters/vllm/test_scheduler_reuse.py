@@ -68,6 +68,29 @@ def _counting_reads(sched: Any) -> list[str]:
     return read
 
 
+def _counting_headers(monkeypatch: pytest.MonkeyPatch, fail: dict[str, int] | None = None) -> list[str]:
+    """The chunk files whose headers schedulers read from now on (file names); ``fail``: by file name, how many
+    reads fail first with EMFILE (out of descriptors: the process ran short, the file is fine)."""
+    import errno
+
+    from hurray_vllm.adapters.vllm.connector import scheduler
+    from hurray_vllm.chunks import store
+
+    headers: list[str] = []
+    real = store.read_header
+
+    def read_header(path: Path, **kwargs: Any) -> Any:
+        headers.append(path.name)
+        if fail and fail.get(path.name, 0) > 0:
+            fail[path.name] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, **kwargs)
+
+    for module in (scheduler, store):  # the scheduler's own reads, and DirectoryStore.header's
+        monkeypatch.setattr(module, "read_header", read_header, raising=False)
+    return headers
+
+
 def _output(new: list[Any] | None = None, scheduled: dict[str, int] | None = None) -> SimpleNamespace:
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
     return SimpleNamespace(
@@ -254,6 +277,43 @@ def test_states_of_another_layout_are_warned_about_and_counted_once_per_file(
     assert len(warned) == 1 and sched.stats.chunks_refused == 1
 
 
+def test_a_whole_file_refused_before_hides_no_slices_carrying_states(tmp_path: Path) -> None:
+    """A linear-attention hybrid resumes at the furthest chunk a complete set of files carries states for: a whole
+    file refused and left in place (another fleet's, unverifiable) stands for no such set while another TP degree's
+    slices beside it carry them; nor do slices whose states were taken at other tokens (two saves': no join)."""
+    from dataclasses import replace
+
+    from test_connector_background import _linear_scheduler
+
+    from hurray_vllm.adapters.vllm.connector.metadata import REFUSED, verified_scope
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.store import slice_key
+
+    sched = _linear_scheduler(tmp_path)
+    store, ns = sched._store, sched._ns
+    sched._heads = 2
+    pair = (torch.zeros(1, 3, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16))
+    snap = replace(
+        spec_example_snapshot(num_layers=1).select([0]),
+        fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 1, 2, 8, "float16"),
+        states=hv.RecurrentStates("gdn_attn", (0, 1), ("conv", "ssm"), (64,), (pair, pair), attention=(2,)),
+    )
+    key = "ab" * 16
+    slices = [slice_key(key, range(0, 1)), slice_key(key, range(1, 2))]
+    for name in (key, *slices):
+        store.put(ns, name, snap)
+    whole = store.identity(ns, key)
+    assert whole is not None
+    REFUSED.add(key, whole, verified_scope(None))
+    found = sched._states_set(key)
+    assert found is not None and [p.name for p in found] == slices
+    assert [p.name for p in sched._load_set(key, 0, 0)] == slices
+    # One slice's states taken at another token: the slices do not join, and no set carries the chunk's states.
+    assert snap.states is not None
+    store.put(ns, slices[1], replace(snap, states=replace(snap.states, positions=(32,))), replace=True)
+    assert sched._states_set(key) is None
+
+
 def test_a_reset_keys_the_requests_that_hold_no_kv_with_the_new_epoch(tmp_path: Path) -> None:
     from hurray_vllm.adapters.vllm.connector.scheduler import request_seed
 
@@ -376,14 +436,7 @@ def test_a_linear_attention_hybrid_reads_no_chunk_when_none_holds_states(
     store, ns, _, snap = stored_at_tp(tmp_path, 1)  # no states
     sched = _scheduler(_config(tmp_path, state_groups=(0,), tails=False), store, ns)
     read = _counting_reads(sched)
-    headers: list[str] = []
-    real = type(store).header
-
-    def header(self: Any, namespace: str, key: str) -> Any:
-        headers.append(key)
-        return real(self, namespace, key)
-
-    monkeypatch.setattr(type(store), "header", header)
+    headers = _counting_headers(monkeypatch)
     tokens = [*snap.token_ids[0], 7]
     for rid in ("r", "r", "s"):
         forget_verified_chunks()

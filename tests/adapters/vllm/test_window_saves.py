@@ -103,10 +103,13 @@ def test_a_chunk_planned_as_its_tokens_complete_keeps_its_window(tmp_path: Path)
     assert _saved_blocks(tmp_path, 1) == [[21, 22], [11, 12]]
 
 
-def _store_copy(tmp_path: Path, key: str, start: int, heads: range | None = None) -> None:
+def _store_copy(
+    tmp_path: Path, key: str, start: int, heads: range | None = None, scales: tuple[float, float] | None = None
+) -> None:
     """Store chunk ``key`` (tokens 1000-1007) as another producer did: its windowed layer from ``start`` on.
 
     ``heads``: only those KV heads, as a rank at tensor parallelism > 1 stores its slice (``<key>.h<a>-<b>``).
+    ``scales``: every layer's fp8 ``(k_scale, v_scale)``, which a header does not tell.
     """
     import torch
     from bare_worker import DIM, HEADS, PAGE, gqa_fingerprint
@@ -125,6 +128,7 @@ def _store_copy(tmp_path: Path, key: str, start: int, heads: range | None = None
         token_ids=(tuple(range(1000, 1000 + CHUNK)),),
         fingerprint=gqa_fingerprint(),
         windows=SlidingWindows(sizes=(None, WINDOW), kv_start=((0,), (start,))),
+        kv_scales=(scales, scales) if scales is not None else None,
     )
     if heads is not None:
         snap = dataclasses.replace(snap, heads=HeadRange(heads.start, heads.stop, HEADS))
@@ -299,3 +303,110 @@ def test_a_complete_set_refused_before_does_not_hide_another(tmp_path: Path) -> 
     sched, answer = _lookup(tmp_path)
     assert answer == (CHUNK, False)
     assert [n[-5:] for n, *_ in sched._reqs["c"].load.parts[0]] == [".h0-1", ".h1-2"]
+
+
+def _two_ways(tmp_path: Path) -> tuple[str, list[str]]:
+    """Chunk 0 stored by a TP = 1 engine holding less of the window, and by a TP = 2 engine's ranks holding it:
+    its key, and the files' names (whole file first)."""
+    from hurray_vllm.chunks.store import slice_key
+
+    (probe,) = _planned_saves(tmp_path / "probe", 1)
+    _store_copy(tmp_path, probe.key, 4)
+    for r in range(2):
+        _store_copy(tmp_path, probe.key, 0, range(r, r + 1))
+    return probe.key, [f"{name}.hrry" for name in (probe.key, *(slice_key(probe.key, range(r, r + 1)) for r in (0, 1)))]
+
+
+def test_a_lookup_vllm_repeats_stats_each_file_once_and_reads_no_header_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asks again for a waiting request at every step. The whole file holds less of the window (as the "last"
+    policy stores a chunk for a longer prompt): each step looks at the slices too, at a ``stat`` per file, and reads
+    no header again, though fewer headers are remembered than the chunk has files. The headers remembered are the
+    most recently used."""
+    from test_scheduler_reuse import _counting_headers
+
+    from hurray_vllm.adapters.vllm.connector import scheduler
+    from hurray_vllm.chunks.store import DirectoryStore
+
+    key, names = _two_ways(tmp_path)
+    monkeypatch.setattr(scheduler, "_STORED_HEADERS_CAP", 2)
+    headers = _counting_headers(monkeypatch)
+    stats: list[str] = []
+    real = DirectoryStore.identity
+
+    def identity(self: Any, namespace: str, name: str) -> Any:
+        stats.append(f"{name}.hrry")
+        return real(self, namespace, name)
+
+    monkeypatch.setattr(DirectoryStore, "identity", identity)
+    sched, answer = _lookup(tmp_path)
+    assert answer == (CHUNK, False) and sorted(headers) == sorted(names)
+    request = sched._reqs["c"].request
+    for _ in range(3):
+        headers.clear()
+        stats.clear()
+        assert sched.get_num_new_matched_tokens(request, 0) == (CHUNK, False)
+        assert headers == [] and stats == names
+    whole, slices = sched._store.complete_sets(sched._ns, key, sched._heads)
+    sched._stored_headers.clear()
+    headers.clear()
+    for part in (whole[0], slices[0], whole[0], slices[1], whole[0]):
+        sched._held(part)
+    assert headers == names  # the whole file's header, looked at last but one, was kept
+
+
+def test_a_header_unread_for_want_of_descriptors_hides_no_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a slice's header failed for a reason that says nothing about the file (out of descriptors): the
+    slices are judged by their other header meanwhile, and the failure is not remembered: the next look reads the
+    header again. The slices holding the window load, not the whole file holding less, for every request."""
+    from test_scheduler_reuse import _counting_headers
+
+    _, names = _two_ways(tmp_path)
+    headers = _counting_headers(monkeypatch, {names[2]: 1})
+    sched, answer = _lookup(tmp_path)
+    assert answer == (CHUNK, False)
+    assert [name[-5:] for name, *_ in sched._reqs["c"].load.parts[0]] == [".h0-1", ".h1-2"]
+    tokens = list(range(1000, 1000 + CHUNK + 1))
+    request = SimpleNamespace(
+        request_id="d", all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None
+    )
+    assert sched.get_num_new_matched_tokens(request, 0) == (CHUNK, False)
+    assert headers.count(names[2]) == 2 and headers.count(names[1]) == 1
+
+
+def test_slices_that_do_not_join_by_what_their_headers_do_not_tell_are_read_once_and_written_again(
+    tmp_path: Path,
+) -> None:
+    """Two producers' slices hold the same windows but other fp8 scales: a lookup reads them and finds that they do
+    not join. No later lookup reads them again, and a save of the chunk writes every slice again over them."""
+    from test_scheduler_reuse import _counting_reads
+
+    (probe,) = _planned_saves(tmp_path / "probe", 1)
+    _store_copy(tmp_path, probe.key, 0, range(0, 1), scales=(1.0, 1.0))
+    _store_copy(tmp_path, probe.key, 0, range(1, 2), scales=(0.5, 0.5))
+    sched, answer = _lookup(tmp_path)
+    assert answer == (0, False)
+    read = _counting_reads(sched)
+    tokens = list(range(1000, 1000 + CHUNK + 1))
+    request = SimpleNamespace(
+        request_id="d", all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None
+    )
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert read == []
+    # Stored, and written over: by a save holding the window, and by one holding nothing of it.
+    assert sched._stored_for_save(probe.key, 0, 0, False) == (True, True)
+    assert sched._stored_for_save(probe.key, 0, 2 * CHUNK, False) == (True, True)
+
+
+def test_a_save_holding_nothing_of_the_window_reads_no_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that blanks every windowed block (the "last" policy's chunks before a prompt's last, a step far past
+    the chunk) can hold no more than any stored copy: a ``stat`` per file tells it is stored, no header is read."""
+    from test_scheduler_reuse import _counting_headers
+
+    key, _ = _two_ways(tmp_path)
+    headers = _counting_headers(monkeypatch)
+    sched = _scheduler(tmp_path)
+    assert sched._window_start(WINDOW, 0, 2 * CHUNK) == CHUNK  # a resume there attends nothing of chunk 0
+    assert sched._stored_for_save(key, 0, 2 * CHUNK, False) == (True, False)
+    assert headers == []

@@ -9,12 +9,13 @@ receiver.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +25,16 @@ from .... import native
 from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import key_seed
 from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
-from ....chunks.store import ChunkPart, ChunkReader, DirectoryStore, chunk_keys, load_chunk, tail_keys, verify_chunk
+from ....chunks.store import (
+    ChunkPart,
+    ChunkReader,
+    DirectoryStore,
+    chunk_keys,
+    load_chunk,
+    read_header,
+    tail_keys,
+    verify_chunk,
+)
 from ....chunks.verify import begin_check_data
 from ....containers.hrryfile import FileBytes
 from ....errors import HurrayArgumentError, HurrayFormatError
@@ -63,8 +73,12 @@ _RECEIVERS_LOCK = threading.Lock()
 #: By the address bound (host, port): port 0's receiver under the port it got.
 _RECEIVERS: dict[tuple[str, int], _Listening] = {}
 _HELPERS: dict[str, ThreadPoolExecutor] = {}
-#: Stored chunk files whose headers' windows and states a scheduler remembers (a few hundred bytes each).
+#: Stored chunk files whose headers' windows and states a scheduler remembers (a few hundred bytes each), and
+#: complete sets of them whose resume it remembers (:meth:`HurrayScheduler._serves_from`); the least recently used
+#: go first.
 _STORED_HEADERS_CAP = 4096
+#: Complete sets of a chunk's files a scheduler remembers not joining (:func:`_fit_together`).
+_UNJOINED_CAP = 4096
 #: Chunk files a scheduler remembers refusing for their states' layout (warned about and counted once each).
 _LAYOUT_REFUSED_CAP = 4096
 #: Errors reading a chunk file that say nothing about the file (the process ran short): such a refusal is not
@@ -324,7 +338,13 @@ class HurrayScheduler:
         # pools itself) and the CPU folds (bench_read.py: with the crc32 instruction alone it saved nothing here).
         self._page_crcs = config.keys is None and native.crc32c_fold()
         # Stored chunk files' windows and states, by file name and identity (None: unreadable): see _held.
-        self._stored_headers: dict[tuple[str, tuple[int, ...]], _Held | None] = {}
+        self._stored_headers: OrderedDict[tuple[str, tuple[int, ...]], _Held | None] = OrderedDict()
+        # Complete sets of a chunk's files, by their names and identities, the chunk and the local prefix-cache
+        # hit: the chunk boundary from which on they serve a resume (see _serves_from).
+        self._serving: OrderedDict[tuple[_Files, int, int], int | None] = OrderedDict()
+        # Complete sets of a chunk's files, by their names and identities, that were read and did not join (another
+        # producer's scales or pages, which headers do not tell): no lookup reads them again, a save writes over them.
+        self._unjoined: dict[_Files, None] = {}
         # Chunk files refused for their states' layout (another engine's), by name and identity: warned once.
         self._layout_refused: dict[tuple[str, tuple[int, ...]], None] = {}
         # Every KV head of the model: a chunk is complete when its files hold them all.
@@ -424,8 +444,15 @@ class HurrayScheduler:
         log.warning("hurray: refusing chunk %s (%s); recomputing instead", part.name, why)
 
     def _refused_before(self, parts: list[ChunkPart]) -> bool:
-        """Whether a file of this chunk was refused and left in place, unchanged since (:meth:`_refuse`)."""
-        return any(REFUSED.has(p.name, p.identity, self._scope) for p in parts)
+        """Whether a file of this chunk was refused and left in place, unchanged since (:meth:`_refuse`).
+
+        Or its files, read before, did not join (:meth:`_unjoined_set`).
+        """
+        return any(REFUSED.has(p.name, p.identity, self._scope) for p in parts) or self._unjoined_set(parts)
+
+    def _unjoined_set(self, parts: list[ChunkPart]) -> bool:
+        """Whether these files of a chunk were read and found not to join, unchanged since (:meth:`_passed`)."""
+        return bool(self._unjoined) and _files(parts) in self._unjoined
 
     @staticmethod
     def _seed(state: _Request) -> str | None:
@@ -735,8 +762,18 @@ class HurrayScheduler:
         return read, checks
 
     def _passed(self, parts: list[ChunkPart], snaps: list[KVSnapshot], checks: list[Future[None] | None]) -> bool:
-        """Whether one chunk's files passed their data checks and fit together; then they are remembered."""
-        if self._failed_check(parts, checks) or not _fit_together(snaps):
+        """Whether one chunk's files passed their data checks and fit together; then they are remembered.
+
+        Files that do not fit together (slices of two producers: other fp8 scales or pages, which their headers do
+        not tell) are remembered as such: no lookup reads them again, and the next save of the chunk writes over
+        them (:meth:`_stored_for_save`).
+        """
+        if self._failed_check(parts, checks):
+            return False
+        if not _fit_together(snaps):
+            if len(self._unjoined) >= _UNJOINED_CAP:
+                self._unjoined.pop(next(iter(self._unjoined)))
+            self._unjoined[_files(parts)] = None
             return False
         for part, snap in zip(parts, snaps, strict=True):
             VERIFIED.put(part.name, part.identity, snap, self._verified_cap, self._verified_bytes, self._scope)
@@ -856,24 +893,26 @@ class HurrayScheduler:
         """The complete set of chunk ``c``'s files (``key``) a lookup reads; ``None`` if none is stored.
 
         The first set (the whole file first) not refused before: one left in
-        place (unreadable, another fleet's) hides no other TP degree's set.
-        With sliding windows, of the sets whose headers agree (slices that
-        join) and whose windows are this engine's, the one that serves the
-        earliest resume (:meth:`_earliest_resume`): engines of two TP degrees,
-        or a save that ran past the chunk's end, may have stored one copy
-        holding less of the window, which must not hide one holding it. With
-        none suiting, the first (its reader refuses it). A ``stat`` per file
-        of the first set, and its headers read once per identity: the other
-        sets are looked at only when it does not serve a resume at the chunk's end.
+        place (unreadable, another fleet's) or whose files did not join hides
+        no other TP degree's set. With sliding windows, of the sets whose
+        headers agree (slices that join) and whose windows are this engine's,
+        the one that serves the earliest resume (:meth:`_serves_from`):
+        engines of two TP degrees, or a save that ran past the chunk's end,
+        may have stored one copy holding less of the window, which must not
+        hide one holding it. With none suiting, the first (its reader refuses
+        it). A ``stat`` per file of the first set, and what its headers serve
+        remembered: the other sets are looked at (a ``stat`` per file) only
+        when it does not serve a resume at the chunk's end.
         """
-        first = self._store.parts(self._ns, key, self._heads)
+        sets = self._store.complete_sets(self._ns, key, self._heads)
+        first = next(sets, None)
         if first is None:
             return None
         if not self._refused_before(first) and (not self._sliding or self._serves_from(first, c, computed) == c + 1):
             return first
         unrefused: list[ChunkPart] | None = None
         best: tuple[int, list[ChunkPart]] | None = None
-        for parts in self._store.complete_sets(self._ns, key, self._heads):
+        for parts in itertools.chain([first], sets):
             if self._refused_before(parts):
                 continue
             if not self._sliding:
@@ -887,16 +926,33 @@ class HurrayScheduler:
     def _serves_from(self, parts: list[ChunkPart], c: int, computed: int) -> int | None:
         """:meth:`_earliest_resume` of chunk ``c`` stored as ``parts``, by their headers; None if it serves none.
 
-        None also for files that do not join (two saves' slices), an unreadable header, or windows that are
-        not this engine's (:meth:`_resumes_at`): no load of them would pass.
+        None for files that do not join (two saves' slices), or whose windows
+        are not this engine's (:meth:`_resumes_at`): no load of them would
+        pass. An unreadable header says nothing (:func:`_headers_agree`): the
+        set is judged by the others, and one with none readable serves
+        ``c + 1``: its reader judges it (and moves a damaged file aside).
+        Remembered by the files' names and identities, ``c`` and
+        ``computed`` (vLLM asks again for a waiting request at every step),
+        once every header was read.
         """
+        memo = (_files(parts), c, computed)
+        if memo in self._serving:
+            self._serving.move_to_end(memo)
+            return self._serving[memo]
         held = [self._held(p) for p in parts]
-        if held[0] is None or any(h is None for h in held) or not _headers_agree(held):
-            return None
-        win = held[0].windows
-        if win is not None and _slides(win) != self._window_counts:
-            return None
-        return self._earliest_resume(win, c, computed)
+        known = [h for h in held if h is not None]
+        if not known:
+            return c + 1
+        win = known[0].windows
+        if not _headers_agree(held) or (win is not None and _slides(win) != self._window_counts):
+            at = None
+        else:
+            at = self._earliest_resume(win, c, computed)
+        if len(known) == len(held):
+            if len(self._serving) >= _STORED_HEADERS_CAP:
+                self._serving.popitem(last=False)
+            self._serving[memo] = at
+        return at
 
     def _earliest_resume(self, windows: SlidingWindows | None, c: int, computed: int) -> int:
         """The first chunk boundary (a chunk index) from which on a resume finds chunk ``c``'s ``windows`` held.
@@ -918,34 +974,47 @@ class HurrayScheduler:
         """What a stored file's header says it holds (:class:`_Held`); ``None`` if unreadable. Read once per identity.
 
         vLLM asks again for a waiting request at every step, and a save looks
-        at each chunk it completes: the headers are not read again each time.
-        An unreadable file stays so until its identity changes.
+        at each chunk it completes: the headers are not read again each time
+        (the least recently used are forgotten first). An unreadable file
+        stays so until its identity changes; an error that says nothing about
+        the file (the process ran short of memory or descriptors) is not
+        remembered: the next look reads the header again.
         """
         memo = (part.name, part.identity)
         if memo in self._stored_headers:
+            self._stored_headers.move_to_end(memo)
             return self._stored_headers[memo]
-        header = self._store.header(self._ns, part.name)
+        try:
+            header = read_header(self._store.path(self._ns, part.name))
+        except OSError as exc:
+            if exc.errno in _PASSING_ERRNOS:
+                return None
+            header = None
+        except HurrayFormatError:
+            header = None
         found = _Held(header.windows, header.states) if header is not None else None
         if len(self._stored_headers) >= _STORED_HEADERS_CAP:
-            self._stored_headers.pop(next(iter(self._stored_headers)))
+            self._stored_headers.popitem(last=False)
         self._stored_headers[memo] = found
         return found
 
     def _states_set(self, key: str) -> list[ChunkPart] | None:
-        """The first complete set of chunk ``key``'s files that all carry states, or None if no set does.
+        """The first complete set of chunk ``key``'s files that carries states, or None if no set does.
 
-        :meth:`DirectoryStore.parts_with_states` with each file's header read
-        once per identity (:meth:`_has_states`): vLLM asks again for a waiting
+        Not one refused before (:meth:`_refused_before`), nor slices whose
+        headers do not join (:func:`_headers_agree`): each would hide a set
+        another TP degree stored with states. Each file's header is read
+        once per identity (:meth:`_held`): vLLM asks again for a waiting
         request at every step, and the chunks of a prefix stored without
         states would otherwise be read backwards each time.
         """
-        parts, with_states = self._store.parts_with_states(self._ns, key, self._heads, self._has_states)
-        return parts if with_states else None
-
-    def _has_states(self, part: ChunkPart) -> bool:
-        """Whether the stored file carries linear-attention states (its header, read once per identity)."""
-        held = self._held(part)
-        return held is not None and held.states is not None
+        for parts in self._store.complete_sets(self._ns, key, self._heads):
+            if self._refused_before(parts):
+                continue
+            held = [self._held(p) for p in parts]
+            if all(h is not None and h.states is not None for h in held) and _headers_agree(held):
+                return parts
+        return None
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Called by vLLM's scheduler, via the connector, after block allocation: drops the load if none was granted.
@@ -1236,17 +1305,23 @@ class HurrayScheduler:
         there, the save writes over it (``replace``): a set of slices from
         two saves (one rank's save failed, or two engines interleaved) is
         loaded by no lookup, and every rank of this engine rewrites its own
-        slice, so that they join. A set that another TP degree stored
-        holding less is left beside the one this save writes (different
-        names): the lookup takes whichever holds more (:meth:`_load_set`).
-        Without states or windows to compare, any complete set is stored
-        (a ``stat`` per file, no header read).
+        slice, so that they join; so is a set whose files a lookup read and
+        found not to join (:meth:`_passed`: scales or pages their headers do
+        not tell). A set that another TP degree stored holding less is left
+        beside the one this save writes (different names): the lookup takes
+        whichever holds more (:meth:`_load_set`). Without states or windows to
+        compare (none held, or this save blanks every windowed block), the
+        first complete set that joins is stored (a ``stat`` per file, no
+        header read).
         """
-        if not states and not self._sliding:
-            return self._stored(key), False
+        compared = states or not self._blanks_windows(c, resume)
         found = False
         for parts in self._store.complete_sets(self._ns, key, self._heads):
             found = True
+            if self._unjoined_set(parts):
+                continue
+            if not compared:
+                return True, False
             held = [self._held(p) for p in parts]
             if not _headers_agree(held):
                 continue
@@ -1271,8 +1346,8 @@ class HurrayScheduler:
         never take turns. A stored file's header is read once (remembered by
         the file's identity, :meth:`_held`).
         """
-        if all(w is None or self._window_start(w, c, resume) >= self._chunk for w in self._windows):
-            return False  # this save blanks every windowed block: it cannot hold more
+        if self._blanks_windows(c, resume):
+            return False  # it cannot hold more
         if win is None:
             return False  # holds every layer whole, or unreadable (its reader judges that)
         pairs = [
@@ -1281,6 +1356,10 @@ class HurrayScheduler:
             if size is not None and starts
         ]
         return all(o <= t for o, t in pairs) and any(o < t for o, t in pairs)
+
+    def _blanks_windows(self, c: int, resume: int) -> bool:
+        """Whether a save of chunk ``c`` blanks every windowed block (:meth:`_window_start`); True with none."""
+        return all(w is None or self._window_start(w, c, resume) >= self._chunk for w in self._windows)
 
     def _stored(self, key: str) -> bool:
         """Whether chunk ``key`` is stored whole (one file, or tensor-parallel slices of every head)."""
@@ -1349,6 +1428,7 @@ class HurrayScheduler:
             state.load = state.lookup = None  # planned under the old keys
             state.waited = True  # announced chunks are under the old keys: none will come under the new ones
         self._stored_headers.clear()
+        self._serving.clear()
         self.stats.cache_resets += 1
         log.info("hurray: cache reset: this engine's chunks get keys of their own from now on")
         return True
