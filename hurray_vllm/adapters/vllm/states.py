@@ -86,14 +86,26 @@ def step_block(block_ids: Sequence[int], tokens: int, scheduled: int, block_size
 
 
 def state_groups(kv_cache_config: Any) -> dict[str, int]:
-    """Each linear-attention (``MambaSpec``) layer's KV cache group, by layer name (empty for other models)."""
+    """Each linear-attention (``MambaSpec``) layer's KV cache group, by layer name, in model order (empty for others).
+
+    Model order, not the groups': vLLM deals a model's layers round-robin
+    into groups of one page size (``layers[i::num_groups]``), so with more
+    than one linear layer per group the groups list them interleaved
+    (Qwen3-Next's 0, 4, 8, ... then 1, 5, 9, ...). A snapshot's states are
+    the model's layers in order (what transformers and other engines pair
+    them by); names without a layer number keep the groups' order.
+    """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    return {
+    found = {
         name: g
         for g, group in enumerate(groups)
         if type(group.kv_cache_spec).__name__ == "MambaSpec"
         for name in group.layer_names
     }
+    index = {name: model_layer_index(name) for name in found}
+    if any(i is None for i in index.values()):
+        return found
+    return {name: found[name] for name in sorted(found, key=lambda n: index[n])}
 
 
 def _kind(kv_cache_config: Any) -> str:

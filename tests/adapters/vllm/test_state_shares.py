@@ -48,3 +48,37 @@ def test_a_buffer_of_another_size_is_refused() -> None:
     buffers = [pack_states(shares[0]), pack_states(shares[1])[:-16]]
     with pytest.raises(hv.HurrayFormatError, match="rank 1 sent"):
         join_shares(shares[0], buffers, None)
+
+
+def test_states_are_the_models_layers_in_order_however_vllm_groups_them() -> None:
+    """vLLM deals layers round-robin into groups of one page size (``layers[i::num_groups]``): with two linear layers
+    per group (Qwen3-Next's 3 linear + 1 full, twice) the groups list them 0, 4, 1, 5, 2, 6. A snapshot's states are
+    the model's layers in order, which transformers pairs with the model's linear-attention layers."""
+    from types import SimpleNamespace
+
+    from hurray_vllm.adapters.vllm.states import declared_layout, state_groups
+
+    class MambaSpec:  # what the groups are told apart by (the class name), and what declared_layout reads
+        shapes = ((3, 8), (2, 4, 4))
+        dtypes = (torch.bfloat16, torch.float32)
+        mamba_type = "gdn_attn"
+
+    class FullAttentionSpec:
+        pass
+
+    def group(spec: object, layers: tuple[int, ...], what: str) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.{what}" for i in layers])
+
+    config = SimpleNamespace(
+        kv_cache_groups=[
+            group(FullAttentionSpec(), (3, 7), "self_attn.attn"),
+            group(MambaSpec(), (0, 4), "linear_attn"),
+            group(MambaSpec(), (1, 5), "linear_attn"),
+            group(MambaSpec(), (2, 6), "linear_attn"),
+        ]
+    )
+    of_layer = state_groups(config)
+    assert list(of_layer) == [f"model.layers.{i}.linear_attn" for i in (0, 1, 2, 4, 5, 6)]
+    assert [of_layer[f"model.layers.{i}.linear_attn"] for i in (0, 4, 1)] == [1, 1, 2]  # each keeps its group
+    layout = declared_layout(config)
+    assert layout is not None and layout.layers == (0, 1, 2, 4, 5, 6)
