@@ -102,10 +102,13 @@ def state_groups(kv_cache_config: Any) -> dict[str, int]:
         if type(group.kv_cache_spec).__name__ == "MambaSpec"
         for name in group.layer_names
     }
-    index = {name: model_layer_index(name) for name in found}
-    if any(i is None for i in index.values()):
-        return found
-    return {name: found[name] for name in sorted(found, key=lambda n: index[n])}
+    index: dict[str, int] = {}
+    for name in found:
+        i = model_layer_index(name)
+        if i is None:
+            return found
+        index[name] = i
+    return {name: found[name] for name in sorted(found, key=index.__getitem__)}
 
 
 def _kind(kv_cache_config: Any) -> str:
