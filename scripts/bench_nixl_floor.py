@@ -42,6 +42,7 @@ from hurray_vllm.transport.nixl import make_agent
 
 POOLS = 64
 POLL_S = 0.0005
+WAIT_S = 600.0  # the most either process waits for the other (a round takes seconds): past it, it gives up
 
 
 def cpu_s() -> float:
@@ -65,11 +66,15 @@ def receiver(conn: Any, pool_bytes: int, rounds: int) -> None:
                 native.crc32c_tensors([slab[j * pool_bytes : (j + 1) * pool_bytes]])
             done["checked"] = time.perf_counter() - t0
 
-        hasher = threading.Thread(target=hash_pools, args=(landed, done, t0))
+        # A daemon: a receiver giving up below must not wait at exit for a hasher waiting for pools.
+        hasher = threading.Thread(target=hash_pools, args=(landed, done, t0), daemon=True)
         if check:
             hasher.start()
         got = 0
+        deadline = time.monotonic() + WAIT_S
         while got < POOLS:
+            if time.monotonic() > deadline:  # a sender that died mid-round: exit, which the sender's recv sees
+                raise SystemExit(f"receiver: {got} of {POOLS} pools landed in {WAIT_S:g} s")
             for msgs in agent.get_new_notifs().values():
                 for m in msgs:
                     got += 1
@@ -82,6 +87,19 @@ def receiver(conn: Any, pool_bytes: int, rounds: int) -> None:
             hasher.join()
         done["cpu"] = cpu_s() - c0
         conn.send(done)
+
+
+def reply(here: Any, proc: Any) -> Any:
+    """The receiver's next message; exits when it died (EOF: the parent holds no copy of its end) or is silent."""
+    if here.poll(WAIT_S):
+        try:
+            return here.recv()
+        except EOFError:
+            pass
+        proc.join(5)
+        sys.exit(f"the receiver died (exit code {proc.exitcode}); its error is above")
+    proc.terminate()
+    sys.exit(f"the receiver sent nothing in {WAIT_S:g} s")
 
 
 def main() -> None:
@@ -97,7 +115,10 @@ def main() -> None:
     here, there = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(there, pool_bytes, args.repeat))
     proc.start()
-    name, md, base = here.recv()
+    # The child's end, closed here: otherwise it stays open in this process, and a receiver that dies leaves
+    # here.recv() waiting forever instead of raising EOFError.
+    there.close()
+    name, md, base = reply(here, proc)
     gen = torch.Generator().manual_seed(0)
     pools = [torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8, generator=gen) for _ in range(POOLS)]
     agents = [make_agent(f"floor-send{i}", None) for i in range(2)]
@@ -143,7 +164,7 @@ def main() -> None:
                 for t in ths:
                     t.join()
                 sent, sender_cpu = time.perf_counter() - t0, cpu_s() - c0
-                r = here.recv()
+                r = reply(here, proc)
                 if rnd:  # round 0 connects and warms up
                     rows.append({**r, "sent": sent, "sender_cpu": sender_cpu})
             key = f"{lanes}_agents_{'with' if check else 'without'}_checksum"

@@ -39,6 +39,7 @@ About 4 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -82,7 +83,9 @@ def free_port() -> int:
 
 
 class Proc:
-    """A server process, stopped by its pid."""
+    """A server process, stopped by its pid (and on leaving ``with``: register each in an ExitStack as it is
+    made, so that one that never gets ready, or a step that fails before the phase's work, stops them all
+    before the work directory is removed under them)."""
 
     def __init__(self, name: str, cmd: list[str], port: int, work: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
@@ -104,6 +107,12 @@ class Proc:
                 pass
             time.sleep(1)
         raise SystemExit(f"{self.name} did not start within {timeout} s")
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -216,16 +225,18 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
     import httpx
 
     store = work / "shared"
-    a, b = vllm(work, "a", model, {"hurray_path": str(store)}), vllm(work, "b", model, {"hurray_path": str(store)})
-    for p in (a, b):
-        p.wait_ready()
-    r = router(work, "router", [a.url, b.url])
-    single = router(work, "router-a", [a.url])
-    for p in (r, single):
-        p.wait_ready()
     name = str(model)
     out: dict[str, Any] = {"contexts": {}}
+    procs = contextlib.ExitStack()
     try:
+        a = procs.enter_context(vllm(work, "a", model, {"hurray_path": str(store)}))
+        b = procs.enter_context(vllm(work, "b", model, {"hurray_path": str(store)}))
+        for p in (a, b):
+            p.wait_ready()
+        r = procs.enter_context(router(work, "router", [a.url, b.url]))
+        single = procs.enter_context(router(work, "router-a", [a.url]))
+        for p in (r, single):
+            p.wait_ready()
         stream(a.url, name, prompt(99, 300), 8)  # warm-up of both engines and the router
         stream(r.url, name, prompt(98, 300), 8)
         for i, n in enumerate(contexts):
@@ -316,8 +327,7 @@ def phase_pause(work: Path, model: Path, contexts: list[int]) -> dict[str, Any]:
         out["overhead"]["goal_throughput_ge_0.95"] = out["overhead"]["throughput_ratio"] >= 0.95
         out["overhead"]["goal_added_p50_le_1ms"] = out["overhead"]["added_latency_p50_ms"] <= 1.0
     finally:
-        for p in (r, single, a, b):
-            p.stop()
+        procs.close()
     return out
 
 
@@ -355,14 +365,16 @@ def make_sink(work: Path) -> Any:
 
 def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
     recv_port = free_port()
-    receiver = Proc("receiver", [sys.executable, "-m", "hurray_vllm.app.cli", "receive", "--listen",
-                                 f"127.0.0.1:{recv_port}", "--dir", str(work / "received"), "-q"],
-                    recv_port, work, {**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    sink = make_sink(work)
     name = str(model)
     out: dict[str, Any] = {}
     servers: dict[str, Proc] = {}
+    procs = contextlib.ExitStack()
     try:
+        procs.enter_context(Proc("receiver", [sys.executable, "-m", "hurray_vllm.app.cli", "receive", "--listen",
+                                              f"127.0.0.1:{recv_port}", "--dir", str(work / "received"), "-q"],
+                                 recv_port, work, {**os.environ, "PYTHONPATH": str(ROOT)}))  # fmt: skip
+        sink = make_sink(work)
+        procs.callback(sink.stop)
         # The servers run at once (an idle one takes no CPU) and take rounds in turn, each with prompts none
         # has seen (a prefix-cache hit would save nothing, so push nothing): one engine run against another
         # varies by more than the goal's 5%, and the first rounds of a fresh engine run slow. "on" pushes to a
@@ -373,7 +385,7 @@ def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
             ("on", {"hurray_path": str(work / "store-on"), "hurray_url": f"tcp://127.0.0.1:{recv_port}"}),
             ("sink", {"hurray_path": str(work / "store-sink"), "hurray_url": f"tcp://127.0.0.1:{sink.address[1]}"}),
         ):
-            servers[label] = vllm(work, f"push-{label}", model, extra)
+            servers[label] = procs.enter_context(vllm(work, f"push-{label}", model, extra))
         for s in servers.values():
             s.wait_ready()
             stream(s.url, name, prompt(300, 300), 8)
@@ -400,25 +412,23 @@ def phase_pushes(work: Path, model: Path) -> dict[str, Any]:
         out["chunks_received"] = len(list((work / "received").rglob("*.hrry")))
         out["chunks_taken_by_sink"] = sink.received
     finally:
-        for s in servers.values():
-            s.stop()
-        receiver.stop()
-        sink.stop()
+        procs.close()
     return out
 
 
 def phase_routing(work: Path, model: Path) -> dict[str, Any]:
-    c = vllm(work, "c", model, {"hurray_path": str(work / "store-c")})
-    d = vllm(work, "d", model, {"hurray_path": str(work / "store-d")})
-    for p in (c, d):
-        p.wait_ready()
     name = str(model)
     out: dict[str, Any] = {}
+    procs = contextlib.ExitStack()
     try:
+        c = procs.enter_context(vllm(work, "c", model, {"hurray_path": str(work / "store-c")}))
+        d = procs.enter_context(vllm(work, "d", model, {"hurray_path": str(work / "store-d")}))
+        for p in (c, d):
+            p.wait_ready()
         for k, policy in enumerate(("round-robin", "kv")):
             r = router(work, f"router-{policy}", [c.url, d.url], policy)
-            r.wait_ready()
             try:
+                r.wait_ready()
                 log(f"routing: {policy}, 8 system prompts x 16 users")
                 systems = [prompt(400 + 10 * k + s, 512) for s in range(8)]
                 ttfts, computed = [], 0
@@ -443,8 +453,7 @@ def phase_routing(work: Path, model: Path) -> dict[str, Any]:
             out["kv"]["prompt_tokens_computed"] / out["round-robin"]["prompt_tokens_computed"], 3
         )
     finally:
-        for p in (c, d):
-            p.stop()
+        procs.close()
     return out
 
 

@@ -377,6 +377,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_format_demo, run_vllm_demo
 
     workdir = Path(args.workdir) if args.workdir else None
+    if workdir is not None:  # before vLLM's import (seconds), as the call's error: a file there exited 1
+        _dir_arg(args.workdir, "--workdir is where the demo writes its files")
     if args.format_only:
         return run_format_demo(workdir, quiet=args.quiet, keep=args.keep)
     try:
@@ -484,8 +486,7 @@ def _store_dir(path: str, *, must_exist: bool = True, writable: bool = False) ->
     from ..chunks.store import DirectoryStore
 
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "Not a directory (a chunk store is a directory)", path)
+    _dir_arg(path, "a chunk store is a directory")
     if must_exist and not p.exists():
         raise FileNotFoundError(errno.ENOENT, "No such directory", path)
     if writable:  # a receiver that cannot store would refuse every chunk it is sent, and look fine
@@ -495,6 +496,24 @@ def _store_dir(path: str, *, must_exist: bool = True, writable: bool = False) ->
         with tempfile.TemporaryFile(dir=p):
             pass
     return DirectoryStore(path)
+
+
+def _dir_arg(path: str, why: str) -> None:
+    """Refuse, as the call's error (exit 2), a ``path`` given for a directory that cannot be one.
+
+    A file, or a symbolic link to nothing: ``mkdir(exist_ok=True)`` raises ``FileExistsError`` for both, which
+    reads as a failed operation (exit 1) where the path given is wrong. ``why`` (the option, what it is for)
+    is said in brackets.
+
+    Raises:
+        NotADirectoryError: something not a directory at ``path``.
+        FileNotFoundError: a symbolic link whose target is missing (mkdir does not make it through the link).
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"Not a directory ({why})", path)
+    if not p.exists() and p.is_symlink():
+        raise FileNotFoundError(errno.ENOENT, f"A symbolic link to a missing target ({why})", path)
 
 
 def _size(text: str) -> int:

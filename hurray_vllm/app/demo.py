@@ -133,20 +133,23 @@ class _Checks:
 def _work_dir(workdir: Path | None, keep: bool, quiet: bool = False) -> Iterator[Path]:
     """``workdir`` (created, kept), or a fresh temporary directory removed afterwards unless ``keep``.
 
-    A kept temporary directory is named on stderr when ``quiet`` (the summary that names it is not printed):
-    its path is known nowhere else.
+    A kept temporary directory is named on stderr when the summary that names it is not printed (``quiet``,
+    or a step raised): its path is known nowhere else, and after a failure its files (``demo.log``) are what
+    --keep was asked for.
     """
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
         yield workdir
         return
     tmp = Path(tempfile.mkdtemp(prefix="hurray-vllm-demo-"))
+    summarized = False
     try:
         yield tmp
+        summarized = not quiet
     finally:
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
-        elif quiet:
+        elif not summarized:
             print(f"hurray-vllm demo: files kept in {tmp}", file=sys.stderr, flush=True)
 
 

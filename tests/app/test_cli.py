@@ -802,3 +802,44 @@ def test_hurray_vllm_debug_0_shows_no_traceback(
     else:
         assert main(["inspect", "x.hrry"]) == 3
         assert "internal error: RuntimeError: a bug" in capsys.readouterr().err
+
+
+def test_a_file_or_a_dangling_link_given_for_a_directory_is_the_calls_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: mkdir's FileExistsError exited 1 (a failed operation) where the path given was wrong."""
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"x")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nothing")
+    for path in (a_file, dangling):
+        assert main(["demo", "--format-only", "-q", "--workdir", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "--workdir" in err and str(path) in err and "\n" not in err.strip(), err
+        assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(path), "-q"]) == 2
+        err = capsys.readouterr().err
+        assert "chunk store is a directory" in err and str(path) in err and "\n" not in err.strip(), err
+    assert not (tmp_path / "nothing").exists() and a_file.read_bytes() == b"x"
+
+
+def test_demo_keep_names_the_kept_directory_when_a_step_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: without -q only the summary named it, and a failed step prints none."""
+    import re
+    import shutil
+
+    from hurray_vllm.app import demo
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device", "spec-example.hrry")
+
+    monkeypatch.setattr(demo, "spec_example_snapshot", fail)
+    assert main(["demo", "--format-only", "--keep"]) == 1
+    err = capsys.readouterr().err
+    found = re.search(r"files kept in (\S*hurray-vllm-demo-\S+)", err)
+    assert found and "No space left" in err, err
+    assert Path(found.group(1)).is_dir()
+    shutil.rmtree(found.group(1))
+    assert main(["demo", "--format-only"]) == 1  # not kept: removed, and not named
+    assert "files kept" not in capsys.readouterr().err

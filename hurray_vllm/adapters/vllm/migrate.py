@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import http.client
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -34,6 +35,11 @@ from ...errors import HurrayArgumentError, HurrayFormatError
 from ...transport.base import split_url
 
 __all__ = ["MigrationResult", "complete", "migrate"]
+
+# The most an answer may hold. A completion's JSON is kilobytes; a wrong URL (a file server, a stream) could
+# otherwise be read into memory without end.
+_MAX_ANSWER_BYTES = 64 << 20
+_PIECE = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -127,13 +133,32 @@ def _call(req: urllib.request.Request | str, timeout: float) -> Any:
     """``req``'s JSON answer.
 
     Raises:
-        OSError: naming the URL: unreachable, timed out, or an HTTP error (with the server's message).
-        HurrayFormatError: an answer that is not JSON (not an OpenAI-compatible server).
+        OSError: naming the URL: unreachable, no whole answer within ``timeout`` (``ETIMEDOUT``), or an HTTP
+            error (with the server's message).
+        HurrayFormatError: an answer that is not JSON, or over ``_MAX_ANSWER_BYTES`` (not an OpenAI-compatible
+            server).
     """
     url = req if isinstance(req, str) else req.full_url
+    # urlopen's timeout bounds each socket read only: a server sending a byte per read would hold the call for
+    # as long as it liked. One deadline for the whole call, checked between reads of at most one piece each
+    # (read1: one socket read, where read(n) waits for all n bytes): a body ends the call at most one socket
+    # read past the deadline. (The status line and headers, a few KiB at most, have urlopen's bound only.)
+    deadline = time.monotonic() + timeout
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.load(r)
+            body = bytearray()
+            while piece := r.read1(_PIECE):
+                body += piece
+                if len(body) > _MAX_ANSWER_BYTES:
+                    big = f"{url}: an answer over {_MAX_ANSWER_BYTES} bytes, not an OpenAI-compatible server's answer"
+                    raise HurrayFormatError("answer", big)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(errno.ETIMEDOUT, f"no whole answer within {timeout:g} s")
+            if r.length:  # read1, unlike read, ends quietly at a connection closed short of Content-Length
+                raise http.client.IncompleteRead(bytes(body), r.length)
+            return json.loads(body)
+    except HurrayFormatError:  # the size cap's own message (a ValueError, which the last clause would rename)
+        raise
     except urllib.error.HTTPError as exc:
         raise OSError(errno.EPROTO, f"HTTP {exc.code} {exc.reason}{_server_message(exc)}", url) from None
     except urllib.error.URLError as exc:
