@@ -1794,6 +1794,92 @@ def test_a_step_whose_copies_fail_still_pushes_its_stored_chunks_later(  # type:
     assert list(c._unpushed) == [forward.key] and not c._inflight
 
 
+def test_a_step_whose_synchronous_load_failed_still_pushes_on_the_chunks_it_loaded(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A chunk only to push on is read from its files, not from the step's blocks: the failed load drops the chunks
+    the step completed, not the pushes of what another request loaded."""
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    _store_one(c, meta, "01" * 8)
+    forward = meta.SaveTask("r2", "01" * 8, [], [], forward=True)
+    new = meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])
+    c._failed_steps = 1  # what _fail sets for a synchronous load
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[forward, new]))
+    assert c.flush(timeout=30) and sender.pushed == [forward.key] and not c._store.has(c._ns, new.key)
+    assert c.stats.saves_dropped == 1 and not c._unpushed
+
+
+def test_a_store_that_cannot_be_listed_fails_the_push_and_keeps_what_it_held_back(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """A passing error listing the chunks to push on (ESTALE, EMFILE) is a failed push: neither the chunks held
+    back by an earlier failure nor those to push on are forgotten, and the next delivery pushes them."""
+    import errno
+
+    sender = _Sender([])
+    c = _bare_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    keys = ["01" * 8, "02" * 8]
+    for k in keys:
+        _store_one(c, meta, k)
+    c._unpushed[keys[0]] = None  # held back by an earlier failed push
+    parts, calls = c._store.parts, []
+
+    def stale(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)
+        if len(calls) == 1:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return parts(*args, **kwargs)
+
+    object.__setattr__(c._store, "parts", stale)
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", keys[1], [], [], forward=True)]))
+    assert c.flush(timeout=30) and c.stats.push_failures == 1 and sender.pushed == []
+    assert list(c._unpushed) == keys
+    c._push_paused_until = 0.0  # the pause is over
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])]))
+    assert c.flush(timeout=30) and sender.pushed == [*keys, "ee" * 8] and not c._unpushed
+
+
+def test_the_chunks_a_failed_copy_leaves_to_push_are_remembered_on_the_writers_thread(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """The writer iterates the chunks held back as it delivers: the step's thread must not change them meanwhile."""
+    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c._async = True
+    _store_one(c, meta, "01" * 8)
+    c._staging.copy = _no_memory
+    remember, threads = c._remember_unpushed, []
+
+    def recording(items: Any) -> None:
+        threads.append(threading.current_thread())
+        remember(items)
+
+    c._remember_unpushed = recording
+    forward = meta.SaveTask("r", "01" * 8, [], [], forward=True)
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[forward, meta.SaveTask("r", "ee" * 8, list(range(8)), [4, 5])]))
+    assert c.flush(timeout=30) and list(c._unpushed) == [forward.key]
+    assert threads and all(t.name == "hurray-save" for t in threads)
+
+
+def test_a_delivery_that_raises_counts_its_chunks_as_failed(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug the delivery does not catch: the batch's chunks are neither stored nor forgotten by the counters."""
+    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c._async = True
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("OrderedDict mutated during iteration")
+
+    c._deliver = broken
+    tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [2 * i + 1, 2 * i + 2]) for i in range(2)]
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=tasks))
+    assert c.flush(timeout=30) and c.stats.saves_failed == 2 and not c._inflight
+    assert "background save failed" in caplog.text
+
+
 def test_interpreter_exit_cuts_a_hung_push_and_stores_everything(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

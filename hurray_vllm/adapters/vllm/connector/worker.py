@@ -19,6 +19,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -931,22 +932,28 @@ class HurrayWorker:
             gathered = self._gather_states(meta.saves) if self._shares_states and meta.saves else None
             if meta.saves and self._tp > 1 and (meta.loads or self._steps_in_flight > 1):
                 failed = self._any_rank(failed)  # every rank, on the same metadata: the collectives line up
+            todo = meta
             if meta.saves and failed:
                 # This step's forward pass attended to blocks a synchronous load did not write (vLLM recomputes
                 # them after it): every chunk it completed may hold wrong KV, this request's or one sharing its
-                # blocks. None is stored; the scheduler plans those of the request vLLM moves back again.
-                log.warning("hurray: a load failed in this step; not saving its %d chunks", len(meta.saves))
-                self.stats.saves_dropped += len(meta.saves)
-            elif meta.saves and self._saves_here:
+                # blocks. None is stored; the scheduler plans those of the request vLLM moves back again. Those
+                # only to push on (read from their files, no block) still go: _save makes no collective, so the
+                # ranks stay in step.
+                todo = replace(meta, saves=[t for t in meta.saves if t.forward])
+                dropped = len(meta.saves) - len(todo.saves)
+                if dropped:
+                    log.warning("hurray: a load failed in this step; not saving its %d chunks", dropped)
+                    self.stats.saves_dropped += dropped
+            if todo.saves and self._saves_here:
                 try:
-                    self._save(meta, gathered)
+                    self._save(todo, gathered)
                 except Exception as exc:
                     # _save handles failures chunk by chunk; this is the net under what it does not foresee (the
                     # cache description failing, a bug). No collective follows: this rank alone may stop here.
-                    self.stats.saves_failed += len(meta.saves)
+                    self.stats.saves_failed += len(todo.saves)
                     log.warning(
                         "hurray: could not save this step's %d chunks: %s",
-                        len(meta.saves),
+                        len(todo.saves),
                         exc,
                         exc_info=not _expected_failure(exc),
                     )
@@ -1205,8 +1212,9 @@ class HurrayWorker:
         correctness.
 
         Raises:
-            OSError: the receiver cannot be reached, or this engine cut the query short
-                (:meth:`_abort_push`): the push fails as a whole, and pauses; asking does not.
+            OSError: the receiver cannot be reached, this engine cut the query short
+                (:meth:`_abort_push`), or the store could not be listed: the push fails as a whole,
+                and pauses; asking does not.
         """
         try:
             plan = {
@@ -1215,6 +1223,10 @@ class HurrayWorker:
                 if ids is None
             }
             layouts = {key: self._chunk_layouts(key) for key, names in plan.items() if names}
+        except OSError:
+            # The store could not be listed (ESTALE, EMFILE: passing): the push fails as a whole (counted,
+            # paused), and what it held back and was to push on is remembered, not dropped.
+            raise
         except Exception:  # a bug or an unforeseen error must not cost the local saves of this delivery
             log.exception("hurray: could not list the stored chunks to push on; not pushing them")
             return {}
@@ -1370,7 +1382,9 @@ class HurrayWorker:
                 lost = [t for t, export in rest if export]
                 self._inflight.difference_update(t.key for t in lost)
                 self.stats.saves_failed += len(lost)
-                self._remember_unpushed([(t, None, None) for t, export in rest if not export])
+                unpushed: list[_Item] = [(t, None, None) for t, export in rest if not export]
+                if unpushed:  # on the writer's thread, which iterates what it remembers as it delivers
+                    self._writer.submit(partial(self._remember_unpushed, unpushed), 0)
                 log.warning(
                     "hurray: dropping %d of this step's saves: %s", len(lost), exc, exc_info=not _expected_failure(exc)
                 )
@@ -1461,6 +1475,9 @@ class HurrayWorker:
                 if copied is not None:
                     copied.synchronize()
                 self._deliver(ec, staged, items)
+            except Exception:  # what _deliver does not foresee (a bug): its chunks count as failed (the writer logs)
+                self.stats.saves_failed += len(todo)
+                raise
             finally:
                 if buffers is not None:
                     self._staging.recycle(buffers)
