@@ -166,11 +166,12 @@ def config_geometry(model_config: Any) -> ConfigGeometry:
         head_dim = getattr(cfg, "head_dim", None)
         if head_dim is None:
             head_dim = int(cfg.hidden_size) // heads
+        linear = tuple(i for i, t in enumerate(_cached_layer_types(cfg)) if t in _LINEAR_TYPES)
         rank = getattr(cfg, "kv_lora_rank", None)
         if rank:  # MLA: one cached latent "head" of kv_lora_rank + rope values per token
             latent = LatentSplit(int(rank), int(cfg.qk_rope_head_dim), str(getattr(cfg, "model_type", "") or ""))
-            return ConfigGeometry(str(archs[0]) if archs else None, layers, 1, latent.head_dim, latent)
-        linear = tuple(i for i, t in enumerate(_cached_layer_types(cfg)) if t in _LINEAR_TYPES)
+            arch = str(archs[0]) if archs else None
+            return ConfigGeometry(arch, layers - len(linear), 1, latent.head_dim, latent, linear)
         return ConfigGeometry(
             architecture=str(archs[0]) if archs else None,
             num_layers=layers - len(linear),
@@ -231,7 +232,9 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
             carries, and for a model with layers of a type other than
             full, sliding-window, chunked or linear attention in its
             ``layer_types`` (DeepSeek-V4's compressed attention...), whose
-            caches hold something other than a snapshot's KV.
+            caches hold something other than a snapshot's KV, or an MLA
+            model with linear-attention layers (Kimi Linear), whose KDA
+            states no snapshot holds.
     """
     geo = config_geometry(model_config)
     indexed = sorted({t for t in _cached_layer_types(_text_config(model_config)) if t in _INDEXED_TYPES})
@@ -335,8 +338,17 @@ def _refuse_unhandled_layers(model_config: Any, what: str) -> None:
         what: what the model cannot do, for the message (``"cannot resume from a snapshot"``).
 
     Raises:
-        HurrayFormatError: (field ``model_config``) naming the first unknown layer type and where it is.
+        HurrayFormatError: (field ``model_config``) naming the first unknown layer type and where it is, or an
+            MLA model's linear-attention layers (Kimi Linear's KDA), whose states no snapshot state kind holds.
     """
+    geo = config_geometry(model_config)
+    if geo.latent is not None and geo.linear_layers:
+        raise HurrayFormatError(
+            "model_config",
+            f"{type(model_config).__name__} is an MLA model with linear-attention layers {list(geo.linear_layers)} "
+            f"(Kimi Linear's KDA), whose states no snapshot state kind describes (only {sorted(_STATE_KINDS)}); "
+            f"this adapter moves an MLA model's latents only, so this model {what}",
+        )
     types = _cached_layer_types(_text_config(model_config))
     unknown = [(i, t) for i, t in enumerate(types) if t not in _HANDLED_TYPES and t not in _INDEXED_TYPES]
     if unknown:
@@ -495,8 +507,12 @@ def sequence_kv(
     dtype, float32 for fp8 or otherwise quantized pools), on the pools'
     device. fp8 pools are scaled by ``snapshot.kv_scales[layer]``. For an
     MLA snapshot, the latent's two parts: the normalized compressed KV
-    ``[1, n, kv_lora_rank]`` and the rotated k_pe ``[1, n, rope_dim]``
-    (what transformers' MLA layers cache as their keys and values).
+    ``[1, n, kv_lora_rank]`` and the rotated k_pe ``[1, n, rope_dim]`` in
+    the snapshot's order, each rotated pair's dims side by side (what
+    transformers' MLA layers cache as their keys and values, except that a
+    ``rope_interleave`` model, and LongCat-Flash or a DSA model, caches the
+    pairs split: :func:`to_dynamic_cache` reorders k_pe with
+    :func:`_split_pairs` for those).
 
     The snapshot is validated first, as :func:`to_dynamic_cache` does.
 
@@ -949,16 +965,26 @@ def _decoder_layers(model: Any) -> list[Any]:
     return []
 
 
+#: Attributes of the modules that own a cache layer (by their ``layer_idx``): an attention's key projection, an MLA
+#: attention's latent one, a linear attention's convolution.
+_CACHE_OWNER_ATTRS = ("k_proj", "kv_b_proj", "conv1d")
+
+
 def _layer_devices(model: Any) -> list[torch.device] | None:
-    """Per decoder layer, the device it computes on, when the layers are on more than one; else ``None``.
+    """Per cache layer, the device its decoder layer computes on, when the layers are on more than one; else ``None``.
 
     A model loaded with ``device_map`` computes each layer where its weights
     are (accelerate's hook says where for an offloaded one, whose weights wait
     on ``meta``), and its attention concatenates the cache with new keys there:
-    a layer's cache must be on that device.
+    a layer's cache must be on that device. A decoder layer may own more than
+    one cache layer (LongCat-Flash's two MLA sublayers, ``layer_idx`` ``2i``
+    and ``2i + 1``): cache layer ``k`` goes where the decoder layer whose
+    attention has ``layer_idx == k`` is, or, when the attentions do not say,
+    where decoder layer ``k * decoder layers // cache layers`` is.
     """
+    decoders = _decoder_layers(model)
     found: list[torch.device | None] = []
-    for layer in _decoder_layers(model):
+    for layer in decoders:
         run = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)
         if run is None:
             weight = next(itertools.chain(layer.parameters(), layer.buffers()), None)
@@ -971,6 +997,17 @@ def _layer_devices(model: Any) -> list[torch.device] | None:
     out: list[torch.device] = []
     for d in found:
         out.append(d if d is not None else (out[-1] if out else known[0]))
+    owners: dict[int, torch.device] = {}
+    for layer, on in zip(decoders, out, strict=True):
+        for mod in layer.modules():
+            idx = getattr(mod, "layer_idx", None)
+            if isinstance(idx, int) and any(hasattr(mod, a) for a in _CACHE_OWNER_ATTRS):
+                owners.setdefault(idx, on)
+    count = int(getattr(_text_config(model.config), "num_hidden_layers", 0) or 0)  # cache layers
+    if count and all(k in owners for k in range(count)):
+        return [owners[k] for k in range(count)]
+    if count > len(out) and count % len(out) == 0:
+        return [out[k * len(out) // count] for k in range(count)]
     return out
 
 
@@ -1487,7 +1524,8 @@ def from_transformers(
             fingerprint that does not match the cache; (field
             ``model_config``) a config with layers of a type other than full,
             sliding-window, chunked or linear attention (DeepSeek-V4's
-            compressed attention...), whose cache holds other than KV.
+            compressed attention...), whose cache holds other than KV, or an
+            MLA model with linear-attention layers (Kimi Linear).
         HurrayArgumentError: (field ``token_ids``) a ``[batch, W > T]``
             tensor where every sequence has the same padding: padded input
             and sampled columns cannot be told from unpadded rows (pass

@@ -285,3 +285,51 @@ def test_a_latent_snapshot_needs_the_models_config(mla_model: Any) -> None:
         tfa.to_dynamic_cache(snap, 0)
     assert err.value.field == "model_config"
     tfa.to_dynamic_cache(snap, 0, model_config=mla_model.config)
+
+
+def test_a_longcat_flash_split_across_devices_puts_both_sublayers_caches_on_their_layers_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LongCat-Flash's decoder layer ``i`` holds two MLA sublayers, cache layers ``2i`` and ``2i + 1``.
+
+    This machine has one device, so the second is ``meta`` (shapes only): decoder layer 1 moved there.
+    """
+    tr = require("transformers")
+    torch.manual_seed(0)
+    dims = {**_MLA_DIMS, "q_lora_rank": 32, "vocab_size": 200}
+    cfg = tr.LongcatFlashConfig(
+        num_layers=2, ffn_hidden_size=64, head_dim=16, moe_topk=2, n_routed_experts=4, zero_expert_num=2,
+        expert_ffn_hidden_size=32, initializer_range=0.1, **dims,
+    )  # fmt: skip
+    model = tr.LongcatFlashForCausalLM(cfg).eval()
+    prompt = PROMPT[:9]
+    pkv, first = _prefill(model, prompt)
+    assert len(pkv.layers) == 4 and len(tfa._decoder_layers(model)) == 2
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=cfg)
+    model.model.layers[1].to("meta")
+    assert [d.type for d in tfa._layer_devices(model) or []] == ["cpu", "cpu", "meta", "meta"]
+    cache, *_ = tfa._resume(model, snap, 0)
+    assert [layer.keys.device.type for layer in cache.layers] == ["cpu", "cpu", "meta", "meta"]
+    # Attentions that do not say which cache layer is theirs: the cache layers divide evenly among the decoder layers.
+    monkeypatch.setattr(tfa, "_CACHE_OWNER_ATTRS", ())
+    assert [d.type for d in tfa._layer_devices(model) or []] == ["cpu", "cpu", "meta", "meta"]
+
+
+def test_an_mla_model_with_linear_attention_layers_is_refused(mla_model: Any) -> None:
+    """Kimi Linear: MLA layers between KDA linear-attention layers, whose states no snapshot state kind holds."""
+    tr = require("transformers")
+    if not hasattr(tr, "KimiLinearConfig"):
+        pytest.skip("this transformers has no Kimi Linear (KimiLinearConfig)")
+    cfg = tr.KimiLinearConfig(num_hidden_layers=6, **{**_MLA_DIMS, "q_lora_rank": None})
+    linear = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+    assert linear == [0, 1, 2, 3, 5]
+    geo = tfa.config_geometry(cfg)
+    assert geo.latent is not None and list(geo.linear_layers) == linear and geo.num_layers == 1
+    pkv, first = _prefill(mla_model, PROMPT)
+    snap = tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=mla_model.config, page_size=8)
+    with pytest.raises(hv.HurrayFormatError, match=r"linear-attention layers \[0, 1, 2, 3, 5\]") as err:
+        tfa.check_compatible(_relabel(snap, cfg), cfg)
+    assert err.value.field == "model_config"
+    with pytest.raises(hv.HurrayFormatError, match="linear-attention layers") as err:
+        tfa.from_transformers(pkv, [[*PROMPT, first]], model_config=cfg, page_size=8)
+    assert err.value.field == "model_config"
