@@ -348,6 +348,7 @@ def test_a_request_asking_for_prompt_logprobs_reads_no_chunks_and_is_still_saved
     store = sched._store
     sched._store = SimpleNamespace(
         parts=lambda ns, key, heads: asked.append(key) or store.parts(ns, key, heads),
+        complete_sets=lambda ns, key, heads: asked.append(key) or store.complete_sets(ns, key, heads),
         reader=store.reader,
         has=store.has,
         identity=store.identity,
