@@ -75,20 +75,27 @@ static inline uint32_t crc32c_shift_lane(uint32_t c) {
            crc32c_shift[3][c >> 24];
 }
 
+/* The three LANE-byte lanes at p run side by side from registers r[0..2], left in r. */
+__attribute__((target("sse4.2"))) static inline void crc32c_three(const uint8_t *p, uint64_t r[3]) {
+    uint64_t a = r[0], b = r[1], d = r[2];
+    for (size_t i = 0; i < LANE; i += 8) {
+        uint64_t w0, w1, w2;
+        memcpy(&w0, p + i, 8);
+        memcpy(&w1, p + LANE + i, 8);
+        memcpy(&w2, p + 2 * LANE + i, 8);
+        a = _mm_crc32_u64(a, w0);
+        b = _mm_crc32_u64(b, w1);
+        d = _mm_crc32_u64(d, w2);
+    }
+    r[0] = a, r[1] = b, r[2] = d;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc32c_lanes(uint32_t c, const uint8_t *p, size_t n) {
     if (n >= 3 * LANE && !crc32c_shift_ready) crc32c_shift_init(); /* likewise */
     while (n >= 3 * LANE) {
-        uint64_t a = c, b = 0, d = 0;
-        for (size_t i = 0; i < LANE; i += 8) {
-            uint64_t w0, w1, w2;
-            memcpy(&w0, p + i, 8);
-            memcpy(&w1, p + LANE + i, 8);
-            memcpy(&w2, p + 2 * LANE + i, 8);
-            a = _mm_crc32_u64(a, w0);
-            b = _mm_crc32_u64(b, w1);
-            d = _mm_crc32_u64(d, w2);
-        }
-        c = crc32c_shift_lane(crc32c_shift_lane((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
+        uint64_t r[3] = {c, 0, 0};
+        crc32c_three(p, r);
+        c = crc32c_shift_lane(crc32c_shift_lane((uint32_t)r[0]) ^ (uint32_t)r[1]) ^ (uint32_t)r[2];
         p += 3 * LANE;
         n -= 3 * LANE;
     }
@@ -189,6 +196,12 @@ __attribute__((target("avx512f,avx512bw,vpclmulqdq,pclmul,sse4.2"))) static uint
     return crc32c_lanes((uint32_t)r, p + done, n - done);
 }
 
+static int crc32c_fold_can(void) {
+    return __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul") &&
+           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("vpclmulqdq");
+}
+
 static int crc32c_fold_ok; /* the CPU folds (set at load time); hurray_crc32c_fold() turns it off for comparisons */
 
 static uint32_t crc32c_hw(uint32_t c, const uint8_t *p, size_t n) {
@@ -205,20 +218,11 @@ __attribute__((target("sse4.2"))) static void crc32c_pages_hw(const uint8_t *p, 
         return;
     }
     for (; i + 3 <= pages; i += 3) {
-        const uint8_t *q = p + i * LANE;
-        uint64_t a = 0, b = 0, d = 0;
-        for (size_t j = 0; j < LANE; j += 8) {
-            uint64_t w0, w1, w2;
-            memcpy(&w0, q + j, 8);
-            memcpy(&w1, q + LANE + j, 8);
-            memcpy(&w2, q + 2 * LANE + j, 8);
-            a = _mm_crc32_u64(a, w0);
-            b = _mm_crc32_u64(b, w1);
-            d = _mm_crc32_u64(d, w2);
-        }
-        out[i] = (uint32_t)a;
-        out[i + 1] = (uint32_t)b;
-        out[i + 2] = (uint32_t)d;
+        uint64_t r[3] = {0, 0, 0};
+        crc32c_three(p + i * LANE, r);
+        out[i] = (uint32_t)r[0];
+        out[i + 1] = (uint32_t)r[1];
+        out[i + 2] = (uint32_t)r[2];
     }
     for (; i < pages; i++) out[i] = crc32c_lanes(0, p + i * LANE, LANE);
 }
@@ -235,9 +239,7 @@ __attribute__((constructor)) static void crc32c_tables(void) {
 #ifdef HAVE_CRC32C_HW
     crc32c_shift_init();
     crc32c_fold_init();
-    crc32c_fold_ok = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul") &&
-                     __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("vpclmulqdq");
+    crc32c_fold_ok = crc32c_fold_can();
 #endif
 }
 #endif
@@ -345,10 +347,7 @@ uint32_t hurray_crc32c_ranges(uint32_t crc, const uint8_t *base, const uint32_t 
  * can), -1 only asks. For tests and benchmarks that compare the two ways; not thread-safe. */
 int hurray_crc32c_fold(int on) {
 #ifdef HAVE_CRC32C_HW
-    int can = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul") &&
-              __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("vpclmulqdq");
-    if (on >= 0) crc32c_fold_ok = on && can;
+    if (on >= 0) crc32c_fold_ok = on && crc32c_fold_can();
     return crc32c_fold_ok;
 #else
     (void)on;
