@@ -214,27 +214,18 @@ class DirectoryStore:
             return self.parts_with_states(namespace, key, num_kv_heads)[0]
         return next(self.complete_sets(namespace, key, num_kv_heads), None)
 
-    def parts_with_states(
-        self,
-        namespace: str,
-        key: str,
-        num_kv_heads: int,
-        has_states: Callable[[ChunkPart], bool] | None = None,
-    ) -> tuple[list[ChunkPart] | None, bool]:
+    def parts_with_states(self, namespace: str, key: str, num_kv_heads: int) -> tuple[list[ChunkPart] | None, bool]:
         """A linear-attention hybrid's resume point: :meth:`parts`, preferring a set whose every file carries states.
 
         Returns the first complete set whose files all carry states, and
         True; else the first complete set, and False (``(None, False)``
         when none is stored). Engines of two TP degrees may each have stored
         the chunk, one without the states (its step ran past the chunk's
-        end). Reads the headers of the complete sets' files, once each;
-        ``has_states`` answers for a file instead (a caller that remembers
-        the answers by file identity: a scheduler asked again every step).
+        end). Reads the headers of the complete sets' files, once each.
         """
         first = None
-        holds = has_states or (lambda p: self.has_states(namespace, p.name))
         for out in self.complete_sets(namespace, key, num_kv_heads):
-            if all(holds(p) for p in out):
+            if all(self.has_states(namespace, p.name) for p in out):
                 return out, True
             first = first or out
         return first, False
