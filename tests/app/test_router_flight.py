@@ -500,6 +500,25 @@ def _tokens(pause: float = 0.0, limit: int = 40) -> Any:
     return upstream
 
 
+def _queued_on(f: Flight, src: Backend) -> list[tuple[Backend, dict[str, Any]]]:
+    """``f``'s legs: ``src`` answers nothing (the request queued there), any other backend :func:`_tokens`.
+
+    Returns the (backend, body) of every leg started, in order.
+    """
+    sent: list[tuple[Backend, dict[str, Any]]] = []
+    tokens = _tokens()
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append((backend, body))
+        if backend is src:
+            await asyncio.sleep(3600)  # queued there
+        async for event in tokens(backend, path, body):
+            yield event
+
+    f._upstream = upstream  # type: ignore[method-assign]
+    return sent
+
+
 def test_a_leg_cancelled_before_its_reader_ran_still_ends() -> None:
     """The health task fails a request over in the loop iteration that started its leg: the reader task is
     cancelled before its first step (its body never runs), and its end must still reach the client's stream."""
@@ -864,17 +883,7 @@ def test_a_drain_starts_a_request_that_has_sent_nothing_yet_over_on_another_back
     """Its backend has not answered yet (its queue, its prefill): the client has seen nothing, so the request
     starts over on the destination instead of staying on the drained backend."""
     router, f, src, dst = _two_backends(6)
-    sent: list[tuple[Backend, dict[str, Any]]] = []
-    tokens = _tokens()
-
-    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        sent.append((backend, body))
-        if backend is src:
-            await asyncio.sleep(3600)  # queued there
-        async for event in tokens(backend, path, body):
-            yield event
-
-    f._upstream = upstream  # type: ignore[method-assign]
+    sent = _queued_on(f, src)
 
     async def run() -> tuple[dict[str, Any], list[Delta]]:
         stream = f.deltas()
@@ -1528,17 +1537,7 @@ def test_a_move_before_the_first_token_starts_the_request_over_on_the_destinatio
     """What a drain relies on: the client has seen nothing, so the request itself goes to the destination (no
     warm-up, nothing announced), and the move is answered at its first token there, with no pause to report."""
     router, f, src, dst = _two_backends(6)
-    sent: list[tuple[Backend, dict[str, Any]]] = []
-    tokens = _tokens()
-
-    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        sent.append((backend, body))
-        if backend is src:
-            await asyncio.sleep(3600)  # queued there
-        async for event in tokens(backend, path, body):
-            yield event
-
-    f._upstream = upstream  # type: ignore[method-assign]
+    sent = _queued_on(f, src)
 
     async def run() -> tuple[dict[str, Any], list[Delta]]:
         stream = f.deltas()
