@@ -400,7 +400,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     else:
         prompt = _token_ids(args.prompt_ids, "prompt_ids")
     result = migrate(args.source, args.destination, prompt, after=args.after, max_tokens=args.max_tokens,
-                     model=args.model, timeout=args.timeout)  # fmt: skip
+                     model=args.model, timeout=args.timeout, api_key=args.backend_api_key)  # fmt: skip
     if args.json:
         print(
             json.dumps(
@@ -572,6 +572,13 @@ def _seconds(text: str) -> float:
     if not (math.isfinite(n) and 0 < n <= 365 * 86400):
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (seconds, e.g. 60 or 0.5)")
     return n
+
+
+def _api_key_option(text: str) -> str:
+    """``migrate --backend-api-key``: not empty (the option left out sends the variable's key, or none)."""
+    if not text:  # --backend-api-key "$KEY" with KEY not set: a key lost on the way, not a request for none
+        raise argparse.ArgumentTypeError("an empty key: give the servers' key, or leave the option out")
+    return text
 
 
 def _count(text: str) -> int:
@@ -805,6 +812,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds, default=600.0, help="seconds each call to a server may take (default 600)"
     )
     s.add_argument("--json", action="store_true", help="print the tokens and the counts as one JSON object")
+    # The router's --backend-api-key, for the same servers: one key for both, and the same variable.
+    s.add_argument(
+        "--backend-api-key",
+        default=None,
+        type=_api_key_option,
+        help="sent as 'Authorization: Bearer KEY' to both servers (vLLM's --api-key); default: "
+        "$HURRAY_BACKEND_API_KEY, which keeps the key off the command line",
+    )
     s.set_defaults(func=cmd_migrate)
 
     s = sub.add_parser(

@@ -16,7 +16,10 @@ is then two completions:
 
 With greedy sampling the concatenation equals an unmoved run. Only the
 OpenAI-compatible HTTP API is used (``/v1/completions`` with token-id
-prompts and ``return_token_ids``), so nothing here imports vLLM.
+prompts and ``return_token_ids``), so nothing here imports vLLM. Servers
+started with vLLM's ``--api-key`` are given it as ``Authorization: Bearer
+KEY`` (``api_key=``, else :data:`BACKEND_API_KEY_ENV`), as the router gives
+its backends.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import errno
 import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -34,7 +38,13 @@ from typing import Any
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...transport.base import split_url
 
-__all__ = ["MigrationResult", "complete", "migrate"]
+__all__ = ["BACKEND_API_KEY_ENV", "MigrationResult", "complete", "migrate"]
+
+#: The environment variable the vLLM servers' API key is read from when none is given (``--backend-api-key``,
+#: ``api_key=``): a key on a command line is visible to every user of the machine (``ps``). Defined here, not in
+#: the router that reads it too (:class:`~hurray_vllm.app.router.RouterConfig`), because adapters must not import
+#: the app layer: the router imports it from here, so that both read the same variable.
+BACKEND_API_KEY_ENV = "HURRAY_BACKEND_API_KEY"
 
 # The most an answer may hold. A completion's JSON is kilobytes; a wrong URL (a file server, a stream) could
 # otherwise be read into memory without end.
@@ -64,15 +74,23 @@ def complete(
     model: str | None = None,
     timeout: float = 600.0,
     extra: dict[str, Any] | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """One greedy ``/v1/completions`` call with a token-id prompt; returns the parsed answer.
 
+    ``api_key`` is sent as ``Authorization: Bearer KEY`` (a server started
+    with vLLM's ``--api-key``); ``None``: read from :data:`BACKEND_API_KEY_ENV`,
+    and without it none is sent.
+
     Raises:
-        HurrayArgumentError: ``server`` is not an ``http(s)://HOST[:PORT]`` base URL.
+        HurrayArgumentError: ``server`` is not an ``http(s)://HOST[:PORT]`` base URL, or
+            ``api_key`` (or :data:`BACKEND_API_KEY_ENV`) is empty or not a header's printable ASCII.
         HurrayFormatError: the answer is not what a vLLM server answers.
-        OSError: the server cannot be reached, fails, or takes longer than ``timeout``.
+        OSError: the server cannot be reached, fails, or takes longer than ``timeout``;
+            ``EACCES`` when it answers 401 or 403 (it needs an API key, or refused the one given).
     """
     _check_url("server", server)
+    key = _api_key(api_key)
     body: dict[str, Any] = {
         "prompt": list(prompt),
         "max_tokens": max_tokens,
@@ -81,18 +99,55 @@ def complete(
         "return_token_ids": True,
     }
     if model is None:
-        model = _first_model(server, timeout)
+        model = _first_model(server, timeout, key)
     body["model"] = model
     body.update(extra or {})
-    req = urllib.request.Request(
-        f"{server.rstrip('/')}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+    req = _request(f"{server.rstrip('/')}/v1/completions", key, json.dumps(body).encode())
     answer = _call(req, timeout)
     if not isinstance(answer, dict):
         raise HurrayFormatError("answer", f"{server}/v1/completions did not answer a JSON object")
     return answer
+
+
+def _api_key(api_key: object) -> str | None:
+    """The key to send: ``api_key``, else :data:`BACKEND_API_KEY_ENV`'s; ``None``: send none.
+
+    The variable set but empty counts as unset, as the router reads it. An empty ``api_key`` is the caller's
+    mistake (a key that did not come through), not a request for no key: ``None`` says that.
+
+    Raises:
+        HurrayArgumentError: an empty key, or one no HTTP header carries as given (field ``api_key``, or the
+            variable's name). The message never holds the key.
+    """
+    where = "api_key"
+    if api_key is None:
+        api_key = os.environ.get(BACKEND_API_KEY_ENV) or None
+        if api_key is None:
+            return None
+        where = f"${BACKEND_API_KEY_ENV}"
+    if not isinstance(api_key, str) or not api_key:
+        got = "an empty string" if isinstance(api_key, str) else type(api_key).__name__
+        raise HurrayArgumentError(
+            where, f"expected the servers' API key (vLLM's --api-key), got {got}; None reads ${BACKEND_API_KEY_ENV}"
+        )
+    # http.client refuses a header with a line break in a ValueError that quotes it (the key, into an error
+    # message and a log), and servers strip the spaces around a header's value (a key that can never match).
+    if not all(" " <= c <= "~" for c in api_key) or api_key != api_key.strip():
+        raise HurrayArgumentError(
+            where, "the API key holds characters other than printable ASCII, or spaces at an end (not shown here)"
+        )
+    return api_key
+
+
+def _request(url: str, key: str | None, data: bytes | None = None) -> urllib.request.Request:
+    """A call to ``url`` (a POST of JSON ``data``, else a GET), with ``key`` as ``Authorization: Bearer KEY``."""
+    req = urllib.request.Request(url, data=data)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if key is not None:
+        # Unredirected: urllib would carry a plain header along a redirect to any host, and the key with it.
+        req.add_unredirected_header("Authorization", f"Bearer {key}")
+    return req
 
 
 def _check_url(what: str, url: object) -> None:
@@ -160,7 +215,10 @@ def _call(req: urllib.request.Request | str, timeout: float) -> Any:
     except HurrayFormatError:  # the size cap's own message (a ValueError, which the last clause would rename)
         raise
     except urllib.error.HTTPError as exc:
-        raise OSError(errno.EPROTO, f"HTTP {exc.code} {exc.reason}{_server_message(exc)}", url) from None
+        said = f"HTTP {exc.code} {exc.reason}{_server_message(exc)}"
+        if exc.code in (401, 403):  # vLLM's --api-key: say what to do, not only the status
+            raise OSError(errno.EACCES, f"{said}; {_key_advice(req, exc)}", url) from None
+        raise OSError(errno.EPROTO, said, url) from None
     except urllib.error.URLError as exc:
         why = exc.reason
         raise OSError(getattr(why, "errno", None), getattr(why, "strerror", None) or str(why), url) from None
@@ -170,6 +228,17 @@ def _call(req: urllib.request.Request | str, timeout: float) -> Any:
         raise OSError(exc.errno, exc.strerror or str(exc) or type(exc).__name__, url) from None
     except ValueError as exc:  # not JSON, not UTF-8, or not a URL at all
         raise HurrayFormatError("answer", f"{url}: not an OpenAI-compatible server's answer ({exc})") from None
+
+
+def _key_advice(req: urllib.request.Request | str, exc: urllib.error.HTTPError) -> str:
+    """What a 401 or 403 answer to ``req`` asks of the caller: a key, or another one."""
+    how = f"--backend-api-key KEY, ${BACKEND_API_KEY_ENV} or api_key="
+    url = req if isinstance(req, str) else req.full_url
+    if isinstance(req, str) or not req.has_header("Authorization"):
+        return f"the server needs an API key (it runs with vLLM's --api-key): give it with {how}"
+    if exc.filename != url:  # the header is not sent along a redirect (_request): the answer is the new URL's
+        return f"the API key is sent to the URL given only, not to {exc.filename}, where it redirected: give that URL"
+    return f"the server refused the API key given (the same key goes to both servers): check {how}"
 
 
 def _server_message(exc: urllib.error.HTTPError) -> str:
@@ -196,16 +265,16 @@ def _tokens(answer: dict[str, Any], server: str, want: int) -> list[int]:
     return ids
 
 
-def _first_model(server: str, timeout: float) -> str:
-    listed = _call(f"{server.rstrip('/')}/v1/models", timeout)
+def _first_model(server: str, timeout: float, key: str | None) -> str:
+    listed = _call(_request(f"{server.rstrip('/')}/v1/models", key), timeout)
     try:
         return str(listed["data"][0]["id"])
     except (KeyError, IndexError, TypeError):
         raise HurrayFormatError("model", f"{server}/v1/models lists no model: pass --model NAME") from None
 
 
-def _serves(server: str, model: str, timeout: float) -> bool:
-    listed = _call(f"{server.rstrip('/')}/v1/models", timeout)
+def _serves(server: str, model: str, timeout: float, key: str | None) -> bool:
+    listed = _call(_request(f"{server.rstrip('/')}/v1/models", key), timeout)
     data = listed.get("data") if isinstance(listed, dict) else None
     return isinstance(data, list) and any(isinstance(m, dict) and m.get("id") == model for m in data)
 
@@ -219,6 +288,7 @@ def migrate(
     max_tokens: int,
     model: str | None = None,
     timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> MigrationResult:
     """Decode ``after`` tokens on ``source``, the remaining ``max_tokens - after`` on ``destination``.
 
@@ -231,14 +301,21 @@ def migrate(
         model: the model name both servers serve; ``None``: the source's first
             (``/v1/models``), which the destination must serve too.
         timeout: seconds each call to a server may take.
+        api_key: sent as ``Authorization: Bearer KEY`` on every call to both
+            servers (vLLM's ``--api-key``; the router's ``--backend-api-key``);
+            ``None``: read from :data:`BACKEND_API_KEY_ENV`, and without it none
+            is sent. Never part of an error message.
 
     Raises:
         HurrayArgumentError: ``source`` or ``destination`` is not an ``http(s)://HOST[:PORT]``
-            base URL, or ``after`` or ``timeout`` is out of range.
+            base URL, ``after`` or ``timeout`` is out of range, or ``api_key`` (or
+            :data:`BACKEND_API_KEY_ENV`) is empty or not a header's printable ASCII.
         HurrayFormatError: a server's answer is not what a vLLM server answers, the
             destination does not serve the model, or a server generated fewer (or
             more) tokens than asked for.
-        OSError: a server cannot be reached, fails, or takes longer than ``timeout``.
+        OSError: a server cannot be reached, fails, or takes longer than ``timeout``;
+            ``EACCES`` when a server answers 401 or 403: it needs an API key, or
+            refused the one given (the message says how to give it).
     """
     if not 1 <= after < max_tokens:
         raise HurrayArgumentError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")
@@ -246,17 +323,20 @@ def migrate(
         raise HurrayArgumentError("timeout", f"expected positive seconds, got {timeout}")
     _check_url("source", source)
     _check_url("destination", destination)
+    key = _api_key(api_key)  # once, before any call: both servers get the same key
     if model is None:
-        model = _first_model(source, timeout)
-        if not _serves(destination, model, timeout):  # another model's continuation is not this one's
+        model = _first_model(source, timeout, key)
+        if not _serves(destination, model, timeout, key):  # another model's continuation is not this one's
             raise HurrayFormatError("model", f"{destination} does not serve {model!r}, which {source} serves")
-    head = complete(source, prompt, after, model=model, timeout=timeout)
+    # complete() reads the variable again only when no key was found (key None): the same answer, none.
+    head = complete(source, prompt, after, model=model, timeout=timeout, api_key=key)
     first = _tokens(head, source, after)
     # The source's connector announces the chunks it saved and is still pushing ({"hurray_saved_tokens": N}):
     # passed on, they make the destination wait for them rather than recompute what is on the wire.
     params = head.get("kv_transfer_params")
     extra = {"kv_transfer_params": params} if isinstance(params, dict) else None
-    answer = complete(destination, [*prompt, *first], max_tokens - after, model=model, extra=extra, timeout=timeout)
+    rest = max_tokens - after
+    answer = complete(destination, [*prompt, *first], rest, model=model, extra=extra, timeout=timeout, api_key=key)
     usage = answer.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None

@@ -25,16 +25,15 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str  # what json.dumps does to a str
 from typing import Any
 
+# BACKEND_API_KEY_ENV: the backends' API key when the config gives none (``--backend-api-key``). It lives with
+# migrate(), which sends the same key to the same servers, because adapters must not import the app layer.
+from ...adapters.vllm.migrate import BACKEND_API_KEY_ENV
 from ...transport.base import host_port
 from .backends import KV_LOAD_SLACK, Backend, Backends, prompt_keys
 from .flight import MAX_FAILOVERS, MOVE_TIMEOUT_S, Delta, Flight, RouterError, UpstreamError, flag, movable, sse_data
 from .metrics import Metrics
 
 __all__ = ["API_KEY_ENV", "BACKEND_API_KEY_ENV", "CONTROL_PURPOSE", "Router", "RouterConfig", "build_app", "serve"]
-
-#: The environment variable the backends' API key is read from when the config gives none (``--backend-api-key``):
-#: a key on a command line is visible to every user of the machine (``ps``).
-BACKEND_API_KEY_ENV = "HURRAY_BACKEND_API_KEY"
 
 #: The environment variable the router's own API key is read from when the config gives none (``--api-key``):
 #: vLLM's ``VLLM_API_KEY`` under this project's prefix, as :data:`BACKEND_API_KEY_ENV` (a router next to

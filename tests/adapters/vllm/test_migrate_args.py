@@ -1,11 +1,14 @@
 """``migrate()`` and ``complete()`` refuse what is not a server's base URL, as the caller's error, before any call.
 
+So too an API key that is empty or that no HTTP header carries; and the command passes its key on.
+
 No server and no engine: the checks come before the first request (a
 request made anyway would fail the test, see ``_no_calls``).
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import pytest
@@ -76,3 +79,68 @@ def test_the_command_takes_the_urls_migrate_takes() -> None:
         if isinstance(url, str):
             with pytest.raises(SystemExit):  # argparse's error: the same URLs refused
                 parser.parse_args([*base, url])
+
+
+# An API key is checked before any call too: an empty one is a key lost on the way (an unset variable), not a
+# request for none, and one no HTTP header carries as given made http.client raise a ValueError quoting it.
+
+#: The variable users set (README, docs/router.md): the router's, which migrate() reads too.
+ENV = "HURRAY_BACKEND_API_KEY"
+KEY_BAD = ["sk-a\nX-Injected: 1", "sk-\r\n", " sk-a", "sk-a ", "sk-\x00", "sk-\u00e9t\u00e9", "sk-\x7f"]
+
+
+@pytest.mark.parametrize("call", ["migrate", "complete"])
+def test_an_empty_api_key_is_the_callers_error(call: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "sk-from-the-environment")  # "" is not "read the variable"
+    for key in ("", b"sk-bytes"):
+        with pytest.raises(HurrayArgumentError, match="API key") as info:
+            if call == "migrate":
+                mig.migrate(GOOD, GOOD, [1, 2, 3], after=1, max_tokens=4, api_key=key)  # type: ignore[arg-type]
+            else:
+                mig.complete(GOOD, [1, 2, 3], 4, model="m", api_key=key)  # type: ignore[arg-type]
+        assert info.value.field == "api_key"
+        assert "sk-bytes" not in str(info.value)
+
+
+@pytest.mark.parametrize("key", KEY_BAD)
+def test_an_api_key_no_header_carries_is_refused_unshown(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(HurrayArgumentError) as info:
+        mig.migrate(GOOD, GOOD, [1, 2, 3], after=1, max_tokens=4, model="m", api_key=key)
+    assert info.value.field == "api_key" and key.strip() not in str(info.value)
+    if "\x00" in key:  # no environment holds one
+        return
+    monkeypatch.setenv(ENV, key)  # the variable's key: the error names the variable
+    with pytest.raises(HurrayArgumentError) as info:
+        mig.complete(GOOD, [1, 2, 3], 4, model="m")
+    assert info.value.field == f"${ENV}" and key.strip() not in str(info.value)
+
+
+def test_the_command_passes_its_backend_api_key_to_migrate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hurray_vllm.app.cli import build_parser, main
+
+    seen: list[Any] = []
+
+    def fake(*args: Any, **kwargs: Any) -> mig.MigrationResult:
+        seen.append(kwargs.get("api_key", "not passed"))
+        return mig.MigrationResult([1], [2], None)
+
+    monkeypatch.setattr(mig, "migrate", fake)
+    base = ["migrate", "--from", GOOD, "--to", GOOD, "--prompt-ids", "1", "--after", "1", "--max-tokens", "2"]
+    assert main([*base, "--backend-api-key", "sk-k1"]) == 0
+    assert main(base) == 0  # None: migrate() reads the variable, as the router does
+    assert seen == ["sk-k1", None]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # --backend-api-key "$KEY" with KEY unset: refused, not "no key"
+        main([*base, "--backend-api-key", ""])
+    assert exited.value.code == 2 and "--backend-api-key" in capsys.readouterr().err and len(seen) == 2
+    # The router's option, and its variable, in the help.
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {
+        name: next(a.help for a in sub.choices[name]._actions if a.dest == "backend_api_key")
+        for name in ("migrate", "router")
+    }
+    assert f"${ENV}" in helps["migrate"] and "Bearer KEY" in helps["migrate"]
+    assert helps["migrate"].replace("both servers", "every backend") == helps["router"]

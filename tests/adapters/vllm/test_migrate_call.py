@@ -2,12 +2,14 @@
 
 urlopen's ``timeout`` bounds each socket read only, and ``json.load`` read a body of any size: a server
 sending a byte every half second held a 1 s call for as long as it sent, and a wrong URL streaming a large
-body grew memory without limit. Local sockets only, no engine.
+body grew memory without limit. And they carry the API key of servers started with vLLM's ``--api-key``
+(below). Local sockets only, no engine.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import socket
 import threading
 import time
@@ -102,3 +104,171 @@ def test_an_answer_in_pieces_is_read_whole(serve: Callable[..., str]) -> None:
 
     url = serve(pieces)
     assert mig._call(f"{url}/v1/models", timeout=5.0)["data"] == [{"id": "m"}]
+
+
+# Servers started with vLLM's --api-key answer 401 to a call without "Authorization: Bearer KEY". migrate() sent
+# no header at all: such servers could not be used, and the 401 said nothing of a key.
+
+KEY = "sk-migrate-test-7f3a"
+#: The variable users set (README, docs/router.md): the router's, which migrate() reads too.
+ENV = "HURRAY_BACKEND_API_KEY"
+
+
+@pytest.fixture
+def vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[str, list[str | None]]]]:
+    """Start a stand-in vLLM server; returns its base URL and the Authorization header of each call, in order.
+
+    ``key``: it runs with ``--api-key key`` (vLLM's answer without it: 401 ``{"error": "Unauthorized"}``;
+    ``status`` picks another, a proxy's 403); ``redirect``: every call is sent on there (307). Each
+    completion answers as many token ids as asked for. The environment's key is removed first.
+    """
+    import http.server
+
+    monkeypatch.delenv(ENV, raising=False)
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    def start(
+        key: str | None = None, *, status: int = 401, redirect: str | None = None
+    ) -> tuple[str, list[str | None]]:
+        seen: list[str | None] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, code: int, doc: object, headers: dict[str, str] | None = None) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(code)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _serve(self, doc: object) -> None:
+                seen.append(self.headers.get("Authorization"))
+                if redirect is not None:
+                    self._answer(307, {}, {"Location": redirect + self.path})
+                elif key is not None and self.headers.get("Authorization") != f"Bearer {key}":
+                    self._answer(status, {"error": "Unauthorized"})
+                else:
+                    self._answer(200, doc)
+
+            def do_GET(self) -> None:
+                self._serve({"object": "list", "data": [{"id": "m"}]})
+
+            def do_POST(self) -> None:
+                asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._serve({"choices": [{"token_ids": list(range(asked["max_tokens"]))}]})
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{server.server_address[1]}", seen
+
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def _migrate(src: str, dst: str, **kwargs: object) -> mig.MigrationResult:
+    return mig.migrate(src, dst, [1, 2, 3], after=2, max_tokens=5, timeout=10.0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_api_key_goes_with_every_call_to_both_servers(vllm: Callable[..., tuple[str, list[str | None]]]) -> None:
+    (src, src_seen), (dst, dst_seen) = vllm(KEY), vllm(KEY)
+    r = _migrate(src, dst, api_key=KEY)
+    assert r.source_tokens == [0, 1] and r.destination_tokens == [0, 1, 2]
+    # /v1/models on both (no model given: the source's, which the destination must serve), then a completion each.
+    assert src_seen == [f"Bearer {KEY}"] * 2 and dst_seen == [f"Bearer {KEY}"] * 2
+    src_seen.clear()
+    dst_seen.clear()
+    _migrate(src, dst, api_key=KEY, model="m")
+    assert src_seen == [f"Bearer {KEY}"] and dst_seen == [f"Bearer {KEY}"]
+
+
+def test_the_api_key_is_read_from_the_routers_variable(
+    vllm: Callable[..., tuple[str, list[str | None]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hurray_vllm.app.router import server
+
+    # One variable, one definition: the router's backends and migrate()'s servers take the same key.
+    assert server.BACKEND_API_KEY_ENV is mig.BACKEND_API_KEY_ENV == ENV
+    (src, src_seen), (dst, dst_seen) = vllm(KEY), vllm(KEY)
+    monkeypatch.setenv(ENV, KEY)
+    assert _migrate(src, dst).tokens == [0, 1, 0, 1, 2]
+    assert src_seen == dst_seen == [f"Bearer {KEY}"] * 2
+    assert mig.complete(src, [1], 1, model="m", timeout=10.0)["choices"][0]["token_ids"] == [0]
+    with pytest.raises(OSError, match="refused the API key"):  # api_key= comes first
+        _migrate(src, dst, api_key="sk-other")
+
+
+def test_without_a_key_none_is_sent(
+    vllm: Callable[..., tuple[str, list[str | None]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (src, src_seen), (dst, dst_seen) = vllm(), vllm()
+    monkeypatch.setenv(ENV, "")  # set but empty: unset, as the router reads it
+    assert _migrate(src, dst).tokens == [0, 1, 0, 1, 2]
+    assert src_seen == dst_seen == [None, None]
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_server_that_needs_a_key_says_so_and_how_to_give_it(
+    vllm: Callable[..., tuple[str, list[str | None]]], status: int
+) -> None:
+    (src, _), (dst, _) = vllm(KEY, status=status), vllm(KEY, status=status)
+    with pytest.raises(OSError) as info:
+        _migrate(src, dst)
+    said = str(info.value)
+    assert info.value.errno == errno.EACCES and info.value.filename == f"{src}/v1/models", said
+    assert f"HTTP {status}" in said and "needs an API key" in said, said
+    for how in ("--backend-api-key", f"${ENV}", "api_key="):
+        assert how in said, said
+
+
+@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("model", [None, "m"])
+def test_a_refused_key_is_said_as_such_and_never_shown(
+    vllm: Callable[..., tuple[str, list[str | None]]], status: int, model: str | None
+) -> None:
+    (src, _), (dst, dst_seen) = vllm(KEY), vllm("sk-the-destinations", status=status)
+    wrong = "sk-wrong-key-91c2"
+    with pytest.raises(OSError) as info:
+        _migrate(src, dst, api_key=wrong, model=model)
+    said = str(info.value)
+    assert info.value.errno == errno.EACCES and "refused the API key" in said and "--backend-api-key" in said, said
+    assert info.value.filename.startswith(src) and dst_seen == []  # the source refused it: the first call
+    assert wrong not in said and wrong not in repr(info.value) and KEY not in said
+
+
+def test_the_key_does_not_follow_a_redirect_to_another_server(
+    vllm: Callable[..., tuple[str, list[str | None]]],
+) -> None:
+    """urllib carries a request's headers along a redirect to any host: the key would go to whoever it names."""
+    other, other_seen = vllm(KEY)
+    src, src_seen = vllm(KEY, redirect=other)
+    with pytest.raises(OSError) as info:
+        _migrate(src, src, api_key=KEY)
+    assert src_seen == [f"Bearer {KEY}"] and other_seen == [None]
+    said = str(info.value)
+    assert info.value.errno == errno.EACCES and "redirected" in said and other in said and KEY not in said, said
+
+
+def test_the_command_sends_its_backend_api_key(
+    vllm: Callable[..., tuple[str, list[str | None]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hurray_vllm.app.cli import main
+
+    (src, src_seen), (dst, dst_seen) = vllm(KEY), vllm(KEY)
+    base = ["migrate", "--from", src, "--to", dst, "--prompt-ids", "1,2,3", "--after", "2", "--max-tokens", "5"]
+    assert main([*base, "--timeout", "10", "--json", "--backend-api-key", KEY]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [0, 1, 0, 1, 2]
+    assert src_seen == dst_seen == [f"Bearer {KEY}"] * 2
+    assert main([*base, "--timeout", "10"]) == 1  # no key: one line saying which option gives it
+    err = capsys.readouterr().err.strip()
+    assert "needs an API key" in err and "--backend-api-key" in err and "\n" not in err, err
+    wrong = "sk-wrong-key-91c2"
+    assert main([*base, "--timeout", "10", "--backend-api-key", wrong]) == 1
+    err = capsys.readouterr().err
+    assert "refused the API key" in err and wrong not in err, err
