@@ -47,9 +47,53 @@ __all__ = [
     "weights_digest",
     "fingerprint_of",
     "FP8_DTYPES",
+    "fp8_storage_dtype",
 ]
 
+#: vLLM's fp8 ``kv_cache_dtype`` strings and the OCP float8 formats their caches hold where vLLM's platform
+#: prefers OCP fp8 (its ``fp8_dtype()``: CUDA, CPU, ROCm other than MI300). Look a cache's up through
+#: :func:`fp8_storage_dtype`, which refuses the platforms where it would be wrong.
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def fp8_storage_dtype(cache_dtype: str) -> torch.dtype | None:
+    """The float8 dtype an fp8 cache of vLLM's ``cache_dtype`` holds; None for a cache that is not fp8.
+
+    vLLM's "fp8" is its platform's ``fp8_dtype()``: float8_e4m3fnuz on ROCm
+    MI300 (``gfx94``), whose every value read as float8_e4m3fn is twice what
+    it is. Snapshots carry only the OCP formats (no fnuz element type), and
+    which format vLLM's e5m2 kernels write there is not known, so an fp8
+    cache on such a platform is refused, not mapped. The platform is asked
+    here, when a cache's dtype is looked up (a worker describing its caches,
+    a fingerprint made at start), never at import: this module imports
+    without vLLM or a GPU.
+
+    Raises:
+        HurrayFormatError: (field ``kv_cache_dtype``) an fp8 cache on a
+            platform whose fp8 is not float8_e4m3fn.
+    """
+    mapped = FP8_DTYPES.get(cache_dtype)
+    if mapped is None:
+        return None
+    platform = _platform_fp8_dtype()
+    if platform is not None and platform != torch.float8_e4m3fn:
+        raise HurrayFormatError(
+            "kv_cache_dtype",
+            f"kv_cache_dtype {cache_dtype!r} on a platform whose fp8 is {platform} (ROCm MI300's): snapshots and "
+            "chunks carry OCP float8 (float8_e4m3fn, float8_e5m2) only, and read as those its values would be "
+            "wrong (float8_e4m3fnuz ones by a factor of 2); start the engine with --kv-cache-dtype auto",
+        )
+    return mapped
+
+
+def _platform_fp8_dtype() -> torch.dtype | None:
+    """The fp8 dtype vLLM's platform prefers (``current_platform.fp8_dtype()``); None without vLLM."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    fp8 = getattr(current_platform, "fp8_dtype", None)
+    return fp8() if callable(fp8) else None
 
 
 @dataclass(frozen=True)
@@ -134,7 +178,9 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False, re
     is refused at start with a message instead of failing at the first save.
     ``replay_ssm``: the engine runs vLLM's ``use_replayssm``, whose decode
     steps write a linear-attention layer's whole state back only every few
-    steps: a state read between two write-backs is stale.
+    steps: a state read between two write-backs is stale. Nor are keys and
+    values of different head sizes (a spec's ``head_size_v``, MiMo-V2's 192
+    and 128): see :func:`_unequal_head_sizes`.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
@@ -144,7 +190,7 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False, re
                 "linear-attention states with ReplaySSM (cache_config.use_replayssm): between its write-backs "
                 "the state a chunk or snapshot would take is stale"
             )
-        return _unsupported_states(groups)
+        return _unsupported_states(groups) or _unequal_head_sizes(groups)
     if len(groups) > 1:
         return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"
     if kinds and kinds[0] not in _SUPPORTED_SPECS:
@@ -152,6 +198,30 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False, re
             f"the model's KV cache is {kinds[0]}; supported are full key/value attention (FullAttentionSpec) "
             "and MLA latents (MLAAttentionSpec)"
         )
+    return _unequal_head_sizes(groups)
+
+
+def _unequal_head_sizes(groups: Sequence[Any]) -> str | None:
+    """Why key/value attention groups whose values have another head size than their keys are refused, or None.
+
+    vLLM's spec says so with ``head_size_v`` (MiMo-V2: keys of 192, values of
+    128, on its diff-KV backends, whose pages hold ``D_k + D_v`` per token).
+    The layouts split each token at the one head size, and a snapshot's
+    fingerprint and K/V pages carry one: every save and load would fail.
+    Refused here so the engine is refused at start. An MLA latent has no V
+    (its ``head_size_v`` is 0) and a state group no heads: neither is checked.
+    """
+    for group in groups:
+        spec = group.kv_cache_spec
+        if type(spec).__name__ not in ("FullAttentionSpec", "SlidingWindowSpec"):
+            continue
+        k, v = getattr(spec, "head_size", None), getattr(spec, "head_size_v", None)
+        if k is not None and v is not None and int(v) != int(k):
+            return (
+                f"keys of head size {k} and values of head size {v} (the KV cache spec's head_size_v): "
+                "hurray-vllm reads and writes a key and a value of one head size per token, as a chunk or "
+                "snapshot holds them"
+            )
     return None
 
 
@@ -549,11 +619,17 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_
     target's, and are keyed by the drafter's weights as well
     (:func:`weights_digest`), so that only engines running the same drafter
     share them.
+
+    Raises:
+        HurrayFormatError: (field ``kv_cache_dtype``) an fp8 cache on a
+            platform whose fp8 is not the format snapshots carry
+            (:func:`fp8_storage_dtype`).
     """
     mc = vllm_config.model_config
     hf = mc.hf_config
     cache_dtype = vllm_config.cache_config.cache_dtype
-    storage = FP8_DTYPES.get(cache_dtype, mc.dtype)
+    fp8 = fp8_storage_dtype(cache_dtype)  # refuses an fp8 the snapshot would misread
+    storage = fp8 if fp8 is not None else mc.dtype
     target = target_layers(vllm_config)
     if num_layers is None:
         # The groups hold a drafter's layers too, but not those that share another layer's KV
@@ -574,10 +650,13 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_
 def _check_uniform(layout: KVLayout, caches: Sequence[torch.Tensor], layer_names: Sequence[str]) -> None:
     """Refuse layers whose pages differ from the first layer's: a chunk holds one head geometry and dtype.
 
-    A speculative drafter's layer (EAGLE, MTP) sits in the target's KV cache
-    group; one with other KV heads, head size or dtype than the target's
-    cannot go into the same chunks. Found when the worker registers its
-    caches, not at the first save.
+    Layers of several KV cache groups can differ: vLLM's
+    ``unify_kv_cache_spec_page_size`` gives a group of smaller pages (a
+    sliding-window group with fewer KV heads) a larger block size, so its
+    pages hold more tokens. A speculative drafter's layer (EAGLE, MTP) sits
+    in the target's KV cache group; one with other KV heads, head size or
+    dtype than the target's cannot go into the same chunks either. Found
+    when the worker registers its caches, not at the first save.
     """
     if not caches:
         return
@@ -591,8 +670,10 @@ def _check_uniform(layout: KVLayout, caches: Sequence[torch.Tensor], layer_names
             raise HurrayFormatError(
                 "layers",
                 f"layer {name}'s cache pages are {pages(cache)}, layer {layer_names[0]}'s {first} "
-                "(block size, KV heads, head size, last dim, dtype): a chunk holds one geometry (a speculative "
-                "drafter with other heads than the model's?)",
+                "(block size, KV heads, head size, last dim, dtype): a chunk holds one geometry, so KV cache "
+                "groups with different page geometries are not supported (vLLM gives a group of smaller pages, "
+                "e.g. sliding-window layers with fewer KV heads, larger blocks), nor is a speculative drafter "
+                "with other heads than the model's",
             )
 
 
@@ -606,6 +687,18 @@ def describe_worker_cache(
 
     ``kv_cache_config`` (the engine's KV cache groups) is needed to find a
     linear-attention hybrid's state layers (:attr:`EngineCache.states`).
+
+    Raises:
+        HurrayFormatError: caches hurray-vllm cannot read or write, found here
+            (where the worker registers them) rather than at the first save:
+            field ``kv_cache_dtype`` (a cache dtype other than ``auto`` and
+            fp8, or an fp8 on a platform whose fp8 is not the mapped one,
+            :func:`fp8_storage_dtype`); ``cache`` (pages whose last dimension
+            is not a key and a value of the head size: values of another head
+            size); ``layers`` (layers of different page geometries: KV cache
+            groups vLLM gave other block sizes or heads, a drafter's other
+            heads); ``block_size`` (a backend that splits blocks into kernel
+            blocks); ``kv_scales`` (per-head fp8 scales); ``isa``.
     """
     layers = attention_layers(vllm_config)
     mods = [layers[n] for n in layer_names if n in layers]
@@ -618,7 +711,9 @@ def describe_worker_cache(
     if cache_dtype not in FP8_DTYPES and cache_dtype != "auto":
         raise HurrayFormatError("kv_cache_dtype", f"kv_cache_dtype {cache_dtype!r} is not supported")
     model_dtype = mc.dtype
-    storage = FP8_DTYPES.get(cache_dtype, model_dtype)
+    # Asks vLLM's platform: an fp8 that is not the format mapped (ROCm MI300's fnuz) is refused here, at start.
+    fp8 = fp8_storage_dtype(cache_dtype)
+    storage = fp8 if fp8 is not None else model_dtype
     backend = type(mods[0].impl).__name__ if mods else ""
     isa = None
     if latent is not None:

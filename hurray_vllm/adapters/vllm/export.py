@@ -409,6 +409,14 @@ def export_layers(
     writing a stream, wrong for collecting the layers). With one per layer,
     the layers stay valid together until the buffers are used again (a
     writer exporting chunk after chunk without allocating).
+
+    Raises:
+        HurrayFormatError: found for every layer before the first is
+            gathered: (field ``block_ids``) a plan's block id past a layer's
+            cache; (field ``block_size``) a plan made for blocks of another
+            size than a layer's cache pages hold; (field ``cache``) a cache
+            the layout cannot read. Also (field ``plan`` or ``buffers``) not
+            one plan or gather buffers per layer.
     """
     if buffers is not None and not isinstance(buffers, GatherBuffers) and len(buffers) != len(caches):
         raise HurrayFormatError("buffers", f"{len(buffers)} gather buffers for {len(caches)} layers")
@@ -428,6 +436,16 @@ def export_layers(
                 "block_ids",
                 f"layer {i}: block id {p.max_block} outside this cache of {num} blocks; "
                 "the block tables do not belong to these caches",
+            )
+        # The gather copies whole cache pages; the plan numbers tokens in its blocks. Pages of 32 tokens under
+        # blocks of 16 would carry the next block's slots (another request's KV) into the snapshot, and every
+        # token past the first 16 of a page would be read back at the wrong position; so would the opposite.
+        page = int(layout.page_shape(cache)[0])
+        if page != p.block_size:
+            raise HurrayFormatError(
+                "block_size",
+                f"the plan is for blocks of {p.block_size} tokens, layer {i}'s cache pages hold {page}; "
+                "export with the engine's block size (EngineCache.block_size, export_options())",
             )
     roles = roles_of(layout)
     for i, cache in enumerate(caches):
@@ -588,7 +606,9 @@ def export_snapshot(
             :class:`GatherBuffers` per layer (a single one would make every
             layer the last); (field ``kv_scales``) not one pair per layer.
         HurrayFormatError: block tables the caches cannot hold (a reserved
-            block in a computed range, ids past a cache).
+            block in a computed range, ids past a cache); (field
+            ``block_size``) a ``block_size`` other than the tokens the
+            caches' pages hold.
     """
     _check_scales(kv_scales, len(caches))
     _check_snapshot_buffers(buffers, len(caches))
@@ -718,8 +738,10 @@ def export_stream(
 
     Raises:
         HurrayArgumentError: (field ``kv_scales``) not one pair per layer.
-        HurrayFormatError: block tables the caches cannot hold, or an MLA
-            layout without ``latent``; found before anything is written.
+        HurrayFormatError: block tables the caches cannot hold, a
+            ``block_size`` other than the tokens the caches' pages hold (field
+            ``block_size``), or an MLA layout without ``latent``; found before
+            anything is written.
     """
     # Before any work: a stream refused half-way is a truncated file.
     _check_scales(kv_scales, len(caches))

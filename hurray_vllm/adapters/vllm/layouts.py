@@ -110,6 +110,26 @@ def _check_out(out: Out, shape: tuple[int, ...], dtype: torch.dtype, device: tor
             raise HurrayArgumentError("out", f"gather buffers must be on the cache's {device}, got {t.device}")
 
 
+def _check_kv_pages(cache: torch.Tensor, head_dim: int) -> None:
+    """Refuse a ``[B, H, N, C]`` cache whose tokens are not a key and a value of ``head_dim`` each.
+
+    A model whose values have another head size than its keys (vLLM's
+    ``head_size_v``, e.g. MiMo-V2 on the diff-KV backends) keeps ``C = D_k +
+    D_v``: split at ``head_dim`` its values would be read as the keys' tail.
+    Checked by ``page_shape`` too, so such a cache is refused where the
+    worker registers it, not at its first save or load.
+
+    Raises:
+        HurrayFormatError: (field ``cache``) not 4-D, or ``C != 2 * head_dim``.
+    """
+    if cache.dim() != 4 or cache.shape[-1] != 2 * head_dim:
+        raise HurrayFormatError(
+            "cache",
+            f"expected [B, H, N, {2 * head_dim}], got {list(cache.shape)}: each token holds a key and a value "
+            f"of head size {head_dim} (values of another head size than the keys are not supported)",
+        )
+
+
 def as_storage_dtype(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret a cache's elements (e.g. uint8 fp8 storage as ``float8_e4m3fn``)."""
     if cache.dtype == dtype:
@@ -184,8 +204,14 @@ class LogicalBHNC:
     name: str = "vllm-logical-BHNC"
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
-        """``(block_size, H, D)`` of one page of the ``[B, H, N, 2*D]`` cache."""
+        """``(block_size, H, D)`` of one page of the ``[B, H, N, 2*D]`` cache.
+
+        Raises:
+            HurrayFormatError: (field ``cache``) a cache whose last dimension
+                is not ``2 * head_dim`` (values of another head size than the keys).
+        """
         assert isinstance(cache, torch.Tensor)
+        _check_kv_pages(cache, self.head_dim)
         return int(cache.shape[2]), int(cache.shape[1]), self.head_dim
 
     def gather(
@@ -194,8 +220,7 @@ class LogicalBHNC:
         """Keys and values of ``block_ids``, each ``[n, block_size, H, D]`` contiguous (into ``out`` if given)."""
         assert isinstance(cache, torch.Tensor)
         d = self.head_dim
-        if cache.dim() != 4 or cache.shape[-1] != 2 * d:
-            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        _check_kv_pages(cache, d)
         ids = _ids(block_ids, cache)
         _, h, n, _ = cache.shape
         _check_out(out, (ids.numel(), n, h, d), cache.dtype)
@@ -327,8 +352,14 @@ class CpuPacked:
     _ISAS: ClassVar[tuple[str, ...]] = ("vec", "vec16", "amx")
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
-        """``(block_size, H, D)`` of one page of the packed ``[B, H, N, 2*D]`` cache."""
+        """``(block_size, H, D)`` of one page of the packed ``[B, H, N, 2*D]`` cache.
+
+        Raises:
+            HurrayFormatError: (field ``cache``) a cache whose last dimension
+                is not ``2 * head_dim`` (values of another head size than the keys).
+        """
         assert isinstance(cache, torch.Tensor)
+        _check_kv_pages(cache, self.head_dim)
         return int(cache.shape[2]), int(cache.shape[1]), self.head_dim
 
     def __post_init__(self) -> None:
@@ -396,10 +427,9 @@ class CpuPacked:
 
     def _geometry(self, cache: torch.Tensor) -> tuple[int, int, int, int, int]:
         """``(B, H, N, head_dim, P)`` of ``cache``, refusing shapes the packing cannot hold."""
-        b, h, n, c = cache.shape
         d = self.head_dim
-        if c != 2 * d:
-            raise HurrayFormatError("cache", f"expected [B, H, N, {2 * d}], got {list(cache.shape)}")
+        _check_kv_pages(cache, d)
+        b, h, n, _ = cache.shape
         p = 1 if cache.element_size() == 4 else 2
         if self.isa == "amx" and (n % 16 or d % 16 or n % p or d % p):
             raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")

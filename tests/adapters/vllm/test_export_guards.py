@@ -302,3 +302,35 @@ def test_a_snapshot_refuses_buffers_its_layers_would_share(how: str) -> None:
     snap = export_snapshot(caches, layout, seqs, block_size=N, buffers=[GatherBuffers(), GatherBuffers()])
     want = export_snapshot(caches, layout, seqs, block_size=N)
     assert all(torch.equal(snap[i, "key"].page_pool, want[i, "key"].page_pool) for i in range(2))
+
+
+# The plan's block size: it must be the cache's page size, or pages are cut across blocks.
+
+
+@pytest.mark.parametrize("block_size", [N // 2, 2 * N])
+def test_a_plan_of_another_block_size_than_the_cache_pages_is_refused_before_any_gather(block_size: int) -> None:
+    """Before, blocks of 8 over pages of 16 exported whole pages (other blocks' slots) under a table of 8-token
+    blocks, silently: the snapshot held another request's KV and read back its own tokens at the wrong slots."""
+    layout = SpyBHNC(D)
+    seqs = [SequenceState("a", [3, 4, 5], 20, list(range(21)))]  # blocks enough for 8 tokens each
+    plan = plan_batch(seqs, block_size)
+    with pytest.raises(HurrayFormatError, match=f"blocks of {block_size} tokens, layer 0's cache pages hold {N}") as e:
+        next(export_layers(_caches(6, 6), layout, plan))
+    assert e.value.field == "block_size" and layout.calls == []
+    with pytest.raises(HurrayFormatError, match="block_size"):
+        export_snapshot(_caches(6, 6), layout, seqs, block_size=block_size)
+    f = io.BytesIO()
+    with pytest.raises(HurrayFormatError, match="block_size"):
+        export_stream(f, _caches(6, 6), layout, seqs, block_size=block_size)
+    assert f.getvalue() == b"" and layout.calls == []
+    assert len(export_snapshot(_caches(6, 6), layout, seqs, block_size=N).tensors()) == 4  # the pages' own: as before
+
+
+def test_a_layer_whose_pages_hold_another_block_size_is_refused_before_the_first_gather() -> None:
+    """Layer 1's pages of 32 tokens under the plan of blocks of 16 the first layer's pages hold."""
+    layout = SpyBHNC(D)
+    caches = [_caches(6)[0], torch.zeros((6, H, 2 * N, 2 * D))]
+    plan = plan_batch([SequenceState("a", [3], 10, list(range(11)))], N)
+    with pytest.raises(HurrayFormatError, match=f"layer 1's cache pages hold {2 * N}") as info:
+        next(export_layers(caches, layout, plan))
+    assert info.value.field == "block_size" and layout.calls == []

@@ -232,7 +232,9 @@ def test_a_backend_that_splits_blocks_into_kernel_blocks_is_refused_at_registrat
         model_config=SimpleNamespace(use_mla=False, get_head_size=lambda: 16, dtype=torch.bfloat16),
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=128, kv_cache_layout=None),
     )
-    cache = torch.zeros(8, 2, 64, 2, 16, dtype=torch.bfloat16)  # [blocks * 2, K/V, 64 tokens, heads, dim]
+    # vLLM 0.32's create_kv_cache_views with kernel blocks of 64: [blocks * 2, heads, 64 tokens, 2 * dim]. (A
+    # 5-D legacy FlashInfer shape stood here, which 0.32 never hands a layer; page_shape now refuses it as such.)
+    cache = torch.zeros(8, 2, 64, 2 * 16, dtype=torch.bfloat16)
     with pytest.raises(HurrayFormatError, match="--block-size 64") as exc:
         describe_worker_cache(config, [cache], ["l0"])
     assert exc.value.field == "block_size"
@@ -282,3 +284,132 @@ def test_an_mla_latent_of_another_dtype_is_refused_not_converted() -> None:
     # Viewed as its storage dtype first (as write_blocks does): the bits land as they are.
     MLALatent(24).scatter(cache.view(torch.float8_e4m3fn), torch.tensor([1, 3]), latent)
     assert torch.equal(cache[[1, 3]], latent[:, :, 0].view(torch.uint8))
+
+
+# Caches hurray-vllm cannot read, refused where the engine starts or registers them (no engine needed).
+
+
+def _worker_config(
+    caches: list[torch.Tensor], head_dim: int, impl: str, *, cache_dtype: str = "auto"
+) -> tuple[object, list[str]]:
+    """A vLLM config as far as ``describe_worker_cache`` reads it, one attention layer per cache."""
+    from types import SimpleNamespace as NS
+
+    backend = type(impl, (), {})  # a name starting with "CPU": the packed CPU layout; any other: LogicalBHNC
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(len(caches))]
+    layers = {n: NS(kv_cache=[c], impl=backend(), isa="vec") for n, c in zip(names, caches, strict=True)}
+    heads = int(caches[0].shape[1])
+    model = NS(
+        use_mla=False,
+        dtype=torch.bfloat16,
+        get_head_size=lambda: head_dim,
+        get_total_num_kv_heads=lambda: heads,
+        get_num_layers=lambda pc: len(caches),
+        hf_config=NS(architectures=["LlamaForCausalLM"]),
+        model="/nonexistent",
+        revision=None,
+        is_hybrid=False,
+    )
+    config = NS(
+        model_config=model,
+        cache_config=NS(cache_dtype=cache_dtype, block_size=int(caches[0].shape[2]), kv_cache_layout=None),
+        compilation_config=NS(static_forward_context=layers),
+        parallel_config=NS(tensor_parallel_size=1),
+        load_config=NS(load_format="auto", download_dir=None),
+        speculative_config=None,
+    )
+    return config, names
+
+
+def test_a_model_whose_values_have_another_head_size_than_its_keys_is_refused_at_start() -> None:
+    """MiMo-V2 (keys of 192, values of 128; vLLM's ``head_size_v``) passed, then every save and load failed."""
+    require("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from hurray_vllm.adapters.vllm.cache import unsupported_cache
+
+    def groups(*specs: object) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+    kv = {"block_size": 16, "num_kv_heads": 2, "dtype": torch.bfloat16}
+    diff = FullAttentionSpec(head_size=192, head_size_v=128, **kv)
+    window = SlidingWindowSpec(head_size=192, head_size_v=128, sliding_window=64, **kv)
+    same = FullAttentionSpec(head_size=192, **kv)
+    for config, sliding in ((groups(diff), False), (groups(diff), True), (groups(same, window), True)):
+        why = unsupported_cache(config, sliding_windows=sliding)
+        assert why is not None and "keys of head size 192 and values of head size 128" in why, why
+    assert unsupported_cache(groups(same), sliding_windows=True) is None
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert mla.head_size_v == 0 and unsupported_cache(groups(mla)) is None  # one latent: no V at all
+
+
+@pytest.mark.parametrize("layout", [LogicalBHNC(192), CpuPacked("vec", 192)], ids=lambda x: x.name)
+def test_pages_that_do_not_hold_a_key_and_a_value_of_the_head_size_are_refused_by_page_shape(layout) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's diff-KV backends keep ``[B, H, N, 192 + 128]``: a page shape of head_dim 192 was reported for it."""
+    with pytest.raises(HurrayFormatError, match=r"expected \[B, H, N, 384\], got \[4, 2, 16, 320\]") as err:
+        layout.page_shape(torch.zeros(4, 2, 16, 320))
+    assert err.value.field == "cache"
+    assert layout.page_shape(torch.zeros(4, 2, 16, 384)) == (16, 2, 192)
+
+
+@pytest.mark.parametrize("impl", ["FlashAttentionDiffKVImpl", "CPUAttentionBackendImpl"])
+def test_a_cache_whose_values_have_another_head_size_is_refused_when_registered(impl: str) -> None:
+    from hurray_vllm.adapters.vllm.cache import describe_worker_cache
+
+    caches = [torch.zeros(4, 2, 16, 192 + 128, dtype=torch.bfloat16) for _ in range(2)]
+    config, names = _worker_config(caches, 192, impl)
+    with pytest.raises(HurrayFormatError, match=r"\[4, 2, 16, 320\]") as err:
+        describe_worker_cache(config, caches, names)
+    assert err.value.field == "cache"
+
+
+def test_kv_cache_groups_of_other_page_geometries_are_refused_naming_them() -> None:
+    """vLLM's ``unify_kv_cache_spec_page_size`` gives a sliding group with fewer KV heads larger blocks; the
+    refusal blamed a speculative drafter alone."""
+    from hurray_vllm.adapters.vllm.cache import describe_worker_cache
+
+    caches = [torch.zeros(4, 4, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 64, 128, dtype=torch.bfloat16)]
+    config, names = _worker_config(caches, 64, "CPUAttentionBackendImpl")
+    with pytest.raises(HurrayFormatError, match="KV cache groups with different page geometries") as err:
+        describe_worker_cache(config, caches, names)
+    assert err.value.field == "layers" and "speculative drafter" in str(err.value)  # still one possible cause
+
+
+class FnuzPlatform:
+    """vLLM's ROCm platform on an MI300 (``gfx94``), as far as the fp8 dtype goes."""
+
+    @classmethod
+    def is_fp8_fnuz(cls) -> bool:
+        return True
+
+    @classmethod
+    def fp8_dtype(cls) -> torch.dtype:
+        return torch.float8_e4m3fnuz
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_cache_on_a_platform_whose_fp8_is_fnuz_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, cache_dtype: str
+) -> None:
+    """Before, "fp8" was read as float8_e4m3fn everywhere: an MI300's float8_e4m3fnuz cache came out at twice its
+    values, silently."""
+    require("vllm")
+    import vllm.platforms
+
+    from hurray_vllm.adapters.vllm.cache import describe_worker_cache, fingerprint_of
+
+    caches = [torch.zeros(4, 2, 32, 64, dtype=torch.uint8) for _ in range(2)]
+    config, names = _worker_config(caches, 32, "CPUAttentionBackendImpl", cache_dtype=cache_dtype)
+    ec = describe_worker_cache(config, caches, names)  # this platform's (the CPU's) fp8 is the one mapped
+    assert ec.storage_dtype == (torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
+    monkeypatch.setattr(vllm.platforms, "_current_platform", FnuzPlatform())
+    assert vllm.platforms.current_platform.fp8_dtype() == torch.float8_e4m3fnuz
+    with pytest.raises(HurrayFormatError, match="float8_e4m3fnuz") as err:
+        describe_worker_cache(config, caches, names)
+    assert err.value.field == "kv_cache_dtype"
+    with pytest.raises(HurrayFormatError, match="float8_e4m3fnuz"):
+        fingerprint_of(config, num_layers=2)  # the scheduler side refuses it too
+    auto, _ = _worker_config(caches, 32, "CPUAttentionBackendImpl")
+    assert fingerprint_of(auto, num_layers=2).dtype == "bfloat16"  # an unquantized cache does not care
