@@ -37,6 +37,7 @@ import math
 import torch
 
 from ..errors import HurrayArgumentError
+from ..kv.repage import overlaps
 from ._common import FP8_DTYPES as _FP8
 
 __all__ = ["append_kv_", "dense_attention", "mla_paged_decode", "paged_attention"]
@@ -123,8 +124,9 @@ def paged_attention(
             ``cache_seqlens[b] + seqlen_new`` tokens are read; the rest is padding.
         k: Optional ``[batch, seqlen_new, nheads_k, head_dim]`` in ``k_cache``'s dtype:
             new keys, written at positions ``cache_seqlens[b] ..`` of sequence
-            ``b`` before attending (the cache must have room for them).
-        v: Optional ``[batch, seqlen_new, nheads_k, head_dim]``, with ``k``.
+            ``b`` before attending (the cache must have room for them). Not
+            memory of either cache (a view of one is refused).
+        v: Optional ``[batch, seqlen_new, nheads_k, head_dim]``, with ``k``, likewise.
         softmax_scale: Scale of ``q @ k^T``; ``1 / sqrt(head_dim)`` by default.
         causal: Bottom-right aligned causal mask over ``seqlen_k = cache_seqlens[b] +
             seqlen_new``. (flash-attn's own default is ``False``; this one's is
@@ -137,7 +139,9 @@ def paged_attention(
         softcap: flash-attn's logit soft-capping: with ``softcap > 0`` the
             scaled scores become ``softcap * tanh(scores / softcap)`` before
             the mask and the softmax. ``0``, the default, is none.
-        q_descale: Optional ``[batch, nheads_k]`` float32: the stored value times its descale is
+        q_descale: Optional ``[batch, nheads_k]`` float32, exactly that shape
+            (FlashAttention-3 refuses any other; a broadcastable one would scale
+            the wrong sequences or heads): the stored value times its descale is
             the real value (FlashAttention-3's fp8 convention; ``q_descale`` is
             per KV head too). ``None`` means 1.
         k_descale: Like ``q_descale``, for ``k_cache``.
@@ -150,69 +154,44 @@ def paged_attention(
     Raises:
         HurrayArgumentError: arguments that do not fit together (shapes,
             heads, lengths, block-table entries that are not pages of the
-            cache, ``window_size``, ``softcap``), before ``k``/``v`` are
-            written into the cache: a refused call leaves it as it was.
+            cache, descales not ``[batch, nheads_k]``, ``k``/``v`` that share
+            memory with a cache, ``window_size``, ``softcap``), before
+            ``k``/``v`` are written into the cache: a refused call leaves it
+            as it was.
 
     flash-attn's other options (``alibi_slopes``, ``rotary_cos``/``rotary_sin``,
     ``cache_batch_idx``, ``cache_leftpad``) are not implemented here.
     """
     if q.dim() != 4:
         raise HurrayArgumentError("q", f"expected [batch, seqlen_q, nheads, head_dim], got shape {list(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise HurrayArgumentError(
-            "k_cache",
-            f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
-            "[num_blocks, page_block_size, nheads_k, head_dim]",
-        )
+    _check_caches(k_cache, v_cache)
     batch, _, nheads, head_dim = q.shape
-    num_blocks, page, nheads_k, _ = k_cache.shape
+    nheads_k = int(k_cache.shape[2])
     _check_heads(nheads, head_dim, nheads_k, k_cache.shape[3])
-    if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise HurrayArgumentError(
-            "block_table", f"expected [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}"
-        )
-    if cache_seqlens.shape != (batch,):
-        raise HurrayArgumentError("cache_seqlens", f"expected [batch={batch}], got shape {list(cache_seqlens.shape)}")
     window = _check_window(window_size)
     if not (math.isfinite(softcap) and softcap >= 0):
         raise HurrayArgumentError("softcap", f"must be a finite number >= 0 (0: no capping), got {softcap}")
+    for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if descale is not None and (not isinstance(descale, torch.Tensor) or descale.shape != (batch, nheads_k)):
+            got = list(descale.shape) if isinstance(descale, torch.Tensor) else type(descale).__name__
+            raise HurrayArgumentError(
+                name, f"expected [batch={batch}, nheads_k={nheads_k}], as FlashAttention-3 takes, got {got}"
+            )
     dev = q.device
-    lens = cache_seqlens.to(dev, torch.int64)
-    table = block_table.to(dev, torch.int64)
-    if bool((lens < 0).any()):
-        raise HurrayArgumentError("cache_seqlens", "sequence lengths must be >= 0")
     seqlen_new = 0
     if (k is None) != (v is None):
         raise HurrayArgumentError("v" if v is None else "k", "pass both k and v to append new tokens, or neither")
     if k is not None and v is not None:
         _check_new_kv(k_cache, v_cache, k, v, batch)
         seqlen_new = int(k.shape[1])
+    # Everything is checked before the append: a call refused after writing would leave the
+    # caller's cache changed by a call that failed.
+    lens, table, ids = _check_paged(k_cache, block_table, cache_seqlens, batch, seqlen_new, dev)
     if batch == 0:
         # Nothing to attend; the gather below cannot shape an empty batch ([0, -1, ...] is ambiguous).
         return torch.empty((0, *q.shape[1:]), dtype=_out_dtype(q.dtype), device=dev)
-    # Everything below is checked before the append: a call refused after writing would leave the
-    # caller's cache changed by a call that failed.
-    total = lens + seqlen_new
-    max_len = int(total.max())
-    npages = -(-max_len // page)
-    if npages > table.shape[1]:
-        raise HurrayArgumentError(
-            "cache_seqlens",
-            f"a sequence needs {npages} pages of {page} but block_table has {table.shape[1]} columns; "
-            "widen block_table or shorten cache_seqlens",
-        )
-    # Read only covered entries: the rest of a row is padding and may hold anything.
-    covered = torch.arange(npages, device=dev)[None, :] * page < total[:, None]
-    ids = torch.where(covered, table[:, :npages], torch.zeros_like(table[:, :npages]))
-    bad = covered & ((ids < 0) | (ids >= num_blocks))
-    if bool(bad.any()):
-        b, j = (int(x) for x in bad.nonzero()[0])
-        raise HurrayArgumentError(
-            "block_table",
-            f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the {num_blocks}-block cache",
-        )
     if k is not None and v is not None:
-        append_kv_(k_cache, v_cache, table, lens, k, v)
+        _append_kv(k_cache, v_cache, table, lens, k, v)
     kf = _gather(k_cache, ids, k_descale, batch)
     vf = _gather(v_cache, ids, v_descale, batch)
     qf = q.float()
@@ -220,7 +199,7 @@ def paged_attention(
         group = nheads // nheads_k
         qf = qf * q_descale.to(dev, torch.float32).repeat_interleave(group, dim=1)[:, None, :, None]
     scale = _scale(softmax_scale, head_dim)
-    out = _attend(qf, kf, vf, total, causal=causal, scale=scale, window=window, softcap=softcap)
+    out = _attend(qf, kf, vf, lens + seqlen_new, causal=causal, scale=scale, window=window, softcap=softcap)
     return out.to(_out_dtype(q.dtype))
 
 
@@ -241,39 +220,127 @@ def append_kv_(
     Args:
         k_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]``, written in place.
         v_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]``, like ``k_cache``.
-        block_table: ``[batch, max_num_blocks_per_seq]``, integer.
-        cache_seqlens: ``[batch]``, integer: token ``t`` of ``k[b]`` goes to position
+        block_table: ``[batch, max_num_blocks_per_seq]``, integer: it must
+            cover ``cache_seqlens[b] + seqlen_new`` tokens of sequence ``b``
+            with pages of the cache.
+        cache_seqlens: ``[batch]``, integer, ``>= 0``: token ``t`` of ``k[b]`` goes to position
             ``cache_seqlens[b] + t`` of sequence ``b``. Not updated.
-        k: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new keys.
-        v: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new values.
+        k: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new keys;
+            not memory of either cache.
+        v: ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype, the new values;
+            not memory of either cache.
+
+    Raises:
+        HurrayArgumentError: arguments that do not fit together, checked as
+            :func:`paged_attention` checks them (shapes, lengths, block-table
+            entries that are not pages of the cache, ``k``/``v`` that share
+            memory with a cache), before anything is written: a refused call
+            leaves the caches as they were.
     """
+    _check_caches(k_cache, v_cache)
     _check_new_kv(k_cache, v_cache, k, v)
+    lens, table, _ = _check_paged(k_cache, block_table, cache_seqlens, int(k.shape[0]), int(k.shape[1]), k_cache.device)
+    _append_kv(k_cache, v_cache, table, lens, k, v)
+
+
+def _append_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """:func:`append_kv_` once :func:`_check_paged` accepted ``table`` and ``lens`` (int64) for ``k``/``v``."""
     batch, seqlen_new = int(k.shape[0]), int(k.shape[1])
     if seqlen_new == 0 or batch == 0:
         return
     page = int(k_cache.shape[1])
     dev = k_cache.device
-    table = block_table.to(dev, torch.int64)
-    pos = cache_seqlens.to(dev, torch.int64)[:, None] + torch.arange(seqlen_new, device=dev)[None, :]
-    col = pos // page
-    if int(col.max()) >= table.shape[1]:
-        raise HurrayArgumentError(
-            "cache_seqlens",
-            f"appending {seqlen_new} tokens needs {int(col.max()) + 1} pages per sequence but block_table has "
-            f"{table.shape[1]} columns; import with room for them (reserve=)",
-        )
-    pages = table.gather(1, col).reshape(-1)
-    if bool(((pages < 0) | (pages >= k_cache.shape[0])).any()):
-        raise HurrayArgumentError("block_table", "a page the new tokens go to is not a page of the cache")
+    pos = lens.to(dev)[:, None] + torch.arange(seqlen_new, device=dev)[None, :]
+    pages = table.to(dev).gather(1, pos // page).reshape(-1)
     offs = (pos % page).reshape(-1)
     k_cache[pages, offs] = k.reshape(-1, *k.shape[2:]).to(dev)
     v_cache[pages, offs] = v.reshape(-1, *v.shape[2:]).to(dev)
 
 
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Refuse caches that are not both ``[num_blocks, page_block_size, nheads_k, head_dim]`` of one shape."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise HurrayArgumentError(
+            "k_cache",
+            f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
+            "[num_blocks, page_block_size, nheads_k, head_dim]",
+        )
+
+
+def _check_paged(
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    batch: int,
+    seqlen_new: int,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Refuse a block table and lengths that do not place ``batch`` sequences (+ ``seqlen_new``) in ``k_cache``.
+
+    The checks :func:`paged_attention` and :func:`append_kv_` share. Only the
+    block-table entries that cover ``cache_seqlens[b] + seqlen_new`` tokens are
+    read; the rest of a row is padding and may hold anything.
+
+    Returns:
+        ``(lens, table, ids)`` on ``dev``: ``cache_seqlens`` int64 ``[batch]``,
+        ``block_table`` int64 ``[batch, max_num_blocks_per_seq]``, and the
+        covered pages int64 ``[batch, npages]`` (0 where not covered).
+
+    Raises:
+        HurrayArgumentError: naming ``block_table`` (not ``[batch, n]``, or a
+            covered entry that is not a page of the cache) or ``cache_seqlens``
+            (not ``[batch]``, negative, or needing more pages than the table has columns).
+    """
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise HurrayArgumentError(
+            "block_table", f"expected [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}"
+        )
+    if cache_seqlens.shape != (batch,):
+        raise HurrayArgumentError("cache_seqlens", f"expected [batch={batch}], got shape {list(cache_seqlens.shape)}")
+    lens = cache_seqlens.to(dev, torch.int64)
+    table = block_table.to(dev, torch.int64)
+    if bool((lens < 0).any()):
+        raise HurrayArgumentError("cache_seqlens", "sequence lengths must be >= 0")
+    if batch == 0:
+        return lens, table, table
+    num_blocks, page = int(k_cache.shape[0]), int(k_cache.shape[1])
+    total = lens + seqlen_new
+    npages = -(-int(total.max()) // page)
+    if npages > table.shape[1]:
+        raise HurrayArgumentError(
+            "cache_seqlens",
+            f"a sequence needs {npages} pages of {page} for its tokens and {seqlen_new} new ones, but block_table "
+            f"has {table.shape[1]} columns; widen block_table (import with reserve= for appends) or shorten "
+            "cache_seqlens",
+        )
+    covered = torch.arange(npages, device=dev)[None, :] * page < total[:, None]
+    ids = torch.where(covered, table[:, :npages], torch.zeros_like(table[:, :npages]))
+    bad = covered & ((ids < 0) | (ids >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise HurrayArgumentError(
+            "block_table",
+            f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the {num_blocks}-block cache",
+        )
+    return lens, table, ids
+
+
 def _check_new_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int | None = None
 ) -> None:
-    """Refuse new tokens ``k``/``v`` that are not ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype."""
+    """Refuse new tokens ``k``/``v`` that are not ``[batch, seqlen_new, nheads_k, head_dim]`` in the caches' dtype.
+
+    Or that share memory with either cache: the append writes ``k_cache``
+    first, so a ``v`` (or ``k``) viewing it would be read after it changed,
+    and torch refuses a write from a view of its own destination halfway.
+    """
     if k.dim() != 4:
         raise HurrayArgumentError("k", f"expected [batch, seqlen_new, nheads_k, head_dim], got {list(k.shape)}")
     expect = (k.shape[0] if batch is None else batch, k.shape[1], *k_cache.shape[2:])
@@ -284,6 +351,11 @@ def _check_new_kv(
             )
         if new.dtype != cache.dtype:
             raise HurrayArgumentError(name, f"{name} is {new.dtype} but the cache is {cache.dtype}; convert it first")
+        for cache_name, written in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if overlaps(new, written):
+                raise HurrayArgumentError(
+                    name, f"{name} shares memory with {cache_name}, which the append writes; pass a copy (clone())"
+                )
 
 
 def _check_window(window_size: tuple[int, int]) -> tuple[int, int]:
@@ -415,21 +487,23 @@ def mla_paged_decode(
         every query row attends all ``cache_seqlens[b]`` tokens; a row that
         sees no token (a sequence with none) gives zeros.
     """
-    if q.dim() != 4 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or q.shape[-1] != kv_cache.shape[-1]:
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
+        raise HurrayArgumentError("kv_cache", f"expected a latent cache [N, P, 1, C], got {list(kv_cache.shape)}")
+    # The cache fixes C: a query of another width is the query's error.
+    if q.dim() != 4 or q.shape[-1] != kv_cache.shape[-1]:
         raise HurrayArgumentError(
-            "kv_cache",
-            f"expected q [B, s, H, C] and a latent cache [N, P, 1, C], got {list(q.shape)}, {list(kv_cache.shape)}",
+            "q", f"expected [batch, seqlen_q, nheads, C={kv_cache.shape[-1]}] (the cache's C), got {list(q.shape)}"
         )
     if not 0 < head_dim_v <= kv_cache.shape[-1]:
         raise HurrayArgumentError("head_dim_v", f"{head_dim_v} is not within the latent's {kv_cache.shape[-1]} values")
     batch, _, _, c = q.shape
     page = kv_cache.shape[1]
-    if block_table.dim() != 2 or block_table.shape[0] != batch or tuple(cache_seqlens.shape) != (batch,):
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
         raise HurrayArgumentError(
-            "block_table",
-            f"expected block_table [batch={batch}, n] and cache_seqlens [batch], got "
-            f"{list(block_table.shape)} and {list(cache_seqlens.shape)}",
+            "block_table", f"expected [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}"
         )
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise HurrayArgumentError("cache_seqlens", f"expected [batch={batch}], got shape {list(cache_seqlens.shape)}")
     lens = cache_seqlens.to(torch.int64).cpu()
     if bool((lens < 0).any()):
         raise HurrayArgumentError("cache_seqlens", "sequence lengths must be >= 0")

@@ -91,13 +91,25 @@ def concat_heads(parts: Sequence[KVSnapshot]) -> KVSnapshot:
 
     Raises:
         HurrayFormatError: (field ``snapshot.structure``) parts that differ in
-            anything but their heads; (``quantization``) a quantized part; (``snapshot.states``) linear-attention
+            anything but their heads; (``snapshot.heads``) parts whose ranges
+            are not one run in order, or a part whose pools hold another number
+            of heads than its range says; (``quantization``) a quantized part; (``snapshot.states``) linear-attention
             states that are not the parts' shares (:func:`~hurray_vllm.kv.states.join_states`).
     """
     if not parts:
         raise HurrayFormatError("snapshot.structure", "no parts to join")
-    for p in parts:
+    for i, p in enumerate(parts):
         _refuse_quantized(p, "concat_heads")
+        # The joined range is read from the parts' ranges: a part whose pools hold other heads would
+        # shift every later part's heads (and the result's count) under a range that does not say so.
+        count = p.head_range.count
+        odd = next((t for t in p.tensors() if t.page_pool.dim() != 4 or t.num_heads != count), None)
+        if odd is not None:
+            raise HurrayFormatError(
+                "snapshot.heads",
+                f"part {i}'s layer {odd.layer_index} {odd.kv_role} pool is {list(odd.page_pool.shape)}, but its "
+                f"head range {p.head_range.start}..{p.head_range.stop} says [num_pages, page_size, {count}, head_dim]",
+            )
     first = parts[0]
     if len(parts) == 1:
         h = first.heads

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..errors import HurrayFormatError, Violation
+from ..errors import HurrayFormatError, ImportArgumentError, Violation
 from ..wire import dtypes
 from ..wire.descriptor import (
     INDEX_TYPE_TAGS,
@@ -30,7 +30,9 @@ __all__ = [
     "CompactionPlan",
     "check_slot_params",
     "check_structure",
+    "made_for",
     "plan_compaction",
+    "same_tensor",
     "zero_slots_",
 ]
 
@@ -90,17 +92,44 @@ class CompactionPlan:
     #: The pages the plan reads (one past the highest id in ``keep``; 0 for a plan built by hand): a
     #: tensor with a smaller pool is refused without reading ``keep`` again.
     src_pages: int = 0
+    #: The block table the plan was made from (the very tensor; ``None``: a plan built by hand). ``keep``
+    #: alone does not tell two tables apart: another table's plan would gather other pages, silently.
+    src_block_table: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+
+def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` hold the same values (``b`` moved to ``a``'s device); ``None`` equals only itself."""
+    # Tensors built alike share one object: no compare (and no device sync).
+    if a is b:
+        return True
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    return torch.equal(a, b.to(a.device))
+
+
+def made_for(mine: torch.Tensor, plan_src: torch.Tensor | None) -> bool:
+    """Whether a plan made from the index tensor ``plan_src`` applies to a tensor whose own is ``mine``.
+
+    The check :meth:`BlockPagedTensor.compact` and :func:`~hurray_vllm.kv.repage.repage` share: a plan
+    records the block table (and ``seq_ptr``) it was made from, and applies to the same values only.
+    ``None`` (a plan built by hand) is trusted. The plan's own tensor, as a snapshot's layers share it,
+    is recognised without comparing (no device sync).
+    """
+    return plan_src is None or same_tensor(mine, plan_src)
 
 
 def plan_compaction(block_table: torch.Tensor, num_pages: int) -> CompactionPlan:
     """Plan a compaction of ``block_table`` (int64, ids < ``num_pages``).
+
+    The plan applies to tensors with this block table only (:meth:`BlockPagedTensor.compact`
+    refuses it for another).
 
     Raises:
         HurrayFormatError: (field ``block_table``) a page id outside ``0 .. num_pages - 1``.
     """
     if block_table.numel() == 0:
         empty = torch.empty(0, dtype=torch.int64, device=block_table.device)
-        return CompactionPlan(empty, empty)
+        return CompactionPlan(empty, empty, src_block_table=block_table)
     # First-reference order keeps a sequence's pages adjacent in the new pool,
     # which makes the common unshared case an identity-like, cache-friendly gather.
     uniq, inverse = torch.unique(block_table, return_inverse=True)
@@ -114,7 +143,7 @@ def plan_compaction(block_table: torch.Tensor, num_pages: int) -> CompactionPlan
     order = torch.argsort(first)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
-    return CompactionPlan(keep=uniq[order], block_table=rank[inverse], src_pages=hi + 1)
+    return CompactionPlan(keep=uniq[order], block_table=rank[inverse], src_pages=hi + 1, src_block_table=block_table)
 
 
 def _check_page_ids(lo: int, hi: int, num_pages: int | None) -> None:
@@ -186,7 +215,8 @@ class BlockPagedTensor:
     Attributes:
         page_pool: ``[num_pages, page_size, num_heads, head_dim]``, any dtype
             Hurray can name (bf16, fp16, fp32, float8_e4m3fn, float8_e5m2...),
-            contiguous.
+            contiguous as read from the wire; strided views (a head slice, an
+            HND-backed permutation) work as well.
         block_table: int64 ``[total_logical_pages]``, the physical page id of
             every logical page, sequence after sequence.
         seq_ptr: int64 ``[num_seqs + 1]``; sequence ``s`` owns
@@ -361,13 +391,14 @@ class BlockPagedTensor:
                 "(a plain block-paged descriptor): a sub-batch's token count is unknown; pass seq_lens= "
                 "when building it",
             )
+        # A host index reads device tensors; the offsets and table are built where the index tensors live
+        # (cumsum cannot write a CUDA result into a host tensor).
         idx = torch.as_tensor(list(seqs), dtype=torch.int64)
-        counts = (self.seq_ptr[1:] - self.seq_ptr[:-1])[idx] if idx.numel() else idx
-        seq_ptr = torch.zeros(idx.numel() + 1, dtype=torch.int64)
+        seq_ptr = self.seq_ptr.new_zeros(idx.numel() + 1, dtype=torch.int64)
         if idx.numel():
-            torch.cumsum(counts, 0, out=seq_ptr[1:])
+            torch.cumsum((self.seq_ptr[1:] - self.seq_ptr[:-1])[idx], 0, out=seq_ptr[1:])
         parts = [self.block_table[int(self.seq_ptr[s]) : int(self.seq_ptr[s + 1])] for s in seqs]
-        table = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        table = torch.cat(parts) if parts else self.block_table.new_empty(0, dtype=torch.int64)
         lens = self.seq_lens[idx] if self.seq_lens is not None else None
         return replace(
             self, block_table=table, seq_ptr=seq_ptr, seq_lens=lens, num_tokens=self.num_tokens if whole else None
@@ -378,15 +409,30 @@ class BlockPagedTensor:
 
         Per-page-slot quantization parameters move with their pages.
 
+        Args:
+            plan: From :func:`plan_compaction` of this tensor's block table (one
+                plan serves every layer and role sharing it); made here when
+                ``None``.
+
         Raises:
             HurrayFormatError: a page id outside the pool (field ``block_table``),
                 or scales and zero points in one buffer (:func:`check_slot_params`).
+            ImportArgumentError: (field ``plan``) a plan made from another block
+                table, or reading more pages than the pool holds (a
+                :class:`~hurray_vllm.errors.HurrayArgumentError`; until 0.3 also
+                a :class:`HurrayFormatError`, as this was).
         """
         check_slot_params(self, "compact")
         plan = plan or plan_compaction(self.block_table, self.num_pages)
         if plan.src_pages > self.num_pages:
-            raise HurrayFormatError(
-                "block_table", f"the plan reads {plan.src_pages} pages, the pool holds {self.num_pages}"
+            raise ImportArgumentError(
+                "plan", f"the plan reads {plan.src_pages} pages, the pool holds {self.num_pages} (a plan for another)"
+            )
+        # Another table's plan gathers the pages it lists, not this table's: other tokens, silently.
+        if not made_for(self.block_table, plan.src_block_table):
+            raise ImportArgumentError(
+                "plan",
+                "the plan was made from another block table; make one with plan_compaction(t.block_table, t.num_pages)",
             )
         pool = self.page_pool.index_select(0, plan.keep.to(self.page_pool.device))
         qbufs = self.quant_buffers
@@ -617,19 +663,36 @@ class BlockPagedTensor:
         )
 
 
+#: The integer dtype of each element size: a view of any dtype (float8 included, which index_fill_ does not
+#: take) that zeroes its elements, whatever the strides.
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def zero_slots_(pool: torch.Tensor, valid: torch.Tensor) -> None:
-    """Zero, in place, slots ``>= valid[p]`` of every page ``p`` of ``pool`` ``[P, S, H, D]``."""
+    """Zero, in place, slots ``>= valid[p]`` of every page ``p`` of ``pool``.
+
+    Args:
+        pool: ``[num_pages, page_size, num_heads, head_dim]``, any dtype, any
+            strides (a permuted HND-backed pool, a head slice of one).
+        valid: integer ``[num_pages]``: the slots of each page to keep.
+    """
     if pool.numel() == 0:
         return
     num_pages, page_size = int(pool.shape[0]), int(pool.shape[1])
     valid = valid.to(pool.device)
-    rows = pool.view(torch.uint8).view(num_pages, -1)
     # Pages nobody uses go in one op; the few partial ones (about one per
     # sequence) one slice each. A mask over every byte of the pool cost more
     # than the whole gather.
     empty = (valid <= 0).nonzero().reshape(-1)
     if empty.numel():
-        rows.index_fill_(0, empty, 0)
+        if pool.is_contiguous():
+            pool.view(torch.uint8).view(num_pages, -1).index_fill_(0, empty, 0)
+        elif pool.element_size() in _INT_OF_SIZE:
+            # A strided pool has no flat rows to view; a same-size dtype view keeps its strides.
+            pool.view(_INT_OF_SIZE[pool.element_size()]).index_fill_(0, empty, 0)
+        else:
+            for p in empty.tolist():
+                pool[p].zero_()
     partial = ((valid > 0) & (valid < page_size)).nonzero().reshape(-1)
     for p, v in zip(partial.tolist(), valid[partial].tolist()):
         pool[p, v:].zero_()

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..wire.descriptor import PerBlockAffine
-from .paged import BlockPagedTensor, check_slot_params, check_structure
+from .paged import BlockPagedTensor, check_slot_params, check_structure, made_for, same_tensor
 from .snapshot import KVSnapshot
 
 __all__ = [
@@ -109,16 +109,6 @@ def check_memory(nbytes: int, what: str, device: torch.device | str | None) -> N
             f"{what} would allocate {nbytes / 2**30:.1f} GiB on {dev}, which has {have / 2**30:.1f} GiB in all "
             "(the batch's declared tokens: check seq_lens, or import fewer sequences at a time)",
         )
-
-
-def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether ``a`` and ``b`` hold the same values (``b`` moved to ``a``'s device); ``None`` equals only itself."""
-    # Tensors built alike share one object: no compare (and no device sync).
-    if a is b:
-        return True
-    if a is None or b is None or a.shape != b.shape:
-        return False
-    return torch.equal(a, b.to(a.device))
 
 
 #: Bytes of temporaries :func:`plan_repage` builds per target slot (token positions, source pages and
@@ -199,9 +189,11 @@ def plan_repage(
     ``num_pages``, when given, is the source pool's: a page id past it is refused.
 
     Raises:
-        ImportArgumentError: ``page_size`` is not positive (the caller's target).
+        ImportArgumentError: ``page_size`` is not positive (the caller's target),
+            or pads tokens that fit :data:`MAX_IMPORT_SLOTS` into more slots than that.
         HurrayFormatError: the block structure is inconsistent (``seq_ptr``,
-            ``seq_lens.pages``) or declares more than :data:`MAX_IMPORT_SLOTS` slots.
+            ``seq_lens.pages``) or declares more than :data:`MAX_IMPORT_SLOTS`
+            tokens (field ``seq_lens``, whatever the page size).
     """
     if page_size <= 0:
         raise ImportArgumentError("page_size", f"target page size must be positive, got {page_size}")
@@ -238,6 +230,14 @@ def plan_repage(
     if num_seqs:
         torch.cumsum(need, 0, out=new_ptr[1:])
     total = int(new_ptr[-1])
+    # Over the budget only because of the pages asked for (few tokens, padded to huge pages) is the
+    # caller's page_size, not the data; tokens over it whatever the page size are the data's (below).
+    if total * page_size > MAX_IMPORT_SLOTS and int(seq_lens.sum()) <= MAX_IMPORT_SLOTS:
+        raise ImportArgumentError(
+            "page_size",
+            f"pages of {page_size} pad these {int(seq_lens.sum())} tokens into {total * page_size} slots, over "
+            f"hurray_vllm.kv.repage.MAX_IMPORT_SLOTS = {MAX_IMPORT_SLOTS}; repage to a smaller page size",
+        )
     check_budget(total * page_size, "repaging")
     # The plan's own temporaries ([total, page_size] int64 several times over) come before any pool.
     check_memory(total * page_size * PLAN_BYTES_PER_SLOT, "repage plan", dev)
@@ -469,7 +469,8 @@ def repage(
             structure is inconsistent (see :func:`plan_repage`), or its
             scales and zero points share one buffer (:func:`~hurray_vllm.kv.paged.check_slot_params`).
         ImportArgumentError: ``plan`` is for other sequences or another page
-            size, ``page_size`` is not positive, or ``out`` does not fit
+            size, ``page_size`` is not positive or too large for the batch
+            (see :func:`plan_repage`), or ``out`` does not fit
             (see :func:`check_out_pool`).
         HurrayArgumentError: ``out`` shares memory with ``t``'s pool.
         OSError: ``ENOMEM``: the new pool is larger than the device's memory
@@ -486,8 +487,8 @@ def repage(
         or plan.src_pages > t.num_pages
         or (plan._src_lens is not t.seq_lens and not torch.equal(plan.seq_lens.cpu(), t.seq_lens.cpu()))
         # Lengths and page size alone do not tell two batches apart whose pages differ.
-        or (plan.src_block_table is not None and not same_tensor(t.block_table, plan.src_block_table))
-        or (plan.src_seq_ptr is not None and not same_tensor(t.seq_ptr, plan.src_seq_ptr))
+        or not made_for(t.block_table, plan.src_block_table)
+        or not made_for(t.seq_ptr, plan.src_seq_ptr)
     ):
         raise ImportArgumentError(
             "plan",

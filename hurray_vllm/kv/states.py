@@ -43,7 +43,7 @@ class RecurrentStates:
 
     Attributes:
         kind: what computes the state, as the engine names it (vLLM's
-            ``mamba_type``: ``"gdn_attention"``, ``"mamba2"``...). A state
+            ``mamba_type``: ``"gdn_attn"``, ``"mamba2"``...). A state
             is only meaningful to the same kind of layer.
         layers: per state layer, its index among all the model's layers.
         names: the state members of every layer, in the engine's order
@@ -82,7 +82,7 @@ class RecurrentStates:
 
     Example:
         >>> import torch
-        >>> s = RecurrentStates("gdn_attention", (0, 1), ("conv", "ssm"), (7,),
+        >>> s = RecurrentStates("gdn_attn", (0, 1), ("conv", "ssm"), (7,),
         ...     tuple((torch.zeros(1, 3, 8), torch.zeros(1, 2, 4, 4)) for _ in range(2)))
         >>> s.attention_layers(2), s.shapes
         ([2, 3], ((3, 8), (2, 4, 4)))

@@ -344,3 +344,42 @@ def test_flash_mla_reserve_past_int32_is_the_callers_error() -> None:
         with pytest.raises(hv.HurrayArgumentError) as err:
             to_flash_mla(latent_snapshot([40]), 0, reserve=reserve)
         assert err.value.field == "reserve" and not isinstance(err.value, hv.HurrayFormatError)
+
+
+def test_mla_reference_names_the_argument_that_does_not_fit() -> None:
+    """A malformed q was reported as kv_cache, and cache_seqlens of the wrong shape as block_table."""
+    kv, q, table, lens = torch.randn(4, 4, 1, 16), torch.randn(1, 1, 2, 16), torch.tensor([[0, 1]]), torch.tensor([5])
+    for field, args in (
+        ("q", (q[0], kv, table, lens)),
+        ("q", (q[..., :8], kv, table, lens)),
+        ("kv_cache", (q, kv[0], table, lens)),
+        ("kv_cache", (q, kv.expand(-1, -1, 2, -1), table, lens)),
+        ("block_table", (q, kv, table[0], lens)),
+        ("block_table", (q, kv, table.repeat(2, 1), lens)),
+        ("cache_seqlens", (q, kv, table, lens.repeat(2))),
+        ("cache_seqlens", (q, kv, table, lens[None])),
+    ):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            mla_paged_decode(*args, head_dim_v=8)
+        assert err.value.field == field, args
+
+
+def test_flash_mla_page_size_too_large_for_the_batch_is_the_callers_error() -> None:
+    """It was a data error on seq_lens (HurrayFormatError), though the docstring promised an argument error."""
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        to_flash_mla(latent_snapshot([40]), 0, page_size=1 << 29)
+    assert err.value.field == "page_size"
+
+
+def test_flash_mla_cache_is_the_snapshots_pool_when_nothing_changes() -> None:
+    """As documented: reserve=0, no repaging or conversion: k_cache is the pool (writes change the snapshot)."""
+    snap = latent_snapshot([40, 64], page=64)
+    pool = snap[0, "fused"].page_pool
+    assert to_flash_mla(snap, 0).k_cache.data_ptr() == pool.data_ptr()
+    for kwargs in ({"reserve": 1}, {"dtype": torch.float16}, {"page_size": 32}):
+        assert to_flash_mla(snap, 0, **kwargs).k_cache.data_ptr() != pool.data_ptr(), kwargs  # type: ignore[arg-type]
+    # The dtype rule: float32 stays float32 (the reference takes it, FlashMLA's kernel does not) unless dtype= says.
+    t = snap[0, "fused"]
+    wide = KVSnapshot.from_layers([(replace(t, page_pool=t.page_pool.float()),)], latent=DEEPSEEK)
+    assert to_flash_mla(wide, 0).k_cache.dtype == torch.float32
+    assert to_flash_mla(wide, 0, dtype=torch.bfloat16).k_cache.dtype == torch.bfloat16

@@ -146,3 +146,62 @@ def test_a_refused_call_leaves_the_cache_unwritten() -> None:
     assert append([[-1, 1]], new) == "block_table"
     assert append([[0, 1]], new[..., :4]) == "v"
     assert not k_cache.any() and not v_cache.any()
+
+
+def test_new_tokens_that_are_views_of_a_cache_are_refused_before_any_write() -> None:
+    """k viewing k_cache: torch refused the write (RuntimeError); v viewing v_cache: after k_cache was written."""
+    from hurray_vllm.adapters.reference import append_kv_
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.arange(16.0).reshape(2, 4, 1, 2), torch.arange(16.0).reshape(2, 4, 1, 2) + 100
+
+    q, lens, table = torch.randn(1, 1, 1, 2), torch.tensor([1]), torch.tensor([[0, 1]])
+    fresh = torch.ones(1, 2, 1, 2)
+    for field, pick in (
+        ("k", lambda kc, vc: (kc[0:1, 0:2], fresh)),
+        ("v", lambda kc, vc: (fresh, vc[0:1, 0:2])),
+        ("v", lambda kc, vc: (fresh, kc[1:2, 2:4])),  # v read after k_cache is written: changed under it
+        ("k", lambda kc, vc: (vc[0:1, 0:2], fresh)),
+    ):
+        for call in (
+            lambda kc, vc, k, v: paged_attention(q, kc, vc, lens, table, k=k, v=v),
+            lambda kc, vc, k, v: append_kv_(kc, vc, table, lens, k, v),
+        ):
+            kc, vc = caches()
+            with pytest.raises(HurrayArgumentError) as err:
+                call(kc, vc, *pick(kc, vc))
+            assert err.value.field == field
+            assert torch.equal((kc, vc)[0], caches()[0]) and torch.equal(vc, caches()[1])
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+@pytest.mark.parametrize("shape", [(2,), (2, 1), (1, 2), (3, 2), (2, 2, 1)], ids=str)
+def test_descales_must_be_batch_by_kv_heads(name: str, shape: tuple[int, ...]) -> None:
+    """Broadcastable shapes ([batch, 1], [1, nheads_k]) scaled silently; others failed inside the arithmetic."""
+    kc = torch.randn(4, 4, 2, 8)
+    q, lens, table = torch.randn(2, 1, 4, 8), torch.tensor([5, 3]), torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(HurrayArgumentError) as err:
+        paged_attention(q, kc, kc, lens, table, **{name: torch.ones(shape)})
+    assert err.value.field == name
+    assert paged_attention(q, kc, kc, lens, table, **{name: torch.ones(2, 2)}).shape == q.shape
+
+
+def test_append_kv_checks_its_arguments_like_paged_attention() -> None:
+    """A table of the wrong shape, short lengths or negative lengths failed deep in torch (or wrote wrapped slots)."""
+    from hurray_vllm.adapters.reference import append_kv_
+
+    for field, table, lens in (
+        ("block_table", [[0, 1]], [1, 2]),
+        ("block_table", [0, 1], [1, 2]),
+        ("cache_seqlens", [[0, 1], [2, 3]], [1]),
+        ("cache_seqlens", [[0, 1], [2, 3]], [-1, 2]),
+        ("cache_seqlens", [[0, 1], [2, 3]], [-5, 2]),
+        ("cache_seqlens", [[0, 1], [2, 3]], [8, 2]),
+        ("block_table", [[0, 9], [2, 3]], [4, 2]),
+    ):
+        kc, vc = torch.zeros(4, 4, 1, 2), torch.zeros(4, 4, 1, 2)
+        new = torch.ones(2, 1, 1, 2)
+        with pytest.raises(HurrayArgumentError) as err:
+            append_kv_(kc, vc, torch.tensor(table), torch.tensor(lens), new, new)
+        assert err.value.field == field, (table, lens)
+        assert not kc.any() and not vc.any()

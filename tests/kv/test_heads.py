@@ -297,3 +297,21 @@ def test_quantized_snapshots_are_not_split_or_joined_by_heads() -> None:
         with pytest.raises(hv.HurrayFormatError) as err:
             concat_heads(halves)
         assert err.value.field == "quantization"
+
+
+def test_a_part_whose_pools_hold_other_heads_than_its_range_says_is_refused() -> None:
+    """Joined anyway, the result held 5 heads under no head range, and validated."""
+    from synthetic import make_snapshot
+
+    three, two = (
+        make_snapshot([6, 3], [0, 0], 4, heads=3, layers=2),
+        make_snapshot([6, 3], [0, 0], 4, heads=2, layers=2),
+    )
+    for parts in (
+        [replace(three, heads=hv.HeadRange(0, 2, 4)), replace(two, heads=hv.HeadRange(2, 4, 4))],
+        [replace(two, heads=hv.HeadRange(0, 2, 4)), replace(three, heads=hv.HeadRange(2, 4, 4))],
+        [replace(three, heads=hv.HeadRange(0, 2, 2))],
+    ):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            concat_heads(parts)
+        assert err.value.field == "snapshot.heads"

@@ -12,7 +12,7 @@ from strategies import paged_tensors, snapshots
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
-from hurray_vllm.kv.paged import plan_compaction
+from hurray_vllm.kv.paged import plan_compaction, zero_slots_
 from hurray_vllm.wire.descriptor import PerBlockAffine
 
 
@@ -221,3 +221,86 @@ def test_scales_and_zero_points_in_one_buffer_are_not_moved_by_compact() -> None
         quant_buffers=(torch.zeros(12 * 4, dtype=torch.uint8), torch.zeros(12 * 4, dtype=torch.uint8)),
     )
     assert separate.validate().ok and separate.compact().validate().ok
+
+
+def test_compact_refuses_a_plan_made_for_another_block_table() -> None:
+    """compact(plan) gathered the pages another table's plan lists: other tokens, silently (repage refuses these)."""
+    pool = torch.arange(6.0).reshape(3, 2, 1, 1)
+    a = hv.BlockPagedTensor(pool, torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([4]))
+    b = replace(a, block_table=torch.tensor([2, 1]))
+    for plan in (plan_compaction(a.block_table, 3), plan_compaction(torch.empty(0, dtype=torch.int64), 3)):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            b.compact(plan)
+        assert err.value.field == "plan"
+    # The same table's plan applies, however the table is held (another layer's copy of it).
+    assert torch.equal(b.compact(plan_compaction(b.block_table.clone(), 3)).to_dense(0), b.to_dense(0))
+
+
+class _OffHost(torch.Tensor):
+    """CPU data that says it lives on the meta device: CUDA index tensors, for a machine without CUDA.
+
+    Its ops run on the CPU data. As on CUDA, an op that mixes it with a CPU tensor of one or more
+    dimensions (an operand, an ``out=`` buffer) fails; CPU indices are accepted, as CUDA indexing does.
+    """
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> _OffHost:
+        r = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(), dtype=elem.dtype, device="meta")
+        r.elem = elem
+        return r  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.utils import _pytree as pytree
+
+        kwargs = dict(kwargs or {})
+        indices = args[1] if func is torch.ops.aten.index.Tensor else ()
+        host = [
+            a
+            for a in pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and not isinstance(a, cls) and a.dim() and all(a is not i for i in indices)
+        ]
+        if host:
+            raise RuntimeError(f"{func}: expected every tensor on one device, got meta and cpu")
+        if "device" in kwargs:  # a factory on "this" device: the CPU data's
+            kwargs["device"] = torch.device("cpu")
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.elem, (args, kwargs))
+        return pytree.tree_map_only(torch.Tensor, cls, func(*args, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["off-host", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))],
+)
+def test_select_builds_its_offsets_on_the_index_tensors_device(device: str) -> None:
+    """select() allocated seq_ptr on the CPU and cumsummed the device's counts into it: a cross-device error."""
+    move = _OffHost if device == "off-host" else (lambda x: x.to(device))
+    t = hv.BlockPagedTensor(
+        torch.zeros(3, 4, 1, 2),
+        move(torch.tensor([0, 1, 2])),
+        move(torch.tensor([0, 2, 3])),
+        move(torch.tensor([6, 3])),
+    )
+    for seqs, table, ptr in (([1, 0], [2, 0, 1], [0, 1, 3]), ([], [], [0])):
+        r = t.select(seqs)
+        assert r.seq_ptr.device == r.block_table.device == t.seq_ptr.device
+        for got, want in ((r.seq_ptr, ptr), (r.block_table, table)):
+            assert (got.elem if isinstance(got, _OffHost) else got).tolist() == want
+
+
+def test_zeroing_unused_slots_works_on_strided_pools() -> None:
+    """A permuted (HND-backed) pool or a head slice cannot be viewed as flat rows: both raised a RuntimeError."""
+    hnd = torch.arange(3 * 2 * 4 * 2, dtype=torch.float32).reshape(3, 2, 4, 2) + 1
+    pool = hnd.permute(0, 2, 1, 3)  # [pages, page_size, heads, dim], dense but not contiguous
+    t = hv.BlockPagedTensor(pool, torch.tensor([2, 0]), torch.tensor([0, 2]), torch.tensor([6]))
+    want = replace(t, page_pool=pool.contiguous()).zero_unused_slots().page_pool
+    assert torch.equal(t.zero_unused_slots().page_pool, want)
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        whole = (torch.arange(3 * 4 * 4 * 2).reshape(3, 4, 4, 2) % 7 + 1).to(dtype)
+        heads = whole[:, :, 1:3]  # a select_heads view
+        zero_slots_(heads, torch.tensor([4, 2, 0]))
+        assert heads[0].float().all() and heads[1, :2].float().all()
+        assert not heads[1, 2:].float().any() and not heads[2].float().any()
+        assert whole[:, :, [0, 3]].float().all()  # the other heads are not the view's: untouched

@@ -384,3 +384,29 @@ def test_scales_and_zero_points_in_one_buffer_are_not_repaged() -> None:
     with pytest.raises(hv.HurrayFormatError) as err:
         repage(shared, 8)
     assert err.value.field == "quantization.buffer_index" and not isinstance(err.value, hv.HurrayArgumentError)
+
+
+def test_a_page_size_too_large_for_the_batch_is_the_callers_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller's page_size over the slot budget was a data error on seq_lens, as if the snapshot were at fault."""
+    import hurray_vllm.kv.repage as rp
+
+    t = hv.BlockPagedTensor(torch.zeros(1, 16, 1, 2), torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([3]))
+    for size in (1 << 29, 1 << 40, 2**62):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            repage(t, size)
+        assert err.value.field == "page_size", size
+    # Many short sequences: their tokens fit the budget, the pages the caller asked for do not.
+    many = hv.BlockPagedTensor(
+        torch.zeros(30, 1, 1, 2), torch.arange(30), torch.arange(31), torch.ones(30, dtype=torch.int64)
+    )
+    monkeypatch.setattr(rp, "MAX_IMPORT_SLOTS", 100)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        repage(many, 8)  # 240 slots for 30 tokens
+    assert err.value.field == "page_size"
+    # Tokens over the budget whatever the page size: still the data's (test above), not the caller's.
+    big = hv.BlockPagedTensor(
+        torch.zeros(1, 4, 1, 2), torch.zeros(64, dtype=torch.int64), torch.tensor([0, 64]), torch.tensor([256])
+    )
+    with pytest.raises(hv.HurrayFormatError) as data_err:
+        repage(big, 1 << 20)
+    assert data_err.value.field == "seq_lens" and not isinstance(data_err.value, hv.HurrayArgumentError)

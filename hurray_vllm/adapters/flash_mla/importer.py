@@ -67,14 +67,20 @@ def to_flash_mla(
             pure-PyTorch reference and other MLA kernels).
         dtype: the cache dtype (default: the pool's; fp8 latents are
             dequantized with the layer's scale into bfloat16 unless asked
-            otherwise). A float8 ``dtype`` is refused: the cache carries no
+            otherwise). A float32 pool stays float32 by default, which the
+            PyTorch reference takes but FlashMLA's kernel does not (it takes
+            bfloat16 or float16 only): pass ``dtype=torch.bfloat16`` (or
+            ``torch.float16``) for the kernel. A float8 ``dtype`` is refused: the cache carries no
             scale, so float8 latents are always dequantized, and quantizing
             needs calibrated scales this library does not choose.
         device: where the cache goes (default: the pool's device).
         reserve: tokens of room to leave after every sequence for appends.
 
     Returns:
-        A :class:`FlashMLACache`.
+        A :class:`FlashMLACache`. With ``reserve=0`` and nothing to repage,
+        convert, add (no shared partial tail page to make private) or move,
+        its ``k_cache`` is the snapshot's own pool (no copy): a kernel's
+        appends into it change the snapshot. Else a fresh tensor.
 
     Raises:
         HurrayFormatError: the snapshot holds keys and values, has no lengths or
@@ -84,6 +90,8 @@ def to_flash_mla(
             latent (field ``quantization``) or one not float16, bfloat16,
             float32 or float8 (field ``dtype``), or does not fit int32 indices.
         HurrayArgumentError: ``page_size`` or ``reserve`` out of range (a
+            ``page_size`` that pads the batch past
+            :data:`~hurray_vllm.kv.repage.MAX_IMPORT_SLOTS` slots; a
             ``reserve`` that, added to the longest sequence, passes int32 positions).
         ImportArgumentError: ``layer`` is out of range, or a ``dtype`` that is
             float8 or not floating point (a :class:`HurrayArgumentError`;
