@@ -11,10 +11,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
-from ..kv.paged import BlockPagedTensor
-
-# kv.repage's structure check is what plan_repage runs: an import that does not repage runs the same one.
-from ..kv.repage import check_budget, check_memory, check_structure, memory_span, same_tensor
+from ..kv.paged import BlockPagedTensor, made_for
+from ..kv.repage import (  # its structure check is what plan_repage runs: an import that does not repage runs it too
+    check_budget,
+    check_memory,
+    check_structure,
+    memory_span,
+    same_tensor,
+)
 from ..kv.snapshot import KVSnapshot
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "dequantize",
     "layer_scales",
     "padded_block_table",
+    "made_for",
     "refuse_shared_layer_caches",
     "same_tensor",
     "with_extra_pages",

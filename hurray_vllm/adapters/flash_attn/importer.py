@@ -31,9 +31,9 @@ from .._common import (
     check_reserve,
     dequantize,
     layer_scales,
+    made_for,
     padded_block_table,
     refuse_shared_layer_caches,
-    same_tensor,
     with_extra_pages,
 )
 from .flavors import FLAVORS, Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
@@ -448,8 +448,8 @@ def _resolve_plan(
         or (plan.repage is None and k0.num_pages != plan.base_pages)
         or k0.seq_lens is None
         or not torch.equal(plan.cache_seqlens.to(k0.seq_lens.device), k0.seq_lens.to(torch.int32))
-        or (plan.src_block_table is not None and not same_tensor(k0.block_table, plan.src_block_table))
-        or (plan.src_seq_ptr is not None and not same_tensor(k0.seq_ptr, plan.src_seq_ptr))
+        or not made_for(k0.block_table, plan.src_block_table)
+        or not made_for(k0.seq_ptr, plan.src_seq_ptr)
     ):
         raise ImportArgumentError("plan", "the plan was made for another snapshot; call plan_flash_attn on this one")
     return plan

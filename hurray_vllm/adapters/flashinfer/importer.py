@@ -31,8 +31,8 @@ from .._common import (
     check_pool_values,
     dequantize,
     layer_scales,
+    made_for,
     refuse_shared_layer_caches,
-    same_tensor,
 )
 from .cache import LAYOUTS, FlashInferCache, PagedKVCache
 
@@ -382,7 +382,7 @@ def _check_plan(plan: RepagePlan, k: BlockPagedTensor, lens: torch.Tensor) -> No
         raise ImportArgumentError("plan", "the plan was made for other sequence lengths")
     if plan.src_slots.numel() and int(plan.src_slots.max()) >= k.num_pages * k.page_size:
         raise ImportArgumentError("plan", "the plan reads slots past this snapshot's page pool")
-    if plan.src_block_table is not None and not same_tensor(k.block_table, plan.src_block_table):
+    if not made_for(k.block_table, plan.src_block_table):
         raise ImportArgumentError(
             "plan", "the plan was made for another block table (another snapshot); call plan_flashinfer on this one"
         )
