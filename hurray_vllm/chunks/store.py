@@ -281,6 +281,9 @@ class DirectoryStore:
         ``noatime=True``: leave the file's access time as it was (``O_NOATIME``, for the file's owner): for a
         maintenance read (``fsck``), which is no use of the chunk, while :meth:`prune` ranks chunks by last use.
 
+        Its data is not checked against its digest here: that is the caller's
+        check (:func:`load_chunk`), as every consumer and ``fsck`` run it.
+
         Raises:
             HurrayFormatError: missing (field ``store``), malformed, not a regular file (``file``),
                 larger than :data:`MAX_CHUNK_FILE_BYTES` (``file.size``).
@@ -349,13 +352,17 @@ def load_chunk(data: FileBytes) -> KVSnapshot:
     """The chunk :meth:`DirectoryStore.read` read; a file of another format is refused (the store writes ``.hrry``).
 
     ``load_file_bytes`` would take a stream too: the store holds ``.hrry`` files only.
+    The chunk's digest is not checked here: every consumer runs the data check
+    itself (:func:`~hurray_vllm.chunks.verify.begin_check_data`: the digest, or
+    with a fleet key the MAC instead, on a helper thread), and one pass over the
+    pools is enough.
 
     Raises:
         HurrayFormatError: as :meth:`DirectoryStore.get` for a malformed file.
     """
     if bytes(data.view[:8]) != FILE_MAGIC:
         raise HurrayFormatError("file.magic", f"{data.path} is not a Hurray file (HRRYFILE)")
-    return load_file_bytes(data)
+    return load_file_bytes(data, digest=False)
 
 
 def read_header(path: Path, *, noatime: bool = False) -> SnapshotHeader | None:

@@ -12,6 +12,7 @@ from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot
 from ..wire.descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor, decode_descriptor
 from ..wire.rules import Checked, validate_descriptor
+from .digest import check_digest
 from .schema import Node, Record, claims_snapshot, index_tables
 
 __all__ = ["validate"]
@@ -25,7 +26,10 @@ def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
     ``obj`` may be a :class:`KVSnapshot`, a :class:`BlockPagedTensor`, a
     decoded :class:`TensorDescriptor`, encoded descriptor bytes, or the path
     of a ``.hrry`` file, stream or ``.safetensors`` file (KV in a file is ok
-    exactly when :func:`~hurray_vllm.load` reads it). Strict by default; with
+    exactly when :func:`~hurray_vllm.load` reads it; a snapshot exactly when
+    :func:`~hurray_vllm.save` writes it: a chunk whose data does not match
+    the digest it carries is neither, ``snapshot.digest``, as the chunk
+    store's consumers refuse it). Strict by default; with
     ``permissive=True`` only violations that make the data unreadable count
     as errors (``Checked.errors``), the rest stay listed in
     ``Checked.violations``.
@@ -49,7 +53,14 @@ def validate(obj: Validatable, *, permissive: bool = False) -> Checked:
         False
     """
     if isinstance(obj, KVSnapshot):
-        return obj.validate(permissive=permissive)
+        checked = obj.validate(permissive=permissive)
+        if checked.ok:
+            # What save() refuses too: ok here is a snapshot save() writes and load() reads back.
+            try:
+                check_digest(obj)
+            except HurrayFormatError as exc:
+                return Checked(checked.violations, permissive, exc.violations)
+        return checked
     if isinstance(obj, BlockPagedTensor):
         return obj.validate(permissive=permissive)
     if isinstance(obj, TensorDescriptor):

@@ -18,6 +18,7 @@ from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 from ..wire.rules import raise_if
 from .atomic import atomic_file
+from .digest import check_digest
 from .hrryfile import FILE_MAGIC, FileBytes, HrryFile, open_regular, read_whole, write_file
 from .schema import Node, Record, assemble_snapshot, group_records, header_records, snapshot_records, state_records
 from .stream import LayerWriter, read_records, write_records
@@ -186,7 +187,8 @@ def save(
     Raises:
         HurrayArgumentError: an unknown suffix or format.
         HurrayFormatError: ``snapshot`` breaks a rule that :func:`load` would refuse the file for (``field``
-            names it; :meth:`KVSnapshot.validate` lists them all). Nothing is written.
+            names it; :meth:`KVSnapshot.validate` lists them all), or carries a chunk digest its data does not
+            match (``snapshot.digest``: changed since the digest was computed). Nothing is written.
         OSError: the file cannot be written (nothing is left at ``path``).
 
     Example:
@@ -201,6 +203,7 @@ def save(
     fmt = _format_for_writing(path, format)
     # What load refuses is not written: a file every reader refuses is worse than an error naming the field now.
     raise_if(snapshot.validate(permissive=permissive), "snapshot")
+    check_digest(snapshot)  # load checks a carried chunk digest: a chunk changed since would be refused as damaged
     if fmt == "hrry":
         return save_records(_shown(snapshot_records(snapshot), "save", progress), path, format=fmt, kv=_FILE_KV)
     if fmt == "safetensors":
@@ -273,7 +276,7 @@ def read_file(path: str | os.PathLike[str]) -> FileBytes:
         _reraise(exc, str(path))
 
 
-def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
+def load_file_bytes(data: FileBytes, *, permissive: bool = False, digest: bool = True) -> KVSnapshot:
     """:func:`load` of a ``.hrry`` file or Hurray stream that :func:`read_file` read already.
 
     For a reader of many files: the next file is read on a helper thread
@@ -282,6 +285,12 @@ def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
     since, by a larger file, a link or a pipe; ``read_whole``'s bounds held
     for what was read). A safetensors file is refused: its reader takes a
     path, not bytes (:func:`load` reads it).
+
+    ``digest=False`` leaves a chunk digest the file carries unchecked, for
+    a caller that runs the chunk's data check itself
+    (:func:`~hurray_vllm.chunks.verify.begin_check_data`: the digest, or a
+    fleet key's MAC instead, on a helper thread): the chunk store's readers.
+    Checked here, the pools would be checksummed twice.
 
     Raises:
         HurrayFormatError: as :func:`load`; a safetensors file (field ``file.magic``).
@@ -294,11 +303,15 @@ def load_file_bytes(data: FileBytes, *, permissive: bool = False) -> KVSnapshot:
     try:
         if fmt == "stream":
             with BytesIO(data.view) as f:
-                return assemble_snapshot(
+                snap = assemble_snapshot(
                     group_records(read_records(f, permissive=permissive), permissive=permissive), permissive=permissive
                 )
-        with HrryFile(data.path, data=data) as hf:
-            return load_hrry(hf, permissive=permissive)
+        else:
+            with HrryFile(data.path, data=data) as hf:
+                snap = load_hrry(hf, permissive=permissive)
+        if digest:
+            check_digest(snap, data)  # with the page registers of the read, where it computed them
+        return snap
     except HurrayFormatError:
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
@@ -324,7 +337,11 @@ def load(
     """Read a :class:`KVSnapshot` from a ``.hrry`` file, a Hurray stream or a ``.safetensors`` file.
 
     The format is recognised by its magic bytes, not the suffix. Every
-    descriptor and buffer is checked against the spec before it is used.
+    descriptor and buffer is checked against the spec before it is used,
+    and a chunk's data against the digest it carries (``extra``'s
+    ``hurray_vllm.chunk_digest``, :func:`~hurray_vllm.containers.digest.check_digest`),
+    as the chunk store's consumers check it; a digest that cannot be checked
+    here (an old or unknown one) is no verdict on the data and is passed.
 
     Args:
         path: The file.
@@ -338,6 +355,7 @@ def load(
 
     Raises:
         HurrayFormatError: anything malformed; ``.field`` names what, ``.violations`` lists the rules broken.
+            ``snapshot.digest``: a chunk whose data does not match its digest (damaged).
         OSError: the file cannot be read.
 
     Example:
@@ -355,16 +373,21 @@ def load(
         if fmt == "safetensors":
             from .safetensors import load_safetensors
 
-            return load_safetensors(path, permissive=permissive)
-        if fmt == "hrry" and not progress:
+            snap = load_safetensors(path, permissive=permissive)
+        elif fmt == "hrry" and not progress:
             with HrryFile(path, mmap=mmap, whole=not mmap) as hf:  # every record is read: the file in one read
-                return load_hrry(hf, permissive=permissive)
-        return assemble_snapshot(
-            group_records(
-                _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress), permissive=permissive
-            ),
-            permissive=permissive,
-        )
+                snap = load_hrry(hf, permissive=permissive)
+        else:
+            snap = assemble_snapshot(
+                group_records(
+                    _shown(_records(path, fmt, permissive=permissive, mmap=mmap), "load", progress),
+                    permissive=permissive,
+                ),
+                permissive=permissive,
+            )
+        # In every mode: damage is no rule the spec lets a reader waive. One pass over the pools, chunks only.
+        check_digest(snap)
+        return snap
     except HurrayFormatError:
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:

@@ -26,6 +26,8 @@ __all__ = [
     "KV_ROLES",
     "FUSED_ROLES",
     "TARGET_LAYERS",
+    "DIGEST_KEY",
+    "MAC_KEY",
 ]
 
 #: ``extra`` key of a snapshot whose trailing layers are a speculative drafter's (EAGLE's head, DeepSeek's
@@ -33,6 +35,13 @@ __all__ = [
 #: such a drafter keeps the drafter's KV in the same caches, so its snapshots hold both;
 #: :meth:`KVSnapshot.without_drafter` keeps the model's.
 TARGET_LAYERS = "hurray_vllm.target_layers"
+
+#: ``extra`` keys of a chunk's checksum (:mod:`hurray_vllm.containers.digest`) and of its MAC
+#: (:mod:`hurray_vllm.chunks.signing`). Both vouch for the layers they were computed over: a snapshot made
+#: of other layers drops them (:meth:`KVSnapshot.with_layers`), since ``load`` refuses a file whose data
+#: does not match the digest it carries.
+DIGEST_KEY = "hurray_vllm.chunk_digest"
+MAC_KEY = "hurray_vllm.chunk_mac"
 
 
 #: Bounds on what a fingerprint may claim (a sanity bound on hostile metadata, far above any model).
@@ -495,7 +504,16 @@ class KVSnapshot:
 
         The members say the kind: ``(fused,)`` singles, or ``(key, value)``
         pairs (also for a snapshot without layers yet, a header's shell).
+
+        A chunk's digest and MAC (``extra[DIGEST_KEY]``, ``extra[MAC_KEY]``)
+        are dropped: they are of the layers they were computed over, and a
+        repaged, compacted or head-sliced chunk saved with them would be
+        refused by ``load`` as damaged. :func:`~hurray_vllm.chunks.keys.chunks_of`
+        computes a new digest for each chunk it cuts.
         """
+        extra = changes.get("extra", self.extra)
+        if DIGEST_KEY in extra or MAC_KEY in extra:
+            changes["extra"] = {k: v for k, v in extra.items() if k not in (DIGEST_KEY, MAC_KEY)}
         if self.fused or (layers and len(layers[0]) == 1):
             return replace(self, keys=(), values=(), fused=tuple(m[0] for m in layers), **changes)
         return replace(self, keys=tuple(m[0] for m in layers), values=tuple(m[1] for m in layers), **changes)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import require
 from pyhurray_bridge import to_reference
 
@@ -540,10 +541,13 @@ def test_validate_permissive_checks_a_chunks_mac_permissively(
 
     from synthetic import example_chunk, save_unchecked
 
+    from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest
     from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
 
     ns, key, chunk = example_chunk()
     waivable = replace(chunk, token_ids=tuple(ids[:2] for ids in chunk.token_ids))  # fewer ids than KV tokens
+    # Its digest for what it holds, as a producer computes it before signing (load checks a carried digest).
+    waivable = replace(waivable, extra={**waivable.extra, DIGEST_KEY: chunk_digest(waivable)})
     path = tmp_path / ns / f"{key}.hrry"
     path.parent.mkdir()
     save_unchecked(sign_chunk(waivable, FleetKeys.from_secrets(b"k" * 32), ns, key), path)
@@ -558,6 +562,33 @@ def test_validate_permissive_checks_a_chunks_mac_permissively(
     other.write_bytes(b"o" * 32)
     other.chmod(0o600)
     assert main(["validate", "--permissive", "--key-file", str(other), str(path)]) == 1  # the MAC is still checked
+
+
+def test_validate_says_a_store_chunk_whose_pools_do_not_match_its_digest_is_damaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: without --key-file a chunk with a flipped pool byte was "valid" (exit 0) while the
+    connector refused and quarantined it; fsck found it. validate now says what load and the connector say."""
+    from synthetic import example_chunk
+
+    from hurray_vllm.chunks import DirectoryStore, fsck
+
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    path = store.path(ns, key)
+    assert main(["validate", str(path)]) == 0
+    capsys.readouterr()
+    raw = bytearray(path.read_bytes())
+    pool = chunk.values[-1].page_pool.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    at = raw.rfind(pool)  # the last value pool: nothing after it in the file says what its bytes must be
+    assert at > 0
+    raw[at + 5] ^= 0x10
+    path.write_bytes(bytes(raw))
+    damaged = "snapshot.digest: chunk data does not match its digest (corrupt transfer?)"
+    assert main(["validate", str(path)]) == 1
+    assert capsys.readouterr().out == f"error: {damaged}\n"
+    assert [why for _, why in fsck(store).damaged] == [damaged]  # what fsck has said all along
 
 
 def test_a_path_of_the_wrong_kind_is_the_callers_mistake_exit_2(

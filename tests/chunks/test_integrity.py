@@ -15,10 +15,11 @@ from synthetic import FP8, make_snapshot
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
-from hurray_vllm.chunks.digest import DIGEST_KEY, _encoded_descriptor, digest_matches, digest_tensors
+from hurray_vllm.chunks.digest import DIGEST_KEY, digest_matches, digest_tensors
 from hurray_vllm.chunks.keys import chunks_of, namespace_of
 from hurray_vllm.chunks.store import DirectoryStore, load_chunk
 from hurray_vllm.chunks.verify import begin_check_data
+from hurray_vllm.containers.digest import _encoded_descriptor
 from hurray_vllm.kv.snapshot import KVSnapshot
 from hurray_vllm.wire.descriptor import PerTensorAffine, encode_descriptor
 

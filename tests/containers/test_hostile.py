@@ -671,3 +671,106 @@ def test_sections_beyond_a_reads_bound_are_refused_before_they_are_read(tmp_path
     with HrryFile(with_kv) as hf:  # no bound: as before
         assert hf.kv == {"note": "n" * 1000}
         assert torch.equal(hf.read(hf.entries[0]).buffers[0], torch.zeros(4, dtype=torch.uint8))
+
+
+# ── a chunk's digest: load, validate and the chunk store's consumers give one verdict ──
+
+
+def _flipped(chunk: KVSnapshot, tensor: int, at: int, xor: int) -> KVSnapshot:
+    """``chunk`` with byte ``at`` of its ``tensor``-th digested page pool xor-ed with ``xor``; its digest kept."""
+    from dataclasses import replace
+
+    from hurray_vllm.chunks.digest import digest_tensors
+
+    tensors = digest_tensors(chunk)
+    t = tensors[tensor]
+    raw = t.page_pool.contiguous().clone()
+    flat = raw.view(-1).view(torch.uint8)
+    flat[at % flat.numel()] ^= xor
+    tensors[tensor] = replace(t, page_pool=raw)
+    n = chunk.num_layers
+    return replace(chunk, keys=tuple(tensors[:n]), values=tuple(tensors[n:]))
+
+
+@settings(max_examples=FUZZ_EXAMPLES // 10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from([".hrry", ".hrrs", ".safetensors"]), data=st.data())
+def test_a_chunk_whose_pools_do_not_match_its_digest_is_refused_by_load_and_validate_as_by_its_consumers(
+    tmp_path: Path, fmt: str, data: st.DataObject
+) -> None:
+    """Found by a review: a store chunk with a flipped pool byte was valid to ``hurray-vllm validate`` and
+    ``hv.load`` (without --key-file nothing checked its CRC-32C digest) while the connector refused and
+    quarantined it. Now every reader of a file says what the connector says: ``snapshot.digest``, damaged."""
+    from synthetic import example_chunk
+
+    from hurray_vllm.chunks.digest import DIGEST_MISMATCH, digest_tensors
+    from hurray_vllm.chunks.store import DirectoryStore
+    from hurray_vllm.chunks.verify import check_data
+    from hurray_vllm.containers.safetensors import save_safetensors
+
+    ns, key, chunk = example_chunk()
+    tensor = data.draw(st.integers(0, len(digest_tensors(chunk)) - 1), label="tensor")
+    damaged = _flipped(chunk, tensor, data.draw(st.integers(0, 1 << 20), label="at"), data.draw(st.integers(1, 255)))
+    store = DirectoryStore(tmp_path / "store")
+    if fmt == ".hrry":  # as the store holds it
+        store.put(ns, key, damaged, replace=True)
+        path = store.path(ns, key)
+    elif fmt == ".hrrs":
+        path = tmp_path / "chunk.hrrs"
+        save_unchecked(damaged, path)
+    else:
+        path = tmp_path / "chunk.safetensors"
+        save_safetensors(damaged, path)
+    for permissive, mmap in ((False, False), (False, True), (True, False)):
+        with pytest.raises(hv.HurrayFormatError) as refused:
+            hv.load(path, permissive=permissive, mmap=mmap)
+        assert (refused.value.field, str(refused.value)) == ("snapshot.digest", f"snapshot.digest: {DIGEST_MISMATCH}")
+        checked = hv.validate(path, permissive=permissive)
+        assert not checked.ok and checked.errors == refused.value.violations
+    if fmt != ".safetensors":  # the same verdict from bytes read first
+        with pytest.raises(hv.HurrayFormatError) as ahead:
+            load_file_bytes(read_file(path))
+        assert str(ahead.value) == str(refused.value)
+    if fmt == ".hrry":  # the same error a consumer (connector, fsck) gives for it
+        with pytest.raises(hv.HurrayFormatError) as consumer:
+            check_data(store.get(ns, key))
+        assert str(consumer.value) == str(refused.value)
+
+
+@pytest.mark.parametrize("digest", ["crc32:00000000", "00", "sha3/v2:00000000", 7])
+def test_a_chunk_digest_that_cannot_be_checked_here_is_no_verdict_on_the_file(tmp_path: Path, digest: Any) -> None:
+    """An old (0.1), unknown or malformed digest: consumers refuse the chunk but leave it (no damage found),
+    fsck lists it as unverified; ``load`` and ``validate`` read it, as before."""
+    from dataclasses import replace
+
+    from synthetic import example_chunk
+
+    from hurray_vllm.chunks.digest import DIGEST_KEY
+
+    _, _, chunk = example_chunk()
+    for fmt in (".hrry", ".hrrs"):
+        path = tmp_path / f"old{fmt}"
+        hv.save(replace(chunk, extra={**chunk.extra, DIGEST_KEY: digest}), path)
+        assert hv.load(path).extra[DIGEST_KEY] == digest
+        assert hv.validate(path).ok
+
+
+def test_save_writes_no_chunk_whose_data_does_not_match_its_digest(tmp_path: Path) -> None:
+    """What load refuses is not written: a chunk changed after its digest was computed is refused by save."""
+    from synthetic import example_chunk
+
+    from hurray_vllm.chunks.digest import DIGEST_MISMATCH
+
+    _, _, chunk = example_chunk()
+    damaged = _flipped(chunk, 0, 0, 1)
+    # validate() of the snapshot in memory says what save() does: ok is what save writes.
+    checked = hv.validate(damaged)
+    assert not checked.ok and [v.invariant for v in checked.errors] == ["snapshot.digest"]
+    assert hv.validate(chunk).ok
+    for fmt in (".hrry", ".hrrs", ".safetensors"):
+        with pytest.raises(hv.HurrayFormatError) as refused:
+            hv.save(damaged, tmp_path / f"c{fmt}")
+        assert str(refused.value) == f"snapshot.digest: {DIGEST_MISMATCH}"
+        assert checked.errors == refused.value.violations
+        assert not (tmp_path / f"c{fmt}").exists()
+        hv.save(chunk, tmp_path / f"c{fmt}")  # intact: written, and read back
+        assert hv.load(tmp_path / f"c{fmt}").extra == chunk.extra

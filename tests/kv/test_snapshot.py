@@ -297,3 +297,37 @@ def test_a_latent_split_or_states_the_reader_refuses_do_not_validate(tmp_path: P
         bad = replace(snap, states=states)
         assert f"snapshot.states.{field}" in {v.invariant for v in bad.validate().errors}
         assert _reads_back(bad) is None
+
+
+def test_a_snapshot_made_of_other_layers_carries_no_chunk_digest_or_mac(tmp_path: Path) -> None:
+    """A chunk's digest and MAC are of the layers they were computed over: a snapshot derived from a chunk with
+    other layers (repaged, compacted, a slice of its heads, without a drafter) drops them, so that it is saved
+    and read back as the snapshot it is, not refused as a damaged chunk (``load`` checks a carried digest)."""
+    from synthetic import example_chunk
+
+    from hurray_vllm.chunks.digest import DIGEST_KEY, MAC_KEY, chunk_digest, digest_matches
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+    from hurray_vllm.kv.heads import select_heads
+    from hurray_vllm.kv.repage import repage_snapshot
+
+    ns, key, chunk = example_chunk()
+    noted = replace(chunk, extra={"note": 1})
+    noted = replace(noted, extra={**noted.extra, DIGEST_KEY: chunk_digest(noted)})
+    signed = sign_chunk(noted, FleetKeys.from_secrets(b"k" * 32), ns, key)
+    assert {DIGEST_KEY, MAC_KEY} <= set(signed.extra) and digest_matches(signed)
+    derived = {
+        "repaged": repage_snapshot(signed, 2),
+        "compacted": signed.compact(),
+        "heads": select_heads(signed, range(0, 1)),
+        "without drafter": replace(signed, extra={**signed.extra, TARGET_LAYERS: 2}).without_drafter(),
+    }
+    for what, snap in derived.items():
+        assert snap.extra == {"note": 1}, what
+        hv.save(snap, tmp_path / "d.hrry")
+        assert hv.load(tmp_path / "d.hrry").extra == {"note": 1}, what
+    assert digest_matches(hv.load(_saved(signed, tmp_path / "c.hrry")))  # the chunk itself keeps them
+
+
+def _saved(snap: hv.KVSnapshot, path: Path) -> Path:
+    hv.save(snap, path)
+    return path

@@ -70,6 +70,43 @@ def test_a_state_goes_with_the_chunk_that_ends_where_it_was_taken() -> None:
     assert elsewhere.states is None  # taken at token 6, which ends no chunk
 
 
+def test_a_chunks_states_sit_at_its_end_in_the_prefix_not_at_its_seq_lens(tmp_path: Path) -> None:
+    """Not a format rule that states sit at ``seq_lens``: a chunk's sit at its end counted from the start of the
+    whole prefix (docs/format.md 2.3c), while its ``seq_lens`` counts its own tokens. A file cannot tell where its
+    prefix began (a chunk holds its own tokens only), so validate and load take any position (>= 0) and each
+    consumer compares it with the token it resumes at: the scheduler and worker with ``hit * chunk``, the
+    transformers importer with the length it imports."""
+    from synthetic import make_snapshot
+
+    from hurray_vllm.chunks.keys import namespace_of
+    from hurray_vllm.chunks.store import DirectoryStore
+    from hurray_vllm.chunks.verify import check_data
+
+    kv = make_snapshot([8, 3], [0, 0], 4, heads=2, dim=8, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    tensors = tuple((torch.randn(2, 3, 16, generator=gen), torch.randn(2, 2, 8, 8, generator=gen)) for _ in range(3))
+    snap = replace(
+        kv,
+        token_ids=(tuple(range(100, 108)), (7, 8, 9)),
+        fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 2, 2, 8, "float16"),
+        states=hv.RecurrentStates("gdn_attn", (0, 1, 2), ("conv", "ssm"), (8, 3), tensors),
+    )
+    assert snap.validate().ok  # the whole snapshot's sit at its seq_lens
+    (_, first), (key, second) = chunks_of(snap, 4)  # sequence 0's two chunks; sequence 1 (3 tokens) has none
+    assert first.states is None and second.states is not None
+    assert second.seq_lens == [4] and second.states.positions == (8,)  # tokens 4..8 of the prefix
+    assert second.validate().ok and hv.validate(second).ok
+    assert second.fingerprint is not None
+    ns = namespace_of(second.fingerprint)
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, second)
+    path = store.path(ns, key)
+    assert hv.validate(path).ok
+    back = hv.load(path)
+    assert back.seq_lens == [4] and back.states is not None and back.states.positions == (8,)
+    check_data(store.get(ns, key))  # and a consumer's data check takes it (its resume check is its own)
+
+
 def test_the_chunk_digest_covers_the_states() -> None:
     snap = _hybrid()
     base = chunk_digest(snap)

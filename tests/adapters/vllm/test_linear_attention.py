@@ -34,6 +34,7 @@ from engine_script import run_engine_script
 from margins import agreement, assert_agrees, assert_continues
 from prefetch import prefetched
 from servers import side_by_side
+from synthetic import save_unchecked
 from tiny_models import build_tiny_qwen3_next
 
 import hurray_vllm as hv
@@ -74,11 +75,16 @@ def _chunk_path(store: Path, prompt: list[int], chunk: int, index: int) -> Path:
 
 
 def _rewrite(path: Path, states: Any, *, redigest: bool = True) -> None:
-    """Store the chunk at ``path`` again with other ``states`` (and, unless told otherwise, a matching digest)."""
+    """Store the chunk at ``path`` again with other ``states`` (and, unless told otherwise, a matching digest).
+
+    Without one it is a damaged chunk, which ``hv.save`` refuses to write (``load`` would refuse it): written
+    unchecked, as a disk or a transfer would leave it.
+    """
     snap = replace(hv.load(path), states=states)
-    if redigest:
-        snap = replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
-    hv.save(snap, path)
+    if not redigest:
+        save_unchecked(snap, path)
+        return
+    hv.save(replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)}), path)
 
 
 def _linear_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
