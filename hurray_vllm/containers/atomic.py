@@ -43,13 +43,21 @@ from typing import BinaryIO
 __all__ = ["atomic_path", "atomic_file"]
 
 
-def _create_temp(target: Path, like: os.stat_result | None = None) -> Path:
-    """A new, empty temporary file beside ``target``.
+def _create_temp(target: Path, like: os.stat_result | None = None) -> tuple[Path, int, os.stat_result]:
+    """A new, empty temporary file beside ``target``, and the descriptor that created it, open for writing.
+
+    The data goes through that descriptor (:func:`atomic_file`), or the file is left owner-writable until
+    it is complete (:func:`atomic_path`, whose writer opens it by name): under a umask such as ``0o222`` the
+    kernel creates the file read-only, as ``open()`` would, and a second ``open`` for writing is refused.
 
     Args:
         target: The file the temporary file will be renamed to.
         like: The regular file it replaces: the temporary file gets its mode, and its owner and group where
             this process may set them. ``None``: the mode ``open()`` gives (0666 less the umask).
+
+    Returns:
+        The temporary file's path; a descriptor open for writing on it (the caller closes it); and whose
+        mode, owner and group it must have once written (``like``, or what the kernel gave it).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     for _ in range(100):
@@ -62,17 +70,19 @@ def _create_temp(target: Path, like: os.stat_result | None = None) -> Path:
         except OSError as exc:  # name the directory the user gave, not the temporary name
             raise OSError(exc.errno, exc.strerror, os.fspath(target.parent)) from None
         try:
-            if like is not None:
-                # Writable by its owner while it is written (a read-only target would refuse the writer), never
-                # wider than ``like`` for anyone else: atomic_path gives it ``like``'s exact mode at the end.
-                writing = stat.S_IMODE(like.st_mode) | stat.S_IRUSR | stat.S_IWUSR
-                _keep_owner_and_mode(fd if os.chmod in os.supports_fd else tmp, like, writing)
+            # What the file lands with: the replaced file's owner and mode, or what the kernel gave a new one (umask).
+            final = like if like is not None else os.fstat(fd)
+            # Writable by its owner while it is written (a read-only target, or a umask without the owner's write
+            # bit, would refuse a writer that opens it by name), never wider than ``final`` for anyone else: it
+            # gets ``final``'s exact mode at the end.
+            writing = stat.S_IMODE(final.st_mode) | stat.S_IRUSR | stat.S_IWUSR
+            if like is not None or writing != stat.S_IMODE(final.st_mode):
+                _keep_owner_and_mode(fd if os.chmod in os.supports_fd else tmp, final, writing)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        return tmp
+        return tmp, fd, final
     raise FileExistsError(errno.EEXIST, "no free temporary file name", os.fspath(target.parent))
 
 
@@ -109,14 +119,61 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _target(path: str | os.PathLike[str], follow_symlinks: bool) -> tuple[Path, os.stat_result | None]:
+    """The file to replace (through a symbolic link where ``follow_symlinks``), and the regular file it is now."""
+    target = Path(path)
+    try:
+        # Through a symlink by default: its target is what is replaced.
+        old: os.stat_result | None = os.stat(target, follow_symlinks=follow_symlinks)
+    except FileNotFoundError:
+        old = None
+    mode = old.st_mode if old is not None else None
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISLNK(mode):
+        # Renaming over a directory fails late; over /dev/stdout or a FIFO it would replace the device entry.
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory (give a file path to write)", os.fspath(path))
+        raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket): give a file path", os.fspath(path))
+    if follow_symlinks and target.is_symlink():
+        target = Path(os.path.realpath(target))
+    # A link replaced itself (follow_symlinks=False) has no mode worth keeping: the file gets the umask's.
+    return target, old if old is not None and stat.S_ISREG(old.st_mode) else None
+
+
+def _settle(file: int | Path, final: os.stat_result) -> None:
+    """Give ``file`` (a descriptor or the temporary path) ``final``'s mode, owner and group, if it has others yet.
+
+    Not yet final: owner-writable while written, or a writer that made its own file (safetensors: 0600).
+    """
+    now = os.stat(file)
+    if (stat.S_IMODE(now.st_mode), now.st_uid, now.st_gid) != (
+        stat.S_IMODE(final.st_mode),
+        final.st_uid,
+        final.st_gid,
+    ):
+        _keep_owner_and_mode(file, final)
+
+
+def _fsync_path(tmp: Path) -> None:
+    """Flush the file at ``tmp`` (written by a writer that opened it by name) to disk."""
+    cloexec = getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | cloexec)  # no O_TRUNC: the data stays
+    except PermissionError:  # a writer that made its own read-only file: Linux syncs through any descriptor
+        fd = os.open(tmp, os.O_RDONLY | cloexec)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True, follow_symlinks: bool = True) -> Iterator[Path]:
     """A temporary path to write; renamed to ``path`` when the block ends without an error.
 
     For writers that take a file name (safetensors' ``save_file``). The
-    temporary file exists (empty) when the block starts, with the mode (and,
-    where allowed, the owner) of the regular file it replaces, else the mode
-    ``open()`` gives a new file.
+    temporary file exists (empty) when the block starts, writable by its
+    owner; it lands with the mode (and, where allowed, the owner) of the
+    regular file it replaces, else the mode ``open()`` gives a new file.
 
     Args:
         path: The file to create or replace.
@@ -133,45 +190,20 @@ def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True, follow_syml
         >>> (d / "x.bin").read_bytes()
         b'whole'
     """
-    target = Path(path)
+    target, like = _target(path, follow_symlinks)
+    tmp, fd, final = _create_temp(target, like)
+    os.close(fd)  # the writer opens it by name: it is owner-writable until it is complete
     try:
-        # Through a symlink by default: its target is what is replaced.
-        old: os.stat_result | None = os.stat(target, follow_symlinks=follow_symlinks)
-    except FileNotFoundError:
-        old = None
-    mode = old.st_mode if old is not None else None
-    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISLNK(mode):
-        # Renaming over a directory fails late; over /dev/stdout or a FIFO it would replace the device entry.
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(errno.EISDIR, "Is a directory (give a file path to write)", os.fspath(path))
-        raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket): give a file path", os.fspath(path))
-    if follow_symlinks and target.is_symlink():
-        target = Path(os.path.realpath(target))
-    directory = target.parent
-    # A link replaced itself (follow_symlinks=False) has no mode worth keeping: the file gets the umask's.
-    like = old if old is not None and stat.S_ISREG(old.st_mode) else None
-    tmp = _create_temp(target, like)
-    try:
-        # What the file lands with: the replaced file's owner and mode, or what the kernel gave a new one (umask).
-        final = like if like is not None else os.stat(tmp)
         yield tmp
         if fsync:
-            with open(tmp, "rb+") as f:  # before the final mode, which may not let its owner write
-                os.fsync(f.fileno())
-        now = os.stat(tmp)
-        # Not yet final: owner-writable while written, or a writer that made its own file (safetensors: 0600).
-        if (stat.S_IMODE(now.st_mode), now.st_uid, now.st_gid) != (
-            stat.S_IMODE(final.st_mode),
-            final.st_uid,
-            final.st_gid,
-        ):
-            _keep_owner_and_mode(tmp, final)
+            _fsync_path(tmp)
+        _settle(tmp, final)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if fsync:
-        _fsync_dir(directory)
+        _fsync_dir(target.parent)
 
 
 @contextlib.contextmanager
@@ -179,6 +211,10 @@ def atomic_file(
     path: str | os.PathLike[str], *, fsync: bool = True, follow_symlinks: bool = True
 ) -> Iterator[BinaryIO]:
     """A binary file to write; it replaces ``path`` when the block ends without an error.
+
+    The data goes through the descriptor that created the temporary file, never a second ``open``
+    of it: under a umask such as ``0o222`` the file is created read-only, as ``open()`` would create
+    it, and lands so.
 
     Args:
         path: The file to create or replace.
@@ -193,8 +229,20 @@ def atomic_file(
         >>> (d / "x.bin").read_bytes()
         b'whole'
     """
-    # atomic_path syncs the data and then the directory the file was renamed into: through a symbolic link,
-    # that is the link target's directory, not the link's.
-    with atomic_path(path, fsync=fsync, follow_symlinks=follow_symlinks) as tmp:
-        with open(tmp, "wb") as f:  # truncates the same inode: its owner and mode stay
+    # Syncs the data and then the directory the file was renamed into: through a symbolic link, that is the
+    # link target's directory, not the link's.
+    target, like = _target(path, follow_symlinks)
+    tmp, fd, final = _create_temp(target, like)
+    try:
+        with os.fdopen(fd, "wb") as f:
             yield f
+            f.flush()
+            if fsync:
+                os.fsync(fd)
+            _settle(fd if os.chmod in os.supports_fd else tmp, final)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(target.parent)

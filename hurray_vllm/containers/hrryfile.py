@@ -29,13 +29,19 @@ from typing import Any, BinaryIO
 import torch
 
 from .. import native
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..wire.crc32c import crc32c
-from ..wire.descriptor import LAYOUT_COMPOSITE, TensorDescriptor, encode_descriptor, peek_descriptor_length
+from ..wire.descriptor import (
+    LAYOUT_COMPOSITE,
+    MAX_DESCRIPTOR_LEN,
+    TensorDescriptor,
+    encode_descriptor,
+    peek_descriptor_length,
+)
 from ..wire.rules import decode_checked
 from .atomic import atomic_file
-from .schema import MAX_RECORDS, Record
-from .stream import byte_view, read_into, tensor_bytes
+from .schema import MAX_BUFFERS, MAX_RECORDS, Record
+from .stream import byte_view, check_buffers, read_into, tensor_bytes
 
 __all__ = ["FILE_MAGIC", "write_file", "file_size", "HrryFile", "IndexEntry"]
 
@@ -77,35 +83,69 @@ class IndexEntry:
 # ── KV metadata ─────────────────────────────────────────────────────────────
 
 
-def _kv_value(v: Any) -> bytes:
+def _kv_value(v: Any, field: str, item: int | None = None) -> bytes:
+    """``v`` encoded as a KV value; :class:`HurrayArgumentError` (``field``) for what no reader would read back.
+
+    ``item``: ``v``'s position in the array being encoded (an array holds scalars only: a reader refuses
+    a nested one, so the file would open nowhere).
+    """
+    where = "" if item is None else f"item {item}: "
     if isinstance(v, bool):
         return struct.pack("<BB", _KV_BOOL, int(v))
     if isinstance(v, int):
-        return struct.pack("<Bq", _KV_I64, v) if v < 2**63 else struct.pack("<BQ", _KV_U64, v)
+        if -(1 << 63) <= v < 1 << 63:
+            return struct.pack("<Bq", _KV_I64, v)
+        if 0 <= v < 1 << 64:
+            return struct.pack("<BQ", _KV_U64, v)
+        raise HurrayArgumentError(field, f"{where}{v} fits neither int64 nor uint64")
     if isinstance(v, float):
         return struct.pack("<Bd", _KV_F64, v)
-    if isinstance(v, str):
-        b = v.encode()
-        return struct.pack("<BI", _KV_STR, len(b)) + b
-    if isinstance(v, (bytes, bytearray)):
-        return struct.pack("<BI", _KV_BYTES, len(v)) + bytes(v)
+    if isinstance(v, str | bytes | bytearray):
+        try:
+            b = v.encode() if isinstance(v, str) else bytes(v)
+        except UnicodeEncodeError as exc:  # a lone surrogate: no UTF-8 for it
+            raise HurrayArgumentError(field, f"{where}a string with no UTF-8 form ({exc.reason})") from None
+        if len(b) > 0xFFFFFFFF:
+            raise HurrayArgumentError(field, f"{where}{len(b)} bytes, more than a KV value holds (2**32 - 1)")
+        return struct.pack("<BI", _KV_STR if isinstance(v, str) else _KV_BYTES, len(b)) + b
     if isinstance(v, list):
-        items = [_kv_value(x) for x in v]
+        if item is not None:
+            raise HurrayArgumentError(field, f"{where}a KV array holds scalars, not arrays")
+        items = [_kv_value(x, field, i) for i, x in enumerate(v)]
         tags = {i[0] for i in items}
         if len(tags) > 1:
-            raise HurrayFormatError("kv", "a KV array must hold one value type")
+            raise HurrayArgumentError(
+                field, "a KV array must hold one value type (int64 and uint64 count as two, as do int and bool)"
+            )
+        if len(items) > 0xFFFFFFFF:
+            raise HurrayArgumentError(field, f"{len(items)} items, more than a KV array holds (2**32 - 1)")
         tag = tags.pop() if tags else _KV_I64
         return struct.pack("<BBI", _KV_ARRAY, tag, len(items)) + b"".join(i[1:] for i in items)
-    raise HurrayFormatError("kv", f"unsupported KV value type {type(v).__name__}")
+    raise HurrayArgumentError(
+        field, f"{where}unsupported KV value type {type(v).__name__} (str, int, float, bool, bytes or a list of one)"
+    )
 
 
 def encode_kv(kv: dict[str, Any]) -> bytes:
+    """A ``.hrry`` file's KV section for ``kv``.
+
+    Raises:
+        HurrayArgumentError: ``kv`` is not a dict, a key is not a string of 1..65535 UTF-8 bytes
+            (field ``kv``), or a value cannot be written (field ``kv.<key>``).
+    """
+    if not isinstance(kv, dict):
+        raise HurrayArgumentError("kv", f"expected a dict of str keys, not {type(kv).__name__}")
     parts = [struct.pack("<I", len(kv))]
     for k, v in kv.items():
-        kb = k.encode()
+        if not isinstance(k, str):
+            raise HurrayArgumentError("kv", f"key {k!r} is not a string")
+        try:
+            kb = k.encode()
+        except UnicodeEncodeError as exc:
+            raise HurrayArgumentError("kv", f"key {k!r} has no UTF-8 form ({exc.reason})") from None
         if not 1 <= len(kb) <= 0xFFFF:
-            raise HurrayFormatError("kv.key", f"KV key {k!r} must be 1..65535 bytes")
-        parts.append(struct.pack("<H", len(kb)) + kb + _kv_value(v))
+            raise HurrayArgumentError("kv", f"key {k!r} must be 1..65535 bytes")
+        parts.append(struct.pack("<H", len(kb)) + kb + _kv_value(v, f"kv.{k}"))
     return b"".join(parts)
 
 
@@ -211,9 +251,14 @@ def write_file(
     caches whose readers verify a checksum anyway, where durability across
     a power loss is not worth a disk flush per file. ``follow_symlinks``:
     see :func:`~hurray_vllm.containers.atomic.atomic_path`.
+
+    Raises:
+        HurrayArgumentError: an argument the file cannot hold, before anything is written: ``alignment``
+            (a power of two in [4096, 2 MiB]), ``kv`` (:func:`encode_kv`), a record without a name or
+            with another's (``name``), a record whose buffers are not those its descriptor declares
+            (:func:`~.stream.check_buffers`).
     """
-    if alignment < 4096 or alignment > (2 << 20) or alignment & (alignment - 1):
-        raise HurrayFormatError("data_buffer_alignment", f"{alignment} is not a power of two in [4096, 2 MiB]")
+    _check_alignment(alignment)
     with atomic_file(path, fsync=fsync, follow_symlinks=follow_symlinks) as raw:
         size = _write(records, raw, kv, alignment)
     return size
@@ -236,9 +281,22 @@ def file_size(
     return _write(records, _Discard(), kv, alignment)  # type: ignore[arg-type]  # only .write is used
 
 
+def _check_alignment(alignment: int) -> None:
+    if (
+        not isinstance(alignment, int)
+        or isinstance(alignment, bool)
+        or not 4096 <= alignment <= 2 << 20
+        or alignment & (alignment - 1)
+    ):
+        raise HurrayArgumentError("alignment", f"{alignment!r} is not a power of two in [4096, 2 MiB]")
+
+
 def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, alignment: int) -> int:
+    _check_alignment(alignment)
+    # Before the first record is taken from ``records`` (it may be a generator that cannot be read twice).
+    kv_bytes = b"" if kv is None or kv == {} else encode_kv(kv)
     out = _Counter(raw)
-    flags = FLAG_HAS_CRC | (FLAG_HAS_KV if kv else 0)
+    flags = FLAG_HAS_CRC | (FLAG_HAS_KV if kv_bytes else 0)
     out.write(
         b"HRRYFILE"
         + struct.pack("<BBHIIQQ", 1, 0, 0, flags, alignment, HEADER_LEN, 0xFFFFFFFFFFFFFFFF)[:28]
@@ -248,10 +306,11 @@ def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, 
     seen: set[str] = set()
     for rec in records:
         if not rec.name:
-            raise HurrayFormatError("name", "every tensor in a .hrry file needs a name")
+            raise HurrayArgumentError("name", "every tensor in a .hrry file needs a name")
         if rec.name in seen:
-            raise HurrayFormatError("name", f"duplicate tensor name {rec.name!r}")
+            raise HurrayArgumentError("name", f"duplicate tensor name {rec.name!r}")
         seen.add(rec.name)
+        check_buffers(rec, rec.name)
         out.pad_to(8)
         desc_off = out.pos
         raw_desc = encode_descriptor(rec.descriptor)
@@ -268,9 +327,8 @@ def _write(records: Iterable[Record], raw: BinaryIO, kv: dict[str, Any] | None, 
             out.write(tensor_bytes(t))
         entries.append(IndexEntry(rec.name, desc_off, len(raw_desc), data_off, out.pos - data_off))
     kv_off = kv_len = 0
-    if kv:
+    if kv_bytes:
         out.pad_to(8)
-        kv_bytes = encode_kv(kv)
         kv_off, kv_len = out.pos, len(kv_bytes)
         out.write(kv_bytes)
     out.pad_to(8)
@@ -760,7 +818,9 @@ class HrryFile:
 
     def read(self, entry: IndexEntry, *, permissive: bool = False) -> Record:
         """The record of ``entry``; its descriptor is validated before any buffer."""
-        desc = self.descriptor(entry, permissive=permissive)
+        return self._record(entry, self.descriptor(entry, permissive=permissive))
+
+    def _record(self, entry: IndexEntry, desc: TensorDescriptor) -> Record:
         spans = self.buffer_spans(entry, desc)
         return Record(entry.name, desc, [self.buffer(pos, size, entry.name, i) for i, (pos, size) in enumerate(spans)])
 
@@ -770,6 +830,12 @@ class HrryFile:
         n = entry.descriptor_length
         if self._max_section is not None and n > self._max_section:  # the field's name only when refusing
             self._check_section(n, entry.name + ".descriptor")
+        if n > MAX_DESCRIPTOR_LEN:  # as peek_descriptor_length refuses it, but before the bytes are read
+            raise HurrayFormatError(
+                "descriptor_length",
+                f"{entry.name}: the index gives its descriptor {n} bytes, over this reader's "
+                f"{MAX_DESCRIPTOR_LEN}-byte limit for one descriptor",
+            )
         raw = self._read_at(entry.descriptor_offset, n, entry.name, ".descriptor")
         own = peek_descriptor_length(raw)
         if own != n:
@@ -831,6 +897,15 @@ class HrryFile:
         return self._map
 
     def records(self, *, permissive: bool = False) -> Iterator[Record]:
-        """Every record of the file, in index order (``permissive`` as for :meth:`read`)."""
+        """Every record of the file, in index order (``permissive`` as for :meth:`read`).
+
+        Refused (:class:`HurrayFormatError`, field ``buffer_count``) before the buffers of the record
+        that brings the file past :data:`~.schema.MAX_BUFFERS` buffers are read, as a stream is.
+        """
+        count = 0
         for e in self.entries:
-            yield self.read(e, permissive=permissive)
+            desc = self.descriptor(e, permissive=permissive)
+            count += len(desc.buffers)
+            if count > MAX_BUFFERS:
+                raise HurrayFormatError("buffer_count", f"{e.name} brings the file past {MAX_BUFFERS} buffers in all")
+            yield self._record(e, desc)

@@ -347,7 +347,10 @@ def load(
         path: The file.
         permissive: Accept what the spec allows but this library would not write
             (only violations that make the data unreadable are refused).
-        mmap: Map a ``.hrry`` file's page pools instead of reading them.
+        mmap: Map a ``.hrry`` file's page pools instead of reading them. The pools are then the file's
+            pages: if another process truncates the file in place while they are in use, reading one
+            kills this process with ``SIGBUS`` (inherent to ``mmap``; :func:`save` replaces a file by
+            renaming a new one over it, which a mapping survives).
         progress: Show a progress bar on a terminal.
 
     Returns:

@@ -69,6 +69,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_RECORDS",
+    "MAX_BUFFERS",
     "snapshot_records",
     "group_records",
     "assemble_snapshot",
@@ -97,6 +98,12 @@ MAX_COMPOSITE_DEPTH = 8
 #: snapshot has 4 per layer plus 4; the bound keeps a crafted input of a million tiny records from costing
 #: hundreds of MiB of bookkeeping (measured: 28 MiB of input, +330 MiB and 14 s, before the bound).
 MAX_RECORDS = 1 << 16
+#: Buffers one input may hold, all its records together. Each costs the reader a tensor (~0.5 KB) for 16 bytes
+#: of descriptor, empty or not: a group of 8,000 records of 255 empty buffers each (31 MiB of input) cost 18 s
+#: and +1.1 GiB before this bound, and the record bound alone admits 16.7 million (65,536 x 255). hurray-vllm's
+#: own layout has at most 12 per 5 records (a layer group of quantized K and V), so every snapshot the record
+#: bound admits stays under this one; at the bound a reader holds ~150 MB of buffers at worst.
+MAX_BUFFERS = 4 * MAX_RECORDS
 _MAX_META_BYTES = 64 << 20
 _MAX_DIM = (1 << 63) - 1  # torch's sizes are int64
 _SMALL_TOKENS = 8192  # token ids and offsets below which split_tokens works on Python lists
@@ -175,9 +182,13 @@ _INT64_TAG = dtypes.from_torch(torch.int64).tag
 
 
 def dense_record(name: str, tensor: torch.Tensor, alignment: int = 64) -> Record:
-    """A row-major record for a small CPU tensor."""
+    """A row-major record for a small CPU tensor.
+
+    Raises:
+        HurrayArgumentError: ``tensor``'s dtype has no Hurray element type (field ``name``).
+    """
     t = tensor.detach().contiguous()
-    et = dtypes.from_torch(t.dtype)
+    et = dtypes.from_torch(t.dtype, argument=name or "tensor")
     desc = TensorDescriptor(
         type_tag=et.tag,
         shape=tuple(int(s) for s in t.shape),
@@ -188,9 +199,13 @@ def dense_record(name: str, tensor: torch.Tensor, alignment: int = 64) -> Record
 
 
 def group_head(name: str, member_count: int, shape: Sequence[int], dtype: torch.dtype) -> Record:
-    """A data-less group (0x03) head binding the next ``member_count`` records."""
+    """A data-less group (0x03) head binding the next ``member_count`` records.
+
+    Raises:
+        HurrayArgumentError: ``dtype`` has no Hurray element type (field ``dtype``).
+    """
     desc = TensorDescriptor(
-        type_tag=dtypes.from_torch(dtype).tag,
+        type_tag=dtypes.from_torch(dtype, argument="dtype").tag,
         shape=tuple(int(s) for s in shape),
         layout_tag=LAYOUT_COMPOSITE,
         layout=CompositeFields(rule_tag=COMPOSITION_RULE_TAGS["group"], member_count=member_count),

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.paged import BlockPagedTensor
 from ..wire.descriptor import (
     LAYER_INDEX_NONE,
@@ -25,9 +26,9 @@ from ..wire.descriptor import (
     peek_descriptor_length,
 )
 from ..wire.rules import decode_checked
-from .schema import MAX_RECORDS, Record, dense_record, layer_records
+from .schema import MAX_BUFFERS, MAX_RECORDS, Record, dense_record, layer_records
 
-__all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view"]
+__all__ = ["write_records", "read_records", "tensor_bytes", "read_into", "byte_view", "check_buffers"]
 
 #: Below this a buffer of a non-seekable stream is allocated whole; above it,
 #: memory grows (doubling) with the bytes actually received, so a lying
@@ -57,10 +58,33 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray exports the buffer protocol
 
 
+def check_buffers(rec: Record, label: str) -> None:
+    """Raise :class:`HurrayArgumentError` unless ``rec``'s buffers are those its descriptor declares, in bytes.
+
+    A writer's check of what its caller handed it, before any of the record is written: a buffer
+    of another size would desynchronise a stream (every later record read from the wrong bytes)
+    and make a file no reader accepts. ``label``: the record's name in the error (``"layers.0.key"``,
+    ``"record 3"``); a buffer is ``"<label> buffer <i>"``. One size per buffer: no data is read.
+    """
+    declared = rec.descriptor.buffers
+    if len(rec.buffers) != len(declared):
+        raise HurrayArgumentError(label, f"holds {len(rec.buffers)} buffers, its descriptor declares {len(declared)}")
+    for i, (t, b) in enumerate(zip(rec.buffers, declared)):
+        n = t.numel() * t.element_size()
+        if n != b.byte_size:
+            raise HurrayArgumentError(f"{label} buffer {i}", f"holds {n} bytes, its descriptor declares {b.byte_size}")
+
+
 def write_records(records: Iterable[Record], f: BinaryIO) -> int:
-    """Write ``records`` to ``f`` as a Hurray stream; returns the bytes written."""
+    """Write ``records`` to ``f`` as a Hurray stream; returns the bytes written.
+
+    Raises:
+        HurrayArgumentError: a record's buffers are not those its descriptor declares (their count or
+            a buffer's size, :func:`check_buffers`), before any byte of that record is written.
+    """
     total = 0
-    for rec in records:
+    for index, rec in enumerate(records):
+        check_buffers(rec, rec.name or f"record {index}")
         raw = encode_descriptor(rec.descriptor)
         f.write(raw)
         total += len(raw)
@@ -72,13 +96,22 @@ def write_records(records: Iterable[Record], f: BinaryIO) -> int:
 
 
 def _remaining(f: BinaryIO) -> int | None:
-    """Bytes left in ``f`` when it is a regular seekable file, else ``None``."""
+    """Bytes left in ``f`` when its size is known, else ``None`` (buffers then grow as their bytes arrive).
+
+    Known for bytes in memory (:class:`io.BytesIO`) and for a regular file read as it is
+    (:class:`io.FileIO`, or a buffered reader over one). Not for any other object with a
+    ``fileno()``: a ``gzip.open(...)``, a tar member or a file opened at an offset has one, but
+    its descriptor's size is not the size of the stream it reads (a gzip file's is its compressed
+    size, and a valid stream was refused as data cut short).
+    """
     try:
-        if not f.seekable():
-            return None
         if isinstance(f, io.BytesIO):
             return len(f.getbuffer()) - f.tell()
-        return os.fstat(f.fileno()).st_size - f.tell()
+        raw = f.raw if isinstance(f, io.BufferedReader | io.BufferedRandom) else f
+        if not isinstance(raw, io.FileIO) or not f.seekable():
+            return None
+        st = os.fstat(raw.fileno())
+        return st.st_size - f.tell() if stat.S_ISREG(st.st_mode) else None
     except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
         return None
 
@@ -139,11 +172,14 @@ def read_records(f: BinaryIO, *, permissive: bool = False, limit: int | None = N
 
     Every descriptor is validated before its buffers are read. A stream that
     ends between records ends cleanly; one that ends inside a record raises
-    :class:`HurrayFormatError`. ``limit``: the bytes ``f`` holds where the
-    caller knows it and ``f`` cannot tell (a transport frame's length): a
-    buffer declared past it is refused before anything is allocated for it.
+    :class:`HurrayFormatError`, and so does one of more than
+    :data:`~.schema.MAX_RECORDS` records or :data:`~.schema.MAX_BUFFERS`
+    buffers. ``limit``: the bytes ``f`` holds where the caller knows it and
+    ``f`` cannot tell (a transport frame's length): a buffer declared past it
+    is refused before anything is allocated for it.
     """
     index = 0
+    buffer_count = 0
     left = limit
     while True:
         head = _read_upto(f, 10)
@@ -164,6 +200,12 @@ def read_records(f: BinaryIO, *, permissive: bool = False, limit: int | None = N
         if len(rest) != length - 10:
             raise HurrayFormatError("descriptor_length", f"stream ends inside descriptor {index}")
         desc = decode_checked(head + rest, f"descriptor {index}", permissive=permissive)
+        buffer_count += len(desc.buffers)
+        if buffer_count > MAX_BUFFERS:
+            # Before its buffers: each costs a tensor (~0.5 KB) for 16 bytes of descriptor, empty or not.
+            raise HurrayFormatError(
+                "buffer_count", f"descriptor {index} brings the stream past {MAX_BUFFERS} buffers in all"
+            )
         remaining = _remaining(f)
         if left is not None:
             left -= length

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 
 __all__ = ["ElementType", "aligned_bytes", "element_type", "from_torch", "from_tag", "torch_dtype", "widen_index"]
 
@@ -90,11 +90,25 @@ def element_type(name: str) -> ElementType:
         raise HurrayFormatError("type_tag", f"unknown element type name {name!r}") from None
 
 
-def from_torch(dtype: torch.dtype) -> ElementType:
-    """The Hurray element type that stores ``dtype`` bit for bit."""
+def from_torch(dtype: torch.dtype, *, argument: str | None = None) -> ElementType:
+    """The Hurray element type that stores ``dtype`` bit for bit.
+
+    Args:
+        dtype: The torch dtype.
+        argument: Where a caller passed ``dtype`` (a writer's tensor, ``"dtype"``): a dtype without
+            an element type is then :class:`HurrayArgumentError` naming it. Without it the error is
+            :class:`HurrayFormatError` (field ``type_tag``): tensors read from data meet this function too
+            (a safetensors file's pool of bools), and such data is what is wrong.
+
+    Raises:
+        HurrayFormatError: ``dtype`` has no Hurray element type (``argument`` not given).
+        HurrayArgumentError: the same, ``argument`` given.
+    """
     try:
         return _BY_TORCH[dtype]
     except KeyError:
+        if argument is not None:
+            raise HurrayArgumentError(argument, f"torch dtype {dtype} has no Hurray element type") from None
         raise HurrayFormatError("type_tag", f"torch dtype {dtype} has no Hurray element type") from None
 
 

@@ -8,7 +8,8 @@ a constructor:
 
 * :func:`loads_bounded` refuses ``NaN``/``Infinity``, floats that overflow,
   integers longer than 20 digits, nesting deeper than :data:`MAX_DEPTH`,
-  and anything that is not UTF-8 JSON;
+  more than :data:`MAX_VALUES` values, an object with a key twice, and
+  anything that is not UTF-8 JSON;
 * :class:`Fields` reads one object's members with their types checked
   (an ``int`` is never a ``bool`` or a ``float``) and their ranges bounded.
 
@@ -26,14 +27,23 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from ..errors import HurrayFormatError
 
-__all__ = ["MAX_DEPTH", "Fields", "loads_bounded"]
+__all__ = ["MAX_DEPTH", "MAX_VALUES", "Fields", "loads_bounded"]
 
 #: The deepest nesting of arrays and objects accepted (hurray-vllm writes at most 3).
 MAX_DEPTH = 32
+#: The most values (numbers, strings, arrays, objects, literals; object keys aside) one text may hold, refused
+#: before anything is built. Each costs the parser a Python object: 16 MiB of ``[{},{},...]`` (5.6 million
+#: objects) once cost +787 MiB and 10 s; at this bound the worst case (empty objects) is ~150 MB. What
+#: hurray-vllm writes holds a few values per sequence and layer at most: ``request_ids`` (one per sequence),
+#: ``states.positions`` (one per sequence) and ``windows.kv_start`` (one per layer and sequence, the largest:
+#: a 62-layer sliding-window model with 4,096 sequences in one snapshot, far beyond an engine's batch, is
+#: 254,000). The bound leaves 4 times that, and a million request ids.
+MAX_VALUES = 1 << 20
 #: Decimal digits of the longest integer accepted (2^64 has 20).
 _MAX_INT_DIGITS = 20
 _MISSING: Any = object()
@@ -56,13 +66,56 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+class _DuplicateKey(Exception):
+    """Raised by the object hook (not a ValueError: the parse's own errors are told apart from it)."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return obj
+
+
+#: A JSON string, escapes included (``re.DOTALL``: a backslash before any character).
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def _values_at_most(text: str) -> int:
+    """How many values ``text`` holds at most, if it is JSON (exact but for one more per empty array or object).
+
+    Every value but the outermost is an array's element or an object's member: the first of its
+    container, or after a comma. So the values are 1 + the commas + the non-empty containers, commas
+    and brackets inside strings aside. Counted on the whole text first (C speed, no copy: strings only
+    make it more); only a text over :data:`MAX_VALUES` there is counted again without its strings.
+    """
+    n = 1 + text.count(",") + text.count("[") + text.count("{")
+    if n > MAX_VALUES and '"' in text:
+        bare = _STRING.sub("", text)
+        n = 1 + bare.count(",") + bare.count("[") + bare.count("{")
+    return n
+
+
 def loads_bounded(raw: bytes | str, field: str) -> Any:
-    """Parse UTF-8 JSON with every size and value bounded; :class:`HurrayFormatError` (``field``) otherwise."""
+    """Parse UTF-8 JSON with every size and value bounded; :class:`HurrayFormatError` (``field``) otherwise.
+
+    An object with a key twice is refused: which of the two a reader keeps is up to the reader
+    (Python's ``json`` the last, others the first), so the data would read one way here and another there.
+    """
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes | bytearray) else raw
-        value = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        if _values_at_most(text) > MAX_VALUES:
+            raise HurrayFormatError(field, f"JSON of more than {MAX_VALUES} values")
+        value = json.loads(
+            text, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_object
+        )
+    except _DuplicateKey as dup:
+        raise HurrayFormatError(field, f"an object has the key {dup.args[0]!r} twice (duplicate key)") from None
     except RecursionError:
         raise HurrayFormatError(field, f"JSON nested deeper than {MAX_DEPTH} levels") from None
+    except HurrayFormatError:
+        raise
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise HurrayFormatError(field, f"not valid UTF-8 JSON: {exc}") from None
     # A text that opens at most MAX_DEPTH arrays and objects cannot nest deeper: no walk needed.

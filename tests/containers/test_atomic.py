@@ -137,3 +137,67 @@ def test_atomic_file_syncs_the_directory_the_rename_happened_in(
         f.write(b"data")
     assert (tmp_path / "real" / "out.hrrs").read_bytes() == b"data"
     assert synced == [Path(os.path.realpath(tmp_path / "real"))]
+
+
+_UMASK_222 = """
+import os, stat, sys
+os.umask(0o222)
+import hurray_vllm as hv
+from hurray_vllm.app.demo import spec_example_snapshot
+from hurray_vllm.containers.atomic import atomic_file, atomic_path
+d = sys.argv[1]
+with atomic_file(os.path.join(d, "a.bin")) as f:
+    f.write(b"first")
+with atomic_file(os.path.join(d, "a.bin")) as f:  # replaces a read-only file of its own
+    f.write(b"whole")
+with atomic_path(os.path.join(d, "p.bin")) as tmp, open(tmp, "wb") as f:  # a writer that opens it by name
+    f.write(b"whole")
+snap = spec_example_snapshot()
+for suffix in (".hrry", ".hrrs", ".safetensors"):
+    hv.save(snap, os.path.join(d, "s" + suffix))
+    assert hv.load(os.path.join(d, "s" + suffix)).num_layers == 4
+print(sorted((n, oct(stat.S_IMODE(os.stat(os.path.join(d, n)).st_mode))) for n in os.listdir(d)))
+"""
+
+
+def test_a_umask_that_makes_files_read_only_writes_them_read_only(tmp_path: Path) -> None:
+    """Found by a review: under umask 0o222 every save failed (the temp file was created 0444, then opened
+    again for writing), where ``open(path, "wb")`` creates and writes such a file. Run as a user the permission
+    checks apply to (root passes them all): ``nobody`` through ``setpriv`` when the tests run as root."""
+    import ast
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    command = [sys.executable, "-c", _UMASK_222]
+    work = tmp_path
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: the permission checks would not apply")
+        command = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+        work = Path(tempfile.mkdtemp(prefix="umask222-"))  # tmp_path's parents are root's own (0700)
+        work.chmod(0o777)
+    root = Path(__file__).resolve().parents[2]
+    out, home = work / "out", work / "home"  # home: for what torch may cache, away from the files counted
+    for d in (out, home):
+        d.mkdir()
+        d.chmod(0o777)
+    try:
+        done = subprocess.run(
+            [*command, str(out)],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), "HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        modes = dict(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
+        assert (out / "a.bin").read_bytes() == b"whole" and (out / "p.bin").read_bytes() == b"whole"
+    finally:
+        if work != tmp_path:
+            shutil.rmtree(work, ignore_errors=True)
+    names = ["a.bin", "p.bin", "s.hrrs", "s.hrry", "s.safetensors"]
+    assert modes == dict.fromkeys(names, "0o444")  # as open() made them, and no temporary file left

@@ -647,3 +647,244 @@ def test_load_file_bytes_refuses_a_safetensors_file_rather_than_read_its_path_ag
     with pytest.raises(hv.HurrayFormatError) as err:  # neither format: as load says of such a file
         load_file_bytes(FileBytes(path, memoryview(b"not a snapshot")))
     assert err.value.field == "magic"
+
+
+# ── found by a review of the containers ─────────────────────────────────────
+
+
+def test_a_compressed_or_archived_stream_reads_as_the_stream_it_holds(tmp_path: Path) -> None:
+    """Found by a review: ``fstat`` of a gzip file is its compressed size, and a valid stream was refused."""
+    import gzip
+    import tarfile
+
+    data = _stream_bytes()
+    with gzip.open(tmp_path / "s.hrrs.gz", "wb") as f:
+        f.write(data)
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        pad = tarfile.TarInfo("pad")
+        pad.size = 100_000
+        tar.addfile(pad, io.BytesIO(bytes(pad.size)))
+        member = tarfile.TarInfo("s.hrrs")
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data))
+    want = spec_example_snapshot(num_layers=2)
+    with gzip.open(tmp_path / "s.hrrs.gz", "rb") as f:
+        assert same_snapshot(hv.read_stream(f), want)
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        member_file = tar.extractfile("s.hrrs")
+        assert member_file is not None
+        assert same_snapshot(hv.read_stream(member_file), want)
+    # A lying descriptor in a compressed stream still fails as a truncation, reserving what arrived.
+    with gzip.open(tmp_path / "lie.hrrs.gz", "wb") as f:
+        f.write(_huge_descriptor() + bytes(1000))
+    with gzip.open(tmp_path / "lie.hrrs.gz", "rb") as f, pytest.raises(hv.HurrayFormatError, match="stream ends"):
+        list(stream.read_records(f))
+    # Real files and bytes are still sized: a buffer past their end is refused before it is read.
+    (tmp_path / "lie.hrrs").write_bytes(_huge_descriptor() + bytes(1000))
+    with open(tmp_path / "lie.hrrs", "rb") as f, pytest.raises(hv.HurrayFormatError, match="remain in the input"):
+        list(stream.read_records(f))
+
+
+def _many_empty_buffers(members: int) -> list[hv.TensorDescriptor]:
+    """One group head binding ``members`` row-major records, each of 255 empty buffers."""
+    from hurray_vllm.wire.descriptor import LAYOUT_COMPOSITE, LAYOUT_ROW_MAJOR, BufferHandle, CompositeFields
+
+    head = hv.TensorDescriptor(
+        type_tag=0x11, shape=(0,), layout_tag=LAYOUT_COMPOSITE, layout=CompositeFields(rule_tag=3, member_count=members)
+    )
+    rec = hv.TensorDescriptor(
+        type_tag=0x11, shape=(0,), layout_tag=LAYOUT_ROW_MAJOR, buffers=(BufferHandle(0, 1, 0),) * 255
+    )
+    return [head, *([rec] * members)]
+
+
+def _bound_buffers(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    for module in (schema, stream, hrryfile):
+        monkeypatch.setattr(module, "MAX_BUFFERS", n)
+
+
+def test_an_input_of_more_buffers_than_any_snapshot_has_is_refused_as_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a group of 8,000 members of 255 empty buffers each (31 MiB) cost 18 s and +1.1 GiB."""
+    # hurray-vllm's own layout stays below the bound at the record bound (<= 12 buffers per 5 records, quantized).
+    assert schema.MAX_BUFFERS >= schema.MAX_RECORDS * 12 // 5
+    limit = 255 * 8
+    _bound_buffers(monkeypatch, limit)
+    descs = _many_empty_buffers(40)
+    data = b"".join(hv.encode_descriptor(d) for d in descs)
+    (tmp_path / "many.hrrs").write_bytes(data)
+    empty = torch.empty(0, dtype=torch.uint8)
+    recs = [schema.Record(f"t{i}", d, [empty] * len(d.buffers)) for i, d in enumerate(descs)]
+    hrryfile.write_file(recs, tmp_path / "many.hrry")
+    src = io.BytesIO(data)
+    got = []
+    with pytest.raises(hv.HurrayFormatError) as err:
+        got.extend(stream.read_records(src))
+    assert err.value.field == "buffer_count" and str(limit) in str(err.value)
+    assert len(got) == 1 + 8 and src.tell() == sum(len(hv.encode_descriptor(d)) for d in descs[:10])  # and no more
+    for name in ("many.hrrs", "many.hrry"):
+        for permissive in (False, True):
+            with pytest.raises(hv.HurrayFormatError) as err:
+                hv.load(tmp_path / name, permissive=permissive)
+            assert err.value.field == "buffer_count"
+            checked = hv.validate(tmp_path / name, permissive=permissive)
+            assert not checked.ok and "buffer_count" in {v.invariant for v in checked.errors}
+    # Exactly as many buffers as the bound: read (a file and a stream), and then no snapshot.
+    data = b"".join(hv.encode_descriptor(d) for d in descs[:9])
+    assert len(list(stream.read_records(io.BytesIO(data)))) == 9
+    hrryfile.write_file(recs[:9], tmp_path / "nine.hrry")
+    with HrryFile(tmp_path / "nine.hrry") as hf:
+        assert len(list(hf.records())) == 9
+
+
+@pytest.mark.slow
+def test_the_buffer_bound_holds_the_readers_memory_and_time() -> None:
+    """The review's input at its real size: 8,000 records of 255 empty buffers (31 MiB): 18 s and +1.1 GiB before."""
+    import time
+    import tracemalloc
+
+    data = b"".join(hv.encode_descriptor(d) for d in _many_empty_buffers(8000))
+    start = time.perf_counter()
+    with pytest.raises(hv.HurrayFormatError, match="buffers in all"):
+        list(stream.read_records(io.BytesIO(data)))
+    elapsed = time.perf_counter() - start
+    tracemalloc.start()
+    try:
+        with pytest.raises(hv.HurrayFormatError, match="buffers in all"):
+            list(stream.read_records(io.BytesIO(data)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert elapsed < 8.0, f"{elapsed:.1f} s"
+    # Python's share (tensor objects, descriptors): torch's own ~0.4 KB per tensor comes on top (~100 MB).
+    assert peak < 96 << 20, f"{peak} bytes"
+
+
+def test_duplicate_keys_in_a_files_metadata_are_refused_by_load_and_validate(tmp_path: Path) -> None:
+    """Found by a review: two ``request_ids`` members loaded without complaint (the last one won)."""
+    from hurray_vllm.containers.io import save_records
+
+    recs = list(schema.snapshot_records(spec_example_snapshot(num_layers=2)))
+    meta = bytes(recs[1].buffers[0].numpy()).decode()
+    evil = meta.replace('"request_ids": [', '"request_ids": ["first", "x"], "request_ids": [', 1)
+    assert evil != meta
+    recs[0] = schema.group_head("snapshot", 3, [len(evil)], torch.uint8)
+    recs[1] = schema.dense_record("snapshot.meta", torch.frombuffer(bytearray(evil.encode()), dtype=torch.uint8))
+    for name in ("dup.hrry", "dup.hrrs"):
+        save_records(recs, tmp_path / name)
+        for permissive in (False, True):
+            with pytest.raises(hv.HurrayFormatError, match="'request_ids' twice") as err:
+                hv.load(tmp_path / name, permissive=permissive)
+            assert err.value.field == "snapshot.meta"
+            assert not hv.validate(tmp_path / name, permissive=permissive).ok
+
+
+def test_a_record_whose_buffers_disagree_with_its_descriptor_is_refused_before_a_byte_is_written(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: a record declaring 16 bytes and holding 8 was written, and reported a success."""
+    from hurray_vllm.containers.io import save_records
+
+    a = schema.dense_record("a", torch.arange(4, dtype=torch.int32))  # declares 16 bytes
+    b = schema.dense_record("b", torch.arange(3, dtype=torch.int64))
+    short = schema.Record("a", a.descriptor, [torch.arange(2, dtype=torch.int32)])  # holds 8
+    extra = schema.Record("a", a.descriptor, [*a.buffers, torch.zeros(1)])
+    none = schema.Record("a", a.descriptor, [])
+    for bad, field, said in [(short, "a buffer 0", "16"), (extra, "a", "2 buffers"), (none, "a", "0 buffers")]:
+        for name in ("x.hrrs", "x.hrry"):
+            with pytest.raises(hv.HurrayArgumentError) as err:
+                save_records([b, bad], tmp_path / name)
+            assert err.value.field == field and said in str(err.value)
+        sink = io.BytesIO()
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            stream.write_records([bad], sink)
+        assert err.value.field == field and sink.getvalue() == b""  # not even its descriptor
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            hrryfile.file_size([bad])
+        assert err.value.field == field
+    with pytest.raises(hv.HurrayArgumentError) as err:  # a stream's records need no name: named by position
+        stream.write_records([b, schema.Record("", a.descriptor, [])], io.BytesIO())
+    assert err.value.field == "record 1"
+    assert list(tmp_path.iterdir()) == []
+    # A typed buffer is measured in bytes: an int32 [4] tensor is the 16 bytes declared.
+    sink = io.BytesIO()
+    assert stream.write_records([a, b], sink) == len(sink.getvalue())
+
+
+def test_a_files_records_without_a_name_or_with_one_twice_are_argument_errors(tmp_path: Path) -> None:
+    b = schema.dense_record("b", torch.arange(3, dtype=torch.int64))
+    for recs in ([schema.Record("", b.descriptor, b.buffers)], [b, b]):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            hrryfile.write_file(recs, tmp_path / "x.hrry")
+        assert err.value.field == "name"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"alignment": 1000}, "alignment"),
+        ({"alignment": 0}, "alignment"),
+        ({"kv": {"k": -(2**70)}}, "kv.k"),
+        ({"kv": {"k": 2**64}}, "kv.k"),
+        ({"kv": {1: 2}}, "kv"),
+        ({"kv": {"": 2}}, "kv"),
+        ({"kv": {"k": [1, 2**63]}}, "kv.k"),
+        ({"kv": {"k": [[1, 2]]}}, "kv.k"),
+        ({"kv": {"k": [1, None]}}, "kv.k"),
+        ({"kv": {"k": object()}}, "kv.k"),
+        ({"kv": [("k", 1)]}, "kv"),
+    ],
+)
+def test_a_writers_wrong_argument_is_an_argument_error_and_writes_nothing(
+    tmp_path: Path, kwargs: dict, field: str
+) -> None:
+    """Found by a review: these came out as data errors, raw struct/attribute errors, or (a nested KV array)
+    a file that every reader refuses."""
+    recs = list(schema.snapshot_records(spec_example_snapshot(num_layers=1)))
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        hrryfile.write_file(recs, tmp_path / "a.hrry", **kwargs)
+    assert err.value.field == field
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        hrryfile.file_size(recs, **kwargs)
+    assert err.value.field == field
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_kv_value_the_writer_takes_reads_back(tmp_path: Path) -> None:
+    kv = {"s": "x", "i": -(2**63), "u": 2**64 - 1, "f": 0.5, "b": True, "raw": b"\x00", "ints": [1, 2], "none": []}
+    recs = list(schema.snapshot_records(spec_example_snapshot(num_layers=1)))
+    hrryfile.write_file(recs, tmp_path / "a.hrry", kv=kv)
+    assert HrryFile(tmp_path / "a.hrry").kv == kv
+
+
+def test_a_descriptor_length_over_the_readers_limit_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: the index's descriptor_length was read whole, then compared with the limit."""
+    from hurray_vllm.wire.descriptor import MAX_DESCRIPTOR_LEN
+
+    # A record without data, then a KV section of 2 MiB: room for the index to claim a longer descriptor.
+    path = tmp_path / "long.hrry"
+    hrryfile.write_file([schema.group_head("g", 0, [0], torch.uint8)], path, kv={"pad": bytes(2 << 20)})
+    raw = bytearray(path.read_bytes())
+    index_off, index_len = struct.unpack_from("<QQ", raw, len(raw) - 40)
+    (n,) = struct.unpack_from("<H", raw, index_off + 8)
+    struct.pack_into("<I", raw, index_off + 8 + 2 + n + 8, MAX_DESCRIPTOR_LEN + 8)
+    struct.pack_into("<I", raw, len(raw) - 12, crc32c(bytes(raw[index_off : index_off + index_len])))
+    path.write_bytes(bytes(raw))
+    sizes: list[int] = []
+    real = HrryFile._read_at
+
+    def spy(self: HrryFile, off: int, n: int, *args: str) -> bytes:
+        sizes.append(n)
+        return real(self, off, n, *args)
+
+    monkeypatch.setattr(HrryFile, "_read_at", spy)
+    with HrryFile(path) as hf:
+        assert hf.entries[0].descriptor_length == MAX_DESCRIPTOR_LEN + 8
+        sizes.clear()
+        with pytest.raises(hv.HurrayFormatError) as err:
+            hf.descriptor(hf.entries[0])
+    assert err.value.field == "descriptor_length" and not sizes
