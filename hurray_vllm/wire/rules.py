@@ -724,6 +724,11 @@ def validate_index_buffers(
         # times faster than a dozen tiny torch ops (loading a chunk runs 16 of these).
         _index_lists(d, block_table.tolist(), seq_ptr.tolist(), None if seq_lens is None else seq_lens.tolist(), out)
         return
+    if seq_lens is not None:
+        # The arithmetic below in int64, as the Python ints above: in uint8 (a length dtype the rules allow)
+        # 250 + 15 wraps to 9, calling a sequence of 250 tokens in no page valid, and a page_size of 256
+        # becomes a division by zero.
+        seq_lens = seq_lens.to(torch.int64)
     if seq_ptr.numel() and int(seq_ptr[0]) != 0:
         out.append(Violation("seq_ptr.first", f"seq_ptr[0] must be 0, found {int(seq_ptr[0])}"))
     if seq_ptr.numel() > 1 and bool((seq_ptr[1:] < seq_ptr[:-1]).any()):

@@ -268,6 +268,47 @@ def test_small_index_buffers_take_a_list_path_with_the_same_verdicts(
     assert fast == slow
 
 
+@given(
+    lens=st.lists(st.integers(0, 127), min_size=1, max_size=5),
+    pages=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+    page_size=st.sampled_from([1, 4, 16, 128, 256]),
+    dtype=st.sampled_from([torch.uint8, torch.int8, torch.int16, torch.int32]),
+)
+def test_narrow_seq_lens_get_the_verdict_of_int64_on_either_path(
+    lens: list[int], pages: list[int], page_size: int, dtype: torch.dtype
+) -> None:
+    """Found by a review: past 4096 index entries the rules did the pages arithmetic in the lengths' own
+    dtype, where uint8's 250 + 15 wraps: a sequence of 250 tokens in no page was valid (save wrote it, load
+    refused the file), valid ones were refused, and a page_size of 256 divided by zero."""
+    import hurray_vllm.wire.rules as v
+
+    n = min(len(lens), len(pages))
+    lens, pages = lens[:n], pages[:n]
+    ptr = [0]
+    for p in pages:
+        ptr.append(ptr[-1] + p)
+    b = base()
+    pool = torch.zeros(max(1, ptr[-1]), page_size, *b.page_pool.shape[2:], dtype=b.page_pool.dtype)
+
+    def verdict(dt: torch.dtype) -> list[tuple[str, str]]:
+        t = replace(
+            b,
+            page_pool=pool,
+            block_table=torch.zeros(ptr[-1], dtype=torch.int64),
+            seq_ptr=torch.tensor(ptr),
+            seq_lens=torch.tensor(lens, dtype=dt),
+        )
+        return [(x.invariant, x.message) for x in hv.validate(t).violations]
+
+    wide = verdict(torch.int64)
+    saved, v._SMALL = v._SMALL, -1  # every tensor through the torch path
+    try:
+        assert verdict(dtype) == wide
+    finally:
+        v._SMALL = saved
+    assert verdict(dtype) == wide
+
+
 @pytest.mark.parametrize("n", [10, 3000], ids=["list path", "tensor path"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool, torch.uint32])
 def test_seq_lens_that_are_not_integers_are_refused(n: int, dtype: torch.dtype) -> None:
