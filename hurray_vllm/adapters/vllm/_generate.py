@@ -26,10 +26,22 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["main", "warm_up"]
+__all__ = ["main", "warm_up", "warm_up_prompt"]
 
-#: A prompt of more than 4 tokens, shorter than any block: nothing of it is cached or saved.
+#: The longest warm-up prompt: more than 4 tokens (what the AMX kernel's first call needs, see :func:`warm_up`).
 WARM_UP_PROMPT = list(range(1, 17))
+
+
+def warm_up_prompt(block_size: int) -> list[int]:
+    """The warm-up prompt for an engine of ``block_size``: shorter than one block, so no block of it is full.
+
+    A full block would be cached by prefix caching (and saved by a KV
+    connector) as if a request had computed it. ``block_size - 1`` tokens,
+    at most :data:`WARM_UP_PROMPT`'s 16, at least 5 (the AMX kernel's need,
+    which outranks the block: vLLM's CPU backend takes block sizes that are
+    multiples of 32 only, so it never comes to that).
+    """
+    return WARM_UP_PROMPT[: max(5, min(len(WARM_UP_PROMPT), block_size - 1))]
 
 
 def warm_up(llm: Any) -> None:
@@ -40,6 +52,9 @@ def warm_up(llm: Any) -> None:
     first attention call computes 4 tokens or fewer: a consumer whose first
     request loads all but the last tokens from the store, say. A first call
     of more tokens sets the tiles up for the later ones. Nothing elsewhere.
+    The prompt fills no block (:func:`warm_up_prompt` of the engine's block
+    size, ``llm.llm_engine.vllm_config.cache_config.block_size``), so
+    nothing of it is cached or saved.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -47,8 +62,9 @@ def warm_up(llm: Any) -> None:
     from .layouts import cpu_has_amx
 
     if cpu_has_amx():
+        block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
         params = SamplingParams(detokenize=False, max_tokens=1, temperature=0)
-        llm.generate([TokensPrompt(prompt_token_ids=WARM_UP_PROMPT)], params, use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=warm_up_prompt(block_size))], params, use_tqdm=False)
 
 
 def main() -> None:

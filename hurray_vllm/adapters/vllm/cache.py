@@ -14,6 +14,8 @@ import hashlib
 import json
 import os
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -353,37 +355,90 @@ def weights_digest(vllm_config: Any, *, drafter: bool = False) -> str:
     the checkpoint is not on this machine, a digest of the model id and
     revision instead: two models never share one, even with the same
     geometry, but the same weights under another name do not either.
+
+    Remembered in this process (every snapshot describes the cache, on
+    every rank): a call lists the checkpoint directory and calls ``stat`` on
+    its files, and reads them again only when a file's identity (path, inode,
+    size, modification time in ns) or what the engine changes beyond the
+    files (:func:`_engine_changes`) differs from an earlier call's. A file
+    rewritten in place to the same size within the file system's timestamp
+    granularity keeps its identity, and its old digest.
     """
-    h = hashlib.blake2b(digest_size=16)
-    _digest_model(h, vllm_config, vllm_config.model_config)
+    models = [(b"", vllm_config.model_config)]
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     if drafter and draft is not None:
-        h.update(f"\x00drafter:{getattr(spec, 'method', None)}\x00".encode())
-        _digest_model(h, vllm_config, draft)
-    return h.hexdigest()
+        models.append((f"\x00drafter:{getattr(spec, 'method', None)}\x00".encode(), draft))
+    inputs = [(prefix, *_model_inputs(vllm_config, mc)) for prefix, mc in models]
+    key = tuple((prefix, _identities(files), head, engine) for prefix, files, head, engine in inputs)
+    with _DIGESTS_LOCK:
+        got = _DIGESTS.get(key)
+        if got is not None:
+            _DIGESTS.move_to_end(key)
+            return got
+    h = hashlib.blake2b(digest_size=16)
+    for prefix, files, head, engine in inputs:
+        h.update(prefix)
+        if files is None:
+            h.update(head)
+        else:
+            _digest_files(h, files)
+        if engine:
+            h.update(engine)
+    got = h.hexdigest()
+    # A file replaced while it was read: not remembered under the identity it had before.
+    if tuple((prefix, _identities(files), head, engine) for prefix, files, head, engine in inputs) == key:
+        with _DIGESTS_LOCK:
+            _DIGESTS[key] = got
+            while len(_DIGESTS) > _DIGESTS_MAX:
+                _DIGESTS.popitem(last=False)
+    return got
 
 
-def _digest_model(h: Any, vllm_config: Any, mc: Any) -> None:
-    """Feed ``h`` the checkpoint files of model ``mc`` (or its id and revision when they are not here).
+#: Weights digests remembered in this process, by their inputs (:func:`weights_digest`); the least recently
+#: used go past :data:`_DIGESTS_MAX`.
+_DIGESTS: OrderedDict[tuple[object, ...], str] = OrderedDict()
+_DIGESTS_MAX = 64
+_DIGESTS_LOCK = threading.Lock()
 
-    Then what the engine changes about that model beyond its files, where it
-    does: ``hf_overrides`` (a rope scaling for long contexts rotates every key
-    otherwise), a config read from ``hf_config_path``, a quantization method
-    (``--quantization fp8`` of a bf16 checkpoint computes other KV) and its
-    config, a load format whose weights are not those files (``dummy``
-    weights, weights streamed from elsewhere), and a LongRoPE model's
-    ``max_model_len`` (which picks its rotation). Nothing is added for an
-    engine that changes none of these, so its namespace stays what it was.
+
+def _identities(files: list[Path] | None) -> tuple[tuple[str, int, int, int], ...] | None:
+    """Each file's path, inode, size and modification time (ns): what tells a changed file from the one read."""
+    if files is None:
+        return None
+    return tuple((str(f), st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in (os.stat(f),))
+
+
+def _model_inputs(vllm_config: Any, mc: Any) -> tuple[list[Path] | None, bytes, bytes]:
+    """What :func:`weights_digest` digests of model ``mc``: ``(files, head, engine)``.
+
+    Its weight files (None when not on this machine; ``head`` is then its id
+    and revision), and what the engine changes beyond the files
+    (:func:`_engine_changes`, encoded; empty where it changes nothing).
     """
     root = model_dir(vllm_config, mc)
     if root is None:
-        h.update(f"model-id:{mc.model}@{getattr(mc, 'revision', None) or 'main'}".encode())
+        files, head = None, f"model-id:{mc.model}@{getattr(mc, 'revision', None) or 'main'}".encode()
     else:
         files = sorted(
             p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") or p.name == "config.json"
         )
-        _digest_files(h, files)
+        head = b""
+    changed = _engine_changes(vllm_config, mc)
+    engine = b"\x00engine:" + json.dumps(changed, sort_keys=True, default=str).encode() if changed else b""
+    return files, head, engine
+
+
+def _engine_changes(vllm_config: Any, mc: Any) -> dict[str, Any]:
+    """What the engine changes about model ``mc`` beyond its files (empty where it changes nothing).
+
+    ``hf_overrides`` (a rope scaling for long contexts rotates every key
+    otherwise), a config read from ``hf_config_path``, a quantization method
+    (``--quantization fp8`` of a bf16 checkpoint computes other KV) and its
+    config, a load format whose weights are not those files (``dummy``
+    weights, weights streamed from elsewhere), and a LongRoPE model's
+    ``max_model_len`` (which picks its rotation).
+    """
     changed: dict[str, Any] = {}
     overrides = getattr(mc, "hf_overrides", None)
     if callable(overrides):  # a function of the config: known by its name only
@@ -410,11 +465,10 @@ def _digest_model(h: Any, vllm_config: Any, mc: Any) -> None:
     if _rope_type(getattr(mc, "hf_config", None)) == "longrope":
         # LongRoPE rotates with its long factors only when the context may pass the original one.
         changed["max_model_len"] = getattr(mc, "max_model_len", None)
-    if changed:
-        h.update(b"\x00engine:" + json.dumps(changed, sort_keys=True, default=str).encode())
+    return changed
 
 
-#: Load formats whose weights are the checkpoint files :func:`_digest_model` reads.
+#: Load formats whose weights are the checkpoint files :func:`weights_digest` reads.
 _FILE_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors"})
 
 

@@ -210,6 +210,7 @@ def test_a_data_error_on_another_rank_arrives_as_at_tp_1(monkeypatch: pytest.Mon
             [Violation("seq_ptr.non_decreasing", "goes back"), Violation("seq_ptr.first", "not 0")], "layer 1"
         ),
         FileNotFoundError(errno.ENOENT, "No such file or directory", "/models/x"),
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/kv/rank0.tmp", None, "/kv/rank0.hrrs"),
         OSError(errno.ENOSPC, "No space left on device"),
         OSError(None, "HTTP 500", "http://a:8000/v1"),
         TimeoutError("timed out"),
@@ -218,11 +219,11 @@ def test_a_data_error_on_another_rank_arrives_as_at_tp_1(monkeypatch: pytest.Mon
     ids=repr,
 )
 def test_every_error_a_worker_returns_is_raised_as_it_was_raised(error: Exception) -> None:
-    """Class, ``field``, message and violations; an ``OSError``'s class, errno, strerror and file name."""
+    """Class, ``field``, message and violations; an ``OSError``'s class, errno, strerror and file names."""
     record = pickle.loads(pickle.dumps(engine._WorkerError.of(error)))
     got = record.error(1)
     assert type(got) is type(error) and str(got) == str(error) and got.args == error.args
-    for name in ("field", "violations", "errno", "strerror", "filename"):
+    for name in ("field", "violations", "errno", "strerror", "filename", "filename2"):
         assert getattr(got, name, None) == getattr(error, name, None)
     assert got.__notes__ == ["(raised on worker 1)"]
 
@@ -232,8 +233,12 @@ def test_the_description_of_another_ranks_cache_arrives_typed(monkeypatch: pytes
     monkeypatch.setattr(engine, "_describe", _failing_on_rank_1(error, lambda w: "cache"))
     llm = _llm({}, tp=2, worker_rpc=MultiprocWorkers(2))
     with pytest.raises(HurrayFormatError) as info:
-        engine.engine_cache(llm)
+        engine._raise_failed(engine._rpc(llm, engine._describe))
     assert info.value.field == "block_size"
+    # engine_cache() returns the worker's tensors: with the workers in processes of their own it refuses.
+    with pytest.raises(HurrayFormatError) as info:
+        engine.engine_cache(llm)
+    assert info.value.field == "distributed_executor_backend"
 
 
 def test_snapshot_ranks_removes_the_files_of_the_ranks_that_wrote_when_one_fails(

@@ -6,6 +6,8 @@ from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from hurray_vllm.adapters.vllm.cache import cache_layers, model_dir, weights_digest
 
 
@@ -208,3 +210,49 @@ def test_a_file_named_safetensors_that_does_not_parse_is_sampled_as_bytes(tmp_pa
     (tmp_path / "good.safetensors").write_bytes(good)
     with open(tmp_path / "good.safetensors", "rb") as f:
         assert cache._safetensors_ranges(f.fileno(), len(good)) == [(0, len(good))]  # header and its one tensor
+
+
+def test_the_digest_is_remembered_until_a_weight_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every snapshot describes the cache on every rank: the files are read once, not per call; a file replaced,
+    rewritten or touched (its inode, size or modification time) is read again."""
+    import os
+
+    from hurray_vllm.adapters.vllm import cache
+
+    d = _weights_dir(tmp_path / "m", "pytorch_model.bin", b"w" * 300_000)
+    reads = {"n": 0}
+    pread = os.pread
+
+    def counting(fd: int, n: int, offset: int) -> bytes:
+        reads["n"] += 1
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(cache.os, "pread", counting)
+    config = _config(str(d))
+    first = weights_digest(config)
+    assert reads["n"] > 0
+    reads["n"] = 0
+    assert [weights_digest(config) for _ in range(3)] == [first] * 3
+    assert reads["n"] == 0  # remembered
+    assert weights_digest(config, drafter=True) == first  # no drafter: the same inputs, the same entry
+    st = (d / "pytorch_model.bin").stat()
+    (d / "pytorch_model.bin").write_bytes(b"v" * 300_000)  # same size, in place
+    os.utime(d / "pytorch_model.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    changed = weights_digest(config)
+    assert changed != first and reads["n"] > 0
+    (d / "pytorch_model.bin").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"w" * 300_000)  # the old bytes again, in a new file
+    assert weights_digest(config) == first
+    # What the engine changes beyond the files is part of what is remembered.
+    config.model_config.hf_overrides = {"rope_theta": 1e6}
+    assert weights_digest(config) not in (first, changed)
+    config.model_config.hf_overrides = None
+    assert weights_digest(config) == first
+
+
+def test_the_remembered_digests_are_bounded(tmp_path: Path) -> None:
+    from hurray_vllm.adapters.vllm import cache
+
+    for i in range(cache._DIGESTS_MAX + 5):
+        weights_digest(_config(f"org/absent-{i}", tmp_path / "hub"))
+    assert len(cache._DIGESTS) <= cache._DIGESTS_MAX
