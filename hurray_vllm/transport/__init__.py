@@ -129,8 +129,10 @@ def send_chunks(
     """Push ``(namespace, key, snapshot)`` chunks to the receiver at ``url`` (any channel).
 
     Returns once every chunk is stored there; ``chunks`` is consumed lazily.
-    ``keys``: authenticate as a holder of the fleet key first (a keyed
-    receiver requires it). ``tls``: see :func:`sender_for`.
+    ``keys``: the fleet key: sender and receiver each prove they hold it
+    before any chunk goes (a keyed receiver refuses a sender without it; a
+    keyed sender refuses a receiver without it, or one that is not the
+    receiver asked for). ``tls``: see :func:`sender_for`.
 
     Raises:
         HurrayFormatError: the receiver refused a chunk or the sender, or ``url`` is malformed.

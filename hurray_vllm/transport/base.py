@@ -9,8 +9,10 @@ URL scheme.
 What the channels agree on:
 
 * every frame starts with a 4-byte magic (``b"HVC1"``, ``b"HVN1"``); a
-  sender with a fleet key opens each connection with ``b"HVA1"``
-  (:mod:`.security`), which a receiver with keys requires;
+  sender with a fleet key opens each connection with the key handshake
+  (``b"HVA2"``, :mod:`.security`), which a receiver with keys requires and
+  one without refuses (a keyed sender pushes only to a receiver that proves
+  it holds the key);
 * namespaces and keys are 1-64 lowercase hex digits, and a key may name a
   tensor-parallel rank's slice of the KV heads, ``<key>.h<a>-<b>``
   (:func:`check_names`); the slice stored must hold exactly those heads;
@@ -60,7 +62,7 @@ from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
-from .security import AUTH_MAGIC, answer_challenge, authenticate
+from .security import AUTH_MAGIC, V1_AUTH_MAGIC, answer_handshake, authenticate, refuse_v1_handshake, server_binding
 
 __all__ = [
     "ChunkSender",
@@ -320,6 +322,33 @@ def send_error(conn: socket.socket, exc: BaseException) -> bool:
         return False
 
 
+#: The first byte of a TLS handshake record (a ClientHello); no frame magic starts with it.
+_TLS_HANDSHAKE = b"\x16"
+
+
+def _plain_to_tls() -> HurrayFormatError:
+    return HurrayFormatError(
+        "receiver.tls",
+        "this receiver takes TLS connections only: push to tls://HOST:PORT, not tcp:// (tls:// vs tcp://)",
+    )
+
+
+def _tls_to_plain() -> HurrayFormatError:
+    return HurrayFormatError(
+        "receiver.tls",
+        "a TLS handshake (a tls:// sender) reached a receiver without TLS: push to tcp://HOST:PORT (tls:// vs "
+        "tcp://), or start the receiver with a certificate (--tls-cert/--tls-key, hurray_listen_tls_cert/_key)",
+    )
+
+
+def _size_on_disk(path: Callable[[str, str], Any] | None, ns: str, key: str) -> int:
+    """The bytes of chunk ``key``'s file (0: a store without files, or none there)."""
+    try:
+        return int(os.stat(path(ns, key)).st_size) if path is not None else 0
+    except OSError:
+        return 0
+
+
 def _refuse_connection(conn: socket.socket, exc: BaseException) -> None:
     """Answer a connection the receiver will not serve with ``ER``, then close it."""
     with conn:
@@ -388,9 +417,12 @@ def dial(
     reach a socket: before it is connected, or before TLS took it over).
 
     Raises:
-        HurrayFormatError: the receiver refused the authentication.
+        HurrayFormatError: the receiver refused the key handshake, or did not prove that it holds the
+            fleet key (field ``transport.auth``: :func:`.security.authenticate`).
         SendAborted: ``aborted()`` became true while connecting.
-        OSError: the receiver cannot be reached; ``ssl.SSLError`` when its certificate is not trusted.
+        OSError: the receiver cannot be reached; ``ssl.SSLCertVerificationError`` when its certificate is
+            not trusted; a ``ConnectionError`` asking whether the receiver uses TLS when its TLS handshake
+            fails as a receiver without TLS makes it fail.
     """
     sock = _connect(host, port, min(timeout, CONNECT_TIMEOUT_S), track, aborted)
     try:
@@ -403,13 +435,35 @@ def dial(
             if track is not None:
                 track(sock)
             _check_aborted(aborted)  # an abort between the two reached neither socket
-            sock.do_handshake()
+            try:
+                sock.do_handshake()
+            except OSError as exc:
+                _raise_tls_mismatch(exc, host, port, aborted)
+                raise
         if keys is not None:
             authenticate(sock, keys)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _raise_tls_mismatch(exc: OSError, host: str, port: int, aborted: Callable[[], bool] | None) -> None:
+    """Raise a sender's failed TLS handshake as a question about the URL's scheme when the receiver speaks no TLS.
+
+    A receiver without TLS closes (or answers plaintext ``ER``) on a ClientHello: the handshake ends in a reset,
+    an EOF or a record that is no TLS, which alone tell the operator nothing. Returns (the error stands) for a
+    certificate the sender does not trust, a TLS alert (the receiver speaks TLS), or an abort.
+    """
+    if isinstance(exc, ssl.SSLCertVerificationError) or (aborted is not None and aborted()):
+        return
+    if isinstance(exc, ssl.SSLError) and "ALERT" in str(exc.reason or ""):
+        return
+    if isinstance(exc, (ssl.SSLError, ConnectionResetError, BrokenPipeError)):
+        raise ConnectionError(
+            f"the TLS handshake with {host_port(host, port)} failed ({exc}): does the receiver use TLS? "
+            "(tls:// vs tcp://): a receiver without a certificate takes tcp:// only"
+        ) from exc
 
 
 #: How long a connect waits between looks at whether its call was aborted.
@@ -814,6 +868,14 @@ class ReceiverBase(abc.ABC):
         self.min_free_bytes = min_free_bytes
         self.keys = keys
         self.tls = tls
+        # What the key handshake is bound to over TLS (security.server_binding): worked out once, here.
+        self._binding = server_binding(tls) if tls is not None else None
+        if tls is not None and keys is not None and self._binding is None:
+            raise HurrayArgumentError(
+                "tls",
+                "cannot tell which certificate this TLS context presents, which the key handshake is bound to: "
+                "make it with hurray_vllm.transport.security.server_context",
+            )
         self._disk = threading.Lock()  # the store's measured bytes and the bytes promised to chunks in flight
         self._used: tuple[float, int] | None = None  # (when measured, bytes)
         self._promised = 0
@@ -1074,21 +1136,34 @@ class ReceiverBase(abc.ABC):
         if size_of is not None and self._limits_disk():
             extra = max(0, int(size_of(snap)) - admitted)
             self.admit(extra)
+        path = getattr(self.store, "path", None)  # a directory store: what the file takes on disk
+        replaced = 0
         try:
             if snap.states is not None and self._lacks_states(ns, key):
                 # A producer writing a chunk again with its linear-attention states (as the connector does over
                 # its own stateless copy): kept as it would be kept locally, else a load resumes earlier here.
-                self.store.put(ns, key, snap, replace=True)  # type: ignore[call-arg]  # _lacks_states: it can
+                replaced = _size_on_disk(path, ns, key)  # counted already: only the difference is new
+                written = self.store.put(ns, key, snap, replace=True)  # type: ignore[call-arg]  # it can
             else:
-                self.store.put(ns, key, snap)
+                written = self.store.put(ns, key, snap)
         finally:
             if extra:
                 self.settle(extra, 0)  # the caller's settle counts the file's bytes as used
-        path = getattr(self.store, "path", None)  # a directory store: what the file takes on disk
-        try:
-            return int(os.stat(path(ns, key)).st_size) if path is not None else 0
-        except OSError:
+        if written is False:  # held already, and kept: nothing was written, nothing more is used
             return 0
+        return max(0, _size_on_disk(path, ns, key) - replaced)
+
+    def _binding_of(self, conn: socket.socket) -> bytes:
+        """What the key handshake on ``conn`` is bound to: this receiver's certificate over TLS, none on plain TCP."""
+        if not isinstance(conn, ssl.SSLSocket):
+            return b""
+        if self._binding is None:  # a TLS context whose certificate is unknown, keys given after the start
+            raise HurrayFormatError(
+                "receiver.auth",
+                "this receiver cannot bind the key handshake to its TLS certificate: make its TLS context with "
+                "hurray_vllm.transport.security.server_context",
+            )
+        return self._binding
 
     def _lacks_states(self, ns: str, key: str) -> bool:
         """Whether the store holds chunk ``key`` without linear-attention states (a store that cannot tell: no)."""
@@ -1113,12 +1188,16 @@ class ReceiverBase(abc.ABC):
             if len(head) < len(magic):
                 head += recv_exact(conn, len(magic) - len(head))
             if head == AUTH_MAGIC:  # a keyed sender, here or again: answered, then its frame follows
-                answer_challenge(conn, self.keys)
+                answer_handshake(conn, self.keys, self._binding_of(conn))  # refused without keys
                 continue
+            if head == V1_AUTH_MAGIC:  # a sender of an older hurray-vllm: refused, naming the version
+                raise refuse_v1_handshake(conn)
             if head == HELD_MAGIC:  # a question between chunks: answered, then the next frame follows
                 self._answer_held(conn)
                 continue
             if head != magic:
+                if head[:1] == _TLS_HANDSHAKE and not isinstance(conn, ssl.SSLSocket):
+                    raise _tls_to_plain()
                 raise HurrayFormatError("transport", "bad frame magic")
             return True
 
@@ -1204,50 +1283,99 @@ class ReceiverBase(abc.ABC):
             self._refusing.release()
 
     def _secure(self, conn: socket.socket, held: list[socket.socket]) -> socket.socket | None:
-        """The connection after TLS and sender authentication, as configured; ``None`` if refused (and closed).
+        """The connection after TLS and the key handshake, as configured; ``None`` if refused (and closed).
 
         ``held``: the sockets of this connection :meth:`stop` and the deadline
-        reach; the TLS socket joins it as it takes the plain one's place.
+        reach; the TLS socket joins it before its handshake starts. A
+        connection closed before it sent a byte (a health probe) is closed
+        uncounted: nothing was asked, nothing refused.
         """
         conn.settimeout(self.timeout)
         if self.tls is not None:
-            raw = conn
             try:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: plaintext, an untrusted client
-                self.count(False, f"receiver.tls: TLS handshake failed: {exc}")
-                log.warning("hurray %s receiver: refusing a connection: TLS handshake failed: %s", self.transport, exc)
+                first = conn.recv(1, socket.MSG_PEEK)  # waits for the first byte: the deadline and stop() reach it
+            except OSError as exc:
+                self._refuse_secure(conn, f"receiver.tls: no TLS handshake: {exc}", None)
+                return None
+            if not first:  # closed unused (or cut by the deadline: then counted as that, as the connection ends)
                 conn.close()
                 return None
-            # wrap_socket moved the descriptor to the TLS socket: the plain one can no longer be shut, so
-            # the handshake's deadline (and stop()) must reach the TLS one, or a keyless peer trickling
-            # the key handshake a byte per timeout would hold the connection for an hour.
-            held.append(conn)
-            with self._mu:
-                self._conns.discard(raw)
-                self._conns.add(conn)
-                # Gone only if the watchdog found it overdue meanwhile (and could not shut it): due now. Its
-                # mark goes too: the cut is marked (and counted) once, for the TLS socket.
-                self._deadlines[conn] = self._deadlines.pop(raw, time.monotonic())
-                self._overdue.discard(raw)
+            if first == b"H":  # a frame magic in plaintext: a tcp:// sender, told so in plaintext
+                self._refuse_secure(conn, "", _plain_to_tls())
+                return None
+            secured = self._handshake_tls(self.tls, conn, held)
+            if secured is None:
+                return None
+            conn = secured
         if self.keys is None:
             return conn
         try:
-            head = recv_exact(conn, len(AUTH_MAGIC))
+            head = conn.recv(len(AUTH_MAGIC))
+            if not head:  # closed before a byte (TLS: right after its handshake): a probe, not a refusal
+                conn.close()
+                return None
+            if len(head) < len(AUTH_MAGIC):
+                head += recv_exact(conn, len(AUTH_MAGIC) - len(head))
+            if head == V1_AUTH_MAGIC:
+                raise refuse_v1_handshake(conn)
+            if head[:1] == _TLS_HANDSHAKE and self.tls is None:
+                raise _tls_to_plain()
             if head != AUTH_MAGIC:
                 raise HurrayFormatError(
                     "receiver.auth",
                     "this receiver takes chunks only from senders holding the fleet key "
                     "(hurray_key_file, HURRAY_VLLM_KEY_FILE or --key-file)",
                 )
-            answer_challenge(conn, self.keys)
+            answer_handshake(conn, self.keys, self._binding_of(conn))
         except (HurrayFormatError, OSError) as exc:
-            self.count(False, str(exc))
-            log.warning("hurray %s receiver: refusing a connection: %s", self.transport, exc)
-            with conn:
-                finish_with_error(conn, exc)
+            self._refuse_secure(conn, str(exc), exc)
             return None
         return conn
+
+    def _handshake_tls(
+        self, tls: ssl.SSLContext, raw: socket.socket, held: list[socket.socket]
+    ) -> socket.socket | None:
+        """``raw`` inside TLS, its handshake done; ``None`` if it failed (counted and closed).
+
+        ``wrap_socket`` moves the descriptor to the TLS socket: the plain one can no longer be shut. So the
+        TLS socket takes its place in ``held``, the connections :meth:`stop` shuts and the deadlines, before
+        the handshake starts (``do_handshake_on_connect=False``); a peer stalling or trickling the handshake
+        (or the key handshake after it) is cut at the frame's deadline, and at once by :meth:`stop`.
+        """
+        try:
+            conn = tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError) as exc:
+            self._refuse_secure(raw, f"receiver.tls: TLS failed: {exc}", None)
+            return None
+        held.append(conn)
+        with self._mu:
+            self._conns.discard(raw)
+            self._conns.add(conn)
+            # Gone only if the watchdog found it overdue meanwhile (and could not shut it): due now. Its
+            # mark goes too: the cut is marked (and counted) once, for the TLS socket.
+            self._deadlines[conn] = self._deadlines.pop(raw, time.monotonic())
+            self._overdue.discard(raw)
+        if self.stopping:  # stop() may have looked at the connections before the TLS socket took raw's place
+            conn.close()
+            return None
+        try:
+            conn.do_handshake()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: plaintext, an untrusted client
+            if self.stopping:  # stop() shut it: no refusal of the peer's
+                conn.close()
+            else:
+                self._refuse_secure(conn, f"receiver.tls: TLS handshake failed: {exc}", None)
+            return None
+        return conn
+
+    def _refuse_secure(self, conn: socket.socket, reason: str, answer: BaseException | None) -> None:
+        """Count and log a connection refused before its first frame; answer ``answer`` (if any) and close it."""
+        reason = reason or str(answer)
+        self.count(False, reason)
+        log.warning("hurray %s receiver: refusing a connection: %s", self.transport, reason)
+        with conn:
+            if answer is not None:
+                finish_with_error(conn, answer)
 
     def _connection(self, conn: socket.socket) -> None:
         with self._mu:

@@ -150,20 +150,37 @@ def _send_over(sock: socket.socket, chunks: Iterable[Chunk]) -> None:
     out.close()
 
 
+#: How a write fails when the receiver closed the connection: a broken pipe, a reset; over TLS an EOF.
+_LOST = (BrokenPipeError, ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+#: Said when a plain connection ends before the receiver's first answer: a TLS receiver does that (before 0.3).
+_TLS_HINT = "the receiver ended the connection before its first answer: does the receiver use TLS? (tls:// vs tcp://)"
+
+
 def _send_all(sock: socket.socket, out: BinaryIO, chunks: Iterable[Chunk]) -> None:
+    answered = isinstance(sock, ssl.SSLSocket)  # over TLS the scheme is right: no hint about it
     for ns, key, snap in chunks:
         # Encoded once into a list of pieces (descriptors, and views of the page pools: no copy), so
         # that the frame can announce the stream's length before it; then sent with one call.
         pieces = _Pieces()
         size = write_stream(snap, cast(BinaryIO, pieces))
         try:
-            out.write(frame_head(ns, key, size))
-            out.writelines(pieces.parts)
-            out.flush()
-        except (BrokenPipeError, ConnectionResetError) as lost:
-            _raise_refusal(sock, key, lost)
-            raise
-        read_answer(sock, key)
+            try:
+                out.write(frame_head(ns, key, size))
+                out.writelines(pieces.parts)
+                out.flush()
+            except _LOST as lost:
+                _raise_refusal(sock, key, lost)
+                raise
+            read_answer(sock, key)
+        except (ConnectionResetError, BrokenPipeError) as lost:
+            if answered:
+                raise
+            raise type(lost)(lost.errno, f"{lost.strerror}: {_TLS_HINT}") from lost
+        except HurrayFormatError as exc:
+            if answered or not str(exc).endswith("connection closed after 0 of 2 bytes"):
+                raise
+            raise HurrayFormatError(exc.field, f"{str(exc).partition(': ')[2]}: {_TLS_HINT}") from exc
+        answered = True
         del pieces  # the views: not kept alive while the next chunk is exported
 
 
@@ -171,8 +188,9 @@ def _raise_refusal(sock: socket.socket, key: str, lost: OSError) -> None:
     """Raise the receiver's refusal of chunk ``key`` if it sent one before the connection broke; else return.
 
     A receiver refuses a chunk it will not read (too large, beyond the quota or its memory) at its head,
-    and closes; the sender, still writing the payload, then fails with a broken pipe or a reset. The
-    refusal, which says why, is usually in the socket's buffer already: it is the error to raise.
+    and closes; the sender, still writing the payload, then fails with a broken pipe or a reset (over TLS,
+    an ``ssl.SSLEOFError``). The refusal, which says why, is usually in the socket's buffer already: it is
+    the error to raise.
     """
     deadline = time.monotonic() + _ANSWER_AFTER_LOSS_S
     try:
@@ -341,8 +359,9 @@ class Receiver(ReceiverBase):
                 (length,) = U64.unpack(recv_exact(conn, 8))
             except (HurrayFormatError, OSError, UnicodeDecodeError) as exc:
                 log.warning("hurray receiver: dropping connection: %s", exc)
-                if isinstance(exc, HurrayFormatError) and exc.field == "receiver.auth":
-                    # A sender that authenticates again mid-connection and fails is told why, as at its start.
+                if isinstance(exc, HurrayFormatError) and exc.field in ("receiver.auth", "receiver.tls"):
+                    # A sender that fails the key handshake (again mid-connection, or without keys here), or
+                    # opens TLS to a plain receiver, is told why, as a keyed receiver tells it at the start.
                     self.count(False, str(exc))
                     finish_with_error(conn, exc)
                 return
@@ -365,7 +384,12 @@ class Receiver(ReceiverBase):
         try:
             check_names(ns, key)
             if length > self.max_chunk_bytes:
-                raise HurrayFormatError("transport", f"chunk of {length} bytes exceeds the limit")
+                raise HurrayFormatError(
+                    "transport",
+                    f"chunk of {length} bytes exceeds the limit of {self.max_chunk_bytes} bytes per chunk "
+                    "(max_chunk_bytes; hurray-vllm receive --max-chunk): raise it on the receiver, or save "
+                    "smaller chunks (hurray_chunk_tokens)",
+                )
             self.arm(conn, self.timeout)  # until the first payload bytes; then as they arrive (progress)
             self._reserve(length)  # memory, before the payload is read into it
             reserved = True

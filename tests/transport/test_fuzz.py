@@ -99,7 +99,7 @@ def _exchange(receiver: Receiver, frame: bytes) -> bytes:
             pytest.fail("the receiver neither answered nor closed the connection within 10 s")
         except OSError:  # reset, not connected: the receiver dropped the connection
             pass  # the receiver dropped the connection (a bad magic, a broken header): a refusal
-    if frame.startswith(b"HVA1"):  # a sender authentication: a receiver without keys answers a challenge
+    if frame.startswith(b"HVA1"):  # the key handshake of older versions: 32 bytes for its challenge, then refused
         answer = answer[32:]
     return answer
 

@@ -122,7 +122,9 @@ def test_an_oversized_frame_is_refused_without_reading_it(tmp_path: Path) -> Non
             s.sendall((1 << 62).to_bytes(8, "little"))
             assert recv_exact(s, 2) == b"ER"
             n = int.from_bytes(recv_exact(s, 2), "little")
-            assert b"exceeds the limit" in recv_exact(s, n)
+            message = recv_exact(s, n)
+            # The limit's value and the setting that raises it (found by a review: neither was said).
+            assert b"exceeds the limit of 1024 bytes" in message and b"--max-chunk" in message, message
             assert s.recv(1) == b""
         assert r.refused == 1
 
@@ -1049,3 +1051,41 @@ def test_stop_shuts_tls_connections_as_the_watchdog_does(tmp_path: Path, monkeyp
             monkeypatch.setattr(ssl.SSLSocket, "shutdown", spy)
             r.stop()
     assert not calls
+
+
+def test_a_chunk_the_store_holds_already_counts_nothing_against_the_quota(tmp_path: Path) -> None:
+    """Found by a review: sending a chunk again counted its file once more, though nothing was written."""
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    size = store.path(ns, key).stat().st_size
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), timeout=5, quota_bytes=2 * size) as r:
+        for _ in range(6):  # each would have counted another ``size``: the third was refused
+            send_chunks(_url(r), [(ns, key, chunk)], timeout=5)
+        assert r.received == 6 and r.refused == 0
+        assert r._used is not None and r._used[1] == size and r._promised == 0
+
+
+def test_a_receiver_that_hangs_up_before_its_first_answer_has_the_sender_ask_about_tls() -> None:
+    """What a TLS receiver of an older hurray-vllm does with a tcp:// sender: reads, hangs up. Said so, not bare."""
+    ns, key, chunk = example_chunk()
+    for reset in (False, True):
+        with socket.create_server(("127.0.0.1", 0)) as lsn:
+
+            def tls_receiver(reset: bool = reset) -> None:
+                conn, _ = lsn.accept()
+                with conn:
+                    conn.recv(5)  # not a TLS record: the handshake fails
+                    if reset:  # unread bytes left: the close resets the connection
+                        time.sleep(0.1)
+                    else:
+                        with contextlib.suppress(OSError):
+                            conn.shutdown(socket.SHUT_WR)
+                            while conn.recv(1 << 16):
+                                pass
+
+            threading.Thread(target=tls_receiver, daemon=True).start()
+            with pytest.raises(
+                (hv.HurrayFormatError, OSError), match=r"does the receiver use TLS\? \(tls:// vs tcp://\)"
+            ):
+                send_chunks(f"tcp://127.0.0.1:{lsn.getsockname()[1]}", [(ns, key, chunk)], timeout=5)

@@ -368,7 +368,9 @@ class NixlSender(ChunkSender):
         :class:`HurrayFormatError` when the receiver refuses a chunk,
         ``OSError`` (:class:`NixlError`, ``TimeoutError``, ``ConnectionError``)
         when it cannot be reached or the transfer fails. With ``keys`` the
-        side channel first authenticates this sender (:mod:`..security`).
+        side channel first runs the key handshake (:mod:`..security`): the
+        receiver must prove it holds the fleet key before anything is
+        offered to it, and this sender then proves it too.
         """
         out = []
         with self.tracked(url, timeout=timeout, keys=keys) as sock:  # abort() cuts it
@@ -385,7 +387,7 @@ class NixlSender(ChunkSender):
         track: Callable[[socket.socket], None] | None = None,
         aborted: Callable[[], bool] | None = None,
     ) -> socket.socket:
-        """The side channel to the receiver at ``nixl://HOST:PORT``, authenticated with ``keys`` (if given)."""
+        """The side channel to the receiver at ``nixl://HOST:PORT``, after the key handshake with ``keys`` if given."""
         host, port = parse_nixl_url(url)
         return dial(host, port, timeout=timeout, keys=keys, track=track, aborted=aborted)
 

@@ -72,7 +72,9 @@ Extra config:
   ``chunks_unsigned``, ``chunks_other_key``, ``chunks_bad_mac``). The
   receiver of ``hurray_listen`` refuses them too, and takes connections
   only from senders that authenticate with the key; pushes to
-  ``hurray_url`` authenticate. See :mod:`hurray_vllm.chunks.signing` and
+  ``hurray_url`` go only to a receiver that proves it holds the key too
+  (one started without it is refused, and the chunks are recomputed
+  there). See :mod:`hurray_vllm.chunks.signing` and
   :mod:`hurray_vllm.transport.security`.
 * TLS: ``hurray_url`` ``tls://HOST:PORT`` pushes over TLS, verifying the
   receiver against ``hurray_tls_ca`` (default: the system's CAs), with
