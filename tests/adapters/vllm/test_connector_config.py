@@ -442,7 +442,8 @@ def test_caches_the_connector_cannot_serve_are_a_configuration_error_at_registra
         cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=block_size, kv_cache_layout=None),
     )
     worker._layer_groups, worker._kv_cache_config, worker._fingerprint, worker._ec = {}, None, None, None
-    cache = torch.zeros(8, 2, 64, 2, 16, dtype=torch.bfloat16)  # [blocks * 2, K/V, 64 tokens, heads, dim]
+    # vLLM 0.32's kernel-block view (blocks of 64): [blocks * 2, heads, 64 tokens, 2 * dim].
+    cache = torch.zeros(8, 2, 64, 2 * 16, dtype=torch.bfloat16)
     with pytest.raises(HurrayArgumentError) as info:
         worker.register_kv_caches({"l0": cache})
     err = info.value
