@@ -22,6 +22,7 @@ from .digest import DIGEST_KEY, chunk_digest
 
 __all__ = [
     "KEY_SEEDS",
+    "PARENT_KEY",
     "namespace_of",
     "key_seed",
     "chunk_keys",
@@ -76,19 +77,43 @@ def key_seed(
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
+#: A chunk key as :func:`chunk_keys` and :func:`tail_keys` make it (a 16-byte digest), and a key seed as
+#: :func:`key_seed` makes it from more than the namespace: 32 lowercase hex digits.
+_KEY = re.compile(r"[0-9a-f]{32}")
+
+
 def _chained(prev: str | None, namespace: str) -> hashlib.blake2b:
     """The hash a chunk's key starts from: the key before it (raw digest), or the namespace for the first."""
     return hashlib.blake2b(bytes.fromhex(prev) if prev else namespace.encode(), digest_size=16)
 
 
+def _positive(value: object, name: str) -> int:
+    """``value`` if it is a positive ``int`` (not a bool), else :class:`HurrayArgumentError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HurrayArgumentError(name, f"expected a positive number of tokens, got {value!r}")
+    return value
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the keys hash them: int64, native order."""
+    try:
+        return array("q", token_ids).tobytes()
+    except (OverflowError, TypeError) as exc:
+        raise HurrayArgumentError("token_ids", f"expected integers that fit in 64 bits: {exc}") from None
+
+
 def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, namespace: str) -> list[str]:
-    """Keys of the whole chunks of ``token_ids``; key ``i`` covers tokens ``[0, (i+1)*chunk_tokens)``."""
-    if chunk_tokens < 1:
-        raise HurrayArgumentError("chunk_tokens", f"expected a positive number of tokens, got {chunk_tokens}")
+    """Keys of the whole chunks of ``token_ids``; key ``i`` covers tokens ``[0, (i+1)*chunk_tokens)``.
+
+    Raises:
+        HurrayArgumentError: ``chunk_tokens`` is not a positive ``int``, or a token id is not an integer of
+            64 bits (field ``token_ids``).
+    """
+    _positive(chunk_tokens, "chunk_tokens")
     keys: list[str] = []
     for i in range(len(token_ids) // chunk_tokens):
         h = _chained(keys[-1] if keys else None, namespace)
-        h.update(array("q", token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]).tobytes())  # int64, native order
+        h.update(_token_bytes(token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]))
         keys.append(h.hexdigest())
     return keys
 
@@ -112,11 +137,18 @@ def tail_keys(prev: str | None, token_ids: Sequence[int], step: int, namespace: 
         [2, 4, 6]
         >>> tail_keys(first, tokens[4:], 2, "ns")[1][1] == chunk_keys(tokens, 4, "ns")[1]  # 4 tokens: chunk 1's key
         True
+
+    Raises:
+        HurrayArgumentError: ``step`` is not a positive ``int``, ``prev`` is not a key (32 lowercase hex
+            digits) or ``None``, or a token id is not an integer of 64 bits (field ``token_ids``).
     """
+    _positive(step, "step")
+    if prev is not None and (not isinstance(prev, str) or _KEY.fullmatch(prev) is None):
+        raise HurrayArgumentError("prev", f"expected a chunk key (32 lowercase hex digits) or None, got {prev!r}")
     h = _chained(prev, namespace)
     out = []
     for n in range(step, len(token_ids) + 1, step):
-        h.update(array("q", token_ids[n - step : n]).tobytes())
+        h.update(_token_bytes(token_ids[n - step : n]))
         out.append((n, h.copy().hexdigest()))
     return out
 
@@ -128,9 +160,27 @@ def tail_keys(prev: str | None, token_ids: Sequence[int], step: int, namespace: 
 #: records it, :func:`chunks_of` keys by it; chunks do not carry it.
 KEY_SEEDS = "hurray_vllm.key_seeds"
 
+#: ``extra`` member of a stored chunk: the key of the chunk before it in its prefix (a prompt tail's: its
+#: last whole chunk's), absent in a sequence's first chunk and in files of writers from before it was
+#: recorded. A whole key, never a tensor-parallel slice's name. Covered by the chunk's digest and MAC, as
+#: all of ``extra`` is. :func:`chunks_of` and the connector's saves write it; ``prune`` reads it (a chunk
+#: whose parent is gone can never load, so a parent is kept while a chunk after it is).
+PARENT_KEY = "hurray_vllm.parent_key"
+
+
+def _seed_ok(value: object, namespace: str) -> bool:
+    """Whether ``value`` is a seed :func:`key_seed` makes over ``namespace`` (or None: no chunks)."""
+    return value is None or value == namespace or (isinstance(value, str) and _KEY.fullmatch(value) is not None)
+
 
 def sequence_seeds(snap: KVSnapshot, namespace: str) -> list[str | None]:
     """Each sequence's key seed: the namespace unless ``snap.extra[KEY_SEEDS]`` names another (or none).
+
+    A seed must be one :func:`key_seed` makes: the namespace itself, or 32
+    lowercase hex digits. The first chunk's key hashes its seed where each
+    later chunk's hashes the key before it (16 raw bytes): a seed of any
+    other text (one whose UTF-8 bytes are a stored key's raw bytes) would
+    give a snapshot's chunks the keys of another prompt's later chunks.
 
     Raises:
         HurrayFormatError: (field ``snapshot.extra.hurray_vllm.key_seeds``) a malformed member.
@@ -138,11 +188,11 @@ def sequence_seeds(snap: KVSnapshot, namespace: str) -> list[str | None]:
     given = snap.extra.get(KEY_SEEDS)
     if given is None:
         return [namespace] * snap.num_seqs
-    if not isinstance(given, dict) or not all(
-        isinstance(k, str) and (v is None or (isinstance(v, str) and 0 < len(v) <= 256)) for k, v in given.items()
-    ):
+    if not isinstance(given, dict) or not all(isinstance(k, str) and _seed_ok(v, namespace) for k, v in given.items()):
         raise HurrayFormatError(
-            f"snapshot.extra.{KEY_SEEDS}", "expected request ids mapped to key seeds (strings) or null"
+            f"snapshot.extra.{KEY_SEEDS}",
+            "expected request ids mapped to key seeds (what key_seed makes: 32 lowercase hex digits, or the "
+            "namespace) or null",
         )
     rids = snap.request_ids or ()
     if given and len(rids) != snap.num_seqs:
@@ -165,6 +215,8 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
     A request run under a LoRA adapter or a ``cache_salt`` is keyed with its
     own seed, and one with images or prompt embeddings gets no chunks, as
     the connector keys them (:data:`KEY_SEEDS`, which ``snapshot()`` records).
+    Each chunk but a sequence's first names the key before it
+    (:data:`PARENT_KEY`), as the connector's saves do.
 
     Raises:
         HurrayArgumentError: ``chunk_tokens`` is not a positive multiple of the page size.
@@ -209,13 +261,15 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
         for t in snap.tensors():
             pages.setdefault(id(t.block_table), t.pages_of(s))
         keys = chunk_keys(tokens, chunk_tokens, ns)
-        cuts = [(key, c * per, per) for c, key in enumerate(keys)]
+        # (key, parent key, first page, pages): the parent is the chunk before (a tail's: the last whole one).
+        cuts = [(key, keys[c - 1] if c else None, c * per, per) for c, key in enumerate(keys)]
         tail = (len(tokens) - len(keys) * chunk_tokens) // ps
         if tails and tail:
             start = len(keys) * chunk_tokens
-            ((_, key),) = tail_keys(keys[-1] if keys else None, tokens[start : start + tail * ps], tail * ps, ns)
-            cuts.append((key, len(keys) * per, tail))
-        for key, first, n in cuts:
+            prev = keys[-1] if keys else None
+            ((_, key),) = tail_keys(prev, tokens[start : start + tail * ps], tail * ps, ns)
+            cuts.append((key, prev, len(keys) * per, tail))
+        for key, parent, first, n in cuts:
             lo, hi = first * ps, (first + n) * ps  # the cut's tokens
             ptr = torch.tensor([0, n])
             num = torch.tensor([n * ps])
@@ -242,7 +296,10 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
                 token_ids=(tuple(tokens[lo:hi]),),
                 request_ids=(snap.request_ids[s],) if snap.request_ids else None,
             ).compact()
-            extra = {k: v for k, v in chunk.extra.items() if k != KEY_SEEDS}  # the batch's, not the chunk's
+            # The batch's seeds are not the chunk's, nor is a parent the snapshot carried (it was a chunk).
+            extra = {k: v for k, v in chunk.extra.items() if k not in (KEY_SEEDS, PARENT_KEY)}
+            if parent is not None:
+                extra[PARENT_KEY] = parent
             chunk = replace(chunk, extra=extra)
             out.append((key, replace(chunk, extra={**extra, DIGEST_KEY: chunk_digest(chunk)})))
     return out

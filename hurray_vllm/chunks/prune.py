@@ -1,4 +1,4 @@
-"""Store cleanup: least recently used chunks, damaged files and stale temporary files."""
+"""Store cleanup: least recently used chunks (prefixes from their ends), damaged files and stale temporary files."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HurrayArgumentError, HurrayFormatError
 from .digest import MAC_KEY
-from .keys import is_chunk_name, is_namespace_name, split_slice_key
+from .keys import CHUNK_NAME, PARENT_KEY, is_chunk_name, is_namespace_name, split_slice_key
 from .signing import FleetKeys, parse_mac
 
 if TYPE_CHECKING:
@@ -96,6 +97,12 @@ _TEMP = re.compile(r"\.(.+)\.hrry\.[^.]+\.tmp")
 MIN_STALE_TEMP_S = 60.0
 
 
+#: A chunk in the store: its namespace directory and its key (a tensor-parallel chunk's files share it).
+_Node = tuple[Path, str]
+#: A chunk file as prune judges it: ``(last use, size, path)``.
+_File = tuple[float, int, Path]
+
+
 def prune(
     store: DirectoryStore,
     max_bytes: int,
@@ -104,7 +111,7 @@ def prune(
     dry_run: bool = False,
     keys: FleetKeys | None = None,
 ) -> PruneReport:
-    """Delete the least recently used chunks until the store holds at most ``max_bytes``.
+    """Delete the least recently used chunks until the store holds at most ``max_bytes``, prefixes from their ends.
 
     Also deletes damaged files moved aside (``*.hrry.bad``) and temporary
     files older than ``stale_temp_s`` seconds (left by writers that died
@@ -113,18 +120,39 @@ def prune(
     moves at most once a day, with ``noatime`` never, and pruning is then
     oldest-written first. Its own reads (and ``fsck``'s) leave access times
     as they were (``O_NOATIME``) where the store's files are this user's.
-    A prefix's later chunks are never used more
-    recently than its earlier ones (a load walks the chunks in order and
-    stops at the first missing one), so its tail goes first. Safe while
+
+    What is kept loads. A consumer walks a prompt's chunks in order and
+    stops at the first one missing, and producers write and consumers read
+    a prefix's chunks in order too, so by its file times alone a prefix's
+    first chunk is its least recently used. Each chunk names its parent, the
+    chunk before it in its prefix (:data:`~.keys.PARENT_KEY`, in its header;
+    a prompt tail's parent is its last whole chunk), so prune ranks a chunk
+    by the latest use of it or of any chunk after it, and of chunks so
+    ranked the later in a prefix goes first: a chunk is never deleted while
+    a chunk naming it as parent is kept (nor when deleting one after it
+    failed: a file it could not delete, or one written again since it looked).
+    A prefix thus loses its end first, and a head chunk shared by several
+    prompts (a system prompt) stays as long as any of them does. A file
+    that names no parent (a writer from before parents were recorded, a
+    sequence's first chunk), or a parent that is not stored, is ranked by
+    its own use; a parent is only a ranking hint, read without checking the
+    file (``fsck`` does that). Reading the parents costs one bounded header
+    read per chunk file (:func:`~.store.read_header`), made only when
+    something is to be deleted or with ``keys``.
+
+    A tensor-parallel chunk (a file per slice of its heads) is kept or
+    deleted whole, ranked by its most recently used file. Safe while
     engines use the store: a chunk deleted under an engine that mapped it
     stays readable for that engine, and later lookups miss it.
     ``dry_run`` only reports. With ``keys``, chunks that no key of the ring
     signed (unsigned, another fleet's, or unreadable: what a keyed engine
     would refuse) are deleted first, whatever the size; only the key id a
     file names is read, not its MAC checked (``fsck`` does that). A file
-    that cannot be read is kept, and counted as kept. Bytes are
-    file sizes. A namespace or file
-    that cannot be read or deleted (permissions, I/O errors) is listed in
+    whose header cannot be read (permissions, I/O errors) is no verdict on
+    it: it is not deleted as foreign, it is ranked by its own use, and it
+    counts toward ``max_bytes``; with ``keys`` it is listed in
+    ``report.skipped``. Bytes are file sizes. A namespace or file that
+    cannot be read or deleted (permissions, I/O errors) is listed in
     ``report.skipped``, left in place, and the rest is pruned.
     """
     if max_bytes < 0:
@@ -136,9 +164,8 @@ def prune(
             "writer that is still writing it",
         )
     now = time.time()
-    files: dict[tuple[Path, str], list[tuple[float, int, Path]]] = {}
-    chunks: list[tuple[float, int, list[tuple[float, int, Path]]]] = []
-    doomed: list[tuple[str, int, Path]] = []
+    files: dict[_Node, list[_File]] = {}
+    doomed: list[tuple[str, int, Path, _Node | None]] = []
     skipped: list[str] = []
     #: What each chunk file was when it was judged: only that file is deleted, not one renamed over it since.
     judged: dict[Path, tuple[int, int, int, int]] = {}
@@ -159,50 +186,63 @@ def prune(
             name = entry.name
             # Only what the store itself writes: a directory given by mistake keeps its other files.
             if name.endswith(".hrry.bad") and is_chunk_name(name.removesuffix(".hrry.bad")):
-                doomed.append(("bad", st.st_size, Path(entry.path)))
+                doomed.append(("bad", st.st_size, Path(entry.path), None))
             elif (temp := _TEMP.fullmatch(name)) is not None and is_chunk_name(temp.group(1)):
                 if now - st.st_mtime > stale_temp_s:
-                    doomed.append(("temp", st.st_size, Path(entry.path)))
+                    doomed.append(("temp", st.st_size, Path(entry.path), None))
             elif (
                 name.endswith(".hrry")
                 and is_chunk_name(name.removesuffix(".hrry"))
                 and entry.is_file(follow_symlinks=False)
             ):
                 judged[Path(entry.path)] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                # A tensor-parallel chunk is several files (<key>.h<a>-<b>.hrry): it goes, or stays, whole, by
+                # its most recent use; a lone slice would be kept bytes that can never load.
                 files.setdefault((ns, _chunk_of(name)), []).append(
                     (max(st.st_atime, st.st_mtime), st.st_size, Path(entry.path))
                 )
-    # A tensor-parallel chunk is several files (<key>.h<a>-<b>.hrry): it goes, or stays, whole, by its
-    # most recent use; a lone slice would be kept bytes that can never load.
-    for group in files.values():
-        chunks.append((max(t for t, _, _ in group), sum(size for _, size, _ in group), group))
     foreign = 0
+    parents: dict[_Node, str | None] = {}
     if keys is not None:
         # File by file: a chunk's files may come from engines of several TP degrees (the whole file and
         # slices), and an unsigned slice beside a signed whole file takes only itself away.
-        ours = []
-        for _, _, group in chunks:
+        ours: dict[_Node, list[_File]] = {}
+        for node, group in files.items():
             # None: the file could not be read (listed in skipped), which says nothing about it: it stays.
-            signed = [_signed_by(path, keys, skipped) for _, _, path in group]
+            looks = [_look(path, keys, skipped) for _, _, path in group]
             doomed.extend(
-                ("foreign", size, path) for (_, size, path), ok in zip(group, signed, strict=True) if ok is False
+                ("foreign", size, path, None)
+                for (_, size, path), (ok, _) in zip(group, looks, strict=True)
+                if ok is False
             )
-            foreign += signed.count(False)
+            foreign += sum(ok is False for ok, _ in looks)
             # An unreadable file is kept, and so counted toward max_bytes (deleting it by size needs no read).
-            kept = [f for f, ok in zip(group, signed, strict=True) if ok is not False]
+            kept = [f for f, (ok, _) in zip(group, looks, strict=True) if ok is not False]
             if kept:
-                ours.append((max(t for t, _, _ in kept), sum(size for _, size, _ in kept), kept))
-        chunks = ours
-    chunks.sort(key=lambda c: (c[0], c[1]))
-    total = sum(size for _, size, _ in chunks)
-    for _, size, group in chunks:
+                ours[node] = kept
+                parents[node] = _one_parent(parent for ok, parent in looks if ok is not False)
+        files = ours
+    total = sum(size for group in files.values() for _, size, _ in group)
+    ranked: list[_Node] = []
+    link: dict[_Node, _Node] = {}
+    if total > max_bytes:  # parents rank what is deleted: neither read nor ranked when nothing is
+        if keys is None:
+            for node, group in files.items():
+                parents[node] = _one_parent(_look(path, None, skipped)[1] for _, _, path in group)
+        ranked, link = _ranked(files, parents)
+    for node in ranked:
         if total <= max_bytes:
             break
-        doomed.extend(("chunk", file_size, path) for _, file_size, path in group)
-        total -= size
-    files_kept = sum(len(group) for _, _, group in chunks) + foreign
+        doomed.extend(("chunk", file_size, path, node) for _, file_size, path in files[node])
+        total -= sum(size for _, size, _ in files[node])
+    files_kept = sum(len(group) for group in files.values()) + foreign
     report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=files_kept, skipped=skipped)
-    for kind, size, path in doomed:
+    #: Chunks before one left in place: deleting them would leave it unreachable.
+    pinned: set[_Node] = set()
+    for kind, size, path, chunk in doomed:
+        if chunk is not None and chunk in pinned:
+            report.bytes_kept += size
+            continue
         if not dry_run:
             try:
                 if kind not in ("chunk", "foreign"):
@@ -210,6 +250,7 @@ def prune(
                 elif not take_if_same(path, judged[path], None):
                     # Written again since the scan (a producer's rename): a fresh file, not the one judged.
                     report.bytes_kept += size
+                    _pin(chunk, link, pinned)
                     continue
             except FileNotFoundError:  # another pruner was first: gone all the same
                 pass
@@ -217,39 +258,113 @@ def prune(
                 report.skipped.append(f"{path}: {exc.strerror or exc}")
                 if kind in ("chunk", "foreign"):
                     report.bytes_kept += size
+                    _pin(chunk, link, pinned)
                 continue
         report.add(kind, size)
     return report
 
 
-def _signed_by(path: Path, keys: FleetKeys, skipped: list[str]) -> bool | None:
-    """Whether the chunk file at ``path`` names a key of ``keys`` as its signer (its MAC is not checked here).
+def _ranked(
+    files: dict[_Node, list[_File]], parents: dict[_Node, str | None]
+) -> tuple[list[_Node], dict[_Node, _Node]]:
+    """The chunks of ``files`` in the order prune deletes them, and the parent links it followed.
+
+    A chunk's rank is the latest use of it or of any chunk below it (its
+    children's ranks), then the deeper in its prefix first, then the
+    smaller: a chunk always comes after every chunk naming it as parent.
+    Only links to a chunk in ``files`` of the same namespace count; a cycle
+    (crafted or corrupt parents) is cut where it is found.
+    """
+    link = {
+        node: (node[0], parent)
+        for node, parent in parents.items()
+        if parent is not None and parent != node[1] and (node[0], parent) in files
+    }
+    depth: dict[_Node, int] = {}
+    for start in sorted(files):
+        path: list[_Node] = []
+        on_path: set[_Node] = set()
+        node = start
+        while node not in depth:
+            up = link.get(node)
+            if node in on_path:  # back where this walk went through: a cycle, cut here
+                del link[node]
+                depth[node] = 0
+                break
+            if up is None:
+                depth[node] = 0
+                break
+            on_path.add(node)
+            path.append(node)
+            node = up
+        for node in reversed(path):
+            if node not in depth:
+                depth[node] = depth[link[node]] + 1
+    used = {node: max(t for t, _, _ in group) for node, group in files.items()}
+    size = {node: sum(s for _, s, _ in group) for node, group in files.items()}
+    for node in sorted(files, key=depth.__getitem__, reverse=True):  # children before their parent
+        up = link.get(node)
+        if up is not None and used[node] > used[up]:
+            used[up] = used[node]
+    return sorted(files, key=lambda n: (used[n], -depth[n], size[n])), link
+
+
+def _pin(node: _Node | None, link: dict[_Node, _Node], pinned: set[_Node]) -> None:
+    """Keep every chunk before ``node`` in its prefix (``node`` stays: deleting them would strand it)."""
+    up = link.get(node) if node is not None else None
+    while up is not None and up not in pinned:
+        pinned.add(up)
+        up = link.get(up)
+
+
+def _one_parent(parents: Iterable[str | None]) -> str | None:
+    """The parent a chunk's files name (slices of one chunk name the same); ``None`` if none, or they disagree."""
+    named = {p for p in parents if p is not None}
+    return named.pop() if len(named) == 1 else None
+
+
+def _look(path: Path, keys: FleetKeys | None, skipped: list[str]) -> tuple[bool | None, str | None]:
+    """``(signed, parent)`` of the chunk file at ``path``: one read of its header records.
+
+    ``signed``: whether it names a key of ``keys`` as its signer (its MAC is
+    not checked here); ``None`` without ``keys``. ``parent``: the key it
+    names as its parent (:data:`~.keys.PARENT_KEY`), if it names one that
+    can be a key.
 
     Reads its header records only, not mapped (a file truncated meanwhile
     cannot SIGBUS the pruner). A malformed file, or one that names no key,
-    is not signed: a keyed engine refuses it. ``None``, with the reason
-    appended to ``skipped``, when the file cannot be read (permissions, an
-    I/O error, memory running out): that is no verdict on the file
-    (:func:`~hurray_vllm.containers.io.read_error`), so it is not deleted as
-    foreign. Read without moving its access time: this look is no use of the
-    chunk, and a moved time would rank it freshest in the next prune.
+    is not signed: a keyed engine refuses it. ``(None, None)``, with the
+    reason appended to ``skipped`` where ``keys`` are given, when the file
+    cannot be read (permissions, an I/O error, memory running out): that is
+    no verdict on the file (:func:`~hurray_vllm.containers.io.read_error`),
+    so it is not deleted as foreign. Read without moving its access time:
+    this look is no use of the chunk, and a moved time would rank it
+    freshest in the next prune.
     """
-    from .store import read_header
+    from . import store
 
     try:
-        header = read_header(path, noatime=True)
+        header = store.read_header(path, noatime=True)
+    except FileNotFoundError:  # deleted since the scan (another pruner): nothing to skip, nothing to judge
+        return None, None
     except OSError as exc:
-        skipped.append(f"{path}: {exc.strerror or exc}")
-        return None
+        if keys is not None:
+            skipped.append(f"{path}: {exc.strerror or exc}")
+        return None, None
     except HurrayFormatError:
-        return False
+        return (False if keys is not None else None), None
     if header is None:
-        return False
+        return (False if keys is not None else None), None
+    parent = header.extra.get(PARENT_KEY)
+    if not isinstance(parent, str) or CHUNK_NAME.fullmatch(parent) is None:
+        parent = None
+    if keys is None:
+        return None, parent
     try:
         key_id, _, _ = parse_mac(header.extra.get(MAC_KEY))
     except (HurrayFormatError, ValueError):
-        return False
-    return key_id in keys.ids
+        return False, parent
+    return key_id in keys.ids, parent
 
 
 def _chunk_of(name: str) -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import hurray_vllm as hv
-from hurray_vllm.chunks.keys import KEY_SEEDS, chunk_keys, chunks_of, key_seed, namespace_of
+from hurray_vllm.chunks.keys import KEY_SEEDS, chunk_keys, chunks_of, key_seed, namespace_of, tail_keys
 from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
 
 CHUNK = 4  # the example's pages of 4 tokens: sequence "a" (6 tokens) has one whole chunk
@@ -73,3 +74,76 @@ def test_a_chunk_size_that_cannot_be_is_an_argument_error(size: object, tmp_path
     assert not list(tmp_path.rglob("*.hrry"))
     with pytest.raises(hv.HurrayArgumentError):
         chunk_keys([1, 2, 3], 0, "ns")
+
+
+def _utf8_key_prompt(ns: str) -> tuple[list[int], str]:
+    """A prompt whose first chunk key's 16 raw bytes are valid UTF-8 (about 1 key in 12,000), and that string."""
+    for i in range(10**6):
+        prompt = [1000 + i, 7, 8, 9]
+        key = chunk_keys(prompt, CHUNK, ns)[0]
+        try:
+            return prompt, bytes.fromhex(key).decode()
+        except UnicodeDecodeError:
+            pass
+    raise AssertionError("no such key")
+
+
+def test_a_seed_that_is_a_key_s_raw_bytes_is_refused(tmp_path: Path) -> None:
+    """A seed whose UTF-8 bytes are a stored key's raw bytes hashes as that key's next chunk does: a snapshot
+    carrying it stored (and, with a fleet key, signed) its own KV under another prompt's next key."""
+    snap = _batch({})
+    ns = namespace_of(snap.fingerprint)  # type: ignore[arg-type]
+    victim, seed = _utf8_key_prompt(ns)
+    tokens = list(snap.token_ids[0][:CHUNK])
+    assert chunk_keys(tokens, CHUNK, seed)[0] == chunk_keys(victim + tokens, CHUNK, ns)[1]  # the collision
+    evil = replace(snap, extra={KEY_SEEDS: {"salted": seed}})
+    with pytest.raises(hv.HurrayFormatError) as err:
+        chunks_of(evil, CHUNK)
+    assert err.value.field == f"snapshot.extra.{KEY_SEEDS}"
+    hv.save(evil, tmp_path / "evil.hrry")  # the same through a file
+    with pytest.raises(hv.HurrayFormatError):
+        store_snapshot(DirectoryStore(tmp_path / "store"), hv.load(tmp_path / "evil.hrry"), CHUNK)
+    assert not list((tmp_path / "store").rglob("*.hrry"))
+
+
+@pytest.mark.parametrize("seed", ["A" * 32, "a" * 31, "a" * 33, "g" * 32, "ab" * 32, "ns", " " + "a" * 31])
+def test_a_seed_key_seed_cannot_make_is_refused(seed: str) -> None:
+    with pytest.raises(hv.HurrayFormatError) as err:
+        chunks_of(_batch({"salted": seed}), CHUNK)
+    assert err.value.field == f"snapshot.extra.{KEY_SEEDS}"
+
+
+def test_every_seed_key_seed_makes_is_taken_and_keys_stay_as_they_were() -> None:
+    snap = _batch({})
+    ns = namespace_of(snap.fingerprint)  # type: ignore[arg-type]
+    seeds = [ns, key_seed(ns, cache_salt="t"), key_seed(ns, lora=("files", "d")), key_seed(ns, epoch="e")]
+    tokens = list(snap.token_ids[0][:CHUNK])
+    for seed in seeds:
+        got = chunks_of(replace(snap, extra={KEY_SEEDS: {"salted": seed}}), CHUNK)
+        assert [k for k, _ in got][1] == chunk_keys(tokens, CHUNK, seed)[0]
+    # The keys themselves are what they always were (a store written before keeps its hits).
+    assert chunk_keys([1, 2, 3, 4], 4, "ns") == ["758e5284ab707e55b9194022153f8dfe"]
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda: chunk_keys([1, 2], 1.5, "ns"), "chunk_tokens"),
+        (lambda: chunk_keys([1, 2], True, "ns"), "chunk_tokens"),
+        (lambda: chunk_keys([1, 2], "2", "ns"), "chunk_tokens"),
+        (lambda: chunk_keys([1, 2**63], 2, "ns"), "token_ids"),
+        (lambda: chunk_keys([1, "2"], 2, "ns"), "token_ids"),
+        (lambda: tail_keys(None, [1, 2, 3], 0, "ns"), "step"),
+        (lambda: tail_keys(None, [1, 2, 3], -1, "ns"), "step"),
+        (lambda: tail_keys(None, [1, 2, 3], 1.0, "ns"), "step"),
+        (lambda: tail_keys("xyz", [1], 1, "ns"), "prev"),
+        (lambda: tail_keys("ab", [1], 1, "ns"), "prev"),
+        (lambda: tail_keys("AB" * 16, [1], 1, "ns"), "prev"),
+        (lambda: tail_keys("", [1], 1, "ns"), "prev"),
+    ],
+)
+def test_key_arguments_that_cannot_be_are_argument_errors(call: Any, field: str) -> None:
+    """A zero step, a prev that is no key, a float chunk size raised bare ValueError and TypeError."""
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        call()
+    assert err.value.field == field

@@ -102,6 +102,10 @@ class SaveTask:
     #: Stored already (loaded, not computed here): only pushed on to ``hurray_url``, from its files, if the
     #: destination lacks them; never exported (``tokens`` and ``block_ids`` are empty).
     forward: bool = False
+    #: The key of the chunk before this one in its prefix (a tail's: its last whole chunk's; a slice's: the
+    #: previous chunk's key, not a slice name), written into the chunk's header (``PARENT_KEY``) so that a
+    #: prune keeps it while it keeps this chunk. None for a sequence's first chunk.
+    parent: str | None = None
 
 
 @dataclass

@@ -1250,6 +1250,7 @@ class HurrayScheduler:
                         for g, w in zip(state.groups, self._windows, strict=True)
                     ],
                     replace=replace,
+                    parent=keys[c - 1] if c else None,
                     **states,
                 )
             )
@@ -1283,7 +1284,7 @@ class HurrayScheduler:
             return
         first = start // self._block_size
         blocks = state.block_ids[first : first + n // self._block_size]
-        meta.saves.append(SaveTask(req_id, key, tokens[start:end], blocks, tail=True))
+        meta.saves.append(SaveTask(req_id, key, tokens[start:end], blocks, tail=True, parent=prev))
 
     def _window_start(self, window: int, c: int, resume: int) -> int:
         """Where a save of chunk ``c`` holds a sliding layer's tokens from (chunk-relative, whole blocks).

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ....chunks.keys import PARENT_KEY
 from ....chunks.signing import sign_chunk
 from ....chunks.store import (
     DIGEST_KEY,
@@ -1537,6 +1538,8 @@ class HurrayWorker:
             states=states,
         )
         snap = with_heads(snap, self._my_heads)  # a rank's slice says which heads it holds (checked)
+        if task.parent is not None:  # the chunk before it (prune keeps it while it keeps this one): digested, signed
+            snap = replace(snap, extra={**snap.extra, PARENT_KEY: task.parent})
         snap = replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
         # task.key is the file's name (a rank's slice key at TP > 1): the MAC binds the chunk to it.
         return sign_chunk(snap, self._keys, self._ns, task.key) if self._keys is not None else snap
