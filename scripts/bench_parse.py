@@ -65,6 +65,9 @@ try:
 except ImportError:  # a checkout before the memo
     template = None  # type: ignore[assignment]
 
+#: The namespace the chunk files go under (a store's names are hex: DirectoryStore refuses others).
+NAMESPACE = "0a"
+
 
 def make_chunks(root: Path, args: argparse.Namespace) -> tuple[DirectoryStore, list[str], ModelFingerprint]:
     """``args.files`` chunk files of one engine, written as the connector writes them."""
@@ -91,8 +94,8 @@ def make_chunks(root: Path, args: argparse.Namespace) -> tuple[DirectoryStore, l
             reserved_blocks=(),
         )
         snap = replace(snap, extra={**snap.extra, DIGEST_KEY: chunk_digest(snap)})
-        store.put("ns", f"chunk{c}", snap, replace=True)
-        names.append(f"chunk{c}")
+        store.put(NAMESPACE, f"{c:04x}", snap, replace=True)
+        names.append(f"{c:04x}")
     return store, names, fp
 
 
@@ -124,7 +127,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         log(f"writing {args.files} chunk files")
         store, names, fp = make_chunks(Path(tmp), args)
-        datas = [read_file(store.path("ns", n)) for n in names]
+        datas = [read_file(store.path(NAMESPACE, n)) for n in names]
         size = datas[0].view.nbytes
         modes = ["off", "on"] if template is not None else ["off"]
         stages = ("parse", "header", "scheduler")

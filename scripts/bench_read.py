@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 from _bench import git_state, log, machine
-from bench_parse import make_chunks
+from bench_parse import NAMESPACE, make_chunks
 
 from hurray_vllm import native
 from hurray_vllm.chunks.store import load_chunk
@@ -77,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         log(f"writing {args.files} chunk files")
         store, names, _ = make_chunks(Path(tmp), args)
-        paths = [store.path("ns", n) for n in names]
+        paths = [store.path(NAMESPACE, n) for n in names]
         size = paths[0].stat().st_size
         folds = ("fold", "lanes") if native.crc32c_fold() else ("lanes",)
         ways = tuple(f"{w}/{c}" for w in ("after", "paged") for c in folds)

@@ -59,12 +59,14 @@ examples:
                                                one OpenAI endpoint over vLLM servers: routing, migration, failover
 
 exit status:
-  0    success (validate: the file is valid, as load reads it; fsck: every chunk is good, verifiable
-       here and, with --key-file, signed with one of the keys)
+  0    success (validate: the file is valid, as load reads it; fsck: every chunk was read and is good,
+       verifiable here and, with --key-file, signed with one of the keys)
   1    the data or the operation failed: an invalid file (the line says which field), a damaged chunk,
-       a demo check FAILED, a server that could not be reached or answered wrongly, a permission
+       a demo check FAILED, a server that could not be reached or answered wrongly, a permission (a chunk
+       fsck could not read, a file prune could not read or delete: listed as skipped)
   2    a bad call: an option refused, a path that is missing, a directory, pipe or device given for a
-       file (or a file for a directory), a symbolic link loop, '-' for a path, an optional package missing
+       file (or a file for a directory), a symbolic link loop, '-' for a path, an optional package missing,
+       a directory given to fsck or prune that holds no chunk store namespaces (a namespace directory)
   3    an internal error: a bug (HURRAY_VLLM_DEBUG=1 shows the traceback; please report it)
   130  interrupted (Ctrl-C)
   141  standard output closed early (e.g. piped into head): the rest is not printed
@@ -695,9 +697,38 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chunk_store_arg(path: str) -> DirectoryStore:
+    """The chunk store at ``path`` for fsck and prune: refused (exit 2) when it holds no namespace directories.
+
+    A namespace directory given for its store (one level too deep), or a directory above it, would otherwise be
+    "0 chunk files checked", exit 0. An empty directory (a file system's ``lost+found`` aside) is an empty store:
+    one no engine has written to yet, fine. One that cannot be listed is left to fsck and prune to report.
+
+    Raises:
+        HurrayArgumentError: field ``dir``, what to give instead.
+    """
+    from ..chunks.keys import is_chunk_name, is_namespace_name
+
+    store = _store_dir(path)
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return store
+    if any(is_namespace_name(n) for n in names) or all(n == "lost+found" for n in names):
+        return store
+    p = Path(path).resolve()
+    if is_namespace_name(p.name) or any(n.endswith(".hrry") and is_chunk_name(n.removesuffix(".hrry")) for n in names):
+        hint = f"it looks like one namespace directory of a store: give the store, its parent {p.parent}"
+    else:
+        hint = "give the store's directory (a HurrayConnector's hurray_path, the receiver's --dir)"
+    raise HurrayArgumentError(
+        "dir", f"{path} holds no chunk store namespaces (directories named by hex digits, one per model): {hint}"
+    )
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
-    """Run ``hurray-vllm prune``: delete least recently used chunks beyond ``--max-size``; returns 0."""
-    report = _store_dir(args.dir).prune(args.max_size, dry_run=args.dry_run, keys=_keys(args))
+    """Run ``hurray-vllm prune``: delete least recently used chunks beyond ``--max-size``; 0, or 1 if it skipped any."""
+    report = _chunk_store_arg(args.dir).prune(args.max_size, dry_run=args.dry_run, keys=_keys(args))
     if args.json:
         print(json.dumps(vars(report)))
     elif not args.quiet:
@@ -710,6 +741,17 @@ def cmd_prune(args: argparse.Namespace) -> int:
         )
     for skipped in report.skipped:
         print(f"hurray-vllm: skipped: {skipped}", file=sys.stderr)
+    if report.skipped:
+        n = len(report.skipped)
+        above = ""
+        if report.bytes_kept > args.max_size:
+            above = f"; {report.bytes_kept / 2**20:.1f} MiB remain, above --max-size ({args.max_size / 2**20:.1f} MiB)"
+        print(
+            f"hurray-vllm: prune skipped {n} path{'s' * (n != 1)} it could not read, delete or follow (listed above)"
+            f"{above}: fix them (permissions, symbolic links) and run prune again",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -717,7 +759,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm fsck``: verify every chunk file of a store; 0 if it is clean (``FsckReport.clean``), else 1."""
     from ..chunks.fsck import fsck
 
-    report = fsck(_store_dir(args.dir), quarantine=args.quarantine, keys=_keys(args))
+    report = fsck(_chunk_store_arg(args.dir), quarantine=args.quarantine, keys=_keys(args))
     if args.json:
         print(json.dumps({**vars(report), "clean": report.clean}))
     elif not args.quiet:
@@ -727,11 +769,13 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             print(f"not ours: {path}: {why}")
         for path, why in report.unverified:
             print(f"not verified: {path}: {why}")
+        for path, why in report.unreadable:
+            print(f"unreadable: {path}: {why}")
         moved = f", {len(report.moved)} moved aside (*.hrry.bad)" if args.quarantine else ""
         print(
             f"{report.checked} chunk files checked: {report.good} good, {len(report.damaged)} damaged{moved}, "
-            f"{len(report.foreign)} unsigned or of another key, {len(report.unverified)} not verifiable here; "
-            f"{report.temporary} temporary files"
+            f"{len(report.foreign)} unsigned or of another key, {len(report.unverified)} not verifiable here, "
+            f"{len(report.unreadable)} unreadable; {report.temporary} temporary files"
         )
     for skipped in report.skipped:
         print(f"hurray-vllm: skipped: {skipped}", file=sys.stderr)
@@ -884,7 +928,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="shrink a chunk store: delete its least recently used chunks",
         description="Deletes least recently used chunk files until the store holds at most --max-size, plus "
         "damaged files moved aside (*.hrry.bad) and temporary files older than an hour. Safe while engines "
-        "use the store. Example: hurray-vllm prune /var/cache/hurray --max-size 200G --dry-run",
+        "use the store. Exit 1 if it skipped a file it could not read or delete (listed). "
+        "Example: hurray-vllm prune /var/cache/hurray --max-size 200G --dry-run",
     )
     s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
     s.add_argument("--max-size", type=_size, required=True, help="bytes to keep at most: 500M, 20G, 1.5T, ...")
@@ -898,8 +943,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fsck",
         help="verify every chunk file of a store; optionally move the damaged ones aside",
         description="Reads and verifies every chunk file as a consumer would (name, format, model namespace, "
-        "KV heads, checksum). Exit 0 if all are good, 1 if any is damaged or not verifiable here (and, with "
-        "--key-file, unsigned or signed with a key not given). Safe while engines use the store. "
+        "KV heads, checksum). Exit 0 if all are good, 1 if any is damaged, unreadable or not verifiable here "
+        "(and, with --key-file, unsigned or signed with a key not given). Safe while engines use the store. "
         "Example: hurray-vllm fsck /var/cache/hurray --quarantine",
     )
     s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import HurrayFormatError
 from .digest import check_heads, digest_unverifiable
-from .keys import is_chunk_name, is_namespace_name, namespace_of, split_slice_key
+from .keys import is_chunk_name, namespace_of, split_slice_key
 from .prune import namespaces
 from .signing import FleetKeys, refusal_kind
 from .verify import _check_geometry, _check_token_ids, check_data
@@ -46,14 +46,20 @@ class FsckReport:
     #: unknown one, or one that needs the native kernels. Consumers refuse them too, but leave them in
     #: place (a newer writer's file may be fine): so does fsck.
     unverified: list[tuple[str, str]] = field(default_factory=list)
-    #: Paths that could not be read (permissions), or were not followed or read (symbolic links, directories,
-    #: pipes at a chunk's name), with the reason.
+    #: ``(path, why)`` for every chunk file, namespace directory or store directory that could not be read
+    #: (permissions, I/O errors): its chunks were not checked, so the store is not :attr:`clean`. Not damage
+    #: (nothing is moved aside): fix the permissions and run fsck again.
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+    #: Paths fsck leaves alone, with the reason: symbolic links (not followed), directories and pipes at a
+    #: chunk's name, files of a namespace directory whose names are not a chunk's (not the store's, as
+    #: ``prune`` leaves them), a chunk that changed under every read (checked by the next run). No consumer
+    #: reads them as chunks: they do not make the store unclean.
     skipped: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        """Whether every chunk file checked is good (and, with keys, signed by one of them)."""
-        return not self.damaged and not self.foreign and not self.unverified
+        """Whether every chunk file was read and is good (and, with keys, signed by one of them)."""
+        return not self.damaged and not self.foreign and not self.unverified and not self.unreadable
 
 
 class _Unverified(Exception):
@@ -67,8 +73,6 @@ def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> s
         HurrayFormatError: the chunk is unsigned or signed with another key (``keys`` only).
     """
     heads = split_slice_key(name)[1]
-    if not is_namespace_name(ns) or not is_chunk_name(name):
-        return "not a chunk's name (a key is hex digits, with .h<a>-<b> for a slice)"
     try:
         # Its access time stays: a check is no use of the chunk, and prune ranks chunks by their last use.
         snap = store.get(ns, name, noatime=True)
@@ -102,13 +106,14 @@ def _not_a_file(path: Path) -> str | None:
 
     Consumers never read such an entry (a link is not followed, a pipe is
     refused), so it is not damage, and fsck neither follows nor moves it.
+
+    Raises:
+        OSError: the entry cannot be looked at (permissions): unreadable, not a verdict on it.
     """
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        return exc.strerror or str(exc)
     if stat.S_ISLNK(mode):
         return "a symbolic link, not followed"
     if stat.S_ISDIR(mode):
@@ -121,7 +126,7 @@ def _not_a_file(path: Path) -> str | None:
 def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | None = None) -> FsckReport:
     """Read and verify every chunk file of ``store``, as a consumer would; optionally move the damaged ones aside.
 
-    Checks each ``<namespace>/<name>.hrry``: its name, that it parses (the
+    Checks each ``<namespace>/<name>.hrry`` named as a chunk: that it parses (the
     spec's rules, the container's CRCs), that its model's namespace is the
     directory it is in, that it holds one sequence and its token ids, and
     the KV heads its name says, that its pools are what its fingerprint
@@ -135,17 +140,33 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | N
     were (``O_NOATIME``, where the files are this user's): ``prune`` ranks
     chunks by their last use, and a check is none.
 
+    A file that could not be read (permissions), or a namespace directory that
+    could not be listed, is listed in ``unreadable`` and the store is not clean.
+    A file whose name is not a chunk's is not the store's: listed in ``skipped``
+    and left alone, as ``prune`` leaves it. A chunk that changed while it was
+    read (a prune holding it aside, a producer writing it again) is read again,
+    not called damaged.
+
     Example:
         >>> from hurray_vllm.chunks.store import DirectoryStore
         >>> fsck(DirectoryStore("/nonexistent/store")).clean
         True
     """
     report = FsckReport()
-    for ns_dir in namespaces(Path(store.root), report.skipped):
+    root = Path(store.root)
+    listed: list[str] = []
+    ns_dirs = namespaces(root, listed)
+    # namespaces() lists a symbolic link among them (skipped) and, as "<root>: why", a root it cannot read.
+    for entry in listed:
+        if entry.startswith(f"{root}: "):
+            report.unreadable.append((str(root), entry.removeprefix(f"{root}: ")))
+        else:
+            report.skipped.append(entry)
+    for ns_dir in ns_dirs:
         try:
             names = sorted(os.listdir(ns_dir))
-        except OSError as exc:
-            report.skipped.append(f"{ns_dir}: {exc.strerror or exc}")
+        except OSError as exc:  # its chunks cannot be checked: not clean
+            report.unreadable.append((str(ns_dir), exc.strerror or str(exc)))
             continue
         for file in names:
             if file.startswith(".") and file.endswith(".tmp"):
@@ -154,34 +175,65 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | N
             if not file.endswith(".hrry"):
                 continue  # moved aside before (.hrry.bad), or not the store's
             name, ns = file.removesuffix(".hrry"), ns_dir.name
-            identity = store.identity(ns, name)
-            if identity is None:
-                odd = _not_a_file(ns_dir / file)
-                if odd is not None:  # nothing a consumer loads, but an operator should hear of it
-                    report.skipped.append(f"{ns_dir / file}: {odd}")
-                continue  # else gone meanwhile (pruned)
-            try:
-                why = _why(store, ns, name, keys)
-            except OSError as exc:  # unreadable (permissions): not a verdict on its bytes
-                report.skipped.append(f"{ns_dir / file}: {exc.strerror or exc}")
+            if not is_chunk_name(name):  # not the store's (an operator's notes): never read, never moved
+                report.skipped.append(
+                    f"{ns_dir / file}: not a chunk's name (a key is hex digits, with .h<a>-<b> for a slice), "
+                    "not the store's: left alone"
+                )
                 continue
-            except HurrayFormatError as exc:  # unsigned, or another fleet's
-                report.checked += 1
-                report.foreign.append((str(ns_dir / file), str(exc)))
-                continue
-            except _Unverified as exc:
-                report.checked += 1
-                report.unverified.append((str(ns_dir / file), str(exc)))
-                continue
-            if why is not None and store.identity(ns, name) is None:
-                continue  # pruned while it was read: the read's failure says nothing about its bytes
-            report.checked += 1
-            if why is None:
-                report.good += 1
-                continue
-            report.damaged.append((str(ns_dir / file), why))
-            if quarantine:
-                moved = store.quarantine(ns, name, identity)
-                if moved is not None:
-                    report.moved.append(str(moved))
+            _check_one(store, ns, name, ns_dir / file, keys, quarantine, report)
     return report
+
+
+def _check_one(
+    store: DirectoryStore,
+    ns: str,
+    name: str,
+    path: Path,
+    keys: FleetKeys | None,
+    quarantine: bool,
+    report: FsckReport,
+) -> None:
+    """Check chunk file ``name`` of ``ns`` (at ``path``) into ``report``; quarantine it if damaged and asked to."""
+    for _ in range(2):  # a file that changed while it was read is read once more: the new file's verdict
+        identity = store.identity(ns, name)
+        if identity is None:
+            try:
+                odd = _not_a_file(path)
+            except OSError as exc:
+                report.unreadable.append((str(path), exc.strerror or str(exc)))
+                return
+            if odd is not None:  # nothing a consumer loads, but an operator should hear of it
+                report.skipped.append(f"{path}: {odd}")
+            return  # else gone meanwhile (pruned)
+        try:
+            why = _why(store, ns, name, keys)
+        except OSError as exc:  # unreadable (permissions): not a verdict on its bytes, but not clean either
+            report.unreadable.append((str(path), exc.strerror or str(exc)))
+            return
+        except HurrayFormatError as exc:  # unsigned, or another fleet's
+            report.checked += 1
+            report.foreign.append((str(path), str(exc)))
+            return
+        except _Unverified as exc:
+            report.checked += 1
+            report.unverified.append((str(path), str(exc)))
+            return
+        # The read's failure says something about the file only if it is still the one looked at before: a
+        # prune holding it aside (and putting it back: the same inode, a new change time), or a producer
+        # renaming a new file over it, makes a read find no file or another's bytes.
+        if why is None or store.identity(ns, name) == identity:
+            break
+    else:
+        if store.identity(ns, name) is not None:
+            report.skipped.append(f"{path}: changed while it was read, twice: not judged (run fsck again)")
+        return  # else pruned while it was read
+    report.checked += 1
+    if why is None:
+        report.good += 1
+        return
+    report.damaged.append((str(path), why))
+    if quarantine:
+        moved = store.quarantine(ns, name, identity)
+        if moved is not None:
+            report.moved.append(str(moved))

@@ -165,6 +165,14 @@ class FleetKeys:
 
 
 def _read_key_file(path: Path) -> bytes:
+    """The secret in the key file at ``path``: its bytes, whitespace at both ends stripped.
+
+    A key file is text (the documented key is a base64 line: ``head -c 32 /dev/urandom | base64``), so a
+    newline an editor adds is no part of the key. Raw binary bytes are taken as they are otherwise, but a raw
+    key whose first or last bytes read as whitespace (1 in 22 of 32 random bytes) loses them: the refusal of
+    a key short after stripping says so. Stripping only raw files of exactly 32 bytes instead would make the
+    key of a 31-character text key with its newline, which every other reader strips: keys stay text.
+    """
     try:
         st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -181,16 +189,18 @@ def _read_key_file(path: Path) -> bytes:
             raise HurrayArgumentError(
                 "hurray_key_file", f"{path} is larger than {MAX_KEY_FILE_BYTES} bytes: not a key file"
             )
-        secret = secret.strip()
+        stripped = secret.strip()
     except OSError as exc:
         raise HurrayArgumentError("hurray_key_file", f"cannot read key file {path}: {exc.strerror or exc}") from None
-    if len(secret) < MIN_KEY_BYTES:
+    if len(stripped) < MIN_KEY_BYTES:
         raise HurrayArgumentError(
             "hurray_key_file",
-            f"{path} holds {len(secret)} bytes; a fleet key must be at least {MIN_KEY_BYTES} "
-            "(make one with: head -c 32 /dev/urandom | base64 > KEYFILE; chmod 600 KEYFILE)",
+            f"{path} holds {len(stripped)} bytes once whitespace at its ends is stripped ({len(secret)} in the file); "
+            f"a fleet key must be at least {MIN_KEY_BYTES}. A key file is text, such as a base64 line (raw binary "
+            "bytes that read as whitespace at its ends are stripped too): make one with: "
+            "head -c 32 /dev/urandom | base64 > KEYFILE; chmod 600 KEYFILE",
         )
-    return secret
+    return stripped
 
 
 def load_keys(spec: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None) -> FleetKeys | None:

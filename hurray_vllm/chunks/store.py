@@ -39,7 +39,7 @@ from ..containers.schema import (
     is_snapshot_header,
     snapshot_records,
 )
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
 
 # Re-exported (not in __all__): in 0.1 all of the chunk store lived in this one module.
@@ -51,9 +51,11 @@ from .digest import (  # noqa: F401
     digest_matches,
 )
 from .keys import (  # noqa: F401
+    CHUNK_NAME,
     chunk_keys,
     chunk_layouts,
     chunks_of,
+    is_chunk_name,
     namespace_of,
     sequence_seeds,
     slice_key,
@@ -125,7 +127,26 @@ class DirectoryStore:
         object.__setattr__(self, "root", Path(root))
 
     def path(self, namespace: str, key: str) -> Path:
-        """The file that holds (or would hold) chunk ``key`` of ``namespace``."""
+        """The file that holds (or would hold) chunk ``key`` of ``namespace``.
+
+        Every method of the store names its file here, so each refuses what this refuses.
+
+        Raises:
+            HurrayArgumentError: ``namespace`` (field ``namespace``) or ``key`` (field ``key``) is not a name the
+                store gives (:func:`~.keys.namespace_of`: hex digits; a key, or a slice's ``<key>.h<a>-<b>``):
+                ``..`` or a ``/`` would name a file outside the store.
+        """
+        # One fullmatch each on the hot path (a whole chunk's key); a slice's name takes is_chunk_name's look.
+        if not (isinstance(namespace, str) and CHUNK_NAME.fullmatch(namespace)):
+            raise HurrayArgumentError(
+                "namespace", f"{namespace!r} is not a chunk store namespace: 1-64 lowercase hex digits (namespace_of)"
+            )
+        if not (isinstance(key, str) and (CHUNK_NAME.fullmatch(key) or is_chunk_name(key))):
+            raise HurrayArgumentError(
+                "key",
+                f"{key!r} is not a chunk's name: a key of 1-64 lowercase hex digits (chunk_keys), or a slice's "
+                "<key>.h<a>-<b> (slice_key), without .hrry",
+            )
         return self.root / namespace / f"{key}.hrry"
 
     def has(self, namespace: str, key: str) -> bool:
@@ -172,6 +193,7 @@ class DirectoryStore:
 
         Raises:
             OSError: the file cannot be written; ``ELOOP``: the namespace directory is a symbolic link.
+            HurrayArgumentError: a namespace or key that is not the store's (:meth:`path`).
         """
         target = self.path(namespace, key)
         if _file_identity(target) is not None and not replace:
@@ -288,6 +310,7 @@ class DirectoryStore:
             HurrayFormatError: missing (field ``store``), malformed, not a regular file (``file``),
                 larger than :data:`MAX_CHUNK_FILE_BYTES` (``file.size``).
             OSError: the file cannot be read (permissions, a symbolic link; ``ENOMEM``: not a verdict on the file).
+            HurrayArgumentError: a namespace or key that is not the store's (:meth:`path`).
         """
         return load_chunk(self.read(namespace, key, noatime=noatime))
 

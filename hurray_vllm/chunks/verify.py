@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..containers.hrryfile import FileBytes
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot, ModelFingerprint
 from ..wire import dtypes
 from .digest import begin_digest_check, check_heads
@@ -39,8 +39,28 @@ def check_data(snap: KVSnapshot, keys: FleetKeys | None = None, namespace: str =
         HurrayFormatError: field ``snapshot.digest`` (damaged, or no or an old digest), or
             one of :mod:`.signing`'s refusals (``snapshot.mac.unsigned``, ``snapshot.mac.key_id``,
             ``snapshot.mac``).
+        HurrayArgumentError: ``keys`` without ``namespace`` or ``name`` (fields ``namespace``, ``name``): the MAC
+            is bound to both, so it cannot be checked without them.
     """
     begin_check_data(snap, keys, namespace, name)()
+
+
+def _mac_binding(keys: FleetKeys | None, namespace: str, name: str) -> None:
+    """Raise :class:`HurrayArgumentError` if a MAC would be checked under ``keys`` without its namespace or name.
+
+    The MAC is bound to both: checked against an empty one it never matches, and a good chunk would be
+    refused as forged (``snapshot.mac``, which consumers count as damage) for the caller's omission.
+    """
+    if keys is None:
+        return
+    for arg, value, what in (
+        ("namespace", namespace, "the store directory the chunk was read from"),
+        ("name", name, "its file name in the store, without .hrry (a slice's with its heads)"),
+    ):
+        if not value:
+            raise HurrayArgumentError(
+                arg, f"with fleet keys a chunk's MAC is checked for its namespace and file name: pass {arg}=, {what}"
+            )
 
 
 def begin_check_data(
@@ -68,6 +88,7 @@ def begin_check_data(
         >>> rest()  # the page pools match the digest: no error
     """
     if keys is not None:
+        _mac_binding(keys, namespace, name)
         return begin_signature_check(snap, keys, namespace, name)
     return begin_digest_check(snap, read)
 
@@ -88,11 +109,18 @@ def verify_chunk(
     ``digest=False`` leaves out the data check (:func:`check_data`: the
     caller runs it itself, e.g. on another thread). ``heads``: the KV heads
     the file must hold (a tensor-parallel slice's, as its name says).
-    ``keys``, ``name``: see :func:`check_data`. ``namespace``: the store
+    ``keys``, ``name``: see :func:`check_data` (with ``keys`` and ``digest``,
+    ``name`` is required). ``namespace``: the store
     directory the chunk was read from (also what its MAC covers); empty:
     ``fp``'s own (:func:`~.keys.namespace_of`), the directory a consumer of
     model ``fp`` reads. The chunk's fingerprint must name that namespace.
+
+    Raises:
+        HurrayArgumentError: ``keys`` and ``digest`` without ``name`` (field ``name``), before any check.
     """
+    want = namespace or namespace_of(fp)
+    if digest:
+        _mac_binding(keys, want, name)
     if snap.fingerprint is None:
         raise HurrayFormatError("snapshot.fingerprint", "chunk carries no model fingerprint")
     diffs = snap.fingerprint.mismatches(fp)
@@ -101,7 +129,7 @@ def verify_chunk(
     # mismatches() lets a side without a weights digest match any digest: a chunk written by an engine
     # that had none (or had another) and copied into this model's directory would pass it. Its own
     # namespace says which model's directory it belongs in, as the receivers and fsck check.
-    want, has = namespace or namespace_of(fp), namespace_of(snap.fingerprint)
+    has = namespace_of(snap.fingerprint)
     if has != want:
         raise HurrayFormatError(
             "snapshot.fingerprint",
@@ -117,7 +145,7 @@ def verify_chunk(
         check_heads(snap, heads)
     _check_geometry(snap, fp, heads)
     if digest:
-        check_data(snap, keys, namespace, name)
+        check_data(snap, keys, want, name)  # the namespace resolved, which the MAC is bound to
 
 
 def _check_token_ids(snap: KVSnapshot, count: int) -> None:

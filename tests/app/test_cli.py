@@ -157,6 +157,31 @@ def test_prune_shrinks_a_store_to_the_size_given(tmp_path: Path, capsys: pytest.
     assert main(["prune", str(tmp_path / "nowhere"), "--max-size", "1G"]) == 2
 
 
+def test_prune_exits_1_when_it_skipped_files_it_could_not_delete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: prune that could not delete a chunk (permissions) listed it as skipped and exited 0,
+    leaving the store above --max-size. The --help epilog's exit 1 covers a permission: now it says so."""
+    import importlib
+
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    prune_module = importlib.import_module("hurray_vllm.chunks.prune")  # the package re-exports the function
+    assert store_snapshot(DirectoryStore(tmp_path), spec_example_snapshot(), 4) == 1
+    (chunk,) = tmp_path.glob("*/*.hrry")
+
+    def rename(src: object, dst: object) -> None:
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(prune_module.os, "rename", rename)
+    assert main(["prune", str(tmp_path), "--max-size", "0"]) == 1
+    err = capsys.readouterr().err
+    assert f"skipped: {chunk}: Permission denied" in err and chunk.exists()
+    assert "prune skipped 1 path it could not read, delete or follow" in err and "above --max-size" in err
+    assert main(["prune", str(tmp_path), "--max-size", "1G"]) == 0  # nothing to delete: nothing skipped
+    assert "could not" not in capsys.readouterr().err
+
+
 def test_a_refused_option_is_one_line_and_exit_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

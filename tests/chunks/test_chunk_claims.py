@@ -93,7 +93,7 @@ def test_a_namespace_directory_that_is_a_symbolic_link_is_neither_read_nor_writt
     key, c = _chunk()
     assert c.fingerprint is not None
     ns = namespace_of(c.fingerprint)
-    outside = tmp_path / "elsewhere"
+    outside = tmp_path / "e15e"  # a namespace's name: the store refuses others
     DirectoryStore(outside.parent).put(outside.name, key, c)  # a chunk file outside the store
     store = DirectoryStore(tmp_path / "store")
     (tmp_path / "store").mkdir()

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from synthetic import example_chunk
 
 import hurray_vllm as hv
 from hurray_vllm.app.cli import main
@@ -16,6 +17,9 @@ from hurray_vllm.chunks import DirectoryStore, fsck
 from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest
 from hurray_vllm.chunks.keys import chunks_of, namespace_of, slice_key
 from hurray_vllm.kv.heads import select_heads
+
+#: What fsck says of a file in a namespace directory whose name is not a chunk's (skipped, left alone).
+NOT_A_CHUNKS_NAME = "not a chunk's name (a key is hex digits, with .h<a>-<b> for a slice), not the store's: left alone"
 
 
 def _damaged_store(root: Path) -> tuple[DirectoryStore, str, dict[str, str]]:
@@ -46,8 +50,7 @@ def _damaged_store(root: Path) -> tuple[DirectoryStore, str, dict[str, str]]:
     other = "0123456789abcdef"  # a namespace this chunk's model does not have
     store.put(other, "a5" * 8, chunk)
     kinds["a5" * 8] = "namespace"
-    (root / ns / "notakey.hrry").write_bytes(b"x")
-    kinds["notakey"] = "name"
+    (root / ns / "notakey.hrry").write_bytes(b"x")  # not a chunk's name: not the store's, left alone (skipped)
     (root / ns / ".a6.hrry.1234.tmp").write_bytes(b"partial")
     return store, ns, kinds
 
@@ -59,12 +62,16 @@ def test_fsck_names_every_damaged_file_and_quarantine_moves_them_aside(tmp_path:
     found = {Path(p).name.removesuffix(".hrry"): why for p, why in report.damaged}
     assert set(found) == set(kinds)
     assert "snapshot.digest" in found["a1" * 8] and "snapshot.heads" in found["a3" * 8]
-    assert "another model" in found["a5" * 8] and "not a chunk's name" in found["notakey"]
+    assert "another model" in found["a5" * 8]
     assert (
         report.temporary == 1 and not report.moved and all(store.path(ns, n).exists() for n in kinds if n != "a5" * 8)
     )
+    assert [s.partition(": ")[::2] for s in report.skipped] == [
+        (str(tmp_path / ns / "notakey.hrry"), NOT_A_CHUNKS_NAME)
+    ]
     moved = fsck(store, quarantine=True)
     assert len(moved.moved) == len(kinds) and all(m.endswith(".hrry.bad") for m in moved.moved)
+    assert (tmp_path / ns / "notakey.hrry").read_bytes() == b"x"  # never moved
     again = fsck(store)
     assert again.clean and again.checked == again.good == 1
 
@@ -178,6 +185,122 @@ def test_fsck_lists_a_link_a_pipe_and_a_directory_at_a_chunks_name_as_skipped(tm
         "b1" * 8 + ".hrry": "a symbolic link, not followed",
         "b2" * 8 + ".hrry": "not a regular file (a pipe, socket or device), not read",
         "b3" * 8 + ".hrry": "a directory, not a chunk file",
+        "notakey.hrry": NOT_A_CHUNKS_NAME,
     }
     assert not any(Path(p).name.startswith(("b1", "b2", "b3")) for p, _ in report.damaged)
     assert (tmp_path / "s" / ns / ("b1" * 8 + ".hrry")).is_symlink()  # neither moved nor followed
+
+
+def test_a_chunk_file_fsck_cannot_read_leaves_the_store_not_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: a chunk file fsck could not read (permissions) was listed only as skipped, and fsck
+    exited 0, "clean", where the --help epilog says exit 0 means every chunk is good and 1 covers a permission.
+    Not damage (nothing moved aside): unreadable, and so not clean; an unlistable namespace is the same."""
+    import importlib
+
+    import hurray_vllm.chunks.store as store_module
+
+    fsck_module = importlib.import_module("hurray_vllm.chunks.fsck")  # the package re-exports the function
+
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+
+    def denied(path: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(store_module, "read_whole", denied)
+    report = fsck(store, quarantine=True)
+    assert report.unreadable == [(str(store.path(ns, key)), "Permission denied")] and not report.clean
+    assert report.checked == 0 and not report.damaged and not report.moved and store.has(ns, key)
+    assert main(["fsck", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"unreadable: {store.path(ns, key)}: Permission denied" in out and "1 unreadable" in out
+    monkeypatch.undo()
+    (tmp_path / "0bad").mkdir()  # a namespace this user cannot list
+    real = os.listdir
+
+    def listdir(path: object) -> list[str]:
+        if str(path).endswith("0bad"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fsck_module.os, "listdir", listdir)
+    report = fsck(store)
+    assert report.good == 1 and report.unreadable == [(str(tmp_path / "0bad"), "Permission denied")]
+    assert not report.clean
+
+
+def test_fsck_leaves_a_file_not_named_as_a_chunk_alone_as_prune_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: fsck --quarantine called an operator's NOTES.hrry in a namespace directory damaged and
+    renamed it; prune leaves such a file alone as not the store's. Now fsck lists it as skipped."""
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    notes = tmp_path / ns / "NOTES.hrry"
+    notes.write_text("operator's notes")
+    report = fsck(store, quarantine=True)
+    assert report.clean and report.checked == report.good == 1 and not report.moved
+    assert len(report.skipped) == 1 and report.skipped[0].startswith(f"{notes}: not a chunk's name")
+    assert main(["fsck", str(tmp_path), "--quarantine"]) == 0
+    assert "not a chunk's name" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / ns)) == ["NOTES.hrry", f"{key}.hrry"]
+    assert notes.read_text() == "operator's notes"
+
+
+def test_a_chunk_moved_aside_and_back_while_it_was_read_is_not_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a prune holds a chunk aside (take_if_same) and puts it back (a hard link: the same
+    file, a new change time), or a producer writes it again; fsck's read in that window found no file, and
+    fsck called the good chunk damaged (and moved it aside). A file that changed while it was read is judged
+    again, not called damaged."""
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    real = DirectoryStore.read
+    reads: list[str] = []
+
+    def read(self: DirectoryStore, n: str, k: str, **kwargs: bool) -> object:
+        reads.append(k)
+        if len(reads) > 1:
+            return real(self, n, k, **kwargs)
+        path = self.path(n, k)
+        held = path.with_name(f".{path.name}.abcdef.tmp")
+        os.rename(path, held)  # a prune holds it aside ...
+        try:
+            return real(self, n, k, **kwargs)  # ... fsck's read lands in that window
+        finally:
+            os.link(held, path)  # ... and puts it back
+            os.unlink(held)
+
+    monkeypatch.setattr(DirectoryStore, "read", read)
+    report = fsck(store, quarantine=True)
+    assert not report.damaged and not report.moved and store.has(ns, key)
+    assert report.clean and report.checked == report.good == 1 and reads == [key, key]
+
+
+@pytest.mark.parametrize("tool", ["fsck", "prune"])
+def test_a_directory_holding_no_namespaces_is_refused_as_the_calls_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tool: str
+) -> None:
+    """Found by a review: fsck and prune given a namespace directory (one level too deep) or another wrong
+    path said "0 chunk files checked" and exited 0. Now exit 2 with what to give; an empty directory is an
+    empty store (one no engine has written to yet; a file system's lost+found aside) and is fine."""
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path / "store")
+    store.put(ns, key, chunk)
+    size = ["--max-size", "0"] if tool == "prune" else []
+    assert main([tool, str(tmp_path / "store" / ns), *size]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'store' / ns} holds no chunk store namespaces" in err and "its parent" in err
+    assert main([tool, str(tmp_path), *size]) == 2  # the directory above the store
+    assert "holds no chunk store namespaces" in capsys.readouterr().err
+    assert store.has(ns, key)
+    (tmp_path / "fresh" / "lost+found").mkdir(parents=True)
+    assert main([tool, str(tmp_path / "fresh"), *size]) == 0
+    assert "namespaces" not in capsys.readouterr().err
+    assert main([tool, str(tmp_path / "store"), *(["--max-size", "1G"] if size else [])]) == 0

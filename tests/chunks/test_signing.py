@@ -30,7 +30,7 @@ from hurray_vllm.chunks.signing import (
     refusal_kind,
     sign_chunk,
 )
-from hurray_vllm.chunks.verify import begin_check_data, check_data
+from hurray_vllm.chunks.verify import begin_check_data, check_data, verify_chunk
 
 FUZZ_EXAMPLES = int(os.environ.get("HURRAY_FUZZ_EXAMPLES", "40"))
 KEY_A = FleetKeys.from_secrets(b"a" * 32)
@@ -161,6 +161,41 @@ def test_key_files_are_checked_like_ssh_keys(tmp_path: Path, monkeypatch: pytest
         load_keys()
     with pytest.raises(hv.HurrayArgumentError, match="expected paths"):
         load_keys([1])  # type: ignore[list-item]
+
+
+def test_a_key_file_short_once_stripped_says_whitespace_is_stripped_and_how_to_make_one(tmp_path: Path) -> None:
+    """Found by a review: a raw 32-byte key whose first or last byte reads as whitespace (1 in 22 keys from
+    /dev/urandom) was refused as "holds 31 bytes", with no word of why. Key files are text (the documented
+    key is a base64 line; surrounding whitespace is stripped): the refusal now says that, and how to make one."""
+    for raw in (b" " + b"k" * 31, b"k" * 31 + b"\n", b"\t" + b"k" * 30 + b"\r"):
+        path = _key_file(tmp_path / "raw.key", raw)
+        with pytest.raises(hv.HurrayArgumentError, match="at least 32") as err:
+            load_keys(path)
+        msg = str(err.value)
+        assert err.value.field == "hurray_key_file" and f"{len(raw.strip())} bytes" in msg and "32 in the file" in msg
+        assert "whitespace at its ends is stripped" in msg and "base64" in msg and "head -c 32 /dev/urandom" in msg
+
+
+def test_verify_chunk_checks_the_mac_under_the_namespace_it_resolves() -> None:
+    """Found by a review: verify_chunk with keys and no namespace checked the MAC against namespace "", not the
+    fingerprint's own it had resolved (and checked the chunk against): a good signed chunk was refused as
+    snapshot.mac, which a consumer counts as damage. Keys without the chunk's name are the caller's error."""
+    ns, key, chunk = example_chunk()
+    assert chunk.fingerprint is not None
+    signed, tokens = sign_chunk(chunk, KEY_A, ns, key), list(chunk.token_ids[0])
+    verify_chunk(signed, chunk.fingerprint, tokens, keys=KEY_A, namespace=ns, name=key)
+    verify_chunk(signed, chunk.fingerprint, tokens, keys=KEY_A, name=key)  # the namespace: the fingerprint's own
+    with pytest.raises(hv.HurrayFormatError) as refused:
+        verify_chunk(signed, chunk.fingerprint, tokens, keys=KEY_A, name="a1" * 8)
+    assert refused.value.field == BAD_MAC  # under another name: still refused
+    with pytest.raises(hv.HurrayArgumentError, match="name=") as err:
+        verify_chunk(signed, chunk.fingerprint, tokens, keys=KEY_A)
+    assert err.value.field == "name"
+    verify_chunk(signed, chunk.fingerprint, tokens, keys=KEY_A, digest=False)  # no MAC checked: no name needed
+    for where, field in (((ns, ""), "name"), (("", key), "namespace")):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            check_data(signed, KEY_A, *where)
+        assert err.value.field == field
 
 
 def test_a_key_file_under_home_is_found_with_a_tilde(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from blocking import within
-from synthetic import make_snapshot
+from synthetic import example_chunk, make_snapshot
 
 import hurray_vllm as hv
 from hurray_vllm.app.demo import spec_example_snapshot
@@ -705,3 +705,40 @@ def test_a_snapshot_without_token_ids_or_a_fingerprint_is_a_format_error_not_a_c
         store_snapshot(store, no_fingerprint, 4)
     assert err.value.field == "snapshot.fingerprint"
     assert not (tmp_path / "store").exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("ns", "key", "field"),
+    [
+        ("..", "0a", "namespace"),
+        ("0a/../..", "0a", "namespace"),
+        ("", "0a", "namespace"),
+        ("0A", "0a", "namespace"),
+        ("0a.h0-1", "0a", "namespace"),
+        ("0a", "../0a", "key"),
+        ("0a", "/etc/0a", "key"),
+        ("0a", "", "key"),
+        ("0a", "0a.hrry", "key"),
+        ("0a", "0a.h02-4", "key"),
+        ("0a", "0a\0", "key"),
+        ("0a", "0" * 65, "key"),
+    ],
+)
+def test_the_store_refuses_names_that_are_not_its_own(tmp_path: Path, ns: str, key: str, field: str) -> None:
+    """Found by a review: DirectoryStore.path, put and get took any names, so a library caller could read and
+    write outside the root with '..' (the receivers validate what peers send; the store did not)."""
+    _, _, chunk = example_chunk()
+    store = DirectoryStore(tmp_path / "store")
+    calls: list[Callable[[], object]] = [
+        lambda: store.path(ns, key),
+        lambda: store.put(ns, key, chunk),
+        lambda: store.get(ns, key),
+        lambda: store.identity(ns, key),
+        lambda: store.has(ns, key),
+    ]
+    for call in calls:
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            call()
+        assert err.value.field == field and "hex digits" in str(err.value)
+    assert not any(tmp_path.rglob("*.hrry"))
+    assert store.path("0a", "0b.h2-4") == tmp_path / "store" / "0a" / "0b.h2-4.hrry"  # a slice's name is the store's

@@ -39,8 +39,8 @@ def test_save_records_and_chunk_store_share_the_rule(tmp_path: Path, umask_027: 
     snap = hv.load(src)
     store = DirectoryStore(tmp_path / "store")
     key, chunk = chunks_of(snap, snap.page_size)[0]
-    assert store.put("ns", key, chunk)
-    assert stat.S_IMODE(store.path("ns", key).stat().st_mode) == umask_027
+    assert store.put("0a", key, chunk)
+    assert stat.S_IMODE(store.path("0a", key).stat().st_mode) == umask_027
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:

@@ -66,8 +66,8 @@ def as_the_store_reads(path: Path, *, permissive: bool = False) -> KVSnapshot:
 
 def put(tmp: Path, name: str, snap: KVSnapshot) -> Path:
     store = DirectoryStore(tmp)
-    store.put("ns", name, snap, replace=True)
-    return store.path("ns", name)
+    store.put("0a", name, snap, replace=True)
+    return store.path("0a", name)
 
 
 @pytest.fixture(autouse=True)
@@ -240,7 +240,7 @@ def test_a_header_the_memo_does_not_remember_is_judged_as_the_general_reader_jud
 def test_random_damage_gives_the_general_readers_verdict(tmp_path: Path, kind: str, data: st.DataObject) -> None:
     base = tmp_path / "base.hrry"
     if not base.exists():
-        base = put(tmp_path, "base", chunk(5, pages=1))
+        base = put(tmp_path, "ba5e", chunk(5, pages=1))
         base.rename(tmp_path / "base.hrry")
         base = tmp_path / "base.hrry"
     template.clear()
@@ -293,12 +293,12 @@ def test_permissive_and_strict_reads_keep_templates_of_their_own(tmp_path: Path)
 def test_templates_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(template, "MAX_TEMPLATES", 3)
     for pages in range(1, 7):  # six shapes of file
-        hv.load(put(tmp_path, f"p{pages}", chunk(pages, pages=pages)))
+        hv.load(put(tmp_path, f"a{pages:x}", chunk(pages, pages=pages)))
         assert template.stats()["kept"] <= 3
     assert template.stats()["learned"] == 6
     monkeypatch.setattr(template, "MAX_TEMPLATE_BYTES", 100)  # a template of more memory is not remembered
     template.clear()
-    hv.load(put(tmp_path, "big", chunk(9)))
+    hv.load(put(tmp_path, "b19", chunk(9)))
     assert template.stats() == {"hits": 0, "misses": 1, "learned": 0, "kept": 0, "bytes": 0}
 
 
@@ -449,7 +449,7 @@ def test_a_templates_bound_counts_the_objects_it_holds(tmp_path: Path, monkeypat
     monkeypatch.setattr(template, "MAX_TEMPLATE_BYTES", 1 << 20)
     monkeypatch.setattr(template, "MAX_TOTAL_BYTES", 40_000)
     for pages in range(1, 5):
-        hv.load(put(tmp_path, f"p{pages}", chunk(pages, pages=pages)))  # ~16 KB each
+        hv.load(put(tmp_path, f"a{pages:x}", chunk(pages, pages=pages)))  # ~16 KB each
         assert 0 < template.stats()["bytes"] <= 40_000
     assert template.stats()["learned"] == 4 and template.stats()["kept"] == 2
 
@@ -460,12 +460,12 @@ def test_templates_of_files_read_once_go_before_those_that_served_other_files(
     """A template is learned before the reader verifies the file (its digest, its tokens): files it then refuses
     pushed the templates of the files it uses out, least recently used first."""
     monkeypatch.setattr(template, "MAX_TEMPLATES", 3)
-    used = [put(tmp_path, f"u{i}", chunk(50 + i, request=str(i), pages=4)) for i in range(2)]
+    used = [put(tmp_path, f"d{i}", chunk(50 + i, request=str(i), pages=4)) for i in range(2)]
     for p in used:  # one structure: the second file matches the first's template
         hv.load(p)
     assert template.stats()["hits"] == 1
     for pages in range(5, 11):  # six files of other shapes, each read once (and, say, refused)
-        hv.load(put(tmp_path, f"once{pages}", chunk(60 + pages, pages=pages)))
+        hv.load(put(tmp_path, f"e{pages:x}", chunk(60 + pages, pages=pages)))
         assert template.stats()["kept"] <= 3
     hv.load(used[0])
     assert template.stats()["hits"] == 2  # still there
@@ -626,7 +626,7 @@ def test_damage_and_equal_length_edits_of_any_base_give_the_general_readers_verd
     """
     base = tmp_path / f"base-{fused}-{fp8}-{big}.hrry"
     if not base.exists():
-        put(tmp_path, "base", _base(fused, fp8, big)).rename(base)
+        put(tmp_path, "ba5e", _base(fused, fp8, big)).rename(base)
     template.clear()
     hv.load(base, permissive=permissive)  # learned
     assert template.stats()["learned"] == 1

@@ -77,18 +77,18 @@ def test_a_chunk_is_stored_only_when_files_hold_every_head(tmp_path) -> None:  #
 
     store = DirectoryStore(tmp_path)
     whole = make_snapshot([8], [0], 4, heads=4, dim=8)
-    assert store.parts("ns", "k", 4) is None
-    store.put("ns", slice_key("k", range(0, 2)), select_heads(whole, range(0, 2)))
-    assert store.parts("ns", "k", 4) is None  # half the heads: incomplete
-    store.put("ns", slice_key("k", range(2, 4)), select_heads(whole, range(2, 4)))
-    parts = store.parts("ns", "k", 4)
+    assert store.parts("0a", "0b", 4) is None
+    store.put("0a", slice_key("0b", range(0, 2)), select_heads(whole, range(0, 2)))
+    assert store.parts("0a", "0b", 4) is None  # half the heads: incomplete
+    store.put("0a", slice_key("0b", range(2, 4)), select_heads(whole, range(2, 4)))
+    parts = store.parts("0a", "0b", 4)
     assert parts is not None and [(p.name, p.heads) for p in parts] == [
-        ("k.h0-2", range(0, 2)),
-        ("k.h2-4", range(2, 4)),
+        ("0b.h0-2", range(0, 2)),
+        ("0b.h2-4", range(2, 4)),
     ]
-    store.put("ns", "k", whole)
-    whole_parts = store.parts("ns", "k", 4)
-    assert whole_parts is not None and [p.name for p in whole_parts] == ["k"]  # the whole file first
+    store.put("0a", "0b", whole)
+    whole_parts = store.parts("0a", "0b", 4)
+    assert whole_parts is not None and [p.name for p in whole_parts] == ["0b"]  # the whole file first
 
 
 def test_store_snapshot_names_a_slice_as_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -114,8 +114,8 @@ def test_every_divisor_split_counts_and_mqa_is_never_a_slice(tmp_path) -> None: 
     whole = make_snapshot([8], [0], 4, heads=6, dim=8)
     for r in range(3):
         heads = rank_heads(6, 3, r)
-        store.put("ns", slice_key("k", heads), select_heads(whole, heads))
-    parts = store.parts("ns", "k", 6)
+        store.put("0a", slice_key("0b", heads), select_heads(whole, heads))
+    parts = store.parts("0a", "0b", 6)
     assert parts is not None and len(parts) == 3
     one = make_snapshot([8], [0], 4, heads=1, dim=8)
     assert concat_heads([replace(one, heads=hv.HeadRange(0, 1, 1))]).heads is None
