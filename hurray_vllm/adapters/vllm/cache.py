@@ -716,7 +716,9 @@ def _check_uniform(layout: KVLayout, caches: Sequence[torch.Tensor], layer_names
         return
 
     def pages(c: torch.Tensor) -> tuple[object, ...]:
-        return (*layout.page_shape(c), int(c.shape[-1]), c.dtype)
+        # A block's own shape, not the layout's reading of it (page_shape refuses a head size other than the
+        # layout's with field "cache", naming no layer): which layer differs is what the caller needs.
+        return (*(int(n) for n in c.shape[1:]), c.dtype)
 
     first = pages(caches[0])
     for name, cache in zip(layer_names, caches):
@@ -724,7 +726,7 @@ def _check_uniform(layout: KVLayout, caches: Sequence[torch.Tensor], layer_names
             raise HurrayFormatError(
                 "layers",
                 f"layer {name}'s cache pages are {pages(cache)}, layer {layer_names[0]}'s {first} "
-                "(block size, KV heads, head size, last dim, dtype): a chunk holds one geometry, so KV cache "
+                "(a block's shape, dtype): a chunk holds one geometry, so KV cache "
                 "groups with different page geometries are not supported (vLLM gives a group of smaller pages, "
                 "e.g. sliding-window layers with fewer KV heads, larger blocks), nor is a speculative drafter "
                 "with other heads than the model's",
