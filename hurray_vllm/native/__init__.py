@@ -190,6 +190,9 @@ def _load() -> ctypes.CDLL:
     _declare(lib.hurray_read_crc32c_pages, read_args, ctypes.c_int64)
     ranges_args = [ctypes.c_uint32, *[ctypes.c_void_p] * 2, ctypes.c_size_t, *[ctypes.c_void_p] * 2, ctypes.c_size_t]
     _declare(lib.hurray_crc32c_ranges, ranges_args, ctypes.c_uint32)
+    # (base, blocks, i0, i1, sb, sn, sh, N, H, Db, k_out, v_out): byte strides and row half in bytes.
+    kv_rows_args = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 8, ctypes.c_void_p, ctypes.c_void_p]
+    _declare(lib.hurray_kv_rows, kv_rows_args, None)
     return lib
 
 

@@ -21,6 +21,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* read() for crc32c.h under -std=c11 */
 #include <errno.h>
+#include <string.h>
 #include <stdint.h>
 #include <unistd.h>
 
@@ -84,4 +85,29 @@ int hurray_update_segments(hurray_update_fn update, void *ctx, const uint64_t *a
         if (lens[i] && update(ctx, (const unsigned char *)(uintptr_t)addrs[i], (size_t)lens[i]) != 1)
             return (int)i + 1;
     return 0;
+}
+
+/* vLLM 0.32's logical [B, H, N, 2*D] cache (LogicalBHNC in hurray_vllm/adapters/vllm/layouts.py), any of the
+ * KVCacheLayout stride orders whose innermost axis is C: each (block, token, head) row holds the key's D
+ * elements, then the value's D. Two index_selects (keys, then values) stream every block from memory twice
+ * and copy in Db-byte pieces; this reads each row once and writes its two halves to their pools.
+ *   source row of (selected block i, token n, head h): base + blocks[i] * sb + n * sn + h * sh   (bytes)
+ *   its first Db bytes to k_out + ((i * N + n) * H + h) * Db, the next Db bytes to v_out at the same offset.
+ * Byte-generic (Db = D * element size): the element type does not matter to a copy. Blocks i0 <= i < i1;
+ * the (block, token) pairs are split across OpenMP threads. The caller checks every index is in range.
+ * memcpy per half: as fast as a byte loop, or 64-byte pieces, and as a plain copy_ of the same bytes (measured
+ * on a 2-vCPU AVX-512 EPYC, 256-byte halves; docs/benchmarks.md "NHD export: one pass over each row"). */
+void hurray_kv_rows(const uint8_t *base, const int64_t *blocks, int64_t i0, int64_t i1, int64_t sb, int64_t sn,
+                    int64_t sh, int64_t N, int64_t H, int64_t Db, uint8_t *k_out, uint8_t *v_out) {
+    PARALLEL_FOR
+    for (int64_t in = i0 * N; in < i1 * N; in++) {
+        const int64_t i = in / N, n = in % N;
+        const uint8_t *row = base + blocks[i] * sb + n * sn;
+        const int64_t off = in * H * Db;
+        uint8_t *k = k_out + off, *v = v_out + off;
+        for (int64_t h = 0; h < H; h++, row += sh, k += Db, v += Db) {
+            memcpy(k, row, (size_t)Db);
+            memcpy(v, row + Db, (size_t)Db);
+        }
+    }
 }
