@@ -26,13 +26,14 @@ from ..containers.io import (
     read_error,
     save_records,
 )
-from ..containers.schema import Node, Record, index_tables
+from ..containers.schema import Node, Record, group_records, index_tables
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..progress import progress
 from ..transport import CHANNELS
 from ..transport.base import host_port, parse_listen
 from ..wire import dtypes
 from ..wire.descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor
+from ..wire.rules import raise_if
 
 if TYPE_CHECKING:
     from ..chunks.store import DirectoryStore
@@ -63,12 +64,13 @@ exit status:
        verifiable here and, with --key-file, signed with one of the keys)
   1    the data or the operation failed: an invalid file (the line says which field), a damaged chunk,
        a demo check FAILED, a server that could not be reached or answered wrongly, a permission (a chunk
-       fsck could not read, a file prune could not read or delete: listed as skipped)
+       fsck could not read (listed as unreadable), a path prune could not read, delete or follow (listed as
+       skipped)); what fsck skips (a symbolic link, a name that is not a chunk's) does not fail it
   2    a bad call: an option refused, a path that is missing, a directory, pipe or device given for a
        file (or a file for a directory), a symbolic link loop, '-' for a path, an optional package missing,
        a directory given to fsck or prune that holds no chunk store namespaces (a namespace directory)
   3    an internal error: a bug (HURRAY_VLLM_DEBUG=1 shows the traceback; please report it)
-  130  interrupted (Ctrl-C)
+  130  interrupted (Ctrl-C); receive and router exit 0 on Ctrl-C or SIGTERM: that is how they stop
   141  standard output closed early (e.g. piped into head): the rest is not printed
 """
 
@@ -84,16 +86,24 @@ def _type_name(tag: int) -> str:
         return f"0x{tag:02X}"
 
 
+#: The keys of every ``inspect --json`` row, whatever the format and layout: ``null`` where unknown or not applicable.
+_ROW_KEYS = (
+    "name", "depth", "layout", "dtype", "shape", "bytes", "layer", "role", "page_size", "num_pages", "num_seqs",
+    "index_type", "seq_lens", "referenced_pages", "shared_pages", "quantization", "rule", "members",
+)  # fmt: skip
+
+
 def _describe(rec: Record, seq_lens: list[int] | None, depth: int) -> dict[str, Any]:
     d: TensorDescriptor = rec.descriptor
-    row: dict[str, Any] = {
-        "name": rec.name or None,
-        "depth": depth,
-        "layout": _layout_name(d.layout_tag),
-        "dtype": _type_name(d.type_tag),
-        "shape": list(d.shape),
-        "bytes": d.data_bytes,
-    }
+    row: dict[str, Any] = dict.fromkeys(_ROW_KEYS)
+    row.update(
+        name=rec.name or None,
+        depth=depth,
+        layout=_layout_name(d.layout_tag),
+        dtype=_type_name(d.type_tag),
+        shape=list(d.shape),
+        bytes=d.data_bytes,
+    )
     bp = d.block_paged
     if bp is not None:
         row.update(
@@ -119,6 +129,16 @@ def _describe(rec: Record, seq_lens: list[int] | None, depth: int) -> dict[str, 
     if comp is not None:
         row.update(rule=comp.rule, members=comp.member_count)
     return row
+
+
+def _wire_records(records: Iterator[Record]) -> Iterator[Record]:
+    """``records`` with their buffers as the bytes a file holds.
+
+    A safetensors snapshot's records hold typed tensors, where the index and length readers take bytes: its
+    rows then say what a ``.hrry`` file's say.
+    """
+    for rec in records:
+        yield Record(rec.name, rec.descriptor, [b.contiguous().reshape(-1).view(torch.uint8) for b in rec.buffers])
 
 
 def _rows(nodes: Iterator[Node]) -> Iterator[dict[str, Any]]:
@@ -169,7 +189,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _file_arg(args.path)
     fmt = detect_format(args.path)
     try:
-        rows = list(_rows(iter_nodes(args.path, permissive=True)))
+        if fmt == "safetensors":
+            nodes = group_records(_wire_records(open_records(args.path, permissive=True)), permissive=True)
+        else:
+            nodes = iter_nodes(args.path, permissive=True)
+        rows = list(_rows(nodes))
     except HurrayArgumentError:  # the safetensors package missing: the install's error, not the file's
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:  # load's contract: one error type, and memory is not the data's
@@ -189,7 +213,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for r in rows:
         cells = dict(r, name=("  " * r["depth"] + (r["name"] or "-"))[:22], bytes=_fmt_bytes(r["bytes"]))
         if r["layout"] == "block_paged":
-            cells.update(ref=r.get("referenced_pages", "?"), shared=r.get("shared_pages", "?"), page=r["page_size"])
+            unknown = {k: "?" for k in ("referenced_pages", "shared_pages") if r[k] is None}
+            cells.update(ref=unknown.get("referenced_pages", r["referenced_pages"]), page=r["page_size"])
+            cells.update(shared=unknown.get("shared_pages", r["shared_pages"]))
             cells.update(pages=r["num_pages"], seqs=r["num_seqs"])
             print(_line(_COLUMNS, cells))
             if r["seq_lens"] is not None and not args.quiet:
@@ -225,7 +251,12 @@ def _keys(args: argparse.Namespace) -> Any:
     """The fleet keys of ``--key-file`` (repeatable), else of ``$HURRAY_VLLM_KEY_FILE``; ``None`` without either."""
     from ..chunks.signing import load_keys
 
-    return load_keys(args.key_file)  # None when not given; an empty --key-file "" is refused
+    try:
+        return load_keys(args.key_file)  # None when not given; an empty --key-file "" is refused
+    except HurrayArgumentError as exc:  # named by the connector's option: here it is the command's
+        if exc.field != "hurray_key_file":
+            raise
+        raise HurrayArgumentError("--key-file", str(exc).removeprefix(f"{exc.field}: ")) from None
 
 
 def _add_key_file(s: argparse.ArgumentParser, what: str) -> None:
@@ -262,7 +293,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     where = _chunk_name(Path(args.path)) if keys is not None else None
     if args.key_file and where is None:
         raise HurrayArgumentError(
-            "key_file", f"{args.path} is not a chunk file of a store (DIR/<namespace>/<key>.hrry): no MAC to check"
+            "--key-file", f"{args.path} is not a chunk file of a store (DIR/<namespace>/<key>.hrry): no MAC to check"
         )
     if _safetensors_file(args.path):
         from ..containers.safetensors import _safetensors
@@ -346,7 +377,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             snap = repage_snapshot(snap, args.page_size)
         size = save(snap, out, format=out_fmt, permissive=args.permissive)
     else:
-        # Record-level: any Hurray descriptors, carried over unchanged.
+        # Record-level: any Hurray descriptors, carried over unchanged. What validate refuses is refused first,
+        # with its message, before anything is written (--permissive: carried over as it is).
+        if not args.permissive:
+            raise_if(validate(args.input), str(args.input))
         records = progress(
             _named(open_records(args.input, permissive=args.permissive)), desc="convert", quiet=args.quiet
         )
@@ -397,6 +431,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm migrate``: decode on the source, finish on the destination, print the tokens; returns 0."""
     from ..adapters.vllm.migrate import migrate
 
+    if _same_server(args.source, args.destination):
+        raise HurrayArgumentError(
+            "--to", f"{args.destination} is the same server as --from {args.source}: migrate moves to another one"
+        )
     if args.prompt_file:
         prompt = _token_ids(_read_prompt_file(args.prompt_file), "prompt_file")
     else:
@@ -419,6 +457,21 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"{moved}{args.destination} ({result.destination_cached_tokens} prompt tokens loaded, not recomputed)")
         print(" ".join(map(str, result.tokens)))
     return 0
+
+
+def _same_server(a: str, b: str) -> bool:
+    """Whether two base URLs name one server.
+
+    Scheme and host in any case, the default port spelt out or not, a trailing slash or not.
+    """
+    from urllib.parse import urlsplit
+
+    def norm(url: str) -> tuple[str, str, int | None, str]:
+        u = urlsplit(url)
+        scheme = u.scheme.lower()
+        return scheme, (u.hostname or "").lower(), u.port or {"http": 80, "https": 443}.get(scheme), u.path.rstrip("/")
+
+    return norm(a) == norm(b)
 
 
 def cmd_receive(args: argparse.Namespace) -> int:
@@ -510,8 +563,14 @@ def _dir_arg(path: str, why: str) -> None:
     Raises:
         NotADirectoryError: something not a directory at ``path``.
         FileNotFoundError: a symbolic link whose target is missing (mkdir does not make it through the link).
+        OSError: a symbolic link loop (``ELOOP``).
     """
     p = Path(path)
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # Path.exists() says False for a loop: it is no missing target
+            raise OSError(errno.ELOOP, f"A symbolic link loop (ELOOP) ({why})", path) from None
     if p.exists() and not p.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, f"Not a directory ({why})", path)
     if not p.exists() and p.is_symlink():
@@ -577,10 +636,33 @@ def _seconds(text: str) -> float:
 
 
 def _api_key_option(text: str) -> str:
-    """``migrate --backend-api-key``: not empty (the option left out sends the variable's key, or none)."""
-    if not text:  # --backend-api-key "$KEY" with KEY not set: a key lost on the way, not a request for none
-        raise argparse.ArgumentTypeError("an empty key: give the servers' key, or leave the option out")
+    """``--api-key``, ``--backend-api-key``: not empty (the option left out reads the variable, or means none).
+
+    ``--api-key "$KEY"`` with ``KEY`` not set is a key lost on the way, not a request for none: an empty router
+    key would let in whoever sends an empty bearer token.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("an empty key: give the key, or leave the option out")
     return text
+
+
+def _positive_size(text: str) -> int:
+    """A size (:func:`_size`) of at least one byte."""
+    n = _size(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (use e.g. 500M, 20G, 1.5T)")
+    return n
+
+
+def _positive_count(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (a whole number >= 1)")
+    return n
 
 
 def _count(text: str) -> int:
@@ -663,13 +745,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     keys = _keys(args)
     if args.print_token:
         if keys is None:
-            raise HurrayArgumentError("key_file", "--print-token needs --key-file or $HURRAY_VLLM_KEY_FILE")
+            raise HurrayArgumentError("--key-file", "--print-token needs --key-file or $HURRAY_VLLM_KEY_FILE")
         print(keys.tokens(CONTROL_PURPOSE)[0])
         return 0
     if args.listen is None or not args.backend:
         raise HurrayArgumentError("router", "give --listen HOST:PORT and at least one --backend URL")
-    if args.chunk_tokens < 1 or args.health_interval <= 0:
-        raise HurrayArgumentError("router", "--chunk-tokens must be >= 1 and --health-interval > 0")
     # One backend however often given, with or without a trailing slash (the router's own rule): its first spelling.
     decode: dict[str, str] = {}
     prefill: dict[str, str] = {}
@@ -728,15 +808,16 @@ def _chunk_store_arg(path: str) -> DirectoryStore:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """Run ``hurray-vllm prune``: delete least recently used chunks beyond ``--max-size``; 0, or 1 if it skipped any."""
-    report = _chunk_store_arg(args.dir).prune(args.max_size, dry_run=args.dry_run, keys=_keys(args))
+    keys = _keys(args)
+    report = _chunk_store_arg(args.dir).prune(args.max_size, dry_run=args.dry_run, keys=keys)
     if args.json:
         print(json.dumps(vars(report)))
     elif not args.quiet:
         verb = "would delete" if report.dry_run else "deleted"
+        foreign = f" ({report.foreign_removed} not signed with the key)" if keys is not None else ""  # keys only
         print(
-            f"{verb} {report.chunks_removed} chunk files ({report.foreign_removed} not signed with the key), "
-            f"{report.bad_removed} damaged and {report.temp_removed} "
-            f"stale temporary files ({report.bytes_removed / 2**20:.1f} MiB); "
+            f"{verb} {report.chunks_removed} chunk files{foreign}, {report.bad_removed} damaged and "
+            f"{report.temp_removed} stale temporary files ({report.bytes_removed / 2**20:.1f} MiB); "
             f"{report.chunks_kept} chunk files ({report.bytes_kept / 2**20:.1f} MiB) remain"
         )
     for skipped in report.skipped:
@@ -821,7 +902,8 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="convert between .hrry files, .hrrs streams and .safetensors (optionally repaging)",
         description="Between .hrry and .hrrs, descriptors are carried over unchanged, including ones that "
-        "are not part of a hurray-vllm snapshot; .safetensors and --page-size work on whole snapshots. "
+        "are not part of a hurray-vllm snapshot; input validate refuses is refused (exit 1, nothing written) unless "
+        "--permissive. .safetensors and --page-size work on whole snapshots. "
         "Example: hurray-vllm convert snapshot.hrrs snapshot.safetensors --page-size 256",
     )
     s.add_argument("input", type=_input_path, help="the file to read: .hrry, .hrrs or .safetensors")
@@ -847,15 +929,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--from", dest="source", required=True, type=_server_url, help="source server base URL")
     s.add_argument("--to", dest="destination", required=True, type=_server_url, help="destination server base URL")
     group = s.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    group.add_argument(
+        "--prompt-ids", help="prompt token ids, comma- or space-separated (quote them when separated by spaces)"
+    )
     group.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
-    s.add_argument("--after", type=int, required=True, help="tokens to generate on the source before moving")
+    s.add_argument(
+        "--after",
+        type=int,
+        required=True,
+        help="tokens to generate on the source before moving (1 <= AFTER < --max-tokens)",
+    )
     s.add_argument("--max-tokens", type=int, required=True, help="tokens to generate in total")
     s.add_argument("--model", help="served model name (default: the source's first, which the destination must serve)")
     s.add_argument(
         "--timeout", type=_seconds, default=600.0, help="seconds each call to a server may take (default 600)"
     )
-    s.add_argument("--json", action="store_true", help="print the tokens and the counts as one JSON object")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: the token lists (tokens, source_tokens, destination_tokens) and "
+        "destination_cached_tokens, the prompt tokens the destination loaded",
+    )
     # The router's --backend-api-key, for the same servers: one key for both, and the same variable.
     s.add_argument(
         "--backend-api-key",
@@ -881,14 +975,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dir", required=True, help="chunk store directory (a HurrayConnector's hurray_path)")
     s.add_argument(
         "--quota",
-        type=_size,
+        type=_positive_size,
         default=None,
         help="most bytes the store may hold (500M, 20G, ...): a chunk beyond it is refused before it is read",
     )
     s.add_argument(
         "--min-free", type=_size, default=0, help="free disk space every chunk must leave (e.g. 10G; default 0)"
     )
-    s.add_argument("--max-connections", type=int, default=64, help="connections served at once (default 64)")
+    s.add_argument(
+        "--max-connections", type=_positive_count, default=64, help="connections served at once (>= 1; default 64)"
+    )
     s.add_argument(
         "--max-chunk", type=_size, default=4 << 30, help="largest chunk accepted (default 4G: a frame announcing more "
         "is refused unread)"
@@ -928,7 +1024,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="shrink a chunk store: delete its least recently used chunks",
         description="Deletes least recently used chunk files until the store holds at most --max-size, plus "
         "damaged files moved aside (*.hrry.bad) and temporary files older than an hour. Safe while engines "
-        "use the store. Exit 1 if it skipped a file it could not read or delete (listed). "
+        "use the store. Exit 1 if it skipped a path it could not read, delete or follow (a symbolic link), each listed "
+        "as skipped. "
         "Example: hurray-vllm prune /var/cache/hurray --max-size 200G --dry-run",
     )
     s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
@@ -944,7 +1041,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="verify every chunk file of a store; optionally move the damaged ones aside",
         description="Reads and verifies every chunk file as a consumer would (name, format, model namespace, "
         "KV heads, checksum). Exit 0 if all are good, 1 if any is damaged, unreadable or not verifiable here "
-        "(and, with --key-file, unsigned or signed with a key not given). Safe while engines use the store. "
+        "(and, with --key-file, unsigned or signed with a key not given); what it skips (a symbolic link, a name "
+        "that is not a chunk's) is listed and does not fail it. Safe while engines use the store. "
         "Example: hurray-vllm fsck /var/cache/hurray --quarantine",
     )
     s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
@@ -981,7 +1079,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--chunk-tokens",
-        type=int,
+        type=_positive_count,
         default=256,
         help="tokens per prefix key for KV-aware routing: the engines' hurray_chunk_tokens (default 256)",
     )
@@ -1011,6 +1109,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--backend-api-key",
         default=None,
+        type=_api_key_option,
         help="sent as 'Authorization: Bearer KEY' to every backend (vLLM's --api-key); default: "
         "$HURRAY_BACKEND_API_KEY, which keeps the key off the command line",
     )
@@ -1018,6 +1117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=None,
+        type=_api_key_option,
         help="clients must send 'Authorization: Bearer KEY' on /v1/* (vLLM's --api-key; repeat to accept several, "
         "e.g. while rotating); default: $HURRAY_API_KEY, which keeps the key off the command line; without either, "
         "/v1/* is open (/health and /metrics always are)",

@@ -1,9 +1,16 @@
-"""``hurray-vllm demo``: the format round trip on the specification's own example.
+"""``hurray-vllm demo``: the format round trip on the specification's own example, and the vLLM demo.
 
-The spec's example (layer 3, page_size 4, 5 pages, 2 heads x 8, float16,
-sequences of 6 and 3 tokens sharing page 0) is extended to a 4-layer
-snapshot, written as a ``.hrry`` file and as a stream, read back, checked
-element by element, validated, and converted.
+:func:`run_format_demo` (``--format-only``, no vLLM): the spec's example
+(layer 3, page_size 4, 5 pages, 2 heads x 8, float16, sequences of 6 and 3
+tokens sharing page 0) is extended to a 4-layer snapshot, written as a
+``.hrry`` file and as a stream, read back, checked element by element,
+validated, and converted.
+
+:func:`run_vllm_demo` (the default): a tiny random Llama runs in vLLM on the
+CPU with requests sharing a prefix, is snapshotted mid-decode, written as
+``.hrry``, ``.hrrs`` and ``.safetensors``, and continued in flash-attn's
+layout, in transformers and in a second vLLM engine that loads the KV
+through HurrayConnector.
 """
 
 from __future__ import annotations
@@ -116,9 +123,21 @@ class _Checks:
 
     def __init__(self) -> None:
         self.items: list[tuple[str, bool]] = []
+        #: What a failed check said (an engine's exit and the end of its log), for stderr.
+        self.failures: list[str] = []
 
     def add(self, label: str, ok: bool) -> None:
         self.items.append((label, bool(ok)))
+
+    def fail(self, label: str, why: str) -> None:
+        """A failed check, and what it said (printed on stderr by :meth:`print_failures`, also with ``-q``)."""
+        self.add(label, False)
+        self.failures.append(why)
+
+    def print_failures(self) -> None:
+        """What the failed checks said, on stderr: ``-q`` silences stdout, not a failure's reason."""
+        for why in self.failures:
+            print(why, file=sys.stderr, flush=True)
 
     def exit_code(self) -> int:
         return 0 if all(ok for _, ok in self.items) else 1
@@ -273,6 +292,7 @@ def run_vllm_demo(
             _transformers(model_dir, run, checks)
             say("7/7 importing into a second vLLM engine (HurrayConnector, block 64) and continuing")
             written, cached = _second_engine(model_dir, run, out, checks, verbose)
+        checks.print_failures()  # after the engine logs: inside, stderr goes into demo.log
         if not quiet:
             snap, stats = run.snap, run.snap.sharing()
             print()
@@ -441,14 +461,17 @@ def _second_engine(
     except subprocess.TimeoutExpired as exc:  # killed: a failed check, with what it said, not a crash
         said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
         sys.stderr.write(said)  # into demo.log unless --verbose
-        print(f"the second engine did not finish within {exc.timeout:.0f} s and was stopped:\n{said[-3000:]}",
-              flush=True)  # fmt: skip
-        checks.add("second vLLM engine continues with identical tokens", False)
+        checks.fail(
+            "second vLLM engine continues with identical tokens",
+            f"the second engine did not finish within {exc.timeout:.0f} s and was stopped:\n{said[-3000:]}",
+        )
         return written, {}
     sys.stderr.write(proc.stderr)  # into demo.log unless --verbose
     if proc.returncode:
-        print(f"the second engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
-        checks.add("second vLLM engine continues with identical tokens", False)
+        checks.fail(
+            "second vLLM engine continues with identical tokens",
+            f"the second engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}",
+        )
         return written, {}
     r = json.loads((out / "engine2.out").read_text())
     ok = all(r["outputs"][rid] == run.rest(s) for s, rid in enumerate(rids))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ class PruneReport:
     bad_removed: int = 0
     temp_removed: int = 0
     bytes_removed: int = 0
-    #: Paths that could not be read or deleted (permissions), with the reason: pruning went on without them.
+    #: Paths that could not be read, deleted (permissions) or followed (a symbolic link), with the reason: pruning
+    #: went on without them.
     skipped: list[str] = field(default_factory=list)
 
     def add(self, kind: str, size: int) -> None:
@@ -152,7 +154,8 @@ def prune(
     it: it is not deleted as foreign, it is ranked by its own use, and it
     counts toward ``max_bytes``; with ``keys`` it is listed in
     ``report.skipped``. Bytes are file sizes. A namespace or file that
-    cannot be read or deleted (permissions, I/O errors) is listed in
+    cannot be read or deleted (permissions, I/O errors), and a symbolic link
+    at a namespace's or a chunk's name (never followed), is listed in
     ``report.skipped``, left in place, and the rest is pruned.
     """
     if max_bytes < 0:
@@ -190,6 +193,9 @@ def prune(
             elif (temp := _TEMP.fullmatch(name)) is not None and is_chunk_name(temp.group(1)):
                 if now - st.st_mtime > stale_temp_s:
                     doomed.append(("temp", st.st_size, Path(entry.path), None))
+            elif name.endswith(".hrry") and is_chunk_name(name.removesuffix(".hrry")) and stat.S_ISLNK(st.st_mode):
+                # Neither read nor deleted (as fsck leaves it), but listed: the docs say so, and it exits 1.
+                skipped.append(f"{entry.path}: a symbolic link, not followed")
             elif (
                 name.endswith(".hrry")
                 and is_chunk_name(name.removesuffix(".hrry"))

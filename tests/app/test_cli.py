@@ -94,9 +94,12 @@ def test_tools_work_on_foreign_single_descriptors(hurray, tmp_path: Path, capsys
     # Valid Hurray records, but one key and no value is no KV that load reads: validate says what load says.
     assert main(["validate", str(tmp_path / "one.hrrs")]) == 1
     assert "error: layer_index: layers [3] are not 0..0" in capsys.readouterr().out
-    assert main(["convert", "-q", str(tmp_path / "one.hrrs"), str(tmp_path / "one.hrry")]) == 0
+    # convert refuses what validate refuses; --permissive carries the record over as it is.
+    assert main(["convert", "-q", str(tmp_path / "one.hrrs"), str(tmp_path / "one.hrry")]) == 1
+    assert "layers [3] are not 0..0" in capsys.readouterr().err and not (tmp_path / "one.hrry").exists()
+    assert main(["convert", "-q", "--permissive", str(tmp_path / "one.hrrs"), str(tmp_path / "one.hrry")]) == 0
     assert set(hurray.load(str(tmp_path / "one.hrry"))) == {"layers.3.key"}
-    assert main(["convert", "-q", str(tmp_path / "one.hrry"), str(tmp_path / "back.hrrs")]) == 0
+    assert main(["convert", "-q", "--permissive", str(tmp_path / "one.hrry"), str(tmp_path / "back.hrrs")]) == 0
     assert (tmp_path / "back.hrrs").read_bytes() == (tmp_path / "one.hrrs").read_bytes()
 
 
@@ -249,10 +252,18 @@ def test_bad_options_are_refused_before_anything_runs(
     assert "error:" in err and "Traceback" not in err
 
 
-def test_receiver_limits_out_of_range_are_one_line(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(files), "--max-connections", "0", "-q"]) == 2
+def test_receiver_limits_out_of_range_are_one_line(
+    files: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hurray_vllm import transport
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("max_chunk_bytes=0 must be positive")
+
+    monkeypatch.setattr(transport, "receiver_for", refuse)  # a limit the receiver itself refuses
+    assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(files), "-q"]) == 2
     err = capsys.readouterr().err
-    assert "max_connections=0" in err and "Traceback" not in err
+    assert "max_chunk_bytes=0" in err and "Traceback" not in err and err.count("\n") == 1
 
 
 def test_receive_over_nixl_without_nixl_is_a_usage_error(
@@ -286,8 +297,8 @@ def test_bad_files_and_servers_are_one_line(files: Path, tmp_path: Path, capsys:
         ["validate", str(tmp_path)],
         ["convert", str(tmp_path), str(tmp_path / "x.hrrs")],
         ["convert", str(files / "s.hrry"), str(tmp_path)],  # a directory as output
-        ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:9", "--prompt-ids", "1,2,3", *TOKENS],
-        ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:9", "--prompt-ids", "1,x", *TOKENS],
+        ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:8", "--prompt-ids", "1,2,3", *TOKENS],
+        ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:8", "--prompt-ids", "1,x", *TOKENS],
     ]
     for argv in cases:
         code = main(argv)
@@ -309,7 +320,7 @@ def test_files_that_are_not_files_are_one_line_and_never_hang(
     binary.write_bytes(bytes(range(256)))
     not_dir = tmp_path / "not-a-dir"
     not_dir.write_bytes(b"x")
-    migrate = ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:9", *TOKENS]
+    migrate = ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:8", *TOKENS]
     for command in ("inspect", "validate"):  # in a process of its own: a regression hangs, and must fail instead
         cli = [sys.executable, "-m", "hurray_vllm.app.cli", command, str(fifo)]
         run = subprocess.run(cli, capture_output=True, text=True, timeout=60)
@@ -365,7 +376,7 @@ def test_migrate_against_a_server_that_is_not_vllm_says_what_it_got(
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        code = main(["migrate", "--from", url, "--to", url, "--prompt-ids", "1,2,3", *TOKENS])
+        code = main(["migrate", "--from", url, "--to", "http://127.0.0.1:9", "--prompt-ids", "1,2,3", *TOKENS])
         server.shutdown()
     err = capsys.readouterr().err.strip()
     assert code == 1 and says in err and "\n" not in err and "internal error" not in err, err
@@ -394,7 +405,7 @@ def test_migrate_to_a_port_that_does_not_speak_http_is_one_line(
     threading.Thread(target=serve, daemon=True).start()
     url = f"http://127.0.0.1:{lsock.getsockname()[1]}"
     try:
-        code = main(["migrate", "--from", url, "--to", url, "--prompt-ids", "1,2,3", *TOKENS])
+        code = main(["migrate", "--from", url, "--to", "http://127.0.0.1:9", "--prompt-ids", "1,2,3", *TOKENS])
     finally:
         lsock.close()
     err = capsys.readouterr().err.strip()
@@ -754,7 +765,12 @@ def test_demo_second_engine_timeout_is_a_failed_check(
     checks = demo._Checks()
     assert demo._second_engine(Path("model"), run, tmp_path, checks, verbose=False)[1] == {}
     assert checks.exit_code() == 1
-    assert "did not finish within 600 s" in capsys.readouterr().out
+    # Found by a review: the failure went to stdout, which -q silences; it is said on stderr, after the engine
+    # logs (which send stderr into demo.log) are done.
+    assert capsys.readouterr().out == ""
+    checks.print_failures()
+    captured = capsys.readouterr()
+    assert "did not finish within 600 s" in captured.err and "still loading" in captured.err and not captured.out
 
 
 def test_demo_model_interrupted_mid_build_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -899,3 +915,243 @@ def test_demo_keep_names_the_kept_directory_when_a_step_fails(
     shutil.rmtree(found.group(1))
     assert main(["demo", "--format-only"]) == 1  # not kept: removed, and not named
     assert "files kept" not in capsys.readouterr().err
+
+
+# ── found in a new user's review of the CLI and the docs ─────────────────────
+
+
+def test_convert_refuses_what_validate_refuses_unless_permissive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: .hrry <-> .hrrs (record by record) wrote invalid output and exited 0 for input validate
+    refuses (a chunk whose pools do not match their digest, token ids shorter than the KV). Now exit 1 with
+    validate's message and nothing written; --permissive still carries the records over."""
+    from dataclasses import replace
+
+    from synthetic import example_chunk, save_unchecked
+
+    from hurray_vllm.chunks import DirectoryStore
+
+    snap = spec_example_snapshot(num_layers=2)
+    short = tmp_path / "short.hrry"
+    save_unchecked(replace(snap, token_ids=[snap.token_ids[0][:2], snap.token_ids[1]]), short)
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path / "store")
+    store.put(ns, key, chunk)
+    damaged = store.path(ns, key)
+    raw = bytearray(damaged.read_bytes())
+    pool = chunk.values[-1].page_pool.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    raw[raw.rfind(pool) + 5] ^= 0x10
+    damaged.write_bytes(bytes(raw))
+    for bad in (short, damaged):
+        capsys.readouterr()
+        assert main(["validate", str(bad)]) == 1
+        invariant, _, message = capsys.readouterr().out.splitlines()[0].removeprefix("error: ").partition(": ")
+        for suffix in (".hrrs", ".hrry"):
+            out = tmp_path / f"out{suffix}"
+            assert main(["convert", "-q", str(bad), str(out)]) == 1, (bad, suffix)
+            err = capsys.readouterr().err
+            assert err.startswith(f"hurray-vllm: invalid input: {invariant}") and message in err, err
+            assert not out.exists()
+            assert main(["convert", "-q", "--permissive", str(bad), str(out)]) == 0 and out.exists()
+            out.unlink()
+
+
+def test_inspect_json_has_the_same_keys_in_every_format(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a review: safetensors rows lacked referenced_pages and shared_pages (seq_lens null), and
+    quantization came only when set. Every row has every key (null when unknown), whatever the format."""
+    hv.save(spec_example_snapshot(num_layers=2), files / "s.safetensors")
+    docs = {}
+    for name in ("s.hrry", "s.hrrs", "s.safetensors"):
+        capsys.readouterr()
+        assert main(["inspect", "--json", str(files / name)]) == 0
+        docs[name] = json.loads(capsys.readouterr().out)["tensors"]
+    keys = {frozenset(row) for rows in docs.values() for row in rows}
+    assert len(keys) == 1, keys
+    assert {"referenced_pages", "shared_pages", "seq_lens", "quantization", "rule", "members"} <= set(next(iter(keys)))
+    assert docs["s.safetensors"] == docs["s.hrry"]  # a stream's rows differ only in names (a stream has none)
+    assert [dict(r, name=None) for r in docs["s.hrrs"]] == [dict(r, name=None) for r in docs["s.hrry"]]
+    paged = [r for r in docs["s.safetensors"] if r["layout"] == "block_paged"]
+    assert paged and all(r["seq_lens"] == [6, 3] and r["referenced_pages"] == 2 for r in paged)
+    assert all(r["quantization"] is None for r in paged)
+    assert main(["inspect", str(files / "s.safetensors")]) == 0
+    assert "seq_lens [6, 3]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--max-connections", "0"], "--max-connections"),
+        (["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--quota", "0"], "--quota"),
+        (["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--chunk-tokens", "0"], "--chunk-tokens"),
+        (["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--api-key", ""], "--api-key"),
+        (["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--backend-api-key", ""],
+         "--backend-api-key"),
+    ],
+    ids=["max connections 0", "quota 0", "chunk tokens 0", "router empty api key", "router empty backend key"],
+)  # fmt: skip
+def test_counts_and_keys_out_of_range_are_refused_naming_the_flag(
+    argv: list[str], flag: str, files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: --max-connections 0 named the internal 'limits', --quota 0 was accepted, --chunk-tokens 0
+    named --health-interval too, and an empty router key let anyone in (or fell back to the variable)."""
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(dir=files) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines
+    assert f"argument {flag}:" in err and "limits" not in err and "--health-interval" not in err, err
+
+
+def test_key_file_errors_name_the_option(tmp_path: Path, files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a review: they said 'hurray_key_file:', the connector's option, not the command's."""
+    short = tmp_path / "short.key"
+    short.write_bytes(b"k" * 8)
+    short.chmod(0o600)
+    for key in (tmp_path / "missing.key", short):
+        assert main(["validate", "--key-file", str(key), str(files / "s.hrry")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hurray-vllm: --key-file: ") and "hurray_key_file" not in err and str(key) in err, err
+
+
+def test_a_link_loop_given_for_a_directory_says_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop.name)
+    assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(loop), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "symbolic link loop (ELOOP)" in err and "missing target" not in err and str(loop) in err, err
+    assert main(["demo", "--format-only", "-q", "--workdir", str(loop)]) == 2
+    assert "symbolic link loop (ELOOP)" in capsys.readouterr().err
+
+
+def test_prune_names_unsigned_chunks_only_with_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    store_snapshot(DirectoryStore(tmp_path), spec_example_snapshot(), 4)
+    assert main(["prune", str(tmp_path), "--max-size", "1G"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted 0 chunk files," in out and "not signed" not in out, out
+    key = tmp_path.parent / "fleet.key"
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    assert main(["prune", str(tmp_path), "--max-size", "1G", "--key-file", str(key)]) == 0
+    assert "(1 not signed with the key)" in capsys.readouterr().out
+
+
+def test_prune_lists_a_chunk_named_link_and_exits_1_and_fsck_skips_it_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: prune skipped a chunk-named symbolic link silently (exit 0); the docs say it is listed."""
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    store_snapshot(DirectoryStore(tmp_path), spec_example_snapshot(), 4)
+    (chunk,) = tmp_path.glob("*/*.hrry")
+    link = chunk.with_name("ab" * 16 + ".hrry")
+    link.symlink_to(chunk.name)
+    assert main(["prune", str(tmp_path), "--max-size", "1G"]) == 1
+    err = capsys.readouterr().err
+    assert f"skipped: {link}: a symbolic link, not followed" in err, err
+    assert main(["fsck", str(tmp_path)]) == 0  # skipped, not unreadable: no failure
+    assert f"skipped: {link}: a symbolic link, not followed" in capsys.readouterr().err
+    assert link.is_symlink() and chunk.exists()
+
+
+def test_migrate_refuses_the_same_server_twice(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["migrate", "--prompt-ids", "1 2,3", *TOKENS, "--timeout", "5"]
+    for src, dst in (("http://127.0.0.1:9", "http://127.0.0.1:9/"), ("HTTP://LOCALHOST:80/v1/", "http://localhost/v1")):
+        assert main([*argv, "--from", src, "--to", dst]) == 2  # refused before either server is called
+        assert "same server" in capsys.readouterr().err
+
+
+def test_router_refuses_an_empty_api_key_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """$HURRAY_API_KEY set but empty: refused at start, as an empty $HURRAY_VLLM_KEY_FILE is (not an open /v1)."""
+    require("fastapi")
+    require("uvicorn")
+    require("aiohttp")
+    import uvicorn
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the router started")
+
+    monkeypatch.setattr(uvicorn, "run", started)
+    monkeypatch.setattr(uvicorn.Server, "run", started)
+    monkeypatch.setenv("HURRAY_API_KEY", "")
+    assert main(["router", "--listen", "127.0.0.1:0", "--backend", "http://127.0.0.1:9"]) == 2
+    captured = capsys.readouterr()
+    assert "$HURRAY_API_KEY" in captured.err and "empty" in captured.err and "router on" not in captured.out
+
+
+def test_router_start_up_line_names_the_bound_port_and_prefill_backends(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require("fastapi")
+    require("uvicorn")
+    require("aiohttp")
+    import gc
+
+    import uvicorn
+
+    seen: list[Any] = []
+
+    def run(self: Any, sockets: Any = None) -> None:
+        seen.append(sockets[0].getsockname())
+        self.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+    monkeypatch.delenv("HURRAY_API_KEY", raising=False)
+    argv = ["router", "--listen", "127.0.0.1:0", "--backend", "http://127.0.0.1:9", "--prefill", "http://127.0.0.1:8"]
+    assert main(argv) == 0
+    ((_, port),) = seen
+    assert port != 0
+    line = capsys.readouterr().out
+    assert f"router on http://127.0.0.1:{port} " in line and "http://127.0.0.1:9" in line, line
+    assert "prefill http://127.0.0.1:8" in line, line
+
+
+def test_help_says_how_skips_and_stops_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "a chunk fsck could not read (listed as unreadable), a path prune could not read, delete or follow "
+        "(listed as skipped)" in out
+    )
+    assert "receive and router exit 0 on" in out
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_router_stops_cleanly_on_sigint_and_sigterm(sig: str) -> None:
+    """Found by a review: the epilog's stop (exit 0, as receive's) was 130 on Ctrl-C and death by SIGTERM (143)."""
+    require("fastapi")
+    require("uvicorn")
+    require("aiohttp")
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hurray_vllm.app.cli", "router", "--listen", "127.0.0.1:0", "--backend",
+         "http://127.0.0.1:9"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert "router on http://127.0.0.1:" in banner, banner
+        port = int(banner.split("127.0.0.1:")[1].split()[0])
+        import socket
+
+        for _ in range(300):  # the banner comes before uvicorn serves: a connection says it has its handlers
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, (proc.returncode, err)

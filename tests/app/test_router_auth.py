@@ -203,3 +203,22 @@ def test_api_key_reaches_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen[-1].api_keys == ("k1", "k2") and "k1" not in repr(seen[-1])
     assert main(base) == 0
     assert seen[-1].api_keys == ()  # the router reads $HURRAY_API_KEY then
+
+
+def test_an_empty_key_never_opens_the_endpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: --api-key "" let in whoever sent an empty bearer token; an empty $HURRAY_API_KEY was
+    taken for unset (an open /v1). A configured key is never empty, and an empty token never matches."""
+    require("fastapi")
+    from hurray_vllm.app.router import RouterConfig, build_app
+    from hurray_vllm.app.router.server import _NeedsBearer
+    from hurray_vllm.errors import HurrayArgumentError
+
+    guard = _NeedsBearer(None, prefix="/v1", keys=("",), message="m")
+    for auth in (b"Bearer ", b"Bearer", b"bearer  "):
+        assert not guard.holds_a_key({"headers": [(b"authorization", auth)]}), auth
+    monkeypatch.delenv("HURRAY_API_KEY", raising=False)
+    with pytest.raises(HurrayArgumentError, match="empty"):
+        build_app(RouterConfig(backends=("http://127.0.0.1:9",), api_keys=("k", "")))
+    monkeypatch.setenv("HURRAY_API_KEY", "")
+    with pytest.raises(HurrayArgumentError, match=r"\$HURRAY_API_KEY"):
+        build_app(RouterConfig(backends=("http://127.0.0.1:9",)))

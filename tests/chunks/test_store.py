@@ -742,3 +742,14 @@ def test_the_store_refuses_names_that_are_not_its_own(tmp_path: Path, ns: str, k
         assert err.value.field == field and "hex digits" in str(err.value)
     assert not any(tmp_path.rglob("*.hrry"))
     assert store.path("0a", "0b.h2-4") == tmp_path / "store" / "0a" / "0b.h2-4.hrry"  # a slice's name is the store's
+
+
+def test_prune_lists_a_chunk_named_symbolic_link_as_skipped(tmp_path: Path) -> None:
+    """Found by a review: prune passed over it silently, where fsck and the docs list it (not followed)."""
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    link = store.path(ns, "ab" * 16)
+    link.symlink_to(store.path(ns, key).name)
+    report = store.prune(1 << 30)
+    assert report.skipped == [f"{link}: a symbolic link, not followed"]
+    assert store.prune(0).skipped == [f"{link}: a symbolic link, not followed"]
+    assert link.is_symlink() and not store.path(ns, key).exists()  # the chunk pruned, the link left alone

@@ -458,7 +458,8 @@ class _NeedsBearer:
 
     def __init__(self, app: Any, *, prefix: str, keys: tuple[str, ...], message: str) -> None:
         self.app, self.prefix, self.message = app, prefix, message
-        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        # Never an empty key (build_app refuses one): were one here, an empty token would still not match.
+        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
 
     def holds_a_key(self, scope: dict[str, Any]) -> bool:
         auth = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
@@ -467,7 +468,7 @@ class _NeedsBearer:
         match = False
         for d in self.digests:
             match |= hmac.compare_digest(sent, d)
-        return scheme.lower() == b"bearer" and match
+        return scheme.lower() == b"bearer" and bool(given.strip()) and match
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         guarded = scope.get("path", "").startswith(self.prefix) or _route_path(scope).startswith(self.prefix)
@@ -687,6 +688,30 @@ def _join_logprobs(parts: list[Any]) -> Any:
     return out
 
 
+def _api_keys(config: RouterConfig) -> tuple[str, ...]:
+    """The keys ``/v1/*`` takes: the config's, else :data:`API_KEY_ENV`'s; none, ``/v1/*`` open.
+
+    Raises:
+        HurrayArgumentError: an empty key, or the variable set but empty (as an empty
+            ``$HURRAY_VLLM_KEY_FILE`` is refused): an empty bearer token must never pass, and a key lost on
+            the way (``HURRAY_API_KEY=$UNSET``) must not open ``/v1/*``.
+    """
+    from ...errors import HurrayArgumentError
+
+    if any(not k for k in (*config.api_keys, *config.control_tokens)):
+        raise HurrayArgumentError("api_keys", "an empty key: give the key, or leave it out")
+    if config.api_keys:
+        return config.api_keys
+    env = os.environ.get(API_KEY_ENV)
+    if env is None:
+        return ()
+    if not env.strip():
+        raise HurrayArgumentError(
+            f"${API_KEY_ENV}", "is set but empty: set it to the key clients must send, or unset it for an open /v1/*"
+        )
+    return (env,)
+
+
 def build_app(config: RouterConfig) -> Any:
     """The router's ASGI application (FastAPI).
 
@@ -727,7 +752,7 @@ def build_app(config: RouterConfig) -> Any:
             message="this router's /hurray/* controls need 'Authorization: Bearer TOKEN'; "
             "hurray-vllm router --key-file KEY --print-token prints the token of a fleet key",
         )
-    api_keys = config.api_keys or tuple(k for k in (os.environ.get(API_KEY_ENV),) if k)
+    api_keys = _api_keys(config)
     if api_keys:
         app.add_middleware(
             _NeedsBearer,
@@ -982,27 +1007,54 @@ def build_app(config: RouterConfig) -> Any:
     return app
 
 
-def serve(config: RouterConfig, host: str, port: int, *, log_level: str = "warning") -> None:
-    """Run the router on ``host:port`` until SIGINT or SIGTERM (uvicorn's handling)."""
-    import socket
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
+
+def serve(config: RouterConfig, host: str, port: int, *, log_level: str = "warning") -> None:
+    """Run the router on ``host:port`` until SIGINT or SIGTERM (uvicorn's handling), then return: a clean stop.
+
+    Raises:
+        HurrayArgumentError: what :func:`build_app` refuses (an empty ``$HURRAY_API_KEY``), before anything binds.
+        OSError: ``host:port`` cannot be bound (in use), named in ``filename``.
+    """
+    import signal
+    import socket
+    import threading
+
+    import aiohttp  # noqa: F401 - imported before the freeze below (Router.start() would import it later)
     import uvicorn
 
-    # A port in use is the caller's to hear about as any bad address, before the banner says it runs.
+    app = build_app(config)  # what it refuses is the call's error, before the banner says the router runs
+    # Bound here, and handed to uvicorn: a port in use is the caller's to hear about as any bad address, before the
+    # banner, and the banner names the port bound (--listen HOST:0 picks one).
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
-            probe.bind((host, port))
+            sock.bind((host, port))
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror, host_port(host, port)) from None
-    print(f"hurray-vllm router on http://{host_port(host, port)} over {', '.join(config.backends)}", flush=True)
-    import aiohttp  # noqa: F401 - imported before the freeze below (Router.start() would import it later)
-
-    app = build_app(config)
-    # What start-up imported (torch among it: ~170k objects) lives as long as the process: kept out of
-    # the collector's full passes, each of which took ~45 ms of a token stream's time. Here, in the
-    # router's own process only: an application embedding build_app() keeps its collector as it is.
-    gc.collect()
-    gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+        over = ", ".join(config.backends) + (f"; prefill {', '.join(config.prefill)}" if config.prefill else "")
+        print(f"hurray-vllm router on http://{host_port(host, sock.getsockname()[1])} over {over}", flush=True)
+        # What start-up imported (torch among it: ~170k objects) lives as long as the process: kept out of
+        # the collector's full passes, each of which took ~45 ms of a token stream's time. Here, in the
+        # router's own process only: an application embedding build_app() keeps its collector as it is.
+        gc.collect()
+        gc.freeze()
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+        # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again under the handler it found:
+        # SIGINT's KeyboardInterrupt, SIGTERM's death by the signal. Both are how the router is stopped: a clean
+        # stop (exit 0), as receive's. Only in the main thread, where handlers can be set (uvicorn's rule too).
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            if not server.started:  # interrupted while starting: not a stop of a router that ran
+                raise
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+    if not server.started:  # as uvicorn.run: a start-up that failed (uvicorn logged why) is no clean stop
+        raise SystemExit(3)  # uvicorn's STARTUP_FAILURE
