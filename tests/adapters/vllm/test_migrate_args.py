@@ -17,6 +17,7 @@ from hurray_vllm import HurrayArgumentError
 from hurray_vllm.adapters.vllm import migrate as mig
 
 GOOD = "http://127.0.0.1:9"
+OTHER = "http://127.0.0.1:10"  # the command refuses one server as both ends
 
 BAD = [
     "myserver",  # no scheme: urllib raised a bare ValueError
@@ -128,7 +129,7 @@ def test_the_command_passes_its_backend_api_key_to_migrate(
         return mig.MigrationResult([1], [2], None)
 
     monkeypatch.setattr(mig, "migrate", fake)
-    base = ["migrate", "--from", GOOD, "--to", GOOD, "--prompt-ids", "1", "--after", "1", "--max-tokens", "2"]
+    base = ["migrate", "--from", GOOD, "--to", OTHER, "--prompt-ids", "1", "--after", "1", "--max-tokens", "2"]
     assert main([*base, "--backend-api-key", "sk-k1"]) == 0
     assert main(base) == 0  # None: migrate() reads the variable, as the router does
     assert seen == ["sk-k1", None]
