@@ -166,6 +166,7 @@ def _relay(lsn: socket.socket, serve: ssl.SSLContext, dial: Callable[[], socket.
     """A keyless endpoint in the middle: takes a TLS connection with its own (trusted) certificate, pipes its bytes."""
     raw, _ = lsn.accept()
     with serve.wrap_socket(raw, server_side=True) as a, dial() as b:
+        pipes = []
         for src, dst in ((a, b), (b, a)):
 
             def pipe(src: socket.socket = src, dst: socket.socket = dst) -> None:
@@ -178,8 +179,12 @@ def _relay(lsn: socket.socket, serve: ssl.SSLContext, dial: Callable[[], socket.
                     with contextlib.suppress(OSError):
                         socket.socket.shutdown(end, socket.SHUT_RDWR)
 
-            threading.Thread(target=pipe, daemon=True).start()
-        time.sleep(3)
+            pipes.append(threading.Thread(target=pipe, daemon=True))
+            pipes[-1].start()
+        # Open until either side hangs up (each pipe then shuts both down), not for a fixed time: on a busy
+        # machine the exchange outlasted a 3 s sleep, and the relay's sockets closed under the sender's read.
+        for p in pipes:
+            p.join(timeout=60)
 
 
 def test_a_relay_between_two_tls_sessions_gets_no_session_on_the_receiver(tmp_path: Path) -> None:
