@@ -654,26 +654,25 @@ def _positive_size(text: str) -> int:
     return n
 
 
-def _positive_count(text: str) -> int:
-    """A whole number >= 1."""
+def _whole(text: str, least: int, example: str) -> int:
+    """A whole number >= ``least``; the argparse error names the text and the rule."""
     try:
         n = int(text)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r} (a whole number >= 1)")
+        n = least - 1
+    if n < least:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (a whole number >= {least}{example})")
     return n
+
+
+def _positive_count(text: str) -> int:
+    """A whole number >= 1."""
+    return _whole(text, 1, "")
 
 
 def _count(text: str) -> int:
     """A whole number >= 0 (a count of requests)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r} (a whole number >= 0, e.g. 8)")
-    return n
+    return _whole(text, 0, ", e.g. 8")
 
 
 def _host_port(text: str) -> tuple[str, int]:
