@@ -72,6 +72,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_IDLE_TIMEOUT_S",
+    "HANDSHAKE_TIMEOUT_S",
     "MAX_TIMEOUT_S",
     "host_port",
     "parse_address",
@@ -98,6 +99,11 @@ Chunk = tuple[str, str, KVSnapshot]
 MAX_CHUNK_BYTES = 4 << 30
 #: How long one step of a chunk (a frame, a transfer, the answer) may take.
 DEFAULT_TIMEOUT_S = 60.0
+#: How long a new connection's TLS and key handshakes may take in all, at most (the receiver's ``timeout`` if
+#: shorter). A connection holds one of ``max_connections`` before it proved anything: a keyless peer opening
+#: that many and sending nothing would otherwise lock every sender out for a whole frame's timeout per round.
+#: A handshake is a few round trips, and ten seconds is far above any of them.
+HANDSHAKE_TIMEOUT_S = 10.0
 #: How long a sender's TCP connect may take (a host that drops SYNs must not cost a whole step timeout).
 CONNECT_TIMEOUT_S = 5.0
 #: The longest timeout a receiver takes (a socket's own limit is far above; NaN and infinity are refused).
@@ -802,10 +808,11 @@ class ReceiverBase(abc.ABC):
         host: The address to listen on (``"127.0.0.1"``, ``"0.0.0.0"``).
         port: The port; 0 picks a free one (see ``address``).
         store: Where accepted chunks go (``put`` is called from the connection threads).
-        timeout: How long one frame (a chunk, a query, the TLS and key handshakes) may take to
-            arrive, in seconds, plus one second per MiB (:data:`FRAME_MIN_RATE`): per MiB that
-            arrived for a TCP chunk's payload, per MiB offered for a NIXL transfer. A peer slower
-            than that, however steadily it trickles, is disconnected.
+        timeout: How long one frame (a chunk, a query) may take to arrive, in seconds (a new
+            connection's TLS and key handshakes: at most :data:`HANDSHAKE_TIMEOUT_S`), plus one
+            second per MiB (:data:`FRAME_MIN_RATE`): per MiB that arrived for a TCP chunk's payload,
+            per MiB offered for a NIXL transfer. A peer slower than that, however steadily it
+            trickles, is disconnected.
         idle_timeout: How long a connection may stay silent between chunks.
         max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL).
         max_connections: How many connections are served at once; one more is
@@ -1382,7 +1389,7 @@ class ReceiverBase(abc.ABC):
             self._conns.add(conn)
         held = [conn]
         self._local.held = held  # count() looks up whether the watchdog cut this connection
-        self.arm(conn, self.timeout)  # TLS and the key handshake, as one frame
+        self.arm(conn, min(self.timeout, HANDSHAKE_TIMEOUT_S))  # TLS and the key handshake, as one short frame
         try:
             try:
                 secured = self._secure(conn, held)

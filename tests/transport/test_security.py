@@ -534,3 +534,29 @@ def test_a_failed_second_authentication_is_answered_and_counted(tmp_path: Path) 
             s.sendall(bytes(32))  # not the answer
             assert recv_exact(s, 2) == b"ER" and read_message(s).startswith("receiver.auth:")
         assert r.refused == 1 and "authentication failed" in (r.last_error or "")
+
+
+def test_a_silent_connection_to_a_keyed_receiver_is_cut_at_the_handshake_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unauthenticated connection holds one of max_connections: it gets the short handshake deadline, not a frame's.
+
+    With the frame timeout (60 s) a keyless peer opening max_connections silent connections locked every
+    sender out for a minute per round.
+    """
+    from hurray_vllm.transport import base
+
+    monkeypatch.setattr(base, "HANDSHAKE_TIMEOUT_S", 0.5)
+    with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), keys=KEYS, timeout=60.0,
+                                max_connections=1).start() as r:  # fmt: skip
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=30) as s:
+            start = time.monotonic()
+            try:
+                closed = s.recv(2) in (b"", b"ER")  # silent: the receiver cuts it (an answer or the close)
+            except OSError:
+                closed = True
+            assert closed and time.monotonic() - start < 20  # the frame timeout (60 s) would cut it far later
+        assert wait_for(lambda: not r._conns, 10)  # the slot is free again
+        ns, key, chunk = _chunk()
+        transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [(ns, key, chunk)], keys=KEYS, timeout=10)
+        assert r.received == 1
