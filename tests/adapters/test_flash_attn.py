@@ -7,6 +7,8 @@ kernels against it on CUDA).
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -26,6 +28,7 @@ from hurray_vllm.adapters.flash_attn import (
     Flavor,
     check_flash_attn_args,
     flash_attn_with_kvcache,
+    kernels,
     plan_flash_attn,
     to_flash_attn,
     to_flash_attn_all,
@@ -394,6 +397,20 @@ def test_importer_rejects_bad_layer_and_head_dim() -> None:
     assert to_flash_attn(odd, 0, flavor="fa2").head_dim == 12  # FA2 pads odd head sizes itself
 
 
+def test_vllm_flavor_needs_head_dim_a_multiple_of_8() -> None:
+    """vLLM's fork only has flash_attn_varlen_func, whose mha_varlen_fwd requires head_size % 8 == 0."""
+    odd = make_snapshot([20, 5], [0, 0], 16, dim=12, layers=1)
+    with pytest.raises(hv.HurrayFormatError) as fmt:
+        to_flash_attn(odd, 0, flavor="vllm", page_size=16)
+    assert fmt.value.field == "head_dim"
+    cache = torch.zeros(4, 16, 2, 12, dtype=torch.bfloat16)
+    q = torch.randn(2, 1, 4, 12, dtype=torch.bfloat16)
+    lens, table = torch.tensor([20, 5], dtype=torch.int32), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(hv.HurrayArgumentError, match="head_dim a multiple of 8") as err:
+        check_flash_attn_args(q, cache, cache.clone(), lens, table, flavor="vllm")
+    assert err.value.field == "q"
+
+
 # ── the contract checker ─────────────────────────────────────────────────────
 
 
@@ -557,7 +574,7 @@ def test_checker_counts_grouped_heads_of_one_query_against_the_cache() -> None:
         assert err.value.field == "q"
     call("fa3")  # FA3 keeps seqlen_q = 1
     call("vllm", appends=False)  # the rule is for appends only
-    call("vllm", dim=12)  # head_dim % 8 != 0: the kernel does not regroup
+    call("fa2", page=256, dim=12)  # head_dim % 8 != 0: the kernel does not regroup
 
 
 def test_checker_fa2_needs_seqlen_q_within_the_cache_with_appends() -> None:
@@ -827,3 +844,109 @@ def test_wrapper_checks_the_arguments_it_passes_to_the_kernel() -> None:
     with pytest.raises(hv.HurrayArgumentError) as err:
         check_flash_attn_args(*args, flavor="vllm", k=new, v=new, window_size=(4,))  # type: ignore[arg-type]
     assert err.value.field == "window_size"
+
+
+# ── vLLM's fork without flash_attn_with_kvcache: append, then flash_attn_varlen_func ──
+
+
+def _install_vllm_fork(monkeypatch: pytest.MonkeyPatch, varlen: Callable[..., Any]) -> None:
+    """A stand-in for today's ``vllm.vllm_flash_attn``: ``flash_attn_varlen_func`` only."""
+    mod = types.ModuleType("vllm.vllm_flash_attn")
+    mod.flash_attn_varlen_func = varlen  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", mod)
+
+
+def _varlen_call() -> tuple[FlashAttnCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A vllm cache with room for 2 new tokens, q of 2 queries (4 heads over 2), and those tokens."""
+    snap = make_snapshot([20, 5], [0, 0], 16, layers=1)
+    cache = to_flash_attn(snap, 0, flavor="vllm", page_size=16, reserve=2)
+    q = torch.randn(2, 2, 4, 16, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 2, 2, 16, dtype=torch.bfloat16), torch.randn(2, 2, 2, 16, dtype=torch.bfloat16)
+    check_flash_attn_args(
+        q, cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table, flavor="vllm", k=k, v=v
+    )
+    return cache, q, k, v
+
+
+def _new_tokens_of(cache: FlashAttnCache, pool: torch.Tensor, n: int) -> torch.Tensor:
+    """``pool``'s slots for positions ``cache_seqlens[b] .. + n`` of each sequence, ``[batch, n, heads, dim]``."""
+    pos = cache.cache_seqlens.long()[:, None] + torch.arange(n)[None, :]
+    page = pool.shape[1]
+    return pool[cache.block_table.long().gather(1, pos // page), pos % page]
+
+
+def test_vllm_varlen_fallback_restores_the_cache_when_the_kernel_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[torch.Tensor] = []
+
+    def refusing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        seen.append(k.clone())
+        raise RuntimeError("refused by the kernel's host checks")
+
+    _install_vllm_fork(monkeypatch, refusing)
+    cache, q, k, v = _varlen_call()
+    k_before, v_before = cache.k_cache.clone(), cache.v_cache.clone()
+    with pytest.raises(RuntimeError, match="refused by the kernel"):
+        kernels._run_vllm(q, cache, k, v, {"softmax_scale": None, "causal": True})
+    assert torch.equal(_new_tokens_of(cache, seen[0], 2), k)  # the kernel saw the appended tokens...
+    assert torch.equal(cache.k_cache, k_before) and torch.equal(cache.v_cache, v_before)  # ...taken back after
+
+    # A call the kernel accepts keeps them, and attends over cache_seqlens + seqlen_new keys.
+    calls: list[dict[str, Any]] = []
+
+    def accepting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        calls.append(kw)
+        return torch.zeros_like(q)
+
+    _install_vllm_fork(monkeypatch, accepting)
+    assert kernels._run_vllm(q, cache, k, v, {"causal": True}).shape == q.shape
+    assert torch.equal(_new_tokens_of(cache, cache.k_cache, 2), k)
+    assert torch.equal(_new_tokens_of(cache, cache.v_cache, 2), v)
+    assert calls[0]["seqused_k"].tolist() == [22, 7]
+
+
+def test_vllm_varlen_fallback_refuses_before_appending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What flash_attn_varlen_func would refuse is refused before k/v are written, without calling it."""
+
+    def varlen(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        max_seqlen_q: int,
+        cu_seqlens_q: torch.Tensor,
+        max_seqlen_k: int,
+        seqused_k: torch.Tensor | None = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        block_table: torch.Tensor | None = None,
+        return_softmax_lse: bool = False,
+        num_splits: int = 0,
+        fa_version: int = 2,
+    ) -> torch.Tensor:
+        raise AssertionError("the kernel must not be called")
+
+    _install_vllm_fork(monkeypatch, varlen)
+    cache, q, k, v = _varlen_call()
+    k_before = cache.k_cache.clone()
+    for kw, field in (({"rotary_cos": torch.zeros(4, 8)}, "rotary_cos"), ({"num_splits": 4}, "num_splits")):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            kernels._run_vllm(q, cache, k, v, {"causal": True, **kw})
+        assert err.value.field == field
+        assert torch.equal(cache.k_cache, k_before)
+
+
+def test_vllm_varlen_fallback_returns_the_lse_as_flash_attn_with_kvcache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """varlen's softmax_lse is [nheads, batch * seqlen_q]; flash_attn_with_kvcache's is [batch, nheads, seqlen_q]."""
+
+    def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        total_q, nheads, _ = q.shape
+        lse = 1000.0 * torch.arange(nheads)[:, None] + torch.arange(total_q)[None, :]  # lse[h, t] = 1000 h + t
+        return (q.clone(), lse) if kw.get("return_softmax_lse") else q.clone()
+
+    _install_vllm_fork(monkeypatch, varlen)
+    cache, q, k, v = _varlen_call()
+    out, lse = kernels._run_vllm(q, cache, k, v, {"causal": True, "return_softmax_lse": True})
+    assert torch.equal(out, q)
+    batch, seqlen_q, nheads, _ = q.shape
+    b, h, s = torch.meshgrid(torch.arange(batch), torch.arange(nheads), torch.arange(seqlen_q), indexing="ij")
+    assert torch.equal(lse, (1000.0 * h + b * seqlen_q + s).float())
+    assert torch.equal(kernels._run_vllm(q, cache, None, None, {"causal": True}), q)

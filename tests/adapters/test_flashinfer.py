@@ -501,6 +501,25 @@ def test_checker_accepts_the_good_arguments() -> None:
     _call({**_args(cache, torch.zeros(9, 4, 8, dtype=torch.float16)), "qo_indptr": _i32([0, 5, 6, 6, 9])})
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
+def test_checker_refuses_group_sizes_the_cuda_core_decode_lacks(group: int) -> None:
+    """Decode without tensor cores dispatches group sizes 1, 2, 3, 4, 6, 8 only (DISPATCH_GQA_GROUP_SIZE)."""
+    cache, _ = _good()  # 2 KV heads
+    q = torch.zeros(4, 2 * group, 8, dtype=torch.float16)
+    for a in (_args(cache, q), {**_args(cache, q), "q": None, "num_qo_heads": 2 * group}):
+        if group in (1, 2, 3, 4, 6, 8):
+            _call(a)
+        else:
+            with pytest.raises(HurrayArgumentError, match="use_tensor_cores=True") as exc:
+                _call(a)
+            assert exc.value.field == "num_qo_heads"
+        _call({**a, "use_tensor_cores": True})
+    # Prefill (and decode with use_tensor_cores=True) runs the tensor-core kernels: any group size.
+    _call({**_args(cache, q), "qo_indptr": _i32([0, 1, 2, 3, 4])})
+    # The reference computes every group size, as the tensor-core decode does.
+    assert reference_decode(q, cache).shape == q.shape
+
+
 @pytest.mark.parametrize(("field", "what", "change"), BAD, ids=[b[1] for b in BAD])
 def test_checker_rejects(field: str, what: str, change: Callable[[Args], None]) -> None:
     cache, q = _good()

@@ -11,7 +11,7 @@ with different limits (``FLAVORS``; the table is in ``docs/importers-flash-attn.
   float32 ``[batch, nheads_k]`` descales, head_dim <= 256 and a multiple of 8
   (16 for fp8).
 * ``"vllm"``: vLLM's fork (``vllm.vllm_flash_attn``, its FA2 kernel): page
-  size a multiple of 16, float16/bfloat16, head_dim <= 256.
+  size a multiple of 16, float16/bfloat16, head_dim <= 256 and a multiple of 8.
 
 :func:`plan_flash_attn` computes the block structure once per snapshot
 (repaging with :func:`hurray_vllm.kv.repage.plan_repage` when the page size

@@ -44,7 +44,7 @@ def check_flash_attn_args(
         k_cache: ``[num_blocks, page_block_size, nheads_k, head_dim]`` in ``q``'s
             dtype, last dim contiguous; ``page_block_size`` a multiple of 256
             (fa2) or 16 (vllm); ``nheads % nheads_k == 0``; ``head_dim <= 256``
-            (fa3: a multiple of 8, 16 for fp8).
+            (fa3 and vllm: a multiple of 8; fa3 with fp8: of 16).
         v_cache: Same shape and dtype as ``k_cache``.
         cache_seqlens: int32 ``[batch]``, contiguous, values >= 0.
         block_table: int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous. Every

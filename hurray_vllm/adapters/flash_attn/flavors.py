@@ -29,7 +29,7 @@ class FlavorLimits:
         dtypes: accepted dtypes of ``q`` (and so of the caches).
         max_head_dim: the largest head dimension.
         head_dim_multiple: required divisor of ``head_dim`` for 16-bit inputs
-            (1: any; FlashAttention-2 pads odd sizes itself).
+            (1: any; FlashAttention-2's ``mha_fwd_kvcache`` pads odd sizes itself).
         fp8_head_dim_multiple: the same for float8 inputs.
         descales: whether the kernel takes ``q/k/v_descale`` (fp8 only).
     """
@@ -58,8 +58,10 @@ FLAVORS: dict[str, FlavorLimits] = {
         16,
         True,
     ),
-    # vllm-project/flash-attention csrc: "Paged KV cache block size must be divisible by 16".
-    "vllm": FlavorLimits("vllm", "vllm.vllm_flash_attn", 16, HALF_DTYPES, 256, 1, 1, False),
+    # vllm-project/flash-attention csrc: "Paged KV cache block size must be divisible by 16". The fork's Python
+    # API no longer has flash_attn_with_kvcache (the padding mha_fwd_kvcache) since its PR #107: the paged call
+    # is flash_attn_varlen_func, whose mha_varlen_fwd requires "a head_size that is a multiple of 8".
+    "vllm": FlavorLimits("vllm", "vllm.vllm_flash_attn", 16, HALF_DTYPES, 256, 8, 8, False),
 }
 
 

@@ -196,6 +196,7 @@ class FlashInferCache:
         num_qo_heads: int | None = None,
         qo_indptr: torch.Tensor | None = None,
         strict_dtypes: bool = True,
+        use_tensor_cores: bool = False,
     ) -> None:
         """:func:`check_flashinfer_args` on this cache (and ``q``, if given)."""
         from .contract import check_flashinfer_args  # the contract module reads this one's types
@@ -210,6 +211,7 @@ class FlashInferCache:
             q=q,
             qo_indptr=qo_indptr,
             strict_dtypes=strict_dtypes,
+            use_tensor_cores=use_tensor_cores,
         )
 
 

@@ -27,6 +27,7 @@ def check_flashinfer_args(
     q_data_type: torch.dtype | None = None,
     kv_data_type: torch.dtype | None = None,
     strict_dtypes: bool = True,
+    use_tensor_cores: bool = False,
 ) -> None:
     """Raise if these arguments break what FlashInfer's paged wrappers expect.
 
@@ -71,6 +72,11 @@ def check_flashinfer_args(
             to the cache dtype (or, for a float8 cache, float16, bfloat16 or
             the cache's float8 type). ``False`` accepts any floating dtype
             (what :func:`reference_decode` computes with).
+        use_tensor_cores: the decode wrapper's ``use_tensor_cores``. Without
+            it (the default), decode (no ``qo_indptr``) runs the CUDA-core
+            kernel, which has instances for ``num_qo_heads / num_kv_heads``
+            in 1, 2, 3, 4, 6, 8 only; the tensor-core (prefill) kernels take
+            any group size.
 
     Raises:
         HurrayArgumentError: the first broken rule; ``field`` names the argument.
@@ -140,7 +146,7 @@ def check_flashinfer_args(
         _check_indptr("qo_indptr", qo)
     if q is None:
         if num_qo_heads is not None:
-            _check_group(num_qo_heads, cache_heads)
+            _check_group(num_qo_heads, cache_heads, decode_cuda_cores=qo_indptr is None and not use_tensor_cores)
         if q_data_type is not None:
             _check_q_dtype("q_data_type", q_data_type, kv_dtype, strict_dtypes)
         return
@@ -154,7 +160,7 @@ def check_flashinfer_args(
         )
     if num_qo_heads is not None and q.shape[1] != num_qo_heads:
         raise HurrayArgumentError("num_qo_heads", f"num_qo_heads={num_qo_heads} but q has {q.shape[1]} heads")
-    _check_group(int(q.shape[1]), cache_heads)
+    _check_group(int(q.shape[1]), cache_heads, decode_cuda_cores=qo_indptr is None and not use_tensor_cores)
     if q.device != k_cache.device:
         raise HurrayArgumentError("q", f"q is on {q.device}, the cache on {k_cache.device}")
     if q_data_type is not None and q_data_type != q.dtype:
@@ -211,10 +217,25 @@ def _check_indptr(name: str, indptr: torch.Tensor) -> None:
         raise HurrayArgumentError(name, "must be non-decreasing")
 
 
-def _check_group(num_qo_heads: int, num_kv_heads: int) -> None:
+#: GQA group sizes the CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE in
+#: include/flashinfer/utils.cuh); BatchDecodeWithPagedKVCacheWrapper.plan fails with "Unsupported group_size"
+#: for any other unless use_tensor_cores=True.
+DECODE_GQA_GROUP_SIZES = (1, 2, 3, 4, 6, 8)
+
+
+def _check_group(num_qo_heads: int, num_kv_heads: int, *, decode_cuda_cores: bool) -> None:
     if num_qo_heads <= 0 or num_qo_heads % num_kv_heads:
         raise HurrayArgumentError(
             "num_qo_heads", f"{num_qo_heads} query heads is not a positive multiple of {num_kv_heads} KV heads"
+        )
+    group = num_qo_heads // num_kv_heads
+    if decode_cuda_cores and group not in DECODE_GQA_GROUP_SIZES:
+        raise HurrayArgumentError(
+            "num_qo_heads",
+            f"{num_qo_heads} query heads over {num_kv_heads} KV heads is a group size of {group}; FlashInfer's "
+            f"CUDA-core decode kernel only has group sizes {', '.join(map(str, DECODE_GQA_GROUP_SIZES))}: create "
+            "BatchDecodeWithPagedKVCacheWrapper(..., use_tensor_cores=True) and check with "
+            "check_flashinfer_args(..., use_tensor_cores=True)",
         )
 
 

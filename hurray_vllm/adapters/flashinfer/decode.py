@@ -34,7 +34,8 @@ def reference_decode(
             the cache's device; ``num_qo_heads`` a multiple of the KV heads
             (query head ``h`` reads KV head ``h // (num_qo_heads //
             num_kv_heads)``).
-        cache: the paged KV (checked with ``strict_dtypes=False``).
+        cache: the paged KV (checked with ``strict_dtypes=False`` and
+            ``use_tensor_cores=True``: any group size).
         sm_scale: logits scale, default ``1 / sqrt(head_dim)``.
         logits_soft_cap: if > 0, logits become ``cap * tanh(logits / cap)``.
         k_scale: the logits are multiplied by it, as FlashInfer does for
@@ -47,7 +48,8 @@ def reference_decode(
         ``[batch_size, num_qo_heads, head_dim]`` in ``out_dtype``; zeros
         for a request with no tokens.
     """
-    cache.check(q, strict_dtypes=False)
+    # Any group size: the tensor-core decode computes the same for the sizes the CUDA-core one lacks.
+    cache.check(q, strict_dtypes=False, use_tensor_cores=True)
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads, ps = cache.num_kv_heads, cache.page_size
     group = num_qo_heads // num_kv_heads
