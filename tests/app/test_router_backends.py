@@ -439,3 +439,39 @@ def test_a_backend_given_with_and_without_a_trailing_slash_is_one_backend(
     capsys.readouterr()
     assert main([*base, "--prefill", "http://a:1/"]) == 2  # a usage error
     assert "both as --backend and --prefill" in capsys.readouterr().err
+
+
+def test_a_backend_in_a_log_line_is_its_url_not_the_prefix_keys_it_remembers(caplog: pytest.LogCaptureFixture) -> None:
+    """The failover warning formatted the whole Backend: its repr held every remembered prefix key (up to 2**17),
+    a line of megabytes formatted on the event loop at each failover, which held up every stream meanwhile."""
+    import asyncio
+    import logging
+    from collections.abc import AsyncIterator
+    from typing import Any
+
+    from hurray_vllm.app.router.flight import UpstreamError
+
+    router = Router(RouterConfig(backends=(A, B)))
+    a, b = router.backends.all[A], router.backends.all[B]
+    a.remember([f"{i:032x}" for i in range(20000)])
+    a.served = frozenset(f"adapter-{i}" for i in range(2000))
+    assert len(repr(a)) < 300 and A in repr(a)  # no error or log line that formats a backend can hit them either
+
+    async def upstream(backend: Any, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        if backend is a:
+            yield {"choices": [{"text": "x", "token_ids": [7], "prompt_token_ids": [1, 2, 3]}]}
+            raise UpstreamError(f"{A}: ClientConnectionError: connection reset")
+        yield {"choices": [{"text": "y", "token_ids": [8], "finish_reason": "length"}]}
+
+    f = router.begin("completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True})
+    f._upstream = upstream  # type: ignore[method-assign]
+    router.backends.pick = lambda keys, avoid=None, **_: b if avoid is a else a  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        return [t async for d in f.deltas() for t in d.token_ids]
+
+    with caplog.at_level(logging.WARNING, logger="hurray_vllm.router"):
+        assert asyncio.run(run()) == [7, 8]
+    (line,) = [r.getMessage() for r in caplog.records if "continuing on" in r.getMessage()]
+    assert line.startswith(f"router: {f.id} failed on {A} (") and line.endswith(f"continuing on {B}"), line[:300]
+    assert len(line) < 300

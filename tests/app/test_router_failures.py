@@ -278,10 +278,25 @@ def test_a_relayed_stream_that_breaks_off_still_ends_with_done(fakes: dict[str, 
     """An unmovable request's backend broke mid-stream: an error event, then [DONE], as every stream ends."""
     import httpx
 
-    body = {"model": "fake", "prompt": [5, 6], "max_tokens": 4, "stream": True, "guided_regex": "[0-9 ]+"}
-    with httpx.stream("POST", fakes["dropping"] + "/v1/completions", json=body, timeout=30) as r:
+    # fake-f and fake-g break off once the context holds BREAK_AT tokens: before the finish, at 60 tokens.
+    body = {"model": "fake", "prompt": [5, 6], "max_tokens": 60, "stream": True, "guided_regex": "[0-9 ]+"}
+    with httpx.stream("POST", fakes["breaking"] + "/v1/completions", json=body, timeout=30) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]", lines[-3:]
+    assert '"finish_reason": null' in lines[-3], lines[-3:]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_relayed_stream_that_breaks_off_after_its_finish_ends_cleanly(fakes: dict[str, str], n: int) -> None:
+    """Every choice it showed had finished: the request is complete, and ends as a flight does (the docs' failure
+    table); it once ended with an error event before [DONE]."""
+    import httpx
+
+    body = {"model": "fake", "prompt": [5, 6], "max_tokens": 4, "stream": True, "n": n, "guided_regex": "[0-9 ]+"}
+    with httpx.stream("POST", fakes["dropping"] + "/v1/completions", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines[-3:]
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length", lines[-3:]
 
 
 def test_text_a_stop_string_holds_back_is_not_lost_at_a_move(fakes: dict[str, str]) -> None:
@@ -388,7 +403,8 @@ class _Stand:
     """An in-process stand-in for a vLLM server: ``/health`` while ``healthy``; completions answer as ``how`` says.
 
     ``how``: ``"ok"`` (one token, streamed or not), an HTTP status (answered with it), ``"hang"`` (never
-    answers: the backend dies, found so by its health checks), ``"hang-after-first"`` (one event, then the same),
+    answers: the backend dies, found so by its health checks), ``"hang-after-first"`` (one unfinished token, then
+    the same), ``"hang-after-finish"`` (the finished token, then the same),
     ``"error-event"`` (a stream of vLLM's error event alone: a request it refuses once the stream started, such as
     ``logprobs`` over its ``--max-logprobs``), ``"error-after-first"`` (one unfinished token, then that event).
     """
@@ -416,7 +432,7 @@ class _Stand:
                 self.healthy = False
                 await self.release.wait()
             choice = {"index": 0, "text": " ok", "token_ids": [5], "finish_reason": "length"}
-            if self.how == "error-after-first":
+            if self.how in ("error-after-first", "hang-after-first"):
                 choice.update(finish_reason=None, prompt_token_ids=body["prompt"])
             event = {"id": "cmpl-stand", "object": "text_completion", "model": "fake", "choices": [choice]}
             if self.how in ("error-event", "error-after-first"):
@@ -431,7 +447,7 @@ class _Stand:
             r = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await r.prepare(request)
             await r.write(f"data: {json.dumps(event)}\n\n".encode())
-            if self.how == "hang-after-first":
+            if self.how in ("hang-after-first", "hang-after-finish"):
                 self.healthy = False
                 await self.release.wait()
             await r.write(b"data: [DONE]\n\n")
@@ -546,6 +562,22 @@ def test_a_relayed_stream_on_a_backend_found_dead_ends_with_an_error() -> None:
     lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
     assert '" ok"' in lines[0] and lines[-1] == "data: [DONE]", lines
     assert "failed its health checks" in json.loads(lines[-2][6:])["error"]["message"]
+
+
+def test_a_relayed_stream_on_a_backend_found_dead_after_its_finish_ends_cleanly() -> None:
+    """Its only choice had finished: the request is complete, and ends with [DONE] alone (once an error event)."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    async def run() -> Any:
+        async with _Stand("hang-after-finish") as hung:
+            answer, _ = await _through_router([hung.url], {**RELAYED, "stream": True}, health_interval=0.05)
+            return answer
+
+    answer = asyncio.run(run())
+    lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert len(lines) == 2 and '"length"' in lines[0] and lines[-1] == "data: [DONE]", lines
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -671,3 +703,59 @@ def test_a_relayed_stream_found_dead_as_its_answer_came_ends_at_once(monkeypatch
     lines = [line for line in answer.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and "failed its health checks" in json.loads(lines[-2][6:])["error"]["message"]
     assert took < 4, took  # not the stream timeout (5 s here)
+
+
+@pytest.mark.parametrize("leg", ["broke off", "finished"])
+def test_a_move_behind_a_slow_client_after_its_leg_ended_says_how_it_ended(leg: str) -> None:
+    """Its leg's reader ended and its client has not read the events before that end. A leg that broke off was
+    answered "has finished" (and a drain left it unreported) while the request then went on on another backend:
+    it now says so, and a drain lists it under failed with that reason. One whose backend sent the finish has."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from hurray_vllm.app.router import RouterConfig
+    from hurray_vllm.app.router.flight import RouterError, UpstreamError
+    from hurray_vllm.app.router.server import Router
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    src, dst = (router.backends.all[u] for u in ("http://127.0.0.1:9", "http://127.0.0.1:10"))
+    f = router.begin("completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 20, "stream": True})
+
+    async def upstream(backend: Any, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        start = len(body["prompt"]) - 3
+        for i in range(start, 20 if backend is dst or leg == "finished" else 5):
+            done = "length" if i == 19 else None
+            yield {"choices": [{"text": "t", "token_ids": [100 + i], "prompt_token_ids": body["prompt"],
+                                "finish_reason": done}]}  # fmt: skip
+        if backend is src and leg == "broke off":
+            raise UpstreamError(f"{src.url}: ClientConnectionError: connection reset")
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._upstream = upstream  # type: ignore[method-assign]
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> tuple[RouterError, dict[str, Any], list[int]]:
+        agen = f.deltas()
+        got = list((await agen.__anext__()).token_ids)  # then the client reads nothing for a while
+        while f._reader is not None and not f._reader.done():
+            await asyncio.sleep(0.01)
+        with pytest.raises(RouterError) as refused:
+            await f.migrate(dst, timeout=5)
+        drained = await asyncio.wait_for(router.drain(src.url), 10)
+        got += [t async for d in agen for t in d.token_ids]  # it reads on
+        return refused.value, drained, got
+
+    refused, drained, got = asyncio.run(run())
+    assert got == list(range(100, 120))
+    assert refused.status == 409
+    if leg == "finished":
+        assert refused.message == f"request {f.id} has finished"
+        assert drained["moved"] == drained["failed"] == []  # nothing left on it
+        assert [x.why for x in f.legs] == ["routed"]
+    else:
+        assert "has finished" not in refused.message and "ended unfinished" in refused.message, refused.message
+        assert drained["failed"] == [{"id": f.id, "error": refused.message}] and drained["moved"] == []
+        assert [x.why for x in f.legs] == ["routed", "failover"] and f.legs[-1].backend == dst.url
+    assert router.metrics.migrations == {"ok": 0, "failed": 0}  # the request ended, or its source broke: neither

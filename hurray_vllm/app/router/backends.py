@@ -91,8 +91,10 @@ class Backend:
     planned: int = 0
     failures: int = 0  # consecutive failed health checks
     max_model_len: int | None = None  # its /v1/models' max_model_len (a chat continuation's default limit)
-    served: frozenset[str] = frozenset()  # the model ids its /v1/models lists (LoRA adapters too)
-    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # The model ids its /v1/models lists (LoRA adapters too). Out of the repr, as keys: a backend in a log line
+    # or an error must cost a URL's worth of text, not thousands of names or keys formatted on the event loop.
+    served: frozenset[str] = field(default=frozenset(), repr=False)
+    keys: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)  # up to _KEYS_PER_BACKEND
 
     @property
     def base(self) -> str:

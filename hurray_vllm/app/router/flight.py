@@ -421,6 +421,9 @@ class Flight:
         # The coming move's destination and warm-ups there, for the leg it starts (Leg.warmups).
         self._warmups: tuple[Backend | None, list[dict[str, int | None]]] = (None, [])
         self._reader: asyncio.Task[None] | None = None
+        # The finish reason the running leg's backend sent (its reader saw it), None before: a leg whose reader
+        # ended with it finished the request, one without it broke off, both before the client read that far.
+        self._leg_finish: str | None = None
         self._last_token_at = 0.0  # when the client's side took the latest token (time.perf_counter(); a move's pause)
         # The source of a move that switched while its destination has not sent its first token: a drain of that
         # source waits for the move to settle (the request may come back), and it does not come back to it then.
@@ -686,6 +689,8 @@ class Flight:
                     self.model = event["model"]  # the client left it out: the name the backend serves it under
                 if delta.token_ids:
                     self.generated.extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    self._leg_finish = delta.finish_reason
                 delta.upto = len(self.generated)
                 q.put_nowait(("delta", delta))
             q.put_nowait(("end", None))
@@ -721,6 +726,7 @@ class Flight:
         if len(self.legs) and isinstance(body.get("kv_transfer_params"), dict):
             leg.announced = body["kv_transfer_params"]
         self.legs.append(leg)
+        self._leg_finish = None
         self._reader = asyncio.create_task(self._read(backend, path, body, q, space), name=f"leg {self.id}")
         # A cancelled leg ends with a marker too, queued here: a task cancelled before its first step (a
         # failover or a move in the same loop iteration that started it) never runs its body, and without
@@ -794,9 +800,21 @@ class Flight:
                 # to run, elsewhere already; moving it now would move it from wherever that is, or onto itself.
                 where = self.backend.url if self.backend is not None else "another backend"
                 raise RouterError(409, f"request {self.id} changed backends while {to.url} warmed up (now {where})")
-            if self.finished or self._reader is None or self._reader.done():
+            if self.ended:
                 ended = True
                 raise RouterError(409, f"request {self.id} has finished")
+            if self._reader is None or self._reader.done():
+                # Its leg broke off (or its prefill ended) and the events before that wait for a client that reads
+                # slowly: it goes on elsewhere once they are read. Not "finished": it is not, and a drain would
+                # then leave it unreported on the backend it drains. Not a failed migration either (ended): a
+                # source that broke as it was left counts as a failover.
+                ended = True
+                where = self.backend.url if self.backend is not None else "its backend"
+                raise RouterError(
+                    409,
+                    f"request {self.id}'s stream from {where} has ended unfinished; it continues on another backend "
+                    "once its client reads the events before that end (POST /hurray/migrate again then)",
+                )
             if self.unmovable is not None:  # its backend's parser showed itself during the warm-ups
                 raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
             if self.prompt_ids is None and self.generated:  # events without the prompt's ids: no continuation
@@ -833,6 +851,21 @@ class Flight:
         """:class:`RouterError` 409 when ``to`` was drained or found dead since the move began: the request stays."""
         if to.draining or not to.healthy:
             raise RouterError(409, f"to: {to.url} was {'drained' if to.draining else 'found dead'} meanwhile")
+
+    @property
+    def ended(self) -> bool:
+        """Whether the request needs its backend no more: it ended (finished or failed), or its backend sent the finish.
+
+        The latter before a client that reads slowly has read that far (the
+        events before it wait in its queue). Not when its leg broke off
+        unfinished: once its client reads that far, it continues elsewhere.
+        """
+        if self.finished or self.finish_reason is not None:
+            return True
+        if self._leg_finish is None or self._reader is None or not self._reader.done():
+            return False
+        # A prefill leg's one-token limit ends that leg, not the request: decoding goes on elsewhere.
+        return not (self.legs[-1].why == "prefill" and self._more_to_decode(Delta(finish_reason=self._leg_finish)))
 
     @property
     def moving(self) -> bool:
@@ -1051,7 +1084,8 @@ class Flight:
                 lost = self.prompt_ids is None and bool(self.generated)  # cannot happen with vLLM: it sends them first
                 if nxt is None or self._failovers > MAX_FAILOVERS or lost:
                     raise RouterError(502, f"request {self.id} failed on {self.legs[-1].backend}: {exc} ({why})")
-                log.warning("router: %s failed on %s (%s); continuing on %s", self.id, self.backend, exc, nxt.url)
+                where = self.backend.url if self.backend is not None else "?"
+                log.warning("router: %s failed on %s (%s); continuing on %s", self.id, where, exc, nxt.url)
                 self.router.metrics.failed_over()
                 await self._continue_on(nxt, "failover", q, space)
         finally:

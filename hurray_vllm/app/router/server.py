@@ -288,7 +288,7 @@ class Router:
                         failed.append({"id": f.id, "error": "a move of it has not settled: its client is not reading"})
                         return
                     await asyncio.sleep(0.05)
-                if f.finished:
+                if f.ended:
                     return  # finished meanwhile: nothing left on the backend
                 if f.backend is not b:
                     moved.append(f.id)
@@ -305,7 +305,7 @@ class Router:
                     moved.append(f.id)
                     return
                 except RouterError as exc:
-                    if f.finished or "has finished" in exc.message or "ended before" in exc.message:
+                    if f.ended:  # finished, or its backend sent the finish (a slow client reads on): nothing to move
                         return
                     if f.backend is not b and f.backend is not None:  # failed over meanwhile: off it all the same
                         moved.append(f.id)
@@ -382,13 +382,23 @@ class Relayed:
     waiting: asyncio.Future[Any] | None = field(default=None, repr=False)
     upstream: Any = field(default=None, repr=False)
     dead: str | None = None  # why its backend was found dead (cut)
+    # Per choice index its events showed (count()): whether that choice's finish came. Once every one's has,
+    # the request is complete: a backend that breaks off (or is found dead) after that ends it cleanly.
+    choices: dict[int, bool] = field(default_factory=dict, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        """Whether every choice its events showed has its finish reason (and one did): the client has its end."""
+        return bool(self.choices) and all(self.choices.values())
 
     def cut(self, why: str) -> None:
         """Its backend was found dead: end the wait for it now rather than after the stream timeout.
 
         Before the answer's headers nothing reached the client: the handler
         tries another backend. After them, the relay ends with an error event
-        (a stream) or an error body, as for a stream that breaks off.
+        (a stream) or an error body, as for a stream that breaks off; a
+        stream whose every choice has finished (:attr:`finished`) ends with
+        ``[DONE]`` alone, as it would have.
         """
         if self.dead is not None:
             return
@@ -416,6 +426,8 @@ class Relayed:
             if isinstance(prompt, list):
                 self.prompt_tokens = len(prompt)
         for c in choices:
+            index = c.get("index") if type(c.get("index")) is int else 0
+            self.choices[index] = self.choices.get(index, False) or c.get("finish_reason") is not None
             if self.token_ids:
                 ids = c.get("token_ids")
                 self.generated_tokens += len(ids) if isinstance(ids, list) else 0
@@ -868,6 +880,12 @@ def build_app(config: RouterConfig) -> Any:
                 else:
                     yield renamed(await upstream.read())
             except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
+                if streamed and entry.finished:
+                    # Broken off (or found dead) after every choice's finish: the client has the whole answer, and
+                    # a finished request ends cleanly (docs/router.md), as a flight's does. At most the backend's
+                    # usage event is lost.
+                    yield b"data: [DONE]\n\n"
+                    return
                 error = json.dumps(_error(502, f"{b.url}: {exc}"))
                 # A stream ends as every stream does; a JSON answer's status is sent already: its body says it.
                 yield f"data: {error}\n\ndata: [DONE]\n\n".encode() if streamed else error.encode()
