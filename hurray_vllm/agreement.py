@@ -30,10 +30,13 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .errors import HurrayArgumentError
 
 __all__ = ["DEFAULT_ULPS", "Agreement", "Step", "greedy_agreement", "logit_margin"]
 
@@ -121,9 +124,13 @@ def logit_margin(logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16, ulps
 
     Returns:
         float32 ``[steps]``.
+
+    Raises:
+        HurrayArgumentError: (field ``ulps``) ``ulps`` is not a finite number ``>= 0``.
     """
-    if ulps < 0:
-        raise ValueError(f"ulps must be >= 0, not {ulps}")
+    if isinstance(ulps, bool) or not isinstance(ulps, numbers.Real) or not 0 <= ulps < math.inf:
+        # A negative margin is no margin at all; an infinite or NaN one would pass any token.
+        raise HurrayArgumentError("ulps", f"must be a finite number >= 0, not {ulps!r}")
     lf = logits.float()
     top = torch.where(lf.isfinite(), lf.abs(), torch.zeros_like(lf)).amax(dim=-1).clamp_min(torch.finfo(dtype).tiny)
     # ulp(x) = eps * 2**floor(log2 |x|): the spacing of dtype's values around x.
@@ -152,6 +159,7 @@ def greedy_agreement(
 
     Raises:
         ValueError: ``logits`` is not ``[len(tokens), vocab]``.
+        HurrayArgumentError: (field ``ulps``, also a ``ValueError``) ``ulps`` is not a finite number ``>= 0``.
 
     Example:
         >>> greedy_agreement(torch.tensor([[0.1, 0.9]]), [0]).ok

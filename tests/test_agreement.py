@@ -11,6 +11,7 @@ from servers import root_cause
 
 import hurray_vllm.agreement as agreement_module
 from hurray_vllm.agreement import greedy_agreement, logit_margin
+from hurray_vllm.errors import HurrayArgumentError
 
 
 def test_the_module_examples_run() -> None:
@@ -24,6 +25,14 @@ def test_margin_is_ulps_at_the_largest_logit() -> None:
     assert logit_margin(torch.tensor([[1.0, 0.0]]), torch.float32, ulps=1).item() == 2.0**-23
     with pytest.raises(ValueError, match="ulps"):
         logit_margin(torch.zeros(1, 2), ulps=-1)
+
+
+@pytest.mark.parametrize("ulps", [-1, math.inf, math.nan, "4", True])
+def test_a_bad_margin_is_an_argument_error_naming_ulps(ulps: object) -> None:
+    """The caller's margin: HurrayArgumentError (still a ValueError), not a bare ValueError or TypeError."""
+    with pytest.raises(HurrayArgumentError) as err:
+        greedy_agreement(torch.zeros(1, 2), [0], ulps=ulps)  # type: ignore[arg-type]
+    assert err.value.field == "ulps" and isinstance(err.value, ValueError)
 
 
 def test_masked_logits_do_not_widen_the_margin() -> None:

@@ -34,6 +34,7 @@ Tested with transformers 5.x (``DynamicCache.layers[i].keys``,
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -150,23 +151,55 @@ def _cached_layer_types(cfg: Any) -> list[str]:
     return types[:-shared] if shared else types
 
 
+def _per_layer(cfg: Any, name: str, layers: Sequence[int]) -> Any:
+    """``cfg.<name>`` (``None`` when it has none), or the one value the config gives it in every layer of ``layers``.
+
+    A heterogeneous config (transformers' ``per_layer_config``: Gemma 4's
+    full-attention layers take ``global_head_dim``) refuses a global read of
+    an attribute that varies by layer; its layers' own configs say it.
+
+    Raises:
+        HurrayFormatError: (field ``model_config``) the layers differ in it.
+    """
+    per_layer = getattr(cfg, "per_layer_attributes", None)
+    if not per_layer or name not in per_layer:
+        return getattr(cfg, name, None)
+    view = cfg.per_layer_config
+    found: dict[Any, list[int]] = {}
+    for i in layers:
+        found.setdefault(getattr(view[i], name, None), []).append(i)
+    if len(found) > 1:
+        where = "; ".join(f"layers {idx} have {value}" for value, idx in found.items())
+        raise HurrayFormatError(
+            "model_config",
+            f"per-layer KV geometry (Gemma 4's full-attention layers and kin, per_layer_config) is not supported: "
+            f"{name} differs by layer ({where}), while a snapshot's layers share one KV geometry; "
+            "this adapter cannot page or resume this model's cache",
+        )
+    return next(iter(found), None)
+
+
 def config_geometry(model_config: Any) -> ConfigGeometry:
     """Read :class:`ConfigGeometry` from a transformers ``PretrainedConfig``.
 
     Composite (multimodal) configs are read through their decoder text
-    config. Raises :class:`HurrayFormatError` (field ``model_config``) when
-    the config lacks the attention geometry.
+    config. A heterogeneous config (``per_layer_config``) is read layer by
+    layer; its cached layers must share one head size and KV head count.
+    Raises :class:`HurrayFormatError` (field ``model_config``) when the
+    config lacks the attention geometry or its layers' KV geometries differ
+    (Gemma 4's full-attention layers' ``global_head_dim``).
     """
     cfg = _text_config(model_config)
     archs = getattr(model_config, "architectures", None) or getattr(cfg, "architectures", None)
     try:
         layers = int(cfg.num_hidden_layers) - _shared_kv_layers(cfg)
         heads = int(cfg.num_attention_heads)
-        kv_heads = getattr(cfg, "num_key_value_heads", None)
-        head_dim = getattr(cfg, "head_dim", None)
+        linear = tuple(i for i, t in enumerate(_cached_layer_types(cfg)) if t in _LINEAR_TYPES)
+        cached = [i for i in range(layers) if i not in linear]
+        kv_heads = _per_layer(cfg, "num_key_value_heads", cached)
+        head_dim = _per_layer(cfg, "head_dim", cached)
         if head_dim is None:
             head_dim = int(cfg.hidden_size) // heads
-        linear = tuple(i for i, t in enumerate(_cached_layer_types(cfg)) if t in _LINEAR_TYPES)
         rank = getattr(cfg, "kv_lora_rank", None)
         if rank:  # MLA: one cached latent "head" of kv_lora_rank + rope values per token
             latent = LatentSplit(int(rank), int(cfg.qk_rope_head_dim), str(getattr(cfg, "model_type", "") or ""))
@@ -179,7 +212,10 @@ def config_geometry(model_config: Any) -> ConfigGeometry:
             head_dim=int(head_dim),
             linear_layers=linear,
         )
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as exc:
+    except HurrayFormatError:
+        raise  # _per_layer's, already naming the field
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError, RuntimeError) as exc:
+        # RuntimeError: transformers' AmbiguousGlobalPerLayerAttributeError, a per-layer attribute read globally.
         raise HurrayFormatError(
             "model_config", f"{type(model_config).__name__} does not describe an attention model's KV: {exc}"
         ) from None
@@ -248,8 +284,16 @@ def check_compatible(snapshot: KVSnapshot, model_config: Any, *, architecture: s
     _refuse_unhandled_layers(model_config, "cannot resume from a snapshot")
     arch = architecture or geo.architecture
     fp = snapshot.fingerprint
-    if fp is not None and not geo.architecture and fp.architecture == getattr(model_config, "model_type", None):
-        # What fingerprint_from_config writes for a config that names no architectures (one built in code).
+    model_type = getattr(model_config, "model_type", None)
+    named = {architecture, *(getattr(model_config, "architectures", None) or ()), geo.architecture} - {None}
+    if (
+        fp is not None
+        and model_type
+        and (fp.architecture == model_type or (arch == model_type and fp.architecture in named))
+    ):
+        # fingerprint_from_config writes the model_type for a config that names no architectures (one built in
+        # code); the same model names its class once saved or loaded (save_pretrained sets architectures). Either
+        # name of this config's model matches the other; a different model's name still does not.
         arch = fp.architecture
     model = ModelFingerprint(arch or "", geo.num_layers, geo.num_kv_heads, geo.head_dim, "")
     ignore = {"dtype"} if arch else {"dtype", "architecture"}
@@ -486,6 +530,59 @@ class _SequenceIndexError(HurrayArgumentError, IndexError):
     """A sequence index outside the snapshot's batch: the caller's mistake, still an ``IndexError`` as it used to be."""
 
 
+def _check_dtype(dtype: Any) -> None:
+    """Refuse a ``dtype`` argument that cannot hold dequantized KV (field ``dtype``), as :func:`from_transformers` does.
+
+    An integer, bool or fp8 cache would truncate the KV to a few values without a word, and the model would
+    continue from noise.
+    """
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise ImportArgumentError("dtype", f"expected a torch dtype (torch.bfloat16, torch.float32...), got {dtype!r}")
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        raise ImportArgumentError(
+            "dtype", f"{dtype} cannot hold dequantized KV (fp8 would need scales); use bf16/fp16/fp32"
+        )
+
+
+def _count_arg(value: Any, field: str, minimum: int, error: type[HurrayArgumentError]) -> int:
+    """``value`` as an ``int`` of at least ``minimum``; ``error`` naming ``field`` for anything else (2.5, "3", True).
+
+    A float or string would otherwise fail later with a bare ``TypeError``, or, compared and counted against,
+    silently act as the next integer up.
+    """
+    try:
+        count = operator.index(value)  # ints and integer scalars (numpy, 0-d tensors), not floats or strings
+    except TypeError:
+        count = None
+    if isinstance(value, bool) or count is None or count < minimum:
+        raise error(field, f"must be an integer >= {minimum}, not {value!r}")
+    return count
+
+
+def _stop_tokens(eos_token_id: Any) -> set[int]:
+    """:func:`continue_generation`'s ``eos_token_id`` (an id, ids, or a tensor of them) as a set of ints.
+
+    A tensor's elements are compared by identity in a set, so a tensor left as it is never stopped generation.
+    """
+    if eos_token_id is None:
+        return set()
+    ids = eos_token_id.tolist() if isinstance(eos_token_id, torch.Tensor) else eos_token_id
+    try:
+        items = [ids] if isinstance(ids, int) else list(ids)
+    except TypeError:  # one id of another integer type (numpy's), or no id at all
+        items = [ids]
+    try:
+        if any(isinstance(t, bool) for t in items):
+            raise TypeError
+        return {operator.index(t) for t in items}
+    except TypeError:
+        raise HurrayArgumentError(
+            "eos_token_id", f"expected a token id, a sequence of them or an integer tensor, got {eos_token_id!r}"
+        ) from None
+
+
 def _check_seq(snapshot: KVSnapshot, seq: int) -> None:
     """Raise unless ``seq`` is one of the snapshot's sequences (field ``seq``; also an ``IndexError``)."""
     if not 0 <= seq < snapshot.num_seqs:
@@ -523,11 +620,13 @@ def sequence_kv(
             undo, or an integer pool without one.
         HurrayArgumentError: ``seq`` outside the batch (field ``seq``, also an
             ``IndexError``), ``layer`` outside the snapshot's layers (field
-            ``layer``), ``length`` outside ``0..seq_lens[seq]`` (field ``length``).
+            ``layer``), ``length`` outside ``0..seq_lens[seq]`` (field ``length``),
+            a ``dtype`` that is not a floating torch dtype of 2 bytes or more (field ``dtype``).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
     """
     # An in-memory snapshot was never checked as a file is on load: a block table entry past the pool would
     # otherwise fail deep in index_select.
+    _check_dtype(dtype)
     raise_if(snapshot.validate(), "sequence_kv")
     check_layer(snapshot, layer)
     _check_seq(snapshot, seq)
@@ -754,12 +853,14 @@ def to_dynamic_cache(
             or MLA snapshot without ``model_config``; (``seq``, also an
             ``IndexError``) ``seq`` outside the batch; (``length``) a
             ``length`` outside ``0..seq_lens[seq]``; (``device``) fewer
-            devices than the model's layers.
+            devices than the model's layers; (``dtype``) a ``dtype`` that is
+            not a floating torch dtype of 2 bytes or more (integers, bool, fp8).
         OSError: ``ENOMEM``: the dense cache is larger than the device's
             memory (every layer together), before any of it is built.
     """
     from transformers import DynamicCache
 
+    _check_dtype(dtype)
     if model_config is not None:
         snapshot = _models_layers(snapshot, model_config)
         check_compatible(snapshot, model_config, architecture=architecture)
@@ -1225,7 +1326,7 @@ def continue_generation(
     seq: int,
     max_new_tokens: int,
     *,
-    eos_token_id: int | Sequence[int] | None = None,
+    eos_token_id: int | Sequence[int] | torch.Tensor | None = None,
 ) -> list[int]:
     """Greedily continue sequence ``seq`` of ``snapshot`` with ``model``.
 
@@ -1240,9 +1341,10 @@ def continue_generation(
         model: a transformers causal LM (``LlamaForCausalLM``...), in eval mode.
         snapshot: the snapshot holding the sequence.
         seq: the sequence's index.
-        max_new_tokens: how many tokens to generate (``>= 0``).
-        eos_token_id: stop after generating this token (or any of these);
-            default: never stop early (vLLM's ``ignore_eos``).
+        max_new_tokens: how many tokens to generate (an ``int >= 0``).
+        eos_token_id: stop after generating this token (or any of these: a
+            sequence or a tensor of ids, as ``generation_config.eos_token_id``
+            may be); default: never stop early (vLLM's ``ignore_eos``).
 
     Returns:
         The generated token ids, those that follow ``token_ids[seq]``.
@@ -1251,8 +1353,9 @@ def continue_generation(
         HurrayFormatError: the snapshot does not fit the model or has no token ids, or,
             for an M-RoPE model (Qwen2.5-VL...), the sequence holds image or video
             tokens (field ``snapshot.token_ids``: its positions are not a count).
-        HurrayArgumentError: ``max_new_tokens`` below 0 (field ``max_new_tokens``),
-            ``seq`` outside the batch (field ``seq``, also an ``IndexError``).
+        HurrayArgumentError: ``max_new_tokens`` not an integer or below 0 (field
+            ``max_new_tokens``), an ``eos_token_id`` that is no token id or ids (field
+            ``eos_token_id``), ``seq`` outside the batch (field ``seq``, also an ``IndexError``).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
 
     Example:
@@ -1275,9 +1378,8 @@ def continue_generation(
         >>> [first, *tokens] == unmoved[0, 4:].tolist()
         True
     """
-    if max_new_tokens < 0:
-        raise HurrayArgumentError("max_new_tokens", f"must be >= 0, not {max_new_tokens}")
-    stop = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    max_new_tokens = _count_arg(max_new_tokens, "max_new_tokens", 0, HurrayArgumentError)
+    stop = _stop_tokens(eos_token_id)
     steps = _greedy(model, snapshot, seq)  # checks the snapshot against the model even for 0 tokens
     out: list[int] = []
     if max_new_tokens == 0:
@@ -1516,7 +1618,8 @@ def from_transformers(
 
     Returns:
         A snapshot with per-sequence ``seq_lens``, zeroed slots past every
-        sequence's end, the cache's device, a ``SnapshotSource`` of engine
+        sequence's end, each layer's pools on its cache layer's device (a
+        ``device_map`` model's on several), a ``SnapshotSource`` of engine
         ``"transformers <version>"``.
 
     Raises:
@@ -1529,13 +1632,15 @@ def from_transformers(
         HurrayArgumentError: (field ``token_ids``) a ``[batch, W > T]``
             tensor where every sequence has the same padding: padded input
             and sampled columns cannot be told from unpadded rows (pass
-            per-sequence lists); a ``page_size`` below 1, a ``dtype`` that
-            cannot store the cache, ``seq_lens`` or ``attention_mask`` that
-            do not fit the batch (or both), ``request_ids`` of another count
-            (each field named after its argument).
+            per-sequence lists); a ``page_size`` that is not an integer
+            ``>= 1``, a ``dtype`` that is not a torch dtype or cannot store
+            the cache, ``seq_lens`` or ``attention_mask`` that do not fit the
+            batch (or both), ``request_ids`` of another count (each field
+            named after its argument).
     """
-    if page_size < 1:
-        raise ImportArgumentError("page_size", f"page_size must be positive, not {page_size}")
+    page_size = _count_arg(page_size, "page_size", 1, ImportArgumentError)
+    if dtype is not None and not isinstance(dtype, torch.dtype):  # a name ("float16"): no is_floating_point
+        raise ImportArgumentError("dtype", f"expected a torch dtype (torch.bfloat16, torch.float32...), got {dtype!r}")
     if model_config is not None:
         _refuse_unhandled_layers(model_config, "cannot be paged from its cache")
     latent = config_geometry(model_config).latent if model_config is not None else None
@@ -1564,7 +1669,6 @@ def from_transformers(
         if bad:
             raise HurrayFormatError("fingerprint", "the fingerprint does not describe this cache: " + "; ".join(bad))
 
-    device = layers[0][0].device
     # Lay out pages sequence after sequence; a full page may be shared when it is bit-identical.
     src_seq: list[int] = []  # per physical page: the sequence and first slot it is copied from
     src_start: list[int] = []
@@ -1601,7 +1705,9 @@ def from_transformers(
         flat_b[p * page_size : p * page_size + hi - lo] = b
         flat_t[p * page_size : p * page_size + hi - lo] = positions[b][lo:hi]
         valid[p] = hi - lo
-    flat_b, flat_t = flat_b.to(device), flat_t.to(device)
+    # The indices go to each layer's device: a device_map model's cache lies on several, and indexing a tensor
+    # with indices on another GPU (or a CPU-offloaded layer with a GPU's) fails.
+    index_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     t_table = torch.tensor(table, dtype=torch.int64)
     t_ptr = torch.tensor(seq_ptr, dtype=torch.int64)
@@ -1613,7 +1719,10 @@ def from_transformers(
         row = []
         for src, role in zip(members, roles, strict=True):
             # [B, H, T, D] -> [B, T, H, D], then one gather of every slot.
-            pool = src.detach().transpose(1, 2)[flat_b, flat_t].to(storage)
+            if src.device not in index_on:
+                index_on[src.device] = (flat_b.to(src.device), flat_t.to(src.device))
+            on_b, on_t = index_on[src.device]
+            pool = src.detach().transpose(1, 2)[on_b, on_t].to(storage)
             pool = pool.reshape(num_pages, page_size, heads, head_dim).contiguous()
             zero_slots_(pool, valid)
             row.append(BlockPagedTensor(pool, t_table, t_ptr, t_lens, role, i, index_type=index_type))

@@ -1023,3 +1023,146 @@ def test_without_dtype_the_cache_takes_the_models_dtype_from_its_config() -> Non
     model.config.dtype = "float16"  # as a config read from JSON names it
     assert tfa.to_dynamic_cache(snap, 0, model_config=model.config).layers[0].keys.dtype == torch.float16
     assert tfa.to_dynamic_cache(snap, 0).layers[0].keys.dtype == torch.float32  # without a config: the pools'
+
+
+def gemma4_config(**change: Any) -> Any:
+    """A tiny Gemma 4 text config; by default its full-attention layers take global_head_dim 32, the others 16."""
+    tr = require("transformers")
+    if not hasattr(tr, "Gemma4TextConfig"):
+        pytest.skip(f"transformers {tr.__version__} has no Gemma 4 (per_layer_config)")
+    kw: dict[str, Any] = dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=32, intermediate_size=128, vocab_size=128, max_position_embeddings=512, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8,
+    )  # fmt: skip
+    return tr.Gemma4TextConfig(**{**kw, **change})
+
+
+def test_per_layer_kv_geometry_is_refused_as_the_models_config_and_a_uniform_one_is_read() -> None:
+    """Gemma 4's per_layer_config gives its full-attention layers another head_dim: transformers refuses the global
+    read with its own RuntimeError, which escaped every entry point. A snapshot has one KV geometry: refused, naming
+    the config; layers that all agree (here every one overridden alike) are read per layer and round-trip."""
+    from synthetic import make_snapshot
+
+    cfg = gemma4_config()
+    snap = make_snapshot([6], [0], 4, heads=2, dim=16, dtype=torch.float32, layers=4)
+    k = torch.randn(1, 2, 6, 16)
+    for call in [
+        lambda: tfa.config_geometry(cfg),
+        lambda: tfa.fingerprint_from_config(cfg, dtype=torch.float32),
+        lambda: tfa.check_compatible(snap, cfg),
+        lambda: tfa.to_dynamic_cache(snap, 0, model_config=cfg),
+        lambda: tfa.from_transformers([(k, k)] * 4, [[1] * 6], model_config=cfg),
+    ]:
+        with pytest.raises(hv.HurrayFormatError, match=r"per-layer KV geometry .*head_dim differs") as err:
+            call()
+        assert err.value.field == "model_config"
+    kv_heads = gemma4_config(global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True)
+    with pytest.raises(hv.HurrayFormatError, match="num_key_value_heads differs") as err:
+        tfa.config_geometry(kv_heads)
+    assert err.value.field == "model_config"
+
+    from transformers import Gemma4ForCausalLM
+
+    uniform = gemma4_config(per_layer_config={i: {"head_dim": 32} for i in range(4)})  # global head_dim stays 16
+    assert tfa.config_geometry(uniform).head_dim == 32
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(uniform).eval()
+    prompt = [(i * 37 + 11) % 120 + 1 for i in range(6)]
+    pkv, first = prefill(model, prompt)
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=uniform)
+    assert snap.fingerprint is not None and snap.fingerprint.head_dim == 32
+    unmoved = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
+    assert [first, *tfa.continue_generation(model, snap, 0, 3)] == unmoved
+
+
+def test_a_snapshot_of_a_config_built_in_code_fits_the_model_once_saved_and_loaded(tmp_path: Path) -> None:
+    """The fingerprint names the model_type ('llama') when the config names no architectures; saved, the same
+    model names its class (save_pretrained sets architectures), and loaded it has them: still the same model."""
+    from transformers import LlamaForCausalLM
+
+    model = tiny_llama()
+    prompt = [1, 5, 9, 12, 7, 3]
+    pkv, first = prefill(model, prompt)
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=model.config)
+    assert snap.fingerprint is not None and snap.fingerprint.architecture == "llama"
+    want = tfa.continue_generation(model, snap, 0, 3)
+    model.save_pretrained(tmp_path)
+    assert model.config.architectures == ["LlamaForCausalLM"]
+    assert tfa.continue_generation(model, snap, 0, 3) == want
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert tfa.continue_generation(loaded, snap, 0, 3) == want
+    # The other way round: a snapshot naming the class, a caller naming the model_type.
+    named = replace(snap, fingerprint=replace(snap.fingerprint, architecture="LlamaForCausalLM"))
+    tfa.check_compatible(named, loaded.config, architecture="llama")
+    # Another model is still another model, whichever name either side gives.
+    for other, arch in [("mistral", None), ("MistralForCausalLM", None), ("MistralForCausalLM", "llama")]:
+        wrong = replace(snap, fingerprint=replace(snap.fingerprint, architecture=other))
+        with pytest.raises(hv.HurrayFormatError, match="architecture") as err:
+            tfa.check_compatible(wrong, loaded.config, architecture=arch)
+        assert err.value.field == "fingerprint"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, torch.float8_e4m3fn, "float16"])
+def test_a_dtype_that_cannot_hold_the_kv_is_refused_not_truncated(dtype: Any) -> None:
+    """An integer or bool cache held the KV truncated to 0/1 without a word; a name failed with an AttributeError."""
+    from synthetic import make_snapshot
+
+    snap = make_snapshot([6], [0], 4, heads=2, dim=8, dtype=torch.float32, layers=1)
+    for call in [
+        lambda: tfa.to_dynamic_cache(snap, 0, dtype=dtype),
+        lambda: tfa.sequence_kv(snap, 0, 0, dtype=dtype),
+    ]:
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            call()
+        assert err.value.field == "dtype", err.value
+
+
+def test_argument_types_are_argument_errors_naming_the_argument() -> None:
+    """Floats and strings for counts, a tensor of eos ids (which never stopped generation), a negative margin."""
+    model = tiny_llama()
+    prompt = [1, 5, 9, 12, 7, 3]
+    pkv, first = prefill(model, prompt)
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=model.config)
+    for kw, field in [
+        ({"page_size": 2.5}, "page_size"),
+        ({"page_size": True}, "page_size"),
+        ({"dtype": "float16"}, "dtype"),
+    ]:
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            tfa.from_transformers(pkv, [[*prompt, first]], **kw)
+        assert err.value.field == field, err.value
+    for n in (2.5, "3", True):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            tfa.continue_generation(model, snap, 0, n)  # type: ignore[arg-type]
+        assert err.value.field == "max_new_tokens"
+    full = tfa.continue_generation(model, snap, 0, 5)
+    eos = full[1]
+    for ids in (torch.tensor(eos), torch.tensor([eos]), torch.tensor([-1, eos]), [torch.tensor(eos)]):
+        assert tfa.continue_generation(model, snap, 0, 5, eos_token_id=ids) == full[: full.index(eos) + 1]
+    for bad in (2.5, "7", torch.tensor([1.0])):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            tfa.continue_generation(model, snap, 0, 5, eos_token_id=bad)  # type: ignore[arg-type]
+        assert err.value.field == "eos_token_id"
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        tfa.check_continuation(model, snap, 0, full[:2], ulps=-1)
+    assert err.value.field == "ulps"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cache_spread_over_devices_pages_each_layer_where_it_lies() -> None:
+    """A device_map model's cache: layer 0 on the GPU, the next on the CPU (offloaded) or a second GPU. The gather
+    indices went to layer 0's device only, and the other layers refused them with a bare RuntimeError."""
+    model = tiny_llama(num_hidden_layers=3)
+    prompt = [1, 5, 9, 12, 7, 3]
+    pkv, first = prefill(model, prompt)
+    devices = ["cuda:0", "cpu", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
+    spread = [(layer.keys.to(d), layer.values.to(d)) for layer, d in zip(pkv.layers, devices)]
+    snap = tfa.from_transformers(spread, [[*prompt, first]], page_size=4, model_config=model.config)
+    here = tfa.from_transformers(pkv, [[*prompt, first]], page_size=4, model_config=model.config)
+    for i, d in enumerate(devices):
+        for role in ("key", "value"):
+            assert snap[i, role].page_pool.device == torch.device(d)
+            assert torch.equal(snap[i, role].page_pool.cpu(), here[i, role].page_pool)
