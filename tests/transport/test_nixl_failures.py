@@ -25,7 +25,7 @@ from synthetic import example_chunk
 
 from hurray_vllm import transport
 from hurray_vllm.chunks.store import DirectoryStore
-from hurray_vllm.containers.schema import Record
+from hurray_vllm.containers.schema import Record, dense_record
 from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
 from hurray_vllm.transport.base import U16, U32, U64, ReceiverBase, read_message, recv_exact
 from hurray_vllm.transport.nixl import NixlError, NixlReceiver, NixlSender
@@ -493,9 +493,56 @@ def test_an_offer_is_charged_for_its_records_before_any_is_decoded(monkeypatch: 
     # A real chunk's offer still parses, charged for its records.
     ns, key, chunk = example_chunk()
     parts, _, _ = tn_offer.encode_snapshot_offer(ns, key, chunk)
-    offer = tn_offer.parse_offer(bytearray(b"".join(bytes(p) for p in parts)), 1 << 30, charged.append)
-    assert offer.key == key and charged[1:] == [len(offer.descriptors) * tn_offer.RECORD_MEMORY_BYTES]
+    body = bytearray(b"".join(bytes(p) for p in parts))
+    offer = tn_offer.parse_offer(body, 1 << 30, charged.append)
+    assert offer.key == key and charged[1] == len(offer.descriptors) * tn_offer.RECORD_MEMORY_BYTES
+    assert charged[2:] == [copied_bytes(offer, body)]  # and the inline buffers it copied out of the body
     assert decoded[0] == len(offer.descriptors)
+
+
+def copied_bytes(offer: tn_offer.Offer, body: bytearray) -> int:
+    """The bytes of an offer's inline buffers that are not views of its ``body``."""
+    lo = torch.frombuffer(body, dtype=torch.uint8).data_ptr()
+    inline = [t for bufs in offer.buffers for t in bufs if isinstance(t, torch.Tensor)]
+    return sum(t.numel() for t in inline if not lo <= t.data_ptr() < lo + len(body))
+
+
+def test_inline_buffers_are_views_of_the_offer_and_only_copies_are_charged() -> None:
+    """Each inline buffer used to be copied out of the body, uncharged, while the body stays held: twice the memory.
+
+    Now one that starts on a 16-byte boundary is a view of the body; the others are copied (a record may view its
+    buffer as a wider type), and charged before they are. Over the 16 shifts of the body in memory, each buffer
+    is a view at exactly one.
+    """
+    sizes = [16, 17, 4096, 3, 1 << 20, 64, 1]
+    records = [dense_record(f"x{i}", torch.arange(n, dtype=torch.uint8)) for i, n in enumerate(sizes)]
+    parts, _, _ = tn_offer.encode_offer("ab" * 8, "cd" * 8, records)
+    raw = b"".join(bytes(memoryview(p)) for p in parts)
+    room = bytearray(len(raw) + tn_offer.INLINE_ALIGN)
+    viewed = [0] * len(sizes)
+    for shift in range(tn_offer.INLINE_ALIGN):
+        body = memoryview(room)[shift : shift + len(raw)]
+        body[:] = raw
+        lo = torch.frombuffer(body, dtype=torch.uint8).data_ptr()
+        charged: list[int] = []
+        offer = tn_offer.parse_offer(body, 1 << 30, charged.append)  # type: ignore[arg-type]
+        inline = [t for bufs in offer.buffers for t in bufs if isinstance(t, torch.Tensor)]
+        copies = 0
+        for i, (t, n) in enumerate(zip(inline, sizes, strict=True)):
+            assert torch.equal(t, torch.arange(n, dtype=torch.uint8))  # the bytes, viewed or copied
+            if lo <= t.data_ptr() < lo + len(raw):
+                assert t.data_ptr() % tn_offer.INLINE_ALIGN == 0
+                viewed[i] += 1
+            else:
+                copies += n
+        assert charged == [len(sizes) * tn_offer.RECORD_MEMORY_BYTES] + ([copies] if copies else [])
+        del offer, inline, t
+    assert viewed == [1] * len(sizes)
+
+    # A read-only body is never viewed (torch would warn its tensors could write to it): all copied, all charged.
+    charged = []
+    tn_offer.parse_offer(raw, 1 << 30, charged.append)  # type: ignore[arg-type]
+    assert charged[1] == sum(sizes)
 
 
 def offer_receiver(limit: int, held: int) -> NixlReceiver:
@@ -568,12 +615,25 @@ def test_a_register_that_fails_midway_leaves_nothing_registered(monkeypatch: pyt
     assert len(sender._pinned) == 3
 
 
-def test_a_register_with_a_buffer_it_refuses_registers_none(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bad", ["empty", "strided"])
+def test_a_register_with_a_buffer_it_refuses_registers_none(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    """The caller's mistake (HurrayArgumentError naming ``tensors``), not bad data: was a HurrayFormatError."""
     events: list[tuple[Any, ...]] = []
     sender = fake_sender(monkeypatch, events)
-    with pytest.raises(HurrayFormatError, match="non-empty host tensors"):
-        sender.register([*pools(2), torch.zeros(0, dtype=torch.uint8)])
+    wrong = torch.zeros(0, dtype=torch.uint8) if bad == "empty" else torch.zeros(64, 64, dtype=torch.uint8).t()
+    with pytest.raises(HurrayArgumentError, match="non-empty host tensors") as info:
+        sender.register([*pools(2), wrong])
+    assert info.value.field == "tensors" and "tensor 2" in str(info.value)
     assert not sender._pinned and not events
+
+
+def test_a_negative_leak_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender built past its bound would refuse every chunk, for good, with a NixlError that blames leaks."""
+    monkeypatch.setattr(tn_sender, "make_agent", lambda role, *args: FakeAgent(role, []))
+    with pytest.raises(HurrayArgumentError, match="max_leaked_bytes") as info:
+        NixlSender(lanes=1, max_leaked_bytes=-1)
+    assert info.value.field == "max_leaked_bytes"
+    assert NixlSender(lanes=1, max_leaked_bytes=0).max_leaked_bytes == 0  # no leak kept: refuses after the first
 
 
 # ── the grant, and transfers through a shared sender ──
@@ -737,11 +797,72 @@ def test_an_offer_that_cannot_fit_is_refused_before_any_free_slab_is_dropped() -
     for slab in free:
         a.give(slab)
     total = a.total
-    with pytest.raises(HurrayFormatError, match="buffers are full"):
+    with pytest.raises(HurrayFormatError, match=r"buffers are full.*try again later") as info:
         a.take([40 * MIB])  # would need 70 MiB with the free slabs dropped
+    assert info.value.field == "receiver.memory"  # as docs/connector.md says, and as over TCP
     assert a._free == free and a.total == total and not kinds(agent.events, "deregister")
     a.take([20 * MIB])  # fits once both free slabs are dropped: they are
     assert not a._free and len(kinds(agent.events, "deregister")) == 2
+
+
+def test_a_chunk_larger_than_the_arena_is_refused_for_good_naming_the_limit() -> None:
+    """It used to be refused as "full; try again later" (field ``transport``): the sender would retry for good."""
+    agent = FakeAgent("recv", [])
+    a = tn_receiver._Arena(agent, 1 * MIB, quarantine_s=5.0)
+    for sizes in ([2 * MIB], [MIB // 2, MIB // 2 + 1]):  # the second: 4 KiB alignment takes it past the limit
+        with pytest.raises(HurrayFormatError, match="can never be received") as info:
+            a.take(sizes)
+        assert info.value.field == "receiver.memory"
+        assert all(name in str(info.value) for name in ("max_arena_bytes", "--max-memory", "max_memory_mib"))
+    assert not agent.events and a.total == 0
+    a.take([MIB])  # the limit itself fits
+
+
+def test_a_malformed_offer_has_no_slab_allocated_for_it(fake_receiver: tuple[NixlReceiver, FakeAgent]) -> None:
+    """A slab (up to max_chunk_bytes, registered with NIXL) used to be taken before the offer was assembled."""
+    from hurray_vllm.app.demo import spec_example_snapshot
+    from hurray_vllm.chunks.keys import namespace_of
+
+    r, agent = fake_receiver
+    whole = spec_example_snapshot()  # a whole snapshot: no chunk digest
+    assert whole.fingerprint is not None
+    msg, _ = offer_message(namespace_of(whole.fingerprint), "ab" * 8, whole)
+    with socket.create_connection(r.address, timeout=5) as s:
+        for _ in range(2):
+            s.sendall(msg)
+            assert recv_exact(s, 2) == b"ER" and read_message(s).startswith("snapshot.digest:")
+        assert r.arena.registrations == 0 and r.arena.total == 0 and not kinds(agent.events, "register")
+        s.sendall(offer_message(*example_chunk())[0])  # the connection still serves: a chunk gets its slab
+        read_grant(s)
+        assert r.arena.registrations == 1
+
+
+def test_a_keyed_receiver_refuses_an_unsigned_chunk_before_its_transfer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Only the connection is authenticated: an unsigned chunk used to be granted, transferred, then refused."""
+    from hurray_vllm.chunks.signing import FleetKeys, sign_chunk
+
+    keys = FleetKeys.from_secrets(b"k" * 32)
+    ragent = FakeAgent("recv", [])
+    monkeypatch.setattr(tn_receiver, "make_agent", lambda *args: ragent)
+    posts: list[tuple[str, float]] = []
+    monkeypatch.setattr(tn_sender, "make_agent", lambda role, *args: CopyingAgent(role, ragent, {}, posts))
+    ns, key, chunk = example_chunk()
+    with NixlReceiver("127.0.0.1", 0, DirectoryStore(tmp_path), keys=keys, timeout=5).start() as r:
+        url = f"nixl://127.0.0.1:{r.address[1]}"
+        sender = NixlSender(lanes=1)
+        with pytest.raises(HurrayFormatError, match=r"snapshot\.mac\.unsigned"):
+            sender.send(url, [(ns, key, chunk)], keys=keys)
+        assert not posts and r.received == 0 and r.arena.registrations == 0  # no slab allocated for it either
+        sender.send(url, [(ns, key, sign_chunk(chunk, keys, ns, key))], keys=keys)  # a signed one still goes
+        assert posts and r.received == 1
+        posts.clear()
+        other = FleetKeys.from_secrets(b"o" * 32)  # with a slab free now: checked after it is taken, before the grant
+        with pytest.raises(HurrayFormatError, match=r"snapshot\.mac\.key_id"):
+            sender.send(url, [(ns, key, sign_chunk(chunk, other, ns, key))], keys=keys)
+        assert not posts and r.received == 1 and r.arena.registrations == 1
+        sender.close()
 
 
 def offer_message(ns: str, key: str, chunk: Any) -> tuple[bytes, list[torch.Tensor]]:

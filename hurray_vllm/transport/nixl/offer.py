@@ -48,9 +48,13 @@ __all__ = [
     "encode_snapshot_offer",
     "Landing",
     "assemble_offer",
+    "check_offer",
+    "pool_offsets",
     "parse_offer",
     "parse_nixl_url",
     "notif_tag",
+    "INLINE_ALIGN",
+    "POOL_ALIGN",
     "host_bytes",
     "transfer_seconds",
 ]
@@ -68,6 +72,14 @@ MAX_RECORD_BUFFERS = 5
 #: inline tensors, lists included (~2.1 KiB of resident memory measured for 5 empty buffers, rounded up). An offer
 #: of 126-byte records of empty buffers builds ~17x its bytes: :func:`parse_offer` charges this per record first.
 RECORD_MEMORY_BYTES = 2560
+#: Each page pool starts on such a boundary in the receiver's buffers.
+POOL_ALIGN = 4096
+#: An inline buffer whose bytes start on such a boundary in the offer's body is a view of the body; any other
+#: is copied out (and the copy charged): its record may view it as a wider type (int64, float64, complex128),
+#: which torch, numpy and the kernels expect aligned, as every buffer they otherwise get is.
+INLINE_ALIGN = 16
+#: What an inline buffer's place holds while :func:`parse_offer` checks the rest of the offer.
+_PENDING = torch.empty(0, dtype=torch.uint8)
 #: Every NIXL notification of this module starts so (``hvn1:<xfer id hex>:<pool index>``).
 NOTIF_PREFIX = b"hvn1:"
 
@@ -263,6 +275,18 @@ def assemble_offer(offer: Offer, views: list[torch.Tensor]) -> Landing:
     Raises:
         HurrayFormatError: any of those fails.
     """
+    snap, want, algorithm, pools = _assemble(offer, views)
+    return Landing(snap, want, algorithm, [(tensor_bytes(p), i) for p, i in pools])
+
+
+def _assemble(
+    offer: Offer, views: list[torch.Tensor]
+) -> tuple[KVSnapshot, str, str, list[tuple[torch.Tensor, int | None]]]:
+    """All of :func:`assemble_offer`'s work but taking views of the pools' bytes.
+
+    Returns the snapshot, its digest and the digest's algorithm, and per digest
+    tensor its pool and the index of the announced pool it is (see :class:`Landing`).
+    """
     from ...chunks.digest import DIGEST_KEY, ChunkDigest, digest_tensors
     from ...containers.schema import assemble_snapshot, group_records
 
@@ -274,13 +298,38 @@ def assemble_offer(offer: Offer, views: list[torch.Tensor]) -> Landing:
     want = snap.extra.get(DIGEST_KEY)
     algorithm = ChunkDigest.like(want).algorithm  # refuses a missing or unknown digest before any transfer
     where = {v.data_ptr(): i for i, v in enumerate(views)}
-    plan = [
-        (tensor_bytes(t.page_pool), where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None)
-        for t in digest_tensors(snap)
+    pools = [
+        (t.page_pool, where.get(t.page_pool.data_ptr()) if t.page_pool.numel() else None) for t in digest_tensors(snap)
     ]
-    if sorted(i for _, i in plan if i is not None) != list(range(len(views))):
+    if sorted(i for _, i in pools if i is not None) != list(range(len(views))):
         raise HurrayFormatError("transport.offer", "the announced page pools are not the snapshot's")
-    return Landing(snap, str(want), algorithm, plan)
+    return snap, str(want), algorithm, pools
+
+
+def check_offer(offer: Offer) -> KVSnapshot:
+    """:func:`assemble_offer`'s checks with no memory for the pools: the offered chunk, its pools placeholders.
+
+    The placeholders are on torch's ``meta`` device (shapes, no storage),
+    one per announced pool at distinct offsets, so a malformed offer is
+    refused before any receive buffer is taken (allocated, registered with
+    NIXL) for it. The snapshot returned has everything but its pools' bytes: its
+    header (:func:`~hurray_vllm.chunks.digest.digest_header`) can be read, its pools cannot.
+
+    Raises:
+        HurrayFormatError: as :func:`assemble_offer`.
+    """
+    offsets, need = pool_offsets(offer.remote_sizes)  # as in a slab: a pool's alignment decides how it is viewed
+    room = torch.empty(need, dtype=torch.uint8, device="meta")
+    return _assemble(offer, [room[o : o + n] for o, n in zip(offsets, offer.remote_sizes)])[0]
+
+
+def pool_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where pools of ``sizes`` bytes lie in a receive buffer (each on a 4 KiB boundary), and the bytes they take."""
+    offsets, need = [], 0
+    for n in sizes:
+        offsets.append(need)
+        need += -(-n // POOL_ALIGN) * POOL_ALIGN
+    return offsets, need
 
 
 def parse_offer(body: bytearray, max_remote_bytes: int, charge: Callable[[int], None] | None = None) -> Offer:
@@ -288,7 +337,12 @@ def parse_offer(body: bytearray, max_remote_bytes: int, charge: Callable[[int], 
 
     ``charge``, when given, is called with the memory the decoded records may hold
     (:data:`RECORD_MEMORY_BYTES` per record, from the record count) before any
-    record is decoded; it refuses the offer by raising.
+    record is decoded, and again with the bytes of the inline buffers it copies
+    before it copies them; it refuses the offer by raising.
+
+    An inline buffer is a view of ``body`` (which it keeps alive) where it
+    starts on an :data:`INLINE_ALIGN` boundary and ``body`` is writable;
+    others are copied.
     """
     c = _Cursor(body)
     try:
@@ -306,6 +360,16 @@ def parse_offer(body: bytearray, max_remote_bytes: int, charge: Callable[[int], 
     buffers: list[list[torch.Tensor | int]] = []
     remote_sizes: list[int] = []
     remote_total = 0
+    # Inline buffers are made once every size is checked: (their record's buffers, index there, offset, size).
+    inline: list[tuple[list[torch.Tensor | int], int, int, int]] = []
+    # A read-only body (bytes) is not viewed: torch would warn that its tensors could write to it.
+    viewable = bool(len(body)) and not memoryview(body).readonly
+    base = torch.frombuffer(body, dtype=torch.uint8).data_ptr() if viewable else 0
+
+    def aligned(at: int) -> bool:
+        return viewable and (base + at) % INLINE_ALIGN == 0
+
+    copied = 0  # the bytes of the inline buffers copied out of the body
     for i in range(n):
         length = c.u32(f"descriptor {i} length")
         raw = c.take(length, f"descriptor {i}")
@@ -321,11 +385,14 @@ def parse_offer(body: bytearray, max_remote_bytes: int, charge: Callable[[int], 
         for j, b in enumerate(desc.buffers):
             mode = c.u8(f"descriptor {i} buffer {j} mode")
             if mode == _INLINE:
-                raw_buf = c.take(b.byte_size, f"descriptor {i} buffer {j}")
-                t = torch.empty(b.byte_size, dtype=torch.uint8)
+                at = c.pos
+                c.take(b.byte_size, f"descriptor {i} buffer {j}")
                 if b.byte_size:
-                    t.numpy()[:] = memoryview(raw_buf)
-                bufs.append(t)
+                    inline.append((bufs, len(bufs), at, b.byte_size))
+                    copied += 0 if aligned(at) else b.byte_size
+                    bufs.append(_PENDING)  # replaced below
+                else:
+                    bufs.append(torch.empty(0, dtype=torch.uint8))
             elif mode == _REMOTE:
                 # Only page pools travel by NIXL: everything the validation reads is inline.
                 if desc.layout_tag != LAYOUT_BLOCK_PAGED or j != 0 or b.byte_size == 0:
@@ -343,6 +410,16 @@ def parse_offer(body: bytearray, max_remote_bytes: int, charge: Callable[[int], 
         buffers.append(bufs)
     if c.pos != len(body):
         raise HurrayFormatError("transport.offer", f"{len(body) - c.pos} stray bytes after the last record")
+    if charge is not None and copied:
+        charge(copied)  # the body stays held as long as the views of it: only the copies are more memory
+    while inline:  # each entry let go as its tensor is made: they are not held together
+        bufs, j, at, size = inline.pop()
+        if aligned(at):
+            bufs[j] = torch.frombuffer(body, dtype=torch.uint8, count=size, offset=at)
+        else:  # a view off the boundary would be one of a wider type too, once its record views it so
+            copy = torch.empty(size, dtype=torch.uint8)
+            copy.numpy()[:] = memoryview(body)[at : at + size]
+            bufs[j] = copy
     return Offer(ns, key, descs, buffers, remote_sizes)
 
 

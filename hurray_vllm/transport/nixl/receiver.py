@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
-from ...chunks.digest import ChunkDigest, digest_header
+from ...chunks.digest import MAC_KEY, ChunkDigest, digest_header
+from ...chunks.signing import OTHER_KEY, parse_mac
 from ...chunks.store import ChunkStore
 from ...errors import HurrayArgumentError, HurrayFormatError
+from ...kv.snapshot import KVSnapshot
 from ..base import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -32,7 +34,16 @@ from ..base import (
     send_error,
 )
 from .agent import NixlError, make_agent
-from .offer import MAGIC, MAX_OFFER_BYTES, NOTIF_PREFIX, assemble_offer, parse_offer, transfer_seconds
+from .offer import (
+    MAGIC,
+    MAX_OFFER_BYTES,
+    NOTIF_PREFIX,
+    assemble_offer,
+    check_offer,
+    parse_offer,
+    pool_offsets,
+    transfer_seconds,
+)
 
 __all__ = ["NixlReceiver", "DEFAULT_ARENA_BYTES", "DEFAULT_OFFER_MEMORY_BYTES"]
 
@@ -72,7 +83,6 @@ DEFAULT_ARENA_BYTES = 8 << 30
 #: Memory for the offers being handled, all connections together: without a bound, 64 connections
 #: announcing the largest offer would take 4 GiB outside the arena.
 DEFAULT_OFFER_MEMORY_BYTES = 256 << 20
-_ALIGN = 4096
 _MIN_SLAB = 16 << 20
 
 
@@ -155,35 +165,62 @@ class _Arena:
         with self._mu:
             return not self._quarantined and not self._busy
 
-    def take(self, sizes: list[int]) -> tuple[_Slab, list[torch.Tensor]]:
-        offsets, need = [], 0
-        for s in sizes:
-            offsets.append(need)
-            need += -(-s // _ALIGN) * _ALIGN
-        with self._mu:
-            if self.closed:
-                raise HurrayFormatError("transport", "the receiver is stopping")
-            fits = sorted((s for s in self._free if s.size >= need), key=lambda s: s.size)
-            if fits:
-                slab = fits[0]
-                self._free.remove(slab)
-            else:
-                size = min(_slab_size(need), max(need, self.max_bytes - self.total))
-                droppable = sorted((s for s in self._free if not s.tainted), key=lambda s: s.size)
-                if self.total - sum(s.size for s in droppable) + size > self.max_bytes:
-                    # Refused before any free slab is dropped: dropping them would not make room, and would
-                    # leave the next chunk to register its slab afresh (any peer could empty the arena so).
-                    raise HurrayFormatError(
-                        "transport",
-                        f"receiver buffers are full ({self.total} of {self.max_bytes} bytes in use); try again later",
-                    )
-                for old in droppable:
-                    if self.total + size <= self.max_bytes:
-                        break
-                    self._drop(old)
-                slab = self._new(size)
-            self._busy += 1
+    def take(self, sizes: list[int], vet: Callable[[], object] | None = None) -> tuple[_Slab, list[torch.Tensor]]:
+        """A slab for pools of ``sizes`` bytes and their views in it (4 KiB-aligned).
+
+        ``vet``, when given, is called (once, outside the arena's lock) before
+        a slab is allocated and registered for these pools, none free being
+        large enough; it refuses them by raising (what it returns is ignored).
+
+        Raises:
+            HurrayFormatError: ``receiver.memory``: the pools would pass ``max_bytes``: for now
+                (slabs in use or quarantined), or for good (they alone take more). ``transport``:
+                the receiver is stopping. Whatever ``vet`` raises.
+        """
+        offsets, need = pool_offsets(sizes)
+        if need > self.max_bytes:
+            # No slab could ever hold it: "try again later" would have the sender retry for good.
+            raise HurrayFormatError(
+                "receiver.memory",
+                f"the chunk's page pools take {need} bytes (each on a 4 KiB boundary), more than the receiver's "
+                f"arena may ever hold ({self.max_bytes} bytes): it can never be received here; raise the "
+                "receiver's max_arena_bytes (--max-memory, hurray_listen_max_memory_mib) or send smaller chunks",
+            )
+        while True:
+            with self._mu:
+                if self.closed:
+                    raise HurrayFormatError("transport", "the receiver is stopping")
+                fits = sorted((s for s in self._free if s.size >= need), key=lambda s: s.size)
+                if fits or vet is None:
+                    slab = self._take(fits, need)
+                    break
+            # Not under the lock (the check takes milliseconds); a slab freed meanwhile is found on the next round.
+            vet()
+            vet = None
         return slab, [slab.mem[o : o + s] for o, s in zip(offsets, sizes)]
+
+    def _take(self, fits: list[_Slab], need: int) -> _Slab:
+        """(Under the lock) the smallest of ``fits``, else a new slab of at least ``need`` bytes if there is room."""
+        if fits:
+            slab = fits[0]
+            self._free.remove(slab)
+        else:
+            size = min(_slab_size(need), max(need, self.max_bytes - self.total))
+            droppable = sorted((s for s in self._free if not s.tainted), key=lambda s: s.size)
+            if self.total - sum(s.size for s in droppable) + size > self.max_bytes:
+                # Refused before any free slab is dropped: dropping them would not make room, and would
+                # leave the next chunk to register its slab afresh (any peer could empty the arena so).
+                raise HurrayFormatError(
+                    "receiver.memory",
+                    f"receiver buffers are full ({self.total} of {self.max_bytes} bytes in use); try again later",
+                )
+            for old in droppable:
+                if self.total + size <= self.max_bytes:
+                    break
+                self._drop(old)
+            slab = self._new(size)
+        self._busy += 1
+        return slab
 
     def _new(self, size: int) -> _Slab:
         mem = torch.empty(size, dtype=torch.uint8)
@@ -557,8 +594,8 @@ class NixlReceiver(ReceiverBase):
 
         def charge(nbytes: int) -> None:
             nonlocal charged
-            self._take_offer_memory(nbytes, held=len(body))
-            charged = nbytes
+            self._take_offer_memory(nbytes, held=len(body) + charged)
+            charged += nbytes
 
         def release() -> None:
             # Before any answer: a sender that sends again at once finds the room and the slab free.
@@ -582,11 +619,26 @@ class NixlReceiver(ReceiverBase):
             # The store's quota and the disk's floor, before any page pool is written here.
             self.admit(sum(offer.remote_sizes) + len(body))
             promised = sum(offer.remote_sizes) + len(body)
+
+            def signed(snap: KVSnapshot) -> None:
+                if self.keys is not None:
+                    # From its metadata alone (the pools have not landed): an unsigned chunk, or one signed with a
+                    # key not in the ring, is refused before its transfer. The MAC itself is checked by put.
+                    key_id = parse_mac(snap.extra.get(MAC_KEY))[0]
+                    if self.keys.secret_for(key_id) is None:
+                        raise HurrayFormatError(
+                            OTHER_KEY,
+                            f"chunk is signed with key {key_id}, which is not among this receiver's "
+                            f"({', '.join(self.keys.ids)})",
+                        )
+
             views: list[torch.Tensor] = []
             if offer.remote_sizes:
-                slab, views = self.arena.take(offer.remote_sizes)
+                # A slab allocated and registered for it only once the offer is known to describe a chunk.
+                slab, views = self.arena.take(offer.remote_sizes, vet=lambda: signed(check_offer(offer)))
             landing = assemble_offer(offer, views)  # checked whole before any transfer
             snap, want, plan = landing.snapshot, landing.digest, landing.plan
+            signed(snap)
             q = self._notifs.expect(xfer_id)
             name = self.name.encode()
             md = self._agent.get_agent_metadata() if views else b""

@@ -189,6 +189,8 @@ class NixlSender(ChunkSender):
     ) -> None:
         if lanes is not None and lanes < 1:
             raise HurrayArgumentError("lanes", f"lanes must be at least 1, got {lanes}")
+        if max_leaked_bytes < 0:  # a sender past its bound from the start would refuse every chunk, for good
+            raise HurrayArgumentError("max_leaked_bytes", f"max_leaked_bytes must be 0 or more, got {max_leaked_bytes}")
         n = lanes if lanes is not None else min(DEFAULT_LANES, _usable_cpus())
         self._agents = [make_agent(f"send{i}" if i else "send", backend_params, progress_thread) for i in range(n)]
         self._agent = self._agents[0]
@@ -221,12 +223,17 @@ class NixlSender(ChunkSender):
         registered (the caller, which learns of no registration, retries them all).
 
         Raises:
-            HurrayFormatError: one is not a contiguous, non-empty host tensor (nothing is registered).
+            HurrayArgumentError: (field ``tensors``) one is not a contiguous, non-empty host
+                tensor (nothing is registered).
             NixlError: NIXL could not register one.
         """
-        for t in tensors:  # every one checked before any is registered
+        for i, t in enumerate(tensors):  # every one checked before any is registered
             if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
-                raise HurrayFormatError("transport", "only contiguous, non-empty host tensors can be registered")
+                raise HurrayArgumentError(
+                    "tensors",
+                    f"tensor {i} ({t.device.type}, shape {list(t.shape)}, contiguous={t.is_contiguous()}): only "
+                    "contiguous, non-empty host tensors can be registered (pass .contiguous() host copies)",
+                )
         with self._lock:
             added: list[_Pinned] = []
             try:
