@@ -27,13 +27,16 @@ from __future__ import annotations
 import errno
 import http.client
 import json
+import numbers
+import operator
 import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urljoin
 
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...transport.base import split_url
@@ -68,7 +71,7 @@ class MigrationResult:
 
 def complete(
     server: str,
-    prompt: Sequence[int],
+    prompt: Iterable[int],
     max_tokens: int,
     *,
     model: str | None = None,
@@ -83,16 +86,20 @@ def complete(
     and without it none is sent.
 
     Raises:
-        HurrayArgumentError: ``server`` is not an ``http(s)://HOST[:PORT]`` base URL, or
-            ``api_key`` (or :data:`BACKEND_API_KEY_ENV`) is empty or not a header's printable ASCII.
+        HurrayArgumentError: ``server`` is not an ``http(s)://HOST[:PORT]`` base URL, ``prompt``
+            is not a non-empty sequence of token ids (integers >= 0), ``max_tokens`` is not an
+            integer >= 1, ``timeout`` is not a positive number of seconds, or ``api_key`` (or
+            :data:`BACKEND_API_KEY_ENV`) is empty or not a header's printable ASCII.
         HurrayFormatError: the answer is not what a vLLM server answers.
-        OSError: the server cannot be reached, fails, or takes longer than ``timeout``;
-            ``EACCES`` when it answers 401 or 403 (it needs an API key, or refused the one given).
+        OSError: the server cannot be reached, fails, redirects (``EPROTO``: give the URL it
+            names), or takes longer than ``timeout`` (``ETIMEDOUT``); ``EACCES`` when it
+            answers 401 or 403 (it needs an API key, or refused the one given).
     """
+    ids, max_tokens, timeout = _checked(prompt, max_tokens, timeout)
     _check_url("server", server)
     key = _api_key(api_key)
     body: dict[str, Any] = {
-        "prompt": list(prompt),
+        "prompt": ids,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -107,6 +114,58 @@ def complete(
     if not isinstance(answer, dict):
         raise HurrayFormatError("answer", f"{server}/v1/completions did not answer a JSON object")
     return answer
+
+
+def _checked(prompt: Iterable[int], max_tokens: object, timeout: object) -> tuple[list[int], int, float]:
+    """``prompt`` as a list of ints, ``max_tokens`` and ``timeout`` checked: the arguments of a completion.
+
+    Before any call, so that a mistake is said as the caller's, naming the argument: a bad ``timeout`` made
+    socket errors (0: non-blocking) or an ``OverflowError`` (inf), a float ``max_tokens`` a server's refusal.
+    The prompt is read once (``migrate`` sends it twice: an iterator would be empty the second time) and
+    becomes plain ints, so that numpy and torch token ids (what tokenizers return) go into the JSON.
+
+    Raises:
+        HurrayArgumentError: (field ``prompt``) text, an empty prompt, or an id that is not an integer
+            >= 0; (``max_tokens``) not an integer >= 1; (``timeout``) not a positive, finite number.
+    """
+    if isinstance(prompt, (str, bytes, bytearray)):
+        raise HurrayArgumentError("prompt", "expected token ids, got text: tokenize it with the servers' tokenizer")
+    try:
+        ids = [_token_id(t) for t in prompt]
+    except TypeError as exc:
+        raise HurrayArgumentError(
+            "prompt", f"expected a sequence of integer token ids, got {type(prompt).__name__} ({exc})"
+        ) from None
+    if not ids:
+        raise HurrayArgumentError("prompt", "expected at least one token id, got none")
+    if min(ids) < 0:
+        raise HurrayArgumentError("prompt", f"token ids are >= 0, got {min(ids)}")
+    max_tokens = _integer("max_tokens", max_tokens)
+    if max_tokens < 1:
+        raise HurrayArgumentError("max_tokens", f"expected at least 1 token to generate, got {max_tokens}")
+    # 0 would make every socket non-blocking, NaN and inf are no timeout (and inf overflows the socket's).
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < float(timeout) < 1e9:
+        raise HurrayArgumentError("timeout", f"expected positive seconds, got {timeout!r}")
+    return ids, max_tokens, float(timeout)
+
+
+def _token_id(t: object) -> int:
+    """``t`` as a plain int (numpy and 0-d torch integers too); ``TypeError`` for what is no integer."""
+    if isinstance(t, bool):  # an int to Python, never a token id
+        raise TypeError("a bool is not a token id")
+    return operator.index(t)  # type: ignore[arg-type]
+
+
+def _integer(field: str, value: object) -> int:
+    """``value`` as a plain int (numpy's too), else :class:`HurrayArgumentError` naming ``field``.
+
+    A float (``5.0``, ``1.5``) or a bool is refused: the servers would refuse the one or be asked for a
+    count nobody meant, and ``after=1.5`` ended in a confusing "generated 1 tokens where 1.5 were asked for".
+    """
+    try:
+        return _token_id(value)
+    except TypeError:
+        raise HurrayArgumentError(field, f"expected an integer, got {value!r}") from None
 
 
 def _api_key(api_key: object) -> str | None:
@@ -184,12 +243,39 @@ def check_server_url(url: object, field: str, *, path_ok: bool = True) -> None:
     )
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Follow no redirect: the answer comes back as the 3xx :class:`~urllib.error.HTTPError` it is.
+
+    urllib turns a redirected POST into a body-less GET (a completion answered 405, or another endpoint's
+    answer), and would send the request to whatever host the server names. Every call is refused alike, the
+    GETs too, so that the first call says which URL to give instead, not the first POST after it.
+    """
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def _redirected(exc: urllib.error.HTTPError, url: str) -> OSError:
+    """The error for a redirect of the call to ``url``: where it points, as the base URL to give instead."""
+    where = exc.headers.get("Location") if exc.headers is not None else None
+    if not where:
+        return OSError(errno.EPROTO, f"HTTP {exc.code} {exc.reason}: a redirect without a Location", url)
+    new = urljoin(url, where)
+    endpoint = url[url.rfind("/v1/") :] if "/v1/" in url else ""
+    base = new[: -len(endpoint)] if endpoint and new.endswith(endpoint) else new
+    said = f"HTTP {exc.code} {exc.reason}: redirected to {new}: give {base} as the server's base URL"
+    return OSError(errno.EPROTO, said, url)
+
+
 def _call(req: urllib.request.Request | str, timeout: float) -> Any:
     """``req``'s JSON answer.
 
     Raises:
-        OSError: naming the URL: unreachable, no whole answer within ``timeout`` (``ETIMEDOUT``), or an HTTP
-            error (with the server's message).
+        OSError: naming the URL: unreachable, no whole answer within ``timeout`` (``ETIMEDOUT``), a redirect
+            (``EPROTO``, naming where to: never followed), or an HTTP error (with the server's message).
         HurrayFormatError: an answer that is not JSON, or over ``_MAX_ANSWER_BYTES`` (not an OpenAI-compatible
             server).
     """
@@ -200,7 +286,7 @@ def _call(req: urllib.request.Request | str, timeout: float) -> Any:
     # read past the deadline. (The status line and headers, a few KiB at most, have urlopen's bound only.)
     deadline = time.monotonic() + timeout
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with _OPENER.open(req, timeout=timeout) as r:
             body = bytearray()
             while piece := r.read1(_PIECE):
                 body += piece
@@ -208,36 +294,49 @@ def _call(req: urllib.request.Request | str, timeout: float) -> Any:
                     big = f"{url}: an answer over {_MAX_ANSWER_BYTES} bytes, not an OpenAI-compatible server's answer"
                     raise HurrayFormatError("answer", big)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(errno.ETIMEDOUT, f"no whole answer within {timeout:g} s")
+                    raise TimeoutError  # said as every other timeout is, below
             if r.length:  # read1, unlike read, ends quietly at a connection closed short of Content-Length
                 raise http.client.IncompleteRead(bytes(body), r.length)
             return json.loads(body)
     except HurrayFormatError:  # the size cap's own message (a ValueError, which the last clause would rename)
         raise
     except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            raise _redirected(exc, url) from None
         said = f"HTTP {exc.code} {exc.reason}{_server_message(exc)}"
         if exc.code in (401, 403):  # vLLM's --api-key: say what to do, not only the status
-            raise OSError(errno.EACCES, f"{said}; {_key_advice(req, exc)}", url) from None
+            raise OSError(errno.EACCES, f"{said}; {_key_advice(req)}", url) from None
         raise OSError(errno.EPROTO, said, url) from None
     except urllib.error.URLError as exc:
         why = exc.reason
+        if isinstance(why, TimeoutError):  # connecting took too long
+            raise _timed_out(why, timeout, url) from None
         raise OSError(getattr(why, "errno", None), getattr(why, "strerror", None) or str(why), url) from None
     except http.client.HTTPException as exc:  # not HTTP at all (a receiver's port), or an answer cut short
         raise OSError(errno.EPROTO, f"not an HTTP answer ({type(exc).__name__}: {exc})", url) from None
-    except OSError as exc:  # a timeout, a reset mid-answer
+    except TimeoutError as exc:  # the status line, or a read of the body, or the whole call past the deadline
+        raise _timed_out(exc, timeout, url) from None
+    except OSError as exc:  # a reset mid-answer
         raise OSError(exc.errno, exc.strerror or str(exc) or type(exc).__name__, url) from None
     except ValueError as exc:  # not JSON, not UTF-8, or not a URL at all
         raise HurrayFormatError("answer", f"{url}: not an OpenAI-compatible server's answer ({exc})") from None
 
 
-def _key_advice(req: urllib.request.Request | str, exc: urllib.error.HTTPError) -> str:
+def _timed_out(exc: TimeoutError, timeout: float, url: str) -> OSError:
+    """A timeout as :func:`_call` promises it: ``ETIMEDOUT``, naming the URL.
+
+    Python's own socket timeouts carry no errno ("timed out"): said as the ``timeout`` they ran past. The
+    system's (a connection the kernel gave up on) keep their own words.
+    """
+    said = exc.strerror if exc.errno is not None and exc.strerror else f"no answer within {timeout:g} s"
+    return OSError(errno.ETIMEDOUT, said, url)
+
+
+def _key_advice(req: urllib.request.Request | str) -> str:
     """What a 401 or 403 answer to ``req`` asks of the caller: a key, or another one."""
     how = f"--backend-api-key KEY, ${BACKEND_API_KEY_ENV} or api_key="
-    url = req if isinstance(req, str) else req.full_url
     if isinstance(req, str) or not req.has_header("Authorization"):
         return f"the server needs an API key (it runs with vLLM's --api-key): give it with {how}"
-    if exc.filename != url:  # the header is not sent along a redirect (_request): the answer is the new URL's
-        return f"the API key is sent to the URL given only, not to {exc.filename}, where it redirected: give that URL"
     return f"the server refused the API key given (the same key goes to both servers): check {how}"
 
 
@@ -282,7 +381,7 @@ def _serves(server: str, model: str, timeout: float, key: str | None) -> bool:
 def migrate(
     source: str,
     destination: str,
-    prompt: Sequence[int],
+    prompt: Iterable[int],
     *,
     after: int,
     max_tokens: int,
@@ -295,11 +394,13 @@ def migrate(
     Args:
         source: base URL of the server that decodes first (``http://host:port``).
         destination: base URL of the server that decodes the rest (``http://host:port``).
-        prompt: the prompt's token ids.
+        prompt: the prompt's token ids (any iterable of integers, numpy's and torch's
+            too; read once).
         after: tokens generated on the source before the move (>= 1).
         max_tokens: tokens generated in total.
         model: the model name both servers serve; ``None``: the source's first
-            (``/v1/models``), which the destination must serve too.
+            (``/v1/models``). Either way both servers must list it, checked
+            before the source decodes.
         timeout: seconds each call to a server may take.
         api_key: sent as ``Authorization: Bearer KEY`` on every call to both
             servers (vLLM's ``--api-key``; the router's ``--backend-api-key``);
@@ -308,35 +409,43 @@ def migrate(
 
     Raises:
         HurrayArgumentError: ``source`` or ``destination`` is not an ``http(s)://HOST[:PORT]``
-            base URL, ``after`` or ``timeout`` is out of range, or ``api_key`` (or
-            :data:`BACKEND_API_KEY_ENV`) is empty or not a header's printable ASCII.
-        HurrayFormatError: a server's answer is not what a vLLM server answers, the
-            destination does not serve the model, or a server generated fewer (or
-            more) tokens than asked for.
-        OSError: a server cannot be reached, fails, or takes longer than ``timeout``;
-            ``EACCES`` when a server answers 401 or 403: it needs an API key, or
-            refused the one given (the message says how to give it).
+            base URL, ``prompt`` is not a non-empty sequence of token ids (integers >= 0),
+            ``after`` or ``max_tokens`` is not an integer or out of range, ``timeout`` is not a
+            positive number of seconds, or ``api_key`` (or :data:`BACKEND_API_KEY_ENV`) is
+            empty or not a header's printable ASCII. All before any call.
+        HurrayFormatError: a server's answer is not what a vLLM server answers, a server
+            does not serve the model (field ``model``, before the source decodes), or a
+            server generated fewer (or more) tokens than asked for.
+        OSError: a server cannot be reached, fails, redirects (``EPROTO``: the message names
+            the URL to give instead), or takes longer than ``timeout`` (``ETIMEDOUT``);
+            ``EACCES`` when a server answers 401 or 403: it needs an API key, or refused the
+            one given (the message says how to give it).
     """
+    after = _integer("after", after)
+    # Read once: the source and the destination are both sent the prompt (an iterator would be empty the second time).
+    ids, max_tokens, timeout = _checked(prompt, max_tokens, timeout)
     if not 1 <= after < max_tokens:
         raise HurrayArgumentError("after", f"need 1 <= after < max_tokens, got after={after}, max_tokens={max_tokens}")
-    if not 0 < timeout < 1e9:  # 0 would make every socket non-blocking, NaN and inf are no timeout
-        raise HurrayArgumentError("timeout", f"expected positive seconds, got {timeout}")
     _check_url("source", source)
     _check_url("destination", destination)
     key = _api_key(api_key)  # once, before any call: both servers get the same key
     if model is None:
         model = _first_model(source, timeout, key)
-        if not _serves(destination, model, timeout, key):  # another model's continuation is not this one's
-            raise HurrayFormatError("model", f"{destination} does not serve {model!r}, which {source} serves")
+    elif not _serves(source, model, timeout, key):  # said before a 404 from its completion could say it less well
+        raise HurrayFormatError("model", f"{source} does not serve {model!r}: give a model it lists at /v1/models")
+    # Before the source decodes, whoever named the model: another model's continuation is not this one's, and a
+    # destination that refuses the completion would leave the source's work (and its pushed chunks) unused.
+    if not _serves(destination, model, timeout, key):
+        raise HurrayFormatError("model", f"{destination} does not serve {model!r}, which {source} serves")
     # complete() reads the variable again only when no key was found (key None): the same answer, none.
-    head = complete(source, prompt, after, model=model, timeout=timeout, api_key=key)
+    head = complete(source, ids, after, model=model, timeout=timeout, api_key=key)
     first = _tokens(head, source, after)
     # The source's connector announces the chunks it saved and is still pushing ({"hurray_saved_tokens": N}):
     # passed on, they make the destination wait for them rather than recompute what is on the wire.
     params = head.get("kv_transfer_params")
     extra = {"kv_transfer_params": params} if isinstance(params, dict) else None
     rest = max_tokens - after
-    answer = complete(destination, [*prompt, *first], rest, model=model, extra=extra, timeout=timeout, api_key=key)
+    answer = complete(destination, [*ids, *first], rest, model=model, extra=extra, timeout=timeout, api_key=key)
     usage = answer.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None

@@ -325,11 +325,19 @@ class StateCache:
         """Write sequence ``s``'s state into the blocks ``blocks[s][group]`` of each layer's group.
 
         Raises:
-            HurrayFormatError: (field ``snapshot.states``) states of another
-                model geometry (see :meth:`mismatches`); (field ``block_ids``)
-                a block id outside the state tensors, found on the host
-                before anything is written.
+            HurrayFormatError: (field: the first broken rule's, ``snapshot.states...``)
+                states inconsistent in themselves (see
+                :meth:`~hurray_vllm.kv.states.RecurrentStates.violations`);
+                (field ``snapshot.states``) states of another model geometry
+                (see :meth:`mismatches`); (field ``block_ids``) a block id
+                outside the state tensors. All found on the host before
+                anything is written.
         """
+        # mismatches() compares layer 0's shapes and dtypes only: a later layer of another shape failed in
+        # index_copy_ with the layers before it written, and one of another dtype was silently cast.
+        bad = states.violations()
+        if bad:
+            raise HurrayFormatError.from_violations(bad, "states to write")
         diffs = self.mismatches(states)
         if diffs:
             raise HurrayFormatError("snapshot.states", "states of another model: " + "; ".join(diffs))

@@ -9,6 +9,7 @@ request made anyway would fail the test, see ``_no_calls``).
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import pytest
@@ -145,3 +146,111 @@ def test_the_command_passes_its_backend_api_key_to_migrate(
     }
     assert f"${ENV}" in helps["migrate"] and "Bearer KEY" in helps["migrate"]
     assert helps["migrate"].replace("both servers", "every backend") == helps["router"]
+
+
+# The prompt, the counts and the timeout are checked, and the prompt read once, before any call too. A generator
+# prompt was read empty by the destination's call (a continuation of the generated tokens alone, said nowhere);
+# numpy and torch ids (what tokenizers return) failed in json.dumps; text, an empty prompt, a negative id, a float
+# or bool count, or a timeout of 0, NaN or inf reached the servers (or the sockets) and failed there, or did not.
+
+PROMPT_BAD = ["hello", b"\x01\x02", [], [1, -5], [1, 2.0], [1, True], [[1, 2]], None, "2-D tensor"]
+
+
+def _bad_prompt(prompt: Any) -> Any:
+    if prompt == "2-D tensor":
+        import torch
+
+        return torch.tensor([[1, 2], [3, 4]])
+    return prompt
+
+
+@pytest.mark.parametrize("prompt", PROMPT_BAD, ids=repr)
+def test_a_prompt_that_is_not_token_ids_is_the_callers_error(prompt: Any) -> None:
+    for model in (None, "m"):
+        with pytest.raises(HurrayArgumentError) as info:
+            mig.migrate(GOOD, OTHER, _bad_prompt(prompt), after=1, max_tokens=4, model=model)
+        assert info.value.field == "prompt"
+        with pytest.raises(HurrayArgumentError) as info:
+            mig.complete(GOOD, _bad_prompt(prompt), 4, model=model)
+        assert info.value.field == "prompt"
+
+
+COUNTS_BAD = [
+    ({"after": 1.5}, "after"),
+    ({"after": True}, "after"),
+    ({"after": "2"}, "after"),
+    ({"after": None}, "after"),
+    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": False}, "max_tokens"),
+    ({"after": 4, "max_tokens": 4}, "after"),
+    ({"timeout": "5"}, "timeout"),
+    ({"timeout": True}, "timeout"),
+    ({"timeout": 0}, "timeout"),
+    ({"timeout": -1.0}, "timeout"),
+    ({"timeout": float("nan")}, "timeout"),
+    ({"timeout": float("inf")}, "timeout"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), COUNTS_BAD, ids=repr)
+def test_migrate_names_a_count_or_timeout_it_cannot_use(kwargs: dict[str, Any], field: str) -> None:
+    args: dict[str, Any] = {"after": 2, "max_tokens": 4, **kwargs}
+    for model in (None, "m"):
+        with pytest.raises(HurrayArgumentError) as info:
+            mig.migrate(GOOD, OTHER, [1, 2, 3], model=model, **args)
+        assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [(k, f) for k, f in COUNTS_BAD if "after" not in k] + [({"max_tokens": 0}, "max_tokens")],
+    ids=repr,
+)
+def test_complete_names_a_count_or_timeout_it_cannot_use(kwargs: dict[str, Any], field: str) -> None:
+    args: dict[str, Any] = {"max_tokens": 4, **kwargs}
+    for model in (None, "m"):
+        with pytest.raises(HurrayArgumentError) as info:
+            mig.complete(GOOD, [1, 2, 3], model=model, **args)
+        assert info.value.field == field
+
+
+def _answering(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Stand in for both servers (``_call``): model ``m``, and as many token ids as asked for (9, 10, ...).
+
+    Returns each call's URL and the JSON body sent (``None`` for a GET).
+    """
+    sent: list[tuple[str, Any]] = []
+
+    def call(req: Any, timeout: float) -> Any:
+        body = json.loads(req.data) if req.data is not None else None
+        sent.append((req.full_url, body))
+        if body is None:
+            return {"data": [{"id": "m"}]}
+        return {"choices": [{"token_ids": list(range(9, 9 + body["max_tokens"]))}]}
+
+    monkeypatch.setattr(mig, "_call", call)
+    return sent
+
+
+def test_a_prompt_is_read_once_and_sent_whole_to_both_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import torch
+
+    sent = _answering(monkeypatch)
+    prompts = [
+        (t for t in [1, 2, 3]),  # read empty by the second call
+        map(int, "1 2 3".split()),
+        np.array([1, 2, 3]),  # np.int64 ids: not JSON
+        torch.tensor([1, 2, 3]),  # 0-d tensors: not JSON
+        (np.int32(1), 2, np.uint16(3)),
+    ]
+    for prompt in prompts:
+        sent.clear()
+        r = mig.migrate(GOOD, OTHER, prompt, after=np.int64(2), max_tokens=5, model="m")  # type: ignore[arg-type]
+        assert r.tokens == [9, 10, 9, 10, 11]
+        completions = [body for _, body in sent if body is not None]
+        assert [c["prompt"] for c in completions] == [[1, 2, 3], [1, 2, 3, 9, 10]], sent
+        assert all(type(t) is int for c in completions for t in c["prompt"])
+    assert mig.complete(GOOD, torch.tensor([4, 5]), 2, model="m")["choices"][0]["token_ids"] == [9, 10]
+    assert sent[-1][1]["prompt"] == [4, 5]

@@ -119,8 +119,9 @@ def vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[str, l
     """Start a stand-in vLLM server; returns its base URL and the Authorization header of each call, in order.
 
     ``key``: it runs with ``--api-key key`` (vLLM's answer without it: 401 ``{"error": "Unauthorized"}``;
-    ``status`` picks another, a proxy's 403); ``redirect``: every call is sent on there (307). Each
-    completion answers as many token ids as asked for. The environment's key is removed first.
+    ``status`` picks another, a proxy's 403); ``redirect``: every call is sent on there (status ``moved``).
+    It serves ``model``; each completion of it answers as many token ids as asked for, of another model a
+    404 (as vLLM does). ``log``: each call's method and path, appended. The environment's key is removed first.
     """
     import http.server
 
@@ -128,7 +129,13 @@ def vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[str, l
     servers: list[http.server.ThreadingHTTPServer] = []
 
     def start(
-        key: str | None = None, *, status: int = 401, redirect: str | None = None
+        key: str | None = None,
+        *,
+        status: int = 401,
+        redirect: str | None = None,
+        moved: int = 307,
+        model: str = "m",
+        log: list[tuple[str, str]] | None = None,
     ) -> tuple[str, list[str | None]]:
         seen: list[str | None] = []
 
@@ -144,18 +151,25 @@ def vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[str, l
 
             def _serve(self, doc: object) -> None:
                 seen.append(self.headers.get("Authorization"))
+                if log is not None:
+                    log.append((self.command, self.path))
                 if redirect is not None:
-                    self._answer(307, {}, {"Location": redirect + self.path})
+                    self._answer(moved, {}, {"Location": redirect + self.path})
                 elif key is not None and self.headers.get("Authorization") != f"Bearer {key}":
                     self._answer(status, {"error": "Unauthorized"})
                 else:
                     self._answer(200, doc)
 
             def do_GET(self) -> None:
-                self._serve({"object": "list", "data": [{"id": "m"}]})
+                self._serve({"object": "list", "data": [{"id": model}]})
 
             def do_POST(self) -> None:
                 asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if asked["model"] != model and redirect is None:
+                    if log is not None:
+                        log.append((self.command, self.path))
+                    self._answer(404, {"error": {"message": f"The model `{asked['model']}` does not exist."}})
+                    return
                 self._serve({"choices": [{"token_ids": list(range(asked["max_tokens"]))}]})
 
             def log_message(self, *_: object) -> None:
@@ -184,8 +198,8 @@ def test_the_api_key_goes_with_every_call_to_both_servers(vllm: Callable[..., tu
     assert src_seen == [f"Bearer {KEY}"] * 2 and dst_seen == [f"Bearer {KEY}"] * 2
     src_seen.clear()
     dst_seen.clear()
-    _migrate(src, dst, api_key=KEY, model="m")
-    assert src_seen == [f"Bearer {KEY}"] and dst_seen == [f"Bearer {KEY}"]
+    _migrate(src, dst, api_key=KEY, model="m")  # the model given is checked on both servers all the same
+    assert src_seen == [f"Bearer {KEY}"] * 2 and dst_seen == [f"Bearer {KEY}"] * 2
 
 
 def test_the_api_key_is_read_from_the_routers_variable(
@@ -245,14 +259,17 @@ def test_a_refused_key_is_said_as_such_and_never_shown(
 def test_the_key_does_not_follow_a_redirect_to_another_server(
     vllm: Callable[..., tuple[str, list[str | None]]],
 ) -> None:
-    """urllib carries a request's headers along a redirect to any host: the key would go to whoever it names."""
+    """urllib carries a request's headers along a redirect to any host: the key would go to whoever it names.
+
+    No redirect is followed at all now (below): nothing reaches the other server.
+    """
     other, other_seen = vllm(KEY)
     src, src_seen = vllm(KEY, redirect=other)
     with pytest.raises(OSError) as info:
         _migrate(src, src, api_key=KEY)
-    assert src_seen == [f"Bearer {KEY}"] and other_seen == [None]
+    assert src_seen == [f"Bearer {KEY}"] and other_seen == []
     said = str(info.value)
-    assert info.value.errno == errno.EACCES and "redirected" in said and other in said and KEY not in said, said
+    assert info.value.errno == errno.EPROTO and "redirected" in said and other in said and KEY not in said, said
 
 
 def test_the_command_sends_its_backend_api_key(
@@ -272,3 +289,115 @@ def test_the_command_sends_its_backend_api_key(
     assert main([*base, "--timeout", "10", "--backend-api-key", wrong]) == 1
     err = capsys.readouterr().err
     assert "refused the API key" in err and wrong not in err, err
+
+
+# A redirect turned the completion's POST into a body-less GET (urllib follows 301, 302 and 303 so): the server
+# moved to answered 405, or another endpoint's answer. No call follows a redirect now; each says where to go.
+
+
+@pytest.mark.parametrize("moved", [301, 302, 303, 307, 308])
+def test_a_redirect_is_not_followed_and_says_which_url_to_give(
+    vllm: Callable[..., tuple[str, list[str | None]]], moved: int
+) -> None:
+    log: list[tuple[str, str]] = []
+    other, _ = vllm(log=log)
+    old, _ = vllm(redirect=other, moved=moved)
+    for model in ("m", None):  # the POST, and the GET of /v1/models before it
+        with pytest.raises(OSError) as info:
+            mig.complete(old, [1, 2], 1, model=model, timeout=10.0)
+        said = str(info.value)
+        assert info.value.errno == errno.EPROTO and info.value.filename.startswith(f"{old}/v1/"), said
+        assert f"HTTP {moved}" in said and f"redirected to {other}/v1/" in said, said
+        assert f"give {other} as the server's base URL" in said, said
+    assert log == []  # nothing reached the server redirected to: no GET made of the POST
+
+
+# The model given was never looked for on the destination: the source decoded (and pushed its chunks) for a
+# destination that then answered 404, where migrate() without a model refused it first, as a HurrayFormatError.
+
+
+@pytest.mark.parametrize("model", [None, "m"])
+def test_a_destination_without_the_model_is_refused_before_the_source_decodes(
+    vllm: Callable[..., tuple[str, list[str | None]]], model: str | None
+) -> None:
+    src_log: list[tuple[str, str]] = []
+    dst_log: list[tuple[str, str]] = []
+    (src, _), (dst, _) = vllm(log=src_log), vllm(model="other", log=dst_log)
+    with pytest.raises(HurrayFormatError, match="does not serve 'm'") as info:
+        _migrate(src, dst, model=model)
+    assert info.value.field == "model" and dst in str(info.value)
+    assert ("POST", "/v1/completions") not in src_log + dst_log  # no decoding on either side
+
+
+def test_a_source_without_the_model_given_is_refused_first(vllm: Callable[..., tuple[str, list[str | None]]]) -> None:
+    src_log: list[tuple[str, str]] = []
+    dst_log: list[tuple[str, str]] = []
+    (src, _), (dst, _) = vllm(model="other", log=src_log), vllm(log=dst_log)
+    with pytest.raises(HurrayFormatError, match="does not serve 'm'") as info:
+        _migrate(src, dst, model="m")
+    assert info.value.field == "model" and src in str(info.value)
+    assert src_log == [("GET", "/v1/models")] and dst_log == []
+
+
+# Timeouts are OSError(ETIMEDOUT) as docs/connector.md promises: a server that never answered, or stopped in the
+# middle of its body, raised Python's bare "timed out" (errno None), and only the deadline's own check said ETIMEDOUT.
+
+
+@pytest.mark.parametrize("stops", ["before the status line", "in the body"])
+def test_a_server_that_stops_answering_times_out_as_etimedout(serve: Callable[..., str], stops: str) -> None:
+    stop = threading.Event()
+
+    def stall(conn: socket.socket) -> None:
+        if stops == "in the body":
+            conn.sendall(HEAD.replace(b"\r\n\r\n", b"\r\nContent-Length: 50\r\n\r\n{"))
+        stop.wait(5)
+
+    url = serve(stall)
+    try:
+        with pytest.raises(OSError) as info:
+            mig._call(f"{url}/v1/models", timeout=0.5)
+    finally:
+        stop.set()
+    assert info.value.errno == errno.ETIMEDOUT and info.value.filename == f"{url}/v1/models"
+    assert "no answer within 0.5 s" in str(info.value)
+
+
+def test_migrate_times_out_as_etimedout(serve: Callable[..., str]) -> None:
+    stop = threading.Event()
+    url = serve(lambda conn: stop.wait(5))
+    try:
+        with pytest.raises(OSError) as info:
+            mig.migrate(url, "http://127.0.0.1:9", [1, 2, 3], after=1, max_tokens=2, model="m", timeout=0.5)
+    finally:
+        stop.set()
+    assert info.value.errno == errno.ETIMEDOUT and info.value.filename == f"{url}/v1/models"
+
+
+def test_a_connection_that_times_out_is_etimedout() -> None:
+    """Connecting past the timeout (urllib: a URLError around Python's timeout): a server whose queue is full."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)  # never accepted: once its queue is full, further connections wait for the server
+    port = srv.getsockname()[1]
+    queued: list[socket.socket] = []
+    try:
+        for _ in range(8):
+            c = socket.socket()
+            c.settimeout(0.3)
+            try:
+                c.connect(("127.0.0.1", port))
+            except TimeoutError:
+                c.close()
+                break
+            queued.append(c)
+        else:
+            pytest.skip("this system's kernel queued every connection: none waits")
+        url = f"http://127.0.0.1:{port}/v1/models"
+        with pytest.raises(OSError) as info:
+            mig._call(url, timeout=0.5)
+    finally:
+        for c in queued:
+            c.close()
+        srv.close()
+    assert info.value.errno == errno.ETIMEDOUT and "no answer within 0.5 s" in str(info.value)
+    assert info.value.filename == url
