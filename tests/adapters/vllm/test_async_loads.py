@@ -262,3 +262,71 @@ def test_a_request_recomputing_what_a_synchronous_load_failed_to_write_saves_it_
     meta = sched.build_connector_meta(out)  # type: ignore[arg-type]
     assert [t.key for t in meta.saves] == [keys[1]]  # recomputed, saved again (the store may lack it)
     assert sched.request_finished(request)[1] == {"hurray_saved_tokens": 16}  # type: ignore[arg-type]
+
+
+def _saving(w: Any) -> list[list[tuple[str, str]]]:
+    """What each step hands ``w``'s saving (``(request, key)`` per chunk) from now on, saved nowhere."""
+    handed: list[list[tuple[str, str]]] = []
+    w._saves_here, w._shares_states, w._async = True, False, False
+    w._save = lambda meta, gathered=None: handed.append([(t.request_id, t.key) for t in meta.saves])
+    return handed
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_failed_synchronous_load_drops_only_the_chunks_that_read_its_blocks(tmp_path: Path, in_flight: int) -> None:
+    """Found by a review: every chunk of the step was dropped, another request's too, whose answer still announced
+    it (vLLM moves back only the requests holding the failed blocks, so the scheduler never planned it again): a
+    continuation waited hurray_push_wait_s for it. Dropped now: the failed load's request's chunks and those that
+    hold one of its blocks, for the steps in flight (asynchronous scheduling: the next step too)."""
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, SaveTask
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    w = cpu_worker(store, ns)
+    w._steps_in_flight = in_flight
+    handed = _saving(w)
+    task = _load(store, ns, keys, snap, report=False)  # request "r", into BLOCKS
+    store.path(ns, keys[1]).unlink()  # a prune between the scheduler's check and this worker's read
+    w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
+    assert w.get_block_ids_with_load_errors() == set(BLOCKS)
+    own = SaveTask("r", "a0" * 8, list(range(8)), [3, 4])  # the failed load's request, past its loaded blocks
+    other = SaveTask("o", "b0" * 8, list(range(8)), [3, 6])  # another request's, its own blocks
+    sharing = SaveTask("s", "c0" * 8, list(range(8)), [BLOCKS[2], 6])  # one holding a block the load left unwritten
+    forward = SaveTask("f", "d0" * 8, [], [], forward=True)  # a push from its files
+    saves = [own, other, sharing, forward]
+    for _ in range(in_flight):
+        w.wait_for_save(HurrayConnectorMetadata(saves=saves))
+    w.wait_for_save(HurrayConnectorMetadata(saves=saves))  # the failure is behind: every chunk is saved
+    kept = [("o", other.key), ("f", forward.key)]
+    assert handed == [kept] * in_flight + [[(t.request_id, t.key) for t in saves]]
+    assert w.stats.saves_dropped == 2 * in_flight
+
+
+def test_ranks_drop_the_same_chunks_whichever_rank_s_load_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk is all its ranks' slices: a rank whose load did not fail drops what another rank's failure spoils
+    (learnt in a collective), and every chunk where it cannot learn it."""
+    import torch.distributed as dist
+    import vllm.distributed
+
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask, SaveTask
+
+    store, ns, _, _ = stored_at_tp(tmp_path, 1)
+    others: list[Any] = []
+    monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: SimpleNamespace(cpu_group=None))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.fill_(1))  # another rank's failed
+
+    def all_gather_object(out: list[Any], mine: Any, group: Any = None) -> None:
+        if not others:
+            raise RuntimeError("Connection closed by peer")
+        out[:] = [mine, *others]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    saves = [SaveTask("r", "a0" * 8, list(range(8)), [3, 4]), SaveTask("o", "b0" * 8, list(range(8)), [6, 7])]
+    for told, kept in (([(True, (frozenset({5}), frozenset({"r"})))], [("o", "b0" * 8)]), ([], [])):
+        others[:] = told
+        w = cpu_worker(store, ns)
+        w._tp = 2
+        handed = _saving(w)
+        w.wait_for_save(HurrayConnectorMetadata(loads=[LoadTask("r", [], [], [])], saves=saves))
+        assert handed == ([kept] if kept else []) and w.stats.saves_dropped == 2 - len(kept)

@@ -184,6 +184,14 @@ def test_a_chunk_longer_than_the_model_is_refused() -> None:
     assert _parse({"hurray_path": "/x"}, max_model_len=128).chunk_tokens == 256
 
 
+@pytest.mark.parametrize("chunk", [0, -32, 24])
+def test_a_chunk_size_that_is_no_positive_multiple_of_the_block_size_says_so(chunk: int) -> None:
+    """Found by a review: 0 and -32 were refused as "not a multiple of the engine's block size" (they are)."""
+    err = _refused({"hurray_path": "/x", "hurray_chunk_tokens": chunk})
+    assert err.field == "hurray_chunk_tokens"
+    assert f"must be a positive multiple of the engine's block size 16, got {chunk}" in str(err), str(err)
+
+
 # ── kv_role ──────────────────────────────────────────────────────────────────
 
 
@@ -205,6 +213,18 @@ def test_a_malformed_address_s_error_names_its_option_once(extra: dict[str, obje
     """Found by a review: "hurray_url: hurray_url: expected tcp://..." (the transport's error already named it)."""
     err = _refused(extra, role="kv_producer")
     assert err.field == field and str(err).startswith(f"{field}: ") and str(err).count(field) == 1, str(err)
+
+
+@pytest.mark.parametrize("key", ["hurray_url", "hurray_listen"])
+@pytest.mark.parametrize("value", [0, False, 9000, ["tcp://h:1"]])
+def test_an_address_that_is_not_a_string_is_refused_not_taken_as_unset(key: str, value: object) -> None:
+    """Found by a review: 0 and false passed as unset (``or None``): no pushes or no receiver, and no word of it."""
+    err = _refused({"hurray_path": "/x", key: value}, role="kv_producer")
+    assert err.field == key and repr(value) in str(err), str(err)
+    # null and "" are the ways to leave it unset.
+    for unset in (None, ""):
+        cfg = _parse({"hurray_path": "/x", key: unset}, role="kv_producer")
+        assert cfg.url is None and cfg.listen is None
 
 
 def test_a_consumer_with_hurray_url_is_refused_it_would_push_nothing() -> None:

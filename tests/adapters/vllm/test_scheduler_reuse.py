@@ -401,9 +401,10 @@ def test_a_chunk_refused_and_left_in_place_is_read_warned_about_and_counted_once
     assert len([r for r in caplog.records if "refusing chunk" in r.getMessage()]) == 2
 
 
-def test_a_lookup_that_offers_nothing_is_not_repeated_while_vllm_asks_again(tmp_path: Path) -> None:
-    """Out of memory reading a chunk says nothing about its file: it is not remembered as refused, but the same
-    request asking again at the next step with the same files stored gets the same answer without a read."""
+def test_a_lookup_cut_short_by_a_passing_error_is_read_again_while_vllm_asks_again(tmp_path: Path) -> None:
+    """Out of memory reading a chunk says nothing about its file: it is neither remembered as refused nor replayed
+    as the request's answer; each ask reads again (found by a review: the same request asking again at the next
+    step was offered nothing without a read, while the file was fine)."""
     import errno
 
     store, ns, _, snap = stored_at_tp(tmp_path, 1)
@@ -418,12 +419,40 @@ def test_a_lookup_that_offers_nothing_is_not_repeated_while_vllm_asks_again(tmp_
     tokens = [*snap.token_ids[0], 7]
     for _ in range(3):
         assert sched.get_num_new_matched_tokens(_request("r", tokens), 0) == (0, False)
-    assert len(read) == 1 and sched.stats.chunks_refused == 1
+    assert len(read) == 3 and sched.stats.chunks_refused == 3
     # vLLM took the answer: a later lookup (a preemption) looks again, as does another request.
     sched.update_state_after_alloc(_request("r", tokens), _blocks([1, 2, 3, 4, 5]), 0)
     assert sched.get_num_new_matched_tokens(_request("r", tokens), 0) == (0, False)
     assert sched.get_num_new_matched_tokens(_request("s", tokens), 0) == (0, False)
-    assert len(read) == 3 and sched.stats.chunks_refused == 3
+    assert len(read) == 5 and sched.stats.chunks_refused == 5
+
+
+@pytest.mark.parametrize("code", ["EMFILE", "ENOMEM"])
+def test_the_next_ask_after_a_passing_error_loads_what_it_could_not_read(tmp_path: Path, code: str) -> None:
+    """The error passed (a descriptor freed): the same request asking again at the next step (vLLM could not
+    allocate its blocks yet) loads the chunks, also the one the error cut a load short before."""
+    import errno
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    tokens = [*snap.token_ids[0], 7]
+    for failing, first_answer in ((0, 0), (1, 8)):  # chunk 0's read fails: nothing; chunk 1's: chunk 0 only
+        sched = _scheduler(_config(tmp_path), store, ns)
+        real, fails = sched._read_part, [keys[failing]]
+
+        def passing(part: Any, tokens: Any, reader: Any = None, real: Any = real, fails: list[str] = fails) -> Any:
+            if part.name in fails:
+                fails.remove(part.name)
+                raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+            return real(part, tokens, reader)
+
+        sched._read_part = passing
+        request = _request("r", tokens)
+        assert sched.get_num_new_matched_tokens(request, 0) == (first_answer, False)
+        assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
+        assert sched._reqs["r"].load is not None and len(sched._reqs["r"].load.keys) == 2
+        # Once read whole, the answer is replayed again while vLLM asks (no file read).
+        sched._read_part = None
+        assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
 
 
 def test_a_linear_attention_hybrid_reads_no_chunk_when_none_holds_states(
@@ -463,3 +492,67 @@ def test_a_load_after_a_local_hit_saves_the_hit_chunks_the_store_lacks(tmp_path:
         assert load.keys == [keys[1]] and load.block_ids == [3, 4]
         assert [(t.key, t.block_ids) for t in meta.saves] == planned, stored
         assert sched.request_finished(request) == (False, {"hurray_saved_tokens": 16})
+
+
+def _failing_load_and_another_request(
+    tmp_path: Path, b_tokens: list[int] | None, b_blocks: list[int], b_hit: int, in_flight: int = 1
+) -> tuple[Any, Any, Any, list[list[tuple[str, str]]]]:
+    """Request A loads its two stored chunks into blocks 1-4 (synchronously); B is scheduled in the same step
+    (``b_tokens``: None for A's 16 tokens then 9 of its own; ``b_hit``: its local prefix-cache hit). A worker's
+    read of A's chunk 1 then fails (the file pruned meanwhile). Returns the scheduler, B, the step's metadata and
+    what the worker hands its saving (``(request, key)`` per chunk, saved nowhere) in that step."""
+    from bare_worker import cpu_worker
+
+    from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path, worker_in_process=False, steps_in_flight=in_flight), store, ns)
+    a = _request("A", list(snap.token_ids[0]))
+    b = _request("B", b_tokens if b_tokens is not None else [*snap.token_ids[0][:16], *range(600, 609)])
+    assert sched.get_num_new_matched_tokens(a, 0) == (16, False)
+    assert sched.get_num_new_matched_tokens(b, b_hit) == (0, False)
+    sched.update_state_after_alloc(a, _blocks([1, 2, 3, 4, 5]), 16)
+    sched.update_state_after_alloc(b, _blocks(b_blocks), 0)
+    new_a = SimpleNamespace(req_id="A", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=16)
+    new_b = SimpleNamespace(req_id="B", block_ids=(b_blocks,), num_computed_tokens=b_hit)
+    # B first: the scheduler knows the step's loads before it plans any save.
+    meta = sched.build_connector_meta(_output([new_b, new_a], {"A": 1, "B": len(b.all_token_ids) - b_hit}))
+    assert [load.request_id for load in meta.loads] == ["A"]
+    store.path(ns, keys[1]).unlink()
+    forget_verified_chunks()  # a worker process of its own: it reads the files
+    w = cpu_worker(store, ns)
+    handed: list[list[tuple[str, str]]] = []
+    w._saves_here, w._shares_states, w._async = True, False, False
+    w._save = lambda m, gathered=None: handed.append([(t.request_id, t.key) for t in m.saves])
+    w.start_load_kv(meta)
+    assert w.get_block_ids_with_load_errors() == {1, 2, 3, 4}
+    w.wait_for_save(meta)
+    return sched, b, meta, handed
+
+
+def test_a_failed_load_does_not_cost_another_request_the_chunks_its_answer_announces(tmp_path: Path) -> None:
+    """Found by a review: the worker dropped every save of a step whose synchronous load failed, B's too, while B's
+    answer announced them (vLLM moves back only A: B never saved them); a continuation waited for them in vain."""
+    sched, b, meta, handed = _failing_load_and_another_request(tmp_path, list(range(500, 517)), [6, 7, 8, 9, 10], 0)
+    b_chunks = [("B", t.key) for t in meta.saves if t.request_id == "B"]
+    assert len(b_chunks) == 2 and handed == [b_chunks]  # saved: B's blocks hold none of A's
+    assert sched.request_finished(b) == (False, {"hurray_saved_tokens": 16})
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_chunk_that_read_blocks_a_load_in_flight_fills_is_dropped_when_the_load_fails(
+    tmp_path: Path, in_flight: int
+) -> None:
+    """B's prefix-cache hit holds A's blocks, which A's load fills in the same step: B's chunks attend to them,
+    but chunk 2's own blocks hold none of them. Its task names them (reads), so the worker that sees A's load fail
+    does not store it wrong; B's chunks are planned at once (a load that succeeds costs nothing)."""
+    sched, b, meta, handed = _failing_load_and_another_request(tmp_path, None, [1, 2, 3, 4, 8, 9, 10], 16, in_flight)
+    (task,) = [t for t in meta.saves if t.request_id == "B"]  # chunk 2 (chunk 1 was stored when planned)
+    assert task.block_ids == [8, 9] and task.reads == [1, 2, 3, 4]
+    assert handed == []  # it read what the failed load left unwritten: not stored
+    # vLLM moves B back too (it holds the failed blocks): its chunks are planned again once recomputed.
+    out = _output([], {"B": len(b.all_token_ids)})
+    c = out.scheduled_cached_reqs
+    c.req_ids, c.new_block_ids, c.num_computed_tokens = ["B"], [None], [0]
+    again = [t for t in sched.build_connector_meta(out).saves if t.request_id == "B"]
+    assert [t.block_ids for t in again] == [[3, 4], [8, 9]]

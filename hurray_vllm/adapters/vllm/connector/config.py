@@ -131,6 +131,20 @@ def _int(extra: Any, key: str, default: int) -> int:
         raise HurrayArgumentError(key, f"expected an integer, got {value!r}") from None
 
 
+def _address(extra: Any, key: str, example: str) -> str | None:
+    """``key``'s address, or None where it is missing, ``null`` or ``""`` (the ways to leave it unset).
+
+    Any other value that is not a string is refused: ``0`` or ``false`` must not pass as unset (no receiver,
+    no pushes, and no word of it), nor a number as a port.
+    """
+    value = extra.get_from_extra_config(key, None)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise HurrayArgumentError(key, f"expected a string such as {example!r} (or null: none), got {value!r}")
+    return value
+
+
 _PUSH_TLS = {"cert_file": "hurray_tls_cert", "key_file": "hurray_tls_key", "ca_file": "hurray_tls_ca"}
 _LISTEN_TLS = {
     "cert_file": "hurray_listen_tls_cert",
@@ -313,6 +327,9 @@ class HurrayConfig:
     #: several KV cache groups, for which vLLM cannot map failed blocks back to requests, wherever its
     #: workers run (see ``_async_loads``).
     async_loads: bool = False
+    #: Steps vLLM schedules before it learns the outcome of the one before (2 with ``async_scheduling``):
+    #: how long a synchronous load that fails spoils the steps that read its blocks (see ``wait_for_save``).
+    steps_in_flight: int = 1
     #: The worker runs in the scheduler's process: a load hands it the chunks the scheduler verified.
     worker_in_process: bool = True
     #: ``hurray_key_file`` (or ``$HURRAY_VLLM_KEY_FILE``): the fleet keys chunks are signed with and
@@ -351,7 +368,8 @@ class HurrayConfig:
         chunk = _int(cfg, "hurray_chunk_tokens", -(-256 // block_size) * block_size)
         if chunk <= 0 or chunk % block_size:
             raise HurrayArgumentError(
-                "hurray_chunk_tokens", f"{chunk} is not a multiple of the engine's block size {block_size}"
+                "hurray_chunk_tokens",
+                f"must be a positive multiple of the engine's block size {block_size}, got {chunk}",
             )
         max_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         if cfg.given("hurray_chunk_tokens") and isinstance(max_len, int) and 0 < max_len <= chunk:
@@ -363,7 +381,7 @@ class HurrayConfig:
                 f"{max_len - 1}, so no chunk would fill",
             )
         saves = kv.kv_role in ("kv_producer", "kv_both")
-        url = cfg.get_from_extra_config("hurray_url", None) or None
+        url = _address(cfg, "hurray_url", "tcp://HOST:PORT")
         try:
             url_channel = channel_of(str(url)) if url else None  # a typo surfaces at start, not at the first save
         except ValueError as exc:  # a HurrayFormatError, or whatever a URL parser lets through: not an engine crash
@@ -414,7 +432,7 @@ class HurrayConfig:
         window_chunks = str(cfg.get_from_extra_config("hurray_window_chunks", "every"))
         if window_chunks not in ("every", "last"):
             raise HurrayArgumentError("hurray_window_chunks", f"expected 'every' or 'last', got {window_chunks!r}")
-        listen = cfg.get_from_extra_config("hurray_listen", None) or None
+        listen = _address(cfg, "hurray_listen", "HOST:PORT")
         if cfg.given("hurray_listen_transport") and listen is None:
             raise HurrayArgumentError("hurray_listen_transport", "a receiver's option: it needs hurray_listen")
         transport = str(cfg.get_from_extra_config("hurray_listen_transport", "tcp"))
@@ -465,6 +483,7 @@ class HurrayConfig:
         if save_queue_mib < 1:  # 0 would count every step's saves as a full queue and cut each push short
             raise HurrayArgumentError("hurray_save_queue_mib", f"must be at least 1, got {save_queue_mib}")
         verified_chunks = _int(cfg, "hurray_verified_chunks", 256)
+        async_scheduling = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
         cfg.refuse_unknown()  # last: by now every option was asked for
         return cls(
             path=path,
@@ -490,6 +509,7 @@ class HurrayConfig:
             state_layout=state_layout,
             tp=tp,
             async_loads=_async_loads(vllm_config, kv_cache_config),
+            steps_in_flight=2 if async_scheduling else 1,
             worker_in_process=_worker_in_process(vllm_config),
             keys=keys,
             push_tls=push_tls,

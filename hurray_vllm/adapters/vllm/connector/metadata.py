@@ -106,6 +106,10 @@ class SaveTask:
     #: previous chunk's key, not a slice name), written into the chunk's header (``PARENT_KEY``) so that a
     #: prune keeps it while it keeps this chunk. None for a sequence's first chunk.
     parent: str | None = None
+    #: Blocks of the request before the chunk's own that another request's synchronous load fills in a step
+    #: still in flight (a prefix-cache hit on its blocks): the chunk's attention read them, so a failure of that
+    #: load spoils this chunk too, which its own blocks would not tell the worker (``wait_for_save``).
+    reads: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -143,8 +147,9 @@ class ConnectorStats:
     #: Loads that failed on the worker after the scheduler promised them (a file gone, I/O): recomputed.
     #: Counted by each worker; by the scheduler too for asynchronous loads (``config.async_loads``).
     loads_failed: int = 0
-    #: worker: chunks (and tails) a step completed while one of its synchronous loads had failed: not saved,
-    #: since its forward pass read blocks the load did not write (saved once recomputed).
+    #: worker: chunks (and tails) that read blocks a failed synchronous load did not write (the failed
+    #: request's, and those holding or having read its blocks: ``SaveTask.reads``): not saved (saved once
+    #: recomputed).
     saves_dropped: int = 0
     #: worker: chunks (and tails) a step planned to save that could not be: no memory for their block or
     #: state copies, a block id outside the cache, an export or a file write that failed (disk full). Not

@@ -15,7 +15,7 @@ import os
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -355,6 +355,12 @@ class HurrayScheduler:
         # requests vLLM put to wait for a load that is not (or no longer) planned, which the workers fail.
         self._allocated: list[tuple[_Request, int]] = []
         self._unplanned: list[str] = []
+        #: The blocks the synchronous loads of the steps in flight fill, per step (_note_loads), and all of
+        #: them with their loading requests.
+        self._loading: deque[dict[int, str]] = deque(maxlen=config.steps_in_flight)
+        self._loading_blocks: dict[int, set[str]] = {}
+        #: The lookup under way refused a file for a passing reason (:meth:`_refuse`): its answer is not replayed.
+        self._passing_refusal = False
         # The receiver start_receiver started or shares, by the address it bound (see _RECEIVERS).
         self._listening: tuple[str, int] | None = None
 
@@ -428,7 +434,8 @@ class HurrayScheduler:
         later lookups of this process stop at it after a ``stat``, so it is read,
         counted and warned about once per identity, not at every step vLLM
         asks again for a waiting request. An error that says nothing about the
-        file (out of memory) is not remembered.
+        file (out of memory, out of descriptors) is not remembered, neither as
+        a refusal nor as the answer of the lookup it cut short.
         """
         self.stats.chunks_refused += 1
         kind = refusal_kind(why) if isinstance(why, BaseException) else None
@@ -441,6 +448,8 @@ class HurrayScheduler:
             return
         if not (isinstance(why, OSError) and why.errno in _PASSING_ERRNOS):
             REFUSED.add(part.name, part.identity, self._scope)
+        else:  # nor is this lookup's answer: the request's next ask reads again (get_num_new_matched_tokens)
+            self._passing_refusal = True
         log.warning("hurray: refusing chunk %s (%s); recomputing instead", part.name, why)
 
     def _refused_before(self, parts: list[ChunkPart]) -> bool:
@@ -492,7 +501,8 @@ class HurrayScheduler:
         vLLM asks again at each step while it cannot allocate the request's blocks (a full KV cache):
         while the request starts at the same token and the store holds the same files (``stat`` only),
         the load planned last is offered again without reading or checking any file; so is an answer of
-        nothing. A chunk file refused and left in place (:meth:`_refuse`) stops any later lookup of this
+        nothing. Not an answer a passing error cut short (a read out of memory or descriptors): the next ask
+        reads again. A chunk file refused and left in place (:meth:`_refuse`) stops any later lookup of this
         process after a ``stat``.
         """
         state = self._state(request)  # also for a producer alone: its saves follow the request
@@ -536,6 +546,7 @@ class HurrayScheduler:
             if _tail_files(probed) == last.tail:
                 return (last.matched, state.load.report) if state.load is not None else (0, False)
         state.load = state.lookup = None
+        self._passing_refusal = False
         hit, verified, verified_snaps = self._verify_chunks(stored, tokens, first)
         # The slices of a chunk share windows and structure: the first of each speaks for them.
         while hit > first and not self._resumes_at(
@@ -560,8 +571,12 @@ class HurrayScheduler:
             verified_snaps.append(tail_snaps)
         end = hit * self._chunk + (len(tail[1]) if tail is not None else 0)
         matched = end - num_computed_tokens
+        # An answer cut short by a passing error (out of memory or descriptors) is not replayed: the same files may
+        # give more at the request's next ask.
+        replay = not self._passing_refusal
         if matched <= 0 or num_computed_tokens % self._block_size:
-            state.lookup = _Lookup(files, hit, _tail_files(probed), 0)  # the same files give nothing next time
+            if replay:
+                state.lookup = _Lookup(files, hit, _tail_files(probed), 0)  # the same files give nothing next time
             return 0, False
         # A local prefix-cache hit may end inside chunk `first`: its leading blocks are the engine's
         # (possibly shared with other requests) and are skipped; the rest of the chunk is loaded.
@@ -579,7 +594,7 @@ class HurrayScheduler:
             snaps=verified_snaps if self._config.worker_in_process else [],
         )
         state.load_from = num_computed_tokens
-        state.lookup = _Lookup(files, hit, _tail_files(probed), matched)
+        state.lookup = _Lookup(files, hit, _tail_files(probed), matched) if replay else None
         return matched, report
 
     def _verify_chunks(
@@ -1068,6 +1083,9 @@ class HurrayScheduler:
         # An empty reported load is failed by every worker: vLLM then stops waiting for it and recomputes.
         meta.loads += [LoadTask(req_id, [], [], [], report=True) for req_id in self._unplanned]
         self._unplanned = []
+        # Saves are planned once every load of the step is known (_note_loads): (request, its state, the tokens
+        # computed after the step, where vLLM freed its out-of-window blocks).
+        due: list[tuple[str, _Request, int, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
@@ -1081,9 +1099,7 @@ class HurrayScheduler:
             start = new.num_computed_tokens
             if state.load is not None:
                 self._attach_load(meta, state, start, scheduler_output.num_scheduled_tokens[new.req_id])
-            self._plan_saves(
-                meta, new.req_id, state, start + scheduler_output.num_scheduled_tokens[new.req_id], freed_at=start
-            )
+            due.append((new.req_id, state, start + scheduler_output.num_scheduled_tokens[new.req_id], start))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -1114,8 +1130,41 @@ class HurrayScheduler:
             # vLLM freed this step's out-of-window blocks on the tokens its finished steps computed (this
             # method runs before it counts the step's own tokens in flight).
             freed_at = computed - getattr(state.request, "num_in_flight_tokens", 0)
+            due.append((req_id, state, done, freed_at))
+        self._note_loads(meta)
+        for req_id, state, done, freed_at in due:
             self._plan_saves(meta, req_id, state, done, freed_at=freed_at)
         return meta
+
+    def _note_loads(self, meta: HurrayConnectorMetadata) -> None:
+        """Remember the blocks this step's synchronous loads fill, for the steps a failure of one spoils.
+
+        A synchronous load that fails on a worker leaves its blocks unwritten, and every step vLLM scheduled
+        before it learned of it (this one, and the next with asynchronous scheduling) computes on them: the
+        worker stores no chunk of those steps that reads them. It knows a chunk's own blocks, not the blocks
+        before them that the chunk's attention read too (a prefix-cache hit on the loading request's blocks,
+        by a request scheduled in the same step or the next): :meth:`_plan_saves` names those blocks in the
+        chunk's task (``SaveTask.reads``, :meth:`_reads_loading`).
+        """
+        loads = [task for task in meta.loads if not task.report and task.block_ids]
+        self._loading.append({b: task.request_id for task in loads for b in task.block_ids})
+        self._loading_blocks = {}
+        for step in self._loading:
+            for b, req_id in step.items():
+                self._loading_blocks.setdefault(b, set()).add(req_id)
+
+    def _reads_loading(self, req_id: str, state: _Request) -> list[tuple[int, int]]:
+        """``(index, block)`` of the request's blocks that another request's synchronous load in flight fills.
+
+        A prefix-cache hit on the loading request's blocks: every chunk after
+        such a block attended to it. A request's own loads are left out: the
+        worker drops every save of a request whose load failed.
+        """
+        return [
+            (i, b)
+            for i, b in enumerate(state.block_ids)
+            if (owners := self._loading_blocks.get(b)) is not None and owners != {req_id}
+        ]
 
     def _attach_load(self, meta: HurrayConnectorMetadata, state: _Request, computed: int, scheduled: int) -> None:
         """Hand the planned load to the worker, with the engine blocks it fills."""
@@ -1214,12 +1263,15 @@ class HurrayScheduler:
         tail = self._config.tails and not state.tail_planned and computed >= state.request.num_prompt_tokens
         if not self._saves or (full <= state.chunks_done and not tail):
             return
+        per = self._chunk // self._block_size
+        # Blocks this request holds that another request's synchronous load in flight fills: every chunk after
+        # one read it (SaveTask.reads), and a failure of that load spoils the chunk as well.
+        loading = self._reads_loading(req_id, state) if self._loading_blocks else []
         seed = self._seed(state)  # looked at only when a chunk or the tail is due, not every decode step
         if seed is None:
             return
         tokens = list(state.request.all_token_ids)
         keys = chunk_keys(tokens[: full * self._chunk], self._chunk, seed)
-        per = self._chunk // self._block_size
         # The resume the "last" window policy keeps sliding blocks for: the prompt's last whole chunk.
         prompt_end = (state.request.num_prompt_tokens - 1) // self._chunk * self._chunk if self._last_only else 0
         kept_from = max(prompt_end, freed_at)  # no resume before either is kept (or could be)
@@ -1251,15 +1303,22 @@ class HurrayScheduler:
                     ],
                     replace=replace,
                     parent=keys[c - 1] if c else None,
+                    reads=[b for i, b in loading if i < c * per],
                     **states,
                 )
             )
         state.chunks_done = max(state.chunks_done, full)
         if tail:
-            self._plan_tail(meta, req_id, state, tokens, keys)
+            self._plan_tail(meta, req_id, state, tokens, keys, loading)
 
     def _plan_tail(
-        self, meta: HurrayConnectorMetadata, req_id: str, state: _Request, tokens: list[int], keys: list[str]
+        self,
+        meta: HurrayConnectorMetadata,
+        req_id: str,
+        state: _Request,
+        tokens: list[int],
+        keys: list[str],
+        loading: list[tuple[int, int]],
     ) -> None:
         """In the step that ends a prompt's prefill, save its tail: its whole blocks after its last whole chunk.
 
@@ -1267,7 +1326,8 @@ class HurrayScheduler:
         sent again) then loads every whole block of it and computes at most
         one block, instead of up to a chunk. Decode tokens complete the chunk
         later, and it is saved whole as usual. Once per request. ``keys``:
-        the whole chunks' keys, at least up to the prompt's last one.
+        the whole chunks' keys, at least up to the prompt's last one;
+        ``loading``: as :meth:`_reads_loading`.
         """
         state.tail_planned = True
         prompt = state.request.num_prompt_tokens
@@ -1284,7 +1344,8 @@ class HurrayScheduler:
             return
         first = start // self._block_size
         blocks = state.block_ids[first : first + n // self._block_size]
-        meta.saves.append(SaveTask(req_id, key, tokens[start:end], blocks, tail=True, parent=prev))
+        reads = [b for i, b in loading if i < first]
+        meta.saves.append(SaveTask(req_id, key, tokens[start:end], blocks, tail=True, parent=prev, reads=reads))
 
     def _window_start(self, window: int, c: int, resume: int) -> int:
         """Where a save of chunk ``c`` holds a sliding layer's tokens from (chunk-relative, whole blocks).

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -438,8 +438,29 @@ def _task_blocks(task: LoadTask) -> set[int]:
     return {b for g in (task.groups or [task.block_ids]) for b in g if b} | state
 
 
+#: A synchronous load that failed, while it spoils steps still to save: (how many, its blocks, its request).
+_FailedLoad = tuple[int, frozenset[int], str]
+
+
+def _reads_spoiled(task: SaveTask, spoiled: tuple[frozenset[int], frozenset[str]] | None) -> bool:
+    """Whether a save's chunk read blocks a failed load left unwritten: its request's, its own or those before.
+
+    ``spoiled``: the failed loads' blocks and requests (:meth:`HurrayWorker._spoiled`); None: not known, so yes.
+    """
+    if spoiled is None:
+        return True
+    blocks, requests = spoiled
+    if task.request_id in requests or any(b in blocks for b in task.reads):
+        return True
+    return any(b in blocks for g in (task.groups or [task.block_ids]) for b in g if b)
+
+
 class HurrayWorker:
     """Worker-side state and methods (see the facade's docstrings for who calls what, when)."""
+
+    #: The synchronous loads that failed, each while it spoils the steps in flight (see wait_for_save). A
+    #: tuple, replaced and never changed in place.
+    _failed_loads: tuple[_FailedLoad, ...] = ()
 
     def __init__(
         self,
@@ -470,8 +491,9 @@ class HurrayWorker:
         self.stats = ConnectorStats()
         self._ec: EngineCache | None = None
         self._load_errors: set[int] = set()
-        # Steps whose saves are not kept: a synchronous load failed in one still in flight (see wait_for_save).
+        # Steps whose saves are checked: a synchronous load failed in one still in flight (see wait_for_save).
         self._failed_steps = 0
+        self._failed_loads = ()
         sched = getattr(vllm_config, "scheduler_config", None)
         self._steps_in_flight = 2 if getattr(sched, "async_scheduling", False) else 1
         # Asynchronous loads (``LoadTask.report``) done in this step, and those of them that failed.
@@ -637,10 +659,12 @@ class HurrayWorker:
         if task.report:
             self._failed.add(task.request_id)
         else:
-            self._load_errors.update(_task_blocks(task))
+            blocks = _task_blocks(task)
+            self._load_errors.update(blocks)
             # This step's forward pass reads blocks not written (see wait_for_save); with asynchronous scheduling
             # so does the next one, scheduled before vLLM learns of the failure.
             self._failed_steps = self._steps_in_flight
+            self._failed_loads = (*self._failed_loads, (self._steps_in_flight, frozenset(blocks), task.request_id))
 
     def _plan_writes(self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]) -> list[_Write]:
         """Every ``(layer, engine blocks, pages, heads)`` write of a load, checked before the first block is touched.
@@ -926,24 +950,31 @@ class HurrayWorker:
         (``saves_failed``), logged, and recomputed by whoever lacks it.
         """
         t0 = time.perf_counter()
-        failed = self._failed_steps > 0
+        failed = failed_here = self._failed_steps > 0
         self._failed_steps = max(0, self._failed_steps - 1)
+        spoiled = self._spoiled()
         try:
             # Every rank, the replicas too, takes part in the gather (a collective, in the same order).
             gathered = self._gather_states(meta.saves) if self._shares_states and meta.saves else None
             if meta.saves and self._tp > 1 and (meta.loads or self._steps_in_flight > 1):
                 failed = self._any_rank(failed)  # every rank, on the same metadata: the collectives line up
+                if failed:  # then on every rank: they all drop the same saves (a chunk is all its slices)
+                    spoiled = self._every_rank_spoiled(failed_here, spoiled)
             todo = meta
             if meta.saves and failed:
                 # This step's forward pass attended to blocks a synchronous load did not write (vLLM recomputes
-                # them after it): every chunk it completed may hold wrong KV, this request's or one sharing its
-                # blocks. None is stored; the scheduler plans those of the request vLLM moves back again. Those
-                # only to push on (read from their files, no block) still go: _save makes no collective, so the
-                # ranks stay in step.
-                todo = replace(meta, saves=[t for t in meta.saves if t.forward])
+                # them after it, and moves back the requests that hold them): a chunk that read one may hold
+                # wrong KV. Those are not stored: the failed load's request's, those holding its blocks, and
+                # those that read one before their own (a prefix-cache hit on the loading request's blocks:
+                # SaveTask.reads, from HurrayScheduler._note_loads).
+                # The scheduler plans again what vLLM moves back; the other requests' chunks are stored, as
+                # their answers announce. Failures not known block by block (another rank's that could not be
+                # learnt) drop every chunk. Those only to push on (read from their files, no block) still go:
+                # _save makes no collective, so the ranks stay in step.
+                todo = replace(meta, saves=[t for t in meta.saves if t.forward or not _reads_spoiled(t, spoiled)])
                 dropped = len(meta.saves) - len(todo.saves)
                 if dropped:
-                    log.warning("hurray: a load failed in this step; not saving its %d chunks", dropped)
+                    log.warning("hurray: a load failed; not saving the %d chunks that read its blocks", dropped)
                     self.stats.saves_dropped += dropped
             if todo.saves and self._saves_here:
                 try:
@@ -961,6 +992,42 @@ class HurrayWorker:
         finally:
             if meta.saves and self._saves_here:
                 self.stats.save_s += time.perf_counter() - t0
+
+    def _spoiled(self) -> tuple[frozenset[int], frozenset[str]] | None:
+        """The blocks and requests of the synchronous loads that failed in the steps still in flight; one step on.
+
+        Called once per step (by :meth:`wait_for_save`). None where none is known.
+        """
+        live = self._failed_loads
+        self._failed_loads = tuple((n - 1, blocks, req) for n, blocks, req in live if n > 1)
+        if not live:
+            return None
+        return frozenset().union(*(blocks for _, blocks, _ in live)), frozenset(req for _, _, req in live)
+
+    def _every_rank_spoiled(
+        self, failed: bool, mine: tuple[frozenset[int], frozenset[str]] | None
+    ) -> tuple[frozenset[int], frozenset[str]] | None:
+        """:meth:`_spoiled` of every tensor-parallel rank together (a collective, once a rank's load failed).
+
+        A rank may fail a load the others did not (a slice file of its own). ``failed``: whether a load of this
+        rank spoils this step, ``mine`` what it spoils. None where some rank's failure is not known (none
+        recorded, or the collective failed): every chunk is dropped then.
+        """
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        try:
+            every: list[Any] = [None] * self._tp
+            dist.all_gather_object(every, (failed, mine), group=get_tp_group().cpu_group)
+        except Exception as exc:
+            log.warning(
+                "hurray: a collective with the other tensor-parallel ranks failed (%s); dropping every chunk", exc
+            )
+            return None
+        known = [theirs for _, theirs in every if theirs is not None]
+        if any(spoils and theirs is None for spoils, theirs in every) or not known:
+            return None
+        return frozenset().union(*(b for b, _ in known)), frozenset().union(*(r for _, r in known))
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any tensor-parallel rank (a collective: every rank calls it in the same step).
