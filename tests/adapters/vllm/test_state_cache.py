@@ -55,3 +55,21 @@ def test_a_later_layer_that_differs_is_refused_before_anything_is_written(
         cache.write([{1: [3]}], _states(layer1))
     assert info.value.field == field
     assert not any(t.any() for layer in cache.tensors for t in layer)  # layer 0 untouched too
+
+
+def test_a_load_refuses_such_states_when_it_plans_before_any_kv_block_is_written() -> None:
+    """The worker plans a load's states before it writes the load's KV blocks (_plan_states): refused there, a bad
+    later layer leaves the engine's KV untouched too, not only its states."""
+    from types import SimpleNamespace
+
+    from hurray_vllm.adapters.vllm.connector.worker import HurrayWorker
+
+    cache = _cache()
+    ec = SimpleNamespace(states=cache)
+    task = SimpleNamespace(resume=32, state_blocks={1: [3]}, keys=["k"])
+    good = SimpleNamespace(states=_states((torch.ones(1, 3, 8, dtype=BF16), torch.ones(1, 2, 4, 4, dtype=BF16))))
+    assert HurrayWorker._plan_states(ec, task, [good]) is good.states  # type: ignore[arg-type]
+    bad = SimpleNamespace(states=_states((torch.ones(1, 3, 8, dtype=BF16), torch.ones(1, 2, 4, 5, dtype=BF16))))
+    with pytest.raises(hv.HurrayFormatError) as info:
+        HurrayWorker._plan_states(ec, task, [bad])  # type: ignore[arg-type]
+    assert info.value.field == "snapshot.states.ssm"

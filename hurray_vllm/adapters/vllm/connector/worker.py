@@ -775,6 +775,11 @@ class HurrayWorker:
             )
         if ec.states.part is not None and states.fraction != ec.states.fraction:
             states = states.take(*ec.states.part)  # heads replicated over ranks: this rank's share of theirs
+        # Every layer's states, here rather than in StateCache.write (which checks them too): a violation
+        # found there comes after the load's KV blocks are written.
+        bad = states.violations()
+        if bad:
+            raise HurrayFormatError.from_violations(bad)
         diffs = ec.states.mismatches(states)
         if diffs:
             raise HurrayFormatError("snapshot.states", "states of another model: " + "; ".join(diffs))
