@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import HurrayArgumentError
+
 if TYPE_CHECKING:
     import torch
 
@@ -299,6 +301,8 @@ def read_crc32c_pages(fd: int, buf: torch.Tensor) -> tuple[int, torch.Tensor | N
     native call for the whole read, which releases the GIL once.
 
     Raises:
+        HurrayArgumentError: (field ``buf``) not a contiguous uint8 CPU
+            tensor over its own storage.
         OSError: the read failed.
     """
     lib = library()
@@ -306,8 +310,14 @@ def read_crc32c_pages(fd: int, buf: torch.Tensor) -> tuple[int, torch.Tensor | N
         return None
     import torch
 
-    assert buf.dtype == torch.uint8 and buf.device.type == "cpu" and buf.is_contiguous()
+    # Checked, not asserted: read() writes numel() bytes at data_ptr(), so an expanded (stride-0) or GPU/meta
+    # tensor would let the kernel write past its storage, also under ``python -O``.
     n = buf.numel()
+    if buf.dtype != torch.uint8 or buf.device.type != "cpu" or not buf.is_contiguous():
+        what = f"{'a contiguous' if buf.is_contiguous() else 'a non-contiguous'} {buf.dtype} tensor on {buf.device}"
+        raise HurrayArgumentError("buf", f"must be a contiguous uint8 CPU tensor to read into, got {what}")
+    if buf.storage_offset() + n > buf.untyped_storage().nbytes():
+        raise HurrayArgumentError("buf", f"its {n} bytes run past the end of its storage: read into a fresh tensor")
     pages = torch.empty(n // CRC_PAGE, dtype=torch.int32) if lib.hurray_crc32c_pages_ok() else None
     got = int(lib.hurray_read_crc32c_pages(fd, buf.data_ptr(), n, pages.data_ptr() if pages is not None else None))
     if got < 0:
@@ -324,7 +334,9 @@ def crc32c_ranges(crc: int, base: torch.Tensor, pages: torch.Tensor, ranges: Seq
     when the native kernels are unavailable.
 
     Raises:
-        ValueError: a range outside ``base``.
+        HurrayArgumentError: (a :class:`ValueError`) a range outside
+            ``base`` (field ``ranges``); ``pages`` or ``base`` not
+            contiguous CPU tensors (field ``pages`` or ``base``).
     """
     lib = library()
     if lib is None:
@@ -332,11 +344,16 @@ def crc32c_ranges(crc: int, base: torch.Tensor, pages: torch.Tensor, ranges: Seq
     import torch
 
     size = base.numel() * base.element_size()
-    if pages.dtype != torch.int32 or not pages.is_contiguous() or not base.is_contiguous():
-        raise ValueError("crc32c_ranges: pages must be read_crc32c_pages' int32 registers, base contiguous")
+    # The kernel dereferences both pointers on the host: a CUDA or meta tensor would crash the process.
+    if pages.dtype != torch.int32 or pages.device.type != "cpu" or not pages.is_contiguous():
+        raise HurrayArgumentError(
+            "pages", f"must be read_crc32c_pages' contiguous int32 CPU registers, got {pages.dtype} on {pages.device}"
+        )
+    if base.device.type != "cpu" or not base.is_contiguous():
+        raise HurrayArgumentError("base", f"must be a contiguous CPU tensor (the buffer read into), got {base.device}")
     for off, length in ranges:
         if off < 0 or length < 0 or off + length > size:
-            raise ValueError(f"crc32c_ranges: range ({off}, {length}) outside {size} bytes")
+            raise HurrayArgumentError("ranges", f"range ({off}, {length}) outside the base's {size} bytes")
     offs = (ctypes.c_uint64 * len(ranges))(*(off for off, _ in ranges))
     lens = (ctypes.c_uint64 * len(ranges))(*(length for _, length in ranges))
     n = min(pages.numel(), size // CRC_PAGE)

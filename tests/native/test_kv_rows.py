@@ -180,3 +180,46 @@ def test_destinations_that_share_memory_with_the_cache_take_the_torch_path() -> 
     assert layout._gather_native(cache, ids, (k[:48].view(2, 3, 2, 4), k[4:52].view(2, 3, 2, 4))) is None
     fine = (torch.empty(2, 3, 2, 4), torch.empty(2, 3, 2, 4))
     assert layout._gather_native(cache, ids, fine) is not None
+
+
+def test_destinations_on_another_device_than_the_cache_are_refused_as_such() -> None:
+    """As for the packed CPU layout: ``out`` on another device (here meta) names ``out``, not a raw RuntimeError
+    from the copy."""
+    from hurray_vllm import HurrayArgumentError
+
+    (cache,) = _views("LBNHC", torch.bfloat16, 1, 4, 2, 16, 8, seed=6)
+    out = tuple(torch.empty(1, 16, 2, 8, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    with pytest.raises(HurrayArgumentError) as err:
+        LogicalBHNC(8).gather(cache, torch.tensor([1]), out)
+    assert err.value.field == "out"
+
+
+@pytest.mark.parametrize(
+    "ids", [torch.tensor([1.7, 2.2]), torch.tensor([True, False]), torch.tensor([1.0]).to(torch.float16)], ids=str
+)
+def test_block_ids_that_are_not_integers_are_refused(ids: torch.Tensor) -> None:
+    """Float ids were truncated (1.7 read block 1) and bool ones read blocks 0 and 1, silently: the layouts
+    refuse them, on gather and scatter; integer ids of any width still gather (int32 block tables)."""
+    from hurray_vllm import HurrayArgumentError
+    from hurray_vllm.adapters.vllm import CpuPacked
+
+    (cache,) = _views("LBHNC", torch.bfloat16, 1, 4, 2, 16, 8, seed=7)
+    packed = cache.contiguous()
+    pages = torch.zeros(ids.numel(), 16, 2, 8, dtype=torch.bfloat16)
+    calls = [
+        lambda: LogicalBHNC(8).gather(cache, ids),
+        lambda: CpuPacked("vec", 8).gather(packed, ids),
+        lambda: CpuPacked("amx", 16).gather(torch.zeros(4, 2, 16, 32, dtype=torch.bfloat16), ids),
+        lambda: CpuPacked("vec", 8).scatter(packed, ids, pages, pages),
+    ]
+    for call in calls:
+        with pytest.raises(HurrayArgumentError) as err:
+            call()
+        assert err.value.field == "block_ids"
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        want = LogicalBHNC(8).gather(cache, torch.tensor([2, 0]))
+        _same(LogicalBHNC(8).gather(cache, torch.tensor([2, 0], dtype=dtype)), want)
+        _same(
+            CpuPacked("vec", 8).gather(packed, torch.tensor([2, 0], dtype=dtype)),
+            CpuPacked("vec", 8).gather(packed, torch.tensor([2, 0])),
+        )

@@ -285,8 +285,18 @@ def test_scatter_refuses_bad_pages() -> None:
         assert info.value.field == field
 
 
-@pytest.mark.parametrize("kind", ["vec_keys_put", "amx_keys_put", "amx_values_put", "rows_put"])
-@pytest.mark.parametrize(("n", "d"), [(64, 128), (16, 64), (48, 32), (8, 16), (12, 24), (128, 80)])
+# AMX packing needs block sizes and head dims in multiples of 16: those kinds get only such shapes (a skip in
+# CI is for GPU tests alone).
+_PUT_SHAPES = [(64, 128), (16, 64), (48, 32), (8, 16), (12, 24), (128, 80)]
+_PUT_CASES = [
+    (kind, n, d)
+    for kind in ("vec_keys_put", "amx_keys_put", "amx_values_put", "rows_put")
+    for n, d in _PUT_SHAPES
+    if not (kind.startswith("amx") and (n % 16 or d % 16))
+]
+
+
+@pytest.mark.parametrize(("kind", "n", "d"), _PUT_CASES)
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_sse2_put_kernels_equal_the_portable_loops(kind: str, n: int, d: int, misaligned: bool) -> None:
     """The vectorised put kernels (token groups, every head per item) write what the plain loops write.
@@ -296,8 +306,6 @@ def test_sse2_put_kernels_equal_the_portable_loops(kind: str, n: int, d: int, mi
     On an AVX2 CPU, vec keys of whole 32-token lines in an aligned cache take the AVX2 kernel.
     """
     lib = _lib()
-    if kind.startswith("amx") and (n % 16 or d % 16):
-        pytest.skip("AMX packing needs block_size and head_dim multiples of 16")
     b, h = 6, 3
     pages = _cache(torch.bfloat16, 4, n, h, d // 2, seed=2).reshape(4, n, h, d)
     ids = torch.tensor([0, 5, 1, 2])
@@ -410,3 +418,86 @@ def test_both_ways_of_checksumming_long_inputs_equal_the_reference(fold: bool) -
         assert registers == want
     finally:
         native.crc32c_fold(before)
+
+
+#: Hostile buffers for the checksumming read, run under ``python -O`` (asserts stripped) in a child process:
+#: each must be refused before its pointer reaches C, where a stride-0, shrunk or meta buffer made read() or
+#: the kernel write or read past the storage (a segfault or heap corruption, not an exception).
+_HOSTILE_CRC_CALLS = """
+import json, os, sys, tempfile
+import torch
+from hurray_vllm import HurrayArgumentError, native
+
+assert native.library() is not None, native.unavailable_reason()
+fd, path = tempfile.mkstemp()
+os.write(fd, b"x" * (1 << 20))
+got = {}
+
+
+def attempt(name, call):
+    os.lseek(fd, 0, 0)
+    try:
+        call()
+        got[name] = "accepted"
+    except HurrayArgumentError as exc:
+        got[name] = exc.field
+
+
+shrunk = torch.zeros(1 << 20, dtype=torch.uint8)
+shrunk.untyped_storage().resize_(1)  # still contiguous, 1 MiB of elements over 1 byte
+attempt("expanded", lambda: native.read_crc32c_pages(fd, torch.zeros(1, dtype=torch.uint8).expand(1 << 20)))
+attempt("shrunk", lambda: native.read_crc32c_pages(fd, shrunk))
+attempt("int16", lambda: native.read_crc32c_pages(fd, torch.zeros(8, dtype=torch.int16)))
+attempt("meta_buf", lambda: native.read_crc32c_pages(fd, torch.empty(1 << 20, dtype=torch.uint8, device="meta")))
+base, pages = torch.zeros(3 * 4096, dtype=torch.uint8), torch.zeros(3, dtype=torch.int32)
+attempt("meta_base", lambda: native.crc32c_ranges(0, base.to("meta"), pages, [(5, 100)]))
+attempt("meta_pages", lambda: native.crc32c_ranges(0, base, pages.to("meta"), [(0, 3 * 4096)]))
+attempt("outside", lambda: native.crc32c_ranges(0, base, pages, [(3 * 4096, 1)]))
+attempt("fine", lambda: native.read_crc32c_pages(fd, torch.zeros(1 << 20, dtype=torch.uint8)))
+os.close(fd)
+os.unlink(path)
+print(json.dumps(got))
+"""
+
+
+def test_buffers_the_checksumming_read_cannot_take_are_refused_even_under_python_O() -> None:
+    """``read_crc32c_pages`` and ``crc32c_ranges`` hand raw pointers and byte counts to C: a buffer that is not
+    contiguous, not uint8, not on the CPU or larger than its storage is a :class:`HurrayArgumentError` naming the
+    argument, checked explicitly (an ``assert`` is gone under ``-O``), never a crash of the process."""
+    import json
+    import subprocess
+    import sys
+
+    _lib()
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", _HOSTILE_CRC_CALLS], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "expanded": "buf",
+        "shrunk": "buf",
+        "int16": "buf",
+        "meta_buf": "buf",
+        "meta_base": "base",
+        "meta_pages": "pages",
+        "outside": "ranges",
+        "fine": "accepted",
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64, torch.int64], ids=str)
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_packing_refuses_elements_of_eight_bytes(isa: str, dtype: torch.dtype) -> None:
+    """vLLM's CPU cache-write op packs 1-, 2- and 4-byte elements only: a cache of wider ones is refused as such
+    (it was a bare ``KeyError(16)`` from the AMX key view), on gather and scatter alike."""
+    from hurray_vllm import HurrayFormatError
+
+    layout = CpuPacked(isa, 16)
+    cache = torch.zeros(4, 2, 16, 32, dtype=dtype)
+    pages = torch.zeros(1, 16, 2, 16, dtype=dtype)
+    with pytest.raises(HurrayFormatError, match="4-byte elements") as err:
+        layout.gather(cache, torch.tensor([1]))
+    assert err.value.field == "cache"
+    with pytest.raises(HurrayFormatError, match="4-byte elements") as err:
+        layout.scatter(cache, torch.tensor([1]), pages, pages)
+    assert err.value.field == "cache"

@@ -83,6 +83,18 @@ class KVLayout(Protocol):
 
 
 def _ids(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``block_ids`` as int64 on ``cache``'s device.
+
+    Raises:
+        HurrayArgumentError: (field ``block_ids``) ids that are not integers:
+            float ids would be truncated (1.7 reads block 1) and bool ones
+            read blocks 0 and 1, silently.
+    """
+    dtype = block_ids.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise HurrayArgumentError(
+            "block_ids", f"must be an integer tensor (int64 or int32 engine block ids), got {dtype}"
+        )
     return block_ids.to(device=cache.device, dtype=torch.int64)
 
 
@@ -224,7 +236,7 @@ class LogicalBHNC:
         _check_kv_pages(cache, d)
         ids = _ids(block_ids, cache)
         _, h, n, _ = cache.shape
-        _check_out(out, (ids.numel(), n, h, d), cache.dtype)
+        _check_out(out, (ids.numel(), n, h, d), cache.dtype, cache.device)
         got = self._gather_native(cache, ids, out)
         if got is not None:
             return got
@@ -484,7 +496,12 @@ class CpuPacked:
         d = self.head_dim
         _check_kv_pages(cache, d)
         b, h, n, _ = cache.shape
-        p = 1 if cache.element_size() == 4 else 2
+        es = cache.element_size()
+        if es not in (1, 2, 4):  # vLLM's CPU cache-write op packs 8-, 16- and 32-bit elements only
+            raise HurrayFormatError(
+                "cache", f"CPU cache packing holds 1-, 2- or 4-byte elements (fp8, fp16/bf16, fp32), got {cache.dtype}"
+            )
+        p = 1 if es == 4 else 2
         if self.isa == "amx" and (n % 16 or d % 16 or n % p or d % p):
             raise HurrayFormatError("cache", f"AMX packing needs block_size and head_dim multiples of 16, got {n}, {d}")
         return b, h, n, d, p
