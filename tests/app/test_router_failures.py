@@ -182,6 +182,44 @@ def test_the_decode_leg_gets_what_the_prefill_engine_announced(fakes: dict[str, 
     }
 
 
+def test_a_decode_leg_is_told_nothing_when_the_prefill_engine_announced_nothing() -> None:
+    """P/D: a prefill engine whose connector saved nothing (its prefix cache reset, saves off) announces nothing in
+    its answer. The decode leg once got the router's own announcement of the whole prompt, and its engine waited
+    hurray_push_wait_s for chunks nobody writes; it is told nothing now, and computes the prompt."""
+    import asyncio
+
+    from hurray_vllm.app.router.backends import Backend
+    from hurray_vllm.app.router.server import Router, RouterConfig
+
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9",), prefill=("http://127.0.0.1:10",)))
+    for b in router.backends.all.values():
+        b.max_model_len, b.served = 4096, frozenset({"m"})
+    f = router.begin("completion", {"model": "m", "prompt": list(range(600)), "max_tokens": 4, "stream": True})
+    sent: list[tuple[str, Any]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> Any:
+        sent.append((backend.url, body.get("kv_transfer_params")))
+        prompt = body["prompt"]
+        if not body["stream"]:  # the prefill leg: one JSON answer, without kv_transfer_params
+            choice = {"text": "t", "token_ids": [7], "prompt_token_ids": prompt, "finish_reason": "length"}
+            answer = {"choices": [choice]}
+            for event in f._answer_events(json.dumps(answer).encode(), backend):
+                yield event
+            return
+        for i in range(body["max_tokens"]):
+            done = "length" if i == body["max_tokens"] - 1 else None
+            yield {"choices": [{"text": "t", "token_ids": [7], "prompt_token_ids": prompt, "finish_reason": done}]}
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[list[int]]:
+        return [d.token_ids async for d in f.deltas()]
+
+    assert asyncio.run(run()) == [[7]] * 4
+    assert sent == [("http://127.0.0.1:10", None), ("http://127.0.0.1:9", None)]
+    assert [leg.why for leg in f.legs] == ["prefill", "decode"] and f.legs[1].announced is None
+
+
 def test_a_backend_that_breaks_off_after_the_finish_leaves_the_stream_finished(fakes: dict[str, str]) -> None:
     """The finish was sent: continuing the request elsewhere (it once was) put tokens or an error after its end."""
     import httpx
@@ -210,6 +248,30 @@ def test_bodies_the_router_cannot_use_are_answered_400_naming_what(fakes: dict[s
         assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], (bad, r.text)
     huge = _post(url, {**base, "prompt": [2**64] * 300, "max_tokens": 2})  # no token id: not keyable, relayed
     assert huge.status_code != 500 and huge.headers["content-type"].startswith("application/json")
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_text_with_a_lone_surrogate_reaches_a_backend(echo: bool) -> None:
+    """A lone surrogate's escape is valid JSON, which vLLM reads; the router's affinity keys once failed to encode it
+    (in the prompt, the model or the cache_salt): a bare 500, whether the request was movable or relayed (echo)."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    from hurray_vllm.app.router.backends import prompt_keys
+
+    assert len(prompt_keys({"model": "m\udc80", "prompt": "x" * 1024}, 256)) == 1
+    raw = '{"model": "m", "prompt": "abc\\ud800", "cache_salt": "\\udfff", "max_tokens": 1'
+    raw += ', "echo": true}' if echo else "}"
+
+    async def run() -> tuple[Any, int]:
+        async with _Stand("ok") as ok:
+            answer, _ = await _through_router([ok.url], raw)
+            return answer, ok.posts
+
+    answer, posts = asyncio.run(run())
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " ok", answer.text
+    assert posts == 1
 
 
 def test_max_tokens_as_a_numeric_string_counts_as_vllm_reads_it(fakes: dict[str, str]) -> None:
@@ -477,8 +539,11 @@ def _closed_port() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-async def _through_router(urls: list[str], body: dict[str, Any], **config: Any) -> tuple[Any, Any]:
-    """``body`` posted to a router over ``urls`` (in this process); its answer, and the router."""
+async def _through_router(urls: list[str], body: dict[str, Any] | str, **config: Any) -> tuple[Any, Any]:
+    """``body`` posted to a router over ``urls`` (in this process); its answer, and the router.
+
+    A string is sent as it is (JSON that httpx would not write: a lone surrogate's escape).
+    """
     import asyncio
 
     import httpx
@@ -490,7 +555,11 @@ async def _through_router(urls: list[str], body: dict[str, Any], **config: Any) 
     await router.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
-            answer = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+            if isinstance(body, str):
+                post = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            else:
+                post = client.post("/v1/completions", json=body)
+            answer = await asyncio.wait_for(post, 10)
     finally:
         await router.stop()
     return answer, router

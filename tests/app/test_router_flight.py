@@ -964,6 +964,43 @@ def test_a_move_whose_source_broke_as_it_was_left_counts_as_a_failover() -> None
     assert router.metrics.failovers == 1 and router.metrics.migrations == {"ok": 0, "failed": 0}
 
 
+def test_a_move_whose_source_was_found_dead_behind_an_unread_switch_counts_as_a_failover() -> None:
+    """The switch waits behind events its client has not read; meanwhile the health checks find the source dead.
+    Its KV may be lost: the destination is told nothing (it once waited for the dead source's chunks), and the
+    move is a failover, not a migration."""
+    router, f, src, dst = _two_backends(500)
+    tokens = _tokens(pause=0.001)
+    sent: list[tuple[Backend, Any]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append((backend, body.get("kv_transfer_params")))
+        async for event in tokens(backend, path, body):
+            yield event
+
+    async def nothing(*_: Any) -> None:
+        return None
+
+    f._upstream = upstream  # type: ignore[method-assign]
+    f._prewarm = nothing  # type: ignore[method-assign]
+
+    async def run() -> tuple[list[Delta], dict[str, Any]]:
+        stream = f.deltas()
+        got = [await stream.__anext__()]
+        await asyncio.sleep(0.1)  # the source streams on into the buffer; the client reads nothing
+        move = asyncio.ensure_future(f.migrate(dst, timeout=30))
+        await asyncio.sleep(0.1)  # the switch waits behind the unread events
+        src.healthy = False
+        router.abandon(src, "failed its health checks")  # what the health checks do
+        got += [d async for d in stream]
+        return got, await move
+
+    got, answer = asyncio.run(run())
+    assert [t for d in got for t in d.token_ids] == list(range(100, 600))
+    assert [leg.why for leg in f.legs] == ["routed", "failover"] and answer["to"] == dst.url
+    assert sent[-1] == (dst, None) and f.legs[-1].announced is None
+    assert router.metrics.failovers == 1 and router.metrics.migrations == {"ok": 0, "failed": 0}
+
+
 def test_the_model_is_the_backends_when_the_client_names_none() -> None:
     """vLLM serves a request without "model" with its own; the router's events and answers said null."""
     from hurray_vllm.app.router.server import _event_head
@@ -1157,6 +1194,74 @@ def test_a_chat_without_a_limit_is_split_only_where_the_decode_legs_limit_is_kno
     else:
         assert [leg.why for leg in f.legs] == ["routed"] and sent[0][0] == "/v1/chat/completions"
         assert "max_tokens" not in sent[0][1]
+
+
+def test_a_model_no_prefill_backend_serves_runs_whole_on_a_decode_backend_that_does() -> None:
+    """P/D with a LoRA adapter loaded on the decode backends only: the prefill backend would refuse it (404), so the
+    request is not split (a P/D leg goes only to backends serving the model)."""
+    router = _pd_router(64)
+    decode, prefill = router.backends.all["http://127.0.0.1:9"], router.backends.all["http://127.0.0.1:10"]
+    decode.served = frozenset({"m", "lora1"})
+    f = router.begin("completion", {"model": "lora1", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True})
+    sent: list[Backend] = []
+    tokens = _tokens()
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append(backend)
+        if body["model"] not in backend.served:
+            raise UpstreamError(f"{backend.url} answered HTTP 404", 404, {"error": {"message": "no such model"}})
+        async for event in tokens(backend, path, body):
+            yield event
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        return [d async for d in f.deltas()]
+
+    got = asyncio.run(run())
+    assert [t for d in got for t in d.token_ids] == [100, 101, 102, 103]
+    assert sent == [decode] and [leg.why for leg in f.legs] == ["routed"]
+    assert prefill.in_flight == decode.in_flight == 0
+
+
+@pytest.mark.parametrize("decode_is", ["drained", "down", "not serving"])
+def test_a_request_no_decode_backend_can_take_is_not_prefilled(decode_is: str) -> None:
+    """P/D with no usable decode backend serving the model: the prefill once ran anyway, its token reached the
+    client, and then the request failed after HTTP 200. Now it is answered as an unsplit request is, up front:
+    503 (drained, down), or the decode backend's own refusal (a model it does not serve)."""
+    router = _pd_router(64)
+    router._recheck = lambda b: asyncio.sleep(0, result=False)  # type: ignore[method-assign]  # still down
+    decode, prefill = router.backends.all["http://127.0.0.1:9"], router.backends.all["http://127.0.0.1:10"]
+    if decode_is == "drained":
+        decode.draining = True
+    elif decode_is == "down":
+        decode.healthy = False
+    else:
+        prefill.served = frozenset({"m", "lora1"})  # an adapter loaded on the prefill backend only
+    model = "lora1" if decode_is == "not serving" else "m"
+    f = router.begin("completion", {"model": model, "prompt": [1, 2, 3], "max_tokens": 4, "stream": True})
+    sent: list[Backend] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append(backend)
+        if body["model"] not in backend.served:
+            raise UpstreamError(f"{backend.url} answered HTTP 404", 404, {"error": {"message": "no such model"}})
+        async for event in _tokens()(backend, path, body):
+            yield event
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        return [d async for d in f.deltas()]
+
+    with pytest.raises((RouterError, UpstreamError)) as exc:
+        asyncio.run(run())
+    if decode_is == "not serving":
+        assert exc.value.status == 404 and sent == [decode]
+    else:
+        assert isinstance(exc.value, RouterError) and exc.value.status == 503 and sent == []
+        assert ("drained" in exc.value.message) == (decode_is == "drained")
+    assert prefill not in sent and prefill.in_flight == decode.in_flight == 0
 
 
 BOOLEANS = [True, False, 0, 1, 0.0, 1.0, 2, 1.5, "true", "FALSE", "1", "0", "Yes", "no", "on", "OFF", "t", "f", "y",

@@ -58,14 +58,14 @@ def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
     adapter or tenant are other KV, which no backend shares.
     """
     salt = body.get("cache_salt")
-    seed = key_seed(_NS, lora=(str(body.get("model") or ""), ""), cache_salt=str(salt) if salt else None)
+    seed = key_seed(_NS, lora=(_encodable(body.get("model") or ""), ""), cache_salt=_encodable(salt) if salt else None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         if not all(0 <= t < 1 << 63 for t in prompt):
             return []  # no token id: the backend refuses the prompt (chunk keys pack ids as int64)
         return chunk_keys(prompt, chunk_tokens, seed)
     if isinstance(prompt, str):
-        raw = prompt.encode()
+        raw = prompt.encode(errors="surrogatepass")  # a lone surrogate is valid JSON; keys only serve affinity
     elif "messages" in body:
         raw = json.dumps(body["messages"], sort_keys=True, separators=(",", ":")).encode()
     else:
@@ -75,6 +75,14 @@ def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
         prev = hashlib.blake2b(prev + raw[i * step : (i + 1) * step], digest_size=16).digest()
         keys.append(prev.hex())
     return keys
+
+
+def _encodable(value: object) -> str:
+    """``value`` as text that encodes to UTF-8: a lone surrogate (valid JSON) as its bytes' escapes.
+
+    Keys only serve affinity: two names that end up alike share a backend's preference, nothing more.
+    """
+    return str(value).encode(errors="surrogatepass").decode(errors="backslashreplace")
 
 
 @dataclass

@@ -707,7 +707,9 @@ class Flight:
         announced, self._announced = (self._announced if why == "decode" else None), None
         path, body = self._leg_body(
             prefill=prefill,
-            announce=why in ("migrated", "drained", "decode", "resumed"),
+            # A decode leg passes on what the prefill engine announced, and nothing if it announced nothing (its
+            # connector saved nothing: a decode engine told otherwise would wait for chunks nobody writes).
+            announce=why in ("migrated", "drained", "resumed"),
             announced=announced,
             dest=backend,
         )
@@ -951,10 +953,19 @@ class Flight:
         # would generate a token instead: the request goes whole to a decode backend, which answers as vLLM does.
         split = split and self.max_tokens != 0
 
+        # Split only where a decode leg can run: with no usable decode backend serving its model, the prefill would
+        # run for nothing and the client get an error after its first token; unsplit, it is answered up front.
+        split = split and any(b.serves(self.model) for b in backends.usable())
+
         async def pick(avoid: Backend | None = None, prefill: bool = False) -> Backend | None:
             return await self.router.pick(self._keys, model=self.model, prefill=prefill, avoid=avoid)
 
-        first = await pick(prefill=split) or (await pick() if split else None)
+        first = await pick(prefill=True) if split else None
+        if first is not None and not first.serves(self.model):
+            # pick() falls back to any prefill backend: none serves the model (a LoRA adapter loaded on decode
+            # backends only), and this one would refuse it (404). It runs whole on a decode backend that does.
+            first = None
+        first = first or await pick()
         if first is None:
             raise RouterError(503, backends.unroutable())
         phase = "prefill" if first.prefill else "routed"
@@ -1037,7 +1048,9 @@ class Flight:
                     pending, interrupt.since = interrupt, self._last_token_at
                     self._moving = True
                     why = interrupt.why
-                    if kind == "error" and source is not None:  # the source broke as it was left: announce nothing
+                    # The source broke as it was left, or the health checks found it dead while the switch waited
+                    # behind events its client had not read: a failover, announcing nothing (its KV may be lost).
+                    if source is not None and (kind == "error" or not source.healthy):
                         backends.mark_down(source)
                         why, interrupt.broke = "failover", True
                         self._failovers += 1
