@@ -229,11 +229,12 @@ def segments(tensors: Sequence[torch.Tensor], caller: str) -> tuple[Any, Any, in
     The caller keeps the tensors alive during the native call.
 
     Raises:
-        ValueError: a tensor that is not contiguous or not on the CPU.
+        HurrayArgumentError: (field ``tensors``, a :class:`ValueError`) a tensor
+            that is not contiguous or not on the CPU.
     """
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{caller} needs contiguous CPU tensors")
+            raise HurrayArgumentError("tensors", f"{caller} needs contiguous CPU tensors, got one on {t.device}")
     addrs = (ctypes.c_uint64 * len(tensors))(*(t.data_ptr() for t in tensors))
     lens = (ctypes.c_uint64 * len(tensors))(*(t.numel() * t.element_size() for t in tensors))
     return addrs, lens, len(tensors)

@@ -272,7 +272,12 @@ class _OffHost(torch.Tensor):
 
 @pytest.mark.parametrize(
     "device",
-    ["off-host", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))],
+    [
+        "off-host",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+        ),
+    ],
 )
 def test_select_builds_its_offsets_on_the_index_tensors_device(device: str) -> None:
     """select() allocated seq_ptr on the CPU and cumsummed the device's counts into it: a cross-device error."""

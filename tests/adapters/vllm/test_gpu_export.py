@@ -10,15 +10,13 @@ import torch
 import hurray_vllm as hv
 from hurray_vllm.adapters.vllm import (
     CpuPacked,
-    GatherBuffers,
     LogicalBHNC,
     SequenceState,
     export_layers,
     export_snapshot,
     export_stream,
-    plan_batch,
 )
-from hurray_vllm.adapters.vllm.export import to_host_overlapped
+from hurray_vllm.adapters.vllm.export import GatherBuffers, plan_batch, to_host_overlapped
 
 pytestmark = [
     pytest.mark.gpu,
