@@ -156,10 +156,13 @@ class DirectoryStore:
     def identity(self, namespace: str, key: str) -> tuple[int, ...] | None:
         """What tells this chunk's file from any other: device, inode, size, modification and change times.
 
-        ``None`` if the chunk is not stored (no regular file under its
-        name). Chunk files are never rewritten in place (a write is a new
-        file renamed over the name), so an equal identity means the same
-        bytes. The kernel updates the change time on
+        ``None`` if the chunk is not stored (no regular file under its name,
+        or the namespace directory is a symbolic link, which :meth:`get` does
+        not follow). Chunk files are never rewritten in place (a write is a
+        new file renamed or linked to the name), so an equal identity means
+        the same bytes (a new file's change time moves once more as its
+        temporary name is removed, just after it lands: a look in between
+        reads it again, nothing worse). The kernel updates the change time on
         every write, but with a granularity of a few milliseconds: a file
         rewritten in place by another program within that time of being
         looked at, to the same size, keeps its identity.
@@ -175,11 +178,13 @@ class DirectoryStore:
         was moved. A later ``.bad`` of the same key replaces an earlier one.
         """
         path = self.path(namespace, key)
-        if self.identity(namespace, key) != identity:
+        now = self.identity(namespace, key)
+        if now is None or now != identity:
             return None
         bad = path.with_name(path.name + ".bad")
         # Not os.replace(path, bad): a producer's rename landing after the check above would be moved aside.
         try:
+            _check_namespace_dir(path.parent)  # a link swapped in since: nothing outside the store is moved
             return bad if take_if_same(path, identity, bad) else None
         except OSError:
             return None
@@ -189,10 +194,15 @@ class DirectoryStore:
 
         ``replace`` renames the new file over a stored one: a reader holds
         the old file or the new, whole (its identity changes, so a verified
-        copy of the old one is no longer taken for it).
+        copy of the old one is no longer taken for it). Without it, a copy
+        another writer stores while this one writes stays (False): it may hold
+        more (linear-attention states, a replace's upgrade), and at tensor
+        parallelism > 1 a slice replaced by another engine's would not join
+        its set.
 
         Raises:
-            OSError: the file cannot be written; ``ELOOP``: the namespace directory is a symbolic link.
+            OSError: the file cannot be written (``filename``: the chunk's file); ``ELOOP``: the namespace
+                directory is a symbolic link.
             HurrayArgumentError: a namespace or key that is not the store's (:meth:`path`).
         """
         target = self.path(namespace, key)
@@ -200,10 +210,20 @@ class DirectoryStore:
             return False
         target.parent.mkdir(parents=True, exist_ok=True)  # takes a link to a directory as one: checked next
         _check_namespace_dir(target.parent)
-        # No fsync: every reader verifies the chunk checksum, so a file torn by
-        # a crash is refused and recomputed; a disk flush per chunk is not worth it.
-        # A symbolic link at the name (planted in a shared store) is replaced, not written through.
-        write_file(snapshot_records(snap), target, fsync=False, follow_symlinks=False)
+        try:
+            # No fsync: every reader verifies the chunk checksum, so a file torn by
+            # a crash is refused and recomputed; a disk flush per chunk is not worth it.
+            # A symbolic link at the name (planted in a shared store) is replaced, not written through.
+            write_file(snapshot_records(snap), target, fsync=False, follow_symlinks=False, replace=replace)
+        except FileExistsError as exc:
+            if replace or exc.filename != os.fspath(target):
+                raise
+            return False  # stored by another writer since the check above: theirs stays
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            # A write's error (ENOSPC, EIO) names no file: say which, for the operator's log.
+            raise OSError(exc.errno, exc.strerror, os.fspath(target)) from exc
         return True
 
     def size_of(self, snap: KVSnapshot) -> int:
@@ -281,10 +301,13 @@ class DirectoryStore:
         What a writer looks at before replacing a copy that holds less (no
         states, less of a sliding window) than its own: a damaged file is
         the reader's to refuse, not this look's. Never raises for what the
-        file holds (:func:`read_header`'s errors are ``None`` here).
+        file holds (:func:`read_header`'s errors are ``None`` here); ``None``
+        too where the namespace directory is a symbolic link (:meth:`get` refuses it).
         """
+        path = self.path(namespace, key)
         try:
-            return read_header(self.path(namespace, key))
+            _check_namespace_dir(path.parent)
+            return read_header(path)
         except (OSError, HurrayFormatError):
             return None
 
@@ -344,6 +367,8 @@ def _read_chunk(path: Path, *, noatime: bool = False, page_crcs: bool = False) -
         return read_whole(
             path, max_bytes=MAX_CHUNK_FILE_BYTES, follow_symlinks=False, page_crcs=page_crcs, noatime=noatime
         )
+    except IsADirectoryError:  # open_regular's error for one: here, as a pipe is, a name that holds no chunk file
+        raise HurrayFormatError("file", f"{path} is a directory, not a chunk file (not a regular file)") from None
     except (HurrayFormatError, OSError):
         raise
     except (*PARSE_ERRORS, MemoryError) as exc:
@@ -447,6 +472,14 @@ def _file_identity(path: Path) -> tuple[int, ...] | None:
     except OSError:  # missing, or unreadable: either way not loadable
         return None
     if not stat.S_ISREG(st.st_mode):  # also a symbolic link: the store writes none, so it is not a chunk
+        return None
+    # _check_namespace_dir's look, inline (lookups run it per file, per step): after the file's stat, so that a
+    # miss (every lookup's last key) costs one system call, a hit two. A link in place of the namespace directory
+    # holds nothing: get refuses what it holds.
+    try:
+        if stat.S_ISLNK(os.lstat(os.path.dirname(path)).st_mode):
+            return None
+    except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 

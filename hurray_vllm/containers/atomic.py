@@ -23,10 +23,16 @@ reader can see and on the file's permissions:
   so the file survives a power loss once the call returns; the chunk store
   passes ``False`` because every reader verifies a checksum and recomputes
   a torn chunk;
+* ``replace=False`` (the chunk store's put) lands the file only where no
+  regular file is: it is published as a hard link to the temporary file,
+  which fails if another writer's file appeared after any check (a rename
+  would replace it), and the temporary name is removed after;
 * on any error, the temporary file is removed and the target is untouched.
 
 ``hurray-vllm prune`` deletes temporary files older than an hour, left by
-writers that died mid-write: they match ``.*.tmp``.
+writers that died mid-write: they match ``.*.tmp``. (One left between a
+``replace=False`` file's link and the unlink of its temporary name is a
+second name of the published file: deleting it takes nothing from it.)
 """
 
 from __future__ import annotations
@@ -166,6 +172,55 @@ def _fsync_path(tmp: Path) -> None:
         os.close(fd)
 
 
+#: What ``os.link`` raises where the file system has no hard links (FAT: ``EPERM``; some FUSE and network file
+#: systems: ``ENOTSUP``/``EOPNOTSUPP``/``ENOSYS``), or will not make this one (``EXDEV``, ``EMLINK``).
+_NO_HARD_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK})
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether a regular file is at ``path`` (a symbolic link is not followed)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _exists_error(target: Path) -> FileExistsError:
+    return FileExistsError(errno.EEXIST, "a file is there already (written meanwhile), not replaced", os.fspath(target))
+
+
+def _publish(tmp: Path, target: Path, replace: bool) -> None:
+    """Give the complete temporary file ``tmp`` the name ``target``; ``replace=False``: only where no file is.
+
+    Raises:
+        FileExistsError: ``replace=False`` and a regular file is at ``target`` (``filename``: ``target``);
+            ``tmp`` is left for the caller to remove.
+    """
+    if replace:
+        os.replace(tmp, target)
+        return
+    try:
+        # Unlike a rename, a link fails if the name is taken: a file another writer landed after our check stays.
+        os.link(tmp, target)
+    except FileExistsError:
+        if _is_regular(target):
+            raise _exists_error(target) from None
+        os.replace(tmp, target)  # a symbolic link (follow_symlinks=False): no file to keep, replaced as before
+        return
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINK:
+            raise
+        # No hard links here: a rename after a last look, which a file landing in between is lost to.
+        if _is_regular(target):
+            raise _exists_error(target) from None
+        os.replace(tmp, target)
+        return
+    # Published: the temporary name is a second name of the file now. Left behind (a crash, or an unlink that
+    # fails), it is a stale temporary file, which prune deletes without taking anything from the target.
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True, follow_symlinks: bool = True) -> Iterator[Path]:
     """A temporary path to write; renamed to ``path`` when the block ends without an error.
@@ -208,7 +263,7 @@ def atomic_path(path: str | os.PathLike[str], *, fsync: bool = True, follow_syml
 
 @contextlib.contextmanager
 def atomic_file(
-    path: str | os.PathLike[str], *, fsync: bool = True, follow_symlinks: bool = True
+    path: str | os.PathLike[str], *, fsync: bool = True, follow_symlinks: bool = True, replace: bool = True
 ) -> Iterator[BinaryIO]:
     """A binary file to write; it replaces ``path`` when the block ends without an error.
 
@@ -220,6 +275,15 @@ def atomic_file(
         path: The file to create or replace.
         fsync: Flush the data and the directory entry to disk before returning.
         follow_symlinks: As for :func:`atomic_path`.
+        replace: Replace a regular file at ``path`` (the default), or land only where none is (``False``:
+            the chunk store's put, where a copy another writer stored meanwhile, perhaps holding more, must
+            stay). Checked before the temporary file is made, and again atomically as the file lands (a hard
+            link, which fails where a name is taken; where the file system has no hard links, a last look
+            and a rename). A symbolic link at ``path`` (with ``follow_symlinks=False``) is replaced either way.
+
+    Raises:
+        FileExistsError: ``replace=False`` and a regular file is at ``path`` (``filename``: the file); nothing
+            is written, no temporary file is left.
 
     Example:
         >>> import pathlib, tempfile
@@ -232,6 +296,8 @@ def atomic_file(
     # Syncs the data and then the directory the file was renamed into: through a symbolic link, that is the
     # link target's directory, not the link's.
     target, like = _target(path, follow_symlinks)
+    if not replace and like is not None:  # a file there already: not worth writing one that cannot land
+        raise _exists_error(target)
     tmp, fd, final = _create_temp(target, like)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -240,7 +306,7 @@ def atomic_file(
             if fsync:
                 os.fsync(fd)
             _settle(fd if os.chmod in os.supports_fd else tmp, final)
-        os.replace(tmp, target)
+        _publish(tmp, target, replace)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -243,14 +243,16 @@ def write_file(
     alignment: int = DEFAULT_ALIGNMENT,
     fsync: bool = True,
     follow_symlinks: bool = True,
+    replace: bool = True,
 ) -> int:
     """Write ``records`` to a ``.hrry`` file at ``path``; returns its size.
 
     The file appears at ``path`` only once complete (temp file + rename).
     ``fsync=False`` skips forcing the data to disk before the rename: for
     caches whose readers verify a checksum anyway, where durability across
-    a power loss is not worth a disk flush per file. ``follow_symlinks``:
-    see :func:`~hurray_vllm.containers.atomic.atomic_path`.
+    a power loss is not worth a disk flush per file. ``follow_symlinks`` and
+    ``replace`` (``False``: land only where no file is, else
+    ``FileExistsError``): see :func:`~hurray_vllm.containers.atomic.atomic_file`.
 
     Raises:
         HurrayArgumentError: an argument the file cannot hold, before anything is written: ``alignment``
@@ -259,7 +261,7 @@ def write_file(
             (:func:`~.stream.check_buffers`).
     """
     _check_alignment(alignment)
-    with atomic_file(path, fsync=fsync, follow_symlinks=follow_symlinks) as raw:
+    with atomic_file(path, fsync=fsync, follow_symlinks=follow_symlinks, replace=replace) as raw:
         size = _write(records, raw, kv, alignment)
     return size
 

@@ -753,3 +753,169 @@ def test_prune_lists_a_chunk_named_symbolic_link_as_skipped(tmp_path: Path) -> N
     assert report.skipped == [f"{link}: a symbolic link, not followed"]
     assert store.prune(0).skipped == [f"{link}: a symbolic link, not followed"]
     assert link.is_symlink() and not store.path(ns, key).exists()  # the chunk pruned, the link left alone
+
+
+def _hybrid_chunk() -> tuple[hv.KVSnapshot, hv.KVSnapshot]:
+    """A linear-attention hybrid's chunk without its states, and with them."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = tuple((torch.randn(2, 3, 16, generator=gen), torch.randn(2, 2, 8, 8, generator=gen)) for _ in range(3))
+    states = hv.RecurrentStates("gdn_attn", (0, 1, 2), ("conv", "ssm"), (6, 3), tensors)
+    snap = replace(
+        spec_example_snapshot(num_layers=2),
+        fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 2, 2, 8, "float16"),
+    )
+    return snap, replace(snap, states=states)
+
+
+def _in_puts_window(monkeypatch: pytest.MonkeyPatch, other: Callable[[], object]) -> None:
+    """Run ``other`` once, in the next put's window between its existence check and its file landing."""
+    from hurray_vllm.chunks import store as store_module
+
+    real = store_module.snapshot_records
+
+    def records(snap: hv.KVSnapshot):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(store_module, "snapshot_records", real)
+        other()
+        return real(snap)
+
+    monkeypatch.setattr(store_module, "snapshot_records", records)
+
+
+@pytest.mark.parametrize("other_replaces", [False, True])
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_copy_stored_while_a_put_writes_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other_replaces: bool, hard_links: bool
+) -> None:
+    """Found by a review: put checked for the file, then renamed over it; a copy with states stored by another
+    engine in between was replaced by one without (at TP > 1, one slice of a set by another engine's)."""
+    import os
+
+    if not hard_links:  # a file system without them (FAT): the last look before the rename still sees the copy
+
+        def no_link(src: object, dst: object, **kwargs: object) -> None:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(dst))
+
+        monkeypatch.setattr(os, "link", no_link)
+    stateless, with_states = _hybrid_chunk()
+    store, ns, key = DirectoryStore(tmp_path), "ab" * 8, "cd" * 8
+    _in_puts_window(monkeypatch, lambda: store.put(ns, key, with_states, replace=other_replaces))
+    assert store.put(ns, key, stateless) is False  # stored meanwhile: as 'already stored'
+    assert store.has_states(ns, key)
+    assert sorted(p.name for p in (tmp_path / ns).iterdir()) == [f"{key}.hrry"]  # no temp file left
+    assert store.put(ns, key, stateless, replace=True) and not store.has_states(ns, key)  # replace still replaces
+
+
+def test_a_put_without_hard_links_still_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for code in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
+
+        def no_link(src: object, dst: object, code: int = code, **kwargs: object) -> None:
+            raise OSError(code, os.strerror(code), str(dst))
+
+        monkeypatch.setattr(os, "link", no_link)
+        store, ns, key, chunk = _one_chunk_store(tmp_path / str(code))
+        assert store.get(ns, key).token_ids == chunk.token_ids
+        assert sorted(p.name for p in (tmp_path / str(code) / ns).iterdir()) == [f"{key}.hrry"]
+
+
+def test_a_put_that_dies_after_its_file_landed_leaves_a_temp_file_prune_removes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file lands as a hard link to its temporary file: a writer that dies before removing that name leaves
+    a second name of the chunk, which prune takes for a stale temp file and deletes, the chunk left whole."""
+    import os
+
+    def cannot_unlink(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "simulated crash before the unlink", str(path))
+
+    monkeypatch.setattr(os, "unlink", cannot_unlink)
+    store, ns, key, chunk = _one_chunk_store(tmp_path)
+    monkeypatch.undo()
+    (temp,) = [p for p in (tmp_path / ns).iterdir() if p.name.endswith(".tmp")]
+    assert temp.stat().st_ino == store.path(ns, key).stat().st_ino
+    old = time.time() - 7200
+    os.utime(temp, (old, old))
+    report = store.prune(1 << 30)
+    assert report.temp_removed == 1 and report.chunks_removed == 0
+    assert sorted(p.name for p in (tmp_path / ns).iterdir()) == [f"{key}.hrry"]
+    assert store.get(ns, key).token_ids == chunk.token_ids
+
+
+def test_a_full_disk_names_the_chunk_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: put's ENOSPC had no filename, so the operator's log did not say which store was full."""
+    from hurray_vllm.chunks import store as store_module
+
+    def records(snap: hv.KVSnapshot):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield  # a generator: raises as the file is written
+
+    _, ns, key, chunk = _one_chunk_store(tmp_path / "a")
+    store = DirectoryStore(tmp_path / "b")
+    monkeypatch.setattr(store_module, "snapshot_records", records)
+    with pytest.raises(OSError) as err:
+        store.put(ns, key, chunk)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(store.path(ns, key))
+    assert list((tmp_path / "b" / ns).iterdir()) == []
+
+
+def test_a_symbolic_link_in_place_of_the_namespace_is_not_looked_through(tmp_path: Path) -> None:
+    """Found by a review: get refused the link (ELOOP), while has, parts, header and quarantine looked through it:
+    a lookup promised chunks no load could read, and a quarantine moved a file outside the store."""
+    victim, ns, key, _ = _one_chunk_store(tmp_path / "victim")
+    ident = victim.identity(ns, key)
+    assert ident is not None
+    store = DirectoryStore(tmp_path / "store")
+    store.root.mkdir()
+    (store.root / ns).symlink_to(victim.root / ns)
+    assert store.identity(ns, key) is None and not store.has(ns, key)
+    assert store.parts(ns, key, 2) is None and store.parts_with_states(ns, key, 2) == (None, False)
+    assert store.header(ns, key) is None and not store.has_states(ns, key)
+    assert store.quarantine(ns, key, ident) is None
+    with pytest.raises(OSError) as err:
+        store.get(ns, key)
+    assert err.value.errno == errno.ELOOP
+    with pytest.raises(OSError) as err:
+        store.put(ns, key, victim.get(ns, key))
+    assert err.value.errno == errno.ELOOP
+    assert victim.identity(ns, key) == ident and sorted(p.name for p in (victim.root / ns).iterdir()) == [f"{key}.hrry"]
+
+
+def test_quarantine_does_not_move_through_a_namespace_link_swapped_in_after_its_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, ns, key, _ = _one_chunk_store(tmp_path / "store")
+    seen = store.identity(ns, key)
+    assert seen is not None
+    real = DirectoryStore.identity
+
+    def identity(self: DirectoryStore, n: str, k: str) -> tuple[int, ...] | None:
+        found = real(self, n, k)
+        (self.root / n).rename(tmp_path / "elsewhere")  # the same file, now outside the store, through a link
+        (self.root / n).symlink_to(tmp_path / "elsewhere")
+        return found
+
+    monkeypatch.setattr(DirectoryStore, "identity", identity)
+    assert store.quarantine(ns, key, seen) is None
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == [f"{key}.hrry"]
+
+
+def test_a_directory_at_a_chunks_name_is_refused_as_not_a_file(tmp_path: Path) -> None:
+    """Found by a review: get and read promise HurrayFormatError field 'file' for a name that is not a regular
+    file; a directory raised IsADirectoryError, unlike a pipe."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    path = store.path(ns, key)
+    path.unlink()
+    path.mkdir()
+    assert not store.has(ns, key)
+    with ThreadPoolExecutor(1) as pool:
+        for call in (
+            lambda: store.get(ns, key),
+            lambda: store.read(ns, key),
+            lambda: store.reader(ns, [key], pool.submit).get(key),
+        ):
+            with pytest.raises(hv.HurrayFormatError) as err:
+                call()
+            assert err.value.field == "file" and "not a regular file" in str(err.value)

@@ -201,3 +201,65 @@ def test_a_umask_that_makes_files_read_only_writes_them_read_only(tmp_path: Path
             shutil.rmtree(work, ignore_errors=True)
     names = ["a.bin", "p.bin", "s.hrrs", "s.hrry", "s.safetensors"]
     assert modes == dict.fromkeys(names, "0o444")  # as open() made them, and no temporary file left
+
+
+def test_without_replace_a_file_that_landed_meanwhile_stays(tmp_path: Path) -> None:
+    """replace=False (the chunk store's put): a file another writer lands while this one writes is kept."""
+    target = tmp_path / "x.bin"
+    with pytest.raises(FileExistsError) as err:
+        with atomic_file(target, replace=False) as f:
+            f.write(b"mine")
+            target.write_bytes(b"theirs")
+    assert err.value.filename == str(target)
+    assert target.read_bytes() == b"theirs" and [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+    with pytest.raises(FileExistsError):  # there before: refused before a temporary file is made
+        with atomic_file(target, replace=False) as f:
+            raise AssertionError("not reached")
+    with atomic_file(tmp_path / "y.bin", replace=False, fsync=True) as f:
+        f.write(b"new")
+    assert (tmp_path / "y.bin").read_bytes() == b"new" and (tmp_path / "y.bin").stat().st_nlink == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "y.bin"]
+
+
+def test_without_replace_a_link_planted_meanwhile_is_replaced_not_kept(tmp_path: Path) -> None:
+    outside = tmp_path / "precious.cfg"
+    outside.write_bytes(b"keep me")
+    target = tmp_path / "x.bin"
+    with atomic_file(target, follow_symlinks=False, replace=False) as f:
+        f.write(b"mine")
+        target.symlink_to(outside)
+    assert not target.is_symlink() and target.read_bytes() == b"mine" and outside.read_bytes() == b"keep me"
+
+
+def test_without_hard_links_replace_false_looks_last_then_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    def no_link(src: object, dst: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr(os, "link", no_link)
+    target = tmp_path / "x.bin"
+    with atomic_file(target, replace=False) as f:
+        f.write(b"mine")
+    assert target.read_bytes() == b"mine"
+    other = tmp_path / "y.bin"
+    with pytest.raises(FileExistsError):
+        with atomic_file(other, replace=False) as f:
+            f.write(b"mine")
+            other.write_bytes(b"theirs")
+    assert other.read_bytes() == b"theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "y.bin"]
+
+
+def test_a_link_that_fails_otherwise_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def failing(src: object, dst: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "Input/output error", str(dst))
+
+    monkeypatch.setattr(os, "link", failing)
+    with pytest.raises(OSError) as err:
+        with atomic_file(tmp_path / "x.bin", replace=False) as f:
+            f.write(b"mine")
+    assert err.value.errno == errno.EIO and list(tmp_path.iterdir()) == []
