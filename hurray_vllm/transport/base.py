@@ -1153,6 +1153,11 @@ class ReceiverBase(abc.ABC):
                 written = self.store.put(ns, key, snap, replace=True)  # type: ignore[call-arg]  # it can
             else:
                 written = self.store.put(ns, key, snap)
+                if written is False and snap.states is not None and self._lacks_states(ns, key):
+                    # A stateless copy another connection stored while this one wrote (the store keeps the first
+                    # writer's): replaced as above, else the receiver answers OK and keeps the copy holding less.
+                    replaced = _size_on_disk(path, ns, key)
+                    written = self.store.put(ns, key, snap, replace=True)  # type: ignore[call-arg]  # it can
         finally:
             if extra:
                 self.settle(extra, 0)  # the caller's settle counts the file's bytes as used

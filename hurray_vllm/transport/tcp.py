@@ -35,7 +35,7 @@ from typing import Any, BinaryIO, cast
 from ..chunks.signing import FleetKeys
 from ..chunks.store import ChunkStore, digest_matches
 from ..containers.io import read_stream, write_stream
-from ..errors import HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError
 from .base import (
     DEFAULT_TIMEOUT_S,
     FRAME_MIN_RATE,
@@ -327,7 +327,9 @@ class Receiver(ReceiverBase):
         **limits: Any,
     ) -> None:
         if max_inflight_bytes < 1:
-            raise ValueError(f"limits must be positive, got max_inflight_bytes={max_inflight_bytes}")
+            raise HurrayArgumentError(
+                "max_inflight_bytes", f"max_inflight_bytes must be positive, got {max_inflight_bytes}"
+            )
         super().__init__(host, port, store, **limits)
         self.max_inflight_bytes = max_inflight_bytes
         self._inflight = 0

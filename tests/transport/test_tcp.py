@@ -551,8 +551,9 @@ def test_chunks_read_at_once_are_bounded_in_memory(tmp_path: Path) -> None:
         assert r._inflight == 0 and store.has(ns, key)
         url = f"tcp://127.0.0.1:{r.address[1]}"
         transport.send_chunks(url, [(ns, "ef" * 8, chunk)], timeout=10)  # alone again: takes it
-    with pytest.raises(ValueError, match="max_inflight_bytes"):
+    with pytest.raises(hv.HurrayArgumentError, match="max_inflight_bytes") as refused:
         transport.receiver_for("tcp", "127.0.0.1", 0, store, max_inflight_bytes=0)
+    assert refused.value.field == "max_inflight_bytes"  # as the other limits: a caller's mistake, named
 
 
 def _aborted_after(sender: TcpSender, call: Callable[[], object], delay: float = 0.3) -> tuple[BaseException, float]:
@@ -774,6 +775,38 @@ def test_a_chunk_with_states_replaces_a_stored_copy_without_them(channel: str, t
         assert store.has_states(ns, key)
         transport.send_chunks(url, [(ns, key, chunk)], timeout=10)  # never the other way round
         assert store.has_states(ns, key) and r.received == 3
+
+
+def test_a_chunk_with_states_replaces_a_stateless_copy_stored_while_it_was_written(tmp_path: Path) -> None:
+    """Found by a review: a stateless copy landing (another connection) between the check and the write was kept."""
+    from hurray_vllm.chunks.store import DIGEST_KEY, chunk_digest
+
+    ns, key, chunk = example_chunk()
+    states = hv.RecurrentStates(
+        "gdn_attn", (chunk.num_layers,), ("conv", "ssm"), (4,), ((torch.ones(1, 3, 16), torch.ones(1, 2, 8, 8)),)
+    )
+    with_states = replace(chunk, states=states)
+    with_states = replace(with_states, extra={**with_states.extra, DIGEST_KEY: chunk_digest(with_states)})
+
+    class Racing(DirectoryStore):
+        """A disk on which the stateful file takes long enough that a stateless copy, pushed meanwhile, lands first."""
+
+        url = ""
+        raced = False
+
+        def put(self, ns: str, key: str, snap: KVSnapshot, *, replace: bool = False) -> bool:
+            if snap.states is not None and not replace and not self.raced:
+                self.raced = True
+                send_chunks(self.url, [(ns, key, chunk)], timeout=10)  # another connection, served meanwhile
+            return super().put(ns, key, snap, replace=replace)
+
+    store = Racing(tmp_path)
+    with Receiver("127.0.0.1", 0, store, timeout=5, quota_bytes=1 << 30) as r:
+        store.url = _url(r)
+        send_chunks(_url(r), [(ns, key, with_states)], timeout=10)
+        assert store.raced and store.has_states(ns, key) and (r.received, r.refused) == (2, 0)
+        # Both connections counted: the stateless file, then only what the stateful one added.
+        assert r._used is not None and r._used[1] == store.path(ns, key).stat().st_size and r._promised == 0
 
 
 def test_a_chunk_refused_after_its_payload_was_read_leaves_the_connection_open(receiver: Receiver) -> None:

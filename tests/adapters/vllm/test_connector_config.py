@@ -389,6 +389,44 @@ def test_engines_on_one_address_share_its_receiver_until_the_last_shuts_down(tmp
         first.shutdown()
 
 
+def test_a_forked_child_neither_shares_nor_stops_its_parent_s_receiver(tmp_path: Path) -> None:
+    """Found by a review: a forked child (an engine core) inherited the registry, so its shutdown stopped the
+    parent's listening socket, and its engines "shared" a receiver whose threads live in the parent only."""
+    import os
+    import signal
+    import time
+    import warnings
+
+    from hurray_vllm.adapters.vllm.connector.scheduler import _RECEIVERS
+
+    first = _scheduler(tmp_path, "127.0.0.1:0")
+    first.start_receiver()
+    try:
+        port = first._listening[1]
+        with warnings.catch_warnings():  # Python 3.12+ warns of forking a process with threads: this child only exits
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            code = 1
+            try:
+                empty = not _RECEIVERS
+                first.shutdown()  # the child's copy of the engine, as its teardown may run
+                code = 0 if empty else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:  # a hang guard: the child must not outlive the test
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in its shutdown")
+        assert os.waitstatus_to_exitcode(done[1]) == 0, "the child saw its parent's receivers"
+        assert not _RECEIVERS[first._listening].receiver.stopping and _accepts(port), "the child stopped it"
+    finally:
+        first.shutdown()
+
+
 @pytest.mark.parametrize(
     "other",
     [

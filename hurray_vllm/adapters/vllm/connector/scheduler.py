@@ -88,6 +88,21 @@ _PASSING_ERRNOS = frozenset({errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EMFI
 os.register_at_fork(after_in_child=_HELPERS.clear)
 
 
+def _forget_parents_receivers() -> None:
+    """In a forked child: drop the parent's receivers, whose threads live in the parent only.
+
+    Shared, one would take nothing in the child, and the child's last shutdown would close the listening
+    socket under the parent's receiver. The child's engines start their own (the parent's address: refused,
+    in use). The lock too is the child's own: a parent thread may have held it at the fork.
+    """
+    global _RECEIVERS_LOCK
+    _RECEIVERS_LOCK = threading.Lock()
+    _RECEIVERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parents_receivers)
+
+
 def _helper(name: str) -> ThreadPoolExecutor:
     """The one helper thread ``name``, made on first use: ``"digest"`` for chunk checksums, ``"read"`` for reads.
 

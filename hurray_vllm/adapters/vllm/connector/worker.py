@@ -1279,10 +1279,11 @@ class HurrayWorker:
         receiver is asked about the rest in one query, together with every
         other way their chunk can be stored (the whole file, or any TP
         degree's slices): a receiver that holds the chunk in other files gets
-        nothing. A receiver that cannot answer (older than the query, or a
-        channel without it) gets them all, and is not asked again for
-        :data:`ASK_BACKOFF_S`: a push it does not need costs bandwidth, not
-        correctness.
+        nothing, but for the files that carry linear-attention states (its
+        copy may lack them: a held answer does not say). A receiver that
+        cannot answer (older than the query, or a channel without it) gets
+        them all, and is not asked again for :data:`ASK_BACKOFF_S`: a push
+        it does not need costs bandwidth, not correctness.
 
         Raises:
             OSError: the receiver cannot be reached, this engine cut the query short
@@ -1317,7 +1318,9 @@ class HurrayWorker:
         out = {}
         for key, names in plan.items():
             whole = any(all(n in held for n in layout) for layout in layouts.get(key, ()))
-            out[key] = [] if whole else [n for n in names if n not in held]
+            # A file with linear-attention states goes all the same: the answer does not say whether the
+            # receiver's copy has them, and its put replaces one without (else a load there resumes earlier).
+            out[key] = [n for n in names if not (whole or n in held) or self._store.has_states(self._ns, n)]
             for n in set(names) - set(out[key]):  # the receiver holds them, or their chunk in other files
                 self._mark_pushed(n)
             self.stats.chunks_held += len(names) - len(out[key])
