@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from blocking import wait_for
 from conftest import require
 
 
@@ -29,6 +30,13 @@ def meta() -> ModuleType:
     import hurray_vllm.adapters.vllm.connector.metadata as m
 
     return m
+
+
+@pytest.fixture
+def long_push_pause(conn: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed push pauses pushing for an hour, not PUSH_BACKOFF_S: what a test does after the failure (the next
+    saves, a flush) must find pushing still paused, and a loaded machine can stall a test for seconds."""
+    monkeypatch.setattr(conn, "PUSH_BACKOFF_S", 3600.0)
 
 
 def test_writer_runs_jobs_in_order_and_flush_waits(conn: ModuleType) -> None:
@@ -176,12 +184,14 @@ def _patient_tcp_sender() -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.asking = threading.Event()  # set when a held-chunk query starts
+            self.sending = threading.Event()  # set when a push starts (past the worker's look at the pause)
 
         def held(self, url: str, names: Any, *, timeout: float = 600.0, keys: Any = None) -> Any:
             self.asking.set()
             return super().held(url, names, timeout=timeout, keys=keys)
 
         def send(self, url: str, chunks: Any, *, timeout: float = 600.0, keys: Any = None) -> Any:
+            self.sending.set()
             return super().send(url, chunks, timeout=timeout, keys=keys)
 
     return _Patient()
@@ -254,6 +264,7 @@ def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: Mod
     assert c.stats.push_failures == 1 and c.stats.chunks_pushed == 4
 
 
+@pytest.mark.usefixtures("long_push_pause")
 def test_background_pushes_keep_their_order_and_never_hold_the_step(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
@@ -284,6 +295,7 @@ def test_background_pushes_keep_their_order_and_never_hold_the_step(  # type: ig
     assert c._store.has(c._ns, "aa" * 8) and c._store.has(c._ns, "bb" * 8)
 
 
+@pytest.mark.usefixtures("long_push_pause")
 def test_a_destination_that_never_reads_does_not_hold_the_step(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
@@ -315,15 +327,18 @@ def test_shutdown_stores_the_chunks_a_hung_destination_held_up(  # type: ignore[
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)
         # Its push waits 600 s: uncut, shutdown gives up after SHUTDOWN_SAVE_S with the chunks not stored.
-        c = _bare_worker(conn, meta, tmp_path, _patient_tcp_sender())
+        sender = _patient_tcp_sender()
+        c = _bare_worker(conn, meta, tmp_path, sender)
         c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
         c._writer = conn._Writer(1 << 30, on_full=c._abort_push)  # room for all: nothing cuts the push short
         keys = [f"{i:02x}" * 8 for i in range(4)]
         c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, [0] * 8, [1, 2]) for k in keys]))
+        assert sender.sending.wait(60)  # the push is out (a writer that starts it only after shutdown never tries)
         c.shutdown()
         assert all(c._store.has(c._ns, k) for k in keys) and c.stats.push_failures == 1
 
 
+@pytest.mark.usefixtures("long_push_pause")
 def test_an_unforeseen_error_in_a_push_still_stores_every_chunk_here(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
@@ -346,6 +361,7 @@ def test_an_unforeseen_error_in_a_push_still_stores_every_chunk_here(  # type: i
     assert c.stats.push_failures == 1 and sender.sends == 1  # then pushing paused
 
 
+@pytest.mark.usefixtures("long_push_pause")
 def test_chunks_stored_while_pushing_paused_are_pushed_when_it_resumes(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
@@ -401,6 +417,7 @@ def test_a_step_whose_block_copies_fail_drops_its_saves_and_the_engine_runs_on( 
     assert c.flush(timeout=30) and c.stats.chunks_saved == 1 and c._store.has(c._ns, task.key)
 
 
+@pytest.mark.usefixtures("long_push_pause")
 def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
@@ -1383,9 +1400,25 @@ def test_slices_of_another_tp_degree_holding_the_states_are_not_written_again(tm
     assert meta.saves == [] and sched.stats.chunks_skipped == 1
 
 
-def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+class _Clock:
+    """``time`` for a module under test, but for ``monotonic()``: a clock stopped at ``now``, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce(  # type: ignore[no-untyped-def]
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``{"hurray_saved_tokens": N}`` from the source: wait while those chunks arrive, never longer than that."""
     require("vllm")
+    import hurray_vllm.adapters.vllm.connector.scheduler as scheduler
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.metadata import forget_verified_chunks
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
@@ -1401,6 +1434,10 @@ def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce(t
     cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
     store = DirectoryStore(tmp_path)
     sched = HurrayScheduler(cfg, store, chunk.fingerprint, ns)
+    # The scheduler's clock, moved by hand: a wait of hurray_push_wait_s is read off exactly, however long a
+    # step (or a machine too busy to run this test) took.
+    clock = _Clock()
+    monkeypatch.setattr(scheduler, "time", clock)
 
     def request(rid: str, toks: list[int], params: object) -> SimpleNamespace:
         return SimpleNamespace(request_id=rid, all_token_ids=toks, kv_transfer_params=params)
@@ -1414,11 +1451,12 @@ def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce(t
 
     # Chunks that never come (a failed push, a dead source): once none arrived for hurray_push_wait_s, recompute.
     lost = request("lost", [7] * 8 + [1], {"hurray_saved_tokens": 8})
-    t0 = time.monotonic()
-    while sched.get_num_new_matched_tokens(lost, 0) == (None, False):
-        assert time.monotonic() - t0 < 10
-        time.sleep(0.05)
-    assert time.monotonic() - t0 >= 0.5
+    assert sched.get_num_new_matched_tokens(lost, 0) == (None, False)
+    clock.now += 0.25
+    assert sched.get_num_new_matched_tokens(lost, 0) == (None, False)  # none for 0.25 s of 0.5: it waits on
+    clock.now += 0.25
+    assert sched.get_num_new_matched_tokens(lost, 0) == (0, False)  # none for 0.5 s: recompute
+    clock.now += 60
     assert sched.get_num_new_matched_tokens(lost, 0) == (0, False)  # the wait is over for good
     assert (sched.stats.push_waits, sched.stats.push_wait_timeouts) == (2, 1)
 
@@ -1890,12 +1928,14 @@ def test_interpreter_exit_cuts_a_hung_push_and_stores_everything(  # type: ignor
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)
-        c = _bare_worker(conn, meta, tmp_path, _patient_tcp_sender())
+        sender = _patient_tcp_sender()
+        c = _bare_worker(conn, meta, tmp_path, sender)
         c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
         c._writer = conn._Writer(1 << 30, on_full=c._abort_push)
         monkeypatch.setattr(conn, "_WORKERS", conn.weakref.WeakSet([c]))
         keys = [f"{i:02x}" * 8 for i in range(4)]
         c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", k, [0] * 8, [1, 2]) for k in keys]))
+        assert sender.sending.wait(60)  # the push is out: started only after the 0.2 s grace, it is never tried
         t0 = time.monotonic()
         conn._drain_writers()
         assert time.monotonic() - t0 < 30  # not the push's 600 s, nor a flush's 60
@@ -1921,11 +1961,9 @@ def test_a_worker_dropped_without_shutdown_is_collected_and_its_writer_thread_en
     assert thread is not None and c.flush(timeout=30)
     worker = weakref.ref(c)
     del c
-    deadline = time.monotonic() + 10  # a hang guard: an idle round in progress holds the worker until it returns
-    while gc.collect() >= 0 and worker() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker() is None
-    thread.join(10)
+    # A hang guard, not a timing: an idle round in progress holds the worker until it returns.
+    assert wait_for(lambda: gc.collect() >= 0 and worker() is None, 60)
+    thread.join(60)
     assert not thread.is_alive()  # on its next idle round it found its worker gone
     # A worker as the connector builds it (a writer with no idle work: its thread waits for jobs only).
     config = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path)}), None)  # type: ignore[arg-type]
@@ -1938,7 +1976,7 @@ def test_a_worker_dropped_without_shutdown_is_collected_and_its_writer_thread_en
     del w
     gc.collect()
     assert worker() is None
-    thread.join(10)
+    thread.join(60)
     assert not thread.is_alive()  # ended by the worker's finalizer
 
 
