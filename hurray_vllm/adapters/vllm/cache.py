@@ -27,7 +27,7 @@ from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.heads import distinct_ranks, rank_heads
 from ...kv.snapshot import HeadRange, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
 from ...wire import dtypes
-from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
+from .layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent, _ids
 from .states import StateCache, state_cache, state_groups
 
 __all__ = [
@@ -966,10 +966,14 @@ def write_blocks(
             Only where :attr:`EngineCache.writes_head_slices`.
 
     Raises:
-        HurrayFormatError: pools of the wrong role count or block size; a
-            block id outside the cache (checked on the host, before writing).
+        HurrayFormatError: pools of the wrong role count, rank, block size,
+            head count or head size, keys and values of different shapes
+            (field named after the pool or the axis); ``block_ids`` not 1-D,
+            not one id per block of the pools, or an id outside the cache.
+            All checked on the host, before anything is written.
         HurrayArgumentError: ``heads`` outside the cache's, or a cache that
-            cannot be written a part of the heads at a time.
+            cannot be written a part of the heads at a time; (field
+            ``block_ids``) ids that are not integers.
     """
     cache = ec.caches[layer]
     if heads is not None:
@@ -979,6 +983,13 @@ def write_blocks(
                 "heads", f"cannot write heads {heads.start}..{heads.stop} of this {ec.layout_name} cache alone"
             )
         cache = cache[:, heads.start : heads.stop]
+    # Every check below runs before any write: vLLM's CPU cache-write op takes one slot per token of the
+    # pools and writes through it unchecked, so ids short of the pools' blocks are a heap overrun.
+    ids = _ids(block_ids, cache)  # int64 on the cache's device; refuses float and bool ids by name
+    if block_ids.dim() != 1:
+        raise HurrayFormatError(
+            "block_ids", f"must be 1-D (one engine block id per block), got {list(block_ids.shape)}"
+        )
     if block_ids.numel():
         # On the host (the connector's ids are host tensors: no device sync), before any write:
         # an id past a CUDA cache is a device-side assert that takes the engine down.
@@ -992,32 +1003,48 @@ def write_blocks(
     want = 1 if isinstance(ec.layout, MLALatent) else 2
     if len(pools) != want:
         raise HurrayFormatError("kv_role", f"{len(pools)} pools for a {'latent' if want == 1 else 'K/V'} cache")
+    for name, pool in zip(("latent",) if want == 1 else ("keys", "values"), pools):
+        if pool.dim() != 4 or pool.shape != pools[0].shape:
+            got = [list(t.shape) for t in pools]
+            raise HurrayFormatError(name, f"pools must be [n, block_size, num_kv_heads, head_dim] alike, got {got}")
     keys = pools[0]
     n, bs, h, d = keys.shape
+    if block_ids.numel() != n:
+        raise HurrayFormatError(
+            "block_ids", f"{block_ids.numel()} block ids for pools of {n} blocks: give one engine block per pool block"
+        )
     if bs != ec.block_size:
         raise HurrayFormatError("block_size", f"blocks of {bs} tokens for an engine with blocks of {ec.block_size}")
+    view = cache if cache.dtype == ec.storage_dtype else cache.view(ec.storage_dtype)
     if isinstance(ec.layout, MLALatent):
-        view = cache if cache.dtype == ec.storage_dtype else cache.view(ec.storage_dtype)
+        width = int(view.shape[-1])
+        if h != 1:
+            raise HurrayFormatError("num_heads", f"pools of {h} heads for a latent cache (one head per token)")
+        if d != width:
+            raise HurrayFormatError("head_dim", f"latents of width {d} for a cache of latents of {width}")
         latent = keys
         if ec.kv_scales is not None:
             latent = _quantize(latent, ec.kv_scales[layer][0], ec.storage_dtype)
-        ec.layout.scatter(view, block_ids, latent.to(view.dtype))
+        ec.layout.scatter(view, ids, latent.to(view.dtype))
         return
     values = pools[1]
-    if h != int(cache.shape[1]) or values.shape != keys.shape:  # every K/V layout's [B, H, ...] view
+    if h != int(cache.shape[1]):  # every K/V layout's [B, H, ...] view
         raise HurrayFormatError(
             "num_heads",
             f"pools of {list(keys.shape)} / {list(values.shape)} for a cache of {int(cache.shape[1])} heads",
         )
+    # Before the CPU op too: it reads the pools with the cache's head size, whatever theirs is.
+    if int(view.shape[-1]) != 2 * d:
+        raise HurrayFormatError("head_dim", f"pools of head_dim {d} for a cache of {int(view.shape[-1]) // 2}")
     if isinstance(ec.layout, CpuPacked) and ec.kv_scales is None and cache.dtype == ec.model_dtype:
         # Unquantized: pack directly (byte-identical to the op, which runs at a third of
         # copy speed here; tests/test_vllm_cpu_packing.py holds the two together).
-        ec.layout.scatter(cache, block_ids, keys.to(cache.dtype), values.to(cache.dtype))
+        ec.layout.scatter(cache, ids, keys.to(cache.dtype), values.to(cache.dtype))
         return
     if isinstance(ec.layout, CpuPacked):
         from vllm import _custom_ops as ops
 
-        slots = (block_ids.to(torch.int64)[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)
+        slots = (ids[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)
         kv = cache.view(cache.shape[0], h, 2 * bs, d)
         key_cache, value_cache = kv.chunk(2, dim=2)
         k_scale, v_scale = ec.kv_scales[layer] if ec.kv_scales is not None else (1.0, 1.0)
@@ -1034,10 +1061,6 @@ def write_blocks(
         )
         return
     # Token-major layouts: scatter through the same strided view the reader uses.
-    view = cache if cache.dtype == ec.storage_dtype else cache.view(ec.storage_dtype)
-    if int(view.shape[-1]) != 2 * d:
-        raise HurrayFormatError("head_dim", f"pools of head_dim {d} for a cache of {int(view.shape[-1]) // 2}")
-    ids = block_ids.to(device=cache.device, dtype=torch.int64)
     if ec.kv_scales is not None:
         k_scale, v_scale = ec.kv_scales[layer]
         keys = _quantize(keys, k_scale, ec.storage_dtype)
@@ -1057,8 +1080,11 @@ def _quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor
     """``x / scale`` in ``dtype``, saturated to its largest finite value as vLLM's fp8 cache writes are.
 
     A plain cast turns an out-of-range value into inf for float8_e5m2 (e4m3fn has no inf and saturates).
+    The scale divides as a float32 tensor on ``x``'s device: CUDA multiplies by the reciprocal of a
+    Python scalar divisor, one float8 step off vLLM's true division near a rounding tie. Filled on the
+    device (``torch.full``), not copied there: a host-to-device copy would wait for the stream.
     """
-    y = x.float() / scale
+    y = x.float() / torch.full((), scale, dtype=torch.float32, device=x.device)
     if dtype.is_floating_point and dtype.itemsize == 1:
         top = torch.finfo(dtype).max
         y = y.clamp(-top, top)

@@ -598,23 +598,31 @@ class _StackedKV:
     kv_axis: int
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
-        """``(block_size, num_kv_heads, head_dim)`` of ``cache``."""
-        assert isinstance(cache, torch.Tensor)
-        n, h, d = cache.shape[2:]
+        """``(block_size, num_kv_heads, head_dim)`` of ``cache``.
+
+        Raises:
+            HurrayFormatError: (field ``cache``) not this layout's 5-D tensor.
+        """
+        n, h, d = self._checked(cache).shape[2:]
         return int(n), int(h), int(d)
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, ...]:
         """The pages ``block_ids`` of K and V, each ``[len(block_ids), N, H, D]`` (into ``out`` if given)."""
-        assert isinstance(cache, torch.Tensor)
-        if cache.dim() != 5 or cache.shape[self.kv_axis] != 2:
-            want = "[2, B, N, H, D]" if self.kv_axis == 0 else "[B, 2, N, H, D]"
-            raise HurrayFormatError("cache", f"expected {want}, got {list(cache.shape)}")
+        cache = self._checked(cache)
         ids = _ids(block_ids, cache)
         _check_out(out, (ids.numel(), *cache.shape[2:]), cache.dtype)
         k, v = cache.select(self.kv_axis, 0), cache.select(self.kv_axis, 1)
         return _select(k, ids, _nth(out, 0)), _select(v, ids, _nth(out, 1))
+
+    def _checked(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``cache``, refused by name unless it stacks K and V on this layout's axis of a 5-D tensor."""
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[self.kv_axis] != 2:
+            want = "[2, B, N, H, D]" if self.kv_axis == 0 else "[B, 2, N, H, D]"
+            got = list(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            raise HurrayFormatError("cache", f"expected {want}, got {got}")
+        return cache
 
 
 @dataclass(frozen=True)
@@ -653,15 +661,36 @@ class PagedAttentionLegacy:
     name: str = "paged-attention-legacy"
 
     def page_shape(self, cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
-        """``(block_size, H, D)`` of one page, from the key cache ``[B, H, D/x, N, x]``."""
-        assert isinstance(cache, tuple)
-        _, h, dx, n, x = cache[0].shape
+        """``(block_size, H, D)`` of one page, from the key cache ``[B, H, D/x, N, x]``.
+
+        Raises:
+            HurrayFormatError: (field ``cache``) not a key and value cache pair of one geometry.
+        """
+        kc, _ = self._pair(cache)
+        _, h, dx, n, x = kc.shape
         return int(n), int(h), int(dx * x)
 
     def gather(
         self, cache: torch.Tensor | tuple[torch.Tensor, ...], block_ids: torch.Tensor, out: Out = None
     ) -> tuple[torch.Tensor, ...]:
         """Keys and values of ``block_ids`` from the cache pair, each ``[n, block_size, H, D]`` (into ``out``)."""
+        kc, vc = self._pair(cache)
+        x = int(kc.shape[-1])
+        ids = _ids(block_ids, kc)
+        _, h, dx, n, _ = kc.shape
+        _check_out(out, (ids.numel(), n, h, dx * x), kc.dtype)
+        k = _select(kc.permute(0, 3, 1, 2, 4), ids, _nth(out, 0)).reshape(ids.numel(), n, h, dx * x)
+        v = _select(vc.permute(0, 3, 1, 2), ids, _nth(out, 1))
+        return k, v
+
+    @staticmethod
+    def _pair(cache: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value caches of ``cache``, refused by name unless they hold the same pages.
+
+        A value cache of another head count, head size, block size or block
+        count than the key cache's would be exported beside the keys as if
+        it matched them.
+        """
         if not isinstance(cache, tuple) or len(cache) != 2:
             raise HurrayFormatError("cache", "paged-attention caches come as a (key_cache, value_cache) pair")
         kc, vc = cache
@@ -672,9 +701,11 @@ class PagedAttentionLegacy:
         x = 16 // kc.element_size()
         if kc.shape[-1] != x:
             raise HurrayFormatError("cache", f"key cache's last dim is {kc.shape[-1]}, expected x = {x}")
-        ids = _ids(block_ids, kc)
-        _, h, dx, n, _ = kc.shape
-        _check_out(out, (ids.numel(), n, h, dx * x), kc.dtype)
-        k = _select(kc.permute(0, 3, 1, 2, 4), ids, _nth(out, 0)).reshape(ids.numel(), n, h, dx * x)
-        v = _select(vc.permute(0, 3, 1, 2), ids, _nth(out, 1))
-        return k, v
+        b, h, dx, n, _ = kc.shape
+        if tuple(vc.shape) != (b, h, dx * x, n):
+            raise HurrayFormatError(
+                "cache",
+                f"the value cache {list(vc.shape)} does not match the key cache {list(kc.shape)}: "
+                f"expected [{b}, {h}, {dx * x}, {n}] (the same blocks, heads, head size and block size)",
+            )
+        return kc, vc

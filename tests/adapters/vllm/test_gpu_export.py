@@ -16,6 +16,7 @@ from hurray_vllm.adapters.vllm import (
     export_snapshot,
     export_stream,
 )
+from hurray_vllm.adapters.vllm.cache import EngineCache, write_blocks
 from hurray_vllm.adapters.vllm.export import GatherBuffers, plan_batch, to_host_overlapped
 
 pytestmark = [
@@ -88,3 +89,42 @@ def test_host_layers_from_fresh_device_pools() -> None:
     for i, (k, v) in enumerate(got):
         assert torch.equal(k, want.keys[i].page_pool)
         assert torch.equal(v, want.values[i].page_pool)
+
+
+def _fp8_cache(device: str, blocks: int, storage: torch.dtype, scale: float) -> EngineCache:
+    return EngineCache(
+        caches=[torch.zeros(blocks, 4, 16, 2 * 64, dtype=torch.uint8, device=device)],
+        layer_names=["model.layers.0.self_attn.attn"],
+        layout=LogicalBHNC(64),
+        layout_name="vllm-LBNHC",
+        storage_dtype=storage,
+        model_dtype=torch.bfloat16,
+        kv_cache_dtype="fp8",
+        kv_scales=[(scale, scale)],
+        fingerprint=hv.ModelFingerprint("LlamaForCausalLM", 1, 4, 64, "float8_e4m3"),
+        block_size=16,
+        engine="vllm test",
+    )
+
+
+@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cuda_fp8_writes_quantize_as_the_cpu_ones(storage: torch.dtype) -> None:
+    """vLLM divides by the fp8 scale: CUDA multiplied by its reciprocal instead, one float8 step off near ties."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every)]  # every finite bf16 value, the ties among them
+    page = 16 * 4 * 64
+    blocks = -(-every.numel() // page)
+    keys = torch.zeros(blocks * page, dtype=torch.bfloat16)
+    keys[: every.numel()] = every
+    keys = keys.view(blocks, 16, 4, 64)
+    scale, top = 0.3, torch.finfo(storage).max
+    divided = (keys.float() / torch.tensor(scale)).clamp(-top, top).to(storage)
+    by_reciprocal = (keys.float() * (1 / torch.tensor(scale))).clamp(-top, top).to(storage)
+    assert not torch.equal(divided.view(torch.uint8), by_reciprocal.view(torch.uint8))  # the pools hold such ties
+    ids = torch.arange(blocks).flip(0)
+    cpu, gpu = _fp8_cache("cpu", blocks, storage, scale), _fp8_cache("cuda", blocks, storage, scale)
+    write_blocks(cpu, 0, ids, keys, keys.neg())
+    write_blocks(gpu, 0, ids, keys.cuda(), keys.neg().cuda())
+    assert torch.equal(gpu.caches[0].cpu(), cpu.caches[0])
+    k, _ = LogicalBHNC(64).gather(cpu.caches[0].view(storage), ids)
+    assert torch.equal(k.view(torch.uint8), divided.view(torch.uint8))

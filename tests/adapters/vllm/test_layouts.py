@@ -98,6 +98,41 @@ def test_paged_attention_v1_v2(dtype: torch.dtype) -> None:
     assert torch.equal(got_v.view(torch.uint8), v[IDS].view(torch.uint8))
 
 
+@pytest.mark.parametrize(
+    "value_shape",
+    [(B, H + 1, D, N), (B, H, D * 2, N), (B, H, D, N * 2), (B - 2, H, D, N)],
+    ids=["heads", "head_dim", "block_size", "blocks"],
+)
+def test_a_paged_attention_value_cache_of_another_geometry_than_the_keys_is_refused(
+    value_shape: tuple[int, ...],
+) -> None:
+    """Keys and values of different shapes were exported side by side as one snapshot's pages."""
+    x = 16 // torch.empty(0, dtype=torch.bfloat16).element_size()
+    key_cache = torch.zeros(B, H, D // x, N, x, dtype=torch.bfloat16)
+    pair = (key_cache, torch.zeros(value_shape, dtype=torch.bfloat16))
+    for read in (lambda: PagedAttentionLegacy().gather(pair, IDS), lambda: PagedAttentionLegacy().page_shape(pair)):
+        with pytest.raises(HurrayFormatError, match=r"does not match the key cache") as err:
+            read()
+        assert err.value.field == "cache"
+
+
+@pytest.mark.parametrize(
+    ("layout", "cache"),
+    [
+        (PagedAttentionLegacy(), torch.zeros(B, H, 1, N, 8)),  # the key cache alone, not the pair
+        (FlashAttnLegacy(), torch.zeros(2, B, N, H)),
+        (FlashInferLegacy(), torch.zeros(B, 2, N, H)),
+        (FlashAttnLegacy(), (torch.zeros(B, N, H, D), torch.zeros(B, N, H, D))),
+    ],
+    ids=["paged-key-only", "flash-attn-4d", "flashinfer-4d", "flash-attn-pair"],
+)
+def test_legacy_page_shape_refuses_a_cache_of_another_rank_by_name(layout, cache) -> None:  # type: ignore[no-untyped-def]
+    """``page_shape`` failed with an AssertionError or a bare unpacking ValueError."""
+    with pytest.raises(HurrayFormatError) as err:
+        layout.page_shape(cache)
+    assert err.value.field == "cache"
+
+
 def _layout_cases() -> list[tuple[object, object]]:
     k, v = reference(11)
     bhnc = torch.cat([k, v], dim=-1).transpose(1, 2).contiguous()  # [B, H, N, 2D]

@@ -16,13 +16,13 @@ import torch
 
 import hurray_vllm as hv
 from hurray_vllm.adapters.vllm.cache import EngineCache, write_blocks
-from hurray_vllm.adapters.vllm.layouts import CpuPacked, KVLayout, LogicalBHNC
+from hurray_vllm.adapters.vllm.layouts import CpuPacked, KVLayout, LogicalBHNC, MLALatent
 
 H, D, N, BLOCKS = 4, 16, 32, 6
 
 
-def _engine_cache(layout: KVLayout, *, fp8: bool = False) -> EngineCache:
-    cache = torch.zeros((BLOCKS, H, N, 2 * D), dtype=torch.uint8 if fp8 else torch.bfloat16)
+def _engine_cache(layout: KVLayout, *, fp8: bool = False, head_dim: int = D) -> EngineCache:
+    cache = torch.zeros((BLOCKS, H, N, 2 * head_dim), dtype=torch.uint8 if fp8 else torch.bfloat16)
     return EngineCache(
         caches=[cache],
         layer_names=["model.layers.0.self_attn.attn"],
@@ -32,7 +32,7 @@ def _engine_cache(layout: KVLayout, *, fp8: bool = False) -> EngineCache:
         model_dtype=torch.bfloat16,
         kv_cache_dtype="fp8" if fp8 else "auto",
         kv_scales=[(0.5, 0.5)] if fp8 else None,
-        fingerprint=hv.ModelFingerprint("LlamaForCausalLM", 1, H, D, "float8_e4m3" if fp8 else "bfloat16"),
+        fingerprint=hv.ModelFingerprint("LlamaForCausalLM", 1, H, head_dim, "float8_e4m3" if fp8 else "bfloat16"),
         block_size=N,
         engine="vllm test",
     )
@@ -93,10 +93,96 @@ def test_an_fp8_token_major_cache_is_written_whole_or_by_heads(storage: torch.dt
     assert torch.equal(v.view(torch.uint8), (values.float() / 0.5).to(storage).view(torch.uint8))
 
 
-def test_pools_of_another_head_geometry_are_refused_by_name() -> None:
-    ec = _engine_cache(LogicalBHNC(D))
-    for shape, field in (((1, N, H - 1, D), "num_heads"), ((1, N, H, D // 2), "head_dim")):
-        part = torch.zeros(shape, dtype=torch.bfloat16)
+#: The CPU fp8 case at head size 64, one vLLM's CPU op takes: past the checks, it would write.
+_LAYOUTS = [
+    (LogicalBHNC(D), False, D),
+    (LogicalBHNC(D), True, D),
+    (CpuPacked("vec", D), False, D),
+    (CpuPacked("vec", 64), True, 64),
+    (CpuPacked("amx", 64), True, 64),
+]
+
+
+def _unchanged(ec: EngineCache, before: torch.Tensor) -> bool:
+    return torch.equal(ec.caches[0].view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("layout", "fp8", "head_dim"), _LAYOUTS)
+@pytest.mark.parametrize("ids", [[4], [4, 2, 5], [[4, 2]]], ids=["fewer", "more", "2-D"])
+def test_block_ids_that_are_not_one_per_pool_block_are_refused_before_writing(
+    layout: KVLayout, fp8: bool, head_dim: int, ids: list[int]
+) -> None:
+    """On the CPU fp8 path vLLM's op writes a slot per pool token: fewer ids than blocks overran the heap."""
+    ec = _engine_cache(layout, fp8=fp8, head_dim=head_dim)
+    before = ec.caches[0].clone()
+    pool = torch.ones((2, N, H, head_dim), dtype=torch.bfloat16)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        write_blocks(ec, 0, torch.tensor(ids), pool, pool)
+    assert err.value.field == "block_ids"
+    assert _unchanged(ec, before)
+
+
+@pytest.mark.parametrize(("layout", "fp8", "head_dim"), _LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_block_ids_that_are_not_integers_are_refused_before_writing(
+    layout: KVLayout, fp8: bool, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Float ids were truncated on the token-major path: 1.7 wrote block 1."""
+    ec = _engine_cache(layout, fp8=fp8, head_dim=head_dim)
+    before = ec.caches[0].clone()
+    pool = torch.ones((2, N, H, head_dim), dtype=torch.bfloat16)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        write_blocks(ec, 0, torch.tensor([1.7, 0.0]).to(dtype), pool, pool)
+    assert err.value.field == "block_ids"
+    assert _unchanged(ec, before)
+
+
+def _mla_cache() -> EngineCache:
+    width = 96
+    return EngineCache(
+        caches=[torch.zeros((BLOCKS, N, width), dtype=torch.bfloat16)],
+        layer_names=["model.layers.0.self_attn.attn"],
+        layout=MLALatent(width),
+        layout_name="vllm-mla",
+        storage_dtype=torch.bfloat16,
+        model_dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        kv_scales=None,
+        fingerprint=hv.ModelFingerprint("DeepseekV3ForCausalLM", 1, 1, width, "bfloat16"),
+        block_size=N,
+        engine="vllm test",
+    )
+
+
+@pytest.mark.parametrize(("layout", "fp8", "head_dim"), _LAYOUTS)
+def test_pools_of_another_head_geometry_are_refused_by_name(layout: KVLayout, fp8: bool, head_dim: int) -> None:
+    ec = _engine_cache(layout, fp8=fp8, head_dim=head_dim)
+    before = ec.caches[0].clone()
+    ids = torch.tensor([1])
+    cases = (
+        ((1, N, H - 1, head_dim), (1, N, H - 1, head_dim), "num_heads"),
+        ((1, N, H, head_dim // 2), (1, N, H, head_dim // 2), "head_dim"),  # the CPU fp8 op read past them
+        ((N, H, head_dim), (N, H, head_dim), "keys"),
+        ((1, N, H, head_dim), (1, N, H, head_dim // 2), "values"),
+    )
+    for kshape, vshape, field in cases:
+        keys, values = torch.zeros(kshape, dtype=torch.bfloat16), torch.zeros(vshape, dtype=torch.bfloat16)
         with pytest.raises(hv.HurrayFormatError) as err:
-            write_blocks(ec, 0, torch.tensor([1]), part, part)
+            write_blocks(ec, 0, ids, keys, values)
         assert err.value.field == field
+    assert _unchanged(ec, before)
+
+
+def test_latents_of_another_geometry_are_refused_by_name() -> None:
+    ec = _mla_cache()
+    before = ec.caches[0].clone()
+    for shape, ids, field in (
+        ((1, N, 2, 96), [1], "num_heads"),
+        ((1, N, 1, 64), [1], "head_dim"),
+        ((N, 1, 96), [1], "latent"),
+        ((2, N, 1, 96), [1], "block_ids"),
+    ):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            write_blocks(ec, 0, torch.tensor(ids), torch.zeros(shape, dtype=torch.bfloat16))
+        assert err.value.field == field
+    assert _unchanged(ec, before)
