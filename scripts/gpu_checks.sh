@@ -3,7 +3,7 @@
 # the CUDA export benchmark. Meant for a borrowed GPU machine that has torch
 # with CUDA but no .venv (it runs the checkout in place through PYTHONPATH).
 #   scripts/gpu_checks.sh [OUTDIR]      (OUTDIR: default $OUT, else ./gpu-out)
-# A lent device returns what lands in $OUT, 8 files at most: this writes 6. Its
+# A lent device returns what lands in $OUT, 8 files at most: this writes 7. Its
 # steps' time limits add up to 420 s (one device command may take 600 s, and
 # the whole loan is 15 minutes): run it with a timeout of about 540 s.
 set -uo pipefail
