@@ -1000,7 +1000,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=60.0,
         help="seconds one chunk may take to arrive, plus one per MiB that arrived (TCP; per MiB offered over "
-        "NIXL); a slower sender is disconnected (default 60)",
+        "NIXL); a slower sender is disconnected (default 60; a new connection's TLS and key handshakes get 10 s "
+        "at most)",
     )
     s.add_argument(
         "--idle-timeout",
