@@ -639,10 +639,16 @@ def _api_key_option(text: str) -> str:
     """``--api-key``, ``--backend-api-key``: not empty (the option left out reads the variable, or means none).
 
     ``--api-key "$KEY"`` with ``KEY`` not set is a key lost on the way, not a request for none: an empty router
-    key would let in whoever sends an empty bearer token.
+    key would let in whoever sends an empty bearer token. Nor with whitespace at its start or end: an HTTP
+    header's value is read without it, so no request would ever carry the key (every one answered 401).
     """
     if not text:
         raise argparse.ArgumentTypeError("an empty key: give the key, or leave the option out")
+    if text != text.strip():
+        raise argparse.ArgumentTypeError(
+            "a key with whitespace at its start or end, which no request can carry (a bearer token is read without "
+            "it): remove the whitespace"
+        )
     return text
 
 
@@ -1120,7 +1126,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_api_key_option,
         help="clients must send 'Authorization: Bearer KEY' on /v1/* (vLLM's --api-key; repeat to accept several, "
         "e.g. while rotating); default: $HURRAY_API_KEY, which keeps the key off the command line; without either, "
-        "/v1/* is open (/health and /metrics always are)",
+        "/v1/* is open (/health and /metrics always are). It does not guard /hurray/* (listing, moving and draining "
+        "requests): --key-file does",
     )
     _add_key_file(s, "with a key, /hurray/* needs 'Authorization: Bearer TOKEN' (a token of any key of the ring)")
     s.add_argument("--print-token", action="store_true", help="print the control token of the signing key and exit")

@@ -222,3 +222,68 @@ def test_an_empty_key_never_opens_the_endpoints(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("HURRAY_API_KEY", "")
     with pytest.raises(HurrayArgumentError, match=r"\$HURRAY_API_KEY"):
         build_app(RouterConfig(backends=("http://127.0.0.1:9",)))
+
+
+@pytest.mark.parametrize(
+    "key", ["sk-abc ", " sk-abc", "sk-abc\n", " "], ids=["trailing", "leading", "newline", "blank"]
+)
+def test_a_key_with_whitespace_at_its_ends_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: such a key was taken, and no client could send it (a bearer token is read stripped, as
+    an HTTP header's value): every /v1 request got 401. Refused as --api-key, $HURRAY_API_KEY and api_keys=."""
+    require("fastapi")
+    from hurray_vllm.app.router import RouterConfig, build_app
+    from hurray_vllm.errors import HurrayArgumentError
+
+    monkeypatch.delenv("HURRAY_API_KEY", raising=False)
+    with pytest.raises(HurrayArgumentError, match="whitespace") as exc:
+        build_app(RouterConfig(backends=("http://127.0.0.1:9",), api_keys=("sk-ok", key)))
+    assert exc.value.field == "api_keys"
+    monkeypatch.setenv("HURRAY_API_KEY", key)
+    with pytest.raises(HurrayArgumentError, match=r"whitespace|empty") as exc:  # blank: as good as empty
+        build_app(RouterConfig(backends=("http://127.0.0.1:9",)))
+    assert exc.value.field == "$HURRAY_API_KEY"
+    with pytest.raises(SystemExit) as stop:
+        main(["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--api-key", key])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines
+    assert "argument --api-key:" in err and "whitespace" in err, err
+    monkeypatch.setenv("HURRAY_API_KEY", "sk abc")  # whitespace inside a key is the key's own
+    assert build_app(RouterConfig(backends=("http://127.0.0.1:9",))) is not None
+
+
+def test_an_api_key_without_control_tokens_warns_that_the_controls_are_open(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Documented, but a router keyed for its clients looked closed: /hurray/* stays open without --key-file."""
+    require("fastapi")
+    from hurray_vllm.app.router import RouterConfig, build_app
+    from hurray_vllm.app.router.server import CONTROL_PURPOSE
+
+    monkeypatch.delenv("HURRAY_API_KEY", raising=False)
+    with caplog.at_level("WARNING", logger="hurray_vllm.router"):
+        build_app(RouterConfig(backends=("http://127.0.0.1:9",), api_keys=("sk-1",)))
+    (warning,) = [r.getMessage() for r in caplog.records if "/hurray/*" in r.getMessage()]
+    assert "open" in warning and "--key-file" in warning
+    caplog.clear()
+    tokens = FleetKeys.from_secrets(NEW).tokens(CONTROL_PURPOSE)
+    with caplog.at_level("WARNING", logger="hurray_vllm.router"):
+        build_app(RouterConfig(backends=("http://127.0.0.1:9",), api_keys=("sk-1",), control_tokens=tokens))
+        build_app(RouterConfig(backends=("http://127.0.0.1:9",)))  # nothing keyed: nothing looks closed
+    assert [r for r in caplog.records if "/hurray/*" in r.getMessage()] == []
+
+
+def test_the_routers_own_refusals_have_its_error_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: FastAPI's own refusals came back as {"detail": ...}: a query parameter it could not read
+    (422), a method a route does not take (405). Every error of the router is {"error": {message, type, code}}."""
+    with _keyed(monkeypatch) as client:
+        for method, path, status in (("get", "/hurray/requests?recent=maybe", 400), ("get", "/hurray/migrate", 405),
+                                     ("get", "/nowhere", 404)):  # fmt: skip
+            r = client.request(method, path)
+            assert r.status_code == status, (path, r.text)
+            error = r.json()["error"]
+            assert error["code"] == status and error["message"] and error["type"], r.text
+        assert "recent" in client.get("/hurray/requests?recent=maybe").json()["error"]["message"]
+        assert client.get("/hurray/migrate").headers["allow"] == "POST"
+        assert client.get("/hurray/requests?recent=true").status_code == 200

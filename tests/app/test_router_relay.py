@@ -238,6 +238,96 @@ def test_models_lists_what_every_healthy_backend_serves_once(router_over: Any) -
         assert client.get("/v1/models").status_code == 503
 
 
+def test_models_leaves_out_a_card_whose_id_is_not_a_string(router_over: Any) -> None:
+    """Found by a review: a backend card whose id was a list (a malformed peer) failed the whole list with a
+    plain-text 500 for every client (an unhashable key); the other backends' models are still listed."""
+
+    def never(body: dict[str, Any]) -> list[dict[str, Any]]:
+        raise AssertionError("no completion expected")
+
+    with FakeVLLM(["m"], never) as a, FakeVLLM(["m"], never) as b:
+        client = router_over(a, b)
+        b.models = [["x"], {"k": 1}, "sql"]  # type: ignore[list-item]  # ids: a list, an object, a string
+        r = client.get("/v1/models")
+        assert r.status_code == 200, r.text
+        assert [c["id"] for c in r.json()["data"]] == ["m", "sql"]
+
+
+def _vllm_with_answer_fields(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """vLLM 0.32's answers with its fields outside the choices: ``kv_transfer_params`` in a non-streamed answer
+    (what an external P/D proxy reads), and a chat's ``prompt_text`` (its answer, or a stream's first event)."""
+    chat = "messages" in body
+    if not body.get("stream"):
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": " x"}}
+        else:
+            choice = {"index": 0, "text": " x", "prompt_token_ids": [1, 2]}
+        answer = {"id": "up", "object": "chat.completion" if chat else "text_completion", "created": 1, "model": "m",
+                  "choices": [{**choice, "token_ids": [5], "finish_reason": "length"}],
+                  "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}  # fmt: skip
+        if chat:
+            answer["prompt_token_ids"] = [1, 2]
+        if body.get("kv_transfer_params") is not None:
+            answer["kv_transfer_params"] = {"remote_block_ids": [1, 2], "do_remote_prefill": True}
+        if chat and body.get("return_prompt_text"):
+            answer["prompt_text"] = "<|user|>hi"
+        return [answer]
+    if chat:
+        role = _chunk({"role": "assistant", "content": ""})
+        role["prompt_token_ids"] = [1, 2]
+        if body.get("return_prompt_text"):
+            role["prompt_text"] = "<|user|>hi"  # vLLM: on the first chunk only
+        return [role, _chunk({"content": " x"}, token_ids=[5], finish_reason="length")]
+    return [{"id": "up", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": " x", "token_ids": [5], "prompt_token_ids": [1, 2], "logprobs": None,
+                          "finish_reason": "length"}]}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("completions", {"prompt": [1, 2], "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "return_prompt_text": True},
+         "prompt_text"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "return_prompt_text": True,
+                              "stream": True}, "prompt_text"),
+    ],
+    ids=["completion kv_transfer_params", "chat kv_transfer_params", "chat prompt_text", "streamed prompt_text"],
+)  # fmt: skip
+def test_answer_fields_outside_the_choices_reach_the_client(
+    router_over: Any, path: str, extra: dict[str, Any], field: str
+) -> None:
+    """Found by a review: every leg streams and the router rebuilds the answer from the choices, so an external
+    P/D proxy's non-streamed request got no kv_transfer_params back (no handshake), and return_prompt_text's
+    prompt_text was dropped. Such requests are relayed as sent, unmoved, and the backend's answer has them."""
+    with FakeVLLM(["m"], _vllm_with_answer_fields) as fake:
+        client = router_over(fake)
+        body = {"model": "m", "max_tokens": 1, **extra}
+        r = client.post(f"/v1/{path}", json=body)
+        assert r.status_code == 200, r.text
+        answer = _sse(r.text)[0] if body.get("stream") else r.json()
+        assert field in answer, answer
+        assert answer["id"].startswith(("cmpl-hurray-", "chatcmpl-hurray-"))  # the router's own, as relayed ones
+        assert fake.bodies[-1] == body  # as the client sent it: not made a stream
+        assert client.get("/hurray/requests?recent=true").json()["requests"] == []
+
+
+def test_only_a_non_streamed_request_with_kv_transfer_params_and_a_chat_with_prompt_text_are_unmovable() -> None:
+    """A stream carries no kv_transfer_params back (vLLM's rule): streamed, the request still moves; vLLM's
+    completions take no return_prompt_text."""
+    from hurray_vllm.app.router.flight import movable
+
+    kv = {"kv_transfer_params": {"do_remote_decode": True}}
+    assert "kv_transfer_params" in (movable("completion", {"prompt": [1], **kv}) or "")
+    assert "kv_transfer_params" in (movable("chat", {"messages": [], "stream": "false", **kv}) or "")
+    assert movable("completion", {"prompt": [1], "stream": True, **kv}) is None
+    assert "return_prompt_text" in (movable("chat", {"messages": [], "return_prompt_text": True}) or "")
+    assert movable("chat", {"messages": [], "return_prompt_text": False}) is None
+    assert movable("completion", {"prompt": [1], "return_prompt_text": True}) is None
+
+
 def test_a_request_for_a_model_one_backend_serves_goes_there(router_over: Any) -> None:
     """``sql`` is loaded on A only: the request goes to A even while B is less loaded (B would answer 404)."""
 

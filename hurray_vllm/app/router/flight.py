@@ -341,6 +341,10 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
         if rf is not None and not (name == "response_format" and isinstance(rf, dict) and rf.get("type") == "text"):
             # The continuation would start the grammar over in the middle of the output.
             return f"structured output ({name}): a continuation would restart its grammar"
+    if body.get("kv_transfer_params") is not None and not flag(body, "stream"):
+        # vLLM answers its own kv_transfer_params (an external P/D proxy's handshake) in a non-streamed answer
+        # only, and every leg streams: relayed, the answer carries them.
+        return "kv_transfer_params on a non-streamed request (vLLM answers its own only there; every leg streams)"
     if kind == "completion":
         p = body.get("prompt")
         if isinstance(p, list) and p and not isinstance(p[0], int):
@@ -357,6 +361,10 @@ def movable(kind: str, body: dict[str, Any]) -> str | None:
         # vLLM streams the echoed last message as an event of its own, outside the generated text its stop
         # strings are matched over; a prefill leg's answer joins it to its token. Relayed, vLLM keeps them apart.
         return "echo"
+    elif flag(body, "return_prompt_text"):
+        # vLLM puts the templated prompt's text in the answer (a stream's first event), outside the choices the
+        # router rebuilds its answer from: relayed, the client gets it.
+        return "return_prompt_text (the prompt's text is in the backend's answer, outside its choices)"
     elif _has_media(body.get("messages")):
         return "images, audio or video in the messages (a continuation is a token-id prompt, without them)"
     elif not flag(body, "include_reasoning", True):

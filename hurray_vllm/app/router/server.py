@@ -700,18 +700,28 @@ def _join_logprobs(parts: list[Any]) -> Any:
     return out
 
 
+#: Why a router key with whitespace at its start or end is refused (:func:`_api_keys`).
+_SPACED_KEY = (
+    "a key with whitespace at its start or end, which no client can send (a bearer token is read without it): "
+    "remove the whitespace (a key file's trailing newline, say)"
+)
+
+
 def _api_keys(config: RouterConfig) -> tuple[str, ...]:
     """The keys ``/v1/*`` takes: the config's, else :data:`API_KEY_ENV`'s; none, ``/v1/*`` open.
 
     Raises:
         HurrayArgumentError: an empty key, or the variable set but empty (as an empty
             ``$HURRAY_VLLM_KEY_FILE`` is refused): an empty bearer token must never pass, and a key lost on
-            the way (``HURRAY_API_KEY=$UNSET``) must not open ``/v1/*``.
+            the way (``HURRAY_API_KEY=$UNSET``) must not open ``/v1/*``. Also a key with whitespace at its start
+            or end: a client's token is read without it (an HTTP header's value is), so every request got 401.
     """
     from ...errors import HurrayArgumentError
 
     if any(not k for k in (*config.api_keys, *config.control_tokens)):
         raise HurrayArgumentError("api_keys", "an empty key: give the key, or leave it out")
+    if any(k != k.strip() for k in config.api_keys):
+        raise HurrayArgumentError("api_keys", _SPACED_KEY)
     if config.api_keys:
         return config.api_keys
     env = os.environ.get(API_KEY_ENV)
@@ -721,6 +731,8 @@ def _api_keys(config: RouterConfig) -> tuple[str, ...]:
         raise HurrayArgumentError(
             f"${API_KEY_ENV}", "is set but empty: set it to the key clients must send, or unset it for an open /v1/*"
         )
+    if env != env.strip():
+        raise HurrayArgumentError(f"${API_KEY_ENV}", _SPACED_KEY)
     return (env,)
 
 
@@ -734,7 +746,9 @@ def build_app(config: RouterConfig) -> Any:
         ['/hurray/drain', '/hurray/migrate', '/hurray/requests', '/hurray/undrain']
     """
     from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     router = Router(config)
 
@@ -772,6 +786,13 @@ def build_app(config: RouterConfig) -> Any:
             keys=api_keys,
             message="this router's /v1/* endpoints need 'Authorization: Bearer KEY' with its --api-key",
         )
+        if not config.control_tokens:
+            # Documented, but a router keyed for its clients looks closed: whoever can send to /v1 can move and drain.
+            log.warning(
+                "router: /v1/* needs an API key, but /hurray/* (which lists, moves and drains every client's requests) "
+                "is open to whoever reaches the router: guard it with a fleet key (hurray-vllm router --key-file KEY, "
+                "or $HURRAY_VLLM_KEY_FILE; control_tokens in RouterConfig), or keep its port off untrusted networks"
+            )
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:
@@ -967,10 +988,13 @@ def build_app(config: RouterConfig) -> Any:
         answers = await asyncio.gather(*(router.backends.read_models(router.client, b, router.patience) for b in asked))
         if all(a is None for a in answers):
             return fail(503, "no backend answered /v1/models")
-        cards: dict[Any, dict[str, Any]] = {}
+        cards: dict[str, dict[str, Any]] = {}
         for a in answers:
             for card in a or ():
-                cards.setdefault(card.get("id"), card)  # the first backend's card of a model, in --backend order
+                # A card without a string id names no model a request could ask for (and a list or object as
+                # its id is no key to join on: it once failed the whole list with a 500).
+                if isinstance(card.get("id"), str):
+                    cards.setdefault(card["id"], card)  # the first backend's card of a model, in --backend order
         return JSONResponse({"object": "list", "data": list(cards.values())})
 
     @app.get("/health")
@@ -1021,6 +1045,21 @@ def build_app(config: RouterConfig) -> Any:
     @app.exception_handler(RouterError)
     async def refused(request: Request, exc: RouterError) -> Any:
         return fail(exc.status, exc.message)
+
+    # FastAPI's and Starlette's own refusals (a query parameter it cannot read, a method or path it has no route for)
+    # in the router's error shape too: a client reads every error of the router the same way.
+    @app.exception_handler(RequestValidationError)
+    async def unreadable(request: Request, exc: RequestValidationError) -> Any:
+        what = "; ".join(
+            f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'request'}: {e.get('msg', 'invalid')}"
+            for e in exc.errors()
+        )
+        return fail(400, what or "the request is not what this endpoint takes")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_refusal(request: Request, exc: StarletteHTTPException) -> Any:
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return JSONResponse(_error(exc.status_code, detail), status_code=exc.status_code, headers=exc.headers)
 
     return app
 
