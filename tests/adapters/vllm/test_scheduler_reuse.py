@@ -314,6 +314,49 @@ def test_a_whole_file_refused_before_hides_no_slices_carrying_states(tmp_path: P
     assert sched._states_set(key) is None
 
 
+def _truncate(path: Path) -> None:
+    """Damage a stored file as a torn copy or a full disk would: its second half gone."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_whole_file_refused_by_a_lookup_hides_no_slices_of_its_chunk(tmp_path: Path) -> None:
+    """Found by a review: chunk 1 stored whole (a TP=1 save) and as a complete set of TP=2 slices; the whole file
+    is damaged. The lookup moved it aside and stopped there, recomputing a chunk whose slices were fine (only a
+    later lookup found them). It looks up the chunk once more and loads the slices; the next ask replays that."""
+    from hurray_vllm.chunks.store import store_snapshot
+    from hurray_vllm.kv.heads import distinct_ranks, rank_heads, select_heads
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    for r in distinct_ranks(HEADS, 2):
+        store_snapshot(store, select_heads(snap, rank_heads(HEADS, 2, r)), CHUNK)
+    whole = store.path(ns, keys[1])
+    _truncate(whole)
+    sched = _scheduler(_config(tmp_path), store, ns)
+    read = _counting_reads(sched)
+    request = _request("r", list(snap.token_ids[0]))
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
+    load = sched._reqs["r"].load
+    assert load is not None and load.keys == keys
+    assert [p[0] for p in load.parts[0]] == [keys[0]]
+    assert [p[0] for p in load.parts[1]] == [p.name for p in store.parts(ns, keys[1], HEADS) or []] != [keys[1]]
+    assert not whole.exists() and whole.with_name(whole.name + ".bad").exists()
+    assert sched.stats.chunks_quarantined == 1 and sched.stats.chunks_refused == 1
+    seen = len(read)
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
+    assert len(read) == seen and sched._reqs["r"].load is load  # replayed: nothing read again
+
+    # The slices damaged too: chunk 1 is looked up once more, not again and again; chunk 0 still loads.
+    slices = store.parts(ns, keys[1], HEADS)
+    assert slices is not None and len(slices) == 2
+    _truncate(store.path(ns, slices[0].name))
+    store_snapshot(store, snap, CHUNK)  # the whole file written again (damaged below)
+    _truncate(whole)
+    again = _scheduler(_config(tmp_path), store, ns)
+    assert again.get_num_new_matched_tokens(_request("s", list(snap.token_ids[0])), 0) == (8, False)
+    assert again.stats.chunks_quarantined == 2 and store.parts(ns, keys[1], HEADS) is None
+
+
 def test_a_reset_keys_the_requests_that_hold_no_kv_with_the_new_epoch(tmp_path: Path) -> None:
     from hurray_vllm.adapters.vllm.connector.scheduler import request_seed
 

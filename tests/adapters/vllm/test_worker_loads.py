@@ -321,3 +321,47 @@ def test_a_worker_in_the_schedulers_process_loads_a_hybrid_asynchronously_from_w
     assert not w.get_block_ids_with_load_errors()  # which would stop vLLM's engine for two groups
     sched.update_connector_output({"r"})  # vLLM recomputes it, and the scheduler offers it nothing again
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["damaged", "replaced-meanwhile"])
+def test_a_file_a_worker_finds_damaged_is_moved_aside_unless_replaced_meanwhile(
+    worker_mod: ModuleType, tmp_path: Path, replaced: bool
+) -> None:
+    """Found by a review: a slice truncated between the lookup and the load was reported but left in place. Its
+    set still counted as stored: the recompute's save skipped the chunk, and every later lookup read and refused
+    the slice again. Moved aside (the file the worker read: the lookup's identity is gone), the save writes it
+    again; a good file renamed over it since the worker read it stays."""
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, LoadTask
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 2)
+    parts = [store.parts(ns, k, H) for k in keys]
+    assert all(ps is not None and len(ps) == 2 for ps in parts)
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps or []] for ps in parts]
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    task = LoadTask("r", keys, tokens, [1, 2, 3, 4], verified)
+    damaged = store.path(ns, verified[1][0][0])
+    good = damaged.read_bytes()
+    damaged.write_bytes(good[: len(good) // 2])  # after the lookup: torn by a full disk, a bad copy
+    w = cpu_worker(store, ns)
+    if replaced:  # a producer renames a good copy over it after the worker read the torn one
+        real = w._store.get
+
+        def get(namespace: str, name: str, **kwargs: Any) -> Any:
+            try:
+                return real(namespace, name, **kwargs)
+            finally:
+                if name == damaged.name.removesuffix(".hrry"):
+                    fresh = damaged.with_name("fresh")
+                    fresh.write_bytes(good)
+                    fresh.replace(damaged)
+
+        w._store = SimpleNamespace(get=get, identity=store.identity, quarantine=store.quarantine)
+    w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
+    assert w.get_block_ids_with_load_errors() == {1, 2, 3, 4} and w.stats.loads_failed == 1
+    bad = damaged.with_name(damaged.name + ".bad")
+    if replaced:
+        assert damaged.read_bytes() == good and not bad.exists() and w.stats.chunks_quarantined == 0
+        assert store.parts(ns, keys[1], H) is not None
+    else:  # the set is incomplete: the recompute's save writes the chunk again
+        assert not damaged.exists() and bad.exists() and w.stats.chunks_quarantined == 1
+        assert store.parts(ns, keys[1], H) is None

@@ -518,7 +518,8 @@ class HurrayScheduler:
         the load planned last is offered again without reading or checking any file; so is an answer of
         nothing. Not an answer a passing error cut short (a read out of memory or descriptors): the next ask
         reads again. A chunk file refused and left in place (:meth:`_refuse`) stops any later lookup of this
-        process after a ``stat``.
+        process after a ``stat``. A chunk whose set of files this lookup refuses is looked up once more: another
+        TP degree's set of it (a whole file and slices both stored) may be fine.
         """
         state = self._state(request)  # also for a producer alone: its saves follow the request
         seed = self._seed(state)
@@ -534,24 +535,7 @@ class HurrayScheduler:
         first = num_computed_tokens // self._chunk
         if self._awaits_push(state, tokens, keys, num_computed_tokens):
             return None, False  # vLLM asks again at its next step
-        stored: list[list[ChunkPart]] = []
-        for i in range(first, len(keys)):
-            parts = self._load_set(keys[i], i, num_computed_tokens)
-            if parts is None:  # not stored, or a tensor-parallel slice still missing
-                break
-            stored.append(parts)
-        if self._state_groups and stored:
-            # A resume needs the states taken at its chunk's end: the furthest chunk with a complete set of
-            # files that carries them (another TP degree's, perhaps) is where the request resumes. Chunks
-            # after it are not read (a resume there has no states), and one before the last found is not
-            # missed because its first set lacks them. With none, no chunk is read: nothing could load.
-            for j in range(len(stored) - 1, -1, -1):
-                with_states = self._states_set(keys[first + j])
-                if with_states is not None:
-                    stored = [*stored[:j], with_states]
-                    break
-            else:
-                stored = []
+        stored = self._stored_sets(keys, first, num_computed_tokens)
         files = (num_computed_tokens, tuple(f for parts in stored for f in _files(parts)))
         last = state.lookup
         # The last answer again, the load it planned with it; also an answer of nothing (refused chunks, or a
@@ -563,6 +547,20 @@ class HurrayScheduler:
         state.load = state.lookup = None
         self._passing_refusal = False
         hit, verified, verified_snaps = self._verify_chunks(stored, tokens, first)
+        retried: set[int] = set()
+        while hit < first + len(stored) and hit not in retried:
+            # Chunk `hit`'s set was refused: moved aside or remembered as refused, it no longer hides another TP
+            # degree's set of the chunk (a whole file and slices both stored), which is looked at once more.
+            retried.add(hit)
+            again = self._stored_sets(keys, hit, num_computed_tokens)
+            if not again or _files(again[0]) == _files(stored[hit - first]):
+                break  # no other set, or the same one (a passing error: not remembered)
+            stored = [*stored[: hit - first], *again]
+            hit, more, more_snaps = self._verify_chunks(again, tokens, hit)
+            verified += more
+            verified_snaps += more_snaps
+        if retried:  # what the next ask finds (the refused sets hidden), so that it may replay this answer
+            files = (num_computed_tokens, tuple(f for parts in stored for f in _files(parts)))
         # The slices of a chunk share windows and structure: the first of each speaks for them.
         while hit > first and not self._resumes_at(
             [v[0] for v in verified_snaps[: hit - first]], first, hit, num_computed_tokens, verified[hit - first - 1]
@@ -611,6 +609,30 @@ class HurrayScheduler:
         state.load_from = num_computed_tokens
         state.lookup = _Lookup(files, hit, _tail_files(probed), matched) if replay else None
         return matched, report
+
+    def _stored_sets(self, keys: list[str], start: int, computed: int) -> list[list[ChunkPart]]:
+        """The sets of files a lookup reads for chunks ``start, start + 1, ...``, up to the first not stored.
+
+        One per chunk (:meth:`_load_set`); with linear-attention states, up to the furthest chunk a set carries
+        them for, that chunk's set carrying them (none with no such set).
+        """
+        stored: list[list[ChunkPart]] = []
+        for i in range(start, len(keys)):
+            parts = self._load_set(keys[i], i, computed)
+            if parts is None:  # not stored, or a tensor-parallel slice still missing
+                break
+            stored.append(parts)
+        if self._state_groups and stored:
+            # A resume needs the states taken at its chunk's end: the furthest chunk with a complete set of
+            # files that carries them (another TP degree's, perhaps) is where the request resumes. Chunks
+            # after it are not read (a resume there has no states), and one before the last found is not
+            # missed because its first set lacks them. With none, no chunk is read: nothing could load.
+            for j in range(len(stored) - 1, -1, -1):
+                with_states = self._states_set(keys[start + j])
+                if with_states is not None:
+                    return [*stored[:j], with_states]
+            return []
+        return stored
 
     def _verify_chunks(
         self, stored: list[list[ChunkPart]], tokens: list[int], first: int
@@ -924,7 +946,9 @@ class HurrayScheduler:
 
         The first set (the whole file first) not refused before: one left in
         place (unreadable, another fleet's) or whose files did not join hides
-        no other TP degree's set. With sliding windows, of the sets whose
+        no other TP degree's set. Nor does one the lookup under way refuses
+        (moved aside or remembered): :meth:`get_num_new_matched_tokens` asks
+        for that chunk's set again, once. With sliding windows, of the sets whose
         headers agree (slices that join) and whose windows are this engine's,
         the one that serves the earliest resume (:meth:`_serves_from`):
         engines of two TP degrees, or a save that ran past the chunk's end,

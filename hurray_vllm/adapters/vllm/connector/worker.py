@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import PARENT_KEY
 from ....chunks.signing import sign_chunk
 from ....chunks.store import (
@@ -55,6 +56,7 @@ from ..export import GatherBuffers, SequenceState, export_snapshot
 from ..states import join_shares, pack_states
 from .config import HurrayConfig
 from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, verified_scope
+from .scheduler import is_damage
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -646,7 +648,8 @@ class HurrayWorker:
         """A load that failed (before its first block was written, as a rule): report it, to be recomputed.
 
         An asynchronous load fails its request (``failed_recving``); a
-        synchronous one reports its blocks (``invalid_block_ids``).
+        synchronous one reports its blocks (``invalid_block_ids``). A file
+        found damaged was moved aside where it was read (:meth:`_quarantine`).
         """
         # Keep the traceback of anything else than bad data or a machine's limits.
         log.warning(
@@ -665,6 +668,19 @@ class HurrayWorker:
             # so does the next one, scheduled before vLLM learns of the failure.
             self._failed_steps = self._steps_in_flight
             self._failed_loads = (*self._failed_loads, (self._steps_in_flight, frozenset(blocks), task.request_id))
+
+    def _quarantine(self, name: str, identity: tuple[int, ...], why: HurrayFormatError) -> None:
+        """Move a chunk file this worker found damaged aside, as the scheduler's lookup does (``_refuse``).
+
+        Left in place, its set of files would still count as stored: the
+        recompute's save would skip the chunk, and every later lookup would
+        read and refuse it again. Only if the file still is the one read
+        (``identity``, taken before the read): one renamed over it since stays.
+        """
+        moved = self._store.quarantine(self._ns, name, identity)
+        if moved is not None:
+            self.stats.chunks_quarantined += 1
+            log.warning("hurray: chunk %s is damaged (%s); moved it to %s", name, why, moved)
 
     def _plan_writes(self, ec: EngineCache, task: LoadTask, chunks: list[list[_Piece]]) -> list[_Write]:
         """Every ``(layer, engine blocks, pages, heads)`` write of a load, checked before the first block is touched.
@@ -822,16 +838,21 @@ class HurrayWorker:
                 )
             if snap is None:
                 now = self._store.identity(self._ns, name)
-                snap = self._store.get(self._ns, name)
-                verify_chunk(
-                    snap,
-                    self._fingerprint,
-                    task.tokens[c],
-                    heads=range(start, stop) if stop > start else None,
-                    keys=self._keys,
-                    namespace=self._ns,
-                    name=name,
-                )
+                try:
+                    snap = self._store.get(self._ns, name)
+                    verify_chunk(
+                        snap,
+                        self._fingerprint,
+                        task.tokens[c],
+                        heads=range(start, stop) if stop > start else None,
+                        keys=self._keys,
+                        namespace=self._ns,
+                        name=name,
+                    )
+                except HurrayFormatError as exc:
+                    if now is not None and is_damage(exc) and not digest_unverifiable(exc):
+                        self._quarantine(name, now, exc)
+                    raise
                 if now is not None:
                     VERIFIED.put(name, now, snap, self._verified_cap, self._verified_bytes, self._scope)
             snaps.append(snap)
