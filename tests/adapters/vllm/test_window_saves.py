@@ -187,6 +187,37 @@ def test_a_copy_holding_less_of_the_window_is_replaced_by_one_holding_it(tmp_pat
     assert _planned_saves(tmp_path / "same", 5) == []
 
 
+def _plan_first_chunk(sched: Any, rid: str, accepted: int) -> list[Any]:
+    """:func:`_planned_saves`' steps for request ``rid`` on ``sched``: the saves its last step plans."""
+    tokens = list(range(1000, 1006))
+    request = SimpleNamespace(
+        request_id=rid, all_token_ids=tokens, num_prompt_tokens=6, kv_transfer_params=None, num_in_flight_tokens=0
+    )
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.build_connector_meta(
+        _step([SimpleNamespace(req_id=rid, block_ids=GROUPS, num_computed_tokens=0)], [], {rid: 6})
+    )
+    tokens.append(1006)
+    sched.build_connector_meta(_step([], [(rid, 6)], {rid: 6}))
+    tokens += list(range(1007, 1008 + accepted))
+    return list(sched.build_connector_meta(_step([], [(rid, 7 + accepted)], {rid: 1})).saves)
+
+
+def test_a_save_holding_more_window_than_one_planned_before_is_written_over_it(tmp_path: Path) -> None:
+    """Found by a full-suite run under load: the copy planned first (less window) was still on the worker's queue
+    when a later request planned the chunk with its window; the store showed nothing, so the later save was no
+    replace, and the worker skipped it as in flight: whichever landed first stayed, by timing."""
+    sched = _scheduler(tmp_path)
+    (weak,) = _plan_first_chunk(sched, "a", 5)  # a step starting past the chunk: vLLM freed block 0 (11)
+    assert weak.groups == [[21, 22], [0, 12]] and not weak.replace
+    (full,) = _plan_first_chunk(sched, "b", 1)  # the whole window, nothing stored yet: over the first
+    assert full.key == weak.key and full.groups == [[21, 22], [11, 12]] and full.replace
+    (again,) = _plan_first_chunk(sched, "c", 5)  # less than planned: no replace (the worker skips it)
+    assert not again.replace
+    (same,) = _plan_first_chunk(sched, "d", 1)  # as much as planned: no replace either (no turns taken)
+    assert not same.replace
+
+
 def _chunk(window: int, start: int) -> SimpleNamespace:
     """A stored chunk of a sliding-window layer and a full one: the first holds its tokens from ``start`` on."""
     from hurray_vllm.kv.snapshot import SlidingWindows

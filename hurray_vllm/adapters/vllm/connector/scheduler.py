@@ -87,6 +87,10 @@ _PASSING_ERRNOS = frozenset({errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.EMFI
 # A forked child inherits the executors without their threads: it makes its own.
 os.register_at_fork(after_in_child=_HELPERS.clear)
 
+#: How many windowed chunks' save plans a scheduler remembers (HurrayScheduler._window_plans): a few hundred
+#: bytes each, far more than the saves of the steps a worker's queue holds.
+_WINDOW_PLANS = 4096
+
 
 def _forget_parents_receivers() -> None:
     """In a forked child: drop the parent's receivers, whose threads live in the parent only.
@@ -348,6 +352,12 @@ class HurrayScheduler:
         # Whether a chunk's sliding-window layers hold less than its tokens: its files' headers then choose
         # between its complete sets (a lookup's, a save's), and tell a stored copy that holds less.
         self._sliding = any(w is not None for w in self._windows)
+        #: Windowed chunks this scheduler planned to save, by key: ``(chunk index, resume)`` of the plan holding
+        #: the most of their windows (:meth:`_window_start`). A later save holding more is written over it even
+        #: where the store does not show it yet (its file still on the worker's queue, or landing after the
+        #: look): else whichever landed first stayed, by timing (the worker skips a copy in flight, and the
+        #: store keeps the first writer's). Bounded: the oldest entries go first.
+        self._window_plans: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._last_only = config.window_chunks == "last"
         # Chunk files' pages checksummed as they are read, where the CRC-32C digest is the check (a MAC reads the
         # pools itself) and the CPU folds (bench_read.py: with the crc32 instruction alone it saved nothing here).
@@ -1326,6 +1336,15 @@ class HurrayScheduler:
             # A chunk stored without the states this step holds for it is written again, with them:
             # else the first writer's step (which ran past the chunk's end) would hide them for good.
             stored, replace = self._stored_for_save(keys[c], c, kept_from, bool(states))
+            if self._sliding and not self._blanks_windows(c, kept_from):
+                more = self._holds_more_than_planned(keys[c], c, kept_from)
+                if more:  # over the copy planned before, wherever it is by now (unless the store holds as much)
+                    replace = replace or not stored
+                if more is not False:
+                    self._window_plans[keys[c]] = (c, kept_from)
+                    self._window_plans.move_to_end(keys[c])
+                    while len(self._window_plans) > _WINDOW_PLANS:
+                        self._window_plans.popitem(last=False)
             # With a destination, chunks already stored still go to the worker, to be pushed.
             if stored and not self._url and not replace:
                 self.stats.chunks_skipped += 1
@@ -1456,6 +1475,19 @@ class HurrayScheduler:
             for size, starts in zip(win.sizes, win.kv_start, strict=True)
             if size is not None and starts
         ]
+        return all(o <= t for o, t in pairs) and any(o < t for o, t in pairs)
+
+    def _holds_more_than_planned(self, key: str, c: int, resume: int) -> bool | None:
+        """Whether a save of chunk ``c`` (``key``) for ``resume`` holds more of its windows than one planned before.
+
+        None where none was planned (:attr:`_window_plans`). As :meth:`_holds_less_window`: as much in every
+        windowed layer and more in one, so that two plans never take turns.
+        """
+        planned = self._window_plans.get(key)
+        if planned is None:
+            return None
+        pc, presume = planned
+        pairs = [(self._window_start(w, c, resume), self._window_start(w, pc, presume)) for w in self._windows if w]
         return all(o <= t for o, t in pairs) and any(o < t for o, t in pairs)
 
     def _blanks_windows(self, c: int, resume: int) -> bool:
