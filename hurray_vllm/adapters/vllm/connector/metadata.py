@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from ....chunks.signing import FleetKeys
+from ....chunks.signing import OTHER_KEY, UNSIGNED, FleetKeys
+from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "SaveTask",
     "VerifiedChunks",
     "forget_verified_chunks",
+    "is_damage",
     "snapshot_bytes",
 ]
 
@@ -312,3 +314,20 @@ def forget_verified_chunks() -> None:
     """Drop every chunk this process remembers as verified or refused: the next loads read and check their files."""
     VERIFIED.clear()
     REFUSED.clear()
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
+
+    Only a data error (:class:`HurrayFormatError`) is, and not a fingerprint
+    mismatch (another model's chunk is fine, just not ours), nor a chunk
+    that is unsigned or signed with another fleet's key (fine for whoever
+    holds that key; a wrong MAC under a key of ours is damage). A caller error
+    (:class:`HurrayArgumentError`), an ``OSError`` or any other exception says
+    nothing about the file: a good chunk must never be quarantined for one.
+    """
+    return (
+        isinstance(exc, HurrayFormatError)
+        and not isinstance(exc, HurrayArgumentError)
+        and exc.field not in ("snapshot.fingerprint", UNSIGNED, OTHER_KEY)
+    )

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .... import native
 from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import key_seed
-from ....chunks.signing import OTHER_KEY, UNSIGNED, refusal_kind
+from ....chunks.signing import refusal_kind
 from ....chunks.store import (
     ChunkPart,
     ChunkReader,
@@ -46,7 +46,16 @@ from ....transport.security import server_context
 from ..cache import adapter_digest
 from ..states import state_block, step_block
 from .config import HurrayConfig
-from .metadata import REFUSED, VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, verified_scope
+from .metadata import (
+    REFUSED,
+    VERIFIED,
+    ConnectorStats,
+    HurrayConnectorMetadata,
+    LoadTask,
+    SaveTask,
+    is_damage,
+    verified_scope,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -209,23 +218,6 @@ def _fit_together(parts: list[KVSnapshot]) -> bool:
 def _count(value: object) -> int:
     """A ``kv_transfer_params`` entry as a token count: 0 unless a positive int (JSON gives ints; bools are not)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def is_damage(exc: BaseException) -> bool:
-    """Whether ``exc`` says a chunk *file* is damaged, so that it may be moved aside.
-
-    Only a data error (:class:`HurrayFormatError`) is, and not a fingerprint
-    mismatch (another model's chunk is fine, just not ours), nor a chunk
-    that is unsigned or signed with another fleet's key (fine for whoever
-    holds that key; a wrong MAC under a key of ours is damage). A caller error
-    (:class:`HurrayArgumentError`), an ``OSError`` or any other exception says
-    nothing about the file: a good chunk must never be quarantined for one.
-    """
-    return (
-        isinstance(exc, HurrayFormatError)
-        and not isinstance(exc, HurrayArgumentError)
-        and exc.field not in ("snapshot.fingerprint", UNSIGNED, OTHER_KEY)
-    )
 
 
 def _not_keyable(request: Any) -> bool:

@@ -55,8 +55,7 @@ from ..cache import (
 from ..export import GatherBuffers, SequenceState, export_snapshot
 from ..states import join_shares, pack_states
 from .config import HurrayConfig
-from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, verified_scope
-from .scheduler import is_damage
+from .metadata import VERIFIED, ConnectorStats, HurrayConnectorMetadata, LoadTask, SaveTask, is_damage, verified_scope
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
