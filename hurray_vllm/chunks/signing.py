@@ -67,6 +67,7 @@ __all__ = [
     "load_keys",
     "sign_chunk",
     "begin_signature_check",
+    "signing_secret",
     "check_signature",
     "parse_mac",
     "refusal_kind",
@@ -347,6 +348,24 @@ def check_signature(snap: KVSnapshot, keys: FleetKeys, namespace: str, name: str
     begin_signature_check(snap, keys, namespace, name)()
 
 
+def signing_secret(snap: KVSnapshot, keys: FleetKeys) -> tuple[bytes, bytes, bytes]:
+    """The secret of ``keys`` that ``snap``'s MAC names, with the MAC's nonce and tag: its header alone.
+
+    What can be refused before a chunk's page pools are read (or, over NIXL, transferred).
+
+    Raises:
+        HurrayFormatError: :data:`UNSIGNED` (no MAC), :data:`OTHER_KEY` (a key not in ``keys``),
+            :data:`BAD_MAC` (a malformed MAC).
+    """
+    key_id, nonce, tag = parse_mac(snap.extra.get(MAC_KEY))
+    secret = keys.secret_for(key_id)
+    if secret is None:
+        raise HurrayFormatError(
+            OTHER_KEY, f"chunk is signed with key {key_id}, which is not among this consumer's ({', '.join(keys.ids)})"
+        )
+    return secret, nonce, tag
+
+
 def begin_signature_check(snap: KVSnapshot, keys: FleetKeys, namespace: str, name: str) -> Callable[[], None]:
     """:func:`check_signature` in two halves: the header now, the page pools in the callable returned.
 
@@ -357,12 +376,7 @@ def begin_signature_check(snap: KVSnapshot, keys: FleetKeys, namespace: str, nam
         HurrayFormatError: :data:`UNSIGNED` or :data:`OTHER_KEY` now; :data:`BAD_MAC` now for a
             malformed MAC, from the callable for one that does not match.
     """
-    key_id, nonce, tag = parse_mac(snap.extra.get(MAC_KEY))
-    secret = keys.secret_for(key_id)
-    if secret is None:
-        raise HurrayFormatError(
-            OTHER_KEY, f"chunk is signed with key {key_id}, which is not among this consumer's ({', '.join(keys.ids)})"
-        )
+    secret, nonce, tag = signing_secret(snap, keys)
     m = _header_mac(snap, secret, nonce, namespace, name)
     pools = digest_pools(snap)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ...chunks.digest import MAC_KEY, ChunkDigest, digest_header
-from ...chunks.signing import OTHER_KEY, parse_mac
+from ...chunks.digest import ChunkDigest, digest_header
+from ...chunks.signing import signing_secret
 from ...chunks.store import ChunkStore
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...kv.snapshot import KVSnapshot
@@ -624,13 +624,7 @@ class NixlReceiver(ReceiverBase):
                 if self.keys is not None:
                     # From its metadata alone (the pools have not landed): an unsigned chunk, or one signed with a
                     # key not in the ring, is refused before its transfer. The MAC itself is checked by put.
-                    key_id = parse_mac(snap.extra.get(MAC_KEY))[0]
-                    if self.keys.secret_for(key_id) is None:
-                        raise HurrayFormatError(
-                            OTHER_KEY,
-                            f"chunk is signed with key {key_id}, which is not among this receiver's "
-                            f"({', '.join(self.keys.ids)})",
-                        )
+                    signing_secret(snap, self.keys)
 
             views: list[torch.Tensor] = []
             if offer.remote_sizes:
