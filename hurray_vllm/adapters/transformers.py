@@ -34,7 +34,6 @@ Tested with transformers 5.x (``DynamicCache.layers[i].keys``,
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,7 +49,7 @@ from ..kv.states import RecurrentStates
 from ..wire import dtypes
 from ..wire.descriptor import PerTensorAffine
 from ..wire.rules import raise_if
-from ._common import check_layer
+from ._common import check_layer, integer_arg, plain_int
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -546,21 +545,6 @@ def _check_dtype(dtype: Any) -> None:
         )
 
 
-def _count_arg(value: Any, field: str, minimum: int, error: type[HurrayArgumentError]) -> int:
-    """``value`` as an ``int`` of at least ``minimum``; ``error`` naming ``field`` for anything else (2.5, "3", True).
-
-    A float or string would otherwise fail later with a bare ``TypeError``, or, compared and counted against,
-    silently act as the next integer up.
-    """
-    try:
-        count = operator.index(value)  # ints and integer scalars (numpy, 0-d tensors), not floats or strings
-    except TypeError:
-        count = None
-    if isinstance(value, bool) or count is None or count < minimum:
-        raise error(field, f"must be an integer >= {minimum}, not {value!r}")
-    return count
-
-
 def _stop_tokens(eos_token_id: Any) -> set[int]:
     """:func:`continue_generation`'s ``eos_token_id`` (an id, ids, or a tensor of them) as a set of ints.
 
@@ -574,9 +558,7 @@ def _stop_tokens(eos_token_id: Any) -> set[int]:
     except TypeError:  # one id of another integer type (numpy's), or no id at all
         items = [ids]
     try:
-        if any(isinstance(t, bool) for t in items):
-            raise TypeError
-        return {operator.index(t) for t in items}
+        return {plain_int(t) for t in items}
     except TypeError:
         raise HurrayArgumentError(
             "eos_token_id", f"expected a token id, a sequence of them or an integer tensor, got {eos_token_id!r}"
@@ -1378,7 +1360,7 @@ def continue_generation(
         >>> [first, *tokens] == unmoved[0, 4:].tolist()
         True
     """
-    max_new_tokens = _count_arg(max_new_tokens, "max_new_tokens", 0, HurrayArgumentError)
+    max_new_tokens = integer_arg(max_new_tokens, "max_new_tokens", 0)
     stop = _stop_tokens(eos_token_id)
     steps = _greedy(model, snapshot, seq)  # checks the snapshot against the model even for 0 tokens
     out: list[int] = []
@@ -1638,7 +1620,7 @@ def from_transformers(
             batch (or both), ``request_ids`` of another count (each field
             named after its argument).
     """
-    page_size = _count_arg(page_size, "page_size", 1, ImportArgumentError)
+    page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     if dtype is not None and not isinstance(dtype, torch.dtype):  # a name ("float16"): no is_floating_point
         raise ImportArgumentError("dtype", f"expected a torch dtype (torch.bfloat16, torch.float32...), got {dtype!r}")
     if model_config is not None:

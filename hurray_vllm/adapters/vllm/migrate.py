@@ -28,7 +28,6 @@ import errno
 import http.client
 import json
 import numbers
-import operator
 import os
 import time
 import urllib.error
@@ -40,6 +39,7 @@ from urllib.parse import urljoin
 
 from ...errors import HurrayArgumentError, HurrayFormatError
 from ...transport.base import split_url
+from .._common import integer_arg, plain_int
 
 __all__ = ["BACKEND_API_KEY_ENV", "MigrationResult", "complete", "migrate"]
 
@@ -131,7 +131,7 @@ def _checked(prompt: Iterable[int], max_tokens: object, timeout: object) -> tupl
     if isinstance(prompt, (str, bytes, bytearray)):
         raise HurrayArgumentError("prompt", "expected token ids, got text: tokenize it with the servers' tokenizer")
     try:
-        ids = [_token_id(t) for t in prompt]
+        ids = [plain_int(t) for t in prompt]
     except TypeError as exc:
         raise HurrayArgumentError(
             "prompt", f"expected a sequence of integer token ids, got {type(prompt).__name__} ({exc})"
@@ -140,32 +140,13 @@ def _checked(prompt: Iterable[int], max_tokens: object, timeout: object) -> tupl
         raise HurrayArgumentError("prompt", "expected at least one token id, got none")
     if min(ids) < 0:
         raise HurrayArgumentError("prompt", f"token ids are >= 0, got {min(ids)}")
-    max_tokens = _integer("max_tokens", max_tokens)
+    max_tokens = integer_arg(max_tokens, "max_tokens")
     if max_tokens < 1:
         raise HurrayArgumentError("max_tokens", f"expected at least 1 token to generate, got {max_tokens}")
     # 0 would make every socket non-blocking, NaN and inf are no timeout (and inf overflows the socket's).
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < float(timeout) < 1e9:
         raise HurrayArgumentError("timeout", f"expected positive seconds, got {timeout!r}")
     return ids, max_tokens, float(timeout)
-
-
-def _token_id(t: object) -> int:
-    """``t`` as a plain int (numpy and 0-d torch integers too); ``TypeError`` for what is no integer."""
-    if isinstance(t, bool):  # an int to Python, never a token id
-        raise TypeError("a bool is not a token id")
-    return operator.index(t)  # type: ignore[arg-type]
-
-
-def _integer(field: str, value: object) -> int:
-    """``value`` as a plain int (numpy's too), else :class:`HurrayArgumentError` naming ``field``.
-
-    A float (``5.0``, ``1.5``) or a bool is refused: the servers would refuse the one or be asked for a
-    count nobody meant, and ``after=1.5`` ended in a confusing "generated 1 tokens where 1.5 were asked for".
-    """
-    try:
-        return _token_id(value)
-    except TypeError:
-        raise HurrayArgumentError(field, f"expected an integer, got {value!r}") from None
 
 
 def _api_key(api_key: object) -> str | None:
@@ -421,7 +402,7 @@ def migrate(
             ``EACCES`` when a server answers 401 or 403: it needs an API key, or refused the
             one given (the message says how to give it).
     """
-    after = _integer("after", after)
+    after = integer_arg(after, "after")
     # Read once: the source and the destination are both sent the prompt (an iterator would be empty the second time).
     ids, max_tokens, timeout = _checked(prompt, max_tokens, timeout)
     if not 1 <= after < max_tokens:
