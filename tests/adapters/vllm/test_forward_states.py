@@ -5,38 +5,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
-import pytest
 import torch
 from conftest import require
 
 
-@pytest.fixture(scope="module")
-def conn() -> ModuleType:
-    require("vllm")
-    import hurray_vllm.adapters.vllm.connector.worker as c
-
-    return c
-
-
-@pytest.fixture(scope="module")
-def meta() -> ModuleType:
-    require("vllm")
-    import hurray_vllm.adapters.vllm.connector.metadata as m
-
-    return m
-
-
-def test_a_stored_chunk_with_states_is_pushed_on_to_a_receiver_holding_it_without(
-    conn: ModuleType, meta: ModuleType, tmp_path: Path
-) -> None:
+def test_a_stored_chunk_with_states_is_pushed_on_to_a_receiver_holding_it_without(tmp_path: Path) -> None:
     """Found by a review: the receiver answered "held" for its stateless copy, so the stateful one never went
     (and a load there resumed earlier). A stateless copy here still goes nowhere the receiver holds it."""
+    require("vllm")
     from synthetic import example_chunk
     from test_connector_background import _bare_worker
 
     import hurray_vllm as hv
+    import hurray_vllm.adapters.vllm.connector.metadata as meta
+    import hurray_vllm.adapters.vllm.connector.worker as conn
     from hurray_vllm.chunks.store import DIGEST_KEY, DirectoryStore, chunk_digest
     from hurray_vllm.transport import sender_for
     from hurray_vllm.transport.tcp import Receiver
