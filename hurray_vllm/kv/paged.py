@@ -13,6 +13,7 @@ from ..wire.descriptor import (
     INDEX_TYPE_TAGS,
     INDEX_TYPES,
     KV_ROLE_TAGS,
+    LAYER_INDEX_NONE,
     LAYOUT_BLOCK_PAGED,
     BlockPagedFields,
     BufferHandle,
@@ -21,7 +22,7 @@ from ..wire.descriptor import (
     TensorDescriptor,
 )
 from ..wire.dtypes import widen_index
-from ..wire.rules import Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
+from ..wire.rules import LENGTH_DTYPES, Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
 
 __all__ = [
     "BlockPagedTensor",
@@ -500,11 +501,18 @@ class BlockPagedTensor:
             int(self.block_table.numel()) * ib,
             int(self.seq_ptr.numel()) * ib,
         ] + [int(b.numel()) * b.element_size() for b in self.quant_buffers]
-        try:
-            role = KV_ROLE_TAGS[self.kv_role]
-            index_tag = INDEX_TYPE_TAGS[self.index_type]
-        except KeyError as exc:
-            raise HurrayFormatError("kv_role", f"unknown kv_role or index type {exc}") from None
+        # Looked up apart, so that the error names the field that is wrong (the rules' names for them).
+        role = KV_ROLE_TAGS.get(self.kv_role)
+        if role is None:
+            raise HurrayFormatError(
+                "kv_role", f"unknown kv_role {self.kv_role!r}; use one of {', '.join(map(repr, KV_ROLE_TAGS))}"
+            )
+        index_tag = INDEX_TYPE_TAGS.get(self.index_type)
+        if index_tag is None:
+            raise HurrayFormatError(
+                "block_table_index_type",
+                f"unknown index type {self.index_type!r}; use one of {', '.join(map(repr, INDEX_TYPE_TAGS))}",
+            )
         return TensorDescriptor(
             type_tag=et.tag,
             shape=self.shape,
@@ -565,13 +573,19 @@ class BlockPagedTensor:
                 ),
                 permissive,
             )
-        return validate_descriptor(
+        checked = validate_descriptor(
             self.descriptor(),
             block_table=self.block_table,
             seq_ptr=self.seq_ptr,
             seq_lens=self.seq_lens,
             permissive=permissive,
         )
+        li = self.layer_index
+        if li is None or (isinstance(li, int) and not isinstance(li, bool) and 0 <= li < LAYER_INDEX_NONE):
+            return checked
+        # What encode_descriptor refuses (0xFFFFFFFF is how the wire says None): reported here, not at save.
+        bad = Violation("layer_index", f"{li!r} is not an integer in 0..{LAYER_INDEX_NONE - 1} (or None)")
+        return Checked((*checked.violations, bad), permissive, checked.unreadable)
 
     @classmethod
     def from_wire(
@@ -620,7 +634,11 @@ class BlockPagedTensor:
         # Everything the index-buffer rules read: the geometry and the three buffers' bytes.
         key: tuple[object, ...] | None = None
         table_raw, ptr_raw = buffers[1], buffers[2]
-        if index_cache is not None and sizes_ok and table_raw.is_cpu and ptr_raw.is_cpu:
+        # Cached only for lengths the rules take, on the host: any other is refused below, uncached (bf16 has
+        # no numpy form to key on). The key holds their dtype and shape too: int64 [6, 3] and int32
+        # [6, 0, 3, 0] are the same bytes.
+        lens_keyable = seq_lens is None or (seq_lens.is_cpu and seq_lens.dtype in LENGTH_DTYPES)
+        if index_cache is not None and sizes_ok and table_raw.is_cpu and ptr_raw.is_cpu and lens_keyable:
             key = (
                 desc.shape,
                 bp.page_size,
@@ -629,7 +647,7 @@ class BlockPagedTensor:
                 bp.index_type_tag,
                 table_raw.numpy().tobytes(),
                 ptr_raw.numpy().tobytes(),
-                None if seq_lens is None else seq_lens.numpy().tobytes(),
+                None if seq_lens is None else (seq_lens.dtype, tuple(seq_lens.shape), seq_lens.numpy().tobytes()),
             )
             hit = index_cache.get(key)
         else:

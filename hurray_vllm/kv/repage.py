@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import errno
 import math
+import operator
 import os
 import weakref
 from collections.abc import Callable
@@ -33,6 +34,7 @@ import torch
 
 from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
 from ..wire.descriptor import PerBlockAffine
+from ..wire.rules import LENGTH_DTYPES
 from .paged import BlockPagedTensor, check_slot_params, check_structure, made_for, same_tensor
 from .snapshot import KVSnapshot
 
@@ -176,6 +178,28 @@ class RepagePlan:
         return int(self.src_slots.numel()) // self.page_size
 
 
+def _target_page_size(page_size: object) -> int:
+    """``page_size`` as a plain ``int`` >= 1: numpy and 0-d torch integers too, never a bool, float or string.
+
+    A float of 8.0 would otherwise fail deep in ``repeat_interleave``, and a string at the first comparison,
+    with neither naming the argument.
+
+    Raises:
+        ImportArgumentError: naming ``page_size``.
+    """
+    try:
+        if isinstance(page_size, bool):  # an int to Python, never a page size
+            raise TypeError
+        size = operator.index(page_size)  # type: ignore[arg-type]
+    except TypeError:
+        raise ImportArgumentError(
+            "page_size", f"target page size must be a positive integer, got {page_size!r}"
+        ) from None
+    if size <= 0:
+        raise ImportArgumentError("page_size", f"target page size must be positive, got {size}")
+    return size
+
+
 def plan_repage(
     block_table: torch.Tensor,
     seq_ptr: torch.Tensor,
@@ -189,18 +213,28 @@ def plan_repage(
     ``num_pages``, when given, is the source pool's: a page id past it is refused.
 
     Raises:
-        ImportArgumentError: ``page_size`` is not positive (the caller's target),
+        ImportArgumentError: ``page_size`` is not a positive integer (the caller's target),
             or pads tokens that fit :data:`MAX_IMPORT_SLOTS` into more slots than that.
         HurrayFormatError: the block structure is inconsistent (``seq_ptr``,
             ``seq_lens.pages``) or declares more than :data:`MAX_IMPORT_SLOTS`
-            tokens (field ``seq_lens``, whatever the page size).
+            tokens (field ``seq_lens``, whatever the page size); the lengths
+            are not integers (``seq_lens.dtype``), or the block table or
+            ``seq_ptr`` not integers (``block_table.dtype``, ``seq_ptr.dtype``).
     """
-    if page_size <= 0:
-        raise ImportArgumentError("page_size", f"target page size must be positive, got {page_size}")
+    page_size = _target_page_size(page_size)
+    if seq_lens.dtype not in LENGTH_DTYPES:
+        raise HurrayFormatError(
+            "seq_lens.dtype", f"sequence lengths must be integers (int8..int64 or uint8), not {seq_lens.dtype}"
+        )
+    for name, index in (("block_table", block_table), ("seq_ptr", seq_ptr)):
+        if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+            raise HurrayFormatError(f"{name}.dtype", f"{name} must be held as integers, not {index.dtype}")
     dev = block_table.device
     src_lens = seq_lens
     src_ptr = seq_ptr
-    seq_lens = seq_lens.to(dev)
+    # In int64 whatever they were held as: torch has no repeat_interleave for int16, int8 or uint8, and
+    # uint8 wraps in the ceiling division below. (The plan's seq_lens are int64, as documented.)
+    seq_lens = seq_lens.to(dev, torch.int64)
     seq_ptr = seq_ptr.to(dev)
     num_seqs = int(seq_lens.numel())
     if src_page_size <= 0 or seq_ptr.numel() != num_seqs + 1:
@@ -260,7 +294,9 @@ def plan_repage(
     t = j[:, None] * page_size + torch.arange(page_size, device=dev)[None, :]
     valid = t < seq_lens[seq_of][:, None]
     t = torch.where(valid, t, torch.zeros_like(t))
-    src_page = block_table[seq_ptr[:-1][seq_of][:, None] + t // src_page_size]
+    # Widened before the multiply: in an int16 (or, for pools past 2**31 slots, int32) table's own dtype,
+    # page * src_page_size wraps, and the gather reads other pages' slots silently.
+    src_page = block_table[seq_ptr[:-1][seq_of][:, None] + t // src_page_size].to(torch.int64)
     slots = torch.where(valid, src_page * src_page_size + t % src_page_size, torch.full_like(t, -1))
     # Target pages holding the same slots are one page; keep first-use order.
     uniq, inverse = torch.unique(slots, dim=0, return_inverse=True)
@@ -469,13 +505,14 @@ def repage(
             structure is inconsistent (see :func:`plan_repage`), or its
             scales and zero points share one buffer (:func:`~hurray_vllm.kv.paged.check_slot_params`).
         ImportArgumentError: ``plan`` is for other sequences or another page
-            size, ``page_size`` is not positive or too large for the batch
+            size, ``page_size`` is not a positive integer or too large for the batch
             (see :func:`plan_repage`), or ``out`` does not fit
             (see :func:`check_out_pool`).
         HurrayArgumentError: ``out`` shares memory with ``t``'s pool.
         OSError: ``ENOMEM``: the new pool is larger than the device's memory
             (:func:`check_memory`).
     """
+    page_size = _target_page_size(page_size)
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
     check_slot_params(t, "repage")
@@ -543,9 +580,12 @@ def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
     Raises:
         HurrayFormatError: a tensor without ``seq_lens``, or an inconsistent
             block structure (see :func:`plan_repage`).
+        ImportArgumentError: ``page_size`` is not a positive integer, or too
+            large for the batch (see :func:`plan_repage`).
         OSError: ``ENOMEM``: every layer's new pools together are larger than
             the device's memory, before the first is built.
     """
+    page_size = _target_page_size(page_size)  # 8.0 would compare equal to a page size of 8 below
     # Layers may have pages of their own sizes (the format allows it): each is looked at, not just the first.
     if all(t.page_size == page_size for t in snap.tensors()):
         return snap

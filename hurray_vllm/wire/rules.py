@@ -40,7 +40,16 @@ from .descriptor import (
     decode_descriptor,
 )
 
-__all__ = ["Checked", "validate_descriptor", "validate_index_buffers", "raise_if", "check_own", "decode_checked"]
+__all__ = [
+    "INDEX_DTYPES",
+    "LENGTH_DTYPES",
+    "Checked",
+    "validate_descriptor",
+    "validate_index_buffers",
+    "raise_if",
+    "check_own",
+    "decode_checked",
+]
 
 _STRUCTURAL = frozenset(
     {
@@ -55,6 +64,8 @@ _STRUCTURAL = frozenset(
         "quantization.scales.byte_size",
         "quantization.zero_points.byte_size",
         "block_table.page_id",
+        "block_table.dtype",
+        "seq_ptr.dtype",
         "seq_ptr.first",
         "seq_ptr.non_decreasing",
         "seq_ptr.last",
@@ -84,7 +95,11 @@ _STRUCTURAL = frozenset(
 
 #: What sequence lengths may be held as: integers that torch compares and sums (its uint16..uint64 lack
 #: those ops), never bool, and never floating point (a length of 3.5 tokens is not written as 3.5).
-_LENGTH_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+LENGTH_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+#: What block tables and seq_ptr may be held as in memory: the index types torch's gathers and scatters take.
+#: A narrower one (int16) makes ``page * page_size`` wrap in its own dtype, a float one is no page id at all.
+INDEX_DTYPES = frozenset({torch.int32, torch.int64})
 
 
 #: torch sizes and strides are int64: an extent above this cannot be viewed, however few bytes back it.
@@ -710,7 +725,18 @@ def validate_index_buffers(
     if seq_lens is not None and seq_lens.dim() != 1:
         out.append(Violation("seq_lens.count", f"sequence lengths must be a vector, got shape {list(seq_lens.shape)}"))
         return
-    if seq_lens is not None and seq_lens.dtype not in _LENGTH_DTYPES:
+    bad_index = [
+        (name, t) for name, t in (("block_table", block_table), ("seq_ptr", seq_ptr)) if t.dtype not in INDEX_DTYPES
+    ]
+    if bad_index:
+        # Read as they are, an int16 table of page ids up to 3000 over pages of 16 repages wrapped slots
+        # (page * page_size in int16), and a float one is no page id at all.
+        out.extend(
+            Violation(f"{name}.dtype", f"{name} must be held as int32 or int64, not {t.dtype}; convert it")
+            for name, t in bad_index
+        )
+        return
+    if seq_lens is not None and seq_lens.dtype not in LENGTH_DTYPES:
         # A writer stores them as int64: 3.5 would be written as 3, and its total no longer shape[0].
         out.append(
             Violation(

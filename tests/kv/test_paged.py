@@ -309,3 +309,57 @@ def test_zeroing_unused_slots_works_on_strided_pools() -> None:
         assert heads[0].float().all() and heads[1, :2].float().all()
         assert not heads[1, 2:].float().any() and not heads[2].float().any()
         assert whole[:, :, [0, 3]].float().all()  # the other heads are not the view's: untouched
+
+
+def test_an_index_cache_keys_on_the_lengths_dtype_and_shape_not_their_bytes_alone() -> None:
+    """bf16 lengths failed with a TypeError building the key; int32 [6, 0, 3, 0] hit int64 [6, 3]'s entry."""
+    from hurray_vllm.kv.paged import IndexCache
+    from hurray_vllm.wire.descriptor import encode_descriptor
+    from hurray_vllm.wire.rules import decode_checked
+
+    t = hv.BlockPagedTensor(
+        torch.zeros(5, 4, 2, 8, dtype=torch.float16),
+        torch.tensor([0, 1, 0]),
+        torch.tensor([0, 2, 3]),
+        torch.tensor([6, 3]),
+        "key",
+        3,
+    )
+    d = decode_checked(encode_descriptor(t.descriptor()), "test")
+    bufs = [b.contiguous().view(torch.uint8).reshape(-1) for b in t.wire_buffers()]
+    for lens in (torch.tensor([6.0, 3.0], dtype=torch.bfloat16), torch.tensor([6.0, 3.0])):
+        for cache in (None, IndexCache()):
+            with pytest.raises(hv.HurrayFormatError) as err:
+                hv.BlockPagedTensor.from_wire(d, bufs, seq_lens=lens, index_cache=cache)
+            assert err.value.field == "seq_lens.dtype"
+    good = torch.tensor([6, 3])
+    cache = IndexCache()
+    assert hv.BlockPagedTensor.from_wire(d, bufs, seq_lens=good, index_cache=cache).seq_lens is good
+    for alias in (good.view(torch.int32), good.view(1, 2)):  # the same bytes, read as other lengths
+        with pytest.raises(hv.HurrayFormatError) as err:
+            hv.BlockPagedTensor.from_wire(d, bufs, seq_lens=alias, index_cache=cache)
+        assert err.value.field == "seq_lens.count"
+    assert hv.BlockPagedTensor.from_wire(d, bufs, seq_lens=good.clone(), index_cache=cache).num_seqs == 2
+
+
+def test_descriptor_names_the_field_that_is_wrong() -> None:
+    """An unknown index type was reported as a bad kv_role."""
+    t = spec_example_snapshot()[0, "key"]
+    for change, field in ((dict(kv_role="keys"), "kv_role"), (dict(index_type="int32"), "block_table_index_type")):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            replace(t, **change).descriptor()  # type: ignore[arg-type]
+        assert err.value.field == field
+
+
+@pytest.mark.parametrize("layer", [-1, 2**32 - 1, 2**32, True])
+def test_validate_reports_a_layer_index_the_wire_cannot_encode(layer: int) -> None:
+    """encode_descriptor refuses these (0xFFFFFFFF is the wire's None): validate passed them, save then failed."""
+    from hurray_vllm.wire.descriptor import encode_descriptor
+
+    t = replace(spec_example_snapshot()[0, "key"], layer_index=layer)
+    with pytest.raises(hv.HurrayArgumentError):
+        encode_descriptor(t.descriptor())
+    checked = t.validate(permissive=True)
+    assert [v.invariant for v in checked.errors] == ["layer_index"], checked.errors
+    assert replace(t, layer_index=2**32 - 2).validate().ok
+    assert replace(t, layer_index=None).validate().ok

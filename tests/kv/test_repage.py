@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from strategies import paged_tensors, snapshots
 
 import hurray_vllm as hv
-from hurray_vllm.kv.repage import repage, repage_snapshot
+from hurray_vllm.kv.repage import plan_repage, repage, repage_snapshot
 
 TARGETS = st.sampled_from([1, 2, 3, 4, 5, 8, 16, 24, 32, 128, 256])
 
@@ -410,3 +411,70 @@ def test_a_page_size_too_large_for_the_batch_is_the_callers_error(monkeypatch: p
     with pytest.raises(hv.HurrayFormatError) as data_err:
         repage(big, 1 << 20)
     assert data_err.value.field == "seq_lens" and not isinstance(data_err.value, hv.HurrayArgumentError)
+
+
+def test_a_narrow_block_table_is_widened_before_its_page_ids_are_multiplied() -> None:
+    """page * page_size was computed in the table's dtype: in int16, 3000 * 16 wrapped and repage read zeros."""
+    pool = torch.arange(3001 * 16, dtype=torch.float32).reshape(3001, 16, 1, 1)
+    wide = hv.BlockPagedTensor(pool, torch.tensor([3000, 1]), torch.tensor([0, 2]), torch.tensor([20]))
+    narrow = replace(wide, block_table=wide.block_table.to(torch.int16))
+    for size in (8, 5):
+        assert torch.equal(repage(narrow, size).to_dense(0), wide.to_dense(0))
+        assert torch.equal(repage(narrow, size).page_pool, repage(wide, size).page_pool)
+    # A float "table" is not widened into page ids (1.5 would read page 1): refused, naming it.
+    for which in ("block_table", "seq_ptr"):
+        with pytest.raises(hv.HurrayFormatError) as err:
+            repage(replace(wide, **{which: getattr(wide, which).float()}), 8)
+        assert err.value.field == f"{which}.dtype"
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_lengths_held_in_any_length_dtype_repage_as_int64_ones(dtype: torch.dtype) -> None:
+    """torch has no repeat_interleave for 8- and 16-bit ints, and uint8 wrapped in the ceiling division."""
+    pool = torch.arange(16 * 16, dtype=torch.float32).reshape(16, 16, 1, 1)
+    lens = torch.tensor([20, 120])
+    t = hv.BlockPagedTensor(pool, torch.arange(10), torch.tensor([0, 2, 10]), lens)
+    held = replace(t, seq_lens=lens.to(dtype))
+    assert held.validate().ok
+    for size in (8, 5, 32):
+        r, want = repage(held, size), repage(t, size)
+        assert torch.equal(r.page_pool, want.page_pool) and torch.equal(r.block_table, want.block_table)
+        assert r.seq_lens is not None and r.seq_lens.tolist() == [20, 120] and r.validate().ok
+        assert plan_repage(held.block_table, held.seq_ptr, held.seq_lens, 16, size).seq_lens.dtype == torch.int64
+    with pytest.raises(hv.HurrayFormatError) as err:
+        repage(replace(t, seq_lens=lens.float()), 8)  # 3.5 tokens are not truncated to 3
+    assert err.value.field == "seq_lens.dtype"
+
+
+@pytest.mark.parametrize("size", [8.0, 8.5, "8", True, None])
+def test_a_page_size_that_is_not_a_whole_number_is_the_callers_error(size: object) -> None:
+    """A float or string page size failed in repeat_interleave or a comparison, naming nothing."""
+    t = hv.BlockPagedTensor(
+        torch.arange(64, dtype=torch.float32).reshape(4, 16, 1, 1),
+        torch.tensor([2, 0]),
+        torch.tensor([0, 2]),
+        torch.tensor([20]),
+    )
+    snap = hv.KVSnapshot.from_layers([(t, replace(t, kv_role="value"))])
+    calls = (
+        lambda: repage(t, size),  # type: ignore[arg-type]
+        lambda: plan_repage(t.block_table, t.seq_ptr, t.seq_lens, 16, size),  # type: ignore[arg-type]
+        lambda: repage_snapshot(snap, size),  # type: ignore[arg-type]
+    )
+    for call in calls:
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            call()
+        assert err.value.field == "page_size"
+
+
+@pytest.mark.parametrize("size", [np.int64(8), torch.tensor(8), 8])
+def test_numpy_and_torch_integer_page_sizes_still_repage(size: object) -> None:
+    t = hv.BlockPagedTensor(
+        torch.arange(64, dtype=torch.float32).reshape(4, 16, 1, 1),
+        torch.tensor([2, 0]),
+        torch.tensor([0, 2]),
+        torch.tensor([20]),
+    )
+    r = repage(t, size)  # type: ignore[arg-type]
+    assert type(r.page_size) is int and r.page_size == 8
+    assert torch.equal(r.to_dense(0), t.to_dense(0)) and r.validate().ok

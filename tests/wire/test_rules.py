@@ -326,3 +326,19 @@ def test_seq_lens_of_any_batch_held_as_floats_do_not_validate(t: hv.BlockPagedTe
     assert t.validate().ok
     assert "seq_lens.dtype" in names(replace(t, seq_lens=t.seq_lens.to(dtype)))  # type: ignore[union-attr]
     assert replace(t, seq_lens=t.seq_lens.to(torch.int32)).validate().ok  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("n", [10, 3000], ids=["list path", "tensor path"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.float32, torch.bool])
+@pytest.mark.parametrize("which", ["block_table", "seq_ptr"])
+def test_index_tensors_held_as_other_than_int32_or_int64_are_refused(n: int, dtype: torch.dtype, which: str) -> None:
+    """An int16 table of page ids up to 3000 over pages of 16 validated, then repaged into wrapped slots."""
+    t = hv.BlockPagedTensor(
+        torch.zeros(n, 4, 1, 2), torch.arange(n) % 2, torch.arange(n + 1), torch.full((n,), 3, dtype=torch.int64)
+    )
+    bad = replace(t, **{which: getattr(t, which).to(dtype)})
+    checked = bad.validate(permissive=True)
+    assert [v.invariant for v in checked.errors] == [f"{which}.dtype"], checked.errors
+    # What the readers hold (int64, widened from the wire) and what vLLM and FlashInfer hand over (int32) pass.
+    assert t.validate().ok
+    assert replace(t, block_table=t.block_table.to(torch.int32), seq_ptr=t.seq_ptr.to(torch.int32)).validate().ok
