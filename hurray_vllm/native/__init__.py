@@ -66,7 +66,10 @@ _state: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept (``$HURRAY_VLLM_CACHE_DIR`` or ``~/.cache/hurray-vllm``)."""
+    """Where built libraries are kept.
+
+    ``$HURRAY_VLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/hurray-vllm``, else ``~/.cache/hurray-vllm``.
+    """
     env = os.environ.get("HURRAY_VLLM_CACHE_DIR")
     if env:
         return Path(env)
