@@ -182,6 +182,27 @@ def test_prefix_keys_differ_by_model_and_cache_salt() -> None:
     assert prompt_keys({**chat, "cache_salt": "t1"}, 64)[0] != prompt_keys(chat, 64)[0]
 
 
+def test_prefix_keys_of_messages_nested_deeper_than_json_writes_are_none() -> None:
+    """Found by a review: messages the parser took just under its depth limit failed json.dumps deeper in the
+    stack (RecursionError: a bare 500). Keys only serve affinity: such a request has none, and is routed."""
+    from hurray_vllm.app.router.backends import prompt_keys
+
+    deep: object = "x" * 600
+    for _ in range(100_000):
+        deep = [deep]
+    assert prompt_keys({"model": "m", "messages": [{"role": "user", "content": deep}]}, 64) == []
+
+
+def test_the_context_length_of_a_model_that_is_not_a_string_is_any_backends() -> None:
+    """Found by a review: a list or object as the model (the router refuses it at intake now) raised TypeError
+    here (no set member); it names no model, as Backend.serves reads it."""
+    backends = Backends([A, B])
+    backends.all[A].max_model_len, backends.all[A].served = 4096, frozenset({"m"})
+    backends.all[B].max_model_len, backends.all[B].served = 8192, frozenset({"sql"})
+    assert backends.context_length("m") == 4096 and backends.context_length(None) == 8192
+    assert backends.context_length(["m"]) == backends.context_length({"a": 1}) == 8192
+
+
 def test_a_backend_marked_down_by_a_broken_stream_has_its_other_requests_moved_at_its_next_failed_check() -> None:
     """mark_down() (a stream of it broke) takes it out of routing without the health loop seeing it go down; its
     other requests, hung on it, were then left to their stream timeout."""

@@ -250,6 +250,53 @@ def test_bodies_the_router_cannot_use_are_answered_400_naming_what(fakes: dict[s
     assert huge.status_code != 500 and huge.headers["content-type"].startswith("application/json")
 
 
+def test_messages_nested_about_as_deep_as_the_parser_takes_get_no_500(fakes: dict[str, str]) -> None:
+    """Found by a review: messages the router's parser took, just under its depth limit, failed its prefix keys
+    (json.dumps, called deeper in the stack: RecursionError) with a bare 500. They are keyed as none now (keys only
+    serve affinity) and go to a backend, whose answer the client gets (the stand-in has no chat endpoint: 404)."""
+    import httpx
+
+    url = fakes["router"] + "/v1/chat/completions"
+    answers: dict[int, list[int]] = {}
+    for depth in range(1000, 900, -1):  # across the parser's limit, wherever the router's stack puts it
+        for nested in ("[" * depth + "]" * depth, '{"a":' * depth + "1" + "}" * depth):
+            body = '{"model": "fake", "messages": [{"role": "user", "content": ' + nested + "}]}"
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.headers["content-type"].startswith("application/json"), (depth, r.status_code, r.text[:200])
+            answers.setdefault(r.status_code, []).append(depth)
+    assert set(answers) == {400, 404}, {k: v[:3] for k, v in answers.items()}  # too deep to parse, or the backend's
+    assert httpx.get(fakes["router"] + "/health", timeout=30).json()["backends"][fakes["a"]]["healthy"]
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+@pytest.mark.parametrize("extra", [{}, {"n": 2}])  # a flight, or relayed unmoved
+@pytest.mark.parametrize("model", [["fake"], {"a": 1}, 7])
+def test_a_model_that_is_not_a_string_is_answered_400_naming_it(kind: str, extra: dict[str, Any], model: Any) -> None:
+    """Found by a review: with --prefill backends, a chat without max_tokens whose model was a list or an object
+    failed the router's context length lookup (not a set member) with a bare 500. vLLM takes a string only."""
+    require("fastapi")
+    require("httpx")
+    import asyncio
+
+    import httpx
+
+    from hurray_vllm.app.router import RouterConfig, build_app
+
+    app = build_app(RouterConfig(backends=(_closed_port(),), prefill=(_closed_port(),)))
+    for b in app.state.router.backends.all.values():  # as a health check would have read them
+        b.max_model_len, b.served = 4096, frozenset({"fake"})
+    prompt = {"prompt": [1, 2]} if kind == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+
+    async def run() -> Any:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await client.post(f"/v1/{kind}", json={"model": model, **prompt, **extra})
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 400, answer.text[:300]
+    error = answer.json()["error"]
+    assert error["code"] == 400 and error["message"].startswith("model must be a string"), error
+
+
 @pytest.mark.parametrize("echo", [False, True])
 def test_a_text_with_a_lone_surrogate_reaches_a_backend(echo: bool) -> None:
     """A lone surrogate's escape is valid JSON, which vLLM reads; the router's affinity keys once failed to encode it
@@ -828,3 +875,132 @@ def test_a_move_behind_a_slow_client_after_its_leg_ended_says_how_it_ended(leg: 
         assert drained["failed"] == [{"id": f.id, "error": refused.message}] and drained["moved"] == []
         assert [x.why for x in f.legs] == ["routed", "failover"] and f.legs[-1].backend == dst.url
     assert router.metrics.migrations == {"ok": 0, "failed": 0}  # the request ended, or its source broke: neither
+
+
+def _counting_upstream(f: Any, until: int, gate: Any = None, refuse: Any = None) -> Any:
+    """A leg's upstream for an in-process flight (``f._upstream``): tokens ``100 + i`` up to ``until``, one each 10 ms.
+
+    A prefill leg (not streamed) answers its one token once ``gate`` is set; a leg on ``refuse`` is refused (503).
+    """
+    import asyncio
+
+    from hurray_vllm.app.router.flight import UpstreamError
+
+    async def upstream(backend: Any, path: str, body: dict[str, Any]) -> Any:
+        if backend is refuse:
+            raise UpstreamError(f"{backend.url} answered HTTP 503", 503, {"error": {"message": "engine dead"}})
+        start = len(body["prompt"]) - 3
+        if not body["stream"]:
+            await gate.wait()
+        for i in range(start, until if body["stream"] else start + 1):
+            await asyncio.sleep(0.01)
+            done = "length" if i == until - 1 or not body["stream"] else None
+            yield {"choices": [{"text": "t", "token_ids": [100 + i], "prompt_token_ids": body["prompt"],
+                                "finish_reason": done}]}  # fmt: skip
+
+    return upstream
+
+
+@pytest.mark.parametrize("how", ["drained", "refused"])
+def test_a_drain_whose_destination_cannot_take_a_request_tries_another(how: str) -> None:
+    """Found by a review: a drain moved a request again only when another move of it was under way. One whose
+    destination was drained meanwhile (two backends drained a moment apart) or refused its warm-up stayed on the
+    drained backend, listed under failed, while a third backend was idle."""
+    import asyncio
+
+    from hurray_vllm.app.router import RouterConfig
+    from hurray_vllm.app.router.flight import RouterError
+    from hurray_vllm.app.router.server import Router
+
+    urls = ("http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11")
+    router = Router(RouterConfig(backends=urls))
+    a, b, c = (router.backends.all[u] for u in urls)
+    f = router.begin("completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 100, "stream": True})
+
+    async def prewarm(to: Any, timeout: float) -> None:
+        if to is b:  # the first choice (as loaded as c, listed first)
+            if how == "drained":
+                b.draining = True  # a drain of it began while it warmed up
+                return
+            raise RouterError(502, f"to: {b.url} could not take it: its warm-up answered HTTP 503: engine dead")
+
+    f._upstream = _counting_upstream(f, 100)  # type: ignore[method-assign]
+    f._prewarm = prewarm  # type: ignore[method-assign]
+
+    async def run() -> tuple[dict[str, Any], list[int]]:
+        got: list[int] = []
+
+        async def read() -> None:
+            async for d in f.deltas():
+                got.extend(d.token_ids)
+
+        reading = asyncio.create_task(read())
+        while len(f.generated) < 5:
+            await asyncio.sleep(0.01)
+        drained = await asyncio.wait_for(router.drain(a.url), 10)
+        await asyncio.wait_for(reading, 10)
+        return drained, got
+
+    drained, got = asyncio.run(run())
+    assert drained == {"backend": a.url, "moved": [f.id], "failed": []}
+    assert got == list(range(100, 200))
+    assert [(leg.backend, leg.why) for leg in f.legs] == [(a.url, "routed"), (c.url, "drained")]
+    assert router.metrics.migrations == {"ok": 1, "failed": 1}
+
+
+@pytest.mark.parametrize("how", ["migrate", "drain"])
+def test_a_request_in_its_prefill_leg_is_not_moved_and_decodes_on_a_decode_backend(how: str) -> None:
+    """Found by a review: a request moved during its prefill leg whose destination then failed resumed on its source,
+    the prefill backend, and decoded there entirely. /hurray/migrate refuses it now (409, saying why), and a drain of
+    the prefill backend waits for it to leave for a decode backend, which it does when its prefill ends."""
+    import asyncio
+
+    from hurray_vllm.app.router import RouterConfig
+    from hurray_vllm.app.router.flight import RouterError
+    from hurray_vllm.app.router.server import Router
+
+    router = Router(
+        RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10"), prefill=("http://127.0.0.1:11",))
+    )
+    d1, d2, p = router.backends.all.values()
+    f = router.begin("completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 20, "stream": True})
+
+    async def run() -> tuple[Any, list[int]]:
+        gate = asyncio.Event()
+        f._upstream = _counting_upstream(f, 20, gate, refuse=d2)  # type: ignore[method-assign]
+        got: list[int] = []
+
+        async def read() -> None:
+            async for d in f.deltas():
+                got.extend(d.token_ids)
+
+        reading = asyncio.create_task(read())
+        while not f.legs:
+            await asyncio.sleep(0.01)
+        outcome: Any
+        if how == "migrate":
+            try:
+                outcome = await router.migrate(f.id, d2.url)
+            except RouterError as exc:
+                outcome = exc
+            gate.set()
+        else:
+            draining = asyncio.create_task(router.drain(p.url))
+            await asyncio.sleep(0.2)
+            assert not draining.done()  # it waits for the prefill to end
+            gate.set()
+            outcome = await asyncio.wait_for(draining, 10)
+        await asyncio.wait_for(reading, 10)
+        return outcome, got
+
+    outcome, got = asyncio.run(run())
+    assert got == list(range(100, 120))
+    assert [(leg.backend, leg.why) for leg in f.legs] == [(p.url, "prefill"), (d1.url, "decode")]
+    if how == "migrate":
+        assert isinstance(outcome, RouterError) and outcome.status == 409, outcome
+        assert (
+            f"is in its prefill leg on {p.url}; it moves to a decode backend when the prefill ends" in outcome.message
+        )
+    else:
+        assert outcome == {"backend": p.url, "moved": [f.id], "failed": []}
+    assert router.metrics.migrations == {"ok": 0, "failed": 0}

@@ -19,19 +19,22 @@ from typing import Any
 import pytest
 from conftest import require
 
-#: A stand-in's script: the events of one answer to a request body (streamed, or the first one is the answer).
-Script = Callable[[dict[str, Any]], list[dict[str, Any]]]
+#: A stand-in's script: the events of one answer to a request body (streamed, or the first one is the answer); an
+#: event given as bytes is streamed as it is (a payload no JSON encoder writes).
+Script = Callable[[dict[str, Any]], list[dict[str, Any]] | list[dict[str, Any] | bytes]]
 
 
 class FakeVLLM:
     """A vLLM OpenAI server stand-in: ``models`` on ``/v1/models``, ``script`` for every completion.
 
     A streamed answer sends ``hold_after`` events, then waits for :attr:`gate`
-    before the rest (a request that is still in flight while the test looks).
+    before the rest (a request that is still in flight while the test looks);
+    it ends with ``data: [DONE]`` unless ``done`` is false (its body then ends
+    cleanly after the events).
     """
 
-    def __init__(self, models: list[str], script: Script, hold_after: int | None = None) -> None:
-        self.models, self.script, self.hold_after = models, script, hold_after
+    def __init__(self, models: list[str], script: Script, hold_after: int | None = None, done: bool = True) -> None:
+        self.models, self.script, self.hold_after, self.done = models, script, hold_after, done
         self.gate = threading.Event()
         self.bodies: list[dict[str, Any]] = []
         self.url = ""
@@ -76,8 +79,10 @@ class FakeVLLM:
                 if i == self.hold_after:
                     while not self.gate.is_set():
                         await asyncio.sleep(0.01)
-                await out.write(f"data: {json.dumps(event)}\n\n".encode())
-            await out.write(b"data: [DONE]\n\n")
+                payload = event if isinstance(event, bytes) else json.dumps(event).encode()
+                await out.write(b"data: " + payload + b"\n\n")
+            if self.done:
+                await out.write(b"data: [DONE]\n\n")
             return out
 
         async def start() -> None:
@@ -371,3 +376,47 @@ def test_stream_options_without_a_stream_are_refused_as_vllm_refuses_them(router
         assert client.post(f"/v1/{kind}", json={**body, "stream_options": {}}).status_code == 200
         r = client.post(f"/v1/{kind}", json={**body, "stream": True, "stream_options": {"include_usage": True}})
         assert r.status_code == 200 and _sse(r.text)[-1]["usage"]["completion_tokens"] == 1
+
+
+def _completion_chunk(finish: str | None = None, index: int = 0) -> dict[str, Any]:
+    return {"id": "cmpl-up", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": index, "text": " w", "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+
+
+#: Relayed unmoved (n = 2: several sequences).
+RELAYED = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "stream": True}
+
+
+def test_a_relayed_event_nested_too_deeply_ends_the_stream_with_an_error_and_done(router_over: Any) -> None:
+    """Found by a review: json.loads raised RecursionError out of the relay, and the client's chunked body broke
+    off with neither an error nor [DONE]."""
+    deep = b'{"id": "cmpl-up", "choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with FakeVLLM(["m"], lambda body: [_completion_chunk(), deep, _completion_chunk("length")]) as fake:
+        r = router_over(fake).post("/v1/completions", json=RELAYED)
+    lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and len(lines) == 3 and lines[-1] == "data: [DONE]", lines
+    assert json.loads(lines[0][6:])["id"].startswith("cmpl-hurray-")
+    error = json.loads(lines[1][6:])["error"]
+    assert error["code"] == 502 and fake.url in error["message"] and "nested too deeply" in error["message"], error
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_relayed_stream_whose_body_ends_without_done_ends_as_a_stream_that_breaks_off(
+    router_over: Any, finished: bool
+) -> None:
+    """Found by a review: a backend body that ended cleanly mid-stream (no [DONE]) ended the client's stream with
+    neither an error nor [DONE]. Unfinished, it is a failure (an error event, then [DONE]); after every choice's
+    finish, the client has the whole answer ([DONE] alone)."""
+    events = [_completion_chunk(), _completion_chunk(index=1)]
+    if finished:
+        events += [_completion_chunk("length"), _completion_chunk("length", index=1)]
+    with FakeVLLM(["m"], lambda body: events, done=False) as fake:
+        r = router_over(fake).post("/v1/completions", json=RELAYED)
+    lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]", lines
+    if finished:
+        assert len(lines) == len(events) + 1 and all("error" not in line for line in lines), lines
+    else:
+        assert len(lines) == len(events) + 2, lines
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["code"] == 502 and f"{fake.url}: it ended the stream without finishing" in error["message"]

@@ -67,7 +67,10 @@ def prompt_keys(body: dict[str, Any], chunk_tokens: int) -> list[str]:
     if isinstance(prompt, str):
         raw = prompt.encode(errors="surrogatepass")  # a lone surrogate is valid JSON; keys only serve affinity
     elif "messages" in body:
-        raw = json.dumps(body["messages"], sort_keys=True, separators=(",", ":")).encode()
+        try:
+            raw = json.dumps(body["messages"], sort_keys=True, separators=(",", ":")).encode()
+        except RecursionError:  # nested about as deep as the parser took: no keys (they only serve affinity)
+            return []
     else:
         return []
     step, keys, prev = 4 * chunk_tokens, [], seed.encode()
@@ -193,8 +196,11 @@ class Backends:
         model: object = None,
         prefill: bool = False,
         avoid: Backend | None = None,
+        exclude: Sequence[Backend] = (),
     ) -> Backend | None:
         """The backend to send a request for ``model`` with prefix ``keys`` to; None if none is usable.
+
+        Never ``avoid`` nor one of ``exclude`` (a drain's destinations that could not take the request).
 
         Only backends that serve ``model`` (:meth:`Backend.serves`: a LoRA
         adapter loaded on some of them, say) are chosen from while there is
@@ -206,7 +212,7 @@ class Backends:
         one's, the one sent the longest prefix of ``keys`` before, then the
         least loaded of those.
         """
-        cands = [b for b in self.usable(prefill=prefill) if b is not avoid]
+        cands = [b for b in self.usable(prefill=prefill) if b is not avoid and all(b is not e for e in exclude)]
         if not cands:
             return None
         cands = [b for b in cands if b.serves(model)] or cands
@@ -254,16 +260,18 @@ class Backends:
         backend.max_model_len = n
         return cards
 
-    def context_length(self, model: str | None) -> int | None:
+    def context_length(self, model: object) -> int | None:
         """The largest ``max_model_len`` a backend serving ``model`` (any, for None) said it has; None: none did.
 
         The largest: vLLM takes a continuation's ``max_tokens`` up to the rest of its own context
-        (``get_max_tokens``), so a larger one costs nothing where a smaller one would cut it short.
+        (``get_max_tokens``), so a larger one costs nothing where a smaller one would cut it short. A
+        ``model`` that is not a string counts as none (any backend), as :meth:`Backend.serves` reads it: a
+        list or an object, no set member, once raised TypeError here.
         """
         lens = [
             b.max_model_len
             for b in self.all.values()
-            if b.max_model_len is not None and (model is None or model in b.served)
+            if b.max_model_len is not None and (not isinstance(model, str) or model in b.served)
         ]
         return max(lens, default=None)
 

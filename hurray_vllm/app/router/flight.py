@@ -140,20 +140,30 @@ async def sse_data(response: Any, where: str) -> AsyncIterator[bytes]:
     Raises:
         UpstreamError: an event longer than :data:`MAX_EVENT_BYTES`.
     """
-    buf = b""
+    # The unfinished line's pieces, joined once its newline comes, and only the new chunk searched for it: joining
+    # and searching the whole line at each chunk made a long line (a first event's prompt ids) quadratic, one
+    # stretch of the event loop that held every other stream.
+    pieces: list[bytes] = []
+    size = 0  # their length
     async for chunk in response.content.iter_any():
-        buf += chunk
         start = 0
-        while (end := buf.find(b"\n", start)) >= 0:
-            line = buf[start:end]
+        while (end := chunk.find(b"\n", start)) >= 0:
+            line = chunk[start:end]
+            if pieces:
+                pieces.append(line)
+                line = b"".join(pieces)
+                pieces, size = [], 0
             start = end + 1
             if line.startswith(b"data:"):
                 yield line[5:].strip()
-        buf = buf[start:]
-        if len(buf) > MAX_EVENT_BYTES:
+        if start < len(chunk):
+            pieces.append(chunk[start:])
+            size += len(chunk) - start
+        if size > MAX_EVENT_BYTES:
             raise UpstreamError(f"{where} sent an event of more than {MAX_EVENT_BYTES} bytes")
-    if buf.startswith(b"data:"):
-        yield buf[5:].strip()
+    line = b"".join(pieces)
+    if line.startswith(b"data:"):
+        yield line[5:].strip()
 
 
 def _upstream_delta(event: dict[str, Any], chat: bool) -> tuple[Delta, list[int] | None]:
@@ -753,7 +763,9 @@ class Flight:
         left alone and this raises with the reason; if ``to`` fails after the
         switch, before its first token, the request resumes on its source.
         A request whose backend has sent nothing yet (its queue, its prefill)
-        is started over on ``to``: its client has seen nothing.
+        is started over on ``to``: its client has seen nothing. One in its
+        prefill leg is not moved (409): it leaves the prefill backend for a
+        decode backend when that leg ends.
         """
         if self.unmovable is not None:
             raise RouterError(409, f"request {self.id} cannot be moved: {self.unmovable}")
@@ -761,6 +773,14 @@ class Flight:
             raise RouterError(409, f"request {self.id} has finished")
         if self._interrupt is not None or self._moving:
             raise RouterError(409, f"request {self.id} is being moved already")
+        if self.backend is not None and self.backend.prefill:
+            # A move whose destination then failed resumed it on its source: the whole decode ran on the prefill
+            # backend. Its prefill is one short answer, and a decode backend takes it when that ends.
+            raise RouterError(
+                409,
+                f"request {self.id} is in its prefill leg on {self.backend.url}; it moves to a decode backend "
+                "when the prefill ends (POST /hurray/migrate then)",
+            )
         if self.backend is to:
             raise RouterError(409, f"request {self.id} runs on {to.url} already")
         if self._reader is None or not self.legs or (self.prompt_ids is None and self.generated):

@@ -20,7 +20,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str  # what json.dumps does to a str
 from typing import Any
@@ -174,7 +174,13 @@ class Router:
                 r.cut(why)
 
     async def pick(
-        self, keys: list[str], *, model: object = None, prefill: bool = False, avoid: Backend | None = None
+        self,
+        keys: list[str],
+        *,
+        model: object = None,
+        prefill: bool = False,
+        avoid: Backend | None = None,
+        exclude: Sequence[Backend] = (),
     ) -> Backend | None:
         """:meth:`Backends.pick`; when no backend of that kind is healthy, check the others once more first.
 
@@ -183,14 +189,18 @@ class Router:
         restarted, or every backend of a router started before them. Also
         when the only healthy ones do not serve ``model``.
         """
-        b = self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid)
+        b = self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid, exclude=exclude)
         if b is not None and b.serves(model):
             return b
-        down = [x for x in self.backends.all.values() if x.prefill == prefill and not x.healthy and x is not avoid]
+        down = [
+            x
+            for x in self.backends.all.values()
+            if x.prefill == prefill and not x.healthy and x is not avoid and all(x is not e for e in exclude)
+        ]
         if not down:
             return b
         await asyncio.gather(*(self._recheck(x) for x in down))
-        return self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid)
+        return self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid, exclude=exclude)
 
     @property
     def patience(self) -> float:
@@ -280,7 +290,10 @@ class Router:
         async def move(f: Flight) -> None:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + MOVE_TIMEOUT_S
-            for _ in range(2):
+            tried: list[Backend] = []  # destinations that could not take it: another may (a drain of one, say)
+            last = ""  # why the last of them could not
+            others = 0  # times another move of it, under way, refused this drain's
+            while True:
                 # A move under way (a client's /hurray/migrate) settles first: it takes the request off, or
                 # fails (a destination drained meanwhile refuses it) and this drain moves it after all.
                 while f.moving and not f.finished:
@@ -293,9 +306,26 @@ class Router:
                 if f.backend is not b:
                     moved.append(f.id)
                     return
-                dest = await self.pick(f.keys, model=f.model, avoid=b)
+                if b.prefill:
+                    # In its prefill leg, which is not moved (Flight.migrate): it leaves for a decode backend when
+                    # that one short answer ends. Waited for, as a move's switch is.
+                    while f.backend is b and not f.ended:
+                        if loop.time() > deadline:
+                            why = f"still in its prefill leg after {MOVE_TIMEOUT_S:.0f} s (its client is not reading)"
+                            failed.append({"id": f.id, "error": why})
+                            return
+                        await asyncio.sleep(0.05)
+                    continue
+                if loop.time() > deadline:
+                    why = f"not moved within {MOVE_TIMEOUT_S:.0f} s" + (
+                        f" (the last destination: {last})" if last else ""
+                    )
+                    failed.append({"id": f.id, "error": why})
+                    return
+                dest = await self.pick(f.keys, model=f.model, avoid=b, exclude=tried)
                 if dest is None:
-                    failed.append({"id": f.id, "error": "no other healthy, undrained backend"})
+                    why = "no other healthy, undrained backend" + (f" (the last destination: {last})" if last else "")
+                    failed.append({"id": f.id, "error": why})
                     return
                 if not await self.serves(dest, f.model):  # pick() falls back to any backend: this one would answer 404
                     failed.append({"id": f.id, "error": f"no other healthy, undrained backend serves {f.model!r}"})
@@ -311,10 +341,23 @@ class Router:
                         moved.append(f.id)
                         return
                     # 504: the switch waits for a client that does not read (it moves once that client reads).
-                    if exc.status == 504 or (not f.moving and "being moved already" not in exc.message):
+                    if exc.status == 504:
                         failed.append({"id": f.id, "error": exc.message})
                         return
-            failed.append({"id": f.id, "error": "another move of it kept it on the drained backend"})
+                    if exc.status == 502 or dest.draining or not dest.healthy:
+                        # The destination could not take it (its warm-up failed, it was drained or found dead
+                        # meanwhile, it failed before its first token) and the request is still here: another may.
+                        tried.append(dest)
+                        last = exc.message
+                        continue
+                    if not f.moving and "being moved already" not in exc.message:
+                        failed.append({"id": f.id, "error": exc.message})
+                        return
+                    others += 1
+                    if others >= 2:
+                        failed.append({"id": f.id, "error": "another move of it kept it on the drained backend"})
+                        return
+                    await asyncio.sleep(0.05)  # a failover under way refuses moves too: it runs meanwhile
 
         await asyncio.gather(*(move(f) for f in moving))
         # Requests that cannot move finish where they are; the operator learns which, and why.
@@ -886,18 +929,29 @@ def build_app(config: RouterConfig) -> Any:
                 event = json.loads(data)
             except ValueError:
                 return data
+            except RecursionError:  # nested deeper than the parser goes: the relay ends with an error, as a flight's
+                raise UpstreamError("it sent an event nested too deeply to read") from None
             if isinstance(event, dict) and "id" in event:
                 event["id"] = rid
                 entry.count(event)
-            return json.dumps(event).encode()
+            try:
+                return json.dumps(event).encode()
+            except RecursionError:  # read just within the limit, written from deeper in the stack
+                raise UpstreamError("it sent an event nested too deeply to read") from None
 
         streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
         async def relay() -> AsyncIterator[bytes]:
             try:
                 if streamed:
+                    done = False
                     async for data in sse_data(upstream, b.url):
+                        done = done or data == b"[DONE]"
                         yield b"data: " + (data if data == b"[DONE]" else renamed(data)) + b"\n\n"
+                    if not done:
+                        # Its body ended cleanly without [DONE]: as a stream that breaks off (below), the client
+                        # gets an error and [DONE] (only [DONE] after every choice's finish), not a stream that stops.
+                        raise UpstreamError("it ended the stream without finishing the request")
                 else:
                     yield renamed(await upstream.read())
             except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
@@ -926,6 +980,10 @@ def build_app(config: RouterConfig) -> Any:
             return fail(400, "Stream options can only be defined when `stream=True`.")
         if not isinstance(body.get("stream_options") or {}, dict):
             return fail(400, "stream_options must be an object")  # the router reads it, and sends its own upstream
+        if not isinstance(body.get("model"), str | None):
+            # vLLM refuses it too; the router routes by it (what each backend serves, a context length) and writes
+            # it into every event. Its type only: the value may be anything, nested deep.
+            return fail(400, f"model must be a string (a name /v1/models lists), got {type(body['model']).__name__}")
         why = movable(kind, body)
         if why is not None:
             return await passthrough(request, kind, body, why)
