@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import math
 import os
@@ -249,14 +250,28 @@ def _jsonable(value: Any) -> Any:
 
 def _keys(args: argparse.Namespace) -> Any:
     """The fleet keys of ``--key-file`` (repeatable), else of ``$HURRAY_VLLM_KEY_FILE``; ``None`` without either."""
-    from ..chunks.signing import load_keys
+    from ..chunks.signing import KEY_FILE_ENV, load_keys
 
+    # The library names the connector's option (hurray_key_file): say which of the command's settings it was.
+    given = args.key_file is not None
+    if given and not any(args.key_file):  # the library's "hurray_key_file is set to ['']" names neither
+        raise HurrayArgumentError(
+            "--key-file", f"{' '.join(map(repr, args.key_file))} names no key file: name one, or leave --key-file out"
+        )
     try:
-        return load_keys(args.key_file)  # None when not given; an empty --key-file "" is refused
-    except HurrayArgumentError as exc:  # named by the connector's option: here it is the command's
+        return load_keys(args.key_file)  # None when neither is given
+    except HurrayArgumentError as exc:
         if exc.field != "hurray_key_file":
             raise
-        raise HurrayArgumentError("--key-file", str(exc).removeprefix(f"{exc.field}: ")) from None
+        why = str(exc).removeprefix(f"{exc.field}: ")
+        if given:
+            raise HurrayArgumentError("--key-file", why) from None
+        env = f"${KEY_FILE_ENV}"
+        if why.startswith(f"{env} is "):  # "$HURRAY_VLLM_KEY_FILE is set to ''": said once, as the field
+            why = why.removeprefix(f"{env} is ")
+        else:
+            why = f"{why} (fix or unset {env}, or give --key-file)"
+        raise HurrayArgumentError(env, why) from None
 
 
 def _add_key_file(s: argparse.ArgumentParser, what: str) -> None:
@@ -500,10 +515,15 @@ def cmd_receive(args: argparse.Namespace) -> int:
         if args.transport != "tcp":
             raise HurrayArgumentError("tls", "--tls-* options are for the tcp transport (senders use tls://HOST:PORT)")
         limits["tls"] = server_context(TlsOptions(args.tls_cert, args.tls_key, client_ca_file=args.tls_client_ca))
+    store = _store_dir(args.dir, must_exist=False, writable=True)
     try:
-        receiver = receiver_for(
-            args.transport, host, port, _store_dir(args.dir, must_exist=False, writable=True), **limits
-        ).start()
+        # kill -USR1: every thread's stack, on stderr. Not without a stderr to write to (`2>&-`, a capture
+        # without a descriptor): the receiver serves as well without it.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (RuntimeError, ValueError, io.UnsupportedOperation):
+        pass
+    try:
+        receiver = receiver_for(args.transport, host, port, store, **limits).start()
     except ValueError as exc:  # a limit out of range
         raise HurrayArgumentError("receive", str(exc)) from None
     except ImportError as exc:  # NixlUnavailableError (--transport nixl without NIXL): the call's, not a bug
@@ -511,25 +531,30 @@ def cmd_receive(args: argparse.Namespace) -> int:
 
         hint = "" if args.transport != "nixl" or INSTALL_HINT in str(exc) else f" (install it with: {INSTALL_HINT})"
         raise HurrayArgumentError("transport", f"{exc}{hint}") from None
-    if not args.quiet:
-        where = host_port(receiver.address[0], receiver.address[1])
-        channel = "tls" if "tls" in limits else args.transport
-        print(f"receiving KV chunks ({channel}) on {where} into {args.dir}", flush=True)
 
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    # kill stops it as cleanly as Ctrl-C. (SIGINT keeps the disposition it was started with:
-    # a job a shell started in the background ignores it, and Python then leaves it ignored.)
-    signal.signal(signal.SIGTERM, _terminate)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack, on stderr
-    try:
+    previous = signal.getsignal(signal.SIGTERM)
+    try:  # whatever ends it (a signal, a closed stdout), the receiver stops: its threads would keep the process
+        # kill stops it as cleanly as Ctrl-C, from the start-up line on (a script waits for it, then may kill).
+        # (SIGINT keeps the disposition it was started with: a job a shell started in the background ignores it,
+        # and Python then leaves it ignored.)
+        signal.signal(signal.SIGTERM, _terminate)
+        if not args.quiet:
+            where = host_port(receiver.address[0], receiver.address[1])
+            channel = "tls" if "tls" in limits else args.transport
+            print(f"receiving KV chunks ({channel}) on {where} into {args.dir}", flush=True)
         while True:
             # Short sleeps: a signal the kernel hands to one of NIXL's or UCX's threads
             # does not interrupt this one, which would then only notice it on waking.
             time.sleep(1.0)
     except KeyboardInterrupt:
+        pass
+    finally:
         receiver.stop()
+        if previous is not None:  # main() called in-process (tests) leaves the caller's SIGTERM as it was
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -548,8 +573,11 @@ def _store_dir(path: str, *, must_exist: bool = True, writable: bool = False) ->
         import tempfile
 
         p.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=p):
-            pass
+        try:
+            with tempfile.TemporaryFile(dir=p):
+                pass
+        except OSError as exc:  # its message named the probe's random name, not the directory given
+            raise OSError(exc.errno, f"{exc.strerror or exc} (cannot create a file in this directory)", path) from None
     return DirectoryStore(path)
 
 
@@ -826,16 +854,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"{report.chunks_kept} chunk files ({report.bytes_kept / 2**20:.1f} MiB) remain"
         )
     for skipped in report.skipped:
-        print(f"hurray-vllm: skipped: {skipped}", file=sys.stderr)
+        _warn(f"hurray-vllm: skipped: {skipped}")
     if report.skipped:
         n = len(report.skipped)
         above = ""
         if report.bytes_kept > args.max_size:
             above = f"; {report.bytes_kept / 2**20:.1f} MiB remain, above --max-size ({args.max_size / 2**20:.1f} MiB)"
-        print(
+        _warn(
             f"hurray-vllm: prune skipped {n} path{'s' * (n != 1)} it could not read, delete or follow (listed above)"
-            f"{above}: fix them (permissions, symbolic links) and run prune again",
-            file=sys.stderr,
+            f"{above}: fix them (permissions, symbolic links) and run prune again"
         )
         return 1
     return 0
@@ -864,7 +891,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             f"{len(report.unreadable)} unreadable; {report.temporary} temporary files"
         )
     for skipped in report.skipped:
-        print(f"hurray-vllm: skipped: {skipped}", file=sys.stderr)
+        _warn(f"hurray-vllm: skipped: {skipped}")
     return 0 if report.clean else 1
 
 
@@ -937,7 +964,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--prompt-ids", help="prompt token ids, comma- or space-separated (quote them when separated by spaces)"
     )
-    group.add_argument("--prompt-file", help="file of whitespace- or comma-separated token ids")
+    group.add_argument(
+        "--prompt-file", type=_input_path, help="file of whitespace- or comma-separated token ids (not '-')"
+    )
     s.add_argument(
         "--after",
         type=int,
@@ -991,15 +1020,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections", type=_positive_count, default=64, help="connections served at once (>= 1; default 64)"
     )
     s.add_argument(
-        "--max-chunk", type=_size, default=4 << 30, help="largest chunk accepted (default 4G: a frame announcing more "
-        "is refused unread)"
+        "--max-chunk", type=_positive_size, default=4 << 30, help="largest chunk accepted (default 4G: a frame "
+        "announcing more is refused unread)"
     )  # fmt: skip
     s.add_argument(
         "--max-memory",
-        type=_size,
+        type=_positive_size,
         default=None,
         help="memory for the chunks being received, all connections together (default 8G; over nixl, its "
-        "registered buffers): a chunk beyond it is refused unread",
+        "registered buffers): a chunk beyond it is refused unread, but over tcp one chunk alone is always read "
+        "(up to --max-chunk)",
     )
     s.add_argument(
         "--timeout",
@@ -1037,7 +1067,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir", help="chunk store directory (a HurrayConnector's hurray_path)")
     s.add_argument("--max-size", type=_size, required=True, help="bytes to keep at most: 500M, 20G, 1.5T, ...")
     s.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
-    _add_key_file(s, "chunks no key of the ring signed are deleted first")
+    _add_key_file(
+        s,
+        "then every chunk no key of the ring signed (unsigned, another fleet's, a header that cannot be parsed) "
+        "is deleted, whatever --max-size: a store shared with another fleet loses that fleet's chunks (give each "
+        "fleet its own store directory, or prune a shared one with neither --key-file nor the variable)",
+    )
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("-q", "--quiet", action="store_true", help="print no report (--json is still printed)")
     s.set_defaults(func=cmd_prune)
@@ -1159,6 +1194,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _warn(text: str) -> None:
+    """Print ``text`` on standard error; nothing when it was closed at start (``2>&-``: ``sys.stderr`` is None).
+
+    ``print(file=None)`` would write it on standard output instead, into what a script reads (``--json``).
+    """
+    if sys.stderr is not None:
+        print(text, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hurray-vllm`` on ``argv`` (default ``sys.argv[1:]``); returns the exit code (the --help epilog's)."""
     for stream in (sys.stdout, sys.stderr):
@@ -1168,7 +1212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = int(args.func(args))
-        sys.stdout.flush()  # a closed pipe shows here, not at exit where nothing can catch it
+        if sys.stdout is not None:  # None: started with it closed (`>&-`), and print() wrote nothing
+            sys.stdout.flush()  # a closed pipe shows here, not at exit where nothing can catch it
         return code
     except BrokenPipeError:  # `hurray-vllm inspect big.hrrs | head`: the reader has what it wanted
         # Python's recipe: what is still buffered goes nowhere, instead of failing again at exit.
@@ -1179,29 +1224,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
     except HurrayArgumentError as exc:  # an option the library refused: the call, not the data
-        print(f"hurray-vllm: {exc}", file=sys.stderr)
+        _warn(f"hurray-vllm: {exc}")
         return 2
     except HurrayFormatError as exc:
-        print(f"hurray-vllm: invalid input: {exc}", file=sys.stderr)
+        _warn(f"hurray-vllm: invalid input: {exc}")
         return 1
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:  # the path given: the call's error
-        print(f"hurray-vllm: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        _warn(f"hurray-vllm: {exc.strerror}: {exc.filename}")
         return 2
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"hurray-vllm: {exc.strerror or exc}{where}", file=sys.stderr)
+        _warn(f"hurray-vllm: {exc.strerror or exc}{where}")
         # A symbolic link loop is the path given too; a permission, a full disk, an unreachable server are not.
         return 2 if exc.errno == errno.ELOOP else 1
     except KeyboardInterrupt:
-        print("hurray-vllm: interrupted", file=sys.stderr)
+        _warn("hurray-vllm: interrupted")
         return 130
     except Exception as exc:  # a bug: one line, and the traceback on request
         if os.environ.get("HURRAY_VLLM_DEBUG", "") not in ("", "0"):  # "0" asks for no traceback, as unset does
             raise
-        print(
+        _warn(
             f"hurray-vllm: internal error: {type(exc).__name__}: {exc} "
-            "(HURRAY_VLLM_DEBUG=1 shows the traceback; please report it)",
-            file=sys.stderr,
+            "(HURRAY_VLLM_DEBUG=1 shows the traceback; please report it)"
         )
         return 3
 

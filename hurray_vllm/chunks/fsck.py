@@ -172,10 +172,11 @@ def fsck(store: DirectoryStore, *, quarantine: bool = False, keys: FleetKeys | N
             if file.startswith(".") and file.endswith(".tmp"):
                 report.temporary += 1
                 continue
-            if not file.endswith(".hrry"):
-                continue  # moved aside before (.hrry.bad), or not the store's
+            if file.endswith(".hrry.bad") and is_chunk_name(file.removesuffix(".hrry.bad")):
+                continue  # moved aside before: the store's, and prune deletes it
             name, ns = file.removesuffix(".hrry"), ns_dir.name
-            if not is_chunk_name(name):  # not the store's (an operator's notes): never read, never moved
+            if not file.endswith(".hrry") or not is_chunk_name(name):
+                # Not the store's (an operator's notes, whatever the suffix): never read, never moved, but listed.
                 report.skipped.append(
                     f"{ns_dir / file}: not a chunk's name (a key is hex digits, with .h<a>-<b> for a slice), "
                     "not the store's: left alone"

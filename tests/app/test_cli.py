@@ -669,10 +669,13 @@ def test_every_argument_has_help() -> None:
 
 
 def test_stdin_as_input_says_it_is_not_supported(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["convert", "-", str(files / "out.hrrs")])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "'-' (standard input) is not supported" in err and "No such file" not in err
+    """Found by a review (migrate): --prompt-file - said "No such file or directory: -"."""
+    migrate = ["migrate", "--from", "http://127.0.0.1:9", "--to", "http://127.0.0.1:8", *TOKENS, "--prompt-file", "-"]
+    for argv in (["convert", "-", str(files / "out.hrrs")], migrate):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "'-' (standard input) is not supported" in err and "No such file" not in err
 
 
 def test_output_closed_early_is_quiet_and_exit_141(files: Path) -> None:
@@ -983,18 +986,22 @@ def test_inspect_json_has_the_same_keys_in_every_format(files: Path, capsys: pyt
     [
         (["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--max-connections", "0"], "--max-connections"),
         (["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--quota", "0"], "--quota"),
+        (["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--max-chunk", "0"], "--max-chunk"),
+        (["receive", "--listen", "127.0.0.1:0", "--dir", "{dir}", "--max-memory", "0"], "--max-memory"),
         (["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--chunk-tokens", "0"], "--chunk-tokens"),
         (["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--api-key", ""], "--api-key"),
         (["router", "--listen", "127.0.0.1:0", "--backend", "http://a:1", "--backend-api-key", ""],
          "--backend-api-key"),
     ],
-    ids=["max connections 0", "quota 0", "chunk tokens 0", "router empty api key", "router empty backend key"],
+    ids=["max connections 0", "quota 0", "max chunk 0", "max memory 0", "chunk tokens 0", "router empty api key",
+         "router empty backend key"],
 )  # fmt: skip
 def test_counts_and_keys_out_of_range_are_refused_naming_the_flag(
     argv: list[str], flag: str, files: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Found by a review: --max-connections 0 named the internal 'limits', --quota 0 was accepted, --chunk-tokens 0
-    named --health-interval too, and an empty router key let anyone in (or fell back to the variable)."""
+    named --health-interval too, and an empty router key let anyone in (or fell back to the variable). Found by a
+    later one: --max-chunk 0 and --max-memory 0 passed the parser and failed in the library's words."""
     with pytest.raises(SystemExit) as exc:
         main([a.format(dir=files) for a in argv])
     assert exc.value.code == 2
@@ -1155,3 +1162,134 @@ def test_router_stops_cleanly_on_sigint_and_sigterm(sig: str) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, (proc.returncode, err)
+
+
+def test_closed_stdout_or_stderr_is_no_internal_error(
+    tmp_path: Path, files: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: `validate -q s.hrry >&-` did the work and exited 3 (None has no flush), and with `2>&-` what
+    went to stderr (fsck's skipped lines) was printed on stdout, into --json's output."""
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    monkeypatch.setattr(sys, "stdout", None)  # what Python makes of a descriptor closed at start
+    assert main(["validate", "-q", str(files / "s.hrry")]) == 0
+    assert main(["validate", str(files / "s.hrry")]) == 0  # print() writes nothing
+    monkeypatch.undo()
+    store = tmp_path / "store"
+    store_snapshot(DirectoryStore(store), spec_example_snapshot(), 4)
+    (ns,) = [p for p in store.iterdir()]
+    (ns / "NOTES.hrry").write_text("operator's notes")  # listed as skipped, on stderr
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stderr", None)
+    assert main(["fsck", str(store), "--json"]) == 0
+    assert main(["validate", str(tmp_path / "missing.hrry")]) == 2  # the error line goes nowhere, not to stdout
+    monkeypatch.undo()
+    out = capsys.readouterr().out
+    assert json.loads(out)["skipped"] and "hurray-vllm:" not in out, out
+
+
+def test_receive_with_stderr_closed_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    """Found by a review: `receive ... 2>&-` started the receiver, then failed to register the SIGUSR1 stack dump
+    (no stderr), exit 3, and the receiver was never stopped."""
+    import signal
+
+    cmd = [sys.executable, "-m", "hurray_vllm.app.cli", "receive", "--listen", "127.0.0.1:0", "--dir",
+           str(tmp_path / "store")]  # fmt: skip
+    proc = subprocess.Popen(["sh", "-c", 'exec "$@" 2>&-', "sh", *cmd], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert "receiving KV chunks (tcp) on 127.0.0.1:" in banner, banner
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and out == "", (proc.returncode, out)
+
+
+def test_receive_stops_its_receiver_whatever_ends_it(
+    files: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: only Ctrl-C or SIGTERM stopped the receiver; a failure after its start (a closed stdout at
+    the start-up line) left its threads running."""
+    from hurray_vllm import transport
+
+    stopped: list[bool] = []
+
+    class Receiver:
+        address = ("127.0.0.1", 9)
+
+        def start(self) -> Receiver:
+            return self
+
+        def stop(self) -> None:
+            stopped.append(True)
+
+    class ClosedPipe:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(transport, "receiver_for", lambda *args, **kwargs: Receiver())
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(files)]) == 141
+    monkeypatch.undo()
+    assert stopped == [True]
+
+
+def test_key_file_errors_name_where_the_key_file_came_from(
+    files: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: `--key-file ""` said "hurray_key_file is set to ['']", the connector's option, and a bad
+    $HURRAY_VLLM_KEY_FILE was reported as "--key-file: cannot read key file" where no --key-file was given."""
+    monkeypatch.delenv("HURRAY_VLLM_KEY_FILE", raising=False)
+    assert main(["validate", str(files / "s.hrry"), "--key-file", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hurray-vllm: --key-file: '' names no key file") and "hurray_key_file" not in err, err
+    missing = files / "missing.key"
+    monkeypatch.setenv("HURRAY_VLLM_KEY_FILE", str(missing))
+    assert main(["validate", str(files / "s.hrry")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hurray-vllm: $HURRAY_VLLM_KEY_FILE: cannot read key file {missing}"), err
+    assert "--key-file:" not in err and "hurray_key_file" not in err, err
+    monkeypatch.setenv("HURRAY_VLLM_KEY_FILE", "")
+    assert main(["validate", str(files / "s.hrry")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hurray-vllm: $HURRAY_VLLM_KEY_FILE: set to '', which names no key file"), err
+
+
+def test_receive_dir_not_writable_names_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: the error named the random file the write check tried to create, not --dir."""
+    import tempfile
+
+    store = tmp_path / "store"
+
+    def unwritable(*args: object, dir: Path, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(Path(dir) / "tmpk3x9q2ab"))
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", unwritable)
+    assert main(["receive", "--listen", "127.0.0.1:0", "--dir", str(store), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hurray-vllm: Permission denied") and err.rstrip().endswith(f": {store}"), err
+    assert "tmpk3x9q2ab" not in err, err
+
+
+def test_help_says_prune_with_a_key_deletes_unsigned_chunks_whatever_the_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found by a review: "deleted first" read as an order, where every chunk no key signed goes, whatever
+    --max-size; and --max-memory's "refused unread" left out that one chunk alone always fits over tcp."""
+    for cmd in ("prune", "receive"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "deleted first" not in out
+    assert "every chunk no key of the ring signed" in out and "is deleted, whatever --max-size" in out, out
+    assert "a store shared with another fleet loses that fleet's chunks" in out, out
+    assert "a chunk beyond it is refused unread, but over tcp one chunk alone is always read" in out, out

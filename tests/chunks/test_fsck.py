@@ -251,6 +251,24 @@ def test_fsck_leaves_a_file_not_named_as_a_chunk_alone_as_prune_does(
     assert notes.read_text() == "operator's notes"
 
 
+def test_fsck_lists_a_file_of_any_other_suffix_as_skipped_but_not_what_it_moved_aside(tmp_path: Path) -> None:
+    """Found by a review: a file not ending in .hrry (notes.txt, a stray subdirectory) was ignored silently, where
+    the docs say a file whose name is not a chunk's is listed as skipped. A file fsck moved aside is the store's."""
+    ns, key, chunk = example_chunk()
+    store = DirectoryStore(tmp_path)
+    store.put(ns, key, chunk)
+    (tmp_path / ns / "notes.txt").write_text("operator's notes")
+    (tmp_path / ns / "old").mkdir()
+    (tmp_path / ns / f"{'a1' * 8}.hrry.bad").write_bytes(b"moved aside")  # fsck --quarantine's; prune deletes it
+    report = fsck(store)
+    assert report.clean and report.checked == report.good == 1
+    assert [s.partition(": ")[::2] for s in report.skipped] == [
+        (str(tmp_path / ns / "notes.txt"), NOT_A_CHUNKS_NAME),
+        (str(tmp_path / ns / "old"), NOT_A_CHUNKS_NAME),
+    ]
+    assert (tmp_path / ns / "notes.txt").exists() and (tmp_path / ns / "old").is_dir()
+
+
 def test_a_chunk_moved_aside_and_back_while_it_was_read_is_not_damage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
