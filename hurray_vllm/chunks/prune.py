@@ -71,7 +71,8 @@ class PruneReport:
     #: Chunk files kept and removed (a tensor-parallel chunk is a file per slice).
     chunks_kept: int
     chunks_removed: int = 0
-    #: With keys: chunk files no key of the ring signed (unsigned, another fleet's, unreadable), deleted first.
+    #: With keys: chunk files no key of the ring signed (unsigned, another fleet's, unreadable), deleted whatever
+    #: the size.
     foreign_removed: int = 0
     bad_removed: int = 0
     temp_removed: int = 0

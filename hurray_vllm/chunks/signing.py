@@ -12,7 +12,8 @@ a chunk copied under another prefix's key (or another tensor-parallel
 slice's) is refused too. Construction (``poly1305-hs256/v1``):
 
 * a fresh random 16-byte nonce per signed chunk;
-* a one-time key ``HMAC-SHA256(secret, label || nonce || namespace || name)``;
+* a one-time key ``HMAC-SHA256(secret, label || nonce || u16le(len(ns)) || ns || u16le(len(name)) || name)``
+  (namespace and name UTF-8, each after its byte length);
 * the tag: Poly1305 under that one-time key over the covered bytes.
 
 This is the MAC half of the ChaCha20-Poly1305 construction with an HMAC as
@@ -103,8 +104,8 @@ class FleetKeys:
 
     Rotation: put the new key first and keep the old one second until every
     writer signs with the new one and the old chunks are pruned
-    (``hurray-vllm prune --key-file NEW`` deletes chunks no key of that ring
-    signed first), then drop it. The secrets never appear in ``repr``.
+    (``hurray-vllm prune --key-file NEW`` deletes every chunk no key of that
+    ring signed, whatever its size limit), then drop it. The secrets never appear in ``repr``.
 
     Attributes:
         secrets: The keys, each at least :data:`MIN_KEY_BYTES` bytes.

@@ -24,6 +24,7 @@ from hurray_vllm.chunks.signing import (
     MAC_KEY,
     OTHER_KEY,
     UNSIGNED,
+    ChunkMac,
     FleetKeys,
     check_signature,
     load_keys,
@@ -388,3 +389,23 @@ def test_a_keyed_nixl_receiver_stores_the_bytes_it_authenticated(
         transport.send_chunks(url, [(ns, key, sign_chunk(chunk, KEY_A, ns, key))], keys=KEY_A)
     assert slabs and store.has(ns, key)
     check_signature(store.get(ns, key), KEY_A, ns, key)  # what was stored is what was authenticated
+
+
+def test_the_one_time_key_is_derived_as_docs_connector_md_writes_it() -> None:
+    """An independent verifier built from the documented construction computes the same tags (the docs once left
+    out the two length prefixes, and a verifier written from them failed every chunk)."""
+    import hashlib
+    import hmac
+
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    secret, nonce, ns, name = bytes(range(32)), bytes(range(100, 116)), "llama-ns", "ab" * 32
+    label = b"hurray-vllm chunk mac v1\0"  # 25 bytes, as the docs say
+    assert len(label) == 25
+    u16 = lambda b: len(b).to_bytes(2, "little")  # noqa: E731
+    otk = hmac.new(secret, label + nonce + u16(ns.encode()) + ns.encode() + u16(name.encode()) + name.encode(),
+                   hashlib.sha256).digest()  # fmt: skip
+    data = os.urandom(1000)
+    m = ChunkMac(secret, nonce, ns, name)
+    m.update(data)
+    assert m.tag() == Poly1305.generate_tag(otk, data)
