@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import torch
@@ -10,10 +12,10 @@ import torch
 from ..errors import HurrayFormatError, Violation
 from ..kv.paged import BlockPagedTensor
 from ..kv.snapshot import KVSnapshot
-from ..wire.descriptor import LAYOUT_BLOCK_PAGED, TensorDescriptor, decode_descriptor
+from ..wire.descriptor import LAYOUT_BLOCK_PAGED, LAYOUT_ROW_MAJOR, TensorDescriptor, decode_descriptor
 from ..wire.rules import Checked, validate_descriptor
 from .digest import check_digest
-from .schema import Node, Record, claims_snapshot, index_tables
+from .schema import FORMAT_NAME, MAX_COMPOSITE_DEPTH, Node, Record, claims_snapshot, index_tables
 
 __all__ = ["validate"]
 
@@ -137,6 +139,8 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
                 _walk(node, permissive, out)
     except Exception as exc:  # HurrayFormatError, or a reader's bug on malformed input: a finding, not a crash
         unreadable = _unreadable(exc, str(path))
+        if snapshot_like or _opens_as_kv(path):
+            unreadable = _with_load_verdict(path, permissive, unreadable)
     checked = Checked(tuple(out), permissive, unreadable)
     if checked.ok and snapshot_like:
         try:
@@ -144,6 +148,71 @@ def _validate_path(path: str | os.PathLike[str], permissive: bool) -> Checked:
         except Exception as exc:
             return Checked(tuple(out), permissive, _unreadable(exc, str(path)))
     return checked
+
+
+def _opens_as_kv(path: str | os.PathLike[str]) -> bool:
+    """Whether the file's first tensor says it is KV, or the file breaks before its first tensor.
+
+    What decides whether a walk that failed asks ``load`` for its verdict: the
+    walk never saw a group it failed inside whole (a stream's header, whose
+    metadata member names the format). A file that breaks before its first
+    tensor, ``load`` refuses there too. Another writer's row-major data is
+    not asked about: ``load`` would only say that it holds no snapshot.
+    Composite heads are read past (nesting is bounded); the pools are mapped,
+    not read.
+    """
+    from .io import open_records
+
+    records: Iterator[Record] = iter(())
+    try:
+        records = open_records(path, permissive=True, mmap=True)
+        for rec in itertools.islice(records, MAX_COMPOSITE_DEPTH + 1):
+            if _claims_kv(rec):
+                return True
+            if not Node(rec).is_composite:
+                return False  # its first tensor: another writer's data
+        return False
+    except Exception:  # HurrayFormatError, OSError, a reader's bug: load has its say on what broke first
+        return True
+    finally:
+        if isinstance(records, Generator):
+            records.close()  # the file it opened, now, not when the generator is collected
+
+
+def _claims_kv(rec: Record) -> bool:
+    """Whether ``rec`` on its own says it is part of KV: block-paged, a snapshot's name, or its metadata."""
+    d = rec.descriptor
+    if d.layout_tag == LAYOUT_BLOCK_PAGED or claims_snapshot(Node(rec)):
+        return True
+    # A stream has no names: its header's first member holds the metadata JSON, which names the format
+    # (what claims_snapshot looks for in a whole header group, which a walk that failed inside it never built).
+    if d.layout_tag != LAYOUT_ROW_MAJOR or len(rec.buffers) != 1:
+        return False
+    head = rec.buffers[0][:256]
+    return head.dtype == torch.uint8 and FORMAT_NAME.encode() in bytes(head.numpy())
+
+
+def _with_load_verdict(
+    path: str | os.PathLike[str], permissive: bool, unreadable: tuple[Violation, ...]
+) -> tuple[Violation, ...]:
+    """``unreadable``, led by what :func:`load` refuses the same KV for (named as ``load`` names it).
+
+    The walk reads descriptors permissively, to list every rule they break: a
+    descriptor that breaks a waivable rule and a structural one fails there on
+    the structural one only, where a strict ``load`` names the waivable one;
+    and ``load`` refuses a header member whose buffer does not hold its shape,
+    which the walk reads past, to fail on the bytes after it (``magic``). Only
+    for a file the walk found broken: as bounded as ``load`` (the pools mapped,
+    not read), and no cost to a good file.
+    """
+    from .io import load
+
+    try:
+        load(path, permissive=permissive, mmap=True)
+    except Exception as exc:
+        first = _unreadable(exc, str(path))
+        return (*first, *(v for v in unreadable if v not in first))
+    return unreadable
 
 
 def _unreadable(exc: Exception, what: str) -> tuple[Violation, ...]:

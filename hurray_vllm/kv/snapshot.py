@@ -616,8 +616,20 @@ class KVSnapshot:
         :meth:`BlockPagedTensor.from_wire`) and the header's (it was decoded
         with ``decode_header``), a second decoding that would cost a chunk's
         load some 10%.
+
+        Two of the snapshot's own rules are never waived, as no container
+        carries what breaks them: a layer whose slots hold other roles
+        (``kv_role``: the ``.hrry`` and stream readers refuse such a layer
+        group in every mode, a ``.safetensors`` file would load its pools
+        swapped) and a layer whose key and value differ in ``seq_lens``
+        (``snapshot.structure``: a layer group stores one ``seq_lens``
+        member, so the value would read back with the key's lengths). With
+        ``permissive=True`` they are returned in ``Checked.unreadable``,
+        which blocks in every mode: what ``save`` wrote would not read back.
         """
         found: list[Violation] = []
+        # What permissive mode must not waive either (see above): blocking in every mode.
+        never_waived: list[Violation] = []
         roles = self.roles
         for i, members in enumerate(self.layer_members()):
             for t in members if tensors else ():
@@ -626,12 +638,13 @@ class KVSnapshot:
                     for x in t.validate(permissive=permissive).violations
                 )
             if tuple(t.kv_role for t in members) != roles:
-                found.append(
+                never_waived.append(
                     Violation(
                         "kv_role",
                         f"layer {i} holds roles {'/'.join(t.kv_role for t in members)}, not {'/'.join(roles)}",
                     )
                 )
+                found.append(never_waived[-1])
             # A reader places a layer by its layer_index (None: by position): layer i must say i, or layers
             # would load swapped, or twice and be refused (docs/format.md 2.6).
             if any(t.layer_index not in (None, i) for t in members) or len({t.layer_index for t in members}) > 1:
@@ -653,12 +666,13 @@ class KVSnapshot:
                 # A layer group stores one seq_lens member (the first role's): another role's would be lost.
                 differ = _seq_lens_differ(t.seq_lens, first.seq_lens)
                 if differ:
-                    found.append(
+                    never_waived.append(
                         Violation(
                             "snapshot.structure",
                             f"layer {i} {t.kv_role} and {first.kv_role} differ in seq_lens ({differ})",
                         )
                     )
+                    found.append(never_waived[-1])
         if self.fused and self.latent is not None:
             lat = self.latent
             for i, t in enumerate(self.fused):
@@ -808,6 +822,11 @@ class KVSnapshot:
                     f"fingerprint says {self.fingerprint.num_layers} layers, snapshot has {self.num_layers}",
                 )
             )
+        if permissive and never_waived:
+            # Not in _STRUCTURAL by name: the same invariants name waivable rules elsewhere (an unknown
+            # kv_role tag, layers of different batches). Moved, not copied: each is listed once.
+            blocking = {id(v) for v in never_waived}
+            return Checked(tuple(v for v in found if id(v) not in blocking), permissive, tuple(never_waived))
         return Checked(tuple(found), permissive)
 
     def _header_violations(self) -> list[Violation]:

@@ -6,12 +6,14 @@ import io
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from blocking import within
+from conftest import require
 from hypothesis import given
 from hypothesis import strategies as st
 from pyhurray_bridge import to_reference
@@ -164,6 +166,93 @@ def test_validate_says_what_load_says_of_a_lone_key_record(tmp_path: Path, suffi
         hv.load(path)
     checked = hv.validate(path)
     assert not checked.ok and exc.value.field in [v.invariant for v in checked.errors]
+
+
+@pytest.mark.parametrize("suffix", [".hrry", ".hrrs"])
+def test_validate_names_what_load_names_of_a_descriptor_breaking_a_waivable_and_a_structural_rule(
+    tmp_path: Path, suffix: str
+) -> None:
+    """Found by a review: validate walks descriptors permissively, so it named only the structural rule
+    (page_pool.byte_size) where a strict load names the waivable one it meets first."""
+    snap = spec_example_snapshot()
+    path = tmp_path / f"s{suffix}"
+    hv.save(snap, path)
+    raw = bytearray(path.read_bytes())
+    at = raw.index(hv.encode_descriptor(snap[0, "key"].descriptor()))
+    raw[at + 61] ^= 1  # num_pages' byte 5: 5 + 2**40 pages, past uint32 indices and the pool's 640 bytes
+    path.write_bytes(bytes(raw))
+    for permissive, field in ((False, "block_table_index_type"), (True, "page_pool.byte_size")):
+        with pytest.raises(hv.HurrayFormatError) as exc:
+            hv.load(path, permissive=permissive)
+        assert exc.value.field == field
+        checked = hv.validate(path, permissive=permissive)
+        assert [v.invariant for v in checked.errors][:1] == [field]
+        assert "page_pool.byte_size" in [v.invariant for v in checked.errors]
+
+
+def test_validate_names_what_load_names_of_a_header_member_whose_buffer_does_not_hold_its_shape(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: load refuses token_ptr's 25 bytes for shape [3]; validate read past them and
+    reported the next record's magic instead."""
+    snap = spec_example_snapshot()
+    path = tmp_path / "s.hrrs"
+    hv.save(snap, path)
+    raw = bytearray(path.read_bytes())
+    token_ptr = hv.encode_descriptor(schema.dense_record("", schema.flatten_tokens(snap.token_ids)[1]).descriptor)
+    assert raw.count(token_ptr) == 1
+    at = raw.index(token_ptr)
+    assert raw[at + 37] == 24  # a rank-1 descriptor's buffer byte_size: 3 int64
+    raw[at + 37] = 25
+    path.write_bytes(bytes(raw))
+    for permissive in (False, True):
+        with pytest.raises(hv.HurrayFormatError) as exc:
+            hv.load(path, permissive=permissive)
+        assert exc.value.field == "snapshot.token_ptr"
+        checked = hv.validate(path, permissive=permissive)
+        assert [v.invariant for v in checked.errors][:1] == ["snapshot.token_ptr"]
+
+
+def test_validate_of_broken_data_that_is_no_kv_does_not_ask_load(hurray, tmp_path: Path) -> None:
+    """Another writer's row-major tensors, broken in the second: the walk's finding, not load's 'no snapshot'."""
+    path = tmp_path / "plain.hrrs"
+    with hurray.StreamWriter(str(path)) as w:
+        w.write(hurray.Tensor(bytes(16), hurray.float32, [4]))
+        w.write(hurray.Tensor(bytes(16), hurray.float32, [4]))
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2 :] = bytes(len(raw) - len(raw) // 2)  # the second record's magic and on: zeros
+    path.write_bytes(bytes(raw))
+    checked = hv.validate(path)
+    assert not checked.ok and [v.invariant for v in checked.errors] == ["magic"]
+
+
+@pytest.mark.parametrize("suffix", [".hrry", ".hrrs", ".safetensors"])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda s: replace(s, keys=s.values, values=s.keys), "kv_role"),
+        (
+            lambda s: replace(s, values=(replace(s.values[0], seq_lens=torch.tensor([5, 4])), *s.values[1:])),
+            "snapshot.structure",
+        ),
+    ],
+    ids=["roles_swapped", "value_seq_lens_differ"],
+)
+def test_what_no_container_carries_is_not_written_even_permissively(
+    tmp_path: Path, suffix: str, change: Callable[[hv.KVSnapshot], hv.KVSnapshot], field: str
+) -> None:
+    """Found by a review: validate waived these, so save(permissive=True) wrote files that read back as other
+    data (a layer group stores the key's seq_lens only; .safetensors swapped the pools back) or not at all
+    (the .hrry and stream readers refuse a layer group holding value/key in every mode)."""
+    if suffix == ".safetensors":
+        require("safetensors")
+    bad = change(spec_example_snapshot(2))
+    for permissive in (False, True):
+        checked = hv.validate(bad, permissive=permissive)
+        assert not checked.ok and field in [v.invariant for v in checked.errors]
+        with pytest.raises(hv.HurrayFormatError) as exc:
+            hv.save(bad, tmp_path / f"bad{suffix}", permissive=permissive)
+        assert exc.value.field == field and not (tmp_path / f"bad{suffix}").exists()
 
 
 def test_single_bare_descriptor_without_layer(hurray, tmp_path: Path) -> None:

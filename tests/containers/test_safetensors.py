@@ -284,3 +284,51 @@ def test_without_the_safetensors_package_the_install_is_wrong_not_the_file(
         assert main([command, str(written)]) == 2
         captured = capsys.readouterr()
         assert "hurray-vllm[safetensors]" in captured.err and "invalid" not in captured.out + captured.err, captured
+
+
+def _with_metadata(tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """The spec example as .safetensors, its descriptors (the metadata's JSON) changed by ``edit``."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "spec.safetensors"
+    hv.save(spec_example_snapshot(), src)
+    with safe_open(str(src), "pt") as f:
+        meta = f.metadata()
+    descriptors = json.loads(meta["descriptors"])
+    edit(descriptors)
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(str(src)), str(bad), metadata={**meta, "descriptors": json.dumps(descriptors)})
+    return bad
+
+
+def _swap_roles(d: dict[str, Any]) -> None:
+    d["layers.0.key"], d["layers.0.value"] = d["layers.0.value"], d["layers.0.key"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda t: _with_metadata(t, _swap_roles), "kv_role"),
+        (
+            lambda t: _rewritten(t, lambda x: {**x, "layers.0.value.seq_lens": torch.tensor([5, 4])}),
+            "snapshot.structure",
+        ),
+    ],
+    ids=["roles_swapped", "value_seq_lens_differ"],
+)
+def test_what_no_other_container_carries_is_refused_even_permissively(
+    tmp_path: Path, edit: Callable[[Path], Path], field: str
+) -> None:
+    """Found by a review: a permissive read waived these, loading a layer's pools swapped (key and value
+    descriptors exchanged) or a value's own lengths, which a .hrry file or stream cannot hold."""
+    require("safetensors")
+    bad = edit(tmp_path)
+    for permissive in (False, True):
+        with pytest.raises(hv.HurrayFormatError) as exc:
+            hv.load(bad, permissive=permissive)
+        assert exc.value.field == field
+        checked = hv.validate(bad, permissive=permissive)
+        assert [v.invariant for v in checked.errors][:1] == [field]
