@@ -1183,18 +1183,25 @@ class ReceiverBase(abc.ABC):
         has_states = getattr(self.store, "has_states", None)
         return has is not None and has_states is not None and has(ns, key) and not has_states(ns, key)
 
-    def next_frame(self, conn: socket.socket, magic: bytes) -> bool:
+    def next_frame(self, conn: socket.socket, magic: bytes, *, first: bool = False) -> bool:
         """Wait (up to ``idle_timeout``) for the next frame's magic; False when the peer closed cleanly.
 
         Afterwards the connection's timeout is ``timeout``: the rest of the
         frame must follow promptly.
+
+        ``first``: the connection's first frame, whose first byte must come within :data:`HANDSHAKE_TIMEOUT_S`
+        (or a shorter ``timeout`` or ``idle_timeout``): a sender sends it as soon as it connected (and made
+        its handshakes), and a peer opening connections without a word would otherwise hold every connection
+        slot for the idle timeout. Any frame after it (a held-chunk query too) starts the idle timeout.
         """
+        wait = min(self.idle_timeout, self.timeout, HANDSHAKE_TIMEOUT_S) if first else self.idle_timeout
         while True:
             self.disarm(conn)
-            conn.settimeout(self.idle_timeout)
+            conn.settimeout(wait)
             head = conn.recv(len(magic))
             if not head:
                 return False
+            wait = self.idle_timeout
             self.arm(conn, self.timeout)
             conn.settimeout(self.timeout)
             if len(head) < len(magic):

@@ -23,13 +23,16 @@ ever stored.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
+import itertools
 import logging
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO, cast
 
 from ..chunks.signing import FleetKeys
@@ -45,6 +48,7 @@ from .base import (
     Chunk,
     ChunkSender,
     ReceiverBase,
+    SendAborted,
     check_names,
     dial,
     finish_with_error,
@@ -82,23 +86,39 @@ def send_chunks(
     """Stream ``(namespace, key, snapshot)`` chunks to the receiver at ``url``; wait for each answer.
 
     ``chunks`` is consumed lazily: a chunk is asked for only after the
-    receiver acknowledged the previous one. Page pools go from their tensors
-    to the socket without an intermediate copy.
+    receiver acknowledged the previous one (the first before connecting: a
+    receiver waits :data:`~.base.HANDSHAKE_TIMEOUT_S` at most for a new
+    connection's first frame). Page pools go from their tensors to the
+    socket without an intermediate copy.
 
     Args:
         url: ``tcp://HOST:PORT``, or ``tls://HOST:PORT`` for TLS.
         chunks: ``(namespace, key, snapshot)`` triples.
-        timeout: Seconds each step (connect, a chunk's answer) may take.
+        timeout: Seconds each step (connect, a chunk's answer) may take; a chunk's write, that plus one
+            second per MiB (:data:`~.base.FRAME_MIN_RATE`, as the receiver allows it).
         keys: Fleet keys: authenticate as their holder first (:mod:`.security`).
         tls: The client TLS context for a ``tls://`` URL (default: the system's CAs).
 
     Raises:
         HurrayFormatError: the receiver refused a chunk or the authentication, or ``url`` is malformed.
-        OSError: the receiver cannot be reached or stopped answering within ``timeout``;
-            ``ssl.SSLError`` (an ``OSError``) when its certificate is not trusted.
+        OSError: the receiver cannot be reached or stopped answering within ``timeout`` (``TimeoutError``
+            too when it took a chunk slower than that plus a second per MiB); ``ssl.SSLError`` (an
+            ``OSError``) when its certificate is not trusted.
     """
+    first, rest = _first_of(chunks)
     with connect(url, timeout=timeout, keys=keys, tls=tls) as sock:
-        _send_over(sock, chunks)
+        _send_over(sock, itertools.chain(first, rest))
+
+
+def _first_of(chunks: Iterable[Chunk]) -> tuple[list[Chunk], Iterator[Chunk]]:
+    """The first chunk (none if there are none), made before the connection is, and the rest, still lazy.
+
+    A receiver gives a new connection :data:`~.base.HANDSHAKE_TIMEOUT_S` for its first frame (a silent
+    connection holds one of its slots): an engine exports and stores a chunk before it yields it, which
+    would spend that time with the connection open.
+    """
+    rest = iter(chunks)
+    return list(itertools.islice(rest, 1)), rest
 
 
 def connect(
@@ -132,9 +152,10 @@ def frame_head(ns: str, key: str, size: int) -> bytes:
 
 def _send_over(sock: socket.socket, chunks: Iterable[Chunk]) -> None:
     """Send ``chunks`` on ``sock`` through a buffered writer, waiting for each answer."""
-    out = sock.makefile("wb")
+    raw = _Paced(sock)
+    out = io.BufferedWriter(raw)  # as sock.makefile("wb"): small pieces coalesced, page pools written as they are
     try:
-        _send_all(sock, out, chunks)
+        _send_all(sock, out, raw, chunks)
     except BaseException:
         # What a failed write left in the buffer would be flushed again as the writer closes, and wait
         # out the timeout a second time: the connection is shut first, so that flush fails at once.
@@ -152,36 +173,67 @@ def _send_over(sock: socket.socket, chunks: Iterable[Chunk]) -> None:
 
 #: How a write fails when the receiver closed the connection: a broken pipe, a reset; over TLS an EOF.
 _LOST = (BrokenPipeError, ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
-#: Said when a plain connection ends before the receiver's first answer: a TLS receiver does that (before 0.3).
+#: Said when a plain connection ends before the receiver's first answer, and before it could have read any of the
+#: payload (:func:`_payload_unread`): a TLS receiver does that (before 0.3).
 _TLS_HINT = "the receiver ended the connection before its first answer: does the receiver use TLS? (tls:// vs tcp://)"
+#: What a receiver's socket may hold that its reader never read, beyond the sender's own send buffer (Linux
+#: starts a receive buffer at 128 KiB and grows it, to 6 MiB by default, only as its reader reads).
+_PEER_BUFFER = 8 << 20
 
 
-def _send_all(sock: socket.socket, out: BinaryIO, chunks: Iterable[Chunk]) -> None:
+def _send_all(sock: socket.socket, out: BinaryIO, raw: _Paced, chunks: Iterable[Chunk]) -> None:
     answered = isinstance(sock, ssl.SSLSocket)  # over TLS the scheme is right: no hint about it
+    timeout = sock.gettimeout()
     for ns, key, snap in chunks:
         # Encoded once into a list of pieces (descriptors, and views of the page pools: no copy), so
         # that the frame can announce the stream's length before it; then sent with one call.
         pieces = _Pieces()
         size = write_stream(snap, cast(BinaryIO, pieces))
+        head = frame_head(ns, key, size)
         try:
             try:
-                out.write(frame_head(ns, key, size))
-                out.writelines(pieces.parts)
-                out.flush()
+                if timeout is not None:
+                    # The receiver's rule (FRAME_MIN_RATE): one timeout, plus a second per MiB. The socket's
+                    # timeout alone bounds each write, and a receiver reading a little before each one ran
+                    # out would hold the sender for as long as it liked.
+                    raw.pace(key, len(head) + size, timeout + (len(head) + size) / FRAME_MIN_RATE)
+                try:
+                    out.write(head)
+                    out.writelines(pieces.parts)
+                    out.flush()
+                finally:
+                    raw.unpace()  # the answer's wait has the socket's own timeout
             except _LOST as lost:
                 _raise_refusal(sock, key, lost)
                 raise
             read_answer(sock, key)
         except (ConnectionResetError, BrokenPipeError) as lost:
-            if answered:
+            if answered or not _payload_unread(sock, raw):
                 raise
             raise type(lost)(lost.errno, f"{lost.strerror}: {_TLS_HINT}") from lost
         except HurrayFormatError as exc:
-            if answered or not str(exc).endswith("connection closed after 0 of 2 bytes"):
+            if (
+                answered
+                or not str(exc).endswith("connection closed after 0 of 2 bytes")
+                or not _payload_unread(sock, raw)
+            ):
                 raise
             raise HurrayFormatError(exc.field, f"{str(exc).partition(': ')[2]}: {_TLS_HINT}") from exc
         answered = True
         del pieces  # the views: not kept alive while the next chunk is exported
+
+
+def _payload_unread(sock: socket.socket, raw: _Paced) -> bool:
+    """Whether the receiver may have read none of the payload: what the socket took fits in two sockets' buffers.
+
+    A TLS receiver hangs up on the first bytes of a plaintext frame; one that hangs up (crashes, stops) after
+    it read more than the buffers hold speaks the frames: asking it about TLS would mislead.
+    """
+    try:
+        own = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    except OSError:
+        own = 0
+    return raw.handed <= own + _PEER_BUFFER
 
 
 def _raise_refusal(sock: socket.socket, key: str, lost: OSError) -> None:
@@ -222,8 +274,12 @@ class TcpSender(ChunkSender):
         keys: FleetKeys | None = None,
     ) -> None:
         """See :func:`send_chunks`; :meth:`abort` makes it fail at once."""
+        start = self._aborts()
+        first, rest = _first_of(chunks)
         with self.tracked(url, timeout=timeout, keys=keys) as sock:
-            _send_over(sock, chunks)
+            if self._aborts() != start:  # aborted while the first chunk was made: before any socket it could shut
+                raise SendAborted(f"the {self.scheme} call to {url} was aborted")
+            _send_over(sock, itertools.chain(first, rest))
 
     def connect(
         self,
@@ -254,6 +310,65 @@ class _Pieces(io.RawIOBase):
     def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         self.parts.append(bytes(b) if isinstance(b, bytearray) else b)
         return memoryview(b).nbytes
+
+
+#: The most one write hands the socket (a view: no copy). A TLS socket's write waits for all it is given,
+#: under one timeout: a whole page pool in one call would take the deadline's bound on it away.
+_PIECE = 4 << 20
+
+
+class _Paced(io.RawIOBase):
+    """A sender's socket as a raw file whose writes end by a deadline (:meth:`pace`, per chunk).
+
+    Each write waits the socket's timeout at most or, if sooner, until the deadline: a receiver reading a
+    little before each timeout ran out cannot hold the sender beyond it. ``handed``: the bytes the socket
+    took, all chunks together.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._timeout = sock.gettimeout()
+        self.handed = 0
+        self._chunk: tuple[str, int, float, float, int] | None = None  # key, bytes, seconds, start, handed before
+
+    def writable(self) -> bool:
+        return True
+
+    def pace(self, key: str, nbytes: int, seconds: float) -> None:
+        """Chunk ``key``'s ``nbytes`` must be handed to the socket within ``seconds`` from now."""
+        self._chunk = (key, nbytes, seconds, time.monotonic(), self.handed)
+
+    def unpace(self) -> None:
+        """No deadline any more; the socket's own timeout again."""
+        self._chunk = None
+        with contextlib.suppress(OSError):  # closed meanwhile: nothing more is written to it
+            self._sock.settimeout(self._timeout)
+
+    def write(self, b: Any, /) -> int:  # a buffer: BufferedWriter passes a view of its own or of the caller's bytes
+        view = memoryview(b).cast("B")[:_PIECE]
+        chunk = self._chunk
+        if chunk is not None:
+            left = chunk[3] + chunk[2] - time.monotonic()
+            if left <= 0:
+                raise self._overdue(chunk)
+            self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
+        try:
+            n = self._sock.send(view)
+        except TimeoutError as exc:
+            if chunk is None:
+                raise
+            raise self._overdue(chunk) from exc
+        self.handed += n
+        return n
+
+    def _overdue(self, chunk: tuple[str, int, float, float, int]) -> TimeoutError:
+        key, nbytes, seconds, start, before = chunk
+        return TimeoutError(
+            errno.ETIMEDOUT,
+            f"the tcp receiver took {self.handed - before} of the {nbytes} bytes of chunk {key} in "
+            f"{time.monotonic() - start:.1f} s (a chunk may take {seconds:.0f} s: the timeout, plus one second per "
+            "MiB): it stopped reading, or reads too slowly",
+        )
 
 
 class _Limited(io.RawIOBase):
@@ -304,7 +419,8 @@ class Receiver(ReceiverBase):
         port: The port; 0 picks a free one (see ``address``).
         store: Where accepted chunks go.
         timeout: How long one frame may take to arrive, in seconds.
-        idle_timeout: How long a connection may stay silent between chunks.
+        idle_timeout: How long a connection may stay silent between chunks (before its first:
+            :data:`~.base.HANDSHAKE_TIMEOUT_S` at most, as :meth:`~.base.ReceiverBase.next_frame` says).
         max_chunk_bytes: The largest stream accepted for one chunk.
         max_inflight_bytes: The chunks read at once, all connections together,
             in bytes: each is read into memory before its digest is checked,
@@ -352,14 +468,17 @@ class Receiver(ReceiverBase):
 
     def serve(self, conn: socket.socket) -> None:
         """Read frames until the sender closes; answer each chunk ``OK`` or ``ER``."""
+        first = True
         while not self.stopping:
             try:
-                if not self.next_frame(conn, MAGIC):
+                if not self.next_frame(conn, MAGIC, first=first):
                     return
-                ns = recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0]).decode()
-                key = recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0]).decode()
+                first = False
+                # Not UTF-8: no chunk's name either; check_names refuses it with an answer (and counts it).
+                ns = recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0]).decode(errors="replace")
+                key = recv_exact(conn, U16.unpack(recv_exact(conn, 2))[0]).decode(errors="replace")
                 (length,) = U64.unpack(recv_exact(conn, 8))
-            except (HurrayFormatError, OSError, UnicodeDecodeError) as exc:
+            except (HurrayFormatError, OSError) as exc:
                 log.warning("hurray receiver: dropping connection: %s", exc)
                 if isinstance(exc, HurrayFormatError) and exc.field in ("receiver.auth", "receiver.tls"):
                     # A sender that fails the key handshake (again mid-connection, or without keys here), or

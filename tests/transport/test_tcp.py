@@ -404,10 +404,9 @@ def test_a_sender_asks_which_chunks_the_receiver_holds(channel: str, tmp_path: P
         with sender.connect(url) as sock:
             assert query_held(sock, [(ns, "cd" * 8)]) == set()
             if channel == "tcp":
-                from hurray_vllm.transport.tcp import _send_all
+                from hurray_vllm.transport.tcp import _send_over
 
-                with sock.makefile("wb") as out:
-                    _send_all(sock, out, [(ns, "cd" * 8, chunk)])
+                _send_over(sock, [(ns, "cd" * 8, chunk)])  # the connection stays open
                 assert query_held(sock, [(ns, "cd" * 8)]) == {(ns, "cd" * 8)}
         # A name that is not a chunk's, or longer than one, ends the connection: nothing is answered.
         with pytest.raises(hv.HurrayFormatError):
@@ -1122,3 +1121,128 @@ def test_a_receiver_that_hangs_up_before_its_first_answer_has_the_sender_ask_abo
                 (hv.HurrayFormatError, OSError), match=r"does the receiver use TLS\? \(tls:// vs tcp://\)"
             ):
                 send_chunks(f"tcp://127.0.0.1:{lsn.getsockname()[1]}", [(ns, key, chunk)], timeout=5)
+
+
+def _wide_snapshot(layers: int) -> KVSnapshot:
+    """A snapshot of ``layers`` x 256 KiB on the wire, every layer a view of one 128 KiB pool (little memory)."""
+    from hurray_vllm import ModelFingerprint
+    from hurray_vllm.kv.paged import BlockPagedTensor
+
+    nb = 32
+    pool = torch.zeros(nb, 16, 2, 64, dtype=torch.float16)
+    idx = (torch.arange(nb), torch.tensor([0, nb]), torch.tensor([nb * 16]))
+    return KVSnapshot(
+        tuple(BlockPagedTensor(pool, *idx, "key", i) for i in range(layers)),
+        tuple(BlockPagedTensor(pool, *idx, "value", i) for i in range(layers)),
+        token_ids=(tuple(range(nb * 16)),),
+        fingerprint=ModelFingerprint("T", layers, 2, 64, "float16"),
+    )
+
+
+def test_a_receiver_reading_a_trickle_fails_the_push_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each write goes on within the socket timeout, but the chunk far slower than its deadline: TimeoutError."""
+    from blocking import within
+
+    from hurray_vllm.transport import tcp
+
+    monkeypatch.setattr(tcp, "FRAME_MIN_RATE", 16 << 20)  # 32 MiB: 1 s + 2 s (at 1 MiB/s: 1 s + 32 s)
+    snap = _wide_snapshot(128)
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as lsn:
+
+        def trickle() -> None:
+            conn, _ = lsn.accept()
+            with conn:
+                while not stop.is_set():
+                    conn.recv(64 << 10)  # 320 KiB/s: each of the sender's writes goes on within its 1 s
+                    stop.wait(0.2)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        url = f"tcp://127.0.0.1:{lsn.getsockname()[1]}"
+        try:
+            start = time.monotonic()
+            # At this pace the 32 MiB take 100 s: without a deadline for the whole chunk, within() fails.
+            failed = within(lambda: TcpSender().send(url, [("ab" * 8, "cd" * 8, snap)], timeout=1.0), timeout=20)
+            took = time.monotonic() - start
+        finally:
+            stop.set()  # the reader closes: a sender still blocked fails and its thread ends
+    assert isinstance(failed, TimeoutError) and "tcp" in str(failed) and "chunk cd" in str(failed), failed
+    assert took < 15
+
+
+def test_a_new_connection_that_sends_nothing_is_closed_after_the_handshake_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Silent new connections held the receiver's slots for the idle timeout; a sender makes its chunk first."""
+    monkeypatch.setattr(base, "HANDSHAKE_TIMEOUT_S", 0.5)
+    ns, key, chunk = example_chunk()
+
+    def slow_first() -> Iterator[tuple[str, str, KVSnapshot]]:  # an engine exporting and storing its chunk
+        time.sleep(1.5)
+        yield ns, key, chunk
+
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), timeout=5, idle_timeout=60) as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as s:
+            start = time.monotonic()
+            assert s.recv(1) == b""  # closed by the receiver: 60 s idle would raise TimeoutError here
+            assert time.monotonic() - start < 5
+        send_chunks(_url(r), slow_first(), timeout=5)  # connected once its first chunk is made: not cut
+        assert DirectoryStore(tmp_path).has(ns, key) and (r.received, r.refused) == (1, 0)
+        # A query first: what follows it gets the idle timeout, as any later frame.
+        sender = TcpSender()
+        with sender.tracked(_url(r), timeout=5) as sock:
+            assert base.query_held(sock, [(ns, key)]) == {(ns, key)}
+            time.sleep(1)  # past the first frame's 0.5 s
+            assert base.query_held(sock, [(ns, key)]) == {(ns, key)}
+
+
+def test_an_abort_while_the_first_chunk_is_made_still_aborts_the_push(receiver: Receiver) -> None:
+    from hurray_vllm.transport.base import SendAborted
+
+    ns, key, chunk = example_chunk()
+    sender = TcpSender()
+
+    def aborted_first() -> Iterator[tuple[str, str, KVSnapshot]]:
+        sender.abort()  # the connector's shutdown, while the writer exports the first chunk
+        yield ns, key, chunk
+
+    with pytest.raises(SendAborted):
+        sender.send(_url(receiver), aborted_first(), timeout=5)
+    assert not receiver.store.has(ns, key)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("reads", [24 << 20, None], ids=["reset-mid-payload", "closed-after-the-frame"])
+def test_a_plain_receiver_lost_after_reading_payload_is_no_question_about_tls(reads: int | None) -> None:
+    """Only a connection lost before the receiver could have read any payload asks whether it uses TLS."""
+    import struct
+
+    from hurray_vllm.containers.io import write_stream
+    from hurray_vllm.transport.tcp import _Pieces, frame_head
+
+    snap = _wide_snapshot(256)  # 64 MiB: far more than two sockets' buffers hold
+    size = write_stream(snap, _Pieces())  # type: ignore[arg-type]
+    whole = len(frame_head("ab" * 8, "cd" * 8, size)) + size
+    with socket.create_server(("127.0.0.1", 0)) as lsn:
+
+        def receiver() -> None:
+            conn, _ = lsn.accept()
+            with conn:
+                got, want = 0, reads or whole
+                while got < want and (part := conn.recv(min(1 << 20, want - got))):
+                    got += len(part)
+                if reads:  # unread bytes left and no linger: a reset, as a killed receiver's
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+        threading.Thread(target=receiver, daemon=True).start()
+        with pytest.raises((hv.HurrayFormatError, OSError)) as info:
+            send_chunks(f"tcp://127.0.0.1:{lsn.getsockname()[1]}", [("ab" * 8, "cd" * 8, snap)], timeout=10)
+    assert "TLS" not in str(info.value), info.value
+
+
+def test_a_name_that_is_not_utf8_is_refused_with_an_answer_and_counted(receiver: Receiver) -> None:
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        s.sendall(b"HVC1" + (2).to_bytes(2, "little") + b"\xff\xfe" + (2).to_bytes(2, "little") + b"cd")
+        s.sendall((100).to_bytes(8, "little"))
+        assert _until_closed(s) == b"ER"
+    _wait_for(lambda: receiver.refused == 1)
+    assert receiver.last_error is not None and "hex digits" in receiver.last_error
