@@ -519,6 +519,45 @@ def _queued_on(f: Flight, src: Backend) -> list[tuple[Backend, dict[str, Any]]]:
     return sent
 
 
+def test_a_continuation_asks_only_for_the_min_tokens_not_yet_generated() -> None:
+    """Found by mutation testing: a request's ``min_tokens`` count from its first token, not each leg's. Failed
+    over after 3 of at least 5 tokens, the next leg must ask for 2 more; the whole 5 would keep a stop token or
+    string from ending the request for 3 tokens too many."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "min_tokens": 5, "stream": True}
+    f = Flight(router, "completion", body)
+    router.flights[f.id] = f
+    sent: list[dict[str, Any]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        sent.append(body)
+        prompt, first = body["prompt"], len(sent) == 1
+        for i in range(3 if first else body["max_tokens"]):
+            done = "length" if not first and i == body["max_tokens"] - 1 else None
+            yield {"choices": [{"text": "t", "token_ids": [100 + len(prompt) - 3 + i], "prompt_token_ids": prompt,
+                                "finish_reason": done}]}  # fmt: skip
+        if first:
+            await asyncio.sleep(3600)  # the source goes quiet after 3 tokens
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        agen = f.deltas()
+        got = [await agen.__anext__() for _ in range(3)]
+        f.fail_over()  # the source found dead: continue elsewhere
+        return got + [d async for d in agen]
+
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    assert [t for d in got for t in d.token_ids] == list(range(100, 108))
+    assert [leg.why for leg in f.legs] == ["routed", "failover"]
+    assert sent[0]["min_tokens"] == 5
+    assert sent[1]["prompt"] == [1, 2, 3, 100, 101, 102] and sent[1]["max_tokens"] == 5
+    assert sent[1]["min_tokens"] == 2
+    # Past the request's min_tokens, a continuation asks for none.
+    f.generated = list(range(100, 106))
+    assert f._leg_body(announce=True)[1]["min_tokens"] == 0
+
+
 def test_a_leg_cancelled_before_its_reader_ran_still_ends() -> None:
     """The health task fails a request over in the loop iteration that started its leg: the reader task is
     cancelled before its first step (its body never runs), and its end must still reach the client's stream."""

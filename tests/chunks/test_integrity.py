@@ -68,6 +68,19 @@ def test_changed_fp8_scales_break_the_digest() -> None:
     assert not digest_matches(replace(chunk, kv_scales=doubled))
 
 
+def test_a_chunks_digest_covers_where_its_sliding_windows_start() -> None:
+    """Found by mutation testing: a sliding-window hybrid's chunk whose windows say its layer holds more (or
+    fewer) tokens than it was stored with must fail its digest, as a loader trusts ``kv_start`` to tell held
+    KV from the zeros before it."""
+    snap = spec_example_snapshot()
+    sizes = (4, None, 4, None)
+    windows = hv.SlidingWindows(sizes, ((2, 1), (0, 0), (2, 1), (0, 0)))
+    ((_, chunk),) = chunks_of(replace(snap, windows=windows), 4)[:1]
+    assert chunk.windows == hv.SlidingWindows(sizes, ((2,), (0,), (2,), (0,))) and digest_matches(chunk)
+    moved = hv.SlidingWindows(sizes, ((1,), (0,), (2,), (0,)))  # layer 0 now claims token 1's KV
+    assert not digest_matches(replace(chunk, windows=moved))
+
+
 def test_a_pools_only_digest_from_0_1_is_refused() -> None:
     chunk = _chunk()
     with pytest.raises(hv.HurrayFormatError, match="does not cover the descriptors") as err:

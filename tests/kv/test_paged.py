@@ -117,6 +117,20 @@ def test_lookup_refuses_indices_outside_the_tensor() -> None:
                 t.lookup(*args)
 
 
+def test_lookup_reads_the_last_head_and_the_last_dim_where_they_lie() -> None:
+    """Found by mutation testing: with as many heads as dims (or index 0 only) a head and a dim swapped in the
+    flat offset read the same element; here 2 heads of 3 dims, and every token, head and dim is checked."""
+    pool = torch.arange(3 * 4 * 2 * 3, dtype=torch.float32).view(3, 4, 2, 3)
+    t = hv.BlockPagedTensor(pool, torch.tensor([2, 0]), torch.tensor([0, 2]), torch.tensor([7]))
+    assert t.num_heads != t.head_dim
+    for tok in range(7):
+        page, off = int(t.block_table[tok // 4]), tok % 4
+        assert float(t.lookup(0, tok, 1, 0)) == float(pool[page, off, 1, 0])  # the last head
+        assert float(t.lookup(0, tok, 0, 2)) == float(pool[page, off, 0, 2])  # the last dim
+        got = [float(t.lookup(0, tok, h, d)) for h in range(2) for d in range(3)]
+        assert got == pool[page, off].reshape(-1).tolist()
+
+
 def test_validate_reports_a_pool_that_is_not_four_dimensional() -> None:
     """descriptor() reads heads and head_dim from the pool: validate used to fail with an IndexError."""
     t = hv.BlockPagedTensor(torch.zeros(2, 4, 8), torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([8]))
@@ -221,6 +235,32 @@ def test_scales_and_zero_points_in_one_buffer_are_not_moved_by_compact() -> None
         quant_buffers=(torch.zeros(12 * 4, dtype=torch.uint8), torch.zeros(12 * 4, dtype=torch.uint8)),
     )
     assert separate.validate().ok and separate.compact().validate().ok
+
+
+def test_compact_moves_each_slots_scale_and_zero_point_with_its_page() -> None:
+    """Found by mutation testing: the per-slot parameters of a pool whose pages compact drops and renumbers must
+    follow their pages (a leading slice of the buffers keeps the right count, the wrong slots' values)."""
+    pool = torch.randint(-100, 100, (4, 4, 1, 2), dtype=torch.int8)
+    scales, zeros = torch.arange(16, dtype=torch.float32), torch.arange(100, 116, dtype=torch.float32)
+    t = hv.BlockPagedTensor(
+        pool,
+        torch.tensor([3, 0, 2]),  # page 1 unused: compact keeps pages 0, 2 and 3, renumbered
+        torch.tensor([0, 3]),
+        torch.tensor([10]),
+        quantization=PerBlockAffine(0, 4, 3, 4),  # scales and zero points in buffers of their own
+        quant_buffers=(scales.view(torch.uint8), zeros.view(torch.uint8)),
+    )
+    assert t.validate().ok
+    c = t.compact()
+    assert c.num_pages == 3 and c.validate().ok
+
+    def slots(x: hv.BlockPagedTensor) -> list[int]:  # token k's slot: its page's, then its offset
+        return [int(x.block_table[k // 4]) * 4 + k % 4 for k in range(10)]
+
+    for before, after in zip(t.quant_buffers, c.quant_buffers, strict=True):
+        b, a = before.view(torch.float32), after.view(torch.float32)
+        assert a.numel() == 3 * 4
+        assert [float(a[i]) for i in slots(c)] == [float(b[i]) for i in slots(t)]
 
 
 def test_compact_refuses_a_plan_made_for_another_block_table() -> None:

@@ -1246,3 +1246,57 @@ def test_a_name_that_is_not_utf8_is_refused_with_an_answer_and_counted(receiver:
         assert _until_closed(s) == b"ER"
     _wait_for(lambda: receiver.refused == 1)
     assert receiver.last_error is not None and "hex digits" in receiver.last_error
+
+
+def _chunk_frame() -> tuple[str, str, bytes, bytes]:
+    """An example chunk's ``(namespace, key, frame head after the magic, stream)``: a v1 frame is ``HVC1``,
+    the head, then the stream."""
+    import io
+
+    from hurray_vllm.containers.io import write_stream
+
+    ns, key, chunk = example_chunk()
+    buf = io.BytesIO()
+    write_stream(chunk, buf)
+    body = buf.getvalue()
+    head = len(ns).to_bytes(2, "little") + ns.encode() + len(key).to_bytes(2, "little") + key.encode()
+    return ns, key, head + len(body).to_bytes(8, "little"), body
+
+
+def test_a_frame_of_a_later_version_is_dropped_not_read_as_v1(receiver: Receiver) -> None:
+    """Found by mutation testing: only the whole magic names a v1 frame. An ``HVC2`` frame (a later sender's,
+    whose fields may mean something else) followed by what reads as a valid v1 frame is not stored: the
+    connection is dropped."""
+    ns, key, head, body = _chunk_frame()
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        got = b""
+        with contextlib.suppress(ConnectionError):  # closed (or reset, the frame unread) under the sender
+            s.sendall(b"HVC2" + head + body)
+            while part := s.recv(4096):
+                got += part
+        assert got == b""  # no OK: never parsed
+    assert not DirectoryStore(receiver.store.root).has(ns, key)  # type: ignore[attr-defined]
+    assert receiver.received == 0
+    with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
+        s.sendall(b"HVC1" + head + body)  # the same frame as v1 is stored
+        assert recv_exact(s, 2) == b"OK"
+    assert DirectoryStore(receiver.store.root).has(ns, key)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("spare", [0, -1], ids=["at-the-limit", "one-byte-over"])
+def test_max_chunk_bytes_is_the_largest_stream_accepted(tmp_path: Path, spare: int) -> None:
+    """Found by mutation testing: a stream of exactly ``max_chunk_bytes`` is stored, one byte more refused at its
+    head, unread."""
+    ns, key, head, body = _chunk_frame()
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_chunk_bytes=len(body) + spare) as r:
+        with socket.create_connection(("127.0.0.1", r.address[1]), timeout=10) as s:
+            s.sendall(b"HVC1" + head + body)
+            if spare == 0:
+                assert recv_exact(s, 2) == b"OK"
+            else:
+                assert recv_exact(s, 2) == b"ER"
+                message = recv_exact(s, int.from_bytes(recv_exact(s, 2), "little"))
+                assert f"chunk of {len(body)} bytes exceeds the limit of {len(body) - 1} bytes".encode() in message
+        _wait_for(lambda: r.received + r.refused == 1)
+        assert (r.received, r.refused) == ((1, 0) if spare == 0 else (0, 1))
+    assert DirectoryStore(tmp_path).has(ns, key) is (spare == 0)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from bare_worker import CHUNK, bare_worker, cpu_worker, stored_at_tp
+from bare_worker import CHUNK, bare_worker, cpu_worker, stored_at_tp, two_chunks
 from conftest import require
 
 import hurray_vllm as hv
@@ -365,3 +365,57 @@ def test_a_file_a_worker_finds_damaged_is_moved_aside_unless_replaced_meanwhile(
     else:  # the set is incomplete: the recompute's save writes the chunk again
         assert not damaged.exists() and bad.exists() and w.stats.chunks_quarantined == 1
         assert store.parts(ns, keys[1], H) is None
+
+
+def test_a_load_skipping_a_prefix_hit_writes_each_page_into_its_own_block(
+    worker_mod: ModuleType, tmp_path: Path
+) -> None:
+    """Found by mutation testing: with a local prefix-cache hit inside the first chunk (``skip_blocks``), each
+    chunk's pages must land in the engine blocks after the skipped ones, chunk 0 from its page ``skip`` on and
+    every later chunk from its first page. Only the number of writes was checked: blocks shifted by the skip
+    (or a later chunk's first page dropped) went unnoticed."""
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    w = cpu_worker(store, ns)
+    blocks = [2, 7, 1]  # not contiguous: engine blocks for the snapshot's pages 1..3 (page 0 the engine holds)
+    w.start_load_kv(HurrayConnectorMetadata(loads=[_task(store, ns, keys, blocks, skip_blocks=1, report=True)]))
+    assert w.get_transfer_results() == ({"r"}, set()) and not w.get_block_ids_with_load_errors()
+    ec = w._ec
+    for layer in range(2):
+        got = ec.layout.gather(ec.caches[layer], torch.tensor(blocks))
+        for role, have, t in zip("kv", got, snap.layer(layer), strict=True):
+            ptr = t.seq_ptr.tolist()
+            want = t.page_pool[t.block_table[ptr[0] : ptr[1]][1:]]
+            for i, block in enumerate(blocks):
+                assert torch.equal(have[i], want[i]), f"layer {layer} {role}: block {block} lacks page {i + 1}"
+    untouched = [b for b in range(8) if b not in blocks]
+    assert not any(c[untouched].any() for c in ec.caches)
+
+
+@pytest.mark.parametrize(("kv_start", "refused"), [(9, True), (8, False)], ids=["inside-a-page", "at-a-page"])
+def test_a_chunk_whose_window_starts_inside_a_page_the_engine_keeps_is_refused(
+    worker_mod: ModuleType, tmp_path: Path, kv_start: int, refused: bool
+) -> None:
+    """Found by mutation testing: a sliding-window page counts as held only when it lies wholly at or after the
+    chunk's first held token. A page the window starts inside lacks its first tokens' KV: the worker's own plan
+    refuses it before any write, where a page it holds from its first token on loads."""
+    snap = dataclasses.replace(
+        two_chunks(), windows=hv.SlidingWindows((CHUNK, None), ((kv_start,), (0,)))
+    )  # the second chunk's layer 0 holds tokens from kv_start - 8 on (page 0 is tokens 0-3)
+    store = DirectoryStore(tmp_path / "store")
+    assert store_snapshot(store, snap, CHUNK) == 2
+    keys = [k for k, _ in chunks_of(snap, CHUNK)]
+    assert snap.fingerprint is not None
+    ns = namespace_of(snap.fingerprint)
+    assert store.get(ns, keys[1]).windows == hv.SlidingWindows((CHUNK, None), ((kv_start - CHUNK,), (0,)))
+    w = cpu_worker(store, ns)
+    w._layer_groups, w._windows = {"l0": 0, "l1": 1}, (CHUNK, None)
+    groups = [[0, 0, 7, 1], [6, 2, 5, 4]]  # layer 0's window: the second chunk's pages (engine blocks 7, 1)
+    task = _task(store, ns, keys, groups[0], groups=groups)
+    if not refused:
+        assert len(_plan(w, task)) == 1 + 2  # layer 0: the second chunk only; layer 1: both
+        return
+    with pytest.raises(hv.HurrayFormatError, match="lacks sliding-window tokens layer 0 needs") as err:
+        _plan(w, task)
+    assert err.value.field == "snapshot.windows"
