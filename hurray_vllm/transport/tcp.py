@@ -480,11 +480,14 @@ class Receiver(ReceiverBase):
                 (length,) = U64.unpack(recv_exact(conn, 8))
             except (HurrayFormatError, OSError) as exc:
                 log.warning("hurray receiver: dropping connection: %s", exc)
-                if isinstance(exc, HurrayFormatError) and exc.field in ("receiver.auth", "receiver.tls"):
-                    # A sender that fails the key handshake (again mid-connection, or without keys here), or
-                    # opens TLS to a plain receiver, is told why, as a keyed receiver tells it at the start.
+                if isinstance(exc, HurrayFormatError):
+                    # A frame refused at its head (bad magic: another protocol, a scanner; a head cut short) is
+                    # counted as any refused frame is, so that refused / last_error show peers speaking garbage.
                     self.count(False, str(exc))
-                    finish_with_error(conn, exc)
+                    if exc.field in ("receiver.auth", "receiver.tls"):
+                        # A sender that fails the key handshake (again mid-connection, or without keys here), or
+                        # opens TLS to a plain receiver, is told why, as a keyed receiver tells it at the start.
+                        finish_with_error(conn, exc)
                 return
             if not self._chunk(conn, ns, key, length):
                 return

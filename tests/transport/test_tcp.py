@@ -1277,6 +1277,9 @@ def test_a_frame_of_a_later_version_is_dropped_not_read_as_v1(receiver: Receiver
         assert got == b""  # no OK: never parsed
     assert not DirectoryStore(receiver.store.root).has(ns, key)  # type: ignore[attr-defined]
     assert receiver.received == 0
+    # Counted as refused (found by a leak review): an operator sees peers that speak garbage.
+    _wait_for(lambda: receiver.refused == 1)
+    assert "bad frame magic" in (receiver.last_error or "")
     with socket.create_connection(("127.0.0.1", receiver.address[1]), timeout=10) as s:
         s.sendall(b"HVC1" + head + body)  # the same frame as v1 is stored
         assert recv_exact(s, 2) == b"OK"
