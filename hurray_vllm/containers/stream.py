@@ -8,6 +8,7 @@ memory is reserved for them.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import stat
@@ -75,23 +76,63 @@ def check_buffers(rec: Record, label: str) -> None:
             raise HurrayArgumentError(f"{label} buffer {i}", f"holds {n} bytes, its descriptor declares {b.byte_size}")
 
 
+def _write_all(f: BinaryIO, data: bytes | bytearray | memoryview) -> int:
+    """Write all of ``data`` to ``f``, however few bytes each ``f.write`` takes; returns its size in bytes.
+
+    A buffered file (``open(path, "wb")``) takes all in one call. A raw one
+    (``open(path, "wb", buffering=0)``, ``socket.makefile("wb", buffering=0)``,
+    any :class:`io.RawIOBase`) may take fewer and say so in its return
+    (Linux's ``write()`` takes at most 0x7ffff000 bytes: a page pool over
+    2 GiB always goes short): the rest is written again, as a view (no copy).
+
+    Raises:
+        BlockingIOError: ``f`` (an :class:`io.IOBase`) is non-blocking and took nothing (its ``write``
+            returned None; a sink that is no ``io`` object and returns no count took it all);
+            ``characters_written``: the bytes of ``data`` it took before.
+        OSError: ``f.write`` returned a count that is not the bytes it could have taken (0, or more
+            than were left), or failed.
+    """
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    n = f.write(data)
+    if n == size:  # the common case: one call
+        return size
+    if not isinstance(n, int) and not isinstance(f, io.IOBase):
+        # A sink of its own making (a ``write`` that keeps what it is given and returns nothing) took it all:
+        # only the io classes promise a count, and only a raw one's None means "would block".
+        return size
+    view = memoryview(data).cast("B")
+    done = 0
+    while True:
+        if n is None:
+            raise BlockingIOError(
+                errno.EAGAIN,
+                f"the sink would block: it took {done} of {size} bytes, then none (write() returned None); "
+                "write to a blocking file, or through a buffered one",
+                done,
+            )
+        if not isinstance(n, int) or not 0 < n <= size - done:
+            # 0 would loop for ever; more than was left is no count of these bytes.
+            raise OSError(f"the sink's write() returned {n!r} for {size - done} bytes (of {size}): a broken sink")
+        done += n
+        if done == size:
+            return size
+        n = f.write(view[done:])
+
+
 def write_records(records: Iterable[Record], f: BinaryIO) -> int:
     """Write ``records`` to ``f`` as a Hurray stream; returns the bytes written.
 
     Raises:
         HurrayArgumentError: a record's buffers are not those its descriptor declares (their count or
             a buffer's size, :func:`check_buffers`), before any byte of that record is written.
+        OSError: as :func:`_write_all` (a non-blocking sink that would block, a failed write).
     """
     total = 0
     for index, rec in enumerate(records):
         check_buffers(rec, rec.name or f"record {index}")
-        raw = encode_descriptor(rec.descriptor)
-        f.write(raw)
-        total += len(raw)
+        total += _write_all(f, encode_descriptor(rec.descriptor))
         for t in rec.buffers:
-            mv = tensor_bytes(t)
-            f.write(mv)
-            total += mv.nbytes
+            total += _write_all(f, tensor_bytes(t))
     return total
 
 
@@ -301,22 +342,16 @@ class LayerWriter:
             return write_records(layer_records(i, members, kv_scales, {}), f)
         if key != self._key:
             self._encode_fixed(i, members, kv_scales, key)
-        total = 0
-        f.write(self._head)
-        total += len(self._head)
+        total = _write_all(f, self._head)
         for t, (raw, at), index in zip(members, self._descs, self._index, strict=True):
             struct.pack_into("<I", raw, at, LAYER_INDEX_NONE if t.layer_index is None else t.layer_index)
             # An immutable copy (a descriptor's few hundred bytes): the next layer patches ``raw`` again, and a
             # sink that keeps what it was given (a list of chunks, a queue) must not see earlier layers change.
-            f.write(bytes(raw))
-            pool = tensor_bytes(t.page_pool)
-            f.write(pool)
-            total += len(raw) + pool.nbytes
+            total += _write_all(f, bytes(raw))
+            total += _write_all(f, tensor_bytes(t.page_pool))
             for mv in index:
-                f.write(mv)
-                total += mv.nbytes
-        f.write(self._lens)
-        total += len(self._lens)
+                total += _write_all(f, mv)
+        total += _write_all(f, self._lens)
         if kv_scales is not None:
             scales = torch.tensor(kv_scales, dtype=torch.float32)
             total += write_records([dense_record(f"layers.{i}.kv_scales", scales)], f)

@@ -25,7 +25,7 @@ import builtins
 import contextlib
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -444,12 +444,35 @@ def _refuse_child(llm: Any, request_id: str, internal: str) -> None:
         )
 
 
+def _request_ids(request_ids: Iterable[str]) -> list[str]:
+    """The ids as a list, each a ``str``: read once, as a generator given for them can be read only once.
+
+    vLLM's request ids are ``str`` (its ``add_request`` refuses any other),
+    so another object can name no live request: the caller's mistake.
+    """
+    if isinstance(request_ids, (str, bytes)):
+        raise HurrayArgumentError(
+            "request_ids",
+            f"expected a sequence of request ids, got the {type(request_ids).__name__} {request_ids!r} (each of its "
+            f"characters would be taken as an id): pass [{request_ids!r}]",
+        )
+    ids = list(request_ids)
+    for i, rid in enumerate(ids):
+        if not isinstance(rid, str):
+            raise HurrayArgumentError(
+                "request_ids",
+                f"element {i} is a {type(rid).__name__}, not a str: pass the str ids given to add_request",
+            )
+    return ids
+
+
 def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
     """Block ids, computed tokens and token ids of live requests (scheduler side).
 
     Raises:
         HurrayArgumentError: (field ``request_ids``) a ``str`` (or ``bytes``)
-            instead of a sequence of ids: pass ``[request_id]``.
+            instead of a sequence of ids: pass ``[request_id]``; an id that
+            is not a ``str`` (vLLM's ids are).
         HurrayFormatError: field ``engine`` (the engine core is not in this
             process); ``kv_cache_groups`` (a model whose KV cache hurray-vllm
             cannot export: :func:`~.cache.unsupported_cache`); ``request_id``
@@ -458,12 +481,7 @@ def request_states(llm: Any, request_ids: Sequence[str]) -> list[SequenceState]:
             vLLM freed, or one whose computed tokens the tokens in flight do
             not explain).
     """
-    if isinstance(request_ids, (str, bytes)):
-        raise HurrayArgumentError(
-            "request_ids",
-            f"expected a sequence of request ids, got the {type(request_ids).__name__} {request_ids!r} (each of its "
-            f"characters would be taken as an id): pass [{request_ids!r}]",
-        )
+    request_ids = _request_ids(request_ids)
     core = _core(llm)
     sched = core.scheduler
     vllm_config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
@@ -573,7 +591,8 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
 
     Raises:
         HurrayArgumentError: (field ``request_ids``) a ``str`` instead of a
-            sequence of ids: pass ``[request_id]``.
+            sequence of ids: pass ``[request_id]``; an id that is not a
+            ``str`` (vLLM's ids are).
         HurrayFormatError: checked before any worker is asked:
 
             * ``request_id``: an unknown or finished request, a request of
@@ -633,7 +652,8 @@ def snapshot(llm: Any, request_ids: Sequence[str]) -> KVSnapshot:
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot() {why[1]}")
-    return _snapshot(llm, request_ids, request_states(llm, request_ids))
+    ids = _request_ids(request_ids)  # read once: the seeds (_key_seeds) read the ids again
+    return _snapshot(llm, ids, request_states(llm, ids))
 
 
 def _snapshot(llm: Any, request_ids: Sequence[str], seqs: Sequence[SequenceState]) -> KVSnapshot:
@@ -766,9 +786,10 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot_stream() {why[1]}")
-    seqs = request_states(llm, request_ids)  # refuses an unsupported model before any worker is asked
+    ids = _request_ids(request_ids)  # read once: the seeds (_key_seeds) read the ids again
+    seqs = request_states(llm, ids)  # refuses an unsupported model before any worker is asked
     if not _workers_here(llm):
-        return write_stream(_snapshot(llm, request_ids, seqs), f)
+        return write_stream(_snapshot(llm, ids, seqs), f)
     ec, groups = _cache_here(llm)
     return export_stream(
         f,
@@ -779,7 +800,7 @@ def snapshot_stream(llm: Any, request_ids: Sequence[str], f: BinaryIO, *, progre
         **groups,
         show_progress=progress,
         states=_states(ec, seqs),
-        extra={**_key_seeds(llm, request_ids), **_drafter(llm, ec.fingerprint.num_layers)},
+        extra={**_key_seeds(llm, ids), **_drafter(llm, ec.fingerprint.num_layers)},
     )
 
 
@@ -841,11 +862,12 @@ def snapshot_ranks(llm: Any, request_ids: Sequence[str], directory: str | os.Pat
     why = unsupported_parallelism(llm.llm_engine.vllm_config.parallel_config)
     if why is not None:
         raise HurrayFormatError(why[0], f"snapshot_ranks() {why[1]}")
-    seqs = request_states(llm, request_ids)
+    ids = _request_ids(request_ids)  # read once: the seeds (_key_seeds) read the ids again
+    seqs = request_states(llm, ids)
     _refuse_split_states(llm, "snapshot_ranks() files", per_rank=True)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    extra = {**_key_seeds(llm, request_ids), **_drafter(llm, cache_layers(_kv_cache_config(llm)) or 0)}
+    extra = {**_key_seeds(llm, ids), **_drafter(llm, cache_layers(_kv_cache_config(llm)) or 0)}
     results = _rpc(llm, _stream_on_rank, list(seqs), str(out), extra)
     files = [Path(p) for r in results if not isinstance(r, _WorkerError) and (p := r[1][1]) is not None]
     if any(isinstance(r, _WorkerError) for r in results):

@@ -24,7 +24,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from synthetic import make_snapshot
 
+import hurray_vllm as hv
 from hurray_vllm import HurrayArgumentError, HurrayFormatError
 from hurray_vllm.adapters.vllm import engine
 from hurray_vllm.chunks.keys import KEY_SEEDS, key_seed
@@ -126,6 +128,45 @@ def test_the_seeds_of_a_hurray_connector_inside_a_multiconnector_are_used() -> N
     multi = SimpleNamespace(_connectors=[SimpleNamespace(), _connector("e1", {"r": None})])
     llm = _llm({"r": FakeRequest([1, 2, 3], 2)}, connector=multi)
     assert engine._key_seeds(llm, ["r"]) == {KEY_SEEDS: {"r": None}}
+
+
+def test_ids_given_as_an_iterator_keep_their_seeds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The ids are read once: a generator's seeds (a tenant's salt, a pre-reset None) reach the snapshot too.
+
+    Read twice (the requests' states, then their seeds), an iterator gave the
+    seeds none: a salted tenant's chunks were keyed as unsalted.
+    """
+    salted = key_seed("ns", cache_salt="t1")
+    requests = {"a": FakeRequest([1, 2, 3], 3, cache_salt="t1"), "b": FakeRequest([4, 5, 6], 3)}
+    want = {KEY_SEEDS: {"a": salted, "b": None}}  # "b" holds KV from before a cache reset
+
+    def llm() -> Any:
+        connector = _connector("e1", {"a": salted, "b": None})
+        return _llm(requests, connector=connector, tp=2, worker_rpc=MultiprocWorkers(2))
+
+    monkeypatch.setattr(
+        engine, "_snapshot_tp", lambda llm, seqs: make_snapshot([s.num_computed for s in seqs], [0, 0], 4)
+    )
+    assert engine.snapshot(llm(), iter(["a", "b"])).extra[KEY_SEEDS] == want[KEY_SEEDS]
+    with open(tmp_path / "kv.hrrs", "wb") as f:
+        engine.snapshot_stream(llm(), iter(["a", "b"]), f)
+    loaded = hv.load(tmp_path / "kv.hrrs")
+    assert loaded.num_seqs == 2 and loaded.extra[KEY_SEEDS] == want[KEY_SEEDS]
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(engine, "_stream_on_rank", lambda w, seqs, d, extra: sent.append(extra) or (w.rank, (0, None)))
+    engine.snapshot_ranks(llm(), iter(["a", "b"]), tmp_path / "ranks")
+    assert sent == [want, want]
+
+
+def test_a_request_id_that_is_not_a_str_is_refused_naming_its_place() -> None:
+    """vLLM's ids are ``str`` (``add_request`` refuses others): another object is the caller's mistake."""
+    llm = _llm({"a": FakeRequest([1, 2, 3], 2)})
+    for ids in (["a", ["a"]], ["a", 1], [None]):
+        with pytest.raises(HurrayArgumentError, match=f"element {len(ids) - 1} is a {type(ids[-1]).__name__}") as info:
+            engine.request_states(llm, ids)  # type: ignore[arg-type]
+        assert info.value.field == "request_ids"
+        with pytest.raises(HurrayArgumentError):
+            engine.snapshot(llm, ids)  # type: ignore[arg-type]
 
 
 # n > 1 sampling.
