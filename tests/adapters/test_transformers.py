@@ -738,6 +738,87 @@ def test_recorded_attention_layers_must_be_the_models_full_attention_layers() ->
     assert err.value.field == "fingerprint"
 
 
+def test_a_hybrids_own_states_and_kv_give_the_logits_of_its_own_cache() -> None:
+    """Found by mutation testing: the conv state's zero column put at the newest end, its columns reversed, or the
+    recurrent state transposed (``_put_states``) failed no test, as every test's states were random. Here
+    transformers' own prefill states and KV go through a snapshot and back: the next token's logits are those
+    of transformers' own cache (exactly, as the same computation runs on the same values)."""
+    require("transformers")
+    from transformers import Qwen3NextForCausalLM
+
+    from hurray_vllm.kv.paged import BlockPagedTensor
+    from hurray_vllm.kv.states import RecurrentStates
+
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(qwen3_next_config(initializer_range=0.3)).float().eval()
+    ids, n = torch.randint(0, 128, (12,)).tolist(), 11  # 11 tokens with KV and states, one pending
+
+    def own_cache() -> Any:
+        with torch.no_grad():
+            return model(torch.tensor([ids[:n]]), use_cache=True).past_key_values
+
+    with torch.no_grad():
+        want = model(
+            torch.tensor([ids[n:]]), past_key_values=own_cache(), position_ids=torch.tensor([[n]]), use_cache=True
+        ).logits[0, -1]
+    cache = own_cache()
+    # transformers keeps the last ``kernel`` conv inputs as [conv_dim, kernel]; the format the last kernel - 1 as
+    # [kernel - 1, conv_dim]. The recurrent state is [v_heads, k_dim, v_dim] on both sides.
+    states = tuple(
+        (
+            cache.layers[j].conv_states[0][0][:, 1:].T.unsqueeze(0).clone(),
+            cache.layers[j].recurrent_states[0][0].unsqueeze(0).float().clone(),
+        )
+        for j in (0, 1, 2)
+    )
+
+    def paged(x: torch.Tensor, role: str) -> BlockPagedTensor:  # [H, n, D] in pages of one token
+        pool = x.transpose(0, 1).reshape(n, 1, x.shape[0], x.shape[2]).contiguous()
+        return BlockPagedTensor(pool, torch.arange(n), torch.tensor([0, n]), torch.tensor([n]), role, 0)
+
+    attn = cache.layers[3]
+    snap = hv.KVSnapshot.from_layers(
+        [(paged(attn.keys[0], "key"), paged(attn.values[0], "value"))],
+        fingerprint=hv.ModelFingerprint("Qwen3NextForCausalLM", 1, 2, 16, "float32"),
+    )
+    snap = replace(
+        snap, token_ids=(tuple(ids),), states=RecurrentStates("gdn_attn", (0, 1, 2), ("conv", "ssm"), (n,), states)
+    )
+    assert snap.validate().ok
+    torch.testing.assert_close(tfa.next_token_logits(model, snap, 0), want.float(), atol=1e-5, rtol=0)
+
+
+def test_several_pending_tokens_advance_the_positions_by_their_count() -> None:
+    """Found by mutation testing: after feeding a snapshot's pending tokens (several when it was taken mid-prefill),
+    a next step placed one past the first of them, not past all, failed no test: every test had one pending token."""
+    require("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, initializer_range=0.3,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).float().eval()
+    ids, n = torch.randint(0, 128, (11,)).tolist(), 8  # KV for 8 tokens, 3 pending
+    pkv, _ = prefill(model, ids[:n])
+    snap = tfa.from_transformers(pkv, [ids], page_size=4, model_config=model.config)
+    assert snap.seq_lens == [n]
+    # transformers' own run: all 11 tokens in one forward, then greedy steps from its own cache.
+    want_tokens, want_logits = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(3):
+            logits = out.logits[0, -1].float()
+            want_tokens.append(int(logits.argmax()))
+            want_logits.append(logits)
+            out = model(torch.tensor([want_tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    assert tfa.continue_generation(model, snap, 0, 3) == want_tokens
+    steps = tfa._greedy(model, snap, 0)
+    for want in want_logits:
+        torch.testing.assert_close(next(steps)[1], want, atol=1e-4, rtol=0)
+
+
 def test_an_in_memory_snapshot_is_validated_before_import() -> None:
     """A block table entry past the pool: a format error naming it, not an IndexError from index_select."""
     from synthetic import make_snapshot

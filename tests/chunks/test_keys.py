@@ -147,3 +147,42 @@ def test_key_arguments_that_cannot_be_are_argument_errors(call: Any, field: str)
     with pytest.raises(hv.HurrayArgumentError) as err:
         call()
     assert err.value.field == field
+
+
+def test_seed_parts_cannot_pass_for_a_split_of_other_parts() -> None:
+    """Found by mutation testing: seed parts joined without their lengths failed no test, though a ``cache_salt``
+    of ``"aepoche"`` then gets the seed of salt ``"a"`` under epoch ``"e"`` (a tenant naming another's cache), and
+    one LoRA adapter's name and digest pass for another's."""
+    assert key_seed("ns", cache_salt="a", epoch="e") != key_seed("ns", cache_salt="aepoche")
+    assert key_seed("ns", lora=("x", "saltt")) != key_seed("ns", lora=("xsalt", "t"))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"architecture": "MistralForCausalLM"},
+        {"num_layers": 3},
+        {"num_kv_heads": 4},
+        {"head_dim": 16},
+        {"dtype": "bfloat16"},
+        {"weights_digest": "d2"},
+    ],
+)
+def test_every_field_of_the_fingerprint_makes_a_namespace_of_its_own(changes: dict[str, object]) -> None:
+    """Found by mutation testing: a namespace without the cache dtype (a float16 and an fp8 cache of one model
+    sharing chunk keys) failed no test of the keys."""
+    fp = hv.ModelFingerprint("LlamaForCausalLM", 2, 2, 8, "float16", weights_digest="d1")
+    assert namespace_of(replace(fp, **changes)) != namespace_of(fp)  # type: ignore[arg-type]
+
+
+def test_a_chunk_ending_before_a_layers_window_starts_holds_none_of_it() -> None:
+    """Found by mutation testing: a window's start relative to a chunk left unclamped to the chunk's length failed
+    no test; a chunk ending before the window then says its layer starts past the chunk's own end."""
+    from hurray_vllm.app.demo import spec_example_snapshot
+
+    snap = spec_example_snapshot()  # pages of 4; sequence 0 has 6 tokens, one whole chunk
+    sizes = (2, None, 2, None)
+    windows = hv.SlidingWindows(sizes, ((5, 1), (0, 0), (5, 1), (0, 0)))  # layers 0 and 2 hold tokens 5.. only
+    ((_, chunk),) = chunks_of(replace(snap, windows=windows), CHUNK)
+    assert chunk.windows == hv.SlidingWindows(sizes, ((CHUNK,), (0,), (CHUNK,), (0,)))
+    assert chunk.validate().ok

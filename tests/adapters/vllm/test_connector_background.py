@@ -1346,6 +1346,25 @@ def test_a_load_resumes_at_the_last_chunk_with_states_and_writes_both_state_bloc
     assert load.groups[2] == [31, 32, 33, 34]
 
 
+def test_a_hybrid_resumes_only_at_a_chunk_whose_states_were_taken_at_its_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Found by mutation testing: a scheduler promising a resume at a chunk whose states were taken at another
+    token (or that has none) failed no test; the worker, which checks again, would then fail the load promised."""
+    from hurray_vllm.app.demo import spec_example_snapshot
+
+    sched = _linear_scheduler(tmp_path)  # chunks of 64 tokens
+    layout = sched._config.state_layout
+
+    def states_at(pos: int) -> Any:
+        t = tuple(tuple(torch.zeros(1, *s, dtype=torch.bfloat16) for s in layout.shapes) for _ in layout.layers)
+        return replace(layout, positions=(pos,)).with_tensors(t)
+
+    snap = spec_example_snapshot(num_layers=1)
+    assert not sched._resumes_at([snap], 0, 1)  # no states
+    assert not sched._resumes_at([replace(snap, states=states_at(63))], 0, 1)  # taken a token before the end
+    assert not sched._resumes_at([replace(snap, states=states_at(128))], 0, 1)  # taken past it
+    assert sched._resumes_at([replace(snap, states=states_at(64))], 0, 1)
+
+
 def test_a_stored_chunk_without_states_is_written_again_by_a_step_that_has_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import hurray_vllm as hv
     from hurray_vllm.app.demo import spec_example_snapshot

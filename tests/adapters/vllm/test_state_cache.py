@@ -73,3 +73,52 @@ def test_a_load_refuses_such_states_when_it_plans_before_any_kv_block_is_written
     with pytest.raises(hv.HurrayFormatError) as info:
         HurrayWorker._plan_states(ec, task, [bad])  # type: ignore[arg-type]
     assert info.value.field == "snapshot.states.ssm"
+
+
+def _gdn_engine(ssm: torch.Tensor) -> tuple[object, object]:
+    """A fake vLLM config and KV cache config: one gated-delta-net layer whose recurrent state memory is ``ssm``."""
+    from types import SimpleNamespace
+
+    class MambaSpec:  # the groups are told apart by the class name
+        shapes = ((3, 8), tuple(ssm.shape[1:]))
+        dtypes = (BF16, ssm.dtype)
+        mamba_type = "gdn_attn"
+        block_size = 32
+        mamba_cache_mode = "none"
+
+    name = "model.layers.0.linear_attn"
+    conv = torch.zeros(ssm.shape[0], 3, 8, dtype=BF16)
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=SimpleNamespace(static_forward_context={name: SimpleNamespace(kv_cache=[conv, ssm])}),
+        cache_config=SimpleNamespace(block_size=32),
+    )
+    return vllm_config, SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=[name])]
+    )
+
+
+def test_a_cpu_engines_recurrent_state_memory_is_read_in_the_formats_order_not_transposed() -> None:
+    """Found by mutation testing: vLLM declares a gated delta net's recurrent state ``[v_heads, v_dim, k_dim]``;
+    its GPU kernels address it so (a transpose to the format's ``[v_heads, k_dim, v_dim]``), its CPU kernels view
+    the same memory as ``[v_heads, k_dim, v_dim]`` (a reshape). Transposed on the CPU, every state a CPU engine
+    saved would be scrambled, and no test told."""
+    from vllm.platforms import current_platform
+
+    from hurray_vllm.adapters.vllm.states import state_cache
+
+    v_heads, v_dim, k_dim = 2, 4, 6  # k_dim != v_dim: a transpose and a reshape differ
+    mem = torch.arange(3 * v_heads * v_dim * k_dim, dtype=torch.float32).reshape(3, v_heads, v_dim, k_dim)
+    cache = state_cache(*_gdn_engine(mem))
+    assert cache is not None
+    cpu = current_platform.is_cpu()
+    assert cache.transforms == ("", "V" if cpu else "T")
+    assert cache.spec.shapes[1] == (v_heads, k_dim, v_dim)
+    states = cache.gather([{0: 2}], [32])
+    want = mem[2].reshape(v_heads, k_dim, v_dim) if cpu else mem[2].transpose(-1, -2)
+    assert torch.equal(states.tensors[0][1][0], want)
+    again = torch.zeros_like(mem)  # and written back, the same memory again
+    into = state_cache(*_gdn_engine(again))
+    assert into is not None
+    into.write([{0: [2]}], states)
+    assert torch.equal(again[2], mem[2]) and not again[[0, 1]].any()

@@ -82,3 +82,29 @@ def test_states_are_the_models_layers_in_order_however_vllm_groups_them() -> Non
     assert [of_layer[f"model.layers.{i}.linear_attn"] for i in (0, 4, 1)] == [1, 1, 2]  # each keeps its group
     layout = declared_layout(config)
     assert layout is not None and layout.layers == (0, 1, 2, 4, 5, 6)
+
+
+def test_the_declared_layout_at_tensor_parallelism_is_the_whole_models() -> None:
+    """Found by mutation testing: at TP > 1 vLLM's ``MambaSpec`` shapes are one rank's share; the declared layout
+    must multiply each split axis by ``tp`` (the conv channels, the value heads), so that chunks saved at any
+    degree compare equal. Left a share, a TP = 2 engine's layout would not match chunks saved at TP = 1."""
+    from types import SimpleNamespace
+
+    from hurray_vllm.adapters.vllm.states import declared_layout
+    from hurray_vllm.kv.states import state_split
+
+    class MambaSpec:
+        # One rank's share: conv [kernel - 1, 2 * key_dim + value_dim] with key_dim 6 and 2 value heads of 4
+        # (value_dim 8), recurrent [v_heads, v_dim, k_dim] as vLLM declares it.
+        shapes = ((3, 2 * 6 + 2 * 4), (2, 4, 3))
+        dtypes = (torch.bfloat16, torch.float32)
+        mamba_type = "gdn_attn"
+
+    config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=["model.layers.0.linear_attn"])]
+    )
+    one, two = declared_layout(config, tp=1), declared_layout(config, tp=2)
+    assert one is not None and two is not None
+    assert one.shapes == ((3, 20), (2, 3, 4))  # the format's [v_heads, k_dim, v_dim]
+    assert two.shapes == ((3, 40), (4, 3, 4))  # conv channels and value heads doubled
+    assert state_split(two.kind, two.layout, two.shapes) == ((1, (12, 12, 16)), (0, (4,)))

@@ -419,3 +419,50 @@ def test_a_chunk_whose_window_starts_inside_a_page_the_engine_keeps_is_refused(
     with pytest.raises(hv.HurrayFormatError, match="lacks sliding-window tokens layer 0 needs") as err:
         _plan(w, task)
     assert err.value.field == "snapshot.windows"
+
+
+@pytest.mark.parametrize(("taken", "loads"), [(2 * CHUNK, True), (2 * CHUNK - 1, False)], ids=["at-resume", "before"])
+def test_a_hybrids_load_whose_last_chunk_holds_states_of_another_token_is_a_load_error(
+    worker_mod: ModuleType, tmp_path: Path, caplog: pytest.LogCaptureFixture, taken: int, loads: bool
+) -> None:
+    """Found by mutation testing: the worker writes the last chunk's linear-attention states only when they were
+    taken at the token the load resumes at. A chunk whose states are another token's (a producer's defect,
+    consistent with its digest) must fail the load before any block is written, not run the request on from
+    the state of another prefix."""
+    from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata
+    from hurray_vllm.adapters.vllm.states import StateCache
+    from hurray_vllm.chunks.digest import DIGEST_KEY, chunk_digest
+
+    bf16 = torch.bfloat16
+    spec = hv.RecurrentStates(
+        "gdn_attn", (2,), ("conv", "ssm"), (), declared=(((3, 8), "bfloat16"), ((2, 4, 4), "bfloat16"))
+    )
+    ones = ((torch.ones(1, 3, 8, dtype=bf16), torch.ones(1, 2, 4, 4, dtype=bf16)),)
+    snap = dataclasses.replace(
+        two_chunks(), states=dataclasses.replace(spec, positions=(2 * CHUNK,)).with_tensors(ones)
+    )
+    assert snap.fingerprint is not None
+    store, ns = DirectoryStore(tmp_path / "store"), namespace_of(snap.fingerprint)
+    chunks = chunks_of(snap, CHUNK)
+    for key, chunk in chunks:
+        if chunk.states is not None:  # the last chunk's: say they were taken at ``taken``, digest and all
+            chunk = dataclasses.replace(chunk, states=dataclasses.replace(chunk.states, positions=(taken,)))
+            chunk = dataclasses.replace(chunk, extra={k: v for k, v in chunk.extra.items() if k != DIGEST_KEY})
+            chunk = dataclasses.replace(chunk, extra={**chunk.extra, DIGEST_KEY: chunk_digest(chunk)})
+        store.put(ns, key, chunk)
+    keys = [k for k, _ in chunks]
+    assert store.get(ns, keys[1]).states.positions == (taken,)  # type: ignore[union-attr]
+    w = cpu_worker(store, ns)
+    memory = ((torch.zeros(5, 3, 8, dtype=bf16), torch.zeros(5, 2, 4, 4, dtype=bf16)),)
+    w._ec = dataclasses.replace(
+        w._ec, states=StateCache(spec, ("model.layers.2.linear_attn",), (1,), memory, ("", ""), 8, "none")
+    )
+    task = _task(store, ns, keys, [5, 2, 7, 1], resume=2 * CHUNK, state_blocks={1: [3]})
+    w.start_load_kv(HurrayConnectorMetadata(loads=[task]))
+    if loads:
+        assert not w.get_block_ids_with_load_errors() and w.stats.loads_failed == 0
+        assert all(bool((t[3] == 1).all()) for t in memory[0])
+        return
+    assert w.get_block_ids_with_load_errors() == {5, 2, 7, 1, 3} and w.stats.loads_failed == 1
+    assert f"holds no states at token {2 * CHUNK}" in caplog.text  # that, not the digest or anything else
+    assert not any(t.any() for t in memory[0]) and not any(c.any() for c in w._ec.caches)
