@@ -34,6 +34,7 @@ __all__ = [
     "unsupported_cache",
     "cache_groups",
     "is_grouped",
+    "with_shared_layers",
     "group_options",
     "latent_split_of",
     "EngineCache",
@@ -86,6 +87,33 @@ def fp8_storage_dtype(cache_dtype: str) -> torch.dtype | None:
             "wrong (float8_e4m3fnuz ones by a factor of 2); start the engine with --kv-cache-dtype auto",
         )
     return mapped
+
+
+#: vLLM's ``kv_cache_dtype`` strings that name a plain float cache (``CacheDType``): the model's own is "auto".
+_PLAIN_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _plain_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """``cache_dtype``, or ``"auto"`` for a plain float one that is the model's own dtype (the same cache).
+
+    vLLM stores a ``"bfloat16"`` cache of a bf16 model exactly as an
+    ``"auto"`` one (``kv_cache_dtype_str_to_dtype``).
+
+    Raises:
+        HurrayFormatError: (field ``kv_cache_dtype``) a plain float cache of
+            another dtype than the model's: a snapshot's pages and a chunk's
+            are in the model's dtype, or fp8 with scales.
+    """
+    plain = _PLAIN_CACHE_DTYPES.get(cache_dtype)
+    if plain is None:
+        return cache_dtype
+    if plain != model_dtype:
+        raise HurrayFormatError(
+            "kv_cache_dtype",
+            f"kv_cache_dtype {cache_dtype!r} on a model of dtype {model_dtype}: a cache of another unquantized "
+            "dtype than the model's is not supported; start the engine with --kv-cache-dtype auto",
+        )
+    return "auto"
 
 
 def _platform_fp8_dtype() -> torch.dtype | None:
@@ -182,7 +210,9 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False, re
     steps write a linear-attention layer's whole state back only every few
     steps: a state read between two write-backs is stale. Nor are keys and
     values of different head sizes (a spec's ``head_size_v``, MiMo-V2's 192
-    and 128): see :func:`_unequal_head_sizes`.
+    and 128): see :func:`_unequal_head_sizes`. Nor pages an attention
+    backend packs its own way (B12X's and ROCM_ATTN's keys and values as two
+    head slots): see :func:`_packed_pages`.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
@@ -192,7 +222,7 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False, re
                 "linear-attention states with ReplaySSM (cache_config.use_replayssm): between its write-backs "
                 "the state a chunk or snapshot would take is stale"
             )
-        return _unsupported_states(groups) or _unequal_head_sizes(groups)
+        return _unsupported_states(groups) or _packed_pages(groups) or _unequal_head_sizes(groups)
     if len(groups) > 1:
         return f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); hybrid models are not supported yet"
     if kinds and kinds[0] not in _SUPPORTED_SPECS:
@@ -200,7 +230,44 @@ def unsupported_cache(kv_cache_config: Any, *, sliding_windows: bool = False, re
             f"the model's KV cache is {kinds[0]}; supported are full key/value attention (FullAttentionSpec) "
             "and MLA latents (MLAAttentionSpec)"
         )
-    return _unequal_head_sizes(groups)
+    return _packed_pages(groups) or _unequal_head_sizes(groups)
+
+
+def _packed_pages(groups: Sequence[Any]) -> str | None:
+    """Why attention groups whose backend packs its pages its own way are refused, or None.
+
+    vLLM 0.32's backends publish such a packing on the layer's spec
+    (``customize_spec``): ``num_head_slots`` (the ``H`` of the ``[B, H, N,
+    C]`` page when it is not one slot per KV head) and
+    ``state_content_bytes`` (its ``C`` when not a dense key and value).
+    B12X, ROCM_ATTN, ROCM_SEGMENTED_ATTN and ROCM_AITER_FA (with
+    ``VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1``) keep keys and values as two
+    slots, ``[B, 2, N, H*D]``: with two KV heads per rank that page has the
+    shape of ``[B, H, N, 2D]``, and its keys and values would be read and
+    written mixed up, silently. Quantized packings (nvfp4, per-token-head
+    scales, fp8_ds_mla) set ``state_content_bytes`` too. Refused here so the
+    engine is refused at start.
+    """
+    for group in groups:
+        spec = group.kv_cache_spec
+        slots, content = getattr(spec, "num_head_slots", None), getattr(spec, "state_content_bytes", None)
+        if slots is None and content is None:
+            continue
+        how = (
+            "keys and values as separate head slots, as B12X, ROCM_ATTN, ROCM_SEGMENTED_ATTN and ROCM_AITER_FA "
+            "with VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1 keep them"
+            if slots is not None
+            else "a packed quantized cache"
+        )
+        return (
+            f"the attention backend packs its KV cache pages its own way (the KV cache spec's "
+            f"num_head_slots={slots}, state_content_bytes={content}: {how}); hurray-vllm reads and writes a key "
+            "and a value per KV head and token, and would misread and miswrite this cache: start the engine "
+            "with an attention backend that keeps them so (--attention-backend FLASH_ATTN, FLASHINFER or "
+            "TRITON_ATTN; on ROCm TRITON_ATTN, ROCM_AITER_UNIFIED_ATTN, or ROCM_AITER_FA with "
+            "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=0) and --kv-cache-dtype auto or fp8"
+        )
+    return None
 
 
 def _unequal_head_sizes(groups: Sequence[Any]) -> str | None:
@@ -267,6 +334,25 @@ def cache_groups(kv_cache_config: Any) -> tuple[dict[str, int], list[int | None]
         for group in groups
     ]
     return of_layer, windows
+
+
+def with_shared_layers(of_layer: dict[str, int], layers: dict[str, Any]) -> dict[str, int]:
+    """``of_layer`` (:func:`cache_groups`) with each layer that reuses another's KV in its target's group.
+
+    A layer of cross-layer KV sharing (Gemma-3n's last layers: vLLM's
+    ``kv_sharing_target_layer_name``) has no KV cache spec: vLLM adds it to
+    its target's group in the model runner's copy of the groups only, after
+    the connector was made from the engine's, and hands it to
+    ``register_kv_caches`` with its target's cache tensor. ``layers``: the
+    attention layers (:func:`attention_layers`). Ungrouped (``of_layer``
+    empty), nothing is added.
+    """
+    shared = {
+        name: of_layer[target]
+        for name, m in layers.items()
+        if name not in of_layer and (target := getattr(m, "kv_sharing_target_layer_name", None)) in of_layer
+    }
+    return {**of_layer, **shared} if of_layer and shared else of_layer
 
 
 def is_grouped(windows: Sequence[int | None]) -> bool:
@@ -677,11 +763,12 @@ def fingerprint_of(vllm_config: Any, *, num_layers: int | None = None, kv_cache_
     Raises:
         HurrayFormatError: (field ``kv_cache_dtype``) an fp8 cache on a
             platform whose fp8 is not the format snapshots carry
-            (:func:`fp8_storage_dtype`).
+            (:func:`fp8_storage_dtype`); a ``"bfloat16"`` or ``"float16"``
+            cache of a model of another dtype (:func:`_plain_cache_dtype`).
     """
     mc = vllm_config.model_config
     hf = mc.hf_config
-    cache_dtype = vllm_config.cache_config.cache_dtype
+    cache_dtype = _plain_cache_dtype(vllm_config.cache_config.cache_dtype, mc.dtype)
     fp8 = fp8_storage_dtype(cache_dtype)  # refuses an fp8 the snapshot would misread
     storage = fp8 if fp8 is not None else mc.dtype
     target = target_layers(vllm_config)
@@ -747,15 +834,20 @@ def describe_worker_cache(
     Raises:
         HurrayFormatError: caches hurray-vllm cannot read or write, found here
             (where the worker registers them) rather than at the first save:
-            field ``kv_cache_dtype`` (a cache dtype other than ``auto`` and
-            fp8, or an fp8 on a platform whose fp8 is not the mapped one,
-            :func:`fp8_storage_dtype`); ``cache`` (pages whose last dimension
-            is not a key and a value of the head size: values of another head
-            size); ``layers`` (layers of different page geometries: KV cache
+            field ``kv_cache_dtype`` (a cache dtype other than ``auto``,
+            fp8 and the model's own dtype, or an fp8 on a platform whose fp8
+            is not the mapped one, :func:`fp8_storage_dtype`); ``cache``
+            (pages whose last dimension is not a key and a value of the head
+            size: values of another head size); ``layers`` (layers of different page geometries: KV cache
             groups vLLM gave other block sizes or heads, a drafter's other
             heads); ``block_size`` (a backend that splits blocks into kernel
-            blocks); ``kv_scales`` (per-head fp8 scales); ``isa``.
+            blocks); ``kv_scales`` (per-head fp8 scales); ``isa``;
+            ``kv_cache_groups`` (pages the backend packs its own way, as
+            ``kv_cache_config``'s specs say: :func:`_packed_pages`).
     """
+    packed = _packed_pages(list(getattr(kv_cache_config, "kv_cache_groups", None) or []))
+    if packed is not None:  # B12X's [B, 2, N, H*D] has the shape of [B, H, N, 2D] at two KV heads: not seen below
+        raise HurrayFormatError("kv_cache_groups", packed)
     layers = attention_layers(vllm_config)
     mods = [layers[n] for n in layer_names if n in layers]
     if len(mods) != len(caches):
@@ -763,7 +855,7 @@ def describe_worker_cache(
     mc = vllm_config.model_config
     latent = latent_split_of(vllm_config)
     head_dim = latent.head_dim if latent else mc.get_head_size()
-    cache_dtype = vllm_config.cache_config.cache_dtype
+    cache_dtype = _plain_cache_dtype(vllm_config.cache_config.cache_dtype, mc.dtype)
     if cache_dtype not in FP8_DTYPES and cache_dtype != "auto":
         raise HurrayFormatError("kv_cache_dtype", f"kv_cache_dtype {cache_dtype!r} is not supported")
     model_dtype = mc.dtype

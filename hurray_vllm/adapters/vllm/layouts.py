@@ -130,7 +130,10 @@ def _check_kv_pages(cache: torch.Tensor, head_dim: int) -> None:
     ``head_size_v``, e.g. MiMo-V2 on the diff-KV backends) keeps ``C = D_k +
     D_v``: split at ``head_dim`` its values would be read as the keys' tail.
     Checked by ``page_shape`` too, so such a cache is refused where the
-    worker registers it, not at its first save or load.
+    worker registers it, not at its first save or load. A backend that keeps
+    keys and values as two head slots (vLLM's B12X, ROCM_ATTN: ``[B, 2, N,
+    H*D]``) fails this check too, except at two KV heads, where only its KV
+    cache spec tells it apart (``cache._packed_pages``, at start).
 
     Raises:
         HurrayFormatError: (field ``cache``) not 4-D, or ``C != 2 * head_dim``.
@@ -139,7 +142,8 @@ def _check_kv_pages(cache: torch.Tensor, head_dim: int) -> None:
         raise HurrayFormatError(
             "cache",
             f"expected [B, H, N, {2 * head_dim}], got {list(cache.shape)}: each token holds a key and a value "
-            f"of head size {head_dim} (values of another head size than the keys are not supported)",
+            f"of head size {head_dim} (values of another head size than the keys are not supported, nor "
+            "backends that keep keys and values as two head slots, [B, 2, N, H*D]: B12X, ROCM_ATTN)",
         )
 
 

@@ -510,6 +510,76 @@ def test_caches_the_connector_cannot_serve_are_a_configuration_error_at_registra
     assert worker._ec is None
 
 
+@pytest.mark.parametrize("backend", ["B12X", "ROCM_ATTN"])
+def test_a_backend_that_keeps_keys_and_values_as_two_head_slots_fails_the_start(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At two KV heads its [B, 2, N, H*D] pages passed for [B, H, N, 2D]: chunks of mixed-up keys and values."""
+    from test_layouts import _backend_spec, _groups
+
+    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
+    from hurray_vllm.errors import HurrayArgumentError
+
+    groups = _groups(_backend_spec(backend, 2, monkeypatch))
+    with pytest.raises(HurrayArgumentError, match="num_head_slots=2") as info:
+        HurrayConfig.from_vllm(_config({"hurray_path": "/x"}), groups)  # type: ignore[arg-type]
+    assert info.value.field == "kv_cache_groups" and "--attention-backend FLASH_ATTN" in str(info.value)
+    HurrayConfig.from_vllm(_config({"hurray_path": "/x"}), _groups(_backend_spec("FLASH_ATTN", 2, monkeypatch)))
+
+
+def _grouped_worker(layers: dict[str, Any]) -> Any:
+    """A HurrayWorker as far as register_kv_caches reads it: KV cache groups {l0: 0 (sliding), l1: 1 (full)}."""
+    import torch
+
+    from hurray_vllm.adapters.vllm.connector.worker import HurrayWorker
+
+    worker = object.__new__(HurrayWorker)
+    from test_layouts import _worker_config
+
+    worker._vllm_config, _ = _worker_config([torch.zeros(4, 2, 16, 32)], 16, "FlashAttentionImpl")
+    worker._vllm_config.compilation_config.static_forward_context = layers
+    # What vLLM builds the connector from: the engine's groups, before the model runner adds KV-sharing layers.
+    worker._layer_groups, worker._windows = {"l0": 0, "l1": 1}, (64, None)
+    worker._kv_cache_config, worker._fingerprint, worker._ec = None, None, None
+    return worker
+
+
+def test_layers_that_share_another_layers_kv_join_its_group_at_registration() -> None:
+    """vLLM builds the connector from the KV cache groups before the model runner adds the cross-layer KV sharing
+    layers (Gemma-3n's) to their targets' groups, then registers those layers too: a grouped model with KV sharing
+    was refused at start, "layers [...] are in no KV cache group", though snapshot() served it."""
+    require("vllm")
+    import torch
+
+    from hurray_vllm.adapters.vllm.cache import group_options
+    from hurray_vllm.errors import HurrayArgumentError
+
+    class FlashAttentionImpl:
+        pass
+
+    def layer(target: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache=None, impl=FlashAttentionImpl(), kv_sharing_target_layer_name=target)
+
+    layers = {"l0": layer(), "l1": layer(), "l2": layer("l0"), "l3": layer("l1")}
+    caches = {n: torch.zeros(4, 2, 16, 32, dtype=torch.bfloat16) for n in ("l0", "l1")}
+    caches.update(l2=caches["l0"], l3=caches["l1"])  # vLLM's kv_caches[layer] = kv_caches[target]
+    worker = _grouped_worker(layers)
+    worker.register_kv_caches(caches)
+    assert worker._layer_groups == {"l0": 0, "l1": 1, "l2": 0, "l3": 1}  # the model runner's groups
+    assert worker._ec.layer_names == ["l0", "l1", "l2", "l3"]
+    assert group_options(worker._layer_groups, worker._windows, worker._ec.layer_names)["layer_groups"] == [0, 1, 0, 1]
+    # Caches vLLM never registered, described at the first load or save: the same groups.
+    late = _grouped_worker(layers)
+    for name, m in layers.items():
+        m.kv_cache = [caches[name]]
+    assert late._engine_cache().layer_names == ["l0", "l1", "l2", "l3"] and late._layer_groups["l3"] == 1
+    # A layer in no group that shares no grouped layer's KV is still refused.
+    layers["l4"] = layer("elsewhere")
+    with pytest.raises(HurrayArgumentError, match=r"layers \['l4'\] are in no KV cache group") as info:
+        _grouped_worker(layers).register_kv_caches({**caches, "l4": caches["l0"]})
+    assert info.value.field == "kv_cache_groups"
+
+
 # ── what vLLM is told ────────────────────────────────────────────────────────
 
 

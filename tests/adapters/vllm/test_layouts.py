@@ -380,6 +380,102 @@ def test_a_model_whose_values_have_another_head_size_than_its_keys_is_refused_at
     assert mla.head_size_v == 0 and unsupported_cache(groups(mla)) is None  # one latent: no V at all
 
 
+def _backend_spec(name: str, heads: int, monkeypatch: pytest.MonkeyPatch, *, window: int | None = None) -> object:
+    """The KV cache spec vLLM 0.32 gives a layer of backend ``name`` (its ``customize_spec``; all import on CPU)."""
+    require("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if name == "B12X":
+        from vllm.v1.attention.backends.b12x import B12xPagedAttentionBackend as backend
+    elif name == "ROCM_ATTN":
+        from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend as backend
+    elif name == "ROCM_SEGMENTED_ATTN":
+        from vllm.v1.attention.backends.rocm_segmented_attn import RocmSegmentedAttentionBackend as backend
+    elif name == "ROCM_AITER_UNIFIED_ATTN":
+        from vllm.v1.attention.backends.rocm_aiter_unified_attn import RocmAiterUnifiedAttentionBackend as backend
+    elif name == "TRITON_ATTN":
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend as backend
+    elif name == "FLASH_ATTN":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend as backend
+    else:  # ROCM_AITER_FA, with VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1 ("_SHUFFLE") or without
+        from vllm.v1.attention.backends import rocm_aiter_fa
+
+        shuffle = name.endswith("_SHUFFLE")
+        monkeypatch.setattr(rocm_aiter_fa.rocm_aiter_ops, "is_shuffle_kv_cache_enabled", lambda: shuffle)
+        backend = rocm_aiter_fa.AiterFlashAttentionBackend
+    kv = {"block_size": 16, "num_kv_heads": heads, "head_size": 8, "dtype": torch.bfloat16}
+    spec = SlidingWindowSpec(sliding_window=64, **kv) if window else FullAttentionSpec(**kv)
+    return backend.customize_spec(spec)
+
+
+def _groups(*specs: object) -> object:
+    """A KVCacheConfig as far as ``unsupported_cache`` reads it: one layer per spec, one group each."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+
+TWO_SLOT_BACKENDS = ["B12X", "ROCM_ATTN", "ROCM_SEGMENTED_ATTN", "ROCM_AITER_FA_SHUFFLE"]
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize("backend", TWO_SLOT_BACKENDS)
+def test_a_backend_that_keeps_keys_and_values_as_two_head_slots_is_refused_at_start(
+    backend: str, heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its pages are [B, 2 (K slot, V slot), N, H*D]: at two KV heads per rank the shape of [B, H, N, 2D], and
+    LogicalBHNC exported and wrote its keys and values mixed up, silently; at four the refusal blamed values of
+    another head size."""
+    from hurray_vllm.adapters.vllm.cache import describe_worker_cache, unsupported_cache
+
+    spec = _backend_spec(backend, heads, monkeypatch)
+    assert getattr(spec, "num_head_slots", None) == 2  # what vLLM publishes: the premise of the refusal
+    window = _backend_spec(backend, heads, monkeypatch, window=64)
+    for config, sliding in ((_groups(spec), False), (_groups(spec), True), (_groups(spec, window), True)):
+        why = unsupported_cache(config, sliding_windows=sliding)
+        assert why is not None and "num_head_slots=2" in why and "FLASH_ATTN" in why, why
+    # Where the worker describes its caches (engine_cache(), the connector's worker): the spec says it too.
+    caches = [torch.zeros(4, 2, 16, heads * 8, dtype=torch.bfloat16)]  # [B, 2, N, H*D]
+    config, names = _worker_config(caches, 8, "B12xPagedAttentionImpl")
+    with pytest.raises(HurrayFormatError, match="num_head_slots=2") as err:
+        describe_worker_cache(config, caches, names, _groups(spec))
+    assert err.value.field == "kv_cache_groups"
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_UNIFIED_ATTN", "ROCM_AITER_FA"])
+def test_a_backend_with_one_head_slot_per_kv_head_is_still_accepted(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hurray_vllm.adapters.vllm.cache import describe_worker_cache, unsupported_cache
+
+    spec = _backend_spec(backend, 2, monkeypatch)
+    window = _backend_spec(backend, 2, monkeypatch, window=64)
+    assert unsupported_cache(_groups(spec)) is None
+    assert unsupported_cache(_groups(spec, window), sliding_windows=True) is None
+    caches = [torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)]
+    config, names = _worker_config(caches, 8, "FlashAttentionImpl")
+    assert describe_worker_cache(config, caches, names, _groups(spec)).layout_name == "vllm-LBNHC"
+
+
+def test_a_packed_quantized_cache_is_refused_at_start() -> None:
+    """TRITON_ATTN's per-token-head modes pack each head's scales inline (``state_content_bytes`` alone)."""
+    require("vllm")
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    from hurray_vllm.adapters.vllm.cache import unsupported_cache
+
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD
+    )
+    packed = TritonAttentionBackend.customize_spec(spec)
+    assert packed.num_head_slots is None and packed.state_content_bytes == 2 * 8 + 2 * 4
+    why = unsupported_cache(_groups(packed), sliding_windows=True)
+    assert why is not None and "state_content_bytes=24: a packed quantized cache" in why, why
+
+
 @pytest.mark.parametrize("layout", [LogicalBHNC(192), CpuPacked("vec", 192)], ids=lambda x: x.name)
 def test_pages_that_do_not_hold_a_key_and_a_value_of_the_head_size_are_refused_by_page_shape(layout) -> None:  # type: ignore[no-untyped-def]
     """vLLM's diff-KV backends keep ``[B, H, N, 192 + 128]``: a page shape of head_dim 192 was reported for it."""
@@ -448,3 +544,31 @@ def test_an_fp8_cache_on_a_platform_whose_fp8_is_fnuz_is_refused_at_start(
         fingerprint_of(config, num_layers=2)  # the scheduler side refuses it too
     auto, _ = _worker_config(caches, 32, "CPUAttentionBackendImpl")
     assert fingerprint_of(auto, num_layers=2).dtype == "bfloat16"  # an unquantized cache does not care
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_cache_dtype_naming_the_models_own_dtype_is_the_auto_cache(model_dtype: torch.dtype) -> None:
+    """vLLM's CacheDType takes "bfloat16" and "float16" (a plain cache of that dtype): on a model of that dtype
+    it is the "auto" cache, and was refused; on a model of the other dtype it is refused naming kv_cache_dtype."""
+    from hurray_vllm.adapters.vllm.cache import describe_worker_cache, fingerprint_of
+
+    same, other = ("bfloat16", "float16") if model_dtype == torch.bfloat16 else ("float16", "bfloat16")
+    caches = [torch.zeros(4, 2, 32, 64, dtype=model_dtype) for _ in range(2)]
+    auto, names = _worker_config(caches, 32, "FlashAttentionImpl")
+    auto.model_config.dtype = model_dtype
+    want = describe_worker_cache(auto, caches, names)
+    for cache_dtype in (same, other):
+        config, _ = _worker_config(caches, 32, "FlashAttentionImpl", cache_dtype=cache_dtype)
+        config.model_config.dtype = model_dtype
+        if cache_dtype == same:
+            ec = describe_worker_cache(config, caches, names)
+            assert (ec.kv_cache_dtype, ec.storage_dtype, ec.kv_scales) == ("auto", model_dtype, None)
+            assert ec.fingerprint == want.fingerprint  # the same chunks as an "auto" engine's
+            assert fingerprint_of(config, num_layers=2) == fingerprint_of(auto, num_layers=2)
+            continue
+        with pytest.raises(HurrayFormatError, match=f"kv_cache_dtype '{other}' on a model of dtype") as err:
+            describe_worker_cache(config, caches, names)
+        assert err.value.field == "kv_cache_dtype" and "--kv-cache-dtype auto" in str(err.value)
+        with pytest.raises(HurrayFormatError, match=f"'{other}'") as err:
+            fingerprint_of(config, num_layers=2)  # the scheduler side refuses it too
+        assert err.value.field == "kv_cache_dtype"

@@ -50,6 +50,7 @@ from ..cache import (
     group_options,
     rank_share,
     with_heads,
+    with_shared_layers,
     write_blocks,
 )
 from ..export import GatherBuffers, SequenceState, export_snapshot
@@ -542,12 +543,22 @@ class HurrayWorker:
         self._windows = config.group_windows
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Remember the caches and how they are laid out; refuse layers in no KV cache group (at start)."""
+        """Remember the caches and how they are laid out; refuse layers in no KV cache group (at start).
+
+        A layer that reuses another's KV (cross-layer KV sharing) is in its
+        target's group (:func:`~..cache.with_shared_layers`), as in the model
+        runner's groups: its cache is its target's, saved and loaded as a
+        layer of its own, as an ungrouped engine's and ``snapshot()`` do.
+        """
         layers = attention_layers(self._vllm_config)
+        self._layer_groups = with_shared_layers(self._layer_groups, layers)
         names = [n for n in layers if n in kv_caches]
         missing = [n for n in names if self._layer_groups and n not in self._layer_groups]
         if missing:
-            raise HurrayArgumentError("kv_cache_groups", f"HurrayConnector: layers {missing} are in no KV cache group")
+            raise HurrayArgumentError(
+                "kv_cache_groups",
+                f"HurrayConnector: layers {missing} are in no KV cache group, nor share the KV of a layer in one",
+            )
         self._ec = self._describe([kv_caches[n] for n in names], names)
 
     def _describe(self, caches: list[torch.Tensor], names: list[str]) -> EngineCache:
@@ -583,6 +594,7 @@ class HurrayWorker:
     def _engine_cache(self, forward_context: ForwardContext | None = None) -> EngineCache:
         if self._ec is None:
             layers = attention_layers(self._vllm_config)
+            self._layer_groups = with_shared_layers(self._layer_groups, layers)
             names = list(layers)
             caches = [m.kv_cache[0] if isinstance(m.kv_cache, (list, tuple)) else m.kv_cache for m in layers.values()]
             self._ec = self._describe(caches, names)
