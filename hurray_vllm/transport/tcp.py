@@ -94,15 +94,16 @@ def send_chunks(
     Args:
         url: ``tcp://HOST:PORT``, or ``tls://HOST:PORT`` for TLS.
         chunks: ``(namespace, key, snapshot)`` triples.
-        timeout: Seconds each step (connect, a chunk's answer) may take; a chunk's write, that plus one
-            second per MiB (:data:`~.base.FRAME_MIN_RATE`, as the receiver allows it).
+        timeout: Seconds each step (connect, a chunk's answer) may take; a chunk's write, that plus
+            :data:`SENDER_RATE_SLACK` seconds per MiB (eight times what a receiver allows, so that a
+            receiver with a longer timeout than this is not cut short by the sender).
         keys: Fleet keys: authenticate as their holder first (:mod:`.security`).
         tls: The client TLS context for a ``tls://`` URL (default: the system's CAs).
 
     Raises:
         HurrayFormatError: the receiver refused a chunk or the authentication, or ``url`` is malformed.
         OSError: the receiver cannot be reached or stopped answering within ``timeout`` (``TimeoutError``
-            too when it took a chunk slower than that plus a second per MiB); ``ssl.SSLError`` (an
+            too when it took a chunk slower than that plus 8 seconds per MiB); ``ssl.SSLError`` (an
             ``OSError``) when its certificate is not trusted.
     """
     first, rest = _first_of(chunks)
@@ -176,6 +177,10 @@ _LOST = (BrokenPipeError, ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroRetu
 #: Said when a plain connection ends before the receiver's first answer, and before it could have read any of the
 #: payload (:func:`_payload_unread`): a TLS receiver does that (before 0.3).
 _TLS_HINT = "the receiver ended the connection before its first answer: does the receiver use TLS? (tls:// vs tcp://)"
+#: How much slower than the receivers' own rule (:data:`~.base.FRAME_MIN_RATE`) a sender lets a chunk's write go
+#: before it gives up: 8 s per MiB beyond its timeout. Only a receiver that reads a trickle meets it.
+SENDER_RATE_SLACK = 8
+
 #: What a receiver's socket may hold that its reader never read, beyond the sender's own send buffer (Linux
 #: starts a receive buffer at 128 KiB and grows it, to 6 MiB by default, only as its reader reads).
 _PEER_BUFFER = 8 << 20
@@ -193,10 +198,13 @@ def _send_all(sock: socket.socket, out: BinaryIO, raw: _Paced, chunks: Iterable[
         try:
             try:
                 if timeout is not None:
-                    # The receiver's rule (FRAME_MIN_RATE): one timeout, plus a second per MiB. The socket's
-                    # timeout alone bounds each write, and a receiver reading a little before each one ran
-                    # out would hold the sender for as long as it liked.
-                    raw.pace(key, len(head) + size, timeout + (len(head) + size) / FRAME_MIN_RATE)
+                    # The socket's timeout alone bounds each write: a receiver reading a little before each one
+                    # ran out would hold the sender for as long as it liked. The chunk's own bound is looser
+                    # than the receiver's rule (one timeout plus a second per MiB, FRAME_MIN_RATE) by
+                    # SENDER_RATE_SLACK: a receiver given a longer timeout than this sender's (a slow link) must
+                    # not see its chunks cut by the sender first.
+                    nbytes = len(head) + size
+                    raw.pace(key, nbytes, timeout + nbytes * SENDER_RATE_SLACK / FRAME_MIN_RATE)
                 try:
                     out.write(head)
                     out.writelines(pieces.parts)
@@ -355,8 +363,8 @@ class _Paced(io.RawIOBase):
         try:
             n = self._sock.send(view)
         except TimeoutError as exc:
-            if chunk is None:
-                raise
+            if chunk is None or time.monotonic() < chunk[3] + chunk[2]:
+                raise  # the socket's own timeout (no progress within it), not the chunk's deadline
             raise self._overdue(chunk) from exc
         self.handed += n
         return n
@@ -366,8 +374,8 @@ class _Paced(io.RawIOBase):
         return TimeoutError(
             errno.ETIMEDOUT,
             f"the tcp receiver took {self.handed - before} of the {nbytes} bytes of chunk {key} in "
-            f"{time.monotonic() - start:.1f} s (a chunk may take {seconds:.0f} s: the timeout, plus one second per "
-            "MiB): it stopped reading, or reads too slowly",
+            f"{time.monotonic() - start:.1f} s (a chunk may take {seconds:.0f} s: the timeout, plus "
+            f"{SENDER_RATE_SLACK} seconds per MiB): it stopped reading, or reads too slowly",
         )
 
 

@@ -1146,6 +1146,7 @@ def test_a_receiver_reading_a_trickle_fails_the_push_at_its_deadline(monkeypatch
     from hurray_vllm.transport import tcp
 
     monkeypatch.setattr(tcp, "FRAME_MIN_RATE", 16 << 20)  # 32 MiB: 1 s + 2 s (at 1 MiB/s: 1 s + 32 s)
+    monkeypatch.setattr(tcp, "SENDER_RATE_SLACK", 1)  # the receiver's rule itself: the default is 8 times looser
     snap = _wide_snapshot(128)
     stop = threading.Event()
     with socket.create_server(("127.0.0.1", 0)) as lsn:
@@ -1168,6 +1169,66 @@ def test_a_receiver_reading_a_trickle_fails_the_push_at_its_deadline(monkeypatch
             stop.set()  # the reader closes: a sender still blocked fails and its thread ends
     assert isinstance(failed, TimeoutError) and "tcp" in str(failed) and "chunk cd" in str(failed), failed
     assert took < 15
+
+
+def _paced_reader(lsn: socket.socket, total: int, piece: int, pause: float, stop: threading.Event) -> None:
+    """Accept one connection, read ``total`` bytes ``piece`` at a time with ``pause`` between reads, answer OK."""
+    conn, _ = lsn.accept()
+    with conn:
+        got = 0
+        while got < total and not stop.is_set():
+            data = conn.recv(min(piece, total - got))
+            if not data:
+                return
+            got += len(data)
+            stop.wait(pause)
+        if got == total:
+            conn.sendall(b"OK")
+            stop.wait(5)
+
+
+def test_a_slow_steady_receiver_is_not_cut_short_by_the_senders_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by reviewing the deadline: based on the sender's own timeout, it cut a chunk a receiver with a longer
+    timeout (a slow link) was still taking in steadily. The sender allows SENDER_RATE_SLACK times the receivers'
+    rate: half their rate is no reason to give up."""
+    from hurray_vllm.transport import tcp
+
+    monkeypatch.setattr(tcp, "FRAME_MIN_RATE", 16 << 20)  # the receivers' rule: 1 s + 2 s for these 32 MiB
+    snap = _wide_snapshot(128)
+    ns, key = "ab" * 8, "cd" * 8
+    size = hv.write_stream(snap, tcp._Pieces())  # type: ignore[arg-type]
+    total = len(tcp.frame_head(ns, key, size)) + size
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as lsn:
+        # 1 MiB every 1/8 s: 8 MiB/s, half the receivers' rate here; the 32 MiB take ~4 s, past 1 s + 2 s.
+        t = threading.Thread(target=_paced_reader, args=(lsn, total, 1 << 20, 0.125, stop), daemon=True)
+        t.start()
+        try:
+            TcpSender().send(f"tcp://127.0.0.1:{lsn.getsockname()[1]}", [(ns, key, snap)], timeout=1.0)
+        finally:
+            stop.set()
+            t.join(10)
+
+
+def test_a_write_that_makes_no_progress_within_the_timeout_is_no_overdue_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by reviewing the deadline: a receiver that stopped reading fails the write after the socket's timeout,
+    as before; the error said the chunk was overdue (and how long it "may take") although its deadline was far."""
+
+    snap = _wide_snapshot(128)
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as lsn:
+        t = threading.Thread(target=_paced_reader, args=(lsn, 1 << 62, 1 << 20, 3600, stop), daemon=True)
+        t.start()  # reads 1 MiB, then nothing
+        try:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError) as caught:
+                TcpSender().send(f"tcp://127.0.0.1:{lsn.getsockname()[1]}", [("ab" * 8, "cd" * 8, snap)], timeout=1.0)
+            took = time.monotonic() - start
+        finally:
+            stop.set()
+            t.join(10)
+    assert "may take" not in str(caught.value), caught.value
+    assert took < 10
 
 
 def test_a_new_connection_that_sends_nothing_is_closed_after_the_handshake_timeout(
