@@ -6,7 +6,6 @@ Only :mod:`hurray_vllm.errors`, :mod:`hurray_vllm.wire` and
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -545,32 +544,3 @@ def refuse_shared_layer_caches(caches: Sequence[Sequence[torch.Tensor]]) -> None
             top, top_layer, other, other_layer = end, layer, top, top_layer
         elif end > other:
             other, other_layer = end, layer
-
-
-def plain_int(value: object) -> int:
-    """``value`` as a plain ``int``: an int or an integer scalar (numpy's, a 0-d integer tensor).
-
-    Raises:
-        TypeError: a bool (an int to Python, never a count or a token id), a float, a string or anything else.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"a bool is not a whole number here: {value!r}")
-    return operator.index(value)  # type: ignore[arg-type]
-
-
-def integer_arg(
-    value: object, field: str, minimum: int | None = None, error: type[HurrayArgumentError] = HurrayArgumentError
-) -> int:
-    """An argument as a plain ``int`` (:func:`plain_int`) of at least ``minimum``; else ``error`` naming ``field``.
-
-    A float or a string would otherwise fail later with a bare ``TypeError``, or, compared and counted
-    against, act as the next integer up (``max_new_tokens=2.5`` ran 3 steps).
-    """
-    try:
-        count = plain_int(value)
-    except TypeError:
-        count = None
-    if count is None or (minimum is not None and count < minimum):
-        least = f" >= {minimum}" if minimum is not None else ""
-        raise error(field, f"must be an integer{least}, not {value!r}")
-    return count

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
-from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
+from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, integer_arg, plain_int
 from ..kv.paged import BlockPagedTensor, zero_slots_
 from ..kv.repage import check_budget, check_memory
 from ..kv.snapshot import TARGET_LAYERS, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
@@ -49,7 +49,7 @@ from ..kv.states import RecurrentStates
 from ..wire import dtypes
 from ..wire.descriptor import PerTensorAffine
 from ..wire.rules import raise_if
-from ._common import check_layer, integer_arg, plain_int
+from ._common import check_layer
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

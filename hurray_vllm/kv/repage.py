@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import errno
 import math
-import operator
 import os
 import weakref
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
+from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, integer_arg
 from ..wire.descriptor import PerBlockAffine
 from ..wire.rules import LENGTH_DTYPES
 from .paged import BlockPagedTensor, check_slot_params, check_structure, made_for, same_tensor
@@ -178,28 +177,6 @@ class RepagePlan:
         return int(self.src_slots.numel()) // self.page_size
 
 
-def _target_page_size(page_size: object) -> int:
-    """``page_size`` as a plain ``int`` >= 1: numpy and 0-d torch integers too, never a bool, float or string.
-
-    A float of 8.0 would otherwise fail deep in ``repeat_interleave``, and a string at the first comparison,
-    with neither naming the argument.
-
-    Raises:
-        ImportArgumentError: naming ``page_size``.
-    """
-    try:
-        if isinstance(page_size, bool):  # an int to Python, never a page size
-            raise TypeError
-        size = operator.index(page_size)  # type: ignore[arg-type]
-    except TypeError:
-        raise ImportArgumentError(
-            "page_size", f"target page size must be a positive integer, got {page_size!r}"
-        ) from None
-    if size <= 0:
-        raise ImportArgumentError("page_size", f"target page size must be positive, got {size}")
-    return size
-
-
 def plan_repage(
     block_table: torch.Tensor,
     seq_ptr: torch.Tensor,
@@ -221,7 +198,7 @@ def plan_repage(
             are not integers (``seq_lens.dtype``), or the block table or
             ``seq_ptr`` not integers (``block_table.dtype``, ``seq_ptr.dtype``).
     """
-    page_size = _target_page_size(page_size)
+    page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     if seq_lens.dtype not in LENGTH_DTYPES:
         raise HurrayFormatError(
             "seq_lens.dtype", f"sequence lengths must be integers (int8..int64 or uint8), not {seq_lens.dtype}"
@@ -512,7 +489,7 @@ def repage(
         OSError: ``ENOMEM``: the new pool is larger than the device's memory
             (:func:`check_memory`).
     """
-    page_size = _target_page_size(page_size)
+    page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     if t.seq_lens is None:
         raise HurrayFormatError("seq_lens", "repaging needs the sequence lengths, which this tensor does not carry")
     check_slot_params(t, "repage")
@@ -585,7 +562,8 @@ def repage_snapshot(snap: KVSnapshot, page_size: int) -> KVSnapshot:
         OSError: ``ENOMEM``: every layer's new pools together are larger than
             the device's memory, before the first is built.
     """
-    page_size = _target_page_size(page_size)  # 8.0 would compare equal to a page size of 8 below
+    # 8.0 would compare equal to a page size of 8 below
+    page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     # Layers may have pages of their own sizes (the format allows it): each is looked at, not just the first.
     if all(t.page_size == page_size for t in snap.tensors()):
         return snap

@@ -37,9 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin
 
-from ...errors import HurrayArgumentError, HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError, integer_arg, plain_int
 from ...transport.base import split_url
-from .._common import integer_arg, plain_int
 
 __all__ = ["BACKEND_API_KEY_ENV", "MigrationResult", "complete", "migrate"]
 
