@@ -22,7 +22,15 @@ from ..wire.descriptor import (
     TensorDescriptor,
 )
 from ..wire.dtypes import widen_index
-from ..wire.rules import LENGTH_DTYPES, Checked, check_own, raise_if, validate_descriptor, validate_index_buffers
+from ..wire.rules import (
+    INDEX_DTYPES,
+    LENGTH_DTYPES,
+    Checked,
+    check_own,
+    raise_if,
+    validate_descriptor,
+    validate_index_buffers,
+)
 
 __all__ = [
     "BlockPagedTensor",
@@ -30,6 +38,7 @@ __all__ = [
     "SharingStats",
     "CompactionPlan",
     "check_slot_params",
+    "check_index_dtypes",
     "check_structure",
     "made_for",
     "plan_compaction",
@@ -126,8 +135,10 @@ def plan_compaction(block_table: torch.Tensor, num_pages: int) -> CompactionPlan
     refuses it for another).
 
     Raises:
-        HurrayFormatError: (field ``block_table``) a page id outside ``0 .. num_pages - 1``.
+        HurrayFormatError: (field ``block_table``) a page id outside ``0 .. num_pages - 1``;
+            (``block_table.dtype``) ids not held as int32/int64.
     """
+    check_index_dtypes(block_table=block_table)
     if block_table.numel() == 0:
         empty = torch.empty(0, dtype=torch.int64, device=block_table.device)
         return CompactionPlan(empty, empty, src_block_table=block_table)
@@ -145,6 +156,23 @@ def plan_compaction(block_table: torch.Tensor, num_pages: int) -> CompactionPlan
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return CompactionPlan(keep=uniq[order], block_table=rank[inverse], src_pages=hi + 1, src_block_table=block_table)
+
+
+def check_index_dtypes(**tensors: torch.Tensor) -> None:
+    """Refuse page-id tensors (``block_table``, ``seq_ptr``) not held as int32 or int64.
+
+    The same structural rule :func:`~hurray_vllm.wire.rules.validate_index_buffers` reports, raised
+    where a tensor built by hand is indexed with: torch would otherwise fail with a bare
+    ``RuntimeError``, and an int16 ``page * page_size`` wraps silently.
+
+    Raises:
+        HurrayFormatError: (field ``<name>.dtype``) naming the first such tensor.
+    """
+    for name, t in tensors.items():
+        if t.dtype not in INDEX_DTYPES:
+            raise HurrayFormatError(
+                f"{name}.dtype", f"{name} must be held as int32 or int64, not {t.dtype}; convert it"
+            )
 
 
 def _check_page_ids(lo: int, hi: int, num_pages: int | None) -> None:
@@ -326,7 +354,14 @@ class BlockPagedTensor:
         return self.page_pool.reshape(-1)[flat]
 
     def to_dense(self, seq: int) -> torch.Tensor:
-        """Sequence ``seq`` as a contiguous ``[seq_len, num_heads, head_dim]`` tensor."""
+        """Sequence ``seq`` as a contiguous ``[seq_len, num_heads, head_dim]`` tensor.
+
+        Raises:
+            HurrayFormatError: the lengths are unknown or inconsistent (:meth:`seq_len`), a page id
+                outside the pool (field ``block_table``), or page ids not held as int32/int64
+                (``block_table.dtype``).
+        """
+        check_index_dtypes(block_table=self.block_table)
         n = self.seq_len(seq)
         pages = self.pages_of(seq)
         if pages.numel():
@@ -452,9 +487,11 @@ class BlockPagedTensor:
         """int64 ``[num_pages]``: how many leading slots of each page some sequence uses.
 
         Raises:
-            HurrayFormatError: an inconsistent block structure (:func:`check_structure`), or
-                block-table entries no sequence owns (field ``seq_ptr``).
+            HurrayFormatError: an inconsistent block structure (:func:`check_structure`),
+                block-table entries no sequence owns (field ``seq_ptr``), or page ids not held
+                as int32/int64 (``block_table.dtype``, ``seq_ptr.dtype``).
         """
+        check_index_dtypes(block_table=self.block_table, seq_ptr=self.seq_ptr)
         valid = torch.zeros(self.num_pages, dtype=torch.int64, device=self.block_table.device)
         if self.block_table.numel() == 0:
             return valid

@@ -403,3 +403,23 @@ def test_validate_reports_a_layer_index_the_wire_cannot_encode(layer: int) -> No
     assert [v.invariant for v in checked.errors] == ["layer_index"], checked.errors
     assert replace(t, layer_index=2**32 - 2).validate().ok
     assert replace(t, layer_index=None).validate().ok
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.float32])
+def test_page_ids_in_a_dtype_torch_cannot_index_with_are_refused_naming_the_field(dtype: torch.dtype) -> None:
+    """to_dense, compact and valid_slots failed inside torch (a bare RuntimeError / NotImplementedError)."""
+    t = hv.BlockPagedTensor(torch.randn(4, 2, 1, 2), torch.tensor([1, 2]), torch.tensor([0, 2]), torch.tensor([3]))
+    narrow = replace(t, block_table=t.block_table.to(dtype))
+    calls = {
+        "to_dense": lambda: narrow.to_dense(0),
+        "compact": narrow.compact,
+        "valid_slots": narrow.valid_slots,
+        "zero_unused_slots": narrow.zero_unused_slots,
+        "plan_compaction": lambda: plan_compaction(narrow.block_table, narrow.num_pages),
+    }
+    for name, call in calls.items():
+        with pytest.raises(hv.HurrayFormatError) as err:
+            call()
+        assert err.value.field == "block_table.dtype", name
+    assert not narrow.validate().ok  # the same rule validate() reports
+    assert torch.equal(replace(narrow, block_table=narrow.block_table.long()).to_dense(0), t.to_dense(0))
