@@ -71,7 +71,13 @@ def distinct_ranks(num_kv_heads: int, tp: int) -> list[int]:
     Example:
         >>> distinct_ranks(8, 4), distinct_ranks(2, 4)
         ([0, 1, 2, 3], [0, 2])
+
+    Raises:
+        HurrayArgumentError: as :func:`rank_heads` (``tp`` below 1: field ``tensor_parallel_size``,
+            not "no rank exports").
     """
+    if tp < 1:
+        raise HurrayArgumentError("tensor_parallel_size", f"must be at least 1, got {tp}")
     out, seen = [], set()
     for r in range(tp):
         heads = rank_heads(num_kv_heads, tp, r)

@@ -919,3 +919,31 @@ def test_a_directory_at_a_chunks_name_is_refused_as_not_a_file(tmp_path: Path) -
             with pytest.raises(hv.HurrayFormatError) as err:
                 call()
             assert err.value.field == "file" and "not a regular file" in str(err.value)
+
+
+def test_a_slice_of_every_head_is_stored_as_the_whole_chunk_and_never_as_a_slice(tmp_path: Path) -> None:
+    """A snapshot marked heads 0..n of n (valid, and it survives save/load) was stored as "<key>.h0-n".
+
+    No lookup reads that name (a set covering every head is the whole key), so the chunks took disk and
+    were never loaded; a receiver accepted such pushes too.
+    """
+    from bare_worker import CHUNK, two_chunks
+
+    from hurray_vllm.chunks.digest import check_heads
+    from hurray_vllm.kv.snapshot import HeadRange
+
+    snap = two_chunks(2)
+    full = replace(snap, heads=HeadRange(0, 2, 2))
+    store = DirectoryStore(tmp_path)
+    assert store_snapshot(store, full, CHUNK, tails=False) == 2
+    ns = namespace_of(snap.fingerprint)
+    keys = [k for k, _ in chunks_of(snap, CHUNK)]
+    assert [k for k, _ in chunks_of(full, CHUNK)] == keys
+    assert sorted(p.name for p in (tmp_path / ns).iterdir()) == sorted(f"{k}.hrry" for k in keys)
+    assert all(store.parts(ns, k, 2) is not None for k in keys)
+    # A receiver or checker given the slice name refuses it, naming the field.
+    whole = chunks_of(snap, CHUNK)[0][1]
+    with pytest.raises(hv.HurrayFormatError) as err:
+        check_heads(whole, range(0, 2))
+    assert err.value.field == "snapshot.heads"
+    check_heads(whole, None)

@@ -315,3 +315,11 @@ def test_a_part_whose_pools_hold_other_heads_than_its_range_says_is_refused() ->
         with pytest.raises(hv.HurrayFormatError) as err:
             concat_heads(parts)
         assert err.value.field == "snapshot.heads"
+
+
+@pytest.mark.parametrize("tp", [0, -2])
+def test_distinct_ranks_of_no_ranks_is_the_callers_error_as_rank_heads_says(tp: int) -> None:
+    """distinct_ranks(8, 0) returned [] ("no rank exports") where rank_heads names the argument."""
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        distinct_ranks(8, tp)
+    assert err.value.field == "tensor_parallel_size"
