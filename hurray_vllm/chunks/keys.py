@@ -223,6 +223,11 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
         HurrayFormatError: the snapshot has no fingerprint, no token ids (a file saved without them), or
             layers paged in other sizes.
     """
+    h = snap.heads
+    if h is not None and (h.start, h.stop) == (0, h.total):
+        # A "slice" of every head is the whole chunk (docs/format.md: such a snapshot has no heads member);
+        # keyed as a slice, it would be stored as "<key>.h0-<all>", a name no lookup reads.
+        snap = replace(snap, heads=None)
     if snap.fingerprint is None:
         raise HurrayFormatError(
             "snapshot.fingerprint", "chunks are namespaced by model: the snapshot needs a fingerprint"
@@ -247,11 +252,6 @@ def chunks_of(snap: KVSnapshot, chunk_tokens: int, *, tails: bool = False) -> li
             "snapshot.structure", "layers are paged in different sizes: repage_snapshot() it to one page size first"
         )
     tails = tails and snap.windows is None and snap.states is None
-    h = snap.heads
-    if h is not None and (h.start, h.stop) == (0, h.total):
-        # A "slice" of every head is the whole chunk (docs/format.md: such a snapshot has no heads member);
-        # keyed as a slice, it would be stored as "<key>.h0-<all>", a name no lookup reads.
-        snap = replace(snap, heads=None)
     seeds = sequence_seeds(snap, namespace_of(snap.fingerprint))
     per = chunk_tokens // ps
     out = []
