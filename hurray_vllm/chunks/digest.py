@@ -57,8 +57,8 @@ def check_heads(snap: KVSnapshot, heads: range | None) -> None:
     ``heads``: a tensor-parallel slice's heads (``<key>.h<a>-<b>``,
     :func:`~hurray_vllm.chunks.keys.split_slice_key`); ``None``: a whole
     chunk, which must hold every head of the model. A slice stored under a
-    whole chunk's name would otherwise be loaded as the whole chunk; a
-    "slice" of every head is refused too, since no lookup reads that name.
+    whole chunk's name would otherwise be loaded as the whole chunk.
+    (The store gives a whole file's heads as ``range(0, total)``: accepted.)
     """
     held = snap.head_range
     total = held.total
@@ -66,13 +66,6 @@ def check_heads(snap: KVSnapshot, heads: range | None) -> None:
         # The model's heads, not the file's own count: a whole chunk of fewer heads than its model has
         # is refused by every consumer (verify_chunk), so no checker may call it good.
         total = snap.fingerprint.num_kv_heads
-    if heads is not None and (heads.start, heads.stop) == (0, total):
-        # No lookup reads "<key>.h0-<all>" (a set covering every head is the whole name): stored, it would
-        # take disk and quota and never be loaded.
-        raise HurrayFormatError(
-            "snapshot.heads",
-            f"a slice of every head ({heads.start}..{heads.stop}) is a whole chunk: store it under the key alone",
-        )
     want = (heads.start, heads.stop) if heads is not None else (0, total)
     if (held.start, held.stop) != want:
         raise HurrayFormatError(
