@@ -18,7 +18,7 @@ def test_the_longest_prefix_sent_before_wins_then_the_least_loaded() -> None:
     b.remember(keys[:2])
     c.remember(["k1", "k2"])  # not a prefix: counts nothing
     assert bs.pick(keys) is b
-    assert bs.pick(keys, avoid=b) is a
+    assert bs.pick(keys, exclude=[b]) is a
     b.draining = True
     assert bs.pick(keys) is a
     b.draining, a.healthy = False, False
@@ -33,7 +33,7 @@ def test_the_longest_prefix_sent_before_wins_then_the_least_loaded() -> None:
     b.in_flight = KV_LOAD_SLACK + 1
     assert bs.pick(keys) is c  # no prefix within the slack: the least loaded
     c.planned = KV_LOAD_SLACK + 1  # moves on their way there count too
-    assert bs.pick(keys) is a and bs.pick(keys, avoid=a) is b
+    assert bs.pick(keys) is a and bs.pick(keys, exclude=[a]) is b
 
 
 def test_one_shared_prefix_does_not_send_all_traffic_to_one_backend() -> None:
@@ -86,7 +86,7 @@ def test_every_leg_remembers_the_prompt_where_it_runs(why: str) -> None:
 
     asyncio.run(run())
     assert router.backends.all[B].held(f.keys) == len(f.keys)
-    assert router.backends.pick(f.keys, avoid=router.backends.all[A]) is router.backends.all[B]
+    assert router.backends.pick(f.keys, exclude=[router.backends.all[A]]) is router.backends.all[B]
 
 
 def test_with_no_healthy_backend_the_router_checks_the_others_once_more() -> None:
@@ -111,9 +111,9 @@ def test_with_no_healthy_backend_the_router_checks_the_others_once_more() -> Non
     assert asyncio.run(router.pick(["k"])) is b and checked == []  # one is healthy: no extra check
     answers[B] = False
     b.healthy = False
-    assert asyncio.run(router.pick(["k"], avoid=a)) is None and checked == []  # checked within the interval
+    assert asyncio.run(router.pick(["k"], exclude=[a])) is None and checked == []  # checked within the interval
     router._rechecked.clear()  # the interval passed
-    assert asyncio.run(router.pick(["k"], avoid=a)) is None and checked == [B]
+    assert asyncio.run(router.pick(["k"], exclude=[a])) is None and checked == [B]
 
 
 def test_requests_that_find_no_healthy_backend_together_share_one_check() -> None:
@@ -328,7 +328,7 @@ def test_a_request_goes_to_a_backend_that_serves_its_model() -> None:
     c.served = frozenset({"m"})
     assert bs.pick(["k"], model="sql") is a
     assert bs.pick(["k"], model="m") is b and bs.pick(["k"]) is b  # no model named: the backend's own default
-    assert bs.pick(["k"], model="sql", avoid=a) in (b, c)  # none left that serves it: any (the caller checks)
+    assert bs.pick(["k"], model="sql", exclude=[a]) in (b, c)  # none left that serves it: any (the caller checks)
     for policy in ("least-loaded", "round-robin"):
         other = Backends([A, B], policy=policy)
         other.all[A].served, other.all[B].served = frozenset({"m"}), frozenset({"m", "sql"})
@@ -486,7 +486,7 @@ def test_a_backend_in_a_log_line_is_its_url_not_the_prefix_keys_it_remembers(cap
 
     f = router.begin("completion", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True})
     f._upstream = upstream  # type: ignore[method-assign]
-    router.backends.pick = lambda keys, avoid=None, **_: b if avoid is a else a  # type: ignore[method-assign]
+    router.backends.pick = lambda keys, exclude=(), **_: b if any(x is a for x in exclude) else a  # type: ignore[method-assign]
 
     async def run() -> list[int]:
         return [t async for d in f.deltas() for t in d.token_ids]

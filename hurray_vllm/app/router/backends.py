@@ -195,12 +195,11 @@ class Backends:
         *,
         model: object = None,
         prefill: bool = False,
-        avoid: Backend | None = None,
         exclude: Sequence[Backend] = (),
     ) -> Backend | None:
         """The backend to send a request for ``model`` with prefix ``keys`` to; None if none is usable.
 
-        Never ``avoid`` nor one of ``exclude`` (a drain's destinations that could not take the request).
+        Never one of ``exclude`` (the backend a request leaves, a drain's destinations that could not take it).
 
         Only backends that serve ``model`` (:meth:`Backend.serves`: a LoRA
         adapter loaded on some of them, say) are chosen from while there is
@@ -212,7 +211,7 @@ class Backends:
         one's, the one sent the longest prefix of ``keys`` before, then the
         least loaded of those.
         """
-        cands = [b for b in self.usable(prefill=prefill) if b is not avoid and all(b is not e for e in exclude)]
+        cands = [b for b in self.usable(prefill=prefill) if all(b is not e for e in exclude)]
         if not cands:
             return None
         cands = [b for b in cands if b.serves(model)] or cands

@@ -598,7 +598,7 @@ class Flight:
         Picked without a wait (no backend checked once more, no ``/v1/models`` asked): a drain that wakes to the
         failed move's answer meanwhile would find the request still on ``failed`` and take it for moved off.
         """
-        nxt = self.router.backends.pick(self._keys, model=self.model, avoid=source) if source.draining else None
+        nxt = self.router.backends.pick(self._keys, model=self.model, exclude=(source,)) if source.draining else None
         if nxt is not None and (nxt is failed or not nxt.serves(self.model)):
             nxt = None
         room = None if nxt is None else self._room(nxt)
@@ -986,7 +986,8 @@ class Flight:
         split = split and any(b.serves(self.model) for b in backends.usable())
 
         async def pick(avoid: Backend | None = None, prefill: bool = False) -> Backend | None:
-            return await self.router.pick(self._keys, model=self.model, prefill=prefill, avoid=avoid)
+            exclude = () if avoid is None else (avoid,)
+            return await self.router.pick(self._keys, model=self.model, prefill=prefill, exclude=exclude)
 
         first = await pick(prefill=True) if split else None
         if first is not None and not first.serves(self.model):

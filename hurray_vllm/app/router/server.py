@@ -179,7 +179,6 @@ class Router:
         *,
         model: object = None,
         prefill: bool = False,
-        avoid: Backend | None = None,
         exclude: Sequence[Backend] = (),
     ) -> Backend | None:
         """:meth:`Backends.pick`; when no backend of that kind is healthy, check the others once more first.
@@ -189,18 +188,18 @@ class Router:
         restarted, or every backend of a router started before them. Also
         when the only healthy ones do not serve ``model``.
         """
-        b = self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid, exclude=exclude)
+        b = self.backends.pick(keys, model=model, prefill=prefill, exclude=exclude)
         if b is not None and b.serves(model):
             return b
         down = [
             x
             for x in self.backends.all.values()
-            if x.prefill == prefill and not x.healthy and x is not avoid and all(x is not e for e in exclude)
+            if x.prefill == prefill and not x.healthy and all(x is not e for e in exclude)
         ]
         if not down:
             return b
         await asyncio.gather(*(self._recheck(x) for x in down))
-        return self.backends.pick(keys, model=model, prefill=prefill, avoid=avoid, exclude=exclude)
+        return self.backends.pick(keys, model=model, prefill=prefill, exclude=exclude)
 
     @property
     def patience(self) -> float:
@@ -322,7 +321,7 @@ class Router:
                     )
                     failed.append({"id": f.id, "error": why})
                     return
-                dest = await self.pick(f.keys, model=f.model, avoid=b, exclude=tried)
+                dest = await self.pick(f.keys, model=f.model, exclude=[b, *tried])
                 if dest is None:
                     why = "no other healthy, undrained backend" + (f" (the last destination: {last})" if last else "")
                     failed.append({"id": f.id, "error": why})
@@ -862,14 +861,14 @@ def build_app(config: RouterConfig) -> Any:
         counted = len(prompt) if isinstance(prompt, list) and all(type(t) is int for t in prompt) else None
         token_ids = flag(body, "return_token_ids")  # its events then carry the generated tokens' ids (Relayed.count)
         failed: str | None = None  # the last backend's failure, the answer when no other backend is left
-        avoid: Backend | None = None
+        avoid: tuple[Backend, ...] = ()  # the backend that just failed: tried elsewhere
 
         def let_go(b: Backend) -> None:  # the request no longer runs on b
             b.in_flight -= 1
             router.relayed.pop(rid, None)
 
         for attempt in range(MAX_FAILOVERS + 1):
-            b = await router.pick(keys, model=body.get("model"), avoid=avoid)
+            b = await router.pick(keys, model=body.get("model"), exclude=avoid)
             if b is None:
                 break
             b.in_flight += 1
@@ -898,7 +897,7 @@ def build_app(config: RouterConfig) -> Any:
                 failed = f"{b.url}: {entry.dead}" if exc is None else f"{b.url}: {type(exc).__name__}: {exc}"
                 router.backends.mark_down(b)
                 log.warning("router: %s failed before its answer (%s); trying another backend", rid, failed)
-                avoid = b
+                avoid = (b,)
                 continue
             upstream = entry.upstream = post.result()
             if entry.dead is not None:
@@ -913,7 +912,7 @@ def build_app(config: RouterConfig) -> Any:
                 failed = f"{b.url} answered HTTP {upstream.status}"
                 router.backends.mark_down(b)
                 log.warning("router: %s: %s; trying another backend", rid, failed)
-                avoid = b
+                avoid = (b,)
                 continue
             break
         else:
