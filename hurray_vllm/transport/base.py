@@ -41,6 +41,7 @@ import abc
 import contextlib
 import errno
 import ipaddress
+import itertools
 import logging
 import os
 import select
@@ -56,7 +57,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import torch
 
-from ..chunks.digest import check_heads
+from ..chunks.digest import check_named_heads
 from ..chunks.keys import CHUNK_NAME, namespace_of
 from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
@@ -85,6 +86,7 @@ __all__ = [
     "read_message",
     "read_answer",
     "query_held",
+    "first_of",
     "dial",
     "SendAborted",
     "HELD_MAGIC",
@@ -637,6 +639,17 @@ def query_held(sock: socket.socket, names: Sequence[tuple[str, str]]) -> set[tup
     return held
 
 
+def first_of(chunks: Iterable[Chunk]) -> tuple[list[Chunk], Iterator[Chunk]]:
+    """The first chunk (none if there are none), made before the connection is, and the rest, still lazy.
+
+    A receiver gives a new connection :data:`HANDSHAKE_TIMEOUT_S` for its first frame (a silent
+    connection holds one of its slots): an engine exports and stores a chunk before it yields it, which
+    would spend that time with the connection open. Every sender (TCP, NIXL) connects after this.
+    """
+    rest = iter(chunks)
+    return list(itertools.islice(rest, 1)), rest
+
+
 #: Guards every sender's set of live connections (short critical sections; senders are few).
 _LIVE_MU = threading.Lock()
 
@@ -813,8 +826,10 @@ class ReceiverBase(abc.ABC):
             second per MiB (:data:`FRAME_MIN_RATE`): per MiB that arrived for a TCP chunk's payload,
             per MiB offered for a NIXL transfer. A peer slower than that, however steadily it
             trickles, is disconnected.
-        idle_timeout: How long a connection may stay silent between chunks.
-        max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL).
+        idle_timeout: How long a connection may stay silent between chunks (before its first frame:
+            at most :data:`HANDSHAKE_TIMEOUT_S`, see :meth:`next_frame`).
+        max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL, each
+            rounded up to 4 KiB as its receive buffer takes it).
         max_connections: How many connections are served at once; one more is
             answered ``ER`` and closed.
         quota_bytes: The most bytes the store (a directory) may hold: a chunk
@@ -1132,7 +1147,7 @@ class ReceiverBase(abc.ABC):
                 (with ``keys``) the chunk is unsigned, signed with another key or its MAC is
                 wrong (fields of :mod:`hurray_vllm.chunks.signing`).
         """
-        check_heads(snap, check_names(ns, key))
+        check_named_heads(snap, check_names(ns, key))
         if snap.fingerprint is None or namespace_of(snap.fingerprint) != ns:
             # No consumer of this namespace would take it (another model's chunk): not worth the disk.
             raise HurrayFormatError("snapshot.fingerprint", f"chunk's model does not belong in namespace {ns}")

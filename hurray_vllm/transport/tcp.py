@@ -32,7 +32,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO, cast
 
 from ..chunks.signing import FleetKeys
@@ -52,6 +52,7 @@ from .base import (
     check_names,
     dial,
     finish_with_error,
+    first_of,
     parse_address,
     read_answer,
     read_message,
@@ -106,20 +107,9 @@ def send_chunks(
             too when it took a chunk slower than that plus 8 seconds per MiB); ``ssl.SSLError`` (an
             ``OSError``) when its certificate is not trusted.
     """
-    first, rest = _first_of(chunks)
+    first, rest = first_of(chunks)
     with connect(url, timeout=timeout, keys=keys, tls=tls) as sock:
         _send_over(sock, itertools.chain(first, rest))
-
-
-def _first_of(chunks: Iterable[Chunk]) -> tuple[list[Chunk], Iterator[Chunk]]:
-    """The first chunk (none if there are none), made before the connection is, and the rest, still lazy.
-
-    A receiver gives a new connection :data:`~.base.HANDSHAKE_TIMEOUT_S` for its first frame (a silent
-    connection holds one of its slots): an engine exports and stores a chunk before it yields it, which
-    would spend that time with the connection open.
-    """
-    rest = iter(chunks)
-    return list(itertools.islice(rest, 1)), rest
 
 
 def connect(
@@ -283,7 +273,7 @@ class TcpSender(ChunkSender):
     ) -> None:
         """See :func:`send_chunks`; :meth:`abort` makes it fail at once."""
         start = self._aborts()
-        first, rest = _first_of(chunks)
+        first, rest = first_of(chunks)
         with self.tracked(url, timeout=timeout, keys=keys) as sock:
             if self._aborts() != start:  # aborted while the first chunk was made: before any socket it could shut
                 raise SendAborted(f"the {self.scheme} call to {url} was aborted")

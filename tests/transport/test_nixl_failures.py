@@ -7,6 +7,7 @@ record what is done to them, and answer as NIXL does in the case at hand
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import queue
@@ -21,13 +22,15 @@ from typing import Any
 
 import pytest
 import torch
+from blocking import wait_for
 from synthetic import example_chunk
 
 from hurray_vllm import transport
 from hurray_vllm.chunks.store import DirectoryStore
 from hurray_vllm.containers.schema import Record, dense_record
 from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
-from hurray_vllm.transport.base import U16, U32, U64, ReceiverBase, read_message, recv_exact
+from hurray_vllm.transport import base
+from hurray_vllm.transport.base import U16, U32, U64, ReceiverBase, SendAborted, read_message, recv_exact
 from hurray_vllm.transport.nixl import NixlError, NixlReceiver, NixlSender
 from hurray_vllm.transport.nixl import offer as tn_offer
 from hurray_vllm.transport.nixl import receiver as tn_receiver
@@ -954,3 +957,94 @@ def test_a_url_that_is_not_a_string_is_refused_naming_hurray_url() -> None:
         with pytest.raises(HurrayFormatError) as info:
             transport.channel_of(url)  # type: ignore[arg-type]
         assert info.value.field == "hurray_url"
+
+
+# ── a new side channel's first frame, and the aligned pool bytes ──
+
+
+@contextlib.contextmanager
+def copying_pair(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **limits: Any
+) -> Iterator[tuple[NixlReceiver, NixlSender, str]]:
+    """A started receiver with ``limits`` and a one-lane sender whose WRITEs copy into its slabs; the sender's URL."""
+    ragent = FakeAgent("recv", [])
+    monkeypatch.setattr(tn_receiver, "make_agent", lambda *args: ragent)
+    monkeypatch.setattr(tn_sender, "make_agent", lambda role, *args: CopyingAgent(role, ragent, {}, []))
+    with NixlReceiver("127.0.0.1", 0, DirectoryStore(tmp_path / "store"), **limits).start() as r:
+        sender = NixlSender(lanes=1)
+        try:
+            yield r, sender, f"nixl://127.0.0.1:{r.address[1]}"
+        finally:
+            sender.close()
+
+
+def test_a_silent_side_channel_is_closed_after_the_handshake_timeout_and_frees_its_slot(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A keyless receiver gave a silent new connection the idle timeout: 64 of them locked every sender out."""
+    monkeypatch.setattr(base, "HANDSHAKE_TIMEOUT_S", 0.5)
+    ns, key, chunk = example_chunk()
+    with copying_pair(monkeypatch, tmp_path, timeout=5, idle_timeout=60, max_connections=1) as (r, sender, url):
+        with socket.create_connection(r.address, timeout=10) as silent:
+            start = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the receiver: 60 s idle would raise TimeoutError here
+            assert time.monotonic() - start < 5
+            # Its one slot is free once the connection's thread is done (just after the close).
+            assert wait_for(lambda: not r._conns, 5)
+            sender.send(url, [(ns, key, chunk)], timeout=5)  # while the silent peer's socket is still open
+        assert r.store.has(ns, key) and (r.received, r.refused) == (1, 0)  # type: ignore[attr-defined]
+
+
+def test_a_sender_makes_its_first_chunk_before_it_opens_the_side_channel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A chunk exported (and stored) after connecting would spend the receiver's first-frame bound: it is made first."""
+    monkeypatch.setattr(base, "HANDSHAKE_TIMEOUT_S", 0.5)
+    ns, key, chunk = example_chunk()
+
+    def slow_first() -> Iterator[tuple[str, str, Any]]:  # an engine exporting and storing its chunk
+        time.sleep(1.5)
+        yield ns, key, chunk
+
+    with copying_pair(monkeypatch, tmp_path, timeout=5, idle_timeout=60) as (r, sender, url):
+        (stats,) = sender.send(url, slow_first(), timeout=5)
+        assert stats.key == key and r.received == 1 and r.refused == 0
+
+
+def test_an_abort_while_the_first_chunk_is_made_still_aborts_the_nixl_push(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first chunk is made before any socket exists for abort() to shut: the push checks for it once connected."""
+    ns, key, chunk = example_chunk()
+    with copying_pair(monkeypatch, tmp_path, timeout=5) as (r, sender, url):
+
+        def aborted_first() -> Iterator[tuple[str, str, Any]]:
+            sender.abort()  # the connector's shutdown, while the writer exports the first chunk
+            yield ns, key, chunk
+
+        with pytest.raises(SendAborted):
+            sender.send(url, aborted_first(), timeout=5)
+        assert r.received == 0 and r.arena.registrations == 0
+
+
+def test_max_chunk_bytes_counts_each_page_pool_as_its_receive_buffer_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Pools are laid out on 4 KiB boundaries: 16,000 pools of 2 bytes passed a 64 KiB limit and took ~64 MB."""
+    msg, sources = offer_message(*example_chunk())  # 8 pools of 128 bytes: 1 KiB announced, 32 KiB taken
+    sizes = [s.numel() for s in sources]
+    _, taken = tn_offer.pool_offsets(sizes)
+    assert sum(sizes) < taken - 1
+    for limit, granted in ((taken - 1, False), (taken, True)):
+        with copying_pair(monkeypatch, tmp_path / str(limit), timeout=5, max_chunk_bytes=limit) as (r, _, _):
+            with socket.create_connection(r.address, timeout=5) as s:
+                s.sendall(msg)
+                if granted:
+                    read_grant(s)
+                    assert r.arena.registrations == 1
+                    continue
+                assert recv_exact(s, 2) == b"ER"
+                message = read_message(s)
+                assert "max_chunk_bytes" in message and f"limit of {limit} bytes" in message, message
+                assert r.arena.registrations == 0 and r.arena.total == 0
+                assert "max_chunk_bytes" in (r.last_error or "") and r.refused == 1

@@ -340,6 +340,10 @@ def parse_offer(body: bytearray, max_remote_bytes: int, charge: Callable[[int], 
     record is decoded, and again with the bytes of the inline buffers it copies
     before it copies them; it refuses the offer by raising.
 
+    ``max_remote_bytes`` (the receiver's ``max_chunk_bytes``) bounds the page pools
+    as a receive buffer takes them: each rounded up to :data:`POOL_ALIGN`
+    (:func:`pool_offsets`), not the bytes they announce.
+
     An inline buffer is a view of ``body`` (which it keeps alive) where it
     starts on an :data:`INLINE_ALIGN` boundary and ``body`` is writable;
     others are copied.
@@ -397,10 +401,16 @@ def parse_offer(body: bytearray, max_remote_bytes: int, charge: Callable[[int], 
                 # Only page pools travel by NIXL: everything the validation reads is inline.
                 if desc.layout_tag != LAYOUT_BLOCK_PAGED or j != 0 or b.byte_size == 0:
                     raise HurrayFormatError("transport.offer", f"descriptor {i} buffer {j} cannot be sent by NIXL")
-                remote_total += b.byte_size
+                # Counted as a receive buffer takes it (pool_offsets): 16,000 pools of 2 bytes would
+                # otherwise pass a 64 KiB limit and have some 64 MB allocated and registered for them.
+                remote_total += -(-b.byte_size // POOL_ALIGN) * POOL_ALIGN
                 if remote_total > max_remote_bytes:
                     raise HurrayFormatError(
-                        "transport", f"chunk of more than {remote_total} bytes exceeds the limit of {max_remote_bytes}"
+                        "transport",
+                        f"chunk of at least {remote_total} bytes of page pools (each rounded up to {POOL_ALIGN} bytes, "
+                        f"as received) exceeds the limit of {max_remote_bytes} bytes per chunk (max_chunk_bytes; "
+                        "hurray-vllm receive --max-chunk): raise it on the receiver, or save smaller chunks "
+                        "(hurray_chunk_tokens)",
                     )
                 bufs.append(len(remote_sizes))
                 remote_sizes.append(b.byte_size)

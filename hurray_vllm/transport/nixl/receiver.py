@@ -412,8 +412,10 @@ class NixlReceiver(ReceiverBase):
         store: Where accepted chunks go.
         timeout: Bounds every step of a chunk (offer, transfer, commit), in seconds; the
             transfer may take one second more per MiB of page pools (as the sender allows it).
-        idle_timeout: How long a connection may wait between chunks.
-        max_chunk_bytes: The largest page pools one chunk may announce, all together.
+        idle_timeout: How long a connection may wait between chunks (before its first offer:
+            :data:`~..base.HANDSHAKE_TIMEOUT_S` at most, as :meth:`~..base.ReceiverBase.next_frame` says).
+        max_chunk_bytes: The largest page pools one chunk may announce, all together, each counted
+            as the receive buffer takes it: rounded up to :data:`.offer.POOL_ALIGN` (4 KiB).
         max_arena_bytes: Registered receive memory for all chunks in flight.
         max_offer_memory_bytes: Memory for the offers being handled, all connections
             together (each is read whole, up to :data:`MAX_OFFER_BYTES`, before it is
@@ -522,12 +524,14 @@ class NixlReceiver(ReceiverBase):
     def serve(self, conn: socket.socket) -> None:
         """Read offers until the sender closes; see the protocol in :mod:`hurray_vllm.transport.nixl`."""
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        first = True  # its first frame within HANDSHAKE_TIMEOUT_S: a silent peer must not hold a slot for long
         while not self.stopping:
             held = 0  # the offer bytes this connection holds, counted against max_offer_memory_bytes
             try:
                 try:
-                    if not self.next_frame(conn, MAGIC):
+                    if not self.next_frame(conn, MAGIC, first=first):
                         return
+                    first = False
                     (length,) = U64.unpack(recv_exact(conn, 8))
                     if length > MAX_OFFER_BYTES:
                         raise HurrayFormatError("transport", f"an offer of {length} bytes exceeds the limit")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import select
@@ -26,7 +27,9 @@ from ..base import (
     U64,
     Chunk,
     ChunkSender,
+    SendAborted,
     dial,
+    first_of,
     read_answer,
     read_message,
     recv_exact,
@@ -377,11 +380,17 @@ class NixlSender(ChunkSender):
         when it cannot be reached or the transfer fails. With ``keys`` the
         side channel first runs the key handshake (:mod:`..security`): the
         receiver must prove it holds the fleet key before anything is
-        offered to it, and this sender then proves it too.
+        offered to it, and this sender then proves it too. The first chunk
+        is made before the side channel is opened: the receiver gives a new
+        connection :data:`~..base.HANDSHAKE_TIMEOUT_S` for its first offer.
         """
         out = []
+        start = self._aborts()
+        first, rest = first_of(chunks)
         with self.tracked(url, timeout=timeout, keys=keys) as sock:  # abort() cuts it
-            for ns, key, snap in chunks:
+            if self._aborts() != start:  # aborted while the first chunk was made: before any socket it could shut
+                raise SendAborted(f"the {self.scheme} call to {url} was aborted")
+            for ns, key, snap in itertools.chain(first, rest):
                 out.append(self._send_one(sock, ns, key, snap, timeout))
         return out
 
