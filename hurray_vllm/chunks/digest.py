@@ -45,10 +45,32 @@ __all__ = [
     "digest_matches",
     "digest_unverifiable",
     "check_heads",
+    "check_named_heads",
     "digest_tensors",
     "file_ranges",
     "remember_sections",
 ]
+
+
+def check_named_heads(snap: KVSnapshot, heads: range | None) -> None:
+    """:func:`check_heads` for a file or pushed chunk whose heads come from its *name*.
+
+    A name ``<key>.h0-<n>`` with ``n`` every head is refused as well: no lookup reads it (a set
+    covering every head is the key alone), so such a file takes disk and quota and is never loaded.
+    (The store gives a whole file's heads as ``range(0, n)``: that is :func:`check_heads`'s case.)
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.heads``) as :func:`check_heads`, or a slice name of every head.
+    """
+    if heads is not None and heads.start == 0:
+        total = snap.fingerprint.num_kv_heads if snap.fingerprint is not None and not snap.is_latent else None
+        if heads.stop in (total, snap.head_range.total):
+            raise HurrayFormatError(
+                "snapshot.heads",
+                f"named as a slice of every head ({heads.start}..{heads.stop}), a name no lookup reads: "
+                "a whole chunk is stored under its key alone",
+            )
+    check_heads(snap, heads)
 
 
 def check_heads(snap: KVSnapshot, heads: range | None) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import HurrayFormatError
-from .digest import check_heads, digest_unverifiable
+from .digest import check_named_heads, digest_unverifiable
 from .keys import is_chunk_name, namespace_of, split_slice_key
 from .prune import namespaces
 from .signing import FleetKeys, refusal_kind
@@ -87,7 +87,7 @@ def _why(store: DirectoryStore, ns: str, name: str, keys: FleetKeys | None) -> s
     try:
         # The tokens its KV is of: a consumer checks them against its key, and refuses a file without them.
         _check_token_ids(snap, snap.seq_lens[0])
-        check_heads(snap, heads)
+        check_named_heads(snap, heads)
         # The pools against the file's own fingerprint (the directory's model): every consumer refuses a chunk
         # whose pools disagree with it, and no producer writes over it (the key exists), so it is damage here.
         _check_geometry(snap, snap.fingerprint, heads)

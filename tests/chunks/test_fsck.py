@@ -47,6 +47,9 @@ def _damaged_store(root: Path) -> tuple[DirectoryStore, str, dict[str, str]]:
         kinds["a3" * 8] = "heads"
         store.put(ns, slice_key("a4" * 8, range(heads // 2, heads)), half)
         kinds[slice_key("a4" * 8, range(heads // 2, heads))] = "heads"
+        # The whole chunk named as a slice of every head: a name no lookup reads.
+        store.put(ns, slice_key("a7" * 8, range(0, heads)), chunk)
+        kinds[slice_key("a7" * 8, range(0, heads))] = "heads"
     other = "0123456789abcdef"  # a namespace this chunk's model does not have
     store.put(other, "a5" * 8, chunk)
     kinds["a5" * 8] = "namespace"
@@ -62,6 +65,7 @@ def test_fsck_names_every_damaged_file_and_quarantine_moves_them_aside(tmp_path:
     found = {Path(p).name.removesuffix(".hrry"): why for p, why in report.damaged}
     assert set(found) == set(kinds)
     assert "snapshot.digest" in found["a1" * 8] and "snapshot.heads" in found["a3" * 8]
+    assert all("slice of every head" in why for name, why in found.items() if name.startswith("a7"))
     assert "another model" in found["a5" * 8]
     assert (
         report.temporary == 1 and not report.moved and all(store.path(ns, n).exists() for n in kinds if n != "a5" * 8)

@@ -259,6 +259,9 @@ def test_tensor_parallel_slices_travel_under_their_names_and_must_hold_those_hea
     for name in (slice_key("ef" * 8, range(2, 4)), "ef" * 8):
         with pytest.raises(hv.HurrayFormatError, match=r"refused.*heads 0\.\.2"):
             transport.send_chunks(url, [(ns, name, low)])
+    # A whole chunk under a "slice" name of every head: stored, no lookup would ever read it.
+    with pytest.raises(hv.HurrayFormatError, match=r"refused.*slice of every head"):
+        transport.send_chunks(url, [(ns, slice_key("ef" * 8, range(0, 4)), signed(whole))])
     # Names that are not canonical slices are refused before anything is read.
     for name in (f"{key}.h02-4", f"{key}.h4-2", f"{key}.h2-4.h0-1", f"{key}.x"):
         with pytest.raises(hv.HurrayFormatError, match=r"refused.*hex digits"):
