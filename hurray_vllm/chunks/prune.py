@@ -144,7 +144,8 @@ def prune(
     something is to be deleted or with ``keys``.
 
     A tensor-parallel chunk (a file per slice of its heads) is kept or
-    deleted whole, ranked by its most recently used file. Safe while
+    deleted whole, ranked by its most recently used file; when one of its
+    files stays (as above), its files not yet deleted stay with it. Safe while
     engines use the store: a chunk deleted under an engine that mapped it
     stays readable for that engine, and later lookups miss it.
     ``dry_run`` only reports. With ``keys``, chunks that no key of the ring
@@ -244,7 +245,8 @@ def prune(
         total -= sum(size for _, size, _ in files[node])
     files_kept = sum(len(group) for group in files.values()) + foreign
     report = PruneReport(dry_run=dry_run, bytes_kept=total, chunks_kept=files_kept, skipped=skipped)
-    #: Chunks before one left in place: deleting them would leave it unreachable.
+    #: Chunks left in place (one of their files was) and the chunks before them: deleting the rest of a chunk's
+    #: files would leave a lone slice that can never load, and deleting the chunks before it, an unreachable chunk.
     pinned: set[_Node] = set()
     for kind, size, path, chunk in doomed:
         if chunk is not None and chunk in pinned:
@@ -317,8 +319,15 @@ def _ranked(
 
 
 def _pin(node: _Node | None, link: dict[_Node, _Node], pinned: set[_Node]) -> None:
-    """Keep every chunk before ``node`` in its prefix (``node`` stays: deleting them would strand it)."""
-    up = link.get(node) if node is not None else None
+    """Keep ``node``'s other files and every chunk before it in its prefix (``node`` stays, at least in part).
+
+    Its other files: a tensor-parallel chunk is kept or deleted whole, so deleting stops at its first file that
+    stays. The chunks before it: deleting them would strand it.
+    """
+    if node is None:
+        return
+    pinned.add(node)
+    up = link.get(node)
     while up is not None and up not in pinned:
         pinned.add(up)
         up = link.get(up)

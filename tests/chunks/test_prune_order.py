@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bare_worker import stored_at_tp
+from bare_worker import HEADS, stored_at_tp
 from synthetic import make_snapshot
 
 import hurray_vllm as hv
@@ -231,6 +231,34 @@ def test_a_chunk_that_could_not_be_deleted_keeps_its_parents(
     assert report.chunks_removed == 1 and report.chunks_kept == 3
     assert report.bytes_kept == _size(store, *keys[:3])
     assert any(str(stuck) in s for s in report.skipped) == (how == "refused")
+
+
+@pytest.mark.parametrize("how", ["refused", "written again"])
+def test_a_tensor_parallel_chunk_whose_slice_could_not_be_deleted_stays_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A slice left in place keeps the chunk's other slices (a lone slice can never load) and the chunks before it."""
+    store, ns, keys, _ = stored_at_tp(tmp_path, 2)
+    files = {k: sorted((tmp_path / "tp2" / ns).glob(f"{k}.h*.hrry")) for k in keys}
+    assert all(len(f) == 2 for f in files.values())
+    stuck: list[Path] = []
+    real = prune_module.take_if_same
+
+    def take(path: Path, identity: tuple[int, ...], dest: Path | None) -> bool:
+        if not stuck:  # the first file prune deletes: one slice of the last chunk
+            stuck.append(path)
+            if how == "refused":
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return False
+        return real(path, identity, dest)
+
+    monkeypatch.setattr(prune_module, "take_if_same", take)
+    report = store.prune(0)
+    assert stuck and stuck[0] in files[keys[1]]
+    assert all(p.exists() for k in keys for p in files[k])
+    assert (report.chunks_removed, report.chunks_kept) == (0, 4)
+    assert report.bytes_kept == sum(p.stat().st_size for k in keys for p in files[k])
+    assert all(store.parts(ns, k, HEADS) is not None for k in keys)
 
 
 def test_keyed_prune_deletes_foreign_chunks_first_then_prefixes_from_their_tails(
