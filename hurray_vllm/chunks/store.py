@@ -19,6 +19,8 @@ import functools
 import logging
 import os
 import stat
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -70,6 +72,7 @@ __all__ = [
     "ChunkPart",
     "ChunkReader",
     "ChunkStore",
+    "ChunkUses",
     "DirectoryStore",
     "load_chunk",
     "slice_key",
@@ -91,6 +94,13 @@ MAX_CHUNK_FILE_BYTES = 4 << 30
 #: under 40). Without it, a sparse file of 1 GiB (4 KiB on disk) whose trailer claimed a 1 GiB index cost
 #: every header read (a scheduler's, a keyed prune's) 1 GiB of memory and seconds.
 MAX_HEADER_READ_BYTES = _MAX_META_BYTES
+
+#: The field of the ``HurrayFormatError`` that :meth:`DirectoryStore.read` raises for a chunk file that is not
+#: there (deleted by a prune since the caller's ``stat``, say): a miss, not damage.
+MISSING = "store"
+
+#: A chunk file served from a copy in memory is read a byte at most this often, in seconds (:class:`ChunkUses`).
+TOUCH_INTERVAL_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -201,8 +211,9 @@ class DirectoryStore:
         its set.
 
         Raises:
-            OSError: the file cannot be written (``filename``: the chunk's file); ``ELOOP``: the namespace
-                directory is a symbolic link.
+            OSError: the file cannot be written. ``filename``: the namespace directory when it, or the
+                temporary file in it, cannot be made (``EACCES``, ``ENOSPC``; the store's root if that cannot be
+                made) or when it is a symbolic link (``ELOOP``); else the chunk's file (a write's error).
             HurrayArgumentError: a namespace or key that is not the store's (:meth:`path`).
         """
         target = self.path(namespace, key)
@@ -353,7 +364,7 @@ class DirectoryStore:
         try:
             return _read_chunk(self.path(namespace, key), noatime=noatime, page_crcs=page_crcs)
         except FileNotFoundError:
-            raise HurrayFormatError("store", f"no chunk {key} in {self.root}") from None
+            raise HurrayFormatError(MISSING, f"no chunk {key} in {self.root}") from None
 
     def reader(self, namespace: str, keys: Sequence[str], submit: Submit, *, page_crcs: bool = False) -> ChunkReader:
         """A :class:`ChunkReader` of ``keys``, in order, reading ahead with ``submit`` (``page_crcs``: see read)."""
@@ -547,7 +558,64 @@ class ChunkReader:
         try:
             return ahead[1].result()
         except FileNotFoundError:
-            raise HurrayFormatError("store", f"no chunk {key} in {self._store.root}") from None
+            raise HurrayFormatError(MISSING, f"no chunk {key} in {self._store.root}") from None
+
+
+def touch_file(path: Path) -> None:
+    """Read one byte of the chunk file at ``path``, so its access time moves as a read's does; errors are ignored.
+
+    Under the mount's rules (``relatime``: at most once a day; ``noatime``:
+    never), as any read; not a chunk file's symbolic link, nor through one at
+    its namespace's name. Its change time stays (``os.utime`` would move it),
+    so identities that include it (:meth:`DirectoryStore.identity`) stay
+    valid. A file gone meanwhile, or not a regular file, is left alone: the
+    next real read judges it.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        _check_namespace_dir(path.parent)  # as every read: a link in place of the namespace is not followed
+        fd = os.open(path, flags)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.read(fd, 1)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class ChunkUses:
+    """Marks the chunk files of one namespace used when a copy in memory serves them instead of a read.
+
+    Prune deletes the least recently used chunks by their files' access
+    times: a chunk a connector serves from its verified copies (never read
+    again) would keep the access time of its first read, and the most used
+    prefixes would go first. A use reads one byte of the file
+    (:func:`touch_file`) if this object has neither read nor touched it for
+    :data:`TOUCH_INTERVAL_S`: a dictionary look-up on every other use.
+    Remembers at most ``capacity`` files (the cache it mirrors), the least
+    recently marked first out: one forgotten costs one more touch. Not
+    thread-safe: one per connector part, used from its thread.
+    """
+
+    def __init__(self, store: DirectoryStore, namespace: str, capacity: int) -> None:
+        self._store, self._ns, self._capacity = store, namespace, max(capacity, 1)
+        self._last: OrderedDict[str, float] = OrderedDict()
+
+    def used(self, key: str, *, read: bool = False) -> None:
+        """Chunk file ``key`` served from memory (``read``: read from its file just now, which moved its time)."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < TOUCH_INTERVAL_S:
+            return
+        self._last[key] = now
+        self._last.move_to_end(key)
+        if len(self._last) > self._capacity:
+            self._last.popitem(last=False)
+        if not read:
+            touch_file(self._store.path(self._ns, key))
 
 
 def store_snapshot(

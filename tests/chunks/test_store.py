@@ -643,7 +643,7 @@ def test_a_read_without_access_time_falls_back_to_a_plain_read_for_another_users
         if flags & os.O_NOATIME:
             refused.append(path)
             raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
-        return real(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+        return real(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", open_)
     assert read_header(store.path(ns, key), noatime=True) is not None
@@ -857,6 +857,47 @@ def test_a_full_disk_names_the_chunk_file(tmp_path: Path, monkeypatch: pytest.Mo
         store.put(ns, key, chunk)
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(store.path(ns, key))
     assert list((tmp_path / "b" / ns).iterdir()) == []
+
+
+def test_a_temporary_file_that_cannot_be_made_names_the_namespace_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: put's docstring said the chunk's file; a refused temporary file names its directory."""
+    import os
+
+    _, ns, key, chunk = _one_chunk_store(tmp_path / "a")
+    store = DirectoryStore(tmp_path / "b")
+    real = os.open
+
+    def refusing(path: str | os.PathLike[str], flags: int, *args: int, **kwargs: object) -> int:
+        if str(path).endswith(".tmp") and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refusing)
+    with pytest.raises(OSError) as err:
+        store.put(ns, key, chunk)
+    assert err.value.errno == errno.EACCES and err.value.filename == str(store.root / ns)
+    assert not store.has(ns, key)
+
+
+def test_touching_a_chunk_file_moves_its_access_time_and_keeps_its_identity(tmp_path: Path) -> None:
+    """What a connector does to a chunk it serves from memory (ChunkUses): prune ranks by access time, and the
+    identity (which includes the change time, as os.utime would move it) stays, so the copy is still served."""
+    import os
+
+    from hurray_vllm.chunks.store import touch_file
+
+    store, ns, key, _ = _one_chunk_store(tmp_path)
+    path = store.path(ns, key)
+    old = time.time() - 3 * 86400  # older than a day: relatime moves it too
+    os.utime(path, (old, old))
+    ident = store.identity(ns, key)
+    touch_file(path)
+    if path.stat().st_atime == old:
+        pytest.skip("reads do not move access times on this filesystem (noatime)")
+    assert path.stat().st_atime > old + 86400 and store.identity(ns, key) == ident
+    touch_file(tmp_path / "gone.hrry")  # errors are ignored: the next real read judges the file
 
 
 def test_a_symbolic_link_in_place_of_the_namespace_is_not_looked_through(tmp_path: Path) -> None:

@@ -599,3 +599,140 @@ def test_a_chunk_that_read_blocks_a_load_in_flight_fills_is_dropped_when_the_loa
     c.req_ids, c.new_block_ids, c.num_computed_tokens = ["B"], [None], [0]
     again = [t for t in sched.build_connector_meta(out).saves if t.request_id == "B"]
     assert [t.block_ids for t in again] == [[3, 4], [8, 9]]
+
+
+def _counting_touches(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[float]]:
+    """The chunk files a byte of which is read to move their access time from now on (file names, not read), and
+    the clock (``time.monotonic``) the connector parts see: move its only element to let time pass."""
+    from hurray_vllm.chunks import store as store_module
+
+    touched: list[str] = []
+    clock = [1000.0]
+    monkeypatch.setattr(store_module, "touch_file", lambda path: touched.append(path.name))
+    monkeypatch.setattr(store_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    return touched, clock
+
+
+def test_a_chunk_the_scheduler_serves_from_memory_has_a_byte_of_its_file_read_once_an_hour(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: prune deletes the least recently used chunks by their files' access times, and a chunk the
+    scheduler served from its verified copies was never read again: the hottest prefix kept its first read's time
+    and was pruned first. A use now reads a byte of the file (not os.utime: it would move the change time, and
+    with it the file's identity), at most once an hour per file."""
+    from hurray_vllm.chunks.store import TOUCH_INTERVAL_S
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path), store, ns)
+    touched, clock = _counting_touches(monkeypatch)
+    tokens = [*snap.token_ids[0], 7]
+    assert sched.get_num_new_matched_tokens(_request("r0", tokens), 0) == (16, False)
+    assert sched.stats.chunks_remembered == 0 and touched == []  # read from the files: that moved their times
+    for i in range(1, 4):  # other requests with the prefix, within the hour: a dictionary look-up each
+        clock[0] += 60
+        assert sched.get_num_new_matched_tokens(_request(f"r{i}", tokens), 0) == (16, False)
+    assert sched.stats.chunks_remembered == 6 and touched == []
+    clock[0] += TOUCH_INTERVAL_S
+    for i in range(4, 7):
+        assert sched.get_num_new_matched_tokens(_request(f"r{i}", tokens), 0) == (16, False)
+    assert sched.stats.chunks_remembered == 12
+    assert touched == [f"{k}.hrry" for k in keys]  # once each in the hour
+    clock[0] += TOUCH_INTERVAL_S
+    assert sched.get_num_new_matched_tokens(_request("r7", tokens), 0) == (16, False)
+    assert touched == [f"{k}.hrry" for k in keys] * 2
+
+
+def test_a_chunk_a_worker_serves_from_memory_has_a_byte_of_its_file_read_once_an_hour(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the scheduler's: a worker in a process of its own serves the files it verified before from memory."""
+    from bare_worker import cpu_worker
+
+    from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
+    from hurray_vllm.chunks.store import TOUCH_INTERVAL_S
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    parts = [store.parts(ns, k, HEADS) for k in keys]
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    task = LoadTask("r", keys, tokens, [1, 2, 3, 4], verified)
+    w = cpu_worker(store, ns)
+    touched, clock = _counting_touches(monkeypatch)
+    for _ in range(3):  # the first reads the files, the others take the verified copies
+        assert [len(w._chunk_for_load(w._ec, task, c)) for c in range(2)] == [1, 1]
+        clock[0] += 60
+    assert touched == []
+    clock[0] += TOUCH_INTERVAL_S
+    for _ in range(3):
+        assert [len(w._chunk_for_load(w._ec, task, c)) for c in range(2)] == [1, 1]
+    assert touched == [f"{k}.hrry" for k in keys]
+
+
+def test_a_chunk_pruned_since_the_lookup_s_stat_is_a_miss_not_a_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a review: a chunk a prune deleted between a lookup's stat and its read was counted in
+    chunks_refused, warned about as refused ("refusing chunk") and a quarantine tried; it is a plain miss."""
+    from hurray_vllm.adapters.vllm.connector.metadata import REFUSED
+    from hurray_vllm.chunks.store import DirectoryStore, store_snapshot
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    sched = _scheduler(_config(tmp_path, tails=False), store, ns)
+    gone = store.path(ns, keys[1])
+    ident = store.identity(ns, keys[1])
+    real_reader = DirectoryStore.reader
+
+    def reader(self: Any, namespace: str, names: Any, submit: Any, **kwargs: Any) -> Any:
+        gone.unlink(missing_ok=True)  # a prune lands between the lookup's stat and its read
+        return real_reader(self, namespace, names, submit, **kwargs)
+
+    moved: list[str] = []
+    real_quarantine = DirectoryStore.quarantine
+
+    def quarantine(self: Any, namespace: str, key: str, identity: Any) -> Any:
+        moved.append(key)
+        return real_quarantine(self, namespace, key, identity)
+
+    monkeypatch.setattr(DirectoryStore, "reader", reader)
+    monkeypatch.setattr(DirectoryStore, "quarantine", quarantine)
+    tokens = [*snap.token_ids[0], 7]
+    with caplog.at_level(logging.DEBUG, logger="hurray_vllm.connector"):
+        assert sched.get_num_new_matched_tokens(_request("r", tokens), 0) == (8, False)
+    assert sched.stats.chunks_refused == 0 and moved == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert ident is not None and not REFUSED.has(keys[1], ident)
+    # Stored again by a producer: the next lookup finds it.
+    monkeypatch.setattr(DirectoryStore, "reader", real_reader)
+    assert store_snapshot(store, snap, CHUNK) == 1
+    assert sched.get_num_new_matched_tokens(_request("s", tokens), 0) == (16, False)
+
+
+def test_a_chunk_pruned_before_a_worker_reads_it_fails_the_load_but_is_no_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's read of a chunk gone since it took the file's identity: the load fails (to be recomputed), and
+    no quarantine of a file that is not there is tried."""
+    from bare_worker import cpu_worker
+
+    from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
+    from hurray_vllm.chunks.store import DirectoryStore
+    from hurray_vllm.errors import HurrayFormatError
+
+    store, ns, keys, snap = stored_at_tp(tmp_path, 1)
+    parts = [store.parts(ns, k, HEADS) for k in keys]
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    task = LoadTask("r", keys, tokens, [1, 2, 3, 4], verified)
+    w = cpu_worker(store, ns)
+    real_get = DirectoryStore.get
+
+    def get(self: Any, namespace: str, key: str, **kwargs: Any) -> Any:
+        self.path(namespace, key).unlink(missing_ok=True)  # a prune lands between the identity and the read
+        return real_get(self, namespace, key, **kwargs)
+
+    moved: list[str] = []
+    monkeypatch.setattr(DirectoryStore, "get", get)
+    monkeypatch.setattr(DirectoryStore, "quarantine", lambda self, n, key, i: moved.append(key))
+    with pytest.raises(HurrayFormatError) as err:
+        w._chunk_for_load(w._ec, task, 0)
+    assert err.value.field == "store" and moved == []

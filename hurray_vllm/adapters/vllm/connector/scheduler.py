@@ -26,8 +26,10 @@ from ....chunks.digest import digest_unverifiable
 from ....chunks.keys import key_seed
 from ....chunks.signing import refusal_kind
 from ....chunks.store import (
+    MISSING,
     ChunkPart,
     ChunkReader,
+    ChunkUses,
     DirectoryStore,
     chunk_keys,
     load_chunk,
@@ -335,6 +337,8 @@ class HurrayScheduler:
         self._verified_cap = config.verified_chunks
         self._scope = verified_scope(config.keys)
         self._verified_bytes = config.verified_bytes
+        # Files served from the verified copies are read a byte now and then: prune ranks by access time.
+        self._uses = ChunkUses(store, ns, self._verified_cap)
         self._windows = config.group_windows  # () for one KV cache group
         # How many of this engine's layers slide, by window: a chunk saved with other windows (an engine with
         # the hybrid KV cache manager or sliding windows off) is refused by the worker, so it is not offered.
@@ -791,7 +795,8 @@ class HurrayScheduler:
         """Every file of one chunk read and checked against its tokens, with their data checks under way.
 
         ``None`` after refusing the first that fails: another model's chunk is
-        left alone, anything else in it is damage (moved aside). Any other
+        left alone, anything else in it is damage (moved aside). A file gone
+        since the lookup's ``stat`` (a prune) is a miss, not refused. Any other
         exception is refused too (logged with its traceback, never moved aside):
         this runs in vLLM's scheduling loop, where it would stop the engine,
         and again at every request with the file's prefix.
@@ -802,6 +807,10 @@ class HurrayScheduler:
             try:
                 snap, check = self._read_part(part, tokens, reader)
             except HurrayFormatError as exc:
+                if exc.field == MISSING:
+                    # Deleted since the lookup's stat (a prune): a miss, no refusal; the lookup stops here.
+                    log.debug("hurray: chunk %s is gone since it was looked up (%s)", part.name, exc)
+                    return None
                 self._refuse(part, exc, is_damage(exc))
                 return None
             except OSError as exc:
@@ -842,22 +851,26 @@ class HurrayScheduler:
         checksum, or with ``hurray_key_file`` the MAC, which covers the same
         bytes and the file's name.
 
-        A file remembered as verified (same identity) is not read again.
+        A file remembered as verified (same identity) is not read again, but
+        for one byte at most hourly (:class:`~hurray_vllm.chunks.store.ChunkUses`):
+        prune ranks chunks by their files' access times.
         ``reader``: the load's files, read ahead (else the store reads it now).
 
         Raises:
             HurrayFormatError: the file is unreadable, of another model, for other tokens, or holds
-                other heads than its name says.
+                other heads than its name says; gone since the lookup's ``stat`` (field ``store``).
         """
         snap = VERIFIED.get(part.name, part.identity, self._scope)
         check: Future[None] | None = None
         if snap is not None:
             self.stats.chunks_remembered += 1
+            self._uses.used(part.name)
         else:
             if reader is not None:
                 read = reader.read(part.name)
             else:
                 read = self._store.read(self._ns, part.name, page_crcs=self._page_crcs)
+            self._uses.used(part.name, read=True)
             snap = load_chunk(read)
             check = self._check_later(snap, part.name, read)
         # Also for a remembered chunk: its key promises these tokens, the check costs little.

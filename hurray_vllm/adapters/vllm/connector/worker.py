@@ -9,6 +9,7 @@ background writer by default.
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import logging
 import math
@@ -29,6 +30,8 @@ from ....chunks.keys import PARENT_KEY
 from ....chunks.signing import sign_chunk
 from ....chunks.store import (
     DIGEST_KEY,
+    MISSING,
+    ChunkUses,
     DirectoryStore,
     chunk_digest,
     chunk_layouts,
@@ -815,6 +818,11 @@ class HurrayWorker:
             raise HurrayFormatError("snapshot.states", f"no engine block to hold the states of groups {missing}")
         return states
 
+    @functools.cached_property
+    def _uses(self) -> ChunkUses:
+        """The files served from the verified copies, read a byte now and then: prune ranks by access time."""
+        return ChunkUses(self._store, self._ns, self._verified_cap)
+
     def _chunk_for_load(self, ec: EngineCache, task: LoadTask, c: int) -> list[_Piece]:
         """Chunk ``c`` of a load as pieces: this rank's KV heads, from the files that hold them.
 
@@ -828,7 +836,9 @@ class HurrayWorker:
         written a part of its heads at a time, gets them joined). In the
         scheduler's process the files are the ones it verified; a worker in
         another process reads them itself (and checks them again, unless the
-        file is the one the scheduler verified there already).
+        file is the one the scheduler verified there already: then a byte of
+        it is read, at most hourly, for prune's access times, see
+        :class:`~hurray_vllm.chunks.store.ChunkUses`).
         """
         mine = self._my_heads
         parts = task.parts[c] if c < len(task.parts) else [(task.keys[c], 0, 0, ())]
@@ -839,6 +849,7 @@ class HurrayWorker:
                 continue  # another rank's heads
             snap = given[p] if p < len(given) else VERIFIED.get(name, ident, self._scope)
             if snap is not None and p >= len(given):
+                self._uses.used(name)
                 # Remembered by this process: its key promised these tokens then too, but the check is cheap.
                 verify_chunk(
                     snap,
@@ -851,6 +862,7 @@ class HurrayWorker:
                 now = self._store.identity(self._ns, name)
                 try:
                     snap = self._store.get(self._ns, name)
+                    self._uses.used(name, read=True)
                     verify_chunk(
                         snap,
                         self._fingerprint,
@@ -861,7 +873,8 @@ class HurrayWorker:
                         name=name,
                     )
                 except HurrayFormatError as exc:
-                    if now is not None and is_damage(exc) and not digest_unverifiable(exc):
+                    # A file gone since the lookup (a prune) fails the load, but is no damage to move aside.
+                    if now is not None and exc.field != MISSING and is_damage(exc) and not digest_unverifiable(exc):
                         self._quarantine(name, now, exc)
                     raise
                 if now is not None:
