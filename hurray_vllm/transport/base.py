@@ -229,6 +229,9 @@ def parse_listen(text: str) -> tuple[str, int]:
 
     An IPv6 address goes in brackets, as in a URL: ``[::1]:9000`` is ``("::1", 9000)``.
     """
+    # As parse_address: no host holds them, and the bind's error (" :0") would name no option.
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise HurrayFormatError("hurray_listen", f"expected HOST:PORT, got {text!r}: whitespace or a control character")
     host, sep, port = text.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise HurrayFormatError("hurray_listen", f"expected HOST:PORT with a port 0-65535, got {text!r}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import os
 import ssl
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -101,7 +103,7 @@ def _float(extra: Any, key: str, default: float) -> float:
         raise HurrayArgumentError(key, f"expected a number, got {value!r}")
     try:
         out = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer of 400 digits
         raise HurrayArgumentError(key, f"expected a number, got {value!r}") from None
     if out != out:  # NaN
         raise HurrayArgumentError(key, f"expected a number, got {value!r}")
@@ -145,6 +147,70 @@ def _address(extra: Any, key: str, example: str) -> str | None:
     return value
 
 
+def _has_nul(path: str | os.PathLike[Any]) -> bool:
+    """Whether ``path`` holds a NUL byte, which no file name can (``open`` raises a bare ``ValueError``)."""
+    text = os.fspath(path)
+    return ("\0" if isinstance(text, str) else b"\0") in text
+
+
+def _tls_file(extra: Any, key: str) -> str | None:
+    """``key``'s file, ``~`` expanded; None only where it is missing or ``null``.
+
+    Anything else that names no file is refused, not taken for unset: ``""`` for
+    ``hurray_listen_tls_client_ca`` would drop mutual TLS, for the receiver's
+    certificate and key serve plaintext, for ``hurray_tls_ca`` trust the system's
+    CAs, and no word of it.
+    """
+    value = extra.get_from_extra_config(key, None)
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise HurrayArgumentError(key, f"expected a path (or null: none), got {value!r}")
+    if not value.strip():
+        raise HurrayArgumentError(key, f"{key} is set to {value!r}, which names no file; name one, or unset it")
+    if _has_nul(value):
+        raise HurrayArgumentError(key, f"a path cannot hold a NUL byte, got {value!r}")
+    # As hurray_path and hurray_key_file: no shell expands "~" inside the quoted --kv-transfer-config JSON.
+    return os.path.expanduser(value)
+
+
+def _check_store_dir(path: str, writes: bool) -> None:
+    """Refuse, at start, a ``hurray_path`` no chunk can be stored in or read from.
+
+    Something that is not a directory (a file, a symbolic link to nothing or a
+    loop, a file above it) would fail every save inside the writer and make every
+    lookup a miss, with the engine looking fine. ``writes`` (the engine saves, or
+    receives): an existing directory must also let a file be created in it. A
+    missing directory is left for the first save to make (``DirectoryStore`` does):
+    the parser makes nothing.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):  # mkdir would not make the directory through the link
+            raise HurrayArgumentError(
+                "hurray_path", f"{path} is a symbolic link to a missing target (a chunk store is a directory)"
+            ) from None
+        return
+    except OSError as exc:  # a file above it (ENOTDIR), a link loop (ELOOP), a name too long
+        raise HurrayArgumentError(
+            "hurray_path", f"{path}: {exc.strerror or exc} (a chunk store is a directory)"
+        ) from None
+    if not stat.S_ISDIR(mode):
+        raise HurrayArgumentError("hurray_path", f"{path} is not a directory (a chunk store is a directory)")
+    if writes:
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:  # its message names the probe's random name, not the directory given
+            raise HurrayArgumentError(
+                "hurray_path",
+                f"cannot create a file in {path} ({exc.strerror or exc}): every chunk saved or received would fail",
+            ) from None
+
+
 _PUSH_TLS = {"cert_file": "hurray_tls_cert", "key_file": "hurray_tls_key", "ca_file": "hurray_tls_ca"}
 _LISTEN_TLS = {
     "cert_file": "hurray_listen_tls_cert",
@@ -155,13 +221,8 @@ _LISTEN_TLS = {
 
 def _tls_options(cfg: Any, url: Any, listen: Any, transport: str) -> tuple[TlsOptions | None, TlsOptions | None]:
     """The TLS options of pushes and of the receiver, each checked by building its context once (at start)."""
-
-    def get(key: str) -> str | None:
-        value = cfg.get_from_extra_config(key, None)
-        return str(value) if value else None
-
-    push = TlsOptions(**{attr: get(key) for attr, key in _PUSH_TLS.items()})
-    listen_opts = TlsOptions(**{attr: get(key) for attr, key in _LISTEN_TLS.items()})
+    push = TlsOptions(**{attr: _tls_file(cfg, key) for attr, key in _PUSH_TLS.items()})
+    listen_opts = TlsOptions(**{attr: _tls_file(cfg, key) for attr, key in _LISTEN_TLS.items()})
     if push == TlsOptions():
         push_opts = None
     elif not (url and str(url).startswith("tls://")):
@@ -360,6 +421,8 @@ class HurrayConfig:
             raise HurrayArgumentError(
                 "hurray_path", f"HurrayConnector needs kv_connector_extra_config.hurray_path{what}"
             )
+        if _has_nul(path):
+            raise HurrayArgumentError("hurray_path", f"a path cannot hold a NUL byte, got {path!r}")
         # No shell expands "~" inside the quoted --kv-transfer-config JSON: unexpanded, the store would be a
         # directory named "~" under the engine's working directory.
         path = os.path.expanduser(path)
@@ -445,6 +508,7 @@ class HurrayConfig:
                 parse_listen(str(listen))
             except HurrayFormatError as exc:
                 raise HurrayArgumentError("hurray_listen", _reason(exc)) from exc
+        _check_store_dir(path, writes=saves or listen is not None)
         limits: dict[str, Any] = {}
         for key, arg, scale, low in (  # scale None: seconds, kept as a float; 1: a count, an integer
             ("hurray_listen_quota_mib", "quota_bytes", 1 << 20, 0.0),
@@ -470,12 +534,19 @@ class HurrayConfig:
                 if not low <= value < high:
                     raise HurrayArgumentError(key, f"must be at least {low:g} and below {high:g}, got {value:g}")
                 limits[arg] = value if scale is None else int(value * scale)
+                if arg == "quota_bytes" and limits[arg] < 1:  # a quota of 0 bytes refuses every chunk
+                    raise HurrayArgumentError(
+                        key, f"must be more than 0 (at least one byte), got {value:g}: unset it for no quota"
+                    )
         verified_mib = _int(cfg, "hurray_verified_mib", DEFAULT_VERIFIED_BYTES >> 20)
         if verified_mib < 0:
             raise HurrayArgumentError("hurray_verified_mib", f"must be at least 0, got {verified_mib}")
         key_files = cfg.get_from_extra_config("hurray_key_file", None)
         if key_files is not None and not isinstance(key_files, (str, os.PathLike, list, tuple)):
             raise HurrayArgumentError("hurray_key_file", f"expected a path or a list of paths, got {key_files!r}")
+        named = [key_files] if isinstance(key_files, (str, os.PathLike)) else list(key_files or ())
+        if any(isinstance(p, (str, os.PathLike)) and _has_nul(p) for p in named):
+            raise HurrayArgumentError("hurray_key_file", f"a path cannot hold a NUL byte, got {key_files!r}")
         keys = load_keys(key_files)  # read now: a missing or exposed key file stops the engine at start
         push_tls, listen_tls = _tls_options(cfg, url, listen, transport)
         _check_push_tls(push_tls)

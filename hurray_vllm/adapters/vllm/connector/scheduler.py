@@ -43,7 +43,13 @@ from ....errors import HurrayArgumentError, HurrayFormatError
 from ....kv.snapshot import KVSnapshot, ModelFingerprint, SlidingWindows
 from ....kv.states import RecurrentStates
 from ....transport import ReceiverBase, receiver_for
-from ....transport.base import host_port, parse_listen
+from ....transport.base import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TIMEOUT_S,
+    host_port,
+    parse_listen,
+)
 from ....transport.security import server_context
 from ..cache import adapter_digest
 from ..states import state_block, step_block
@@ -78,6 +84,30 @@ class _Listening:
     receiver: ReceiverBase
     setup: tuple[Any, ...]
     users: int = 1
+
+
+def _effective_limits(limits: dict[str, Any], transport: str) -> tuple[tuple[str, Any], ...]:
+    """``limits`` (``HurrayConfig.listen_limits``: the options given) with the receiver's defaults filled in.
+
+    What two engines sharing a receiver must agree on: one that spells out a default
+    (``hurray_listen_max_connections: 64``) asks for the same receiver as one that leaves it unset.
+    """
+    defaults: dict[str, Any] = {
+        "timeout": DEFAULT_TIMEOUT_S,
+        "idle_timeout": DEFAULT_IDLE_TIMEOUT_S,
+        "max_connections": DEFAULT_MAX_CONNECTIONS,
+        "quota_bytes": None,
+        "min_free_bytes": 0,
+    }
+    if transport == "nixl":  # imported here, as receiver_for does: only an engine receiving over NIXL needs it
+        from ....transport.nixl.receiver import DEFAULT_ARENA_BYTES
+
+        defaults["max_arena_bytes"] = DEFAULT_ARENA_BYTES
+    else:
+        from ....transport.tcp import DEFAULT_INFLIGHT_BYTES
+
+        defaults["max_inflight_bytes"] = DEFAULT_INFLIGHT_BYTES
+    return tuple(sorted({**defaults, **limits}.items()))
 
 
 _RECEIVERS_LOCK = threading.Lock()
@@ -406,7 +436,7 @@ class HurrayScheduler:
             os.path.realpath(self._config.path),
             self._config.keys,
             self._config.listen_tls,
-            tuple(sorted(limits.items())),
+            _effective_limits(limits, self._config.listen_transport),
             self._config.listen_transport,
         )
         with _RECEIVERS_LOCK:
