@@ -252,6 +252,35 @@ def test_same_page_size_and_dtype_is_zero_copy_unless_room_is_reserved() -> None
     assert roomy.k_cache.data_ptr() != snap.keys[0].page_pool.data_ptr()
 
 
+@pytest.mark.parametrize("head_dim_strided", [False, True])
+def test_strided_snapshot_pools_are_imported_contiguous(head_dim_strided: bool) -> None:
+    """BlockPagedTensor allows strided pools; the caches handed to flash-attn are contiguous all the same."""
+
+    def pool(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        if head_dim_strided:  # [pages, 16, heads, dim] with dim strided: flash-attn would refuse it
+            return torch.randn(3, 16, 8, 2, generator=g).to(torch.float16).transpose(2, 3)
+        # head-major pages viewed token-major: dim contiguous, the pool as a whole not
+        return torch.randn(3, 2, 16, 8, generator=g).to(torch.float16).transpose(1, 2)
+
+    def paged(p: torch.Tensor, role: str) -> hv.BlockPagedTensor:
+        return hv.BlockPagedTensor(p, torch.tensor([0, 1, 2]), torch.tensor([0, 2, 3]), torch.tensor([20, 5]), role, 0)
+
+    kp, vp = pool(1), pool(2)
+    snap = hv.KVSnapshot.from_layers([(paged(kp, "key"), paged(vp, "value"))])
+    q = torch.randn(2, 1, 4, 8).to(torch.float16)
+    for kw in ({}, {"reserve": 3}, {"dtype": torch.bfloat16}):
+        cache = to_flash_attn(snap, 0, page_size=16, flavor="vllm", **kw)  # type: ignore[arg-type]
+        for got, src in ((cache.k_cache, kp), (cache.v_cache, vp)):
+            assert got.is_contiguous(), (kw, got.stride())
+            assert torch.equal(got[: src.shape[0]].float(), src.to(got.dtype).float()), kw
+        call = (q.to(cache.k_cache.dtype), cache.k_cache, cache.v_cache, cache.cache_seqlens, cache.block_table)
+        check_flash_attn_args(*call, flavor="vllm")
+    # A contiguous pool is still handed out as it is (no copy).
+    dense = hv.KVSnapshot.from_layers([(paged(kp.contiguous(), "key"), paged(vp.contiguous(), "value"))])
+    assert to_flash_attn(dense, 0, page_size=16, flavor="vllm").k_cache.data_ptr() == dense.keys[0].page_pool.data_ptr()
+
+
 @pytest.mark.parametrize("into", [False, True])
 @pytest.mark.parametrize(("page", "flavor"), [(16, "vllm"), (256, "fa2")])
 def test_importer_rejects_page_ids_outside_the_pool(page: int, flavor: Flavor, into: bool) -> None:
@@ -547,6 +576,18 @@ def test_checker_rejects_fp8(case: str, mutate: Callable[[dict[str, object]], No
     assert err.value.field == field, (case, err.value)
 
 
+def test_checker_takes_an_int_cache_seqlens_as_flash_attn_does() -> None:
+    """flash_attn_with_kvcache (FA2, FA3) expands an int cache_seqlens to torch.full((batch,), n, int32)."""
+    call = valid_call("vllm")  # block_table rows of 19 pages of 16 (300 tokens + 2 reserved)
+    call["cache_seqlens"] = 20
+    check_flash_attn_args(**call)  # type: ignore[arg-type]
+    for value, why in ((400, r"max\(cache_seqlens\)"), (-1, ">= 0"), (2**31, "int32"), ([20, 300], "an int")):
+        call["cache_seqlens"] = value
+        with pytest.raises(hv.HurrayArgumentError, match=why) as err:
+            check_flash_attn_args(**call)  # type: ignore[arg-type]
+        assert err.value.field == "cache_seqlens", value
+
+
 def test_checker_ignores_padding_past_the_covered_pages() -> None:
     call = valid_call("vllm")
     table = call["block_table"]
@@ -568,6 +609,7 @@ def test_checker_counts_grouped_heads_of_one_query_against_the_cache() -> None:
         check_flash_attn_args(q, cache, cache.clone(), lens, table, flavor=flavor, k=new, v=new)
 
     # FA2 and vLLM's fork run it as page + 1 queries of one head (seqlenq_ngroups_swapped): one too many.
+    # (For vllm this is conservative: newer forks' varlen fallback lacks the rule; see _kernel_seqlen_q.)
     for flavor, page in (("fa2", 256), ("vllm", 16)):
         with pytest.raises(hv.HurrayArgumentError) as err:
             call(flavor, page)  # type: ignore[arg-type]

@@ -530,6 +530,23 @@ def test_checker_rejects(field: str, what: str, change: Callable[[Args], None]) 
     assert exc.value.field == field, f"{what}: {exc.value}"
 
 
+def test_checker_refuses_a_q_whose_head_dim_is_strided() -> None:
+    """FlashInfer reads q through its token and head strides only, head_dim as one dense vector."""
+    cache, q = _good()
+    transposed = q.transpose(1, 2).contiguous().transpose(1, 2)  # q's values, head_dim strided (stride = heads)
+    assert transposed.stride(-1) != 1
+    for a in (_args(cache, transposed), {**_args(cache, transposed), "qo_indptr": _i32([0, 1, 2, 3, 4])}):
+        with pytest.raises(HurrayArgumentError, match=r"q\.contiguous\(\)") as exc:
+            _call(a)
+        assert exc.value.field == "q"
+    with pytest.raises(HurrayArgumentError):
+        reference_decode(transposed, cache)  # the reference would compute it right, the kernel would not
+    # Token and head strides are the kernel's to take: the query heads of a fused qkv tensor pass as they are.
+    qkv = torch.zeros(4, 8, 8, dtype=torch.float16)
+    _call(_args(cache, qkv[:, :4]))
+    _call(_args(cache, transposed.contiguous()))
+
+
 def test_checker_relaxed_dtypes_accept_float32() -> None:
     cache, _ = _good()
     f32 = FlashInferCache(

@@ -1,4 +1,14 @@
-"""The kernel's argument contract, checked before anything reaches CUDA (``check_flash_attn_args``)."""
+"""The kernel's argument contract, checked before anything reaches CUDA (``check_flash_attn_args``).
+
+What is mirrored is the C++ side: the checks of ``mha_fwd_kvcache`` (FlashAttention-2, vLLM's fork) and
+``mha_fwd`` (FlashAttention-3). The Python entry points in front of them do two things more, and only
+the first is mirrored here:
+
+* an int ``cache_seqlens`` is expanded to an int32 ``[batch]`` tensor, and so it is here;
+* ``q``, ``k``, ``v`` and ``block_table`` (FA3: ``cache_seqlens`` too) whose last dimension is not
+  contiguous are copied into contiguous ones. Here they are refused, deliberately: the compiled
+  kernels, called directly, refuse them, and a caller who wants the copy can make it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,7 @@ import torch
 
 from ...errors import HurrayArgumentError
 from .._common import FP8_DTYPES as _FP8
+from .._common import INT32_MAX as _INT32_MAX
 from .flavors import Flavor, FlavorLimits, check_head_dim, check_page_size, flavor_limits
 
 __all__ = ["check_flash_attn_args"]
@@ -15,7 +26,7 @@ def check_flash_attn_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | int | None,
     block_table: torch.Tensor | None,
     *,
     flavor: Flavor = "fa2",
@@ -46,7 +57,9 @@ def check_flash_attn_args(
             (fa2) or 16 (vllm); ``nheads % nheads_k == 0``; ``head_dim <= 256``
             (fa3 and vllm: a multiple of 8; fa3 with fp8: of 16).
         v_cache: Same shape and dtype as ``k_cache``.
-        cache_seqlens: int32 ``[batch]``, contiguous, values >= 0.
+        cache_seqlens: int32 ``[batch]``, contiguous, values >= 0; or one int for
+            every sequence, as ``flash_attn_with_kvcache`` takes it (checked as
+            ``torch.full((batch,), cache_seqlens, dtype=torch.int32)``).
         block_table: int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous. Every
             entry covering ``cache_seqlens[b] + seqlen_new`` tokens is a page id
             ``< num_blocks``; the rest is padding and is not checked.
@@ -87,6 +100,8 @@ def check_flash_attn_args(
         alibi_slopes=alibi_slopes,
     )
     batch, seqlen_q, nheads, head_dim = _check_q(q, lim)
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = _seqlens_of_int(cache_seqlens, batch, q.device)
     num_blocks, page, nheads_k = _check_caches(q, k_cache, v_cache, lim, nheads, head_dim)
     _refuse_unmodelled(cache_batch_idx, cache_leftpad)
     table, lens, width = _check_index_tensors(block_table, cache_seqlens, batch)
@@ -98,10 +113,11 @@ def check_flash_attn_args(
     _check_table_contents(table, lens, seqlen_new, num_blocks, page)
 
 
-def _check_devices(q: torch.Tensor, **named: torch.Tensor | None) -> None:
+def _check_devices(q: torch.Tensor, **named: torch.Tensor | int | None) -> None:
     """Every tensor on ``q``'s device (first: every later check may read the tensors)."""
     for name, t in named.items():
-        if t is not None and t.device != q.device:
+        # Anything else (an int cache_seqlens) is not on a device; its own check says what it must be.
+        if isinstance(t, torch.Tensor) and t.device != q.device:
             raise HurrayArgumentError(name, f"{name} is on {t.device} but q is on {q.device}; move it there")
 
 
@@ -116,7 +132,7 @@ def _check_q(q: torch.Tensor, lim: FlavorLimits) -> tuple[int, int, int, int]:
     if batch <= 0:
         raise HurrayArgumentError("q", "batch size must be positive")
     if q.stride(-1) != 1:
-        raise HurrayArgumentError("q", "q must have a contiguous last dimension")
+        raise HurrayArgumentError("q", "q must have a contiguous last dimension; pass q.contiguous()")
     return batch, seqlen_q, nheads, head_dim
 
 
@@ -132,7 +148,7 @@ def _check_caches(
         if c.dtype != q.dtype:
             raise HurrayArgumentError(name, f"{name} is {c.dtype} but q is {q.dtype}; caches must be in q's dtype")
         if c.stride(-1) != 1:
-            raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
+            raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension; pass {name}.contiguous()")
     if v_cache.shape != k_cache.shape:
         raise HurrayArgumentError(
             "v_cache", f"v_cache has shape {list(v_cache.shape)} but k_cache has {list(k_cache.shape)}"
@@ -175,10 +191,17 @@ def _check_index_tensors(
             f"block_table must be [batch={batch}, max_num_blocks_per_seq], got shape {list(block_table.shape)}",
         )
     if block_table.stride(-1) != 1:
-        raise HurrayArgumentError("block_table", "block_table must have a contiguous last dimension")
+        raise HurrayArgumentError(
+            "block_table", "block_table must have a contiguous last dimension; pass block_table.contiguous()"
+        )
 
     if cache_seqlens is None:
         raise HurrayArgumentError("cache_seqlens", "a paged KV cache needs cache_seqlens (int32 [batch])")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise HurrayArgumentError(
+            "cache_seqlens",
+            f"cache_seqlens must be an int32 [batch] tensor or an int, got {type(cache_seqlens).__name__}",
+        )
     if cache_seqlens.dtype != torch.int32:
         raise HurrayArgumentError(
             "cache_seqlens", f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}"
@@ -188,8 +211,17 @@ def _check_index_tensors(
             "cache_seqlens", f"cache_seqlens must have shape [batch={batch}], got {list(cache_seqlens.shape)}"
         )
     if not cache_seqlens.is_contiguous():
-        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be contiguous")
+        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be contiguous; pass cache_seqlens.contiguous()")
     return block_table, cache_seqlens, int(block_table.shape[1])
+
+
+def _seqlens_of_int(n: int, batch: int, device: torch.device) -> torch.Tensor:
+    """An int ``cache_seqlens`` as the entry points pass it on: int32 ``[batch]``, every entry ``n``."""
+    if n < 0:
+        raise HurrayArgumentError("cache_seqlens", "cache_seqlens must be >= 0")
+    if n > _INT32_MAX:
+        raise HurrayArgumentError("cache_seqlens", f"cache_seqlens={n} does not fit the kernel's int32 lengths")
+    return torch.full((batch,), n, dtype=torch.int32, device=device)
 
 
 def _window(window_size: object) -> tuple[int, int]:
@@ -216,6 +248,16 @@ def _kernel_seqlen_q(
     nheads_k``, ``head_dim % 8 == 0``, both sides of ``window`` negative and
     no ALiBi), before requiring ``seqlen_q <= seqlen_k`` for appends.
     FlashAttention-3's ``mha_fwd`` keeps ``seqlen_q`` as it is.
+
+    The rule is kept for ``"vllm"`` although it is conservative there: newer
+    forks (since vllm-project/flash-attention#107) have no
+    ``flash_attn_with_kvcache``, and the ``flash_attn_varlen_func`` fallback
+    that :func:`~hurray_vllm.adapters.flash_attn.flash_attn_with_kvcache`
+    runs for them appends in Python, with no such check. Forks that still
+    have ``flash_attn_with_kvcache`` (which that wrapper calls when present,
+    and callers may call directly) run ``mha_fwd_kvcache`` with it, and
+    which fork is installed is not known here. A call it refuses on a newer
+    fork needs only more ``block_table`` columns (``reserve=``).
 
     Args:
         lim: The flavor's limits (its ``name`` picks FA3's rule).
@@ -259,7 +301,9 @@ def _check_new_kv(
                     f"{name} must be [batch, seqlen_new, nheads_k, head_dim] = {expect}, got {list(t.shape)}",
                 )
             if t.stride(-1) != 1:
-                raise HurrayArgumentError(name, f"{name} must have a contiguous last dimension")
+                raise HurrayArgumentError(
+                    name, f"{name} must have a contiguous last dimension; pass {name}.contiguous()"
+                )
         seqlen_new = int(k.shape[1])
         if seqlen_q > capacity:
             swapped = "" if seqlen_q == q.shape[1] else f": one query's {q.shape[2]} heads run as grouped queries"

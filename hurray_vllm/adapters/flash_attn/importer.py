@@ -281,7 +281,8 @@ def to_flash_attn(
     Returns:
         A :class:`FlashAttnCache`. With ``out``, its tensors. Otherwise, with
         ``reserve=0`` and nothing to repage, convert or move, the caches are the
-        snapshot's own pools (no copy); else fresh tensors.
+        snapshot's own pools (no copy) where those are contiguous; else fresh,
+        contiguous tensors.
 
     Raises:
         ImportArgumentError: a :class:`HurrayArgumentError` (and, until 0.3,
@@ -553,8 +554,9 @@ def _check_out(
 def _layer_pool(t: BlockPagedTensor, plan: FlashAttnPlan) -> torch.Tensor:
     pool = repage(t, plan.page_size, plan.repage).page_pool if plan.repage is not None else t.page_pool
     if not plan.extra_pages.numel():
-        # With room reserved, appends write into the pool: never into the snapshot's own.
-        return pool.clone() if plan.reserve and plan.repage is None else pool
+        # With room reserved, appends write into the pool: never into the snapshot's own. The copy is dense
+        # (clone() would keep a strided pool's strides, see _convert).
+        return pool.clone(memory_format=torch.contiguous_format) if plan.reserve and plan.repage is None else pool
     return with_extra_pages(pool, plan.extra_pages)
 
 
@@ -587,8 +589,14 @@ def _layer_into(
 
 
 def _convert(pool: torch.Tensor, dtype: torch.dtype, passthrough: bool, scale: float) -> torch.Tensor:
+    """``pool`` in ``dtype``, contiguous: the snapshot's own pool only where it already is.
+
+    A snapshot may hold strided pools (``BlockPagedTensor`` allows any view), and ``clone``/``to`` keep
+    strides, but FA2 and FA3 require ``k_cache.stride(-1) == 1`` and :class:`FlashAttnCache` promises
+    contiguous caches.
+    """
     if passthrough:
-        return pool
+        return pool.contiguous()  # no copy when it already is
     if pool.dtype in _FP8:
-        return dequantize(pool, scale).to(dtype)
-    return pool.to(dtype)
+        return dequantize(pool, scale).to(dtype, memory_format=torch.contiguous_format)
+    return pool.to(dtype, memory_format=torch.contiguous_format)

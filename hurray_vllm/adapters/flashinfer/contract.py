@@ -59,8 +59,8 @@ def check_flashinfer_args(
         num_qo_heads: query heads, a positive multiple of the KV heads;
             taken from ``q`` when omitted.
         q: decode: ``[batch_size, num_qo_heads, head_dim]``; prefill (with
-            ``qo_indptr``): ``[qo_indptr[-1], num_qo_heads, head_dim]``; on
-            the cache's device.
+            ``qo_indptr``): ``[qo_indptr[-1], num_qo_heads, head_dim]``, last
+            dimension contiguous; on the cache's device.
         qo_indptr: int32 ``[batch_size + 1]``, contiguous, ``[0] == 0``,
             non-decreasing (prefill only).
         q_data_type: the query dtype given to ``plan``, checked against ``q``
@@ -161,6 +161,13 @@ def check_flashinfer_args(
     if num_qo_heads is not None and q.shape[1] != num_qo_heads:
         raise HurrayArgumentError("num_qo_heads", f"num_qo_heads={num_qo_heads} but q has {q.shape[1]} heads")
     _check_group(int(q.shape[1]), cache_heads, decode_cuda_cores=qo_indptr is None and not use_tensor_cores)
+    if q.stride(-1) != 1:
+        # The kernels take only q's token and head strides and load head_dim as one dense vector: any other
+        # layout reads other elements (past the tensor's end, too) with no error on the host.
+        raise HurrayArgumentError(
+            "q",
+            f"head_dim must be q's contiguous (stride 1) dimension, q has strides {q.stride()}; pass q.contiguous()",
+        )
     if q.device != k_cache.device:
         raise HurrayArgumentError("q", f"q is on {q.device}, the cache on {k_cache.device}")
     if q_data_type is not None and q_data_type != q.dtype:
