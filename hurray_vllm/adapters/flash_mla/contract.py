@@ -35,8 +35,11 @@ def check_flash_mla_args(
             contiguous; ``num_heads_k >= 1`` divides ``num_heads_q``.
         block_table: int32 ``[batch, max_num_blocks_per_seq]``, last dim contiguous; every
             entry that covers ``cache_seqlens[b]`` tokens is a page of ``k_cache``.
-        cache_seqlens: int32 ``[batch]``, contiguous, ``>= 1``: FlashMLA does not
-            support zero-length sequences (deepseek-ai/FlashMLA#11).
+        cache_seqlens: int32 ``[batch]``, contiguous, ``>= 1``. FlashMLA's dense
+            decode runs zero-length sequences since deepseek-ai/FlashMLA#150
+            (commit 082094b, January 2026), but older builds fail on them
+            (deepseek-ai/FlashMLA#11), so this check stays conservative and
+            refuses them.
         head_dim_v: 512.
 
     Raises:
@@ -91,8 +94,9 @@ def check_flash_mla_args(
     if empty.numel():
         raise HurrayArgumentError(
             "cache_seqlens",
-            f"cache_seqlens[{int(empty[0, 0])}] is 0, and FlashMLA does not support zero-length sequences "
-            "(deepseek-ai/FlashMLA#11); drop empty sequences from the batch",
+            f"cache_seqlens[{int(empty[0, 0])}] is 0: FlashMLA builds before deepseek-ai/FlashMLA#150 (commit "
+            "082094b, January 2026) fail on zero-length sequences (deepseek-ai/FlashMLA#11), so this check refuses "
+            "them; drop empty sequences from the batch",
         )
     need = (lens + FLASH_MLA_PAGE - 1) // FLASH_MLA_PAGE
     if (int(need.max()) if need.numel() else 0) > block_table.shape[1]:

@@ -60,8 +60,10 @@ def to_flash_mla(
 
     Args:
         snapshot: a fused snapshot (``snapshot.is_latent``) with known
-            ``seq_lens``, none of them 0: FlashMLA does not support empty
-            sequences (deepseek-ai/FlashMLA#11), so drop them from the batch.
+            ``seq_lens``, none of them 0: FlashMLA builds before
+            deepseek-ai/FlashMLA#150 (commit 082094b, January 2026) fail on
+            empty sequences (deepseek-ai/FlashMLA#11), so they are refused,
+            on newer builds too; drop them from the batch.
         layer: the layer to import.
         page_size: tokens per page; FlashMLA takes 64 (other sizes suit the
             pure-PyTorch reference and other MLA kernels).
@@ -128,8 +130,9 @@ def to_flash_mla(
     if empty.numel():
         raise HurrayFormatError(
             "seq_lens",
-            f"sequence {int(empty[0, 0])} has no tokens, and FlashMLA does not support zero-length sequences "
-            "(cache_seqlens 0, deepseek-ai/FlashMLA#11); drop empty sequences from the batch (KVSnapshot.select) first",
+            f"sequence {int(empty[0, 0])} has no tokens: FlashMLA builds before deepseek-ai/FlashMLA#150 (commit "
+            "082094b, January 2026) fail on zero-length sequences (cache_seqlens 0, deepseek-ai/FlashMLA#11), so "
+            "the import refuses them; drop empty sequences from the batch (KVSnapshot.select) first",
         )
     if t.page_size != page_size:
         # num_pages: a page id past the pool is the snapshot's error here, before the gather reads it.

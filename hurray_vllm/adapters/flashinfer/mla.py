@@ -72,9 +72,14 @@ def to_flashinfer_mla(
             kernels take any page size, 1 included).
         dtype: the pools' dtype (default: the snapshot's; fp8 latents are
             dequantized with the layer's scale into bfloat16 unless asked
-            otherwise). A float8 ``dtype`` is refused: the MLA pools carry
-            no scale, so float8 latents are always dequantized, and
-            quantizing needs calibrated scales this library does not choose.
+            otherwise). A float32 latent stays float32 by default, and
+            ``dtype=torch.float32`` is accepted: the PyTorch reference
+            computes with such pools, but FlashInfer's MLA ``plan()`` takes
+            ``kv_data_type`` float16, bfloat16 or float8_e4m3fn only, so pass
+            ``dtype=torch.bfloat16`` (or ``torch.float16``) for the kernel.
+            A float8 ``dtype`` is refused: the MLA pools carry no scale, so
+            float8 latents are always dequantized, and quantizing needs
+            calibrated scales this library does not choose.
         device: where the tensors go (default: the pool's device).
 
     Returns:
