@@ -7,11 +7,13 @@ from collections.abc import Sequence
 import torch
 
 import hurray_vllm as hv
-from hurray_vllm import BlockPagedTensor, KVSnapshot
+from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit
 
-__all__ = ["FP8", "example_chunk", "make_flashinfer_snapshot", "make_snapshot"]
+__all__ = ["DEEPSEEK", "FP8", "example_chunk", "latent_snapshot", "make_flashinfer_snapshot", "make_snapshot"]
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# DeepSeek-V3's MLA latent: 512 values of compressed KV, then 64 of the rotated key (latent_snapshot's default).
+DEEPSEEK = LatentSplit(512, 64, "deepseek_v3")
 
 
 def make_snapshot(
@@ -124,3 +126,22 @@ def save_unchecked(snap: KVSnapshot, path: object) -> None:
     from hurray_vllm.containers.schema import snapshot_records
 
     save_records(snapshot_records(snap), path)  # type: ignore[arg-type]
+
+
+def latent_snapshot(lens: list[int], *, page: int = 16, split: LatentSplit = DEEPSEEK, fp8: bool = False) -> KVSnapshot:
+    """A one-layer MLA latent snapshot: sequence s > 0 shares sequence 0's first page; pages shuffled; one spare."""
+    gen = torch.Generator().manual_seed(len(lens))
+    per = [-(-n // page) for n in lens]
+    pages = per[0] + sum(max(p - 1, 0) for p in per[1:]) + 1
+    order = torch.randperm(pages, generator=gen).tolist()
+    table, ptr, used = [], [0], 0
+    for s, p in enumerate(per):
+        own = order[used : used + p] if s == 0 else [table[0], *order[used : used + p - 1]][:p]
+        used += p if s == 0 else max(p - 1, 0)
+        table += own
+        ptr.append(len(table))
+    pool = torch.randn((pages, page, 1, split.head_dim), generator=gen)
+    pool = (pool / 2).to(torch.float8_e4m3fn) if fp8 else pool.to(torch.bfloat16)
+    t = BlockPagedTensor(pool, torch.tensor(table), torch.tensor(ptr), torch.tensor(lens), "fused", 0)
+    scales = ((2.0, 2.0),) if fp8 else None
+    return KVSnapshot.from_layers([(t,)], latent=split, kv_scales=scales)

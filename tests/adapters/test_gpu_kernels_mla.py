@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from test_mla_importers import latent_snapshot
+from synthetic import latent_snapshot
 
 from hurray_vllm.adapters.flash_mla import flash_mla_with_kvcache, to_flash_mla
 from hurray_vllm.adapters.flashinfer import to_flashinfer_mla

@@ -16,34 +16,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import snapshots
+from synthetic import DEEPSEEK, latent_snapshot
 
 import hurray_vllm as hv
-from hurray_vllm import BlockPagedTensor, KVSnapshot, LatentSplit
+from hurray_vllm import BlockPagedTensor, KVSnapshot
 from hurray_vllm.adapters.flash_mla import FlashMLACache, check_flash_mla_args, to_flash_mla
 from hurray_vllm.adapters.flashinfer import to_flashinfer_mla
 from hurray_vllm.adapters.reference import mla_paged_decode
 from hurray_vllm.wire.descriptor import PerTensorAffine
-
-DEEPSEEK = LatentSplit(512, 64, "deepseek_v3")
-
-
-def latent_snapshot(lens: list[int], *, page: int = 16, split: LatentSplit = DEEPSEEK, fp8: bool = False) -> KVSnapshot:
-    """Sequence s > 0 shares sequence 0's first page (a prefix); pages shuffled; one spare page."""
-    gen = torch.Generator().manual_seed(len(lens))
-    per = [-(-n // page) for n in lens]
-    pages = per[0] + sum(max(p - 1, 0) for p in per[1:]) + 1
-    order = torch.randperm(pages, generator=gen).tolist()
-    table, ptr, used = [], [0], 0
-    for s, p in enumerate(per):
-        own = order[used : used + p] if s == 0 else [table[0], *order[used : used + p - 1]][:p]
-        used += p if s == 0 else max(p - 1, 0)
-        table += own
-        ptr.append(len(table))
-    pool = torch.randn((pages, page, 1, split.head_dim), generator=gen)
-    pool = (pool / 2).to(torch.float8_e4m3fn) if fp8 else pool.to(torch.bfloat16)
-    t = BlockPagedTensor(pool, torch.tensor(table), torch.tensor(ptr), torch.tensor(lens), "fused", 0)
-    scales = ((2.0, 2.0),) if fp8 else None
-    return KVSnapshot.from_layers([(t,)], latent=split, kv_scales=scales)
 
 
 def dense_mla(q: torch.Tensor, snap: KVSnapshot, seq: int, head_dim_v: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ import pytest
 import torch
 from bare_worker import CHUNK, cpu_worker, stored_at_tp
 from conftest import require
+from connector_parts import vllm_config
 
 BLOCKS = [5, 2, 7, 1]  # two chunks of two blocks each, anywhere in the cache
 
@@ -105,13 +106,11 @@ def _output(new: list[Any] | None = None) -> SimpleNamespace:
 
 
 def test_the_scheduler_loads_asynchronously_and_offers_a_failed_request_nothing_again(tmp_path: Path) -> None:
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
 
     store, ns, keys, snap = stored_at_tp(tmp_path, 1)
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
     request = SimpleNamespace(request_id="r", all_token_ids=list(snap.token_ids[0]), kv_transfer_params=None)
     sched = HurrayScheduler(cfg, store, snap.fingerprint, ns)  # type: ignore[arg-type]
     assert sched.get_num_new_matched_tokens(request, 0) == (16, False)  # one group: synchronous
@@ -132,13 +131,11 @@ def test_the_scheduler_loads_asynchronously_and_offers_a_failed_request_nothing_
 def _scheduler(tmp_path: Path, **config: Any) -> tuple[Any, SimpleNamespace]:
     """A scheduler over the two-chunk store (block size 4, chunks of 8) whose workers run in processes of
     their own (asynchronous loads); and a request for the stored prompt."""
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
 
     store, ns, _, snap = stored_at_tp(tmp_path, 2)
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
     cfg = dataclasses.replace(cfg, async_loads=True, worker_in_process=False, **config)
     tokens = list(snap.token_ids[0])
     request = SimpleNamespace(
@@ -235,13 +232,11 @@ def test_which_engines_load_asynchronously(groups: int, backend: str | None, wor
 def test_a_request_recomputing_what_a_synchronous_load_failed_to_write_saves_it_again(tmp_path: Path) -> None:
     """vLLM moves a running request back to its longest valid prefix; the chunks after it are saved again, and the
     request's answer announces none of them until they are (a destination would wait for them in vain)."""
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
 
     store, ns, keys, snap = stored_at_tp(tmp_path, 1)
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
     tokens = [*snap.token_ids[0], 99]
     request = SimpleNamespace(
         request_id="r", all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None

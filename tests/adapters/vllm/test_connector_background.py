@@ -10,26 +10,15 @@ from dataclasses import replace
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import connector_parts
 import pytest
 import torch
 from blocking import wait_for
 from conftest import require
+from connector_parts import bare_push_worker, linear_scheduler, vllm_config
 
-
-@pytest.fixture(scope="module")
-def conn() -> ModuleType:
-    require("vllm")
-    import hurray_vllm.adapters.vllm.connector.worker as c
-
-    return c
-
-
-@pytest.fixture(scope="module")
-def meta() -> ModuleType:
-    require("vllm")
-    import hurray_vllm.adapters.vllm.connector.metadata as m
-
-    return m
+# Module fixtures shared with other connector tests (connector_parts): the connector's worker and metadata modules.
+conn, meta = connector_parts.conn, connector_parts.meta
 
 
 @pytest.fixture
@@ -197,51 +186,11 @@ def _patient_tcp_sender() -> Any:
     return _Patient()
 
 
-def _bare_worker(conn: ModuleType, meta: ModuleType, tmp_path: Any, sender: _Sender) -> Any:
-    """A HurrayWorker without an engine: its exports are stubbed (4 tokens per block, one head of 8)."""
-    from hurray_vllm import KVSnapshot, ModelFingerprint
-    from hurray_vllm.adapters.vllm.export import GatherBuffers
-    from hurray_vllm.chunks.store import DirectoryStore
-    from hurray_vllm.kv.paged import BlockPagedTensor
-
-    c = object.__new__(conn.HurrayWorker)
-    c._store, c._ns, c._url, c.stats = DirectoryStore(tmp_path), "ab" * 8, "nixl://127.0.0.1:1", meta.ConnectorStats()
-    c._pushed, c._chunk_buffers, c._registered, c._sender = conn.OrderedDict(), [], [], sender
-    c._push_paused_until, c._ask_paused_until, c._windows, c._inflight = 0.0, 0.0, (), set()
-    c._unpushed, c._push_backoff, c._closing = conn.OrderedDict(), conn.PUSH_BACKOFF_S, False
-    c._cut_short, c._failed_steps, c._steps_in_flight, c._tp = False, 0, 1, 1
-    c._writer, c._staging = conn._Writer(1 << 30), conn._Staging(1 << 30)
-    c._saves_here, c._my_heads = True, None  # TP = 1
-    c._shares_states = False  # no states gathered across ranks
-    c._keys = None  # an unkeyed fleet
-    c._fingerprint = ModelFingerprint("T", 1, 1, 8, "bfloat16")
-
-    def export(ec, caches, task, block_ids, reuse=False, states=None):  # type: ignore[no-untyped-def]
-        assert reuse
-        if not c._chunk_buffers:
-            c._chunk_buffers = [GatherBuffers()]
-        k, v = c._chunk_buffers[0].take((len(block_ids), 4, 1, 8), torch.bfloat16, torch.device("cpu"))
-        k.fill_(float(len(getattr(sender, "calls", ())))), v.fill_(1.0)
-        n = 4 * len(block_ids)
-        idx = (torch.arange(len(block_ids)), torch.tensor([0, len(block_ids)]), torch.tensor([n]))
-        return KVSnapshot(
-            (BlockPagedTensor(k, *idx, "key", 0),),
-            (BlockPagedTensor(v, *idx, "value", 0),),
-            token_ids=(tuple(task.tokens),),
-            fingerprint=ModelFingerprint("T", 1, 1, 8, "bfloat16"),
-        )
-
-    c._export_chunk = export
-    ec = SimpleNamespace(caches=[torch.zeros((16, 4))], states=None)
-    c._engine_cache, c._ec = (lambda: ec), ec
-    return c
-
-
 def test_pushed_chunks_share_buffers_registered_once(conn: ModuleType, meta: ModuleType, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Saving with a nixl:// url: chunks go one by one through the same buffers, registered with NIXL once."""
     calls: list[tuple[str, list[int]]] = []
     sender = _Sender(calls)
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [1, 2]) for i in range(3)]
     tasks.append(meta.SaveTask("r", "ff" * 8, list(range(12)), [1, 2, 3]))  # larger: the buffers grow
     seen = []
@@ -270,7 +219,7 @@ def test_background_pushes_keep_their_order_and_never_hold_the_step(  # type: ig
 ) -> None:
     """With hurray_url, the step only copies blocks out; the writer stores and pushes, in step order."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = True
     sender.gate.clear()  # the destination does not answer yet
     sender.gate_s = 600.0  # a step that waited for the push would wait this out, and see it pushed
@@ -307,7 +256,7 @@ def test_a_destination_that_never_reads_does_not_hold_the_step(  # type: ignore[
         hole.listen(16)  # the kernel accepts; nobody reads or answers
         url = f"tcp://127.0.0.1:{hole.getsockname()[1]}"
         # Its push waits 600 s: a step that took under 60 s was not held by it (60 s: a hang guard, not a timing).
-        c = _bare_worker(conn, meta, tmp_path, _patient_tcp_sender())
+        c = bare_push_worker(conn, meta, tmp_path, _patient_tcp_sender())
         c._url, c._async = url, True
         c._writer = conn._Writer(256, on_full=c._abort_push)  # a few steps' blocks
         for i in range(12):
@@ -328,7 +277,7 @@ def test_shutdown_stores_the_chunks_a_hung_destination_held_up(  # type: ignore[
         hole.listen(16)
         # Its push waits 600 s: uncut, shutdown gives up after SHUTDOWN_SAVE_S with the chunks not stored.
         sender = _patient_tcp_sender()
-        c = _bare_worker(conn, meta, tmp_path, sender)
+        c = bare_push_worker(conn, meta, tmp_path, sender)
         c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
         c._writer = conn._Writer(1 << 30, on_full=c._abort_push)  # room for all: nothing cuts the push short
         keys = [f"{i:02x}" * 8 for i in range(4)]
@@ -351,7 +300,7 @@ def test_an_unforeseen_error_in_a_push_still_stores_every_chunk_here(  # type: i
             raise RuntimeError("cannot schedule new futures after shutdown")
 
     sender = _Broken([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = True
     keys = [f"{i:02x}" * 8 for i in range(6)]
     for k in keys:
@@ -367,7 +316,7 @@ def test_chunks_stored_while_pushing_paused_are_pushed_when_it_resumes(  # type:
 ) -> None:
     """A failed push leaves no hole for good: what was stored meanwhile goes first once pushing resumes."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = True
     tasks = [meta.SaveTask("r", f"{i:02x}" * 8, list(range(8)), [2 * i + 1, 2 * i + 2]) for i in range(4)]
     sender.fail = True
@@ -384,7 +333,7 @@ def test_a_background_save_the_scheduler_marks_replace_writes_over_the_stored_co
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
     """A stored chunk is skipped, unless the scheduler found the copy weaker (less of a window) and asks again."""
-    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender([]))
     c._async, c._sender, c._url = True, None, None
     task = meta.SaveTask("r", "cd" * 8, list(range(8)), [1, 2])
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[task]))
@@ -401,7 +350,7 @@ def test_a_step_whose_block_copies_fail_drops_its_saves_and_the_engine_runs_on( 
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
     """Out of device memory for the copies, say: nothing raises out of wait_for_save, and a later step saves."""
-    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender([]))
     c._async, c._sender, c._url = True, None, None
     task = meta.SaveTask("r", "ce" * 8, list(range(8)), [1, 2])
     real = c._staging.copy
@@ -423,7 +372,7 @@ def test_chunks_held_back_are_pushed_by_the_idle_writer_without_another_save(  #
 ) -> None:
     """A request that finished while pushing was paused gets its chunks pushed all the same, once the pause ends."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = True
     idle: list[None] = []
 
@@ -460,7 +409,7 @@ def test_pushes_failing_in_a_row_pause_longer_and_longer(  # type: ignore[no-unt
 ) -> None:
     """A destination that stays dead costs one attempt per pause, each pause twice the last, up to a cap."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = False
     sender.fail = True
     pauses = []
@@ -496,7 +445,7 @@ def test_loaded_chunks_are_pushed_on_only_where_the_destination_lacks_them(  # t
     dest = DirectoryStore(tmp_path / "dest")
     with Receiver("127.0.0.1", 0, dest).start() as r:
         url = f"tcp://127.0.0.1:{r.address[1]}"
-        c = _bare_worker(conn, meta, tmp_path / "here", sender_for(url))  # type: ignore[arg-type]
+        c = bare_push_worker(conn, meta, tmp_path / "here", sender_for(url))
         c._url, c._ns = url, namespace_of(c._fingerprint)
         keys = [f"{i:02x}" * 8 for i in range(3)]
         ec = c._engine_cache()
@@ -523,7 +472,7 @@ def test_each_stored_file_of_a_chunk_is_pushed_on_by_one_rank(conn: ModuleType, 
     """Whatever TP degree wrote a chunk, its files go once: each from the saving rank its first head is on."""
     from hurray_vllm.kv.snapshot import HeadRange
 
-    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender([]))
     c._fingerprint = replace(c._fingerprint, num_kv_heads=2)
     ns_dir = tmp_path / c._ns
     ns_dir.mkdir()
@@ -548,7 +497,7 @@ def test_a_receiver_holding_a_chunk_in_other_files_is_sent_none_of_it(
 ) -> None:  # type: ignore[no-untyped-def]
     """Asked about every way a chunk can be stored: TP = 2's slices there, a whole file here, nothing goes."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._fingerprint = replace(c._fingerprint, num_kv_heads=2)
     (tmp_path / c._ns).mkdir()
     for name in ("aa", "bb"):
@@ -569,7 +518,7 @@ def test_a_receiver_that_cannot_say_what_it_holds_gets_everything_and_is_not_ask
     import hurray_vllm as hv
 
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = False
     for i in range(3):
         c._store.put(
@@ -602,7 +551,7 @@ def _forwarding(conn: ModuleType, meta: ModuleType, tmp_path: Any, held: Any) ->
     """A synchronous worker holding chunk 01.. to push on, whose receiver answers held-chunk queries with ``held``;
     a step of it forwards that chunk and saves chunk ee.. (returned: the worker, the sender, the new chunk's key)."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = False
     _store_one(c, meta, "01" * 8)
     sender.held = lambda url, names, **kw: held(c)  # type: ignore[method-assign]
@@ -626,7 +575,7 @@ def test_a_gpu_engines_device_chunk_buffers_are_not_registered_and_its_pushes_go
 
     calls: list[tuple[str, list[int]]] = []
     sender = _HostOnly(calls)
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = False
     export = c._export_chunk
 
@@ -687,7 +636,7 @@ def test_shutdown_cuts_a_held_query_to_a_hung_receiver_and_stores_everything(  #
         hole.listen(16)  # accepted by the kernel, never answered
         # Its query waits 600 s: uncut, shutdown gives up after SHUTDOWN_SAVE_S with the chunks not stored.
         sender = _patient_tcp_sender()
-        c = _bare_worker(conn, meta, tmp_path, sender)
+        c = bare_push_worker(conn, meta, tmp_path, sender)
         c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
         c._writer = conn._Writer(1 << 30, on_full=c._abort_push)
         _store_one(c, meta, "01" * 8)
@@ -705,7 +654,7 @@ def test_shutdown_ends_the_writer_thread_and_lets_the_worker_go(conn: ModuleType
     import gc
     import weakref
 
-    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender([]))
     c._async = True
     c._writer = conn._Writer(1 << 30, on_full=c._abort_push, on_idle=c._push_held_back, idle_s=0.05)
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, list(range(8)), [1, 2])]))
@@ -782,7 +731,7 @@ def test_an_unforeseen_export_error_costs_that_chunk_only_and_is_no_push_failure
     """A RuntimeError exporting a chunk (out of device memory, a bug), inside a push or the store-only loop after
     one failed: that chunk goes unsaved, the rest are stored and pushed, and the step (synchronous) goes on."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = False  # the export runs on the step's thread: an error escaping it would stop the engine
     export = c._export_chunk
     keys = [f"{i:02x}" * 8 for i in range(4)]
@@ -809,27 +758,12 @@ def test_shutdown_unregisters_the_chunk_buffers_from_the_process_wide_sender(  #
 ) -> None:
     """The NIXL sender outlives the worker: a registration left behind pins its buffers for the process's life."""
     calls: list[tuple[str, list[int]]] = []
-    c = _bare_worker(conn, meta, tmp_path, _Sender(calls))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender(calls))
     c._async = True
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, list(range(8)), [1, 2])]))
     assert c.flush(timeout=30) and [kind for kind, _ in calls] == ["register"]
     c.shutdown()
     assert calls == [("register", calls[0][1]), ("unregister", calls[0][1])] and c._registered == []
-
-
-def _vllm_config(
-    extra: dict[str, object], block_size: int = 16, tp: int = 1, role: str = "kv_both", pp: int = 1
-) -> SimpleNamespace:
-    """Just what HurrayConfig.from_vllm reads of a VllmConfig."""
-    require("vllm")
-    from vllm.config import KVTransferConfig
-
-    kv = KVTransferConfig(kv_connector="HurrayConnector", kv_role=role, kv_connector_extra_config=extra)
-    return SimpleNamespace(
-        kv_transfer_config=kv,
-        cache_config=SimpleNamespace(block_size=block_size),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-    )
 
 
 @pytest.mark.parametrize(
@@ -869,7 +803,7 @@ def test_bad_configuration_is_an_argument_error_naming_the_key(extra: dict[str, 
     from hurray_vllm.errors import HurrayArgumentError, HurrayFormatError
 
     with pytest.raises(HurrayArgumentError) as info:
-        config = _vllm_config(extra, tp=max(tp, 1), pp=-tp if tp < 0 else 1)
+        config = vllm_config(extra, tp=max(tp, 1), pp=-tp if tp < 0 else 1)
         HurrayConfig.from_vllm(config, None)  # type: ignore[arg-type]
     assert info.value.field == field and isinstance(info.value, ValueError)
     assert not isinstance(info.value, HurrayFormatError)
@@ -882,7 +816,7 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
 
     cfg = HurrayConfig.from_vllm(
-        _vllm_config(
+        vllm_config(
             {"hurray_path": "/tmp/x", "hurray_chunk_tokens": 32, "hurray_url": "tcp://h:1"}, role="kv_producer"
         ),
         None,  # type: ignore[arg-type]
@@ -892,7 +826,7 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
     assert cfg.save_async and cfg.push_wait_s == 5.0  # pushes run on the background writer too
     assert cfg.listen_limits == {}  # the receiver's own defaults
     limited = HurrayConfig.from_vllm(
-        _vllm_config(
+        vllm_config(
             {
                 "hurray_path": "/x",
                 "hurray_listen": ":0",
@@ -910,7 +844,7 @@ def test_configuration_is_read_once_into_a_frozen_value() -> None:
             "hurray_listen_max_memory_mib": 64,
             "hurray_listen_transport": channel,
         }
-        memory = HurrayConfig.from_vllm(_vllm_config(extra), None)  # type: ignore[arg-type]
+        memory = HurrayConfig.from_vllm(vllm_config(extra), None)  # type: ignore[arg-type]
         assert memory.listen_limits == {arg: 64 << 20}
     assert cfg.save_queue_bytes == 1024 << 20 and cfg.verified_chunks >= 64
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -923,7 +857,7 @@ def _scheduler_with_one_chunk(tmp_path, chunk: int = 16):  # type: ignore[no-unt
     from hurray_vllm.app.demo import spec_example_snapshot
     from hurray_vllm.chunks.store import DirectoryStore, chunk_keys
 
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": chunk}), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": chunk}), None)  # type: ignore[arg-type]
     snap = spec_example_snapshot()
     store, ns = DirectoryStore(tmp_path), "cd" * 8
     tokens = list(range(chunk + 1))
@@ -950,7 +884,7 @@ def test_a_load_with_a_destination_plans_pushing_on_what_it_loaded(tmp_path) -> 
     for url in (None, "tcp://127.0.0.1:1"):
         forget_verified_chunks()
         extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4, **({"hurray_url": url} if url else {})}
-        cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+        cfg = HurrayConfig.from_vllm(vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
         sched = HurrayScheduler(cfg, store, chunk.fingerprint, ns)
         req = SimpleNamespace(request_id="r", all_token_ids=tokens, kv_transfer_params=None)
         assert sched.get_num_new_matched_tokens(req, 0) == (4, False)  # type: ignore[arg-type]
@@ -1020,7 +954,7 @@ def test_an_unexpected_error_reading_or_checking_one_chunk_file_refuses_it_and_t
     assert chunk.fingerprint is not None
     ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
     store.put(ns, key, chunk)
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4}, 4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4}, 4), None)  # type: ignore[arg-type]
     req = SimpleNamespace(request_id="r", all_token_ids=[*chunk.token_ids[0], 1], kv_transfer_params=None)
 
     def lookup() -> tuple[int | None, bool]:
@@ -1061,7 +995,7 @@ def test_a_stored_chunk_without_token_ids_is_moved_aside_not_raised_in_the_sched
     bad = replace(bad, extra={**bad.extra, DIGEST_KEY: chunk_digest(bad)})
     ns, store = namespace_of(chunk.fingerprint), DirectoryStore(tmp_path)
     store.put(ns, key, bad)
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4}, 4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4}, 4), None)  # type: ignore[arg-type]
     sched = HurrayScheduler(cfg, store, chunk.fingerprint, ns)
     req = SimpleNamespace(request_id="r", all_token_ids=[*chunk.token_ids[0], 1], kv_transfer_params=None)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
@@ -1160,7 +1094,7 @@ def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[Any]
         return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=[]) for s in specs])
 
     with pytest.raises(HurrayArgumentError, match=says) as err:
-        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(specs))  # type: ignore[arg-type]
+        HurrayConfig.from_vllm(vllm_config({"hurray_path": "/tmp/x"}), config(specs))  # type: ignore[arg-type]
     assert err.value.field == "kv_cache_groups"
     # Key/value attention, MLA latents, sliding windows and full + sliding-window or linear-attention hybrids.
     for ok in (
@@ -1170,9 +1104,9 @@ def test_models_the_connector_cannot_serve_are_refused_at_start(specs: list[Any]
         ["SlidingWindowSpec", "FullAttentionSpec"],
         ["MambaSpec", "MambaSpec", "FullAttentionSpec"],  # linear-attention hybrids (Qwen3-Next)
     ):
-        HurrayConfig.from_vllm(_vllm_config({"hurray_path": "/tmp/x"}), config(ok))  # type: ignore[arg-type]
+        HurrayConfig.from_vllm(vllm_config({"hurray_path": "/tmp/x"}), config(ok))  # type: ignore[arg-type]
     # ReplaySSM writes a linear-attention layer's whole state back only every few decode steps.
-    replaying = _vllm_config({"hurray_path": "/tmp/x"})
+    replaying = vllm_config({"hurray_path": "/tmp/x"})
     replaying.cache_config.use_replayssm = True
     with pytest.raises(HurrayArgumentError, match="ReplaySSM"):
         HurrayConfig.from_vllm(replaying, config(["MambaSpec", "FullAttentionSpec"]))  # type: ignore[arg-type]
@@ -1196,7 +1130,7 @@ def test_save_tasks_keep_the_sliding_blocks_a_resume_needs(tmp_path, policy: str
     ]
     kv = SimpleNamespace(kv_cache_groups=groups)
     extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 128, "hurray_window_chunks": policy}
-    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=32), _specs_named(kv))  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config(extra, block_size=32), _specs_named(kv))  # type: ignore[arg-type]
     assert cfg.group_windows == (64, None) and cfg.save_async
     sched = HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(600)), num_prompt_tokens=600)
@@ -1235,47 +1169,10 @@ def test_a_full_attention_group_that_records_a_window_does_not_slide() -> None:
     assert of_layer == {"a": 0} and windows == [None]
 
 
-def _linear_scheduler(tmp_path: Any) -> Any:
-    """A scheduler for a linear-attention hybrid: two state groups (align mode) and a full group, blocks of 32."""
-    require("vllm")
-    from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
-    from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
-    from hurray_vllm.chunks.store import DirectoryStore
-
-    mamba = type(
-        "MambaSpec",
-        (),
-        {
-            "block_size": 32,
-            "mamba_cache_mode": "align",
-            "mamba_type": "gdn_attn",
-            "shapes": ((3, 16), (2, 4, 8)),
-            "dtypes": (torch.bfloat16, torch.bfloat16),
-        },
-    )
-    full = type("FullAttentionSpec", (), {"block_size": 32, "sliding_window": None})
-    kv = SimpleNamespace(
-        kv_cache_groups=[
-            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["model.layers.0.linear_attn"]),
-            SimpleNamespace(kv_cache_spec=mamba(), layer_names=["model.layers.1.linear_attn"]),
-            SimpleNamespace(kv_cache_spec=full(), layer_names=["model.layers.2.self_attn.attn"]),
-        ]
-    )
-    vc = _vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 64}, block_size=32)
-    vc.cache_config.mamba_cache_mode = "align"
-    cfg = HurrayConfig.from_vllm(vc, kv)  # type: ignore[arg-type]
-    assert cfg.state_groups == (0, 1) and cfg.state_mode == "align" and cfg.group_windows == (None, None, None)
-    layout = cfg.state_layout
-    assert layout is not None and layout.kind == "gdn_attn" and layout.layers == (0, 1) and layout.attention == (2,)
-    # The format's recurrent state is [v_heads, k_dim, v_dim]: vLLM declares [v_heads, v_dim, k_dim].
-    assert layout.shapes == ((3, 16), (2, 8, 4)) and layout.dtype_names == ("bfloat16", "bfloat16")
-    return HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
-
-
 def test_a_chunk_takes_the_states_only_when_the_step_ends_at_its_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Align mode: block (n - 1) // 32 of each state group holds the state after n tokens, if a step ended there."""
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(300)), num_prompt_tokens=300)
     state = sched._state(request)
     # vLLM's table after a step that ran 0..256: only the last block of a state group is real.
@@ -1301,7 +1198,7 @@ def test_a_chunk_takes_the_states_only_when_the_step_ends_at_its_end(tmp_path) -
 def test_with_asynchronous_scheduling_a_decoded_chunk_takes_the_state_the_step_before_left(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The token ids trail the computed tokens by one: the chunk is planned a step late, from the block kept."""
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(383)), num_prompt_tokens=300)
     state = sched._state(request)
     state.chunks_done = 5
@@ -1330,7 +1227,7 @@ def test_with_asynchronous_scheduling_a_decoded_chunk_takes_the_state_the_step_b
 def test_a_load_resumes_at_the_last_chunk_with_states_and_writes_both_state_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(300)), num_prompt_tokens=300)
     state = sched._state(request)
     # 128 tokens loaded (two chunks); vLLM pads the state groups' skipped blocks with the null block.
@@ -1351,7 +1248,7 @@ def test_a_hybrid_resumes_only_at_a_chunk_whose_states_were_taken_at_its_end(tmp
     token (or that has none) failed no test; the worker, which checks again, would then fail the load promised."""
     from hurray_vllm.app.demo import spec_example_snapshot
 
-    sched = _linear_scheduler(tmp_path)  # chunks of 64 tokens
+    sched = linear_scheduler(tmp_path)  # chunks of 64 tokens
     layout = sched._config.state_layout
 
     def states_at(pos: int) -> Any:
@@ -1370,7 +1267,7 @@ def test_a_stored_chunk_without_states_is_written_again_by_a_step_that_has_them(
     from hurray_vllm.app.demo import spec_example_snapshot
     from hurray_vllm.chunks import chunk_keys
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(100)), num_prompt_tokens=100)
     state = sched._state(request)
     state.groups = [[0, 11], [0, 21], [31, 32]]
@@ -1400,7 +1297,7 @@ def test_slices_of_another_tp_degree_holding_the_states_are_not_written_again(tm
     from hurray_vllm.chunks import chunk_keys
     from hurray_vllm.kv.heads import select_heads
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     sched._heads = 2  # a model of two KV heads
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(100)), num_prompt_tokens=100)
     state = sched._state(request)
@@ -1450,7 +1347,7 @@ def test_a_request_waits_for_the_pushed_chunks_its_kv_transfer_params_announce( 
     ns, tokens = namespace_of(chunk.fingerprint), [*chunk.token_ids[0], 1]
     assert chunk_keys(tokens, 4, ns) == [key]
     extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 4, "hurray_push_wait_s": 0.5}
-    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
     store = DirectoryStore(tmp_path)
     sched = HurrayScheduler(cfg, store, chunk.fingerprint, ns)
     # The scheduler's clock, moved by hand: a wait of hurray_push_wait_s is read off exactly, however long a
@@ -1501,7 +1398,7 @@ def test_a_prompt_tail_is_saved_at_the_end_of_prefill_announced_awaited_and_load
     ns, prompt = namespace_of(tail.fingerprint), [*tail.token_ids[0], 99, 1]
     assert tail_keys(None, prompt[:4], 4, ns) == [(4, key)]
     extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 8, "hurray_push_wait_s": 30}
-    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
     assert cfg.tails
     store = DirectoryStore(tmp_path)
     sched = HurrayScheduler(cfg, store, tail.fingerprint, ns)
@@ -1535,7 +1432,7 @@ def test_a_prompt_tail_is_saved_at_the_end_of_prefill_announced_awaited_and_load
     other = SimpleNamespace(request_id="o", all_token_ids=[11, 12, 13, 15, 99, 1], kv_transfer_params=None)
     assert sched.get_num_new_matched_tokens(other, 0) == (0, False)  # type: ignore[arg-type]  # other tokens
 
-    off = HurrayConfig.from_vllm(_vllm_config({**extra, "hurray_tails": "false"}, block_size=4), None)  # type: ignore[arg-type]
+    off = HurrayConfig.from_vllm(vllm_config({**extra, "hurray_tails": "false"}, block_size=4), None)  # type: ignore[arg-type]
     sched = HurrayScheduler(off, store, tail.fingerprint, ns)
     assert sched.get_num_new_matched_tokens(again, 0) == (0, False)  # type: ignore[arg-type]
 
@@ -1553,7 +1450,7 @@ def test_a_step_whose_synchronous_load_failed_stores_none_of_its_chunks(  # type
 ) -> None:
     """Its forward pass read blocks the load did not write: what it completed may hold wrong KV (and would be
     found by key and loaded elsewhere). The next step, recomputing, saves again."""
-    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path, None)
     c._sender, c._url, c._async = None, None, True
     task = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2])
     c._failed_steps = 1  # what _fail sets for a synchronous load
@@ -1582,7 +1479,7 @@ def test_a_chunk_whose_pools_disagree_with_its_fingerprint_is_refused_before_any
     snap = two_chunks(dim=8, fingerprint=gqa_fingerprint())  # pools of head_dim 8, its fingerprint says 16
     store = DirectoryStore(tmp_path)
     store_snapshot(store, snap, CHUNK)
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
     sched = HurrayScheduler(cfg, store, gqa_fingerprint(), namespace_of(gqa_fingerprint()))
     request = SimpleNamespace(request_id="r", all_token_ids=list(snap.token_ids[0]), kv_transfer_params=None)
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -1656,7 +1553,7 @@ def test_a_hybrid_resumes_at_the_furthest_chunk_any_complete_set_of_whose_files_
     from hurray_vllm.chunks import chunk_keys
     from hurray_vllm.kv.heads import select_heads
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     sched._heads = 2
     st, ns = sched._store, sched._ns
     tokens = list(range(200))
@@ -1698,7 +1595,7 @@ def test_a_synchronous_save_whose_states_copy_fails_costs_that_chunk_and_the_eng
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
     """vLLM calls wait_for_save inside its step: an error copying a chunk's states must not escape into it."""
-    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path, None)
     c._sender, c._url, c._async = None, None, False
     c._engine_cache().states = SimpleNamespace(gather=_no_memory)
     with_states = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2], state_blocks={1: [3]}, state_position=8)
@@ -1740,7 +1637,7 @@ def test_a_rank_whose_states_copy_fails_still_takes_part_in_the_collectives(  # 
     says so in one all-reduce, and then no rank gathers; the chunk is saved without states, nothing raises."""
     task = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2], state_blocks={1: [3]}, state_position=8)
     for mine_fails, others in ((True, 0), (False, 1)):  # this rank's copy fails / the other rank's did
-        c = _bare_worker(conn, meta, tmp_path / str(others), None)  # type: ignore[arg-type]
+        c = bare_push_worker(conn, meta, tmp_path / str(others), None)
         c._sender, c._url, c._async, c._tp, c._shares_states = None, None, True, 2, True
         c._engine_cache().states = SimpleNamespace(gather=_no_memory if mine_fails else lambda *a: "share")
         monkeypatch.setattr(conn, "pack_states", lambda s: torch.zeros(8, dtype=torch.uint8))
@@ -1750,7 +1647,7 @@ def test_a_rank_whose_states_copy_fails_still_takes_part_in_the_collectives(  # 
         assert c.flush(timeout=30) and c._store.has(c._ns, task.key) and c.stats.chunks_saved == 1
     # A broken channel: the collective raises on this rank; the step's saves are dropped (it cannot know whether
     # another rank's load failed), and nothing raises into the step.
-    c = _bare_worker(conn, meta, tmp_path / "broken", None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path / "broken", None)
     c._sender, c._url, c._async, c._tp = None, None, True, 2
     _TpGroup(monkeypatch, broken=True)
     load = meta.LoadTask("r", [], [], [])
@@ -1763,7 +1660,7 @@ def test_a_step_completing_more_chunks_than_the_save_queue_holds_copies_them_in_
 ) -> None:
     """hurray_save_queue_mib bounds what one step copies out too: in batches that fit, the step waiting between."""
     bound = 8 << 10  # 8 blocks of 1 KiB
-    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path, None)
     c._sender, c._url, c._async = None, None, True
     c._writer, c._staging = conn._Writer(bound, on_full=c._abort_push), conn._Staging(bound)
     c._engine_cache().caches = [torch.zeros((64, 256), dtype=torch.float32)]
@@ -1806,7 +1703,7 @@ def test_staging_refuses_a_block_outside_the_cache_before_copying(  # type: igno
             staging.copy(caches, ids)
         assert info.value.field == "block_ids"
     assert staging._out_bytes == 0
-    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path, None)
     c._sender, c._url, c._async = None, None, True
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "ab" * 8, list(range(8)), [15, 16])]))
     assert c.flush(timeout=30) and c.stats.saves_failed == 1 and not c._inflight
@@ -1818,7 +1715,7 @@ def test_saves_that_fail_or_find_the_file_stored_are_counted(  # type: ignore[no
     """A write that fails (disk full) is a failed save; a file stored meanwhile by another writer, a skipped one."""
     import errno
 
-    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path, None)
     c._sender, c._url, c._async = None, None, True
     put = c._store.put
 
@@ -1840,7 +1737,7 @@ def test_a_step_whose_copies_fail_still_pushes_its_stored_chunks_later(  # type:
 ) -> None:
     """A chunk of the step only to push on never reaches the writer when the copies fail: it is remembered."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = True
     _store_one(c, meta, "01" * 8)
     c._staging.copy = _no_memory
@@ -1857,7 +1754,7 @@ def test_a_step_whose_synchronous_load_failed_still_pushes_on_the_chunks_it_load
     """A chunk only to push on is read from its files, not from the step's blocks: the failed load drops the chunks
     the step completed, not the pushes of what another request loaded."""
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = True
     _store_one(c, meta, "01" * 8)
     forward = meta.SaveTask("r2", "01" * 8, [], [], forward=True)
@@ -1876,7 +1773,7 @@ def test_a_store_that_cannot_be_listed_fails_the_push_and_keeps_what_it_held_bac
     import errno
 
     sender = _Sender([])
-    c = _bare_worker(conn, meta, tmp_path, sender)
+    c = bare_push_worker(conn, meta, tmp_path, sender)
     c._async = True
     keys = ["01" * 8, "02" * 8]
     for k in keys:
@@ -1903,7 +1800,7 @@ def test_the_chunks_a_failed_copy_leaves_to_push_are_remembered_on_the_writers_t
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
     """The writer iterates the chunks held back as it delivers: the step's thread must not change them meanwhile."""
-    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender([]))
     c._async = True
     _store_one(c, meta, "01" * 8)
     c._staging.copy = _no_memory
@@ -1924,7 +1821,7 @@ def test_a_delivery_that_raises_counts_its_chunks_as_failed(  # type: ignore[no-
     conn: ModuleType, meta: ModuleType, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A bug the delivery does not catch: the batch's chunks are neither stored nor forgotten by the counters."""
-    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender([]))
     c._async = True
 
     def broken(*args: Any) -> None:
@@ -1948,7 +1845,7 @@ def test_interpreter_exit_cuts_a_hung_push_and_stores_everything(  # type: ignor
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)
         sender = _patient_tcp_sender()
-        c = _bare_worker(conn, meta, tmp_path, sender)
+        c = bare_push_worker(conn, meta, tmp_path, sender)
         c._url, c._async = f"tcp://127.0.0.1:{hole.getsockname()[1]}", True
         c._writer = conn._Writer(1 << 30, on_full=c._abort_push)
         monkeypatch.setattr(conn, "_WORKERS", conn.weakref.WeakSet([c]))
@@ -1972,7 +1869,7 @@ def test_a_worker_dropped_without_shutdown_is_collected_and_its_writer_thread_en
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.chunks.store import DirectoryStore
 
-    c = _bare_worker(conn, meta, tmp_path, _Sender([]))
+    c = bare_push_worker(conn, meta, tmp_path, _Sender([]))
     c._async = True
     c._writer = conn._Writer(1 << 30, on_full=c._abort_push, on_idle=c._push_held_back, idle_s=0.05)
     c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, list(range(8)), [1, 2])]))
@@ -1985,7 +1882,7 @@ def test_a_worker_dropped_without_shutdown_is_collected_and_its_writer_thread_en
     thread.join(60)
     assert not thread.is_alive()  # on its next idle round it found its worker gone
     # A worker as the connector builds it (a writer with no idle work: its thread waits for jobs only).
-    config = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path)}), None)  # type: ignore[arg-type]
+    config = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path)}), None)  # type: ignore[arg-type]
     w = conn.HurrayWorker(config, DirectoryStore(tmp_path), ModelFingerprint("T", 1, 1, 8, "bfloat16"), "ab" * 8)
     assert w in conn._WORKERS
     w._writer.submit(lambda: None, 1)
@@ -2006,7 +1903,7 @@ def test_a_rank_slice_exported_with_another_head_count_is_refused(  # type: igno
     from hurray_vllm.errors import HurrayFormatError
     from hurray_vllm.kv.snapshot import HeadRange
 
-    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path, None)
     ec = SimpleNamespace(caches=[torch.zeros((16, 4))], layout=None, export_options=lambda: {})
     task = meta.SaveTask("r", "ab" * 8, list(range(8)), [1, 2])
     one_head = c._export_chunk(ec, ec.caches, task, [1, 2], True)  # the stub: one KV head

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 from conftest import require
-from test_connector_background import _vllm_config
+from connector_parts import backend_spec, kv_groups, vllm_config, worker_config
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "connector.md"
 
 
 def _config(extra: dict[str, object], role: str = "kv_both", max_model_len: int | None = None) -> SimpleNamespace:
-    """``_vllm_config``'s VllmConfig (``max_model_len``: with a model_config that has it)."""
-    engine = _vllm_config(extra, role=role)
+    """``vllm_config``'s VllmConfig (``max_model_len``: with a model_config that has it)."""
+    engine = vllm_config(extra, role=role)
     if max_model_len is not None:
         engine.model_config = SimpleNamespace(max_model_len=max_model_len)
     return engine
@@ -515,16 +515,14 @@ def test_a_backend_that_keeps_keys_and_values_as_two_head_slots_fails_the_start(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At two KV heads its [B, 2, N, H*D] pages passed for [B, H, N, 2D]: chunks of mixed-up keys and values."""
-    from test_layouts import _backend_spec, _groups
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.errors import HurrayArgumentError
 
-    groups = _groups(_backend_spec(backend, 2, monkeypatch))
+    groups = kv_groups(backend_spec(backend, 2, monkeypatch))
     with pytest.raises(HurrayArgumentError, match="num_head_slots=2") as info:
         HurrayConfig.from_vllm(_config({"hurray_path": "/x"}), groups)  # type: ignore[arg-type]
     assert info.value.field == "kv_cache_groups" and "--attention-backend FLASH_ATTN" in str(info.value)
-    HurrayConfig.from_vllm(_config({"hurray_path": "/x"}), _groups(_backend_spec("FLASH_ATTN", 2, monkeypatch)))
+    HurrayConfig.from_vllm(_config({"hurray_path": "/x"}), kv_groups(backend_spec("FLASH_ATTN", 2, monkeypatch)))
 
 
 def _grouped_worker(layers: dict[str, Any]) -> Any:
@@ -534,9 +532,7 @@ def _grouped_worker(layers: dict[str, Any]) -> Any:
     from hurray_vllm.adapters.vllm.connector.worker import HurrayWorker
 
     worker = object.__new__(HurrayWorker)
-    from test_layouts import _worker_config
-
-    worker._vllm_config, _ = _worker_config([torch.zeros(4, 2, 16, 32)], 16, "FlashAttentionImpl")
+    worker._vllm_config, _ = worker_config([torch.zeros(4, 2, 16, 32)], 16, "FlashAttentionImpl")
     worker._vllm_config.compilation_config.static_forward_context = layers
     # What vLLM builds the connector from: the engine's groups, before the model runner adds KV-sharing layers.
     worker._layer_groups, worker._windows = {"l0": 0, "l1": 1}, (64, None)

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 from conftest import require
-from test_connector_background import _vllm_config
+from connector_parts import vllm_config
 
 
 def _parse(extra: dict[str, object], role: str = "kv_both") -> Any:
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
 
-    return HurrayConfig.from_vllm(_vllm_config(extra, role=role), None)  # type: ignore[arg-type]
+    return HurrayConfig.from_vllm(vllm_config(extra, role=role), None)  # type: ignore[arg-type]
 
 
 def _refused(extra: dict[str, object], role: str = "kv_both") -> Any:

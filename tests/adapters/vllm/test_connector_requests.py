@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import require
+from connector_parts import linear_scheduler, vllm_config
 from prefetch import prefetched
 from servers import run_engine, side_by_side
 from tiny_models import build_tiny_llama
@@ -158,13 +159,11 @@ def test_a_reset_forgets_what_requests_in_flight_saved_and_keys_new_ones_apart(t
 
 
 def _scheduler(tmp_path: Path) -> Any:
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
     from hurray_vllm.chunks.store import DirectoryStore
 
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 16}), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": 16}), None)  # type: ignore[arg-type]
     return HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
 
 
@@ -231,9 +230,7 @@ def test_a_step_past_the_requests_token_ids_saves_only_chunks_of_final_tokens(tm
 
 def test_a_chunk_saved_a_step_late_carries_no_states(tmp_path: Path) -> None:
     """Linear attention: states are the engine's at the step's end; a chunk planned after its step gets none."""
-    from test_connector_background import _linear_scheduler
-
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     request = SimpleNamespace(request_id="r", all_token_ids=list(range(64)), num_prompt_tokens=40)
     state = sched._state(request)
     state.groups = [[0, 11], [0, 21], [31, 32]]
@@ -252,15 +249,13 @@ def test_a_chunk_saved_a_step_late_carries_no_states(tmp_path: Path) -> None:
 
 def test_a_salted_requests_tail_is_keyed_with_its_salt(tmp_path: Path) -> None:
     """``hurray_tails``: the tail chains on the salted chunk before it, and a salted consumer finds it."""
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
     from hurray_vllm.chunks.keys import chunk_keys, key_seed, tail_keys
     from hurray_vllm.chunks.store import DirectoryStore
 
     extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 16}
-    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
     sched = HurrayScheduler(cfg, DirectoryStore(tmp_path), None, "ab" * 8)  # type: ignore[arg-type]
     tokens = list(range(22))  # one chunk (16) and a tail of one... of its whole blocks after it: 16..20
     request = SimpleNamespace(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from conftest import require
+from connector_parts import bare_push_worker
 
 
 def test_a_stored_chunk_with_states_is_pushed_on_to_a_receiver_holding_it_without(tmp_path: Path) -> None:
@@ -15,7 +16,6 @@ def test_a_stored_chunk_with_states_is_pushed_on_to_a_receiver_holding_it_withou
     (and a load there resumed earlier). A stateless copy here still goes nowhere the receiver holds it."""
     require("vllm")
     from synthetic import example_chunk
-    from test_connector_background import _bare_worker
 
     import hurray_vllm as hv
     import hurray_vllm.adapters.vllm.connector.metadata as meta
@@ -36,7 +36,7 @@ def test_a_stored_chunk_with_states_is_pushed_on_to_a_receiver_holding_it_withou
         dest.put(ns, key, chunk)
     with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path / "dest"), timeout=5).start() as r:
         url = f"tcp://127.0.0.1:{r.address[1]}"
-        c = _bare_worker(conn, meta, tmp_path / "here", sender_for(url))  # type: ignore[arg-type]
+        c = bare_push_worker(conn, meta, tmp_path / "here", sender_for(url))
         c._url, c._ns, c._fingerprint, c._async = url, ns, chunk.fingerprint, False
         c._store.put(ns, stateful, with_states)
         c._store.put(ns, stateless, chunk)

@@ -7,6 +7,7 @@ import io
 import pytest
 import torch
 from conftest import require
+from connector_parts import backend_spec, kv_groups, worker_config
 
 import hurray_vllm as hv
 from hurray_vllm import HurrayFormatError
@@ -324,38 +325,6 @@ def test_an_mla_latent_of_another_dtype_is_refused_not_converted() -> None:
 # Caches hurray-vllm cannot read, refused where the engine starts or registers them (no engine needed).
 
 
-def _worker_config(
-    caches: list[torch.Tensor], head_dim: int, impl: str, *, cache_dtype: str = "auto"
-) -> tuple[object, list[str]]:
-    """A vLLM config as far as ``describe_worker_cache`` reads it, one attention layer per cache."""
-    from types import SimpleNamespace as NS
-
-    backend = type(impl, (), {})  # a name starting with "CPU": the packed CPU layout; any other: LogicalBHNC
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(len(caches))]
-    layers = {n: NS(kv_cache=[c], impl=backend(), isa="vec") for n, c in zip(names, caches, strict=True)}
-    heads = int(caches[0].shape[1])
-    model = NS(
-        use_mla=False,
-        dtype=torch.bfloat16,
-        get_head_size=lambda: head_dim,
-        get_total_num_kv_heads=lambda: heads,
-        get_num_layers=lambda pc: len(caches),
-        hf_config=NS(architectures=["LlamaForCausalLM"]),
-        model="/nonexistent",
-        revision=None,
-        is_hybrid=False,
-    )
-    config = NS(
-        model_config=model,
-        cache_config=NS(cache_dtype=cache_dtype, block_size=int(caches[0].shape[2]), kv_cache_layout=None),
-        compilation_config=NS(static_forward_context=layers),
-        parallel_config=NS(tensor_parallel_size=1),
-        load_config=NS(load_format="auto", download_dir=None),
-        speculative_config=None,
-    )
-    return config, names
-
-
 def test_a_model_whose_values_have_another_head_size_than_its_keys_is_refused_at_start() -> None:
     """MiMo-V2 (keys of 192, values of 128; vLLM's ``head_size_v``) passed, then every save and load failed."""
     require("vllm")
@@ -380,43 +349,6 @@ def test_a_model_whose_values_have_another_head_size_than_its_keys_is_refused_at
     assert mla.head_size_v == 0 and unsupported_cache(groups(mla)) is None  # one latent: no V at all
 
 
-def _backend_spec(name: str, heads: int, monkeypatch: pytest.MonkeyPatch, *, window: int | None = None) -> object:
-    """The KV cache spec vLLM 0.32 gives a layer of backend ``name`` (its ``customize_spec``; all import on CPU)."""
-    require("vllm")
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-    if name == "B12X":
-        from vllm.v1.attention.backends.b12x import B12xPagedAttentionBackend as backend
-    elif name == "ROCM_ATTN":
-        from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend as backend
-    elif name == "ROCM_SEGMENTED_ATTN":
-        from vllm.v1.attention.backends.rocm_segmented_attn import RocmSegmentedAttentionBackend as backend
-    elif name == "ROCM_AITER_UNIFIED_ATTN":
-        from vllm.v1.attention.backends.rocm_aiter_unified_attn import RocmAiterUnifiedAttentionBackend as backend
-    elif name == "TRITON_ATTN":
-        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend as backend
-    elif name == "FLASH_ATTN":
-        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend as backend
-    else:  # ROCM_AITER_FA, with VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=1 ("_SHUFFLE") or without
-        from vllm.v1.attention.backends import rocm_aiter_fa
-
-        shuffle = name.endswith("_SHUFFLE")
-        monkeypatch.setattr(rocm_aiter_fa.rocm_aiter_ops, "is_shuffle_kv_cache_enabled", lambda: shuffle)
-        backend = rocm_aiter_fa.AiterFlashAttentionBackend
-    kv = {"block_size": 16, "num_kv_heads": heads, "head_size": 8, "dtype": torch.bfloat16}
-    spec = SlidingWindowSpec(sliding_window=64, **kv) if window else FullAttentionSpec(**kv)
-    return backend.customize_spec(spec)
-
-
-def _groups(*specs: object) -> object:
-    """A KVCacheConfig as far as ``unsupported_cache`` reads it: one layer per spec, one group each."""
-    from types import SimpleNamespace
-
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
-
-    return SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
-
-
 TWO_SLOT_BACKENDS = ["B12X", "ROCM_ATTN", "ROCM_SEGMENTED_ATTN", "ROCM_AITER_FA_SHUFFLE"]
 
 
@@ -430,17 +362,17 @@ def test_a_backend_that_keeps_keys_and_values_as_two_head_slots_is_refused_at_st
     another head size."""
     from hurray_vllm.adapters.vllm.cache import describe_worker_cache, unsupported_cache
 
-    spec = _backend_spec(backend, heads, monkeypatch)
+    spec = backend_spec(backend, heads, monkeypatch)
     assert getattr(spec, "num_head_slots", None) == 2  # what vLLM publishes: the premise of the refusal
-    window = _backend_spec(backend, heads, monkeypatch, window=64)
-    for config, sliding in ((_groups(spec), False), (_groups(spec), True), (_groups(spec, window), True)):
+    window = backend_spec(backend, heads, monkeypatch, window=64)
+    for config, sliding in ((kv_groups(spec), False), (kv_groups(spec), True), (kv_groups(spec, window), True)):
         why = unsupported_cache(config, sliding_windows=sliding)
         assert why is not None and "num_head_slots=2" in why and "FLASH_ATTN" in why, why
     # Where the worker describes its caches (engine_cache(), the connector's worker): the spec says it too.
     caches = [torch.zeros(4, 2, 16, heads * 8, dtype=torch.bfloat16)]  # [B, 2, N, H*D]
-    config, names = _worker_config(caches, 8, "B12xPagedAttentionImpl")
+    config, names = worker_config(caches, 8, "B12xPagedAttentionImpl")
     with pytest.raises(HurrayFormatError, match="num_head_slots=2") as err:
-        describe_worker_cache(config, caches, names, _groups(spec))
+        describe_worker_cache(config, caches, names, kv_groups(spec))
     assert err.value.field == "kv_cache_groups"
 
 
@@ -450,13 +382,13 @@ def test_a_backend_with_one_head_slot_per_kv_head_is_still_accepted(
 ) -> None:
     from hurray_vllm.adapters.vllm.cache import describe_worker_cache, unsupported_cache
 
-    spec = _backend_spec(backend, 2, monkeypatch)
-    window = _backend_spec(backend, 2, monkeypatch, window=64)
-    assert unsupported_cache(_groups(spec)) is None
-    assert unsupported_cache(_groups(spec, window), sliding_windows=True) is None
+    spec = backend_spec(backend, 2, monkeypatch)
+    window = backend_spec(backend, 2, monkeypatch, window=64)
+    assert unsupported_cache(kv_groups(spec)) is None
+    assert unsupported_cache(kv_groups(spec, window), sliding_windows=True) is None
     caches = [torch.zeros(4, 2, 16, 16, dtype=torch.bfloat16)]
-    config, names = _worker_config(caches, 8, "FlashAttentionImpl")
-    assert describe_worker_cache(config, caches, names, _groups(spec)).layout_name == "vllm-LBNHC"
+    config, names = worker_config(caches, 8, "FlashAttentionImpl")
+    assert describe_worker_cache(config, caches, names, kv_groups(spec)).layout_name == "vllm-LBNHC"
 
 
 def test_a_packed_quantized_cache_is_refused_at_start() -> None:
@@ -472,7 +404,7 @@ def test_a_packed_quantized_cache_is_refused_at_start() -> None:
     )
     packed = TritonAttentionBackend.customize_spec(spec)
     assert packed.num_head_slots is None and packed.state_content_bytes == 2 * 8 + 2 * 4
-    why = unsupported_cache(_groups(packed), sliding_windows=True)
+    why = unsupported_cache(kv_groups(packed), sliding_windows=True)
     assert why is not None and "state_content_bytes=24: a packed quantized cache" in why, why
 
 
@@ -490,7 +422,7 @@ def test_a_cache_whose_values_have_another_head_size_is_refused_when_registered(
     from hurray_vllm.adapters.vllm.cache import describe_worker_cache
 
     caches = [torch.zeros(4, 2, 16, 192 + 128, dtype=torch.bfloat16) for _ in range(2)]
-    config, names = _worker_config(caches, 192, impl)
+    config, names = worker_config(caches, 192, impl)
     with pytest.raises(HurrayFormatError, match=r"\[4, 2, 16, 320\]") as err:
         describe_worker_cache(config, caches, names)
     assert err.value.field == "cache"
@@ -502,7 +434,7 @@ def test_kv_cache_groups_of_other_page_geometries_are_refused_naming_them() -> N
     from hurray_vllm.adapters.vllm.cache import describe_worker_cache
 
     caches = [torch.zeros(4, 4, 32, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 64, 128, dtype=torch.bfloat16)]
-    config, names = _worker_config(caches, 64, "CPUAttentionBackendImpl")
+    config, names = worker_config(caches, 64, "CPUAttentionBackendImpl")
     with pytest.raises(HurrayFormatError, match="KV cache groups with different page geometries") as err:
         describe_worker_cache(config, caches, names)
     assert err.value.field == "layers" and "speculative drafter" in str(err.value)  # still one possible cause
@@ -532,7 +464,7 @@ def test_an_fp8_cache_on_a_platform_whose_fp8_is_fnuz_is_refused_at_start(
     from hurray_vllm.adapters.vllm.cache import describe_worker_cache, fingerprint_of
 
     caches = [torch.zeros(4, 2, 32, 64, dtype=torch.uint8) for _ in range(2)]
-    config, names = _worker_config(caches, 32, "CPUAttentionBackendImpl", cache_dtype=cache_dtype)
+    config, names = worker_config(caches, 32, "CPUAttentionBackendImpl", cache_dtype=cache_dtype)
     ec = describe_worker_cache(config, caches, names)  # this platform's (the CPU's) fp8 is the one mapped
     assert ec.storage_dtype == (torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
     monkeypatch.setattr(vllm.platforms, "_current_platform", FnuzPlatform())
@@ -542,7 +474,7 @@ def test_an_fp8_cache_on_a_platform_whose_fp8_is_fnuz_is_refused_at_start(
     assert err.value.field == "kv_cache_dtype"
     with pytest.raises(HurrayFormatError, match="float8_e4m3fnuz"):
         fingerprint_of(config, num_layers=2)  # the scheduler side refuses it too
-    auto, _ = _worker_config(caches, 32, "CPUAttentionBackendImpl")
+    auto, _ = worker_config(caches, 32, "CPUAttentionBackendImpl")
     assert fingerprint_of(auto, num_layers=2).dtype == "bfloat16"  # an unquantized cache does not care
 
 
@@ -554,11 +486,11 @@ def test_a_cache_dtype_naming_the_models_own_dtype_is_the_auto_cache(model_dtype
 
     same, other = ("bfloat16", "float16") if model_dtype == torch.bfloat16 else ("float16", "bfloat16")
     caches = [torch.zeros(4, 2, 32, 64, dtype=model_dtype) for _ in range(2)]
-    auto, names = _worker_config(caches, 32, "FlashAttentionImpl")
+    auto, names = worker_config(caches, 32, "FlashAttentionImpl")
     auto.model_config.dtype = model_dtype
     want = describe_worker_cache(auto, caches, names)
     for cache_dtype in (same, other):
-        config, _ = _worker_config(caches, 32, "FlashAttentionImpl", cache_dtype=cache_dtype)
+        config, _ = worker_config(caches, 32, "FlashAttentionImpl", cache_dtype=cache_dtype)
         config.model_config.dtype = model_dtype
         if cache_dtype == same:
             ec = describe_worker_cache(config, caches, names)

@@ -12,37 +12,23 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import connector_parts
 import pytest
 import torch
-from conftest import require
+from connector_parts import bare_push_worker, vllm_config
 
-
-@pytest.fixture(scope="module")
-def conn() -> ModuleType:
-    require("vllm")
-    import hurray_vllm.adapters.vllm.connector.worker as c
-
-    return c
-
-
-@pytest.fixture(scope="module")
-def meta() -> ModuleType:
-    require("vllm")
-    import hurray_vllm.adapters.vllm.connector.metadata as m
-
-    return m
+# Module fixtures shared with other connector tests (connector_parts): the connector's worker and metadata modules.
+conn, meta = connector_parts.conn, connector_parts.meta
 
 
 def test_the_scheduler_gives_each_save_the_previous_chunk_s_key(tmp_path: Path, meta: ModuleType) -> None:
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
     from hurray_vllm.chunks.keys import chunk_keys, tail_keys
     from hurray_vllm.chunks.store import DirectoryStore
 
     extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": 16}
-    cfg = HurrayConfig.from_vllm(_vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config(extra, block_size=4), None)  # type: ignore[arg-type]
     ns = "ab" * 8
     sched = HurrayScheduler(cfg, DirectoryStore(tmp_path), None, ns)  # type: ignore[arg-type]
     tokens = list(range(42))  # two chunks of 16, then a tail of its whole blocks: 32..40
@@ -69,9 +55,7 @@ def test_the_scheduler_gives_each_save_the_previous_chunk_s_key(tmp_path: Path, 
 
 def _worker(conn: ModuleType, meta: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A bare worker whose real ``_export_chunk`` runs over a stubbed export (one KV head of 8, 4-token blocks)."""
-    from test_connector_background import _bare_worker
-
-    c = _bare_worker(conn, meta, tmp_path, None)  # type: ignore[arg-type]
+    c = bare_push_worker(conn, meta, tmp_path, None)
     stub = c._export_chunk
     ec = SimpleNamespace(caches=[torch.zeros((16, 4))], layout=None, export_options=lambda: {}, states=None)
     c._engine_cache, c._ec = (lambda: ec), ec

@@ -21,6 +21,7 @@ import pytest
 import torch
 from bare_worker import CHUNK, DIM, HEADS, PAGE, gqa_fingerprint, stored_at_tp
 from conftest import require
+from connector_parts import counting_headers, counting_reads, linear_scheduler, vllm_config
 
 import hurray_vllm as hv
 
@@ -34,12 +35,10 @@ def _vllm() -> None:
 
 
 def _config(tmp_path: Path, role: str = "kv_both", **fields: Any) -> Any:
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
 
     extra = {"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}
-    cfg = HurrayConfig.from_vllm(_vllm_config(extra, 4, role=role), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config(extra, 4, role=role), None)  # type: ignore[arg-type]
     return dataclasses.replace(cfg, **fields)
 
 
@@ -53,42 +52,6 @@ def _request(rid: str, tokens: list[int], **fields: Any) -> SimpleNamespace:
     return SimpleNamespace(
         request_id=rid, all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None, **fields
     )
-
-
-def _counting_reads(sched: Any) -> list[str]:
-    """The chunk files ``sched`` reads (or takes from the verified-chunk cache) from now on."""
-    read: list[str] = []
-    real = sched._read_parts
-
-    def counted(parts: Any, tokens: Any, reader: Any = None) -> Any:
-        read.extend(p.name for p in parts)
-        return real(parts, tokens, reader)
-
-    sched._read_parts = counted
-    return read
-
-
-def _counting_headers(monkeypatch: pytest.MonkeyPatch, fail: dict[str, int] | None = None) -> list[str]:
-    """The chunk files whose headers schedulers read from now on (file names); ``fail``: by file name, how many
-    reads fail first with EMFILE (out of descriptors: the process ran short, the file is fine)."""
-    import errno
-
-    from hurray_vllm.adapters.vllm.connector import scheduler
-    from hurray_vllm.chunks import store
-
-    headers: list[str] = []
-    real = store.read_header
-
-    def read_header(path: Path, **kwargs: Any) -> Any:
-        headers.append(path.name)
-        if fail and fail.get(path.name, 0) > 0:
-            fail[path.name] -= 1
-            raise OSError(errno.EMFILE, "Too many open files")
-        return real(path, **kwargs)
-
-    for module in (scheduler, store):  # the scheduler's own reads, and DirectoryStore.header's
-        monkeypatch.setattr(module, "read_header", read_header, raising=False)
-    return headers
 
 
 def _output(new: list[Any] | None = None, scheduled: dict[str, int] | None = None) -> SimpleNamespace:
@@ -107,7 +70,7 @@ def test_a_lookup_vllm_repeats_while_it_cannot_allocate_reads_no_chunk_again(tmp
 
     store, ns, keys, snap = stored_at_tp(tmp_path, 1)
     sched = _scheduler(_config(tmp_path), store, ns)
-    read = _counting_reads(sched)
+    read = counting_reads(sched)
     request = _request("r", list(snap.token_ids[0]))
     assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
     planned = sched._reqs["r"].load
@@ -134,7 +97,7 @@ def test_a_lookup_vllm_repeats_while_it_cannot_allocate_reads_no_chunk_again(tmp
 def test_a_repeated_lookup_is_dropped_when_vllm_grants_nothing_schedules_it_or_it_finishes(tmp_path: Path) -> None:
     store, ns, _, snap = stored_at_tp(tmp_path, 1)
     sched = _scheduler(_config(tmp_path), store, ns)
-    read = _counting_reads(sched)
+    read = counting_reads(sched)
     tokens = list(snap.token_ids[0])
     request = _request("r", tokens)
     assert sched.get_num_new_matched_tokens(request, 0) == (16, False) and len(read) == 2
@@ -182,7 +145,7 @@ def test_a_chunk_that_fails_its_checksum_stops_the_reads_after_it(tmp_path: Path
     store = DirectoryStore(tmp_path / "store")
     assert store_snapshot(store, snap, CHUNK) == 6
     sched = _scheduler(_config(tmp_path), store, namespace_of(gqa_fingerprint()))
-    read = _counting_reads(sched)
+    read = counting_reads(sched)
     bad: list[str] = []
     real = sched._check_later
 
@@ -250,12 +213,10 @@ def test_states_of_another_layout_are_warned_about_and_counted_once_per_file(
 ) -> None:
     from dataclasses import replace
 
-    from test_connector_background import _linear_scheduler
-
     from hurray_vllm.app.demo import spec_example_snapshot
     from hurray_vllm.chunks import chunk_keys
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     store, ns = sched._store, sched._ns
     tokens = list(range(100))
     (key,) = chunk_keys(tokens[:64], 64, sched._seed(sched._state(_request("x", tokens))) or ns)
@@ -283,13 +244,11 @@ def test_a_whole_file_refused_before_hides_no_slices_carrying_states(tmp_path: P
     slices beside it carry them; nor do slices whose states were taken at other tokens (two saves': no join)."""
     from dataclasses import replace
 
-    from test_connector_background import _linear_scheduler
-
     from hurray_vllm.adapters.vllm.connector.metadata import REFUSED, verified_scope
     from hurray_vllm.app.demo import spec_example_snapshot
     from hurray_vllm.chunks.store import slice_key
 
-    sched = _linear_scheduler(tmp_path)
+    sched = linear_scheduler(tmp_path)
     store, ns = sched._store, sched._ns
     sched._heads = 2
     pair = (torch.zeros(1, 3, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16))
@@ -333,7 +292,7 @@ def test_a_damaged_whole_file_refused_by_a_lookup_hides_no_slices_of_its_chunk(t
     whole = store.path(ns, keys[1])
     _truncate(whole)
     sched = _scheduler(_config(tmp_path), store, ns)
-    read = _counting_reads(sched)
+    read = counting_reads(sched)
     request = _request("r", list(snap.token_ids[0]))
     assert sched.get_num_new_matched_tokens(request, 0) == (16, False)
     load = sched._reqs["r"].load
@@ -425,7 +384,7 @@ def test_a_chunk_refused_and_left_in_place_is_read_warned_about_and_counted_once
 
     store, ns, keys, snap = stored_at_tp(tmp_path, 1)  # unsigned
     sched = _scheduler(_config(tmp_path, keys=FleetKeys.from_secrets(b"k" * 32)), store, ns)
-    read = _counting_reads(sched)
+    read = counting_reads(sched)
     tokens = [*snap.token_ids[0], 7]
     with caplog.at_level(logging.WARNING, logger="hurray_vllm.connector"):
         for _ in range(5):
@@ -507,8 +466,8 @@ def test_a_linear_attention_hybrid_reads_no_chunk_when_none_holds_states(
 
     store, ns, _, snap = stored_at_tp(tmp_path, 1)  # no states
     sched = _scheduler(_config(tmp_path, state_groups=(0,), tails=False), store, ns)
-    read = _counting_reads(sched)
-    headers = _counting_headers(monkeypatch)
+    read = counting_reads(sched)
+    headers = counting_headers(monkeypatch)
     tokens = [*snap.token_ids[0], 7]
     for rid in ("r", "r", "s"):
         forget_verified_chunks()

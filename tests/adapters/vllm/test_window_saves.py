@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from bare_worker import CHUNK, stored_at_tp
 from conftest import require
+from connector_parts import counting_headers, counting_reads, vllm_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,13 +34,11 @@ def _vllm() -> None:
 
 
 def _scheduler(tmp_path: Path) -> Any:
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
 
     store, ns, _, snap = stored_at_tp(tmp_path, 1)
-    cfg = HurrayConfig.from_vllm(_vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
+    cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
     cfg = dataclasses.replace(cfg, group_windows=(None, WINDOW), tails=False)
     return HurrayScheduler(cfg, store, snap.fingerprint, ns)  # type: ignore[arg-type]
 
@@ -355,14 +354,12 @@ def test_a_lookup_vllm_repeats_stats_each_file_once_and_reads_no_header_again(
     policy stores a chunk for a longer prompt): each step looks at the slices too, at a ``stat`` per file, and reads
     no header again, though fewer headers are remembered than the chunk has files. The headers remembered are the
     most recently used."""
-    from test_scheduler_reuse import _counting_headers
-
     from hurray_vllm.adapters.vllm.connector import scheduler
     from hurray_vllm.chunks.store import DirectoryStore
 
     key, names = _two_ways(tmp_path)
     monkeypatch.setattr(scheduler, "_STORED_HEADERS_CAP", 2)
-    headers = _counting_headers(monkeypatch)
+    headers = counting_headers(monkeypatch)
     stats: list[str] = []
     real = DirectoryStore.identity
 
@@ -391,10 +388,8 @@ def test_a_header_unread_for_want_of_descriptors_hides_no_set(tmp_path: Path, mo
     """Reading a slice's header failed for a reason that says nothing about the file (out of descriptors): the
     slices are judged by their other header meanwhile, and the failure is not remembered: the next look reads the
     header again. The slices holding the window load, not the whole file holding less, for every request."""
-    from test_scheduler_reuse import _counting_headers
-
     _, names = _two_ways(tmp_path)
-    headers = _counting_headers(monkeypatch, {names[2]: 1})
+    headers = counting_headers(monkeypatch, {names[2]: 1})
     sched, answer = _lookup(tmp_path)
     assert answer == (CHUNK, False)
     assert [name[-5:] for name, *_ in sched._reqs["c"].load.parts[0]] == [".h0-1", ".h1-2"]
@@ -411,14 +406,12 @@ def test_slices_that_do_not_join_by_what_their_headers_do_not_tell_are_read_once
 ) -> None:
     """Two producers' slices hold the same windows but other fp8 scales: a lookup reads them and finds that they do
     not join. No later lookup reads them again, and a save of the chunk writes every slice again over them."""
-    from test_scheduler_reuse import _counting_reads
-
     (probe,) = _planned_saves(tmp_path / "probe", 1)
     _store_copy(tmp_path, probe.key, 0, range(0, 1), scales=(1.0, 1.0))
     _store_copy(tmp_path, probe.key, 0, range(1, 2), scales=(0.5, 0.5))
     sched, answer = _lookup(tmp_path)
     assert answer == (0, False)
-    read = _counting_reads(sched)
+    read = counting_reads(sched)
     tokens = list(range(1000, 1000 + CHUNK + 1))
     request = SimpleNamespace(
         request_id="d", all_token_ids=tokens, num_prompt_tokens=len(tokens), kv_transfer_params=None
@@ -433,10 +426,8 @@ def test_slices_that_do_not_join_by_what_their_headers_do_not_tell_are_read_once
 def test_a_save_holding_nothing_of_the_window_reads_no_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save that blanks every windowed block (the "last" policy's chunks before a prompt's last, a step far past
     the chunk) can hold no more than any stored copy: a ``stat`` per file tells it is stored, no header is read."""
-    from test_scheduler_reuse import _counting_headers
-
     key, _ = _two_ways(tmp_path)
-    headers = _counting_headers(monkeypatch)
+    headers = counting_headers(monkeypatch)
     sched = _scheduler(tmp_path)
     assert sched._window_start(WINDOW, 0, 2 * CHUNK) == CHUNK  # a resume there attends nothing of chunk 0
     assert sched._stored_for_save(key, 0, 2 * CHUNK, False) == (True, False)

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import connector_parts
 import pytest
 import torch
 from bare_worker import CHUNK, bare_worker, cpu_worker, stored_at_tp, two_chunks
@@ -262,14 +263,12 @@ def test_a_worker_in_the_schedulers_process_loads_a_hybrid_asynchronously_from_w
 ) -> None:
     """vLLM's uni executor: the asynchronous load carries the snapshots the scheduler verified to the worker,
     which writes them though the files are gone; a load it then fails fails the request, not its blocks."""
-    from test_connector_background import _vllm_config
-
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.metadata import HurrayConnectorMetadata, forget_verified_chunks
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
 
     store, ns, keys, snap = stored_at_tp(tmp_path, 1)
-    vllm_config = _vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, PAGE)
+    vllm_config = connector_parts.vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, PAGE)
     vllm_config.parallel_config.distributed_executor_backend = "uni"
     kv = SimpleNamespace(kv_cache_groups=[object(), object()])  # what _async_loads reads of it
     cfg = HurrayConfig.from_vllm(vllm_config, None)  # type: ignore[arg-type]
