@@ -176,16 +176,20 @@ def _read_key_file(path: Path) -> bytes:
     key of a 31-character text key with its newline, which every other reader strips: keys stay text.
     """
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise HurrayArgumentError("hurray_key_file", f"{path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise HurrayArgumentError(
-                "hurray_key_file",
-                f"{path} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
-                f"run chmod 600 {path}",
-            )
-        with open(path, "rb") as f:
+        # One open, and the checks on what it opened (fstat): checked by name and then opened by name, a link
+        # swapped in between had a key others can read taken, and a FIFO swapped in hung the start. Non-blocking:
+        # opening a FIFO waits for a writer otherwise. Links themselves are followed (secret mounts are links).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise HurrayArgumentError("hurray_key_file", f"{path} is not a regular file")
+            if st.st_mode & 0o077:
+                raise HurrayArgumentError(
+                    "hurray_key_file",
+                    f"{path} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):04o}): "
+                    f"run chmod 600 {path}",
+                )
             secret = f.read(MAX_KEY_FILE_BYTES + 1)  # a key, not whatever large file was named
         if len(secret) > MAX_KEY_FILE_BYTES:
             raise HurrayArgumentError(

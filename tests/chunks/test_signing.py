@@ -409,3 +409,39 @@ def test_the_one_time_key_is_derived_as_docs_connector_md_writes_it() -> None:
     m = ChunkMac(secret, nonce, ns, name)
     m.update(data)
     assert m.tag() == Poly1305.generate_tag(otk, data)
+
+
+def test_the_key_file_checked_is_the_one_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mode was checked by name (os.stat) and the file then opened by name: a link swapped in between had a
+    key others can read taken. The checks now look at what was opened; os.stat answering for another file (the
+    swap, made deterministic) changes nothing."""
+    good = _key_file(tmp_path / "good.key", b"g" * 44)
+    bad = _key_file(tmp_path / "bad.key", b"b" * 44, 0o644)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(good if str(p) == str(bad) else p, *a, **k))
+    with pytest.raises(hv.HurrayArgumentError, match="chmod 600") as err:
+        load_keys(bad)
+    assert err.value.field == "hurray_key_file"
+
+
+def test_a_fifo_named_as_the_key_file_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    """open() of a FIFO waits for a writer; the file is opened before it is checked now, so that open must not
+    block (before, a FIFO swapped in between the check and the open hung the engine's start)."""
+    import threading
+
+    fifo = tmp_path / "fleet.key"
+    os.mkfifo(fifo, 0o600)
+    out: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_keys(fifo)
+        except hv.HurrayArgumentError as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=load)
+    t.daemon = True
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "load_keys waited on a FIFO"
+    assert out and "not a regular file" in str(out[0])
