@@ -1727,3 +1727,34 @@ def test_the_relay_time_is_not_the_time_a_slow_client_keeps_a_token_waiting() ->
 
     asyncio.run(run())
     assert router.metrics.relay.count == 4 and router.metrics.relay.total < 0.05, router.metrics.relay.total
+
+
+def test_a_stop_string_across_a_failover_leaves_only_the_tokens_up_to_it_generated() -> None:
+    """The next leg's reader runs ahead of the client: tokens past the stop string were recorded as generated, and
+    must be dropped as the request ends there (``/hurray/requests`` and a later leg count from them)."""
+    router = Router(RouterConfig(backends=("http://127.0.0.1:9", "http://127.0.0.1:10")))
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "stream": True, "stop": ["bc"]}
+    f = Flight(router, "completion", body)
+    router.flights[f.id] = f
+    legs: list[dict[str, Any]] = []
+
+    async def upstream(backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        legs.append(body)
+        prompt, first = body["prompt"], len(legs) == 1
+        for i, text in enumerate("ab" if first else "cdef"):
+            yield {"choices": [{"text": text, "token_ids": [100 + len(prompt) - 3 + i], "prompt_token_ids": prompt}]}
+        await asyncio.sleep(3600)  # each leg goes quiet: the first to be failed over, the second to be cut off
+
+    f._upstream = upstream  # type: ignore[method-assign]
+
+    async def run() -> list[Delta]:
+        agen = f.deltas()
+        got = [await agen.__anext__() for _ in range(2)]
+        f.fail_over()  # the next leg sends "c": "bc" spans the two legs, neither backend saw it
+        return got + [d async for d in agen]
+
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    assert len(legs) == 2 and legs[1]["prompt"] == [1, 2, 3, 100, 101]
+    assert "".join(d.text for d in got) == "a" and got[-1].finish_reason == "stop" and got[-1].stop_reason == "bc"
+    assert got[-1].upto == 3 and f.generated == [100, 101, 102]
+    assert f.describe()["generated_tokens"] == 3

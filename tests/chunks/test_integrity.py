@@ -249,3 +249,33 @@ def test_page_registers_vouch_only_for_the_memory_they_were_computed_from(tmp_pa
     damaged = load_chunk(copy)
     with pytest.raises(hv.HurrayFormatError, match="does not match"):
         begin_check_data(damaged, read=copy)()
+
+
+def test_a_slice_stored_under_another_slices_heads_is_refused() -> None:
+    """Heads 0..1 under the name of heads 2..3 have the count the name says: only the range tells them apart."""
+    from hurray_vllm.chunks.verify import verify_chunk
+    from hurray_vllm.kv.heads import select_heads
+
+    fp = hv.ModelFingerprint("X", 2, 4, 16, "bfloat16")
+    snap = make_snapshot([8], [0], 4, heads=4, dim=16)
+    ((_, chunk),) = chunks_of(replace(snap, fingerprint=fp, token_ids=(tuple(range(8)),)), 8)
+    low = select_heads(chunk, range(0, 2))
+    verify_chunk(low, fp, list(range(8)), heads=range(0, 2), digest=False)
+    with pytest.raises(hv.HurrayFormatError, match=r"its name says 2\.\.4") as err:
+        verify_chunk(low, fp, list(range(8)), heads=range(2, 4), digest=False)
+    assert err.value.field == "snapshot.heads"
+
+
+def test_a_chunk_differing_from_its_keys_tokens_in_any_one_token_is_refused() -> None:
+    """Each position counts, the first included: a chunk of other tokens is KV of another prompt."""
+    from hurray_vllm.chunks.verify import verify_chunk
+
+    chunk = _chunk()
+    assert chunk.fingerprint is not None
+    tokens = list(chunk.token_ids[0])
+    verify_chunk(chunk, chunk.fingerprint, tokens)
+    for i in range(len(tokens)):
+        other = [t + 1 if j == i else t for j, t in enumerate(tokens)]
+        with pytest.raises(hv.HurrayFormatError, match="other tokens") as err:
+            verify_chunk(chunk, chunk.fingerprint, other, digest=False)
+        assert err.value.field == "snapshot.token_ids"

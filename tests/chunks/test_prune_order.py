@@ -314,3 +314,26 @@ def test_prune_reads_headers_only_when_it_deletes_and_goes_on_without_an_unreada
     assert sorted(reads) == sorted(f"{k}.hrry" for k in keys)
     assert [store.has(NS, k) for k in keys] == [True, False, False, True]
     assert report.chunks_removed == 2 and not report.skipped  # unkeyed: the read is no verdict on anything
+
+
+def test_a_tensor_parallel_chunk_is_ranked_by_its_latest_used_slice(tmp_path: Path) -> None:
+    """A TP chunk read 10 s ago through one slice (its other written 900 s ago) is newer than a whole chunk used
+    500 s ago: ranked by its oldest file, it went first and the older chunk stayed."""
+    from hurray_vllm.chunks.keys import slice_key
+    from hurray_vllm.kv.heads import select_heads
+
+    store = DirectoryStore(tmp_path)
+    (tp_key, tp_chunk), (whole_key, whole) = (_chunks(tokens)[0] for tokens in ([1, 2, 3, 4], [9, 8, 7, 6]))
+    halves = [range(0, 1), range(1, 2)]
+    for heads in halves:
+        assert store.put(NS, slice_key(tp_key, heads), select_heads(tp_chunk, heads))
+    assert store.put(NS, whole_key, whole)
+    now = time.time()
+    slices = [store.path(NS, slice_key(tp_key, h)) for h in halves]
+    for path, age in ((slices[0], 900), (slices[1], 10), (store.path(NS, whole_key), 500)):
+        os.utime(path, (now - age, now - age))
+    room = sum(p.stat().st_size for p in slices)
+    assert room >= _size(store, whole_key)  # room for either chunk, not both
+    report = store.prune(room)
+    assert all(p.exists() for p in slices) and not store.has(NS, whole_key)
+    assert (report.chunks_removed, report.chunks_kept) == (1, 2)

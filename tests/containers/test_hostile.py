@@ -774,3 +774,88 @@ def test_save_writes_no_chunk_whose_data_does_not_match_its_digest(tmp_path: Pat
         assert not (tmp_path / f"c{fmt}").exists()
         hv.save(chunk, tmp_path / f"c{fmt}")  # intact: written, and read back
         assert hv.load(tmp_path / f"c{fmt}").extra == chunk.extra
+
+
+def _index_off(path: Path) -> int:
+    import struct
+
+    raw = path.read_bytes()
+    return int(struct.unpack_from("<Q", raw, len(raw) - 40)[0])
+
+
+@pytest.mark.parametrize(
+    ("target", "field", "says"),
+    [
+        # The group head's descriptor moved onto the index (8-aligned, past every other region).
+        ("descriptor", "file.index.descriptor_offset", "descriptor is out of place"),
+        # The last buffer (ending at the KV section) made to run one byte into the index.
+        ("data", "file.index.data_offset", "data is out of place"),
+    ],
+)
+def test_an_index_entry_running_into_the_index_is_refused(tmp_path: Path, target: str, field: str, says: str) -> None:
+    """The index's own bytes would be read as a descriptor or as tensor data (its CRC vouches only for itself)."""
+    path = tmp_path / "s.hrry"
+    hv.save(SNAP, path)
+    index_off = _index_off(path)
+
+    def edit(name: str, e: tuple[int, ...], _: Any) -> tuple[int, ...] | None:
+        if target == "descriptor" and name == "snapshot":
+            assert index_off % 8 == 0 and e[3] == 0  # a group head: no data of its own
+            return (index_off, e[1], e[2], e[3])
+        if target == "data" and name == "layers.3.seq_lens":
+            assert e[2] + e[3] < index_off
+            return (e[0], e[1], e[2], index_off + 1 - e[2])
+        return None
+
+    _patch_index(path, edit)
+    with pytest.raises(hv.HurrayFormatError, match=says) as err:
+        hv.load(path)
+    assert err.value.field == field
+    assert not hv.validate(path).ok
+
+
+def test_index_entries_sharing_one_byte_are_refused(tmp_path: Path) -> None:
+    """The group head's descriptor stretched to end one byte into the next region (the next descriptor)."""
+    from hurray_vllm.containers.hrryfile import HrryFile
+
+    path = tmp_path / "s.hrry"
+    hv.save(SNAP, path)
+    with HrryFile(path) as hf:
+        head, nxt = sorted(hf.entries, key=lambda e: e.descriptor_offset)[:2]
+    assert (head.name, nxt.name) == ("snapshot", "snapshot.meta") and head.data_length == 0
+    assert head.descriptor_offset + head.descriptor_length < nxt.descriptor_offset  # apart, as written
+    stretched = nxt.descriptor_offset + 1 - head.descriptor_offset
+    _patch_index(path, lambda name, e, _: (e[0], stretched, e[2], e[3]) if name == "snapshot" else None)
+    with pytest.raises(hv.HurrayFormatError, match=r"'snapshot' and 'snapshot\.meta' overlap") as err:
+        hv.load(path)
+    assert err.value.field == "file.index"
+    assert not hv.validate(path).ok
+
+
+def test_a_kv_bool_other_than_0_or_1_is_refused(tmp_path: Path) -> None:
+    """A bool byte of 2 read as True: two files of different bytes would say the same."""
+    import struct
+
+    from hurray_vllm.containers.hrryfile import write_file
+
+    path = tmp_path / "kv.hrry"
+    write_file(snapshot_records(SNAP), path, kv={"flag": True})
+    assert hv.load(path).token_ids == SNAP.token_ids
+    raw = bytearray(path.read_bytes())
+    kv_off, kv_len = struct.unpack_from("<QI", raw, len(raw) - 40 + 16)  # trailer: index off, len, KV off, len
+    assert raw[kv_off + kv_len - 1] == 1  # the value of the one key, last in the section
+    raw[kv_off + kv_len - 1] = 2
+    path.write_bytes(bytes(raw))
+    with pytest.raises(hv.HurrayFormatError, match="neither 0 nor 1") as err:
+        hv.load(path)
+    assert err.value.field == "kv"
+    assert not hv.validate(path).ok
+
+
+def test_a_token_ptr_that_goes_back_is_refused(tmp_path: Path) -> None:
+    """[0, 12, 11] runs from 0 to the 11 ids: sequence 0 would take them all and sequence 1 none."""
+    path = _safetensors(tmp_path, _set("token_ptr", torch.tensor([0, 12, 11])))
+    with pytest.raises(hv.HurrayFormatError, match="non-decreasing") as err:
+        hv.load(path)
+    assert err.value.field == "snapshot.token_ptr"
+    assert not hv.validate(path).ok

@@ -332,3 +332,18 @@ def test_what_no_other_container_carries_is_refused_even_permissively(
         assert exc.value.field == field
         checked = hv.validate(bad, permissive=permissive)
         assert [v.invariant for v in checked.errors][:1] == [field]
+
+
+def test_a_uint32_page_index_of_2_to_the_32_is_refused_not_wrapped_to_page_0(tmp_path: Path) -> None:
+    """[2^32, 1, 0] as uint32 wire bytes is [0, 1, 0]: the file would load as the table it does not hold."""
+    require("safetensors")
+
+    def table(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        assert t["layers.0.key.block_table"].tolist() == [0, 1, 0]
+        return {**t, "layers.0.key.block_table": torch.tensor([1 << 32, 1, 0])}
+
+    bad = _rewritten(tmp_path, table)
+    with pytest.raises(hv.HurrayFormatError, match=r"\[0, 4294967295\] for uint32") as exc:
+        hv.load(bad)
+    assert exc.value.field == "layers.0.key.block_table"
+    assert not hv.validate(bad).ok

@@ -323,3 +323,31 @@ def test_distinct_ranks_of_no_ranks_is_the_callers_error_as_rank_heads_says(tp: 
     with pytest.raises(hv.HurrayArgumentError) as err:
         distinct_ranks(8, tp)
     assert err.value.field == "tensor_parallel_size"
+
+
+def test_parts_out_of_order_or_with_a_gap_are_refused() -> None:
+    """Joined anyway, parts given backwards held heads 2..3 where 0..1 belong; gapped ones lost heads 2..3 unsaid."""
+    from synthetic import make_snapshot
+
+    whole = make_snapshot([6, 3], [0, 1], 4, heads=4, dim=8)
+    low, high = select_heads(whole, range(0, 2)), select_heads(whole, range(2, 4))
+    eight = make_snapshot([6, 3], [0, 1], 4, heads=8, dim=8)
+    gapped = [select_heads(eight, range(0, 2)), select_heads(eight, range(4, 6))]
+    for parts in ([high, low], gapped):
+        with pytest.raises(hv.HurrayFormatError, match="not one run in order") as err:
+            concat_heads(parts)
+        assert err.value.field == "snapshot.heads"
+    assert concat_heads([low, high]).heads is None  # in order: the whole snapshot
+
+
+def test_select_heads_refuses_heads_past_the_slices_last() -> None:
+    """A slice of heads 0..1 asked for 1..3 returned one head's pools marked as heads 1..3."""
+    from synthetic import make_snapshot
+
+    whole = make_snapshot([6, 3], [0, 1], 4, heads=4, dim=8)
+    low = select_heads(whole, range(0, 2))
+    for past in (range(1, 3), range(0, 3), range(2, 4)):
+        with pytest.raises(hv.HurrayFormatError, match=r"outside 0\.\.2") as err:
+            select_heads(low, past)
+        assert err.value.field == "snapshot.heads"
+    assert select_heads(low, range(1, 2)).heads == hv.HeadRange(1, 2, 4)

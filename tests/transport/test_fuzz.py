@@ -177,3 +177,71 @@ def test_a_chunk_under_another_models_namespace_is_refused(tmp_path: Path) -> No
         with pytest.raises(hv.HurrayFormatError, match="namespace"):
             transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [("0123456789abcdef", KEY, CHUNK)])
     assert not any(tmp_path.rglob("*.hrry"))
+
+
+def _offer_of(records: list[tuple[Any, list[torch.Tensor | int | None]]], count: int | None = None) -> bytearray:
+    """An offer body of ``records`` (descriptor, per buffer: inline bytes, or an int/None for one sent by NIXL).
+
+    ``count``: the record count to announce (default: the records given).
+    """
+    from hurray_vllm.wire.descriptor import encode_descriptor
+
+    u16, u32 = (lambda v: v.to_bytes(2, "little")), (lambda v: v.to_bytes(4, "little"))
+    out = bytearray(u16(len(NS)) + NS.encode() + u16(len(KEY)) + KEY.encode())
+    out += u32(len(records) if count is None else count)
+    for desc, bufs in records:
+        raw = encode_descriptor(desc)
+        out += u32(len(raw)) + raw
+        for b in bufs:
+            out += b"\x00" + b.numpy().tobytes() if isinstance(b, torch.Tensor) else b"\x01"
+    return out
+
+
+def _offer_records() -> list[tuple[Any, list[torch.Tensor | int | None]]]:
+    offer = parse_offer(bytearray(OFFER), 1 << 30)
+    return [(d, list(b)) for d, b in zip(offer.descriptors, offer.buffers, strict=True)]
+
+
+def test_an_offer_rebuilt_from_its_records_is_the_offer() -> None:
+    """What the refusals below are built with: the encoder's own bytes, record for record."""
+    assert bytes(_offer_of(_offer_records())) == OFFER
+
+
+def test_an_offer_of_no_records_is_refused() -> None:
+    with pytest.raises(hv.HurrayFormatError, match="0 records") as err:
+        parse_offer(_offer_of([]), 1 << 30)
+    assert err.value.field == "transport.offer"
+
+
+def test_stray_bytes_after_the_last_record_are_refused() -> None:
+    for tail in (b"\x00", b"\x01" * 16):
+        with pytest.raises(hv.HurrayFormatError, match=f"{len(tail)} stray bytes") as err:
+            parse_offer(bytearray(OFFER + tail), 1 << 30)
+        assert err.value.field == "transport.offer"
+
+
+def test_only_page_pools_may_be_sent_by_nixl() -> None:
+    """A block table (buffer 1 of a block-paged record) announced for NIXL: everything validation reads is inline."""
+    from hurray_vllm.wire.descriptor import LAYOUT_BLOCK_PAGED
+
+    records = _offer_records()
+    i = next(i for i, (d, _) in enumerate(records) if d.layout_tag == LAYOUT_BLOCK_PAGED)
+    desc, bufs = records[i]
+    assert isinstance(bufs[0], int) and isinstance(bufs[1], torch.Tensor) and bufs[1].numel()
+    records[i] = (desc, [bufs[0], None, *bufs[2:]])
+    with pytest.raises(hv.HurrayFormatError, match=f"descriptor {i} buffer 1 cannot be sent by NIXL") as err:
+        parse_offer(_offer_of(records), 1 << 30)
+    assert err.value.field == "transport.offer"
+
+
+def test_the_views_given_for_an_offer_must_be_its_announced_pools_one_each() -> None:
+    """A view more than the pools announced, or one view for two pools, leaves a pool nothing would write."""
+    offer = parse_offer(bytearray(OFFER), 1 << 30)
+    views = [torch.empty(n, dtype=torch.uint8) for n in offer.remote_sizes]
+    assert len(views) > 1
+    assemble_offer(offer, views)
+    spare = torch.empty(max(offer.remote_sizes), dtype=torch.uint8)
+    for wrong in ([*views, spare], [views[1], *views[1:]]):
+        with pytest.raises(hv.HurrayFormatError, match="not the snapshot's") as err:
+            assemble_offer(offer, wrong)
+        assert err.value.field == "transport.offer"

@@ -342,3 +342,17 @@ def test_index_tensors_held_as_other_than_int32_or_int64_are_refused(n: int, dty
     # What the readers hold (int64, widened from the wire) and what vLLM and FlashInfer hand over (int32) pass.
     assert t.validate().ok
     assert replace(t, block_table=t.block_table.to(torch.int32), seq_ptr=t.seq_ptr.to(torch.int32)).validate().ok
+
+
+def test_total_tokens_may_fill_the_logical_pages_and_not_one_token_more() -> None:
+    """The boundary of shape.total_tokens: every logical page full is fine, one token past them is not."""
+    d = desc()
+    bp = d.block_paged
+    assert bp is not None
+    logical = d.buffers[1].byte_size // bp.index_bytes
+    full = logical * bp.page_size
+    assert "shape.total_tokens" not in names(replace(d, shape=(full, *d.shape[1:])))
+    over = replace(d, shape=(full + 1, *d.shape[1:]))
+    assert "shape.total_tokens" in names(over)
+    (v,) = (v for v in hv.validate(over).violations if v.invariant == "shape.total_tokens")
+    assert f"shape[0] = {full + 1} tokens do not fit in {logical} logical pages of {bp.page_size}" in v.message
