@@ -29,8 +29,15 @@ Two independent layers, both off by default:
 
   A keyed sender sends nothing else until the receiver's proof checks out:
   an endpoint without the key (a wrong URL, a spoofed address) gets no
-  chunk, and the sender is told that the receiver does not hold the fleet
-  key or is not the receiver asked for. A receiver with keys requires the
+  chunk unless it can reach some keyed receiver of the fleet, and the sender
+  is told that the receiver does not hold the fleet key or is not the
+  receiver asked for. On plain TCP (and NIXL's side channel) the proofs name
+  no receiver: a keyless endpoint at the address dialed can pass the
+  sender's hello to any keyed receiver it reaches, return that receiver's
+  proof, and then read the chunks (and answer "stored" or "held" without
+  storing). The key proves membership of the fleet, not which member: where
+  the address itself is not trusted, use TLS, whose binding names the
+  receiver's certificate. A receiver with keys requires the
   handshake of every connection; one without keys refuses it (``ER``: start
   the receiver with the same key file). Over TLS, an endpoint relaying the
   handshake between two sessions fails it (the certificates differ). Over

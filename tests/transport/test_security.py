@@ -63,7 +63,9 @@ def test_a_keyed_sender_refuses_a_receiver_without_keys(channel: str, tmp_path: 
     """Changed: a receiver without keys used to answer the challenge unchecked and take the chunks.
 
     A keyed sender now pushes only to a receiver that proves it holds the key (the handshake is mutual), so an
-    endpoint without it (a wrong ``hurray_url``, a spoofed address) learns nothing of the chunks.
+    endpoint without it (a wrong ``hurray_url``, a spoofed address) learns nothing of the chunks, unless it can
+    pass the handshake on to some keyed receiver of the fleet: on plain TCP the proofs name no receiver (only
+    TLS binds them to one; see hurray_vllm.transport.security).
     """
     from conftest import require
 
