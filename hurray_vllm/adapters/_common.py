@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
+from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, integer_arg
 from ..kv.paged import BlockPagedTensor, made_for
 from ..kv.repage import (  # its structure check is what plan_repage runs: an import that does not repage runs it too
     check_budget,
@@ -52,20 +52,28 @@ INT32_MAX = 2**31 - 1
 POOL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 
 
-def check_layer(snapshot: KVSnapshot, layer: int) -> None:
-    """Raise unless ``layer`` names one of ``snapshot``'s layers.
+def check_layer(snapshot: KVSnapshot, layer: int) -> int:
+    """Raise unless ``layer`` names one of ``snapshot``'s layers; return it as a plain ``int``.
 
     Args:
         snapshot: the batch being imported.
-        layer: the layer index asked for; must satisfy
+        layer: the layer index asked for; an integer (numpy's and a 0-d
+            integer tensor too, not a bool or a float) with
             ``0 <= layer < snapshot.num_layers``.
 
+    Returns:
+        ``layer`` as a plain ``int``.
+
     Raises:
-        ImportArgumentError: with ``field="layer"`` when it is out of range
-            (the caller's index, not the data: a :class:`HurrayArgumentError`).
+        ImportArgumentError: with ``field="layer"`` when it is no integer or
+            out of range (the caller's index, not the data: a
+            :class:`HurrayArgumentError`).
     """
+    # A float or a bool would otherwise index the layers with a bare TypeError, or as layer 1 (True).
+    layer = integer_arg(layer, "layer", error=ImportArgumentError)
     if not 0 <= layer < snapshot.num_layers:
         raise ImportArgumentError("layer", f"layer {layer} is outside the snapshot's {snapshot.num_layers} layers")
+    return layer
 
 
 def check_one_structure(snapshot: KVSnapshot, what: str) -> None:

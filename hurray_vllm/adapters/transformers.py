@@ -565,10 +565,16 @@ def _stop_tokens(eos_token_id: Any) -> set[int]:
         ) from None
 
 
-def _check_seq(snapshot: KVSnapshot, seq: int) -> None:
-    """Raise unless ``seq`` is one of the snapshot's sequences (field ``seq``; also an ``IndexError``)."""
+def _check_seq(snapshot: KVSnapshot, seq: int) -> int:
+    """``seq`` as a plain ``int``; raise unless it is one of the snapshot's sequences.
+
+    The error names field ``seq`` and is also an ``IndexError``. A float or a bool is refused too: it would
+    fail later with a bare ``TypeError``, or index sequence 0 or 1.
+    """
+    seq = integer_arg(seq, "seq", error=_SequenceIndexError)
     if not 0 <= seq < snapshot.num_seqs:
         raise _SequenceIndexError("seq", f"sequence {seq} is outside the batch of {snapshot.num_seqs}")
+    return seq
 
 
 def sequence_kv(
@@ -610,8 +616,8 @@ def sequence_kv(
     # otherwise fail deep in index_select.
     _check_dtype(dtype)
     raise_if(snapshot.validate(), "sequence_kv")
-    check_layer(snapshot, layer)
-    _check_seq(snapshot, seq)
+    layer = check_layer(snapshot, layer)
+    seq = _check_seq(snapshot, seq)
     return _sequence_kv(snapshot, seq, layer, dtype=dtype, length=length)
 
 
@@ -654,10 +660,11 @@ def _dense(t: BlockPagedTensor, seq: int, n: int) -> torch.Tensor:
 
 
 def _tokens_asked(t: BlockPagedTensor, seq: int, length: int | None) -> int:
-    """``length`` tokens of sequence ``seq`` (default: all it has), refused when it has fewer."""
+    """``length`` tokens of sequence ``seq`` (default: all it has), refused when it is no integer or it has fewer."""
     n = t.seq_len(seq)
     if length is None:
         return n
+    length = integer_arg(length, "length", error=ImportArgumentError)  # 2.5 would fail as a bare slice TypeError
     if not 0 <= length <= n:
         raise ImportArgumentError("length", f"sequence {seq} has {n} tokens of KV, {length} were asked for")
     return length
@@ -756,9 +763,10 @@ def expand_latent(
     if not snapshot.is_latent:
         raise HurrayFormatError("kv_role", "expand_latent needs an MLA snapshot (fused latents)")
     # Another MLA model's latent splits at another width: decompressed anyway, its K/V come out misshapen.
-    snapshot = _models_layers(snapshot, model.config)
+    snapshot = _models_layers(snapshot)
     check_compatible(snapshot, model.config, architecture=_architecture(model))
     mods = _mla_layers(model)
+    layer = integer_arg(layer, "layer", error=ImportArgumentError)  # mods[1.0] would be a bare TypeError
     if not 0 <= layer < len(mods):
         raise ImportArgumentError("layer", f"the model has {len(mods)} MLA layers (kv_b_proj), not layer {layer}")
     attn = mods[layer]
@@ -786,6 +794,7 @@ def to_dynamic_cache(
     device: torch.device | str | Sequence[torch.device | str] | None = None,
     length: int | None = None,
     architecture: str | None = None,
+    for_generate: bool = False,
 ) -> DynamicCache:
     """A ``transformers.DynamicCache`` holding sequence ``seq`` of ``snapshot``.
 
@@ -822,6 +831,16 @@ def to_dynamic_cache(
         length: cache only the first ``length`` tokens.
         architecture: the model class name to compare with the fingerprint
             when the config names no ``architectures``.
+        for_generate: a cache for ``model.generate(token_ids[seq],
+            past_key_values=...)``: at most ``len(token_ids[seq]) - 1``
+            tokens (and at most ``length``). ``generate`` feeds the input
+            past the cache's length, and when every token has KV (a
+            prefill-only snapshot, a chunk) it would feed nothing and,
+            instead, run the whole input again on top of the full cache:
+            wrong tokens, no error. Cut by one token, the last one is fed
+            and its logits computed. Needs the snapshot's token ids; a
+            snapshot with linear-attention states, whose states cannot be
+            rewound by a token, is refused where the cut is needed.
 
     Raises:
         HurrayFormatError: the snapshot breaks a format rule (``validate``,
@@ -830,11 +849,15 @@ def to_dynamic_cache(
             field ``model_config``), has no
             sequence lengths, or uses a quantization this adapter cannot undo
             (integer pools without one included, field ``dtype``); a
-            sequence declaring more than ``MAX_IMPORT_SLOTS`` slots.
+            sequence declaring more than ``MAX_IMPORT_SLOTS`` slots; with
+            ``for_generate``, a sequence without token ids (field
+            ``snapshot.token_ids``).
         HurrayArgumentError: (field ``model_config``) a linear-attention
             or MLA snapshot without ``model_config``; (``seq``, also an
-            ``IndexError``) ``seq`` outside the batch; (``length``) a
-            ``length`` outside ``0..seq_lens[seq]``; (``device``) fewer
+            ``IndexError``) ``seq`` no integer or outside the batch; (``length``) a
+            ``length`` no integer or outside ``0..seq_lens[seq]``; (``for_generate``)
+            ``for_generate`` for a snapshot with linear-attention states whose
+            every token has KV; (``device``) fewer
             devices than the model's layers; (``dtype``) a ``dtype`` that is
             not a floating torch dtype of 2 bytes or more (integers, bool, fp8).
         OSError: ``ENOMEM``: the dense cache is larger than the device's
@@ -844,7 +867,7 @@ def to_dynamic_cache(
 
     _check_dtype(dtype)
     if model_config is not None:
-        snapshot = _models_layers(snapshot, model_config)
+        snapshot = _models_layers(snapshot)
         check_compatible(snapshot, model_config, architecture=architecture)
     elif snapshot.states is not None:
         # Only the config says which cache layers are linear attention: transformers builds them from it.
@@ -867,9 +890,11 @@ def to_dynamic_cache(
     raise_if(snapshot.validate(), "to_dynamic_cache")
     if not snapshot.num_layers:
         raise HurrayFormatError("snapshot.layers", "the snapshot holds no layers")
-    _check_seq(snapshot, seq)
+    seq = _check_seq(snapshot, seq)
     # Before the memory check: a length past the sequence is a bad request, not a lack of memory.
     n = _tokens_asked(snapshot.tensors()[0], seq, length)
+    if for_generate:
+        n = _generate_length(snapshot, seq, n)
     dtype = dtype or _default_dtype(snapshot, model_config)
     _check_windows_held(snapshot, seq, n)
     states = snapshot.states
@@ -893,7 +918,7 @@ def to_dynamic_cache(
     cache = _new_dynamic_cache(DynamicCache, model_config)
     split = snapshot.is_latent and _pairs_split(model_config)
     for i, layer in enumerate(where):
-        k, v = _sequence_kv(snapshot, seq, i, dtype=dtype, length=length)
+        k, v = _sequence_kv(snapshot, seq, i, dtype=dtype, length=n)
         if split:
             v = _split_pairs(v)  # an MLA cache's "values" are its k_pe
         k, v = k.unsqueeze(0), v.unsqueeze(0)
@@ -903,6 +928,35 @@ def to_dynamic_cache(
     if states is not None:
         _put_states(cache, states, seq, n, dtype, to)
     return cache
+
+
+def _generate_length(snapshot: KVSnapshot, seq: int, n: int) -> int:
+    """How many of ``n`` tokens of KV a cache for ``generate(token_ids[seq])`` may hold: one token fewer than the ids.
+
+    ``generate`` feeds ``input_ids[:, cache length:]``; an empty feed makes it run the whole input again over the
+    full cache (transformers' own full cache too), which continues with wrong tokens.
+
+    Raises:
+        HurrayFormatError: (field ``snapshot.token_ids``) the sequence has no token ids to feed.
+        HurrayArgumentError: (field ``for_generate``) the cut is needed but the snapshot carries
+            linear-attention states, which hold every token and cannot be rewound by one.
+    """
+    ids = snapshot.token_ids[seq] if snapshot.token_ids else ()
+    if not ids:
+        raise HurrayFormatError(
+            "snapshot.token_ids",
+            f"for_generate: sequence {seq} carries no token ids; generate() needs them as its input",
+        )
+    cut = min(n, len(ids) - 1)
+    if cut < n and snapshot.states is not None:
+        raise HurrayArgumentError(
+            "for_generate",
+            f"every token of sequence {seq} has KV and linear-attention states, which cannot be rewound by a "
+            "token for generate() to feed the last one (continue_generation refuses it too): knowing the next "
+            "token, build the cache without for_generate and pass generate() token_ids[seq] + [next]; or take "
+            "the snapshot with its sampled token pending, as vLLM's mid-decode snapshots are",
+        )
+    return cut
 
 
 def _placement(
@@ -927,11 +981,15 @@ def _placement(
     return lambda i: per_layer[i]
 
 
-def _models_layers(snapshot: KVSnapshot, model_config: Any) -> KVSnapshot:
-    """The snapshot without a speculative drafter's layers when it names them and has more than the model."""
-    if TARGET_LAYERS in snapshot.extra and snapshot.num_layers > config_geometry(model_config).num_layers:
-        return snapshot.without_drafter()  # an EAGLE or MTP engine's: the model's layers lead
-    return snapshot
+def _models_layers(snapshot: KVSnapshot) -> KVSnapshot:
+    """The snapshot without a speculative drafter's layers when it names them (an EAGLE or MTP engine's).
+
+    Whatever the counts: a 2-layer model's snapshot with a 1-layer drafter
+    has as many layers as a 3-layer model, and kept whole, the drafter's KV
+    would become that model's layer 2 (wrong tokens, no error). Cut, it is
+    refused by :func:`check_compatible` (2 layers against 3).
+    """
+    return snapshot.without_drafter()  # returned as it is when it names no drafter
 
 
 #: Linear-attention state kinds this adapter converts (vLLM's ``mamba_type``), see :func:`_put_states`.
@@ -1109,7 +1167,7 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
     """
     if not snapshot.token_ids:
         raise HurrayFormatError("snapshot.token_ids", "the snapshot carries no token ids to continue from")
-    _check_seq(snapshot, seq)
+    seq = _check_seq(snapshot, seq)
     ids = list(snapshot.token_ids[seq])
     n = snapshot.seq_lens[seq]
     if len(ids) < n:
@@ -1144,7 +1202,29 @@ def _resume(model: Any, snapshot: KVSnapshot, seq: int) -> tuple[Any, list[int],
         length=start,
         architecture=_architecture(model),
     )
+    vocab = _vocab_size(model)
+    # After the model check (another model's snapshot is named as such); only the ids fed, which index the
+    # embedding: past it, an IndexError on the CPU, a device-side assert that breaks the context on CUDA.
+    if vocab is not None and (top := max(ids[start:])) >= vocab:
+        raise HurrayFormatError(
+            "snapshot.token_ids",
+            f"sequence {seq}: token id {top} is outside the model's vocabulary of {vocab} ids: the ids are another "
+            "tokenizer's (another model's snapshot?)",
+        )
     return cache, ids[start:], start, device
+
+
+def _vocab_size(model: Any) -> int | None:
+    """How many token ids ``model`` embeds: its input embedding's rows, else its text config's ``vocab_size``."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        rows = getattr(get(), "num_embeddings", None) if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        rows = None
+    if isinstance(rows, int):
+        return rows
+    size = getattr(_text_config(model.config), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 #: Config fields naming a multimodal prompt's placeholder tokens, whose M-RoPE positions are not a count.
@@ -1252,7 +1332,10 @@ def teacher_forced_logits(model: Any, snapshot: KVSnapshot, seq: int, tokens: Se
     Raises:
         HurrayFormatError: the snapshot does not fit the model or has no token ids, or,
             for an M-RoPE model (Qwen2.5-VL...), the sequence holds image or video
-            tokens (field ``snapshot.token_ids``: its positions are not a count).
+            tokens (field ``snapshot.token_ids``: its positions are not a count), or
+            token ids to feed outside the model's vocabulary (field ``snapshot.token_ids``).
+        HurrayArgumentError: ``tokens`` holding an id outside the model's vocabulary
+            (field ``tokens``), ``seq`` outside the batch (field ``seq``, also an ``IndexError``).
         OSError: ``ENOMEM``: the dense KV is larger than the device's memory.
 
     Example:
@@ -1261,6 +1344,15 @@ def teacher_forced_logits(model: Any, snapshot: KVSnapshot, seq: int, tokens: Se
         >>> greedy_agreement(logits, vllm_tokens).ok  # doctest: +SKIP
         True
     """
+    vocab = _vocab_size(model)
+    # Fed (or scored) past the embedding: a bare IndexError on the CPU, a device-side assert on CUDA.
+    if tokens and vocab is not None and not 0 <= min(tokens) <= max(tokens) < vocab:
+        i, bad = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab)
+        raise HurrayArgumentError(
+            "tokens",
+            f"tokens[{i}] = {bad} is outside the model's vocabulary of {vocab} ids (0..{vocab - 1}): "
+            "pass ids of this model's tokenizer",
+        )
     cache, first, start, device = _resume(model, snapshot, seq)  # checks the snapshot even for no tokens
     if not tokens:
         return torch.empty(0, int(getattr(model.config, "vocab_size", 0)))
@@ -1334,7 +1426,8 @@ def continue_generation(
     Raises:
         HurrayFormatError: the snapshot does not fit the model or has no token ids, or,
             for an M-RoPE model (Qwen2.5-VL...), the sequence holds image or video
-            tokens (field ``snapshot.token_ids``: its positions are not a count).
+            tokens (field ``snapshot.token_ids``: its positions are not a count), or
+            token ids to feed outside the model's vocabulary (field ``snapshot.token_ids``).
         HurrayArgumentError: ``max_new_tokens`` not an integer or below 0 (field
             ``max_new_tokens``), an ``eos_token_id`` that is no token id or ids (field
             ``eos_token_id``), ``seq`` outside the batch (field ``seq``, also an ``IndexError``).
@@ -1486,7 +1579,11 @@ def _token_positions(
         return [torch.nonzero(mask[b].cpu() != 0).reshape(-1) for b in range(batch)]
     if seq_lens is None:
         return [torch.arange(total) for _ in range(batch)]
-    lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    # integer_arg, not int(): a float length (2.9) would be truncated to a shorter sequence without a word.
+    lens = [
+        integer_arg(x, "seq_lens", error=ImportArgumentError)
+        for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+    ]
     if len(lens) != batch:
         raise ImportArgumentError("seq_lens", f"{len(lens)} lengths for a batch of {batch}")
     for b, n in enumerate(lens):

@@ -343,6 +343,54 @@ def test_every_token_with_kv_recomputes_the_last(hf_model) -> None:  # type: ign
     assert torch.equal(first, tfa.next_token_logits(hf_model, snap, 0))
 
 
+def test_for_generate_leaves_generate_the_last_token_to_feed() -> None:
+    """Every token with KV: generate(token_ids, past_key_values=cache) finds nothing past the cache to feed and
+    runs the whole prompt again over it (here: 16 where the from-scratch run picks 57, no error). ``for_generate``
+    caches one token fewer, and generate() feeds the last one.
+
+    That one-token forward is not the from-scratch prefill's arithmetic: the margin rule (tests/margins.py)
+    where the tokens differ. A weak random model (initializer_range 0.02) repeats the prompt's own pattern and
+    hides the bug: this one does not.
+    """
+    model = tiny_llama(initializer_range=0.3)
+    prompt = [1, 5, 9, 12, 7, 3, 8, 20, 33, 61, 4, 2]
+    pkv, first = prefill(model, prompt)
+    snap = tfa.from_transformers(pkv, [prompt], model_config=model.config)
+    expected = greedy(model, prompt, 6)
+    cache = tfa.to_dynamic_cache(snap, 0, model_config=model.config, for_generate=True)
+    assert cache.get_seq_length() == len(prompt) - 1
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+    got = [int(t) for t in out[0, len(prompt) :]]
+    if got != expected:
+        logits = recompute_logits(model, prompt, got)
+        assert_agrees(logits, got, "generate() from a for_generate cache", dtype=torch.float32)
+    # A pending token: generate() feeds it, nothing is cut; a shorter length stays as asked.
+    pending = tfa.from_transformers(pkv, [[*prompt, first]], model_config=model.config)
+    cache = tfa.to_dynamic_cache(pending, 0, model_config=model.config, for_generate=True)
+    assert cache.get_seq_length() == len(prompt)
+    cache = tfa.to_dynamic_cache(snap, 0, model_config=model.config, length=9, for_generate=True)
+    assert cache.get_seq_length() == 9
+    with pytest.raises(hv.HurrayFormatError) as err:  # nothing to give generate()
+        tfa.to_dynamic_cache(replace(snap, token_ids=()), 0, model_config=model.config, for_generate=True)
+    assert err.value.field == "snapshot.token_ids"
+
+
+def test_for_generate_refuses_to_rewind_a_hybrids_states() -> None:
+    """Linear-attention states hold every token: they cannot be cut by one as the KV can."""
+    cfg, arch = qwen3_next_config(), "Qwen3NextForCausalLM"
+    full = replace(hybrid_snapshot(), token_ids=(tuple(range(1, 8)),))  # 7 ids, 7 tokens of KV and states
+    with pytest.raises(hv.HurrayArgumentError, match="cannot be rewound") as err:
+        tfa.to_dynamic_cache(full, 0, model_config=cfg, architecture=arch, for_generate=True)
+    assert err.value.field == "for_generate"
+    pending = replace(hybrid_snapshot(), token_ids=(tuple(range(1, 9)),))  # the 8th has no KV: nothing is cut
+    cache = tfa.to_dynamic_cache(pending, 0, model_config=cfg, architecture=arch, for_generate=True)
+    assert cache.layers[3].keys.shape == (1, 2, 7, 16)
+
+
 def test_eos_stops_generation(hf_model) -> None:  # type: ignore[no-untyped-def]
     pkv, _ = prefill(hf_model, PROMPT)
     snap = tfa.from_transformers(pkv, [PROMPT], model_config=hf_model.config)
@@ -514,6 +562,31 @@ def test_a_snapshot_with_a_drafters_layers_is_refused_with_the_way_to_take_the_m
         tfa.continue_generation(hf_model, drafted, 0, 3)
     model_only = drafted.with_layers(drafted.layer_members()[:2], fingerprint=None)  # what the message says
     assert tfa.continue_generation(hf_model, model_only, 0, 3) == tfa.continue_generation(hf_model, snap, 0, 3)
+
+
+def test_a_named_drafters_layers_are_dropped_even_when_the_counts_match_a_deeper_model(hf_model) -> None:  # type: ignore[no-untyped-def]
+    """2 model layers + 1 drafter layer, named (extra[TARGET_LAYERS]): a 3-layer model of the same geometry must
+    refuse it (2 layers against 3), not read the drafter's KV as its layer 2 and continue with wrong tokens."""
+    from transformers import LlamaForCausalLM
+
+    from hurray_vllm.kv.snapshot import TARGET_LAYERS
+
+    snap = small_snapshot(hf_model)
+    assert snap.fingerprint is not None
+    k, v = snap.layer_members()[0]
+    draft = (replace(k, layer_index=2), replace(v, layer_index=2))
+    drafted = snap.with_layers(
+        [*snap.layer_members(), draft], fingerprint=replace(snap.fingerprint, num_layers=3), extra={TARGET_LAYERS: 2}
+    )
+    cfg3 = hf_model.config.__class__.from_dict({**hf_model.config.to_dict(), "num_hidden_layers": 3})
+    with pytest.raises(hv.HurrayFormatError, match="num_layers: snapshot has 2, model has 3") as err:
+        tfa.to_dynamic_cache(drafted, 0, model_config=cfg3)
+    assert err.value.field == "fingerprint"
+    torch.manual_seed(0)
+    with pytest.raises(hv.HurrayFormatError, match="num_layers: snapshot has 2, model has 3"):
+        tfa.continue_generation(LlamaForCausalLM(cfg3).eval(), drafted, 0, 3)
+    # The model it was taken with still takes its own two layers.
+    assert tfa.continue_generation(hf_model, drafted, 0, 3) == tfa.continue_generation(hf_model, snap, 0, 3)
 
 
 def test_from_transformers_refusals(hf_model) -> None:  # type: ignore[no-untyped-def]
@@ -1229,6 +1302,61 @@ def test_argument_types_are_argument_errors_naming_the_argument() -> None:
     with pytest.raises(hv.HurrayArgumentError) as err:
         tfa.check_continuation(model, snap, 0, full[:2], ulps=-1)
     assert err.value.field == "ulps"
+    # Indices and lengths, each in range were it a number: a float or a bool failed deep inside (a bare TypeError,
+    # IndexError or ValueError) or was taken as 0 or 1; numpy's integers and a 0-d integer tensor are integers.
+    for call, field in [
+        (lambda: tfa.continue_generation(model, snap, 0.0, 2), "seq"),
+        (lambda: tfa.continue_generation(model, snap, False, 2), "seq"),
+        (lambda: tfa.teacher_forced_logits(model, snap, 0.0, full[:1]), "seq"),
+        (lambda: tfa.to_dynamic_cache(snap, 0.0, model_config=model.config), "seq"),
+        (lambda: tfa.to_dynamic_cache(snap, 0, model_config=model.config, length=2.5), "length"),
+        (lambda: tfa.to_dynamic_cache(snap, 0, model_config=model.config, length="3"), "length"),
+        (lambda: tfa.to_dynamic_cache(snap, 0, model_config=model.config, length=True), "length"),
+        (lambda: tfa.sequence_kv(snap, 0, 0, length=2.5), "length"),
+        (lambda: tfa.sequence_kv(snap, 0.0, 0), "seq"),
+        (lambda: tfa.sequence_kv(snap, 0, 1.0), "layer"),
+        (lambda: tfa.sequence_kv(snap, 0, True), "layer"),
+    ]:
+        with pytest.raises(hv.HurrayArgumentError, match="must be an integer") as err:
+            call()
+        assert err.value.field == field, err.value
+        if field == "seq":
+            assert isinstance(err.value, IndexError)  # as an index out of range is
+    import numpy as np
+
+    assert tfa.continue_generation(model, snap, np.int64(0), 5) == full
+    keys, _ = tfa.sequence_kv(snap, torch.tensor(0), np.int64(1), length=np.int64(3))
+    assert keys.shape[1] == 3
+    # A float length was truncated (2.9 -> 2) without a word.
+    for lens in ([2.9], [True], torch.tensor([3.0])):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            tfa.from_transformers(pkv, [prompt], seq_lens=lens)
+        assert err.value.field == "seq_lens", err.value
+    assert tfa.from_transformers(pkv, [prompt], seq_lens=[np.int64(4)]).seq_lens == [4]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_embedding() -> None:
+    """Another tokenizer's ids indexed past the embedding: an IndexError on the CPU, a device-side assert that
+    breaks the context on CUDA. Refused by name: the snapshot's ids to feed, or teacher_forced_logits' tokens."""
+    model = tiny_llama()  # vocab_size=100
+    prompt = [1, 5, 9, 12, 7, 3]
+    pkv, first = prefill(model, prompt)
+    for ids in ([*prompt, 100], [*prompt[:-1], 105]):  # a pending token, the last one recomputed
+        snap = tfa.from_transformers(pkv, [ids], model_config=model.config)
+        for call in (
+            lambda s: tfa.continue_generation(model, s, 0, 2),
+            lambda s: tfa.next_token_logits(model, s, 0),
+            lambda s: tfa.teacher_forced_logits(model, s, 0, [first]),
+        ):
+            with pytest.raises(hv.HurrayFormatError, match="outside the model's vocabulary of 100") as err:
+                call(snap)
+            assert err.value.field == "snapshot.token_ids"
+    snap = tfa.from_transformers(pkv, [[*prompt, first]], model_config=model.config)
+    for tokens in ([first, 100], [-1, first]):
+        with pytest.raises(hv.HurrayArgumentError, match="vocabulary of 100") as err:
+            tfa.teacher_forced_logits(model, snap, 0, tokens)
+        assert err.value.field == "tokens"
+    assert tfa.teacher_forced_logits(model, snap, 0, [first, 99]).shape == (2, 100)
 
 
 @pytest.mark.gpu

@@ -87,6 +87,10 @@ def test_expand_latent_equals_the_models_own_decompression(mla_model: Any) -> No
     with pytest.raises(hv.HurrayArgumentError, match="the model has 2 MLA layers") as err:  # the caller's index
         tfa.expand_latent(mla_model, snap, 0, 2)
     assert err.value.field == "layer"
+    for layer in (1.0, True):  # mods[1.0] was a bare TypeError, True layer 1
+        with pytest.raises(hv.HurrayArgumentError, match="must be an integer") as err:
+            tfa.expand_latent(mla_model, snap, 0, layer)  # type: ignore[arg-type]
+        assert err.value.field == "layer"
     with pytest.raises(hv.HurrayArgumentError) as seq_err:
         tfa.expand_latent(mla_model, snap, 1, 0)
     assert seq_err.value.field == "seq" and isinstance(seq_err.value, IndexError)
