@@ -92,10 +92,11 @@ def require_channel(channel: str) -> None:
 def sender_for(url: str, *, tls: ssl.SSLContext | None = None) -> ChunkSender:
     """A sender for ``url``'s channel: a new TCP sender (over ``tls`` for ``tls://``), or the shared NIXL sender.
 
-    Each call gets its own TCP sender (they are cheap): :meth:`~.base.ChunkSender.abort` cuts every call
-    in progress on its sender, and one engine giving up on its push must not cut another engine's
-    pushes in the same process. The NIXL sender is one per process (its agents are costly), so its
-    ``abort`` still reaches every caller's NIXL pushes.
+    Each call gets its own TCP sender (they are cheap). The NIXL sender is one per process (its agents
+    are costly), shared by every engine in it: a caller that may give up on its pushes passes itself as
+    ``owner`` to :meth:`~.base.ChunkSender.send` and ``held``, and calls ``abort(owner)``, which cuts
+    only its own calls; one engine giving up on its push must not cut another engine's in the same
+    process. ``abort()`` without an owner cuts every call in progress on the sender.
 
     Creating the NIXL sender starts its agents (UCX, ~0.4 s): call this at
     start-up, not inside a step. ``tls``: the client context

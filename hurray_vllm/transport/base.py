@@ -657,6 +657,17 @@ def first_of(chunks: Iterable[Chunk]) -> tuple[list[Chunk], Iterator[Chunk]]:
 _LIVE_MU = threading.Lock()
 
 
+class _Caller:
+    """One owner's calls in progress on a :class:`ChunkSender`: how many, the aborts aimed at them, their sockets."""
+
+    __slots__ = ("aborts", "calls", "live")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.aborts = 0  # abort(owner) calls while any of its calls was in progress
+        self.live: set[socket.socket] = set()
+
+
 class ChunkSender(abc.ABC):
     """Pushes chunks to receivers of one channel.
 
@@ -679,7 +690,7 @@ class ChunkSender(abc.ABC):
     def unregister(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`register` for buffers about to be replaced (unknown tensors are ignored)."""
 
-    def abort(self) -> None:
+    def abort(self, owner: object | None = None) -> None:
         """From another thread: make the :meth:`send` and :meth:`held` calls in progress fail now.
 
         Shuts down their connections (from the TCP connect on: the TLS and key
@@ -688,10 +699,23 @@ class ChunkSender(abc.ABC):
         that start afterwards are not affected. Who calls it: the connector's
         worker, when a step would otherwise wait for a push (a full save
         queue) and at shutdown.
+
+        Args:
+            owner: Only the calls made with this ``owner`` (the caller's own
+                pushes: one sender, such as the process-wide NIXL sender, may
+                serve several engines, and one giving up on its push must not
+                cut another's). ``None``: every call in progress, whoever made it.
         """
         with _LIVE_MU:  # counted with the snapshot: a socket tracked later sees the count (tracked())
-            self.__dict__["_abort_count"] = self._aborts() + 1
-            live = list(self._live_sockets())
+            if owner is None:
+                self.__dict__["_abort_count"] = self._aborts() + 1
+                live = list(self._live_sockets())
+            else:
+                caller = self._callers().get(id(owner))
+                if caller is None:  # none of its calls in progress: nothing to cut
+                    return
+                caller.aborts += 1
+                live = list(caller.live)
         for sock in live:
             try:
                 # The plain socket's shutdown, also under TLS: SSLSocket.shutdown would drop the TLS
@@ -701,7 +725,7 @@ class ChunkSender(abc.ABC):
                 pass
 
     def _aborts(self) -> int:
-        """How many times :meth:`abort` was called (an int: read without the lock)."""
+        """How many times :meth:`abort` was called for every caller (an int: read without the lock)."""
         return int(self.__dict__.get("_abort_count", 0))
 
     def _live_sockets(self) -> set[socket.socket]:
@@ -711,9 +735,46 @@ class ChunkSender(abc.ABC):
             live = self.__dict__["_live"] = set()
         return live
 
+    def _callers(self) -> dict[int | None, _Caller]:
+        """The owners with calls in progress, by ``id`` (``None``: calls without an owner); under ``_LIVE_MU``."""
+        callers: dict[int | None, _Caller] | None = self.__dict__.get("_owners")
+        if callers is None:
+            callers = self.__dict__["_owners"] = {}
+        return callers
+
     @contextlib.contextmanager
-    def tracked(self, url: str, *, timeout: float, keys: FleetKeys | None = None) -> Iterator[socket.socket]:
-        """:meth:`connect`, as a connection :meth:`abort` can cut; closed on exit.
+    def _calling(self, owner: object | None) -> Iterator[tuple[_Caller, Callable[[], bool]]]:
+        """A call of ``owner`` in progress: its record, and whether :meth:`abort` reached it since it started.
+
+        Entered before the call's first chunk is made (:meth:`send`): an abort
+        meanwhile has no socket to shut, and is seen here. The record lives
+        while any call of its owner does, so that owners that come and go
+        leave nothing behind (and the owner, held by this frame, keeps its ``id``).
+        """
+        key = None if owner is None else id(owner)
+        with _LIVE_MU:
+            caller = self._callers().get(key)
+            if caller is None:
+                caller = self._callers()[key] = _Caller()
+            caller.calls += 1
+            start = self._aborts() + caller.aborts
+
+        def aborted() -> bool:
+            return self._aborts() + caller.aborts != start
+
+        try:
+            yield caller, aborted
+        finally:
+            with _LIVE_MU:
+                caller.calls -= 1
+                if not caller.calls:
+                    del self._callers()[key]
+
+    @contextlib.contextmanager
+    def tracked(
+        self, url: str, *, timeout: float, keys: FleetKeys | None = None, owner: object | None = None
+    ) -> Iterator[socket.socket]:
+        """:meth:`connect`, as a connection :meth:`abort` (for every caller, or for ``owner``) can cut; closed on exit.
 
         A call cut short sees its connection end: a read then finds the
         receiver gone, which would look like a receiver that hung up (or one
@@ -721,27 +782,25 @@ class ChunkSender(abc.ABC):
         instead, so that callers can tell the two apart.
         """
         mine: list[socket.socket] = []
-        with _LIVE_MU:
-            start = self._aborts()
+        with self._calling(owner) as (caller, aborted):
 
-        def aborted() -> bool:
-            return self._aborts() != start
+            def track(sock: socket.socket) -> None:
+                with _LIVE_MU:
+                    mine.append(sock)
+                    self._live_sockets().add(sock)
+                    caller.live.add(sock)
 
-        def track(sock: socket.socket) -> None:
-            with _LIVE_MU:
-                mine.append(sock)
-                self._live_sockets().add(sock)
-
-        try:
-            with self.connect(url, timeout=timeout, keys=keys, track=track, aborted=aborted) as sock:
-                yield sock
-        except (HurrayFormatError, OSError) as exc:
-            if aborted() and not isinstance(exc, SendAborted):
-                raise SendAborted(f"the {self.scheme} call to {url} was aborted ({exc})") from exc
-            raise
-        finally:
-            with _LIVE_MU:
-                self._live_sockets().difference_update(mine)
+            try:
+                with self.connect(url, timeout=timeout, keys=keys, track=track, aborted=aborted) as sock:
+                    yield sock
+            except (HurrayFormatError, OSError) as exc:
+                if aborted() and not isinstance(exc, SendAborted):
+                    raise SendAborted(f"the {self.scheme} call to {url} was aborted ({exc})") from exc
+                raise
+            finally:
+                with _LIVE_MU:
+                    self._live_sockets().difference_update(mine)
+                    caller.live.difference_update(mine)
 
     def connect(
         self,
@@ -773,12 +832,14 @@ class ChunkSender(abc.ABC):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
+        owner: object | None = None,
     ) -> set[tuple[str, str]]:
         """Which of ``names`` (``(namespace, key)``) the receiver at ``url`` holds already (:func:`query_held`).
 
         Who calls it: the connector's background writer, before it pushes on
         chunks it did not compute itself (loaded ones), so that two engines
         pushing to each other do not send each other back what they received.
+        ``owner``: who makes the call (``abort(owner)`` cuts it; see :meth:`abort`).
 
         Raises:
             HurrayFormatError: the receiver refused the query or is older than it.
@@ -787,7 +848,7 @@ class ChunkSender(abc.ABC):
         """
         if not names:
             return set()
-        with self.tracked(url, timeout=timeout, keys=keys) as sock:
+        with self.tracked(url, timeout=timeout, keys=keys, owner=owner) as sock:
             return query_held(sock, names)
 
     @abc.abstractmethod
@@ -798,6 +859,7 @@ class ChunkSender(abc.ABC):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
+        owner: object | None = None,
     ) -> Any:
         """Push ``chunks`` to the receiver at ``url``; return once each is stored there.
 
@@ -805,6 +867,7 @@ class ChunkSender(abc.ABC):
         receiver acknowledged the previous one, so a generator may export
         every chunk into the same buffers. With ``keys`` the connection
         starts with the sender authentication of :mod:`.security`.
+        ``owner``: who makes the call (``abort(owner)`` cuts it; see :meth:`abort`).
 
         Raises:
             HurrayFormatError: the receiver refused a chunk (the message says why).

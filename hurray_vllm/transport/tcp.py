@@ -270,14 +270,15 @@ class TcpSender(ChunkSender):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
+        owner: object | None = None,
     ) -> None:
-        """See :func:`send_chunks`; :meth:`abort` makes it fail at once."""
-        start = self._aborts()
-        first, rest = first_of(chunks)
-        with self.tracked(url, timeout=timeout, keys=keys) as sock:
-            if self._aborts() != start:  # aborted while the first chunk was made: before any socket it could shut
-                raise SendAborted(f"the {self.scheme} call to {url} was aborted")
-            _send_over(sock, itertools.chain(first, rest))
+        """See :func:`send_chunks`; :meth:`abort` (for every caller, or for ``owner``) makes it fail at once."""
+        with self._calling(owner) as (_, aborted):
+            first, rest = first_of(chunks)
+            with self.tracked(url, timeout=timeout, keys=keys, owner=owner) as sock:
+                if aborted():  # aborted while the first chunk was made: before any socket it could shut
+                    raise SendAborted(f"the {self.scheme} call to {url} was aborted")
+                _send_over(sock, itertools.chain(first, rest))
 
     def connect(
         self,

@@ -174,3 +174,57 @@ def test_a_full_disk_refuses_the_chunk_and_leaves_no_file(tmp_path: Path) -> Non
         _stop(proc)
     assert _files(store) == []  # no chunk, and no temporary file either
     _consistent(store)
+
+
+def test_an_abort_for_one_owner_leaves_another_owners_push_on_the_same_sender_running(tmp_path: Path) -> None:
+    """One sender object serves several callers (the process-wide NIXL sender serves every engine in it): engine
+    A giving up on its push (a full save queue, shutdown) cut engine B's too, which B took for a failed receiver."""
+    import threading
+    from collections.abc import Iterator
+
+    from hurray_vllm.transport.base import SendAborted
+    from hurray_vllm.transport.tcp import TcpSender
+
+    ns, key, chunk = example_chunk()
+
+    class Slow(DirectoryStore):
+        def put(self, *args: object, **kwargs: object) -> object:
+            time.sleep(2)  # B's push is in flight while A's is cut
+            return super().put(*args, **kwargs)  # type: ignore[arg-type]
+
+    sender, a, b = TcpSender(), object(), object()
+    results: dict[str, BaseException | None] = {}
+
+    def push(owner: object, url: str, name: str) -> None:
+        try:
+            sender.send(url, [(ns, key, chunk)], timeout=60, owner=owner)
+            results[name] = None
+        except BaseException as exc:
+            results[name] = exc
+
+    with Receiver("127.0.0.1", 0, Slow(tmp_path), timeout=30) as r, socket.create_server(("127.0.0.1", 0)) as hole:
+        # A's destination never answers: only an abort ends A's push in the test's time.
+        urls = {"a": f"tcp://127.0.0.1:{hole.getsockname()[1]}", "b": f"tcp://127.0.0.1:{r.address[1]}"}
+        threads = {n: threading.Thread(target=push, args=(o, urls[n], n)) for n, o in (("a", a), ("b", b))}
+        for t in threads.values():
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(sender._live_sockets()) < 2 and len(results) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sender._live_sockets()) == 2, results  # both pushes are out
+        sender.abort(a)
+        threads["a"].join(30)
+        assert isinstance(results.get("a"), SendAborted)
+        threads["b"].join(30)
+        assert "b" in results and results["b"] is None and DirectoryStore(tmp_path).has(ns, key)
+
+        # Aborted while its first chunk is made (no socket yet to shut): its own owner's abort only.
+        def first_made_during(owner: object) -> Iterator[tuple[str, str, KVSnapshot]]:
+            sender.abort(owner)
+            yield ns, "ef" * 8, chunk
+
+        with pytest.raises(SendAborted):
+            sender.send(urls["b"], first_made_during(b), timeout=30, owner=b)
+        sender.send(urls["b"], first_made_during(a), timeout=30, owner=b)
+        assert DirectoryStore(tmp_path).has(ns, "ef" * 8)
+        assert not sender._live_sockets() and not sender._callers()  # nothing kept of owners whose calls ended

@@ -368,6 +368,7 @@ class NixlSender(ChunkSender):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         keys: FleetKeys | None = None,
+        owner: object | None = None,
     ) -> list[TransferStats]:
         """Push ``(namespace, key, snapshot)`` chunks to the receiver at ``nixl://HOST:PORT``.
 
@@ -383,15 +384,17 @@ class NixlSender(ChunkSender):
         offered to it, and this sender then proves it too. The first chunk
         is made before the side channel is opened: the receiver gives a new
         connection :data:`~..base.HANDSHAKE_TIMEOUT_S` for its first offer.
+        ``owner``: who makes the call; ``abort(owner)`` cuts only such calls
+        (this sender is one per process, shared by every engine in it).
         """
         out = []
-        start = self._aborts()
-        first, rest = first_of(chunks)
-        with self.tracked(url, timeout=timeout, keys=keys) as sock:  # abort() cuts it
-            if self._aborts() != start:  # aborted while the first chunk was made: before any socket it could shut
-                raise SendAborted(f"the {self.scheme} call to {url} was aborted")
-            for ns, key, snap in itertools.chain(first, rest):
-                out.append(self._send_one(sock, ns, key, snap, timeout))
+        with self._calling(owner) as (_, aborted):
+            first, rest = first_of(chunks)
+            with self.tracked(url, timeout=timeout, keys=keys, owner=owner) as sock:  # abort() cuts it
+                if aborted():  # aborted while the first chunk was made: before any socket it could shut
+                    raise SendAborted(f"the {self.scheme} call to {url} was aborted")
+                for ns, key, snap in itertools.chain(first, rest):
+                    out.append(self._send_one(sock, ns, key, snap, timeout))
         return out
 
     def connect(

@@ -139,7 +139,7 @@ class _Sender:
         self.aborts = 0
         self.gate_s = 30.0  # how long ``gate`` holds each chunk at most
 
-    def abort(self) -> None:
+    def abort(self, owner: object | None = None) -> None:
         self.aborts += 1
 
     def register(self, ts: Sequence[torch.Tensor]) -> None:
@@ -148,13 +148,17 @@ class _Sender:
     def unregister(self, ts: Sequence[torch.Tensor]) -> None:
         self.calls.append(("unregister", [t.data_ptr() for t in ts]))
 
-    def held(self, url: str, names: Sequence[tuple[str, str]], *, timeout: float = 60.0, keys: Any = None) -> set[Any]:
+    def held(
+        self, url: str, names: Sequence[tuple[str, str]], *, timeout: float = 60.0, keys: Any = None, owner: Any = None
+    ) -> set[Any]:
         self.asked.append(list(names))
         if isinstance(self.answer, BaseException):
             raise self.answer
         return {n for n in names if n[1] in self.answer}
 
-    def send(self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0, keys: Any = None) -> None:
+    def send(
+        self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0, keys: Any = None, owner: Any = None
+    ) -> None:
         from hurray_vllm.transport.nixl import NixlError
 
         self.sends += 1
@@ -175,13 +179,13 @@ def _patient_tcp_sender() -> Any:
             self.asking = threading.Event()  # set when a held-chunk query starts
             self.sending = threading.Event()  # set when a push starts (past the worker's look at the pause)
 
-        def held(self, url: str, names: Any, *, timeout: float = 600.0, keys: Any = None) -> Any:
+        def held(self, url: str, names: Any, *, timeout: float = 600.0, keys: Any = None, owner: Any = None) -> Any:
             self.asking.set()
-            return super().held(url, names, timeout=timeout, keys=keys)
+            return super().held(url, names, timeout=timeout, keys=keys, owner=owner)
 
-        def send(self, url: str, chunks: Any, *, timeout: float = 600.0, keys: Any = None) -> Any:
+        def send(self, url: str, chunks: Any, *, timeout: float = 600.0, keys: Any = None, owner: Any = None) -> Any:
             self.sending.set()
-            return super().send(url, chunks, timeout=timeout, keys=keys)
+            return super().send(url, chunks, timeout=timeout, keys=keys, owner=owner)
 
     return _Patient()
 
@@ -288,13 +292,53 @@ def test_shutdown_stores_the_chunks_a_hung_destination_held_up(  # type: ignore[
 
 
 @pytest.mark.usefixtures("long_push_pause")
+def test_an_engine_cutting_its_push_leaves_another_engines_push_on_the_shared_sender_running(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """Engines of one process share the NIXL sender: engine A's full queue (or shutdown) cut engine B's push too,
+    which B counted as a failure of its destination, doubling its backoff and pausing its pushes."""
+    import socket
+
+    sender = _patient_tcp_sender()  # one sender object for both, as nixl.default_sender() is
+    with socket.socket() as slow:
+        slow.bind(("127.0.0.1", 0))
+        slow.listen(16)  # B's destination: accepts, never answers (B's push waits its 600 s)
+        b = bare_push_worker(conn, meta, tmp_path / "b", sender)
+        b._url, b._async = f"tcp://127.0.0.1:{slow.getsockname()[1]}", True
+        b._writer = conn._Writer(1 << 30, on_full=b._abort_push)  # room for all: B never cuts its push
+        a = bare_push_worker(conn, meta, tmp_path / "a", sender)
+        rounds: list[None] = []
+
+        def a_full() -> None:
+            rounds.append(None)
+            a._abort_push()
+
+        a._writer = conn._Writer(100, on_full=a_full)
+        b.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "b0" * 8, [0] * 8, [1, 2])]))
+        assert sender.sending.wait(60) and wait_for(lambda: bool(sender._live_sockets()), 60)  # B's push is out
+        gate = threading.Event()
+        a._writer.submit(gate.wait, 100)  # A's writer is busy and its queue full:
+        waiter = threading.Thread(target=a._writer.wait_for_room, args=(50,))  # a step of A waits, cutting A's push
+        waiter.start()
+        assert wait_for(lambda: len(rounds) >= 3, 60)
+        gate.set()
+        waiter.join(60)
+        assert b.stats.push_failures == 0 and b._writer._pending == 1 and sender._live_sockets()  # still pushing
+        b._abort_push()  # B's own cut ends it: counted, but its destination is not blamed
+        assert b.flush(timeout=60) and b.stats.push_failures == 1 and b._push_backoff == conn.PUSH_BACKOFF_S
+        assert b._store.has(b._ns, "b0" * 8)
+
+
+@pytest.mark.usefixtures("long_push_pause")
 def test_an_unforeseen_error_in_a_push_still_stores_every_chunk_here(  # type: ignore[no-untyped-def]
     conn: ModuleType, meta: ModuleType, tmp_path
 ) -> None:
     """A channel raising something else than OSError (a pool shut down at exit): counted, paused, stored."""
 
     class _Broken(_Sender):
-        def send(self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0, keys: Any = None) -> None:
+        def send(
+            self, url: str, chunks: Iterable[Any], *, timeout: float = 60.0, keys: Any = None, owner: Any = None
+        ) -> None:
             self.sends += 1
             next(iter(chunks))
             raise RuntimeError("cannot schedule new futures after shutdown")
@@ -1688,6 +1732,39 @@ def test_staging_keeps_no_more_than_its_bound_of_recycled_buffers(conn: ModuleTy
         staging.recycle(bufs)
     assert sum(staging.capacity(b) for b in staging._free) <= 64 and staging._out_bytes == 0
     assert [staging.capacity(b) for b in staging._free] == [64]  # the largest that fits
+
+
+def test_after_a_large_save_a_one_block_save_holds_its_own_bytes_and_the_next_step_does_not_wait(  # type: ignore[no-untyped-def]
+    conn: ModuleType, meta: ModuleType, tmp_path
+) -> None:
+    """The queue is charged a copy's whole buffer: in the buffer a large save left, a 1-block save would hold about
+    the whole bound, and the next step would wait for the push in flight and cut it (push_failures, backoff)."""
+    sender = _Sender([])
+    c = bare_push_worker(conn, meta, tmp_path, sender)
+    c._async = True
+    per_block = 16  # the stand-in engine's one layer: blocks of 4 float32
+    bound = 10 * per_block
+    full: list[None] = []
+
+    def on_full() -> None:  # a step waits for room: it cuts the push in flight (an abort ends the stand-in's wait)
+        full.append(None)
+        c._abort_push()
+        sender.gate.set()
+
+    c._writer, c._staging = conn._Writer(bound, on_full=on_full), conn._Staging(bound)
+    large = meta.SaveTask("r", "00" * 8, list(range(8)), list(range(1, 11)))  # 10 blocks: the whole bound
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[large]))
+    assert c.flush(timeout=30) and sender.pushed == ["00" * 8]
+    sender.gate.clear()  # a destination slow to acknowledge: the next push stays in flight
+    sender.gate_s = 600.0
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "01" * 8, list(range(8)), [1])]))
+    assert c._writer._held <= 2 * per_block  # about its own bytes, not the 10-block buffer's
+    t0 = time.monotonic()
+    c.wait_for_save(meta.HurrayConnectorMetadata(saves=[meta.SaveTask("r", "02" * 8, list(range(8)), [2])]))
+    assert time.monotonic() - t0 < 30  # a hang guard
+    assert not full and sender.aborts == 0
+    sender.gate.set()
+    assert c.flush(timeout=30) and sender.pushed == ["00" * 8, "01" * 8, "02" * 8] and c.stats.push_failures == 0
 
 
 def test_staging_refuses_a_block_outside_the_cache_before_copying(  # type: ignore[no-untyped-def]

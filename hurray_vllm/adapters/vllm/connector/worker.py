@@ -287,6 +287,10 @@ def _drain_writers() -> None:
             log.exception("hurray: could not finish the background saves at exit")
 
 
+#: A kept staging buffer is reused only for a copy of at least 1/this of its blocks (the queue is charged it whole).
+_STAGING_SLACK = 2
+
+
 class _Staging:
     """Recycled copies of whole engine blocks (one tensor per layer) for the background writer.
 
@@ -297,7 +301,10 @@ class _Staging:
     ``max_bytes`` (``hurray_save_queue_mib``) bounds the buffers, counted by
     capacity: those handed out (held by the writer's queue) and those kept
     for reuse together stay within it, as far as dropping kept ones can make
-    them (a single copy larger than the bound is still made).
+    them (a single copy larger than the bound is still made). A copy takes
+    the smallest kept buffer that fits, and none more than
+    :data:`_STAGING_SLACK` times its size (then a buffer of its own size):
+    saves of one size reuse their buffers step after step.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -337,15 +344,25 @@ class _Staging:
         n = max((int(x.numel()) for x in per_layer), default=0)
         bufs = None
         with self._lock:
+            # The smallest kept buffer that fits, and none much larger: the writer's queue is charged a copy's
+            # whole capacity, and a 1-block save in the buffer of an earlier large one would hold about the
+            # whole bound, so that the next step waits for the writer (and cuts its push).
+            best = None
             for i, cand in enumerate(self._free):
-                if cand[0].shape[0] >= n and all(
-                    b.shape[1:] == c.shape[1:] and b.dtype == c.dtype and b.device == c.device
-                    for b, c in zip(cand, caches, strict=True)
+                rows = cand[0].shape[0]
+                if (
+                    n <= rows <= _STAGING_SLACK * n
+                    and (best is None or rows < self._free[best][0].shape[0])
+                    and all(
+                        b.shape[1:] == c.shape[1:] and b.dtype == c.dtype and b.device == c.device
+                        for b, c in zip(cand, caches, strict=True)
+                    )
                 ):
-                    bufs = self._free.pop(i)
-                    self._free_bytes -= self.capacity(bufs)
-                    break
-            if bufs is None:
+                    best = i
+            if best is not None:
+                bufs = self._free.pop(best)
+                self._free_bytes -= self.capacity(bufs)
+            else:
                 # Room for the new buffers first: the kept ones that did not fit go, smallest first.
                 need = n * sum(math.prod(c.shape[1:]) * c.element_size() for c in caches)
                 while self._free and self._out_bytes + self._free_bytes + need > self._max:
@@ -1219,7 +1236,8 @@ class HurrayWorker:
                 # aimed at, and the push would hold the local writes for its whole timeout.
                 self._store_only(ec, caches, items)
                 return
-            self._sender.send(self._url, self._stored(ec, caches, rest, push=True, forward=forward), keys=self._keys)
+            stored = self._stored(ec, caches, rest, push=True, forward=forward)
+            self._sender.send(self._url, stored, keys=self._keys, owner=self)  # owner: _abort_push cuts only this
         except Exception as exc:  # a channel's unforeseen error too: the rest must still be stored here
             self.stats.push_failures += 1
             pause = self._push_backoff
@@ -1269,10 +1287,14 @@ class HurrayWorker:
             self._unpushed.popitem(last=False)
 
     def _abort_push(self) -> None:
-        """Fail the push in progress (the writer then stores the rest here and pushing pauses)."""
+        """Fail the push in progress (the writer then stores the rest here and pushing pauses).
+
+        This worker's own push only: the NIXL sender is shared by every engine
+        in the process, and another engine's push is not this one's to cut.
+        """
         if self._sender is not None:
             self._cut_short = True
-            self._sender.abort()
+            self._sender.abort(self)
 
     def _holds(self, key: str) -> bool:
         """Whether the store holds chunk ``key`` (this rank's slice's key, or the whole's) for this worker's heads.
@@ -1353,7 +1375,7 @@ class HurrayWorker:
         if not ask or time.monotonic() < self._ask_paused_until:
             return plan
         try:
-            held = {n for _ns, n in sender.held(url, ask, keys=self._keys)}
+            held = {n for _ns, n in sender.held(url, ask, keys=self._keys, owner=self)}
         except (HurrayFormatError, NotImplementedError) as exc:
             if self._cut_short:  # this engine cut the query short (a full queue, shutdown): not the receiver's age
                 raise
