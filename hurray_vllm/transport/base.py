@@ -897,7 +897,9 @@ class ReceiverBase(abc.ABC):
         max_chunk_bytes: The largest chunk accepted (its stream, or its page pools over NIXL, each
             rounded up to 4 KiB as its receive buffer takes it).
         max_connections: How many connections are served at once; one more is
-            answered ``ER`` and closed.
+            answered ``ER`` and closed. With keys or TLS, a connection still in
+            its handshakes gives its slot up to a newer one when all are taken
+            (the oldest first): peers without the key cannot hold the slots.
         quota_bytes: The most bytes the store (a directory) may hold: a chunk
             that would take it beyond is refused before its payload is read.
             ``None``: no quota.
@@ -981,6 +983,9 @@ class ReceiverBase(abc.ABC):
         # The connection threads (stop() waits for them) and the connections _watch cut, not yet counted; under _mu.
         self._threads: set[threading.Thread] = set()
         self._overdue: set[socket.socket] = set()
+        # With keys or TLS: the connections still in their handshakes, oldest first, by their sockets' list (held
+        # in _connection); under _mu. A full receiver evicts the oldest of them for a newcomer (_evict_unproven).
+        self._unproven: dict[int, list[socket.socket]] = {}
         self._local = threading.local()  # on a connection's thread: its sockets (count() looks them up)
         self._measuring = threading.Lock()  # one walk of the store at a time, outside _disk
         self.received = 0
@@ -1347,6 +1352,8 @@ class ReceiverBase(abc.ABC):
                 return
             with self._mu:
                 full = len(self._conns) >= self.max_connections
+            if full and self._evict_unproven():
+                full = False
             if full:
                 exc = HurrayFormatError("receiver.connections", f"more than {self.max_connections} connections")
                 self.count(False, str(exc))
@@ -1375,6 +1382,26 @@ class ReceiverBase(abc.ABC):
                 self.count(False, f"receiver.connections: {no_thread}")
                 log.warning("hurray %s receiver: refusing a connection: %s", self.transport, no_thread)
                 conn.close()
+
+    def _evict_unproven(self) -> bool:
+        """Shut the oldest connection still in its TLS or key handshake, so a newcomer takes its place.
+
+        A peer without the key could otherwise hold every slot of a keyed receiver: each silent connection is
+        cut at the handshake deadline, and it opens the next (64 of them, reopened ~6 a second, refused every
+        sender). A real sender's handshake takes a round trip; a slot held longer is given up first. Evicted
+        connections leave within moments (their thread sees the socket shut), so at most twice
+        ``max_connections`` are open at once. Returns whether one was evicted.
+        """
+        with self._mu:
+            if not self._unproven or len(self._conns) >= 2 * self.max_connections:
+                return False
+            held = self._unproven.pop(next(iter(self._unproven)))
+        log.info("hurray %s receiver: full; cutting the oldest connection still in its handshakes", self.transport)
+        for sock in list(held):
+            with contextlib.suppress(OSError):
+                # The plain socket's shutdown, also under TLS: SSLSocket.shutdown would first try the TLS close.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        return True
 
     def _refuse(self, conn: socket.socket, exc: BaseException) -> None:
         try:
@@ -1483,6 +1510,9 @@ class ReceiverBase(abc.ABC):
         held = [conn]
         self._local.held = held  # count() looks up whether the watchdog cut this connection
         self.arm(conn, min(self.timeout, HANDSHAKE_TIMEOUT_S))  # TLS and the key handshake, as one short frame
+        if self.keys is not None or self.tls is not None:
+            with self._mu:
+                self._unproven[id(held)] = held
         try:
             try:
                 secured = self._secure(conn, held)
@@ -1492,6 +1522,9 @@ class ReceiverBase(abc.ABC):
                 with conn:
                     finish_with_error(conn, exc)
                 return
+            finally:
+                with self._mu:
+                    self._unproven.pop(id(held), None)
             if secured is None:
                 return
             conn = secured

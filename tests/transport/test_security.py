@@ -319,12 +319,18 @@ def test_a_receivers_trickled_handshake_answer_holds_a_keyed_sender_one_timeout_
 
 
 def test_a_keyed_sender_reports_a_refusal_sent_before_the_handshake(tmp_path: Path) -> None:
-    """Found by a review: a receiver at max_connections answers ER at once; a keyed sender read it as its challenge."""
+    """Found by a review: a receiver at max_connections answers ER at once; a keyed sender read it as its challenge.
+
+    The slot is held by an authenticated connection: one still in its handshakes would give it up.
+    """
+    from hurray_vllm.transport.security import authenticate
+
     ns, key, chunk = _chunk()
     with transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), keys=KEYS,
                                 max_connections=1).start() as r:  # fmt: skip
-        with socket.create_connection(("127.0.0.1", r.address[1])):  # the one slot
-            assert wait_for(lambda: len(r._conns) == 1)
+        with socket.create_connection(("127.0.0.1", r.address[1])) as held:  # the one slot
+            authenticate(held, KEYS, timeout=10)
+            assert wait_for(lambda: len(r._conns) == 1 and not r._unproven)
             with pytest.raises(hv.HurrayFormatError, match=r"receiver\.connections: more than 1 connections"):
                 transport.send_chunks(f"tcp://127.0.0.1:{r.address[1]}", [(ns, key, chunk)], keys=KEYS, timeout=5)
 
@@ -536,6 +542,34 @@ def test_a_failed_second_authentication_is_answered_and_counted(tmp_path: Path) 
             s.sendall(bytes(32))  # not the answer
             assert recv_exact(s, 2) == b"ER" and read_message(s).startswith("receiver.auth:")
         assert r.refused == 1 and "authentication failed" in (r.last_error or "")
+
+
+@pytest.mark.parametrize("channel", transport.CHANNELS)
+def test_peers_without_the_key_cannot_hold_every_slot_of_a_keyed_receiver(channel: str, tmp_path: Path) -> None:
+    """Found by a review: silent connections, each cut at the handshake deadline and reopened, kept a keyed
+    receiver full (60 keyed pushes refused in 30 s). A full receiver now gives the oldest connection still in its
+    handshakes up to a newcomer."""
+    from conftest import require
+
+    if channel == "nixl":
+        require("nixl_cu12")
+    with transport.receiver_for(channel, "127.0.0.1", 0, DirectoryStore(tmp_path), keys=KEYS, timeout=60.0,
+                                max_connections=2).start() as r:  # fmt: skip
+        silent = [socket.create_connection(("127.0.0.1", r.address[1]), timeout=30) for _ in range(2)]
+        try:
+            assert wait_for(lambda: len(r._conns) == 2, 10)  # both slots held, neither has said a word
+            ns, key, chunk = _chunk()
+            start = time.monotonic()
+            transport.send_chunks(f"{channel}://127.0.0.1:{r.address[1]}", [(ns, key, chunk)], keys=KEYS, timeout=10)
+            assert r.received == 1 and time.monotonic() - start < 5  # not after the handshake deadline (10 s)
+            try:
+                cut = silent[0].recv(2) in (b"", b"ER")  # the oldest silent one gave its slot up
+            except OSError:
+                cut = True
+            assert cut
+        finally:
+            for s in silent:
+                s.close()
 
 
 def test_a_silent_connection_to_a_keyed_receiver_is_cut_at_the_handshake_deadline(
