@@ -469,7 +469,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         )
     else:
         moved = f"{len(result.source_tokens)} tokens on {args.source}, {len(result.destination_tokens)} on "
-        print(f"{moved}{args.destination} ({result.destination_cached_tokens} prompt tokens loaded, not recomputed)")
+        cached = result.destination_cached_tokens
+        loaded = (
+            f"{cached} prompt tokens loaded, not recomputed"
+            if cached is not None  # vLLM reports it only when started with --enable-prompt-tokens-details
+            else "prompt tokens loaded: not reported; start the destination with --enable-prompt-tokens-details"
+        )
+        print(f"{moved}{args.destination} ({loaded})")
         print(" ".join(map(str, result.tokens)))
     return 0
 

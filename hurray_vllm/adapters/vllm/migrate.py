@@ -29,7 +29,8 @@ import http.client
 import json
 import numbers
 import os
-import time
+import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -235,7 +236,89 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+class _Watchdog:
+    """One deadline for a whole call: at it, the call's connection is shut down, ending whatever read waits.
+
+    urlopen's ``timeout`` bounds each socket read only: a server sending its status line, headers or body a
+    byte per read would hold the call for as long as it liked. A shutdown (not a close: the reading thread
+    owns the socket) makes a blocked read return at once; :func:`_call` then says the call timed out. The
+    socket is taken once connected (:meth:`attach`): connecting, and a TLS handshake, keep urlopen's bound.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.fired = False
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(timeout, self._fire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def attach(self, sock: socket.socket | None) -> None:
+        """Watch ``sock``, the call's connected socket; shut it at once if the deadline has passed."""
+        with self._lock:
+            self._sock = sock
+            if self.fired:
+                _shut(sock)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.fired = True
+            _shut(self._sock)
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """Shut ``sock`` down both ways, if it is still open (the call may just have closed it)."""
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _watched(http_class: Any, watch: _Watchdog) -> Any:
+    """``http_class`` (an ``http.client`` connection class) whose connections hand their socket to ``watch``."""
+
+    def connection(*args: Any, **kwargs: Any) -> Any:
+        conn = http_class(*args, **kwargs)
+        connect = conn.connect
+
+        def connect_and_attach() -> None:  # sock: TLS-wrapped for https, the socket every later read goes through
+            connect()
+            watch.attach(conn.sock)
+
+        conn.connect = connect_and_attach
+        return conn
+
+    return connection
+
+
+class _WatchedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, watch: _Watchdog) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def do_open(self, http_class: Any, req: urllib.request.Request, **kwargs: Any) -> Any:
+        return super().do_open(_watched(http_class, self.watch), req, **kwargs)
+
+
+class _WatchedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, watch: _Watchdog) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def do_open(self, http_class: Any, req: urllib.request.Request, **kwargs: Any) -> Any:
+        return super().do_open(_watched(http_class, self.watch), req, **kwargs)
+
+
+def _opener(watch: _Watchdog) -> urllib.request.OpenerDirector:
+    """The opener of a call: it follows no redirect, and ``watch`` shuts its connections down at the deadline."""
+    return urllib.request.build_opener(_NoRedirect, _WatchedHTTP(watch), _WatchedHTTPS(watch))
 
 
 def _redirected(exc: urllib.error.HTTPError, url: str) -> OSError:
@@ -260,46 +343,53 @@ def _call(req: urllib.request.Request | str, timeout: float) -> Any:
             server).
     """
     url = req if isinstance(req, str) else req.full_url
-    # urlopen's timeout bounds each socket read only: a server sending a byte per read would hold the call for
-    # as long as it liked. One deadline for the whole call, checked between reads of at most one piece each
-    # (read1: one socket read, where read(n) waits for all n bytes): a body ends the call at most one socket
-    # read past the deadline. (The status line and headers, a few KiB at most, have urlopen's bound only.)
-    deadline = time.monotonic() + timeout
-    try:
-        with _OPENER.open(req, timeout=timeout) as r:
-            body = bytearray()
-            while piece := r.read1(_PIECE):
-                body += piece
-                if len(body) > _MAX_ANSWER_BYTES:
-                    big = f"{url}: an answer over {_MAX_ANSWER_BYTES} bytes, not an OpenAI-compatible server's answer"
-                    raise HurrayFormatError("answer", big)
-                if time.monotonic() > deadline:
-                    raise TimeoutError  # said as every other timeout is, below
-            if r.length:  # read1, unlike read, ends quietly at a connection closed short of Content-Length
-                raise http.client.IncompleteRead(bytes(body), r.length)
-            return json.loads(body)
-    except HurrayFormatError:  # the size cap's own message (a ValueError, which the last clause would rename)
-        raise
-    except urllib.error.HTTPError as exc:
-        if 300 <= exc.code < 400:
-            raise _redirected(exc, url) from None
-        said = f"HTTP {exc.code} {exc.reason}{_server_message(exc)}"
-        if exc.code in (401, 403):  # vLLM's --api-key: say what to do, not only the status
-            raise OSError(errno.EACCES, f"{said}; {_key_advice(req)}", url) from None
-        raise OSError(errno.EPROTO, said, url) from None
-    except urllib.error.URLError as exc:
-        why = exc.reason
-        if isinstance(why, TimeoutError):  # connecting took too long
-            raise _timed_out(why, timeout, url) from None
-        raise OSError(getattr(why, "errno", None), getattr(why, "strerror", None) or str(why), url) from None
-    except http.client.HTTPException as exc:  # not HTTP at all (a receiver's port), or an answer cut short
-        raise OSError(errno.EPROTO, f"not an HTTP answer ({type(exc).__name__}: {exc})", url) from None
-    except TimeoutError as exc:  # the status line, or a read of the body, or the whole call past the deadline
-        raise _timed_out(exc, timeout, url) from None
-    except OSError as exc:  # a reset mid-answer
-        raise OSError(exc.errno, exc.strerror or str(exc) or type(exc).__name__, url) from None
-    except ValueError as exc:  # not JSON, not UTF-8, or not a URL at all
-        raise HurrayFormatError("answer", f"{url}: not an OpenAI-compatible server's answer ({exc})") from None
+    # One deadline for the whole call, status line, headers and body (an error's too, read by _server_message
+    # while the watchdog runs): at it the watchdog shuts the connection down, and a read then ends at once.
+    with _Watchdog(timeout) as watch:
+        try:
+            try:
+                with _opener(watch).open(req, timeout=timeout) as r:
+                    body = bytearray()
+                    while piece := r.read1(_PIECE):  # read1: one socket read, where read(n) waits for all n bytes
+                        body += piece
+                        if len(body) > _MAX_ANSWER_BYTES:
+                            big = f"{url}: an answer over {_MAX_ANSWER_BYTES} bytes"
+                            big += ", not an OpenAI-compatible server's answer"
+                            raise HurrayFormatError("answer", big)
+                    if watch.fired:  # the shutdown ended the body, not the server
+                        raise TimeoutError
+                    if r.length:  # read1, unlike read, ends quietly at a connection closed short of Content-Length
+                        raise http.client.IncompleteRead(bytes(body), r.length)
+                    return json.loads(body)
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                # After the shutdown a read fails, or ends short (headers cut off, a body that is not JSON): the
+                # deadline, not the server, did that. An HTTP error stays one: its status came in time.
+                if watch.fired and not isinstance(exc, (urllib.error.HTTPError, HurrayFormatError)):
+                    raise TimeoutError from None
+                raise
+        except HurrayFormatError:  # the size cap's own message (a ValueError, which the last clause would rename)
+            raise
+        except urllib.error.HTTPError as exc:
+            if 300 <= exc.code < 400:
+                raise _redirected(exc, url) from None
+            said = f"HTTP {exc.code} {exc.reason}{_server_message(exc)}"
+            if exc.code in (401, 403):  # vLLM's --api-key: say what to do, not only the status
+                raise OSError(errno.EACCES, f"{said}; {_key_advice(req)}", url) from None
+            raise OSError(errno.EPROTO, said, url) from None
+        except urllib.error.URLError as exc:
+            why = exc.reason
+            if isinstance(why, TimeoutError):  # connecting took too long
+                raise _timed_out(why, timeout, url) from None
+            raise OSError(getattr(why, "errno", None), getattr(why, "strerror", None) or str(why), url) from None
+        except http.client.HTTPException as exc:  # not HTTP at all (a receiver's port), or an answer cut short
+            raise OSError(errno.EPROTO, f"not an HTTP answer ({type(exc).__name__}: {exc})", url) from None
+        except TimeoutError as exc:  # a socket read, or the whole call, past the timeout
+            raise _timed_out(exc, timeout, url) from None
+        except OSError as exc:  # a reset mid-answer
+            raise OSError(exc.errno, exc.strerror or str(exc) or type(exc).__name__, url) from None
+        except (ValueError, RecursionError) as exc:  # not JSON (or nested past Python's stack), not UTF-8, no URL
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise HurrayFormatError("answer", f"{url}: not an OpenAI-compatible server's answer ({why})") from None
 
 
 def _timed_out(exc: TimeoutError, timeout: float, url: str) -> OSError:
@@ -325,7 +415,9 @@ def _server_message(exc: urllib.error.HTTPError) -> str:
     try:
         doc = json.loads(exc.read(4096))
         message = doc.get("message") or (doc.get("error") or {}).get("message")
-    except (ValueError, AttributeError, OSError):
+    # HTTPException: a body cut short (a chunked one raises IncompleteRead); RecursionError: JSON nested past
+    # Python's stack. Either way the status alone is said.
+    except (ValueError, AttributeError, OSError, http.client.HTTPException, RecursionError):
         return ""
     return f": {message}" if isinstance(message, str) and message else ""
 

@@ -148,6 +148,24 @@ def test_the_command_passes_its_backend_api_key_to_migrate(
     assert helps["migrate"].replace("both servers", "every backend") == helps["router"]
 
 
+@pytest.mark.parametrize("cached", [None, 128])
+def test_the_command_says_when_the_destination_does_not_report_loaded_tokens(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cached: int | None
+) -> None:
+    """vLLM reports cached tokens only with --enable-prompt-tokens-details: "None prompt tokens loaded" was said."""
+    from hurray_vllm.app.cli import main
+
+    monkeypatch.setattr(mig, "migrate", lambda *args, **kwargs: mig.MigrationResult([1], [2], cached))
+    base = ["migrate", "--from", GOOD, "--to", OTHER, "--prompt-ids", "1", "--after", "1", "--max-tokens", "2"]
+    assert main(base) == 0
+    said = capsys.readouterr().out
+    assert "None" not in said
+    if cached is None:
+        assert "prompt tokens loaded: not reported; start the destination with --enable-prompt-tokens-details" in said
+    else:
+        assert "(128 prompt tokens loaded, not recomputed)" in said
+
+
 # The prompt, the counts and the timeout are checked, and the prompt read once, before any call too. A generator
 # prompt was read empty by the destination's call (a continuation of the generated tokens alone, said nowhere);
 # numpy and torch ids (what tokenizers return) failed in json.dumps; text, an empty prompt, a negative id, a float

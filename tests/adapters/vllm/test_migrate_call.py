@@ -81,6 +81,78 @@ def test_a_dripping_server_does_not_outlast_the_timeout(serve: Callable[..., str
     assert info.value.filename == f"{url}/v1/models"
 
 
+# The deadline held for a 200's body only: an error's body (read for its message, 4096 bytes) and the status line
+# and headers had urlopen's per-read bound, so a server dripping them a byte at a time held a 1 s call for 10 s.
+
+
+@pytest.mark.parametrize("drips", ["an error's body", "the headers"])
+def test_a_server_dripping_headers_or_an_error_does_not_outlast_the_timeout(
+    serve: Callable[..., str], drips: str
+) -> None:
+    stop = threading.Event()
+
+    def drip(conn: socket.socket) -> None:
+        if drips == "an error's body":
+            conn.sendall(b"HTTP/1.0 500 Internal Server Error\r\nContent-Type: application/json\r\n\r\n")
+        else:
+            conn.sendall(b"HTTP/1.0 200 OK\r\n")
+        for _ in range(20):  # 10 s of a byte (or a header line) each half second
+            if stop.is_set():
+                return
+            conn.sendall(b" " if drips == "an error's body" else b"X-A: b\r\n")
+            time.sleep(0.5)
+        conn.sendall(b"\r\n{}")
+
+    url = serve(drip)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(OSError) as info:
+            mig._call(f"{url}/v1/models", timeout=1.0)
+    finally:
+        stop.set()
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.filename == f"{url}/v1/models"
+    if drips == "an error's body":  # the status came in time: said, without the message that did not
+        assert info.value.errno == errno.EPROTO and str(info.value.strerror) == "HTTP 500 Internal Server Error"
+    else:
+        assert info.value.errno == errno.ETIMEDOUT and "no answer within 1 s" in str(info.value)
+
+
+def test_an_error_body_cut_short_is_said_as_the_status(serve: Callable[..., str]) -> None:
+    """A chunked error body cut off (the server died while sending it) raised a bare IncompleteRead, naming no URL."""
+
+    def cut(conn: socket.socket) -> None:
+        conn.sendall(
+            b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
+            b'400\r\n{"error": {"message": "engine dead'
+        )
+
+    url = serve(cut)
+    with pytest.raises(OSError) as info:
+        mig._call(f"{url}/v1/models", timeout=5.0)
+    assert info.value.errno == errno.EPROTO and info.value.filename == f"{url}/v1/models"
+    assert info.value.strerror == "HTTP 503 Service Unavailable"
+
+
+@pytest.mark.parametrize("status", [b"200 OK", b"502 Bad Gateway"])
+def test_json_nested_past_the_stack_is_not_an_internal_error(serve: Callable[..., str], status: bytes) -> None:
+    """``[[[[...``: json.loads raised RecursionError, which escaped as an internal error (the command's exit 3)."""
+    deep = b"[" * 5000
+
+    def nested(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.0 %s\r\nContent-Length: %d\r\n\r\n%s" % (status, len(deep), deep))
+
+    url = serve(nested)
+    if status == b"200 OK":
+        with pytest.raises(HurrayFormatError, match="not an OpenAI-compatible server's answer") as info:
+            mig._call(f"{url}/v1/models", timeout=5.0)
+        assert info.value.field == "answer"
+    else:  # an error's body: no message, the status said alone
+        with pytest.raises(OSError) as err:
+            mig._call(f"{url}/v1/models", timeout=5.0)
+        assert err.value.errno == errno.EPROTO and err.value.strerror == "HTTP 502 Bad Gateway"
+
+
 def test_an_oversized_answer_is_refused(serve: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mig, "_MAX_ANSWER_BYTES", 100_000)  # the cap's logic, without 64 MiB of traffic
 
