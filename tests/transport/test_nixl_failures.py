@@ -788,6 +788,46 @@ def test_a_push_waiting_for_another_on_a_shared_sender_posts_nothing_past_its_de
     sender.close()
 
 
+def test_a_push_waiting_for_the_shared_sender_opens_its_side_channel_only_when_it_may_offer(
+    monkeypatch: pytest.MonkeyPatch, fake_receiver: tuple[NixlReceiver, FakeAgent]
+) -> None:
+    """Found by a review: B connected, then waited silently for the sender's lock while A's transfer ran, and the
+    receiver cut B's side channel at its first-frame bound: a push to a healthy receiver failed because another
+    engine's transfer was slow. B now connects under the lock its first offer takes."""
+    from hurray_vllm.transport import base
+
+    r, ragent = fake_receiver
+    monkeypatch.setattr(base, "HANDSHAKE_TIMEOUT_S", 0.5)  # the receiver's first-frame bound, scaled from 10 s
+    delays = {"A": 1.5}  # A's WRITEs outlast B's bound
+    posts: list[tuple[str, float]] = []
+    monkeypatch.setattr(tn_sender, "make_agent", lambda role, *args: CopyingAgent(role, ragent, delays, posts))
+    monkeypatch.setattr(tn_sender, "_DRAIN_S", 0.01)
+    sender = NixlSender(lanes=1)
+    url = f"nixl://127.0.0.1:{r.address[1]}"
+    ns, key, chunk = example_chunk()
+    results: dict[str, str] = {}
+
+    def push(name: str) -> None:
+        try:
+            sender.send(url, [(ns, name * 8 + key[16:], chunk)], timeout=10.0, owner=threading.current_thread())
+            results[name] = "ok"
+        except Exception as exc:
+            results[name] = repr(exc)
+
+    a = threading.Thread(target=push, args=("aa",), name="A")
+    a.start()
+    end = time.monotonic() + 5
+    while not posts and time.monotonic() < end:  # A's transfer is under way
+        time.sleep(0.01)
+    b = threading.Thread(target=push, args=("bb",), name="B")
+    b.start()
+    a.join(15)
+    b.join(15)
+    assert results == {"aa": "ok", "bb": "ok"}
+    assert r.refused == 0
+    sender.close()
+
+
 # ── the receiver's arena, its stop, and its construction ──
 
 

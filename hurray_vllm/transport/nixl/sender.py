@@ -382,19 +382,35 @@ class NixlSender(ChunkSender):
         side channel first runs the key handshake (:mod:`..security`): the
         receiver must prove it holds the fleet key before anything is
         offered to it, and this sender then proves it too. The first chunk
-        is made before the side channel is opened: the receiver gives a new
-        connection :data:`~..base.HANDSHAKE_TIMEOUT_S` for its first offer.
+        is made before the side channel is opened, and the channel is opened
+        under the sender's lock, which its first offer takes: the receiver
+        gives a new connection :data:`~..base.HANDSHAKE_TIMEOUT_S` for its
+        first offer, and another push on this shared sender may hold the lock
+        for a whole chunk.
         ``owner``: who makes the call; ``abort(owner)`` cuts only such calls
         (this sender is one per process, shared by every engine in it).
         """
         out = []
         with self._calling(owner) as (_, aborted):
             first, rest = first_of(chunks)
-            with self.tracked(url, timeout=timeout, keys=keys, owner=owner) as sock:  # abort() cuts it
-                if aborted():  # aborted while the first chunk was made: before any socket it could shut
-                    raise SendAborted(f"the {self.scheme} call to {url} was aborted")
-                for ns, key, snap in itertools.chain(first, rest):
-                    out.append(self._send_one(sock, ns, key, snap, timeout))
+            # Connected under the lock the first offer takes (an RLock: _send_one takes it again): opened while
+            # another push on this shared sender held it, the side channel would stay silent past the receiver's
+            # first-frame bound (HANDSHAKE_TIMEOUT_S) and be cut, failing a push to a healthy receiver. Later
+            # chunks wait for the lock between frames, where the idle timeout applies.
+            self._lock.acquire()
+            locked = True
+            try:
+                with self.tracked(url, timeout=timeout, keys=keys, owner=owner) as sock:  # abort() cuts it
+                    if aborted():  # aborted while the first chunk was made: before any socket it could shut
+                        raise SendAborted(f"the {self.scheme} call to {url} was aborted")
+                    for ns, key, snap in itertools.chain(first, rest):
+                        out.append(self._send_one(sock, ns, key, snap, timeout))
+                        if locked:
+                            locked = False
+                            self._lock.release()
+            finally:
+                if locked:
+                    self._lock.release()
         return out
 
     def connect(
