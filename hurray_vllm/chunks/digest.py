@@ -63,8 +63,11 @@ def check_named_heads(snap: KVSnapshot, heads: range | None) -> None:
         HurrayFormatError: (field ``snapshot.heads``) as :func:`check_heads`, or a slice name of every head.
     """
     if heads is not None and heads.start == 0:
-        total = snap.fingerprint.num_kv_heads if snap.fingerprint is not None and not snap.is_latent else None
-        if heads.stop in (total, snap.head_range.total):
+        # The model's count where known: a file without a heads member says only its own pools' count, and
+        # "h0-1" of a 2-head model is a wrong slice (check_heads and the geometry checks say so), not this.
+        model = snap.fingerprint is not None and not snap.is_latent
+        total = snap.fingerprint.num_kv_heads if model and snap.fingerprint is not None else snap.head_range.total
+        if heads.stop == total:
             raise HurrayFormatError(
                 "snapshot.heads",
                 f"named as a slice of every head ({heads.start}..{heads.stop}), a name no lookup reads: "
