@@ -248,9 +248,13 @@ def check_reserve(reserve: int) -> None:
     """Refuse a ``reserve`` (tokens of room per sequence) no int32 index could address.
 
     Raises:
-        HurrayArgumentError: with ``field="reserve"``: negative, or more than
+        HurrayArgumentError: with ``field="reserve"``: not an integer (a
+            float, a string, ``None``, a bool), negative, or more than
             :data:`INT32_MAX` tokens (the caller's option, not the data).
     """
+    # A float padded by what it rounds up to (1.5 added a page, 0.5 none), a string failed with a bare TypeError.
+    # Not ImportArgumentError: a reserve never was a format error (test_an_oversized_reserve_is_the_callers_error).
+    integer_arg(reserve, "reserve")
     if not 0 <= reserve <= INT32_MAX:
         raise HurrayArgumentError(
             "reserve", f"reserve must be 0..{INT32_MAX} tokens (the kernels' int32 positions), got {reserve}"

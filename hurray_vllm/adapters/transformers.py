@@ -42,6 +42,7 @@ import torch
 
 from ..agreement import DEFAULT_ULPS, Agreement, greedy_agreement
 from ..errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, integer_arg, plain_int
+from ..kv import repage
 from ..kv.paged import BlockPagedTensor, zero_slots_
 from ..kv.repage import check_budget, check_memory
 from ..kv.snapshot import TARGET_LAYERS, KVSnapshot, LatentSplit, ModelFingerprint, SnapshotSource
@@ -1610,6 +1611,8 @@ def _token_lists(
             rows with ``W - n`` sampled tokens would fit it as well.
         HurrayFormatError: (field ``token_ids``) a tensor that is not
             ``[batch, tokens]``, or fewer ids than tokens with KV.
+        ImportArgumentError: (field ``token_ids``) an id that is not an
+            integer (a float, a string, a bool).
     """
     batch = len(positions)
     if isinstance(token_ids, torch.Tensor):
@@ -1640,7 +1643,16 @@ def _token_lists(
         n = int(positions[b].numel())
         if len(row) < n:
             raise HurrayFormatError("token_ids", f"sequence {b} has {n} tokens of KV but {len(row)} token ids")
-        out.append(tuple(int(t) for t in row))
+        row_ids = []
+        for t in row:
+            try:
+                # int() took 1.5 as 1 and "5" or True as ids: the chunks were keyed by another prefix.
+                row_ids.append(plain_int(t))
+            except TypeError:
+                raise ImportArgumentError(
+                    "token_ids", f"sequence {b} holds {t!r}, not an integer token id; pass ints or an integer tensor"
+                ) from None
+        out.append(tuple(row_ids))
     return out
 
 
@@ -1711,11 +1723,16 @@ def from_transformers(
         HurrayArgumentError: (field ``token_ids``) a ``[batch, W > T]``
             tensor where every sequence has the same padding: padded input
             and sampled columns cannot be told from unpadded rows (pass
-            per-sequence lists); a ``page_size`` that is not an integer
-            ``>= 1``, a ``dtype`` that is not a torch dtype or cannot store
+            per-sequence lists) or a token id that is not an integer (a
+            float, a string, a bool); a ``page_size`` that is not an integer
+            ``>= 1``, or that pads the batch's tokens into more than
+            :data:`~hurray_vllm.kv.repage.MAX_IMPORT_SLOTS` slots or more
+            memory than the device has, a ``dtype`` that is not a torch dtype or cannot store
             the cache, ``seq_lens`` or ``attention_mask`` that do not fit the
             batch (or both), ``request_ids`` of another count (each field
             named after its argument).
+        OSError: ``ENOMEM``, the cache's tokens alone need more memory than
+            the device has (:func:`~hurray_vllm.kv.repage.check_memory`).
     """
     page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     if dtype is not None and not isinstance(dtype, torch.dtype):  # a name ("float16"): no is_floating_point
@@ -1774,8 +1791,9 @@ def from_transformers(
             table.append(phys)
         seq_ptr.append(len(table))
 
-    # One gather index for every layer: slot (page p, offset o) <- (src_seq[p], positions[...][start + o]).
     num_pages = len(src_seq)
+    _check_page_budget(layers, storage, num_pages, page_size, sum(lens))
+    # One gather index for every layer: slot (page p, offset o) <- (src_seq[p], positions[...][start + o]).
     flat_b = torch.zeros(num_pages * page_size, dtype=torch.int64)
     flat_t = torch.zeros(num_pages * page_size, dtype=torch.int64)
     valid = torch.zeros(num_pages, dtype=torch.int64)
@@ -1816,6 +1834,46 @@ def from_transformers(
     )
     raise_if(snap.validate(), "from_transformers")
     return snap
+
+
+def _check_page_budget(
+    layers: list[tuple[torch.Tensor, ...]], storage: torch.dtype, num_pages: int, page_size: int, tokens: int
+) -> None:
+    """Refuse pages that would pad ``tokens`` into more slots, or bytes, than an import may allocate, before any is.
+
+    As :func:`~hurray_vllm.kv.repage.plan_repage` does: over a limit only because of the page size asked for
+    (five tokens in pages of ``2**40``) is the caller's ``page_size``; over it whatever the page size is the
+    cache's own size.
+
+    Raises:
+        ImportArgumentError: (field ``page_size``) the padding alone goes over
+            :data:`~hurray_vllm.kv.repage.MAX_IMPORT_SLOTS` or the memory of a device.
+        HurrayFormatError: the tokens alone go over ``MAX_IMPORT_SLOTS``.
+        OSError: ``ENOMEM``, the tokens alone go over a device's memory
+            (:func:`~hurray_vllm.kv.repage.check_memory`).
+    """
+    slots = num_pages * page_size
+    if slots > repage.MAX_IMPORT_SLOTS and tokens <= repage.MAX_IMPORT_SLOTS:
+        raise ImportArgumentError(
+            "page_size",
+            f"pages of {page_size} pad these {tokens} tokens into {slots} slots, over "
+            f"hurray_vllm.kv.repage.MAX_IMPORT_SLOTS = {repage.MAX_IMPORT_SLOTS}; use a smaller page size",
+        )
+    check_budget(slots, "paging the cache")
+    # Each device holds the pools of its layers at once (and the host the two int64 gather indices).
+    per_slot: dict[torch.device, int] = {torch.device("cpu"): 16}
+    for members in layers:
+        for t in members:
+            per_slot[t.device] = per_slot.get(t.device, 0) + int(t.shape[1]) * int(t.shape[3]) * storage.itemsize
+    for device, size in per_slot.items():
+        what = f"paging the cache into pages of {page_size}"
+        try:
+            check_memory(slots * size, what, device)
+        except OSError:
+            check_memory(tokens * size, what, device)  # too large for this machine whatever the page size
+            raise ImportArgumentError(
+                "page_size", f"{what} would allocate {slots * size / 2**30:.1f} GiB on {device}; use a smaller one"
+            ) from None
 
 
 def _same_page(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import HurrayArgumentError, HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError, integer_arg
 from .digest import MAC_KEY
 from .keys import CHUNK_NAME, PARENT_KEY, is_chunk_name, is_namespace_name, split_slice_key
 from .signing import FleetKeys, parse_mac
@@ -159,9 +159,14 @@ def prune(
     cannot be read or deleted (permissions, I/O errors), and a symbolic link
     at a namespace's or a chunk's name (never followed), is listed in
     ``report.skipped``, left in place, and the rest is pruned.
+
+    Raises:
+        HurrayArgumentError: ``max_bytes`` that is not an integer ``>= 0``
+            (a float, nan included, a string, a bool), or ``stale_temp_s``
+            under :data:`MIN_STALE_TEMP_S`.
     """
-    if max_bytes < 0:
-        raise HurrayArgumentError("max_bytes", f"must be >= 0, got {max_bytes}")
+    # nan compared false with every total and deleted nothing; a string failed with a bare TypeError.
+    max_bytes = integer_arg(max_bytes, "max_bytes", 0)
     if not stale_temp_s >= MIN_STALE_TEMP_S:
         raise HurrayArgumentError(
             "stale_temp_s",

@@ -32,7 +32,7 @@ from typing import Any
 from ..chunks.signing import FleetKeys
 from ..chunks.store import ChunkStore
 from ..errors import HurrayArgumentError, HurrayFormatError
-from .base import DEFAULT_TIMEOUT_S, Chunk, ChunkSender, ReceiverBase, parse_address
+from .base import DEFAULT_TIMEOUT_S, Chunk, ChunkSender, ReceiverBase, check_timeout, parse_address
 
 __all__ = [
     "CHANNELS",
@@ -139,7 +139,9 @@ def send_chunks(
         HurrayFormatError: the receiver refused a chunk or the sender, or ``url`` is malformed.
         OSError: the receiver cannot be reached, or a transfer failed or timed out
             (``ssl.SSLError``: its certificate is not trusted).
+        HurrayArgumentError: (field ``timeout``) not positive seconds below :data:`~.base.MAX_TIMEOUT_S`.
     """
+    timeout = check_timeout(timeout)  # before a NIXL sender's agents start
     sender_for(url, tls=tls).send(url, chunks, timeout=timeout, keys=keys)
 
 
@@ -151,7 +153,8 @@ def receiver_for(channel: str, host: str, port: int, store: ChunkStore, **option
     ``max_arena_bytes`` and ``backend_params``).
 
     Raises:
-        HurrayArgumentError: an unknown channel name.
+        HurrayArgumentError: an unknown channel name, a ``port`` outside
+            0..65535, an option out of range (named as the option).
         NixlUnavailableError: ``"nixl"`` without NIXL installed.
         OSError: the address cannot be bound.
     """

@@ -43,6 +43,7 @@ import errno
 import ipaddress
 import itertools
 import logging
+import numbers
 import os
 import select
 import shutil
@@ -61,7 +62,7 @@ from ..chunks.digest import check_named_heads
 from ..chunks.keys import CHUNK_NAME, namespace_of
 from ..chunks.signing import FleetKeys, check_signature
 from ..chunks.store import ChunkStore, split_slice_key
-from ..errors import HurrayArgumentError, HurrayFormatError
+from ..errors import HurrayArgumentError, HurrayFormatError, integer_arg
 from ..kv.snapshot import KVSnapshot
 from .security import AUTH_MAGIC, V1_AUTH_MAGIC, answer_handshake, authenticate, refuse_v1_handshake, server_binding
 
@@ -75,6 +76,7 @@ __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
     "HANDSHAKE_TIMEOUT_S",
     "MAX_TIMEOUT_S",
+    "check_timeout",
     "host_port",
     "parse_address",
     "split_url",
@@ -110,6 +112,27 @@ HANDSHAKE_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 5.0
 #: The longest timeout a receiver takes (a socket's own limit is far above; NaN and infinity are refused).
 MAX_TIMEOUT_S = 365 * 86400.0
+
+
+def check_timeout(value: object, field: str = "timeout") -> float:
+    """``value`` as seconds a sender or receiver waits: a real number, positive, below :data:`MAX_TIMEOUT_S`.
+
+    A socket took -1 or 0 as a ``ValueError`` or a non-blocking socket (an instant ``TimeoutError``), ``nan`` as
+    a ``ValueError``, ``1e12`` as an ``OverflowError`` and a string or ``None`` as a ``TypeError``, deep inside
+    a send; a receiver compared a string with a number.
+
+    Raises:
+        HurrayArgumentError: naming ``field``: not a number (a bool, a string, ``None``), not positive, NaN, or
+            not below :data:`MAX_TIMEOUT_S`.
+    """
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or not 0 < value < MAX_TIMEOUT_S:  # type: ignore[operator]  # NaN fails it too
+        raise HurrayArgumentError(
+            field, f"must be positive and finite seconds below {MAX_TIMEOUT_S:.0f} (a year), not {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
 #: How long a receiver keeps an open connection that sends nothing between chunks.
 DEFAULT_IDLE_TIMEOUT_S = 120.0
 #: How many connections a receiver serves at once (each holds a thread and, over NIXL, buffers).
@@ -913,6 +936,14 @@ class ReceiverBase(abc.ABC):
         tls: A server TLS context (:func:`.security.server_context`): every
             connection must open with a TLS handshake (plaintext is refused).
 
+    Raises:
+        HurrayArgumentError: naming the argument: a ``port`` outside
+            0..65535, a timeout that is not
+            positive seconds below :data:`MAX_TIMEOUT_S`, a count or size that
+            is not an integer (``max_chunk_bytes`` and ``max_connections`` at
+            least 1, ``quota_bytes`` and ``min_free_bytes`` at least 0).
+        OSError: ``host:port`` cannot be bound.
+
     Example:
         >>> from hurray_vllm.chunks.store import DirectoryStore
         >>> from hurray_vllm.transport.tcp import Receiver
@@ -938,17 +969,18 @@ class ReceiverBase(abc.ABC):
         keys: FleetKeys | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        if not (0 < timeout < MAX_TIMEOUT_S and 0 < idle_timeout < MAX_TIMEOUT_S):  # NaN fails both too
-            raise HurrayArgumentError(
-                "timeout",
-                f"timeouts must be positive and finite seconds, got timeout={timeout}, idle_timeout={idle_timeout}",
-            )
-        if max_connections < 1 or max_chunk_bytes < 1 or min_free_bytes < 0 or (quota_bytes or 0) < 0:
-            raise HurrayArgumentError(
-                "limits",
-                f"limits must be positive, got max_connections={max_connections}, max_chunk_bytes="
-                f"{max_chunk_bytes}, quota_bytes={quota_bytes}, min_free_bytes={min_free_bytes}",
-            )
+        # Each limit named as the argument it is: 1.5 bytes or 2.5 connections compared as the next integer
+        # up, nan free bytes compared false with everything, and a string failed with a bare TypeError.
+        timeout = check_timeout(timeout, "timeout")
+        idle_timeout = check_timeout(idle_timeout, "idle_timeout")
+        max_chunk_bytes = integer_arg(max_chunk_bytes, "max_chunk_bytes", 1)
+        max_connections = integer_arg(max_connections, "max_connections", 1)
+        if quota_bytes is not None:
+            quota_bytes = integer_arg(quota_bytes, "quota_bytes", 0)
+        min_free_bytes = integer_arg(min_free_bytes, "min_free_bytes", 0)
+        port = integer_arg(port, "port", 0)
+        if port > 65535:  # the socket's own refusal is an OverflowError, not the OSError of a port in use
+            raise HurrayArgumentError("port", f"must be 0..65535 (0: any free port), not {port}")
         self.store = store
         self.timeout = timeout
         self.idle_timeout = idle_timeout

@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, cast
 from ..chunks.signing import FleetKeys
 from ..chunks.store import ChunkStore, digest_matches
 from ..containers.io import read_stream, write_stream
-from ..errors import HurrayArgumentError, HurrayFormatError
+from ..errors import HurrayFormatError, integer_arg
 from .base import (
     DEFAULT_TIMEOUT_S,
     FRAME_MIN_RATE,
@@ -50,6 +50,7 @@ from .base import (
     ReceiverBase,
     SendAborted,
     check_names,
+    check_timeout,
     dial,
     finish_with_error,
     first_of,
@@ -106,7 +107,9 @@ def send_chunks(
         OSError: the receiver cannot be reached or stopped answering within ``timeout`` (``TimeoutError``
             too when it took a chunk slower than that plus 8 seconds per MiB); ``ssl.SSLError`` (an
             ``OSError``) when its certificate is not trusted.
+        HurrayArgumentError: (field ``timeout``) not positive seconds below :data:`~.base.MAX_TIMEOUT_S`.
     """
+    timeout = check_timeout(timeout)  # before any chunk is made: a socket refused it deep inside, in its own words
     first, rest = first_of(chunks)
     with connect(url, timeout=timeout, keys=keys, tls=tls) as sock:
         _send_over(sock, itertools.chain(first, rest))
@@ -273,6 +276,7 @@ class TcpSender(ChunkSender):
         owner: object | None = None,
     ) -> None:
         """See :func:`send_chunks`; :meth:`abort` (for every caller, or for ``owner``) makes it fail at once."""
+        timeout = check_timeout(timeout)
         with self._calling(owner) as (_, aborted):
             first, rest = first_of(chunks)
             with self.tracked(url, timeout=timeout, keys=keys, owner=owner) as sock:
@@ -441,10 +445,8 @@ class Receiver(ReceiverBase):
         max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
         **limits: Any,
     ) -> None:
-        if max_inflight_bytes < 1:
-            raise HurrayArgumentError(
-                "max_inflight_bytes", f"max_inflight_bytes must be positive, got {max_inflight_bytes}"
-            )
+        # 1.5 compared as 2, a string failed with a bare TypeError.
+        max_inflight_bytes = integer_arg(max_inflight_bytes, "max_inflight_bytes", 1)
         super().__init__(host, port, store, **limits)
         self.max_inflight_bytes = max_inflight_bytes
         self._inflight = 0

@@ -358,6 +358,28 @@ def test_an_oversized_reserve_is_the_callers_error() -> None:
         assert err.value.field == "reserve" and not isinstance(err.value, hv.HurrayFormatError)
 
 
+@pytest.mark.parametrize("reserve", [1.5, 0.5, float("nan"), "1", None, True])
+def test_a_reserve_that_is_not_an_integer_is_refused(reserve: object) -> None:
+    """1.5 tokens of room added a page and 0.5 none; "1" and None failed with a bare TypeError."""
+    snap = make_snapshot([256, 17], [0, 0], 16, layers=1)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        plan_flash_attn(snap, page_size=256, reserve=reserve)  # type: ignore[arg-type]
+    assert err.value.field == "reserve" and not isinstance(err.value, hv.HurrayFormatError)
+
+
+@pytest.mark.parametrize("page_size", ["256", 256.0])
+def test_a_page_size_that_is_not_an_integer_is_refused(page_size: object) -> None:
+    """ "256" failed with a bare TypeError; 256.0 on a snapshot of pages of 256 went on as a float page size."""
+    for pages in (16, 256):
+        snap = make_snapshot([256, 17], [0, 0], pages, layers=1)
+        with pytest.raises(hv.ImportArgumentError) as err:
+            plan_flash_attn(snap, page_size=page_size)  # type: ignore[arg-type]
+        assert err.value.field == "page_size"
+        with pytest.raises(hv.ImportArgumentError) as err:
+            to_flash_attn(snap, 0, page_size=page_size)  # type: ignore[arg-type]
+        assert err.value.field == "page_size"
+
+
 def test_import_in_place_is_refused_with_room_reserved() -> None:
     snap = make_snapshot([40, 17], [0, 0], 48, layers=1)
     k, v = snap.keys[0].page_pool, snap.values[0].page_pool

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from strategies import snapshots
 from synthetic import make_flashinfer_snapshot as make_snapshot
 
-from hurray_vllm import HurrayArgumentError, HurrayFormatError, KVSnapshot
+from hurray_vllm import HurrayArgumentError, HurrayFormatError, ImportArgumentError, KVSnapshot
 from hurray_vllm.adapters.flashinfer import (
     FlashInferCache,
     check_flashinfer_args,
@@ -675,6 +675,20 @@ def test_to_flashinfer_all_into_preallocated_pools() -> None:
     caches = to_flashinfer_all(snap, page_size=2, out=pools)
     for cache, pool, ref in zip(caches, pools, first, strict=True):
         assert cache.k_cache is pool[0] and torch.equal(cache.k_cache, ref.k_cache)
+
+
+@pytest.mark.parametrize("page_size", ["4", 4.0, 2.5, True])
+def test_a_page_size_that_is_not_an_integer_is_refused(page_size: object) -> None:
+    """ "4" failed with a bare TypeError (comparing it with 0); 4.0 passed where the pages had that size."""
+    snap = make_snapshot([7, 3], page_size=4)
+    for call in (
+        lambda: plan_flashinfer(snap, page_size),  # type: ignore[arg-type]
+        lambda: to_flashinfer(snap, 0, page_size=page_size),  # type: ignore[arg-type]
+        lambda: to_flashinfer_all(snap, page_size=page_size),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ImportArgumentError) as exc:
+            call()
+        assert exc.value.field == "page_size"
 
 
 def test_to_flashinfer_all_rejects() -> None:

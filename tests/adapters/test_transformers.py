@@ -1375,3 +1375,40 @@ def test_a_cache_spread_over_devices_pages_each_layer_where_it_lies() -> None:
         for role in ("key", "value"):
             assert snap[i, role].page_pool.device == torch.device(d)
             assert torch.equal(snap[i, role].page_pool.cpu(), here[i, role].page_pool)
+
+
+def test_a_huge_page_size_is_refused_as_the_page_size_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five tokens in pages of 2**40 asked for 17.6 TB (a bare RuntimeError), smaller huge pages really took GBs:
+    the page size is refused against MAX_IMPORT_SLOTS and the device's memory, as repaging refuses it."""
+    import hurray_vllm.kv.repage as rp
+
+    k = torch.randn(2, 2, 5, 8)
+    ids = [[1] * 5, [2] * 5]
+    with pytest.raises(hv.ImportArgumentError, match="MAX_IMPORT_SLOTS") as err:
+        tfa.from_transformers([(k, k)], ids, page_size=2**40)
+    assert err.value.field == "page_size"
+    # Under the slot budget, but more bytes than the device has: still the page size when the tokens would fit.
+    monkeypatch.setattr(rp, "device_memory", lambda device: 1 << 20)
+    with pytest.raises(hv.ImportArgumentError, match="smaller") as err:
+        tfa.from_transformers([(k, k)], ids, page_size=2**16)
+    assert err.value.field == "page_size"
+    assert tfa.from_transformers([(k, k)], ids, page_size=4).seq_lens == [5, 5]
+    # Tokens that do not fit whatever the page size: the machine's limit, as check_memory says everywhere.
+    monkeypatch.setattr(rp, "device_memory", lambda device: 64)
+    with pytest.raises(OSError, match="would allocate"):
+        tfa.from_transformers([(k, k)], ids, page_size=1)
+
+
+@pytest.mark.parametrize("bad", [1.5, "5", True, "a", 2.0])
+def test_token_ids_that_are_not_integers_are_refused_naming_token_ids(bad: object) -> None:
+    """int() took 1.5 as 1 and "5" or True as token ids (the chunks were keyed by other tokens), 'a' a bare
+    ValueError."""
+    k = torch.randn(2, 2, 5, 8)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        tfa.from_transformers([(k, k)], [[1, 2, bad, 3, 4], list(range(5))])
+    assert err.value.field == "token_ids" and repr(bad) in str(err.value)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        tfa.from_transformers([(k, k)], torch.zeros(2, 5))  # a float tensor: ids cast from floats somewhere
+    assert err.value.field == "token_ids"
+    ids = [[1, 2, 3, 4, 5], list(range(5))]
+    assert tfa.from_transformers([(k, k)], torch.tensor(ids)).token_ids == tuple(map(tuple, ids))

@@ -337,3 +337,17 @@ def test_a_tensor_parallel_chunk_is_ranked_by_its_latest_used_slice(tmp_path: Pa
     report = store.prune(room)
     assert all(p.exists() for p in slices) and not store.has(NS, whole_key)
     assert (report.chunks_removed, report.chunks_kept) == (1, 2)
+
+
+@pytest.mark.parametrize("max_bytes", [float("nan"), -float("inf"), 1.5, -0.5, "x", None, True])
+def test_a_max_bytes_that_is_not_an_integer_is_refused_and_nothing_deleted(tmp_path: Path, max_bytes: Any) -> None:
+    """nan compared false with every total and deleted nothing, silently; 1.5 counted as the next byte up; a string
+    or None failed with a bare TypeError. The CLI passes an int (``--max-size 20G``)."""
+    store = DirectoryStore(tmp_path)
+    chunks = _chunks(list(range(8)))
+    _put(store, chunks, time.time() - 1000)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        prune_module.prune(store, max_bytes)
+    assert err.value.field == "max_bytes"
+    assert all(store.has(NS, k) for k, _ in chunks)
+    assert prune_module.prune(store, 0).chunks_removed == len(chunks)

@@ -110,8 +110,9 @@ def test_an_idle_connection_is_closed_after_idle_timeout(receiver: Receiver) -> 
 
 
 def test_bad_timeouts_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(hv.HurrayArgumentError, match="timeouts must be positive"):
+    with pytest.raises(hv.HurrayArgumentError, match="must be positive") as err:
         Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), idle_timeout=0)
+    assert err.value.field == "idle_timeout"  # was "timeout", which the receiver also takes
 
 
 def test_an_oversized_frame_is_refused_without_reading_it(tmp_path: Path) -> None:
@@ -379,7 +380,7 @@ def test_connections_beyond_the_limit_are_answered_and_closed(tmp_path: Path) ->
         _wait_for(lambda: not r._conns)
         send_chunks(_url(r), [(ns, key, chunk)], timeout=10)  # served again once the first is gone
         assert DirectoryStore(tmp_path).has(ns, key)
-    with pytest.raises(hv.HurrayArgumentError, match="max_connections=0"):
+    with pytest.raises(hv.HurrayArgumentError, match=r"max_connections: .* not 0"):
         Receiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_connections=0)
 
 
@@ -1367,3 +1368,60 @@ def test_max_chunk_bytes_is_the_largest_stream_accepted(tmp_path: Path, spare: i
         _wait_for(lambda: r.received + r.refused == 1)
         assert (r.received, r.refused) == ((1, 0) if spare == 0 else (0, 1))
     assert DirectoryStore(tmp_path).has(ns, key) is (spare == 0)
+
+
+@pytest.mark.parametrize(
+    ("option", "bad"),
+    [
+        ("max_chunk_bytes", 1.5),
+        ("max_chunk_bytes", "x"),
+        ("max_chunk_bytes", 0),
+        ("max_connections", 2.5),
+        ("max_connections", True),
+        ("quota_bytes", "x"),
+        ("quota_bytes", -1),
+        ("min_free_bytes", float("nan")),
+        ("min_free_bytes", -1),
+        ("max_inflight_bytes", None),
+        ("max_inflight_bytes", 1.5),
+        ("timeout", "x"),
+        ("timeout", float("inf")),
+        ("idle_timeout", -1),
+        ("idle_timeout", float("nan")),
+    ],
+)
+def test_a_receiver_limit_out_of_range_is_refused_naming_the_limit(option: str, bad: object, tmp_path: Path) -> None:
+    """1.5 bytes or 2.5 connections were taken (compared as the next integer up), nan free bytes compared false
+    with everything, strings failed with a bare TypeError; the error named "limits", and idle_timeout "timeout"."""
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        transport.receiver_for("tcp", "127.0.0.1", 0, DirectoryStore(tmp_path), **{option: bad})
+    assert err.value.field == option, err.value
+
+
+@pytest.mark.parametrize("port", [-1, 70000, 1.5, "x", None])
+def test_a_port_out_of_range_is_refused_naming_the_port(port: object, tmp_path: Path) -> None:
+    """-1 and 70000 raised the socket's OverflowError, not the documented OSError (which means: in use)."""
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        transport.receiver_for("tcp", "127.0.0.1", port, DirectoryStore(tmp_path))  # type: ignore[arg-type]
+    assert err.value.field == "port"
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 1e12, None, "x", True])
+def test_a_send_timeout_out_of_range_is_refused_before_sending(timeout: object, tmp_path: Path) -> None:
+    """A socket took these as a TimeoutError (0: non-blocking), ValueError, OverflowError or TypeError, after the
+    first chunk was made; now each entry refuses them naming the timeout, before asking for a chunk."""
+    ns, key, chunk = example_chunk()
+    made: list[int] = []
+
+    def chunks() -> Iterator[tuple[str, str, KVSnapshot]]:
+        made.append(1)
+        yield ns, key, chunk
+
+    with Receiver("127.0.0.1", 0, DirectoryStore(tmp_path)) as r:
+        for send in (send_chunks, transport.send_chunks, TcpSender().send):
+            with pytest.raises(hv.HurrayArgumentError) as err:
+                send(_url(r), chunks(), timeout=timeout)  # type: ignore[operator]
+            assert err.value.field == "timeout"
+        assert not made and not DirectoryStore(tmp_path).has(ns, key)
+        send_chunks(_url(r), chunks(), timeout=10)
+        assert DirectoryStore(tmp_path).has(ns, key)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from ...errors import HurrayArgumentError, HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, integer_arg
 from .._common import FP8_DTYPES as _FP8
 
 __all__ = ["Flavor", "FlavorLimits", "FLAVORS", "HALF_DTYPES", "flavor_limits", "check_page_size", "check_head_dim"]
@@ -74,7 +74,14 @@ def flavor_limits(flavor: str) -> FlavorLimits:
 
 
 def check_page_size(page: int, lim: FlavorLimits, field: str) -> None:
-    """Refuse a page size the build's kernel does not take (``field`` names the argument)."""
+    """Refuse a page size the build's kernel does not take (``field`` names the argument).
+
+    Raises:
+        ImportArgumentError: ``page`` is not an integer (``"256"`` failed with a bare ``TypeError``; ``256.0``
+            passed here and went on as a float page size where the snapshot's pages had that size).
+        HurrayArgumentError: a size the kernel refuses.
+    """
+    integer_arg(page, field, error=ImportArgumentError)
     if page <= 0 or page % lim.page_multiple:
         raise HurrayArgumentError(
             field,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError
+from ...errors import HurrayArgumentError, HurrayFormatError, ImportArgumentError, integer_arg
 from ...kv.paged import BlockPagedTensor
 from ...kv.repage import (
     RepagePlan,
@@ -49,12 +49,13 @@ def plan_flashinfer(snapshot: KVSnapshot, page_size: int) -> RepagePlan | None:
     plan is computed once per batch (:func:`to_flashinfer_all` does).
 
     Raises:
-        ImportArgumentError: ``page_size`` is not positive.
+        ImportArgumentError: ``page_size`` is not an integer ``>= 1``.
         HurrayFormatError: the snapshot's data: no layers or ``seq_lens``,
             MLA latents, dropped sliding-window pages or linear-attention
             states, an inconsistent block structure (page ids outside the
             pool included).
     """
+    page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     snapshot.require_kv("FlashInfer's paged K/V cache")
     check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     if not snapshot.keys:
@@ -105,7 +106,8 @@ def to_flashinfer_all(
         from one :func:`plan_flashinfer` plan.
 
     Raises:
-        HurrayArgumentError: ``kv_layout`` or ``page_size`` out of range,
+        HurrayArgumentError: ``kv_layout`` out of range, a ``page_size`` not
+            an integer ``>= 1`` (an :class:`ImportArgumentError`),
             the ``out`` errors of :func:`to_flashinfer`, and ``out[i]``
             sharing memory with another layer's cache (``out=[(k, v)] *
             num_layers``: every layer would overwrite the one before).
@@ -127,8 +129,8 @@ def to_flashinfer_all(
     check_one_structure(snapshot, "FlashInfer's paged K/V cache")
     if not snapshot.keys:
         raise HurrayFormatError("snapshot.layers", "the snapshot has no layers")
-    if page_size is not None and page_size <= 0:
-        raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+    if page_size is not None:  # "16" failed with a bare TypeError
+        page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     plan = plan_flashinfer(snapshot, page_size) if page_size is not None else None
     # Every layer (its pools, lengths, scales, dtype= and cache) is checked before the first is imported:
     # a layer refused late would leave the out= caches of the layers before it half written.
@@ -224,7 +226,8 @@ def to_flashinfer(
         made contiguous, as FlashInfer needs.
 
     Raises:
-        HurrayArgumentError: ``kv_layout`` or ``page_size`` is out of range;
+        HurrayArgumentError: ``kv_layout`` is out of range, ``page_size`` is
+            not an integer ``>= 1`` (an :class:`ImportArgumentError`);
             ``out`` whose caches share memory with each other or with the
             snapshot's pools, differ in strides, or lack a contiguous
             head_dim.
@@ -291,9 +294,9 @@ def _import_layer(
     k, v = snapshot.keys[layer], snapshot.values[layer]
     lens, scales = source
 
+    if page_size is not None:  # "16" failed with a bare TypeError, 16.0 passed where the pages had that size
+        page_size = integer_arg(page_size, "page_size", 1, ImportArgumentError)
     if plan is None and page_size is not None and page_size != k.page_size:
-        if page_size <= 0:
-            raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
         plan = plan_repage(k.block_table, k.seq_ptr, lens, k.page_size, page_size, k.num_pages)
     elif plan is not None:
         if page_size is not None and plan.page_size != page_size:

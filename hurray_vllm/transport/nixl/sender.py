@@ -28,6 +28,7 @@ from ..base import (
     Chunk,
     ChunkSender,
     SendAborted,
+    check_timeout,
     dial,
     first_of,
     read_answer,
@@ -389,7 +390,10 @@ class NixlSender(ChunkSender):
         for a whole chunk.
         ``owner``: who makes the call; ``abort(owner)`` cuts only such calls
         (this sender is one per process, shared by every engine in it).
+        A ``timeout`` that is not positive seconds below
+        :data:`~..base.MAX_TIMEOUT_S` raises :class:`HurrayArgumentError`.
         """
+        timeout = check_timeout(timeout)
         out = []
         with self._calling(owner) as (_, aborted):
             first, rest = first_of(chunks)
