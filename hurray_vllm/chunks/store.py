@@ -43,6 +43,7 @@ from ..containers.schema import (
 )
 from ..errors import HurrayArgumentError, HurrayFormatError
 from ..kv.snapshot import KVSnapshot
+from ..wire.rules import raise_if
 
 # Re-exported (not in __all__): in 0.1 all of the chunk store lived in this one module.
 from .digest import (  # noqa: F401
@@ -640,9 +641,13 @@ def store_snapshot(
     gets chunks no consumer can resume from, which is logged.
 
     Raises:
-        HurrayFormatError: as :func:`chunks_of` (no fingerprint: ``snapshot.fingerprint``; no token ids:
-            ``snapshot.token_ids``).
+        HurrayFormatError: a snapshot :func:`~hurray_vllm.load` would refuse (the first violation's field names
+            it; :meth:`KVSnapshot.validate` lists them all): nothing is stored. Or as :func:`chunks_of` (no
+            fingerprint: ``snapshot.fingerprint``; no token ids: ``snapshot.token_ids``).
     """
+    # What a reader refuses is not stored: a chunk every engine refuses (fsck: damaged) is worse than an error
+    # naming the field now. Here, not in put(): the connector's hot path puts chunks of a validated export.
+    raise_if(snap.validate(), "snapshot")
     written = 0
     resumable = 0
     for key, chunk in chunks_of(snap, chunk_tokens, tails=tails):

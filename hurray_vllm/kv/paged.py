@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..errors import HurrayFormatError, ImportArgumentError, Violation
+from ..errors import HurrayFormatError, ImportArgumentError, Violation, integer_arg, plain_int
 from ..wire import dtypes
 from ..wire.descriptor import (
     INDEX_TYPE_TAGS,
@@ -331,14 +331,24 @@ class BlockPagedTensor:
         return sum(b.byte_size for b in self.descriptor().buffers)
 
     def pages_of(self, seq: int) -> torch.Tensor:
-        """Physical page ids of sequence ``seq``, in logical order."""
+        """Physical page ids of sequence ``seq``, in logical order.
+
+        Raises:
+            IndexError: ``seq`` is outside the batch (``0 .. num_seqs - 1``).
+        """
         self._check_seq(seq)
         return self.block_table[int(self.seq_ptr[seq]) : int(self.seq_ptr[seq + 1])]
 
     # ── element access ─────────────────────────────────────────────────────
 
     def lookup(self, seq: int, token: int, head: int, dim: int) -> torch.Tensor:
-        """One element, by the spec's Element Lookup formula (0-d tensor)."""
+        """One element, by the spec's Element Lookup formula (0-d tensor).
+
+        Raises:
+            IndexError: ``seq`` outside the batch, or ``token``, ``head`` or ``dim`` outside the sequence.
+            HurrayFormatError: the lengths are inconsistent (:meth:`seq_len`), or a page id outside the pool
+                (field ``block_table``).
+        """
         self._check_seq(seq)
         # Without seq_lens a sequence holds its pages' tokens; every index is checked, since the flat offset
         # below would otherwise silently read another token, head or sequence.
@@ -357,6 +367,7 @@ class BlockPagedTensor:
         """Sequence ``seq`` as a contiguous ``[seq_len, num_heads, head_dim]`` tensor.
 
         Raises:
+            IndexError: ``seq`` is outside the batch (``0 .. num_seqs - 1``).
             HurrayFormatError: the lengths are unknown or inconsistent (:meth:`seq_len`), a page id
                 outside the pool (field ``block_table``), or page ids not held as int32/int64
                 (``block_table.dtype``).
@@ -375,6 +386,7 @@ class BlockPagedTensor:
         """Tokens of sequence ``seq``, at most what the pages it owns hold.
 
         Raises:
+            IndexError: ``seq`` is outside the batch (``0 .. num_seqs - 1``).
             HurrayFormatError: (field ``seq_lens``) the lengths are not known;
                 (``seq_lens.pages``) the length is negative or more than its
                 pages hold: reading it would slice from the end, or read
@@ -413,9 +425,13 @@ class BlockPagedTensor:
 
         Raises:
             IndexError: a sequence outside the batch.
+            HurrayArgumentError: (field ``seqs``) a sequence that is not an
+                integer (a bool or a float).
             HurrayFormatError: (field ``seq_lens``) the tensor carries no
                 lengths and the sub-batch's token count is not known.
         """
+        # Read once: a generator would be spent by the range check, and the sub-batch then holds nothing.
+        seqs = [integer_arg(s, "seqs") for s in seqs]
         for s in seqs:
             self._check_seq(s)
         whole = list(seqs) == list(range(self.num_seqs))
@@ -597,7 +613,11 @@ class BlockPagedTensor:
         return [pool, narrow(self.block_table), narrow(self.seq_ptr), *(b.contiguous() for b in self.quant_buffers)]
 
     def validate(self, *, permissive: bool = False) -> Checked:
-        """Every rule this tensor breaks (see :func:`hurray_vllm.containers.check`)."""
+        """Every rule this tensor breaks (see :func:`hurray_vllm.containers.check`); raises nothing.
+
+        A field the descriptor cannot be built from (``kv_role``, ``index_type``, a pool dtype with no
+        Hurray element type, a ``num_tokens`` that is not an integer) is returned as the only violation.
+        """
         if self.page_pool.dim() != 4:
             # The descriptor reads heads and head_dim from the pool's shape: nothing else can be checked.
             return Checked(
@@ -610,8 +630,20 @@ class BlockPagedTensor:
                 ),
                 permissive,
             )
+        try:
+            if self.num_tokens is not None:
+                plain_int(self.num_tokens)
+        except TypeError:
+            # shape[0] on the wire: a string or a float would fail the rules' arithmetic with a bare TypeError.
+            bad = Violation("shape.total_tokens", f"num_tokens must be an integer or None, not {self.num_tokens!r}")
+            return Checked((bad,), permissive)
+        try:
+            desc = self.descriptor()
+        except HurrayFormatError as exc:
+            # A kv_role, index type or pool dtype the wire has no tag for: reported, as every other rule is.
+            return Checked(exc.violations, permissive)
         checked = validate_descriptor(
-            self.descriptor(),
+            desc,
             block_table=self.block_table,
             seq_ptr=self.seq_ptr,
             seq_lens=self.seq_lens,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HurrayArgumentError, HurrayFormatError, Violation
+from ..errors import HurrayArgumentError, HurrayFormatError, Violation, integer_arg
 from ..wire.jsonvalues import Fields, loads_bounded
 from ..wire.rules import Checked
 from .paged import BlockPagedTensor, SharingStats, plan_compaction
@@ -568,9 +568,12 @@ class KVSnapshot:
         """A snapshot of the sequences ``seqs`` only, compacted.
 
         Raises:
-            HurrayArgumentError: (field ``seqs``) a sequence outside ``0 .. num_seqs - 1``.
+            HurrayArgumentError: (field ``seqs``) a sequence outside ``0 .. num_seqs - 1``, or one that is not
+                an integer (a bool or a float).
         """
         n = self.num_seqs
+        # Read once: a generator would be spent by the range check, and every part below then selects nothing.
+        seqs = [integer_arg(s, "seqs") for s in seqs]
         bad = next((s for s in seqs if not 0 <= s < n), None)
         if bad is not None:
             raise HurrayArgumentError("seqs", f"sequence {bad} is outside the batch's {n} (0..{n - 1})")

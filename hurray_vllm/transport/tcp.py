@@ -186,7 +186,8 @@ def _send_all(sock: socket.socket, out: BinaryIO, raw: _Paced, chunks: Iterable[
         # Encoded once into a list of pieces (descriptors, and views of the page pools: no copy), so
         # that the frame can announce the stream's length before it; then sent with one call.
         pieces = _Pieces()
-        size = write_stream(snap, cast(BinaryIO, pieces))
+        # Unchecked: the receiver validates every chunk, and validating here cost ~3.5 ms per 32-layer chunk.
+        size = write_stream(snap, cast(BinaryIO, pieces), check=False)
         head = frame_head(ns, key, size)
         try:
             try:

@@ -720,6 +720,18 @@ def validate_index_buffers(
     """Storage invariants (1)-(3) on the index buffers, and seq_lens against them."""
     bp = d.block_paged
     assert bp is not None
+    # Before any arithmetic, for small and large tables alike: a 2-D table's rows were compared as lists (a
+    # TypeError), or, over _SMALL entries, checked flattened and then written so; an empty seq_ptr has no [-1].
+    not_vectors = [(name, t) for name, t in (("block_table", block_table), ("seq_ptr", seq_ptr)) if t.dim() != 1]
+    if not_vectors:
+        out.extend(
+            Violation(f"{name}.dtype", f"{name} must be a vector (1-D) of int32 or int64, got shape {list(t.shape)}")
+            for name, t in not_vectors
+        )
+        return
+    if not seq_ptr.numel():
+        out.append(Violation("seq_ptr.first", "seq_ptr is empty: it holds num_seqs + 1 offsets ([0] for no sequence)"))
+        return
     if seq_ptr.numel() != bp.num_seqs + 1:
         return  # already reported as seq_ptr.byte_size
     if seq_lens is not None and seq_lens.dim() != 1:

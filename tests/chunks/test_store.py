@@ -991,3 +991,21 @@ def test_a_slice_of_every_head_is_stored_as_the_whole_chunk_and_never_as_a_slice
     check_heads(whole, None)
     assert snap.fingerprint is not None
     verify_chunk(whole, snap.fingerprint, whole.token_ids[0], heads=part.heads)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(kv_scales=((float("nan"), 1.0),) * 4), "snapshot.kv_scales"),  # stored, then damaged to fsck
+        (dict(kv_scales=((1.0, 1.0),)), "snapshot.kv_scales"),  # one pair for four layers: a bare IndexError
+        (dict(extra={"x": {1, 2}}), "snapshot.meta"),  # not JSON: a bare TypeError
+    ],
+)
+def test_store_snapshot_refuses_a_snapshot_load_refuses(tmp_path: Path, change: dict, field: str) -> None:
+    """store_snapshot stored chunks every engine refuses, or failed with a bare error naming nothing."""
+    store = DirectoryStore(tmp_path)
+    with pytest.raises(hv.HurrayFormatError) as err:
+        store_snapshot(store, replace(spec_example_snapshot(), **change), 4)
+    assert err.value.field.startswith(field)
+    assert not list(tmp_path.rglob("*.hrry"))
+    assert hv.chunks.fsck(store).clean

@@ -977,3 +977,30 @@ def test_a_descriptor_length_over_the_readers_limit_is_refused_before_it_is_read
         with pytest.raises(hv.HurrayFormatError) as err:
             hf.descriptor(hf.entries[0])
     assert err.value.field == "descriptor_length" and not sizes
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, "x", True])
+def test_read_stream_refuses_a_limit_that_is_not_a_byte_count(limit: object) -> None:
+    """They were reported as malformed input (HurrayFormatError, fields descriptor_length or input)."""
+    data = io.BytesIO()
+    hv.write_stream(spec_example_snapshot(), data)
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        hv.read_stream(io.BytesIO(data.getvalue()), limit=limit)  # type: ignore[arg-type]
+    assert err.value.field == "limit"
+
+
+@pytest.mark.parametrize("f", [None, io.StringIO("HRRY"), b"HRRY"])
+def test_read_stream_refuses_what_is_not_a_binary_file(f: object) -> None:
+    """read_stream(None) was a HurrayFormatError('input'): the caller's mistake, taken for a damaged stream."""
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        hv.read_stream(f)  # type: ignore[arg-type]
+    assert err.value.field == "f"
+
+
+@pytest.mark.parametrize("fmt", ["hrrs", "HRRY", "bad", ""])
+def test_save_names_the_formats_it_takes(fmt: str, tmp_path: Path) -> None:
+    """save(format='hrrs') said "raw records go to .hrry or .hrrs files, not hrrs": not the value to pass."""
+    with pytest.raises(hv.HurrayArgumentError, match="'hrry', 'stream', 'safetensors'") as err:
+        hv.save(spec_example_snapshot(), tmp_path / "x.hrrs", format=fmt)  # type: ignore[arg-type]
+    assert err.value.field == "format"
+    assert not list(tmp_path.iterdir())

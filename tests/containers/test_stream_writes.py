@@ -108,3 +108,24 @@ def test_a_sink_of_its_own_whose_write_returns_nothing_took_everything() -> None
     data = b"".join(sink.parts)
     assert n == len(data)
     assert hv.read_stream(io.BytesIO(data)).token_ids == snap.token_ids
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(kv_scales=((1.0, 1.0),)), "snapshot.kv_scales"),  # one pair for four layers: a bare IndexError
+        (dict(kv_scales=((float("nan"), 1.0),) * 4), "snapshot.kv_scales"),  # written whole, refused on read
+        (dict(token_ids=((1,), (2,))), "snapshot.token_ids"),
+        (dict(extra={"x": {1, 2}}), "snapshot.meta"),  # not JSON: a bare TypeError
+    ],
+)
+def test_a_snapshot_the_reader_refuses_is_not_written(change: dict[str, object], field: str) -> None:
+    """write_stream wrote what read_stream refuses, or failed halfway with 2454 bytes already in the caller's f."""
+    from dataclasses import replace
+
+    bad = replace(spec_example_snapshot(), **change)  # type: ignore[arg-type]
+    f = io.BytesIO()
+    with pytest.raises(hv.HurrayFormatError) as err:
+        hv.write_stream(bad, f)
+    assert err.value.field.startswith(field)
+    assert f.getvalue() == b""

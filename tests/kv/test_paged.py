@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -423,3 +424,66 @@ def test_page_ids_in_a_dtype_torch_cannot_index_with_are_refused_naming_the_fiel
         assert err.value.field == "block_table.dtype", name
     assert not narrow.validate().ok  # the same rule validate() reports
     assert torch.equal(replace(narrow, block_table=narrow.block_table.long()).to_dense(0), t.to_dense(0))
+
+
+def test_select_of_a_generator_selects_its_sequences() -> None:
+    """The range check consumed a generator, and the sub-batch then held no sequence."""
+    t = spec_example_snapshot()[0, "key"]
+    sub = t.select(s for s in [1])
+    assert sub.num_seqs == 1 and torch.equal(sub.to_dense(0), t.to_dense(1))
+    with pytest.raises(IndexError):
+        t.select(s for s in [5])
+
+
+@pytest.mark.parametrize("seq", [True, 1.0, 0.5, "0"])
+def test_select_refuses_a_sequence_that_is_not_an_integer(seq: object) -> None:
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        spec_example_snapshot()[0, "key"].select([seq])  # type: ignore[list-item]
+    assert err.value.field == "seqs"
+
+
+def _broken(name: str) -> hv.BlockPagedTensor:
+    t = spec_example_snapshot()[0, "key"]
+    return {
+        "kv_role": lambda: replace(t, kv_role="kex"),
+        "block_table_index_type": lambda: replace(t, index_type="int8"),
+        "type_tag": lambda: replace(t, page_pool=t.page_pool.bool()),
+        "block_table.dtype": lambda: replace(t, block_table=t.block_table.reshape(1, -1)),
+        "seq_ptr.dtype": lambda: replace(t, seq_ptr=t.seq_ptr.reshape(1, -1)),
+        "seq_ptr.first": lambda: replace(t, seq_ptr=torch.zeros(0, dtype=torch.int64)),
+        "shape.total_tokens": lambda: replace(t, seq_lens=None, num_tokens="5"),
+    }[name]()
+
+
+@pytest.mark.parametrize(
+    "invariant",
+    [
+        "kv_role",
+        "block_table_index_type",
+        "type_tag",
+        "block_table.dtype",
+        "seq_ptr.dtype",
+        "seq_ptr.first",
+        "shape.total_tokens",
+    ],
+)
+def test_validate_reports_what_the_descriptor_cannot_be_built_from(invariant: str, tmp_path: Path) -> None:
+    """validate raised (HurrayFormatError from descriptor(), or a bare TypeError, IndexError or ValueError)."""
+    t = _broken(invariant)
+    checked = t.validate()
+    assert not checked.ok and checked.violations[0].invariant == invariant
+    snap = spec_example_snapshot()
+    bad = replace(snap, keys=(t, *snap.keys[1:]))
+    assert invariant in {v.invariant for v in hv.validate(bad).violations}
+    with pytest.raises(hv.HurrayFormatError):  # save still refuses it, now naming the field
+        hv.save(bad, tmp_path / "bad.hrry")
+
+
+@pytest.mark.parametrize("name", ["block_table", "seq_ptr"])
+def test_a_large_two_dimensional_index_tensor_is_refused_not_saved_flattened(name: str, tmp_path: Path) -> None:
+    """Over 4096 entries a 2-D block table validated, and was saved and loaded flattened."""
+    pool = torch.zeros(5000, 1, 1, 2)
+    t = hv.BlockPagedTensor(pool, torch.arange(5000), torch.tensor([0, 3000, 5000]), torch.tensor([3000, 2000]))
+    assert t.validate().ok
+    bad = replace(t, **{name: getattr(t, name).reshape(2, -1) if name == "block_table" else t.seq_ptr.view(1, -1)})
+    assert [v.invariant for v in bad.validate().violations] == [f"{name}.dtype"]

@@ -331,3 +331,19 @@ def test_a_snapshot_made_of_other_layers_carries_no_chunk_digest_or_mac(tmp_path
 def _saved(snap: hv.KVSnapshot, path: Path) -> Path:
     hv.save(snap, path)
     return path
+
+
+def test_select_of_a_generator_selects_its_sequences() -> None:
+    """The range check consumed a generator, and the select then took no sequence: a valid 0-sequence snapshot."""
+    snap = replace(spec_example_snapshot(2), request_ids=("a", "b"))
+    sub = snap.select(s for s in [1])
+    assert sub.num_seqs == 1 and sub.request_ids == ("b",) and sub.token_ids == (snap.token_ids[1],)
+    assert sub.seq_lens == [snap.seq_lens[1]]
+
+
+@pytest.mark.parametrize("seq", [True, 1.0, 0.5, "0"])
+def test_select_refuses_a_sequence_that_is_not_an_integer(seq: Any) -> None:
+    """A bool or a float index was compared and used as one (True as sequence 1); a float then failed in torch."""
+    with pytest.raises(hv.HurrayArgumentError) as err:
+        spec_example_snapshot(2).select([seq])
+    assert err.value.field == "seqs"

@@ -1518,11 +1518,13 @@ def test_a_chunk_whose_pools_disagree_with_its_fingerprint_is_refused_before_any
 
     from hurray_vllm.adapters.vllm.connector.config import HurrayConfig
     from hurray_vllm.adapters.vllm.connector.scheduler import HurrayScheduler
-    from hurray_vllm.chunks.store import DirectoryStore, namespace_of, store_snapshot
+    from hurray_vllm.chunks.store import DirectoryStore, chunks_of, namespace_of
 
     snap = two_chunks(dim=8, fingerprint=gqa_fingerprint())  # pools of head_dim 8, its fingerprint says 16
     store = DirectoryStore(tmp_path)
-    store_snapshot(store, snap, CHUNK)
+    for key, chunk in chunks_of(snap, CHUNK):  # put as such a producer would: store_snapshot validates, and refuses it
+        assert chunk.fingerprint is not None
+        store.put(namespace_of(chunk.fingerprint), key, chunk)
     cfg = HurrayConfig.from_vllm(vllm_config({"hurray_path": str(tmp_path), "hurray_chunk_tokens": CHUNK}, 4), None)  # type: ignore[arg-type]
     sched = HurrayScheduler(cfg, store, gqa_fingerprint(), namespace_of(gqa_fingerprint()))
     request = SimpleNamespace(request_id="r", all_token_ids=list(snap.token_ids[0]), kv_transfer_params=None)
