@@ -215,6 +215,16 @@ def test_flashinfer_mla_refuses_what_its_page_lists_cannot_describe(why: str, sn
         assert err.value.field == field, (why, page)
 
 
+@pytest.mark.parametrize("page", [0, 64.0, "64", True])
+def test_a_page_size_that_is_no_positive_integer_is_refused_by_both_mla_importers(page: object) -> None:
+    """ "64" failed with a bare TypeError in the comparison; 64.0 was taken as a float page count."""
+    snap = latent_snapshot([40])
+    for importer in (to_flash_mla, to_flashinfer_mla):
+        with pytest.raises(hv.HurrayArgumentError) as err:
+            importer(snap, 0, page_size=page)  # type: ignore[arg-type]
+        assert err.value.field == "page_size", importer
+
+
 def test_flash_mla_refuses_empty_sequences_naming_the_way_out() -> None:
     """FlashMLA does not support cache_seqlens 0 (deepseek-ai/FlashMLA#11): the importer and checker say so."""
     one_empty = fused([0, 1], [0, 2, 2], [20, 0])

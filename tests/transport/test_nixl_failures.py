@@ -975,7 +975,7 @@ def test_a_receiver_that_cannot_start_keeps_no_agent(monkeypatch: pytest.MonkeyP
         assert info.value is not None  # the traceback (and the frames it holds) still alive here
 
 
-@pytest.mark.parametrize("size", [0, -1])
+@pytest.mark.parametrize("size", [0, -1, 1.5, "8"])
 def test_an_arena_with_no_room_is_refused_before_an_agent_starts(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, size: int
 ) -> None:
@@ -989,6 +989,14 @@ def test_an_arena_with_no_room_is_refused_before_an_agent_starts(
     with pytest.raises(HurrayArgumentError, match="max_arena_bytes") as info:
         NixlReceiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_arena_bytes=size)
     assert info.value.field == "max_arena_bytes" and not made
+
+
+@pytest.mark.parametrize("size", [0, 2.5, "1"])
+def test_offer_memory_that_is_no_positive_integer_is_refused_naming_it(tmp_path: Path, size: object) -> None:
+    """The error named "limits" (no argument of that name), and 2.5 bytes or "1" were compared as they were."""
+    with pytest.raises(HurrayArgumentError) as info:
+        NixlReceiver("127.0.0.1", 0, DirectoryStore(tmp_path), max_offer_memory_bytes=size)  # type: ignore[arg-type]
+    assert info.value.field == "max_offer_memory_bytes"
 
 
 def test_a_url_that_is_not_a_string_is_refused_naming_hurray_url() -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import HurrayArgumentError, HurrayFormatError
+from ...errors import HurrayFormatError, integer_arg
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
 from .._common import (
@@ -111,8 +111,7 @@ def to_flash_mla(
     """
     if not snapshot.is_latent or snapshot.latent is None:
         raise HurrayFormatError("kv_role", "FlashMLA reads MLA latents; this snapshot holds keys and values")
-    if page_size < 1:
-        raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+    page_size = integer_arg(page_size, "page_size", 1)  # "64" or 64.0: a bare TypeError or a float page count
     check_reserve(reserve)
     check_layer(snapshot, layer)
     check_one_structure(snapshot, "FlashMLA")

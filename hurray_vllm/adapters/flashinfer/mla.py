@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import HurrayArgumentError, HurrayFormatError
+from ...errors import HurrayFormatError, integer_arg
 from ...kv.repage import plan_repage, repage
 from ...kv.snapshot import KVSnapshot
 from .._common import (
@@ -94,7 +94,7 @@ def to_flashinfer_mla(
             not one pair per layer, a Hurray-quantized latent (field
             ``quantization``) or one not float16, bfloat16, float32 or float8
             (field ``dtype``), or does not fit int32 indices.
-        HurrayArgumentError: ``page_size`` is not positive.
+        HurrayArgumentError: ``page_size`` is not a positive integer.
         ImportArgumentError: ``layer`` is out of range, or a ``dtype`` that is
             float8 or not floating point (a :class:`HurrayArgumentError`;
             until 0.3 also a :class:`HurrayFormatError`).
@@ -112,8 +112,8 @@ def to_flashinfer_mla(
         raise HurrayFormatError(
             "kv_role", "FlashInfer's MLA API reads MLA latents; this snapshot holds keys and values"
         )
-    if page_size is not None and page_size < 1:
-        raise HurrayArgumentError("page_size", f"must be positive, got {page_size}")
+    if page_size is not None:
+        page_size = integer_arg(page_size, "page_size", 1)  # "64" or 64.0: a bare TypeError or a float page count
     check_layer(snapshot, layer)
     check_one_structure(snapshot, "FlashInfer's MLA API")
     t = snapshot.fused[layer]

@@ -19,7 +19,7 @@ import torch
 from ...chunks.digest import ChunkDigest, digest_header
 from ...chunks.signing import signing_secret
 from ...chunks.store import ChunkStore
-from ...errors import HurrayArgumentError, HurrayFormatError
+from ...errors import HurrayArgumentError, HurrayFormatError, integer_arg
 from ...kv.snapshot import KVSnapshot
 from ..base import (
     DEFAULT_IDLE_TIMEOUT_S,
@@ -452,12 +452,9 @@ class NixlReceiver(ReceiverBase):
         progress_thread: bool = False,
         **limits: Any,
     ) -> None:
-        if max_offer_memory_bytes < 1:
-            raise HurrayArgumentError(
-                "limits", f"limits must be positive, got max_offer_memory_bytes={max_offer_memory_bytes}"
-            )
-        if max_arena_bytes < 1:  # an arena with no room refuses every chunk, for good
-            raise HurrayArgumentError("max_arena_bytes", f"max_arena_bytes must be positive, got {max_arena_bytes}")
+        # Named as the arguments they are (the error said "limits"); an arena with no room refuses every chunk.
+        max_offer_memory_bytes = integer_arg(max_offer_memory_bytes, "max_offer_memory_bytes", 1)
+        max_arena_bytes = integer_arg(max_arena_bytes, "max_arena_bytes", 1)
         if limits.get("tls") is not None:
             raise HurrayArgumentError(
                 "tls", "the NIXL channel has no TLS (its side channel is authenticated with the fleet key): use tcp"
