@@ -1853,13 +1853,7 @@ def _check_page_budget(
             (:func:`~hurray_vllm.kv.repage.check_memory`).
     """
     slots = num_pages * page_size
-    if slots > repage.MAX_IMPORT_SLOTS and tokens <= repage.MAX_IMPORT_SLOTS:
-        raise ImportArgumentError(
-            "page_size",
-            f"pages of {page_size} pad these {tokens} tokens into {slots} slots, over "
-            f"hurray_vllm.kv.repage.MAX_IMPORT_SLOTS = {repage.MAX_IMPORT_SLOTS}; use a smaller page size",
-        )
-    check_budget(slots, "paging the cache")
+    repage.check_page_budget(slots, tokens, page_size, "paging the cache")
     # Each device holds the pools of its layers at once (and the host the two int64 gather indices).
     per_slot: dict[torch.device, int] = {torch.device("cpu"): 16}
     for members in layers:

@@ -39,6 +39,7 @@ from .snapshot import KVSnapshot
 
 __all__ = [
     "MAX_IMPORT_SLOTS",
+    "check_page_budget",
     "RepagePlan",
     "check_budget",
     "check_structure",
@@ -86,6 +87,25 @@ def device_memory(device: torch.device | str | None) -> int | None:
     except (ValueError, OSError, RuntimeError, AssertionError, AttributeError):  # no sysconf (Windows), no device
         return None
     return have if have > 0 else None
+
+
+def check_page_budget(slots: int, tokens: int, page_size: int, what: str) -> None:
+    """Refuse ``tokens`` paged into ``slots`` over :data:`MAX_IMPORT_SLOTS`, blaming whichever is too large.
+
+    Over the budget only because of the pages asked for (five tokens padded to pages of ``2**40``) is the
+    caller's ``page_size``; tokens over it whatever the page size are the data's (:func:`check_budget`).
+
+    Raises:
+        ImportArgumentError: (field ``page_size``) the padding alone goes over the budget.
+        HurrayFormatError: (field ``seq_lens``) the tokens do.
+    """
+    if slots > MAX_IMPORT_SLOTS and tokens <= MAX_IMPORT_SLOTS:
+        raise ImportArgumentError(
+            "page_size",
+            f"pages of {page_size} pad these {tokens} tokens into {slots} slots, over "
+            f"hurray_vllm.kv.repage.MAX_IMPORT_SLOTS = {MAX_IMPORT_SLOTS}; use a smaller page size",
+        )
+    check_budget(slots, what)
 
 
 def check_memory(nbytes: int, what: str, device: torch.device | str | None) -> None:
@@ -241,15 +261,7 @@ def plan_repage(
     if num_seqs:
         torch.cumsum(need, 0, out=new_ptr[1:])
     total = int(new_ptr[-1])
-    # Over the budget only because of the pages asked for (few tokens, padded to huge pages) is the
-    # caller's page_size, not the data; tokens over it whatever the page size are the data's (below).
-    if total * page_size > MAX_IMPORT_SLOTS and int(seq_lens.sum()) <= MAX_IMPORT_SLOTS:
-        raise ImportArgumentError(
-            "page_size",
-            f"pages of {page_size} pad these {int(seq_lens.sum())} tokens into {total * page_size} slots, over "
-            f"hurray_vllm.kv.repage.MAX_IMPORT_SLOTS = {MAX_IMPORT_SLOTS}; repage to a smaller page size",
-        )
-    check_budget(total * page_size, "repaging")
+    check_page_budget(total * page_size, int(seq_lens.sum()), page_size, "repaging")
     # The plan's own temporaries ([total, page_size] int64 several times over) come before any pool.
     check_memory(total * page_size * PLAN_BYTES_PER_SLOT, "repage plan", dev)
     if total == 0:
