@@ -298,7 +298,9 @@ def _watched(http_class: Any, watch: _Watchdog) -> Any:
     return connection
 
 
-class _WatchedHTTP(urllib.request.HTTPHandler):
+class _Watching(urllib.request.AbstractHTTPHandler):
+    """An HTTP(S) handler whose connections hand their socket to the call's :class:`_Watchdog`."""
+
     def __init__(self, watch: _Watchdog) -> None:
         super().__init__()
         self.watch = watch
@@ -307,13 +309,12 @@ class _WatchedHTTP(urllib.request.HTTPHandler):
         return super().do_open(_watched(http_class, self.watch), req, **kwargs)
 
 
-class _WatchedHTTPS(urllib.request.HTTPSHandler):
-    def __init__(self, watch: _Watchdog) -> None:
-        super().__init__()
-        self.watch = watch
+class _WatchedHTTP(_Watching, urllib.request.HTTPHandler):
+    pass
 
-    def do_open(self, http_class: Any, req: urllib.request.Request, **kwargs: Any) -> Any:
-        return super().do_open(_watched(http_class, self.watch), req, **kwargs)
+
+class _WatchedHTTPS(_Watching, urllib.request.HTTPSHandler):
+    pass
 
 
 def _opener(watch: _Watchdog) -> urllib.request.OpenerDirector:
