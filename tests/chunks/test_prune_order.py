@@ -15,6 +15,7 @@ import errno
 import importlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,20 @@ def test_dry_run_names_what_the_prune_then_deletes(tmp_path: Path) -> None:
     assert [store.has(NS, k) for k in keys] == [True, False, False, False]
 
 
+def _cannot_delete(monkeypatch: pytest.MonkeyPatch, how: str, stuck: Callable[[Path], bool]) -> None:
+    """Prune cannot delete the files ``stuck`` picks: ``how`` "refused" (EACCES) or "written again" (a new file)."""
+    real = prune_module.take_if_same
+
+    def take(path: Path, identity: tuple[int, ...], dest: Path | None) -> bool:
+        if stuck(path):
+            if how == "refused":
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return False
+        return real(path, identity, dest)
+
+    monkeypatch.setattr(prune_module, "take_if_same", take)
+
+
 @pytest.mark.parametrize("how", ["refused", "written again"])
 def test_a_chunk_that_could_not_be_deleted_keeps_its_parents(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
@@ -216,16 +231,7 @@ def test_a_chunk_that_could_not_be_deleted_keeps_its_parents(
     keys = [k for k, _ in chunks]
     _put(store, chunks, time.time() - 1000)
     stuck = store.path(NS, keys[2])
-    real = prune_module.take_if_same
-
-    def take(path: Path, identity: tuple[int, ...], dest: Path | None) -> bool:
-        if path == stuck:
-            if how == "refused":
-                raise PermissionError(errno.EACCES, "Permission denied", str(path))
-            return False
-        return real(path, identity, dest)
-
-    monkeypatch.setattr(prune_module, "take_if_same", take)
+    _cannot_delete(monkeypatch, how, lambda path: path == stuck)
     report = store.prune(0)
     assert [store.has(NS, k) for k in keys] == [True, True, True, False]
     assert report.chunks_removed == 1 and report.chunks_kept == 3
@@ -242,17 +248,14 @@ def test_a_tensor_parallel_chunk_whose_slice_could_not_be_deleted_stays_whole(
     files = {k: sorted((tmp_path / "tp2" / ns).glob(f"{k}.h*.hrry")) for k in keys}
     assert all(len(f) == 2 for f in files.values())
     stuck: list[Path] = []
-    real = prune_module.take_if_same
 
-    def take(path: Path, identity: tuple[int, ...], dest: Path | None) -> bool:
-        if not stuck:  # the first file prune deletes: one slice of the last chunk
-            stuck.append(path)
-            if how == "refused":
-                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    def first(path: Path) -> bool:  # the first file prune deletes: one slice of the last chunk
+        if stuck:
             return False
-        return real(path, identity, dest)
+        stuck.append(path)
+        return True
 
-    monkeypatch.setattr(prune_module, "take_if_same", take)
+    _cannot_delete(monkeypatch, how, first)
     report = store.prune(0)
     assert stuck and stuck[0] in files[keys[1]]
     assert all(p.exists() for k in keys for p in files[k])

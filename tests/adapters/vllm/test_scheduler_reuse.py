@@ -560,6 +560,16 @@ def test_a_chunk_that_read_blocks_a_load_in_flight_fills_is_dropped_when_the_loa
     assert [t.block_ids for t in again] == [[3, 4], [8, 9]]
 
 
+def _load_task(store: Any, ns: str, keys: list[str], snap: Any) -> Any:
+    """A worker's load of the two stored chunks into blocks 1-4, with the files as the scheduler verified them."""
+    from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
+
+    parts = [store.parts(ns, k, HEADS) for k in keys]
+    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
+    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
+    return LoadTask("r", keys, tokens, [1, 2, 3, 4], verified)
+
+
 def _counting_touches(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[float]]:
     """The chunk files a byte of which is read to move their access time from now on (file names, not read), and
     the clock (``time.monotonic``) the connector parts see: move its only element to let time pass."""
@@ -607,14 +617,10 @@ def test_a_chunk_a_worker_serves_from_memory_has_a_byte_of_its_file_read_once_an
     """As the scheduler's: a worker in a process of its own serves the files it verified before from memory."""
     from bare_worker import cpu_worker
 
-    from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
     from hurray_vllm.chunks.store import TOUCH_INTERVAL_S
 
     store, ns, keys, snap = stored_at_tp(tmp_path, 1)
-    parts = [store.parts(ns, k, HEADS) for k in keys]
-    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
-    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
-    task = LoadTask("r", keys, tokens, [1, 2, 3, 4], verified)
+    task = _load_task(store, ns, keys, snap)
     w = cpu_worker(store, ns)
     touched, clock = _counting_touches(monkeypatch)
     for _ in range(3):  # the first reads the files, the others take the verified copies
@@ -673,15 +679,11 @@ def test_a_chunk_pruned_before_a_worker_reads_it_fails_the_load_but_is_no_damage
     no quarantine of a file that is not there is tried."""
     from bare_worker import cpu_worker
 
-    from hurray_vllm.adapters.vllm.connector.metadata import LoadTask
     from hurray_vllm.chunks.store import DirectoryStore
     from hurray_vllm.errors import HurrayFormatError
 
     store, ns, keys, snap = stored_at_tp(tmp_path, 1)
-    parts = [store.parts(ns, k, HEADS) for k in keys]
-    verified = [[(p.name, p.heads.start, p.heads.stop, p.identity) for p in ps] for ps in parts if ps is not None]
-    tokens = [list(snap.token_ids[0][c * CHUNK : (c + 1) * CHUNK]) for c in range(2)]
-    task = LoadTask("r", keys, tokens, [1, 2, 3, 4], verified)
+    task = _load_task(store, ns, keys, snap)
     w = cpu_worker(store, ns)
     real_get = DirectoryStore.get
 
